@@ -1,0 +1,122 @@
+"""Typed, versioned wire messages between the router and the engine services.
+
+Every message is a msgspec struct tagged by its type and encoded as msgpack; decoding validates
+types and the size limits below before anything is built from it. No pickle, no extension types.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from common.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_ID_LEN = 256
+MAX_MESSAGE_BYTES = 16 << 20
+
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
+TokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class DecodeTarget(msgspec.Struct, frozen=True):
+    """Where a prefill instance hands the request's KV blocks."""
+
+    instance_id: str
+    kv_address: str
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
+    """Router -> engine. With ``decode_target`` set, a prefill instance computes the prompt, sends
+    the first token to ``reply_to`` and the KV to the decode target; without it the receiving
+    engine runs the whole request."""
+
+    version: int = PROTOCOL_VERSION
+    request_id: RequestId
+    prompt_token_ids: TokenIds
+    sampling_params: SamplingParams
+    reply_to: Annotated[str, msgspec.Meta(max_length=512)]
+    cache_salt: str | None = None
+    decode_target: DecodeTarget | None = None
+    arrival_time: float = 0.0
+
+
+class AbortRequest(msgspec.Struct, tag="abort", kw_only=True):
+    """Router -> engine: drop the request and free its blocks; unknown ids are ignored."""
+
+    version: int = PROTOCOL_VERSION
+    request_id: RequestId
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class PositionLogprobs(msgspec.Struct, array_like=True):
+    """The sampled token's logprob and the top alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    top: list[TokenLogprob]
+
+
+class RequestOutput(msgspec.Struct, tag="output", kw_only=True):
+    """Engine -> router: new tokens of one request (incremental), and its end when finished."""
+
+    version: int = PROTOCOL_VERSION
+    request_id: RequestId
+    new_token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    instance_id: str = ""
+    # Which phase sent it: "prefill" sends only the first token; "decode" everything after it.
+    phase: Literal["prefill", "decode", "full"] = "full"
+
+
+EngineInput = GenerateRequest | AbortRequest
+
+_encoder = msgspec.msgpack.Encoder()
+_input_decoder = msgspec.msgpack.Decoder(EngineInput)
+_output_decoder = msgspec.msgpack.Decoder(RequestOutput)
+
+
+class ProtocolError(ValueError):
+    """A message that failed validation; it is dropped, the process carries on."""
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def _check(raw: bytes) -> None:
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+
+
+def decode_input(raw: bytes) -> EngineInput:
+    _check(raw)
+    try:
+        msg = _input_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"bad engine input: {exc}") from None
+    if msg.version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {msg.version}")
+    return msg
+
+
+def decode_output(raw: bytes) -> RequestOutput:
+    _check(raw)
+    try:
+        msg = _output_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"bad engine output: {exc}") from None
+    if msg.version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {msg.version}")
+    return msg

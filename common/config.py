@@ -1,0 +1,91 @@
+"""Engine configuration: one validated dataclass, flags named as vLLM names them."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_size(text: str) -> int:
+    """'512M', '2G', '1.5GiB' or a plain byte count -> bytes."""
+    s = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if s and s[-1] in mult:
+        return int(float(s[:-1]) * mult[s[-1]])
+    return int(s)
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_memory: int = 1 << 30  # bytes for the KV cache on the CPU
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None  # overrides both sizings (tests, benchmarks)
+    kernel_backend: str | None = None  # "torch" | "triton"; default by device
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be at least 1")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = EngineConfig()
+        parser.add_argument("--model", default=None, help="checkpoint folder or .gguf; default SmolLM2-135M-Instruct")
+        parser.add_argument("--device", default=d.device)
+        parser.add_argument("--dtype", default=d.dtype, choices=["auto", *_DTYPES])
+        parser.add_argument("--block-size", type=int, default=d.block_size)
+        parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+        parser.add_argument("--max-model-len", type=int, default=None)
+        parser.add_argument(
+            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching
+        )
+        parser.add_argument(
+            "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill
+        )
+        parser.add_argument("--kv-cache-memory", type=parse_size, default=d.kv_cache_memory,
+                            help="KV cache size on the CPU, e.g. 512M, 2G")
+        parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        parser.add_argument("--num-blocks", type=int, default=None, help="fixed number of KV blocks")
+        parser.add_argument("--kernel-backend", default=None, choices=["torch", "triton"])
+        parser.add_argument("--seed", type=int, default=d.seed)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,330 @@
+"""The engine step loop: schedule, run the model, sample, retire; shared by every service.
+
+``step()`` never blocks on anything but the forward pass. Requests with ``n > 1`` fork after the
+prompt: child ``i`` has the id ``f"{request_id}#{i}"`` and shares the prompt's blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from common.config import EngineConfig
+from common.engine.model_runner import ModelRunner
+from common.engine.request import Request, RequestStatus
+from common.engine.sampler import Sampler
+from common.engine.scheduler import Scheduler
+from common.kvcache.hashing import BlockHash
+from common.kvcache.kv_cache_manager import KVCacheManager
+from common.protocol import PositionLogprobs
+from common.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineOutput:
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    # A prefill-only request whose KV is complete and held for a transfer (see ``release_kv``).
+    kv_ready: bool = False
+
+
+@dataclass
+class EngineStats:
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage_perc: float
+    num_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_tokens_held: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class _TransferSeq:
+    """What the KV cache manager needs to allocate blocks for an incoming transfer."""
+
+    def __init__(self, request_id: str, block_hashes: list[BlockHash], num_tokens: int) -> None:
+        self.request_id = request_id
+        self.block_hashes = block_hashes
+        self._num_tokens = num_tokens
+        self.num_computed_tokens = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.model_id = self.runner.model_id
+        self.block_size = config.block_size
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.vocab_size
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.eos_token_ids = self._eos_token_ids()
+        self.sampler = Sampler(self.eos_token_ids, config.seed)
+        self.transferring: dict[str, Request] = {}
+        self._forked: set[str] = set()
+        self._pending: list[EngineOutput] = []
+        self.peak_kv_tokens_held = 0
+        self.peak_kv_slots_allocated = 0
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.runner.hf_config,):
+            eos = getattr(source, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(int(e) for e in eos)
+        try:
+            from transformers import GenerationConfig
+
+            gen = GenerationConfig.from_pretrained(str(self.runner.model_path))
+            eos = gen.eos_token_id
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(int(e) for e in eos)
+        except (OSError, ValueError):
+            pass
+        return ids
+
+    # ----------------------------------------------------------------- requests in
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming the bad field; does nothing for a valid request."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) is too long: max_model_len is {self.max_model_len}"
+            )
+        params.validate(self.vocab_size)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        kv_transfer: bool = False,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; raises ``ValueError`` (nothing queued) when the input is bad."""
+        self.validate(prompt_token_ids, params)
+        if kv_transfer and params.n != 1:
+            raise ValueError("n must be 1 for a prefill-only request")
+        if request_id in self.scheduler.requests or request_id in self.transferring:
+            raise ValueError(f"duplicate request_id {request_id!r}")
+        req = Request(
+            request_id, prompt_token_ids, params, block_size=self.block_size, model_id=self.model_id,
+            cache_salt=cache_salt, arrival_time=arrival_time, kv_transfer=kv_transfer,
+        )
+        self.scheduler.add(req)
+
+    def allocate_for_transfer(
+        self, request_id: str, block_hashes: list[BlockHash], num_tokens: int
+    ) -> tuple[list[int], int] | str:
+        """Blocks for ``num_tokens`` of incoming KV: (block_ids, num_cached_blocks) or a reason to wait.
+
+        The blocks are held under ``request_id`` until ``add_transferred_request`` or ``release_kv``.
+        """
+        if request_id in self.kv.req_blocks or request_id in self.scheduler.requests:
+            return f"duplicate request_id {request_id!r}"
+        if num_tokens >= self.max_model_len:
+            return f"{num_tokens} tokens exceed max_model_len {self.max_model_len}"
+        seq = _TransferSeq(request_id, block_hashes[: num_tokens // self.block_size], num_tokens)
+        hits: list = []
+        if self.kv.enable_caching:
+            for h in seq.block_hashes:
+                block = self.kv.pool.get_cached_block(h)
+                if block is None:
+                    break
+                hits.append(block)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        if not self.kv.allocate_slots(seq, num_tokens - seq.num_computed_tokens, hits):
+            return "KV cache full"
+        return self.kv.block_ids(request_id), len(hits)
+
+    def add_transferred_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams,
+        *,
+        num_cached_tokens: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Continue a request whose prompt KV arrived (blocks from ``allocate_for_transfer``)."""
+        req = Request(
+            request_id, prompt_token_ids, params, block_size=self.block_size, model_id=self.model_id,
+            cache_salt=cache_salt, arrival_time=arrival_time,
+        )
+        req.num_computed_tokens = len(prompt_token_ids)
+        req.num_cached_tokens = num_cached_tokens
+        if req.generator is not None and not params.greedy:
+            # The prefill instance drew the first token from this seed: skip that draw.
+            torch.empty(self.vocab_size).exponential_(generator=req.generator)
+        req.append_output_token(first_token_id)
+        self.scheduler.requests[request_id] = req
+        self.scheduler.waiting.append(req)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request (or all its n > 1 children) wherever it is; True if anything was held."""
+        found = False
+        for rid in [request_id, *[r for r in self.scheduler.requests if r.startswith(request_id + "#")]]:
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                self._pending.append(self._output(req, [], None, "abort"))
+                found = True
+        if self.release_kv(request_id):
+            found = True
+        elif request_id in self.kv.req_blocks:  # a transfer still landing
+            self.kv.free(request_id)
+            found = True
+        return found
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free the blocks of a prefill-only request after its transfer ended (ok or not)."""
+        req = self.transferring.pop(request_id, None)
+        self.kv.free(request_id)
+        return req is not None
+
+    # ----------------------------------------------------------------- the step
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._pending)
+
+    def step(self) -> list[EngineOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        completing = [s.request for s in sched.scheduled if s.completes]
+        logits = self.runner.execute(sched)
+        self.scheduler.update_after_step(sched)
+        self._track_slot_use()
+
+        rows: list[int] = []
+        reqs: list[Request] = []
+        for row, req in enumerate(completing):
+            rows.append(row)
+            reqs.append(req)
+            if req.sampling_params.n > 1 and req.request_id not in self._forked:
+                self._forked.add(req.request_id)
+                for i in range(1, req.sampling_params.n):
+                    child = req.fork(f"{req.request_id}#{i}", seed_offset=i)
+                    self.kv.fork(req, child)
+                    self.scheduler.add_running(child)
+                    rows.append(row)
+                    reqs.append(child)
+        if not reqs:
+            return outputs
+        result = self.sampler(logits[rows], reqs)
+        now = time.monotonic()
+        for req, token, lp in zip(reqs, result.token_ids, result.logprobs, strict=True):
+            req.append_output_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = self._check_stop(req, token)
+            if reason is not None:
+                status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
+                self.scheduler.finish(req, status)
+                self._forked.discard(req.request_id)
+                outputs.append(self._output(req, [token], lp, reason))
+            elif req.kv_transfer:
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, keep_blocks=True)
+                self.transferring[req.request_id] = req
+                out = self._output(req, [token], lp, None)
+                out.kv_ready = True
+                outputs.append(out)
+            else:
+                outputs.append(self._output(req, [token], lp, None))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> str | None:
+        p = req.sampling_params
+        if req.num_output_tokens >= p.min_tokens and (
+            token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        ):
+            return "stop"
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(
+        self, req: Request, tokens: list[int], lp: PositionLogprobs | None, reason: str | None
+    ) -> EngineOutput:
+        return EngineOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            logprobs=[lp] if lp is not None else None,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+
+    def _track_slot_use(self) -> None:
+        held = sum(r.num_computed_tokens for r in self.scheduler.running)
+        held += sum(r.num_tokens for r in self.transferring.values())
+        if held > self.peak_kv_tokens_held:
+            self.peak_kv_tokens_held = held
+            self.peak_kv_slots_allocated = self.kv.pool.num_used_blocks * self.block_size
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_requests_running=len(self.scheduler.running),
+            num_requests_waiting=len(self.scheduler.waiting),
+            kv_cache_usage_perc=self.kv.usage,
+            num_blocks=self.kv.pool.num_blocks,
+            num_free_blocks=self.kv.pool.num_free_blocks,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+
+    # ----------------------------------------------------------------- offline
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[list[int]]]:
+        """Run prompts to completion; per prompt, the output token ids of each of its n choices."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        tokens: dict[str, list[int]] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.error or out.finish_reason == "abort":
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error or 'aborted'}")
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return [
+            [tokens.get(rid if i == 0 else f"{rid}#{i}", []) for i in range(p.n)]
+            for rid, p in zip(ids, plist, strict=True)
+        ]

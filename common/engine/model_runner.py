@@ -1,0 +1,122 @@
+"""Turns a ``SchedulerOutput`` into tensors, runs the model and returns the logits to sample."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from common.config import EngineConfig
+from common.engine.scheduler import SchedulerOutput
+from common.model.llama import AttentionMetadata
+from common.model.loader import model_identity, resolve_model_path
+from common.model.weights import load_hf_config, load_model
+from kernels import get_kernels, resolve_backend
+
+logger = logging.getLogger(__name__)
+
+_GPU_ACTIVATION_HEADROOM = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.model_path = resolve_model_path(config.model)
+        self.model_id = model_identity(self.model_path)
+        self.hf_config = load_hf_config(self.model_path)
+        limit = int(getattr(self.hf_config, "max_position_embeddings", 8192))
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
+        self.max_model_len = config.max_model_len or limit
+        self.kernel_backend = resolve_backend(self.device, config.kernel_backend)
+        self.kernels = get_kernels(self.device, config.kernel_backend)
+        self.model = load_model(
+            self.model_path, self.hf_config, self.kernels, self.dtype, self.device, self.max_model_len
+        )
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.block_size = config.block_size
+        self.num_layers = int(self.hf_config.num_hidden_layers)
+        self.num_blocks = self._num_blocks()
+        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_size)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        logger.info(
+            "model %s on %s/%s, %d KV blocks of %d tokens (%.2f GiB), kernels=%s",
+            self.model_id, self.device, self.dtype, self.num_blocks, self.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, self.kernel_backend,
+        )
+
+    @property
+    def bytes_per_block(self) -> int:
+        return (
+            self.num_layers * 2 * self.block_size * self.model.num_kv_heads * self.model.head_size
+            * torch.finfo(self.dtype).bits // 8
+        )
+
+    def _num_blocks(self) -> int:
+        if self.config.num_blocks is not None:
+            return self.config.num_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * self.config.gpu_memory_utilization) - used - _GPU_ACTIVATION_HEADROOM
+            num = budget // self.bytes_per_block
+        else:
+            num = self.config.kv_cache_memory // self.bytes_per_block
+        if num < 1:
+            raise ValueError("not enough memory for a single KV block; raise --kv-cache-memory")
+        return int(num)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> Tensor:
+        """Run one forward; logits ``[num_completing, vocab]`` for requests that finish their tokens.
+
+        Performs pending copy-on-write block copies first, then stores this step's K/V.
+        """
+        if out.block_copies:
+            src, dst = zip(*out.block_copies, strict=True)
+            self.kernels.copy_blocks(
+                self.kv_cache, torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+            )
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        sample_idx: list[int] = []
+        max_blocks = max(len(s.block_ids) for s in out.scheduled)
+        tables = []
+        for s in out.scheduled:
+            req = s.request
+            start = req.num_computed_tokens
+            end = start + s.num_new_tokens
+            input_ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            ids = s.block_ids
+            slots.extend(ids[p // bs] * bs + p % bs for p in range(start, end))
+            query_start.append(query_start[-1] + s.num_new_tokens)
+            context_lens.append(end)
+            tables.append(ids + [0] * (max_blocks - len(ids)))
+            if s.completes:
+                sample_idx.append(query_start[-1] - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            max_query_len=max(s.num_new_tokens for s in out.scheduled),
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            self.kv_cache,
+        )
+        if not sample_idx:
+            return torch.empty(0, self.vocab_size)
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=dev)])
+        return logits.cpu()

@@ -1,0 +1,129 @@
+"""A request inside an engine: its tokens, progress, status and sampling state."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from common.kvcache.hashing import BlockHash, compute_block_hashes
+from common.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Finished states sort last.
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
+        }.get(self)
+
+
+class Request:
+    """Progress is one number: ``num_computed_tokens`` moves towards ``num_tokens``.
+
+    A prompt being prefilled, a decode, a recompute after preemption and a request whose KV arrived
+    from another instance all look the same to the scheduler.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        block_size: int,
+        model_id: str,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        kv_transfer: bool = False,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.cache_salt = cache_salt
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        self.num_preemptions = 0
+        # A prefill-only request stops after its first token and keeps its blocks for a transfer.
+        self.kv_transfer = kv_transfer
+        self.error: str | None = None
+        self.first_token_time: float | None = None
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(sampling_params.seed)
+        self._block_size = block_size
+        self._model_id = model_id
+        self.block_hashes: list[BlockHash] = compute_block_hashes(
+            self.all_token_ids, block_size, model_id, cache_salt
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.num_tokens % self._block_size == 0:
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.extend(
+                compute_block_hashes(
+                    self.all_token_ids, self._block_size, self._model_id, self.cache_salt,
+                    start=len(self.block_hashes), parent=parent,
+                )
+            )
+
+    def fork(self, request_id: str, seed_offset: int) -> Request:
+        """A copy with the same tokens and progress (n > 1); the caller shares the blocks."""
+        params = self.sampling_params
+        child = Request.__new__(Request)
+        child.__dict__.update(self.__dict__)
+        child.request_id = request_id
+        child.output_token_ids = list(self.output_token_ids)
+        child.all_token_ids = list(self.all_token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.generator = None
+        if params.seed is not None:
+            child.generator = torch.Generator()
+            child.generator.manual_seed(params.seed + seed_offset)
+        return child
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id}, {self.status.name}, computed={self.num_computed_tokens}/"
+            f"{self.num_tokens})"
+        )

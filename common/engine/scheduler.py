@@ -1,0 +1,171 @@
+"""Continuous batching with chunked prefill, prefix-cache hits and preemption by recompute.
+
+Bookkeeping only: the scheduler decides which requests advance by how many tokens each step and
+which blocks they use; it never touches tensors. Running requests go first (oldest first), so
+decodes are never starved by a long prompt; waiting requests fill what is left of the token
+budget, a long prompt in chunks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.engine.request import Request, RequestStatus
+from common.kvcache.kv_cache_manager import KVCacheManager
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def completes(self) -> bool:
+        """After this step the request's KV covers all its tokens, so it samples a token."""
+        return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        """Queue a request; raises ``ValueError`` if it could never fit in the pool."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request_id {request.request_id!r}")
+        longest = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len)
+        if not self.kv.can_fit(longest):
+            raise ValueError(
+                f"request needs {self.kv.cdiv(longest)} KV blocks at its longest, but the pool has only "
+                f"{self.kv.pool.num_blocks}; lower max_tokens or enlarge the KV cache"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
+                scheduled_ids.add(req.request_id)
+                budget -= num_new
+                i += 1
+                continue
+            # ``req`` preempted itself: everything after it is gone too.
+            break
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted_ids:
+            req = self.waiting[0]
+            computed_blocks = []
+            if req.num_computed_tokens == 0 and req.request_id not in self.kv.req_blocks:
+                computed_blocks, num_hit = self.kv.get_computed_blocks(req)
+                req.num_computed_tokens = num_hit
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget and not self.enable_chunked_prefill:
+                self._undo_hit(req, computed_blocks)
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(req, num_new, computed_blocks):
+                self._undo_hit(req, computed_blocks)
+                break
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = req.num_computed_tokens
+                self.kv.prefix_cache_queries += req.num_tokens
+                self.kv.prefix_cache_hits += req.num_computed_tokens
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
+            budget -= num_new
+
+        out.block_copies = self.kv.take_pending_copies()
+        return out
+
+    def _undo_hit(self, req: Request, computed_blocks: list) -> None:
+        if computed_blocks:
+            req.num_computed_tokens = 0
+
+    def _preempt(self, req: Request) -> None:
+        """Free the request's blocks and requeue it at the front; it recomputes later."""
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance progress of every scheduled request and cache its newly full blocks."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(s.request)
+
+    def finish(self, req: Request, status: RequestStatus, *, keep_blocks: bool = False) -> None:
+        """Retire a request; its blocks return to the pool unless ``keep_blocks`` (KV transfer)."""
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.requests.pop(req.request_id, None)
+        if not keep_blocks:
+            self.kv.free(req.request_id)
+
+    def add_running(self, req: Request) -> None:
+        """Admit a forked child (n > 1) straight into the running set."""
+        req.status = RequestStatus.RUNNING
+        self.requests[req.request_id] = req
+        self.running.append(req)

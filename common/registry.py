@@ -1,0 +1,282 @@
+"""Service registry and prefix index in Redis.
+
+Redis is a hint, never a dependency of correctness: every method here catches Redis errors, and
+after a failure the client skips Redis for a short back-off so a dead server costs nothing per call.
+
+Keys (all under ``namespace``):
+  ``{ns}:instance:{id}``         the instance's ``InstanceInfo`` as JSON, with a TTL
+  ``{ns}:instances``             set of registered ids (members whose key expired are dead)
+  ``{ns}:block:{hash hex}``      set of instance ids holding that block
+  ``{ns}:instance_blocks:{id}``  set of block hashes an instance holds, for clearing it
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+logger = logging.getLogger(__name__)
+
+REDIS_TIMEOUT_S = 0.5
+BACKOFF_S = 1.0
+_CHUNK = 256
+
+
+class InstanceInfo(msgspec.Struct, kw_only=True):
+    """What an engine instance publishes about itself on every heartbeat."""
+
+    instance_id: str
+    role: str  # "prefill" | "decode"
+    model: str  # model identity used in block hashes
+    control_address: str
+    kv_address: str = ""
+    metrics_url: str = ""
+    block_size: int = 16
+    max_model_len: int = 0
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_cache_usage_perc: float = 0.0  # fraction in [0, 1], as vLLM reports it
+    started_at: float = 0.0
+
+
+_info_encoder = msgspec.json.Encoder()
+_info_decoder = msgspec.json.Decoder(InstanceInfo)
+
+
+class _RedisClient:
+    """A Redis connection with short timeouts, no retries, and a back-off after each failure."""
+
+    def __init__(self, redis_url: str, namespace: str) -> None:
+        self.ns = namespace
+        self.url = redis_url
+        self._client = redis.Redis.from_url(
+            redis_url,
+            socket_timeout=REDIS_TIMEOUT_S,
+            socket_connect_timeout=REDIS_TIMEOUT_S,
+            retry=Retry(NoBackoff(), 0),
+        )
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+
+    def key(self, *parts: str) -> str:
+        return ":".join((self.ns, *parts))
+
+    def run(self, what: str, fn: Callable[[redis.Redis], Any]) -> tuple[bool, Any]:
+        """Call ``fn(client)``; ``(False, None)`` when Redis is unreachable or in back-off."""
+        if time.monotonic() < self._down_until:
+            return False, None
+        try:
+            return True, fn(self._client)
+        except (redis.RedisError, OSError) as exc:
+            with self._lock:
+                if time.monotonic() >= self._down_until:
+                    logger.warning("redis %s failed (%s); retrying in %.1fs", what, exc, BACKOFF_S)
+                self._down_until = time.monotonic() + BACKOFF_S
+            return False, None
+
+    def close(self) -> None:
+        try:
+            self._client.close()
+        except (redis.RedisError, OSError):
+            pass
+
+
+def _chunks(items: list[Any], size: int = _CHUNK) -> Iterator[list[Any]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def _clear_instance_blocks(rc: _RedisClient, client: redis.Redis, instance_id: str) -> None:
+    owned = rc.key("instance_blocks", instance_id)
+    for batch in _chunks([h.decode() for h in client.smembers(owned)]):
+        pipe = client.pipeline(transaction=False)
+        for hex_hash in batch:
+            pipe.srem(rc.key("block", hex_hash), instance_id)
+        pipe.execute()
+    client.delete(owned)
+
+
+class Registry:
+    """Instances register with a TTL and refresh it by heartbeat; readers see only live ones."""
+
+    def __init__(self, redis_url: str, namespace: str = "pdserve", ttl_s: float = 3.0) -> None:
+        self._rc = _RedisClient(redis_url, namespace)
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+
+    def heartbeat(self, info: InstanceInfo) -> bool:
+        """Register or refresh ``info``; False if Redis is unreachable. Safe to call any time."""
+        payload = _info_encoder.encode(info)
+
+        def op(client: redis.Redis) -> None:
+            pipe = client.pipeline(transaction=False)
+            pipe.set(self._rc.key("instance", info.instance_id), payload, px=self.ttl_ms)
+            pipe.sadd(self._rc.key("instances"), info.instance_id)
+            pipe.execute()
+
+        return self._rc.run("heartbeat", op)[0]
+
+    def deregister(self, info: InstanceInfo) -> None:
+        """Remove the instance and its prefix-index entries now instead of waiting for the TTL."""
+
+        def op(client: redis.Redis) -> None:
+            client.delete(self._rc.key("instance", info.instance_id))
+            client.srem(self._rc.key("instances"), info.instance_id)
+            _clear_instance_blocks(self._rc, client, info.instance_id)
+
+        self._rc.run("deregister", op)
+
+    def instances(self, role: str | None = None) -> list[InstanceInfo]:
+        """Live instances (optionally of one role); [] when Redis is down."""
+        found = self.try_instances(role)
+        return [] if found is None else found
+
+    def try_instances(self, role: str | None = None) -> list[InstanceInfo] | None:
+        """Like ``instances`` but None when Redis is unreachable, so callers can keep what they knew.
+
+        Instances whose key expired are dropped from the set and their prefix entries cleared.
+        """
+        ok, found = self._rc.run("instances", self._read_live)
+        if not ok:
+            return None
+        return [info for info in found if role is None or info.role == role]
+
+    def _read_live(self, client: redis.Redis) -> list[InstanceInfo]:
+        ids = sorted(i.decode() for i in client.smembers(self._rc.key("instances")))
+        if not ids:
+            return []
+        raws = client.mget([self._rc.key("instance", i) for i in ids])
+        live: list[InstanceInfo] = []
+        for instance_id, raw in zip(ids, raws):
+            if raw is None:
+                # Expired: reap it so the prefix index does not grow with dead instances.
+                client.srem(self._rc.key("instances"), instance_id)
+                _clear_instance_blocks(self._rc, client, instance_id)
+                continue
+            try:
+                live.append(_info_decoder.decode(raw))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                logger.warning("ignoring malformed registry entry for %s", instance_id)
+        return live
+
+    def close(self) -> None:
+        self._rc.close()
+
+
+class PrefixIndex:
+    """Which instances hold which block hashes; used by the router to find cached prefixes."""
+
+    def __init__(self, redis_url: str, namespace: str = "pdserve") -> None:
+        self._rc = _RedisClient(redis_url, namespace)
+
+    def add(self, instance_id: str, block_hashes: list[bytes]) -> bool:
+        """Publish that ``instance_id`` holds these blocks; False if Redis is unreachable."""
+        return self._update(instance_id, block_hashes, add=True)
+
+    def remove(self, instance_id: str, block_hashes: list[bytes]) -> bool:
+        """Withdraw blocks (e.g. on eviction); False if Redis is unreachable."""
+        return self._update(instance_id, block_hashes, add=False)
+
+    def _update(self, instance_id: str, block_hashes: list[bytes], add: bool) -> bool:
+        if not block_hashes:
+            return True
+        owned = self._rc.key("instance_blocks", instance_id)
+
+        def op(client: redis.Redis) -> None:
+            for batch in _chunks([h.hex() for h in block_hashes]):
+                pipe = client.pipeline(transaction=False)
+                for hex_hash in batch:
+                    if add:
+                        pipe.sadd(self._rc.key("block", hex_hash), instance_id)
+                    else:
+                        pipe.srem(self._rc.key("block", hex_hash), instance_id)
+                if add:
+                    pipe.sadd(owned, *batch)
+                else:
+                    pipe.srem(owned, *batch)
+                pipe.execute()
+
+        return self._rc.run("prefix update", op)[0]
+
+    def clear_instance(self, instance_id: str) -> None:
+        """Forget everything ``instance_id`` published (call it when an instance starts empty)."""
+        self._rc.run("clear instance", lambda client: _clear_instance_blocks(self._rc, client, instance_id))
+
+    def match(self, block_hashes: list[bytes]) -> dict[str, int]:
+        """instance_id -> number of leading blocks of ``block_hashes`` it holds, live instances only.
+
+        Lookups are pipelined in chunks and stop once no instance still matches; {} when Redis is down.
+        """
+        ok, result = self._rc.run("prefix match", lambda client: self._match(client, block_hashes))
+        return result if ok else {}
+
+    def _match(self, client: redis.Redis, block_hashes: list[bytes]) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        running: set[str] | None = None
+        position = 0
+        for batch in _chunks(block_hashes, 64):
+            pipe = client.pipeline(transaction=False)
+            for block_hash in batch:
+                pipe.smembers(self._rc.key("block", block_hash.hex()))
+            for members in pipe.execute():
+                holders = {m.decode() for m in members}
+                running = holders if running is None else running & holders
+                if not running:
+                    return self._only_live(client, counts)
+                position += 1
+                for instance_id in running:
+                    counts[instance_id] = position
+        return self._only_live(client, counts)
+
+    def _only_live(self, client: redis.Redis, counts: dict[str, int]) -> dict[str, int]:
+        if not counts:
+            return {}
+        ids = list(counts)
+        pipe = client.pipeline(transaction=False)
+        for instance_id in ids:
+            pipe.exists(self._rc.key("instance", instance_id))
+        return {i: counts[i] for i, live in zip(ids, pipe.execute()) if live}
+
+    def close(self) -> None:
+        self._rc.close()
+
+
+class HeartbeatThread(threading.Thread):
+    """Daemon thread that calls ``registry.heartbeat(info_fn())`` every ``interval_s`` seconds.
+
+    ``info_fn`` is called from this thread, so it must be cheap and thread-safe (read counters).
+    ``stop()`` may be called twice; it deregisters the last published info unless told not to.
+    """
+
+    def __init__(
+        self, registry: Registry, info_fn: Callable[[], InstanceInfo], interval_s: float = 1.0
+    ) -> None:
+        super().__init__(name="registry-heartbeat", daemon=True)
+        self.registry = registry
+        self.info_fn = info_fn
+        self.interval_s = interval_s
+        self._stop_event = threading.Event()
+        self._last: InstanceInfo | None = None
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                self._last = self.info_fn()
+                self.registry.heartbeat(self._last)
+            except Exception:  # a bad info_fn must not kill the heartbeat
+                logger.exception("heartbeat failed")
+            self._stop_event.wait(self.interval_s)
+
+    def stop(self, deregister: bool = True, timeout_s: float = 2.0) -> None:
+        self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout_s)
+        if deregister and self._last is not None:
+            self.registry.deregister(self._last)

@@ -1,0 +1,218 @@
+"""Paged decode attention in Triton: one query token per sequence, grouped-query, split along the context.
+
+One program handles one (sequence, KV head, split) and all the query heads that share that KV head,
+so each K/V tile is read once per group. When there are too few (sequence, KV head) pairs to fill the
+GPU, each sequence's context is cut into ``num_splits`` ranges of whole tiles (flash-decoding): every
+range writes an unnormalized partial output with its running max and sum, and a second kernel merges
+them. Otherwise a single pass writes the normalized output directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.triton_checks import check_block_tables, check_heads, check_index, check_kv_layer, check_out
+
+LOG2E = 1.4426950408889634
+DEFAULT_BLOCK_N = 64
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 32
+CPU_NUM_SMS = 8  # stand-in core count when the interpreter runs the kernels on the CPU
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, m_ptr, l_ptr,
+    scale_log2e,
+    stride_q_seq, stride_q_head,
+    stride_kv_block, stride_kv_tok, stride_kv_head,
+    stride_bt_seq,
+    stride_o_seq, stride_o_head, stride_o_split,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    ctx_len = tl.load(context_lens_ptr + seq).to(tl.int32)
+    tiles_per_split = tl.cdiv(tl.cdiv(ctx_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx_len)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_SIZE
+
+    q_ptrs = q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    for tok0 in range(start, end, BLOCK_N):
+        toks = tok0 + offs_n
+        n_mask = toks < end
+        block_ids = tl.load(bt_row + toks // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_offs = block_ids * stride_kv_block + (toks % BLOCK_SIZE) * stride_kv_tok + kv_head * stride_kv_head
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        # Every tile holds at least one valid token, so m_new is finite after the first tile.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    o_base = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # an empty context yields zeros, not NaN
+        tl.store(o_base, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        tl.store(o_base + split * stride_o_split, acc, mask=o_mask)
+        ml_offs = (seq * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        tl.store(m_ptr + ml_offs, m_i, mask=g_mask)
+        tl.store(l_ptr + ml_offs, l_i, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    partial_ptr, m_ptr, l_ptr, out_ptr,
+    stride_p_seq, stride_p_head, stride_p_split,
+    stride_o_seq, stride_o_head,
+    HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_SIZE
+
+    ml_offs = (seq * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
+    m = tl.load(m_ptr + ml_offs, mask=s_mask, other=float("-inf"))
+    l_split = tl.load(l_ptr + ml_offs, mask=s_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: weights 0, output 0
+    w = tl.exp2(m - m_max)  # an empty split has m = -inf and weighs 0
+    l_sum = tl.sum(w * l_split, axis=0)
+    l_sum = tl.where(l_sum > 0.0, l_sum, 1.0)
+
+    p_ptrs = (partial_ptr + seq.to(tl.int64) * stride_p_seq + head * stride_p_head
+              + offs_s[:, None] * stride_p_split + offs_d[None, :])
+    parts = tl.load(p_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    o = tl.sum(parts * w[:, None], axis=0) / l_sum
+    o_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + offs_d
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return CPU_NUM_SMS
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
+    """How many context ranges each sequence is cut into; 1 means the single-pass kernel.
+
+    Split only when (sequence, KV head) programs cannot fill about two per SM, and never into ranges
+    shorter than ``MIN_TOKENS_PER_SPLIT`` tokens of the longest possible context.
+    """
+    num_programs = num_seqs * num_kv_heads
+    target = 2 * num_sms
+    if num_programs == 0 or num_programs >= target:
+        return 1
+    by_occupancy = triton.cdiv(target, num_programs)
+    by_length = max_context_len // MIN_TOKENS_PER_SPLIT
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def run_paged_decode(
+    query: Tensor,
+    kv_layer: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    out: Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int = DEFAULT_BLOCK_N,
+) -> Tensor:
+    """``paged_decode_attention`` with the split count and tile size exposed (``None``: heuristic)."""
+    check_kv_layer(kv_layer)
+    num_heads, num_kv_heads, head_size = check_heads(query, kv_layer)
+    num_seqs = query.shape[0]
+    block_size = kv_layer.shape[2]
+    check_index("context_lens", context_lens, num_seqs, query.device)
+    check_block_tables(block_tables, num_seqs, query.device)
+    if out is None:
+        out = torch.empty_like(query)
+    check_out(out, query)
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        # The table's width bounds every context without reading context_lens on the host.
+        max_context_len = block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, num_sms(query.device))
+    assert 1 <= num_splits, f"num_splits must be positive, got {num_splits}"
+
+    group = num_heads // num_kv_heads
+    consts = dict(
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n,
+    )
+    k_cache, v_cache = kv_layer[0], kv_layer[1]
+    kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    grid = (num_seqs, num_kv_heads, num_splits)
+    if num_splits == 1:
+        _decode_kernel[grid](
+            query, k_cache, v_cache, block_tables, context_lens, out, out, out,
+            scale * LOG2E, query.stride(0), query.stride(1), *kv_strides, block_tables.stride(0),
+            out.stride(0), out.stride(1), 0, NUM_SPLITS=1, **consts,
+        )
+        return out
+
+    partial = torch.empty(num_seqs, num_heads, num_splits, head_size, dtype=torch.float32, device=query.device)
+    m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    l_sum = torch.empty_like(m)
+    _decode_kernel[grid](
+        query, k_cache, v_cache, block_tables, context_lens, partial, m, l_sum,
+        scale * LOG2E, query.stride(0), query.stride(1), *kv_strides, block_tables.stride(0),
+        partial.stride(0), partial.stride(1), partial.stride(2), NUM_SPLITS=num_splits, **consts,
+    )
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        partial, m, l_sum, out,
+        partial.stride(0), partial.stride(1), partial.stride(2), out.stride(0), out.stride(1),
+        HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size),
+        NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits),
+    )
+    return out
+
+
+def paged_decode_attention(
+    query: Tensor,
+    kv_layer: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    out: Tensor | None = None,
+) -> Tensor:
+    """One query token per sequence; see ``kernels.reference.paged_decode_attention``. Cache unmodified."""
+    return run_paged_decode(query, kv_layer, block_tables, context_lens, scale, out)

@@ -1,0 +1,161 @@
+"""Paged prefill attention in Triton: varlen chunks whose earlier context (and themselves) are in the cache.
+
+Programs are laid out over query tiles without reading lengths on the host: the grid has
+``cdiv(num_tokens, BLOCK_Q) + num_seqs`` programs per KV head, sequence ``s`` owns the programs from
+``query_start_loc[s] // BLOCK_Q + s`` on, and each program finds its sequence by counting how many
+of those starts are at or below its id. A tile holds ``BLOCK_Q`` query tokens times the query heads
+of one KV group, so a K/V tile is read once per group. Softmax is online, in float32, causal within
+the chunk (the chunk's token ``i`` sits at position ``context_len - q_len + i``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.triton_checks import check_block_tables, check_heads, check_index, check_kv_layer, check_out
+
+LOG2E = 1.4426950408889634
+BLOCK_M = 64  # query rows (tokens x heads of a group) per program
+DEFAULT_BLOCK_N = 64
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
+    num_seqs, scale_log2e,
+    stride_q_tok, stride_q_head,
+    stride_kv_block, stride_kv_tok, stride_kv_head,
+    stride_bt_seq,
+    stride_o_tok, stride_o_head,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEQ_PAD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    offs_seq = tl.arange(0, SEQ_PAD)
+    seq_mask = offs_seq < num_seqs
+    starts = tl.load(query_start_loc_ptr + offs_seq, mask=seq_mask, other=0).to(tl.int32)
+    first_tile = starts // BLOCK_Q + offs_seq
+    # Clamped for programs below sequence 0's first tile (possible if query_start_loc[0] > 0).
+    seq = tl.maximum(tl.sum(((first_tile <= pid) & seq_mask).to(tl.int32), axis=0) - 1, 0)
+
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
+    ctx_len = tl.load(context_lens_ptr + seq).to(tl.int32)
+    tile_tok0 = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    prefix_len = ctx_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_Q * G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    toks = tile_tok0 + offs_m // G_PAD
+    heads = kv_head * GROUP + offs_m % G_PAD
+    tile_valid = (tile_tok0 >= 0) & (tile_tok0 < q_len)
+    # Scalar conditions are folded into a bound: the interpreter mishandles scalar & vector masks.
+    tok_end = tl.where(tile_valid, q_len, 0)
+    row_mask = (toks < tok_end) & (offs_m % G_PAD < GROUP)
+    d_mask = offs_d < HEAD_SIZE
+    q_pos = prefix_len + toks
+
+    q_rows = (q_start + toks).to(tl.int64) * stride_q_tok + heads * stride_q_head
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+
+    # Keys past the tile's last query position are masked for every row; a tile past the chunk's
+    # end does no work at all.
+    kv_end = tl.minimum(ctx_len, prefix_len + tile_tok0 + BLOCK_Q)
+    kv_end = tl.where(tile_valid, kv_end, 0)
+
+    m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * G_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    for kv0 in range(0, kv_end, BLOCK_N):
+        k_pos = kv0 + offs_n
+        n_mask = k_pos < kv_end
+        block_ids = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_offs = block_ids * stride_kv_block + (k_pos % BLOCK_SIZE) * stride_kv_tok + kv_head * stride_kv_head
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e
+        visible = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        # Key 0 is visible to every row, so each row's max is finite from the first tile on.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o_rows = (q_start + toks).to(tl.int64) * stride_o_tok + heads * stride_o_head
+    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & d_mask[None, :])
+
+
+def run_paged_prefill(
+    query: Tensor,
+    kv_layer: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    out: Tensor | None = None,
+    block_n: int = DEFAULT_BLOCK_N,
+) -> Tensor:
+    """``paged_prefill_attention`` with the key tile size exposed."""
+    check_kv_layer(kv_layer)
+    num_heads, num_kv_heads, head_size = check_heads(query, kv_layer)
+    num_seqs = context_lens.shape[0]
+    check_index("context_lens", context_lens, None, query.device)
+    check_index("query_start_loc", query_start_loc, num_seqs + 1, query.device)
+    check_block_tables(block_tables, num_seqs, query.device)
+    if out is None:
+        out = torch.empty_like(query)
+    check_out(out, query)
+    num_tokens = query.shape[0]
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    g_pad = triton.next_power_of_2(group)
+    block_q = max(1, BLOCK_M // g_pad)
+    k_cache, v_cache = kv_layer[0], kv_layer[1]
+    grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+        num_seqs, scale * LOG2E,
+        query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, G_PAD=g_pad, HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size),
+        BLOCK_SIZE=kv_layer.shape[2], BLOCK_Q=block_q, BLOCK_N=block_n,
+        SEQ_PAD=triton.next_power_of_2(num_seqs),
+    )
+    return out
+
+
+def paged_prefill_attention(
+    query: Tensor,
+    kv_layer: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Varlen causal chunks over paged context; see ``kernels.reference.paged_prefill_attention``.
+
+    Single-token chunks run through the same kernel (same result as the reference's decode path).
+    Does not modify the cache.
+    """
+    return run_paged_prefill(query, kv_layer, block_tables, query_start_loc, context_lens, scale, out)

@@ -63,7 +63,7 @@ class EngineConfig:
         return _DTYPES[self.dtype]
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    def add_cli_args(parser: argparse.ArgumentParser, *, include_seed: bool = True) -> None:
         d = EngineConfig()
         parser.add_argument("--model", default=None, help="checkpoint folder or .gguf; default SmolLM2-135M-Instruct")
         parser.add_argument("--device", default=d.device)
@@ -83,7 +83,8 @@ class EngineConfig:
         parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         parser.add_argument("--num-blocks", type=int, default=None, help="fixed number of KV blocks")
         parser.add_argument("--kernel-backend", default=None, choices=["torch", "triton"])
-        parser.add_argument("--seed", type=int, default=d.seed)
+        if include_seed:
+            parser.add_argument("--seed", type=int, default=d.seed, help="seed for requests without one")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:

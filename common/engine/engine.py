@@ -82,7 +82,6 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.transferring: dict[str, Request] = {}
-        self._forked: set[str] = set()
         self._pending: list[EngineOutput] = []
         self.peak_kv_tokens_held = 0
         self.peak_kv_slots_allocated = 0
@@ -233,8 +232,8 @@ class LLMEngine:
         for row, req in enumerate(completing):
             rows.append(row)
             reqs.append(req)
-            if req.sampling_params.n > 1 and req.request_id not in self._forked:
-                self._forked.add(req.request_id)
+            if req.sampling_params.n > 1 and not req.forked:
+                req.forked = True
                 for i in range(1, req.sampling_params.n):
                     child = req.fork(f"{req.request_id}#{i}", seed_offset=i)
                     self.kv.fork(req, child)
@@ -253,7 +252,6 @@ class LLMEngine:
             if reason is not None:
                 status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
                 self.scheduler.finish(req, status)
-                self._forked.discard(req.request_id)
                 outputs.append(self._output(req, [token], lp, reason))
             elif req.kv_transfer:
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, keep_blocks=True)

@@ -67,6 +67,7 @@ class Request:
         self.num_preemptions = 0
         # A prefill-only request stops after its first token and keeps its blocks for a transfer.
         self.kv_transfer = kv_transfer
+        self.forked = False  # n > 1: the children exist (set on the parent and on each child)
         self.error: str | None = None
         self.first_token_time: float | None = None
         self.generator: torch.Generator | None = None
@@ -113,6 +114,7 @@ class Request:
         child = Request.__new__(Request)
         child.__dict__.update(self.__dict__)
         child.request_id = request_id
+        child.forked = True
         child.output_token_ids = list(self.output_token_ids)
         child.all_token_ids = list(self.all_token_ids)
         child.block_hashes = list(self.block_hashes)

@@ -29,6 +29,7 @@ class KVCacheManager:
         self._num_hashed: dict[str, int] = {}
         # (src, dst) block copies the runner must do before the next forward (copy-on-write).
         self.pending_copies: list[tuple[int, int]] = []
+        self.num_cow_copies = 0
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -90,6 +91,7 @@ class KVCacheManager:
             shared = blocks[write_idx]
             (copy,) = self.pool.get_new_blocks(1)
             self.pending_copies.append((shared.block_id, copy.block_id))
+            self.num_cow_copies += 1
             self.pool.free_blocks([shared])
             blocks = blocks[:write_idx] + [copy] + blocks[write_idx + 1 :]
         if num_needed > 0:

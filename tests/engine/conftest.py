@@ -1,0 +1,90 @@
+"""Shared fixtures for engine tests: the default model, its tokenizer and transformers' outputs."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from common.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.model.loader import resolve_model_path
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "List three colors of the rainbow:",
+    "Translate to French: Good morning, how are you?",
+    "import numpy as np\nx = np.arange(10)\nprint(",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "In machine learning, overfitting happens when",
+    "1, 2, 3, 5, 8, 13,",
+    "Write a haiku about the ocean.",
+    "SELECT name, age FROM users WHERE",
+    "A long time ago the history of the Roman Empire began with " * 12,
+    "Dear Sir or Madam, I am writing to",
+    "The mitochondria is",
+    "<html><body><h1>Title</h1><p>",
+]
+MAX_NEW_TOKENS = 48
+
+
+@functools.cache
+def model_path() -> str:
+    return str(resolve_model_path(None))
+
+
+@functools.cache
+def tokenizer():  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path())
+
+
+@functools.cache
+def prompt_ids() -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(tokenizer()(p).input_ids) for p in PROMPTS)
+
+
+@functools.cache
+def hf_model():  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path(), dtype=torch.float32).eval()
+
+
+@functools.cache
+def hf_greedy(prompt: tuple[int, ...], max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[int, ...]:
+    """transformers ``generate`` (greedy, float32, CPU), one prompt at a time, EOS ignored."""
+    with torch.inference_mode():
+        out = hf_model().generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=0, eos_token_id=None,
+        )
+    return tuple(out[0, len(prompt):].tolist())
+
+
+def make_engine(**overrides) -> LLMEngine:  # type: ignore[no-untyped-def]
+    cfg = {"model": model_path(), "num_blocks": 256, "block_size": 16, "max_num_batched_tokens": 512}
+    cfg.update(overrides)
+    return LLMEngine(EngineConfig(**cfg))
+
+
+@pytest.fixture
+def engine_factory():  # type: ignore[no-untyped-def]
+    """Builds engines and checks, after the test, that every block is free and the pool is sound."""
+    engines: list[LLMEngine] = []
+
+    def build(**overrides) -> LLMEngine:  # type: ignore[no-untyped-def]
+        eng = make_engine(**overrides)
+        engines.append(eng)
+        return eng
+
+    yield build
+    for eng in engines:
+        eng.check_integrity()
+        assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks, "blocks leaked after the test"
+        assert all(b.ref_cnt == 0 for b in eng.kv.pool.blocks)

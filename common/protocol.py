@@ -80,11 +80,22 @@ class RequestOutput(msgspec.Struct, tag="output", kw_only=True):
     phase: Literal["prefill", "decode", "full"] = "full"
 
 
+class TransferMeta(msgspec.Struct, tag="transfer_meta", kw_only=True):
+    """Prefill -> decode, inside a KV transfer offer: the request and its first sampled token."""
+
+    version: int = PROTOCOL_VERSION
+    request: GenerateRequest
+    first_token_id: int
+    first_logprobs: PositionLogprobs | None = None
+    num_cached_tokens: int = 0
+
+
 EngineInput = GenerateRequest | AbortRequest
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(EngineInput)
 _output_decoder = msgspec.msgpack.Decoder(RequestOutput)
+_meta_decoder = msgspec.msgpack.Decoder(TransferMeta)
 
 
 class ProtocolError(ValueError):
@@ -117,6 +128,17 @@ def decode_output(raw: bytes) -> RequestOutput:
         msg = _output_decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"bad engine output: {exc}") from None
+    if msg.version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {msg.version}")
+    return msg
+
+
+def decode_transfer_meta(raw: bytes) -> TransferMeta:
+    _check(raw)
+    try:
+        msg = _meta_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"bad transfer meta: {exc}") from None
     if msg.version != PROTOCOL_VERSION:
         raise ProtocolError(f"unsupported protocol version {msg.version}")
     return msg

@@ -12,6 +12,7 @@ Keys (all under ``namespace``):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -83,10 +84,8 @@ class _RedisClient:
             return False, None
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(redis.RedisError, OSError):
             self._client.close()
-        except (redis.RedisError, OSError):
-            pass
 
 
 def _chunks(items: list[Any], size: int = _CHUNK) -> Iterator[list[Any]]:
@@ -94,9 +93,13 @@ def _chunks(items: list[Any], size: int = _CHUNK) -> Iterator[list[Any]]:
         yield items[i : i + size]
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def _clear_instance_blocks(rc: _RedisClient, client: redis.Redis, instance_id: str) -> None:
     owned = rc.key("instance_blocks", instance_id)
-    for batch in _chunks([h.decode() for h in client.smembers(owned)]):
+    for batch in _chunks([_text(h) for h in client.smembers(owned)]):
         pipe = client.pipeline(transaction=False)
         for hex_hash in batch:
             pipe.srem(rc.key("block", hex_hash), instance_id)
@@ -149,12 +152,12 @@ class Registry:
         return [info for info in found if role is None or info.role == role]
 
     def _read_live(self, client: redis.Redis) -> list[InstanceInfo]:
-        ids = sorted(i.decode() for i in client.smembers(self._rc.key("instances")))
+        ids = sorted(_text(i) for i in client.smembers(self._rc.key("instances")))
         if not ids:
             return []
         raws = client.mget([self._rc.key("instance", i) for i in ids])
         live: list[InstanceInfo] = []
-        for instance_id, raw in zip(ids, raws):
+        for instance_id, raw in zip(ids, raws, strict=True):
             if raw is None:
                 # Expired: reap it so the prefix index does not grow with dead instances.
                 client.srem(self._rc.key("instances"), instance_id)
@@ -226,7 +229,7 @@ class PrefixIndex:
             for block_hash in batch:
                 pipe.smembers(self._rc.key("block", block_hash.hex()))
             for members in pipe.execute():
-                holders = {m.decode() for m in members}
+                holders = {_text(m) for m in members}
                 running = holders if running is None else running & holders
                 if not running:
                     return self._only_live(client, counts)
@@ -242,7 +245,7 @@ class PrefixIndex:
         pipe = client.pipeline(transaction=False)
         for instance_id in ids:
             pipe.exists(self._rc.key("instance", instance_id))
-        return {i: counts[i] for i, live in zip(ids, pipe.execute()) if live}
+        return {i: counts[i] for i, live in zip(ids, pipe.execute(), strict=True) if live}
 
     def close(self) -> None:
         self._rc.close()

@@ -192,7 +192,7 @@ class LLMEngine:
         self.scheduler.waiting.append(req)
 
     def abort_request(self, request_id: str) -> bool:
-        """Drop a request (or all its n > 1 children) wherever it is; True if anything was held."""
+        """Drop a queued or running request (and its n > 1 children); True if one was found."""
         found = False
         for rid in [request_id, *[r for r in self.scheduler.requests if r.startswith(request_id + "#")]]:
             req = self.scheduler.requests.get(rid)
@@ -200,11 +200,8 @@ class LLMEngine:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                 self._pending.append(self._output(req, [], None, "abort"))
                 found = True
-        if self.release_kv(request_id):
-            found = True
-        elif request_id in self.kv.req_blocks:  # a transfer still landing
-            self.kv.free(request_id)
-            found = True
+        # Blocks held for a KV transfer stay until the transfer's owner reports its end
+        # (``release_kv``): the transfer may still be reading or writing them.
         return found
 
     def release_kv(self, request_id: str) -> bool:

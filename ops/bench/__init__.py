@@ -1,0 +1,21 @@
+"""``pdserve bench offline|kv|serve|gpu``: benchmarks that print measured figures beside baselines."""
+
+from __future__ import annotations
+
+import importlib
+
+_BENCHES = {
+    "offline": "ops.bench.offline",
+    "kv": "ops.bench.kv_transfer_bench",
+    "serve": "ops.bench.serve",
+    "gpu": "ops.bench.gpu_kernels",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(argv or [])
+    if not argv or argv[0] not in _BENCHES:
+        print(f"usage: pdserve bench {{{','.join(_BENCHES)}}} [options]")
+        return 2
+    module = importlib.import_module(_BENCHES[argv[0]])
+    return int(module.main(argv[1:]) or 0)

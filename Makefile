@@ -1,0 +1,31 @@
+# The two set-up commands of the README:
+#   make serve   install everything, then run the whole stack (Redis, router, prefill, decode)
+#   make test    install everything, then lint, type-check and run the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install serve test lint typecheck pytest bench-offline bench-kv
+
+install:
+	bash ops/install.sh
+
+serve: install
+	$(VENV)/bin/pdserve up $(ARGS)
+
+lint:
+	$(VENV)/bin/ruff check .
+
+typecheck:
+	$(VENV)/bin/mypy common kernels kvtransfer router prefill_svc decode_svc ops
+
+pytest:
+	bash ops/run_tests.sh $(PYTEST_ARGS)
+
+test: install lint typecheck pytest
+
+bench-offline:
+	$(VENV)/bin/pdserve bench offline $(ARGS)
+
+bench-kv:
+	$(VENV)/bin/pdserve bench kv $(ARGS)

@@ -1,0 +1,56 @@
+"""Prometheus metrics of an engine service, named like vLLM's under the ``pdserve:`` prefix."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from common.engine.engine import EngineStats
+
+PREFIX = "pdserve:"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+class EngineMetrics:
+    def __init__(self, role: str, instance_id: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"role": role, "instance": instance_id}
+        names = list(labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, names, registry=self.registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, names, registry=self.registry).labels(**labels)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(PREFIX + name, doc, names, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(
+                **labels
+            )
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed later)")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.kv_transfer_bytes = counter("kv_transfer_bytes", "KV bytes moved by transfers")
+        self.kv_transfer_failures = counter("kv_transfer_failures", "KV transfers that failed")
+        self.kv_transfer_seconds = histogram("kv_transfer_seconds", "Duration of KV transfers")
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first schedule")
+        self.prefill_time = histogram("request_prefill_time_seconds", "First schedule to first token")
+        self._last = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)
+
+    def update(self, stats: EngineStats) -> None:
+        self.num_requests_running.set(stats.num_requests_running)
+        self.num_requests_waiting.set(stats.num_requests_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage_perc)
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._last.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._last.prefix_cache_hits)
+        self.num_preemptions.inc(stats.num_preemptions - self._last.num_preemptions)
+        self._last = stats
+
+    def serve(self, host: str, port: int) -> None:
+        """Expose ``/metrics`` on ``host:port`` from a daemon thread (port 0: not served)."""
+        if port:
+            start_http_server(port, addr=host, registry=self.registry)

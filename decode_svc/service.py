@@ -1,0 +1,124 @@
+"""The decode service: receives prompt KV over kvtransfer, batches continuously, streams tokens.
+
+It also runs whole requests (prefill included) when the router sends one straight to it, and
+recomputes locally after a preemption. The engine's pool is the transfer's allocator: blocks
+for an incoming transfer are held under the request id until the transfer succeeds (the request
+joins the batch) or fails (they return to the pool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from common.engine.engine import EngineOutput
+from common.kvcache.hashing import BlockHash
+from common.protocol import GenerateRequest, ProtocolError, decode_transfer_meta
+from common.service import EngineService
+from kvtransfer.block_allocator import Allocation
+from kvtransfer.curve import CurveConfig
+from kvtransfer.layout import KVLayout
+from kvtransfer.receiver import KVReceiver
+
+logger = logging.getLogger(__name__)
+
+_ABORT_MEMORY_S = 120.0
+
+
+class DecodeService(EngineService):
+    role = "decode"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        layout = KVLayout.from_kv_cache(self.engine.runner.kv_cache, self.engine.model_id)
+        port = args.kv_port or "*"
+        self.receiver = KVReceiver(
+            f"tcp://{args.host}:{port}", self.engine.runner.kv_cache, layout, self,
+            timeout_s=args.kv_transfer_timeout, defer_timeout_s=args.kv_transfer_timeout,
+            curve=CurveConfig.from_env(),
+        )
+        self.kv_address = self.receiver.address
+        # Aborts that arrived before (or during) the request's transfer, with their expiry.
+        self._aborted: dict[str, float] = {}
+
+    # ------------------------------------------------------------ allocator for the receiver
+    def allocate_for_transfer(self, request_id: str, block_hashes: list[bytes], num_tokens: int) -> Allocation | str:
+        if request_id in self._aborted:
+            return "aborted"
+        got = self.engine.allocate_for_transfer(request_id, [BlockHash(h) for h in block_hashes], num_tokens)
+        if isinstance(got, str):
+            return got
+        block_ids, num_cached = got
+        return Allocation(block_ids=block_ids, num_cached_blocks=num_cached)
+
+    def release_transfer(self, request_id: str) -> None:
+        self.engine.kv.free(request_id)
+
+    # ------------------------------------------------------------ requests
+    def on_generate(self, msg: GenerateRequest) -> None:
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params, cache_salt=msg.cache_salt)
+        except ValueError as exc:
+            self.fail(msg.request_id, msg.reply_to, str(exc))
+            return
+        self.reply_to[msg.request_id] = msg.reply_to
+        self.phase[msg.request_id] = "full"
+
+    def on_abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self.receiver.abort(request_id)
+        self.reply_to.pop(request_id, None)
+        self.phase.pop(request_id, None)
+        self._aborted[request_id] = time.monotonic() + _ABORT_MEMORY_S
+
+    def on_outputs(self, outputs: list[EngineOutput]) -> None:
+        for out in outputs:
+            if out.finish_reason == "abort":
+                continue
+            self.metrics.generation_tokens.inc(len(out.new_token_ids))
+            self.send_output(out.request_id, self.to_wire(out, self.phase.get(out.request_id, "full")))
+
+    def poll_transfers(self) -> bool:
+        results = self.receiver.poll()
+        for res in results:
+            self.metrics.kv_transfer_bytes.inc(res.bytes_received)
+            self.metrics.kv_transfer_seconds.observe(res.seconds)
+            if not res.ok:
+                self.metrics.kv_transfer_failures.inc()
+                logger.warning("incoming KV for %s failed: %s", res.request_id, res.reason)
+                continue
+            self._admit(res.request_id, res.meta, res.num_cached_blocks)
+        if self._aborted:
+            now = time.monotonic()
+            for rid in [r for r, t in self._aborted.items() if t < now]:
+                del self._aborted[rid]
+        return bool(results)
+
+    def _admit(self, request_id: str, raw_meta: bytes, num_cached_blocks: int) -> None:
+        try:
+            meta = decode_transfer_meta(raw_meta)
+            if meta.request.request_id != request_id:
+                raise ProtocolError("transfer meta names another request")
+        except ProtocolError as exc:
+            logger.warning("dropping transfer %s: %s", request_id, exc)
+            self.engine.kv.free(request_id)
+            return
+        msg = meta.request
+        if request_id in self._aborted:
+            self.engine.kv.free(request_id)
+            return
+        try:
+            self.engine.add_transferred_request(
+                request_id, msg.prompt_token_ids, meta.first_token_id, msg.sampling_params,
+                num_cached_tokens=meta.num_cached_tokens, cache_salt=msg.cache_salt,
+            )
+        except ValueError as exc:
+            self.engine.kv.free(request_id)
+            self.fail(request_id, msg.reply_to, str(exc), "decode")
+            return
+        self.reply_to[request_id] = msg.reply_to
+        self.phase[request_id] = "decode"
+
+    def close(self) -> None:
+        self.receiver.close()

@@ -1,0 +1,112 @@
+"""Starts real service processes (router, prefill, decode) for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from tests.conftest import free_port
+
+ENGINE_FLAGS = ["--num-blocks", "512", "--max-num-batched-tokens", "256", "--max-num-seqs", "32"]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: str
+    metrics_port: int = 0
+
+    def log(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()[-4000:]
+
+    def stop(self, kill: bool = False) -> None:
+        if self.popen.poll() is None:
+            (self.popen.kill if kill else self.popen.terminate)()
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=5)
+
+
+@dataclass
+class Stack:
+    redis_url: str
+    model: str
+    router_port: int = 0
+    procs: dict[str, Proc] = field(default_factory=dict)
+    logdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pdserve-e2e-"))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    def _spawn(self, name: str, args: list[str], metrics_port: int = 0) -> Proc:
+        log_path = os.path.join(self.logdir, f"{name}.log")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(log_path, "w") as log:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "common.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+        proc = Proc(name, popen, log_path, metrics_port)
+        self.procs[name] = proc
+        return proc
+
+    def start_engine(self, role: str, name: str, extra: list[str] | None = None) -> Proc:
+        metrics_port = free_port()
+        args = [role, "--model", self.model, "--redis-url", self.redis_url, "--instance-id", name,
+                "--metrics-port", str(metrics_port), "--kv-transfer-timeout", "10", "--log-level", "WARNING",
+                *ENGINE_FLAGS, *(extra or [])]
+        return self._spawn(name, args, metrics_port)
+
+    def start_router(self, extra: list[str] | None = None) -> Proc:
+        self.router_port = free_port()
+        args = ["router", "--model", self.model, "--redis-url", self.redis_url, "--port", str(self.router_port),
+                "--log-level", "warning", *(extra or [])]
+        return self._spawn("router", args)
+
+    def wait_ready(self, num_prefill: int, num_decode: int, timeout_s: float = 120.0) -> None:
+        """Until the router's /ready is 200 and Redis lists the expected instances."""
+        from common.registry import Registry
+
+        registry = Registry(self.redis_url)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for proc in self.procs.values():
+                if proc.popen.poll() is not None:
+                    raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log()}")
+            live = registry.instances()
+            roles = [i.role for i in live]
+            if roles.count("prefill") >= num_prefill and roles.count("decode") >= num_decode:
+                try:
+                    if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.3)
+        logs = "\n".join(f"--- {p.name}\n{p.log()}" for p in self.procs.values())
+        raise TimeoutError(f"stack not ready in {timeout_s}s\n{logs}")
+
+    def metrics(self, name: str) -> dict[str, float]:
+        """The instance's Prometheus samples, summed over labels, by metric name."""
+        text = httpx.get(f"http://127.0.0.1:{self.procs[name].metrics_port}/metrics", timeout=5).text
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            key, _, value = line.rpartition(" ")
+            metric = key.split("{", 1)[0]
+            values[metric] = values.get(metric, 0.0) + float(value)
+        return values
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            proc.stop()

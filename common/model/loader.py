@@ -89,7 +89,7 @@ def _convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
             config_dict["_name_or_path"] = name
         (tmp / "config.json").write_text(json.dumps(config_dict, indent=2))
         tokenizer.save_pretrained(str(tmp))
-        (tmp / _CONVERTED_MARKER).write_text(json.dumps({"source": gguf_path.name}))
+        (tmp / _CONVERTED_MARKER).write_text(json.dumps({"source": gguf_path.name, "name": name or gguf_path.stem}))
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)
@@ -103,3 +103,13 @@ def model_identity(path: Path) -> str:
     """A short stable id for block hashes: the folder name plus a digest of its config."""
     config = (path / "config.json").read_bytes()
     return f"{path.name}:{hashlib.sha256(config).hexdigest()[:16]}"
+
+
+def served_model_name(path: Path) -> str:
+    """The name clients use: the model's own name for a converted GGUF, else the folder's name."""
+    marker = path / _CONVERTED_MARKER
+    if marker.exists():
+        name = json.loads(marker.read_text()).get("name")
+        if name:
+            return str(name)
+    return path.name

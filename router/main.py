@@ -1,0 +1,98 @@
+"""Command line of the router: ``python -m common.cli router ...`` ends up in ``main``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import pathlib
+
+from router.auth import keys_from_env
+from router.config import RouterConfig
+from router.routing import POLICIES
+
+logger = logging.getLogger("router")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = RouterConfig(served_model_names=["-"])
+    p = argparse.ArgumentParser(prog="pdserve router", description="OpenAI-compatible router")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--redis-url", default=defaults.redis_url, help="registry and prefix index")
+    p.add_argument("--namespace", default=defaults.namespace, help="key prefix in Redis")
+    p.add_argument("--model", default=None, help="model name or checkpoint folder (default model if unset)")
+    p.add_argument("--served-model-name", nargs="+", default=None, help="names clients use for the model")
+    p.add_argument("--api-key", action="append", default=[], help="repeatable; also env PDSERVE_API_KEYS")
+    p.add_argument("--routing-policy", choices=POLICIES, default=defaults.routing_policy)
+    p.add_argument(
+        "--prefix-alpha", type=float, default=defaults.prefix_alpha, help="load weight of 'prefix'"
+    )
+    p.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
+    p.add_argument("--max-inflight", type=int, default=defaults.max_inflight, help="0: unlimited")
+    p.add_argument(
+        "--request-timeout", type=float, default=defaults.request_timeout_s, help="seconds between outputs"
+    )
+    p.add_argument(
+        "--reply-host",
+        default=defaults.reply_host,
+        help="address engines use to reach the router ('auto': own IP)",
+    )
+    p.add_argument("--reply-port", type=int, default=defaults.reply_port, help="0: any free port")
+    p.add_argument(
+        "--direct-prompt-tokens",
+        type=int,
+        default=defaults.direct_prompt_tokens,
+        help="prompts shorter than this skip prefill instances (0: one block, -1: never)",
+    )
+    p.add_argument(
+        "--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"]
+    )
+    return p
+
+
+def _served_name(model: str | None, model_dir: pathlib.Path) -> str:
+    """The name given on the command line, else the checkpoint's own name."""
+    from common.model.loader import served_model_name
+
+    if model and not pathlib.Path(model).exists():
+        return model
+    return served_model_name(model_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    import uvicorn
+
+    from common.model.loader import resolve_model_path
+    from router.app import create_app
+    from router.state import RouterState
+    from router.tokenization import PromptProcessor
+
+    model_dir = resolve_model_path(args.model)
+    config = RouterConfig(
+        served_model_names=args.served_model_name or [_served_name(args.model, model_dir)],
+        redis_url=args.redis_url or None,
+        namespace=args.namespace,
+        api_keys=[*args.api_key, *keys_from_env()],
+        routing_policy=args.routing_policy,
+        prefix_alpha=args.prefix_alpha,
+        max_body_bytes=args.max_body_bytes,
+        max_inflight=args.max_inflight,
+        request_timeout_s=args.request_timeout,
+        reply_host=args.reply_host,
+        reply_port=args.reply_port,
+        direct_prompt_tokens=args.direct_prompt_tokens,
+    )
+    state = RouterState(config, PromptProcessor.from_model_dir(model_dir))
+    logger.info(
+        "serving %s from %s on http://%s:%d", config.served_model_names, model_dir, args.host, args.port
+    )
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+
+
+if __name__ == "__main__":
+    main()

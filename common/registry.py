@@ -16,7 +16,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -88,7 +88,7 @@ class _RedisClient:
             self._client.close()
 
 
-def _chunks(items: list[Any], size: int = _CHUNK) -> Iterator[list[Any]]:
+def _chunks(items: Sequence[Any], size: int = _CHUNK) -> Iterator[Sequence[Any]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
 
@@ -179,15 +179,15 @@ class PrefixIndex:
     def __init__(self, redis_url: str, namespace: str = "pdserve") -> None:
         self._rc = _RedisClient(redis_url, namespace)
 
-    def add(self, instance_id: str, block_hashes: list[bytes]) -> bool:
+    def add(self, instance_id: str, block_hashes: Sequence[bytes]) -> bool:
         """Publish that ``instance_id`` holds these blocks; False if Redis is unreachable."""
         return self._update(instance_id, block_hashes, add=True)
 
-    def remove(self, instance_id: str, block_hashes: list[bytes]) -> bool:
+    def remove(self, instance_id: str, block_hashes: Sequence[bytes]) -> bool:
         """Withdraw blocks (e.g. on eviction); False if Redis is unreachable."""
         return self._update(instance_id, block_hashes, add=False)
 
-    def _update(self, instance_id: str, block_hashes: list[bytes], add: bool) -> bool:
+    def _update(self, instance_id: str, block_hashes: Sequence[bytes], add: bool) -> bool:
         if not block_hashes:
             return True
         owned = self._rc.key("instance_blocks", instance_id)
@@ -212,7 +212,7 @@ class PrefixIndex:
         """Forget everything ``instance_id`` published (call it when an instance starts empty)."""
         self._rc.run("clear instance", lambda client: _clear_instance_blocks(self._rc, client, instance_id))
 
-    def match(self, block_hashes: list[bytes]) -> dict[str, int]:
+    def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """instance_id -> number of leading blocks of ``block_hashes`` it holds, live instances only.
 
         Lookups are pipelined in chunks and stop once no instance still matches; {} when Redis is down.
@@ -220,7 +220,7 @@ class PrefixIndex:
         ok, result = self._rc.run("prefix match", lambda client: self._match(client, block_hashes))
         return result if ok else {}
 
-    def _match(self, client: redis.Redis, block_hashes: list[bytes]) -> dict[str, int]:
+    def _match(self, client: redis.Redis, block_hashes: Sequence[bytes]) -> dict[str, int]:
         counts: dict[str, int] = {}
         running: set[str] | None = None
         position = 0

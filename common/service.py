@@ -55,7 +55,7 @@ class EngineService:
         self.args = args
         self.instance_id: str = args.instance_id
         self.engine = LLMEngine(EngineConfig.from_cli_args(args))
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
         self.control = self.ctx.socket(zmq.PULL)
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -182,6 +182,13 @@ class EngineService:
                 if stored:
                     self.prefix_index.add(self.instance_id, list(stored))
 
+    def _observe(self, outputs: list[EngineOutput]) -> None:
+        for out in outputs:
+            self.metrics.generation_tokens.inc(len(out.new_token_ids))
+            if out.queue_time is not None and out.prefill_time is not None:
+                self.metrics.queue_time.observe(out.queue_time)
+                self.metrics.prefill_time.observe(out.prefill_time)
+
     def stop(self, *_: Any) -> None:
         self._stop.set()
 
@@ -203,7 +210,9 @@ class EngineService:
                 self._drain_control(0 if busy else _IDLE_POLL_MS)
                 self.poll_transfers()
                 if self.engine.has_unfinished_requests():
-                    self.on_outputs(self.engine.step())
+                    outputs = self.engine.step()
+                    self._observe(outputs)
+                    self.on_outputs(outputs)
                 self._publish_prefix_events()
                 now = time.monotonic()
                 if now - last_metrics > 0.5:

@@ -76,7 +76,6 @@ class DecodeService(EngineService):
         for out in outputs:
             if out.finish_reason == "abort":
                 continue
-            self.metrics.generation_tokens.inc(len(out.new_token_ids))
             self.send_output(out.request_id, self.to_wire(out, self.phase.get(out.request_id, "full")))
 
     def poll_transfers(self) -> bool:

@@ -33,6 +33,9 @@ class EngineOutput:
     error: str | None = None
     # A prefill-only request whose KV is complete and held for a transfer (see ``release_kv``).
     kv_ready: bool = False
+    # On a request's first token: seconds queued before its first schedule, and from then to the token.
+    queue_time: float | None = None
+    prefill_time: float | None = None
 
 
 @dataclass
@@ -188,6 +191,7 @@ class LLMEngine:
             # The prefill instance drew the first token from this seed: skip that draw.
             torch.empty(self.vocab_size).exponential_(generator=req.generator)
         req.append_output_token(first_token_id)
+        req.first_token_time = time.monotonic()  # sampled on the prefill instance
         self.scheduler.requests[request_id] = req
         self.scheduler.waiting.append(req)
 
@@ -243,7 +247,8 @@ class LLMEngine:
         now = time.monotonic()
         for req, token, lp in zip(reqs, result.token_ids, result.logprobs, strict=True):
             req.append_output_token(token)
-            if req.first_token_time is None:
+            first = req.first_token_time is None
+            if first:
                 req.first_token_time = now
             reason = self._check_stop(req, token)
             if reason is not None:
@@ -258,6 +263,9 @@ class LLMEngine:
                 outputs.append(out)
             else:
                 outputs.append(self._output(req, [token], lp, None))
+            if first and req.scheduled_time is not None:
+                outputs[-1].queue_time = req.scheduled_time - req.arrival_time
+                outputs[-1].prefill_time = now - req.scheduled_time
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> str | None:

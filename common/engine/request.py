@@ -69,6 +69,7 @@ class Request:
         self.kv_transfer = kv_transfer
         self.forked = False  # n > 1: the children exist (set on the parent and on each child)
         self.error: str | None = None
+        self.scheduled_time: float | None = None  # first admission to the running batch
         self.first_token_time: float | None = None
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:

@@ -8,10 +8,13 @@ budget, a long prompt in chunks.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from common.engine.request import Request, RequestStatus
+from common.kvcache.block_pool import KVBlock
 from common.kvcache.kv_cache_manager import KVCacheManager
 
 
@@ -105,7 +108,7 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted_ids:
             req = self.waiting[0]
-            computed_blocks = []
+            computed_blocks: list[KVBlock] = []
             if req.num_computed_tokens == 0 and req.request_id not in self.kv.req_blocks:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(req)
                 req.num_computed_tokens = num_hit
@@ -122,6 +125,8 @@ class Scheduler:
                 self.kv.prefix_cache_queries += req.num_tokens
                 self.kv.prefix_cache_hits += req.num_computed_tokens
             self.waiting.popleft()
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
@@ -130,7 +135,7 @@ class Scheduler:
         out.block_copies = self.kv.take_pending_copies()
         return out
 
-    def _undo_hit(self, req: Request, computed_blocks: list) -> None:
+    def _undo_hit(self, req: Request, computed_blocks: list[KVBlock]) -> None:
         if computed_blocks:
             req.num_computed_tokens = 0
 
@@ -156,10 +161,8 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         else:
-            try:
+            with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
-            except ValueError:
-                pass
         self.requests.pop(req.request_id, None)
         if not keep_blocks:
             self.kv.free(req.request_id)

@@ -162,8 +162,13 @@ class BlockPool:
         return True
 
     def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
-        """(stored, removed) hashes since the last call, for the prefix index; each reported once."""
-        stored, removed = self._stored, self._removed
+        """(stored, removed) hashes since the last call, for the prefix index; each reported once.
+
+        Net of what happened in between (a hash stored then evicted is only removed, one evicted
+        then stored again only stored), so the two lists are disjoint and their order does not matter.
+        """
+        stored = [h for h in dict.fromkeys(self._stored) if h in self.cached]
+        removed = [h for h in dict.fromkeys(self._removed) if h not in self.cached]
         self._stored, self._removed = [], []
         return stored, removed
 

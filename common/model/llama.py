@@ -67,6 +67,8 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_position, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos: Tensor
+        self.sin: Tensor
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
@@ -165,16 +167,10 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        head_size = self.model.layers[0].self_attn.head_size
-        self.rotary_emb = RotaryEmbedding(config, head_size, max_position)
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.model.layers[0].self_attn.num_kv_heads
-
-    @property
-    def head_size(self) -> int:
-        return self.model.layers[0].self_attn.head_size
+        attn: Attention = self.model.layers[0].self_attn  # type: ignore[assignment]
+        self.num_kv_heads: int = attn.num_kv_heads
+        self.head_size: int = attn.head_size
+        self.rotary_emb = RotaryEmbedding(config, self.head_size, max_position)
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor) -> Tensor:
         """Hidden states ``[num_tokens, hidden]``; writes this step's K/V into ``kv_cache``."""

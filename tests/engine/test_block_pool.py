@@ -1,0 +1,408 @@
+"""The block pool and the KV cache manager keep their invariants under any sequence of operations.
+
+Two hypothesis state machines drive them with random operations while keeping their own model of
+who holds which block, the eviction order, which hash maps to which block and what each block
+slot contains; every step is checked against the model and against ``check_integrity``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from common.engine.request import Request
+from common.kvcache.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from common.kvcache.hashing import BlockHash, hash_block_tokens
+from common.kvcache.kv_cache_manager import KVCacheManager
+from common.sampling_params import SamplingParams
+
+MACHINE_SETTINGS = settings(max_examples=50, stateful_step_count=40, deadline=None)
+
+
+def _h(token: int) -> BlockHash:
+    return hash_block_tokens(None, [token])
+
+
+# --------------------------------------------------------------------------- BlockPool
+class BlockPoolMachine(RuleBasedStateMachine):
+    NUM_BLOCKS = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(self.NUM_BLOCKS)
+        self.held: list[KVBlock] = []  # one entry per hold
+        self.free_order = list(range(self.NUM_BLOCKS))  # expected eviction order, next victim first
+        self.block_hash: dict[int, BlockHash] = {}  # hash each block carries (duplicates included)
+        self.cached: dict[BlockHash, int] = {}  # hash -> the block that finds it
+        self.stored_since_drain: set[BlockHash] = set()
+        self.removed_since_drain: set[BlockHash] = set()
+        self.index: set[BlockHash] = set()  # a prefix index fed only by drain_events
+
+    def _holders(self) -> Counter[int]:
+        return Counter(b.block_id for b in self.held)
+
+    def _evicted(self, block_id: int) -> None:
+        old = self.block_hash.pop(block_id, None)
+        if old is not None and self.cached.get(old) == block_id:
+            del self.cached[old]
+            self.removed_since_drain.add(old)
+            assert self.pool.get_cached_block(old) is None, "an evicted hash is still findable"
+
+    @rule(num=st.integers(1, 4))
+    def allocate(self, num: int) -> None:
+        if num > len(self.free_order):
+            with pytest.raises(ValueError):
+                self.pool.get_new_blocks(num)
+            return
+        blocks = self.pool.get_new_blocks(num)
+        assert [b.block_id for b in blocks] == self.free_order[:num], "not the least recently freed"
+        del self.free_order[:num]
+        for b in blocks:
+            assert b.ref_cnt == 1 and b.block_hash is None
+            self._evicted(b.block_id)
+        self.held.extend(blocks)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        idx = data.draw(st.lists(st.integers(0, len(self.held) - 1), min_size=1, max_size=4, unique=True))
+        blocks = [self.held[i] for i in idx]
+        for i in sorted(idx, reverse=True):
+            del self.held[i]
+        counts = self._holders()
+        counts.update(b.block_id for b in blocks)
+        self.pool.free_blocks(blocks)
+        for b in blocks:
+            counts[b.block_id] -= 1
+            if counts[b.block_id] == 0:
+                if b.block_id in self.block_hash:
+                    self.free_order.append(b.block_id)
+                else:
+                    self.free_order.insert(0, b.block_id)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), token=st.integers(0, 5))
+    def cache_full_block(self, data: st.DataObject, token: int) -> None:
+        block = data.draw(st.sampled_from(self.held))
+        h = _h(token)
+        self.pool.cache_full_block(block, h)
+        if block.block_id not in self.block_hash:
+            self.block_hash[block.block_id] = h
+            if h not in self.cached:
+                self.cached[h] = block.block_id
+                self.stored_since_drain.add(h)
+
+    @precondition(lambda self: self.cached)
+    @rule(data=st.data())
+    def prefix_hit(self, data: st.DataObject) -> None:
+        h = data.draw(st.sampled_from(sorted(self.cached)))
+        block = self.pool.get_cached_block(h)
+        assert block is not None and block.block_id == self.cached[h]
+        self.pool.touch([block])
+        if block.block_id in self.free_order:  # from anywhere in the queue, not only its ends
+            self.free_order.remove(block.block_id)
+        self.held.append(block)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        distinct = list({b.block_id: b for b in self.held}.values())
+        blocks = data.draw(st.lists(st.sampled_from(distinct), min_size=1, max_size=4, unique_by=id))
+        self.pool.touch(blocks)
+        self.held.extend(blocks)
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        ok = self.pool.reset_prefix_cache()
+        assert ok == (not self.held)
+        if ok:
+            for block_id in list(self.block_hash):
+                self._evicted(block_id)
+
+    @rule()
+    def drain_events(self) -> None:
+        stored, removed = self.pool.drain_events()
+        assert len(stored) == len(set(stored)) and len(removed) == len(set(removed)), "reported twice"
+        assert set(stored) == self.stored_since_drain & set(self.cached)
+        assert set(removed) == self.removed_since_drain - set(self.cached)
+        self.index -= set(removed)
+        self.index |= set(stored)
+        assert self.index == set(self.cached), "the index fed by the events disagrees with the pool"
+        assert self.pool.drain_events() == ([], []), "events are reported once"
+        self.stored_since_drain.clear()
+        self.removed_since_drain.clear()
+
+    @invariant()
+    def matches_model(self) -> None:
+        self.pool.check_integrity(dict(self._holders()))
+        assert [b.block_id for b in self.pool.free_queue] == self.free_order
+        assert {h: b.block_id for h, b in self.pool.cached.items()} == self.cached
+        for h, block_id in self.cached.items():
+            found = self.pool.get_cached_block(h)
+            assert found is not None and found.block_id == block_id
+        assert {b.block_id: b.block_hash for b in self.pool.blocks if b.block_hash is not None} == self.block_hash
+
+
+TestBlockPoolStateMachine = BlockPoolMachine.TestCase
+TestBlockPoolStateMachine.settings = MACHINE_SETTINGS
+
+
+# --------------------------------------------------------------------------- KVCacheManager
+BS = 4
+DOCS = [[(d * 97 + i * 31) % 50 + 10 for i in range(24)] for d in range(3)]
+
+
+class KVCacheManagerMachine(RuleBasedStateMachine):
+    NUM_BLOCKS = 10
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(self.NUM_BLOCKS, BS)
+        self.running: list[Request] = []
+        self.waiting: list[Request] = []
+        self.num_ids = 0
+        # What the runner would have written in each slot: the token whose KV it holds.
+        self.slots: dict[int, list[int | None]] = {i: [None] * BS for i in range(self.NUM_BLOCKS)}
+        self.hash_tokens: dict[BlockHash, tuple[int, ...]] = {}
+
+    def _snapshot(self) -> tuple:
+        pool = self.kv.pool
+        return (
+            tuple(b.ref_cnt for b in pool.blocks),
+            tuple(b.block_id for b in pool.free_queue),
+            {k: list(v) for k, v in self.kv.req_blocks.items()},
+        )
+
+    def _note_hashes(self, req: Request) -> None:
+        for i, h in enumerate(req.block_hashes):
+            self.hash_tokens[h] = tuple(req.all_token_ids[i * BS : (i + 1) * BS])
+
+    def _compute(self, req: Request, num_new: int) -> None:
+        """What the runner and ``update_after_step`` do: copy-on-write, store K/V, cache full blocks."""
+        for src, dst in self.kv.take_pending_copies():
+            self.slots[dst] = list(self.slots[src])
+        ids = self.kv.block_ids(req.request_id)
+        for pos in range(req.num_computed_tokens, req.num_computed_tokens + num_new):
+            block = self.kv.pool.blocks[ids[pos // BS]]
+            assert block.ref_cnt == 1, f"{req} writes into {block}, which another sequence reads"
+            self.slots[block.block_id][pos % BS] = req.all_token_ids[pos]
+        req.num_computed_tokens += num_new
+        self.kv.cache_blocks(req)
+
+    def _admit(self, req: Request, chunk: int) -> None:
+        hits, num_hit = self.kv.get_computed_blocks(req)
+        assert num_hit == len(hits) * BS <= req.num_tokens - 1
+        assert [b.block_hash for b in hits] == req.block_hashes[: len(hits)]
+        max_blocks = (req.num_tokens - 1) // BS
+        if len(hits) < max_blocks:
+            assert self.kv.pool.get_cached_block(req.block_hashes[len(hits)]) is None, "hit cut short"
+        req.num_computed_tokens = num_hit
+        num_new = min(chunk, req.num_tokens - num_hit)
+        before = self._snapshot()
+        if not self.kv.allocate_slots(req, num_new, hits):
+            assert self._snapshot() == before, "a failed allocation changed the pool"
+            req.num_computed_tokens = 0
+            self.waiting.append(req)
+            return
+        self._compute(req, num_new)
+        self.running.append(req)
+
+    @rule(doc=st.integers(0, 2), length=st.integers(1, 20), tail=st.lists(st.integers(0, 3), max_size=6),
+          chunk=st.integers(1, 12))
+    def admit_new(self, doc: int, length: int, tail: list[int], chunk: int) -> None:
+        self.num_ids += 1
+        req = Request(f"r{self.num_ids}", DOCS[doc][:length] + tail, SamplingParams(), block_size=BS,
+                      model_id="m")
+        self._note_hashes(req)
+        self._admit(req, chunk)
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data(), chunk=st.integers(1, 12))
+    def readmit(self, data: st.DataObject, chunk: int) -> None:
+        req = self.waiting.pop(data.draw(st.integers(0, len(self.waiting) - 1)))
+        self._admit(req, chunk)
+
+    @precondition(lambda self: any(r.num_computed_tokens < r.num_tokens for r in self.running))
+    @rule(data=st.data(), chunk=st.integers(1, 12))
+    def advance(self, data: st.DataObject, chunk: int) -> None:
+        req = data.draw(st.sampled_from([r for r in self.running if r.num_computed_tokens < r.num_tokens]))
+        num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
+        before = self._snapshot()
+        if not self.kv.allocate_slots(req, num_new):
+            assert self._snapshot() == before, "a failed allocation changed the pool"
+            return
+        self._compute(req, num_new)
+
+    @precondition(lambda self: any(r.num_computed_tokens == r.num_tokens for r in self.running))
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def sample(self, data: st.DataObject, token: int) -> None:
+        req = data.draw(st.sampled_from([r for r in self.running if r.num_computed_tokens == r.num_tokens]))
+        req.append_output_token(token)
+        self._note_hashes(req)
+
+    @precondition(lambda self: any(r.num_computed_tokens == r.num_tokens for r in self.running))
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from([r for r in self.running if r.num_computed_tokens == r.num_tokens]))
+        self.num_ids += 1
+        child = parent.fork(f"{parent.request_id}#{self.num_ids}", seed_offset=1)
+        self.kv.fork(parent, child)
+        self.running.append(child)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), preempt=st.booleans())
+    def free(self, data: st.DataObject, preempt: bool) -> None:
+        req = self.running.pop(data.draw(st.integers(0, len(self.running) - 1)))
+        self.kv.free(req.request_id)
+        before = self._snapshot()
+        self.kv.free(req.request_id)
+        assert self._snapshot() == before, "free is not idempotent"
+        if preempt:
+            req.num_computed_tokens = 0
+            self.waiting.append(req)
+
+    @invariant()
+    def sound(self) -> None:
+        self.kv.check_integrity()
+        assert set(self.kv.req_blocks) == {r.request_id for r in self.running}
+        for req in self.running:
+            ids = self.kv.block_ids(req.request_id)
+            assert len(ids) == self.kv.cdiv(req.num_computed_tokens) and len(set(ids)) == len(ids)
+            for pos in range(req.num_computed_tokens):
+                assert self.slots[ids[pos // BS]][pos % BS] == req.all_token_ids[pos], (
+                    f"{req}: slot of token {pos} holds another token's KV"
+                )
+        for h, block in self.kv.pool.cached.items():
+            assert tuple(self.slots[block.block_id]) == self.hash_tokens[h], f"{block} does not hold its hash"
+
+    def teardown(self) -> None:
+        for req in self.running:
+            self.kv.free(req.request_id)
+        self.kv.check_integrity()
+        assert self.kv.pool.num_free_blocks == self.NUM_BLOCKS
+
+
+TestKVCacheManagerStateMachine = KVCacheManagerMachine.TestCase
+TestKVCacheManagerStateMachine.settings = MACHINE_SETTINGS
+
+
+# --------------------------------------------------------------------------- plain unit tests
+def test_eviction_takes_the_least_recently_freed_cached_block_first():
+    pool = BlockPool(4)
+    blocks = pool.get_new_blocks(4)
+    for i, b in enumerate(blocks):
+        pool.cache_full_block(b, _h(i))
+    for i in (2, 0, 3, 1):
+        pool.free_blocks([blocks[i]])
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [2, 0]
+    assert pool.get_cached_block(_h(2)) is None and pool.get_cached_block(_h(0)) is None
+    assert pool.get_cached_block(_h(3)) is blocks[3] and pool.get_cached_block(_h(1)) is blocks[1]
+
+
+def test_a_requests_tail_block_is_evicted_before_its_head():
+    kv = KVCacheManager(8, BS)
+    req = Request("r", list(range(3 * BS + 1)), SamplingParams(), block_size=BS, model_id="m")
+    assert kv.allocate_slots(req, req.num_tokens)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_blocks(req)
+    head, middle, tail, partial = kv.block_ids("r")
+    kv.free("r")
+    order = [b.block_id for b in kv.pool.free_queue]
+    # The unhashed partial block goes first, then the request's full blocks from the tail back.
+    assert order.index(partial) < order.index(tail) < order.index(middle) < order.index(head)
+    assert order[-3:] == [tail, middle, head]
+
+
+def test_blocks_without_a_hash_are_reused_before_cached_ones():
+    pool = BlockPool(3)
+    cached, plain, other = pool.get_new_blocks(3)
+    pool.cache_full_block(cached, _h(1))
+    pool.free_blocks([cached])
+    pool.free_blocks([plain])  # freed later, but holds nothing worth keeping
+    (got,) = pool.get_new_blocks(1)
+    assert got is plain
+    assert pool.get_cached_block(_h(1)) is cached
+    pool.free_blocks([other, got])
+    assert [b.block_id for b in pool.free_queue][-1] == cached.block_id
+
+
+def test_a_duplicate_hash_keeps_the_first_block_and_only_it_is_findable():
+    pool = BlockPool(4)
+    first, second, _ = pool.get_new_blocks(3)
+    pool.cache_full_block(first, _h(7))
+    pool.cache_full_block(second, _h(7))
+    assert pool.get_cached_block(_h(7)) is first
+    assert pool.drain_events() == ([_h(7)], [])
+    pool.free_blocks([second, first])
+    pool.get_new_blocks(2)  # the never-used block, then the duplicate
+    assert pool.get_cached_block(_h(7)) is first
+    assert pool.drain_events() == ([], [])
+
+
+def test_a_hash_stored_and_evicted_between_drains_is_reported_only_as_removed():
+    pool = BlockPool(1)
+    (block,) = pool.get_new_blocks(1)
+    pool.cache_full_block(block, _h(1))
+    pool.free_blocks([block])
+    pool.get_new_blocks(1)  # evicts it before anyone published it
+    assert pool.drain_events() == ([], [_h(1)])
+
+
+def test_prefix_hit_takes_a_block_out_of_the_middle_of_the_free_queue_in_constant_time():
+    def time_middle_removals(num_blocks: int) -> float:
+        blocks = [KVBlock(i) for i in range(num_blocks)]
+        queue = FreeBlockQueue(blocks)
+        middle = blocks[num_blocks // 2 - 500 : num_blocks // 2 + 500]
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for b in middle:
+                queue.remove(b)
+            best = min(best, time.perf_counter() - start)
+            for b in middle:
+                queue.append(b)
+        assert queue.num_free_blocks == num_blocks
+        return best
+
+    small, large = time_middle_removals(2_000), time_middle_removals(200_000)
+    # O(n) removal would be about 100x slower on the large queue.
+    assert large < 10 * small + 1e-3, f"{large:.5f}s vs {small:.5f}s"
+
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(5)
+    for i, b in enumerate(blocks):
+        pool.cache_full_block(b, _h(i))
+    pool.free_blocks(blocks)
+    hit = pool.get_cached_block(_h(2))
+    assert hit is not None
+    pool.touch([hit])
+    assert [b.block_id for b in pool.free_queue] == [0, 1, 3, 4]
+    pool.check_integrity({2: 1})
+
+
+def test_fork_then_divergent_write_copies_the_shared_partial_block_once():
+    kv = KVCacheManager(8, BS)
+    parent = Request("p", list(range(2 * BS + 2)), SamplingParams(), block_size=BS, model_id="m")
+    assert kv.allocate_slots(parent, parent.num_tokens)
+    parent.num_computed_tokens = parent.num_tokens
+    kv.cache_blocks(parent)
+    child = parent.fork("p#1", seed_offset=1)
+    kv.fork(parent, child)
+    assert kv.block_ids("p") == kv.block_ids("p#1")
+    parent.append_output_token(100)
+    child.append_output_token(200)
+    assert kv.allocate_slots(parent, 1) and kv.allocate_slots(child, 1)
+    copies = kv.take_pending_copies()
+    p_ids, c_ids = kv.block_ids("p"), kv.block_ids("p#1")
+    assert len(copies) == 1 and kv.num_cow_copies == 1
+    assert p_ids[:2] == c_ids[:2], "full blocks stay shared"
+    assert p_ids[2] != c_ids[2] and copies[0][0] in (p_ids[2], c_ids[2]) and copies[0][1] in (p_ids[2], c_ids[2])
+    kv.check_integrity()
+    kv.free("p")
+    kv.free("p#1")
+    assert kv.pool.num_free_blocks == 8

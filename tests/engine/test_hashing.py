@@ -1,0 +1,111 @@
+"""Block hashes: stable across processes, sensitive to every input, full blocks only, incremental."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.engine.request import Request
+from common.kvcache.hashing import compute_block_hashes, extra_keys_for, hash_block_tokens
+from common.sampling_params import SamplingParams
+
+BS = 16
+MODEL = "SmolLM2-135M-Instruct@abc123"
+TOKENS = [(i * 7919 + 13) % 49152 for i in range(5 * BS + 3)]
+
+_CHILD = """
+import json, sys
+from common.kvcache.hashing import compute_block_hashes
+args = json.loads(sys.argv[1])
+print(json.dumps([h.hex() for h in compute_block_hashes(*args)]))
+"""
+
+
+def test_same_input_gives_same_hashes_in_another_process():
+    here = [h.hex() for h in compute_block_hashes(TOKENS, BS, MODEL, "tenant-1")]
+    # A different PYTHONHASHSEED in the child: the hash must not depend on Python's hash().
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps([TOKENS, BS, MODEL, "tenant-1"])],
+        capture_output=True, text=True, check=True, env=env, timeout=120,
+    )
+    assert json.loads(out.stdout) == here
+    assert len(here) == 5 and all(len(bytes.fromhex(h)) == 32 for h in here)
+    assert compute_block_hashes(TOKENS, BS, MODEL, "tenant-1") == compute_block_hashes(
+        list(TOKENS), BS, MODEL, "tenant-1"
+    )
+
+
+def test_cache_salt_model_parent_and_each_token_change_the_hash():
+    block = TOKENS[:BS]
+    base = hash_block_tokens(None, block, extra_keys_for(MODEL, None))
+    variants = {
+        "salt": hash_block_tokens(None, block, extra_keys_for(MODEL, "tenant-1")),
+        "other salt": hash_block_tokens(None, block, extra_keys_for(MODEL, "tenant-2")),
+        "empty salt": hash_block_tokens(None, block, extra_keys_for(MODEL, "")),
+        "model": hash_block_tokens(None, block, extra_keys_for(MODEL + "x", None)),
+        "parent": hash_block_tokens(base, block, extra_keys_for(MODEL, None)),
+        "other parent": hash_block_tokens(hash_block_tokens(None, [1] * BS), block, extra_keys_for(MODEL, None)),
+        # The encoding is length-prefixed: moving a boundary between keys changes the hash.
+        "split keys": hash_block_tokens(None, block, (MODEL[:5], MODEL[5:])),
+    }
+    for name, h in variants.items():
+        assert h != base, f"{name} did not change the hash"
+    assert len(set(variants.values())) == len(variants)
+    for i in range(BS):
+        for delta in (1, -1):
+            changed = list(block)
+            changed[i] = (changed[i] + delta) % 49152
+            assert hash_block_tokens(None, changed, extra_keys_for(MODEL, None)) != base, f"token {i}"
+    # The whole chain diverges from the first differing block on, and not before.
+    a = compute_block_hashes(TOKENS, BS, MODEL)
+    changed = list(TOKENS)
+    changed[2 * BS + 5] += 1
+    b = compute_block_hashes(changed, BS, MODEL)
+    assert a[:2] == b[:2] and all(x != y for x, y in zip(a[2:], b[2:], strict=True))
+
+
+def test_only_full_blocks_are_hashed():
+    assert compute_block_hashes(TOKENS[: BS - 1], BS, MODEL) == []
+    assert len(compute_block_hashes(TOKENS[:BS], BS, MODEL)) == 1
+    two = compute_block_hashes(TOKENS[: 2 * BS], BS, MODEL)
+    for n in range(2 * BS, 3 * BS):
+        assert compute_block_hashes(TOKENS[:n], BS, MODEL) == two, n
+    assert len(compute_block_hashes(TOKENS[: 3 * BS], BS, MODEL)) == 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 49151), max_size=120),
+    block_size=st.sampled_from([1, 4, 8, 16]),
+    salt=st.one_of(st.none(), st.text(max_size=8)),
+    data=st.data(),
+)
+def test_incremental_hashing_equals_hashing_from_scratch(tokens, block_size, salt, data):
+    full = compute_block_hashes(tokens, block_size, MODEL, salt)
+    assert len(full) == len(tokens) // block_size
+    start = data.draw(st.integers(0, len(full)), label="start")
+    parent = full[start - 1] if start else None
+    assert compute_block_hashes(tokens, block_size, MODEL, salt, start=start, parent=parent) == full[start:]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 49151), min_size=1, max_size=40),
+    outputs=st.lists(st.integers(0, 49151), max_size=40),
+    salt=st.one_of(st.none(), st.just("s")),
+)
+def test_request_hashes_grow_token_by_token_like_from_scratch(prompt, outputs, salt):
+    req = Request("r", prompt, SamplingParams(), block_size=8, model_id=MODEL, cache_salt=salt)
+    for t in outputs:
+        req.append_output_token(t)
+        assert req.block_hashes == compute_block_hashes(req.all_token_ids, 8, MODEL, salt)
+    child = req.fork("r#1", seed_offset=1)
+    child.append_output_token(7)
+    assert child.block_hashes == compute_block_hashes(child.all_token_ids, 8, MODEL, salt)
+    assert req.block_hashes == compute_block_hashes(req.all_token_ids, 8, MODEL, salt)

@@ -1,0 +1,150 @@
+"""The router's HTTP surface: OpenAI-compatible endpoints plus health, readiness and metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from router.dispatcher import EngineRequestError
+from router.errors import APIError, bad_request, install_error_handlers
+from router.openai_responses import ModelCard, ModelList
+from router.serving import ClientDisconnected, DisconnectWaiter, engine_api_error, wait_for_disconnect
+from router.serving_chat import create_chat_completion
+from router.serving_completions import create_completion
+from router.state import RouterState
+
+Handler = Callable[[RouterState, Any, "str | None", DisconnectWaiter], Awaitable[Response]]
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """The request body as JSON, read with a size limit (413) and parsed strictly (400)."""
+    too_large = APIError(413, f"request body exceeds {max_bytes} bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks), parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"invalid JSON body: {exc}", code="invalid_json") from None
+
+
+async def _leave_after(body: AsyncIterable[Any], leave: Callable[[], None]) -> AsyncIterator[Any]:
+    """Stream ``body``, then count the request out, however the stream ends (even cancelled)."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        leave()  # first: the awaits below may be cancelled again when the client went away
+        close = getattr(body, "aclose", None)
+        if close is not None:
+            await close()
+
+
+class _ErrorCounter:
+    """Pure ASGI middleware counting error responses by status (BaseHTTPMiddleware would wrap
+    ``receive`` and hide client disconnects from the handlers)."""
+
+    def __init__(self, app: ASGIApp, state: RouterState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.state.metrics.http_errors.labels(status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send if scope["type"] == "http" else send)
+
+
+def create_app(state: RouterState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router_state = state
+    install_error_handlers(app)
+    app.add_middleware(_ErrorCounter, state=state)
+
+    async def generate(request: Request, handler: Handler) -> Response:
+        cache_salt = state.api_keys.check(request.headers.get("authorization"))
+        state.admit()
+        leave_now = True
+        try:
+            body = await read_json(request, state.config.max_body_bytes)
+            response = await handler(state, body, cache_salt, lambda: wait_for_disconnect(request.receive))
+            if isinstance(response, StreamingResponse):
+                response.body_iterator = _leave_after(response.body_iterator, state.leave)
+                leave_now = False
+            return response
+        except EngineRequestError as exc:
+            raise engine_api_error(exc) from None
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            if leave_now:
+                state.leave()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, create_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, create_chat_completion)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        state.api_keys.check(request.headers.get("authorization"))
+        created = int(time.time())
+        cards = [
+            ModelCard(id=name, created=created, max_model_len=state.max_model_len())
+            for name in state.config.served_model_names
+        ]
+        return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        pool = state.pool
+        body = {
+            "status": "ready" if pool.ready() else "not ready",
+            "prefill": len(pool.alive("prefill")),
+            "decode": len(pool.alive("decode")),
+            "registry": "disabled" if state.registry is None else "ok" if pool.registry_ok else "unreachable",
+        }
+        return JSONResponse(body, status_code=200 if pool.ready() else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        for role in ("prefill", "decode"):
+            state.metrics.instances.labels(role=role).set(state.pool.num_instances(role))
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

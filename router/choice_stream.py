@@ -1,0 +1,139 @@
+"""One choice of a response: engine outputs in, text deltas out.
+
+Runs the incremental detokenizer and the stop-string checker, keeps each token's logprobs with the
+text it produced (a token's logprobs are released once text from it has been released), and
+records the request's latency metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.protocol import PositionLogprobs, RequestOutput
+from router.detokenizer import IncrementalDetokenizer
+from router.dispatcher import EngineRequest
+from router.metrics import RouterMetrics
+from router.stop_checker import StopChecker
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str = ""
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    text_offsets: list[int] = field(default_factory=list)  # where each token's text starts
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0  # so far, including this delta
+
+
+@dataclass
+class _PendingToken:
+    logprobs: PositionLogprobs | None
+    offset: int
+
+
+class ChoiceStream:
+    """Iterate ``deltas()`` once; ``close()`` aborts the engine request if it has not finished."""
+
+    def __init__(
+        self,
+        index: int,
+        engine_request: EngineRequest,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        metrics: RouterMetrics,
+    ) -> None:
+        self.index = index
+        self.engine_request = engine_request
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._stop = StopChecker(stop)
+        self._metrics = metrics
+        self._pending: list[_PendingToken] = []
+        self._raw_len = 0  # characters the detokenizer produced
+        self._emitted_len = 0  # characters released to the client
+        self._num_output_tokens = 0
+        self._num_cached_tokens = 0
+        self._arrival = time.monotonic()
+        self._last_output_time: float | None = None
+
+    def close(self) -> None:
+        self.engine_request.close()
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        try:
+            async for output in self.engine_request.outputs():
+                delta = self._process(output)
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            self.close()
+
+    def _process(self, output: RequestOutput) -> ChoiceDelta:
+        self._observe_timing(output)
+        if output.num_cached_tokens:
+            self._num_cached_tokens = output.num_cached_tokens
+        text = ""
+        logprobs = output.logprobs or []
+        for k, token_id in enumerate(output.new_token_ids):
+            self._num_output_tokens += 1
+            piece = self._detokenizer.push(token_id)
+            self._pending.append(_PendingToken(logprobs[k] if k < len(logprobs) else None, self._raw_len))
+            self._raw_len += len(piece)
+            text += self._stop.push(piece)
+            if self._stop.stopped:
+                break
+        finish_reason = "stop" if self._stop.stopped else output.finish_reason
+        if finish_reason is not None and not self._stop.stopped:
+            text += self._stop.push(self._detokenizer.flush())
+            text += self._stop.flush()
+            if self._stop.stopped:
+                finish_reason = "stop"
+        self._emitted_len += len(text)
+        released = self._release_tokens(everything=finish_reason is not None and not self._stop.stopped)
+        if finish_reason is not None:
+            self._observe_finish(finish_reason)
+        return ChoiceDelta(
+            index=self.index,
+            text=text,
+            logprobs=[t.logprobs for t in released if t.logprobs is not None],
+            text_offsets=[t.offset for t in released if t.logprobs is not None],
+            finish_reason=finish_reason,
+            num_cached_tokens=self._num_cached_tokens,
+            num_output_tokens=self._num_output_tokens,
+        )
+
+    def _release_tokens(self, everything: bool) -> list[_PendingToken]:
+        """Tokens whose text has (at least partly) been released; on a stop, the rest is dropped."""
+        cut = len(self._pending)
+        if not everything:
+            cut = next((i for i, t in enumerate(self._pending) if t.offset >= self._emitted_len), cut)
+        released, self._pending = self._pending[:cut], self._pending[cut:]
+        if self._stop.stopped:
+            self._pending = []
+        return released
+
+    def _observe_timing(self, output: RequestOutput) -> None:
+        if not output.new_token_ids:
+            return
+        now = time.monotonic()
+        if self._last_output_time is None:
+            self._metrics.time_to_first_token.observe(now - self._arrival)
+        else:
+            self._metrics.inter_token_latency.observe(
+                (now - self._last_output_time) / len(output.new_token_ids)
+            )
+        self._last_output_time = now
+
+    def _observe_finish(self, finish_reason: str) -> None:
+        m = self._metrics
+        m.e2e_latency.observe(time.monotonic() - self._arrival)
+        m.request_success.labels(finished_reason=finish_reason).inc()
+        m.generation_tokens.inc(self._num_output_tokens)
+        m.request_generation_tokens.observe(self._num_output_tokens)
+        m.cached_prompt_tokens.inc(self._num_cached_tokens)

@@ -1,0 +1,36 @@
+"""Router settings: one small dataclass, filled from the command line by ``router.main``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router.routing import POLICIES
+
+
+@dataclass
+class RouterConfig:
+    served_model_names: list[str]
+    redis_url: str | None = "redis://127.0.0.1:6379/0"
+    namespace: str = "pdserve"
+    api_keys: list[str] = field(default_factory=list)
+    routing_policy: str = "prefix"
+    prefix_alpha: float = 0.5
+    kv_weight: float = 1.0
+    max_body_bytes: int = 8 << 20
+    max_inflight: int = 1024  # HTTP requests being served at once; 0 means unlimited
+    request_timeout_s: float = 120.0  # longest wait for the next output of an engine request
+    reply_host: str = "127.0.0.1"  # the host engines use to reach the router's reply socket
+    reply_port: int = 0  # 0: any free port
+    # Prompts shorter than this go straight to a decode instance; 0 means "one block", -1 never.
+    direct_prompt_tokens: int = 0
+    refresh_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("at least one served model name is required")
+        if self.routing_policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be at least 1024")
+        if self.request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be positive")

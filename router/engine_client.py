@@ -1,0 +1,157 @@
+"""ZeroMQ plumbing between the router and the engines.
+
+One PUSH socket per engine control address (LINGER 0, bounded SNDHWM, ZMQ_IMMEDIATE so messages
+are only queued on completed connections): a send never blocks, and a dead or swamped engine shows
+up as EAGAIN, which callers treat as "instance unavailable". One PULL socket (``reply_address``)
+receives every engine's ``RequestOutput``s and routes them to per-request queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from common.protocol import AbortRequest, ProtocolError, RequestOutput, decode_output, encode
+
+logger = logging.getLogger(__name__)
+
+SEND_HWM = 1000
+RECV_HWM = 100_000
+CONNECT_GRACE_S = 0.5
+PRUNE_AFTER_S = 60.0
+
+
+class EngineClient:
+    """Sends to engines and receives their outputs. Not thread-safe: use from the event loop."""
+
+    def __init__(self, reply_host: str = "127.0.0.1", reply_port: int = 0) -> None:
+        self._reply_host = reply_host
+        self._reply_port = reply_port
+        self.reply_address = ""
+        self._push_ctx = zmq.Context()
+        self._pull_ctx = zmq.asyncio.Context()
+        self._pull: zmq.asyncio.Socket | None = None
+        self._receiver: asyncio.Task[None] | None = None
+        self._sockets: dict[str, zmq.Socket] = {}
+        self._last_used: dict[str, float] = {}
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+
+    async def start(self) -> None:
+        """Bind the reply socket: loopback only for a loopback ``reply_host``, else every interface.
+        ``reply_host="auto"`` advertises this machine's own address (containers, pods)."""
+        if self._reply_host == "auto":
+            self._reply_host = socket.gethostbyname(socket.gethostname())
+        pull = self._pull_ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.setsockopt(zmq.RCVHWM, RECV_HWM)
+        loopback = self._reply_host in ("127.0.0.1", "localhost")
+        bind_host = "127.0.0.1" if loopback else "*"
+        if self._reply_port:
+            pull.bind(f"tcp://{bind_host}:{self._reply_port}")
+            port = self._reply_port
+        else:
+            port = pull.bind_to_random_port(f"tcp://{bind_host}")
+        self.reply_address = f"tcp://{self._reply_host}:{port}"
+        self._pull = pull
+        self._receiver = asyncio.create_task(self._receive_loop(), name="engine-outputs")
+
+    async def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._receiver
+        if self._pull is not None:
+            self._pull.close(linger=0)
+        for sock in self._sockets.values():
+            sock.close(linger=0)
+        self._sockets.clear()
+        self._pull_ctx.term()
+        self._push_ctx.term()
+
+    async def _receive_loop(self) -> None:
+        assert self._pull is not None
+        while True:
+            frames = await self._pull.recv_multipart(copy=True)
+            try:
+                output = decode_output(frames[0])
+            except ProtocolError as exc:
+                logger.warning("dropping malformed engine output: %s", exc)
+                continue
+            queue = self._queues.get(output.request_id)
+            if queue is not None:  # outputs of finished or aborted requests are dropped
+                queue.put_nowait(output)
+
+    # -- per-request queues --------------------------------------------------------------------
+    def open(self, request_id: str) -> asyncio.Queue[RequestOutput]:
+        """Register a request before sending it, so no output can arrive unclaimed."""
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request; may be called twice."""
+        self._queues.pop(request_id, None)
+
+    @property
+    def num_open(self) -> int:
+        return len(self._queues)
+
+    # -- sending -------------------------------------------------------------------------------
+    def connect(self, address: str) -> zmq.Socket:
+        """The PUSH socket for an engine, created (and connecting in the background) on first use."""
+        sock = self._sockets.get(address)
+        if sock is None:
+            sock = self._push_ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.connect(address)
+            self._sockets[address] = sock
+        self._last_used[address] = time.monotonic()
+        return sock
+
+    def writable(self, address: str) -> bool:
+        """True when a send to ``address`` would not hit EAGAIN (its connection is up)."""
+        return bool(int(self.connect(address).get(zmq.EVENTS)) & zmq.POLLOUT)
+
+    def send_nowait(self, address: str, msg: msgspec.Struct) -> bool:
+        try:
+            self.connect(address).send(encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            logger.warning("send to %s failed: %s", address, exc)
+            return False
+
+    async def send(self, address: str, msg: msgspec.Struct, grace_s: float = CONNECT_GRACE_S) -> bool:
+        """Send without blocking; if the connection is still being set up, wait up to ``grace_s``
+        for it. False means the engine is unreachable or full."""
+        deadline = time.monotonic() + grace_s
+        while not self.send_nowait(address, msg):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    def abort(self, request_id: str, addresses: list[str]) -> None:
+        """Best-effort AbortRequest to every engine that may hold the request."""
+        msg = AbortRequest(request_id=request_id)
+        for address in dict.fromkeys(addresses):
+            if not self.send_nowait(address, msg):
+                logger.info("could not deliver abort of %s to %s", request_id, address)
+
+    def prune(self, live_addresses: set[str]) -> None:
+        """Close sockets of engines that left the registry and have not been used for a while."""
+        now = time.monotonic()
+        for address in list(self._sockets):
+            if address not in live_addresses and now - self._last_used.get(address, 0.0) > PRUNE_AFTER_S:
+                self._sockets.pop(address).close(linger=0)
+                self._last_used.pop(address, None)

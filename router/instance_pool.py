@@ -1,0 +1,135 @@
+"""The router's view of the engine instances: discovered from the registry, kept when Redis is down.
+
+An instance missing from a registry read is kept for ``REMOVAL_GRACE_S`` more: a Redis that restarted
+empty lists nobody until the next heartbeats, and that must not look like every instance died.
+(A dead instance is found sooner anyway: sends to it fail with EAGAIN and mark it unavailable.)
+
+Besides what instances report in their heartbeats, the pool counts the requests this router has in
+flight on each instance, so a burst spreads out before the next heartbeat shows the new load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+
+from common.registry import InstanceInfo, Registry
+from router.engine_client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+UNAVAILABLE_S = 5.0
+REMOVAL_GRACE_S = 3.0
+
+
+class InstancePool:
+    """Live instances by id. ``refresh`` replaces them from Redis; a failed read keeps the old ones."""
+
+    def __init__(
+        self, registry: Registry | None, client: EngineClient, refresh_interval_s: float = 0.5
+    ) -> None:
+        self._registry = registry
+        self._client = client
+        self.refresh_interval_s = refresh_interval_s
+        self._instances: dict[str, InstanceInfo] = {}
+        self._last_seen: dict[str, float] = {}
+        self._unavailable_until: dict[str, float] = {}
+        self.inflight: Counter[str] = Counter()
+        self.registry_ok = registry is not None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._registry is None:
+            return
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_loop(), name="instance-refresh")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # the loop must survive anything a refresh throws
+                logger.exception("instance refresh failed")
+
+    async def refresh(self) -> None:
+        assert self._registry is not None
+        found = await asyncio.to_thread(self._registry.try_instances)
+        was_ok, self.registry_ok = self.registry_ok, found is not None
+        if found is None:
+            return
+        now = time.monotonic()
+        if not was_ok:  # the grace period of instances missing from the registry starts now
+            self._last_seen = dict.fromkeys(self._last_seen, now)
+        self._last_seen.update((info.instance_id, now) for info in found)
+        fresh = {info.instance_id for info in found}
+        kept = [
+            info
+            for instance_id, info in self._instances.items()
+            if instance_id not in fresh and now - self._last_seen.get(instance_id, 0.0) <= REMOVAL_GRACE_S
+        ]
+        self.set_instances([*found, *kept])
+
+    def set_instances(self, infos: list[InstanceInfo]) -> None:
+        """Replace the known instances (also used directly when running without a registry)."""
+        previous = set(self._instances)
+        self._instances = {info.instance_id: info for info in infos}
+        self._last_seen = {i: t for i, t in self._last_seen.items() if i in self._instances}
+        for info in infos:
+            self._client.connect(info.control_address)  # connect early: the first send finds it up
+            if info.instance_id not in previous:
+                logger.info(
+                    "instance %s (%s) joined at %s", info.instance_id, info.role, info.control_address
+                )
+        for gone in previous - set(self._instances):
+            logger.info("instance %s left", gone)
+        self._client.prune({info.control_address for info in infos})
+
+    # -- queries -------------------------------------------------------------------------------
+    def alive(self, role: str) -> list[InstanceInfo]:
+        """Instances of ``role`` that are registered and not marked unavailable."""
+        now = time.monotonic()
+        return [
+            info
+            for info in self._instances.values()
+            if info.role == role and self._unavailable_until.get(info.instance_id, 0.0) <= now
+        ]
+
+    def get(self, instance_id: str) -> InstanceInfo | None:
+        return self._instances.get(instance_id)
+
+    def vanished(self, instance_id: str) -> bool:
+        """True only when the registry has not listed the instance for the grace period."""
+        return self.registry_ok and instance_id not in self._instances
+
+    def ready(self) -> bool:
+        return bool(self.alive("prefill")) and bool(self.alive("decode"))
+
+    def max_model_len(self) -> int | None:
+        lengths = [info.max_model_len for info in self._instances.values() if info.max_model_len > 0]
+        return min(lengths) if lengths else None
+
+    def num_instances(self, role: str) -> int:
+        return sum(1 for info in self._instances.values() if info.role == role)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def mark_unavailable(self, instance_id: str, seconds: float = UNAVAILABLE_S) -> None:
+        logger.warning("instance %s unreachable; skipping it for %.0fs", instance_id, seconds)
+        self._unavailable_until[instance_id] = time.monotonic() + seconds
+
+    def acquire(self, instance_id: str) -> None:
+        self.inflight[instance_id] += 1
+
+    def release(self, instance_id: str) -> None:
+        self.inflight[instance_id] -= 1
+        if self.inflight[instance_id] <= 0:
+            del self.inflight[instance_id]

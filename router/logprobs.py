@@ -1,0 +1,97 @@
+"""Token strings and bytes for logprobs, and the OpenAI logprobs shapes of both endpoints."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from common.protocol import PositionLogprobs
+from router.openai_responses import ChatLogprobEntry, ChatLogprobs, ChatTopLogprob, CompletionLogprobs
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+_METASPACE = "\u2581"
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The reversible byte <-> printable-char table byte-level BPE vocabularies are written in:
+    printable Latin-1 bytes stand for themselves, the others are shifted above 255."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {chr(b): b for b in printable}
+    shift = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + shift)] = b
+            shift += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _uses_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return "ByteLevel" in repr(decoder)
+
+
+class TokenRenderer:
+    """The raw bytes and a printable string of single tokens (cached; a token may be half a char)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._byte_level = _uses_byte_level(tokenizer)
+        self._special = set(getattr(tokenizer, "all_special_tokens", []) or [])
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def render(self, token_id: int) -> tuple[str, list[int]]:
+        """(text, bytes) of one token; bytes that are not a whole UTF-8 character are shown escaped."""
+        cached = self._cache.get(token_id)
+        if cached is None:
+            raw = self._bytes(token_id)
+            cached = (raw.decode("utf-8", errors="backslashreplace"), list(raw))
+            self._cache[token_id] = cached
+        return cached
+
+    def _bytes(self, token_id: int) -> bytes:
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return b""
+        if piece in self._special:
+            return piece.encode("utf-8")
+        if self._byte_level and all(ch in _BYTE_LEVEL for ch in piece):
+            return bytes(_BYTE_LEVEL[ch] for ch in piece)
+        match = _BYTE_FALLBACK.match(piece)
+        if match:
+            return bytes([int(match.group(1), 16)])
+        return piece.replace(_METASPACE, " ").encode("utf-8")
+
+
+def chat_logprobs(renderer: TokenRenderer, positions: Sequence[PositionLogprobs]) -> ChatLogprobs:
+    content = []
+    for pos in positions:
+        text, raw = renderer.render(pos.token_id)
+        tops = []
+        for alt in pos.top:
+            alt_text, alt_raw = renderer.render(alt.token_id)
+            tops.append(ChatTopLogprob(token=alt_text, logprob=alt.logprob, bytes=alt_raw))
+        content.append(ChatLogprobEntry(token=text, logprob=pos.logprob, bytes=raw, top_logprobs=tops))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(
+    renderer: TokenRenderer, positions: Sequence[PositionLogprobs], text_offsets: Sequence[int]
+) -> CompletionLogprobs:
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    for pos in positions:
+        tokens.append(renderer.render(pos.token_id)[0])
+        token_logprobs.append(pos.logprob)
+        top_logprobs.append({renderer.render(alt.token_id)[0]: alt.logprob for alt in pos.top})
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=token_logprobs,
+        top_logprobs=top_logprobs,
+        text_offset=list(text_offsets),
+    )

@@ -1,0 +1,82 @@
+"""Prometheus metrics of the router, named like vLLM's under the ``pdserve:`` prefix.
+
+Each app gets its own registry, so several routers (e.g. in tests) can live in one process.
+Metrics whose names the engines also export carry ``role="router"``, as the engines' carry theirs.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
+_LATENCY_BUCKETS_TAIL = (10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+_E2E_BUCKETS_TAIL = (120.0, 240.0, 480.0)
+_TOKEN_BUCKETS = tuple(float(b * 10**e) for e in range(6) for b in (1, 2, 5))
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "pdserve:time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=_LATENCY_BUCKETS + _LATENCY_BUCKETS_TAIL,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "pdserve:inter_token_latency_seconds",
+            "Time between tokens.",
+            buckets=_LATENCY_BUCKETS + _LATENCY_BUCKETS_TAIL,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "pdserve:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            buckets=_E2E_BUCKETS + _E2E_BUCKETS_TAIL,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter(
+            "pdserve:generation_tokens", "Tokens generated.", ["role"], registry=r
+        ).labels(role="router")
+        self.request_prompt_tokens = Histogram(
+            "pdserve:request_prompt_tokens", "Prompt tokens per request.", buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.request_generation_tokens = Histogram(
+            "pdserve:request_generation_tokens",
+            "Generated tokens per request.",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_success = Counter(
+            "pdserve:request_success",
+            "Finished engine requests by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.cached_prompt_tokens = Counter(
+            "pdserve:prompt_tokens_cached", "Prompt tokens served from a prefix cache.", registry=r
+        )
+        self.num_requests_running = Gauge(
+            "pdserve:num_requests_running", "HTTP requests the router is serving.", ["role"], registry=r
+        ).labels(role="router")
+        self.http_errors = Counter(
+            "pdserve:router_http_errors", "Error responses by status.", ["status"], registry=r
+        )
+        self.routed = Counter(
+            "pdserve:router_requests_routed", "Engine requests sent, by path.", ["path"], registry=r
+        )
+        self.prefix_hit_blocks = Counter(
+            "pdserve:router_prefix_hit_blocks",
+            "Prompt blocks cached on the chosen prefill instance.",
+            registry=r,
+        )
+        self.prefix_query_blocks = Counter(
+            "pdserve:router_prefix_query_blocks", "Prompt blocks looked up in the prefix index.", registry=r
+        )
+        self.instances = Gauge("pdserve:router_instances", "Known instances by role.", ["role"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

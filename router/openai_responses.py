@@ -1,0 +1,116 @@
+"""Response bodies and stream chunks of the OpenAI API, field for field."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprobEntry(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobEntry] | None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Also the stream chunk: streaming completions use the same object type."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    """Only the keys that are set appear: ``{"role": ...}`` first, then ``{"content": ...}``, then ``{}``."""
+
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda v: v is None)
+    content: str | None = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pdserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

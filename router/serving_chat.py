@@ -1,0 +1,118 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from router.choice_stream import ChoiceDelta
+from router.logprobs import TokenRenderer, chat_logprobs
+from router.openai_models import ChatCompletionRequest, check_max_tokens, parse_request
+from router.openai_responses import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    ChatStreamChoice,
+    DeltaMessage,
+)
+from router.serving import (
+    DisconnectWaiter,
+    GenerationPlan,
+    UsageTracker,
+    collect,
+    merge_choices,
+    new_request_id,
+    start_choices,
+    stream_errors,
+)
+from router.state import RouterState
+
+
+def plan_chat(
+    state: RouterState, body: Any, cache_salt: str | None
+) -> tuple[ChatCompletionRequest, GenerationPlan]:
+    request = parse_request(ChatCompletionRequest, body)
+    model = state.check_model(request.model)
+    prompt = state.prompts.chat_prompt(request.template_messages())
+    requested = (
+        request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    )
+    max_tokens = check_max_tokens(requested, len(prompt), state.max_model_len(), None, "messages")
+    params = request.sampling_params(
+        max_tokens, request.requested_logprobs(), state.prompts.eos_token_id, state.prompts.vocab_size
+    )
+    plan = GenerationPlan(
+        request_id=new_request_id("chatcmpl"),
+        model=model,
+        prompts=[prompt],
+        params=[params],
+        stop=request.stop_strings(),
+        cache_salt=cache_salt,
+    )
+    return request, plan
+
+
+async def create_chat_completion(
+    state: RouterState, body: Any, cache_salt: str | None, wait_disconnect: DisconnectWaiter
+) -> Response:
+    request, plan = plan_chat(state, body, cache_salt)
+    renderer = TokenRenderer(state.prompts.tokenizer) if request.logprobs else None
+    if request.stream:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        streams = await start_choices(state, plan)
+        chunks = _stream(plan, merge_choices(streams, wait_disconnect), renderer, include_usage)
+        return StreamingResponse(stream_errors(chunks), media_type="text/event-stream")
+    results, usage = await collect(state, plan, wait_disconnect)
+    response = ChatCompletionResponse(
+        id=plan.request_id,
+        created=plan.created,
+        model=plan.model,
+        choices=[
+            ChatChoice(
+                index=r.index,
+                message=ChatMessageOut(content=r.text),
+                logprobs=chat_logprobs(renderer, r.logprobs) if renderer else None,
+                finish_reason=r.finish_reason,  # type: ignore[arg-type]
+            )
+            for r in results
+        ],
+        usage=usage,
+    )
+    return JSONResponse(response.model_dump(mode="json"))
+
+
+async def _stream(
+    plan: GenerationPlan,
+    deltas: AsyncGenerator[ChoiceDelta, None],
+    renderer: TokenRenderer | None,
+    include_usage: bool,
+) -> AsyncGenerator[str, None]:
+    usage = UsageTracker(plan)
+    exclude = None if include_usage else {"usage"}
+
+    def chunk(index: int, delta: DeltaMessage, logprobs: Any = None, finish_reason: Any = None) -> str:
+        choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+        body = ChatCompletionChunk(
+            id=plan.request_id, created=plan.created, model=plan.model, choices=[choice]
+        )
+        return body.model_dump_json(exclude=exclude)
+
+    for index in range(len(plan.prompts) * plan.n):
+        yield chunk(index, DeltaMessage(role="assistant", content=""))
+    async with contextlib.aclosing(deltas):
+        async for delta in deltas:
+            usage.update(delta)
+            if delta.text or delta.logprobs:
+                logprobs = chat_logprobs(renderer, delta.logprobs) if renderer else None
+                yield chunk(delta.index, DeltaMessage(content=delta.text), logprobs)
+            if delta.finish_reason is not None:
+                yield chunk(delta.index, DeltaMessage(), finish_reason=delta.finish_reason)
+    if include_usage:
+        final = ChatCompletionChunk(
+            id=plan.request_id, created=plan.created, model=plan.model, choices=[], usage=usage.usage()
+        )
+        yield final.model_dump_json()

@@ -1,0 +1,124 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from router.choice_stream import ChoiceDelta
+from router.logprobs import TokenRenderer, completion_logprobs
+from router.openai_models import CompletionRequest, check_max_tokens, parse_request
+from router.openai_responses import CompletionChoice, CompletionResponse
+from router.serving import (
+    DisconnectWaiter,
+    GenerationPlan,
+    UsageTracker,
+    collect,
+    merge_choices,
+    new_request_id,
+    start_choices,
+    stream_errors,
+)
+from router.state import RouterState
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
+
+
+def plan_completion(
+    state: RouterState, body: Any, cache_salt: str | None
+) -> tuple[CompletionRequest, GenerationPlan]:
+    request = parse_request(CompletionRequest, body)
+    model = state.check_model(request.model)
+    prompts = state.prompts.completion_prompts(request.prompt)
+    max_model_len = state.max_model_len()
+    params = []
+    for prompt in prompts:
+        max_tokens = check_max_tokens(
+            request.max_tokens, len(prompt), max_model_len, DEFAULT_MAX_TOKENS, "prompt"
+        )
+        params.append(
+            request.sampling_params(
+                max_tokens, request.logprobs, state.prompts.eos_token_id, state.prompts.vocab_size
+            )
+        )
+    plan = GenerationPlan(
+        request_id=new_request_id("cmpl"),
+        model=model,
+        prompts=prompts,
+        params=params,
+        stop=request.stop_strings(),
+        cache_salt=cache_salt,
+    )
+    return request, plan
+
+
+def _logprobs(renderer: TokenRenderer | None, delta_or_result: Any) -> Any:
+    if renderer is None:
+        return None
+    return completion_logprobs(renderer, delta_or_result.logprobs, delta_or_result.text_offsets)
+
+
+async def create_completion(
+    state: RouterState, body: Any, cache_salt: str | None, wait_disconnect: DisconnectWaiter
+) -> Response:
+    request, plan = plan_completion(state, body, cache_salt)
+    renderer = TokenRenderer(state.prompts.tokenizer) if request.logprobs is not None else None
+    if request.stream:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        streams = await start_choices(state, plan)
+        chunks = _stream(plan, merge_choices(streams, wait_disconnect), renderer, include_usage)
+        return StreamingResponse(stream_errors(chunks), media_type="text/event-stream")
+    results, usage = await collect(state, plan, wait_disconnect)
+    response = CompletionResponse(
+        id=plan.request_id,
+        created=plan.created,
+        model=plan.model,
+        choices=[
+            CompletionChoice(
+                index=r.index,
+                text=r.text,
+                logprobs=_logprobs(renderer, r),
+                finish_reason=r.finish_reason,  # type: ignore[arg-type]
+            )
+            for r in results
+        ],
+        usage=usage,
+    )
+    return JSONResponse(response.model_dump(mode="json"))
+
+
+async def _stream(
+    plan: GenerationPlan,
+    deltas: AsyncGenerator[ChoiceDelta, None],
+    renderer: TokenRenderer | None,
+    include_usage: bool,
+) -> AsyncGenerator[str, None]:
+    usage = UsageTracker(plan)
+    exclude = None if include_usage else {"usage"}
+    async with contextlib.aclosing(deltas):
+        async for delta in deltas:
+            usage.update(delta)
+            if not delta.text and not delta.logprobs and delta.finish_reason is None:
+                continue
+            chunk = CompletionResponse(
+                id=plan.request_id,
+                created=plan.created,
+                model=plan.model,
+                choices=[
+                    CompletionChoice(
+                        index=delta.index,
+                        text=delta.text,
+                        logprobs=_logprobs(renderer, delta),
+                        finish_reason=delta.finish_reason,  # type: ignore[arg-type]
+                    )
+                ],
+            )
+            yield chunk.model_dump_json(exclude=exclude)
+    if include_usage:
+        final = CompletionResponse(
+            id=plan.request_id, created=plan.created, model=plan.model, choices=[], usage=usage.usage()
+        )
+        yield final.model_dump_json()

@@ -1,0 +1,77 @@
+"""Everything one router process holds, wired together; started and stopped by the app's lifespan."""
+
+from __future__ import annotations
+
+import logging
+
+from common.registry import PrefixIndex, Registry
+from router.auth import ApiKeys
+from router.config import RouterConfig
+from router.dispatcher import Dispatcher
+from router.engine_client import EngineClient
+from router.errors import APIError
+from router.instance_pool import InstancePool
+from router.metrics import RouterMetrics
+from router.routing import make_policy
+from router.tokenization import PromptProcessor
+
+logger = logging.getLogger(__name__)
+
+
+class RouterState:
+    def __init__(self, config: RouterConfig, prompts: PromptProcessor) -> None:
+        self.config = config
+        self.prompts = prompts
+        self.metrics = RouterMetrics()
+        self.api_keys = ApiKeys(config.api_keys)
+        self.registry = Registry(config.redis_url, config.namespace) if config.redis_url else None
+        self.prefix_index = PrefixIndex(config.redis_url, config.namespace) if config.redis_url else None
+        self.client = EngineClient(config.reply_host, config.reply_port)
+        self.pool = InstancePool(self.registry, self.client, config.refresh_interval_s)
+        self.dispatcher = Dispatcher(
+            self.client,
+            self.pool,
+            make_policy(config.routing_policy, config.prefix_alpha, config.kv_weight),
+            self.prefix_index,
+            self.metrics,
+            request_timeout_s=config.request_timeout_s,
+            direct_prompt_tokens=config.direct_prompt_tokens,
+        )
+        self.num_inflight = 0
+
+    async def start(self) -> None:
+        await self.client.start()
+        await self.pool.start()
+        logger.info("router receiving engine outputs at %s", self.client.reply_address)
+
+    async def stop(self) -> None:
+        await self.pool.stop()
+        await self.client.close()
+        for redis_user in (self.registry, self.prefix_index):
+            if redis_user is not None:
+                redis_user.close()
+
+    def max_model_len(self) -> int:
+        """The smallest context window the instances report, else the model's own."""
+        return self.pool.max_model_len() or self.prompts.max_model_len
+
+    def check_model(self, requested: str | None) -> str:
+        """The served name to answer with; 404 for a model this router does not serve."""
+        names = self.config.served_model_names
+        if requested is None or requested in names:
+            return requested or names[0]
+        raise APIError(404, f"the model '{requested}' does not exist", param="model", code="model_not_found")
+
+    def admit(self) -> None:
+        """Count one more HTTP request in flight, or raise 429 past ``max_inflight``."""
+        limit = self.config.max_inflight
+        if limit and self.num_inflight >= limit:
+            raise APIError(
+                429, f"too many requests in flight (limit {limit}); retry later", code="rate_limit_exceeded"
+            )
+        self.num_inflight += 1
+        self.metrics.num_requests_running.set(self.num_inflight)
+
+    def leave(self) -> None:
+        self.num_inflight -= 1
+        self.metrics.num_requests_running.set(self.num_inflight)

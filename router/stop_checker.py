@@ -1,0 +1,47 @@
+"""Stop strings over streamed text, across token boundaries.
+
+Text that could be the start of a stop string is held back until it is clear either way, so a
+client never sees part of a stop string. The stop string itself is never emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class StopChecker:
+    """``push`` returns the text safe to emit; after a stop string hits, ``stopped`` is True."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self._stop = [s for s in stop if s]
+        self._max_hold = max((len(s) for s in self._stop), default=1) - 1
+        self._held = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        if self.stopped or not text:
+            return ""
+        if not self._stop:
+            return text
+        buffer = self._held + text
+        hits = [pos for pos in (buffer.find(s) for s in self._stop) if pos >= 0]
+        if hits:
+            self.stopped = True
+            self._held = ""
+            return buffer[: min(hits)]
+        num_held = self._num_to_hold(buffer)
+        self._held = buffer[len(buffer) - num_held :]
+        return buffer[: len(buffer) - num_held]
+
+    def _num_to_hold(self, buffer: str) -> int:
+        """Length of the longest tail of ``buffer`` that is a proper prefix of a stop string."""
+        for size in range(min(self._max_hold, len(buffer)), 0, -1):
+            tail = buffer[-size:]
+            if any(s.startswith(tail) for s in self._stop):
+                return size
+        return 0
+
+    def flush(self) -> str:
+        """Release held text at the end of a request that did not stop on a string."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held

@@ -1,0 +1,82 @@
+"""Shared fixtures: a real ``redis-server`` (never a mock) on a free local port, without persistence."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """A throw-away ``redis-server`` process: no RDB snapshots, no AOF, loopback only."""
+
+    def __init__(self, port: int | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.skip("redis-server is not installed")
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._dir = tempfile.TemporaryDirectory(prefix="redis-test-")
+        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args += ["--dir", self._dir.name, "--loglevel", "warning"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 10.0) -> None:
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with code {self.proc.returncode}")
+                try:
+                    if client.ping():
+                        return
+                except redis.ConnectionError:
+                    time.sleep(0.05)
+            raise RuntimeError("redis-server did not become ready")
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self._dir.cleanup()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """URL of a real redis-server shared by the whole session; use your own key namespace."""
+    server = RedisServer()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def make_redis_server() -> Iterator[Callable[..., RedisServer]]:
+    """Factory for private redis-servers a test may kill and restart (all stopped afterwards)."""
+    servers: list[RedisServer] = []
+
+    def make(port: int | None = None) -> RedisServer:
+        server = RedisServer(port)
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()

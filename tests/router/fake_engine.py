@@ -1,0 +1,231 @@
+"""Fake prefill/decode engines for router tests: real ZMQ sockets and a real registry entry, no model.
+
+Every request is answered with the same canned token ids (cut at ``max_tokens``). A prefill engine
+sends the first token (``phase="prefill"``) and hands the request to the decode engine named in
+``decode_target`` (in process, standing in for the KV transfer); the decode engine sends the rest.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from common.protocol import (
+    AbortRequest,
+    GenerateRequest,
+    PositionLogprobs,
+    ProtocolError,
+    RequestOutput,
+    TokenLogprob,
+    decode_input,
+    encode,
+)
+from common.registry import HeartbeatThread, InstanceInfo, Registry
+
+MODEL_ID = "fake-model"
+
+
+@dataclass
+class _Active:
+    request: GenerateRequest
+    produced: int
+    phase: str
+    next_time: float = 0.0
+
+
+class FakeEngine(threading.Thread):
+    """``mode``: "ok", "error" (answers with an error output) or "silent" (never answers)."""
+
+    def __init__(
+        self,
+        role: str,
+        instance_id: str,
+        redis_url: str,
+        namespace: str,
+        reply_tokens: list[int],
+        peers: dict[str, FakeEngine],
+        token_delay_s: float = 0.005,
+        block_size: int = 16,
+        mode: str = "ok",
+    ) -> None:
+        super().__init__(name=f"fake-{instance_id}", daemon=True)
+        self.role = role
+        self.instance_id = instance_id
+        self.reply_tokens = reply_tokens
+        self.peers = peers
+        self.token_delay_s = token_delay_s
+        self.block_size = block_size
+        self.mode = mode
+        self.requests: list[GenerateRequest] = []
+        self.aborts: list[str] = []
+        self.handoffs: queue.Queue[tuple[GenerateRequest, int]] = queue.Queue()
+        self._registry = Registry(redis_url, namespace, ttl_s=1.0)
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self._active: dict[str, _Active] = {}
+        self._aborted: set[str] = set()
+        self.address = ""
+        self._heartbeat: HeartbeatThread | None = None
+
+    def info(self) -> InstanceInfo:
+        return InstanceInfo(
+            instance_id=self.instance_id,
+            role=self.role,
+            model=MODEL_ID,
+            control_address=self.address,
+            kv_address=f"inproc://{self.instance_id}",
+            block_size=self.block_size,
+            max_model_len=256,
+            num_requests_running=len(self._active),
+        )
+
+    def start(self) -> None:
+        super().start()
+        assert self._ready.wait(5), "fake engine did not start"
+        self._heartbeat = HeartbeatThread(self._registry, self.info, interval_s=0.2)
+        self._heartbeat.start()
+
+    def stop(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        self._stopping.set()
+        self.join(5)
+
+    def run(self) -> None:
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        replies: dict[str, zmq.Socket] = {}
+        self._ready.set()
+        try:
+            while not self._stopping.is_set():
+                if pull.poll(2):
+                    self._handle(pull.recv(), replies, ctx)
+                while not self.handoffs.empty():
+                    request, produced = self.handoffs.get()
+                    if request.request_id not in self._aborted:
+                        self._active[request.request_id] = _Active(request, produced, "decode")
+                self._step(replies, ctx)
+        finally:
+            for sock in [pull, *replies.values()]:
+                sock.close(linger=0)
+            ctx.term()
+
+    def _send(self, replies: dict[str, zmq.Socket], ctx: zmq.Context, to: str, out: RequestOutput) -> None:
+        if to not in replies:
+            replies[to] = ctx.socket(zmq.PUSH)
+            replies[to].setsockopt(zmq.LINGER, 0)
+            replies[to].connect(to)
+        replies[to].send(encode(out))
+
+    def _handle(self, raw: bytes, replies: dict[str, zmq.Socket], ctx: zmq.Context) -> None:
+        try:
+            msg = decode_input(raw)
+        except ProtocolError:
+            return
+        if isinstance(msg, AbortRequest):
+            self.aborts.append(msg.request_id)
+            self._aborted.add(msg.request_id)
+            self._active.pop(msg.request_id, None)
+            return
+        self.requests.append(msg)
+        if self.mode == "silent":
+            return
+        if self.mode == "error":
+            out = RequestOutput(
+                request_id=msg.request_id, new_token_ids=[], finish_reason="error", error="boom"
+            )
+            out.instance_id = self.instance_id
+            self._send(replies, ctx, msg.reply_to, out)
+            return
+        if msg.decode_target is None:
+            self._active[msg.request_id] = _Active(msg, 0, "full")
+            return
+        # Prefill: the first token now, then hand over to the decode instance.
+        active = _Active(msg, 0, "prefill")
+        self._emit(active, replies, ctx)
+        if active.produced < self._limit(msg):
+            self.peers[msg.decode_target.instance_id].handoffs.put((msg, active.produced))
+
+    def _limit(self, request: GenerateRequest) -> int:
+        return min(request.sampling_params.max_tokens, len(self.reply_tokens))
+
+    def _emit(self, active: _Active, replies: dict[str, zmq.Socket], ctx: zmq.Context) -> None:
+        request = active.request
+        token_id = self.reply_tokens[active.produced]
+        active.produced += 1
+        finish = None
+        if active.produced >= self._limit(request):
+            finish = "length" if active.produced >= request.sampling_params.max_tokens else "stop"
+        logprobs = None
+        k = request.sampling_params.logprobs
+        if k is not None:
+            top = [TokenLogprob(token_id, -0.25), *(TokenLogprob(t, -2.0) for t in range(k))][: max(k, 1)]
+            logprobs = [PositionLogprobs(token_id, -0.25, top)]
+        out = RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[token_id],
+            logprobs=logprobs,
+            finish_reason=finish,  # type: ignore[arg-type]
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=self.block_size if len(request.prompt_token_ids) > self.block_size else 0,
+            instance_id=self.instance_id,
+            phase=active.phase,  # type: ignore[arg-type]
+        )
+        self._send(replies, ctx, request.reply_to, out)
+
+    def _step(self, replies: dict[str, zmq.Socket], ctx: zmq.Context) -> None:
+        now = time.monotonic()
+        for request_id, active in list(self._active.items()):
+            if active.next_time > now:
+                continue
+            self._emit(active, replies, ctx)
+            active.next_time = now + self.token_delay_s
+            if active.produced >= self._limit(active.request):
+                del self._active[request_id]
+
+
+class FakeCluster:
+    """``num_prefill`` + ``num_decode`` fake engines registered under one namespace."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        namespace: str,
+        reply_tokens: list[int],
+        num_prefill: int = 1,
+        num_decode: int = 1,
+        **engine_kw: Any,
+    ) -> None:
+        self.peers: dict[str, FakeEngine] = {}
+        roles = [("prefill", i) for i in range(num_prefill)] + [("decode", i) for i in range(num_decode)]
+        for role, i in roles:
+            engine = FakeEngine(
+                role, f"{role}-{i}", redis_url, namespace, reply_tokens, self.peers, **engine_kw
+            )  # type: ignore[arg-type]
+            self.peers[engine.instance_id] = engine
+
+    def __enter__(self) -> FakeCluster:
+        for engine in self.peers.values():
+            engine.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for engine in self.peers.values():
+            engine.stop()
+
+    def engine(self, instance_id: str) -> FakeEngine:
+        return self.peers[instance_id]
+
+    def requests(self) -> list[GenerateRequest]:
+        return [r for e in self.peers.values() for r in e.requests]
+
+    def aborts(self) -> dict[str, list[str]]:
+        return {e.instance_id: list(e.aborts) for e in self.peers.values()}

@@ -1,0 +1,56 @@
+"""A real router (uvicorn on a free port, in a thread) for end-to-end tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import uvicorn
+
+from router.app import create_app
+from router.config import RouterConfig
+from router.state import RouterState
+from router.tokenization import PromptProcessor
+from tests.conftest import free_port
+
+SERVED_MODEL = "test-model"
+
+
+def make_state(prompts: PromptProcessor, **config: Any) -> RouterState:
+    config.setdefault("served_model_names", [SERVED_MODEL])
+    config.setdefault("refresh_interval_s", 0.1)
+    return RouterState(RouterConfig(**config), prompts)
+
+
+class RouterServer:
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(create_app(state), host="127.0.0.1", port=self.port, log_level="warning")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="router", daemon=True)
+
+    def __enter__(self) -> RouterServer:
+        self._thread.start()
+        assert wait_until(lambda: self._server.started, 10), "router did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        assert wait_until(lambda: httpx.get(f"{self.url}/ready").status_code == 200, timeout_s), "not ready"
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float = 5.0, interval_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())

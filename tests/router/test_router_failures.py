@@ -1,0 +1,138 @@
+"""The router when things go wrong: engine errors, silence, overload, Redis down; and API keys."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from common.kvcache.hashing import compute_block_hashes
+from common.registry import PrefixIndex
+from router.auth import cache_salt_for
+from tests.router.fake_engine import MODEL_ID, FakeCluster
+from tests.router.router_harness import SERVED_MODEL, RouterServer, make_state, wait_until
+
+PROMPT = "Explain, in a few sentences, why the sky looks blue during the day and red at sunset."
+CHAT = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5}
+
+
+@contextmanager
+def running(
+    redis_url: str, prompts: Any, cluster_kw: dict[str, Any] | None = None, **config: Any
+) -> Iterator[tuple[RouterServer, FakeCluster]]:
+    namespace = f"fail-{uuid.uuid4().hex[:8]}"
+    tokens = list(prompts.tokenizer.encode(" one two three four five six", add_special_tokens=False))
+    with FakeCluster(redis_url, namespace, tokens, **(cluster_kw or {})) as cluster:
+        state = make_state(prompts, redis_url=redis_url, namespace=namespace, **config)
+        with RouterServer(state) as server:
+            server.wait_ready()
+            yield server, cluster
+
+
+def _error(response: httpx.Response) -> dict[str, Any]:
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_engine_error_becomes_json_error_and_sse_error_event(redis_url: str, prompts: Any) -> None:
+    with running(redis_url, prompts, cluster_kw={"mode": "error"}) as (server, _):
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=10)
+        assert response.status_code == 500 and "boom" in _error(response)["message"]
+        streamed = httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "stream": True}, timeout=10)
+        events = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
+
+
+def test_silent_engine_times_out_with_504_and_abort(redis_url: str, prompts: Any) -> None:
+    with running(redis_url, prompts, cluster_kw={"mode": "silent"}, request_timeout_s=0.5) as (
+        server,
+        cluster,
+    ):
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=10)
+        assert response.status_code == 504
+        [sent] = cluster.requests()
+        assert wait_until(lambda: all(sent.request_id in a for a in cluster.aborts().values()))
+
+
+def test_too_many_in_flight_gets_429(redis_url: str, prompts: Any) -> None:
+    with running(redis_url, prompts, cluster_kw={"token_delay_s": 0.2}, max_inflight=1) as (server, _):
+        body = {**CHAT, "stream": True, "max_tokens": 6}
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=10) as first:
+            lines = first.iter_lines()  # keep a reference: a dropped iterator closes the connection
+            next(lines)
+            second = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=10)
+            assert second.status_code == 429 and _error(second)["type"] == "rate_limit_error"
+        assert wait_until(lambda: server.state.num_inflight == 0)
+
+
+def test_no_instances_gives_503_and_not_ready(redis_url: str, prompts: Any) -> None:
+    state = make_state(prompts, redis_url=redis_url, namespace=f"empty-{uuid.uuid4().hex[:8]}")
+    with RouterServer(state) as server:
+        assert httpx.get(f"{server.url}/ready").status_code == 503
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=10)
+        assert response.status_code == 503 and _error(response)["code"] == "no_instances"
+
+
+def test_redis_down_keeps_serving_from_last_known_instances(make_redis_server: Any, prompts: Any) -> None:
+    redis_server = make_redis_server()
+    with running(redis_server.url, prompts) as (server, _):
+        redis_server.stop()
+        for _ in range(3):
+            response = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=10)
+            assert response.status_code == 200, response.text
+        assert httpx.get(f"{server.url}/ready").json()["registry"] == "unreachable"
+        make_redis_server(port=redis_server.port)  # empty: instances re-register on their next heartbeat
+        assert wait_until(lambda: httpx.get(f"{server.url}/ready").json()["registry"] == "ok", timeout_s=10)
+        for _ in range(10):  # no window in which the router forgets every instance
+            assert httpx.get(f"{server.url}/ready").status_code == 200
+            time.sleep(0.1)
+
+
+def test_prefix_hit_routes_to_the_instance_holding_the_blocks(redis_url: str, prompts: Any) -> None:
+    with running(redis_url, prompts, cluster_kw={"num_prefill": 3}, api_keys=["key-a"]) as (server, cluster):
+        token_ids = prompts.chat_prompt([{"role": "user", "content": PROMPT}])
+        hashes = compute_block_hashes(token_ids, 16, MODEL_ID, cache_salt_for("key-a"))
+        namespace = server.state.config.namespace
+        assert PrefixIndex(redis_url, namespace).add("prefill-2", hashes)
+        headers = {"Authorization": "Bearer key-a"}
+        for _ in range(3):
+            response = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, headers=headers, timeout=10)
+            assert response.status_code == 200
+        assert len(cluster.engine("prefill-2").requests) == 3
+        assert {r.cache_salt for r in cluster.requests()} == {cache_salt_for("key-a")}
+
+
+def test_api_keys_guard_v1_but_not_health_or_metrics(redis_url: str, prompts: Any) -> None:
+    with running(redis_url, prompts, api_keys=["key-a", "key-b"]) as (server, cluster):
+        url = f"{server.url}/v1/chat/completions"
+        missing = httpx.post(url, json=CHAT)
+        wrong = httpx.post(url, json=CHAT, headers={"Authorization": "Bearer nope"})
+        for response in (missing, wrong, httpx.get(f"{server.url}/v1/models")):
+            assert response.status_code == 401 and _error(response)["code"] == "invalid_api_key"
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert httpx.get(f"{server.url}/metrics").status_code == 200
+        for key in ("key-a", "key-b"):
+            ok = httpx.post(url, json=CHAT, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+            assert ok.status_code == 200
+        salts = [r.cache_salt for r in cluster.requests()]
+        assert salts == [cache_salt_for("key-a"), cache_salt_for("key-b")] and salts[0] != salts[1]
+
+
+@pytest.mark.parametrize("policy", ["least-loaded", "round-robin"])
+def test_load_based_policies_spread_equal_instances(redis_url: str, prompts: Any, policy: str) -> None:
+    cluster_kw = {"num_prefill": 2, "num_decode": 2}
+    with running(redis_url, prompts, cluster_kw=cluster_kw, routing_policy=policy) as (server, cluster):
+        for _ in range(4):
+            assert httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=10).status_code == 200
+        for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+            assert len(cluster.engine(name).requests) + _handoffs(cluster, name) >= 1, name
+
+
+def _handoffs(cluster: FakeCluster, decode_id: str) -> int:
+    return sum(1 for r in cluster.requests() if r.decode_target and r.decode_target.instance_id == decode_id)

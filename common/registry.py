@@ -256,15 +256,23 @@ class HeartbeatThread(threading.Thread):
 
     ``info_fn`` is called from this thread, so it must be cheap and thread-safe (read counters).
     ``stop()`` may be called twice; it deregisters the last published info unless told not to.
+    ``on_reconnect`` is called (from this thread) when a heartbeat succeeds after a failed one,
+    so the instance can republish state a restarted Redis lost.
     """
 
     def __init__(
-        self, registry: Registry, info_fn: Callable[[], InstanceInfo], interval_s: float = 1.0
+        self,
+        registry: Registry,
+        info_fn: Callable[[], InstanceInfo],
+        interval_s: float = 1.0,
+        on_reconnect: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="registry-heartbeat", daemon=True)
         self.registry = registry
         self.info_fn = info_fn
         self.interval_s = interval_s
+        self.on_reconnect = on_reconnect
+        self._was_down = False
         self._stop_event = threading.Event()
         self._last: InstanceInfo | None = None
 
@@ -272,7 +280,10 @@ class HeartbeatThread(threading.Thread):
         while not self._stop_event.is_set():
             try:
                 self._last = self.info_fn()
-                self.registry.heartbeat(self._last)
+                ok = self.registry.heartbeat(self._last)
+                if ok and self._was_down and self.on_reconnect is not None:
+                    self.on_reconnect()
+                self._was_down = not ok
             except Exception:  # a bad info_fn must not kill the heartbeat
                 logger.exception("heartbeat failed")
             self._stop_event.wait(self.interval_s)

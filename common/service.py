@@ -165,9 +165,16 @@ class EngineService:
                 self.on_generate(msg)
 
     def _publish_prefix_events(self) -> None:
+        if self._republish.is_set():
+            # Redis came back (perhaps empty): publish everything this instance caches again.
+            self._republish.clear()
+            self.engine.kv.pool.drain_events()
+            self._prefix_queue.append((list(self.engine.kv.pool.cached), [], True))
+            self._prefix_wakeup.set()
+            return
         stored, removed = self.engine.kv.pool.drain_events()
         if stored or removed:
-            self._prefix_queue.append((list(stored), list(removed)))
+            self._prefix_queue.append((list(stored), list(removed), False))
             self._prefix_wakeup.set()
 
     def _prefix_publisher(self) -> None:
@@ -176,7 +183,9 @@ class EngineService:
             self._prefix_wakeup.wait(0.5)
             self._prefix_wakeup.clear()
             while self._prefix_queue:
-                stored, removed = self._prefix_queue.pop(0)
+                stored, removed, reset = self._prefix_queue.pop(0)
+                if reset:
+                    self.prefix_index.clear_instance(self.instance_id)
                 if removed:
                     self.prefix_index.remove(self.instance_id, list(removed))
                 if stored:
@@ -193,11 +202,12 @@ class EngineService:
         self._stop.set()
 
     def run(self) -> None:
-        self._prefix_queue: list[tuple[list[bytes], list[bytes]]] = []
+        self._prefix_queue: list[tuple[list[bytes], list[bytes], bool]] = []
         self._prefix_wakeup = threading.Event()
         self.prefix_index.clear_instance(self.instance_id)
         threading.Thread(target=self._prefix_publisher, daemon=True, name="prefix-publisher").start()
-        self.heartbeat = HeartbeatThread(self.registry, self.info, 1.0)
+        self._republish = threading.Event()
+        self.heartbeat = HeartbeatThread(self.registry, self.info, 1.0, on_reconnect=self._republish.set)
         self.heartbeat.start()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.stop)

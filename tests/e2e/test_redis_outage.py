@@ -1,0 +1,61 @@
+"""Redis is a hint: with it down requests still succeed, and everything reconnects when it returns."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from common.kvcache.hashing import compute_block_hashes
+from common.registry import PrefixIndex, Registry
+from tests.e2e.stack import Stack
+from tests.e2e.test_stack import LONG_PREFIX, MODEL
+from tests.engine.conftest import model_path, tokenizer
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _prefix_blocks_held(redis_url: str, instance_id: str) -> int:
+    info = next((i for i in Registry(redis_url).instances("prefill") if i.instance_id == instance_id), None)
+    if info is None:
+        return -1
+    hashes = compute_block_hashes(list(tokenizer()(LONG_PREFIX).input_ids), info.block_size, info.model)
+    return PrefixIndex(redis_url).match([bytes(h) for h in hashes]).get(instance_id, 0)
+
+
+def test_requests_succeed_with_redis_down_and_index_returns_after_restart(make_redis_server):  # type: ignore[no-untyped-def]
+    server = make_redis_server()
+    s = Stack(redis_url=server.url, model=model_path())
+    s.start_engine("prefill", "prefill-r")
+    s.start_engine("decode", "decode-r")
+    s.start_router()
+    try:
+        s.wait_ready(1, 1)
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client.completions.create(model=MODEL, prompt=LONG_PREFIX + "First?", max_tokens=4, temperature=0)
+        deadline = time.monotonic() + 10
+        while _prefix_blocks_held(server.url, "prefill-r") <= 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _prefix_blocks_held(server.url, "prefill-r") > 0
+
+        port = server.port
+        server.stop()
+        for i in range(3):
+            out = client.completions.create(model=MODEL, prompt=LONG_PREFIX + f"Down {i}?", max_tokens=4,
+                                            temperature=0)
+            assert out.choices[0].finish_reason in ("length", "stop")
+
+        restarted = make_redis_server(port)  # empty: the registry and the index must be rebuilt
+        deadline = time.monotonic() + 20
+        held = -1
+        while time.monotonic() < deadline:
+            held = _prefix_blocks_held(restarted.url, "prefill-r")
+            if held > 0:
+                break
+            time.sleep(0.3)
+        assert held > 0, "the prefill instance did not re-register and republish its cached blocks"
+        out = client.completions.create(model=MODEL, prompt=LONG_PREFIX + "Back?", max_tokens=4, temperature=0)
+        assert out.usage.prompt_tokens_details.cached_tokens > 0
+    finally:
+        s.stop()

@@ -15,6 +15,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
+
 from common.kvcache.hashing import compute_block_hashes
 from common.protocol import DecodeTarget, GenerateRequest, RequestOutput
 from common.registry import InstanceInfo, PrefixIndex
@@ -29,6 +31,12 @@ logger = logging.getLogger(__name__)
 
 PREFIX_LOOKUP_TIMEOUT_S = 0.25
 LIVENESS_POLL_S = 1.0
+MAX_RETRIES = 2
+
+
+def _retryable_error(error: str | None) -> bool:
+    """Failures of an instance or a transfer, not of the request itself (those fail the same twice)."""
+    return bool(error) and str(error).startswith("KV transfer failed")
 
 
 class EngineRequestError(Exception):
@@ -47,16 +55,29 @@ class EngineRequest:
     queue: asyncio.Queue[RequestOutput]
     holders: list[InstanceInfo]  # [P, D] or [D]; the first one answers first
     dispatcher: Dispatcher
+    request: GenerateRequest | None = None  # kept so a lost request can be sent again
+    retries_left: int = MAX_RETRIES
     finished: bool = False
     closed: bool = False
     _first_seen: bool = field(default=False, repr=False)
+    _yielded: bool = field(default=False, repr=False)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Outputs in order (prefill before decode); raises ``EngineRequestError`` on failure."""
         overtaken: list[RequestOutput] = []  # decode outputs that arrived before the prefill output
         try:
             while not self.finished:
-                output = await self._next()
+                try:
+                    output = await self._next()
+                    if output.finish_reason == "error" and _retryable_error(output.error) and self._can_retry():
+                        raise EngineRequestError(output.error or "engine error", status=502)
+                except EngineRequestError as exc:
+                    if exc.status != 502 or not self._can_retry():
+                        raise
+                    logger.warning("request %s lost (%s); sending it again", self.request_id, exc)
+                    await self._retry()
+                    overtaken = []
+                    continue
                 if self._awaiting_prefill() and output.phase == "decode" and output.finish_reason != "error":
                     overtaken.append(output)
                     continue
@@ -65,11 +86,32 @@ class EngineRequest:
                     batch, overtaken = [output, *overtaken], []
                 for out in batch:
                     self._on_output(out)
+                    self._yielded = True
                     yield out
                     if self.finished:
                         break
         finally:
             self.close()
+
+    def _can_retry(self) -> bool:
+        """Only a request whose client has seen nothing yet can be sent again transparently."""
+        return not self._yielded and self.retries_left > 0 and self.request is not None
+
+    async def _retry(self) -> None:
+        """Abort the lost attempt everywhere and route the request again under a new id."""
+        assert self.request is not None
+        self.retries_left -= 1
+        self.close()
+        attempt = MAX_RETRIES - self.retries_left
+        request = msgspec.structs.replace(self.request, request_id=f"{self.request.request_id}.retry{attempt}")
+        try:
+            fresh = await self.dispatcher.submit_request(request)
+        except APIError as exc:
+            raise EngineRequestError(f"request lost and no instance can take it again: {exc}", 502) from None
+        self.request_id, self.queue, self.holders = fresh.request_id, fresh.queue, fresh.holders
+        self.closed = False
+        self._first_seen = False
+        self.dispatcher.metrics.retries.inc()
 
     def _awaiting_prefill(self) -> bool:
         return len(self.holders) == 2 and not self._first_seen
@@ -181,15 +223,22 @@ class Dispatcher:
             cache_salt=cache_salt,
             arrival_time=time.time(),
         )
-        queue = self.client.open(request_id)  # before sending: no output may arrive unclaimed
+        return await self.submit_request(request)
+
+    async def submit_request(self, request: GenerateRequest) -> EngineRequest:
+        """Route and send a prepared request; raises a 503 ``APIError`` when nothing can take it."""
+        queue = self.client.open(request.request_id)  # before sending: no output may arrive unclaimed
         try:
             holders = await self._route_and_send(request)
         except BaseException:
-            self.client.discard(request_id)
+            self.client.discard(request.request_id)
             raise
         for holder in holders:
             self.pool.acquire(holder.instance_id)
-        return EngineRequest(request_id=request_id, queue=queue, holders=holders, dispatcher=self)
+        sent = msgspec.structs.replace(request, decode_target=None)
+        return EngineRequest(
+            request_id=request.request_id, queue=queue, holders=holders, dispatcher=self, request=sent
+        )
 
     async def _route_and_send(self, request: GenerateRequest) -> list[InstanceInfo]:
         """Send to [P] with D as decode target, or straight to D; the instances now holding it."""

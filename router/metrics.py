@@ -68,6 +68,11 @@ class RouterMetrics:
         self.routed = Counter(
             "pdserve:router_requests_routed", "Engine requests sent, by path.", ["path"], registry=r
         )
+        self.retries = Counter(
+            "pdserve:router_request_retries",
+            "Engine requests sent again after their instance or transfer failed before any output.",
+            registry=r,
+        )
         self.prefix_hit_blocks = Counter(
             "pdserve:router_prefix_hit_blocks",
             "Prompt blocks cached on the chosen prefill instance.",

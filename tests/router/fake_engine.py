@@ -39,7 +39,8 @@ class _Active:
 
 
 class FakeEngine(threading.Thread):
-    """``mode``: "ok", "error" (answers with an error output) or "silent" (never answers)."""
+    """``mode``: "ok", "error" (answers with an error output), "silent" (never answers) or
+    "transfer-fail-once" (the first request fails as a lost KV transfer, later ones are "ok")."""
 
     def __init__(
         self,
@@ -138,9 +139,12 @@ class FakeEngine(threading.Thread):
         self.requests.append(msg)
         if self.mode == "silent":
             return
-        if self.mode == "error":
+        if self.mode in ("error", "transfer-fail-once"):
+            error = "boom" if self.mode == "error" else "KV transfer failed: peer went away"
+            if self.mode == "transfer-fail-once":
+                self.mode = "ok"
             out = RequestOutput(
-                request_id=msg.request_id, new_token_ids=[], finish_reason="error", error="boom"
+                request_id=msg.request_id, new_token_ids=[], finish_reason="error", error=error
             )
             out.instance_id = self.instance_id
             self._send(replies, ctx, msg.reply_to, out)

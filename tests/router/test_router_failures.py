@@ -49,6 +49,17 @@ def test_engine_error_becomes_json_error_and_sse_error_event(redis_url: str, pro
         assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
 
 
+def test_lost_transfer_before_any_output_is_sent_again_and_succeeds(redis_url: str, prompts: Any) -> None:
+    with running(redis_url, prompts, cluster_kw={"mode": "transfer-fail-once"}) as (server, cluster):
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=10)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"]
+        ids = [r.request_id for r in cluster.requests()]
+        assert len(ids) == 2 and ids[1] == ids[0] + ".retry1"
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert "pdserve:router_request_retries_total 1.0" in metrics
+
+
 def test_silent_engine_times_out_with_504_and_abort(redis_url: str, prompts: Any) -> None:
     with running(redis_url, prompts, cluster_kw={"mode": "silent"}, request_timeout_s=0.5) as (
         server,

@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -239,3 +240,13 @@ class EngineService:
 
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def service_main(role: str, factory: Callable[[argparse.Namespace], EngineService], argv: list[str] | None) -> int:
+    """Parse the service flags, build the service and run its loop until SIGTERM/SIGINT."""
+    parser = argparse.ArgumentParser(prog=f"pdserve {role}", description=f"run one {role} instance")
+    add_service_args(parser, role)
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    factory(args).run()
+    return 0

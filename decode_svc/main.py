@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from common.service import add_service_args, configure_logging
+from common.service import EngineService, service_main
+
+
+def _build(args: argparse.Namespace) -> EngineService:
+    from decode_svc.service import DecodeService
+
+    return DecodeService(args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve decode", description=__doc__)
-    add_service_args(parser, "decode")
-    args = parser.parse_args(argv)
-    configure_logging(args.log_level)
-    from decode_svc.service import DecodeService
-
-    DecodeService(args).run()
-    return 0
+    return service_main("decode", _build, argv)

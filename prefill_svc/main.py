@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from common.service import add_service_args, configure_logging
+from common.service import EngineService, service_main
+
+
+def _build(args: argparse.Namespace) -> EngineService:
+    from prefill_svc.service import PrefillService
+
+    return PrefillService(args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve prefill", description=__doc__)
-    add_service_args(parser, "prefill")
-    args = parser.parse_args(argv)
-    configure_logging(args.log_level)
-    from prefill_svc.service import PrefillService
-
-    PrefillService(args).run()
-    return 0
+    return service_main("prefill", _build, argv)

@@ -22,6 +22,7 @@ from torch import Tensor
 def store_kv(key: Tensor, value: Tensor, kv_layer: Tensor, slot_mapping: Tensor) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into their slots, in place."""
     block_size = kv_layer.shape[2]
+    slot_mapping = slot_mapping.long()
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]

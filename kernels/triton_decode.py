@@ -9,12 +9,15 @@ them. Otherwise a single pass writes the normalized output directly.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from kernels.triton_checks import check_block_tables, check_heads, check_index, check_kv_layer, check_out
+from kernels.triton_common import dot, dot_constexprs, launch_options
 
 LOG2E = 1.4426950408889634
 DEFAULT_BLOCK_N = 64
@@ -27,7 +30,7 @@ CPU_NUM_SMS = 8  # stand-in core count when the interpreter runs the kernels on 
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, m_ptr, l_ptr,
-    scale_log2e,
+    scale_log2e, num_splits,
     stride_q_seq, stride_q_head,
     stride_kv_block, stride_kv_tok, stride_kv_head,
     stride_bt_seq,
@@ -35,14 +38,19 @@ def _decode_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr, WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """Attention of one (sequence, KV head) over its ``split``-th context range.
+
+    ``SPLIT`` false: one range, normalized output. True: the unnormalized partial output, its row max
+    (in log2 units) and sum, for ``_decode_reduce_kernel``.
+    """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     ctx_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-    tiles_per_split = tl.cdiv(tl.cdiv(ctx_len, BLOCK_N), NUM_SPLITS)
+    tiles_per_split = tl.cdiv(tl.cdiv(ctx_len, BLOCK_N), num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx_len)
 
@@ -68,7 +76,7 @@ def _decode_kernel(
         kv_offs = block_ids * stride_kv_block + (toks % BLOCK_SIZE) * stride_kv_tok + kv_head * stride_kv_head
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e
+        s = dot(q, tl.trans(k), WIDEN_DOT, DOT_PRECISION) * scale_log2e
         s = tl.where(n_mask[None, :], s, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite after the first tile.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -76,37 +84,38 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN_DOT, DOT_PRECISION)
         m_i = m_new
 
     o_base = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :]
     o_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # an empty context yields zeros, not NaN
         tl.store(o_base, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         tl.store(o_base + split * stride_o_split, acc, mask=o_mask)
-        ml_offs = (seq * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        ml_offs = (seq * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
         tl.store(m_ptr + ml_offs, m_i, mask=g_mask)
         tl.store(l_ptr + ml_offs, l_i, mask=g_mask)
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    partial_ptr, m_ptr, l_ptr, out_ptr,
+    partial_ptr, m_ptr, l_ptr, out_ptr, num_splits,
     stride_p_seq, stride_p_head, stride_p_split,
     stride_o_seq, stride_o_head,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
 ):
+    """Merges the ``num_splits`` partial outputs of one (sequence, query head)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D_PAD)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_SIZE
 
-    ml_offs = (seq * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
+    ml_offs = (seq * tl.num_programs(1) + head) * num_splits + offs_s
     m = tl.load(m_ptr + ml_offs, mask=s_mask, other=float("-inf"))
     l_split = tl.load(l_ptr + ml_offs, mask=s_mask, other=0.0)
     m_max = tl.max(m, axis=0)
@@ -123,20 +132,21 @@ def _decode_reduce_kernel(
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+@functools.cache
 def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return CPU_NUM_SMS
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int) -> int:
     """How many context ranges each sequence is cut into; 1 means the single-pass kernel.
 
     Split only when (sequence, KV head) programs cannot fill about two per SM, and never into ranges
     shorter than ``MIN_TOKENS_PER_SPLIT`` tokens of the longest possible context.
     """
     num_programs = num_seqs * num_kv_heads
-    target = 2 * num_sms
+    target = 2 * sm_count
     if num_programs == 0 or num_programs >= target:
         return 1
     by_occupancy = triton.cdiv(target, num_programs)
@@ -153,8 +163,10 @@ def run_paged_decode(
     out: Tensor | None = None,
     num_splits: int | None = None,
     block_n: int = DEFAULT_BLOCK_N,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> Tensor:
-    """``paged_decode_attention`` with the split count and tile size exposed (``None``: heuristic)."""
+    """``paged_decode_attention`` with the split count (``None``: heuristic) and tiling exposed."""
     check_kv_layer(kv_layer)
     num_heads, num_kv_heads, head_size = check_heads(query, kv_layer)
     num_seqs = query.shape[0]
@@ -170,13 +182,15 @@ def run_paged_decode(
         # The table's width bounds every context without reading context_lens on the host.
         max_context_len = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, num_sms(query.device))
-    assert 1 <= num_splits, f"num_splits must be positive, got {num_splits}"
+    assert num_splits >= 1, f"num_splits must be positive, got {num_splits}"
 
     group = num_heads // num_kv_heads
     consts = dict(
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size),
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        **dot_constexprs(kv_layer.dtype, query.device),
+        **launch_options(num_warps, num_stages),
     )
     k_cache, v_cache = kv_layer[0], kv_layer[1]
     kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
@@ -184,8 +198,8 @@ def run_paged_decode(
     if num_splits == 1:
         _decode_kernel[grid](
             query, k_cache, v_cache, block_tables, context_lens, out, out, out,
-            scale * LOG2E, query.stride(0), query.stride(1), *kv_strides, block_tables.stride(0),
-            out.stride(0), out.stride(1), 0, NUM_SPLITS=1, **consts,
+            scale * LOG2E, 1, query.stride(0), query.stride(1), *kv_strides, block_tables.stride(0),
+            out.stride(0), out.stride(1), 0, SPLIT=False, **consts,
         )
         return out
 
@@ -194,14 +208,14 @@ def run_paged_decode(
     l_sum = torch.empty_like(m)
     _decode_kernel[grid](
         query, k_cache, v_cache, block_tables, context_lens, partial, m, l_sum,
-        scale * LOG2E, query.stride(0), query.stride(1), *kv_strides, block_tables.stride(0),
-        partial.stride(0), partial.stride(1), partial.stride(2), NUM_SPLITS=num_splits, **consts,
+        scale * LOG2E, num_splits, query.stride(0), query.stride(1), *kv_strides, block_tables.stride(0),
+        partial.stride(0), partial.stride(1), partial.stride(2), SPLIT=True, **consts,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
-        partial, m, l_sum, out,
+        partial, m, l_sum, out, num_splits,
         partial.stride(0), partial.stride(1), partial.stride(2), out.stride(0), out.stride(1),
         HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size),
-        NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits),
+        S_PAD=triton.next_power_of_2(num_splits),
     )
     return out
 

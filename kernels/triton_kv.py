@@ -163,7 +163,7 @@ def copy_blocks(kv_cache: Tensor, src_block_ids: Tensor, dst_block_ids: Tensor) 
     check_index("src_block_ids", src_block_ids)
     check_index("dst_block_ids", dst_block_ids, src_block_ids.shape[0])
     if src_block_ids.device.type == "cpu" and dst_block_ids.device.type == "cpu":
-        pairs = [(s, d) for s, d in zip(src_block_ids.tolist(), dst_block_ids.tolist()) if s != d]
+        pairs = [(s, d) for s, d in zip(src_block_ids.tolist(), dst_block_ids.tolist(), strict=True) if s != d]
         overlap = {d for _, d in pairs} & {s for s, _ in pairs}
         assert not overlap, f"copy_blocks destinations {sorted(overlap)} are also sources"
     src = src_block_ids.to(device=kv_cache.device)

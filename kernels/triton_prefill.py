@@ -16,6 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.triton_checks import check_block_tables, check_heads, check_index, check_kv_layer, check_out
+from kernels.triton_common import dot, dot_constexprs, launch_options
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # query rows (tokens x heads of a group) per program
@@ -33,7 +34,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEQ_PAD: tl.constexpr,
+    SEQ_PAD: tl.constexpr, WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -83,7 +84,7 @@ def _prefill_kernel(
         kv_offs = block_ids * stride_kv_block + (k_pos % BLOCK_SIZE) * stride_kv_tok + kv_head * stride_kv_head
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e
+        s = dot(q, tl.trans(k), WIDEN_DOT, DOT_PRECISION) * scale_log2e
         visible = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
         # Key 0 is visible to every row, so each row's max is finite from the first tile on.
@@ -92,7 +93,7 @@ def _prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN_DOT, DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -110,8 +111,10 @@ def run_paged_prefill(
     scale: float,
     out: Tensor | None = None,
     block_n: int = DEFAULT_BLOCK_N,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> Tensor:
-    """``paged_prefill_attention`` with the key tile size exposed."""
+    """``paged_prefill_attention`` with the tiling exposed."""
     check_kv_layer(kv_layer)
     num_heads, num_kv_heads, head_size = check_heads(query, kv_layer)
     num_seqs = context_lens.shape[0]
@@ -139,7 +142,9 @@ def run_paged_prefill(
         out.stride(0), out.stride(1),
         GROUP=group, G_PAD=g_pad, HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size),
         BLOCK_SIZE=kv_layer.shape[2], BLOCK_Q=block_q, BLOCK_N=block_n,
-        SEQ_PAD=triton.next_power_of_2(num_seqs),
+        SEQ_PAD=max(16, triton.next_power_of_2(num_seqs)),  # few sizes, few compiled variants
+        **dot_constexprs(kv_layer.dtype, query.device),
+        **launch_options(num_warps, num_stages),
     )
     return out
 

@@ -1,0 +1,37 @@
+"""What the attention kernels share: their matrix product and its operand handling, launch options.
+
+Float32 caches use exact ("ieee") products rather than TF32, so they match the reference closely;
+half-precision caches use the tensor cores' default. Triton's CPU interpreter multiplies bfloat16
+operands as their raw 16-bit integers, so on the CPU bfloat16 operands are widened to float32
+first: widening is exact and the tensor cores accumulate in float32 too, so the products agree.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dot(a, b, WIDEN: tl.constexpr, PRECISION: tl.constexpr):
+    """``a @ b`` accumulated in float32."""
+    if WIDEN:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=PRECISION)
+    return out
+
+
+def dot_constexprs(cache_dtype: torch.dtype, device: torch.device) -> dict[str, object]:
+    """The ``WIDEN_DOT`` and ``DOT_PRECISION`` launch arguments of the attention kernels."""
+    return {
+        "WIDEN_DOT": cache_dtype == torch.bfloat16 and device.type == "cpu",
+        "DOT_PRECISION": "ieee" if cache_dtype == torch.float32 else "tf32",
+    }
+
+
+def launch_options(num_warps: int | None, num_stages: int | None) -> dict[str, int]:
+    """Launch options to pass on; ``None`` keeps Triton's default."""
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return {k: v for k, v in options.items() if v is not None}

@@ -1,0 +1,421 @@
+"""Check every Triton kernel against its torch reference on a CUDA GPU, then time it.
+
+    python -m ops.bench.gpu_kernels [--batch 64 --context-len 4096 ...]
+
+Timings are medians over many runs (CUDA events, L2 flushed between runs). Each kernel's achieved
+GB/s stands next to a device-to-device ``Tensor.copy_`` moving the same number of bytes (read +
+write) in the same run; paged decode attention also stands next to torch SDPA over contiguous K/V
+of the same shapes. A failing check or a failing timing is recorded and the run goes on; the table
+is written (Markdown + JSON) to ``ops/bench/results/gpu_kernels-<date>-<card>.{md,json}`` after
+every section, so a crash late in the run keeps what came before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import functools
+import json
+import platform
+import re
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DEVICE = "cuda"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # atol = rtol vs fp32 reference
+
+
+class Report:
+    """Collects check and timing rows, and rewrites the Markdown and JSON files on every ``save``."""
+
+    def __init__(self, out_dir: Path, meta: dict[str, Any]) -> None:
+        card = re.sub(r"[^A-Za-z0-9]+", "-", meta["device"]).strip("-") or "gpu"
+        stem = f"gpu_kernels-{dt.date.today().isoformat()}-{card}"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.md_path, self.json_path = out_dir / f"{stem}.md", out_dir / f"{stem}.json"
+        self.meta = meta
+        self.checks: list[dict[str, Any]] = []
+        self.timings: list[dict[str, Any]] = []
+        self.group = ""  # rows of one group share their copy_ baseline
+
+    def check(self, name: str, run: Callable[[], tuple[float, float]]) -> None:
+        """``run`` returns (max abs error, allowed); an exception is a failed check, not a crash."""
+        try:
+            err, tol = run()
+            synchronize()
+            row = {"check": name, "ok": bool(err <= tol), "max_abs_err": err, "tolerance": tol, "error": ""}
+        except Exception as exc:
+            row = {"check": name, "ok": False, "max_abs_err": None, "tolerance": None, "error": _short(exc)}
+        self.checks.append(row)
+        print(f"[check] {'ok  ' if row['ok'] else 'FAIL'} {name} err={row['max_abs_err']} {row['error']}")
+
+    def time(self, name: str, shape: str, fn: Callable[[], Any], num_bytes: float = 0.0,
+             flops: float = 0.0) -> float | None:
+        try:
+            ms = median_ms(fn)
+        except Exception as exc:
+            self.timings.append({"name": name, "shape": shape, "group": self.group, "error": _short(exc)})
+            print(f"[time] FAIL {name}: {_short(exc)}")
+            return None
+        row = {"name": name, "shape": shape, "median_us": ms * 1e3, "bytes": num_bytes,
+               "gb_per_s": num_bytes / ms / 1e6 if num_bytes else None,
+               "tflop_per_s": flops / ms / 1e9 if flops else None, "group": self.group}
+        self.timings.append(row)
+        extra = f" {row['gb_per_s']:.0f} GB/s" if num_bytes else ""
+        extra += f" {row['tflop_per_s']:.1f} TFLOP/s" if flops else ""
+        print(f"[time] {name} [{shape}] {ms * 1e3:.1f} us{extra}")
+        return ms
+
+    def save(self) -> None:
+        copy_gbs = {t["group"]: t["gb_per_s"] for t in self.timings if t["name"].startswith("copy_") and "error" not in t}
+        for t in self.timings:
+            base = copy_gbs.get(t["group"])
+            t["of_copy"] = t["gb_per_s"] / base if base and t.get("gb_per_s") else None
+        failed = [c["check"] for c in self.checks if not c["ok"]]
+        self.json_path.write_text(json.dumps(
+            {"meta": self.meta, "checks": self.checks, "timings": self.timings, "failed_checks": failed},
+            indent=2))
+        lines = [f"# Triton kernels on {self.meta['device']}", ""]
+        lines += [f"- {k}: {v}" for k, v in self.meta.items()]
+        lines += ["", "## Correctness against the torch reference", "",
+                  "| check | ok | max abs err | tolerance | error |", "|---|---|---|---|---|"]
+        lines += [f"| {c['check']} | {'yes' if c['ok'] else '**NO**'} | {_fmt(c['max_abs_err'])} | "
+                  f"{_fmt(c['tolerance'])} | {c['error']} |" for c in self.checks]
+        lines += ["", "## Timings (median)", "",
+                  "GB/s counts bytes read + written. Each group ends with a device-to-device `copy_` moving as",
+                  "many bytes as its kernel; `of copy_` is a row's GB/s over that copy's.", "",
+                  "| group | kernel | shape | median (us) | GB/s | of copy_ | TFLOP/s |", "|---|---|---|---|---|---|---|"]
+        for t in self.timings:
+            if "error" in t:
+                lines.append(f"| {t['group']} | {t['name']} | {t['shape']} | error: {t['error']} | | | |")
+                continue
+            lines.append(f"| {t['group']} | {t['name']} | {t['shape']} | {t['median_us']:.1f} | "
+                         f"{_fmt(t['gb_per_s'], '.0f')} | {_fmt(t['of_copy'], '.0%')} | {_fmt(t['tflop_per_s'], '.1f')} |")
+        self.md_path.write_text("\n".join(lines) + "\n")
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _short(exc: BaseException) -> str:
+    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    loc = f" ({Path(where[0].filename).name}:{where[0].lineno})" if where else ""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}{loc}".replace("|", "/")
+
+
+def _fmt(value: Any, spec: str = ".2e") -> str:
+    return "" if value is None else format(value, spec)
+
+
+_FLUSH: torch.Tensor | None = None
+
+
+def median_ms(fn: Callable[[], Any], budget_ms: float = 150.0, max_iters: int = 200) -> float:
+    """Median of CUDA-event timings, with L2 flushed before each run; about ``budget_ms`` of runs."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=DEVICE)
+    fn()  # compile / warm up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    estimate_ms = max((time.perf_counter() - t0) * 1e3 / 3, 1e-3)
+    iters = int(min(max_iters, max(10, budget_ms / estimate_ms)))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        _FLUSH.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def time_copy(report: Report, num_bytes: float, dtype: torch.dtype) -> None:
+    """``Tensor.copy_`` of a buffer whose read + write equals ``num_bytes``."""
+    numel = max(1, int(num_bytes / 2 / torch.tensor([], dtype=dtype).element_size()))
+    src = torch.randn(numel, device=DEVICE).to(dtype)
+    dst = torch.empty_like(src)
+    moved = 2 * numel * src.element_size()
+    report.time("copy_ (device to device)", f"{moved / 2**20:.1f} MiB moved", lambda: dst.copy_(src), moved)
+
+
+def max_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float() - expected.float()).abs().max())
+
+
+def paged_layout(k: torch.Tensor, v: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shuffled paged ``kv_layer`` holding contiguous ``[batch, kv_heads, seq, head]`` K/V, and its table."""
+    batch, num_kv_heads, seq_len, head_size = k.shape
+    num_blocks_per_seq = -(-seq_len // block_size)
+    padded = num_blocks_per_seq * block_size
+    num_blocks = batch * num_blocks_per_seq + 1
+    tables = torch.randperm(num_blocks, device=k.device)[: batch * num_blocks_per_seq].view(batch, -1)
+    kv_layer = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, device=k.device).to(k.dtype)
+    for i, src in enumerate((k, v)):
+        src = F.pad(src, (0, 0, 0, padded - seq_len))
+        blocks = src.view(batch, num_kv_heads, num_blocks_per_seq, block_size, head_size).permute(0, 2, 3, 1, 4)
+        kv_layer[i][tables.flatten()] = blocks.reshape(-1, block_size, num_kv_heads, head_size)
+    return kv_layer, tables.to(torch.int32).contiguous()
+
+
+def run_checks(report: Report, ops: Any, ref: Any) -> None:
+    """Small ragged cases per kernel against the reference (in float32 for attention)."""
+    from kernels.triton_decode import run_paged_decode
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, device=DEVICE, generator=gen).to(dtype)
+
+    def attention_case(dtype: torch.dtype, group: int, head_size: int, block_size: int, q_lens: list[int],
+                       ctx_lens: list[int]) -> tuple[torch.Tensor, ...]:
+        width = max(-(-c // block_size) for c in ctx_lens)
+        num_blocks = len(ctx_lens) * width + 2
+        kv_layer = randn(2, num_blocks, block_size, 4, head_size, dtype=dtype)
+        tables = torch.randperm(num_blocks, device=DEVICE, generator=gen)[: len(ctx_lens) * width]
+        tables = tables.view(len(ctx_lens), width).to(torch.int32)
+        query = 2 * randn(sum(q_lens), 4 * group, head_size, dtype=dtype)
+        starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+        return query, kv_layer, tables, starts, torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+
+    def widen(*xs: Any) -> list[Any]:
+        return [x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in xs]
+
+    for dtype, group, head_size, block_size, splits in [
+        (torch.bfloat16, 4, 128, 16, None), (torch.bfloat16, 4, 128, 16, 1), (torch.bfloat16, 8, 128, 16, 6),
+        (torch.float16, 3, 64, 32, 4), (torch.float32, 1, 128, 32, None), (torch.float16, 8, 80, 16, 1),
+    ]:
+        def decode(dtype=dtype, group=group, head_size=head_size, block_size=block_size, splits=splits):
+            ctx = [1, 17, 300, 1000, 2049, 77]
+            q, kv, tables, _, lens = attention_case(dtype, group, head_size, block_size, [1] * len(ctx), ctx)
+            out = torch.full_like(q, float("nan"))
+            run_paged_decode(q, kv, tables, lens, head_size**-0.5, out=out, num_splits=splits)
+            expected = ref.paged_decode_attention(*widen(q, kv, tables, lens, head_size**-0.5))
+            return max_err(out, expected), TOLERANCE[dtype]
+
+        report.check(f"paged_decode_attention {str(dtype)[6:]} gqa{group} d{head_size} bs{block_size} "
+                     f"splits={splits or 'auto'}", decode)
+
+    for dtype, group, head_size, block_size in [(torch.bfloat16, 4, 128, 16), (torch.float16, 3, 64, 32),
+                                                (torch.float32, 8, 128, 16)]:
+        def prefill(dtype=dtype, group=group, head_size=head_size, block_size=block_size):
+            q_lens, ctx = [1, 200, 37, 513, 0], [90, 200, 1000, 700, 5]
+            q, kv, tables, starts, lens = attention_case(dtype, group, head_size, block_size, q_lens, ctx)
+            out = torch.full_like(q, float("nan"))
+            ops.paged_prefill_attention(q, kv, tables, starts, lens, head_size**-0.5, out=out)
+            expected = ref.paged_prefill_attention(*widen(q, kv, tables, starts, lens, head_size**-0.5))
+            return max_err(out, expected), TOLERANCE[dtype]
+
+        report.check(f"paged_prefill_attention {str(dtype)[6:]} gqa{group} d{head_size} bs{block_size}", prefill)
+
+    def store() -> tuple[float, float]:
+        kv = randn(2, 40, 16, 8, 128, dtype=torch.bfloat16)
+        key, value = randn(300, 8, 128), randn(300, 8, 128)
+        slots = torch.randperm(40 * 16, device=DEVICE, generator=gen)[:300]
+        slots[::7] = -1
+        expected = kv.clone()
+        ref.store_kv(key, value, expected, slots)
+        ops.store_kv(key, value, kv, slots)
+        return max_err(kv, expected), 0.0
+
+    report.check("store_kv fp32 -> bf16 cache, skipped slots", store)
+
+    def blocks() -> tuple[float, float]:
+        cache = randn(4, 2, 64, 16, 8, 128, dtype=torch.bfloat16)
+        ids = torch.randperm(64, device=DEVICE, generator=gen)[:20]
+        packed = ops.gather_blocks(cache, ids)
+        err = max_err(packed, ref.gather_blocks(cache, ids))
+        dst, want = cache.clone(), cache.clone()
+        new_ids = torch.randperm(64, device=DEVICE, generator=gen)[:20]
+        ops.scatter_blocks(dst, new_ids, packed)
+        ref.scatter_blocks(want, new_ids, packed)
+        err = max(err, max_err(dst, want))
+        src_ids, dst_ids = torch.arange(0, 10, device=DEVICE), torch.arange(30, 40, device=DEVICE)
+        ops.copy_blocks(dst, src_ids, dst_ids)
+        ref.copy_blocks(want, src_ids, dst_ids)
+        return max(err, max_err(dst, want)), 0.0
+
+    report.check("gather_blocks / scatter_blocks / copy_blocks bf16", blocks)
+
+
+def bench_decode(report: Report, args: argparse.Namespace, batch: int, sweep: bool) -> None:
+    from kernels.triton_decode import choose_num_splits, num_sms, run_paged_decode
+
+    dtype, h, kvh, d, ctx = DTYPES[args.dtype], args.num_heads, args.num_kv_heads, args.head_size, args.context_len
+    scale = d**-0.5
+    k = torch.randn(batch, kvh, ctx, d, device=DEVICE).to(dtype)
+    v = torch.randn(batch, kvh, ctx, d, device=DEVICE).to(dtype)
+    kv_layer, tables = paged_layout(k, v, args.block_size)
+    q = torch.randn(batch, h, d, device=DEVICE).to(dtype)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(q)
+    q_sdpa = q.view(batch, kvh, h // kvh, d)  # a KV head's query heads act as its query rows
+    splits = choose_num_splits(batch, kvh, tables.shape[1] * args.block_size, num_sms(q.device))
+    shape = f"batch {batch}, ctx {ctx}, {h}/{kvh} heads, d{d}, {args.dtype}, bs{args.block_size}"
+
+    def against_sdpa() -> tuple[float, float]:
+        run_paged_decode(q, kv_layer, tables, lens, scale, out=out)
+        expected = F.scaled_dot_product_attention(q_sdpa.float(), k.float(), v.float(), scale=scale)
+        return max_err(out, expected.reshape(batch, h, d)), TOLERANCE[dtype]
+
+    report.group = f"decode batch {batch}"
+    report.check(f"paged_decode_attention vs SDPA at bench shape (batch {batch})", against_sdpa)
+    kv_bytes = 2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size()
+    report.time(f"paged_decode_attention (auto: {splits} split{'s' * (splits > 1)})", shape,
+                lambda: run_paged_decode(q, kv_layer, tables, lens, scale, out=out), kv_bytes)
+    other = 1 if splits > 1 else 4  # the path the heuristic did not take
+    report.time(f"paged_decode_attention (forced {other} split{'s' * (other > 1)})", shape,
+                lambda: run_paged_decode(q, kv_layer, tables, lens, scale, out=out, num_splits=other), kv_bytes)
+    report.time("torch SDPA (baseline), contiguous K/V", shape,
+                lambda: F.scaled_dot_product_attention(q_sdpa, k, v, scale=scale), kv_bytes)
+    time_copy(report, kv_bytes, dtype)
+    if sweep:
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                tiled = functools.partial(run_paged_decode, q, kv_layer, tables, lens, scale, out=out,
+                                          block_n=block_n, num_warps=warps)
+                report.time(f"paged_decode_attention tile sweep: BLOCK_N={block_n} num_warps={warps}", shape,
+                            tiled, kv_bytes)
+
+
+def bench_prefill(report: Report, args: argparse.Namespace, ops: Any) -> None:
+    dtype, h, kvh, d, ctx = DTYPES[args.dtype], args.num_heads, args.num_kv_heads, args.head_size, args.context_len
+    num_seqs, chunk = 4, min(1024, ctx)
+    k = torch.randn(num_seqs, kvh, ctx, d, device=DEVICE).to(dtype)
+    v = torch.randn(num_seqs, kvh, ctx, d, device=DEVICE).to(dtype)
+    kv_layer, tables = paged_layout(k, v, args.block_size)
+    q = torch.randn(num_seqs * chunk, h, d, device=DEVICE).to(dtype)
+    starts = torch.arange(0, num_seqs + 1, dtype=torch.int32, device=DEVICE) * chunk
+    lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(q)
+    prefix = ctx - chunk
+    flops = 4.0 * num_seqs * h * d * sum(prefix + i + 1 for i in range(chunk))
+    shape = f"{num_seqs} x chunk {chunk} at ctx {ctx}, {h}/{kvh} heads, d{d}, {args.dtype}"
+    report.group = "prefill"
+    report.time("paged_prefill_attention", shape,
+                lambda: ops.paged_prefill_attention(q, kv_layer, tables, starts, lens, d**-0.5, out=out), flops=flops)
+    try:
+        from torch.nn.attention.bias import causal_lower_right
+
+        q_sdpa = q.view(num_seqs, chunk, h, d).transpose(1, 2)
+        k_full, v_full = k.repeat_interleave(h // kvh, dim=1), v.repeat_interleave(h // kvh, dim=1)
+        mask = causal_lower_right(chunk, ctx)
+        report.time("torch SDPA (baseline), contiguous K/V, lower-right causal", shape,
+                    lambda: F.scaled_dot_product_attention(q_sdpa, k_full, v_full, attn_mask=mask, scale=d**-0.5),
+                    flops=flops)
+    except Exception as exc:
+        report.timings.append({"name": "torch SDPA prefill baseline", "shape": shape, "group": report.group,
+                               "error": _short(exc)})
+
+
+def bench_kv(report: Report, args: argparse.Namespace, ops: Any) -> None:
+    dtype, kvh, d, bs = DTYPES[args.dtype], args.num_kv_heads, args.head_size, args.block_size
+    elem = torch.tensor([], dtype=dtype).element_size()
+    for num_tokens in (args.batch, args.store_tokens):
+        kv_layer = torch.randn(2, num_tokens // bs + 64, bs, kvh, d, device=DEVICE).to(dtype)
+        key = torch.randn(num_tokens, kvh, d, device=DEVICE).to(dtype)
+        value = torch.randn_like(key)
+        slots = torch.randperm(kv_layer.shape[1] * bs, device=DEVICE)[:num_tokens]
+        moved = 2 * 2 * key.numel() * elem + slots.numel() * 8
+        report.group = f"store_kv {num_tokens}"
+        report.time("store_kv", f"{num_tokens} tokens, {kvh} kv heads, d{d}, {args.dtype}",
+                    functools.partial(ops.store_kv, key, value, kv_layer, slots), moved)
+        time_copy(report, moved, dtype)
+        del kv_layer, key, value
+
+    num_layers, num_blocks, count = args.num_layers, args.kv_blocks, args.transfer_blocks
+    cache = torch.empty(num_layers, 2, num_blocks, bs, kvh, d, device=DEVICE, dtype=dtype).normal_()
+    ids = torch.randperm(num_blocks, device=DEVICE)[:count]
+    packed = ops.gather_blocks(cache, ids)
+    moved = 2 * packed.numel() * elem
+    shape = f"{count} blocks x {num_layers} layers (of {num_blocks}), bs{bs}, {kvh} kv heads, d{d}"
+    report.group = "block transfer"
+    report.time("gather_blocks", shape, lambda: ops.gather_blocks(cache, ids, out=packed), moved)
+    report.time("scatter_blocks", shape, lambda: ops.scatter_blocks(cache, ids, packed), moved)
+    src, dst = ids[: count // 2], ids[count // 2 :]
+    report.time("copy_blocks", f"{count // 2} pairs x {num_layers} layers, bs{bs}",
+                lambda: ops.copy_blocks(cache, src, dst), moved / 2)
+    time_copy(report, moved, dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Check and time the Triton kernels on a CUDA GPU.")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context-len", type=int, default=4096)
+    parser.add_argument("--num-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--store-tokens", type=int, default=16384, help="tokens of the prefill-sized store_kv")
+    parser.add_argument("--num-layers", type=int, default=32, help="layers in the cache for block transfers")
+    parser.add_argument("--kv-blocks", type=int, default=2048, help="blocks per layer in that cache")
+    parser.add_argument("--transfer-blocks", type=int, default=256, help="blocks gathered / scattered")
+    parser.add_argument("--small-batch", type=int, default=4, help="decode batch that takes the split path")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the decode tile sweep")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("gpu_kernels: no CUDA device is available; this check and benchmark needs an NVIDIA GPU.",
+              file=sys.stderr)
+        return 1
+    try:
+        import triton
+
+        from kernels import reference as ref
+        from kernels import triton_ops as ops
+    except ImportError as exc:
+        print(f"gpu_kernels: cannot import the Triton kernels ({exc}); install triton.", file=sys.stderr)
+        return 1
+
+    props = torch.cuda.get_device_properties(0)
+    meta = {"device": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
+            "memory_gib": round(props.total_memory / 2**30, 1), "torch": torch.__version__,
+            "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+            "date": dt.datetime.now().isoformat(timespec="seconds"), "args": {k: str(v) for k, v in vars(args).items()}}
+    report = Report(args.out_dir, meta)
+    started = time.perf_counter()
+    sections: list[tuple[str, Callable[[], None]]] = [
+        ("checks", lambda: run_checks(report, ops, ref)),
+        ("decode", lambda: bench_decode(report, args, args.batch, sweep=not args.no_sweep)),
+        ("decode small batch", lambda: bench_decode(report, args, args.small_batch, sweep=False)),
+        ("prefill", lambda: bench_prefill(report, args, ops)),
+        ("kv movement", lambda: bench_kv(report, args, ops)),
+    ]
+    for name, section in sections:
+        try:
+            section()
+        except Exception as exc:  # a broken section must not lose the others' results
+            report.timings.append({"name": f"section {name}", "shape": "", "group": report.group,
+                                   "error": _short(exc)})
+            print(f"[section] {name} failed: {_short(exc)}")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        report.meta["elapsed_s"] = round(time.perf_counter() - started, 1)
+        report.save()
+    failed = [c["check"] for c in report.checks if not c["ok"]]
+    print(f"\nwrote {report.md_path} and {report.json_path} in {report.meta['elapsed_s']} s")
+    print(report.md_path.read_text())
+    if failed:
+        print(f"FAILED checks: {failed}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

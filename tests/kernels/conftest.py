@@ -1,0 +1,21 @@
+"""Run every Triton kernel in these tests on the CPU through Triton's interpreter.
+
+``triton.jit`` picks the interpreter when a kernel is *decorated*, so the variable must be set before
+the kernel modules are imported. When the whole suite runs in one process another test module may
+have imported them first; those modules are then reloaded so that their kernels are re-decorated.
+"""
+
+import importlib
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+KERNEL_MODULES = (
+    "kernels.triton_common",
+    "kernels.triton_decode", "kernels.triton_prefill", "kernels.triton_kv", "kernels.triton_ops",
+)
+
+for _name in KERNEL_MODULES:
+    if _name in sys.modules:
+        importlib.reload(sys.modules[_name])

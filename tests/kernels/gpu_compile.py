@@ -1,0 +1,172 @@
+"""Compile every Triton kernel for an NVIDIA GPU ahead of time, without a GPU.
+
+The interpreter runs the kernels' logic but never lowers them, so code that cannot compile for a real
+GPU would pass the CPU tests. Here the public wrappers are called on CPU tensors with their kernels
+swapped for recorders; each recorded launch is then compiled for the target (down to a cubin) with
+the specialization the JIT would give it. Must run without ``TRITON_INTERPRET`` (a fresh process):
+``python -m tests.kernels.gpu_compile [--arch 90]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction, native_specialize_impl
+
+from kernels import triton_decode, triton_kv, triton_prefill
+
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+
+
+@dataclass
+class Launch:
+    scenario: str
+    fn: JITFunction
+    args: dict[str, Any]
+    options: dict[str, Any]
+
+
+class Recorder:
+    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records the launch instead."""
+
+    def __init__(self, fn: JITFunction, launches: list[Launch], scenario: list[str]) -> None:
+        self.fn, self.launches, self.scenario = fn, launches, scenario
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        def record(*args: Any, **kwargs: Any) -> None:
+            options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
+            bound = dict(zip(self.fn.arg_names, args, strict=False)) | kwargs
+            self.launches.append(Launch(self.scenario[0], self.fn, bound, options))
+
+        return record
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[tuple[list[Launch], list[str]]]:
+    launches: list[Launch] = []
+    scenario = [""]
+    swapped = []
+    for module in (triton_decode, triton_prefill, triton_kv):
+        for name, value in vars(module).items():
+            if isinstance(value, JITFunction) and name.endswith("_kernel"):
+                swapped.append((module, name, value))
+                setattr(module, name, Recorder(value, launches, scenario))
+    try:
+        yield launches, scenario
+    finally:
+        for module, name, value in swapped:
+            setattr(module, name, value)
+
+
+def record_launches() -> list[Launch]:
+    """The launches of representative calls: Llama-8B-like bf16 shapes, and float32 / odd GQA ones."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    with recording() as (launches, scenario):
+        for dtype, group, head_size, block_size, num_splits in [(bf16, 4, 128, 16, 1), (bf16, 4, 128, 16, 4),
+                                                                (f32, 3, 64, 32, 1)]:
+            scenario[0] = f"decode {dtype} gqa{group} d{head_size} splits{num_splits}"
+            kv = torch.empty(2, 64, block_size, 8, head_size, dtype=dtype)
+            tables = torch.zeros(4, 16, dtype=torch.int32)
+            lens = torch.ones(4, dtype=torch.int32)
+            q = torch.empty(4, 8 * group, head_size, dtype=dtype)
+            triton_decode.run_paged_decode(q, kv, tables, lens, 0.1, num_splits=num_splits)
+        for dtype, group, head_size in [(bf16, 4, 128), (f32, 3, 64)]:
+            scenario[0] = f"prefill {dtype} gqa{group} d{head_size}"
+            kv = torch.empty(2, 64, 16, 8, head_size, dtype=dtype)
+            q = torch.empty(40, 8 * group, head_size, dtype=dtype)
+            starts = torch.tensor([0, 8, 40], dtype=torch.int32)
+            lens = torch.tensor([20, 32], dtype=torch.int32)
+            triton_prefill.paged_prefill_attention(q, kv, torch.zeros(2, 4, dtype=torch.int32), starts, lens, 0.1)
+        for key_dtype in (bf16, f32):
+            scenario[0] = f"store_kv {key_dtype} -> bf16"
+            kv = torch.empty(2, 64, 16, 8, 128, dtype=bf16)
+            key = torch.empty(5, 8, 128, dtype=key_dtype)
+            triton_kv.store_kv(key, key, kv, torch.zeros(5, dtype=torch.long))
+        cache = torch.empty(4, 2, 64, 16, 8, 128, dtype=bf16)
+        ids = torch.tensor([1, 2], dtype=torch.int32)
+        scenario[0] = "gather_blocks bf16"
+        packed = triton_kv.gather_blocks(cache, ids)
+        scenario[0] = "scatter_blocks f32 -> bf16"
+        triton_kv.scatter_blocks(cache, ids, packed.float())
+        scenario[0] = "copy_blocks bf16"
+        triton_kv.copy_blocks(cache, ids, torch.tensor([5, 6]))
+    return launches
+
+
+def compile_launch(launch: Launch, target: GPUTarget) -> Any:
+    """Compile as the JIT would: ints equal to 1 become constants, 16-divisible values get hints."""
+    signature: dict[str, str] = {}
+    constexprs: dict[str, Any] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    # Recorded on the CPU, where bfloat16 dots are widened for the interpreter; a GPU never widens.
+    args = launch.args | ({"WIDEN_DOT": False} if "WIDEN_DOT" in launch.args else {})
+    for i, param in enumerate(launch.fn.params):
+        value = args[param.name]
+        if param.is_constexpr:
+            kind, hint = "constexpr", None
+        else:
+            kind, hint = native_specialize_impl(BaseBackend, value, False, True, True)
+        if kind == "constexpr":
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        else:
+            signature[param.name] = kind
+            if hint == "D":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    backend = triton.compiler.make_backend(target)
+    options = backend.parse_options(dict(launch.options))
+    src = ASTSource(fn=launch.fn, constexprs=constexprs, signature=signature, attrs=attrs)
+    return triton.compile(src, target=target, options=options.__dict__)
+
+
+def resource_usage(cubin: bytes) -> str:
+    """Registers / local memory (spills) per thread, from ``cuobjdump`` when Triton ships one."""
+    tool = shutil.which("cuobjdump") or str(
+        __import__("pathlib").Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    )
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        except OSError:
+            return "?"
+    for line in out.splitlines():
+        if "REG:" in line:
+            fields = dict(part.split(":", 1) for part in line.split() if ":" in part)
+            return f"regs={fields.get('REG')} local={fields.get('LOCAL')} shared={fields.get('SHARED')}"
+    return "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="SM version, e.g. 80 or 90")
+    args = parser.parse_args(argv)
+    target = GPUTarget("cuda", args.arch, 32)
+    failures = 0
+    for launch in record_launches():
+        name = f"{launch.scenario}: {launch.fn.__name__}"
+        try:
+            compiled = compile_launch(launch, target)
+        except Exception as exc:  # report every kernel, not just the first failure
+            failures += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:2000]}")
+            continue
+        print(f"ok   {name} ({resource_usage(compiled.asm['cubin'])})")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import time
 
 from common.engine.engine import EngineOutput
 from common.kvcache.hashing import BlockHash
@@ -22,8 +21,6 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.receiver import KVReceiver
 
 logger = logging.getLogger(__name__)
-
-_ABORT_MEMORY_S = 120.0
 
 
 class DecodeService(EngineService):
@@ -39,13 +36,9 @@ class DecodeService(EngineService):
             curve=CurveConfig.from_env(),
         )
         self.kv_address = self.receiver.address
-        # Aborts that arrived before (or during) the request's transfer, with their expiry.
-        self._aborted: dict[str, float] = {}
 
     # ------------------------------------------------------------ allocator for the receiver
     def allocate_for_transfer(self, request_id: str, block_hashes: list[bytes], num_tokens: int) -> Allocation | str:
-        if request_id in self._aborted:
-            return "aborted"
         got = self.engine.allocate_for_transfer(request_id, [BlockHash(h) for h in block_hashes], num_tokens)
         if isinstance(got, str):
             return got
@@ -66,11 +59,12 @@ class DecodeService(EngineService):
         self.phase[msg.request_id] = "full"
 
     def on_abort(self, request_id: str) -> None:
+        """Drops it wherever it is: running here, landing (the receiver frees), or not yet offered
+        (the receiver refuses the offer when it comes)."""
         self.engine.abort_request(request_id)
         self.receiver.abort(request_id)
         self.reply_to.pop(request_id, None)
         self.phase.pop(request_id, None)
-        self._aborted[request_id] = time.monotonic() + _ABORT_MEMORY_S
 
     def on_outputs(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
@@ -87,14 +81,10 @@ class DecodeService(EngineService):
                 self.metrics.kv_transfer_failures.inc()
                 logger.warning("incoming KV for %s failed: %s", res.request_id, res.reason)
                 continue
-            self._admit(res.request_id, res.meta, res.num_cached_blocks)
-        if self._aborted:
-            now = time.monotonic()
-            for rid in [r for r, t in self._aborted.items() if t < now]:
-                del self._aborted[rid]
+            self._admit(res.request_id, res.meta)
         return bool(results)
 
-    def _admit(self, request_id: str, raw_meta: bytes, num_cached_blocks: int) -> None:
+    def _admit(self, request_id: str, raw_meta: bytes) -> None:
         try:
             meta = decode_transfer_meta(raw_meta)
             if meta.request.request_id != request_id:
@@ -104,9 +94,6 @@ class DecodeService(EngineService):
             self.engine.kv.free(request_id)
             return
         msg = meta.request
-        if request_id in self._aborted:
-            self.engine.kv.free(request_id)
-            return
         try:
             self.engine.add_transferred_request(
                 request_id, msg.prompt_token_ids, meta.first_token_id, msg.sampling_params,

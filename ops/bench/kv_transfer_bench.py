@@ -1,0 +1,358 @@
+"""KV transfer throughput between two processes, beside a plain TCP socket and a memcpy.
+
+Moves the KV of one prompt (default: 2,000 tokens of SmolLM2-135M, 30 layers, 3 KV heads, head
+size 64, float32, block size 16: about 92 MB) from a ``KVSender`` in this process to a
+``KVReceiver`` in a child process, repeatedly, over tcp:// and ipc://. Block ids are shuffled on
+both sides, as in a pool that has been in use. A timed transfer runs from ``send()`` until the
+sender's result (the receiver's acknowledgement that every block landed).
+
+The baselines move the same number of bytes: a plain TCP socket (``sendall`` / ``recv_into``
+into a preallocated buffer, then a 1-byte acknowledgement), ZMQ alone (the same frames already
+packed, received and not scattered: the transport without the pack/unpack copies) and an
+in-process copy between two preallocated tensors. The paths take turns transfer by transfer, so
+a busy neighbour on the host slows all of them alike. A second, shorter pass runs each path on
+its own to measure the CPU time each process spends per transfer.
+
+Run: ``python -m ops.bench.kv_transfer_bench [--iters 20] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import multiprocessing as mp
+import os
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import zmq
+
+from kvtransfer import Allocation, KVLayout, KVReceiver, KVSender
+from kvtransfer.frames import auto_layers_per_frame
+from kvtransfer.sender import DEFAULT_LAYERS_PER_FRAME
+
+_POLL_S = 0.001  # the engine-loop poll interval on both sides (a real engine step is longer)
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _kv_cache(args: argparse.Namespace, num_blocks: int, seed: int) -> torch.Tensor:
+    shape = (args.num_layers, 2, num_blocks, args.block_size, args.num_kv_heads, args.head_size)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(getattr(torch, args.dtype))
+
+
+class _ShuffledPool:
+    """A block pool handing out ids in a random order, as after some use."""
+
+    def __init__(self, num_blocks: int, block_size: int, seed: int) -> None:
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.block_size = block_size
+        self.held: dict[str, list[int]] = {}
+
+    def allocate_for_transfer(
+        self, request_id: str, block_hashes: list[bytes], num_tokens: int
+    ) -> Allocation | str:
+        num_blocks = -(-num_tokens // self.block_size)
+        if len(self.free) < num_blocks:
+            return "pool full"
+        self.held[request_id] = [self.free.pop() for _ in range(num_blocks)]
+        return Allocation(self.held[request_id], 0)
+
+    def release_transfer(self, request_id: str) -> None:
+        self.free.extend(self.held.pop(request_id, []))
+
+
+# ---- the receiving process ------------------------------------------------------------------
+def _serve(conn: Connection, args_json: str) -> None:
+    """Child process: KV receivers (tcp and ipc), a ZMQ receiver and a plain TCP receiver."""
+    args = argparse.Namespace(**json.loads(args_json))
+    nbytes = args.nbytes
+    num_blocks = -(-args.num_tokens // args.block_size)
+    kv_cache = _kv_cache(args, 2 * num_blocks, seed=1)
+    layout = KVLayout.from_kv_cache(kv_cache, args.model_id)
+    pool = _ShuffledPool(2 * num_blocks, args.block_size, seed=2)
+    receivers = {
+        "tcp": KVReceiver("tcp://127.0.0.1:0", kv_cache, layout, pool, timeout_s=30.0),
+        "ipc": KVReceiver(
+            f"ipc://{tempfile.gettempdir()}/kv-bench-{os.getpid()}.sock", kv_cache, layout, pool
+        ),
+    }
+    last_block_ids: dict[str, list[int]] = {}
+    stop = threading.Event()
+
+    def engine_loop() -> None:  # what a decode engine's step loop does with the receivers
+        while not stop.is_set():
+            for name, receiver in receivers.items():
+                for result in receiver.poll():
+                    if result.ok:
+                        last_block_ids[name] = result.block_ids
+                        pool.held.pop(result.request_id)
+                        pool.free.extend(result.block_ids)  # the "engine" is done with them at once
+            time.sleep(_POLL_S)
+
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.linger = 0
+    router.bind("tcp://127.0.0.1:0")
+    listener = socket.create_server(("127.0.0.1", 0))
+    threads = [
+        threading.Thread(target=engine_loop, daemon=True),
+        threading.Thread(target=_serve_zmq, args=(router, nbytes), daemon=True),
+        threading.Thread(target=_serve_plain, args=(listener, nbytes), daemon=True),
+    ]
+    for thread in threads:
+        thread.start()
+    addresses = {name: r.address for name, r in receivers.items()}
+    addresses["zmq"] = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    addresses["plain"] = str(listener.getsockname()[1])
+    conn.send_bytes(json.dumps(addresses).encode())
+    while True:
+        op = conn.recv_bytes().decode()
+        if op == "cpu":
+            conn.send_bytes(json.dumps(_cpu_s()).encode())
+        elif op == "checksums":  # blocks keep their data after release; nothing overwrites them here
+            sums = {n: float(kv_cache[:, :, ids].double().sum()) for n, ids in last_block_ids.items()}
+            conn.send_bytes(json.dumps(sums).encode())
+        else:
+            stop.set()
+            for receiver in receivers.values():
+                receiver.close()
+            return
+
+
+def _serve_zmq(sock: zmq.Socket, nbytes: int) -> None:
+    """ZMQ alone: receive frames until ``nbytes`` arrived, acknowledge, repeat."""
+    got = 0
+    while True:
+        identity, _header, *data = sock.recv_multipart(copy=False)
+        got += sum(len(frame) for frame in data)
+        if got >= nbytes:
+            sock.send_multipart([identity, b"k"])
+            got = 0
+
+
+def _serve_plain(listener: socket.socket, nbytes: int) -> None:
+    peer, _ = listener.accept()
+    view = memoryview(bytearray(nbytes))
+    while True:
+        got = 0
+        while got < nbytes:
+            n = peer.recv_into(view[got:], nbytes - got)
+            if n == 0:
+                return
+            got += n
+        peer.sendall(b"k")
+
+
+# ---- the sending process --------------------------------------------------------------------
+class _Paths:
+    """One ``run()`` per path: moves the bytes once and returns when the receiver has them."""
+
+    def __init__(self, args: argparse.Namespace, addresses: dict[str, str]) -> None:
+        num_blocks = -(-args.num_tokens // args.block_size)
+        self.kv_cache = _kv_cache(args, 2 * num_blocks, seed=3)
+        layout = KVLayout.from_kv_cache(self.kv_cache, args.model_id)
+        gen = torch.Generator().manual_seed(4)
+        self.block_ids = torch.randperm(2 * num_blocks, generator=gen)[:num_blocks].tolist()
+        self.num_tokens = args.num_tokens
+        self.nbytes = num_blocks * layout.bytes_per_block
+        self.sender = KVSender(self.kv_cache, layout, timeout_s=30.0, layers_per_frame=args.layers_per_frame)
+        self.addresses = addresses
+        self.count = 0
+        layers = args.layers_per_frame or auto_layers_per_frame(num_blocks, layout.bytes_per_block_layer)
+        num_frames = -(-args.num_layers // layers)
+        self.frame_bounds = [self.nbytes * i // num_frames for i in range(num_frames + 1)]
+        self.data = torch.randint(0, 255, (self.nbytes,), dtype=torch.uint8)
+        self.context = zmq.Context()
+        self.dealer = self.context.socket(zmq.DEALER)
+        self.dealer.linger = 0
+        self.dealer.connect(addresses["zmq"])
+        self.plain = socket.create_connection(("127.0.0.1", int(addresses["plain"])))
+        self.copy_dst = torch.empty_like(self.data)
+
+    def runners(self, transports: list[str]) -> dict[str, Callable[[], None]]:
+        paths: dict[str, Callable[[], None]] = {}
+        for transport in transports:
+            paths[f"kvtransfer {transport}://"] = functools.partial(self.kv, transport)
+        paths["zmq tcp:// wire only"] = self.zmq_wire
+        paths["plain TCP socket"] = self.plain_tcp
+        paths["memcpy (one process)"] = self.memcpy
+        return paths
+
+    def memcpy(self) -> None:
+        self.copy_dst.copy_(self.data)
+
+    def kv(self, transport: str) -> None:
+        self.count += 1
+        self.sender.send(
+            f"bench-{self.count}", self.addresses[transport], self.block_ids, [], self.num_tokens
+        )
+        while True:
+            results = self.sender.poll()
+            if results:
+                if not results[0].ok or results[0].bytes_sent != self.nbytes:
+                    raise RuntimeError(f"transfer failed: {results[0].reason}")
+                return
+            time.sleep(_POLL_S)
+
+    def zmq_wire(self) -> None:
+        data = memoryview(self.data.numpy().data)
+        for lo, hi in zip(self.frame_bounds, self.frame_bounds[1:], strict=False):
+            self.dealer.send_multipart([b"d", data[lo:hi]], copy=False)
+        self.dealer.recv()
+
+    def plain_tcp(self) -> None:
+        self.plain.sendall(self.data.numpy().data)
+        if self.plain.recv(1) != b"k":
+            raise RuntimeError("plain receiver went away")
+
+    def close(self) -> None:
+        self.sender.close()
+        self.dealer.close()
+        self.context.term()
+        self.plain.close()
+
+
+def _time_interleaved(
+    paths: dict[str, Callable[[], None]], iters: int, warmup: int
+) -> dict[str, list[float]]:
+    """Seconds per transfer, the paths taking turns (in a rotating order)."""
+    names = list(paths)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(warmup + iters):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            t0 = time.perf_counter()
+            paths[name]()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _cpu_per_transfer(conn: Connection, paths: dict[str, Callable[[], None]], iters: int) -> dict[str, dict]:
+    """CPU milliseconds per transfer in this process and in the receiving one, path by path."""
+    out = {}
+    for name, run in paths.items():
+        conn.send_bytes(b"cpu")
+        child0, parent0 = json.loads(conn.recv_bytes()), _cpu_s()
+        for _ in range(iters):
+            run()
+        parent1 = _cpu_s()
+        conn.send_bytes(b"cpu")
+        child1 = json.loads(conn.recv_bytes())
+        if not name.startswith("memcpy"):
+            out[name] = {
+                "sender_cpu_ms": (parent1 - parent0) * 1e3 / iters,
+                "receiver_cpu_ms": (child1 - child0) * 1e3 / iters,
+            }
+    return out
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--num-tokens", type=int, default=2000)
+    p.add_argument("--num-layers", type=int, default=30)
+    p.add_argument("--num-kv-heads", type=int, default=3)
+    p.add_argument("--head-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--model-id", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    p.add_argument("--iters", type=int, default=20, help="timed transfers per path")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--cpu-iters", type=int, default=5, help="transfers per path in the CPU pass (0: skip)")
+    p.add_argument("--layers-per-frame", type=int, default=DEFAULT_LAYERS_PER_FRAME, help="0: automatic")
+    p.add_argument("--transports", default="tcp,ipc", help="comma-separated: tcp, ipc")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print a table (or JSON) and return the figures."""
+    args = _parse(argv)
+    transports = args.transports.split(",")
+    if not set(transports) <= {"tcp", "ipc"}:
+        raise SystemExit(f"unknown transport in {args.transports!r}")
+    num_blocks = -(-args.num_tokens // args.block_size)
+    element_size = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    args.nbytes = (
+        num_blocks * args.num_layers * 2 * args.block_size * args.num_kv_heads * args.head_size * element_size
+    )
+    load_before = os.getloadavg()[0]
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve, args=(child, json.dumps(vars(args))), daemon=True)
+    proc.start()
+    try:
+        paths = _Paths(args, json.loads(parent.recv_bytes()))
+        runners = paths.runners(transports)
+        times = _time_interleaved(runners, args.iters, args.warmup)
+        cpu = _cpu_per_transfer(parent, runners, args.cpu_iters) if args.cpu_iters else {}
+        parent.send_bytes(b"checksums")
+        sums = json.loads(parent.recv_bytes())
+        expected = float(paths.kv_cache[:, :, paths.block_ids].double().sum())
+        checks = {t: abs(sums.get(t, 0.0) - expected) <= 1e-6 * max(1.0, abs(expected)) for t in transports}
+        paths.close()
+        parent.send_bytes(b"exit")
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    return _report(args, times, cpu, checks, load_before)
+
+
+def _report(
+    args: argparse.Namespace, times: dict, cpu: dict, checks: dict, load_before: float
+) -> dict[str, Any]:
+    rows = {}
+    for name, samples in times.items():
+        rows[name] = {
+            "gbps_median": args.nbytes / statistics.median(samples) / 1e9,
+            "gbps_best": args.nbytes / min(samples) / 1e9,
+            "ms_median": statistics.median(samples) * 1e3,
+            **cpu.get(name, {}),
+        }
+    plain = rows["plain TCP socket"]["gbps_median"]
+    ratios = {name: row["gbps_median"] / plain for name, row in rows.items()}
+    report = {
+        "bytes": args.nbytes,
+        "samples_per_path": args.iters,
+        "layers_per_frame": args.layers_per_frame,
+        "rows": rows,
+        "ratio_to_plain_tcp": ratios,
+        "checksum_ok": checks,
+        "load_average_1m": [load_before, os.getloadavg()[0]],
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return report
+    print(
+        f"{args.nbytes / 1e6:.1f} MB per transfer, {args.iters} transfers per path (taking turns); "
+        f"layers_per_frame={args.layers_per_frame or 'auto'}; host load {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
+    )
+    print(f"{'path':<24}{'GB/s':>8}{'best':>8}{'ms':>9}{'vs plain':>10}{'cpu ms tx/rx':>16}")
+    for name, row in rows.items():
+        cpu_ms = f"{row['sender_cpu_ms']:.0f}/{row['receiver_cpu_ms']:.0f}" if "sender_cpu_ms" in row else "-"
+        print(
+            f"{name:<24}{row['gbps_median']:>8.2f}{row['gbps_best']:>8.2f}"
+            f"{row['ms_median']:>9.1f}{ratios[name]:>9.0%}{cpu_ms:>16}"
+        )
+    print("GB/s: median transfer; 'vs plain': that median over the plain socket's median")
+    print("received data checksum matches:", checks)
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

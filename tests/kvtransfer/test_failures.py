@@ -1,0 +1,258 @@
+"""Dead peers, bad input and mismatched layouts: failures are reported and every block comes back."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+
+import msgspec
+import pytest
+
+from kvtransfer import KVLayout, KVSender, TransferState
+from kvtransfer.messages import (
+    Accept,
+    Data,
+    Hello,
+    HelloReply,
+    Offer,
+    decode_from_receiver,
+    decode_from_sender,
+    encode,
+)
+from tests.kvtransfer.conftest import poll_until, wait_for_state
+from tests.kvtransfer.kv_data import SMALL, make_kv_cache
+from tests.kvtransfer.peer_client import PeerProcess
+from tests.kvtransfer.test_transfer import make_receiver, send, start_sender
+
+pytestmark = pytest.mark.timeout(60)
+
+LAYOUT = KVLayout.from_kv_cache(make_kv_cache(SMALL), "m")
+
+
+class RawSender:
+    """A hand-driven DEALER in a peer process, speaking (or breaking) the protocol."""
+
+    def __init__(self, peer: PeerProcess, name: str, address: str) -> None:
+        self.peer, self.name = peer, name
+        peer.call("raw_dealer", name=name, address=address)
+
+    def send(self, *frames: bytes | int) -> None:
+        self.peer.call(
+            "raw_send",
+            name=self.name,
+            frames=[f.hex() if isinstance(f, bytes) else {"size": f} for f in frames],
+        )
+
+    def recv(self, expect: type | None = None, timeout_s: float = 3.0) -> object:
+        """The next reply (of type ``expect``, skipping others)."""
+        while True:
+            frames = self.peer.call("raw_recv", name=self.name, wait_s=timeout_s)
+            assert frames is not None, "no reply"
+            msg = decode_from_receiver(bytes.fromhex(frames[0]), 1 << 24)
+            if expect is None or isinstance(msg, expect):
+                return msg
+
+    def handshake_and_offer(self, request_id: str, num_tokens: int) -> Accept:
+        self.send(encode(Hello(layout=LAYOUT)))
+        assert isinstance(self.recv(), HelloReply)
+        self.send(encode(Offer(request_id=request_id, num_tokens=num_tokens, block_hashes=[])))
+        accept = self.recv()
+        assert isinstance(accept, Accept)
+        return accept
+
+
+def data_header(request_id: str, num_blocks: int, layer_start: int = 0, num_layers: int = 1) -> bytes:
+    return encode(
+        Data(
+            request_id=request_id,
+            layer_start=layer_start,
+            num_layers=num_layers,
+            block_start=0,
+            num_blocks=num_blocks,
+        )
+    )
+
+
+def test_sender_killed_mid_transfer_receiver_frees_within_its_timeout(spawn_peer) -> None:
+    victim = spawn_peer()
+    receiver, _, pool = make_receiver(timeout_s=1.0)
+    with receiver:
+        raw = RawSender(victim, "raw", receiver.address)
+        raw.send(encode(Hello(layout=LAYOUT)))
+        assert isinstance(raw.recv(HelloReply), HelloReply)
+        raw.send(encode(Offer(request_id="half", num_tokens=12, block_hashes=[])))
+        accept = None
+        while accept is None:
+            receiver.poll()  # the engine allocates here
+            frames = victim.call("raw_recv", name="raw", wait_s=0.05)
+            accept = frames and decode_from_receiver(bytes.fromhex(frames[0]), 1 << 20)
+        assert isinstance(accept, Accept) and pool.held
+        raw.send(data_header("half", 3), 3 * LAYOUT.bytes_per_block_layer)  # layer 0 of 3 lands
+        time.sleep(0.2)
+        assert receiver.state("half") == TransferState.TRANSFERRING
+        victim.kill()
+        started = time.monotonic()
+        [result] = poll_until(receiver, timeout_s=5.0)
+        assert not result.ok and "timed out" in (result.reason or "")
+        assert time.monotonic() - started < 1.0 + 1.0  # its timeout, plus slack for a busy host
+        assert result.bytes_received == 3 * LAYOUT.bytes_per_block_layer
+        assert pool.is_clean()
+
+
+def test_receiver_killed_mid_transfer_sender_frees(spawn_peer) -> None:
+    victim = spawn_peer()
+    address = victim.call("raw_router", name="router", address="tcp://127.0.0.1:0")["address"]
+    kv_cache = make_kv_cache({**SMALL, "seed": 1})
+    with KVSender(kv_cache, LAYOUT, timeout_s=5.0, layers_per_frame=1, staging_bytes=1) as sender:
+        sender.send("orphan", address, [1, 2, 3], [], 12)
+        identity, hello = victim.call("raw_recv", name="router")
+        assert isinstance(decode_from_sender(bytes.fromhex(hello), 1 << 20), Hello)
+        reply = HelloReply(ok=True, layout=LAYOUT, max_frame_bytes=1 << 20)
+        victim.call("raw_send", name="router", frames=[identity, encode(reply).hex()])
+        _, offer = victim.call("raw_recv", name="router")
+        assert isinstance(decode_from_sender(bytes.fromhex(offer), 1 << 20), Offer)
+        accept = Accept(request_id="orphan", block_ids=[5, 6, 7], num_cached_blocks=0)
+        victim.call("raw_send", name="router", frames=[identity, encode(accept).hex()])
+        _, header, _ = victim.call("raw_recv", name="router")  # the first frame arrived
+        assert isinstance(decode_from_sender(bytes.fromhex(header), 1 << 20), Data)
+        assert sender.state("orphan") == TransferState.TRANSFERRING
+        victim.kill()
+        started = time.monotonic()
+        [result] = poll_until(sender, timeout_s=5.0)
+        assert not result.ok and "disconnected" in (result.reason or "")
+        assert time.monotonic() - started < 2.0  # noticed at once, not at the 5 s timeout
+
+
+def test_receiver_process_killed_while_deferring_sender_frees(spawn_peer) -> None:
+    victim = spawn_peer()
+    address = victim.call(
+        "receiver",
+        name="rx",
+        address="tcp://127.0.0.1:0",
+        cache={**SMALL, "seed": 5},
+        reserved=SMALL["num_blocks"],
+        defer_timeout_s=30.0,
+    )["address"]
+    with KVSender(make_kv_cache({**SMALL, "seed": 1}), LAYOUT, timeout_s=10.0) as sender:
+        sender.send("waiting", address, [1, 2], [], 8)
+        wait_for_state(sender, "waiting", TransferState.WAITING)
+        victim.kill()
+        [result] = poll_until(sender, timeout_s=5.0)
+        assert not result.ok and "disconnected" in (result.reason or "")
+
+
+def test_malformed_messages_are_rejected_logged_and_survived(peer: PeerProcess, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtransfer")
+    receiver, _, pool = make_receiver(max_meta_bytes=4096)
+    with receiver:
+        raw = RawSender(peer, "malformed", receiver.address)
+        offer = Offer(request_id="x", num_tokens=8, block_hashes=[])
+        bad = [
+            (b"\xc1\xff not msgpack",),
+            (pickle.dumps({"type": "hello", "layout": None}),),
+            (
+                msgspec.msgpack.encode(
+                    {"type": "hello", "version": 1, "layout": msgspec.msgpack.Ext(1, b"x")}
+                ),
+            ),
+            (
+                msgspec.msgpack.encode(
+                    {"type": "hello", "version": 99, "layout": msgspec.to_builtins(LAYOUT)}
+                ),
+            ),
+            (encode(offer),),  # an offer before any handshake
+            (encode(Hello(layout=LAYOUT)), b"extra frame"),
+        ]
+        for frames in bad:
+            raw.send(*frames)
+        raw.send(encode(Hello(layout=LAYOUT)))
+        assert isinstance(raw.recv(HelloReply), HelloReply)
+        raw.send(data_header("nobody", 1), LAYOUT.bytes_per_block_layer)  # data for an unknown request
+        raw.send(encode(Offer(request_id="huge-meta", num_tokens=8, block_hashes=[], meta=b"m" * 5000)))
+        raw.send(encode(Offer(request_id="too-long", num_tokens=10_000, block_hashes=[])))
+        deadline = time.monotonic() + 5
+        while receiver.stats.num_rejected_messages < len(bad) + 3 and time.monotonic() < deadline:
+            receiver.poll()
+            time.sleep(0.01)
+        assert receiver.stats.num_rejected_messages == len(bad) + 3
+        for needle in (
+            "malformed header",
+            "unsupported kvtransfer version",
+            "offer before handshake",
+            "expected 1",
+            "data for unknown request",
+            "meta of 5000 bytes",
+            "the whole pool has",
+        ):
+            assert needle in caplog.text, needle
+        assert "got `ext`" in caplog.text and receiver.poll() == [] and pool.is_clean()
+        # Still serving: a real transfer goes through afterwards.
+        start_sender(peer, "after-malformed")
+        send(peer, "after-malformed", "fine", receiver.address, [3, 4], 8)
+        [result] = poll_until(receiver)
+        assert result.ok
+        pool.finish(result.request_id, result.block_hashes)
+        assert pool.is_clean()
+    peer.call("close", name="after-malformed")
+    peer.call("close", name="malformed")
+
+
+def test_frame_of_wrong_size_fails_the_transfer_on_both_sides(peer: PeerProcess) -> None:
+    receiver, _, pool = make_receiver()
+    with receiver:
+        raw = RawSender(peer, "wrong-size", receiver.address)
+        raw.send(encode(Hello(layout=LAYOUT)))
+        assert isinstance(raw.recv(HelloReply), HelloReply)
+        raw.send(encode(Offer(request_id="bad-frame", num_tokens=12, block_hashes=[])))
+        while not pool.held:
+            receiver.poll()
+        assert isinstance(raw.recv(), Accept)
+        raw.send(data_header("bad-frame", 3), 3 * LAYOUT.bytes_per_block_layer + 1)
+        [result] = poll_until(receiver)
+        assert not result.ok and "bad frame" in (result.reason or "")
+        abort = raw.recv()
+        assert type(abort).__name__ == "Abort" and "bad frame" in abort.reason  # type: ignore[attr-defined]
+        assert pool.is_clean()
+    peer.call("close", name="wrong-size")
+
+
+def test_frame_over_the_size_limit_drops_the_connection_and_times_out_clean(peer: PeerProcess) -> None:
+    receiver, _, pool = make_receiver(timeout_s=0.5, max_meta_bytes=1024)
+    with receiver:
+        raw = RawSender(peer, "oversized", receiver.address)
+        raw.send(encode(Hello(layout=LAYOUT)))
+        assert isinstance(raw.recv(HelloReply), HelloReply)
+        raw.send(encode(Offer(request_id="oversized", num_tokens=12, block_hashes=[])))
+        while not pool.held:
+            receiver.poll()
+        raw.send(data_header("oversized", 3), 1 << 20)  # far above this receiver's MAXMSGSIZE
+        [result] = poll_until(receiver, timeout_s=5.0)
+        assert not result.ok and "timed out" in (result.reason or "") and result.bytes_received == 0
+        assert pool.is_clean()
+        # Still serving others.
+        start_sender(peer, "after-oversized")
+        send(peer, "after-oversized", "fine", receiver.address, [3, 4], 8)
+        [result] = poll_until(receiver)
+        assert result.ok
+    peer.call("close", name="after-oversized")
+    peer.call("close", name="oversized")
+
+
+@pytest.mark.parametrize("field", ["block_size", "hash_scheme"])
+def test_layout_mismatch_is_a_clear_error_on_both_sides(peer: PeerProcess, field: str) -> None:
+    name = f"mismatch-{field}"
+    if field == "block_size":
+        start_sender(peer, name, cache={**SMALL, "seed": 1, "block_size": 8})
+    else:
+        peer.call("sender", name=name, cache={**SMALL, "seed": 1}, hash_scheme="md5-v0")
+    receiver, _, pool = make_receiver()
+    with receiver:
+        send(peer, name, "mismatched", receiver.address, [1, 2], 16 if field == "block_size" else 8)
+        [result] = poll_until(receiver)
+        [sent] = peer.wait_results(name)
+        assert not result.ok and "layout mismatch" in (result.reason or "") and field in (result.reason or "")
+        assert not sent["ok"] and "layout mismatch" in sent["reason"] and field in sent["reason"]
+        assert receiver.stats.num_layout_mismatches == 1
+        assert pool.is_clean() and pool.calls == []
+    peer.call("close", name=name)

@@ -1,0 +1,260 @@
+"""End-to-end transfers between this process (receiver) and a peer process (sender), real sockets."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvtransfer import KVLayout, KVReceiver, KVSender, TransferState
+from kvtransfer.transfer_state import ABORTED
+from tests.kvtransfer.block_pool import BlockPool
+from tests.kvtransfer.conftest import poll_until, wait_for_state
+from tests.kvtransfer.kv_data import SMALL, digest, hashes, make_kv_cache
+from tests.kvtransfer.peer_client import PeerProcess
+
+pytestmark = pytest.mark.timeout(60)
+
+BLOCK_SIZE = SMALL["block_size"]
+
+
+def make_receiver(address: str = "tcp://127.0.0.1:0", reserved: int = 0, **kwargs: object) -> tuple:
+    kv_cache = make_kv_cache({**SMALL, "seed": 2})
+    pool = BlockPool(SMALL["num_blocks"], BLOCK_SIZE)
+    pool.num_reserved = reserved
+    layout = KVLayout.from_kv_cache(kv_cache, "m")
+    kwargs = {"timeout_s": 2.0, "defer_timeout_s": 2.0, **kwargs}
+    return KVReceiver(address, kv_cache, layout, pool, **kwargs), kv_cache, pool  # type: ignore[arg-type]
+
+
+def start_sender(peer: PeerProcess, name: str, cache: dict | None = None, **kwargs: object) -> None:
+    peer.call("sender", name=name, cache=cache or {**SMALL, "seed": 1}, **kwargs)
+
+
+def send(
+    peer: PeerProcess,
+    name: str,
+    request_id: str,
+    address: str,
+    block_ids: list[int],
+    num_tokens: int,
+    block_hashes: list[bytes] = (),
+    meta: bytes = b"",
+) -> None:  # type: ignore[assignment]
+    peer.call(
+        "send",
+        name=name,
+        request_id=request_id,
+        peer=address,
+        block_ids=block_ids,
+        hashes=[h.hex() for h in block_hashes],
+        num_tokens=num_tokens,
+        meta=meta.hex(),
+    )
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_transfer_lands_bit_exact_in_other_block_ids(peer: PeerProcess, tmp_path, transport: str) -> None:
+    name = f"exact-{transport}"
+    start_sender(peer, name, layers_per_frame=2)
+    address = "tcp://127.0.0.1:0" if transport == "tcp" else f"ipc://{tmp_path}/rx.sock"
+    receiver, kv_cache, pool = make_receiver(address)
+    before = kv_cache.clone()
+    src_ids = [7, 2, 19, 11, 4]  # 18 tokens: 4 full blocks and a partial one
+    with receiver:
+        send(peer, name, "req-1", receiver.address, src_ids, 18, hashes("a", 4), meta=b"the request")
+        [result] = poll_until(receiver)
+        [sent] = peer.wait_results(name)
+        assert result.ok and sent["ok"], (result.reason, sent["reason"])
+        assert result.meta == b"the request" and result.num_tokens == 18
+        assert result.block_ids != src_ids
+        assert digest(kv_cache, result.block_ids) == peer.call("digest", name=name, block_ids=src_ids)
+        untouched = [b for b in range(SMALL["num_blocks"]) if b not in result.block_ids]
+        assert torch.equal(kv_cache[:, :, untouched], before[:, :, untouched])
+        assert sent["bytes_sent"] == result.bytes_received == 5 * receiver.layout.bytes_per_block
+        pool.finish(result.request_id, result.block_hashes)
+        assert pool.is_clean()
+    peer.call("close", name=name)
+
+
+def test_blocks_the_receiver_caches_are_not_sent(peer: PeerProcess) -> None:
+    name = "cached"
+    start_sender(peer, name)
+    receiver, kv_cache, pool = make_receiver()
+    bytes_per_block = receiver.layout.bytes_per_block
+    prompt = hashes("prompt", 4)
+    with receiver:
+        send(peer, name, "first", receiver.address, [7, 2, 19, 11, 4], 18, prompt)
+        [first] = poll_until(receiver)
+        pool.finish(first.request_id, first.block_hashes)  # its 4 full blocks are now cached
+        assert peer.wait_results(name)[0]["bytes_sent"] == 5 * bytes_per_block
+
+        # Same first 3 blocks (same prefill blocks too), then 2 new ones: only those 2 travel.
+        second_ids = [7, 2, 19, 20, 21]
+        send(peer, name, "second", receiver.address, second_ids, 20, prompt[:3] + hashes("other", 2))
+        [second] = poll_until(receiver)
+        [sent] = peer.wait_results(name)
+        assert second.ok and second.num_cached_blocks == 3 and sent["num_cached_blocks"] == 3
+        assert sent["bytes_sent"] == second.bytes_received == 2 * bytes_per_block
+        assert digest(kv_cache, second.block_ids) == peer.call("digest", name=name, block_ids=second_ids)
+        pool.finish(second.request_id, second.block_hashes)
+
+        # Every block cached: nothing is sent at all, and the transfer still completes.
+        send(peer, name, "third", receiver.address, [7, 2, 19, 11], 16, prompt)
+        [third] = poll_until(receiver)
+        [sent] = peer.wait_results(name)
+        assert third.ok and sent["ok"] and third.num_cached_blocks == 4
+        assert sent["bytes_sent"] == third.bytes_received == 0
+        pool.finish(third.request_id, third.block_hashes)
+        assert pool.is_clean()
+    peer.call("close", name=name)
+
+
+def test_full_receiver_defers_then_completes_when_blocks_free(peer: PeerProcess) -> None:
+    name = "defer-ok"
+    start_sender(peer, name, timeout_s=1.0)  # shorter than the wait: Defer keepalives hold it open
+    receiver, kv_cache, pool = make_receiver(reserved=SMALL["num_blocks"] - 2, defer_timeout_s=10.0)
+    with receiver:
+        send(peer, name, "big", receiver.address, [1, 2, 3, 4, 5], 20)
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            assert receiver.poll() == []
+            time.sleep(0.01)
+        assert receiver.state("big") == TransferState.WAITING
+        assert peer.call("state", name=name, request_id="big") == TransferState.WAITING
+        pool.num_reserved = 0
+        [result] = poll_until(receiver)
+        [sent] = peer.wait_results(name)
+        assert result.ok and sent["ok"], (result.reason, sent["reason"])
+        assert digest(kv_cache, result.block_ids) == peer.call("digest", name=name, block_ids=[1, 2, 3, 4, 5])
+        pool.finish(result.request_id, result.block_hashes)
+        assert pool.is_clean()
+    assert peer.call("pool", name=name)["clean"]
+    peer.call("close", name=name)
+
+
+def test_full_receiver_fails_at_defer_timeout_with_both_pools_clean(peer: PeerProcess) -> None:
+    name = "defer-timeout"
+    start_sender(peer, name, timeout_s=5.0)
+    receiver, _, pool = make_receiver(reserved=SMALL["num_blocks"], defer_timeout_s=0.5)
+    with receiver:
+        send(peer, name, "never", receiver.address, [1, 2, 3], 12)
+        [result] = poll_until(receiver, timeout_s=5.0)
+        [sent] = peer.wait_results(name, timeout_s=5.0)
+        assert not result.ok and "no free blocks" in (result.reason or "")
+        assert not sent["ok"] and "receiver timed out" in sent["reason"]
+        assert pool.is_clean() and pool.calls.count("release never") == 0  # nothing was allocated
+    assert peer.call("pool", name=name)["clean"]
+    peer.call("close", name=name)
+
+
+def test_duplicate_request_id_is_rejected(peer: PeerProcess) -> None:
+    start_sender(peer, "dup-a")
+    start_sender(peer, "dup-b")
+    receiver, _, pool = make_receiver(reserved=SMALL["num_blocks"], defer_timeout_s=10.0)
+    with receiver:
+        send(peer, "dup-a", "same-id", receiver.address, [1, 2], 8)
+        wait_for_state(receiver, "same-id", TransferState.WAITING)
+        with pytest.raises(RuntimeError, match="duplicate request id"):  # the same sender: refused at once
+            send(peer, "dup-a", "same-id", receiver.address, [3, 4], 8)
+        send(peer, "dup-b", "same-id", receiver.address, [3, 4], 8)  # another sender: refused by the receiver
+        [rejected] = peer.wait_results("dup-b")
+        assert not rejected["ok"] and "duplicate request id" in rejected["reason"]
+        assert receiver.stats.num_duplicate_requests == 1
+        pool.num_reserved = 0
+        [result] = poll_until(receiver)
+        assert result.ok and peer.wait_results("dup-a")[0]["ok"]
+        pool.finish(result.request_id, result.block_hashes)
+        assert pool.is_clean()
+    peer.call("close", name="dup-a")
+    peer.call("close", name="dup-b")
+
+
+def test_receiver_abort_releases_at_once_and_tells_the_sender(peer: PeerProcess) -> None:
+    name = "rx-abort"
+    start_sender(peer, name)
+    receiver, _, pool = make_receiver(reserved=SMALL["num_blocks"], defer_timeout_s=10.0)
+    with receiver:
+        send(peer, name, "to-abort", receiver.address, [1, 2], 8)
+        wait_for_state(receiver, "to-abort", TransferState.WAITING)
+        receiver.abort("to-abort")
+        [result] = poll_until(receiver)
+        assert not result.ok and result.reason == ABORTED
+        [sent] = peer.wait_results(name)
+        assert not sent["ok"] and "receiver aborted" in sent["reason"]
+        assert pool.is_clean()
+    peer.call("close", name=name)
+
+
+def test_sender_abort_frees_both_sides(peer: PeerProcess) -> None:
+    rx_address = peer.call(
+        "receiver",
+        name="rx-for-abort",
+        address="tcp://127.0.0.1:0",
+        cache={**SMALL, "seed": 5},
+        reserved=SMALL["num_blocks"],
+        defer_timeout_s=10.0,
+    )["address"]
+    kv_cache = make_kv_cache({**SMALL, "seed": 1})
+    layout = KVLayout.from_kv_cache(kv_cache, "m")
+    with KVSender(kv_cache, layout, timeout_s=2.0) as sender:
+        sender.send("stop-me", rx_address, [1, 2, 3], [], 12)
+        wait_for_state(sender, "stop-me", TransferState.WAITING)
+        sender.abort("stop-me")
+        [result] = poll_until(sender)
+        assert not result.ok and result.reason == ABORTED
+        [received] = peer.wait_results("rx-for-abort")
+        assert not received["ok"] and "sender aborted" in received["reason"]
+        assert peer.call("pool", name="rx-for-abort")["clean"]
+    peer.call("close", name="rx-for-abort")
+
+
+def test_abort_before_the_offer_refuses_it_when_it_comes(peer: PeerProcess) -> None:
+    name = "early-abort"
+    start_sender(peer, name)
+    receiver, _, pool = make_receiver()
+    with receiver:
+        receiver.abort("client-left")  # e.g. the client went away while the prompt was prefilling
+        send(peer, name, "client-left", receiver.address, [1, 2], 8)
+        [result] = poll_until(receiver)
+        [sent] = peer.wait_results(name)
+        assert not result.ok and result.reason == ABORTED and result.block_ids == []
+        assert not sent["ok"] and "receiver aborted" in sent["reason"]
+        assert pool.calls == [] and pool.is_clean()
+        send(peer, name, "client-left", receiver.address, [1, 2], 8)  # forgotten once refused
+        [again] = poll_until(receiver)
+        assert again.ok
+        pool.finish(again.request_id, again.block_hashes)
+    peer.call("close", name=name)
+
+
+def test_send_refuses_bad_arguments_at_once() -> None:
+    kv_cache = make_kv_cache(SMALL)
+    with KVSender(kv_cache, KVLayout.from_kv_cache(kv_cache, "m")) as sender:
+        address = "tcp://127.0.0.1:1"
+        for args, error in [
+            (("r", address, [1, 2], [], 12), "need 3 blocks"),
+            (("r", address, [1, 2, 99], [], 12), "out of range"),
+            (("r", address, [1, 2, 3], hashes("h", 4), 12), "at most one"),
+            (("r", "http://x", [1, 2, 3], [], 12), "tcp:// or ipc://"),
+            (("", address, [1, 2, 3], [], 12), "request_id"),
+        ]:
+            with pytest.raises(ValueError, match=error):
+                sender.send(*args)
+        assert sender.poll() == []
+        with pytest.raises(KeyError):
+            sender.state("r")
+    with pytest.raises(ValueError, match="does not match the layout"):
+        KVSender(kv_cache, KVLayout.from_kv_cache(make_kv_cache({**SMALL, "block_size": 8}), "m"))
+
+
+def test_closing_fails_live_transfers_and_still_reports_them() -> None:
+    kv_cache = make_kv_cache(SMALL)
+    sender = KVSender(kv_cache, KVLayout.from_kv_cache(kv_cache, "m"), timeout_s=30.0)
+    sender.send("pending", "tcp://127.0.0.1:1", [1, 2, 3], [], 12)  # nobody listens there
+    sender.close()
+    [result] = sender.poll()
+    assert not result.ok and result.reason == "sender closed" and result.block_ids == [1, 2, 3]
+    sender.send("late", "tcp://127.0.0.1:1", [1, 2, 3], [], 12)
+    assert [r.reason for r in sender.poll()] == ["sender closed"]

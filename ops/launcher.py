@@ -67,7 +67,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child: get SIGTERM if the launcher itself is killed (Linux), so nothing is orphaned."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -109,7 +109,7 @@ class Launcher:
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
             start_new_session=True,  # Ctrl-C reaches the launcher only; it stops children in order
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
         if log is not None:
             log.close()

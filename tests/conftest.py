@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
+from ops.launcher import die_with_parent
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -31,7 +33,9 @@ class RedisServer:
         self._dir = tempfile.TemporaryDirectory(prefix="redis-test-")
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         args += ["--dir", self._dir.name, "--loglevel", "warning"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent
+        )
         self._wait_ready()
 
     def _wait_ready(self, timeout_s: float = 10.0) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from ops.launcher import die_with_parent
 from tests.conftest import free_port
 
 ENGINE_FLAGS = ["--num-blocks", "512", "--max-num-batched-tokens", "256", "--max-num-seqs", "32"]
@@ -54,7 +55,8 @@ class Stack:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(log_path, "w") as log:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "common.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=env
+                [sys.executable, "-m", "common.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                preexec_fn=die_with_parent,
             )
         proc = Proc(name, popen, log_path, metrics_port)
         self.procs[name] = proc

@@ -3,6 +3,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
+# One BLAS thread a process: the suite runs engines in several processes at once, and
+# oversubscribed cores made it several times slower.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

@@ -291,11 +291,19 @@ class LLMEngine:
         )
 
     def _track_slot_use(self) -> None:
-        held = sum(r.num_computed_tokens for r in self.scheduler.running)
-        held += sum(r.num_tokens for r in self.transferring.values())
+        """Peak KV tokens held, each slot counted once (blocks are shared by prefix hits and n > 1)."""
+        reqs = [*self.scheduler.running, *self.transferring.values()]
+        if sum(r.num_computed_tokens for r in reqs) <= self.peak_kv_tokens_held:
+            return  # an upper bound of the count below, so no new peak
+        bs = self.block_size
+        filled: dict[int, int] = {}
+        for r in reqs:
+            for i, block_id in enumerate(self.kv.block_ids(r.request_id)):
+                filled[block_id] = max(filled.get(block_id, 0), min(bs, r.num_computed_tokens - i * bs))
+        held = sum(filled.values())
         if held > self.peak_kv_tokens_held:
             self.peak_kv_tokens_held = held
-            self.peak_kv_slots_allocated = self.kv.pool.num_used_blocks * self.block_size
+            self.peak_kv_slots_allocated = self.kv.pool.num_used_blocks * bs
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -1,0 +1,164 @@
+"""Bad requests fail alone, at once, with an error naming the field; the engine keeps serving.
+
+Every way a request can end (rejected, aborted while running, aborted with n > 1) leaves the pool
+with all its blocks free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from common.engine.engine import EngineOutput, LLMEngine
+from common.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+from tests.engine.conftest import hf_greedy, prompt_ids
+
+GOOD = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+VOCAB = 49152
+MAX_MODEL_LEN = 256
+
+# (case id, prompt, params, a word the error message must contain)
+BAD_REQUESTS = [
+    ("empty prompt", [], GOOD, "prompt"),
+    ("prompt longer than max_model_len", [5] * (MAX_MODEL_LEN + 10), GOOD, "max_model_len"),
+    ("prompt leaves no room to generate", [5] * MAX_MODEL_LEN, GOOD, "max_model_len"),
+    ("token id = vocab size", [5, VOCAB, 6], GOOD, "token ids"),
+    ("negative token id", [5, -1], GOOD, "token ids"),
+    ("non-integer token id", [5, 2.5], GOOD, "token ids"),
+    ("max_tokens=0", [5], SamplingParams(max_tokens=0), "max_tokens"),
+    ("max_tokens<0", [5], SamplingParams(max_tokens=-3), "max_tokens"),
+    ("temperature<0", [5], SamplingParams(temperature=-0.1), "temperature"),
+    ("temperature=nan", [5], SamplingParams(temperature=float("nan")), "temperature"),
+    ("top_p=0", [5], SamplingParams(top_p=0.0), "top_p"),
+    ("top_p=1.5", [5], SamplingParams(top_p=1.5), "top_p"),
+    ("n above limit", [5], SamplingParams(n=MAX_N + 1), "n must"),
+    ("n=0", [5], SamplingParams(n=0), "n must"),
+    ("logprobs>20", [5], SamplingParams(logprobs=MAX_LOGPROBS + 1), "logprobs"),
+    ("min_tokens>max_tokens", [5], SamplingParams(max_tokens=4, min_tokens=5), "min_tokens"),
+    ("top_k<-1", [5], SamplingParams(top_k=-2), "top_k"),
+    ("stop token outside vocab", [5], SamplingParams(stop_token_ids=[VOCAB]), "stop_token_ids"),
+    ("presence_penalty>2", [5], SamplingParams(presence_penalty=2.5), "presence_penalty"),
+    ("repetition_penalty=0", [5], SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+]
+
+
+@pytest.fixture(scope="module")
+def small_engine():  # type: ignore[no-untyped-def]
+    """One engine for the validation-only cases (nothing runs on it), checked when the module ends."""
+    from tests.engine.conftest import make_engine
+
+    engine = make_engine(max_model_len=MAX_MODEL_LEN, num_blocks=32)
+    yield engine
+    engine.check_integrity()
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def _drain(engine: LLMEngine, outputs: list[EngineOutput] | None = None) -> dict[str, tuple[list[int], str | None]]:
+    """Step until every request finished: (token ids, finish_reason) per request, ``outputs`` first."""
+    outputs = list(outputs or [])
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    results: dict[str, tuple[list[int], str | None]] = {}
+    for out in outputs:
+        tokens, _ = results.get(out.request_id, ([], None))
+        results[out.request_id] = (tokens + out.new_token_ids, out.finish_reason)
+    return results
+
+
+@pytest.mark.parametrize(("prompt", "params", "field"), [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_request_is_rejected_with_a_message_naming_the_field(small_engine, prompt, params, field):
+    assert small_engine.vocab_size == VOCAB and small_engine.max_model_len == MAX_MODEL_LEN
+    with pytest.raises(ValueError, match=field):
+        small_engine.validate(prompt, params)
+    with pytest.raises(ValueError, match=field):
+        small_engine.add_request("bad", prompt, params)
+    assert not small_engine.scheduler.requests and not small_engine.has_unfinished_requests(), "a bad request was queued"
+
+
+def test_engine_keeps_serving_a_valid_request_queued_before_the_bad_ones(engine_factory):
+    engine = engine_factory(max_model_len=MAX_MODEL_LEN)
+    prompt = list(prompt_ids()[3])
+    engine.add_request("good", prompt, GOOD)
+    first = engine.step()  # already running when the bad ones arrive
+    for i, (_, bad_prompt, params, field) in enumerate(BAD_REQUESTS):
+        with pytest.raises(ValueError, match=field):
+            engine.add_request(f"bad-{i}", bad_prompt, params)
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.add_request("good", prompt, GOOD)
+    assert list(engine.scheduler.requests) == ["good"]
+    engine.add_request("after", list(prompt_ids()[0]), GOOD)
+    results = _drain(engine, first)
+    assert set(results) == {"good", "after"}
+    assert results["good"][0] == list(hf_greedy(tuple(prompt), 16)) and results["good"][1] == "length"
+    assert results["after"][0] == list(hf_greedy(prompt_ids()[0], 16))
+
+
+def test_a_request_that_could_never_fit_in_the_pool_fails_at_once(engine_factory):
+    engine = engine_factory(num_blocks=4, block_size=16)  # 64 slots
+    prompt = list(prompt_ids()[12][:50])
+    with pytest.raises(ValueError, match="KV blocks") as err:
+        engine.add_request("huge", prompt, SamplingParams(temperature=0.0, max_tokens=150))
+    assert "max_tokens" in str(err.value)
+    assert not engine.has_unfinished_requests()
+    # Exactly the pool's size still fits, and runs.
+    small = list(prompt_ids()[0])
+    engine.add_request("fits", small, SamplingParams(temperature=0.0, max_tokens=64 - len(small), ignore_eos=True))
+    assert _drain(engine)["fits"][0] == list(hf_greedy(tuple(small), 64 - len(small)))
+
+
+def test_n2_in_a_pool_that_holds_one_choice_at_a_time_still_finishes(engine_factory):
+    engine = engine_factory(num_blocks=4, block_size=16, max_num_batched_tokens=64)
+    prompt = list(prompt_ids()[9])  # 13 tokens; each choice needs all 4 blocks at its longest
+    params = SamplingParams(temperature=0.0, max_tokens=64 - len(prompt), ignore_eos=True, n=2)
+    engine.add_request("r", prompt, params)
+    results = _drain(engine)
+    expected = list(hf_greedy(tuple(prompt), 64 - len(prompt)))
+    assert results["r"][0] == results["r#1"][0] == expected
+    assert engine.scheduler.num_preemptions > 0
+
+
+def _step_until(engine: LLMEngine, done: Callable[[], bool], max_steps: int = 200) -> list[EngineOutput]:
+    """Step until ``done()``; the outputs on the way."""
+    outputs: list[EngineOutput] = []
+    for _ in range(max_steps):
+        if done():
+            return outputs
+        outputs.extend(engine.step())
+    raise AssertionError("condition never reached")
+
+
+def test_abort_of_a_running_request_frees_its_blocks(engine_factory):
+    engine = engine_factory()
+    prompt = list(prompt_ids()[12])
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    _step_until(engine, lambda: "r" in engine.kv.req_blocks and engine.scheduler.requests["r"].num_output_tokens >= 3)
+    assert engine.kv.pool.num_used_blocks >= len(prompt) // 16
+    assert engine.abort_request("r")
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+    engine.check_integrity()
+    outputs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("r", "abort")]
+    assert not engine.has_unfinished_requests()
+    assert not engine.abort_request("r"), "a second abort finds nothing"
+    # The engine keeps serving, and the aborted request's cached prefix does not change the output.
+    engine.add_request("next", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert _drain(engine)["next"][0] == list(hf_greedy(tuple(prompt), 8))
+
+
+def test_abort_of_an_n2_request_frees_both_choices(engine_factory):
+    engine = engine_factory()
+    prompt = list(prompt_ids()[6])
+    engine.add_request("r", prompt, SamplingParams(temperature=1.0, seed=5, max_tokens=40, ignore_eos=True, n=2))
+    engine.add_request("other", list(prompt_ids()[1]), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    before = _step_until(
+        engine, lambda: "r#1" in engine.kv.req_blocks and engine.scheduler.requests["r#1"].num_output_tokens >= 3
+    )
+    assert engine.abort_request("r")
+    assert set(engine.kv.req_blocks) == {"other"}
+    engine.check_integrity()
+    results = _drain(engine, before)
+    assert results["r"][1] == results["r#1"][1] == "abort"
+    assert len(results["r#1"][0]) >= 3
+    assert results["other"][0] == list(hf_greedy(prompt_ids()[1], 30))
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks

@@ -1,0 +1,362 @@
+"""Sampling: seeds, logprobs, stop conditions, penalties and filters, on the real model and on hand-made logits.
+
+A seeded request draws from its own generator, so its tokens must not depend on which other requests
+share its batch or how the prompt was chunked; logprobs are those of the model's raw distribution.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from msgspec.structs import replace
+
+from common.engine.engine import LLMEngine
+from common.engine.request import Request
+from common.engine.sampler import Sampler
+from common.protocol import PositionLogprobs
+from common.sampling_params import SamplingParams
+from tests.engine.conftest import hf_greedy, hf_model, prompt_ids, tokenizer
+
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+STORY = (
+    "Once upon a time, in a land far away, there lived a young girl who loved to explore the forest "
+    "near her village. One day she found"
+)
+REPETITIVE = "I like cats. I like cats. I like cats. I like cats."
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    saw_logprobs_none: bool = False
+
+
+def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, Result]:
+    """Add every request, step until all finish; per request id (children included) what came out."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, list(prompt), params)
+    results: dict[str, Result] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            res = results.setdefault(out.request_id, Result())
+            assert res.finish_reason is None, f"{out.request_id} produced output after finishing"
+            res.token_ids.extend(out.new_token_ids)
+            if out.logprobs is None:
+                res.saw_logprobs_none = True
+            else:
+                res.logprobs.extend(out.logprobs)
+            res.finish_reason = out.finish_reason
+    return results
+
+
+def _random_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(3, 49152) for _ in range(length)]  # ids 0..2 are special
+
+
+def _companions(seed: int) -> dict[str, tuple[list[int], SamplingParams]]:
+    """Five other requests of different lengths and kinds (greedy, unseeded, other seeds)."""
+    rng = random.Random(seed)
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_k=40, seed=99, max_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_p=0.5, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.9, min_p=0.05, seed=7, max_tokens=18, ignore_eos=True, n=2),
+    ]
+    lengths = [7, 131, 40, 70, 18]
+    return {f"c{seed}-{i}": (_random_prompt(rng, n), p) for i, (n, p) in enumerate(zip(lengths, kinds, strict=True))}
+
+
+# --------------------------------------------------------------------------- through the engine
+def test_seeded_sampling_is_reproducible_across_runs_batch_companions_and_token_budgets(engine_factory):
+    prompt = list(tokenizer()(STORY).input_ids)
+    engine = engine_factory()
+    alone = _run(engine, {"alone": (prompt, SEEDED)})["alone"].token_ids
+    hits = engine.kv.prefix_cache_hits
+    again = _run(engine, {"again": (prompt, SEEDED)})["again"].token_ids
+    assert engine.kv.prefix_cache_hits > hits, "the second run was meant to start from cached blocks"
+    batch = {**dict(list(_companions(1).items())[:2]), "mixed": (prompt, SEEDED), **dict(list(_companions(1).items())[2:])}
+    mixed = _run(engine, batch)
+    # Another engine: prompts chunked by a small token budget, different block size, other companions.
+    chunked_engine = engine_factory(max_num_batched_tokens=40, block_size=32, num_blocks=128)
+    chunked = _run(chunked_engine, {**_companions(2), "chunked": (prompt, SEEDED)})
+
+    assert len(alone) == SEEDED.max_tokens
+    assert alone == again == mixed["mixed"].token_ids == chunked["chunked"].token_ids
+    assert alone != list(hf_greedy(tuple(prompt), SEEDED.max_tokens)), "sampling never left the greedy path"
+    assert len(mixed) == 7 and len(chunked) == 7  # the n=2 companion has two choices
+
+
+def test_different_seeds_give_different_tokens(engine_factory):
+    prompt = list(tokenizer()(STORY).input_ids)
+    engine = engine_factory()
+    seeds = [1234, 4321, 5]
+    got = _run(engine, {f"s{s}": (prompt, SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=16,
+                                                         ignore_eos=True)) for s in seeds})
+    outputs = [tuple(got[f"s{s}"].token_ids) for s in seeds]
+    assert len(set(outputs)) == len(seeds)
+
+
+def test_logprobs_are_the_models_raw_log_softmax_with_k_sorted_alternatives(engine_factory):
+    engine = engine_factory()
+    prompts = {name: list(prompt_ids()[i]) for name, i in (("k20", 0), ("k5", 3), ("k0", 9), ("sampled", 1))}
+    params = {
+        "k20": SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=20),
+        "k5": SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5),
+        "k0": SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0),
+        # Logprobs of a sampled token come from the raw distribution, not the tempered, penalized one.
+        "sampled": SamplingParams(temperature=0.6, top_k=50, repetition_penalty=1.2, seed=3, max_tokens=10,
+                                  ignore_eos=True, logprobs=3),
+        "none": SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+    }
+    prompts["none"] = list(prompt_ids()[4])
+    got = _run(engine, {name: (prompts[name], params[name]) for name in params})
+
+    assert got["none"].logprobs == [] and got["none"].saw_logprobs_none
+    for name in ("k20", "k5", "k0", "sampled"):
+        res, k = got[name], params[name].logprobs
+        assert k is not None and len(res.logprobs) == len(res.token_ids) == params[name].max_tokens
+        prompt = prompts[name]
+        with torch.inference_mode():
+            logits = hf_model()(torch.tensor([prompt + res.token_ids])).logits[0].float()
+        reference = torch.log_softmax(logits, dim=-1)
+        for i, (token, lp) in enumerate(zip(res.token_ids, res.logprobs, strict=True)):
+            ref = reference[len(prompt) - 1 + i]
+            assert lp.token_id == token
+            assert abs(lp.logprob - float(ref[token])) < 1e-4, f"{name} position {i}"
+            assert len(lp.top) == k
+            values = [t.logprob for t in lp.top]
+            assert values == sorted(values, reverse=True)
+            assert len({t.token_id for t in lp.top}) == k
+            ref_top = torch.topk(ref, k).values.tolist() if k else []
+            assert all(abs(a - b) < 1e-4 for a, b in zip(values, ref_top, strict=True))
+            for t in lp.top:
+                assert abs(t.logprob - float(ref[t.token_id])) < 1e-4
+            if params[name].greedy and k:
+                assert lp.top[0].token_id == token and lp.top[0].logprob == lp.logprob
+    assert got["k20"].token_ids == list(hf_greedy(tuple(prompts["k20"]), 10))
+
+
+def _chat_prompt(text: str) -> list[int]:
+    tok = tokenizer()
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                       tokenize=False)
+    return list(tok(rendered, add_special_tokens=False).input_ids)
+
+
+def test_stop_tokens_eos_max_tokens_ignore_eos_and_min_tokens(engine_factory):
+    engine = engine_factory()
+    (eos,) = engine.eos_token_ids
+    plain = list(prompt_ids()[0])
+    plain_greedy = list(hf_greedy(tuple(plain), 16))
+    # A stop token the greedy output reaches at index k, not before.
+    k = next(i for i in range(3, 12) if plain_greedy[i] not in plain_greedy[:i])
+    stop = plain_greedy[k]
+    chat = _chat_prompt("What is 2+2? Answer with one number.")
+    chat_greedy = list(hf_greedy(tuple(chat), 14))
+    assert eos in chat_greedy[:10], "the chat prompt was meant to end its answer early"
+    eos_at = chat_greedy.index(eos)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    got = _run(engine, {
+        "stop": (plain, replace(greedy, stop_token_ids=[stop])),
+        "stop-after-min": (plain, replace(greedy, stop_token_ids=[stop], min_tokens=k + 2)),
+        "length": (plain, replace(greedy, max_tokens=5)),
+        "eos": (chat, replace(greedy, max_tokens=14)),
+        "ignore-eos": (chat, replace(greedy, max_tokens=14, ignore_eos=True)),
+        "min-tokens": (chat, replace(greedy, max_tokens=14, min_tokens=eos_at + 4)),
+    })
+    assert got["stop"].token_ids == plain_greedy[: k + 1] and got["stop"].finish_reason == "stop"
+    assert got["length"].token_ids == plain_greedy[:5] and got["length"].finish_reason == "length"
+    assert got["eos"].token_ids == chat_greedy[: eos_at + 1] and got["eos"].finish_reason == "stop"
+    assert got["ignore-eos"].token_ids == chat_greedy and got["ignore-eos"].finish_reason == "length"
+    min_tokens = got["min-tokens"].token_ids
+    assert min_tokens[:eos_at] == chat_greedy[:eos_at]
+    assert eos not in min_tokens[: eos_at + 4] and len(min_tokens) > eos_at + 4
+    after_min = got["stop-after-min"].token_ids
+    assert stop not in after_min[: k + 2] and len(after_min) > k + 2
+
+
+def test_penalties_move_a_greedy_output_away_from_repetition(engine_factory):
+    engine = engine_factory()
+    prompt = list(tokenizer()(REPETITIVE).input_ids)
+    base = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = _run(engine, {
+        "plain": (prompt, base),
+        "repetition": (prompt, replace(base, repetition_penalty=1.3)),
+        "presence": (prompt, replace(base, presence_penalty=2.0)),
+        "frequency": (prompt, replace(base, frequency_penalty=1.0)),
+        "negative-presence": (prompt, replace(base, presence_penalty=-2.0)),
+    })
+    out = {name: r.token_ids for name, r in got.items()}
+    assert out["plain"] == list(hf_greedy(tuple(prompt), 24))
+
+    def num_repeats(tokens: list[int], seen: set[int]) -> int:
+        seen = set(seen)
+        count = 0
+        for t in tokens:
+            count += t in seen
+            seen.add(t)
+        return count
+
+    assert num_repeats(out["plain"], set(prompt)) > 16, "the prompt was meant to make greedy repeat itself"
+    assert num_repeats(out["repetition"], set(prompt)) < num_repeats(out["plain"], set(prompt)) // 2
+    assert len(set(out["presence"])) > len(set(out["plain"]))
+    assert max(Counter(out["frequency"]).values()) < max(Counter(out["plain"]).values())
+    assert len(set(out["negative-presence"])) <= len(set(out["plain"]))
+    # The repetition penalty is transformers' (over prompt and output): greedy matches its generate.
+    with torch.inference_mode():
+        hf = hf_model().generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                                 eos_token_id=None, repetition_penalty=1.3)
+    assert out["repetition"] == hf[0, len(prompt):].tolist()
+
+
+def test_sampling_restricted_to_one_token_equals_greedy(engine_factory):
+    engine = engine_factory()
+    prompt = list(prompt_ids()[7])
+    one_token = {
+        "top_k=1": SamplingParams(temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True),
+        "top_p=0.01": SamplingParams(temperature=1.0, top_p=0.01, max_tokens=12, ignore_eos=True),
+        "min_p=1": SamplingParams(temperature=1.5, min_p=1.0, max_tokens=12, ignore_eos=True, seed=8),
+    }
+    got = _run(engine, {name: (prompt, p) for name, p in one_token.items()})
+    expected = list(hf_greedy(tuple(prompt), 12))
+    for name in one_token:
+        assert got[name].token_ids == expected, name
+
+
+def test_n2_seeded_choices_differ_and_are_reproducible(engine_factory):
+    engine = engine_factory()
+    prompt = list(prompt_ids()[10])
+    params = SamplingParams(temperature=1.0, seed=2024, max_tokens=16, ignore_eos=True, n=2)
+    first = _run(engine, {"a": (prompt, params)})
+    second = _run(engine, {"b": (prompt, params)})
+    assert set(first) == {"a", "a#1"} and set(second) == {"b", "b#1"}
+    assert first["a"].token_ids != first["a#1"].token_ids
+    assert first["a"].token_ids == second["b"].token_ids and first["a#1"].token_ids == second["b#1"].token_ids
+    assert all(len(r.token_ids) == 16 and r.finish_reason == "length" for r in (*first.values(), *second.values()))
+
+
+# --------------------------------------------------------------------------- the Sampler on hand-made logits
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+PERM = [2, 0, 3, 1]  # token ids are not in probability order
+LOGITS = torch.empty(4).index_copy_(0, torch.tensor(PERM), PROBS.log())  # token PERM[i] has PROBS[i]
+
+
+def _request(params: SamplingParams, prompt: tuple[int, ...] = (9,), output: tuple[int, ...] = ()) -> Request:
+    req = Request("r", list(prompt), params, block_size=16, model_id="m")
+    for t in output:
+        req.append_output_token(t)
+    return req
+
+
+def _draw(params: SamplingParams, num: int, logits: torch.Tensor = LOGITS, seed: int = 0) -> Counter[int]:
+    """``num`` independent draws from the sampler's own generator, one row each."""
+    sampler = Sampler(eos_token_ids=set(), seed=seed)
+    rows = logits.expand(num, -1).contiguous()
+    return Counter(sampler(rows, [_request(params) for _ in range(num)]).token_ids)
+
+
+def _ids(*ranks: int) -> set[int]:
+    return {PERM[r] for r in ranks}
+
+
+@pytest.mark.parametrize(("top_p", "kept_ranks"), [(0.45, (0,)), (0.75, (0, 1)), (0.85, (0, 1, 2)), (0.97, (0, 1, 2, 3))])
+def test_top_p_keeps_the_smallest_prefix_reaching_the_mass(top_p, kept_ranks):
+    counts = _draw(SamplingParams(top_p=top_p), 3000)
+    assert set(counts) == _ids(*kept_ranks)
+    mass = float(PROBS[list(kept_ranks)].sum())
+    for r in kept_ranks:
+        assert abs(counts[PERM[r]] / 3000 - float(PROBS[r]) / mass) < 0.04
+
+
+@pytest.mark.parametrize(("min_p", "kept_ranks"), [(0.05, (0, 1, 2, 3)), (0.2, (0, 1, 2)), (0.5, (0, 1)), (0.7, (0,))])
+def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability(min_p, kept_ranks):
+    assert set(_draw(SamplingParams(min_p=min_p), 2000)) == _ids(*kept_ranks)
+
+
+@pytest.mark.parametrize(("top_k", "kept_ranks"), [(1, (0,)), (2, (0, 1)), (3, (0, 1, 2)), (0, (0, 1, 2, 3)), (-1, (0, 1, 2, 3))])
+def test_top_k_keeps_the_k_most_likely_tokens(top_k, kept_ranks):
+    assert set(_draw(SamplingParams(top_k=top_k), 2000)) == _ids(*kept_ranks)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_exponential_race_draws_tokens_with_the_tempered_probabilities(temperature):
+    num = 20_000
+    counts = _draw(SamplingParams(temperature=temperature), num)
+    expected = torch.softmax(PROBS.log() / temperature, dim=-1)
+    for r in range(4):
+        freq = counts[PERM[r]] / num
+        p = float(expected[r])
+        assert abs(freq - p) < 5 * math.sqrt(p * (1 - p) / num) + 1e-3, (r, freq, p)
+    assert _draw(SamplingParams(temperature=temperature), 500, seed=3) == _draw(
+        SamplingParams(temperature=temperature), 500, seed=3
+    ), "a fixed generator must give the same draws"
+
+
+def test_a_seeded_row_draws_the_same_token_wherever_it_sits_in_the_batch():
+    vocab = 1000
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(0))
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    alone = [Sampler(set(), seed=1)(logits[3:4], [_request(seeded)]).token_ids[0] for _ in range(2)]
+    others = [_request(SamplingParams(temperature=1.0)) for _ in range(5)]
+    batch = Sampler(set(), seed=2)(logits, [*others[:3], _request(seeded), *others[3:]]).token_ids
+    assert alone[0] == alone[1] == batch[3]
+    # Successive draws of one request advance its own generator.
+    req = _request(seeded)
+    sampler = Sampler(set())
+    draws = [sampler(logits[3:4], [req]).token_ids[0] for _ in range(20)]
+    assert len(set(draws)) > 1
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    greedy = SamplingParams(temperature=0.0, repetition_penalty=1.3)
+    sampler = Sampler(set())
+    positive = torch.tensor([[2.0, 1.9, -1.0, -1.1]])
+    assert sampler(positive, [_request(greedy, prompt=(0,))]).token_ids == [1]  # 2.0 / 1.3 < 1.9
+    assert sampler(positive, [_request(greedy, prompt=(3,))]).token_ids == [0]
+    negative = torch.tensor([[-1.0, -1.1, -5.0, -5.0]])
+    assert sampler(negative, [_request(greedy, prompt=(0,))]).token_ids == [1]  # -1.0 * 1.3 < -1.1
+    assert sampler(negative, [_request(greedy, prompt=(2,), output=(0,))]).token_ids == [1]
+
+
+def test_presence_and_frequency_penalties_count_only_output_tokens():
+    sampler = Sampler(set())
+    logits = torch.tensor([[2.0, 1.5, 0.0, 0.0]])
+    presence = SamplingParams(temperature=0.0, presence_penalty=1.0)
+    assert sampler(logits, [_request(presence, prompt=(0, 0, 0))]).token_ids == [0]
+    assert sampler(logits, [_request(presence, output=(0,))]).token_ids == [1]
+    frequency = SamplingParams(temperature=0.0, frequency_penalty=0.3)
+    assert sampler(logits, [_request(frequency, output=(0,))]).token_ids == [0]  # 2.0 - 0.3 > 1.5
+    assert sampler(logits, [_request(frequency, output=(0, 2, 0))]).token_ids == [1]  # 2.0 - 0.6 < 1.5
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
+    sampler = Sampler(eos_token_ids={0})
+    logits = torch.tensor([[5.0, 4.0, 3.0, 1.0]])
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[1], max_tokens=8)
+    assert sampler(logits, [_request(params, output=(3,))]).token_ids == [2]
+    assert sampler(logits, [_request(params, output=(3, 3))]).token_ids == [0]
+    no_eos = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True, max_tokens=8)
+    assert sampler(logits, [_request(no_eos)]).token_ids == [0]  # EOS stops nothing, so it is not banned
+
+
+def test_sampler_logprobs_ignore_temperature_and_penalties_and_leave_logits_untouched():
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
+    before = logits.clone()
+    params = SamplingParams(temperature=0.3, repetition_penalty=1.5, presence_penalty=1.0, logprobs=4, seed=5)
+    reqs = [_request(params, prompt=(1, 2, 3), output=(4,)), _request(SamplingParams(temperature=0.0))]
+    result = Sampler(set())(logits, reqs)
+    assert torch.equal(logits, before)
+    raw = torch.log_softmax(before[0], dim=-1)
+    lp = result.logprobs[0]
+    assert lp is not None and result.logprobs[1] is None
+    assert lp.token_id == result.token_ids[0] and lp.logprob == pytest.approx(float(raw[lp.token_id]), abs=1e-6)
+    assert [t.token_id for t in lp.top] == torch.topk(raw, 4).indices.tolist()
+    assert result.token_ids[1] == int(torch.argmax(before[1]))

@@ -6,7 +6,7 @@ types and the size limits below before anything is built from it. No pickle, no 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -106,39 +106,26 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def _check(raw: bytes) -> None:
+def _decode(decoder: msgspec.msgpack.Decoder[Any], raw: bytes, what: str) -> Any:
+    """Size check, typed decode, version check; anything wrong is a ``ProtocolError``."""
     if len(raw) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        raise ProtocolError(f"{what} of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        msg = decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"bad {what}: {exc}") from None
+    if msg.version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {msg.version}")
+    return msg
 
 
 def decode_input(raw: bytes) -> EngineInput:
-    _check(raw)
-    try:
-        msg = _input_decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"bad engine input: {exc}") from None
-    if msg.version != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {msg.version}")
-    return msg
+    return _decode(_input_decoder, raw, "engine input")  # type: ignore[no-any-return]
 
 
 def decode_output(raw: bytes) -> RequestOutput:
-    _check(raw)
-    try:
-        msg = _output_decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"bad engine output: {exc}") from None
-    if msg.version != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {msg.version}")
-    return msg
+    return _decode(_output_decoder, raw, "engine output")  # type: ignore[no-any-return]
 
 
 def decode_transfer_meta(raw: bytes) -> TransferMeta:
-    _check(raw)
-    try:
-        msg = _meta_decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"bad transfer meta: {exc}") from None
-    if msg.version != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {msg.version}")
-    return msg
+    return _decode(_meta_decoder, raw, "transfer meta")  # type: ignore[no-any-return]

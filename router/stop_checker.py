@@ -24,11 +24,13 @@ class StopChecker:
         if not self._stop:
             return text
         buffer = self._held + text
-        hits = [pos for pos in (buffer.find(s) for s in self._stop) if pos >= 0]
+        # The stop string that completes first in generation order wins (ties: the one starting
+        # first), whatever the token boundaries: a longer one still growing cannot be known yet.
+        hits = [(pos + len(s), pos) for s in self._stop if (pos := buffer.find(s)) >= 0]
         if hits:
             self.stopped = True
             self._held = ""
-            return buffer[: min(hits)]
+            return buffer[: min(hits)[1]]
         num_held = self._num_to_hold(buffer)
         self._held = buffer[len(buffer) - num_held :]
         return buffer[: len(buffer) - num_held]

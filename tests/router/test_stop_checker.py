@@ -33,6 +33,11 @@ def test_text_ending_in_a_stop_prefix_is_flushed_at_the_end() -> None:
     assert run(["the end S", "TO"], ["STOP"]) == ("the end STO", False)
 
 
+def test_the_stop_string_completing_first_wins_whatever_the_split() -> None:
+    assert run(["ac", "a"], ["c", "aca"]) == ("a", True)
+    assert run(["aca"], ["c", "aca"]) == ("a", True)
+
+
 def test_nothing_is_emitted_after_a_stop() -> None:
     checker = StopChecker(["x"])
     assert checker.push("abxcd") == "ab"
@@ -47,6 +52,7 @@ def test_nothing_is_emitted_after_a_stop() -> None:
 def test_any_split_gives_the_text_up_to_the_first_stop(text: str, stop: list[str], cuts: list[int]) -> None:
     bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-    hits = [text.find(s) for s in stop if s in text]
-    expected = text[: min(hits)] if hits else text
+    # The stop string that completes first wins (ties: the earlier start), as generation sees it.
+    hits = [(text.find(s) + len(s), text.find(s)) for s in stop if s in text]
+    expected = text[: min(hits)[1]] if hits else text
     assert run(pieces, stop) == (expected, bool(hits))

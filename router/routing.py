@@ -34,6 +34,13 @@ def instance_load(info: InstanceInfo, num_inflight: int) -> float:
     return float(max(info.num_requests_running + info.num_requests_waiting, num_inflight))
 
 
+def normalized_loads(candidates: Sequence[InstanceInfo], inflight: Mapping[str, int]) -> dict[str, float]:
+    """Each instance's load scaled into [0, 1) by the largest one among ``candidates``."""
+    loads = {i.instance_id: instance_load(i, inflight.get(i.instance_id, 0)) for i in candidates}
+    scale = 1.0 + max(loads.values(), default=0.0)
+    return {instance_id: load / scale for instance_id, load in loads.items()}
+
+
 class RoutingPolicy:
     """Base: least-loaded for both roles. Methods return new lists and never mutate their inputs."""
 
@@ -70,11 +77,10 @@ class RoutingPolicy:
     def rank_decode(
         self, candidates: Sequence[InstanceInfo], inflight: Mapping[str, int]
     ) -> list[InstanceInfo]:
-        loads = {i.instance_id: instance_load(i, inflight.get(i.instance_id, 0)) for i in candidates}
-        scale = 1.0 + max(loads.values(), default=0.0)
+        loads = normalized_loads(candidates, inflight)
 
         def cost(info: InstanceInfo) -> float:
-            return loads[info.instance_id] / scale + self.kv_weight * info.kv_cache_usage_perc
+            return loads[info.instance_id] + self.kv_weight * info.kv_cache_usage_perc
 
         return self._rotated_sort("decode", candidates, cost)
 
@@ -94,12 +100,11 @@ class PrefixAwarePolicy(RoutingPolicy):
         matched: Mapping[str, int],
         num_blocks: int,
     ) -> list[InstanceInfo]:
-        loads = {i.instance_id: instance_load(i, inflight.get(i.instance_id, 0)) for i in candidates}
-        scale = 1.0 + max(loads.values(), default=0.0)
+        loads = normalized_loads(candidates, inflight)
 
         def negative_score(info: InstanceInfo) -> float:
             hit = matched.get(info.instance_id, 0) / num_blocks if num_blocks else 0.0
-            return -(hit - self.alpha * loads[info.instance_id] / scale)
+            return -(hit - self.alpha * loads[info.instance_id])
 
         return self._rotated_sort("prefill", candidates, negative_score)
 

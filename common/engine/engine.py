@@ -90,24 +90,20 @@ class LLMEngine:
         self.peak_kv_slots_allocated = 0
 
     def _eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (self.runner.hf_config,):
-            eos = getattr(source, "eos_token_id", None)
-            if isinstance(eos, int):
-                ids.add(eos)
-            elif isinstance(eos, list):
-                ids.update(int(e) for e in eos)
+        """EOS ids from the model config and, where the checkpoint has one, its generation config."""
+        sources = [getattr(self.runner.hf_config, "eos_token_id", None)]
         try:
             from transformers import GenerationConfig
 
-            gen = GenerationConfig.from_pretrained(str(self.runner.model_path))
-            eos = gen.eos_token_id
+            sources.append(GenerationConfig.from_pretrained(str(self.runner.model_path)).eos_token_id)
+        except (OSError, ValueError):
+            pass
+        ids: set[int] = set()
+        for eos in sources:
             if isinstance(eos, int):
                 ids.add(eos)
             elif isinstance(eos, list):
                 ids.update(int(e) for e in eos)
-        except (OSError, ValueError):
-            pass
         return ids
 
     # ----------------------------------------------------------------- requests in

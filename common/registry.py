@@ -13,6 +13,7 @@ Keys (all under ``namespace``):
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import threading
 import time
@@ -50,6 +51,17 @@ class InstanceInfo(msgspec.Struct, kw_only=True):
 
 _info_encoder = msgspec.json.Encoder()
 _info_decoder = msgspec.json.Decoder(InstanceInfo)
+
+
+class Beat(enum.Enum):
+    """What a heartbeat found: Redis down, the entry still there, or the entry gone (new or lost)."""
+
+    UNREACHABLE = "unreachable"
+    REFRESHED = "refreshed"
+    REGISTERED = "registered"
+
+    def __bool__(self) -> bool:
+        return self is not Beat.UNREACHABLE
 
 
 class _RedisClient:
@@ -114,17 +126,27 @@ class Registry:
         self._rc = _RedisClient(redis_url, namespace)
         self.ttl_ms = max(1, int(ttl_s * 1000))
 
-    def heartbeat(self, info: InstanceInfo) -> bool:
-        """Register or refresh ``info``; False if Redis is unreachable. Safe to call any time."""
+    def heartbeat(self, info: InstanceInfo) -> Beat:
+        """Register or refresh ``info``. Safe to call any time.
+
+        ``Beat.REGISTERED`` means the entry was missing: the first beat, or Redis lost it (a restart,
+        a flush, an expiry while this process stalled), so whatever else the instance published is
+        likely gone too.
+        """
+        key = self._rc.key("instance", info.instance_id)
         payload = _info_encoder.encode(info)
 
-        def op(client: redis.Redis) -> None:
+        def op(client: redis.Redis) -> bool:
             pipe = client.pipeline(transaction=False)
-            pipe.set(self._rc.key("instance", info.instance_id), payload, px=self.ttl_ms)
+            pipe.exists(key)
+            pipe.set(key, payload, px=self.ttl_ms)
             pipe.sadd(self._rc.key("instances"), info.instance_id)
-            pipe.execute()
+            return bool(pipe.execute()[0])
 
-        return self._rc.run("heartbeat", op)[0]
+        ok, existed = self._rc.run("heartbeat", op)
+        if not ok:
+            return Beat.UNREACHABLE
+        return Beat.REFRESHED if existed else Beat.REGISTERED
 
     def deregister(self, info: InstanceInfo) -> None:
         """Remove the instance and its prefix-index entries now instead of waiting for the TTL."""
@@ -208,9 +230,9 @@ class PrefixIndex:
 
         return self._rc.run("prefix update", op)[0]
 
-    def clear_instance(self, instance_id: str) -> None:
+    def clear_instance(self, instance_id: str) -> bool:
         """Forget everything ``instance_id`` published (call it when an instance starts empty)."""
-        self._rc.run("clear instance", lambda client: _clear_instance_blocks(self._rc, client, instance_id))
+        return self._rc.run("clear instance", lambda c: _clear_instance_blocks(self._rc, c, instance_id))[0]
 
     def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """instance_id -> number of leading blocks of ``block_hashes`` it holds, live instances only.
@@ -256,8 +278,9 @@ class HeartbeatThread(threading.Thread):
 
     ``info_fn`` is called from this thread, so it must be cheap and thread-safe (read counters).
     ``stop()`` may be called twice; it deregisters the last published info unless told not to.
-    ``on_reconnect`` is called (from this thread) when a heartbeat succeeds after a failed one,
-    so the instance can republish state a restarted Redis lost.
+    ``on_reconnect`` is called (from this thread) when a later heartbeat finds the entry gone, so
+    the instance can republish the state a restarted or flushed Redis lost. Whether a beat failed
+    in between does not matter: a restart can fall between two beats.
     """
 
     def __init__(
@@ -272,7 +295,7 @@ class HeartbeatThread(threading.Thread):
         self.info_fn = info_fn
         self.interval_s = interval_s
         self.on_reconnect = on_reconnect
-        self._was_down = False
+        self._beats = 0
         self._stop_event = threading.Event()
         self._last: InstanceInfo | None = None
 
@@ -280,10 +303,11 @@ class HeartbeatThread(threading.Thread):
         while not self._stop_event.is_set():
             try:
                 self._last = self.info_fn()
-                ok = self.registry.heartbeat(self._last)
-                if ok and self._was_down and self.on_reconnect is not None:
+                beat = self.registry.heartbeat(self._last)
+                if beat is Beat.REGISTERED and self._beats > 0 and self.on_reconnect is not None:
                     self.on_reconnect()
-                self._was_down = not ok
+                if beat:
+                    self._beats += 1
             except Exception:  # a bad info_fn must not kill the heartbeat
                 logger.exception("heartbeat failed")
             self._stop_event.wait(self.interval_s)

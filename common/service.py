@@ -29,7 +29,7 @@ from common.protocol import (
     decode_input,
     encode,
 )
-from common.registry import HeartbeatThread, InstanceInfo, PrefixIndex, Registry
+from common.registry import BACKOFF_S, HeartbeatThread, InstanceInfo, PrefixIndex, Registry
 
 logger = logging.getLogger(__name__)
 
@@ -185,12 +185,16 @@ class EngineService:
             self._prefix_wakeup.clear()
             while self._prefix_queue:
                 stored, removed, reset = self._prefix_queue.pop(0)
-                if reset:
-                    self.prefix_index.clear_instance(self.instance_id)
-                if removed:
-                    self.prefix_index.remove(self.instance_id, list(removed))
-                if stored:
-                    self.prefix_index.add(self.instance_id, list(stored))
+                ok = self.prefix_index.clear_instance(self.instance_id) if reset else True
+                ok = ok and self.prefix_index.remove(self.instance_id, list(removed))
+                ok = ok and self.prefix_index.add(self.instance_id, list(stored))
+                if not ok:
+                    # A lost update would leave the index wrong until the next restart: drop the
+                    # queue and ask the step loop for a full resync, tried again after the back-off.
+                    self._prefix_queue.clear()
+                    self._stop.wait(BACKOFF_S)
+                    self._republish.set()
+                    break
 
     def _observe(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
@@ -205,9 +209,9 @@ class EngineService:
     def run(self) -> None:
         self._prefix_queue: list[tuple[list[bytes], list[bytes], bool]] = []
         self._prefix_wakeup = threading.Event()
+        self._republish = threading.Event()
         self.prefix_index.clear_instance(self.instance_id)
         threading.Thread(target=self._prefix_publisher, daemon=True, name="prefix-publisher").start()
-        self._republish = threading.Event()
         self.heartbeat = HeartbeatThread(self.registry, self.info, 1.0, on_reconnect=self._republish.set)
         self.heartbeat.start()
         if threading.current_thread() is threading.main_thread():

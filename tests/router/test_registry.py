@@ -6,8 +6,10 @@ import time
 import uuid
 from typing import Any
 
+import redis
+
 from common.kvcache.hashing import compute_block_hashes
-from common.registry import HeartbeatThread, InstanceInfo, PrefixIndex, Registry
+from common.registry import Beat, HeartbeatThread, InstanceInfo, PrefixIndex, Registry
 
 
 def _ns() -> str:
@@ -91,29 +93,49 @@ def test_heartbeat_thread_refreshes_with_fresh_info_and_deregisters(redis_url: s
     assert reg.instances() == []
 
 
+def test_heartbeat_thread_asks_for_republish_when_its_entry_vanishes(redis_url: str) -> None:
+    """A Redis restart can fall between two beats, so no beat ever fails: the lost entry is the signal."""
+    ns = _ns()
+    reg = Registry(redis_url, namespace=ns)
+    calls: list[float] = []
+    thread = HeartbeatThread(reg, lambda: _info("p0"), interval_s=0.05, on_reconnect=lambda: calls.append(1))
+    thread.start()
+    try:
+        assert _eventually(lambda: len(reg.instances()) == 1)
+        time.sleep(0.2)
+        assert calls == []  # registering the first time is not a reconnect
+        redis.Redis.from_url(redis_url).delete(f"{ns}:instance:p0")  # as a restart or a flush would
+        assert _eventually(lambda: len(calls) == 1)
+        time.sleep(0.2)
+        assert len(calls) == 1
+    finally:
+        thread.stop()
+
+
 def test_redis_down_methods_return_and_recover_on_restart(make_redis_server) -> None:
     server = make_redis_server()
     ns = _ns()
     reg = Registry(server.url, namespace=ns)
     index = PrefixIndex(server.url, namespace=ns)
     hashes = compute_block_hashes(list(range(32)), 16, "m")
-    assert reg.heartbeat(_info("p0"))
+    assert reg.heartbeat(_info("p0")) is Beat.REGISTERED
+    assert reg.heartbeat(_info("p0")) is Beat.REFRESHED
     assert index.add("p0", hashes)
     server.stop()
 
     started = time.monotonic()
-    assert reg.heartbeat(_info("p0")) is False
+    assert reg.heartbeat(_info("p0")) is Beat.UNREACHABLE
     assert reg.instances() == []
     assert reg.try_instances() is None
     assert index.add("p0", hashes) is False
     assert index.remove("p0", hashes) is False
     assert index.match(hashes) == {}
-    index.clear_instance("p0")
+    assert index.clear_instance("p0") is False
     reg.deregister(_info("p0"))
     assert time.monotonic() - started < 2.0  # no retries with back-off stacking up
 
     make_redis_server(port=server.port)  # a new, empty server on the same port
-    assert _eventually(lambda: reg.heartbeat(_info("p0")))
+    assert _eventually(lambda: reg.heartbeat(_info("p0")) is Beat.REGISTERED)  # the entry was lost
     assert [i.instance_id for i in reg.instances()] == ["p0"]
     assert _eventually(lambda: index.add("p0", hashes))
     assert index.match(hashes) == {"p0": 2}

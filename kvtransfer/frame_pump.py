@@ -1,7 +1,8 @@
 """The sender's data path: pack frames ahead of the network, hand them to ZMQ without copying.
 
 A staging buffer goes back to the pool only once ZMQ reports (through its tracker) that it no
-longer reads it, which also bounds how far packing runs ahead of the socket.
+longer reads it, which also bounds how far packing runs ahead of the socket. Frames sent as views
+of the cache take no staging memory; their trackers only mark progress.
 """
 
 from __future__ import annotations
@@ -68,7 +69,11 @@ class FramePump:
             self.fail(transfer, f"send to {peer.address} failed: {exc}")
             return False
         # Once the first part of a message is queued, ZMQ always takes the rest of it.
-        tracker = peer.sock.send(frame.buffer(), zmq.NOBLOCK, copy=False, track=True)
+        *parts, last = frame.buffers()
+        for part in parts:
+            peer.sock.send(part, zmq.SNDMORE | zmq.NOBLOCK, copy=False)
+        # ZMQ lets go of the parts in order: when the last one is done, the frame is.
+        tracker = peer.sock.send(last, zmq.NOBLOCK, copy=False, track=True)
         transfer.in_flight.append((tracker, frame))
         transfer.staged = None
         transfer.bytes_sent += frame.nbytes

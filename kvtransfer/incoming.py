@@ -16,10 +16,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import Tensor
-
 from kvtransfer.block_allocator import Allocation
 from kvtransfer.frames import FrameCursor
+from kvtransfer.packing import BlockIds
 from kvtransfer.sockets import Waker
 from kvtransfer.state_board import StateBoard
 from kvtransfer.transfer_state import TransferResult, TransferState
@@ -47,7 +46,7 @@ class Incoming:
     released: bool = False
     defer_reason: str | None = None
     last_defer_sent: float = 0.0
-    dst_ids: Tensor | None = None
+    dst_ids: BlockIds | None = None
     cursor: FrameCursor | None = None
     bytes_received: int = 0
     last_event: Any | None = None  # CUDA event of the latest scatter

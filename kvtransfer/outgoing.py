@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-from torch import Tensor
 
 from kvtransfer.frames import FrameSpec
-from kvtransfer.packing import PackedFrame
+from kvtransfer.packing import BlockIds, PackedFrame
 from kvtransfer.transfer_state import TransferResult, TransferState
 
 
@@ -30,7 +29,7 @@ class Outgoing:
     last_activity: float = field(default_factory=time.monotonic)
     state: TransferState = TransferState.BOOTSTRAPPING
     num_cached_blocks: int = 0
-    send_ids: Tensor | None = None  # the blocks to send, on the cache's device
+    send_ids: BlockIds | None = None  # the blocks to send
     frames: deque[FrameSpec] = field(default_factory=deque)  # not packed yet
     staged: PackedFrame | None = None  # packed, not handed to ZMQ yet
     in_flight: list[tuple[zmq.MessageTracker, PackedFrame]] = field(default_factory=list)

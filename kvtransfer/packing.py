@@ -1,10 +1,15 @@
 """Pack blocks of the local cache into frame bytes (sender) and unpack frames into blocks (receiver).
 
-Both go through ``kernels.get_kernels(device)`` so a GPU cache uses the Triton gather/scatter.
-On the CPU the sender gathers straight into a reusable staging buffer that ZMQ then sends
-without copying; the receiver scatters straight out of the buffer ZMQ received into. On CUDA
-the data passes through pinned host buffers with asynchronous copies on a side stream, and
-each packed or unpacked frame carries an event that says when it is done.
+On the CPU, a frame whose blocks are one run of consecutive ids in the sender's cache is not
+packed at all: each of its K and V planes is already one contiguous range of the cache, and ZMQ
+sends those ranges as the frame's parts without copying them. Other frames are gathered into a
+reusable staging buffer that ZMQ then sends without copying. The receiver copies straight out of
+the buffers ZMQ received into: runs of consecutive destination ids as plain slice copies, scattered
+ids through an index copy.
+
+On CUDA every frame is packed by ``kernels.get_kernels(device)`` (the Triton gather/scatter) and
+passes through pinned host buffers with asynchronous copies on a side stream; each packed or
+unpacked frame carries an event that says when it is done.
 """
 
 from __future__ import annotations
@@ -17,31 +22,56 @@ import torch
 from torch import Tensor
 
 from kernels import get_kernels
-from kvtransfer.frames import FrameSpec
+from kvtransfer.frames import BlockRuns, FrameSpec
 from kvtransfer.layout import KVLayout
 from kvtransfer.staging import StagingPool
 
+# A plane smaller than this is packed instead (ZMQ copies small zero-copy parts anyway).
+MIN_ZERO_COPY_PLANE_BYTES = 64 << 10
+
+
+class BlockIds:
+    """A transfer's block ids: as a tensor on the cache's device, and as runs of consecutive ids."""
+
+    def __init__(self, ids: list[int], device: torch.device) -> None:
+        self.runs = BlockRuns(ids)
+        self.tensor = torch.tensor(ids, dtype=torch.long).to(device)
+
+    def __len__(self) -> int:
+        return len(self.runs.ids)
+
 
 class PackedFrame:
-    """Bytes of one frame in a staging buffer; send them once ``ready()``."""
+    """The bytes of one frame, in parts ZMQ can send without copying; send them once ``ready()``.
 
-    def __init__(self, spec: FrameSpec, base: Tensor, nbytes: int, event: Any | None) -> None:
+    ``base`` is the staging buffer of a packed frame, ``None`` when the parts are views of the cache.
+    """
+
+    def __init__(
+        self, spec: FrameSpec, parts: list[Any], nbytes: int, base: Tensor | None, event: Any | None
+    ) -> None:
         self.spec = spec
+        self.parts = parts
+        self.nbytes = nbytes
         self.base = base
-        self.data = base[:nbytes]
         self.event = event
 
     @property
-    def nbytes(self) -> int:
-        return self.data.numel()
+    def zero_copy(self) -> bool:
+        return self.base is None
 
     def ready(self) -> bool:
         """Whether an asynchronous device-to-host copy has finished (always on the CPU)."""
         return self.event is None or bool(self.event.query())
 
-    def buffer(self) -> Any:
-        """The bytes as an object ZMQ can send without copying (it keeps the memory alive)."""
-        return self.data.numpy()
+    def buffers(self) -> list[Any]:
+        """The parts as objects ZMQ can send without copying (each keeps its memory alive)."""
+        return self.parts
+
+
+def _as_bytes(t: Tensor) -> Any:
+    """A contiguous CPU tensor as a flat uint8 numpy array sharing its memory (any dtype)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 class BlockPacker:
@@ -54,30 +84,47 @@ class BlockPacker:
         self.is_cuda = kv_cache.device.type == "cuda"
         self.stream = torch.cuda.Stream(kv_cache.device) if self.is_cuda else None
         self.pool = StagingPool(budget_bytes, pin_memory=self.is_cuda)
+        # Blocks per run below which a run is packed rather than sent as views of the cache.
+        self.bytes_per_block_layer = layout.bytes_per_block_layer  # computed once, not per frame
+        half_block = self.bytes_per_block_layer // 2
+        self.min_zero_copy_blocks = -(-MIN_ZERO_COPY_PLANE_BYTES // half_block)
 
-    def block_ids(self, block_ids: list[int]) -> Tensor:
-        """The ids as a tensor on the cache's device, made once per transfer."""
-        return torch.tensor(block_ids, dtype=torch.long).to(self.kv_cache.device)
+    def block_ids(self, block_ids: list[int]) -> BlockIds:
+        """The ids to send, made once per transfer."""
+        return BlockIds(block_ids, self.kv_cache.device)
+
+    def frame_cuts(self, block_ids: BlockIds) -> list[int]:
+        """Where frames must be cut so that each long run of consecutive ids goes out unpacked."""
+        if self.is_cuda:
+            return []
+        return block_ids.runs.cuts_around_runs(self.min_zero_copy_blocks)
 
     def frame_bytes(self, spec: FrameSpec) -> int:
-        return spec.num_layers * spec.num_blocks * self.layout.bytes_per_block_layer
+        return spec.num_layers * spec.num_blocks * self.bytes_per_block_layer
 
-    def pack(self, spec: FrameSpec, block_ids: Tensor, after: Any | None = None) -> PackedFrame | None:
+    def pack(self, spec: FrameSpec, block_ids: BlockIds, after: Any | None = None) -> PackedFrame | None:
         """Start packing ``spec`` of the blocks ``block_ids``; ``None`` while staging memory is full.
 
-        ``after`` is a CUDA event the gather must wait for (the engine's write of the blocks).
+        ``after`` is a CUDA event the gather must wait for (the engine's write of the blocks). On
+        the CPU, blocks that are one long run of consecutive ids come back as views of the cache.
         """
         nbytes = self.frame_bytes(spec)
+        if not self.is_cuda and spec.num_blocks >= self.min_zero_copy_blocks:
+            first = block_ids.runs.first_if_one_run(spec.block_start, spec.num_blocks)
+            if first is not None:
+                layers = self.kv_cache[spec.layer_start : spec.layer_start + spec.num_layers]
+                planes = layers[:, :, first : first + spec.num_blocks].flatten(0, 1)
+                return PackedFrame(spec, [_as_bytes(plane) for plane in planes], nbytes, None, None)
         base = self.pool.acquire(nbytes)
         if base is None:
             return None
         shape = self.layout.frame_shape(spec.num_layers, spec.num_blocks)
         out = base[:nbytes].view(self.kv_cache.dtype).view(shape)
         layers = self.kv_cache[spec.layer_start : spec.layer_start + spec.num_layers]
-        ids = block_ids[spec.block_start : spec.block_start + spec.num_blocks]
+        ids = block_ids.tensor[spec.block_start : spec.block_start + spec.num_blocks]
         if self.stream is None:
             self.kernels.gather_blocks(layers, ids, out=out)
-            return PackedFrame(spec, base, nbytes, None)
+            return PackedFrame(spec, [base[:nbytes].numpy()], nbytes, base, None)
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
@@ -85,13 +132,14 @@ class BlockPacker:
             out.copy_(packed, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
-        return PackedFrame(spec, base, nbytes, event)
+        return PackedFrame(spec, [base[:nbytes].numpy()], nbytes, base, event)
 
     def release(self, frame: PackedFrame) -> None:
         """Give the staging buffer back; ZMQ must be done with it and any copy finished."""
         if frame.event is not None:
             frame.event.synchronize()
-        self.pool.release(frame.base)
+        if frame.base is not None:
+            self.pool.release(frame.base)
 
 
 class BlockUnpacker:
@@ -106,25 +154,34 @@ class BlockUnpacker:
         self.pool = StagingPool(budget_bytes, pin_memory=self.is_cuda)
         self._in_flight: list[tuple[Any, Tensor]] = []
 
-    def block_ids(self, block_ids: list[int]) -> Tensor:
-        return torch.tensor(block_ids, dtype=torch.long).to(self.kv_cache.device)
+    def block_ids(self, block_ids: list[int]) -> BlockIds:
+        return BlockIds(block_ids, self.kv_cache.device)
 
-    def unpack(self, spec: FrameSpec, block_ids: Tensor, data: memoryview) -> Any | None:
-        """Write one frame into ``block_ids[spec.block_start:...]``; returns a CUDA event or ``None`` (done)."""
+    def unpack(self, spec: FrameSpec, block_ids: BlockIds, parts: list[Any]) -> Any | None:
+        """Write one frame into ``block_ids[spec.block_start:...]``; returns a CUDA event or ``None`` (done).
+
+        ``parts`` hold the frame's bytes in order, each a whole number of planes (``check_parts``).
+        """
         shape = self.layout.frame_shape(spec.num_layers, spec.num_blocks)
-        src = torch.frombuffer(data, dtype=torch.uint8)
         layers = self.kv_cache[spec.layer_start : spec.layer_start + spec.num_layers]
-        ids = block_ids[spec.block_start : spec.block_start + spec.num_blocks]
         if self.stream is None:
-            self.kernels.scatter_blocks(layers, ids, src.view(self.kv_cache.dtype).view(shape))
+            self._copy_in(spec, block_ids, layers.flatten(0, 1), parts)
             return None
+        ids = block_ids.tensor[spec.block_start : spec.block_start + spec.num_blocks]
+        nbytes = sum(memoryview(p).nbytes for p in parts)
         self._reclaim()
-        pinned = self.pool.acquire(src.numel())
-        if pinned is None:  # staging full: a synchronous pageable copy is slower but correct
-            staged = src
+        pinned = self.pool.acquire(nbytes)
+        if (
+            pinned is None and len(parts) == 1
+        ):  # staging full: a synchronous pageable copy is slower but correct
+            staged = torch.frombuffer(parts[0], dtype=torch.uint8)
         else:
-            staged = pinned[: src.numel()]
-            staged.copy_(src)
+            staged = pinned[:nbytes] if pinned is not None else torch.empty(nbytes, dtype=torch.uint8)
+            offset = 0
+            for part in parts:
+                src = torch.frombuffer(part, dtype=torch.uint8)
+                staged[offset : offset + src.numel()].copy_(src)
+                offset += src.numel()
         with torch.cuda.stream(self.stream):
             device_src = staged.to(self.kv_cache.device, non_blocking=pinned is not None)
             self.kernels.scatter_blocks(layers, ids, device_src.view(self.kv_cache.dtype).view(shape))
@@ -133,6 +190,26 @@ class BlockUnpacker:
         if pinned is not None:
             self._in_flight.append((event, pinned))
         return event
+
+    def _copy_in(self, spec: FrameSpec, block_ids: BlockIds, planes: Tensor, parts: list[Any]) -> None:
+        """CPU: copy each part's planes into ``planes`` (``[2 * layers, pool blocks, ...]``)."""
+        n = spec.num_blocks
+        runs = block_ids.runs.runs(spec.block_start, n)
+        # Few long runs: slice copies. Many short ones: one index copy per part is cheaper.
+        by_runs = len(runs) * 4 <= n
+        ids = None if by_runs else block_ids.tensor[spec.block_start : spec.block_start + n]
+        plane_shape = planes.shape[2:]
+        first_plane = 0
+        for part in parts:
+            src = torch.frombuffer(part, dtype=torch.uint8).view(planes.dtype).view(-1, n, *plane_shape)
+            dst = planes[first_plane : first_plane + src.shape[0]]
+            if ids is not None:
+                dst.index_copy_(1, ids, src)
+            else:
+                for index, length, first_id in runs:
+                    offset = index - spec.block_start
+                    dst[:, first_id : first_id + length].copy_(src[:, offset : offset + length])
+            first_plane += src.shape[0]
 
     def _reclaim(self) -> None:
         still = []

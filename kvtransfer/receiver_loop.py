@@ -1,9 +1,9 @@
 """The receiver's I/O thread: one ROUTER for all senders; validates, scatters, times out.
 
 Every inbound message is checked (frame count, header size, schema, version, handshake, the
-request's owner, the frame's place and byte length) before anything is allocated or written. A
-bad message is logged and dropped; a bad frame of a live transfer fails that transfer on both
-sides. Allocation is left to the engine thread (``KVReceiver.poll``).
+request's owner, the frame's place, its parts and byte length) before anything is allocated or
+written. A bad message is logged and dropped; a bad frame of a live transfer fails that transfer
+on both sides. Allocation is left to the engine thread (``KVReceiver.poll``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from common.protocol import ProtocolError
-from kvtransfer.frames import FrameSpec
+from kvtransfer.frames import FrameSpec, check_parts
 from kvtransfer.handshake import NO_HANDSHAKE, Handshakes
 from kvtransfer.incoming import Incoming, ReceiverTable
 from kvtransfer.layout import KVLayout
@@ -73,6 +73,8 @@ class ReceiverLoop:
         self.max_header_bytes = max_header_bytes
         self.max_frame_bytes = max_frame_bytes
         self.num_pool_blocks = unpacker.kv_cache.shape[2]
+        self.max_parts = 1 + 2 * layout.num_layers  # a header, then at most one part per plane
+        self.bytes_per_block_layer = layout.bytes_per_block_layer  # computed once, not per frame
         self.stats = ReceiverStats()
         self.handshakes = Handshakes(layout, max_frame_bytes)
         self.outbox = ReceiverOutbox(sock, table, timeout_s=timeout_s, defer_timeout_s=defer_timeout_s)
@@ -118,10 +120,10 @@ class ReceiverLoop:
             parts: list[zmq.Frame | None] = []
             while self.sock.getsockopt(zmq.RCVMORE):
                 part = self.sock.recv(copy=False)
-                if len(parts) < 2:
-                    parts.append(part)  # anything beyond two is dropped unread
+                if len(parts) < self.max_parts:
+                    parts.append(part)
                 else:
-                    parts.append(None)
+                    parts.append(None)  # beyond what any message may hold: dropped unread
             try:
                 self._dispatch(identity, parts)
             except ProtocolError as exc:
@@ -137,9 +139,11 @@ class ReceiverLoop:
         if not parts or parts[0] is None:
             raise ProtocolError("message without a header")
         msg = decode_from_sender(parts[0].buffer, self.max_header_bytes)
-        expected = 2 if isinstance(msg, Data) else 1
-        if len(parts) != expected:
-            raise ProtocolError(f"{type(msg).__name__} with {len(parts)} frames, expected {expected}")
+        if isinstance(msg, Data):
+            if not 2 <= len(parts) <= self.max_parts:
+                raise ProtocolError(f"Data with {len(parts)} frames, expected 2 to {self.max_parts}")
+        elif len(parts) != 1:
+            raise ProtocolError(f"{type(msg).__name__} with {len(parts)} frames, expected 1")
         if isinstance(msg, Hello):
             reply = self.handshakes.hello(identity, msg)
             self.stats.num_layout_mismatches += not reply.ok
@@ -147,7 +151,7 @@ class ReceiverLoop:
         elif isinstance(msg, Offer):
             self._on_offer(identity, msg)
         elif isinstance(msg, Data):
-            self._on_data(identity, msg, parts[1])
+            self._on_data(identity, msg, parts[1:])
         elif isinstance(msg, Abort):
             record = self._record_of(identity, msg.request_id)
             if record is not None and self.table.close(record, False, f"sender aborted: {msg.reason}"):
@@ -206,7 +210,7 @@ class ReceiverLoop:
             record = self.table.records.get(request_id)
         return record if record is not None and record.identity == identity else None
 
-    def _on_data(self, identity: bytes, msg: Data, frame: zmq.Frame | None) -> None:
+    def _on_data(self, identity: bytes, msg: Data, frames: list[zmq.Frame | None]) -> None:
         record = self._record_of(identity, msg.request_id)
         if (record is None and self.outbox.recently_closed.get(msg.request_id) == identity) or (
             record and record.closed
@@ -217,12 +221,14 @@ class ReceiverLoop:
             raise ProtocolError(f"data for unknown request {msg.request_id!r}")
         if record.state != TransferState.TRANSFERRING or record.cursor is None:
             raise ProtocolError(f"data for {msg.request_id!r} before it was accepted")
-        assert frame is not None and record.dst_ids is not None
+        assert record.dst_ids is not None
         spec = FrameSpec(msg.layer_start, msg.num_layers, msg.block_start, msg.num_blocks)
-        expected = spec.num_layers * spec.num_blocks * self.layout.bytes_per_block_layer
+        expected = spec.num_layers * spec.num_blocks * self.bytes_per_block_layer
         error = record.cursor.check(spec)
-        if error is None and len(frame) != expected:
-            error = f"frame of {len(frame)} bytes, expected {expected}"
+        if error is None:
+            error = check_parts(
+                [len(f) if f is not None else 0 for f in frames], spec, self.bytes_per_block_layer
+            )
         if error is not None:
             self._reject(identity, f"bad frame for {msg.request_id!r}: {error}")
             if self.table.close(record, False, f"bad frame: {error}"):
@@ -231,7 +237,8 @@ class ReceiverLoop:
         with record.lock:
             if record.closed:
                 return
-            record.last_event = self.unpacker.unpack(spec, record.dst_ids, frame.buffer)
+            buffers = [f.buffer for f in frames if f is not None]
+            record.last_event = self.unpacker.unpack(spec, record.dst_ids, buffers)
             record.cursor.advance(spec)
             record.bytes_received += expected
             record.last_activity = time.monotonic()

@@ -2,7 +2,13 @@
 
 Every method returns at once; a background I/O thread does the networking and the packing. The
 engine must not write or free the blocks of a request from ``send`` until ``poll`` has returned
-that request's result (ok or not); after that this layer never touches them again.
+that request's result (ok or not); after that this layer never writes them.
+
+On a CPU cache, a run of consecutive block ids goes out unpacked: ZMQ reads the cache's memory
+itself (and keeps the cache tensor alive while it does). After a successful transfer it has read
+everything (the receiver acknowledged every byte). After a failed one it may still read frames it
+had queued while the engine reuses the blocks; those bytes only reach a transfer that the receiver
+fails too (the ``Abort`` follows them) or a closed connection, so they are never used.
 """
 
 from __future__ import annotations

@@ -2,9 +2,12 @@
 
 Moves the KV of one prompt (default: 2,000 tokens of SmolLM2-135M, 30 layers, 3 KV heads, head
 size 64, float32, block size 16: about 92 MB) from a ``KVSender`` in this process to a
-``KVReceiver`` in a child process, repeatedly, over tcp:// and ipc://. Block ids are shuffled on
-both sides, as in a pool that has been in use. A timed transfer runs from ``send()`` until the
-sender's result (the receiver's acknowledgement that every block landed).
+``KVReceiver`` in a child process, repeatedly, over tcp:// and ipc://, in two block-id patterns:
+consecutive ids on both sides (what a prompt gets from a pool that is not fragmented, e.g. a fresh
+one: KVTransfer then sends the cache's memory as it is and receives with plain copies), and ids
+shuffled on both sides (a pool that has been in use: blocks are gathered and scattered). A timed
+transfer runs from ``send()`` until the sender's result (the receiver's acknowledgement that
+every block landed).
 
 The baselines move the same number of bytes: a plain TCP socket (``sendall`` / ``recv_into``
 into a preallocated buffer, then a 1-byte acknowledgement), ZMQ alone (the same frames already
@@ -13,7 +16,7 @@ in-process copy between two preallocated tensors. The paths take turns transfer 
 a busy neighbour on the host slows all of them alike. A second, shorter pass runs each path on
 its own to measure the CPU time each process spends per transfer.
 
-Run: ``python -m ops.bench.kv_transfer_bench [--iters 20] [--json]``.
+Run: ``python -m ops.bench.kv_transfer_bench [--iters 20] [--block-ids consecutive,scattered] [--json]``.
 """
 
 from __future__ import annotations
@@ -54,11 +57,13 @@ def _kv_cache(args: argparse.Namespace, num_blocks: int, seed: int) -> torch.Ten
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(getattr(torch, args.dtype))
 
 
-class _ShuffledPool:
-    """A block pool handing out ids in a random order, as after some use."""
+class _Pool:
+    """A block pool: ``shuffled`` hands out ids in a random order, as after some use; otherwise the
+    lowest free ids first, which are consecutive while the pool is not fragmented."""
 
-    def __init__(self, num_blocks: int, block_size: int, seed: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, seed: int, shuffled: bool) -> None:
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.shuffled = shuffled
         self.block_size = block_size
         self.held: dict[str, list[int]] = {}
 
@@ -68,6 +73,8 @@ class _ShuffledPool:
         num_blocks = -(-num_tokens // self.block_size)
         if len(self.free) < num_blocks:
             return "pool full"
+        if not self.shuffled:
+            self.free.sort(reverse=True)
         self.held[request_id] = [self.free.pop() for _ in range(num_blocks)]
         return Allocation(self.held[request_id], 0)
 
@@ -77,25 +84,33 @@ class _ShuffledPool:
 
 # ---- the receiving process ------------------------------------------------------------------
 def _serve(conn: Connection, args_json: str) -> None:
-    """Child process: KV receivers (tcp and ipc), a ZMQ receiver and a plain TCP receiver."""
+    """Child process: KV receivers (per transport and id pattern), a ZMQ and a plain TCP receiver."""
     args = argparse.Namespace(**json.loads(args_json))
     nbytes = args.nbytes
     num_blocks = -(-args.num_tokens // args.block_size)
-    kv_cache = _kv_cache(args, 2 * num_blocks, seed=1)
-    layout = KVLayout.from_kv_cache(kv_cache, args.model_id)
-    pool = _ShuffledPool(2 * num_blocks, args.block_size, seed=2)
-    receivers = {
-        "tcp": KVReceiver("tcp://127.0.0.1:0", kv_cache, layout, pool, timeout_s=30.0),
-        "ipc": KVReceiver(
-            f"ipc://{tempfile.gettempdir()}/kv-bench-{os.getpid()}.sock", kv_cache, layout, pool
-        ),
-    }
+    caches: dict[str, torch.Tensor] = {}
+    pools: dict[str, _Pool] = {}
+    receivers: dict[str, KVReceiver] = {}
+    for pattern in args.block_id_patterns:  # a cache and pool each: the checksums stay apart
+        kv_cache = caches[pattern] = _kv_cache(args, 2 * num_blocks, seed=1)
+        layout = KVLayout.from_kv_cache(kv_cache, args.model_id)
+        pool = pools[pattern] = _Pool(
+            2 * num_blocks, args.block_size, seed=2, shuffled=pattern == "scattered"
+        )
+        for transport in args.transport_list:
+            address = (
+                "tcp://127.0.0.1:0"
+                if transport == "tcp"
+                else f"ipc://{tempfile.gettempdir()}/kv-bench-{os.getpid()}-{pattern}.sock"
+            )
+            receivers[f"{transport}/{pattern}"] = KVReceiver(address, kv_cache, layout, pool, timeout_s=30.0)
     last_block_ids: dict[str, list[int]] = {}
     stop = threading.Event()
 
     def engine_loop() -> None:  # what a decode engine's step loop does with the receivers
         while not stop.is_set():
             for name, receiver in receivers.items():
+                pool = pools[name.split("/")[1]]
                 for result in receiver.poll():
                     if result.ok:
                         last_block_ids[name] = result.block_ids
@@ -124,7 +139,10 @@ def _serve(conn: Connection, args_json: str) -> None:
         if op == "cpu":
             conn.send_bytes(json.dumps(_cpu_s()).encode())
         elif op == "checksums":  # blocks keep their data after release; nothing overwrites them here
-            sums = {n: float(kv_cache[:, :, ids].double().sum()) for n, ids in last_block_ids.items()}
+            sums = {
+                n: float(caches[n.split("/")[1]][:, :, ids].double().sum())
+                for n, ids in last_block_ids.items()
+            }
             conn.send_bytes(json.dumps(sums).encode())
         else:
             stop.set()
@@ -166,7 +184,10 @@ class _Paths:
         self.kv_cache = _kv_cache(args, 2 * num_blocks, seed=3)
         layout = KVLayout.from_kv_cache(self.kv_cache, args.model_id)
         gen = torch.Generator().manual_seed(4)
-        self.block_ids = torch.randperm(2 * num_blocks, generator=gen)[:num_blocks].tolist()
+        self.block_ids = {
+            "consecutive": list(range(num_blocks // 2, num_blocks // 2 + num_blocks)),
+            "scattered": torch.randperm(2 * num_blocks, generator=gen)[:num_blocks].tolist(),
+        }
         self.num_tokens = args.num_tokens
         self.nbytes = num_blocks * layout.bytes_per_block
         self.sender = KVSender(self.kv_cache, layout, timeout_s=30.0, layers_per_frame=args.layers_per_frame)
@@ -183,10 +204,11 @@ class _Paths:
         self.plain = socket.create_connection(("127.0.0.1", int(addresses["plain"])))
         self.copy_dst = torch.empty_like(self.data)
 
-    def runners(self, transports: list[str]) -> dict[str, Callable[[], None]]:
+    def runners(self, transports: list[str], patterns: list[str]) -> dict[str, Callable[[], None]]:
         paths: dict[str, Callable[[], None]] = {}
-        for transport in transports:
-            paths[f"kvtransfer {transport}://"] = functools.partial(self.kv, transport)
+        for pattern in patterns:
+            for transport in transports:
+                paths[_kv_path(transport, pattern)] = functools.partial(self.kv, transport, pattern)
         paths["zmq tcp:// wire only"] = self.zmq_wire
         paths["plain TCP socket"] = self.plain_tcp
         paths["memcpy (one process)"] = self.memcpy
@@ -195,10 +217,14 @@ class _Paths:
     def memcpy(self) -> None:
         self.copy_dst.copy_(self.data)
 
-    def kv(self, transport: str) -> None:
+    def kv(self, transport: str, pattern: str) -> None:
         self.count += 1
         self.sender.send(
-            f"bench-{self.count}", self.addresses[transport], self.block_ids, [], self.num_tokens
+            f"bench-{self.count}",
+            self.addresses[f"{transport}/{pattern}"],
+            self.block_ids[pattern],
+            [],
+            self.num_tokens,
         )
         while True:
             results = self.sender.poll()
@@ -224,6 +250,10 @@ class _Paths:
         self.dealer.close()
         self.context.term()
         self.plain.close()
+
+
+def _kv_path(transport: str, pattern: str) -> str:
+    return f"kvtransfer {transport}:// {'consec.' if pattern == 'consecutive' else 'scatter'}"
 
 
 def _time_interleaved(
@@ -275,6 +305,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cpu-iters", type=int, default=5, help="transfers per path in the CPU pass (0: skip)")
     p.add_argument("--layers-per-frame", type=int, default=DEFAULT_LAYERS_PER_FRAME, help="0: automatic")
     p.add_argument("--transports", default="tcp,ipc", help="comma-separated: tcp, ipc")
+    p.add_argument(
+        "--block-ids",
+        default="consecutive,scattered",
+        help="comma-separated: consecutive (both pools hand out a run of ids), scattered (shuffled ids)",
+    )
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     return p.parse_args(argv)
 
@@ -282,9 +317,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print a table (or JSON) and return the figures."""
     args = _parse(argv)
-    transports = args.transports.split(",")
+    transports = args.transport_list = args.transports.split(",")
     if not set(transports) <= {"tcp", "ipc"}:
         raise SystemExit(f"unknown transport in {args.transports!r}")
+    patterns = args.block_id_patterns = args.block_ids.split(",")
+    if not set(patterns) <= {"consecutive", "scattered"}:
+        raise SystemExit(f"unknown block-id pattern in {args.block_ids!r}")
     num_blocks = -(-args.num_tokens // args.block_size)
     element_size = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     args.nbytes = (
@@ -297,13 +335,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     proc.start()
     try:
         paths = _Paths(args, json.loads(parent.recv_bytes()))
-        runners = paths.runners(transports)
+        runners = paths.runners(transports, patterns)
         times = _time_interleaved(runners, args.iters, args.warmup)
         cpu = _cpu_per_transfer(parent, runners, args.cpu_iters) if args.cpu_iters else {}
         parent.send_bytes(b"checksums")
         sums = json.loads(parent.recv_bytes())
-        expected = float(paths.kv_cache[:, :, paths.block_ids].double().sum())
-        checks = {t: abs(sums.get(t, 0.0) - expected) <= 1e-6 * max(1.0, abs(expected)) for t in transports}
+        checks = {}
+        for pattern in patterns:
+            expected = float(paths.kv_cache[:, :, paths.block_ids[pattern]].double().sum())
+            for t in transports:
+                got = sums.get(f"{t}/{pattern}", 0.0)
+                checks[f"{t}/{pattern}"] = abs(got - expected) <= 1e-6 * max(1.0, abs(expected))
         paths.close()
         parent.send_bytes(b"exit")
     finally:
@@ -342,11 +384,11 @@ def _report(
         f"{args.nbytes / 1e6:.1f} MB per transfer, {args.iters} transfers per path (taking turns); "
         f"layers_per_frame={args.layers_per_frame or 'auto'}; host load {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
     )
-    print(f"{'path':<24}{'GB/s':>8}{'best':>8}{'ms':>9}{'vs plain':>10}{'cpu ms tx/rx':>16}")
+    print(f"{'path':<30}{'GB/s':>8}{'best':>8}{'ms':>9}{'vs plain':>10}{'cpu ms tx/rx':>16}")
     for name, row in rows.items():
         cpu_ms = f"{row['sender_cpu_ms']:.0f}/{row['receiver_cpu_ms']:.0f}" if "sender_cpu_ms" in row else "-"
         print(
-            f"{name:<24}{row['gbps_median']:>8.2f}{row['gbps_best']:>8.2f}"
+            f"{name:<30}{row['gbps_median']:>8.2f}{row['gbps_best']:>8.2f}"
             f"{row['ms_median']:>9.1f}{ratios[name]:>9.0%}{cpu_ms:>16}"
         )
     print("GB/s: median transfer; 'vs plain': that median over the plain socket's median")

@@ -8,9 +8,11 @@ import time
 
 import msgspec
 import pytest
+import torch
 
 from kvtransfer import KVLayout, KVSender, TransferState
 from kvtransfer.messages import (
+    Abort,
     Accept,
     Data,
     Hello,
@@ -169,19 +171,21 @@ def test_malformed_messages_are_rejected_logged_and_survived(peer: PeerProcess, 
         raw.send(encode(Hello(layout=LAYOUT)))
         assert isinstance(raw.recv(HelloReply), HelloReply)
         raw.send(data_header("nobody", 1), LAYOUT.bytes_per_block_layer)  # data for an unknown request
+        raw.send(data_header("nobody", 1), *[8] * 7)  # more parts than a frame has planes (6)
         raw.send(encode(Offer(request_id="huge-meta", num_tokens=8, block_hashes=[], meta=b"m" * 5000)))
         raw.send(encode(Offer(request_id="too-long", num_tokens=10_000, block_hashes=[])))
         deadline = time.monotonic() + 5
-        while receiver.stats.num_rejected_messages < len(bad) + 3 and time.monotonic() < deadline:
+        while receiver.stats.num_rejected_messages < len(bad) + 4 and time.monotonic() < deadline:
             receiver.poll()
             time.sleep(0.01)
-        assert receiver.stats.num_rejected_messages == len(bad) + 3
+        assert receiver.stats.num_rejected_messages == len(bad) + 4
         for needle in (
             "malformed header",
             "unsupported kvtransfer version",
             "offer before handshake",
             "expected 1",
             "data for unknown request",
+            "Data with 8 frames, expected 2 to 7",
             "meta of 5000 bytes",
             "the whole pool has",
         ):
@@ -215,6 +219,36 @@ def test_frame_of_wrong_size_fails_the_transfer_on_both_sides(peer: PeerProcess)
         assert type(abort).__name__ == "Abort" and "bad frame" in abort.reason  # type: ignore[attr-defined]
         assert pool.is_clean()
     peer.call("close", name="wrong-size")
+
+
+def test_frame_in_parts_lands_and_parts_that_split_a_plane_fail_the_transfer(peer: PeerProcess) -> None:
+    receiver, kv_cache, pool = make_receiver()
+    plane = 3 * LAYOUT.bytes_per_block_layer // 2  # one layer's K (or V) of 3 blocks
+    with receiver:
+        raw = RawSender(peer, "parts", receiver.address)
+        raw.send(encode(Hello(layout=LAYOUT)))
+        assert isinstance(raw.recv(HelloReply), HelloReply)
+        raw.send(encode(Offer(request_id="in-parts", num_tokens=12, block_hashes=[])))
+        while not pool.held:
+            receiver.poll()
+        accept = raw.recv()
+        assert isinstance(accept, Accept)
+        k, v = bytes(range(256)) * (plane // 256), bytes(range(255, -1, -1)) * (plane // 256)
+        raw.send(data_header("in-parts", 3), k, v)  # layer 0: K and V as two parts
+        deadline = time.monotonic() + 5
+        while receiver.state("in-parts") == TransferState.TRANSFERRING and time.monotonic() < deadline:
+            if bytes(kv_cache[0, 1, accept.block_ids].contiguous().view(torch.uint8).flatten()) == v:
+                break
+            time.sleep(0.01)
+        assert bytes(kv_cache[0, 0, accept.block_ids].contiguous().view(torch.uint8).flatten()) == k
+        assert bytes(kv_cache[0, 1, accept.block_ids].contiguous().view(torch.uint8).flatten()) == v
+        raw.send(data_header("in-parts", 3, layer_start=1), plane // 2, plane + plane // 2)  # splits a plane
+        [result] = poll_until(receiver)
+        assert not result.ok and "whole planes" in (result.reason or "")
+        assert result.bytes_received == 2 * plane
+        assert isinstance(raw.recv(), Abort)
+        assert pool.is_clean()
+    peer.call("close", name="parts")
 
 
 def test_frame_over_the_size_limit_drops_the_connection_and_times_out_clean(peer: PeerProcess) -> None:

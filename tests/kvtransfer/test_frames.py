@@ -8,7 +8,14 @@ import torch
 from kernels import get_kernels
 from kvtransfer import Allocation, KVLayout
 from kvtransfer.block_allocator import check_allocation
-from kvtransfer.frames import FrameCursor, FrameSpec, auto_layers_per_frame, plan_frames
+from kvtransfer.frames import (
+    BlockRuns,
+    FrameCursor,
+    FrameSpec,
+    auto_layers_per_frame,
+    check_parts,
+    plan_frames,
+)
 from kvtransfer.packing import BlockPacker, BlockUnpacker
 from kvtransfer.staging import StagingPool
 
@@ -67,12 +74,12 @@ def test_pack_then_unpack_moves_blocks_bit_exact_across_ids() -> None:
     for spec in plan_frames(5, 3, 2, layout.bytes_per_block_layer, 2 * layout.bytes_per_block_layer):
         frame = packer.pack(spec, src_ids)
         assert frame is not None and frame.ready()
-        unpacker.unpack(spec, dst_ids, memoryview(bytearray(frame.buffer())))
+        unpacker.unpack(spec, dst_ids, [memoryview(bytearray(part)) for part in frame.buffers()])
         packer.release(frame)
     assert torch.equal(dst[:, :, [2, 10, 5]], src[:, :, [8, 0, 3]])
     untouched = [b for b in range(11) if b not in (2, 10, 5)]
     assert torch.equal(dst[:, :, untouched], before[:, :, untouched])
-    assert torch.equal(get_kernels("cpu").gather_blocks(dst, dst_ids), src[:, :, [8, 0, 3]])
+    assert torch.equal(get_kernels("cpu").gather_blocks(dst, dst_ids.tensor), src[:, :, [8, 0, 3]])
 
 
 def test_staging_pool_reuses_buffers_and_respects_its_budget() -> None:
@@ -111,3 +118,93 @@ def test_automatic_frames_hold_about_four_mib() -> None:
     assert auto_layers_per_frame(125, per_layer // 125) == 1
     assert auto_layers_per_frame(1, per_layer // 125) == (4 << 20) // (per_layer // 125)  # short prompt: many
     assert auto_layers_per_frame(10_000, 1 << 20) == 1
+
+
+def test_block_runs_find_consecutive_ids() -> None:
+    runs = BlockRuns([4, 5, 6, 9, 2, 3, 10, 11, 12, 13])
+    assert runs.runs() == [(0, 3, 4), (3, 1, 9), (4, 2, 2), (6, 4, 10)]
+    assert runs.runs(1, 6) == [(1, 2, 5), (3, 1, 9), (4, 2, 2), (6, 1, 10)]
+    assert runs.first_if_one_run(6, 4) == 10 and runs.first_if_one_run(7, 2) == 11
+    assert runs.first_if_one_run(1, 3) is None and runs.first_if_one_run(0, 0) is None
+    assert runs.cuts_around_runs(3) == [0, 3, 6, 10]
+    assert runs.cuts_around_runs(2) == [0, 3, 4, 6, 10]
+    assert BlockRuns([]).runs() == [] and BlockRuns([7]).runs() == [(0, 1, 7)]
+
+
+def test_plan_never_spans_a_cut() -> None:
+    cuts = [3, 9]
+    frames = plan_frames(4, 12, 2, 100, 500, cuts=cuts)
+    for f in frames:
+        assert not any(f.block_start < c < f.block_start + f.num_blocks for c in cuts)
+    cursor = FrameCursor(4, 12)
+    for frame in frames:
+        assert cursor.check(frame) is None
+        cursor.advance(frame)
+    assert cursor.done
+
+
+def test_parts_must_be_whole_planes_adding_up_to_the_frame() -> None:
+    spec = FrameSpec(0, 2, 0, 3)  # 4 planes of 3 blocks; a block-layer is 100 B, a plane 150 B
+    assert check_parts([600], spec, 100) is None
+    assert check_parts([150, 300, 150], spec, 100) is None
+    assert "expected 600" in (check_parts([150, 300], spec, 100) or "")
+    assert "whole planes of 150" in (check_parts([100, 500], spec, 100) or "")
+    assert "whole planes" in (check_parts([0, 600], spec, 100) or "")
+    assert "expected 1 to 4" in (check_parts([120] * 5, spec, 100) or "")
+    assert "expected 1 to 4" in (check_parts([], spec, 100) or "")
+
+
+def _moved(src_ids: list[int], dst_ids: list[int], max_frame_layers: int) -> tuple[list, torch.Tensor]:
+    """Frames of ``src_ids`` moved into ``dst_ids`` in memory; returns them and the cache they landed in."""
+    gen = torch.Generator().manual_seed(1)
+    src = torch.randn(4, 2, 40, 16, 2, 64, generator=gen)  # a block half is 8 KiB: runs of 8 go unpacked
+    dst = torch.randn(4, 2, 40, 16, 2, 64, generator=gen)
+    before = dst.clone()
+    layout = KVLayout.from_kv_cache(src, "m")
+    packer, unpacker = BlockPacker(src, layout, 1 << 30), BlockUnpacker(dst, layout)
+    assert packer.min_zero_copy_blocks == 8
+    send_ids, recv_ids = packer.block_ids(src_ids), unpacker.block_ids(dst_ids)
+    frames = []
+    specs = plan_frames(
+        4, len(src_ids), max_frame_layers, layout.bytes_per_block_layer, 1 << 30, packer.frame_cuts(send_ids)
+    )
+    for spec in specs:
+        frame = packer.pack(spec, send_ids)
+        assert frame is not None
+        assert (
+            check_parts([memoryview(p).nbytes for p in frame.buffers()], spec, layout.bytes_per_block_layer)
+            is None
+        )
+        # What ZMQ delivers: a copy of each part.
+        unpacker.unpack(spec, recv_ids, [memoryview(bytearray(part)) for part in frame.buffers()])
+        frames.append(frame)
+        packer.release(frame)
+    assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
+    untouched = [b for b in range(40) if b not in dst_ids]
+    assert torch.equal(dst[:, :, untouched], before[:, :, untouched])
+    return frames, src
+
+
+@pytest.mark.parametrize("dst_ids", [list(range(20, 32)), [5, 39, 2, 17, 8, 9, 10, 30, 31, 0, 1, 22]])
+def test_consecutive_sender_blocks_go_out_as_views_of_the_cache_and_land_bit_exact(
+    dst_ids: list[int],
+) -> None:
+    frames, src = _moved(list(range(3, 15)), dst_ids, 2)
+    assert frames and all(f.zero_copy for f in frames)
+    first = frames[0]
+    assert len(first.buffers()) == 4  # K and V of each of its 2 layers
+    assert first.buffers()[0].__array_interface__["data"][0] == src[0, 0, 3].data_ptr()  # not copied
+    assert first.buffers()[1].__array_interface__["data"][0] == src[0, 1, 3].data_ptr()
+
+
+@pytest.mark.parametrize("dst_ids", [list(range(0, 23)), [*range(39, 28, -1), *range(0, 12)]])
+def test_mixed_consecutive_and_scattered_sender_blocks_land_bit_exact(dst_ids: list[int]) -> None:
+    src_ids = [*range(20, 30), 3, 7, 5, 0, *range(30, 39)]  # a long run, four strays, another run
+    frames, _ = _moved(src_ids, dst_ids, 4)
+    assert [f.zero_copy for f in frames] == [True, False, True]
+    assert [(f.spec.block_start, f.spec.num_blocks) for f in frames] == [(0, 10), (10, 4), (14, 9)]
+
+
+def test_short_runs_are_packed() -> None:
+    frames, _ = _moved([*range(10, 17), 30], [*range(0, 8)], 4)  # a run of 7 < 8 blocks
+    assert [f.zero_copy for f in frames] == [False]

@@ -78,6 +78,45 @@ def test_transfer_lands_bit_exact_in_other_block_ids(peer: PeerProcess, tmp_path
     peer.call("close", name=name)
 
 
+# Big enough blocks that a run of 8 consecutive ones goes out as views of the sender's cache.
+ZERO_COPY = {"num_layers": 3, "num_blocks": 48, "block_size": 16, "num_kv_heads": 2, "head_size": 64}
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "shuffle_receiver"),
+    [
+        (list(range(5, 25)), False),  # consecutive on both sides: views sent, slices received
+        (list(range(5, 25)), True),  # consecutive on the sender only
+        ([*range(30, 40), 2, 0, 27, *range(11, 20)], False),  # runs and strays mixed
+        ([*range(30, 40), 2, 0, 27, *range(11, 20)], True),
+    ],
+)
+def test_runs_of_consecutive_blocks_land_bit_exact(
+    peer: PeerProcess, src_ids: list[int], shuffle_receiver: bool
+) -> None:
+    name = f"runs-{len(src_ids)}-{src_ids[10]}-{shuffle_receiver}"
+    start_sender(peer, name, cache={**ZERO_COPY, "seed": 1}, layers_per_frame=2)
+    kv_cache = make_kv_cache({**ZERO_COPY, "seed": 2})
+    before = kv_cache.clone()
+    pool = BlockPool(ZERO_COPY["num_blocks"], ZERO_COPY["block_size"])
+    if shuffle_receiver:
+        pool.free = torch.randperm(len(pool.free), generator=torch.Generator().manual_seed(3)).tolist()
+    layout = KVLayout.from_kv_cache(kv_cache, "m")
+    num_tokens = 16 * len(src_ids) - 5
+    with KVReceiver("tcp://127.0.0.1:0", kv_cache, layout, pool, timeout_s=5.0) as receiver:  # type: ignore[arg-type]
+        send(peer, name, "runs", receiver.address, src_ids, num_tokens)
+        [result] = poll_until(receiver)
+        [sent] = peer.wait_results(name)
+        assert result.ok and sent["ok"], (result.reason, sent["reason"])
+        assert (result.block_ids == list(range(len(src_ids)))) != shuffle_receiver
+        assert digest(kv_cache, result.block_ids) == peer.call("digest", name=name, block_ids=src_ids)
+        untouched = [b for b in range(ZERO_COPY["num_blocks"]) if b not in result.block_ids]
+        assert torch.equal(kv_cache[:, :, untouched], before[:, :, untouched])
+        assert sent["bytes_sent"] == result.bytes_received == len(src_ids) * layout.bytes_per_block
+        pool.finish(result.request_id, result.block_hashes)
+    peer.call("close", name=name)
+
+
 def test_blocks_the_receiver_caches_are_not_sent(peer: PeerProcess) -> None:
     name = "cached"
     start_sender(peer, name)

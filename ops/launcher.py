@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import json
 import os
 import shlex
 import shutil
@@ -185,10 +186,12 @@ class Launcher:
         while time.monotonic() < deadline and not self.stopping:
             self.check_children()
             with (
-                contextlib.suppress(urllib.error.URLError, OSError),
+                contextlib.suppress(urllib.error.URLError, OSError, ValueError),
                 urllib.request.urlopen(f"{self.url}/ready", timeout=2) as response,
             ):
-                if response.status == 200:
+                body = json.loads(response.read())
+                # /ready is 200 once one decode instance serves; wait for every instance launched.
+                if body.get("prefill", 0) >= self.args.prefill and body.get("decode", 0) >= self.args.decode:
                     return
             time.sleep(POLL_S)
         if not self.stopping:

@@ -112,7 +112,8 @@ class InstancePool:
         return self.registry_ok and instance_id not in self._instances
 
     def ready(self) -> bool:
-        return bool(self.alive("prefill")) and bool(self.alive("decode"))
+        """Requests can be served: a decode instance is alive (without a prefill one it prefills too)."""
+        return bool(self.alive("decode"))
 
     def max_model_len(self) -> int | None:
         lengths = [info.max_model_len for info in self._instances.values() if info.max_model_len > 0]

@@ -106,7 +106,7 @@ class LaunchedStack:
         self._logs.cleanup()
 
     def _wait_ready(self) -> None:
-        """Until the router lists the stack's instances. Not ``/ready`` alone: it wants a prefill instance."""
+        """Until the router lists every instance of the stack (``/ready`` is 200 from the first decode one)."""
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             try:

@@ -33,9 +33,9 @@ def model_dir(tokenizer_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFact
 
 
 def _launch(
-    model_dir: pathlib.Path, port: int, log_dir: pathlib.Path, env: dict[str, str]
+    model_dir: pathlib.Path, port: int, log_dir: pathlib.Path, env: dict[str, str], num_prefill: int = 1
 ) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-m", "ops.launcher", "up", "--prefill", "1", "--decode", "1"]
+    argv = [sys.executable, "-m", "ops.launcher", "up", "--prefill", str(num_prefill), "--decode", "1"]
     argv += ["--model", str(model_dir), "--port", str(port), "--log-dir", str(log_dir), "--grace-period", "5"]
     argv += ["--service-command", f"{sys.executable} -m tests.router.fake_cli", "--ready-timeout", "60"]
     return subprocess.Popen(
@@ -78,6 +78,26 @@ def test_up_serves_then_sigterm_stops_every_child(launched: tuple[subprocess.Pop
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert wait_until(lambda: not any(_alive(pid) for pid in children), 10)
+
+
+def test_up_without_prefill_instances_serves_from_decode(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    port = free_port()
+    proc = _launch(model_dir, port, tmp_path, {}, num_prefill=0)
+    try:
+        lines: list[str] = []
+        assert proc.stdout is not None
+        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
+        assert wait_until(lambda: any("ready at" in line for line in lines), 60), lines
+        assert len(_children_of(proc.pid)) == 3  # redis, decode-0, router
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 3},
+                              timeout=10)
+        assert response.status_code == 200, response.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_child_that_dies_is_named_and_everything_stops(

@@ -90,6 +90,24 @@ def test_no_instances_gives_503_and_not_ready(redis_url: str, prompts: Any) -> N
         assert response.status_code == 503 and _error(response)["code"] == "no_instances"
 
 
+def test_decode_only_cluster_is_ready_and_serves(redis_url: str, prompts: Any) -> None:
+    """Without a prefill instance the decode instance prefills too, so the router is ready."""
+    with running(redis_url, prompts, cluster_kw={"num_prefill": 0}) as (server, _):
+        body = httpx.get(f"{server.url}/ready").json()
+        assert body["status"] == "ready" and body["prefill"] == 0 and body["decode"] == 1
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=10)
+        assert response.status_code == 200, response.text
+
+
+def test_prefill_only_cluster_is_not_ready(redis_url: str, prompts: Any) -> None:
+    namespace = f"ponly-{uuid.uuid4().hex[:8]}"
+    with FakeCluster(redis_url, namespace, [1, 2], num_decode=0):
+        state = make_state(prompts, redis_url=redis_url, namespace=namespace)
+        with RouterServer(state) as server:
+            assert wait_until(lambda: httpx.get(f"{server.url}/ready").json()["prefill"] == 1, timeout_s=10)
+            assert httpx.get(f"{server.url}/ready").status_code == 503
+
+
 def test_redis_down_keeps_serving_from_last_known_instances(make_redis_server: Any, prompts: Any) -> None:
     redis_server = make_redis_server()
     with running(redis_server.url, prompts) as (server, _):

@@ -64,6 +64,15 @@ class RawSender:
         return accept
 
 
+def offer_and_allocate(raw: RawSender, receiver, pool, request_id: str, num_tokens: int = 12) -> None:  # type: ignore[no-untyped-def]
+    """Handshake, offer ``request_id`` and poll ``receiver`` until it holds blocks for it."""
+    raw.send(encode(Hello(layout=LAYOUT)))
+    assert isinstance(raw.recv(HelloReply), HelloReply)
+    raw.send(encode(Offer(request_id=request_id, num_tokens=num_tokens, block_hashes=[])))
+    while not pool.held:
+        receiver.poll()
+
+
 def data_header(request_id: str, num_blocks: int, layer_start: int = 0, num_layers: int = 1) -> bytes:
     return encode(
         Data(
@@ -206,11 +215,7 @@ def test_frame_of_wrong_size_fails_the_transfer_on_both_sides(peer: PeerProcess)
     receiver, _, pool = make_receiver()
     with receiver:
         raw = RawSender(peer, "wrong-size", receiver.address)
-        raw.send(encode(Hello(layout=LAYOUT)))
-        assert isinstance(raw.recv(HelloReply), HelloReply)
-        raw.send(encode(Offer(request_id="bad-frame", num_tokens=12, block_hashes=[])))
-        while not pool.held:
-            receiver.poll()
+        offer_and_allocate(raw, receiver, pool, "bad-frame")
         assert isinstance(raw.recv(), Accept)
         raw.send(data_header("bad-frame", 3), 3 * LAYOUT.bytes_per_block_layer + 1)
         [result] = poll_until(receiver)
@@ -226,11 +231,7 @@ def test_frame_in_parts_lands_and_parts_that_split_a_plane_fail_the_transfer(pee
     plane = 3 * LAYOUT.bytes_per_block_layer // 2  # one layer's K (or V) of 3 blocks
     with receiver:
         raw = RawSender(peer, "parts", receiver.address)
-        raw.send(encode(Hello(layout=LAYOUT)))
-        assert isinstance(raw.recv(HelloReply), HelloReply)
-        raw.send(encode(Offer(request_id="in-parts", num_tokens=12, block_hashes=[])))
-        while not pool.held:
-            receiver.poll()
+        offer_and_allocate(raw, receiver, pool, "in-parts")
         accept = raw.recv()
         assert isinstance(accept, Accept)
         k, v = bytes(range(256)) * (plane // 256), bytes(range(255, -1, -1)) * (plane // 256)
@@ -255,11 +256,7 @@ def test_frame_over_the_size_limit_drops_the_connection_and_times_out_clean(peer
     receiver, _, pool = make_receiver(timeout_s=0.5, max_meta_bytes=1024)
     with receiver:
         raw = RawSender(peer, "oversized", receiver.address)
-        raw.send(encode(Hello(layout=LAYOUT)))
-        assert isinstance(raw.recv(HelloReply), HelloReply)
-        raw.send(encode(Offer(request_id="oversized", num_tokens=12, block_hashes=[])))
-        while not pool.held:
-            receiver.poll()
+        offer_and_allocate(raw, receiver, pool, "oversized")
         raw.send(data_header("oversized", 3), 1 << 20)  # far above this receiver's MAXMSGSIZE
         [result] = poll_until(receiver, timeout_s=5.0)
         assert not result.ok and "timed out" in (result.reason or "") and result.bytes_received == 0

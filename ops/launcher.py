@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--threads-per-engine", type=int, default=0,
+                   help="torch CPU threads of each engine (0: the host's cores shared out, or OMP_NUM_THREADS)")
     p.add_argument("--api-key", action="append", default=[], help="router API key (repeatable)")
     p.add_argument("--routing-policy", default=None, help="router policy: prefix, least-loaded, round-robin")
     p.add_argument("--served-model-name", default=None)
@@ -98,7 +100,7 @@ class Launcher:
         self.stopping = True
 
     # -- starting ------------------------------------------------------------------------------
-    def spawn(self, name: str, argv: list[str]) -> Child:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
         log: IO[bytes] | None = None
         log_path = None
         if self.args.log_dir:
@@ -109,6 +111,7 @@ class Launcher:
             argv,
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
+            env={**os.environ, **(env or {})},
             start_new_session=True,  # Ctrl-C reaches the launcher only; it stops children in order
             preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
@@ -154,15 +157,30 @@ class Launcher:
             flags += ["--served-model-name", self.args.served_model_name]
         return flags
 
+    def engine_env(self) -> dict[str, str]:
+        """Torch CPU threads per engine: the cores shared out, so engines on one host do not oversubscribe.
+
+        An explicit ``--threads-per-engine`` or ``OMP_NUM_THREADS`` wins. (On a GPU the engines
+        hardly use CPU threads, and fewer of them only cut contention, as in vLLM's workers.)
+        """
+        threads = self.args.threads_per_engine
+        if threads == 0:
+            if "OMP_NUM_THREADS" in os.environ:
+                return {}
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            threads = max(1, cores // max(1, self.args.prefill + self.args.decode))
+        return {"OMP_NUM_THREADS": str(threads)}
+
     def start_all(self, model: str) -> None:
         redis_url = self.args.redis_url or self.start_redis()
         service = shlex.split(self.args.service_command)
+        engine_env = self.engine_env()
         for role, count in (("prefill", self.args.prefill), ("decode", self.args.decode)):
             for i in range(count):
                 ports = [str(free_port()) for _ in range(3)]
                 argv = [*service, role, "--model", model, "--redis-url", redis_url, "--host", "127.0.0.1"]
                 argv += ["--port", ports[0], "--kv-port", ports[1], "--metrics-port", ports[2]]
-                self.spawn(f"{role}-{i}", [*argv, "--instance-id", f"{role}-{i}", *self.engine_flags()])
+                self.spawn(f"{role}-{i}", [*argv, "--instance-id", f"{role}-{i}", *self.engine_flags()], engine_env)
         argv = [*service, "router", "--model", model, "--redis-url", redis_url]
         self.spawn(
             "router", [*argv, "--host", self.args.host, "--port", str(self.args.port), *self.router_flags()]
@@ -249,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     args, engine_extra = build_parser().parse_known_args(argv)
     if args.prefill < 0 or args.decode < 1:
         raise SystemExit("need --decode >= 1 and --prefill >= 0")
+    if args.threads_per_engine < 0:
+        raise SystemExit("need --threads-per-engine >= 0")
     print("pdserve: resolving the model (converted once, then cached)...", flush=True)
     model = _resolve_model(args.model)
     launcher = Launcher(args, engine_extra)

@@ -133,3 +133,24 @@ def _alive(pid: int) -> bool:
         return False
     status = pathlib.Path(f"/proc/{pid}/stat")
     return status.exists() and status.read_text().split()[2] != "Z"
+
+
+def test_engines_share_the_cores_unless_threads_are_given(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    from ops.launcher import Launcher, build_parser
+
+    def launcher(*argv: str) -> Launcher:
+        args, extra = build_parser().parse_known_args(["--log-dir", str(tmp_path), *argv])
+        return Launcher(args, extra)
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)))
+    assert launcher("--prefill", "1", "--decode", "1").engine_env() == {"OMP_NUM_THREADS": "4"}
+    assert launcher("--prefill", "2", "--decode", "3").engine_env() == {"OMP_NUM_THREADS": "1"}
+    assert launcher("--threads-per-engine", "3").engine_env() == {"OMP_NUM_THREADS": "3"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert launcher().engine_env() == {}  # the user's setting reaches the engines as it is
+    child = launcher().spawn("probe", ["sh", "-c", "echo threads=$OMP_NUM_THREADS"], {"OMP_NUM_THREADS": "5"})
+    child.popen.wait(timeout=10)
+    assert (tmp_path / "probe.log").read_text().strip() == "threads=5"

@@ -106,17 +106,27 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder[Any], raw: bytes, what: str) -> Any:
-    """Size check, typed decode, version check; anything wrong is a ``ProtocolError``."""
-    if len(raw) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"{what} of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+def decode_checked(
+    decoder: msgspec.msgpack.Decoder[Any], raw: bytes | memoryview, *, max_bytes: int, version: int, what: str,
+    protocol: str = "pdserve",
+) -> Any:
+    """Size check, typed decode, version check; anything wrong is a ``ProtocolError``, nothing else.
+
+    Shared by every wire format of the project (engine messages here, KV transfer headers).
+    """
+    if len(raw) > max_bytes:
+        raise ProtocolError(f"{what} of {len(raw)} bytes exceeds {max_bytes}")
     try:
         msg = decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"bad {what}: {exc}") from None
-    if msg.version != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {msg.version}")
+        raise ProtocolError(f"malformed {what}: {exc}") from None
+    if msg.version != version:
+        raise ProtocolError(f"unsupported {protocol} version {msg.version} (expected {version})")
     return msg
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[Any], raw: bytes, what: str) -> Any:
+    return decode_checked(decoder, raw, max_bytes=MAX_MESSAGE_BYTES, version=PROTOCOL_VERSION, what=what)
 
 
 def decode_input(raw: bytes) -> EngineInput:

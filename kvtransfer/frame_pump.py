@@ -69,7 +69,7 @@ class FramePump:
             self.fail(transfer, f"send to {peer.address} failed: {exc}")
             return False
         # Once the first part of a message is queued, ZMQ always takes the rest of it.
-        *parts, last = frame.buffers()
+        *parts, last = frame.parts
         for part in parts:
             peer.sock.send(part, zmq.SNDMORE | zmq.NOBLOCK, copy=False)
         # ZMQ lets go of the parts in order: when the last one is done, the frame is.

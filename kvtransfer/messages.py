@@ -16,7 +16,7 @@ from typing import Annotated
 
 import msgspec
 
-from common.protocol import MAX_ID_LEN, ProtocolError
+from common.protocol import MAX_ID_LEN, decode_checked
 from kvtransfer.layout import KVLayout
 
 KV_PROTOCOL_VERSION = 2  # 2: a Data frame may come in several parts
@@ -129,15 +129,9 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 def _decode(decoder: msgspec.msgpack.Decoder, raw: bytes | memoryview, max_bytes: int) -> msgspec.Struct:
-    if len(raw) > max_bytes:
-        raise ProtocolError(f"header of {len(raw)} bytes exceeds {max_bytes}")
-    try:
-        msg = decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"malformed header: {exc}") from None
-    if msg.version != KV_PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported kvtransfer version {msg.version} (expected {KV_PROTOCOL_VERSION})")
-    return msg
+    return decode_checked(  # type: ignore[no-any-return]
+        decoder, raw, max_bytes=max_bytes, version=KV_PROTOCOL_VERSION, what="header", protocol="kvtransfer"
+    )
 
 
 def decode_from_sender(raw: bytes | memoryview, max_bytes: int) -> SenderMessage:

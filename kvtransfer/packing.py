@@ -51,7 +51,7 @@ class PackedFrame:
         self, spec: FrameSpec, parts: list[Any], nbytes: int, base: Tensor | None, event: Any | None
     ) -> None:
         self.spec = spec
-        self.parts = parts
+        self.parts = parts  # objects ZMQ sends without copying; each keeps its memory alive
         self.nbytes = nbytes
         self.base = base
         self.event = event
@@ -64,18 +64,14 @@ class PackedFrame:
         """Whether an asynchronous device-to-host copy has finished (always on the CPU)."""
         return self.event is None or bool(self.event.query())
 
-    def buffers(self) -> list[Any]:
-        """The parts as objects ZMQ can send without copying (each keeps its memory alive)."""
-        return self.parts
-
 
 def _as_bytes(t: Tensor) -> Any:
     """A contiguous CPU tensor as a flat uint8 numpy array sharing its memory (any dtype)."""
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-class BlockPacker:
-    """Gathers ``[layers, 2, blocks, ...]`` frames out of a sender's cache. One I/O thread owns it."""
+class _CacheSide:
+    """What packing and unpacking share: the cache, its kernels, a side stream and staging memory."""
 
     def __init__(self, kv_cache: Tensor, layout: KVLayout, budget_bytes: int) -> None:
         self.kv_cache = kv_cache
@@ -84,14 +80,21 @@ class BlockPacker:
         self.is_cuda = kv_cache.device.type == "cuda"
         self.stream = torch.cuda.Stream(kv_cache.device) if self.is_cuda else None
         self.pool = StagingPool(budget_bytes, pin_memory=self.is_cuda)
+
+    def block_ids(self, block_ids: list[int]) -> BlockIds:
+        """The ids of one transfer on the cache's device, made once per transfer."""
+        return BlockIds(block_ids, self.kv_cache.device)
+
+
+class BlockPacker(_CacheSide):
+    """Gathers ``[layers, 2, blocks, ...]`` frames out of a sender's cache. One I/O thread owns it."""
+
+    def __init__(self, kv_cache: Tensor, layout: KVLayout, budget_bytes: int) -> None:
+        super().__init__(kv_cache, layout, budget_bytes)
         # Blocks per run below which a run is packed rather than sent as views of the cache.
         self.bytes_per_block_layer = layout.bytes_per_block_layer  # computed once, not per frame
         half_block = self.bytes_per_block_layer // 2
         self.min_zero_copy_blocks = -(-MIN_ZERO_COPY_PLANE_BYTES // half_block)
-
-    def block_ids(self, block_ids: list[int]) -> BlockIds:
-        """The ids to send, made once per transfer."""
-        return BlockIds(block_ids, self.kv_cache.device)
 
     def frame_cuts(self, block_ids: BlockIds) -> list[int]:
         """Where frames must be cut so that each long run of consecutive ids goes out unpacked."""
@@ -109,30 +112,29 @@ class BlockPacker:
         the CPU, blocks that are one long run of consecutive ids come back as views of the cache.
         """
         nbytes = self.frame_bytes(spec)
+        layers = self.kv_cache[spec.layer_start : spec.layer_start + spec.num_layers]
         if not self.is_cuda and spec.num_blocks >= self.min_zero_copy_blocks:
             first = block_ids.runs.first_if_one_run(spec.block_start, spec.num_blocks)
             if first is not None:
-                layers = self.kv_cache[spec.layer_start : spec.layer_start + spec.num_layers]
                 planes = layers[:, :, first : first + spec.num_blocks].flatten(0, 1)
                 return PackedFrame(spec, [_as_bytes(plane) for plane in planes], nbytes, None, None)
         base = self.pool.acquire(nbytes)
         if base is None:
             return None
-        shape = self.layout.frame_shape(spec.num_layers, spec.num_blocks)
-        out = base[:nbytes].view(self.kv_cache.dtype).view(shape)
-        layers = self.kv_cache[spec.layer_start : spec.layer_start + spec.num_layers]
+        staged = base[:nbytes]
+        out = staged.view(self.kv_cache.dtype).view(self.layout.frame_shape(spec.num_layers, spec.num_blocks))
         ids = block_ids.tensor[spec.block_start : spec.block_start + spec.num_blocks]
+        event = None
         if self.stream is None:
             self.kernels.gather_blocks(layers, ids, out=out)
-            return PackedFrame(spec, [base[:nbytes].numpy()], nbytes, base, None)
-        with torch.cuda.stream(self.stream):
-            if after is not None:
-                self.stream.wait_event(after)
-            packed = self.kernels.gather_blocks(layers, ids)
-            out.copy_(packed, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return PackedFrame(spec, [base[:nbytes].numpy()], nbytes, base, event)
+        else:
+            with torch.cuda.stream(self.stream):
+                if after is not None:
+                    self.stream.wait_event(after)
+                out.copy_(self.kernels.gather_blocks(layers, ids), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        return PackedFrame(spec, [staged.numpy()], nbytes, base, event)
 
     def release(self, frame: PackedFrame) -> None:
         """Give the staging buffer back; ZMQ must be done with it and any copy finished."""
@@ -142,20 +144,12 @@ class BlockPacker:
             self.pool.release(frame.base)
 
 
-class BlockUnpacker:
+class BlockUnpacker(_CacheSide):
     """Scatters received frames into a receiver's cache. One I/O thread owns it."""
 
     def __init__(self, kv_cache: Tensor, layout: KVLayout, budget_bytes: int = 256 << 20) -> None:
-        self.kv_cache = kv_cache
-        self.layout = layout
-        self.kernels = get_kernels(kv_cache.device)
-        self.is_cuda = kv_cache.device.type == "cuda"
-        self.stream = torch.cuda.Stream(kv_cache.device) if self.is_cuda else None
-        self.pool = StagingPool(budget_bytes, pin_memory=self.is_cuda)
+        super().__init__(kv_cache, layout, budget_bytes)
         self._in_flight: list[tuple[Any, Tensor]] = []
-
-    def block_ids(self, block_ids: list[int]) -> BlockIds:
-        return BlockIds(block_ids, self.kv_cache.device)
 
     def unpack(self, spec: FrameSpec, block_ids: BlockIds, parts: list[Any]) -> Any | None:
         """Write one frame into ``block_ids[spec.block_start:...]``; returns a CUDA event or ``None`` (done).

@@ -160,11 +160,7 @@ def plot_latency_cdfs(path: str | Path, runs: Sequence[dict[str, Any]], title: s
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, title)
 
 
 def plot_throughput(path: str | Path, runs: Sequence[dict[str, Any]], baselines: dict[str, Any], title: str) -> None:
@@ -201,6 +197,12 @@ def plot_throughput(path: str | Path, runs: Sequence[dict[str, Any]], baselines:
         ax.set_ylabel(name)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
+    _save(fig, path, title)
+
+
+def _save(fig: Any, path: str | Path, title: str) -> None:
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

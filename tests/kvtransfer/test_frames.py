@@ -74,7 +74,7 @@ def test_pack_then_unpack_moves_blocks_bit_exact_across_ids() -> None:
     for spec in plan_frames(5, 3, 2, layout.bytes_per_block_layer, 2 * layout.bytes_per_block_layer):
         frame = packer.pack(spec, src_ids)
         assert frame is not None and frame.ready()
-        unpacker.unpack(spec, dst_ids, [memoryview(bytearray(part)) for part in frame.buffers()])
+        unpacker.unpack(spec, dst_ids, [memoryview(bytearray(part)) for part in frame.parts])
         packer.release(frame)
     assert torch.equal(dst[:, :, [2, 10, 5]], src[:, :, [8, 0, 3]])
     untouched = [b for b in range(11) if b not in (2, 10, 5)]
@@ -172,11 +172,11 @@ def _moved(src_ids: list[int], dst_ids: list[int], max_frame_layers: int) -> tup
         frame = packer.pack(spec, send_ids)
         assert frame is not None
         assert (
-            check_parts([memoryview(p).nbytes for p in frame.buffers()], spec, layout.bytes_per_block_layer)
+            check_parts([memoryview(p).nbytes for p in frame.parts], spec, layout.bytes_per_block_layer)
             is None
         )
         # What ZMQ delivers: a copy of each part.
-        unpacker.unpack(spec, recv_ids, [memoryview(bytearray(part)) for part in frame.buffers()])
+        unpacker.unpack(spec, recv_ids, [memoryview(bytearray(part)) for part in frame.parts])
         frames.append(frame)
         packer.release(frame)
     assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
@@ -192,9 +192,9 @@ def test_consecutive_sender_blocks_go_out_as_views_of_the_cache_and_land_bit_exa
     frames, src = _moved(list(range(3, 15)), dst_ids, 2)
     assert frames and all(f.zero_copy for f in frames)
     first = frames[0]
-    assert len(first.buffers()) == 4  # K and V of each of its 2 layers
-    assert first.buffers()[0].__array_interface__["data"][0] == src[0, 0, 3].data_ptr()  # not copied
-    assert first.buffers()[1].__array_interface__["data"][0] == src[0, 1, 3].data_ptr()
+    assert len(first.parts) == 4  # K and V of each of its 2 layers
+    assert first.parts[0].__array_interface__["data"][0] == src[0, 0, 3].data_ptr()  # not copied
+    assert first.parts[1].__array_interface__["data"][0] == src[0, 1, 3].data_ptr()
 
 
 @pytest.mark.parametrize("dst_ids", [list(range(0, 23)), [*range(39, 28, -1), *range(0, 12)]])

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+from fastapi.responses import StreamingResponse
 
 from common.protocol import PositionLogprobs
 from common.sampling_params import SamplingParams
@@ -210,3 +211,17 @@ async def stream_errors(chunks: AsyncGenerator[str, None]) -> AsyncIterator[byte
         yield b"data: [DONE]\n\n"
     finally:
         await chunks.aclose()
+
+
+async def sse_response(
+    state: RouterState,
+    plan: GenerationPlan,
+    wait_disconnect: DisconnectWaiter,
+    stream_options: Any,
+    write: Callable[[AsyncGenerator[ChoiceDelta, None], bool], AsyncGenerator[str, None]],
+) -> StreamingResponse:
+    """Start every choice and send the JSON chunks ``write(deltas, include_usage)`` makes as SSE."""
+    include_usage = bool(stream_options and stream_options.include_usage)
+    streams = await start_choices(state, plan)
+    chunks = write(merge_choices(streams, wait_disconnect), include_usage)
+    return StreamingResponse(stream_errors(chunks), media_type="text/event-stream")

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from router.choice_stream import ChoiceDelta
 from router.logprobs import TokenRenderer, chat_logprobs
@@ -24,10 +24,8 @@ from router.serving import (
     GenerationPlan,
     UsageTracker,
     collect,
-    merge_choices,
     new_request_id,
-    start_choices,
-    stream_errors,
+    sse_response,
 )
 from router.state import RouterState
 
@@ -62,10 +60,10 @@ async def create_chat_completion(
     request, plan = plan_chat(state, body, cache_salt)
     renderer = TokenRenderer(state.prompts.tokenizer) if request.logprobs else None
     if request.stream:
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        streams = await start_choices(state, plan)
-        chunks = _stream(plan, merge_choices(streams, wait_disconnect), renderer, include_usage)
-        return StreamingResponse(stream_errors(chunks), media_type="text/event-stream")
+        return await sse_response(
+            state, plan, wait_disconnect, request.stream_options,
+            lambda deltas, include_usage: _stream(plan, deltas, renderer, include_usage),
+        )
     results, usage = await collect(state, plan, wait_disconnect)
     response = ChatCompletionResponse(
         id=plan.request_id,

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from router.choice_stream import ChoiceDelta
 from router.logprobs import TokenRenderer, completion_logprobs
@@ -17,10 +17,8 @@ from router.serving import (
     GenerationPlan,
     UsageTracker,
     collect,
-    merge_choices,
     new_request_id,
-    start_choices,
-    stream_errors,
+    sse_response,
 )
 from router.state import RouterState
 
@@ -67,10 +65,10 @@ async def create_completion(
     request, plan = plan_completion(state, body, cache_salt)
     renderer = TokenRenderer(state.prompts.tokenizer) if request.logprobs is not None else None
     if request.stream:
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        streams = await start_choices(state, plan)
-        chunks = _stream(plan, merge_choices(streams, wait_disconnect), renderer, include_usage)
-        return StreamingResponse(stream_errors(chunks), media_type="text/event-stream")
+        return await sse_response(
+            state, plan, wait_disconnect, request.stream_options,
+            lambda deltas, include_usage: _stream(plan, deltas, renderer, include_usage),
+        )
     results, usage = await collect(state, plan, wait_disconnect)
     response = CompletionResponse(
         id=plan.request_id,

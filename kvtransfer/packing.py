@@ -165,9 +165,8 @@ class BlockUnpacker(_CacheSide):
         nbytes = sum(memoryview(p).nbytes for p in parts)
         self._reclaim()
         pinned = self.pool.acquire(nbytes)
-        if (
-            pinned is None and len(parts) == 1
-        ):  # staging full: a synchronous pageable copy is slower but correct
+        if pinned is None and len(parts) == 1:
+            # Staging full: a synchronous copy from pageable memory is slower but correct.
             staged = torch.frombuffer(parts[0], dtype=torch.uint8)
         else:
             staged = pinned[:nbytes] if pinned is not None else torch.empty(nbytes, dtype=torch.uint8)

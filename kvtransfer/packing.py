@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -173,7 +174,7 @@ class BlockUnpacker(_CacheSide):
             offset = 0
             for part in parts:
                 src = torch.frombuffer(part, dtype=torch.uint8)
-                staged[offset : offset + src.numel()].copy_(src)
+                _copy(staged[offset : offset + src.numel()], src)
                 offset += src.numel()
         with torch.cuda.stream(self.stream):
             device_src = staged.to(self.kv_cache.device, non_blocking=pinned is not None)
@@ -201,7 +202,7 @@ class BlockUnpacker(_CacheSide):
             else:
                 for index, length, first_id in runs:
                     offset = index - spec.block_start
-                    dst[:, first_id : first_id + length].copy_(src[:, offset : offset + length])
+                    _copy(dst[:, first_id : first_id + length], src[:, offset : offset + length])
             first_plane += src.shape[0]
 
     def _reclaim(self) -> None:
@@ -212,6 +213,16 @@ class BlockUnpacker(_CacheSide):
             else:
                 still.append((event, pinned))
         self._in_flight = still
+
+
+def _copy(dst: Tensor, src: Tensor) -> None:
+    """``dst.copy_(src)`` for CPU tensors whose rows are contiguous, as numpy byte copies.
+
+    numpy copies each contiguous row with the C library's ``memcpy``: faster than torch's element
+    loop for rows of this size, and with non-temporal stores (``common.glibc_env``) it does not
+    read the cold destination first. Any dtype: the bytes are copied.
+    """
+    np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
 
 
 def use_one_cpu_thread() -> None:

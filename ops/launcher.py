@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from common.glibc_env import tuned_env
+
 POLL_S = 0.2
 PR_SET_PDEATHSIG = 1
 
@@ -158,18 +160,21 @@ class Launcher:
         return flags
 
     def engine_env(self) -> dict[str, str]:
-        """Torch CPU threads per engine: the cores shared out, so engines on one host do not oversubscribe.
+        """What the engines get beyond this environment: CPU threads and C-library settings.
 
-        An explicit ``--threads-per-engine`` or ``OMP_NUM_THREADS`` wins. (On a GPU the engines
-        hardly use CPU threads, and fewer of them only cut contention, as in vLLM's workers.)
+        Torch CPU threads per engine: the cores shared out, so engines on one host do not
+        oversubscribe. An explicit ``--threads-per-engine`` or ``OMP_NUM_THREADS`` wins. (On a
+        GPU the engines hardly use CPU threads, and fewer of them only cut contention, as in
+        vLLM's workers.) ``GLIBC_TUNABLES``: see ``common.glibc_env``.
         """
+        env = tuned_env(os.environ)
         threads = self.args.threads_per_engine
         if threads == 0:
             if "OMP_NUM_THREADS" in os.environ:
-                return {}
+                return env
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             threads = max(1, cores // max(1, self.args.prefill + self.args.decode))
-        return {"OMP_NUM_THREADS": str(threads)}
+        return {**env, "OMP_NUM_THREADS": str(threads)}
 
     def start_all(self, model: str) -> None:
         redis_url = self.args.redis_url or self.start_redis()

@@ -16,12 +16,17 @@ in-process copy between two preallocated tensors. The paths take turns transfer 
 a busy neighbour on the host slows all of them alike. A second, shorter pass runs each path on
 its own to measure the CPU time each process spends per transfer.
 
-Run: ``python -m ops.bench.kv_transfer_bench [--iters 20] [--block-ids consecutive,scattered] [--json]``.
+The receiving process starts with the C-library settings ``pdserve up`` gives the engines
+(``common.glibc_env``); ``--glibc-defaults`` starts it without them, to measure what they do.
+
+Run: ``python -m ops.bench.kv_transfer_bench [--iters 20] [--block-ids consecutive,scattered]
+[--glibc-defaults] [--json]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import multiprocessing as mp
@@ -33,13 +38,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 import zmq
 
+from common.glibc_env import tuned_env
 from kvtransfer import Allocation, KVLayout, KVReceiver, KVSender
 from kvtransfer.frames import auto_layers_per_frame
 from kvtransfer.sender import DEFAULT_LAYERS_PER_FRAME
@@ -310,6 +316,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default="consecutive,scattered",
         help="comma-separated: consecutive (both pools hand out a run of ids), scattered (shuffled ids)",
     )
+    p.add_argument(
+        "--glibc-defaults",
+        action="store_true",
+        help="start the receiving process without the engines' C-library settings (common.glibc_env)",
+    )
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     return p.parse_args(argv)
 
@@ -332,7 +343,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_serve, args=(child, json.dumps(vars(args))), daemon=True)
-    proc.start()
+    args.receiver_env = {} if args.glibc_defaults else tuned_env(os.environ)
+    with _environ(args.receiver_env):  # read by the C library when the child starts
+        proc.start()
     try:
         paths = _Paths(args, json.loads(parent.recv_bytes()))
         runners = paths.runners(transports, patterns)
@@ -355,6 +368,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return _report(args, times, cpu, checks, load_before)
 
 
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _report(
     args: argparse.Namespace, times: dict, cpu: dict, checks: dict, load_before: float
 ) -> dict[str, Any]:
@@ -372,6 +399,7 @@ def _report(
         "bytes": args.nbytes,
         "samples_per_path": args.iters,
         "layers_per_frame": args.layers_per_frame,
+        "receiver_glibc_tunables": args.receiver_env.get("GLIBC_TUNABLES", "defaults"),
         "rows": rows,
         "ratio_to_plain_tcp": ratios,
         "checksum_ok": checks,
@@ -384,6 +412,7 @@ def _report(
         f"{args.nbytes / 1e6:.1f} MB per transfer, {args.iters} transfers per path (taking turns); "
         f"layers_per_frame={args.layers_per_frame or 'auto'}; host load {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
     )
+    print("receiving process C-library settings:", "as the engines get them" if args.receiver_env else "defaults")
     print(f"{'path':<30}{'GB/s':>8}{'best':>8}{'ms':>9}{'vs plain':>10}{'cpu ms tx/rx':>16}")
     for name, row in rows.items():
         cpu_ms = f"{row['sender_cpu_ms']:.0f}/{row['receiver_cpu_ms']:.0f}" if "sender_cpu_ms" in row else "-"

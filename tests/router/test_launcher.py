@@ -144,13 +144,31 @@ def test_engines_share_the_cores_unless_threads_are_given(
         args, extra = build_parser().parse_known_args(["--log-dir", str(tmp_path), *argv])
         return Launcher(args, extra)
 
+    def threads(*argv: str) -> str | None:
+        return launcher(*argv).engine_env().get("OMP_NUM_THREADS")
+
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)))
-    assert launcher("--prefill", "1", "--decode", "1").engine_env() == {"OMP_NUM_THREADS": "4"}
-    assert launcher("--prefill", "2", "--decode", "3").engine_env() == {"OMP_NUM_THREADS": "1"}
-    assert launcher("--threads-per-engine", "3").engine_env() == {"OMP_NUM_THREADS": "3"}
+    assert threads("--prefill", "1", "--decode", "1") == "4"
+    assert threads("--prefill", "2", "--decode", "3") == "1"
+    assert threads("--threads-per-engine", "3") == "3"
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert launcher().engine_env() == {}  # the user's setting reaches the engines as it is
+    assert threads() is None  # the user's setting reaches the engines as it is
     child = launcher().spawn("probe", ["sh", "-c", "echo threads=$OMP_NUM_THREADS"], {"OMP_NUM_THREADS": "5"})
     child.popen.wait(timeout=10)
     assert (tmp_path / "probe.log").read_text().strip() == "threads=5"
+
+
+def test_engines_get_the_c_library_settings_and_keep_the_users(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    from common.glibc_env import TUNABLES
+    from ops.launcher import Launcher, build_parser
+
+    args, extra = build_parser().parse_known_args(["--log-dir", str(tmp_path)])
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=4096:glibc.malloc.arena_max=2")
+    tunables = Launcher(args, extra).engine_env()["GLIBC_TUNABLES"].split(":")
+    assert tunables[:2] == ["glibc.malloc.mmap_threshold=4096", "glibc.malloc.arena_max=2"]
+    assert sorted(tunables[2:]) == sorted(
+        f"{name}={value}" for name, value in TUNABLES.items() if name != "glibc.malloc.mmap_threshold"
+    )

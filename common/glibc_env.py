@@ -1,0 +1,36 @@
+"""C-library settings for a process that receives KV blocks on the CPU, read by glibc at start-up.
+
+Receiving a frame over ZMQ costs one copy of its bytes out of the message ZMQ read them into and
+into the cache. Two glibc defaults make that copy, and the message itself, dearer than needed
+(``python -m ops.bench.kv_transfer_bench --glibc-defaults`` measures without these settings):
+
+- ``memcpy`` of a few MB goes through the CPU caches and first reads every destination line it
+  is about to overwrite. From 256 KiB on, non-temporal stores write straight to memory, which
+  for a cold KV cache roughly halves the copy.
+- malloc's adaptive thresholds hand a freed multi-MB message back to the kernel (``madvise``)
+  and fault fresh zeroed pages in for the next one. With messages up to 32 MiB served from the
+  heap and up to 1 GiB of freed memory kept, the buffers are reused.
+
+The settings only take effect in a process started with them (``GLIBC_TUNABLES``), so the
+launcher and the container image set them for the engines. Elsewhere than glibc on x86-64 they are
+ignored. Where the user already set one of these tunables, the user's value is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+TUNABLES = {
+    "glibc.cpu.x86_non_temporal_threshold": hex(256 << 10),
+    "glibc.malloc.mmap_threshold": str(32 << 20),
+    "glibc.malloc.trim_threshold": str(1 << 30),
+}
+
+
+def tuned_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``GLIBC_TUNABLES`` for a child started with ``env``: its own tunables, then ``TUNABLES``."""
+    current = env.get("GLIBC_TUNABLES", "")
+    entries = [entry for entry in current.split(":") if entry]
+    already = {entry.split("=", 1)[0] for entry in entries}
+    entries += [f"{name}={value}" for name, value in TUNABLES.items() if name not in already]
+    return {"GLIBC_TUNABLES": ":".join(entries)}

@@ -154,15 +154,18 @@ def test_parts_must_be_whole_planes_adding_up_to_the_frame() -> None:
     assert "expected 1 to 4" in (check_parts([], spec, 100) or "")
 
 
-def _moved(src_ids: list[int], dst_ids: list[int], max_frame_layers: int) -> tuple[list, torch.Tensor]:
-    """Frames of ``src_ids`` moved into ``dst_ids`` in memory; returns them and the cache they landed in."""
+def _moved(
+    src_ids: list[int], dst_ids: list[int], max_frame_layers: int, dtype: torch.dtype = torch.float32
+) -> tuple[list, torch.Tensor]:
+    """Frames of ``src_ids`` moved into ``dst_ids`` in memory; returns them and the sender's cache."""
     gen = torch.Generator().manual_seed(1)
-    src = torch.randn(4, 2, 40, 16, 2, 64, generator=gen)  # a block half is 8 KiB: runs of 8 go unpacked
-    dst = torch.randn(4, 2, 40, 16, 2, 64, generator=gen)
+    # float32: a block half is 8 KiB, so runs of 8 go unpacked (16 in half precision).
+    src = torch.randn(4, 2, 40, 16, 2, 64, generator=gen).to(dtype)
+    dst = torch.randn(4, 2, 40, 16, 2, 64, generator=gen).to(dtype)
     before = dst.clone()
     layout = KVLayout.from_kv_cache(src, "m")
     packer, unpacker = BlockPacker(src, layout, 1 << 30), BlockUnpacker(dst, layout)
-    assert packer.min_zero_copy_blocks == 8
+    assert packer.min_zero_copy_blocks == 8 * 4 // dtype.itemsize
     send_ids, recv_ids = packer.block_ids(src_ids), unpacker.block_ids(dst_ids)
     frames = []
     specs = plan_frames(
@@ -183,6 +186,13 @@ def _moved(src_ids: list[int], dst_ids: list[int], max_frame_layers: int) -> tup
     untouched = [b for b in range(40) if b not in dst_ids]
     assert torch.equal(dst[:, :, untouched], before[:, :, untouched])
     return frames, src
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_blocks_land_bit_exact_through_run_copies(dtype: torch.dtype) -> None:
+    # Two destination runs of 6: the receiver copies them as bytes, run by run.
+    _moved(list(range(3, 15)), [*range(20, 26), *range(30, 36)], 2, dtype)
+    _moved([9, 1, 30, 4, 5, 6, 7, 8, 22, 23, 24, 39], [*range(20, 26), *range(30, 36)], 4, dtype)
 
 
 @pytest.mark.parametrize("dst_ids", [list(range(20, 32)), [5, 39, 2, 17, 8, 9, 10, 30, 31, 0, 1, 22]])

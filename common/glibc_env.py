@@ -13,11 +13,13 @@ into the cache. Two glibc defaults make that copy, and the message itself, deare
 
 The settings only take effect in a process started with them (``GLIBC_TUNABLES``), so the
 launcher and the container image set them for the engines. Elsewhere than glibc on x86-64 they are
-ignored. Where the user already set one of these tunables, the user's value is kept.
+ignored. Where the user already set one of these tunables, the user's value is kept. For an
+engine started by hand: ``export GLIBC_TUNABLES=$(python -m common.glibc_env)``.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 TUNABLES = {
@@ -34,3 +36,7 @@ def tuned_env(env: Mapping[str, str]) -> dict[str, str]:
     already = {entry.split("=", 1)[0] for entry in entries}
     entries += [f"{name}={value}" for name, value in TUNABLES.items() if name not in already]
     return {"GLIBC_TUNABLES": ":".join(entries)}
+
+
+if __name__ == "__main__":
+    print(tuned_env(os.environ)["GLIBC_TUNABLES"])

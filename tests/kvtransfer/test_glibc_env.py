@@ -7,6 +7,7 @@ import pathlib
 import platform
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -37,6 +38,15 @@ def test_the_users_own_tunables_come_first_and_win() -> None:
     assert env.startswith("glibc.malloc.trim_threshold=7:")
     assert env.count("glibc.malloc.trim_threshold") == 1
     assert tuned_env({}) == {"GLIBC_TUNABLES": ":".join(f"{k}={v}" for k, v in TUNABLES.items())}
+
+
+def test_the_module_prints_the_value_to_export() -> None:
+    env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    out = subprocess.run(
+        [sys.executable, "-m", "common.glibc_env"], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == tuned_env(env)["GLIBC_TUNABLES"]
+    assert out.startswith("glibc.malloc.arena_max=2:")
 
 
 def test_the_container_image_sets_the_same_settings() -> None:

@@ -30,6 +30,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # > 0: at most this many prompt tokens per request per step
     kv_cache_memory: int = 1 << 30  # bytes for the KV cache on the CPU
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None  # overrides both sizings (tests, benchmarks)
@@ -43,6 +44,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0: no limit)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -77,6 +80,13 @@ class EngineConfig:
         )
         parser.add_argument(
             "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill
+        )
+        parser.add_argument(
+            "--long-prefill-token-threshold",
+            type=int,
+            default=d.long_prefill_token_threshold,
+            help="with chunked prefill, prefill at most this many tokens of one prompt per step, so "
+            "short prompts are not held up behind a long one (0: no limit)",
         )
         parser.add_argument("--kv-cache-memory", type=parse_size, default=d.kv_cache_memory,
                             help="KV cache size on the CPU, e.g. 512M, 2G")

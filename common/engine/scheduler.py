@@ -3,7 +3,9 @@
 Bookkeeping only: the scheduler decides which requests advance by how many tokens each step and
 which blocks they use; it never touches tensors. Running requests go first (oldest first), so
 decodes are never starved by a long prompt; waiting requests fill what is left of the token
-budget, a long prompt in chunks.
+budget, a long prompt in chunks. With ``long_prefill_token_threshold`` (as in vLLM), no request
+prefills more than that many tokens in one step, so the rest of the budget goes to the prompts
+queued behind a long one instead of them waiting until it has been prefilled whole.
 """
 
 from __future__ import annotations
@@ -54,12 +56,15 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        # Only chunks can be capped: without chunked prefill a prompt goes in one step or waits.
+        self.max_prefill_chunk = long_prefill_token_threshold if enable_chunked_prefill else 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -90,7 +95,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(self._capped(req.num_tokens - req.num_computed_tokens), budget)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -116,7 +121,7 @@ class Scheduler:
             if num_new > budget and not self.enable_chunked_prefill:
                 self._undo_hit(req, computed_blocks)
                 break
-            num_new = min(num_new, budget)
+            num_new = min(self._capped(num_new), budget)
             if not self.kv.allocate_slots(req, num_new, computed_blocks):
                 self._undo_hit(req, computed_blocks)
                 break
@@ -134,6 +139,9 @@ class Scheduler:
 
         out.block_copies = self.kv.take_pending_copies()
         return out
+
+    def _capped(self, num_new: int) -> int:
+        return min(num_new, self.max_prefill_chunk) if self.max_prefill_chunk > 0 else num_new
 
     def _undo_hit(self, req: Request, computed_blocks: list[KVBlock]) -> None:
         if computed_blocks:

@@ -4,8 +4,9 @@ It streams a workload (``random``, ``shared-prefix``, ``long-prompt-interference
 more targets and prints throughput, TTFT, ITL, end-to-end latency (p50/p90/p99) and goodput
 under an SLO, then the ratios between targets. Targets: ``--url URL`` (a running server),
 stacks it launches itself (``pd``: 1 prefill + 1 decode; ``pd-nocache``: the same with prefix
-caching off; ``single``: one decode instance doing its own prefill) and ``hf`` (the same
-requests through ``transformers`` ``generate`` in this process, output tokens/s only).
+caching off; ``pd-cap256``: the same with at most 256 prompt tokens per request per step;
+``single``: one decode instance doing its own prefill) and ``hf`` (the same requests through
+``transformers`` ``generate`` in this process, output tokens/s only).
 
     pdserve bench serve --targets pd,pd-nocache --workload shared-prefix --num-prompts 32 \\
         --concurrency 4 --json results.json

@@ -1,8 +1,9 @@
 """Targets of a serving benchmark: stacks the benchmark launches, and their engines' metrics.
 
 ``pd`` is one prefill and one decode instance, ``pd-nocache`` the same with prefix caching off
-on every engine, ``single`` one decode instance doing its own prefill (no prefill instance: the
-router sends every request straight to decode). Stacks are started with ``ops.launcher.Launcher``
+on every engine, ``pd-cap256`` the same with ``--long-prefill-token-threshold 256`` (no prompt
+prefills more than 256 tokens per step), ``single`` one decode instance doing its own prefill (no
+prefill instance: the router sends every request straight to decode). Stacks are started with ``ops.launcher.Launcher``
 and their engines found through the Redis registry, whose entries carry each ``metrics_url``.
 """
 
@@ -33,6 +34,7 @@ class StackSpec:
 STACKS = {
     "pd": StackSpec(1, 1),
     "pd-nocache": StackSpec(1, 1, ("--no-enable-prefix-caching",)),
+    "pd-cap256": StackSpec(1, 1, ("--long-prefill-token-threshold", "256")),
     "single": StackSpec(0, 1),
 }
 IN_PROCESS = ("hf",)

@@ -33,6 +33,12 @@ def test_greedy_equals_transformers_for_block_sizes_and_token_budgets(engine_fac
         assert g == e, f"prompt {i} diverged at token {next(j for j, (a, b) in enumerate(zip(g, e, strict=False)) if a != b)}"
 
 
+def test_capped_prefill_chunks_do_not_change_output(engine_factory):
+    engine = engine_factory(block_size=16, max_num_batched_tokens=512, long_prefill_token_threshold=7)
+    assert engine.scheduler.max_prefill_chunk == 7
+    assert _run(engine, prompt_ids()) == _expected()
+
+
 def test_prefix_cache_hits_do_not_change_output(engine_factory):
     engine = engine_factory(block_size=16, max_num_batched_tokens=64)
     prompts = prompt_ids()

@@ -139,6 +139,7 @@ def _serve(conn: Connection, args_json: str) -> None:
     addresses = {name: r.address for name, r in receivers.items()}
     addresses["zmq"] = router.getsockopt_string(zmq.LAST_ENDPOINT)
     addresses["plain"] = str(listener.getsockname()[1])
+    addresses["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")  # what this process started with
     conn.send_bytes(json.dumps(addresses).encode())
     while True:
         op = conn.recv_bytes().decode()
@@ -347,7 +348,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with _environ(args.receiver_env):  # read by the C library when the child starts
         proc.start()
     try:
-        paths = _Paths(args, json.loads(parent.recv_bytes()))
+        addresses = json.loads(parent.recv_bytes())
+        args.receiver_tunables = addresses.pop("glibc_tunables")
+        paths = _Paths(args, addresses)
         runners = paths.runners(transports, patterns)
         times = _time_interleaved(runners, args.iters, args.warmup)
         cpu = _cpu_per_transfer(parent, runners, args.cpu_iters) if args.cpu_iters else {}
@@ -399,7 +402,7 @@ def _report(
         "bytes": args.nbytes,
         "samples_per_path": args.iters,
         "layers_per_frame": args.layers_per_frame,
-        "receiver_glibc_tunables": args.receiver_env.get("GLIBC_TUNABLES", "defaults"),
+        "receiver_glibc_tunables": args.receiver_tunables or "defaults",
         "rows": rows,
         "ratio_to_plain_tcp": ratios,
         "checksum_ok": checks,
@@ -412,7 +415,7 @@ def _report(
         f"{args.nbytes / 1e6:.1f} MB per transfer, {args.iters} transfers per path (taking turns); "
         f"layers_per_frame={args.layers_per_frame or 'auto'}; host load {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
     )
-    print("receiving process C-library settings:", "as the engines get them" if args.receiver_env else "defaults")
+    print("receiving process GLIBC_TUNABLES:", args.receiver_tunables or "none (glibc defaults)")
     print(f"{'path':<30}{'GB/s':>8}{'best':>8}{'ms':>9}{'vs plain':>10}{'cpu ms tx/rx':>16}")
     for name, row in rows.items():
         cpu_ms = f"{row['sender_cpu_ms']:.0f}/{row['receiver_cpu_ms']:.0f}" if "sender_cpu_ms" in row else "-"

@@ -1,0 +1,39 @@
+"""``pdserve bench kv`` end to end on a small layout: every path moves the bytes and they arrive."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from common.glibc_env import tuned_env
+from ops.bench import kv_transfer_bench
+
+SMALL = ["--num-tokens", "96", "--num-layers", "2", "--iters", "2", "--warmup", "0", "--cpu-iters", "1"]
+
+
+@pytest.mark.parametrize("defaults", [False, True])
+def test_every_path_moves_the_bytes_bit_exact(
+    defaults: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    report = kv_transfer_bench.main([*SMALL, *(["--glibc-defaults"] if defaults else [])])
+    assert report["checksum_ok"] == {
+        f"{t}/{p}": True for p in ("consecutive", "scattered") for t in ("tcp", "ipc")
+    }
+    assert report["bytes"] == 6 * 2 * 2 * 16 * 3 * 64 * 4  # blocks, layers, K/V, block, heads, size, fp32
+    assert set(report["rows"]) == {
+        "kvtransfer tcp:// consec.",
+        "kvtransfer ipc:// consec.",
+        "kvtransfer tcp:// scatter",
+        "kvtransfer ipc:// scatter",
+        "zmq tcp:// wire only",
+        "plain TCP socket",
+        "memcpy (one process)",
+    }
+    assert all(row["gbps_median"] > 0 for row in report["rows"].values())
+    # The receiving process reports what it was started with.
+    expected = "defaults" if defaults else tuned_env({})["GLIBC_TUNABLES"]
+    assert report["receiver_glibc_tunables"] == expected
+    assert "GLIBC_TUNABLES" not in os.environ  # only the child got them
+    assert "vs plain" in capsys.readouterr().out

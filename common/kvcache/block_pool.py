@@ -105,7 +105,12 @@ class BlockPool:
         return self.num_used_blocks / self.num_blocks
 
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
-        """Take ``num_blocks`` free blocks (evicting their cached contents), each with refcount 1."""
+        """Take ``num_blocks`` free blocks (evicting their cached contents), each with refcount 1.
+
+        Which blocks go follows the free queue (eviction order); they are handed out in ascending
+        id order, so that blocks freed together (a request's, freed tail first) come back as runs
+        of consecutive ids, which the KV transfer moves without packing.
+        """
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         out = []
@@ -114,6 +119,7 @@ class BlockPool:
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
+        out.sort(key=lambda b: b.block_id)
         return out
 
     def _evict(self, block: KVBlock) -> None:

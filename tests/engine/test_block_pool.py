@@ -60,7 +60,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
                 self.pool.get_new_blocks(num)
             return
         blocks = self.pool.get_new_blocks(num)
-        assert [b.block_id for b in blocks] == self.free_order[:num], "not the least recently freed"
+        ids = [b.block_id for b in blocks]
+        assert sorted(ids) == sorted(self.free_order[:num]), "not the least recently freed"
+        assert ids == sorted(ids), "one allocation's blocks come in ascending id order"
         del self.free_order[:num]
         for b in blocks:
             assert b.ref_cnt == 1 and b.block_hash is None
@@ -310,7 +312,7 @@ def test_eviction_takes_the_least_recently_freed_cached_block_first():
         pool.cache_full_block(b, _h(i))
     for i in (2, 0, 3, 1):
         pool.free_blocks([blocks[i]])
-    assert [b.block_id for b in pool.get_new_blocks(2)] == [2, 0]
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [0, 2]  # blocks 2 and 0, in id order
     assert pool.get_cached_block(_h(2)) is None and pool.get_cached_block(_h(0)) is None
     assert pool.get_cached_block(_h(3)) is blocks[3] and pool.get_cached_block(_h(1)) is blocks[1]
 
@@ -327,6 +329,22 @@ def test_a_requests_tail_block_is_evicted_before_its_head():
     # The unhashed partial block goes first, then the request's full blocks from the tail back.
     assert order.index(partial) < order.index(tail) < order.index(middle) < order.index(head)
     assert order[-3:] == [tail, middle, head]
+
+
+def test_blocks_freed_together_come_back_as_one_run_of_ids():
+    kv = KVCacheManager(8, BS)
+    first = Request("a", list(range(4 * BS)), SamplingParams(), block_size=BS, model_id="m")
+    assert kv.allocate_slots(first, first.num_tokens)
+    first.num_computed_tokens = first.num_tokens
+    kv.cache_blocks(first)
+    other = Request("b", [7] * (4 * BS), SamplingParams(), block_size=BS, model_id="m")
+    assert kv.allocate_slots(other, other.num_tokens)  # the pool's other four blocks
+    kv.free("a")  # cached blocks join the queue tail first: 3, 2, 1, 0
+    again = Request("c", list(range(100, 100 + 4 * BS)), SamplingParams(), block_size=BS, model_id="m")
+    assert kv.allocate_slots(again, again.num_tokens)
+    assert kv.block_ids("c") == [0, 1, 2, 3]  # what a KV transfer sends and receives as one run
+    kv.free("b")
+    kv.free("c")
 
 
 def test_blocks_without_a_hash_are_reused_before_cached_ones():

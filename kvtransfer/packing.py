@@ -29,6 +29,10 @@ from kvtransfer.staging import StagingPool
 
 # A plane smaller than this is packed instead (ZMQ copies small zero-copy parts anyway).
 MIN_ZERO_COPY_PLANE_BYTES = 64 << 10
+# A run of consecutive ids gets frames of its own only when each carries at least this much: every
+# frame costs both ends a fixed overhead (measured about 0.2 ms each on a CPU host) that the
+# saved pack copy of a shorter run does not repay. Shorter runs are packed with their neighbours.
+MIN_RUN_FRAME_BYTES = 1 << 20
 
 
 class BlockIds:
@@ -90,18 +94,31 @@ class _CacheSide:
 class BlockPacker(_CacheSide):
     """Gathers ``[layers, 2, blocks, ...]`` frames out of a sender's cache. One I/O thread owns it."""
 
-    def __init__(self, kv_cache: Tensor, layout: KVLayout, budget_bytes: int) -> None:
+    def __init__(
+        self,
+        kv_cache: Tensor,
+        layout: KVLayout,
+        budget_bytes: int,
+        min_run_frame_bytes: int = MIN_RUN_FRAME_BYTES,
+    ) -> None:
         super().__init__(kv_cache, layout, budget_bytes)
         # Blocks per run below which a run is packed rather than sent as views of the cache.
         self.bytes_per_block_layer = layout.bytes_per_block_layer  # computed once, not per frame
         half_block = self.bytes_per_block_layer // 2
         self.min_zero_copy_blocks = -(-MIN_ZERO_COPY_PLANE_BYTES // half_block)
+        self.min_run_frame_bytes = min_run_frame_bytes
 
-    def frame_cuts(self, block_ids: BlockIds) -> list[int]:
-        """Where frames must be cut so that each long run of consecutive ids goes out unpacked."""
+    def frame_cuts(self, block_ids: BlockIds, layers_per_frame: int) -> list[int]:
+        """Where to cut frames so that each long run of consecutive ids goes out unpacked.
+
+        A run qualifies when its frames (``layers_per_frame`` layers) hold whole planes of at
+        least ``MIN_ZERO_COPY_PLANE_BYTES`` and at least ``min_run_frame_bytes`` in all.
+        """
         if self.is_cuda:
             return []
-        return block_ids.runs.cuts_around_runs(self.min_zero_copy_blocks)
+        per_block = max(1, layers_per_frame) * self.bytes_per_block_layer
+        min_length = max(self.min_zero_copy_blocks, -(-self.min_run_frame_bytes // per_block))
+        return block_ids.runs.cuts_around_runs(min_length)
 
     def frame_bytes(self, spec: FrameSpec) -> int:
         return spec.num_layers * spec.num_blocks * self.bytes_per_block_layer

@@ -2,12 +2,13 @@
 
 Moves the KV of one prompt (default: 2,000 tokens of SmolLM2-135M, 30 layers, 3 KV heads, head
 size 64, float32, block size 16: about 92 MB) from a ``KVSender`` in this process to a
-``KVReceiver`` in a child process, repeatedly, over tcp:// and ipc://, in two block-id patterns:
-consecutive ids on both sides (what a prompt gets from a pool that is not fragmented, e.g. a fresh
-one: KVTransfer then sends the cache's memory as it is and receives with plain copies), and ids
-shuffled on both sides (a pool that has been in use: blocks are gathered and scattered). A timed
-transfer runs from ``send()`` until the sender's result (the receiver's acknowledgement that
-every block landed).
+``KVReceiver`` in a child process, repeatedly, over tcp:// and ipc://, in three block-id
+patterns, on both sides: consecutive ids (what a prompt gets from a pool that is not fragmented,
+e.g. a fresh one: KVTransfer then sends the cache's memory as it is and receives with plain
+copies), recycled ids (what the engine's block pool hands out after a few hundred requests came
+and went: runs of consecutive ids of varied length) and shuffled ids (the worst case: every block
+gathered and scattered on its own). A timed transfer runs from ``send()`` until the sender's
+result (the receiver's acknowledgement that every block landed).
 
 The baselines move the same number of bytes: a plain TCP socket (``sendall`` / ``recv_into``
 into a preallocated buffer, then a 1-byte acknowledgement), ZMQ alone (the same frames already
@@ -19,7 +20,7 @@ its own to measure the CPU time each process spends per transfer.
 The receiving process starts with the C-library settings ``pdserve up`` gives the engines
 (``common.glibc_env``); ``--glibc-defaults`` starts it without them, to measure what they do.
 
-Run: ``python -m ops.bench.kv_transfer_bench [--iters 20] [--block-ids consecutive,scattered]
+Run: ``python -m ops.bench.kv_transfer_bench [--iters 20] [--block-ids consecutive,recycled,scattered]
 [--glibc-defaults] [--json]``.
 """
 
@@ -31,6 +32,7 @@ import functools
 import json
 import multiprocessing as mp
 import os
+import random
 import resource
 import socket
 import statistics
@@ -45,7 +47,10 @@ from typing import Any
 import torch
 import zmq
 
+from common.engine.request import Request
 from common.glibc_env import tuned_env
+from common.kvcache.kv_cache_manager import KVCacheManager
+from common.sampling_params import SamplingParams
 from kvtransfer import Allocation, KVLayout, KVReceiver, KVSender
 from kvtransfer.frames import auto_layers_per_frame
 from kvtransfer.sender import DEFAULT_LAYERS_PER_FRAME
@@ -63,29 +68,72 @@ def _kv_cache(args: argparse.Namespace, num_blocks: int, seed: int) -> torch.Ten
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(getattr(torch, args.dtype))
 
 
-class _Pool:
-    """A block pool: ``shuffled`` hands out ids in a random order, as after some use; otherwise the
-    lowest free ids first, which are consecutive while the pool is not fragmented."""
+PATTERNS = ("consecutive", "recycled", "scattered")
+POOL_SIZE = 4  # blocks in each pool per block of the transfer
 
-    def __init__(self, num_blocks: int, block_size: int, seed: int, shuffled: bool) -> None:
-        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-        self.shuffled = shuffled
+
+def _recycled_ids(pool_blocks: int, num_blocks: int, block_size: int, seed: int) -> list[int]:
+    """The ids the engine's block pool gives a request of ``num_blocks`` after some traffic.
+
+    Requests of 1 to ``num_blocks // 2`` blocks (random tokens, so full blocks are prefix-cached
+    when freed) come and go through a ``KVCacheManager`` of ``pool_blocks`` blocks, about half of
+    it in use, for a few hundred arrivals; then one request takes ``num_blocks`` blocks.
+    """
+    rng = random.Random(seed)
+    kv = KVCacheManager(pool_blocks, block_size)
+    live: list[Request] = []
+
+    def admit(request_id: str, blocks: int) -> bool:
+        tokens = [rng.randrange(1 << 15) for _ in range(blocks * block_size)]
+        req = Request(request_id, tokens, SamplingParams(), block_size=block_size, model_id="bench")
+        if not kv.allocate_slots(req, req.num_tokens):
+            return False
+        req.num_computed_tokens = req.num_tokens
+        kv.cache_blocks(req)
+        live.append(req)
+        return True
+
+    for i in range(400):
+        while live and (kv.pool.num_free_blocks < pool_blocks // 2 or rng.random() < 0.4):
+            kv.free(live.pop(rng.randrange(len(live))).request_id)
+        admit(f"r{i}", rng.randint(1, max(1, num_blocks // 2)))
+    while kv.pool.num_free_blocks < num_blocks:
+        kv.free(live.pop(rng.randrange(len(live))).request_id)
+    if not admit("last", num_blocks):
+        raise RuntimeError("the churned pool could not fit the transfer")
+    return kv.block_ids("last")
+
+
+class _Pool:
+    """Hands out the same block ids for every transfer: ``consecutive`` (one run of ids, as from a
+    pool that is not fragmented), ``recycled`` (as the engine's pool does after traffic, see
+    ``_recycled_ids``) or ``scattered`` (a random permutation: the worst case)."""
+
+    def __init__(self, num_pool_blocks: int, num_blocks: int, block_size: int, seed: int, pattern: str) -> None:
+        self.ids = _block_ids(pattern, num_pool_blocks, num_blocks, block_size, seed)
         self.block_size = block_size
         self.held: dict[str, list[int]] = {}
 
     def allocate_for_transfer(
         self, request_id: str, block_hashes: list[bytes], num_tokens: int
     ) -> Allocation | str:
-        num_blocks = -(-num_tokens // self.block_size)
-        if len(self.free) < num_blocks:
-            return "pool full"
-        if not self.shuffled:
-            self.free.sort(reverse=True)
-        self.held[request_id] = [self.free.pop() for _ in range(num_blocks)]
+        if self.held:
+            return "pool full"  # one transfer at a time, as the benchmark runs them
+        self.held[request_id] = self.ids[: -(-num_tokens // self.block_size)]
         return Allocation(self.held[request_id], 0)
 
     def release_transfer(self, request_id: str) -> None:
-        self.free.extend(self.held.pop(request_id, []))
+        self.held.pop(request_id, None)
+
+
+def _block_ids(pattern: str, num_pool_blocks: int, num_blocks: int, block_size: int, seed: int) -> list[int]:
+    if pattern == "consecutive":
+        first = seed % (num_pool_blocks - num_blocks + 1)
+        return list(range(first, first + num_blocks))
+    if pattern == "recycled":
+        return _recycled_ids(num_pool_blocks, num_blocks, block_size, seed)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(num_pool_blocks, generator=gen)[:num_blocks].tolist()
 
 
 # ---- the receiving process ------------------------------------------------------------------
@@ -98,11 +146,9 @@ def _serve(conn: Connection, args_json: str) -> None:
     pools: dict[str, _Pool] = {}
     receivers: dict[str, KVReceiver] = {}
     for pattern in args.block_id_patterns:  # a cache and pool each: the checksums stay apart
-        kv_cache = caches[pattern] = _kv_cache(args, 2 * num_blocks, seed=1)
+        kv_cache = caches[pattern] = _kv_cache(args, POOL_SIZE * num_blocks, seed=1)
         layout = KVLayout.from_kv_cache(kv_cache, args.model_id)
-        pool = pools[pattern] = _Pool(
-            2 * num_blocks, args.block_size, seed=2, shuffled=pattern == "scattered"
-        )
+        pool = pools[pattern] = _Pool(POOL_SIZE * num_blocks, num_blocks, args.block_size, 2, pattern)
         for transport in args.transport_list:
             address = (
                 "tcp://127.0.0.1:0"
@@ -120,8 +166,7 @@ def _serve(conn: Connection, args_json: str) -> None:
                 for result in receiver.poll():
                     if result.ok:
                         last_block_ids[name] = result.block_ids
-                        pool.held.pop(result.request_id)
-                        pool.free.extend(result.block_ids)  # the "engine" is done with them at once
+                        pool.release_transfer(result.request_id)  # the "engine" is done with them
             time.sleep(_POLL_S)
 
     context = zmq.Context()
@@ -188,12 +233,11 @@ class _Paths:
 
     def __init__(self, args: argparse.Namespace, addresses: dict[str, str]) -> None:
         num_blocks = -(-args.num_tokens // args.block_size)
-        self.kv_cache = _kv_cache(args, 2 * num_blocks, seed=3)
+        pool_blocks = POOL_SIZE * num_blocks
+        self.kv_cache = _kv_cache(args, pool_blocks, seed=3)
         layout = KVLayout.from_kv_cache(self.kv_cache, args.model_id)
-        gen = torch.Generator().manual_seed(4)
         self.block_ids = {
-            "consecutive": list(range(num_blocks // 2, num_blocks // 2 + num_blocks)),
-            "scattered": torch.randperm(2 * num_blocks, generator=gen)[:num_blocks].tolist(),
+            p: _block_ids(p, pool_blocks, num_blocks, args.block_size, seed=5) for p in args.block_id_patterns
         }
         self.num_tokens = args.num_tokens
         self.nbytes = num_blocks * layout.bytes_per_block
@@ -260,7 +304,8 @@ class _Paths:
 
 
 def _kv_path(transport: str, pattern: str) -> str:
-    return f"kvtransfer {transport}:// {'consec.' if pattern == 'consecutive' else 'scatter'}"
+    short = {"consecutive": "consec.", "recycled": "recycled", "scattered": "scatter"}[pattern]
+    return f"kvtransfer {transport}:// {short}"
 
 
 def _time_interleaved(
@@ -314,8 +359,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--transports", default="tcp,ipc", help="comma-separated: tcp, ipc")
     p.add_argument(
         "--block-ids",
-        default="consecutive,scattered",
-        help="comma-separated: consecutive (both pools hand out a run of ids), scattered (shuffled ids)",
+        default=",".join(PATTERNS),
+        help="comma-separated: consecutive (both pools hand out a run of ids), recycled (ids as the "
+        "engine's pool hands them out after traffic), scattered (shuffled ids)",
     )
     p.add_argument(
         "--glibc-defaults",
@@ -333,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not set(transports) <= {"tcp", "ipc"}:
         raise SystemExit(f"unknown transport in {args.transports!r}")
     patterns = args.block_id_patterns = args.block_ids.split(",")
-    if not set(patterns) <= {"consecutive", "scattered"}:
+    if not set(patterns) <= set(PATTERNS):
         raise SystemExit(f"unknown block-id pattern in {args.block_ids!r}")
     num_blocks = -(-args.num_tokens // args.block_size)
     element_size = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()

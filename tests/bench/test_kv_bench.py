@@ -19,12 +19,14 @@ def test_every_path_moves_the_bytes_bit_exact(
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     report = kv_transfer_bench.main([*SMALL, *(["--glibc-defaults"] if defaults else [])])
     assert report["checksum_ok"] == {
-        f"{t}/{p}": True for p in ("consecutive", "scattered") for t in ("tcp", "ipc")
+        f"{t}/{p}": True for p in ("consecutive", "recycled", "scattered") for t in ("tcp", "ipc")
     }
     assert report["bytes"] == 6 * 2 * 2 * 16 * 3 * 64 * 4  # blocks, layers, K/V, block, heads, size, fp32
     assert set(report["rows"]) == {
         "kvtransfer tcp:// consec.",
         "kvtransfer ipc:// consec.",
+        "kvtransfer tcp:// recycled",
+        "kvtransfer ipc:// recycled",
         "kvtransfer tcp:// scatter",
         "kvtransfer ipc:// scatter",
         "zmq tcp:// wire only",

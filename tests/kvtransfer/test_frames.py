@@ -155,7 +155,11 @@ def test_parts_must_be_whole_planes_adding_up_to_the_frame() -> None:
 
 
 def _moved(
-    src_ids: list[int], dst_ids: list[int], max_frame_layers: int, dtype: torch.dtype = torch.float32
+    src_ids: list[int],
+    dst_ids: list[int],
+    max_frame_layers: int,
+    dtype: torch.dtype = torch.float32,
+    min_run_frame_bytes: int = 0,
 ) -> tuple[list, torch.Tensor]:
     """Frames of ``src_ids`` moved into ``dst_ids`` in memory; returns them and the sender's cache."""
     gen = torch.Generator().manual_seed(1)
@@ -164,12 +168,19 @@ def _moved(
     dst = torch.randn(4, 2, 40, 16, 2, 64, generator=gen).to(dtype)
     before = dst.clone()
     layout = KVLayout.from_kv_cache(src, "m")
-    packer, unpacker = BlockPacker(src, layout, 1 << 30), BlockUnpacker(dst, layout)
+    # Runs get frames of their own from 8 blocks (float32) on, whatever their frames hold in all.
+    packer = BlockPacker(src, layout, 1 << 30, min_run_frame_bytes=min_run_frame_bytes)
+    unpacker = BlockUnpacker(dst, layout)
     assert packer.min_zero_copy_blocks == 8 * 4 // dtype.itemsize
     send_ids, recv_ids = packer.block_ids(src_ids), unpacker.block_ids(dst_ids)
     frames = []
     specs = plan_frames(
-        4, len(src_ids), max_frame_layers, layout.bytes_per_block_layer, 1 << 30, packer.frame_cuts(send_ids)
+        4,
+        len(src_ids),
+        max_frame_layers,
+        layout.bytes_per_block_layer,
+        1 << 30,
+        packer.frame_cuts(send_ids, max_frame_layers),
     )
     for spec in specs:
         frame = packer.pack(spec, send_ids)
@@ -213,6 +224,17 @@ def test_mixed_consecutive_and_scattered_sender_blocks_land_bit_exact(dst_ids: l
     frames, _ = _moved(src_ids, dst_ids, 4)
     assert [f.zero_copy for f in frames] == [True, False, True]
     assert [(f.spec.block_start, f.spec.num_blocks) for f in frames] == [(0, 10), (10, 4), (14, 9)]
+
+
+def test_runs_whose_frames_would_carry_little_are_packed_with_their_neighbours() -> None:
+    src_ids = [*range(20, 30), 3, 7, 5, 0, *range(30, 39)]  # runs of 10 and 9: 640 and 576 KiB frames
+    frames, _ = _moved(src_ids, list(range(23)), 4, min_run_frame_bytes=600 << 10)
+    assert [(f.spec.block_start, f.spec.num_blocks, f.zero_copy) for f in frames] == [
+        (0, 10, True),  # its own frame, sent from the cache
+        (10, 13, False),  # the strays and the shorter run, packed together
+    ]
+    frames, _ = _moved(src_ids, list(range(23)), 4, min_run_frame_bytes=1 << 20)
+    assert [(f.spec.num_blocks, f.zero_copy) for f in frames] == [(23, False)]  # one packed frame
 
 
 def test_short_runs_are_packed() -> None:

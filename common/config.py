@@ -85,8 +85,8 @@ class EngineConfig:
             "--long-prefill-token-threshold",
             type=int,
             default=d.long_prefill_token_threshold,
-            help="with chunked prefill, prefill at most this many tokens of one prompt per step, so "
-            "short prompts are not held up behind a long one (0: no limit)",
+            help="prefill at most this many tokens of one prompt per step, so short prompts are not "
+            "held up behind a long one (0: no limit; needs chunked prefill, ignored without it)",
         )
         parser.add_argument("--kv-cache-memory", type=parse_size, default=d.kv_cache_memory,
                             help="KV cache size on the CPU, e.g. 512M, 2G")

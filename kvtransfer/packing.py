@@ -108,15 +108,18 @@ class BlockPacker(_CacheSide):
         self.min_zero_copy_blocks = -(-MIN_ZERO_COPY_PLANE_BYTES // half_block)
         self.min_run_frame_bytes = min_run_frame_bytes
 
-    def frame_cuts(self, block_ids: BlockIds, layers_per_frame: int) -> list[int]:
+    def frame_cuts(self, block_ids: BlockIds, layers_per_frame: int, max_frame_bytes: int) -> list[int]:
         """Where to cut frames so that each long run of consecutive ids goes out unpacked.
 
-        A run qualifies when its frames (``layers_per_frame`` layers) hold whole planes of at
-        least ``MIN_ZERO_COPY_PLANE_BYTES`` and at least ``min_run_frame_bytes`` in all.
+        A run qualifies when its frames hold planes of at least ``MIN_ZERO_COPY_PLANE_BYTES`` and
+        at least ``min_run_frame_bytes`` in all, also in the smallest layer group ``plan_frames``
+        makes of ``layers_per_frame`` (the last one, or fewer layers where frames are capped).
         """
         if self.is_cuda:
             return []
-        per_block = max(1, layers_per_frame) * self.bytes_per_block_layer
+        num_layers = self.layout.num_layers
+        group = max(1, min(layers_per_frame, num_layers, max_frame_bytes // self.bytes_per_block_layer))
+        per_block = min(group, num_layers % group or group) * self.bytes_per_block_layer
         min_length = max(self.min_zero_copy_blocks, -(-self.min_run_frame_bytes // per_block))
         return block_ids.runs.cuts_around_runs(min_length)
 
@@ -233,12 +236,15 @@ class BlockUnpacker(_CacheSide):
 
 
 def _copy(dst: Tensor, src: Tensor) -> None:
-    """``dst.copy_(src)`` for CPU tensors whose rows are contiguous, as numpy byte copies.
+    """``dst.copy_(src)`` for CPU tensors, as numpy byte copies where their rows are contiguous.
 
     numpy copies each contiguous row with the C library's ``memcpy``: faster than torch's element
     loop for rows of this size, and with non-temporal stores (``common.glibc_env``) it does not
     read the cold destination first. Any dtype: the bytes are copied.
     """
+    if dst.stride(-1) != 1 or src.stride(-1) != 1:  # no byte view of these: torch copies them
+        dst.copy_(src)
+        return
     np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
 
 

@@ -112,18 +112,16 @@ class _Pool:
     def __init__(self, num_pool_blocks: int, num_blocks: int, block_size: int, seed: int, pattern: str) -> None:
         self.ids = _block_ids(pattern, num_pool_blocks, num_blocks, block_size, seed)
         self.block_size = block_size
-        self.held: dict[str, list[int]] = {}
 
     def allocate_for_transfer(
         self, request_id: str, block_hashes: list[bytes], num_tokens: int
     ) -> Allocation | str:
-        if self.held:
-            return "pool full"  # one transfer at a time, as the benchmark runs them
-        self.held[request_id] = self.ids[: -(-num_tokens // self.block_size)]
-        return Allocation(self.held[request_id], 0)
+        # Never "full": a receiver's transfers run one after another, so they never write the
+        # same blocks at once, and an offer need not wait for the engine loop to release the last.
+        return Allocation(self.ids[: -(-num_tokens // self.block_size)], 0)
 
     def release_transfer(self, request_id: str) -> None:
-        self.held.pop(request_id, None)
+        pass
 
 
 def _block_ids(pattern: str, num_pool_blocks: int, num_blocks: int, block_size: int, seed: int) -> list[int]:
@@ -136,6 +134,11 @@ def _block_ids(pattern: str, num_pool_blocks: int, num_blocks: int, block_size: 
     return torch.randperm(num_pool_blocks, generator=gen)[:num_blocks].tolist()
 
 
+def _block_sums(kv_cache: torch.Tensor, block_ids: list[int]) -> list[float]:
+    """One sum per block, in ``block_ids`` order: a block landing in the wrong place shows."""
+    return kv_cache[:, :, block_ids].double().sum(dim=(0, 1, 3, 4, 5)).tolist()
+
+
 # ---- the receiving process ------------------------------------------------------------------
 def _serve(conn: Connection, args_json: str) -> None:
     """Child process: KV receivers (per transport and id pattern), a ZMQ and a plain TCP receiver."""
@@ -145,28 +148,28 @@ def _serve(conn: Connection, args_json: str) -> None:
     caches: dict[str, torch.Tensor] = {}
     pools: dict[str, _Pool] = {}
     receivers: dict[str, KVReceiver] = {}
-    for pattern in args.block_id_patterns:  # a cache and pool each: the checksums stay apart
-        kv_cache = caches[pattern] = _kv_cache(args, POOL_SIZE * num_blocks, seed=1)
-        layout = KVLayout.from_kv_cache(kv_cache, args.model_id)
-        pool = pools[pattern] = _Pool(POOL_SIZE * num_blocks, num_blocks, args.block_size, 2, pattern)
-        for transport in args.transport_list:
+    for pattern in args.block_id_patterns:
+        for transport in args.transport_list:  # a cache each: what one receiver wrote stays checkable
+            name = f"{transport}/{pattern}"
+            kv_cache = caches[name] = _kv_cache(args, POOL_SIZE * num_blocks, seed=1)
+            layout = KVLayout.from_kv_cache(kv_cache, args.model_id)
+            pools[name] = _Pool(POOL_SIZE * num_blocks, num_blocks, args.block_size, 2, pattern)
             address = (
                 "tcp://127.0.0.1:0"
                 if transport == "tcp"
                 else f"ipc://{tempfile.gettempdir()}/kv-bench-{os.getpid()}-{pattern}.sock"
             )
-            receivers[f"{transport}/{pattern}"] = KVReceiver(address, kv_cache, layout, pool, timeout_s=30.0)
+            receivers[name] = KVReceiver(address, kv_cache, layout, pools[name], timeout_s=30.0)
     last_block_ids: dict[str, list[int]] = {}
     stop = threading.Event()
 
     def engine_loop() -> None:  # what a decode engine's step loop does with the receivers
         while not stop.is_set():
             for name, receiver in receivers.items():
-                pool = pools[name.split("/")[1]]
                 for result in receiver.poll():
                     if result.ok:
                         last_block_ids[name] = result.block_ids
-                        pool.release_transfer(result.request_id)  # the "engine" is done with them
+                        pools[name].release_transfer(result.request_id)  # the "engine" is done
             time.sleep(_POLL_S)
 
     context = zmq.Context()
@@ -191,10 +194,7 @@ def _serve(conn: Connection, args_json: str) -> None:
         if op == "cpu":
             conn.send_bytes(json.dumps(_cpu_s()).encode())
         elif op == "checksums":  # blocks keep their data after release; nothing overwrites them here
-            sums = {
-                n: float(caches[n.split("/")[1]][:, :, ids].double().sum())
-                for n, ids in last_block_ids.items()
-            }
+            sums = {n: _block_sums(caches[n], ids) for n, ids in last_block_ids.items()}
             conn.send_bytes(json.dumps(sums).encode())
         else:
             stop.set()
@@ -390,9 +390,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_serve, args=(child, json.dumps(vars(args))), daemon=True)
-    args.receiver_env = {} if args.glibc_defaults else tuned_env(os.environ)
+    args.receiver_env = {"GLIBC_TUNABLES": ""} if args.glibc_defaults else tuned_env(os.environ)
     with _environ(args.receiver_env):  # read by the C library when the child starts
         proc.start()
+    paths = None
     try:
         addresses = json.loads(parent.recv_bytes())
         args.receiver_tunables = addresses.pop("glibc_tunables")
@@ -404,13 +405,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         sums = json.loads(parent.recv_bytes())
         checks = {}
         for pattern in patterns:
-            expected = float(paths.kv_cache[:, :, paths.block_ids[pattern]].double().sum())
+            expected = torch.tensor(_block_sums(paths.kv_cache, paths.block_ids[pattern]), dtype=torch.float64)
             for t in transports:
-                got = sums.get(f"{t}/{pattern}", 0.0)
-                checks[f"{t}/{pattern}"] = abs(got - expected) <= 1e-6 * max(1.0, abs(expected))
-        paths.close()
-        parent.send_bytes(b"exit")
-    finally:
+                got = torch.tensor(sums.get(f"{t}/{pattern}", []), dtype=torch.float64)
+                checks[f"{t}/{pattern}"] = got.shape == expected.shape and torch.allclose(got, expected)
+    finally:  # on any error too: the sender's thread and the child must not outlive this call
+        if paths is not None:
+            paths.close()
+        with contextlib.suppress(OSError):
+            parent.send_bytes(b"exit")
         proc.join(10)
         if proc.is_alive():
             proc.kill()

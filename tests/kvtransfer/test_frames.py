@@ -180,7 +180,7 @@ def _moved(
         max_frame_layers,
         layout.bytes_per_block_layer,
         1 << 30,
-        packer.frame_cuts(send_ids, max_frame_layers),
+        packer.frame_cuts(send_ids, max_frame_layers, 1 << 30),
     )
     for spec in specs:
         frame = packer.pack(spec, send_ids)
@@ -235,8 +235,24 @@ def test_runs_whose_frames_would_carry_little_are_packed_with_their_neighbours()
     ]
     frames, _ = _moved(src_ids, list(range(23)), 4, min_run_frame_bytes=1 << 20)
     assert [(f.spec.num_blocks, f.zero_copy) for f in frames] == [(23, False)]  # one packed frame
+    # Groups of 3 layers leave a last group of 1 (4 layers): there the run of 10 would make a
+    # 160 KiB frame, below 400 KiB, so it is not cut out, although its 3-layer frames hold 480 KiB.
+    frames, _ = _moved(src_ids, list(range(23)), 3, min_run_frame_bytes=400 << 10)
+    assert [(f.spec.num_blocks, f.zero_copy) for f in frames] == [(23, False), (23, False)]
 
 
 def test_short_runs_are_packed() -> None:
     frames, _ = _moved([*range(10, 17), 30], [*range(0, 8)], 4)  # a run of 7 < 8 blocks
     assert [f.zero_copy for f in frames] == [False]
+
+
+def test_byte_copies_fall_back_to_torch_where_rows_are_not_contiguous() -> None:
+    from kvtransfer.packing import _copy
+
+    src = torch.randn(4, 6, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    dst = torch.zeros(6, 4, dtype=torch.bfloat16).t()  # a last stride of 4: no byte view of it
+    _copy(dst, src)
+    assert torch.equal(dst, src)
+    rows = torch.zeros(8, 6, dtype=torch.bfloat16)
+    _copy(rows[::2], src)  # rows apart, each contiguous: copied as bytes
+    assert torch.equal(rows[::2], src) and not rows[1::2].any()

@@ -21,9 +21,10 @@ LOADER = pathlib.Path("/lib64/ld-linux-x86-64.so.2")
 )
 def test_glibc_reads_every_setting_in_a_child_started_with_them() -> None:
     def effective(env: dict[str, str]) -> dict[str, int]:
-        out = subprocess.run(
-            [str(LOADER), "--list-tunables"], env=env, capture_output=True, text=True, check=True
-        ).stdout
+        listed = subprocess.run([str(LOADER), "--list-tunables"], env=env, capture_output=True, text=True)
+        if listed.returncode != 0:
+            pytest.skip("this glibc's loader cannot list tunables (glibc < 2.33)")
+        out = listed.stdout
         values = dict(re.findall(r"^(glibc\.[\w.]+): (\w+)", out, re.M))
         return {name: int(values[name], 0) for name in TUNABLES}
 
@@ -37,6 +38,9 @@ def test_the_users_own_tunables_come_first_and_win() -> None:
     env = tuned_env({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=7"})["GLIBC_TUNABLES"]
     assert env.startswith("glibc.malloc.trim_threshold=7:")
     assert env.count("glibc.malloc.trim_threshold") == 1
+    # Set through glibc's older variables: left alone too (the tunable would override them).
+    env = tuned_env({"MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "7"})["GLIBC_TUNABLES"]
+    assert env == "glibc.cpu.x86_non_temporal_threshold=" + TUNABLES["glibc.cpu.x86_non_temporal_threshold"]
     assert tuned_env({}) == {"GLIBC_TUNABLES": ":".join(f"{k}={v}" for k, v in TUNABLES.items())}
 
 

@@ -35,6 +35,11 @@ class FrameSpec(NamedTuple):
     num_blocks: int
 
 
+def layer_group(num_layers: int, layers_per_frame: int, bytes_per_block_layer: int, max_frame_bytes: int) -> int:
+    """Layers per frame in ``plan_frames``: as asked, within the model and the frame limit."""
+    return max(1, min(layers_per_frame, num_layers, max_frame_bytes // bytes_per_block_layer))
+
+
 def plan_frames(
     num_layers: int,
     num_blocks: int,
@@ -51,7 +56,7 @@ def plan_frames(
         return []
     if bytes_per_block_layer > max_frame_bytes:
         raise ValueError(f"one block of one layer ({bytes_per_block_layer} B) exceeds the frame limit")
-    group = max(1, min(layers_per_frame, num_layers, max_frame_bytes // bytes_per_block_layer))
+    group = layer_group(num_layers, layers_per_frame, bytes_per_block_layer, max_frame_bytes)
     bounds = [0, *(c for c in cuts if 0 < c < num_blocks), num_blocks]
     frames = []
     for layer_start in range(0, num_layers, group):

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from kernels import get_kernels
-from kvtransfer.frames import BlockRuns, FrameSpec
+from kvtransfer.frames import BlockRuns, FrameSpec, layer_group
 from kvtransfer.layout import KVLayout
 from kvtransfer.staging import StagingPool
 
@@ -118,7 +118,7 @@ class BlockPacker(_CacheSide):
         if self.is_cuda:
             return []
         num_layers = self.layout.num_layers
-        group = max(1, min(layers_per_frame, num_layers, max_frame_bytes // self.bytes_per_block_layer))
+        group = layer_group(num_layers, layers_per_frame, self.bytes_per_block_layer, max_frame_bytes)
         per_block = min(group, num_layers % group or group) * self.bytes_per_block_layer
         min_length = max(self.min_zero_copy_blocks, -(-self.min_run_frame_bytes // per_block))
         return block_ids.runs.cuts_around_runs(min_length)

@@ -40,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -54,6 +54,7 @@ from common.sampling_params import SamplingParams
 from kvtransfer import Allocation, KVLayout, KVReceiver, KVSender
 from kvtransfer.frames import auto_layers_per_frame
 from kvtransfer.sender import DEFAULT_LAYERS_PER_FRAME
+from ops.bench.environ import child_env
 
 _POLL_S = 0.001  # the engine-loop poll interval on both sides (a real engine step is longer)
 
@@ -109,8 +110,8 @@ class _Pool:
     pool that is not fragmented), ``recycled`` (as the engine's pool does after traffic, see
     ``_recycled_ids``) or ``scattered`` (a random permutation: the worst case)."""
 
-    def __init__(self, num_pool_blocks: int, num_blocks: int, block_size: int, seed: int, pattern: str) -> None:
-        self.ids = _block_ids(pattern, num_pool_blocks, num_blocks, block_size, seed)
+    def __init__(self, ids: list[int], block_size: int) -> None:
+        self.ids = ids
         self.block_size = block_size
 
     def allocate_for_transfer(
@@ -149,11 +150,12 @@ def _serve(conn: Connection, args_json: str) -> None:
     pools: dict[str, _Pool] = {}
     receivers: dict[str, KVReceiver] = {}
     for pattern in args.block_id_patterns:
+        ids = _block_ids(pattern, POOL_SIZE * num_blocks, num_blocks, args.block_size, seed=2)
         for transport in args.transport_list:  # a cache each: what one receiver wrote stays checkable
             name = f"{transport}/{pattern}"
             kv_cache = caches[name] = _kv_cache(args, POOL_SIZE * num_blocks, seed=1)
             layout = KVLayout.from_kv_cache(kv_cache, args.model_id)
-            pools[name] = _Pool(POOL_SIZE * num_blocks, num_blocks, args.block_size, 2, pattern)
+            pools[name] = _Pool(ids, args.block_size)
             address = (
                 "tcp://127.0.0.1:0"
                 if transport == "tcp"
@@ -391,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_serve, args=(child, json.dumps(vars(args))), daemon=True)
     args.receiver_env = {"GLIBC_TUNABLES": ""} if args.glibc_defaults else tuned_env(os.environ)
-    with _environ(args.receiver_env):  # read by the C library when the child starts
+    with child_env(args.receiver_env):  # read by the C library when the child starts
         proc.start()
     paths = None
     try:
@@ -418,20 +420,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if proc.is_alive():
             proc.kill()
     return _report(args, times, cpu, checks, load_before)
-
-
-@contextlib.contextmanager
-def _environ(extra: dict[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _report(

@@ -10,17 +10,15 @@ and their engines found through the Redis registry, whose entries carry each ``m
 from __future__ import annotations
 
 import contextlib
-import os
 import tempfile
 import threading
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from types import TracebackType
 
 import httpx
 
 from common.registry import Registry
+from ops.bench.environ import child_env
 from ops.launcher import ChildExited, Launcher, build_parser, free_port
 
 
@@ -72,11 +70,11 @@ class LaunchedStack:
         self.name = name
         self.num_threads = num_threads
         self.spec = STACKS[name]
-        self.ready_timeout_s = ready_timeout_s
         self._logs = tempfile.TemporaryDirectory(prefix=f"pdserve-bench-{name}-")
         argv = [
             "--prefill", str(self.spec.num_prefill), "--decode", str(self.spec.num_decode), "--model", model,
             "--port", str(free_port()), "--log-dir", self._logs.name, "--grace-period", "15",
+            "--ready-timeout", str(ready_timeout_s),
             *engine_args, *self.spec.engine_flags,
         ]
         args, engine_extra = build_parser().parse_known_args(argv)
@@ -92,7 +90,9 @@ class LaunchedStack:
         try:
             self.redis_url = self.launcher.start_redis()
             self.launcher.args.redis_url = self.redis_url
-            with _thread_env(self.num_threads):
+            # Children inherit OMP_NUM_THREADS (torch's intra-op threads).
+            threads = {} if self.num_threads is None else {"OMP_NUM_THREADS": str(self.num_threads)}
+            with child_env(threads):
                 self.launcher.start_all(self.model)
             self._wait_ready()
         except BaseException:
@@ -109,39 +109,15 @@ class LaunchedStack:
 
     def _wait_ready(self) -> None:
         """Until the router lists every instance of the stack (``/ready`` is 200 from the first decode one)."""
-        deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            try:
-                self.launcher.check_children()
-            except ChildExited as exc:
-                raise RuntimeError(f"{exc}\n{exc.child.log_tail()}") from None
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                body = httpx.get(f"{self.url}/ready", timeout=2).json()
-                if body.get("prefill", 0) >= self.spec.num_prefill and body.get("decode", 0) >= self.spec.num_decode:
-                    return
-            time.sleep(0.5)
-        tails = "\n".join(f"--- {c.name}\n{c.log_tail(1500)}" for c in self.launcher.children)
-        raise TimeoutError(f"stack {self.name} not ready after {self.ready_timeout_s:.0f}s\n{tails}")
+        try:
+            self.launcher.wait_ready()
+        except ChildExited as exc:
+            raise RuntimeError(f"{exc}\n{exc.child.log_tail()}") from None
+        except TimeoutError as exc:
+            raise TimeoutError(f"stack {self.name}: {exc}\n{self.log_tails()}") from None
 
     def log_tails(self) -> str:
         return "\n".join(f"--- {c.name}\n{c.log_tail(1500)}" for c in self.launcher.children)
-
-
-@contextlib.contextmanager
-def _thread_env(num_threads: int | None) -> Iterator[None]:
-    """Children started inside inherit ``OMP_NUM_THREADS`` (torch's intra-op threads), nothing else."""
-    if num_threads is None:
-        yield
-        return
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(num_threads)
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
 
 
 def engine_metrics_urls(redis_url: str, role: str | None = None) -> dict[str, str]:

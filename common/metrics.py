@@ -36,6 +36,9 @@ class EngineMetrics:
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.kv_transfer_bytes = counter("kv_transfer_bytes", "KV bytes moved by transfers")
         self.kv_transfer_failures = counter("kv_transfer_failures", "KV transfers that failed")
+        self.kv_integrity_errors = counter(
+            "kv_integrity_errors", "Idle-time KV pool checks that found leaked or miscounted blocks"
+        )
         self.kv_transfer_seconds = histogram("kv_transfer_seconds", "Duration of KV transfers")
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first schedule")
         self.prefill_time = histogram("request_prefill_time_seconds", "First schedule to first token")

@@ -42,6 +42,10 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     cache_salt: str | None = None
     decode_target: DecodeTarget | None = None
     arrival_time: float = 0.0
+    # A request continued after its instance was lost: the tokens it already produced (and the
+    # client already has). The engine resumes after them as after a preemption: ``max_tokens``,
+    # ``min_tokens``, penalties and a seed's draws count them, so the output is the uninterrupted one.
+    output_token_ids: TokenIds = msgspec.field(default_factory=list)
 
 
 class AbortRequest(msgspec.Struct, tag="abort", kw_only=True):
@@ -49,6 +53,27 @@ class AbortRequest(msgspec.Struct, tag="abort", kw_only=True):
 
     version: int = PROTOCOL_VERSION
     request_id: RequestId
+
+
+class RouterHeartbeat(msgspec.Struct, tag="router_heartbeat", kw_only=True):
+    """Router -> engine, every second: the router at ``reply_to`` is alive (its lease is renewed).
+
+    An engine that hears nothing from a router for its lease time aborts that router's requests."""
+
+    version: int = PROTOCOL_VERSION
+    reply_to: Annotated[str, msgspec.Meta(max_length=512)]
+
+
+class EngineProgress(msgspec.Struct, tag="progress", kw_only=True):
+    """Engine -> router, from the step loop about every half second: the engine is not stuck.
+
+    ``num_steps`` counts finished engine steps; a router that stops hearing this from an instance
+    holding its requests takes it for dead and continues them elsewhere."""
+
+    version: int = PROTOCOL_VERSION
+    instance_id: RequestId
+    num_steps: int = 0
+    draining: bool = False
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -78,6 +103,9 @@ class RequestOutput(msgspec.Struct, tag="output", kw_only=True):
     instance_id: str = ""
     # Which phase sent it: "prefill" sends only the first token; "decode" everything after it.
     phase: Literal["prefill", "decode", "full"] = "full"
+    # With ``finish_reason="error"``: the instance failed the request (it died, drains, or lost the
+    # KV transfer), not the request itself; the router continues it on another instance.
+    retryable: bool = False
 
 
 class TransferMeta(msgspec.Struct, tag="transfer_meta", kw_only=True):
@@ -90,11 +118,12 @@ class TransferMeta(msgspec.Struct, tag="transfer_meta", kw_only=True):
     num_cached_tokens: int = 0
 
 
-EngineInput = GenerateRequest | AbortRequest
+EngineInput = GenerateRequest | AbortRequest | RouterHeartbeat
+EngineMessage = RequestOutput | EngineProgress
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(EngineInput)
-_output_decoder = msgspec.msgpack.Decoder(RequestOutput)
+_output_decoder = msgspec.msgpack.Decoder(EngineMessage)
 _meta_decoder = msgspec.msgpack.Decoder(TransferMeta)
 
 
@@ -133,7 +162,7 @@ def decode_input(raw: bytes) -> EngineInput:
     return _decode(_input_decoder, raw, "engine input")  # type: ignore[no-any-return]
 
 
-def decode_output(raw: bytes) -> RequestOutput:
+def decode_output(raw: bytes) -> EngineMessage:
     return _decode(_output_decoder, raw, "engine output")  # type: ignore[no-any-return]
 
 

@@ -46,6 +46,9 @@ class InstanceInfo(msgspec.Struct, kw_only=True):
     num_requests_running: int = 0
     num_requests_waiting: int = 0
     kv_cache_usage_perc: float = 0.0  # fraction in [0, 1], as vLLM reports it
+    num_blocks: int = 0  # the KV pool's size
+    num_blocks_in_use: int = 0  # held by requests or transfers (cached, evictable blocks are free)
+    draining: bool = False  # SIGTERM received: finishing what it holds, taking nothing new
     started_at: float = 0.0
 
 
@@ -297,6 +300,7 @@ class HeartbeatThread(threading.Thread):
         self.on_reconnect = on_reconnect
         self._beats = 0
         self._stop_event = threading.Event()
+        self._wake = threading.Event()
         self._last: InstanceInfo | None = None
 
     def run(self) -> None:
@@ -310,10 +314,16 @@ class HeartbeatThread(threading.Thread):
                     self._beats += 1
             except Exception:  # a bad info_fn must not kill the heartbeat
                 logger.exception("heartbeat failed")
-            self._stop_event.wait(self.interval_s)
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+
+    def beat_now(self) -> None:
+        """Publish fresh info without waiting for the interval (e.g. the instance began draining)."""
+        self._wake.set()
 
     def stop(self, deregister: bool = True, timeout_s: float = 2.0) -> None:
         self._stop_event.set()
+        self._wake.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout_s)
         if deregister and self._last is not None:

@@ -1,7 +1,16 @@
-"""What the prefill and decode services share: sockets, registry heartbeat, metrics, the loop.
+"""What the prefill and decode services share: sockets, request records, leases, drain, the loop.
 
 The loop never blocks while the engine has work: it drains the control socket without waiting,
 polls transfers, then runs one engine step. Idle, it waits on the control socket a few ms.
+
+Who notices a failure:
+- the router, when this process dies or stalls: ``EngineProgress`` from this loop stops (a stuck
+  step stops it too, unlike the registry heartbeat, which runs on its own thread);
+- this process, when a router dies: each router renews a lease (``RouterHeartbeat``); when it
+  lapses, that router's requests are aborted and their blocks freed;
+- on SIGTERM the service drains: it takes no new request (those get a retryable error, so the
+  router sends them elsewhere), finishes what it holds within ``--drain-timeout``, hands back
+  the rest with a retryable error (the router continues them elsewhere), then exits.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -23,9 +33,11 @@ from common.metrics import EngineMetrics
 from common.protocol import (
     MAX_MESSAGE_BYTES,
     AbortRequest,
+    EngineProgress,
     GenerateRequest,
     ProtocolError,
     RequestOutput,
+    RouterHeartbeat,
     decode_input,
     encode,
 )
@@ -35,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 5
 _OUTPUT_HWM = 100_000
+PROGRESS_INTERVAL_S = 0.5
+
+Phase = str  # "prefill" | "decode" | "full", as in ``RequestOutput.phase``
 
 
 def add_service_args(parser: argparse.ArgumentParser, role: str) -> None:
@@ -46,10 +61,28 @@ def add_service_args(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     parser.add_argument("--instance-id", default=f"{role}-{uuid.uuid4().hex[:8]}")
     parser.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds before a stalled transfer fails")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds to finish held requests before handing them back")
+    parser.add_argument("--router-lease-timeout", type=float, default=10.0,
+                        help="seconds without word from a router before its requests are aborted")
     parser.add_argument("--log-level", default="INFO")
 
 
+@dataclass
+class RequestRecord:
+    """What the service keeps per request beside the engine: where outputs go, in which phase."""
+
+    request: GenerateRequest
+    phase: Phase
+
+    @property
+    def reply_to(self) -> str:
+        return self.request.reply_to
+
+
 class EngineService:
+    """The loop around one ``LLMEngine``. Subclasses implement ``admit`` and the transfer hooks."""
+
     role = "engine"
 
     def __init__(self, args: argparse.Namespace) -> None:
@@ -67,16 +100,23 @@ class EngineService:
             self.control.bind(f"tcp://{args.host}:*")
         self.control_address = self.control.getsockopt_string(zmq.LAST_ENDPOINT)
         self._outputs: dict[str, zmq.Socket] = {}
-        self.reply_to: dict[str, str] = {}
-        self.phase: dict[str, str] = {}
+        self.records: dict[str, RequestRecord] = {}
+        self.routers: dict[str, float] = {}  # reply address -> when it was last heard from
         self.metrics = EngineMetrics(self.role, self.instance_id)
         self.metrics.serve(args.host, args.metrics_port)
         self.registry = Registry(args.redis_url)
         self.prefix_index = PrefixIndex(args.redis_url)
         self.kv_address = ""
         self._stop = threading.Event()
+        self._drain_requested = threading.Event()
+        self.drain_deadline: float | None = None
+        self.num_steps = 0
         self._started_at = time.time()
         self.heartbeat: HeartbeatThread | None = None
+
+    @property
+    def draining(self) -> bool:
+        return self.drain_deadline is not None
 
     # ------------------------------------------------------------ identity
     def info(self) -> InstanceInfo:
@@ -87,15 +127,14 @@ class EngineService:
             control_address=self.control_address, kv_address=self.kv_address, metrics_url=metrics_url,
             block_size=self.engine.block_size, max_model_len=self.engine.max_model_len,
             num_requests_running=stats.num_requests_running, num_requests_waiting=stats.num_requests_waiting,
-            kv_cache_usage_perc=stats.kv_cache_usage_perc, started_at=self._started_at,
+            kv_cache_usage_perc=stats.kv_cache_usage_perc, num_blocks=stats.num_blocks,
+            num_blocks_in_use=stats.num_blocks - stats.num_free_blocks, draining=self.draining,
+            started_at=self._started_at,
         )
 
     # ------------------------------------------------------------ outputs
-    def send_output(self, request_id: str, out: RequestOutput) -> None:
-        """Send to the router that owns the request; drops (and logs) if it cannot take it now."""
-        address = self.reply_to.get(request_id)
-        if address is None:
-            return
+    def _send(self, address: str, msg: Any) -> None:
+        """Send to a router without blocking; drops (and logs) if it cannot take it now."""
         sock = self._outputs.get(address)
         if sock is None:
             sock = self.ctx.socket(zmq.PUSH)
@@ -104,14 +143,24 @@ class EngineService:
             sock.connect(address)
             self._outputs[address] = sock
         try:
-            sock.send(encode(out), zmq.NOBLOCK)
+            sock.send(encode(msg), zmq.NOBLOCK)
         except zmq.Again:
-            logger.warning("router %s is not taking outputs; dropped one for %s", address, request_id)
-        if out.finish_reason is not None:
-            self.reply_to.pop(request_id, None)
-            self.phase.pop(request_id, None)
+            logger.warning("router %s is not taking outputs; dropped a message", address)
 
-    def to_wire(self, out: EngineOutput, phase: str) -> RequestOutput:
+    def send_output(self, request_id: str, out: RequestOutput) -> None:
+        """Send to the router that owns the request; a finished request's record is forgotten."""
+        record = self.records.get(request_id)
+        if record is None:
+            return
+        self._send(record.reply_to, out)
+        if out.finish_reason is not None:
+            self.forget(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Drop the service's record of a request (its outputs go nowhere now); may be called twice."""
+        self.records.pop(request_id, None)
+
+    def to_wire(self, out: EngineOutput, phase: Phase) -> RequestOutput:
         return RequestOutput(
             request_id=out.request_id, new_token_ids=out.new_token_ids, logprobs=out.logprobs,
             finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,  # type: ignore[arg-type]
@@ -119,20 +168,57 @@ class EngineService:
             phase=phase,  # type: ignore[arg-type]
         )
 
-    def fail(self, request_id: str, reply_to: str, error: str, phase: str = "full") -> None:
-        self.reply_to.setdefault(request_id, reply_to)
-        self.send_output(request_id, RequestOutput(
+    def error_output(self, request_id: str, error: str, phase: Phase, *, retryable: bool = False) -> RequestOutput:
+        return RequestOutput(
             request_id=request_id, new_token_ids=[], finish_reason="error", error=error,
-            instance_id=self.instance_id, phase=phase,  # type: ignore[arg-type]
-        ))
+            instance_id=self.instance_id, phase=phase, retryable=retryable,  # type: ignore[arg-type]
+        )
 
-    # ------------------------------------------------------------ hooks
-    def on_generate(self, msg: GenerateRequest) -> None:
+    def reject(self, msg: GenerateRequest, error: str, *, retryable: bool = False) -> None:
+        """Answer a request this service did not take; the records (another request's, for a
+        duplicate id) are left alone."""
+        self._send(msg.reply_to, self.error_output(msg.request_id, error, self.phase_of(msg), retryable=retryable))
+
+    def fail(self, request_id: str, error: str, *, retryable: bool = False) -> None:
+        """End a held request with an error: abort it here (blocks freed) and tell its router."""
+        record = self.records.get(request_id)
+        self.on_abort(request_id)
+        if record is not None:
+            self._send(record.reply_to, self.error_output(request_id, error, record.phase, retryable=retryable))
+
+    # ------------------------------------------------------------ requests in
+    def phase_of(self, msg: GenerateRequest) -> Phase:
+        return "full"
+
+    def admit(self, msg: GenerateRequest) -> None:
+        """Hand a new request to the engine; raises ``ValueError`` (nothing held) when it is bad."""
         raise NotImplementedError
 
-    def on_abort(self, request_id: str) -> None:
-        self.engine.abort_request(request_id)
+    def on_generate(self, msg: GenerateRequest) -> None:
+        self.heard_from(msg.reply_to)
+        if self.draining:
+            self.reject(msg, f"instance {self.instance_id} is draining", retryable=True)
+            return
+        if msg.request_id in self.records or self.engine.knows(msg.request_id):
+            self.reject(msg, f"duplicate request_id {msg.request_id!r}")
+            return
+        try:
+            self.admit(msg)
+        except ValueError as exc:
+            self.reject(msg, str(exc))
+            return
+        self.records[msg.request_id] = RequestRecord(msg, self.phase_of(msg))
 
+    def on_abort(self, request_id: str) -> None:
+        """Drop the request wherever it is here and free its blocks; unknown ids are ignored."""
+        self.engine.abort_request(request_id)
+        self.forget(request_id)
+
+    def heard_from(self, reply_to: str) -> None:
+        """A router's lease is renewed by anything it sends."""
+        self.routers[reply_to] = time.monotonic()
+
+    # ------------------------------------------------------------ hooks
     def on_outputs(self, outputs: list[EngineOutput]) -> None:
         raise NotImplementedError
 
@@ -141,7 +227,8 @@ class EngineService:
         return False
 
     def busy(self) -> bool:
-        return self.engine.has_unfinished_requests()
+        """Holds anything: requests, or transfers in either direction."""
+        return self.engine.has_unfinished_requests() or bool(self.records)
 
     def close(self) -> None:
         pass
@@ -160,10 +247,74 @@ class EngineService:
             except ProtocolError as exc:
                 logger.warning("dropped a bad control message: %s", exc)
                 continue
-            if isinstance(msg, AbortRequest):
-                self.on_abort(msg.request_id)
+            try:
+                if isinstance(msg, AbortRequest):
+                    self.on_abort(msg.request_id)
+                elif isinstance(msg, RouterHeartbeat):
+                    self.heard_from(msg.reply_to)
+                else:
+                    self.on_generate(msg)
+            except Exception:  # one message's failure fails that message, never the engine
+                logger.exception("handling a %s failed", type(msg).__name__)
+                if isinstance(msg, GenerateRequest):
+                    self.fail(msg.request_id, "internal error while admitting the request")
+
+    def _step(self) -> None:
+        """One engine step; an exception fails the requests in the engine, not the process."""
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            logger.exception("engine step failed; failing the requests it held")
+            for request_id in self.engine.unfinished_request_ids():
+                self.fail(request_id, "internal engine error")
+            return
+        self.num_steps += 1
+        self._observe(outputs)
+        try:
+            self.on_outputs(outputs)
+        except Exception:
+            logger.exception("handling step outputs failed; failing those requests")
+            for out in outputs:
+                self.fail(out.request_id, "internal engine error")
+
+    def _tick(self) -> None:
+        """About twice a second: progress to every leased router, expired leases, drain deadline."""
+        now = time.monotonic()
+        progress = EngineProgress(instance_id=self.instance_id, num_steps=self.num_steps, draining=self.draining)
+        for address, last in list(self.routers.items()):
+            if now - last > self.args.router_lease_timeout:
+                self._expire_router(address)
             else:
-                self.on_generate(msg)
+                self._send(address, progress)
+        if self.drain_deadline is not None and now > self.drain_deadline:
+            held = list(self.records)
+            logger.warning("drain timeout: handing %d requests back to their routers", len(held))
+            for request_id in held:
+                self.fail(request_id, f"instance {self.instance_id} drained", retryable=True)
+            self.drain_deadline = now  # nothing may be left: stop now
+            self._stop.set()
+
+    def _expire_router(self, address: str) -> None:
+        orphans = [rid for rid, record in self.records.items() if record.reply_to == address]
+        if orphans:
+            logger.warning("router %s went silent; aborting its %d requests", address, len(orphans))
+        for request_id in orphans:
+            self.on_abort(request_id)
+        del self.routers[address]
+        sock = self._outputs.pop(address, None)
+        if sock is not None:
+            sock.close(0)
+
+    def _check_idle_pool(self) -> None:
+        """With nothing held, every block must be back in the pool: check it once per idle period."""
+        try:
+            self.engine.check_integrity()
+            in_use = self.engine.kv.pool.num_used_blocks
+            if in_use:
+                raise AssertionError(f"{in_use} blocks in use with no request held")
+        except AssertionError as exc:
+            self.metrics.kv_integrity_errors.inc()
+            logger.error("KV pool integrity check failed while idle: %s", exc)
 
     def _publish_prefix_events(self) -> None:
         if self._republish.is_set():
@@ -204,7 +355,18 @@ class EngineService:
                 self.metrics.prefill_time.observe(out.prefill_time)
 
     def stop(self, *_: Any) -> None:
-        self._stop.set()
+        """First call (SIGTERM, Ctrl-C): drain. A second one: stop now."""
+        if self._drain_requested.is_set():
+            self._stop.set()
+        self._drain_requested.set()
+
+    def _start_drain(self) -> None:
+        self.drain_deadline = time.monotonic() + self.args.drain_timeout
+        logger.info(
+            "%s draining: %d requests held, up to %.0fs", self.instance_id, len(self.records), self.args.drain_timeout
+        )
+        if self.heartbeat is not None:
+            self.heartbeat.beat_now()  # routers see ``draining`` and stop routing here
 
     def run(self) -> None:
         self._prefix_queue: list[tuple[list[bytes], list[bytes], bool]] = []
@@ -218,21 +380,31 @@ class EngineService:
             signal.signal(signal.SIGTERM, self.stop)
             signal.signal(signal.SIGINT, self.stop)
         logger.info("%s %s ready: control %s kv %s", self.role, self.instance_id, self.control_address, self.kv_address)
-        last_metrics = 0.0
+        last_metrics = last_tick = 0.0
+        was_busy = True
         try:
             while not self._stop.is_set():
                 busy = self.busy()
                 self._drain_control(0 if busy else _IDLE_POLL_MS)
                 self.poll_transfers()
                 if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
-                    self._observe(outputs)
-                    self.on_outputs(outputs)
+                    self._step()
                 self._publish_prefix_events()
                 now = time.monotonic()
+                if now - last_tick >= PROGRESS_INTERVAL_S:
+                    self._tick()
+                    last_tick = now
                 if now - last_metrics > 0.5:
                     self.metrics.update(self.engine.stats())
                     last_metrics = now
+                if busy != was_busy and not busy:
+                    self._check_idle_pool()
+                was_busy = busy
+                if self._drain_requested.is_set() and not self.draining:
+                    self._start_drain()
+                if self.draining and not self.busy():
+                    logger.info("%s drained", self.instance_id)
+                    break
         finally:
             self.heartbeat.stop(deregister=True)
             self.prefix_index.clear_instance(self.instance_id)
@@ -247,7 +419,7 @@ def configure_logging(level: str) -> None:
 
 
 def service_main(role: str, factory: Callable[[argparse.Namespace], EngineService], argv: list[str] | None) -> int:
-    """Parse the service flags, build the service and run its loop until SIGTERM/SIGINT."""
+    """Parse the service flags, build the service and run its loop until it drained (SIGTERM)."""
     parser = argparse.ArgumentParser(prog=f"pdserve {role}", description=f"run one {role} instance")
     add_service_args(parser, role)
     args = parser.parse_args(argv)

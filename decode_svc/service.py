@@ -13,12 +13,13 @@ import logging
 
 from common.engine.engine import EngineOutput
 from common.kvcache.hashing import BlockHash
-from common.protocol import GenerateRequest, ProtocolError, decode_transfer_meta
-from common.service import EngineService
+from common.protocol import GenerateRequest, ProtocolError, TransferMeta, decode_transfer_meta
+from common.service import EngineService, RequestRecord
 from kvtransfer.block_allocator import Allocation
 from kvtransfer.curve import CurveConfig
 from kvtransfer.layout import KVLayout
 from kvtransfer.receiver import KVReceiver
+from kvtransfer.transfer_state import ABORTED
 
 logger = logging.getLogger(__name__)
 
@@ -49,62 +50,79 @@ class DecodeService(EngineService):
         self.engine.kv.free(request_id)
 
     # ------------------------------------------------------------ requests
-    def on_generate(self, msg: GenerateRequest) -> None:
-        try:
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params, cache_salt=msg.cache_salt)
-        except ValueError as exc:
-            self.fail(msg.request_id, msg.reply_to, str(exc))
-            return
-        self.reply_to[msg.request_id] = msg.reply_to
-        self.phase[msg.request_id] = "full"
+    def admit(self, msg: GenerateRequest) -> None:
+        self.engine.add_request(
+            msg.request_id, msg.prompt_token_ids, msg.sampling_params, cache_salt=msg.cache_salt,
+            output_token_ids=msg.output_token_ids,
+        )
 
     def on_abort(self, request_id: str) -> None:
         """Drops it wherever it is: running here, landing (the receiver frees), or not yet offered
         (the receiver refuses the offer when it comes)."""
-        self.engine.abort_request(request_id)
+        super().on_abort(request_id)
         self.receiver.abort(request_id)
-        self.reply_to.pop(request_id, None)
-        self.phase.pop(request_id, None)
 
     def on_outputs(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
-            if out.finish_reason == "abort":
-                continue
-            self.send_output(out.request_id, self.to_wire(out, self.phase.get(out.request_id, "full")))
+            record = self.records.get(out.request_id)
+            if record is not None:
+                self.send_output(out.request_id, self.to_wire(out, record.phase))
 
     def poll_transfers(self) -> bool:
         results = self.receiver.poll()
         for res in results:
             self.metrics.kv_transfer_bytes.inc(res.bytes_received)
             self.metrics.kv_transfer_seconds.observe(res.seconds)
-            if not res.ok:
-                self.metrics.kv_transfer_failures.inc()
-                logger.warning("incoming KV for %s failed: %s", res.request_id, res.reason)
+            if res.ok:
+                self._admit_transferred(res.request_id, res.meta)
                 continue
-            self._admit(res.request_id, res.meta)
+            self.metrics.kv_transfer_failures.inc()
+            logger.warning("incoming KV for %s failed: %s", res.request_id, res.reason)
+            if res.reason != ABORTED:
+                self._report_lost_transfer(res.request_id, res.meta, res.reason or "unknown")
         return bool(results)
 
-    def _admit(self, request_id: str, raw_meta: bytes) -> None:
+    def _report_lost_transfer(self, request_id: str, raw_meta: bytes, reason: str) -> None:
+        """Tell the request's router at once (it continues the request elsewhere), not only the log."""
         try:
-            meta = decode_transfer_meta(raw_meta)
-            if meta.request.request_id != request_id:
-                raise ProtocolError("transfer meta names another request")
+            meta = self._checked_meta(request_id, raw_meta)
+        except ProtocolError:
+            return  # nobody to tell: the meta names no router we can trust
+        self._send(meta.request.reply_to, self.error_output(
+            request_id, f"KV transfer failed: {reason}", "decode", retryable=True
+        ))
+
+    @staticmethod
+    def _checked_meta(request_id: str, raw_meta: bytes) -> TransferMeta:
+        meta = decode_transfer_meta(raw_meta)
+        if meta.request.request_id != request_id:
+            raise ProtocolError("transfer meta names another request")
+        return meta
+
+    def _admit_transferred(self, request_id: str, raw_meta: bytes) -> None:
+        try:
+            meta = self._checked_meta(request_id, raw_meta)
         except ProtocolError as exc:
             logger.warning("dropping transfer %s: %s", request_id, exc)
             self.engine.kv.free(request_id)
             return
         msg = meta.request
         try:
+            self.engine.validate(msg.prompt_token_ids, msg.sampling_params, [*msg.output_token_ids, meta.first_token_id])
             self.engine.add_transferred_request(
                 request_id, msg.prompt_token_ids, meta.first_token_id, msg.sampling_params,
                 num_cached_tokens=meta.num_cached_tokens, cache_salt=msg.cache_salt,
+                output_token_ids=msg.output_token_ids,
             )
         except ValueError as exc:
             self.engine.kv.free(request_id)
-            self.fail(request_id, msg.reply_to, str(exc), "decode")
+            self.reject(msg, str(exc))
             return
-        self.reply_to[request_id] = msg.reply_to
-        self.phase[request_id] = "decode"
+        self.heard_from(msg.reply_to)
+        self.records[request_id] = RequestRecord(msg, "decode")
+
+    def busy(self) -> bool:
+        return super().busy() or self.receiver.num_in_flight > 0
 
     def close(self) -> None:
         self.receiver.close()

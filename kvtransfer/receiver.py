@@ -106,6 +106,12 @@ class KVReceiver:
         """Counters of rejected messages, layout mismatches, duplicates and refused connections."""
         return self._loop.stats
 
+    @property
+    def num_in_flight(self) -> int:
+        """Transfers offered and not yet ended: waiting for blocks, or landing."""
+        with self._table.lock:
+            return len(self._table.records) + len(self._table.offers) + len(self._waiting)
+
     def poll(self) -> list[TransferResult]:
         """Allocate for new offers, retry deferred ones, release failed ones; never blocks on I/O.
 

@@ -2,7 +2,8 @@
 
 Time to first token does not wait for the transfer: the first token leaves for the router the
 step it is sampled, then the request's blocks are handed to the KV sender and freed when the
-sender reports the transfer's end (success or failure).
+sender reports the transfer's end (success or failure). A failed transfer is reported to the
+router as retryable, so it continues the request (prompt + tokens streamed so far) elsewhere.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 import argparse
 import logging
 
-from common.engine.engine import EngineOutput
-from common.protocol import GenerateRequest, RequestOutput, TransferMeta, encode
-from common.service import EngineService
+from common.engine.engine import EngineOutput, KVHandoff
+from common.protocol import GenerateRequest, TransferMeta, encode
+from common.service import EngineService, Phase
 from kvtransfer.curve import CurveConfig
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender
+from kvtransfer.transfer_state import ABORTED
 
 logger = logging.getLogger(__name__)
 
@@ -30,79 +32,68 @@ class PrefillService(EngineService):
             self.engine.runner.kv_cache, layout, timeout_s=args.kv_transfer_timeout,
             curve=CurveConfig.from_env(), sender_id=self.instance_id,
         )
-        self.requests: dict[str, GenerateRequest] = {}
 
-    def on_generate(self, msg: GenerateRequest) -> None:
-        transfer = msg.decode_target is not None
-        try:
-            self.engine.add_request(
-                msg.request_id, msg.prompt_token_ids, msg.sampling_params, cache_salt=msg.cache_salt,
-                kv_transfer=transfer,
-            )
-        except ValueError as exc:
-            self.fail(msg.request_id, msg.reply_to, str(exc), "prefill" if transfer else "full")
-            return
-        self.reply_to[msg.request_id] = msg.reply_to
-        self.phase[msg.request_id] = "prefill" if transfer else "full"
-        self.requests[msg.request_id] = msg
+    def phase_of(self, msg: GenerateRequest) -> Phase:
+        return "prefill" if msg.decode_target is not None else "full"
+
+    def admit(self, msg: GenerateRequest) -> None:
+        self.engine.add_request(
+            msg.request_id, msg.prompt_token_ids, msg.sampling_params, cache_salt=msg.cache_salt,
+            kv_transfer=msg.decode_target is not None, output_token_ids=msg.output_token_ids,
+        )
 
     def on_abort(self, request_id: str) -> None:
-        self.engine.abort_request(request_id)
-        self.sender.abort(request_id)
-        self.requests.pop(request_id, None)
-        self.reply_to.pop(request_id, None)
+        super().on_abort(request_id)
+        self.sender.abort(request_id)  # its blocks come back when the sender reports the end
 
     def on_outputs(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
-            rid = out.request_id
-            msg = self.requests.get(rid)
-            phase = self.phase.get(rid, "full")
-            if out.finish_reason is not None or msg is None:
-                self.send_output(rid, self.to_wire(out, phase))
-                self.requests.pop(rid, None)
+            record = self.records.get(out.request_id)
+            if record is None:
                 continue
-            if not out.kv_ready:
-                self.send_output(rid, self.to_wire(out, phase))
+            if out.kv_handoff is None:
+                self.send_output(out.request_id, self.to_wire(out, record.phase))
                 continue
-            # First token now; the KV follows to the decode instance.
-            self.send_output(rid, self.to_wire(out, "prefill"))
-            assert msg.decode_target is not None
-            req = self.engine.transferring[rid]
-            num_tokens = req.num_prompt_tokens
-            meta = TransferMeta(
-                request=msg, first_token_id=out.new_token_ids[0],
-                first_logprobs=out.logprobs[0] if out.logprobs else None,
-                num_cached_tokens=out.num_cached_tokens,
-            )
-            block_ids = self.engine.kv.block_ids(rid)[: -(-num_tokens // self.engine.block_size)]
+            # First token now; the KV follows to the decode instance. The record stays until the
+            # transfer ends, so a failure still reaches the router.
+            self.send_output(out.request_id, self.to_wire(out, "prefill"))
+            self._send_kv(record.request, out, out.kv_handoff)
+
+    def _send_kv(self, msg: GenerateRequest, out: EngineOutput, handoff: KVHandoff) -> None:
+        assert msg.decode_target is not None
+        meta = TransferMeta(
+            request=msg, first_token_id=out.new_token_ids[0],
+            first_logprobs=out.logprobs[0] if out.logprobs else None,
+            num_cached_tokens=out.num_cached_tokens,
+        )
+        try:
             self.sender.send(
-                rid, msg.decode_target.kv_address, block_ids,
-                [bytes(h) for h in req.block_hashes[: num_tokens // self.engine.block_size]],
-                num_tokens, encode(meta),
+                msg.request_id, msg.decode_target.kv_address, handoff.block_ids,
+                [bytes(h) for h in handoff.block_hashes], handoff.num_tokens, encode(meta),
             )
+        except ValueError as exc:  # e.g. a decode target address the sender cannot use
+            self.engine.release_kv(msg.request_id)
+            self.fail(msg.request_id, f"KV transfer not started: {exc}")
 
     def poll_transfers(self) -> bool:
         results = self.sender.poll()
         for res in results:
             self.engine.release_kv(res.request_id)
-            msg = self.requests.pop(res.request_id, None)
             self.metrics.kv_transfer_bytes.inc(res.bytes_sent)
             self.metrics.kv_transfer_seconds.observe(res.seconds)
+            record = self.records.get(res.request_id)
             if not res.ok:
                 self.metrics.kv_transfer_failures.inc()
                 logger.warning("KV transfer of %s failed: %s", res.request_id, res.reason)
-                if msg is not None and res.reason != "aborted":
-                    self.send_output(res.request_id, RequestOutput(
-                        request_id=res.request_id, new_token_ids=[], finish_reason="error",
-                        error=f"KV transfer failed: {res.reason}", instance_id=self.instance_id,
-                        phase="prefill",
+                if record is not None and res.reason != ABORTED:
+                    self.send_output(res.request_id, self.error_output(
+                        res.request_id, f"KV transfer failed: {res.reason}", "prefill", retryable=True,
                     ))
-            self.reply_to.pop(res.request_id, None)
-            self.phase.pop(res.request_id, None)
+            self.forget(res.request_id)
         return bool(results)
 
     def busy(self) -> bool:
-        return super().busy() or bool(self.engine.transferring)
+        return super().busy() or self.engine.num_held_for_transfer > 0
 
     def close(self) -> None:
         self.sender.close()

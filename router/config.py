@@ -19,6 +19,9 @@ class RouterConfig:
     max_body_bytes: int = 8 << 20
     max_inflight: int = 1024  # HTTP requests being served at once; 0 means unlimited
     request_timeout_s: float = 120.0  # longest wait for the next output of an engine request
+    # An instance holding a request that sends no progress for this long is taken for dead and its
+    # requests continue elsewhere (longer than the slowest engine step).
+    engine_stall_timeout_s: float = 10.0
     reply_host: str = "127.0.0.1"  # the host engines use to reach the router's reply socket
     reply_port: int = 0  # 0: any free port
     # Prompts shorter than this go straight to a decode instance; 0 means "one block", -1 never.
@@ -34,3 +37,5 @@ class RouterConfig:
             raise ValueError("max_body_bytes must be at least 1024")
         if self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be positive")
+        if self.engine_stall_timeout_s <= 0:
+            raise ValueError("engine_stall_timeout_s must be positive")

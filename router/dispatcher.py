@@ -5,6 +5,11 @@ D; P answers with ``phase="prefill"`` (the first token), D with ``phase="decode"
 Direct: a short prompt (or no prefill instance alive) goes to D alone, which answers ``"full"``.
 However a request ends early (client gone, stop string, timeout, error), ``EngineRequest.close``
 sends ``AbortRequest`` to P and D.
+
+No request dies with an instance. ``EngineRequest`` remembers every token it has handed on; when
+an instance holding it dies, stalls, drains or loses the KV transfer, it aborts that attempt and
+continues the request elsewhere as prompt + those tokens (``GenerateRequest.output_token_ids``),
+so the caller sees one unbroken stream and greedy output equals the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -31,36 +36,46 @@ logger = logging.getLogger(__name__)
 
 PREFIX_LOOKUP_TIMEOUT_S = 0.25
 LIVENESS_POLL_S = 1.0
-MAX_RETRIES = 2
-
-
-def _retryable_error(error: str | None) -> bool:
-    """Failures of an instance or a transfer, not of the request itself (those fail the same twice)."""
-    return bool(error) and str(error).startswith("KV transfer failed")
+MAX_MIGRATIONS = 3
+# An instance the registry no longer lists and that has been silent this long is dead.
+GONE_SILENCE_S = 2.0
+# How long a lost request waits for some instance to continue it (e.g. while one restarts).
+MIGRATION_WAIT_S = 60.0
 
 
 class EngineRequestError(Exception):
-    """An engine request that failed after it was sent (engine error, timeout, instance gone)."""
+    """An engine request that failed after it was sent (engine error, timeout, lost too often)."""
 
     def __init__(self, message: str, status: int = 500) -> None:
         super().__init__(message)
         self.status = status
 
 
+class InstanceLost(Exception):
+    """The attempt's instance died, stalled, drained or lost the transfer; the request goes on."""
+
+    def __init__(self, reason: str, instance_id: str | None = None) -> None:
+        super().__init__(reason)
+        self.instance_id = instance_id
+
+
 @dataclass
 class EngineRequest:
-    """One sent request; iterate ``outputs()`` once, and ``close()`` (idempotent) when done with it."""
+    """One request to the engines, across migrations; iterate ``outputs()`` once, and ``close()``
+    (idempotent) when done with it. ``request_id`` and ``holders`` are the current attempt's."""
 
     request_id: str
     queue: asyncio.Queue[RequestOutput]
     holders: list[InstanceInfo]  # [P, D] or [D]; the first one answers first
     dispatcher: Dispatcher
-    request: GenerateRequest | None = None  # kept so a lost request can be sent again
-    retries_left: int = MAX_RETRIES
+    request: GenerateRequest  # as first sent (no decode target): what a migration continues
+    streamed_token_ids: list[int] = field(default_factory=list)  # handed on, across attempts
+    num_migrations: int = 0
     finished: bool = False
     closed: bool = False
+    sent_at: float = field(default_factory=time.monotonic)
     _first_seen: bool = field(default=False, repr=False)
-    _yielded: bool = field(default=False, repr=False)
+    _decode_seen: bool = field(default=False, repr=False)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Outputs in order (prefill before decode); raises ``EngineRequestError`` on failure."""
@@ -69,13 +84,10 @@ class EngineRequest:
             while not self.finished:
                 try:
                     output = await self._next()
-                    if output.finish_reason == "error" and _retryable_error(output.error) and self._can_retry():
-                        raise EngineRequestError(output.error or "engine error", status=502)
-                except EngineRequestError as exc:
-                    if exc.status != 502 or not self._can_retry():
-                        raise
-                    logger.warning("request %s lost (%s); sending it again", self.request_id, exc)
-                    await self._retry()
+                    if output.finish_reason == "error" and output.retryable:
+                        raise InstanceLost(f"{output.instance_id or '?'}: {output.error}")
+                except InstanceLost as exc:
+                    await self._migrate(exc)
                     overtaken = []
                     continue
                 if self._awaiting_prefill() and output.phase == "decode" and output.finish_reason != "error":
@@ -86,31 +98,49 @@ class EngineRequest:
                     batch, overtaken = [output, *overtaken], []
                 for out in batch:
                     self._on_output(out)
-                    self._yielded = True
+                    self.streamed_token_ids.extend(out.new_token_ids)
                     yield out
                     if self.finished:
                         break
         finally:
             self.close()
 
-    def _can_retry(self) -> bool:
-        """Only a request whose client has seen nothing yet can be sent again transparently."""
-        return not self._yielded and self.retries_left > 0 and self.request is not None
-
-    async def _retry(self) -> None:
-        """Abort the lost attempt everywhere and route the request again under a new id."""
-        assert self.request is not None
-        self.retries_left -= 1
+    async def _migrate(self, lost: InstanceLost) -> None:
+        """Abort the lost attempt everywhere and continue the request on other instances."""
+        if self.num_migrations >= MAX_MIGRATIONS:
+            raise EngineRequestError(
+                f"request lost {self.num_migrations + 1} times, giving up; last: {lost}", status=502
+            )
+        self.num_migrations += 1
+        logger.warning(
+            "request %s lost after %d tokens (%s); continuing it elsewhere",
+            self.request.request_id, len(self.streamed_token_ids), lost,
+        )
+        if lost.instance_id is not None:
+            self.dispatcher.pool.mark_unavailable(lost.instance_id)
         self.close()
-        attempt = MAX_RETRIES - self.retries_left
-        request = msgspec.structs.replace(self.request, request_id=f"{self.request.request_id}.retry{attempt}")
-        try:
-            fresh = await self.dispatcher.submit_request(request)
-        except APIError as exc:
-            raise EngineRequestError(f"request lost and no instance can take it again: {exc}", 502) from None
-        self.request_id, self.queue, self.holders = fresh.request_id, fresh.queue, fresh.holders
+        request = msgspec.structs.replace(
+            self.request,
+            request_id=f"{self.request.request_id}.m{self.num_migrations}",
+            output_token_ids=[*self.request.output_token_ids, *self.streamed_token_ids],
+        )
+        deadline = time.monotonic() + MIGRATION_WAIT_S
+        while True:
+            try:
+                fresh = await self.dispatcher.submit_request(request)
+                break
+            except APIError as exc:
+                if time.monotonic() >= deadline:
+                    raise EngineRequestError(
+                        f"request lost and no instance could continue it within {MIGRATION_WAIT_S:.0f}s: {exc}",
+                        status=502,
+                    ) from None
+                await asyncio.sleep(LIVENESS_POLL_S / 2)
+        self.request_id, self.queue, self.holders, self.sent_at = (
+            fresh.request_id, fresh.queue, fresh.holders, fresh.sent_at
+        )
         self.closed = False
-        self._first_seen = False
+        self._first_seen = self._decode_seen = False
         self.dispatcher.metrics.retries.inc()
 
     def _awaiting_prefill(self) -> bool:
@@ -120,6 +150,7 @@ class EngineRequest:
         if self._awaiting_prefill():
             self.dispatcher.pool.release(self.holders[0].instance_id)  # P is done with it
         self._first_seen = True
+        self._decode_seen = self._decode_seen or output.phase == "decode"
         if output.finish_reason == "error":  # not "finished": close() aborts it on every holder
             raise EngineRequestError(
                 f"engine {output.instance_id or '?'} failed: {output.error or 'unknown error'}"
@@ -127,8 +158,22 @@ class EngineRequest:
         if output.finish_reason is not None:
             self.finished = True
 
-    def _current_holder(self) -> InstanceInfo:
-        return self.holders[-1] if self._first_seen else self.holders[0]
+    def _watched(self) -> list[InstanceInfo]:
+        """Holders whose loss loses this attempt: P too until D has produced (P may die mid-transfer)."""
+        if len(self.holders) == 2 and not self._decode_seen:
+            return self.holders
+        return self.holders[-1:]
+
+    def _lost_holder(self) -> InstanceLost | None:
+        client, pool = self.dispatcher.client, self.dispatcher.pool
+        for holder in self._watched():
+            silence = client.silent_for(holder.instance_id, self.sent_at)
+            if silence > self.dispatcher.stall_timeout_s:
+                return InstanceLost(f"instance {holder.instance_id} made no progress for {silence:.0f}s",
+                                    holder.instance_id)
+            if silence > GONE_SILENCE_S and pool.vanished(holder.instance_id):
+                return InstanceLost(f"instance {holder.instance_id} went away", holder.instance_id)
+        return None
 
     async def _next(self) -> RequestOutput:
         timeout_s = self.dispatcher.request_timeout_s
@@ -140,9 +185,9 @@ class EngineRequest:
             try:
                 return await asyncio.wait_for(self.queue.get(), min(remaining, LIVENESS_POLL_S))
             except asyncio.TimeoutError:
-                holder = self._current_holder()
-                if self.dispatcher.pool.vanished(holder.instance_id):
-                    raise EngineRequestError(f"instance {holder.instance_id} went away", status=502) from None
+                lost = self._lost_holder()
+                if lost is not None:
+                    raise lost from None
 
     def close(self) -> None:
         if self.closed:
@@ -170,6 +215,7 @@ class Dispatcher:
         metrics: RouterMetrics,
         request_timeout_s: float = 120.0,
         direct_prompt_tokens: int = 0,
+        stall_timeout_s: float = 10.0,
     ) -> None:
         self.client = client
         self.pool = pool
@@ -178,6 +224,7 @@ class Dispatcher:
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
         self.direct_prompt_tokens = direct_prompt_tokens
+        self.stall_timeout_s = stall_timeout_s
 
     def _is_direct(self, num_prompt_tokens: int, decode: InstanceInfo, has_prefill: bool) -> bool:
         if not has_prefill:
@@ -250,7 +297,7 @@ class Dispatcher:
         # Prefer a decode instance whose connection is up: a dead one cannot be sent to directly.
         ranked_decodes.sort(key=lambda d: not self.client.writable(d.control_address))
         decode = ranked_decodes[0]
-        prompt = request.prompt_token_ids
+        prompt = [*request.prompt_token_ids, *request.output_token_ids]  # a continued request's too
         if not self._is_direct(len(prompt), decode, bool(prefills)):
             matched, num_blocks = await self._prefix_matches(prefills, prompt, request.cache_salt)
             request.decode_target = DecodeTarget(instance_id=decode.instance_id, kv_address=decode.kv_address)

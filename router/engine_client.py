@@ -18,7 +18,15 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from common.protocol import AbortRequest, ProtocolError, RequestOutput, decode_output, encode
+from common.protocol import (
+    AbortRequest,
+    EngineProgress,
+    ProtocolError,
+    RequestOutput,
+    RouterHeartbeat,
+    decode_output,
+    encode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +50,8 @@ class EngineClient:
         self._sockets: dict[str, zmq.Socket] = {}
         self._last_used: dict[str, float] = {}
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        # When each instance was last heard from (any output or progress message), monotonic.
+        self.last_heard: dict[str, float] = {}
 
     async def start(self) -> None:
         """Bind the reply socket: loopback only for a loopback ``reply_host``, else every interface.
@@ -83,6 +93,10 @@ class EngineClient:
                 output = decode_output(frames[0])
             except ProtocolError as exc:
                 logger.warning("dropping malformed engine output: %s", exc)
+                continue
+            if output.instance_id:
+                self.last_heard[output.instance_id] = time.monotonic()
+            if isinstance(output, EngineProgress):
                 continue
             queue = self._queues.get(output.request_id)
             if queue is not None:  # outputs of finished or aborted requests are dropped
@@ -140,6 +154,18 @@ class EngineClient:
                 return False
             await asyncio.sleep(0.01)
         return True
+
+    def silent_for(self, instance_id: str, since: float) -> float:
+        """Seconds since the instance was last heard from, counting from ``since`` at the earliest."""
+        return time.monotonic() - max(self.last_heard.get(instance_id, since), since)
+
+    def renew_leases(self, addresses: list[str]) -> None:
+        """Tell each engine this router is alive, so it keeps this router's requests."""
+        if not self.reply_address:
+            return
+        beat = RouterHeartbeat(reply_to=self.reply_address)
+        for address in addresses:
+            self.send_nowait(address, beat)
 
     def abort(self, request_id: str, addresses: list[str]) -> None:
         """Best-effort AbortRequest to every engine that may hold the request."""

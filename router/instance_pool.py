@@ -58,6 +58,7 @@ class InstancePool:
             await asyncio.sleep(self.refresh_interval_s)
             try:
                 await self.refresh()
+                self._client.renew_leases([info.control_address for info in self._instances.values()])
             except Exception:  # the loop must survive anything a refresh throws
                 logger.exception("instance refresh failed")
 
@@ -96,13 +97,19 @@ class InstancePool:
 
     # -- queries -------------------------------------------------------------------------------
     def alive(self, role: str) -> list[InstanceInfo]:
-        """Instances of ``role`` that are registered and not marked unavailable."""
+        """Instances of ``role`` that are registered, not draining and not marked unavailable."""
         now = time.monotonic()
         return [
             info
             for info in self._instances.values()
-            if info.role == role and self._unavailable_until.get(info.instance_id, 0.0) <= now
+            if info.role == role
+            and not info.draining
+            and self._unavailable_until.get(info.instance_id, 0.0) <= now
         ]
+
+    def instances(self) -> list[InstanceInfo]:
+        """Every known instance, as last heartbeated (a new list; the infos must not be mutated)."""
+        return list(self._instances.values())
 
     def get(self, instance_id: str) -> InstanceInfo | None:
         return self._instances.get(instance_id)

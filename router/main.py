@@ -33,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--request-timeout", type=float, default=defaults.request_timeout_s, help="seconds between outputs"
     )
     p.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=defaults.engine_stall_timeout_s,
+        help="seconds without progress from an instance before its requests continue elsewhere",
+    )
+    p.add_argument(
         "--reply-host",
         default=defaults.reply_host,
         help="address engines use to reach the router ('auto': own IP)",
@@ -83,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,
         request_timeout_s=args.request_timeout,
+        engine_stall_timeout_s=args.engine_stall_timeout,
         reply_host=args.reply_host,
         reply_port=args.reply_port,
         direct_prompt_tokens=args.direct_prompt_tokens,

@@ -22,12 +22,13 @@ class RouterState:
     def __init__(self, config: RouterConfig, prompts: PromptProcessor) -> None:
         self.config = config
         self.prompts = prompts
-        self.metrics = RouterMetrics()
         self.api_keys = ApiKeys(config.api_keys)
         self.registry = Registry(config.redis_url, config.namespace) if config.redis_url else None
         self.prefix_index = PrefixIndex(config.redis_url, config.namespace) if config.redis_url else None
         self.client = EngineClient(config.reply_host, config.reply_port)
         self.pool = InstancePool(self.registry, self.client, config.refresh_interval_s)
+        self.num_inflight = 0
+        self.metrics = RouterMetrics(self.pool.instances, lambda: self.num_inflight)
         self.dispatcher = Dispatcher(
             self.client,
             self.pool,
@@ -36,8 +37,8 @@ class RouterState:
             self.metrics,
             request_timeout_s=config.request_timeout_s,
             direct_prompt_tokens=config.direct_prompt_tokens,
+            stall_timeout_s=config.engine_stall_timeout_s,
         )
-        self.num_inflight = 0
 
     async def start(self) -> None:
         await self.client.start()
@@ -70,8 +71,6 @@ class RouterState:
                 429, f"too many requests in flight (limit {limit}); retry later", code="rate_limit_exceeded"
             )
         self.num_inflight += 1
-        self.metrics.num_requests_running.set(self.num_inflight)
 
     def leave(self) -> None:
         self.num_inflight -= 1
-        self.metrics.num_requests_running.set(self.num_inflight)

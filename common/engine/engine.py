@@ -9,8 +9,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from common.config import EngineConfig
 from common.engine.model_runner import ModelRunner
 from common.engine.request import Request, RequestStatus
@@ -20,6 +18,19 @@ from common.kvcache.hashing import BlockHash
 from common.kvcache.kv_cache_manager import KVCacheManager
 from common.protocol import PositionLogprobs
 from common.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """A prefill-only request's KV, complete and held for a transfer until ``release_kv``.
+
+    ``block_ids`` cover ``num_tokens`` (the prompt and any earlier output, not the token just
+    sampled); ``block_hashes`` are those of its full blocks (the receiver's prefix-cache keys).
+    """
+
+    block_ids: list[int]
+    block_hashes: list[BlockHash]
+    num_tokens: int
 
 
 @dataclass
@@ -32,7 +43,7 @@ class EngineOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     # A prefill-only request whose KV is complete and held for a transfer (see ``release_kv``).
-    kv_ready: bool = False
+    kv_handoff: KVHandoff | None = None
     # On a request's first token: seconds queued before its first schedule, and from then to the token.
     queue_time: float | None = None
     prefill_time: float | None = None
@@ -108,17 +119,24 @@ class LLMEngine:
         return ids
 
     # ----------------------------------------------------------------- requests in
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, output_token_ids: list[int] | None = None
+    ) -> None:
         """Raise ``ValueError`` naming the bad field; does nothing for a valid request."""
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
+        outputs = output_token_ids or []
+        for name, ids in (("prompt", prompt_token_ids), ("output", outputs)):
+            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"{name} token ids must be integers in [0, {self.vocab_size})")
+        num_tokens = len(prompt_token_ids) + len(outputs)
+        if num_tokens >= self.max_model_len:
             raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) is too long: max_model_len is {self.max_model_len}"
+                f"prompt ({num_tokens} tokens) is too long: max_model_len is {self.max_model_len}"
             )
         params.validate(self.vocab_size)
+        if len(outputs) >= params.max_tokens:
+            raise ValueError(f"{len(outputs)} output tokens already reach max_tokens {params.max_tokens}")
 
     def add_request(
         self,
@@ -129,18 +147,32 @@ class LLMEngine:
         cache_salt: str | None = None,
         kv_transfer: bool = False,
         arrival_time: float | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> None:
-        """Queue a request; raises ``ValueError`` (nothing queued) when the input is bad."""
-        self.validate(prompt_token_ids, params)
-        if kv_transfer and params.n != 1:
-            raise ValueError("n must be 1 for a prefill-only request")
-        if request_id in self.scheduler.requests or request_id in self.transferring:
+        """Queue a request; raises ``ValueError`` (nothing queued) when the input is bad.
+
+        ``output_token_ids``: tokens the request already produced on a lost instance; it resumes
+        after them (see ``GenerateRequest.output_token_ids``)."""
+        self.validate(prompt_token_ids, params, output_token_ids)
+        if params.n != 1 and (kv_transfer or output_token_ids):
+            raise ValueError("n must be 1 for a prefill-only or a continued request")
+        if self.knows(request_id):
             raise ValueError(f"duplicate request_id {request_id!r}")
         req = Request(
             request_id, prompt_token_ids, params, block_size=self.block_size, model_id=self.model_id,
             cache_salt=cache_salt, arrival_time=arrival_time, kv_transfer=kv_transfer,
+            output_token_ids=output_token_ids,
         )
+        req.skip_draws(req.num_output_tokens, self.vocab_size)
         self.scheduler.add(req)
+
+    def knows(self, request_id: str) -> bool:
+        """The id is in use here: queued, running, held for a transfer or receiving one."""
+        return (
+            request_id in self.scheduler.requests
+            or request_id in self.transferring
+            or request_id in self.kv.req_blocks
+        )
 
     def allocate_for_transfer(
         self, request_id: str, block_hashes: list[BlockHash], num_tokens: int
@@ -176,17 +208,19 @@ class LLMEngine:
         num_cached_tokens: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> None:
-        """Continue a request whose prompt KV arrived (blocks from ``allocate_for_transfer``)."""
+        """Continue a request whose KV arrived (blocks from ``allocate_for_transfer``): the KV
+        covers the prompt and ``output_token_ids`` (a continued request's earlier tokens); the
+        prefill instance sampled ``first_token_id`` after them."""
         req = Request(
             request_id, prompt_token_ids, params, block_size=self.block_size, model_id=self.model_id,
-            cache_salt=cache_salt, arrival_time=arrival_time,
+            cache_salt=cache_salt, arrival_time=arrival_time, output_token_ids=output_token_ids,
         )
-        req.num_computed_tokens = len(prompt_token_ids)
+        req.num_computed_tokens = req.num_tokens
         req.num_cached_tokens = num_cached_tokens
-        if req.generator is not None and not params.greedy:
-            # The prefill instance drew the first token from this seed: skip that draw.
-            torch.empty(self.vocab_size).exponential_(generator=req.generator)
+        # The earlier tokens and the first one were drawn elsewhere from this seed: skip those draws.
+        req.skip_draws(req.num_output_tokens + 1, self.vocab_size)
         req.append_output_token(first_token_id)
         req.first_token_time = time.monotonic()  # sampled on the prefill instance
         self.scheduler.requests[request_id] = req
@@ -204,6 +238,19 @@ class LLMEngine:
         # Blocks held for a KV transfer stay until the transfer's owner reports its end
         # (``release_kv``): the transfer may still be reading or writing them.
         return found
+
+    def _handoff(self, req: Request) -> KVHandoff:
+        num_tokens = req.num_computed_tokens
+        block_ids = self.kv.block_ids(req.request_id)[: self.kv.cdiv(num_tokens)]
+        return KVHandoff(block_ids, req.block_hashes[: num_tokens // self.block_size], num_tokens)
+
+    @property
+    def num_held_for_transfer(self) -> int:
+        return len(self.transferring)
+
+    def unfinished_request_ids(self) -> list[str]:
+        """Ids of every request queued or running (not those held for a transfer)."""
+        return list(self.scheduler.requests)
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks of a prefill-only request after its transfer ended (ok or not)."""
@@ -256,7 +303,7 @@ class LLMEngine:
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, keep_blocks=True)
                 self.transferring[req.request_id] = req
                 out = self._output(req, [token], lp, None)
-                out.kv_ready = True
+                out.kv_handoff = self._handoff(req)
                 outputs.append(out)
             else:
                 outputs.append(self._output(req, [token], lp, None))

@@ -53,11 +53,14 @@ class Request:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         kv_transfer: bool = False,
+        output_token_ids: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
-        self.all_token_ids = list(prompt_token_ids)
+        # Non-empty for a request continued from another instance: it resumes after these, exactly
+        # as after a preemption (they are recomputed like the prompt, and counted as output).
+        self.output_token_ids: list[int] = list(output_token_ids or [])
+        self.all_token_ids = [*prompt_token_ids, *self.output_token_ids]
         self.sampling_params = sampling_params
         self.cache_salt = cache_salt
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -108,6 +111,18 @@ class Request:
                     start=len(self.block_hashes), parent=parent,
                 )
             )
+
+    def skip_draws(self, num_draws: int, vocab_size: int) -> None:
+        """Advance a seeded request's generator past ``num_draws`` sampled tokens made elsewhere.
+
+        The sampler draws once per sampled token (one exponential per vocabulary entry), so a
+        request continued on another instance samples the same tokens as the uninterrupted run.
+        """
+        if self.generator is None or self.sampling_params.greedy:
+            return
+        noise = torch.empty(vocab_size)
+        for _ in range(num_draws):
+            noise.exponential_(generator=self.generator)
 
     def fork(self, request_id: str, seed_offset: int) -> Request:
         """A copy with the same tokens and progress (n > 1); the caller shares the blocks."""

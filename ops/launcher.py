@@ -2,16 +2,23 @@
 
 Resolves the model once (so a conversion happens once, not in every child), starts a private
 ``redis-server`` without persistence, then the services as child processes, waits until the
-router's /ready answers 200 and prints the URL. It stops everything (SIGTERM, then SIGKILL after a
-grace period) on Ctrl-C / SIGTERM, or as soon as any child exits, reporting its exit code.
-Arguments it does not know are passed on to the engines.
+router's /ready answers 200 and prints the URL. Arguments it does not know are passed on to the
+engines (``--drain-timeout`` among them).
+
+It supervises (``ops.supervisor``): a child that dies is restarted with the same argv, environment,
+instance id and ports after an exponential back-off, one stderr line per death and per restart.
+It gives up, stops everything and exits non-zero only when the router crash-loops
+(``--max-restarts`` deaths in a row within ``--restart-window`` of starting), or when any child
+does so before the stack was first ready (never, with ``--no-wait``), so a broken model or flag
+still fails start-up. With ``--log-dir DIR`` it keeps ``DIR/children.json`` (pid, restarts and role
+by name) current. Ctrl-C / SIGTERM stops router, engines, then Redis: SIGTERM, and SIGKILL after
+``--grace-period`` (long enough for the engines to drain).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import shlex
@@ -24,14 +31,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from common.glibc_env import tuned_env
+from ops.supervisor import Child, ChildExited, RestartPolicy, Supervisor
+from ops.supervisor import die_with_parent as die_with_parent  # re-exported: tests start children with it
 
 POLL_S = 0.2
-PR_SET_PDEATHSIG = 1
 
 ENGINE_FLAGS = ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
 
@@ -56,8 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--no-wait", action="store_true", help="do not wait for /ready before printing the URL")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /ready")
-    p.add_argument("--grace-period", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
-    p.add_argument("--log-dir", default=None, help="write each child's output to DIR/NAME.log")
+    p.add_argument("--grace-period", type=float, default=40.0,
+                   help="seconds between SIGTERM and SIGKILL (engines drain for --drain-timeout first)")
+    p.add_argument("--log-dir", default=None,
+                   help="write each child's output to DIR/NAME.log and their pids to DIR/children.json")
+    p.add_argument("--restart-delay", type=float, default=1.0,
+                   help="first back-off before restarting a dead child; doubles per death, up to 30s")
+    p.add_argument("--restart-window", type=float, default=60.0,
+                   help="a child up this long has its back-off reset; a shorter run counts towards a crash loop")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts in a row of a child that dies within --restart-window before giving up "
+                        "(the router always, any child before the stack was ready)")
     p.add_argument(
         "--service-command",
         default=f"{shlex.quote(sys.executable)} -m common.cli",
@@ -72,56 +87,29 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def die_with_parent() -> None:
-    """In the child: get SIGTERM if the launcher itself is killed (Linux), so nothing is orphaned."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-@dataclass
-class Child:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: str | None = None
-
-    def log_tail(self, num_chars: int = 3000) -> str:
-        if self.log_path is None:
-            return ""
-        return Path(self.log_path).read_text(errors="replace")[-num_chars:]
-
-
 class Launcher:
     def __init__(self, args: argparse.Namespace, engine_extra: list[str]) -> None:
         self.args = args
         self.engine_extra = engine_extra
-        self.children: list[Child] = []
+        policy = RestartPolicy(
+            initial_delay_s=args.restart_delay, window_s=args.restart_window, max_restarts=args.max_restarts
+        )
+        self.supervisor = Supervisor(policy, args.log_dir)
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-")
         self.stopping = False
+        self.ever_ready = False  # once true, only the router's crash loop stops the stack
+
+    @property
+    def children(self) -> list[Child]:
+        return self.supervisor.children
 
     def request_stop(self, signum: int, _frame: Any) -> None:
         self.stopping = True
 
     # -- starting ------------------------------------------------------------------------------
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
-        log: IO[bytes] | None = None
-        log_path = None
-        if self.args.log_dir:
-            os.makedirs(self.args.log_dir, exist_ok=True)
-            log_path = os.path.join(self.args.log_dir, f"{name}.log")
-            log = open(log_path, "wb")  # noqa: SIM115 - the child keeps writing to it
-        popen = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT if log else None,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops children in order
-            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
-        )
-        if log is not None:
-            log.close()
-        child = Child(name, popen, log_path)
-        self.children.append(child)
-        return child
+        """Start a supervised child; its role is its name up to the first ``-`` (``prefill-0``: prefill)."""
+        return self.supervisor.start(name, name.partition("-")[0], argv, env or {})
 
     def start_redis(self) -> str:
         binary = shutil.which("redis-server")
@@ -139,7 +127,7 @@ class Launcher:
                 s.sendall(b"PING\r\n")
                 if s.recv(16).startswith(b"+PONG"):
                     return f"redis://127.0.0.1:{port}/0"
-            self.check_children()
+            self.poll_children()
             time.sleep(0.05)
         raise RuntimeError("redis-server did not answer PING within 10s")
 
@@ -192,12 +180,9 @@ class Launcher:
         )
 
     # -- watching ------------------------------------------------------------------------------
-    def check_children(self) -> None:
-        """Raise ``ChildExited`` for the first child that is no longer running."""
-        for child in self.children:
-            code = child.popen.poll()
-            if code is not None:
-                raise ChildExited(child, code)
+    def poll_children(self) -> None:
+        """Restart what died (see ``Supervisor.poll``); raise ``ChildExited`` when the stack cannot go on."""
+        self.supervisor.poll(lambda child: child.role == "router" or not self.ever_ready)
 
     @property
     def url(self) -> str:
@@ -207,7 +192,7 @@ class Launcher:
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.args.ready_timeout
         while time.monotonic() < deadline and not self.stopping:
-            self.check_children()
+            self.poll_children()
             with (
                 contextlib.suppress(urllib.error.URLError, OSError, ValueError),
                 urllib.request.urlopen(f"{self.url}/ready", timeout=2) as response,
@@ -215,6 +200,7 @@ class Launcher:
                 body = json.loads(response.read())
                 # /ready is 200 once one decode instance serves; wait for every instance launched.
                 if body.get("prefill", 0) >= self.args.prefill and body.get("decode", 0) >= self.args.decode:
+                    self.ever_ready = True
                     return
             time.sleep(POLL_S)
         if not self.stopping:
@@ -223,15 +209,16 @@ class Launcher:
             )
 
     def supervise(self) -> None:
+        """Until Ctrl-C / SIGTERM: restart children that die; ``ChildExited`` if the router crash-loops."""
         while not self.stopping:
-            self.check_children()
+            self.poll_children()
             time.sleep(POLL_S)
 
     # -- stopping ------------------------------------------------------------------------------
     def stop_all(self) -> None:
         """Router first, then engines, then Redis: SIGTERM, wait the grace period, SIGKILL."""
-        router = [c for c in self.children if c.name == "router"]
-        redis = [c for c in self.children if c.name == "redis"]
+        router = [c for c in self.children if c.role == "router"]
+        redis = [c for c in self.children if c.role == "redis"]
         engines = [c for c in self.children if c not in router and c not in redis]
         for group in (router, engines, redis):
             self._stop_group(group)
@@ -252,13 +239,6 @@ class Launcher:
                 child.popen.wait()
 
 
-class ChildExited(RuntimeError):
-    def __init__(self, child: Child, code: int) -> None:
-        super().__init__(f"{child.name} exited unexpectedly with code {code}")
-        self.child = child
-        self.code = code
-
-
 def _resolve_model(model: str | None) -> str:
     from common.model.loader import resolve_model_path
 
@@ -274,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("need --decode >= 1 and --prefill >= 0")
     if args.threads_per_engine < 0:
         raise SystemExit("need --threads-per-engine >= 0")
+    if args.restart_delay <= 0 or args.restart_window <= 0 or args.max_restarts < 0:
+        raise SystemExit("need --restart-delay > 0, --restart-window > 0 and --max-restarts >= 0")
     print("pdserve: resolving the model (converted once, then cached)...", flush=True)
     model = _resolve_model(args.model)
     launcher = Launcher(args, engine_extra)

@@ -2,11 +2,18 @@
 
 Each app gets its own registry, so several routers (e.g. in tests) can live in one process.
 Metrics whose names the engines also export carry ``role="router"``, as the engines' carry theirs.
+The engines' load the router knows from their heartbeats is re-exported per instance
+(``router/fleet_metrics.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from common.registry import InstanceInfo
+from router.fleet_metrics import FleetCollector
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
 _LATENCY_BUCKETS_TAIL = (10.0, 20.0, 40.0, 80.0)
@@ -16,7 +23,14 @@ _TOKEN_BUCKETS = tuple(float(b * 10**e) for e in range(6) for b in (1, 2, 5))
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    """``instances`` and ``num_requests_running`` (the router's HTTP requests in flight) are read
+    at scrape time; the defaults show an empty fleet."""
+
+    def __init__(
+        self,
+        instances: Callable[[], Iterable[InstanceInfo]] = tuple,
+        num_requests_running: Callable[[], float] = int,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.time_to_first_token = Histogram(
@@ -59,9 +73,6 @@ class RouterMetrics:
         self.cached_prompt_tokens = Counter(
             "pdserve:prompt_tokens_cached", "Prompt tokens served from a prefix cache.", registry=r
         )
-        self.num_requests_running = Gauge(
-            "pdserve:num_requests_running", "HTTP requests the router is serving.", ["role"], registry=r
-        ).labels(role="router")
         self.http_errors = Counter(
             "pdserve:router_http_errors", "Error responses by status.", ["status"], registry=r
         )
@@ -82,6 +93,7 @@ class RouterMetrics:
             "pdserve:router_prefix_query_blocks", "Prompt blocks looked up in the prefix index.", registry=r
         )
         self.instances = Gauge("pdserve:router_instances", "Known instances by role.", ["role"], registry=r)
+        r.register(FleetCollector(instances, num_requests_running))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,4 +1,4 @@
-"""``pdserve bench offline|kv|serve|gpu``: benchmarks that print measured figures beside baselines."""
+"""``pdserve bench offline|kv|serve|gpu|chaos``: benchmarks that print measured figures beside baselines."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ _BENCHES = {
     "kv": "ops.bench.kv_transfer_bench",
     "serve": "ops.bench.serve",
     "gpu": "ops.bench.gpu_kernels",
+    "chaos": "ops.bench.chaos",
 }
 
 

@@ -46,31 +46,38 @@ class RawSender:
             frames=[f.hex() if isinstance(f, bytes) else {"size": f} for f in frames],
         )
 
-    def recv(self, expect: type | None = None, timeout_s: float = 3.0) -> object:
-        """The next reply (of type ``expect``, skipping others)."""
-        while True:
-            frames = self.peer.call("raw_recv", name=self.name, wait_s=timeout_s)
-            assert frames is not None, "no reply"
-            msg = decode_from_receiver(bytes.fromhex(frames[0]), 1 << 24)
-            if expect is None or isinstance(msg, expect):
-                return msg
+    def recv(self, timeout_s: float = 3.0) -> object:
+        """The next reply, whatever it is (skipping none, so a test sees every reply it caused)."""
+        frames = self.peer.call("raw_recv", name=self.name, wait_s=timeout_s)
+        assert frames is not None, "no reply"
+        return decode_from_receiver(bytes.fromhex(frames[0]), 1 << 24)
+
+    def handshake(self) -> HelloReply:
+        """Say hello; the receiver must accept our layout and state its own, equal one."""
+        self.send(encode(Hello(layout=LAYOUT)))
+        reply = self.recv()
+        assert isinstance(reply, HelloReply), reply
+        assert reply.ok and reply.reason is None, reply.reason
+        assert reply.layout == LAYOUT
+        # The well-formed data frames these tests send carry at most 3 blocks of one layer.
+        assert reply.max_frame_bytes >= 3 * LAYOUT.bytes_per_block_layer
+        return reply
 
     def handshake_and_offer(self, request_id: str, num_tokens: int) -> Accept:
-        self.send(encode(Hello(layout=LAYOUT)))
-        assert isinstance(self.recv(), HelloReply)
+        self.handshake()
         self.send(encode(Offer(request_id=request_id, num_tokens=num_tokens, block_hashes=[])))
         accept = self.recv()
         assert isinstance(accept, Accept)
         return accept
 
 
-def offer_and_allocate(raw: RawSender, receiver, pool, request_id: str, num_tokens: int = 12) -> None:  # type: ignore[no-untyped-def]
+def offer_and_allocate(raw: RawSender, receiver, pool, request_id: str, num_tokens: int = 12) -> HelloReply:  # type: ignore[no-untyped-def]
     """Handshake, offer ``request_id`` and poll ``receiver`` until it holds blocks for it."""
-    raw.send(encode(Hello(layout=LAYOUT)))
-    assert isinstance(raw.recv(HelloReply), HelloReply)
+    reply = raw.handshake()
     raw.send(encode(Offer(request_id=request_id, num_tokens=num_tokens, block_hashes=[])))
     while not pool.held:
         receiver.poll()
+    return reply
 
 
 def data_header(request_id: str, num_blocks: int, layer_start: int = 0, num_layers: int = 1) -> bytes:
@@ -90,8 +97,7 @@ def test_sender_killed_mid_transfer_receiver_frees_within_its_timeout(spawn_peer
     receiver, _, pool = make_receiver(timeout_s=1.0)
     with receiver:
         raw = RawSender(victim, "raw", receiver.address)
-        raw.send(encode(Hello(layout=LAYOUT)))
-        assert isinstance(raw.recv(HelloReply), HelloReply)
+        raw.handshake()
         raw.send(encode(Offer(request_id="half", num_tokens=12, block_hashes=[])))
         accept = None
         while accept is None:
@@ -177,8 +183,12 @@ def test_malformed_messages_are_rejected_logged_and_survived(peer: PeerProcess, 
         ]
         for frames in bad:
             raw.send(*frames)
-        raw.send(encode(Hello(layout=LAYOUT)))
-        assert isinstance(raw.recv(HelloReply), HelloReply)
+        # Only the early offer is answered (its sender learns why), and nothing spoilt the
+        # connection: a good hello afterwards is accepted.
+        abort = raw.recv()
+        assert isinstance(abort, Abort) and abort.request_id == "x", abort
+        assert "offer before handshake" in (abort.reason or "")
+        raw.handshake()
         raw.send(data_header("nobody", 1), LAYOUT.bytes_per_block_layer)  # data for an unknown request
         raw.send(data_header("nobody", 1), *[8] * 7)  # more parts than a frame has planes (6)
         raw.send(encode(Offer(request_id="huge-meta", num_tokens=8, block_hashes=[], meta=b"m" * 5000)))
@@ -256,7 +266,8 @@ def test_frame_over_the_size_limit_drops_the_connection_and_times_out_clean(peer
     receiver, _, pool = make_receiver(timeout_s=0.5, max_meta_bytes=1024)
     with receiver:
         raw = RawSender(peer, "oversized", receiver.address)
-        offer_and_allocate(raw, receiver, pool, "oversized")
+        hello = offer_and_allocate(raw, receiver, pool, "oversized")
+        assert hello.max_frame_bytes < 1 << 20
         raw.send(data_header("oversized", 3), 1 << 20)  # far above this receiver's MAXMSGSIZE
         [result] = poll_until(receiver, timeout_s=5.0)
         assert not result.ok and "timed out" in (result.reason or "") and result.bytes_received == 0

@@ -39,8 +39,11 @@ class _Active:
 
 
 class FakeEngine(threading.Thread):
-    """``mode``: "ok", "error" (answers with an error output), "silent" (never answers) or
-    "transfer-fail-once" (the first request fails as a lost KV transfer, later ones are "ok")."""
+    """``mode``: "ok", "error" (answers with an error output), "silent" (never answers),
+    "transfer-fail-once" (the first request fails as a lost KV transfer, later ones are "ok") or
+    "lose-midstream-once" (after its third token, the first request this engine streams fails as
+    lost, retryable; later ones are "ok"). A continued request (``output_token_ids``) resumes
+    the canned tokens after the ones it already has."""
 
     def __init__(
         self,
@@ -136,6 +139,8 @@ class FakeEngine(threading.Thread):
             self._aborted.add(msg.request_id)
             self._active.pop(msg.request_id, None)
             return
+        if not isinstance(msg, GenerateRequest):  # e.g. a router's lease renewal: nothing to answer
+            return
         self.requests.append(msg)
         if self.mode == "silent":
             return
@@ -144,16 +149,18 @@ class FakeEngine(threading.Thread):
             if self.mode == "transfer-fail-once":
                 self.mode = "ok"
             out = RequestOutput(
-                request_id=msg.request_id, new_token_ids=[], finish_reason="error", error=error
+                request_id=msg.request_id, new_token_ids=[], finish_reason="error", error=error,
+                retryable=self.mode == "ok",
             )
             out.instance_id = self.instance_id
             self._send(replies, ctx, msg.reply_to, out)
             return
+        resumed = len(msg.output_token_ids)
         if msg.decode_target is None:
-            self._active[msg.request_id] = _Active(msg, 0, "full")
+            self._active[msg.request_id] = _Active(msg, resumed, "full")
             return
         # Prefill: the first token now, then hand over to the decode instance.
-        active = _Active(msg, 0, "prefill")
+        active = _Active(msg, resumed, "prefill")
         self._emit(active, replies, ctx)
         if active.produced < self._limit(msg):
             self.peers[msg.decode_target.instance_id].handoffs.put((msg, active.produced))
@@ -194,6 +201,14 @@ class FakeEngine(threading.Thread):
             active.next_time = now + self.token_delay_s
             if active.produced >= self._limit(active.request):
                 del self._active[request_id]
+            elif self.mode == "lose-midstream-once" and active.produced == 3:
+                self.mode = "ok"
+                del self._active[request_id]
+                lost = RequestOutput(
+                    request_id=request_id, new_token_ids=[], finish_reason="error", error="lost on purpose",
+                    instance_id=self.instance_id, phase=active.phase, retryable=True,  # type: ignore[arg-type]
+                )
+                self._send(replies, ctx, active.request.reply_to, lost)
 
 
 class FakeCluster:
@@ -206,13 +221,18 @@ class FakeCluster:
         reply_tokens: list[int],
         num_prefill: int = 1,
         num_decode: int = 1,
+        decode_mode: str | None = None,
         **engine_kw: Any,
     ) -> None:
+        """``decode_mode`` overrides ``mode`` for the decode engines."""
         self.peers: dict[str, FakeEngine] = {}
         roles = [("prefill", i) for i in range(num_prefill)] + [("decode", i) for i in range(num_decode)]
         for role, i in roles:
+            kw = dict(engine_kw)
+            if role == "decode" and decode_mode is not None:
+                kw["mode"] = decode_mode
             engine = FakeEngine(
-                role, f"{role}-{i}", redis_url, namespace, reply_tokens, self.peers, **engine_kw
+                role, f"{role}-{i}", redis_url, namespace, reply_tokens, self.peers, **kw
             )  # type: ignore[arg-type]
             self.peers[engine.instance_id] = engine
 

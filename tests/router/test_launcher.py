@@ -1,7 +1,8 @@
-"""``pdserve up`` with a stand-in service command: starts, serves, stops everything, reports deaths."""
+"""``pdserve up`` with a stand-in service command: starts, serves, restarts what dies, gives up on crash loops."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from typing import IO, Any
 
 import httpx
 import pytest
@@ -33,11 +35,13 @@ def model_dir(tokenizer_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFact
 
 
 def _launch(
-    model_dir: pathlib.Path, port: int, log_dir: pathlib.Path, env: dict[str, str], num_prefill: int = 1
+    model_dir: pathlib.Path, port: int, log_dir: pathlib.Path, env: dict[str, str], num_prefill: int = 1,
+    max_restarts: int = 5,
 ) -> subprocess.Popen[str]:
     argv = [sys.executable, "-m", "ops.launcher", "up", "--prefill", str(num_prefill), "--decode", "1"]
     argv += ["--model", str(model_dir), "--port", str(port), "--log-dir", str(log_dir), "--grace-period", "5"]
     argv += ["--service-command", f"{sys.executable} -m tests.router.fake_cli", "--ready-timeout", "60"]
+    argv += ["--restart-delay", "0.05", "--max-restarts", str(max_restarts)]
     return subprocess.Popen(
         argv,
         cwd=ROOT,
@@ -53,9 +57,30 @@ def launched(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> Iterator[tuple[
     port = free_port()
     proc = _launch(model_dir, port, tmp_path, {})
     yield proc, port
+    _kill(proc)
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+def _collect(stream: IO[str] | None) -> list[str]:
+    """The lines of ``stream`` as they arrive (a reader thread keeps the pipe from filling up)."""
+    assert stream is not None
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(stream), daemon=True).start()
+    return lines
+
+
+def _children_file(log_dir: pathlib.Path) -> dict[str, dict[str, Any]]:
+    path = log_dir / "children.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _cmdline(pid: int) -> list[bytes]:
+    return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
 
 
 def _children_of(pid: int) -> list[int]:
@@ -63,7 +88,9 @@ def _children_of(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def test_up_serves_then_sigterm_stops_every_child(launched: tuple[subprocess.Popen[str], int]) -> None:
+def test_up_serves_lists_its_children_then_sigterm_stops_every_child(
+    launched: tuple[subprocess.Popen[str], int], tmp_path: pathlib.Path
+) -> None:
     proc, port = launched
     url = f"http://127.0.0.1:{port}"
     lines: list[str] = []
@@ -73,6 +100,11 @@ def test_up_serves_then_sigterm_stops_every_child(launched: tuple[subprocess.Pop
     assert _ready(url)
     children = _children_of(proc.pid)
     assert len(children) == 4  # redis, prefill-0, decode-0, router
+    state = _children_file(tmp_path)
+    assert {name: (entry["role"], entry["restarts"]) for name, entry in state.items()} == {
+        "redis": ("redis", 0), "prefill-0": ("prefill", 0), "decode-0": ("decode", 0), "router": ("router", 0)
+    }
+    assert sorted(entry["pid"] for entry in state.values()) == sorted(children)
     response = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=10)
     assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
     proc.send_signal(signal.SIGTERM)
@@ -100,18 +132,86 @@ def test_up_without_prefill_instances_serves_from_decode(model_dir: pathlib.Path
             proc.wait()
 
 
-def test_a_child_that_dies_is_named_and_everything_stops(
+def test_an_engine_that_never_comes_up_fails_start_up_with_its_name_and_log(
     model_dir: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
-    proc = _launch(model_dir, free_port(), tmp_path, {"FAKE_CLI_EXIT": "decode-0"})
+    proc = _launch(model_dir, free_port(), tmp_path, {"FAKE_CLI_EXIT": "decode-0"}, max_restarts=2)
     try:
-        _, stderr = proc.communicate(timeout=60)
+        _, stderr = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 3
-    assert "decode-0 exited unexpectedly with code 3" in stderr
+        _kill(proc)
+    assert proc.returncode == 3, stderr
+    assert stderr.count("decode-0 restarted") == 2
+    assert "decode-0 died 3 times in a row" in stderr and "(last: code 3)" in stderr
+    assert "fake_cli: decode-0 was told to exit" in stderr  # its log's tail
     assert _processes_mentioning(str(model_dir)) == []  # the router, prefill-0 and redis were stopped
+
+
+def test_an_engine_killed_with_sigkill_is_restarted_with_the_same_argv(
+    model_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    port = free_port()
+    proc = _launch(model_dir, port, tmp_path, {})
+    try:
+        stdout, stderr = _collect(proc.stdout), _collect(proc.stderr)
+        assert wait_until(lambda: any("ready at" in line for line in stdout), 60), stderr
+        old_pid = _children_file(tmp_path)["prefill-0"]["pid"]
+        old_argv = _cmdline(old_pid)
+        assert b"--instance-id" in old_argv and b"--kv-port" in old_argv
+        os.kill(old_pid, signal.SIGKILL)
+
+        def restarted() -> bool:
+            entry = _children_file(tmp_path)["prefill-0"]
+            return bool(entry["pid"] != old_pid and _alive(entry["pid"]))
+
+        assert wait_until(restarted, 60), stderr
+        state = _children_file(tmp_path)
+        assert state["prefill-0"]["restarts"] == 1
+        assert all(state[name]["restarts"] == 0 for name in ("redis", "decode-0", "router"))
+        assert _cmdline(state["prefill-0"]["pid"]) == old_argv  # same instance id and ports
+        assert proc.poll() is None
+        # The launcher logs before it rewrites children.json, but the reader thread may lag behind.
+        died = f"prefill-0 (pid {old_pid}) died with signal SIGKILL; restart 1 in"
+        assert wait_until(lambda: any(died in line for line in stderr), 10), stderr
+        assert wait_until(lambda: any("prefill-0 restarted (restart 1, pid" in line for line in stderr), 10), stderr
+
+        def serves() -> bool:
+            body = {"prompt": "Hi", "max_tokens": 3}
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=10).status_code == 200
+            return False
+
+        assert wait_until(serves, 60, interval_s=0.2), stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        _kill(proc)
+
+
+def test_engines_restart_for_ever_after_ready_but_a_crash_looping_router_stops_the_stack(
+    model_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    exit_file = tmp_path / "exit-names"
+    log_dir = tmp_path / "logs"
+    proc = _launch(model_dir, free_port(), log_dir, {"FAKE_CLI_EXIT_FILE": str(exit_file)}, max_restarts=2)
+    try:
+        stdout, stderr = _collect(proc.stdout), _collect(proc.stderr)
+        assert wait_until(lambda: any("ready at" in line for line in stdout), 60), stderr
+        exit_file.write_text("decode-0\n")
+        os.kill(_children_file(log_dir)["decode-0"]["pid"], signal.SIGKILL)
+        # Past --max-restarts deaths in a row: an engine is still restarted once the stack was ready.
+        assert wait_until(lambda: _children_file(log_dir)["decode-0"]["restarts"] >= 4, 90), stderr
+        assert proc.poll() is None
+
+        exit_file.write_text("decode-0\nrouter\n")
+        os.kill(_children_file(log_dir)["router"]["pid"], signal.SIGKILL)
+        assert proc.wait(timeout=90) != 0
+    finally:
+        _kill(proc)
+    assert wait_until(lambda: any("stopping everything" in line for line in stderr), 10), stderr
+    assert sum("router restarted" in line for line in stderr) == 2
+    assert any("router died 3 times in a row" in line and "stopping everything" in line for line in stderr)
+    assert _processes_mentioning(str(model_dir)) == []
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -172,3 +272,44 @@ def test_engines_get_the_c_library_settings_and_keep_the_users(
     assert sorted(tunables[2:]) == sorted(
         f"{name}={value}" for name, value in TUNABLES.items() if name != "glibc.malloc.mmap_threshold"
     )
+
+
+def test_restart_delays_double_up_to_the_cap_and_reset_after_a_stable_run() -> None:
+    from ops.supervisor import RestartPolicy, RestartTracker
+
+    policy = RestartPolicy(initial_delay_s=1, max_delay_s=30, window_s=60, max_restarts=100)
+    tracker = RestartTracker(policy, now=0)
+    now, delays = 0.0, []
+    for _ in range(7):
+        now += 5  # up for 5 s, well inside the window
+        delays.append(tracker.died(now))
+        now += delays[-1]
+        tracker.restarted(now)
+    assert delays == [1, 2, 4, 8, 16, 30, 30]
+    assert tracker.num_restarts == 7
+    assert tracker.died(now + 60) == 1  # up for the whole window: back to the first delay
+    assert tracker.num_deaths_in_a_row == 1
+
+
+def test_a_crash_loop_is_more_than_max_restarts_quick_deaths_in_a_row() -> None:
+    from ops.supervisor import RestartPolicy, RestartTracker
+
+    policy = RestartPolicy(initial_delay_s=1, window_s=60, max_restarts=5)
+    tracker = RestartTracker(policy, now=0)
+    now = 0.0
+    for _ in range(5):
+        now += 2
+        now += tracker.died(now)
+        assert not tracker.crash_looping
+        tracker.restarted(now)
+    tracker.died(now + 59)  # still within the window of this run's start
+    assert tracker.crash_looping and tracker.num_deaths_in_a_row == 6
+
+    steady = RestartTracker(policy, now=0)
+    now = 0.0
+    for i in range(12):
+        now += 61 if i % 3 == 2 else 1  # every third run stays up past the window
+        now += steady.died(now)
+        assert not steady.crash_looping
+        steady.restarted(now)
+    assert steady.num_restarts == 12

@@ -55,9 +55,34 @@ def test_lost_transfer_before_any_output_is_sent_again_and_succeeds(redis_url: s
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["message"]["content"]
         ids = [r.request_id for r in cluster.requests()]
-        assert len(ids) == 2 and ids[1] == ids[0] + ".retry1"
+        assert len(ids) == 2 and ids[1] == ids[0] + ".m1"
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
         assert "pdserve:router_request_retries_total 1.0" in metrics
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_lost_midstream_continues_elsewhere_without_a_lost_or_repeated_token(
+    redis_url: str, prompts: Any, stream: bool
+) -> None:
+    """The decode engine loses the request after three tokens; the router continues it from there
+    (prompt + those tokens) and the client gets every canned token exactly once, no error."""
+    body = {"model": SERVED_MODEL, "prompt": PROMPT, "max_tokens": 6, "stream": stream}
+    with running(redis_url, prompts, cluster_kw={"decode_mode": "lose-midstream-once"}) as (server, cluster):
+        whole = " one two three four five six"
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=20)
+        assert response.status_code == 200, response.text
+        if stream:
+            events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+            import json
+
+            text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"])
+        else:
+            text = response.json()["choices"][0]["text"]
+        assert text == whole
+        sent = cluster.requests()
+        continued = [r for r in sent if r.request_id.endswith(".m1")]
+        assert len(continued) == 1 and len(continued[0].output_token_ids) == 3
 
 
 def test_silent_engine_times_out_with_504_and_abort(redis_url: str, prompts: Any) -> None:

@@ -12,14 +12,13 @@ import argparse
 import logging
 
 from common.engine.engine import EngineOutput
-from common.kvcache.hashing import BlockHash
 from common.protocol import GenerateRequest, ProtocolError, TransferMeta, decode_transfer_meta
 from common.service import EngineService, RequestRecord
-from kvtransfer.block_allocator import Allocation
-from kvtransfer.curve import CurveConfig
-from kvtransfer.layout import KVLayout
-from kvtransfer.receiver import KVReceiver
+from kvtransfer.blocks.layout import KVLayout
+from kvtransfer.receiving.block_allocator import Allocation, Refusal
+from kvtransfer.receiving.receiver import KVReceiver
 from kvtransfer.transfer_state import ABORTED
+from kvtransfer.wire.curve import CurveConfig
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +38,43 @@ class DecodeService(EngineService):
         self.kv_address = self.receiver.address
 
     # ------------------------------------------------------------ allocator for the receiver
-    def allocate_for_transfer(self, request_id: str, block_hashes: list[bytes], num_tokens: int) -> Allocation | str:
-        got = self.engine.allocate_for_transfer(request_id, [BlockHash(h) for h in block_hashes], num_tokens)
-        if isinstance(got, str):
-            return got
-        block_ids, num_cached = got
-        return Allocation(block_ids=block_ids, num_cached_blocks=num_cached)
+    def allocate_for_transfer(
+        self, request_id: str, block_hashes: list[bytes], num_tokens: int, meta: bytes
+    ) -> Allocation | Refusal | str:
+        """The request waits for remote KV in the engine from here; nothing in the offer is trusted
+        before it is checked against the request the meta describes."""
+        try:
+            transfer = self._checked_meta(request_id, meta)
+        except ProtocolError as exc:
+            return Refusal(str(exc))
+        msg = transfer.request
+        if self.draining:
+            return Refusal(f"instance {self.instance_id} is draining")
+        try:
+            handoff = self.engine.add_remote_request(
+                request_id, msg.prompt_token_ids, transfer.first_token_id, msg.sampling_params,
+                num_cached_tokens=transfer.num_cached_tokens, cache_salt=msg.cache_salt,
+                output_token_ids=msg.output_token_ids,
+            )
+        except ValueError as exc:
+            return Refusal(str(exc))
+        if handoff is None:
+            return "KV cache full"
+        mismatch = None
+        if num_tokens != handoff.num_tokens:
+            mismatch = f"offer of {num_tokens} tokens for a request with {handoff.num_tokens} tokens of KV"
+        elif [bytes(h) for h in handoff.block_hashes] != block_hashes:
+            mismatch = "block hashes do not match the request's tokens (another model or cache salt?)"
+        if mismatch is not None:
+            self.engine.release_kv(request_id)
+            return Refusal(mismatch)
+        self.heard_from(msg.reply_to)
+        self.records[request_id] = RequestRecord(msg, "decode")
+        num_cached = self.engine.scheduler.requests[request_id].num_computed_tokens // self.engine.block_size
+        return Allocation(block_ids=handoff.block_ids, num_cached_blocks=num_cached)
 
     def release_transfer(self, request_id: str) -> None:
-        self.engine.kv.free(request_id)
+        self.engine.release_kv(request_id)
 
     # ------------------------------------------------------------ requests
     def admit(self, msg: GenerateRequest) -> None:
@@ -74,23 +101,18 @@ class DecodeService(EngineService):
             self.metrics.kv_transfer_bytes.inc(res.bytes_received)
             self.metrics.kv_transfer_seconds.observe(res.seconds)
             if res.ok:
-                self._admit_transferred(res.request_id, res.meta)
+                self.engine.remote_kv_arrived(res.request_id)
                 continue
             self.metrics.kv_transfer_failures.inc()
             logger.warning("incoming KV for %s failed: %s", res.request_id, res.reason)
-            if res.reason != ABORTED:
-                self._report_lost_transfer(res.request_id, res.meta, res.reason or "unknown")
+            record = self.records.get(res.request_id)
+            if record is not None and res.reason != ABORTED:
+                # Tell the router at once (it continues the request elsewhere), not only the log.
+                self.send_output(res.request_id, self.error_output(
+                    res.request_id, f"KV transfer failed: {res.reason}", "decode", retryable=True
+                ))
+            self.forget(res.request_id)
         return bool(results)
-
-    def _report_lost_transfer(self, request_id: str, raw_meta: bytes, reason: str) -> None:
-        """Tell the request's router at once (it continues the request elsewhere), not only the log."""
-        try:
-            meta = self._checked_meta(request_id, raw_meta)
-        except ProtocolError:
-            return  # nobody to tell: the meta names no router we can trust
-        self._send(meta.request.reply_to, self.error_output(
-            request_id, f"KV transfer failed: {reason}", "decode", retryable=True
-        ))
 
     @staticmethod
     def _checked_meta(request_id: str, raw_meta: bytes) -> TransferMeta:
@@ -98,28 +120,6 @@ class DecodeService(EngineService):
         if meta.request.request_id != request_id:
             raise ProtocolError("transfer meta names another request")
         return meta
-
-    def _admit_transferred(self, request_id: str, raw_meta: bytes) -> None:
-        try:
-            meta = self._checked_meta(request_id, raw_meta)
-        except ProtocolError as exc:
-            logger.warning("dropping transfer %s: %s", request_id, exc)
-            self.engine.kv.free(request_id)
-            return
-        msg = meta.request
-        try:
-            self.engine.validate(msg.prompt_token_ids, msg.sampling_params, [*msg.output_token_ids, meta.first_token_id])
-            self.engine.add_transferred_request(
-                request_id, msg.prompt_token_ids, meta.first_token_id, msg.sampling_params,
-                num_cached_tokens=meta.num_cached_tokens, cache_salt=msg.cache_salt,
-                output_token_ids=msg.output_token_ids,
-            )
-        except ValueError as exc:
-            self.engine.kv.free(request_id)
-            self.reject(msg, str(exc))
-            return
-        self.heard_from(msg.reply_to)
-        self.records[request_id] = RequestRecord(msg, "decode")
 
     def busy(self) -> bool:
         return super().busy() or self.receiver.num_in_flight > 0

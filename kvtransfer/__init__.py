@@ -6,12 +6,12 @@ report every transfer once as a ``TransferResult``; timeouts, aborts, dead peers
 free the blocks on both sides.
 """
 
-from kvtransfer.block_allocator import Allocation, BlockAllocator
-from kvtransfer.curve import CurveConfig
-from kvtransfer.layout import KVLayout
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.sender import KVSender
+from kvtransfer.blocks.layout import KVLayout
+from kvtransfer.receiving.block_allocator import Allocation, BlockAllocator, Refusal
+from kvtransfer.receiving.receiver import KVReceiver
+from kvtransfer.sending.sender import KVSender
 from kvtransfer.transfer_state import ABORTED, TransferResult, TransferState
+from kvtransfer.wire.curve import CurveConfig
 
 __all__ = [
     "ABORTED",
@@ -21,6 +21,7 @@ __all__ = [
     "KVLayout",
     "KVReceiver",
     "KVSender",
+    "Refusal",
     "TransferResult",
     "TransferState",
 ]

@@ -14,10 +14,10 @@ import logging
 from common.engine.engine import EngineOutput, KVHandoff
 from common.protocol import GenerateRequest, TransferMeta, encode
 from common.service import EngineService, Phase
-from kvtransfer.curve import CurveConfig
-from kvtransfer.layout import KVLayout
-from kvtransfer.sender import KVSender
+from kvtransfer.blocks.layout import KVLayout
+from kvtransfer.sending.sender import KVSender
 from kvtransfer.transfer_state import ABORTED
+from kvtransfer.wire.curve import CurveConfig
 
 logger = logging.getLogger(__name__)
 

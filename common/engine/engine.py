@@ -63,18 +63,8 @@ class EngineStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-class _TransferSeq:
-    """What the KV cache manager needs to allocate blocks for an incoming transfer."""
-
-    def __init__(self, request_id: str, block_hashes: list[BlockHash], num_tokens: int) -> None:
-        self.request_id = request_id
-        self.block_hashes = block_hashes
-        self._num_tokens = num_tokens
-        self.num_computed_tokens = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return self._num_tokens
+# A transfer may be reading or writing these requests' blocks: only ``release_kv`` frees them.
+_TRANSFER_STATES = (RequestStatus.HELD_FOR_TRANSFER, RequestStatus.WAITING_FOR_REMOTE_KV)
 
 
 class LLMEngine:
@@ -96,7 +86,6 @@ class LLMEngine:
         )
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, config.seed)
-        self.transferring: dict[str, Request] = {}
         self._pending: list[EngineOutput] = []
         self.peak_kv_tokens_held = 0
         self.peak_kv_slots_allocated = 0
@@ -168,37 +157,9 @@ class LLMEngine:
 
     def knows(self, request_id: str) -> bool:
         """The id is in use here: queued, running, held for a transfer or receiving one."""
-        return (
-            request_id in self.scheduler.requests
-            or request_id in self.transferring
-            or request_id in self.kv.req_blocks
-        )
+        return request_id in self.scheduler.requests or request_id in self.kv.req_blocks
 
-    def allocate_for_transfer(
-        self, request_id: str, block_hashes: list[BlockHash], num_tokens: int
-    ) -> tuple[list[int], int] | str:
-        """Blocks for ``num_tokens`` of incoming KV: (block_ids, num_cached_blocks) or a reason to wait.
-
-        The blocks are held under ``request_id`` until ``add_transferred_request`` or ``release_kv``.
-        """
-        if request_id in self.kv.req_blocks or request_id in self.scheduler.requests:
-            return f"duplicate request_id {request_id!r}"
-        if num_tokens >= self.max_model_len:
-            return f"{num_tokens} tokens exceed max_model_len {self.max_model_len}"
-        seq = _TransferSeq(request_id, block_hashes[: num_tokens // self.block_size], num_tokens)
-        hits: list = []
-        if self.kv.enable_caching:
-            for h in seq.block_hashes:
-                block = self.kv.pool.get_cached_block(h)
-                if block is None:
-                    break
-                hits.append(block)
-        seq.num_computed_tokens = len(hits) * self.block_size
-        if not self.kv.allocate_slots(seq, num_tokens - seq.num_computed_tokens, hits):
-            return "KV cache full"
-        return self.kv.block_ids(request_id), len(hits)
-
-    def add_transferred_request(
+    def add_remote_request(
         self,
         request_id: str,
         prompt_token_ids: list[int],
@@ -207,56 +168,72 @@ class LLMEngine:
         *,
         num_cached_tokens: int = 0,
         cache_salt: str | None = None,
-        arrival_time: float | None = None,
         output_token_ids: list[int] | None = None,
-    ) -> None:
-        """Continue a request whose KV arrived (blocks from ``allocate_for_transfer``): the KV
-        covers the prompt and ``output_token_ids`` (a continued request's earlier tokens); the
-        prefill instance sampled ``first_token_id`` after them."""
+    ) -> KVHandoff | None:
+        """Hold blocks for a request whose KV another instance computed (it waits for remote KV).
+
+        The KV covers the prompt and ``output_token_ids`` (a continued request's earlier tokens);
+        the prefill instance sampled ``first_token_id`` after them. Returns where the KV lands (its
+        leading blocks already cached here are skipped by the sender), or None (nothing held) when
+        the pool is full now; raises ``ValueError`` for a bad request. Then exactly one of
+        ``remote_kv_arrived`` and ``release_kv``.
+        """
+        outputs = [*(output_token_ids or []), first_token_id]
+        self.validate(prompt_token_ids, params, outputs[:-1])
+        if params.n != 1:
+            raise ValueError("n must be 1 for a request whose KV is transferred")
+        if not 0 <= first_token_id < self.vocab_size:
+            raise ValueError(f"first token id must be in [0, {self.vocab_size})")
+        if self.knows(request_id):
+            raise ValueError(f"duplicate request_id {request_id!r}")
         req = Request(
             request_id, prompt_token_ids, params, block_size=self.block_size, model_id=self.model_id,
-            cache_salt=cache_salt, arrival_time=arrival_time, output_token_ids=output_token_ids,
+            cache_salt=cache_salt, output_token_ids=outputs,
         )
-        req.num_computed_tokens = req.num_tokens
+        num_kv_tokens = req.num_tokens - 1
+        if not self.scheduler.add_remote(req, num_kv_tokens):
+            return None
         req.num_cached_tokens = num_cached_tokens
         # The earlier tokens and the first one were drawn elsewhere from this seed: skip those draws.
-        req.skip_draws(req.num_output_tokens + 1, self.vocab_size)
-        req.append_output_token(first_token_id)
+        req.skip_draws(req.num_output_tokens, self.vocab_size)
+        return self._handoff(req, num_kv_tokens)
+
+    def remote_kv_arrived(self, request_id: str) -> None:
+        """The KV of a request from ``add_remote_request`` is in its blocks: it joins the batch."""
+        req = self.scheduler.requests[request_id]
+        self.scheduler.remote_kv_arrived(request_id, req.num_tokens - 1)
         req.first_token_time = time.monotonic()  # sampled on the prefill instance
-        self.scheduler.requests[request_id] = req
-        self.scheduler.waiting.append(req)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a queued or running request (and its n > 1 children); True if one was found."""
         found = False
         for rid in [request_id, *[r for r in self.scheduler.requests if r.startswith(request_id + "#")]]:
             req = self.scheduler.requests.get(rid)
-            if req is not None:
+            if req is not None and req.status not in _TRANSFER_STATES:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                 self._pending.append(self._output(req, [], None, "abort"))
                 found = True
-        # Blocks held for a KV transfer stay until the transfer's owner reports its end
-        # (``release_kv``): the transfer may still be reading or writing them.
+        # Blocks held for a KV transfer (either side) stay until the transfer's owner reports its
+        # end (``release_kv``): the transfer may still be reading or writing them.
         return found
 
-    def _handoff(self, req: Request) -> KVHandoff:
-        num_tokens = req.num_computed_tokens
+    def _handoff(self, req: Request, num_tokens: int) -> KVHandoff:
         block_ids = self.kv.block_ids(req.request_id)[: self.kv.cdiv(num_tokens)]
         return KVHandoff(block_ids, req.block_hashes[: num_tokens // self.block_size], num_tokens)
 
     @property
     def num_held_for_transfer(self) -> int:
-        return len(self.transferring)
+        """Requests whose blocks a transfer may be using: held for sending or waiting for KV."""
+        return sum(1 for r in self.scheduler.requests.values() if r.status in _TRANSFER_STATES)
 
     def unfinished_request_ids(self) -> list[str]:
-        """Ids of every request queued or running (not those held for a transfer)."""
-        return list(self.scheduler.requests)
+        """Ids of every request queued or running (not those a transfer holds)."""
+        return [r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running)]
 
     def release_kv(self, request_id: str) -> bool:
-        """Free the blocks of a prefill-only request after its transfer ended (ok or not)."""
-        req = self.transferring.pop(request_id, None)
-        self.kv.free(request_id)
-        return req is not None
+        """Free a request a transfer held (held for sending, or waiting for remote KV) once the
+        transfer ended, ok or not; False (nothing done) for any other id."""
+        return self.scheduler.release(request_id) is not None
 
     # ----------------------------------------------------------------- the step
     def has_unfinished_requests(self) -> bool:
@@ -300,10 +277,9 @@ class LLMEngine:
                 self.scheduler.finish(req, status)
                 outputs.append(self._output(req, [token], lp, reason))
             elif req.kv_transfer:
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, keep_blocks=True)
-                self.transferring[req.request_id] = req
+                self.scheduler.hold_for_transfer(req)
                 out = self._output(req, [token], lp, None)
-                out.kv_handoff = self._handoff(req)
+                out.kv_handoff = self._handoff(req, req.num_computed_tokens)
                 outputs.append(out)
             else:
                 outputs.append(self._output(req, [token], lp, None))
@@ -336,7 +312,7 @@ class LLMEngine:
 
     def _track_slot_use(self) -> None:
         """Peak KV tokens held, each slot counted once (blocks are shared by prefix hits and n > 1)."""
-        reqs = [*self.scheduler.running, *self.transferring.values()]
+        reqs = [*self.scheduler.running, *self.scheduler.held(RequestStatus.HELD_FOR_TRANSFER)]
         if sum(r.num_computed_tokens for r in reqs) <= self.peak_kv_tokens_held:
             return  # an upper bound of the count below, so no new peak
         bs = self.block_size

@@ -13,8 +13,12 @@ from common.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    # Decode side of a disaggregated request: blocks allocated, the prompt's KV still landing.
+    WAITING_FOR_REMOTE_KV = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    # Prefill side: first token sampled, blocks held until the KV transfer ends (one release call).
+    HELD_FOR_TRANSFER = 4
     # Finished states sort last.
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11

@@ -6,6 +6,12 @@ decodes are never starved by a long prompt; waiting requests fill what is left o
 budget, a long prompt in chunks. With ``long_prefill_token_threshold`` (as in vLLM), no request
 prefills more than that many tokens in one step, so the rest of the budget goes to the prompts
 queued behind a long one instead of them waiting until it has been prefilled whole.
+
+Disaggregation adds two states that hold blocks outside the batch (see ``RequestStatus``): on a
+prefill instance a request *held for transfer* after its first token, until ``release``; on a
+decode instance a request *waiting for remote KV*, from ``add_remote`` until ``remote_kv_arrived``
+(it joins the queue) or ``release`` (the transfer failed). ``requests`` has every request that
+holds blocks here, whatever its state.
 """
 
 from __future__ import annotations
@@ -74,8 +80,7 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def add(self, request: Request) -> None:
-        """Queue a request; raises ``ValueError`` if it could never fit in the pool."""
+    def _check_new(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
         longest = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len)
@@ -84,8 +89,60 @@ class Scheduler:
                 f"request needs {self.kv.cdiv(longest)} KV blocks at its longest, but the pool has only "
                 f"{self.kv.pool.num_blocks}; lower max_tokens or enlarge the KV cache"
             )
+
+    def add(self, request: Request) -> None:
+        """Queue a request; raises ``ValueError`` if it could never fit in the pool."""
+        self._check_new(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def add_remote(self, request: Request, num_kv_tokens: int) -> bool:
+        """Hold blocks for a request whose first ``num_kv_tokens`` of KV arrive from another
+        instance; its leading cached blocks are reused and count as computed. False (nothing held)
+        when the pool cannot take it now; ``ValueError`` when it never could."""
+        self._check_new(request)
+        hits, num_hit = self.kv.get_computed_blocks(request)
+        num_hit = min(num_hit, num_kv_tokens // self.kv.block_size * self.kv.block_size)
+        hits = hits[: num_hit // self.kv.block_size]
+        request.num_computed_tokens = num_hit
+        if not self.kv.allocate_slots(request, num_kv_tokens - num_hit, hits):
+            request.num_computed_tokens = 0
+            return False
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        return True
+
+    def remote_kv_arrived(self, request_id: str, num_kv_tokens: int) -> None:
+        """The KV of a request from ``add_remote`` has landed: it queues like any other."""
+        req = self.requests[request_id]
+        assert req.status == RequestStatus.WAITING_FOR_REMOTE_KV, req
+        req.num_computed_tokens = num_kv_tokens
+        self.kv.cache_blocks(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def hold_for_transfer(self, req: Request) -> None:
+        """Take a request out of the batch but keep its blocks (and its id) until ``release``."""
+        self.running.remove(req)
+        req.status = RequestStatus.HELD_FOR_TRANSFER
+
+    def release(self, request_id: str) -> Request | None:
+        """End a request held for transfer or waiting for remote KV, and free its blocks; the one
+        call for however the transfer ended. None (nothing done) for any other id."""
+        req = self.requests.get(request_id)
+        if req is None or req.status not in (
+            RequestStatus.HELD_FOR_TRANSFER, RequestStatus.WAITING_FOR_REMOTE_KV
+        ):
+            return None
+        del self.requests[request_id]
+        self.kv.free(request_id)
+        if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            req.status = RequestStatus.FINISHED_ABORTED
+        return req
+
+    def held(self, status: RequestStatus) -> list[Request]:
+        """Requests in ``status`` (for the two transfer states, which no queue lists)."""
+        return [r for r in self.requests.values() if r.status == status]
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -163,8 +220,8 @@ class Scheduler:
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_blocks(s.request)
 
-    def finish(self, req: Request, status: RequestStatus, *, keep_blocks: bool = False) -> None:
-        """Retire a request; its blocks return to the pool unless ``keep_blocks`` (KV transfer)."""
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Retire a request and return its blocks to the pool."""
         req.status = status
         if req in self.running:
             self.running.remove(req)
@@ -172,8 +229,7 @@ class Scheduler:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
         self.requests.pop(req.request_id, None)
-        if not keep_blocks:
-            self.kv.free(req.request_id)
+        self.kv.free(req.request_id)
 
     def add_running(self, req: Request) -> None:
         """Admit a forked child (n > 1) straight into the running set."""

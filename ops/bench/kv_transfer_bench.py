@@ -52,8 +52,8 @@ from common.glibc_env import tuned_env
 from common.kvcache.kv_cache_manager import KVCacheManager
 from common.sampling_params import SamplingParams
 from kvtransfer import Allocation, KVLayout, KVReceiver, KVSender
-from kvtransfer.frames import auto_layers_per_frame
-from kvtransfer.sender import DEFAULT_LAYERS_PER_FRAME
+from kvtransfer.sending.sender import DEFAULT_LAYERS_PER_FRAME
+from kvtransfer.wire.frames import auto_layers_per_frame
 from ops.bench.environ import child_env
 
 _POLL_S = 0.001  # the engine-loop poll interval on both sides (a real engine step is longer)
@@ -115,7 +115,7 @@ class _Pool:
         self.block_size = block_size
 
     def allocate_for_transfer(
-        self, request_id: str, block_hashes: list[bytes], num_tokens: int
+        self, request_id: str, block_hashes: list[bytes], num_tokens: int, meta: bytes = b""
     ) -> Allocation | str:
         # Never "full": a receiver's transfers run one after another, so they never write the
         # same blocks at once, and an offer need not wait for the engine loop to release the last.

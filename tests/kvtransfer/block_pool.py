@@ -20,7 +20,7 @@ class BlockPool:
         self.calls: list[str] = []
 
     def allocate_for_transfer(
-        self, request_id: str, block_hashes: list[bytes], num_tokens: int
+        self, request_id: str, block_hashes: list[bytes], num_tokens: int, meta: bytes = b""
     ) -> Allocation | str:
         self.calls.append(f"allocate {request_id}")
         num_blocks = math.ceil(num_tokens / self.block_size)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvtransfer import KVLayout, KVSender, TransferState
-from kvtransfer.messages import (
+from kvtransfer.wire.messages import (
     Abort,
     Accept,
     Data,

@@ -7,8 +7,10 @@ import torch
 
 from kernels import get_kernels
 from kvtransfer import Allocation, KVLayout
-from kvtransfer.block_allocator import check_allocation
-from kvtransfer.frames import (
+from kvtransfer.blocks.packing import BlockPacker, BlockUnpacker
+from kvtransfer.blocks.staging import StagingPool
+from kvtransfer.receiving.block_allocator import check_allocation
+from kvtransfer.wire.frames import (
     BlockRuns,
     FrameCursor,
     FrameSpec,
@@ -16,8 +18,6 @@ from kvtransfer.frames import (
     check_parts,
     plan_frames,
 )
-from kvtransfer.packing import BlockPacker, BlockUnpacker
-from kvtransfer.staging import StagingPool
 
 
 @pytest.mark.parametrize(
@@ -247,7 +247,7 @@ def test_short_runs_are_packed() -> None:
 
 
 def test_byte_copies_fall_back_to_torch_where_rows_are_not_contiguous() -> None:
-    from kvtransfer.packing import _copy
+    from kvtransfer.blocks.packing import _copy
 
     src = torch.randn(4, 6, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     dst = torch.zeros(6, 4, dtype=torch.bfloat16).t()  # a last stride of 4: no byte view of it

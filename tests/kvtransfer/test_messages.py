@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from common.kvcache.hashing import HASH_SCHEME
 from common.protocol import ProtocolError
 from kvtransfer import KVLayout
-from kvtransfer.messages import (
+from kvtransfer.wire.messages import (
     KV_PROTOCOL_VERSION,
     MAX_BLOCKS_PER_REQUEST,
     Abort,

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from kvtransfer import KVLayout, KVReceiver, KVSender, TransferState
+from kvtransfer import KVLayout, KVReceiver, KVSender, Refusal, TransferState
 from kvtransfer.transfer_state import ABORTED
 from tests.kvtransfer.block_pool import BlockPool
 from tests.kvtransfer.conftest import poll_until, wait_for_state
@@ -297,3 +297,33 @@ def test_closing_fails_live_transfers_and_still_reports_them() -> None:
     assert not result.ok and result.reason == "sender closed" and result.block_ids == [1, 2, 3]
     sender.send("late", "tcp://127.0.0.1:1", [1, 2, 3], [], 12)
     assert [r.reason for r in sender.poll()] == ["sender closed"]
+
+
+class _RefusingPool(BlockPool):
+    """Refuses for good any request whose meta says so (as the engine does a bad or duplicate one)."""
+
+    def allocate_for_transfer(self, request_id, block_hashes, num_tokens, meta=b""):  # type: ignore[no-untyped-def]
+        if meta == b"refuse me":
+            self.calls.append(f"refuse {request_id}")
+            return Refusal("the engine will not take it")
+        return super().allocate_for_transfer(request_id, block_hashes, num_tokens, meta)
+
+
+def test_a_refused_offer_fails_at_once_on_both_sides_without_blocks(peer: PeerProcess) -> None:
+    name = "refused"
+    start_sender(peer, name)
+    kv_cache = make_kv_cache({**SMALL, "seed": 2})
+    pool = _RefusingPool(SMALL["num_blocks"], BLOCK_SIZE)
+    layout = KVLayout.from_kv_cache(kv_cache, "m")
+    # Timeouts far longer than the test: a refusal must not wait for them as a deferral would.
+    receiver = KVReceiver("tcp://127.0.0.1:0", kv_cache, layout, pool, timeout_s=60, defer_timeout_s=60)
+    with receiver:
+        started = time.monotonic()
+        send(peer, name, "no", receiver.address, [1, 2], 8, meta=b"refuse me")
+        [result] = poll_until(receiver)
+        [sent] = peer.wait_results(name)
+        assert time.monotonic() - started < 10
+        assert not result.ok and "the engine will not take it" in (result.reason or "")
+        assert not sent["ok"]
+        assert pool.calls == ["refuse no"] and pool.is_clean()
+    peer.call("close", name=name)

@@ -14,7 +14,7 @@ import stat
 
 import zmq
 
-from kvtransfer.curve import CurveConfig, make_client, make_server
+from kvtransfer.wire.curve import CurveConfig, make_client, make_server
 
 MONITOR_EVENTS = (
     zmq.EVENT_DISCONNECTED

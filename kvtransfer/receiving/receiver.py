@@ -14,18 +14,18 @@ import time
 import zmq
 from torch import Tensor
 
-from kvtransfer.block_allocator import Allocation, BlockAllocator, check_allocation
-from kvtransfer.curve import CurveConfig, start_authenticator
-from kvtransfer.frames import FrameCursor
-from kvtransfer.incoming import Incoming, ReceiverTable
-from kvtransfer.layout import KVLayout
-from kvtransfer.messages import header_limit
-from kvtransfer.packing import BlockUnpacker, wait
-from kvtransfer.receiver_loop import ReceiverLoop, ReceiverStats
-from kvtransfer.sockets import bind_router, bound_address
+from kvtransfer.blocks.layout import KVLayout
+from kvtransfer.blocks.packing import BlockUnpacker, wait
+from kvtransfer.receiving.block_allocator import Allocation, BlockAllocator, Refusal, check_allocation
+from kvtransfer.receiving.incoming import Incoming, ReceiverTable
+from kvtransfer.receiving.receiver_loop import ReceiverLoop, ReceiverStats
 from kvtransfer.transfer_state import ABORTED, TransferResult, TransferState
+from kvtransfer.wire.curve import CurveConfig, start_authenticator
+from kvtransfer.wire.frames import FrameCursor
+from kvtransfer.wire.messages import header_limit
+from kvtransfer.wire.sockets import bind_router, bound_address
 
-__all__ = ["Allocation", "BlockAllocator", "KVReceiver", "ReceiverStats", "TransferResult"]
+__all__ = ["Allocation", "BlockAllocator", "KVReceiver", "ReceiverStats", "Refusal", "TransferResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -179,10 +179,16 @@ class KVReceiver:
         """One allocation attempt; ``True`` once the offer is resolved (accepted or failed)."""
         request_id = record.request_id
         try:
-            outcome = self.allocator.allocate_for_transfer(request_id, record.block_hashes, record.num_tokens)
+            outcome = self.allocator.allocate_for_transfer(
+                request_id, record.block_hashes, record.num_tokens, record.meta
+            )
         except Exception as exc:
             logger.exception("allocate_for_transfer(%r) raised", request_id)
             if self._table.close(record, False, f"allocator failed: {exc!r}"):
+                self._table.tell_sender(record, "abort")
+            return True
+        if isinstance(outcome, Refusal):
+            if self._table.close(record, False, f"refused: {outcome.reason}"):
                 self._table.tell_sender(record, "abort")
             return True
         if isinstance(outcome, str):

@@ -17,12 +17,15 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from common.protocol import ProtocolError
-from kvtransfer.frames import FrameSpec, check_parts
-from kvtransfer.handshake import NO_HANDSHAKE, Handshakes
-from kvtransfer.incoming import Incoming, ReceiverTable
-from kvtransfer.layout import KVLayout
+from kvtransfer.blocks.layout import KVLayout
+from kvtransfer.blocks.packing import BlockUnpacker, use_one_cpu_thread, wait
 from kvtransfer.log_limit import RateLimitedLog
-from kvtransfer.messages import (
+from kvtransfer.receiving.handshake import NO_HANDSHAKE, Handshakes
+from kvtransfer.receiving.incoming import Incoming, ReceiverTable
+from kvtransfer.receiving.receiver_outbox import ReceiverOutbox
+from kvtransfer.transfer_state import ABORTED, TransferResult, TransferState
+from kvtransfer.wire.frames import FrameSpec, check_parts
+from kvtransfer.wire.messages import (
     Abort,
     Data,
     Done,
@@ -30,10 +33,7 @@ from kvtransfer.messages import (
     Offer,
     decode_from_sender,
 )
-from kvtransfer.packing import BlockUnpacker, use_one_cpu_thread, wait
-from kvtransfer.receiver_outbox import ReceiverOutbox
-from kvtransfer.sockets import MONITOR_EVENTS, bound_address, describe_event, remove_ipc_file
-from kvtransfer.transfer_state import ABORTED, TransferResult, TransferState
+from kvtransfer.wire.sockets import MONITOR_EVENTS, bound_address, describe_event, remove_ipc_file
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-from kvtransfer.layout import KVLayout
-from kvtransfer.messages import Hello, HelloReply
+from kvtransfer.blocks.layout import KVLayout
+from kvtransfer.wire.messages import Hello, HelloReply
 
 logger = logging.getLogger(__name__)
 

@@ -17,14 +17,22 @@ class Allocation:
     num_cached_blocks: int = 0
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """The engine will never take this transfer (a bad or duplicate request): fail it now."""
+
+    reason: str
+
+
 class BlockAllocator(Protocol):
     """Implemented by the decode engine. The receiver calls it only from ``KVReceiver.poll``,
     ``abort`` and ``close``, i.e. on the engine's own thread."""
 
     def allocate_for_transfer(
-        self, request_id: str, block_hashes: list[bytes], num_tokens: int
-    ) -> Allocation | str:
-        """Take blocks for a transfer, or return a reason to defer (pool full); called again later."""
+        self, request_id: str, block_hashes: list[bytes], num_tokens: int, meta: bytes
+    ) -> Allocation | Refusal | str:
+        """Take blocks for a transfer; or refuse it for good; or return a reason to defer (pool
+        full), and be called again later. ``meta`` is the sender's opaque request description."""
         ...
 
     def release_transfer(self, request_id: str) -> None:

@@ -18,14 +18,14 @@ import threading
 import torch
 from torch import Tensor
 
-from kvtransfer.curve import CurveConfig
-from kvtransfer.layout import KVLayout
-from kvtransfer.messages import MAX_BLOCKS_PER_REQUEST, MAX_HASH_BYTES, MAX_META_BYTES
-from kvtransfer.outgoing import Outgoing
-from kvtransfer.sender_loop import SenderLoop
-from kvtransfer.sockets import Waker
+from kvtransfer.blocks.layout import KVLayout
+from kvtransfer.sending.outgoing import Outgoing
+from kvtransfer.sending.sender_loop import SenderLoop
 from kvtransfer.state_board import StateBoard
 from kvtransfer.transfer_state import TransferResult, TransferState
+from kvtransfer.wire.curve import CurveConfig
+from kvtransfer.wire.messages import MAX_BLOCKS_PER_REQUEST, MAX_HASH_BYTES, MAX_META_BYTES
+from kvtransfer.wire.sockets import Waker
 
 DEFAULT_LAYERS_PER_FRAME = 0  # 0: per transfer, as many layers as make a frame of about 4 MiB
 DEFAULT_MAX_FRAME_BYTES = 16 << 20

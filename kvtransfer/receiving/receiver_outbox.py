@@ -12,9 +12,9 @@ from collections import OrderedDict
 
 import zmq
 
-from kvtransfer.incoming import Incoming, ReceiverTable
-from kvtransfer.messages import Abort, Accept, Defer, Done, encode
+from kvtransfer.receiving.incoming import Incoming, ReceiverTable
 from kvtransfer.transfer_state import TransferState
+from kvtransfer.wire.messages import Abort, Accept, Defer, Done, encode
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import zmq
 
-from kvtransfer.frames import FrameSpec
-from kvtransfer.packing import BlockIds, PackedFrame
+from kvtransfer.blocks.packing import BlockIds, PackedFrame
 from kvtransfer.transfer_state import TransferResult, TransferState
+from kvtransfer.wire.frames import FrameSpec
 
 
 @dataclass(eq=False)

@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterable
 
 import zmq
 
-from kvtransfer.messages import Data, encode
-from kvtransfer.outgoing import Outgoing, Peer
-from kvtransfer.packing import BlockPacker, PackedFrame
+from kvtransfer.blocks.packing import BlockPacker, PackedFrame
+from kvtransfer.sending.outgoing import Outgoing, Peer
 from kvtransfer.transfer_state import TransferState
+from kvtransfer.wire.messages import Data, encode
 
 InFlight = list[tuple[zmq.MessageTracker, PackedFrame]]
 

@@ -17,7 +17,7 @@ from typing import Annotated
 import msgspec
 
 from common.protocol import MAX_ID_LEN, decode_checked
-from kvtransfer.layout import KVLayout
+from kvtransfer.blocks.layout import KVLayout
 
 KV_PROTOCOL_VERSION = 2  # 2: a Data frame may come in several parts
 MAX_HASH_BYTES = 64

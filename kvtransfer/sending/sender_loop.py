@@ -19,11 +19,15 @@ from torch import Tensor
 from zmq.utils.monitor import recv_monitor_message
 
 from common.protocol import ProtocolError
-from kvtransfer.curve import CurveConfig
-from kvtransfer.frame_pump import FramePump
-from kvtransfer.frames import auto_layers_per_frame, plan_frames
-from kvtransfer.layout import KVLayout
-from kvtransfer.messages import (
+from kvtransfer.blocks.layout import KVLayout
+from kvtransfer.blocks.packing import BlockPacker, use_one_cpu_thread
+from kvtransfer.sending.frame_pump import FramePump
+from kvtransfer.sending.outgoing import Outgoing, Peer
+from kvtransfer.state_board import StateBoard
+from kvtransfer.transfer_state import ABORTED, TransferState
+from kvtransfer.wire.curve import CurveConfig
+from kvtransfer.wire.frames import auto_layers_per_frame, plan_frames
+from kvtransfer.wire.messages import (
     Abort,
     Accept,
     Defer,
@@ -35,11 +39,7 @@ from kvtransfer.messages import (
     encode,
     header_limit,
 )
-from kvtransfer.outgoing import Outgoing, Peer
-from kvtransfer.packing import BlockPacker, use_one_cpu_thread
-from kvtransfer.sockets import MONITOR_EVENTS, Waker, connect_dealer, describe_event
-from kvtransfer.state_board import StateBoard
-from kvtransfer.transfer_state import ABORTED, TransferState
+from kvtransfer.wire.sockets import MONITOR_EVENTS, Waker, connect_dealer, describe_event
 
 logger = logging.getLogger(__name__)
 

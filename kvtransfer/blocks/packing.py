@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 
 from kernels import get_kernels
-from kvtransfer.frames import BlockRuns, FrameSpec, layer_group
-from kvtransfer.layout import KVLayout
-from kvtransfer.staging import StagingPool
+from kvtransfer.blocks.layout import KVLayout
+from kvtransfer.blocks.staging import StagingPool
+from kvtransfer.wire.frames import BlockRuns, FrameSpec, layer_group
 
 # A plane smaller than this is packed instead (ZMQ copies small zero-copy parts anyway).
 MIN_ZERO_COPY_PLANE_BYTES = 64 << 10

@@ -16,12 +16,12 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtransfer.block_allocator import Allocation
-from kvtransfer.frames import FrameCursor
-from kvtransfer.packing import BlockIds
-from kvtransfer.sockets import Waker
+from kvtransfer.blocks.packing import BlockIds
+from kvtransfer.receiving.block_allocator import Allocation
 from kvtransfer.state_board import StateBoard
 from kvtransfer.transfer_state import TransferResult, TransferState
+from kvtransfer.wire.frames import FrameCursor
+from kvtransfer.wire.sockets import Waker
 
 MAX_EARLY_ABORTS = 65536
 

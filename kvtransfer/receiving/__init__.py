@@ -1,0 +1,1 @@
+"""The decode side: ``KVReceiver``, its I/O thread and outbox, the handshake, the engine's allocator."""

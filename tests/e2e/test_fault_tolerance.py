@@ -79,6 +79,12 @@ def repair(s: Stack) -> None:
     s.wait_ready(1, 2, timeout_s=300)
 
 
+def kill(proc: Any) -> None:
+    """SIGKILL and reap, so ``repair`` sees the process as dead."""
+    proc.popen.kill()
+    proc.popen.wait(30)
+
+
 def registry_view(s: Stack) -> dict[str, Any]:
     from common.registry import Registry
 
@@ -138,7 +144,7 @@ def test_decode_killed_mid_stream_continues_elsewhere(stack, client):  # type: i
     def kill_holder(num_chunks: int) -> None:
         if num_chunks == 4 and not killed:
             victim = wait_until(lambda: running_on(stack, DECODES), 30, "a decode holding the stream")
-            stack.procs[victim].popen.kill()
+            kill(stack.procs[victim])
             killed.append(victim)
 
     text = stream_text(client, kwargs, kill_holder)
@@ -168,7 +174,7 @@ def test_decode_killed_during_a_non_streaming_request(stack, client):  # type: i
         return None
 
     victim = wait_until(holder_with_progress, 120, "a decode to stream 5 tokens")
-    stack.procs[victim].popen.kill()
+    kill(stack.procs[victim])
     worker.join(300)
     assert "error" not in result, result
     repair(stack)
@@ -185,7 +191,7 @@ def test_prefill_killed_before_its_first_token(stack, client):  # type: ignore[n
     worker = threading.Thread(target=lambda: result.update(text=stream_text(client, kwargs, lambda n: None)))
     worker.start()
     wait_until(lambda: running_on(stack, ("prefill-f",)), 120, "the prefill to start the prompt")
-    stack.procs["prefill-f"].popen.kill()
+    kill(stack.procs["prefill-f"])
     worker.join(300)
     assert "text" in result, "the streamed request failed"
     repair(stack)
@@ -208,7 +214,7 @@ def test_prefill_killed_mid_transfer(stack, client):  # type: ignore[no-untyped-
 
     def kill_prefill_then_resume(num_chunks: int) -> None:
         if num_chunks == 1:
-            stack.procs["prefill-f"].popen.kill()
+            kill(stack.procs["prefill-f"])
             killed_while_paused.append(not watchdog.finished.is_set())
             resume_decodes()
 
@@ -256,7 +262,8 @@ def test_router_killed_engines_free_its_requests_within_the_lease(stack, client)
     threading.Thread(target=orphan, daemon=True).start()
     wait_until(started.is_set, 120, "the stream to start")
     busy = wait_until(lambda: running_on(stack, DECODES), 30, "a decode holding the stream")
-    stack.procs["router"].popen.kill()
+    wait_until(lambda: registry_view(stack)[busy].num_blocks_in_use > 0, 30, "the registry to show its blocks")
+    kill(stack.procs["router"])
     killed_at = time.monotonic()
     wait_until(lambda: registry_view(stack)[busy].num_blocks_in_use == 0, 60, "the orphan's blocks to be freed")
     # The lease (6 s here) plus a heartbeat or two, not the request's 400 tokens.

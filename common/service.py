@@ -256,8 +256,8 @@ class EngineService:
                     self.on_generate(msg)
             except Exception:  # one message's failure fails that message, never the engine
                 logger.exception("handling a %s failed", type(msg).__name__)
-                if isinstance(msg, GenerateRequest):
-                    self.fail(msg.request_id, "internal error while admitting the request")
+                if isinstance(msg, GenerateRequest) and msg.request_id not in self.records:
+                    self.reject(msg, "internal error while admitting the request")
 
     def _step(self) -> None:
         """One engine step; an exception fails the requests in the engine, not the process."""

@@ -1,0 +1,175 @@
+"""An engine's control socket, spoken to directly as a router would: bad messages fail alone.
+
+Real prefill and decode processes and a raw ZMQ client in place of the router. A duplicate id
+fails the duplicate, not the original; a decode target the sender cannot use fails that request
+and the prefill keeps serving; an engine sends progress to the routers it serves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from common.protocol import (
+    AbortRequest,
+    DecodeTarget,
+    EngineProgress,
+    GenerateRequest,
+    RequestOutput,
+    RouterHeartbeat,
+    decode_output,
+    encode,
+)
+from common.registry import Registry
+from common.sampling_params import SamplingParams
+from tests.conftest import RedisServer
+from tests.e2e.stack import Stack
+from tests.engine.conftest import model_path, prompt_ids
+
+pytestmark = pytest.mark.timeout(600)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+class FakeRouter:
+    """A PULL socket for outputs and a PUSH socket per engine, as the router has."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        port = self.pull.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.ctx = ctx
+        self.pushes: dict[str, zmq.Socket] = {}
+
+    def send(self, address: str, msg: Any) -> None:
+        if address not in self.pushes:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self.pushes[address] = sock
+        self.pushes[address].send(encode(msg))
+
+    def until_finished(self, request_id: str, timeout_s: float = 120.0) -> list[RequestOutput]:
+        """Every output of ``request_id`` until it finishes; progress messages are skipped."""
+        outs: list[RequestOutput] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.pull.poll(200):
+                continue
+            msg = decode_output(self.pull.recv())
+            if isinstance(msg, RequestOutput) and msg.request_id == request_id:
+                outs.append(msg)
+                if msg.finish_reason is not None:
+                    return outs
+        raise AssertionError(f"{request_id} did not finish in {timeout_s}s: {outs}")
+
+    def close(self) -> None:
+        for sock in [self.pull, *self.pushes.values()]:
+            sock.close(0)
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[tuple[Stack, dict[str, Any]]]:
+    redis = RedisServer()
+    s = Stack(redis_url=redis.url, model=model_path())
+    s.start_engine("prefill", "prefill-c")
+    s.start_engine("decode", "decode-c")
+    try:
+        deadline = time.monotonic() + 300
+        infos: dict[str, Any] = {}
+        while len(infos) < 2:
+            assert time.monotonic() < deadline, "engines did not register"
+            for proc in s.procs.values():
+                assert proc.popen.poll() is None, proc.log()
+            infos = {i.instance_id: i for i in Registry(redis.url).instances()}
+            time.sleep(0.3)
+        yield s, infos
+    finally:
+        s.stop()
+        redis.stop()
+
+
+@pytest.fixture
+def router() -> Iterator[FakeRouter]:
+    ctx = zmq.Context()
+    r = FakeRouter(ctx)
+    yield r
+    r.close()
+    ctx.term()
+
+
+def _request(request_id: str, reply_to: str, **kw: Any) -> GenerateRequest:
+    return GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids()[0]),
+                           sampling_params=GREEDY, reply_to=reply_to, **kw)
+
+
+def test_a_duplicate_id_fails_the_duplicate_and_the_original_finishes(engines, router):  # type: ignore[no-untyped-def]
+    s, infos = engines
+    decode = infos["decode-c"].control_address
+    other = FakeRouter(router.ctx)
+    try:
+        router.send(decode, _request("dup", router.address))
+        router.send(decode, _request("dup", other.address))
+        [refused] = other.until_finished("dup")
+        assert refused.finish_reason == "error" and "duplicate" in (refused.error or "")
+        assert not refused.retryable
+        outs = router.until_finished("dup")
+        assert outs[-1].finish_reason == "length"
+        assert sum(len(o.new_token_ids) for o in outs) == GREEDY.max_tokens
+    finally:
+        other.close()
+
+
+def test_an_unusable_decode_target_fails_that_request_and_the_prefill_keeps_serving(engines, router):  # type: ignore[no-untyped-def]
+    s, infos = engines
+    prefill, decode = infos["prefill-c"], infos["decode-c"]
+    bad = _request("bad-target", router.address, decode_target=DecodeTarget(instance_id="x", kv_address="x"))
+    router.send(prefill.control_address, bad)
+    outs = router.until_finished("bad-target")
+    assert outs[-1].finish_reason == "error", outs
+    assert s.procs["prefill-c"].popen.poll() is None, "one message killed the prefill"
+    good = _request("good-target", router.address,
+                    decode_target=DecodeTarget(instance_id=decode.instance_id, kv_address=decode.kv_address))
+    router.send(prefill.control_address, good)
+    outs = router.until_finished("good-target")
+    assert outs[-1].finish_reason == "length"
+    assert [o.phase for o in outs][0] == "prefill" and {o.phase for o in outs[1:]} == {"decode"}
+
+
+def test_engines_send_progress_to_a_leased_router_and_abort_its_requests_when_it_goes_silent(engines, router):  # type: ignore[no-untyped-def]
+    s, infos = engines
+    decode = infos["decode-c"].control_address
+    router.send(decode, RouterHeartbeat(reply_to=router.address))
+    deadline = time.monotonic() + 30
+    while True:
+        assert time.monotonic() < deadline, "no progress message from the engine"
+        if router.pull.poll(200):
+            msg = decode_output(router.pull.recv())
+            if isinstance(msg, EngineProgress):
+                assert msg.instance_id == "decode-c" and not msg.draining
+                break
+    # A long request, then silence: the engine's lease on this router (10 s by default) lapses
+    # and the request is aborted, its blocks freed, long before its 2,000 tokens.
+    long = GenerateRequest(request_id="orphan", prompt_token_ids=list(prompt_ids()[0]), reply_to=router.address,
+                           sampling_params=SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True))
+    router.send(decode, long)
+    registry = Registry(s.redis_url)
+
+    def blocks_in_use() -> int:
+        info = next(i for i in registry.instances() if i.instance_id == "decode-c")
+        return info.num_blocks_in_use
+
+    deadline = time.monotonic() + 30
+    while blocks_in_use() == 0:
+        assert time.monotonic() < deadline, "the request never held blocks"
+        time.sleep(0.2)
+    started = time.monotonic()
+    while blocks_in_use() > 0:
+        assert time.monotonic() - started < 60, "the silent router's request was not aborted"
+        time.sleep(0.2)
+    router.send(decode, AbortRequest(request_id="orphan"))  # harmless now: unknown ids are ignored

@@ -42,7 +42,8 @@ class FakeEngine(threading.Thread):
     """``mode``: "ok", "error" (answers with an error output), "silent" (never answers),
     "transfer-fail-once" (the first request fails as a lost KV transfer, later ones are "ok") or
     "lose-midstream-once" (after its third token, the first request this engine streams fails as
-    lost, retryable; later ones are "ok"). A continued request (``output_token_ids``) resumes
+    lost, retryable; later ones are "ok") or "stall-once" (after its third token, the first request
+    it streams gets nothing more, while the engine stays registered, as a step that never ends). A continued request (``output_token_ids``) resumes
     the canned tokens after the ones it already has."""
 
     def __init__(
@@ -201,6 +202,9 @@ class FakeEngine(threading.Thread):
             active.next_time = now + self.token_delay_s
             if active.produced >= self._limit(active.request):
                 del self._active[request_id]
+            elif self.mode == "stall-once" and active.produced == 3:
+                self.mode = "ok"
+                del self._active[request_id]  # silence from here on for this request
             elif self.mode == "lose-midstream-once" and active.produced == 3:
                 self.mode = "ok"
                 del self._active[request_id]

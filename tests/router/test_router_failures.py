@@ -85,6 +85,25 @@ def test_request_lost_midstream_continues_elsewhere_without_a_lost_or_repeated_t
         assert len(continued) == 1 and len(continued[0].output_token_ids) == 3
 
 
+def test_a_stalled_engine_that_stays_registered_is_taken_for_dead_and_the_request_continues(
+    redis_url: str, prompts: Any
+) -> None:
+    """No output and no progress for longer than the stall timeout: the router continues the
+    request elsewhere although the registry still lists the instance (its heartbeat thread lives)."""
+    body = {"model": SERVED_MODEL, "prompt": PROMPT, "max_tokens": 6}
+    with running(redis_url, prompts, cluster_kw={"decode_mode": "stall-once"}, engine_stall_timeout_s=1.0) as (
+        server, cluster,
+    ):
+        started = time.monotonic()
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == " one two three four five six"
+        assert time.monotonic() - started < 20
+        [continued] = [r for r in cluster.requests() if r.request_id.endswith(".m1")]
+        assert len(continued.output_token_ids) == 3
+        assert wait_until(lambda: any(a.endswith("-0") for a in cluster.aborts().get("decode-0", [])))
+
+
 def test_silent_engine_times_out_with_504_and_abort(redis_url: str, prompts: Any) -> None:
     with running(redis_url, prompts, cluster_kw={"mode": "silent"}, request_timeout_s=0.5) as (
         server,

@@ -42,7 +42,7 @@ from typing import Any
 from ops.bench import chaos_report
 from ops.bench.chaos_client import ChaosResult, ClientSettings, Progress, run_pass
 from ops.bench.chaos_compare import request_rows, summarize_rows
-from ops.bench.chaos_faults import Fault, FaultInjector
+from ops.bench.chaos_faults import Fault, FaultInjector, RollingRestart
 from ops.bench.chaos_stack import (
     UpStack,
     children_summary,
@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between faults, jittered +-25%% (0: no faults, the two passes only)")
     f.add_argument("--stop-seconds", type=float, default=30.0,
                    help="how long the second fault keeps an engine SIGSTOPped (0: kills only)")
+    f.add_argument("--rolling-restart", action="store_true",
+                   help="instead of kills and stops: SIGTERM every engine once, one at a time, each "
+                        "restarted by pdserve up before the next (a rolling update under load)")
     f.add_argument("--idle-timeout", type=float, default=60.0,
                    help="seconds to wait after the chaos pass for every instance to be back and hold 0 KV blocks")
     f.add_argument("--out", default=None,
@@ -157,7 +160,13 @@ def run_one_pass(
     zero = time.monotonic()
     progress = Progress(name, len(requests))
     with contextlib.ExitStack() as stack:
-        injector = stack.enter_context(FaultInjector(zero=zero, **injector_args)) if injector_args else None
+        injector: FaultInjector | RollingRestart | None = None
+        if injector_args is not None:
+            args = dict(injector_args)
+            if args.pop("rolling", None) is None:
+                injector = stack.enter_context(FaultInjector(zero=zero, **args))
+            else:
+                injector = stack.enter_context(RollingRestart(zero=zero, **args))
         results = asyncio.run(run_pass(settings, requests, concurrency, zero, progress))
     duration = time.monotonic() - zero
     if injector is None:
@@ -178,7 +187,12 @@ def measure(args: argparse.Namespace, url: str, log_dir: Path | None, builder: P
     expected = ready_counts(url)  # what the router serves with before any fault
     reference, _, _, ref_duration = run_one_pass("reference", settings, requests, args.concurrency, None)
     injector_args = None
-    if args.kill_interval > 0 and log_dir is not None:
+    if args.rolling_restart and log_dir is not None:
+        injector_args = {
+            "rolling": True, "children_path": log_dir / "children.json", "expected": expected,
+            "serving": lambda: ready_counts(url),
+        }
+    elif args.kill_interval > 0 and log_dir is not None:
         injector_args = {
             "children_path": log_dir / "children.json", "interval_s": args.kill_interval,
             "stop_s": args.stop_seconds, "seed": args.seed, "serving": lambda: ready_counts(url),

@@ -187,3 +187,61 @@ class FaultInjector:
             send_signal(target.pid, signal.SIGCONT)
             fault.end_s = self.now()
             print(f"  fault t={fault.end_s:.1f}s: SIGCONT {target.name}", flush=True)
+
+
+class RollingRestart:
+    """A rolling update under load: SIGTERM every engine once, one at a time, from a thread.
+
+    Each engine drains (finishes or hands back what it holds) and exits; ``pdserve up`` starts it
+    again; the next one gets its SIGTERM only when the restarted one has a new pid and the router
+    serves with as many instances as ``expected`` again. Same interface as ``FaultInjector``; a
+    ``Fault`` of kind "term" spans each engine's SIGTERM to its return.
+    """
+
+    def __init__(
+        self, children_path: str | Path, zero: float, serving: Callable[[], Mapping[str, int] | None],
+        expected: Mapping[str, int], timeout_s: float = 300.0,
+    ) -> None:
+        self.children_path = Path(children_path)
+        self.zero, self.serving, self.expected, self.timeout_s = zero, serving, dict(expected), timeout_s
+        self.faults: list[Fault] = []
+        self.num_skipped = 0  # engines that did not come back within the timeout
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="rolling-restart")
+
+    def __enter__(self) -> RollingRestart:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._halt.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def now(self) -> float:
+        return time.monotonic() - self.zero
+
+    def _back(self, name: str, old_pid: int) -> bool:
+        child = read_children(self.children_path).get(name)
+        if child is None or child.pid == old_pid or not pid_alive(child.pid):
+            return False
+        serving = self.serving() or {}
+        return all(serving.get(role, 0) >= n for role, n in self.expected.items() if role in ENGINE_ROLES)
+
+    def _run(self) -> None:
+        children = read_children(self.children_path)
+        for name in sorted(n for n, c in children.items() if c.role in ENGINE_ROLES):
+            child = read_children(self.children_path).get(name)
+            if self._halt.is_set() or child is None or not send_signal(child.pid, signal.SIGTERM):
+                continue
+            t = self.now()
+            fault = Fault("term", name, child.pid, t, t)
+            self.faults.append(fault)
+            print(f"  fault t={t:.1f}s: SIGTERM {name} (pid {child.pid}), rolling restart", flush=True)
+            deadline = time.monotonic() + self.timeout_s
+            while not self._back(name, child.pid):
+                if self._halt.wait(0.2) or time.monotonic() > deadline:
+                    self.num_skipped += 1
+                    break
+            fault.end_s = self.now()
+            print(f"  fault t={fault.end_s:.1f}s: {name} is back", flush=True)

@@ -133,3 +133,37 @@ def test_up_stack_reports_a_launcher_that_exits_before_ready(tmp_path: Path) -> 
     up.argv = [sys.executable, "-c", "print('no redis here'); raise SystemExit(3)"]
     with pytest.raises(RuntimeError, match=r"exited with code 3:\nno redis here"), up:
         pass
+
+
+def test_rolling_restart_terms_each_engine_once_and_waits_for_its_return(
+    stack: tuple[Path, dict[str, subprocess.Popen[bytes]]],
+) -> None:
+    """A stand-in launcher restarts each engine that exits; the next SIGTERM waits for that."""
+    path, procs = stack
+    serving = {"prefill": 2, "decode": 2}
+    restarted: list[str] = []
+
+    def supervise() -> None:  # what ``pdserve up`` does: a new pid in children.json
+        data = json.loads(path.read_text())
+        for name, proc in list(procs.items()):
+            if proc.poll() is not None and name not in ("router", "redis"):
+                procs[name] = subprocess.Popen(["sleep", "60"])
+                data[name]["pid"] = procs[name].pid
+                restarted.append(name)
+        path.write_text(json.dumps(data))
+
+    from ops.bench.chaos_faults import RollingRestart
+
+    with RollingRestart(path, zero=time.monotonic(), serving=lambda: serving, expected=serving) as rolling:
+        deadline = time.monotonic() + 20
+        while len(rolling.faults) < 4 or rolling.faults[-1].end_s == rolling.faults[-1].start_s:
+            assert time.monotonic() < deadline, rolling.faults
+            supervise()
+            time.sleep(0.05)
+    assert [f.kind for f in rolling.faults] == ["term"] * 4
+    assert [f.target for f in rolling.faults] == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+    assert restarted == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+    for earlier, later in zip(rolling.faults, rolling.faults[1:], strict=False):
+        assert later.start_s >= earlier.end_s  # one at a time
+    assert rolling.num_skipped == 0
+    assert procs["router"].poll() is None and procs["redis"].poll() is None

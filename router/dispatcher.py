@@ -141,7 +141,7 @@ class EngineRequest:
         )
         self.closed = False
         self._first_seen = self._decode_seen = False
-        self.dispatcher.metrics.retries.inc()
+        self.dispatcher.metrics.migrations.inc()
 
     def _awaiting_prefill(self) -> bool:
         return len(self.holders) == 2 and not self._first_seen

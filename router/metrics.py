@@ -79,9 +79,10 @@ class RouterMetrics:
         self.routed = Counter(
             "pdserve:router_requests_routed", "Engine requests sent, by path.", ["path"], registry=r
         )
-        self.retries = Counter(
-            "pdserve:router_request_retries",
-            "Engine requests sent again after their instance or transfer failed before any output.",
+        self.migrations = Counter(
+            "pdserve:request_migrations",
+            "Requests continued on another instance (prompt + tokens streamed so far) after theirs "
+            "died, stalled, drained or lost the KV transfer.",
             registry=r,
         )
         self.prefix_hit_blocks = Counter(

@@ -57,7 +57,7 @@ def test_lost_transfer_before_any_output_is_sent_again_and_succeeds(redis_url: s
         ids = [r.request_id for r in cluster.requests()]
         assert len(ids) == 2 and ids[1] == ids[0] + ".m1"
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-        assert "pdserve:router_request_retries_total 1.0" in metrics
+        assert "pdserve:request_migrations_total 1.0" in metrics
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -32,6 +32,8 @@ x-pdserve: &pdserve
   volumes:
     - models:/models
   restart: unless-stopped
+  # On SIGTERM an engine drains (--drain-timeout, 30 s) before it exits: give it that and more.
+  stop_grace_period: 45s
 
 x-needs-model: &needs-model
   <<: *pdserve

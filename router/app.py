@@ -15,7 +15,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.dispatcher import EngineRequestError
 from router.errors import APIError, bad_request, install_error_handlers
-from router.openai_responses import ModelCard, ModelList
+from router.openai_models import ChatCompletionRequest, CompletionRequest
+from router.openai_responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
+from router.openapi import error_responses, generation_route, install_openapi
 from router.serving import ClientDisconnected, DisconnectWaiter, engine_api_error, wait_for_disconnect
 from router.serving_chat import create_chat_completion
 from router.serving_completions import create_completion
@@ -84,9 +92,13 @@ def create_app(state: RouterState) -> FastAPI:
         finally:
             await state.stop()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json only: the docs pages would load their scripts from a CDN.
+    app = FastAPI(
+        title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json"
+    )
     app.state.router_state = state
     install_error_handlers(app)
+    install_openapi(app)
     app.add_middleware(_ErrorCounter, state=state)
 
     async def generate(request: Request, handler: Handler) -> Response:
@@ -108,15 +120,21 @@ def create_app(state: RouterState) -> FastAPI:
             if leave_now:
                 state.leave()
 
-    @app.post("/v1/completions")
+    # Streamed completions are made of CompletionResponse objects, as OpenAI's are.
+    @app.post(
+        "/v1/completions", **generation_route(CompletionRequest, CompletionResponse, CompletionResponse)
+    )
     async def completions(request: Request) -> Response:
         return await generate(request, create_completion)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        **generation_route(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
+    )
     async def chat_completions(request: Request) -> Response:
         return await generate(request, create_chat_completion)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses={401: error_responses()[401]})
     async def models(request: Request) -> JSONResponse:
         state.api_keys.check(request.headers.get("authorization"))
         created = int(time.time())

@@ -4,7 +4,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.sampling_params import MAX_N
 from router.routing import POLICIES
+
+# Two million tokens: any one prompt with the largest n (16) and no max_tokens fits a 128k context.
+DEFAULT_MAX_TOTAL_TOKENS_PER_REQUEST = MAX_N * 131072
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for. Past a limit the request gets a 400 that names the flag.
+
+    The defaults follow vLLM's server settings where it has one (1024 completion prompts, 4 stop
+    strings, which is also OpenAI's documented limit); ``max_n`` cannot exceed what the engines
+    accept (``MAX_N``).
+    """
+
+    max_prompts_per_request: int = 1024
+    max_n: int = MAX_N
+    max_stop_strings: int = 4
+    max_stop_string_chars: int = 256
+    # n x prompts x max_tokens: the most output tokens one request may ask for; 0 means unlimited.
+    max_total_tokens_per_request: int = DEFAULT_MAX_TOTAL_TOKENS_PER_REQUEST
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompts_per_request", "max_stop_strings", "max_stop_string_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if not 1 <= self.max_n <= MAX_N:
+            raise ValueError(f"max_n must be between 1 and {MAX_N}")
+        if self.max_total_tokens_per_request < 0:
+            raise ValueError("max_total_tokens_per_request must be 0 (unlimited) or positive")
 
 
 @dataclass
@@ -27,6 +57,7 @@ class RouterConfig:
     # Prompts shorter than this go straight to a decode instance; 0 means "one block", -1 never.
     direct_prompt_tokens: int = 0
     refresh_interval_s: float = 0.5
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -9,6 +9,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.openai_responses import ErrorInfo, ErrorResponse
+
 logger = logging.getLogger(__name__)
 
 _TYPES = {
@@ -40,7 +42,8 @@ class APIError(Exception):
         return _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
 
     def body(self) -> dict[str, dict[str, str | None]]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)

@@ -7,7 +7,7 @@ import logging
 import pathlib
 
 from router.auth import keys_from_env
-from router.config import RouterConfig
+from router.config import RequestLimits, RouterConfig
 from router.routing import POLICIES
 
 logger = logging.getLogger("router")
@@ -49,6 +49,39 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=defaults.direct_prompt_tokens,
         help="prompts shorter than this skip prefill instances (0: one block, -1: never)",
+    )
+    limits = RequestLimits()
+    p.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=limits.max_prompts_per_request,
+        help="most prompts in one /v1/completions 'prompt' list (default: %(default)s, as vLLM)",
+    )
+    p.add_argument(
+        "--max-n",
+        type=int,
+        default=limits.max_n,
+        help="largest 'n' (choices per prompt) a request may ask for (default and most: %(default)s)",
+    )
+    p.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=limits.max_stop_strings,
+        help="most 'stop' strings in one request (default: %(default)s, as OpenAI and vLLM)",
+    )
+    p.add_argument(
+        "--max-stop-string-chars",
+        type=int,
+        default=limits.max_stop_string_chars,
+        help="longest 'stop' string in characters (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-total-tokens-per-request",
+        type=int,
+        default=limits.max_total_tokens_per_request,
+        help="most output tokens one request may ask for, n x prompts x max_tokens (a prompt without "
+        "max_tokens counts the room left in its context); 0: unlimited (default: %(default)s, so any "
+        "one prompt with the largest n fits a 128k context)",
     )
     p.add_argument(
         "--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"]
@@ -93,6 +126,13 @@ def main(argv: list[str] | None = None) -> None:
         reply_host=args.reply_host,
         reply_port=args.reply_port,
         direct_prompt_tokens=args.direct_prompt_tokens,
+        limits=RequestLimits(
+            max_prompts_per_request=args.max_prompts_per_request,
+            max_n=args.max_n,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_string_chars=args.max_stop_string_chars,
+            max_total_tokens_per_request=args.max_total_tokens_per_request,
+        ),
     )
     state = RouterState(config, PromptProcessor.from_model_dir(model_dir))
     logger.info(

@@ -1,19 +1,23 @@
 """Request bodies of the OpenAI API (plus vLLM's sampling extras), validated with pydantic.
 
-Type errors come from pydantic; value ranges are checked once, by ``SamplingParams.validate()``.
-Both become 400 errors naming the field (see ``parse_request``).
+Type errors come from pydantic; value ranges are checked once, by ``SamplingParams.validate()``;
+what one request may ask for in all is bounded by the router's ``RequestLimits``. All become 400
+errors naming the field (see ``parse_request``).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from common.sampling_params import MAX_LOGPROBS, SamplingParams
+from router.config import RequestLimits
 from router.errors import bad_request
 
-MAX_STOP_STRINGS = 4
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SCALAR_TYPES = frozenset({int, float, bool, type(None)})
 
 
 class StreamOptions(BaseModel):
@@ -47,19 +51,46 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
 
     def stop_strings(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOP_STRINGS:
-            raise bad_request(f"stop holds at most {MAX_STOP_STRINGS} sequences", param="stop")
-        if any(not s for s in stops):
-            raise bad_request("stop sequences must not be empty", param="stop")
-        return stops
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def check(self) -> None:
-        """Cross-field checks pydantic cannot express; raises a 400 ``APIError``."""
+    def num_prompts(self) -> int:
+        return 1
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def check(self, limits: RequestLimits) -> None:
+        """Cross-field checks pydantic cannot express, and the request ``limits``; raises a 400
+        ``APIError``. Needs no tokenizer, so a request over a limit costs no tokenization."""
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
+        if self.n is not None and self.n > limits.max_n:
+            raise bad_request(f"n must be at most {limits.max_n} (--max-n), got {self.n}", param="n")
+        self._check_stop(limits)
+        requested = self.requested_max_tokens()
+        if requested is not None:
+            check_total_tokens(self.n, [requested] * self.num_prompts(), limits)
+
+    def _check_stop(self, limits: RequestLimits) -> None:
+        stops = self.stop_strings()
+        if len(stops) > limits.max_stop_strings:
+            raise bad_request(
+                f"stop holds at most {limits.max_stop_strings} sequences (--max-stop-strings), "
+                f"got {len(stops)}",
+                param="stop",
+            )
+        for i, stop in enumerate(stops):
+            param = "stop" if isinstance(self.stop, str) else f"stop.{i}"
+            if not stop:
+                raise bad_request("stop sequences must not be empty", param=param)
+            if len(stop) > limits.max_stop_string_chars:
+                raise bad_request(
+                    f"stop sequences are at most {limits.max_stop_string_chars} characters long "
+                    f"(--max-stop-string-chars), got {len(stop)}",
+                    param=param,
+                )
 
     def sampling_params(
         self, max_tokens: int, logprobs: int | None, eos_token_id: int | None, vocab_size: int
@@ -102,8 +133,22 @@ class CompletionRequest(_GenerationRequest):
     suffix: str | None = None
     best_of: int | None = None
 
-    def check(self) -> None:
-        super().check()
+    def num_prompts(self) -> int:
+        """Prompts in ``prompt``; pydantic has made a list's items all of one type."""
+        if isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int):
+            return 1
+        return len(self.prompt)
+
+    def check(self, limits: RequestLimits) -> None:
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise bad_request("prompt must not be empty", param="prompt")
+        if self.num_prompts() > limits.max_prompts_per_request:
+            raise bad_request(
+                f"prompt holds at most {limits.max_prompts_per_request} prompts "
+                f"(--max-prompts-per-request), got {self.num_prompts()}",
+                param="prompt",
+            )
+        super().check(limits)
         if self.echo:
             raise bad_request("echo is not supported", param="echo")
         if self.suffix:
@@ -112,8 +157,6 @@ class CompletionRequest(_GenerationRequest):
             raise bad_request("best_of must equal n", param="best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
-        if isinstance(self.prompt, list) and not self.prompt:
-            raise bad_request("prompt must not be empty", param="prompt")
 
 
 class TextPart(BaseModel):
@@ -150,8 +193,11 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    def check(self) -> None:
-        super().check()
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def check(self, limits: RequestLimits) -> None:
+        super().check(limits)
         if self.tools:
             raise bad_request("tools are not supported", param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -172,18 +218,64 @@ class ChatCompletionRequest(_GenerationRequest):
 RequestT = TypeVar("RequestT", bound=_GenerationRequest)
 
 
-def parse_request(model: type[RequestT], body: Any) -> RequestT:
-    """Validate a decoded JSON body; a 400 naming the first bad field otherwise."""
+def _has_surrogate(text: str) -> bool:
+    return not text.isascii() and _SURROGATE.search(text) is not None
+
+
+def find_invalid_unicode(value: Any) -> tuple[str, str] | None:
+    """``(param, message)`` for the first string or object key of a decoded JSON value that holds a
+    lone surrogate, else None. JSON can escape one (``"\\ud800"``) but it is not Unicode text: the
+    tokenizer, the stop checker and every UTF-8 encoder downstream would fail on it."""
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
+    while stack:
+        path, item = stack.pop()
+        param = ".".join(str(part) for part in path) or "body"
+        if isinstance(item, str):
+            if _has_surrogate(item):
+                return param, f"{param} is not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff)"
+        elif isinstance(item, dict):
+            children: list[tuple[tuple[str | int, ...], Any]] = []
+            for key, child in item.items():
+                if _has_surrogate(key):
+                    return param, f"an object key in {param} is not valid Unicode: it holds a lone surrogate"
+                children.append(((*path, key), child))
+            stack.extend(reversed(children))  # depth first, in document order
+        elif isinstance(item, list) and not set(map(type, item)) <= _SCALAR_TYPES:  # skips token ids fast
+            stack.extend(((*path, i), item[i]) for i in range(len(item) - 1, -1, -1))
+    return None
+
+
+def parse_request(model: type[RequestT], body: Any, limits: RequestLimits) -> RequestT:
+    """Validate a decoded JSON body against ``model`` and ``limits``; a 400 naming the first bad
+    field otherwise."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    invalid = find_invalid_unicode(body)
+    if invalid is not None:
+        param, message = invalid
+        raise bad_request(message, param=param, code="invalid_unicode")
     try:
         request = model.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(part) for part in first["loc"] if not str(part).startswith(("function-", "union")))
         raise bad_request(f"{loc or 'body'}: {first['msg']}", param=loc or None) from None
-    request.check()
+    request.check(limits)
     return request
+
+
+def check_total_tokens(n: int | None, max_tokens_per_prompt: list[int], limits: RequestLimits) -> None:
+    """A 400 when ``n`` samples of every prompt, each up to its ``max_tokens``, could produce more
+    tokens than ``limits.max_total_tokens_per_request``."""
+    limit = limits.max_total_tokens_per_request
+    total = (n or 1) * sum(max_tokens_per_prompt)
+    if limit and total > limit:
+        raise bad_request(
+            f"this request may produce {total} tokens (n={n or 1} x {len(max_tokens_per_prompt)} "
+            f"prompt(s) x max_tokens), more than the limit of {limit} (--max-total-tokens-per-request); "
+            "lower max_tokens or n",
+            param="max_tokens",
+        )
 
 
 def check_max_tokens(

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from router.choice_stream import ChoiceDelta
 from router.logprobs import TokenRenderer, chat_logprobs
-from router.openai_models import ChatCompletionRequest, check_max_tokens, parse_request
+from router.openai_models import ChatCompletionRequest, check_max_tokens, check_total_tokens, parse_request
 from router.openai_responses import (
     ChatChoice,
     ChatCompletionChunk,
@@ -30,16 +30,18 @@ from router.serving import (
 from router.state import RouterState
 
 
-def plan_chat(
+async def plan_chat(
     state: RouterState, body: Any, cache_salt: str | None
 ) -> tuple[ChatCompletionRequest, GenerationPlan]:
-    request = parse_request(ChatCompletionRequest, body)
+    limits = state.config.limits
+    request = parse_request(ChatCompletionRequest, body, limits)
     model = state.check_model(request.model)
-    prompt = state.prompts.chat_prompt(request.template_messages())
-    requested = (
-        request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    max_model_len = state.max_model_len()
+    prompt = await state.prompts.tokenize_chat(request.template_messages(), max_model_len)
+    max_tokens = check_max_tokens(
+        request.requested_max_tokens(), len(prompt), max_model_len, None, "messages"
     )
-    max_tokens = check_max_tokens(requested, len(prompt), state.max_model_len(), None, "messages")
+    check_total_tokens(request.n, [max_tokens], limits)
     params = request.sampling_params(
         max_tokens, request.requested_logprobs(), state.prompts.eos_token_id, state.prompts.vocab_size
     )
@@ -57,7 +59,7 @@ def plan_chat(
 async def create_chat_completion(
     state: RouterState, body: Any, cache_salt: str | None, wait_disconnect: DisconnectWaiter
 ) -> Response:
-    request, plan = plan_chat(state, body, cache_salt)
+    request, plan = await plan_chat(state, body, cache_salt)
     renderer = TokenRenderer(state.prompts.tokenizer) if request.logprobs else None
     if request.stream:
         return await sse_response(

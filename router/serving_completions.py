@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from router.choice_stream import ChoiceDelta
 from router.logprobs import TokenRenderer, completion_logprobs
-from router.openai_models import CompletionRequest, check_max_tokens, parse_request
+from router.openai_models import CompletionRequest, check_max_tokens, check_total_tokens, parse_request
 from router.openai_responses import CompletionChoice, CompletionResponse
 from router.serving import (
     DisconnectWaiter,
@@ -25,13 +25,14 @@ from router.state import RouterState
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
 
-def plan_completion(
+async def plan_completion(
     state: RouterState, body: Any, cache_salt: str | None
 ) -> tuple[CompletionRequest, GenerationPlan]:
-    request = parse_request(CompletionRequest, body)
+    limits = state.config.limits
+    request = parse_request(CompletionRequest, body, limits)
     model = state.check_model(request.model)
-    prompts = state.prompts.completion_prompts(request.prompt)
     max_model_len = state.max_model_len()
+    prompts = await state.prompts.tokenize_completion(request.prompt, max_model_len)
     params = []
     for prompt in prompts:
         max_tokens = check_max_tokens(
@@ -42,6 +43,7 @@ def plan_completion(
                 max_tokens, request.logprobs, state.prompts.eos_token_id, state.prompts.vocab_size
             )
         )
+    check_total_tokens(request.n, [p.max_tokens for p in params], limits)
     plan = GenerationPlan(
         request_id=new_request_id("cmpl"),
         model=model,
@@ -62,7 +64,7 @@ def _logprobs(renderer: TokenRenderer | None, delta_or_result: Any) -> Any:
 async def create_completion(
     state: RouterState, body: Any, cache_salt: str | None, wait_disconnect: DisconnectWaiter
 ) -> Response:
-    request, plan = plan_completion(state, body, cache_salt)
+    request, plan = await plan_completion(state, body, cache_salt)
     renderer = TokenRenderer(state.prompts.tokenizer) if request.logprobs is not None else None
     if request.stream:
         return await sse_response(

@@ -1,19 +1,36 @@
-"""Prompt handling: the model's tokenizer, its chat template, and the context window."""
+"""Prompt handling: the model's tokenizer, its chat template, and the context window.
+
+Tokenizing is the one piece of a request's work that grows with the prompt (a few seconds for a few
+million characters), so it runs in worker threads, never on the event loop that streams every other
+response; the tokenizer's native ``encode`` releases the GIL while it works. Long texts have their
+own threads, so a burst of them queues behind itself, not ahead of everyone's short prompts.
+Before a text is tokenized, its length in characters is held against the context window: a text
+too long to fit whatever its tokens is refused at once (see ``router/token_bound.py``).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
 import pathlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from router.errors import bad_request
+from router.openai_models import PromptInput
+from router.token_bound import token_bound
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 2048
 MAX_PROMPT_CHARS = 4 << 20
+DEFAULT_TOKENIZER_THREADS = min(4, os.cpu_count() or 1)  # per lane: short texts, long texts
+LONG_TEXT_CHARS = 64 << 10  # from here on a text takes tens of milliseconds or more to tokenize
+
+T = TypeVar("T")
 
 
 def _config_max_len(model_dir: pathlib.Path) -> int | None:
@@ -28,15 +45,29 @@ def _config_max_len(model_dir: pathlib.Path) -> int | None:
 
 
 class PromptProcessor:
-    """Turns request prompts into token ids; errors in user input become 400s."""
+    """Turns request prompts into token ids; errors in user input become 400s.
 
-    def __init__(self, tokenizer: Any, max_model_len: int | None = None) -> None:
+    The ``tokenize_*`` coroutines do the tokenizing in worker threads; the other methods run where
+    they are called (``chat_prompt`` and ``encode`` block for as long as the text takes)."""
+
+    def __init__(
+        self, tokenizer: Any, max_model_len: int | None = None, num_threads: int = DEFAULT_TOKENIZER_THREADS
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self.eos_token_id: int | None = tokenizer.eos_token_id
         limit = getattr(tokenizer, "model_max_length", None)
         fallback = limit if isinstance(limit, int) and 0 < limit < 10_000_000 else DEFAULT_MAX_MODEL_LEN
         self.max_model_len = max_model_len or fallback
+        self.token_bound = token_bound(tokenizer)
+        if self.token_bound is None:
+            logger.info(
+                "this tokenizer may drop or merge characters: prompts are measured by tokenizing them"
+            )
+        # Threads of its own: tokenizing must not queue the default executor's work (Redis calls).
+        num_threads = max(1, num_threads)
+        self._short_lane = ThreadPoolExecutor(num_threads, thread_name_prefix="tokenizer-short")
+        self._long_lane = ThreadPoolExecutor(num_threads, thread_name_prefix="tokenizer-long")
 
     @classmethod
     def from_model_dir(cls, model_dir: pathlib.Path) -> PromptProcessor:
@@ -45,42 +76,93 @@ class PromptProcessor:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         return cls(tokenizer, _config_max_len(model_dir))
 
-    def encode(self, text: str, param: str = "prompt") -> list[int]:
+    def check_length(self, text: str, max_model_len: int | None, param: str = "prompt") -> None:
+        """A 400 for a text over ``MAX_PROMPT_CHARS``, or with so many characters that its tokens
+        cannot fit ``max_model_len`` (None: no context check). Never refuses a text that would fit:
+        the token bound is a lower bound on the tokens of any text."""
+        if len(text) > MAX_PROMPT_CHARS:
+            raise bad_request(f"{param} exceeds {MAX_PROMPT_CHARS} characters", param=param)
+        bound = self.token_bound
+        if (
+            bound is None
+            or max_model_len is None
+            or len(text) <= (max_model_len - 1) * bound.max_chars_per_token
+        ):
+            return  # (the common case, decided without counting anything)
+        min_num_tokens = bound.min_num_tokens(text)
+        if min_num_tokens < max_model_len:
+            return
+        raise bad_request(
+            f"the prompt has {len(text)} characters, so at least {min_num_tokens} tokens (a token of this "
+            f"model stands for at most {bound.max_chars_per_token} characters), but this model's maximum "
+            f"context length is {max_model_len} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+    def encode(self, text: str, param: str = "prompt", max_model_len: int | None = None) -> list[int]:
         if not text:
             raise bad_request("prompt must not be empty", param=param)
-        if len(text) > MAX_PROMPT_CHARS:
-            raise bad_request(f"prompt exceeds {MAX_PROMPT_CHARS} characters", param=param)
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
+        self.check_length(text, max_model_len, param)
+        token_ids = list(self.tokenizer.encode(text, add_special_tokens=True))
+        if not token_ids:  # every character was one the tokenizer drops
+            raise bad_request("prompt has no tokens", param=param)
+        return token_ids
 
     def check_token_ids(self, token_ids: Sequence[int], param: str = "prompt") -> list[int]:
         if not token_ids:
             raise bad_request("prompt must not be empty", param=param)
-        if any(not 0 <= t < self.vocab_size for t in token_ids):
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:  # builtins: fast on long lists
             raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", param=param)
         return list(token_ids)
 
-    def completion_prompts(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:
-        """One token list per prompt of a (possibly batched) completions ``prompt``."""
+    async def tokenize_completion(self, prompt: PromptInput, max_model_len: int) -> list[list[int]]:
+        """One token list per prompt of a (possibly batched) completions ``prompt``. Every check
+        that needs no tokenizer runs first, so a bad request is refused before any text is
+        tokenized; then all texts are tokenized in one worker job."""
         if isinstance(prompt, str):
-            return [self.encode(prompt)]
-        if all(isinstance(p, int) for p in prompt):
-            return [self.check_token_ids(prompt)]  # type: ignore[arg-type]
-        result = []
-        for i, item in enumerate(prompt):
+            items: list[Any] = [prompt]
+            params = ["prompt"]
+        elif prompt and isinstance(prompt[0], int):
+            items, params = [prompt], ["prompt"]
+        else:
+            items, params = list(prompt), [f"prompt.{i}" for i in range(len(prompt))]
+        checked: list[str | list[int]] = []  # texts still to tokenize, or checked token ids
+        for item, param in zip(items, params, strict=True):
             if isinstance(item, str):
-                result.append(self.encode(item, param=f"prompt.{i}"))
-            elif isinstance(item, list):
-                result.append(self.check_token_ids(item, param=f"prompt.{i}"))
+                if not item:
+                    raise bad_request("prompt must not be empty", param=param)
+                self.check_length(item, max_model_len, param)
+                checked.append(item)
+            elif isinstance(item, list) and all(isinstance(t, int) for t in item[:1]):
+                checked.append(self.check_token_ids(item, param=param))
             else:
                 raise bad_request("prompt must be a string, a list of strings or token ids", param="prompt")
-        return result
+        texts = [(item, param) for item, param in zip(checked, params, strict=True) if isinstance(item, str)]
+        if not texts:
+            return checked  # type: ignore[return-value]  # token ids only
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The model's own chat template with the generation prompt, tokenized without extra BOS."""
+        def encode_all() -> list[list[int]]:
+            return [self.encode(text, param) for text, param in texts]
+
+        encoded = iter(await self._in_worker(encode_all, sum(len(text) for text, _ in texts)))
+        return [next(encoded) if isinstance(item, str) else item for item in checked]
+
+    async def tokenize_chat(self, messages: list[dict[str, Any]], max_model_len: int) -> list[int]:
+        """``chat_prompt`` in a worker thread."""
+        num_chars = sum(len(str(m.get("content") or "")) for m in messages)  # the template adds little
+        return await self._in_worker(lambda: self.chat_prompt(messages, max_model_len), num_chars)
+
+    def chat_prompt(self, messages: list[dict[str, Any]], max_model_len: int | None = None) -> list[int]:
+        """The model's own chat template with the generation prompt, tokenized without extra BOS.
+        The length check holds the rendered text: a template may leave parts of messages out."""
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja raises its own errors for unsupported conversations
             raise bad_request(f"could not apply the chat template: {exc}", param="messages") from None
-        if len(text) > MAX_PROMPT_CHARS:
-            raise bad_request(f"messages exceed {MAX_PROMPT_CHARS} characters", param="messages")
+        self.check_length(text, max_model_len, "messages")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def _in_worker(self, work: Callable[[], T], num_chars: int) -> T:
+        lane = self._long_lane if num_chars >= LONG_TEXT_CHARS else self._short_lane
+        return await asyncio.get_running_loop().run_in_executor(lane, work)

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.app import create_app
+from router.config import RequestLimits
 from tests.router.router_harness import SERVED_MODEL, make_state
 
 CHAT = "/v1/chat/completions"
@@ -80,6 +81,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, completion(prompt=[-1, 2]), "prompt"),
     (COMPLETIONS, completion(prompt={"text": "hi"}), "prompt"),
     (COMPLETIONS, completion(prompt="word " * 300), "prompt"),
+    (COMPLETIONS, completion(prompt="\x16\x04"), "prompt"),  # characters the tokenizer drops: no tokens
     (COMPLETIONS, completion(logprobs=50), "logprobs"),
     (COMPLETIONS, completion(echo=True), "echo"),
     (COMPLETIONS, completion(best_of=3), "best_of"),
@@ -109,6 +111,124 @@ def test_bad_field_gets_400_naming_it(
 def test_malformed_json_gets_400(client: TestClient, raw: bytes) -> None:
     headers = {"content-type": "application/json"}
     assert_openai_error(client.post(CHAT, content=raw, headers=headers), 400)
+
+
+def post_raw(client: TestClient, path: str, body: dict[str, Any]) -> Any:
+    """``body`` as JSON with every non-ASCII character escaped, so lone surrogates travel as the
+    valid JSON escapes they are (``"\\ud800"``)."""
+    headers = {"content-type": "application/json"}
+    return client.post(path, content=json.dumps(body).encode("ascii"), headers=headers)
+
+
+LONE_SURROGATES = [
+    # (path, body, the param the error must name exactly)
+    (COMPLETIONS, completion(prompt="\ud800 hi"), "prompt"),
+    (COMPLETIONS, completion(prompt=["fine", "bad \udfff"]), "prompt.1"),
+    (COMPLETIONS, completion(stop="\udc00"), "stop"),
+    (CHAT, chat(messages=[{"role": "user", "content": "hi \ud800 there"}]), "messages.0.content"),
+    (
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": "x\udbff"}]}]),
+        "messages.0.content.0.text",
+    ),
+    (CHAT, chat(stop=["ok", "\ud83d"]), "stop.1"),  # the first half of an emoji, alone
+    (CHAT, chat(user="\udc00"), "user"),
+    (CHAT, chat(model="\ud800"), "model"),
+    (CHAT, {**chat(), "\ud800extra": 1}, "body"),  # even an ignored key
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), LONE_SURROGATES)
+def test_lone_surrogate_gets_400_naming_the_field(
+    client: TestClient, path: str, body: dict[str, Any], param: str
+) -> None:
+    error = assert_openai_error(post_raw(client, path, body), 400)
+    assert error["param"] == param and error["code"] == "invalid_unicode", error
+    assert "Unicode" in error["message"]
+
+
+def test_utf8_encoded_surrogate_bytes_get_400(client: TestClient) -> None:
+    raw = b'{"model": "%s", "prompt": "a \xed\xa0\x80 b"}' % SERVED_MODEL.encode()
+    error = assert_openai_error(client.post(COMPLETIONS, content=raw), 400)
+    assert error["param"] == "prompt" and error["code"] == "invalid_unicode"
+
+
+def test_escaped_surrogate_pairs_are_valid_text(client: TestClient) -> None:
+    """An emoji escaped as a surrogate pair is one valid character: the request goes through
+    validation and tokenization (and only then finds no instance to run on)."""
+    body = chat(messages=[{"role": "user", "content": "party \U0001f389"}], stop=["\U0001f389"])
+    assert b"\\ud83c\\udf89" in json.dumps(body).encode("ascii")
+    assert_openai_error(post_raw(client, CHAT, body), 503)
+
+
+SMALL_LIMITS = RequestLimits(
+    max_prompts_per_request=3,
+    max_n=2,
+    max_stop_strings=2,
+    max_stop_string_chars=5,
+    max_total_tokens_per_request=100,
+)
+
+
+@pytest.fixture(scope="module")
+def limited_client(prompts: Any) -> Iterator[TestClient]:
+    state = make_state(prompts, redis_url=None, limits=SMALL_LIMITS)
+    with TestClient(create_app(state)) as test_client:
+        yield test_client
+
+
+OVER_LIMITS = [
+    # (path, body, param, the flag the message must name)
+    (COMPLETIONS, completion(prompt=["a", "b", "c", "d"]), "prompt", "--max-prompts-per-request"),
+    (COMPLETIONS, completion(prompt=[[1], [2], [3], [4]]), "prompt", "--max-prompts-per-request"),
+    (CHAT, chat(n=3), "n", "--max-n"),
+    (CHAT, chat(stop=["a", "b", "c"]), "stop", "--max-stop-strings"),
+    (CHAT, chat(stop="abcdef"), "stop", "--max-stop-string-chars"),
+    (COMPLETIONS, completion(stop=["ok", "abcdef"]), "stop.1", "--max-stop-string-chars"),
+    # n x prompts x max_tokens = 2 x 3 x 17 = 102
+    (COMPLETIONS, completion(prompt=["a", "b", "c"], n=2, max_tokens=17), "max_tokens", "--max-total-tokens"),
+    (CHAT, chat(n=2, max_completion_tokens=51), "max_tokens", "--max-total-tokens"),
+    # without max_tokens a chat request may use all the context left: far more than 100 tokens
+    (CHAT, chat(), "max_tokens", "--max-total-tokens"),
+    (CHAT, chat(n=2, max_tokens=60), "max_tokens", "--max-total-tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param", "flag"), OVER_LIMITS)
+def test_request_over_a_limit_gets_400_naming_the_limit(
+    limited_client: TestClient, path: str, body: dict[str, Any], param: str, flag: str
+) -> None:
+    error = assert_openai_error(limited_client.post(path, json=body), 400)
+    assert error["param"] == param, error
+    assert flag in error["message"], error
+
+
+AT_LIMITS = [
+    (COMPLETIONS, completion(prompt=["a", "b", "c"], n=2, max_tokens=16)),  # 96 tokens
+    (COMPLETIONS, completion(prompt=[[1], [2], [3]], max_tokens=33)),  # 99 tokens
+    (CHAT, chat(n=2, max_tokens=50, stop=["abcde", "xy"])),  # 100 tokens
+]
+
+
+@pytest.mark.parametrize(("path", "body"), AT_LIMITS)
+def test_request_at_the_limits_is_served(limited_client: TestClient, path: str, body: dict[str, Any]) -> None:
+    error = assert_openai_error(limited_client.post(path, json=body), 503)  # valid; nothing to run it on
+    assert error["code"] == "no_instances"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "flag"),
+    [
+        (COMPLETIONS, completion(prompt=["hi"] * 1025), "prompt", "--max-prompts-per-request"),
+        (CHAT, chat(n=17), "n", "--max-n"),
+        (CHAT, chat(stop=["a", "b", "c", "d", "e"]), "stop", "--max-stop-strings"),
+        (CHAT, chat(stop="x" * 257), "stop", "--max-stop-string-chars"),
+        (COMPLETIONS, completion(prompt=["hi"] * 1024, n=16, max_tokens=200), "max_tokens", "--max-total"),
+    ],
+)
+def test_default_limits(client: TestClient, path: str, body: dict[str, Any], param: str, flag: str) -> None:
+    error = assert_openai_error(client.post(path, json=body), 400)
+    assert error["param"] == param and flag in error["message"], error
 
 
 def test_unknown_model_gets_404(client: TestClient) -> None:

@@ -68,34 +68,60 @@ def _convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
         return target
     import torch
     from safetensors.torch import save_file
+    from tqdm import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s to a safetensors checkpoint in %s (once)", gguf_path, target)
     folder, file = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    config = AutoConfig.from_pretrained(folder, gguf_file=file)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    steps = ["reading the tokenizer", "reading the config", "de-quantizing the weights",
+             "writing safetensors", "writing the tokenizer"]
+    bar = tqdm(total=len(steps), desc=f"preparing {name or gguf_path.stem} (once)", unit="step")
+
+    def step(what: str) -> None:
+        bar.set_postfix_str(what)
+        bar.refresh()
+
     try:
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if getattr(config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config_dict = config.to_dict()
-        config_dict.pop("quantization_config", None)
-        config_dict["torch_dtype"] = "float32"
-        if name:
-            config_dict["_name_or_path"] = name
-        (tmp / "config.json").write_text(json.dumps(config_dict, indent=2))
-        tokenizer.save_pretrained(str(tmp))
-        (tmp / _CONVERTED_MARKER).write_text(json.dumps({"source": gguf_path.name, "name": name or gguf_path.stem}))
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
+        step(steps[0])
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        bar.update()
+        step(steps[1])
+        config = AutoConfig.from_pretrained(folder, gguf_file=file)
+        bar.update()
+        step(steps[2])
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+        bar.update()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+        try:
+            step(steps[3])
+            state = {k: v.contiguous() for k, v in model.state_dict().items()}
+            if getattr(config, "tie_word_embeddings", False):
+                state.pop("lm_head.weight", None)
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            bar.update()
+            step(steps[4])
+            config_dict = config.to_dict()
+            config_dict.pop("quantization_config", None)
+            config_dict["torch_dtype"] = "float32"
+            if name:
+                config_dict["_name_or_path"] = name
+            (tmp / "config.json").write_text(json.dumps(config_dict, indent=2))
+            tokenizer.save_pretrained(str(tmp))
+            (tmp / _CONVERTED_MARKER).write_text(
+                json.dumps({"source": gguf_path.name, "name": name or gguf_path.stem})
+            )
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+            bar.update()
+            step(f"cached in {target}")
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        bar.close()
+    logger.info("model ready: %s (later starts load it from there)", target)
     return target
 
 

@@ -97,6 +97,7 @@ class Launcher:
         self.supervisor = Supervisor(policy, args.log_dir)
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-")
         self.stopping = False
+        self.metrics_urls: dict[str, str] = {}  # engine name -> its /metrics
         self.ever_ready = False  # once true, only the router's crash loop stops the stack
 
     @property
@@ -174,6 +175,7 @@ class Launcher:
                 argv = [*service, role, "--model", model, "--redis-url", redis_url, "--host", "127.0.0.1"]
                 argv += ["--port", ports[0], "--kv-port", ports[1], "--metrics-port", ports[2]]
                 self.spawn(f"{role}-{i}", [*argv, "--instance-id", f"{role}-{i}", *self.engine_flags()], engine_env)
+                self.metrics_urls[f"{role}-{i}"] = f"http://127.0.0.1:{ports[2]}/metrics"
         argv = [*service, "router", "--model", model, "--redis-url", redis_url]
         self.spawn(
             "router", [*argv, "--host", self.args.host, "--port", str(self.args.port), *self.router_flags()]
@@ -267,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_wait:
             launcher.wait_ready()
         if not launcher.stopping:
+            for name, metrics_url in launcher.metrics_urls.items():
+                print(f"pdserve: {name} metrics at {metrics_url}", flush=True)
+            print(f"pdserve: fleet metrics (every instance) at {launcher.url}/metrics", flush=True)
             print(
                 f"pdserve: ready at {launcher.url} (OpenAI base URL {launcher.url}/v1); Ctrl-C stops it",
                 flush=True,

@@ -98,6 +98,8 @@ def test_up_serves_lists_its_children_then_sigterm_stops_every_child(
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
     assert wait_until(lambda: any("ready at" in line for line in lines), 60), lines
     assert _ready(url)
+    for engine in ("prefill-0", "decode-0"):  # engine metrics are on, and where is said
+        assert any(f"{engine} metrics at http://127.0.0.1:" in line for line in lines), lines
     children = _children_of(proc.pid)
     assert len(children) == 4  # redis, prefill-0, decode-0, router
     state = _children_file(tmp_path)

@@ -11,9 +11,12 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
 
 
 class EngineMetrics:
-    def __init__(self, role: str, instance_id: str) -> None:
+    """Labelled ``model_name`` (as vLLM's, so its dashboards work with a prefix change), ``role``
+    and ``instance``."""
+
+    def __init__(self, role: str, instance_id: str, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
-        labels = {"role": role, "instance": instance_id}
+        labels = {"model_name": model_name, "role": role, "instance": instance_id}
         names = list(labels)
 
         def gauge(name: str, doc: str) -> Gauge:

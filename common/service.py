@@ -30,6 +30,7 @@ import zmq
 from common.config import EngineConfig
 from common.engine.engine import EngineOutput, LLMEngine
 from common.metrics import EngineMetrics
+from common.model.loader import served_model_name
 from common.protocol import (
     MAX_MESSAGE_BYTES,
     AbortRequest,
@@ -102,7 +103,7 @@ class EngineService:
         self._outputs: dict[str, zmq.Socket] = {}
         self.records: dict[str, RequestRecord] = {}
         self.routers: dict[str, float] = {}  # reply address -> when it was last heard from
-        self.metrics = EngineMetrics(self.role, self.instance_id)
+        self.metrics = EngineMetrics(self.role, self.instance_id, served_model_name(self.engine.runner.model_path))
         self.metrics.serve(args.host, args.metrics_port)
         self.registry = Registry(args.redis_url)
         self.prefix_index = PrefixIndex(args.redis_url)

@@ -310,7 +310,7 @@ class EngineService:
         """With nothing held, every block must be back in the pool: check it once per idle period."""
         try:
             self.engine.check_integrity()
-            in_use = self.engine.kv.pool.num_used_blocks
+            in_use = self.engine.num_blocks_in_use
             if in_use:
                 raise AssertionError(f"{in_use} blocks in use with no request held")
         except AssertionError as exc:
@@ -321,11 +321,11 @@ class EngineService:
         if self._republish.is_set():
             # Redis came back (perhaps empty): publish everything this instance caches again.
             self._republish.clear()
-            self.engine.kv.pool.drain_events()
-            self._prefix_queue.append((list(self.engine.kv.pool.cached), [], True))
+            self.engine.drain_prefix_events()
+            self._prefix_queue.append(([bytes(h) for h in self.engine.cached_block_hashes()], [], True))
             self._prefix_wakeup.set()
             return
-        stored, removed = self.engine.kv.pool.drain_events()
+        stored, removed = self.engine.drain_prefix_events()
         if stored or removed:
             self._prefix_queue.append((list(stored), list(removed), False))
             self._prefix_wakeup.set()

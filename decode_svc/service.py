@@ -70,8 +70,7 @@ class DecodeService(EngineService):
             return Refusal(mismatch)
         self.heard_from(msg.reply_to)
         self.records[request_id] = RequestRecord(msg, "decode")
-        num_cached = self.engine.scheduler.requests[request_id].num_computed_tokens // self.engine.block_size
-        return Allocation(block_ids=handoff.block_ids, num_cached_blocks=num_cached)
+        return Allocation(block_ids=handoff.block_ids, num_cached_blocks=handoff.num_cached_blocks)
 
     def release_transfer(self, request_id: str) -> None:
         self.engine.release_kv(request_id)

@@ -31,6 +31,8 @@ class KVHandoff:
     block_ids: list[int]
     block_hashes: list[BlockHash]
     num_tokens: int
+    # Receiving side: leading blocks that already hold this KV (prefix-cache hits), not sent.
+    num_cached_blocks: int = 0
 
 
 @dataclass
@@ -193,10 +195,11 @@ class LLMEngine:
         num_kv_tokens = req.num_tokens - 1
         if not self.scheduler.add_remote(req, num_kv_tokens):
             return None
+        num_hit_blocks = req.num_computed_tokens // self.block_size
         req.num_cached_tokens = num_cached_tokens
         # The earlier tokens and the first one were drawn elsewhere from this seed: skip those draws.
         req.skip_draws(req.num_output_tokens, self.vocab_size)
-        return self._handoff(req, num_kv_tokens)
+        return self._handoff(req, num_kv_tokens, num_hit_blocks)
 
     def remote_kv_arrived(self, request_id: str) -> None:
         """The KV of a request from ``add_remote_request`` is in its blocks: it joins the batch."""
@@ -217,9 +220,22 @@ class LLMEngine:
         # end (``release_kv``): the transfer may still be reading or writing them.
         return found
 
-    def _handoff(self, req: Request, num_tokens: int) -> KVHandoff:
+    def _handoff(self, req: Request, num_tokens: int, num_cached_blocks: int = 0) -> KVHandoff:
         block_ids = self.kv.block_ids(req.request_id)[: self.kv.cdiv(num_tokens)]
-        return KVHandoff(block_ids, req.block_hashes[: num_tokens // self.block_size], num_tokens)
+        return KVHandoff(block_ids, req.block_hashes[: num_tokens // self.block_size], num_tokens, num_cached_blocks)
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        """Blocks held by requests or transfers (cached, evictable blocks count as free)."""
+        return self.kv.pool.num_used_blocks
+
+    def drain_prefix_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(stored, evicted) block hashes since the last call, for the prefix index."""
+        return self.kv.pool.drain_events()
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every block hash the prefix cache holds now (a full republish)."""
+        return list(self.kv.pool.cached)
 
     @property
     def num_held_for_transfer(self) -> int:
@@ -264,7 +280,8 @@ class LLMEngine:
                     reqs.append(child)
         if not reqs:
             return outputs
-        result = self.sampler(logits[rows], reqs)
+        # Without n > 1 forks the rows are the logits' own, in order: no gathered copy.
+        result = self.sampler(logits if len(rows) == len(logits) else logits[rows], reqs)
         now = time.monotonic()
         for req, token, lp in zip(reqs, result.token_ids, result.logprobs, strict=True):
             req.append_output_token(token)

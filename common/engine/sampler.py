@@ -1,8 +1,28 @@
-"""Token sampling: penalties, temperature, top-k/top-p/min-p, per-request seeds, logprobs.
+"""Token sampling for a whole batch at once: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
-A request with a seed draws from its own generator, so its tokens do not depend on which other
-requests share the batch. Logprobs are those of the model's raw distribution (before penalties
-and temperature), as vLLM reports them.
+A step is a fixed handful of tensor operations over ``[rows, vocab]`` whatever the batch holds: the
+per-row parameters travel as tensors, a row with neutral parameters passes through unchanged, and
+Python loops only over rows that need something of their own (a seed, a ban, a penalty's token ids,
+logprobs to build). An all-greedy batch without penalties is one argmax over the logits in place;
+otherwise each row is copied at most once, into the working tensor that penalties, ``min_tokens``
+bans, temperature and top-k then modify in place. Greedy rows take the argmax of their penalised
+logits. Only the sampled ids and the requested logprobs cross to the host, one transfer each.
+
+On the CPU the rows go through in chunks of about ``CPU_CHUNK_BYTES`` of logits: every temporary
+then comes from the malloc heap, warm in the cache, where a whole-batch one (50 MB for 256 rows of
+49,152 logits, above glibc's largest mmap threshold) would fault in fresh pages each time.
+
+Draw contract: a sampled row of a request with a seed draws its token by the exponential race,
+``argmax(probs / E)`` with ``E ~ Exp(1)`` drawn for every vocabulary entry from the request's own
+generator as ``torch.empty(vocab).exponential_(generator=...)``: exactly one draw of vocabulary size
+per sampled token, none for a greedy one, whatever else shares the batch. ``Request.skip_draws``
+advances a generator by that many draws to continue a request on another instance, so this must
+not change. Unseeded rows, bound by no such contract, share one batched draw from the sampler's
+own generator: one uniform per row, inverted through the row's cumulative distribution (a pass
+over the row, where the race costs a logarithm per entry).
+
+Logprobs are those of the model's raw distribution (before penalties and temperature), as vLLM
+reports them.
 """
 
 from __future__ import annotations
@@ -15,6 +35,12 @@ from torch import Tensor
 from common.engine.request import Request
 from common.protocol import PositionLogprobs, TokenLogprob
 
+CPU_CHUNK_BYTES = 8 << 20
+# On the CPU top-p first sorts only this many of a row's largest probabilities, then 16 times as
+# many, while they hold less than the mass (a top-p 0.9 nucleus of the default model is mostly a few
+# tokens to a few hundred, now and then over a thousand at temperature 1).
+TOP_P_WINDOW = 256
+
 
 @dataclass
 class SampleResult:
@@ -25,71 +51,248 @@ class SampleResult:
 class Sampler:
     def __init__(self, eos_token_ids: set[int], seed: int = 0) -> None:
         self.eos_token_ids = eos_token_ids
+        self.seed = seed
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
+        self._device_generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: Tensor, requests: list[Request]) -> SampleResult:
-        """Sample one token per row of ``logits`` ``[len(requests), vocab]``; rows are not mutated."""
-        logits = logits.float()
-        raw_logprobs = None
-        if any(r.sampling_params.logprobs is not None for r in requests):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = logits.clone()
-        for row, req in enumerate(requests):
-            self._apply_penalties(logits[row], req)
-        token_ids: list[int] = []
+        """Sample one token per row of ``logits`` ``[len(requests), vocab]``; ``logits`` is not mutated.
+
+        Advances the generator of every seeded request whose row is sampled (not greedy) by one draw.
+        """
+        num_rows, vocab = len(requests), logits.shape[-1]
+        if num_rows == 0:
+            return SampleResult([], [])
+        x = logits.float()
+        k_max = max((r.sampling_params.logprobs or 0 for r in requests), default=0)
+        chunk = num_rows
+        if x.device.type == "cpu" and any(self._has_work(r) for r in requests):
+            chunk = max(1, CPU_CHUNK_BYTES // (4 * vocab))
+        results = [
+            self._sample_rows(x[start : start + chunk], requests[start : start + chunk], x is not logits, k_max)
+            for start in range(0, num_rows, chunk)
+        ]
+        token_ids = results[0][0] if len(results) == 1 else torch.cat([t for t, _ in results])
+        tokens: list[int] = token_ids.tolist()
+        tables = [table for _, table in results if table is not None]
+        logprobs: list[PositionLogprobs | None] = [None] * num_rows
+        if tables:
+            # One transfer: float64 holds every float32 value and every token id exactly.
+            lines: list[list[float]] = torch.cat(tables).tolist()
+            rows = [row for row, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+            for row, line in zip(rows, lines, strict=True):
+                k = int(requests[row].sampling_params.logprobs or 0)
+                top = [TokenLogprob(int(line[1 + k_max + j]), line[1 + j]) for j in range(k)]
+                logprobs[row] = PositionLogprobs(tokens[row], line[0], top)
+        return SampleResult(tokens, logprobs)
+
+    def _has_work(self, req: Request) -> bool:
+        """More than an argmax of the raw row: a draw, logprobs, a penalty or a ban."""
+        p = req.sampling_params
+        return (
+            not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0
+            or bool((p.presence_penalty or p.frequency_penalty) and req.output_token_ids)
+            or req.num_output_tokens < p.min_tokens
+        )
+
+    def _sample_rows(
+        self, logits: Tensor, requests: list[Request], owned: bool, k_max: int
+    ) -> tuple[Tensor, Tensor | None]:
+        """Token ids for ``requests`` from their float32 rows ``logits`` (written only if ``owned``), and
+        for the rows that asked for logprobs ``[token logprob, k_max top values, k_max top ids]`` in float64."""
+        lp_rows = [row for row, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        raw = torch.log_softmax(_rows(logits, lp_rows), dim=-1) if lp_rows else None
+        greedy = [row for row, r in enumerate(requests) if r.sampling_params.greedy]
+        sampled = [row for row, r in enumerate(requests) if not r.sampling_params.greedy]
+        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        for rows, draw in ((greedy, False), (sampled, True)):
+            if not rows:
+                continue
+            reqs = [requests[r] for r in rows]
+            x = _rows(logits, rows)  # each row is copied at most once: here, or for a penalty
+            x_owned = owned or x is not logits
+            y = self._penalized(x, reqs, x_owned)
+            ids = self._draw(y, reqs, owned=x_owned or y is not x) if draw else y.argmax(dim=-1)
+            _write_rows(token_ids, rows, ids)
+        if raw is None:
+            return token_ids, None
+        parts = [raw.gather(1, _rows(token_ids.unsqueeze(1), lp_rows))]
+        if k_max:
+            top = raw.topk(k_max, dim=-1)
+            parts += [top.values, top.indices]
+        return token_ids, torch.cat([p.double() for p in parts], dim=1)
+
+    def _penalized(self, logits: Tensor, requests: list[Request], owned: bool) -> Tensor:
+        """``logits`` with min_tokens bans and penalties; written in place if ``owned``, else a copy
+        when any applies."""
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        rep_rows: list[int] = []
+        rep_lens: list[int] = []
+        rep_ids: list[int] = []
+        out_rows: list[int] = []
+        out_lens: list[int] = []
+        out_ids: list[int] = []
         for row, req in enumerate(requests):
             p = req.sampling_params
-            if p.greedy:
-                token_ids.append(int(torch.argmax(logits[row])))
-                continue
-            token_ids.append(self._sample_row(logits[row], req))
-        logprobs: list[PositionLogprobs | None] = [None] * len(requests)
-        if raw_logprobs is not None:
-            for row, req in enumerate(requests):
-                k = req.sampling_params.logprobs
-                if k is None:
-                    continue
-                lp = raw_logprobs[row]
-                top: list[TokenLogprob] = []
-                if k > 0:
-                    values, ids = torch.topk(lp, k)
-                    top = [TokenLogprob(int(i), float(v)) for v, i in zip(values, ids, strict=True)]
-                tok = token_ids[row]
-                logprobs[row] = PositionLogprobs(tok, float(lp[tok]), top)
-        return SampleResult(token_ids, logprobs)
+            if req.num_output_tokens < p.min_tokens:
+                banned = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
+                ban_rows += [row] * len(banned)
+                ban_ids += banned
+            if p.repetition_penalty != 1.0:
+                rep_rows.append(row)
+                rep_lens.append(req.num_tokens)
+                rep_ids += req.all_token_ids
+            if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+                out_rows.append(row)
+                out_lens.append(req.num_output_tokens)
+                out_ids += req.output_token_ids
+        if not (ban_ids or rep_rows or out_rows):
+            return logits
+        x = logits if owned else logits.clone()
+        dev = x.device
+        if ban_ids:
+            x[torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)] = float("-inf")
+        if rep_rows:
+            # As transformers: over prompt and output, divide a positive logit, multiply a negative one.
+            rows, ids = _repeat(rep_rows, rep_lens, dev), torch.tensor(rep_ids, device=dev)
+            penalty = _repeat([requests[r].sampling_params.repetition_penalty for r in rep_rows], rep_lens, dev,
+                              torch.float32)
+            seen = x[rows, ids]  # a token seen twice is gathered twice and written twice, the same value
+            x[rows, ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+        if out_rows:
+            rows, ids = _repeat(out_rows, out_lens, dev), torch.tensor(out_ids, device=dev)
+            keys = rows * x.shape[-1] + ids
+            ordered = keys.sort().values
+            counts = torch.searchsorted(ordered, keys, right=True) - torch.searchsorted(ordered, keys)
+            params = [requests[r].sampling_params for r in out_rows]
+            frequency = _repeat([p.frequency_penalty for p in params], out_lens, dev, torch.float32)
+            presence = _repeat([p.presence_penalty for p in params], out_lens, dev, torch.float32)
+            x[rows, ids] = x[rows, ids] - (frequency * counts.float() + presence)
+        return x
 
-    def _apply_penalties(self, logits: Tensor, req: Request) -> None:
-        p = req.sampling_params
-        if req.num_output_tokens < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
-            if banned:
-                logits[banned] = float("-inf")
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
-            vals = logits[seen]
-            logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
-            ids, counts = torch.unique(torch.tensor(req.output_token_ids, dtype=torch.long), return_counts=True)
-            logits[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
-
-    def _sample_row(self, logits: Tensor, req: Request) -> int:
-        p = req.sampling_params
-        logits = logits / p.temperature
-        if p.top_k > 0 and p.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
+    def _draw(self, logits: Tensor, requests: list[Request], owned: bool) -> Tensor:
+        """One draw per row, every row sampled (the exponential race for a seeded row, the inverse CDF
+        for the others); writes into ``logits`` only if ``owned``."""
+        params = [r.sampling_params for r in requests]
+        num_rows, vocab = logits.shape
+        dev = logits.device
+        temperatures = [p.temperature for p in params]
+        if any(t != 1.0 for t in temperatures):
+            scale = torch.tensor(temperatures, dtype=torch.float32, device=dev).unsqueeze(1)
+            logits = logits.div_(scale) if owned else logits / scale
+            owned = True
+        top_k_rows = [row for row, p in enumerate(params) if 0 < p.top_k < vocab]
+        if top_k_rows:
+            ks = [params[r].top_k for r in top_k_rows]
+            kth = _rows(logits, top_k_rows).topk(max(ks), dim=-1).values
+            kth = kth.gather(1, torch.tensor(ks, device=dev).unsqueeze(1) - 1)
+            if len(top_k_rows) < num_rows:  # rows without top-k compare against -inf: nothing masked
+                kth = logits.new_full((num_rows, 1), float("-inf")).index_copy_(
+                    0, torch.tensor(top_k_rows, device=dev), kth
+                )
+            below = logits < kth
+            logits = logits.masked_fill_(below, float("-inf")) if owned else logits.masked_fill(below, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sorted_probs, dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
-            drop_sorted = (cum - sorted_probs) >= p.top_p
-            probs = probs.clone()
-            probs[order[drop_sorted]] = 0.0
-        if p.min_p > 0.0:
-            probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
-        gen = req.generator if req.generator is not None else self.generator
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one draw per row.
-        noise = torch.empty_like(probs).exponential_(generator=gen)
-        return int(torch.argmax(probs / noise))
+        top_p_rows = [row for row, p in enumerate(params) if p.top_p < 1.0]
+        if top_p_rows:
+            sub = _rows(probs, top_p_rows)
+            top_p = torch.tensor([params[r].top_p for r in top_p_rows], dtype=torch.float32, device=dev)
+            # A branch on the data costs nothing on the CPU; on a GPU it would be a sync, and sorting is cheap.
+            apply_top_p(sub, top_p.unsqueeze(1), TOP_P_WINDOW if dev.type == "cpu" else vocab)
+            _write_rows(probs, top_p_rows, sub)
+        min_p_rows = [row for row, p in enumerate(params) if p.min_p > 0.0]
+        if min_p_rows:
+            sub = _rows(probs, min_p_rows)
+            min_p = torch.tensor([params[r].min_p for r in min_p_rows], dtype=torch.float32, device=dev)
+            sub.masked_fill_(sub < min_p.unsqueeze(1) * sub.amax(dim=-1, keepdim=True), 0.0)
+            _write_rows(probs, min_p_rows, sub)
+        seeded = [row for row, r in enumerate(requests) if r.generator is not None]
+        unseeded = [row for row, r in enumerate(requests) if r.generator is None]
+        token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)
+        if seeded:
+            generators = [g for g in (requests[r].generator for r in seeded) if g is not None]
+            _write_rows(token_ids, seeded, _race(_rows(probs, seeded), generators))
+        if unseeded:
+            _write_rows(token_ids, unseeded, _inverse_cdf(_rows(probs, unseeded), self._generator(dev)))
+        return token_ids
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device.type == "cpu":
+            return self.generator
+        if device not in self._device_generators:
+            self._device_generators[device] = torch.Generator(device=device)
+            self._device_generators[device].manual_seed(self.seed)
+        return self._device_generators[device]
+
+
+def apply_top_p(probs: Tensor, top_p: Tensor, window: int) -> None:
+    """In place, zero all but each row's smallest set of most likely tokens whose mass reaches its
+    ``top_p`` (``[rows, 1]``); the most likely token always stays.
+
+    Only the ``window`` largest entries of a row are sorted when their mass already reaches ``top_p``
+    (then every entry past them is dropped, exactly as a full sort would find); other rows try a window
+    16 times as large, up to the whole vocabulary. Deciding which rows those are reads the data, so
+    pass ``window >= vocab`` on a GPU.
+    """
+    vocab = probs.shape[-1]
+    window = min(window, vocab)
+    values, order = probs.topk(window, dim=-1) if window < vocab else probs.sort(dim=-1, descending=True)
+    cum = values.cumsum(dim=-1)
+    short: list[int] = (cum[:, -1] < top_p[:, 0]).nonzero().flatten().tolist() if window < vocab else []
+    if short:  # the window holds less than top_p: these rows try a larger one
+        full = probs[short]
+        apply_top_p(full, top_p[short], 16 * window)
+    values.masked_fill_(cum - values >= top_p, 0.0)
+    probs.zero_().scatter_(1, order, values)
+    if short:
+        probs[short] = full
+
+
+def _race(probs: Tensor, generators: list[torch.Generator]) -> Tensor:
+    """Per row, ``argmax(probs / E)`` with ``E`` one vocab-sized Exp(1) draw from the row's own generator
+    (request generators live on the CPU; on another device the noise is copied over). Writes ``probs``."""
+    on_cpu = probs.device.type == "cpu"
+    noise = torch.empty_like(probs) if on_cpu else torch.empty(probs.shape, dtype=probs.dtype)
+    for row, gen in enumerate(generators):
+        noise[row].exponential_(generator=gen)  # the same numbers as ``torch.empty(vocab).exponential_``
+    return probs.div_(noise if on_cpu else noise.to(probs.device)).argmax(dim=-1)
+
+
+def _inverse_cdf(probs: Tensor, generator: torch.Generator) -> Tensor:
+    """Per row, one uniform draw inverted through the cumulative distribution. The sums are float64, so
+    every token keeps its probability to about 1e-16, and a zero-probability token is never drawn."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, dtype=torch.float64, device=probs.device, generator=generator)
+    # u < 1, but u * total may round up to total; keep the target strictly below it.
+    target = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def _repeat(
+    values: list[int] | list[float], counts: list[int], device: torch.device, dtype: torch.dtype = torch.long
+) -> Tensor:
+    """Each ``values[i]`` ``counts[i]`` times, as one tensor; no device sync."""
+    return torch.repeat_interleave(
+        torch.tensor(values, dtype=dtype, device=device), torch.tensor(counts, device=device),
+        output_size=sum(counts),
+    )
+
+
+def _rows(t: Tensor, rows: list[int]) -> Tensor:
+    """``t[rows]``; ``t`` itself, no copy, when the rows are all of them in order."""
+    if len(rows) == t.shape[0]:
+        return t
+    return t.index_select(0, torch.tensor(rows, device=t.device))
+
+
+def _write_rows(t: Tensor, rows: list[int], values: Tensor) -> None:
+    """``t[rows] = values``; nothing to do when ``values`` is ``t`` itself (``_rows`` of every row)."""
+    if values is t:
+        return
+    if len(rows) == t.shape[0]:
+        t.copy_(values)
+    else:
+        t.index_copy_(0, torch.tensor(rows, device=t.device), values)

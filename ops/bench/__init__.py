@@ -1,4 +1,4 @@
-"""``pdserve bench offline|kv|serve|gpu|chaos``: benchmarks that print measured figures beside baselines."""
+"""``pdserve bench offline|kv|serve|gpu|chaos|overhead``: benchmarks that print measured figures beside baselines."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ _BENCHES = {
     "serve": "ops.bench.serve",
     "gpu": "ops.bench.gpu_kernels",
     "chaos": "ops.bench.chaos",
+    "overhead": "ops.bench.overhead",
 }
 
 

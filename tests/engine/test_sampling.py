@@ -15,9 +15,10 @@ import pytest
 import torch
 from msgspec.structs import replace
 
+import common.engine.sampler as sampler_module
 from common.engine.engine import LLMEngine
 from common.engine.request import Request
-from common.engine.sampler import Sampler
+from common.engine.sampler import Sampler, apply_top_p
 from common.protocol import PositionLogprobs
 from common.sampling_params import SamplingParams
 from tests.engine.conftest import hf_greedy, hf_model, prompt_ids, tokenizer
@@ -287,7 +288,7 @@ def test_top_k_keeps_the_k_most_likely_tokens(top_k, kept_ranks):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
-def test_exponential_race_draws_tokens_with_the_tempered_probabilities(temperature):
+def test_unseeded_draws_follow_the_tempered_probabilities(temperature):
     num = 20_000
     counts = _draw(SamplingParams(temperature=temperature), num)
     expected = torch.softmax(PROBS.log() / temperature, dim=-1)
@@ -360,3 +361,206 @@ def test_sampler_logprobs_ignore_temperature_and_penalties_and_leave_logits_unto
     assert lp.token_id == result.token_ids[0] and lp.logprob == pytest.approx(float(raw[lp.token_id]), abs=1e-6)
     assert [t.token_id for t in lp.top] == torch.topk(raw, 4).indices.tolist()
     assert result.token_ids[1] == int(torch.argmax(before[1]))
+
+
+# --------------------------------------------------------------------------- the batched Sampler against a per-row reference
+def _reference_row(
+    logits: torch.Tensor, req: Request, eos_token_ids: set[int], gen: torch.Generator | None
+) -> tuple[int | None, torch.Tensor | None]:
+    """One row the straightforward way: (greedy token, None) or (drawn token or None without ``gen``,
+    the filtered probabilities the row draws from)."""
+    p = req.sampling_params
+    x = logits.float().clone()
+    if req.num_output_tokens < p.min_tokens:
+        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+        if banned:
+            x[banned] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
+        vals = x[seen]
+        x[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+        ids, counts = torch.unique(torch.tensor(req.output_token_ids, dtype=torch.long), return_counts=True)
+        x[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+    if p.greedy:
+        return int(torch.argmax(x)), None
+    x = x / p.temperature
+    if 0 < p.top_k < x.shape[-1]:
+        x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= p.top_p
+        probs[order[drop]] = 0.0
+    if p.min_p > 0.0:
+        probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
+    if gen is None:
+        return None, probs
+    noise = torch.empty_like(probs).exponential_(generator=gen)
+    return int(torch.argmax(probs / noise)), probs
+
+
+BATCH_KINDS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.0, repetition_penalty=1.4, logprobs=2),
+    SamplingParams(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.7, seed=5),  # greedy: no draw
+    SamplingParams(temperature=0.8, top_k=20, seed=11),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=12),
+    SamplingParams(temperature=0.7, top_k=50, top_p=0.8, min_p=0.02, seed=13, logprobs=4),
+    SamplingParams(temperature=1.2, min_p=0.1, repetition_penalty=1.2, seed=14),
+    SamplingParams(temperature=0.9, presence_penalty=-1.0, frequency_penalty=0.5, top_p=0.95, seed=15),
+    SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[1, 2], max_tokens=8),
+    SamplingParams(temperature=1.0, min_tokens=2, top_k=5, seed=16),
+    SamplingParams(temperature=1.1, top_p=0.7),  # unseeded: checked against the reference's support
+    SamplingParams(temperature=0.6, top_k=8, repetition_penalty=0.8),
+]
+
+
+@pytest.mark.parametrize(("vocab", "top_p_window", "chunk_rows"), [(300, None, None), (3000, 32, 5)])
+def test_batched_rows_equal_the_per_row_reference_for_greedy_and_seeded_requests_step_after_step(
+    vocab, top_p_window, chunk_rows, monkeypatch
+):
+    """Greedy and seeded rows give the reference's very tokens, each seeded generator advances by exactly
+    the reference's one vocab-sized draw per sampled token, and unseeded rows stay in the reference's support.
+    Half the rows are peaked, so from a 32-entry window top-p takes its window, a larger one and a full sort;
+    with 5-row chunks the batch goes through the CPU's chunked path, the last chunk short."""
+    if top_p_window is not None:
+        monkeypatch.setattr(sampler_module, "TOP_P_WINDOW", top_p_window)
+    if chunk_rows is not None:
+        monkeypatch.setattr(sampler_module, "CPU_CHUNK_BYTES", 4 * vocab * chunk_rows)
+    eos = {0}
+    gen = torch.Generator().manual_seed(vocab)
+    num_rows = 3 * len(BATCH_KINDS)
+    scales = torch.tensor([6.0 if row % 2 else 1.0 for row in range(num_rows)]).unsqueeze(1)
+    prompts = [tuple(torch.randint(0, vocab, (5 + row,), generator=gen).tolist()) for row in range(num_rows)]
+    kinds = [BATCH_KINDS[row % len(BATCH_KINDS)] for row in range(num_rows)]
+    batched = [_request(k, prompt=pr) for k, pr in zip(kinds, prompts, strict=True)]
+    reference = [_request(k, prompt=pr) for k, pr in zip(kinds, prompts, strict=True)]
+    sampler = Sampler(eos_token_ids=eos, seed=0)
+    num_left_greedy = 0
+    for _ in range(5):
+        logits = torch.randn(num_rows, vocab, generator=gen) * scales
+        before = logits.clone()
+        result = sampler(logits, batched)
+        assert torch.equal(logits, before), "the sampler wrote into its input"
+        for row, (b, r) in enumerate(zip(batched, reference, strict=True)):
+            token, probs = _reference_row(logits[row], r, eos, r.generator)
+            got = result.token_ids[row]
+            if token is not None:
+                assert got == token, (row, r.sampling_params)
+            else:
+                assert probs is not None and probs[got] > 0, (row, r.sampling_params)
+            if r.generator is not None:
+                assert b.generator is not None and torch.equal(b.generator.get_state(), r.generator.get_state())
+            num_left_greedy += probs is not None and got != int(torch.argmax(logits[row]))
+            b.append_output_token(got)
+            r.append_output_token(got)
+    assert num_left_greedy > 20, "sampling never left the greedy path"
+
+
+def test_a_greedy_or_sampled_seeded_row_advances_its_generator_by_what_skip_draws_skips():
+    vocab = 500
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(3))
+    sampled = _request(SamplingParams(temperature=1.0, top_k=40, seed=21))
+    greedy = _request(SamplingParams(temperature=0.0, seed=22))
+    sampler = Sampler(set())
+    for _ in range(3):
+        sampler(logits, [_request(SamplingParams(temperature=0.5)), sampled, greedy])
+    for req in (sampled, greedy):
+        resumed = _request(req.sampling_params)
+        resumed.skip_draws(3, vocab)
+        assert resumed.generator is not None and req.generator is not None
+        assert torch.equal(resumed.generator.get_state(), req.generator.get_state()), req.sampling_params
+    untouched = _request(greedy.sampling_params).generator
+    assert untouched is not None and greedy.generator is not None
+    assert torch.equal(untouched.get_state(), greedy.generator.get_state()), "a greedy row must not draw"
+
+
+@pytest.mark.parametrize("window", [64, 5000])
+def test_top_p_on_a_window_of_the_largest_probabilities_equals_a_full_sort(window):
+    vocab, num_rows = 2000, 40
+    gen = torch.Generator().manual_seed(window)
+    scales = torch.linspace(0.3, 8.0, num_rows).unsqueeze(1)
+    probs = torch.softmax(torch.randn(num_rows, vocab, generator=gen) * scales, dim=-1)
+    top_p = torch.rand(num_rows, 1, generator=gen) * 0.9 + 0.05
+    expected = probs.clone()
+    for row in range(num_rows):
+        sorted_probs, order = torch.sort(probs[row], descending=True)
+        drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= float(top_p[row])
+        expected[row, order[drop]] = 0.0
+    window_mass = probs.topk(min(window, vocab), dim=-1).values.cumsum(dim=-1)[:, -1]
+    num_in_window = int((window_mass >= top_p[:, 0]).sum())
+    if window < vocab:
+        assert 0 < num_in_window < num_rows, "both the window and the full-sort path were meant to run"
+    got = probs.clone()
+    apply_top_p(got, top_p, window)
+    assert torch.equal(got, expected)
+
+
+# Upper 0.1% points of the chi-square distribution by degrees of freedom (scipy is not a dependency).
+CHI2_CRITICAL_0_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
+
+
+def test_batched_draws_follow_the_per_row_reference_distribution_chi_square():
+    """20,000 rows of one small distribution, four parameter sets, each unseeded (one batched draw) and
+    seeded (a seed per row, the exponential race), interleaved in one batch: each group's counts against
+    the reference's filtered probabilities (chi-square goodness of fit at the 0.1% level), and no token
+    the reference filters out is ever drawn."""
+    probs = torch.tensor([0.30, 0.20, 0.15, 0.12, 0.10, 0.08, 0.04, 0.01])
+    perm = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])
+    logits = torch.empty(8).index_copy_(0, perm, probs.log())
+    kinds = [
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=1.0, top_k=6, top_p=0.9, min_p=0.1),
+        SamplingParams(temperature=0.5, min_p=0.05),
+    ]
+    groups = [*kinds, *(replace(k, seed=0) for k in kinds)]
+    num_rows = 20_000
+    requests = []
+    for row in range(num_rows):
+        params = groups[row % len(groups)]
+        requests.append(_request(params if params.seed is None else replace(params, seed=row)))
+    tokens = Sampler(set(), seed=11)(logits.expand(num_rows, -1).contiguous(), requests).token_ids
+    num_draws = num_rows // len(groups)
+    for g, params in enumerate(groups):
+        _, target = _reference_row(logits, _request(params), set(), None)
+        assert target is not None
+        support = [t for t in range(8) if target[t] > 0]
+        expected = {t: float(target[t] / target.sum()) * num_draws for t in support}
+        assert 2 <= len(support) < 8 and min(expected.values()) >= 5, "a group that tests nothing"
+        counts = Counter(tokens[g :: len(groups)])
+        assert set(counts) <= set(support), (params, counts)
+        chi2 = sum((counts[t] - e) ** 2 / e for t, e in expected.items())
+        assert chi2 < CHI2_CRITICAL_0_001[len(support) - 1], (params, chi2, counts)
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 4])
+def test_logprobs_of_a_mixed_batch_are_each_rows_raw_log_softmax_with_its_own_k(chunk_rows, monkeypatch):
+    vocab = 100
+    if chunk_rows is not None:  # two chunks, logprob rows in both
+        monkeypatch.setattr(sampler_module, "CPU_CHUNK_BYTES", 4 * vocab * chunk_rows)
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(4)) * 3
+    ks = [None, 0, 3, 20, None, 7]
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=1),
+        SamplingParams(temperature=1.0, presence_penalty=2.0),
+        SamplingParams(temperature=0.9, top_k=10),
+        SamplingParams(temperature=0.0, frequency_penalty=1.0),
+    ]
+    reqs = [_request(replace(p, logprobs=k), prompt=(1, 2, 3), output=(4, 4)) for p, k in zip(kinds, ks, strict=True)]
+    result = Sampler(set())(logits, reqs)
+    for row, k in enumerate(ks):
+        lp = result.logprobs[row]
+        if k is None:
+            assert lp is None
+            continue
+        raw = torch.log_softmax(logits[row], dim=-1)
+        token = result.token_ids[row]
+        assert lp is not None and lp.token_id == token
+        assert lp.logprob == pytest.approx(float(raw[token]), abs=1e-6)
+        top = torch.topk(raw, k) if k else None
+        assert [t.token_id for t in lp.top] == ([] if top is None else top.indices.tolist())
+        assert [t.logprob for t in lp.top] == pytest.approx([] if top is None else top.values.tolist(), abs=1e-6)

@@ -1,0 +1,441 @@
+"""``pdserve bench overhead``: the engine's own host time per step, with a null forward.
+
+The model runner keeps its real input preparation but its forward is replaced by one that computes
+nothing and returns rows of preallocated logits (random, fixed: Gaussian with ``--logit-std``, 3 by
+default, which puts a few hundred tokens in a top-p 0.9 nucleus, as the default model's flatter
+positions do). No weights are loaded and no KV cache is allocated. What a step then costs is the
+engine's own work, split with ``time.perf_counter`` around the calls inside one ``LLMEngine.step``
+(instance wrappers set up here; the engine's code path is unchanged):
+
+* schedule: ``Scheduler.schedule``
+* prepare: ``ModelRunner.execute`` less the forward (block tables, slots, input tensors, logits rows)
+* forward: the null forward
+* sample: the sampler
+* outputs: the rest of the step (progress, slot tracking, appending tokens, stop checks, outputs)
+
+Cases, each at every ``--batch-sizes`` B with ``--prompt-len`` token prompts:
+
+* greedy: B requests decoding, temperature 0; every measured step decodes one token for each.
+* mixed: the same with sampling parameters cycling through ``MIXED`` (temperature, top-p, top-k,
+  min-p, penalties; some rows seeded, some asking for logprobs).
+* prefill: each measured step prefills B new prompts whole (B x prompt-len tokens) and samples their
+  one token (greedy); adding the requests happens between steps and is not counted.
+
+Each case runs with the batched sampler (``common.engine.sampler``) and with ``_PerRowSampler``, a
+copy of the per-row sampler it replaced, kept here for comparison only. "floor" is one
+``argmax`` over the step's ``[B, vocab]`` logits: a single pass over them on this machine.
+
+    pdserve bench overhead --batch-sizes 1,16,64,256,512
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+from msgspec.structs import replace
+from torch import Tensor
+
+import common.engine.engine as engine_module
+from common.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.model_runner import ModelRunner
+from common.engine.request import Request
+from common.engine.sampler import SampleResult
+from common.model.loader import model_identity, resolve_model_path
+from common.model.weights import load_hf_config
+from common.protocol import PositionLogprobs, TokenLogprob
+from common.sampling_params import SamplingParams
+from kernels import get_kernels
+
+PHASES = ("schedule", "prepare", "forward", "sample", "outputs")
+CASES = ("greedy", "mixed", "prefill")
+SAMPLERS = ("batched", "per-row")
+# The issue's targets: host ms per decode step (median) for (case, batch size).
+TARGETS_MS = {("greedy", 64): 1.0, ("greedy", 256): 2.0, ("mixed", 256): 4.0}
+RESULTS_DIR = Path(__file__).parent / "results"
+
+MIXED = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8, top_p=0.95),
+    SamplingParams(temperature=1.0, top_k=50, seed=0),
+    SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, logprobs=5),
+    SamplingParams(temperature=0.0, repetition_penalty=1.1),
+    SamplingParams(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.3, seed=0),
+    SamplingParams(temperature=1.0, top_p=0.9, logprobs=1, seed=0),
+    SamplingParams(temperature=0.6, repetition_penalty=1.2, top_k=100, logprobs=3),
+]
+
+
+class _PerRowSampler:
+    """The sampler as it was before it was batched (one row at a time); for comparison only."""
+
+    def __init__(self, eos_token_ids: set[int], seed: int = 0) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: Tensor, requests: list[Request]) -> SampleResult:
+        logits = logits.float()
+        raw_logprobs = None
+        if any(r.sampling_params.logprobs is not None for r in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = logits.clone()
+        for row, req in enumerate(requests):
+            self._apply_penalties(logits[row], req)
+        token_ids: list[int] = []
+        for row, req in enumerate(requests):
+            if req.sampling_params.greedy:
+                token_ids.append(int(torch.argmax(logits[row])))
+                continue
+            token_ids.append(self._sample_row(logits[row], req))
+        logprobs: list[PositionLogprobs | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            for row, req in enumerate(requests):
+                k = req.sampling_params.logprobs
+                if k is None:
+                    continue
+                lp = raw_logprobs[row]
+                top: list[TokenLogprob] = []
+                if k > 0:
+                    values, ids = torch.topk(lp, k)
+                    top = [TokenLogprob(int(i), float(v)) for v, i in zip(values, ids, strict=True)]
+                tok = token_ids[row]
+                logprobs[row] = PositionLogprobs(tok, float(lp[tok]), top)
+        return SampleResult(token_ids, logprobs)
+
+    def _apply_penalties(self, logits: Tensor, req: Request) -> None:
+        p = req.sampling_params
+        if req.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+            if banned:
+                logits[banned] = float("-inf")
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
+            vals = logits[seen]
+            logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+            ids, counts = torch.unique(torch.tensor(req.output_token_ids, dtype=torch.long), return_counts=True)
+            logits[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+
+    def _sample_row(self, logits: Tensor, req: Request) -> int:
+        p = req.sampling_params
+        logits = logits / p.temperature
+        if p.top_k > 0 and p.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sorted_probs, dim=-1)
+            drop_sorted = (cum - sorted_probs) >= p.top_p
+            probs = probs.clone()
+            probs[order[drop_sorted]] = 0.0
+        if p.min_p > 0.0:
+            probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
+        gen = req.generator if req.generator is not None else self.generator
+        noise = torch.empty_like(probs).exponential_(generator=gen)
+        return int(torch.argmax(probs / noise))
+
+
+class PhaseClock:
+    """Seconds spent in each wrapped call during the current step, and each call's last result."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = {}
+        self.last: dict[str, Any] = {}
+
+    def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                result = self.last[phase] = fn(*args, **kwargs)
+                return result
+            finally:
+                self.current[phase] = self.current.get(phase, 0.0) + time.perf_counter() - start
+
+        return timed
+
+
+class NullModel:
+    """Stands in for the model: no compute; the logits are the first rows of a fixed tensor (a view)."""
+
+    def __init__(self, logits: Tensor, clock: PhaseClock) -> None:
+        self.logits = logits
+        self.forward = clock.wrap("forward", lambda input_ids: torch.empty((input_ids.shape[0], 1)))
+        self.compute_logits = clock.wrap("forward", lambda hidden: self.logits[: hidden.shape[0]])
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, meta: Any, kv_cache: Tensor) -> Tensor:
+        out: Tensor = self.forward(input_ids)
+        return out
+
+
+class NullModelRunner(ModelRunner):
+    """A ``ModelRunner`` with its own ``execute`` but no weights and no KV cache; see ``NullModel``."""
+
+    def __init__(self, config: EngineConfig, logits: Tensor, clock: PhaseClock) -> None:
+        # Not ModelRunner.__init__: only what ``execute`` and the engine read.
+        self.config = config
+        self.device = config.torch_device
+        self.dtype = torch.float32
+        self.model_path = resolve_model_path(config.model)
+        self.model_id = model_identity(self.model_path)
+        self.hf_config = load_hf_config(self.model_path)
+        self.max_model_len = config.max_model_len or int(getattr(self.hf_config, "max_position_embeddings", 8192))
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.block_size = config.block_size
+        assert config.num_blocks is not None
+        self.num_blocks = config.num_blocks
+        self.kernel_backend = "torch"
+        self.kernels = get_kernels(self.device, "torch")  # copy_blocks only; no case here forks
+        self.kv_cache = torch.empty(0)
+        self.model = NullModel(logits, clock)  # type: ignore[assignment]
+
+
+def _percentile(values: list[float], q: int) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(values)
+    return ordered[max(0, -(-len(ordered) * q // 100) - 1)]
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values) * 1e3, "p90": _percentile(values, 90) * 1e3}
+
+
+def run_case(
+    case: str, batch_size: int, sampler_kind: str, args: argparse.Namespace, logits: Tensor
+) -> dict[str, Any]:
+    """Build an engine with a null forward, bring it to the measured state, time ``--num-steps`` steps."""
+    prompt_len, num_steps, warmup = args.prompt_len, args.num_steps, args.warmup
+    max_tokens = 1 if case == "prefill" else warmup + num_steps + 2
+    block_size = 16
+    blocks_per_request = -(-(prompt_len + max_tokens) // block_size)
+    config = EngineConfig(
+        model=args.model, device="cpu", block_size=block_size, max_num_seqs=batch_size,
+        max_num_batched_tokens=batch_size * prompt_len, num_blocks=2 * batch_size * blocks_per_request + 16,
+        seed=args.seed,
+    )
+    clock = PhaseClock()
+    runner = NullModelRunner(config, logits, clock)
+    with mock.patch.object(engine_module, "ModelRunner", lambda _config: runner):
+        engine = LLMEngine(config)
+    if sampler_kind == "per-row":
+        engine.sampler = _PerRowSampler(engine.eos_token_ids, args.seed)  # type: ignore[assignment]
+    engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
+    runner.execute = clock.wrap("execute", runner.execute)  # type: ignore[method-assign]
+    engine.sampler = clock.wrap("sample", engine.sampler)  # type: ignore[assignment]
+    gen = torch.Generator().manual_seed(args.seed)
+    num_added = 0
+
+    def add_requests() -> None:
+        nonlocal num_added
+        prompts = torch.randint(3, engine.vocab_size, (batch_size, prompt_len), generator=gen).tolist()
+        for prompt in prompts:
+            params = MIXED[num_added % len(MIXED)] if case == "mixed" else SamplingParams(temperature=0.0)
+            if params.seed is not None:
+                params = replace(params, seed=num_added)
+            params = replace(params, max_tokens=max_tokens, ignore_eos=True)
+            engine.add_request(f"{case}-{num_added}", prompt, params)
+            num_added += 1
+
+    if case != "prefill":
+        add_requests()
+        while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+            engine.step()
+    num_tokens = batch_size * (prompt_len if case == "prefill" else 1)
+    steps: list[dict[str, float]] = []
+    for i in range(warmup + num_steps):
+        if case == "prefill":
+            add_requests()
+        clock.current = {}
+        start = time.perf_counter()
+        outputs = engine.step()
+        total = time.perf_counter() - start
+        t = clock.current
+        if clock.last["schedule"].num_tokens != num_tokens or len(outputs) != batch_size:
+            raise RuntimeError(f"{case}: a step ran {clock.last['schedule'].num_tokens} tokens and "
+                               f"{len(outputs)} outputs, not {num_tokens} and {batch_size}")
+        if i >= warmup:
+            steps.append({
+                "schedule": t["schedule"], "prepare": t["execute"] - t["forward"], "forward": t["forward"],
+                "sample": t["sample"], "outputs": total - t["schedule"] - t["execute"] - t["sample"],
+                "total": total,
+            })
+    return {
+        "case": case, "batch_size": batch_size, "sampler": sampler_kind, "num_steps": num_steps,
+        "phases_ms": {name: _summary([s[name] for s in steps]) for name in (*PHASES, "total")},
+    }
+
+
+def floor_ms(logits: Tensor, batch_size: int, num_iters: int = 10) -> float:
+    """Median ms of one ``argmax`` over ``batch_size`` rows of the logits: one pass over them."""
+    rows = logits[:batch_size]
+    times = []
+    for _ in range(num_iters):
+        start = time.perf_counter()
+        rows.argmax(dim=-1).tolist()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _find(results: list[dict[str, Any]], case: str, batch_size: int, sampler: str) -> dict[str, Any] | None:
+    for r in results:
+        if (r["case"], r["batch_size"], r["sampler"]) == (case, batch_size, sampler):
+            return r
+    return None
+
+
+def _without_sampling(result: dict[str, Any]) -> float:
+    """Median ms of the step's own work besides sampling and the forward."""
+    return float(sum(result["phases_ms"][p]["median"] for p in ("schedule", "prepare", "outputs")))
+
+
+def format_report(report: dict[str, Any]) -> str:
+    results: list[dict[str, Any]] = report["results"]
+    header = (f"{'case':<8}{'batch':>6}  {'sampler':<8}{'total (p90)':>17}"
+              + "".join(f"{p:>10}" for p in PHASES) + f"{'no sample':>11}{'floor':>9}{'sample x':>10}")
+    lines = [f"host ms per step, median (p90 of the total); null forward, {report['machine']['torch_threads']} "
+             f"torch thread(s), {report['machine']['device']}", header, "-" * len(header)]
+    for r in results:
+        ph = r["phases_ms"]
+        speedup = ""
+        batched = _find(results, r["case"], r["batch_size"], "batched")
+        if r["sampler"] == "per-row" and batched is not None:
+            speedup = f"{ph['sample']['median'] / batched['phases_ms']['sample']['median']:.1f}x"
+        total = f"{ph['total']['median']:.2f} ({ph['total']['p90']:.2f})"
+        lines.append(
+            f"{r['case']:<8}{r['batch_size']:>6}  {r['sampler']:<8}{total:>17}"
+            + "".join(f"{ph[p]['median']:>10.2f}" for p in PHASES)
+            + f"{_without_sampling(r):>11.2f}{report['floor_ms'][str(r['batch_size'])]:>9.2f}{speedup:>10}"
+        )
+    lines += ["", "no sample: schedule + prepare + outputs (what is left with a free sampler and forward); "
+              "floor: one argmax over the step's [batch, vocab] logits; sample x: per-row sample time / batched"]
+    for (case, batch_size), target in TARGETS_MS.items():
+        new = _find(results, case, batch_size, "batched")
+        if new is None:
+            lines.append(f"target {case}, batch {batch_size}: <= {target:g} ms: not measured in this run")
+            continue
+        got = new["phases_ms"]["total"]["median"]
+        old = _find(results, case, batch_size, "per-row")
+        lines.append(
+            f"target {case}, batch {batch_size}: <= {target:g} ms: measured {got:.2f} ms "
+            + ("(met)" if got <= target else "(NOT met)")
+            + ("" if old is None else f"; per-row sampler {old['phases_ms']['total']['median']:.2f} ms")
+            + f"; without sampling {_without_sampling(new):.2f} ms"
+        )
+    return "\n".join(lines)
+
+
+def write_plot(report: dict[str, Any], path: Path) -> bool:
+    """Median host ms per step against the batch size, one panel per case; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    cases = list(dict.fromkeys(r["case"] for r in report["results"]))
+    fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4), squeeze=False)
+    for ax, case in zip(axes[0], cases, strict=True):
+        for sampler, style in (("batched", "-o"), ("per-row", "--s")):
+            rows = [r for r in report["results"] if r["case"] == case and r["sampler"] == sampler]
+            if rows:
+                ax.plot([r["batch_size"] for r in rows], [r["phases_ms"]["total"]["median"] for r in rows],
+                        style, label=f"total, {sampler} sampler")
+                ax.plot([r["batch_size"] for r in rows], [r["phases_ms"]["sample"]["median"] for r in rows],
+                        style, alpha=0.4, label=f"sample, {sampler} sampler")
+                if sampler == "batched":
+                    ax.plot([r["batch_size"] for r in rows], [_without_sampling(r) for r in rows], ":^",
+                            label="schedule + prepare + outputs")
+        for (target_case, batch_size), target in TARGETS_MS.items():
+            if target_case == case:
+                ax.plot([batch_size], [target], "r*", markersize=12, label=f"target, batch {batch_size}")
+        ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="host ms per step (median)", title=case)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench overhead", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint folder (its config only); default SmolLM2-135M-Instruct")
+    p.add_argument("--batch-sizes", default="1,16,64,256,512", help="comma-separated")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {','.join(CASES)}")
+    p.add_argument("--samplers", default=",".join(SAMPLERS), help=f"comma-separated, of {','.join(SAMPLERS)}")
+    p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--num-steps", type=int, default=20, help="measured steps per case")
+    p.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
+    p.add_argument("--logit-std", type=float, default=3.0, help="standard deviation of the fixed random logits")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="default: ops/bench/results/overhead-cpu-<date>.json")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG next to the JSON")
+    return p
+
+
+def _parse_list(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    items = [s for s in text.split(",") if s]
+    if not items or not set(items) <= set(allowed):
+        raise SystemExit(f"{flag} takes a comma-separated list of {', '.join(allowed)}; got {text!r}")
+    return items
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cases = _parse_list(args.cases, CASES, "--cases")
+    samplers = _parse_list(args.samplers, SAMPLERS, "--samplers")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    if not batch_sizes or min(batch_sizes) < 1 or args.prompt_len < 1 or args.num_steps < 1 or args.warmup < 0:
+        raise SystemExit("batch sizes, --prompt-len and --num-steps must be positive, --warmup not negative")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        vocab_size = int(load_hf_config(resolve_model_path(args.model)).vocab_size)
+        gen = torch.Generator().manual_seed(args.seed)
+        logits = torch.randn(max(batch_sizes), vocab_size, generator=gen) * args.logit_std
+        report: dict[str, Any] = {
+            "date": datetime.date.today().isoformat(),
+            "command": " ".join(["pdserve bench overhead", *(argv if argv is not None else sys.argv[1:])]),
+            "config": vars(args),
+            "machine": {"device": "cpu", "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+                        "torch": torch.__version__},
+            "vocab_size": vocab_size,
+            "phases": list(PHASES),
+            "targets_ms": [{"case": c, "batch_size": b, "max_ms": t} for (c, b), t in TARGETS_MS.items()],
+            "floor_ms": {str(b): floor_ms(logits, b) for b in batch_sizes},
+            "results": [],
+        }
+        for case in cases:
+            for batch_size in batch_sizes:
+                for sampler in samplers:
+                    print(f"{case}, batch {batch_size}, {sampler} sampler ...", file=sys.stderr, flush=True)
+                    report["results"].append(run_case(case, batch_size, sampler, args, logits))
+    finally:
+        torch.set_num_threads(threads)
+    print(format_report(report))
+    path = Path(args.json) if args.json else RESULTS_DIR / f"overhead-cpu-{report['date']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not args.no_plot and write_plot(report, path.with_suffix(".png")):
+        report["plot"] = str(path.with_suffix(".png").name)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

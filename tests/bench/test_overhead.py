@@ -1,0 +1,55 @@
+"""``pdserve bench overhead`` on tiny sizes: every case and phase is measured, for both samplers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ops.bench import overhead
+
+
+def test_every_case_reports_every_phase_as_positive_milliseconds_for_both_samplers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "overhead.json"
+    argv = ["--batch-sizes", "1,4", "--num-steps", "3", "--warmup", "1", "--prompt-len", "40", "--json", str(out)]
+    assert overhead.main(argv) == 0
+    report = json.loads(out.read_text())
+    measured = {(r["case"], r["batch_size"], r["sampler"]): r for r in report["results"]}
+    assert set(measured) == {(c, b, s) for c in overhead.CASES for b in (1, 4) for s in overhead.SAMPLERS}
+    for key, result in measured.items():
+        assert result["num_steps"] == 3
+        assert set(result["phases_ms"]) == {*overhead.PHASES, "total"}, key
+        for phase, summary in result["phases_ms"].items():
+            for stat in ("median", "p90"):
+                value = summary[stat]
+                assert isinstance(value, float) and 0 < value < 60_000, (key, phase, stat, value)
+            assert summary["median"] <= summary["p90"]
+        phases = sum(result["phases_ms"][p]["median"] for p in overhead.PHASES)
+        assert phases == pytest.approx(result["phases_ms"]["total"]["median"], rel=0.5), key
+    assert set(report["floor_ms"]) == {"1", "4"} and all(v > 0 for v in report["floor_ms"].values())
+    assert report["machine"]["torch_threads"] == 1
+    table = capsys.readouterr().out
+    assert "target greedy, batch 256: <= 2 ms: not measured in this run" in table
+    assert all(f"{case:<8}{4:>6}  per-row" in table for case in overhead.CASES)
+    if overhead.write_plot(report, tmp_path / "probe.png"):
+        assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_target_is_reported_met_only_when_the_measured_median_is_within_it() -> None:
+    def result(sampler: str, total: float) -> dict[str, object]:
+        phases = {p: {"median": total / 5, "p90": total / 5} for p in overhead.PHASES}
+        return {"case": "greedy", "batch_size": 64, "sampler": sampler, "num_steps": 1,
+                "phases_ms": {**phases, "total": {"median": total, "p90": total}}}
+
+    def line(batched_ms: float) -> str:
+        report = {"machine": {"torch_threads": 1, "device": "cpu"}, "floor_ms": {"64": 0.5},
+                  "results": [result("batched", batched_ms), result("per-row", 9.0)]}
+        return next(x for x in overhead.format_report(report).splitlines() if x.startswith("target greedy, batch 64"))
+
+    assert line(0.9) == ("target greedy, batch 64: <= 1 ms: measured 0.90 ms (met); per-row sampler 9.00 ms; "
+                         "without sampling 0.54 ms")
+    assert line(1.2) == ("target greedy, batch 64: <= 1 ms: measured 1.20 ms (NOT met); per-row sampler 9.00 ms; "
+                         "without sampling 0.72 ms")

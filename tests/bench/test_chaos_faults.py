@@ -47,28 +47,39 @@ def test_injector_kills_stops_and_continues_engines_and_spares_the_last_of_each_
     seen_stopped: set[str] = set()
     seen_continued: set[str] = set()  # sleeping again after having been seen stopped
     zero = time.monotonic()
-    with FaultInjector(path, interval_s=0.15, stop_s=0.5, seed=1, zero=zero) as injector:
-        deadline = time.monotonic() + 2.5
-        while time.monotonic() < deadline:
+    stop_s = 1.5  # long enough for this loop to see the stop on a loaded host
+
+    def done(injector: FaultInjector) -> bool:
+        faults = injector.faults
+        return len(faults) == 3 and faults[1].end_s > faults[1].start_s and injector.num_skipped > 0
+
+    with FaultInjector(path, interval_s=0.15, stop_s=stop_s, seed=1, zero=zero) as injector:
+        deadline = time.monotonic() + 60
+        while not done(injector):
+            assert time.monotonic() < deadline, injector.faults
             states = {name: proc_state(pid) for pid, name in pids.items()}
-            seen_continued |= {name for name in seen_stopped if states[name] == "S"}
+            seen_continued |= {name for name in seen_stopped if states[name] in ("S", "R")}
             seen_stopped |= {name for name, state in states.items() if state == "T"}
+            time.sleep(0.01)
+        stop = injector.faults[1]
+        while stop.target not in seen_continued and proc_state(procs[stop.target].pid) != "-":
+            assert time.monotonic() < deadline
+            seen_continued |= {stop.target} if proc_state(procs[stop.target].pid) in ("S", "R") else set()
             time.sleep(0.01)
     faults = injector.faults
     assert [f.kind for f in faults] == ["kill", "stop", "kill"]
     kills = [f.target for f in faults if f.kind == "kill"]
     # nothing restarts here, so after one kill per role no role has an instance to spare
     assert sorted(n.split("-")[0] for n in kills) == ["decode", "prefill"]
-    assert injector.num_skipped > 0
     for name in kills:
         assert procs[name].wait(timeout=5) == -9
-    stop = faults[1]
-    assert seen_stopped == seen_continued == {stop.target}
-    assert stop.end_s - stop.start_s == pytest.approx(0.5, abs=0.3)
+    assert seen_stopped == {stop.target}
+    # continued, as seen here, unless the last kill took it before this loop looked again
+    assert seen_continued == {stop.target} or faults[2].target == stop.target
+    assert stop.end_s - stop.start_s >= stop_s  # stopped for the whole stall, then continued
     assert faults[2].start_s >= stop.end_s  # one fault at a time: nothing killed during the stall
     for name in ("router", "redis"):
         assert procs[name].poll() is None
-    assert all(0 < f.start_s < 2.5 for f in faults)
 
 
 def test_stopping_the_injector_during_a_stall_continues_the_stopped_engine(
@@ -77,7 +88,7 @@ def test_stopping_the_injector_during_a_stall_continues_the_stopped_engine(
     path, procs = stack
     injector = FaultInjector(path, interval_s=0.05, stop_s=60.0, seed=0, zero=time.monotonic(), stop_slot=0)
     with injector:
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while not injector.faults and time.monotonic() < deadline:
             time.sleep(0.01)
         assert injector.faults and injector.faults[0].kind == "stop"
@@ -86,8 +97,8 @@ def test_stopping_the_injector_during_a_stall_continues_the_stopped_engine(
             time.sleep(0.01)
         assert proc_state(target.pid) == "T"
         began = time.monotonic()
-    assert time.monotonic() - began < 2.0
-    assert proc_state(target.pid) == "S" and injector.faults[0].end_s < 5
+    assert time.monotonic() - began < 30  # not the 60 s stall: stopping the injector ends it
+    assert proc_state(target.pid) in ("S", "R") and injector.faults[0].end_s < 60
     injector.stop()  # a second stop is harmless
 
 
@@ -103,7 +114,7 @@ def test_the_injector_uses_the_pids_children_json_holds_now(
             "decode-1": {"pid": replacement.pid, "restarts": 1, "role": "decode"},
         }))
         with FaultInjector(path, interval_s=0.05, stop_s=0.0, seed=0, zero=time.monotonic()) as injector:
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 60
             while not injector.faults and time.monotonic() < deadline:
                 time.sleep(0.01)
         killed = injector.faults[0]
@@ -155,7 +166,7 @@ def test_rolling_restart_terms_each_engine_once_and_waits_for_its_return(
     from ops.bench.chaos_faults import RollingRestart
 
     with RollingRestart(path, zero=time.monotonic(), serving=lambda: serving, expected=serving) as rolling:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while len(rolling.faults) < 4 or rolling.faults[-1].end_s == rolling.faults[-1].start_s:
             assert time.monotonic() < deadline, rolling.faults
             supervise()

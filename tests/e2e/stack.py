@@ -76,7 +76,9 @@ class Stack:
         return self._spawn("router", args)
 
     def wait_ready(self, num_prefill: int, num_decode: int, timeout_s: float = 120.0) -> None:
-        """Until the router's /ready is 200 and Redis lists the expected instances."""
+        """Until Redis lists the expected instances and the router serves with all of them (its
+        /ready counts them: a router that does not see the prefill yet would send a long prompt
+        straight to a decode instance)."""
         from common.registry import Registry
 
         registry = Registry(self.redis_url)
@@ -89,9 +91,11 @@ class Stack:
             roles = [i.role for i in live]
             if roles.count("prefill") >= num_prefill and roles.count("decode") >= num_decode:
                 try:
-                    if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    ready = httpx.get(self.url + "/ready", timeout=2)
+                    body = ready.json() if ready.status_code == 200 else {}
+                    if body.get("prefill", 0) >= num_prefill and body.get("decode", 0) >= num_decode:
                         return
-                except httpx.HTTPError:
+                except (httpx.HTTPError, ValueError):
                     pass
             time.sleep(0.3)
         logs = "\n".join(f"--- {p.name}\n{p.log()}" for p in self.procs.values())

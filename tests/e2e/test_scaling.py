@@ -129,9 +129,13 @@ def test_two_by_two_prefix_routing_load_spread_and_decode_replacement(private_re
             waited = time.monotonic() - killed_at
             assert replaced, f"the registry lists {sorted(decode_ids())} {waited:.0f}s after the kill"
             settled_at = time.monotonic()
-            # Traffic runs on until the replacement has generated tokens: it joined and serves.
+            # Traffic runs on until the replacement has generated tokens (it joined and serves) and a
+            # request started after the registry settled has finished.
             assert wait_until(lambda: _generated_tokens(s, "decode-z") > 0, DEADLINE_S, 0.5), (
                 "the replacement decode-z generated no tokens"
+            )
+            assert wait_until(lambda: any(t >= settled_at for t, _ in outcomes), DEADLINE_S, 0.1), (
+                "no request started after the registry settled finished"
             )
         finally:
             stop.set()

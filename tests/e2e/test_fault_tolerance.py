@@ -198,11 +198,11 @@ def test_prefill_killed_before_its_first_token(stack, client):  # type: ignore[n
     assert result["text"] == reference(client, kwargs)
 
 
-def test_prefill_killed_mid_transfer(stack, client):  # type: ignore[no-untyped-def]
-    """The decodes are paused while the prompt prefills, so the KV transfer cannot finish before
-    the prefill dies right after its first token; the decode that was offered the KV frees its
-    blocks, and the request continues elsewhere from that token."""
-    kwargs = chat_kwargs("Here is some background about the planets and their moons. " * 25 + "Summarise it.", 12)
+def _kill_prefill_while_decodes_paused(stack: Stack, client: openai.OpenAI, attempt: int) -> bool:
+    """One try; the output must be the uninterrupted one. True when the prefill died while the
+    decodes were still paused (so mid-transfer)."""
+    kwargs = chat_kwargs(f"[{attempt}] " + "Here is some background about the planets and their moons. " * 25
+                         + "Summarise it.", 12)
     decode_pids = [stack.procs[n].popen.pid for n in DECODES]
     resumed = threading.Lock()
     killed_while_paused: list[bool] = []
@@ -212,15 +212,16 @@ def test_prefill_killed_mid_transfer(stack, client):  # type: ignore[no-untyped-
             for pid in decode_pids:
                 os.kill(pid, signal.SIGCONT)
 
-    def kill_prefill_then_resume(num_chunks: int) -> None:
-        if num_chunks == 1:
-            kill(stack.procs["prefill-f"])
-            killed_while_paused.append(not watchdog.finished.is_set())
-            resume_decodes()
-
     # Paused for less than the registry needs to forget them (about 6 s), so the router still
     # routes to them; the watchdog resumes them whatever happens.
     watchdog = threading.Timer(4.0, resume_decodes)
+
+    def kill_prefill_then_resume(num_chunks: int) -> None:
+        if num_chunks == 1:
+            killed_while_paused.append(not watchdog.finished.is_set())
+            kill(stack.procs["prefill-f"])
+            resume_decodes()
+
     for pid in decode_pids:
         os.kill(pid, signal.SIGSTOP)
     watchdog.start()
@@ -229,9 +230,21 @@ def test_prefill_killed_mid_transfer(stack, client):  # type: ignore[no-untyped-
     finally:
         watchdog.cancel()
         resume_decodes()
-    assert killed_while_paused == [True], "the first token came only after the decodes resumed"
     repair(stack)
     assert text == reference(client, kwargs)
+    return killed_while_paused == [True]
+
+
+def test_prefill_killed_mid_transfer(stack, client):  # type: ignore[no-untyped-def]
+    """The decodes are paused while the prompt prefills, so the KV transfer cannot finish before
+    the prefill dies right after its first token; the decode that was offered the KV frees its
+    blocks, and the request continues elsewhere from that token. On a loaded host the first token
+    may come only after the watchdog resumed the decodes: then the case is tried again (up to 3
+    times); every try's output must be the uninterrupted one."""
+    for attempt in range(3):
+        if _kill_prefill_while_decodes_paused(stack, client, attempt):
+            return
+    raise AssertionError("in 3 tries the first token never came while the decodes were paused")
 
 
 def test_stopped_decode_is_taken_for_dead_and_its_stream_continues(stack, client):  # type: ignore[no-untyped-def]

@@ -27,8 +27,10 @@ def test_every_case_reports_every_phase_as_positive_milliseconds_for_both_sample
                 value = summary[stat]
                 assert isinstance(value, float) and 0 < value < 60_000, (key, phase, stat, value)
             assert summary["median"] <= summary["p90"]
-        phases = sum(result["phases_ms"][p]["median"] for p in overhead.PHASES)
-        assert phases == pytest.approx(result["phases_ms"]["total"]["median"], rel=0.5), key
+        # Each step's total spans each of its phases, so no phase's median exceeds the total's (their
+        # medians need not add up to it over 3 steps on a loaded host).
+        total = result["phases_ms"]["total"]["median"]
+        assert all(result["phases_ms"][p]["median"] <= total * 1.001 for p in overhead.PHASES), key
     assert set(report["floor_ms"]) == {"1", "4"} and all(v > 0 for v in report["floor_ms"].values())
     assert report["machine"]["torch_threads"] == 1
     table = capsys.readouterr().out

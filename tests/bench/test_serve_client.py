@@ -56,7 +56,7 @@ def test_poisson_arrivals_follow_the_schedule_and_do_not_wait_for_answers() -> N
     starts = sorted(r.start_s for r in out.results)
     # Never early; late by less than a second on a loaded host (a client that waited for the 0.6 s
     # answers would fall seconds behind by the twelfth request).
-    assert all(-0.05 < s - e < 1.0 for s, e in zip(starts, expected, strict=True)), list(zip(starts, expected))
+    assert all(-0.05 < s - e < 1.0 for s, e in zip(starts, expected, strict=True)), list(zip(starts, expected, strict=True))
     assert server.record.max_in_flight > 3  # open loop: arrivals overlap slow answers
 
 

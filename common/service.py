@@ -386,6 +386,10 @@ class EngineService:
         try:
             while not self._stop.is_set():
                 busy = self.busy()
+                if was_busy and not busy:
+                    # Here, before this iteration admits anything, nothing may hold a block.
+                    self._check_idle_pool()
+                was_busy = busy
                 self._drain_control(0 if busy else _IDLE_POLL_MS)
                 self.poll_transfers()
                 if self.engine.has_unfinished_requests():
@@ -398,9 +402,6 @@ class EngineService:
                 if now - last_metrics > 0.5:
                     self.metrics.update(self.engine.stats())
                     last_metrics = now
-                if busy != was_busy and not busy:
-                    self._check_idle_pool()
-                was_busy = busy
                 if self._drain_requested.is_set() and not self.draining:
                     self._start_drain()
                 if self.draining and not self.busy():

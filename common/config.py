@@ -68,7 +68,10 @@ class EngineConfig:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, include_seed: bool = True) -> None:
         d = EngineConfig()
-        parser.add_argument("--model", default=None, help="checkpoint folder or .gguf; default SmolLM2-135M-Instruct")
+        parser.add_argument(
+            "--model", default=None,
+            help="checkpoint folder, .gguf or Hugging Face id (org/name); default SmolLM2-135M-Instruct",
+        )
         parser.add_argument("--device", default=d.device)
         parser.add_argument("--dtype", default=d.dtype, choices=["auto", *_DTYPES])
         parser.add_argument("--block-size", type=int, default=d.block_size)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from collections.abc import Callable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.engine.engine import EngineStats
+from common.metrics_server import serve_health_and_metrics
+from common.nvml_metrics import register_nvml_collector
 
 PREFIX = "pdserve:"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -17,6 +21,7 @@ class EngineMetrics:
     def __init__(self, role: str, instance_id: str, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name, "role": role, "instance": instance_id}
+        self.labels = labels
         names = list(labels)
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -33,6 +38,11 @@ class EngineMetrics:
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
+        # Set only once the engine reports it (``EngineStats.extra``), so no false zero is exported.
+        self._num_prompt_tokens_waiting = Gauge(
+            PREFIX + "num_prompt_tokens_waiting", "Prompt tokens of waiting requests not yet computed",
+            names, registry=self.registry,
+        )
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed later)")
@@ -51,12 +61,20 @@ class EngineMetrics:
         self.num_requests_running.set(stats.num_requests_running)
         self.num_requests_waiting.set(stats.num_requests_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage_perc)
+        if "num_prompt_tokens_waiting" in stats.extra:
+            self._num_prompt_tokens_waiting.labels(**self.labels).set(stats.extra["num_prompt_tokens_waiting"])
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._last.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._last.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions - self._last.num_preemptions)
         self._last = stats
 
-    def serve(self, host: str, port: int) -> None:
-        """Expose ``/metrics`` on ``host:port`` from a daemon thread (port 0: not served)."""
+    def serve(self, host: str, port: int, ready: Callable[[], bool] = lambda: True) -> None:
+        """Expose ``/metrics``, ``/health`` and ``/ready`` (``ready()``) on ``host:port`` from a
+        daemon thread (port 0: not served). See ``common.metrics_server``."""
         if port:
-            start_http_server(port, addr=host, registry=self.registry)
+            serve_health_and_metrics(host, port, self.registry, ready)
+
+    def watch_gpus(self, uuids: Sequence[str] = ()) -> bool:
+        """Add NVML's GPU gauges for these GPUs (all it sees when none are given), read per scrape;
+        False (one log line) without NVML."""
+        return register_nvml_collector(self.registry, self.labels, uuids) is not None

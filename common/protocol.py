@@ -15,7 +15,13 @@ from common.sampling_params import SamplingParams
 PROTOCOL_VERSION = 1
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_ID_LEN = 256
-MAX_MESSAGE_BYTES = 16 << 20
+# A token id packs into at most 5 msgpack bytes (uint32). A router -> engine message carries a
+# prompt and, when continued, the tokens already produced, each at most MAX_PROMPT_TOKENS; every
+# socket that reads engine inputs refuses larger frames (ZMQ_MAXMSGSIZE) before buffering them.
+_MAX_TOKEN_ID_BYTES = 5
+MAX_MESSAGE_BYTES = 2 * MAX_PROMPT_TOKENS * _MAX_TOKEN_ID_BYTES + (1 << 20)
+# Engine -> router: one step's tokens of one request, with their logprobs (top 20 at most).
+MAX_OUTPUT_MESSAGE_BYTES = 4 << 20
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
 TokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
@@ -106,6 +112,9 @@ class RequestOutput(msgspec.Struct, tag="output", kw_only=True):
     # With ``finish_reason="error"``: the instance failed the request (it died, drains, or lost the
     # KV transfer), not the request itself; the router continues it on another instance.
     retryable: bool = False
+    # With ``finish_reason="error"``: the instance refused a new request because its waiting queue
+    # is full; nothing was started, the router sends it again later (or elsewhere), not a migration.
+    overloaded: bool = False
 
 
 class TransferMeta(msgspec.Struct, tag="transfer_meta", kw_only=True):
@@ -116,6 +125,18 @@ class TransferMeta(msgspec.Struct, tag="transfer_meta", kw_only=True):
     first_token_id: int
     first_logprobs: PositionLogprobs | None = None
     num_cached_tokens: int = 0
+    # n > 1: the first token of every choice, in choice order (``first_token_id`` is choice 0's).
+    # The decode instance forks the choices from this one transfer; they share the prompt's blocks.
+    choice_token_ids: TokenIds = msgspec.field(default_factory=list)
+
+
+def choice_request_id(request_id: str, index: int) -> str:
+    """The id under which an engine reports choice ``index`` of an n > 1 request (0: its own id)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+def choice_request_ids(request_id: str, n: int) -> list[str]:
+    return [choice_request_id(request_id, i) for i in range(n)]
 
 
 EngineInput = GenerateRequest | AbortRequest | RouterHeartbeat
@@ -163,7 +184,9 @@ def decode_input(raw: bytes) -> EngineInput:
 
 
 def decode_output(raw: bytes) -> EngineMessage:
-    return _decode(_output_decoder, raw, "engine output")  # type: ignore[no-any-return]
+    return decode_checked(  # type: ignore[no-any-return]
+        _output_decoder, raw, max_bytes=MAX_OUTPUT_MESSAGE_BYTES, version=PROTOCOL_VERSION, what="engine output"
+    )
 
 
 def decode_transfer_meta(raw: bytes) -> TransferMeta:

@@ -4,7 +4,8 @@ Redis is a hint, never a dependency of correctness: every method here catches Re
 after a failure the client skips Redis for a short back-off so a dead server costs nothing per call.
 
 Keys (all under ``namespace``):
-  ``{ns}:instance:{id}``         the instance's ``InstanceInfo`` as JSON, with a TTL
+  ``{ns}:instance:{id}``         the instance's ``InstanceInfo`` as JSON, with a TTL; with a cluster
+                                 key, ``{"entry": <that JSON>, "mac": <hex>}`` (see ``Registry``)
   ``{ns}:instances``             set of registered ids (members whose key expired are dead)
   ``{ns}:block:{hash hex}``      set of instance ids holding that block
   ``{ns}:instance_blocks:{id}``  set of block hashes an instance holds, for clearing it
@@ -18,12 +19,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+if TYPE_CHECKING:
+    from common.cluster_key import ClusterKey
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +56,17 @@ class InstanceInfo(msgspec.Struct, kw_only=True):
     started_at: float = 0.0
 
 
+class _SignedEntry(msgspec.Struct):
+    """A registry entry as written with a cluster key: the exact bytes the MAC covers, and the MAC."""
+
+    entry: msgspec.Raw
+    mac: str
+
+
 _info_encoder = msgspec.json.Encoder()
 _info_decoder = msgspec.json.Decoder(InstanceInfo)
+_signed_decoder = msgspec.json.Decoder(_SignedEntry)
+_MAX_LOGGED_REJECTS = 1024
 
 
 class Beat(enum.Enum):
@@ -93,7 +106,14 @@ class _RedisClient:
             return True, fn(self._client)
         except (redis.RedisError, OSError) as exc:
             with self._lock:
-                if time.monotonic() >= self._down_until:
+                if time.monotonic() >= self._down_until and isinstance(exc, redis.AuthenticationError):
+                    # Not an outage: it will not heal by itself. (The URL is not logged: it holds the password.)
+                    logger.error(
+                        "redis %s failed: the server refused this service's credentials (%s); give them "
+                        "in the redis URL: redis://[USER]:PASSWORD@HOST:PORT/DB (rediss:// for TLS)",
+                        what, exc,
+                    )
+                elif time.monotonic() >= self._down_until:
                     logger.warning("redis %s failed (%s); retrying in %.1fs", what, exc, BACKOFF_S)
                 self._down_until = time.monotonic() + BACKOFF_S
             return False, None
@@ -123,11 +143,23 @@ def _clear_instance_blocks(rc: _RedisClient, client: redis.Redis, instance_id: s
 
 
 class Registry:
-    """Instances register with a TTL and refresh it by heartbeat; readers see only live ones."""
+    """Instances register with a TTL and refresh it by heartbeat; readers see only live ones.
 
-    def __init__(self, redis_url: str, namespace: str = "pdserve", ttl_s: float = 3.0) -> None:
+    With a ``cluster_key`` every entry written carries an HMAC-SHA256 over its key name and its
+    exact JSON, and reading drops (and counts in ``num_rejected_entries``, logging each instance
+    once) every entry that is unsigned or does not verify: whoever can write to Redis but lacks
+    the key cannot add an instance or change one. Without a key entries are written unsigned and
+    all are accepted (loopback development).
+    """
+
+    def __init__(
+        self, redis_url: str, namespace: str = "pdserve", ttl_s: float = 3.0, cluster_key: ClusterKey | None = None
+    ) -> None:
         self._rc = _RedisClient(redis_url, namespace)
         self.ttl_ms = max(1, int(ttl_s * 1000))
+        self._key = cluster_key
+        self.num_rejected_entries = 0
+        self._logged_rejects: set[str] = set()
 
     def heartbeat(self, info: InstanceInfo) -> Beat:
         """Register or refresh ``info``. Safe to call any time.
@@ -138,6 +170,9 @@ class Registry:
         """
         key = self._rc.key("instance", info.instance_id)
         payload = _info_encoder.encode(info)
+        if self._key is not None:
+            mac = self._key.sign(key.encode() + b"\n" + payload)
+            payload = _info_encoder.encode(_SignedEntry(msgspec.Raw(payload), mac))
 
         def op(client: redis.Redis) -> bool:
             pipe = client.pipeline(transaction=False)
@@ -189,10 +224,39 @@ class Registry:
                 _clear_instance_blocks(self._rc, client, instance_id)
                 continue
             try:
-                live.append(_info_decoder.decode(raw))
+                info = self._open(instance_id, raw)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 logger.warning("ignoring malformed registry entry for %s", instance_id)
+                continue
+            if info is not None:
+                live.append(info)
         return live
+
+    def _open(self, instance_id: str, raw: bytes | str) -> InstanceInfo | None:
+        """The entry if it passes this reader's key (any well-formed one without a key), else None."""
+        raw = raw.encode() if isinstance(raw, str) else raw
+        try:
+            signed: _SignedEntry | None = _signed_decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            signed = None  # an unsigned entry (or garbage: the plain decode below says which)
+        entry = raw if signed is None else bytes(signed.entry)
+        if self._key is not None:
+            name = self._rc.key("instance", instance_id).encode()
+            if signed is None or not self._key.verify(name + b"\n" + entry, signed.mac):
+                self._reject(instance_id, "unsigned" if signed is None else "its MAC does not verify")
+                return None
+        info = _info_decoder.decode(entry)
+        if info.instance_id != instance_id:
+            raise msgspec.ValidationError(f"entry names instance {info.instance_id!r}")
+        return info
+
+    def _reject(self, instance_id: str, why: str) -> None:
+        self.num_rejected_entries += 1
+        if instance_id not in self._logged_rejects and len(self._logged_rejects) < _MAX_LOGGED_REJECTS:
+            self._logged_rejects.add(instance_id)
+            logger.warning(
+                "ignoring registry entry of %r: %s (not written with this cluster's key)", instance_id, why
+            )
 
     def close(self) -> None:
         self._rc.close()

@@ -27,22 +27,29 @@ from typing import Any
 
 import zmq
 
+from common.cluster_key import add_cluster_key_args, cluster_key_from_args
 from common.config import EngineConfig
+from common.endpoints import check_endpoint
 from common.engine.engine import EngineOutput, LLMEngine
 from common.metrics import EngineMetrics
 from common.model.loader import served_model_name
+from common.nvml_metrics import torch_device_uuids
 from common.protocol import (
     MAX_MESSAGE_BYTES,
+    MAX_OUTPUT_MESSAGE_BYTES,
     AbortRequest,
     EngineProgress,
     GenerateRequest,
     ProtocolError,
     RequestOutput,
     RouterHeartbeat,
+    choice_request_ids,
     decode_input,
     encode,
 )
 from common.registry import BACKOFF_S, HeartbeatThread, InstanceInfo, PrefixIndex, Registry
+from common.sampling_params import MAX_N
+from kvtransfer.wire.curve import CurveConfig
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +73,11 @@ def add_service_args(parser: argparse.ArgumentParser, role: str) -> None:
                         help="on SIGTERM, seconds to finish held requests before handing them back")
     parser.add_argument("--router-lease-timeout", type=float, default=10.0,
                         help="seconds without word from a router before its requests are aborted")
+    parser.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="requests waiting to be scheduled here; past it new ones are refused with a "
+                        "retryable 'overloaded' error, so a router waits or tries another instance (0: unbounded)")
     parser.add_argument("--log-level", default="INFO")
+    add_cluster_key_args(parser)
 
 
 @dataclass
@@ -89,12 +100,17 @@ class EngineService:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.instance_id: str = args.instance_id
+        # Before the model loads: a missing key on a public address fails start-up at once.
+        self.cluster_key = cluster_key_from_args(args, args.host, self.role)
         self.engine = LLMEngine(EngineConfig.from_cli_args(args))
-        self.ctx: zmq.Context = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context()  # its own: a context has one ZAP handler
+        self._zap = self.cluster_key.authenticate(self.ctx) if self.cluster_key is not None else None
         self.control = self.ctx.socket(zmq.PULL)
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.control.setsockopt(zmq.RCVHWM, 10_000)
+        if self.cluster_key is not None:
+            self.cluster_key.serve(self.control)
         if args.port:
             self.control.bind(f"tcp://{args.host}:{args.port}")
         else:
@@ -104,8 +120,7 @@ class EngineService:
         self.records: dict[str, RequestRecord] = {}
         self.routers: dict[str, float] = {}  # reply address -> when it was last heard from
         self.metrics = EngineMetrics(self.role, self.instance_id, served_model_name(self.engine.runner.model_path))
-        self.metrics.serve(args.host, args.metrics_port)
-        self.registry = Registry(args.redis_url)
+        self.registry = Registry(args.redis_url, cluster_key=self.cluster_key)
         self.prefix_index = PrefixIndex(args.redis_url)
         self.kv_address = ""
         self._stop = threading.Event()
@@ -114,10 +129,35 @@ class EngineService:
         self.num_steps = 0
         self._started_at = time.time()
         self.heartbeat: HeartbeatThread | None = None
+        self._registered = False
+        if self.engine.runner.device.type == "cuda":
+            self.metrics.watch_gpus(torch_device_uuids(self.engine.runner.device))
+        self.metrics.serve(args.host, args.metrics_port, ready=self.ready)
 
     @property
     def draining(self) -> bool:
         return self.drain_deadline is not None
+
+    @property
+    def kv_curve(self) -> CurveConfig | None:
+        """CURVE keys of the KV plane: explicit ``PDSERVE_KV_CURVE_*`` settings, else the cluster key."""
+        explicit = CurveConfig.from_env()
+        if explicit is not None or self.cluster_key is None:
+            return explicit
+        return self.cluster_key.curve
+
+    def ready(self) -> bool:
+        """Loaded, seen in the registry at least once, and not draining: the ``/ready`` probe.
+
+        Called from the metrics server's threads. Until the first registration is seen it reads
+        Redis; after that a Redis outage does not make the engine unready (Redis is a hint).
+        """
+        if self.draining or self._stop.is_set():
+            return False
+        if not self._registered:
+            entries = self.registry.try_instances(self.role) or []
+            self._registered = any(entry.instance_id == self.instance_id for entry in entries)
+        return self._registered
 
     # ------------------------------------------------------------ identity
     def info(self) -> InstanceInfo:
@@ -138,9 +178,17 @@ class EngineService:
         """Send to a router without blocking; drops (and logs) if it cannot take it now."""
         sock = self._outputs.get(address)
         if sock is None:
+            try:
+                check_endpoint(address, "reply_to")
+            except ValueError as exc:
+                logger.warning("dropped a message: %s", exc)
+                return
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, _OUTPUT_HWM)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_OUTPUT_MESSAGE_BYTES)  # it receives nothing; bounded anyway
+            if self.cluster_key is not None:
+                self.cluster_key.connect_as_client(sock)
             sock.connect(address)
             self._outputs[address] = sock
         try:
@@ -175,10 +223,16 @@ class EngineService:
             instance_id=self.instance_id, phase=phase, retryable=retryable,  # type: ignore[arg-type]
         )
 
-    def reject(self, msg: GenerateRequest, error: str, *, retryable: bool = False) -> None:
-        """Answer a request this service did not take; the records (another request's, for a
-        duplicate id) are left alone."""
-        self._send(msg.reply_to, self.error_output(msg.request_id, error, self.phase_of(msg), retryable=retryable))
+    def reject(
+        self, msg: GenerateRequest, error: str, *, retryable: bool = False, overloaded: bool = False
+    ) -> None:
+        """Answer a request this service did not take, under each of its choice ids; the records
+        (another request's, for a duplicate id) are left alone."""
+        n = msg.sampling_params.n if 1 <= msg.sampling_params.n <= MAX_N else 1  # an invalid n: once
+        for choice_id in choice_request_ids(msg.request_id, n):
+            refusal = self.error_output(choice_id, error, self.phase_of(msg), retryable=retryable)
+            refusal.overloaded = overloaded
+            self._send(msg.reply_to, refusal)
 
     def fail(self, request_id: str, error: str, *, retryable: bool = False) -> None:
         """End a held request with an error: abort it here (blocks freed) and tell its router."""
@@ -196,6 +250,11 @@ class EngineService:
         raise NotImplementedError
 
     def on_generate(self, msg: GenerateRequest) -> None:
+        try:
+            check_endpoint(msg.reply_to, "reply_to")
+        except ValueError as exc:  # there is nowhere to send the error
+            logger.warning("dropped request %r: %s", msg.request_id, exc)
+            return
         self.heard_from(msg.reply_to)
         if self.draining:
             self.reject(msg, f"instance {self.instance_id} is draining", retryable=True)
@@ -203,12 +262,26 @@ class EngineService:
         if msg.request_id in self.records or self.engine.knows(msg.request_id):
             self.reject(msg, f"duplicate request_id {msg.request_id!r}")
             return
+        bound = self.args.max_waiting_requests
+        if bound and self.engine.stats().num_requests_waiting >= bound:
+            self.reject(msg, f"instance {self.instance_id} is overloaded ({bound} requests waiting)",
+                        retryable=True, overloaded=True)
+            return
         try:
             self.admit(msg)
         except ValueError as exc:
             self.reject(msg, str(exc))
             return
-        self.records[msg.request_id] = RequestRecord(msg, self.phase_of(msg))
+        record = RequestRecord(msg, self.phase_of(msg))
+        for choice_id in choice_request_ids(msg.request_id, msg.sampling_params.n):
+            self.records[choice_id] = record
+
+    def choice_group(self, request_id: str) -> list[str]:
+        """Every choice id of the request that ``request_id`` is a choice of (itself for n = 1)."""
+        record = self.records.get(request_id)
+        if record is None:
+            return [request_id]
+        return choice_request_ids(record.request.request_id, record.request.sampling_params.n)
 
     def on_abort(self, request_id: str) -> None:
         """Drop the request wherever it is here and free its blocks; unknown ids are ignored."""
@@ -216,7 +289,12 @@ class EngineService:
         self.forget(request_id)
 
     def heard_from(self, reply_to: str) -> None:
-        """A router's lease is renewed by anything it sends."""
+        """A router's lease is renewed by anything it sends; an address no connect may use is ignored."""
+        try:
+            check_endpoint(reply_to, "reply_to")
+        except ValueError as exc:
+            logger.warning("ignored a router heartbeat: %s", exc)
+            return
         self.routers[reply_to] = time.monotonic()
 
     # ------------------------------------------------------------ hooks
@@ -300,11 +378,13 @@ class EngineService:
         if orphans:
             logger.warning("router %s went silent; aborting its %d requests", address, len(orphans))
         for request_id in orphans:
-            self.on_abort(request_id)
+            # A router that was only slow (not dead) learns its request was dropped, and continues
+            # it elsewhere; a dead one never reads this.
+            self.fail(request_id, f"instance {self.instance_id} lost this router's lease", retryable=True)
         del self.routers[address]
         sock = self._outputs.pop(address, None)
         if sock is not None:
-            sock.close(0)
+            sock.close(linger=200)  # long enough for those errors to leave, bounded if nobody reads
 
     def _check_idle_pool(self) -> None:
         """With nothing held, every block must be back in the pool: check it once per idle period."""
@@ -414,6 +494,9 @@ class EngineService:
             for sock in self._outputs.values():
                 sock.close(0)
             self.control.close(0)
+            if self._zap is not None:
+                self._zap.stop()
+            self.ctx.destroy(linger=0)
 
 
 def configure_logging(level: str) -> None:

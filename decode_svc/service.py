@@ -11,14 +11,20 @@ from __future__ import annotations
 import argparse
 import logging
 
+from common.endpoints import check_endpoint
 from common.engine.engine import EngineOutput
-from common.protocol import GenerateRequest, ProtocolError, TransferMeta, decode_transfer_meta
+from common.protocol import (
+    GenerateRequest,
+    ProtocolError,
+    TransferMeta,
+    choice_request_ids,
+    decode_transfer_meta,
+)
 from common.service import EngineService, RequestRecord
 from kvtransfer.blocks.layout import KVLayout
 from kvtransfer.receiving.block_allocator import Allocation, Refusal
 from kvtransfer.receiving.receiver import KVReceiver
 from kvtransfer.transfer_state import ABORTED
-from kvtransfer.wire.curve import CurveConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +39,7 @@ class DecodeService(EngineService):
         self.receiver = KVReceiver(
             f"tcp://{args.host}:{port}", self.engine.runner.kv_cache, layout, self,
             timeout_s=args.kv_transfer_timeout, defer_timeout_s=args.kv_transfer_timeout,
-            curve=CurveConfig.from_env(),
+            curve=self.kv_curve,
         )
         self.kv_address = self.receiver.address
 
@@ -54,7 +60,7 @@ class DecodeService(EngineService):
             handoff = self.engine.add_remote_request(
                 request_id, msg.prompt_token_ids, transfer.first_token_id, msg.sampling_params,
                 num_cached_tokens=transfer.num_cached_tokens, cache_salt=msg.cache_salt,
-                output_token_ids=msg.output_token_ids,
+                output_token_ids=msg.output_token_ids, choice_token_ids=transfer.choice_token_ids or None,
             )
         except ValueError as exc:
             return Refusal(str(exc))
@@ -69,7 +75,9 @@ class DecodeService(EngineService):
             self.engine.release_kv(request_id)
             return Refusal(mismatch)
         self.heard_from(msg.reply_to)
-        self.records[request_id] = RequestRecord(msg, "decode")
+        record = RequestRecord(msg, "decode")
+        for choice_id in choice_request_ids(request_id, msg.sampling_params.n):
+            self.records[choice_id] = record
         return Allocation(block_ids=handoff.block_ids, num_cached_blocks=handoff.num_cached_blocks)
 
     def release_transfer(self, request_id: str) -> None:
@@ -86,7 +94,12 @@ class DecodeService(EngineService):
         """Drops it wherever it is: running here, landing (the receiver frees), or not yet offered
         (the receiver refuses the offer when it comes)."""
         super().on_abort(request_id)
-        self.receiver.abort(request_id)
+        # n > 1: the KV lands under the request's own id for all its choices; while another
+        # choice still waits for it, the transfer goes on (the aborted choice never forks).
+        parent, _, index = request_id.rpartition("#")
+        carrier = parent if index.isdigit() and self.engine.knows(parent) else request_id
+        if not self.engine.kv_still_wanted(carrier):
+            self.receiver.abort(carrier)
 
     def on_outputs(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
@@ -104,13 +117,14 @@ class DecodeService(EngineService):
                 continue
             self.metrics.kv_transfer_failures.inc()
             logger.warning("incoming KV for %s failed: %s", res.request_id, res.reason)
-            record = self.records.get(res.request_id)
-            if record is not None and res.reason != ABORTED:
-                # Tell the router at once (it continues the request elsewhere), not only the log.
-                self.send_output(res.request_id, self.error_output(
-                    res.request_id, f"KV transfer failed: {res.reason}", "decode", retryable=True
-                ))
-            self.forget(res.request_id)
+            group = self.choice_group(res.request_id)
+            for choice_id in group:
+                if res.reason != ABORTED:
+                    # Tell the router at once (it continues the choice elsewhere), not only the log.
+                    self.send_output(choice_id, self.error_output(
+                        choice_id, f"KV transfer failed: {res.reason}", "decode", retryable=True
+                    ))
+                self.forget(choice_id)
         return bool(results)
 
     @staticmethod
@@ -118,6 +132,10 @@ class DecodeService(EngineService):
         meta = decode_transfer_meta(raw_meta)
         if meta.request.request_id != request_id:
             raise ProtocolError("transfer meta names another request")
+        try:
+            check_endpoint(meta.request.reply_to, "reply_to")
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
         return meta
 
     def busy(self) -> bool:

@@ -11,6 +11,10 @@ Layouts (shared with kernels/triton_*.py; a Triton kernel must accept exactly th
   sequence ``s``; ``context_lens[s]`` counts all its tokens whose KV is in the cache *including*
   this chunk's (stored before attention runs), so the chunk sits at positions
   ``context_lens[s] - q_len .. context_lens[s] - 1`` and attends causally.
+- ``sliding_window``: ``None`` (or 0) for full attention; ``w`` lets the query at position ``p`` see
+  keys ``p - w + 1 .. p`` only (itself and the ``w - 1`` before it), as transformers' sliding masks do.
+- ``soft_cap``: ``None`` (or 0), or ``c`` to turn each scaled score ``s`` into ``c * tanh(s / c)``
+  before the mask and softmax (Gemma 2's attention logit soft-capping).
 """
 
 from __future__ import annotations
@@ -64,8 +68,21 @@ def _length_groups(lens: list[int], block_size: int) -> list[list[int]]:
     return groups
 
 
+def _attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float, group: int,
+               soft_cap: float | None) -> Tensor:
+    """SDPA over ``[..., heads, q_len, head_size]`` (K/V with ``heads // group`` heads), ``visible``
+    broadcasting to the scores; with ``soft_cap`` written out, since SDPA cannot cap scores."""
+    if not soft_cap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=group > 1)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = (torch.tanh(scores / soft_cap) * soft_cap).masked_fill(~visible, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def _decode_padded(query: Tensor, kv_layer: Tensor, block_tables: Tensor, lens: Tensor, max_len: int,
-                   scale: float) -> Tensor:
+                   scale: float, sliding_window: int | None = None, soft_cap: float | None = None) -> Tensor:
     """Decode attention of sequences padded to ``max_len`` with the tail masked; ``[seqs, heads, head_size]``."""
     num_seqs, num_heads, head_size = query.shape
     _, total_blocks, block_size, num_kv_heads, _ = kv_layer.shape
@@ -73,10 +90,12 @@ def _decode_padded(query: Tensor, kv_layer: Tensor, block_tables: Tensor, lens: 
     ids = block_tables[:, :num_blocks].long().clamp(0, total_blocks - 1)
     kv = _gather_blocks_flat(kv_layer, ids).view(2, num_seqs, num_blocks * block_size, num_kv_heads, head_size)
     k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [num_seqs, num_kv_heads, tokens, head_size]
-    visible = torch.arange(num_blocks * block_size, device=query.device)[None, :] < lens[:, None]
-    return F.scaled_dot_product_attention(
-        query[:, :, None, :].to(k.dtype), k, v, attn_mask=visible[:, None, None, :], scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
+    key_pos = torch.arange(num_blocks * block_size, device=query.device)[None, :]
+    visible = key_pos < lens[:, None]
+    if sliding_window:
+        visible &= key_pos >= lens[:, None] - sliding_window
+    return _attention(
+        query[:, :, None, :].to(k.dtype), k, v, visible[:, None, None, :], scale, num_heads // num_kv_heads, soft_cap
     ).view(num_seqs, num_heads, head_size)
 
 
@@ -87,6 +106,8 @@ def paged_decode_attention(
     context_lens: Tensor,
     scale: float,
     out: Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> Tensor:
     """One query token per sequence: ``query`` ``[num_seqs, num_heads, head_size]``.
 
@@ -100,12 +121,14 @@ def paged_decode_attention(
     lens_list = lens.tolist()
     groups = _length_groups(lens_list, kv_layer.shape[2])
     if len(groups) == 1:
-        result.copy_(_decode_padded(query, kv_layer, block_tables, lens, max(lens_list), scale))
+        result.copy_(_decode_padded(query, kv_layer, block_tables, lens, max(lens_list), scale, sliding_window,
+                                    soft_cap))
         return result
     for group in groups:
         idx = torch.tensor(group, device=query.device)
         result[idx] = _decode_padded(
-            query[idx], kv_layer, block_tables[idx], lens[idx], lens_list[group[-1]], scale
+            query[idx], kv_layer, block_tables[idx], lens[idx], lens_list[group[-1]], scale, sliding_window,
+            soft_cap,
         ).to(result.dtype)
     return result
 
@@ -118,6 +141,8 @@ def paged_prefill_attention(
     context_lens: Tensor,
     scale: float,
     out: Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> Tensor:
     """Varlen attention for chunks whose earlier context (and the chunk itself) is in the cache.
 
@@ -136,7 +161,8 @@ def paged_prefill_attention(
         idx = torch.tensor(single, device=query.device)
         tok = torch.tensor([starts[i] for i in single], device=query.device)
         result[tok] = paged_decode_attention(
-            query[tok], kv_layer, block_tables[idx], context_lens[idx], scale
+            query[tok], kv_layer, block_tables[idx], context_lens[idx], scale, sliding_window=sliding_window,
+            soft_cap=soft_cap,
         ).to(result.dtype)
     block_size = kv_layer.shape[2]
     for s, q_len in enumerate(q_lens):
@@ -149,7 +175,9 @@ def paged_prefill_attention(
         q = query[starts[s] : starts[s + 1]].transpose(0, 1).to(k.dtype)  # [num_heads, q_len, head_size]
         # The chunk holds the last q_len positions: query i sees keys 0 .. ctx - q_len + i.
         visible = torch.ones(q_len, ctx, dtype=torch.bool, device=query.device).tril(ctx - q_len)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=group > 1)
+        if sliding_window:  # ... and no key more than sliding_window - 1 before it
+            visible = visible.triu(ctx - q_len - sliding_window + 1)
+        o = _attention(q, k, v, visible, scale, group, soft_cap)
         result[starts[s] : starts[s + 1]] = o.transpose(0, 1).to(result.dtype)
     return result
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+FULL_WINDOW = 1 << 30  # the sliding window passed for full attention: longer than any context
+
 
 @triton.jit
 def dot(a, b, WIDEN: tl.constexpr, PRECISION: tl.constexpr):
@@ -21,6 +23,23 @@ def dot(a, b, WIDEN: tl.constexpr, PRECISION: tl.constexpr):
     else:
         out = tl.dot(a, b, input_precision=PRECISION)
     return out
+
+
+@triton.jit
+def soft_cap_scores(s, soft_cap):
+    """``soft_cap * tanh(s / soft_cap)``; tanh as ``2 * sigmoid(2x) - 1``, which the interpreter runs too."""
+    return soft_cap * (2.0 * tl.sigmoid(2.0 * (s / soft_cap)) - 1.0)
+
+
+def score_args(scale: float, soft_cap: float | None, log2e: float) -> dict[str, object]:
+    """The ``qk_scale``, ``soft_cap`` and ``SOFT_CAP`` launch arguments of the attention kernels.
+
+    Without capping the scale folds in ``log2e`` (one multiply); with it, scores are capped in natural
+    units and converted after.
+    """
+    if soft_cap:
+        return {"qk_scale": scale, "soft_cap": float(soft_cap), "SOFT_CAP": True}
+    return {"qk_scale": scale * log2e, "soft_cap": 1.0, "SOFT_CAP": False}
 
 
 def dot_constexprs(cache_dtype: torch.dtype, device: torch.device) -> dict[str, object]:

@@ -17,7 +17,14 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.triton_checks import check_block_tables, check_heads, check_index, check_kv_layer, check_out
-from kernels.triton_common import dot, dot_constexprs, launch_options
+from kernels.triton_common import (
+    FULL_WINDOW,
+    dot,
+    dot_constexprs,
+    launch_options,
+    score_args,
+    soft_cap_scores,
+)
 
 LOG2E = 1.4426950408889634
 DEFAULT_BLOCK_N = 64
@@ -30,7 +37,7 @@ CPU_NUM_SMS = 8  # stand-in core count when the interpreter runs the kernels on 
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, m_ptr, l_ptr,
-    scale_log2e, num_splits,
+    qk_scale, soft_cap, num_splits, window,
     stride_q_seq, stride_q_head,
     stride_kv_block, stride_kv_tok, stride_kv_head,
     stride_bt_seq,
@@ -38,20 +45,22 @@ def _decode_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     """Attention of one (sequence, KV head) over its ``split``-th context range.
 
     ``SPLIT`` false: one range, normalized output. True: the unnormalized partial output, its row max
-    (in log2 units) and sum, for ``_decode_reduce_kernel``.
+    (in log2 units) and sum, for ``_decode_reduce_kernel``. Only the last ``window`` tokens of the
+    context are read (the wrapper passes a huge window for full attention).
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     ctx_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-    tiles_per_split = tl.cdiv(tl.cdiv(ctx_len, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
+    lo = tl.maximum(ctx_len - window, 0)
+    tiles_per_split = tl.cdiv(tl.cdiv(ctx_len - lo, BLOCK_N), num_splits)
+    start = lo + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx_len)
 
     offs_g = tl.arange(0, G_PAD)
@@ -76,7 +85,9 @@ def _decode_kernel(
         kv_offs = block_ids * stride_kv_block + (toks % BLOCK_SIZE) * stride_kv_tok + kv_head * stride_kv_head
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = dot(q, tl.trans(k), WIDEN_DOT, DOT_PRECISION) * scale_log2e
+        s = dot(q, tl.trans(k), WIDEN_DOT, DOT_PRECISION) * qk_scale
+        if SOFT_CAP:
+            s = soft_cap_scores(s, soft_cap) * 1.4426950408889634  # log2(e), as LOG2E
         s = tl.where(n_mask[None, :], s, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite after the first tile.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -165,6 +176,8 @@ def run_paged_decode(
     block_n: int = DEFAULT_BLOCK_N,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> Tensor:
     """``paged_decode_attention`` with the split count (``None``: heuristic) and tiling exposed."""
     check_kv_layer(kv_layer)
@@ -180,9 +193,12 @@ def run_paged_decode(
         return out
     if num_splits is None:
         # The table's width bounds every context without reading context_lens on the host.
-        max_context_len = block_tables.shape[1] * block_size
+        max_context_len = min(block_tables.shape[1] * block_size, sliding_window or FULL_WINDOW)
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, num_sms(query.device))
     assert num_splits >= 1, f"num_splits must be positive, got {num_splits}"
+    assert sliding_window is None or sliding_window >= 0, f"sliding_window must be >= 0, got {sliding_window}"
+    window = sliding_window or FULL_WINDOW
+    scores = score_args(scale, soft_cap, LOG2E)
 
     group = num_heads // num_kv_heads
     consts = dict(
@@ -198,8 +214,9 @@ def run_paged_decode(
     if num_splits == 1:
         _decode_kernel[grid](
             query, k_cache, v_cache, block_tables, context_lens, out, out, out,
-            scale * LOG2E, 1, query.stride(0), query.stride(1), *kv_strides, block_tables.stride(0),
-            out.stride(0), out.stride(1), 0, SPLIT=False, **consts,
+            scores["qk_scale"], scores["soft_cap"], 1, window, query.stride(0), query.stride(1), *kv_strides,
+            block_tables.stride(0), out.stride(0), out.stride(1), 0, SPLIT=False, SOFT_CAP=scores["SOFT_CAP"],
+            **consts,
         )
         return out
 
@@ -208,8 +225,9 @@ def run_paged_decode(
     l_sum = torch.empty_like(m)
     _decode_kernel[grid](
         query, k_cache, v_cache, block_tables, context_lens, partial, m, l_sum,
-        scale * LOG2E, num_splits, query.stride(0), query.stride(1), *kv_strides, block_tables.stride(0),
-        partial.stride(0), partial.stride(1), partial.stride(2), SPLIT=True, **consts,
+        scores["qk_scale"], scores["soft_cap"], num_splits, window, query.stride(0), query.stride(1), *kv_strides,
+        block_tables.stride(0), partial.stride(0), partial.stride(1), partial.stride(2), SPLIT=True,
+        SOFT_CAP=scores["SOFT_CAP"], **consts,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         partial, m, l_sum, out, num_splits,
@@ -227,6 +245,10 @@ def paged_decode_attention(
     context_lens: Tensor,
     scale: float,
     out: Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> Tensor:
     """One query token per sequence; see ``kernels.reference.paged_decode_attention``. Cache unmodified."""
-    return run_paged_decode(query, kv_layer, block_tables, context_lens, scale, out)
+    return run_paged_decode(
+        query, kv_layer, block_tables, context_lens, scale, out, sliding_window=sliding_window, soft_cap=soft_cap
+    )

@@ -5,7 +5,9 @@ Programs are laid out over query tiles without reading lengths on the host: the 
 ``query_start_loc[s] // BLOCK_Q + s`` on, and each program finds its sequence by counting how many
 of those starts are at or below its id. A tile holds ``BLOCK_Q`` query tokens times the query heads
 of one KV group, so a K/V tile is read once per group. Softmax is online, in float32, causal within
-the chunk (the chunk's token ``i`` sits at position ``context_len - q_len + i``).
+the chunk (the chunk's token ``i`` sits at position ``context_len - q_len + i``). With a sliding
+``window`` a query sees only the ``window - 1`` keys before it, and a tile skips keys that no row
+of it can see; the wrapper passes a huge window for full attention.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.triton_checks import check_block_tables, check_heads, check_index, check_kv_layer, check_out
-from kernels.triton_common import dot, dot_constexprs, launch_options
+from kernels.triton_common import (
+    FULL_WINDOW,
+    dot,
+    dot_constexprs,
+    launch_options,
+    score_args,
+    soft_cap_scores,
+)
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # query rows (tokens x heads of a group) per program
@@ -26,7 +35,7 @@ DEFAULT_BLOCK_N = 64
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
-    num_seqs, scale_log2e,
+    num_seqs, qk_scale, soft_cap, window,
     stride_q_tok, stride_q_head,
     stride_kv_block, stride_kv_tok, stride_kv_head,
     stride_bt_seq,
@@ -34,7 +43,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEQ_PAD: tl.constexpr, WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SEQ_PAD: tl.constexpr, WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -72,25 +81,30 @@ def _prefill_kernel(
     # end does no work at all.
     kv_end = tl.minimum(ctx_len, prefix_len + tile_tok0 + BLOCK_Q)
     kv_end = tl.where(tile_valid, kv_end, 0)
+    kv_start = tl.maximum(prefix_len + tile_tok0 - window + 1, 0)
 
     m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * G_PAD], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    for kv0 in range(0, kv_end, BLOCK_N):
+    for kv0 in range(kv_start, kv_end, BLOCK_N):
         k_pos = kv0 + offs_n
         n_mask = k_pos < kv_end
         block_ids = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         kv_offs = block_ids * stride_kv_block + (k_pos % BLOCK_SIZE) * stride_kv_tok + kv_head * stride_kv_head
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = dot(q, tl.trans(k), WIDEN_DOT, DOT_PRECISION) * scale_log2e
-        visible = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        s = dot(q, tl.trans(k), WIDEN_DOT, DOT_PRECISION) * qk_scale
+        if SOFT_CAP:
+            s = soft_cap_scores(s, soft_cap) * 1.4426950408889634  # log2(e), as LOG2E
+        visible = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        # Key 0 is visible to every row, so each row's max is finite from the first tile on.
+        # With a window, a row may see nothing in a tile (its max stays -inf): subtract 0 instead,
+        # so its weights are 0 rather than NaN.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN_DOT, DOT_PRECISION)
@@ -113,6 +127,8 @@ def run_paged_prefill(
     block_n: int = DEFAULT_BLOCK_N,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> Tensor:
     """``paged_prefill_attention`` with the tiling exposed."""
     check_kv_layer(kv_layer)
@@ -127,6 +143,8 @@ def run_paged_prefill(
     num_tokens = query.shape[0]
     if num_seqs == 0 or num_tokens == 0:
         return out
+    assert sliding_window is None or sliding_window >= 0, f"sliding_window must be >= 0, got {sliding_window}"
+    scores = score_args(scale, soft_cap, LOG2E)
 
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
@@ -135,7 +153,7 @@ def run_paged_prefill(
     grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
-        num_seqs, scale * LOG2E,
+        num_seqs, scores["qk_scale"], scores["soft_cap"], sliding_window or FULL_WINDOW,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -143,6 +161,7 @@ def run_paged_prefill(
         GROUP=group, G_PAD=g_pad, HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size),
         BLOCK_SIZE=kv_layer.shape[2], BLOCK_Q=block_q, BLOCK_N=block_n,
         SEQ_PAD=max(16, triton.next_power_of_2(num_seqs)),  # few sizes, few compiled variants
+        SOFT_CAP=scores["SOFT_CAP"],
         **dot_constexprs(kv_layer.dtype, query.device),
         **launch_options(num_warps, num_stages),
     )
@@ -157,10 +176,15 @@ def paged_prefill_attention(
     context_lens: Tensor,
     scale: float,
     out: Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> Tensor:
     """Varlen causal chunks over paged context; see ``kernels.reference.paged_prefill_attention``.
 
     Single-token chunks run through the same kernel (same result as the reference's decode path).
     Does not modify the cache.
     """
-    return run_paged_prefill(query, kv_layer, block_tables, query_start_loc, context_lens, scale, out)
+    return run_paged_prefill(
+        query, kv_layer, block_tables, query_start_loc, context_lens, scale, out, sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )

@@ -13,6 +13,10 @@ does so before the stack was first ready (never, with ``--no-wait``), so a broke
 still fails start-up. With ``--log-dir DIR`` it keeps ``DIR/children.json`` (pid, restarts and role
 by name) current. Ctrl-C / SIGTERM stops router, engines, then Redis: SIGTERM, and SIGKILL after
 ``--grace-period`` (long enough for the engines to drain).
+
+Every run makes a fresh cluster key and gives it to each child (``PDSERVE_CLUSTER_KEY``), so the
+internal planes are authenticated without any setup; a key already in the environment
+(``PDSERVE_CLUSTER_KEY`` or ``PDSERVE_CLUSTER_KEY_FILE``) is used instead, for engines started elsewhere.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from typing import Any
 
+from common.cluster_key import ENV_KEY, ClusterKey
 from common.glibc_env import tuned_env
 from ops.supervisor import Child, ChildExited, RestartPolicy, Supervisor
 from ops.supervisor import die_with_parent as die_with_parent  # re-exported: tests start children with it
@@ -99,6 +105,7 @@ class Launcher:
         self.stopping = False
         self.metrics_urls: dict[str, str] = {}  # engine name -> its /metrics
         self.ever_ready = False  # once true, only the router's crash loop stops the stack
+        self.cluster_env, self.cluster_key_origin = cluster_env(os.environ)
 
     @property
     def children(self) -> list[Child]:
@@ -168,7 +175,7 @@ class Launcher:
     def start_all(self, model: str) -> None:
         redis_url = self.args.redis_url or self.start_redis()
         service = shlex.split(self.args.service_command)
-        engine_env = self.engine_env()
+        engine_env = {**self.engine_env(), **self.cluster_env}
         for role, count in (("prefill", self.args.prefill), ("decode", self.args.decode)):
             for i in range(count):
                 ports = [str(free_port()) for _ in range(3)]
@@ -178,7 +185,9 @@ class Launcher:
                 self.metrics_urls[f"{role}-{i}"] = f"http://127.0.0.1:{ports[2]}/metrics"
         argv = [*service, "router", "--model", model, "--redis-url", redis_url]
         self.spawn(
-            "router", [*argv, "--host", self.args.host, "--port", str(self.args.port), *self.router_flags()]
+            "router",
+            [*argv, "--host", self.args.host, "--port", str(self.args.port), *self.router_flags()],
+            self.cluster_env,
         )
 
     # -- watching ------------------------------------------------------------------------------
@@ -241,6 +250,18 @@ class Launcher:
                 child.popen.wait()
 
 
+def cluster_env(environ: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """What the router and engines get on top of ``environ`` for the cluster key, and where it came
+    from: nothing when ``environ`` already names a key (they inherit it), else a fresh one."""
+    try:
+        inherited = ClusterKey.load(environ=environ)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve up: bad cluster key: {exc}") from None
+    if inherited is not None:
+        return {}, "the cluster key from the environment"
+    return {ENV_KEY: ClusterKey.generate().secret_text}, "a fresh cluster key"
+
+
 def _resolve_model(model: str | None) -> str:
     from common.model.loader import resolve_model_path
 
@@ -264,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, launcher.request_stop)
     signal.signal(signal.SIGTERM, launcher.request_stop)
     exit_code = 0
+    print(
+        "pdserve: internal planes (engine control, replies, KV transfer, registry entries) are "
+        f"authenticated with {launcher.cluster_key_origin} (CURVE)", flush=True,
+    )
     try:
         launcher.start_all(model)
         if not args.no_wait:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import logging
 
+from common.endpoints import check_endpoint
 from common.engine.engine import EngineOutput, KVHandoff
 from common.protocol import GenerateRequest, TransferMeta, encode
 from common.service import EngineService, Phase
 from kvtransfer.blocks.layout import KVLayout
 from kvtransfer.sending.sender import KVSender
 from kvtransfer.transfer_state import ABORTED
-from kvtransfer.wire.curve import CurveConfig
 
 logger = logging.getLogger(__name__)
 
@@ -30,21 +30,27 @@ class PrefillService(EngineService):
         layout = KVLayout.from_kv_cache(self.engine.runner.kv_cache, self.engine.model_id)
         self.sender = KVSender(
             self.engine.runner.kv_cache, layout, timeout_s=args.kv_transfer_timeout,
-            curve=CurveConfig.from_env(), sender_id=self.instance_id,
+            curve=self.kv_curve, sender_id=self.instance_id,
         )
 
     def phase_of(self, msg: GenerateRequest) -> Phase:
         return "prefill" if msg.decode_target is not None else "full"
 
     def admit(self, msg: GenerateRequest) -> None:
+        if msg.decode_target is not None:  # checked before any work: a bad target fails only this request
+            check_endpoint(msg.decode_target.kv_address, "decode_target.kv_address")
         self.engine.add_request(
             msg.request_id, msg.prompt_token_ids, msg.sampling_params, cache_salt=msg.cache_salt,
             kv_transfer=msg.decode_target is not None, output_token_ids=msg.output_token_ids,
         )
 
     def on_abort(self, request_id: str) -> None:
+        group = self.choice_group(request_id)
         super().on_abort(request_id)
-        self.sender.abort(request_id)  # its blocks come back when the sender reports the end
+        # The KV leaves under the request's own id, once for all its choices: it stops only when
+        # no choice wants it. Its blocks come back when the sender reports the end.
+        if not any(choice_id in self.records for choice_id in group):
+            self.sender.abort(group[0])
 
     def on_outputs(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
@@ -64,7 +70,7 @@ class PrefillService(EngineService):
         meta = TransferMeta(
             request=msg, first_token_id=out.new_token_ids[0],
             first_logprobs=out.logprobs[0] if out.logprobs else None,
-            num_cached_tokens=out.num_cached_tokens,
+            num_cached_tokens=out.num_cached_tokens, choice_token_ids=handoff.choice_token_ids,
         )
         try:
             self.sender.send(
@@ -73,7 +79,8 @@ class PrefillService(EngineService):
             )
         except ValueError as exc:  # e.g. a decode target address the sender cannot use
             self.engine.release_kv(msg.request_id)
-            self.fail(msg.request_id, f"KV transfer not started: {exc}")
+            for choice_id in self.choice_group(msg.request_id):
+                self.fail(choice_id, f"KV transfer not started: {exc}")
 
     def poll_transfers(self) -> bool:
         results = self.sender.poll()
@@ -81,15 +88,16 @@ class PrefillService(EngineService):
             self.engine.release_kv(res.request_id)
             self.metrics.kv_transfer_bytes.inc(res.bytes_sent)
             self.metrics.kv_transfer_seconds.observe(res.seconds)
-            record = self.records.get(res.request_id)
+            group = self.choice_group(res.request_id)
             if not res.ok:
                 self.metrics.kv_transfer_failures.inc()
                 logger.warning("KV transfer of %s failed: %s", res.request_id, res.reason)
-                if record is not None and res.reason != ABORTED:
-                    self.send_output(res.request_id, self.error_output(
-                        res.request_id, f"KV transfer failed: {res.reason}", "prefill", retryable=True,
+                for choice_id in group if res.reason != ABORTED else []:  # each continues elsewhere
+                    self.send_output(choice_id, self.error_output(
+                        choice_id, f"KV transfer failed: {res.reason}", "prefill", retryable=True,
                     ))
-            self.forget(res.request_id)
+            for choice_id in group:
+                self.forget(choice_id)
         return bool(results)
 
     def busy(self) -> bool:

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router.admission import CLIENT_KEY
 from router.dispatcher import EngineRequestError
 from router.errors import APIError, bad_request, install_error_handlers
 from router.openai_models import ChatCompletionRequest, CompletionRequest
@@ -27,6 +28,7 @@ from router.openapi import error_responses, generation_route, install_openapi
 from router.serving import ClientDisconnected, DisconnectWaiter, engine_api_error, wait_for_disconnect
 from router.serving_chat import create_chat_completion
 from router.serving_completions import create_completion
+from router.serving_tokenize import install_tokenize_routes
 from router.state import RouterState
 
 Handler = Callable[[RouterState, Any, "str | None", DisconnectWaiter], Awaitable[Response]]
@@ -99,10 +101,13 @@ def create_app(state: RouterState) -> FastAPI:
     app.state.router_state = state
     install_error_handlers(app)
     install_openapi(app)
+    install_tokenize_routes(app, state)  # /tokenize, /detokenize, /version
     app.add_middleware(_ErrorCounter, state=state)
 
     async def generate(request: Request, handler: Handler) -> Response:
         cache_salt = state.api_keys.check(request.headers.get("authorization"))
+        # Fair admission shares the engines per API key, else per client address.
+        CLIENT_KEY.set(cache_salt or (request.client.host if request.client else "-"))
         state.admit()
         leave_now = True
         try:

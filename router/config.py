@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.sampling_params import MAX_N
 from router.routing import POLICIES
+
+if TYPE_CHECKING:
+    from common.cluster_key import ClusterKey
 
 # Two million tokens: any one prompt with the largest n (16) and no max_tokens fits a 128k context.
 DEFAULT_MAX_TOTAL_TOKENS_PER_REQUEST = MAX_N * 131072
@@ -48,6 +52,12 @@ class RouterConfig:
     kv_weight: float = 1.0
     max_body_bytes: int = 8 << 20
     max_inflight: int = 1024  # HTTP requests being served at once; 0 means unlimited
+    # Fair admission (router/admission.py): engine requests (one per prompt, with its n choices) this router keeps out at
+    # each decode instance at once; more wait in its fair queue, bounded by the next two. The
+    # defaults let any request within ``RequestLimits`` into an empty queue.
+    max_requests_per_instance: int = 256
+    max_waiting_requests: int = 16384
+    max_queued_tokens: int = 1 << 22
     request_timeout_s: float = 120.0  # longest wait for the next output of an engine request
     # An instance holding a request that sends no progress for this long is taken for dead and its
     # requests continue elsewhere (longer than the slowest engine step).
@@ -58,6 +68,8 @@ class RouterConfig:
     direct_prompt_tokens: int = 0
     refresh_interval_s: float = 0.5
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # Authenticates the control and reply sockets and the registry entries (None: open, loopback).
+    cluster_key: ClusterKey | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -66,6 +78,9 @@ class RouterConfig:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
+        for name in ("max_requests_per_instance", "max_waiting_requests", "max_queued_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
         if self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be positive")
         if self.engine_stall_timeout_s <= 0:

@@ -3,6 +3,9 @@
 Disaggregated: the request goes to a prefill instance P with ``decode_target`` = decode instance
 D; P answers with ``phase="prefill"`` (the first token), D with ``phase="decode"`` outputs.
 Direct: a short prompt (or no prefill instance alive) goes to D alone, which answers ``"full"``.
+A request with ``n > 1`` is sent once; the engines fork its choices (sharing the prompt's blocks)
+and report choice ``i`` as ``choice_request_id(request_id, i)``, each followed by its own
+``EngineRequest``.
 However a request ends early (client gone, stop string, timeout, error), ``EngineRequest.close``
 sends ``AbortRequest`` to P and D.
 
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from common.kvcache.hashing import compute_block_hashes
-from common.protocol import DecodeTarget, GenerateRequest, RequestOutput
+from common.protocol import DecodeTarget, GenerateRequest, RequestOutput, choice_request_ids
 from common.registry import InstanceInfo, PrefixIndex
 from common.sampling_params import SamplingParams
 from router.engine_client import EngineClient
@@ -41,6 +44,8 @@ MAX_MIGRATIONS = 3
 GONE_SILENCE_S = 2.0
 # How long a lost request waits for some instance to continue it (e.g. while one restarts).
 MIGRATION_WAIT_S = 60.0
+# How long a request refused by overloaded instances keeps being sent again before it fails (429).
+OVERLOADED_WAIT_S = 60.0
 
 
 class EngineRequestError(Exception):
@@ -71,6 +76,8 @@ class EngineRequest:
     request: GenerateRequest  # as first sent (no decode target): what a migration continues
     streamed_token_ids: list[int] = field(default_factory=list)  # handed on, across attempts
     num_migrations: int = 0
+    num_refusals: int = 0  # attempts an overloaded instance refused
+    overloaded_since: float | None = None
     finished: bool = False
     closed: bool = False
     sent_at: float = field(default_factory=time.monotonic)
@@ -84,6 +91,10 @@ class EngineRequest:
             while not self.finished:
                 try:
                     output = await self._next()
+                    if output.finish_reason == "error" and output.overloaded:
+                        await self._send_again_later(output)
+                        overtaken = []
+                        continue
                     if output.finish_reason == "error" and output.retryable:
                         raise InstanceLost(f"{output.instance_id or '?'}: {output.error}")
                 except InstanceLost as exc:
@@ -127,7 +138,7 @@ class EngineRequest:
         deadline = time.monotonic() + MIGRATION_WAIT_S
         while True:
             try:
-                fresh = await self.dispatcher.submit_request(request)
+                [fresh] = await self.dispatcher.submit_request(request)
                 break
             except APIError as exc:
                 if time.monotonic() >= deadline:
@@ -142,6 +153,35 @@ class EngineRequest:
         self.closed = False
         self._first_seen = self._decode_seen = False
         self.dispatcher.metrics.migrations.inc()
+
+    async def _send_again_later(self, refusal: RequestOutput) -> None:
+        """An instance refused the attempt as overloaded (nothing started there): send it again
+        after a back-off, wherever the routing policy says then. Not a migration; past
+        ``OVERLOADED_WAIT_S`` of refusals the request fails with a 429."""
+        now = time.monotonic()
+        if self.overloaded_since is None:
+            self.overloaded_since = now
+        if now - self.overloaded_since > OVERLOADED_WAIT_S:
+            raise EngineRequestError(
+                f"every instance stayed overloaded for {OVERLOADED_WAIT_S:.0f}s; retry later", status=429
+            )
+        self.num_refusals += 1
+        self.close()
+        await asyncio.sleep(min(0.05 * 2 ** min(self.num_refusals, 5), 1.0))
+        request = msgspec.structs.replace(
+            self.request,
+            request_id=f"{self.request.request_id}.r{self.num_refusals}",
+            output_token_ids=[*self.request.output_token_ids, *self.streamed_token_ids],
+        )
+        try:
+            [fresh] = await self.dispatcher.submit_request(request)
+        except APIError as exc:
+            raise EngineRequestError(str(exc), status=exc.status) from None
+        self.request_id, self.queue, self.holders, self.sent_at = (
+            fresh.request_id, fresh.queue, fresh.holders, fresh.sent_at
+        )
+        self.closed = False
+        self._first_seen = self._decode_seen = False
 
     def _awaiting_prefill(self) -> bool:
         return len(self.holders) == 2 and not self._first_seen
@@ -260,8 +300,9 @@ class Dispatcher:
 
     async def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None
-    ) -> EngineRequest:
-        """Route and send; raises a 503 ``APIError`` when no instance can take the request."""
+    ) -> list[EngineRequest]:
+        """Route and send; one ``EngineRequest`` per choice (``params.n``). Raises a 503
+        ``APIError`` when no instance can take the request."""
         request = GenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -272,20 +313,33 @@ class Dispatcher:
         )
         return await self.submit_request(request)
 
-    async def submit_request(self, request: GenerateRequest) -> EngineRequest:
-        """Route and send a prepared request; raises a 503 ``APIError`` when nothing can take it."""
-        queue = self.client.open(request.request_id)  # before sending: no output may arrive unclaimed
+    async def submit_request(self, request: GenerateRequest) -> list[EngineRequest]:
+        """Route and send a prepared request; one ``EngineRequest`` per choice. Raises a 503
+        ``APIError`` when nothing can take it."""
+        params = request.sampling_params
+        choice_ids = choice_request_ids(request.request_id, params.n)
+        # Before sending: no output may arrive unclaimed.
+        queues = [self.client.open(choice_id) for choice_id in choice_ids]
         try:
             holders = await self._route_and_send(request)
         except BaseException:
-            self.client.discard(request.request_id)
+            for choice_id in choice_ids:
+                self.client.discard(choice_id)
             raise
-        for holder in holders:
-            self.pool.acquire(holder.instance_id)
-        sent = msgspec.structs.replace(request, decode_target=None)
-        return EngineRequest(
-            request_id=request.request_id, queue=queue, holders=holders, dispatcher=self, request=sent
-        )
+        choices = []
+        for index, (choice_id, queue) in enumerate(zip(choice_ids, queues, strict=True)):
+            for holder in holders:
+                self.pool.acquire(holder.instance_id)
+            # What a migration of this choice continues: an n = 1 request drawing from the
+            # choice's own seed (the engines' fork seeds choice i with seed + i).
+            own = params if params.n == 1 else msgspec.structs.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + index
+            )
+            sent = msgspec.structs.replace(request, request_id=choice_id, sampling_params=own, decode_target=None)
+            choices.append(EngineRequest(
+                request_id=choice_id, queue=queue, holders=list(holders), dispatcher=self, request=sent
+            ))
+        return choices
 
     async def _route_and_send(self, request: GenerateRequest) -> list[InstanceInfo]:
         """Send to [P] with D as decode target, or straight to D; the instances now holding it."""

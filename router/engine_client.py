@@ -3,7 +3,9 @@
 One PUSH socket per engine control address (LINGER 0, bounded SNDHWM, ZMQ_IMMEDIATE so messages
 are only queued on completed connections): a send never blocks, and a dead or swamped engine shows
 up as EAGAIN, which callers treat as "instance unavailable". One PULL socket (``reply_address``)
-receives every engine's ``RequestOutput``s and routes them to per-request queues.
+receives every engine's ``RequestOutput``s and routes them to per-request queues. With a cluster
+key both are CURVE sockets (``common.cluster_key``): the reply socket admits only engines that hold
+the key, and the PUSH sockets reach only engines that do.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import time
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
 
+from common.cluster_key import ClusterKey
 from common.protocol import (
+    MAX_OUTPUT_MESSAGE_BYTES,
     AbortRequest,
     EngineProgress,
     ProtocolError,
@@ -39,9 +44,13 @@ PRUNE_AFTER_S = 60.0
 class EngineClient:
     """Sends to engines and receives their outputs. Not thread-safe: use from the event loop."""
 
-    def __init__(self, reply_host: str = "127.0.0.1", reply_port: int = 0) -> None:
+    def __init__(
+        self, reply_host: str = "127.0.0.1", reply_port: int = 0, cluster_key: ClusterKey | None = None
+    ) -> None:
         self._reply_host = reply_host
         self._reply_port = reply_port
+        self._cluster_key = cluster_key
+        self._zap: ThreadAuthenticator | None = None
         self.reply_address = ""
         self._push_ctx = zmq.Context()
         self._pull_ctx = zmq.asyncio.Context()
@@ -61,6 +70,10 @@ class EngineClient:
         pull = self._pull_ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         pull.setsockopt(zmq.RCVHWM, RECV_HWM)
+        pull.setsockopt(zmq.MAXMSGSIZE, MAX_OUTPUT_MESSAGE_BYTES)  # a larger frame drops that connection
+        if self._cluster_key is not None:
+            self._zap = self._cluster_key.authenticate(self._pull_ctx)
+            self._cluster_key.serve(pull)
         loopback = self._reply_host in ("127.0.0.1", "localhost")
         bind_host = "127.0.0.1" if loopback else "*"
         if self._reply_port:
@@ -82,6 +95,8 @@ class EngineClient:
         for sock in self._sockets.values():
             sock.close(linger=0)
         self._sockets.clear()
+        if self._zap is not None:
+            self._zap.stop()
         self._pull_ctx.term()
         self._push_ctx.term()
 
@@ -126,6 +141,9 @@ class EngineClient:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_OUTPUT_MESSAGE_BYTES)  # it receives nothing; bounded anyway
+            if self._cluster_key is not None:
+                self._cluster_key.connect_as_client(sock)
             sock.connect(address)
             self._sockets[address] = sock
         self._last_used[address] = time.monotonic()

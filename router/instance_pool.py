@@ -1,7 +1,8 @@
 """The router's view of the engine instances: discovered from the registry, kept when Redis is down.
 
 An instance missing from a registry read is kept for ``REMOVAL_GRACE_S`` more: a Redis that restarted
-empty lists nobody until the next heartbeats, and that must not look like every instance died.
+empty lists nobody until the next heartbeats, and that must not look like every instance died. It is
+also kept while its own progress messages keep arriving (a Redis that refuses writes).
 (A dead instance is found sooner anyway: sends to it fail with EAGAIN and mark it unavailable.)
 
 Besides what instances report in their heartbeats, the pool counts the requests this router has in
@@ -40,27 +41,39 @@ class InstancePool:
         self.inflight: Counter[str] = Counter()
         self.registry_ok = registry is not None
         self._task: asyncio.Task[None] | None = None
+        self._lease_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if self._registry is None:
             return
         await self.refresh()
         self._task = asyncio.create_task(self._refresh_loop(), name="instance-refresh")
+        self._lease_task = asyncio.create_task(self._lease_loop(), name="engine-leases")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._lease_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self.refresh_interval_s)
             try:
                 await self.refresh()
-                self._client.renew_leases([info.control_address for info in self._instances.values()])
             except Exception:  # the loop must survive anything a refresh throws
                 logger.exception("instance refresh failed")
+
+    async def _lease_loop(self) -> None:
+        """Renew this router's lease on every known engine, on its own clock: a slow or hung Redis
+        read in ``refresh`` must not let the engines drop this router's requests."""
+        while True:
+            await asyncio.sleep(self.refresh_interval_s)
+            try:
+                self._client.renew_leases([info.control_address for info in self._instances.values()])
+            except Exception:
+                logger.exception("lease renewal failed")
 
     async def refresh(self) -> None:
         assert self._registry is not None
@@ -73,10 +86,15 @@ class InstancePool:
             self._last_seen = dict.fromkeys(self._last_seen, now)
         self._last_seen.update((info.instance_id, now) for info in found)
         fresh = {info.instance_id for info in found}
+        # An instance whose progress messages still arrive is alive whatever Redis says: a Redis at
+        # maxmemory refuses the heartbeat writes, and the entries expire while the engines serve.
+        heard = self._client.last_heard
         kept = [
             info
             for instance_id, info in self._instances.items()
-            if instance_id not in fresh and now - self._last_seen.get(instance_id, 0.0) <= REMOVAL_GRACE_S
+            if instance_id not in fresh
+            and (now - self._last_seen.get(instance_id, 0.0) <= REMOVAL_GRACE_S
+                 or now - heard.get(instance_id, -REMOVAL_GRACE_S) <= REMOVAL_GRACE_S)
         ]
         self.set_instances([*found, *kept])
 

@@ -6,6 +6,7 @@ import argparse
 import logging
 import pathlib
 
+from common.cluster_key import add_cluster_key_args, cluster_key_from_args
 from router.auth import keys_from_env
 from router.config import RequestLimits, RouterConfig
 from router.routing import POLICIES
@@ -28,7 +29,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix-alpha", type=float, default=defaults.prefix_alpha, help="load weight of 'prefix'"
     )
     p.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
-    p.add_argument("--max-inflight", type=int, default=defaults.max_inflight, help="0: unlimited")
+    p.add_argument("--max-inflight", type=int, default=defaults.max_inflight,
+                   help="HTTP requests served at once; past it a 429 (0: unlimited)")
+    p.add_argument(
+        "--max-requests-per-instance",
+        type=int,
+        default=defaults.max_requests_per_instance,
+        help="engine requests (one per prompt) this router keeps at each decode instance at once; the rest "
+        "wait in its fair queue, one client after another; about twice the engines' --max-num-seqs keeps "
+        "them busy (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=defaults.max_waiting_requests,
+        help="engine requests waiting in the fair queue; past it a 429 with Retry-After (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=defaults.max_queued_tokens,
+        help="prompt tokens waiting in the fair queue; past it a 429 with Retry-After (default: %(default)s)",
+    )
     p.add_argument(
         "--request-timeout", type=float, default=defaults.request_timeout_s, help="seconds between outputs"
     )
@@ -44,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="address engines use to reach the router ('auto': own IP)",
     )
     p.add_argument("--reply-port", type=int, default=defaults.reply_port, help="0: any free port")
+    add_cluster_key_args(p)
     p.add_argument(
         "--direct-prompt-tokens",
         type=int,
@@ -103,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # Before anything loads: a missing key on a public reply address fails start-up at once.
+    cluster_key = cluster_key_from_args(args, args.reply_host, "router")
 
     import uvicorn
 
@@ -121,10 +146,14 @@ def main(argv: list[str] | None = None) -> None:
         prefix_alpha=args.prefix_alpha,
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,
+        max_requests_per_instance=args.max_requests_per_instance,
+        max_waiting_requests=args.max_waiting_requests,
+        max_queued_tokens=args.max_queued_tokens,
         request_timeout_s=args.request_timeout,
         engine_stall_timeout_s=args.engine_stall_timeout,
         reply_host=args.reply_host,
         reply_port=args.reply_port,
+        cluster_key=cluster_key,
         direct_prompt_tokens=args.direct_prompt_tokens,
         limits=RequestLimits(
             max_prompts_per_request=args.max_prompts_per_request,

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from common.registry import InstanceInfo
 from router.fleet_metrics import FleetCollector
@@ -22,14 +24,25 @@ _E2E_BUCKETS_TAIL = (120.0, 240.0, 480.0)
 _TOKEN_BUCKETS = tuple(float(b * 10**e) for e in range(6) for b in (1, 2, 5))
 
 
+class _CountCollector(Collector):
+    """A counter kept elsewhere (a plain int), read at scrape time."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        self._name, self._documentation, self._read = name, documentation, read
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        yield CounterMetricFamily(self._name, self._documentation, value=self._read())
+
+
 class RouterMetrics:
-    """``instances`` and ``num_requests_running`` (the router's HTTP requests in flight) are read
-    at scrape time; the defaults show an empty fleet."""
+    """``instances``, ``num_requests_running`` (the router's HTTP requests in flight) and
+    ``num_rejected_registry_entries`` are read at scrape time; the defaults show an empty fleet."""
 
     def __init__(
         self,
         instances: Callable[[], Iterable[InstanceInfo]] = tuple,
         num_requests_running: Callable[[], float] = int,
+        num_rejected_registry_entries: Callable[[], float] = int,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -95,6 +108,11 @@ class RouterMetrics:
         )
         self.instances = Gauge("pdserve:router_instances", "Known instances by role.", ["role"], registry=r)
         r.register(FleetCollector(instances, num_requests_running))
+        r.register(_CountCollector(
+            "pdserve:registry_entries_rejected",
+            "Registry entries dropped on read: unsigned or with a MAC that does not verify under the cluster key.",
+            num_rejected_registry_entries,
+        ))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

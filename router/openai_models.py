@@ -24,6 +24,11 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+_NOT_IMPLEMENTED_EXTRAS = (
+    "prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+)
+
+
 class _GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -49,6 +54,13 @@ class _GenerationRequest(BaseModel):
     ignore_eos: StrictBool | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    # vLLM extras not implemented: declared so that they are refused, not silently ignored
+    prompt_logprobs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -66,6 +78,10 @@ class _GenerationRequest(BaseModel):
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
+        for name in _NOT_IMPLEMENTED_EXTRAS:
+            value = getattr(self, name)
+            if value is not None and value is not False:  # prompt_logprobs=0 is a request too
+                raise bad_request(f"{name} is not supported (not yet implemented)", param=name)
         if self.n is not None and self.n > limits.max_n:
             raise bad_request(f"n must be at most {limits.max_n} (--max-n), got {self.n}", param="n")
         self._check_stop(limits)

@@ -28,7 +28,7 @@ _ERRORS = {
     401: "missing or wrong API key",
     404: "unknown model",
     413: "request body too large",
-    429: "too many requests in flight",
+    429: "too many requests in flight, or the fair queue is full: retry after Retry-After seconds",
     503: "no instance can serve the request",
 }
 

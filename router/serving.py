@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from common.protocol import PositionLogprobs
 from common.sampling_params import SamplingParams
+from router.admission import CLIENT_KEY, Lane, Slot
 from router.choice_stream import ChoiceDelta, ChoiceStream
 from router.dispatcher import EngineRequestError
 from router.errors import APIError
@@ -47,35 +48,89 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-async def start_choices(state: RouterState, plan: GenerationPlan) -> list[ChoiceStream]:
-    """Send every choice as its own n=1 engine request (``{request_id}-{index}``, seed + i)."""
-    streams: list[ChoiceStream] = []
-    try:
-        for p, (prompt, params) in enumerate(zip(plan.prompts, plan.params, strict=True)):
-            for i in range(params.n):
-                index = p * params.n + i
-                seed = None if params.seed is None else _wrap_int64(params.seed + i)
-                engine_params = msgspec.structs.replace(params, n=1, seed=seed)
-                engine_request = await state.dispatcher.submit(
-                    f"{plan.request_id}-{index}", prompt, engine_params, plan.cache_salt
-                )
-                streams.append(
-                    ChoiceStream(
-                        index, engine_request, state.prompts.tokenizer, prompt, plan.stop, state.metrics
-                    )
-                )
-    except BaseException:
-        for stream in streams:
+class ChoicesSlot:
+    """One admission slot shared by the ``n`` choices of one engine request: it is handed on
+    when the last of them releases it (``release`` may be called more than once per choice)."""
+
+    def __init__(self, slot: Slot, num_choices: int) -> None:
+        self._slot = slot
+        self._left = num_choices
+
+    @property
+    def released(self) -> bool:
+        return self._slot.released
+
+    def release(self) -> None:
+        self._left -= 1
+        if self._left <= 0:
+            self._slot.release()
+
+
+class PlanChoices:
+    """A plan's engine requests, one per prompt (``{request_id}-{prompt index}``) carrying its
+    ``n`` choices, which the engines fork so they share the prompt's KV blocks. Each is sent once
+    admission lets it (``router/admission.py``): the first by ``start_choices``, so its errors
+    become the HTTP status, the rest by ``merge_choices`` while the earlier ones run.
+    ``close`` (idempotent) aborts what runs and gives up what waits."""
+
+    def __init__(self, state: RouterState, plan: GenerationPlan, lane: Lane) -> None:
+        self.state = state
+        self.plan = plan
+        self.lane = lane
+        self.num_choices = len(plan.prompts) * plan.n
+        self._next_prompt = 0
+        self.started: list[tuple[ChoiceStream, ChoicesSlot]] = []  # by start_choices, not yet merged
+        self._running: list[tuple[ChoiceStream, ChoicesSlot]] = []
+
+    def has_more(self) -> bool:
+        return self._next_prompt < len(self.plan.prompts)
+
+    async def start_next(self) -> list[tuple[ChoiceStream, ChoicesSlot]]:
+        """Wait for the next prompt's turn and send it; each choice's stream with the slot they
+        share, which each choice releases when it ends."""
+        slot = await self.lane.next_slot()
+        p = self._next_prompt
+        self._next_prompt += 1
+        prompt, params = self.plan.prompts[p], self.plan.params[p]
+        try:
+            engine_requests = await self.state.dispatcher.submit(
+                f"{self.plan.request_id}-{p}", prompt, params, self.plan.cache_salt
+            )
+        except BaseException:
+            slot.release()
+            raise
+        shared = ChoicesSlot(slot, len(engine_requests))
+        started = [
+            (ChoiceStream(p * params.n + i, engine_request, self.state.prompts.tokenizer, prompt,
+                          self.plan.stop, self.state.metrics), shared)
+            for i, engine_request in enumerate(engine_requests)
+        ]
+        self._running.extend(started)
+        if len(self._running) > 64:  # keep only the unfinished ones for ``close``
+            self._running = [(st, sl) for st, sl in self._running if not sl.released]
+        return started
+
+    def close(self) -> None:
+        self.lane.close()
+        for stream, slot in self._running:
             stream.close()
+            slot.release()
+        self._running.clear()
+
+
+async def start_choices(state: RouterState, plan: GenerationPlan) -> PlanChoices:
+    """Queue the plan's engine requests for admission (429 when the queue is full) and send the first."""
+    costs = [len(prompt) for prompt in plan.prompts]
+    choices = PlanChoices(state, plan, state.admission.enter(CLIENT_KEY.get() or "-", costs))
+    try:
+        choices.started.extend(await choices.start_next())
+    except BaseException:
+        choices.close()
         raise
     for prompt in plan.prompts:
         state.metrics.prompt_tokens.inc(len(prompt))
         state.metrics.request_prompt_tokens.observe(len(prompt))
-    return streams
-
-
-def _wrap_int64(value: int) -> int:
-    return (value + 2**63) % 2**64 - 2**63
+    return choices
 
 
 async def wait_for_disconnect(receive: Callable[[], Awaitable[Any]]) -> None:
@@ -93,17 +148,36 @@ DisconnectWaiter = Callable[[], Awaitable[None]]
 
 
 async def merge_choices(
-    streams: list[ChoiceStream], wait_disconnect: DisconnectWaiter | None = None
+    choices: PlanChoices, wait_disconnect: DisconnectWaiter | None = None
 ) -> AsyncGenerator[ChoiceDelta, None]:
-    """Deltas of all choices as they come. The first error (or a disconnect, as
-    ``ClientDisconnected``) ends the merge; leaving it in any way aborts every unfinished choice."""
+    """Deltas of all choices as they come, starting the waiting ones as admission lets them. The
+    first error (or a disconnect, as ``ClientDisconnected``) ends the merge; leaving it in any way
+    aborts every unfinished choice and gives up those not started."""
     queue: asyncio.Queue[object] = asyncio.Queue()
+    pumps: set[asyncio.Task[None]] = set()
 
-    async def pump(stream: ChoiceStream) -> None:
+    async def pump(stream: ChoiceStream, slot: ChoicesSlot) -> None:
         try:
             async for delta in stream.deltas():
                 queue.put_nowait(delta)
             queue.put_nowait(_DONE)
+        except Exception as exc:
+            queue.put_nowait(exc)
+        finally:
+            slot.release()
+
+    def spawn(stream: ChoiceStream, slot: ChoicesSlot) -> None:
+        task = asyncio.create_task(pump(stream, slot))
+        pumps.add(task)
+        task.add_done_callback(pumps.discard)
+
+    async def start_rest() -> None:
+        try:
+            while choices.has_more():
+                for stream, slot in await choices.start_next():
+                    spawn(stream, slot)
+        except APIError as exc:  # e.g. no instance left: the response has started, so it ends in error
+            queue.put_nowait(EngineRequestError(exc.message, status=exc.status))
         except Exception as exc:
             queue.put_nowait(exc)
 
@@ -111,10 +185,13 @@ async def merge_choices(
         await waiter()
         queue.put_nowait(ClientDisconnected())
 
-    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    for stream, slot in choices.started:
+        spawn(stream, slot)
+    choices.started.clear()
+    helpers = [asyncio.create_task(start_rest())]
     if wait_disconnect is not None:
-        tasks.append(asyncio.create_task(watch(wait_disconnect)))
-    remaining = len(streams)
+        helpers.append(asyncio.create_task(watch(wait_disconnect)))
+    remaining = choices.num_choices
     try:
         while remaining:
             item = await queue.get()
@@ -126,11 +203,15 @@ async def merge_choices(
                 assert isinstance(item, ChoiceDelta)
                 yield item
     finally:
-        for stream in streams:
-            stream.close()
-        for task in tasks:
+        for task in helpers:
             task.cancel()
-        for task in tasks:
+        for task in helpers:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        choices.close()
+        for task in list(pumps):
+            task.cancel()
+        for task in list(pumps):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
@@ -174,10 +255,10 @@ async def collect(
     state: RouterState, plan: GenerationPlan, wait_disconnect: DisconnectWaiter
 ) -> tuple[list[ChoiceResult], Usage]:
     """Run a non-streaming request to the end; raises ``ClientDisconnected`` or ``EngineRequestError``."""
-    streams = await start_choices(state, plan)
-    results = {s.index: ChoiceResult(index=s.index) for s in streams}
+    choices = await start_choices(state, plan)
+    results = {i: ChoiceResult(index=i) for i in range(choices.num_choices)}
     usage = UsageTracker(plan)
-    deltas = merge_choices(streams, wait_disconnect)
+    deltas = merge_choices(choices, wait_disconnect)
     async with contextlib.aclosing(deltas):
         async for delta in deltas:
             result = results[delta.index]
@@ -222,6 +303,6 @@ async def sse_response(
 ) -> StreamingResponse:
     """Start every choice and send the JSON chunks ``write(deltas, include_usage)`` makes as SSE."""
     include_usage = bool(stream_options and stream_options.include_usage)
-    streams = await start_choices(state, plan)
-    chunks = write(merge_choices(streams, wait_disconnect), include_usage)
+    choices = await start_choices(state, plan)
+    chunks = write(merge_choices(choices, wait_disconnect), include_usage)
     return StreamingResponse(stream_errors(chunks), media_type="text/event-stream")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
+from common.sampling_params import SamplingParams
+from router.admission import CLIENT_KEY
 from router.choice_stream import ChoiceDelta
 from router.logprobs import TokenRenderer, completion_logprobs
 from router.openai_models import CompletionRequest, check_max_tokens, check_total_tokens, parse_request
@@ -23,26 +26,35 @@ from router.serving import (
 from router.state import RouterState
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
+BIG_PROMPT_LIST = 256
 
 
 async def plan_completion(
     state: RouterState, body: Any, cache_salt: str | None
 ) -> tuple[CompletionRequest, GenerationPlan]:
     limits = state.config.limits
-    request = parse_request(CompletionRequest, body, limits)
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, list) and len(prompt) > BIG_PROMPT_LIST:
+        # Checking a long prompt list takes seconds of CPU: off the event loop, which serves others.
+        request = await asyncio.to_thread(parse_request, CompletionRequest, body, limits)
+    else:
+        request = parse_request(CompletionRequest, body, limits)
     model = state.check_model(request.model)
+    # A request the fair queue could not take now is refused before any tokenizing.
+    state.admission.check(CLIENT_KEY.get() or "-", _num_prompts(request.prompt))  # one engine request per prompt
     max_model_len = state.max_model_len()
     prompts = await state.prompts.tokenize_completion(request.prompt, max_model_len)
     params = []
-    for prompt in prompts:
+    by_max_tokens: dict[int, SamplingParams] = {}  # frozen: prompts with one max_tokens share them
+    for prompt_ids in prompts:
         max_tokens = check_max_tokens(
-            request.max_tokens, len(prompt), max_model_len, DEFAULT_MAX_TOKENS, "prompt"
+            request.max_tokens, len(prompt_ids), max_model_len, DEFAULT_MAX_TOKENS, "prompt"
         )
-        params.append(
-            request.sampling_params(
+        if max_tokens not in by_max_tokens:
+            by_max_tokens[max_tokens] = request.sampling_params(
                 max_tokens, request.logprobs, state.prompts.eos_token_id, state.prompts.vocab_size
             )
-        )
+        params.append(by_max_tokens[max_tokens])
     check_total_tokens(request.n, [p.max_tokens for p in params], limits)
     plan = GenerationPlan(
         request_id=new_request_id("cmpl"),
@@ -53,6 +65,12 @@ async def plan_completion(
         cache_salt=cache_salt,
     )
     return request, plan
+
+
+def _num_prompts(prompt: Any) -> int:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    return 1
 
 
 def _logprobs(renderer: TokenRenderer | None, delta_or_result: Any) -> Any:

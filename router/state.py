@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from common.registry import PrefixIndex, Registry
+from router.admission import RETRY_AFTER_S, Admission
 from router.auth import ApiKeys
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
@@ -23,12 +24,23 @@ class RouterState:
         self.config = config
         self.prompts = prompts
         self.api_keys = ApiKeys(config.api_keys)
-        self.registry = Registry(config.redis_url, config.namespace) if config.redis_url else None
+        self.registry = (
+            Registry(config.redis_url, config.namespace, cluster_key=config.cluster_key) if config.redis_url else None
+        )
         self.prefix_index = PrefixIndex(config.redis_url, config.namespace) if config.redis_url else None
-        self.client = EngineClient(config.reply_host, config.reply_port)
+        self.client = EngineClient(config.reply_host, config.reply_port, config.cluster_key)
         self.pool = InstancePool(self.registry, self.client, config.refresh_interval_s)
         self.num_inflight = 0
-        self.metrics = RouterMetrics(self.pool.instances, lambda: self.num_inflight)
+        self.metrics = RouterMetrics(
+            self.pool.instances,
+            lambda: self.num_inflight,
+            lambda: self.registry.num_rejected_entries if self.registry is not None else 0,
+        )
+        self.admission = Admission(
+            lambda: config.max_requests_per_instance * len(self.pool.alive("decode")),
+            config.max_waiting_requests,
+            config.max_queued_tokens,
+        )
         self.dispatcher = Dispatcher(
             self.client,
             self.pool,
@@ -68,7 +80,8 @@ class RouterState:
         limit = self.config.max_inflight
         if limit and self.num_inflight >= limit:
             raise APIError(
-                429, f"too many requests in flight (limit {limit}); retry later", code="rate_limit_exceeded"
+                429, f"too many requests in flight (limit {limit}, --max-inflight); retry later",
+                code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         self.num_inflight += 1
 

@@ -127,17 +127,23 @@ class PromptProcessor:
             items, params = [prompt], ["prompt"]
         else:
             items, params = list(prompt), [f"prompt.{i}" for i in range(len(prompt))]
-        checked: list[str | list[int]] = []  # texts still to tokenize, or checked token ids
-        for item, param in zip(items, params, strict=True):
-            if isinstance(item, str):
-                if not item:
-                    raise bad_request("prompt must not be empty", param=param)
-                self.check_length(item, max_model_len, param)
-                checked.append(item)
-            elif isinstance(item, list) and all(isinstance(t, int) for t in item[:1]):
-                checked.append(self.check_token_ids(item, param=param))
-            else:
-                raise bad_request("prompt must be a string, a list of strings or token ids", param="prompt")
+
+        def check_all() -> list[str | list[int]]:
+            checked: list[str | list[int]] = []  # texts still to tokenize, or checked token ids
+            for item, param in zip(items, params, strict=True):
+                if isinstance(item, str):
+                    if not item:
+                        raise bad_request("prompt must not be empty", param=param)
+                    self.check_length(item, max_model_len, param)
+                    checked.append(item)
+                elif isinstance(item, list) and all(isinstance(t, int) for t in item[:1]):
+                    checked.append(self.check_token_ids(item, param=param))
+                else:
+                    raise bad_request("prompt must be a string, a list of strings or token ids", param="prompt")
+            return checked
+
+        # A long prompt list takes a while to check: off the event loop, which serves the others.
+        checked = await asyncio.to_thread(check_all) if len(items) > 256 else check_all()
         texts = [(item, param) for item, param in zip(checked, params, strict=True) if isinstance(item, str)]
         if not texts:
             return checked  # type: ignore[return-value]  # token ids only
@@ -162,6 +168,37 @@ class PromptProcessor:
             raise bad_request(f"could not apply the chat template: {exc}", param="messages") from None
         self.check_length(text, max_model_len, "messages")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def tokenize_for_count(
+        self, text: str | None, messages: list[dict[str, Any]] | None, *, add_special_tokens: bool,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The token ids of ``text``, or of ``messages`` rendered by the chat template, in a worker
+        thread; no context-length check (``/tokenize`` is how a client finds the length out)."""
+        if text is not None:
+            self.check_length(text, None)
+            return await self._in_worker(
+                lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)), len(text)
+            )
+
+        def render_and_encode() -> list[int]:
+            try:
+                rendered = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                )
+            except Exception as exc:  # jinja raises its own errors for unsupported conversations
+                raise bad_request(f"could not apply the chat template: {exc}", param="messages") from None
+            self.check_length(rendered, None, "messages")
+            return list(self.tokenizer.encode(rendered, add_special_tokens=add_special_tokens))
+
+        num_chars = sum(len(str(m.get("content") or "")) for m in messages or [])
+        return await self._in_worker(render_and_encode, num_chars)
+
+    async def detokenize(self, token_ids: list[int], param: str = "tokens") -> str:
+        """The text of ``token_ids`` (special tokens kept), in a worker thread; 400 for ids out of range."""
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
+            raise bad_request(f"token ids must be in [0, {self.vocab_size})", param=param)
+        return await self._in_worker(lambda: str(self.tokenizer.decode(token_ids)), 4 * len(token_ids))
 
     async def _in_worker(self, work: Callable[[], T], num_chars: int) -> T:
         lane = self._long_lane if num_chars >= LONG_TEXT_CHARS else self._short_lane

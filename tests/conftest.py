@@ -22,16 +22,19 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """A throw-away ``redis-server`` process: no RDB snapshots, no AOF, loopback only."""
+    """A throw-away ``redis-server`` process: no RDB snapshots, no AOF, loopback only; with a
+    ``password``, it requires it (``--requirepass``) and ``url`` carries it."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, password: str | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.skip("redis-server is not installed")
         self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = password
+        self.url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{self.port}/0"
         self._dir = tempfile.TemporaryDirectory(prefix="redis-test-")
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args += ["--requirepass", password] if password else []
         args += ["--dir", self._dir.name, "--loglevel", "warning"]
         self.proc = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent
@@ -39,7 +42,7 @@ class RedisServer:
         self._wait_ready()
 
     def _wait_ready(self, timeout_s: float = 10.0) -> None:
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5)
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
@@ -76,8 +79,8 @@ def make_redis_server() -> Iterator[Callable[..., RedisServer]]:
     """Factory for private redis-servers a test may kill and restart (all stopped afterwards)."""
     servers: list[RedisServer] = []
 
-    def make(port: int | None = None) -> RedisServer:
-        server = RedisServer(port)
+    def make(port: int | None = None, password: str | None = None) -> RedisServer:
+        server = RedisServer(port, password)
         servers.append(server)
         return server
 

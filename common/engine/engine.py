@@ -1,7 +1,9 @@
 """The engine step loop: schedule, run the model, sample, retire; shared by every service.
 
 ``step()`` never blocks on anything but the forward pass. Requests with ``n > 1`` fork after the
-prompt: child ``i`` has the id ``f"{request_id}#{i}"`` and shares the prompt's blocks.
+prompt: child ``i`` has the id ``choice_request_id(request_id, i)`` and shares the prompt's blocks.
+Disaggregated, the prefill instance samples every choice's first token and sends the prompt's KV
+once; the decode instance forks the choices from it (``add_remote_request``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from common.engine.sampler import Sampler
 from common.engine.scheduler import Scheduler
 from common.kvcache.hashing import BlockHash
 from common.kvcache.kv_cache_manager import KVCacheManager
-from common.protocol import PositionLogprobs
+from common.protocol import PositionLogprobs, choice_request_id
 from common.sampling_params import SamplingParams
 
 
@@ -33,6 +35,8 @@ class KVHandoff:
     num_tokens: int
     # Receiving side: leading blocks that already hold this KV (prefix-cache hits), not sent.
     num_cached_blocks: int = 0
+    # Sending side, n > 1: every choice's first token, in choice order.
+    choice_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -89,6 +93,10 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self._pending: list[EngineOutput] = []
+        # Decode side, n > 1: first tokens of choices 1.. per request waiting for remote KV, and
+        # the choices aborted before they exist; they fork when the KV has arrived.
+        self._remote_choices: dict[str, list[int]] = {}
+        self._aborted_choices: dict[str, set[int]] = {}
         self.peak_kv_tokens_held = 0
         self.peak_kv_slots_allocated = 0
 
@@ -145,8 +153,8 @@ class LLMEngine:
         ``output_token_ids``: tokens the request already produced on a lost instance; it resumes
         after them (see ``GenerateRequest.output_token_ids``)."""
         self.validate(prompt_token_ids, params, output_token_ids)
-        if params.n != 1 and (kv_transfer or output_token_ids):
-            raise ValueError("n must be 1 for a prefill-only or a continued request")
+        if params.n != 1 and output_token_ids:
+            raise ValueError("n must be 1 for a continued request")
         if self.knows(request_id):
             raise ValueError(f"duplicate request_id {request_id!r}")
         req = Request(
@@ -171,27 +179,34 @@ class LLMEngine:
         num_cached_tokens: int = 0,
         cache_salt: str | None = None,
         output_token_ids: list[int] | None = None,
+        choice_token_ids: list[int] | None = None,
     ) -> KVHandoff | None:
         """Hold blocks for a request whose KV another instance computed (it waits for remote KV).
 
         The KV covers the prompt and ``output_token_ids`` (a continued request's earlier tokens);
-        the prefill instance sampled ``first_token_id`` after them. Returns where the KV lands (its
-        leading blocks already cached here are skipped by the sender), or None (nothing held) when
-        the pool is full now; raises ``ValueError`` for a bad request. Then exactly one of
-        ``remote_kv_arrived`` and ``release_kv``.
+        the prefill instance sampled ``first_token_id`` after them. With ``n > 1``,
+        ``choice_token_ids`` holds every choice's first token (choice 0's is ``first_token_id``):
+        the other choices fork from this request when the KV has arrived. Returns where the KV
+        lands (its leading blocks already cached here are skipped by the sender), or None (nothing
+        held) when the pool is full now; raises ``ValueError`` for a bad request. Then exactly one
+        of ``remote_kv_arrived`` and ``release_kv``.
         """
         outputs = [*(output_token_ids or []), first_token_id]
         self.validate(prompt_token_ids, params, outputs[:-1])
-        if params.n != 1:
-            raise ValueError("n must be 1 for a request whose KV is transferred")
-        if not 0 <= first_token_id < self.vocab_size:
-            raise ValueError(f"first token id must be in [0, {self.vocab_size})")
+        choices = list(choice_token_ids or [first_token_id])
+        if params.n != 1 and output_token_ids:
+            raise ValueError("n must be 1 for a continued request")
+        if len(choices) != params.n or choices[0] != first_token_id:
+            raise ValueError(f"a request with n={params.n} needs the first token of each of its {params.n} choices")
+        if any(not 0 <= t < self.vocab_size for t in choices):
+            raise ValueError(f"first token ids must be in [0, {self.vocab_size})")
         if self.knows(request_id):
             raise ValueError(f"duplicate request_id {request_id!r}")
         req = Request(
             request_id, prompt_token_ids, params, block_size=self.block_size, model_id=self.model_id,
             cache_salt=cache_salt, output_token_ids=outputs,
         )
+        req.forked = True  # the choices fork when the KV has arrived, not after a local prefill
         num_kv_tokens = req.num_tokens - 1
         if not self.scheduler.add_remote(req, num_kv_tokens):
             return None
@@ -199,18 +214,61 @@ class LLMEngine:
         req.num_cached_tokens = num_cached_tokens
         # The earlier tokens and the first one were drawn elsewhere from this seed: skip those draws.
         req.skip_draws(req.num_output_tokens, self.vocab_size)
+        if len(choices) > 1:
+            self._remote_choices[request_id] = choices[1:]
         return self._handoff(req, num_kv_tokens, num_hit_blocks)
 
     def remote_kv_arrived(self, request_id: str) -> None:
-        """The KV of a request from ``add_remote_request`` is in its blocks: it joins the batch."""
+        """The KV of a request from ``add_remote_request`` is in its blocks: it joins the batch,
+        and with n > 1 so does each other choice, sharing its blocks (copy-on-write). A choice
+        whose first token already ends it finishes here with no new token."""
         req = self.scheduler.requests[request_id]
         self.scheduler.remote_kv_arrived(request_id, req.num_tokens - 1)
-        req.first_token_time = time.monotonic()  # sampled on the prefill instance
+        now = time.monotonic()
+        req.first_token_time = now  # sampled on the prefill instance
+        choices = [req]
+        aborted = self._aborted_choices.pop(request_id, set())
+        for index, token in enumerate(self._remote_choices.pop(request_id, []), start=1):
+            if index in aborted:
+                continue
+            child = Request(
+                choice_request_id(request_id, index), req.prompt_token_ids, req.sampling_params,
+                block_size=self.block_size, model_id=self.model_id, cache_salt=req.cache_salt,
+                output_token_ids=[token], seed_offset=index,
+            )
+            child.forked = True
+            child.skip_draws(1, self.vocab_size)  # its first token was drawn on the prefill instance
+            child.num_computed_tokens = req.num_computed_tokens
+            child.num_cached_tokens, child.first_token_time = req.num_cached_tokens, now
+            self.kv.fork(req, child)
+            self.scheduler.add_waiting(child)
+            choices.append(child)
+        for choice in choices:
+            reason = self._check_stop(choice, choice.output_token_ids[-1])
+            if reason is not None:
+                status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
+                self.scheduler.finish(choice, status)
+                self._pending.append(self._output(choice, [], None, reason))
+        if 0 in aborted and not req.is_finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
 
     def abort_request(self, request_id: str) -> bool:
-        """Drop a queued or running request (and its n > 1 children); True if one was found."""
+        """Drop a queued or running request; True if one was found.
+
+        Before an n > 1 request has forked, its id stands for all its choices. On the decode side
+        a choice of a request still waiting for its KV is remembered and never forks."""
+        parent_id, _, index = request_id.rpartition("#")
+        if parent_id in self._remote_choices and index.isdigit():
+            self._aborted_choices.setdefault(parent_id, set()).add(int(index))
+            return True
+        if request_id in self._remote_choices:
+            self._aborted_choices.setdefault(request_id, set()).add(0)
+            return True
         found = False
-        for rid in [request_id, *[r for r in self.scheduler.requests if r.startswith(request_id + "#")]]:
+        req = self.scheduler.requests.get(request_id)
+        unforked = req is not None and req.sampling_params.n > 1 and not req.forked
+        children = [r for r in self.scheduler.requests if r.startswith(request_id + "#")] if unforked else []
+        for rid in [request_id, *children]:
             req = self.scheduler.requests.get(rid)
             if req is not None and req.status not in _TRANSFER_STATES:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
@@ -249,7 +307,14 @@ class LLMEngine:
     def release_kv(self, request_id: str) -> bool:
         """Free a request a transfer held (held for sending, or waiting for remote KV) once the
         transfer ended, ok or not; False (nothing done) for any other id."""
+        self._remote_choices.pop(request_id, None)
+        self._aborted_choices.pop(request_id, None)
         return self.scheduler.release(request_id) is not None
+
+    def kv_still_wanted(self, request_id: str) -> bool:
+        """Decode side, n > 1: some choice of this request waiting for its KV is not aborted."""
+        choices = self._remote_choices.get(request_id)
+        return choices is not None and len(self._aborted_choices.get(request_id, ())) <= len(choices)
 
     # ----------------------------------------------------------------- the step
     def has_unfinished_requests(self) -> bool:
@@ -267,15 +332,21 @@ class LLMEngine:
 
         rows: list[int] = []
         reqs: list[Request] = []
+        # Prefill of an n > 1 request whose KV is transferred: its other choices are only sampled
+        # here (their first tokens); they run on the decode instance.
+        sampled_only: dict[str, list[Request]] = {}
         for row, req in enumerate(completing):
             rows.append(row)
             reqs.append(req)
             if req.sampling_params.n > 1 and not req.forked:
                 req.forked = True
                 for i in range(1, req.sampling_params.n):
-                    child = req.fork(f"{req.request_id}#{i}", seed_offset=i)
-                    self.kv.fork(req, child)
-                    self.scheduler.add_running(child)
+                    child = req.fork(choice_request_id(req.request_id, i), seed_offset=i)
+                    if req.kv_transfer:
+                        sampled_only.setdefault(req.request_id, []).append(child)
+                    else:
+                        self.kv.fork(req, child)
+                        self.scheduler.add_running(child)
                     rows.append(row)
                     reqs.append(child)
         if not reqs:
@@ -288,12 +359,14 @@ class LLMEngine:
             first = req.first_token_time is None
             if first:
                 req.first_token_time = now
-            reason = self._check_stop(req, token)
+            reason = None if req.kv_transfer and req.sampling_params.n > 1 else self._check_stop(req, token)
             if reason is not None:
                 status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
                 self.scheduler.finish(req, status)
                 outputs.append(self._output(req, [token], lp, reason))
-            elif req.kv_transfer:
+            elif req.kv_transfer and req.request_id in self.scheduler.requests:
+                # Its KV leaves for the decode instance, once for all choices of an n > 1 request
+                # (their first tokens go out now; the decode instance checks their stops).
                 self.scheduler.hold_for_transfer(req)
                 out = self._output(req, [token], lp, None)
                 out.kv_handoff = self._handoff(req, req.num_computed_tokens)
@@ -303,6 +376,12 @@ class LLMEngine:
             if first and req.scheduled_time is not None:
                 outputs[-1].queue_time = req.scheduled_time - req.arrival_time
                 outputs[-1].prefill_time = now - req.scheduled_time
+        for out in outputs:
+            children = sampled_only.get(out.request_id)
+            if children is not None and out.kv_handoff is not None:
+                out.kv_handoff.choice_token_ids.extend(
+                    [out.new_token_ids[0], *(c.output_token_ids[-1] for c in children)]
+                )
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> str | None:
@@ -328,19 +407,12 @@ class LLMEngine:
         )
 
     def _track_slot_use(self) -> None:
-        """Peak KV tokens held, each slot counted once (blocks are shared by prefix hits and n > 1)."""
-        reqs = [*self.scheduler.running, *self.scheduler.held(RequestStatus.HELD_FOR_TRANSFER)]
-        if sum(r.num_computed_tokens for r in reqs) <= self.peak_kv_tokens_held:
-            return  # an upper bound of the count below, so no new peak
-        bs = self.block_size
-        filled: dict[int, int] = {}
-        for r in reqs:
-            for i, block_id in enumerate(self.kv.block_ids(r.request_id)):
-                filled[block_id] = max(filled.get(block_id, 0), min(bs, r.num_computed_tokens - i * bs))
-        held = sum(filled.values())
+        """Peak KV tokens held, each slot counted once (blocks are shared by prefix hits and n > 1);
+        the KV cache manager keeps the count as requests advance, so this is O(1)."""
+        held = self.kv.num_filled_slots
         if held > self.peak_kv_tokens_held:
             self.peak_kv_tokens_held = held
-            self.peak_kv_slots_allocated = self.kv.pool.num_used_blocks * bs
+            self.peak_kv_slots_allocated = self.kv.pool.num_used_blocks * self.block_size
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -352,6 +424,9 @@ class LLMEngine:
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            extra={"num_prompt_tokens_waiting": float(
+                sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
+            )},
         )
 
     def check_integrity(self) -> None:
@@ -373,6 +448,6 @@ class LLMEngine:
                     raise RuntimeError(f"request {out.request_id} failed: {out.error or 'aborted'}")
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         return [
-            [tokens.get(rid if i == 0 else f"{rid}#{i}", []) for i in range(p.n)]
+            [tokens.get(choice_request_id(rid, i), []) for i in range(p.n)]
             for rid, p in zip(ids, plist, strict=True)
         ]

@@ -1,4 +1,8 @@
-"""Turns a ``SchedulerOutput`` into tensors, runs the model and returns the logits to sample."""
+"""Turns a ``SchedulerOutput`` into tensors, runs the model and returns the logits to sample.
+
+Input state persists between steps in an ``InputBatch`` (block table rows written only when a
+request's table changes); the logits stay on the device, where the sampler runs.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import torch
 from torch import Tensor
 
 from common.config import EngineConfig
+from common.engine.input_batch import InputBatch
 from common.engine.scheduler import SchedulerOutput
 from common.model.llama import AttentionMetadata
 from common.model.loader import model_identity, resolve_model_path
@@ -40,6 +45,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_layers = int(self.hf_config.num_hidden_layers)
         self.num_blocks = self._num_blocks()
+        self.init_input_batch()
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_size)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         logger.info(
@@ -54,6 +60,11 @@ class ModelRunner:
             self.num_layers * 2 * self.block_size * self.model.num_kv_heads * self.model.head_size
             * torch.finfo(self.dtype).bits // 8
         )
+
+    def init_input_batch(self) -> None:
+        """The persistent input state, sized for ``max_num_seqs`` requests of ``max_model_len`` tokens."""
+        max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.input_batch = InputBatch(self.config.max_num_seqs, max_blocks_per_req, self.block_size)
 
     def _num_blocks(self) -> int:
         if self.config.num_blocks is not None:
@@ -71,7 +82,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> Tensor:
-        """Run one forward; logits ``[num_completing, vocab]`` for requests that finish their tokens.
+        """Run one forward; logits ``[num_completing, vocab]``, on the runner's device, for requests that
+        finish their tokens.
 
         Performs pending copy-on-write block copies first, then stores this step's K/V.
         """
@@ -80,43 +92,19 @@ class ModelRunner:
             self.kernels.copy_blocks(
                 self.kv_cache, torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
             )
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        context_lens: list[int] = []
-        sample_idx: list[int] = []
-        max_blocks = max(len(s.block_ids) for s in out.scheduled)
-        tables = []
-        for s in out.scheduled:
-            req = s.request
-            start = req.num_computed_tokens
-            end = start + s.num_new_tokens
-            input_ids.extend(req.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            ids = s.block_ids
-            slots.extend(ids[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(query_start[-1] + s.num_new_tokens)
-            context_lens.append(end)
-            tables.append(ids + [0] * (max_blocks - len(ids)))
-            if s.completes:
-                sample_idx.append(query_start[-1] - 1)
+        inputs = self.input_batch.prepare(out.scheduled)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            max_query_len=max(s.num_new_tokens for s in out.scheduled),
+            slot_mapping=inputs.slot_mapping.to(dev),
+            block_tables=inputs.block_tables.to(dev),
+            query_start_loc=inputs.query_start_loc.to(dev),
+            context_lens=inputs.context_lens.to(dev),
+            max_query_len=inputs.max_query_len,
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            meta,
-            self.kv_cache,
-        )
-        if not sample_idx:
-            return torch.empty(0, self.vocab_size)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=dev)])
-        return logits.cpu()
+        hidden = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), meta, self.kv_cache)
+        if len(inputs.sample_idx) == 0:
+            return torch.empty(0, self.vocab_size, device=dev)
+        # Only the completing rows' logits are computed, and they stay on the device: the sampler
+        # runs there and only the sampled ids (and requested logprobs) cross to the host.
+        logits: Tensor = self.model.compute_logits(hidden[inputs.sample_idx.to(dev)])
+        return logits

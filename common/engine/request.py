@@ -58,6 +58,7 @@ class Request:
         arrival_time: float | None = None,
         kv_transfer: bool = False,
         output_token_ids: list[int] | None = None,
+        seed_offset: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -81,7 +82,8 @@ class Request:
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator()
-            self.generator.manual_seed(sampling_params.seed)
+            # Choice i of an n > 1 request draws from seed + i (see ``fork``).
+            self.generator.manual_seed(sampling_params.seed + seed_offset)
         self._block_size = block_size
         self._model_id = model_id
         self.block_hashes: list[BlockHash] = compute_block_hashes(

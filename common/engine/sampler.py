@@ -65,9 +65,11 @@ class Sampler:
         if num_rows == 0:
             return SampleResult([], [])
         x = logits.float()
+        if not any(self._has_work(r) for r in requests):  # all greedy, nothing else: one argmax
+            return SampleResult(x.argmax(dim=-1).tolist(), [None] * num_rows)
         k_max = max((r.sampling_params.logprobs or 0 for r in requests), default=0)
         chunk = num_rows
-        if x.device.type == "cpu" and any(self._has_work(r) for r in requests):
+        if x.device.type == "cpu":
             chunk = max(1, CPU_CHUNK_BYTES // (4 * vocab))
         results = [
             self._sample_rows(x[start : start + chunk], requests[start : start + chunk], x is not logits, k_max)
@@ -213,7 +215,7 @@ class Sampler:
         token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)
         if seeded:
             generators = [g for g in (requests[r].generator for r in seeded) if g is not None]
-            _write_rows(token_ids, seeded, _race(_rows(probs, seeded), generators))
+            _write_rows(token_ids, seeded, _race(probs, seeded, generators))
         if unseeded:
             _write_rows(token_ids, unseeded, _inverse_cdf(_rows(probs, unseeded), self._generator(dev)))
         return token_ids
@@ -250,14 +252,39 @@ def apply_top_p(probs: Tensor, top_p: Tensor, window: int) -> None:
         probs[short] = full
 
 
-def _race(probs: Tensor, generators: list[torch.Generator]) -> Tensor:
-    """Per row, ``argmax(probs / E)`` with ``E`` one vocab-sized Exp(1) draw from the row's own generator
-    (request generators live on the CPU; on another device the noise is copied over). Writes ``probs``."""
-    on_cpu = probs.device.type == "cpu"
-    noise = torch.empty_like(probs) if on_cpu else torch.empty(probs.shape, dtype=probs.dtype)
-    for row, gen in enumerate(generators):
-        noise[row].exponential_(generator=gen)  # the same numbers as ``torch.empty(vocab).exponential_``
-    return probs.div_(noise if on_cpu else noise.to(probs.device)).argmax(dim=-1)
+def _race(probs: Tensor, rows: list[int], generators: list[torch.Generator]) -> Tensor:
+    """For each of ``rows`` of ``probs``, ``argmax(probs[row] / E)`` with ``E`` one vocab-sized Exp(1) draw
+    from the row's own generator (request generators live on the CPU). May write ``probs``.
+
+    ``E`` is what ``torch.empty(vocab).exponential_(generator=...)`` gives, computed as that does on the
+    CPU: a float64 uniform ``u`` per entry (``uniform_`` takes the same numbers from the generator),
+    then ``float32(-log1p(-u))``. The logarithms are most of a draw's cost and a token of probability
+    zero cannot win, so on the CPU they are taken only over the row's support (top-k, top-p and min-p
+    leave a few hundred tokens, or fewer); on another device the uniforms cross and the logarithms
+    are taken there.
+    """
+    vocab = probs.shape[1]
+    if probs.device.type != "cpu":
+        u = torch.empty((len(rows), vocab), dtype=torch.float64)
+        for i, gen in enumerate(generators):
+            u[i].uniform_(generator=gen)
+        return _rows(probs, rows).div_(_exponential(u.to(probs.device))).argmax(dim=-1)
+    u = torch.empty(vocab, dtype=torch.float64)
+    token_ids = []
+    for row, gen in zip(rows, generators, strict=True):
+        u.uniform_(generator=gen)
+        p = probs[row]
+        support = p.nonzero().squeeze(1)
+        if len(support) > vocab // 8:  # a row left mostly whole (no filter): the dense race is cheaper
+            token_ids.append(p.div_(_exponential(u)).argmax())
+        else:  # ``support`` ascends, so the first best is the lowest index, as ``argmax`` breaks ties
+            token_ids.append(support[(p[support] / _exponential(u[support])).argmax()])
+    return torch.stack(token_ids)
+
+
+def _exponential(u: Tensor) -> Tensor:
+    """Exp(1) from float64 uniforms in [0, 1), rounded to float32: the CPU's ``exponential_`` formula."""
+    return torch.log1p(u.neg()).neg_().float()
 
 
 def _inverse_cdf(probs: Tensor, generator: torch.Generator) -> Tensor:

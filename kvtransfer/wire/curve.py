@@ -3,7 +3,8 @@
 Keys are z85 text (40 characters), as ``zmq.curve_keypair()`` makes and ``zmq.auth`` certificate
 files hold. A receiver (CURVE server) admits only the client public keys it lists; a sender
 (CURVE client) must know the receivers' public key. One server key pair per decode pool is the
-intended deployment.
+intended deployment. ``for_cluster`` builds the simpler one-secret deployment (see
+``common.cluster_key``): every service uses the same pair and admits only that public key.
 """
 
 from __future__ import annotations
@@ -52,6 +53,13 @@ class CurveConfig:
             )
         keys = frozenset(_z85_key(k, "authorized key") for k in self.authorized_keys)
         object.__setattr__(self, "authorized_keys", keys)
+
+    @classmethod
+    def for_cluster(cls, secret_key: bytes | str) -> CurveConfig:
+        """Every process of a cluster holds one secret: it is client and server, and admits only itself."""
+        secret = _z85_key(secret_key, "cluster key")
+        public = zmq.curve_public(secret)
+        return cls(public, secret, public, frozenset({public}))
 
     @classmethod
     def from_files(

@@ -1,4 +1,4 @@
-"""``pdserve bench offline|kv|serve|gpu|chaos|overhead``: benchmarks that print measured figures beside baselines."""
+"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz``: benchmarks that print measured figures beside baselines."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ _BENCHES = {
     "gpu": "ops.bench.gpu_kernels",
     "chaos": "ops.bench.chaos",
     "overhead": "ops.bench.overhead",
+    "fuzz": "ops.bench.fuzz",
 }
 
 

@@ -5,9 +5,11 @@
 Timings are medians over many runs (CUDA events, L2 flushed between runs). Each kernel's achieved
 GB/s stands next to a device-to-device ``Tensor.copy_`` moving the same number of bytes (read +
 write) in the same run; paged decode attention also stands next to torch SDPA over contiguous K/V
-of the same shapes. A failing check or a failing timing is recorded and the run goes on; the table
-is written (Markdown + JSON) to ``ops/bench/results/gpu_kernels-<date>-<card>.{md,json}`` after
-every section, so a crash late in the run keeps what came before.
+of the same shapes. NVML's readings (utilisation, memory, power, temperature, throttle reasons)
+are printed and kept before and after the kernels. A failing check or a failing timing is
+recorded and the run goes on; the table is written (Markdown + JSON) to
+``ops/bench/results/gpu_kernels-<date>-<card>.{md,json}`` after every section, so a crash late in
+the run keeps what came before.
 """
 
 from __future__ import annotations
@@ -353,6 +355,29 @@ def bench_kv(report: Report, args: argparse.Namespace, ops: Any) -> None:
     time_copy(report, moved, dtype)
 
 
+def read_nvml(report: Report, when: str) -> None:
+    """Print NVML's readings of every GPU (utilisation, memory, power, temperature, throttle
+    reasons, as the engines export them) and keep them in the report's metadata."""
+    from prometheus_client import CollectorRegistry
+
+    from common.nvml_metrics import register_nvml_collector
+
+    registry = CollectorRegistry()
+    if register_nvml_collector(registry, {"when": when}) is None:
+        print(f"[nvml] {when}: NVML unavailable")
+        return
+    readings = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name.endswith("gpu_clock_throttled") and not sample.value:
+                continue
+            extra = f" {sample.labels['reason']}" if "reason" in sample.labels else ""
+            key = f"gpu{sample.labels['gpu']} {sample.name.removeprefix('pdserve:')}{extra}"
+            readings[key] = sample.value
+            print(f"[nvml] {when}: {key} = {sample.value:g}")
+    report.meta[f"nvml_{when}"] = readings
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Check and time the Triton kernels on a CUDA GPU.")
     parser.add_argument("--batch", type=int, default=64)
@@ -392,11 +417,13 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(args.out_dir, meta)
     started = time.perf_counter()
     sections: list[tuple[str, Callable[[], None]]] = [
+        ("nvml before", lambda: read_nvml(report, "before")),
         ("checks", lambda: run_checks(report, ops, ref)),
         ("decode", lambda: bench_decode(report, args, args.batch, sweep=not args.no_sweep)),
         ("decode small batch", lambda: bench_decode(report, args, args.small_batch, sweep=False)),
         ("prefill", lambda: bench_prefill(report, args, ops)),
         ("kv movement", lambda: bench_kv(report, args, ops)),
+        ("nvml after", lambda: read_nvml(report, "after")),
     ]
     for name, section in sections:
         try:

@@ -4,7 +4,7 @@ The model runner keeps its real input preparation but its forward is replaced by
 nothing and returns rows of preallocated logits (random, fixed: Gaussian with ``--logit-std``, 3 by
 default, which puts a few hundred tokens in a top-p 0.9 nucleus, as the default model's flatter
 positions do). No weights are loaded and no KV cache is allocated. What a step then costs is the
-engine's own work, split with ``time.perf_counter`` around the calls inside one ``LLMEngine.step``
+engine's own work, split with a clock read around the calls inside one ``LLMEngine.step``
 (instance wrappers set up here; the engine's code path is unchanged):
 
 * schedule: ``Scheduler.schedule``
@@ -20,6 +20,11 @@ Cases, each at every ``--batch-sizes`` B with ``--prompt-len`` token prompts:
   min-p, penalties; some rows seeded, some asking for logprobs).
 * prefill: each measured step prefills B new prompts whole (B x prompt-len tokens) and samples their
   one token (greedy); adding the requests happens between steps and is not counted.
+
+``--clock wall`` (the default) reads ``time.perf_counter``; ``--clock cpu`` reads the thread's CPU time
+(``time.thread_time``), which other processes on a shared host disturb far less. ``--baseline`` takes
+the JSON of an earlier run (say, before a change, made in the same session) and prints its totals
+beside the new ones.
 
 Each case runs with the batched sampler (``common.engine.sampler``) and with ``_PerRowSampler``, a
 copy of the per-row sampler it replaced, kept here for comparison only. "floor" is one
@@ -64,6 +69,7 @@ SAMPLERS = ("batched", "per-row")
 # The issue's targets: host ms per decode step (median) for (case, batch size).
 TARGETS_MS = {("greedy", 64): 1.0, ("greedy", 256): 2.0, ("mixed", 256): 4.0}
 RESULTS_DIR = Path(__file__).parent / "results"
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 MIXED = [
     SamplingParams(temperature=0.0),
@@ -151,18 +157,19 @@ class _PerRowSampler:
 class PhaseClock:
     """Seconds spent in each wrapped call during the current step, and each call's last result."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        self.now = now
         self.current: dict[str, float] = {}
         self.last: dict[str, Any] = {}
 
     def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start = self.now()
             try:
                 result = self.last[phase] = fn(*args, **kwargs)
                 return result
             finally:
-                self.current[phase] = self.current.get(phase, 0.0) + time.perf_counter() - start
+                self.current[phase] = self.current.get(phase, 0.0) + self.now() - start
 
         return timed
 
@@ -200,6 +207,7 @@ class NullModelRunner(ModelRunner):
         self.kernels = get_kernels(self.device, "torch")  # copy_blocks only; no case here forks
         self.kv_cache = torch.empty(0)
         self.model = NullModel(logits, clock)  # type: ignore[assignment]
+        self.init_input_batch()
 
 
 def _percentile(values: list[float], q: int) -> float:
@@ -225,7 +233,7 @@ def run_case(
         max_num_batched_tokens=batch_size * prompt_len, num_blocks=2 * batch_size * blocks_per_request + 16,
         seed=args.seed,
     )
-    clock = PhaseClock()
+    clock = PhaseClock(CLOCKS[args.clock])
     runner = NullModelRunner(config, logits, clock)
     with mock.patch.object(engine_module, "ModelRunner", lambda _config: runner):
         engine = LLMEngine(config)
@@ -258,9 +266,9 @@ def run_case(
         if case == "prefill":
             add_requests()
         clock.current = {}
-        start = time.perf_counter()
+        start = clock.now()
         outputs = engine.step()
-        total = time.perf_counter() - start
+        total = clock.now() - start
         t = clock.current
         if clock.last["schedule"].num_tokens != num_tokens or len(outputs) != batch_size:
             raise RuntimeError(f"{case}: a step ran {clock.last['schedule'].num_tokens} tokens and "
@@ -277,14 +285,15 @@ def run_case(
     }
 
 
-def floor_ms(logits: Tensor, batch_size: int, num_iters: int = 10) -> float:
+def floor_ms(logits: Tensor, batch_size: int, num_iters: int = 10, clock: str = "wall") -> float:
     """Median ms of one ``argmax`` over ``batch_size`` rows of the logits: one pass over them."""
     rows = logits[:batch_size]
+    now = CLOCKS[clock]
     times = []
     for _ in range(num_iters):
-        start = time.perf_counter()
+        start = now()
         rows.argmax(dim=-1).tolist()
-        times.append(time.perf_counter() - start)
+        times.append(now() - start)
     return statistics.median(times) * 1e3
 
 
@@ -320,6 +329,19 @@ def format_report(report: dict[str, Any]) -> str:
         )
     lines += ["", "no sample: schedule + prepare + outputs (what is left with a free sampler and forward); "
               "floor: one argmax over the step's [batch, vocab] logits; sample x: per-row sample time / batched"]
+    baseline: dict[str, Any] | None = report.get("baseline")
+    if baseline is not None:
+        lines += ["", f"against the baseline {baseline['path']} ({baseline['clock']} clock): median ms per step, "
+                  "baseline -> this run", f"{'case':<8}{'batch':>6}  {'sampler':<8}{'total':>28}{'sample':>28}"
+                  f"{'no sample':>28}"]
+        for r in results:
+            b = _find(baseline["results"], r["case"], r["batch_size"], r["sampler"])
+            if b is None:
+                continue
+            cells = [(b["phases_ms"][p]["median"], r["phases_ms"][p]["median"]) for p in ("total", "sample")]
+            cells.append((_without_sampling(b), _without_sampling(r)))
+            lines.append(f"{r['case']:<8}{r['batch_size']:>6}  {r['sampler']:<8}" + "".join(
+                f"{f'{old:.2f} -> {new:.2f} ({old / new:.1f}x)':>28}" for old, new in cells))
     for (case, batch_size), target in TARGETS_MS.items():
         new = _find(results, case, batch_size, "batched")
         if new is None:
@@ -332,8 +354,16 @@ def format_report(report: dict[str, Any]) -> str:
             + ("(met)" if got <= target else "(NOT met)")
             + ("" if old is None else f"; per-row sampler {old['phases_ms']['total']['median']:.2f} ms")
             + f"; without sampling {_without_sampling(new):.2f} ms"
+            + _baseline_note(baseline, case, batch_size)
         )
     return "\n".join(lines)
+
+
+def _baseline_note(baseline: dict[str, Any] | None, case: str, batch_size: int) -> str:
+    b = None if baseline is None else _find(baseline["results"], case, batch_size, "batched")
+    if b is None:
+        return ""
+    return f"; baseline {b['phases_ms']['total']['median']:.2f} ms, without sampling {_without_sampling(b):.2f} ms"
 
 
 def write_plot(report: dict[str, Any], path: Path) -> bool:
@@ -358,6 +388,14 @@ def write_plot(report: dict[str, Any], path: Path) -> bool:
                 if sampler == "batched":
                     ax.plot([r["batch_size"] for r in rows], [_without_sampling(r) for r in rows], ":^",
                             label="schedule + prepare + outputs")
+                    found = [_find(report.get("baseline", {}).get("results", []), case, r["batch_size"], sampler)
+                             for r in rows]
+                    base = [b for b in found if b is not None]
+                    if base and len(base) == len(rows):
+                        ax.plot([r["batch_size"] for r in rows], [b["phases_ms"]["total"]["median"] for b in base],
+                                "-x", color="gray", label="total, baseline")
+                        ax.plot([r["batch_size"] for r in rows], [_without_sampling(b) for b in base], ":x",
+                                color="gray", label="schedule + prepare + outputs, baseline")
         for (target_case, batch_size), target in TARGETS_MS.items():
             if target_case == case:
                 ax.plot([batch_size], [target], "r*", markersize=12, label=f"target, batch {batch_size}")
@@ -382,6 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logit-std", type=float, default=3.0, help="standard deviation of the fixed random logits")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall: time.perf_counter; cpu: this thread's CPU time (steadier on a shared host)")
+    p.add_argument("--baseline", default=None, metavar="PATH",
+                   help="JSON of an earlier run whose totals are printed beside this run's")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="default: ops/bench/results/overhead-cpu-<date>.json")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG next to the JSON")
@@ -417,9 +459,14 @@ def main(argv: list[str] | None = None) -> int:
             "vocab_size": vocab_size,
             "phases": list(PHASES),
             "targets_ms": [{"case": c, "batch_size": b, "max_ms": t} for (c, b), t in TARGETS_MS.items()],
-            "floor_ms": {str(b): floor_ms(logits, b) for b in batch_sizes},
+            "floor_ms": {str(b): floor_ms(logits, b, clock=args.clock) for b in batch_sizes},
             "results": [],
         }
+        if args.baseline:
+            base = json.loads(Path(args.baseline).read_text())
+            report["baseline"] = {"path": args.baseline, "command": base["command"],
+                                  "clock": base["config"].get("clock", "wall"), "floor_ms": base["floor_ms"],
+                                  "results": base["results"]}
         for case in cases:
             for batch_size in batch_sizes:
                 for sampler in samplers:

@@ -55,3 +55,18 @@ def test_a_target_is_reported_met_only_when_the_measured_median_is_within_it() -
                          "without sampling 0.54 ms")
     assert line(1.2) == ("target greedy, batch 64: <= 1 ms: measured 1.20 ms (NOT met); per-row sampler 9.00 ms; "
                          "without sampling 0.72 ms")
+
+
+def test_a_baseline_run_is_printed_beside_this_run_with_its_speedup() -> None:
+    def result(total: float) -> dict[str, object]:
+        phases = {p: {"median": total / 5, "p90": total / 5} for p in overhead.PHASES}
+        return {"case": "greedy", "batch_size": 64, "sampler": "batched", "num_steps": 1,
+                "phases_ms": {**phases, "total": {"median": total, "p90": total}}}
+
+    report = {"machine": {"torch_threads": 1, "device": "cpu"}, "floor_ms": {"64": 0.5}, "results": [result(2.0)],
+              "baseline": {"path": "before.json", "clock": "wall", "results": [result(8.0)]}}
+    lines = overhead.format_report(report).splitlines()
+    row = next(x for x in lines if x.startswith("greedy      64  batched") and "->" in x)
+    assert row.split()[3:6] == ["8.00", "->", "2.00"] and "(4.0x)" in row
+    target = next(x for x in lines if x.startswith("target greedy, batch 64"))
+    assert target.endswith("; baseline 8.00 ms, without sampling 4.80 ms")

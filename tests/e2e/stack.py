@@ -45,6 +45,7 @@ class Stack:
     router_port: int = 0
     procs: dict[str, Proc] = field(default_factory=dict)
     logdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pdserve-e2e-"))
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's, for every service
 
     @property
     def url(self) -> str:
@@ -52,7 +53,7 @@ class Stack:
 
     def _spawn(self, name: str, args: list[str], metrics_port: int = 0) -> Proc:
         log_path = os.path.join(self.logdir, f"{name}.log")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         with open(log_path, "w") as log:
             popen = subprocess.Popen(
                 [sys.executable, "-m", "common.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=env,

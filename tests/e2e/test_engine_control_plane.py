@@ -172,4 +172,11 @@ def test_engines_send_progress_to_a_leased_router_and_abort_its_requests_when_it
     while blocks_in_use() > 0:
         assert time.monotonic() - started < 60, "the silent router's request was not aborted"
         time.sleep(0.2)
+    # A router that was only slow, not dead, learns that its request was dropped (retryable).
+    errors = []
+    while router.pull.poll(1000):
+        msg = decode_output(router.pull.recv())
+        if isinstance(msg, RequestOutput) and msg.finish_reason == "error":
+            errors.append((msg.request_id, msg.retryable))
+    assert errors == [("orphan", True)]
     router.send(decode, AbortRequest(request_id="orphan"))  # harmless now: unknown ids are ignored

@@ -71,3 +71,64 @@ def test_requests_succeed_with_redis_down_and_index_returns_after_restart(make_r
         assert out.usage.prompt_tokens_details.cached_tokens > 0
     finally:
         s.stop()
+
+
+# A request's bound while Redis hangs or refuses writes: every Redis call has a 0.5 s socket timeout
+# and a back-off after a failure, so nothing waits on Redis for long (generous for a loaded host).
+REQUEST_BOUND_S = 60.0
+# Longer than the registry TTL (3 s) plus the router's grace for missing instances (3 s).
+OUTAGE_S = 10.0
+
+
+def _serve_for(client: openai.OpenAI, seconds: float, what: str) -> list[float]:
+    """Send requests one after another for ``seconds``; each must finish, within the bound."""
+    latencies: list[float] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end or len(latencies) < 2:
+        started = time.monotonic()
+        out = client.completions.create(model=MODEL, prompt=LONG_PREFIX + f"{what} {len(latencies)}?",
+                                        max_tokens=4, temperature=0)
+        latencies.append(time.monotonic() - started)
+        assert out.choices[0].finish_reason in ("length", "stop")
+        assert latencies[-1] < REQUEST_BOUND_S, f"a request took {latencies[-1]:.1f}s with Redis {what}"
+    return latencies
+
+
+def test_requests_complete_while_redis_hangs_and_while_it_refuses_writes(make_redis_server):  # type: ignore[no-untyped-def]
+    import os
+    import signal
+
+    import redis as redis_py
+
+    server = make_redis_server()
+    s = Stack(redis_url=server.url, model=model_path())
+    s.start_engine("prefill", "prefill-h")
+    s.start_engine("decode", "decode-h")
+    s.start_router()
+    try:
+        s.wait_ready(1, 1)
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        _serve_for(client, 0, "up")
+
+        os.kill(server.proc.pid, signal.SIGSTOP)  # hung: connections open, nothing answers
+        try:
+            hung = _serve_for(client, OUTAGE_S, "hung")
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+
+        admin = redis_py.Redis(host="127.0.0.1", port=server.port, socket_timeout=5)
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", 1)  # every write is refused with OOM from now on
+        try:
+            with pytest.raises(redis_py.ResponseError, match="maxmemory"):
+                admin.set("probe", "x")
+            full = _serve_for(client, OUTAGE_S, "full")
+        finally:
+            admin.config_set("maxmemory", 0)
+            admin.close()
+        print(f"\nrequests with Redis hung: {len(hung)}, slowest {max(hung):.2f}s; "
+              f"at maxmemory: {len(full)}, slowest {max(full):.2f}s")
+        for proc in s.procs.values():
+            assert proc.popen.poll() is None, f"{proc.name} died:\n{proc.log()}"
+    finally:
+        s.stop()

@@ -11,8 +11,9 @@ import httpx
 import openai
 import pytest
 
+from common.sampling_params import SamplingParams
 from tests.e2e.stack import Stack
-from tests.engine.conftest import hf_greedy, model_path, tokenizer
+from tests.engine.conftest import hf_greedy, make_engine, model_path, tokenizer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -106,6 +107,26 @@ def test_n2_stop_max_tokens_seed_and_logprobs(client):  # type: ignore[no-untype
     content = lp.choices[0].logprobs.content
     assert len(content) == lp.usage.completion_tokens
     assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+
+
+def test_n_choices_fork_on_the_engines_and_equal_one_engine(client):  # type: ignore[no-untyped-def]
+    """n > 1 through prefill -> one KV transfer -> decode, where the choices fork and share the
+    prompt's blocks: every seeded choice equals the one-engine fork, streaming or not."""
+    prompt = list(tokenizer()(LONG_PREFIX + "Now name three planets.").input_ids)
+    params = SamplingParams(temperature=0.8, top_k=20, seed=123, max_tokens=12, ignore_eos=True, n=3)
+    [expected_ids] = make_engine().generate([prompt], params)
+    expected = [tokenizer().decode(ids, skip_special_tokens=True) for ids in expected_ids]
+    kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0.8, "n": 3, "seed": 123,
+              "extra_body": {"top_k": 20, "ignore_eos": True}}
+    full = client.completions.create(**kwargs)
+    assert [c.text for c in sorted(full.choices, key=lambda c: c.index)] == expected
+    assert len(set(expected)) > 1  # the choices really differ: each draws from its own seed
+    texts = ["", "", ""]
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == expected
+    assert full.usage.completion_tokens == 36
 
 
 def test_client_disconnect_mid_stream_frees_every_block(stack):  # type: ignore[no-untyped-def]

@@ -147,6 +147,8 @@ def test_abort_of_a_running_request_frees_its_blocks(engine_factory):
 
 
 def test_abort_of_an_n2_request_frees_both_choices(engine_factory):
+    """After the fork each choice is aborted on its own (the router ends choices one by one, e.g.
+    at a stop string): aborting one leaves the other running, aborting both frees everything."""
     engine = engine_factory()
     prompt = list(prompt_ids()[6])
     engine.add_request("r", prompt, SamplingParams(temperature=1.0, seed=5, max_tokens=40, ignore_eos=True, n=2))
@@ -155,6 +157,9 @@ def test_abort_of_an_n2_request_frees_both_choices(engine_factory):
         engine, lambda: "r#1" in engine.kv.req_blocks and engine.scheduler.requests["r#1"].num_output_tokens >= 3
     )
     assert engine.abort_request("r")
+    assert set(engine.kv.req_blocks) == {"r#1", "other"}
+    engine.check_integrity()
+    assert engine.abort_request("r#1")
     assert set(engine.kv.req_blocks) == {"other"}
     engine.check_integrity()
     results = _drain(engine, before)

@@ -103,3 +103,67 @@ def test_remote_request_reuses_cached_blocks_and_defers_when_the_pool_is_full(en
     assert decode.add_remote_request("s", [7] * 600, 11, params) is None
     assert decode.kv.pool.num_used_blocks == before and "s" not in decode.scheduler.requests
     assert decode.release_kv("r")
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=3),
+     SamplingParams(temperature=1.0, top_k=50, seed=11, max_tokens=12, ignore_eos=True, n=3)],
+    ids=["greedy", "seeded"],
+)
+def test_n_choices_transfer_once_and_fork_on_decode_equal_one_engine(engine_factory, params):  # type: ignore[no-untyped-def]
+    """n > 1 disaggregated: the prefill samples every choice's first token and sends the prompt's
+    KV once; the decode forks the choices from it (shared blocks) and each choice equals the one
+    engine's fork, seeded choices included."""
+    prompt = prompt_ids()[6]
+    single = engine_factory()
+    single.add_request("r", list(prompt), params)
+    expected = _drain(single)
+    assert set(expected) == {"r", "r#1", "r#2"}
+
+    prefill, decode = engine_factory(), engine_factory()
+    prefill.add_request("r", list(prompt), params, kv_transfer=True)
+    firsts: dict[str, int] = {}
+    handoff_out = None
+    while not firsts:
+        for out in prefill.step():
+            assert out.finish_reason is None and len(out.new_token_ids) == 1
+            firsts[out.request_id] = out.new_token_ids[0]
+            if out.kv_handoff is not None:
+                handoff_out = out
+    assert set(firsts) == {"r", "r#1", "r#2"} and handoff_out is not None
+    choice_tokens = handoff_out.kv_handoff.choice_token_ids
+    assert choice_tokens == [firsts["r"], firsts["r#1"], firsts["r#2"]]
+    assert prefill.num_held_for_transfer == 1 and not prefill.has_unfinished_requests()
+
+    handoff = decode.add_remote_request("r", list(prompt), firsts["r"], params, choice_token_ids=choice_tokens)
+    assert handoff is not None
+    decode.runner.kv_cache[:, :, handoff.block_ids] = prefill.runner.kv_cache[:, :, handoff_out.kv_handoff.block_ids]
+    assert prefill.release_kv("r")
+    prompt_blocks = len(handoff.block_ids)
+    decode.remote_kv_arrived("r")
+    # The three choices share the prompt's blocks: at most one copied (partial) block each.
+    assert decode.num_blocks_in_use <= prompt_blocks + 2
+    rest = _drain(decode)
+    for choice_id in ("r", "r#1", "r#2"):
+        assert [firsts[choice_id], *rest[choice_id]] == expected[choice_id], choice_id
+    assert decode.num_blocks_in_use == 0 and prefill.num_blocks_in_use == 0
+    decode.check_integrity()
+
+
+def test_a_choice_aborted_while_its_kv_lands_never_forks_and_first_token_stops_apply(engine_factory):  # type: ignore[no-untyped-def]
+    prompt = prompt_ids()[6]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=3, stop_token_ids=[7])
+    decode = engine_factory()
+    handoff = decode.add_remote_request("r", list(prompt), 5, params, choice_token_ids=[5, 7, 9])
+    assert handoff is not None
+    assert decode.abort_request("r#2")
+    assert decode.kv_still_wanted("r")
+    decode.remote_kv_arrived("r")
+    outs = _drain(decode)
+    assert "r#2" not in outs
+    assert outs["r#1"] == []  # its first token (7) is a stop token: finished with nothing new
+    assert len(outs["r"]) == 5
+    assert decode.num_blocks_in_use == 0
+    with pytest.raises(ValueError, match="first token of each"):
+        decode.add_remote_request("q", list(prompt), 5, params, choice_token_ids=[5, 6])

@@ -564,3 +564,24 @@ def test_logprobs_of_a_mixed_batch_are_each_rows_raw_log_softmax_with_its_own_k(
         top = torch.topk(raw, k) if k else None
         assert [t.token_id for t in lp.top] == ([] if top is None else top.indices.tolist())
         assert [t.logprob for t in lp.top] == pytest.approx([] if top is None else top.values.tolist(), abs=1e-6)
+
+
+def test_the_race_equals_argmax_of_probs_over_exponential_noise_for_narrow_wide_and_tied_rows():
+    """``_race`` takes logarithms only over a narrow row's support; each row's token and generator state
+    equal those of the plain race with ``torch.empty(vocab).exponential_(generator=...)`` noise."""
+    vocab, num_rows = 5000, 12
+    gen = torch.Generator().manual_seed(8)
+    probs = torch.softmax(torch.randn(num_rows, vocab, generator=gen) * 2, dim=-1)
+    for row in range(0, num_rows, 2):  # narrow: a few hundred tokens (or one) left
+        keep = probs[row].topk(1 if row == 0 else 300).indices
+        probs[row] = torch.zeros(vocab).index_copy_(0, keep, probs[row, keep])
+    probs[4, :] = 0.0
+    probs[4, [7, 900, 901]] = 1 / 3  # ties: equal probabilities
+    rows = [r for r in range(num_rows) if r != 5]
+    ours = [torch.Generator().manual_seed(100 + r) for r in rows]
+    theirs = [torch.Generator().manual_seed(100 + r) for r in rows]
+    got = sampler_module._race(probs.clone(), rows, ours)
+    for i, row in enumerate(rows):
+        noise = torch.empty(vocab).exponential_(generator=theirs[i])
+        assert int(got[i]) == int((probs[row] / noise).argmax()), row
+        assert torch.equal(ours[i].get_state(), theirs[i].get_state())

@@ -89,6 +89,17 @@ def record_launches() -> list[Launch]:
             starts = torch.tensor([0, 8, 40], dtype=torch.int32)
             lens = torch.tensor([20, 32], dtype=torch.int32)
             triton_prefill.paged_prefill_attention(q, kv, torch.zeros(2, 4, dtype=torch.int32), starts, lens, 0.1)
+        scenario[0] = "decode bf16 sliding window + soft-cap (Gemma 2)"
+        kv = torch.empty(2, 64, 16, 8, 128, dtype=bf16)
+        q = torch.empty(4, 16, 128, dtype=bf16)
+        triton_decode.run_paged_decode(q, kv, torch.zeros(4, 16, dtype=torch.int32), torch.ones(4, dtype=torch.int32),
+                                       0.1, num_splits=2, sliding_window=4096, soft_cap=50.0)
+        scenario[0] = "prefill bf16 sliding window + soft-cap (Gemma 2)"
+        q = torch.empty(40, 16, 128, dtype=bf16)
+        triton_prefill.paged_prefill_attention(q, kv, torch.zeros(2, 4, dtype=torch.int32),
+                                               torch.tensor([0, 8, 40], dtype=torch.int32),
+                                               torch.tensor([20, 32], dtype=torch.int32), 0.1,
+                                               sliding_window=4096, soft_cap=50.0)
         for key_dtype in (bf16, f32):
             scenario[0] = f"store_kv {key_dtype} -> bf16"
             kv = torch.empty(2, 64, 16, 8, 128, dtype=bf16)

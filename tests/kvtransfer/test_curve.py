@@ -77,3 +77,32 @@ def test_keys_load_from_the_environment(tmp_path) -> None:
     assert CurveConfig.from_env({}) is None
     with pytest.raises(ValueError, match="not a CURVE key"):
         CurveConfig.from_env({**env, "PDSERVE_KV_CURVE_SECRET_KEY": "short"})
+
+
+def test_one_cluster_secret_admits_every_holder_and_nobody_else(peer: PeerProcess) -> None:
+    """The cluster-key deployment: the receiver and its senders share one pair; another cluster's
+    pair, even knowing this receiver's public key, is refused, and so is a sender without CURVE."""
+    secret, other = _keys()[1], _keys()[1]
+    curve = CurveConfig.for_cluster(secret)
+    public = curve.public_key.decode()
+    assert curve.server_public_key == curve.public_key and curve.authorized_keys == {curve.public_key}
+    receiver, _, pool = make_receiver(curve=curve)
+    with receiver:
+        start_sender(peer, "cluster-member", curve={"public": public, "secret": secret, "server": public})
+        send(peer, "cluster-member", "member", receiver.address, [1, 2], 8)
+        [result] = poll_until(receiver)
+        assert result.ok and peer.wait_results("cluster-member")[0]["ok"]
+        pool.finish(result.request_id, result.block_hashes)
+        stranger = CurveConfig.for_cluster(other)
+        start_sender(peer, "cluster-stranger", timeout_s=1.0, curve={
+            "public": stranger.public_key.decode(), "secret": other, "server": public,
+        })
+        send(peer, "cluster-stranger", "stranger", receiver.address, [1, 2], 8)
+        [refused] = peer.wait_results("cluster-stranger")
+        assert not refused["ok"] and "authentication failed" in refused["reason"]
+        start_sender(peer, "cluster-none", timeout_s=1.0)
+        send(peer, "cluster-none", "plain", receiver.address, [1, 2], 8)
+        assert not peer.wait_results("cluster-none")[0]["ok"]
+        assert receiver.poll() == [] and pool.is_clean() and pool.calls == ["allocate member"]
+    for name in ("cluster-member", "cluster-stranger", "cluster-none"):
+        peer.call("close", name=name)

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 
+from common.cluster_key import ClusterKey
 from tests.router.fake_engine import FakeEngine
 
 
@@ -47,7 +48,9 @@ def main(argv: list[str]) -> int:
         return _exit_at_once(args.instance_id)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    engine = FakeEngine(role, args.instance_id, args.redis_url, "pdserve", [28, 29, 30, 31], peers={})
+    engine = FakeEngine(
+        role, args.instance_id, args.redis_url, "pdserve", [28, 29, 30, 31], peers={}, cluster_key=ClusterKey.load()
+    )
     engine.start()
     stop.wait()
     engine.stop()

@@ -13,8 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 
+from common.cluster_key import ClusterKey
 from common.protocol import (
     AbortRequest,
     GenerateRequest,
@@ -22,6 +24,7 @@ from common.protocol import (
     ProtocolError,
     RequestOutput,
     TokenLogprob,
+    choice_request_ids,
     decode_input,
     encode,
 )
@@ -42,8 +45,10 @@ class FakeEngine(threading.Thread):
     """``mode``: "ok", "error" (answers with an error output), "silent" (never answers),
     "transfer-fail-once" (the first request fails as a lost KV transfer, later ones are "ok") or
     "lose-midstream-once" (after its third token, the first request this engine streams fails as
-    lost, retryable; later ones are "ok") or "stall-once" (after its third token, the first request
-    it streams gets nothing more, while the engine stays registered, as a step that never ends). A continued request (``output_token_ids``) resumes
+    lost, retryable; later ones are "ok"), "lose-choice-1-midstream-once" (the same for the first
+    choice 1 of an n > 1 request) or "stall-once" (after its third token, the first request
+    it streams gets nothing more, while the engine stays registered, as a step that never ends) or
+    "overloaded-once" (refuses its first request as overloaded, as a full waiting queue does). A continued request (``output_token_ids``) resumes
     the canned tokens after the ones it already has."""
 
     def __init__(
@@ -57,8 +62,10 @@ class FakeEngine(threading.Thread):
         token_delay_s: float = 0.005,
         block_size: int = 16,
         mode: str = "ok",
+        cluster_key: ClusterKey | None = None,
     ) -> None:
         super().__init__(name=f"fake-{instance_id}", daemon=True)
+        self.cluster_key = cluster_key
         self.role = role
         self.instance_id = instance_id
         self.reply_tokens = reply_tokens
@@ -69,7 +76,7 @@ class FakeEngine(threading.Thread):
         self.requests: list[GenerateRequest] = []
         self.aborts: list[str] = []
         self.handoffs: queue.Queue[tuple[GenerateRequest, int]] = queue.Queue()
-        self._registry = Registry(redis_url, namespace, ttl_s=1.0)
+        self._registry = Registry(redis_url, namespace, ttl_s=1.0, cluster_key=cluster_key)
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._active: dict[str, _Active] = {}
@@ -103,8 +110,11 @@ class FakeEngine(threading.Thread):
 
     def run(self) -> None:
         ctx = zmq.Context()
+        zap = self.cluster_key.authenticate(ctx) if self.cluster_key is not None else None
         pull = ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
+        if self.cluster_key is not None:
+            self.cluster_key.serve(pull)
         port = pull.bind_to_random_port("tcp://127.0.0.1")
         self.address = f"tcp://127.0.0.1:{port}"
         replies: dict[str, zmq.Socket] = {}
@@ -121,12 +131,16 @@ class FakeEngine(threading.Thread):
         finally:
             for sock in [pull, *replies.values()]:
                 sock.close(linger=0)
+            if zap is not None:
+                zap.stop()
             ctx.term()
 
     def _send(self, replies: dict[str, zmq.Socket], ctx: zmq.Context, to: str, out: RequestOutput) -> None:
         if to not in replies:
             replies[to] = ctx.socket(zmq.PUSH)
             replies[to].setsockopt(zmq.LINGER, 0)
+            if self.cluster_key is not None:
+                self.cluster_key.connect_as_client(replies[to])
             replies[to].connect(to)
         replies[to].send(encode(out))
 
@@ -143,7 +157,20 @@ class FakeEngine(threading.Thread):
         if not isinstance(msg, GenerateRequest):  # e.g. a router's lease renewal: nothing to answer
             return
         self.requests.append(msg)
+        # n > 1: like the real engines, one request whose choice i answers as ``choice_request_id``.
+        for choice_id in choice_request_ids(msg.request_id, msg.sampling_params.n):
+            params = msgspec.structs.replace(msg.sampling_params, n=1)
+            self._generate(msgspec.structs.replace(msg, request_id=choice_id, sampling_params=params), replies, ctx)
+
+    def _generate(self, msg: GenerateRequest, replies: dict[str, zmq.Socket], ctx: zmq.Context) -> None:
         if self.mode == "silent":
+            return
+        if self.mode == "overloaded-once":  # refuses its first request as a full waiting queue does
+            self.mode = "ok"
+            refusal = RequestOutput(request_id=msg.request_id, new_token_ids=[], finish_reason="error",
+                                    error="overloaded", retryable=True, overloaded=True)
+            refusal.instance_id = self.instance_id
+            self._send(replies, ctx, msg.reply_to, refusal)
             return
         if self.mode in ("error", "transfer-fail-once"):
             error = "boom" if self.mode == "error" else "KV transfer failed: peer went away"
@@ -205,7 +232,8 @@ class FakeEngine(threading.Thread):
             elif self.mode == "stall-once" and active.produced == 3:
                 self.mode = "ok"
                 del self._active[request_id]  # silence from here on for this request
-            elif self.mode == "lose-midstream-once" and active.produced == 3:
+            elif (self.mode == "lose-midstream-once" or (self.mode == "lose-choice-1-midstream-once"
+                                                         and request_id.endswith("#1"))) and active.produced == 3:
                 self.mode = "ok"
                 del self._active[request_id]
                 lost = RequestOutput(

@@ -103,12 +103,19 @@ def test_completions_streaming_equals_non_streaming(client: openai.OpenAI) -> No
     assert full.usage is not None and full.usage.completion_tokens == 9
 
 
-def test_n_fans_out_with_indexed_ids_and_seeds(client: openai.OpenAI, stack: Any) -> None:
+def test_n_choices_go_as_one_engine_request_per_prompt(client: openai.OpenAI, stack: Any) -> None:
+    """The engines fork the choices (sharing the prompt's blocks): one request per prompt, with n."""
     response = client.completions.create(model=SERVED_MODEL, prompt=LONG_PROMPT, n=3, seed=41, max_tokens=4)
     assert [c.index for c in response.choices] == [0, 1, 2]
-    sent = sorted(_requests_for(stack[1], response.id), key=lambda r: r.request_id)
-    assert [r.request_id for r in sent] == [f"{response.id}-{i}" for i in range(3)]
-    assert [(r.sampling_params.n, r.sampling_params.seed) for r in sent] == [(1, 41), (1, 42), (1, 43)]
+    assert all(c.text for c in response.choices)
+    [sent] = _requests_for(stack[1], response.id)
+    assert sent.request_id == f"{response.id}-0"
+    assert (sent.sampling_params.n, sent.sampling_params.seed) == (3, 41)
+    two = client.completions.create(model=SERVED_MODEL, prompt=[LONG_PROMPT, LONG_PROMPT + " again"], n=2,
+                                    max_tokens=3)
+    assert sorted(c.index for c in two.choices) == [0, 1, 2, 3]
+    sent_two = sorted(_requests_for(stack[1], two.id), key=lambda r: r.request_id)
+    assert [(r.request_id, r.sampling_params.n) for r in sent_two] == [(f"{two.id}-0", 2), (f"{two.id}-1", 2)]
 
 
 def test_short_prompt_goes_directly_to_decode(client: openai.OpenAI, stack: Any) -> None:

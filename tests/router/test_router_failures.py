@@ -60,6 +60,17 @@ def test_lost_transfer_before_any_output_is_sent_again_and_succeeds(redis_url: s
         assert "pdserve:request_migrations_total 1.0" in metrics
 
 
+def test_an_overloaded_refusal_is_sent_again_later_and_is_not_a_migration(redis_url: str, prompts: Any) -> None:
+    with running(redis_url, prompts, cluster_kw={"mode": "overloaded-once"}) as (server, cluster):
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=10)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"]
+        ids = [r.request_id for r in cluster.requests()]
+        assert len(ids) == 2 and ids[1] == ids[0] + ".r1"
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert "pdserve:request_migrations_total 0.0" in metrics
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_request_lost_midstream_continues_elsewhere_without_a_lost_or_repeated_token(
     redis_url: str, prompts: Any, stream: bool
@@ -83,6 +94,24 @@ def test_request_lost_midstream_continues_elsewhere_without_a_lost_or_repeated_t
         sent = cluster.requests()
         continued = [r for r in sent if r.request_id.endswith(".m1")]
         assert len(continued) == 1 and len(continued[0].output_token_ids) == 3
+
+
+def test_one_lost_choice_of_an_n_request_continues_alone_from_its_own_seed(redis_url: str, prompts: Any) -> None:
+    """n = 2 goes as one engine request; when choice 1 alone is lost, it continues as an n = 1
+    request from its tokens, drawing from its own seed (seed + 1, as the engines' fork seeds it)."""
+    body = {"model": SERVED_MODEL, "prompt": PROMPT, "max_tokens": 6, "n": 2, "seed": 5, "temperature": 1.0}
+    with running(redis_url, prompts, cluster_kw={"decode_mode": "lose-choice-1-midstream-once"}) as (server, cluster):
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=20)
+        assert response.status_code == 200, response.text
+        texts = {c["index"]: c["text"] for c in response.json()["choices"]}
+        assert texts == {0: " one two three four five six", 1: " one two three four five six"}
+        sent = cluster.requests()
+        [first] = [r for r in sent if not r.output_token_ids]
+        assert first.sampling_params.n == 2 and first.sampling_params.seed == 5
+        [continued] = [r for r in sent if r.request_id.endswith(".m1")]
+        assert continued.request_id == first.request_id + "#1.m1"
+        assert (continued.sampling_params.n, continued.sampling_params.seed) == (1, 6)
+        assert len(continued.output_token_ids) == 3
 
 
 def test_a_stalled_engine_that_stays_registered_is_taken_for_dead_and_the_request_continues(
@@ -123,6 +152,7 @@ def test_too_many_in_flight_gets_429(redis_url: str, prompts: Any) -> None:
             next(lines)
             second = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=10)
             assert second.status_code == 429 and _error(second)["type"] == "rate_limit_error"
+            assert second.headers["retry-after"] == "1" and "--max-inflight" in _error(second)["message"]
         assert wait_until(lambda: server.state.num_inflight == 0)
 
 

@@ -1,0 +1,189 @@
+"""The runner's input state kept between steps: one row per request in a preallocated block table.
+
+A request keeps its row from step to step, and the row is written only when its table changes: the
+new tail when it grew a block, the whole row when it is new or its table was rewritten (the KV cache
+manager hands out another list then, see ``KVCacheManager.block_ids_view``). Each step then costs a
+few attribute reads per scheduled request and a fixed handful of tensor operations: positions,
+context lengths, the slot mapping (gathered from the table) and the rows to sample; nothing walks
+the blocks a request holds. Rows of requests that stopped running are reclaimed when rows run out.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from common.engine.request import Request, RequestStatus
+from common.engine.scheduler import ScheduledRequest
+
+
+@dataclass
+class BatchInputs:
+    """One step's inputs, on the CPU; ``sample_idx`` indexes the flattened tokens."""
+
+    input_ids: Tensor  # [num_tokens] int64
+    positions: Tensor  # [num_tokens] int64
+    slot_mapping: Tensor  # [num_tokens] int64
+    block_tables: Tensor  # [num_seqs, max_num_blocks] int32
+    query_start_loc: Tensor  # [num_seqs + 1] int32
+    context_lens: Tensor  # [num_seqs] int32
+    max_query_len: int
+    sample_idx: Tensor  # [num_completing] int64
+
+
+class InputBatch:
+    """Rows of a block table that outlive a step. ``prepare`` is the only mutator; it reads the scheduled
+    requests and their block id lists and never changes them."""
+
+    def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.block_table = torch.zeros((max(max_num_reqs, 1), max(max_num_blocks_per_req, 1)), dtype=torch.int32)
+        num_rows = self.block_table.shape[0]
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+        self._row_of: dict[str, int] = {}
+        # Per row: its request, the block id list it was last written from, how many entries of it.
+        self._requests: list[Request | None] = [None] * num_rows
+        self._tables: list[list[int] | None] = [None] * num_rows
+        self._num_written = [0] * num_rows
+
+    @property
+    def num_rows_in_use(self) -> int:
+        return len(self._row_of)
+
+    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> BatchInputs:
+        """Tensors for one forward over ``scheduled`` (not empty); updates rows whose table changed."""
+        rows: list[int] = []
+        starts: list[int] = []
+        num_new: list[int] = []
+        completes: list[bool] = []
+        input_ids: list[int] = []
+        # Table entries to write, as (row, column, block id), gathered into one indexed write.
+        set_rows: list[int] = []
+        set_cols: list[int] = []
+        set_ids: list[int] = []
+        max_query_len = max_num_blocks = 0
+        row_of, tables, num_written = self._row_of, self._tables, self._num_written
+        for s in scheduled:
+            req = s.request
+            row = row_of.get(req.request_id)
+            if row is None or self._requests[row] is not req:
+                row = self._take_row(req, scheduled)
+            ids = s.block_ids
+            num_ids = len(ids)
+            if tables[row] is not ids:  # new, or rewritten: the whole row
+                old = num_written[row]
+                set_rows += [row] * max(num_ids, old)
+                set_cols += range(max(num_ids, old))
+                set_ids += ids
+                set_ids += [0] * (old - num_ids)
+                tables[row] = ids
+                num_written[row] = num_ids
+            elif num_ids > num_written[row]:  # grew: the new tail only
+                old = num_written[row]
+                set_rows += [row] * (num_ids - old)
+                set_cols += range(old, num_ids)
+                set_ids += ids[old:]
+                num_written[row] = num_ids
+            start = req.num_computed_tokens
+            n = s.num_new_tokens
+            end = start + n
+            rows.append(row)
+            starts.append(start)
+            num_new.append(n)
+            all_ids = req.all_token_ids
+            if n == 1:
+                input_ids.append(all_ids[start])
+            else:
+                input_ids += all_ids[start:end]
+            completes.append(end >= len(all_ids))
+            if n > max_query_len:
+                max_query_len = n
+            if num_ids > max_num_blocks:
+                max_num_blocks = num_ids
+        if max_num_blocks > self.block_table.shape[1]:
+            self._grow(self.block_table.shape[0], max_num_blocks)
+        if set_ids:
+            self.block_table[torch.tensor(set_rows), torch.tensor(set_cols)] = torch.tensor(set_ids, dtype=torch.int32)
+
+        num_seqs = len(rows)
+        start_t = torch.tensor(starts)
+        block_tables = self.block_table[torch.tensor(rows), :max_num_blocks]
+        bs = self.block_size
+        if max_query_len == 1 and len(input_ids) == num_seqs:  # decode only: one token per sequence
+            positions = start_t
+            context_lens = start_t + 1
+            query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
+            sample_idx = torch.arange(num_seqs)
+            slot_blocks = block_tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1)
+        else:
+            num_new_t = torch.tensor(num_new)
+            ends = num_new_t.cumsum(0)
+            num_tokens = int(ends[-1])
+            token_seq = torch.arange(num_seqs).repeat_interleave(num_new_t, output_size=num_tokens)
+            # A token's position: its sequence's start plus its offset in this step's chunk.
+            positions = torch.arange(num_tokens) + (start_t - ends + num_new_t)[token_seq]
+            context_lens = start_t + num_new_t
+            query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
+            query_start_loc[1:] = ends
+            sample_idx = ends - 1
+            slot_blocks = block_tables[token_seq, positions // bs]
+        if not all(completes):
+            sample_idx = sample_idx[torch.tensor(completes)]
+        return BatchInputs(
+            input_ids=_long_tensor(input_ids),
+            positions=positions,
+            slot_mapping=slot_blocks.long() * bs + positions % bs,
+            block_tables=block_tables,
+            query_start_loc=query_start_loc,
+            context_lens=context_lens.int(),
+            max_query_len=max_query_len,
+            sample_idx=sample_idx,
+        )
+
+    def _take_row(self, req: Request, scheduled: Sequence[ScheduledRequest]) -> int:
+        stale = self._row_of.pop(req.request_id, None)  # the id of an earlier request, reused
+        if stale is not None:
+            self._requests[stale] = None
+            self._free_rows.append(stale)
+        if not self._free_rows:
+            self._reclaim({id(s.request) for s in scheduled})
+        if not self._free_rows:
+            self._grow(2 * self.block_table.shape[0], self.block_table.shape[1])
+        row = self._free_rows.pop()
+        self._row_of[req.request_id] = row
+        self._requests[row] = req
+        self._tables[row] = None  # written whole below
+        return row
+
+    def _reclaim(self, scheduled: set[int]) -> None:
+        """Free the rows of requests that are not running and not in this step (``scheduled``: their
+        ``id``s): finished, preempted (a recompute gets a new table) or handed to a transfer."""
+        for request_id, row in list(self._row_of.items()):
+            req = self._requests[row]
+            if req is None or (req.status != RequestStatus.RUNNING and id(req) not in scheduled):
+                del self._row_of[request_id]
+                self._requests[row] = None
+                self._free_rows.append(row)
+
+    def _grow(self, num_rows: int, num_cols: int) -> None:
+        old_rows, old_cols = self.block_table.shape
+        table = torch.zeros((num_rows, max(num_cols, old_cols)), dtype=torch.int32)
+        table[:old_rows, :old_cols] = self.block_table
+        self.block_table = table
+        extra = num_rows - old_rows
+        self._free_rows[:0] = range(num_rows - 1, old_rows - 1, -1)
+        self._requests += [None] * extra
+        self._tables += [None] * extra
+        self._num_written += [0] * extra
+
+
+def _long_tensor(values: list[int]) -> Tensor:
+    """``torch.tensor(values)``, several times faster for a long list (a prefill's tokens): through
+    an ``array``, whose buffer the tensor then shares."""
+    if len(values) < 256:
+        return torch.tensor(values, dtype=torch.long)
+    return torch.frombuffer(array("q", values), dtype=torch.long)

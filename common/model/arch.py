@@ -1,0 +1,169 @@
+"""What a checkpoint's config asks of the model, decided in one place: implemented, or refused.
+
+``ModelArch.from_config`` reads a transformers config and returns the few facts the forward pass
+needs (biases, norms, activation, scalings, soft-capping, each layer's sliding window, RoPE kind).
+Any field that would change the math in a way ``common/model/llama.py`` does not implement raises
+``UnsupportedConfig`` naming the field, so a model is either computed exactly as transformers computes it or not loaded.
+Per family, the rules follow transformers' own modeling code (which is the reference for
+correctness): Llama reads ``attention_bias`` / ``mlp_bias``, Qwen2 always has q/k/v biases, Mistral
+applies ``sliding_window`` to every layer, Qwen2/Qwen3/Gemma 2 to the layers ``layer_types`` marks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+# Static RoPE kinds: their cos/sin tables depend on the position only, so precomputing them is exact.
+# "dynamic" and "longrope" change frequencies with the sequence length at run time: refused.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Fields that change the math, are not implemented, and must be unset (None/False/0) to load.
+_UNSET_FIELDS = (
+    "attn_logit_softcapping",  # Gemma 2: tanh soft-capping of attention scores
+    "final_logit_softcapping",  # Gemma 2/3: tanh soft-capping of the logits
+    "quantization_config",  # quantized weights
+    "query_pre_attn_scalar",  # Gemma: a scale other than head_dim ** -0.5
+    "use_qk_norm",  # Llama 4 style q/k norms (Qwen3's are its own family rule)
+    "attention_chunk_size",  # chunked (local) attention
+    "embedding_multiplier",  # Granite-style scalings
+    "logits_scaling",
+    "residual_multiplier",
+    "attention_multiplier",
+    "use_bidirectional_attention",  # non-causal attention
+)
+# ... except where a family implements them.
+_FAMILY_FIELDS = {"gemma2": ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")}
+_GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+class UnsupportedConfig(ValueError):
+    """A config field this engine does not implement; the message names the field."""
+
+    def __init__(self, field: str, value: Any, why: str) -> None:
+        super().__init__(f"unsupported model config: {field}={value!r} ({why}); refusing to load the model")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    model_type: str
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # RMSNorm over each head of q and k, before RoPE (Qwen3)
+    sliding_windows: tuple[int | None, ...]  # per layer: a query sees itself and the window - 1 before it
+    rope_type: str
+    activation: str = "silu"  # or "gelu_tanh"
+    gemma_norms: bool = False  # RMSNorm scaled by (1 + weight) in float32; norms after attention and MLP too
+    embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
+    query_pre_attn_scalar: float | None = None  # attention scale is its -0.5 power (default: head_dim's)
+    attn_soft_cap: float | None = None  # scores become cap * tanh(scores / cap)
+    final_soft_cap: float | None = None  # the same for the logits
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelArch:
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedConfig("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        implemented = _FAMILY_FIELDS.get(model_type, ())
+        for field in _UNSET_FIELDS:
+            value = getattr(config, field, None)
+            if field not in implemented and value not in (None, False, 0, {}):
+                raise UnsupportedConfig(field, value, f"not implemented for {model_type}")
+        if model_type == "gemma2":
+            act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+            if act not in _GEMMA_ACTIVATIONS:
+                raise UnsupportedConfig("hidden_activation", act, f"supported: {', '.join(_GEMMA_ACTIVATIONS)}")
+        else:
+            act = getattr(config, "hidden_act", "silu")
+            if act != "silu":
+                raise UnsupportedConfig("hidden_act", act, "only silu is implemented")
+        if getattr(config, "rms_norm_eps", None) is None:
+            raise UnsupportedConfig("rms_norm_eps", None, "only RMSNorm is implemented")
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads % kv_heads:
+            raise UnsupportedConfig("num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}")
+        bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias, o_bias, mlp_bias = {  # (q/k/v, o, MLP) biases, as each family's modeling code has them
+            "llama": (bias, bias, bool(getattr(config, "mlp_bias", False))),
+            "qwen3": (bias, bias, False),
+            "gemma2": (bias, bias, False),
+            "qwen2": (True, False, False),
+            "mistral": (False, False, False),
+        }[model_type]
+        gemma = model_type == "gemma2"
+        return cls(
+            model_type=model_type,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
+            qk_norm=model_type == "qwen3",
+            sliding_windows=_sliding_windows(config, model_type),
+            rope_type=_rope_type(config),
+            activation="gelu_tanh" if gemma else "silu",
+            gemma_norms=gemma,
+            embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
+            # Set only where the family implements them (checked above).
+            query_pre_attn_scalar=_positive_or_none(config, "query_pre_attn_scalar"),
+            attn_soft_cap=_positive_or_none(config, "attn_logit_softcapping"),
+            final_soft_cap=_positive_or_none(config, "final_logit_softcapping"),
+        )
+
+
+def _positive_or_none(config: Any, field: str) -> float | None:
+    value = getattr(config, field, None)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise UnsupportedConfig(field, value, "must be a positive number or null")
+    return float(value)
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's RoPE parameters in transformers' current form (``rope_type``, ``rope_theta``...)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return dict(params)
+
+
+def _rope_type(config: Any) -> str:
+    params = rope_parameters(config)
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise UnsupportedConfig("rope_parameters", params, "a RoPE per layer type is not implemented")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedConfig(
+            "rope_parameters.rope_type", rope_type, f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        raise UnsupportedConfig("partial_rotary_factor", partial, "only full-width RoPE is implemented")
+    return str(rope_type)
+
+
+def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
+    num_layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    if model_type == "llama":
+        return (None,) * num_layers  # transformers' Llama has no sliding window: the field is unused
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise UnsupportedConfig("sliding_window", window, "must be a positive integer")
+    if model_type == "mistral":  # every layer, whatever layer_types says (as transformers' Mistral)
+        return (window,) * num_layers
+    # Qwen2/Qwen3 derive layer_types from use_sliding_window and max_window_layers; Gemma 2 alternates.
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+    if len(layer_types) != num_layers:
+        raise UnsupportedConfig("layer_types", layer_types, f"needs one entry per layer ({num_layers})")
+    windows: list[int | None] = []
+    for kind in layer_types:
+        if kind not in SUPPORTED_LAYER_TYPES:
+            raise UnsupportedConfig("layer_types", kind, f"supported: {', '.join(SUPPORTED_LAYER_TYPES)}")
+        if kind == "sliding_attention" and window is None:
+            raise UnsupportedConfig("sliding_window", window, "layer_types marks sliding layers")
+        windows.append(window if kind == "sliding_attention" else None)
+    return tuple(windows)

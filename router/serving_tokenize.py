@@ -1,0 +1,118 @@
+"""POST /tokenize, POST /detokenize and GET /version, shaped as vLLM's, so its users' tools carry over.
+
+``/tokenize`` takes a completions ``prompt`` (text) or chat ``messages`` (rendered by the model's
+chat template) and answers the token ids, their count and the context window; it never refuses a
+text for being longer than the window, since finding that out is what it is for. ``/detokenize``
+turns token ids back into text. Both need the API key, as the generation endpoints do.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from router.config import RequestLimits
+from router.errors import bad_request
+from router.openai_models import ChatMessage, parse_request
+from router.openapi import error_responses
+from router.state import RouterState
+
+
+class _UtilityRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+
+    def check(self, limits: RequestLimits) -> None:
+        """Nothing beyond the fields' own types (``parse_request`` calls this)."""
+
+
+class TokenizeRequest(_UtilityRequest):
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+    def check(self, limits: RequestLimits) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
+
+
+class DetokenizeRequest(_UtilityRequest):
+    tokens: list[int]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+def pdserve_version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree without installing
+        return "unknown"
+
+
+async def tokenize(state: RouterState, body: Any) -> TokenizeResponse:
+    request = parse_request(TokenizeRequest, body, state.config.limits)  # type: ignore[type-var]
+    state.check_model(request.model)
+    prompts = state.prompts
+    if request.messages is not None:
+        messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(request.messages)]
+        token_ids = await prompts.tokenize_for_count(
+            None, messages, add_special_tokens=bool(request.add_special_tokens),
+            add_generation_prompt=request.add_generation_prompt,
+        )
+    else:
+        add_special = request.add_special_tokens is None or request.add_special_tokens
+        token_ids = await prompts.tokenize_for_count(request.prompt, None, add_special_tokens=add_special)
+    token_strs = prompts.tokenizer.convert_ids_to_tokens(token_ids) if request.return_token_strs else None
+    return TokenizeResponse(
+        count=len(token_ids), max_model_len=state.max_model_len(), tokens=token_ids, token_strs=token_strs
+    )
+
+
+async def detokenize(state: RouterState, body: Any) -> DetokenizeResponse:
+    request = parse_request(DetokenizeRequest, body, state.config.limits)  # type: ignore[type-var]
+    state.check_model(request.model)
+    return DetokenizeResponse(prompt=await state.prompts.detokenize(request.tokens, param="tokens"))
+
+
+def install_tokenize_routes(app: FastAPI, state: RouterState) -> None:
+    """Adds ``/tokenize``, ``/detokenize`` and ``/version`` to ``app``."""
+    from router.app import read_json  # here: router.app imports this module to call this function
+
+    errors = error_responses()
+    client_errors: dict[int | str, dict[str, Any]] = {s: errors[s] for s in (400, 401, 404, 413)}
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=client_errors)
+    async def tokenize_route(request: Request) -> JSONResponse:
+        state.api_keys.check(request.headers.get("authorization"))
+        body = await read_json(request, state.config.max_body_bytes)
+        return JSONResponse((await tokenize(state, body)).model_dump(mode="json"))
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=client_errors)
+    async def detokenize_route(request: Request) -> JSONResponse:
+        state.api_keys.check(request.headers.get("authorization"))
+        body = await read_json(request, state.config.max_body_bytes)
+        return JSONResponse((await detokenize(state, body)).model_dump(mode="json"))
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> JSONResponse:
+        return JSONResponse(VersionResponse(version=pdserve_version()).model_dump())

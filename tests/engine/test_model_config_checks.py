@@ -1,0 +1,83 @@
+"""Correct or refused: a config field the model does not implement stops loading, naming the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.model.arch import ModelArch, UnsupportedConfig
+from common.model.weights import load_hf_config
+from tests.engine.tiny_models import TINY_DIMS
+
+
+def _llama(**fields: Any) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**TINY_DIMS, **fields)
+
+
+def _qwen2(**fields: Any) -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**TINY_DIMS, **fields)
+
+
+def _gemma2(**fields: Any) -> Any:
+    from transformers import Gemma2Config
+
+    return Gemma2Config(**TINY_DIMS, **fields)
+
+
+REFUSED = [
+    ("rope-dynamic", lambda: _llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+     "rope_parameters.rope_type"),
+    ("rope-longrope", lambda: _llama(rope_parameters={
+        "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "rope_theta": 1e4,
+        "original_max_position_embeddings": 64}), "rope_parameters.rope_type"),
+    ("partial-rotary", lambda: _llama(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    ("activation", lambda: _llama(hidden_act="gelu"), "hidden_act"),
+    ("final-softcap", lambda: _llama(final_logit_softcapping=30.0), "final_logit_softcapping"),
+    ("attn-softcap", lambda: _llama(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    ("quantized", lambda: _llama(quantization_config={"quant_method": "awq", "bits": 4}), "quantization_config"),
+    ("gemma2-activation", lambda: _gemma2(hidden_activation="gelu"), "hidden_activation"),
+    ("gemma2-bidirectional", lambda: _gemma2(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("llama-attn-scalar", lambda: _llama(query_pre_attn_scalar=24), "query_pre_attn_scalar"),
+    ("chunked-layer", lambda: _qwen2(sliding_window=8, layer_types=["chunked_attention", "full_attention",
+                                                                      "full_attention"]), "layer_types"),
+]
+
+
+@pytest.mark.parametrize(("make", "field"), [(m, f) for _, m, f in REFUSED], ids=[i for i, _, _ in REFUSED])
+def test_unimplemented_config_fields_are_refused_by_name(make, field: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(UnsupportedConfig, match=f"unsupported model config: {field}=") as info:
+        ModelArch.from_config(make())
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "phi3", "llama4_text"])
+def test_other_families_are_refused_when_loading_their_config(tmp_path: Path, model_type: str) -> None:
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type).save_pretrained(str(tmp_path))
+    with pytest.raises(UnsupportedConfig, match=f"model_type='{model_type}'"):
+        load_hf_config(tmp_path)
+
+
+def test_a_refused_field_in_config_json_stops_loading_before_weights(tmp_path: Path) -> None:
+    _llama().save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedConfig, match="rope_type"):
+        load_hf_config(tmp_path)  # no weights in the folder: refused before they are looked for
+
+
+def test_supported_static_rope_kinds_and_biases_load() -> None:
+    assert ModelArch.from_config(_llama()).rope_type == "default"
+    for kind in ("linear", "llama3", "yarn"):
+        params = {"rope_type": kind, "factor": 2.0, "rope_theta": 1e4, "original_max_position_embeddings": 64,
+                  "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        assert ModelArch.from_config(_llama(rope_parameters=params)).rope_type == kind

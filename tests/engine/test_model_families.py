@@ -1,0 +1,149 @@
+"""Each supported family and config feature, on a tiny random-weight checkpoint: greedy output equals
+transformers ``generate`` over a prompt longer than the sliding window, through one engine (chunked
+prefill with chunks ending inside blocks and windows, a batch of two) and through prefill -> KV
+hand-off -> decode."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from common.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.model.arch import ModelArch
+from common.sampling_params import SamplingParams
+from tests.engine.test_disaggregated_lifecycle import _drain, _transfer
+from tests.engine.tiny_models import WINDOW, build_checkpoint, family_configs, hf_greedy, prompt_token_ids
+
+MAX_NEW_TOKENS = 10
+PROMPT_LEN = 2 * WINDOW + 7  # longer than the window, ending inside a block
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+FAMILIES = sorted(family_configs())
+WINDOWED = [name for name in FAMILIES if "window" in name or "layer-types" in name]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp("families")
+
+    @functools.cache
+    def build(name: str) -> Path:
+        return build_checkpoint(family_configs()[name], root / name)
+
+    return build
+
+
+@functools.cache
+def _expected(folder: Path, prompt: tuple[int, ...]) -> list[int]:
+    return hf_greedy(folder, list(prompt), MAX_NEW_TOKENS)
+
+
+@pytest.fixture
+def engines() -> Iterator[list[LLMEngine]]:
+    """Engines a test builds; afterwards every block must be back and each pool sound."""
+    built: list[LLMEngine] = []
+    yield built
+    for engine in built:
+        engine.check_integrity()
+        assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks, "blocks leaked"
+
+
+def _engine(engines: list[LLMEngine], folder: Path, **overrides: object) -> LLMEngine:
+    config = {"model": str(folder), "block_size": 8, "num_blocks": 64, "max_num_batched_tokens": 5,
+              "device": "cpu", "dtype": "float32"}
+    config.update(overrides)
+    engine = LLMEngine(EngineConfig(**config))  # type: ignore[arg-type]
+    engines.append(engine)
+    return engine
+
+
+def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
+    configs = family_configs()
+    arch = {name: ModelArch.from_config(configs[name]) for name in FAMILIES}
+    assert arch["mistral-window"].sliding_windows == (WINDOW, WINDOW, WINDOW)
+    assert arch["qwen2-window-layers"].sliding_windows == (None, WINDOW, WINDOW)  # i >= max_window_layers
+    assert arch["qwen3-layer-types-bias"].sliding_windows == (WINDOW, None, WINDOW)
+    assert arch["qwen3-qk-norm"].qk_norm and arch["qwen3-qk-norm"].sliding_windows == (None,) * 3
+    assert arch["qwen3-layer-types-bias"].o_bias and arch["llama-bias"].mlp_bias
+    assert arch["qwen2-window-layers"].qkv_bias and not arch["qwen2-window-layers"].o_bias
+    gemma = arch["gemma2-window-softcap"]
+    assert gemma.sliding_windows == (WINDOW, None, WINDOW) and gemma.gemma_norms
+    assert (gemma.attn_soft_cap, gemma.final_soft_cap, gemma.query_pre_attn_scalar) == (2.0, 3.0, 24.0)
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_the_window_changes_transformers_output_so_the_tests_can_see_it(checkpoint, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Guards the tests below: with full attention the same weights give other tokens."""
+    from transformers import AutoConfig
+
+    folder = checkpoint(name)
+    full = AutoConfig.from_pretrained(str(folder))
+    full.sliding_window = 10_000  # longer than any sequence here (Gemma 2 needs a value)
+    full.layer_types = ["full_attention"] * full.num_hidden_layers
+    prompt = prompt_token_ids(PROMPT_LEN)
+    assert hf_greedy(folder, prompt, MAX_NEW_TOKENS, config=full) != _expected(folder, tuple(prompt))
+
+
+def test_attention_soft_capping_changes_transformers_output_so_the_tests_can_see_it(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoConfig
+
+    folder = checkpoint("gemma2-window-softcap")
+    prompt = prompt_token_ids(PROMPT_LEN)
+    uncapped = AutoConfig.from_pretrained(str(folder))
+    uncapped.attn_logit_softcapping = None
+    assert hf_greedy(folder, prompt, MAX_NEW_TOKENS, config=uncapped) != _expected(folder, tuple(prompt))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_logits_over_a_prompt_equal_transformers(checkpoint, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Logits, not only their argmax: a final soft-cap (monotonic) can never change a greedy token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common.model.llama import AttentionMetadata
+    from common.model.weights import load_hf_config, load_model
+    from kernels import reference
+
+    folder = checkpoint(name)
+    prompt = prompt_token_ids(PROMPT_LEN)
+    n, block_size = len(prompt), 8
+    model = load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64)
+    attn = model.model.layers[0].self_attn
+    kv_cache = torch.zeros(len(model.model.layers), 2, -(-n // block_size), block_size, attn.num_kv_heads,
+                           attn.head_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n), block_tables=torch.arange(-(-n // block_size), dtype=torch.int32)[None],
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32), context_lens=torch.tensor([n], dtype=torch.int32),
+        max_query_len=n,
+    )
+    with torch.inference_mode():
+        hidden = model(torch.tensor(prompt), torch.arange(n), meta, kv_cache)
+        got = model.compute_logits(hidden)
+        uncapped = model.lm_head(hidden).float()
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        expected = hf(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    if model.arch.final_soft_cap is not None:  # the cap is applied, and changes the logits
+        assert got.abs().max() < model.arch.final_soft_cap < uncapped.abs().max()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_greedy_equals_transformers_through_the_engine(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
+    folder = checkpoint(name)
+    prompts = [prompt_token_ids(PROMPT_LEN), prompt_token_ids(WINDOW + 3, seed=2)]
+    engine = _engine(engines, folder)
+    got = [choices[0] for choices in engine.generate(prompts, GREEDY)]
+    assert got == [_expected(folder, tuple(p)) for p in prompts]
+
+
+@pytest.mark.parametrize("name", [*WINDOWED, "qwen3-qk-norm"])
+def test_family_greedy_equals_transformers_through_prefill_handoff_decode(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
+    folder = checkpoint(name)
+    prompt = prompt_token_ids(PROMPT_LEN)
+    prefill, decode = _engine(engines, folder, max_num_batched_tokens=16), _engine(engines, folder)
+    first = _transfer(prefill, decode, prompt, GREEDY)
+    decode.remote_kv_arrived("r")
+    assert [first, *_drain(decode)["r"]] == _expected(folder, tuple(prompt))

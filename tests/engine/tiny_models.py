@@ -1,0 +1,104 @@
+"""Tiny random-weight checkpoints of each supported family, built locally with transformers' own
+config and model classes, and transformers' greedy output for them (the reference)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_DIMS: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.2,  # sharp attention, so that what a query may see changes the output
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+WINDOW = 12  # not a multiple of the 8-token blocks the tests use
+
+
+def family_configs() -> dict[str, Any]:
+    """One config per family and config feature; each windowed one has a window of ``WINDOW``."""
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    return {
+        "mistral-window": MistralConfig(**TINY_DIMS, sliding_window=WINDOW, tie_word_embeddings=False),
+        # max_window_layers=1: layer 0 full, layers 1 and 2 sliding (transformers' rule).
+        "qwen2-window-layers": Qwen2Config(
+            **TINY_DIMS, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+            tie_word_embeddings=True,
+        ),
+        "qwen3-qk-norm": Qwen3Config(**TINY_DIMS, tie_word_embeddings=True),
+        "qwen3-layer-types-bias": Qwen3Config(
+            **TINY_DIMS, use_sliding_window=True, sliding_window=WINDOW, attention_bias=True,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False,
+        ),
+        # Layers alternate sliding / full; small caps so that soft-capping changes the output.
+        "gemma2-window-softcap": Gemma2Config(
+            **TINY_DIMS, sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0, tie_word_embeddings=False,  # tied, the residual just repeats tokens
+        ),
+        "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
+        "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={
+            "rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
+        "llama-rope-llama3": LlamaConfig(**TINY_DIMS, rope_parameters={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32, "rope_theta": 500000.0}),
+        "llama-rope-yarn": LlamaConfig(**TINY_DIMS, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}),
+    }
+
+
+def build_checkpoint(config: Any, folder: Path, seed: int = 0) -> Path:
+    """A checkpoint folder (config.json + model.safetensors) with random float32 weights."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random norm weights too, so a norm applied wrongly shows
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(0.3 * torch.randn_like(param))
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def build_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer over the tiny vocabulary: ``"w5 w9"`` encodes to ``[1, 5, 9]``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, TINY_DIMS["vocab_size"])}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>"
+    )
+    tokenizer.save_pretrained(str(folder))
+
+
+def hf_greedy(folder: Path, prompt: list[int], max_new_tokens: int, **config_overrides: Any) -> list[int]:
+    """transformers ``generate`` (greedy, float32, CPU) on the checkpoint, EOS ignored."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **config_overrides).eval()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+            eos_token_id=None,
+        )
+    return [int(t) for t in out[0, len(prompt):]]
+
+
+def prompt_token_ids(length: int, seed: int = 1) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, TINY_DIMS["vocab_size"], (length,), generator=gen).tolist()

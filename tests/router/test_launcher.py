@@ -109,6 +109,14 @@ def test_up_serves_lists_its_children_then_sigterm_stops_every_child(
     assert sorted(entry["pid"] for entry in state.values()) == sorted(children)
     response = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=10)
     assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
+    # One scrape of the router shows every live instance's load, labelled as vLLM's dashboards expect.
+    fleet = httpx.get(f"{url}/metrics", timeout=10).text
+    for name in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting"):
+        for instance, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+            assert any(
+                line.startswith(f"pdserve:{name}{{") and f'instance="{instance}"' in line and f'role="{role}"' in line
+                and "model_name=" in line for line in fleet.splitlines()
+            ), (name, instance)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert wait_until(lambda: not any(_alive(pid) for pid in children), 10)

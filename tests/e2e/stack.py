@@ -8,6 +8,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -101,6 +102,22 @@ class Stack:
             time.sleep(0.3)
         logs = "\n".join(f"--- {p.name}\n{p.log()}" for p in self.procs.values())
         raise TimeoutError(f"stack not ready in {timeout_s}s\n{logs}")
+
+    def wait_registered(self, count: int, registry: Any = None, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Until the registry (by default this stack's, without a key) lists ``count`` instances;
+        they are returned by id. A process that exits meanwhile fails at once with its log."""
+        from common.registry import Registry
+
+        registry = registry or Registry(self.redis_url)
+        deadline = time.monotonic() + timeout_s
+        infos: dict[str, Any] = {}
+        while len(infos) < count:
+            assert time.monotonic() < deadline, "engines did not register"
+            for proc in self.procs.values():
+                assert proc.popen.poll() is None, proc.log()
+            infos = {i.instance_id: i for i in registry.instances()}
+            time.sleep(0.3)
+        return infos
 
     def metrics(self, name: str) -> dict[str, float]:
         """The instance's Prometheus samples, summed over labels, by metric name."""

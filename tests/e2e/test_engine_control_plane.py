@@ -80,15 +80,7 @@ def engines() -> Iterator[tuple[Stack, dict[str, Any]]]:
     s.start_engine("prefill", "prefill-c")
     s.start_engine("decode", "decode-c")
     try:
-        deadline = time.monotonic() + 300
-        infos: dict[str, Any] = {}
-        while len(infos) < 2:
-            assert time.monotonic() < deadline, "engines did not register"
-            for proc in s.procs.values():
-                assert proc.popen.poll() is None, proc.log()
-            infos = {i.instance_id: i for i in Registry(redis.url).instances()}
-            time.sleep(0.3)
-        yield s, infos
+        yield s, s.wait_registered(2)
     finally:
         s.stop()
         redis.stop()

@@ -18,7 +18,6 @@ import pytest
 import zmq
 
 from common.protocol import DecodeTarget, GenerateRequest, RequestOutput, decode_output
-from common.registry import Registry
 from common.sampling_params import SamplingParams
 from ops.bench.fuzz_messages import FuzzStats, abort_all, fuzz_control, fuzz_kv, new_marker
 from tests.conftest import RedisServer
@@ -41,15 +40,7 @@ def engines() -> Iterator[tuple[Stack, dict[str, Any]]]:
     s.start_engine("prefill", "prefill-z", bound)
     s.start_engine("decode", "decode-z", bound)
     try:
-        deadline = time.monotonic() + 300
-        infos: dict[str, Any] = {}
-        while len(infos) < 2:
-            assert time.monotonic() < deadline, "engines did not register"
-            for proc in s.procs.values():
-                assert proc.popen.poll() is None, proc.log()
-            infos = {i.instance_id: i for i in Registry(redis.url).instances()}
-            time.sleep(0.3)
-        yield s, infos
+        yield s, s.wait_registered(2)
     finally:
         s.stop()
         redis.stop()

@@ -99,16 +99,7 @@ def cluster() -> Iterator[tuple[Stack, ClusterKey, dict[str, InstanceInfo]]]:
     s.start_engine("prefill", "prefill-k")
     s.start_engine("decode", "decode-k")
     try:
-        registry = Registry(redis.url, cluster_key=key)
-        deadline = time.monotonic() + 600
-        infos: dict[str, InstanceInfo] = {}
-        while len(infos) < 2:
-            assert time.monotonic() < deadline, "engines did not register"
-            for proc in s.procs.values():
-                assert proc.popen.poll() is None, proc.log()
-            infos = {i.instance_id: i for i in registry.instances()}
-            time.sleep(0.3)
-        yield s, key, infos
+        yield s, key, s.wait_registered(2, Registry(redis.url, cluster_key=key), timeout_s=600)
     finally:
         s.stop()
         redis.stop()

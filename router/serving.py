@@ -118,12 +118,29 @@ class PlanChoices:
         self._running.clear()
 
 
-async def start_choices(state: RouterState, plan: GenerationPlan) -> PlanChoices:
-    """Queue the plan's engine requests for admission (429 when the queue is full) and send the first."""
+async def start_choices(
+    state: RouterState, plan: GenerationPlan, wait_disconnect: DisconnectWaiter | None = None
+) -> PlanChoices:
+    """Queue the plan's engine requests for admission (429 when the queue is full) and send the
+    first. A client that leaves while the first waits for its turn gives its place up at once
+    (``ClientDisconnected``), instead of holding its queued prompts until they all ran."""
     costs = [len(prompt) for prompt in plan.prompts]
     choices = PlanChoices(state, plan, state.admission.enter(CLIENT_KEY.get() or "-", costs))
     try:
-        choices.started.extend(await choices.start_next())
+        first = asyncio.ensure_future(choices.start_next())
+        gone = asyncio.ensure_future(wait_disconnect()) if wait_disconnect is not None else None
+        try:
+            await asyncio.wait([t for t in (first, gone) if t is not None], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not first.done():
+                first.cancel()
+                with contextlib.suppress(BaseException):
+                    await first
+            if gone is not None and not gone.done():
+                gone.cancel()
+        if not first.done() or first.cancelled():
+            raise ClientDisconnected()
+        choices.started.extend(first.result())
     except BaseException:
         choices.close()
         raise
@@ -255,7 +272,7 @@ async def collect(
     state: RouterState, plan: GenerationPlan, wait_disconnect: DisconnectWaiter
 ) -> tuple[list[ChoiceResult], Usage]:
     """Run a non-streaming request to the end; raises ``ClientDisconnected`` or ``EngineRequestError``."""
-    choices = await start_choices(state, plan)
+    choices = await start_choices(state, plan, wait_disconnect)
     results = {i: ChoiceResult(index=i) for i in range(choices.num_choices)}
     usage = UsageTracker(plan)
     deltas = merge_choices(choices, wait_disconnect)
@@ -303,6 +320,6 @@ async def sse_response(
 ) -> StreamingResponse:
     """Start every choice and send the JSON chunks ``write(deltas, include_usage)`` makes as SSE."""
     include_usage = bool(stream_options and stream_options.include_usage)
-    choices = await start_choices(state, plan)
+    choices = await start_choices(state, plan, wait_disconnect)
     chunks = write(merge_choices(choices, wait_disconnect), include_usage)
     return StreamingResponse(stream_errors(chunks), media_type="text/event-stream")

@@ -293,7 +293,9 @@ def test_wait_whole_waits_for_restarted_instances_and_gives_up_at_the_deadline()
     out = wait_whole(lambda: next(answers), {"prefill": 2, "decode": 2}, timeout_s=10.0, poll_s=0.01)
     assert out["whole"] and out["counts"] == {"prefill": 2, "decode": 2}
     out = wait_whole(lambda: {"prefill": 1, "decode": 2}, {"prefill": 2, "decode": 2}, timeout_s=0.05, poll_s=0.01)
-    assert not out["whole"] and out["waited_s"] >= 0.05
+    # Gave up at the deadline (not before, not much after) and says what it last saw.
+    assert not out["whole"] and out["counts"] == {"prefill": 1, "decode": 2}
+    assert 0.05 <= out["waited_s"] < 5.0
     assert wait_whole(lambda: None, None, timeout_s=0.0)["whole"]  # nothing expected: nothing to wait for
 
 

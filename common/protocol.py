@@ -20,8 +20,14 @@ MAX_ID_LEN = 256
 # socket that reads engine inputs refuses larger frames (ZMQ_MAXMSGSIZE) before buffering them.
 _MAX_TOKEN_ID_BYTES = 5
 MAX_MESSAGE_BYTES = 2 * MAX_PROMPT_TOKENS * _MAX_TOKEN_ID_BYTES + (1 << 20)
-# Engine -> router: one step's tokens of one request, with their logprobs (top 20 at most).
+# Engine -> router: one step's tokens of one request, with their logprobs (top 20 at most), or one
+# step's outputs of every request a router owns (``OutputBatch``, split to stay under this bound).
 MAX_OUTPUT_MESSAGE_BYTES = 4 << 20
+# Prompt logprobs of one request: prompt tokens x (1 + top alternatives) entries at most, about
+# 23 bytes each, so they fit one output message with room to spare.
+MAX_PROMPT_LOGPROB_ENTRIES = 150_000
+# Outputs in one ``OutputBatch``: more than any engine's ``max_num_seqs`` times its choices.
+MAX_BATCH_OUTPUTS = 1 << 16
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
 TokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
@@ -95,6 +101,16 @@ class PositionLogprobs(msgspec.Struct, array_like=True):
     top: list[TokenLogprob]
 
 
+class PromptLogprob(msgspec.Struct, array_like=True):
+    """A prompt token's logprob given the tokens before it, its rank in the vocabulary (1 = the most
+    likely) and the top alternatives there."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[TokenLogprob]
+
+
 class RequestOutput(msgspec.Struct, tag="output", kw_only=True):
     """Engine -> router: new tokens of one request (incremental), and its end when finished."""
 
@@ -102,6 +118,8 @@ class RequestOutput(msgspec.Struct, tag="output", kw_only=True):
     request_id: RequestId
     new_token_ids: list[int]
     logprobs: list[PositionLogprobs] | None = None
+    # With the first token, when asked for: one per prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -115,6 +133,17 @@ class RequestOutput(msgspec.Struct, tag="output", kw_only=True):
     # With ``finish_reason="error"``: the instance refused a new request because its waiting queue
     # is full; nothing was started, the router sends it again later (or elsewhere), not a migration.
     overloaded: bool = False
+
+
+class OutputBatch(msgspec.Struct, tag="output_batch", kw_only=True):
+    """Engine -> router: one step's outputs for every request of one router, in one message.
+
+    Each request appears in the order its outputs were produced; the router handles them as if
+    they had come one by one. ``instance_id`` names the sender (the router's liveness record)."""
+
+    version: int = PROTOCOL_VERSION
+    instance_id: str = ""
+    outputs: Annotated[list[RequestOutput], msgspec.Meta(max_length=MAX_BATCH_OUTPUTS)]
 
 
 class TransferMeta(msgspec.Struct, tag="transfer_meta", kw_only=True):
@@ -140,7 +169,7 @@ def choice_request_ids(request_id: str, n: int) -> list[str]:
 
 
 EngineInput = GenerateRequest | AbortRequest | RouterHeartbeat
-EngineMessage = RequestOutput | EngineProgress
+EngineMessage = RequestOutput | OutputBatch | EngineProgress
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(EngineInput)
@@ -184,9 +213,38 @@ def decode_input(raw: bytes) -> EngineInput:
 
 
 def decode_output(raw: bytes) -> EngineMessage:
-    return decode_checked(  # type: ignore[no-any-return]
+    msg = decode_checked(
         _output_decoder, raw, max_bytes=MAX_OUTPUT_MESSAGE_BYTES, version=PROTOCOL_VERSION, what="engine output"
     )
+    if isinstance(msg, OutputBatch):
+        for out in msg.outputs:  # each output carries its own version too
+            if out.version != PROTOCOL_VERSION:
+                raise ProtocolError(f"unsupported pdserve version {out.version} in an output batch")
+    return msg  # type: ignore[no-any-return]
+
+
+def request_outputs(msg: EngineMessage) -> list[RequestOutput]:
+    """The request outputs one engine message carries, in order: itself, a batch's, or none."""
+    if isinstance(msg, OutputBatch):
+        return msg.outputs
+    return [msg] if isinstance(msg, RequestOutput) else []
+
+
+def encode_output_batches(outputs: list[RequestOutput], instance_id: str = "",
+                          max_bytes: int = MAX_OUTPUT_MESSAGE_BYTES) -> list[bytes]:
+    """``outputs`` encoded as few ``OutputBatch`` messages as fit ``max_bytes`` each, in order.
+
+    Halves a batch that comes out too large (one encode in the usual case); a single output too
+    large on its own is still sent, alone, and the receiver refuses it as it would unbatched."""
+    if not outputs:
+        return []
+    if len(outputs) <= MAX_BATCH_OUTPUTS:
+        raw = _encoder.encode(OutputBatch(instance_id=instance_id, outputs=outputs))
+        if len(raw) <= max_bytes or len(outputs) == 1:
+            return [raw]
+    half = len(outputs) // 2
+    return [*encode_output_batches(outputs[:half], instance_id, max_bytes),
+            *encode_output_batches(outputs[half:], instance_id, max_bytes)]
 
 
 def decode_transfer_meta(raw: bytes) -> TransferMeta:

@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import msgspec
 
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # entries; OpenAI's own limit
+MAX_LOGIT_BIAS_VALUE = 100.0
+# A JSON schema, regex or list of choices as it travels to the engines (one message is at most
+# ``MAX_MESSAGE_BYTES``, which leaves 1 MiB beside the token ids).
+MAX_STRUCTURED_OUTPUT_CHARS = 1 << 16
+
+StructuredOutputKind = Literal["json_object", "json_schema", "regex", "choice"]
+
+
+class StructuredOutput(msgspec.Struct, kw_only=True, frozen=True):
+    """What the output must match: ``json_object`` (any JSON object; ``spec`` is empty),
+    ``json_schema`` (``spec`` is the schema as JSON text), ``regex`` (``spec`` is the pattern) or
+    ``choice`` (``spec`` is a JSON list of the allowed strings). Hashable: engines cache the
+    compiled grammar under it."""
+
+    kind: StructuredOutputKind
+    spec: Annotated[str, msgspec.Meta(max_length=MAX_STRUCTURED_OUTPUT_CHARS)] = ""
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -24,6 +43,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives, 0..MAX_LOGPROBS
+    # Logprobs of the prompt's tokens (each given the ones before it) with this many top alternatives,
+    # 0..MAX_LOGPROBS; computed by the instance that runs the prompt, sent with the first token.
+    prompt_logprobs: int | None = None
+    # Added to the raw logits before anything else (greedy too); token id -> bias in [-100, 100].
+    logit_bias: Annotated[dict[int, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = msgspec.field(
+        default_factory=dict
+    )
+    structured_output: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -53,7 +80,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be valid token ids")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for token_id, bias in self.logit_bias.items():
+            if vocab_size is not None and not 0 <= token_id < vocab_size:
+                raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}), got {token_id}")
+            if not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        so = self.structured_output
+        if so is not None and len(so.spec) > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise ValueError(f"structured_output spec holds at most {MAX_STRUCTURED_OUTPUT_CHARS} characters")

@@ -16,12 +16,13 @@ Who notices a failure:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ from common.protocol import (
     choice_request_ids,
     decode_input,
     encode,
+    encode_output_batches,
 )
 from common.registry import BACKOFF_S, HeartbeatThread, InstanceInfo, PrefixIndex, Registry
 from common.sampling_params import MAX_N
@@ -117,6 +119,7 @@ class EngineService:
             self.control.bind(f"tcp://{args.host}:*")
         self.control_address = self.control.getsockopt_string(zmq.LAST_ENDPOINT)
         self._outputs: dict[str, zmq.Socket] = {}
+        self._pending_outputs: dict[str, list[RequestOutput]] | None = None  # see ``_collect_outputs``
         self.records: dict[str, RequestRecord] = {}
         self.routers: dict[str, float] = {}  # reply address -> when it was last heard from
         self.metrics = EngineMetrics(self.role, self.instance_id, served_model_name(self.engine.runner.model_path))
@@ -175,7 +178,17 @@ class EngineService:
 
     # ------------------------------------------------------------ outputs
     def _send(self, address: str, msg: Any) -> None:
-        """Send to a router without blocking; drops (and logs) if it cannot take it now."""
+        """Send to a router without blocking; drops (and logs) if it cannot take it now. While a
+        step's outputs are collected (``_collect_outputs``), a ``RequestOutput`` waits for the
+        step's one batch to its router; anything else first flushes what waits for that router."""
+        if self._pending_outputs is not None:
+            if isinstance(msg, RequestOutput):
+                self._pending_outputs.setdefault(address, []).append(msg)
+                return
+            self._flush_outputs(address)
+        self._send_raw(address, encode(msg))
+
+    def _send_raw(self, address: str, raw: bytes) -> None:
         sock = self._outputs.get(address)
         if sock is None:
             try:
@@ -192,9 +205,36 @@ class EngineService:
             sock.connect(address)
             self._outputs[address] = sock
         try:
-            sock.send(encode(msg), zmq.NOBLOCK)
+            sock.send(raw, zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("router %s is not taking outputs; dropped a message", address)
+
+    @contextlib.contextmanager
+    def _collect_outputs(self) -> Iterator[None]:
+        """Outputs sent inside go out at the end as one ``OutputBatch`` per router (split only past
+        ``MAX_OUTPUT_MESSAGE_BYTES``), each request's in the order they were sent: the router's
+        receive cost is per message, and one step may hold hundreds of its requests."""
+        if self._pending_outputs is not None:  # nested: the outer one flushes
+            yield
+            return
+        self._pending_outputs = {}
+        try:
+            yield
+        finally:
+            for address in list(self._pending_outputs):
+                self._flush_outputs(address)
+            self._pending_outputs = None
+
+    def _flush_outputs(self, address: str) -> None:
+        assert self._pending_outputs is not None
+        outputs = self._pending_outputs.pop(address, None)
+        if not outputs:
+            return
+        if len(outputs) == 1:  # as before batching: nothing to gain from the envelope
+            self._send_raw(address, encode(outputs[0]))
+            return
+        for raw in encode_output_batches(outputs, self.instance_id):
+            self._send_raw(address, raw)
 
     def send_output(self, request_id: str, out: RequestOutput) -> None:
         """Send to the router that owns the request; a finished request's record is forgotten."""
@@ -212,7 +252,7 @@ class EngineService:
     def to_wire(self, out: EngineOutput, phase: Phase) -> RequestOutput:
         return RequestOutput(
             request_id=out.request_id, new_token_ids=out.new_token_ids, logprobs=out.logprobs,
-            finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,  # type: ignore[arg-type]
+            prompt_logprobs=out.prompt_logprobs, finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,  # type: ignore[arg-type]
             num_cached_tokens=out.num_cached_tokens, error=out.error, instance_id=self.instance_id,
             phase=phase,  # type: ignore[arg-type]
         )
@@ -339,22 +379,24 @@ class EngineService:
                     self.reject(msg, "internal error while admitting the request")
 
     def _step(self) -> None:
-        """One engine step; an exception fails the requests in the engine, not the process."""
-        try:
-            outputs = self.engine.step()
-        except Exception:
-            logger.exception("engine step failed; failing the requests it held")
-            for request_id in self.engine.unfinished_request_ids():
-                self.fail(request_id, "internal engine error")
-            return
-        self.num_steps += 1
-        self._observe(outputs)
-        try:
-            self.on_outputs(outputs)
-        except Exception:
-            logger.exception("handling step outputs failed; failing those requests")
-            for out in outputs:
-                self.fail(out.request_id, "internal engine error")
+        """One engine step; an exception fails the requests in the engine, not the process. What
+        the step sends leaves as one message per router."""
+        with self._collect_outputs():
+            try:
+                outputs = self.engine.step()
+            except Exception:
+                logger.exception("engine step failed; failing the requests it held")
+                for request_id in self.engine.unfinished_request_ids():
+                    self.fail(request_id, "internal engine error")
+                return
+            self.num_steps += 1
+            self._observe(outputs)
+            try:
+                self.on_outputs(outputs)
+            except Exception:
+                logger.exception("handling step outputs failed; failing those requests")
+                for out in outputs:
+                    self.fail(out.request_id, "internal engine error")
 
     def _tick(self) -> None:
         """About twice a second: progress to every leased router, expired leases, drain deadline."""
@@ -471,7 +513,8 @@ class EngineService:
                     self._check_idle_pool()
                 was_busy = busy
                 self._drain_control(0 if busy else _IDLE_POLL_MS)
-                self.poll_transfers()
+                with self._collect_outputs():  # transfer failures of one poll: one message per router
+                    self.poll_transfers()
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._publish_prefix_events()

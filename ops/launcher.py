@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads of each engine (0: the host's cores shared out, or OMP_NUM_THREADS)")
     p.add_argument("--api-key", action="append", default=[], help="router API key (repeatable)")
     p.add_argument("--routing-policy", default=None, help="router policy: prefix, least-loaded, round-robin")
+    p.add_argument("--router-workers", type=int, default=1,
+                   help="router processes behind --port (the router's --workers; default: %(default)s)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--no-wait", action="store_true", help="do not wait for /ready before printing the URL")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /ready")
@@ -153,6 +155,8 @@ class Launcher:
             flags += ["--routing-policy", self.args.routing_policy]
         if self.args.served_model_name:
             flags += ["--served-model-name", self.args.served_model_name]
+        if self.args.router_workers != 1:
+            flags += ["--workers", str(self.args.router_workers)]
         return flags
 
     def engine_env(self) -> dict[str, str]:

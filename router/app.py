@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from router.admission import CLIENT_KEY
 from router.dispatcher import EngineRequestError
 from router.errors import APIError, bad_request, install_error_handlers
-from router.openai_models import ChatCompletionRequest, CompletionRequest
+from router.openai_models import ChatCompletionRequest, CompletionRequest, check_unicode
 from router.openai_responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -50,10 +50,13 @@ async def read_json(request: Request, max_bytes: int) -> Any:
         if size > max_bytes:
             raise too_large
         chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
-        return json.loads(b"".join(chunks), parse_constant=_reject_constant)
+        body = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
         raise bad_request(f"invalid JSON body: {exc}", code="invalid_json") from None
+    check_unicode(raw, body)
+    return body
 
 
 async def _leave_after(body: AsyncIterable[Any], leave: Callable[[], None]) -> AsyncIterator[Any]:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.protocol import PositionLogprobs, RequestOutput
+from common.protocol import PositionLogprobs, PromptLogprob, RequestOutput
 from router.detokenizer import IncrementalDetokenizer
 from router.dispatcher import EngineRequest
 from router.metrics import RouterMetrics
@@ -28,6 +28,7 @@ class ChoiceDelta:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     num_output_tokens: int = 0  # so far, including this delta
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # with the first token, when asked for
 
 
 @dataclass
@@ -106,6 +107,7 @@ class ChoiceStream:
             finish_reason=finish_reason,
             num_cached_tokens=self._num_cached_tokens,
             num_output_tokens=self._num_output_tokens,
+            prompt_logprobs=output.prompt_logprobs,
         )
 
     def _release_tokens(self, everything: bool) -> list[_PendingToken]:

@@ -33,6 +33,7 @@ from router.engine_client import EngineClient
 from router.errors import APIError
 from router.instance_pool import InstancePool
 from router.metrics import RouterMetrics
+from router.output_queue import WAKE_INTERVAL_S, OutputQueue
 from router.routing import RoutingPolicy
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class EngineRequest:
     (idempotent) when done with it. ``request_id`` and ``holders`` are the current attempt's."""
 
     request_id: str
-    queue: asyncio.Queue[RequestOutput]
+    queue: OutputQueue
     holders: list[InstanceInfo]  # [P, D] or [D]; the first one answers first
     dispatcher: Dispatcher
     request: GenerateRequest  # as first sent (no decode target): what a migration continues
@@ -104,6 +105,8 @@ class EngineRequest:
                 if self._awaiting_prefill() and output.phase == "decode" and output.finish_reason != "error":
                     overtaken.append(output)
                     continue
+                if output.finish_reason is None and not self._awaiting_prefill():
+                    output = self._coalesce(output)
                 batch = [output]
                 if output.phase == "prefill":
                     batch, overtaken = [output, *overtaken], []
@@ -216,18 +219,46 @@ class EngineRequest:
         return None
 
     async def _next(self) -> RequestOutput:
+        """The next output. Waiting, it is woken at least every ``WAKE_INTERVAL_S`` to check the
+        request's deadline and its instances' liveness."""
+        queue = self.queue
+        if not queue.empty():
+            return queue.get_nowait()
         timeout_s = self.dispatcher.request_timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise EngineRequestError(f"no output from the engines for {timeout_s:.0f}s", status=504)
-            try:
-                return await asyncio.wait_for(self.queue.get(), min(remaining, LIVENESS_POLL_S))
-            except asyncio.TimeoutError:
-                lost = self._lost_holder()
-                if lost is not None:
-                    raise lost from None
+            await queue.wait(remaining if remaining < WAKE_INTERVAL_S else None)
+            if not queue.empty():
+                return queue.get_nowait()
+            lost = self._lost_holder()
+            if lost is not None:
+                raise lost
+
+    def _coalesce(self, output: RequestOutput) -> RequestOutput:
+        """``output`` with the plain token outputs queued right behind it (a reader that fell behind
+        handles them as one: one delta, one SSE event)."""
+        queue = self.queue
+        merged = output
+        while (
+            merged.finish_reason is None
+            and (nxt := queue.peek()) is not None
+            and nxt.phase == merged.phase
+            and nxt.finish_reason != "error"
+            and (nxt.logprobs is None) == (merged.logprobs is None)
+        ):
+            queue.get_nowait()
+            if merged is output:
+                merged = msgspec.structs.replace(output, new_token_ids=list(output.new_token_ids),
+                                                 logprobs=None if output.logprobs is None else list(output.logprobs))
+            merged.new_token_ids.extend(nxt.new_token_ids)
+            if merged.logprobs is not None and nxt.logprobs is not None:
+                merged.logprobs.extend(nxt.logprobs)
+            merged.finish_reason = nxt.finish_reason
+            merged.num_cached_tokens = nxt.num_cached_tokens or merged.num_cached_tokens
+        return merged
 
     def close(self) -> None:
         if self.closed:

@@ -3,7 +3,7 @@
 One PUSH socket per engine control address (LINGER 0, bounded SNDHWM, ZMQ_IMMEDIATE so messages
 are only queued on completed connections): a send never blocks, and a dead or swamped engine shows
 up as EAGAIN, which callers treat as "instance unavailable". One PULL socket (``reply_address``)
-receives every engine's ``RequestOutput``s and routes them to per-request queues. With a cluster
+receives every engine's ``RequestOutput``s (one by one, or one ``OutputBatch`` per engine step) and routes them to per-request queues. With a cluster
 key both are CURVE sockets (``common.cluster_key``): the reply socket admits only engines that hold
 the key, and the PUSH sockets reach only engines that do.
 """
@@ -25,13 +25,14 @@ from common.cluster_key import ClusterKey
 from common.protocol import (
     MAX_OUTPUT_MESSAGE_BYTES,
     AbortRequest,
-    EngineProgress,
+    OutputBatch,
     ProtocolError,
     RequestOutput,
     RouterHeartbeat,
     decode_output,
     encode,
 )
+from router.output_queue import WAKE_INTERVAL_S, OutputQueue
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ SEND_HWM = 1000
 RECV_HWM = 100_000
 CONNECT_GRACE_S = 0.5
 PRUNE_AFTER_S = 60.0
+MAX_BEHIND_S = 30.0  # reading outputs this late, engines' silence counts again
 
 
 class EngineClient:
@@ -58,9 +60,12 @@ class EngineClient:
         self._receiver: asyncio.Task[None] | None = None
         self._sockets: dict[str, zmq.Socket] = {}
         self._last_used: dict[str, float] = {}
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._queues: dict[str, OutputQueue] = {}
+        self._waker: asyncio.Task[None] | None = None
         # When each instance was last heard from (any output or progress message), monotonic.
         self.last_heard: dict[str, float] = {}
+        # When the reply socket was last seen with nothing unread (see ``silent_for``).
+        self.caught_up_at = time.monotonic()
 
     async def start(self) -> None:
         """Bind the reply socket: loopback only for a loopback ``reply_host``, else every interface.
@@ -84,12 +89,14 @@ class EngineClient:
         self.reply_address = f"tcp://{self._reply_host}:{port}"
         self._pull = pull
         self._receiver = asyncio.create_task(self._receive_loop(), name="engine-outputs")
+        self._waker = asyncio.create_task(self._wake_loop(), name="output-queue-waker")
 
     async def close(self) -> None:
-        if self._receiver is not None:
-            self._receiver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._receiver
+        for task in (self._receiver, self._waker):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._pull is not None:
             self._pull.close(linger=0)
         for sock in self._sockets.values():
@@ -102,25 +109,40 @@ class EngineClient:
 
     async def _receive_loop(self) -> None:
         assert self._pull is not None
+        pull, queues, last_heard = self._pull, self._queues, self.last_heard
         while True:
-            frames = await self._pull.recv_multipart(copy=True)
+            raw = await pull.recv()
             try:
-                output = decode_output(frames[0])
+                msg = decode_output(raw)
             except ProtocolError as exc:
                 logger.warning("dropping malformed engine output: %s", exc)
                 continue
-            if output.instance_id:
-                self.last_heard[output.instance_id] = time.monotonic()
-            if isinstance(output, EngineProgress):
-                continue
-            queue = self._queues.get(output.request_id)
-            if queue is not None:  # outputs of finished or aborted requests are dropped
-                queue.put_nowait(output)
+            if msg.instance_id:
+                last_heard[msg.instance_id] = time.monotonic()
+            if isinstance(msg, OutputBatch):  # one engine step's outputs for this router
+                if not msg.instance_id:
+                    now = time.monotonic()
+                    last_heard.update((o.instance_id, now) for o in msg.outputs if o.instance_id)
+                for output in msg.outputs:
+                    queue = queues.get(output.request_id)
+                    if queue is not None:
+                        queue.put_nowait(output)
+            elif isinstance(msg, RequestOutput):
+                queue = queues.get(msg.request_id)
+                if queue is not None:  # outputs of finished or aborted requests are dropped
+                    queue.put_nowait(msg)
+
+    async def _wake_loop(self) -> None:
+        """Once per ``WAKE_INTERVAL_S``: every waiting reader checks its deadlines (see ``OutputQueue``)."""
+        while True:
+            await asyncio.sleep(WAKE_INTERVAL_S)
+            for queue in list(self._queues.values()):
+                queue.wake()
 
     # -- per-request queues --------------------------------------------------------------------
-    def open(self, request_id: str) -> asyncio.Queue[RequestOutput]:
+    def open(self, request_id: str) -> OutputQueue:
         """Register a request before sending it, so no output can arrive unclaimed."""
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue = OutputQueue()
         self._queues[request_id] = queue
         return queue
 
@@ -174,8 +196,17 @@ class EngineClient:
         return True
 
     def silent_for(self, instance_id: str, since: float) -> float:
-        """Seconds since the instance was last heard from, counting from ``since`` at the earliest."""
-        return time.monotonic() - max(self.last_heard.get(instance_id, since), since)
+        """Seconds the instance has been silent, counting from ``since`` at the earliest.
+
+        Silence counts only up to the last moment this router had read every output that had
+        arrived: a router whose event loop was held up (a huge request's parsing, a loaded host)
+        has the engines' messages waiting unread in its socket, and must not take that for the
+        engines' silence. After ``MAX_BEHIND_S`` behind, silence counts again, late by that much."""
+        now = time.monotonic()
+        if self._pull is None or not int(self._pull.get(zmq.EVENTS)) & zmq.POLLIN:
+            self.caught_up_at = now
+        until = max(self.caught_up_at, now - MAX_BEHIND_S)
+        return until - max(self.last_heard.get(instance_id, since), since)
 
     def renew_leases(self, addresses: list[str]) -> None:
         """Tell each engine this router is alive, so it keeps this router's requests."""

@@ -6,8 +6,15 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from common.protocol import PositionLogprobs
-from router.openai_responses import ChatLogprobEntry, ChatLogprobs, ChatTopLogprob, CompletionLogprobs
+from common.protocol import PositionLogprobs, PromptLogprob
+from router.openai_responses import (
+    ChatLogprobEntry,
+    ChatLogprobs,
+    ChatTopLogprob,
+    CompletionLogprobs,
+    PromptLogprobEntry,
+    PromptLogprobs,
+)
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _METASPACE = "\u2581"
@@ -77,6 +84,50 @@ def chat_logprobs(renderer: TokenRenderer, positions: Sequence[PositionLogprobs]
             tops.append(ChatTopLogprob(token=alt_text, logprob=alt.logprob, bytes=alt_raw))
         content.append(ChatLogprobEntry(token=text, logprob=pos.logprob, bytes=raw, top_logprobs=tops))
     return ChatLogprobs(content=content)
+
+
+def prompt_logprobs(renderer: TokenRenderer, entries: Sequence[PromptLogprob | None]) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: per prompt token, its entry and its top alternatives' (ranks 1..k),
+    keyed by token id; the prompt's token keeps its own rank when it is also among the top."""
+    out: PromptLogprobs = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        by_id = {
+            str(alt.token_id): PromptLogprobEntry(
+                logprob=alt.logprob, rank=rank, decoded_token=renderer.render(alt.token_id)[0]
+            )
+            for rank, alt in enumerate(entry.top, start=1)
+        }
+        by_id[str(entry.token_id)] = PromptLogprobEntry(
+            logprob=entry.logprob, rank=entry.rank, decoded_token=renderer.render(entry.token_id)[0]
+        )
+        out.append(by_id)
+    return out
+
+
+def echo_logprobs(
+    renderer: TokenRenderer, prompt_ids: Sequence[int], entries: Sequence[PromptLogprob | None]
+) -> CompletionLogprobs:
+    """The legacy completions logprobs of an echoed prompt: its tokens, their logprobs (None for the
+    first) and top alternatives, and where each token's text starts in the prompt's text."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = 0
+    for token_id, entry in zip(prompt_ids, entries, strict=True):
+        text = renderer.render(token_id)[0]
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        token_logprobs.append(entry.logprob if entry is not None else None)
+        top_logprobs.append(
+            {renderer.render(alt.token_id)[0]: alt.logprob for alt in entry.top} if entry is not None else None
+        )
+    return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs,
+                              text_offset=offsets)
 
 
 def completion_logprobs(

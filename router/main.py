@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 from common.cluster_key import add_cluster_key_args, cluster_key_from_args
+from ops.supervisor import die_with_parent
 from router.auth import keys_from_env
 from router.config import RequestLimits, RouterConfig
 from router.routing import POLICIES
 
 logger = logging.getLogger("router")
+GC_THRESHOLD = 20_000  # allocations between young-generation collections (Python's default: 700)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +27,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve router", description="OpenAI-compatible router")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--workers", type=int, default=1,
+        help="router processes serving --port together (SO_REUSEPORT: the kernel spreads connections); "
+        "each has its own reply socket (--reply-port, when set, counts up per worker), registry view, "
+        "admission queue and /metrics (default: %(default)s)",
+    )
+    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set on each worker
     p.add_argument("--redis-url", default=defaults.redis_url, help="registry and prefix index")
     p.add_argument("--namespace", default=defaults.namespace, help="key prefix in Redis")
     p.add_argument("--model", default=None, help="model name or checkpoint folder (default model if unset)")
@@ -121,11 +136,18 @@ def _served_name(model: str | None, model_dir: pathlib.Path) -> str:
     return served_model_name(model_dir)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.workers < 1:
+        raise SystemExit("--workers must be at least 1")
+    if args.workers > 1:
+        if args.port == 0:
+            raise SystemExit("--workers > 1 needs a fixed --port")
+        return run_workers(argv, args)
     # Before anything loads: a missing key on a public reply address fails start-up at once.
     cluster_key = cluster_key_from_args(args, args.reply_host, "router")
 
@@ -167,8 +189,71 @@ def main(argv: list[str] | None = None) -> None:
     logger.info(
         "serving %s from %s on http://%s:%d", config.served_model_names, model_dir, args.host, args.port
     )
-    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    app = create_app(state)
+    # What start-up built (tokenizer, app) lives as long as the process: collections skip it, and run
+    # less often; the per-token path allocates many short-lived objects, few of them in cycles.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD, 20, 20)
+    if not args.reuse_port:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+        return 0
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False))
+    server.run(sockets=[_reuse_port_socket(args.host, args.port)])
+    return 0
+
+
+def _reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A listening address several processes bind at once; the kernel spreads new connections."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def run_workers(argv: list[str], args: argparse.Namespace) -> int:
+    """``--workers N``: N router processes on one port, each a plain router with ``--reuse-port``.
+
+    They share nothing but Redis (engines answer each on its own reply socket). This process only
+    watches them: SIGTERM / SIGINT is passed on, and when one worker exits the others are stopped
+    and the exit code is passed up, so a supervisor (``pdserve up``) restarts the whole router."""
+    workers = []
+    for index in range(args.workers):
+        extra = ["--workers", "1", "--reuse-port"]
+        if args.reply_port:
+            extra += ["--reply-port", str(args.reply_port + index)]
+        command = [sys.executable, "-m", "common.cli", "router", *argv, *extra]
+        workers.append(subprocess.Popen(command, preexec_fn=die_with_parent))
+    logger.info("router: %d worker processes on port %d: pids %s", len(workers), args.port,
+                [w.pid for w in workers])
+
+    def forward(signum: int, _: object) -> None:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    code = 0
+    try:
+        while all(w.poll() is None for w in workers):
+            time.sleep(0.2)
+        code = next(w.returncode for w in workers if w.returncode is not None)
+        if code:
+            logger.error("a router worker exited with code %d; stopping the others", code)
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.terminate()
+        for worker in workers:
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+    return code
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

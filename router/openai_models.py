@@ -7,12 +7,25 @@ errors naming the field (see ``parse_request``).
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    TypeAdapter,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
 
-from common.sampling_params import MAX_LOGPROBS, SamplingParams
+from common.protocol import MAX_PROMPT_LOGPROB_ENTRIES
+from common.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
+from router import structured_output
 from router.config import RequestLimits
 from router.errors import bad_request
 
@@ -24,9 +37,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-_NOT_IMPLEMENTED_EXTRAS = (
-    "prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-)
+_NOT_IMPLEMENTED_EXTRAS = ("guided_grammar", "structured_outputs")
 
 
 class _GenerationRequest(BaseModel):
@@ -47,6 +58,8 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    # OpenAI's for chat; vLLM takes it for completions too. With ``guided_*``: ``structured_output``.
+    response_format: dict[str, Any] | None = None
     # vLLM's extras
     top_k: int | None = Field(default=None, le=2**31)
     min_p: float | None = None
@@ -54,13 +67,16 @@ class _GenerationRequest(BaseModel):
     ignore_eos: StrictBool | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
-    # vLLM extras not implemented: declared so that they are refused, not silently ignored
-    prompt_logprobs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
+    # The prompt tokens' logprobs with this many top alternatives (vLLM's extra; not with stream).
+    prompt_logprobs: int | None = Field(default=None, ge=-(2**31), le=2**31)
+    # vLLM extras not implemented: declared so that they are refused, not silently ignored
     guided_grammar: Any = None
     structured_outputs: Any = None
+    # What ``check`` read from response_format / guided_*: the spec and the field it came from.
+    _structured: tuple[StructuredOutput, str] | None = PrivateAttr(default=None)
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -76,18 +92,33 @@ class _GenerationRequest(BaseModel):
         ``APIError``. Needs no tokenizer, so a request over a limit costs no tokenization."""
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
+        if self.logit_bias is not None and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias holds at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
+        if any(not (key.isascii() and key.isdigit()) for key in self.logit_bias or ()):
+            raise bad_request("logit_bias keys must be token ids (non-negative integers)", param="logit_bias")
+        self._structured = structured_output.from_request(
+            self.response_format, {name: getattr(self, name) for name in structured_output.GUIDED_FIELDS}
+        )
         for name in _NOT_IMPLEMENTED_EXTRAS:
             value = getattr(self, name)
             if value is not None and value is not False:  # prompt_logprobs=0 is a request too
                 raise bad_request(f"{name} is not supported (not yet implemented)", param=name)
         if self.n is not None and self.n > limits.max_n:
             raise bad_request(f"n must be at most {limits.max_n} (--max-n), got {self.n}", param="n")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
         self._check_stop(limits)
         requested = self.requested_max_tokens()
         if requested is not None:
             check_total_tokens(self.n, [requested] * self.num_prompts(), limits)
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """How many top alternatives the engine reports per prompt token (None: no prompt logprobs)."""
+        return self.prompt_logprobs
+
+    def structured_output(self) -> tuple[StructuredOutput, str] | None:
+        """The output's grammar spec and the field that asked for it (after ``check``)."""
+        return self._structured
 
     def _check_stop(self, limits: RequestLimits) -> None:
         stops = self.stop_strings()
@@ -130,6 +161,9 @@ class _GenerationRequest(BaseModel):
             stop_token_ids=stop_token_ids,
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
+            prompt_logprobs=self.engine_prompt_logprobs(),
+            logit_bias={int(key): bias for key, bias in (self.logit_bias or {}).items()},
+            structured_output=self._structured[0] if self._structured is not None else None,
         )
         try:
             params.validate(vocab_size=vocab_size)
@@ -139,7 +173,23 @@ class _GenerationRequest(BaseModel):
         return params
 
 
-PromptInput = str | list[int] | list[str] | list[list[int]]
+_PROMPT_LIST_ARMS: dict[type, TypeAdapter[Any]] = {
+    int: TypeAdapter(list[int]), str: TypeAdapter(list[str]), list: TypeAdapter(list[list[int]])
+}
+
+
+def _validate_prompt(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A prompt list is validated against the one shape its first item names. The plain union would
+    try each shape in turn, and a shape that fails collects an error for every item: seconds of CPU
+    under the GIL (the event loop's too) for a list of 100,000 prompts."""
+    if isinstance(value, list) and value:
+        arm = _PROMPT_LIST_ARMS.get(type(value[0]))
+        if arm is not None:
+            return arm.validate_python(value)
+    return handler(value)
+
+
+PromptInput = Annotated[str | list[int] | list[str] | list[list[int]], WrapValidator(_validate_prompt)]
 
 
 class CompletionRequest(_GenerationRequest):
@@ -155,6 +205,12 @@ class CompletionRequest(_GenerationRequest):
             return 1
         return len(self.prompt)
 
+    def engine_prompt_logprobs(self) -> int | None:
+        """An echoed prompt's logprobs come from the engine's prompt logprobs too."""
+        if self.echo and self.logprobs is not None:
+            return max(self.prompt_logprobs or 0, self.logprobs)
+        return self.prompt_logprobs
+
     def check(self, limits: RequestLimits) -> None:
         if isinstance(self.prompt, list) and not self.prompt:
             raise bad_request("prompt must not be empty", param="prompt")
@@ -165,8 +221,8 @@ class CompletionRequest(_GenerationRequest):
                 param="prompt",
             )
         super().check(limits)
-        if self.echo:
-            raise bad_request("echo is not supported", param="echo")
+        if self.echo and self.stream and self.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported when stream is true", param="echo")
         if self.suffix:
             raise bad_request("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != (self.n or 1):
@@ -207,7 +263,6 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: StrictBool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -216,8 +271,6 @@ class ChatCompletionRequest(_GenerationRequest):
         super().check(limits)
         if self.tools:
             raise bad_request("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("only the 'text' response_format is supported", param="response_format")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -261,15 +314,27 @@ def find_invalid_unicode(value: Any) -> tuple[str, str] | None:
     return None
 
 
-def parse_request(model: type[RequestT], body: Any, limits: RequestLimits) -> RequestT:
-    """Validate a decoded JSON body against ``model`` and ``limits``; a 400 naming the first bad
-    field otherwise."""
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
+# A UTF-8 JSON document holds a lone surrogate only as an escape of one of U+D800..U+DFFF or as the
+# bytes that would encode one (0xED 0xA0-0xBF ..., which ``json.loads`` lets through): a body with
+# neither needs no walk.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def check_unicode(raw: bytes, body: Any) -> None:
+    """A 400 naming the field when the JSON document ``raw`` (decoded: ``body``) holds a lone surrogate."""
+    if json.detect_encoding(raw) == "utf-8" and _SURROGATE_ESCAPE.search(raw) is None:
+        return
     invalid = find_invalid_unicode(body)
     if invalid is not None:
         param, message = invalid
         raise bad_request(message, param=param, code="invalid_unicode")
+
+
+def parse_request(model: type[RequestT], body: Any, limits: RequestLimits) -> RequestT:
+    """Validate a decoded JSON body (Unicode checked by ``check_unicode``) against ``model`` and
+    ``limits``; a 400 naming the first bad field otherwise."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
     try:
         request = model.model_validate(body)
     except ValidationError as exc:
@@ -278,6 +343,17 @@ def parse_request(model: type[RequestT], body: Any, limits: RequestLimits) -> Re
         raise bad_request(f"{loc or 'body'}: {first['msg']}", param=loc or None) from None
     request.check(limits)
     return request
+
+
+def check_prompt_logprobs(params: SamplingParams, num_prompt_tokens: int) -> None:
+    """A 400 when a prompt's logprobs would not fit one engine output message."""
+    k = params.prompt_logprobs
+    if k is not None and num_prompt_tokens * (1 + k) > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise bad_request(
+            f"prompt_logprobs: a prompt of {num_prompt_tokens} tokens with {k} alternatives each exceeds "
+            f"{MAX_PROMPT_LOGPROB_ENTRIES} entries; ask for fewer alternatives",
+            param="prompt_logprobs",
+        )
 
 
 def check_total_tokens(n: int | None, max_tokens_per_prompt: list[int], limits: RequestLimits) -> None:

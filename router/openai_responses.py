@@ -41,11 +41,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprobEntry(BaseModel):
+    """vLLM's shape for one token of ``prompt_logprobs``."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# One per prompt token, keyed by token id (the prompt's token and the top alternatives); None first.
+PromptLogprobs = list[dict[str, PromptLogprobEntry] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    # vLLM's extra, present only when asked for.
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(BaseModel):
@@ -78,6 +92,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # vLLM's extra, present only when asked for.
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class DeltaMessage(BaseModel):

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 from fastapi.responses import StreamingResponse
 
-from common.protocol import PositionLogprobs
+from common.protocol import PositionLogprobs, PromptLogprob
 from common.sampling_params import SamplingParams
 from router.admission import CLIENT_KEY, Lane, Slot
 from router.choice_stream import ChoiceDelta, ChoiceStream
@@ -99,6 +99,9 @@ class PlanChoices:
         except BaseException:
             slot.release()
             raise
+        # Counted as each prompt goes out: a 100,000-prompt request costs the event loop nothing up front.
+        self.state.metrics.prompt_tokens.inc(len(prompt))
+        self.state.metrics.request_prompt_tokens.observe(len(prompt))
         shared = ChoicesSlot(slot, len(engine_requests))
         started = [
             (ChoiceStream(p * params.n + i, engine_request, self.state.prompts.tokenizer, prompt,
@@ -144,9 +147,6 @@ async def start_choices(
     except BaseException:
         choices.close()
         raise
-    for prompt in plan.prompts:
-        state.metrics.prompt_tokens.inc(len(prompt))
-        state.metrics.request_prompt_tokens.observe(len(prompt))
     return choices
 
 
@@ -242,6 +242,7 @@ class ChoiceResult:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     text_offsets: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 class UsageTracker:
@@ -273,18 +274,20 @@ async def collect(
 ) -> tuple[list[ChoiceResult], Usage]:
     """Run a non-streaming request to the end; raises ``ClientDisconnected`` or ``EngineRequestError``."""
     choices = await start_choices(state, plan, wait_disconnect)
-    results = {i: ChoiceResult(index=i) for i in range(choices.num_choices)}
+    results: dict[int, ChoiceResult] = {}  # built as choices report, not all up front
     usage = UsageTracker(plan)
     deltas = merge_choices(choices, wait_disconnect)
     async with contextlib.aclosing(deltas):
         async for delta in deltas:
-            result = results[delta.index]
+            result = results.get(delta.index) or results.setdefault(delta.index, ChoiceResult(index=delta.index))
             result.text += delta.text
             result.logprobs += delta.logprobs
             result.text_offsets += delta.text_offsets
             result.finish_reason = delta.finish_reason or result.finish_reason
+            if delta.prompt_logprobs is not None:
+                result.prompt_logprobs = delta.prompt_logprobs
             usage.update(delta)
-    return [results[i] for i in sorted(results)], usage.usage()
+    return [results.get(i) or ChoiceResult(index=i) for i in range(choices.num_choices)], usage.usage()
 
 
 def engine_api_error(exc: EngineRequestError) -> APIError:

@@ -6,11 +6,18 @@ import contextlib
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import msgspec
 from fastapi.responses import JSONResponse, Response
 
 from router.choice_stream import ChoiceDelta
-from router.logprobs import TokenRenderer, chat_logprobs
-from router.openai_models import ChatCompletionRequest, check_max_tokens, check_total_tokens, parse_request
+from router.logprobs import TokenRenderer, chat_logprobs, prompt_logprobs
+from router.openai_models import (
+    ChatCompletionRequest,
+    check_max_tokens,
+    check_prompt_logprobs,
+    check_total_tokens,
+    parse_request,
+)
 from router.openai_responses import (
     ChatChoice,
     ChatCompletionChunk,
@@ -18,8 +25,10 @@ from router.openai_responses import (
     ChatMessageOut,
     ChatStreamChoice,
     DeltaMessage,
+    PromptLogprobs,
 )
 from router.serving import (
+    ChoiceResult,
     DisconnectWaiter,
     GenerationPlan,
     UsageTracker,
@@ -28,6 +37,7 @@ from router.serving import (
     sse_response,
 )
 from router.state import RouterState
+from router.structured_output import check_grammar
 
 
 async def plan_chat(
@@ -37,6 +47,9 @@ async def plan_chat(
     request = parse_request(ChatCompletionRequest, body, limits)
     model = state.check_model(request.model)
     max_model_len = state.max_model_len()
+    structured = request.structured_output()
+    if structured is not None:
+        await check_grammar(*structured)
     prompt = await state.prompts.tokenize_chat(request.template_messages(), max_model_len)
     max_tokens = check_max_tokens(
         request.requested_max_tokens(), len(prompt), max_model_len, None, "messages"
@@ -45,6 +58,7 @@ async def plan_chat(
     params = request.sampling_params(
         max_tokens, request.requested_logprobs(), state.prompts.eos_token_id, state.prompts.vocab_size
     )
+    check_prompt_logprobs(params, len(prompt))
     plan = GenerationPlan(
         request_id=new_request_id("chatcmpl"),
         model=model,
@@ -81,8 +95,15 @@ async def create_chat_completion(
             for r in results
         ],
         usage=usage,
+        prompt_logprobs=_prompt_logprobs(state, results),
     )
     return JSONResponse(response.model_dump(mode="json"))
+
+
+def _prompt_logprobs(state: RouterState, results: list[ChoiceResult]) -> PromptLogprobs | None:
+    """The prompt's logprobs (they come with the first choice's first token)."""
+    entries = next((r.prompt_logprobs for r in results if r.prompt_logprobs is not None), None)
+    return None if entries is None else prompt_logprobs(TokenRenderer(state.prompts.tokenizer), entries)
 
 
 async def _stream(
@@ -101,12 +122,21 @@ async def _stream(
         )
         return body.model_dump_json(exclude=exclude)
 
+    # Per token, the content chunk is written from its fixed parts (the bytes pydantic writes,
+    # without building its models): the router's CPU per streamed token is the cost of a stream.
+    head = msgspec.json.encode(
+        {"id": plan.request_id, "object": "chat.completion.chunk", "created": plan.created, "model": plan.model}
+    ).decode()[:-1] + ',"choices":[{"index":'
+    tail = ',"logprobs":null,"finish_reason":null}]' + (',"usage":null}' if include_usage else "}")
+
     for index in range(len(plan.prompts) * plan.n):
         yield chunk(index, DeltaMessage(role="assistant", content=""))
     async with contextlib.aclosing(deltas):
         async for delta in deltas:
             usage.update(delta)
-            if delta.text or delta.logprobs:
+            if delta.text and renderer is None:
+                yield f'{head}{delta.index},"delta":{{"content":{msgspec.json.encode(delta.text).decode()}}}{tail}'
+            elif delta.text or delta.logprobs:
                 logprobs = chat_logprobs(renderer, delta.logprobs) if renderer else None
                 yield chunk(delta.index, DeltaMessage(content=delta.text), logprobs)
             if delta.finish_reason is not None:

@@ -7,15 +7,23 @@ import contextlib
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import msgspec
 from fastapi.responses import JSONResponse, Response
 
 from common.sampling_params import SamplingParams
 from router.admission import CLIENT_KEY
 from router.choice_stream import ChoiceDelta
-from router.logprobs import TokenRenderer, completion_logprobs
-from router.openai_models import CompletionRequest, check_max_tokens, check_total_tokens, parse_request
-from router.openai_responses import CompletionChoice, CompletionResponse
+from router.logprobs import TokenRenderer, completion_logprobs, echo_logprobs, prompt_logprobs
+from router.openai_models import (
+    CompletionRequest,
+    check_max_tokens,
+    check_prompt_logprobs,
+    check_total_tokens,
+    parse_request,
+)
+from router.openai_responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from router.serving import (
+    ChoiceResult,
     DisconnectWaiter,
     GenerationPlan,
     UsageTracker,
@@ -24,6 +32,7 @@ from router.serving import (
     sse_response,
 )
 from router.state import RouterState
+from router.structured_output import check_grammar
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 BIG_PROMPT_LIST = 256
@@ -40,6 +49,9 @@ async def plan_completion(
     else:
         request = parse_request(CompletionRequest, body, limits)
     model = state.check_model(request.model)
+    structured = request.structured_output()
+    if structured is not None:
+        await check_grammar(*structured)
     # A request the fair queue could not take now is refused before any tokenizing.
     state.admission.check(CLIENT_KEY.get() or "-", _num_prompts(request.prompt))  # one engine request per prompt
     max_model_len = state.max_model_len()
@@ -56,6 +68,9 @@ async def plan_completion(
             )
         params.append(by_max_tokens[max_tokens])
     check_total_tokens(request.n, [p.max_tokens for p in params], limits)
+    if params and params[0].prompt_logprobs is not None:
+        for prompt_ids, prompt_params in zip(prompts, params, strict=True):
+            check_prompt_logprobs(prompt_params, len(prompt_ids))
     plan = GenerationPlan(
         request_id=new_request_id("cmpl"),
         model=model,
@@ -84,28 +99,74 @@ async def create_completion(
 ) -> Response:
     request, plan = await plan_completion(state, body, cache_salt)
     renderer = TokenRenderer(state.prompts.tokenizer) if request.logprobs is not None else None
+    echo = _prompt_texts(state, request, plan) if request.echo else None
     if request.stream:
         return await sse_response(
             state, plan, wait_disconnect, request.stream_options,
-            lambda deltas, include_usage: _stream(plan, deltas, renderer, include_usage),
+            lambda deltas, include_usage: _stream(plan, deltas, renderer, include_usage, echo),
         )
     results, usage = await collect(state, plan, wait_disconnect)
     response = CompletionResponse(
         id=plan.request_id,
         created=plan.created,
         model=plan.model,
-        choices=[
-            CompletionChoice(
-                index=r.index,
-                text=r.text,
-                logprobs=_logprobs(renderer, r),
-                finish_reason=r.finish_reason,  # type: ignore[arg-type]
-            )
-            for r in results
-        ],
+        choices=_choices(state, request, plan, results, renderer, echo),
         usage=usage,
     )
     return JSONResponse(response.model_dump(mode="json"))
+
+
+def _prompt_texts(state: RouterState, request: CompletionRequest, plan: GenerationPlan) -> list[str]:
+    """Each prompt's text, as given, or decoded from its token ids (``echo``)."""
+    if isinstance(request.prompt, str):
+        return [request.prompt]
+    if request.prompt and isinstance(request.prompt[0], str):
+        return list(request.prompt)  # type: ignore[arg-type]
+    return [state.prompts.tokenizer.decode(ids) for ids in plan.prompts]
+
+
+def _choices(
+    state: RouterState,
+    request: CompletionRequest,
+    plan: GenerationPlan,
+    results: list[ChoiceResult],
+    renderer: TokenRenderer | None,
+    echo: list[str] | None,
+) -> list[CompletionChoice]:
+    """Choice ``i`` of prompt ``p`` is index ``p * n + i``; a prompt's logprobs come with its first
+    choice's first token and belong to all its choices."""
+    by_prompt = {r.index // plan.n: r.prompt_logprobs for r in results if r.prompt_logprobs is not None}
+    token_renderer = renderer
+    if token_renderer is None and by_prompt:
+        token_renderer = TokenRenderer(state.prompts.tokenizer)
+    choices = []
+    for r in results:
+        p = r.index // plan.n
+        entries = by_prompt.get(p)
+        logprobs = _logprobs(renderer, r)
+        text = r.text
+        if echo is not None:
+            text = echo[p] + r.text
+            if renderer is not None and logprobs is not None:
+                head = echo_logprobs(renderer, plan.prompts[p], entries or [None] * len(plan.prompts[p]))
+                logprobs = CompletionLogprobs(
+                    tokens=head.tokens + logprobs.tokens,
+                    token_logprobs=head.token_logprobs + logprobs.token_logprobs,
+                    top_logprobs=head.top_logprobs + logprobs.top_logprobs,
+                    text_offset=head.text_offset + [o + len(echo[p]) for o in logprobs.text_offset],
+                )
+        choices.append(CompletionChoice(
+            index=r.index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=r.finish_reason,  # type: ignore[arg-type]
+            prompt_logprobs=(
+                prompt_logprobs(token_renderer, entries)
+                if request.prompt_logprobs is not None and entries is not None and token_renderer is not None
+                else None
+            ),
+        ))
+    return choices
 
 
 async def _stream(
@@ -113,13 +174,29 @@ async def _stream(
     deltas: AsyncGenerator[ChoiceDelta, None],
     renderer: TokenRenderer | None,
     include_usage: bool,
+    echo: list[str] | None = None,
 ) -> AsyncGenerator[str, None]:
     usage = UsageTracker(plan)
+    echoed: set[int] = set()  # choices whose prompt text went out (``echo``: before their first text)
     exclude = None if include_usage else {"usage"}
+    # Per token, the chunk is written from its fixed parts (the bytes pydantic writes, without
+    # building its models): the router's CPU per streamed token is the cost of a stream.
+    head = msgspec.json.encode(
+        {"id": plan.request_id, "object": "text_completion", "created": plan.created, "model": plan.model}
+    ).decode()[:-1] + ',"choices":[{"index":'
+    tail = ',"usage":null}' if include_usage else "}"
     async with contextlib.aclosing(deltas):
         async for delta in deltas:
             usage.update(delta)
+            if echo is not None and delta.index not in echoed:
+                echoed.add(delta.index)
+                delta.text = echo[delta.index // plan.n] + delta.text
             if not delta.text and not delta.logprobs and delta.finish_reason is None:
+                continue
+            if renderer is None:
+                finish = "null" if delta.finish_reason is None else f'"{delta.finish_reason}"'
+                yield (f'{head}{delta.index},"text":{msgspec.json.encode(delta.text).decode()},'
+                       f'"logprobs":null,"finish_reason":{finish}}}]{tail}')
                 continue
             chunk = CompletionResponse(
                 id=plan.request_id,

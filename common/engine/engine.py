@@ -12,13 +12,14 @@ import time
 from dataclasses import dataclass, field
 
 from common.config import EngineConfig
+from common.engine.grammar import GrammarCache, GrammarState
 from common.engine.model_runner import ModelRunner
 from common.engine.request import Request, RequestStatus
 from common.engine.sampler import Sampler
 from common.engine.scheduler import Scheduler
 from common.kvcache.hashing import BlockHash
 from common.kvcache.kv_cache_manager import KVCacheManager
-from common.protocol import PositionLogprobs, choice_request_id
+from common.protocol import MAX_PROMPT_LOGPROB_ENTRIES, PositionLogprobs, PromptLogprob, choice_request_id
 from common.sampling_params import SamplingParams
 
 
@@ -50,6 +51,8 @@ class EngineOutput:
     error: str | None = None
     # A prefill-only request whose KV is complete and held for a transfer (see ``release_kv``).
     kv_handoff: KVHandoff | None = None
+    # With the first token, when asked for (``SamplingParams.prompt_logprobs``).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
     # On a request's first token: seconds queued before its first schedule, and from then to the token.
     queue_time: float | None = None
     prefill_time: float | None = None
@@ -71,6 +74,11 @@ class EngineStats:
 
 # A transfer may be reading or writing these requests' blocks: only ``release_kv`` frees them.
 _TRANSFER_STATES = (RequestStatus.HELD_FOR_TRANSFER, RequestStatus.WAITING_FOR_REMOTE_KV)
+_FINISHED = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "error": RequestStatus.FINISHED_ERROR,
+}
 
 
 class LLMEngine:
@@ -92,6 +100,8 @@ class LLMEngine:
         )
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, config.seed)
+        # Structured output; the tokenizer loads with the first grammar.
+        self.grammars = GrammarCache(self._load_tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self._pending: list[EngineOutput] = []
         # Decode side, n > 1: first tokens of choices 1.. per request waiting for remote KV, and
         # the choices aborted before they exist; they fork when the KV has arrived.
@@ -117,6 +127,18 @@ class LLMEngine:
                 ids.update(int(e) for e in eos)
         return ids
 
+    def _load_tokenizer(self):  # type: ignore[no-untyped-def]
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.runner.model_path))
+
+    def _grammar(self, params: SamplingParams, output_token_ids: list[int]) -> GrammarState | None:
+        """The request's grammar state after its ``output_token_ids`` (a resumed request, or one whose
+        first tokens were sampled elsewhere replays them); ``ValueError`` if they leave the grammar."""
+        if params.structured_output is None:
+            return None
+        return self.grammars.new_state(params.structured_output, output_token_ids)
+
     # ----------------------------------------------------------------- requests in
     def validate(
         self, prompt_token_ids: list[int], params: SamplingParams, output_token_ids: list[int] | None = None
@@ -134,6 +156,13 @@ class LLMEngine:
                 f"prompt ({num_tokens} tokens) is too long: max_model_len is {self.max_model_len}"
             )
         params.validate(self.vocab_size)
+        if params.prompt_logprobs is not None and not outputs:
+            entries = len(prompt_token_ids) * (1 + params.prompt_logprobs)
+            if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+                raise ValueError(
+                    f"prompt_logprobs: {len(prompt_token_ids)} prompt tokens x {1 + params.prompt_logprobs} "
+                    f"entries exceed {MAX_PROMPT_LOGPROB_ENTRIES}"
+                )
         if len(outputs) >= params.max_tokens:
             raise ValueError(f"{len(outputs)} output tokens already reach max_tokens {params.max_tokens}")
 
@@ -162,6 +191,9 @@ class LLMEngine:
             cache_salt=cache_salt, arrival_time=arrival_time, kv_transfer=kv_transfer,
             output_token_ids=output_token_ids,
         )
+        req.grammar = self._grammar(params, req.output_token_ids)
+        if params.prompt_logprobs is not None and not req.output_token_ids:  # a continuation sent them
+            req.prompt_logprobs = [None]
         req.skip_draws(req.num_output_tokens, self.vocab_size)
         self.scheduler.add(req)
 
@@ -207,6 +239,9 @@ class LLMEngine:
             cache_salt=cache_salt, output_token_ids=outputs,
         )
         req.forked = True  # the choices fork when the KV has arrived, not after a local prefill
+        req.grammar = self._grammar(params, outputs)
+        for token in choices[1:]:  # each choice's first token must fit the grammar too
+            self._grammar(params, [token])
         num_kv_tokens = req.num_tokens - 1
         if not self.scheduler.add_remote(req, num_kv_tokens):
             return None
@@ -237,6 +272,7 @@ class LLMEngine:
                 output_token_ids=[token], seed_offset=index,
             )
             child.forked = True
+            child.grammar = self._grammar(req.sampling_params, [token])  # checked by add_remote_request
             child.skip_draws(1, self.vocab_size)  # its first token was drawn on the prefill instance
             child.num_computed_tokens = req.num_computed_tokens
             child.num_cached_tokens, child.first_token_time = req.num_cached_tokens, now
@@ -246,8 +282,7 @@ class LLMEngine:
         for choice in choices:
             reason = self._check_stop(choice, choice.output_token_ids[-1])
             if reason is not None:
-                status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
-                self.scheduler.finish(choice, status)
+                self.scheduler.finish(choice, _FINISHED[reason])
                 self._pending.append(self._output(choice, [], None, reason))
         if 0 in aborted and not req.is_finished:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
@@ -361,8 +396,7 @@ class LLMEngine:
                 req.first_token_time = now
             reason = None if req.kv_transfer and req.sampling_params.n > 1 else self._check_stop(req, token)
             if reason is not None:
-                status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
-                self.scheduler.finish(req, status)
+                self.scheduler.finish(req, _FINISHED[reason])
                 outputs.append(self._output(req, [token], lp, reason))
             elif req.kv_transfer and req.request_id in self.scheduler.requests:
                 # Its KV leaves for the decode instance, once for all choices of an n > 1 request
@@ -373,6 +407,8 @@ class LLMEngine:
                 outputs.append(out)
             else:
                 outputs.append(self._output(req, [token], lp, None))
+            if first and req.prompt_logprobs is not None:
+                outputs[-1].prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
             if first and req.scheduled_time is not None:
                 outputs[-1].queue_time = req.scheduled_time - req.arrival_time
                 outputs[-1].prefill_time = now - req.scheduled_time
@@ -386,6 +422,11 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, token: int) -> str | None:
         p = req.sampling_params
+        if req.grammar is not None:
+            if req.grammar.rejected:  # never under the sampler's mask; a failed request, not a wrong output
+                return "error"
+            if req.grammar.terminated:  # the grammar is complete and its stop token was accepted
+                return "stop"
         if req.num_output_tokens >= p.min_tokens and (
             token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
         ):
@@ -404,6 +445,7 @@ class LLMEngine:
             finish_reason=reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
+            error="a sampled token left the request's grammar" if reason == "error" else None,
         )
 
     def _track_slot_use(self) -> None:

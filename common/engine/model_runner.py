@@ -17,11 +17,14 @@ from common.engine.scheduler import SchedulerOutput
 from common.model.llama import AttentionMetadata
 from common.model.loader import model_identity, resolve_model_path
 from common.model.weights import load_hf_config, load_model
+from common.protocol import PromptLogprob, TokenLogprob
 from kernels import get_kernels, resolve_backend
 
 logger = logging.getLogger(__name__)
 
 _GPU_ACTIVATION_HEADROOM = 1 << 30
+# Prompt logprobs are computed over at most this many positions at a time.
+_PROMPT_LOGPROB_ROWS = 256
 
 
 class ModelRunner:
@@ -102,9 +105,52 @@ class ModelRunner:
             max_query_len=inputs.max_query_len,
         )
         hidden = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), meta, self.kv_cache)
+        if any(s.request.prompt_logprobs is not None for s in out.scheduled):
+            self._prompt_logprobs(out, hidden, inputs.query_start_loc.tolist())
         if len(inputs.sample_idx) == 0:
             return torch.empty(0, self.vocab_size, device=dev)
         # Only the completing rows' logits are computed, and they stay on the device: the sampler
         # runs there and only the sampled ids (and requested logprobs) cross to the host.
         logits: Tensor = self.model.compute_logits(hidden[inputs.sample_idx.to(dev)])
         return logits
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: Tensor, query_start: list[int]) -> None:
+        """Append to each collecting request's ``prompt_logprobs`` those of the prompt tokens this
+        step's chunk predicts (position p's hidden state gives token p + 1), skipping positions a
+        recompute after preemption already gave."""
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[tuple[list[PromptLogprob | None], int, int]] = []  # (list, positions, top k)
+        for i, s in enumerate(out.scheduled):
+            req = s.request
+            collected = req.prompt_logprobs
+            if collected is None:
+                continue
+            start = req.num_computed_tokens
+            end = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
+            first = max(start, len(collected) - 1)
+            if first >= end:
+                continue
+            rows += range(query_start[i] + first - start, query_start[i] + end - start)
+            targets += req.all_token_ids[first + 1 : end + 1]
+            owners.append((collected, end - first, req.sampling_params.prompt_logprobs or 0))
+        if not rows:
+            return
+        k_max = max(k for _, _, k in owners)
+        lines: list[list[float]] = []
+        for at in range(0, len(rows), _PROMPT_LOGPROB_ROWS):  # bounded [rows, vocab] temporaries
+            idx = torch.tensor(rows[at : at + _PROMPT_LOGPROB_ROWS], device=hidden.device)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[idx]).float(), dim=-1)
+            target = torch.tensor(targets[at : at + _PROMPT_LOGPROB_ROWS], device=hidden.device)
+            chosen = logprobs.gather(1, target.unsqueeze(1))
+            parts = [chosen, (logprobs > chosen).sum(dim=1, keepdim=True) + 1]
+            if k_max:
+                top = logprobs.topk(k_max, dim=-1)
+                parts += [top.values, top.indices]
+            lines += torch.cat([p.double() for p in parts], dim=1).tolist()  # float64: ids stay exact
+        at = 0
+        for collected, count, k in owners:
+            for line, token in zip(lines[at : at + count], targets[at : at + count], strict=True):
+                alts = [TokenLogprob(int(line[2 + k_max + j]), line[2 + j]) for j in range(k)]
+                collected.append(PromptLogprob(token, line[0], int(line[1]), alts))
+            at += count

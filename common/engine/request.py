@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.kvcache.hashing import BlockHash, compute_block_hashes
 from common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from common.engine.grammar import GrammarState
+    from common.protocol import PromptLogprob
 
 
 class RequestStatus(enum.IntEnum):
@@ -80,6 +85,12 @@ class Request:
         self.scheduled_time: float | None = None  # first admission to the running batch
         self.first_token_time: float | None = None
         self.generator: torch.Generator | None = None
+        # Structured output: where the output stands in its grammar; it advances with every
+        # appended token and survives preemption (the tokens stay, so does the state).
+        self.grammar: GrammarState | None = None
+        # Prompt logprobs as the prompt's chunks compute them (position i: token i given those before
+        # it); set while they are wanted and not yet sent with the first token.
+        self.prompt_logprobs: list[PromptLogprob | None] | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator()
             # Choice i of an n > 1 request draws from seed + i (see ``fork``).
@@ -109,6 +120,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if self.num_tokens % self._block_size == 0:
             parent = self.block_hashes[-1] if self.block_hashes else None
             self.block_hashes.extend(
@@ -141,6 +154,8 @@ class Request:
         child.all_token_ids = list(self.all_token_ids)
         child.block_hashes = list(self.block_hashes)
         child.generator = None
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
+        child.prompt_logprobs = None  # choice 0 carries them
         if params.seed is not None:
             child.generator = torch.Generator()
             child.generator.manual_seed(params.seed + seed_offset)

@@ -1,11 +1,14 @@
-"""Token sampling for a whole batch at once: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+"""Token sampling for a whole batch at once: logit bias, grammars, penalties, temperature,
+top-k/top-p/min-p, seeds, logprobs.
 
 A step is a fixed handful of tensor operations over ``[rows, vocab]`` whatever the batch holds: the
 per-row parameters travel as tensors, a row with neutral parameters passes through unchanged, and
 Python loops only over rows that need something of their own (a seed, a ban, a penalty's token ids,
 logprobs to build). An all-greedy batch without penalties is one argmax over the logits in place;
-otherwise each row is copied at most once, into the working tensor that penalties, ``min_tokens``
-bans, temperature and top-k then modify in place. Greedy rows take the argmax of their penalised
+otherwise each row is copied at most once, into the working tensor that ``logit_bias`` (one
+scatter-add, first of all), structured output (one masked fill over the rows with a grammar, whose
+states each fill their row of a token bitmask), penalties, ``min_tokens`` bans, temperature and
+top-k then modify in place. Greedy rows take the argmax of their penalised
 logits. Only the sampled ids and the requested logprobs cross to the host, one transfer each.
 
 On the CPU the rows go through in chunks of about ``CPU_CHUNK_BYTES`` of logits: every temporary
@@ -21,8 +24,8 @@ not change. Unseeded rows, bound by no such contract, share one batched draw fro
 own generator: one uniform per row, inverted through the row's cumulative distribution (a pass
 over the row, where the race costs a logarithm per entry).
 
-Logprobs are those of the model's raw distribution (before penalties and temperature), as vLLM
-reports them.
+Logprobs are those of the model's raw distribution (before logit bias, grammar, penalties and
+temperature), as vLLM reports them by default.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from common.engine.grammar import apply_token_bitmask
 from common.engine.request import Request
 from common.protocol import PositionLogprobs, TokenLogprob
 
@@ -55,6 +59,8 @@ class Sampler:
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
         self._device_generators: dict[torch.device, torch.Generator] = {}
+        # Token bitmask rows for grammars, reused step after step (xgrammar fills it on the CPU).
+        self._bitmask = torch.empty(0, 0, dtype=torch.int32)
 
     def __call__(self, logits: Tensor, requests: list[Request]) -> SampleResult:
         """Sample one token per row of ``logits`` ``[len(requests), vocab]``; ``logits`` is not mutated.
@@ -94,6 +100,7 @@ class Sampler:
         p = req.sampling_params
         return (
             not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0
+            or bool(p.logit_bias) or req.grammar is not None
             or bool((p.presence_penalty or p.frequency_penalty) and req.output_token_ids)
             or req.num_output_tokens < p.min_tokens
         )
@@ -105,6 +112,8 @@ class Sampler:
         for the rows that asked for logprobs ``[token logprob, k_max top values, k_max top ids]`` in float64."""
         lp_rows = [row for row, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         raw = torch.log_softmax(_rows(logits, lp_rows), dim=-1) if lp_rows else None
+        constrained = self._constrained(logits, requests, owned)
+        owned, logits = owned or constrained is not logits, constrained
         greedy = [row for row, r in enumerate(requests) if r.sampling_params.greedy]
         sampled = [row for row, r in enumerate(requests) if not r.sampling_params.greedy]
         token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
@@ -125,6 +134,43 @@ class Sampler:
             parts += [top.values, top.indices]
         return token_ids, torch.cat([p.double() for p in parts], dim=1)
 
+    def _constrained(self, logits: Tensor, requests: list[Request], owned: bool) -> Tensor:
+        """``logits`` plus every row's ``logit_bias`` (one scatter-add), then with every token its
+        grammar does not allow next at -inf (one masked fill over the grammar rows); written in place
+        if ``owned``, else a copy when any applies."""
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        grammar_rows: list[int] = []
+        for row, req in enumerate(requests):
+            bias = req.sampling_params.logit_bias
+            if bias:
+                bias_rows += [row] * len(bias)
+                bias_ids += bias.keys()
+                bias_values += bias.values()
+            if req.grammar is not None:
+                grammar_rows.append(row)
+        if not (bias_rows or grammar_rows):
+            return logits
+        x = logits if owned else logits.clone()
+        dev = x.device
+        if bias_rows:
+            x.index_put_(
+                (torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev)),
+                torch.tensor(bias_values, dtype=x.dtype, device=dev), accumulate=True,
+            )
+        if grammar_rows:
+            words = -(-x.shape[-1] // 32)
+            if self._bitmask.shape[0] < len(requests) or self._bitmask.shape[1] != words:
+                self._bitmask = torch.empty(max(len(requests), 2 * self._bitmask.shape[0]), words, dtype=torch.int32)
+            bitmask = self._bitmask[: len(requests)]
+            for row in grammar_rows:  # the one per-row step: the grammar's own bitmask row
+                grammar = requests[row].grammar
+                assert grammar is not None
+                grammar.fill_bitmask(bitmask, row)
+            apply_token_bitmask(x, bitmask, grammar_rows)
+        return x
+
     def _penalized(self, logits: Tensor, requests: list[Request], owned: bool) -> Tensor:
         """``logits`` with min_tokens bans and penalties; written in place if ``owned``, else a copy
         when any applies."""
@@ -138,7 +184,8 @@ class Sampler:
         out_ids: list[int] = []
         for row, req in enumerate(requests):
             p = req.sampling_params
-            if req.num_output_tokens < p.min_tokens:
+            # A grammar decides alone when its output may end: banning its stop token could leave no token.
+            if req.num_output_tokens < p.min_tokens and req.grammar is None:
                 banned = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
                 ban_rows += [row] * len(banned)
                 ban_ids += banned

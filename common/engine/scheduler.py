@@ -172,7 +172,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted_ids:
             req = self.waiting[0]
             computed_blocks: list[KVBlock] = []
-            if req.num_computed_tokens == 0 and req.request_id not in self.kv.req_blocks:
+            # A request collecting prompt logprobs computes every prompt position: no prefix hits.
+            if req.num_computed_tokens == 0 and req.request_id not in self.kv.req_blocks and req.prompt_logprobs is None:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(req)
                 req.num_computed_tokens = num_hit
             num_new = req.num_tokens - req.num_computed_tokens

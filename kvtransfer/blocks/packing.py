@@ -1,11 +1,12 @@
 """Pack blocks of the local cache into frame bytes (sender) and unpack frames into blocks (receiver).
 
-On the CPU, a frame whose blocks are one run of consecutive ids in the sender's cache is not
-packed at all: each of its K and V planes is already one contiguous range of the cache, and ZMQ
-sends those ranges as the frame's parts without copying them. Other frames are gathered into a
-reusable staging buffer that ZMQ then sends without copying. The receiver copies straight out of
-the buffers ZMQ received into: runs of consecutive destination ids as plain slice copies, scattered
-ids through an index copy.
+On the CPU a frame goes out as a plan of parts (``PartPlan``): every run of consecutive ids long
+enough to be worth it (``min_zero_copy_bytes`` per plane) is a view of the cache that ZMQ sends
+without copying, and only the rest of the frame's blocks are gathered, with one index copy, into a
+reusable staging buffer whose slices sit between those views. So the gather copy shrinks to the
+fragmented remainder, and a frame of one run needs no copy at all. The receiver copies straight
+out of the buffers ZMQ received into: each part is cut at plane boundaries, runs of consecutive
+destination ids get plain slice copies and fragmented ones one index copy per piece.
 
 On CUDA every frame is packed by ``kernels.get_kernels(device)`` (the Triton gather/scatter) and
 passes through pinned host buffers with asynchronous copies on a side stream; each packed or
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -25,14 +26,17 @@ from torch import Tensor
 from kernels import get_kernels
 from kvtransfer.blocks.layout import KVLayout
 from kvtransfer.blocks.staging import StagingPool
-from kvtransfer.wire.frames import BlockRuns, FrameSpec, layer_group
+from kvtransfer.wire.frames import MAX_DATA_PARTS, BlockRuns, FrameSpec
 
-# A plane smaller than this is packed instead (ZMQ copies small zero-copy parts anyway).
-MIN_ZERO_COPY_PLANE_BYTES = 64 << 10
-# A run of consecutive ids gets frames of its own only when each carries at least this much: every
-# frame costs both ends a fixed overhead (measured about 0.2 ms each on a CPU host) that the
-# saved pack copy of a shorter run does not repay. Shorter runs are packed with their neighbours.
-MIN_RUN_FRAME_BYTES = 1 << 20
+# A run whose bytes in one plane are fewer than this is gathered instead of sent as a view. Every
+# part costs both ends something (a ZMQ message part, a piece to copy on the receiver): measured
+# on a CPU host, 3 MiB sent as 48 zero-copy parts of 64 KiB took ZMQ twice the CPU of 12 parts of
+# 256 KiB, and with 64 KiB the runs of a strict-LRU pool's recycled ids (6 to 13 blocks of 12 KiB)
+# went out as views and the receiver's copies took 1.5x as long as from one gathered part.
+MIN_ZERO_COPY_PLANE_BYTES = 256 << 10
+# Pieces of a received frame with at least this many blocks per destination run on average are
+# copied run by run; more fragmented ones take one index copy (fewer Python calls per byte).
+MIN_BLOCKS_PER_COPIED_RUN = 4
 
 
 class BlockIds:
@@ -41,6 +45,7 @@ class BlockIds:
     def __init__(self, ids: list[int], device: torch.device) -> None:
         self.runs = BlockRuns(ids)
         self.tensor = torch.tensor(ids, dtype=torch.long).to(device)
+        self.array = np.asarray(ids, dtype=np.int64)  # for numpy index copies on the CPU
 
     def __len__(self) -> int:
         return len(self.runs.ids)
@@ -49,7 +54,8 @@ class BlockIds:
 class PackedFrame:
     """The bytes of one frame, in parts ZMQ can send without copying; send them once ``ready()``.
 
-    ``base`` is the staging buffer of a packed frame, ``None`` when the parts are views of the cache.
+    ``base`` is the staging buffer holding the gathered part of the frame, ``None`` when every part
+    is a view of the cache.
     """
 
     def __init__(
@@ -70,15 +76,17 @@ class PackedFrame:
         return self.event is None or bool(self.event.query())
 
 
-def _as_bytes(t: Tensor) -> Any:
-    """A contiguous CPU tensor as a flat uint8 numpy array sharing its memory (any dtype)."""
-    return t.reshape(-1).view(torch.uint8).numpy()
+def _as_plane_bytes(planes: Tensor) -> np.ndarray:
+    """``[planes, blocks, elements]`` of a CPU cache as uint8 numpy ``[planes, blocks, bytes]``, sharing memory."""
+    return planes.view(torch.uint8).numpy()
 
 
 class _CacheSide:
     """What packing and unpacking share: the cache, its kernels, a side stream and staging memory."""
 
     def __init__(self, kv_cache: Tensor, layout: KVLayout, budget_bytes: int) -> None:
+        if not kv_cache.is_contiguous():  # byte views of it must share its memory
+            raise ValueError("kv_cache must be contiguous")
         self.kv_cache = kv_cache
         self.layout = layout
         self.kernels = get_kernels(kv_cache.device)
@@ -91,6 +99,18 @@ class _CacheSide:
         return BlockIds(block_ids, self.kv_cache.device)
 
 
+class PartPlan(NamedTuple):
+    """How one CPU frame goes out: which of its runs are sent as views, which blocks are gathered.
+
+    ``segments`` walk one plane's blocks in order as ``(index in the frame, length, first id,
+    as a view)``; every plane of the frame has the same segments. ``gathered`` holds the frame
+    indices of the blocks not sent as views, in order.
+    """
+
+    segments: list[tuple[int, int, int, bool]]
+    gathered: list[int]
+
+
 class BlockPacker(_CacheSide):
     """Gathers ``[layers, 2, blocks, ...]`` frames out of a sender's cache. One I/O thread owns it."""
 
@@ -99,63 +119,100 @@ class BlockPacker(_CacheSide):
         kv_cache: Tensor,
         layout: KVLayout,
         budget_bytes: int,
-        min_run_frame_bytes: int = MIN_RUN_FRAME_BYTES,
+        min_zero_copy_bytes: int = MIN_ZERO_COPY_PLANE_BYTES,
     ) -> None:
         super().__init__(kv_cache, layout, budget_bytes)
-        # Blocks per run below which a run is packed rather than sent as views of the cache.
         self.bytes_per_block_layer = layout.bytes_per_block_layer  # computed once, not per frame
-        half_block = self.bytes_per_block_layer // 2
-        self.min_zero_copy_blocks = -(-MIN_ZERO_COPY_PLANE_BYTES // half_block)
-        self.min_run_frame_bytes = min_run_frame_bytes
-
-    def frame_cuts(self, block_ids: BlockIds, layers_per_frame: int, max_frame_bytes: int) -> list[int]:
-        """Where to cut frames so that each long run of consecutive ids goes out unpacked.
-
-        A run qualifies when its frames hold planes of at least ``MIN_ZERO_COPY_PLANE_BYTES`` and
-        at least ``min_run_frame_bytes`` in all, also in the smallest layer group ``plan_frames``
-        makes of ``layers_per_frame`` (the last one, or fewer layers where frames are capped).
-        """
-        if self.is_cuda:
-            return []
-        num_layers = self.layout.num_layers
-        group = layer_group(num_layers, layers_per_frame, self.bytes_per_block_layer, max_frame_bytes)
-        per_block = min(group, num_layers % group or group) * self.bytes_per_block_layer
-        min_length = max(self.min_zero_copy_blocks, -(-self.min_run_frame_bytes // per_block))
-        return block_ids.runs.cuts_around_runs(min_length)
+        self.bytes_per_block_plane = self.bytes_per_block_layer // 2
+        # Blocks per run below which a run is gathered rather than sent as views of the cache.
+        self.min_zero_copy_blocks = max(1, -(-min_zero_copy_bytes // self.bytes_per_block_plane))
 
     def frame_bytes(self, spec: FrameSpec) -> int:
         return spec.num_layers * spec.num_blocks * self.bytes_per_block_layer
+
+    def part_plan(self, spec: FrameSpec, block_ids: BlockIds) -> PartPlan:
+        """Which runs of ``spec``'s blocks go out as views, within ``MAX_DATA_PARTS`` parts a frame."""
+        runs = block_ids.runs.runs(spec.block_start, spec.num_blocks)
+        long = sorted((r for r in runs if r[1] >= self.min_zero_copy_blocks), key=lambda r: -r[1])
+        # Each plane takes a part per view and at most one per gathered stretch between them.
+        max_views = max(0, (MAX_DATA_PARTS // (2 * spec.num_layers) - 1) // 2)
+        as_view = {r[0] for r in long[:max_views]}
+        if not as_view:  # all gathered (scattered ids): skip the walk over the runs
+            return PartPlan([(0, spec.num_blocks, runs[0][2], False)], list(range(spec.num_blocks)))
+        segments: list[tuple[int, int, int, bool]] = []
+        gathered: list[int] = []
+        for index, length, first_id in runs:
+            view = index in as_view
+            if not view:
+                gathered.extend(range(index - spec.block_start, index - spec.block_start + length))
+            if segments and not view and not segments[-1][3]:  # merge neighbouring gathered runs
+                start, prev_length, prev_first, _ = segments[-1]
+                segments[-1] = (start, prev_length + length, prev_first, False)
+            else:
+                segments.append((index - spec.block_start, length, first_id, view))
+        return PartPlan(segments, gathered)
 
     def pack(self, spec: FrameSpec, block_ids: BlockIds, after: Any | None = None) -> PackedFrame | None:
         """Start packing ``spec`` of the blocks ``block_ids``; ``None`` while staging memory is full.
 
         ``after`` is a CUDA event the gather must wait for (the engine's write of the blocks). On
-        the CPU, blocks that are one long run of consecutive ids come back as views of the cache.
+        the CPU, long runs of consecutive ids come back as views of the cache (``part_plan``).
         """
         nbytes = self.frame_bytes(spec)
         layers = self.kv_cache[spec.layer_start : spec.layer_start + spec.num_layers]
-        if not self.is_cuda and spec.num_blocks >= self.min_zero_copy_blocks:
-            first = block_ids.runs.first_if_one_run(spec.block_start, spec.num_blocks)
-            if first is not None:
-                planes = layers[:, :, first : first + spec.num_blocks].flatten(0, 1)
-                return PackedFrame(spec, [_as_bytes(plane) for plane in planes], nbytes, None, None)
+        if not self.is_cuda:
+            return self._pack_cpu(spec, block_ids, layers, nbytes)
         base = self.pool.acquire(nbytes)
         if base is None:
             return None
         staged = base[:nbytes]
         out = staged.view(self.kv_cache.dtype).view(self.layout.frame_shape(spec.num_layers, spec.num_blocks))
         ids = block_ids.tensor[spec.block_start : spec.block_start + spec.num_blocks]
-        event = None
-        if self.stream is None:
-            self.kernels.gather_blocks(layers, ids, out=out)
-        else:
-            with torch.cuda.stream(self.stream):
-                if after is not None:
-                    self.stream.wait_event(after)
-                out.copy_(self.kernels.gather_blocks(layers, ids), non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            out.copy_(self.kernels.gather_blocks(layers, ids), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
         return PackedFrame(spec, [staged.numpy()], nbytes, base, event)
+
+    def _pack_cpu(self, spec: FrameSpec, block_ids: BlockIds, layers: Tensor, nbytes: int) -> PackedFrame | None:
+        plan = self.part_plan(spec, block_ids)
+        num_planes = 2 * spec.num_layers
+        # [planes, pool blocks, one block's bytes]: a plane's run of ids is one contiguous range.
+        planes = layers.flatten(0, 1).flatten(2)
+        plane_bytes = _as_plane_bytes(planes)
+        base = None
+        staged_np = None
+        if plan.gathered:
+            gathered_bytes = num_planes * len(plan.gathered) * self.bytes_per_block_plane
+            base = self.pool.acquire(gathered_bytes)
+            if base is None:
+                return None
+            out = base[:gathered_bytes].view(planes.dtype).view(num_planes, len(plan.gathered), planes.shape[2])
+            ids = block_ids.tensor[spec.block_start : spec.block_start + spec.num_blocks]
+            if len(plan.gathered) < spec.num_blocks:
+                ids = ids[torch.tensor(plan.gathered, dtype=torch.long)]
+            torch.index_select(planes, 1, ids, out=out)
+            staged_np = base[:gathered_bytes].numpy()
+        parts: list[Any] = []
+        unit = self.bytes_per_block_plane
+        pending = (0, 0)  # a stretch of the staging buffer not yet made a part
+        offset = 0  # where the next gathered bytes sit in the staging buffer
+        for plane in range(num_planes):
+            for _, length, first_id, view in plan.segments:
+                if view:
+                    if pending[1] > pending[0]:
+                        parts.append(staged_np[pending[0] : pending[1]])  # type: ignore[index]
+                    pending = (offset, offset)
+                    parts.append(plane_bytes[plane, first_id : first_id + length].reshape(-1))
+                else:
+                    offset += length * unit
+                    pending = (pending[0], offset)
+        if pending[1] > pending[0]:
+            parts.append(staged_np[pending[0] : pending[1]])  # type: ignore[index]
+        return PackedFrame(spec, parts, nbytes, base, None)
 
     def release(self, frame: PackedFrame) -> None:
         """Give the staging buffer back; ZMQ must be done with it and any copy finished."""
@@ -175,7 +232,7 @@ class BlockUnpacker(_CacheSide):
     def unpack(self, spec: FrameSpec, block_ids: BlockIds, parts: list[Any]) -> Any | None:
         """Write one frame into ``block_ids[spec.block_start:...]``; returns a CUDA event or ``None`` (done).
 
-        ``parts`` hold the frame's bytes in order, each a whole number of planes (``check_parts``).
+        ``parts`` hold the frame's bytes in order, each a whole number of block-planes (``check_parts``).
         """
         shape = self.layout.frame_shape(spec.num_layers, spec.num_blocks)
         layers = self.kv_cache[spec.layer_start : spec.layer_start + spec.num_layers]
@@ -206,24 +263,40 @@ class BlockUnpacker(_CacheSide):
         return event
 
     def _copy_in(self, spec: FrameSpec, block_ids: BlockIds, planes: Tensor, parts: list[Any]) -> None:
-        """CPU: copy each part's planes into ``planes`` (``[2 * layers, pool blocks, ...]``)."""
+        """CPU: copy the parts into ``planes`` (``[2 * layers, pool blocks, ...]``).
+
+        The parts concatenate to the frame's bytes, plane after plane, each a whole number of
+        block-planes (``check_parts``); a part is cut where a plane ends.
+        """
         n = spec.num_blocks
-        runs = block_ids.runs.runs(spec.block_start, n)
-        # Few long runs: slice copies. Many short ones: one index copy per part is cheaper.
-        by_runs = len(runs) * 4 <= n
-        ids = None if by_runs else block_ids.tensor[spec.block_start : spec.block_start + n]
-        plane_shape = planes.shape[2:]
-        first_plane = 0
+        dst = _as_plane_bytes(planes.flatten(2))  # [planes, pool blocks, bytes of a block-plane]
+        unit = dst.shape[2]
+        at = 0  # the next block-plane of the frame, counted plane after plane
         for part in parts:
-            src = torch.frombuffer(part, dtype=torch.uint8).view(planes.dtype).view(-1, n, *plane_shape)
-            dst = planes[first_plane : first_plane + src.shape[0]]
-            if ids is not None:
-                dst.index_copy_(1, ids, src)
-            else:
-                for index, length, first_id in runs:
-                    offset = index - spec.block_start
-                    _copy(dst[:, first_id : first_id + length], src[:, offset : offset + length])
-            first_plane += src.shape[0]
+            src = np.frombuffer(part, dtype=np.uint8).reshape(-1, unit)
+            done = 0
+            while done < len(src):
+                plane, block = divmod(at, n)
+                if block == 0 and len(src) - done >= n:  # whole planes at once
+                    count = (len(src) - done) // n
+                    piece = src[done : done + count * n].reshape(count, n, unit)
+                else:
+                    count = 1
+                    piece = src[done : done + min(n - block, len(src) - done)].reshape(1, -1, unit)
+                self._scatter(dst[plane : plane + count], piece, block_ids, spec.block_start + block)
+                done += piece.shape[0] * piece.shape[1]
+                at += piece.shape[0] * piece.shape[1]
+
+    @staticmethod
+    def _scatter(dst: np.ndarray, src: np.ndarray, block_ids: BlockIds, start: int) -> None:
+        """Write ``src`` (``[planes, k, bytes]``) into ``dst``'s blocks ``block_ids[start:start + k]``."""
+        k = src.shape[1]
+        if block_ids.runs.num_runs(start, k) * MIN_BLOCKS_PER_COPIED_RUN <= k:
+            for index, length, first_id in block_ids.runs.runs(start, k):
+                offset = index - start
+                np.copyto(dst[:, first_id : first_id + length], src[:, offset : offset + length])
+        else:
+            dst[:, block_ids.array[start : start + k]] = src
 
     def _reclaim(self) -> None:
         still = []

@@ -24,7 +24,7 @@ from kvtransfer.receiving.handshake import NO_HANDSHAKE, Handshakes
 from kvtransfer.receiving.incoming import Incoming, ReceiverTable
 from kvtransfer.receiving.receiver_outbox import ReceiverOutbox
 from kvtransfer.transfer_state import ABORTED, TransferResult, TransferState
-from kvtransfer.wire.frames import FrameSpec, check_parts
+from kvtransfer.wire.frames import MAX_DATA_PARTS, FrameSpec, check_parts
 from kvtransfer.wire.messages import (
     Abort,
     Data,
@@ -73,7 +73,7 @@ class ReceiverLoop:
         self.max_header_bytes = max_header_bytes
         self.max_frame_bytes = max_frame_bytes
         self.num_pool_blocks = unpacker.kv_cache.shape[2]
-        self.max_parts = 1 + 2 * layout.num_layers  # a header, then at most one part per plane
+        self.max_parts = 1 + MAX_DATA_PARTS  # a header, then the frame's parts
         self.bytes_per_block_layer = layout.bytes_per_block_layer  # computed once, not per frame
         self.stats = ReceiverStats()
         self.handshakes = Handshakes(layout, max_frame_bytes)

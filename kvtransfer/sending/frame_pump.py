@@ -17,7 +17,7 @@ from kvtransfer.sending.outgoing import Outgoing, Peer
 from kvtransfer.transfer_state import TransferState
 from kvtransfer.wire.messages import Data, encode
 
-InFlight = list[tuple[zmq.MessageTracker, PackedFrame]]
+InFlight = list[tuple[zmq.MessageTracker | None, PackedFrame]]  # None: ZMQ copied every part
 
 
 class FramePump:
@@ -68,12 +68,20 @@ class FramePump:
         except zmq.ZMQError as exc:
             self.fail(transfer, f"send to {peer.address} failed: {exc}")
             return False
-        # Once the first part of a message is queued, ZMQ always takes the rest of it.
-        *parts, last = frame.parts
-        for part in parts:
-            peer.sock.send(part, zmq.SNDMORE | zmq.NOBLOCK, copy=False)
-        # ZMQ lets go of the parts in order: when the last one is done, the frame is.
-        tracker = peer.sock.send(last, zmq.NOBLOCK, copy=False, track=True)
+        # Once the first part of a message is queued, ZMQ always takes the rest of it. ZMQ lets
+        # go of the parts in order, and pyzmq copies parts under its copy threshold at once: when
+        # the last part sent without copying is done, the frame's memory is free again.
+        threshold = peer.sock.copy_threshold
+        tracked = max(
+            (i for i, part in enumerate(frame.parts) if memoryview(part).nbytes >= threshold), default=-1
+        )
+        tracker: zmq.MessageTracker | None = None
+        last = len(frame.parts) - 1
+        for i, part in enumerate(frame.parts):
+            flags = zmq.NOBLOCK if i == last else zmq.SNDMORE | zmq.NOBLOCK
+            sent = peer.sock.send(part, flags, copy=False, track=i == tracked)
+            if i == tracked:
+                tracker = sent
         transfer.in_flight.append((tracker, frame))
         transfer.staged = None
         transfer.bytes_sent += frame.nbytes
@@ -105,9 +113,9 @@ class FramePump:
         transfer.frames.clear()
 
     def _release_done(self, frames: InFlight) -> InFlight:
-        still = []
+        still: InFlight = []
         for tracker, frame in frames:
-            if tracker.done:
+            if tracker is None or tracker.done:
                 self.packer.release(frame)
             else:
                 still.append((tracker, frame))

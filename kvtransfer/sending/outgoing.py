@@ -32,7 +32,7 @@ class Outgoing:
     send_ids: BlockIds | None = None  # the blocks to send
     frames: deque[FrameSpec] = field(default_factory=deque)  # not packed yet
     staged: PackedFrame | None = None  # packed, not handed to ZMQ yet
-    in_flight: list[tuple[zmq.MessageTracker, PackedFrame]] = field(default_factory=list)
+    in_flight: list[tuple[zmq.MessageTracker | None, PackedFrame]] = field(default_factory=list)
     bytes_sent: int = 0
 
     @property

@@ -113,6 +113,11 @@ class KVSender:
         """Results of transfers that ended since the last call, each reported exactly once."""
         return self._board.drain()
 
+    @property
+    def staging_bytes_in_use(self) -> int:
+        """Bytes of gathered frames not yet given back (ZMQ may still read them); a snapshot."""
+        return self._loop.packer.pool.bytes_in_use
+
     def abort(self, request_id: str) -> None:
         """Stop a transfer and tell the receiver; its result (failed) still comes from ``poll``."""
         self._loop.commands.append(("abort", request_id))

@@ -252,7 +252,6 @@ class SenderLoop:
                 layers_per_frame,
                 self.layout.bytes_per_block_layer,
                 peer.max_frame_bytes,
-                cuts=self.packer.frame_cuts(transfer.send_ids, layers_per_frame, peer.max_frame_bytes),
             )
         )
         self._set_state(transfer, TransferState.TRANSFERRING)

@@ -2,23 +2,23 @@
 
 A frame holds ``num_layers`` consecutive layers of ``num_blocks`` consecutive sent blocks, laid
 out as ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``. Layer groups come
-outermost; a group too large for one frame is cut along blocks, and also where a run of
-consecutive block ids on the sender starts or ends, so that such a run can go out without
-packing. Frames arrive in plan order, so the receiver checks each one against a cursor instead of
-tracking arbitrary rectangles.
+outermost; a group too large for one frame is cut along blocks. Frames arrive in plan order, so
+the receiver checks each one against a cursor instead of tracking arbitrary rectangles.
 
-A frame's bytes may come in several parts (a sender sends the K and V planes of a run of
-consecutive blocks straight from its cache, one part per plane). A plane is one layer's K or V of
-the frame's blocks; every part holds whole planes, in order.
+A frame's bytes may come in several parts, up to ``MAX_DATA_PARTS``: a sender sends each long run
+of consecutive block ids straight from its cache (one part per plane of the run) and gathers only
+the rest. A plane is one layer's K or V of the frame's blocks; a block-plane is one block of a
+plane. Every part holds whole block-planes, and the parts concatenate to the frame's layout.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from typing import NamedTuple
 
 TARGET_FRAME_BYTES = 4 << 20  # big enough to amortise per-message costs, small enough to pipeline
+MAX_DATA_PARTS = 1024  # raw parts of one Data message; a sender gathers more runs than fit
 
 
 def auto_layers_per_frame(
@@ -46,25 +46,19 @@ def plan_frames(
     layers_per_frame: int,
     bytes_per_block_layer: int,
     max_frame_bytes: int,
-    cuts: Sequence[int] = (),
 ) -> list[FrameSpec]:
-    """Frames covering every layer of ``num_blocks`` blocks, each at most ``max_frame_bytes``.
-
-    No frame spans one of the ``cuts`` (sorted block indices): each starts or ends there.
-    """
+    """Frames covering every layer of ``num_blocks`` blocks, each at most ``max_frame_bytes``."""
     if num_blocks == 0:
         return []
     if bytes_per_block_layer > max_frame_bytes:
         raise ValueError(f"one block of one layer ({bytes_per_block_layer} B) exceeds the frame limit")
     group = layer_group(num_layers, layers_per_frame, bytes_per_block_layer, max_frame_bytes)
-    bounds = [0, *(c for c in cuts if 0 < c < num_blocks), num_blocks]
     frames = []
     for layer_start in range(0, num_layers, group):
         layers = min(group, num_layers - layer_start)
         step = max(1, max_frame_bytes // (layers * bytes_per_block_layer))
-        for lo, hi in zip(bounds, bounds[1:], strict=False):
-            for block_start in range(lo, hi, step):
-                frames.append(FrameSpec(layer_start, layers, block_start, min(step, hi - block_start)))
+        for block_start in range(0, num_blocks, step):
+            frames.append(FrameSpec(layer_start, layers, block_start, min(step, num_blocks - block_start)))
     return frames
 
 
@@ -88,34 +82,24 @@ class BlockRuns:
             pos, i = stop, i + 1
         return out
 
-    def first_if_one_run(self, start: int, count: int) -> int | None:
-        """The first id of ``ids[start:start + count]`` when those ids are consecutive, else ``None``."""
-        i = bisect_right(self.starts, start) - 1
-        nxt = self.starts[i + 1] if i + 1 < len(self.starts) else len(self.ids)
-        return self.ids[start] if count > 0 and start + count <= nxt else None
-
-    def cuts_around_runs(self, min_length: int) -> list[int]:
-        """Indices where each run of at least ``min_length`` ids starts and ends (frames cut there)."""
-        bounds = [*self.starts, len(self.ids)]
-        cuts: list[int] = []
-        for lo, hi in zip(bounds, bounds[1:], strict=False):
-            if hi - lo >= min_length:
-                if not cuts or cuts[-1] != lo:
-                    cuts.append(lo)
-                cuts.append(hi)
-        return cuts
+    def num_runs(self, start: int, count: int) -> int:
+        """How many runs ``ids[start:start + count]`` holds, without listing them (``count`` > 0)."""
+        return bisect_left(self.starts, start + count) - bisect_right(self.starts, start) + 1
 
 
-def check_parts(lengths: Sequence[int], spec: FrameSpec, bytes_per_block_layer: int) -> str | None:
+def check_parts(
+    lengths: Sequence[int], spec: FrameSpec, bytes_per_block_layer: int, max_parts: int = MAX_DATA_PARTS
+) -> str | None:
     """Why data parts of these lengths cannot carry the frame ``spec``, or ``None`` when they can."""
-    plane = spec.num_blocks * (bytes_per_block_layer // 2)
-    planes = 2 * spec.num_layers
-    if not 1 <= len(lengths) <= planes:
-        return f"frame in {len(lengths)} parts, expected 1 to {planes}"
-    if sum(lengths) != planes * plane:
-        return f"frame of {sum(lengths)} bytes, expected {planes * plane}"
-    if any(n == 0 or n % plane for n in lengths):
-        return f"frame parts of {list(lengths)} bytes, expected whole planes of {plane}"
+    block_plane = bytes_per_block_layer // 2
+    expected = 2 * spec.num_layers * spec.num_blocks * block_plane
+    if not 1 <= len(lengths) <= max_parts:
+        return f"frame in {len(lengths)} parts, expected 1 to {max_parts}"
+    if sum(lengths) != expected:
+        return f"frame of {sum(lengths)} bytes, expected {expected}"
+    if any(n <= 0 or n % block_plane for n in lengths):
+        shown = list(lengths[:8]) + (["..."] if len(lengths) > 8 else [])
+        return f"frame parts of {shown} bytes, expected whole block-planes of {block_plane}"
     return None
 
 

@@ -1,7 +1,8 @@
 """Wire messages of the KV transfer: typed, versioned msgpack headers; block bytes ride beside them.
 
 A message is one multipart ZMQ message: the msgpack header, then (``Data`` only) the frame's
-raw bytes in one or more parts, each a whole number of K/V planes (``frames.check_parts``).
+raw bytes in 1 to ``frames.MAX_DATA_PARTS`` parts, each a whole number of block-planes (one
+block's K or V in one layer; ``frames.check_parts``).
 Decoding checks the size first, then types, lengths and ranges, then the version, before the
 caller builds anything from it. No pickle; msgpack extension types fail validation.
 
@@ -19,7 +20,7 @@ import msgspec
 from common.protocol import MAX_ID_LEN, decode_checked
 from kvtransfer.blocks.layout import KVLayout
 
-KV_PROTOCOL_VERSION = 2  # 2: a Data frame may come in several parts
+KV_PROTOCOL_VERSION = 3  # 2: a Data frame may come in several parts; 3: parts of whole block-planes
 MAX_HASH_BYTES = 64
 MAX_BLOCKS_PER_REQUEST = 1 << 20
 MAX_TOKENS_PER_REQUEST = 1 << 28
@@ -82,7 +83,7 @@ class Defer(msgspec.Struct, tag="defer", kw_only=True):
 
 
 class Data(msgspec.Struct, tag="data", kw_only=True):
-    """S -> R, followed by the raw frame in 1 to ``2 * num_layers`` parts: layers
+    """S -> R, followed by the raw frame in 1 to ``MAX_DATA_PARTS`` parts: layers
     ``[layer_start, +num_layers)`` of the sent blocks ``[block_start, +num_blocks)`` (indices into
     the blocks after the cached ones)."""
 

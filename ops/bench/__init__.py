@@ -1,4 +1,4 @@
-"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz``: benchmarks that print measured figures beside baselines."""
+"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured``: benchmarks that print measured figures beside baselines."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ _BENCHES = {
     "chaos": "ops.bench.chaos",
     "overhead": "ops.bench.overhead",
     "fuzz": "ops.bench.fuzz",
+    "structured": "ops.bench.structured",
 }
 
 

@@ -32,7 +32,7 @@ from common.protocol import (
     TransferMeta,
 )
 from common.protocol import encode as encode_engine
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, StructuredOutput
 from kvtransfer.blocks.layout import KVLayout
 from kvtransfer.wire.messages import Abort, Data, Hello, Offer
 from kvtransfer.wire.messages import encode as encode_kv
@@ -75,6 +75,11 @@ def sampling_params() -> st.SearchStrategy[SamplingParams]:
         presence_penalty=_FLOATS, frequency_penalty=_FLOATS, repetition_penalty=_FLOATS,
         seed=st.none() | _INTS, stop_token_ids=st.lists(_INTS, max_size=100), ignore_eos=st.booleans(),
         logprobs=st.none() | _SMALL_INTS | _INTS,
+        logit_bias=st.just({}) | st.dictionaries(_INTS, _FLOATS, max_size=4),
+        structured_output=st.none() | st.builds(
+            StructuredOutput, kind=st.sampled_from(["json_object", "json_schema", "regex", "choice"]),
+            spec=_TEXTS | st.sampled_from(['{"type": "object"}', "[a-z]{1,5}", '["yes", "no"]', "[" * 5000]),
+        ),
     )
 
 

@@ -6,7 +6,8 @@ size 64, float32, block size 16: about 92 MB) from a ``KVSender`` in this proces
 patterns, on both sides: consecutive ids (what a prompt gets from a pool that is not fragmented,
 e.g. a fresh one: KVTransfer then sends the cache's memory as it is and receives with plain
 copies), recycled ids (what the engine's block pool hands out after a few hundred requests came
-and went: runs of consecutive ids of varied length) and shuffled ids (the worst case: every block
+and went: runs of consecutive ids of varied length; ``--contiguity-window 1`` makes that pool
+strict LRU, as it was before it preferred runs) and shuffled ids (the worst case: every block
 gathered and scattered on its own). A timed transfer runs from ``send()`` until the sender's
 result (the receiver's acknowledgement that every block landed).
 
@@ -21,17 +22,20 @@ The receiving process starts with the C-library settings ``pdserve up`` gives th
 (``common.glibc_env``); ``--glibc-defaults`` starts it without them, to measure what they do.
 
 Run: ``python -m ops.bench.kv_transfer_bench [--iters 20] [--block-ids consecutive,recycled,scattered]
-[--glibc-defaults] [--json]``.
+[--glibc-defaults] [--contiguity-window N] [--json] [--out PATH]``; ``--out`` writes the figures as
+JSON (with the date, the host and the command) and a bar chart beside it (``.png``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import functools
 import json
 import multiprocessing as mp
 import os
+import platform
 import random
 import resource
 import socket
@@ -42,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,14 +54,16 @@ import zmq
 
 from common.engine.request import Request
 from common.glibc_env import tuned_env
+from common.kvcache.block_pool import BlockPool
 from common.kvcache.kv_cache_manager import KVCacheManager
 from common.sampling_params import SamplingParams
 from kvtransfer import Allocation, KVLayout, KVReceiver, KVSender
 from kvtransfer.sending.sender import DEFAULT_LAYERS_PER_FRAME
-from kvtransfer.wire.frames import auto_layers_per_frame
+from kvtransfer.wire.frames import BlockRuns, auto_layers_per_frame
 from ops.bench.environ import child_env
 
 _POLL_S = 0.001  # the engine-loop poll interval on both sides (a real engine step is longer)
+RESULTS_DIR = Path(__file__).parent / "results"
 
 
 def _cpu_s() -> float:
@@ -73,15 +80,20 @@ PATTERNS = ("consecutive", "recycled", "scattered")
 POOL_SIZE = 4  # blocks in each pool per block of the transfer
 
 
-def _recycled_ids(pool_blocks: int, num_blocks: int, block_size: int, seed: int) -> list[int]:
+def _recycled_ids(
+    pool_blocks: int, num_blocks: int, block_size: int, seed: int, contiguity_window: int | None = None
+) -> list[int]:
     """The ids the engine's block pool gives a request of ``num_blocks`` after some traffic.
 
     Requests of 1 to ``num_blocks // 2`` blocks (random tokens, so full blocks are prefix-cached
     when freed) come and go through a ``KVCacheManager`` of ``pool_blocks`` blocks, about half of
     it in use, for a few hundred arrivals; then one request takes ``num_blocks`` blocks.
+    ``contiguity_window`` overrides the pool's (``BlockPool.contiguity_window``; 1: strict LRU).
     """
     rng = random.Random(seed)
     kv = KVCacheManager(pool_blocks, block_size)
+    if contiguity_window is not None:
+        kv.pool.contiguity_window = contiguity_window
     live: list[Request] = []
 
     def admit(request_id: str, blocks: int) -> bool:
@@ -125,12 +137,19 @@ class _Pool:
         pass
 
 
-def _block_ids(pattern: str, num_pool_blocks: int, num_blocks: int, block_size: int, seed: int) -> list[int]:
+def _block_ids(
+    pattern: str,
+    num_pool_blocks: int,
+    num_blocks: int,
+    block_size: int,
+    seed: int,
+    contiguity_window: int | None = None,
+) -> list[int]:
     if pattern == "consecutive":
         first = seed % (num_pool_blocks - num_blocks + 1)
         return list(range(first, first + num_blocks))
     if pattern == "recycled":
-        return _recycled_ids(num_pool_blocks, num_blocks, block_size, seed)
+        return _recycled_ids(num_pool_blocks, num_blocks, block_size, seed, contiguity_window)
     gen = torch.Generator().manual_seed(seed)
     return torch.randperm(num_pool_blocks, generator=gen)[:num_blocks].tolist()
 
@@ -150,7 +169,9 @@ def _serve(conn: Connection, args_json: str) -> None:
     pools: dict[str, _Pool] = {}
     receivers: dict[str, KVReceiver] = {}
     for pattern in args.block_id_patterns:
-        ids = _block_ids(pattern, POOL_SIZE * num_blocks, num_blocks, args.block_size, seed=2)
+        ids = _block_ids(
+            pattern, POOL_SIZE * num_blocks, num_blocks, args.block_size, 2, args.contiguity_window
+        )
         for transport in args.transport_list:  # a cache each: what one receiver wrote stays checkable
             name = f"{transport}/{pattern}"
             kv_cache = caches[name] = _kv_cache(args, POOL_SIZE * num_blocks, seed=1)
@@ -239,8 +260,10 @@ class _Paths:
         self.kv_cache = _kv_cache(args, pool_blocks, seed=3)
         layout = KVLayout.from_kv_cache(self.kv_cache, args.model_id)
         self.block_ids = {
-            p: _block_ids(p, pool_blocks, num_blocks, args.block_size, seed=5) for p in args.block_id_patterns
+            p: _block_ids(p, pool_blocks, num_blocks, args.block_size, 5, args.contiguity_window)
+            for p in args.block_id_patterns
         }
+        self.num_runs = {p: len(BlockRuns(ids).runs()) for p, ids in self.block_ids.items()}
         self.num_tokens = args.num_tokens
         self.nbytes = num_blocks * layout.bytes_per_block
         self.sender = KVSender(self.kv_cache, layout, timeout_s=30.0, layers_per_frame=args.layers_per_frame)
@@ -370,13 +393,27 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="start the receiving process without the engines' C-library settings (common.glibc_env)",
     )
+    p.add_argument(
+        "--contiguity-window",
+        type=int,
+        default=None,
+        help="the block pool's contiguity window for recycled ids (default: the pool's; 1: strict LRU)",
+    )
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="PATH",
+        help=f"also write the figures as JSON to PATH and a bar chart beside it (e.g. {RESULTS_DIR.name}/"
+        "kv-transfer-cpu-<date>.json)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print a table (or JSON) and return the figures."""
     args = _parse(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     transports = args.transport_list = args.transports.split(",")
     if not set(transports) <= {"tcp", "ipc"}:
         raise SystemExit(f"unknown transport in {args.transports!r}")
@@ -405,6 +442,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         cpu = _cpu_per_transfer(parent, runners, args.cpu_iters) if args.cpu_iters else {}
         parent.send_bytes(b"checksums")
         sums = json.loads(parent.recv_bytes())
+        args.num_runs = paths.num_runs
         checks = {}
         for pattern in patterns:
             expected = torch.tensor(_block_sums(paths.kv_cache, paths.block_ids[pattern]), dtype=torch.float64)
@@ -440,11 +478,15 @@ def _report(
         "samples_per_path": args.iters,
         "layers_per_frame": args.layers_per_frame,
         "receiver_glibc_tunables": args.receiver_tunables or "defaults",
+        "contiguity_window": args.contiguity_window or BlockPool(1).contiguity_window,
+        "sender_runs_of_ids": args.num_runs,
         "rows": rows,
         "ratio_to_plain_tcp": ratios,
         "checksum_ok": checks,
         "load_average_1m": [load_before, os.getloadavg()[0]],
     }
+    if args.out:
+        _save(report, Path(args.out), args.argv)
     if args.json:
         print(json.dumps(report, indent=2))
         return report
@@ -461,8 +503,59 @@ def _report(
             f"{row['ms_median']:>9.1f}{ratios[name]:>9.0%}{cpu_ms:>16}"
         )
     print("GB/s: median transfer; 'vs plain': that median over the plain socket's median")
+    print("runs of consecutive ids on the sending side:", args.num_runs)
     print("received data checksum matches:", checks)
     return report
+
+
+def _save(report: dict[str, Any], path: Path, argv: list[str]) -> None:
+    """Write ``report`` with when, where and how it was made, and a bar chart beside it if possible."""
+    saved = {
+        "date": datetime.date.today().isoformat(),
+        "device": f"cpu ({os.cpu_count()} cores, sender and receiver processes on the same host)",
+        "platform": platform.platform(),
+        "command": " ".join(
+            [*(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS",) if k in os.environ)]
+            + ["python -m ops.bench.kv_transfer_bench", *argv]
+        ),
+        **report,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if _plot(report, path.with_suffix(".png")):
+        saved["plot"] = path.with_suffix(".png").name
+    path.write_text(json.dumps(saved, indent=2) + "\n")
+
+
+def _plot(report: dict[str, Any], path: Path) -> bool:
+    """Median GB/s per path (best as a tick), the plain socket's median as a line; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [n for n in report["rows"] if not n.startswith("memcpy")]
+    medians = [report["rows"][n]["gbps_median"] for n in names]
+    best = [report["rows"][n]["gbps_best"] for n in names]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    colors = ["tab:blue" if n.startswith("kvtransfer") else "tab:gray" for n in names]
+    bars = ax.barh(names, medians, color=colors)
+    ax.plot(best, names, "k|", markersize=12, label="best transfer")
+    ax.axvline(report["rows"]["plain TCP socket"]["gbps_median"], color="tab:red", ls="--", label="plain TCP")
+    for bar, name in zip(bars, names, strict=True):
+        ratio = report["ratio_to_plain_tcp"][name]
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {ratio:.0%}", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set(
+        xlabel="GB/s (median of the transfers; label: vs the plain TCP socket's median)",
+        title=f"KV transfer, {report['bytes'] / 1e6:.0f} MB per transfer, {report['samples_per_path']} per path",
+    )
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
 
 
 if __name__ == "__main__":

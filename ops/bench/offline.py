@@ -1,5 +1,6 @@
-"""``pdserve bench offline``: the engine's output tokens/s on one offline workload, beside
-``transformers`` static batching, ``transformers``' own continuous batching and the bare decode forward.
+"""``pdserve bench offline``: the engine's output tokens/s and model FLOP utilisation on one offline
+workload, beside ``transformers`` static batching, ``transformers``' own continuous batching and the bare
+decode forward.
 
 Workload: ``--num-requests`` prompts of uniformly 20..500 random token ids (special ids left out), each
 asking for uniformly 8..256 new tokens, EOS ignored, greedy, fixed ``--seed``. Everything runs in this
@@ -13,6 +14,10 @@ process, one system after the other, with the same torch thread count.
   own max_new_tokens, the same token budget and batch size limit as the engine.
 * ceiling: the engine's model alone, one decode forward (logits included) of B sequences at a typical
   context length; tokens/s = B / step time. No scheduling, no sampling, no Python bookkeeping.
+* MFU: the model FLOPs of the workload (``ops.bench.model_flops.workload_flops``: 2 x the matmul weights
+  per token, QK^T and PV over each token's actual context, the LM head per sampled token) per second
+  of the engine's run, over the GEMM peak measured in this process at the same thread count (the best
+  of a few ``torch.matmul`` of a (2048, hidden) by a (hidden, intermediate) matrix in the engine's dtype).
 
 The transformers baselines run on every request by default, so the ratios compare the same work;
 they are slow on a CPU, and ``--baseline-requests N`` runs them on the first N requests only (the
@@ -42,11 +47,12 @@ from common.engine.engine import LLMEngine
 from common.engine.scheduler import SchedulerOutput
 from common.model.llama import AttentionMetadata
 from common.sampling_params import SamplingParams
+from ops.bench.model_flops import ModelShape, decode_token_flops, measure_gemm_peak, workload_flops
 
-TARGET_VS_STATIC = 10.0
 TARGET_VS_CONTINUOUS = 3.0
 TARGET_KV_SLOT_USE = 0.96
 STATIC_BATCH_SIZE = 16
+GEMM_ROWS = 2048  # tokens in the peak-measuring matmul: as many as a large prefill step
 
 
 @dataclass(frozen=True)
@@ -169,6 +175,29 @@ def run_ceiling(engine: LLMEngine, batch_size: int, context_len: int, num_steps:
             "tokens_per_s": batch_size / step_s}
 
 
+def measure_mfu(shape: ModelShape, workload: list[OfflineRequest], engine_report: dict[str, Any],
+                ceiling: dict[str, Any] | None, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The engine's model FLOP/s on ``workload`` (and the bare forward's) over the GEMM peak measured now.
+
+    Call it in the process and at the torch thread count the engine ran with, so the peak is the same
+    hardware budget the engine had.
+    """
+    peak = measure_gemm_peak(GEMM_ROWS, shape.hidden_size, shape.intermediate_size, device, dtype)
+    model_flops = workload_flops(shape, ((len(r.prompt_token_ids), r.max_tokens) for r in workload))
+    engine_flops_per_s = model_flops / engine_report["duration_s"]
+    out: dict[str, Any] = {
+        "model_flops": model_flops,
+        "engine_flops_per_s": engine_flops_per_s,
+        "gemm_peak": peak,
+        "engine_mfu": engine_flops_per_s / peak["flops_per_s"],
+    }
+    if ceiling is not None:
+        step_flops = ceiling["batch_size"] * decode_token_flops(shape, ceiling["context_len"])
+        out["ceiling_flops_per_s"] = step_flops / (ceiling["step_ms"] / 1000)
+        out["ceiling_mfu"] = out["ceiling_flops_per_s"] / peak["flops_per_s"]
+    return out
+
+
 def _load_hf_model(model_path: str, device: torch.device, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
@@ -284,6 +313,9 @@ def format_table(report: dict[str, Any]) -> str:
             return "n/a"
         return f"{r['tokens_per_s']:.1f}"
 
+    def gflops(flops_per_s: float) -> str:
+        return f"{flops_per_s / 1e9:.1f} GFLOP/s"
+
     def ratio(x: float | None, target: float | None = None) -> str:
         if x is None:
             return "-"
@@ -312,7 +344,7 @@ def format_table(report: dict[str, Any]) -> str:
     slot_use = eng.get("kv_slot_use")
     lines += [
         "",
-        f"engine / static batching      {ratio(_ratio(eng, static), TARGET_VS_STATIC)}",
+        f"engine / static batching      {ratio(_ratio(eng, static))}",
         f"engine / continuous batching  {ratio(_ratio(eng, cont), TARGET_VS_CONTINUOUS)}",
         f"engine / ceiling              {ratio(_ratio(eng, ceil))}",
         "peak KV slot use              "
@@ -320,6 +352,17 @@ def format_table(report: dict[str, Any]) -> str:
            f"{eng['peak_kv_slots_allocated']} slots)  (target >= {TARGET_KV_SLOT_USE:.0%}: "
            + ("met" if slot_use >= TARGET_KV_SLOT_USE else "NOT met") + ")"),
     ]
+    mfu = report.get("mfu")
+    if mfu is not None:
+        peak = mfu["gemm_peak"]
+        m, k, n = peak["shape"]
+        lines.append(
+            f"engine MFU                    {mfu['engine_mfu']:.1%}  ({gflops(mfu['engine_flops_per_s'])} of model "
+            f"FLOPs / GEMM peak {gflops(peak['flops_per_s'])}: {m}x{k} @ {k}x{n} {peak['dtype']}, "
+            f"{peak['threads']} threads)"
+        )
+        if "ceiling_mfu" in mfu:
+            lines.append(f"bare decode forward MFU       {mfu['ceiling_mfu']:.1%}  ({gflops(mfu['ceiling_flops_per_s'])})")
     if "engine_subset" in report and (static or cont):
         lines.append(
             f"same subset: engine / static {ratio(_ratio(report['engine_subset'], static))}, "
@@ -385,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     batch = round(eng["mean_decode_batch"] or args.max_num_seqs)
     print(f"ceiling: batch {batch}, context {typical_context} ...", file=sys.stderr, flush=True)
     report["ceiling"] = run_ceiling(engine, batch, typical_context)  # writes over cached blocks: run_engine resets
+    print("GEMM peak ...", file=sys.stderr, flush=True)
+    report["mfu"] = measure_mfu(ModelShape.from_config(engine.runner.hf_config), workload, eng, report["ceiling"],
+                                engine.runner.device, engine.runner.dtype)
 
     subset_n = len(workload) if args.baseline_requests <= 0 else min(args.baseline_requests, len(workload))
     report["baseline_requests"] = subset_n
@@ -405,8 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         "engine_vs_static": _ratio(report["engine"], report.get("static")),
         "engine_vs_continuous": _ratio(report["engine"], report.get("continuous")),
         "engine_vs_ceiling": _ratio(report["engine"], report["ceiling"]),
-        "targets": {"vs_static": TARGET_VS_STATIC, "vs_continuous": TARGET_VS_CONTINUOUS,
-                    "kv_slot_use": TARGET_KV_SLOT_USE},
+        "engine_mfu": report["mfu"]["engine_mfu"],
+        "targets": {"vs_continuous": TARGET_VS_CONTINUOUS, "kv_slot_use": TARGET_KV_SLOT_USE},
     }
     print(format_table(report))
     if args.json:

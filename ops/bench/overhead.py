@@ -31,6 +31,9 @@ copy of the per-row sampler it replaced, kept here for comparison only. "floor" 
 ``argmax`` over the step's ``[B, vocab]`` logits: a single pass over them on this machine.
 
     pdserve bench overhead --batch-sizes 1,16,64,256,512
+
+Part two, ``pdserve bench overhead router ...``: the router's CPU per streamed token in front of fake
+engines (``ops.bench.router_overhead``).
 """
 
 from __future__ import annotations
@@ -438,6 +441,10 @@ def _parse_list(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv and argv[0] == "router":  # part two: the router's cost per streamed token
+        from ops.bench import router_overhead
+
+        return router_overhead.main(argv[1:])
     args = build_parser().parse_args(argv)
     cases = _parse_list(args.cases, CASES, "--cases")
     samplers = _parse_list(args.samplers, SAMPLERS, "--samplers")

@@ -23,6 +23,7 @@ from common.protocol import (
     RouterHeartbeat,
     decode_output,
     encode,
+    request_outputs,
 )
 from common.registry import Registry
 from common.sampling_params import SamplingParams
@@ -61,11 +62,11 @@ class FakeRouter:
         while time.monotonic() < deadline:
             if not self.pull.poll(200):
                 continue
-            msg = decode_output(self.pull.recv())
-            if isinstance(msg, RequestOutput) and msg.request_id == request_id:
-                outs.append(msg)
-                if msg.finish_reason is not None:
-                    return outs
+            for msg in request_outputs(decode_output(self.pull.recv())):
+                if msg.request_id == request_id:
+                    outs.append(msg)
+                    if msg.finish_reason is not None:
+                        return outs
         raise AssertionError(f"{request_id} did not finish in {timeout_s}s: {outs}")
 
     def close(self) -> None:
@@ -167,8 +168,8 @@ def test_engines_send_progress_to_a_leased_router_and_abort_its_requests_when_it
     # A router that was only slow, not dead, learns that its request was dropped (retryable).
     errors = []
     while router.pull.poll(1000):
-        msg = decode_output(router.pull.recv())
-        if isinstance(msg, RequestOutput) and msg.finish_reason == "error":
-            errors.append((msg.request_id, msg.retryable))
+        for msg in request_outputs(decode_output(router.pull.recv())):
+            if msg.finish_reason == "error":
+                errors.append((msg.request_id, msg.retryable))
     assert errors == [("orphan", True)]
     router.send(decode, AbortRequest(request_id="orphan"))  # harmless now: unknown ids are ignored

@@ -177,3 +177,51 @@ def test_bad_input_gets_openai_style_4xx_and_service_stays_up(stack, body, statu
     ok = httpx.post(stack.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
                     timeout=60)
     assert ok.status_code == 200
+
+
+def test_echo_and_prompt_logprobs_through_prefill_equal_transformers(stack, client):  # type: ignore[no-untyped-def]
+    """A prompt long enough for the prefill instance: it computes the prompt's logprobs and sends them
+    with the first token; the router echoes the prompt and shares them among the n choices."""
+    import torch
+
+    from tests.engine.conftest import hf_model
+
+    prompt = LONG_PREFIX + "Name the star at the centre of the solar system."
+    ids = tuple(tokenizer()(prompt).input_ids)
+    def disaggregated() -> float:
+        text = httpx.get(stack.url + "/metrics", timeout=10).text
+        return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+                   if line.startswith('pdserve:router_requests_routed_total{path="disaggregated"}'))
+
+    routed = disaggregated()
+    done = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=0, n=2, echo=True, logprobs=2,
+        extra_body={"prompt_logprobs": 2},
+    )
+    assert disaggregated() > routed, "meant to go through the prefill instance"
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model()(torch.tensor([ids])).logits[0].float(), dim=-1)
+    completion = _hf_text(ids, 6)
+    for choice in done.choices:
+        assert choice.text == prompt + completion
+        plp = choice.model_extra["prompt_logprobs"]
+        assert len(plp) == len(ids) and plp[0] is None
+        for i in range(1, len(ids)):
+            entry = plp[i][str(ids[i])]
+            assert entry["logprob"] == pytest.approx(ref[i - 1, ids[i]].item(), abs=2e-3)
+            assert len(plp[i]) in (2, 3)  # the two most likely, and the prompt's token when it is not one
+        lp = choice.logprobs
+        assert lp.token_logprobs[0] is None and len(lp.tokens) == len(ids) + done.usage.completion_tokens // 2
+        assert lp.token_logprobs[1:len(ids)] == pytest.approx([ref[i - 1, ids[i]].item() for i in range(1, len(ids))],
+                                                              abs=2e-3)
+        assert lp.text_offset[len(ids)] == len(prompt)
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == prompt + completion
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=2, temperature=0,
+        extra_body={"prompt_logprobs": 0},
+    )
+    chat_ids = _chat_ids("Say hi.")
+    plp = chat.model_extra["prompt_logprobs"]
+    assert len(plp) == len(chat_ids) and all(str(t) in e for t, e in zip(chat_ids[1:], plp[1:], strict=True))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from common.engine.request import Request
-from common.kvcache.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from common.kvcache.block_pool import CONTIGUITY_WINDOW, BlockPool, FreeBlockQueue, KVBlock
 from common.kvcache.hashing import BlockHash, hash_block_tokens
 from common.kvcache.kv_cache_manager import KVCacheManager
 from common.sampling_params import SamplingParams
@@ -26,6 +26,11 @@ MACHINE_SETTINGS = settings(max_examples=50, stateful_step_count=40, deadline=No
 
 def _h(token: int) -> BlockHash:
     return hash_block_tokens(None, [token])
+
+
+def _num_runs(ids: list[int]) -> int:
+    """Runs of consecutive ids in ascending ``ids`` (``[3, 4, 7]``: two)."""
+    return sum(1 for i, b in enumerate(ids) if i == 0 or b != ids[i - 1] + 1)
 
 
 # --------------------------------------------------------------------------- BlockPool
@@ -61,9 +66,12 @@ class BlockPoolMachine(RuleBasedStateMachine):
             return
         blocks = self.pool.get_new_blocks(num)
         ids = [b.block_id for b in blocks]
-        assert sorted(ids) == sorted(self.free_order[:num]), "not the least recently freed"
+        window = self.free_order[: CONTIGUITY_WINDOW * num] if num > 1 else self.free_order[:1]
+        assert set(ids) <= set(window), "a block from outside the least recently freed window"
+        assert len(set(ids)) == num
+        assert _num_runs(ids) <= _num_runs(sorted(self.free_order[:num])), "more runs than strict LRU"
         assert ids == sorted(ids), "one allocation's blocks come in ascending id order"
-        del self.free_order[:num]
+        self.free_order = [b for b in self.free_order if b not in ids]
         for b in blocks:
             assert b.ref_cnt == 1 and b.block_hash is None
             self._evicted(b.block_id)
@@ -312,9 +320,46 @@ def test_eviction_takes_the_least_recently_freed_cached_block_first():
         pool.cache_full_block(b, _h(i))
     for i in (2, 0, 3, 1):
         pool.free_blocks([blocks[i]])
-    assert [b.block_id for b in pool.get_new_blocks(2)] == [0, 2]  # blocks 2 and 0, in id order
+    assert [b.block_id for b in pool.get_new_blocks(1)] == [2]
+    assert [b.block_id for b in pool.get_new_blocks(1)] == [0]
     assert pool.get_cached_block(_h(2)) is None and pool.get_cached_block(_h(0)) is None
     assert pool.get_cached_block(_h(3)) is blocks[3] and pool.get_cached_block(_h(1)) is blocks[1]
+
+
+def test_strict_lru_pool_takes_exactly_the_least_recently_freed_blocks():
+    pool = BlockPool(4, contiguity_window=1)
+    blocks = pool.get_new_blocks(4)
+    for i, b in enumerate(blocks):
+        pool.cache_full_block(b, _h(i))
+    for i in (2, 0, 3, 1):
+        pool.free_blocks([blocks[i]])
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [0, 2]
+
+
+def test_several_blocks_come_as_one_run_from_the_oldest_window_instead_of_scattered():
+    pool = BlockPool(12)
+    blocks = pool.get_new_blocks(12)
+    for i, b in enumerate(blocks):
+        pool.cache_full_block(b, _h(i))
+    # Strict LRU would take 0, 4, 8, 1 (four runs); the 8 oldest hold the run 4..7 whole.
+    for i in (0, 4, 8, 1, 5, 6, 7, 9, 2, 3, 10, 11):
+        pool.free_blocks([blocks[i]])
+    taken = [b.block_id for b in pool.get_new_blocks(4)]
+    assert taken == [4, 5, 6, 7]
+    assert all(pool.get_cached_block(_h(i)) is None for i in taken)
+    # Everything else stays cached, in its eviction order.
+    assert [b.block_id for b in pool.free_queue] == [0, 8, 1, 9, 2, 3, 10, 11]
+    pool.check_integrity()
+
+
+def test_a_long_free_run_gives_its_oldest_stretch():
+    pool = BlockPool(10)
+    blocks = pool.get_new_blocks(10)
+    for i, b in enumerate(blocks):
+        pool.cache_full_block(b, _h(i))
+    for i in (9, 8, 7, 6, 5, 4, 3, 2, 1, 0):  # the run 0..9, newest first
+        pool.free_blocks([blocks[i]])
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [7, 8, 9]
 
 
 def test_a_requests_tail_block_is_evicted_before_its_head():
@@ -368,7 +413,8 @@ def test_a_duplicate_hash_keeps_the_first_block_and_only_it_is_findable():
     assert pool.get_cached_block(_h(7)) is first
     assert pool.drain_events() == ([_h(7)], [])
     pool.free_blocks([second, first])
-    pool.get_new_blocks(2)  # the never-used block, then the duplicate
+    pool.get_new_blocks(1)  # the never-used block
+    pool.get_new_blocks(1)  # then the duplicate
     assert pool.get_cached_block(_h(7)) is first
     assert pool.drain_events() == ([], [])
 

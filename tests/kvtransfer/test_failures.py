@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvtransfer import KVLayout, KVSender, TransferState
+from kvtransfer.wire.frames import MAX_DATA_PARTS
 from kvtransfer.wire.messages import (
     Abort,
     Accept,
@@ -141,6 +142,47 @@ def test_receiver_killed_mid_transfer_sender_frees(spawn_peer) -> None:
         assert time.monotonic() - started < 2.0  # noticed at once, not at the 5 s timeout
 
 
+def test_receiver_abort_after_the_first_frame_of_a_fragmented_transfer_frees_the_sender(
+    peer: PeerProcess,
+) -> None:
+    # Blocks of 32 KiB per layer's K (or V): runs of 8 go out as views of the cache.
+    cache = make_kv_cache(
+        {"num_layers": 2, "num_blocks": 40, "block_size": 16, "num_kv_heads": 8, "head_size": 64}
+    )
+    layout = KVLayout.from_kv_cache(cache, "m")
+    block_plane = layout.bytes_per_block_layer // 2
+    address = peer.call("raw_router", name="abort-mid", address="tcp://127.0.0.1:0")["address"]
+    src_ids = [*range(0, 10), 25, 20, *range(30, 40)]  # a run, two strays, a run
+    with KVSender(cache, layout, timeout_s=5.0, layers_per_frame=1, staging_bytes=1) as sender:
+        sender.send("mid", address, src_ids, [], 16 * len(src_ids))
+        identity, hello = peer.call("raw_recv", name="abort-mid")
+        assert isinstance(decode_from_sender(bytes.fromhex(hello), 1 << 20), Hello)
+        reply = HelloReply(ok=True, layout=layout, max_frame_bytes=1 << 24)
+        peer.call("raw_send", name="abort-mid", frames=[identity, encode(reply).hex()])
+        _, offer = peer.call("raw_recv", name="abort-mid")
+        assert isinstance(decode_from_sender(bytes.fromhex(offer), 1 << 20), Offer)
+        accept = Accept(request_id="mid", block_ids=list(range(len(src_ids))), num_cached_blocks=0)
+        peer.call("raw_send", name="abort-mid", frames=[identity, encode(accept).hex()])
+        _, header, *parts = peer.call("raw_recv", name="abort-mid")
+        data = decode_from_sender(bytes.fromhex(header), 1 << 20)
+        assert isinstance(data, Data) and (data.layer_start, data.num_layers) == (0, 1)
+        # Layer 0's K, then V: each run as it lies in the cache, the strays gathered between them.
+        assert [len(p) // 2 // block_plane for p in parts] == [10, 2, 10] * 2
+        expected = cache[0, :, src_ids].contiguous().view(torch.uint8).flatten().numpy().tobytes()
+        assert b"".join(bytes.fromhex(p) for p in parts) == expected
+        assert sender.state("mid") == TransferState.TRANSFERRING
+        abort = Abort(request_id="mid", reason="engine went away")
+        peer.call("raw_send", name="abort-mid", frames=[identity, encode(abort).hex()])
+        [result] = poll_until(sender, timeout_s=5.0)
+        assert not result.ok and "receiver aborted: engine went away" in (result.reason or "")
+        assert result.bytes_sent <= len(src_ids) * layout.bytes_per_block  # ZMQ may have taken both frames
+        deadline = time.monotonic() + 5
+        while sender.staging_bytes_in_use and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sender.staging_bytes_in_use == 0  # the gathered strays' buffer came back
+    peer.call("close", name="abort-mid")
+
+
 def test_receiver_process_killed_while_deferring_sender_frees(spawn_peer) -> None:
     victim = spawn_peer()
     address = victim.call(
@@ -190,7 +232,7 @@ def test_malformed_messages_are_rejected_logged_and_survived(peer: PeerProcess, 
         assert "offer before handshake" in (abort.reason or "")
         raw.handshake()
         raw.send(data_header("nobody", 1), LAYOUT.bytes_per_block_layer)  # data for an unknown request
-        raw.send(data_header("nobody", 1), *[8] * 7)  # more parts than a frame has planes (6)
+        raw.send(data_header("nobody", 1), *[8] * (MAX_DATA_PARTS + 1))  # more parts than any frame may have
         raw.send(encode(Offer(request_id="huge-meta", num_tokens=8, block_hashes=[], meta=b"m" * 5000)))
         raw.send(encode(Offer(request_id="too-long", num_tokens=10_000, block_hashes=[])))
         deadline = time.monotonic() + 5
@@ -204,7 +246,7 @@ def test_malformed_messages_are_rejected_logged_and_survived(peer: PeerProcess, 
             "offer before handshake",
             "expected 1",
             "data for unknown request",
-            "Data with 8 frames, expected 2 to 7",
+            f"Data with {MAX_DATA_PARTS + 2} frames, expected 2 to {MAX_DATA_PARTS + 1}",
             "meta of 5000 bytes",
             "the whole pool has",
         ):
@@ -236,7 +278,7 @@ def test_frame_of_wrong_size_fails_the_transfer_on_both_sides(peer: PeerProcess)
     peer.call("close", name="wrong-size")
 
 
-def test_frame_in_parts_lands_and_parts_that_split_a_plane_fail_the_transfer(peer: PeerProcess) -> None:
+def test_frame_in_parts_lands_and_parts_that_split_a_block_fail_the_transfer(peer: PeerProcess) -> None:
     receiver, kv_cache, pool = make_receiver()
     plane = 3 * LAYOUT.bytes_per_block_layer // 2  # one layer's K (or V) of 3 blocks
     with receiver:
@@ -245,7 +287,10 @@ def test_frame_in_parts_lands_and_parts_that_split_a_plane_fail_the_transfer(pee
         accept = raw.recv()
         assert isinstance(accept, Accept)
         k, v = bytes(range(256)) * (plane // 256), bytes(range(255, -1, -1)) * (plane // 256)
-        raw.send(data_header("in-parts", 3), k, v)  # layer 0: K and V as two parts
+        block = plane // 3
+        # Layer 0 in parts of whole blocks that do not follow the planes: K's first block, then
+        # its other two with V's first, then V's last two.
+        raw.send(data_header("in-parts", 3), k[:block], k[block:] + v[:block], v[block:])
         deadline = time.monotonic() + 5
         while receiver.state("in-parts") == TransferState.TRANSFERRING and time.monotonic() < deadline:
             if bytes(kv_cache[0, 1, accept.block_ids].contiguous().view(torch.uint8).flatten()) == v:
@@ -253,9 +298,10 @@ def test_frame_in_parts_lands_and_parts_that_split_a_plane_fail_the_transfer(pee
             time.sleep(0.01)
         assert bytes(kv_cache[0, 0, accept.block_ids].contiguous().view(torch.uint8).flatten()) == k
         assert bytes(kv_cache[0, 1, accept.block_ids].contiguous().view(torch.uint8).flatten()) == v
-        raw.send(data_header("in-parts", 3, layer_start=1), plane // 2, plane + plane // 2)  # splits a plane
+        # 1.5 blocks, then 4.5: the cut falls inside a block's K.
+        raw.send(data_header("in-parts", 3, layer_start=1), plane // 2, plane + plane // 2)
         [result] = poll_until(receiver)
-        assert not result.ok and "whole planes" in (result.reason or "")
+        assert not result.ok and "whole block-planes" in (result.reason or "")
         assert result.bytes_received == 2 * plane
         assert isinstance(raw.recv(), Abort)
         assert pool.is_clean()

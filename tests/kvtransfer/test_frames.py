@@ -124,34 +124,30 @@ def test_block_runs_find_consecutive_ids() -> None:
     runs = BlockRuns([4, 5, 6, 9, 2, 3, 10, 11, 12, 13])
     assert runs.runs() == [(0, 3, 4), (3, 1, 9), (4, 2, 2), (6, 4, 10)]
     assert runs.runs(1, 6) == [(1, 2, 5), (3, 1, 9), (4, 2, 2), (6, 1, 10)]
-    assert runs.first_if_one_run(6, 4) == 10 and runs.first_if_one_run(7, 2) == 11
-    assert runs.first_if_one_run(1, 3) is None and runs.first_if_one_run(0, 0) is None
-    assert runs.cuts_around_runs(3) == [0, 3, 6, 10]
-    assert runs.cuts_around_runs(2) == [0, 3, 4, 6, 10]
+    for start in range(10):
+        for count in range(1, 11 - start):
+            assert runs.num_runs(start, count) == len(runs.runs(start, count)), (start, count)
     assert BlockRuns([]).runs() == [] and BlockRuns([7]).runs() == [(0, 1, 7)]
 
 
-def test_plan_never_spans_a_cut() -> None:
-    cuts = [3, 9]
-    frames = plan_frames(4, 12, 2, 100, 500, cuts=cuts)
-    for f in frames:
-        assert not any(f.block_start < c < f.block_start + f.num_blocks for c in cuts)
-    cursor = FrameCursor(4, 12)
-    for frame in frames:
-        assert cursor.check(frame) is None
-        cursor.advance(frame)
-    assert cursor.done
-
-
-def test_parts_must_be_whole_planes_adding_up_to_the_frame() -> None:
-    spec = FrameSpec(0, 2, 0, 3)  # 4 planes of 3 blocks; a block-layer is 100 B, a plane 150 B
+def test_parts_must_be_whole_block_planes_adding_up_to_the_frame() -> None:
+    spec = FrameSpec(0, 2, 0, 3)  # 4 planes of 3 blocks; a block-layer is 100 B, a block-plane 50 B
     assert check_parts([600], spec, 100) is None
     assert check_parts([150, 300, 150], spec, 100) is None
+    assert check_parts([50, 200, 350], spec, 100) is None  # cuts inside planes, between blocks
     assert "expected 600" in (check_parts([150, 300], spec, 100) or "")
-    assert "whole planes of 150" in (check_parts([100, 500], spec, 100) or "")
-    assert "whole planes" in (check_parts([0, 600], spec, 100) or "")
-    assert "expected 1 to 4" in (check_parts([120] * 5, spec, 100) or "")
-    assert "expected 1 to 4" in (check_parts([], spec, 100) or "")
+    assert "whole block-planes of 50" in (check_parts([120, 480], spec, 100) or "")
+    assert "whole block-planes" in (check_parts([0, 600], spec, 100) or "")
+    assert "expected 1 to 4" in (check_parts([50] * 12, spec, 100, max_parts=4) or "")
+    assert "expected 1 to 4" in (check_parts([], spec, 100, max_parts=4) or "")
+
+
+def _caches(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, KVLayout]:
+    gen = torch.Generator().manual_seed(1)
+    # float32: a block-plane is 8 KiB, so runs of 8 go out as views (16 in half precision).
+    src = torch.randn(4, 2, 40, 16, 2, 64, generator=gen).to(dtype)
+    dst = torch.randn(4, 2, 40, 16, 2, 64, generator=gen).to(dtype)
+    return src, dst, KVLayout.from_kv_cache(src, "m")
 
 
 def _moved(
@@ -159,36 +155,21 @@ def _moved(
     dst_ids: list[int],
     max_frame_layers: int,
     dtype: torch.dtype = torch.float32,
-    min_run_frame_bytes: int = 0,
+    min_zero_copy_bytes: int = 64 << 10,
 ) -> tuple[list, torch.Tensor]:
     """Frames of ``src_ids`` moved into ``dst_ids`` in memory; returns them and the sender's cache."""
-    gen = torch.Generator().manual_seed(1)
-    # float32: a block half is 8 KiB, so runs of 8 go unpacked (16 in half precision).
-    src = torch.randn(4, 2, 40, 16, 2, 64, generator=gen).to(dtype)
-    dst = torch.randn(4, 2, 40, 16, 2, 64, generator=gen).to(dtype)
+    assert len(src_ids) == len(dst_ids)
+    src, dst, layout = _caches(dtype)
     before = dst.clone()
-    layout = KVLayout.from_kv_cache(src, "m")
-    # Runs get frames of their own from 8 blocks (float32) on, whatever their frames hold in all.
-    packer = BlockPacker(src, layout, 1 << 30, min_run_frame_bytes=min_run_frame_bytes)
+    packer = BlockPacker(src, layout, 1 << 30, min_zero_copy_bytes=min_zero_copy_bytes)
     unpacker = BlockUnpacker(dst, layout)
-    assert packer.min_zero_copy_blocks == 8 * 4 // dtype.itemsize
     send_ids, recv_ids = packer.block_ids(src_ids), unpacker.block_ids(dst_ids)
     frames = []
-    specs = plan_frames(
-        4,
-        len(src_ids),
-        max_frame_layers,
-        layout.bytes_per_block_layer,
-        1 << 30,
-        packer.frame_cuts(send_ids, max_frame_layers, 1 << 30),
-    )
-    for spec in specs:
+    for spec in plan_frames(4, len(src_ids), max_frame_layers, layout.bytes_per_block_layer, 1 << 30):
         frame = packer.pack(spec, send_ids)
         assert frame is not None
-        assert (
-            check_parts([memoryview(p).nbytes for p in frame.parts], spec, layout.bytes_per_block_layer)
-            is None
-        )
+        lengths = [memoryview(p).nbytes for p in frame.parts]
+        assert check_parts(lengths, spec, layout.bytes_per_block_layer) is None
         # What ZMQ delivers: a copy of each part.
         unpacker.unpack(spec, recv_ids, [memoryview(bytearray(part)) for part in frame.parts])
         frames.append(frame)
@@ -196,7 +177,16 @@ def _moved(
     assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
     untouched = [b for b in range(40) if b not in dst_ids]
     assert torch.equal(dst[:, :, untouched], before[:, :, untouched])
+    assert packer.pool.bytes_in_use == 0
     return frames, src
+
+
+def _address(part: object) -> int:
+    return int(part.__array_interface__["data"][0])  # type: ignore[attr-defined]
+
+
+def _block_planes(frame: object) -> list[int]:
+    return [memoryview(p).nbytes // (8 << 10) for p in frame.parts]  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -214,36 +204,75 @@ def test_consecutive_sender_blocks_go_out_as_views_of_the_cache_and_land_bit_exa
     assert frames and all(f.zero_copy for f in frames)
     first = frames[0]
     assert len(first.parts) == 4  # K and V of each of its 2 layers
-    assert first.parts[0].__array_interface__["data"][0] == src[0, 0, 3].data_ptr()  # not copied
-    assert first.parts[1].__array_interface__["data"][0] == src[0, 1, 3].data_ptr()
+    assert _address(first.parts[0]) == src[0, 0, 3].data_ptr()  # not copied
+    assert _address(first.parts[1]) == src[0, 1, 3].data_ptr()
 
 
-@pytest.mark.parametrize("dst_ids", [list(range(0, 23)), [*range(39, 28, -1), *range(0, 12)]])
-def test_mixed_consecutive_and_scattered_sender_blocks_land_bit_exact(dst_ids: list[int]) -> None:
+FRAGMENTED_DST = [3, 17, 4, 9, 30, *range(10, 16), 33, 0, 1, 2, 20, 21, 38, 37, 36, 35, 34, 5]
+
+
+@pytest.mark.parametrize("dst_ids", [list(range(0, 23)), [*range(39, 28, -1), *range(0, 12)], FRAGMENTED_DST])
+def test_fragmented_frame_sends_its_runs_from_the_cache_gathers_the_rest_and_lands_bit_exact(
+    dst_ids: list[int],
+) -> None:
     src_ids = [*range(20, 30), 3, 7, 5, 0, *range(30, 39)]  # a long run, four strays, another run
-    frames, _ = _moved(src_ids, dst_ids, 4)
-    assert [f.zero_copy for f in frames] == [True, False, True]
-    assert [(f.spec.block_start, f.spec.num_blocks) for f in frames] == [(0, 10), (10, 4), (14, 9)]
+    frames, src = _moved(src_ids, dst_ids, 4)
+    [frame] = frames  # 4 layers of 23 blocks: one frame, 8 planes
+    assert not frame.zero_copy  # the strays needed a staging buffer
+    assert _block_planes(frame) == [10, 4, 9] * 8  # per plane: the run, the gathered strays, the other run
+    for plane in range(8):
+        layer, kv = divmod(plane, 2)
+        assert _address(frame.parts[3 * plane]) == src[layer, kv, 20].data_ptr()
+        assert _address(frame.parts[3 * plane + 2]) == src[layer, kv, 30].data_ptr()
 
 
-def test_runs_whose_frames_would_carry_little_are_packed_with_their_neighbours() -> None:
-    src_ids = [*range(20, 30), 3, 7, 5, 0, *range(30, 39)]  # runs of 10 and 9: 640 and 576 KiB frames
-    frames, _ = _moved(src_ids, list(range(23)), 4, min_run_frame_bytes=600 << 10)
-    assert [(f.spec.block_start, f.spec.num_blocks, f.zero_copy) for f in frames] == [
-        (0, 10, True),  # its own frame, sent from the cache
-        (10, 13, False),  # the strays and the shorter run, packed together
-    ]
-    frames, _ = _moved(src_ids, list(range(23)), 4, min_run_frame_bytes=1 << 20)
-    assert [(f.spec.num_blocks, f.zero_copy) for f in frames] == [(23, False)]  # one packed frame
-    # Groups of 3 layers leave a last group of 1 (4 layers): there the run of 10 would make a
-    # 160 KiB frame, below 400 KiB, so it is not cut out, although its 3-layer frames hold 480 KiB.
-    frames, _ = _moved(src_ids, list(range(23)), 3, min_run_frame_bytes=400 << 10)
-    assert [(f.spec.num_blocks, f.zero_copy) for f in frames] == [(23, False), (23, False)]
+def test_gathered_stretches_of_neighbouring_planes_make_one_part() -> None:
+    # Strays, a run, a stray: one plane ends gathered and the next starts gathered, as one part.
+    frames, _ = _moved([2, 9, *range(20, 30), 5], list(range(13)), 2)
+    assert [_block_planes(f) for f in frames] == [[2, 10, 3, 10, 3, 10, 3, 10, 1]] * 2
 
 
-def test_short_runs_are_packed() -> None:
+def test_short_runs_are_gathered() -> None:
     frames, _ = _moved([*range(10, 17), 30], [*range(0, 8)], 4)  # a run of 7 < 8 blocks
-    assert [f.zero_copy for f in frames] == [False]
+    assert [(f.zero_copy, len(f.parts)) for f in frames] == [(False, 1)]
+    frames, _ = _moved(list(range(3, 15)), list(range(12)), 4, min_zero_copy_bytes=1 << 20)
+    assert [(f.zero_copy, len(f.parts)) for f in frames] == [(False, 1)]
+
+
+def test_a_frame_with_more_runs_than_parts_allowed_gathers_the_shortest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvtransfer.blocks import packing
+
+    monkeypatch.setattr(packing, "MAX_DATA_PARTS", 6)  # one layer: 2 planes of (gathered, view, gathered)
+    src_ids = [*range(0, 8), 20, *range(30, 40), 25]
+    frames, src = _moved(src_ids, list(range(20)), 1)
+    assert len(frames) == 4
+    for frame in frames:
+        assert _block_planes(frame) == [9, 10, 1 + 9, 10, 1]
+        assert _address(frame.parts[1]) == src[frame.spec.layer_start, 0, 30].data_ptr()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_any_cut_of_a_frame_into_whole_block_planes_lands_bit_exact(seed: int) -> None:
+    src, dst, layout = _caches()
+    before = dst.clone()
+    gen = torch.Generator().manual_seed(seed)
+    src_ids = torch.randperm(40, generator=gen)[:11].tolist()
+    dst_ids = list(dict.fromkeys([*range(4, 9), *torch.randperm(40, generator=gen).tolist()]))[:11]
+    spec = FrameSpec(1, 3, 0, 11)  # layers 1-3: 6 planes of 11 blocks
+    frame = src[1:4, :, src_ids].contiguous().view(torch.uint8).flatten().numpy()
+    unit = layout.bytes_per_block_layer // 2
+    cuts = sorted(set(torch.randint(1, 66, (7,), generator=gen).tolist()))
+    bounds = [0, *(c * unit for c in cuts), frame.nbytes]
+    parts = [memoryview(bytearray(frame[lo:hi])) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    assert check_parts([p.nbytes for p in parts], spec, layout.bytes_per_block_layer) is None
+    unpacker = BlockUnpacker(dst, layout)
+    unpacker.unpack(spec, unpacker.block_ids(dst_ids), parts)
+    assert torch.equal(dst[1:4, :, dst_ids], src[1:4, :, src_ids])
+    others = [b for b in range(40) if b not in dst_ids]
+    assert torch.equal(dst[1:4, :, others], before[1:4, :, others])
+    assert torch.equal(dst[0], before[0])
 
 
 def test_byte_copies_fall_back_to_torch_where_rows_are_not_contiguous() -> None:

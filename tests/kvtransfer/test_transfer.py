@@ -78,38 +78,47 @@ def test_transfer_lands_bit_exact_in_other_block_ids(peer: PeerProcess, tmp_path
     peer.call("close", name=name)
 
 
-# Big enough blocks that a run of 8 consecutive ones goes out as views of the sender's cache.
-ZERO_COPY = {"num_layers": 3, "num_blocks": 48, "block_size": 16, "num_kv_heads": 2, "head_size": 64}
+# Big enough blocks (32 KiB per layer's K or V) that a run of 8 consecutive ones goes out as views
+# of the sender's cache.
+ZERO_COPY = {"num_layers": 3, "num_blocks": 48, "block_size": 16, "num_kv_heads": 8, "head_size": 64}
+MIXED = [*range(30, 40), 2, 0, 27, *range(11, 20)]  # runs and strays mixed
+# A receiver pool that hands out runs of several lengths, as a recycled one does.
+RECEIVER_RUNS = [*range(40, 48), 3, *range(20, 26), 1, *range(10, 19), 33, 32, *range(5, 8)]
 
 
 @pytest.mark.parametrize(
-    ("src_ids", "shuffle_receiver"),
+    ("src_ids", "receiver"),
     [
-        (list(range(5, 25)), False),  # consecutive on both sides: views sent, slices received
-        (list(range(5, 25)), True),  # consecutive on the sender only
-        ([*range(30, 40), 2, 0, 27, *range(11, 20)], False),  # runs and strays mixed
-        ([*range(30, 40), 2, 0, 27, *range(11, 20)], True),
+        (list(range(5, 25)), "in order"),  # consecutive on both sides: views sent, slices received
+        (list(range(5, 25)), "shuffled"),  # consecutive on the sender only
+        (MIXED, "in order"),
+        (MIXED, "shuffled"),
+        (MIXED, "runs"),  # fragmented on both sides, with runs long enough for views
     ],
 )
-def test_runs_of_consecutive_blocks_land_bit_exact(
-    peer: PeerProcess, src_ids: list[int], shuffle_receiver: bool
+def test_runs_of_consecutive_blocks_land_bit_exact_in_the_receivers_slots(
+    peer: PeerProcess, src_ids: list[int], receiver: str
 ) -> None:
-    name = f"runs-{len(src_ids)}-{src_ids[10]}-{shuffle_receiver}"
+    name = f"runs-{len(src_ids)}-{src_ids[10]}-{receiver}"
     start_sender(peer, name, cache={**ZERO_COPY, "seed": 1}, layers_per_frame=2)
     kv_cache = make_kv_cache({**ZERO_COPY, "seed": 2})
     before = kv_cache.clone()
     pool = BlockPool(ZERO_COPY["num_blocks"], ZERO_COPY["block_size"])
-    if shuffle_receiver:
+    if receiver == "shuffled":
         pool.free = torch.randperm(len(pool.free), generator=torch.Generator().manual_seed(3)).tolist()
+    elif receiver == "runs":
+        pool.free = RECEIVER_RUNS[::-1] + [b for b in pool.free if b not in RECEIVER_RUNS]
+    expected_ids = pool.free[::-1][: len(src_ids)]
     layout = KVLayout.from_kv_cache(kv_cache, "m")
     num_tokens = 16 * len(src_ids) - 5
-    with KVReceiver("tcp://127.0.0.1:0", kv_cache, layout, pool, timeout_s=5.0) as receiver:  # type: ignore[arg-type]
-        send(peer, name, "runs", receiver.address, src_ids, num_tokens)
-        [result] = poll_until(receiver)
+    with KVReceiver("tcp://127.0.0.1:0", kv_cache, layout, pool, timeout_s=5.0) as rx:  # type: ignore[arg-type]
+        send(peer, name, "runs", rx.address, src_ids, num_tokens)
+        [result] = poll_until(rx)
         [sent] = peer.wait_results(name)
         assert result.ok and sent["ok"], (result.reason, sent["reason"])
-        assert (result.block_ids == list(range(len(src_ids)))) != shuffle_receiver
-        assert digest(kv_cache, result.block_ids) == peer.call("digest", name=name, block_ids=src_ids)
+        assert result.block_ids == expected_ids
+        for src_id, dst_id in zip(src_ids, result.block_ids, strict=True):  # block by block, in order
+            assert digest(kv_cache, [dst_id]) == peer.call("digest", name=name, block_ids=[src_id])
         untouched = [b for b in range(ZERO_COPY["num_blocks"]) if b not in result.block_ids]
         assert torch.equal(kv_cache[:, :, untouched], before[:, :, untouched])
         assert sent["bytes_sent"] == result.bytes_received == len(src_ids) * layout.bytes_per_block

@@ -24,15 +24,7 @@ def server(prompts: Any) -> Iterator[RouterServer]:
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [
-        (COMPLETIONS, "prompt_logprobs", 1),
-        (CHAT, "prompt_logprobs", 0),
-        (COMPLETIONS, "echo", True),
-        (COMPLETIONS, "logit_bias", {"5": 1.0}),
         (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
-        (CHAT, "response_format", {"type": "json_object"}),
-        (CHAT, "guided_json", {"type": "object"}),
-        (COMPLETIONS, "guided_regex", "[a-z]+"),
-        (COMPLETIONS, "guided_choice", ["yes", "no"]),
         (CHAT, "guided_grammar", "root ::= 'a'"),
         (CHAT, "structured_outputs", {"json": {"type": "object"}}),
     ],

@@ -71,7 +71,32 @@ BAD_REQUESTS = [
     (CHAT, chat(seed=2**70), "seed"),
     (CHAT, chat(stream_options={"include_usage": True}), "stream_options"),
     (CHAT, chat(stop_token_ids=[10**9]), "stop_token_ids"),
-    (CHAT, chat(logit_bias={"1": 5}), "logit_bias"),
+    (CHAT, chat(logit_bias={"x": 5}), "logit_bias"),
+    (CHAT, chat(logit_bias={"-1": 5}), "logit_bias"),
+    (CHAT, chat(logit_bias={"1": 101}), "logit_bias"),
+    (CHAT, chat(logit_bias={"1": -100.5}), "logit_bias"),
+    (CHAT, chat(logit_bias={str(10**9): 1}), "logit_bias"),
+    (CHAT, chat(logit_bias={str(i): 1 for i in range(301)}), "logit_bias"),
+    (COMPLETIONS, completion(logit_bias={"1": "big"}), "logit_bias"),
+    (CHAT, chat(response_format={"type": "xml"}), "response_format"),
+    (CHAT, chat(response_format={"type": "json_schema"}), "response_format"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+     "response_format"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}),
+     "response_format"),
+    (COMPLETIONS, completion(response_format={"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}), "response_format"),
+    (CHAT, chat(guided_json="{not json"), "guided_json"),
+    (CHAT, chat(guided_json={"type": "object", "properties": {"a": {"type": "integer", "minimum": "x"}}}),
+     "guided_json"),
+    (COMPLETIONS, completion(guided_regex="[a-"), "guided_regex"),
+    (COMPLETIONS, completion(guided_regex=""), "guided_regex"),
+    (COMPLETIONS, completion(guided_choice=[]), "guided_choice"),
+    (COMPLETIONS, completion(guided_choice=["a", 1]), "guided_choice"),
+    (CHAT, chat(guided_choice=["a"], guided_regex="a"), "guided_choice"),
+    (CHAT, chat(response_format={"type": "json_object"}, guided_json={"type": "object"}), "guided_json"),
+    (CHAT, chat(guided_json=json.loads('{"type": "array", "items": ' * 70 + "{}" + "}" * 70)), "guided_json"),
+    (CHAT, chat(guided_json="[" * 20_000 + "]" * 20_000), "guided_json"),
     (CHAT, chat(tools=[{"type": "function"}]), "tools"),
     (CHAT, chat(stream="yes"), "stream"),
     (COMPLETIONS, {"model": SERVED_MODEL}, "prompt"),
@@ -83,7 +108,11 @@ BAD_REQUESTS = [
     (COMPLETIONS, completion(prompt="word " * 300), "prompt"),
     (COMPLETIONS, completion(prompt="\x16\x04"), "prompt"),  # characters the tokenizer drops: no tokens
     (COMPLETIONS, completion(logprobs=50), "logprobs"),
-    (COMPLETIONS, completion(echo=True), "echo"),
+    (COMPLETIONS, completion(echo=True, logprobs=1, stream=True), "echo"),
+    (COMPLETIONS, completion(prompt_logprobs=1, stream=True), "prompt_logprobs"),
+    (CHAT, chat(prompt_logprobs=0, stream=True), "prompt_logprobs"),
+    (COMPLETIONS, completion(prompt_logprobs=21), "prompt_logprobs"),
+    (COMPLETIONS, completion(prompt_logprobs=-1), "prompt_logprobs"),
     (COMPLETIONS, completion(best_of=3), "best_of"),
     (COMPLETIONS, completion(max_tokens=256), "max_tokens"),
 ]
@@ -149,6 +178,24 @@ def test_lone_surrogate_gets_400_naming_the_field(
 
 def test_utf8_encoded_surrogate_bytes_get_400(client: TestClient) -> None:
     raw = b'{"model": "%s", "prompt": "a \xed\xa0\x80 b"}' % SERVED_MODEL.encode()
+    error = assert_openai_error(client.post(COMPLETIONS, content=raw), 400)
+    assert error["param"] == "prompt" and error["code"] == "invalid_unicode"
+
+
+def test_prompt_logprobs_that_would_not_fit_one_output_message_get_400() -> None:
+    from common.sampling_params import SamplingParams
+    from router.errors import APIError
+    from router.openai_models import check_prompt_logprobs
+
+    check_prompt_logprobs(SamplingParams(prompt_logprobs=20), 7000)
+    with pytest.raises(APIError) as refused:
+        check_prompt_logprobs(SamplingParams(prompt_logprobs=20), 8000)
+    assert refused.value.status == 400 and refused.value.param == "prompt_logprobs"
+
+
+def test_utf16_body_with_a_lone_surrogate_gets_400(client: TestClient) -> None:
+    """The raw-bytes pre-check reads UTF-8; a UTF-16 document (which JSON decoding accepts) is walked."""
+    raw = ('{"model": "' + SERVED_MODEL + '", "prompt": "a \\ud800 b"}').encode("utf-16")
     error = assert_openai_error(client.post(COMPLETIONS, content=raw), 400)
     assert error["param"] == "prompt" and error["code"] == "invalid_unicode"
 

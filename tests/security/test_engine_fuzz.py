@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import zmq
 
-from common.protocol import DecodeTarget, GenerateRequest, RequestOutput, decode_output
+from common.protocol import DecodeTarget, GenerateRequest, RequestOutput, decode_output, request_outputs
 from common.sampling_params import SamplingParams
 from ops.bench.fuzz_messages import FuzzStats, abort_all, fuzz_control, fuzz_kv, new_marker
 from tests.conftest import RedisServer
@@ -109,9 +109,9 @@ def test_an_engine_past_its_waiting_bound_refuses_with_a_retryable_overloaded_er
         assert time.monotonic() < deadline, f"only {len(finished)} of {num} requests ended"
         if not router.pull.poll(200):
             continue
-        msg = decode_output(router.pull.recv())
-        if isinstance(msg, RequestOutput) and msg.request_id.startswith("burst-") and msg.finish_reason:
-            finished[msg.request_id] = msg
+        for msg in request_outputs(decode_output(router.pull.recv())):
+            if msg.request_id.startswith("burst-") and msg.finish_reason:
+                finished[msg.request_id] = msg
     refused = [m for m in finished.values() if m.finish_reason == "error"]
     served = [m for m in finished.values() if m.finish_reason == "length"]
     assert refused and served, {m.finish_reason for m in finished.values()}

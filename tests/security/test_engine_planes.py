@@ -24,6 +24,7 @@ from common.protocol import (
     RequestOutput,
     decode_output,
     encode,
+    request_outputs,
 )
 from common.registry import InstanceInfo, Registry
 from common.sampling_params import SamplingParams
@@ -71,15 +72,13 @@ class KeyedRouter:
         while time.monotonic() < deadline:
             if not self.pull.poll(200):
                 continue
-            msg = decode_output(self.pull.recv())
-            if not isinstance(msg, RequestOutput):
-                continue
-            if msg.request_id != request_id:
-                self.others.append(msg)
-                continue
-            outs.append(msg)
-            if until_finished and msg.finish_reason is not None:
-                return outs
+            for msg in request_outputs(decode_output(self.pull.recv())):
+                if msg.request_id != request_id:
+                    self.others.append(msg)
+                    continue
+                outs.append(msg)
+                if until_finished and msg.finish_reason is not None:
+                    return outs
         if until_finished:
             raise AssertionError(f"{request_id} did not finish in {timeout_s}s: {outs}")
         return outs

@@ -1,0 +1,242 @@
+"""A fake decode engine for router benchmarks: real ZMQ and a real registry entry, no model.
+
+It takes ``GenerateRequest``s on its control socket and, each step, sends one token (always
+``token_id``) to every stream it holds until the stream's ``max_tokens``: in one ``OutputBatch`` per
+router (``batched``, as the engine services send) or one ``RequestOutput`` per request (the old
+way). It steps as fast as it can, but at most ``window`` steps ahead of what the client has read
+(``EngineLink``), and records when it sent each token so the harness can tell what the router added.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import signal
+import time
+from dataclasses import dataclass, field
+from multiprocessing.context import SpawnContext
+from typing import Any
+
+import zmq
+
+from common.protocol import (
+    AbortRequest,
+    EngineProgress,
+    GenerateRequest,
+    ProtocolError,
+    RequestOutput,
+    decode_input,
+    encode,
+    encode_output_batches,
+)
+from common.registry import HeartbeatThread, InstanceInfo, Registry
+
+PROGRESS_INTERVAL_S = 0.5
+STUCK_S = 5.0  # tokens the client never reads (a failed stream) do not hold the engine back longer
+SEND_TIMEOUT_MS = 2000
+
+
+@dataclass(frozen=True)
+class StreamEngineConfig:
+    redis_url: str
+    namespace: str
+    token_id: int
+    batched: bool = True
+    window: int = 2
+
+
+class EngineLink:
+    """What the harness and its fake engines share: token counters (flow control) and a command
+    queue per engine with one reply queue. Made in the harness, handed to each engine process."""
+
+    def __init__(self, ctx: SpawnContext, num_engines: int) -> None:
+        self.num_engines = num_engines
+        self.sent = ctx.RawArray("q", num_engines)  # tokens each engine sent (its own slot only)
+        self.received = ctx.RawValue("q", 0)  # tokens the client read, over all engines
+        self.commands = [ctx.Queue() for _ in range(num_engines)]
+        self.replies: Any = ctx.Queue()
+
+    def add_received(self, count: int) -> None:
+        self.received.value += count
+
+    def in_flight(self) -> int:
+        return sum(self.sent) - int(self.received.value)
+
+    def reset(self) -> None:
+        """Zero the counters; only while no stream is running."""
+        self.received.value = 0
+        for i in range(self.num_engines):
+            self.sent[i] = 0
+
+    def collect(self, timeout_s: float = 30.0) -> dict[str, list[float]]:
+        """Every engine's send times per request since the last collect (and forgets them there)."""
+        for commands in self.commands:
+            commands.put("collect")
+        merged: dict[str, list[float]] = {}
+        for _ in range(self.num_engines):
+            _, times = self.replies.get(timeout=timeout_s)
+            merged.update(times)
+        return merged
+
+
+@dataclass
+class _Stream:
+    reply_to: str
+    remaining: int
+    num_prompt_tokens: int
+    times: list[float] = field(default_factory=list)
+
+
+class FakeStreamEngine:
+    """One engine process; ``start`` returns once it is registered, ``stop`` ends it."""
+
+    def __init__(self, ctx: SpawnContext, config: StreamEngineConfig, instance_id: str, index: int,
+                 link: EngineLink) -> None:
+        self.link = link
+        self.index = index
+        self.process = ctx.Process(target=_engine_main, args=(config, instance_id, index, link),
+                                   name=f"fake-{instance_id}", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self.process.start()
+        index, message = self.link.replies.get(timeout=timeout_s)
+        if (index, message) != (self.index, "ready"):
+            raise RuntimeError(f"fake engine {self.index} did not start: {message!r}")
+
+    def stop(self) -> None:
+        self.link.commands[self.index].put("stop")
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def _engine_main(config: StreamEngineConfig, instance_id: str, index: int, link: EngineLink) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the harness stops it
+    _EngineLoop(config, instance_id, index, link).run()
+
+
+class _EngineLoop:
+    def __init__(self, config: StreamEngineConfig, instance_id: str, index: int, link: EngineLink) -> None:
+        self.config = config
+        self.instance_id = instance_id
+        self.index = index
+        self.link = link
+        self.ctx = zmq.Context()
+        self.control = self.ctx.socket(zmq.PULL)
+        self.control.setsockopt(zmq.LINGER, 0)
+        port = self.control.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.replies: dict[str, zmq.Socket] = {}
+        self.active: dict[str, _Stream] = {}
+        self.finished: dict[str, list[float]] = {}
+
+    def info(self) -> InstanceInfo:
+        return InstanceInfo(
+            instance_id=self.instance_id, role="decode", model="bench", control_address=self.address,
+            block_size=16, max_model_len=1 << 16, num_requests_running=len(self.active),
+        )
+
+    def run(self) -> None:
+        registry = Registry(self.config.redis_url, self.config.namespace, ttl_s=2.0)
+        heartbeat = HeartbeatThread(registry, self.info, 0.5)
+        heartbeat.start()
+        self.link.replies.put((self.index, "ready"))
+        last_step = last_progress = last_command = 0.0
+        try:
+            while True:
+                now = time.monotonic()
+                if now - last_command > 0.02:
+                    last_command = now
+                    if not self._commands():
+                        return
+                if self.control.poll(0 if self.active else 2):
+                    self._drain_control()
+                if self.active and (self._may_step() or now - last_step > STUCK_S):
+                    self._step()
+                    last_step = now
+                if now - last_progress > PROGRESS_INTERVAL_S:
+                    last_progress = now
+                    progress = encode(EngineProgress(instance_id=self.instance_id))
+                    for address in list(self.replies):
+                        self._send(address, progress)
+        finally:
+            heartbeat.stop(deregister=True)
+            for sock in [self.control, *self.replies.values()]:
+                sock.close(linger=0)
+            self.ctx.term()
+
+    def _commands(self) -> bool:
+        """False on "stop"."""
+        while True:
+            try:
+                command = self.link.commands[self.index].get_nowait()
+            except queue.Empty:
+                return True
+            if command == "stop":
+                return False
+            if command == "collect":
+                self.link.replies.put((self.index, self.finished))
+                self.finished = {}
+
+    def _drain_control(self) -> None:
+        while True:
+            try:
+                raw = self.control.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode_input(raw)
+            except ProtocolError:
+                continue
+            if isinstance(msg, GenerateRequest):
+                max_tokens = max(1, msg.sampling_params.max_tokens - len(msg.output_token_ids))
+                self.active[msg.request_id] = _Stream(msg.reply_to, max_tokens, len(msg.prompt_token_ids))
+            elif isinstance(msg, AbortRequest):
+                stream = self.active.pop(msg.request_id, None)
+                if stream is not None:
+                    self.finished[msg.request_id] = stream.times
+
+    def _may_step(self) -> bool:
+        """At most ``window`` steps of tokens not yet read by the client (after this step)."""
+        num_active = len(self.active) * self.link.num_engines
+        return self.link.in_flight() + num_active <= self.config.window * num_active
+
+    def _socket(self, address: str) -> zmq.Socket:
+        sock = self.replies.get(address)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+            sock.connect(address)
+            self.replies[address] = sock
+        return sock
+
+    def _send(self, address: str, raw: bytes) -> None:
+        with contextlib.suppress(zmq.Again):  # a router that takes nothing: the stream fails, not the bench
+            self._socket(address).send(raw)
+
+    def _step(self) -> None:
+        by_router: dict[str, list[tuple[RequestOutput, _Stream]]] = {}
+        for request_id, stream in self.active.items():
+            stream.remaining -= 1
+            out = RequestOutput(
+                request_id=request_id, new_token_ids=[self.config.token_id],
+                finish_reason=None if stream.remaining > 0 else "length",
+                num_prompt_tokens=stream.num_prompt_tokens, instance_id=self.instance_id, phase="full",
+            )
+            by_router.setdefault(stream.reply_to, []).append((out, stream))
+        for address, items in by_router.items():
+            if self.config.batched:
+                sent_at = time.monotonic()
+                for raw in encode_output_batches([out for out, _ in items], self.instance_id):
+                    self._send(address, raw)
+                for _, stream in items:
+                    stream.times.append(sent_at)
+            else:
+                for out, stream in items:
+                    stream.times.append(time.monotonic())
+                    self._send(address, encode(out))
+        self.link.sent[self.index] += len(self.active)
+        for request_id in [r for r, s in self.active.items() if s.remaining <= 0]:
+            self.finished[request_id] = self.active.pop(request_id).times

@@ -1,0 +1,478 @@
+"""``pdserve bench overhead router``: the router's own cost per streamed token, engines taken out.
+
+The router (``pdserve router --workers W``, real processes, one port) serves streaming
+``/v1/completions`` in front of fake decode engines (``ops.bench.fake_stream_engine``) that register
+in a real ``redis-server`` and answer over real ZMQ as fast as the router takes it: each step they
+send one token to every stream they hold, at most ``--window`` steps ahead of what the client has
+received (so the figures measure the router, not a queue in front of it). The client reads each SSE
+stream over a raw HTTP/1.1 connection and counts tokens by their text (every token is " hello").
+
+For every ``--concurrency`` C and ``--workers`` W it reports:
+
+* tokens/s: tokens that reached the client while all C streams were streaming (from the last
+  stream's first token to the first stream's last), per router process (the total over W);
+* added latency per token, p50 / p99: when the client read a token minus when the engine sent it
+  (the one host clock), over every token of the point;
+* router CPU per token: user + system CPU time of the router process(es) (``psutil``) over that
+  same window, divided by its tokens.
+
+``--engine-modes batched,per-request`` also runs the engines the old way, one ZMQ message per
+request per step, in the same invocation. ``--router-pythonpath DIR`` runs the router from another
+source tree (say, an export of the previous commit) to compare router code; an old router only
+understands ``per-request`` engines.
+
+    pdserve bench overhead router --concurrency 1,16,64,256,512,1024 --workers 1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import redis
+
+from ops.bench.fake_stream_engine import EngineLink, FakeStreamEngine, StreamEngineConfig
+from ops.launcher import die_with_parent, free_port
+
+RESULTS_DIR = Path(__file__).parent / "results"
+TOKEN_TEXT = " hello"
+MARKER = TOKEN_TEXT.encode()
+ENGINE_MODES = ("batched", "per-request")
+# The issue's target: tokens/s per router process at 512 streams, with the p99 added per token.
+TARGET_TOKENS_PER_S = 20_000
+TARGET_P99_MS = 5.0
+TARGET_CONCURRENCY = 512
+
+
+# ---------------------------------------------------------------------------------- processes
+def start_redis() -> tuple[subprocess.Popen[bytes], str]:
+    """A throw-away ``redis-server`` on a free loopback port, no persistence."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server not found: install Redis")
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url, socket_timeout=0.5)
+    deadline = time.monotonic() + 10
+    try:
+        while time.monotonic() < deadline:
+            try:
+                if client.ping():
+                    return proc, url
+            except redis.ConnectionError:
+                time.sleep(0.05)
+    finally:
+        client.close()
+    proc.kill()
+    raise RuntimeError("redis-server did not answer PING within 10s")
+
+
+class RouterProcess:
+    """``pdserve router --workers W`` on a free port; ``pids`` are the processes that serve."""
+
+    def __init__(self, workers: int, redis_url: str, namespace: str, pythonpath: str | None,
+                 log_path: Path) -> None:
+        self.workers = workers
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ)
+        cwd = None
+        if pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
+            cwd = pythonpath
+        argv = [
+            sys.executable, "-m", "common.cli", "router", "--port", str(self.port),
+            *(["--workers", str(workers)] if workers > 1 else []), "--redis-url", redis_url, "--namespace", namespace, "--served-model-name", "bench",
+            # Every stream goes out at once: the fair queue's per-instance window is not measured here.
+            "--max-requests-per-instance", "4096", "--max-inflight", "0", "--log-level", "warning",
+        ]
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     preexec_fn=die_with_parent)
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        """Until /ready answers 200 many times in a row (every worker sees the engines)."""
+        deadline = time.monotonic() + timeout_s
+        in_a_row = 0
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the router exited with code {self.proc.returncode}")
+            try:
+                ok = httpx.get(f"{self.url}/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            in_a_row = in_a_row + 1 if ok else 0
+            if in_a_row >= 10 * self.workers and len(self.pids()) == self.workers:
+                return
+            time.sleep(0.05)
+        raise RuntimeError("the router did not become ready")
+
+    def pids(self) -> list[int]:
+        if self.workers == 1:
+            return [self.proc.pid]
+        try:
+            return [c.pid for c in psutil.Process(self.proc.pid).children()]
+        except psutil.Error:
+            return []
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+class CpuSampler(threading.Thread):
+    """Samples the summed user + system CPU seconds of ``pids`` every ``interval_s``."""
+
+    def __init__(self, pids: list[int], interval_s: float = 0.02) -> None:
+        super().__init__(name="cpu-sampler", daemon=True)
+        self._procs = [psutil.Process(pid) for pid in pids]
+        self._interval_s = interval_s
+        self._done = threading.Event()
+        self.samples: list[tuple[float, float]] = []
+
+    def _read(self) -> float:
+        total = 0.0
+        for proc in self._procs:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        return total
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            self.samples.append((time.monotonic(), self._read()))
+            self._done.wait(self._interval_s)
+        self.samples.append((time.monotonic(), self._read()))
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+
+    def at(self, t: float) -> float:
+        """CPU seconds at time ``t``, linearly between the samples around it."""
+        samples = self.samples
+        for (t0, c0), (t1, c1) in zip(samples, samples[1:], strict=False):
+            if t0 <= t <= t1:
+                return c0 if t1 == t0 else c0 + (c1 - c0) * (t - t0) / (t1 - t0)
+        return samples[0][1] if t < samples[0][0] else samples[-1][1]
+
+
+# ---------------------------------------------------------------------------------- client
+@dataclass
+class StreamResult:
+    request_id: str = ""
+    arrivals: list[float] = field(default_factory=list)  # one per token, when it was read
+    status: int = 0
+    done: bool = False
+    error: str = ""
+
+
+async def _stream(port: int, body: bytes, link: EngineLink) -> StreamResult:
+    result = StreamResult()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError as exc:
+        result.error = str(exc)
+        return result
+    try:
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        result.status = int(head.split(b" ", 2)[1])
+        if result.status != 200:
+            result.error = (await reader.read(2000)).decode(errors="replace")
+            return result
+        carry = tail = b""
+        arrivals = result.arrivals
+        while True:
+            data = await reader.read(1 << 16)
+            if not data:
+                break
+            now = time.monotonic()
+            buffer = carry + data
+            count = buffer.count(MARKER)
+            if count:
+                arrivals.extend([now] * count)
+                link.add_received(count)
+            carry = buffer[-(len(MARKER) - 1):]
+            if not result.request_id and b'"id":"' in buffer:
+                start = buffer.index(b'"id":"') + 6
+                result.request_id = buffer[start:buffer.index(b'"', start)].decode()
+            tail = (tail + data)[-64:]
+            if b"data: [DONE]" in tail:
+                result.done = True
+                break
+    except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+        result.error = repr(exc)
+    finally:
+        writer.close()
+    return result
+
+
+async def _run_streams(port: int, concurrency: int, max_tokens: int, link: EngineLink) -> list[StreamResult]:
+    body = json.dumps({"model": "bench", "prompt": "Hi there", "max_tokens": max_tokens, "stream": True}).encode()
+    return await asyncio.gather(*(_stream(port, body, link) for _ in range(concurrency)))
+
+
+# ---------------------------------------------------------------------------------- one point
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def run_point(router: RouterProcess, link: EngineLink, concurrency: int, max_tokens: int) -> dict[str, Any]:
+    """C streams of ``max_tokens`` each, all started at once; the point's figures."""
+    sampler = CpuSampler(router.pids())
+    sampler.start()
+    link.reset()
+    started = time.monotonic()
+    try:
+        streams = asyncio.run(_run_streams(router.port, concurrency, max_tokens, link))
+    finally:
+        sampler.stop()
+    wall_s = time.monotonic() - started
+    sent = link.collect()  # engine request id -> send time of each token
+    failed = [s for s in streams if not s.done or len(s.arrivals) != max_tokens]
+    good = [s for s in streams if s not in failed]
+    result: dict[str, Any] = {
+        "concurrency": concurrency, "max_tokens": max_tokens, "num_router_processes": router.workers,
+        "num_streams_failed": len(failed), "wall_s": round(wall_s, 3),
+    }
+    if failed:
+        first = failed[0]
+        result["first_failure"] = f"status {first.status}, {len(first.arrivals)} tokens, {first.error[:300]}"
+    if not good:
+        return result
+    # The steady window: every stream has started and none has ended.
+    window_start = max(s.arrivals[0] for s in good)
+    window_end = min(s.arrivals[-1] for s in good)
+    if window_end <= window_start:  # one stream, or streams that did not overlap: the whole run
+        window_start = min(s.arrivals[0] for s in good)
+        window_end = max(s.arrivals[-1] for s in good)
+    num_tokens = sum(1 for s in good for t in s.arrivals if window_start <= t <= window_end)
+    window_s = max(window_end - window_start, 1e-9)
+    cpu_s = sampler.at(window_end) - sampler.at(window_start)
+    added_ms = []
+    for s in good:
+        send_times = sent.get(f"{s.request_id}-0", [])
+        added_ms += [(a - t) * 1e3 for a, t in zip(s.arrivals, send_times, strict=False)]
+    tokens_per_s = num_tokens / window_s
+    result.update({
+        "window_s": round(window_s, 4),
+        "num_tokens_in_window": num_tokens,
+        "tokens_per_s": round(tokens_per_s, 1),
+        "tokens_per_s_per_process": round(tokens_per_s / router.workers, 1),
+        "router_cpu_s": round(cpu_s, 4),
+        "router_cpu_us_per_token": round(cpu_s / max(num_tokens, 1) * 1e6, 2),
+        "router_cpu_cores": round(cpu_s / window_s, 3),
+        "added_latency_ms": {
+            "p50": round(_percentile(added_ms, 0.50), 3), "p99": round(_percentile(added_ms, 0.99), 3),
+            "mean": round(statistics.fmean(added_ms), 3) if added_ms else float("nan"),
+            "num_tokens": len(added_ms),
+        },
+        "total_tokens": sum(len(s.arrivals) for s in good),
+    })
+    return result
+
+
+# ---------------------------------------------------------------------------------- report
+def format_report(report: dict[str, Any]) -> str:
+    lines = [
+        f"router overhead ({report['date']}): streamed tokens/s per router process, added latency per token, "
+        "router CPU per token",
+        f"{'engines':<12}{'procs':>6}{'streams':>9}{'tok/s/proc':>12}{'tok/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'cpu us/tok':>12}{'failed':>8}",
+    ]
+    for r in report["results"]:
+        lat = r.get("added_latency_ms", {})
+        lines.append(
+            f"{r['engine_mode']:<12}{r['num_router_processes']:>6}{r['concurrency']:>9}"
+            f"{r.get('tokens_per_s_per_process', float('nan')):>12,.0f}{r.get('tokens_per_s', float('nan')):>10,.0f}"
+            f"{lat.get('p50', float('nan')):>9.2f}{lat.get('p99', float('nan')):>9.2f}"
+            f"{r.get('router_cpu_us_per_token', float('nan')):>12.1f}{r['num_streams_failed']:>8}"
+        )
+    target = [r for r in report["results"] if r["concurrency"] == TARGET_CONCURRENCY
+              and r["engine_mode"] == "batched" and "tokens_per_s" in r]
+    for r in target:
+        met = (r["tokens_per_s_per_process"] >= TARGET_TOKENS_PER_S
+               and r["added_latency_ms"]["p99"] <= TARGET_P99_MS)
+        lines.append(
+            f"target at {TARGET_CONCURRENCY} streams, {r['num_router_processes']} process(es): >= "
+            f"{TARGET_TOKENS_PER_S:,} tokens/s per process with p99 <= {TARGET_P99_MS} ms: "
+            f"{'met' if met else 'not met'} ({r['tokens_per_s_per_process']:,.0f} tokens/s, "
+            f"p99 {r['added_latency_ms']['p99']:.2f} ms)"
+        )
+    return "\n".join(lines)
+
+
+def write_plot(report: dict[str, Any], path: Path) -> bool:
+    """Tokens/s per process, CPU per token and p99 added latency against streams; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    series: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in report["results"]:
+        if "tokens_per_s" in r:
+            series.setdefault((r["engine_mode"], r["num_router_processes"]), []).append(r)
+    for (mode, procs), rows in sorted(series.items()):
+        x = [r["concurrency"] for r in rows]
+        style = "-o" if mode == "batched" else "--s"
+        label = f"{mode} engines, {procs} router process{'es' if procs > 1 else ''}"
+        axes[0].plot(x, [r["tokens_per_s_per_process"] for r in rows], style, label=label)
+        axes[1].plot(x, [r["router_cpu_us_per_token"] for r in rows], style, label=label)
+        axes[2].plot(x, [r["added_latency_ms"]["p99"] for r in rows], style, label=f"p99, {label}")
+    axes[0].axhline(TARGET_TOKENS_PER_S, color="r", linestyle=":", label="target")
+    axes[2].axhline(TARGET_P99_MS, color="r", linestyle=":", label="target p99")
+    titles = ("streamed tokens/s per router process", "router CPU us per token", "added latency per token, ms")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set(xscale="log", xlabel="concurrent streams", title=title)
+        ax.legend(fontsize=7)
+    axes[1].set_yscale("log")
+    axes[2].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench overhead router", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", default="1,16,64,256,512,1024", help="concurrent streams, comma-separated")
+    p.add_argument("--workers", default="1,2", help="router processes (--workers), comma-separated")
+    p.add_argument("--engine-modes", default="batched,per-request",
+                   help=f"comma-separated, of {','.join(ENGINE_MODES)} (per-request: the old one message "
+                   "per request per step)")
+    p.add_argument("--engines", type=int, default=1, help="fake decode engine processes")
+    p.add_argument("--max-tokens", type=int, default=200, help="tokens per stream")
+    p.add_argument("--window", type=int, default=2, help="steps an engine may run ahead of the client")
+    p.add_argument("--router-pythonpath", default=None, metavar="DIR",
+                   help="run the router from this source tree (e.g. an export of the previous commit)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="default: ops/bench/results/overhead-router-cpu-<date>.json")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG next to the JSON")
+    return p
+
+
+def _token_id(text: str) -> int:
+    """The one token of the default model's tokenizer (the router's) that ``text`` encodes to."""
+    import tokenizers
+
+    from common.model.loader import resolve_model_path
+
+    tokenizer = tokenizers.Tokenizer.from_file(str(resolve_model_path(None) / "tokenizer.json"))
+    [token_id] = tokenizer.encode(text, add_special_tokens=False).ids
+    return int(token_id)
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise SystemExit(f"{flag} takes comma-separated integers; got {text!r}") from None
+    if not values or min(values) < 1:
+        raise SystemExit(f"{flag} takes positive integers; got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    concurrency = _ints(args.concurrency, "--concurrency")
+    workers = _ints(args.workers, "--workers")
+    modes = [m for m in args.engine_modes.split(",") if m]
+    if not modes or not set(modes) <= set(ENGINE_MODES):
+        raise SystemExit(f"--engine-modes takes a comma-separated list of {', '.join(ENGINE_MODES)}")
+    if args.max_tokens < 2 or args.engines < 1 or args.window < 1:
+        raise SystemExit("--max-tokens must be at least 2, --engines and --window at least 1")
+    token_id = _token_id(TOKEN_TEXT)
+    report: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["pdserve bench overhead router", *(argv if argv is not None else sys.argv[1:])]),
+        "config": vars(args),
+        "machine": {"device": "cpu", "cpu_count": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version()},
+        "target": {"concurrency": TARGET_CONCURRENCY, "tokens_per_s_per_process": TARGET_TOKENS_PER_S,
+                   "p99_added_ms": TARGET_P99_MS},
+        "results": [],
+    }
+    redis_proc, redis_url = start_redis()
+    logs = Path(tempfile.mkdtemp(prefix="pdserve-router-bench-"))
+    ctx = mp.get_context("spawn")
+    try:
+        for mode in modes:
+            namespace = f"bench-{uuid.uuid4().hex[:8]}"
+            config = StreamEngineConfig(redis_url=redis_url, namespace=namespace, token_id=token_id,
+                                        batched=mode == "batched", window=args.window)
+            link = EngineLink(ctx, args.engines)
+            engines = [FakeStreamEngine(ctx, config, f"decode-{i}", i, link) for i in range(args.engines)]
+            for engine in engines:
+                engine.start()
+            try:
+                for num_workers in workers:
+                    router = RouterProcess(num_workers, redis_url, namespace, args.router_pythonpath,
+                                           logs / f"router-{mode}-{num_workers}.log")
+                    try:
+                        router.wait_ready()
+                        run_point(router, link, min(4, max(concurrency)), 20)  # warm-up, not reported
+                        for c in concurrency:
+                            print(f"{mode} engines, {num_workers} router process(es), {c} streams ...",
+                                  file=sys.stderr, flush=True)
+                            report["results"].append({"engine_mode": mode, **run_point(router, link, c,
+                                                                                        args.max_tokens)})
+                    finally:
+                        router.stop()
+            finally:
+                for engine in engines:
+                    engine.stop()
+    finally:
+        redis_proc.kill()
+        redis_proc.wait()
+    print(format_report(report))
+    path = Path(args.json) if args.json else RESULTS_DIR / f"overhead-router-cpu-{report['date']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not args.no_plot and write_plot(report, path.with_suffix(".png")):
+        report["plot"] = str(path.with_suffix(".png").name)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path} (router logs in {logs})", file=sys.stderr)
+    return 0 if all(r["num_streams_failed"] == 0 for r in report["results"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""The outputs of one engine request on their way from the receive loop to the request's reader.
+
+A deque and at most one waiting future: cheaper per token than ``asyncio.Queue`` (no getter list)
+and than ``asyncio.wait_for`` around it (no task per wait). Waits have no timer of their own: the
+``EngineClient`` wakes every waiting reader once per ``WAKE_INTERVAL_S``, and the reader checks its
+deadlines and its instances' liveness then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from common.protocol import RequestOutput
+
+WAKE_INTERVAL_S = 1.0
+
+
+class OutputQueue:
+    """Filled by the receive loop (``put_nowait``), read by one consumer (``wait`` then
+    ``get_nowait``). Not thread-safe: use from the event loop."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[RequestOutput] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, output: RequestOutput) -> None:
+        self._items.append(output)
+        self.wake()
+
+    def wake(self) -> None:
+        """End the consumer's ``wait`` (if it waits), with or without an output."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self, timeout_s: float | None = None) -> None:
+        """Returns at once when an output is queued, else at the next output or ``wake``, or after
+        ``timeout_s`` (a timer only for waits that need one shorter than the wake interval)."""
+        if self._items:
+            return
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._waiter = waiter
+        timer = loop.call_later(timeout_s, self.wake) if timeout_s is not None else None
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    async def get(self) -> RequestOutput:
+        """The next output, waiting as long as it takes (wakes without one are skipped)."""
+        while not self._items:
+            await self.wait()
+        return self._items.popleft()
+
+    def get_nowait(self) -> RequestOutput:
+        """The next output; ``IndexError`` when there is none."""
+        return self._items.popleft()
+
+    def peek(self) -> RequestOutput | None:
+        return self._items[0] if self._items else None
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)

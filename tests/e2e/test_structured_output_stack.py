@@ -1,0 +1,116 @@
+"""Structured output and logit_bias through the real stack with the openai client: router ->
+prefill (first token under the grammar) -> KV transfer -> decode (the rest), and a short prompt the
+router sends straight to the decode instance. A bad schema is a 400 from the router."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from tests.e2e.stack import Stack
+from tests.engine.conftest import model_path, tokenizer
+
+pytestmark = pytest.mark.timeout(600)
+
+MODEL = "SmolLM2-135M-Instruct"
+DIRECT_PROMPT_TOKENS = 40  # shorter prompts go straight to the decode instance
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "minItems": 1, "maxItems": 2},
+    },
+    "required": ["name", "age", "pets"],
+}
+LONG = ("You are a careful assistant that always answers in JSON. The user is writing a short story about "
+        "a family and needs characters. ") * 2
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url):  # type: ignore[no-untyped-def]
+    s = Stack(redis_url=redis_url, model=model_path())
+    s.start_engine("prefill", "prefill-a")
+    s.start_engine("decode", "decode-a")
+    s.start_router(["--direct-prompt-tokens", str(DIRECT_PROMPT_TOKENS)])
+    try:
+        s.wait_ready(1, 1)
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack):  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _num_chat_tokens(content: str) -> int:
+    text = tokenizer().apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                           tokenize=False)
+    return len(tokenizer()(text, add_special_tokens=False).input_ids)
+
+
+@pytest.mark.parametrize("content", [LONG + "Describe one character.", "A person?"], ids=["disaggregated", "direct"])
+def test_json_schema_chat_validates_streaming_or_not(client, content):  # type: ignore[no-untyped-def]
+    assert (_num_chat_tokens(content) < DIRECT_PROMPT_TOKENS) == (content == "A person?")
+    kwargs = {
+        "model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 80, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}},
+    }
+    done = client.chat.completions.create(**kwargs)
+    jsonschema.validate(json.loads(done.choices[0].message.content), SCHEMA)
+    assert done.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == done.choices[0].message.content
+
+
+def test_guided_fields_and_json_object_on_completions(client):  # type: ignore[no-untyped-def]
+    prompt = LONG + "Is the sky blue? Answer:"
+    choice = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
+                                       extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    assert choice.choices[0].text in {"yes", "no", "maybe"} and choice.choices[0].finish_reason == "stop"
+    regex = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0.7, seed=1,
+                                      extra_body={"guided_regex": "(Yes|No), [a-z]{2,10}\\."})
+    assert re.fullmatch(r"(Yes|No), [a-z]{2,10}\.", regex.choices[0].text)
+    guided = client.completions.create(model=MODEL, prompt=prompt, max_tokens=80, temperature=0, n=2,
+                                       extra_body={"guided_json": SCHEMA})
+    for c in guided.choices:
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    obj = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=60,
+                                         temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_logit_bias_bans_and_forces_tokens(client):  # type: ignore[no-untyped-def]
+    prompt = LONG + "The capital of France is"
+    base = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=2)
+    top = base.choices[0].logprobs.top_logprobs[0]
+    [first, second] = sorted(top, key=top.get, reverse=True)[:2]
+    ids = {t: tokenizer().convert_tokens_to_ids(tokenizer().tokenize(t)) for t in (first, second)}
+    if len(ids[first]) != 1:
+        pytest.skip("the greedy token does not round-trip through its text")
+    banned = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                       logit_bias={str(ids[first][0]): -100})
+    assert banned.choices[0].text == second
+    forced_id = tokenizer()(" banana", add_special_tokens=False).input_ids[0]
+    forced = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                       logit_bias={str(forced_id): 100})
+    assert forced.choices[0].text == tokenizer().decode([forced_id, forced_id])
+
+
+def test_invalid_schema_and_regex_get_400(client):  # type: ignore[no-untyped-def]
+    bad = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": bad}},
+        )
+    assert err.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, extra_body={"guided_regex": "(a"})
+    assert err.value.body["param"] == "guided_regex"

@@ -1,0 +1,78 @@
+"""The router's receive loop takes one engine step's outputs as one ``OutputBatch`` (real ZMQ):
+each output reaches its request's queue in order, unknown ids are dropped, the sender counts as
+heard from, and a malformed message is dropped without stopping the loop. A reader that fell
+behind gets the queued token outputs of its request as one."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import zmq
+
+from common.protocol import OutputBatch, RequestOutput, encode
+from router.dispatcher import EngineRequest
+from router.engine_client import EngineClient
+
+
+def _out(request_id: str, token: int, finish: str | None = None) -> RequestOutput:
+    return RequestOutput(request_id=request_id, new_token_ids=[token], finish_reason=finish,  # type: ignore[arg-type]
+                         instance_id="decode-0", phase="decode")
+
+
+async def _until(predicate: object, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_a_batch_reaches_each_request_queue_in_order_and_bad_messages_are_dropped() -> None:
+    async def scenario() -> None:
+        client = EngineClient()
+        await client.start()
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(client.reply_address)
+        try:
+            qa, qb = client.open("a"), client.open("b")
+            push.send(b"\x92garbage")  # malformed: dropped, the loop goes on
+            batch = OutputBatch(instance_id="decode-0", outputs=[
+                _out("a", 1), _out("unknown", 7), _out("b", 2), _out("a", 3), _out("b", 4, "length"),
+            ])
+            push.send(encode(batch))
+            push.send(encode(_out("a", 5, "stop")))  # a single output after the batch still works
+            await _until(lambda: qa.qsize() == 3 and qb.qsize() == 2)
+            assert [qa.get_nowait().new_token_ids[0] for _ in range(3)] == [1, 3, 5]
+            assert [qb.get_nowait().new_token_ids[0] for _ in range(2)] == [2, 4]
+            assert client.silent_for("decode-0", 0.0) < 5.0
+            assert "unknown" not in client._queues
+        finally:
+            push.close(0)
+            ctx.term()
+            await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_reader_behind_gets_queued_token_outputs_as_one_and_stops_at_the_finish() -> None:
+    async def scenario() -> None:
+        client = EngineClient()
+        queue = client.open("a")
+        dispatcher = type("D", (), {"request_timeout_s": 5.0, "client": client})()
+        request = EngineRequest(request_id="a", queue=queue, holders=[], dispatcher=dispatcher,  # type: ignore[arg-type]
+                                request=None)  # type: ignore[arg-type]
+        first = await asyncio.wait_for(_feed_and_next(request, queue), 5)
+        assert first.new_token_ids == [1]
+        merged = request._coalesce(first)
+        assert merged.new_token_ids == [1, 2, 3] and merged.finish_reason == "length"
+        assert queue.qsize() == 1  # what came after the finish is left alone
+        assert first.new_token_ids == [1]  # the queued output itself is not changed
+
+    async def _feed_and_next(request: EngineRequest, queue: object) -> RequestOutput:
+        for out in [_out("a", 1), _out("a", 2), _out("a", 3, "length"), _out("a", 4)]:
+            queue.put_nowait(out)  # type: ignore[attr-defined]
+        return await request._next()
+
+    asyncio.run(scenario())

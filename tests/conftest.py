@@ -6,13 +6,23 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import IO
 
 import pytest
 import redis
 
 from ops.launcher import die_with_parent
+
+
+def collect_lines(stream: IO[str] | None) -> list[str]:
+    """The lines of ``stream`` as they arrive (a reader thread keeps the pipe from filling up)."""
+    assert stream is not None
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(stream), daemon=True).start()
+    return lines
 
 
 def free_port() -> int:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,3 +136,17 @@ class Stack:
     def stop(self) -> None:
         for proc in reversed(list(self.procs.values())):
             proc.stop()
+
+
+@contextlib.contextmanager
+def prefill_decode_stack(redis_url: str, model: str, router_args: list[str] | None = None) -> Iterator[Stack]:
+    """One prefill, one decode and a router, ready; stopped on leaving."""
+    s = Stack(redis_url=redis_url, model=model)
+    s.start_engine("prefill", "prefill-a")
+    s.start_engine("decode", "decode-a")
+    s.start_router(router_args)
+    try:
+        s.wait_ready(1, 1)
+        yield s
+    finally:
+        s.stop()

@@ -10,16 +10,14 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import collect_lines, free_port
 from tests.engine.tiny_models import (
     WINDOW,
     build_checkpoint,
@@ -107,7 +105,7 @@ def up(tiny: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up
             "--device", "cpu", "--dtype", "float32", *ENGINE_FLAGS]
     proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    stdout, stderr = _collect(proc.stdout), _collect(proc.stderr)
+    stdout, stderr = collect_lines(proc.stdout), collect_lines(proc.stderr)
     try:
         ready = wait_until(lambda: proc.poll() is not None or any("ready at" in line for line in stdout), 200)
         assert ready and proc.poll() is None, "".join(stdout + stderr)
@@ -118,14 +116,6 @@ def up(tiny: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def _collect(stream: IO[str] | None) -> list[str]:
-    """The lines of ``stream`` as they arrive (a reader thread keeps the pipe from filling up)."""
-    assert stream is not None
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(stream), daemon=True).start()
-    return lines
 
 
 def _routed(url: str) -> dict[str, float]:

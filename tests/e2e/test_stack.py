@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from common.sampling_params import SamplingParams
-from tests.e2e.stack import Stack
+from tests.e2e.stack import prefill_decode_stack
 from tests.engine.conftest import hf_greedy, make_engine, model_path, tokenizer
 
 pytestmark = pytest.mark.timeout(600)
@@ -27,15 +27,8 @@ LONG_PREFIX = (
 
 @pytest.fixture(scope="module")
 def stack(redis_url):  # type: ignore[no-untyped-def]
-    s = Stack(redis_url=redis_url, model=model_path())
-    s.start_engine("prefill", "prefill-a")
-    s.start_engine("decode", "decode-a")
-    s.start_router()
-    try:
-        s.wait_ready(1, 1)
+    with prefill_decode_stack(redis_url, model_path()) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

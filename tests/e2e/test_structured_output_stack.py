@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.e2e.stack import Stack
+from tests.e2e.stack import prefill_decode_stack
 from tests.engine.conftest import model_path, tokenizer
 
 pytestmark = pytest.mark.timeout(600)
@@ -33,15 +33,8 @@ LONG = ("You are a careful assistant that always answers in JSON. The user is wr
 
 @pytest.fixture(scope="module")
 def stack(redis_url):  # type: ignore[no-untyped-def]
-    s = Stack(redis_url=redis_url, model=model_path())
-    s.start_engine("prefill", "prefill-a")
-    s.start_engine("decode", "decode-a")
-    s.start_router(["--direct-prompt-tokens", str(DIRECT_PROMPT_TOKENS)])
-    try:
-        s.wait_ready(1, 1)
+    with prefill_decode_stack(redis_url, model_path(), ["--direct-prompt-tokens", str(DIRECT_PROMPT_TOKENS)]) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

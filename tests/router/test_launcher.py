@@ -12,12 +12,12 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import collect_lines, free_port
 from tests.router.router_harness import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -64,14 +64,6 @@ def _kill(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
-
-
-def _collect(stream: IO[str] | None) -> list[str]:
-    """The lines of ``stream`` as they arrive (a reader thread keeps the pipe from filling up)."""
-    assert stream is not None
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(stream), daemon=True).start()
-    return lines
 
 
 def _children_file(log_dir: pathlib.Path) -> dict[str, dict[str, Any]]:
@@ -163,7 +155,7 @@ def test_an_engine_killed_with_sigkill_is_restarted_with_the_same_argv(
     port = free_port()
     proc = _launch(model_dir, port, tmp_path, {})
     try:
-        stdout, stderr = _collect(proc.stdout), _collect(proc.stderr)
+        stdout, stderr = collect_lines(proc.stdout), collect_lines(proc.stderr)
         assert wait_until(lambda: any("ready at" in line for line in stdout), 60), stderr
         old_pid = _children_file(tmp_path)["prefill-0"]["pid"]
         old_argv = _cmdline(old_pid)
@@ -205,7 +197,7 @@ def test_engines_restart_for_ever_after_ready_but_a_crash_looping_router_stops_t
     log_dir = tmp_path / "logs"
     proc = _launch(model_dir, free_port(), log_dir, {"FAKE_CLI_EXIT_FILE": str(exit_file)}, max_restarts=2)
     try:
-        stdout, stderr = _collect(proc.stdout), _collect(proc.stderr)
+        stdout, stderr = collect_lines(proc.stdout), collect_lines(proc.stderr)
         assert wait_until(lambda: any("ready at" in line for line in stdout), 60), stderr
         exit_file.write_text("decode-0\n")
         os.kill(_children_file(log_dir)["decode-0"]["pid"], signal.SIGKILL)

@@ -6,6 +6,9 @@ VENV=${VENV:-.venv}
 # One BLAS thread a process: the suite runs engines in several processes at once, and
 # oversubscribed cores made it several times slower.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# Triton kernels run under Triton's interpreter on CPUs; set before anything imports triton, since
+# the first import fixes how triton's own library functions are decorated (tests/conftest.py).
+export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

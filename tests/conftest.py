@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -15,6 +16,12 @@ import pytest
 import redis
 
 from ops.launcher import die_with_parent
+
+# The suite runs on CPUs: Triton kernels run under Triton's interpreter (tests/kernels/conftest.py).
+# Set before any test module is collected, because whichever module first imports triton (say,
+# through transformers while a model is converted) fixes how triton's own library functions are
+# decorated; tests that compile for a GPU start a process without it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def collect_lines(stream: IO[str] | None) -> list[str]:

@@ -8,6 +8,7 @@ hand-off, where the tokens sampled elsewhere are replayed into a fresh grammar s
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -38,7 +39,10 @@ def _chat(text: str) -> list[int]:
     return list(tok(rendered, add_special_tokens=False).input_ids)
 
 
-PROMPT = _chat("Describe a student as JSON with name, age, student, color and tags.")
+@functools.cache
+def _prompt() -> list[int]:
+    """Built on first use, not at import: collecting the suite must not load (or convert) the model."""
+    return _chat("Describe a student as JSON with name, age, student, color and tags.")
 
 
 def _params(spec: StructuredOutput | None = PERSON_SPEC, **kw) -> SamplingParams:  # type: ignore[no-untyped-def]
@@ -69,10 +73,10 @@ def _valid_person(ids: list[int]) -> dict:  # type: ignore[type-arg]
 
 def test_json_schema_output_validates_and_stops_while_a_free_request_in_the_batch_is_untouched(engine_factory):  # type: ignore[no-untyped-def]
     engine = engine_factory()
-    engine.add_request("free-alone", PROMPT, _params(None, max_tokens=24, ignore_eos=True))
+    engine.add_request("free-alone", _prompt(), _params(None, max_tokens=24, ignore_eos=True))
     alone, _ = _drain(engine)
-    engine.add_request("json", PROMPT, _params())
-    engine.add_request("free", PROMPT, _params(None, max_tokens=24, ignore_eos=True))
+    engine.add_request("json", _prompt(), _params())
+    engine.add_request("free", _prompt(), _params(None, max_tokens=24, ignore_eos=True))
     tokens, reasons = _drain(engine)
     _valid_person(tokens["json"])
     assert reasons["json"] == "stop" and tokens["json"][-1] in engine.eos_token_ids
@@ -106,7 +110,7 @@ def test_the_grammar_ends_the_request_even_with_ignore_eos(engine_factory):  # t
 
 def test_seeded_sampling_and_n_choices_each_follow_the_grammar(engine_factory):  # type: ignore[no-untyped-def]
     engine = engine_factory()
-    engine.add_request("r", PROMPT, _params(temperature=1.0, seed=5, n=3, max_tokens=128))
+    engine.add_request("r", _prompt(), _params(temperature=1.0, seed=5, n=3, max_tokens=128))
     tokens, reasons = _drain(engine)
     assert set(tokens) == {"r", "r#1", "r#2"}
     values = [_valid_person(tokens[k]) for k in sorted(tokens)]
@@ -140,16 +144,16 @@ def test_the_same_outputs_under_preemption_and_on_a_prefix_cache_hit(engine_fact
 
 def test_a_continued_request_replays_its_tokens_into_the_grammar(engine_factory):  # type: ignore[no-untyped-def]
     engine = engine_factory()
-    engine.add_request("full", PROMPT, _params())
+    engine.add_request("full", _prompt(), _params())
     full = _drain(engine)[0]["full"]
     cut = 7
-    engine.add_request("rest", PROMPT, _params(), output_token_ids=full[:cut])
+    engine.add_request("rest", _prompt(), _params(), output_token_ids=full[:cut])
     rest = _drain(engine)[0]["rest"]
     assert full[:cut] + rest == full
     # Tokens already produced that the grammar cannot have produced: refused, nothing queued.
     not_json = list(tokenizer()("Hello there", add_special_tokens=False).input_ids)
     with pytest.raises(ValueError, match="does not match"):
-        engine.add_request("bad", PROMPT, _params(), output_token_ids=not_json)
+        engine.add_request("bad", _prompt(), _params(), output_token_ids=not_json)
     assert not engine.knows("bad")
 
 
@@ -161,7 +165,7 @@ def test_invalid_specs_are_refused_by_the_engine(engine_factory):  # type: ignor
                  StructuredOutput(kind="choice", spec="[]"),
                  StructuredOutput(kind="choice", spec='"yes"')):
         with pytest.raises(ValueError, match=f"invalid {spec.kind}"):
-            engine.add_request("r", PROMPT, _params(spec))
+            engine.add_request("r", _prompt(), _params(spec))
         assert not engine.knows("r")
 
 
@@ -200,11 +204,11 @@ def _handoff(prefill, decode, prompt, params, output_token_ids=None):  # type: i
 @pytest.mark.parametrize("resumed", [0, 6], ids=["fresh", "continued"])
 def test_prefill_samples_the_first_token_under_the_grammar_and_decode_replays_it(engine_factory, resumed):  # type: ignore[no-untyped-def]
     single = engine_factory()
-    single.add_request("r", PROMPT, _params())
+    single.add_request("r", _prompt(), _params())
     expected = _drain(single)[0]["r"]
     prefill, decode = engine_factory(), engine_factory()
     earlier = expected[:resumed] or None
-    out, _ = _handoff(prefill, decode, PROMPT, _params(), earlier)
+    out, _ = _handoff(prefill, decode, _prompt(), _params(), earlier)
     assert decode.scheduler.requests["r"].grammar is not None
     rest, reasons = _drain(decode)
     assert expected[:resumed] + out.new_token_ids + rest["r"] == expected
@@ -215,10 +219,10 @@ def test_prefill_samples_the_first_token_under_the_grammar_and_decode_replays_it
 def test_disaggregated_n_choices_fork_with_their_own_grammar_states(engine_factory):  # type: ignore[no-untyped-def]
     params = _params(temperature=1.0, seed=9, n=2, max_tokens=128)
     single = engine_factory()
-    single.add_request("r", PROMPT, params)
+    single.add_request("r", _prompt(), params)
     expected = _drain(single)[0]
     prefill, decode = engine_factory(), engine_factory()
-    out, _ = _handoff(prefill, decode, PROMPT, params)
+    out, _ = _handoff(prefill, decode, _prompt(), params)
     rest = _drain(decode)[0]
     firsts = out.kv_handoff.choice_token_ids
     assert {"r": [firsts[0], *rest["r"]], "r#1": [firsts[1], *rest["r#1"]]} == expected
@@ -230,7 +234,7 @@ def test_decode_refuses_a_first_token_outside_the_grammar(engine_factory):  # ty
     decode = engine_factory()
     letter = tokenizer()("x", add_special_tokens=False).input_ids[0]
     with pytest.raises(ValueError, match="does not match"):
-        decode.add_remote_request("r", PROMPT, letter, _params())
+        decode.add_remote_request("r", _prompt(), letter, _params())
     assert not decode.knows("r")
 
 
@@ -278,7 +282,7 @@ def test_logit_bias_moves_greedy_output_to_the_next_best_and_plus_100_forces_a_t
 
 def test_max_tokens_cuts_a_grammar_request_short_with_length(engine_factory):  # type: ignore[no-untyped-def]
     engine = engine_factory()
-    engine.add_request("r", PROMPT, _params(max_tokens=3))
+    engine.add_request("r", _prompt(), _params(max_tokens=3))
     tokens, reasons = _drain(engine)
     assert reasons["r"] == "length" and len(tokens["r"]) == 3
     with pytest.raises(json.JSONDecodeError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 
 import pytest
 import torch
@@ -88,3 +89,7 @@ def engine_factory():  # type: ignore[no-untyped-def]
         eng.check_integrity()
         assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks, "blocks leaked after the test"
         assert all(b.ref_cnt == 0 for b in eng.kv.pool.blocks)
+    # An engine sits in reference cycles (its grammar cache holds a bound method of it): collect them
+    # now, so that each test's KV caches (hundreds of MB each) are gone before the next one builds its own.
+    engines.clear()
+    gc.collect()

@@ -9,7 +9,15 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Triton kernels run under Triton's interpreter on CPUs; set before anything imports triton, since
 # the first import fixes how triton's own library functions are decorated (tests/conftest.py).
 export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+# Test files run in PYTEST_WORKERS processes (pytest-xdist, a whole file to one process so its module
+# fixtures start once; 0: one process, no xdist). Much of the suite waits on engine and router
+# processes, so two workers keep a 2-core host busy.
+WORKERS=${PYTEST_WORKERS:-2}
+XDIST=()
+if [ "$WORKERS" != "0" ]; then
+  XDIST=(-n "$WORKERS" --dist loadfile)
+fi
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider "${XDIST[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2

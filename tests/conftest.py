@@ -81,6 +81,17 @@ class RedisServer:
         self._dir.cleanup()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _run_shared_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``PDSERVE_TEST_SHARED_DIR``: a folder every test process of this run sees (under pytest-xdist, the
+    parent of the workers' base temp folders), for results one process computes for all, such as
+    transformers' reference outputs (``tests/engine/conftest.py``); pytest prunes it with its temp folders."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    os.environ["PDSERVE_TEST_SHARED_DIR"] = str(shared / "shared")
+    (shared / "shared").mkdir(exist_ok=True)
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """URL of a real redis-server shared by the whole session; use your own key namespace."""

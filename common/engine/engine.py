@@ -40,7 +40,7 @@ class KVHandoff:
     choice_token_ids: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineOutput:
     request_id: str
     new_token_ids: list[int]
@@ -194,7 +194,6 @@ class LLMEngine:
         req.grammar = self._grammar(params, req.output_token_ids)
         if params.prompt_logprobs is not None and not req.output_token_ids:  # a continuation sent them
             req.prompt_logprobs = [None]
-        req.skip_draws(req.num_output_tokens, self.vocab_size)
         self.scheduler.add(req)
 
     def knows(self, request_id: str) -> bool:
@@ -247,8 +246,6 @@ class LLMEngine:
             return None
         num_hit_blocks = req.num_computed_tokens // self.block_size
         req.num_cached_tokens = num_cached_tokens
-        # The earlier tokens and the first one were drawn elsewhere from this seed: skip those draws.
-        req.skip_draws(req.num_output_tokens, self.vocab_size)
         if len(choices) > 1:
             self._remote_choices[request_id] = choices[1:]
         return self._handoff(req, num_kv_tokens, num_hit_blocks)
@@ -273,7 +270,6 @@ class LLMEngine:
             )
             child.forked = True
             child.grammar = self._grammar(req.sampling_params, [token])  # checked by add_remote_request
-            child.skip_draws(1, self.vocab_size)  # its first token was drawn on the prefill instance
             child.num_computed_tokens = req.num_computed_tokens
             child.num_cached_tokens, child.first_token_time = req.num_cached_tokens, now
             self.kv.fork(req, child)
@@ -389,12 +385,13 @@ class LLMEngine:
         # Without n > 1 forks the rows are the logits' own, in order: no gathered copy.
         result = self.sampler(logits if len(rows) == len(logits) else logits[rows], reqs)
         now = time.monotonic()
+        check_stop = self._check_stop
         for req, token, lp in zip(reqs, result.token_ids, result.logprobs, strict=True):
             req.append_output_token(token)
             first = req.first_token_time is None
             if first:
                 req.first_token_time = now
-            reason = None if req.kv_transfer and req.sampling_params.n > 1 else self._check_stop(req, token)
+            reason = None if req.kv_transfer and req.sampling_params.n > 1 else check_stop(req, token)
             if reason is not None:
                 self.scheduler.finish(req, _FINISHED[reason])
                 outputs.append(self._output(req, [token], lp, reason))
@@ -427,11 +424,12 @@ class LLMEngine:
                 return "error"
             if req.grammar.terminated:  # the grammar is complete and its stop token was accepted
                 return "stop"
-        if req.num_output_tokens >= p.min_tokens and (
+        num_output = len(req.output_token_ids)
+        if num_output >= p.min_tokens and (
             token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
         ):
             return "stop"
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_output >= p.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             return "length"
         return None
 
@@ -439,13 +437,9 @@ class LLMEngine:
         self, req: Request, tokens: list[int], lp: PositionLogprobs | None, reason: str | None
     ) -> EngineOutput:
         return EngineOutput(
-            request_id=req.request_id,
-            new_token_ids=tokens,
-            logprobs=[lp] if lp is not None else None,
-            finish_reason=reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            error="a sampled token left the request's grammar" if reason == "error" else None,
+            req.request_id, tokens, None if lp is None else [lp], reason, len(req.prompt_token_ids),
+            req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+            "a sampled token left the request's grammar" if reason == "error" else None,
         )
 
     def _track_slot_use(self) -> None:

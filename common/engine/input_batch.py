@@ -66,11 +66,11 @@ class InputBatch:
         set_cols: list[int] = []
         set_ids: list[int] = []
         max_query_len = max_num_blocks = 0
-        row_of, tables, num_written = self._row_of, self._tables, self._num_written
+        row_of, tables, num_written, holders = self._row_of, self._tables, self._num_written, self._requests
         for s in scheduled:
             req = s.request
             row = row_of.get(req.request_id)
-            if row is None or self._requests[row] is not req:
+            if row is None or holders[row] is not req:
                 row = self._take_row(req, scheduled)
             ids = s.block_ids
             num_ids = len(ids)
@@ -90,16 +90,14 @@ class InputBatch:
                 num_written[row] = num_ids
             start = req.num_computed_tokens
             n = s.num_new_tokens
-            end = start + n
             rows.append(row)
             starts.append(start)
             num_new.append(n)
-            all_ids = req.all_token_ids
             if n == 1:
-                input_ids.append(all_ids[start])
+                input_ids.append(req.all_token_ids[start])
             else:
-                input_ids += all_ids[start:end]
-            completes.append(end >= len(all_ids))
+                input_ids += req.all_token_ids[start : start + n]
+            completes.append(s.completes)
             if n > max_query_len:
                 max_query_len = n
             if num_ids > max_num_blocks:

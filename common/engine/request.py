@@ -6,8 +6,6 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from common.kvcache.hashing import BlockHash, compute_block_hashes
 from common.sampling_params import SamplingParams
 
@@ -72,6 +70,13 @@ class Request:
         self.output_token_ids: list[int] = list(output_token_ids or [])
         self.all_token_ids = [*prompt_token_ids, *self.output_token_ids]
         self.sampling_params = sampling_params
+        p = sampling_params
+        # Its row is sampled by a bare argmax of the raw logits (the sampler's fast path) unless a
+        # grammar is set: fixed by the parameters, so the sampler need not look at each of them per step.
+        self.plain_greedy = (
+            p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.logit_bias
+            and not p.presence_penalty and not p.frequency_penalty and p.min_tokens == 0
+        )
         self.cache_salt = cache_salt
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
@@ -84,7 +89,9 @@ class Request:
         self.error: str | None = None
         self.scheduled_time: float | None = None  # first admission to the running batch
         self.first_token_time: float | None = None
-        self.generator: torch.Generator | None = None
+        # A seeded request's draws are a function of this key, the draw's index and the token id
+        # (``common.engine.sampler.exponentials``): no generator state lives here.
+        self.draw_seed: int | None = None
         # Structured output: where the output stands in its grammar; it advances with every
         # appended token and survives preemption (the tokens stay, so does the state).
         self.grammar: GrammarState | None = None
@@ -92,9 +99,8 @@ class Request:
         # it); set while they are wanted and not yet sent with the first token.
         self.prompt_logprobs: list[PromptLogprob | None] | None = None
         if sampling_params.seed is not None:
-            self.generator = torch.Generator()
             # Choice i of an n > 1 request draws from seed + i (see ``fork``).
-            self.generator.manual_seed(sampling_params.seed + seed_offset)
+            self.draw_seed = sampling_params.seed + seed_offset
         self._block_size = block_size
         self._model_id = model_id
         self.block_hashes: list[BlockHash] = compute_block_hashes(
@@ -122,7 +128,7 @@ class Request:
         self.all_token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)
-        if self.num_tokens % self._block_size == 0:
+        if len(self.all_token_ids) % self._block_size == 0:
             parent = self.block_hashes[-1] if self.block_hashes else None
             self.block_hashes.extend(
                 compute_block_hashes(
@@ -130,18 +136,6 @@ class Request:
                     start=len(self.block_hashes), parent=parent,
                 )
             )
-
-    def skip_draws(self, num_draws: int, vocab_size: int) -> None:
-        """Advance a seeded request's generator past ``num_draws`` sampled tokens made elsewhere.
-
-        The sampler draws once per sampled token (one exponential per vocabulary entry), so a
-        request continued on another instance samples the same tokens as the uninterrupted run.
-        """
-        if self.generator is None or self.sampling_params.greedy:
-            return
-        noise = torch.empty(vocab_size)
-        for _ in range(num_draws):
-            noise.exponential_(generator=self.generator)
 
     def fork(self, request_id: str, seed_offset: int) -> Request:
         """A copy with the same tokens and progress (n > 1); the caller shares the blocks."""
@@ -153,12 +147,9 @@ class Request:
         child.output_token_ids = list(self.output_token_ids)
         child.all_token_ids = list(self.all_token_ids)
         child.block_hashes = list(self.block_hashes)
-        child.generator = None
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         child.prompt_logprobs = None  # choice 0 carries them
-        if params.seed is not None:
-            child.generator = torch.Generator()
-            child.generator.manual_seed(params.seed + seed_offset)
+        child.draw_seed = None if params.seed is None else params.seed + seed_offset
         return child
 
     def __repr__(self) -> str:

@@ -16,13 +16,17 @@ then comes from the malloc heap, warm in the cache, where a whole-batch one (50 
 49,152 logits, above glibc's largest mmap threshold) would fault in fresh pages each time.
 
 Draw contract: a sampled row of a request with a seed draws its token by the exponential race,
-``argmax(probs / E)`` with ``E ~ Exp(1)`` drawn for every vocabulary entry from the request's own
-generator as ``torch.empty(vocab).exponential_(generator=...)``: exactly one draw of vocabulary size
-per sampled token, none for a greedy one, whatever else shares the batch. ``Request.skip_draws``
-advances a generator by that many draws to continue a request on another instance, so this must
-not change. Unseeded rows, bound by no such contract, share one batched draw from the sampler's
-own generator: one uniform per row, inverted through the row's cumulative distribution (a pass
-over the row, where the race costs a logarithm per entry).
+``argmax(probs / E)`` with ``E ~ Exp(1)``, where the ``E`` of vocabulary entry ``t`` for the request's
+``i``-th output token is a fixed function of (seed, ``i``, ``t``) (``exponentials``: splitmix64 over a
+key made from the seed and ``i``, the entry's uniform at stream position ``t``). It is counter-based:
+a token depends on nothing but the seed, the output position and the row's probabilities, whatever
+else shares the batch, whatever ran before on whichever instance. So a request continued elsewhere
+(a migration, a decode after its prefill, a recompute after preemption) draws the same tokens with
+no generator state to carry or replay, and the noise can be computed where it is needed: on a GPU
+for the whole row in one batched kernel, on the CPU only over the entries of positive probability.
+Unseeded rows share one batched draw from the sampler's own generator: one uniform per row,
+inverted through the row's cumulative distribution (a pass over the row, where the race costs a
+logarithm per entry).
 
 Logprobs are those of the model's raw distribution (before logit bias, grammar, penalties and
 temperature), as vLLM reports them by default.
@@ -71,7 +75,9 @@ class Sampler:
         if num_rows == 0:
             return SampleResult([], [])
         x = logits.float()
-        if not any(self._has_work(r) for r in requests):  # all greedy, nothing else: one argmax
+        if all(r.plain_greedy and r.grammar is None for r in requests) or not any(
+            self._has_work(r) for r in requests
+        ):  # all greedy, nothing else: one argmax
             return SampleResult(x.argmax(dim=-1).tolist(), [None] * num_rows)
         k_max = max((r.sampling_params.logprobs or 0 for r in requests), default=0)
         chunk = num_rows
@@ -257,12 +263,13 @@ class Sampler:
             min_p = torch.tensor([params[r].min_p for r in min_p_rows], dtype=torch.float32, device=dev)
             sub.masked_fill_(sub < min_p.unsqueeze(1) * sub.amax(dim=-1, keepdim=True), 0.0)
             _write_rows(probs, min_p_rows, sub)
-        seeded = [row for row, r in enumerate(requests) if r.generator is not None]
-        unseeded = [row for row, r in enumerate(requests) if r.generator is None]
+        seeded = [row for row, r in enumerate(requests) if r.draw_seed is not None]
+        unseeded = [row for row, r in enumerate(requests) if r.draw_seed is None]
         token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)
         if seeded:
-            generators = [g for g in (requests[r].generator for r in seeded) if g is not None]
-            _write_rows(token_ids, seeded, _race(probs, seeded, generators))
+            keys = draw_keys([requests[r].draw_seed or 0 for r in seeded],
+                             [len(requests[r].output_token_ids) for r in seeded], dev)
+            _write_rows(token_ids, seeded, _race(probs, seeded, keys))
         if unseeded:
             _write_rows(token_ids, unseeded, _inverse_cdf(_rows(probs, unseeded), self._generator(dev)))
         return token_ids
@@ -299,39 +306,60 @@ def apply_top_p(probs: Tensor, top_p: Tensor, window: int) -> None:
         probs[short] = full
 
 
-def _race(probs: Tensor, rows: list[int], generators: list[torch.Generator]) -> Tensor:
-    """For each of ``rows`` of ``probs``, ``argmax(probs[row] / E)`` with ``E`` one vocab-sized Exp(1) draw
-    from the row's own generator (request generators live on the CPU). May write ``probs``.
+# splitmix64 (Steele, Lea and Flood, 2014) in int64 tensor arithmetic: multiplications wrap modulo
+# 2**64 and a right shift is made logical by masking the bits the sign extended into.
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX_1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX_2 = 0x94D049BB133111EB - (1 << 64)
 
-    ``E`` is what ``torch.empty(vocab).exponential_(generator=...)`` gives, computed as that does on the
-    CPU: a float64 uniform ``u`` per entry (``uniform_`` takes the same numbers from the generator),
-    then ``float32(-log1p(-u))``. The logarithms are most of a draw's cost and a token of probability
-    zero cannot win, so on the CPU they are taken only over the row's support (top-k, top-p and min-p
-    leave a few hundred tokens, or fewer); on another device the uniforms cross and the logarithms
-    are taken there.
+
+def _mix64(z: Tensor) -> Tensor:
+    """splitmix64's output function on an int64 tensor."""
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _MIX_1
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _MIX_2
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def draw_keys(seeds: list[int], draw_indices: list[int], device: torch.device | str = "cpu") -> Tensor:
+    """int64 ``[rows]``: per row, the key of draw ``draw_indices[i]`` (the output position) of a request
+    seeded ``seeds[i]`` (any Python int; taken modulo 2**64)."""
+    signed = [(s & 0xFFFFFFFFFFFFFFFF) - ((s >> 63 & 1) << 64) for s in seeds]
+    seed_t = torch.tensor(signed, dtype=torch.long, device=device)
+    index_t = torch.tensor(draw_indices, dtype=torch.long, device=device)
+    return _mix64(_mix64(seed_t) + index_t * _GOLDEN)
+
+
+def exponentials(keys: Tensor, token_ids: Tensor) -> Tensor:
+    """Exp(1) noise (float32) for entries ``token_ids`` of draws ``keys`` (int64, broadcast together):
+    the uniform at position ``t`` of the splitmix64 stream from the key, to 53 bits, as
+    ``float32(-log1p(-u))`` (the formula of the CPU's ``exponential_``)."""
+    z = _mix64(keys + (token_ids + 1) * _GOLDEN)
+    u = ((z >> 11) & ((1 << 53) - 1)).double().mul_(2.0**-53)
+    return torch.log1p(u.neg_()).neg_().float()
+
+
+def _race(probs: Tensor, rows: list[int], keys: Tensor) -> Tensor:
+    """For each of ``rows`` of ``probs``, ``argmax(probs[row] / E)`` with ``E`` its draw's noise
+    (``exponentials`` of ``keys[i]``); ties go to the lowest token id, as ``argmax``'s.
+
+    On a GPU the noise is computed for whole rows in one batch, with no sync. On the CPU the
+    logarithms are most of a draw's cost and a token of probability zero cannot win, so they are
+    taken only over the entries of positive probability (top-k, top-p and min-p leave a few hundred
+    tokens, or fewer), for all the rows at once.
     """
-    vocab = probs.shape[1]
+    sub = _rows(probs, rows)
+    num_rows, vocab = sub.shape
     if probs.device.type != "cpu":
-        u = torch.empty((len(rows), vocab), dtype=torch.float64)
-        for i, gen in enumerate(generators):
-            u[i].uniform_(generator=gen)
-        return _rows(probs, rows).div_(_exponential(u.to(probs.device))).argmax(dim=-1)
-    u = torch.empty(vocab, dtype=torch.float64)
-    token_ids = []
-    for row, gen in zip(rows, generators, strict=True):
-        u.uniform_(generator=gen)
-        p = probs[row]
-        support = p.nonzero().squeeze(1)
-        if len(support) > vocab // 8:  # a row left mostly whole (no filter): the dense race is cheaper
-            token_ids.append(p.div_(_exponential(u)).argmax())
-        else:  # ``support`` ascends, so the first best is the lowest index, as ``argmax`` breaks ties
-            token_ids.append(support[(p[support] / _exponential(u[support])).argmax()])
-    return torch.stack(token_ids)
-
-
-def _exponential(u: Tensor) -> Tensor:
-    """Exp(1) from float64 uniforms in [0, 1), rounded to float32: the CPU's ``exponential_`` formula."""
-    return torch.log1p(u.neg()).neg_().float()
+        noise = exponentials(keys.unsqueeze(1), torch.arange(vocab, device=probs.device).unsqueeze(0))
+        return (sub / noise).argmax(dim=-1)
+    r, t = sub.nonzero(as_tuple=True)  # row-major: each row's entries ascend
+    score = sub[r, t] / exponentials(keys[r], t)
+    best = torch.zeros(num_rows).scatter_reduce_(0, r, score, "amax")
+    wins = score == best[r]
+    token_ids = torch.full((num_rows,), vocab, dtype=torch.long).scatter_reduce_(0, r[wins], t[wins], "amin")
+    if bool((token_ids == vocab).any()):  # a row with no positive entry (NaNs): what argmax makes of it
+        token_ids = torch.where(token_ids == vocab, sub.argmax(dim=-1), token_ids)
+    return token_ids
 
 
 def _inverse_cdf(probs: Tensor, generator: torch.Generator) -> Tensor:

@@ -26,17 +26,20 @@ from common.kvcache.block_pool import KVBlock
 from common.kvcache.kv_cache_manager import KVCacheManager
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
     # The request's block table as the KV cache manager keeps it (``block_ids_view``): read-only.
     block_ids: list[int]
+    # After this step the request's KV covers all its tokens, so it samples a token.
+    completes: bool
 
-    @property
-    def completes(self) -> bool:
-        """After this step the request's KV covers all its tokens, so it samples a token."""
-        return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+    @classmethod
+    def of(cls, request: Request, num_new_tokens: int, block_ids: list[int]) -> ScheduledRequest:
+        """``num_new_tokens`` of ``request`` from where it stands, ``completes`` worked out."""
+        done = request.num_computed_tokens + num_new_tokens >= request.num_tokens
+        return cls(request, num_new_tokens, block_ids, done)
 
 
 @dataclass
@@ -162,7 +165,10 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids_view(req.request_id)))
+                out.scheduled.append(ScheduledRequest(
+                    req, num_new, self.kv.block_ids_view(req.request_id),
+                    req.num_computed_tokens + num_new >= len(req.all_token_ids),
+                ))
                 budget -= num_new
                 i += 1
                 continue
@@ -193,7 +199,7 @@ class Scheduler:
                 req.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids_view(req.request_id)))
+            out.scheduled.append(ScheduledRequest.of(req, num_new, self.kv.block_ids_view(req.request_id)))
             budget -= num_new
 
         out.block_copies = self.kv.take_pending_copies()
@@ -218,9 +224,11 @@ class Scheduler:
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance progress of every scheduled request and cache its newly full blocks."""
+        mark_computed = self.kv.mark_computed
         for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.mark_computed(s.request)
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            mark_computed(req)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Retire a request and return its blocks to the pool."""

@@ -148,7 +148,10 @@ class KVCacheManager:
         first = start // bs
         self._num_marked[rid] = end
         if end <= (first + 1) * bs:  # within one block (a decode step): no block filled unless this one
-            self._fill(ids[first], end - first * bs)
+            block_id, num_slots, fill = ids[first], end - first * bs, self._slot_fill
+            if num_slots > fill[block_id]:  # ``_fill``, inlined on the path of every decode
+                self.num_filled_slots += num_slots - fill[block_id]
+                fill[block_id] = num_slots
             if end == (first + 1) * bs:
                 self.cache_blocks(seq)
             return

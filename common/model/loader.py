@@ -124,6 +124,18 @@ def _convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
     target = cache_dir() / "models" / f"{name or gguf_path.stem}-{digest}"
     if (target / _CONVERTED_MARKER).exists():
         return target
+    from filelock import FileLock
+
+    # Services started together on a fresh machine (and parallel test workers) convert at once:
+    # one converts, the others wait for it and then find the marker.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / _CONVERTED_MARKER).exists():
+            return target
+        return _convert_gguf_locked(gguf_path, target, name)
+
+
+def _convert_gguf_locked(gguf_path: Path, target: Path, name: str | None) -> Path:
     import torch
     from safetensors.torch import save_file
     from tqdm import tqdm

@@ -30,6 +30,14 @@ Each case runs with the batched sampler (``common.engine.sampler``) and with ``_
 copy of the per-row sampler it replaced, kept here for comparison only. "floor" is one
 ``argmax`` over the step's ``[B, vocab]`` logits: a single pass over them on this machine.
 
+The host's share. On this machine the CPU is also the device, so the sample phase includes the
+sampler's tensor work over ``[B, vocab]`` logits, which beside a GPU runs on the GPU while the host
+waits only for the sampled ids. ``--host-vocab N`` (1,024 by default; 0 skips it) runs every case
+once more with the batched sampler over ``N``-column logits (prompt ids drawn below ``N``): the same
+calls, conditions and Python, with the per-entry work made small. That total is what a GPU would
+wait on per step, to within the launch cost of the sampler's kernels (a seeded row's noise is
+computed where its row is: on a GPU, on the GPU).
+
     pdserve bench overhead --batch-sizes 1,16,64,256,512
 
 Part two, ``pdserve bench overhead router ...``: the router's CPU per streamed token in front of fake
@@ -59,7 +67,7 @@ from common.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.model_runner import ModelRunner
 from common.engine.request import Request
-from common.engine.sampler import SampleResult
+from common.engine.sampler import SampleResult, draw_keys, exponentials
 from common.model.loader import model_identity, resolve_model_path
 from common.model.weights import load_hf_config
 from common.protocol import PositionLogprobs, TokenLogprob
@@ -152,8 +160,11 @@ class _PerRowSampler:
             probs[order[drop_sorted]] = 0.0
         if p.min_p > 0.0:
             probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
-        gen = req.generator if req.generator is not None else self.generator
-        noise = torch.empty_like(probs).exponential_(generator=gen)
+        if req.draw_seed is not None:  # the draw contract of ``common.engine.sampler``
+            keys = draw_keys([req.draw_seed], [req.num_output_tokens])
+            noise = exponentials(keys, torch.arange(probs.shape[-1]))
+        else:
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
         return int(torch.argmax(probs / noise))
 
 
@@ -228,6 +239,7 @@ def run_case(
 ) -> dict[str, Any]:
     """Build an engine with a null forward, bring it to the measured state, time ``--num-steps`` steps."""
     prompt_len, num_steps, warmup = args.prompt_len, args.num_steps, args.warmup
+    vocab = int(logits.shape[1])
     max_tokens = 1 if case == "prefill" else warmup + num_steps + 2
     block_size = 16
     blocks_per_request = -(-(prompt_len + max_tokens) // block_size)
@@ -250,7 +262,7 @@ def run_case(
 
     def add_requests() -> None:
         nonlocal num_added
-        prompts = torch.randint(3, engine.vocab_size, (batch_size, prompt_len), generator=gen).tolist()
+        prompts = torch.randint(3, vocab, (batch_size, prompt_len), generator=gen).tolist()
         for prompt in prompts:
             params = MIXED[num_added % len(MIXED)] if case == "mixed" else SamplingParams(temperature=0.0)
             if params.seed is not None:
@@ -283,7 +295,7 @@ def run_case(
                 "total": total,
             })
     return {
-        "case": case, "batch_size": batch_size, "sampler": sampler_kind, "num_steps": num_steps,
+        "case": case, "batch_size": batch_size, "sampler": sampler_kind, "vocab": vocab, "num_steps": num_steps,
         "phases_ms": {name: _summary([s[name] for s in steps]) for name in (*PHASES, "total")},
     }
 
@@ -300,11 +312,18 @@ def floor_ms(logits: Tensor, batch_size: int, num_iters: int = 10, clock: str = 
     return statistics.median(times) * 1e3
 
 
-def _find(results: list[dict[str, Any]], case: str, batch_size: int, sampler: str) -> dict[str, Any] | None:
+def _find(
+    results: list[dict[str, Any]], case: str, batch_size: int, sampler: str, host_share: bool = False
+) -> dict[str, Any] | None:
+    """The result of that case; with ``host_share``, of its ``--host-vocab`` run (older reports have none)."""
     for r in results:
-        if (r["case"], r["batch_size"], r["sampler"]) == (case, batch_size, sampler):
+        if (r["case"], r["batch_size"], r["sampler"], _is_host_share(r)) == (case, batch_size, sampler, host_share):
             return r
     return None
+
+
+def _is_host_share(result: dict[str, Any]) -> bool:
+    return bool(result.get("host_share", False))
 
 
 def _without_sampling(result: dict[str, Any]) -> float:
@@ -314,7 +333,7 @@ def _without_sampling(result: dict[str, Any]) -> float:
 
 def format_report(report: dict[str, Any]) -> str:
     results: list[dict[str, Any]] = report["results"]
-    header = (f"{'case':<8}{'batch':>6}  {'sampler':<8}{'total (p90)':>17}"
+    header = (f"{'case':<8}{'batch':>6}  {'sampler':<8}{'vocab':>7}{'total (p90)':>17}"
               + "".join(f"{p:>10}" for p in PHASES) + f"{'no sample':>11}{'floor':>9}{'sample x':>10}")
     lines = [f"host ms per step, median (p90 of the total); null forward, {report['machine']['torch_threads']} "
              f"torch thread(s), {report['machine']['device']}", header, "-" * len(header)]
@@ -322,28 +341,33 @@ def format_report(report: dict[str, Any]) -> str:
         ph = r["phases_ms"]
         speedup = ""
         batched = _find(results, r["case"], r["batch_size"], "batched")
-        if r["sampler"] == "per-row" and batched is not None:
+        if r["sampler"] == "per-row" and batched is not None and not _is_host_share(r):
             speedup = f"{ph['sample']['median'] / batched['phases_ms']['sample']['median']:.1f}x"
         total = f"{ph['total']['median']:.2f} ({ph['total']['p90']:.2f})"
+        vocab = r.get("vocab", report.get("vocab_size", 0))
         lines.append(
-            f"{r['case']:<8}{r['batch_size']:>6}  {r['sampler']:<8}{total:>17}"
+            f"{r['case']:<8}{r['batch_size']:>6}  {r['sampler']:<8}{vocab:>7}{total:>17}"
             + "".join(f"{ph[p]['median']:>10.2f}" for p in PHASES)
             + f"{_without_sampling(r):>11.2f}{report['floor_ms'][str(r['batch_size'])]:>9.2f}{speedup:>10}"
         )
     lines += ["", "no sample: schedule + prepare + outputs (what is left with a free sampler and forward); "
               "floor: one argmax over the step's [batch, vocab] logits; sample x: per-row sample time / batched"]
+    if any(_is_host_share(r) for r in results):
+        lines += ["rows at the small vocab: the host's share, the sampler's calls over few logits (what a GPU "
+                  "would wait on)"]
     baseline: dict[str, Any] | None = report.get("baseline")
     if baseline is not None:
         lines += ["", f"against the baseline {baseline['path']} ({baseline['clock']} clock): median ms per step, "
                   "baseline -> this run", f"{'case':<8}{'batch':>6}  {'sampler':<8}{'total':>28}{'sample':>28}"
                   f"{'no sample':>28}"]
         for r in results:
-            b = _find(baseline["results"], r["case"], r["batch_size"], r["sampler"])
+            b = _find(baseline["results"], r["case"], r["batch_size"], r["sampler"], _is_host_share(r))
             if b is None:
                 continue
             cells = [(b["phases_ms"][p]["median"], r["phases_ms"][p]["median"]) for p in ("total", "sample")]
             cells.append((_without_sampling(b), _without_sampling(r)))
-            lines.append(f"{r['case']:<8}{r['batch_size']:>6}  {r['sampler']:<8}" + "".join(
+            share = " (host share)" if _is_host_share(r) else ""
+            lines.append(f"{r['case']:<8}{r['batch_size']:>6}  {r['sampler']:<8}{share}" + "".join(
                 f"{f'{old:.2f} -> {new:.2f} ({old / new:.1f}x)':>28}" for old, new in cells))
     for (case, batch_size), target in TARGETS_MS.items():
         new = _find(results, case, batch_size, "batched")
@@ -352,14 +376,22 @@ def format_report(report: dict[str, Any]) -> str:
             continue
         got = new["phases_ms"]["total"]["median"]
         old = _find(results, case, batch_size, "per-row")
+        host = _find(results, case, batch_size, "batched", host_share=True)
         lines.append(
             f"target {case}, batch {batch_size}: <= {target:g} ms: measured {got:.2f} ms "
             + ("(met)" if got <= target else "(NOT met)")
             + ("" if old is None else f"; per-row sampler {old['phases_ms']['total']['median']:.2f} ms")
             + f"; without sampling {_without_sampling(new):.2f} ms"
+            + ("" if host is None else _host_note(host, target))
             + _baseline_note(baseline, case, batch_size)
         )
     return "\n".join(lines)
+
+
+def _host_note(host: dict[str, Any], target: float) -> str:
+    got = host["phases_ms"]["total"]["median"]
+    return (f"; host's share (sampler over {host['vocab']} logits) {got:.2f} ms "
+            + ("(met)" if got <= target else "(NOT met)"))
 
 
 def _baseline_note(baseline: dict[str, Any] | None, case: str, batch_size: int) -> str:
@@ -382,7 +414,8 @@ def write_plot(report: dict[str, Any], path: Path) -> bool:
     fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4), squeeze=False)
     for ax, case in zip(axes[0], cases, strict=True):
         for sampler, style in (("batched", "-o"), ("per-row", "--s")):
-            rows = [r for r in report["results"] if r["case"] == case and r["sampler"] == sampler]
+            rows = [r for r in report["results"]
+                    if r["case"] == case and r["sampler"] == sampler and not _is_host_share(r)]
             if rows:
                 ax.plot([r["batch_size"] for r in rows], [r["phases_ms"]["total"]["median"] for r in rows],
                         style, label=f"total, {sampler} sampler")
@@ -399,6 +432,10 @@ def write_plot(report: dict[str, Any], path: Path) -> bool:
                                 "-x", color="gray", label="total, baseline")
                         ax.plot([r["batch_size"] for r in rows], [_without_sampling(b) for b in base], ":x",
                                 color="gray", label="schedule + prepare + outputs, baseline")
+        shares = [r for r in report["results"] if r["case"] == case and _is_host_share(r)]
+        if shares:
+            ax.plot([r["batch_size"] for r in shares], [r["phases_ms"]["total"]["median"] for r in shares], "-D",
+                    label=f"total, host's share (vocab {shares[0]['vocab']})")
         for (target_case, batch_size), target in TARGETS_MS.items():
             if target_case == case:
                 ax.plot([batch_size], [target], "r*", markersize=12, label=f"target, batch {batch_size}")
@@ -421,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-steps", type=int, default=20, help="measured steps per case")
     p.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
     p.add_argument("--logit-std", type=float, default=3.0, help="standard deviation of the fixed random logits")
+    p.add_argument("--host-vocab", type=int, default=1024,
+                   help="also run each case with the batched sampler over this many logits per row: the "
+                        "host's share of sampling (0: skip)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
@@ -451,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     if not batch_sizes or min(batch_sizes) < 1 or args.prompt_len < 1 or args.num_steps < 1 or args.warmup < 0:
         raise SystemExit("batch sizes, --prompt-len and --num-steps must be positive, --warmup not negative")
+    if args.host_vocab and args.host_vocab < 128:
+        raise SystemExit("--host-vocab is 0 (skip) or at least 128 (top-k 100 needs that many logits)")
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -479,6 +521,10 @@ def main(argv: list[str] | None = None) -> int:
                 for sampler in samplers:
                     print(f"{case}, batch {batch_size}, {sampler} sampler ...", file=sys.stderr, flush=True)
                     report["results"].append(run_case(case, batch_size, sampler, args, logits))
+                if args.host_vocab and args.host_vocab < vocab_size:
+                    print(f"{case}, batch {batch_size}, host's share ...", file=sys.stderr, flush=True)
+                    share = run_case(case, batch_size, "batched", args, logits[:, : args.host_vocab].contiguous())
+                    report["results"].append({**share, "host_share": True})
     finally:
         torch.set_num_threads(threads)
     print(format_report(report))

@@ -46,7 +46,7 @@ def decode_ceiling(
     tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(batch)]
     step_s = []
     for step in range(num_warmup + num_steps):
-        out = SchedulerOutput([ScheduledRequest(r, 1, t) for r, t in zip(requests, tables, strict=True)])
+        out = SchedulerOutput([ScheduledRequest.of(r, 1, t) for r, t in zip(requests, tables, strict=True)])
         start = time.perf_counter()
         logits = runner.execute(out)
         elapsed = time.perf_counter() - start

@@ -17,8 +17,13 @@ def test_every_case_reports_every_phase_as_positive_milliseconds_for_both_sample
     argv = ["--batch-sizes", "1,4", "--num-steps", "3", "--warmup", "1", "--prompt-len", "40", "--json", str(out)]
     assert overhead.main(argv) == 0
     report = json.loads(out.read_text())
-    measured = {(r["case"], r["batch_size"], r["sampler"]): r for r in report["results"]}
-    assert set(measured) == {(c, b, s) for c in overhead.CASES for b in (1, 4) for s in overhead.SAMPLERS}
+    measured = {(r["case"], r["batch_size"], r["sampler"] + ("-host" if r.get("host_share") else "")): r
+                for r in report["results"]}
+    samplers = (*overhead.SAMPLERS, "batched-host")
+    assert set(measured) == {(c, b, s) for c in overhead.CASES for b in (1, 4) for s in samplers}
+    # The host's share runs over --host-vocab logits; the others over the model's whole vocabulary.
+    assert {r["vocab"] for r in report["results"] if r.get("host_share")} == {1024}
+    assert {r["vocab"] for r in report["results"] if not r.get("host_share")} == {report["vocab_size"]} != {1024}
     for key, result in measured.items():
         assert result["num_steps"] == 3
         assert set(result["phases_ms"]) == {*overhead.PHASES, "total"}, key
@@ -35,6 +40,7 @@ def test_every_case_reports_every_phase_as_positive_milliseconds_for_both_sample
     assert report["machine"]["torch_threads"] == 1
     table = capsys.readouterr().out
     assert "target greedy, batch 256: <= 2 ms: not measured in this run" in table
+    assert f"{'greedy':<8}{4:>6}  {'batched':<8}{1024:>7}" in table
     assert all(f"{case:<8}{4:>6}  per-row" in table for case in overhead.CASES)
     if overhead.write_plot(report, tmp_path / "probe.png"):
         assert out.with_suffix(".png").stat().st_size > 0

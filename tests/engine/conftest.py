@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import functools
 import gc
+import hashlib
+import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 from common.config import EngineConfig
 from common.engine.engine import LLMEngine
@@ -59,7 +64,22 @@ def hf_model():  # type: ignore[no-untyped-def]
 
 @functools.cache
 def hf_greedy(prompt: tuple[int, ...], max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[int, ...]:
-    """transformers ``generate`` (greedy, float32, CPU), one prompt at a time, EOS ignored."""
+    """transformers ``generate`` (greedy, float32, CPU), one prompt at a time, EOS ignored; computed
+    once per test run (the test processes of a run share the results, see ``PDSERVE_TEST_SHARED_DIR``)."""
+    shared = os.environ.get("PDSERVE_TEST_SHARED_DIR")
+    if not shared:
+        return _hf_generate(prompt, max_new_tokens)
+    key = hashlib.sha256(json.dumps([model_path(), list(prompt), max_new_tokens]).encode()).hexdigest()[:32]
+    path = Path(shared) / f"hf-greedy-{key}.json"
+    with FileLock(f"{path}.lock"):  # another process computing the same one: wait for it
+        if path.exists():
+            return tuple(json.loads(path.read_text()))
+        tokens = _hf_generate(prompt, max_new_tokens)
+        path.write_text(json.dumps(tokens))
+        return tokens
+
+
+def _hf_generate(prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     with torch.inference_mode():
         out = hf_model().generate(
             torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,

@@ -85,7 +85,7 @@ def test_inputs_equal_a_fresh_build_while_requests_join_grow_leave_and_get_table
                 next_block += 1
                 live[rid] = (req, ids)
                 num_rewrites += 1
-            scheduled.append(ScheduledRequest(req, num_new, ids))
+            scheduled.append(ScheduledRequest.of(req, num_new, ids))
         if not scheduled:
             continue
         rng.shuffle(scheduled)
@@ -115,14 +115,14 @@ def test_a_decode_step_writes_only_the_rows_that_grew_a_block() -> None:
         req.status = RequestStatus.RUNNING
         reqs.append(req)
         tables.append([10 * i])
-    scheduled = [ScheduledRequest(r, r.num_tokens, t) for r, t in zip(reqs, tables, strict=True)]
+    scheduled = [ScheduledRequest.of(r, r.num_tokens, t) for r, t in zip(reqs, tables, strict=True)]
     batch.prepare(scheduled)
     for r in reqs:
         r.num_computed_tokens = r.num_tokens
         r.append_output_token(7)
     tables[3].append(31)  # r3's next token (position 4) starts its second block
     before = batch.block_table.clone()
-    got = batch.prepare([ScheduledRequest(r, 1, t) for r, t in zip(reqs, tables, strict=True)])
+    got = batch.prepare([ScheduledRequest.of(r, 1, t) for r, t in zip(reqs, tables, strict=True)])
     changed = (batch.block_table != before).nonzero().tolist()
     assert changed == [[batch._row_of["r3"], 1]]
     assert got.slot_mapping.tolist() == [10 * i * BLOCK_SIZE + 1 + i for i in range(3)] + [31 * BLOCK_SIZE]

@@ -1,7 +1,7 @@
 """Sampling: seeds, logprobs, stop conditions, penalties and filters, on the real model and on hand-made logits.
 
-A seeded request draws from its own generator, so its tokens must not depend on which other requests
-share its batch or how the prompt was chunked; logprobs are those of the model's raw distribution.
+A seeded request's draws are a function of its seed and output position, so its tokens must not depend
+on which other requests share its batch, how the prompt was chunked or where it continued; logprobs are those of the model's raw distribution.
 """
 
 from __future__ import annotations
@@ -309,10 +309,15 @@ def test_a_seeded_row_draws_the_same_token_wherever_it_sits_in_the_batch():
     others = [_request(SamplingParams(temperature=1.0)) for _ in range(5)]
     batch = Sampler(set(), seed=2)(logits, [*others[:3], _request(seeded), *others[3:]]).token_ids
     assert alone[0] == alone[1] == batch[3]
-    # Successive draws of one request advance its own generator.
+    # Successive tokens of one request draw other noise (the draw index is the output position); the
+    # same position draws the same token again.
     req = _request(seeded)
     sampler = Sampler(set())
-    draws = [sampler(logits[3:4], [req]).token_ids[0] for _ in range(20)]
+    draws = []
+    for _ in range(20):
+        draws.append(sampler(logits[3:4], [req]).token_ids[0])
+        assert sampler(logits[3:4], [req]).token_ids[0] == draws[-1]
+        req.append_output_token(draws[-1])
     assert len(set(draws)) > 1
 
 
@@ -365,10 +370,10 @@ def test_sampler_logprobs_ignore_temperature_and_penalties_and_leave_logits_unto
 
 # --------------------------------------------------------------------------- the batched Sampler against a per-row reference
 def _reference_row(
-    logits: torch.Tensor, req: Request, eos_token_ids: set[int], gen: torch.Generator | None
+    logits: torch.Tensor, req: Request, eos_token_ids: set[int], draw: bool = True
 ) -> tuple[int | None, torch.Tensor | None]:
-    """One row the straightforward way: (greedy token, None) or (drawn token or None without ``gen``,
-    the filtered probabilities the row draws from)."""
+    """One row the straightforward way: (greedy token, None) or (for a seeded request, with ``draw``,
+    the token the draw contract picks, else None; the filtered probabilities the row draws from)."""
     p = req.sampling_params
     x = logits.float().clone()
     if req.num_output_tokens < p.min_tokens:
@@ -394,9 +399,10 @@ def _reference_row(
         probs[order[drop]] = 0.0
     if p.min_p > 0.0:
         probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
-    if gen is None:
+    if req.draw_seed is None or not draw:
         return None, probs
-    noise = torch.empty_like(probs).exponential_(generator=gen)
+    keys = sampler_module.draw_keys([req.draw_seed], [req.num_output_tokens])
+    noise = sampler_module.exponentials(keys, torch.arange(len(probs)))  # the whole row's noise
     return int(torch.argmax(probs / noise)), probs
 
 
@@ -420,8 +426,8 @@ BATCH_KINDS = [
 def test_batched_rows_equal_the_per_row_reference_for_greedy_and_seeded_requests_step_after_step(
     vocab, top_p_window, chunk_rows, monkeypatch
 ):
-    """Greedy and seeded rows give the reference's very tokens, each seeded generator advances by exactly
-    the reference's one vocab-sized draw per sampled token, and unseeded rows stay in the reference's support.
+    """Greedy and seeded rows give the reference's very tokens (a seeded one: the dense race over the
+    whole row's counter-based noise), and unseeded rows stay in the reference's support.
     Half the rows are peaked, so from a 32-entry window top-p takes its window, a larger one and a full sort;
     with 5-row chunks the batch goes through the CPU's chunked path, the last chunk short."""
     if top_p_window is not None:
@@ -444,36 +450,62 @@ def test_batched_rows_equal_the_per_row_reference_for_greedy_and_seeded_requests
         result = sampler(logits, batched)
         assert torch.equal(logits, before), "the sampler wrote into its input"
         for row, (b, r) in enumerate(zip(batched, reference, strict=True)):
-            token, probs = _reference_row(logits[row], r, eos, r.generator)
+            token, probs = _reference_row(logits[row], r, eos)
             got = result.token_ids[row]
             if token is not None:
                 assert got == token, (row, r.sampling_params)
             else:
                 assert probs is not None and probs[got] > 0, (row, r.sampling_params)
-            if r.generator is not None:
-                assert b.generator is not None and torch.equal(b.generator.get_state(), r.generator.get_state())
             num_left_greedy += probs is not None and got != int(torch.argmax(logits[row]))
             b.append_output_token(got)
             r.append_output_token(got)
     assert num_left_greedy > 20, "sampling never left the greedy path"
 
 
-def test_a_greedy_or_sampled_seeded_row_advances_its_generator_by_what_skip_draws_skips():
+def test_a_seeded_request_continued_from_its_output_draws_what_the_uninterrupted_one_draws():
+    """No generator state: a request rebuilt from its prompt and output so far (a migration, a decode
+    after its prefill) draws the next tokens the uninterrupted request draws, in another batch."""
     vocab = 500
-    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(3))
-    sampled = _request(SamplingParams(temperature=1.0, top_k=40, seed=21))
-    greedy = _request(SamplingParams(temperature=0.0, seed=22))
+    gen = torch.Generator().manual_seed(3)
+    params = SamplingParams(temperature=1.0, top_k=40, seed=21)
+    whole = _request(params, prompt=(1, 2, 3))
     sampler = Sampler(set())
-    for _ in range(3):
-        sampler(logits, [_request(SamplingParams(temperature=0.5)), sampled, greedy])
-    for req in (sampled, greedy):
-        resumed = _request(req.sampling_params)
-        resumed.skip_draws(3, vocab)
-        assert resumed.generator is not None and req.generator is not None
-        assert torch.equal(resumed.generator.get_state(), req.generator.get_state()), req.sampling_params
-    untouched = _request(greedy.sampling_params).generator
-    assert untouched is not None and greedy.generator is not None
-    assert torch.equal(untouched.get_state(), greedy.generator.get_state()), "a greedy row must not draw"
+    steps = [torch.randn(2, vocab, generator=gen) * 3 for _ in range(8)]
+    for logits in steps:
+        whole.append_output_token(sampler(logits, [_request(SamplingParams(temperature=0.5)), whole]).token_ids[1])
+    resumed = _request(params, prompt=(1, 2, 3), output=tuple(whole.output_token_ids[:5]))
+    for logits in steps[5:]:
+        resumed.append_output_token(Sampler(set(), seed=9)(logits[1:], [resumed]).token_ids[0])
+    assert resumed.output_token_ids == whole.output_token_ids
+    assert len(set(whole.output_token_ids)) > 3, "the draws never moved"
+    # The same seed at another output position draws other noise; another seed, too.
+    keys = sampler_module.draw_keys([21, 21, 22], [0, 1, 0])
+    noise = sampler_module.exponentials(keys.unsqueeze(1), torch.arange(vocab).unsqueeze(0))
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+
+
+def test_the_counter_based_noise_is_splitmix64_and_exponential():
+    """``draw_keys`` and ``exponentials`` equal a pure-Python splitmix64 (int64 wrap-around and the
+    masked right shifts included), and the noise has the Exp(1) mean and variance."""
+    mask = (1 << 64) - 1
+
+    def mix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    seeds, indices = [0, 1, -5, 2**70 + 3, 12345], [0, 7, 3, 100_000, 2**40]
+    keys = sampler_module.draw_keys(seeds, indices)
+    tokens = [0, 1, 5, 49_151]
+    noise = sampler_module.exponentials(keys.unsqueeze(1), torch.tensor(tokens).unsqueeze(0))
+    for row, (seed, index) in enumerate(zip(seeds, indices, strict=True)):
+        key = mix((mix(seed & mask) + index * 0x9E3779B97F4A7C15) & mask)
+        assert int(keys[row]) & mask == key
+        for col, t in enumerate(tokens):
+            u = (mix((key + (t + 1) * 0x9E3779B97F4A7C15) & mask) >> 11) * 2.0**-53
+            assert float(noise[row, col]) == float(torch.tensor(-math.log1p(-u)).float())
+    sample = sampler_module.exponentials(keys[:1], torch.arange(1_000_000))
+    assert abs(float(sample.mean()) - 1) < 0.01 and abs(float(sample.double().var()) - 1) < 0.02
 
 
 @pytest.mark.parametrize("window", [64, 5000])
@@ -524,7 +556,7 @@ def test_batched_draws_follow_the_per_row_reference_distribution_chi_square():
     tokens = Sampler(set(), seed=11)(logits.expand(num_rows, -1).contiguous(), requests).token_ids
     num_draws = num_rows // len(groups)
     for g, params in enumerate(groups):
-        _, target = _reference_row(logits, _request(params), set(), None)
+        _, target = _reference_row(logits, _request(params), set(), draw=False)
         assert target is not None
         support = [t for t in range(8) if target[t] > 0]
         expected = {t: float(target[t] / target.sum()) * num_draws for t in support}
@@ -566,9 +598,9 @@ def test_logprobs_of_a_mixed_batch_are_each_rows_raw_log_softmax_with_its_own_k(
         assert [t.logprob for t in lp.top] == pytest.approx([] if top is None else top.values.tolist(), abs=1e-6)
 
 
-def test_the_race_equals_argmax_of_probs_over_exponential_noise_for_narrow_wide_and_tied_rows():
-    """``_race`` takes logarithms only over a narrow row's support; each row's token and generator state
-    equal those of the plain race with ``torch.empty(vocab).exponential_(generator=...)`` noise."""
+def test_the_race_equals_argmax_of_probs_over_the_whole_rows_noise_for_narrow_wide_and_tied_rows():
+    """``_race`` takes logarithms only over the entries of positive probability, all rows at once; each
+    row's token equals that of the plain race over the whole row's noise (ties: the lowest id)."""
     vocab, num_rows = 5000, 12
     gen = torch.Generator().manual_seed(8)
     probs = torch.softmax(torch.randn(num_rows, vocab, generator=gen) * 2, dim=-1)
@@ -578,10 +610,8 @@ def test_the_race_equals_argmax_of_probs_over_exponential_noise_for_narrow_wide_
     probs[4, :] = 0.0
     probs[4, [7, 900, 901]] = 1 / 3  # ties: equal probabilities
     rows = [r for r in range(num_rows) if r != 5]
-    ours = [torch.Generator().manual_seed(100 + r) for r in rows]
-    theirs = [torch.Generator().manual_seed(100 + r) for r in rows]
-    got = sampler_module._race(probs.clone(), rows, ours)
+    keys = sampler_module.draw_keys([100 + r for r in rows], [r % 3 for r in rows])
+    got = sampler_module._race(probs.clone(), rows, keys)
     for i, row in enumerate(rows):
-        noise = torch.empty(vocab).exponential_(generator=theirs[i])
+        noise = sampler_module.exponentials(keys[i], torch.arange(vocab))
         assert int(got[i]) == int((probs[row] / noise).argmax()), row
-        assert torch.equal(ours[i].get_state(), theirs[i].get_state())

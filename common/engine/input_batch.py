@@ -132,7 +132,7 @@ class InputBatch:
         if not all(completes):
             sample_idx = sample_idx[torch.tensor(completes)]
         return BatchInputs(
-            input_ids=_long_tensor(input_ids),
+            input_ids=long_tensor(input_ids),
             positions=positions,
             slot_mapping=slot_blocks.long() * bs + positions % bs,
             block_tables=block_tables,
@@ -179,9 +179,10 @@ class InputBatch:
         self._num_written += [0] * extra
 
 
-def _long_tensor(values: list[int]) -> Tensor:
-    """``torch.tensor(values)``, several times faster for a long list (a prefill's tokens): through
-    an ``array``, whose buffer the tensor then shares."""
+def long_tensor(values: list[int], device: torch.device | str = "cpu") -> Tensor:
+    """``torch.tensor(values, dtype=torch.long)`` on ``device``, several times faster for a long list (a
+    prefill's tokens, the token ids a penalty reads): through an ``array``, whose buffer the CPU
+    tensor then shares."""
     if len(values) < 256:
-        return torch.tensor(values, dtype=torch.long)
-    return torch.frombuffer(array("q", values), dtype=torch.long)
+        return torch.tensor(values, dtype=torch.long, device=device)
+    return torch.frombuffer(array("q", values), dtype=torch.long).to(device)

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from common.engine.grammar import apply_token_bitmask
+from common.engine.input_batch import long_tensor
 from common.engine.request import Request
 from common.protocol import PositionLogprobs, TokenLogprob
 
@@ -211,13 +212,13 @@ class Sampler:
             x[torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)] = float("-inf")
         if rep_rows:
             # As transformers: over prompt and output, divide a positive logit, multiply a negative one.
-            rows, ids = _repeat(rep_rows, rep_lens, dev), torch.tensor(rep_ids, device=dev)
+            rows, ids = _repeat(rep_rows, rep_lens, dev), long_tensor(rep_ids, dev)
             penalty = _repeat([requests[r].sampling_params.repetition_penalty for r in rep_rows], rep_lens, dev,
                               torch.float32)
             seen = x[rows, ids]  # a token seen twice is gathered twice and written twice, the same value
             x[rows, ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
         if out_rows:
-            rows, ids = _repeat(out_rows, out_lens, dev), torch.tensor(out_ids, device=dev)
+            rows, ids = _repeat(out_rows, out_lens, dev), long_tensor(out_ids, dev)
             keys = rows * x.shape[-1] + ids
             ordered = keys.sort().values
             counts = torch.searchsorted(ordered, keys, right=True) - torch.searchsorted(ordered, keys)

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 from common.cluster_key import add_cluster_key_args, cluster_key_from_args
 from ops.supervisor import die_with_parent
@@ -20,6 +21,8 @@ from router.routing import POLICIES
 
 logger = logging.getLogger("router")
 GC_THRESHOLD = 20_000  # allocations between young-generation collections (Python's default: 700)
+# uvloop's event loop: less router CPU per streamed token at hundreds of streams (README, router overhead).
+UVICORN_SETTINGS: dict[str, Any] = {"loop": "uvloop"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,9 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()
     gc.set_threshold(GC_THRESHOLD, 20, 20)
     if not args.reuse_port:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                    **UVICORN_SETTINGS)
         return 0
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False, **UVICORN_SETTINGS))
     server.run(sockets=[_reuse_port_socket(args.host, args.port)])
     return 0
 

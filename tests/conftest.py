@@ -32,10 +32,32 @@ def collect_lines(stream: IO[str] | None) -> list[str]:
     return lines
 
 
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+# Under pytest-xdist each worker takes ports from its own range below the kernel's ephemeral range
+# (from 32768), so a port one worker frees (an engine restarted on its port) is not handed to another
+# worker meanwhile, as ``bind(0)`` could; one process alone takes what ``bind(0)`` gives.
+_PORT_RANGE = (
+    range(10_000 + 2_000 * int(_WORKER[2:]), 12_000 + 2_000 * int(_WORKER[2:]))
+    if _WORKER.startswith("gw") and _WORKER[2:].isdigit() and int(_WORKER[2:]) < 10 else None
+)
+_next_port = [0]
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    if _PORT_RANGE is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
+    for _ in range(len(_PORT_RANGE)):
+        port = _PORT_RANGE[_next_port[0] % len(_PORT_RANGE)]
+        _next_port[0] += 1
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORT_RANGE}")
 
 
 class RedisServer:

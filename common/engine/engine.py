@@ -8,8 +8,10 @@ once; the decode instance forks the choices from it (``add_remote_request``).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from common.config import EngineConfig
 from common.engine.grammar import GrammarCache, GrammarState
@@ -101,7 +103,11 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         # Structured output; the tokenizer loads with the first grammar.
-        self.grammars = GrammarCache(self._load_tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        # (A function of the path, not a bound method: the cache does not hold the engine.)
+        self.grammars = GrammarCache(
+            functools.partial(_load_tokenizer, str(self.runner.model_path)), self.vocab_size,
+            sorted(self.eos_token_ids),
+        )
         self._pending: list[EngineOutput] = []
         # Decode side, n > 1: first tokens of choices 1.. per request waiting for remote KV, and
         # the choices aborted before they exist; they fork when the KV has arrived.
@@ -113,12 +119,14 @@ class LLMEngine:
     def _eos_token_ids(self) -> set[int]:
         """EOS ids from the model config and, where the checkpoint has one, its generation config."""
         sources = [getattr(self.runner.hf_config, "eos_token_id", None)]
-        try:
-            from transformers import GenerationConfig
+        # Only where the file is (no "not found" error to raise and catch on every start).
+        if (Path(self.runner.model_path) / "generation_config.json").exists():
+            try:
+                from transformers import GenerationConfig
 
-            sources.append(GenerationConfig.from_pretrained(str(self.runner.model_path)).eos_token_id)
-        except (OSError, ValueError):
-            pass
+                sources.append(GenerationConfig.from_pretrained(str(self.runner.model_path)).eos_token_id)
+            except (OSError, ValueError):
+                pass
         ids: set[int] = set()
         for eos in sources:
             if isinstance(eos, int):
@@ -126,11 +134,6 @@ class LLMEngine:
             elif isinstance(eos, list):
                 ids.update(int(e) for e in eos)
         return ids
-
-    def _load_tokenizer(self):  # type: ignore[no-untyped-def]
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(self.runner.model_path))
 
     def _grammar(self, params: SamplingParams, output_token_ids: list[int]) -> GrammarState | None:
         """The request's grammar state after its ``output_token_ids`` (a resumed request, or one whose
@@ -487,3 +490,9 @@ class LLMEngine:
             [tokens.get(choice_request_id(rid, i), []) for i in range(p.n)]
             for rid, p in zip(ids, plist, strict=True)
         ]
+
+
+def _load_tokenizer(model_path: str):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)

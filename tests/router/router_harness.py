@@ -12,6 +12,7 @@ import uvicorn
 
 from router.app import create_app
 from router.config import RouterConfig
+from router.main import UVICORN_SETTINGS
 from router.state import RouterState
 from router.tokenization import PromptProcessor
 from tests.conftest import free_port
@@ -30,7 +31,8 @@ class RouterServer:
         self.state = state
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(state), host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn.Config(create_app(state), host="127.0.0.1", port=self.port, log_level="warning",
+                                **UVICORN_SETTINGS)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="router", daemon=True)
 

@@ -106,12 +106,14 @@ def test_one_lost_choice_of_an_n_request_continues_alone_from_its_own_seed(redis
         texts = {c["index"]: c["text"] for c in response.json()["choices"]}
         assert texts == {0: " one two three four five six", 1: " one two three four five six"}
         sent = cluster.requests()
-        [first] = [r for r in sent if not r.output_token_ids]
-        assert first.sampling_params.n == 2 and first.sampling_params.seed == 5
+        [first] = [r for r in sent if r.sampling_params.n == 2]
+        assert first.sampling_params.seed == 5 and not first.output_token_ids
         [continued] = [r for r in sent if r.request_id.endswith(".m1")]
         assert continued.request_id == first.request_id + "#1.m1"
         assert (continued.sampling_params.n, continued.sampling_params.seed) == (1, 6)
-        assert len(continued.output_token_ids) == 3
+        # The tokens the router had of choice 1 when its loss came (the engine sent 3 first; on a
+        # loaded host the loss can be handled before the router read them).
+        assert len(continued.output_token_ids) <= 3
 
 
 def test_a_stalled_engine_that_stays_registered_is_taken_for_dead_and_the_request_continues(

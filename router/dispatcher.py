@@ -319,12 +319,14 @@ class Dispatcher:
             num_blocks = max(num_blocks, len(hashes))
             if not hashes:
                 continue
+            # Not asyncio.wait_for, which before Python 3.12 can swallow the caller's cancellation.
+            lookup = asyncio.ensure_future(asyncio.to_thread(self.prefix_index.match, hashes))
             try:
-                found = await asyncio.wait_for(
-                    asyncio.to_thread(self.prefix_index.match, hashes), PREFIX_LOOKUP_TIMEOUT_S
-                )
-            except asyncio.TimeoutError:
-                found = {}
+                await asyncio.wait([lookup], timeout=PREFIX_LOOKUP_TIMEOUT_S)
+            finally:
+                if not lookup.done():
+                    lookup.cancel()  # the thread runs on; its answer is dropped
+            found = lookup.result() if not lookup.cancelled() else {}
             self.metrics.prefix_query_blocks.inc(len(hashes))
             matched.update({i: n for i, n in found.items() if i in ids})
         return matched, num_blocks

@@ -102,6 +102,11 @@ class PlanChoices:
         # Counted as each prompt goes out: a 100,000-prompt request costs the event loop nothing up front.
         self.state.metrics.prompt_tokens.inc(len(prompt))
         self.state.metrics.request_prompt_tokens.observe(len(prompt))
+        if self.lane.closed:  # closed while this one was sent (a cancellation lost on the way): end it
+            for engine_request in engine_requests:
+                engine_request.close()
+            slot.release()
+            raise asyncio.CancelledError()
         shared = ChoicesSlot(slot, len(engine_requests))
         started = [
             (ChoiceStream(p * params.n + i, engine_request, self.state.prompts.tokenizer, prompt,
@@ -222,10 +227,12 @@ async def merge_choices(
     finally:
         for task in helpers:
             task.cancel()
+        # Closed before the helpers are awaited: a helper that missed its cancellation must not
+        # go on taking slots and sending prompts (start_next ends what it sends after this).
+        choices.close()
         for task in helpers:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        choices.close()
         for task in list(pumps):
             task.cancel()
         for task in list(pumps):

@@ -324,9 +324,10 @@ class Dispatcher:
             try:
                 await asyncio.wait([lookup], timeout=PREFIX_LOOKUP_TIMEOUT_S)
             finally:
-                if not lookup.done():
+                timed_out = not lookup.done()
+                if timed_out:
                     lookup.cancel()  # the thread runs on; its answer is dropped
-            found = lookup.result() if not lookup.cancelled() else {}
+            found = {} if timed_out else lookup.result()
             self.metrics.prefix_query_blocks.inc(len(hashes))
             matched.update({i: n for i, n in found.items() if i in ids})
         return matched, num_blocks

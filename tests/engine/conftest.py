@@ -7,6 +7,7 @@ import gc
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -64,28 +65,56 @@ def hf_model():  # type: ignore[no-untyped-def]
 
 @functools.cache
 def hf_greedy(prompt: tuple[int, ...], max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[int, ...]:
-    """transformers ``generate`` (greedy, float32, CPU), one prompt at a time, EOS ignored; computed
-    once per test run (the test processes of a run share the results, see ``PDSERVE_TEST_SHARED_DIR``)."""
+    """transformers ``generate`` (greedy, float32, CPU), EOS ignored; computed once per test run
+    (the test processes of a run share the results, see ``PDSERVE_TEST_SHARED_DIR``). The prompts of
+    ``PROMPTS`` go through in one left-padded batch, which gives exactly what one prompt at a time
+    gives for them (checked when this was written) in a third of the time; any other prompt alone
+    (``hf_greedy_batch`` batches others)."""
+    if max_new_tokens <= MAX_NEW_TOKENS and prompt in prompt_ids():  # greedy: a prefix of the longer run
+        return _prompt_set_greedy()[prompt_ids().index(prompt)][:max_new_tokens]
+    return _shared_result([list(prompt), max_new_tokens], lambda: _hf_generate([prompt], max_new_tokens))[0]
+
+
+@functools.cache
+def _prompt_set_greedy() -> tuple[tuple[int, ...], ...]:
+    return hf_greedy_batch(prompt_ids())
+
+
+@functools.cache
+def hf_greedy_batch(prompts: tuple[tuple[int, ...], ...], max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[tuple[int, ...], ...]:
+    """``hf_greedy`` of each prompt, in one left-padded batch."""
+    return _shared_result([list(map(list, prompts)), max_new_tokens], lambda: _hf_generate(prompts, max_new_tokens))
+
+
+def _shared_result(
+    what: list, compute: Callable[[], tuple[tuple[int, ...], ...]]  # type: ignore[type-arg]
+) -> tuple[tuple[int, ...], ...]:
     shared = os.environ.get("PDSERVE_TEST_SHARED_DIR")
     if not shared:
-        return _hf_generate(prompt, max_new_tokens)
-    key = hashlib.sha256(json.dumps([model_path(), list(prompt), max_new_tokens]).encode()).hexdigest()[:32]
+        return compute()
+    key = hashlib.sha256(json.dumps([model_path(), what]).encode()).hexdigest()[:32]
     path = Path(shared) / f"hf-greedy-{key}.json"
     with FileLock(f"{path}.lock"):  # another process computing the same one: wait for it
         if path.exists():
-            return tuple(json.loads(path.read_text()))
-        tokens = _hf_generate(prompt, max_new_tokens)
+            return tuple(tuple(t) for t in json.loads(path.read_text()))
+        tokens = compute()
         path.write_text(json.dumps(tokens))
         return tokens
 
 
-def _hf_generate(prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+def _hf_generate(prompts: tuple[tuple[int, ...], ...] | list[tuple[int, ...]], max_new_tokens: int) -> tuple[tuple[int, ...], ...]:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):  # padded on the left, masked out
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
     with torch.inference_mode():
         out = hf_model().generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+            ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
             pad_token_id=0, eos_token_id=None,
         )
-    return tuple(out[0, len(prompt):].tolist())
+    return tuple(tuple(row[width:].tolist()) for row in out)
 
 
 def make_engine(**overrides) -> LLMEngine:  # type: ignore[no-untyped-def]

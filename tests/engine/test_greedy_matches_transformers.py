@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from common.sampling_params import SamplingParams
-from tests.engine.conftest import MAX_NEW_TOKENS, hf_greedy, prompt_ids
+from tests.engine.conftest import MAX_NEW_TOKENS, hf_greedy, hf_greedy_batch, prompt_ids
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
 
@@ -55,7 +55,7 @@ def test_prefix_cache_hits_do_not_change_output(engine_factory):
     hits_before = engine.kv.prefix_cache_hits
     got = _run(engine, variants)
     assert engine.kv.prefix_cache_hits - hits_before >= 3 * 16 * 3
-    assert got == [list(hf_greedy(v)) for v in variants]
+    assert got == [list(e) for e in hf_greedy_batch(tuple(variants))]
 
 
 def test_forced_preemption_keeps_greedy_output(engine_factory):

@@ -69,10 +69,13 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: Any, head_size: int, max_position: int) -> None:
         super().__init__()
-        inv_freq, scaling = _rope_inv_freq(config, head_size)
-        positions = torch.arange(max_position, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        # Computed for real even where the model is built on the meta device (its buffers are not
+        # loaded from the checkpoint); on meta these operations would also import torch._dynamo (~4 s).
+        with torch.device("cpu"):
+            inv_freq, scaling = _rope_inv_freq(config, head_size)
+            positions = torch.arange(max_position, dtype=torch.float)
+            freqs = positions[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
         self.cos: Tensor
         self.sin: Tensor
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
@@ -182,7 +185,11 @@ class DecoderLayer(nn.Module):
 class LlamaBackbone(nn.Module):
     def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its weight, the embedding skips its random init, which on the meta device (where the model
+        # is built before its weights are loaded) runs a Python reference that imports torch._dynamo (~2 s).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, arch, i, kernels) for i in range(config.num_hidden_layers)
         )

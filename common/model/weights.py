@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import os
+import tempfile
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
@@ -17,22 +23,61 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "load_model"]
 
 def load_hf_config(path: Path) -> Any:
     """The checkpoint's transformers config; raises ``UnsupportedConfig`` (naming the field) for
-    anything the model does not implement, before any weight is read."""
-    from transformers import AutoConfig
+    anything the model does not implement, before any weight is read.
 
-    config = AutoConfig.from_pretrained(str(path))
+    transformers resolves it (its defaults for the model type filled in) the first time; its fields
+    are then kept in the cache, keyed by ``config.json`` and the transformers version, and later
+    starts read them from there as attributes: importing transformers and its config classes took
+    about 6 s of CPU of an engine's ~10 s start. Only plain attribute reads are made of such a config;
+    models with scaled RoPE (whose tables transformers computes from its config object) are not cached."""
+    raw = (path / "config.json").read_bytes()
+    key = hashlib.sha256(raw + b"\0" + importlib.metadata.version("transformers").encode()).hexdigest()[:24]
+    cached = resolved_config_dir() / f"{key}.json"
+    config: Any
+    try:
+        config = SimpleNamespace(**json.loads(cached.read_text()))
+    except (OSError, ValueError):
+        config = None
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(path))
+        # Scaled RoPE tables come from transformers' functions, which need its config object.
+        if ModelArch.from_config(config).rope_type == "default":
+            _write_atomically(cached, json.dumps(config.to_dict()))
+        return config
     ModelArch.from_config(config)
     return config
+
+
+def resolved_config_dir() -> Path:
+    from common.model.loader import cache_dir
+
+    return cache_dir() / "resolved-configs"
+
+
+def _write_atomically(target: Path, text: str) -> None:
+    """Best effort: a read-only cache only costs the next start the transformers import again."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def load_model(
     path: Path, config: Any, kernels: ModuleType, dtype: torch.dtype, device: torch.device, max_position: int
 ) -> LlamaForCausalLM:
     """The model in eval mode on ``device``; every parameter must come from the checkpoint."""
-    with torch.device("meta"):
+    with torch.device("meta"):  # parameters without storage, until the checkpoint's are assigned
         model = LlamaForCausalLM(config, kernels, max_position)
-    # Buffers (rope tables) are computed, not loaded: rebuild them for real.
-    model.rotary_emb = type(model.rotary_emb)(config, model.head_size, max_position)
     state: dict[str, torch.Tensor] = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:

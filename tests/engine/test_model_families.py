@@ -8,13 +8,18 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from common.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.model.arch import ModelArch
+from common.model.llama import LlamaForCausalLM, RotaryEmbedding
+from common.model.weights import load_hf_config
 from common.sampling_params import SamplingParams
+from kernels import get_kernels
 from tests.engine.test_disaggregated_lifecycle import _drain, _transfer
 from tests.engine.tiny_models import WINDOW, build_checkpoint, family_configs, hf_greedy, prompt_token_ids
 
@@ -147,3 +152,45 @@ def test_family_greedy_equals_transformers_through_prefill_handoff_decode(checkp
     first = _transfer(prefill, decode, prompt, GREEDY)
     decode.remote_kv_arrived("r")
     assert [first, *_drain(decode)["r"]] == _expected(folder, tuple(prompt))
+
+
+def _derived(model: torch.nn.Module) -> dict[str, str]:
+    """Every value a model's modules computed from its config (shapes, flags, scales, windows)."""
+    out = {}
+    for name, module in model.named_modules():
+        for key, value in vars(module).items():
+            if key.startswith("_") or key == "config" or isinstance(value, (torch.Tensor, torch.nn.Module)):
+                continue
+            out[f"{name}.{key}"] = repr(value)
+        for key, param in module.named_parameters(recurse=False):
+            out[f"{name}.{key}"] = repr(tuple(param.shape))
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_config_read_back_from_the_cache_builds_the_same_model(checkpoint, name, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """Engines after the first read a model's resolved config from the cache, without transformers:
+    it must build exactly the model transformers' config builds."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    folder = checkpoint(name)
+    first = load_hf_config(folder)
+    assert not isinstance(first, SimpleNamespace), "the first read goes through transformers"
+    again = load_hf_config(folder)
+    if ModelArch.from_config(first).rope_type != "default":  # its tables need transformers' config
+        assert not isinstance(again, SimpleNamespace)
+        return
+    assert isinstance(again, SimpleNamespace), "the second read comes from the cache"
+    assert ModelArch.from_config(again) == ModelArch.from_config(first)
+    kernels = get_kernels("cpu")
+    with torch.device("meta"):
+        built = [LlamaForCausalLM(config, kernels, 64) for config in (first, again)]
+    assert _derived(built[0]) == _derived(built[1])
+    ropes = [RotaryEmbedding(config, built[0].head_size, 64) for config in (first, again)]
+    for (key, a), (_, b) in zip(ropes[0].named_buffers(), ropes[1].named_buffers(), strict=True):
+        assert torch.equal(a, b), key
+    # A changed config.json is resolved afresh, not read from the old entry.
+    (folder / "config.json").write_text((folder / "config.json").read_text().replace("}", ', "pdserve_test": 1}', 1))
+    try:
+        assert not isinstance(load_hf_config(folder), SimpleNamespace)
+    finally:
+        (folder / "config.json").write_text((folder / "config.json").read_text().replace(', "pdserve_test": 1', ""))

@@ -410,7 +410,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def main(argv: Sequence[str] | None = None) -> int:
+    """``pdserve bench kv``: 0 when every path delivered the bytes it sent, else 1."""
+    report = run(argv)
+    return 0 if all(report["checksum_ok"].values()) else 1
+
+
+def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print a table (or JSON) and return the figures."""
     args = _parse(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -559,4 +565,4 @@ def _plot(report: dict[str, Any], path: Path) -> bool:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

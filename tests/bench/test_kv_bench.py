@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +22,7 @@ def test_every_path_moves_the_bytes_bit_exact(
 ) -> None:
     own = "glibc.malloc.arena_max=2"  # the user's own setting in this process
     monkeypatch.setenv("GLIBC_TUNABLES", own)
-    report = kv_transfer_bench.main([*SMALL, *(["--glibc-defaults"] if defaults else [])])
+    report = kv_transfer_bench.run([*SMALL, *(["--glibc-defaults"] if defaults else [])])
     assert report["checksum_ok"] == {
         f"{t}/{p}": True for p in ("consecutive", "recycled", "scattered") for t in ("tcp", "ipc")
     }
@@ -40,3 +44,14 @@ def test_every_path_moves_the_bytes_bit_exact(
     assert report["receiver_glibc_tunables"] == expected
     assert os.environ["GLIBC_TUNABLES"] == own  # this process's environment is as it was
     assert "vs plain" in capsys.readouterr().out
+
+
+def test_pdserve_bench_kv_exits_0_and_prints_its_figures() -> None:
+    """Through the command line, as users run it (it once printed its table, then failed on its own
+    return value)."""
+    pdserve = Path(sys.executable).with_name("pdserve")
+    done = subprocess.run([str(pdserve), "bench", "kv", *SMALL, "--transports", "tcp", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["checksum_ok"] == {f"tcp/{p}": True for p in ("consecutive", "recycled", "scattered")}

@@ -6,6 +6,9 @@ VENV=${VENV:-.venv}
 # One BLAS thread a process: the suite runs engines in several processes at once, and
 # oversubscribed cores made it several times slower.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# The suite starts a few hundred Python processes (engines, routers, CLIs): let the first write the
+# project's bytecode for the rest (with PYTHONDONTWRITEBYTECODE set, each compiled it again: ~0.5 s).
+unset PYTHONDONTWRITEBYTECODE
 # Triton kernels run under Triton's interpreter on CPUs; set before anything imports triton, since
 # the first import fixes how triton's own library functions are decorated (tests/conftest.py).
 export TRITON_INTERPRET=${TRITON_INTERPRET:-1}

@@ -16,13 +16,14 @@ from common.protocol import EngineProgress, encode
 from router.engine_client import EngineClient
 
 
-def _talk(address: str, stop: threading.Event) -> None:
+def _talk(address: str, stop: threading.Event, last_sent: list[float]) -> None:
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     push.connect(address)
     while not stop.is_set():
         push.send(encode(EngineProgress(instance_id="e1")))
+        last_sent[0] = time.monotonic()
         time.sleep(0.05)
     push.close()
     ctx.term()
@@ -33,7 +34,8 @@ def test_messages_waiting_unread_are_not_silence_but_a_silent_engine_is() -> Non
         client = EngineClient()
         await client.start()
         stop = threading.Event()
-        talker = threading.Thread(target=_talk, args=(client.reply_address, stop), daemon=True)
+        last_sent = [0.0]
+        talker = threading.Thread(target=_talk, args=(client.reply_address, stop, last_sent), daemon=True)
         talker.start()
         try:
             deadline = time.monotonic() + 30
@@ -42,7 +44,11 @@ def test_messages_waiting_unread_are_not_silence_but_a_silent_engine_is() -> Non
                 await asyncio.sleep(0.05)
             since = time.monotonic()
             client.silent_for("e1", since)  # the router reads it now: caught up
-            time.sleep(2.0)  # the stall under test: the event loop held up while the engine keeps talking
+            # The stall under test: the event loop held up (no await) until the engine has gone on
+            # talking for longer than the 1 s silence bound.
+            while last_sent[0] < since + 1.5:
+                assert time.monotonic() < since + 30, "the engine stopped talking"
+                time.sleep(0.02)
             held = client.silent_for("e1", since)
             assert held < 1.0, f"{held:.1f}s of unread messages counted as silence"
             await asyncio.sleep(0)  # the receive loop reads them

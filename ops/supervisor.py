@@ -24,12 +24,13 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+from common.files import write_atomically
 
 PR_SET_PDEATHSIG = 1
 
@@ -211,15 +212,7 @@ class Supervisor:
         state = {
             c.name: {"pid": c.popen.pid, "restarts": c.tracker.num_restarts, "role": c.role} for c in self.children
         }
-        fd, tmp_path = tempfile.mkstemp(prefix=".children-", suffix=".json", dir=os.path.dirname(self.state_path))
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(state, f, indent=1)
-            os.replace(tmp_path, self.state_path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_path)
-            raise
+        write_atomically(self.state_path, json.dumps(state, indent=1))
 
 
 def _log(message: str) -> None:

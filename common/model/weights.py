@@ -6,8 +6,6 @@ import contextlib
 import hashlib
 import importlib.metadata
 import json
-import os
-import tempfile
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -15,8 +13,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from common.files import write_atomically
 from common.model.arch import SUPPORTED_MODEL_TYPES, ModelArch
 from common.model.llama import LlamaForCausalLM
+from common.model.loader import cache_dir
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "load_model"]
 
@@ -32,44 +32,22 @@ def load_hf_config(path: Path) -> Any:
     models with scaled RoPE (whose tables transformers computes from its config object) are not cached."""
     raw = (path / "config.json").read_bytes()
     key = hashlib.sha256(raw + b"\0" + importlib.metadata.version("transformers").encode()).hexdigest()[:24]
-    cached = resolved_config_dir() / f"{key}.json"
+    cached = cache_dir() / "resolved-configs" / f"{key}.json"
     config: Any
     try:
-        config = SimpleNamespace(**json.loads(cached.read_text()))
+        config, resolved = SimpleNamespace(**json.loads(cached.read_text())), False
     except (OSError, ValueError):
-        config = None
-    if config is None:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(path))
-        # Scaled RoPE tables come from transformers' functions, which need its config object.
-        if ModelArch.from_config(config).rope_type == "default":
-            _write_atomically(cached, json.dumps(config.to_dict()))
-        return config
-    ModelArch.from_config(config)
-    return config
-
-
-def resolved_config_dir() -> Path:
-    from common.model.loader import cache_dir
-
-    return cache_dir() / "resolved-configs"
-
-
-def _write_atomically(target: Path, text: str) -> None:
-    """Best effort: a read-only cache only costs the next start the transformers import again."""
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
-    except OSError:
-        return
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except OSError:
+        config, resolved = AutoConfig.from_pretrained(str(path)), True
+    arch = ModelArch.from_config(config)
+    # Scaled RoPE tables come from transformers' functions, which need its config object.
+    if resolved and arch.rope_type == "default":
+        # Best effort: a read-only cache only costs the next start the transformers import again.
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(cached, json.dumps(config.to_dict()))
+    return config
 
 
 def load_model(

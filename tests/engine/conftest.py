@@ -7,8 +7,9 @@ import gc
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -71,13 +72,8 @@ def hf_greedy(prompt: tuple[int, ...], max_new_tokens: int = MAX_NEW_TOKENS) -> 
     gives for them (checked when this was written) in a third of the time; any other prompt alone
     (``hf_greedy_batch`` batches others)."""
     if max_new_tokens <= MAX_NEW_TOKENS and prompt in prompt_ids():  # greedy: a prefix of the longer run
-        return _prompt_set_greedy()[prompt_ids().index(prompt)][:max_new_tokens]
+        return hf_greedy_batch(prompt_ids())[prompt_ids().index(prompt)][:max_new_tokens]
     return _shared_result([list(prompt), max_new_tokens], lambda: _hf_generate([prompt], max_new_tokens))[0]
-
-
-@functools.cache
-def _prompt_set_greedy() -> tuple[tuple[int, ...], ...]:
-    return hf_greedy_batch(prompt_ids())
 
 
 @functools.cache
@@ -86,9 +82,7 @@ def hf_greedy_batch(prompts: tuple[tuple[int, ...], ...], max_new_tokens: int = 
     return _shared_result([list(map(list, prompts)), max_new_tokens], lambda: _hf_generate(prompts, max_new_tokens))
 
 
-def _shared_result(
-    what: list, compute: Callable[[], tuple[tuple[int, ...], ...]]  # type: ignore[type-arg]
-) -> tuple[tuple[int, ...], ...]:
+def _shared_result(what: list[Any], compute: Callable[[], tuple[tuple[int, ...], ...]]) -> tuple[tuple[int, ...], ...]:
     shared = os.environ.get("PDSERVE_TEST_SHARED_DIR")
     if not shared:
         return compute()
@@ -102,7 +96,7 @@ def _shared_result(
         return tokens
 
 
-def _hf_generate(prompts: tuple[tuple[int, ...], ...] | list[tuple[int, ...]], max_new_tokens: int) -> tuple[tuple[int, ...], ...]:
+def _hf_generate(prompts: Sequence[tuple[int, ...]], max_new_tokens: int) -> tuple[tuple[int, ...], ...]:
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)

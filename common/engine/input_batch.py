@@ -10,13 +10,13 @@ the blocks a request holds. Rows of requests that stopped running are reclaimed 
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from common.engine.host_tensors import bool_tensor, int_tensor, long_tensor
 from common.engine.request import Request, RequestStatus
 from common.engine.scheduler import ScheduledRequest
 
@@ -105,11 +105,11 @@ class InputBatch:
         if max_num_blocks > self.block_table.shape[1]:
             self._grow(self.block_table.shape[0], max_num_blocks)
         if set_ids:
-            self.block_table[torch.tensor(set_rows), torch.tensor(set_cols)] = torch.tensor(set_ids, dtype=torch.int32)
+            self.block_table[long_tensor(set_rows), long_tensor(set_cols)] = int_tensor(set_ids)
 
         num_seqs = len(rows)
-        start_t = torch.tensor(starts)
-        block_tables = self.block_table[torch.tensor(rows), :max_num_blocks]
+        start_t = long_tensor(starts)
+        block_tables = self.block_table[long_tensor(rows), :max_num_blocks]
         bs = self.block_size
         if max_query_len == 1 and len(input_ids) == num_seqs:  # decode only: one token per sequence
             positions = start_t
@@ -118,7 +118,7 @@ class InputBatch:
             sample_idx = torch.arange(num_seqs)
             slot_blocks = block_tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1)
         else:
-            num_new_t = torch.tensor(num_new)
+            num_new_t = long_tensor(num_new)
             ends = num_new_t.cumsum(0)
             num_tokens = int(ends[-1])
             token_seq = torch.arange(num_seqs).repeat_interleave(num_new_t, output_size=num_tokens)
@@ -130,7 +130,7 @@ class InputBatch:
             sample_idx = ends - 1
             slot_blocks = block_tables[token_seq, positions // bs]
         if not all(completes):
-            sample_idx = sample_idx[torch.tensor(completes)]
+            sample_idx = sample_idx[bool_tensor(completes)]
         return BatchInputs(
             input_ids=long_tensor(input_ids),
             positions=positions,
@@ -177,12 +177,3 @@ class InputBatch:
         self._requests += [None] * extra
         self._tables += [None] * extra
         self._num_written += [0] * extra
-
-
-def long_tensor(values: list[int], device: torch.device | str = "cpu") -> Tensor:
-    """``torch.tensor(values, dtype=torch.long)`` on ``device``, several times faster for a long list (a
-    prefill's tokens, the token ids a penalty reads): through an ``array``, whose buffer the CPU
-    tensor then shares."""
-    if len(values) < 256:
-        return torch.tensor(values, dtype=torch.long, device=device)
-    return torch.frombuffer(array("q", values), dtype=torch.long).to(device)

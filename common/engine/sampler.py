@@ -3,13 +3,15 @@ top-k/top-p/min-p, seeds, logprobs.
 
 A step is a fixed handful of tensor operations over ``[rows, vocab]`` whatever the batch holds: the
 per-row parameters travel as tensors, a row with neutral parameters passes through unchanged, and
-Python loops only over rows that need something of their own (a seed, a ban, a penalty's token ids,
-logprobs to build). An all-greedy batch without penalties is one argmax over the logits in place;
-otherwise each row is copied at most once, into the working tensor that ``logit_bias`` (one
-scatter-add, first of all), structured output (one masked fill over the rows with a grammar, whose
-states each fill their row of a token bitmask), penalties, ``min_tokens`` bans, temperature and
-top-k then modify in place. Greedy rows take the argmax of their penalised
-logits. Only the sampled ids and the requested logprobs cross to the host, one transfer each.
+Python loops only over rows that need something of their own (a seed, a ban, logprobs to build). The
+tokens a penalty reads stay on the device from step to step (``common.engine.penalties``), and every
+index or parameter list crosses to a tensor through ``common.engine.host_tensors``.
+
+An all-greedy batch without penalties is one argmax over the logits in place; otherwise each row is
+copied at most once, into the working tensor that ``logit_bias`` (one scatter-add, first of all),
+structured output (one masked fill over the rows with a grammar, whose states each fill their row of
+a token bitmask), penalties, ``min_tokens`` bans, temperature and top-k then modify in place. Greedy
+rows take the argmax of their penalised logits. Only the sampled ids and the requested logprobs cross to the host, one transfer each.
 
 On the CPU the rows go through in chunks of about ``CPU_CHUNK_BYTES`` of logits: every temporary
 then comes from the malloc heap, warm in the cache, where a whole-batch one (50 MB for 256 rows of
@@ -35,12 +37,14 @@ temperature), as vLLM reports them by default.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from common.engine.grammar import apply_token_bitmask
-from common.engine.input_batch import long_tensor
+from common.engine.host_tensors import float_tensor, long_tensor
+from common.engine.penalties import TokenRows, apply_output_penalties, apply_repetition_penalty
 from common.engine.request import Request
 from common.protocol import PositionLogprobs, TokenLogprob
 
@@ -66,6 +70,8 @@ class Sampler:
         self._device_generators: dict[torch.device, torch.Generator] = {}
         # Token bitmask rows for grammars, reused step after step (xgrammar fills it on the CPU).
         self._bitmask = torch.empty(0, 0, dtype=torch.int32)
+        # The tokens penalties read, per request, kept where the logits are (``common.engine.penalties``).
+        self._penalty_tokens: dict[tuple[torch.device, str], TokenRows] = {}
 
     def __call__(self, logits: Tensor, requests: list[Request]) -> SampleResult:
         """Sample one token per row of ``logits`` ``[len(requests), vocab]``; ``logits`` is not mutated.
@@ -75,6 +81,8 @@ class Sampler:
         num_rows, vocab = len(requests), logits.shape[-1]
         if num_rows == 0:
             return SampleResult([], [])
+        for token_rows in self._penalty_tokens.values():
+            token_rows.begin_step()
         x = logits.float()
         if all(r.plain_greedy and r.grammar is None for r in requests) or not any(
             self._has_work(r) for r in requests
@@ -163,8 +171,8 @@ class Sampler:
         dev = x.device
         if bias_rows:
             x.index_put_(
-                (torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev)),
-                torch.tensor(bias_values, dtype=x.dtype, device=dev), accumulate=True,
+                (long_tensor(bias_rows, dev), long_tensor(bias_ids, dev)),
+                float_tensor(bias_values, dev).to(x.dtype), accumulate=True,
             )
         if grammar_rows:
             words = -(-x.shape[-1] // 32)
@@ -184,11 +192,7 @@ class Sampler:
         ban_rows: list[int] = []
         ban_ids: list[int] = []
         rep_rows: list[int] = []
-        rep_lens: list[int] = []
-        rep_ids: list[int] = []
         out_rows: list[int] = []
-        out_lens: list[int] = []
-        out_ids: list[int] = []
         for row, req in enumerate(requests):
             p = req.sampling_params
             # A grammar decides alone when its output may end: banning its stop token could leave no token.
@@ -198,35 +202,35 @@ class Sampler:
                 ban_ids += banned
             if p.repetition_penalty != 1.0:
                 rep_rows.append(row)
-                rep_lens.append(req.num_tokens)
-                rep_ids += req.all_token_ids
             if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
                 out_rows.append(row)
-                out_lens.append(req.num_output_tokens)
-                out_ids += req.output_token_ids
         if not (ban_ids or rep_rows or out_rows):
             return logits
         x = logits if owned else logits.clone()
         dev = x.device
         if ban_ids:
-            x[torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)] = float("-inf")
+            x[long_tensor(ban_rows, dev), long_tensor(ban_ids, dev)] = float("-inf")
         if rep_rows:
-            # As transformers: over prompt and output, divide a positive logit, multiply a negative one.
-            rows, ids = _repeat(rep_rows, rep_lens, dev), long_tensor(rep_ids, dev)
-            penalty = _repeat([requests[r].sampling_params.repetition_penalty for r in rep_rows], rep_lens, dev,
-                              torch.float32)
-            seen = x[rows, ids]  # a token seen twice is gathered twice and written twice, the same value
-            x[rows, ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+            reqs = [requests[r] for r in rep_rows]
+            ids, _ = self._token_rows(dev, "all_token_ids").view(reqs)
+            penalty = float_tensor([r.sampling_params.repetition_penalty for r in reqs], dev)
+            apply_repetition_penalty(x, long_tensor(rep_rows, dev), ids, penalty)
         if out_rows:
-            rows, ids = _repeat(out_rows, out_lens, dev), long_tensor(out_ids, dev)
-            keys = rows * x.shape[-1] + ids
-            ordered = keys.sort().values
-            counts = torch.searchsorted(ordered, keys, right=True) - torch.searchsorted(ordered, keys)
-            params = [requests[r].sampling_params for r in out_rows]
-            frequency = _repeat([p.frequency_penalty for p in params], out_lens, dev, torch.float32)
-            presence = _repeat([p.presence_penalty for p in params], out_lens, dev, torch.float32)
-            x[rows, ids] = x[rows, ids] - (frequency * counts.float() + presence)
+            reqs = [requests[r] for r in out_rows]
+            ids, valid = self._token_rows(dev, "output_token_ids").view(reqs)
+            frequency = float_tensor([r.sampling_params.frequency_penalty for r in reqs], dev)
+            presence = float_tensor([r.sampling_params.presence_penalty for r in reqs], dev)
+            apply_output_penalties(x, long_tensor(out_rows, dev), ids, valid, frequency, presence)
         return x
+
+    def _token_rows(self, device: torch.device, source: Literal["all_token_ids", "output_token_ids"]) -> TokenRows:
+        """The sampler's store of every request's ``source`` tokens on ``device``."""
+        key = (device, source)
+        rows = self._penalty_tokens.get(key)
+        if rows is None:
+            rows = self._penalty_tokens[key] = TokenRows(source, device)
+            rows.begin_step()
+        return rows
 
     def _draw(self, logits: Tensor, requests: list[Request], owned: bool) -> Tensor:
         """One draw per row, every row sampled (the exponential race for a seeded row, the inverse CDF
@@ -236,17 +240,17 @@ class Sampler:
         dev = logits.device
         temperatures = [p.temperature for p in params]
         if any(t != 1.0 for t in temperatures):
-            scale = torch.tensor(temperatures, dtype=torch.float32, device=dev).unsqueeze(1)
+            scale = float_tensor(temperatures, dev).unsqueeze(1)
             logits = logits.div_(scale) if owned else logits / scale
             owned = True
         top_k_rows = [row for row, p in enumerate(params) if 0 < p.top_k < vocab]
         if top_k_rows:
             ks = [params[r].top_k for r in top_k_rows]
             kth = _rows(logits, top_k_rows).topk(max(ks), dim=-1).values
-            kth = kth.gather(1, torch.tensor(ks, device=dev).unsqueeze(1) - 1)
+            kth = kth.gather(1, long_tensor(ks, dev).unsqueeze(1) - 1)
             if len(top_k_rows) < num_rows:  # rows without top-k compare against -inf: nothing masked
                 kth = logits.new_full((num_rows, 1), float("-inf")).index_copy_(
-                    0, torch.tensor(top_k_rows, device=dev), kth
+                    0, long_tensor(top_k_rows, dev), kth
                 )
             below = logits < kth
             logits = logits.masked_fill_(below, float("-inf")) if owned else logits.masked_fill(below, float("-inf"))
@@ -254,14 +258,14 @@ class Sampler:
         top_p_rows = [row for row, p in enumerate(params) if p.top_p < 1.0]
         if top_p_rows:
             sub = _rows(probs, top_p_rows)
-            top_p = torch.tensor([params[r].top_p for r in top_p_rows], dtype=torch.float32, device=dev)
+            top_p = float_tensor([params[r].top_p for r in top_p_rows], dev)
             # A branch on the data costs nothing on the CPU; on a GPU it would be a sync, and sorting is cheap.
             apply_top_p(sub, top_p.unsqueeze(1), TOP_P_WINDOW if dev.type == "cpu" else vocab)
             _write_rows(probs, top_p_rows, sub)
         min_p_rows = [row for row, p in enumerate(params) if p.min_p > 0.0]
         if min_p_rows:
             sub = _rows(probs, min_p_rows)
-            min_p = torch.tensor([params[r].min_p for r in min_p_rows], dtype=torch.float32, device=dev)
+            min_p = float_tensor([params[r].min_p for r in min_p_rows], dev)
             sub.masked_fill_(sub < min_p.unsqueeze(1) * sub.amax(dim=-1, keepdim=True), 0.0)
             _write_rows(probs, min_p_rows, sub)
         seeded = [row for row, r in enumerate(requests) if r.draw_seed is not None]
@@ -325,8 +329,8 @@ def draw_keys(seeds: list[int], draw_indices: list[int], device: torch.device | 
     """int64 ``[rows]``: per row, the key of draw ``draw_indices[i]`` (the output position) of a request
     seeded ``seeds[i]`` (any Python int; taken modulo 2**64)."""
     signed = [(s & 0xFFFFFFFFFFFFFFFF) - ((s >> 63 & 1) << 64) for s in seeds]
-    seed_t = torch.tensor(signed, dtype=torch.long, device=device)
-    index_t = torch.tensor(draw_indices, dtype=torch.long, device=device)
+    seed_t = long_tensor(signed, device)
+    index_t = long_tensor(draw_indices, device)
     return _mix64(_mix64(seed_t) + index_t * _GOLDEN)
 
 
@@ -374,21 +378,11 @@ def _inverse_cdf(probs: Tensor, generator: torch.Generator) -> Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
-def _repeat(
-    values: list[int] | list[float], counts: list[int], device: torch.device, dtype: torch.dtype = torch.long
-) -> Tensor:
-    """Each ``values[i]`` ``counts[i]`` times, as one tensor; no device sync."""
-    return torch.repeat_interleave(
-        torch.tensor(values, dtype=dtype, device=device), torch.tensor(counts, device=device),
-        output_size=sum(counts),
-    )
-
-
 def _rows(t: Tensor, rows: list[int]) -> Tensor:
     """``t[rows]``; ``t`` itself, no copy, when the rows are all of them in order."""
     if len(rows) == t.shape[0]:
         return t
-    return t.index_select(0, torch.tensor(rows, device=t.device))
+    return t.index_select(0, long_tensor(rows, t.device))
 
 
 def _write_rows(t: Tensor, rows: list[int], values: Tensor) -> None:
@@ -398,4 +392,4 @@ def _write_rows(t: Tensor, rows: list[int], values: Tensor) -> None:
     if len(rows) == t.shape[0]:
         t.copy_(values)
     else:
-        t.index_copy_(0, torch.tensor(rows, device=t.device), values)
+        t.index_copy_(0, long_tensor(rows, t.device), values)

@@ -1,0 +1,90 @@
+"""The penalties' token store: rows that follow their requests as they grow, come and go, and the
+penalties over them against a per-row reference."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from common.engine.penalties import TokenRows, apply_output_penalties, apply_repetition_penalty
+from common.engine.request import Request
+from common.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(temperature=0.0, repetition_penalty=1.3)
+
+
+def _request(prompt: list[int]) -> Request:
+    return Request("r", prompt, PARAMS, block_size=16, model_id="m")
+
+
+def _check(rows: TokenRows, requests: list[Request]) -> None:
+    ids, valid = rows.view(requests)
+    for i, req in enumerate(requests):
+        tokens = getattr(req, rows.source)
+        assert ids[i][valid[i]].tolist() == tokens, i
+        assert int(valid[i].sum()) == len(tokens)
+        assert set(ids[i][~valid[i]].tolist()) <= {tokens[0]}, "padding holds another token"
+
+
+def test_rows_follow_requests_that_grow_come_and_go_past_the_store_s_rows_and_columns():
+    rng = random.Random(0)
+    rows = TokenRows("all_token_ids", num_rows=4, num_cols=8)
+    live = [_request([rng.randrange(1000) for _ in range(rng.randrange(1, 12))]) for _ in range(3)]
+    for step in range(60):
+        rows.begin_step()
+        for req in live:  # a decode step: one token each, or now and then a long tail (a resumed request)
+            for _ in range(1 if rng.random() < 0.9 else 70):
+                req.append_output_token(rng.randrange(1000))
+        _check(rows, live)
+        if step % 3 == 0:  # one leaves, one or two arrive (the batch grows past the 4 rows)
+            live.pop(rng.randrange(len(live)))
+            live += [_request([rng.randrange(1000) for _ in range(rng.randrange(1, 300))])
+                     for _ in range(rng.randrange(1, 3))]
+            live = live[-9:]
+    assert rows.ids.shape[0] >= 9 and rows.ids.shape[1] > 300
+
+
+def test_a_request_that_comes_back_after_its_row_went_to_another_is_written_whole_again():
+    rows = TokenRows("output_token_ids", num_rows=2, num_cols=4)
+    a, b, c = (_request([1]) for _ in range(3))
+    for req, t in ((a, 5), (b, 6), (c, 7)):
+        req.append_output_token(t)
+    rows.begin_step()
+    _check(rows, [a, b])
+    rows.begin_step()
+    _check(rows, [c, b])  # c takes a's row
+    a.append_output_token(8)
+    rows.begin_step()
+    _check(rows, [a, c])  # a comes back: b's row, written from a's tokens
+
+
+def _reference(x: torch.Tensor, requests: list[Request], frequency: list[float], presence: list[float]) -> None:
+    for row, req in enumerate(requests):
+        seen = torch.tensor(sorted(set(req.all_token_ids)))
+        vals = x[row, seen]
+        x[row, seen] = torch.where(vals > 0, vals / 1.3, vals * 1.3)
+        ids, counts = torch.unique(torch.tensor(req.output_token_ids), return_counts=True)
+        x[row, ids] -= frequency[row] * counts.float() + presence[row]
+
+
+def test_penalties_over_the_store_equal_a_per_row_reference_bit_for_bit():
+    rng = random.Random(1)
+    vocab = 50  # few tokens: many repeats
+    requests = [_request([rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]) for _ in range(7)]
+    for req in requests:
+        for _ in range(rng.randrange(1, 30)):
+            req.append_output_token(rng.randrange(vocab))
+    frequency = [rng.uniform(-2, 2) for _ in requests]
+    presence = [rng.uniform(-2, 2) for _ in requests]
+    logits = torch.randn(len(requests) + 2, vocab, generator=torch.Generator().manual_seed(2))
+    expected = logits.clone()
+    _reference(expected[1:-1], requests, frequency, presence)
+    got = logits.clone()
+    all_rows, out_rows = TokenRows("all_token_ids"), TokenRows("output_token_ids")
+    rows = torch.arange(1, len(requests) + 1)  # the requests' rows of the batch: not the first or last
+    ids, _ = all_rows.view(requests)
+    apply_repetition_penalty(got, rows, ids, torch.full((len(requests),), 1.3))
+    ids, valid = out_rows.view(requests)
+    apply_output_penalties(got, rows, ids, valid, torch.tensor(frequency), torch.tensor(presence))
+    assert torch.equal(got, expected)

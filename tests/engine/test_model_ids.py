@@ -107,3 +107,30 @@ def test_online_a_missing_id_is_downloaded_into_the_cache_once(
     assert resolve_model_path("tiny-org/fresh") == path and len(calls) == 3  # cached now: no download
     with pytest.raises(FileNotFoundError, match="could not be downloaded: OSError: 404"):
         resolve_model_path("tiny-org/missing")
+
+
+def test_a_conversion_parses_a_gguf_file_once_and_leaves_gguf_as_it_found_it(tmp_path: Path) -> None:
+    """transformers opens the file for the tokenizer, the config and the weights: one reader serves
+    all three, and one tensor-name map serves every module; gguf's own functions come back after."""
+    import gguf
+    import numpy as np
+
+    from common.model.loader import _gguf_parsed_once
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader_type, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first
+        assert [t.name for t in first.tensors] == ["token_embd.weight"]
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert gguf.GGUFReader is reader_type and gguf.get_tensor_name_map is name_map
+    assert gguf.GGUFReader(path) is not first

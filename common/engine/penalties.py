@@ -54,14 +54,17 @@ class TokenRows:
         source, row_of, holders, written, last_step, step = (
             self.source, self._row_of, self._holders, self._written, self._last_step, self._step
         )
+        num_cols = self.ids.shape[1]
         for req in requests:
             tokens: list[int] = getattr(req, source)
             n = len(tokens)
             row = row_of.get(id(req))  # a held request's id is never another's: the row holds it
             if row is None:
                 row = self._take_row(req, n)
-            elif n > self.ids.shape[1]:
+                num_cols = self.ids.shape[1]
+            elif n > num_cols:
                 self._grow(len(holders), n)
+                num_cols = self.ids.shape[1]
             old = written[row]
             if n > old:
                 if n - old > 64:  # a new row, or one far behind: one write of its own

@@ -22,9 +22,9 @@ def _run(engine, prompts, params=GREEDY):  # type: ignore[no-untyped-def]
     return [choices[0] for choices in engine.generate([list(p) for p in prompts], params)]
 
 
-# Budget 8 ends prefill chunks inside 16-token blocks and decodes 8 requests a step; 64 chunks prompts
-# across 32-token blocks; 512 takes every prompt whole.
-@pytest.mark.parametrize(("budget", "block_size"), [(8, 16), (64, 32), (512, 16)])
+# Budget 12 ends prefill chunks inside 16-token blocks (12, 24, 36...) and decodes 12 requests a step;
+# 64 chunks prompts across 32-token blocks; 512 takes every prompt whole.
+@pytest.mark.parametrize(("budget", "block_size"), [(12, 16), (64, 32), (512, 16)])
 def test_greedy_equals_transformers_for_block_sizes_and_token_budgets(engine_factory, block_size, budget):
     assert len(prompt_ids()) >= 16
     engine = engine_factory(block_size=block_size, max_num_batched_tokens=budget, num_blocks=8192 // block_size)
@@ -43,19 +43,21 @@ def test_capped_prefill_chunks_do_not_change_output(engine_factory):
 def test_prefix_cache_hits_do_not_change_output(engine_factory):
     engine = engine_factory(block_size=16, max_num_batched_tokens=64)
     prompts = prompt_ids()
+    # Half the usual output: these runs go one or three prompts at a time, a model step per token.
+    short = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS // 2, ignore_eos=True)
     # The same prompt twice: the second run reuses every full block but the last token's.
-    first = _run(engine, [prompts[12]])
+    first = _run(engine, [prompts[12]], short)
     hits_before = engine.kv.prefix_cache_hits
-    second = _run(engine, [prompts[12]])
+    second = _run(engine, [prompts[12]], short)
     assert engine.kv.prefix_cache_hits - hits_before >= (len(prompts[12]) - 1) // 16 * 16 > 0
-    assert first == second == [list(hf_greedy(prompts[12]))]
+    assert first == second == [list(hf_greedy(prompts[12], short.max_tokens))]
     # A shared prefix that ends mid-block: a prefix of 12 blocks + 5 tokens, then different tails.
     shared = list(prompts[12][: 16 * 3 + 5])
     variants = [tuple(shared + list(prompts[i][1:9])) for i in (0, 3, 9)]
     hits_before = engine.kv.prefix_cache_hits
-    got = _run(engine, variants)
+    got = _run(engine, variants, short)
     assert engine.kv.prefix_cache_hits - hits_before >= 3 * 16 * 3
-    assert got == [list(e) for e in hf_greedy_batch(tuple(variants))]
+    assert got == [list(e) for e in hf_greedy_batch(tuple(variants), short.max_tokens)]
 
 
 def test_forced_preemption_keeps_greedy_output(engine_factory):

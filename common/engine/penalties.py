@@ -60,12 +60,11 @@ class TokenRows:
             n = len(tokens)
             row = row_of.get(id(req))  # a held request's id is never another's: the row holds it
             if row is None:
-                row = self._take_row(req, n)
-                num_cols = self.ids.shape[1]
-            elif n > num_cols:
+                row = self._take_row(req)
+            if n > num_cols:
                 self._grow(len(holders), n)
                 num_cols = self.ids.shape[1]
-            old = written[row]
+            old = written[row]  # a request's tokens only grow, so its row's first ``old`` hold
             if n > old:
                 if n - old > 64:  # a new row, or one far behind: one write of its own
                     self.ids[row, old:n] = long_tensor(tokens[old:n], self.ids.device)
@@ -73,9 +72,6 @@ class TokenRows:
                     set_rows += [row] * (n - old)
                     set_cols += range(old, n)
                     set_ids += tokens[old:n]
-                written[row] = n
-            elif n < old:  # never for one request (its tokens only grow); kept exact anyway
-                self.ids[row, :n] = long_tensor(tokens, self.ids.device)
                 written[row] = n
             last_step[row] = step
             rows.append(row)
@@ -88,16 +84,15 @@ class TokenRows:
         valid = torch.arange(width, device=dev) < long_tensor(lens, dev).unsqueeze(1)
         return torch.where(valid, ids, ids[:, :1]), valid
 
-    def _take_row(self, req: Request, num_tokens: int) -> int:
+    def _take_row(self, req: Request) -> int:
         if not self._free:
             for row, holder in enumerate(self._holders):
                 if holder is not None and self._last_step[row] != self._step:
                     del self._row_of[id(holder)]
                     self._holders[row] = None
                     self._free.append(row)
-        if not self._free or num_tokens > self.ids.shape[1]:
-            num_rows = len(self._holders)
-            self._grow(2 * num_rows if not self._free else num_rows, num_tokens)
+        if not self._free:
+            self._grow(2 * len(self._holders), 0)
         row = self._free.pop()
         self._row_of[id(req)] = row
         self._holders[row] = req

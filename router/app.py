@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -25,7 +25,13 @@ from router.openai_responses import (
     ModelList,
 )
 from router.openapi import error_responses, generation_route, install_openapi
-from router.serving import ClientDisconnected, DisconnectWaiter, engine_api_error, wait_for_disconnect
+from router.serving import (
+    ClientDisconnected,
+    DisconnectWaiter,
+    EventStreamResponse,
+    engine_api_error,
+    wait_for_disconnect,
+)
 from router.serving_chat import create_chat_completion
 from router.serving_completions import create_completion
 from router.serving_tokenize import install_tokenize_routes
@@ -57,18 +63,6 @@ async def read_json(request: Request, max_bytes: int) -> Any:
         raise bad_request(f"invalid JSON body: {exc}", code="invalid_json") from None
     check_unicode(raw, body)
     return body
-
-
-async def _leave_after(body: AsyncIterable[Any], leave: Callable[[], None]) -> AsyncIterator[Any]:
-    """Stream ``body``, then count the request out, however the stream ends (even cancelled)."""
-    try:
-        async for chunk in body:
-            yield chunk
-    finally:
-        leave()  # first: the awaits below may be cancelled again when the client went away
-        close = getattr(body, "aclose", None)
-        if close is not None:
-            await close()
 
 
 class _ErrorCounter:
@@ -116,8 +110,8 @@ def create_app(state: RouterState) -> FastAPI:
         try:
             body = await read_json(request, state.config.max_body_bytes)
             response = await handler(state, body, cache_salt, lambda: wait_for_disconnect(request.receive))
-            if isinstance(response, StreamingResponse):
-                response.body_iterator = _leave_after(response.body_iterator, state.leave)
+            if isinstance(response, EventStreamResponse):
+                response.on_close = state.leave
                 leave_now = False
             return response
         except EngineRequestError as exc:

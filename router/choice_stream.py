@@ -8,7 +8,7 @@ records the request's latency metrics.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ class ChoiceDelta:
 
 @dataclass
 class _PendingToken:
-    logprobs: PositionLogprobs | None
+    logprobs: PositionLogprobs
     offset: int
 
 
@@ -65,7 +65,7 @@ class ChoiceStream:
     def close(self) -> None:
         self.engine_request.close()
 
-    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+    async def deltas(self) -> AsyncGenerator[ChoiceDelta, None]:
         try:
             async for output in self.engine_request.outputs():
                 delta = self._process(output)
@@ -84,7 +84,8 @@ class ChoiceStream:
         for k, token_id in enumerate(output.new_token_ids):
             self._num_output_tokens += 1
             piece = self._detokenizer.push(token_id)
-            self._pending.append(_PendingToken(logprobs[k] if k < len(logprobs) else None, self._raw_len))
+            if k < len(logprobs):  # only tokens with logprobs wait for their text (the rest have nothing to release)
+                self._pending.append(_PendingToken(logprobs[k], self._raw_len))
             self._raw_len += len(piece)
             text += self._stop.push(piece)
             if self._stop.stopped:
@@ -102,8 +103,8 @@ class ChoiceStream:
         return ChoiceDelta(
             index=self.index,
             text=text,
-            logprobs=[t.logprobs for t in released if t.logprobs is not None],
-            text_offsets=[t.offset for t in released if t.logprobs is not None],
+            logprobs=[t.logprobs for t in released],
+            text_offsets=[t.offset for t in released],
             finish_reason=finish_reason,
             num_cached_tokens=self._num_cached_tokens,
             num_output_tokens=self._num_output_tokens,
@@ -112,6 +113,8 @@ class ChoiceStream:
 
     def _release_tokens(self, everything: bool) -> list[_PendingToken]:
         """Tokens whose text has (at least partly) been released; on a stop, the rest is dropped."""
+        if not self._pending:
+            return []
         cut = len(self._pending)
         if not everything:
             cut = next((i for i, t in enumerate(self._pending) if t.offset >= self._emitted_len), cut)

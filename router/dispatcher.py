@@ -84,6 +84,18 @@ class EngineRequest:
     sent_at: float = field(default_factory=time.monotonic)
     _first_seen: bool = field(default=False, repr=False)
     _decode_seen: bool = field(default=False, repr=False)
+    _interrupt: BaseException | None = field(default=None, repr=False)
+
+    def interrupt(self, exc: BaseException) -> None:
+        """Make ``outputs()`` raise ``exc`` at its next wait, or now if it waits (say, the client
+        went away): the reader learns it without a task or queue of its own between it and the
+        engines."""
+        self._interrupt = exc
+        self.queue.wake()
+
+    def _check_interrupt(self) -> None:
+        if self._interrupt is not None:
+            raise self._interrupt
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Outputs in order (prefill before decode); raises ``EngineRequestError`` on failure."""
@@ -140,6 +152,7 @@ class EngineRequest:
         )
         deadline = time.monotonic() + MIGRATION_WAIT_S
         while True:
+            self._check_interrupt()
             try:
                 [fresh] = await self.dispatcher.submit_request(request)
                 break
@@ -221,6 +234,7 @@ class EngineRequest:
     async def _next(self) -> RequestOutput:
         """The next output. Waiting, it is woken at least every ``WAKE_INTERVAL_S`` to check the
         request's deadline and its instances' liveness."""
+        self._check_interrupt()
         queue = self.queue
         if not queue.empty():
             return queue.get_nowait()
@@ -231,6 +245,7 @@ class EngineRequest:
             if remaining <= 0:
                 raise EngineRequestError(f"no output from the engines for {timeout_s:.0f}s", status=504)
             await queue.wait(remaining if remaining < WAKE_INTERVAL_S else None)
+            self._check_interrupt()
             if not queue.empty():
                 return queue.get_nowait()
             lost = self._lost_holder()

@@ -133,7 +133,8 @@ async def _stream(
         yield chunk(index, DeltaMessage(role="assistant", content=""))
     async with contextlib.aclosing(deltas):
         async for delta in deltas:
-            usage.update(delta)
+            if include_usage:
+                usage.update(delta)
             if delta.text and renderer is None:
                 yield f'{head}{delta.index},"delta":{{"content":{msgspec.json.encode(delta.text).decode()}}}{tail}'
             elif delta.text or delta.logprobs:

@@ -187,7 +187,8 @@ async def _stream(
     tail = ',"usage":null}' if include_usage else "}"
     async with contextlib.aclosing(deltas):
         async for delta in deltas:
-            usage.update(delta)
+            if include_usage:
+                usage.update(delta)
             if echo is not None and delta.index not in echoed:
                 echoed.add(delta.index)
                 delta.text = echo[delta.index // plan.n] + delta.text

@@ -37,6 +37,7 @@ temperature), as vLLM reports them by default.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -62,6 +63,157 @@ class SampleResult:
     logprobs: list[PositionLogprobs | None]
 
 
+class _Group:
+    """The greedy, or the sampled, rows of a chunk, and what their steps share while the chunk holds
+    the same requests in the same order: row indices and parameter tensors, built once."""
+
+    def __init__(
+        self, rows: list[int], chunk: list[Request], draw: bool, eos_token_ids: set[int], vocab: int,
+        device: torch.device,
+    ) -> None:
+        self.rows = rows
+        self.index = None if len(rows) == len(chunk) else long_tensor(rows, device)  # None: every row, in order
+        reqs = self.requests = [chunk[r] for r in rows]
+        params = [r.sampling_params for r in reqs]
+        # min_tokens bans, for the rows that may need them (whether they still do is the step's to say).
+        # A grammar decides alone when its output may end: banning its stop token could leave no token.
+        self.bans = [
+            (i, [*p.stop_token_ids, *([] if p.ignore_eos else eos_token_ids)])
+            for i, (r, p) in enumerate(zip(reqs, params, strict=True)) if p.min_tokens > 0 and r.grammar is None
+        ]
+        rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        self.rep_index = long_tensor(rep, device) if rep else None
+        self.rep_requests = [reqs[i] for i in rep]
+        self.rep_penalty = float_tensor([params[i].repetition_penalty for i in rep], device)
+        self.out_rows = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
+        self.out_all = self._output_penalties(self.out_rows, device)
+        self.draw = draw
+        if not draw:
+            return
+        temperatures = [p.temperature for p in params]
+        self.scale = float_tensor(temperatures, device).unsqueeze(1) if any(t != 1.0 for t in temperatures) else None
+        top_k = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
+        self.top_k_index = long_tensor(top_k, device) if top_k and len(top_k) < len(rows) else None
+        self.top_k = top_k
+        self.top_k_max = max((params[i].top_k for i in top_k), default=0)
+        self.top_k_positions = long_tensor([params[i].top_k - 1 for i in top_k], device).unsqueeze(1)
+        top_p = [i for i, p in enumerate(params) if p.top_p < 1.0]
+        self.top_p_index = _index(top_p, len(rows), device)
+        self.top_p = top_p
+        self.top_p_values = float_tensor([params[i].top_p for i in top_p], device).unsqueeze(1)
+        min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
+        self.min_p_index = _index(min_p, len(rows), device)
+        self.min_p = min_p
+        self.min_p_values = float_tensor([params[i].min_p for i in min_p], device).unsqueeze(1)
+        seeded = [i for i, r in enumerate(reqs) if r.draw_seed is not None]
+        self.seeded, self.seeded_index = seeded, _index(seeded, len(rows), device)
+        self.seeded_requests = [reqs[i] for i in seeded]
+        self.seed_keys = seed_keys([reqs[i].draw_seed or 0 for i in seeded], device) if seeded else None
+        unseeded = [i for i, r in enumerate(reqs) if r.draw_seed is None]
+        self.unseeded, self.unseeded_index = unseeded, _index(unseeded, len(rows), device)
+
+    def _output_penalties(self, rows: list[int], device: torch.device) -> tuple[Tensor, list[Request], Tensor, Tensor]:
+        params = [self.requests[i].sampling_params for i in rows]
+        return (
+            long_tensor(rows, device), [self.requests[i] for i in rows],
+            float_tensor([p.frequency_penalty for p in params], device),
+            float_tensor([p.presence_penalty for p in params], device),
+        )
+
+    def output_penalties(self, device: torch.device) -> tuple[Tensor, list[Request], Tensor, Tensor] | None:
+        """The presence and frequency penalties' rows that have output a token by now."""
+        if not self.out_rows:
+            return None
+        rows = [i for i in self.out_rows if self.requests[i].output_token_ids]
+        if len(rows) == len(self.out_rows):
+            return self.out_all
+        return self._output_penalties(rows, device) if rows else None
+
+
+class _ChunkPlan:
+    """A chunk's rows, sorted out once for as long as the chunk holds the same requests."""
+
+    def __init__(self, requests: list[Request], eos_token_ids: set[int], vocab: int, device: torch.device) -> None:
+        self.lp_rows = [row for row, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        self.lp_index = _index(self.lp_rows, len(requests), device)
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        for row, req in enumerate(requests):
+            bias = req.sampling_params.logit_bias
+            if bias:
+                bias_rows += [row] * len(bias)
+                bias_ids += bias.keys()
+                bias_values += bias.values()
+        self.bias = (
+            (long_tensor(bias_rows, device), long_tensor(bias_ids, device), float_tensor(bias_values, device))
+            if bias_rows else None
+        )
+        self.grammar_rows = [row for row, r in enumerate(requests) if r.grammar is not None]
+        greedy = [row for row, r in enumerate(requests) if r.sampling_params.greedy]
+        sampled = [row for row, r in enumerate(requests) if not r.sampling_params.greedy]
+        self.groups = [
+            _Group(rows, requests, draw, eos_token_ids, vocab, device)
+            for rows, draw in ((greedy, False), (sampled, True)) if rows
+        ]
+
+
+class _BatchPlan:
+    """What the sampler makes of a batch's requests that lasts while the same requests come in the same
+    order, step after step (a request's sampling parameters, and whether it has a grammar, are fixed
+    from its first step): the decode steps of a steady batch skip the Python passes over every row
+    and the building of every index and parameter tensor."""
+
+    def __init__(
+        self, requests: list[Request], eos_token_ids: set[int], vocab: int, device: torch.device, chunk: int
+    ) -> None:
+        self.requests = list(requests)
+        self.vocab, self.device, self.chunk = vocab, device, chunk
+        self.plain = all(r.plain_greedy and r.grammar is None for r in requests)
+        self.static_work = any(_has_static_work(r) for r in requests)
+        self.min_tokens_requests = [r for r in requests if r.sampling_params.min_tokens > 0]
+        self.penalty_requests = [
+            r for r in requests if r.sampling_params.presence_penalty or r.sampling_params.frequency_penalty
+        ]
+        self.k_max = max((r.sampling_params.logprobs or 0 for r in requests), default=0)
+        self.logprob_rows = [
+            (row, int(r.sampling_params.logprobs or 0)) for row, r in enumerate(requests)
+            if r.sampling_params.logprobs is not None
+        ]
+        self._eos_token_ids = eos_token_ids
+        self._chunks: list[_ChunkPlan] | None = None
+
+    def fits(self, requests: list[Request], vocab: int, device: torch.device, chunk: int) -> bool:
+        return (
+            vocab == self.vocab and device == self.device and chunk == self.chunk
+            and len(requests) == len(self.requests) and all(map(operator.is_, requests, self.requests))
+        )
+
+    def has_work(self) -> bool:
+        """More than an argmax of the raw rows: a draw, logprobs, a penalty or a ban."""
+        return (
+            self.static_work
+            or any(r.num_output_tokens < r.sampling_params.min_tokens for r in self.min_tokens_requests)
+            or any(r.output_token_ids for r in self.penalty_requests)
+        )
+
+    def chunks(self) -> list[_ChunkPlan]:
+        if self._chunks is None:
+            self._chunks = [
+                _ChunkPlan(self.requests[start : start + self.chunk], self._eos_token_ids, self.vocab, self.device)
+                for start in range(0, len(self.requests), self.chunk)
+            ]
+        return self._chunks
+
+
+def _has_static_work(req: Request) -> bool:
+    p = req.sampling_params
+    return (
+        not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0
+        or bool(p.logit_bias) or req.grammar is not None
+    )
+
+
 class Sampler:
     def __init__(self, eos_token_ids: set[int], seed: int = 0) -> None:
         self.eos_token_ids = eos_token_ids
@@ -73,6 +225,7 @@ class Sampler:
         self._bitmask = torch.empty(0, 0, dtype=torch.int32)
         # The tokens penalties read, per request, kept where the logits are (``common.engine.penalties``).
         self._penalty_tokens: dict[tuple[torch.device, str], TokenRows] = {}
+        self._plan: _BatchPlan | None = None  # the last batch's
 
     def __call__(self, logits: Tensor, requests: list[Request]) -> SampleResult:
         """Sample one token per row of ``logits`` ``[len(requests), vocab]``; ``logits`` is not mutated.
@@ -85,17 +238,19 @@ class Sampler:
         for token_rows in self._penalty_tokens.values():
             token_rows.begin_step()
         x = logits.float()
-        if all(r.plain_greedy and r.grammar is None for r in requests) or not any(
-            self._has_work(r) for r in requests
-        ):  # all greedy, nothing else: one argmax
-            return SampleResult(x.argmax(dim=-1).tolist(), [None] * num_rows)
-        k_max = max((r.sampling_params.logprobs or 0 for r in requests), default=0)
         chunk = num_rows
         if x.device.type == "cpu":
             chunk = max(1, CPU_CHUNK_BYTES // (4 * vocab))
+        plan = self._plan
+        if plan is None or not plan.fits(requests, vocab, x.device, chunk):
+            plan = self._plan = _BatchPlan(requests, self.eos_token_ids, vocab, x.device, chunk)
+        if plan.plain or not plan.has_work():  # all greedy, nothing else: one argmax
+            return SampleResult(x.argmax(dim=-1).tolist(), [None] * num_rows)
+        k_max = plan.k_max
         results = [
-            self._sample_rows(x[start : start + chunk], requests[start : start + chunk], x is not logits, k_max)
-            for start in range(0, num_rows, chunk)
+            self._sample_rows(x[start : start + chunk], requests[start : start + chunk], chunk_plan,
+                              x is not logits, k_max)
+            for start, chunk_plan in zip(range(0, num_rows, chunk), plan.chunks(), strict=True)
         ]
         token_ids = results[0][0] if len(results) == 1 else torch.cat([t for t, _ in results])
         tokens: list[int] = token_ids.tolist()
@@ -104,77 +259,45 @@ class Sampler:
         if tables:
             # One transfer: float64 holds every float32 value and every token id exactly.
             lines: list[list[float]] = torch.cat(tables).tolist()
-            rows = [row for row, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-            for row, line in zip(rows, lines, strict=True):
-                k = int(requests[row].sampling_params.logprobs or 0)
+            for (row, k), line in zip(plan.logprob_rows, lines, strict=True):
                 top = [TokenLogprob(int(line[1 + k_max + j]), line[1 + j]) for j in range(k)]
                 logprobs[row] = PositionLogprobs(tokens[row], line[0], top)
         return SampleResult(tokens, logprobs)
 
-    def _has_work(self, req: Request) -> bool:
-        """More than an argmax of the raw row: a draw, logprobs, a penalty or a ban."""
-        p = req.sampling_params
-        return (
-            not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0
-            or bool(p.logit_bias) or req.grammar is not None
-            or bool((p.presence_penalty or p.frequency_penalty) and req.output_token_ids)
-            or req.num_output_tokens < p.min_tokens
-        )
-
     def _sample_rows(
-        self, logits: Tensor, requests: list[Request], owned: bool, k_max: int
+        self, logits: Tensor, requests: list[Request], plan: _ChunkPlan, owned: bool, k_max: int
     ) -> tuple[Tensor, Tensor | None]:
         """Token ids for ``requests`` from their float32 rows ``logits`` (written only if ``owned``), and
         for the rows that asked for logprobs ``[token logprob, k_max top values, k_max top ids]`` in float64."""
-        lp_rows = [row for row, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-        raw = torch.log_softmax(_rows(logits, lp_rows), dim=-1) if lp_rows else None
-        constrained = self._constrained(logits, requests, owned)
+        raw = torch.log_softmax(_take(logits, plan.lp_index), dim=-1) if plan.lp_rows else None
+        constrained = self._constrained(logits, requests, plan, owned)
         owned, logits = owned or constrained is not logits, constrained
-        greedy = [row for row, r in enumerate(requests) if r.sampling_params.greedy]
-        sampled = [row for row, r in enumerate(requests) if not r.sampling_params.greedy]
         token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-        for rows, draw in ((greedy, False), (sampled, True)):
-            if not rows:
-                continue
-            reqs = [requests[r] for r in rows]
-            x = _rows(logits, rows)  # each row is copied at most once: here, or for a penalty
+        for group in plan.groups:
+            x = _take(logits, group.index)  # each row is copied at most once: here, or for a penalty
             x_owned = owned or x is not logits
-            y = self._penalized(x, reqs, x_owned)
-            ids = self._draw(y, reqs, owned=x_owned or y is not x) if draw else y.argmax(dim=-1)
-            _write_rows(token_ids, rows, ids)
+            y = self._penalized(x, group, x_owned)
+            ids = self._draw(y, group, owned=x_owned or y is not x) if group.draw else y.argmax(dim=-1)
+            _put(token_ids, group.index, ids)
         if raw is None:
             return token_ids, None
-        parts = [raw.gather(1, _rows(token_ids.unsqueeze(1), lp_rows))]
+        parts = [raw.gather(1, _take(token_ids.unsqueeze(1), plan.lp_index))]
         if k_max:
             top = raw.topk(k_max, dim=-1)
             parts += [top.values, top.indices]
         return token_ids, torch.cat([p.double() for p in parts], dim=1)
 
-    def _constrained(self, logits: Tensor, requests: list[Request], owned: bool) -> Tensor:
+    def _constrained(self, logits: Tensor, requests: list[Request], plan: _ChunkPlan, owned: bool) -> Tensor:
         """``logits`` plus every row's ``logit_bias`` (one scatter-add), then with every token its
         grammar does not allow next at -inf (one masked fill over the grammar rows); written in place
         if ``owned``, else a copy when any applies."""
-        bias_rows: list[int] = []
-        bias_ids: list[int] = []
-        bias_values: list[float] = []
-        grammar_rows: list[int] = []
-        for row, req in enumerate(requests):
-            bias = req.sampling_params.logit_bias
-            if bias:
-                bias_rows += [row] * len(bias)
-                bias_ids += bias.keys()
-                bias_values += bias.values()
-            if req.grammar is not None:
-                grammar_rows.append(row)
-        if not (bias_rows or grammar_rows):
+        grammar_rows = plan.grammar_rows
+        if plan.bias is None and not grammar_rows:
             return logits
         x = logits if owned else logits.clone()
-        dev = x.device
-        if bias_rows:
-            x.index_put_(
-                (long_tensor(bias_rows, dev), long_tensor(bias_ids, dev)),
-                float_tensor(bias_values, dev).to(x.dtype), accumulate=True,
-            )
+        if plan.bias is not None:
+            bias_rows, bias_ids, bias_values = plan.bias
+            x.index_put_((bias_rows, bias_ids), bias_values.to(x.dtype), accumulate=True)
         if grammar_rows:
             words = -(-x.shape[-1] // 32)
             if self._bitmask.shape[0] < len(requests) or self._bitmask.shape[1] != words:
@@ -187,41 +310,30 @@ class Sampler:
             apply_token_bitmask(x, bitmask, grammar_rows)
         return x
 
-    def _penalized(self, logits: Tensor, requests: list[Request], owned: bool) -> Tensor:
+    def _penalized(self, logits: Tensor, group: _Group, owned: bool) -> Tensor:
         """``logits`` with min_tokens bans and penalties; written in place if ``owned``, else a copy
         when any applies."""
         ban_rows: list[int] = []
         ban_ids: list[int] = []
-        rep_rows: list[int] = []
-        out_rows: list[int] = []
-        for row, req in enumerate(requests):
-            p = req.sampling_params
-            # A grammar decides alone when its output may end: banning its stop token could leave no token.
-            if req.num_output_tokens < p.min_tokens and req.grammar is None:
-                banned = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
+        for row, banned in group.bans:
+            req = group.requests[row]
+            if req.num_output_tokens < req.sampling_params.min_tokens:
                 ban_rows += [row] * len(banned)
                 ban_ids += banned
-            if p.repetition_penalty != 1.0:
-                rep_rows.append(row)
-            if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
-                out_rows.append(row)
-        if not (ban_ids or rep_rows or out_rows):
+        output_penalties = group.output_penalties(logits.device)
+        if not (ban_ids or group.rep_index is not None or output_penalties is not None):
             return logits
         x = logits if owned else logits.clone()
         dev = x.device
         if ban_ids:
             x[long_tensor(ban_rows, dev), long_tensor(ban_ids, dev)] = float("-inf")
-        if rep_rows:
-            reqs = [requests[r] for r in rep_rows]
-            ids, _ = self._token_rows(dev, "all_token_ids").view(reqs)
-            penalty = float_tensor([r.sampling_params.repetition_penalty for r in reqs], dev)
-            apply_repetition_penalty(x, long_tensor(rep_rows, dev), ids, penalty)
-        if out_rows:
-            reqs = [requests[r] for r in out_rows]
+        if group.rep_index is not None:
+            ids, _ = self._token_rows(dev, "all_token_ids").view(group.rep_requests)
+            apply_repetition_penalty(x, group.rep_index, ids, group.rep_penalty)
+        if output_penalties is not None:
+            rows, reqs, frequency, presence = output_penalties
             ids, valid = self._token_rows(dev, "output_token_ids").view(reqs)
-            frequency = float_tensor([r.sampling_params.frequency_penalty for r in reqs], dev)
-            presence = float_tensor([r.sampling_params.presence_penalty for r in reqs], dev)
-            apply_output_penalties(x, long_tensor(out_rows, dev), ids, valid, frequency, presence)
+            apply_output_penalties(x, rows, ids, valid, frequency, presence)
         return x
 
     def _token_rows(self, device: torch.device, source: Literal["all_token_ids", "output_token_ids"]) -> TokenRows:
@@ -233,51 +345,39 @@ class Sampler:
             rows.begin_step()
         return rows
 
-    def _draw(self, logits: Tensor, requests: list[Request], owned: bool) -> Tensor:
+    def _draw(self, logits: Tensor, group: _Group, owned: bool) -> Tensor:
         """One draw per row, every row sampled (the exponential race for a seeded row, the inverse CDF
         for the others); writes into ``logits`` only if ``owned``."""
-        params = [r.sampling_params for r in requests]
         num_rows, vocab = logits.shape
         dev = logits.device
-        temperatures = [p.temperature for p in params]
-        if any(t != 1.0 for t in temperatures):
-            scale = float_tensor(temperatures, dev).unsqueeze(1)
-            logits = logits.div_(scale) if owned else logits / scale
+        if group.scale is not None:
+            logits = logits.div_(group.scale) if owned else logits / group.scale
             owned = True
-        top_k_rows = [row for row, p in enumerate(params) if 0 < p.top_k < vocab]
-        if top_k_rows:
-            ks = [params[r].top_k for r in top_k_rows]
-            kth = _rows(logits, top_k_rows).topk(max(ks), dim=-1).values
-            kth = kth.gather(1, long_tensor(ks, dev).unsqueeze(1) - 1)
-            if len(top_k_rows) < num_rows:  # rows without top-k compare against -inf: nothing masked
-                kth = logits.new_full((num_rows, 1), float("-inf")).index_copy_(
-                    0, long_tensor(top_k_rows, dev), kth
-                )
+        if group.top_k:
+            kth = _take(logits, group.top_k_index).topk(group.top_k_max, dim=-1).values
+            kth = kth.gather(1, group.top_k_positions)
+            if group.top_k_index is not None:  # rows without top-k compare against -inf: nothing masked
+                kth = logits.new_full((num_rows, 1), float("-inf")).index_copy_(0, group.top_k_index, kth)
             below = logits < kth
             logits = logits.masked_fill_(below, float("-inf")) if owned else logits.masked_fill(below, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        top_p_rows = [row for row, p in enumerate(params) if p.top_p < 1.0]
-        if top_p_rows:
-            sub = _rows(probs, top_p_rows)
-            top_p = float_tensor([params[r].top_p for r in top_p_rows], dev)
+        if group.top_p:
+            sub = _take(probs, group.top_p_index)
             # A branch on the data costs nothing on the CPU; on a GPU it would be a sync, and sorting is cheap.
-            apply_top_p(sub, top_p.unsqueeze(1), TOP_P_WINDOW if dev.type == "cpu" else vocab)
-            _write_rows(probs, top_p_rows, sub)
-        min_p_rows = [row for row, p in enumerate(params) if p.min_p > 0.0]
-        if min_p_rows:
-            sub = _rows(probs, min_p_rows)
-            min_p = float_tensor([params[r].min_p for r in min_p_rows], dev)
-            sub.masked_fill_(sub < min_p.unsqueeze(1) * sub.amax(dim=-1, keepdim=True), 0.0)
-            _write_rows(probs, min_p_rows, sub)
-        seeded = [row for row, r in enumerate(requests) if r.draw_seed is not None]
-        unseeded = [row for row, r in enumerate(requests) if r.draw_seed is None]
+            apply_top_p(sub, group.top_p_values, TOP_P_WINDOW if dev.type == "cpu" else vocab)
+            _put(probs, group.top_p_index, sub)
+        if group.min_p:
+            sub = _take(probs, group.min_p_index)
+            sub.masked_fill_(sub < group.min_p_values * sub.amax(dim=-1, keepdim=True), 0.0)
+            _put(probs, group.min_p_index, sub)
         token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)
-        if seeded:
-            keys = draw_keys([requests[r].draw_seed or 0 for r in seeded],
-                             [len(requests[r].output_token_ids) for r in seeded], dev)
-            _write_rows(token_ids, seeded, _race(probs, seeded, keys))
-        if unseeded:
-            _write_rows(token_ids, unseeded, _inverse_cdf(_rows(probs, unseeded), self._generator(dev)))
+        if group.seed_keys is not None:
+            positions = long_tensor([len(r.output_token_ids) for r in group.seeded_requests], dev)
+            keys = _mix64(group.seed_keys + positions * _GOLDEN)
+            _put(token_ids, group.seeded_index, _race(_take(probs, group.seeded_index), keys))
+        if group.unseeded:
+            _put(token_ids, group.unseeded_index,
+                 _inverse_cdf(_take(probs, group.unseeded_index), self._generator(dev)))
         return token_ids
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -326,13 +426,16 @@ def _mix64(z: Tensor) -> Tensor:
     return z ^ ((z >> 31) & ((1 << 33) - 1))
 
 
+def seed_keys(seeds: list[int], device: torch.device | str = "cpu") -> Tensor:
+    """int64 ``[rows]``: the part of ``draw_keys`` that depends on the seed alone."""
+    signed = [(s & 0xFFFFFFFFFFFFFFFF) - ((s >> 63 & 1) << 64) for s in seeds]
+    return _mix64(long_tensor(signed, device))
+
+
 def draw_keys(seeds: list[int], draw_indices: list[int], device: torch.device | str = "cpu") -> Tensor:
     """int64 ``[rows]``: per row, the key of draw ``draw_indices[i]`` (the output position) of a request
     seeded ``seeds[i]`` (any Python int; taken modulo 2**64)."""
-    signed = [(s & 0xFFFFFFFFFFFFFFFF) - ((s >> 63 & 1) << 64) for s in seeds]
-    seed_t = long_tensor(signed, device)
-    index_t = long_tensor(draw_indices, device)
-    return _mix64(_mix64(seed_t) + index_t * _GOLDEN)
+    return _mix64(seed_keys(seeds, device) + long_tensor(draw_indices, device) * _GOLDEN)
 
 
 def exponentials(keys: Tensor, token_ids: Tensor) -> Tensor:
@@ -344,19 +447,18 @@ def exponentials(keys: Tensor, token_ids: Tensor) -> Tensor:
     return torch.log1p(u.neg_()).neg_().float()
 
 
-def _race(probs: Tensor, rows: list[int], keys: Tensor) -> Tensor:
-    """For each of ``rows`` of ``probs``, ``argmax(probs[row] / E)`` with ``E`` its draw's noise
-    (``exponentials`` of ``keys[i]``); ties go to the lowest token id, as ``argmax``'s.
+def _race(sub: Tensor, keys: Tensor) -> Tensor:
+    """For each row of ``sub``, ``argmax(sub[i] / E)`` with ``E`` its draw's noise (``exponentials`` of
+    ``keys[i]``); ties go to the lowest token id, as ``argmax``'s.
 
     On a GPU the noise is computed for whole rows in one batch, with no sync. On the CPU the
     logarithms are most of a draw's cost and a token of probability zero cannot win, so they are
     taken only over the entries of positive probability (top-k, top-p and min-p leave a few hundred
     tokens, or fewer), for all the rows at once.
     """
-    sub = _rows(probs, rows)
     num_rows, vocab = sub.shape
-    if probs.device.type != "cpu":
-        noise = exponentials(keys.unsqueeze(1), torch.arange(vocab, device=probs.device).unsqueeze(0))
+    if sub.device.type != "cpu":
+        noise = exponentials(keys.unsqueeze(1), torch.arange(vocab, device=sub.device).unsqueeze(0))
         return (sub / noise).argmax(dim=-1)
     r, t = sub.nonzero(as_tuple=True)  # row-major: each row's entries ascend
     score = sub[r, t] / exponentials(keys[r], t)
@@ -379,18 +481,21 @@ def _inverse_cdf(probs: Tensor, generator: torch.Generator) -> Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
-def _rows(t: Tensor, rows: list[int]) -> Tensor:
-    """``t[rows]``; ``t`` itself, no copy, when the rows are all of them in order."""
-    if len(rows) == t.shape[0]:
-        return t
-    return t.index_select(0, long_tensor(rows, t.device))
+def _index(rows: list[int], num_rows: int, device: torch.device) -> Tensor | None:
+    """The index tensor of ``rows`` (ascending) among ``num_rows``; None when they are all of them."""
+    return None if len(rows) == num_rows else long_tensor(rows, device)
 
 
-def _write_rows(t: Tensor, rows: list[int], values: Tensor) -> None:
-    """``t[rows] = values``; nothing to do when ``values`` is ``t`` itself (``_rows`` of every row)."""
+def _take(t: Tensor, index: Tensor | None) -> Tensor:
+    """``t[index]``; ``t`` itself, no copy, for ``index`` None (every row, in order)."""
+    return t if index is None else t.index_select(0, index)
+
+
+def _put(t: Tensor, index: Tensor | None, values: Tensor) -> None:
+    """``t[index] = values``; nothing to do when ``values`` is ``t`` itself (``_take`` of every row)."""
     if values is t:
         return
-    if len(rows) == t.shape[0]:
+    if index is None:
         t.copy_(values)
     else:
-        t.index_copy_(0, long_tensor(rows, t.device), values)
+        t.index_copy_(0, index, values)

@@ -462,6 +462,31 @@ def test_batched_rows_equal_the_per_row_reference_for_greedy_and_seeded_requests
     assert num_left_greedy > 20, "sampling never left the greedy path"
 
 
+def test_a_batch_plan_lasts_while_the_same_requests_come_in_order_and_is_rebuilt_for_any_other_batch():
+    """The sampler sorts a batch's rows out once for as long as the same requests come in the same
+    order; reordered or fewer requests get a plan of their own (a stale one would give each row another
+    row's parameters)."""
+    vocab = 400
+    gen = torch.Generator().manual_seed(4)
+    requests = [_request(kind, prompt=(row + 3, row + 4)) for row, kind in enumerate(BATCH_KINDS)]
+    for req in requests:
+        req.append_output_token(7)
+    logits = torch.randn(len(requests), vocab, generator=gen) * 4
+    sampler = Sampler(eos_token_ids={0})
+    sampler(logits, requests)
+    plan = sampler._plan
+    sampler(logits, list(requests))  # another list of the same requests
+    assert sampler._plan is plan
+    for order in (requests[::-1], requests[2:], [requests[1], requests[0], *requests[2:]]):
+        got = sampler(logits[: len(order)], order).token_ids
+        fresh = Sampler(eos_token_ids={0})(logits[: len(order)], order).token_ids
+        assert sampler._plan is not plan
+        exact = [row for row, r in enumerate(order) if r.sampling_params.greedy or r.draw_seed is not None]
+        assert len(exact) >= len(order) - 2
+        assert [got[row] for row in exact] == [fresh[row] for row in exact]
+        plan = sampler._plan
+
+
 def test_a_seeded_request_continued_from_its_output_draws_what_the_uninterrupted_one_draws():
     """No generator state: a request rebuilt from its prompt and output so far (a migration, a decode
     after its prefill) draws the next tokens the uninterrupted request draws, in another batch."""
@@ -611,7 +636,7 @@ def test_the_race_equals_argmax_of_probs_over_the_whole_rows_noise_for_narrow_wi
     probs[4, [7, 900, 901]] = 1 / 3  # ties: equal probabilities
     rows = [r for r in range(num_rows) if r != 5]
     keys = sampler_module.draw_keys([100 + r for r in rows], [r % 3 for r in rows])
-    got = sampler_module._race(probs.clone(), rows, keys)
+    got = sampler_module._race(probs[rows], keys)
     for i, row in enumerate(rows):
         noise = sampler_module.exponentials(keys[i], torch.arange(vocab))
         assert int(got[i]) == int((probs[row] / noise).argmax()), row

@@ -351,9 +351,12 @@ class EventStreamResponse(StreamingResponse):
     ends with ``ClientDisconnected`` when the client goes. Per streamed token, that is the router's
     CPU."""
 
-    def __init__(self, chunks: AsyncGenerator[str, None]) -> None:
+    def __init__(self, chunks: AsyncGenerator[str, None], close: Callable[[], None] | None = None) -> None:
         super().__init__(chunks, media_type="text/event-stream")
         self.chunks = chunks
+        # What ``chunks`` closes when it ran (it may not have: a generator closed before its first
+        # step runs no ``finally``), called once more at the end whatever happened. Idempotent.
+        self.close_choices = close
         self.on_close: Callable[[], None] | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -371,7 +374,9 @@ class EventStreamResponse(StreamingResponse):
             await send({"type": "http.response.body", "body": last, "more_body": False})
         finally:
             if self.on_close is not None:
-                self.on_close()  # first: the await below may be cancelled again when the client went away
+                self.on_close()  # first: the awaits below may be cancelled again when the client went away
+            if self.close_choices is not None:
+                self.close_choices()
             await self.chunks.aclose()
 
 
@@ -386,4 +391,4 @@ async def sse_response(
     include_usage = bool(stream_options and stream_options.include_usage)
     choices = await start_choices(state, plan, wait_disconnect)
     chunks = write(merge_choices(choices, wait_disconnect), include_usage)
-    return EventStreamResponse(chunks)
+    return EventStreamResponse(chunks, close=choices.close)

@@ -3,9 +3,12 @@ top-k/top-p/min-p, seeds, logprobs.
 
 A step is a fixed handful of tensor operations over ``[rows, vocab]`` whatever the batch holds: the
 per-row parameters travel as tensors, a row with neutral parameters passes through unchanged, and
-Python loops only over rows that need something of their own (a seed, a ban, logprobs to build). The
-tokens a penalty reads stay on the device from step to step (``common.engine.penalties``), and every
-index or parameter list crosses to a tensor through ``common.engine.host_tensors``.
+Python loops only over rows that need something of their own (a seed, a ban, logprobs to build).
+Which rows need what, and the index and parameter tensors that say it, are worked out once per batch
+(``_BatchPlan``) and kept while the same requests come in the same order, as they do from one decode
+step to the next. The tokens a penalty reads stay on the device from step to step
+(``common.engine.penalties``), and every index or parameter list crosses to a tensor through
+``common.engine.host_tensors``.
 
 An all-greedy batch without penalties is one argmax over the logits in place; otherwise each row is
 copied at most once, into the working tensor that ``logit_bias`` (one scatter-add, first of all),
@@ -71,8 +74,7 @@ class _Group:
         self, rows: list[int], chunk: list[Request], draw: bool, eos_token_ids: set[int], vocab: int,
         device: torch.device,
     ) -> None:
-        self.rows = rows
-        self.index = None if len(rows) == len(chunk) else long_tensor(rows, device)  # None: every row, in order
+        self.index = _index(rows, len(chunk), device)
         reqs = self.requests = [chunk[r] for r in rows]
         params = [r.sampling_params for r in reqs]
         # min_tokens bans, for the rows that may need them (whether they still do is the step's to say).
@@ -82,7 +84,7 @@ class _Group:
             for i, (r, p) in enumerate(zip(reqs, params, strict=True)) if p.min_tokens > 0 and r.grammar is None
         ]
         rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-        self.rep_index = long_tensor(rep, device) if rep else None
+        self.rep_rows = long_tensor(rep, device) if rep else None  # None: no row has one
         self.rep_requests = [reqs[i] for i in rep]
         self.rep_penalty = float_tensor([params[i].repetition_penalty for i in rep], device)
         self.out_rows = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
@@ -93,7 +95,7 @@ class _Group:
         temperatures = [p.temperature for p in params]
         self.scale = float_tensor(temperatures, device).unsqueeze(1) if any(t != 1.0 for t in temperatures) else None
         top_k = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
-        self.top_k_index = long_tensor(top_k, device) if top_k and len(top_k) < len(rows) else None
+        self.top_k_index = _index(top_k, len(rows), device)
         self.top_k = top_k
         self.top_k_max = max((params[i].top_k for i in top_k), default=0)
         self.top_k_positions = long_tensor([params[i].top_k - 1 for i in top_k], device).unsqueeze(1)
@@ -321,15 +323,15 @@ class Sampler:
                 ban_rows += [row] * len(banned)
                 ban_ids += banned
         output_penalties = group.output_penalties(logits.device)
-        if not (ban_ids or group.rep_index is not None or output_penalties is not None):
+        if not (ban_ids or group.rep_rows is not None or output_penalties is not None):
             return logits
         x = logits if owned else logits.clone()
         dev = x.device
         if ban_ids:
             x[long_tensor(ban_rows, dev), long_tensor(ban_ids, dev)] = float("-inf")
-        if group.rep_index is not None:
+        if group.rep_rows is not None:
             ids, _ = self._token_rows(dev, "all_token_ids").view(group.rep_requests)
-            apply_repetition_penalty(x, group.rep_index, ids, group.rep_penalty)
+            apply_repetition_penalty(x, group.rep_rows, ids, group.rep_penalty)
         if output_penalties is not None:
             rows, reqs, frequency, presence = output_penalties
             ids, valid = self._token_rows(dev, "output_token_ids").view(reqs)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 
 from common.cluster_key import add_cluster_key_args, cluster_key_from_args
@@ -62,6 +63,67 @@ PROGRESS_INTERVAL_S = 0.5
 Phase = str  # "prefill" | "decode" | "full", as in ``RequestOutput.phase``
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """One output for two consecutive ones of a request: the tokens (and logprobs) of both, the
+    end, error and state of the second."""
+    logprobs = None
+    if first.logprobs is not None or then.logprobs is not None:
+        logprobs = [*(first.logprobs or []), *(then.logprobs or [])]
+    return msgspec.structs.replace(
+        then,
+        new_token_ids=[*first.new_token_ids, *then.new_token_ids],
+        logprobs=logprobs,
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
+        num_cached_tokens=then.num_cached_tokens or first.num_cached_tokens,
+    )
+
+
+class StreamHold:
+    """``--stream-interval``: a request's token outputs are held back until they hold ``interval``
+    tokens, then go as one. Its first output and its last (any output with a finish reason) go at
+    once, and anything else sent for the request (an error, a hand-back) takes the held tokens along,
+    so no token is ever left behind. Interval 1 holds nothing."""
+
+    def __init__(self, interval: int = 1) -> None:
+        self.interval = interval
+        self._held: dict[str, RequestOutput] = {}
+        self._started: set[str] = set()  # requests whose first output went
+
+    def add(self, request_id: str, out: RequestOutput) -> RequestOutput | None:
+        """A step's output of the request: what to send now (the held tokens merged in), or None."""
+        if self.interval == 1 or out.finish_reason is not None or request_id not in self._started:
+            self._started.add(request_id)
+            return self.release(request_id, out)
+        held = self._held.get(request_id)
+        if held is not None:
+            out = merge_outputs(held, out)
+        if len(out.new_token_ids) < self.interval:
+            self._held[request_id] = out
+            return None
+        self._held.pop(request_id, None)
+        return out
+
+    def release(self, request_id: str, out: RequestOutput) -> RequestOutput:
+        """``out`` after the request's held tokens, if any (they are no longer held)."""
+        held = self._held.pop(request_id, None)
+        return out if held is None else merge_outputs(held, out)
+
+    def drop(self, request_id: str) -> None:
+        """Forget the request, its held tokens with it (an aborted or finished request)."""
+        self._held.pop(request_id, None)
+        self._started.discard(request_id)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
 def add_service_args(parser: argparse.ArgumentParser, role: str) -> None:
     EngineConfig.add_cli_args(parser)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
@@ -78,6 +140,13 @@ def add_service_args(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="requests waiting to be scheduled here; past it new ones are refused with a "
                         "retryable 'overloaded' error, so a router waits or tries another instance (0: unbounded)")
+    if role == "decode":
+        parser.add_argument(
+            "--stream-interval", type=_positive_int, default=1,
+            help="send a request's tokens to the router every this many tokens (its first token and "
+            "its end at once), as vLLM's and SGLang's --stream-interval: fewer, larger messages and SSE "
+            "events per token for the router, burstier streams for the client (default 1: every token)",
+        )
     parser.add_argument("--log-level", default="INFO")
     add_cluster_key_args(parser)
 
@@ -120,6 +189,7 @@ class EngineService:
         self.control_address = self.control.getsockopt_string(zmq.LAST_ENDPOINT)
         self._outputs: dict[str, zmq.Socket] = {}
         self._pending_outputs: dict[str, list[RequestOutput]] | None = None  # see ``_collect_outputs``
+        self.stream_hold = StreamHold(getattr(args, "stream_interval", 1))
         self.records: dict[str, RequestRecord] = {}
         self.routers: dict[str, float] = {}  # reply address -> when it was last heard from
         self.metrics = EngineMetrics(self.role, self.instance_id, served_model_name(self.engine.runner.model_path))
@@ -237,17 +307,27 @@ class EngineService:
             self._send_raw(address, raw)
 
     def send_output(self, request_id: str, out: RequestOutput) -> None:
-        """Send to the router that owns the request; a finished request's record is forgotten."""
+        """Send to the router that owns the request (after whatever tokens of it were held back);
+        a finished request's record is forgotten."""
         record = self.records.get(request_id)
         if record is None:
             return
-        self._send(record.reply_to, out)
+        self._send(record.reply_to, self.stream_hold.release(request_id, out))
         if out.finish_reason is not None:
             self.forget(request_id)
+
+    def send_token_output(self, request_id: str, out: RequestOutput) -> None:
+        """``send_output`` of a step's tokens, unless ``--stream-interval`` holds them back."""
+        if request_id not in self.records:
+            return
+        due = self.stream_hold.add(request_id, out)
+        if due is not None:
+            self.send_output(request_id, due)
 
     def forget(self, request_id: str) -> None:
         """Drop the service's record of a request (its outputs go nowhere now); may be called twice."""
         self.records.pop(request_id, None)
+        self.stream_hold.drop(request_id)
 
     def to_wire(self, out: EngineOutput, phase: Phase) -> RequestOutput:
         return RequestOutput(

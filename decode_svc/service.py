@@ -105,7 +105,7 @@ class DecodeService(EngineService):
         for out in outputs:
             record = self.records.get(out.request_id)
             if record is not None:
-                self.send_output(out.request_id, self.to_wire(out, record.phase))
+                self.send_token_output(out.request_id, self.to_wire(out, record.phase))
 
     def poll_transfers(self) -> bool:
         results = self.receiver.poll()

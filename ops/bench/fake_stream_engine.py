@@ -1,7 +1,8 @@
 """A fake decode engine for router benchmarks: real ZMQ and a real registry entry, no model.
 
 It takes ``GenerateRequest``s on its control socket and, each step, sends one token (always
-``token_id``) to every stream it holds until the stream's ``max_tokens``: in one ``OutputBatch`` per
+``token_id``; ``stream_interval`` tokens at once, as an engine run with ``--stream-interval`` sends
+them) to every stream it holds until the stream's ``max_tokens``: in one ``OutputBatch`` per
 router (``batched``, as the engine services send) or one ``RequestOutput`` per request (the old
 way). It steps as fast as it can, but at most ``window`` steps ahead of what the client has read
 (``EngineLink``), and records when it sent each token so the harness can tell what the router added.
@@ -43,6 +44,7 @@ class StreamEngineConfig:
     token_id: int
     batched: bool = True
     window: int = 2
+    stream_interval: int = 1
 
 
 class EngineLink:
@@ -199,8 +201,8 @@ class _EngineLoop:
 
     def _may_step(self) -> bool:
         """At most ``window`` steps of tokens not yet read by the client (after this step)."""
-        num_active = len(self.active) * self.link.num_engines
-        return self.link.in_flight() + num_active <= self.config.window * num_active
+        per_step = len(self.active) * self.link.num_engines * self.config.stream_interval
+        return self.link.in_flight() + per_step <= self.config.window * per_step
 
     def _socket(self, address: str) -> zmq.Socket:
         sock = self.replies.get(address)
@@ -218,10 +220,13 @@ class _EngineLoop:
 
     def _step(self) -> None:
         by_router: dict[str, list[tuple[RequestOutput, _Stream]]] = {}
+        num_sent = 0
         for request_id, stream in self.active.items():
-            stream.remaining -= 1
+            num = min(self.config.stream_interval, stream.remaining)
+            stream.remaining -= num
+            num_sent += num
             out = RequestOutput(
-                request_id=request_id, new_token_ids=[self.config.token_id],
+                request_id=request_id, new_token_ids=[self.config.token_id] * num,
                 finish_reason=None if stream.remaining > 0 else "length",
                 num_prompt_tokens=stream.num_prompt_tokens, instance_id=self.instance_id, phase="full",
             )
@@ -231,12 +236,12 @@ class _EngineLoop:
                 sent_at = time.monotonic()
                 for raw in encode_output_batches([out for out, _ in items], self.instance_id):
                     self._send(address, raw)
-                for _, stream in items:
-                    stream.times.append(sent_at)
+                for out, stream in items:
+                    stream.times += [sent_at] * len(out.new_token_ids)
             else:
                 for out, stream in items:
-                    stream.times.append(time.monotonic())
+                    stream.times += [time.monotonic()] * len(out.new_token_ids)
                     self._send(address, encode(out))
-        self.link.sent[self.index] += len(self.active)
+        self.link.sent[self.index] += num_sent
         for request_id in [r for r, s in self.active.items() if s.remaining <= 0]:
             self.finished[request_id] = self.active.pop(request_id).times

@@ -1,6 +1,8 @@
 """The real stack end to end: redis-server, router, prefill and decode processes, the openai client.
 
 Greedy output through router -> prefill -> KV transfer -> decode must equal transformers'.
+The decode instance runs with ``--stream-interval 3`` (the other stacks of the suite with the
+default, 1): every test here also checks that held-back tokens change no output.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from tests.engine.conftest import hf_greedy, make_engine, model_path, tokenizer
 pytestmark = pytest.mark.timeout(600)
 
 MODEL = "SmolLM2-135M-Instruct"
+STREAM_INTERVAL = 3
 
 LONG_PREFIX = (
     "You are a meticulous assistant. Answer in one short sentence. Use plain words and avoid lists. "
@@ -27,7 +30,7 @@ LONG_PREFIX = (
 
 @pytest.fixture(scope="module")
 def stack(redis_url):  # type: ignore[no-untyped-def]
-    with prefill_decode_stack(redis_url, model_path()) as s:
+    with prefill_decode_stack(redis_url, model_path(), decode_args=["--stream-interval", str(STREAM_INTERVAL)]) as s:
         yield s
 
 
@@ -75,6 +78,20 @@ def test_streaming_text_equals_non_streaming_and_reports_usage(client):  # type:
     assert text == full.choices[0].message.content
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_the_decode_instance_streams_every_stream_interval_tokens(client):  # type: ignore[no-untyped-def]
+    """The first token (from the prefill instance) and the decode instance's first come at once; the
+    rest in events of ``STREAM_INTERVAL`` tokens; the text is the same as unstreamed."""
+    num_tokens = 20
+    kwargs = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": num_tokens, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}
+    full = client.completions.create(**kwargs)
+    events = [c.choices[0].text for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    texts = [t for t in events if t]
+    assert "".join(texts) == full.choices[0].text and full.usage.completion_tokens == num_tokens
+    assert len(texts) <= 2 + -(-(num_tokens - 2) // STREAM_INTERVAL), texts  # 8 events for 20 tokens
+    assert len(texts) >= 3
 
 
 def test_n2_stop_max_tokens_seed_and_logprobs(client):  # type: ignore[no-untyped-def]

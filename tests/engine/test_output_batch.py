@@ -32,7 +32,7 @@ from common.protocol import (
     request_outputs,
 )
 from common.sampling_params import SamplingParams
-from common.service import EngineService, RequestRecord
+from common.service import EngineService, RequestRecord, StreamHold, merge_outputs
 
 
 def _output(i: int, **kw: Any) -> RequestOutput:
@@ -99,7 +99,9 @@ class _StubEngine:
 class _OutputPathService(EngineService):
     """The service's output path (records, sockets, the step) without a model: ``__init__`` skipped."""
 
-    def __init__(self, ctx: zmq.Context, outputs: list[EngineOutput], fail_ids: set[str]) -> None:
+    def __init__(
+        self, ctx: zmq.Context, outputs: list[EngineOutput], fail_ids: set[str], stream_interval: int = 1
+    ) -> None:
         self.instance_id = "decode-t"
         self.cluster_key = None
         self.ctx = ctx
@@ -110,12 +112,13 @@ class _OutputPathService(EngineService):
         self.metrics = mock.Mock()
         self.num_steps = 0
         self.fail_ids = fail_ids
+        self.stream_hold = StreamHold(stream_interval)
 
     def on_outputs(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
             record = self.records.get(out.request_id)
             if record is not None:
-                self.send_output(out.request_id, self.to_wire(out, record.phase))
+                self.send_token_output(out.request_id, self.to_wire(out, record.phase))
             if out.request_id in self.fail_ids:  # e.g. a transfer that could not start
                 self.fail(out.request_id, "failed after its token")
 
@@ -190,6 +193,80 @@ def test_progress_sent_while_outputs_are_collected_follows_them() -> None:
             service._send(addr, RequestOutput(request_id="a", new_token_ids=[3]))
         kinds = [type(decode_output(raw)).__name__ for raw in _receive_all(pull)]
         assert kinds == ["OutputBatch", "EngineProgress", "RequestOutput"]
+    finally:
+        for sock in [pull, *service._outputs.values()]:
+            sock.close(0)
+        ctx.term()
+
+
+# --------------------------------------------------------------------------- --stream-interval
+def _token(request_id: str, token: int, finish: str | None = None, logprob: float | None = None) -> RequestOutput:
+    logprobs = None if logprob is None else [PositionLogprobs(token, logprob, [TokenLogprob(token, logprob)])]
+    return RequestOutput(request_id=request_id, new_token_ids=[token], logprobs=logprobs,
+                         finish_reason=finish, phase="decode")  # type: ignore[arg-type]
+
+
+def test_a_stream_hold_sends_the_first_token_at_once_then_every_interval_and_the_end_with_the_rest() -> None:
+    hold = StreamHold(3)
+    sent = [hold.add("a", _token("a", t, logprob=-t / 10)) for t in range(1, 8)]
+    assert [None if s is None else s.new_token_ids for s in sent] == [
+        [1], None, None, [2, 3, 4], None, None, [5, 6, 7],
+    ]
+    assert [lp.logprob for lp in sent[3].logprobs] == [-0.2, -0.3, -0.4]  # type: ignore[union-attr]
+    assert hold.add("a", _token("a", 8)) is None and len(hold) == 1
+    last = hold.add("a", _token("a", 9, finish="length"))
+    assert last is not None and last.new_token_ids == [8, 9] and last.finish_reason == "length"
+    assert len(hold) == 0
+
+
+def test_anything_else_sent_for_a_request_takes_its_held_tokens_along_and_a_drop_forgets_them() -> None:
+    hold = StreamHold(4)
+    hold.add("a", _token("a", 1))
+    assert hold.add("a", _token("a", 2)) is None
+    error = RequestOutput(request_id="a", new_token_ids=[], finish_reason="error", error="draining",
+                          retryable=True, phase="decode")
+    out = hold.release("a", error)
+    assert out.new_token_ids == [2] and out.finish_reason == "error" and out.retryable
+    hold.add("b", _token("b", 1))
+    hold.add("b", _token("b", 2))
+    hold.drop("b")
+    assert len(hold) == 0
+    assert hold.add("b", _token("b", 3)).new_token_ids == [3]  # type: ignore[union-attr]  # a new start: at once
+
+
+def test_merged_outputs_keep_the_first_prompt_logprobs_and_the_last_state() -> None:
+    first = RequestOutput(request_id="a", new_token_ids=[1], prompt_logprobs=[None], num_cached_tokens=16, phase="full")
+    then = RequestOutput(request_id="a", new_token_ids=[2, 3], finish_reason="stop", phase="full")
+    merged = merge_outputs(first, then)
+    assert merged.new_token_ids == [1, 2, 3] and merged.prompt_logprobs == [None]
+    assert merged.finish_reason == "stop" and merged.num_cached_tokens == 16 and merged.logprobs is None
+
+
+def test_with_a_stream_interval_the_service_sends_each_request_every_interval_tokens_and_its_end() -> None:
+    ctx = zmq.Context()
+    pull, addr = _pull(ctx)
+    service = _OutputPathService(ctx, [], set(), stream_interval=4)
+    for rid in ("a", "b"):
+        request = GenerateRequest(request_id=rid, prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(),
+                                  reply_to=addr)
+        service.records[rid] = RequestRecord(request, "decode")
+    received: list[RequestOutput] = []
+    try:
+        for step in range(10):
+            service.engine = _StubEngine([  # type: ignore[assignment]
+                EngineOutput(request_id="a", new_token_ids=[step], finish_reason="length" if step == 9 else None,
+                             num_prompt_tokens=3),
+                *([EngineOutput(request_id="b", new_token_ids=[100 + step], num_prompt_tokens=3)] if step < 6 else []),
+            ])
+            service._step()
+            received += [o for raw in _receive_all(pull, timeout_s=0.5, settle_s=0.05) for o in request_outputs(decode_output(raw))]
+        a = [o.new_token_ids for o in received if o.request_id == "a"]
+        b = [o.new_token_ids for o in received if o.request_id == "b"]
+        assert a == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9]]
+        assert b == [[100], [101, 102, 103, 104]]  # 105 waits for more (or for the request's end)
+        assert "a" not in service.records and len(service.stream_hold) == 1
+        service.on_abort("b")
+        assert len(service.stream_hold) == 0
     finally:
         for sock in [pull, *service._outputs.values()]:
             sock.close(0)

@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--stream-interval", type=int, default=None,
+                   help="the decode instances' --stream-interval: tokens per message to the router")
     p.add_argument("--threads-per-engine", type=int, default=0,
                    help="torch CPU threads of each engine (0: the host's cores shared out, or OMP_NUM_THREADS)")
     p.add_argument("--api-key", action="append", default=[], help="router API key (repeatable)")
@@ -185,6 +187,8 @@ class Launcher:
                 ports = [str(free_port()) for _ in range(3)]
                 argv = [*service, role, "--model", model, "--redis-url", redis_url, "--host", "127.0.0.1"]
                 argv += ["--port", ports[0], "--kv-port", ports[1], "--metrics-port", ports[2]]
+                if role == "decode" and self.args.stream_interval is not None:
+                    argv += ["--stream-interval", str(self.args.stream_interval)]
                 self.spawn(f"{role}-{i}", [*argv, "--instance-id", f"{role}-{i}", *self.engine_flags()], engine_env)
                 self.metrics_urls[f"{role}-{i}"] = f"http://127.0.0.1:{ports[2]}/metrics"
         argv = [*service, "router", "--model", model, "--redis-url", redis_url]

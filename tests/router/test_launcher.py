@@ -276,6 +276,30 @@ def test_engines_get_the_c_library_settings_and_keep_the_users(
     )
 
 
+def test_the_stream_interval_goes_to_the_decode_instances_only_and_must_be_positive(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    import argparse
+
+    from common.service import add_service_args
+    from ops.launcher import Launcher, build_parser
+
+    args, extra = build_parser().parse_known_args(
+        ["--log-dir", str(tmp_path), "--redis-url", "redis://127.0.0.1:1/0", "--stream-interval", "4"]
+    )
+    launcher = Launcher(args, extra)
+    spawned: dict[str, list[str]] = {}
+    monkeypatch.setattr(launcher, "spawn", lambda name, argv, env=None: spawned.setdefault(name, argv))
+    launcher.start_all("model-dir")
+    assert spawned["decode-0"][spawned["decode-0"].index("--stream-interval") + 1] == "4"
+    assert "--stream-interval" not in spawned["prefill-0"] and "--stream-interval" not in spawned["router"]
+    parser = argparse.ArgumentParser()
+    add_service_args(parser, "decode")
+    assert parser.parse_args([]).stream_interval == 1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--stream-interval", "0"])
+
+
 def test_restart_delays_double_up_to_the_cap_and_reset_after_a_stable_run() -> None:
     from ops.supervisor import RestartPolicy, RestartTracker
 

@@ -88,8 +88,9 @@ def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
 class StreamHold:
     """``--stream-interval``: a request's token outputs are held back until they hold ``interval``
     tokens, then go as one. Its first output and its last (any output with a finish reason) go at
-    once, and anything else sent for the request (an error, a hand-back) takes the held tokens along,
-    so no token is ever left behind. Interval 1 holds nothing."""
+    once, the last with the held tokens merged in; before anything else sent for the request (an
+    error, a hand-back), the held tokens go on their own (``take``), so no token is ever left
+    behind. Interval 1 holds nothing."""
 
     def __init__(self, interval: int = 1) -> None:
         self.interval = interval
@@ -98,22 +99,20 @@ class StreamHold:
 
     def add(self, request_id: str, out: RequestOutput) -> RequestOutput | None:
         """A step's output of the request: what to send now (the held tokens merged in), or None."""
-        if self.interval == 1 or out.finish_reason is not None or request_id not in self._started:
-            self._started.add(request_id)
-            return self.release(request_id, out)
-        held = self._held.get(request_id)
+        held = self._held.pop(request_id, None)
         if held is not None:
             out = merge_outputs(held, out)
+        if self.interval == 1 or out.finish_reason is not None or request_id not in self._started:
+            self._started.add(request_id)
+            return out
         if len(out.new_token_ids) < self.interval:
             self._held[request_id] = out
             return None
-        self._held.pop(request_id, None)
         return out
 
-    def release(self, request_id: str, out: RequestOutput) -> RequestOutput:
-        """``out`` after the request's held tokens, if any (they are no longer held)."""
-        held = self._held.pop(request_id, None)
-        return out if held is None else merge_outputs(held, out)
+    def take(self, request_id: str) -> RequestOutput | None:
+        """The request's held tokens, as one output, if any (they are no longer held)."""
+        return self._held.pop(request_id, None)
 
     def drop(self, request_id: str) -> None:
         """Forget the request, its held tokens with it (an aborted or finished request)."""
@@ -312,7 +311,10 @@ class EngineService:
         record = self.records.get(request_id)
         if record is None:
             return
-        self._send(record.reply_to, self.stream_hold.release(request_id, out))
+        held = self.stream_hold.take(request_id)
+        if held is not None:
+            self._send(record.reply_to, held)
+        self._send(record.reply_to, out)
         if out.finish_reason is not None:
             self.forget(request_id)
 
@@ -355,10 +357,14 @@ class EngineService:
             self._send(msg.reply_to, refusal)
 
     def fail(self, request_id: str, error: str, *, retryable: bool = False) -> None:
-        """End a held request with an error: abort it here (blocks freed) and tell its router."""
+        """End a held request with an error: abort it here (blocks freed) and tell its router (after
+        the tokens ``--stream-interval`` held back)."""
         record = self.records.get(request_id)
+        held = self.stream_hold.take(request_id)
         self.on_abort(request_id)
         if record is not None:
+            if held is not None:
+                self._send(record.reply_to, held)
             self._send(record.reply_to, self.error_output(request_id, error, record.phase, retryable=retryable))
 
     # ------------------------------------------------------------ requests in

@@ -219,14 +219,14 @@ def test_a_stream_hold_sends_the_first_token_at_once_then_every_interval_and_the
     assert len(hold) == 0
 
 
-def test_anything_else_sent_for_a_request_takes_its_held_tokens_along_and_a_drop_forgets_them() -> None:
+def test_held_tokens_can_be_taken_out_and_a_drop_forgets_them() -> None:
     hold = StreamHold(4)
     hold.add("a", _token("a", 1))
     assert hold.add("a", _token("a", 2)) is None
-    error = RequestOutput(request_id="a", new_token_ids=[], finish_reason="error", error="draining",
-                          retryable=True, phase="decode")
-    out = hold.release("a", error)
-    assert out.new_token_ids == [2] and out.finish_reason == "error" and out.retryable
+    assert hold.add("a", _token("a", 3)) is None
+    held = hold.take("a")
+    assert held is not None and held.new_token_ids == [2, 3] and held.finish_reason is None
+    assert hold.take("a") is None
     hold.add("b", _token("b", 1))
     hold.add("b", _token("b", 2))
     hold.drop("b")
@@ -265,8 +265,10 @@ def test_with_a_stream_interval_the_service_sends_each_request_every_interval_to
         assert a == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9]]
         assert b == [[100], [101, 102, 103, 104]]  # 105 waits for more (or for the request's end)
         assert "a" not in service.records and len(service.stream_hold) == 1
-        service.on_abort("b")
-        assert len(service.stream_hold) == 0
+        service.fail("b", "draining", retryable=True)  # the held token first, then the error
+        tail = [o for raw in _receive_all(pull, timeout_s=0.5, settle_s=0.05) for o in request_outputs(decode_output(raw))]
+        assert [(o.new_token_ids, o.finish_reason) for o in tail] == [([105], None), ([], "error")]
+        assert len(service.stream_hold) == 0 and "b" not in service.records
     finally:
         for sock in [pull, *service._outputs.values()]:
             sock.close(0)

@@ -184,6 +184,7 @@ class EngineRequest:
         self.num_refusals += 1
         self.close()
         await asyncio.sleep(min(0.05 * 2 ** min(self.num_refusals, 5), 1.0))
+        self._check_interrupt()  # the client may have left during the back-off: send nothing more
         request = msgspec.structs.replace(
             self.request,
             request_id=f"{self.request.request_id}.r{self.num_refusals}",

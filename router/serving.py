@@ -365,8 +365,7 @@ class EventStreamResponse(StreamingResponse):
             last = b"data: [DONE]\n\n"
             try:
                 async for payload in self.chunks:
-                    await send({"type": "http.response.body", "body": f"data: {payload}\n\n".encode(),
-                                "more_body": True})
+                    await send({"type": "http.response.body", "body": _sse(payload), "more_body": True})
             except ClientDisconnected:
                 last = b""
             except EngineRequestError as exc:

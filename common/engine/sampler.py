@@ -108,7 +108,7 @@ class _Group:
         self.min_p = min_p
         self.min_p_values = float_tensor([params[i].min_p for i in min_p], device).unsqueeze(1)
         seeded = [i for i, r in enumerate(reqs) if r.draw_seed is not None]
-        self.seeded, self.seeded_index = seeded, _index(seeded, len(rows), device)
+        self.seeded_index = _index(seeded, len(rows), device)
         self.seeded_requests = [reqs[i] for i in seeded]
         self.seed_keys = seed_keys([reqs[i].draw_seed or 0 for i in seeded], device) if seeded else None
         unseeded = [i for i, r in enumerate(reqs) if r.draw_seed is None]
@@ -375,7 +375,7 @@ class Sampler:
         token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)
         if group.seed_keys is not None:
             positions = long_tensor([len(r.output_token_ids) for r in group.seeded_requests], dev)
-            keys = _mix64(group.seed_keys + positions * _GOLDEN)
+            keys = _keys_at(group.seed_keys, positions)
             _put(token_ids, group.seeded_index, _race(_take(probs, group.seeded_index), keys))
         if group.unseeded:
             _put(token_ids, group.unseeded_index,
@@ -437,7 +437,12 @@ def seed_keys(seeds: list[int], device: torch.device | str = "cpu") -> Tensor:
 def draw_keys(seeds: list[int], draw_indices: list[int], device: torch.device | str = "cpu") -> Tensor:
     """int64 ``[rows]``: per row, the key of draw ``draw_indices[i]`` (the output position) of a request
     seeded ``seeds[i]`` (any Python int; taken modulo 2**64)."""
-    return _mix64(seed_keys(seeds, device) + long_tensor(draw_indices, device) * _GOLDEN)
+    return _keys_at(seed_keys(seeds, device), long_tensor(draw_indices, device))
+
+
+def _keys_at(seed_keys: Tensor, draw_indices: Tensor) -> Tensor:
+    """``draw_keys`` from ``seed_keys`` of the seeds."""
+    return _mix64(seed_keys + draw_indices * _GOLDEN)
 
 
 def exponentials(keys: Tensor, token_ids: Tensor) -> Tensor:

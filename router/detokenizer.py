@@ -6,10 +6,17 @@ decodes a small window: ``ids[prefix:read]`` (already emitted, kept only as cont
 ``ids[prefix:]``; the delta is what the longer text adds, and it is held back while the window
 ends in U+FFFD (an incomplete character). A few prompt tokens seed the window so the first output
 token renders as it would after the prompt.
+
+A byte-level BPE tokenizer (GPT-2's decoder: a text is its tokens' bytes, concatenated, read as
+UTF-8, invalid bytes replaced) needs no window for most tokens. When no character is held back and
+a token's own bytes are whole characters, the token adds exactly its own text: UTF-8 resynchronises
+at its first byte, whatever came before. So ``push`` looks it up (``TokenPieces``, filled as tokens
+first appear) instead of decoding twice.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,7 +28,8 @@ class IncrementalDetokenizer:
     """Feed token ids as they arrive; ``push`` returns the text they complete (possibly "")."""
 
     def __init__(
-        self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+        self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True,
+        use_pieces: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
@@ -29,6 +37,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
         self._prefix = 0  # start of the context window
         self._read = len(self._ids)  # first id whose text has not been emitted yet
+        self._pieces = token_pieces(tokenizer, skip_special_tokens) if use_pieces else None
 
     def _decode(self, ids: list[int]) -> str:
         if self._fast_decode is not None:
@@ -37,6 +46,11 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
+        if self._pieces is not None and self._read == len(self._ids) - 1:  # no character held back
+            piece = self._pieces.get(token_id)
+            if piece is not None:
+                self._prefix, self._read = self._read, len(self._ids)
+                return piece
         return self._advance(final=False)
 
     def flush(self) -> str:
@@ -75,3 +89,40 @@ def fast_decoder(tokenizer: Any) -> Callable[[list[int], bool], str] | None:
     ):
         return None
     return backend.decode  # type: ignore[no-any-return]
+
+
+class TokenPieces:
+    """Each token's own text under a byte-level decoder, or None for a token whose bytes are not
+    whole characters (or whose text has a U+FFFD of its own); computed as tokens first appear."""
+
+    def __init__(self, decode: Callable[[list[int], bool], str], skip_special_tokens: bool) -> None:
+        self._decode = decode
+        self._skip_special = skip_special_tokens
+        self._pieces: dict[int, str | None] = {}
+
+    def get(self, token_id: int) -> str | None:
+        try:
+            return self._pieces[token_id]
+        except KeyError:
+            text = self._decode([token_id], self._skip_special)
+            piece = self._pieces[token_id] = None if REPLACEMENT_CHAR in text else text
+            return piece
+
+
+_PIECES: weakref.WeakKeyDictionary[Any, dict[bool, TokenPieces]] = weakref.WeakKeyDictionary()
+
+
+def token_pieces(tokenizer: Any, skip_special_tokens: bool) -> TokenPieces | None:
+    """The tokenizer's ``TokenPieces`` (one per tokenizer, shared by its streams) when its decode is
+    a byte-level one with nothing after it (``fast_decoder``); None otherwise."""
+    by_skip = _PIECES.get(tokenizer)
+    if by_skip is None:
+        import tokenizers.decoders
+
+        decode = fast_decoder(tokenizer)
+        by_skip = _PIECES[tokenizer] = (
+            {skip: TokenPieces(decode, skip) for skip in (False, True)}
+            if decode is not None and isinstance(tokenizer._tokenizer.decoder, tokenizers.decoders.ByteLevel)
+            else {}
+        )
+    return by_skip.get(skip_special_tokens)

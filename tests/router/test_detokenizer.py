@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from router.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, token_pieces
 from router.logprobs import TokenRenderer
 
 TEXTS = [
@@ -101,3 +101,26 @@ def test_token_bytes_concatenate_to_the_text(any_tokenizer: Any, text: str) -> N
     ids = any_tokenizer.encode(text, add_special_tokens=False)
     raw = b"".join(bytes(renderer.render(t)[1]) for t in ids)
     assert raw.decode().lstrip(" ") == text
+
+
+def test_byte_level_tokens_are_looked_up_and_others_decoded(tokenizer: Any) -> None:
+    assert token_pieces(tokenizer, True) is not None
+    # Metaspace with a leading space stripped: a token's text depends on what precedes it.
+    assert token_pieces(sentencepiece_style_tokenizer(), True) is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_looked_up_pieces_give_the_deltas_of_the_window(tokenizer: Any, data: st.DataObject) -> None:
+    """Any ids, bytes that split characters and special tokens included: the same deltas, token by
+    token, with the lookup as with two decodes per token."""
+    common = tokenizer.encode("Hi, 你好 🎉 ok", add_special_tokens=False) + [tokenizer.eos_token_id, 0, 1, 2]
+    some_id = st.one_of(st.integers(0, len(tokenizer) - 1), st.sampled_from(common))
+    prompt_ids = data.draw(st.lists(some_id, max_size=6))
+    output_ids = data.draw(st.lists(some_id, min_size=1, max_size=30))
+    looked_up = IncrementalDetokenizer(tokenizer, prompt_ids)
+    windowed = IncrementalDetokenizer(tokenizer, prompt_ids, use_pieces=False)
+    assert looked_up._pieces is not None and windowed._pieces is None
+    for token_id in output_ids:
+        assert looked_up.push(token_id) == windowed.push(token_id)
+    assert looked_up.flush() == windowed.flush()

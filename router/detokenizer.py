@@ -9,9 +9,10 @@ token renders as it would after the prompt.
 
 A byte-level BPE tokenizer (GPT-2's decoder: a text is its tokens' bytes, concatenated, read as
 UTF-8, invalid bytes replaced) needs no window for most tokens. When no character is held back and
-a token's own bytes are whole characters, the token adds exactly its own text: UTF-8 resynchronises
-at its first byte, whatever came before. So ``push`` looks it up (``TokenPieces``, filled as tokens
-first appear) instead of decoding twice.
+a token's own bytes are whole characters, the token adds exactly its own text, provided the text
+before it ends on a whole character (a byte left over, say the prompt's, would join the bytes after
+it). So ``push`` looks it up (``TokenPieces``, filled as tokens first appear) instead of decoding
+twice.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class IncrementalDetokenizer:
         self._prefix = 0  # start of the context window
         self._read = len(self._ids)  # first id whose text has not been emitted yet
         self._pieces = token_pieces(tokenizer, skip_special_tokens) if use_pieces else None
+        # Whether the text so far (the prompt's, at first) ends on a whole character: a byte left
+        # over may join the bytes of tokens to come, so their own texts would not add up.
+        self._whole = self._pieces is not None and not self._decode(self._ids).endswith(REPLACEMENT_CHAR)
 
     def _decode(self, ids: list[int]) -> str:
         if self._fast_decode is not None:
@@ -46,7 +50,8 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
-        if self._pieces is not None and self._read == len(self._ids) - 1:  # no character held back
+        if self._whole and self._read == len(self._ids) - 1:  # no character held back
+            assert self._pieces is not None
             piece = self._pieces.get(token_id)
             if piece is not None:
                 self._prefix, self._read = self._read, len(self._ids)
@@ -67,6 +72,7 @@ class IncrementalDetokenizer:
                 self._read = len(self._ids)
             return ""
         self._prefix, self._read = self._read, len(self._ids)
+        self._whole = self._pieces is not None and not window.endswith(REPLACEMENT_CHAR)
         return window[len(context) :]
 
 

@@ -6,6 +6,9 @@ them) to every stream it holds until the stream's ``max_tokens``: in one ``Outpu
 router (``batched``, as the engine services send) or one ``RequestOutput`` per request (the old
 way). It steps as fast as it can, but at most ``window`` steps ahead of what the client has read
 (``EngineLink``), and records when it sent each token so the harness can tell what the router added.
+Or, once told a step interval (``EngineLink.set_step_interval``), it steps on that clock whatever the
+client has read (an open loop, as a real engine's steps come), so the router's latency is measured at
+an offered load instead of at saturation.
 """
 
 from __future__ import annotations
@@ -63,6 +66,11 @@ class EngineLink:
 
     def in_flight(self) -> int:
         return sum(self.sent) - int(self.received.value)
+
+    def set_step_interval(self, seconds: float) -> None:
+        """Every engine steps every ``seconds`` from now on (0: as fast as the window lets it)."""
+        for commands in self.commands:
+            commands.put(("step_interval", seconds))
 
     def reset(self) -> None:
         """Zero the counters; only while no stream is running."""
@@ -132,6 +140,8 @@ class _EngineLoop:
         self.replies: dict[str, zmq.Socket] = {}
         self.active: dict[str, _Stream] = {}
         self.finished: dict[str, list[float]] = {}
+        self.step_interval_s = 0.0  # 0: closed loop (the window); else a step every so often
+        self.next_step = 0.0
 
     def info(self) -> InstanceInfo:
         return InstanceInfo(
@@ -152,9 +162,9 @@ class _EngineLoop:
                     last_command = now
                     if not self._commands():
                         return
-                if self.control.poll(0 if self.active else 2):
+                if self.control.poll(self._poll_ms(now)):
                     self._drain_control()
-                if self.active and (self._may_step() or now - last_step > STUCK_S):
+                if self.active and self._due(now, last_step):
                     self._step()
                     last_step = now
                 if now - last_progress > PROGRESS_INTERVAL_S:
@@ -177,6 +187,8 @@ class _EngineLoop:
                 return True
             if command == "stop":
                 return False
+            if isinstance(command, tuple) and command[0] == "step_interval":
+                self.step_interval_s, self.next_step = float(command[1]), 0.0
             if command == "collect":
                 self.link.replies.put((self.index, self.finished))
                 self.finished = {}
@@ -198,6 +210,28 @@ class _EngineLoop:
                 stream = self.active.pop(msg.request_id, None)
                 if stream is not None:
                     self.finished[msg.request_id] = stream.times
+
+    def _poll_ms(self, now: float) -> int:
+        """How long to wait for a control message: not at all while the window decides, until the
+        next step on a clock (an idle engine waits 2 ms, so commands and progress still come)."""
+        if not self.active:
+            return 2
+        if not self.step_interval_s:
+            return 0
+        return max(0, min(2, int((self.next_step - now) * 1e3)))
+
+    def _due(self, now: float, last_step: float) -> bool:
+        if not self.step_interval_s:
+            return self._may_step() or now - last_step > STUCK_S
+        if self.next_step == 0.0:  # the first step since the interval was set
+            self.next_step = now
+        if now < self.next_step:
+            return False
+        # The next step on the same clock; after a stall longer than a step, a step from now (no burst).
+        self.next_step += self.step_interval_s
+        if self.next_step <= now:
+            self.next_step = now + self.step_interval_s
+        return True
 
     def _may_step(self) -> bool:
         """At most ``window`` steps of tokens not yet read by the client (after this step)."""

@@ -16,6 +16,12 @@ For every ``--concurrency`` C and ``--workers`` W it reports:
 * router CPU per token: user + system CPU time of the router process(es) (``psutil``) over that
   same window, divided by its tokens.
 
+``--rates R1,R2`` adds open-loop points: at every concurrency C and rate R, each engine steps every
+C / R seconds (times the stream interval) whatever the client has read, R tokens/s offered in all,
+as a real engine's steps come. The router then either keeps up, and the added latency is its own at that load, or falls
+behind, and the latency grows with the run. The closed-loop points measure what a router process
+can stream at most; these say how much of it can be used within a latency target.
+
 ``--engine-modes batched,per-request`` also runs the engines the old way, one ZMQ message per
 request per step, in the same invocation. ``--stream-interval K`` has the engines send K tokens per
 output, as engines run with ``pdserve decode --stream-interval K`` do (the target is not judged then). ``--router-pythonpath DIR`` runs the router from another
@@ -23,6 +29,7 @@ source tree (say, an export of the previous commit) to compare router code; an o
 understands ``per-request`` engines.
 
     pdserve bench overhead router --concurrency 1,16,64,256,512,1024 --workers 1,2
+    pdserve bench overhead router --concurrency 512 --workers 1 --engine-modes batched --rates 5000,10000,20000
 """
 
 from __future__ import annotations
@@ -252,8 +259,14 @@ def _percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def run_point(router: RouterProcess, link: EngineLink, concurrency: int, max_tokens: int) -> dict[str, Any]:
-    """C streams of ``max_tokens`` each, all started at once; the point's figures."""
+def run_point(
+    router: RouterProcess, link: EngineLink, concurrency: int, max_tokens: int, rate: float | None = None,
+    stream_interval: int = 1,
+) -> dict[str, Any]:
+    """C streams of ``max_tokens`` each, all started at once; the point's figures. With ``rate``, the
+    engines step on a clock that offers ``rate`` tokens/s over the C streams (open loop), each step
+    ``stream_interval`` tokens per stream."""
+    link.set_step_interval(concurrency * stream_interval / rate if rate else 0.0)
     sampler = CpuSampler(router.pids())
     sampler.start()
     link.reset()
@@ -267,7 +280,8 @@ def run_point(router: RouterProcess, link: EngineLink, concurrency: int, max_tok
     failed = [s for s in streams if not s.done or len(s.arrivals) != max_tokens]
     good = [s for s in streams if s not in failed]
     result: dict[str, Any] = {
-        "concurrency": concurrency, "max_tokens": max_tokens, "num_router_processes": router.workers,
+        "concurrency": concurrency, "offered_tokens_per_s": rate, "max_tokens": max_tokens,
+        "num_router_processes": router.workers,
         "num_streams_failed": len(failed), "wall_s": round(wall_s, 3),
     }
     if failed:
@@ -312,13 +326,15 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"router overhead ({report['date']}): streamed tokens/s per router process, added latency per token, "
         "router CPU per token",
-        f"{'engines':<12}{'procs':>6}{'streams':>9}{'tok/s/proc':>12}{'tok/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
-        f"{'cpu us/tok':>12}{'failed':>8}",
+        f"{'engines':<12}{'procs':>6}{'streams':>9}{'offered':>9}{'tok/s/proc':>12}{'tok/s':>10}{'p50 ms':>9}"
+        f"{'p99 ms':>9}{'cpu us/tok':>12}{'failed':>8}",
     ]
     for r in report["results"]:
         lat = r.get("added_latency_ms", {})
+        offered = r.get("offered_tokens_per_s")
         lines.append(
             f"{r['engine_mode']:<12}{r['num_router_processes']:>6}{r['concurrency']:>9}"
+            f"{'max' if not offered else f'{offered:,.0f}':>9}"
             f"{r.get('tokens_per_s_per_process', float('nan')):>12,.0f}{r.get('tokens_per_s', float('nan')):>10,.0f}"
             f"{lat.get('p50', float('nan')):>9.2f}{lat.get('p99', float('nan')):>9.2f}"
             f"{r.get('router_cpu_us_per_token', float('nan')):>12.1f}{r['num_streams_failed']:>8}"
@@ -333,8 +349,10 @@ def format_report(report: dict[str, Any]) -> str:
     for r in target:
         met = (r["tokens_per_s_per_process"] >= TARGET_TOKENS_PER_S
                and r["added_latency_ms"]["p99"] <= TARGET_P99_MS)
+        offered = r.get("offered_tokens_per_s")
         lines.append(
-            f"target at {TARGET_CONCURRENCY} streams, {r['num_router_processes']} process(es): >= "
+            f"target at {TARGET_CONCURRENCY} streams, {r['num_router_processes']} process(es)"
+            f"{f', {offered:,.0f} tokens/s offered' if offered else ''}: >= "
             f"{TARGET_TOKENS_PER_S:,} tokens/s per process with p99 <= {TARGET_P99_MS} ms: "
             f"{'met' if met else 'not met'} ({r['tokens_per_s_per_process']:,.0f} tokens/s, "
             f"p99 {r['added_latency_ms']['p99']:.2f} ms)"
@@ -354,7 +372,7 @@ def write_plot(report: dict[str, Any], path: Path) -> bool:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     series: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in report["results"]:
-        if "tokens_per_s" in r:
+        if "tokens_per_s" in r and not r.get("offered_tokens_per_s"):  # the closed-loop points
             series.setdefault((r["engine_mode"], r["num_router_processes"]), []).append(r)
     for (mode, procs), rows in sorted(series.items()):
         x = [r["concurrency"] for r in rows]
@@ -392,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per engine output, as engines run with --stream-interval send them "
                    "(default 1: the issue's figures are per token, one output each)")
+    p.add_argument("--rates", default="", metavar="R1,R2",
+                   help="also run open-loop points offering these tokens/s (all streams together), "
+                   "comma-separated")
     p.add_argument("--router-pythonpath", default=None, metavar="DIR",
                    help="run the router from this source tree (e.g. an export of the previous commit)")
     p.add_argument("--json", default=None, metavar="PATH",
@@ -425,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     concurrency = _ints(args.concurrency, "--concurrency")
     workers = _ints(args.workers, "--workers")
+    rates = _ints(args.rates, "--rates") if args.rates else []
     modes = [m for m in args.engine_modes.split(",") if m]
     if not modes or not set(modes) <= set(ENGINE_MODES):
         raise SystemExit(f"--engine-modes takes a comma-separated list of {', '.join(ENGINE_MODES)}")
@@ -462,10 +484,13 @@ def main(argv: list[str] | None = None) -> int:
                         router.wait_ready()
                         run_point(router, link, min(4, max(concurrency)), 20)  # warm-up, not reported
                         for c in concurrency:
-                            print(f"{mode} engines, {num_workers} router process(es), {c} streams ...",
-                                  file=sys.stderr, flush=True)
-                            report["results"].append({"engine_mode": mode, **run_point(router, link, c,
-                                                                                        args.max_tokens)})
+                            for rate in [None, *rates]:
+                                print(f"{mode} engines, {num_workers} router process(es), {c} streams"
+                                      f"{f', {rate} tokens/s offered' if rate else ''} ...", file=sys.stderr, flush=True)
+                                report["results"].append(
+                                    {"engine_mode": mode, **run_point(router, link, c, args.max_tokens, rate,
+                                                                      args.stream_interval)}
+                                )
                     finally:
                         router.stop()
             finally:

@@ -1,6 +1,8 @@
 """``pdserve bench overhead router`` on a tiny run: a real router process in front of a fake engine
 over real ZMQ and Redis; every stream completes and every figure is measured. The engine sends 3
-tokens per output (``--stream-interval 3``; 1, the default, is the same path), the last one fewer."""
+tokens per output (``--stream-interval 3``; 1, the default, is the same path), the last one fewer.
+The 3 streams also run open-loop: the engine steps on a clock offering 600 tokens/s, far below what
+the closed loop streams, so a clock that does not pace shows."""
 
 from __future__ import annotations
 
@@ -26,12 +28,12 @@ def test_a_short_router_run_measures_tokens_per_second_latency_and_cpu_per_token
     # the resolution of a process's CPU times), or a fast router measures 0.
     max_tokens = 301
     argv = ["router", "--concurrency", "1,3", "--workers", "1", "--engine-modes", "batched",
-            "--max-tokens", str(max_tokens), "--stream-interval", "3", "--json", str(out), "--no-plot"]
+            "--max-tokens", str(max_tokens), "--stream-interval", "3", "--rates", "600", "--json", str(out),
+            "--no-plot"]
     assert overhead.main(argv) == 0  # through the ``overhead`` entry point, as ``pdserve bench`` calls it
     report = json.loads(out.read_text())
-    assert [(r["engine_mode"], r["num_router_processes"], r["concurrency"]) for r in report["results"]] == [
-        ("batched", 1, 1), ("batched", 1, 3)
-    ]
+    points = [(r["num_router_processes"], r["concurrency"], r["offered_tokens_per_s"]) for r in report["results"]]
+    assert points == [(1, 1, None), (1, 1, 600), (1, 3, None), (1, 3, 600)]
     for r in report["results"]:
         assert r["num_streams_failed"] == 0, r
         assert r["total_tokens"] == max_tokens * r["concurrency"]
@@ -40,5 +42,7 @@ def test_a_short_router_run_measures_tokens_per_second_latency_and_cpu_per_token
         assert 0 < r["added_latency_ms"]["p50"] <= r["added_latency_ms"]["p99"] < 10_000
         assert r["tokens_per_s"] > 0 and r["tokens_per_s_per_process"] == r["tokens_per_s"]
         assert 0 < r["router_cpu_us_per_token"] < 1e6
+    closed, paced = report["results"][2], report["results"][3]
+    assert paced["tokens_per_s"] <= 1.25 * 600 < closed["tokens_per_s"], (paced, closed)
     text = router_overhead.format_report(report)
     assert "tok/s/proc" in text and "not judged" in text

@@ -109,6 +109,22 @@ def test_byte_level_tokens_are_looked_up_and_others_decoded(tokenizer: Any) -> N
     assert token_pieces(sentencepiece_style_tokenizer(), True) is None
 
 
+def assert_same_deltas(tokenizer: Any, prompt_ids: list[int], output_ids: list[int]) -> None:
+    looked_up = IncrementalDetokenizer(tokenizer, prompt_ids)
+    windowed = IncrementalDetokenizer(tokenizer, prompt_ids, use_pieces=False)
+    assert looked_up._pieces is not None and windowed._pieces is None
+    for token_id in output_ids:
+        assert looked_up.push(token_id) == windowed.push(token_id)
+    assert looked_up.flush() == windowed.flush()
+
+
+def test_a_character_begun_in_the_prompt_is_not_looked_up_past(tokenizer: Any) -> None:
+    """The prompt ends in the first bytes of a character, a special token (text "") comes, then the
+    character's last byte: the lookup must not move the window past the prompt's bytes."""
+    first, last = tokenizer.encode("你", add_special_tokens=False)
+    assert_same_deltas(tokenizer, [first], [tokenizer.eos_token_id, last])
+
+
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_looked_up_pieces_give_the_deltas_of_the_window(tokenizer: Any, data: st.DataObject) -> None:
@@ -118,9 +134,4 @@ def test_looked_up_pieces_give_the_deltas_of_the_window(tokenizer: Any, data: st
     some_id = st.one_of(st.integers(0, len(tokenizer) - 1), st.sampled_from(common))
     prompt_ids = data.draw(st.lists(some_id, max_size=6))
     output_ids = data.draw(st.lists(some_id, min_size=1, max_size=30))
-    looked_up = IncrementalDetokenizer(tokenizer, prompt_ids)
-    windowed = IncrementalDetokenizer(tokenizer, prompt_ids, use_pieces=False)
-    assert looked_up._pieces is not None and windowed._pieces is None
-    for token_id in output_ids:
-        assert looked_up.push(token_id) == windowed.push(token_id)
-    assert looked_up.flush() == windowed.flush()
+    assert_same_deltas(tokenizer, prompt_ids, output_ids)

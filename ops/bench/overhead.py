@@ -21,6 +21,10 @@ Cases, each at every ``--batch-sizes`` B with ``--prompt-len`` token prompts:
 * prefill: each measured step prefills B new prompts whole (B x prompt-len tokens) and samples their
   one token (greedy); adding the requests happens between steps and is not counted.
 
+Each case also counts the torch operations one more step dispatches (views, which launch no
+kernel, left out), in all and in the sampler: beside a GPU each is a kernel launch the host pays
+for, and unlike a time the count does not move with the host's load.
+
 ``--clock wall`` (the default) reads ``time.perf_counter``; ``--clock cpu`` reads the thread's CPU time
 (``time.thread_time``), which other processes on a shared host disturb far less. ``--baseline`` takes
 the JSON of an earlier run (say, before a change, made in the same session) and prints its totals
@@ -61,6 +65,7 @@ from unittest import mock
 import torch
 from msgspec.structs import replace
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import common.engine.engine as engine_module
 from common.config import EngineConfig
@@ -188,6 +193,30 @@ class PhaseClock:
         return timed
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the torch operations dispatched while active, views apart, by ``phase``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "other"
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not func.is_view:
+            self.counts[self.phase] = self.counts.get(self.phase, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    def counting(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.phase = phase
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.phase = "other"
+
+        return counted
+
+
 class NullModel:
     """Stands in for the model: no compute; the logits are the first rows of a fixed tensor (a view)."""
 
@@ -294,9 +323,19 @@ def run_case(
                 "sample": t["sample"], "outputs": total - t["schedule"] - t["execute"] - t["sample"],
                 "total": total,
             })
+    # One more step, counted (every case has room for it: max_tokens allows one step more).
+    if case == "prefill":
+        add_requests()
+    counter = OpCounter()
+    sample = engine.sampler
+    engine.sampler = counter.counting("sample", sample)  # type: ignore[assignment]
+    with counter:
+        engine.step()
+    engine.sampler = sample
     return {
         "case": case, "batch_size": batch_size, "sampler": sampler_kind, "vocab": vocab, "num_steps": num_steps,
         "phases_ms": {name: _summary([s[name] for s in steps]) for name in (*PHASES, "total")},
+        "torch_ops": {"step": sum(counter.counts.values()), "sample": counter.counts.get("sample", 0)},
     }
 
 
@@ -334,7 +373,8 @@ def _without_sampling(result: dict[str, Any]) -> float:
 def format_report(report: dict[str, Any]) -> str:
     results: list[dict[str, Any]] = report["results"]
     header = (f"{'case':<8}{'batch':>6}  {'sampler':<8}{'vocab':>7}{'total (p90)':>17}"
-              + "".join(f"{p:>10}" for p in PHASES) + f"{'no sample':>11}{'floor':>9}{'sample x':>10}")
+              + "".join(f"{p:>10}" for p in PHASES) + f"{'no sample':>11}{'floor':>9}{'sample x':>10}"
+              + f"{'torch ops':>11}{'(sample)':>9}")
     lines = [f"host ms per step, median (p90 of the total); null forward, {report['machine']['torch_threads']} "
              f"torch thread(s), {report['machine']['device']}", header, "-" * len(header)]
     for r in results:
@@ -349,9 +389,11 @@ def format_report(report: dict[str, Any]) -> str:
             f"{r['case']:<8}{r['batch_size']:>6}  {r['sampler']:<8}{vocab:>7}{total:>17}"
             + "".join(f"{ph[p]['median']:>10.2f}" for p in PHASES)
             + f"{_without_sampling(r):>11.2f}{report['floor_ms'][str(r['batch_size'])]:>9.2f}{speedup:>10}"
+            + (f"{r['torch_ops']['step']:>11}{r['torch_ops']['sample']:>9}" if "torch_ops" in r else "")
         )
     lines += ["", "no sample: schedule + prepare + outputs (what is left with a free sampler and forward); "
-              "floor: one argmax over the step's [batch, vocab] logits; sample x: per-row sample time / batched"]
+              "floor: one argmax over the step's [batch, vocab] logits; sample x: per-row sample time / batched; "
+              "torch ops: dispatched in one step, views apart (on a GPU, kernel launches), and in its sampler"]
     if any(_is_host_share(r) for r in results):
         lines += ["rows at the small vocab: the host's share, the sampler's calls over few logits (what a GPU "
                   "would wait on)"]

@@ -14,7 +14,9 @@ For every ``--concurrency`` C and ``--workers`` W it reports:
 * added latency per token, p50 / p99: when the client read a token minus when the engine sent it
   (the one host clock), over every token of the point;
 * router CPU per token: user + system CPU time of the router process(es) (``psutil``) over that
-  same window, divided by its tokens.
+  same window, divided by its tokens;
+* tokens per SSE event: 1 (or the stream interval) unless the router fell behind and sent the
+  tokens that queued up for a stream as one event.
 
 ``--rates R1,R2`` adds open-loop points: at every concurrency C and rate R, each engine steps every
 C / R seconds (times the stream interval) whatever the client has read, R tokens/s offered in all,
@@ -63,6 +65,7 @@ from ops.launcher import die_with_parent, free_port
 RESULTS_DIR = Path(__file__).parent / "results"
 TOKEN_TEXT = " hello"
 MARKER = TOKEN_TEXT.encode()
+EVENT = b"data: "  # as long as MARKER: the carry between reads serves both
 ENGINE_MODES = ("batched", "per-request")
 # The target: tokens/s per router process at 512 streams, with the p99 added per token.
 TARGET_TOKENS_PER_S = 20_000
@@ -197,6 +200,7 @@ class CpuSampler(threading.Thread):
 class StreamResult:
     request_id: str = ""
     arrivals: list[float] = field(default_factory=list)  # one per token, when it was read
+    num_events: int = 0  # SSE events, [DONE] included
     status: int = 0
     done: bool = False
     error: str = ""
@@ -228,6 +232,7 @@ async def _stream(port: int, body: bytes, link: EngineLink) -> StreamResult:
             now = time.monotonic()
             buffer = carry + data
             count = buffer.count(MARKER)
+            result.num_events += buffer.count(EVENT)
             if count:
                 arrivals.extend([now] * count)
                 link.add_received(count)
@@ -317,6 +322,8 @@ def run_point(
             "num_tokens": len(added_ms),
         },
         "total_tokens": sum(len(s.arrivals) for s in good),
+        # Above 1 when the router fell behind and sent the tokens that queued up as one event.
+        "tokens_per_event": round(sum(len(s.arrivals) for s in good) / max(1, sum(s.num_events - 1 for s in good)), 3),
     })
     return result
 
@@ -327,7 +334,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"router overhead ({report['date']}): streamed tokens/s per router process, added latency per token, "
         "router CPU per token",
         f"{'engines':<12}{'procs':>6}{'streams':>9}{'offered':>9}{'tok/s/proc':>12}{'tok/s':>10}{'p50 ms':>9}"
-        f"{'p99 ms':>9}{'cpu us/tok':>12}{'failed':>8}",
+        f"{'p99 ms':>9}{'cpu us/tok':>12}{'tok/event':>11}{'failed':>8}",
     ]
     for r in report["results"]:
         lat = r.get("added_latency_ms", {})
@@ -337,7 +344,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"{'max' if not offered else f'{offered:,.0f}':>9}"
             f"{r.get('tokens_per_s_per_process', float('nan')):>12,.0f}{r.get('tokens_per_s', float('nan')):>10,.0f}"
             f"{lat.get('p50', float('nan')):>9.2f}{lat.get('p99', float('nan')):>9.2f}"
-            f"{r.get('router_cpu_us_per_token', float('nan')):>12.1f}{r['num_streams_failed']:>8}"
+            f"{r.get('router_cpu_us_per_token', float('nan')):>12.1f}{r.get('tokens_per_event', float('nan')):>11.2f}"
+            f"{r['num_streams_failed']:>8}"
         )
     interval = report["config"].get("stream_interval", 1)
     if interval != 1:

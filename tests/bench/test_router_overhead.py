@@ -42,6 +42,8 @@ def test_a_short_router_run_measures_tokens_per_second_latency_and_cpu_per_token
         assert 0 < r["added_latency_ms"]["p50"] <= r["added_latency_ms"]["p99"] < 10_000
         assert r["tokens_per_s"] > 0 and r["tokens_per_s_per_process"] == r["tokens_per_s"]
         assert 0 < r["router_cpu_us_per_token"] < 1e6
+        # 3 tokens per engine output, so at least 3 per event but the last; more when outputs merged.
+        assert 3 * (max_tokens // 3) / (max_tokens // 3 + 1) <= r["tokens_per_event"] <= max_tokens
     closed, paced = report["results"][2], report["results"][3]
     assert paced["tokens_per_s"] <= 1.25 * 600 < closed["tokens_per_s"], (paced, closed)
     text = router_overhead.format_report(report)

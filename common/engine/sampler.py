@@ -376,6 +376,8 @@ class Sampler:
         if group.seed_keys is not None:
             positions = long_tensor([len(r.output_token_ids) for r in group.seeded_requests], dev)
             keys = _keys_at(group.seed_keys, positions)
+            # ``_race`` writes into its rows: their own copy, or ``probs`` itself when every row is seeded
+            # (then no unseeded row reads it after).
             _put(token_ids, group.seeded_index, _race(_take(probs, group.seeded_index), keys))
         if group.unseeded:
             _put(token_ids, group.unseeded_index,
@@ -456,25 +458,22 @@ def exponentials(keys: Tensor, token_ids: Tensor) -> Tensor:
 
 def _race(sub: Tensor, keys: Tensor) -> Tensor:
     """For each row of ``sub``, ``argmax(sub[i] / E)`` with ``E`` its draw's noise (``exponentials`` of
-    ``keys[i]``); ties go to the lowest token id, as ``argmax``'s.
+    ``keys[i]``); ties go to the lowest token id, as ``argmax``'s. Writes into ``sub``.
 
-    On a GPU the noise is computed for whole rows in one batch, with no sync. On the CPU the
-    logarithms are most of a draw's cost and a token of probability zero cannot win, so they are
-    taken only over the entries of positive probability (top-k, top-p and min-p leave a few hundred
-    tokens, or fewer), for all the rows at once.
+    On a GPU the noise is computed for whole rows in one batch. On the CPU the logarithms are most
+    of a draw's cost and a token of probability zero cannot win, so they are taken only over the
+    entries of positive probability (top-k, top-p and min-p leave a few hundred tokens, or fewer),
+    for all the rows at once, and each score is written over its probability: the zeros left around
+    them lose to any positive score, and ``argmax`` then makes of a row without one (all zeros, or
+    NaNs) what it makes of the whole row's race.
     """
     num_rows, vocab = sub.shape
     if sub.device.type != "cpu":
         noise = exponentials(keys.unsqueeze(1), torch.arange(vocab, device=sub.device).unsqueeze(0))
-        return (sub / noise).argmax(dim=-1)
-    r, t = sub.nonzero(as_tuple=True)  # row-major: each row's entries ascend
-    score = sub[r, t] / exponentials(keys[r], t)
-    best = torch.zeros(num_rows).scatter_reduce_(0, r, score, "amax")
-    wins = score == best[r]
-    token_ids = torch.full((num_rows,), vocab, dtype=torch.long).scatter_reduce_(0, r[wins], t[wins], "amin")
-    if bool((token_ids == vocab).any()):  # a row with no positive entry (NaNs): what argmax makes of it
-        token_ids = torch.where(token_ids == vocab, sub.argmax(dim=-1), token_ids)
-    return token_ids
+        return sub.div_(noise).argmax(dim=-1)
+    r, t = sub.nonzero(as_tuple=True)
+    sub[r, t] = sub[r, t] / exponentials(keys[r], t)
+    return sub.argmax(dim=-1)
 
 
 def _inverse_cdf(probs: Tensor, generator: torch.Generator) -> Tensor:

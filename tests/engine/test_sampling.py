@@ -634,9 +634,12 @@ def test_the_race_equals_argmax_of_probs_over_the_whole_rows_noise_for_narrow_wi
         probs[row] = torch.zeros(vocab).index_copy_(0, keep, probs[row, keep])
     probs[4, :] = 0.0
     probs[4, [7, 900, 901]] = 1 / 3  # ties: equal probabilities
+    probs[6, :] = 0.0  # no positive entry
+    probs[8, [30, 4000]] = float("nan")  # NaNs beside positive entries
     rows = [r for r in range(num_rows) if r != 5]
     keys = sampler_module.draw_keys([100 + r for r in rows], [r % 3 for r in rows])
     got = sampler_module._race(probs[rows], keys)
     for i, row in enumerate(rows):
         noise = sampler_module.exponentials(keys[i], torch.arange(vocab))
         assert int(got[i]) == int((probs[row] / noise).argmax()), row
+    assert int(got[rows.index(6)]) == 0 and int(got[rows.index(8)]) == 30

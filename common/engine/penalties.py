@@ -4,9 +4,9 @@ A penalty reads every token a request has seen (the repetition penalty: prompt a
 token it has output (presence and frequency). Turning those lists into tensors each step cost time in
 proportion to all the tokens of every penalised request, on the host. ``TokenRows`` instead keeps
 them in a device tensor, one row per request, written whole once when the request first shows up and
-then only its new tail (a token per decode step, in one indexed write for the batch). A step then
-reads a ``[rows, longest]`` window of it, and each penalty is a fixed handful of tensor operations
-whatever the batch holds.
+then only its new tail (a token per decode step, in one indexed write for the batch). Past its
+tokens a row holds copies of its first token. A step then reads a ``[rows, longest]`` window of it,
+and each penalty is a fixed handful of tensor operations whatever the batch holds.
 
 A row is its request's for as long as the request keeps coming back; rows of requests that did not
 come back in the current step are reused when rows run out (a request seen again later, after a
@@ -46,8 +46,23 @@ class TokenRows:
         """``(ids, valid)``, both ``[len(requests), longest]``: row ``i`` holds request ``i``'s tokens, then
         (``valid`` false) copies of its first token, so that a write to every entry of a row writes
         only tokens it holds. Every request must hold at least one token."""
+        ids, lens = self._rows(requests)
+        dev = ids.device
+        return ids, torch.arange(ids.shape[1], device=dev) < long_tensor(lens, dev).unsqueeze(1)
+
+    def padded(self, requests: list[Request]) -> Tensor:
+        """``view``'s ``ids`` alone: enough for the repetition penalty, whose write of a token's logit is
+        the same however often the token appears."""
+        return self._rows(requests)[0]
+
+    def _rows(self, requests: list[Request]) -> tuple[Tensor, list[int]]:
+        """The requests' rows, ``[len(requests), longest]``, and their lengths. A row is kept padded with
+        its first token past its tokens, so reading it needs no mask."""
         rows: list[int] = []
         lens: list[int] = []
+        fill_rows: list[int] = []  # rows taken now: first their whole width holds the first token
+        fill_ids: list[int] = []
+        long_writes: list[tuple[int, int, list[int]]] = []
         set_rows: list[int] = []
         set_cols: list[int] = []
         set_ids: list[int] = []
@@ -61,13 +76,15 @@ class TokenRows:
             row = row_of.get(id(req))  # a held request's id is never another's: the row holds it
             if row is None:
                 row = self._take_row(req)
+                fill_rows.append(row)
+                fill_ids.append(tokens[0])
             if n > num_cols:
                 self._grow(len(holders), n)
                 num_cols = self.ids.shape[1]
             old = written[row]  # a request's tokens only grow, so its row's first ``old`` hold
             if n > old:
                 if n - old > 64:  # a new row, or one far behind: one write of its own
-                    self.ids[row, old:n] = long_tensor(tokens[old:n], self.ids.device)
+                    long_writes.append((row, old, tokens[old:n]))
                 else:
                     set_rows += [row] * (n - old)
                     set_cols += range(old, n)
@@ -77,12 +94,15 @@ class TokenRows:
             rows.append(row)
             lens.append(n)
         dev = self.ids.device
+        # In this order: a taken row's padding, then the tokens over it (the store may have grown
+        # since the rows were taken: the padding spans its width now).
+        if fill_rows:
+            self.ids[long_tensor(fill_rows, dev)] = long_tensor(fill_ids, dev).unsqueeze(1)
+        for row, start, tail in long_writes:
+            self.ids[row, start : start + len(tail)] = long_tensor(tail, dev)
         if set_ids:
             self.ids[long_tensor(set_rows, dev), long_tensor(set_cols, dev)] = long_tensor(set_ids, dev)
-        width = max(lens)
-        ids = self.ids[:, :width].index_select(0, long_tensor(rows, dev))
-        valid = torch.arange(width, device=dev) < long_tensor(lens, dev).unsqueeze(1)
-        return torch.where(valid, ids, ids[:, :1]), valid
+        return self.ids[:, : max(lens)].index_select(0, long_tensor(rows, dev)), lens
 
     def _take_row(self, req: Request) -> int:
         if not self._free:
@@ -106,6 +126,8 @@ class TokenRows:
             num_cols *= 2
         ids = torch.zeros((num_rows, num_cols), dtype=torch.long, device=self.ids.device)
         ids[:old_rows, :old_cols] = self.ids
+        if num_cols > old_cols:  # each held row's padding goes on: its first token
+            ids[:old_rows, old_cols:] = self.ids[:, :1]
         self.ids = ids
         extra = num_rows - old_rows
         self._free[:0] = range(num_rows - 1, old_rows - 1, -1)

@@ -330,7 +330,7 @@ class Sampler:
         if ban_ids:
             x[long_tensor(ban_rows, dev), long_tensor(ban_ids, dev)] = float("-inf")
         if group.rep_rows is not None:
-            ids, _ = self._token_rows(dev, "all_token_ids").view(group.rep_requests)
+            ids = self._token_rows(dev, "all_token_ids").padded(group.rep_requests)
             apply_repetition_penalty(x, group.rep_rows, ids, group.rep_penalty)
         if output_penalties is not None:
             rows, reqs, frequency, presence = output_penalties

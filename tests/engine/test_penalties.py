@@ -25,6 +25,7 @@ def _check(rows: TokenRows, requests: list[Request]) -> None:
         assert ids[i][valid[i]].tolist() == tokens, i
         assert int(valid[i].sum()) == len(tokens)
         assert set(ids[i][~valid[i]].tolist()) <= {tokens[0]}, "padding holds another token"
+    assert torch.equal(rows.padded(requests), ids)
 
 
 def test_rows_follow_requests_that_grow_come_and_go_past_the_store_s_rows_and_columns():

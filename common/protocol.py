@@ -135,6 +135,21 @@ class RequestOutput(msgspec.Struct, tag="output", kw_only=True):
     overloaded: bool = False
 
 
+def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """One output for two consecutive ones of a request: the tokens (and logprobs) of both, the
+    end, error and state of the second (an engine holding tokens back, a router reader behind)."""
+    logprobs = None
+    if first.logprobs is not None or then.logprobs is not None:
+        logprobs = [*(first.logprobs or []), *(then.logprobs or [])]
+    return msgspec.structs.replace(
+        then,
+        new_token_ids=[*first.new_token_ids, *then.new_token_ids],
+        logprobs=logprobs,
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
+        num_cached_tokens=then.num_cached_tokens or first.num_cached_tokens,
+    )
+
+
 class OutputBatch(msgspec.Struct, tag="output_batch", kw_only=True):
     """Engine -> router: one step's outputs for every request of one router, in one message.
 

@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 
 from common.cluster_key import add_cluster_key_args, cluster_key_from_args
@@ -49,6 +48,7 @@ from common.protocol import (
     decode_input,
     encode,
     encode_output_batches,
+    merge_outputs,
 )
 from common.registry import BACKOFF_S, HeartbeatThread, InstanceInfo, PrefixIndex, Registry
 from common.sampling_params import MAX_N
@@ -68,21 +68,6 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
-
-
-def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """One output for two consecutive ones of a request: the tokens (and logprobs) of both, the
-    end, error and state of the second."""
-    logprobs = None
-    if first.logprobs is not None or then.logprobs is not None:
-        logprobs = [*(first.logprobs or []), *(then.logprobs or [])]
-    return msgspec.structs.replace(
-        then,
-        new_token_ids=[*first.new_token_ids, *then.new_token_ids],
-        logprobs=logprobs,
-        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
-        num_cached_tokens=then.num_cached_tokens or first.num_cached_tokens,
-    )
 
 
 class StreamHold:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from common.kvcache.hashing import compute_block_hashes
-from common.protocol import DecodeTarget, GenerateRequest, RequestOutput, choice_request_ids
+from common.protocol import DecodeTarget, GenerateRequest, RequestOutput, choice_request_ids, merge_outputs
 from common.registry import InstanceInfo, PrefixIndex
 from common.sampling_params import SamplingParams
 from router.engine_client import EngineClient
@@ -265,15 +265,7 @@ class EngineRequest:
             and nxt.finish_reason != "error"
             and (nxt.logprobs is None) == (merged.logprobs is None)
         ):
-            queue.get_nowait()
-            if merged is output:
-                merged = msgspec.structs.replace(output, new_token_ids=list(output.new_token_ids),
-                                                 logprobs=None if output.logprobs is None else list(output.logprobs))
-            merged.new_token_ids.extend(nxt.new_token_ids)
-            if merged.logprobs is not None and nxt.logprobs is not None:
-                merged.logprobs.extend(nxt.logprobs)
-            merged.finish_reason = nxt.finish_reason
-            merged.num_cached_tokens = nxt.num_cached_tokens or merged.num_cached_tokens
+            merged = merge_outputs(merged, queue.get_nowait())
         return merged
 
     def close(self) -> None:

@@ -20,15 +20,17 @@ For every ``--concurrency`` C and ``--workers`` W it reports:
 
 ``--rates R1,R2`` adds open-loop points: at every concurrency C and rate R, each engine steps every
 C / R seconds (times the stream interval) whatever the client has read, R tokens/s offered in all,
-as a real engine's steps come. The router then either keeps up, and the added latency is its own at that load, or falls
-behind, and the latency grows with the run. The closed-loop points measure what a router process
-can stream at most; these say how much of it can be used within a latency target.
+as a real engine's steps come. The router then either keeps up, and the added latency is its own
+at that load, or falls behind, and the latency grows with the run. The closed-loop points measure
+what a router process can stream at most; these say how much of it can be used within a latency
+target.
 
 ``--engine-modes batched,per-request`` also runs the engines the old way, one ZMQ message per
 request per step, in the same invocation. ``--stream-interval K`` has the engines send K tokens per
-output, as engines run with ``pdserve decode --stream-interval K`` do (the target is not judged then). ``--router-pythonpath DIR`` runs the router from another
-source tree (say, an export of the previous commit) to compare router code; an old router only
-understands ``per-request`` engines.
+output, as engines run with ``pdserve decode --stream-interval K`` do (the target is not judged
+then). ``--router-pythonpath DIR`` runs the router from another source tree (say, an export of
+the previous commit) to compare router code; an old router only understands ``per-request``
+engines.
 
     pdserve bench overhead router --concurrency 1,16,64,256,512,1024 --workers 1,2
     pdserve bench overhead router --concurrency 512 --workers 1 --engine-modes batched --rates 5000,10000,20000
@@ -308,6 +310,7 @@ def run_point(
         send_times = sent.get(f"{s.request_id}-0", [])
         added_ms += [(a - t) * 1e3 for a, t in zip(s.arrivals, send_times, strict=False)]
     tokens_per_s = num_tokens / window_s
+    total_tokens = sum(len(s.arrivals) for s in good)
     result.update({
         "window_s": round(window_s, 4),
         "num_tokens_in_window": num_tokens,
@@ -321,9 +324,9 @@ def run_point(
             "mean": round(statistics.fmean(added_ms), 3) if added_ms else float("nan"),
             "num_tokens": len(added_ms),
         },
-        "total_tokens": sum(len(s.arrivals) for s in good),
+        "total_tokens": total_tokens,
         # Above 1 when the router fell behind and sent the tokens that queued up as one event.
-        "tokens_per_event": round(sum(len(s.arrivals) for s in good) / max(1, sum(s.num_events - 1 for s in good)), 3),
+        "tokens_per_event": round(total_tokens / max(1, sum(s.num_events - 1 for s in good)), 3),
     })
     return result
 

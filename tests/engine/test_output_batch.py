@@ -29,10 +29,11 @@ from common.protocol import (
     decode_output,
     encode,
     encode_output_batches,
+    merge_outputs,
     request_outputs,
 )
 from common.sampling_params import SamplingParams
-from common.service import EngineService, RequestRecord, StreamHold, merge_outputs
+from common.service import EngineService, RequestRecord, StreamHold
 
 
 def _output(i: int, **kw: Any) -> RequestOutput:

@@ -20,11 +20,14 @@ class OutputQueue:
     """Filled by the receive loop (``put_nowait``), read by one consumer (``wait`` then
     ``get_nowait``). Not thread-safe: use from the event loop."""
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("_items", "_loop", "_waiter")
 
     def __init__(self) -> None:
         self._items: deque[RequestOutput] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        # The consumer's loop, looked up at its first wait: ``asyncio.get_running_loop`` makes a
+        # getpid() system call on Python 3.11, once per token if made per wait.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def put_nowait(self, output: RequestOutput) -> None:
         self._items.append(output)
@@ -41,7 +44,9 @@ class OutputQueue:
         ``timeout_s`` (a timer only for waits that need one shorter than the wake interval)."""
         if self._items:
             return
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         self._waiter = waiter
         timer = loop.call_later(timeout_s, self.wake) if timeout_s is not None else None

@@ -67,10 +67,15 @@ class EngineLink:
     def in_flight(self) -> int:
         return sum(self.sent) - int(self.received.value)
 
-    def set_step_interval(self, seconds: float) -> None:
-        """Every engine steps every ``seconds`` from now on (0: as fast as the window lets it)."""
+    def set_step_interval(self, seconds: float, timeout_s: float = 30.0) -> None:
+        """Every engine steps every ``seconds`` from now on (0: as fast as the window lets it); returns
+        once each has taken it (engines read commands every 20 ms, a short stream ends sooner)."""
         for commands in self.commands:
             commands.put(("step_interval", seconds))
+        for _ in range(self.num_engines):
+            _, reply = self.replies.get(timeout=timeout_s)
+            if reply != "step_interval":
+                raise RuntimeError(f"a fake engine answered {reply!r} to a step interval")
 
     def reset(self) -> None:
         """Zero the counters; only while no stream is running."""
@@ -189,6 +194,7 @@ class _EngineLoop:
                 return False
             if isinstance(command, tuple) and command[0] == "step_interval":
                 self.step_interval_s, self.next_step = float(command[1]), 0.0
+                self.link.replies.put((self.index, "step_interval"))
             if command == "collect":
                 self.link.replies.put((self.index, self.finished))
                 self.finished = {}

@@ -5,16 +5,22 @@ The router (``pdserve router --workers W``, real processes, one port) serves str
 in a real ``redis-server`` and answer over real ZMQ as fast as the router takes it: each step they
 send one token to every stream they hold, at most ``--window`` steps ahead of what the client has
 received (so the figures measure the router, not a queue in front of it). The client reads each SSE
-stream over a raw HTTP/1.1 connection and counts tokens by their text (every token is " hello").
+stream over a raw HTTP/1.1 connection, in the event loop's reader callbacks, and counts tokens by
+their text (every token is " hello").
 
 For every ``--concurrency`` C and ``--workers`` W it reports:
 
 * tokens/s: tokens that reached the client while all C streams were streaming (from the last
   stream's first token to the first stream's last), per router process (the total over W);
-* added latency per token, p50 / p99: when the client read a token minus when the engine sent it
-  (the one host clock), over every token of the point;
-* router CPU per token: user + system CPU time of the router process(es) (``psutil``) over that
-  same window, divided by its tokens;
+* added latency per token, p50 / p99: when the router's write of a token reached the client's
+  socket (the kernel's receive time stamp, ``SO_TIMESTAMPNS``) minus when the engine sent it (the one
+  host clock), over every token of the point; and "read p99", to when the client's Python read it.
+  The gap between the two is the client's own delay: one process reading every stream, beside the
+  router on the same cores, reaches the last socket of a 512-token step milliseconds late. Where the
+  kernel stamps nothing (not Linux), both are the read time. Reports before this change
+  (2026-12-02) have only the read time, as ``added_latency_ms``;
+* router CPU per token: CPU time of the router process(es) (their CPU-time clocks on Linux, else
+  ``psutil``) over that same window, divided by its tokens;
 * tokens per SSE event: 1 (or the stream interval) unless the router fell behind and sent the
   tokens that queued up for a stream as one event.
 
@@ -46,7 +52,9 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
+import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -54,6 +62,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from multiprocessing.context import SpawnContext
 from pathlib import Path
 from typing import Any
 
@@ -161,21 +170,39 @@ class RouterProcess:
         self._log.close()
 
 
+def _process_cpu_clock(pid: int) -> int | None:
+    """The id of ``pid``'s CPU-time clock (all its threads, to the nanosecond), as glibc's
+    ``clock_getcpuclockid`` makes it on Linux; None elsewhere, or where it cannot be read."""
+    if sys.platform != "linux":
+        return None
+    clock = (~pid << 3) | 2  # CPUCLOCK_SCHED of the process
+    try:
+        time.clock_gettime(clock)
+    except OSError:
+        return None
+    return clock
+
+
 class CpuSampler(threading.Thread):
-    """Samples the summed user + system CPU seconds of ``pids`` every ``interval_s``."""
+    """Samples the summed user + system CPU seconds of ``pids`` every ``interval_s``: from each
+    process's CPU-time clock where Linux gives one, else from ``psutil`` (in clock ticks, 10 ms, too
+    coarse for a short point)."""
 
     def __init__(self, pids: list[int], interval_s: float = 0.02) -> None:
         super().__init__(name="cpu-sampler", daemon=True)
-        self._procs = [psutil.Process(pid) for pid in pids]
+        self._procs = [(psutil.Process(pid), _process_cpu_clock(pid)) for pid in pids]
         self._interval_s = interval_s
         self._done = threading.Event()
         self.samples: list[tuple[float, float]] = []
 
     def _read(self) -> float:
         total = 0.0
-        for proc in self._procs:
-            times = proc.cpu_times()
-            total += times.user + times.system
+        for proc, clock in self._procs:
+            if clock is not None:
+                total += time.clock_gettime(clock)
+            else:
+                times = proc.cpu_times()
+                total += times.user + times.system
         return total
 
     def run(self) -> None:
@@ -198,64 +225,195 @@ class CpuSampler(threading.Thread):
 
 
 # ---------------------------------------------------------------------------------- client
+# Linux stamps each received packet with the clock (CLOCK_REALTIME) when the kernel took it in and,
+# asked with SO_TIMESTAMPNS, returns the stamp of the last packet a read consumed beside the data. On
+# loopback that is the moment the router's write() ran: what the router added, without the client's
+# own delay in getting to the socket (one Python process reading every stream, on the same cores).
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+_ANCILLARY_SIZE = socket.CMSG_SPACE(16)
+_KERNEL_STAMPS = sys.platform == "linux"
+
+
 @dataclass
 class StreamResult:
     request_id: str = ""
-    arrivals: list[float] = field(default_factory=list)  # one per token, when it was read
+    arrivals: list[float] = field(default_factory=list)  # one per token, when the client read it
+    # One per token, when the kernel received it (monotonic seconds); the read time where the kernel
+    # stamps nothing. A read that takes several packets stamps every token in it with the last one's
+    # time, so a token is never stamped before it came.
+    received: list[float] = field(default_factory=list)
     num_events: int = 0  # SSE events, [DONE] included
     status: int = 0
     done: bool = False
     error: str = ""
 
 
-async def _stream(port: int, body: bytes, link: EngineLink) -> StreamResult:
-    result = StreamResult()
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    except OSError as exc:
-        result.error = str(exc)
-        return result
-    try:
-        writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-        )
-        head = await reader.readuntil(b"\r\n\r\n")
-        result.status = int(head.split(b" ", 2)[1])
-        if result.status != 200:
-            result.error = (await reader.read(2000)).decode(errors="replace")
-            return result
-        carry = tail = b""
-        arrivals = result.arrivals
-        while True:
-            data = await reader.read(1 << 16)
+def _realtime_minus_monotonic() -> float:
+    """``CLOCK_REALTIME - CLOCK_MONOTONIC`` in seconds, from the closest of a few paired reads."""
+    best = (float("inf"), 0.0)
+    for _ in range(5):
+        before = time.monotonic()
+        realtime = time.time()
+        after = time.monotonic()
+        best = min(best, (after - before, realtime - (before + after) / 2))
+    return best[1]
+
+
+class _SseReader:
+    """Reads one SSE response off a non-blocking socket in the event loop's reader callback (no task
+    per read): the status, the request id, and per token when it was read and received."""
+
+    def __init__(self, sock: socket.socket, link: EngineLink, clock_offset: float) -> None:
+        self.sock = sock
+        self.link = link
+        self.clock_offset = clock_offset
+        self.result = StreamResult()
+        self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._head = b""
+        self._carry = b""
+        self._tail = b""
+
+    def on_readable(self) -> None:
+        while not self.finished.done():
+            try:
+                data, ancillary, _, _ = self.sock.recvmsg(1 << 16, _ANCILLARY_SIZE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._finish(repr(exc))
+                return
             if not data:
-                break
+                self._finish("" if self.result.done else "the router closed the connection")
+                return
             now = time.monotonic()
-            buffer = carry + data
-            count = buffer.count(MARKER)
-            result.num_events += buffer.count(EVENT)
-            if count:
-                arrivals.extend([now] * count)
-                link.add_received(count)
-            carry = buffer[-(len(MARKER) - 1):]
-            if not result.request_id and b'"id":"' in buffer:
-                start = buffer.index(b'"id":"') + 6
-                result.request_id = buffer[start:buffer.index(b'"', start)].decode()
-            tail = (tail + data)[-64:]
-            if b"data: [DONE]" in tail:
-                result.done = True
-                break
-    except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
-        result.error = repr(exc)
+            received = now
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= 16:
+                    seconds, nanoseconds = struct.unpack("qq", payload[:16])
+                    received = min(now, seconds + nanoseconds * 1e-9 - self.clock_offset)
+            self._take(data, now, received)
+
+    def _take(self, data: bytes, now: float, received: float) -> None:
+        result = self.result
+        if not result.status:
+            self._head += data
+            if b"\r\n\r\n" not in self._head:
+                return
+            head, _, data = self._head.partition(b"\r\n\r\n")
+            result.status = int(head.split(b" ", 2)[1])
+            if result.status != 200:
+                self._finish(data.decode(errors="replace")[:2000] or f"status {result.status}")
+                return
+        buffer = self._carry + data
+        count = buffer.count(MARKER)
+        result.num_events += buffer.count(EVENT)
+        if count:
+            result.arrivals.extend([now] * count)
+            result.received.extend([received] * count)
+            self.link.add_received(count)
+        self._carry = buffer[-(len(MARKER) - 1):]
+        if not result.request_id and b'"id":"' in buffer:
+            start = buffer.index(b'"id":"') + 6
+            result.request_id = buffer[start:buffer.index(b'"', start)].decode()
+        self._tail = (self._tail + data)[-64:]
+        if b"data: [DONE]" in self._tail:
+            result.done = True
+            self._finish("")
+
+    def _finish(self, error: str) -> None:
+        if not self.finished.done():
+            self.result.error = error
+            self.finished.set_result(None)
+
+
+async def _stream(port: int, body: bytes, link: EngineLink, clock_offset: float) -> StreamResult:
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    reader = _SseReader(sock, link, clock_offset)
+    try:
+        if _KERNEL_STAMPS:
+            sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        await loop.sock_sendall(
+            sock,
+            b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body,
+        )
+        loop.add_reader(sock.fileno(), reader.on_readable)
+        try:
+            await reader.finished
+        finally:
+            loop.remove_reader(sock.fileno())
+    except OSError as exc:
+        reader.result.error = repr(exc)
     finally:
-        writer.close()
-    return result
+        sock.close()
+    return reader.result
 
 
 async def _run_streams(port: int, concurrency: int, max_tokens: int, link: EngineLink) -> list[StreamResult]:
     body = json.dumps({"model": "bench", "prompt": "Hi there", "max_tokens": max_tokens, "stream": True}).encode()
-    return await asyncio.gather(*(_stream(port, body, link) for _ in range(concurrency)))
+    offset = _realtime_minus_monotonic()
+    return await asyncio.gather(*(_stream(port, body, link, offset) for _ in range(concurrency)))
+
+
+# ---------------------------------------------------------------------------------- write floor
+# One SSE event as the router writes it for a token (HTTP/1.1 chunk framing included).
+_EVENT_BYTES = (
+    b'a0\r\ndata: {"id":"cmpl-0123456789abcdef0123456789abcdef","object":"text_completion",'
+    b'"created":1764669600,"model":"bench","choices":[{"index":0,"text":" hello","logprobs":null,'
+    b'"finish_reason":null}]}\n\n\r\n'
+)
+
+
+def _drain(port: int, count: int) -> None:
+    """A write floor's client: ``count`` connections to ``port``, read until each is closed."""
+    import selectors
+
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
+    selector = selectors.DefaultSelector()
+    for sock in socks:
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ, sock)
+    while socks:
+        for key, _ in selector.select(timeout=30):
+            conn: socket.socket = key.data
+            try:
+                data = conn.recv(1 << 16)
+            except BlockingIOError:
+                continue
+            if not data:
+                selector.unregister(conn)
+                conn.close()
+                socks.remove(conn)
+
+
+def write_floor_ms(ctx: SpawnContext, concurrency: int, num_steps: int = 50) -> float:
+    """Median ms for one process to write one token's SSE event to each of ``concurrency`` loopback
+    connections (read by another process), with the socket calls alone: what one engine step's
+    tokens cost a router at the least, however little Python it runs per token. The last stream of a
+    step waits for all of them, so a router whose p99 is under this for one step is not possible."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(concurrency)
+    reader = ctx.Process(target=_drain, args=(server.getsockname()[1], concurrency), daemon=True)
+    reader.start()
+    conns = [server.accept()[0] for _ in range(concurrency)]
+    server.close()
+    times = []
+    try:
+        for _ in range(num_steps):
+            start = time.perf_counter()
+            for conn in conns:
+                conn.sendall(_EVENT_BYTES)
+            times.append(time.perf_counter() - start)
+            time.sleep(0.01)  # the reader drains between steps, as the client does between engine steps
+    finally:
+        for conn in conns:
+            conn.close()
+        reader.join(30)
+    return statistics.median(times) * 1e3
 
 
 # ---------------------------------------------------------------------------------- one point
@@ -264,6 +422,13 @@ def _percentile(values: list[float], q: float) -> float:
         return float("nan")
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _latency(ms: list[float]) -> dict[str, float]:
+    return {
+        "p50": round(_percentile(ms, 0.50), 3), "p99": round(_percentile(ms, 0.99), 3),
+        "mean": round(statistics.fmean(ms), 3) if ms else float("nan"), "num_tokens": len(ms),
+    }
 
 
 def run_point(
@@ -305,10 +470,12 @@ def run_point(
     num_tokens = sum(1 for s in good for t in s.arrivals if window_start <= t <= window_end)
     window_s = max(window_end - window_start, 1e-9)
     cpu_s = sampler.at(window_end) - sampler.at(window_start)
-    added_ms = []
+    added_ms: list[float] = []
+    read_ms: list[float] = []
     for s in good:
         send_times = sent.get(f"{s.request_id}-0", [])
-        added_ms += [(a - t) * 1e3 for a, t in zip(s.arrivals, send_times, strict=False)]
+        added_ms += [(r - t) * 1e3 for r, t in zip(s.received, send_times, strict=False)]
+        read_ms += [(a - t) * 1e3 for a, t in zip(s.arrivals, send_times, strict=False)]
     tokens_per_s = num_tokens / window_s
     total_tokens = sum(len(s.arrivals) for s in good)
     result.update({
@@ -319,11 +486,11 @@ def run_point(
         "router_cpu_s": round(cpu_s, 4),
         "router_cpu_us_per_token": round(cpu_s / max(num_tokens, 1) * 1e6, 2),
         "router_cpu_cores": round(cpu_s / window_s, 3),
-        "added_latency_ms": {
-            "p50": round(_percentile(added_ms, 0.50), 3), "p99": round(_percentile(added_ms, 0.99), 3),
-            "mean": round(statistics.fmean(added_ms), 3) if added_ms else float("nan"),
-            "num_tokens": len(added_ms),
-        },
+        # Engine send to the kernel's receipt of the router's write: what the router added.
+        "added_latency_ms": _latency(added_ms),
+        "latency_clock": "kernel receive" if _KERNEL_STAMPS else "client read",
+        # Engine send to the client's read: the above plus the client's own delay.
+        "read_latency_ms": _latency(read_ms),
         "total_tokens": total_tokens,
         # Above 1 when the router fell behind and sent the tokens that queued up as one event.
         "tokens_per_event": round(total_tokens / max(1, sum(s.num_events - 1 for s in good)), 3),
@@ -337,7 +504,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"router overhead ({report['date']}): streamed tokens/s per router process, added latency per token, "
         "router CPU per token",
         f"{'engines':<12}{'procs':>6}{'streams':>9}{'offered':>9}{'tok/s/proc':>12}{'tok/s':>10}{'p50 ms':>9}"
-        f"{'p99 ms':>9}{'cpu us/tok':>12}{'tok/event':>11}{'failed':>8}",
+        f"{'p99 ms':>9}{'read p99':>10}{'cpu us/tok':>12}{'tok/event':>11}{'failed':>8}",
     ]
     for r in report["results"]:
         lat = r.get("added_latency_ms", {})
@@ -347,9 +514,15 @@ def format_report(report: dict[str, Any]) -> str:
             f"{'max' if not offered else f'{offered:,.0f}':>9}"
             f"{r.get('tokens_per_s_per_process', float('nan')):>12,.0f}{r.get('tokens_per_s', float('nan')):>10,.0f}"
             f"{lat.get('p50', float('nan')):>9.2f}{lat.get('p99', float('nan')):>9.2f}"
+            f"{r.get('read_latency_ms', {}).get('p99', float('nan')):>10.2f}"
             f"{r.get('router_cpu_us_per_token', float('nan')):>12.1f}{r.get('tokens_per_event', float('nan')):>11.2f}"
             f"{r['num_streams_failed']:>8}"
         )
+    floors = report.get("write_floor_ms", {})
+    if floors:
+        lines.append("write floor, one process writing one token's event to each stream's socket (socket calls "
+                     "only; the least one engine step costs a router): "
+                     + ", ".join(f"{c} streams {ms:.2f} ms" for c, ms in floors.items()))
     interval = report["config"].get("stream_interval", 1)
     if interval != 1:
         lines.append(f"engines sent {interval} tokens per output (--stream-interval {interval}); the target is "
@@ -366,7 +539,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"{f', {offered:,.0f} tokens/s offered' if offered else ''}: >= "
             f"{TARGET_TOKENS_PER_S:,} tokens/s per process with p99 <= {TARGET_P99_MS} ms: "
             f"{'met' if met else 'not met'} ({r['tokens_per_s_per_process']:,.0f} tokens/s, "
-            f"p99 {r['added_latency_ms']['p99']:.2f} ms)"
+            f"p99 {r['added_latency_ms']['p99']:.2f} ms"
+            f"{f'; write floor {floors[str(TARGET_CONCURRENCY)]:.2f} ms' if str(TARGET_CONCURRENCY) in floors else ''})"
         )
     return "\n".join(lines)
 
@@ -507,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 for engine in engines:
                     engine.stop()
+        # Last, with the router and engines gone: the socket calls alone for one step of C tokens.
+        report["write_floor_ms"] = {str(c): round(write_floor_ms(ctx, c), 3) for c in concurrency}
     finally:
         redis_proc.kill()
         redis_proc.wait()

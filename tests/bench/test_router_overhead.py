@@ -40,11 +40,18 @@ def test_a_short_router_run_measures_tokens_per_second_latency_and_cpu_per_token
         # Every token matched its send time.
         assert r["added_latency_ms"]["num_tokens"] == max_tokens * r["concurrency"]
         assert 0 < r["added_latency_ms"]["p50"] <= r["added_latency_ms"]["p99"] < 10_000
+        # The kernel's receive stamp comes before the client reads the token, never after.
+        assert r["latency_clock"] == "kernel receive"
+        assert r["read_latency_ms"]["num_tokens"] == r["added_latency_ms"]["num_tokens"]
+        assert r["added_latency_ms"]["mean"] <= r["read_latency_ms"]["mean"]
         assert r["tokens_per_s"] > 0 and r["tokens_per_s_per_process"] == r["tokens_per_s"]
         assert 0 < r["router_cpu_us_per_token"] < 1e6
         # 3 tokens per engine output, so at least 3 per event but the last; more when outputs merged.
         assert 3 * (max_tokens // 3) / (max_tokens // 3 + 1) <= r["tokens_per_event"] <= max_tokens
     closed, paced = report["results"][2], report["results"][3]
     assert paced["tokens_per_s"] <= 1.25 * 600 < closed["tokens_per_s"], (paced, closed)
+    # The socket calls alone for one step of 1 and of 3 streams' tokens: measured, and well under a second.
+    assert set(report["write_floor_ms"]) == {"1", "3"}
+    assert all(0 < ms < 1000 for ms in report["write_floor_ms"].values())
     text = router_overhead.format_report(report)
-    assert "tok/s/proc" in text and "not judged" in text
+    assert "tok/s/proc" in text and "not judged" in text and "write floor" in text

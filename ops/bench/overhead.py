@@ -78,6 +78,7 @@ from common.model.weights import load_hf_config
 from common.protocol import PositionLogprobs, TokenLogprob
 from common.sampling_params import SamplingParams
 from kernels import get_kernels
+from ops.bench.host_speed import describe, host_speed
 
 PHASES = ("schedule", "prepare", "forward", "sample", "outputs")
 CASES = ("greedy", "mixed", "prefill")
@@ -397,11 +398,13 @@ def format_report(report: dict[str, Any]) -> str:
     if any(_is_host_share(r) for r in results):
         lines += ["rows at the small vocab: the host's share, the sampler's calls over few logits (what a GPU "
                   "would wait on)"]
+    lines += [describe(speed) for speed in report.get("host_speed", [])]
     baseline: dict[str, Any] | None = report.get("baseline")
     if baseline is not None:
         lines += ["", f"against the baseline {baseline['path']} ({baseline['clock']} clock): median ms per step, "
                   "baseline -> this run", f"{'case':<8}{'batch':>6}  {'sampler':<8}{'total':>28}{'sample':>28}"
                   f"{'no sample':>28}"]
+        lines += [f"  baseline's {describe(speed)}" for speed in baseline.get("host_speed") or []]
         for r in results:
             b = _find(baseline["results"], r["case"], r["batch_size"], r["sampler"], _is_host_share(r))
             if b is None:
@@ -551,13 +554,14 @@ def main(argv: list[str] | None = None) -> int:
             "phases": list(PHASES),
             "targets_ms": [{"case": c, "batch_size": b, "max_ms": t} for (c, b), t in TARGETS_MS.items()],
             "floor_ms": {str(b): floor_ms(logits, b, clock=args.clock) for b in batch_sizes},
+            "host_speed": [host_speed()],  # before the cases, and after them
             "results": [],
         }
         if args.baseline:
             base = json.loads(Path(args.baseline).read_text())
             report["baseline"] = {"path": args.baseline, "command": base["command"],
                                   "clock": base["config"].get("clock", "wall"), "floor_ms": base["floor_ms"],
-                                  "results": base["results"]}
+                                  "host_speed": base.get("host_speed"), "results": base["results"]}
         for case in cases:
             for batch_size in batch_sizes:
                 for sampler in samplers:
@@ -567,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{case}, batch {batch_size}, host's share ...", file=sys.stderr, flush=True)
                     share = run_case(case, batch_size, "batched", args, logits[:, : args.host_vocab].contiguous())
                     report["results"].append({**share, "host_share": True})
+        report["host_speed"].append(host_speed())
     finally:
         torch.set_num_threads(threads)
     print(format_report(report))

@@ -71,6 +71,7 @@ import psutil
 import redis
 
 from ops.bench.fake_stream_engine import EngineLink, FakeStreamEngine, StreamEngineConfig
+from ops.bench.host_speed import describe, host_speed
 from ops.launcher import die_with_parent, free_port
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -523,6 +524,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("write floor, one process writing one token's event to each stream's socket (socket calls "
                      "only; the least one engine step costs a router): "
                      + ", ".join(f"{c} streams {ms:.2f} ms" for c, ms in floors.items()))
+    lines += [describe(speed) for speed in report.get("host_speed", [])]
     interval = report["config"].get("stream_interval", 1)
     if interval != 1:
         lines.append(f"engines sent {interval} tokens per output (--stream-interval {interval}); the target is "
@@ -646,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
                     "python": platform.python_version()},
         "target": {"concurrency": TARGET_CONCURRENCY, "tokens_per_s_per_process": TARGET_TOKENS_PER_S,
                    "p99_added_ms": TARGET_P99_MS},
+        "host_speed": [host_speed(torch_ops=False)],  # before the points, and after them
         "results": [],
     }
     redis_proc, redis_url = start_redis()
@@ -683,6 +686,7 @@ def main(argv: list[str] | None = None) -> int:
                     engine.stop()
         # Last, with the router and engines gone: the socket calls alone for one step of C tokens.
         report["write_floor_ms"] = {str(c): round(write_floor_ms(ctx, c), 3) for c in concurrency}
+        report["host_speed"].append(host_speed(torch_ops=False))
     finally:
         redis_proc.kill()
         redis_proc.wait()

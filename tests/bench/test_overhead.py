@@ -43,7 +43,11 @@ def test_every_case_reports_every_phase_as_positive_milliseconds_for_both_sample
     assert greedy == [1, 1] and measured["mixed", 4, "batched"]["torch_ops"]["sample"] > 10
     assert set(report["floor_ms"]) == {"1", "4"} and all(v > 0 for v in report["floor_ms"].values())
     assert report["machine"]["torch_threads"] == 1
+    # The host's speed, before the cases and after them, measured: reports of other days compare by it.
+    assert len(report["host_speed"]) == 2
+    assert all(s["python_loop_us"] > 0 and s["torch_op_us"] > 0 for s in report["host_speed"])
     table = capsys.readouterr().out
+    assert table.count("host speed now: python loop") == 2
     assert "target greedy, batch 256: <= 2 ms: not measured in this run" in table
     assert f"{'greedy':<8}{4:>6}  {'batched':<8}{1024:>7}" in table
     assert all(f"{case:<8}{4:>6}  per-row" in table for case in overhead.CASES)

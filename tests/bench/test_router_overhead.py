@@ -53,5 +53,6 @@ def test_a_short_router_run_measures_tokens_per_second_latency_and_cpu_per_token
     # The socket calls alone for one step of 1 and of 3 streams' tokens: measured, and well under a second.
     assert set(report["write_floor_ms"]) == {"1", "3"}
     assert all(0 < ms < 1000 for ms in report["write_floor_ms"].values())
+    assert len(report["host_speed"]) == 2 and all(s["python_loop_us"] > 0 for s in report["host_speed"])
     text = router_overhead.format_report(report)
     assert "tok/s/proc" in text and "not judged" in text and "write floor" in text

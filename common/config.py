@@ -35,6 +35,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None  # overrides both sizings (tests, benchmarks)
     kernel_backend: str | None = None  # "torch" | "triton"; default by device
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (see common.engine.cuda_graphs)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -96,6 +97,10 @@ class EngineConfig:
         parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         parser.add_argument("--num-blocks", type=int, default=None, help="fixed number of KV blocks")
         parser.add_argument("--kernel-backend", default=None, choices=["torch", "triton"])
+        parser.add_argument("--enforce-eager", action="store_true",
+                            help="run every step eagerly: no CUDA graphs for decode steps (on a GPU they "
+                            "are captured at start for batch sizes 1, 2, 4, 8, 16, 32, ... up to "
+                            "--max-num-seqs or 512)")
         if include_seed:
             parser.add_argument("--seed", type=int, default=d.seed, help="seed for requests without one")
 

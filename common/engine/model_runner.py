@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from common.config import EngineConfig
+from common.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from common.engine.input_batch import InputBatch
 from common.engine.scheduler import SchedulerOutput
 from common.model.llama import AttentionMetadata
@@ -51,6 +52,7 @@ class ModelRunner:
         self.init_input_batch()
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_size)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.decode_graphs = self._capture_decode_graphs()
         logger.info(
             "model %s on %s/%s, %d KV blocks of %d tokens (%.2f GiB), kernels=%s",
             self.model_id, self.device, self.dtype, self.num_blocks, self.block_size,
@@ -68,6 +70,21 @@ class ModelRunner:
         """The persistent input state, sized for ``max_num_seqs`` requests of ``max_model_len`` tokens."""
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(self.config.max_num_seqs, max_blocks_per_req, self.block_size)
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps, on a GPU with the Triton kernels unless ``enforce_eager``."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if self.kernel_backend != "triton":
+            logger.warning("CUDA graphs off: the %s kernels read sequence lengths on the host, which a "
+                           "graph cannot replay; decode steps run eagerly", self.kernel_backend)
+            return None
+        graphs = DecodeGraphs(
+            self.model, self.kv_cache, graph_batch_sizes(self.config.max_num_seqs),
+            self.input_batch.block_table.shape[1],
+        )
+        graphs.capture()
+        return graphs
 
     def _num_blocks(self) -> int:
         if self.config.num_blocks is not None:
@@ -97,14 +114,20 @@ class ModelRunner:
             )
         inputs = self.input_batch.prepare(out.scheduled)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=inputs.slot_mapping.to(dev),
-            block_tables=inputs.block_tables.to(dev),
-            query_start_loc=inputs.query_start_loc.to(dev),
-            context_lens=inputs.context_lens.to(dev),
-            max_query_len=inputs.max_query_len,
-        )
-        hidden = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), meta, self.kv_cache)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(inputs):
+            # One token per sequence (decode, or a prompt's last one-token chunk): replayed. Its
+            # hidden rows are the real rows only, all a step with one token per sequence needs.
+            hidden = graphs.run(inputs)
+        else:
+            meta = AttentionMetadata(
+                slot_mapping=inputs.slot_mapping.to(dev),
+                block_tables=inputs.block_tables.to(dev),
+                query_start_loc=inputs.query_start_loc.to(dev),
+                context_lens=inputs.context_lens.to(dev),
+                max_query_len=inputs.max_query_len,
+            )
+            hidden = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), meta, self.kv_cache)
         if any(s.request.prompt_logprobs is not None for s in out.scheduled):
             self._prompt_logprobs(out, hidden, inputs.query_start_loc.tolist())
         if len(inputs.sample_idx) == 0:

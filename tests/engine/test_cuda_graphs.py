@@ -1,0 +1,118 @@
+"""Decode steps through ``DecodeGraphs``' static, padded buffers give what the eager forward gives.
+
+Capture and replay need a GPU (``pdserve bench gpu`` runs them, graphs on and off); here the same
+padded static-buffer forward runs eagerly (``capture=False``), which is what a graph records: the
+padding rows (slot -1, context 0, token 0) must change no real row, with the torch kernels on the
+default model and with the Triton kernels (the ones a graph captures) on a tiny one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from common.engine.engine import LLMEngine
+from common.engine.input_batch import BatchInputs
+from common.sampling_params import SamplingParams
+from tests.engine import tiny_models
+from tests.engine.conftest import hf_greedy, prompt_ids
+
+
+def test_graph_batch_sizes_cover_every_batch_up_to_the_largest() -> None:
+    assert graph_batch_sizes(512) == [1, 2, 4, 8, *range(16, 513, 16)]
+    assert graph_batch_sizes(1000) == graph_batch_sizes(512)  # at most 512
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]  # the largest batch has its own
+    assert graph_batch_sizes(3) == [1, 2, 3]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        graph_batch_sizes(0)
+
+
+def _use_padded_path(engine: LLMEngine, sizes: list[int]) -> list[int]:
+    """Gives ``engine``'s runner the padded static-buffer decode path (run eagerly); returns a list
+    that collects each replayed step's (real) batch size."""
+    runner = engine.runner
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, sizes, runner.input_batch.block_table.shape[1],
+                          capture=False)
+    runs: list[int] = []
+    run = graphs.run
+
+    def counting(inputs: BatchInputs) -> torch.Tensor:
+        runs.append(inputs.context_lens.shape[0])
+        return run(inputs)
+
+    graphs.run = counting  # type: ignore[method-assign]
+    runner.decode_graphs = graphs
+    return runs
+
+
+def test_padded_decode_steps_equal_transformers_on_the_default_model(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    engine = engine_factory(block_size=16, max_num_batched_tokens=512)
+    runs = _use_padded_path(engine, [1, 2, 4, 8])
+    prompts = [list(p) for p in prompt_ids()[:5]]
+    # Different lengths: the batch shrinks 5 -> 3 -> 1, padded to 8, then 4, then 1 (no padding).
+    lengths = [24, 16, 16, 8, 8]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    got = [choices[0] for choices in engine.generate(prompts, params)]
+    for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
+        assert got[i] == list(hf_greedy(tuple(prompt), n)), f"prompt {i}"
+    # Every decode step replayed (the prefill step did not), at every batch size the run went through.
+    assert set(runs) == {5, 3, 1} and len(runs) == max(lengths) - 1
+
+
+def test_padded_decode_steps_with_the_triton_kernels_equal_eager(tmp_path: Path, engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """The kernels a graph captures (through Triton's interpreter here): stores skipped for slot -1,
+    an empty context's attention, the full-width block table."""
+    folder = tiny_models.build_checkpoint(tiny_models.family_configs()["llama-bias"], tmp_path / "tiny")
+    prompts = [tiny_models.prompt_token_ids(n, seed=n) for n in (5, 19, 11)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outputs = []
+    for padded in (False, True):
+        engine = engine_factory(model=str(folder), block_size=8, num_blocks=64, kernel_backend="triton",
+                                max_model_len=64)
+        runs = _use_padded_path(engine, [4]) if padded else []
+        outputs.append([c[0] for c in engine.generate(prompts, params)])
+        assert len(runs) == (9 if padded else 0)
+    assert outputs[0] == outputs[1]
+    assert outputs[0] == [tiny_models.hf_greedy(folder, p, 10) for p in prompts]
+
+
+def _inputs(num_seqs: int, tokens_per_seq: int = 1, width: int = 2) -> BatchInputs:
+    n = num_seqs * tokens_per_seq
+    return BatchInputs(
+        input_ids=torch.zeros(n, dtype=torch.long), positions=torch.zeros(n, dtype=torch.long),
+        slot_mapping=torch.zeros(n, dtype=torch.long), block_tables=torch.zeros(num_seqs, width, dtype=torch.int32),
+        query_start_loc=torch.arange(0, n + 1, tokens_per_seq, dtype=torch.int32),
+        context_lens=torch.ones(num_seqs, dtype=torch.int32), max_query_len=tokens_per_seq,
+        sample_idx=torch.arange(num_seqs),
+    )
+
+
+def test_only_decode_steps_within_the_largest_graph_and_its_width_replay() -> None:
+    graphs = DecodeGraphs(torch.nn.Identity(), torch.zeros(1, 2, 4, 8, 1, 4), [1, 2, 4], 3, capture=False)
+    assert [graphs.padded_size(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
+    assert graphs.fits(_inputs(3))
+    assert not graphs.fits(_inputs(5))  # more sequences than the largest graph
+    assert not graphs.fits(_inputs(2, tokens_per_seq=3))  # a prefill chunk
+    assert not graphs.fits(_inputs(2, width=4))  # a table wider than the static one
+    with pytest.raises(ValueError, match="CUDA device"):
+        DecodeGraphs(torch.nn.Identity(), torch.zeros(1), [1], 1)  # capture on the CPU
+    with pytest.raises(ValueError, match="ascending"):
+        DecodeGraphs(torch.nn.Identity(), torch.zeros(1), [4, 2], 1, capture=False)
+
+
+def test_loading_a_step_pads_the_rows_after_it() -> None:
+    graphs = DecodeGraphs(torch.nn.Identity(), torch.zeros(1, 2, 4, 8, 1, 4), [1, 2, 4], 3, capture=False)
+    graphs.slot_mapping.fill_(7)  # what an earlier, larger step left
+    graphs.context_lens.fill_(9)
+    step = _inputs(3)
+    step.input_ids += 5
+    step.slot_mapping += 11
+    step.block_tables[:] = torch.tensor([[3, 4]], dtype=torch.int32)
+    graphs.load(step, 4)
+    assert graphs.input_ids.tolist() == [5, 5, 5, 0]
+    assert graphs.slot_mapping.tolist() == [11, 11, 11, -1]  # the padding row stores nothing
+    assert graphs.context_lens.tolist() == [1, 1, 1, 0]  # and attends to nothing
+    assert graphs.block_tables[:3, :2].tolist() == [[3, 4]] * 3

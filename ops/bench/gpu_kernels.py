@@ -1,4 +1,5 @@
-"""Check every Triton kernel against its torch reference on a CUDA GPU, then time it.
+"""Check every Triton kernel against its torch reference on a CUDA GPU, then time it; then the engine
+with CUDA graphs off and on (equal greedy outputs, decode step time side by side).
 
     python -m ops.bench.gpu_kernels [--batch 64 --context-len 4096 ...]
 
@@ -355,6 +356,60 @@ def bench_kv(report: Report, args: argparse.Namespace, ops: Any) -> None:
     time_copy(report, moved, dtype)
 
 
+def _exact(count: float) -> tuple[float, float]:
+    return count, 0.0
+
+
+def bench_engine_graphs(report: Report, args: argparse.Namespace) -> None:
+    """The engine on the default model with CUDA graphs off (``--enforce-eager``) and on: greedy
+    outputs must be equal, and the median decode step time of each stands side by side, at batch 1
+    and at ``--engine-batch``."""
+    import gc
+
+    from common.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from common.sampling_params import SamplingParams
+
+    report.group = "engine"
+    prompt_len, max_tokens = 128, args.engine_tokens
+    for batch in sorted({1, args.engine_batch}):
+        gen = torch.Generator().manual_seed(batch)
+        prompts = torch.randint(3, 10_000, (batch, prompt_len), generator=gen).tolist()
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outputs: dict[bool, list[list[int]]] = {}
+        for graphs in (False, True):
+            config = EngineConfig(device="cuda", enforce_eager=not graphs, max_num_seqs=max(batch, 1),
+                                  num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 64, seed=0)
+            started = time.perf_counter()
+            engine = LLMEngine(config)
+            build_s = time.perf_counter() - started
+            ids = [f"r{i}" for i in range(batch)]
+            for rid, prompt in zip(ids, prompts, strict=True):
+                engine.add_request(rid, prompt, params)
+            tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+            step_s: list[float] = []
+            while engine.has_unfinished_requests():
+                t0 = time.perf_counter()
+                outs = engine.step()
+                step_s.append(time.perf_counter() - t0)
+                for out in outs:
+                    tokens[out.request_id] += out.new_token_ids
+            outputs[graphs] = [tokens[rid] for rid in ids]
+            decode = sorted(step_s[1:])  # the first step prefills every prompt
+            ms = statistics.median(decode) * 1e3 if decode else float("nan")
+            name = f"engine decode step, CUDA graphs {'on' if graphs else 'off'}"
+            report.timings.append({"name": name, "shape": f"batch {batch}, {prompt_len}-token prompts",
+                                   "median_us": ms * 1e3, "bytes": 0.0, "gb_per_s": None, "tflop_per_s": None,
+                                   "group": report.group, "engine_build_s": round(build_s, 1)})
+            print(f"[time] {name} [batch {batch}] {ms:.3f} ms per step (engine built in {build_s:.1f} s)")
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+        differ = float(sum(a != b for a, b in zip(outputs[False], outputs[True], strict=True)))
+        report.check(f"engine greedy outputs, CUDA graphs on == off (batch {batch}, {max_tokens} tokens; "
+                     "err = sequences that differ)", functools.partial(_exact, differ))
+
+
 def read_nvml(report: Report, when: str) -> None:
     """Print NVML's readings of every GPU (utilisation, memory, power, temperature, throttle
     reasons, as the engines export them) and keep them in the report's metadata."""
@@ -393,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transfer-blocks", type=int, default=256, help="blocks gathered / scattered")
     parser.add_argument("--small-batch", type=int, default=4, help="decode batch that takes the split path")
     parser.add_argument("--no-sweep", action="store_true", help="skip the decode tile sweep")
+    parser.add_argument("--engine-batch", type=int, default=64,
+                        help="decode batch of the engine section (CUDA graphs off and on; batch 1 too)")
+    parser.add_argument("--engine-tokens", type=int, default=64, help="tokens each engine request generates")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
 
@@ -423,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         ("decode small batch", lambda: bench_decode(report, args, args.small_batch, sweep=False)),
         ("prefill", lambda: bench_prefill(report, args, ops)),
         ("kv movement", lambda: bench_kv(report, args, ops)),
+        ("engine, CUDA graphs off and on", lambda: bench_engine_graphs(report, args)),
         ("nvml after", lambda: read_nvml(report, "after")),
     ]
     for name, section in sections:

@@ -116,3 +116,15 @@ def test_loading_a_step_pads_the_rows_after_it() -> None:
     assert graphs.slot_mapping.tolist() == [11, 11, 11, -1]  # the padding row stores nothing
     assert graphs.context_lens.tolist() == [1, 1, 1, 0]  # and attends to nothing
     assert graphs.block_tables[:3, :2].tolist() == [[3, 4]] * 3
+
+
+def test_enforce_eager_is_a_flag_and_the_cpu_runs_eagerly(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    import argparse
+
+    from common.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    assert EngineConfig.from_cli_args(parser.parse_args(["--enforce-eager"])).enforce_eager
+    assert not EngineConfig.from_cli_args(parser.parse_args([])).enforce_eager
+    assert engine_factory().runner.decode_graphs is None  # no CUDA: nothing captured

@@ -16,8 +16,15 @@ forward once and replays them with one call. A graph replays fixed shapes and fi
   holds: the attention kernel sizes its work from that width (never from the lengths, which a
   graph could not read on the host), and a context shorter than it only reads its own blocks.
 
-Only decode-only steps (one new token per sequence) replay; prefill chunks, mixed steps, steps
-with more sequences than the largest graph and steps that collect prompt logprobs run eagerly.
+Only steps with one new token per sequence replay (decode steps, and a prompt's last one-token
+chunk, whose rows are all a step like that needs); prefill chunks, mixed steps and steps with more
+sequences than the largest graph run eagerly.
+
+A graph runs the split-context attention kernel with as many splits as the full-width table allows,
+where an eager step sizes them from its own table, so the two sum a row's attention in different
+orders: their outputs can differ in the last bits, and a greedy token now and then. What a replay
+must equal exactly is the same padded forward run eagerly (``capture=False``), and the GPU bench
+checks that.
 Graphs need the Triton kernels (the torch reference reads lengths on the host, which a capture
 cannot hold) and a CUDA device; ``--enforce-eager`` turns them off, as vLLM's flag does.
 
@@ -81,6 +88,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=dev)
         self.hidden: Tensor | None = None  # [top, hidden], written by every replay
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_runs = 0  # steps run through the static buffers (replayed, or eagerly without capture)
 
     @property
     def max_batch_size(self) -> int:
@@ -116,17 +124,18 @@ class DecodeGraphs:
         output buffer."""
         assert self.use_graphs
         dev = self.kv_cache.device
-        self.hidden = torch.empty_like(self._forward(self.max_batch_size))
-        pool = None
-        for size in reversed(self.sizes):
-            self._forward(size)  # warm-up, outside the graph
+        with torch.cuda.device(dev):  # the capture stream and Triton's launches on the cache's device
+            self.hidden = torch.empty_like(self._forward(self.max_batch_size))
+            pool = None
+            for size in reversed(self.sizes):
+                self._forward(size)  # warm-up, outside the graph
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.hidden[:size].copy_(self._forward(size))
+                self.graphs[size] = graph
+                pool = graph.pool()
             torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.hidden[:size].copy_(self._forward(size))
-            self.graphs[size] = graph
-            pool = graph.pool()
-        torch.cuda.synchronize(dev)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     def load(self, inputs: BatchInputs, size: int) -> None:
@@ -153,8 +162,10 @@ class DecodeGraphs:
         size = self.padded_size(n)
         assert size is not None and self.fits(inputs), "run() takes only decode steps that fit a graph"
         self.load(inputs, size)
+        self.num_runs += 1
         if not self.use_graphs:
             return self._forward(size)[:n]
-        self.graphs[size].replay()
+        with torch.cuda.device(self.kv_cache.device):
+            self.graphs[size].replay()
         assert self.hidden is not None
         return self.hidden[:n]

@@ -29,6 +29,9 @@ _PROMPT_LOGPROB_ROWS = 256
 
 
 class ModelRunner:
+    # Decode-step CUDA graphs, captured at start on a GPU (None: every step runs eagerly).
+    decode_graphs: DecodeGraphs | None = None
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = config.torch_device

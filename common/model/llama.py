@@ -217,7 +217,9 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[num_tokens, hidden]``; writes this step's K/V into ``kv_cache``."""
         x = self.model.embed_tokens(input_ids)
         if self.arch.embed_scale is not None:  # as transformers: the scale rounded to the weights' dtype
-            x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype, device=x.device)
+            # Rounded on the host and passed as a number: a device tensor made here would be a copy to
+            # the device, which a CUDA graph capture cannot hold.
+            x = x * float(torch.tensor(self.arch.embed_scale, dtype=x.dtype))
         for i, layer in enumerate(self.model.layers):
             x = layer(x, positions, self.rotary_emb, meta, kv_cache[i])
         return self.model.norm(x)

@@ -36,10 +36,10 @@ others, as a deployment would (the router's neighbours then take no time from it
 cores than router processes, and the report says where it could not.
 
 ``--client-poll-ms MS`` has the client read its streams every MS ms instead of as each has data.
-A client waiting on its sockets on the same host is woken by each of the router's writes, and on a
-virtual machine that wake-up (a cross-core interrupt) is paid inside the router's write: about a
-third of its CPU per token in the open-loop points here. A remote client costs the router no such
-thing. Polling leaves no wait on the sockets; the added latency still counts from the kernel's
+A client waiting on its sockets on the same host is woken by each of the router's writes, and the
+wake-up is paid inside the router's write (polling took about a third off the router's CPU per
+token in the open-loop points on the 2-core host of the README's figures). A remote client costs
+the router no such thing. Polling leaves no wait on the sockets; the added latency still counts from the kernel's
 receive stamps, which polling does not move (only "read p99" grows, by up to MS).
 
 ``--engine-modes batched,per-request`` also runs the engines the old way, one ZMQ message per
@@ -210,13 +210,17 @@ class CpuSampler(threading.Thread):
         self.samples: list[tuple[float, float]] = []
 
     def _read(self) -> float:
+        """The sum now; the last sum again once a process is gone (its time can no longer be read)."""
         total = 0.0
-        for proc, clock in self._procs:
-            if clock is not None:
-                total += time.clock_gettime(clock)
-            else:
-                times = proc.cpu_times()
-                total += times.user + times.system
+        try:
+            for proc, clock in self._procs:
+                if clock is not None:
+                    total += time.clock_gettime(clock)
+                else:
+                    times = proc.cpu_times()
+                    total += times.user + times.system
+        except (OSError, psutil.Error):
+            return self.samples[-1][1] if self.samples else 0.0
         return total
 
     def run(self) -> None:
@@ -239,15 +243,19 @@ class CpuSampler(threading.Thread):
 
 
 def _set_affinity(pid: int, cpus: set[int]) -> None:
-    """Every thread of ``pid`` on ``cpus`` (threads it starts later inherit it from theirs)."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(ProcessLookupError):
-            os.sched_setaffinity(int(task.name), cpus)
+    """Every thread of ``pid`` on ``cpus`` (threads it starts later inherit it from theirs); nothing
+    for a process that is gone."""
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(task.name), cpus)
 
 
 def pin_router(router_pids: list[int], other_pids: list[int], cpus: list[int]) -> dict[str, Any]:
     """Router process ``i`` on the ``i``-th of the last of ``cpus``, this harness (the client) and
     ``other_pids`` (the engines) on the rest; what was done, for the report."""
+    if not hasattr(os, "sched_setaffinity") or not Path("/proc/self/task").is_dir():
+        return {"pinned": False, "why": "this system sets no thread affinity"}
     if len(cpus) <= len(router_pids):
         return {"pinned": False, "why": f"{len(cpus)} cores for {len(router_pids)} router process(es) and the rest"}
     router_cpus, rest = cpus[-len(router_pids):], set(cpus[: -len(router_pids)])
@@ -325,7 +333,10 @@ class _SseReader:
                 if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= 16:
                     seconds, nanoseconds = struct.unpack("qq", payload[:16])
                     received = min(now, seconds + nanoseconds * 1e-9 - self.clock_offset)
-            self._take(data, now, received)
+            try:
+                self._take(data, now, received)
+            except (ValueError, IndexError) as exc:  # a malformed response ends this stream, not the run
+                self._finish(repr(exc))
 
     def _take(self, data: bytes, now: float, received: float) -> None:
         result = self.result
@@ -740,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
         "host_speed": [host_speed(torch_ops=False)],  # before the points, and after them
         "results": [],
     }
-    all_cpus = sorted(os.sched_getaffinity(0))
+    all_cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     redis_proc, redis_url = start_redis()
     logs = Path(tempfile.mkdtemp(prefix="pdserve-router-bench-"))
     ctx = mp.get_context("spawn")
@@ -759,6 +770,7 @@ def main(argv: list[str] | None = None) -> int:
                 for num_workers in workers:
                     router = RouterProcess(num_workers, redis_url, namespace, args.router_pythonpath,
                                            logs / f"router-{mode}-{num_workers}.log")
+                    pinning: dict[str, Any] = {"pinned": False}
                     try:
                         router.wait_ready()
                         pinning = (pin_router(router.pids(), engine_pids, all_cpus) if args.pin_router
@@ -775,8 +787,9 @@ def main(argv: list[str] | None = None) -> int:
                                 )
                     finally:
                         router.stop()
-                        for pid in [os.getpid(), *engine_pids]:  # unpinned again, for the next router
-                            _set_affinity(pid, set(all_cpus))
+                        if pinning["pinned"]:  # unpinned again, for the next router
+                            for pid in [os.getpid(), *engine_pids]:
+                                _set_affinity(pid, set(all_cpus))
             finally:
                 for engine in engines:
                     engine.stop()

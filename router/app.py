@@ -26,6 +26,7 @@ from router.openai_responses import (
 )
 from router.openapi import error_responses, generation_route, install_openapi
 from router.serving import (
+    SERVER_SEND,
     ClientDisconnected,
     DisconnectWaiter,
     EventStreamResponse,
@@ -65,6 +66,16 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     return body
 
 
+class RouterApp(FastAPI):
+    """The router's FastAPI app, which keeps the server's ``send`` in each HTTP scope before its
+    middleware wraps it (``SERVER_SEND``): a streaming response sends its events straight to it."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
 class _ErrorCounter:
     """Pure ASGI middleware counting error responses by status (BaseHTTPMiddleware would wrap
     ``receive`` and hide client disconnects from the handlers)."""
@@ -92,7 +103,7 @@ def create_app(state: RouterState) -> FastAPI:
             await state.stop()
 
     # /openapi.json only: the docs pages would load their scripts from a CDN.
-    app = FastAPI(
+    app = RouterApp(
         title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json"
     )
     app.state.router_state = state

@@ -337,6 +337,10 @@ def engine_api_error(exc: EngineRequestError) -> APIError:
     return APIError(exc.status, str(exc), code="engine_error")
 
 
+# The scope key under which the app keeps the server's ``send`` (``router.app.RouterApp``).
+SERVER_SEND = "pdserve.server_send"
+
+
 def _sse(payload: str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
@@ -363,9 +367,13 @@ class EventStreamResponse(StreamingResponse):
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             last = b"data: [DONE]\n\n"
+            # Each event goes to the server's own ``send`` where the app left it (``SERVER_SEND``):
+            # the middleware between wrap ``send`` to see the response start, which went through them
+            # above, and would otherwise run once per streamed token for nothing.
+            send_event = scope.get(SERVER_SEND, send)
             try:
                 async for payload in self.chunks:
-                    await send({"type": "http.response.body", "body": _sse(payload), "more_body": True})
+                    await send_event({"type": "http.response.body", "body": _sse(payload), "more_body": True})
             except ClientDisconnected:
                 last = b""
             except EngineRequestError as exc:

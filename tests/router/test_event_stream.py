@@ -79,3 +79,43 @@ def test_a_response_whose_chunks_never_started_still_closes_the_choices_and_leav
     with pytest.raises(OSError):
         _run(_response(closed, ['{"a":1}']), fail_on="http.response.start")
     assert closed == ["leave", "choices"]
+
+
+def test_events_go_straight_to_the_servers_send_past_the_middleware() -> None:
+    """``RouterApp`` keeps the server's ``send`` in the scope; a middleware wrapping ``send`` sees the
+    response start and its end, not every event, and the client gets them all, in order."""
+    from starlette.routing import Route
+
+    from router.app import RouterApp
+
+    closed: list[str] = []
+    app = RouterApp(routes=[Route("/s", lambda request: _response(closed, ['{"a":1}', '{"b":2}']))])
+    wrapped: list[str] = []
+
+    class Spy:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            async def spying(message: dict[str, Any]) -> None:
+                wrapped.append(message["type"])
+                await send(message)
+
+            await self.inner(scope, receive, spying)
+
+    app.add_middleware(Spy)
+    server: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        server.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": "/s", "raw_path": b"/s", "query_string": b"",
+             "headers": [], "root_path": "", "scheme": "http", "server": ("test", 80), "http_version": "1.1"}
+    asyncio.run(app(scope, receive, send))
+    assert [m.get("body") for m in server[1:]] == [b'data: {"a":1}\n\n', b'data: {"b":2}\n\n', b"data: [DONE]\n\n"]
+    assert wrapped == ["http.response.start", "http.response.body"]  # the start and the end only
+    assert closed == ["chunks", "leave", "choices"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import signal
 import threading
@@ -151,13 +152,23 @@ class EngineService:
     """The loop around one ``LLMEngine``. Subclasses implement ``admit`` and the transfer hooks."""
 
     role = "engine"
+    # Whether this service runs decode steps, which replay CUDA graphs on a GPU (captured at start).
+    runs_decode_steps = True
+
+    @classmethod
+    def engine_config(cls, args: argparse.Namespace) -> EngineConfig:
+        """The engine's configuration from the command line; eager for a service without decode steps."""
+        config = EngineConfig.from_cli_args(args)
+        if not cls.runs_decode_steps:
+            config = dataclasses.replace(config, enforce_eager=True)  # no decode step to capture a graph for
+        return config
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.instance_id: str = args.instance_id
         # Before the model loads: a missing key on a public address fails start-up at once.
         self.cluster_key = cluster_key_from_args(args, args.host, self.role)
-        self.engine = LLMEngine(EngineConfig.from_cli_args(args))
+        self.engine = LLMEngine(self.engine_config(args))
         self.ctx: zmq.Context = zmq.Context()  # its own: a context has one ZAP handler
         self._zap = self.cluster_key.authenticate(self.ctx) if self.cluster_key is not None else None
         self.control = self.ctx.socket(zmq.PULL)

@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 class PrefillService(EngineService):
     role = "prefill"
+    # Prompts' chunks and their first token only (as SGLang's prefill servers, no CUDA graphs).
+    runs_decode_steps = False
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)

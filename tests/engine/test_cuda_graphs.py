@@ -128,3 +128,22 @@ def test_enforce_eager_is_a_flag_and_the_cpu_runs_eagerly(engine_factory) -> Non
     assert EngineConfig.from_cli_args(parser.parse_args(["--enforce-eager"])).enforce_eager
     assert not EngineConfig.from_cli_args(parser.parse_args([])).enforce_eager
     assert engine_factory().runner.decode_graphs is None  # no CUDA: nothing captured
+
+
+def test_a_prefill_instance_captures_no_graphs_a_decode_instance_does() -> None:
+    """A prefill instance runs prompt chunks and their first token, no decode step: it is eager
+    whatever the flags say; a decode instance follows ``--enforce-eager``."""
+    import argparse
+
+    from common.service import add_service_args
+    from decode_svc.service import DecodeService
+    from prefill_svc.service import PrefillService
+
+    def args(role: str, *flags: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        add_service_args(parser, role)
+        return parser.parse_args(list(flags))
+
+    assert PrefillService.engine_config(args("prefill")).enforce_eager
+    assert not DecodeService.engine_config(args("decode")).enforce_eager
+    assert DecodeService.engine_config(args("decode", "--enforce-eager")).enforce_eager

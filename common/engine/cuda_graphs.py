@@ -25,12 +25,14 @@ where an eager step sizes them from its own table, so the two sum a row's attent
 orders: their outputs can differ in the last bits, and a greedy token now and then. What a replay
 must equal exactly is the same padded forward run eagerly (``capture=False``), and the GPU bench
 checks that.
+
 Graphs need the Triton kernels (the torch reference reads lengths on the host, which a capture
 cannot hold) and a CUDA device; ``--enforce-eager`` turns them off, as vLLM's flag does.
 
 The same padded static-buffer forward runs eagerly where there is no CUDA (``capture=False``), so
 the padding is tested on any machine; the capture and replay themselves only run on a GPU, in
-``pdserve bench gpu``'s engine section (graphs on and off: equal outputs, and the step time).
+``pdserve bench gpu``'s engine section (a replay against the padded forward run eagerly, and the
+decode step time with graphs off and on).
 """
 
 from __future__ import annotations

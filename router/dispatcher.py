@@ -60,9 +60,11 @@ class EngineRequestError(Exception):
 class InstanceLost(Exception):
     """The attempt's instance died, stalled, drained or lost the transfer; the request goes on."""
 
-    def __init__(self, reason: str, instance_id: str | None = None) -> None:
+    def __init__(self, reason: str, instance_id: str | None = None, healthy: bool = False) -> None:
         super().__init__(reason)
         self.instance_id = instance_id
+        # The instance is fine now (restarted under its id): it may take the request again at once.
+        self.healthy = healthy
 
 
 @dataclass
@@ -142,7 +144,7 @@ class EngineRequest:
             "request %s lost after %d tokens (%s); continuing it elsewhere",
             self.request.request_id, len(self.streamed_token_ids), lost,
         )
-        if lost.instance_id is not None:
+        if lost.instance_id is not None and not lost.healthy:
             self.dispatcher.pool.mark_unavailable(lost.instance_id)
         self.close()
         request = msgspec.structs.replace(
@@ -224,6 +226,8 @@ class EngineRequest:
     def _lost_holder(self) -> InstanceLost | None:
         client, pool = self.dispatcher.client, self.dispatcher.pool
         for holder in self._watched():
+            if pool.restarted(holder):
+                return InstanceLost(f"instance {holder.instance_id} restarted", holder.instance_id, healthy=True)
             silence = client.silent_for(holder.instance_id, self.sent_at)
             if silence > self.dispatcher.stall_timeout_s:
                 return InstanceLost(f"instance {holder.instance_id} made no progress for {silence:.0f}s",

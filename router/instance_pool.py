@@ -132,6 +132,13 @@ class InstancePool:
     def get(self, instance_id: str) -> InstanceInfo | None:
         return self._instances.get(instance_id)
 
+    def restarted(self, holder: InstanceInfo) -> bool:
+        """True when the registry lists another process under ``holder``'s id than the one ``holder``
+        describes (another ``started_at``): the instance restarted, and what its last process held is
+        gone, however alive the id looks (the new process heartbeats and sends progress under it)."""
+        current = self._instances.get(holder.instance_id)
+        return current is not None and holder.started_at > 0 and current.started_at != holder.started_at
+
     def vanished(self, instance_id: str) -> bool:
         """True only when the registry has not listed the instance for the grace period."""
         return self.registry_ok and instance_id not in self._instances

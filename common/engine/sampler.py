@@ -259,8 +259,8 @@ class Sampler:
         tables = [table for _, table in results if table is not None]
         logprobs: list[PositionLogprobs | None] = [None] * num_rows
         if tables:
-            # One transfer: float64 holds every float32 value and every token id exactly.
-            lines: list[list[float]] = torch.cat(tables).tolist()
+            # One transfer (see ``_sample_rows`` for why its floats hold the ids exactly).
+            lines: list[list[float]] = (tables[0] if len(tables) == 1 else torch.cat(tables)).tolist()
             for (row, k), line in zip(plan.logprob_rows, lines, strict=True):
                 top = [TokenLogprob(int(line[1 + k_max + j]), line[1 + j]) for j in range(k)]
                 logprobs[row] = PositionLogprobs(tokens[row], line[0], top)
@@ -270,7 +270,9 @@ class Sampler:
         self, logits: Tensor, requests: list[Request], plan: _ChunkPlan, owned: bool, k_max: int
     ) -> tuple[Tensor, Tensor | None]:
         """Token ids for ``requests`` from their float32 rows ``logits`` (written only if ``owned``), and
-        for the rows that asked for logprobs ``[token logprob, k_max top values, k_max top ids]`` in float64."""
+        for the rows that asked for logprobs ``[token logprob, k_max top values, k_max top ids]``, in
+        float32 where every token id is below 2**24 (float32 holds each of them exactly, as it holds the
+        logprobs), else in float64."""
         raw = torch.log_softmax(_take(logits, plan.lp_index), dim=-1) if plan.lp_rows else None
         constrained = self._constrained(logits, requests, plan, owned)
         owned, logits = owned or constrained is not logits, constrained
@@ -287,6 +289,8 @@ class Sampler:
         if k_max:
             top = raw.topk(k_max, dim=-1)
             parts += [top.values, top.indices]
+        if logits.shape[-1] <= 1 << 24:  # ids and logprobs both exact in float32: one conversion
+            return token_ids, torch.cat([p if p.is_floating_point() else p.float() for p in parts], dim=1)
         return token_ids, torch.cat([p.double() for p in parts], dim=1)
 
     def _constrained(self, logits: Tensor, requests: list[Request], plan: _ChunkPlan, owned: bool) -> Tensor:

@@ -48,7 +48,10 @@ class FakeEngine(threading.Thread):
     lost, retryable; later ones are "ok"), "lose-choice-1-midstream-once" (the same for the first
     choice 1 of an n > 1 request) or "stall-once" (after its third token, the first request
     it streams gets nothing more, while the engine stays registered, as a step that never ends) or
-    "overloaded-once" (refuses its first request as overloaded, as a full waiting queue does). A continued request (``output_token_ids``) resumes
+    "overloaded-once" (refuses its first request as overloaded, as a full waiting queue does) or
+    "restart-once" (after its third token, the first request it streams is forgotten, as by a
+    process restarted under the same id: the registry entry gets a new ``started_at``, and nothing
+    else tells the router). A continued request (``output_token_ids``) resumes
     the canned tokens after the ones it already has."""
 
     def __init__(
@@ -83,6 +86,7 @@ class FakeEngine(threading.Thread):
         self._aborted: set[str] = set()
         self.address = ""
         self._heartbeat: HeartbeatThread | None = None
+        self.started_at = time.time()
 
     def info(self) -> InstanceInfo:
         return InstanceInfo(
@@ -94,6 +98,7 @@ class FakeEngine(threading.Thread):
             block_size=self.block_size,
             max_model_len=256,
             num_requests_running=len(self._active),
+            started_at=self.started_at,
         )
 
     def start(self) -> None:
@@ -229,6 +234,10 @@ class FakeEngine(threading.Thread):
             active.next_time = now + self.token_delay_s
             if active.produced >= self._limit(active.request):
                 del self._active[request_id]
+            elif self.mode == "restart-once" and active.produced == 3:
+                self.mode = "ok"
+                self._active.clear()  # the new process holds nothing
+                self.started_at += 1.0  # and registers as another process under the same id
             elif self.mode == "stall-once" and active.produced == 3:
                 self.mode = "ok"
                 del self._active[request_id]  # silence from here on for this request

@@ -135,6 +135,27 @@ def test_a_stalled_engine_that_stays_registered_is_taken_for_dead_and_the_reques
         assert wait_until(lambda: any(a.endswith("-0") for a in cluster.aborts().get("decode-0", [])))
 
 
+def test_an_engine_restarted_under_the_same_id_does_not_strand_its_requests(redis_url: str, prompts: Any) -> None:
+    """A decode instance restarts under its id mid-stream (a rolling restart, a supervisor): the new
+    process heartbeats under the id, so the id never looks silent or gone, but it does not hold the
+    request. The registry entry's ``started_at`` changed: the router continues the request at once,
+    long before the stall timeout, from the 3 tokens it streamed, and on the restarted instance
+    itself (the only decode one), which it does not take for unavailable."""
+    body = {"model": SERVED_MODEL, "prompt": PROMPT, "max_tokens": 6}
+    with running(redis_url, prompts, cluster_kw={"decode_mode": "restart-once"}, engine_stall_timeout_s=60.0) as (
+        server, cluster,
+    ):
+        started = time.monotonic()
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=90)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == " one two three four five six"
+        assert time.monotonic() - started < 30  # not the stall timeout (60 s)
+        [continued] = [r for r in cluster.requests() if r.request_id.endswith(".m1")]
+        assert len(continued.output_token_ids) == 3
+        assert continued.decode_target is not None and continued.decode_target.instance_id == "decode-0"
+        assert "decode-0" not in server.state.pool._unavailable_until  # no quarantine for a healthy restart
+
+
 def test_silent_engine_times_out_with_504_and_abort(redis_url: str, prompts: Any) -> None:
     with running(redis_url, prompts, cluster_kw={"mode": "silent"}, request_timeout_s=0.5) as (
         server,

@@ -116,22 +116,29 @@ def test_one_lost_choice_of_an_n_request_continues_alone_from_its_own_seed(redis
         assert len(continued.output_token_ids) <= 3
 
 
+def _continued_after_three_tokens(server: RouterServer, cluster: FakeCluster, within_s: float) -> Any:
+    """A 6-token completion whose first attempt stops after 3 tokens: the whole text arrives within
+    ``within_s``, and the request continued (``.m1``) from those 3; returns the continued request."""
+    body = {"model": SERVED_MODEL, "prompt": PROMPT, "max_tokens": 6}
+    started = time.monotonic()
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=within_s + 60)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == " one two three four five six"
+    assert time.monotonic() - started < within_s
+    [continued] = [r for r in cluster.requests() if r.request_id.endswith(".m1")]
+    assert len(continued.output_token_ids) == 3
+    return continued
+
+
 def test_a_stalled_engine_that_stays_registered_is_taken_for_dead_and_the_request_continues(
     redis_url: str, prompts: Any
 ) -> None:
     """No output and no progress for longer than the stall timeout: the router continues the
     request elsewhere although the registry still lists the instance (its heartbeat thread lives)."""
-    body = {"model": SERVED_MODEL, "prompt": PROMPT, "max_tokens": 6}
     with running(redis_url, prompts, cluster_kw={"decode_mode": "stall-once"}, engine_stall_timeout_s=1.0) as (
         server, cluster,
     ):
-        started = time.monotonic()
-        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
-        assert response.status_code == 200, response.text
-        assert response.json()["choices"][0]["text"] == " one two three four five six"
-        assert time.monotonic() - started < 20
-        [continued] = [r for r in cluster.requests() if r.request_id.endswith(".m1")]
-        assert len(continued.output_token_ids) == 3
+        _continued_after_three_tokens(server, cluster, within_s=20)
         assert wait_until(lambda: any(a.endswith("-0") for a in cluster.aborts().get("decode-0", [])))
 
 
@@ -141,17 +148,10 @@ def test_an_engine_restarted_under_the_same_id_does_not_strand_its_requests(redi
     request. The registry entry's ``started_at`` changed: the router continues the request at once,
     long before the stall timeout, from the 3 tokens it streamed, and on the restarted instance
     itself (the only decode one), which it does not take for unavailable."""
-    body = {"model": SERVED_MODEL, "prompt": PROMPT, "max_tokens": 6}
     with running(redis_url, prompts, cluster_kw={"decode_mode": "restart-once"}, engine_stall_timeout_s=60.0) as (
         server, cluster,
     ):
-        started = time.monotonic()
-        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=90)
-        assert response.status_code == 200, response.text
-        assert response.json()["choices"][0]["text"] == " one two three four five six"
-        assert time.monotonic() - started < 30  # not the stall timeout (60 s)
-        [continued] = [r for r in cluster.requests() if r.request_id.endswith(".m1")]
-        assert len(continued.output_token_ids) == 3
+        continued = _continued_after_three_tokens(server, cluster, within_s=30)  # not the stall timeout (60 s)
         assert continued.decode_target is not None and continued.decode_target.instance_id == "decode-0"
         assert "decode-0" not in server.state.pool._unavailable_until  # no quarantine for a healthy restart
 

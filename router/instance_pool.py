@@ -136,7 +136,7 @@ class InstancePool:
         """True when the registry lists another process under ``holder``'s id than the one ``holder``
         describes (another ``started_at``): the instance restarted, and what its last process held is
         gone, however alive the id looks (the new process heartbeats and sends progress under it)."""
-        current = self._instances.get(holder.instance_id)
+        current = self.get(holder.instance_id)
         return current is not None and holder.started_at > 0 and current.started_at != holder.started_at
 
     def vanished(self, instance_id: str) -> bool:

@@ -144,12 +144,11 @@ class DecodeGraphs:
         """Copy a step's inputs into the static buffers' first rows; rows up to ``size`` become padding."""
         n = inputs.context_lens.shape[0]
         width = inputs.block_tables.shape[1]
-        dev = self.input_ids.device
         self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:n].copy_(inputs.positions, non_blocking=True)
         self.slot_mapping[:n].copy_(inputs.slot_mapping, non_blocking=True)
         self.context_lens[:n].copy_(inputs.context_lens, non_blocking=True)
-        self.block_tables[:n, :width].copy_(inputs.block_tables.to(dev, non_blocking=True))
+        self.block_tables[:n, :width].copy_(inputs.block_tables, non_blocking=True)
         if size > n:
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
@@ -161,8 +160,8 @@ class DecodeGraphs:
         """Hidden states ``[num_seqs, hidden]`` of a step that ``fits``: replayed from its graph, or (no
         capture) the same padded forward run eagerly."""
         n = inputs.context_lens.shape[0]
-        size = self.padded_size(n)
-        assert size is not None and self.fits(inputs), "run() takes only decode steps that fit a graph"
+        size = self.padded_size(n)  # the caller checked ``fits``
+        assert size is not None, "run() takes only decode steps that fit a graph"
         self.load(inputs, size)
         self.num_runs += 1
         if not self.use_graphs:

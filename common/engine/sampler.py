@@ -289,9 +289,8 @@ class Sampler:
         if k_max:
             top = raw.topk(k_max, dim=-1)
             parts += [top.values, top.indices]
-        if logits.shape[-1] <= 1 << 24:  # ids and logprobs both exact in float32: one conversion
-            return token_ids, torch.cat([p if p.is_floating_point() else p.float() for p in parts], dim=1)
-        return token_ids, torch.cat([p.double() for p in parts], dim=1)
+        dtype = torch.float32 if logits.shape[-1] <= 1 << 24 else torch.float64  # every id exact
+        return token_ids, torch.cat([p.to(dtype) for p in parts], dim=1)
 
     def _constrained(self, logits: Tensor, requests: list[Request], plan: _ChunkPlan, owned: bool) -> Tensor:
         """``logits`` plus every row's ``logit_bias`` (one scatter-add), then with every token its

@@ -36,6 +36,8 @@ class EngineConfig:
     num_blocks: int | None = None  # overrides both sizings (tests, benchmarks)
     kernel_backend: str | None = None  # "torch" | "triton"; default by device
     enforce_eager: bool = False  # no CUDA graphs for decode steps (see common.engine.cuda_graphs)
+    # Schedule step N+1 while step N runs (see ``LLMEngine.step``).
+    async_scheduling: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -101,6 +103,10 @@ class EngineConfig:
                             help="run every step eagerly: no CUDA graphs for decode steps (on a GPU they "
                             "are captured at start for batch sizes 1, 2, 4, 8, 16, 32, ... up to "
                             "--max-num-seqs or 512)")
+        parser.add_argument("--async-scheduling", action="store_true",
+                            help="schedule and prepare each step while the device still runs the one "
+                            "before (its sampled ids feed the next step's inputs on the device); a "
+                            "step's tokens then leave one step later")
         if include_seed:
             parser.add_argument("--seed", type=int, default=d.seed, help="seed for requests without one")
 

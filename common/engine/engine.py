@@ -13,12 +13,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torch import Tensor
+
 from common.config import EngineConfig
 from common.engine.grammar import GrammarCache, GrammarState
 from common.engine.model_runner import ModelRunner
 from common.engine.request import Request, RequestStatus
-from common.engine.sampler import Sampler
-from common.engine.scheduler import Scheduler
+from common.engine.sampler import SampledTokens, Sampler
+from common.engine.scheduler import Scheduler, SchedulerOutput
 from common.kvcache.hashing import BlockHash
 from common.kvcache.kv_cache_manager import KVCacheManager
 from common.protocol import MAX_PROMPT_LOGPROB_ENTRIES, PositionLogprobs, PromptLogprob, choice_request_id
@@ -74,6 +76,19 @@ class EngineStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class _Launched:
+    """A step whose sampling is queued: its sampled rows' requests (in row order) and their tokens
+    on the way to the host."""
+
+    requests: list[Request]
+    sampled: SampledTokens
+    # Prefill of an n > 1 request whose KV is transferred: its other choices, sampled here only.
+    sampled_only: dict[str, list[Request]]
+    # Async scheduling: the requests that hold a placeholder for their token of this step.
+    placeholders: list[Request] = field(default_factory=list)
+
+
 # A transfer may be reading or writing these requests' blocks: only ``release_kv`` frees them.
 _TRANSFER_STATES = (RequestStatus.HELD_FOR_TRANSFER, RequestStatus.WAITING_FOR_REMOTE_KV)
 _FINISHED = {
@@ -109,6 +124,7 @@ class LLMEngine:
             sorted(self.eos_token_ids),
         )
         self._pending: list[EngineOutput] = []
+        self._in_flight: _Launched | None = None  # async scheduling: the step whose tokens are on their way
         # Decode side, n > 1: first tokens of choices 1.. per request waiting for remote KV, and
         # the choices aborted before they exist; they fork when the KV has arrived.
         self._remote_choices: dict[str, list[int]] = {}
@@ -352,24 +368,58 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the step
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._pending)
+        return self.scheduler.num_unfinished > 0 or bool(self._pending) or self._in_flight is not None
 
     def step(self) -> list[EngineOutput]:
+        """Schedule, run and sample one step; the outputs of the step that finished.
+
+        Synchronous (the default), that is this step: its tokens reach the host before ``step``
+        returns. With ``async_scheduling`` the step is left in flight and the call returns the outputs
+        of the one before, so the host schedules and prepares step N+1 while the device still runs
+        step N (on a GPU kernel launches do not wait). Step N+1's input ids for the tokens N samples
+        are read on the device from N's sampled ids (placeholders on the host until then); N's
+        tokens come to the host after N+1's forward is queued and before N+1 samples, so stop checks,
+        grammars, penalties and seeds see every token as in a synchronous step. A request N finishes
+        was scheduled in N+1 for nothing: its row's forward is wasted and it is not sampled.
+        """
         outputs, self._pending = self._pending, []
+        prev, self._in_flight = self._in_flight, None
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if prev is not None:
+                outputs += self._resolve(prev)
             return outputs
-        completing = [s.request for s in sched.scheduled if s.completes]
-        logits = self.runner.execute(sched)
+        logits = self.runner.execute(sched, prev.sampled.token_ids if prev is not None and prev.placeholders else None)
+        if prev is not None:
+            outputs += self._resolve(prev)
+        launched = self._sample(sched, logits)
+        if launched is None:
+            return outputs
+        if self.config.async_scheduling:
+            self._leave_placeholders(launched)
+            self._in_flight = launched
+        else:
+            outputs += self._resolve(launched)
+        return outputs
+
+    def _sample(self, sched: SchedulerOutput, logits: Tensor) -> _Launched | None:
+        """After a forward: progress, forks, and the sampling of every row that completes (queued, not
+        waited for); None when no row samples."""
         self.scheduler.update_after_step(sched)
         self._track_slot_use()
-
         rows: list[int] = []
         reqs: list[Request] = []
         # Prefill of an n > 1 request whose KV is transferred: its other choices are only sampled
         # here (their first tokens); they run on the decode instance.
         sampled_only: dict[str, list[Request]] = {}
-        for row, req in enumerate(completing):
+        row = -1
+        for s in sched.scheduled:
+            if not s.completes:
+                continue
+            row += 1
+            req = s.request
+            if req.is_finished:  # async: finished by the step resolved after this one was launched
+                continue
             rows.append(row)
             reqs.append(req)
             if req.sampling_params.n > 1 and not req.forked:
@@ -384,13 +434,41 @@ class LLMEngine:
                     rows.append(row)
                     reqs.append(child)
         if not reqs:
-            return outputs
-        # Without n > 1 forks the rows are the logits' own, in order: no gathered copy.
-        result = self.sampler(logits if len(rows) == len(logits) else logits[rows], reqs)
+            return None
+        # Without n > 1 forks or dropped rows the rows are the logits' own, in order: no gathered copy.
+        sampled = self.sampler.sample(logits if len(rows) == len(logits) else logits[rows], reqs)
+        return _Launched(reqs, sampled, sampled_only)
+
+    def _leave_placeholders(self, launched: _Launched) -> None:
+        """Async scheduling: a placeholder for each sampled row's token, so that the next step schedules
+        its request before the token is known; none where the token surely ends the request or hands
+        it to a transfer (it sits the next step out)."""
+        max_model_len = self.max_model_len
+        for row, req in enumerate(launched.requests):
+            if (
+                req.kv_transfer or req.request_id not in self.scheduler.requests
+                or len(req.output_token_ids) + 1 >= req.sampling_params.max_tokens
+                or len(req.all_token_ids) + 1 >= max_model_len
+            ):
+                continue
+            req.append_placeholder(row)
+            launched.placeholders.append(req)
+
+    def _resolve(self, launched: _Launched) -> list[EngineOutput]:
+        """Wait for a launched step's tokens; append them, check stops, build its outputs."""
+        result = launched.sampled.result()
+        outputs: list[EngineOutput] = []
         now = time.monotonic()
         check_stop = self._check_stop
-        for req, token, lp in zip(reqs, result.token_ids, result.logprobs, strict=True):
-            req.append_output_token(token)
+        for req, token, lp in zip(launched.requests, result.token_ids, result.logprobs, strict=True):
+            if req.is_finished:  # aborted while in flight: the token is dropped
+                continue
+            if req.has_placeholder:  # async: the one this row left (a request holds at most one)
+                # Before the next step's progress is marked: a block this token fills is cached
+                # then, under the hash this computes.
+                req.resolve_placeholder(token)
+            else:
+                req.append_output_token(token)
             first = req.first_token_time is None
             if first:
                 req.first_token_time = now
@@ -413,7 +491,7 @@ class LLMEngine:
                 outputs[-1].queue_time = req.scheduled_time - req.arrival_time
                 outputs[-1].prefill_time = now - req.scheduled_time
         for out in outputs:
-            children = sampled_only.get(out.request_id)
+            children = launched.sampled_only.get(out.request_id)
             if children is not None and out.kv_handoff is not None:
                 out.kv_handoff.choice_token_ids.extend(
                     [out.new_token_ids[0], *(c.output_token_ids[-1] for c in children)]

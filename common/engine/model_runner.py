@@ -13,6 +13,7 @@ from torch import Tensor
 
 from common.config import EngineConfig
 from common.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from common.engine.host_tensors import long_tensor, to_device
 from common.engine.input_batch import InputBatch
 from common.engine.scheduler import SchedulerOutput
 from common.model.llama import AttentionMetadata
@@ -104,40 +105,46 @@ class ModelRunner:
         return int(num)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> Tensor:
+    def execute(self, out: SchedulerOutput, prev_token_ids: Tensor | None = None) -> Tensor:
         """Run one forward; logits ``[num_completing, vocab]``, on the runner's device, for requests that
         finish their tokens.
 
-        Performs pending copy-on-write block copies first, then stores this step's K/V.
+        Performs pending copy-on-write block copies first, then stores this step's K/V. With async
+        scheduling, input ids that are placeholders (``Request.append_placeholder``: ``-1 - row``) are
+        read on the device from ``prev_token_ids``, the step in flight's sampled ids: nothing waits.
         """
+        dev = self.device
         if out.block_copies:
             src, dst = zip(*out.block_copies, strict=True)
-            self.kernels.copy_blocks(
-                self.kv_cache, torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
-            )
+            self.kernels.copy_blocks(self.kv_cache, long_tensor(src, dev), long_tensor(dst, dev))
         inputs = self.input_batch.prepare(out.scheduled)
-        dev = self.device
+        input_ids = to_device(inputs.input_ids, dev)
+        if prev_token_ids is not None:
+            # A few tensor operations whether or not any id is a placeholder: no branch on the data.
+            rows = (-1 - input_ids).clamp_(min=0)
+            input_ids = torch.where(input_ids < 0, prev_token_ids.index_select(0, rows), input_ids)
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(inputs):
             # One token per sequence (decode, or a prompt's last one-token chunk): replayed. Its
             # hidden rows are the real rows only, all a step with one token per sequence needs.
+            inputs.input_ids = input_ids
             hidden = graphs.run(inputs)
         else:
             meta = AttentionMetadata(
-                slot_mapping=inputs.slot_mapping.to(dev),
-                block_tables=inputs.block_tables.to(dev),
-                query_start_loc=inputs.query_start_loc.to(dev),
-                context_lens=inputs.context_lens.to(dev),
+                slot_mapping=to_device(inputs.slot_mapping, dev),
+                block_tables=to_device(inputs.block_tables, dev),
+                query_start_loc=to_device(inputs.query_start_loc, dev),
+                context_lens=to_device(inputs.context_lens, dev),
                 max_query_len=inputs.max_query_len,
             )
-            hidden = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), meta, self.kv_cache)
+            hidden = self.model(input_ids, to_device(inputs.positions, dev), meta, self.kv_cache)
         if any(s.request.prompt_logprobs is not None for s in out.scheduled):
             self._prompt_logprobs(out, hidden, inputs.query_start_loc.tolist())
         if len(inputs.sample_idx) == 0:
             return torch.empty(0, self.vocab_size, device=dev)
         # Only the completing rows' logits are computed, and they stay on the device: the sampler
         # runs there and only the sampled ids (and requested logprobs) cross to the host.
-        logits: Tensor = self.model.compute_logits(hidden[inputs.sample_idx.to(dev)])
+        logits: Tensor = self.model.compute_logits(hidden[to_device(inputs.sample_idx, dev)])
         return logits
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: Tensor, query_start: list[int]) -> None:

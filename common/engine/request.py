@@ -98,6 +98,8 @@ class Request:
         # Prompt logprobs as the prompt's chunks compute them (position i: token i given those before
         # it); set while they are wanted and not yet sent with the first token.
         self.prompt_logprobs: list[PromptLogprob | None] | None = None
+        # Async scheduling: the last token is a placeholder for one a step in flight samples.
+        self.has_placeholder = False
         if sampling_params.seed is not None:
             # Choice i of an n > 1 request draws from seed + i (see ``fork``).
             self.draw_seed = sampling_params.seed + seed_offset
@@ -136,6 +138,21 @@ class Request:
                     start=len(self.block_hashes), parent=parent,
                 )
             )
+
+    def append_placeholder(self, row: int) -> None:
+        """Async scheduling: stand-in for the token that row ``row`` of the step in flight samples, so the
+        next step can be scheduled (and its input read on the device) before the token is known. It
+        is negative (``-1 - row``); only lengths may be read until ``resolve_placeholder``."""
+        self.output_token_ids.append(-1 - row)
+        self.all_token_ids.append(-1 - row)
+        self.has_placeholder = True
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        """The sampled token in place of the placeholder, taken as ``append_output_token`` takes one."""
+        self.output_token_ids.pop()
+        self.all_token_ids.pop()
+        self.has_placeholder = False
+        self.append_output_token(token_id)
 
     def fork(self, request_id: str, seed_offset: int) -> Request:
         """A copy with the same tokens and progress (n > 1); the caller shares the blocks."""

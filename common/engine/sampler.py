@@ -66,6 +66,49 @@ class SampleResult:
     logprobs: list[PositionLogprobs | None]
 
 
+class SampledTokens:
+    """One step's sampled ids (and logprob table) where they were sampled, on their way to the host.
+
+    ``token_ids`` stays on the device: async scheduling reads the next step's input ids from it there.
+    On a GPU the copies to pinned host memory start at once, without waiting; ``result`` waits for them
+    (the host's one sync per step) and builds the per-row lists.
+    """
+
+    def __init__(
+        self, token_ids: Tensor, table: Tensor | None = None,
+        logprob_rows: list[tuple[int, int]] | None = None, k_max: int = 0,
+    ) -> None:
+        self.token_ids = token_ids
+        self._logprob_rows = logprob_rows or []
+        self._k_max = k_max
+        self._event: torch.cuda.Event | None = None
+        if token_ids.device.type == "cuda":
+            self._ids = _to_pinned(token_ids)
+            self._table = None if table is None else _to_pinned(table)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._ids, self._table = token_ids, table
+
+    def result(self) -> SampleResult:
+        if self._event is not None:
+            self._event.synchronize()
+        tokens: list[int] = self._ids.tolist()
+        logprobs: list[PositionLogprobs | None] = [None] * len(tokens)
+        if self._table is not None:
+            k_max = self._k_max
+            lines: list[list[float]] = self._table.tolist()
+            for (row, k), line in zip(self._logprob_rows, lines, strict=True):
+                top = [TokenLogprob(int(line[1 + k_max + j]), line[1 + j]) for j in range(k)]
+                logprobs[row] = PositionLogprobs(tokens[row], line[0], top)
+        return SampleResult(tokens, logprobs)
+
+
+def _to_pinned(t: Tensor) -> Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
 class _Group:
     """The greedy, or the sampled, rows of a chunk, and what their steps share while the chunk holds
     the same requests in the same order: row indices and parameter tensors, built once."""
@@ -230,13 +273,16 @@ class Sampler:
         self._plan: _BatchPlan | None = None  # the last batch's
 
     def __call__(self, logits: Tensor, requests: list[Request]) -> SampleResult:
-        """Sample one token per row of ``logits`` ``[len(requests), vocab]``; ``logits`` is not mutated.
+        """Sample one token per row of ``logits`` ``[len(requests), vocab]`` and wait for them on the host."""
+        return self.sample(logits, requests).result()
 
-        Advances the generator of every seeded request whose row is sampled (not greedy) by one draw.
-        """
+    def sample(self, logits: Tensor, requests: list[Request]) -> SampledTokens:
+        """One token per row of ``logits`` ``[len(requests), vocab]``, left where the logits are (with
+        the requested logprobs); ``logits`` is not mutated. Reads each request's parameters, grammar
+        state and output so far: every token before this one must be known."""
         num_rows, vocab = len(requests), logits.shape[-1]
         if num_rows == 0:
-            return SampleResult([], [])
+            return SampledTokens(torch.empty(0, dtype=torch.long, device=logits.device))
         for token_rows in self._penalty_tokens.values():
             token_rows.begin_step()
         x = logits.float()
@@ -247,7 +293,7 @@ class Sampler:
         if plan is None or not plan.fits(requests, vocab, x.device, chunk):
             plan = self._plan = _BatchPlan(requests, self.eos_token_ids, vocab, x.device, chunk)
         if plan.plain or not plan.has_work():  # all greedy, nothing else: one argmax
-            return SampleResult(x.argmax(dim=-1).tolist(), [None] * num_rows)
+            return SampledTokens(x.argmax(dim=-1))
         k_max = plan.k_max
         results = [
             self._sample_rows(x[start : start + chunk], requests[start : start + chunk], chunk_plan,
@@ -255,16 +301,10 @@ class Sampler:
             for start, chunk_plan in zip(range(0, num_rows, chunk), plan.chunks(), strict=True)
         ]
         token_ids = results[0][0] if len(results) == 1 else torch.cat([t for t, _ in results])
-        tokens: list[int] = token_ids.tolist()
         tables = [table for _, table in results if table is not None]
-        logprobs: list[PositionLogprobs | None] = [None] * num_rows
-        if tables:
-            # One transfer (see ``_sample_rows`` for why its floats hold the ids exactly).
-            lines: list[list[float]] = (tables[0] if len(tables) == 1 else torch.cat(tables)).tolist()
-            for (row, k), line in zip(plan.logprob_rows, lines, strict=True):
-                top = [TokenLogprob(int(line[1 + k_max + j]), line[1 + j]) for j in range(k)]
-                logprobs[row] = PositionLogprobs(tokens[row], line[0], top)
-        return SampleResult(tokens, logprobs)
+        # One transfer each (see ``_sample_rows`` for why the table's floats hold the ids exactly).
+        table = (tables[0] if len(tables) == 1 else torch.cat(tables)) if tables else None
+        return SampledTokens(token_ids, table, plan.logprob_rows, k_max)
 
     def _sample_rows(
         self, logits: Tensor, requests: list[Request], plan: _ChunkPlan, owned: bool, k_max: int

@@ -156,6 +156,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = len(req.all_token_ids) - req.num_computed_tokens  # 1 for a decode
+            if num_new == 0:
+                # Async scheduling: its token is being sampled by the step in flight, which will finish
+                # it or hand it to a transfer (the engine leaves no placeholder then): it sits out.
+                i += 1
+                continue
             if num_new > 1:
                 num_new = min(self._capped(num_new), budget)
             while not self.kv.allocate_slots(req, num_new):
@@ -223,10 +228,13 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance progress of every scheduled request and cache its newly full blocks."""
+        """Advance progress of every scheduled request and cache its newly full blocks (not of one
+        that finished meanwhile: async scheduling resolves the step before it after launching this)."""
         mark_computed = self.kv.mark_computed
         for s in out.scheduled:
             req = s.request
+            if req.status >= RequestStatus.FINISHED_STOPPED:
+                continue
             req.num_computed_tokens += s.num_new_tokens
             mark_computed(req)
 

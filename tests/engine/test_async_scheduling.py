@@ -1,0 +1,169 @@
+"""Async scheduling (``EngineConfig.async_scheduling``) gives exactly what synchronous steps give.
+
+With it, step N+1 is scheduled and its forward queued before step N's tokens reach the host; its
+input ids for those tokens are read from N's sampled ids on the device. On the CPU nothing runs
+concurrently, but every piece of the pipeline does: placeholders, the device-side gather of the
+ids, rows of requests that finished in the step before (forwarded, not sampled), requests that sit a
+step out, aborts and preemptions while a step is in flight. Each test runs the same requests both
+ways and compares tokens, logprobs and finish reasons; ``engine_factory`` checks after each test
+that every block is back and the pool is sound.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.engine.engine import EngineOutput, LLMEngine
+from common.sampling_params import SamplingParams, StructuredOutput
+from tests.engine.conftest import hf_greedy, prompt_ids
+
+Run = dict[str, tuple[list[int], list[object], str | None]]
+
+
+def _run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]],
+         abort_after: dict[str, int] | None = None) -> Run:
+    """Every request's tokens, logprobs and finish reason; ``abort_after``: abort a request once that
+    many of its tokens came out."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    out: Run = {}
+    abort_after = dict(abort_after or {})
+    num_steps = 0
+    while engine.has_unfinished_requests():
+        num_steps += 1
+        assert num_steps < 2000, "the engine stopped making progress"
+        outputs: list[EngineOutput] = engine.step()
+        for o in outputs:
+            assert o.error is None, o.error
+            tokens, logprobs, _ = out.setdefault(o.request_id, ([], [], None))
+            tokens += o.new_token_ids
+            logprobs += o.logprobs or []
+            out[o.request_id] = (tokens, logprobs, o.finish_reason)
+        for rid, count in list(abort_after.items()):
+            if rid in out and len(out[rid][0]) >= count:
+                assert engine.abort_request(rid)
+                del abort_after[rid]
+    return out
+
+
+def _tokens(run: Run) -> dict[str, tuple[list[int], str | None]]:
+    return {rid: (tokens, reason) for rid, (tokens, _, reason) in run.items()}
+
+
+def _both(engine_factory, requests, **config) -> tuple[Run, Run]:  # type: ignore[no-untyped-def]
+    sync = _run(engine_factory(**config), requests)
+    engine = engine_factory(async_scheduling=True, **config)
+    return sync, _run(engine, requests)
+
+
+def test_greedy_equals_transformers_and_sync_while_requests_come_and_go(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """Four sequences at a time over 16 prompts of different output lengths: requests finish in the
+    middle of the batch (their next row is forwarded for nothing) and waiting ones take their place."""
+    prompts = [list(p) for p in prompt_ids()]
+    requests = [
+        (f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=8 + 5 * (i % 7), ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
+    sync, asyn = _both(engine_factory, requests, max_num_seqs=4)
+    assert asyn == sync
+    for rid, prompt, params in requests:
+        assert tuple(asyn[rid][0]) == hf_greedy(tuple(prompt))[: params.max_tokens], rid
+        assert asyn[rid][2] == "length"
+
+
+def test_async_steps_leave_one_step_in_flight(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """The first step returns nothing (its tokens are on their way); each step after returns the
+    tokens of the one before, and the last call returns the last tokens with nothing left running."""
+    engine = engine_factory(async_scheduling=True)
+    engine.add_request("a", list(prompt_ids()[0]), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert engine.step() == []
+    assert engine.has_unfinished_requests()
+    counts = []
+    while engine.has_unfinished_requests():
+        counts.append([len(o.new_token_ids) for o in engine.step()])
+    assert counts == [[1], [1], [1]]
+    assert engine.scheduler.running == []
+
+
+def test_stop_tokens_mixed_sampling_logprobs_and_seeds_match_sync(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """Stops the host only learns of after the next step was queued, and every part of the sampler
+    that reads the tokens so far (penalties, min_tokens bans, seeded draws by output position, a
+    grammar's mask) see the same tokens as in synchronous steps. Unseeded draws are left out: with
+    async scheduling a waiting request may join a step later, which changes the batch a shared
+    generator draws for."""
+    prompts = [list(p) for p in prompt_ids()[:8]]
+    reference = _run(engine_factory(), [("probe", prompts[0], SamplingParams(temperature=0.0, max_tokens=12))])
+    stop_at = reference["probe"][0][6]  # a token greedy decoding reaches at its seventh step
+    variants = [
+        SamplingParams(temperature=0.0, stop_token_ids=[stop_at], max_tokens=24),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=11, logprobs=3, max_tokens=20),
+        SamplingParams(temperature=0.7, top_k=40, repetition_penalty=1.3, seed=5, max_tokens=18),
+        SamplingParams(temperature=1.0, presence_penalty=0.8, frequency_penalty=0.4, seed=7, min_tokens=6,
+                       max_tokens=16),
+        SamplingParams(temperature=0.0, logprobs=2, max_tokens=14),
+        SamplingParams(temperature=0.8, min_p=0.05, seed=3, n=3, max_tokens=10),
+        SamplingParams(temperature=0.0, max_tokens=40, structured_output=StructuredOutput(
+            kind="choice", spec=json.dumps(["Paris", "London", "Rome"]))),
+        SamplingParams(temperature=0.0, stop_token_ids=[stop_at], max_tokens=9),
+    ]
+    requests = [(f"m{i}", prompts[i % len(prompts)], p) for i, p in enumerate(variants)]
+    sync, asyn = _both(engine_factory, requests, max_num_seqs=6)
+    assert _tokens(asyn) == _tokens(sync)
+    # Logprobs to float32 rounding: the forward's batches differ (a finished request's wasted row, a
+    # waiting one joining a step later), and a matrix product's sums depend on the rows it holds.
+    for rid, (_, logprobs, _) in sync.items():
+        assert len(asyn[rid][1]) == len(logprobs), rid
+        for a, s in zip(asyn[rid][1], logprobs, strict=True):
+            assert a.token_id == s.token_id and [t.token_id for t in a.top] == [t.token_id for t in s.top]
+            assert a.logprob == pytest.approx(s.logprob, abs=1e-4)
+            assert [t.logprob for t in a.top] == pytest.approx([t.logprob for t in s.top], abs=1e-4)
+    assert sync["m0"][2] == "stop" and sync["m0"][0][-1] == stop_at
+    assert sync["m6"][2] == "stop"
+    assert {f"m5#{i}" for i in (1, 2)} <= set(sync)
+
+
+def test_preemption_while_a_step_is_in_flight_matches_sync(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """A pool too small for the batch: the scheduler preempts requests whose token is still on its
+    way; they resume from it by recompute, and every output equals transformers."""
+    prompts = [list(p) for p in prompt_ids()[:6]]
+    requests = [(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+    sync_engine = engine_factory(num_blocks=12, max_num_seqs=6)
+    sync = _run(sync_engine, requests)
+    async_engine = engine_factory(num_blocks=12, max_num_seqs=6, async_scheduling=True)
+    asyn = _run(async_engine, requests)
+    assert async_engine.scheduler.num_preemptions > 0
+    assert asyn == sync
+    for rid, prompt, _ in requests:
+        assert tuple(asyn[rid][0]) == hf_greedy(tuple(prompt))[:40], rid
+
+
+def test_abort_while_in_flight_drops_the_token_and_frees_the_blocks(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    prompts = [list(p) for p in prompt_ids()[:3]]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    engine = engine_factory(async_scheduling=True)
+    out = _run(engine, [(f"a{i}", p, params) for i, p in enumerate(prompts)], abort_after={"a1": 5})
+    # Aborted with a step in flight whose token was never sent; the others ran on untouched.
+    assert out["a1"][2] == "abort"
+    assert 5 <= len(out["a1"][0]) < 30
+    assert out["a1"][0] == list(hf_greedy(tuple(prompts[1]))[: len(out["a1"][0])])
+    for i in (0, 2):
+        assert tuple(out[f"a{i}"][0]) == hf_greedy(tuple(prompts[i]))[:30]
+
+
+def test_a_block_filled_by_a_token_in_flight_is_cached(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """A decode token that fills a block is known on the host only after the next step was queued;
+    the block is still cached under its hash, so a later request extending that output hits it."""
+    prompt = list(prompt_ids()[0])
+    hits = []
+    for async_scheduling in (False, True):
+        engine = engine_factory(async_scheduling=async_scheduling)
+        first = _run(engine, [("first", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))])
+        follow = prompt + first["first"][0][:36]
+        engine.add_request("second", follow, SamplingParams(temperature=0.0, max_tokens=1))
+        while engine.has_unfinished_requests():
+            engine.step()
+        hits.append(engine.kv.prefix_cache_hits)
+    assert hits[0] == hits[1] >= (len(prompt) + 32) // 16 * 16

@@ -363,16 +363,18 @@ def _exact(count: float) -> tuple[float, float]:
 def _engine_run(mode: str, batch: int, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, int]:
     """Greedy outputs, the median decode step (ms; steps where every request had its first token)
     and the steps that ran through ``DecodeGraphs``, of one engine on the default model: ``mode``
-    "eager" (``--enforce-eager``), "graphs" (captured and replayed) or "padded" (the graphs' padded
-    static-buffer forward run eagerly, what a replay must equal exactly)."""
+    "eager" (``--enforce-eager``), "graphs" (captured and replayed), "async" (graphs and
+    ``--async-scheduling``) or "padded" (the graphs' padded static-buffer forward run eagerly, what a
+    replay must equal exactly)."""
     from common.config import EngineConfig
     from common.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
     from common.engine.engine import LLMEngine
     from common.sampling_params import SamplingParams
 
     prompt_len = len(prompts[0])
-    config = EngineConfig(device="cuda", enforce_eager=mode != "graphs", max_num_seqs=batch,
-                          num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 64, seed=0)
+    config = EngineConfig(device="cuda", enforce_eager=mode not in ("graphs", "async"), max_num_seqs=batch,
+                          num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 64, seed=0,
+                          async_scheduling=mode == "async")
     engine = LLMEngine(config)
     runner = engine.runner
     if mode == "padded":
@@ -399,11 +401,13 @@ def _engine_run(mode: str, batch: int, prompts: list[list[int]], max_tokens: int
 
 
 def bench_engine_graphs(report: Report, args: argparse.Namespace) -> None:
-    """The engine on the default model with CUDA graphs off (``--enforce-eager``) and on, at batch 1
-    and at ``--engine-batch``: the median decode step of each side by side; a replay's greedy
-    outputs must equal those of the same padded forward run eagerly, exactly (graphs off sizes its
-    attention splits from each step's own table, so its outputs may differ in the last bits: the
-    count of sequences that differ from it is reported, not judged)."""
+    """The engine on the default model with CUDA graphs off (``--enforce-eager``), on, and on with async
+    scheduling, at batch 1 and at ``--engine-batch``: the median decode step of each side by side; a
+    replay's greedy outputs must equal those of the same padded forward run eagerly, exactly, and so
+    must async scheduling's equal synchronous steps' (every request starts and ends together, so both
+    run the same batches). Graphs off sizes its attention splits from each step's own table, so its
+    outputs may differ in the last bits: the count of sequences that differ from it is reported, not
+    judged."""
     import gc
 
     report.group = "engine"
@@ -412,14 +416,15 @@ def bench_engine_graphs(report: Report, args: argparse.Namespace) -> None:
         gen = torch.Generator().manual_seed(batch)
         prompts = torch.randint(3, 10_000, (batch, prompt_len), generator=gen).tolist()
         outputs: dict[str, list[list[int]]] = {}
-        for mode in ("eager", "graphs", "padded"):
+        for mode in ("eager", "graphs", "async", "padded"):
             outputs[mode], ms, replayed = _engine_run(mode, batch, prompts, max_tokens)
             gc.collect()
             torch.cuda.empty_cache()
             if mode == "padded":
                 continue
             differ = sum(a != b for a, b in zip(outputs[mode], outputs["eager"], strict=True))
-            name = f"engine decode step, CUDA graphs {'on' if mode == 'graphs' else 'off'}"
+            name = {"eager": "engine decode step, CUDA graphs off", "graphs": "engine decode step, CUDA graphs on",
+                    "async": "engine decode step, CUDA graphs on, async scheduling"}[mode]
             report.timings.append({"name": name, "shape": f"batch {batch}, {prompt_len}-token prompts",
                                    "median_us": ms * 1e3, "bytes": 0.0, "gb_per_s": None, "tflop_per_s": None,
                                    "group": report.group, "steps_replayed": replayed,
@@ -431,6 +436,10 @@ def bench_engine_graphs(report: Report, args: argparse.Namespace) -> None:
                              functools.partial(_exact, float(replayed == 0)))
         differences = float(sum(a != b for a, b in zip(outputs["graphs"], outputs["padded"], strict=True)))
         report.check(f"engine greedy outputs, CUDA graph replay == the same padded forward run eagerly "
+                     f"(batch {batch}, {max_tokens} tokens; err = sequences that differ)",
+                     functools.partial(_exact, differences))
+        differences = float(sum(a != b for a, b in zip(outputs["async"], outputs["graphs"], strict=True)))
+        report.check(f"engine greedy outputs, async scheduling == synchronous steps, CUDA graphs on "
                      f"(batch {batch}, {max_tokens} tokens; err = sequences that differ)",
                      functools.partial(_exact, differences))
 

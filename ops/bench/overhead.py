@@ -45,7 +45,8 @@ computed where its row is: on a GPU, on the GPU).
     pdserve bench overhead --batch-sizes 1,16,64,256,512
 
 Part two, ``pdserve bench overhead router ...``: the router's CPU per streamed token in front of fake
-engines (``ops.bench.router_overhead``).
+engines (``ops.bench.router_overhead``). ``pdserve bench overhead overlap ...``: step times with and
+without async scheduling beside a simulated device (``ops.bench.overlap``).
 """
 
 from __future__ import annotations
@@ -100,6 +101,17 @@ MIXED = [
 ]
 
 
+class _Sampled:
+    """``SampledTokens``' interface over a result the per-row sampler already has on the host."""
+
+    def __init__(self, result: SampleResult) -> None:
+        self._result = result
+        self.token_ids = torch.tensor(result.token_ids)
+
+    def result(self) -> SampleResult:
+        return self._result
+
+
 class _PerRowSampler:
     """The sampler as it was before it was batched (one row at a time); for comparison only."""
 
@@ -107,6 +119,10 @@ class _PerRowSampler:
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
+
+    def sample(self, logits: Tensor, requests: list[Request]) -> _Sampled:
+        """The engine's interface: the result, done at once."""
+        return _Sampled(self(logits, requests))
 
     def __call__(self, logits: Tensor, requests: list[Request]) -> SampleResult:
         logits = logits.float()
@@ -254,6 +270,20 @@ class NullModelRunner(ModelRunner):
         self.init_input_batch()
 
 
+def time_sampler(engine: LLMEngine, wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Callable[..., Any]:
+    """Wrap, as phase "sample", the engine's sampling calls: ``sample`` and the ``result`` of what it returns
+    (waiting for the ids and building the lists); returns the unwrapped ``sample``."""
+    sample = engine.sampler.sample
+
+    def sample_and_wrap(logits: Tensor, requests: list[Request]) -> Any:
+        sampled = sample(logits, requests)
+        sampled.result = wrap("sample", sampled.result)  # type: ignore[method-assign]
+        return sampled
+
+    engine.sampler.sample = wrap("sample", sample_and_wrap)  # type: ignore[method-assign]
+    return sample
+
+
 def _percentile(values: list[float], q: int) -> float:
     """Nearest-rank percentile."""
     ordered = sorted(values)
@@ -286,7 +316,7 @@ def run_case(
         engine.sampler = _PerRowSampler(engine.eos_token_ids, args.seed)  # type: ignore[assignment]
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
     runner.execute = clock.wrap("execute", runner.execute)  # type: ignore[method-assign]
-    engine.sampler = clock.wrap("sample", engine.sampler)  # type: ignore[assignment]
+    time_sampler(engine, clock.wrap)
     gen = torch.Generator().manual_seed(args.seed)
     num_added = 0
 
@@ -328,11 +358,10 @@ def run_case(
     if case == "prefill":
         add_requests()
     counter = OpCounter()
-    sample = engine.sampler
-    engine.sampler = counter.counting("sample", sample)  # type: ignore[assignment]
+    untimed = time_sampler(engine, counter.counting)
     with counter:
         engine.step()
-    engine.sampler = sample
+    engine.sampler.sample = untimed  # type: ignore[method-assign]
     return {
         "case": case, "batch_size": batch_size, "sampler": sampler_kind, "vocab": vocab, "num_steps": num_steps,
         "phases_ms": {name: _summary([s[name] for s in steps]) for name in (*PHASES, "total")},
@@ -530,6 +559,10 @@ def main(argv: list[str] | None = None) -> int:
         from ops.bench import router_overhead
 
         return router_overhead.main(argv[1:])
+    if argv and argv[0] == "overlap":  # what async scheduling hides, beside a simulated device
+        from ops.bench import overlap
+
+        return overlap.main(argv[1:])
     args = build_parser().parse_args(argv)
     cases = _parse_list(args.cases, CASES, "--cases")
     samplers = _parse_list(args.samplers, SAMPLERS, "--samplers")

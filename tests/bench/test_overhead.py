@@ -85,3 +85,23 @@ def test_a_baseline_run_is_printed_beside_this_run_with_its_speedup() -> None:
     assert row.split()[3:6] == ["8.00", "->", "2.00"] and "(4.0x)" in row
     target = next(x for x in lines if x.startswith("target greedy, batch 64"))
     assert target.endswith("; baseline 8.00 ms, without sampling 4.80 ms")
+
+
+def test_overlap_runs_each_case_synchronously_and_async_beside_a_simulated_device(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "overlap.json"
+    argv = ["overlap", "--batch-sizes", "4", "--device-ms", "15", "--num-steps", "4", "--warmup", "1",
+            "--prompt-len", "40", "--host-vocab", "128", "--json", str(out)]
+    assert overhead.main(argv) == 0
+    report = json.loads(out.read_text())
+    runs = {(r["case"], r["async_scheduling"]): r for r in report["results"]}
+    assert set(runs) == {(c, a) for c in ("greedy", "mixed") for a in (False, True)}
+    for key, r in runs.items():
+        assert r["batch_size"] == 4 and r["device_ms"] == 15 and r["vocab"] == 128, key
+        # Every decode step waits for one step of device time, synchronous or not: none is shorter.
+        assert r["step_ms"]["median"] >= 15 * 0.99, key
+        assert 0 < r["host_ms"] < r["step_ms"]["median"], key
+        assert 0 < r["device_busy"] <= 1, key
+    table = capsys.readouterr().out
+    assert f"{'greedy':<8}{4:>6}{15:>11}" in table and "x" in table.splitlines()[3]

@@ -140,11 +140,12 @@ class Stack:
 
 @contextlib.contextmanager
 def prefill_decode_stack(
-    redis_url: str, model: str, router_args: list[str] | None = None, decode_args: list[str] | None = None
+    redis_url: str, model: str, router_args: list[str] | None = None, decode_args: list[str] | None = None,
+    prefill_args: list[str] | None = None,
 ) -> Iterator[Stack]:
     """One prefill, one decode and a router, ready; stopped on leaving."""
     s = Stack(redis_url=redis_url, model=model)
-    s.start_engine("prefill", "prefill-a")
+    s.start_engine("prefill", "prefill-a", prefill_args)
     s.start_engine("decode", "decode-a", decode_args)
     s.start_router(router_args)
     try:

@@ -1,8 +1,10 @@
 """The real stack end to end: redis-server, router, prefill and decode processes, the openai client.
 
 Greedy output through router -> prefill -> KV transfer -> decode must equal transformers'.
-The decode instance runs with ``--stream-interval 3`` (the other stacks of the suite with the
-default, 1): every test here also checks that held-back tokens change no output.
+The decode instance runs with ``--stream-interval 3``, and both engines with ``--async-scheduling``
+(the other stacks of the suite with the defaults: every token sent at once, synchronous steps): every
+test here also checks that held-back tokens, and steps scheduled while the one before is in flight,
+change no output.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ LONG_PREFIX = (
 
 @pytest.fixture(scope="module")
 def stack(redis_url):  # type: ignore[no-untyped-def]
-    with prefill_decode_stack(redis_url, model_path(), decode_args=["--stream-interval", str(STREAM_INTERVAL)]) as s:
+    decode_args = ["--stream-interval", str(STREAM_INTERVAL), "--async-scheduling"]
+    with prefill_decode_stack(redis_url, model_path(), decode_args=decode_args, prefill_args=["--async-scheduling"]) as s:
         yield s
 
 

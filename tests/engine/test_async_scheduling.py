@@ -167,3 +167,20 @@ def test_a_block_filled_by_a_token_in_flight_is_cached(engine_factory) -> None: 
             engine.step()
         hits.append(engine.kv.prefix_cache_hits)
     assert hits[0] == hits[1] >= (len(prompt) + 32) // 16 * 16
+
+
+def test_async_scheduling_is_an_engine_flag_of_every_service() -> None:
+    import argparse
+
+    from common.service import add_service_args
+    from decode_svc.service import DecodeService
+    from prefill_svc.service import PrefillService
+
+    def args(role: str, *flags: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        add_service_args(parser, role)
+        return parser.parse_args(list(flags))
+
+    assert not DecodeService.engine_config(args("decode")).async_scheduling
+    assert DecodeService.engine_config(args("decode", "--async-scheduling")).async_scheduling
+    assert PrefillService.engine_config(args("prefill", "--async-scheduling")).async_scheduling

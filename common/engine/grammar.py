@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from common.engine.host_tensors import long_tensor, to_device
 from common.sampling_params import StructuredOutput
 from common.structured_output import build_grammar, clean_error
 
@@ -132,8 +133,8 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: list[int]) -> Non
 def _masked_fill_torch(logits: Tensor, bitmask: Tensor, rows: list[int]) -> None:
     """``apply_token_bitmask`` in plain torch ops, for any device: no kernel to build."""
     vocab = logits.shape[-1]
-    index = torch.tensor(rows, device=logits.device)
-    words = bitmask[rows].to(logits.device, non_blocking=True)
+    index = long_tensor(rows, logits.device)
+    words = to_device(bitmask[rows], logits.device)  # pinned, not blocking: no wait for the queued forward
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
     logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))

@@ -270,6 +270,31 @@ class NullModelRunner(ModelRunner):
         self.init_input_batch()
 
 
+def null_engine(args: argparse.Namespace, batch_size: int, max_tokens: int, logits: Tensor, clock: PhaseClock,
+                **config: Any) -> LLMEngine:
+    """An engine on the CPU with ``NullModelRunner``, room for ``batch_size`` requests of ``--prompt-len``
+    tokens and ``max_tokens`` more, twice over; ``config``: more ``EngineConfig`` fields."""
+    block_size = 16
+    blocks_per_request = -(-(args.prompt_len + max_tokens) // block_size)
+    engine_config = EngineConfig(
+        model=args.model, device="cpu", block_size=block_size, max_num_seqs=batch_size,
+        max_num_batched_tokens=batch_size * args.prompt_len, num_blocks=2 * batch_size * blocks_per_request + 16,
+        seed=args.seed, **config,
+    )
+    runner = NullModelRunner(engine_config, logits, clock)
+    with mock.patch.object(engine_module, "ModelRunner", lambda _config: runner):
+        return LLMEngine(engine_config)
+
+
+def case_params(case: str, index: int, max_tokens: int) -> SamplingParams:
+    """The ``index``-th request's parameters: greedy, or the ``MIXED`` ones in turn (a seeded one seeded
+    with ``index``); EOS ignored."""
+    params = MIXED[index % len(MIXED)] if case == "mixed" else SamplingParams(temperature=0.0)
+    if params.seed is not None:
+        params = replace(params, seed=index)
+    return replace(params, max_tokens=max_tokens, ignore_eos=True)
+
+
 def time_sampler(engine: LLMEngine, wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Callable[..., Any]:
     """Wrap, as phase "sample", the engine's sampling calls: ``sample`` and the ``result`` of what it returns
     (waiting for the ids and building the lists); returns the unwrapped ``sample``."""
@@ -301,17 +326,9 @@ def run_case(
     prompt_len, num_steps, warmup = args.prompt_len, args.num_steps, args.warmup
     vocab = int(logits.shape[1])
     max_tokens = 1 if case == "prefill" else warmup + num_steps + 2
-    block_size = 16
-    blocks_per_request = -(-(prompt_len + max_tokens) // block_size)
-    config = EngineConfig(
-        model=args.model, device="cpu", block_size=block_size, max_num_seqs=batch_size,
-        max_num_batched_tokens=batch_size * prompt_len, num_blocks=2 * batch_size * blocks_per_request + 16,
-        seed=args.seed,
-    )
     clock = PhaseClock(CLOCKS[args.clock])
-    runner = NullModelRunner(config, logits, clock)
-    with mock.patch.object(engine_module, "ModelRunner", lambda _config: runner):
-        engine = LLMEngine(config)
+    engine = null_engine(args, batch_size, max_tokens, logits, clock)
+    runner = engine.runner
     if sampler_kind == "per-row":
         engine.sampler = _PerRowSampler(engine.eos_token_ids, args.seed)  # type: ignore[assignment]
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
@@ -324,11 +341,7 @@ def run_case(
         nonlocal num_added
         prompts = torch.randint(3, vocab, (batch_size, prompt_len), generator=gen).tolist()
         for prompt in prompts:
-            params = MIXED[num_added % len(MIXED)] if case == "mixed" else SamplingParams(temperature=0.0)
-            if params.seed is not None:
-                params = replace(params, seed=num_added)
-            params = replace(params, max_tokens=max_tokens, ignore_eos=True)
-            engine.add_request(f"{case}-{num_added}", prompt, params)
+            engine.add_request(f"{case}-{num_added}", prompt, case_params(case, num_added, max_tokens))
             num_added += 1
 
     if case != "prefill":
@@ -521,22 +534,27 @@ def write_plot(report: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def add_case_args(p: argparse.ArgumentParser, batch_sizes: str, cases: tuple[str, ...], num_steps: int) -> None:
+    """The flags every null-forward bench shares (this one and ``ops.bench.overlap``)."""
+    p.add_argument("--model", default=None, help="checkpoint folder (its config only); default SmolLM2-135M-Instruct")
+    p.add_argument("--batch-sizes", default=batch_sizes, help="comma-separated")
+    p.add_argument("--cases", default=",".join(cases), help=f"comma-separated, of {','.join(cases)}")
+    p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--num-steps", type=int, default=num_steps, help="measured steps per case")
+    p.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint folder (its config only); default SmolLM2-135M-Instruct")
-    p.add_argument("--batch-sizes", default="1,16,64,256,512", help="comma-separated")
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {','.join(CASES)}")
+    add_case_args(p, "1,16,64,256,512", CASES, 20)
     p.add_argument("--samplers", default=",".join(SAMPLERS), help=f"comma-separated, of {','.join(SAMPLERS)}")
-    p.add_argument("--prompt-len", type=int, default=200)
-    p.add_argument("--num-steps", type=int, default=20, help="measured steps per case")
-    p.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
     p.add_argument("--logit-std", type=float, default=3.0, help="standard deviation of the fixed random logits")
     p.add_argument("--host-vocab", type=int, default=1024,
                    help="also run each case with the batched sampler over this many logits per row: the "
                         "host's share of sampling (0: skip)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall: time.perf_counter; cpu: this thread's CPU time (steadier on a shared host)")
     p.add_argument("--baseline", default=None, metavar="PATH",

@@ -29,21 +29,16 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
-from msgspec.structs import replace
 from torch import Tensor
 
-import common.engine.engine as engine_module
-from common.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import Request
 from common.model.loader import resolve_model_path
 from common.model.weights import load_hf_config
-from common.sampling_params import SamplingParams
 from ops.bench.host_speed import describe, host_speed
-from ops.bench.overhead import MIXED, NullModelRunner, PhaseClock
+from ops.bench.overhead import PhaseClock, add_case_args, case_params, null_engine
 
 RESULTS_DIR = Path(__file__).parent / "results"
 CASES = ("greedy", "mixed")
@@ -97,25 +92,13 @@ def attach(engine: LLMEngine, device: SimulatedDevice) -> None:
 
 def run_case(case: str, batch_size: int, device_ms: float, async_scheduling: bool, args: argparse.Namespace,
              logits: Tensor) -> dict[str, Any]:
-    prompt_len, num_steps, warmup = args.prompt_len, args.num_steps, args.warmup
+    num_steps, warmup = args.num_steps, args.warmup
     vocab = int(logits.shape[1])
     max_tokens = warmup + num_steps + 4
-    block_size = 16
-    blocks_per_request = -(-(prompt_len + max_tokens) // block_size)
-    config = EngineConfig(
-        model=args.model, device="cpu", block_size=block_size, max_num_seqs=batch_size,
-        max_num_batched_tokens=batch_size * prompt_len, num_blocks=2 * batch_size * blocks_per_request + 16,
-        seed=args.seed, async_scheduling=async_scheduling,
-    )
-    runner = NullModelRunner(config, logits, PhaseClock())
-    with mock.patch.object(engine_module, "ModelRunner", lambda _config: runner):
-        engine = LLMEngine(config)
+    engine = null_engine(args, batch_size, max_tokens, logits, PhaseClock(), async_scheduling=async_scheduling)
     gen = torch.Generator().manual_seed(args.seed)
-    for i, prompt in enumerate(torch.randint(3, vocab, (batch_size, prompt_len), generator=gen).tolist()):
-        params = MIXED[i % len(MIXED)] if case == "mixed" else SamplingParams(temperature=0.0)
-        if params.seed is not None:
-            params = replace(params, seed=i)
-        engine.add_request(f"{case}-{i}", prompt, replace(params, max_tokens=max_tokens, ignore_eos=True))
+    for i, prompt in enumerate(torch.randint(3, vocab, (batch_size, args.prompt_len), generator=gen).tolist()):
+        engine.add_request(f"{case}-{i}", prompt, case_params(case, i, max_tokens))
     while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()  # every prompt prefilled: only decode steps are measured
     device = SimulatedDevice(device_ms / 1e3)
@@ -167,16 +150,9 @@ def format_report(report: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench overhead overlap", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint folder (its config only); default SmolLM2-135M-Instruct")
-    p.add_argument("--batch-sizes", default="64,256", help="comma-separated")
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {','.join(CASES)}")
+    add_case_args(p, "64,256", CASES, 30)
     p.add_argument("--device-ms", default="2,5", help="comma-separated device ms per forward")
     p.add_argument("--host-vocab", type=int, default=1024, help="logits per row the sampler works over")
-    p.add_argument("--prompt-len", type=int, default=200)
-    p.add_argument("--num-steps", type=int, default=30, help="measured steps per case")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="default: ops/bench/results/overlap-cpu-<date>.json")
     return p
 

@@ -413,12 +413,14 @@ class LLMEngine:
         # here (their first tokens); they run on the decode instance.
         sampled_only: dict[str, list[Request]] = {}
         row = -1
+        dropped = False
         for s in sched.scheduled:
             if not s.completes:
                 continue
             row += 1
             req = s.request
             if req.is_finished:  # async: finished by the step resolved after this one was launched
+                dropped = True
                 continue
             rows.append(row)
             reqs.append(req)
@@ -436,7 +438,8 @@ class LLMEngine:
         if not reqs:
             return None
         # Without n > 1 forks or dropped rows the rows are the logits' own, in order: no gathered copy.
-        sampled = self.sampler.sample(logits if len(rows) == len(logits) else logits[rows], reqs)
+        own = not dropped and len(rows) == len(logits)
+        sampled = self.sampler.sample(logits if own else logits[rows], reqs)
         return _Launched(reqs, sampled, sampled_only)
 
     def _leave_placeholders(self, launched: _Launched) -> None:

@@ -164,7 +164,7 @@ class Scheduler:
             if num_new > 1:
                 num_new = min(self._capped(num_new), budget)
             while not self.kv.allocate_slots(req, num_new):
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is req:
@@ -209,6 +209,15 @@ class Scheduler:
 
         out.block_copies = self.kv.take_pending_copies()
         return out
+
+    def _victim(self) -> Request:
+        """The request to preempt: the last running one, passing over those that sit this step out
+        (async scheduling: their token, still on its way, ends them or hands them to a transfer). The
+        request being scheduled never sits out, so there is always one."""
+        for victim in reversed(self.running):
+            if victim.num_computed_tokens < len(victim.all_token_ids):
+                return victim
+        raise AssertionError("no running request to preempt")
 
     def _capped(self, num_new: int) -> int:
         return min(num_new, self.max_prefill_chunk) if self.max_prefill_chunk > 0 else num_new

@@ -18,7 +18,7 @@ from torch import Tensor
 from common.config import EngineConfig
 from common.engine.grammar import GrammarCache, GrammarState
 from common.engine.model_runner import ModelRunner
-from common.engine.request import Request, RequestStatus
+from common.engine.request import FINISHED, Request, RequestStatus
 from common.engine.sampler import SampledTokens, Sampler
 from common.engine.scheduler import Scheduler, SchedulerOutput
 from common.kvcache.hashing import BlockHash
@@ -419,7 +419,7 @@ class LLMEngine:
                 continue
             row += 1
             req = s.request
-            if req.is_finished:  # async: finished by the step resolved after this one was launched
+            if req.status >= FINISHED:  # async: finished by the step resolved after this one was launched
                 dropped = True
                 continue
             rows.append(row)
@@ -464,7 +464,7 @@ class LLMEngine:
         now = time.monotonic()
         check_stop = self._check_stop
         for req, token, lp in zip(launched.requests, result.token_ids, result.logprobs, strict=True):
-            if req.is_finished:  # aborted while in flight: the token is dropped
+            if req.status >= FINISHED:  # aborted while in flight: the token is dropped
                 continue
             if req.has_placeholder:  # async: the one this row left (a request holds at most one)
                 # Before the next step's progress is marked: a block this token fills is cached

@@ -47,9 +47,9 @@ def _packed(values: array, dtype: torch.dtype, device: torch.device | str) -> Te
 
 def to_device(t: Tensor, device: torch.device | str) -> Tensor:
     """A CPU tensor on ``device``: itself on the CPU; to a GPU through pinned memory, not blocking."""
-    device = torch.device(device)
-    if device.type == "cpu":
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if kind == "cpu":
         return t
-    if device.type == "cuda":
+    if kind == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.engine.request import Request, RequestStatus
+from common.engine.request import FINISHED, Request, RequestStatus
 from common.kvcache.block_pool import KVBlock
 from common.kvcache.kv_cache_manager import KVCacheManager
 
@@ -242,7 +242,7 @@ class Scheduler:
         mark_computed = self.kv.mark_computed
         for s in out.scheduled:
             req = s.request
-            if req.status >= RequestStatus.FINISHED_STOPPED:
+            if req.status >= FINISHED:
                 continue
             req.num_computed_tokens += s.num_new_tokens
             mark_computed(req)

@@ -1,9 +1,9 @@
 """No request dies with a process: real engines killed, stopped and restarted under the openai client.
 
-One prefill and two decode processes, a real Redis and the real model. Each test breaks a process
-while it holds a request, then checks that the client saw one unbroken output equal to the
-uninterrupted run (greedy), and that every live engine is back to 0 blocks in use with its idle
-pool check clean. The uninterrupted reference runs after the fault, on the repaired stack, so a
+One prefill and two decode processes (one of them with async scheduling), a real Redis and the real
+model. Each test breaks a process while it holds a request, then checks that the client saw one
+unbroken output equal to the uninterrupted run (greedy), and that every live engine is back to 0
+blocks in use with its idle pool check clean. The uninterrupted reference runs after the fault, on the repaired stack, so a
 prefix-cache hit cannot hide the work the fault case had to redo.
 """
 
@@ -32,6 +32,13 @@ DECODES = ("decode-f1", "decode-f2")
 # Long enough to see the stall path by the registry (about 6 s) before the stall timeout.
 ROUTER_FLAGS = ["--engine-stall-timeout", "15"]
 ENGINE_FLAGS = ["--router-lease-timeout", "6"]
+# One decode schedules each step while the one before is in flight, the other synchronously: a
+# request moved between them must still give the uninterrupted output.
+ASYNC_ENGINES = {"decode-f1"}
+
+
+def engine_flags(name: str) -> list[str]:
+    return [*ENGINE_FLAGS, *(["--async-scheduling"] if name in ASYNC_ENGINES else [])]
 
 
 def wait_until(cond: Callable[[], Any], timeout_s: float = 120.0, what: str = "condition") -> Any:
@@ -49,7 +56,7 @@ def stack():  # type: ignore[no-untyped-def]
     redis = RedisServer()
     s = Stack(redis_url=redis.url, model=model_path())
     for name, role in ROLES.items():
-        s.start_engine(role, name, ENGINE_FLAGS)
+        s.start_engine(role, name, engine_flags(name))
     s.start_router(ROUTER_FLAGS)
     try:
         s.wait_ready(1, 2, timeout_s=300)
@@ -75,7 +82,7 @@ def repair(s: Stack) -> None:
         elif name == "router":
             s.start_router(ROUTER_FLAGS)
         else:
-            s.start_engine(ROLES[name], name, ENGINE_FLAGS)
+            s.start_engine(ROLES[name], name, engine_flags(name))
     s.wait_ready(1, 2, timeout_s=300)
 
 
@@ -309,7 +316,7 @@ def test_rolling_restart_under_load_fails_no_request(stack, client):  # type: ig
             proc = stack.procs[name]
             proc.popen.send_signal(signal.SIGTERM)
             assert proc.popen.wait(120) == 0, proc.log()
-            stack.start_engine(ROLES[name], name, ENGINE_FLAGS)
+            stack.start_engine(ROLES[name], name, engine_flags(name))
             stack.wait_ready(1, 2, timeout_s=300)
     finally:
         stop.set()

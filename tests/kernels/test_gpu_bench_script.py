@@ -49,3 +49,16 @@ def test_gpu_benchmark_says_so_when_nvml_is_missing(
     gpu_kernels.read_nvml(report, "after")
     assert "[nvml] after: NVML unavailable" in capsys.readouterr().out
     assert "nvml_after" not in report.meta
+
+
+def test_the_engine_section_runs_its_modes_on_the_cpu() -> None:
+    """A dry run of the engine section's loop on the CPU (nothing captured there), so that a GPU's time
+    is not spent finding a bug in it: every mode gives the same greedy tokens, each request as many as
+    it asked for; only the padded mode runs its decode steps through the static buffers."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
+    runs = {mode: gpu_kernels._engine_run(mode, 2, prompts, 5, device="cpu") for mode in ("eager", "async", "padded")}
+    tokens = {mode: run[0] for mode, run in runs.items()}
+    assert tokens["async"] == tokens["eager"] == tokens["padded"]
+    assert [len(t) for t in tokens["eager"]] == [5, 5]
+    assert runs["padded"][2] == 4 and runs["eager"][2] == runs["async"][2] == 0  # steps through the buffers
+    assert all(run[1] > 0 for run in runs.values())  # a median decode step was timed

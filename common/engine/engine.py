@@ -17,6 +17,7 @@ from torch import Tensor
 
 from common.config import EngineConfig
 from common.engine.grammar import GrammarCache, GrammarState
+from common.engine.host_tensors import long_tensor
 from common.engine.model_runner import ModelRunner
 from common.engine.request import FINISHED, Request, RequestStatus
 from common.engine.sampler import SampledTokens, Sampler
@@ -439,7 +440,9 @@ class LLMEngine:
             return None
         # Without n > 1 forks or dropped rows the rows are the logits' own, in order: no gathered copy.
         own = not dropped and len(rows) == len(logits)
-        sampled = self.sampler.sample(logits if own else logits[rows], reqs)
+        # The rows' index goes over as a tensor built here: indexing a GPU tensor with a list would copy
+        # it from pageable memory, waiting for the forward queued before it.
+        sampled = self.sampler.sample(logits if own else logits.index_select(0, long_tensor(rows, logits.device)), reqs)
         return _Launched(reqs, sampled, sampled_only)
 
     def _leave_placeholders(self, launched: _Launched) -> None:

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from common.engine.host_tensors import pinned_for
 from common.engine.input_batch import BatchInputs
 from common.model.llama import AttentionMetadata
 
@@ -144,11 +145,14 @@ class DecodeGraphs:
         """Copy a step's inputs into the static buffers' first rows; rows up to ``size`` become padding."""
         n = inputs.context_lens.shape[0]
         width = inputs.block_tables.shape[1]
-        self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
-        self.positions[:n].copy_(inputs.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(inputs.slot_mapping, non_blocking=True)
-        self.context_lens[:n].copy_(inputs.context_lens, non_blocking=True)
-        self.block_tables[:n, :width].copy_(inputs.block_tables, non_blocking=True)
+        dev = self.input_ids.device
+        # From pinned memory: a copy from pageable memory may wait for the work already queued (with
+        # async scheduling, the step before), where this one must not.
+        self.input_ids[:n].copy_(pinned_for(inputs.input_ids, dev), non_blocking=True)
+        self.positions[:n].copy_(pinned_for(inputs.positions, dev), non_blocking=True)
+        self.slot_mapping[:n].copy_(pinned_for(inputs.slot_mapping, dev), non_blocking=True)
+        self.context_lens[:n].copy_(pinned_for(inputs.context_lens, dev), non_blocking=True)
+        self.block_tables[:n, :width].copy_(pinned_for(inputs.block_tables, dev), non_blocking=True)
         if size > n:
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()

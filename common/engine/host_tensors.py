@@ -45,11 +45,17 @@ def _packed(values: array, dtype: torch.dtype, device: torch.device | str) -> Te
     return to_device(torch.frombuffer(values, dtype=dtype), device)
 
 
+def pinned_for(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` ready for a non-blocking copy to ``device``: a CPU tensor in pinned memory when ``device``
+    is a GPU, else ``t`` itself."""
+    return t.pin_memory() if device.type == "cuda" and t.device.type == "cpu" else t
+
+
 def to_device(t: Tensor, device: torch.device | str) -> Tensor:
     """A CPU tensor on ``device``: itself on the CPU; to a GPU through pinned memory, not blocking."""
     kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     if kind == "cpu":
         return t
     if kind == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
+        return t.pin_memory().to(device, non_blocking=True)  # as ``pinned_for`` then a copy
     return t.to(device)

@@ -203,7 +203,8 @@ class _EchoModel:
         self.table[:, :64] += 5.0
 
     def __call__(self, input_ids, positions, meta, kv_cache):  # type: ignore[no-untyped-def]
-        assert int(input_ids.min()) >= 0, "a placeholder reached the model"
+        placeholders = int((input_ids < 0).sum())  # the runner must have read their tokens on the device
+        assert placeholders == 0, f"{placeholders} placeholder ids reached the model"
         return ((input_ids * 7919 + positions * 104729) % self.num_rows).unsqueeze(1)
 
     def compute_logits(self, hidden):  # type: ignore[no-untyped-def]
@@ -268,7 +269,6 @@ def _run_workload(engine: LLMEngine, work) -> tuple[Run, set[str]]:  # type: ign
             assert engine.release_kv(rid)
         for o in engine.step():
             assert o.error is None, o.error
-            assert all(t >= 0 for t in o.new_token_ids), f"{o.request_id} was sent a placeholder"
             tokens, logprobs, _ = out.setdefault(o.request_id, ([], [], None))
             tokens += o.new_token_ids
             logprobs += o.logprobs or []
@@ -288,7 +288,7 @@ def test_random_workloads_give_what_synchronous_steps_give(seed: int) -> None:
     prefill-only requests held for a transfer and released, aborts, and a pool small enough to preempt,
     on a model whose outputs depend on each request's own history only: every request that was not
     aborted gets the same tokens, logprobs and finish reason both ways; an aborted one's output is a
-    prefix of the other mode's. No placeholder is ever sent, and every block comes back."""
+    prefix of the other mode's. No placeholder reaches the model, and every block comes back."""
     work = _random_workload(seed)
     sync, sync_aborted = _run_workload(_echo_engine(False, num_blocks=20), work)
     asyn_engine = _echo_engine(True, num_blocks=20)

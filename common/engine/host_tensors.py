@@ -53,9 +53,8 @@ def pinned_for(t: Tensor, device: torch.device) -> Tensor:
 
 def to_device(t: Tensor, device: torch.device | str) -> Tensor:
     """A CPU tensor on ``device``: itself on the CPU; to a GPU through pinned memory, not blocking."""
-    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
-    if kind == "cpu":
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.type == "cpu":
         return t
-    if kind == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)  # as ``pinned_for`` then a copy
-    return t.to(device)
+    return pinned_for(t, device).to(device, non_blocking=True)

@@ -45,8 +45,15 @@ class RouterServer:
         self._server.should_exit = True
         self._thread.join(10)
 
-    def wait_ready(self, timeout_s: float = 10.0) -> None:
-        assert wait_until(lambda: httpx.get(f"{self.url}/ready").status_code == 200, timeout_s), "not ready"
+    def wait_ready(self, timeout_s: float = 30.0, prefill: int = 1, decode: int = 1) -> None:
+        """Wait until the router sees ``prefill`` and ``decode`` instances alive. Ready alone is not
+        enough: it needs only a decode instance, and the engines register in any order."""
+
+        def seen() -> bool:
+            body = httpx.get(f"{self.url}/ready").json()
+            return body["status"] == "ready" and body["prefill"] >= prefill and body["decode"] >= decode
+
+        assert wait_until(seen, timeout_s), f"the router did not see {prefill} prefill and {decode} decode"
 
 
 def wait_until(predicate: Callable[[], Any], timeout_s: float = 5.0, interval_s: float = 0.02) -> bool:

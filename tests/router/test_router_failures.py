@@ -30,7 +30,8 @@ def running(
     with FakeCluster(redis_url, namespace, tokens, **(cluster_kw or {})) as cluster:
         state = make_state(prompts, redis_url=redis_url, namespace=namespace, **config)
         with RouterServer(state) as server:
-            server.wait_ready()
+            kw = cluster_kw or {}
+            server.wait_ready(prefill=kw.get("num_prefill", 1), decode=kw.get("num_decode", 1))
             yield server, cluster
 
 

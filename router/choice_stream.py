@@ -53,6 +53,9 @@ class ChoiceStream:
         self.engine_request = engine_request
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self._stop = StopChecker(stop)
+        # Its plain token outputs may be handled in the receive loop (``router/inline_stream.py``):
+        # not with stop strings, whose hit ends the stream from a plain token.
+        self.takes_inline = not any(stop)
         self._metrics = metrics
         self._pending: list[_PendingToken] = []
         self._raw_len = 0  # characters the detokenizer produced
@@ -68,14 +71,15 @@ class ChoiceStream:
     async def deltas(self) -> AsyncGenerator[ChoiceDelta, None]:
         try:
             async for output in self.engine_request.outputs():
-                delta = self._process(output)
+                delta = self.process(output)
                 yield delta
                 if delta.finish_reason is not None:
                     return
         finally:
             self.close()
 
-    def _process(self, output: RequestOutput) -> ChoiceDelta:
+    def process(self, output: RequestOutput) -> ChoiceDelta:
+        """The delta of one output (the stream's next), its text detokenized and stop-checked."""
         self._observe_timing(output)
         if output.num_cached_tokens:
             self._num_cached_tokens = output.num_cached_tokens

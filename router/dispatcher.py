@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -87,6 +87,9 @@ class EngineRequest:
     _first_seen: bool = field(default=False, repr=False)
     _decode_seen: bool = field(default=False, repr=False)
     _interrupt: BaseException | None = field(default=None, repr=False)
+    _sink: Callable[[RequestOutput], bool] | None = field(default=None, repr=False)
+    # When the reader last got an output (or began to wait): ``_next``'s deadline counts from it.
+    _last_progress: float = field(default=0.0, repr=False)
 
     def interrupt(self, exc: BaseException) -> None:
         """Make ``outputs()`` raise ``exc`` at its next wait, or now if it waits (say, the client
@@ -94,6 +97,25 @@ class EngineRequest:
         engines."""
         self._interrupt = exc
         self.queue.wake()
+
+    def set_sink(self, sink: Callable[[RequestOutput], bool] | None) -> None:
+        """Offer outputs to ``sink`` while the reader waits (``router/inline_stream.py``); it stays
+        with the request across migrations."""
+        self._sink = sink
+        self.queue.sink = sink
+
+    def take_inline(self, output: RequestOutput) -> bool:
+        """Hand ``output``, a plain token output, on outside ``outputs()`` (the caller sends it), if
+        ``outputs()`` would hand it on as it is: True after doing its bookkeeping. Not while the
+        prefill's output is awaited, or after an interrupt, a finish or a close."""
+        if self._interrupt is not None or self.finished or self.closed or not self._first_seen:
+            return False
+        if output.phase == "prefill" or output.finish_reason is not None:
+            return False
+        self._decode_seen = self._decode_seen or output.phase == "decode"
+        self.streamed_token_ids.extend(output.new_token_ids)
+        self._last_progress = time.monotonic()
+        return True
 
     def _check_interrupt(self) -> None:
         if self._interrupt is not None:
@@ -168,6 +190,7 @@ class EngineRequest:
         self.request_id, self.queue, self.holders, self.sent_at = (
             fresh.request_id, fresh.queue, fresh.holders, fresh.sent_at
         )
+        self.queue.sink = self._sink
         self.closed = False
         self._first_seen = self._decode_seen = False
         self.dispatcher.metrics.migrations.inc()
@@ -199,6 +222,7 @@ class EngineRequest:
         self.request_id, self.queue, self.holders, self.sent_at = (
             fresh.request_id, fresh.queue, fresh.holders, fresh.sent_at
         )
+        self.queue.sink = self._sink
         self.closed = False
         self._first_seen = self._decode_seen = False
 
@@ -244,9 +268,9 @@ class EngineRequest:
         if not queue.empty():
             return queue.get_nowait()
         timeout_s = self.dispatcher.request_timeout_s
-        deadline = time.monotonic() + timeout_s
+        self._last_progress = time.monotonic()
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = self._last_progress + timeout_s - time.monotonic()  # outputs taken inline move it
             if remaining <= 0:
                 raise EngineRequestError(f"no output from the engines for {timeout_s:.0f}s", status=504)
             await queue.wait(remaining if remaining < WAKE_INTERVAL_S else None)

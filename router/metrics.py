@@ -140,6 +140,14 @@ class RouterMetrics:
             "Registry entries dropped on read: unsigned or with a MAC that does not verify under the cluster key.",
             num_rejected_registry_entries,
         ))
+        # Engine outputs a streaming response took in the receive loop (``router/inline_stream.py``),
+        # counted there: [count], a plain int, not a locked counter, for a per-token figure.
+        self.inline_outputs = [0]
+        r.register(_CountCollector(
+            "pdserve:router_outputs_inline",
+            "Engine outputs sent to their streaming client from the receive loop, without waking the request's task.",
+            lambda: self.inline_outputs[0],
+        ))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

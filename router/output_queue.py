@@ -4,12 +4,16 @@ A deque and at most one waiting future: cheaper per token than ``asyncio.Queue``
 and than ``asyncio.wait_for`` around it (no task per wait). Waits have no timer of their own: the
 ``EngineClient`` wakes every waiting reader once per ``WAKE_INTERVAL_S``, and the reader checks its
 deadlines and its instances' liveness then.
+
+A streaming response may set a ``sink`` (``router/inline_stream.py``): while its reader waits with
+nothing queued, an output is first offered to the sink, which may take it there and then.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
 from common.protocol import RequestOutput
 
@@ -20,7 +24,7 @@ class OutputQueue:
     """Filled by the receive loop (``put_nowait``), read by one consumer (``wait`` then
     ``get_nowait``). Not thread-safe: use from the event loop."""
 
-    __slots__ = ("_items", "_loop", "_waiter")
+    __slots__ = ("_items", "_loop", "_waiter", "sink")
 
     def __init__(self) -> None:
         self._items: deque[RequestOutput] = deque()
@@ -28,8 +32,14 @@ class OutputQueue:
         # The consumer's loop, looked up at its first wait: ``asyncio.get_running_loop`` makes a
         # getpid() system call on Python 3.11, once per token if made per wait.
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.sink: Callable[[RequestOutput], bool] | None = None
 
     def put_nowait(self, output: RequestOutput) -> None:
+        sink = self.sink
+        # Only to a reader parked in ``wait`` with nothing before this output: whatever the reader
+        # is in the middle of, and what is queued, come first.
+        if sink is not None and self._waiter is not None and not self._items and sink(output):
+            return
         self._items.append(output)
         self.wake()
 

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from fastapi.responses import StreamingResponse
@@ -19,6 +19,7 @@ from router.admission import CLIENT_KEY, Lane, Slot
 from router.choice_stream import ChoiceDelta, ChoiceStream
 from router.dispatcher import EngineRequestError
 from router.errors import APIError
+from router.inline_stream import InlineSink
 from router.openai_responses import PromptTokensDetails, Usage
 from router.state import RouterState
 
@@ -345,6 +346,33 @@ def _sse(payload: str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
+class ChunkWriter(Protocol):
+    """An endpoint's JSON chunks of a streaming response."""
+
+    # Its chunks of a plain token may be sent from the receive loop (``router/inline_stream.py``).
+    inline: bool
+
+    def opening(self) -> list[str]:
+        """Chunks before the first delta."""
+
+    def chunks(self, delta: ChoiceDelta) -> list[str]:
+        """Chunks of one delta (none, say, for a token whose text is held back)."""
+
+    def closing(self) -> list[str]:
+        """Chunks after the last delta."""
+
+
+async def _chunks(writer: ChunkWriter, deltas: AsyncGenerator[ChoiceDelta, None]) -> AsyncGenerator[str, None]:
+    for chunk in writer.opening():
+        yield chunk
+    async with contextlib.aclosing(deltas):
+        async for delta in deltas:
+            for chunk in writer.chunks(delta):
+                yield chunk
+    for chunk in writer.closing():
+        yield chunk
+
+
 class EventStreamResponse(StreamingResponse):
     """Server-sent events from JSON chunks, each sent as it comes; a failure mid-stream becomes an
     error event, then ``[DONE]``. However the response ends (finished, failed, client gone,
@@ -353,17 +381,24 @@ class EventStreamResponse(StreamingResponse):
     One loop from the chunks to ``send``, where ``StreamingResponse`` would take three generators
     and a task listening for the disconnect: the chunks come from ``merge_choices``, which already
     ends with ``ClientDisconnected`` when the client goes. Per streamed token, that is the router's
-    CPU."""
+    CPU. With a ``sink``, plain tokens skip even that loop: the receive loop sends them."""
 
-    def __init__(self, chunks: AsyncGenerator[str, None], close: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        chunks: AsyncGenerator[str, None],
+        close: Callable[[], None] | None = None,
+        sink: InlineSink | None = None,
+    ) -> None:
         super().__init__(chunks, media_type="text/event-stream")
         self.chunks = chunks
         # What ``chunks`` closes when it ran (it may not have: a generator closed before its first
         # step runs no ``finally``), called once more at the end whatever happened. Idempotent.
         self.close_choices = close
+        self.sink = sink
         self.on_close: Callable[[], None] | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        sink = self.sink
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             last = b"data: [DONE]\n\n"
@@ -371,15 +406,25 @@ class EventStreamResponse(StreamingResponse):
             # the middleware between wrap ``send`` to see the response start, which went through them
             # above, and would otherwise run once per streamed token for nothing.
             send_event = scope.get(SERVER_SEND, send)
+            if sink is not None:
+                sink.attach(send_event)
             try:
                 async for payload in self.chunks:
+                    if sink is not None and sink.busy:
+                        await sink.idle()  # what the sink sent came before this
                     await send_event({"type": "http.response.body", "body": _sse(payload), "more_body": True})
             except ClientDisconnected:
                 last = b""
             except EngineRequestError as exc:
                 last = _sse(msgspec.json.encode(engine_api_error(exc).body()).decode()) + last
+            if sink is not None:
+                sink.detach()
+                await sink.idle()
             await send({"type": "http.response.body", "body": last, "more_body": False})
         finally:
+            if sink is not None:
+                sink.detach()
+                sink.cancel()  # a send to a client that went away
             if self.on_close is not None:
                 self.on_close()  # first: the awaits below may be cancelled again when the client went away
             if self.close_choices is not None:
@@ -392,10 +437,14 @@ async def sse_response(
     plan: GenerationPlan,
     wait_disconnect: DisconnectWaiter,
     stream_options: Any,
-    write: Callable[[AsyncGenerator[ChoiceDelta, None], bool], AsyncGenerator[str, None]],
+    writer_for: Callable[[bool], ChunkWriter],
 ) -> EventStreamResponse:
-    """Start every choice and send the JSON chunks ``write(deltas, include_usage)`` makes as SSE."""
+    """Start every choice and send the JSON chunks of ``writer_for(include_usage)`` as SSE."""
     include_usage = bool(stream_options and stream_options.include_usage)
     choices = await start_choices(state, plan, wait_disconnect)
-    chunks = write(merge_choices(choices, wait_disconnect), include_usage)
-    return EventStreamResponse(chunks, close=choices.close)
+    writer = writer_for(include_usage)
+    sink = None
+    if writer.inline and choices.num_choices == 1 and len(choices.started) == 1:
+        sink = InlineSink(choices.started[0][0], writer.chunks, state.metrics.inline_outputs)
+    chunks = _chunks(writer, merge_choices(choices, wait_disconnect))
+    return EventStreamResponse(chunks, close=choices.close, sink=sink)

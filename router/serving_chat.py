@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
@@ -78,7 +76,7 @@ async def create_chat_completion(
     if request.stream:
         return await sse_response(
             state, plan, wait_disconnect, request.stream_options,
-            lambda deltas, include_usage: _stream(plan, deltas, renderer, include_usage),
+            lambda include_usage: _ChatChunks(plan, renderer, include_usage),
         )
     results, usage = await collect(state, plan, wait_disconnect)
     response = ChatCompletionResponse(
@@ -106,44 +104,50 @@ def _prompt_logprobs(state: RouterState, results: list[ChoiceResult]) -> PromptL
     return None if entries is None else prompt_logprobs(TokenRenderer(state.prompts.tokenizer), entries)
 
 
-async def _stream(
-    plan: GenerationPlan,
-    deltas: AsyncGenerator[ChoiceDelta, None],
-    renderer: TokenRenderer | None,
-    include_usage: bool,
-) -> AsyncGenerator[str, None]:
-    usage = UsageTracker(plan)
-    exclude = None if include_usage else {"usage"}
+class _ChatChunks:
+    """The ``chat.completion.chunk`` chunks of a streaming chat completion (``ChunkWriter``)."""
 
-    def chunk(index: int, delta: DeltaMessage, logprobs: Any = None, finish_reason: Any = None) -> str:
+    def __init__(self, plan: GenerationPlan, renderer: TokenRenderer | None, include_usage: bool) -> None:
+        self.plan, self.renderer, self.include_usage = plan, renderer, include_usage
+        self.inline = renderer is None
+        self.usage = UsageTracker(plan)
+        self.exclude = None if include_usage else {"usage"}
+        # Per token, the content chunk is written from its fixed parts (the bytes pydantic writes,
+        # without building its models): the router's CPU per streamed token is the cost of a stream.
+        self.head = msgspec.json.encode(
+            {"id": plan.request_id, "object": "chat.completion.chunk", "created": plan.created, "model": plan.model}
+        ).decode()[:-1] + ',"choices":[{"index":'
+        self.tail = ',"logprobs":null,"finish_reason":null}]' + (',"usage":null}' if include_usage else "}")
+
+    def _chunk(self, index: int, delta: DeltaMessage, logprobs: Any = None, finish_reason: Any = None) -> str:
         choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
-        body = ChatCompletionChunk(
-            id=plan.request_id, created=plan.created, model=plan.model, choices=[choice]
-        )
-        return body.model_dump_json(exclude=exclude)
+        plan = self.plan
+        body = ChatCompletionChunk(id=plan.request_id, created=plan.created, model=plan.model, choices=[choice])
+        return body.model_dump_json(exclude=self.exclude)
 
-    # Per token, the content chunk is written from its fixed parts (the bytes pydantic writes,
-    # without building its models): the router's CPU per streamed token is the cost of a stream.
-    head = msgspec.json.encode(
-        {"id": plan.request_id, "object": "chat.completion.chunk", "created": plan.created, "model": plan.model}
-    ).decode()[:-1] + ',"choices":[{"index":'
-    tail = ',"logprobs":null,"finish_reason":null}]' + (',"usage":null}' if include_usage else "}")
+    def opening(self) -> list[str]:
+        plan = self.plan
+        return [self._chunk(i, DeltaMessage(role="assistant", content="")) for i in range(len(plan.prompts) * plan.n)]
 
-    for index in range(len(plan.prompts) * plan.n):
-        yield chunk(index, DeltaMessage(role="assistant", content=""))
-    async with contextlib.aclosing(deltas):
-        async for delta in deltas:
-            if include_usage:
-                usage.update(delta)
-            if delta.text and renderer is None:
-                yield f'{head}{delta.index},"delta":{{"content":{msgspec.json.encode(delta.text).decode()}}}{tail}'
-            elif delta.text or delta.logprobs:
-                logprobs = chat_logprobs(renderer, delta.logprobs) if renderer else None
-                yield chunk(delta.index, DeltaMessage(content=delta.text), logprobs)
-            if delta.finish_reason is not None:
-                yield chunk(delta.index, DeltaMessage(), finish_reason=delta.finish_reason)
-    if include_usage:
+    def chunks(self, delta: ChoiceDelta) -> list[str]:
+        if self.include_usage:
+            self.usage.update(delta)
+        out = []
+        if delta.text and self.renderer is None:
+            out.append(f'{self.head}{delta.index},"delta":{{"content":{msgspec.json.encode(delta.text).decode()}}}'
+                       f'{self.tail}')
+        elif delta.text or delta.logprobs:
+            logprobs = chat_logprobs(self.renderer, delta.logprobs) if self.renderer else None
+            out.append(self._chunk(delta.index, DeltaMessage(content=delta.text), logprobs))
+        if delta.finish_reason is not None:
+            out.append(self._chunk(delta.index, DeltaMessage(), finish_reason=delta.finish_reason))
+        return out
+
+    def closing(self) -> list[str]:
+        if not self.include_usage:
+            return []
+        plan = self.plan
         final = ChatCompletionChunk(
-            id=plan.request_id, created=plan.created, model=plan.model, choices=[], usage=usage.usage()
+            id=plan.request_id, created=plan.created, model=plan.model, choices=[], usage=self.usage.usage()
         )
-        yield final.model_dump_json()
+        return [final.model_dump_json()]

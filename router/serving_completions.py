@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
@@ -103,7 +101,7 @@ async def create_completion(
     if request.stream:
         return await sse_response(
             state, plan, wait_disconnect, request.stream_options,
-            lambda deltas, include_usage: _stream(plan, deltas, renderer, include_usage, echo),
+            lambda include_usage: _CompletionChunks(plan, renderer, include_usage, echo),
         )
     results, usage = await collect(state, plan, wait_disconnect)
     response = CompletionResponse(
@@ -169,52 +167,60 @@ def _choices(
     return choices
 
 
-async def _stream(
-    plan: GenerationPlan,
-    deltas: AsyncGenerator[ChoiceDelta, None],
-    renderer: TokenRenderer | None,
-    include_usage: bool,
-    echo: list[str] | None = None,
-) -> AsyncGenerator[str, None]:
-    usage = UsageTracker(plan)
-    echoed: set[int] = set()  # choices whose prompt text went out (``echo``: before their first text)
-    exclude = None if include_usage else {"usage"}
-    # Per token, the chunk is written from its fixed parts (the bytes pydantic writes, without
-    # building its models): the router's CPU per streamed token is the cost of a stream.
-    head = msgspec.json.encode(
-        {"id": plan.request_id, "object": "text_completion", "created": plan.created, "model": plan.model}
-    ).decode()[:-1] + ',"choices":[{"index":'
-    tail = ',"usage":null}' if include_usage else "}"
-    async with contextlib.aclosing(deltas):
-        async for delta in deltas:
-            if include_usage:
-                usage.update(delta)
-            if echo is not None and delta.index not in echoed:
-                echoed.add(delta.index)
-                delta.text = echo[delta.index // plan.n] + delta.text
-            if not delta.text and not delta.logprobs and delta.finish_reason is None:
-                continue
-            if renderer is None:
-                finish = "null" if delta.finish_reason is None else f'"{delta.finish_reason}"'
-                yield (f'{head}{delta.index},"text":{msgspec.json.encode(delta.text).decode()},'
-                       f'"logprobs":null,"finish_reason":{finish}}}]{tail}')
-                continue
-            chunk = CompletionResponse(
-                id=plan.request_id,
-                created=plan.created,
-                model=plan.model,
-                choices=[
-                    CompletionChoice(
-                        index=delta.index,
-                        text=delta.text,
-                        logprobs=_logprobs(renderer, delta),
-                        finish_reason=delta.finish_reason,  # type: ignore[arg-type]
-                    )
-                ],
-            )
-            yield chunk.model_dump_json(exclude=exclude)
-    if include_usage:
-        final = CompletionResponse(
-            id=plan.request_id, created=plan.created, model=plan.model, choices=[], usage=usage.usage()
+class _CompletionChunks:
+    """The ``text_completion`` chunks of a streaming completion (``ChunkWriter``)."""
+
+    def __init__(
+        self, plan: GenerationPlan, renderer: TokenRenderer | None, include_usage: bool, echo: list[str] | None
+    ) -> None:
+        self.plan, self.renderer, self.include_usage, self.echo = plan, renderer, include_usage, echo
+        self.inline = renderer is None
+        self.usage = UsageTracker(plan)
+        self.echoed: set[int] = set()  # choices whose prompt text went out (``echo``: before their first text)
+        self.exclude = None if include_usage else {"usage"}
+        # Per token, the chunk is written from its fixed parts (the bytes pydantic writes, without
+        # building its models): the router's CPU per streamed token is the cost of a stream.
+        self.head = msgspec.json.encode(
+            {"id": plan.request_id, "object": "text_completion", "created": plan.created, "model": plan.model}
+        ).decode()[:-1] + ',"choices":[{"index":'
+        self.tail = ',"usage":null}' if include_usage else "}"
+
+    def opening(self) -> list[str]:
+        return []
+
+    def chunks(self, delta: ChoiceDelta) -> list[str]:
+        if self.include_usage:
+            self.usage.update(delta)
+        if self.echo is not None and delta.index not in self.echoed:
+            self.echoed.add(delta.index)
+            delta.text = self.echo[delta.index // self.plan.n] + delta.text
+        if not delta.text and not delta.logprobs and delta.finish_reason is None:
+            return []
+        if self.renderer is None:
+            finish = "null" if delta.finish_reason is None else f'"{delta.finish_reason}"'
+            return [f'{self.head}{delta.index},"text":{msgspec.json.encode(delta.text).decode()},'
+                    f'"logprobs":null,"finish_reason":{finish}}}]{self.tail}']
+        plan = self.plan
+        chunk = CompletionResponse(
+            id=plan.request_id,
+            created=plan.created,
+            model=plan.model,
+            choices=[
+                CompletionChoice(
+                    index=delta.index,
+                    text=delta.text,
+                    logprobs=_logprobs(self.renderer, delta),
+                    finish_reason=delta.finish_reason,  # type: ignore[arg-type]
+                )
+            ],
         )
-        yield final.model_dump_json()
+        return [chunk.model_dump_json(exclude=self.exclude)]
+
+    def closing(self) -> list[str]:
+        if not self.include_usage:
+            return []
+        plan = self.plan
+        final = CompletionResponse(
+            id=plan.request_id, created=plan.created, model=plan.model, choices=[], usage=self.usage.usage()
+        )
+        return [final.model_dump_json()]

@@ -1,0 +1,137 @@
+"""A streaming response's plain tokens, written from the engine-output receive loop.
+
+The ordinary way a token reaches its client: the receive loop queues the engine's output and
+wakes the response's task, which resumes through every frame between the ASGI server and the
+queue (middleware, the endpoint, four generators), turns the output into text and an SSE event,
+and sends it. At 512 streams one engine step is 512 such wake-ups in a row, and the last stream's
+token waits for all of them.
+
+``InlineSink`` takes that token in the receive loop instead: when the response's task is parked
+waiting for its next output, the output is a plain token (no finish, no logprobs) and the stream
+has no stop strings, the sink runs the same bookkeeping (``EngineRequest.take_inline``), the same
+detokenizer (``ChoiceStream.process``) and the same chunk writer as the task would, and hands the
+event to the server's ``send`` there and then. Everything else (the first output, the last, errors,
+migrations, stop strings, logprobs) still goes through the task, in order: the sink only takes an
+output when nothing is queued before it, and the task waits for a send the sink started before it
+sends anything itself.
+
+A send that cannot finish at once (the client reads slower than the stream: the server's write
+buffer is full) goes on in a task of its own (``start_send``), and the sink takes nothing more until
+it has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from common.protocol import RequestOutput
+from router.choice_stream import ChoiceDelta, ChoiceStream
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def start_send(send: Send, message: dict[str, Any]) -> asyncio.Task[None] | None:
+    """Run ``send(message)`` now, as far as it goes without waiting. None when it finished (the
+    usual case); else the task that finishes it, resuming the send where it waited."""
+    coro = send(message)
+    assert isinstance(coro, Coroutine), "the ASGI send must be a coroutine function"
+    try:
+        awaited = coro.send(None)
+    except StopIteration:
+        return None
+    return asyncio.get_running_loop().create_task(_finish_send(coro, awaited))
+
+
+async def _finish_send(coro: Coroutine[Any, Any, None], awaited: Any) -> None:
+    """Drive ``coro`` to its end as a task would: wait for what it yielded, then resume it (the
+    awaited future's result or exception reaches it there); a cancellation is thrown into it."""
+    while True:
+        try:
+            if isinstance(awaited, asyncio.Future):
+                awaited._asyncio_future_blocking = False
+                await asyncio.wait([awaited])
+            else:  # a bare yield: one turn of the loop
+                await asyncio.sleep(0)
+            awaited = coro.send(None)
+        except StopIteration:
+            return
+        except asyncio.CancelledError as exc:
+            try:
+                awaited = coro.throw(exc)
+            except StopIteration:
+                return
+
+
+class InlineSink:
+    """Takes one streaming choice's plain token outputs in the receive loop (see the module's
+    docstring). ``chunks(delta)`` are the SSE payloads the task would send for ``delta``."""
+
+    __slots__ = ("_chunks", "_counter", "_pending", "_send", "_stream")
+
+    def __init__(
+        self, stream: ChoiceStream, chunks: Callable[[ChoiceDelta], list[str]], counter: list[int]
+    ) -> None:
+        self._stream = stream
+        self._chunks = chunks
+        self._counter = counter  # [outputs taken inline], shared by the app's sinks (a metric)
+        self._send: Send | None = None
+        self._pending: asyncio.Task[None] | None = None
+
+    def attach(self, send: Send) -> None:
+        """Start taking outputs, sending with ``send`` (the response has started)."""
+        self._send = send
+        self._stream.engine_request.set_sink(self)
+
+    def detach(self) -> None:
+        """Take nothing more; the task sends the rest (after ``idle``)."""
+        self._send = None
+        self._stream.engine_request.set_sink(None)
+
+    @property
+    def busy(self) -> bool:
+        """A send the sink started has not finished."""
+        return self._pending is not None
+
+    async def idle(self) -> None:
+        """Wait for the send the sink started, if any (before the task sends anything itself)."""
+        while self._pending is not None:
+            await self._pending
+
+    def cancel(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+
+    def __call__(self, output: RequestOutput) -> bool:
+        """Take ``output`` (True) or leave it to the task (False). Called by the output queue only
+        while the task waits on it with nothing queued."""
+        send = self._send
+        if (
+            send is None
+            or self._pending is not None
+            or output.finish_reason is not None
+            or output.logprobs is not None
+            or output.prompt_logprobs is not None
+            or not self._stream.takes_inline
+            or not self._stream.engine_request.take_inline(output)
+        ):
+            return False
+        self._counter[0] += 1
+        try:
+            payloads = self._chunks(self._stream.process(output))
+            if payloads:
+                body = b"".join(f"data: {p}\n\n".encode() for p in payloads)
+                pending = start_send(send, {"type": "http.response.body", "body": body, "more_body": True})
+                if pending is not None:
+                    self._pending = pending
+                    pending.add_done_callback(self._sent)
+        except Exception as exc:  # the task raises it at its next wait, as if it had failed there
+            self._stream.engine_request.interrupt(exc)
+        return True
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        if self._pending is task:
+            self._pending = None
+        if not task.cancelled() and (exc := task.exception()) is not None and isinstance(exc, Exception):
+            self._stream.engine_request.interrupt(exc)

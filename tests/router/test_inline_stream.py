@@ -1,0 +1,316 @@
+"""Plain tokens sent from the receive loop (``router/inline_stream.py``): the send driver on its
+own, then through the router over real ZMQ and Redis, with clients that read and one that stops
+reading until the whole reply is written."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+import router.inline_stream as inline_stream
+from common.protocol import RequestOutput
+from common.registry import InstanceInfo
+from router.choice_stream import ChoiceDelta
+from router.inline_stream import InlineSink, start_send
+from tests.router.fake_engine import FakeCluster, FakeEngine
+from tests.router.router_harness import SERVED_MODEL, RouterServer, make_state, wait_until
+
+REPLY_TEXT = "Once upon a time, a dragon learned to paint. Ça va? 你好 🎉 The end."
+PROMPT = "Tell me a story about a dragon who learns to paint, in several short sentences please."
+
+
+# -- the send driver --------------------------------------------------------------------------
+class _Server:
+    """An ASGI-like ``send`` whose writes wait on ``gate`` while it is set (a full socket)."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.gate: asyncio.Future[None] | None = None
+        self.finally_ran = 0
+
+    async def send(self, message: dict[str, Any]) -> None:
+        try:
+            if self.gate is not None:
+                await self.gate
+            self.sent.append(message["body"])
+        finally:
+            self.finally_ran += 1
+
+
+def test_a_send_that_need_not_wait_is_done_in_the_caller() -> None:
+    async def main() -> None:
+        server = _Server()
+        assert start_send(server.send, {"body": b"a"}) is None
+        assert server.sent == [b"a"]
+
+    asyncio.run(main())
+
+
+def test_a_send_that_waits_is_finished_by_a_task_once() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = _Server()
+        server.gate = loop.create_future()
+        task = start_send(server.send, {"body": b"a"})
+        assert task is not None
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert server.sent == [] and not task.done()
+        server.gate.set_result(None)
+        await task
+        assert server.sent == [b"a"] and server.finally_ran == 1
+
+    asyncio.run(main())
+
+
+def test_the_awaited_futures_exception_reaches_the_send() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = _Server()
+        server.gate = loop.create_future()
+        task = start_send(server.send, {"body": b"a"})
+        assert task is not None
+        server.gate.set_exception(ConnectionResetError("gone"))
+        with pytest.raises(ConnectionResetError, match="gone"):
+            await task
+        assert server.sent == [] and server.finally_ran == 1
+
+    asyncio.run(main())
+
+
+def test_cancelling_the_task_cancels_the_send_where_it_waits() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = _Server()
+        server.gate = loop.create_future()
+        task = start_send(server.send, {"body": b"a"})
+        assert task is not None
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert server.sent == [] and server.finally_ran == 1
+
+    asyncio.run(main())
+
+
+class _StubRequest:
+    def __init__(self) -> None:
+        self.sink: Any = None
+        self.taken: list[RequestOutput] = []
+        self.interrupted: list[BaseException] = []
+
+    def set_sink(self, sink: Any) -> None:
+        self.sink = sink
+
+    def take_inline(self, output: RequestOutput) -> bool:
+        self.taken.append(output)
+        return True
+
+    def interrupt(self, exc: BaseException) -> None:
+        self.interrupted.append(exc)
+
+
+class _StubStream:
+    takes_inline = True
+
+    def __init__(self) -> None:
+        self.engine_request = _StubRequest()
+
+    def process(self, output: RequestOutput) -> ChoiceDelta:
+        return ChoiceDelta(index=0, text=f"t{output.new_token_ids[0]}")
+
+
+def _token(token_id: int, **kw: Any) -> RequestOutput:
+    return RequestOutput(request_id="r", new_token_ids=[token_id], **kw)
+
+
+def test_the_sink_takes_nothing_while_its_send_waits_and_leaves_the_rest_to_the_task() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server, stream, counter = _Server(), _StubStream(), [0]
+        sink = InlineSink(stream, lambda delta: [delta.text], counter)  # type: ignore[arg-type]
+        assert not sink(_token(1)), "a sink not attached took an output"
+        sink.attach(server.send)
+        assert stream.engine_request.sink is sink
+        assert sink(_token(2)) and server.sent == [b"data: t2\n\n"]
+        server.gate = loop.create_future()
+        assert sink(_token(3)) and sink.busy
+        # Behind a send that waits, the next output goes to the task, which waits for that send.
+        assert not sink(_token(4))
+        assert not sink(_token(5, finish_reason="stop")) and not sink(_token(6, logprobs=[]))
+        server.gate.set_result(None)
+        await sink.idle()
+        assert not sink.busy and server.sent == [b"data: t2\n\n", b"data: t3\n\n"]
+        assert sink(_token(7)) and counter == [3]
+        sink.detach()
+        assert stream.engine_request.sink is None and not sink(_token(8))
+
+    asyncio.run(main())
+
+
+def test_a_failed_send_of_the_sink_interrupts_the_request() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server, stream = _Server(), _StubStream()
+        sink = InlineSink(stream, lambda delta: [delta.text], [0])  # type: ignore[arg-type]
+        sink.attach(server.send)
+        server.gate = loop.create_future()
+        assert sink(_token(1))
+        server.gate.set_exception(ConnectionResetError("gone"))
+        with pytest.raises(ConnectionResetError):
+            await sink.idle()
+        await asyncio.sleep(0)
+        assert [type(e) for e in stream.engine_request.interrupted] == [ConnectionResetError]
+
+    asyncio.run(main())
+
+
+# -- through the router -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reply_tokens(tokenizer: Any) -> list[int]:
+    return list(tokenizer.encode(REPLY_TEXT, add_special_tokens=False))
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url: str, prompts: Any, reply_tokens: list[int]) -> Iterator[RouterServer]:
+    namespace = f"inline-{uuid.uuid4().hex[:8]}"
+    state = make_state(prompts, redis_url=redis_url, namespace=namespace)
+    with FakeCluster(redis_url, namespace, reply_tokens), RouterServer(state) as server:
+        server.wait_ready()
+        yield server
+
+
+def _inline_count(server: RouterServer) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    match = re.search(r"^pdserve:router_outputs_inline_total (\S+)$", text, re.MULTILINE)
+    assert match is not None, "the router exports no pdserve:router_outputs_inline_total"
+    return float(match.group(1))
+
+
+def _client(server: RouterServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def test_streamed_chat_takes_plain_tokens_inline_and_loses_nothing(stack: RouterServer) -> None:
+    before = _inline_count(stack)
+    chunks = list(_client(stack).chat.completions.create(
+        model=SERVED_MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=100, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == REPLY_TEXT
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    # The prefill's token and the last one go through the request's task; those between may not.
+    assert _inline_count(stack) > before
+
+
+def test_streamed_completion_takes_plain_tokens_inline(stack: RouterServer, reply_tokens: list[int]) -> None:
+    before = _inline_count(stack)
+    stream = _client(stack).completions.create(model=SERVED_MODEL, prompt=PROMPT, max_tokens=100, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == REPLY_TEXT
+    taken = _inline_count(stack) - before
+    assert 0 < taken <= len(reply_tokens) - 2
+
+
+@pytest.mark.parametrize("extra", [{"stop": ["paint"]}, {"logprobs": 2}])
+def test_stop_strings_and_logprobs_stay_with_the_task(stack: RouterServer, extra: dict[str, Any]) -> None:
+    before = _inline_count(stack)
+    chunks = list(_client(stack).completions.create(
+        model=SERVED_MODEL, prompt=PROMPT, max_tokens=100, stream=True, **extra
+    ))
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text == (REPLY_TEXT.split("paint")[0] if "stop" in extra else REPLY_TEXT)
+    assert _inline_count(stack) == before
+
+
+class _LongContextEngine(FakeEngine):
+    def info(self) -> InstanceInfo:
+        info = super().info()
+        info.max_model_len = 100_000
+        return info
+
+
+def test_a_client_that_stops_reading_gets_every_token_in_order(
+    redis_url: str, prompts: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client reads nothing until a send of the sink had to wait for the socket (the router's
+    buffers made small, as on a slow network): the outputs behind it must wait for it, and the
+    stream arrive whole and in order."""
+    waited: list[int] = []
+    finish_send = inline_stream._finish_send
+
+    def counting(coro: Any, awaited: Any) -> Any:
+        waited.append(1)
+        return finish_send(coro, awaited)
+
+    monkeypatch.setattr(inline_stream, "_finish_send", counting)
+    # A slow network: small socket buffers on the router's side, so its writes fill them soon.
+    made = HttpToolsProtocol.connection_made
+
+    def small_buffers(self: HttpToolsProtocol, transport: Any) -> None:
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        transport.set_write_buffer_limits(high=4096)
+        made(self, transport)
+
+    monkeypatch.setattr(HttpToolsProtocol, "connection_made", small_buffers)
+    words = [f" w{i}" for i in range(400)]
+    reply = list(tokenizer.encode("".join(words), add_special_tokens=False))
+    namespace = f"inline-slow-{uuid.uuid4().hex[:8]}"
+    peers: dict[str, FakeEngine] = {}
+    engines = [_LongContextEngine("decode", "decode-0", redis_url, namespace, reply, peers, token_delay_s=0.0)]
+    for engine in engines:
+        peers[engine.instance_id] = engine
+        engine.start()
+    try:
+        with RouterServer(make_state(prompts, redis_url=redis_url, namespace=namespace)) as server:
+            server.wait_ready(prefill=0)
+            body = (b'{"model":"%s","prompt":"hi","max_tokens":%d,"stream":true}'
+                    % (SERVED_MODEL.encode(), len(reply)))
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", server.port))
+            try:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                assert wait_until(lambda: bool(waited), 120), "no send of the sink had to wait for the socket"
+                received = bytearray()
+                sock.settimeout(60)
+                while not received.endswith(b"0\r\n\r\n"):
+                    data = sock.recv(1 << 16)
+                    assert data, "the router closed the connection early"
+                    received += data
+            finally:
+                sock.close()
+    finally:
+        for engine in engines:
+            engine.stop()
+    texts = re.findall(rb'"text":"((?:[^"\\]|\\.)*)"', bytes(received))
+    assert "".join(t.decode() for t in texts) == tokenizer.decode(reply)
+
+
+def test_tokens_taken_inline_count_as_progress_for_the_request_timeout(
+    redis_url: str, prompts: Any, reply_tokens: list[int]
+) -> None:
+    """The request's task waits through every token taken inline: its timeout (no output for
+    ``request_timeout_s``) must count from the last of them, not from when it began to wait."""
+    namespace = f"inline-slowtok-{uuid.uuid4().hex[:8]}"
+    state = make_state(prompts, redis_url=redis_url, namespace=namespace, request_timeout_s=1.0)
+    with FakeCluster(redis_url, namespace, reply_tokens, token_delay_s=0.1), RouterServer(state) as server:
+        server.wait_ready()
+        chunks = list(_client(server).completions.create(
+            model=SERVED_MODEL, prompt=PROMPT, max_tokens=100, stream=True
+        ))  # about 3 s of tokens, 0.1 s apart
+        assert "".join(c.choices[0].text for c in chunks) == REPLY_TEXT
+        assert _inline_count(server) > 10

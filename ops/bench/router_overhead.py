@@ -14,10 +14,12 @@ For every ``--concurrency`` C and ``--workers`` W it reports:
   stream's first token to the first stream's last), per router process (the total over W);
 * added latency per token, p50 / p99: when the router's write of a token reached the client's
   socket (the kernel's receive time stamp, ``SO_TIMESTAMPNS``) minus when the engine sent it (the one
-  host clock), over every token of the point; and "read p99", to when the client's Python read it.
-  The gap between the two is the client's own delay: one process reading every stream, beside the
-  router on the same cores, reaches the last socket of a 512-token step milliseconds late. Where the
-  kernel stamps nothing (not Linux), both are the read time. Reports before this change
+  host clock), over every token of the point; "steady p99", over the tokens of the steady window
+  only (below), without the steps where all C streams start or end together; and "read p99", to
+  when the client's Python read it. The gap between the first and the last is the client's own
+  delay: one process reading every stream, beside the router on the same cores, reaches the last
+  socket of a 512-token step milliseconds late. Where the kernel stamps nothing (not Linux), both
+  are the read time. Reports before this change
   (2026-12-02) have only the read time, as ``added_latency_ms``;
 * router CPU per token: CPU time of the router process(es) (their CPU-time clocks on Linux, else
   ``psutil``) over that same window, divided by its tokens;
@@ -558,10 +560,13 @@ def run_point(
     window_s = max(window_end - window_start, 1e-9)
     cpu_s = sampler.at(window_end) - sampler.at(window_start)
     added_ms: list[float] = []
+    steady_ms: list[float] = []
     read_ms: list[float] = []
     for s in good:
         send_times = sent.get(f"{s.request_id}-0", [])
         added_ms += [(r - t) * 1e3 for r, t in zip(s.received, send_times, strict=False)]
+        steady_ms += [(r - t) * 1e3 for r, a, t in zip(s.received, s.arrivals, send_times, strict=False)
+                      if window_start <= a <= window_end]
         read_ms += [(a - t) * 1e3 for a, t in zip(s.arrivals, send_times, strict=False)]
     tokens_per_s = num_tokens / window_s
     total_tokens = sum(len(s.arrivals) for s in good)
@@ -575,6 +580,9 @@ def run_point(
         "router_cpu_cores": round(cpu_s / window_s, 3),
         # Engine send to the kernel's receipt of the router's write: what the router added.
         "added_latency_ms": _latency(added_ms),
+        # The same over the steady window's tokens only: without the steps that start and end
+        # every stream at once (all C streams begin together here, unlike a service's arrivals).
+        "added_latency_steady_ms": _latency(steady_ms),
         "latency_clock": "kernel receive" if _KERNEL_STAMPS else "client read",
         # Engine send to the client's read: the above plus the client's own delay.
         "read_latency_ms": _latency(read_ms),
@@ -591,7 +599,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"router overhead ({report['date']}): streamed tokens/s per router process, added latency per token, "
         "router CPU per token",
         f"{'engines':<12}{'procs':>6}{'streams':>9}{'offered':>9}{'tok/s/proc':>12}{'tok/s':>10}{'p50 ms':>9}"
-        f"{'p99 ms':>9}{'read p99':>10}{'cpu us/tok':>12}{'tok/event':>11}{'failed':>8}{'pinned':>8}",
+        f"{'p99 ms':>9}{'steady p99':>11}{'read p99':>10}{'cpu us/tok':>12}{'tok/event':>11}{'failed':>8}{'pinned':>8}",
     ]
     for r in report["results"]:
         lat = r.get("added_latency_ms", {})
@@ -601,6 +609,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{'max' if not offered else f'{offered:,.0f}':>9}"
             f"{r.get('tokens_per_s_per_process', float('nan')):>12,.0f}{r.get('tokens_per_s', float('nan')):>10,.0f}"
             f"{lat.get('p50', float('nan')):>9.2f}{lat.get('p99', float('nan')):>9.2f}"
+            f"{r.get('added_latency_steady_ms', {}).get('p99', float('nan')):>11.2f}"
             f"{r.get('read_latency_ms', {}).get('p99', float('nan')):>10.2f}"
             f"{r.get('router_cpu_us_per_token', float('nan')):>12.1f}{r.get('tokens_per_event', float('nan')):>11.2f}"
             f"{r['num_streams_failed']:>8}{'yes' if r.get('pinning', {}).get('pinned') else 'no':>8}"

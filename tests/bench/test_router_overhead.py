@@ -45,6 +45,9 @@ def test_a_short_router_run_measures_tokens_per_second_latency_and_cpu_per_token
         # The kernel's receive stamp comes before the client reads the token, never after.
         assert r["latency_clock"] == "kernel receive"
         assert r["read_latency_ms"]["num_tokens"] == r["added_latency_ms"]["num_tokens"]
+        # The steady window's tokens are some of them: all of one stream's, not all of three's.
+        steady = r["added_latency_steady_ms"]["num_tokens"]
+        assert (steady == max_tokens) if r["concurrency"] == 1 else (0 < steady < max_tokens * r["concurrency"])
         assert r["added_latency_ms"]["mean"] <= r["read_latency_ms"]["mean"]
         assert r["tokens_per_s"] > 0 and r["tokens_per_s_per_process"] == r["tokens_per_s"]
         assert 0 < r["router_cpu_us_per_token"] < 1e6

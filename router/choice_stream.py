@@ -31,6 +31,15 @@ class ChoiceDelta:
     prompt_logprobs: list[PromptLogprob | None] | None = None  # with the first token, when asked for
 
 
+class StoppedInline(Exception):
+    """A stop string hit in a token taken in the receive loop (``router/inline_stream.py``):
+    ``delta``, the stream's last, goes out from the request's task, which ends the stream."""
+
+    def __init__(self, delta: ChoiceDelta) -> None:
+        super().__init__("a stop string ended the stream")
+        self.delta = delta
+
+
 @dataclass
 class _PendingToken:
     logprobs: PositionLogprobs
@@ -53,9 +62,6 @@ class ChoiceStream:
         self.engine_request = engine_request
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self._stop = StopChecker(stop)
-        # Its plain token outputs may be handled in the receive loop (``router/inline_stream.py``):
-        # not with stop strings, whose hit ends the stream from a plain token.
-        self.takes_inline = not any(stop)
         self._metrics = metrics
         self._pending: list[_PendingToken] = []
         self._raw_len = 0  # characters the detokenizer produced
@@ -75,6 +81,8 @@ class ChoiceStream:
                 yield delta
                 if delta.finish_reason is not None:
                     return
+        except StoppedInline as stopped:
+            yield stopped.delta
         finally:
             self.close()
 

@@ -7,13 +7,13 @@ and sends it. At 512 streams one engine step is 512 such wake-ups in a row, and 
 token waits for all of them.
 
 ``InlineSink`` takes that token in the receive loop instead: when the response's task is parked
-waiting for its next output, the output is a plain token (no finish, no logprobs) and the stream
-has no stop strings, the sink runs the same bookkeeping (``EngineRequest.take_inline``), the same
-detokenizer (``ChoiceStream.process``) and the same chunk writer as the task would, and hands the
-event to the server's ``send`` there and then. Everything else (the first output, the last, errors,
-migrations, stop strings, logprobs) still goes through the task, in order: the sink only takes an
-output when nothing is queued before it, and the task waits for a send the sink started before it
-sends anything itself.
+waiting for its next output and the output is a plain token (no finish, no logprobs), the sink
+runs the same bookkeeping (``EngineRequest.take_inline``), the same detokenizer and stop-string
+check (``ChoiceStream.process``) and the same chunk writer as the task would, and hands the event
+to the server's ``send`` there and then. Everything else (the first output, the last, errors,
+migrations, logprobs) still goes through the task, in order, and so does the delta of a token
+that hits a stop string (``StoppedInline``): the sink only takes an output when nothing is queued
+before it, and the task waits for a send the sink started before it sends anything itself.
 
 A send that cannot finish at once (the client reads slower than the stream: the server's write
 buffer is full) goes on in a task of its own (``start_send``), and the sink takes nothing more until
@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from common.protocol import RequestOutput
-from router.choice_stream import ChoiceDelta, ChoiceStream
+from router.choice_stream import ChoiceDelta, ChoiceStream, StoppedInline
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -113,13 +113,16 @@ class InlineSink:
             or output.finish_reason is not None
             or output.logprobs is not None
             or output.prompt_logprobs is not None
-            or not self._stream.takes_inline
             or not self._stream.engine_request.take_inline(output)
         ):
             return False
         self._counter[0] += 1
         try:
-            payloads = self._chunks(self._stream.process(output))
+            delta = self._stream.process(output)
+            if delta.finish_reason is not None:  # a stop string: the task sends the end and aborts
+                self._stream.engine_request.interrupt(StoppedInline(delta))
+                return True
+            payloads = self._chunks(delta)
             if payloads:
                 body = b"".join(f"data: {p}\n\n".encode() for p in payloads)
                 pending = start_send(send, {"type": "http.response.body", "body": body, "more_body": True})

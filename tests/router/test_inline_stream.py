@@ -182,12 +182,17 @@ def reply_tokens(tokenizer: Any) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def stack(redis_url: str, prompts: Any, reply_tokens: list[int]) -> Iterator[RouterServer]:
+def stack(redis_url: str, prompts: Any, reply_tokens: list[int]) -> Iterator[tuple[RouterServer, FakeCluster]]:
     namespace = f"inline-{uuid.uuid4().hex[:8]}"
     state = make_state(prompts, redis_url=redis_url, namespace=namespace)
-    with FakeCluster(redis_url, namespace, reply_tokens), RouterServer(state) as server:
+    with FakeCluster(redis_url, namespace, reply_tokens) as cluster, RouterServer(state) as server:
         server.wait_ready()
-        yield server
+        yield server, cluster
+
+
+@pytest.fixture
+def server(stack: tuple[RouterServer, FakeCluster]) -> RouterServer:
+    return stack[0]
 
 
 def _inline_count(server: RouterServer) -> float:
@@ -201,9 +206,9 @@ def _client(server: RouterServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
 
 
-def test_streamed_chat_takes_plain_tokens_inline_and_loses_nothing(stack: RouterServer) -> None:
-    before = _inline_count(stack)
-    chunks = list(_client(stack).chat.completions.create(
+def test_streamed_chat_takes_plain_tokens_inline_and_loses_nothing(server: RouterServer) -> None:
+    before = _inline_count(server)
+    chunks = list(_client(server).chat.completions.create(
         model=SERVED_MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=100, stream=True,
         stream_options={"include_usage": True},
     ))
@@ -212,27 +217,39 @@ def test_streamed_chat_takes_plain_tokens_inline_and_loses_nothing(stack: Router
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
     # The prefill's token and the last one go through the request's task; those between may not.
-    assert _inline_count(stack) > before
+    assert _inline_count(server) > before
 
 
-def test_streamed_completion_takes_plain_tokens_inline(stack: RouterServer, reply_tokens: list[int]) -> None:
-    before = _inline_count(stack)
-    stream = _client(stack).completions.create(model=SERVED_MODEL, prompt=PROMPT, max_tokens=100, stream=True)
+def test_streamed_completion_takes_plain_tokens_inline(server: RouterServer, reply_tokens: list[int]) -> None:
+    before = _inline_count(server)
+    stream = _client(server).completions.create(model=SERVED_MODEL, prompt=PROMPT, max_tokens=100, stream=True)
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks) == REPLY_TEXT
-    taken = _inline_count(stack) - before
+    taken = _inline_count(server) - before
     assert 0 < taken <= len(reply_tokens) - 2
 
 
-@pytest.mark.parametrize("extra", [{"stop": ["paint"]}, {"logprobs": 2}])
-def test_stop_strings_and_logprobs_stay_with_the_task(stack: RouterServer, extra: dict[str, Any]) -> None:
-    before = _inline_count(stack)
-    chunks = list(_client(stack).completions.create(
-        model=SERVED_MODEL, prompt=PROMPT, max_tokens=100, stream=True, **extra
+def test_a_stop_string_in_a_token_taken_inline_ends_the_stream_and_aborts_the_engine(
+    server: RouterServer, stack: tuple[RouterServer, FakeCluster]
+) -> None:
+    before = _inline_count(server)
+    chunks = list(_client(server).completions.create(
+        model=SERVED_MODEL, prompt=PROMPT, max_tokens=100, stream=True, stop=["paint"]
     ))
-    text = "".join(c.choices[0].text for c in chunks)
-    assert text == (REPLY_TEXT.split("paint")[0] if "stop" in extra else REPLY_TEXT)
-    assert _inline_count(stack) == before
+    assert "".join(c.choices[0].text for c in chunks) == REPLY_TEXT.split("paint")[0]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert _inline_count(server) > before  # the tokens before the stop string's
+    request_id = f"{chunks[0].id}-0"
+    assert wait_until(lambda: request_id in stack[1].aborts()["decode-0"], 10), "the engine was not aborted"
+
+
+def test_logprobs_stay_with_the_task(server: RouterServer) -> None:
+    before = _inline_count(server)
+    chunks = list(_client(server).completions.create(
+        model=SERVED_MODEL, prompt=PROMPT, max_tokens=100, stream=True, logprobs=2
+    ))
+    assert "".join(c.choices[0].text for c in chunks) == REPLY_TEXT
+    assert _inline_count(server) == before
 
 
 class _LongContextEngine(FakeEngine):

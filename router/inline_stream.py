@@ -23,11 +23,15 @@ it has finished.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from common.protocol import RequestOutput
 from router.choice_stream import ChoiceDelta, ChoiceStream, StoppedInline
+from router.dispatcher import EngineRequestError
+
+logger = logging.getLogger(__name__)
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -95,9 +99,10 @@ class InlineSink:
         return self._pending is not None
 
     async def idle(self) -> None:
-        """Wait for the send the sink started, if any (before the task sends anything itself)."""
+        """Wait for the send the sink started, if any (before the task sends anything itself). Its
+        failure reaches the task as the request's (``_fail``), not here."""
         while self._pending is not None:
-            await self._pending
+            await asyncio.wait([self._pending])
 
     def cancel(self) -> None:
         if self._pending is not None:
@@ -113,14 +118,18 @@ class InlineSink:
             or output.finish_reason is not None
             or output.logprobs is not None
             or output.prompt_logprobs is not None
-            or not self._stream.engine_request.take_inline(output)
         ):
             return False
-        self._counter[0] += 1
+        request = self._stream.engine_request
+        # Nothing may escape into the receive loop, which serves every request: a failure here
+        # fails this request alone (an error event, then the end of the stream).
         try:
+            if not request.take_inline(output):
+                return False
+            self._counter[0] += 1
             delta = self._stream.process(output)
             if delta.finish_reason is not None:  # a stop string: the task sends the end and aborts
-                self._stream.engine_request.interrupt(StoppedInline(delta))
+                request.interrupt(StoppedInline(delta))
                 return True
             payloads = self._chunks(delta)
             if payloads:
@@ -129,12 +138,18 @@ class InlineSink:
                 if pending is not None:
                     self._pending = pending
                     pending.add_done_callback(self._sent)
-        except Exception as exc:  # the task raises it at its next wait, as if it had failed there
-            self._stream.engine_request.interrupt(exc)
+        except Exception as exc:
+            self._fail(exc)
         return True
+
+    def _fail(self, exc: Exception) -> None:
+        """The task raises it at its next wait (it is parked in one) and ends the stream with it."""
+        logger.error("streaming %s failed in the receive loop", self._stream.engine_request.request_id,
+                     exc_info=exc)
+        self._stream.engine_request.interrupt(EngineRequestError(f"the router failed to stream a token: {exc!r}"))
 
     def _sent(self, task: asyncio.Task[None]) -> None:
         if self._pending is task:
             self._pending = None
         if not task.cancelled() and (exc := task.exception()) is not None and isinstance(exc, Exception):
-            self._stream.engine_request.interrupt(exc)
+            self._fail(exc)

@@ -20,6 +20,7 @@ import router.inline_stream as inline_stream
 from common.protocol import RequestOutput
 from common.registry import InstanceInfo
 from router.choice_stream import ChoiceDelta
+from router.dispatcher import EngineRequestError
 from router.inline_stream import InlineSink, start_send
 from tests.router.fake_engine import FakeCluster, FakeEngine
 from tests.router.router_harness import SERVED_MODEL, RouterServer, make_state, wait_until
@@ -104,6 +105,8 @@ def test_cancelling_the_task_cancels_the_send_where_it_waits() -> None:
 
 
 class _StubRequest:
+    request_id = "r"
+
     def __init__(self) -> None:
         self.sink: Any = None
         self.taken: list[RequestOutput] = []
@@ -167,10 +170,26 @@ def test_a_failed_send_of_the_sink_interrupts_the_request() -> None:
         server.gate = loop.create_future()
         assert sink(_token(1))
         server.gate.set_exception(ConnectionResetError("gone"))
-        with pytest.raises(ConnectionResetError):
-            await sink.idle()
-        await asyncio.sleep(0)
-        assert [type(e) for e in stream.engine_request.interrupted] == [ConnectionResetError]
+        await sink.idle()
+        [error] = stream.engine_request.interrupted
+        assert isinstance(error, EngineRequestError) and "ConnectionResetError('gone')" in str(error)
+
+    asyncio.run(main())
+
+
+def test_a_failure_in_the_sink_fails_the_request_not_the_receive_loop() -> None:
+    class Broken(_StubStream):
+        def process(self, output: RequestOutput) -> ChoiceDelta:
+            raise ValueError("detokenizer bug")
+
+    async def main() -> None:
+        server, stream = _Server(), Broken()
+        sink = InlineSink(stream, lambda delta: [delta.text], [0])  # type: ignore[arg-type]
+        sink.attach(server.send)
+        assert sink(_token(1))  # taken, so that nothing after it is sent before the error
+        [error] = stream.engine_request.interrupted
+        assert isinstance(error, EngineRequestError) and "detokenizer bug" in str(error)
+        assert server.sent == []
 
     asyncio.run(main())
 

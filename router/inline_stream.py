@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+def sse_event(payload: str) -> bytes:
+    return f"data: {payload}\n\n".encode()
+
+
 def start_send(send: Send, message: dict[str, Any]) -> asyncio.Task[None] | None:
     """Run ``send(message)`` now, as far as it goes without waiting. None when it finished (the
     usual case); else the task that finishes it, resuming the send where it waited."""
@@ -133,7 +137,7 @@ class InlineSink:
                 return True
             payloads = self._chunks(delta)
             if payloads:
-                body = b"".join(f"data: {p}\n\n".encode() for p in payloads)
+                body = sse_event(payloads[0]) if len(payloads) == 1 else b"".join(map(sse_event, payloads))
                 pending = start_send(send, {"type": "http.response.body", "body": body, "more_body": True})
                 if pending is not None:
                     self._pending = pending

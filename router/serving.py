@@ -19,7 +19,7 @@ from router.admission import CLIENT_KEY, Lane, Slot
 from router.choice_stream import ChoiceDelta, ChoiceStream
 from router.dispatcher import EngineRequestError
 from router.errors import APIError
-from router.inline_stream import InlineSink
+from router.inline_stream import InlineSink, sse_event
 from router.openai_responses import PromptTokensDetails, Usage
 from router.state import RouterState
 
@@ -342,10 +342,6 @@ def engine_api_error(exc: EngineRequestError) -> APIError:
 SERVER_SEND = "pdserve.server_send"
 
 
-def _sse(payload: str) -> bytes:
-    return f"data: {payload}\n\n".encode()
-
-
 class ChunkWriter(Protocol):
     """An endpoint's JSON chunks of a streaming response."""
 
@@ -412,11 +408,11 @@ class EventStreamResponse(StreamingResponse):
                 async for payload in self.chunks:
                     if sink is not None and sink.busy:
                         await sink.idle()  # what the sink sent came before this
-                    await send_event({"type": "http.response.body", "body": _sse(payload), "more_body": True})
+                    await send_event({"type": "http.response.body", "body": sse_event(payload), "more_body": True})
             except ClientDisconnected:
                 last = b""
             except EngineRequestError as exc:
-                last = _sse(msgspec.json.encode(engine_api_error(exc).body()).decode()) + last
+                last = sse_event(msgspec.json.encode(engine_api_error(exc).body()).decode()) + last
             if sink is not None:
                 sink.detach()
                 await sink.idle()

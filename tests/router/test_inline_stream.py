@@ -47,6 +47,15 @@ class _Server:
             self.finally_ran += 1
 
 
+def _waiting_send() -> tuple[_Server, asyncio.Future[None], asyncio.Task[None]]:
+    """A send started while the server's writes wait on the gate (in a running loop)."""
+    server = _Server()
+    gate = server.gate = asyncio.get_running_loop().create_future()
+    task = start_send(server.send, {"body": b"a"})
+    assert task is not None
+    return server, gate, task
+
+
 def test_a_send_that_need_not_wait_is_done_in_the_caller() -> None:
     async def main() -> None:
         server = _Server()
@@ -58,15 +67,11 @@ def test_a_send_that_need_not_wait_is_done_in_the_caller() -> None:
 
 def test_a_send_that_waits_is_finished_by_a_task_once() -> None:
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        server = _Server()
-        server.gate = loop.create_future()
-        task = start_send(server.send, {"body": b"a"})
-        assert task is not None
+        server, gate, task = _waiting_send()
         for _ in range(3):
             await asyncio.sleep(0)
         assert server.sent == [] and not task.done()
-        server.gate.set_result(None)
+        gate.set_result(None)
         await task
         assert server.sent == [b"a"] and server.finally_ran == 1
 
@@ -75,12 +80,8 @@ def test_a_send_that_waits_is_finished_by_a_task_once() -> None:
 
 def test_the_awaited_futures_exception_reaches_the_send() -> None:
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        server = _Server()
-        server.gate = loop.create_future()
-        task = start_send(server.send, {"body": b"a"})
-        assert task is not None
-        server.gate.set_exception(ConnectionResetError("gone"))
+        server, gate, task = _waiting_send()
+        gate.set_exception(ConnectionResetError("gone"))
         with pytest.raises(ConnectionResetError, match="gone"):
             await task
         assert server.sent == [] and server.finally_ran == 1
@@ -90,11 +91,7 @@ def test_the_awaited_futures_exception_reaches_the_send() -> None:
 
 def test_cancelling_the_task_cancels_the_send_where_it_waits() -> None:
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        server = _Server()
-        server.gate = loop.create_future()
-        task = start_send(server.send, {"body": b"a"})
-        assert task is not None
+        server, gate, task = _waiting_send()
         await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from common.protocol import RequestOutput
@@ -33,7 +33,7 @@ from router.dispatcher import EngineRequestError
 
 logger = logging.getLogger(__name__)
 
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+Send = Callable[[dict[str, Any]], Coroutine[Any, Any, None]]  # the ASGI send: a coroutine function
 
 
 def sse_event(payload: str) -> bytes:
@@ -44,7 +44,6 @@ def start_send(send: Send, message: dict[str, Any]) -> asyncio.Task[None] | None
     """Run ``send(message)`` now, as far as it goes without waiting. None when it finished (the
     usual case); else the task that finishes it, resuming the send where it waited."""
     coro = send(message)
-    assert isinstance(coro, Coroutine), "the ASGI send must be a coroutine function"
     try:
         awaited = coro.send(None)
     except StopIteration:

@@ -66,8 +66,8 @@ class ChoiceStream:
         self._pending: list[_PendingToken] = []
         self._raw_len = 0  # characters the detokenizer produced
         self._emitted_len = 0  # characters released to the client
-        self._num_output_tokens = 0
-        self._num_cached_tokens = 0
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
         self._arrival = time.monotonic()
         self._last_output_time: float | None = None
 
@@ -90,11 +90,11 @@ class ChoiceStream:
         """The delta of one output (the stream's next), its text detokenized and stop-checked."""
         self._observe_timing(output)
         if output.num_cached_tokens:
-            self._num_cached_tokens = output.num_cached_tokens
+            self.num_cached_tokens = output.num_cached_tokens
         text = ""
         logprobs = output.logprobs or []
         for k, token_id in enumerate(output.new_token_ids):
-            self._num_output_tokens += 1
+            self.num_output_tokens += 1
             piece = self._detokenizer.push(token_id)
             if k < len(logprobs):  # only tokens with logprobs wait for their text (the rest have nothing to release)
                 self._pending.append(_PendingToken(logprobs[k], self._raw_len))
@@ -118,10 +118,33 @@ class ChoiceStream:
             logprobs=[t.logprobs for t in released],
             text_offsets=[t.offset for t in released],
             finish_reason=finish_reason,
-            num_cached_tokens=self._num_cached_tokens,
-            num_output_tokens=self._num_output_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_output_tokens=self.num_output_tokens,
             prompt_logprobs=output.prompt_logprobs,
         )
+
+    def process_plain(self, output: RequestOutput) -> str | ChoiceDelta:
+        """``process`` for a plain token output (no logprobs, no finish), lighter: its text; or,
+        when a stop string hits in it, the stream's last delta."""
+        self._observe_timing(output)
+        if output.num_cached_tokens:
+            self.num_cached_tokens = output.num_cached_tokens
+        text = ""
+        detokenizer, stop = self._detokenizer, self._stop
+        for token_id in output.new_token_ids:
+            self.num_output_tokens += 1
+            piece = detokenizer.push(token_id)
+            self._raw_len += len(piece)
+            text += stop.push(piece)
+            if stop.stopped:
+                break
+        self._emitted_len += len(text)
+        if not stop.stopped:
+            return text
+        self._pending = []
+        self._observe_finish("stop")
+        return ChoiceDelta(index=self.index, text=text, finish_reason="stop",
+                           num_cached_tokens=self.num_cached_tokens, num_output_tokens=self.num_output_tokens)
 
     def _release_tokens(self, everything: bool) -> list[_PendingToken]:
         """Tokens whose text has (at least partly) been released; on a stop, the rest is dropped."""
@@ -151,6 +174,6 @@ class ChoiceStream:
         m = self._metrics
         m.e2e_latency.observe(time.monotonic() - self._arrival)
         m.request_success.labels(finished_reason=finish_reason).inc()
-        m.generation_tokens.inc(self._num_output_tokens)
-        m.request_generation_tokens.observe(self._num_output_tokens)
-        m.cached_prompt_tokens.inc(self._num_cached_tokens)
+        m.generation_tokens.inc(self.num_output_tokens)
+        m.request_generation_tokens.observe(self.num_output_tokens)
+        m.cached_prompt_tokens.inc(self.num_cached_tokens)

@@ -25,15 +25,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 from common.protocol import RequestOutput
-from router.choice_stream import ChoiceDelta, ChoiceStream, StoppedInline
+from router.choice_stream import ChoiceStream, StoppedInline
 from router.dispatcher import EngineRequestError
 
 logger = logging.getLogger(__name__)
 
 Send = Callable[[dict[str, Any]], Coroutine[Any, Any, None]]  # the ASGI send: a coroutine function
+
+
+class PlainChunks(Protocol):
+    def plain(self, stream: ChoiceStream, text: str) -> str | None:
+        """The JSON chunk of a plain token's ``text`` (None when there is none: text held back),
+        ``stream``'s counts taken for the usage."""
 
 
 def sse_event(payload: str) -> bytes:
@@ -73,15 +79,13 @@ async def _finish_send(coro: Coroutine[Any, Any, None], awaited: Any) -> None:
 
 class InlineSink:
     """Takes one streaming choice's plain token outputs in the receive loop (see the module's
-    docstring). ``chunks(delta)`` are the SSE payloads the task would send for ``delta``."""
+    docstring); ``writer`` makes their chunks as the task's would."""
 
-    __slots__ = ("_chunks", "_counter", "_pending", "_send", "_stream")
+    __slots__ = ("_counter", "_pending", "_send", "_stream", "_writer")
 
-    def __init__(
-        self, stream: ChoiceStream, chunks: Callable[[ChoiceDelta], list[str]], counter: list[int]
-    ) -> None:
+    def __init__(self, stream: ChoiceStream, writer: PlainChunks, counter: list[int]) -> None:
         self._stream = stream
-        self._chunks = chunks
+        self._writer = writer
         self._counter = counter  # [outputs taken inline], shared by the app's sinks (a metric)
         self._send: Send | None = None
         self._pending: asyncio.Task[None] | None = None
@@ -130,14 +134,15 @@ class InlineSink:
             if not request.take_inline(output):
                 return False
             self._counter[0] += 1
-            delta = self._stream.process(output)
-            if delta.finish_reason is not None:  # a stop string: the task sends the end and aborts
-                request.interrupt(StoppedInline(delta))
+            stream = self._stream
+            text = stream.process_plain(output)
+            if not isinstance(text, str):  # a stop string: the task sends the end and aborts
+                request.interrupt(StoppedInline(text))
                 return True
-            payloads = self._chunks(delta)
-            if payloads:
-                body = sse_event(payloads[0]) if len(payloads) == 1 else b"".join(map(sse_event, payloads))
-                pending = start_send(send, {"type": "http.response.body", "body": body, "more_body": True})
+            payload = self._writer.plain(stream, text)
+            if payload is not None:
+                message = {"type": "http.response.body", "body": sse_event(payload), "more_body": True}
+                pending = start_send(send, message)
                 if pending is not None:
                     self._pending = pending
                     pending.add_done_callback(self._sent)

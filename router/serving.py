@@ -19,7 +19,7 @@ from router.admission import CLIENT_KEY, Lane, Slot
 from router.choice_stream import ChoiceDelta, ChoiceStream
 from router.dispatcher import EngineRequestError
 from router.errors import APIError
-from router.inline_stream import InlineSink, sse_event
+from router.inline_stream import InlineSink, PlainChunks, sse_event
 from router.openai_responses import PromptTokensDetails, Usage
 from router.state import RouterState
 
@@ -298,9 +298,12 @@ class UsageTracker:
         self._cached: dict[int, int] = {}
 
     def update(self, delta: ChoiceDelta) -> None:
-        self._output[delta.index] = delta.num_output_tokens
-        prompt_index = delta.index // self._plan.n
-        self._cached[prompt_index] = max(self._cached.get(prompt_index, 0), delta.num_cached_tokens)
+        self.count(delta.index, delta.num_output_tokens, delta.num_cached_tokens)
+
+    def count(self, index: int, num_output_tokens: int, num_cached_tokens: int) -> None:
+        self._output[index] = num_output_tokens
+        prompt_index = index // self._plan.n
+        self._cached[prompt_index] = max(self._cached.get(prompt_index, 0), num_cached_tokens)
 
     def usage(self) -> Usage:
         num_prompt = sum(len(p) for p in self._plan.prompts)
@@ -342,8 +345,8 @@ def engine_api_error(exc: EngineRequestError) -> APIError:
 SERVER_SEND = "pdserve.server_send"
 
 
-class ChunkWriter(Protocol):
-    """An endpoint's JSON chunks of a streaming response."""
+class ChunkWriter(PlainChunks, Protocol):
+    """An endpoint's JSON chunks of a streaming response (``plain``: see ``PlainChunks``)."""
 
     # Its chunks of a plain token may be sent from the receive loop (``router/inline_stream.py``).
     inline: bool
@@ -441,6 +444,6 @@ async def sse_response(
     writer = writer_for(include_usage)
     sink = None
     if writer.inline and choices.num_choices == 1 and len(choices.started) == 1:
-        sink = InlineSink(choices.started[0][0], writer.chunks, state.metrics.inline_outputs)
+        sink = InlineSink(choices.started[0][0], writer, state.metrics.inline_outputs)
     chunks = _chunks(writer, merge_choices(choices, wait_disconnect))
     return EventStreamResponse(chunks, close=choices.close, sink=sink)

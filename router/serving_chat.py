@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 from fastapi.responses import JSONResponse, Response
 
-from router.choice_stream import ChoiceDelta
+from router.choice_stream import ChoiceDelta, ChoiceStream
 from router.logprobs import TokenRenderer, chat_logprobs, prompt_logprobs
 from router.openai_models import (
     ChatCompletionRequest,
@@ -142,6 +142,13 @@ class _ChatChunks:
         if delta.finish_reason is not None:
             out.append(self._chunk(delta.index, DeltaMessage(), finish_reason=delta.finish_reason))
         return out
+
+    def plain(self, stream: ChoiceStream, text: str) -> str | None:
+        if self.include_usage:
+            self.usage.count(stream.index, stream.num_output_tokens, stream.num_cached_tokens)
+        if not text:
+            return None
+        return f'{self.head}{stream.index},"delta":{{"content":{msgspec.json.encode(text).decode()}}}{self.tail}'
 
     def closing(self) -> list[str]:
         if not self.include_usage:

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from common.sampling_params import SamplingParams
 from router.admission import CLIENT_KEY
-from router.choice_stream import ChoiceDelta
+from router.choice_stream import ChoiceDelta, ChoiceStream
 from router.logprobs import TokenRenderer, completion_logprobs, echo_logprobs, prompt_logprobs
 from router.openai_models import (
     CompletionRequest,
@@ -215,6 +215,14 @@ class _CompletionChunks:
             ],
         )
         return [chunk.model_dump_json(exclude=self.exclude)]
+
+    def plain(self, stream: ChoiceStream, text: str) -> str | None:
+        if self.include_usage:
+            self.usage.count(stream.index, stream.num_output_tokens, stream.num_cached_tokens)
+        if not text:
+            return None
+        return (f'{self.head}{stream.index},"text":{msgspec.json.encode(text).decode()},'
+                f'"logprobs":null,"finish_reason":null}}]{self.tail}')
 
     def closing(self) -> list[str]:
         if not self.include_usage:

@@ -121,13 +121,18 @@ class _StubRequest:
 
 
 class _StubStream:
-    takes_inline = True
+    index = 0
 
     def __init__(self) -> None:
         self.engine_request = _StubRequest()
 
-    def process(self, output: RequestOutput) -> ChoiceDelta:
-        return ChoiceDelta(index=0, text=f"t{output.new_token_ids[0]}")
+    def process_plain(self, output: RequestOutput) -> str | ChoiceDelta:
+        return f"t{output.new_token_ids[0]}"
+
+
+class _StubWriter:
+    def plain(self, stream: Any, text: str) -> str | None:
+        return text or None
 
 
 def _token(token_id: int, **kw: Any) -> RequestOutput:
@@ -138,7 +143,7 @@ def test_the_sink_takes_nothing_while_its_send_waits_and_leaves_the_rest_to_the_
     async def main() -> None:
         loop = asyncio.get_running_loop()
         server, stream, counter = _Server(), _StubStream(), [0]
-        sink = InlineSink(stream, lambda delta: [delta.text], counter)  # type: ignore[arg-type]
+        sink = InlineSink(stream, _StubWriter(), counter)  # type: ignore[arg-type]
         assert not sink(_token(1)), "a sink not attached took an output"
         sink.attach(server.send)
         assert stream.engine_request.sink is sink
@@ -162,7 +167,7 @@ def test_a_failed_send_of_the_sink_interrupts_the_request() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         server, stream = _Server(), _StubStream()
-        sink = InlineSink(stream, lambda delta: [delta.text], [0])  # type: ignore[arg-type]
+        sink = InlineSink(stream, _StubWriter(), [0])  # type: ignore[arg-type]
         sink.attach(server.send)
         server.gate = loop.create_future()
         assert sink(_token(1))
@@ -176,12 +181,12 @@ def test_a_failed_send_of_the_sink_interrupts_the_request() -> None:
 
 def test_a_failure_in_the_sink_fails_the_request_not_the_receive_loop() -> None:
     class Broken(_StubStream):
-        def process(self, output: RequestOutput) -> ChoiceDelta:
+        def process_plain(self, output: RequestOutput) -> str | ChoiceDelta:
             raise ValueError("detokenizer bug")
 
     async def main() -> None:
         server, stream = _Server(), Broken()
-        sink = InlineSink(stream, lambda delta: [delta.text], [0])  # type: ignore[arg-type]
+        sink = InlineSink(stream, _StubWriter(), [0])  # type: ignore[arg-type]
         sink.attach(server.send)
         assert sink(_token(1))  # taken, so that nothing after it is sent before the error
         [error] = stream.engine_request.interrupted

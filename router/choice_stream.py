@@ -31,13 +31,9 @@ class ChoiceDelta:
     prompt_logprobs: list[PromptLogprob | None] | None = None  # with the first token, when asked for
 
 
-class StoppedInline(Exception):
-    """A stop string hit in a token taken in the receive loop (``router/inline_stream.py``):
-    ``delta``, the stream's last, goes out from the request's task, which ends the stream."""
-
-    def __init__(self, delta: ChoiceDelta) -> None:
-        super().__init__("a stop string ended the stream")
-        self.delta = delta
+class EndedInline(Exception):
+    """The stream's last output was taken in the receive loop (``router/inline_stream.py``), which
+    sent its chunks: the request's task ends the stream (no delta of its own)."""
 
 
 @dataclass
@@ -81,8 +77,8 @@ class ChoiceStream:
                 yield delta
                 if delta.finish_reason is not None:
                     return
-        except StoppedInline as stopped:
-            yield stopped.delta
+        except EndedInline:
+            return
         finally:
             self.close()
 

@@ -7,12 +7,14 @@ and sends it. At 512 streams one engine step is 512 such wake-ups in a row, and 
 token waits for all of them.
 
 ``InlineSink`` takes that token in the receive loop instead: when the response's task is parked
-waiting for its next output and the output is a plain token (no finish, no logprobs), the sink
-runs the same bookkeeping (``EngineRequest.take_inline``), the same detokenizer and stop-string
-check (``ChoiceStream.process``) and the same chunk writer as the task would, and hands the event
-to the server's ``send`` there and then. Everything else (the first output, the last, errors,
-migrations, logprobs) still goes through the task, in order, and so does the delta of a token
-that hits a stop string (``StoppedInline``): the sink only takes an output when nothing is queued
+waiting for its next output and the output carries no logprobs and no error, the sink runs the same
+bookkeeping (``EngineRequest.take_inline``), the same detokenizer and stop-string check
+(``ChoiceStream.process_plain``, or ``process`` for the last output) and the same chunk writer as
+the task would, and hands the event to the server's ``send`` there and then. When that output ends
+the stream (the engine finished it, or a stop string hit), the sink sends its last chunks and
+interrupts the task (``EndedInline``), which sends the response's end (usage, ``[DONE]``) and, for
+a stop string, aborts the engines. The first output (the prefill's), errors, migrations and
+logprobs still go through the task, in order: the sink only takes an output when nothing is queued
 before it, and the task waits for a send the sink started before it sends anything itself.
 
 A send that cannot finish at once (the client reads slower than the stream: the server's write
@@ -28,7 +30,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from common.protocol import RequestOutput
-from router.choice_stream import ChoiceStream, StoppedInline
+from router.choice_stream import ChoiceDelta, ChoiceStream, EndedInline
 from router.dispatcher import EngineRequestError
 
 logger = logging.getLogger(__name__)
@@ -36,10 +38,15 @@ logger = logging.getLogger(__name__)
 Send = Callable[[dict[str, Any]], Coroutine[Any, Any, None]]  # the ASGI send: a coroutine function
 
 
-class PlainChunks(Protocol):
+class TokenChunks(Protocol):
+    """What the sink needs of an endpoint's chunk writer (``router.serving.ChunkWriter``)."""
+
     def plain(self, stream: ChoiceStream, text: str) -> str | None:
         """The JSON chunk of a plain token's ``text`` (None when there is none: text held back),
         ``stream``'s counts taken for the usage."""
+
+    def chunks(self, delta: ChoiceDelta) -> list[str]:
+        """Chunks of one delta (the last one's, here)."""
 
 
 def sse_event(payload: str) -> bytes:
@@ -83,7 +90,7 @@ class InlineSink:
 
     __slots__ = ("_counter", "_pending", "_send", "_stream", "_writer")
 
-    def __init__(self, stream: ChoiceStream, writer: PlainChunks, counter: list[int]) -> None:
+    def __init__(self, stream: ChoiceStream, writer: TokenChunks, counter: list[int]) -> None:
         self._stream = stream
         self._writer = writer
         self._counter = counter  # [outputs taken inline], shared by the app's sinks (a metric)
@@ -122,7 +129,6 @@ class InlineSink:
         if (
             send is None
             or self._pending is not None
-            or output.finish_reason is not None
             or output.logprobs is not None
             or output.prompt_logprobs is not None
         ):
@@ -135,20 +141,31 @@ class InlineSink:
                 return False
             self._counter[0] += 1
             stream = self._stream
-            text = stream.process_plain(output)
-            if not isinstance(text, str):  # a stop string: the task sends the end and aborts
-                request.interrupt(StoppedInline(text))
-                return True
-            payload = self._writer.plain(stream, text)
-            if payload is not None:
-                message = {"type": "http.response.body", "body": sse_event(payload), "more_body": True}
-                pending = start_send(send, message)
-                if pending is not None:
-                    self._pending = pending
-                    pending.add_done_callback(self._sent)
+            if output.finish_reason is None:
+                text = stream.process_plain(output)
+                if isinstance(text, str):
+                    payload = self._writer.plain(stream, text)
+                    if payload is not None:
+                        self._start(send, sse_event(payload))
+                    return True
+                delta = text  # a stop string hit: the stream's last delta
+            else:
+                delta = stream.process(output)
+            # The stream's end: its last chunks go out here, then the task ends the response (and,
+            # for a stop string, aborts the engines, which have not finished).
+            body = b"".join(map(sse_event, self._writer.chunks(delta)))
+            if body:
+                self._start(send, body)
+            request.interrupt(EndedInline())
         except Exception as exc:
             self._fail(exc)
         return True
+
+    def _start(self, send: Send, body: bytes) -> None:
+        pending = start_send(send, {"type": "http.response.body", "body": body, "more_body": True})
+        if pending is not None:
+            self._pending = pending
+            pending.add_done_callback(self._sent)
 
     def _fail(self, exc: Exception) -> None:
         """The task raises it at its next wait (it is parked in one) and ends the stream with it."""

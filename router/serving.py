@@ -19,7 +19,7 @@ from router.admission import CLIENT_KEY, Lane, Slot
 from router.choice_stream import ChoiceDelta, ChoiceStream
 from router.dispatcher import EngineRequestError
 from router.errors import APIError
-from router.inline_stream import InlineSink, PlainChunks, sse_event
+from router.inline_stream import InlineSink, TokenChunks, sse_event
 from router.openai_responses import PromptTokensDetails, Usage
 from router.state import RouterState
 
@@ -345,8 +345,8 @@ def engine_api_error(exc: EngineRequestError) -> APIError:
 SERVER_SEND = "pdserve.server_send"
 
 
-class ChunkWriter(PlainChunks, Protocol):
-    """An endpoint's JSON chunks of a streaming response (``plain``: see ``PlainChunks``)."""
+class ChunkWriter(TokenChunks, Protocol):
+    """An endpoint's JSON chunks of a streaming response (``plain``: see ``TokenChunks``)."""
 
     # Its chunks of a plain token may be sent from the receive loop (``router/inline_stream.py``).
     inline: bool

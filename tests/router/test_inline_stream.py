@@ -19,7 +19,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 import router.inline_stream as inline_stream
 from common.protocol import RequestOutput
 from common.registry import InstanceInfo
-from router.choice_stream import ChoiceDelta
+from router.choice_stream import ChoiceDelta, EndedInline
 from router.dispatcher import EngineRequestError
 from router.inline_stream import InlineSink, start_send
 from tests.router.fake_engine import FakeCluster, FakeEngine
@@ -113,6 +113,8 @@ class _StubRequest:
         self.sink = sink
 
     def take_inline(self, output: RequestOutput) -> bool:
+        if output.finish_reason == "error":
+            return False
         self.taken.append(output)
         return True
 
@@ -129,10 +131,16 @@ class _StubStream:
     def process_plain(self, output: RequestOutput) -> str | ChoiceDelta:
         return f"t{output.new_token_ids[0]}"
 
+    def process(self, output: RequestOutput) -> ChoiceDelta:
+        return ChoiceDelta(index=0, text=f"t{output.new_token_ids[0]}", finish_reason=output.finish_reason)
+
 
 class _StubWriter:
     def plain(self, stream: Any, text: str) -> str | None:
         return text or None
+
+    def chunks(self, delta: ChoiceDelta) -> list[str]:
+        return [delta.text, f"end:{delta.finish_reason}"]
 
 
 def _token(token_id: int, **kw: Any) -> RequestOutput:
@@ -157,8 +165,13 @@ def test_the_sink_takes_nothing_while_its_send_waits_and_leaves_the_rest_to_the_
         await sink.idle()
         assert not sink.busy and server.sent == [b"data: t2\n\n", b"data: t3\n\n"]
         assert sink(_token(7)) and counter == [3]
+        # The last output: its chunks go out here, in one write, and the task is told to end.
+        assert sink(_token(8, finish_reason="length")) and counter == [4]
+        assert server.sent[-1] == b"data: t8\n\ndata: end:length\n\n"
+        assert [type(e) for e in stream.engine_request.interrupted] == [EndedInline]
+        assert not sink(_token(9, finish_reason="error", error="boom"))  # errors go to the task
         sink.detach()
-        assert stream.engine_request.sink is None and not sink(_token(8))
+        assert stream.engine_request.sink is None and not sink(_token(10))
 
     asyncio.run(main())
 
@@ -227,7 +240,9 @@ def _client(server: RouterServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
 
 
-def test_streamed_chat_takes_plain_tokens_inline_and_loses_nothing(server: RouterServer) -> None:
+def test_streamed_chat_takes_plain_tokens_inline_and_loses_nothing(
+    server: RouterServer, reply_tokens: list[int]
+) -> None:
     before = _inline_count(server)
     chunks = list(_client(server).chat.completions.create(
         model=SERVED_MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=100, stream=True,
@@ -236,8 +251,8 @@ def test_streamed_chat_takes_plain_tokens_inline_and_loses_nothing(server: Route
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == REPLY_TEXT
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
-    # The prefill's token and the last one go through the request's task; those between may not.
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(reply_tokens)
+    # The prefill's token goes through the request's task; those after it may not.
     assert _inline_count(server) > before
 
 
@@ -247,7 +262,8 @@ def test_streamed_completion_takes_plain_tokens_inline(server: RouterServer, rep
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks) == REPLY_TEXT
     taken = _inline_count(server) - before
-    assert 0 < taken <= len(reply_tokens) - 2
+    assert 0 < taken <= len(reply_tokens) - 1  # not the prefill's token
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_a_stop_string_in_a_token_taken_inline_ends_the_stream_and_aborts_the_engine(
@@ -351,4 +367,7 @@ def test_tokens_taken_inline_count_as_progress_for_the_request_timeout(
             model=SERVED_MODEL, prompt=PROMPT, max_tokens=100, stream=True
         ))  # about 3 s of tokens, 0.1 s apart
         assert "".join(c.choices[0].text for c in chunks) == REPLY_TEXT
-        assert _inline_count(server) > 10
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        # 0.1 s apart, the task is parked for every output: all but the prefill's are taken inline,
+        # the last (which ends the stream) too.
+        assert _inline_count(server) == len(reply_tokens) - 1

@@ -13,8 +13,8 @@ bookkeeping (``EngineRequest.take_inline``), the same detokenizer and stop-strin
 the task would, and hands the event to the server's ``send`` there and then. When that output ends
 the stream (the engine finished it, or a stop string hit), the sink sends its last chunks and
 interrupts the task (``EndedInline``), which sends the response's end (usage, ``[DONE]``) and, for
-a stop string, aborts the engines. The first output (the prefill's), errors, migrations and
-logprobs still go through the task, in order: the sink only takes an output when nothing is queued
+a stop string, aborts the engines. A disaggregated request's first output (the prefill's), errors,
+migrations and logprobs still go through the task, in order: the sink only takes an output when nothing is queued
 before it, and the task waits for a send the sink started before it sends anything itself.
 
 A send that cannot finish at once (the client reads slower than the stream: the server's write

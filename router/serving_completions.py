@@ -219,6 +219,9 @@ class _CompletionChunks:
     def plain(self, stream: ChoiceStream, text: str) -> str | None:
         if self.include_usage:
             self.usage.count(stream.index, stream.num_output_tokens, stream.num_cached_tokens)
+        if self.echo is not None and stream.index not in self.echoed:
+            self.echoed.add(stream.index)
+            text = self.echo[stream.index // self.plan.n] + text
         if not text:
             return None
         return (f'{self.head}{stream.index},"text":{msgspec.json.encode(text).decode()},'

@@ -371,3 +371,25 @@ def test_tokens_taken_inline_count_as_progress_for_the_request_timeout(
         # 0.1 s apart, the task is parked for every output: all but the prefill's are taken inline,
         # the last (which ends the stream) too.
         assert _inline_count(server) == len(reply_tokens) - 1
+
+
+def test_a_direct_requests_first_output_is_taken_inline_echo_and_usage_included(
+    redis_url: str, prompts: Any, reply_tokens: list[int]
+) -> None:
+    """Without a prefill instance the decode instance's first output needs no handoff: the sink
+    takes it too, and with it the prompt's echo and the usage's cached tokens."""
+    namespace = f"inline-direct-{uuid.uuid4().hex[:8]}"
+    state = make_state(prompts, redis_url=redis_url, namespace=namespace)
+    with (FakeCluster(redis_url, namespace, reply_tokens, num_prefill=0, token_delay_s=0.05),
+          RouterServer(state) as server):
+        server.wait_ready(prefill=0)
+        before = _inline_count(server)
+        chunks = list(_client(server).completions.create(
+            model=SERVED_MODEL, prompt=PROMPT, max_tokens=100, stream=True, echo=True,
+            stream_options={"include_usage": True},
+        ))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT + REPLY_TEXT
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens == len(reply_tokens)
+        assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens == 16
+        assert _inline_count(server) - before == len(reply_tokens)

@@ -107,7 +107,8 @@ class EngineRequest:
     def take_inline(self, output: RequestOutput) -> bool:
         """Hand ``output`` on outside ``outputs()`` (the caller sends it), if ``outputs()`` would
         hand it on as it is: True after doing its bookkeeping. Not while the prefill's output is
-        awaited (its instance is released, decode outputs that overtook it held back), after an interrupt, a finish or a close, or for an error (a migration, a failure)."""
+        awaited (``outputs()`` releases its instance, holds back decode outputs that overtook it),
+        after an interrupt, a finish or a close, or for an error (a migration, a failure)."""
         if self._interrupt is not None or self.finished or self.closed or self._awaiting_prefill():
             return False
         if output.phase == "prefill" or output.finish_reason == "error":

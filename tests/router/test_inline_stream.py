@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +21,7 @@ import router.inline_stream as inline_stream
 from common.protocol import RequestOutput
 from common.registry import InstanceInfo
 from router.choice_stream import ChoiceDelta, EndedInline
-from router.dispatcher import EngineRequestError
+from router.dispatcher import EngineRequest, EngineRequestError
 from router.inline_stream import InlineSink, start_send
 from tests.router.fake_engine import FakeCluster, FakeEngine
 from tests.router.router_harness import SERVED_MODEL, RouterServer, make_state, wait_until
@@ -355,10 +356,18 @@ def test_a_client_that_stops_reading_gets_every_token_in_order(
 
 
 def test_tokens_taken_inline_count_as_progress_for_the_request_timeout(
-    redis_url: str, prompts: Any, reply_tokens: list[int]
+    redis_url: str, prompts: Any, reply_tokens: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The request's task waits through every token taken inline: its timeout (no output for
     ``request_timeout_s``) must count from the last of them, not from when it began to wait."""
+    ends: list[int] = []
+
+    class CountedEnd(EndedInline):
+        def __init__(self) -> None:
+            super().__init__()
+            ends.append(1)
+
+    monkeypatch.setattr(inline_stream, "EndedInline", CountedEnd)
     namespace = f"inline-slowtok-{uuid.uuid4().hex[:8]}"
     state = make_state(prompts, redis_url=redis_url, namespace=namespace, request_timeout_s=1.0)
     with FakeCluster(redis_url, namespace, reply_tokens, token_delay_s=0.1), RouterServer(state) as server:
@@ -368,28 +377,54 @@ def test_tokens_taken_inline_count_as_progress_for_the_request_timeout(
         ))  # about 3 s of tokens, 0.1 s apart
         assert "".join(c.choices[0].text for c in chunks) == REPLY_TEXT
         assert chunks[-1].choices[0].finish_reason == "stop"
-        # 0.1 s apart, the task is parked for every output: all but the prefill's are taken inline,
-        # the last (which ends the stream) too.
-        assert _inline_count(server) == len(reply_tokens) - 1
+        # 0.1 s apart, the task is parked for every output: all but the prefill's are taken inline
+        # (and the decode instance's first, when it overtakes the prefill's), the last one too.
+        assert _inline_count(server) >= len(reply_tokens) - 2
+        assert ends == [1], "the output that ended the stream was not taken inline"
+
+
+class _SlowStartEngine(FakeEngine):
+    """Sends a request's first token 0.5 s after it came (the router's task is parked by then)."""
+
+    def _generate(self, msg: Any, replies: Any, ctx: Any) -> None:
+        super()._generate(msg, replies, ctx)
+        active = self._active.get(msg.request_id)
+        if active is not None:
+            active.next_time = time.monotonic() + 0.5
 
 
 def test_a_direct_requests_first_output_is_taken_inline_echo_and_usage_included(
-    redis_url: str, prompts: Any, reply_tokens: list[int]
+    redis_url: str, prompts: Any, reply_tokens: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without a prefill instance the decode instance's first output needs no handoff: the sink
     takes it too, and with it the prompt's echo and the usage's cached tokens."""
+    firsts_inline: list[bool] = []
+    take_inline = EngineRequest.take_inline
+
+    def recording(self: EngineRequest, output: RequestOutput) -> bool:
+        first = not self._first_seen
+        taken = take_inline(self, output)
+        if first:
+            firsts_inline.append(taken)
+        return taken
+
+    monkeypatch.setattr(EngineRequest, "take_inline", recording)
     namespace = f"inline-direct-{uuid.uuid4().hex[:8]}"
-    state = make_state(prompts, redis_url=redis_url, namespace=namespace)
-    with (FakeCluster(redis_url, namespace, reply_tokens, num_prefill=0, token_delay_s=0.05),
-          RouterServer(state) as server):
-        server.wait_ready(prefill=0)
-        before = _inline_count(server)
-        chunks = list(_client(server).completions.create(
-            model=SERVED_MODEL, prompt=PROMPT, max_tokens=100, stream=True, echo=True,
-            stream_options={"include_usage": True},
-        ))
-        assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT + REPLY_TEXT
-        usage = chunks[-1].usage
-        assert usage is not None and usage.completion_tokens == len(reply_tokens)
-        assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens == 16
-        assert _inline_count(server) - before == len(reply_tokens)
+    peers: dict[str, FakeEngine] = {}
+    engine = _SlowStartEngine("decode", "decode-0", redis_url, namespace, reply_tokens, peers, token_delay_s=0.02)
+    peers[engine.instance_id] = engine
+    engine.start()
+    try:
+        with RouterServer(make_state(prompts, redis_url=redis_url, namespace=namespace)) as server:
+            server.wait_ready(prefill=0)
+            chunks = list(_client(server).completions.create(
+                model=SERVED_MODEL, prompt=PROMPT, max_tokens=100, stream=True, echo=True,
+                stream_options={"include_usage": True},
+            ))
+    finally:
+        engine.stop()
+    assert firsts_inline == [True], "the first output was not taken inline"
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT + REPLY_TEXT
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == len(reply_tokens)
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens == 16

@@ -134,8 +134,7 @@ class _ChatChunks:
             self.usage.update(delta)
         out = []
         if delta.text and self.renderer is None:
-            out.append(f'{self.head}{delta.index},"delta":{{"content":{msgspec.json.encode(delta.text).decode()}}}'
-                       f'{self.tail}')
+            out.append(self._content_chunk(delta.index, delta.text))
         elif delta.text or delta.logprobs:
             logprobs = chat_logprobs(self.renderer, delta.logprobs) if self.renderer else None
             out.append(self._chunk(delta.index, DeltaMessage(content=delta.text), logprobs))
@@ -146,9 +145,11 @@ class _ChatChunks:
     def plain(self, stream: ChoiceStream, text: str) -> str | None:
         if self.include_usage:
             self.usage.count(stream.index, stream.num_output_tokens, stream.num_cached_tokens)
-        if not text:
-            return None
-        return f'{self.head}{stream.index},"delta":{{"content":{msgspec.json.encode(text).decode()}}}{self.tail}'
+        return self._content_chunk(stream.index, text) if text else None
+
+    def _content_chunk(self, index: int, text: str) -> str:
+        """A content chunk without logprobs, written from its fixed parts."""
+        return f'{self.head}{index},"delta":{{"content":{msgspec.json.encode(text).decode()}}}{self.tail}'
 
     def closing(self) -> list[str]:
         if not self.include_usage:

@@ -191,15 +191,13 @@ class _CompletionChunks:
     def chunks(self, delta: ChoiceDelta) -> list[str]:
         if self.include_usage:
             self.usage.update(delta)
-        if self.echo is not None and delta.index not in self.echoed:
-            self.echoed.add(delta.index)
-            delta.text = self.echo[delta.index // self.plan.n] + delta.text
+        if self.echo is not None:
+            delta.text = self._echoed(delta.index, delta.text)
         if not delta.text and not delta.logprobs and delta.finish_reason is None:
             return []
         if self.renderer is None:
             finish = "null" if delta.finish_reason is None else f'"{delta.finish_reason}"'
-            return [f'{self.head}{delta.index},"text":{msgspec.json.encode(delta.text).decode()},'
-                    f'"logprobs":null,"finish_reason":{finish}}}]{self.tail}']
+            return [self._text_chunk(delta.index, delta.text, finish)]
         plan = self.plan
         chunk = CompletionResponse(
             id=plan.request_id,
@@ -219,13 +217,21 @@ class _CompletionChunks:
     def plain(self, stream: ChoiceStream, text: str) -> str | None:
         if self.include_usage:
             self.usage.count(stream.index, stream.num_output_tokens, stream.num_cached_tokens)
-        if self.echo is not None and stream.index not in self.echoed:
-            self.echoed.add(stream.index)
-            text = self.echo[stream.index // self.plan.n] + text
-        if not text:
-            return None
-        return (f'{self.head}{stream.index},"text":{msgspec.json.encode(text).decode()},'
-                f'"logprobs":null,"finish_reason":null}}]{self.tail}')
+        if self.echo is not None:
+            text = self._echoed(stream.index, text)
+        return self._text_chunk(stream.index, text, "null") if text else None
+
+    def _echoed(self, index: int, text: str) -> str:
+        """``text``, after the prompt's if it is the choice's first (``echo``)."""
+        if self.echo is None or index in self.echoed:
+            return text
+        self.echoed.add(index)
+        return self.echo[index // self.plan.n] + text
+
+    def _text_chunk(self, index: int, text: str, finish: str) -> str:
+        """A chunk without logprobs, written from its fixed parts; ``finish`` as JSON."""
+        return (f'{self.head}{index},"text":{msgspec.json.encode(text).decode()},'
+                f'"logprobs":null,"finish_reason":{finish}}}]{self.tail}')
 
     def closing(self) -> list[str]:
         if not self.include_usage:

@@ -19,7 +19,8 @@ before it, and the task waits for a send the sink started before it sends anythi
 
 A send that cannot finish at once (the client reads slower than the stream: the server's write
 buffer is full) goes on in a task of its own (``start_send``), and the sink takes nothing more until
-it has finished.
+it has finished. On uvicorn's httptools protocol, the router's, the sink writes a token's chunk to
+the connection itself whenever that is all the server's ``send`` would do (``ChunkedBodyWriter``).
 """
 
 from __future__ import annotations
@@ -41,16 +42,16 @@ Send = Callable[[dict[str, Any]], Coroutine[Any, Any, None]]  # the ASGI send: a
 class TokenChunks(Protocol):
     """What the sink needs of an endpoint's chunk writer (``router.serving.ChunkWriter``)."""
 
-    def plain(self, stream: ChoiceStream, text: str) -> str | None:
+    def plain(self, stream: ChoiceStream, text: str) -> bytes | None:
         """The JSON chunk of a plain token's ``text`` (None when there is none: text held back),
         ``stream``'s counts taken for the usage."""
 
-    def chunks(self, delta: ChoiceDelta) -> list[str]:
+    def chunks(self, delta: ChoiceDelta) -> list[bytes]:
         """Chunks of one delta (the last one's, here)."""
 
 
-def sse_event(payload: str) -> bytes:
-    return f"data: {payload}\n\n".encode()
+def sse_event(payload: bytes) -> bytes:
+    return b"data: %b\n\n" % payload
 
 
 def start_send(send: Send, message: dict[str, Any]) -> asyncio.Task[None] | None:
@@ -84,27 +85,95 @@ async def _finish_send(coro: Coroutine[Any, Any, None], awaited: Any) -> None:
                 return
 
 
+class BodyWriter:
+    """Writes a started response's body from the receive loop, ``more_body`` set: through the
+    server's ``send`` (``start_send``); None when the write is done, else the task finishing it."""
+
+    __slots__ = ("_send",)
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+
+    def body(self, body: bytes) -> asyncio.Task[None] | None:
+        return start_send(self._send, {"type": "http.response.body", "body": body, "more_body": True})
+
+    def event(self, payload: bytes) -> asyncio.Task[None] | None:
+        """One SSE event of ``payload``."""
+        return self.body(sse_event(payload))
+
+
+class ChunkedBodyWriter(BodyWriter):
+    """``BodyWriter`` for uvicorn's httptools protocol (the router's), writing each body part to the
+    connection itself where ``send`` would do exactly that and nothing else: the response started
+    with chunked framing, not complete, the client connected and the connection's write buffer
+    below its high mark. Then the bytes are those ``send`` writes (one chunk of HTTP/1.1 chunked
+    framing); otherwise ``send`` runs (it waits for the buffer to drain, or drops the write of a
+    client gone). Saves the send coroutine and its checks of the message, per streamed token.
+
+    ``for_send`` makes one only for a ``send`` bound to the protocol's request cycle whose response
+    started as expected; any other server gets a ``BodyWriter``."""
+
+    __slots__ = ("_cycle", "_flow", "_transport")
+
+    def __init__(self, send: Send, cycle: Any) -> None:
+        super().__init__(send)
+        self._cycle, self._flow, self._transport = cycle, cycle.flow, cycle.transport
+
+    @staticmethod
+    def for_send(send: Send) -> BodyWriter:
+        try:
+            from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+        except ImportError:  # uvicorn without httptools
+            return BodyWriter(send)
+        cycle = getattr(send, "__self__", None)
+        if (
+            type(cycle) is RequestResponseCycle
+            and getattr(send, "__func__", None) is RequestResponseCycle.send
+            and cycle.response_started is True
+            and cycle.chunked_encoding is True
+            and cycle.scope.get("method") != "HEAD"
+        ):
+            return ChunkedBodyWriter(send, cycle)
+        return BodyWriter(send)
+
+    def _direct(self) -> bool:
+        cycle = self._cycle
+        return not (self._flow.write_paused or cycle.disconnected or cycle.response_complete)
+
+    def body(self, body: bytes) -> asyncio.Task[None] | None:
+        if body and self._direct():
+            self._transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+            return None
+        return super().body(body)
+
+    def event(self, payload: bytes) -> asyncio.Task[None] | None:
+        if self._direct():  # the event's and the chunk's framing in one step
+            self._transport.write(b"%x\r\ndata: %b\n\n\r\n" % (len(payload) + 8, payload))
+            return None
+        return super().body(sse_event(payload))
+
+
 class InlineSink:
     """Takes one streaming choice's plain token outputs in the receive loop (see the module's
     docstring); ``writer`` makes their chunks as the task's would."""
 
-    __slots__ = ("_counter", "_pending", "_send", "_stream", "_writer")
+    __slots__ = ("_body", "_counter", "_pending", "_stream", "_writer")
 
     def __init__(self, stream: ChoiceStream, writer: TokenChunks, counter: list[int]) -> None:
         self._stream = stream
         self._writer = writer
         self._counter = counter  # [outputs taken inline], shared by the app's sinks (a metric)
-        self._send: Send | None = None
+        self._body: BodyWriter | None = None
         self._pending: asyncio.Task[None] | None = None
 
     def attach(self, send: Send) -> None:
         """Start taking outputs, sending with ``send`` (the response has started)."""
-        self._send = send
+        self._body = ChunkedBodyWriter.for_send(send)
         self._stream.engine_request.set_sink(self)
 
     def detach(self) -> None:
         """Take nothing more; the task sends the rest (after ``idle``)."""
-        self._send = None
+        self._body = None
         self._stream.engine_request.set_sink(None)
 
     @property
@@ -125,9 +194,9 @@ class InlineSink:
     def __call__(self, output: RequestOutput) -> bool:
         """Take ``output`` (True) or leave it to the task (False). Called by the output queue only
         while the task waits on it with nothing queued."""
-        send = self._send
+        writer = self._body
         if (
-            send is None
+            writer is None
             or self._pending is not None
             or output.logprobs is not None
             or output.prompt_logprobs is not None
@@ -146,7 +215,7 @@ class InlineSink:
                 if isinstance(text, str):
                     payload = self._writer.plain(stream, text)
                     if payload is not None:
-                        self._start(send, sse_event(payload))
+                        self._started(writer.event(payload))
                     return True
                 delta = text  # a stop string hit: the stream's last delta
             else:
@@ -155,14 +224,13 @@ class InlineSink:
             # for a stop string, aborts the engines, which have not finished).
             body = b"".join(map(sse_event, self._writer.chunks(delta)))
             if body:
-                self._start(send, body)
+                self._started(writer.body(body))
             request.interrupt(EndedInline())
         except Exception as exc:
             self._fail(exc)
         return True
 
-    def _start(self, send: Send, body: bytes) -> None:
-        pending = start_send(send, {"type": "http.response.body", "body": body, "more_body": True})
+    def _started(self, pending: asyncio.Task[None] | None) -> None:
         if pending is not None:
             self._pending = pending
             pending.add_done_callback(self._sent)

@@ -351,17 +351,17 @@ class ChunkWriter(TokenChunks, Protocol):
     # Its chunks of a plain token may be sent from the receive loop (``router/inline_stream.py``).
     inline: bool
 
-    def opening(self) -> list[str]:
+    def opening(self) -> list[bytes]:
         """Chunks before the first delta."""
 
-    def chunks(self, delta: ChoiceDelta) -> list[str]:
+    def chunks(self, delta: ChoiceDelta) -> list[bytes]:
         """Chunks of one delta (none, say, for a token whose text is held back)."""
 
-    def closing(self) -> list[str]:
+    def closing(self) -> list[bytes]:
         """Chunks after the last delta."""
 
 
-async def _chunks(writer: ChunkWriter, deltas: AsyncGenerator[ChoiceDelta, None]) -> AsyncGenerator[str, None]:
+async def _chunks(writer: ChunkWriter, deltas: AsyncGenerator[ChoiceDelta, None]) -> AsyncGenerator[bytes, None]:
     for chunk in writer.opening():
         yield chunk
     async with contextlib.aclosing(deltas):
@@ -384,7 +384,7 @@ class EventStreamResponse(StreamingResponse):
 
     def __init__(
         self,
-        chunks: AsyncGenerator[str, None],
+        chunks: AsyncGenerator[bytes, None],
         close: Callable[[], None] | None = None,
         sink: InlineSink | None = None,
     ) -> None:
@@ -415,7 +415,7 @@ class EventStreamResponse(StreamingResponse):
             except ClientDisconnected:
                 last = b""
             except EngineRequestError as exc:
-                last = sse_event(msgspec.json.encode(engine_api_error(exc).body()).decode()) + last
+                last = sse_event(msgspec.json.encode(engine_api_error(exc).body())) + last
             if sink is not None:
                 sink.detach()
                 await sink.idle()

@@ -116,20 +116,20 @@ class _ChatChunks:
         # without building its models): the router's CPU per streamed token is the cost of a stream.
         self.head = msgspec.json.encode(
             {"id": plan.request_id, "object": "chat.completion.chunk", "created": plan.created, "model": plan.model}
-        ).decode()[:-1] + ',"choices":[{"index":'
-        self.tail = ',"logprobs":null,"finish_reason":null}]' + (',"usage":null}' if include_usage else "}")
+        )[:-1] + b',"choices":[{"index":'
+        self.tail = b',"logprobs":null,"finish_reason":null}]' + (b',"usage":null}' if include_usage else b"}")
 
-    def _chunk(self, index: int, delta: DeltaMessage, logprobs: Any = None, finish_reason: Any = None) -> str:
+    def _chunk(self, index: int, delta: DeltaMessage, logprobs: Any = None, finish_reason: Any = None) -> bytes:
         choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
         plan = self.plan
         body = ChatCompletionChunk(id=plan.request_id, created=plan.created, model=plan.model, choices=[choice])
-        return body.model_dump_json(exclude=self.exclude)
+        return body.model_dump_json(exclude=self.exclude).encode()
 
-    def opening(self) -> list[str]:
+    def opening(self) -> list[bytes]:
         plan = self.plan
         return [self._chunk(i, DeltaMessage(role="assistant", content="")) for i in range(len(plan.prompts) * plan.n)]
 
-    def chunks(self, delta: ChoiceDelta) -> list[str]:
+    def chunks(self, delta: ChoiceDelta) -> list[bytes]:
         if self.include_usage:
             self.usage.update(delta)
         out = []
@@ -142,20 +142,20 @@ class _ChatChunks:
             out.append(self._chunk(delta.index, DeltaMessage(), finish_reason=delta.finish_reason))
         return out
 
-    def plain(self, stream: ChoiceStream, text: str) -> str | None:
+    def plain(self, stream: ChoiceStream, text: str) -> bytes | None:
         if self.include_usage:
             self.usage.count(stream.index, stream.num_output_tokens, stream.num_cached_tokens)
         return self._content_chunk(stream.index, text) if text else None
 
-    def _content_chunk(self, index: int, text: str) -> str:
+    def _content_chunk(self, index: int, text: str) -> bytes:
         """A content chunk without logprobs, written from its fixed parts."""
-        return f'{self.head}{index},"delta":{{"content":{msgspec.json.encode(text).decode()}}}{self.tail}'
+        return b'%b%d,"delta":{"content":%b}%b' % (self.head, index, msgspec.json.encode(text), self.tail)
 
-    def closing(self) -> list[str]:
+    def closing(self) -> list[bytes]:
         if not self.include_usage:
             return []
         plan = self.plan
         final = ChatCompletionChunk(
             id=plan.request_id, created=plan.created, model=plan.model, choices=[], usage=self.usage.usage()
         )
-        return [final.model_dump_json()]
+        return [final.model_dump_json().encode()]

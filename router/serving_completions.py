@@ -182,13 +182,13 @@ class _CompletionChunks:
         # building its models): the router's CPU per streamed token is the cost of a stream.
         self.head = msgspec.json.encode(
             {"id": plan.request_id, "object": "text_completion", "created": plan.created, "model": plan.model}
-        ).decode()[:-1] + ',"choices":[{"index":'
-        self.tail = ',"usage":null}' if include_usage else "}"
+        )[:-1] + b',"choices":[{"index":'
+        self.tail = b',"usage":null}' if include_usage else b"}"
 
-    def opening(self) -> list[str]:
+    def opening(self) -> list[bytes]:
         return []
 
-    def chunks(self, delta: ChoiceDelta) -> list[str]:
+    def chunks(self, delta: ChoiceDelta) -> list[bytes]:
         if self.include_usage:
             self.usage.update(delta)
         if self.echo is not None:
@@ -196,7 +196,7 @@ class _CompletionChunks:
         if not delta.text and not delta.logprobs and delta.finish_reason is None:
             return []
         if self.renderer is None:
-            finish = "null" if delta.finish_reason is None else f'"{delta.finish_reason}"'
+            finish = b"null" if delta.finish_reason is None else b'"%s"' % delta.finish_reason.encode()
             return [self._text_chunk(delta.index, delta.text, finish)]
         plan = self.plan
         chunk = CompletionResponse(
@@ -212,14 +212,14 @@ class _CompletionChunks:
                 )
             ],
         )
-        return [chunk.model_dump_json(exclude=self.exclude)]
+        return [chunk.model_dump_json(exclude=self.exclude).encode()]
 
-    def plain(self, stream: ChoiceStream, text: str) -> str | None:
+    def plain(self, stream: ChoiceStream, text: str) -> bytes | None:
         if self.include_usage:
             self.usage.count(stream.index, stream.num_output_tokens, stream.num_cached_tokens)
         if self.echo is not None:
             text = self._echoed(stream.index, text)
-        return self._text_chunk(stream.index, text, "null") if text else None
+        return self._text_chunk(stream.index, text, b"null") if text else None
 
     def _echoed(self, index: int, text: str) -> str:
         """``text``, after the prompt's if it is the choice's first (``echo``)."""
@@ -228,16 +228,16 @@ class _CompletionChunks:
         self.echoed.add(index)
         return self.echo[index // self.plan.n] + text
 
-    def _text_chunk(self, index: int, text: str, finish: str) -> str:
+    def _text_chunk(self, index: int, text: str, finish: bytes) -> bytes:
         """A chunk without logprobs, written from its fixed parts; ``finish`` as JSON."""
-        return (f'{self.head}{index},"text":{msgspec.json.encode(text).decode()},'
-                f'"logprobs":null,"finish_reason":{finish}}}]{self.tail}')
+        return b'%b%d,"text":%b,"logprobs":null,"finish_reason":%b}]%b' % (
+            self.head, index, msgspec.json.encode(text), finish, self.tail)
 
-    def closing(self) -> list[str]:
+    def closing(self) -> list[bytes]:
         if not self.include_usage:
             return []
         plan = self.plan
         final = CompletionResponse(
             id=plan.request_id, created=plan.created, model=plan.model, choices=[], usage=self.usage.usage()
         )
-        return [final.model_dump_json()]
+        return [final.model_dump_json().encode()]

@@ -28,8 +28,8 @@ def _run(response: EventStreamResponse, fail_on: str | None = None) -> list[dict
     return sent
 
 
-def _chunks(closed: list[str], payloads: list[str], end: BaseException | None = None) -> AsyncGenerator[str, None]:
-    async def gen() -> AsyncGenerator[str, None]:
+def _chunks(closed: list[str], payloads: list[bytes], end: BaseException | None = None) -> AsyncGenerator[bytes, None]:
+    async def gen() -> AsyncGenerator[bytes, None]:
         try:
             for payload in payloads:
                 yield payload
@@ -41,7 +41,7 @@ def _chunks(closed: list[str], payloads: list[str], end: BaseException | None = 
     return gen()
 
 
-def _response(closed: list[str], payloads: list[str], end: BaseException | None = None) -> EventStreamResponse:
+def _response(closed: list[str], payloads: list[bytes], end: BaseException | None = None) -> EventStreamResponse:
     response = EventStreamResponse(_chunks(closed, payloads, end), close=lambda: closed.append("choices"))
     response.on_close = lambda: closed.append("leave")
     return response
@@ -49,7 +49,7 @@ def _response(closed: list[str], payloads: list[str], end: BaseException | None 
 
 def test_each_chunk_is_one_event_then_done() -> None:
     closed: list[str] = []
-    sent = _run(_response(closed, ['{"a":1}', '{"b":2}']))
+    sent = _run(_response(closed, [b'{"a":1}', b'{"b":2}']))
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
     assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
     assert [m["body"] for m in sent[1:]] == [b'data: {"a":1}\n\n', b'data: {"b":2}\n\n', b"data: [DONE]\n\n"]
@@ -59,7 +59,7 @@ def test_each_chunk_is_one_event_then_done() -> None:
 
 def test_an_engine_failure_mid_stream_is_an_error_event_then_done() -> None:
     closed: list[str] = []
-    sent = _run(_response(closed, ['{"a":1}'], EngineRequestError("engine d0 failed", status=502)))
+    sent = _run(_response(closed, [b'{"a":1}'], EngineRequestError("engine d0 failed", status=502)))
     last = sent[-1]["body"]
     assert last.startswith(b"data: {") and b"engine d0 failed" in last and last.endswith(b"data: [DONE]\n\n")
     assert sent[-1]["more_body"] is False
@@ -68,7 +68,7 @@ def test_an_engine_failure_mid_stream_is_an_error_event_then_done() -> None:
 
 def test_a_client_gone_ends_the_body_without_done() -> None:
     closed: list[str] = []
-    sent = _run(_response(closed, ['{"a":1}'], ClientDisconnected()))
+    sent = _run(_response(closed, [b'{"a":1}'], ClientDisconnected()))
     assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
     assert closed == ["chunks", "leave", "choices"]
 
@@ -77,7 +77,7 @@ def test_a_response_whose_chunks_never_started_still_closes_the_choices_and_leav
     """A generator closed before its first step runs no ``finally``: the choices are closed anyway."""
     closed: list[str] = []
     with pytest.raises(OSError):
-        _run(_response(closed, ['{"a":1}']), fail_on="http.response.start")
+        _run(_response(closed, [b'{"a":1}']), fail_on="http.response.start")
     assert closed == ["leave", "choices"]
 
 
@@ -89,7 +89,7 @@ def test_events_go_straight_to_the_servers_send_past_the_middleware() -> None:
     from router.app import RouterApp
 
     closed: list[str] = []
-    app = RouterApp(routes=[Route("/s", lambda request: _response(closed, ['{"a":1}', '{"b":2}']))])
+    app = RouterApp(routes=[Route("/s", lambda request: _response(closed, [b'{"a":1}', b'{"b":2}']))])
     wrapped: list[str] = []
 
     class Spy:

@@ -5,6 +5,7 @@ reading until the whole reply is written."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import socket
 import time
@@ -15,7 +16,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 import router.inline_stream as inline_stream
 from common.protocol import RequestOutput
@@ -137,11 +139,11 @@ class _StubStream:
 
 
 class _StubWriter:
-    def plain(self, stream: Any, text: str) -> str | None:
-        return text or None
+    def plain(self, stream: Any, text: str) -> bytes | None:
+        return text.encode() or None
 
-    def chunks(self, delta: ChoiceDelta) -> list[str]:
-        return [delta.text, f"end:{delta.finish_reason}"]
+    def chunks(self, delta: ChoiceDelta) -> list[bytes]:
+        return [delta.text.encode(), f"end:{delta.finish_reason}".encode()]
 
 
 def _token(token_id: int, **kw: Any) -> RequestOutput:
@@ -206,6 +208,77 @@ def test_a_failure_in_the_sink_fails_the_request_not_the_receive_loop() -> None:
         [error] = stream.engine_request.interrupted
         assert isinstance(error, EngineRequestError) and "detokenizer bug" in str(error)
         assert server.sent == []
+
+    asyncio.run(main())
+
+
+# -- the body writer --------------------------------------------------------------------------
+class _Transport:
+    """Records what is written to the connection."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.written.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return False
+
+
+async def _started_cycle(headers: list[tuple[bytes, bytes]] | None = None) -> tuple[RequestResponseCycle, _Transport]:
+    """uvicorn's httptools request cycle, its streaming response started (headers written)."""
+    transport = _Transport()
+    cycle = RequestResponseCycle(
+        scope={"method": "POST", "path": "/v1/completions"}, transport=transport,  # type: ignore[arg-type, typeddict-item]
+        flow=FlowControl(transport), logger=logging.getLogger("t"), access_logger=logging.getLogger("t"),  # type: ignore[arg-type]
+        access_log=False, default_headers=[], message_event=asyncio.Event(), expect_100_continue=False,
+        keep_alive=True, on_response=lambda: None,
+    )
+    await cycle.send({"type": "http.response.start", "status": 200, "headers": headers or []})
+    transport.written.clear()
+    return cycle, transport
+
+
+def test_the_writer_writes_what_uvicorns_send_would_straight_to_the_connection() -> None:
+    async def main() -> None:
+        direct, by_writer = await _started_cycle()
+        via_send, by_send = await _started_cycle()
+        writer = inline_stream.ChunkedBodyWriter.for_send(direct.send)
+        assert isinstance(writer, inline_stream.ChunkedBodyWriter)
+        assert writer.event(b'{"t":"\xc3\xa7a"}') is None and writer.body(b"data: x\n\ndata: y\n\n") is None
+        await via_send.send({"type": "http.response.body", "body": b'data: {"t":"\xc3\xa7a"}\n\n', "more_body": True})
+        await via_send.send({"type": "http.response.body", "body": b"data: x\n\ndata: y\n\n", "more_body": True})
+        assert by_writer.written == by_send.written and len(by_writer.written) == 2
+
+    asyncio.run(main())
+
+
+def test_the_writer_leaves_a_full_buffer_and_a_client_gone_to_send() -> None:
+    async def main() -> None:
+        cycle, transport = await _started_cycle()
+        writer = inline_stream.ChunkedBodyWriter.for_send(cycle.send)
+        cycle.flow.pause_writing()  # the connection's write buffer is above its high mark
+        task = writer.event(b"1")
+        assert task is not None and transport.written == [], "wrote past a paused connection"
+        cycle.flow.resume_writing()
+        await task
+        assert transport.written == [b"9\r\ndata: 1\n\n\r\n"]
+        cycle.disconnected = True
+        assert writer.event(b"2") is None and writer.body(b"3") is None
+        assert transport.written == [b"9\r\ndata: 1\n\n\r\n"], "wrote to a client gone"
+
+    asyncio.run(main())
+
+
+def test_the_writer_writes_itself_only_for_uvicorns_chunked_response() -> None:
+    async def main() -> None:
+        server = _Server()
+        assert type(inline_stream.ChunkedBodyWriter.for_send(server.send)) is inline_stream.BodyWriter
+        cycle, transport = await _started_cycle([(b"content-length", b"100")])  # not chunked
+        writer = inline_stream.ChunkedBodyWriter.for_send(cycle.send)
+        assert type(writer) is inline_stream.BodyWriter
+        assert writer.event(b"1") is None and transport.written == [b"data: 1\n\n"]
 
     asyncio.run(main())
 

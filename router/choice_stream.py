@@ -45,6 +45,11 @@ class _PendingToken:
 class ChoiceStream:
     """Iterate ``deltas()`` once; ``close()`` aborts the engine request if it has not finished."""
 
+    __slots__ = (
+        "_arrival", "_detokenizer", "_emitted_len", "_last_output_time", "_metrics", "_pending", "_raw_len", "_stop",
+        "engine_request", "index", "num_cached_tokens", "num_output_tokens",
+    )
+
     def __init__(
         self,
         index: int,

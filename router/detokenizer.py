@@ -28,6 +28,8 @@ NUM_CONTEXT_TOKENS = 5
 class IncrementalDetokenizer:
     """Feed token ids as they arrive; ``push`` returns the text they complete (possibly "")."""
 
+    __slots__ = ("_fast_decode", "_ids", "_pieces", "_prefix", "_read", "_skip_special", "_tokenizer", "_whole")
+
     def __init__(
         self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True,
         use_pieces: bool = True,

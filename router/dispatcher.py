@@ -67,7 +67,7 @@ class InstanceLost(Exception):
         self.healthy = healthy
 
 
-@dataclass
+@dataclass(slots=True)  # attributes read per streamed token
 class EngineRequest:
     """One request to the engines, across migrations; iterate ``outputs()`` once, and ``close()``
     (idempotent) when done with it. ``request_id`` and ``holders`` are the current attempt's."""

@@ -136,18 +136,17 @@ class ChunkedBodyWriter(BodyWriter):
             return ChunkedBodyWriter(send, cycle)
         return BodyWriter(send)
 
-    def _direct(self) -> bool:
-        cycle = self._cycle
-        return not (self._flow.write_paused or cycle.disconnected or cycle.response_complete)
-
     def body(self, body: bytes) -> asyncio.Task[None] | None:
-        if body and self._direct():
+        cycle = self._cycle
+        if body and not (self._flow.write_paused or cycle.disconnected or cycle.response_complete):
             self._transport.write(b"%x\r\n%b\r\n" % (len(body), body))
             return None
         return super().body(body)
 
     def event(self, payload: bytes) -> asyncio.Task[None] | None:
-        if self._direct():  # the event's and the chunk's framing in one step
+        cycle = self._cycle  # the same checks as ``body``'s, written out: this is per streamed token
+        if not (self._flow.write_paused or cycle.disconnected or cycle.response_complete):
+            # The event's framing and the chunk's in one step.
             self._transport.write(b"%x\r\ndata: %b\n\n\r\n" % (len(payload) + 8, payload))
             return None
         return super().body(sse_event(payload))
@@ -214,8 +213,8 @@ class InlineSink:
                 text = stream.process_plain(output)
                 if isinstance(text, str):
                     payload = self._writer.plain(stream, text)
-                    if payload is not None:
-                        self._started(writer.event(payload))
+                    if payload is not None and (pending := writer.event(payload)) is not None:
+                        self._wait_for(pending)
                     return True
                 delta = text  # a stop string hit: the stream's last delta
             else:
@@ -223,17 +222,17 @@ class InlineSink:
             # The stream's end: its last chunks go out here, then the task ends the response (and,
             # for a stop string, aborts the engines, which have not finished).
             body = b"".join(map(sse_event, self._writer.chunks(delta)))
-            if body:
-                self._started(writer.body(body))
+            if body and (pending := writer.body(body)) is not None:
+                self._wait_for(pending)
             request.interrupt(EndedInline())
         except Exception as exc:
             self._fail(exc)
         return True
 
-    def _started(self, pending: asyncio.Task[None] | None) -> None:
-        if pending is not None:
-            self._pending = pending
-            pending.add_done_callback(self._sent)
+    def _wait_for(self, pending: asyncio.Task[None]) -> None:
+        """Take nothing more until ``pending``, the send of the last output taken, has finished."""
+        self._pending = pending
+        pending.add_done_callback(self._sent)
 
     def _fail(self, exc: Exception) -> None:
         """The task raises it at its next wait (it is parked in one) and ends the stream with it."""

@@ -107,6 +107,8 @@ def _prompt_logprobs(state: RouterState, results: list[ChoiceResult]) -> PromptL
 class _ChatChunks:
     """The ``chat.completion.chunk`` chunks of a streaming chat completion (``ChunkWriter``)."""
 
+    __slots__ = ("exclude", "head", "include_usage", "inline", "plan", "renderer", "tail", "usage")
+
     def __init__(self, plan: GenerationPlan, renderer: TokenRenderer | None, include_usage: bool) -> None:
         self.plan, self.renderer, self.include_usage = plan, renderer, include_usage
         self.inline = renderer is None

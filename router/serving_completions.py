@@ -170,6 +170,8 @@ def _choices(
 class _CompletionChunks:
     """The ``text_completion`` chunks of a streaming completion (``ChunkWriter``)."""
 
+    __slots__ = ("echo", "echoed", "exclude", "head", "include_usage", "inline", "plan", "renderer", "tail", "usage")
+
     def __init__(
         self, plan: GenerationPlan, renderer: TokenRenderer | None, include_usage: bool, echo: list[str] | None
     ) -> None:

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 class StopChecker:
     """``push`` returns the text safe to emit; after a stop string hits, ``stopped`` is True."""
 
+    __slots__ = ("_held", "_max_hold", "_stop", "stopped")
+
     def __init__(self, stop: Sequence[str]) -> None:
         self._stop = [s for s in stop if s]
         self._max_hold = max((len(s) for s in self._stop), default=1) - 1

@@ -158,6 +158,10 @@ class EngineRequest:
                         break
         finally:
             self.close()
+            # An interrupt raised here holds, through its traceback, the frames that hold this
+            # request: kept, it would keep the request's stream and everything it holds in a
+            # reference cycle, freed only by a garbage collection (one pause for many streams).
+            self._interrupt = None
 
     async def _migrate(self, lost: InstanceLost) -> None:
         """Abort the lost attempt everywhere and continue the request on other instances."""

@@ -6,13 +6,19 @@ behind gets the queued token outputs of its request as one."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import weakref
 
+import pytest
 import zmq
 
 from common.protocol import OutputBatch, RequestOutput, encode
+from common.registry import InstanceInfo
+from router.choice_stream import EndedInline
 from router.dispatcher import EngineRequest
 from router.engine_client import EngineClient
+from router.output_queue import OutputQueue
 
 
 def _out(request_id: str, token: int, finish: str | None = None) -> RequestOutput:
@@ -76,3 +82,34 @@ def test_a_reader_behind_gets_queued_token_outputs_as_one_and_stops_at_the_finis
         return await request._next()
 
     asyncio.run(scenario())
+
+
+def test_an_interrupted_request_is_freed_without_a_garbage_collection() -> None:
+    """The interrupt's traceback holds the frames that held the request: once raised, the request
+    must not keep it (a reference cycle), or every ended stream waits for a collection."""
+
+    class Dispatcher:  # what closing the request uses of it: nothing to abort or release here
+        request_timeout_s = 5.0
+        client = type("Client", (), {"discard": lambda self, rid: None, "abort": lambda self, rid, to: None})()
+        pool = type("Pool", (), {"release": lambda self, instance_id: None})()
+
+    async def scenario() -> weakref.ref[BaseException]:
+        holder = InstanceInfo(instance_id="d0", role="decode", model="m", control_address="tcp://127.0.0.1:1")
+        request = EngineRequest(request_id="a", queue=OutputQueue(), holders=[holder],
+                                dispatcher=Dispatcher(), request=None)  # type: ignore[arg-type]
+        interrupt = EndedInline()
+        request.interrupt(interrupt)
+        ref = weakref.ref(interrupt)
+        del interrupt  # this frame is in its traceback
+        with pytest.raises(EndedInline):
+            async for _ in request.outputs():
+                pass
+        return ref
+
+    gc.collect()
+    gc.disable()
+    try:
+        interrupt = asyncio.run(scenario())
+        assert interrupt() is None, "the raised interrupt outlived its request (a reference cycle)"
+    finally:
+        gc.enable()

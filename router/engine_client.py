@@ -22,6 +22,7 @@ import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 
 from common.cluster_key import ClusterKey
+from common.gc_pacer import GcPacer
 from common.protocol import (
     MAX_OUTPUT_MESSAGE_BYTES,
     AbortRequest,
@@ -66,6 +67,10 @@ class EngineClient:
         self.last_heard: dict[str, float] = {}
         # When the reply socket was last seen with nothing unread (see ``silent_for``).
         self.caught_up_at = time.monotonic()
+        # Set by the router's process: garbage collections when a message's outputs are all sent and
+        # no other waits (``common/gc_pacer.py``), not in the middle of a step's fan-out.
+        self.gc_pacer: GcPacer | None = None
+        self.last_message_at = 0.0  # when the last engine message was read, monotonic
 
     async def start(self) -> None:
         """Bind the reply socket: loopback only for a loopback ``reply_host``, else every interface.
@@ -117,8 +122,9 @@ class EngineClient:
             except ProtocolError as exc:
                 logger.warning("dropping malformed engine output: %s", exc)
                 continue
+            self.last_message_at = time.monotonic()
             if msg.instance_id:
-                last_heard[msg.instance_id] = time.monotonic()
+                last_heard[msg.instance_id] = self.last_message_at
             if isinstance(msg, OutputBatch):  # one engine step's outputs for this router
                 if not msg.instance_id:
                     now = time.monotonic()
@@ -131,6 +137,9 @@ class EngineClient:
                 queue = queues.get(msg.request_id)
                 if queue is not None:  # outputs of finished or aborted requests are dropped
                     queue.put_nowait(msg)
+            pacer = self.gc_pacer
+            if pacer is not None and pacer.due() and not int(pull.get(zmq.EVENTS)) & zmq.POLLIN:
+                pacer.collect()
 
     async def _wake_loop(self) -> None:
         """Once per ``WAKE_INTERVAL_S``: every waiting reader checks its deadlines (see ``OutputQueue``)."""
@@ -138,6 +147,10 @@ class EngineClient:
             await asyncio.sleep(WAKE_INTERVAL_S)
             for queue in list(self._queues.values()):
                 queue.wake()
+            # Without engine messages to collect after (none for a while), collections come here.
+            quiet = time.monotonic() - self.last_message_at > WAKE_INTERVAL_S
+            if self.gc_pacer is not None and quiet and self.gc_pacer.due():
+                self.gc_pacer.collect()
 
     # -- per-request queues --------------------------------------------------------------------
     def open(self, request_id: str) -> OutputQueue:

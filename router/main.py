@@ -14,13 +14,13 @@ import time
 from typing import Any
 
 from common.cluster_key import add_cluster_key_args, cluster_key_from_args
+from common.gc_pacer import GcPacer, GcPauses
 from ops.supervisor import die_with_parent
 from router.auth import keys_from_env
 from router.config import RequestLimits, RouterConfig
 from router.routing import POLICIES
 
 logger = logging.getLogger("router")
-GC_THRESHOLD = 20_000  # allocations between young-generation collections (Python's default: 700)
 # uvloop's event loop and httptools' HTTP/1.1 protocol (uvicorn's h11 one frames each chunk in Python):
 # less router CPU per streamed token at hundreds of streams (README, router overhead).
 UVICORN_SETTINGS: dict[str, Any] = {"loop": "uvloop", "http": "httptools"}
@@ -195,10 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     app = create_app(state)
     # What start-up built (tokenizer, app) lives as long as the process: collections skip it, and run
-    # less often; the per-token path allocates many short-lived objects, few of them in cycles.
+    # less often; the per-token path allocates many short-lived objects, few of them in cycles. They
+    # run when an engine message's outputs have all been sent (``common/gc_pacer.py``).
     gc.collect()
     gc.freeze()
-    gc.set_threshold(GC_THRESHOLD, 20, 20)
+    pacer = GcPacer()
+    pacer.install()
+    state.client.gc_pacer = pacer
+    GcPauses(state.metrics.observe_gc_pause, pacer)
     if not args.reuse_port:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                     **UVICORN_SETTINGS)

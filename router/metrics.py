@@ -149,5 +149,17 @@ class RouterMetrics:
             lambda: self.inline_outputs[0],
         ))
 
+        self.gc_pause = Histogram(
+            "pdserve:router_gc_pause_seconds",
+            "Garbage collection pauses of the router process: paced (run when an engine message's outputs "
+            "were all sent) or automatic (run where an allocation passed the backstop threshold).",
+            ["when"],
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+            registry=r,
+        )
+
+    def observe_gc_pause(self, seconds: float, paced: bool) -> None:
+        self.gc_pause.labels(when="paced" if paced else "automatic").observe(seconds)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,7 +12,7 @@ For every ``--concurrency`` C and ``--workers`` W it reports:
 
 * tokens/s: tokens that reached the client while all C streams were streaming (from the last
   stream's first token to the first stream's last), per router process (the total over W);
-* added latency per token, p50 / p99: when the router's write of a token reached the client's
+* added latency per token, p50 / p99 (and p999, max in the JSON): when the router's write of a token reached the client's
   socket (the kernel's receive time stamp, ``SO_TIMESTAMPNS``) minus when the engine sent it (the one
   host clock), over every token of the point; "steady p99", over the tokens of the steady window
   only (below), without the steps where all C streams start or end together; and "read p99", to
@@ -23,6 +23,9 @@ For every ``--concurrency`` C and ``--workers`` W it reports:
   (2026-12-02) have only the read time, as ``added_latency_ms``;
 * router CPU per token: CPU time of the router process(es) (their CPU-time clocks on Linux, else
   ``psutil``) over that same window, divided by its tokens;
+* the router's garbage collections during the point, from its ``/metrics``: how many, their time in
+  all and the bucket bound the longest stayed under, by whether the router chose the moment
+  (``paced``: after an engine message's outputs were sent) or an allocation did (``automatic``);
 * tokens per SSE event: 1 (or the stream interval) unless the router fell behind and sent the
   tokens that queued up for a stream as one event.
 
@@ -187,6 +190,30 @@ class RouterProcess:
             return [c.pid for c in psutil.Process(self.proc.pid).children()]
         except psutil.Error:
             return []
+
+    def gc_pauses(self) -> dict[str, dict[str, Any]]:
+        """The router's garbage collection pauses so far (one process's, with several), by whether it
+        chose the moment (``paced``) or an allocation did: count, seconds in all, and the least bucket
+        bound every pause was under; empty for a router that does not export them."""
+        try:
+            text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        except httpx.HTTPError:
+            return {}
+        from prometheus_client.parser import text_string_to_metric_families
+
+        pauses: dict[str, dict[str, Any]] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name != "pdserve:router_gc_pause_seconds":
+                continue
+            for sample in family.samples:
+                entry = pauses.setdefault(sample.labels["when"], {"count": 0, "seconds": 0.0, "buckets": {}})
+                if sample.name.endswith("_count"):
+                    entry["count"] = sample.value
+                elif sample.name.endswith("_sum"):
+                    entry["seconds"] = sample.value
+                elif sample.name.endswith("_bucket"):
+                    entry["buckets"][float(sample.labels["le"])] = sample.value
+        return pauses
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -544,6 +571,22 @@ def write_floor_ms(ctx: SpawnContext, concurrency: int, num_steps: int = 50) -> 
 
 
 # ---------------------------------------------------------------------------------- one point
+def _gc_during(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Collections between two ``RouterProcess.gc_pauses``: count, ms in all, and the bucket bound
+    (ms) under which the longest fell."""
+    during = {}
+    for when, now in after.items():
+        then = before.get(when, {"count": 0, "seconds": 0.0, "buckets": {}})
+        count = now["count"] - then["count"]
+        if count <= 0:
+            continue
+        added = {le: n - then["buckets"].get(le, 0) for le, n in now["buckets"].items()}
+        longest = min((le for le, n in added.items() if n >= count), default=float("inf"))
+        during[when] = {"count": count, "total_ms": round((now["seconds"] - then["seconds"]) * 1e3, 2),
+                        "longest_under_ms": longest * 1e3}
+    return during
+
+
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -554,6 +597,7 @@ def _percentile(values: list[float], q: float) -> float:
 def _latency(ms: list[float]) -> dict[str, float]:
     return {
         "p50": round(_percentile(ms, 0.50), 3), "p99": round(_percentile(ms, 0.99), 3),
+        "p999": round(_percentile(ms, 0.999), 3), "max": round(max(ms), 3) if ms else float("nan"),
         "mean": round(statistics.fmean(ms), 3) if ms else float("nan"), "num_tokens": len(ms),
     }
 
@@ -568,6 +612,7 @@ def run_point(
     With ``arrivals="staggered"`` (open loop only), C streams at once with their starts spread
     (``_run_staggered``); the figures are those of the second lifetime, once all C run."""
     link.set_step_interval(concurrency * stream_interval / rate if rate else 0.0)
+    gc_before = router.gc_pauses()
     sampler = CpuSampler(router.pids())
     sampler.start()
     link.reset()
@@ -582,6 +627,7 @@ def run_point(
     finally:
         sampler.stop()
     wall_s = time.monotonic() - started
+    gc_during = _gc_during(gc_before, router.gc_pauses())
     sent = link.collect()  # engine request id -> send time of each token
     failed = [s for s in streams if not s.done or len(s.arrivals) != max_tokens]
     good = [s for s in streams if s not in failed]
@@ -591,6 +637,8 @@ def run_point(
         "num_router_processes": router.workers, "client_poll_ms": client_poll_ms,
         "arrivals": "staggered" if staggered else "together", "num_streams": len(streams),
         "num_streams_failed": len(failed), "wall_s": round(wall_s, 3),
+        # The router's garbage collections during the point (all of it, not only the window).
+        **({"gc_pauses": gc_during} if gc_during else {}),
     }
     if failed:
         first = failed[0]
@@ -652,7 +700,7 @@ def format_report(report: dict[str, Any]) -> str:
         "router CPU per token",
         f"{'engines':<12}{'procs':>6}{'streams':>9}{'offered':>9}{'arrivals':>10}{'tok/s/proc':>12}{'tok/s':>10}"
         f"{'p50 ms':>9}"
-        f"{'p99 ms':>9}{'steady p99':>11}{'read p99':>10}{'cpu us/tok':>12}{'tok/event':>11}{'failed':>8}{'pinned':>8}",
+        f"{'p99 ms':>9}{'steady p99':>11}{'p999 ms':>9}{'read p99':>10}{'cpu us/tok':>12}{'tok/event':>11}{'failed':>8}{'pinned':>8}",
     ]
     for r in report["results"]:
         lat = r.get("added_latency_ms", {})
@@ -663,10 +711,19 @@ def format_report(report: dict[str, Any]) -> str:
             f"{r.get('tokens_per_s_per_process', float('nan')):>12,.0f}{r.get('tokens_per_s', float('nan')):>10,.0f}"
             f"{lat.get('p50', float('nan')):>9.2f}{lat.get('p99', float('nan')):>9.2f}"
             f"{r.get('added_latency_steady_ms', {}).get('p99', float('nan')):>11.2f}"
+            f"{lat.get('p999', float('nan')):>9.2f}"
             f"{r.get('read_latency_ms', {}).get('p99', float('nan')):>10.2f}"
             f"{r.get('router_cpu_us_per_token', float('nan')):>12.1f}{r.get('tokens_per_event', float('nan')):>11.2f}"
             f"{r['num_streams_failed']:>8}{'yes' if r.get('pinning', {}).get('pinned') else 'no':>8}"
         )
+    for r in report["results"]:
+        if r.get("gc_pauses"):
+            offered = r.get("offered_tokens_per_s")
+            lines.append(
+                f"router garbage collections, {r['concurrency']} streams, {f'{offered:,.0f}' if offered else 'max'}"
+                f" tokens/s, {r.get('arrivals', 'together')}: " + "; ".join(
+                    f"{when} {g['count']:.0f} ({g['total_ms']:.1f} ms in all, each under {g['longest_under_ms']:g} ms)"
+                    for when, g in sorted(r["gc_pauses"].items())))
     if any(r.get("pinning", {}).get("pinned") for r in report["results"]):
         lines.append("pinned: each router process on a core of its own, the client and engines on the others")
     polls = sorted({r["client_poll_ms"] for r in report["results"] if r.get("client_poll_ms")})

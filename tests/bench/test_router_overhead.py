@@ -115,3 +115,17 @@ def test_staggered_arrivals_keep_the_streams_running_with_starts_spread(tmp_path
     [row] = [line for line in router_overhead.format_report(json.loads(out.read_text())).splitlines()
              if line.startswith("batched")]
     assert row.split()[3:5] == ["400", "staggered"], row
+
+
+def test_the_collections_during_a_point_come_from_two_scrapes_of_the_routers_metrics() -> None:
+    before = {"paced": {"count": 2, "seconds": 0.004, "buckets": {0.002: 1, 0.005: 2, 0.01: 2, float("inf"): 2}}}
+    after = {
+        "paced": {"count": 5, "seconds": 0.019, "buckets": {0.002: 1, 0.005: 3, 0.01: 5, float("inf"): 5}},
+        "automatic": {"count": 1, "seconds": 0.03, "buckets": {0.002: 0, 0.05: 1, float("inf"): 1}},
+    }
+    during = router_overhead._gc_during(before, after)
+    assert during == {
+        "paced": {"count": 3, "total_ms": 15.0, "longest_under_ms": 10.0},  # one in (2, 5] ms, two in (5, 10]
+        "automatic": {"count": 1, "total_ms": 30.0, "longest_under_ms": 50.0},
+    }
+    assert router_overhead._gc_during(after, after) == {}

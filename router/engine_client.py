@@ -122,31 +122,37 @@ class EngineClient:
             except ProtocolError as exc:
                 logger.warning("dropping malformed engine output: %s", exc)
                 continue
-            self.last_message_at = time.monotonic()
+            self.last_message_at = now = time.monotonic()
             if msg.instance_id:
-                last_heard[msg.instance_id] = self.last_message_at
+                last_heard[msg.instance_id] = now
             if isinstance(msg, OutputBatch):  # one engine step's outputs for this router
                 if not msg.instance_id:
-                    now = time.monotonic()
                     last_heard.update((o.instance_id, now) for o in msg.outputs if o.instance_id)
                 for output in msg.outputs:
                     queue = queues.get(output.request_id)
                     if queue is not None:
+                        queue.last_put = now
                         queue.put_nowait(output)
             elif isinstance(msg, RequestOutput):
                 queue = queues.get(msg.request_id)
                 if queue is not None:  # outputs of finished or aborted requests are dropped
+                    queue.last_put = now
                     queue.put_nowait(msg)
             pacer = self.gc_pacer
             if pacer is not None and pacer.due() and not int(pull.get(zmq.EVENTS)) & zmq.POLLIN:
                 pacer.collect()
 
     async def _wake_loop(self) -> None:
-        """Once per ``WAKE_INTERVAL_S``: every waiting reader checks its deadlines (see ``OutputQueue``)."""
+        """Once per ``WAKE_INTERVAL_S``: every waiting reader that got no output meanwhile checks its
+        deadlines and its instances (see ``OutputQueue``). One whose outputs come is left parked:
+        waking every reader at once, 512 streams took milliseconds that an engine step's tokens
+        arriving then waited for."""
         while True:
             await asyncio.sleep(WAKE_INTERVAL_S)
+            stale = time.monotonic() - WAKE_INTERVAL_S
             for queue in list(self._queues.values()):
-                queue.wake()
+                if queue.last_put <= stale:
+                    queue.wake()
             # Without engine messages to collect after (none for a while), collections come here.
             quiet = time.monotonic() - self.last_message_at > WAKE_INTERVAL_S
             if self.gc_pacer is not None and quiet and self.gc_pacer.due():

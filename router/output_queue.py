@@ -2,8 +2,8 @@
 
 A deque and at most one waiting future: cheaper per token than ``asyncio.Queue`` (no getter list)
 and than ``asyncio.wait_for`` around it (no task per wait). Waits have no timer of their own: the
-``EngineClient`` wakes every waiting reader once per ``WAKE_INTERVAL_S``, and the reader checks its
-deadlines and its instances' liveness then.
+``EngineClient`` wakes every waiting reader that got no output for ``WAKE_INTERVAL_S`` once per
+``WAKE_INTERVAL_S``, and the reader checks its deadlines and its instances' liveness then.
 
 A streaming response may set a ``sink`` (``router/inline_stream.py``): while its reader waits with
 nothing queued, an output is first offered to the sink, which may take it there and then.
@@ -24,7 +24,7 @@ class OutputQueue:
     """Filled by the receive loop (``put_nowait``), read by one consumer (``wait`` then
     ``get_nowait``). Not thread-safe: use from the event loop."""
 
-    __slots__ = ("_items", "_loop", "_waiter", "sink")
+    __slots__ = ("_items", "_loop", "_waiter", "last_put", "sink")
 
     def __init__(self) -> None:
         self._items: deque[RequestOutput] = deque()
@@ -33,6 +33,9 @@ class OutputQueue:
         # getpid() system call on Python 3.11, once per token if made per wait.
         self._loop: asyncio.AbstractEventLoop | None = None
         self.sink: Callable[[RequestOutput], bool] | None = None
+        # When the receive loop last handed it an output (monotonic): a reader with outputs coming
+        # needs no wake to check its deadline and its instances (``EngineClient._wake_loop``).
+        self.last_put = 0.0
 
     def put_nowait(self, output: RequestOutput) -> None:
         sink = self.sink

@@ -113,3 +113,41 @@ def test_an_interrupted_request_is_freed_without_a_garbage_collection() -> None:
         assert interrupt() is None, "the raised interrupt outlived its request (a reference cycle)"
     finally:
         gc.enable()
+
+
+def test_the_wake_loop_leaves_readers_whose_outputs_come_parked() -> None:
+    """Once a second a reader without outputs is woken to check its deadline and its instances; one
+    whose outputs keep coming (here all taken by its sink, so only a wake can end its wait) is not."""
+
+    async def scenario() -> tuple[int, int]:
+        client = EngineClient()
+        await client.start()
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(client.reply_address)
+        fed, idle = client.open("fed"), client.open("idle")
+        fed.sink = lambda output: True
+        wakes = {"fed": 0, "idle": 0}
+
+        async def reader(name: str, queue: OutputQueue) -> None:
+            while True:
+                await queue.wait()
+                wakes[name] += 1
+
+        readers = [asyncio.create_task(reader("fed", fed)), asyncio.create_task(reader("idle", idle))]
+        try:
+            deadline = time.monotonic() + 3.5
+            while time.monotonic() < deadline:
+                push.send(encode(OutputBatch(instance_id="decode-0", outputs=[_out("fed", 1)])))
+                await asyncio.sleep(0.02)
+        finally:
+            for task in readers:
+                task.cancel()
+            push.close(0)
+            ctx.term()
+            await client.close()
+        return wakes["fed"], wakes["idle"]
+
+    fed_wakes, idle_wakes = asyncio.run(scenario())
+    assert idle_wakes >= 2 and fed_wakes < idle_wakes, (fed_wakes, idle_wakes)

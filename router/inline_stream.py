@@ -121,20 +121,24 @@ class ChunkedBodyWriter(BodyWriter):
 
     @staticmethod
     def for_send(send: Send) -> BodyWriter:
+        cycle = getattr(send, "__self__", None)
         try:
             from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
-        except ImportError:  # uvicorn without httptools
-            return BodyWriter(send)
-        cycle = getattr(send, "__self__", None)
-        if (
-            type(cycle) is RequestResponseCycle
-            and getattr(send, "__func__", None) is RequestResponseCycle.send
-            and cycle.response_started is True
-            and cycle.chunked_encoding is True
-            and cycle.scope.get("method") != "HEAD"
-        ):
-            return ChunkedBodyWriter(send, cycle)
-        return BodyWriter(send)
+
+            usable = (
+                type(cycle) is RequestResponseCycle
+                and getattr(send, "__func__", None) is RequestResponseCycle.send
+                and cycle.response_started is True
+                and cycle.chunked_encoding is True
+                and cycle.scope.get("method") != "HEAD"
+                # What the per-token checks read, as this uvicorn's cycle has them.
+                and all(isinstance(flag, bool) for flag in (
+                    cycle.flow.write_paused, cycle.disconnected, cycle.response_complete))
+                and callable(cycle.transport.write)
+            )
+        except (ImportError, AttributeError):  # another server, or a uvicorn whose cycle differs
+            usable = False
+        return ChunkedBodyWriter(send, cycle) if usable else BodyWriter(send)
 
     def body(self, body: bytes) -> asyncio.Task[None] | None:
         cycle = self._cycle
@@ -156,23 +160,23 @@ class InlineSink:
     """Takes one streaming choice's plain token outputs in the receive loop (see the module's
     docstring); ``writer`` makes their chunks as the task's would."""
 
-    __slots__ = ("_body", "_counter", "_pending", "_stream", "_writer")
+    __slots__ = ("_counter", "_pending", "_sender", "_stream", "_writer")
 
     def __init__(self, stream: ChoiceStream, writer: TokenChunks, counter: list[int]) -> None:
         self._stream = stream
         self._writer = writer
         self._counter = counter  # [outputs taken inline], shared by the app's sinks (a metric)
-        self._body: BodyWriter | None = None
+        self._sender: BodyWriter | None = None  # the response's body, once started
         self._pending: asyncio.Task[None] | None = None
 
     def attach(self, send: Send) -> None:
         """Start taking outputs, sending with ``send`` (the response has started)."""
-        self._body = ChunkedBodyWriter.for_send(send)
+        self._sender = ChunkedBodyWriter.for_send(send)
         self._stream.engine_request.set_sink(self)
 
     def detach(self) -> None:
         """Take nothing more; the task sends the rest (after ``idle``)."""
-        self._body = None
+        self._sender = None
         self._stream.engine_request.set_sink(None)
 
     @property
@@ -193,9 +197,9 @@ class InlineSink:
     def __call__(self, output: RequestOutput) -> bool:
         """Take ``output`` (True) or leave it to the task (False). Called by the output queue only
         while the task waits on it with nothing queued."""
-        writer = self._body
+        sender = self._sender
         if (
-            writer is None
+            sender is None
             or self._pending is not None
             or output.logprobs is not None
             or output.prompt_logprobs is not None
@@ -213,7 +217,7 @@ class InlineSink:
                 text = stream.process_plain(output)
                 if isinstance(text, str):
                     payload = self._writer.plain(stream, text)
-                    if payload is not None and (pending := writer.event(payload)) is not None:
+                    if payload is not None and (pending := sender.event(payload)) is not None:
                         self._wait_for(pending)
                     return True
                 delta = text  # a stop string hit: the stream's last delta
@@ -222,7 +226,7 @@ class InlineSink:
             # The stream's end: its last chunks go out here, then the task ends the response (and,
             # for a stop string, aborts the engines, which have not finished).
             body = b"".join(map(sse_event, self._writer.chunks(delta)))
-            if body and (pending := writer.body(body)) is not None:
+            if body and (pending := sender.body(body)) is not None:
                 self._wait_for(pending)
             request.interrupt(EndedInline())
         except Exception as exc:

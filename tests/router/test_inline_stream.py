@@ -279,6 +279,10 @@ def test_the_writer_writes_itself_only_for_uvicorns_chunked_response() -> None:
         writer = inline_stream.ChunkedBodyWriter.for_send(cycle.send)
         assert type(writer) is inline_stream.BodyWriter
         assert writer.event(b"1") is None and transport.written == [b"data: 1\n\n"]
+        # A uvicorn whose cycle lacks what the per-token checks read: its own send, never a failure.
+        changed, _ = await _started_cycle()
+        del changed.disconnected
+        assert type(inline_stream.ChunkedBodyWriter.for_send(changed.send)) is inline_stream.BodyWriter
 
     asyncio.run(main())
 

@@ -7,11 +7,12 @@ young; 15-18 ms measured at 512 streams with arrivals spread) delays every token
 to be sent. The count also undercounts: a long-lived object freed lowers it, so with streams ending
 as others start the young generation grows well past the threshold before it is collected.
 
-``GcPacer`` moves the automatic thresholds up to a backstop and runs, when its owner calls
-``collect`` at a quiet point (the router: an engine message's outputs all sent, no other message
-waiting), the collection CPython would have chosen: the oldest generation whose count passed its
-threshold. Nothing is collected less often than before, only at other moments; a process that never
-reaches a quiet point still collects at the backstop.
+``GcPacer`` keeps CPython's thresholds and, when its owner calls ``collect`` at a quiet point (the
+router: an engine message's outputs all sent, no other message waiting) once the young count has
+reached a fraction of the threshold (``due``), runs the collection CPython would have chosen: the
+oldest generation whose count passed its threshold. Where quiet points come often enough, the young
+generation is collected there, before an allocation would have; where they do not (a burst of
+requests arriving at once), the automatic collections run as they always did, no larger.
 
 ``GcPauses`` times every collection of the process (``gc.callbacks``) for a histogram, labelled by
 whether the pacer or an allocation started it.
@@ -25,29 +26,27 @@ from collections.abc import Callable
 from typing import Any
 
 DEFAULT_THRESHOLDS = (20_000, 20, 20)  # allocations per young collection (CPython's default: 700)
-BACKSTOP = 2  # automatic young collections only at this many times the paced threshold
+EARLY = 0.75  # a quiet point collects the young generation from this fraction of its threshold on
 
 
 class GcPacer:
     """Collections at the points its owner calls ``collect`` (after checking ``due``)."""
 
-    def __init__(self, thresholds: tuple[int, int, int] = DEFAULT_THRESHOLDS, backstop: int = BACKSTOP) -> None:
-        if min(thresholds) < 1 or backstop < 1:
-            raise ValueError(f"thresholds {thresholds} and backstop {backstop} must be positive")
+    def __init__(self, thresholds: tuple[int, int, int] = DEFAULT_THRESHOLDS, early: float = EARLY) -> None:
+        if min(thresholds) < 1 or not 0 < early <= 1:
+            raise ValueError(f"thresholds {thresholds} must be positive and early {early} in (0, 1]")
         self.thresholds = thresholds
-        self.backstop = backstop
+        self._due_at = max(1, int(thresholds[0] * early))
         self.pacing = False  # within a collection this pacer started
         self.num_collections = [0, 0, 0]  # by generation
 
     def install(self) -> None:
-        """Leave automatic collections to the backstop (the older generations keep their thresholds:
-        they count young collections, paced or not)."""
-        t0, t1, t2 = self.thresholds
-        gc.set_threshold(t0 * self.backstop, t1, t2)
+        """Set the process's thresholds (the automatic collections')."""
+        gc.set_threshold(*self.thresholds)
 
     def due(self) -> bool:
-        """A young collection is due (cheap: call it as often as convenient)."""
-        return gc.get_count()[0] >= self.thresholds[0] and gc.isenabled()
+        """A young collection may run now (cheap: call it as often as convenient)."""
+        return gc.get_count()[0] >= self._due_at and gc.isenabled()
 
     def collect(self) -> int:
         """Run the collection CPython would choose now (it skips a full one while few objects were

@@ -195,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     app = create_app(state)
     # What start-up built (tokenizer, app) lives as long as the process: collections skip it, and run
-    # less often; the per-token path allocates many short-lived objects, few of them in cycles. They
-    # run when an engine message's outputs have all been sent (``common/gc_pacer.py``).
+    # less often; the per-token path allocates many short-lived objects, few of them in cycles. Where
+    # the router has a quiet moment (an engine message's outputs all sent), they run then
+    # (``common/gc_pacer.py``).
     gc.collect()
     gc.freeze()
     pacer = GcPacer()

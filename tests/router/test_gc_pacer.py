@@ -1,5 +1,5 @@
 """Garbage collections at quiet points (``common/gc_pacer.py``): the collection CPython would
-choose, the automatic thresholds moved to a backstop, the pauses timed, and the router's receive
+choose, due from half the automatic threshold, the pauses timed, and the router's receive
 loop collecting after an engine message (its wake loop when no message comes)."""
 
 from __future__ import annotations
@@ -28,29 +28,30 @@ def gc_thresholds() -> Iterator[None]:
         gc.set_threshold(*saved)
 
 
-def test_the_pacer_runs_the_generation_cpython_would_and_leaves_the_rest_to_a_backstop() -> None:
-    pacer = GcPacer((100, 2, 2), backstop=10**6)  # nothing automatic during the test
+def test_the_pacer_runs_the_generation_cpython_would() -> None:
+    pacer = GcPacer((10**7, 2, 2))  # nothing automatic during the test
     pacer.install()
-    assert gc.get_threshold() == (100 * 10**6, 2, 2)
+    assert gc.get_threshold() == (10**7, 2, 2)
     gc.collect()  # every generation's count from zero
     # Two young collections make the middle generation's due, two of those the oldest's.
     assert [pacer.collect() for _ in range(7)] == [0, 0, 1, 0, 0, 1, 2]
     assert pacer.num_collections == [4, 2, 1]
 
 
-def test_a_young_collection_is_due_once_enough_containers_were_allocated() -> None:
-    pacer = GcPacer((1000, 10, 10), backstop=10**6)
+def test_a_young_collection_is_due_from_half_the_automatic_threshold() -> None:
+    pacer = GcPacer((8000, 10, 10))
     pacer.install()
     gc.collect()
+    kept = [[] for _ in range(3000)]  # containers the collector tracks, alive
     assert not pacer.due()
-    kept = [[] for _ in range(2000)]  # containers the collector tracks, alive
+    kept += [[] for _ in range(2000)]  # past 4,000 young, short of the 8,000 of an automatic collection
     assert pacer.due()
     pacer.collect()
-    assert not pacer.due() and len(kept) == 2000
+    assert not pacer.due() and len(kept) == 5000
 
 
 def test_every_pause_is_timed_and_says_whether_the_pacer_chose_it() -> None:
-    pacer = GcPacer((100, 2, 2), backstop=10**6)
+    pacer = GcPacer((100, 2, 2))
     pauses: list[tuple[float, bool]] = []
     timer = GcPauses(lambda seconds, paced: pauses.append((seconds, paced)), pacer)
     try:
@@ -67,7 +68,7 @@ class _RecordingPacer(GcPacer):
     """Records which function of the router asked for each collection."""
 
     def __init__(self) -> None:
-        super().__init__((1, 10**6, 10**6), backstop=10**6)  # always due; young collections only
+        super().__init__((1, 10**6, 10**6))  # always due; young collections only
         self.callers: list[str] = []
 
     def collect(self) -> int:

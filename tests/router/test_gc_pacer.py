@@ -1,5 +1,5 @@
 """Garbage collections at quiet points (``common/gc_pacer.py``): the collection CPython would
-choose, due from half the automatic threshold, the pauses timed, and the router's receive
+choose, due from three quarters of the automatic threshold, the pauses timed, and the router's receive
 loop collecting after an engine message (its wake loop when no message comes)."""
 
 from __future__ import annotations
@@ -38,16 +38,16 @@ def test_the_pacer_runs_the_generation_cpython_would() -> None:
     assert pacer.num_collections == [4, 2, 1]
 
 
-def test_a_young_collection_is_due_from_half_the_automatic_threshold() -> None:
-    pacer = GcPacer((8000, 10, 10))
+def test_a_young_collection_is_due_from_three_quarters_of_the_automatic_threshold() -> None:
+    pacer = GcPacer((10_000, 10, 10))
     pacer.install()
     gc.collect()
-    kept = [[] for _ in range(3000)]  # containers the collector tracks, alive
+    kept = [[] for _ in range(5000)]  # containers the collector tracks, alive
     assert not pacer.due()
-    kept += [[] for _ in range(2000)]  # past 4,000 young, short of the 8,000 of an automatic collection
+    kept += [[] for _ in range(3000)]  # past 7,500 young, short of the 10,000 of an automatic collection
     assert pacer.due()
     pacer.collect()
-    assert not pacer.due() and len(kept) == 5000
+    assert not pacer.due() and len(kept) == 8000
 
 
 def test_every_pause_is_timed_and_says_whether_the_pacer_chose_it() -> None:

@@ -7,15 +7,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
-import zmq
 
 from common.gc_pacer import GcPacer, GcPauses
 from common.protocol import OutputBatch, RequestOutput, encode
-from router.engine_client import EngineClient
+from tests.router.engine_client_harness import client_and_engine, until
 
 
 @pytest.fixture(autouse=True)
@@ -76,35 +74,18 @@ class _RecordingPacer(GcPacer):
         return super().collect()
 
 
-async def _until(predicate: object, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 def test_the_receive_loop_collects_after_an_engine_message_and_the_wake_loop_without_one() -> None:
     async def scenario() -> None:
-        client = EngineClient()
-        pacer = client.gc_pacer = _RecordingPacer()
-        await client.start()
-        ctx = zmq.Context()
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(client.reply_address)
-        try:
+        pacer = _RecordingPacer()
+        async with client_and_engine(pacer) as (client, push):
             queue = client.open("a")
             batch = OutputBatch(instance_id="decode-0", outputs=[
                 RequestOutput(request_id="a", new_token_ids=[1], instance_id="decode-0", phase="decode"),
             ])
             push.send(encode(batch))
-            await _until(lambda: "_receive_loop" in pacer.callers)
+            await until(lambda: "_receive_loop" in pacer.callers)
             assert queue.qsize() == 1  # after the message's outputs were handed on
             # No engine message for longer than the wake interval: the wake loop collects.
-            await _until(lambda: "_wake_loop" in pacer.callers)
-        finally:
-            push.close(0)
-            ctx.term()
-            await client.close()
+            await until(lambda: "_wake_loop" in pacer.callers)
 
     asyncio.run(scenario())

@@ -11,7 +11,6 @@ import time
 import weakref
 
 import pytest
-import zmq
 
 from common.protocol import OutputBatch, RequestOutput, encode
 from common.registry import InstanceInfo
@@ -19,6 +18,7 @@ from router.choice_stream import EndedInline
 from router.dispatcher import EngineRequest
 from router.engine_client import EngineClient
 from router.output_queue import OutputQueue
+from tests.router.engine_client_harness import client_and_engine, until
 
 
 def _out(request_id: str, token: int, finish: str | None = None) -> RequestOutput:
@@ -26,22 +26,9 @@ def _out(request_id: str, token: int, finish: str | None = None) -> RequestOutpu
                          instance_id="decode-0", phase="decode")
 
 
-async def _until(predicate: object, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 def test_a_batch_reaches_each_request_queue_in_order_and_bad_messages_are_dropped() -> None:
     async def scenario() -> None:
-        client = EngineClient()
-        await client.start()
-        ctx = zmq.Context()
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(client.reply_address)
-        try:
+        async with client_and_engine() as (client, push):
             qa, qb = client.open("a"), client.open("b")
             push.send(b"\x92garbage")  # malformed: dropped, the loop goes on
             batch = OutputBatch(instance_id="decode-0", outputs=[
@@ -49,15 +36,11 @@ def test_a_batch_reaches_each_request_queue_in_order_and_bad_messages_are_droppe
             ])
             push.send(encode(batch))
             push.send(encode(_out("a", 5, "stop")))  # a single output after the batch still works
-            await _until(lambda: qa.qsize() == 3 and qb.qsize() == 2)
+            await until(lambda: qa.qsize() == 3 and qb.qsize() == 2)
             assert [qa.get_nowait().new_token_ids[0] for _ in range(3)] == [1, 3, 5]
             assert [qb.get_nowait().new_token_ids[0] for _ in range(2)] == [2, 4]
             assert client.silent_for("decode-0", 0.0) < 5.0
             assert "unknown" not in client._queues
-        finally:
-            push.close(0)
-            ctx.term()
-            await client.close()
 
     asyncio.run(scenario())
 
@@ -120,14 +103,6 @@ def test_the_wake_loop_leaves_readers_whose_outputs_come_parked() -> None:
     whose outputs keep coming (here all taken by its sink, so only a wake can end its wait) is not."""
 
     async def scenario() -> tuple[int, int]:
-        client = EngineClient()
-        await client.start()
-        ctx = zmq.Context()
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(client.reply_address)
-        fed, idle = client.open("fed"), client.open("idle")
-        fed.sink = lambda output: True
         wakes = {"fed": 0, "idle": 0}
 
         async def reader(name: str, queue: OutputQueue) -> None:
@@ -135,18 +110,18 @@ def test_the_wake_loop_leaves_readers_whose_outputs_come_parked() -> None:
                 await queue.wait()
                 wakes[name] += 1
 
-        readers = [asyncio.create_task(reader("fed", fed)), asyncio.create_task(reader("idle", idle))]
-        try:
-            deadline = time.monotonic() + 3.5
-            while time.monotonic() < deadline:
-                push.send(encode(OutputBatch(instance_id="decode-0", outputs=[_out("fed", 1)])))
-                await asyncio.sleep(0.02)
-        finally:
-            for task in readers:
-                task.cancel()
-            push.close(0)
-            ctx.term()
-            await client.close()
+        async with client_and_engine() as (client, push):
+            fed, idle = client.open("fed"), client.open("idle")
+            fed.sink = lambda output: True
+            readers = [asyncio.create_task(reader("fed", fed)), asyncio.create_task(reader("idle", idle))]
+            try:
+                deadline = time.monotonic() + 3.5
+                while time.monotonic() < deadline:
+                    push.send(encode(OutputBatch(instance_id="decode-0", outputs=[_out("fed", 1)])))
+                    await asyncio.sleep(0.02)
+            finally:
+                for task in readers:
+                    task.cancel()
         return wakes["fed"], wakes["idle"]
 
     fed_wakes, idle_wakes = asyncio.run(scenario())

@@ -151,8 +151,9 @@ class RouterMetrics:
 
         self.gc_pause = Histogram(
             "pdserve:router_gc_pause_seconds",
-            "Garbage collection pauses of the router process: paced (run when an engine message's outputs "
-            "were all sent) or automatic (run where an allocation passed the threshold).",
+            "Garbage collection pauses of the router process: paced (run at a quiet point: an engine "
+            "message's outputs all sent, or a second without engine messages) or automatic (run where an "
+            "allocation passed the threshold).",
             ["when"],
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
             registry=r,

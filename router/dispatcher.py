@@ -113,11 +113,9 @@ class EngineRequest:
             return False
         if output.phase == "prefill" or output.finish_reason == "error":
             return False
-        self._first_seen = True
-        self._decode_seen = self._decode_seen or output.phase == "decode"
-        if output.finish_reason is not None:
-            self.finished = True  # the caller ends the reader (``interrupt``); ``close`` aborts nothing
-        self.streamed_token_ids.extend(output.new_token_ids)
+        # As ``outputs()`` would; a finish makes the caller end the reader (``interrupt``), and
+        # ``close`` then aborts nothing.
+        self._on_output(output)
         self._last_progress = time.monotonic()
         return True
 
@@ -152,7 +150,6 @@ class EngineRequest:
                     batch, overtaken = [output, *overtaken], []
                 for out in batch:
                     self._on_output(out)
-                    self.streamed_token_ids.extend(out.new_token_ids)
                     yield out
                     if self.finished:
                         break
@@ -195,12 +192,7 @@ class EngineRequest:
                         status=502,
                     ) from None
                 await asyncio.sleep(LIVENESS_POLL_S / 2)
-        self.request_id, self.queue, self.holders, self.sent_at = (
-            fresh.request_id, fresh.queue, fresh.holders, fresh.sent_at
-        )
-        self.queue.sink = self._sink
-        self.closed = False
-        self._first_seen = self._decode_seen = False
+        self._continue_as(fresh)
         self.dispatcher.metrics.migrations.inc()
 
     async def _send_again_later(self, refusal: RequestOutput) -> None:
@@ -227,6 +219,10 @@ class EngineRequest:
             [fresh] = await self.dispatcher.submit_request(request)
         except APIError as exc:
             raise EngineRequestError(str(exc), status=exc.status) from None
+        self._continue_as(fresh)
+
+    def _continue_as(self, fresh: EngineRequest) -> None:
+        """Carry on as ``fresh``, the attempt just sent (a migration, or a send after a refusal)."""
         self.request_id, self.queue, self.holders, self.sent_at = (
             fresh.request_id, fresh.queue, fresh.holders, fresh.sent_at
         )
@@ -238,6 +234,8 @@ class EngineRequest:
         return len(self.holders) == 2 and not self._first_seen
 
     def _on_output(self, output: RequestOutput) -> None:
+        """The bookkeeping of an output handed on: instances released, tokens a migration continues
+        from, the finish (an error output raises instead)."""
         if self._awaiting_prefill():
             self.dispatcher.pool.release(self.holders[0].instance_id)  # P is done with it
         self._first_seen = True
@@ -248,6 +246,7 @@ class EngineRequest:
             )
         if output.finish_reason is not None:
             self.finished = True
+        self.streamed_token_ids.extend(output.new_token_ids)
 
     def _watched(self) -> list[InstanceInfo]:
         """Holders whose loss loses this attempt: P too until D has produced (P may die mid-transfer)."""

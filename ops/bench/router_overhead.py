@@ -477,33 +477,22 @@ async def _stream(port: int, body: bytes, link: EngineLink, clock_offset: float,
 
 
 async def _run_streams(
-    port: int, concurrency: int, max_tokens: int, link: EngineLink, poll_s: float = 0.0
+    port: int, concurrency: int, max_tokens: int, link: EngineLink, poll_s: float = 0.0, lifetime_s: float = 0.0
 ) -> list[StreamResult]:
-    body = json.dumps({"model": "bench", "prompt": "Hi there", "max_tokens": max_tokens, "stream": True}).encode()
-    offset = _realtime_minus_monotonic()
-    poller = _Poller(poll_s) if poll_s else None
-    try:
-        return await asyncio.gather(*(_stream(port, body, link, offset, poller) for _ in range(concurrency)))
-    finally:
-        if poller is not None:
-            poller.close()
-
-
-async def _run_staggered(
-    port: int, concurrency: int, max_tokens: int, link: EngineLink, lifetime_s: float, poll_s: float = 0.0
-) -> list[StreamResult]:
-    """``concurrency`` slots, slot i's first stream starting i / C of a stream's lifetime after the
-    first's, each slot starting its next stream as its last ends, none after two lifetimes: C streams
-    at once with arrivals spread, as a service at that concurrency sees them."""
+    """``concurrency`` streams started at once; with ``lifetime_s`` (staggered arrivals), slot i's first
+    stream starts i / C of a stream's lifetime after the first's, and each slot starts its next stream
+    as its last ends, none after two lifetimes: C streams at once with arrivals spread, as a service at
+    that concurrency sees them."""
     body = json.dumps({"model": "bench", "prompt": "Hi there", "max_tokens": max_tokens, "stream": True}).encode()
     offset = _realtime_minus_monotonic()
     poller = _Poller(poll_s) if poll_s else None
     last_start = time.monotonic() + STAGGERED_LIFETIMES * lifetime_s
 
     async def slot(index: int) -> list[StreamResult]:
-        await asyncio.sleep(index * lifetime_s / concurrency)
+        if lifetime_s:
+            await asyncio.sleep(index * lifetime_s / concurrency)
         results = [await _stream(port, body, link, offset, poller)]
-        while time.monotonic() < last_start and results[-1].done:
+        while lifetime_s and time.monotonic() < last_start and results[-1].done:
             results.append(await _stream(port, body, link, offset, poller))
         return results
 
@@ -610,20 +599,18 @@ def run_point(
     engines step on a clock that offers ``rate`` tokens/s over the C streams (open loop), each step
     ``stream_interval`` tokens per stream. With ``client_poll_ms``, the client reads every that many ms.
     With ``arrivals="staggered"`` (open loop only), C streams at once with their starts spread
-    (``_run_staggered``); the figures are those of the second lifetime, once all C run."""
+    (``_run_streams``); the figures are those of the second lifetime, once all C run."""
     link.set_step_interval(concurrency * stream_interval / rate if rate else 0.0)
     gc_before = router.gc_pauses()
     sampler = CpuSampler(router.pids())
     sampler.start()
     link.reset()
     started = time.monotonic()
+    staggered = arrivals == "staggered" and bool(rate)
     lifetime_s = max_tokens * concurrency / rate if rate else 0.0  # one stream's, at the offered rate
     try:
-        if arrivals == "staggered" and rate:
-            streams = asyncio.run(_run_staggered(router.port, concurrency, max_tokens, link, lifetime_s,
-                                                 client_poll_ms / 1e3))
-        else:
-            streams = asyncio.run(_run_streams(router.port, concurrency, max_tokens, link, client_poll_ms / 1e3))
+        streams = asyncio.run(_run_streams(router.port, concurrency, max_tokens, link, client_poll_ms / 1e3,
+                                           lifetime_s if staggered else 0.0))
     finally:
         sampler.stop()
     wall_s = time.monotonic() - started
@@ -631,7 +618,6 @@ def run_point(
     sent = link.collect()  # engine request id -> send time of each token
     failed = [s for s in streams if not s.done or len(s.arrivals) != max_tokens]
     good = [s for s in streams if s not in failed]
-    staggered = arrivals == "staggered" and bool(rate)
     result: dict[str, Any] = {
         "concurrency": concurrency, "offered_tokens_per_s": rate, "max_tokens": max_tokens,
         "num_router_processes": router.workers, "client_poll_ms": client_poll_ms,

@@ -361,6 +361,14 @@ class ChunkWriter(TokenChunks, Protocol):
         """Chunks after the last delta."""
 
 
+def chunk_head(plan: GenerationPlan, object_name: str) -> bytes:
+    """What a chunk of ``object_name`` starts with, up to its first choice's index, as pydantic
+    writes it: a writer makes a plain token's chunk from fixed parts, without building models."""
+    return msgspec.json.encode(
+        {"id": plan.request_id, "object": object_name, "created": plan.created, "model": plan.model}
+    )[:-1] + b',"choices":[{"index":'
+
+
 async def _chunks(writer: ChunkWriter, deltas: AsyncGenerator[ChoiceDelta, None]) -> AsyncGenerator[bytes, None]:
     for chunk in writer.opening():
         yield chunk

@@ -30,6 +30,7 @@ from router.serving import (
     DisconnectWaiter,
     GenerationPlan,
     UsageTracker,
+    chunk_head,
     collect,
     new_request_id,
     sse_response,
@@ -116,9 +117,7 @@ class _ChatChunks:
         self.exclude = None if include_usage else {"usage"}
         # Per token, the content chunk is written from its fixed parts (the bytes pydantic writes,
         # without building its models): the router's CPU per streamed token is the cost of a stream.
-        self.head = msgspec.json.encode(
-            {"id": plan.request_id, "object": "chat.completion.chunk", "created": plan.created, "model": plan.model}
-        )[:-1] + b',"choices":[{"index":'
+        self.head = chunk_head(plan, "chat.completion.chunk")
         self.tail = b',"logprobs":null,"finish_reason":null}]' + (b',"usage":null}' if include_usage else b"}")
 
     def _chunk(self, index: int, delta: DeltaMessage, logprobs: Any = None, finish_reason: Any = None) -> bytes:

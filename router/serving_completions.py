@@ -25,6 +25,7 @@ from router.serving import (
     DisconnectWaiter,
     GenerationPlan,
     UsageTracker,
+    chunk_head,
     collect,
     new_request_id,
     sse_response,
@@ -182,9 +183,7 @@ class _CompletionChunks:
         self.exclude = None if include_usage else {"usage"}
         # Per token, the chunk is written from its fixed parts (the bytes pydantic writes, without
         # building its models): the router's CPU per streamed token is the cost of a stream.
-        self.head = msgspec.json.encode(
-            {"id": plan.request_id, "object": "text_completion", "created": plan.created, "model": plan.model}
-        )[:-1] + b',"choices":[{"index":'
+        self.head = chunk_head(plan, "text_completion")
         self.tail = b',"usage":null}' if include_usage else b"}"
 
     def opening(self) -> list[bytes]:

@@ -126,8 +126,8 @@ class ChoiceStream:
 
     def process_plain(self, output: RequestOutput) -> str | ChoiceDelta:
         """``process`` for a plain token output (no logprobs, no finish), lighter: its text; or,
-        when a stop string hits in it, the stream's last delta."""
-        self._observe_timing(output)
+        when a stop string hits in it, the stream's last delta. Its timing is the caller's to observe
+        (``observe_timing``), once the tokens that came with it are sent too."""
         if output.num_cached_tokens:
             self.num_cached_tokens = output.num_cached_tokens
         text = ""
@@ -160,9 +160,12 @@ class ChoiceStream:
         return released
 
     def _observe_timing(self, output: RequestOutput) -> None:
+        self.observe_timing(output, time.monotonic())
+
+    def observe_timing(self, output: RequestOutput, now: float) -> None:
+        """Time to first token or inter-token latency, for ``output`` handed on at ``now``."""
         if not output.new_token_ids:
             return
-        now = time.monotonic()
         if self._last_output_time is None:
             self._metrics.time_to_first_token.observe(now - self._arrival)
         else:

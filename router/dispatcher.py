@@ -104,20 +104,23 @@ class EngineRequest:
         self._sink = sink
         self.queue.sink = sink
 
-    def take_inline(self, output: RequestOutput) -> bool:
-        """Hand ``output`` on outside ``outputs()`` (the caller sends it), if ``outputs()`` would
-        hand it on as it is: True after doing its bookkeeping. Not while the prefill's output is
+    def can_take_inline(self, output: RequestOutput) -> bool:
+        """Whether ``output`` may be handed on outside ``outputs()`` (the caller sends it, then calls
+        ``took_inline``): if ``outputs()`` would hand it on as it is. Not while the prefill's output is
         awaited (``outputs()`` releases its instance, holds back decode outputs that overtook it),
         after an interrupt, a finish or a close, or for an error (a migration, a failure)."""
-        if self._interrupt is not None or self.finished or self.closed or self._awaiting_prefill():
-            return False
-        if output.phase == "prefill" or output.finish_reason == "error":
-            return False
-        # As ``outputs()`` would; a finish makes the caller end the reader (``interrupt``), and
-        # ``close`` then aborts nothing.
+        return not (
+            self._interrupt is not None or self.finished or self.closed or self._awaiting_prefill()
+            or output.phase == "prefill" or output.finish_reason == "error"
+        )
+
+    def took_inline(self, output: RequestOutput, now: float) -> None:
+        """The bookkeeping of an output the caller handed on (``can_take_inline``), as ``outputs()``
+        does its own: for a plain token it may come once the whole engine message is sent, before
+        anything else runs (``EngineClient.after_sends``). A finish makes the caller end the reader
+        (``interrupt``), and ``close`` then aborts nothing."""
         self._on_output(output)
-        self._last_progress = time.monotonic()
-        return True
+        self._last_progress = now
 
     def _check_interrupt(self) -> None:
         if self._interrupt is not None:

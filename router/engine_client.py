@@ -15,6 +15,7 @@ import contextlib
 import logging
 import socket
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -33,7 +34,7 @@ from common.protocol import (
     decode_output,
     encode,
 )
-from router.output_queue import WAKE_INTERVAL_S, OutputQueue
+from router.output_queue import WAKE_INTERVAL_S, AfterSends, OutputQueue
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,10 @@ class EngineClient:
         # no other waits (``common/gc_pacer.py``), not in the middle of a step's fan-out.
         self.gc_pacer: GcPacer | None = None
         self.last_message_at = 0.0  # when the last engine message was read, monotonic
+        # Filled by the sinks while a message's outputs are handed on, run once they all are.
+        self.after_sends: AfterSends = []
+        # Given the seconds each engine message took to hand on (a metric; set by the router's state).
+        self.observe_message: Callable[[float], None] | None = None
 
     async def start(self) -> None:
         """Bind the reply socket: loopback only for a loopback ``reply_host``, else every interface.
@@ -114,15 +119,16 @@ class EngineClient:
 
     async def _receive_loop(self) -> None:
         assert self._pull is not None
-        pull, queues, last_heard = self._pull, self._queues, self.last_heard
+        pull, queues, last_heard, after_sends = self._pull, self._queues, self.last_heard, self.after_sends
         while True:
             raw = await pull.recv()
+            received = time.monotonic()
             try:
                 msg = decode_output(raw)
             except ProtocolError as exc:
                 logger.warning("dropping malformed engine output: %s", exc)
                 continue
-            self.last_message_at = now = time.monotonic()
+            self.last_message_at = now = received
             if msg.instance_id:
                 last_heard[msg.instance_id] = now
             if isinstance(msg, OutputBatch):  # one engine step's outputs for this router
@@ -138,9 +144,22 @@ class EngineClient:
                 if queue is not None:  # outputs of finished or aborted requests are dropped
                     queue.last_put = now
                     queue.put_nowait(msg)
+            if self.observe_message is not None:
+                self.observe_message(time.monotonic() - received)
+            if after_sends:
+                self._run_after_sends()
             pacer = self.gc_pacer
             if pacer is not None and pacer.due() and not int(pull.get(zmq.EVENTS)) & zmq.POLLIN:
                 pacer.collect()
+
+    def _run_after_sends(self) -> None:
+        """What the sinks left until the message's outputs were all sent (their bookkeeping)."""
+        after_sends, now = self.after_sends, time.monotonic()
+        try:
+            for after_send, output in after_sends:
+                after_send(output, now)
+        finally:
+            after_sends.clear()
 
     async def _wake_loop(self) -> None:
         """Once per ``WAKE_INTERVAL_S``: every waiting reader that got no output meanwhile checks its

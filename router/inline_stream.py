@@ -8,12 +8,14 @@ token waits for all of them.
 
 ``InlineSink`` takes that token in the receive loop instead: when the response's task is parked
 waiting for its next output and the output carries no logprobs and no error, the sink runs the same
-bookkeeping (``EngineRequest.take_inline``), the same detokenizer and stop-string check
+bookkeeping (``EngineRequest.took_inline``), the same detokenizer and stop-string check
 (``ChoiceStream.process_plain``, or ``process`` for the last output) and the same chunk writer as
-the task would, and hands the event to the server's ``send`` there and then. When that output ends
-the stream (the engine finished it, or a stop string hit), the sink sends its last chunks and
-interrupts the task (``EndedInline``), which sends the response's end (usage, ``[DONE]``) and, for
-a stop string, aborts the engines. A disaggregated request's first output (the prefill's), errors,
+the task would, and hands the event to the server's ``send`` there and then. The bookkeeping (and a
+plain token's timing metrics) wait until every output of its engine message is sent
+(``EngineClient.after_sends``): nothing written needs them, and the message's last stream waited
+for each stream's before it. When an output ends the stream (the engine finished it, or a stop
+string hit), the sink sends its last chunks and interrupts the task (``EndedInline``), which sends
+the response's end (usage, ``[DONE]``) and, for a stop string, aborts the engines. A disaggregated request's first output (the prefill's), errors,
 migrations and logprobs still go through the task, in order: the sink only takes an output when nothing is queued
 before it, and the task waits for a send the sink started before it sends anything itself.
 
@@ -33,6 +35,7 @@ from typing import Any, Protocol
 from common.protocol import RequestOutput
 from router.choice_stream import ChoiceDelta, ChoiceStream, EndedInline
 from router.dispatcher import EngineRequestError
+from router.output_queue import AfterSends
 
 logger = logging.getLogger(__name__)
 
@@ -160,12 +163,14 @@ class InlineSink:
     """Takes one streaming choice's plain token outputs in the receive loop (see the module's
     docstring); ``writer`` makes their chunks as the task's would."""
 
-    __slots__ = ("_counter", "_pending", "_sender", "_stream", "_writer")
+    __slots__ = ("_after_sends", "_counter", "_pending", "_sender", "_stream", "_writer")
 
-    def __init__(self, stream: ChoiceStream, writer: TokenChunks, counter: list[int]) -> None:
+    def __init__(self, stream: ChoiceStream, writer: TokenChunks, counter: list[int], after_sends: AfterSends) -> None:
         self._stream = stream
         self._writer = writer
         self._counter = counter  # [outputs taken inline], shared by the app's sinks (a metric)
+        # The receive loop's: a plain token's bookkeeping waits there until its message is all sent.
+        self._after_sends = after_sends
         self._sender: BodyWriter | None = None  # the response's body, once started
         self._pending: asyncio.Task[None] | None = None
 
@@ -209,9 +214,11 @@ class InlineSink:
         # Nothing may escape into the receive loop, which serves every request: a failure here
         # fails this request alone (an error event, then the end of the stream).
         try:
-            if not request.take_inline(output):
+            if not request.can_take_inline(output):
                 return False
-            self._counter[0] += 1
+            # Its bookkeeping waits until the engine message's outputs are all sent: nothing
+            # written needs it, and the message's last stream waits for every stream's before it.
+            self._after_sends.append((self._after_send, output))
             stream = self._stream
             if output.finish_reason is None:
                 text = stream.process_plain(output)
@@ -232,6 +239,17 @@ class InlineSink:
         except Exception as exc:
             self._fail(exc)
         return True
+
+    def _after_send(self, output: RequestOutput, now: float) -> None:
+        """The bookkeeping of an output taken, run by the receive loop once its message is all sent
+        (and a plain token's timing: ``process`` observes the last output's itself)."""
+        try:
+            self._stream.engine_request.took_inline(output, now)
+            if output.finish_reason is None:
+                self._stream.observe_timing(output, now)
+            self._counter[0] += 1
+        except Exception as exc:
+            self._fail(exc)
 
     def _wait_for(self, pending: asyncio.Task[None]) -> None:
         """Take nothing more until ``pending``, the send of the last output taken, has finished."""

@@ -149,6 +149,15 @@ class RouterMetrics:
             lambda: self.inline_outputs[0],
         ))
 
+        self.engine_message_seconds = LoopHistogram(
+            "pdserve:router_engine_message_seconds",
+            "Time the router's receive loop took over one engine message, from reading it to its last "
+            "output handed on (for the streams it writes itself, their writes): the last stream of an "
+            "engine step waits that long.",
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.05, 0.1),
+            registry=r,
+        )
+
         self.gc_pause = Histogram(
             "pdserve:router_gc_pause_seconds",
             "Garbage collection pauses of the router process: paced (run at a quiet point: an engine "

@@ -19,6 +19,10 @@ from common.protocol import RequestOutput
 
 WAKE_INTERVAL_S = 1.0
 
+# Work a sink leaves until its engine message's outputs are all sent: (function, output) pairs, each
+# called with the output and the time then (``EngineClient.after_sends``).
+AfterSends = list[tuple[Callable[[RequestOutput, float], None], RequestOutput]]
+
 
 class OutputQueue:
     """Filled by the receive loop (``put_nowait``), read by one consumer (``wait`` then

@@ -452,6 +452,6 @@ async def sse_response(
     writer = writer_for(include_usage)
     sink = None
     if writer.inline and choices.num_choices == 1 and len(choices.started) == 1:
-        sink = InlineSink(choices.started[0][0], writer, state.metrics.inline_outputs)
+        sink = InlineSink(choices.started[0][0], writer, state.metrics.inline_outputs, state.client.after_sends)
     chunks = _chunks(writer, merge_choices(choices, wait_disconnect))
     return EventStreamResponse(chunks, close=choices.close, sink=sink)

@@ -36,6 +36,7 @@ class RouterState:
             lambda: self.num_inflight,
             lambda: self.registry.num_rejected_entries if self.registry is not None else 0,
         )
+        self.client.observe_message = self.metrics.engine_message_seconds.observe
         self.admission = Admission(
             lambda: config.max_requests_per_instance * len(self.pool.alive("decode")),
             config.max_waiting_requests,

@@ -26,6 +26,10 @@ For every ``--concurrency`` C and ``--workers`` W it reports:
 * the router's garbage collections during the point, from its ``/metrics``: how many, their time in
   all and the bucket bound the longest stayed under, by whether the router chose the moment
   (``paced``: after an engine message's outputs were sent) or an allocation did (``automatic``);
+* the router's pass over each engine message, from its ``/metrics``: how many, the mean, and the
+  bucket bound the longest stayed under; from reading the message to its last output handed on, so
+  the last stream of an engine step waits that long (the p99 of a point where every message carries
+  C outputs is about this pass);
 * tokens per SSE event: 1 (or the stream interval) unless the router fell behind and sent the
   tokens that queued up for a stream as one event.
 
@@ -113,6 +117,13 @@ TARGET_TOKENS_PER_S = 20_000
 TARGET_P99_MS = 5.0
 TARGET_CONCURRENCY = 512
 ARRIVALS = ("together", "staggered")
+ENGINE_MESSAGE = "engine message"
+# Histograms read from the router's /metrics, each under its key (None: the "when" label, paced or
+# automatic, for the garbage collections).
+_SCRAPED: dict[str, str | None] = {
+    "pdserve:router_gc_pause_seconds": None,
+    "pdserve:router_engine_message_seconds": ENGINE_MESSAGE,
+}
 STAGGERED_LIFETIMES = 2  # staggered: streams start until then (the first lifetime ramps up, the second is measured)
 
 
@@ -191,29 +202,31 @@ class RouterProcess:
         except psutil.Error:
             return []
 
-    def gc_pauses(self) -> dict[str, dict[str, Any]]:
+    def histograms(self) -> dict[str, dict[str, Any]]:
         """The router's garbage collection pauses so far (one process's, with several), by whether it
-        chose the moment (``paced``) or an allocation did: count, seconds in all, and the least bucket
-        bound every pause was under; empty for a router that does not export them."""
+        chose the moment (``paced``) or an allocation did, and its passes over engine messages
+        (``engine message``): count, seconds in all, and each bucket's count; empty for a router
+        that does not export them."""
         try:
             text = httpx.get(f"{self.url}/metrics", timeout=10).text
         except httpx.HTTPError:
             return {}
         from prometheus_client.parser import text_string_to_metric_families
 
-        pauses: dict[str, dict[str, Any]] = {}
+        found: dict[str, dict[str, Any]] = {}
         for family in text_string_to_metric_families(text):
-            if family.name != "pdserve:router_gc_pause_seconds":
+            if family.name not in _SCRAPED:
                 continue
             for sample in family.samples:
-                entry = pauses.setdefault(sample.labels["when"], {"count": 0, "seconds": 0.0, "buckets": {}})
+                key = _SCRAPED[family.name] or sample.labels["when"]
+                entry = found.setdefault(key, {"count": 0, "seconds": 0.0, "buckets": {}})
                 if sample.name.endswith("_count"):
                     entry["count"] = sample.value
                 elif sample.name.endswith("_sum"):
                     entry["seconds"] = sample.value
                 elif sample.name.endswith("_bucket"):
                     entry["buckets"][float(sample.labels["le"])] = sample.value
-        return pauses
+        return found
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -560,19 +573,20 @@ def write_floor_ms(ctx: SpawnContext, concurrency: int, num_steps: int = 50) -> 
 
 
 # ---------------------------------------------------------------------------------- one point
-def _gc_during(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Collections between two ``RouterProcess.gc_pauses``: count, ms in all, and the bucket bound
-    (ms) under which the longest fell."""
+def _histograms_during(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Observations between two ``RouterProcess.histograms``: count, ms in all, the mean, and the bucket
+    bound (ms) under which the longest fell."""
     during = {}
-    for when, now in after.items():
-        then = before.get(when, {"count": 0, "seconds": 0.0, "buckets": {}})
+    for key, now in after.items():
+        then = before.get(key, {"count": 0, "seconds": 0.0, "buckets": {}})
         count = now["count"] - then["count"]
         if count <= 0:
             continue
         added = {le: n - then["buckets"].get(le, 0) for le, n in now["buckets"].items()}
         longest = min((le for le, n in added.items() if n >= count), default=float("inf"))
-        during[when] = {"count": count, "total_ms": round((now["seconds"] - then["seconds"]) * 1e3, 2),
-                        "longest_under_ms": longest * 1e3}
+        total_ms = (now["seconds"] - then["seconds"]) * 1e3
+        during[key] = {"count": count, "total_ms": round(total_ms, 2), "mean_ms": round(total_ms / count, 3),
+                       "longest_under_ms": longest * 1e3}
     return during
 
 
@@ -601,7 +615,7 @@ def run_point(
     With ``arrivals="staggered"`` (open loop only), C streams at once with their starts spread
     (``_run_streams``); the figures are those of the second lifetime, once all C run."""
     link.set_step_interval(concurrency * stream_interval / rate if rate else 0.0)
-    gc_before = router.gc_pauses()
+    histograms_before = router.histograms()
     sampler = CpuSampler(router.pids())
     sampler.start()
     link.reset()
@@ -614,7 +628,8 @@ def run_point(
     finally:
         sampler.stop()
     wall_s = time.monotonic() - started
-    gc_during = _gc_during(gc_before, router.gc_pauses())
+    during = _histograms_during(histograms_before, router.histograms())
+    engine_messages = during.pop(ENGINE_MESSAGE, None)
     sent = link.collect()  # engine request id -> send time of each token
     failed = [s for s in streams if not s.done or len(s.arrivals) != max_tokens]
     good = [s for s in streams if s not in failed]
@@ -624,7 +639,9 @@ def run_point(
         "arrivals": "staggered" if staggered else "together", "num_streams": len(streams),
         "num_streams_failed": len(failed), "wall_s": round(wall_s, 3),
         # The router's garbage collections during the point (all of it, not only the window).
-        **({"gc_pauses": gc_during} if gc_during else {}),
+        **({"gc_pauses": during} if during else {}),
+        # Its passes over the engines' messages, each from reading it to its last output handed on.
+        **({"engine_messages": engine_messages} if engine_messages else {}),
     }
     if failed:
         first = failed[0]
@@ -710,6 +727,13 @@ def format_report(report: dict[str, Any]) -> str:
                 f" tokens/s, {r.get('arrivals', 'together')}: " + "; ".join(
                     f"{when} {g['count']:.0f} ({g['total_ms']:.1f} ms in all, each under {g['longest_under_ms']:g} ms)"
                     for when, g in sorted(r["gc_pauses"].items())))
+    for r in report["results"]:
+        if r.get("engine_messages"):
+            m, offered = r["engine_messages"], r.get("offered_tokens_per_s")
+            lines.append(
+                f"router pass over an engine message, {r['concurrency']} streams, "
+                f"{f'{offered:,.0f}' if offered else 'max'} tokens/s, {r.get('arrivals', 'together')}: "
+                f"{m['count']:.0f} messages, mean {m['mean_ms']:.2f} ms, each under {m['longest_under_ms']:g} ms")
     if any(r.get("pinning", {}).get("pinned") for r in report["results"]):
         lines.append("pinned: each router process on a core of its own, the client and engines on the others")
     polls = sorted({r["client_poll_ms"] for r in report["results"] if r.get("client_poll_ms")})

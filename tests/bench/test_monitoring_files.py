@@ -82,6 +82,7 @@ def test_dashboard_shows_latency_load_cache_and_transfer_panels(dashboard: dict[
         assert f"pdserve:{name}" in text
     router = "\n".join(t["expr"] for p in panels_under(dashboard, "Router") for t in p["targets"])
     assert "pdserve:router_gc_pause_seconds_bucket" in router and "pdserve:router_outputs_inline_total" in router
+    assert "pdserve:router_engine_message_seconds_bucket" in router
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
 

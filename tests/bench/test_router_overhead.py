@@ -53,6 +53,9 @@ def test_a_short_router_run_measures_tokens_per_second_latency_and_cpu_per_token
         assert 0 < r["router_cpu_us_per_token"] < 1e6
         # 3 tokens per engine output, so at least 3 per event but the last; more when outputs merged.
         assert 3 * (max_tokens // 3) / (max_tokens // 3 + 1) <= r["tokens_per_event"] <= max_tokens
+        # The router timed its pass over each engine message: one a step at least (3 tokens a step).
+        messages = r["engine_messages"]
+        assert messages["count"] >= max_tokens // 3 and 0 < messages["mean_ms"] <= messages["longest_under_ms"]
     closed, paced = report["results"][2], report["results"][3]
     assert paced["tokens_per_s"] <= 1.25 * 600 < closed["tokens_per_s"], (paced, closed)
     # The socket calls alone for one step of 1 and of 3 streams' tokens: measured, and well under a second.
@@ -68,6 +71,7 @@ def test_a_short_router_run_measures_tokens_per_second_latency_and_cpu_per_token
     assert len(report["host_speed"]) == 2 and all(s["python_loop_us"] > 0 for s in report["host_speed"])
     text = router_overhead.format_report(report)
     assert "tok/s/proc" in text and "not judged" in text and "write floor" in text
+    assert "router pass over an engine message" in text
 
 
 def test_a_polling_client_reads_every_token_and_the_kernel_stamps_come_first(tmp_path: Path) -> None:
@@ -117,15 +121,18 @@ def test_staggered_arrivals_keep_the_streams_running_with_starts_spread(tmp_path
     assert row.split()[3:5] == ["400", "staggered"], row
 
 
-def test_the_collections_during_a_point_come_from_two_scrapes_of_the_routers_metrics() -> None:
+def test_the_collections_and_passes_during_a_point_come_from_two_scrapes_of_the_routers_metrics() -> None:
     before = {"paced": {"count": 2, "seconds": 0.004, "buckets": {0.002: 1, 0.005: 2, 0.01: 2, float("inf"): 2}}}
     after = {
         "paced": {"count": 5, "seconds": 0.019, "buckets": {0.002: 1, 0.005: 3, 0.01: 5, float("inf"): 5}},
         "automatic": {"count": 1, "seconds": 0.03, "buckets": {0.002: 0, 0.05: 1, float("inf"): 1}},
+        router_overhead.ENGINE_MESSAGE: {"count": 4, "seconds": 0.02, "buckets": {0.005: 2, 0.0075: 4, float("inf"): 4}},
     }
-    during = router_overhead._gc_during(before, after)
+    during = router_overhead._histograms_during(before, after)
     assert during == {
-        "paced": {"count": 3, "total_ms": 15.0, "longest_under_ms": 10.0},  # one in (2, 5] ms, two in (5, 10]
-        "automatic": {"count": 1, "total_ms": 30.0, "longest_under_ms": 50.0},
+        # one in (2, 5] ms, two in (5, 10]
+        "paced": {"count": 3, "total_ms": 15.0, "mean_ms": 5.0, "longest_under_ms": 10.0},
+        "automatic": {"count": 1, "total_ms": 30.0, "mean_ms": 30.0, "longest_under_ms": 50.0},
+        router_overhead.ENGINE_MESSAGE: {"count": 4, "total_ms": 20.0, "mean_ms": 5.0, "longest_under_ms": 7.5},
     }
-    assert router_overhead._gc_during(after, after) == {}
+    assert router_overhead._histograms_during(after, after) == {}

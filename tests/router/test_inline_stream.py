@@ -25,6 +25,7 @@ from common.registry import InstanceInfo
 from router.choice_stream import ChoiceDelta, EndedInline
 from router.dispatcher import EngineRequest, EngineRequestError
 from router.inline_stream import InlineSink, start_send
+from router.output_queue import AfterSends
 from tests.router.fake_engine import FakeCluster, FakeEngine
 from tests.router.router_harness import SERVED_MODEL, RouterServer, make_state, wait_until
 
@@ -115,11 +116,11 @@ class _StubRequest:
     def set_sink(self, sink: Any) -> None:
         self.sink = sink
 
-    def take_inline(self, output: RequestOutput) -> bool:
-        if output.finish_reason == "error":
-            return False
+    def can_take_inline(self, output: RequestOutput) -> bool:
+        return output.finish_reason != "error"
+
+    def took_inline(self, output: RequestOutput, now: float) -> None:
         self.taken.append(output)
-        return True
 
     def interrupt(self, exc: BaseException) -> None:
         self.interrupted.append(exc)
@@ -137,6 +138,9 @@ class _StubStream:
     def process(self, output: RequestOutput) -> ChoiceDelta:
         return ChoiceDelta(index=0, text=f"t{output.new_token_ids[0]}", finish_reason=output.finish_reason)
 
+    def observe_timing(self, output: RequestOutput, now: float) -> None:
+        pass
+
 
 class _StubWriter:
     def plain(self, stream: Any, text: str) -> bytes | None:
@@ -150,15 +154,26 @@ def _token(token_id: int, **kw: Any) -> RequestOutput:
     return RequestOutput(request_id="r", new_token_ids=[token_id], **kw)
 
 
+def _run(after_sends: AfterSends) -> None:
+    """What the receive loop does once a message's outputs are all handed on."""
+    for after_send, output in after_sends:
+        after_send(output, time.monotonic())
+    after_sends.clear()
+
+
 def test_the_sink_takes_nothing_while_its_send_waits_and_leaves_the_rest_to_the_task() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        server, stream, counter = _Server(), _StubStream(), [0]
-        sink = InlineSink(stream, _StubWriter(), counter)  # type: ignore[arg-type]
+        server, stream, counter, after_sends = _Server(), _StubStream(), [0], []
+        sink = InlineSink(stream, _StubWriter(), counter, after_sends)  # type: ignore[arg-type]
         assert not sink(_token(1)), "a sink not attached took an output"
         sink.attach(server.send)
         assert stream.engine_request.sink is sink
         assert sink(_token(2)) and server.sent == [b"data: t2\n\n"]
+        # The output is sent; its bookkeeping waits for the rest of the message's outputs.
+        assert stream.engine_request.taken == [] and counter == [0]
+        _run(after_sends)
+        assert [o.new_token_ids for o in stream.engine_request.taken] == [[2]] and counter == [1]
         server.gate = loop.create_future()
         assert sink(_token(3)) and sink.busy
         # Behind a send that waits, the next output goes to the task, which waits for that send.
@@ -167,9 +182,14 @@ def test_the_sink_takes_nothing_while_its_send_waits_and_leaves_the_rest_to_the_
         server.gate.set_result(None)
         await sink.idle()
         assert not sink.busy and server.sent == [b"data: t2\n\n", b"data: t3\n\n"]
-        assert sink(_token(7)) and counter == [3]
+        assert sink(_token(7))
+        _run(after_sends)
+        assert counter == [3]
         # The last output: its chunks go out here, in one write, and the task is told to end.
-        assert sink(_token(8, finish_reason="length")) and counter == [4]
+        assert sink(_token(8, finish_reason="length"))
+        _run(after_sends)
+        assert counter == [4]
+        assert [o.new_token_ids for o in stream.engine_request.taken] == [[2], [3], [7], [8]]
         assert server.sent[-1] == b"data: t8\n\ndata: end:length\n\n"
         assert [type(e) for e in stream.engine_request.interrupted] == [EndedInline]
         assert not sink(_token(9, finish_reason="error", error="boom"))  # errors go to the task
@@ -183,7 +203,7 @@ def test_a_failed_send_of_the_sink_interrupts_the_request() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         server, stream = _Server(), _StubStream()
-        sink = InlineSink(stream, _StubWriter(), [0])  # type: ignore[arg-type]
+        sink = InlineSink(stream, _StubWriter(), [0], [])  # type: ignore[arg-type]
         sink.attach(server.send)
         server.gate = loop.create_future()
         assert sink(_token(1))
@@ -202,7 +222,7 @@ def test_a_failure_in_the_sink_fails_the_request_not_the_receive_loop() -> None:
 
     async def main() -> None:
         server, stream = _Server(), Broken()
-        sink = InlineSink(stream, _StubWriter(), [0])  # type: ignore[arg-type]
+        sink = InlineSink(stream, _StubWriter(), [0], [])  # type: ignore[arg-type]
         sink.attach(server.send)
         assert sink(_token(1))  # taken, so that nothing after it is sent before the error
         [error] = stream.engine_request.interrupted
@@ -476,16 +496,16 @@ def test_a_direct_requests_first_output_is_taken_inline_echo_and_usage_included(
     """Without a prefill instance the decode instance's first output needs no handoff: the sink
     takes it too, and with it the prompt's echo and the usage's cached tokens."""
     firsts_inline: list[bool] = []
-    take_inline = EngineRequest.take_inline
+    can_take_inline = EngineRequest.can_take_inline
 
     def recording(self: EngineRequest, output: RequestOutput) -> bool:
         first = not self._first_seen
-        taken = take_inline(self, output)
+        taken = can_take_inline(self, output)
         if first:
             firsts_inline.append(taken)
         return taken
 
-    monkeypatch.setattr(EngineRequest, "take_inline", recording)
+    monkeypatch.setattr(EngineRequest, "can_take_inline", recording)
     namespace = f"inline-direct-{uuid.uuid4().hex[:8]}"
     peers: dict[str, FakeEngine] = {}
     engine = _SlowStartEngine("decode", "decode-0", redis_url, namespace, reply_tokens, peers, token_delay_s=0.02)

@@ -9,6 +9,7 @@ import asyncio
 import gc
 import time
 import weakref
+from collections.abc import Callable
 
 import pytest
 
@@ -41,6 +42,53 @@ def test_a_batch_reaches_each_request_queue_in_order_and_bad_messages_are_droppe
             assert [qb.get_nowait().new_token_ids[0] for _ in range(2)] == [2, 4]
             assert client.silent_for("decode-0", 0.0) < 5.0
             assert "unknown" not in client._queues
+
+    asyncio.run(scenario())
+
+
+def test_what_sinks_leave_until_their_message_is_sent_runs_after_every_output_of_it() -> None:
+    """A sink writes its output at once and leaves its bookkeeping in ``after_sends``: the receive
+    loop runs that once all the message's outputs are handed on (the last stream's token waits for
+    no one's bookkeeping), for a batch and for a single output. The pass over the message (a
+    metric) ends with its last output handed on, and the bookkeeping is not in it."""
+    async def scenario() -> None:
+        async with client_and_engine() as (client, push):
+            events: list[tuple[str, str, int]] = []
+            passes: list[float] = []
+
+            def observe_message(seconds: float) -> None:
+                passes.append(seconds)
+                events.append(("pass", "", len(passes)))
+
+            client.observe_message = observe_message
+
+            def sink_for(request_id: str) -> Callable[[RequestOutput], bool]:
+                def after_send(output: RequestOutput, now: float) -> None:
+                    events.append(("after", request_id, output.new_token_ids[0]))
+
+                def sink(output: RequestOutput) -> bool:
+                    time.sleep(0.01)  # a write
+                    events.append(("sent", request_id, output.new_token_ids[0]))
+                    client.after_sends.append((after_send, output))
+                    return True
+                return sink
+
+            readers = []
+            for request_id in "ab":
+                queue = client.open(request_id)
+                queue.sink = sink_for(request_id)
+                readers.append(asyncio.create_task(queue.wait(), name=f"reader-{request_id}"))
+            await until(lambda: all(client._queues[r]._waiter is not None for r in "ab"))
+            push.send(encode(OutputBatch(instance_id="decode-0", outputs=[_out("a", 1), _out("b", 2)])))
+            await until(lambda: len(events) == 5)
+            assert events == [("sent", "a", 1), ("sent", "b", 2), ("pass", "", 1), ("after", "a", 1), ("after", "b", 2)]
+            assert passes[0] >= 0.02, "the pass did not cover the message's writes"
+            push.send(encode(_out("a", 3)))
+            await until(lambda: len(events) == 8)
+            assert events[5:] == [("sent", "a", 3), ("pass", "", 2), ("after", "a", 3)] and client.after_sends == []
+            assert not any(reader.done() for reader in readers), "a sink's output woke its reader"
+            for reader in readers:
+                reader.cancel()
 
     asyncio.run(scenario())
 

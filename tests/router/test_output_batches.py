@@ -150,8 +150,9 @@ def test_the_wake_loop_leaves_readers_whose_outputs_come_parked() -> None:
     """Once a second a reader without outputs is woken to check its deadline and its instances; one
     whose outputs keep coming (here all taken by its sink, so only a wake can end its wait) is not."""
 
-    async def scenario() -> tuple[int, int]:
+    async def scenario() -> tuple[int, int, float]:
         wakes = {"fed": 0, "idle": 0}
+        longest_gap = 0.0  # between two outputs sent to "fed"
 
         async def reader(name: str, queue: OutputQueue) -> None:
             while True:
@@ -164,13 +165,21 @@ def test_the_wake_loop_leaves_readers_whose_outputs_come_parked() -> None:
             readers = [asyncio.create_task(reader("fed", fed)), asyncio.create_task(reader("idle", idle))]
             try:
                 deadline = time.monotonic() + 3.5
-                while time.monotonic() < deadline:
+                last = time.monotonic()
+                while last < deadline:
                     push.send(encode(OutputBatch(instance_id="decode-0", outputs=[_out("fed", 1)])))
                     await asyncio.sleep(0.02)
+                    longest_gap, last = max(longest_gap, time.monotonic() - last), time.monotonic()
             finally:
                 for task in readers:
                     task.cancel()
-        return wakes["fed"], wakes["idle"]
+        return wakes["fed"], wakes["idle"], longest_gap
 
-    fed_wakes, idle_wakes = asyncio.run(scenario())
+    # A loaded host that stalls this process for most of a second leaves "fed" without outputs for
+    # as long, and a wake is then its due: such a run proves nothing either way, and runs again.
+    for _ in range(5):
+        fed_wakes, idle_wakes, longest_gap = asyncio.run(scenario())
+        if longest_gap < 0.5:
+            break
+    assert longest_gap < 0.5, f"every run stalled (the last for {longest_gap:.2f} s)"
     assert idle_wakes >= 2 and fed_wakes < idle_wakes, (fed_wakes, idle_wakes)

@@ -116,7 +116,7 @@ class EngineRequest:
 
     def took_inline(self, output: RequestOutput, now: float) -> None:
         """The bookkeeping of an output the caller handed on (``can_take_inline``), as ``outputs()``
-        does its own: for a plain token it may come once the whole engine message is sent, before
+        does its own; the router's sink does it once the whole engine message is sent, before
         anything else runs (``EngineClient.after_sends``). A finish makes the caller end the reader
         (``interrupt``), and ``close`` then aborts nothing."""
         self._on_output(output)

@@ -15,9 +15,10 @@ plain token's timing metrics) wait until every output of its engine message is s
 (``EngineClient.after_sends``): nothing written needs them, and the message's last stream waited
 for each stream's before it. When an output ends the stream (the engine finished it, or a stop
 string hit), the sink sends its last chunks and interrupts the task (``EndedInline``), which sends
-the response's end (usage, ``[DONE]``) and, for a stop string, aborts the engines. A disaggregated request's first output (the prefill's), errors,
-migrations and logprobs still go through the task, in order: the sink only takes an output when nothing is queued
-before it, and the task waits for a send the sink started before it sends anything itself.
+the response's end (usage, ``[DONE]``) and, for a stop string, aborts the engines. A disaggregated
+request's first output (the prefill's), errors, migrations and logprobs still go through the task,
+in order: the sink only takes an output when nothing is queued before it, and the task waits for a
+send the sink started before it sends anything itself.
 
 A send that cannot finish at once (the client reads slower than the stream: the server's write
 buffer is full) goes on in a task of its own (``start_send``), and the sink takes nothing more until

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     # (``common/gc_pacer.py``).
     gc.collect()
     gc.freeze()
-    pacer = GcPacer()
+    pacer = GcPacer(freeze_survivors=True)
     pacer.install()
     state.client.gc_pacer = pacer
     GcPauses(state.metrics.observe_gc_pause, pacer)

@@ -14,12 +14,13 @@ oldest generation whose count passed its threshold. Where quiet points come ofte
 generation is collected there, before an allocation would have; where they do not (a burst of
 requests arriving at once), the automatic collections run as they always did, no larger.
 
-Because the count undercounts, a quiet point also collects the young generation once ``max_interval_s`` (1 s) has passed since
-the pacer's last collection, whatever the count says: with 512 streams ending as others start (the
-router bench's staggered arrivals), the count stayed under the threshold while the young generation
-grew to 87,000 objects, collected at last in one 26-64 ms pause; each stream holds about 190
-tracked objects (its request's coroutines, cells, lists, the server's per-connection objects).
-Collected every second, the young generation holds what a second allocates.
+Because the count undercounts, a quiet point also collects the young generation once
+``max_interval_s`` (1 s) has passed since the pacer's last collection, whatever the count says:
+with 512 streams ending as others start (the router bench's staggered arrivals), the count stayed
+under the threshold while the young generation grew to 87,000 objects, collected at last in one
+26-64 ms pause; each stream holds about 190 tracked objects (its request's coroutines, cells,
+lists, the server's per-connection objects). Collected every second, the young generation holds
+what a second allocates.
 
 Those per-stream objects live as long as their streams (seconds to minutes), and each collection of
 the middle generation scans them all again: about 100,000 at 512 streams, tens of milliseconds.

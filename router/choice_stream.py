@@ -89,7 +89,7 @@ class ChoiceStream:
 
     def process(self, output: RequestOutput) -> ChoiceDelta:
         """The delta of one output (the stream's next), its text detokenized and stop-checked."""
-        self._observe_timing(output)
+        self.observe_timing(output, time.monotonic())
         if output.num_cached_tokens:
             self.num_cached_tokens = output.num_cached_tokens
         text = ""
@@ -158,9 +158,6 @@ class ChoiceStream:
         if self._stop.stopped:
             self._pending = []
         return released
-
-    def _observe_timing(self, output: RequestOutput) -> None:
-        self.observe_timing(output, time.monotonic())
 
     def observe_timing(self, output: RequestOutput, now: float) -> None:
         """Time to first token or inter-token latency, for ``output`` handed on at ``now``."""

@@ -33,6 +33,12 @@ garbage among frozen objects would wait: every ``full_interval_s`` (10 minutes) 
 unfreezes everything and runs one full collection (start-up's objects included: about 100,000,
 34 ms here), then freezes again.
 
+Frozen survivors make a collection cost only what it finds young, so the router collects in small
+pieces: from 2,000 young objects or 0.1 s on (``router.main.router_gc_pacer``). The collector's
+time stays the same in all, cut into pauses a tenth as long: at 512 streams with arrivals spread,
+over three alternated pairs of runs, 16-17 paced collections per run of 60-118 ms in all, each
+under 10-20 ms, became 145-148 of 79-92 ms in all, each under 5 ms (0.55-0.63 ms on average).
+
 ``GcPauses`` times every collection of the process (``gc.callbacks``) for a histogram, labelled by
 whether the pacer or an allocation started it.
 """
@@ -54,15 +60,18 @@ class GcPacer:
     """Collections at the points its owner calls ``collect`` (after checking ``due``)."""
 
     def __init__(
-        self, thresholds: tuple[int, int, int] = DEFAULT_THRESHOLDS, early: float = EARLY,
+        self, thresholds: tuple[int, int, int] = DEFAULT_THRESHOLDS, due_objects: int | None = None,
         max_interval_s: float = MAX_INTERVAL_S, freeze_survivors: bool = False,
         full_interval_s: float = FULL_INTERVAL_S, clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if min(thresholds) < 1 or not 0 < early <= 1 or max_interval_s <= 0 or full_interval_s <= 0:
+        """``due_objects``: the young count from which a quiet point collects (default: ``EARLY`` of
+        the young threshold); at most that threshold."""
+        due_at = max(1, int(thresholds[0] * EARLY)) if due_objects is None else due_objects
+        if min(thresholds) < 1 or not 1 <= due_at <= thresholds[0] or max_interval_s <= 0 or full_interval_s <= 0:
             raise ValueError(f"thresholds {thresholds}, max_interval_s {max_interval_s} and full_interval_s "
-                             f"{full_interval_s} must be positive and early {early} in (0, 1]")
+                             f"{full_interval_s} must be positive and due_objects {due_at} in [1, {thresholds[0]}]")
         self.thresholds = thresholds
-        self._due_at = max(1, int(thresholds[0] * early))
+        self._due_at = due_at
         self.max_interval_s = max_interval_s
         self.freeze_survivors = freeze_survivors
         self.full_interval_s = full_interval_s

@@ -14,6 +14,7 @@ import pytest
 
 from common.gc_pacer import GcPacer, GcPauses
 from common.protocol import OutputBatch, RequestOutput, encode
+from router.main import router_gc_pacer
 from tests.router.engine_client_harness import client_and_engine, until
 
 
@@ -110,6 +111,25 @@ def test_freezing_survivors_collects_young_cycles_and_leaves_the_rest_for_the_fu
     assert pacer.collect() == 2 and pacer.num_collections == [2, 0, 1]
     assert sorted(freed) == ["old", "old", "plain", "young", "young"]
     assert gc.get_freeze_count() > 0, "not frozen again after the full collection"
+
+
+def test_the_routers_pacer_collects_in_small_pieces() -> None:
+    """The router's collections come from 2,000 young objects or 0.1 s on (each a few milliseconds
+    at most), not from three quarters of the 20,000-object threshold or once a second (tens)."""
+    now = [0.0]
+    pacer = router_gc_pacer(clock=lambda: now[0])
+    pacer.install()
+    assert pacer.freeze_survivors
+    gc.collect()
+    kept: list[list[int]] = [[] for _ in range(1000)]
+    assert not pacer.due()
+    kept += [[] for _ in range(1500)]
+    assert pacer.due(), "2,500 young objects and not due: the router's pauses grow with what it waits for"
+    pacer.collect()
+    assert not pacer.due()
+    now[0] = 0.1
+    assert pacer.due(), "0.1 s since the last collection and not due"
+    assert len(kept) == 2500
 
 
 def test_a_pacer_left_as_cpython_would_freezes_nothing() -> None:

@@ -11,11 +11,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from router.admission import CLIENT_KEY
 from router.dispatcher import EngineRequestError
-from router.errors import APIError, bad_request, install_error_handlers
+from router.errors import APIError, bad_request, install_error_handlers, unexpected_error
 from router.openai_models import ChatCompletionRequest, CompletionRequest, check_unicode
 from router.openai_responses import (
     ChatCompletionChunk,
@@ -66,31 +66,56 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     return body
 
 
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
 class RouterApp(FastAPI):
     """The router's FastAPI app, which keeps the server's ``send`` in each HTTP scope before its
-    middleware wraps it (``SERVER_SEND``): a streaming response sends its events straight to it."""
+    middleware wraps it (``SERVER_SEND``): a streaming response sends its events straight to it.
+
+    The generation endpoints (``direct_routes``: a POST path and its endpoint) are served below the
+    framework: their endpoints read the body, check the key and answer every error themselves, and
+    what FastAPI's routing and its middleware chain would add (ten nested calls, telemetry, query
+    parameters parsed, dependencies solved) was about a fifth of the router's time per request. The
+    same endpoints stay declared as FastAPI routes (for ``/openapi.json``), and any other method or
+    path, a trailing slash included, goes through FastAPI as before. Errors there are answered as
+    the app's handlers would. Every error response, on either path, is counted by ``count_error``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.direct_routes: dict[str, Endpoint] = {}
+        self.count_error: Callable[[int], None] = lambda status: None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             scope[SERVER_SEND] = send
+            endpoint = self.direct_routes.get(scope["path"]) if scope["method"] == "POST" else None
+            if endpoint is not None:
+                await self._serve_direct(endpoint, scope, receive, send)
+                return
+            count_error = self.count_error
+
+            async def counting_send(message: Message) -> None:
+                if message["type"] == "http.response.start" and message["status"] >= 400:
+                    count_error(message["status"])
+                await send(message)
+
+            # Counted here, outside the framework's middleware, a crash's 500 is counted too.
+            await super().__call__(scope, receive, counting_send)
+            return
         await super().__call__(scope, receive, send)
 
-
-class _ErrorCounter:
-    """Pure ASGI middleware counting error responses by status (BaseHTTPMiddleware would wrap
-    ``receive`` and hide client disconnects from the handlers)."""
-
-    def __init__(self, app: ASGIApp, state: RouterState) -> None:
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def counting_send(message: Message) -> None:
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                self.state.metrics.http_errors.labels(status=str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, receive, counting_send if scope["type"] == "http" else send)
+    async def _serve_direct(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+        scope["app"] = self
+        try:
+            response = await endpoint(Request(scope, receive))
+        except APIError as exc:
+            response = exc.response()
+        except Exception as exc:  # what ServerErrorMiddleware and the app's handlers would answer
+            response = unexpected_error(exc)
+        if response.status_code >= 400:
+            self.count_error(response.status_code)
+        await response(scope, receive, send)
 
 
 def create_app(state: RouterState) -> FastAPI:
@@ -110,7 +135,11 @@ def create_app(state: RouterState) -> FastAPI:
     install_error_handlers(app)
     install_openapi(app)
     install_tokenize_routes(app, state)  # /tokenize, /detokenize, /version
-    app.add_middleware(_ErrorCounter, state=state)
+
+    def count_error(status: int) -> None:
+        state.metrics.http_errors.labels(status=str(status)).inc()
+
+    app.count_error = count_error
 
     async def generate(request: Request, handler: Handler) -> Response:
         cache_salt = state.api_keys.check(request.headers.get("authorization"))
@@ -146,6 +175,8 @@ def create_app(state: RouterState) -> FastAPI:
     )
     async def chat_completions(request: Request) -> Response:
         return await generate(request, create_chat_completion)
+
+    app.direct_routes = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
 
     @app.get("/v1/models", response_model=ModelList, responses={401: error_responses()[401]})
     async def models(request: Request) -> JSONResponse:

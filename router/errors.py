@@ -57,6 +57,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def unexpected_error(exc: BaseException) -> JSONResponse:
+    """A crash's response: logged with its traceback, a 500 that says no more."""
+    logger.exception("unhandled error", exc_info=exc)
+    return APIError(500, "internal server error").response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error leaving the app, including unknown routes and crashes, is OpenAI-shaped."""
 
@@ -74,8 +80,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return bad_request(str(exc.errors()[:1])).response()
 
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error", exc_info=exc)
-        return APIError(500, "internal server error").response()
+        return unexpected_error(exc)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)

@@ -3,6 +3,7 @@ and otherwise tokenized off the event loop, so one huge prompt does not stall ot
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import string
@@ -26,7 +27,7 @@ from common.registry import InstanceInfo
 from router.app import create_app
 from router.errors import APIError
 from router.token_bound import TokenBound, token_bound
-from router.tokenization import PromptProcessor
+from router.tokenization import INLINE_TEXT_CHARS, PromptProcessor
 from tests.router.fake_engine import FakeEngine
 from tests.router.router_harness import SERVED_MODEL, RouterServer, make_state, wait_until
 
@@ -399,3 +400,41 @@ def test_a_burst_of_huge_prompts_does_not_hold_up_short_ones(tokenizer: Any) -> 
                 sender.join(90)
     assert len(spy.huge_encodes) == 2 * num_threads
     assert short_s < 10, short_s  # held huge prompts would hold it for the whole test's 60 s
+
+
+class _ThreadRecorder:
+    """The real tokenizer, recording the thread each text was encoded on."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.threads: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def encode(self, text: str, **kwargs: Any) -> Any:
+        self.threads.append(threading.current_thread().name)
+        return self._inner.encode(text, **kwargs)
+
+
+def test_short_texts_are_tokenized_on_the_loop_and_longer_ones_in_a_worker(tokenizer: Any) -> None:
+    """Below ``INLINE_TEXT_CHARS`` the hop to a worker thread costs more than the tokenizing."""
+    recorder = _ThreadRecorder(tokenizer)
+    prompts = PromptProcessor(recorder, max_model_len=LONG_CONTEXT)
+    short, longer = "x " * (INLINE_TEXT_CHARS // 2 - 1), "x " * (INLINE_TEXT_CHARS // 2)
+    messages = [{"role": "user", "content": short}]
+
+    async def tokenize() -> str:
+        await prompts.tokenize_completion(short, LONG_CONTEXT)
+        await prompts.tokenize_chat(messages, LONG_CONTEXT)
+        await prompts.tokenize_for_count(short, None, add_special_tokens=True)
+        await prompts.tokenize_completion(longer, LONG_CONTEXT)
+        await prompts.tokenize_completion([short, short], LONG_CONTEXT)  # the sum of their lengths
+        return threading.current_thread().name
+
+    loop_thread = asyncio.run(tokenize())
+    assert recorder.threads[:3] == [loop_thread] * 3
+    assert [name.startswith("tokenizer-short") for name in recorder.threads[3:]] == [True] * 3

@@ -51,8 +51,9 @@ def _config_max_len(model_dir: pathlib.Path) -> int | None:
 class PromptProcessor:
     """Turns request prompts into token ids; errors in user input become 400s.
 
-    The ``tokenize_*`` coroutines do the tokenizing in worker threads (short texts at once); the other methods run where
-    they are called (``chat_prompt`` and ``encode`` block for as long as the text takes)."""
+    The ``tokenize_*`` coroutines do the tokenizing in worker threads (short texts at once); the
+    other methods run where they are called (``chat_prompt`` and ``encode`` block for as long as
+    the text takes)."""
 
     def __init__(
         self, tokenizer: Any, max_model_len: int | None = None, num_threads: int = DEFAULT_TOKENIZER_THREADS
@@ -178,7 +179,8 @@ class PromptProcessor:
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """The token ids of ``text``, or of ``messages`` rendered by the chat template, in a worker
-        thread unless short; no context-length check (``/tokenize`` is how a client finds the length out)."""
+        thread unless short; no context-length check (``/tokenize`` is how a client finds the
+        length out)."""
         if text is not None:
             self.check_length(text, None)
             return await self._off_loop(

@@ -88,6 +88,17 @@ class EngineProgress(msgspec.Struct, tag="progress", kw_only=True):
     draining: bool = False
 
 
+class RequestsStarted(msgspec.Struct, tag="started", kw_only=True):
+    """Engine -> router, before the step that first computes them: these requests (every choice of
+    each) left the waiting queue on ``instance_id``. The router counts a loss of that instance
+    against them from then on; one lost while it only waited there, which it cannot have caused,
+    is continued elsewhere without using up its migrations (``router/dispatcher.py``)."""
+
+    version: int = PROTOCOL_VERSION
+    instance_id: RequestId
+    request_ids: list[RequestId]
+
+
 class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
@@ -184,7 +195,7 @@ def choice_request_ids(request_id: str, n: int) -> list[str]:
 
 
 EngineInput = GenerateRequest | AbortRequest | RouterHeartbeat
-EngineMessage = RequestOutput | OutputBatch | EngineProgress
+EngineMessage = RequestOutput | OutputBatch | EngineProgress | RequestsStarted
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(EngineInput)

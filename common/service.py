@@ -45,6 +45,7 @@ from common.protocol import (
     GenerateRequest,
     ProtocolError,
     RequestOutput,
+    RequestsStarted,
     RouterHeartbeat,
     choice_request_ids,
     decode_input,
@@ -202,6 +203,7 @@ class EngineService:
         if self.engine.runner.device.type == "cuda":
             self.metrics.watch_gpus(torch_device_uuids(self.engine.runner.device))
         self.metrics.serve(args.host, args.metrics_port, ready=self.ready)
+        self.engine.on_started = self.announce_started
 
     @property
     def draining(self) -> bool:
@@ -301,6 +303,18 @@ class EngineService:
             return
         for raw in encode_output_batches(outputs, self.instance_id):
             self._send_raw(address, raw)
+
+    def announce_started(self, request_ids: list[str]) -> None:
+        """Tell each request's router, before the step that first computes them, that this instance
+        runs them now (``RequestsStarted``): should it die in that step, the router knows they may
+        have caused it, and that the requests still waiting here cannot have."""
+        by_router: dict[str, list[str]] = {}
+        for request_id in request_ids:
+            record = self.records.get(request_id)
+            if record is not None:
+                by_router.setdefault(record.reply_to, []).extend(self.choice_group(request_id))
+        for address, ids in by_router.items():
+            self._send(address, RequestsStarted(instance_id=self.instance_id, request_ids=ids))
 
     def send_output(self, request_id: str, out: RequestOutput) -> None:
         """Send to the router that owns the request (after whatever tokens of it were held back);

@@ -12,7 +12,10 @@ sends ``AbortRequest`` to P and D.
 No request dies with an instance. ``EngineRequest`` remembers every token it has handed on; when
 an instance holding it dies, stalls, drains or loses the KV transfer, it aborts that attempt and
 continues the request elsewhere as prompt + those tokens (``GenerateRequest.output_token_ids``),
-so the caller sees one unbroken stream and greedy output equals the uninterrupted run.
+so the caller sees one unbroken stream and greedy output equals the uninterrupted run. Losses of
+an instance that had started the request (``RequestsStarted``) are few before it fails
+(``MAX_MIGRATIONS``); losses where it only waited in the instance's queue are more
+(``MAX_WAITING_LOSSES``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,13 @@ logger = logging.getLogger(__name__)
 
 PREFIX_LOOKUP_TIMEOUT_S = 0.25
 LIVENESS_POLL_S = 1.0
+# Losses of an instance that was running the request (it had said so, ``RequestsStarted``): the
+# request may have caused them (a prompt that crashes every engine it reaches), so few.
 MAX_MIGRATIONS = 3
+# Losses of an instance where the request only waited, which it cannot have caused (under a high
+# fault rate a queued request can meet several): more, yet not without end (an instance that died
+# admitting it never said it ran it).
+MAX_WAITING_LOSSES = 10
 # An instance the registry no longer lists and that has been silent this long is dead.
 GONE_SILENCE_S = 2.0
 # How long a lost request waits for some instance to continue it (e.g. while one restarts).
@@ -78,7 +87,8 @@ class EngineRequest:
     dispatcher: Dispatcher
     request: GenerateRequest  # as first sent (no decode target): what a migration continues
     streamed_token_ids: list[int] = field(default_factory=list)  # handed on, across attempts
-    num_migrations: int = 0
+    num_migrations: int = 0  # losses of instances running it
+    num_waiting_losses: int = 0  # losses of instances where it waited
     num_refusals: int = 0  # attempts an overloaded instance refused
     overloaded_since: float | None = None
     finished: bool = False
@@ -164,22 +174,36 @@ class EngineRequest:
             self._interrupt = None
 
     async def _migrate(self, lost: InstanceLost) -> None:
-        """Abort the lost attempt everywhere and continue the request on other instances."""
-        if self.num_migrations >= MAX_MIGRATIONS:
-            raise EngineRequestError(
-                f"request lost {self.num_migrations + 1} times, giving up; last: {lost}", status=502
-            )
-        self.num_migrations += 1
+        """Abort the lost attempt everywhere and continue the request on other instances. A loss
+        counts against ``MAX_MIGRATIONS`` where the instance was running the request (or which one
+        is not known), else against ``MAX_WAITING_LOSSES``."""
+        ran_there = lost.instance_id is None or lost.instance_id in self.queue.started_on
+        if ran_there:
+            if self.num_migrations >= MAX_MIGRATIONS:
+                raise EngineRequestError(
+                    f"request lost {self.num_migrations + 1} times on instances running it, giving up; "
+                    f"last: {lost}", status=502,
+                )
+            self.num_migrations += 1
+        else:  # it only waited there
+            if self.num_waiting_losses >= MAX_WAITING_LOSSES:
+                raise EngineRequestError(
+                    f"request lost {self.num_waiting_losses + 1} times while waiting, giving up; last: {lost}",
+                    status=502,
+                )
+            self.num_waiting_losses += 1
+        attempt = self.num_migrations + self.num_waiting_losses
         logger.warning(
-            "request %s lost after %d tokens (%s); continuing it elsewhere",
+            "request %s lost after %d tokens (%s; %s); continuing it elsewhere",
             self.request.request_id, len(self.streamed_token_ids), lost,
+            "it was running there" if ran_there else "it was waiting there",
         )
         if lost.instance_id is not None and not lost.healthy:
             self.dispatcher.pool.mark_unavailable(lost.instance_id)
         self.close()
         request = msgspec.structs.replace(
             self.request,
-            request_id=f"{self.request.request_id}.m{self.num_migrations}",
+            request_id=f"{self.request.request_id}.m{attempt}",
             output_token_ids=[*self.request.output_token_ids, *self.streamed_token_ids],
         )
         deadline = time.monotonic() + MIGRATION_WAIT_S

@@ -30,6 +30,7 @@ from common.protocol import (
     OutputBatch,
     ProtocolError,
     RequestOutput,
+    RequestsStarted,
     RouterHeartbeat,
     decode_output,
     encode,
@@ -144,6 +145,11 @@ class EngineClient:
                 if queue is not None:  # outputs of finished or aborted requests are dropped
                     queue.last_put = now
                     queue.put_nowait(msg)
+            elif isinstance(msg, RequestsStarted):
+                for request_id in msg.request_ids:
+                    queue = queues.get(request_id)
+                    if queue is not None:
+                        queue.started_on += (msg.instance_id,)
             if self.observe_message is not None:
                 self.observe_message(time.monotonic() - received)
             if after_sends:

@@ -28,7 +28,7 @@ class OutputQueue:
     """Filled by the receive loop (``put_nowait``), read by one consumer (``wait`` then
     ``get_nowait``). Not thread-safe: use from the event loop."""
 
-    __slots__ = ("_items", "_loop", "_waiter", "last_put", "sink")
+    __slots__ = ("_items", "_loop", "_waiter", "last_put", "sink", "started_on")
 
     def __init__(self) -> None:
         self._items: deque[RequestOutput] = deque()
@@ -40,6 +40,8 @@ class OutputQueue:
         # When the receive loop last handed it an output (monotonic): a reader with outputs coming
         # needs no wake to check its deadline and its instances (``EngineClient._wake_loop``).
         self.last_put = 0.0
+        # The instances that said they run this attempt (``RequestsStarted``), before their first step of it.
+        self.started_on: tuple[str, ...] = ()
 
     def put_nowait(self, output: RequestOutput) -> None:
         sink = self.sink

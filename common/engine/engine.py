@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,6 +127,9 @@ class LLMEngine:
         )
         self._pending: list[EngineOutput] = []
         self._in_flight: _Launched | None = None  # async scheduling: the step whose tokens are on their way
+        # Called with the ids of the requests a step runs for the first time, before its forward:
+        # a process that dies in that forward has told whoever listens which requests it was running.
+        self.on_started: Callable[[list[str]], None] | None = None
         # Decode side, n > 1: first tokens of choices 1.. per request waiting for remote KV, and
         # the choices aborted before they exist; they fork when the KV has arrived.
         self._remote_choices: dict[str, list[int]] = {}
@@ -386,6 +390,8 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         prev, self._in_flight = self._in_flight, None
         sched = self.scheduler.schedule()
+        if sched.started_ids and self.on_started is not None:
+            self.on_started(sched.started_ids)
         if sched.is_empty:
             if prev is not None:
                 outputs += self._resolve(prev)

@@ -47,6 +47,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    started_ids: list[str] = field(default_factory=list)  # in the running batch for the first time
 
     @property
     def num_tokens(self) -> int:
@@ -202,6 +203,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
+                out.started_ids.append(req.request_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest.of(req, num_new, self.kv.block_ids_view(req.request_id)))

@@ -20,6 +20,7 @@ from common.protocol import (
     EngineProgress,
     GenerateRequest,
     RequestOutput,
+    RequestsStarted,
     RouterHeartbeat,
     decode_output,
     encode,
@@ -173,3 +174,29 @@ def test_engines_send_progress_to_a_leased_router_and_abort_its_requests_when_it
                 errors.append((msg.request_id, msg.retryable))
     assert errors == [("orphan", True)]
     router.send(decode, AbortRequest(request_id="orphan"))  # harmless now: unknown ids are ignored
+
+
+def test_engines_say_they_run_a_request_before_its_first_output(engines, router):  # type: ignore[no-untyped-def]
+    """Disaggregated: the prefill process, then the decode process, each send ``RequestsStarted``
+    for the request before the first output it sends of it, and once."""
+    s, infos = engines
+    prefill, decode = infos["prefill-c"], infos["decode-c"]
+    request = _request("announced", router.address,
+                       decode_target=DecodeTarget(instance_id=decode.instance_id, kv_address=decode.kv_address))
+    router.send(prefill.control_address, request)
+    seen: list[tuple[str, str]] = []  # (what, from which instance)
+    deadline = time.monotonic() + 120
+    while not seen or seen[-1][0] != "finished":
+        assert time.monotonic() < deadline, f"the request did not finish: {seen}"
+        if not router.pull.poll(200):
+            continue
+        msg = decode_output(router.pull.recv())
+        if isinstance(msg, RequestsStarted) and "announced" in msg.request_ids:
+            seen.append(("started", msg.instance_id))
+        for out in request_outputs(msg):
+            if out.request_id == "announced":
+                seen.append(("finished" if out.finish_reason else "output", out.instance_id))
+    assert seen[-1] == ("finished", "decode-c"), seen
+    for instance in ("prefill-c", "decode-c"):  # each over its own socket: in order per instance
+        from_it = [what for what, source in seen if source == instance]
+        assert from_it[0] == "started" and from_it.count("started") == 1 and len(from_it) > 1, seen

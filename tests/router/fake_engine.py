@@ -23,6 +23,7 @@ from common.protocol import (
     PositionLogprobs,
     ProtocolError,
     RequestOutput,
+    RequestsStarted,
     TokenLogprob,
     choice_request_ids,
     decode_input,
@@ -52,7 +53,11 @@ class FakeEngine(threading.Thread):
     "restart-once" (after its third token, the first request it streams is forgotten, as by a
     process restarted under the same id: the registry entry gets a new ``started_at``, and nothing
     else tells the router). A continued request (``output_token_ids``) resumes
-    the canned tokens after the ones it already has."""
+    the canned tokens after the ones it already has.
+
+    ``announce``: it tells the router it runs each request as it takes it (``RequestsStarted``), as
+    the real engines do before a request's first step. ``restarts_on_arrival``: the first that many
+    requests it takes are forgotten at once by a restart under the same id (as "restart-once")."""
 
     def __init__(
         self,
@@ -66,6 +71,8 @@ class FakeEngine(threading.Thread):
         block_size: int = 16,
         mode: str = "ok",
         cluster_key: ClusterKey | None = None,
+        announce: bool = False,
+        restarts_on_arrival: int = 0,
     ) -> None:
         super().__init__(name=f"fake-{instance_id}", daemon=True)
         self.cluster_key = cluster_key
@@ -76,6 +83,8 @@ class FakeEngine(threading.Thread):
         self.token_delay_s = token_delay_s
         self.block_size = block_size
         self.mode = mode
+        self.announce = announce
+        self.restarts_on_arrival = restarts_on_arrival
         self.requests: list[GenerateRequest] = []
         self.aborts: list[str] = []
         self.handoffs: queue.Queue[tuple[GenerateRequest, int]] = queue.Queue()
@@ -140,7 +149,7 @@ class FakeEngine(threading.Thread):
                 zap.stop()
             ctx.term()
 
-    def _send(self, replies: dict[str, zmq.Socket], ctx: zmq.Context, to: str, out: RequestOutput) -> None:
+    def _send(self, replies: dict[str, zmq.Socket], ctx: zmq.Context, to: str, out: RequestOutput | RequestsStarted) -> None:
         if to not in replies:
             replies[to] = ctx.socket(zmq.PUSH)
             replies[to].setsockopt(zmq.LINGER, 0)
@@ -162,8 +171,17 @@ class FakeEngine(threading.Thread):
         if not isinstance(msg, GenerateRequest):  # e.g. a router's lease renewal: nothing to answer
             return
         self.requests.append(msg)
+        choice_ids = choice_request_ids(msg.request_id, msg.sampling_params.n)
+        if self.announce:
+            started = RequestsStarted(instance_id=self.instance_id, request_ids=choice_ids)
+            self._send(replies, ctx, msg.reply_to, started)
+        if self.restarts_on_arrival > 0:
+            self.restarts_on_arrival -= 1
+            self._active.clear()  # the new process holds nothing
+            self.started_at += 1.0  # and registers as another process under the same id
+            return
         # n > 1: like the real engines, one request whose choice i answers as ``choice_request_id``.
-        for choice_id in choice_request_ids(msg.request_id, msg.sampling_params.n):
+        for choice_id in choice_ids:
             params = msgspec.structs.replace(msg.sampling_params, n=1)
             self._generate(msgspec.structs.replace(msg, request_id=choice_id, sampling_params=params), replies, ctx)
 

@@ -157,6 +157,31 @@ def test_an_engine_restarted_under_the_same_id_does_not_strand_its_requests(redi
         assert "decode-0" not in server.state.pool._unavailable_until  # no quarantine for a healthy restart
 
 
+@pytest.mark.parametrize("announced", [False, True])
+def test_losses_where_a_request_only_waited_do_not_use_up_its_migrations(
+    redis_url: str, prompts: Any, announced: bool
+) -> None:
+    """The decode instance restarts under its id as each of the request's first 5 attempts arrives.
+    Where it had not said it runs them, they only waited in its queue and cannot have caused the
+    restarts: the request goes on past its 3 migrations and succeeds. Where it had
+    (``RequestsStarted``, as the real engines send before a request's first step), the fourth loss
+    fails the request with a 502 that says so, as a request that crashes every engine would."""
+    cluster_kw = {"num_prefill": 0, "announce": announced, "restarts_on_arrival": 5}
+    with running(redis_url, prompts, cluster_kw=cluster_kw, engine_stall_timeout_s=60.0) as (server, cluster):
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=90)
+        attempts = [r.request_id for r in cluster.requests()]
+        if announced:
+            assert response.status_code == 502, response.text
+            assert "lost 4 times on instances running it" in _error(response)["message"]
+            assert len(attempts) == 4
+        else:
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["message"]["content"].split() == ["one", "two", "three", "four", "five"]
+            assert len(attempts) == 6 and attempts[5] == attempts[0] + ".m5"
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert f"pdserve:request_migrations_total {3.0 if announced else 5.0}" in metrics
+
+
 def test_silent_engine_times_out_with_504_and_abort(redis_url: str, prompts: Any) -> None:
     with running(redis_url, prompts, cluster_kw={"mode": "silent"}, request_timeout_s=0.5) as (
         server,

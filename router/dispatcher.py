@@ -220,7 +220,7 @@ class EngineRequest:
                     ) from None
                 await asyncio.sleep(LIVENESS_POLL_S / 2)
         self._continue_as(fresh)
-        self.dispatcher.metrics.migrations.inc()
+        self.dispatcher.metrics.migrations.labels(where="running" if ran_there else "waiting").inc()
 
     async def _send_again_later(self, refusal: RequestOutput) -> None:
         """An instance refused the attempt as overloaded (nothing started there): send it again

@@ -122,9 +122,14 @@ class RouterMetrics:
         self.migrations = Counter(
             "pdserve:request_migrations",
             "Requests continued on another instance (prompt + tokens streamed so far) after theirs "
-            "died, stalled, drained or lost the KV transfer.",
+            "died, stalled, drained or lost the KV transfer, by whether that instance was running the "
+            "request (where=running: it counts against the request's few migrations) or it only waited "
+            "there (where=waiting).",
+            ["where"],
             registry=r,
         )
+        for where in ("running", "waiting"):
+            self.migrations.labels(where=where)  # both series from the start, at 0
         self.prefix_hit_blocks = Counter(
             "pdserve:router_prefix_hit_blocks",
             "Prompt blocks cached on the chosen prefill instance.",

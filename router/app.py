@@ -87,23 +87,23 @@ class RouterApp(FastAPI):
         self.count_error: Callable[[int], None] = lambda status: None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope[SERVER_SEND] = send
-            endpoint = self.direct_routes.get(scope["path"]) if scope["method"] == "POST" else None
-            if endpoint is not None:
-                await self._serve_direct(endpoint, scope, receive, send)
-                return
-            count_error = self.count_error
-
-            async def counting_send(message: Message) -> None:
-                if message["type"] == "http.response.start" and message["status"] >= 400:
-                    count_error(message["status"])
-                await send(message)
-
-            # Counted here, outside the framework's middleware, a crash's 500 is counted too.
-            await super().__call__(scope, receive, counting_send)
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
             return
-        await super().__call__(scope, receive, send)
+        scope[SERVER_SEND] = send
+        endpoint = self.direct_routes.get(scope["path"]) if scope["method"] == "POST" else None
+        if endpoint is not None:
+            await self._serve_direct(endpoint, scope, receive, send)
+            return
+        count_error = self.count_error
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                count_error(message["status"])
+            await send(message)
+
+        # Counted here, outside the framework's middleware, a crash's 500 is counted too.
+        await super().__call__(scope, receive, counting_send)
 
     async def _serve_direct(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
         scope["app"] = self

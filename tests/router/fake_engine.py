@@ -177,8 +177,7 @@ class FakeEngine(threading.Thread):
             self._send(replies, ctx, msg.reply_to, started)
         if self.restarts_on_arrival > 0:
             self.restarts_on_arrival -= 1
-            self._active.clear()  # the new process holds nothing
-            self.started_at += 1.0  # and registers as another process under the same id
+            self._restart()
             return
         # n > 1: like the real engines, one request whose choice i answers as ``choice_request_id``.
         for choice_id in choice_ids:
@@ -215,6 +214,11 @@ class FakeEngine(threading.Thread):
         self._emit(active, replies, ctx)
         if active.produced < self._limit(msg):
             self.peers[msg.decode_target.instance_id].handoffs.put((msg, active.produced))
+
+    def _restart(self) -> None:
+        """As a process restarted under the same id: it holds nothing, and registers as another."""
+        self._active.clear()
+        self.started_at += 1.0
 
     def _limit(self, request: GenerateRequest) -> int:
         return min(request.sampling_params.max_tokens, len(self.reply_tokens))
@@ -254,8 +258,7 @@ class FakeEngine(threading.Thread):
                 del self._active[request_id]
             elif self.mode == "restart-once" and active.produced == 3:
                 self.mode = "ok"
-                self._active.clear()  # the new process holds nothing
-                self.started_at += 1.0  # and registers as another process under the same id
+                self._restart()
             elif self.mode == "stall-once" and active.produced == 3:
                 self.mode = "ok"
                 del self._active[request_id]  # silence from here on for this request

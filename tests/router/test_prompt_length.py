@@ -402,22 +402,16 @@ def test_a_burst_of_huge_prompts_does_not_hold_up_short_ones(tokenizer: Any) -> 
     assert short_s < 10, short_s  # held huge prompts would hold it for the whole test's 60 s
 
 
-class _ThreadRecorder:
+class _ThreadRecorder(SpyTokenizer):
     """The real tokenizer, recording the thread each text was encoded on."""
 
     def __init__(self, inner: Any) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self.threads: list[str] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def __len__(self) -> int:
-        return len(self._inner)
 
     def encode(self, text: str, **kwargs: Any) -> Any:
         self.threads.append(threading.current_thread().name)
-        return self._inner.encode(text, **kwargs)
+        return super().encode(text, **kwargs)
 
 
 def test_short_texts_are_tokenized_on_the_loop_and_longer_ones_in_a_worker(tokenizer: Any) -> None:

@@ -17,7 +17,7 @@ lint:
 	$(VENV)/bin/ruff check .
 
 typecheck:
-	$(VENV)/bin/mypy common kernels kvtransfer router prefill_svc decode_svc ops
+	$(VENV)/bin/mypy common pdserve_kernels kvtransfer router prefill_svc decode_svc ops
 
 pytest:
 	bash ops/run_tests.sh $(PYTEST_ARGS)

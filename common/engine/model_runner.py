@@ -20,7 +20,7 @@ from common.model.llama import AttentionMetadata
 from common.model.loader import model_identity, resolve_model_path
 from common.model.weights import load_hf_config, load_model
 from common.protocol import PromptLogprob, TokenLogprob
-from kernels import get_kernels, resolve_backend
+from pdserve_kernels import get_kernels, resolve_backend
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ fragmented remainder, and a frame of one run needs no copy at all. The receiver 
 out of the buffers ZMQ received into: each part is cut at plane boundaries, runs of consecutive
 destination ids get plain slice copies and fragmented ones one index copy per piece.
 
-On CUDA every frame is packed by ``kernels.get_kernels(device)`` (the Triton gather/scatter) and
+On CUDA every frame is packed by ``pdserve_kernels.get_kernels(device)`` (the Triton gather/scatter) and
 passes through pinned host buffers with asynchronous copies on a side stream; each packed or
 unpacked frame carries an event that says when it is done.
 """
@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kernels import get_kernels
 from kvtransfer.blocks.layout import KVLayout
 from kvtransfer.blocks.staging import StagingPool
 from kvtransfer.wire.frames import MAX_DATA_PARTS, BlockRuns, FrameSpec
+from pdserve_kernels import get_kernels
 
 # A run whose bytes in one plane are fewer than this is gathered instead of sent as a view. Every
 # part costs both ends something (a ZMQ message part, a piece to copy on the receiver): measured

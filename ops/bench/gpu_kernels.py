@@ -178,7 +178,7 @@ def paged_layout(k: torch.Tensor, v: torch.Tensor, block_size: int) -> tuple[tor
 
 def run_checks(report: Report, ops: Any, ref: Any) -> None:
     """Small ragged cases per kernel against the reference (in float32 for attention)."""
-    from kernels.triton_decode import run_paged_decode
+    from pdserve_kernels.triton_decode import run_paged_decode
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
 
@@ -257,7 +257,7 @@ def run_checks(report: Report, ops: Any, ref: Any) -> None:
 
 
 def bench_decode(report: Report, args: argparse.Namespace, batch: int, sweep: bool) -> None:
-    from kernels.triton_decode import choose_num_splits, num_sms, run_paged_decode
+    from pdserve_kernels.triton_decode import choose_num_splits, num_sms, run_paged_decode
 
     dtype, h, kvh, d, ctx = DTYPES[args.dtype], args.num_heads, args.num_kv_heads, args.head_size, args.context_len
     scale = d**-0.5
@@ -498,8 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import triton
 
-        from kernels import reference as ref
-        from kernels import triton_ops as ops
+        from pdserve_kernels import reference as ref
+        from pdserve_kernels import triton_ops as ops
     except ImportError as exc:
         print(f"gpu_kernels: cannot import the Triton kernels ({exc}); install triton.", file=sys.stderr)
         return 1

@@ -78,8 +78,8 @@ from common.model.loader import model_identity, resolve_model_path
 from common.model.weights import load_hf_config
 from common.protocol import PositionLogprobs, TokenLogprob
 from common.sampling_params import SamplingParams
-from kernels import get_kernels
 from ops.bench.host_speed import describe, host_speed
+from pdserve_kernels import get_kernels
 
 PHASES = ("schedule", "prepare", "forward", "sample", "outputs")
 CASES = ("greedy", "mixed", "prefill")

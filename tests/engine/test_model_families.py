@@ -19,7 +19,7 @@ from common.model.arch import ModelArch
 from common.model.llama import LlamaForCausalLM, RotaryEmbedding
 from common.model.weights import load_hf_config
 from common.sampling_params import SamplingParams
-from kernels import get_kernels
+from pdserve_kernels import get_kernels
 from tests.engine.test_disaggregated_lifecycle import _drain, _transfer
 from tests.engine.tiny_models import WINDOW, build_checkpoint, family_configs, hf_greedy, prompt_token_ids
 
@@ -110,7 +110,7 @@ def test_family_logits_over_a_prompt_equal_transformers(checkpoint, name: str) -
 
     from common.model.llama import AttentionMetadata
     from common.model.weights import load_hf_config, load_model
-    from kernels import reference
+    from pdserve_kernels import reference
 
     folder = checkpoint(name)
     prompt = prompt_token_ids(PROMPT_LEN)

@@ -12,8 +12,8 @@ import sys
 os.environ["TRITON_INTERPRET"] = "1"
 
 KERNEL_MODULES = (
-    "kernels.triton_common",
-    "kernels.triton_decode", "kernels.triton_prefill", "kernels.triton_kv", "kernels.triton_ops",
+    "pdserve_kernels.triton_common",
+    "pdserve_kernels.triton_decode", "pdserve_kernels.triton_prefill", "pdserve_kernels.triton_kv", "pdserve_kernels.triton_ops",
 )
 
 for _name in KERNEL_MODULES:

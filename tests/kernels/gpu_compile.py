@@ -25,7 +25,7 @@ from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction, native_specialize_impl
 
-from kernels import triton_decode, triton_kv, triton_prefill
+from pdserve_kernels import triton_decode, triton_kv, triton_prefill
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
 

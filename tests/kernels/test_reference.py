@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels import reference
+from pdserve_kernels import reference
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 6, 2, 16
 

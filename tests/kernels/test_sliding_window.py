@@ -12,7 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (see
 import pytest
 import torch
 
-from kernels import reference, triton_decode, triton_prefill
+from pdserve_kernels import reference, triton_decode, triton_prefill
 from tests.kernels.test_triton_kernels import F32, assert_matches_reference, paged_cache, random_query
 
 

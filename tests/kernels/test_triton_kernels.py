@@ -18,8 +18,8 @@ import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
-import kernels
-from kernels import reference, triton_decode, triton_kv, triton_ops, triton_prefill
+import pdserve_kernels as kernels
+from pdserve_kernels import reference, triton_decode, triton_kv, triton_ops, triton_prefill
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # (atol, rtol) against the reference run in float32 on the same (already rounded) inputs: only the
@@ -78,8 +78,8 @@ def test_conftest_reinterprets_kernels_imported_before_it() -> None:
 import os
 os.environ.pop("TRITON_INTERPRET", None)
 import torch
-import kernels.triton_kv as kv
-import kernels.triton_ops as ops
+import pdserve_kernels.triton_kv as kv
+import pdserve_kernels.triton_ops as ops
 from triton.runtime.interpreter import InterpretedFunction
 assert not isinstance(kv._store_kv_kernel, InterpretedFunction)
 import tests.kernels.conftest

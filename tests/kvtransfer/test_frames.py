@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import get_kernels
 from kvtransfer import Allocation, KVLayout
 from kvtransfer.blocks.packing import BlockPacker, BlockUnpacker
 from kvtransfer.blocks.staging import StagingPool
@@ -18,6 +17,7 @@ from kvtransfer.wire.frames import (
     check_parts,
     plan_frames,
 )
+from pdserve_kernels import get_kernels
 
 
 @pytest.mark.parametrize(

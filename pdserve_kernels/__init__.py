@@ -2,7 +2,7 @@
 
 ``get_kernels()`` returns a module-like object with ``store_kv``, ``paged_decode_attention``,
 ``paged_prefill_attention``, ``gather_blocks``, ``scatter_blocks`` and ``copy_blocks`` (signatures
-in ``kernels/reference.py``). The choice follows the device unless ``PDSERVE_KERNEL_BACKEND``
+in ``pdserve_kernels/reference.py``). The choice follows the device unless ``PDSERVE_KERNEL_BACKEND``
 (``torch`` or ``triton``) or the ``backend`` argument overrides it.
 """
 
@@ -27,9 +27,9 @@ def resolve_backend(device: torch.device | str, backend: str | None = None) -> s
 
 def get_kernels(device: torch.device | str = "cpu", backend: str | None = None) -> ModuleType:
     if resolve_backend(device, backend) == "triton":
-        from kernels import triton_ops
+        from pdserve_kernels import triton_ops
 
         return triton_ops
-    from kernels import reference
+    from pdserve_kernels import reference
 
     return reference

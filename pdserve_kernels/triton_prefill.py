@@ -17,8 +17,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton_checks import check_block_tables, check_heads, check_index, check_kv_layer, check_out
-from kernels.triton_common import (
+from pdserve_kernels.triton_checks import (
+    check_block_tables,
+    check_heads,
+    check_index,
+    check_kv_layer,
+    check_out,
+)
+from pdserve_kernels.triton_common import (
     FULL_WINDOW,
     dot,
     dot_constexprs,
@@ -179,7 +185,7 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> Tensor:
-    """Varlen causal chunks over paged context; see ``kernels.reference.paged_prefill_attention``.
+    """Varlen causal chunks over paged context; see ``pdserve_kernels.reference.paged_prefill_attention``.
 
     Single-token chunks run through the same kernel (same result as the reference's decode path).
     Does not modify the cache.

@@ -1,6 +1,6 @@
 """Pure-torch reference kernels: the CPU path and the ground truth for the Triton kernels.
 
-Layouts (shared with kernels/triton_*.py; a Triton kernel must accept exactly these):
+Layouts (shared with pdserve_kernels/triton_*.py; a Triton kernel must accept exactly these):
 
 - ``kv_cache``: one tensor for the whole model, ``[num_layers, 2, num_blocks, block_size,
   num_kv_heads, head_size]``; index 0 of dim 1 is K, 1 is V. A layer's view ``kv_cache[i]`` is

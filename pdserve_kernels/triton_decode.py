@@ -16,8 +16,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton_checks import check_block_tables, check_heads, check_index, check_kv_layer, check_out
-from kernels.triton_common import (
+from pdserve_kernels.triton_checks import (
+    check_block_tables,
+    check_heads,
+    check_index,
+    check_kv_layer,
+    check_out,
+)
+from pdserve_kernels.triton_common import (
     FULL_WINDOW,
     dot,
     dot_constexprs,
@@ -248,7 +254,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> Tensor:
-    """One query token per sequence; see ``kernels.reference.paged_decode_attention``. Cache unmodified."""
+    """One query token per sequence; see ``pdserve_kernels.reference.paged_decode_attention``. Cache unmodified."""
     return run_paged_decode(
         query, kv_layer, block_tables, context_lens, scale, out, sliding_window=sliding_window, soft_cap=soft_cap
     )

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton_checks import check_index, check_kv_cache, check_kv_layer
+from pdserve_kernels.triton_checks import check_index, check_kv_cache, check_kv_layer
 
 MAX_COPY_TILE = 4096  # elements per program when moving blocks
 

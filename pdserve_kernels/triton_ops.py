@@ -1,0 +1,19 @@
+"""The Triton backend: the same names and signatures as ``pdserve_kernels.reference``, run as Triton kernels.
+
+Attention lives in ``triton_decode`` / ``triton_prefill``, KV movement in ``triton_kv``.
+"""
+
+from __future__ import annotations
+
+from pdserve_kernels.triton_decode import paged_decode_attention
+from pdserve_kernels.triton_kv import copy_blocks, gather_blocks, scatter_blocks, store_kv
+from pdserve_kernels.triton_prefill import paged_prefill_attention
+
+__all__ = [
+    "copy_blocks",
+    "gather_blocks",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "scatter_blocks",
+    "store_kv",
+]

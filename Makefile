@@ -5,10 +5,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint typecheck pytest bench-offline bench-kv
+.PHONY: install lock serve test lint typecheck pytest bench-offline bench-kv
 
 install:
 	bash ops/install.sh
+
+# Re-resolve every dependency to its newest allowed version into ops/constraints.txt (then run
+# `make test` and commit it if the suite passes).
+lock:
+	bash ops/lock.sh
 
 serve: install
 	$(VENV)/bin/pdserve up $(ARGS)

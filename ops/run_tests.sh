@@ -20,7 +20,12 @@ XDIST=()
 if [ "$WORKERS" != "0" ]; then
   XDIST=(-n "$WORKERS" --dist loadfile)
 fi
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider "${XDIST[@]}" "$@"
+# In CI, the slowest tests are listed at the end, to watch the suite's time.
+REPORT=()
+if [ -n "${CI:-}" ]; then
+  REPORT=(--durations=15)
+fi
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider "${XDIST[@]}" "${REPORT[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2

@@ -78,7 +78,7 @@ from common.model.loader import model_identity, resolve_model_path
 from common.model.weights import load_hf_config
 from common.protocol import PositionLogprobs, TokenLogprob
 from common.sampling_params import SamplingParams
-from ops.bench.host_speed import describe, host_speed
+from ops.bench.host_speed import cpu_ticks, describe, describe_steal, host_speed, steal_during
 from pdserve_kernels import get_kernels
 
 PHASES = ("schedule", "prepare", "forward", "sample", "outputs")
@@ -441,6 +441,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["rows at the small vocab: the host's share, the sampler's calls over few logits (what a GPU "
                   "would wait on)"]
     lines += [describe(speed) for speed in report.get("host_speed", [])]
+    if report.get("host_steal"):
+        lines.append(f"host, over the cases: {describe_steal(report['host_steal'])}")
     baseline: dict[str, Any] | None = report.get("baseline")
     if baseline is not None:
         lines += ["", f"against the baseline {baseline['path']} ({baseline['clock']} clock): median ms per step, "
@@ -613,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
             report["baseline"] = {"path": args.baseline, "command": base["command"],
                                   "clock": base["config"].get("clock", "wall"), "floor_ms": base["floor_ms"],
                                   "host_speed": base.get("host_speed"), "results": base["results"]}
+        host_ticks = [(time.monotonic(), cpu_ticks())]
         for case in cases:
             for batch_size in batch_sizes:
                 for sampler in samplers:
@@ -622,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{case}, batch {batch_size}, host's share ...", file=sys.stderr, flush=True)
                     share = run_case(case, batch_size, "batched", args, logits[:, : args.host_vocab].contiguous())
                     report["results"].append({**share, "host_share": True})
+        host_ticks.append((time.monotonic(), cpu_ticks()))
+        report["host_steal"] = steal_during(host_ticks, host_ticks[0][0], host_ticks[-1][0])
         report["host_speed"].append(host_speed())
     finally:
         torch.set_num_threads(threads)

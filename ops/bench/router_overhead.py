@@ -32,6 +32,9 @@ For every ``--concurrency`` C and ``--workers`` W it reports:
   C outputs is about this pass);
 * tokens per SSE event: 1 (or the stream interval) unless the router fell behind and sent the
   tokens that queued up for a stream as one event.
+* the host's CPU time taken by the hypervisor over the window (``/proc/stat``'s steal), for all
+  CPUs and each, overall and the most of any 100 ms: on a shared virtual machine a router that was
+  runnable waits that long, so a point's tail can be the host's rather than the router's.
 
 ``--rates R1,R2`` adds open-loop points: at every concurrency C and rate R, each engine steps every
 C / R seconds (times the stream interval) whatever the client has read, R tokens/s offered in all,
@@ -104,7 +107,7 @@ import psutil
 import redis
 
 from ops.bench.fake_stream_engine import EngineLink, FakeStreamEngine, StreamEngineConfig
-from ops.bench.host_speed import describe, host_speed
+from ops.bench.host_speed import CpuTicks, cpu_ticks, describe, describe_steal, host_speed, steal_during
 from ops.launcher import die_with_parent, free_port
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -255,7 +258,8 @@ def _process_cpu_clock(pid: int) -> int | None:
 class CpuSampler(threading.Thread):
     """Samples the summed user + system CPU seconds of ``pids`` every ``interval_s``: from each
     process's CPU-time clock where Linux gives one, else from ``psutil`` (in clock ticks, 10 ms, too
-    coarse for a short point)."""
+    coarse for a short point). Each sample also reads the host's per-CPU steal counters
+    (``host_speed.cpu_ticks``), so a point can say how much of its window the hypervisor took."""
 
     def __init__(self, pids: list[int], interval_s: float = 0.02) -> None:
         super().__init__(name="cpu-sampler", daemon=True)
@@ -263,6 +267,7 @@ class CpuSampler(threading.Thread):
         self._interval_s = interval_s
         self._done = threading.Event()
         self.samples: list[tuple[float, float]] = []
+        self.host: list[tuple[float, CpuTicks]] = []
 
     def _read(self) -> float:
         """The sum now; the last sum again once a process is gone (its time can no longer be read)."""
@@ -278,11 +283,16 @@ class CpuSampler(threading.Thread):
             return self.samples[-1][1] if self.samples else 0.0
         return total
 
+    def _sample(self) -> None:
+        now = time.monotonic()
+        self.samples.append((now, self._read()))
+        self.host.append((now, cpu_ticks()))
+
     def run(self) -> None:
         while not self._done.is_set():
-            self.samples.append((time.monotonic(), self._read()))
+            self._sample()
             self._done.wait(self._interval_s)
-        self.samples.append((time.monotonic(), self._read()))
+        self._sample()
 
     def stop(self) -> None:
         self._done.set()
@@ -680,6 +690,8 @@ def run_point(
         "router_cpu_s": round(cpu_s, 4),
         "router_cpu_us_per_token": round(cpu_s / max(num_tokens, 1) * 1e6, 2),
         "router_cpu_cores": round(cpu_s / window_s, 3),
+        # The host's CPUs taken by the hypervisor over the window: a tail the router did not make.
+        "host_steal": steal_during(sampler.host, window_start, window_end),
         # Engine send to the kernel's receipt of the router's write: what the router added (staggered:
         # over the window's tokens, first tokens of the streams that started in it included).
         "added_latency_ms": _latency(added_ms),
@@ -734,6 +746,14 @@ def format_report(report: dict[str, Any]) -> str:
                 f"router pass over an engine message, {r['concurrency']} streams, "
                 f"{f'{offered:,.0f}' if offered else 'max'} tokens/s, {r.get('arrivals', 'together')}: "
                 f"{m['count']:.0f} messages, mean {m['mean_ms']:.2f} ms, each under {m['longest_under_ms']:g} ms")
+    for r in report["results"]:
+        if r.get("host_steal"):
+            offered = r.get("offered_tokens_per_s")
+            pinned = r.get("pinning", {}).get("router_cpus") or []
+            lines.append(
+                f"host, {r['concurrency']} streams, {f'{offered:,.0f}' if offered else 'max'} tokens/s, "
+                f"{r.get('arrivals', 'together')}: {describe_steal(r['host_steal'])}"
+                + (f" (the router on cpu{', cpu'.join(map(str, pinned))})" if pinned else ""))
     if any(r.get("pinning", {}).get("pinned") for r in report["results"]):
         lines.append("pinned: each router process on a core of its own, the client and engines on the others")
     polls = sorted({r["client_poll_ms"] for r in report["results"] if r.get("client_poll_ms")})
@@ -764,9 +784,14 @@ def format_report(report: dict[str, Any]) -> str:
             f"{TARGET_TOKENS_PER_S:,} tokens/s per process with p99 <= {TARGET_P99_MS} ms: "
             f"{'met' if met else 'not met'} ({r['tokens_per_s_per_process']:,.0f} tokens/s, "
             f"p99 {r['added_latency_ms']['p99']:.2f} ms"
-            f"{f'; write floor {floors[str(TARGET_CONCURRENCY)]:.2f} ms' if str(TARGET_CONCURRENCY) in floors else ''})"
+            f"{f'; write floor {floors[str(TARGET_CONCURRENCY)]:.2f} ms' if str(TARGET_CONCURRENCY) in floors else ''}"
+            f"{_steal_note(r.get('host_steal'))})"
         )
     return "\n".join(lines)
+
+
+def _steal_note(steal: dict[str, dict[str, float]] | None) -> str:
+    return f"; host steal {steal['cpu']['share']:.0%}" if steal and "cpu" in steal else ""
 
 
 def write_plot(report: dict[str, Any], path: Path) -> bool:

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,10 @@ def test_a_short_router_run_measures_tokens_per_second_latency_and_cpu_per_token
     text = router_overhead.format_report(report)
     assert "tok/s/proc" in text and "not judged" in text and "write floor" in text
     assert "router pass over an engine message" in text
+    if sys.platform == "linux":  # the hypervisor's share of the window, read from /proc/stat
+        for r in report["results"]:
+            assert 0.0 <= r["host_steal"]["cpu"]["share"] <= r["host_steal"]["cpu"]["worst_share"] <= 1.0, r
+        assert "stolen by the hypervisor" in text
 
 
 def test_a_polling_client_reads_every_token_and_the_kernel_stamps_come_first(tmp_path: Path) -> None:

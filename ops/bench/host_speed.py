@@ -130,7 +130,7 @@ def steal_during(samples: list[tuple[float, CpuTicks]], start: float, end: float
                 j += 1
             if j == len(inside):
                 break
-            span = _share(ticks[cpu], inside[j][1].get(cpu, ticks[cpu]))
+            span = _share(ticks[cpu], inside[j][1][cpu]) if cpu in ticks and cpu in inside[j][1] else None
             if span is not None:
                 worst = max(worst, span)
         out[cpu] = {"share": round(share, 4)}
@@ -150,4 +150,3 @@ def describe_steal(steal: dict[str, dict[str, float]] | None, span_s: float = 0.
     each = ", ".join(f"{cpu} {one(s)}" for cpu, s in sorted(steal.items()) if cpu != "cpu")
     span = f" (at worst: the most of any {span_s * 1e3:.0f} ms)" if "worst_share" in steal["cpu"] else ""
     return f"stolen by the hypervisor{span}: all CPUs {one(steal['cpu'])}{f', {each}' if each else ''}"
-

@@ -120,7 +120,7 @@ def steal_during(samples: list[tuple[float, CpuTicks]], start: float, end: float
         return {}
     out: dict[str, dict[str, float]] = {}
     for cpu in inside[0][1]:
-        share = _share(inside[0][1][cpu], inside[-1][1].get(cpu, inside[0][1][cpu]))
+        share = _share(inside[0][1][cpu], inside[-1][1][cpu]) if cpu in inside[-1][1] else None
         if share is None:
             continue
         worst, j = share, 0

@@ -66,4 +66,3 @@ def test_this_host_reports_a_share_between_none_and_all() -> None:
         pass
     steal = steal_during([before, (time.monotonic(), cpu_ticks())], before[0], time.monotonic())
     assert "cpu" in steal and 0.0 <= steal["cpu"]["share"] <= 1.0
-

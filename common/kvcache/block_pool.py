@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from itertools import accumulate
+from operator import attrgetter
 
 from common.kvcache.hashing import BlockHash
 
@@ -24,6 +25,8 @@ from common.kvcache.hashing import BlockHash
 # first; in a simulated churn of a 500-block pool under pressure (shared prefixes drawn from a Zipf
 # mix) the prefix-cache hit rate fell from 51% to 50% of prompt tokens. 1 restores strict LRU.
 CONTIGUITY_WINDOW = 2
+
+_BLOCK_ID = attrgetter("block_id")
 
 
 class KVBlock:
@@ -66,6 +69,15 @@ class FreeBlockQueue:
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
 
+    def remove_all(self, blocks: list[KVBlock]) -> None:
+        """``remove`` of each of ``blocks`` (an allocation's, in one call)."""
+        for block in blocks:
+            prev, nxt = block.prev_free, block.next_free
+            assert prev is not None and nxt is not None, f"{block} is not free"
+            prev.next_free, nxt.prev_free = nxt, prev
+            block.prev_free = block.next_free = None
+        self.num_free_blocks -= len(blocks)
+
     def _insert_after(self, anchor: KVBlock, block: KVBlock) -> None:
         assert block.prev_free is None and block.next_free is None, f"{block} is already free"
         nxt = anchor.next_free
@@ -88,6 +100,15 @@ class FreeBlockQueue:
         while node is not None and node is not self._tail:
             yield node
             node = node.next_free
+
+    def first(self, num_blocks: int) -> list[KVBlock]:
+        """The first ``num_blocks`` free blocks (fewer if there are fewer), next victim first."""
+        out: list[KVBlock] = []
+        node, tail = self._head.next_free, self._tail
+        while node is not None and node is not tail and len(out) < num_blocks:
+            out.append(node)
+            node = node.next_free
+        return out
 
 
 class BlockPool:
@@ -131,16 +152,18 @@ class BlockPool:
         """
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        queue = self.free_queue
         if num_blocks <= 1 or self.contiguity_window <= 1:
-            out = [self.free_queue.popleft() for _ in range(num_blocks)]
+            out = [queue.popleft() for _ in range(num_blocks)]
         else:
             out = self._runs_to_take(num_blocks)
-            for block in out:
-                self.free_queue.remove(block)
+            queue.remove_all(out)
+        evict = self._evict
         for block in out:
-            self._evict(block)
+            if block.block_hash is not None:
+                evict(block)
             block.ref_cnt = 1
-        out.sort(key=lambda b: b.block_id)
+        out.sort(key=_BLOCK_ID)
         return out
 
     def _runs_to_take(self, num_blocks: int) -> list[KVBlock]:
@@ -148,30 +171,39 @@ class BlockPool:
 
         Longest runs first (fewest runs for the count); among equally long runs, the one whose
         oldest block comes first in the queue. O(window log window); does not modify the queue.
+        Per allocation on the scheduler's path (a batch of prompts is a call each), so the runs are
+        found with one sort of the window's ids and a pass over them, each run kept as a tuple that
+        sorts by itself.
         """
-        window: list[tuple[int, KVBlock]] = []  # (place in the queue, block)
-        for place, block in enumerate(self.free_queue):
-            if place >= self.contiguity_window * num_blocks:
-                break
-            window.append((place, block))
-        window.sort(key=lambda pb: pb[1].block_id)
-        runs: list[list[tuple[int, KVBlock]]] = []
-        for pb in window:
-            if runs and runs[-1][-1][1].block_id + 1 == pb[1].block_id:
-                runs[-1].append(pb)
+        window = self.free_queue.first(self.contiguity_window * num_blocks)
+        ids = [block.block_id for block in window]
+        order = sorted(range(len(window)), key=ids.__getitem__)  # places, by block id
+        # Each run: (-length, its oldest place, where it starts in ``order``); no two share a place.
+        runs: list[tuple[int, int, int]] = []
+        start, oldest, prev_id = 0, order[0], ids[order[0]]
+        for i in range(1, len(order)):
+            place = order[i]
+            block_id = ids[place]
+            if block_id == prev_id + 1:
+                if place < oldest:
+                    oldest = place
             else:
-                runs.append([pb])
-        runs.sort(key=lambda run: (-len(run), min(place for place, _ in run)))
+                runs.append((start - i, oldest, start))
+                start, oldest = i, place
+            prev_id = block_id
+        runs.append((start - len(order), oldest, start))
+        runs.sort()
         out: list[KVBlock] = []
-        for run in runs:
+        for neg_len, _, start in runs:
             need = num_blocks - len(out)
             if need <= 0:
                 break
-            if len(run) > need:  # the stretch of the run whose blocks are oldest (least place sum)
-                sums = list(accumulate((place for place, _ in run), initial=0))
-                best = min(range(len(run) - need + 1), key=lambda i: sums[i + need] - sums[i])
-                run = run[best : best + need]
-            out.extend(block for _, block in run)
+            places = order[start : start - neg_len]
+            if len(places) > need:  # the stretch of the run whose blocks are oldest (least place sum)
+                sums = list(accumulate(places, initial=0))
+                best = min(range(len(places) - need + 1), key=lambda i: sums[i + need] - sums[i])
+                places = places[best : best + need]
+            out.extend([window[place] for place in places])
         return out
 
     def _evict(self, block: KVBlock) -> None:

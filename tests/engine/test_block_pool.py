@@ -11,7 +11,7 @@ import time
 from collections import Counter
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -349,6 +349,60 @@ def test_several_blocks_come_as_one_run_from_the_oldest_window_instead_of_scatte
     assert all(pool.get_cached_block(_h(i)) is None for i in taken)
     # Everything else stays cached, in its eviction order.
     assert [b.block_id for b in pool.free_queue] == [0, 8, 1, 9, 2, 3, 10, 11]
+    pool.check_integrity()
+
+
+def _reference_runs_to_take(queue: list[KVBlock], num_blocks: int, contiguity_window: int) -> list[int]:
+    """The allocation's choice written plainly, as it was first written: the window's blocks sorted by
+    id, cut into runs, runs taken longest first (the one with the oldest block first among equals),
+    a run longer than needed giving the stretch of least total place (the first such)."""
+    window = list(enumerate(queue[: contiguity_window * num_blocks]))
+    window.sort(key=lambda pb: pb[1].block_id)
+    runs: list[list[tuple[int, KVBlock]]] = []
+    for pb in window:
+        if runs and runs[-1][-1][1].block_id + 1 == pb[1].block_id:
+            runs[-1].append(pb)
+        else:
+            runs.append([pb])
+    runs.sort(key=lambda run: (-len(run), min(place for place, _ in run)))
+    out: list[int] = []
+    for run in runs:
+        need = num_blocks - len(out)
+        if need <= 0:
+            break
+        if len(run) > need:
+            sums = [0]
+            for place, _ in run:
+                sums.append(sums[-1] + place)
+            best = min(range(len(run) - need + 1), key=lambda i: sums[i + need] - sums[i])
+            run = run[best : best + need]
+        out.extend(block.block_id for _, block in run)
+    return sorted(out)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    order=st.permutations(list(range(24))).flatmap(
+        lambda perm: st.tuples(st.just(perm), st.integers(1, 24), st.integers(2, 24), st.integers(2, 4))
+    )
+)
+def test_an_allocation_takes_the_blocks_the_plain_rule_picks(order: tuple[list[int], int, int, int]) -> None:
+    """Whatever the free queue's order, ``get_new_blocks`` takes exactly the blocks of the rule as first
+    written (``_reference_runs_to_take``), and leaves the rest of the queue in its order."""
+    perm, num_free, num_blocks, window = order
+    num_blocks = min(num_blocks, num_free)
+    pool = BlockPool(24, contiguity_window=window)
+    blocks = pool.get_new_blocks(24)
+    for i in perm[:num_free]:  # freed in this order: the queue holds them oldest first
+        pool.cache_full_block(blocks[i], _h(i))
+        pool.free_blocks([blocks[i]])
+    queue = list(pool.free_queue)
+    expected = (
+        _reference_runs_to_take(queue, num_blocks, window) if num_blocks > 1 else [queue[0].block_id]
+    )
+    taken = [b.block_id for b in pool.get_new_blocks(num_blocks)]
+    assert taken == expected
+    assert [b.block_id for b in pool.free_queue] == [b.block_id for b in queue if b.block_id not in taken]
     pool.check_integrity()
 
 

@@ -155,8 +155,13 @@ class KVCacheManager:
             if end == (first + 1) * bs:
                 self.cache_blocks(seq)
             return
+        fill, added = self._slot_fill, 0  # ``_fill`` of each block it advanced through, inlined
         for i in range(first, min(self.cdiv(end), len(ids))):
-            self._fill(ids[i], min(bs, end - i * bs))
+            block_id, num_slots = ids[i], min(bs, end - i * bs)
+            if num_slots > fill[block_id]:
+                added += num_slots - fill[block_id]
+                fill[block_id] = num_slots
+        self.num_filled_slots += added
         self.cache_blocks(seq)
 
     def cache_blocks(self, seq: SequenceLike) -> None:
@@ -166,8 +171,9 @@ class KVCacheManager:
         blocks = self.req_blocks.get(seq.request_id, [])
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes), len(blocks))
         start = self._num_hashed.get(seq.request_id, 0)
+        cache_full_block, hashes = self.pool.cache_full_block, seq.block_hashes
         for i in range(start, num_full):
-            self.pool.cache_full_block(blocks[i], seq.block_hashes[i])
+            cache_full_block(blocks[i], hashes[i])
         self._num_hashed[seq.request_id] = max(start, num_full)
 
     def fork(self, parent: SequenceLike, child: SequenceLike) -> None:

@@ -10,7 +10,7 @@ to hand out runs of consecutive ids.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import accumulate
 from operator import attrgetter
 
@@ -63,14 +63,10 @@ class FreeBlockQueue:
         return block
 
     def remove(self, block: KVBlock) -> None:
-        assert block.prev_free is not None and block.next_free is not None, f"{block} is not free"
-        block.prev_free.next_free = block.next_free
-        block.next_free.prev_free = block.prev_free
-        block.prev_free = block.next_free = None
-        self.num_free_blocks -= 1
+        self.remove_all((block,))
 
-    def remove_all(self, blocks: list[KVBlock]) -> None:
-        """``remove`` of each of ``blocks`` (an allocation's, in one call)."""
+    def remove_all(self, blocks: Sequence[KVBlock]) -> None:
+        """Unlink each of ``blocks`` (an allocation's, in one call), wherever it is in the queue."""
         for block in blocks:
             prev, nxt = block.prev_free, block.next_free
             assert prev is not None and nxt is not None, f"{block} is not free"

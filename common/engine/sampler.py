@@ -293,7 +293,7 @@ class Sampler:
         if plan is None or not plan.fits(requests, vocab, x.device, chunk):
             plan = self._plan = _BatchPlan(requests, self.eos_token_ids, vocab, x.device, chunk)
         if plan.plain or not plan.has_work():  # all greedy, nothing else: one argmax
-            return SampledTokens(x.argmax(dim=-1))
+            return SampledTokens(argmax_rows(x))
         k_max = plan.k_max
         results = [
             self._sample_rows(x[start : start + chunk], requests[start : start + chunk], chunk_plan,
@@ -321,7 +321,7 @@ class Sampler:
             x = _take(logits, group.index)  # each row is copied at most once: here, or for a penalty
             x_owned = owned or x is not logits
             y = self._penalized(x, group, x_owned)
-            ids = self._draw(y, group, owned=x_owned or y is not x) if group.draw else y.argmax(dim=-1)
+            ids = self._draw(y, group, owned=x_owned or y is not x) if group.draw else argmax_rows(y)
             _put(token_ids, group.index, ids)
         if raw is None:
             return token_ids, None
@@ -516,7 +516,39 @@ def _race(sub: Tensor, keys: Tensor) -> Tensor:
         return sub.div_(noise).argmax(dim=-1)
     r, t = sub.nonzero(as_tuple=True)
     sub[r, t] = sub[r, t] / exponentials(keys[r], t)
-    return sub.argmax(dim=-1)
+    return argmax_rows(sub)
+
+
+# ``argmax_rows`` on the CPU: the width of the blocks it takes the maxima of, and the sizes from which
+# that beats one ``argmax`` (below them, its few extra calls cost more than they save).
+ARGMAX_BLOCK = 128
+ARGMAX_BLOCKED_MIN_VOCAB = 1024
+ARGMAX_BLOCKED_MIN_ENTRIES = 1 << 15
+
+
+def argmax_rows(x: Tensor) -> Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D tensor, the same index (the first maximum; the first NaN where a
+    row has one), in about a tenth of the time on the CPU over a vocabulary's rows.
+
+    The CPU's ``argmax`` is a scalar loop (about 2.3 ns per entry on the host it was measured on), its
+    ``amax`` a vectorised one (about 0.2). So a row's maxima are taken per block of ``ARGMAX_BLOCK``
+    entries with ``amax``; the first block holding the row's maximum is the ``argmax`` of those, and the
+    ``argmax`` within that block alone gives the index. Elsewhere (a GPU's ``argmax`` is one kernel either
+    way) and over small rows it is the plain ``argmax``.
+    """
+    num_rows, vocab = x.shape
+    if x.device.type != "cpu" or vocab < ARGMAX_BLOCKED_MIN_VOCAB or num_rows * vocab < ARGMAX_BLOCKED_MIN_ENTRIES:
+        return x.argmax(dim=-1)
+    width = ARGMAX_BLOCK
+    num_blocks, tail = divmod(vocab, width)
+    block_max = x[:, : num_blocks * width].unflatten(1, (num_blocks, width)).amax(dim=-1)
+    if tail:  # a last, shorter block
+        block_max = torch.cat([block_max, x[:, num_blocks * width :].amax(dim=-1, keepdim=True)], dim=1)
+    start = block_max.argmax(dim=-1, keepdim=True) * width
+    # The winning block's entries; a last, shorter block is padded with copies of the row's last entry,
+    # which come after it and so never come first.
+    columns = (start + torch.arange(width, device=x.device)).clamp_(max=vocab - 1)
+    return start.squeeze(1) + x.gather(1, columns).argmax(dim=-1)
 
 
 def _inverse_cdf(probs: Tensor, generator: torch.Generator) -> Tensor:

@@ -31,8 +31,9 @@ the JSON of an earlier run (say, before a change, made in the same session) and 
 beside the new ones.
 
 Each case runs with the batched sampler (``common.engine.sampler``) and with ``_PerRowSampler``, a
-copy of the per-row sampler it replaced, kept here for comparison only. "floor" is one
-``argmax`` over the step's ``[B, vocab]`` logits: a single pass over them on this machine.
+copy of the per-row sampler it replaced, kept here for comparison only. "floor" is the sampler's
+argmax (``argmax_rows``) over the step's ``[B, vocab]`` logits: about one pass over them on this
+machine, what an all-greedy step's sampling cannot go below.
 
 The host's share. On this machine the CPU is also the device, so the sample phase includes the
 sampler's tensor work over ``[B, vocab]`` logits, which beside a GPU runs on the GPU while the host
@@ -73,7 +74,7 @@ from common.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.model_runner import ModelRunner
 from common.engine.request import Request
-from common.engine.sampler import SampleResult, draw_keys, exponentials
+from common.engine.sampler import SampleResult, argmax_rows, draw_keys, exponentials
 from common.model.loader import model_identity, resolve_model_path
 from common.model.weights import load_hf_config
 from common.protocol import PositionLogprobs, TokenLogprob
@@ -383,13 +384,13 @@ def run_case(
 
 
 def floor_ms(logits: Tensor, batch_size: int, num_iters: int = 10, clock: str = "wall") -> float:
-    """Median ms of one ``argmax`` over ``batch_size`` rows of the logits: one pass over them."""
+    """Median ms of the sampler's argmax over ``batch_size`` rows of the logits: about one pass over them."""
     rows = logits[:batch_size]
     now = CLOCKS[clock]
     times = []
     for _ in range(num_iters):
         start = now()
-        rows.argmax(dim=-1).tolist()
+        argmax_rows(rows).tolist()
         times.append(now() - start)
     return statistics.median(times) * 1e3
 
@@ -435,7 +436,7 @@ def format_report(report: dict[str, Any]) -> str:
             + (f"{r['torch_ops']['step']:>11}{r['torch_ops']['sample']:>9}" if "torch_ops" in r else "")
         )
     lines += ["", "no sample: schedule + prepare + outputs (what is left with a free sampler and forward); "
-              "floor: one argmax over the step's [batch, vocab] logits; sample x: per-row sample time / batched; "
+              "floor: the sampler's argmax over the step's [batch, vocab] logits; sample x: per-row sample time / batched; "
               "torch ops: dispatched in one step, views apart (on a GPU, kernel launches), and in its sampler"]
     if any(_is_host_share(r) for r in results):
         lines += ["rows at the small vocab: the host's share, the sampler's calls over few logits (what a GPU "

@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from msgspec.structs import replace
 
 import common.engine.sampler as sampler_module
 from common.engine.engine import LLMEngine
 from common.engine.request import Request
-from common.engine.sampler import Sampler, apply_top_p
+from common.engine.sampler import Sampler, apply_top_p, argmax_rows
 from common.protocol import PositionLogprobs
 from common.sampling_params import SamplingParams
 from tests.engine.conftest import hf_greedy, hf_model, prompt_ids, tokenizer
@@ -643,3 +645,26 @@ def test_the_race_equals_argmax_of_probs_over_the_whole_rows_noise_for_narrow_wi
         noise = sampler_module.exponentials(keys[i], torch.arange(vocab))
         assert int(got[i]) == int((probs[row] / noise).argmax()), row
     assert int(got[rows.index(6)]) == 0 and int(got[rows.index(8)]) == 30
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    num_rows=st.integers(16, 40), vocab=st.integers(2048, 3000), levels=st.integers(1, 6),
+    specials=st.lists(st.sampled_from([float("nan"), float("inf"), float("-inf")]), max_size=6),
+    seed=st.integers(0, 2**31),
+)
+def test_argmax_rows_picks_torch_argmax_index_with_ties_nans_and_infinities(num_rows, vocab, levels, specials, seed):
+    """The CPU's blocked argmax (block maxima, then the first winning block's own argmax) gives the very
+    index of ``torch.argmax``: the first maximum, the first NaN, over whole blocks and a shorter last one.
+    Few distinct values make ties across blocks common; some rows are all one value or all -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (num_rows, vocab), generator=gen).float()
+    rows = torch.randint(0, num_rows, (len(specials),), generator=gen).tolist()
+    cols = torch.randint(0, vocab, (len(specials),), generator=gen).tolist()
+    for value, row, col in zip(specials, rows, cols, strict=True):
+        x[row, col] = value
+    x[0] = float("-inf")
+    x[1, -1] = levels  # the maximum in the last (shorter) block
+    assert num_rows * vocab >= sampler_module.ARGMAX_BLOCKED_MIN_ENTRIES  # the blocked path, not the plain one
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x[3:]), x[3:].argmax(dim=-1))  # a chunk of rows, as the sampler passes

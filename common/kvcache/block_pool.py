@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from itertools import accumulate
-from operator import attrgetter
+from operator import attrgetter, sub
 
 from common.kvcache.hashing import BlockHash
 
@@ -190,14 +190,18 @@ class BlockPool:
         runs.append((start - len(order), oldest, start))
         runs.sort()
         out: list[KVBlock] = []
-        for neg_len, _, start in runs:
+        for k, (neg_len, _, start) in enumerate(runs):
             need = num_blocks - len(out)
             if need <= 0:
+                break
+            if neg_len == -1:  # single blocks from here on, oldest first (often every run: one pass)
+                out += [window[place] for _, place, _ in runs[k : k + need]]
                 break
             places = order[start : start - neg_len]
             if len(places) > need:  # the stretch of the run whose blocks are oldest (least place sum)
                 sums = list(accumulate(places, initial=0))
-                best = min(range(len(places) - need + 1), key=lambda i: sums[i + need] - sums[i])
+                costs = list(map(sub, sums[need:], sums[: len(sums) - need]))  # stretch i: sums[i + need] - sums[i]
+                best = costs.index(min(costs))  # the first of the least, as ``min`` with a key picks
                 places = places[best : best + need]
             out.extend([window[place] for place in places])
         return out

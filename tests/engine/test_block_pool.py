@@ -416,6 +416,15 @@ def test_a_long_free_run_gives_its_oldest_stretch():
     assert [b.block_id for b in pool.get_new_blocks(3)] == [7, 8, 9]
 
 
+def test_equally_old_stretches_of_a_run_give_the_first_by_id():
+    pool = BlockPool(4, contiguity_window=2)
+    blocks = pool.get_new_blocks(4)
+    for i in (0, 2, 3, 1):  # queue places by id: 0, 3, 1, 2; stretches of 2 sum to 3, 4, 3
+        pool.cache_full_block(blocks[i], _h(i))
+        pool.free_blocks([blocks[i]])
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [0, 1]
+
+
 def test_a_requests_tail_block_is_evicted_before_its_head():
     kv = KVCacheManager(8, BS)
     req = Request("r", list(range(3 * BS + 1)), SamplingParams(), block_size=BS, model_id="m")

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -109,6 +109,16 @@ def _to_pinned(t: Tensor) -> Tensor:
     return host.copy_(t, non_blocking=True)
 
 
+class _Race(NamedTuple):
+    """Seeded rows of a group that draw together: their index in the group (None: every row), their
+    requests, their seeds' keys, and whether the CPU should compute their noise for whole rows."""
+
+    rows: Tensor | None
+    requests: list[Request]
+    seed_keys: Tensor
+    whole_rows: bool
+
+
 class _Group:
     """The greedy, or the sampled, rows of a chunk, and what their steps share while the chunk holds
     the same requests in the same order: row indices and parameter tensors, built once."""
@@ -151,9 +161,20 @@ class _Group:
         self.min_p = min_p
         self.min_p_values = float_tensor([params[i].min_p for i in min_p], device).unsqueeze(1)
         seeded = [i for i, r in enumerate(reqs) if r.draw_seed is not None]
-        self.seeded_index = _index(seeded, len(rows), device)
-        self.seeded_requests = [reqs[i] for i in seeded]
-        self.seed_keys = seed_keys([reqs[i].draw_seed or 0 for i in seeded], device) if seeded else None
+        # The seeded rows' races (``_race``). On the CPU, over a vocabulary's rows, the rows that no
+        # top-k, top-p or min-p thins out race apart, over their whole rows at once.
+        whole = [i for i in seeded if not (0 < params[i].top_k < vocab or params[i].top_p < 1.0 or params[i].min_p > 0.0)]
+        if device.type == "cpu" and vocab >= WHOLE_ROW_RACE_MIN_VOCAB and 0 < len(whole) < len(seeded):
+            whole_set = set(whole)
+            thinned = [i for i in seeded if i not in whole_set]
+            parts = [(whole, True), (thinned, False)]
+        elif seeded:
+            parts = [(seeded, len(whole) == len(seeded))]
+        else:
+            parts = []
+        self.races = [_Race(_index(part, len(rows), device), [reqs[i] for i in part],
+                            seed_keys([reqs[i].draw_seed or 0 for i in part], device), whole_rows)
+                      for part, whole_rows in parts]
         unseeded = [i for i, r in enumerate(reqs) if r.draw_seed is None]
         self.unseeded, self.unseeded_index = unseeded, _index(unseeded, len(rows), device)
 
@@ -416,12 +437,12 @@ class Sampler:
             sub.masked_fill_(sub < group.min_p_values * sub.amax(dim=-1, keepdim=True), 0.0)
             _put(probs, group.min_p_index, sub)
         token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)
-        if group.seed_keys is not None:
-            positions = long_tensor([len(r.output_token_ids) for r in group.seeded_requests], dev)
-            keys = _keys_at(group.seed_keys, positions)
-            # ``_race`` writes into its rows: their own copy, or ``probs`` itself when every row is seeded
-            # (then no unseeded row reads it after).
-            _put(token_ids, group.seeded_index, _race(_take(probs, group.seeded_index), keys))
+        for race in group.races:
+            positions = long_tensor([len(r.output_token_ids) for r in race.requests], dev)
+            keys = _keys_at(race.seed_keys, positions)
+            # ``_race`` writes into its rows: their own copy, or ``probs`` itself when every row is in this
+            # race (then no other row reads it after).
+            _put(token_ids, race.rows, _race(_take(probs, race.rows), keys, race.whole_rows))
         if group.unseeded:
             _put(token_ids, group.unseeded_index,
                  _inverse_cdf(_take(probs, group.unseeded_index), self._generator(dev)))
@@ -466,17 +487,23 @@ _MIX_1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX_2 = 0x94D049BB133111EB - (1 << 64)
 
 
-def _mix64(z: Tensor) -> Tensor:
-    """splitmix64's output function on an int64 tensor."""
-    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _MIX_1
-    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _MIX_2
-    return z ^ ((z >> 31) & ((1 << 33) - 1))
+def _mix64_(z: Tensor) -> Tensor:
+    """splitmix64's output function on an int64 tensor, in place (``z`` is overwritten and returned):
+    over a row's worth of entries, every temporary of the plain expression was a fresh allocation of
+    its size (above glibc's mmap threshold on the CPU, so fresh pages each time); this takes one."""
+    t = z >> 30
+    z ^= t.bitwise_and_((1 << 34) - 1)
+    z *= _MIX_1
+    z ^= torch.bitwise_right_shift(z, 27, out=t).bitwise_and_((1 << 37) - 1)
+    z *= _MIX_2
+    z ^= torch.bitwise_right_shift(z, 31, out=t).bitwise_and_((1 << 33) - 1)
+    return z
 
 
 def seed_keys(seeds: list[int], device: torch.device | str = "cpu") -> Tensor:
     """int64 ``[rows]``: the part of ``draw_keys`` that depends on the seed alone."""
     signed = [(s & 0xFFFFFFFFFFFFFFFF) - ((s >> 63 & 1) << 64) for s in seeds]
-    return _mix64(long_tensor(signed, device))
+    return _mix64_(long_tensor(signed, device))
 
 
 def draw_keys(seeds: list[int], draw_indices: list[int], device: torch.device | str = "cpu") -> Tensor:
@@ -487,37 +514,46 @@ def draw_keys(seeds: list[int], draw_indices: list[int], device: torch.device | 
 
 def _keys_at(seed_keys: Tensor, draw_indices: Tensor) -> Tensor:
     """``draw_keys`` from ``seed_keys`` of the seeds."""
-    return _mix64(seed_keys + draw_indices * _GOLDEN)
+    return _mix64_(seed_keys + draw_indices * _GOLDEN)
 
 
 def exponentials(keys: Tensor, token_ids: Tensor) -> Tensor:
     """Exp(1) noise (float32) for entries ``token_ids`` of draws ``keys`` (int64, broadcast together):
     the uniform at position ``t`` of the splitmix64 stream from the key, to 53 bits, as
     ``float32(-log1p(-u))`` (the formula of the CPU's ``exponential_``)."""
-    z = _mix64(keys + (token_ids + 1) * _GOLDEN)
-    u = ((z >> 11) & ((1 << 53) - 1)).double().mul_(2.0**-53)
-    return torch.log1p(u.neg_()).neg_().float()
+    z = _mix64_(torch.add(keys, (token_ids + 1).mul_(_GOLDEN)))
+    u = z.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1).double().mul_(2.0**-53)
+    return u.neg_().log1p_().neg_().float()
 
 
-def _race(sub: Tensor, keys: Tensor) -> Tensor:
+def _race(sub: Tensor, keys: Tensor, whole_rows: bool = False) -> Tensor:
     """For each row of ``sub``, ``argmax(sub[i] / E)`` with ``E`` its draw's noise (``exponentials`` of
     ``keys[i]``); ties go to the lowest token id, as ``argmax``'s. Writes into ``sub``.
 
-    On a GPU the noise is computed for whole rows in one batch. On the CPU the logarithms are most
-    of a draw's cost and a token of probability zero cannot win, so they are taken only over the
-    entries of positive probability (top-k, top-p and min-p leave a few hundred tokens, or fewer),
-    for all the rows at once, and each score is written over its probability: the zeros left around
-    them lose to any positive score, and ``argmax`` then makes of a row without one (all zeros, or
-    NaNs) what it makes of the whole row's race.
+    On a GPU the noise is computed for whole rows in one batch, and so on the CPU for ``whole_rows``
+    (rows that no filter thinned out: nearly every entry positive). Otherwise on the CPU the
+    logarithms are most of a draw's cost and a token of probability zero cannot win, so they are
+    taken only over the entries of positive probability (top-k, top-p and min-p leave a few hundred
+    tokens, or fewer), for all the rows at once, and each score is written over its probability: the
+    zeros left around them lose to any positive score, and ``argmax`` then makes of a row without one
+    (all zeros, or NaNs) what it makes of the whole row's race. Both give the same token: a zero's
+    score is zero either way.
     """
     num_rows, vocab = sub.shape
-    if sub.device.type != "cpu":
+    if sub.device.type != "cpu" or whole_rows:
         noise = exponentials(keys.unsqueeze(1), torch.arange(vocab, device=sub.device).unsqueeze(0))
-        return sub.div_(noise).argmax(dim=-1)
-    r, t = sub.nonzero(as_tuple=True)
-    sub[r, t] = sub[r, t] / exponentials(keys[r], t)
+        return argmax_rows(sub.div_(noise))
+    flat = sub.view(-1)  # ``sub`` is a fresh tensor: rows taken from ``probs``, or ``probs`` itself
+    index = flat.nonzero().squeeze(1)
+    r = index.div(vocab, rounding_mode="floor")
+    t = index - r * vocab
+    flat.index_copy_(0, index, flat.index_select(0, index).div_(exponentials(keys.index_select(0, r), t)))
     return argmax_rows(sub)
 
+
+# On the CPU the seeded rows that no filter thins out race over whole rows from this vocabulary size
+# (about 24 ns per entry of the row, against 42 per positive entry over the positive entries alone).
+WHOLE_ROW_RACE_MIN_VOCAB = 1024
 
 # ``argmax_rows`` on the CPU: the width of the blocks it takes the maxima of, and the sizes from which
 # that beats one ``argmax`` (below them, its few extra calls cost more than they save).

@@ -421,6 +421,8 @@ BATCH_KINDS = [
     SamplingParams(temperature=1.0, min_tokens=2, top_k=5, seed=16),
     SamplingParams(temperature=1.1, top_p=0.7),  # unseeded: checked against the reference's support
     SamplingParams(temperature=0.6, top_k=8, repetition_penalty=0.8),
+    SamplingParams(temperature=0.9, seed=17),  # seeded, no filter: on the CPU, the whole-row race
+    SamplingParams(temperature=1.0, repetition_penalty=1.1, seed=18),
 ]
 
 
@@ -641,6 +643,7 @@ def test_the_race_equals_argmax_of_probs_over_the_whole_rows_noise_for_narrow_wi
     rows = [r for r in range(num_rows) if r != 5]
     keys = sampler_module.draw_keys([100 + r for r in rows], [r % 3 for r in rows])
     got = sampler_module._race(probs[rows], keys)
+    assert torch.equal(sampler_module._race(probs[rows], keys, whole_rows=True), got)
     for i, row in enumerate(rows):
         noise = sampler_module.exponentials(keys[i], torch.arange(vocab))
         assert int(got[i]) == int((probs[row] / noise).argmax()), row

@@ -121,14 +121,20 @@ class InputBatch:
             num_new_t = long_tensor(num_new)
             ends = num_new_t.cumsum(0)
             num_tokens = int(ends[-1])
-            token_seq = torch.arange(num_seqs).repeat_interleave(num_new_t, output_size=num_tokens)
-            # A token's position: its sequence's start plus its offset in this step's chunk.
-            positions = torch.arange(num_tokens) + (start_t - ends + num_new_t)[token_seq]
+            # Per token, repeated from its sequence's values (no gather over the tokens): a token's
+            # position is its index in the step plus its sequence's start less where its chunk begins.
+            positions = torch.arange(num_tokens).add_(
+                (start_t - ends + num_new_t).repeat_interleave(num_new_t, output_size=num_tokens)
+            )
             context_lens = start_t + num_new_t
             query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
             query_start_loc[1:] = ends
             sample_idx = ends - 1
-            slot_blocks = block_tables[token_seq, positions // bs]
+            # Each token's block: its table row's start in the flattened tables plus its block there.
+            width = block_tables.shape[1]
+            table_index = torch.arange(0, num_seqs * width, width).repeat_interleave(num_new_t, output_size=num_tokens)
+            table_index += torch.div(positions, bs, rounding_mode="floor")
+            slot_blocks = block_tables.reshape(-1).index_select(0, table_index)
         if not all(completes):
             sample_idx = sample_idx[bool_tensor(completes)]
         return BatchInputs(

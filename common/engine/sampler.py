@@ -163,18 +163,14 @@ class _Group:
         seeded = [i for i, r in enumerate(reqs) if r.draw_seed is not None]
         # The seeded rows' races (``_race``). On the CPU, over a vocabulary's rows, the rows that no
         # top-k, top-p or min-p thins out race apart, over their whole rows at once.
-        whole = [i for i in seeded if not (0 < params[i].top_k < vocab or params[i].top_p < 1.0 or params[i].min_p > 0.0)]
-        if device.type == "cpu" and vocab >= WHOLE_ROW_RACE_MIN_VOCAB and 0 < len(whole) < len(seeded):
-            whole_set = set(whole)
-            thinned = [i for i in seeded if i not in whole_set]
-            parts = [(whole, True), (thinned, False)]
-        elif seeded:
-            parts = [(seeded, len(whole) == len(seeded))]
-        else:
-            parts = []
+        thins = [0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
+        thinned = [i for i in seeded if thins[i]]
+        whole = [i for i in seeded if not thins[i]]
+        split = device.type == "cpu" and vocab >= WHOLE_ROW_RACE_MIN_VOCAB
+        parts = [(whole, True), (thinned, False)] if split else [(seeded, not thinned)]
         self.races = [_Race(_index(part, len(rows), device), [reqs[i] for i in part],
                             seed_keys([reqs[i].draw_seed or 0 for i in part], device), whole_rows)
-                      for part, whole_rows in parts]
+                      for part, whole_rows in parts if part]
         unseeded = [i for i, r in enumerate(reqs) if r.draw_seed is None]
         self.unseeded, self.unseeded_index = unseeded, _index(unseeded, len(rows), device)
 
@@ -566,7 +562,7 @@ def argmax_rows(x: Tensor) -> Tensor:
     """``x.argmax(dim=-1)`` of a 2-D tensor, the same index (the first maximum; the first NaN where a
     row has one), in about a tenth of the time on the CPU over a vocabulary's rows.
 
-    The CPU's ``argmax`` is a scalar loop (about 2.3 ns per entry on the host it was measured on), its
+    The CPU's ``argmax`` is a scalar loop (about 2.2 ns per entry on the host it was measured on), its
     ``amax`` a vectorised one (about 0.2). So a row's maxima are taken per block of ``ARGMAX_BLOCK``
     entries with ``amax``; the first block holding the row's maximum is the ``argmax`` of those, and the
     ``argmax`` within that block alone gives the index. Elsewhere (a GPU's ``argmax`` is one kernel either

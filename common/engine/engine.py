@@ -23,6 +23,7 @@ from common.engine.model_runner import ModelRunner
 from common.engine.request import FINISHED, Request, RequestStatus
 from common.engine.sampler import SampledTokens, Sampler
 from common.engine.scheduler import Scheduler, SchedulerOutput
+from common.glibc_env import set_malloc_thresholds
 from common.kvcache.hashing import BlockHash
 from common.kvcache.kv_cache_manager import KVCacheManager
 from common.protocol import MAX_PROMPT_LOGPROB_ENTRIES, PositionLogprobs, PromptLogprob, choice_request_id
@@ -104,6 +105,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
+        # Weights and KV cache in place: from now on large buffers come back step after step.
+        set_malloc_thresholds()
         self.model_id = self.runner.model_id
         self.block_size = config.block_size
         self.max_model_len = self.runner.max_model_len

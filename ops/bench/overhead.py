@@ -23,7 +23,10 @@ Cases, each at every ``--batch-sizes`` B with ``--prompt-len`` token prompts:
 
 Each case also counts the torch operations one more step dispatches (views, which launch no
 kernel, left out), in all and in the sampler: beside a GPU each is a kernel launch the host pays
-for, and unlike a time the count does not move with the host's load.
+for, and unlike a time the count does not move with the host's load. And the minor page faults per
+measured step: fresh pages the C heap took from the kernel for the step's temporaries (the engine
+sets malloc's thresholds so that it reuses them, ``common.glibc_env``; ``--glibc-defaults`` leaves
+glibc's own, to measure what that does).
 
 ``--clock wall`` (the default) reads ``time.perf_counter``; ``--clock cpu`` reads the thread's CPU time
 (``time.thread_time``), which other processes on a shared host disturb far less. ``--baseline`` takes
@@ -56,6 +59,7 @@ import argparse
 import datetime
 import json
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -75,6 +79,7 @@ from common.engine.engine import LLMEngine
 from common.engine.model_runner import ModelRunner
 from common.engine.request import Request
 from common.engine.sampler import SampleResult, argmax_rows, draw_keys, exponentials
+from common.glibc_env import keep_malloc_defaults, malloc_thresholds_state
 from common.model.loader import model_identity, resolve_model_path
 from common.model.weights import load_hf_config
 from common.protocol import PositionLogprobs, TokenLogprob
@@ -351,13 +356,17 @@ def run_case(
             engine.step()
     num_tokens = batch_size * (prompt_len if case == "prefill" else 1)
     steps: list[dict[str, float]] = []
+    faults = 0
     for i in range(warmup + num_steps):
         if case == "prefill":
             add_requests()
         clock.current = {}
+        faults_before = minor_faults()
         start = clock.now()
         outputs = engine.step()
         total = clock.now() - start
+        if i >= warmup:
+            faults += minor_faults() - faults_before
         t = clock.current
         if clock.last["schedule"].num_tokens != num_tokens or len(outputs) != batch_size:
             raise RuntimeError(f"{case}: a step ran {clock.last['schedule'].num_tokens} tokens and "
@@ -380,7 +389,15 @@ def run_case(
         "case": case, "batch_size": batch_size, "sampler": sampler_kind, "vocab": vocab, "num_steps": num_steps,
         "phases_ms": {name: _summary([s[name] for s in steps]) for name in (*PHASES, "total")},
         "torch_ops": {"step": sum(counter.counts.values()), "sample": counter.counts.get("sample", 0)},
+        "minor_faults_per_step": faults / num_steps,
     }
+
+
+def minor_faults() -> int:
+    """Minor page faults of this thread so far (of the process where the thread's own count is not
+    kept): fresh pages the kernel handed out, each a trap and a zeroed page."""
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    return resource.getrusage(who).ru_minflt
 
 
 def floor_ms(logits: Tensor, batch_size: int, num_iters: int = 10, clock: str = "wall") -> float:
@@ -418,7 +435,7 @@ def format_report(report: dict[str, Any]) -> str:
     results: list[dict[str, Any]] = report["results"]
     header = (f"{'case':<8}{'batch':>6}  {'sampler':<8}{'vocab':>7}{'total (p90)':>17}"
               + "".join(f"{p:>10}" for p in PHASES) + f"{'no sample':>11}{'floor':>9}{'sample x':>10}"
-              + f"{'torch ops':>11}{'(sample)':>9}")
+              + f"{'torch ops':>11}{'(sample)':>9}{'faults':>9}")
     lines = [f"host ms per step, median (p90 of the total); null forward, {report['machine']['torch_threads']} "
              f"torch thread(s), {report['machine']['device']}", header, "-" * len(header)]
     for r in results:
@@ -434,10 +451,13 @@ def format_report(report: dict[str, Any]) -> str:
             + "".join(f"{ph[p]['median']:>10.2f}" for p in PHASES)
             + f"{_without_sampling(r):>11.2f}{report['floor_ms'][str(r['batch_size'])]:>9.2f}{speedup:>10}"
             + (f"{r['torch_ops']['step']:>11}{r['torch_ops']['sample']:>9}" if "torch_ops" in r else "")
+            + (f"{r['minor_faults_per_step']:>9.0f}" if "minor_faults_per_step" in r else "")
         )
     lines += ["", "no sample: schedule + prepare + outputs (what is left with a free sampler and forward); "
               "floor: the sampler's argmax over the step's [batch, vocab] logits; sample x: per-row sample time / batched; "
-              "torch ops: dispatched in one step, views apart (on a GPU, kernel launches), and in its sampler"]
+              "torch ops: dispatched in one step, views apart (on a GPU, kernel launches), and in its sampler; "
+              "faults: minor page faults per step (fresh pages the C heap took from the kernel; malloc's "
+              f"thresholds: {report['machine'].get('malloc_thresholds', 'not recorded')})"]
     if any(_is_host_share(r) for r in results):
         lines += ["rows at the small vocab: the host's share, the sampler's calls over few logits (what a GPU "
                   "would wait on)"]
@@ -562,6 +582,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wall: time.perf_counter; cpu: this thread's CPU time (steadier on a shared host)")
     p.add_argument("--baseline", default=None, metavar="PATH",
                    help="JSON of an earlier run whose totals are printed beside this run's")
+    p.add_argument("--glibc-defaults", action="store_true",
+                   help="leave malloc's thresholds at glibc's own (the engine sets them otherwise; "
+                        "common.glibc_env): to measure what they do")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="default: ops/bench/results/overhead-cpu-<date>.json")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG next to the JSON")
@@ -592,6 +615,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("batch sizes, --prompt-len and --num-steps must be positive, --warmup not negative")
     if args.host_vocab and args.host_vocab < 128:
         raise SystemExit("--host-vocab is 0 (skip) or at least 128 (top-k 100 needs that many logits)")
+    if args.glibc_defaults and not keep_malloc_defaults():
+        raise SystemExit("--glibc-defaults: this process has already set malloc's thresholds")
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -629,6 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         host_ticks.append((time.monotonic(), cpu_ticks()))
         report["host_steal"] = steal_during(host_ticks, host_ticks[0][0], host_ticks[-1][0])
         report["host_speed"].append(host_speed())
+        report["machine"]["malloc_thresholds"] = malloc_thresholds_state()
     finally:
         torch.set_num_threads(threads)
     print(format_report(report))

@@ -20,7 +20,7 @@ from msgspec.structs import replace
 import common.engine.sampler as sampler_module
 from common.engine.engine import LLMEngine
 from common.engine.request import Request
-from common.engine.sampler import Sampler, apply_top_p, argmax_rows
+from common.engine.sampler import Sampler, apply_top_p, argmax_rows, topk_rows
 from common.protocol import PositionLogprobs
 from common.sampling_params import SamplingParams
 from tests.engine.conftest import hf_greedy, hf_model, prompt_ids, tokenizer
@@ -671,3 +671,33 @@ def test_argmax_rows_picks_torch_argmax_index_with_ties_nans_and_infinities(num_
     assert num_rows * vocab >= sampler_module.ARGMAX_BLOCKED_MIN_ENTRIES  # the blocked path, not the plain one
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(argmax_rows(x[3:]), x[3:].argmax(dim=-1))  # a chunk of rows, as the sampler passes
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    num_rows=st.integers(16, 40), vocab=st.integers(2048, 3000), k=st.integers(1, 64), levels=st.integers(1, 50),
+    specials=st.lists(st.sampled_from([float("nan"), float("inf"), float("-inf")]), max_size=6),
+    seed=st.integers(0, 2**31),
+)
+def test_topk_rows_gives_torch_topk_values_with_ties_nans_and_infinities(num_rows, vocab, k, levels, specials, seed):
+    """The CPU's blocked top-k (the k blocks of the largest maxima, then ``topk`` over their entries and
+    those past the last whole block) gives the very values of ``torch.topk``, largest first, NaN first,
+    each from a distinct entry that holds it. Few distinct values make ties across blocks common; the
+    largest entries sit in the shorter tail now and then; some rows are all one value or all -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (num_rows, vocab), generator=gen).float()
+    rows = torch.randint(0, num_rows, (len(specials),), generator=gen).tolist()
+    cols = torch.randint(0, vocab, (len(specials),), generator=gen).tolist()
+    for value, row, col in zip(specials, rows, cols, strict=True):
+        x[row, col] = value
+    x[0] = float("-inf")
+    x[1, -k:] = levels  # the row's largest entries past its last whole block (for most widths)
+    x[2] = 3.0
+    # The blocked path, not the plain one: blocks of at least the smallest width fit.
+    assert k * sampler_module.TOPK_MIN_BLOCK * sampler_module.TOPK_ROW_PER_CANDIDATE <= vocab
+    assert num_rows * vocab >= sampler_module.ARGMAX_BLOCKED_MIN_ENTRIES
+    for chunk in (x, x[3:]):  # the whole batch, and a chunk of rows as the sampler passes
+        values, indices = topk_rows(chunk, k)
+        torch.testing.assert_close(values, chunk.topk(k, dim=-1).values, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(chunk.gather(1, indices), values, rtol=0, atol=0, equal_nan=True)
+        assert all(len(set(row)) == k for row in indices.tolist())  # k distinct entries per row

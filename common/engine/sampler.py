@@ -598,12 +598,13 @@ def topk_rows(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     The CPU's ``topk`` walks every entry in a scalar loop (about 2.5 ns per entry on the host it was
     measured on, for ``k`` 1 as for 100). So a row's maxima are taken per block of ``width`` entries with
     the vectorised ``amax``, and the ``k`` blocks of the largest maxima (with any entries past the last
-    whole block) are the candidates, ``topk`` then runs over them alone. They hold the row's top ``k``:
+    whole block) are the candidates: ``topk`` runs over them alone. They hold the row's top ``k``:
     any entry above the ``k``-th largest block maximum lies in a block whose maximum is above it too, so
     in a chosen block; and the chosen blocks' maxima are ``k`` entries at least as large as that
     maximum, so the ``k``-th largest value is never below it. The width is the largest power of two up to
-    ``TOPK_MAX_BLOCK`` for which the candidates are at most a ``TOPK_ROW_PER_CANDIDATE``-th of the row;
-    under ``TOPK_MIN_BLOCK``, on a GPU, and over small rows, it is the plain ``topk``.
+    ``TOPK_MAX_BLOCK`` for which the candidates are at most a ``TOPK_ROW_PER_CANDIDATE``-th of the row.
+    Where that width would be under ``TOPK_MIN_BLOCK`` (a large ``k``), on a GPU, and over small rows,
+    it is the plain ``topk``.
     """
     num_rows, vocab = x.shape
     width = TOPK_MAX_BLOCK

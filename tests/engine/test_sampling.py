@@ -650,6 +650,19 @@ def test_the_race_equals_argmax_of_probs_over_the_whole_rows_noise_for_narrow_wi
     assert int(got[rows.index(6)]) == 0 and int(got[rows.index(8)]) == 30
 
 
+def _tied_rows(num_rows: int, vocab: int, levels: int, specials: list[float], seed: int) -> torch.Tensor:
+    """``[num_rows, vocab]`` of ``levels`` distinct values (ties across blocks are common), ``specials``
+    (NaN, infinities) at random places, and row 0 all -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (num_rows, vocab), generator=gen).float()
+    rows = torch.randint(0, num_rows, (len(specials),), generator=gen).tolist()
+    cols = torch.randint(0, vocab, (len(specials),), generator=gen).tolist()
+    for value, row, col in zip(specials, rows, cols, strict=True):
+        x[row, col] = value
+    x[0] = float("-inf")
+    return x
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     num_rows=st.integers(16, 40), vocab=st.integers(2048, 3000), levels=st.integers(1, 6),
@@ -660,13 +673,7 @@ def test_argmax_rows_picks_torch_argmax_index_with_ties_nans_and_infinities(num_
     """The CPU's blocked argmax (block maxima, then the first winning block's own argmax) gives the very
     index of ``torch.argmax``: the first maximum, the first NaN, over whole blocks and a shorter last one.
     Few distinct values make ties across blocks common; some rows are all one value or all -inf."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, levels, (num_rows, vocab), generator=gen).float()
-    rows = torch.randint(0, num_rows, (len(specials),), generator=gen).tolist()
-    cols = torch.randint(0, vocab, (len(specials),), generator=gen).tolist()
-    for value, row, col in zip(specials, rows, cols, strict=True):
-        x[row, col] = value
-    x[0] = float("-inf")
+    x = _tied_rows(num_rows, vocab, levels, specials, seed)
     x[1, -1] = levels  # the maximum in the last (shorter) block
     assert num_rows * vocab >= sampler_module.ARGMAX_BLOCKED_MIN_ENTRIES  # the blocked path, not the plain one
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
@@ -684,13 +691,7 @@ def test_topk_rows_gives_torch_topk_values_with_ties_nans_and_infinities(num_row
     those past the last whole block) gives the very values of ``torch.topk``, largest first, NaN first,
     each from a distinct entry that holds it. Few distinct values make ties across blocks common; the
     largest entries sit in the shorter tail now and then; some rows are all one value or all -inf."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, levels, (num_rows, vocab), generator=gen).float()
-    rows = torch.randint(0, num_rows, (len(specials),), generator=gen).tolist()
-    cols = torch.randint(0, vocab, (len(specials),), generator=gen).tolist()
-    for value, row, col in zip(specials, rows, cols, strict=True):
-        x[row, col] = value
-    x[0] = float("-inf")
+    x = _tied_rows(num_rows, vocab, levels, specials, seed)
     x[1, -k:] = levels  # the row's largest entries past its last whole block (for most widths)
     x[2] = 3.0
     # The blocked path, not the plain one: blocks of at least the smallest width fit.

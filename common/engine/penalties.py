@@ -82,7 +82,12 @@ class TokenRows:
                 self._grow(len(holders), n)
                 num_cols = self.ids.shape[1]
             old = written[row]  # a request's tokens only grow, so its row's first ``old`` hold
-            if n > old:
+            if n == old + 1:  # a decode step's one new token
+                set_rows.append(row)
+                set_cols.append(old)
+                set_ids.append(tokens[old])
+                written[row] = n
+            elif n > old:
                 if n - old > 64:  # a new row, or one far behind: one write of its own
                     long_writes.append((row, old, tokens[old:n]))
                 else:

@@ -6,14 +6,19 @@ Two glibc defaults make an engine's large buffers dearer than they need be:
   is about to overwrite. From 256 KiB on, non-temporal stores write straight to memory, which
   for a cold KV cache roughly halves the copy of a received KV frame into the cache.
 - malloc serves an allocation above its mmap threshold with a fresh mapping, unmapped again when
-  it is freed, and hands the free top of its heap back to the kernel (``madvise``) past its trim
-  threshold. Both adapt upwards only as far as 32 MiB, and an allocation as large as the one that
-  raised the threshold is still mapped afresh: so every received multi-MB KV message, and on the
-  CPU every step's logits, sampling temporaries and activations of a few MB to a few hundred,
-  faulted in zeroed pages each time. (The null-forward bench at batch 256 over the default model's
-  49,152 logits, mixed sampling parameters: 12,000 to 29,000 minor faults per step; with the
-  thresholds below, 4 to 225; see ``ops/bench/results/README.md``.) With allocations up to 256 MiB
-  served from the heap and up to 1 GiB of free memory kept at its top, the buffers are reused.
+  it is freed, and hands the free top of its heap back to the kernel past its trim threshold. Both
+  adapt, upwards only, as far as 32 MiB, and on the way the temporaries of a step (a received
+  multi-MB KV message; on the CPU, sampling temporaries and activations of a few MB) came back as
+  fresh, zeroed pages. (The null-forward bench at batch 256 over the default model's 49,152 logits,
+  mixed sampling parameters: 12,000 to 31,000 minor faults per step; with the thresholds below, a
+  few hundred at most; see ``ops/bench/results/README.md``.) With both fixed, allocations up to
+  32 MiB come from the heap, and up to 1 GiB of free memory may stay at its top.
+
+  The cost is memory: what the heap took stays with the process. A buffer of the same size taken
+  and freed step after step, with small allocations living on between, settled at about eight
+  times its size of free heap (measured with ``mallinfo2``: 240 MiB for 30 MiB), so the threshold
+  stays at glibc's own ceiling: above it, a step's buffers (the logits of a large decode batch) are
+  mappings of their own, faulted in afresh but given back.
 
 ``python -m ops.bench.kv_transfer_bench --glibc-defaults`` measures the KV receive path without them;
 ``pdserve bench overhead`` reports the minor page faults per step.
@@ -40,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 TUNABLES = {
     "glibc.cpu.x86_non_temporal_threshold": hex(256 << 10),
-    "glibc.malloc.mmap_threshold": str(256 << 20),
+    "glibc.malloc.mmap_threshold": str(32 << 20),
     "glibc.malloc.trim_threshold": str(1 << 30),
 }
 

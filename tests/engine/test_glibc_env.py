@@ -111,7 +111,7 @@ def test_malloc_thresholds_set_in_process_keep_a_steps_buffers_on_the_heap() -> 
     done, state, mapped, faults = _steps("set")
     assert (done, state) == (True, "set in process")
     assert mapped < 24  # the 24 MiB buffer came from the heap
-    assert faults < 100  # and the steps reuse its pages: 7,680 pages a step were new
+    assert faults < 100  # and the steps reuse its pages (7,680 a step if every one were new)
     # glibc's own mmap threshold starts at 128 KiB: the first 24 MiB buffer is a mapping of its own.
     done, state, mapped, faults = _steps("defaults")
     assert (done, state) == (False, "glibc defaults")

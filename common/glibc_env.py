@@ -10,7 +10,7 @@ Two glibc defaults make an engine's large buffers dearer than they need be:
   adapt, upwards only, as far as 32 MiB, and on the way the temporaries of a step (a received
   multi-MB KV message; on the CPU, sampling temporaries and activations of a few MB) came back as
   fresh, zeroed pages. (The null-forward bench at batch 256 over the default model's 49,152 logits,
-  mixed sampling parameters: 12,000 to 31,000 minor faults per step; with the thresholds below, a
+  mixed sampling parameters: 12,000 to 43,000 minor faults per step; with the thresholds below, a
   few hundred at most; see ``ops/bench/results/README.md``.) With both fixed, allocations up to
   32 MiB come from the heap, and up to 1 GiB of free memory may stay at its top.
 

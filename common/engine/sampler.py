@@ -557,6 +557,13 @@ ARGMAX_BLOCKED_MIN_VOCAB = 1024
 ARGMAX_BLOCKED_MIN_ENTRIES = 1 << 15
 
 
+def _blocks_pay(x: Tensor) -> bool:
+    """Whether ``argmax_rows`` and ``topk_rows`` take block maxima over ``x`` (2-D): on the CPU, over rows
+    and a batch large enough."""
+    num_rows, vocab = x.shape
+    return x.device.type == "cpu" and vocab >= ARGMAX_BLOCKED_MIN_VOCAB and num_rows * vocab >= ARGMAX_BLOCKED_MIN_ENTRIES
+
+
 def argmax_rows(x: Tensor) -> Tensor:
     """``x.argmax(dim=-1)`` of a 2-D tensor, the same index (the first maximum; the first NaN where a
     row has one), in about a tenth of the time on the CPU over a vocabulary's rows.
@@ -567,8 +574,8 @@ def argmax_rows(x: Tensor) -> Tensor:
     ``argmax`` within that block alone gives the index. Elsewhere (a GPU's ``argmax`` is one kernel either
     way) and over small rows it is the plain ``argmax``.
     """
-    num_rows, vocab = x.shape
-    if x.device.type != "cpu" or vocab < ARGMAX_BLOCKED_MIN_VOCAB or num_rows * vocab < ARGMAX_BLOCKED_MIN_ENTRIES:
+    vocab = x.shape[1]
+    if not _blocks_pay(x):
         return x.argmax(dim=-1)
     width = ARGMAX_BLOCK
     num_blocks, tail = divmod(vocab, width)
@@ -610,8 +617,7 @@ def topk_rows(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     width = TOPK_MAX_BLOCK
     while width >= TOPK_MIN_BLOCK and width * k * TOPK_ROW_PER_CANDIDATE > vocab:
         width //= 2
-    if (x.device.type != "cpu" or width < TOPK_MIN_BLOCK or vocab < ARGMAX_BLOCKED_MIN_VOCAB
-            or num_rows * vocab < ARGMAX_BLOCKED_MIN_ENTRIES):
+    if width < TOPK_MIN_BLOCK or not _blocks_pay(x):
         top = x.topk(k, dim=-1)
         return top.values, top.indices
     num_blocks = vocab // width

@@ -537,25 +537,66 @@ def test_the_counter_based_noise_is_splitmix64_and_exponential():
     assert abs(float(sample.mean()) - 1) < 0.01 and abs(float(sample.double().var()) - 1) < 0.02
 
 
-@pytest.mark.parametrize("window", [64, 5000])
-def test_top_p_on_a_window_of_the_largest_probabilities_equals_a_full_sort(window):
-    vocab, num_rows = 2000, 40
-    gen = torch.Generator().manual_seed(window)
-    scales = torch.linspace(0.3, 8.0, num_rows).unsqueeze(1)
-    probs = torch.softmax(torch.randn(num_rows, vocab, generator=gen) * scales, dim=-1)
-    top_p = torch.rand(num_rows, 1, generator=gen) * 0.9 + 0.05
+def _top_p_by_full_sort(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The reference: each row sorted whole, its entries kept while the mass before them is under top_p."""
     expected = probs.clone()
-    for row in range(num_rows):
+    for row in range(len(probs)):
         sorted_probs, order = torch.sort(probs[row], descending=True)
         drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= float(top_p[row])
         expected[row, order[drop]] = 0.0
-    window_mass = probs.topk(min(window, vocab), dim=-1).values.cumsum(dim=-1)[:, -1]
-    num_in_window = int((window_mass >= top_p[:, 0]).sum())
-    if window < vocab:
-        assert 0 < num_in_window < num_rows, "both the window and the full-sort path were meant to run"
+    return expected
+
+
+@pytest.mark.parametrize(("window", "vocab"), [(64, 2000), (5000, 2000), (16, 1500), (256, 49152), (1499, 1500)])
+@pytest.mark.parametrize("kind", ["plain", "ties", "top-k zeros", "near 1"])
+def test_top_p_on_a_window_of_the_largest_probabilities_equals_a_full_sort(window, vocab, kind):
+    """From a window of each row's largest entries, then (rows whose window's last entry stays) the sorted
+    values of the whole row: the tokens a full sort keeps. Where values tie at the cutoff, as many of
+    them as the full sort keeps and no other entry (which of the tied ones is unspecified). "near 1":
+    tied values and a top-p whose nucleus is the whole row or all but its last few entries, where the
+    rounding of the mass before an entry decides."""
+    num_rows = 40
+    gen = torch.Generator().manual_seed(window + vocab)
+    scales = torch.linspace(0.3, 8.0, num_rows).unsqueeze(1)
+    logits = torch.randn(num_rows, vocab, generator=gen) * scales
+    if kind in ("ties", "near 1"):
+        logits = (logits * 2).round() / 2
+    if kind == "top-k zeros":
+        logits[logits < logits.topk(40, dim=-1).values[:, -1:]] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
+    top_p = torch.rand(num_rows, 1, generator=gen) * 0.9 + 0.05
+    if kind == "near 1":
+        top_p[:] = 0.9999999
+    expected = _top_p_by_full_sort(probs, top_p)
     got = probs.clone()
     apply_top_p(got, top_p, window)
-    assert torch.equal(got, expected)
+    if kind not in ("ties", "near 1"):
+        assert torch.equal(got, expected)
+    assert torch.equal((got > 0).sum(dim=-1), (expected > 0).sum(dim=-1))
+    assert torch.equal(got.sort(dim=-1).values, expected.sort(dim=-1).values)
+    assert torch.equal(got[got > 0], probs[got > 0])
+    # Every entry above the smallest kept one stays: only tied entries may differ from the reference.
+    smallest_kept = got.masked_fill(got == 0, float("inf")).amin(dim=-1, keepdim=True)
+    assert not ((probs > smallest_kept) & (got == 0)).any()
+    if kind == "plain" and 4 * window <= vocab:
+        window_mass = probs.topk(window, dim=-1).values.cumsum(dim=-1)[:, -1]
+        num_in_window = int((window_mass >= top_p[:, 0]).sum())
+        assert 0 < num_in_window < num_rows, "both the window and the whole rows were meant to run"
+
+
+def test_top_p_keeps_a_row_of_nans_whole_and_runs_rows_past_two_windows():
+    """A NaN row (a model's NaN logits) passes through as a full sort leaves it in the window (no crash,
+    no index out of range); a flat row's nucleus outgrows the window and the window 16 times as large."""
+    vocab = 49152
+    probs = torch.softmax(torch.randn(3, vocab, generator=torch.Generator().manual_seed(0)) * 0.1, dim=-1)
+    probs[1] = float("nan")
+    top_p = torch.tensor([[0.9], [0.9], [0.5]])
+    expected = _top_p_by_full_sort(probs, top_p)
+    got = probs.clone()
+    apply_top_p(got, top_p, 64)  # 64, then 1,024, then the whole row
+    assert int((got[0] > 0).sum()) > 1024 and int((got[2] > 0).sum()) > 1024
+    assert torch.equal(got[[0, 2]], expected[[0, 2]])
+    assert got[1].isnan().any()
 
 
 # Upper 0.1% points of the chi-square distribution by degrees of freedom (scipy is not a dependency).

@@ -411,7 +411,7 @@ class Sampler:
     def _draw(self, logits: Tensor, group: _Group, owned: bool) -> Tensor:
         """One draw per row, every row sampled (the exponential race for a seeded row, the inverse CDF
         for the others); writes into ``logits`` only if ``owned``."""
-        num_rows, vocab = logits.shape
+        num_rows = logits.shape[0]
         dev = logits.device
         if group.scale is not None:
             logits = logits.div_(group.scale) if owned else logits / group.scale
@@ -425,8 +425,7 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         if group.top_p:
             sub = _take(probs, group.top_p_index)
-            # A branch on the data costs nothing on the CPU; on a GPU it would be a sync, and sorting is cheap.
-            apply_top_p(sub, group.top_p_values, TOP_P_WINDOW if dev.type == "cpu" else vocab)
+            apply_top_p(sub, group.top_p_values, TOP_P_WINDOW)
             _put(probs, group.top_p_index, sub)
         if group.min_p:
             sub = _take(probs, group.min_p_index)
@@ -462,10 +461,11 @@ def apply_top_p(probs: Tensor, top_p: Tensor, window: int) -> None:
     Only the ``window`` largest entries of a row are sorted when the last of them is dropped (then every
     entry past them is too, exactly as a full sort would find: the mass before an entry, as rounded,
     only grows along the row); other rows go on through ``_top_p_by_values``. Deciding which rows
-    those are reads the data, so pass ``window >= vocab`` on a GPU: each row is sorted whole.
+    those are reads the data, which costs nothing on the CPU and would be a sync on a GPU, where
+    sorting is cheap: there each row is sorted whole, whatever ``window``.
     """
     vocab = probs.shape[-1]
-    window = min(window, vocab)
+    window = min(window, vocab) if probs.device.type == "cpu" else vocab
     values, order = topk_rows(probs, window) if window < vocab else probs.sort(dim=-1, descending=True)
     cum = values.cumsum(dim=-1)
     drop = cum - values >= top_p
@@ -500,7 +500,7 @@ def _top_p_by_values(probs: Tensor, top_p: Tensor, window: int) -> None:
         # Their ``window`` largest values in descending order: the end of each sorted row, reversed.
         stop = vocab - window - 1 if window < vocab else None
         desc = torch.from_numpy(np.ascontiguousarray(ascending[rows.numpy(), :stop:-1]))
-        last[rows], count[rows], ties[rows] = _nucleus_cut(desc, top_p[rows], window=window < vocab)
+        last[rows], count[rows], ties[rows] = _nucleus_cut(desc, top_p[rows], partial=window < vocab)
         rows = rows[count[rows, 0] == -1]
         window *= 16
     probs.masked_fill_(probs < last, 0.0)
@@ -512,8 +512,8 @@ def _top_p_by_values(probs: Tensor, top_p: Tensor, window: int) -> None:
         row_probs[(row_probs == last[row]).nonzero()[int(count[row]) - above :, 0]] = 0.0
 
 
-def _nucleus_cut(desc: Tensor, top_p: Tensor, window: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Per row of values in descending order (a row's largest if ``window``, else all of them), by
+def _nucleus_cut(desc: Tensor, top_p: Tensor, partial: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row of values in descending order (a row's largest if ``partial``, else all of them), by
     ``apply_top_p``'s rule (an entry stays while the mass before it is under ``top_p``; the first always
     stays): the last value the nucleus keeps and how many it keeps (``[rows, 1]``; -1 where it keeps
     every one of a row's largest, so that more may stay), and whether entries equal to that value may be
@@ -526,7 +526,7 @@ def _nucleus_cut(desc: Tensor, top_p: Tensor, window: bool) -> tuple[Tensor, Ten
     last = desc.gather(1, count - 1)
     # Sorted, so the entries equal to ``last`` are one stretch: more of them than stay if the next one is.
     ties = (count < width) & (desc.gather(1, count.clamp(max=width - 1)) == last) & (last > 0)
-    if window:  # every entry of the window stays: the next may too (the prefix is exact)
+    if partial:  # every entry of the window stays: the next may too (the prefix is exact)
         count.masked_fill_(count == width, -1)
     return last, count, ties[:, 0]
 

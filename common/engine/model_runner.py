@@ -37,6 +37,10 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches its kernels on the current device, not on their tensors': make it this one
+            # (for this thread, the one that runs the engine's steps).
+            torch.cuda.set_device(self.device)
         self.model_path = resolve_model_path(config.model)
         self.model_id = model_identity(self.model_path)
         self.hf_config = load_hf_config(self.model_path)

@@ -62,3 +62,24 @@ def test_the_engine_section_runs_its_modes_on_the_cpu() -> None:
     assert [len(t) for t in tokens["eager"]] == [5, 5]
     assert runs["padded"][2] == 4 and runs["eager"][2] == runs["async"][2] == 0  # steps through the buffers
     assert all(run[1] > 0 for run in runs.values())  # a median decode step was timed
+
+
+def test_a_section_that_raises_is_a_failed_check_and_the_others_still_run(tmp_path: Path) -> None:
+    """A crash in a section (a capture that raises, say) fails the run: a report whose checks all passed
+    must not hide a section that never reached them. The sections after it still run and save."""
+    report = gpu_kernels.Report(tmp_path, {"device": "fake card"})
+    ran: list[str] = []
+
+    def broken() -> None:
+        ran.append("broken")
+        raise RuntimeError("capture failed")
+
+    def fine() -> None:
+        ran.append("fine")
+        report.check("a passing check", lambda: (0.0, 0.0))
+
+    failed = gpu_kernels.run_sections(report, [("engine", broken), ("after", fine)], started=0.0)
+    assert ran == ["broken", "fine"]
+    assert failed == ["section engine ran to its end"]
+    assert "capture failed" in report.checks[0]["error"]
+    assert report.json_path.exists() and "section engine" in report.md_path.read_text()

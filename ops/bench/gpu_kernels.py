@@ -362,7 +362,7 @@ def _at_most(count: float, allowed: float) -> tuple[float, float]:
 
 
 def _exact(count: float) -> tuple[float, float]:
-    return count, 0.0
+    return _at_most(count, 0.0)
 
 
 # Graphs on against graphs off: the tokens compared per sequence, whose differences are judged.
@@ -526,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-tokens", type=int, default=64, help="tokens each engine request generates")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
+
     if not torch.cuda.is_available():
         print("gpu_kernels: no CUDA device is available; this check and benchmark needs an NVIDIA GPU.",
               file=sys.stderr)

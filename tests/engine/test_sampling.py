@@ -585,8 +585,8 @@ def test_top_p_on_a_window_of_the_largest_probabilities_equals_a_full_sort(windo
 
 
 def test_top_p_keeps_a_row_of_nans_whole_and_runs_rows_past_two_windows():
-    """A NaN row (a model's NaN logits) passes through as a full sort leaves it in the window (no crash,
-    no index out of range); a flat row's nucleus outgrows the window and the window 16 times as large."""
+    """A NaN row (a model's NaN logits) stays NaN, with no crash and no index out of range; a flat row's
+    nucleus outgrows the window and the window 16 times as large."""
     vocab = 49152
     probs = torch.softmax(torch.randn(3, vocab, generator=torch.Generator().manual_seed(0)) * 0.1, dim=-1)
     probs[1] = float("nan")

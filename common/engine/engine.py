@@ -94,6 +94,8 @@ class _Launched:
 
 # A transfer may be reading or writing these requests' blocks: only ``release_kv`` frees them.
 _TRANSFER_STATES = (RequestStatus.HELD_FOR_TRANSFER, RequestStatus.WAITING_FOR_REMOTE_KV)
+NOT_FINITE_ERROR = "the model's logits for this request were not finite (NaN or infinity)"
+
 _FINISHED = {
     "stop": RequestStatus.FINISHED_STOPPED,
     "length": RequestStatus.FINISHED_LENGTH,
@@ -478,6 +480,11 @@ class LLMEngine:
         for req, token, lp in zip(launched.requests, result.token_ids, result.logprobs, strict=True):
             if req.status >= FINISHED:  # aborted while in flight: the token is dropped
                 continue
+            if token < 0:  # the model's logits for it were not finite: it fails, the batch goes on
+                req.drop_placeholder()
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+                outputs.append(self._output(req, [], None, "error", NOT_FINITE_ERROR))
+                continue
             if req.has_placeholder:  # async: the one this row left (a request holds at most one)
                 # Before the next step's progress is marked: a block this token fills is cached
                 # then, under the hash this computes.
@@ -530,12 +537,12 @@ class LLMEngine:
         return None
 
     def _output(
-        self, req: Request, tokens: list[int], lp: PositionLogprobs | None, reason: str | None
+        self, req: Request, tokens: list[int], lp: PositionLogprobs | None, reason: str | None,
+        error: str = "a sampled token left the request's grammar",
     ) -> EngineOutput:
         return EngineOutput(
             req.request_id, tokens, None if lp is None else [lp], reason, len(req.prompt_token_ids),
-            req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
-            "a sampled token left the request's grammar" if reason == "error" else None,
+            req.num_cached_tokens if req.num_cached_tokens > 0 else 0, error if reason == "error" else None,
         )
 
     def _track_slot_use(self) -> None:

@@ -152,6 +152,13 @@ class Request:
         self.all_token_ids.append(-1 - row)
         self.has_placeholder = True
 
+    def drop_placeholder(self) -> None:
+        """Async scheduling: take the placeholder back (its token will never come); nothing if none."""
+        if self.has_placeholder:
+            self.output_token_ids.pop()
+            self.all_token_ids.pop()
+            self.has_placeholder = False
+
     def resolve_placeholder(self, token_id: int) -> None:
         """The sampled token in place of the placeholder, taken as ``append_output_token`` takes one."""
         self.output_token_ids.pop()

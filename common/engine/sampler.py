@@ -40,6 +40,7 @@ temperature), as vLLM reports them by default.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -78,21 +79,26 @@ class SampledTokens:
 
     def __init__(
         self, token_ids: Tensor, table: Tensor | None = None,
-        logprob_rows: list[tuple[int, int]] | None = None, k_max: int = 0,
+        logprob_rows: list[tuple[int, int]] | None = None, k_max: int = 0, finite: Tensor | None = None,
     ) -> None:
         self.token_ids = token_ids
         self._logprob_rows = logprob_rows or []
         self._k_max = k_max
         self._event: torch.cuda.Event | None = None
+        # A row whose logits were not ``finite`` reaches the host as -1; on the device it keeps a valid id,
+        # which a next step in flight may read as an input it never samples from.
+        ids = token_ids if finite is None else torch.where(finite, token_ids, -1)
         if token_ids.device.type == "cuda":
-            self._ids = _to_pinned(token_ids)
+            self._ids = _to_pinned(ids)
             self._table = None if table is None else _to_pinned(table)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._ids, self._table = token_ids, table
+            self._ids, self._table = ids, table
 
     def result(self) -> SampleResult:
+        """The ids (-1 for a row whose logits were not finite: NaN, or +inf where it would be drawn) and
+        the logprobs asked for."""
         if self._event is not None:
             self._event.synchronize()
         tokens: list[int] = self._ids.tolist()
@@ -312,29 +318,35 @@ class Sampler:
         if plan is None or not plan.fits(requests, vocab, x.device, chunk):
             plan = self._plan = _BatchPlan(requests, self.eos_token_ids, vocab, x.device, chunk)
         if plan.plain or not plan.has_work():  # all greedy, nothing else: one argmax
-            return SampledTokens(argmax_rows(x))
+            token_ids = argmax_rows(x)
+            return SampledTokens(token_ids, finite=_finite(x, token_ids))
         k_max = plan.k_max
         results = [
             self._sample_rows(x[start : start + chunk], requests[start : start + chunk], chunk_plan,
                               x is not logits, k_max)
             for start, chunk_plan in zip(range(0, num_rows, chunk), plan.chunks(), strict=True)
         ]
-        token_ids = results[0][0] if len(results) == 1 else torch.cat([t for t, _ in results])
-        tables = [table for _, table in results if table is not None]
+        token_ids = results[0][0] if len(results) == 1 else torch.cat([t for t, _, _ in results])
+        finite = results[0][2] if len(results) == 1 else torch.cat([f for _, _, f in results])
+        tables = [table for _, table, _ in results if table is not None]
         # One transfer each (see ``_sample_rows`` for why the table's floats hold the ids exactly).
         table = (tables[0] if len(tables) == 1 else torch.cat(tables)) if tables else None
-        return SampledTokens(token_ids, table, plan.logprob_rows, k_max)
+        return SampledTokens(token_ids, table, plan.logprob_rows, k_max, finite)
 
     def _sample_rows(
         self, logits: Tensor, requests: list[Request], plan: _ChunkPlan, owned: bool, k_max: int
-    ) -> tuple[Tensor, Tensor | None]:
-        """Token ids for ``requests`` from their float32 rows ``logits`` (written only if ``owned``), and
-        for the rows that asked for logprobs ``[token logprob, k_max top values, k_max top ids]``, in
-        float32 where every token id is below 2**24 (float32 holds each of them exactly, as it holds the
-        logprobs), else in float64."""
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Token ids for ``requests`` from their float32 rows ``logits`` (written only if ``owned``); for
+        the rows that asked for logprobs ``[token logprob, k_max top values, k_max top ids]``, in float32
+        where every token id is below 2**24 (float32 holds each of them exactly, as it holds the
+        logprobs), else in float64; and which rows' logits were finite: no NaN, no +inf (``_finite``)."""
         raw = torch.log_softmax(_take(logits, plan.lp_index), dim=-1) if plan.lp_rows else None
         constrained = self._constrained(logits, requests, plan, owned)
         owned, logits = owned or constrained is not logits, constrained
+        # A NaN or +inf logit anywhere in a row: the model's output for it is broken (two operations over
+        # the raw rows, before anything writes into them, where checking each path's own result costs a
+        # handful per group).
+        finite = logits.amax(dim=-1).abs_() < math.inf  # two kernels, where ``isfinite`` is four
         token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         for group in plan.groups:
             x = _take(logits, group.index)  # each row is copied at most once: here, or for a penalty
@@ -343,12 +355,12 @@ class Sampler:
             ids = self._draw(y, group, owned=x_owned or y is not x) if group.draw else argmax_rows(y)
             _put(token_ids, group.index, ids)
         if raw is None:
-            return token_ids, None
+            return token_ids, None, finite
         parts = [raw.gather(1, _take(token_ids.unsqueeze(1), plan.lp_index))]
         if k_max:
             parts += list(topk_rows(raw, k_max))
         dtype = torch.float32 if logits.shape[-1] <= 1 << 24 else torch.float64  # every id exact
-        return token_ids, torch.cat([p.to(dtype) for p in parts], dim=1)
+        return token_ids, torch.cat([p.to(dtype) for p in parts], dim=1), finite
 
     def _constrained(self, logits: Tensor, requests: list[Request], plan: _ChunkPlan, owned: bool) -> Tensor:
         """``logits`` plus every row's ``logit_bias`` (one scatter-add), then with every token its
@@ -450,6 +462,12 @@ class Sampler:
             self._device_generators[device] = torch.Generator(device=device)
             self._device_generators[device].manual_seed(self.seed)
         return self._device_generators[device]
+
+
+def _finite(x: Tensor, ids: Tensor) -> Tensor:
+    """Per row, whether ``x`` at its argmax ``ids`` is finite: whether the row holds no NaN and no +inf
+    (``argmax`` takes a row's first NaN, else its +inf), as ``x.amax`` would say in a pass more."""
+    return x.gather(1, ids.unsqueeze(1)).squeeze(1).abs_() < math.inf
 
 
 def apply_top_p(probs: Tensor, top_p: Tensor, window: int) -> None:
@@ -696,7 +714,8 @@ def _inverse_cdf(probs: Tensor, generator: torch.Generator) -> Tensor:
     u = torch.rand(total.shape, dtype=torch.float64, device=probs.device, generator=generator)
     # u < 1, but u * total may round up to total; keep the target strictly below it.
     target = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # A NaN row (broken logits, flagged as such) finds no place but past its end: kept in the vocabulary.
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def _index(rows: list[int], num_rows: int, device: torch.device) -> Tensor | None:

@@ -744,3 +744,70 @@ def test_topk_rows_gives_torch_topk_values_with_ties_nans_and_infinities(num_row
         torch.testing.assert_close(values, chunk.topk(k, dim=-1).values, rtol=0, atol=0, equal_nan=True)
         torch.testing.assert_close(chunk.gather(1, indices), values, rtol=0, atol=0, equal_nan=True)
         assert all(len(set(row)) == k for row in indices.tolist())  # k distinct entries per row
+
+
+@pytest.mark.parametrize("kinds", ["plain greedy", "mixed"])
+def test_rows_whose_logits_are_not_finite_come_back_as_minus_one_and_leave_the_others_alone(kinds):
+    """A NaN logit, or +inf, in a row (a model's overflow) makes its id -1 on the host, whatever path the
+    row takes (greedy argmax, penalties, the seeded races, the unseeded inverse CDF, logprobs); the
+    device's ids stay valid token ids (a next step in flight may read them), and every other row
+    samples exactly what it samples when no row is broken."""
+    vocab = 3000
+    params = [SamplingParams(temperature=0.0)] if kinds == "plain greedy" else BATCH_KINDS
+    num_rows = 2 * len(BATCH_KINDS)
+    gen = torch.Generator().manual_seed(7)
+    clean = torch.randn(num_rows, vocab, generator=gen) * 3
+    broken = clean.clone()
+    bad_rows = {1: float("nan"), 4: float("inf"), 9: float("nan"), 10: float("nan"), 12: float("inf")}
+    for row, value in bad_rows.items():
+        broken[row, 17 * row] = value
+    results = {}
+    for name, logits in (("clean", clean), ("broken", broken)):
+        reqs = [_request(params[row % len(params)], prompt=(5, 6, 7), output=(8, 9)) for row in range(num_rows)]
+        sampled = Sampler(eos_token_ids={0}, seed=3).sample(logits, reqs)
+        assert bool(((sampled.token_ids >= 0) & (sampled.token_ids < vocab)).all())
+        results[name] = sampled.result()
+    got, want = results["broken"].token_ids, results["clean"].token_ids
+    assert [row for row, token in enumerate(got) if token == -1] == sorted(bad_rows)
+    assert all(got[row] == want[row] for row in range(num_rows) if row not in bad_rows)
+    lp_rows = [row for row in range(num_rows) if row not in bad_rows and results["clean"].logprobs[row] is not None]
+    assert all(results["broken"].logprobs[row] == results["clean"].logprobs[row] for row in lp_rows)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_whose_logits_turn_nan_fails_with_a_clear_error_and_the_batch_goes_on(engine_factory, async_scheduling):
+    """The engine finishes the request whose logits were not finite with an error naming that, frees its
+    blocks and keeps serving the others, whose tokens are those of a run without the fault."""
+    prompts = {name: list(prompt_ids()[i]) for i, name in enumerate("abc")}
+    params = {
+        "a": SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+        "b": SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=10, ignore_eos=True),
+        "c": SamplingParams(temperature=0.7, seed=5, max_tokens=10, ignore_eos=True, logprobs=2),
+    }
+    runs = {}
+    for faulty in (None, "b"):
+        engine = engine_factory(async_scheduling=async_scheduling)
+        sample = engine.sampler.sample
+
+        def sample_with_a_fault(logits, requests, sample=sample, faulty=faulty):
+            for row, req in enumerate(requests):
+                if req.request_id == faulty and req.num_output_tokens - req.has_placeholder == 3:
+                    logits = logits.clone()
+                    logits[row, 100] = float("nan")
+            return sample(logits, requests)
+
+        engine.sampler.sample = sample_with_a_fault
+        errors = {}
+        results = {}
+        for name in "abc":
+            engine.add_request(name, prompts[name], params[name])
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                results.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finish_reason == "error":
+                    errors[out.request_id] = out.error
+        runs[faulty] = (results, errors)
+    (clean, clean_errors), (faulted, errors) = runs[None], runs["b"]
+    assert clean_errors == {} and errors == {"b": "the model's logits for this request were not finite (NaN or infinity)"}
+    assert faulted["b"] == clean["b"][:3]
+    assert faulted["a"] == clean["a"] and faulted["c"] == clean["c"]

@@ -482,6 +482,7 @@ class LLMEngine:
                 continue
             if token < 0:  # the model's logits for it were not finite: it fails, the batch goes on
                 req.drop_placeholder()
+                self._scrub_kv(req)
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
                 outputs.append(self._output(req, [], None, "error", NOT_FINITE_ERROR))
                 continue
@@ -519,6 +520,17 @@ class LLMEngine:
                     [out.new_token_ids[0], *(c.output_token_ids[-1] for c in children)]
                 )
         return outputs
+
+    def _scrub_kv(self, req: Request) -> None:
+        """Zero, and drop from the prefix cache, the blocks only ``req`` holds: its logits were not finite,
+        so its KV may hold NaN or infinities, which its blocks' next holders would read. Attention weighs
+        a slot past a sequence's own tokens by 0 (the torch kernels read whole blocks), and 0 times NaN is
+        NaN; a cached block would hand them to a prompt that shares the prefix. Blocks held by others
+        hold what they computed too."""
+        own = [block for block in self.kv.req_blocks.get(req.request_id, ()) if block.ref_cnt == 1]
+        if own:
+            self.runner.zero_blocks([block.block_id for block in own])
+            self.kv.pool.uncache(own)
 
     def _check_stop(self, req: Request, token: int) -> str | None:
         p = req.sampling_params

@@ -67,6 +67,10 @@ class ModelRunner:
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, self.kernel_backend,
         )
 
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        """Overwrite these blocks' K and V with zeros, in every layer (queued after the steps before)."""
+        self.kv_cache.index_fill_(2, long_tensor(block_ids, self.device), 0.0)
+
     @property
     def bytes_per_block(self) -> int:
         return (

@@ -213,6 +213,11 @@ class BlockPool:
                 self._removed.append(block.block_hash)
             block.block_hash = None
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Forget what these blocks hold: no prefix hit finds them (the prefix index hears of it)."""
+        for block in blocks:
+            self._evict(block)
+
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 

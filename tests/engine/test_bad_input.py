@@ -167,3 +167,59 @@ def test_abort_of_an_n2_request_frees_both_choices(engine_factory):
     assert len(results["r#1"][0]) >= 3
     assert results["other"][0] == list(hf_greedy(prompt_ids()[1], 30))
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_a_model_whose_logits_turn_nan_fails_that_request_alone_and_its_blocks_serve_the_next(tmp_path):
+    """A checkpoint whose embedding of one token is NaN (an overflow, as a real model's fp16 might
+    give): a request holding that token fails with an error saying its logits were not finite; its
+    blocks are zeroed and forgotten by the prefix cache before they go back, so the request beside it,
+    which takes one of them as it grows (the torch attention reads a block's slots past the sequence's
+    length, weighted 0, and 0 times NaN is NaN), and a request after it get transformers' tokens."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig
+
+    from common.config import EngineConfig
+    from common.engine.engine import NOT_FINITE_ERROR
+    from tests.engine.tiny_models import TINY_DIMS, build_checkpoint, prompt_token_ids
+    from tests.engine.tiny_models import hf_greedy as tiny_greedy
+
+    folder = build_checkpoint(LlamaConfig(**TINY_DIMS, tie_word_embeddings=False), tmp_path / "llama")
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["model.embed_tokens.weight"][77] = float("nan")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    clean = [t for t in prompt_token_ids(21, seed=3) if t != 77]
+    poisoned = [t if i != 9 else 77 for i, t in enumerate(prompt_token_ids(21, seed=4))]
+    # One pool block size short of holding both: the next request takes the poisoned one's blocks.
+    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", block_size=8,
+                                    num_blocks=8, max_num_batched_tokens=64))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs: dict[str, list[EngineOutput]] = {}
+
+    def run() -> None:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).append(out)
+
+    engine.add_request("poisoned", poisoned, params)
+    engine.add_request("clean", clean, params)
+    while "poisoned" not in outputs:
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    # Its KV held NaN from token 9 on (without the scrub, the clean request reads them below and fails).
+    assert not torch.isnan(engine.runner.kv_cache).any(), "the failed request's blocks were meant to be zeroed"
+    cached = [block.block_id for block in engine.kv.pool.cached.values()]
+    assert cached and all(engine.runner.kv_cache[:, :, block_id].any() for block_id in cached), (
+        "a zeroed block stayed in the prefix cache"
+    )
+    run()
+    assert [o.finish_reason for o in outputs["poisoned"]] == ["error"]
+    assert outputs["poisoned"][0].error == NOT_FINITE_ERROR and outputs["poisoned"][0].new_token_ids == []
+    assert [t for o in outputs["clean"] for t in o.new_token_ids] == tiny_greedy(folder, clean, 8)
+    after = prompt_token_ids(19, seed=5)
+    after = [t for t in after if t != 77]
+    engine.add_request("after", after, params)
+    run()
+    assert [t for o in outputs["after"] for t in o.new_token_ids] == tiny_greedy(folder, after, 8)
+    engine.check_integrity()
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks

@@ -97,8 +97,7 @@ class SampledTokens:
             self._ids, self._table = ids, table
 
     def result(self) -> SampleResult:
-        """The ids (-1 for a row whose logits were not finite: NaN, or +inf where it would be drawn) and
-        the logprobs asked for."""
+        """The ids (-1 for a row whose raw logits held a NaN or +inf) and the logprobs asked for."""
         if self._event is not None:
             self._event.synchronize()
         tokens: list[int] = self._ids.tolist()

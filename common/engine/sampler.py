@@ -79,28 +79,33 @@ class SampledTokens:
 
     def __init__(
         self, token_ids: Tensor, table: Tensor | None = None,
-        logprob_rows: list[tuple[int, int]] | None = None, k_max: int = 0, finite: Tensor | None = None,
+        logprob_rows: list[tuple[int, int]] | None = None, k_max: int = 0, row_max: Tensor | None = None,
     ) -> None:
         self.token_ids = token_ids
         self._logprob_rows = logprob_rows or []
         self._k_max = k_max
         self._event: torch.cuda.Event | None = None
-        # A row whose logits were not ``finite`` reaches the host as -1; on the device it keeps a valid id,
-        # which a next step in flight may read as an input it never samples from.
-        ids = token_ids if finite is None else torch.where(finite, token_ids, -1)
+        # Each row's largest raw logit, to the host with the ids: a row whose is NaN or +inf comes back as
+        # -1 (``result``), where on the device it keeps a valid id, which a next step in flight may read
+        # as an input it never samples from.
         if token_ids.device.type == "cuda":
-            self._ids = _to_pinned(ids)
+            self._ids = _to_pinned(token_ids)
             self._table = None if table is None else _to_pinned(table)
+            self._row_max = None if row_max is None else _to_pinned(row_max)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._ids, self._table = ids, table
+            self._ids, self._table, self._row_max = token_ids, table, row_max
 
     def result(self) -> SampleResult:
         """The ids (-1 for a row whose raw logits held a NaN or +inf) and the logprobs asked for."""
         if self._event is not None:
             self._event.synchronize()
         tokens: list[int] = self._ids.tolist()
+        if self._row_max is not None:
+            maxima: list[float] = self._row_max.tolist()
+            if not all(map(math.isfinite, maxima)):
+                tokens = [token if math.isfinite(m) else -1 for token, m in zip(tokens, maxima, strict=True)]
         logprobs: list[PositionLogprobs | None] = [None] * len(tokens)
         if self._table is not None:
             k_max = self._k_max
@@ -317,8 +322,8 @@ class Sampler:
         if plan is None or not plan.fits(requests, vocab, x.device, chunk):
             plan = self._plan = _BatchPlan(requests, self.eos_token_ids, vocab, x.device, chunk)
         if plan.plain or not plan.has_work():  # all greedy, nothing else: one argmax
-            token_ids = argmax_rows(x)
-            return SampledTokens(token_ids, finite=_finite(x, token_ids))
+            row_max, token_ids = max_rows(x)
+            return SampledTokens(token_ids, row_max=row_max)
         k_max = plan.k_max
         results = [
             self._sample_rows(x[start : start + chunk], requests[start : start + chunk], chunk_plan,
@@ -326,11 +331,11 @@ class Sampler:
             for start, chunk_plan in zip(range(0, num_rows, chunk), plan.chunks(), strict=True)
         ]
         token_ids = results[0][0] if len(results) == 1 else torch.cat([t for t, _, _ in results])
-        finite = results[0][2] if len(results) == 1 else torch.cat([f for _, _, f in results])
+        row_max = results[0][2] if len(results) == 1 else torch.cat([m for _, _, m in results])
         tables = [table for _, table, _ in results if table is not None]
         # One transfer each (see ``_sample_rows`` for why the table's floats hold the ids exactly).
         table = (tables[0] if len(tables) == 1 else torch.cat(tables)) if tables else None
-        return SampledTokens(token_ids, table, plan.logprob_rows, k_max, finite)
+        return SampledTokens(token_ids, table, plan.logprob_rows, k_max, row_max)
 
     def _sample_rows(
         self, logits: Tensor, requests: list[Request], plan: _ChunkPlan, owned: bool, k_max: int
@@ -338,14 +343,13 @@ class Sampler:
         """Token ids for ``requests`` from their float32 rows ``logits`` (written only if ``owned``); for
         the rows that asked for logprobs ``[token logprob, k_max top values, k_max top ids]``, in float32
         where every token id is below 2**24 (float32 holds each of them exactly, as it holds the
-        logprobs), else in float64; and which rows' logits were finite: no NaN, no +inf (``_finite``)."""
+        logprobs), else in float64; and each row's largest raw logit (NaN if it holds one)."""
         raw = torch.log_softmax(_take(logits, plan.lp_index), dim=-1) if plan.lp_rows else None
         constrained = self._constrained(logits, requests, plan, owned)
         owned, logits = owned or constrained is not logits, constrained
-        # A NaN or +inf logit anywhere in a row: the model's output for it is broken (two operations over
-        # the raw rows, before anything writes into them, where checking each path's own result costs a
-        # handful per group).
-        finite = logits.amax(dim=-1).abs_() < math.inf  # two kernels, where ``isfinite`` is four
+        # A NaN or +inf logit anywhere in a row: the model's output for it is broken (one operation over
+        # the raw rows, before anything writes into them; the host reads it with the ids).
+        row_max = logits.amax(dim=-1)
         token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         for group in plan.groups:
             x = _take(logits, group.index)  # each row is copied at most once: here, or for a penalty
@@ -354,12 +358,12 @@ class Sampler:
             ids = self._draw(y, group, owned=x_owned or y is not x) if group.draw else argmax_rows(y)
             _put(token_ids, group.index, ids)
         if raw is None:
-            return token_ids, None, finite
+            return token_ids, None, row_max
         parts = [raw.gather(1, _take(token_ids.unsqueeze(1), plan.lp_index))]
         if k_max:
             parts += list(topk_rows(raw, k_max))
         dtype = torch.float32 if logits.shape[-1] <= 1 << 24 else torch.float64  # every id exact
-        return token_ids, torch.cat([p.to(dtype) for p in parts], dim=1), finite
+        return token_ids, torch.cat([p.to(dtype) for p in parts], dim=1), row_max
 
     def _constrained(self, logits: Tensor, requests: list[Request], plan: _ChunkPlan, owned: bool) -> Tensor:
         """``logits`` plus every row's ``logit_bias`` (one scatter-add), then with every token its
@@ -463,10 +467,15 @@ class Sampler:
         return self._device_generators[device]
 
 
-def _finite(x: Tensor, ids: Tensor) -> Tensor:
-    """Per row, whether ``x`` at its argmax ``ids`` is finite: whether the row holds no NaN and no +inf
-    (``argmax`` takes a row's first NaN, else its +inf), as ``x.amax`` would say in a pass more."""
-    return x.gather(1, ids.unsqueeze(1)).squeeze(1).abs_() < math.inf
+def max_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x.max(dim=-1)`` of a 2-D tensor as ``(values, indices)``: each row's first maximum, or its first
+    NaN (its value NaN). One operation, or on the CPU over a vocabulary's rows ``argmax_rows`` and a
+    gather of the values."""
+    if _blocks_pay(x):
+        ids = argmax_rows(x)
+        return x.gather(1, ids.unsqueeze(1)).squeeze(1), ids
+    top = x.max(dim=-1)
+    return top.values, top.indices
 
 
 def apply_top_p(probs: Tensor, top_p: Tensor, window: int) -> None:

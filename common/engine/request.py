@@ -161,9 +161,7 @@ class Request:
 
     def resolve_placeholder(self, token_id: int) -> None:
         """The sampled token in place of the placeholder, taken as ``append_output_token`` takes one."""
-        self.output_token_ids.pop()
-        self.all_token_ids.pop()
-        self.has_placeholder = False
+        self.drop_placeholder()
         self.append_output_token(token_id)
 
     def fork(self, request_id: str, seed_offset: int) -> Request:

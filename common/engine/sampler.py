@@ -85,9 +85,9 @@ class SampledTokens:
         self._logprob_rows = logprob_rows or []
         self._k_max = k_max
         self._event: torch.cuda.Event | None = None
-        # Each row's largest raw logit, to the host with the ids: a row whose is NaN or +inf comes back as
-        # -1 (``result``), where on the device it keeps a valid id, which a next step in flight may read
-        # as an input it never samples from.
+        # Each row's largest raw logit goes to the host with the ids: a row whose maximum is NaN or +inf
+        # comes back as -1 (``result``), while on the device it keeps a valid id, which a next step in
+        # flight may read as an input it never samples from.
         if token_ids.device.type == "cuda":
             self._ids = _to_pinned(token_ids)
             self._table = None if table is None else _to_pinned(table)

@@ -252,8 +252,7 @@ class BlockPool:
         """Forget every cached hash; only allowed while no block is in use."""
         if self.num_used_blocks:
             return False
-        for block in self.blocks:
-            self._evict(block)
+        self.uncache(self.blocks)
         return True
 
     def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:

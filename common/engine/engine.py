@@ -123,7 +123,7 @@ class LLMEngine:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
         )
         self.eos_token_ids = self._eos_token_ids()
-        self.sampler = Sampler(self.eos_token_ids, config.seed)
+        self.sampler = Sampler(self.eos_token_ids, config.seed, self.runner.kernel_backend)
         # Structured output; the tokenizer loads with the first grammar.
         # (A function of the path, not a bound method: the cache does not hold the engine.)
         self.grammars = GrammarCache(

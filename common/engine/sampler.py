@@ -29,7 +29,8 @@ a token depends on nothing but the seed, the output position and the row's proba
 else shares the batch, whatever ran before on whichever instance. So a request continued elsewhere
 (a migration, a decode after its prefill, a recompute after preemption) draws the same tokens with
 no generator state to carry or replay, and the noise can be computed where it is needed: on a GPU
-for the whole row in one batched kernel, on the CPU only over the entries of positive probability.
+in one Triton kernel that hashes, divides and picks each row's token in one pass over it
+(``pdserve_kernels.triton_sampling``), on the CPU only over the entries of positive probability.
 Unseeded rows share one batched draw from the sampler's own generator: one uniform per row,
 inverted through the row's cumulative distribution (a pass over the row, where the race costs a
 logarithm per entry).
@@ -54,6 +55,7 @@ from common.engine.host_tensors import float_tensor, long_tensor
 from common.engine.penalties import TokenRows, apply_output_penalties, apply_repetition_penalty
 from common.engine.request import Request
 from common.protocol import PositionLogprobs, TokenLogprob
+from pdserve_kernels import resolve_backend
 
 CPU_CHUNK_BYTES = 8 << 20
 # On the CPU top-p first sorts only this many of a row's largest probabilities, with their indices;
@@ -289,9 +291,13 @@ def _has_static_work(req: Request) -> bool:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int], seed: int = 0) -> None:
+    def __init__(self, eos_token_ids: set[int], seed: int = 0, kernel_backend: str | None = None) -> None:
+        """``kernel_backend``: as the model runner's (``pdserve_kernels.resolve_backend``); with Triton the
+        seeded rows' race is one kernel (``pdserve_kernels.triton_sampling``)."""
         self.eos_token_ids = eos_token_ids
         self.seed = seed
+        self.kernel_backend = kernel_backend
+        self._race_kernels: dict[torch.device, bool] = {}  # per device: whether the race is the kernel
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
         self._device_generators: dict[torch.device, torch.Generator] = {}
@@ -452,11 +458,17 @@ class Sampler:
             keys = _keys_at(race.seed_keys, positions)
             # ``_race`` writes into its rows: their own copy, or ``probs`` itself when every row is in this
             # race (then no other row reads it after).
-            _put(token_ids, race.rows, _race(_take(probs, race.rows), keys, race.whole_rows))
+            _put(token_ids, race.rows, _race(_take(probs, race.rows), keys, race.whole_rows, self._race_kernel(dev)))
         if group.unseeded:
             _put(token_ids, group.unseeded_index,
                  _inverse_cdf(_take(probs, group.unseeded_index), self._generator(dev)))
         return token_ids
+
+    def _race_kernel(self, device: torch.device) -> bool:
+        fused = self._race_kernels.get(device)
+        if fused is None:
+            fused = self._race_kernels[device] = resolve_backend(device, self.kernel_backend) == "triton"
+        return fused
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device.type == "cpu":
@@ -603,11 +615,12 @@ def exponentials(keys: Tensor, token_ids: Tensor) -> Tensor:
     return u.neg_().log1p_().neg_().float()
 
 
-def _race(sub: Tensor, keys: Tensor, whole_rows: bool = False) -> Tensor:
+def _race(sub: Tensor, keys: Tensor, whole_rows: bool = False, kernel: bool = False) -> Tensor:
     """For each row of ``sub``, ``argmax(sub[i] / E)`` with ``E`` its draw's noise (``exponentials`` of
-    ``keys[i]``); ties go to the lowest token id, as ``argmax``'s. Writes into ``sub``.
+    ``keys[i]``); ties go to the lowest token id, as ``argmax``'s. Writes into ``sub`` (not with ``kernel``).
 
-    On a GPU the noise is computed for whole rows in one batch, and so on the CPU for ``whole_rows``
+    With ``kernel`` (the Triton backend) it is one kernel over the rows (``triton_sampling``). Else on
+    a GPU the noise is computed for whole rows in one batch, and so on the CPU for ``whole_rows``
     (rows that no filter thinned out: nearly every entry positive). Otherwise on the CPU the
     logarithms are most of a draw's cost and a token of probability zero cannot win, so they are
     taken only over the entries of positive probability (top-k, top-p and min-p leave a few hundred
@@ -617,6 +630,10 @@ def _race(sub: Tensor, keys: Tensor, whole_rows: bool = False) -> Tensor:
     score is zero either way.
     """
     num_rows, vocab = sub.shape
+    if kernel:
+        from pdserve_kernels.triton_sampling import seeded_race  # Triton, imported only where it runs
+
+        return seeded_race(sub, keys)
     if sub.device.type != "cpu" or whole_rows:
         noise = exponentials(keys.unsqueeze(1), torch.arange(vocab, device=sub.device).unsqueeze(0))
         return argmax_rows(sub.div_(noise))

@@ -357,6 +357,50 @@ def bench_kv(report: Report, args: argparse.Namespace, ops: Any) -> None:
     time_copy(report, moved, dtype)
 
 
+def bench_seeded_race(report: Report, args: argparse.Namespace) -> None:
+    """The seeded rows' race: the Triton kernel against the torch path it replaces on a GPU (whole rows:
+    the noise, the division, ``argmax``), checked for equal tokens and equal noise, then both timed."""
+    from common.engine.sampler import _race, draw_keys, exponentials
+    from pdserve_kernels.triton_sampling import seeded_race
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def rows(num_rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(3 * torch.randn(num_rows, vocab, device=DEVICE, generator=gen), dim=-1)
+        probs[:: 2][probs[:: 2] < 1e-5] = 0.0  # every other row thinned, as top-k / top-p leave one
+        keys = draw_keys([i * 7919 for i in range(num_rows)], [i % 50 for i in range(num_rows)], DEVICE)
+        return probs, keys
+
+    def same_tokens() -> tuple[float, float]:
+        probs, keys = rows(256, args.vocab)
+        differ = int((seeded_race(probs, keys) != _race(probs.clone(), keys)).sum())
+        return _exact(differ)
+
+    def same_noise() -> tuple[float, float]:
+        # The CPU's noise as probabilities: every score is exactly 1 (or -1) iff the GPU kernel's noise is
+        # the same, bit for bit; a row whose token is not its first has an entry that differs.
+        keys = draw_keys(list(range(8)), [3] * 8)
+        noise = exponentials(keys.unsqueeze(1), torch.arange(args.vocab).unsqueeze(0)).to(DEVICE)
+        keys = keys.to(DEVICE)
+        return _exact(int(seeded_race(noise, keys).count_nonzero() + seeded_race(-noise, keys).count_nonzero()))
+
+    report.check(f"seeded race kernel = torch race, 256 rows x {args.vocab} (rows whose token differs)", same_tokens)
+    report.check(f"seeded race noise = the CPU's, 8 rows x {args.vocab} x 2 signs (rows that differ)", same_noise)
+    for num_rows in (args.batch, 256):
+        probs, keys = rows(num_rows, args.vocab)
+        shape = f"{num_rows} rows x {args.vocab}"
+        report.group = f"seeded race {num_rows}"
+        report.time("seeded_race (Triton)", shape, functools.partial(seeded_race, probs, keys), probs.numel() * 4)
+
+        def torch_race(probs: torch.Tensor = probs, keys: torch.Tensor = keys) -> torch.Tensor:
+            return _race(probs.clone(), keys)
+
+        report.time("torch race (noise, divide, argmax; with the copy it writes into)", shape, torch_race,
+                    probs.numel() * 4)
+        time_copy(report, probs.numel() * 4, torch.float32)
+        del probs, keys
+
+
 def _at_most(count: float, allowed: float) -> tuple[float, float]:
     return count, allowed
 
@@ -524,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-batch", type=int, default=64,
                         help="decode batch of the engine section (CUDA graphs off and on; batch 1 too)")
     parser.add_argument("--engine-tokens", type=int, default=64, help="tokens each engine request generates")
+    parser.add_argument("--vocab", type=int, default=128256, help="vocabulary of the seeded race's rows")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
 
@@ -559,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         ("decode small batch", lambda: bench_decode(report, args, args.small_batch, sweep=False)),
         ("prefill", lambda: bench_prefill(report, args, ops)),
         ("kv movement", lambda: bench_kv(report, args, ops)),
+        ("seeded race", lambda: bench_seeded_race(report, args)),
         ("engine, CUDA graphs off and on", lambda: bench_engine_graphs(report, args)),
         ("nvml after", lambda: read_nvml(report, "after")),
     ]

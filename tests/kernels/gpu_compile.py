@@ -25,7 +25,7 @@ from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction, native_specialize_impl
 
-from pdserve_kernels import triton_decode, triton_kv, triton_prefill
+from pdserve_kernels import triton_decode, triton_kv, triton_prefill, triton_sampling
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
 
@@ -58,7 +58,7 @@ def recording() -> Iterator[tuple[list[Launch], list[str]]]:
     launches: list[Launch] = []
     scenario = [""]
     swapped = []
-    for module in (triton_decode, triton_prefill, triton_kv):
+    for module in (triton_decode, triton_prefill, triton_kv, triton_sampling):
         for name, value in vars(module).items():
             if isinstance(value, JITFunction) and name.endswith("_kernel"):
                 swapped.append((module, name, value))
@@ -113,6 +113,8 @@ def record_launches() -> list[Launch]:
         triton_kv.scatter_blocks(cache, ids, packed.float())
         scenario[0] = "copy_blocks bf16"
         triton_kv.copy_blocks(cache, ids, torch.tensor([5, 6]))
+        scenario[0] = "seeded race, 128k vocabulary"
+        triton_sampling.seeded_race(torch.empty(4, 128256), torch.zeros(4, dtype=torch.long))
     return launches
 
 

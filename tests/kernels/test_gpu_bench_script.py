@@ -83,3 +83,24 @@ def test_a_section_that_raises_is_a_failed_check_and_the_others_still_run(tmp_pa
     assert failed == ["section engine ran to its end"]
     assert "capture failed" in report.checks[0]["error"]
     assert report.json_path.exists() and "section engine" in report.md_path.read_text()
+
+
+def test_the_seeded_race_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dry run of the seeded race section on the CPU (the kernel under the interpreter, a small
+    vocabulary, timings stubbed): both checks pass, and both ways of racing get timed."""
+    import argparse
+
+    monkeypatch.setattr(gpu_kernels, "DEVICE", "cpu")
+    timed: list[str] = []
+
+    def fake_median_ms(fn):  # type: ignore[no-untyped-def]
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(gpu_kernels, "median_ms", fake_median_ms)
+    monkeypatch.setattr(gpu_kernels, "time_copy", lambda report, num_bytes, dtype: timed.append("copy"))
+    report = gpu_kernels.Report(tmp_path, {"device": "fake"})
+    gpu_kernels.bench_seeded_race(report, argparse.Namespace(batch=4, vocab=1500))
+    assert [c["ok"] for c in report.checks] == [True, True], report.checks
+    assert [t["name"].split(" ")[0] for t in report.timings] == ["seeded_race", "torch"] * 2
+    assert all("error" not in t for t in report.timings) and timed == ["copy", "copy"]

@@ -1,0 +1,139 @@
+"""The seeded race's Triton kernel against the torch race, on the CPU under Triton's interpreter.
+
+The reference is the torch path over whole rows: ``argmax(probs / exponentials(key, token ids))``.
+The kernel must pick the same token, and its noise must be the reference's bit for bit (probed with
+rows whose probabilities are the reference noise itself, where every score is exactly 1 iff it is).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (see conftest.py)
+
+import pytest
+import torch
+
+from common.engine import sampler as sampler_module
+from common.engine.request import Request
+from common.engine.sampler import Sampler, draw_keys, exponentials
+from common.protocol import SamplingParams
+from pdserve_kernels.triton_sampling import MAX_BLOCK, seeded_race
+
+SEEDS = [0, 1, 42, -1, 2**63 + 5, 2**64 - 1, 123456789]
+
+
+def _keys(num_rows: int, position: int = 3) -> torch.Tensor:
+    seeds = [SEEDS[i % len(SEEDS)] + i // len(SEEDS) for i in range(num_rows)]
+    return draw_keys(seeds, [position + i for i in range(num_rows)])
+
+
+def _reference(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    noise = exponentials(keys.unsqueeze(1), torch.arange(probs.shape[1]).unsqueeze(0))
+    return (probs / noise).argmax(dim=-1)
+
+
+def _probs(num_rows: int, vocab: int, seed: int, zero_below: float) -> torch.Tensor:
+    logits = torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    probs = torch.softmax(logits, dim=-1)
+    probs[probs < zero_below] = 0.0  # as top-k / top-p / min-p leave a row
+    return probs
+
+
+@pytest.mark.parametrize("vocab", [1, 37, MAX_BLOCK, MAX_BLOCK + 1, 3 * MAX_BLOCK - 5])
+@pytest.mark.parametrize("zero_below", [0.0, 1e-3])
+def test_the_kernel_draws_the_torch_race_token(vocab: int, zero_below: float) -> None:
+    probs = _probs(9, vocab, seed=vocab, zero_below=zero_below)
+    keys = _keys(9)
+    expected = _reference(probs, keys)
+    before = probs.clone()
+    assert seeded_race(probs, keys).tolist() == expected.tolist()
+    assert torch.equal(probs, before), "the kernel only reads its rows"
+    # The sampler's own race (the CPU's positive-entries path) agrees.
+    assert sampler_module._race(probs.clone(), keys).tolist() == expected.tolist()
+
+
+def test_rows_of_a_wider_tensor_are_read_with_its_row_stride() -> None:
+    wide = _probs(6, 2500, seed=1, zero_below=0.0)
+    keys = _keys(6)
+    rows = wide[:, :2000]
+    assert rows.stride(0) == 2500
+    assert seeded_race(rows, keys).tolist() == _reference(rows, keys).tolist()
+
+
+@pytest.mark.parametrize("vocab", [50, 2 * MAX_BLOCK + 7])
+def test_the_noise_is_the_torch_noise_bit_for_bit(vocab: int) -> None:
+    keys = _keys(8, position=11)
+    noise = exponentials(keys.unsqueeze(1), torch.arange(vocab).unsqueeze(0))
+    # Row p = E: every score is exactly 1 iff the kernel's noise equals E; an entry whose noise came out
+    # smaller scores above 1 and wins, so anything but the first id means a difference. Row p = -E
+    # catches a larger noise the same way (-1 is then the largest score; a probe, not a probability).
+    assert seeded_race(noise.clone(), keys).tolist() == [0] * 8
+    assert seeded_race(-noise, keys).tolist() == [0] * 8
+    # The probe can fail: one entry's noise off by an ulp wins its row.
+    nudged = noise.clone()
+    nudged[3, vocab - 2] = torch.nextafter(nudged[3, vocab - 2], torch.tensor(float("inf")))
+    assert seeded_race(nudged, keys).tolist() == [0, 0, 0, vocab - 2, 0, 0, 0, 0]
+
+
+def test_ties_infinities_and_nans_rank_as_argmax_ranks_them() -> None:
+    vocab = 2 * MAX_BLOCK + 3
+    probs = torch.zeros(5, vocab)
+    probs[1, [7, MAX_BLOCK + 9]] = float("inf")  # two infinite scores: the first
+    probs[2, [5, MAX_BLOCK + 2, vocab - 1]] = float("nan")  # the first NaN, whatever else the row holds
+    probs[2, 0] = float("inf")
+    probs[3, MAX_BLOCK + 4] = float("nan")  # a NaN in a later block beats every earlier score
+    probs[3, 10] = 0.9
+    probs[4, :] = float("nan")
+    keys = _keys(5)
+    got = seeded_race(probs, keys).tolist()
+    assert got == [0, 7, 5, MAX_BLOCK + 4, 0]  # an all-zero row: its first entry, as argmax gives
+    assert got == _reference(probs, keys).tolist()
+
+
+def test_empty_inputs_and_bad_arguments() -> None:
+    assert seeded_race(torch.zeros(0, 10), torch.zeros(0, dtype=torch.long)).shape == (0,)
+    assert seeded_race(torch.zeros(3, 0), _keys(3)).tolist() == [0, 0, 0]
+    with pytest.raises(AssertionError, match="float32"):
+        seeded_race(torch.zeros(2, 10, dtype=torch.float64), _keys(2))
+    with pytest.raises(AssertionError, match="unit stride"):
+        seeded_race(torch.zeros(10, 2).t(), _keys(2))
+    with pytest.raises(AssertionError, match="entries"):
+        seeded_race(torch.zeros(2, 10), _keys(3))
+    with pytest.raises(AssertionError, match="int64"):
+        seeded_race(torch.zeros(2, 10), _keys(2).int())
+
+
+def test_a_sampler_on_the_triton_backend_races_in_the_kernel_and_draws_the_same_tokens(monkeypatch) -> None:
+    vocab = 300
+    logits = torch.randn(12, vocab, generator=torch.Generator().manual_seed(5)) * 2
+    params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.8, top_k=20, seed=8), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.9, top_p=0.8, seed=9),
+              SamplingParams(temperature=1.0, min_p=0.1, presence_penalty=0.5, seed=10)]
+
+    def requests() -> list[Request]:
+        reqs = []
+        for i in range(12):
+            req = Request(f"r{i}", [3, 4, 5], params[i % len(params)], block_size=16, model_id="m")
+            for t in range(i % 3):
+                req.append_output_token(t + 20)
+            reqs.append(req)
+        return reqs
+
+    calls: list[int] = []
+    real = seeded_race
+
+    def spy(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        calls.append(probs.shape[0])
+        return real(probs, keys)
+
+    import pdserve_kernels.triton_sampling as triton_sampling
+
+    monkeypatch.setattr(triton_sampling, "seeded_race", spy)
+    torch_ids = Sampler(set(), seed=1, kernel_backend="torch")(logits, requests()).token_ids
+    assert calls == []
+    triton_ids = Sampler(set(), seed=1, kernel_backend="triton")(logits, requests()).token_ids
+    assert sum(calls) == 8, "every seeded row (4 of each 6) races in the kernel"
+    seeded = [i for i in range(12) if params[i % len(params)].seed is not None]
+    assert [triton_ids[i] for i in seeded] == [torch_ids[i] for i in seeded]

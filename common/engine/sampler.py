@@ -464,6 +464,13 @@ class Sampler:
                  _inverse_cdf(_take(probs, group.unseeded_index), self._generator(dev)))
         return token_ids
 
+    def warm_up(self, device: torch.device, vocab: int) -> None:
+        """Compile now what a first draw would compile (the race's kernel, where it runs), so that a
+        kernel that cannot build stops the engine at start, not a request in the middle of serving."""
+        if self._race_kernel(device):
+            _race(torch.zeros(1, vocab, device=device), _keys_at(seed_keys([0], device), long_tensor([0], device)),
+                  kernel=True)
+
     def _race_kernel(self, device: torch.device) -> bool:
         fused = self._race_kernels.get(device)
         if fused is None:

@@ -137,3 +137,28 @@ def test_a_sampler_on_the_triton_backend_races_in_the_kernel_and_draws_the_same_
     assert sum(calls) == 8, "every seeded row (4 of each 6) races in the kernel"
     seeded = [i for i in range(12) if params[i % len(params)].seed is not None]
     assert [triton_ids[i] for i in seeded] == [torch_ids[i] for i in seeded]
+
+
+def test_warming_up_runs_the_kernel_only_where_it_serves_the_race(monkeypatch) -> None:
+    """An engine warms its sampler up at start: with the race's kernel, one launch (a kernel that cannot
+    compile then stops the start, not a request); with the torch race, nothing."""
+    import pdserve_kernels.triton_sampling as triton_sampling
+
+    calls: list[tuple[int, ...]] = []
+
+    def spy(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(probs.shape))
+        return seeded_race(probs, keys)
+
+    monkeypatch.setattr(triton_sampling, "seeded_race", spy)
+    Sampler(set(), kernel_backend="torch").warm_up(torch.device("cpu"), 500)
+    assert calls == []
+    Sampler(set(), kernel_backend="triton").warm_up(torch.device("cpu"), 500)
+    assert calls == [(1, 500)]
+
+    def broken(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ptxas failed")
+
+    monkeypatch.setattr(triton_sampling, "seeded_race", broken)
+    with pytest.raises(RuntimeError, match="ptxas"):
+        Sampler(set(), kernel_backend="triton").warm_up(torch.device("cpu"), 500)

@@ -1,9 +1,9 @@
 """The seeded rows' draw in one Triton kernel: the exponential race, noise and all, in one pass.
 
 A seeded row samples ``argmax(p / E)`` over its probabilities ``p``, with ``E`` Exp(1) noise that is a
-pure function of the draw's key and the token id (``common.engine.sampler.exponentials``: splitmix64
+pure function of the draw's key and the token id (``common.engine.seeded_draws.exponentials``: splitmix64
 from the key, the uniform's top 53 bits, ``-log1p(-u)`` in float64 rounded to float32). In torch that
-is about twenty element-wise operations over ``[rows, vocab]``, most of them on int64 or float64
+is two dozen element-wise operations over ``[rows, vocab]``, most of them on int64 or float64
 temporaries of that shape (a quarter of a GiB each at 256 rows of a 128k vocabulary), then the
 division and an ``argmax``: each a kernel launch and a pass over memory. Here one program per row
 walks the row once: it hashes each token id in registers, divides, and keeps per lane the first
@@ -32,7 +32,7 @@ MAX_BLOCK = 1024  # token ids per step of a row's program
 
 @triton.jit
 def _mix64(z):
-    """splitmix64's output function on uint64 (the constants as in ``common.engine.sampler``)."""
+    """splitmix64's output function on uint64 (the constants as in ``common.engine.seeded_draws``)."""
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
     z = (z ^ (z >> 27)) * 0x94D049BB133111EB
     return z ^ (z >> 31)
@@ -72,9 +72,10 @@ def _seeded_race_kernel(probs_ptr, stride_row, keys_ptr, out_ptr, vocab, BLOCK: 
 def seeded_race(probs: Tensor, keys: Tensor) -> Tensor:
     """Per row of ``probs`` (float32 ``[rows, vocab]``, unit stride along the vocabulary), the index of
     ``argmax(probs[i] / exponentials(keys[i], token ids))``: the first largest score, or the first
-    NaN where a score is one, as ``argmax`` ranks them. ``keys``: int64 ``[rows]`` (``_keys_at``'s).
-    Reads ``probs`` only."""
-    assert probs.dim() == 2 and probs.dtype == torch.float32 and (probs.shape[1] <= 1 or probs.stride(1) == 1), (
+    NaN where a score is one, as ``argmax`` ranks them. ``keys``: int64 ``[rows]``, the draws' keys
+    (``common.engine.seeded_draws.keys_at``). Reads ``probs`` only."""
+    unit_stride = probs.dim() == 2 and (probs.shape[1] <= 1 or probs.stride(1) == 1)
+    assert unit_stride and probs.dtype == torch.float32, (
         f"probs must be a float32 [rows, vocab] tensor with unit stride along the vocabulary; "
         f"got {probs.dtype} {tuple(probs.shape)}, strides {probs.stride()}"
     )

@@ -95,7 +95,7 @@ class Request:
         self.scheduled_time: float | None = None  # first admission to the running batch
         self.first_token_time: float | None = None
         # A seeded request's draws are a function of this key, the draw's index and the token id
-        # (``common.engine.sampler.exponentials``): no generator state lives here.
+        # (``common.engine.seeded_draws.exponentials``): no generator state lives here.
         self.draw_seed: int | None = None
         # Structured output: where the output stands in its grammar; it advances with every
         # appended token and survives preemption (the tokens stay, so does the state).

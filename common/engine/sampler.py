@@ -21,16 +21,9 @@ On the CPU the rows go through in chunks of about ``CPU_CHUNK_BYTES`` of logits:
 then comes from the malloc heap, warm in the cache, where a whole-batch one (50 MB for 256 rows of
 49,152 logits, above glibc's largest mmap threshold) would fault in fresh pages each time.
 
-Draw contract: a sampled row of a request with a seed draws its token by the exponential race,
-``argmax(probs / E)`` with ``E ~ Exp(1)``, where the ``E`` of vocabulary entry ``t`` for the request's
-``i``-th output token is a fixed function of (seed, ``i``, ``t``) (``exponentials``: splitmix64 over a
-key made from the seed and ``i``, the entry's uniform at stream position ``t``). It is counter-based:
-a token depends on nothing but the seed, the output position and the row's probabilities, whatever
-else shares the batch, whatever ran before on whichever instance. So a request continued elsewhere
-(a migration, a decode after its prefill, a recompute after preemption) draws the same tokens with
-no generator state to carry or replay, and the noise can be computed where it is needed: on a GPU
-in one Triton kernel that hashes, divides and picks each row's token in one pass over it
-(``pdserve_kernels.triton_sampling``), on the CPU only over the entries of positive probability.
+A seeded row draws its token by the exponential race over counter-based noise
+(``common.engine.seeded_draws``): the same token for the same seed, output position and
+probabilities, whatever shares the batch and wherever the request runs.
 Unseeded rows share one batched draw from the sampler's own generator: one uniform per row,
 inverted through the row's cumulative distribution (a pass over the row, where the race costs a
 logarithm per entry).
@@ -54,6 +47,8 @@ from common.engine.grammar import apply_token_bitmask
 from common.engine.host_tensors import float_tensor, long_tensor
 from common.engine.penalties import TokenRows, apply_output_penalties, apply_repetition_penalty
 from common.engine.request import Request
+from common.engine.row_ops import argmax_rows, max_rows, topk_rows
+from common.engine.seeded_draws import WHOLE_ROW_RACE_MIN_VOCAB, exponential_race, keys_at, seed_keys
 from common.protocol import PositionLogprobs, TokenLogprob
 from pdserve_kernels import resolve_backend
 
@@ -175,8 +170,8 @@ class _Group:
         self.min_p = min_p
         self.min_p_values = float_tensor([params[i].min_p for i in min_p], device).unsqueeze(1)
         seeded = [i for i, r in enumerate(reqs) if r.draw_seed is not None]
-        # The seeded rows' races (``_race``). On the CPU, over a vocabulary's rows, the rows that no
-        # top-k, top-p or min-p thins out race apart, over their whole rows at once.
+        # The seeded rows' races (``exponential_race``). On the CPU, over a vocabulary's rows, the rows that
+        # no top-k, top-p or min-p thins out race apart, over their whole rows at once.
         thins = [0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
         thinned = [i for i in seeded if thins[i]]
         whole = [i for i in seeded if not thins[i]]
@@ -455,10 +450,11 @@ class Sampler:
         token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)
         for race in group.races:
             positions = long_tensor([len(r.output_token_ids) for r in race.requests], dev)
-            keys = _keys_at(race.seed_keys, positions)
-            # ``_race`` writes into its rows: their own copy, or ``probs`` itself when every row is in this
-            # race (then no other row reads it after).
-            _put(token_ids, race.rows, _race(_take(probs, race.rows), keys, race.whole_rows, self._race_kernel(dev)))
+            keys = keys_at(race.seed_keys, positions)
+            # ``exponential_race`` writes into its rows: their own copy, or ``probs`` itself when every row is
+            # in this race (then no other row reads it after).
+            ids = exponential_race(_take(probs, race.rows), keys, race.whole_rows, self._race_kernel(dev))
+            _put(token_ids, race.rows, ids)
         if group.unseeded:
             _put(token_ids, group.unseeded_index,
                  _inverse_cdf(_take(probs, group.unseeded_index), self._generator(dev)))
@@ -468,8 +464,8 @@ class Sampler:
         """Compile now what a first draw would compile (the race's kernel, where it runs), so that a
         kernel that cannot build stops the engine at start, not a request in the middle of serving."""
         if self._race_kernel(device):
-            _race(torch.zeros(1, vocab, device=device), _keys_at(seed_keys([0], device), long_tensor([0], device)),
-                  kernel=True)
+            keys = keys_at(seed_keys([0], device), long_tensor([0], device))
+            exponential_race(torch.zeros(1, vocab, device=device), keys, kernel=True)
 
     def _race_kernel(self, device: torch.device) -> bool:
         fused = self._race_kernels.get(device)
@@ -484,17 +480,6 @@ class Sampler:
             self._device_generators[device] = torch.Generator(device=device)
             self._device_generators[device].manual_seed(self.seed)
         return self._device_generators[device]
-
-
-def max_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``x.max(dim=-1)`` of a 2-D tensor as ``(values, indices)``: each row's first maximum, or its first
-    NaN (its value NaN). One operation, or on the CPU over a vocabulary's rows ``argmax_rows`` and a
-    gather of the values."""
-    if _blocks_pay(x):
-        ids = argmax_rows(x)
-        return x.gather(1, ids.unsqueeze(1)).squeeze(1), ids
-    top = x.max(dim=-1)
-    return top.values, top.indices
 
 
 def apply_top_p(probs: Tensor, top_p: Tensor, window: int) -> None:
@@ -574,168 +559,6 @@ def _nucleus_cut(desc: Tensor, top_p: Tensor, partial: bool) -> tuple[Tensor, Te
     if partial:  # every entry of the window stays: the next may too (the prefix is exact)
         count.masked_fill_(count == width, -1)
     return last, count, ties[:, 0]
-
-
-# splitmix64 (Steele, Lea and Flood, 2014) in int64 tensor arithmetic: multiplications wrap modulo
-# 2**64 and a right shift is made logical by masking the bits the sign extended into.
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
-_MIX_1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX_2 = 0x94D049BB133111EB - (1 << 64)
-
-
-def _mix64_(z: Tensor) -> Tensor:
-    """splitmix64's output function on an int64 tensor, in place (``z`` is overwritten and returned):
-    over a row's worth of entries, every temporary of the plain expression was a fresh allocation of
-    its size (above glibc's mmap threshold on the CPU, so fresh pages each time); this takes one."""
-    t = z >> 30
-    z ^= t.bitwise_and_((1 << 34) - 1)
-    z *= _MIX_1
-    z ^= torch.bitwise_right_shift(z, 27, out=t).bitwise_and_((1 << 37) - 1)
-    z *= _MIX_2
-    z ^= torch.bitwise_right_shift(z, 31, out=t).bitwise_and_((1 << 33) - 1)
-    return z
-
-
-def seed_keys(seeds: list[int], device: torch.device | str = "cpu") -> Tensor:
-    """int64 ``[rows]``: the part of ``draw_keys`` that depends on the seed alone."""
-    signed = [(s & 0xFFFFFFFFFFFFFFFF) - ((s >> 63 & 1) << 64) for s in seeds]
-    return _mix64_(long_tensor(signed, device))
-
-
-def draw_keys(seeds: list[int], draw_indices: list[int], device: torch.device | str = "cpu") -> Tensor:
-    """int64 ``[rows]``: per row, the key of draw ``draw_indices[i]`` (the output position) of a request
-    seeded ``seeds[i]`` (any Python int; taken modulo 2**64)."""
-    return _keys_at(seed_keys(seeds, device), long_tensor(draw_indices, device))
-
-
-def _keys_at(seed_keys: Tensor, draw_indices: Tensor) -> Tensor:
-    """``draw_keys`` from ``seed_keys`` of the seeds."""
-    return _mix64_(seed_keys + draw_indices * _GOLDEN)
-
-
-def exponentials(keys: Tensor, token_ids: Tensor) -> Tensor:
-    """Exp(1) noise (float32) for entries ``token_ids`` of draws ``keys`` (int64, broadcast together):
-    the uniform at position ``t`` of the splitmix64 stream from the key, to 53 bits, as
-    ``float32(-log1p(-u))`` (the formula of the CPU's ``exponential_``)."""
-    z = _mix64_(torch.add(keys, (token_ids + 1).mul_(_GOLDEN)))
-    u = z.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1).double().mul_(2.0**-53)
-    return u.neg_().log1p_().neg_().float()
-
-
-def _race(sub: Tensor, keys: Tensor, whole_rows: bool = False, kernel: bool = False) -> Tensor:
-    """For each row of ``sub``, ``argmax(sub[i] / E)`` with ``E`` its draw's noise (``exponentials`` of
-    ``keys[i]``); ties go to the lowest token id, as ``argmax``'s. Writes into ``sub`` (not with ``kernel``).
-
-    With ``kernel`` (the Triton backend) it is one kernel over the rows (``triton_sampling``). Else on
-    a GPU the noise is computed for whole rows in one batch, and so on the CPU for ``whole_rows``
-    (rows that no filter thinned out: nearly every entry positive). Otherwise on the CPU the
-    logarithms are most of a draw's cost and a token of probability zero cannot win, so they are
-    taken only over the entries of positive probability (top-k, top-p and min-p leave a few hundred
-    tokens, or fewer), for all the rows at once, and each score is written over its probability: the
-    zeros left around them lose to any positive score, and ``argmax`` then makes of a row without one
-    (all zeros, or NaNs) what it makes of the whole row's race. Both give the same token: a zero's
-    score is zero either way.
-    """
-    num_rows, vocab = sub.shape
-    if kernel:
-        from pdserve_kernels.triton_sampling import seeded_race  # Triton, imported only where it runs
-
-        return seeded_race(sub, keys)
-    if sub.device.type != "cpu" or whole_rows:
-        noise = exponentials(keys.unsqueeze(1), torch.arange(vocab, device=sub.device).unsqueeze(0))
-        return argmax_rows(sub.div_(noise))
-    flat = sub.view(-1)  # ``sub`` is a fresh tensor: rows taken from ``probs``, or ``probs`` itself
-    index = flat.nonzero().squeeze(1)
-    r = index.div(vocab, rounding_mode="floor")
-    t = index - r * vocab
-    flat.index_copy_(0, index, flat.index_select(0, index).div_(exponentials(keys.index_select(0, r), t)))
-    return argmax_rows(sub)
-
-
-# On the CPU the seeded rows that no filter thins out race over whole rows from this vocabulary size
-# (about 24 ns per entry of the row, against 42 per positive entry over the positive entries alone).
-WHOLE_ROW_RACE_MIN_VOCAB = 1024
-
-# ``argmax_rows`` on the CPU: the width of the blocks it takes the maxima of, and the sizes from which
-# that beats one ``argmax`` (below them, its few extra calls cost more than they save); ``topk_rows``
-# takes its blocks from the same sizes on.
-ARGMAX_BLOCK = 128
-ARGMAX_BLOCKED_MIN_VOCAB = 1024
-ARGMAX_BLOCKED_MIN_ENTRIES = 1 << 15
-
-
-def _blocks_pay(x: Tensor) -> bool:
-    """Whether ``argmax_rows`` and ``topk_rows`` take block maxima over ``x`` (2-D): on the CPU, over rows
-    and a batch large enough."""
-    num_rows, vocab = x.shape
-    return x.device.type == "cpu" and vocab >= ARGMAX_BLOCKED_MIN_VOCAB and num_rows * vocab >= ARGMAX_BLOCKED_MIN_ENTRIES
-
-
-def argmax_rows(x: Tensor) -> Tensor:
-    """``x.argmax(dim=-1)`` of a 2-D tensor, the same index (the first maximum; the first NaN where a
-    row has one), in about a tenth of the time on the CPU over a vocabulary's rows.
-
-    The CPU's ``argmax`` is a scalar loop (about 2.2 ns per entry on the host it was measured on), its
-    ``amax`` a vectorised one (about 0.2). So a row's maxima are taken per block of ``ARGMAX_BLOCK``
-    entries with ``amax``; the first block holding the row's maximum is the ``argmax`` of those, and the
-    ``argmax`` within that block alone gives the index. Elsewhere (a GPU's ``argmax`` is one kernel either
-    way) and over small rows it is the plain ``argmax``.
-    """
-    vocab = x.shape[1]
-    if not _blocks_pay(x):
-        return x.argmax(dim=-1)
-    width = ARGMAX_BLOCK
-    num_blocks, tail = divmod(vocab, width)
-    block_max = x[:, : num_blocks * width].unflatten(1, (num_blocks, width)).amax(dim=-1)
-    if tail:  # a last, shorter block
-        block_max = torch.cat([block_max, x[:, num_blocks * width :].amax(dim=-1, keepdim=True)], dim=1)
-    start = block_max.argmax(dim=-1, keepdim=True) * width
-    # The winning block's entries; a last, shorter block is padded with copies of the row's last entry,
-    # which come after it and so never come first.
-    columns = (start + torch.arange(width, device=x.device)).clamp_(max=vocab - 1)
-    return start.squeeze(1) + x.gather(1, columns).argmax(dim=-1)
-
-
-# ``topk_rows`` on the CPU: the widest block it takes the maxima of, the narrowest worth it, and how many
-# times ``k`` blocks' entries a row must hold at least for the blocks to be worth it.
-TOPK_MAX_BLOCK = 128
-TOPK_MIN_BLOCK = 8
-TOPK_ROW_PER_CANDIDATE = 4
-
-
-def topk_rows(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """``x.topk(k, dim=-1)`` of a 2-D tensor as ``(values, indices)``: the same values, sorted from the
-    largest (NaN first, as ``topk`` ranks it); where values tie, which of the tied entries come is
-    unspecified, as it is for ``topk``. Several times cheaper on the CPU for a small ``k`` over a
-    vocabulary's rows.
-
-    The CPU's ``topk`` walks every entry in a scalar loop (about 2.5 ns per entry on the host it was
-    measured on, for ``k`` 1 as for 100). So a row's maxima are taken per block of ``width`` entries with
-    the vectorised ``amax``, and the ``k`` blocks of the largest maxima (with any entries past the last
-    whole block) are the candidates: ``topk`` runs over them alone. They hold the row's top ``k``:
-    any entry above the ``k``-th largest block maximum lies in a block whose maximum is above it too, so
-    in a chosen block; and the chosen blocks' maxima are ``k`` entries at least as large as that
-    maximum, so the ``k``-th largest value is never below it. The width is the largest power of two up to
-    ``TOPK_MAX_BLOCK`` for which the candidates are at most a ``TOPK_ROW_PER_CANDIDATE``-th of the row.
-    Where that width would be under ``TOPK_MIN_BLOCK`` (a large ``k``), on a GPU, and over small rows,
-    it is the plain ``topk``.
-    """
-    num_rows, vocab = x.shape
-    width = TOPK_MAX_BLOCK
-    while width >= TOPK_MIN_BLOCK and width * k * TOPK_ROW_PER_CANDIDATE > vocab:
-        width //= 2
-    if width < TOPK_MIN_BLOCK or not _blocks_pay(x):
-        top = x.topk(k, dim=-1)
-        return top.values, top.indices
-    num_blocks = vocab // width
-    body = num_blocks * width
-    block_max = x[:, :body].unflatten(1, (num_blocks, width)).amax(dim=-1)
-    blocks = block_max.topk(k, dim=-1, sorted=False).indices
-    columns = (blocks.unsqueeze(2) * width + torch.arange(width, device=x.device)).flatten(1)
-    if body < vocab:  # the entries past the last whole block are candidates as they are
-        columns = torch.cat([columns, torch.arange(body, vocab, device=x.device).expand(num_rows, -1)], dim=1)
-    top = x.gather(1, columns).topk(k, dim=-1)
-    return top.values, columns.gather(1, top.indices)
 
 
 def _inverse_cdf(probs: Tensor, generator: torch.Generator) -> Tensor:

@@ -360,7 +360,7 @@ def bench_kv(report: Report, args: argparse.Namespace, ops: Any) -> None:
 def bench_seeded_race(report: Report, args: argparse.Namespace) -> None:
     """The seeded rows' race: the Triton kernel against the torch path it replaces on a GPU (whole rows:
     the noise, the division, ``argmax``), checked for equal tokens and equal noise, then both timed."""
-    from common.engine.sampler import _race, draw_keys, exponentials
+    from common.engine.seeded_draws import draw_keys, exponential_race, exponentials
     from pdserve_kernels.triton_sampling import seeded_race
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -373,7 +373,7 @@ def bench_seeded_race(report: Report, args: argparse.Namespace) -> None:
 
     def same_tokens() -> tuple[float, float]:
         probs, keys = rows(256, args.vocab)
-        differ = int((seeded_race(probs, keys) != _race(probs.clone(), keys)).sum())
+        differ = int((seeded_race(probs, keys) != exponential_race(probs.clone(), keys)).sum())
         return _exact(differ)
 
     def same_noise() -> tuple[float, float]:
@@ -393,7 +393,7 @@ def bench_seeded_race(report: Report, args: argparse.Namespace) -> None:
         report.time("seeded_race (Triton)", shape, functools.partial(seeded_race, probs, keys), probs.numel() * 4)
 
         def torch_race(probs: torch.Tensor = probs, keys: torch.Tensor = keys) -> torch.Tensor:
-            return _race(probs.clone(), keys)
+            return exponential_race(probs.clone(), keys)
 
         report.time("torch race (noise, divide, argmax; with the copy it writes into)", shape, torch_race,
                     probs.numel() * 4)

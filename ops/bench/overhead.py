@@ -78,7 +78,9 @@ from common.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.model_runner import ModelRunner
 from common.engine.request import Request
-from common.engine.sampler import SampleResult, argmax_rows, draw_keys, exponentials
+from common.engine.row_ops import argmax_rows
+from common.engine.sampler import SampleResult
+from common.engine.seeded_draws import draw_keys, exponentials
 from common.glibc_env import keep_malloc_defaults, malloc_thresholds_state
 from common.model.loader import model_identity, resolve_model_path
 from common.model.weights import load_hf_config
@@ -188,7 +190,7 @@ class _PerRowSampler:
             probs[order[drop_sorted]] = 0.0
         if p.min_p > 0.0:
             probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
-        if req.draw_seed is not None:  # the draw contract of ``common.engine.sampler``
+        if req.draw_seed is not None:  # the draw contract of ``common.engine.seeded_draws``
             keys = draw_keys([req.draw_seed], [req.num_output_tokens])
             noise = exponentials(keys, torch.arange(probs.shape[-1]))
         else:

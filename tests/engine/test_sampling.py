@@ -17,10 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from msgspec.structs import replace
 
+import common.engine.row_ops as row_ops
 import common.engine.sampler as sampler_module
+import common.engine.seeded_draws as seeded_draws
 from common.engine.engine import LLMEngine
 from common.engine.request import Request
-from common.engine.sampler import Sampler, apply_top_p, argmax_rows, topk_rows
+from common.engine.row_ops import argmax_rows, topk_rows
+from common.engine.sampler import Sampler, apply_top_p
 from common.protocol import PositionLogprobs
 from common.sampling_params import SamplingParams
 from tests.engine.conftest import hf_greedy, hf_model, prompt_ids, tokenizer
@@ -403,8 +406,8 @@ def _reference_row(
         probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
     if req.draw_seed is None or not draw:
         return None, probs
-    keys = sampler_module.draw_keys([req.draw_seed], [req.num_output_tokens])
-    noise = sampler_module.exponentials(keys, torch.arange(len(probs)))  # the whole row's noise
+    keys = seeded_draws.draw_keys([req.draw_seed], [req.num_output_tokens])
+    noise = seeded_draws.exponentials(keys, torch.arange(len(probs)))  # the whole row's noise
     return int(torch.argmax(probs / noise)), probs
 
 
@@ -508,8 +511,8 @@ def test_a_seeded_request_continued_from_its_output_draws_what_the_uninterrupted
     assert resumed.output_token_ids == whole.output_token_ids
     assert len(set(whole.output_token_ids)) > 3, "the draws never moved"
     # The same seed at another output position draws other noise; another seed, too.
-    keys = sampler_module.draw_keys([21, 21, 22], [0, 1, 0])
-    noise = sampler_module.exponentials(keys.unsqueeze(1), torch.arange(vocab).unsqueeze(0))
+    keys = seeded_draws.draw_keys([21, 21, 22], [0, 1, 0])
+    noise = seeded_draws.exponentials(keys.unsqueeze(1), torch.arange(vocab).unsqueeze(0))
     assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
 
 
@@ -524,16 +527,16 @@ def test_the_counter_based_noise_is_splitmix64_and_exponential():
         return z ^ (z >> 31)
 
     seeds, indices = [0, 1, -5, 2**70 + 3, 12345], [0, 7, 3, 100_000, 2**40]
-    keys = sampler_module.draw_keys(seeds, indices)
+    keys = seeded_draws.draw_keys(seeds, indices)
     tokens = [0, 1, 5, 49_151]
-    noise = sampler_module.exponentials(keys.unsqueeze(1), torch.tensor(tokens).unsqueeze(0))
+    noise = seeded_draws.exponentials(keys.unsqueeze(1), torch.tensor(tokens).unsqueeze(0))
     for row, (seed, index) in enumerate(zip(seeds, indices, strict=True)):
         key = mix((mix(seed & mask) + index * 0x9E3779B97F4A7C15) & mask)
         assert int(keys[row]) & mask == key
         for col, t in enumerate(tokens):
             u = (mix((key + (t + 1) * 0x9E3779B97F4A7C15) & mask) >> 11) * 2.0**-53
             assert float(noise[row, col]) == float(torch.tensor(-math.log1p(-u)).float())
-    sample = sampler_module.exponentials(keys[:1], torch.arange(1_000_000))
+    sample = seeded_draws.exponentials(keys[:1], torch.arange(1_000_000))
     assert abs(float(sample.mean()) - 1) < 0.01 and abs(float(sample.double().var()) - 1) < 0.02
 
 
@@ -682,11 +685,11 @@ def test_the_race_equals_argmax_of_probs_over_the_whole_rows_noise_for_narrow_wi
     probs[6, :] = 0.0  # no positive entry
     probs[8, [30, 4000]] = float("nan")  # NaNs beside positive entries
     rows = [r for r in range(num_rows) if r != 5]
-    keys = sampler_module.draw_keys([100 + r for r in rows], [r % 3 for r in rows])
-    got = sampler_module._race(probs[rows], keys)
-    assert torch.equal(sampler_module._race(probs[rows], keys, whole_rows=True), got)
+    keys = seeded_draws.draw_keys([100 + r for r in rows], [r % 3 for r in rows])
+    got = seeded_draws.exponential_race(probs[rows], keys)
+    assert torch.equal(seeded_draws.exponential_race(probs[rows], keys, whole_rows=True), got)
     for i, row in enumerate(rows):
-        noise = sampler_module.exponentials(keys[i], torch.arange(vocab))
+        noise = seeded_draws.exponentials(keys[i], torch.arange(vocab))
         assert int(got[i]) == int((probs[row] / noise).argmax()), row
     assert int(got[rows.index(6)]) == 0 and int(got[rows.index(8)]) == 30
 
@@ -717,7 +720,7 @@ def test_argmax_rows_picks_torch_argmax_index_with_ties_nans_and_infinities(num_
     x = _tied_rows(num_rows, vocab, levels, specials, seed)
     x[1, -1] = levels  # the maximum in the last (shorter) block
     # The blocked path, not the plain one, for the whole batch and for the chunk.
-    assert (num_rows - 3) * vocab >= sampler_module.ARGMAX_BLOCKED_MIN_ENTRIES
+    assert (num_rows - 3) * vocab >= row_ops.ARGMAX_BLOCKED_MIN_ENTRIES
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(argmax_rows(x[3:]), x[3:].argmax(dim=-1))  # a chunk of rows, as the sampler passes
 
@@ -737,8 +740,8 @@ def test_topk_rows_gives_torch_topk_values_with_ties_nans_and_infinities(num_row
     x[1, -k:] = levels  # the row's largest entries past its last whole block (for most widths)
     x[2] = 3.0
     # The blocked path, not the plain one: blocks of at least the smallest width fit.
-    assert k * sampler_module.TOPK_MIN_BLOCK * sampler_module.TOPK_ROW_PER_CANDIDATE <= vocab
-    assert (num_rows - 3) * vocab >= sampler_module.ARGMAX_BLOCKED_MIN_ENTRIES  # the chunk's too
+    assert k * row_ops.TOPK_MIN_BLOCK * row_ops.TOPK_ROW_PER_CANDIDATE <= vocab
+    assert (num_rows - 3) * vocab >= row_ops.ARGMAX_BLOCKED_MIN_ENTRIES  # the chunk's too
     for chunk in (x, x[3:]):  # the whole batch, and a chunk of rows as the sampler passes
         values, indices = topk_rows(chunk, k)
         torch.testing.assert_close(values, chunk.topk(k, dim=-1).values, rtol=0, atol=0, equal_nan=True)

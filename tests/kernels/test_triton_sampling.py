@@ -14,9 +14,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (see
 import pytest
 import torch
 
-from common.engine import sampler as sampler_module
 from common.engine.request import Request
-from common.engine.sampler import Sampler, draw_keys, exponentials
+from common.engine.sampler import Sampler
+from common.engine.seeded_draws import draw_keys, exponential_race, exponentials
 from common.protocol import SamplingParams
 from pdserve_kernels.triton_sampling import MAX_BLOCK, seeded_race
 
@@ -50,7 +50,7 @@ def test_the_kernel_draws_the_torch_race_token(vocab: int, zero_below: float) ->
     assert seeded_race(probs, keys).tolist() == expected.tolist()
     assert torch.equal(probs, before), "the kernel only reads its rows"
     # The sampler's own race (the CPU's positive-entries path) agrees.
-    assert sampler_module._race(probs.clone(), keys).tolist() == expected.tolist()
+    assert exponential_race(probs.clone(), keys).tolist() == expected.tolist()
 
 
 def test_rows_of_a_wider_tensor_are_read_with_its_row_stride() -> None:

@@ -6,8 +6,9 @@ from the key, the uniform's top 53 bits, ``-log1p(-u)`` in float64 rounded to fl
 is two dozen element-wise operations over ``[rows, vocab]``, most of them on int64 or float64
 temporaries of that shape (a quarter of a GiB each at 256 rows of a 128k vocabulary), then the
 division and an ``argmax``: each a kernel launch and a pass over memory. Here one program per row
-walks the row once: it hashes each token id in registers, divides, and keeps per lane the first
-largest score and the first NaN.
+(per range of a row, when the rows are too few to fill the GPU; a second small kernel then picks
+among the ranges) walks it once: it hashes each token id in registers, divides, and keeps per lane
+the first largest score and the first NaN.
 
 The same token as the torch path, bit for bit, but for one case no test can reach: ``-log(1 - u)``
 here against ``-log1p(-u)`` there. ``1 - u`` is exact in float64 (``u`` holds 53 bits), so both are
@@ -15,7 +16,9 @@ the logarithm of the same number, each within an ulp of float64, and they can ro
 float32 values only when the float64 value lies within an ulp of the midpoint between two float32
 values: about once in 2**29 entries, and then it changes the token only if that entry's score was
 within a float32 ulp of the row's best. Division is ``div_rn`` (correctly rounded, as torch's), not
-Triton's default approximate one.
+Triton's default approximate one. (Where ``u`` is 0, once in 2**53 entries, the noise is 0 in both: an
+entry of positive probability then scores +inf and wins, and one of probability 0 scores NaN and
+wins too, in both; the CPU's race over positive entries alone gives that one 0.)
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import triton.language as tl
 from torch import Tensor
 
 from pdserve_kernels.triton_checks import check_index
+from pdserve_kernels.triton_decode import num_sms
 
-MAX_BLOCK = 1024  # token ids per step of a row's program
+MAX_BLOCK = 1024  # token ids per step of a program
+MAX_SPLITS = 64  # ranges a row may be cut into (``choose_num_splits``)
 
 
 @triton.jit
@@ -39,23 +44,31 @@ def _mix64(z):
 
 
 @triton.jit
-def _seeded_race_kernel(probs_ptr, stride_row, keys_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+def _seeded_race_kernel(probs_ptr, stride_row, keys_ptr, out_ptr, part_best_ptr, part_ids_ptr, part_nans_ptr,
+                        vocab, span, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+    """The race over ids ``[split * span, (split + 1) * span)`` of one row. ``SPLIT`` false: the whole
+    row, its token written to ``out``; true: the range's largest score, its first id and its first NaN
+    id, for ``_race_reduce_kernel``."""
     row = tl.program_id(0)
+    split = tl.program_id(1)
+    lo = split * span
+    hi = tl.minimum(lo + span, vocab)
     key = tl.load(keys_ptr + row).to(tl.uint64, bitcast=True)
     lanes = tl.arange(0, BLOCK)
-    # Per lane: the largest score seen (-1 before any: every score is >= 0 or NaN), its first token id,
-    # and the first token id whose score was NaN (``vocab``: none).
-    best = tl.full([BLOCK], -1.0, dtype=tl.float32)
+    # Per lane: the largest score seen (-inf before any), its first token id (0 while none beats -inf,
+    # as ``argmax`` of a row of -inf gives), and the first token id whose score was NaN (``vocab``: none).
+    best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     best_ids = tl.zeros([BLOCK], dtype=tl.int32)
     nan_ids = tl.full([BLOCK], vocab, dtype=tl.int32)
     row_ptr = probs_ptr + row.to(tl.int64) * stride_row
-    for start in range(0, vocab, BLOCK):
+    for start in range(lo, hi, BLOCK):
         ids = start + lanes
-        valid = ids < vocab
+        valid = ids < hi
         p = tl.load(row_ptr + ids, mask=valid, other=0.0)
         z = _mix64(key + (ids + 1).to(tl.uint64) * 0x9E3779B97F4A7C15)
         u = (z >> 11).to(tl.float64) * 1.1102230246251565e-16  # 2**-53: a uniform in [0, 1), 53 bits
-        noise = (-tl.log(1.0 - u)).to(tl.float32)
+        # 0 - log, not -log: at u = 0 torch's -log1p(-0.0) is +0.0, where -log(1.0) would be -0.0.
+        noise = (0.0 - tl.log(1.0 - u)).to(tl.float32)
         score = tl.math.div_rn(p, noise)
         is_nan = (score != score) & valid
         nan_ids = tl.minimum(nan_ids, tl.where(is_nan, ids, vocab))
@@ -63,17 +76,51 @@ def _seeded_race_kernel(probs_ptr, stride_row, keys_ptr, out_ptr, vocab, BLOCK: 
         best_ids = tl.where(better, ids, best_ids)
         best = tl.where(better, score, best)
     top = tl.max(best, axis=0)
-    # The lowest id among the lanes holding the row's largest score is the row's first such id.
+    # The lowest id among the lanes holding the range's largest score is the range's first such id.
     first = tl.min(tl.where(best == top, best_ids, vocab), axis=0)
     first_nan = tl.min(nan_ids, axis=0)
+    if SPLIT:
+        part = row * tl.num_programs(1) + split
+        tl.store(part_best_ptr + part, top)
+        tl.store(part_ids_ptr + part, first)
+        tl.store(part_nans_ptr + part, first_nan)
+    else:
+        tl.store(out_ptr + row, tl.where(first_nan < vocab, first_nan, first).to(tl.int64))
+
+
+@triton.jit
+def _race_reduce_kernel(out_ptr, part_best_ptr, part_ids_ptr, part_nans_ptr, vocab, num_splits,
+                        SPLITS_PAD: tl.constexpr):
+    """One row's token from its ranges' results: the first NaN id if any, else the first id of the
+    largest score (ranges come in id order, so among equal scores the lowest id is the first)."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, SPLITS_PAD)
+    mask = offs < num_splits
+    base = row * num_splits
+    best = tl.load(part_best_ptr + base + offs, mask=mask, other=float("-inf"))
+    ids = tl.load(part_ids_ptr + base + offs, mask=mask, other=vocab)
+    nans = tl.load(part_nans_ptr + base + offs, mask=mask, other=vocab)
+    top = tl.max(best, axis=0)
+    first = tl.min(tl.where(best == top, ids, vocab), axis=0)
+    first_nan = tl.min(nans, axis=0)
     tl.store(out_ptr + row, tl.where(first_nan < vocab, first_nan, first).to(tl.int64))
 
 
-def seeded_race(probs: Tensor, keys: Tensor) -> Tensor:
+def choose_num_splits(num_rows: int, vocab: int, block: int, sm_count: int) -> int:
+    """Ranges each row is cut into: enough programs for about two per SM when the rows alone are too
+    few (a small batch: one program per row would leave most of the GPU idle over a 128k-entry row),
+    never ranges shorter than a block, never more than ``MAX_SPLITS``."""
+    if num_rows == 0 or num_rows >= 2 * sm_count:
+        return 1
+    return max(1, min(triton.cdiv(2 * sm_count, num_rows), triton.cdiv(vocab, block), MAX_SPLITS))
+
+
+def seeded_race(probs: Tensor, keys: Tensor, num_splits: int | None = None) -> Tensor:
     """Per row of ``probs`` (float32 ``[rows, vocab]``, unit stride along the vocabulary), the index of
     ``argmax(probs[i] / exponentials(keys[i], token ids))``: the first largest score, or the first
     NaN where a score is one, as ``argmax`` ranks them. ``keys``: int64 ``[rows]``, the draws' keys
-    (``common.engine.seeded_draws.keys_at``). Reads ``probs`` only."""
+    (``common.engine.seeded_draws.keys_at``). Reads ``probs`` only. ``num_splits``: ranges per row
+    (default: ``choose_num_splits``); with more than one, a second kernel picks among the ranges."""
     unit_stride = probs.dim() == 2 and (probs.shape[1] <= 1 or probs.stride(1) == 1)
     assert unit_stride and probs.dtype == torch.float32, (
         f"probs must be a float32 [rows, vocab] tensor with unit stride along the vocabulary; "
@@ -83,9 +130,39 @@ def seeded_race(probs: Tensor, keys: Tensor) -> Tensor:
     check_index("keys", keys, num_rows, probs.device)
     assert keys.dtype == torch.int64, f"keys must be int64, got {keys.dtype}"
     out = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
-    if num_rows and vocab:
-        block = min(MAX_BLOCK, triton.next_power_of_2(vocab))
-        _seeded_race_kernel[(num_rows,)](probs, probs.stride(0), keys, out, vocab, BLOCK=block)
-    elif num_rows:
-        out.zero_()
+    if not num_rows:
+        return out
+    if not vocab:
+        return out.zero_()
+    block = min(MAX_BLOCK, triton.next_power_of_2(vocab))
+    if num_splits is None:
+        num_splits = choose_num_splits(num_rows, vocab, block, num_sms(probs.device))
+    span = triton.cdiv(triton.cdiv(vocab, max(1, num_splits)), block) * block  # whole blocks per range
+    num_splits = triton.cdiv(vocab, span)  # no empty range
+    if num_splits == 1:
+        _seeded_race_kernel[(num_rows, 1)](probs, probs.stride(0), keys, out, out, out, out, vocab, span,
+                                           BLOCK=block, SPLIT=False)
+        return out
+    best = torch.empty(num_rows, num_splits, dtype=torch.float32, device=probs.device)
+    ids = torch.empty(num_rows, num_splits, dtype=torch.int32, device=probs.device)
+    nans = torch.empty_like(ids)
+    _seeded_race_kernel[(num_rows, num_splits)](probs, probs.stride(0), keys, out, best, ids, nans, vocab, span,
+                                                BLOCK=block, SPLIT=True)
+    _race_reduce_kernel[(num_rows,)](out, best, ids, nans, vocab, num_splits,
+                                     SPLITS_PAD=triton.next_power_of_2(num_splits))
     return out
+
+
+def noise_probes(noise: Tensor) -> list[tuple[Tensor, int]]:
+    """For checking ``seeded_race`` (the tests, ``pdserve bench gpu``): rows of "probabilities" made of
+    the reference noise ``E`` (``[rows, vocab]``), each with the token it must draw iff the kernel's
+    noise is ``E`` bit for bit. p = E: every score is exactly 1, so an entry whose noise came out
+    smaller scores above 1 and wins: anything but the first id means a difference. p = -E catches a
+    larger noise the same way (-1 is then the largest score: a probe, not a probability). The first id
+    would hide its own difference there, so two more rows have it a float32 ulp short of a tie (it
+    loses to id 1 unless its noise differs in the direction that probe catches)."""
+    low, high = torch.tensor(float("-inf")), torch.tensor(float("inf"))
+    first_low, first_high = noise.clone(), -noise
+    first_low[:, 0] = torch.nextafter(noise[:, 0], low)
+    first_high[:, 0] = -torch.nextafter(noise[:, 0], high)
+    return [(noise.clone(), 0), (-noise, 0), (first_low, 1), (first_high, 1)]

@@ -7,8 +7,8 @@ a fixed function of (seed, ``i``, ``t``) (``exponentials``: splitmix64 over a ke
 but the seed, the output position and the row's probabilities, whatever else shares the batch,
 whatever ran before on whichever instance. So a request continued elsewhere (a migration, a decode
 after its prefill, a recompute after preemption) draws the same tokens with no generator state to
-carry or replay, and the noise can be computed where it is needed: on a GPU in one Triton kernel
-that hashes, divides and picks each row's token in one pass over it
+carry or replay, and the noise can be computed where it is needed: with the Triton kernels (a GPU's
+default) in one kernel that hashes, divides and picks each row's token in one pass over it
 (``pdserve_kernels.triton_sampling``), on the CPU only over the entries of positive probability.
 """
 

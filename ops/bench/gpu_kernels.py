@@ -361,7 +361,7 @@ def bench_seeded_race(report: Report, args: argparse.Namespace) -> None:
     """The seeded rows' race: the Triton kernel against the torch path it replaces on a GPU (whole rows:
     the noise, the division, ``argmax``), checked for equal tokens and equal noise, then both timed."""
     from common.engine.seeded_draws import draw_keys, exponential_race, exponentials
-    from pdserve_kernels.triton_sampling import seeded_race
+    from pdserve_kernels.triton_sampling import noise_probes, seeded_race
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
 
@@ -377,16 +377,18 @@ def bench_seeded_race(report: Report, args: argparse.Namespace) -> None:
         return _exact(differ)
 
     def same_noise() -> tuple[float, float]:
-        # The CPU's noise as probabilities: every score is exactly 1 (or -1) iff the GPU kernel's noise is
-        # the same, bit for bit; a row whose token is not its first has an entry that differs.
+        # The CPU's noise as probabilities (``noise_probes``): each probe draws its token iff the GPU
+        # kernel's noise is the same, bit for bit. Whole rows and rows in ranges.
         keys = draw_keys(list(range(8)), [3] * 8)
-        noise = exponentials(keys.unsqueeze(1), torch.arange(args.vocab).unsqueeze(0)).to(DEVICE)
+        noise = exponentials(keys.unsqueeze(1), torch.arange(args.vocab).unsqueeze(0))
         keys = keys.to(DEVICE)
-        return _exact(int(seeded_race(noise, keys).count_nonzero() + seeded_race(-noise, keys).count_nonzero()))
+        return _exact(sum(int((seeded_race(probe.to(DEVICE), keys, splits) != token).sum())
+                          for probe, token in noise_probes(noise) for splits in (1, 16)))
 
     report.check(f"seeded race kernel = torch race, 256 rows x {args.vocab} (rows whose token differs)", same_tokens)
-    report.check(f"seeded race noise = the CPU's, 8 rows x {args.vocab} x 2 signs (rows that differ)", same_noise)
-    for num_rows in (args.batch, 256):
+    report.check(f"seeded race noise = the CPU's, 8 rows x {args.vocab}, 4 probes, whole and in ranges "
+                 f"(rows that differ)", same_noise)
+    for num_rows in sorted({1, args.batch, 256}):
         probs, keys = rows(num_rows, args.vocab)
         shape = f"{num_rows} rows x {args.vocab}"
         report.group = f"seeded race {num_rows}"
@@ -438,7 +440,9 @@ def engine_model(choice: str, folder: Path, meta: dict[str, Any]) -> str | None:
         return None
     except FileNotFoundError as exc:
         print(f"[engine] {exc}; a random-weight stand-in of its shapes is used instead")
-    if not (folder / "config.json").exists():
+    if not folder.exists():  # written whole, then renamed: a run cut short leaves no half a checkpoint
+        import shutil
+
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
@@ -446,7 +450,10 @@ def engine_model(choice: str, folder: Path, meta: dict[str, Any]) -> str | None:
         model = LlamaForCausalLM(config)
         with torch.no_grad():
             model.lm_head.weight.mul_(STAND_IN_LOGIT_SCALE)
-        model.save_pretrained(str(folder))
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        model.save_pretrained(str(partial))
+        partial.rename(folder)
     meta["engine_model"] = f"random-weight stand-in of the default model's shapes ({folder})"
     return str(folder)
 

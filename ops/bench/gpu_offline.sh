@@ -18,9 +18,12 @@
 # 124 when the time limit cut it short.
 set -uo pipefail
 
-cd "$(dirname "$0")/../.."
 python=${PYTHON:-python3}  # the interpreter that has torch
 mode=${1:-}
+# Folders as the caller named them (resolved before moving to the tree's root).
+[ -n "${2:-}" ] && set -- "$1" "$(realpath -m "$2")" "${@:3}"
+[ -n "${3:-}" ] && [ "$mode" = run ] && set -- "$1" "$2" "$(realpath -m "$3")" "${@:4}"
+cd "$(dirname "$0")/../.."
 case "$mode" in
   download)
     dir=${2:?usage: gpu_offline.sh download WHEEL_DIR [PYTHON_VERSION]}
@@ -38,11 +41,14 @@ case "$mode" in
     shift 3
     mkdir -p "$out"
     site=$(mktemp -d)
+    trap 'rm -rf "$site"' EXIT
     if compgen -G "$wheels/*.whl" >/dev/null; then
       "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/*.whl || exit 1
     fi
     export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-    export PDSERVE_CACHE_DIR=${PDSERVE_CACHE_DIR:-$(mktemp -d)}
+    # The model cache (the default model converted, or the stand-in) outlives the run: a second run on
+    # the same host does not build it again.
+    export PDSERVE_CACHE_DIR=${PDSERVE_CACHE_DIR:-${TMPDIR:-/tmp}/pdserve-gpu-check-cache}
     unset TRITON_INTERPRET
     {
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
@@ -53,7 +59,8 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "triton", tr
       timeout --signal=TERM --kill-after=20 "${GPU_CHECK_TIMEOUT_S:-420}" \
         "$python" -m ops.bench.gpu_kernels --out-dir "$out" "$@"
     } 2>&1 | tee "$out/gpu-check.log"
-    exit "${PIPESTATUS[0]}"
+    status=${PIPESTATUS[0]}
+    exit "$status"
     ;;
   *)
     sed -n '2,18p' "$0" >&2

@@ -672,7 +672,7 @@ def test_logprobs_of_a_mixed_batch_are_each_rows_raw_log_softmax_with_its_own_k(
 
 
 def test_the_race_equals_argmax_of_probs_over_the_whole_rows_noise_for_narrow_wide_and_tied_rows():
-    """``_race`` takes logarithms only over the entries of positive probability, all rows at once; each
+    """``exponential_race`` takes logarithms only over the entries of positive probability, all rows at once; each
     row's token equals that of the plain race over the whole row's noise (ties: the lowest id)."""
     vocab, num_rows = 5000, 12
     gen = torch.Generator().manual_seed(8)

@@ -113,8 +113,10 @@ def record_launches() -> list[Launch]:
         triton_kv.scatter_blocks(cache, ids, packed.float())
         scenario[0] = "copy_blocks bf16"
         triton_kv.copy_blocks(cache, ids, torch.tensor([5, 6]))
-        scenario[0] = "seeded race, 128k vocabulary"
-        triton_sampling.seeded_race(torch.empty(4, 128256), torch.zeros(4, dtype=torch.long))
+        scenario[0] = "seeded race, 128k vocabulary, whole rows"
+        triton_sampling.seeded_race(torch.empty(4, 128256), torch.zeros(4, dtype=torch.long), num_splits=1)
+        scenario[0] = "seeded race, 128k vocabulary, rows in ranges"
+        triton_sampling.seeded_race(torch.empty(4, 128256), torch.zeros(4, dtype=torch.long), num_splits=33)
     return launches
 
 

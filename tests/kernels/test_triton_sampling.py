@@ -18,7 +18,7 @@ from common.engine.request import Request
 from common.engine.sampler import Sampler
 from common.engine.seeded_draws import draw_keys, exponential_race, exponentials
 from common.protocol import SamplingParams
-from pdserve_kernels.triton_sampling import MAX_BLOCK, seeded_race
+from pdserve_kernels.triton_sampling import MAX_BLOCK, noise_probes, seeded_race
 
 SEEDS = [0, 1, 42, -1, 2**63 + 5, 2**64 - 1, 123456789]
 
@@ -47,7 +47,8 @@ def test_the_kernel_draws_the_torch_race_token(vocab: int, zero_below: float) ->
     keys = _keys(9)
     expected = _reference(probs, keys)
     before = probs.clone()
-    assert seeded_race(probs, keys).tolist() == expected.tolist()
+    for num_splits in (None, 1, 2, 3, 7):  # ranges per row (more than blocks: as many as there are)
+        assert seeded_race(probs, keys, num_splits).tolist() == expected.tolist(), num_splits
     assert torch.equal(probs, before), "the kernel only reads its rows"
     # The sampler's own race (the CPU's positive-entries path) agrees.
     assert exponential_race(probs.clone(), keys).tolist() == expected.tolist()
@@ -62,18 +63,18 @@ def test_rows_of_a_wider_tensor_are_read_with_its_row_stride() -> None:
 
 
 @pytest.mark.parametrize("vocab", [50, 2 * MAX_BLOCK + 7])
-def test_the_noise_is_the_torch_noise_bit_for_bit(vocab: int) -> None:
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_the_noise_is_the_torch_noise_bit_for_bit(vocab: int, num_splits: int) -> None:
     keys = _keys(8, position=11)
     noise = exponentials(keys.unsqueeze(1), torch.arange(vocab).unsqueeze(0))
-    # Row p = E: every score is exactly 1 iff the kernel's noise equals E; an entry whose noise came out
-    # smaller scores above 1 and wins, so anything but the first id means a difference. Row p = -E
-    # catches a larger noise the same way (-1 is then the largest score; a probe, not a probability).
-    assert seeded_race(noise.clone(), keys).tolist() == [0] * 8
-    assert seeded_race(-noise, keys).tolist() == [0] * 8
-    # The probe can fail: one entry's noise off by an ulp wins its row.
-    nudged = noise.clone()
-    nudged[3, vocab - 2] = torch.nextafter(nudged[3, vocab - 2], torch.tensor(float("inf")))
-    assert seeded_race(nudged, keys).tolist() == [0, 0, 0, vocab - 2, 0, 0, 0, 0]
+    for probe, token in noise_probes(noise):
+        assert seeded_race(probe, keys, num_splits).tolist() == [token] * 8
+    # The probes can fail: one entry's noise off by an ulp wins its row, the first id's too.
+    for row, column in [(3, vocab - 2), (5, 0)]:
+        nudged = noise.clone()
+        nudged[row, column] = torch.nextafter(nudged[row, column], torch.tensor(float("inf")))
+        results = [seeded_race(probe, keys, num_splits)[row].item() for probe, _ in noise_probes(nudged)]
+        assert results != [0, 0, 1, 1], (row, column)
 
 
 def test_ties_infinities_and_nans_rank_as_argmax_ranks_them() -> None:
@@ -86,9 +87,20 @@ def test_ties_infinities_and_nans_rank_as_argmax_ranks_them() -> None:
     probs[3, 10] = 0.9
     probs[4, :] = float("nan")
     keys = _keys(5)
-    got = seeded_race(probs, keys).tolist()
-    assert got == [0, 7, 5, MAX_BLOCK + 4, 0]  # an all-zero row: its first entry, as argmax gives
-    assert got == _reference(probs, keys).tolist()
+    for num_splits in (1, 2, 3):
+        got = seeded_race(probs, keys, num_splits).tolist()
+        assert got == [0, 7, 5, MAX_BLOCK + 4, 0], num_splits  # an all-zero row: its first entry, as argmax
+        assert got == _reference(probs, keys).tolist()
+
+
+def test_small_batches_cut_their_rows_into_ranges_large_ones_do_not() -> None:
+    from pdserve_kernels.triton_sampling import MAX_SPLITS, choose_num_splits
+
+    assert choose_num_splits(1, 128256, MAX_BLOCK, 132) == MAX_SPLITS
+    assert choose_num_splits(8, 128256, MAX_BLOCK, 132) == 33  # about two programs per SM
+    assert choose_num_splits(264, 128256, MAX_BLOCK, 132) == 1
+    assert choose_num_splits(1, 3000, MAX_BLOCK, 132) == 3  # never ranges shorter than a block
+    assert choose_num_splits(0, 3000, MAX_BLOCK, 132) == 1
 
 
 def test_empty_inputs_and_bad_arguments() -> None:

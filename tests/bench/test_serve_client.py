@@ -24,7 +24,11 @@ def test_ttft_is_the_first_content_chunk_and_itl_the_gaps_between_chunks() -> No
     (r,) = out.results
     assert r.ok, r.error
     assert 0.3 <= r.ttft_s < 0.6  # the empty role chunk sent at once does not count as the first token
-    assert len(r.itl_s) == 4 and all(0.09 <= gap < 0.4 for gap in r.itl_s)
+    # One gap per later chunk (not per token). A chunk read late shortens the gap after it (once 89 ms
+    # on a loaded host), so each gap is bounded loosely and their sum, the last chunk's time after the
+    # first's, against the server's four 0.1 s waits less the first chunk's own delay.
+    assert len(r.itl_s) == 4 and all(0.05 <= gap < 0.4 for gap in r.itl_s), r.itl_s
+    assert sum(r.itl_s) >= 0.35, r.itl_s
     assert r.output_tokens == 10  # from the usage chunk, not the 5 content chunks
     assert r.e2e_s >= r.ttft_s + sum(r.itl_s) - 1e-6
 

@@ -461,11 +461,15 @@ class Sampler:
         return token_ids
 
     def warm_up(self, device: torch.device, vocab: int) -> None:
-        """Compile now what a first draw would compile (the race's kernel, where it runs), so that a
-        kernel that cannot build stops the engine at start, not a request in the middle of serving."""
+        """Compile now what draws would compile (the race's kernel, where it runs: whole rows, and rows in
+        ranges with the kernel that picks among them), so that a kernel that cannot build stops the
+        engine at start, not a request in the middle of serving."""
         if self._race_kernel(device):
+            from pdserve_kernels.triton_sampling import seeded_race
+
             keys = keys_at(seed_keys([0], device), long_tensor([0], device))
-            exponential_race(torch.zeros(1, vocab, device=device), keys, kernel=True)
+            for num_splits in (1, None):  # a single row is cut into ranges by default
+                seeded_race(torch.zeros(1, vocab, device=device), keys, num_splits)
 
     def _race_kernel(self, device: torch.device) -> bool:
         fused = self._race_kernels.get(device)

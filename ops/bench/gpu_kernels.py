@@ -466,9 +466,8 @@ def _engine_run(
     mode: str, batch: int, prompts: list[list[int]], max_tokens: int, device: str = DEVICE, model: str | None = None
 ) -> tuple[list[list[int]], float, int]:
     """Greedy outputs, the median decode step (ms; steps where every request had its first token)
-    and the steps that ran through ``DecodeGraphs``, of one engine on ``model`` (the default one when
-    None): ``mode``
-    "eager" (``--enforce-eager``), "graphs" (captured and replayed), "async" (graphs and
+    and the steps that ran through ``DecodeGraphs``, of one engine on ``model`` (None: the default
+    one): ``mode`` "eager" (``--enforce-eager``), "graphs" (captured and replayed), "async" (graphs and
     ``--async-scheduling``) or "padded" (the graphs' padded static-buffer forward run eagerly, what a
     replay must equal exactly). On another ``device`` (a test's dry run on the CPU) nothing is captured:
     "graphs" and "async" then run eagerly."""

@@ -158,19 +158,19 @@ def test_warming_up_runs_the_kernel_only_where_it_serves_the_race(monkeypatch) -
 
     calls: list[tuple[int, ...]] = []
 
-    def spy(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        calls.append(tuple(probs.shape))
-        return seeded_race(probs, keys)
+    def spy(probs: torch.Tensor, keys: torch.Tensor, num_splits: int | None = None) -> torch.Tensor:
+        calls.append((*probs.shape, num_splits))
+        return seeded_race(probs, keys, num_splits)
 
     monkeypatch.setattr(triton_sampling, "seeded_race", spy)
-    Sampler(set(), kernel_backend="torch").warm_up(torch.device("cpu"), 500)
+    Sampler(set(), kernel_backend="torch").warm_up(torch.device("cpu"), 5000)
     assert calls == []
-    Sampler(set(), kernel_backend="triton").warm_up(torch.device("cpu"), 500)
-    assert calls == [(1, 500)]
+    Sampler(set(), kernel_backend="triton").warm_up(torch.device("cpu"), 5000)
+    assert calls == [(1, 5000, 1), (1, 5000, None)]  # whole rows, and in ranges (5 here)
 
-    def broken(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def broken(probs: torch.Tensor, keys: torch.Tensor, num_splits: int | None = None) -> torch.Tensor:
         raise RuntimeError("ptxas failed")
 
     monkeypatch.setattr(triton_sampling, "seeded_race", broken)
     with pytest.raises(RuntimeError, match="ptxas"):
-        Sampler(set(), kernel_backend="triton").warm_up(torch.device("cpu"), 500)
+        Sampler(set(), kernel_backend="triton").warm_up(torch.device("cpu"), 5000)

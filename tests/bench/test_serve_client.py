@@ -28,7 +28,7 @@ def test_ttft_is_the_first_content_chunk_and_itl_the_gaps_between_chunks() -> No
     # on a loaded host), so each gap is bounded loosely and their sum, the last chunk's time after the
     # first's, against the server's four 0.1 s waits less the first chunk's own delay.
     assert len(r.itl_s) == 4 and all(0.05 <= gap < 0.4 for gap in r.itl_s), r.itl_s
-    assert sum(r.itl_s) >= 0.35, r.itl_s
+    assert sum(r.itl_s) > 0.35, r.itl_s
     assert r.output_tokens == 10  # from the usage chunk, not the 5 content chunks
     assert r.e2e_s >= r.ttft_s + sum(r.itl_s) - 1e-6
 

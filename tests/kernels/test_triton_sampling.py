@@ -152,8 +152,9 @@ def test_a_sampler_on_the_triton_backend_races_in_the_kernel_and_draws_the_same_
 
 
 def test_warming_up_runs_the_kernel_only_where_it_serves_the_race(monkeypatch) -> None:
-    """An engine warms its sampler up at start: with the race's kernel, one launch (a kernel that cannot
-    compile then stops the start, not a request); with the torch race, nothing."""
+    """An engine warms its sampler up at start: with the race's kernel, a launch of each variant (whole
+    rows, rows in ranges: a kernel that cannot compile then stops the start, not a request); with the
+    torch race, nothing."""
     import pdserve_kernels.triton_sampling as triton_sampling
 
     calls: list[tuple[int, ...]] = []

@@ -16,9 +16,9 @@ the logarithm of the same number, each within an ulp of float64, and they can ro
 float32 values only when the float64 value lies within an ulp of the midpoint between two float32
 values: about once in 2**29 entries, and then it changes the token only if that entry's score was
 within a float32 ulp of the row's best. Division is ``div_rn`` (correctly rounded, as torch's), not
-Triton's default approximate one. (Where ``u`` is 0, once in 2**53 entries, the noise is 0 in both: an
-entry of positive probability then scores +inf and wins, and one of probability 0 scores NaN and
-wins too, in both; the CPU's race over positive entries alone gives that one 0.)
+Triton's default approximate one. Where ``u`` is 0, once in 2**53 entries, the logarithm is 0 and the
+noise is float32's smallest normal number in both (``NOISE_MIN``): an entry of probability 0 scores 0
+and cannot win, as in the CPU's race over positive entries alone.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def _seeded_race_kernel(probs_ptr, stride_row, keys_ptr, out_ptr, part_best_ptr,
         p = tl.load(row_ptr + ids, mask=valid, other=0.0)
         z = _mix64(key + (ids + 1).to(tl.uint64) * 0x9E3779B97F4A7C15)
         u = (z >> 11).to(tl.float64) * 1.1102230246251565e-16  # 2**-53: a uniform in [0, 1), 53 bits
-        # 0 - log, not -log: at u = 0 torch's -log1p(-0.0) is +0.0, where -log(1.0) would be -0.0.
-        noise = (0.0 - tl.log(1.0 - u)).to(tl.float32)
+        # At least float32's smallest normal, as ``exponentials``' noise: at u = 0 the logarithm is 0.
+        noise = tl.maximum((0.0 - tl.log(1.0 - u)).to(tl.float32), 1.1754943508222875e-38)
         score = tl.math.div_rn(p, noise)
         is_nan = (score != score) & valid
         nan_ids = tl.minimum(nan_ids, tl.where(is_nan, ids, vocab))

@@ -27,6 +27,14 @@ _MIX_1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX_2 = 0x94D049BB133111EB - (1 << 64)
 
 
+# The least noise: float32's smallest normal number, where ``u`` is 0 (once in 2**53 entries) and the
+# logarithm gives 0. An entry of probability 0 then scores 0 / NOISE_MIN = 0, never 0 / 0 = NaN, which
+# would win its row's ``argmax``: a token of probability zero is never drawn. One of positive
+# probability scores p / NOISE_MIN (about 8.5e37 p), above every score a nonzero noise allows (at most
+# p / 1.1e-16) for any p above 1.3e-22.
+NOISE_MIN = float(torch.finfo(torch.float32).tiny)
+
+
 def _mix64_(z: Tensor) -> Tensor:
     """splitmix64's output function on an int64 tensor, in place (``z`` is overwritten and returned):
     over a row's worth of entries, every temporary of the plain expression was a fresh allocation of
@@ -60,10 +68,10 @@ def keys_at(seed_keys: Tensor, draw_indices: Tensor) -> Tensor:
 def exponentials(keys: Tensor, token_ids: Tensor) -> Tensor:
     """Exp(1) noise (float32) for entries ``token_ids`` of draws ``keys`` (int64, broadcast together):
     the uniform at position ``t`` of the splitmix64 stream from the key, to 53 bits, as
-    ``float32(-log1p(-u))`` (the formula of the CPU's ``exponential_``)."""
+    ``float32(-log1p(-u))`` (the formula of the CPU's ``exponential_``), at least ``NOISE_MIN``."""
     z = _mix64_(torch.add(keys, (token_ids + 1).mul_(_GOLDEN)))
     u = z.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1).double().mul_(2.0**-53)
-    return u.neg_().log1p_().neg_().float()
+    return u.neg_().log1p_().neg_().float().clamp_(min=NOISE_MIN)
 
 
 def exponential_race(sub: Tensor, keys: Tensor, whole_rows: bool = False, kernel: bool = False) -> Tensor:

@@ -27,6 +27,7 @@ from common.engine.sampler import Sampler, apply_top_p
 from common.protocol import PositionLogprobs
 from common.sampling_params import SamplingParams
 from tests.engine.conftest import hf_greedy, hf_model, prompt_ids, tokenizer
+from tests.engine.splitmix import GOLDEN, MASK, key_with_state, mix
 
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
 STORY = (
@@ -519,25 +520,39 @@ def test_a_seeded_request_continued_from_its_output_draws_what_the_uninterrupted
 def test_the_counter_based_noise_is_splitmix64_and_exponential():
     """``draw_keys`` and ``exponentials`` equal a pure-Python splitmix64 (int64 wrap-around and the
     masked right shifts included), and the noise has the Exp(1) mean and variance."""
-    mask = (1 << 64) - 1
-
-    def mix(z: int) -> int:
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-        return z ^ (z >> 31)
-
+    mask = MASK
     seeds, indices = [0, 1, -5, 2**70 + 3, 12345], [0, 7, 3, 100_000, 2**40]
     keys = seeded_draws.draw_keys(seeds, indices)
     tokens = [0, 1, 5, 49_151]
     noise = seeded_draws.exponentials(keys.unsqueeze(1), torch.tensor(tokens).unsqueeze(0))
     for row, (seed, index) in enumerate(zip(seeds, indices, strict=True)):
-        key = mix((mix(seed & mask) + index * 0x9E3779B97F4A7C15) & mask)
+        key = mix((mix(seed & mask) + index * GOLDEN) & mask)
         assert int(keys[row]) & mask == key
         for col, t in enumerate(tokens):
-            u = (mix((key + (t + 1) * 0x9E3779B97F4A7C15) & mask) >> 11) * 2.0**-53
+            u = (mix((key + (t + 1) * GOLDEN) & mask) >> 11) * 2.0**-53
             assert float(noise[row, col]) == float(torch.tensor(-math.log1p(-u)).float())
     sample = seeded_draws.exponentials(keys[:1], torch.arange(1_000_000))
     assert abs(float(sample.mean()) - 1) < 0.01 and abs(float(sample.double().var()) - 1) < 0.02
+
+
+def test_a_token_of_probability_zero_is_never_drawn_where_its_uniform_is_zero():
+    """Where an entry's uniform is 0 (once in 2**53 entries; here a key built for it, through splitmix64's
+    inverse), the logarithm is 0 and the noise float32's smallest normal: a zero-probability entry scores
+    0 and loses (0 / 0 would be NaN, which wins an ``argmax``), a positive one scores high and wins. The
+    same over whole rows and over the positive entries alone."""
+    vocab, token = 3000, 1234
+    key = key_with_state(token, 5)  # a state below 2**11: the uniform's 53 bits are all zero
+    keys = torch.tensor([key, key])
+    noise = seeded_draws.exponentials(keys[:1].unsqueeze(1), torch.arange(vocab).unsqueeze(0))[0]
+    assert float(noise[token]) == seeded_draws.NOISE_MIN and float(noise.min()) == seeded_draws.NOISE_MIN
+    assert int(noise.argmin()) == token and float(noise.kthvalue(2).values) > 1e-9
+    probs = torch.softmax(torch.randn(2, vocab, generator=torch.Generator().manual_seed(3)), dim=-1)
+    probs[0, token] = 0.0  # row 0: the entry whose noise is least has probability zero
+    probs[0, : vocab // 2] = 0.0  # and half of the row, so that the race over positive entries runs
+    free = (probs[0] / torch.where(noise > seeded_draws.NOISE_MIN, noise, 1.0)).argmax()
+    for whole_rows in (False, True):
+        got = seeded_draws.exponential_race(probs.clone(), keys, whole_rows=whole_rows).tolist()
+        assert got == [int(free), token], whole_rows
 
 
 def _top_p_by_full_sort(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,10 @@ import torch
 
 from common.engine.request import Request
 from common.engine.sampler import Sampler
-from common.engine.seeded_draws import draw_keys, exponential_race, exponentials
+from common.engine.seeded_draws import NOISE_MIN, draw_keys, exponential_race, exponentials
 from common.protocol import SamplingParams
 from pdserve_kernels.triton_sampling import MAX_BLOCK, noise_probes, seeded_race
+from tests.engine.splitmix import key_with_state
 
 SEEDS = [0, 1, 42, -1, 2**63 + 5, 2**64 - 1, 123456789]
 
@@ -91,6 +92,22 @@ def test_ties_infinities_and_nans_rank_as_argmax_ranks_them() -> None:
         got = seeded_race(probs, keys, num_splits).tolist()
         assert got == [0, 7, 5, MAX_BLOCK + 4, 0], num_splits  # an all-zero row: its first entry, as argmax
         assert got == _reference(probs, keys).tolist()
+
+
+def test_where_the_uniform_is_zero_the_noise_is_the_least_normal_and_a_zero_probability_loses() -> None:
+    """A key whose uniform at one token id is 0 (built through splitmix64's inverse): the kernel's noise
+    there is the torch noise (float32's smallest normal, not 0), so a zero-probability entry scores 0
+    and loses, as in the torch race, and a positive one wins."""
+    vocab, token = MAX_BLOCK + 50, MAX_BLOCK + 3
+    keys = torch.tensor([key_with_state(token, 0)] * 2)
+    noise = exponentials(keys[:1], torch.arange(vocab))
+    assert float(noise[token]) == NOISE_MIN
+    probs = _probs(2, vocab, seed=5, zero_below=0.0)
+    probs[0, token] = 0.0
+    expected = _reference(probs, keys).tolist()
+    assert expected[0] != token and expected[1] == token
+    for num_splits in (1, 2):
+        assert seeded_race(probs, keys, num_splits).tolist() == expected, num_splits
 
 
 def test_small_batches_cut_their_rows_into_ranges_large_ones_do_not() -> None:

@@ -178,7 +178,7 @@ class LLMEngine:
             raise ValueError("prompt must not be empty")
         outputs = output_token_ids or []
         for name, ids in (("prompt", prompt_token_ids), ("output", outputs)):
-            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+            if not _ids_in_range(ids, self.vocab_size):
                 raise ValueError(f"{name} token ids must be integers in [0, {self.vocab_size})")
         num_tokens = len(prompt_token_ids) + len(outputs)
         if num_tokens >= self.max_model_len:
@@ -609,3 +609,13 @@ def _load_tokenizer(model_path: str):  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)
+
+
+def _ids_in_range(ids: list[int], vocab_size: int) -> bool:
+    """Every id an ``int`` in ``[0, vocab_size)``: for plain ints (what the wire decodes) by their
+    types' set, then ``min`` and ``max``, all in C; else one by one (``bool`` is an ``int`` too)."""
+    if not ids:
+        return True
+    if set(map(type, ids)) == {int}:
+        return min(ids) >= 0 and max(ids) < vocab_size
+    return all(isinstance(t, int) and 0 <= t < vocab_size for t in ids)

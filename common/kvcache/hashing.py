@@ -43,6 +43,9 @@ def extra_keys_for(model_id: str, cache_salt: str | None) -> tuple[str, ...]:
     return (model_id,) if cache_salt is None else (model_id, cache_salt)
 
 
+_SEEDED = hashlib.sha256(_DOMAIN)  # copied for each block: the domain is not hashed again
+
+
 def compute_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
@@ -55,11 +58,26 @@ def compute_block_hashes(
 
     ``parent`` must be the hash of block ``start - 1`` when ``start > 0``; this lets a growing
     sequence hash only its newly filled blocks.
+
+    The bytes hashed per block are ``hash_block_tokens``' own, put together with less work: the
+    tokens of every block packed in one call, the extra keys' encoding made once, one ``update`` per
+    block (half the time of a ``hash_block_tokens`` call per block; every request's prompt and every
+    routed prompt go through here).
     """
-    extra = extra_keys_for(model_id, cache_salt)
-    hashes: list[BlockHash] = []
     num_full = len(token_ids) // block_size
-    for i in range(start, num_full):
-        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
+    if num_full <= start:
+        return []
+    extra = extra_keys_for(model_id, cache_salt)
+    tail = b"X" + struct.pack("<I", len(extra)) + b"".join(_tagged_str(b"S", key) for key in extra)
+    head = b"T" + struct.pack("<I", block_size)
+    lo, hi = start * block_size, num_full * block_size
+    packed = struct.pack(f"<{hi - lo}q", *token_ids[lo:hi])
+    width = 8 * block_size
+    hashes: list[BlockHash] = []
+    for offset in range(0, len(packed), width):
+        h = _SEEDED.copy()
+        link = b"P\x00" if parent is None else b"P\x01" + struct.pack("<I", len(parent)) + parent
+        h.update(link + head + packed[offset : offset + width] + tail)
+        parent = BlockHash(h.digest())
         hashes.append(parent)
     return hashes

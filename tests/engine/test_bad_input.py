@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 from common.engine.engine import EngineOutput, LLMEngine
@@ -26,6 +27,11 @@ BAD_REQUESTS = [
     ("token id = vocab size", [5, VOCAB, 6], GOOD, "token ids"),
     ("negative token id", [5, -1], GOOD, "token ids"),
     ("non-integer token id", [5, 2.5], GOOD, "token ids"),
+    ("integral float token id", [5.0, 6], GOOD, "token ids"),
+    ("string token id", [5, "7"], GOOD, "token ids"),
+    ("None token id", [None], GOOD, "token ids"),
+    ("numpy token id", [5, np.int64(6)], GOOD, "token ids"),
+    ("huge token id", [5, 2**70], GOOD, "token ids"),
     ("max_tokens=0", [5], SamplingParams(max_tokens=0), "max_tokens"),
     ("max_tokens<0", [5], SamplingParams(max_tokens=-3), "max_tokens"),
     ("temperature<0", [5], SamplingParams(temperature=-0.1), "temperature"),

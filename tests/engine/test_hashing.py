@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.engine.request import Request
-from common.kvcache.hashing import compute_block_hashes, extra_keys_for, hash_block_tokens
+from common.kvcache.hashing import HASH_SCHEME, compute_block_hashes, extra_keys_for, hash_block_tokens
 from common.sampling_params import SamplingParams
 
 BS = 16
@@ -92,6 +92,39 @@ def test_incremental_hashing_equals_hashing_from_scratch(tokens, block_size, sal
     start = data.draw(st.integers(0, len(full)), label="start")
     parent = full[start - 1] if start else None
     assert compute_block_hashes(tokens, block_size, MODEL, salt, start=start, parent=parent) == full[start:]
+
+
+def test_the_encoding_is_pinned_by_known_digests():
+    """Processes of different versions share the prefix index in Redis: a change to the bytes hashed
+    must come with a new ``HASH_SCHEME``, never silently. Digests of the sha256-v1 encoding."""
+    assert HASH_SCHEME == "sha256-v1"
+    first = "022e5e3c55feac7364be432ec530c36fa0c2b1f925ee314a612f4fa114605024"
+    second = "96af88a6985f32b83ee5640504d80375cfb7946f384fc8119b9def6f38ace83b"  # parent first, salted
+    assert hash_block_tokens(None, list(range(16)), ("m",)).hex() == first
+    assert hash_block_tokens(bytes.fromhex(first), [49151] * 16, ("m", "salt")).hex() == second
+    assert [h.hex() for h in compute_block_hashes([*range(16), 9, 9], 16, "m")] == [first]
+    chained = compute_block_hashes([*range(16), *[49151] * 16], 16, "m", "salt", start=1, parent=bytes.fromhex(first))
+    assert [h.hex() for h in chained] == [second]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**63 - 1), max_size=70),
+    block_size=st.sampled_from([1, 3, 16]),
+    salt=st.one_of(st.none(), st.text(max_size=8)),
+    model=st.text(max_size=12),
+)
+def test_hashing_a_sequence_equals_hashing_its_blocks_one_by_one(tokens, block_size, salt, model):
+    """``compute_block_hashes`` builds each block's bytes its own way: the same digests as the chain of
+    ``hash_block_tokens``, the reference, for any ids, block size, model and salt (non-ASCII too)."""
+    extra = extra_keys_for(model, salt)
+    parent = None
+    expected = []
+    for i in range(len(tokens) // block_size):
+        parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size], extra)
+        expected.append(parent)
+    assert compute_block_hashes(tokens, block_size, model, salt) == expected
+    assert compute_block_hashes(tuple(tokens), block_size, model, salt) == expected
 
 
 @settings(max_examples=25, deadline=None)

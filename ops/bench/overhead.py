@@ -19,7 +19,9 @@ Cases, each at every ``--batch-sizes`` B with ``--prompt-len`` token prompts:
 * mixed: the same with sampling parameters cycling through ``MIXED`` (temperature, top-p, top-k,
   min-p, penalties; some rows seeded, some asking for logprobs).
 * prefill: each measured step prefills B new prompts whole (B x prompt-len tokens) and samples their
-  one token (greedy); adding the requests happens between steps and is not counted.
+  one token (greedy); adding the requests happens between steps and is not counted in the step: it
+  is reported apart, per request ("admission": ``LLMEngine.add_request``, with its validation and
+  block hashes).
 
 Each case also counts the torch operations one more step dispatches (views, which launch no
 kernel, left out), in all and in the sampler: beside a GPU each is a kernel launch the host pays
@@ -345,12 +347,17 @@ def run_case(
     gen = torch.Generator().manual_seed(args.seed)
     num_added = 0
 
-    def add_requests() -> None:
+    def add_requests() -> float:
+        """Add ``batch_size`` requests; the clock's seconds per ``add_request``."""
         nonlocal num_added
         prompts = torch.randint(3, vocab, (batch_size, prompt_len), generator=gen).tolist()
-        for prompt in prompts:
-            engine.add_request(f"{case}-{num_added}", prompt, case_params(case, num_added, max_tokens))
-            num_added += 1
+        added = [(f"{case}-{num_added + i}", prompt, case_params(case, num_added + i, max_tokens))
+                 for i, prompt in enumerate(prompts)]
+        num_added += batch_size
+        start = clock.now()
+        for request_id, prompt, params in added:
+            engine.add_request(request_id, prompt, params)
+        return (clock.now() - start) / batch_size
 
     if case != "prefill":
         add_requests()
@@ -358,10 +365,11 @@ def run_case(
             engine.step()
     num_tokens = batch_size * (prompt_len if case == "prefill" else 1)
     steps: list[dict[str, float]] = []
+    admits: list[float] = []  # per request, the prefill case's (outside the step)
     faults = 0
     for i in range(warmup + num_steps):
         if case == "prefill":
-            add_requests()
+            admits.append(add_requests())
         clock.current = {}
         faults_before = minor_faults()
         start = clock.now()
@@ -392,6 +400,7 @@ def run_case(
         "phases_ms": {name: _summary([s[name] for s in steps]) for name in (*PHASES, "total")},
         "torch_ops": {"step": sum(counter.counts.values()), "sample": counter.counts.get("sample", 0)},
         "minor_faults_per_step": faults / num_steps,
+        **({"admit_us_per_request": statistics.median(admits[warmup:]) * 1e6} if admits else {}),
     }
 
 
@@ -459,6 +468,9 @@ def format_report(report: dict[str, Any]) -> str:
               "torch ops: dispatched in one step, views apart (on a GPU, kernel launches), and in its sampler; "
               "faults: minor page faults per step (fresh pages the C heap took from the kernel; malloc's "
               f"thresholds: {report['machine'].get('malloc_thresholds', 'not recorded')})"]
+    lines += [f"admission, prefill batch {r['batch_size']} ({r['vocab']} vocab): add_request (validation, block "
+              f"hashes, queueing; between steps, not in them) {r['admit_us_per_request']:.1f} us per request of "
+              f"{report['config']['prompt_len']} tokens, median" for r in results if "admit_us_per_request" in r]
     if any(_is_host_share(r) for r in results):
         lines += ["rows at the small vocab: the host's share, the sampler's calls over few logits (what a GPU "
                   "would wait on)"]

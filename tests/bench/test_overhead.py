@@ -45,6 +45,10 @@ def test_every_case_reports_every_phase_as_positive_milliseconds_for_both_sample
     assert greedy == [1, 1] and measured["mixed", 4, "batched-host"]["torch_ops"]["sample"] > 10
     blocked = [measured["greedy", b, "batched"]["torch_ops"]["sample"] for b in (1, 4)]
     assert blocked[0] == blocked[1] <= 10
+    # The prefill case's admission (add_request, outside the step), per request: timed, and only there.
+    admits = {key: r["admit_us_per_request"] for key, r in measured.items() if "admit_us_per_request" in r}
+    assert {key[0] for key in admits} == {"prefill"} and len(admits) == 2 * len(samplers)
+    assert all(0 < us < 60e6 for us in admits.values())
     assert set(report["floor_ms"]) == {"1", "4"} and all(v > 0 for v in report["floor_ms"].values())
     assert report["machine"]["torch_threads"] == 1
     # The host's speed, before the cases and after them, measured: reports of other days compare by it.
@@ -57,6 +61,7 @@ def test_every_case_reports_every_phase_as_positive_milliseconds_for_both_sample
     assert "target greedy, batch 256: <= 2 ms: not measured in this run" in table
     assert f"{'greedy':<8}{4:>6}  {'batched':<8}{1024:>7}" in table
     assert all(f"{case:<8}{4:>6}  per-row" in table for case in overhead.CASES)
+    assert table.count("admission, prefill batch") == len(admits) and "us per request of 40 tokens" in table
     if overhead.write_plot(report, tmp_path / "probe.png"):
         assert out.with_suffix(".png").stat().st_size > 0
 

@@ -32,6 +32,7 @@ BAD_REQUESTS = [
     ("None token id", [None], GOOD, "token ids"),
     ("numpy token id", [5, np.int64(6)], GOOD, "token ids"),
     ("huge token id", [5, 2**70], GOOD, "token ids"),
+    ("bool token id", [5, True], GOOD, "token ids"),
     ("max_tokens=0", [5], SamplingParams(max_tokens=0), "max_tokens"),
     ("max_tokens<0", [5], SamplingParams(max_tokens=-3), "max_tokens"),
     ("temperature<0", [5], SamplingParams(temperature=-0.1), "temperature"),
@@ -80,6 +81,13 @@ def test_bad_request_is_rejected_with_a_message_naming_the_field(small_engine, p
     with pytest.raises(ValueError, match=field):
         small_engine.add_request("bad", prompt, params)
     assert not small_engine.scheduler.requests and not small_engine.has_unfinished_requests(), "a bad request was queued"
+
+
+@pytest.mark.parametrize("outputs", [[5, VOCAB], [-2], [5, 1.0], [True]], ids=["= vocab", "negative", "float", "bool"])
+def test_a_resumed_request_s_output_token_ids_are_checked_as_its_prompt_s(small_engine, outputs):
+    with pytest.raises(ValueError, match="output token ids"):
+        small_engine.validate([5, 6], GOOD, outputs)
+    small_engine.validate([5, 6], GOOD, [0, VOCAB - 1])  # the range's ends are valid
 
 
 def test_engine_keeps_serving_a_valid_request_queued_before_the_bad_ones(engine_factory):

@@ -14,6 +14,10 @@ still fails start-up. With ``--log-dir DIR`` it keeps ``DIR/children.json`` (pid
 by name) current. Ctrl-C / SIGTERM stops router, engines, then Redis: SIGTERM, and SIGKILL after
 ``--grace-period`` (long enough for the engines to drain).
 
+On a GPU host each engine gets a GPU of its own while there are enough, round-robin after that
+(``CUDA_VISIBLE_DEVICES`` per engine), and engines sharing a GPU split the default memory share
+(``place_engines``).
+
 Every run makes a fresh cluster key and gives it to each child (``PDSERVE_CLUSTER_KEY``), so the
 internal planes are authenticated without any setup; a key already in the environment
 (``PDSERVE_CLUSTER_KEY`` or ``PDSERVE_CLUSTER_KEY_FILE``) is used instead, for engines started elsewhere.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import shutil
@@ -35,7 +40,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from common.cluster_key import ENV_KEY, ClusterKey
@@ -44,6 +49,7 @@ from ops.supervisor import Child, ChildExited, RestartPolicy, Supervisor
 from ops.supervisor import die_with_parent as die_with_parent  # re-exported: tests start children with it
 
 POLL_S = 0.2
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # the engines' own default (``EngineConfig``), shared out here
 
 ENGINE_FLAGS = ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
 
@@ -89,6 +95,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="command that runs one service given its role and flags",
     )
     return p
+
+
+def visible_gpus(env: Mapping[str, str], count_gpus: Callable[[], int]) -> list[str]:
+    """The GPUs the engines may use, each as ``CUDA_VISIBLE_DEVICES`` names it: that variable's entries
+    where it is set (up to the first empty or negative one, as CUDA reads it: "" or "-1" hides every
+    GPU), else ``count_gpus()`` indices (``nvml_gpu_count``: none on a host without a driver)."""
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return [str(i) for i in range(count_gpus())]
+    gpus: list[str] = []
+    for entry in (e.strip() for e in listed.split(",")):
+        if not entry or entry.startswith("-"):
+            break
+        gpus.append(entry)
+    return gpus
+
+
+def nvml_gpu_count() -> int:
+    """GPUs the driver sees (NVML, which needs no CUDA context and no torch); 0 without one."""
+    from common.nvml_metrics import load_nvml
+
+    nvml = load_nvml()
+    if nvml is None:
+        return 0
+    try:
+        return int(nvml.nvmlDeviceGetCount())
+    finally:
+        nvml.nvmlShutdown()
+
+
+def place_engines(names: list[str], gpus: list[str]) -> dict[str, tuple[str, float]]:
+    """Engine name -> (its ``CUDA_VISIBLE_DEVICES``, its share of that GPU's memory): each engine on a
+    GPU of its own while there are enough, round-robin after that; engines on one GPU split the
+    default utilisation evenly (two on one: 0.45 each), as two vLLM servers on one GPU must be told."""
+    if not gpus:
+        return {}
+    on = {name: gpus[i % len(gpus)] for i, name in enumerate(names)}
+    sharing = {gpu: list(on.values()).count(gpu) for gpu in gpus}
+    return {name: (gpu, math.floor(DEFAULT_GPU_MEMORY_UTILIZATION / sharing[gpu] * 100) / 100)
+            for name, gpu in on.items()}
 
 
 def free_port() -> int:
@@ -178,19 +224,40 @@ class Launcher:
             threads = max(1, cores // max(1, self.args.prefill + self.args.decode))
         return {**env, "OMP_NUM_THREADS": str(threads)}
 
+    def gpu_placement(self) -> dict[str, tuple[str, float]]:
+        """Where each engine runs on a GPU host (``place_engines`` over ``visible_gpus``); {} on a CPU
+        host or where the engines were told ``--device``. With ``--gpu-memory-utilization`` given,
+        the engines get that value as it is."""
+        if any(arg == "--device" or arg.startswith("--device=") for arg in self.engine_extra):
+            return {}
+        names = [f"{role}-{i}" for role, count in (("prefill", self.args.prefill), ("decode", self.args.decode))
+                 for i in range(count)]
+        return place_engines(names, visible_gpus(os.environ, nvml_gpu_count))
+
     def start_all(self, model: str) -> None:
         redis_url = self.args.redis_url or self.start_redis()
         service = shlex.split(self.args.service_command)
         engine_env = {**self.engine_env(), **self.cluster_env}
+        placement = self.gpu_placement()
+        user_share = any(arg.startswith("--gpu-memory-utilization") for arg in self.engine_extra)
         for role, count in (("prefill", self.args.prefill), ("decode", self.args.decode)):
             for i in range(count):
+                name = f"{role}-{i}"
                 ports = [str(free_port()) for _ in range(3)]
                 argv = [*service, role, "--model", model, "--redis-url", redis_url, "--host", "127.0.0.1"]
                 argv += ["--port", ports[0], "--kv-port", ports[1], "--metrics-port", ports[2]]
                 if role == "decode" and self.args.stream_interval is not None:
                     argv += ["--stream-interval", str(self.args.stream_interval)]
-                self.spawn(f"{role}-{i}", [*argv, "--instance-id", f"{role}-{i}", *self.engine_flags()], engine_env)
-                self.metrics_urls[f"{role}-{i}"] = f"http://127.0.0.1:{ports[2]}/metrics"
+                env = engine_env
+                if name in placement:
+                    gpu, share = placement[name]
+                    env = {**engine_env, "CUDA_VISIBLE_DEVICES": gpu}
+                    if not user_share:
+                        argv += ["--gpu-memory-utilization", str(share)]
+                    print(f"pdserve: {name} on GPU {gpu}" + ("" if user_share else f", {share:g} of its memory"),
+                          file=sys.stderr, flush=True)
+                self.spawn(name, [*argv, "--instance-id", name, *self.engine_flags()], env)
+                self.metrics_urls[name] = f"http://127.0.0.1:{ports[2]}/metrics"
         argv = [*service, "router", "--model", model, "--redis-url", redis_url]
         self.spawn(
             "router",

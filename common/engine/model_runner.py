@@ -25,6 +25,15 @@ from pdserve_kernels import get_kernels, resolve_backend
 logger = logging.getLogger(__name__)
 
 _GPU_ACTIVATION_HEADROOM = 1 << 30
+
+
+def gpu_kv_cache_bytes(total: int, free: int, own: int, utilization: float) -> int:
+    """The KV cache's bytes on a GPU of ``total`` bytes with ``free`` free, for an engine that holds
+    ``own`` (torch's reservation: weights, workspace) and may use ``utilization`` of the GPU: its
+    share less what it holds, never more than is free (other processes on the GPU), each less
+    the activations' headroom. The share is this engine's own, as vLLM's: two engines at 0.45 each
+    fit on one GPU, whichever sizes its cache first."""
+    return min(int(total * utilization) - own, free) - _GPU_ACTIVATION_HEADROOM
 # Prompt logprobs are computed over at most this many positions at a time.
 _PROMPT_LOGPROB_ROWS = 256
 
@@ -103,13 +112,21 @@ class ModelRunner:
             return self.config.num_blocks
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * self.config.gpu_memory_utilization) - used - _GPU_ACTIVATION_HEADROOM
-            num = budget // self.bytes_per_block
-        else:
-            num = self.config.kv_cache_memory // self.bytes_per_block
+            own = torch.cuda.memory_reserved(self.device)
+            util = self.config.gpu_memory_utilization
+            num = gpu_kv_cache_bytes(total, free, own, util) // self.bytes_per_block
+            if num < 1:
+                raise ValueError(
+                    f"not enough GPU memory for a single KV block ({self.bytes_per_block} bytes): "
+                    f"--gpu-memory-utilization {util:g} of {total / 2**30:.1f} GiB, of which this engine holds "
+                    f"{own / 2**30:.2f} GiB (weights, workspace) and keeps {_GPU_ACTIVATION_HEADROOM / 2**30:g} GiB "
+                    f"for activations; {free / 2**30:.2f} GiB free (other processes hold the rest). Raise "
+                    "--gpu-memory-utilization, or give this engine a GPU of its own")
+            return int(num)
+        num = self.config.kv_cache_memory // self.bytes_per_block
         if num < 1:
-            raise ValueError("not enough memory for a single KV block; raise --kv-cache-memory")
+            raise ValueError(f"--kv-cache-memory {self.config.kv_cache_memory} bytes holds no KV block "
+                             f"({self.bytes_per_block} bytes); raise it")
         return int(num)
 
     @torch.inference_mode()

@@ -339,3 +339,75 @@ def test_a_crash_loop_is_more_than_max_restarts_quick_deaths_in_a_row() -> None:
         assert not steady.crash_looping
         steady.restarted(now)
     assert steady.num_restarts == 12
+
+
+def test_visible_gpus_read_cuda_visible_devices_as_cuda_does_else_count_the_driver_s() -> None:
+    from ops.launcher import visible_gpus
+
+    def never() -> int:
+        raise AssertionError("the driver was asked though CUDA_VISIBLE_DEVICES was set")
+
+    assert visible_gpus({}, lambda: 3) == ["0", "1", "2"]
+    assert visible_gpus({}, lambda: 0) == []
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 5"}, never) == ["2", "5"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-abc,GPU-def"}, never) == ["GPU-abc", "GPU-def"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, never) == []
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}, never) == []
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "1,-1,3"}, never) == ["1"]  # CUDA stops at an invalid entry
+
+
+def test_engines_get_a_gpu_each_while_there_are_enough_and_split_a_shared_one_s_memory() -> None:
+    from ops.launcher import place_engines
+
+    names = ["prefill-0", "decode-0", "decode-1"]
+    assert place_engines(names, []) == {}
+    assert place_engines(names, ["0", "1", "2", "3"]) == {
+        "prefill-0": ("0", 0.9), "decode-0": ("1", 0.9), "decode-1": ("2", 0.9)}
+    assert place_engines(names, ["4", "7"]) == {
+        "prefill-0": ("4", 0.45), "decode-0": ("7", 0.9), "decode-1": ("4", 0.45)}
+    assert place_engines(names, ["0"]) == {name: ("0", 0.3) for name in names}
+
+
+def test_up_on_a_gpu_host_pins_each_engine_to_its_gpu_and_passes_its_share(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pdserve up` on a one-GPU host (the default: one prefill, one decode): both engines on it, each
+    told half of the default share, so the second one's KV cache fits beside the first's. A user's
+    --gpu-memory-utilization is passed as it is; --device (say, cpu) turns the placement off."""
+    import ops.launcher as launcher_module
+    from ops.launcher import Launcher, build_parser
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(launcher_module, "nvml_gpu_count", lambda: 1)
+
+    def start(*argv: str) -> dict[str, tuple[list[str], dict[str, str]]]:
+        args, extra = build_parser().parse_known_args(
+            ["--log-dir", str(tmp_path), "--redis-url", "redis://127.0.0.1:1/0", *argv])
+        launcher = Launcher(args, extra)
+        spawned: dict[str, tuple[list[str], dict[str, str]]] = {}
+        monkeypatch.setattr(launcher, "spawn", lambda name, argv, env=None: spawned.setdefault(name, (argv, env or {})))
+        launcher.start_all("model-dir")
+        return spawned
+
+    def share(argv: list[str]) -> str:
+        return argv[argv.index("--gpu-memory-utilization") + 1]
+
+    spawned = start()
+    for name in ("prefill-0", "decode-0"):
+        argv, env = spawned[name]
+        assert env["CUDA_VISIBLE_DEVICES"] == "0" and share(argv) == "0.45", name
+    assert "CUDA_VISIBLE_DEVICES" not in spawned["router"][1] and "--gpu-memory-utilization" not in spawned["router"][0]
+    assert "pdserve: decode-0 on GPU 0, 0.45 of its memory" in capsys.readouterr().err
+
+    spawned = start("--gpu-memory-utilization", "0.4")
+    assert [share(spawned[n][0]) for n in ("prefill-0", "decode-0")] == ["0.4", "0.4"]
+    assert all(spawned[n][0].count("--gpu-memory-utilization") == 1 for n in ("prefill-0", "decode-0"))
+    assert spawned["decode-0"][1]["CUDA_VISIBLE_DEVICES"] == "0"
+
+    spawned = start("--device", "cpu")
+    assert "CUDA_VISIBLE_DEVICES" not in spawned["decode-0"][1]
+    assert spawned["decode-0"][0].count("--gpu-memory-utilization") == 0
+
+    monkeypatch.setattr(launcher_module, "nvml_gpu_count", lambda: 0)  # a CPU host: nothing changes
+    spawned = start()
+    assert "CUDA_VISIBLE_DEVICES" not in spawned["decode-0"][1] and "--gpu-memory-utilization" not in spawned["decode-0"][0]

@@ -40,12 +40,31 @@ MIN_BLOCKS_PER_COPIED_RUN = 4
 
 
 class BlockIds:
-    """A transfer's block ids: as a tensor on the cache's device, and as runs of consecutive ids."""
+    """A transfer's block ids: as a tensor on the cache's device, and as runs of consecutive ids.
 
-    def __init__(self, ids: list[int], device: torch.device) -> None:
+    On a GPU nothing here waits for the device. The ids go up from pinned memory on ``stream``, the
+    side stream whose kernels read them (a plain ``.to(device)`` from pageable memory would wait
+    for everything queued on the caller's stream: on the engine's thread, the step in flight).
+    With ``after_caller``, ``after`` is an event recorded on the caller's stream now: work the engine
+    queued before these blocks were given to the transfer (the step in flight writing a slot of a
+    request that has just finished, a scrub zeroing freed blocks) that the scatter into them must
+    wait for (``BlockUnpacker.unpack``)."""
+
+    def __init__(self, ids: list[int], device: torch.device, stream: Any | None = None,
+                 after_caller: bool = False) -> None:
         self.runs = BlockRuns(ids)
-        self.tensor = torch.tensor(ids, dtype=torch.long).to(device)
         self.array = np.asarray(ids, dtype=np.int64)  # for numpy index copies on the CPU
+        self.after: Any | None = None
+        if stream is None:
+            self.tensor = torch.from_numpy(self.array).to(device)
+            return
+        if after_caller:
+            self.after = torch.cuda.Event()
+            self.after.record(torch.cuda.current_stream(device))
+        # The caching host allocator keeps the pinned block until the copy that reads it is done.
+        host = torch.from_numpy(self.array).pin_memory()
+        with torch.cuda.stream(stream):
+            self.tensor = host.to(device, non_blocking=True)
 
     def __len__(self) -> int:
         return len(self.runs.ids)
@@ -96,7 +115,7 @@ class _CacheSide:
 
     def block_ids(self, block_ids: list[int]) -> BlockIds:
         """The ids of one transfer on the cache's device, made once per transfer."""
-        return BlockIds(block_ids, self.kv_cache.device)
+        return BlockIds(block_ids, self.kv_cache.device, self.stream)
 
 
 class PartPlan(NamedTuple):
@@ -229,6 +248,11 @@ class BlockUnpacker(_CacheSide):
         super().__init__(kv_cache, layout, budget_bytes)
         self._in_flight: list[tuple[Any, Tensor]] = []
 
+    def block_ids(self, block_ids: list[int]) -> BlockIds:
+        """The ids of one transfer's blocks, made on the engine's thread when it gives them: on a GPU,
+        with the event the scatters into them wait for (``BlockIds.after``)."""
+        return BlockIds(block_ids, self.kv_cache.device, self.stream, after_caller=True)
+
     def unpack(self, spec: FrameSpec, block_ids: BlockIds, parts: list[Any]) -> Any | None:
         """Write one frame into ``block_ids[spec.block_start:...]``; returns a CUDA event or ``None`` (done).
 
@@ -255,6 +279,8 @@ class BlockUnpacker(_CacheSide):
                 offset += src.numel()
         with torch.cuda.stream(self.stream):
             device_src = staged.to(self.kv_cache.device, non_blocking=pinned is not None)
+            if block_ids.after is not None:  # the engine's writes queued before it gave the blocks
+                self.stream.wait_event(block_ids.after)
             self.kernels.scatter_blocks(layers, ids, device_src.view(self.kv_cache.dtype).view(shape))
             event = torch.cuda.Event()
             event.record(self.stream)

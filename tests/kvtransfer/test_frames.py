@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -285,3 +289,90 @@ def test_byte_copies_fall_back_to_torch_where_rows_are_not_contiguous() -> None:
     rows = torch.zeros(8, 6, dtype=torch.bfloat16)
     _copy(rows[::2], src)  # rows apart, each contiguous: copied as bytes
     assert torch.equal(rows[::2], src) and not rows[1::2].any()
+
+
+class _FakeCuda:
+    """The CUDA calls of ``BlockIds`` and ``BlockUnpacker.unpack`` on a GPU, logged in order, on the CPU:
+    streams are names, events record where they were recorded, copies say whether they block."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.log: list[tuple[str, ...]] = []
+        self.stream = "engine"  # the caller's current stream
+        fake = self
+
+        class Event:
+            def record(self, stream: object) -> None:
+                self.on = stream if isinstance(stream, str) else "side"
+                fake.log.append(("record", self.on))
+
+            def query(self) -> bool:
+                return True
+
+        class Side:
+            def wait_event(self, event: Event) -> None:
+                fake.log.append(("wait", event.on))
+
+        self.side = Side()
+
+        @contextlib.contextmanager
+        def stream(s: Side) -> Iterator[None]:
+            before, fake.stream = fake.stream, "side"
+            try:
+                yield
+            finally:
+                fake.stream = before
+
+        original_to = torch.Tensor.to
+
+        self.paused = False
+
+        def to(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+            if not fake.paused:
+                fake.log.append(("copy", fake.stream, "async" if kwargs.get("non_blocking") else "blocking"))
+            return original_to(tensor, *args, **{k: v for k, v in kwargs.items() if k != "non_blocking"})
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.stream)
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor: tensor)
+        monkeypatch.setattr(torch.Tensor, "to", to)
+
+
+def test_on_a_gpu_the_ids_go_up_without_a_wait_and_the_scatter_waits_for_the_engine_s_earlier_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine's thread gives a transfer its blocks (``BlockUnpacker.block_ids``) while its step may
+    still be running: the ids' copy must not wait for that step (a blocking copy would, and a decode
+    instance would lose its overlap of steps), and the scatter into the blocks must wait for what the
+    engine had queued when it gave them (the step in flight may still write a slot of a request that
+    just finished, whose blocks these may be)."""
+    from kvtransfer.blocks.packing import BlockIds
+
+    src, dst, layout = _caches()
+    cuda = _FakeCuda(monkeypatch)
+    unpacker = BlockUnpacker(dst, layout)  # a CPU cache, turned into a GPU one's below
+    unpacker.stream, unpacker.is_cuda = cuda.side, True
+    scatter = unpacker.kernels.scatter_blocks
+
+    def logged_scatter(*args: object) -> None:
+        cuda.log.append(("scatter", cuda.stream))
+        cuda.paused = True  # the CPU's scatter, standing in for the GPU's kernel, copies as it likes
+        try:
+            scatter(*args)
+        finally:
+            cuda.paused = False
+
+    monkeypatch.setattr(unpacker, "kernels", SimpleNamespace(scatter_blocks=logged_scatter))
+    ids = unpacker.block_ids([7, 3, 12])
+    assert cuda.log == [("record", "engine"), ("copy", "side", "async")]
+    assert ids.tensor.tolist() == [7, 3, 12] and ids.after is not None
+    cuda.log.clear()
+    spec = FrameSpec(0, 2, 0, 3)
+    frame = src[0:2, :, [1, 2, 4]].contiguous().view(torch.uint8).flatten().numpy()
+    unpacker.unpack(spec, ids, [memoryview(bytearray(frame))])
+    assert cuda.log == [("copy", "side", "async"), ("wait", "engine"), ("scatter", "side"), ("record", "side")]
+    assert torch.equal(dst[0:2, :, [7, 3, 12]], src[0:2, :, [1, 2, 4]])
+    # The sender's ids wait for nothing: its gathers wait for the engine's write event of the blocks.
+    cuda.log.clear()
+    sent = BlockIds([1, 2], dst.device, cuda.side)
+    assert cuda.log == [("copy", "side", "async")] and sent.after is None

@@ -197,9 +197,9 @@ class ModelRunner:
         k_max = max(k for _, _, k in owners)
         lines: list[list[float]] = []
         for at in range(0, len(rows), _PROMPT_LOGPROB_ROWS):  # bounded [rows, vocab] temporaries
-            idx = torch.tensor(rows[at : at + _PROMPT_LOGPROB_ROWS], device=hidden.device)
+            idx = long_tensor(rows[at : at + _PROMPT_LOGPROB_ROWS], hidden.device)
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[idx]).float(), dim=-1)
-            target = torch.tensor(targets[at : at + _PROMPT_LOGPROB_ROWS], device=hidden.device)
+            target = long_tensor(targets[at : at + _PROMPT_LOGPROB_ROWS], hidden.device)
             chosen = logprobs.gather(1, target.unsqueeze(1))
             parts = [chosen, (logprobs > chosen).sum(dim=1, keepdim=True) + 1]
             if k_max:

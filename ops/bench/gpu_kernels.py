@@ -403,6 +403,43 @@ def bench_seeded_race(report: Report, args: argparse.Namespace) -> None:
         del probs, keys
 
 
+def check_receive_ordering(report: Report, sleep_cycles: int = 200_000_000) -> None:
+    """A decode instance gives a KV transfer blocks that its step in flight may still write (a slot of a
+    request that has just finished), then scatters the received frame into them on the receiver's side
+    stream. Giving them must not wait for that step (it would end the overlap of steps), and the
+    scatter must land after the step's write. Here the "step" is a device-side sleep of
+    ``sleep_cycles`` (about 0.1 s) and then a write of 7s into the blocks, queued on the current
+    stream before the blocks are given."""
+    from kvtransfer.blocks.layout import KVLayout
+    from kvtransfer.blocks.packing import BlockUnpacker, wait
+    from kvtransfer.wire.frames import FrameSpec
+
+    cache = torch.zeros(2, 2, 64, 16, 2, 64, device=DEVICE)
+    unpacker = BlockUnpacker(cache, KVLayout.from_kv_cache(cache, "ordering-check"))
+    ids = [5, 9, 40]
+    index = torch.tensor(ids, device=DEVICE)  # made now: a list's index would be copied, blocking, later
+    frame = torch.randn(2, 2, len(ids), 16, 2, 64)
+    result: dict[str, float] = {}
+
+    def run() -> dict[str, float]:
+        if not result:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(sleep_cycles)
+            cache.index_fill_(2, index, 7.0)
+            start = time.perf_counter()
+            block_ids = unpacker.block_ids(ids)
+            result["give_ms"] = (time.perf_counter() - start) * 1e3
+            wait(unpacker.unpack(FrameSpec(0, 2, 0, len(ids)), block_ids, [bytearray(frame.numpy().tobytes())]))
+            torch.cuda.synchronize()
+            result["wrong"] = float((cache.index_select(2, index).cpu() != frame).sum())
+        return result
+
+    report.check("KV receive: giving a transfer its blocks waits for no step in flight (ms it took, of a "
+                 "0.1 s step)", lambda: _at_most(run()["give_ms"], 20.0))
+    report.check("KV receive: the scatter lands after the step's earlier write into the same blocks "
+                 "(entries that differ from the frame)", lambda: _exact(run()["wrong"]))
+
+
 def _at_most(count: float, allowed: float) -> tuple[float, float]:
     return count, allowed
 
@@ -660,6 +697,7 @@ def main(argv: list[str] | None = None) -> int:
         ("prefill", lambda: bench_prefill(report, args, ops)),
         ("kv movement", lambda: bench_kv(report, args, ops)),
         ("seeded race", lambda: bench_seeded_race(report, args)),
+        ("kv receive ordering", lambda: check_receive_ordering(report)),
         ("engine, CUDA graphs off and on", lambda: bench_engine_graphs(report, args)),
         ("nvml after", lambda: read_nvml(report, "after")),
     ]

@@ -106,6 +106,28 @@ def test_the_seeded_race_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: py
     assert all("error" not in t for t in report.timings) and timed == ["copy"] * 3
 
 
+def test_the_kv_receive_ordering_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dry run of the KV receive ordering section on the CPU (no streams there: the sleep and the
+    syncs do nothing, the frame lands by the CPU's copies): both checks run and pass, so its shapes and
+    bytes are right. With the frame's bytes cut short the unpack fails, a failed check."""
+    monkeypatch.setattr(gpu_kernels, "DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(gpu_kernels, "synchronize", lambda: None)
+    report = gpu_kernels.Report(tmp_path, {"device": "fake"})
+    gpu_kernels.check_receive_ordering(report)
+    assert [c["ok"] for c in report.checks] == [True, True], report.checks
+    assert 0 <= report.checks[0]["max_abs_err"] < 20 and report.checks[1]["max_abs_err"] == 0
+    # A frame written into the wrong blocks (the index compares others): the second check fails.
+    from kvtransfer.blocks.packing import BlockUnpacker
+
+    given = BlockUnpacker.block_ids
+    monkeypatch.setattr(BlockUnpacker, "block_ids", lambda self, ids: given(self, [i + 1 for i in ids]))
+    report = gpu_kernels.Report(tmp_path, {"device": "fake"})
+    gpu_kernels.check_receive_ordering(report)
+    assert [c["ok"] for c in report.checks] == [True, False]
+
+
 def test_the_engine_section_takes_a_random_stand_in_where_the_default_model_is_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

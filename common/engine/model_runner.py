@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 _GPU_ACTIVATION_HEADROOM = 1 << 30
 
+# Prompt logprobs are computed over at most this many positions at a time.
+_PROMPT_LOGPROB_ROWS = 256
+
 
 def gpu_kv_cache_bytes(total: int, free: int, own: int, utilization: float) -> int:
     """The KV cache's bytes on a GPU of ``total`` bytes with ``free`` free, for an engine that holds
@@ -34,8 +37,6 @@ def gpu_kv_cache_bytes(total: int, free: int, own: int, utilization: float) -> i
     the activations' headroom. The share is this engine's own, as vLLM's: two engines at 0.45 each
     fit on one GPU, whichever sizes its cache first."""
     return min(int(total * utilization) - own, free) - _GPU_ACTIVATION_HEADROOM
-# Prompt logprobs are computed over at most this many positions at a time.
-_PROMPT_LOGPROB_ROWS = 256
 
 
 class ModelRunner:

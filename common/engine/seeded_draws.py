@@ -30,8 +30,8 @@ _MIX_2 = 0x94D049BB133111EB - (1 << 64)
 # The least noise: float32's smallest normal number, where ``u`` is 0 (once in 2**53 entries) and the
 # logarithm gives 0. An entry of probability 0 then scores 0 / NOISE_MIN = 0, never 0 / 0 = NaN, which
 # would win its row's ``argmax``: a token of probability zero is never drawn. One of positive
-# probability scores p / NOISE_MIN (about 8.5e37 p), above every score a nonzero noise allows (at most
-# p / 1.1e-16) for any p above 1.3e-22.
+# probability p scores p / NOISE_MIN (about 8.5e37 p): above any score a nonzero noise allows (the
+# least is 1.1e-16, so at most about 9e15) for any p above about 1.1e-22.
 NOISE_MIN = float(torch.finfo(torch.float32).tiny)
 
 

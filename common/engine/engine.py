@@ -47,6 +47,10 @@ class KVHandoff:
     num_cached_blocks: int = 0
     # Sending side, n > 1: every choice's first token, in choice order.
     choice_token_ids: list[int] = field(default_factory=list)
+    # Sending side, on a GPU: a CUDA event after which the blocks hold the KV (recorded when the step
+    # that wrote it was sampled). With async scheduling the hand-off is built a step later, after the
+    # next step was queued: a transfer that waited for the stream's end would wait for that one too.
+    ready: Any | None = None
 
 
 @dataclass(slots=True)
@@ -341,9 +345,10 @@ class LLMEngine:
         # end (``release_kv``): the transfer may still be reading or writing them.
         return found
 
-    def _handoff(self, req: Request, num_tokens: int, num_cached_blocks: int = 0) -> KVHandoff:
+    def _handoff(self, req: Request, num_tokens: int, num_cached_blocks: int = 0, ready: Any | None = None) -> KVHandoff:
         block_ids = self.kv.block_ids(req.request_id)[: self.kv.cdiv(num_tokens)]
-        return KVHandoff(block_ids, req.block_hashes[: num_tokens // self.block_size], num_tokens, num_cached_blocks)
+        return KVHandoff(block_ids, req.block_hashes[: num_tokens // self.block_size], num_tokens, num_cached_blocks,
+                         ready=ready)
 
     @property
     def num_blocks_in_use(self) -> int:
@@ -507,7 +512,7 @@ class LLMEngine:
                 # (their first tokens go out now; the decode instance checks their stops).
                 self.scheduler.hold_for_transfer(req)
                 out = self._output(req, [token], lp, None)
-                out.kv_handoff = self._handoff(req, req.num_computed_tokens)
+                out.kv_handoff = self._handoff(req, req.num_computed_tokens, ready=launched.sampled.event)
                 outputs.append(out)
             else:
                 outputs.append(self._output(req, [token], lp, None))

@@ -94,6 +94,12 @@ class SampledTokens:
         else:
             self._ids, self._table, self._row_max = token_ids, table, row_max
 
+    @property
+    def event(self) -> torch.cuda.Event | None:
+        """On a GPU, the event recorded once the step's sampling (and so its forward, with its KV
+        writes) was queued; None on the CPU."""
+        return self._event
+
     def result(self) -> SampleResult:
         """The ids (-1 for a row whose raw logits held a NaN or +inf) and the logprobs asked for."""
         if self._event is not None:

@@ -14,6 +14,7 @@ fails too (the ``Abort`` follows them) or a closed connection, so they are never
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -87,16 +88,18 @@ class KVSender:
         block_hashes: list[bytes],
         num_tokens: int,
         meta: bytes = b"",
+        after: Any | None = None,
     ) -> None:
         """Start sending; never blocks. Raises ``ValueError`` on bad arguments or a live duplicate id.
 
         ``block_ids`` hold all ``ceil(num_tokens / block_size)`` blocks of the request in order;
-        ``block_hashes`` the hashes of its full blocks (a prefix of them is enough).
+        ``block_hashes`` the hashes of its full blocks (a prefix of them is enough). On a GPU the
+        gathers wait for ``after``, a CUDA event after which the blocks hold the KV; without one, for
+        everything queued on the current stream now.
         """
         self._validate(request_id, peer_address, block_ids, block_hashes, num_tokens, meta)
-        after = (
-            torch.cuda.current_stream(self.kv_cache.device).record_event() if self.kv_cache.is_cuda else None
-        )
+        if after is None and self.kv_cache.is_cuda:
+            after = torch.cuda.current_stream(self.kv_cache.device).record_event()
         transfer = Outgoing(
             request_id, peer_address, list(block_ids), list(block_hashes), num_tokens, bytes(meta), after
         )

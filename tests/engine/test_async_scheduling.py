@@ -12,6 +12,7 @@ that every block is back and the pool is sound.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -305,3 +306,59 @@ def test_random_workloads_give_what_synchronous_steps_give(seed: int) -> None:
             assert asyn[rid] == sync[rid], rid
     reasons = {reason for _, _, reason in sync.values()}
     assert {"stop", "length"} <= reasons  # the workload reaches both ends
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_kv_handoff_is_ready_after_the_step_that_wrote_it_not_the_one_queued_since(
+    monkeypatch: pytest.MonkeyPatch, async_scheduling: bool
+) -> None:
+    """On a GPU a transfer's gathers wait for ``KVHandoff.ready``: the event of the step that sampled
+    the request (its forward wrote the KV). With async scheduling the hand-off is built while the
+    next step is already queued; an event recorded then (as the sender records by default) would make
+    the gathers wait for that step too. Each step's event is a marker here (the CPU records none)."""
+    from common.engine.sampler import SampledTokens
+
+    steps: list[SampledTokens] = []
+    original_init = SampledTokens.__init__
+
+    def init(self: SampledTokens, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        steps.append(self)
+
+    monkeypatch.setattr(SampledTokens, "__init__", init)
+    monkeypatch.setattr(SampledTokens, "event", property(lambda self: ("event of step", steps.index(self))))
+    engine = _echo_engine(async_scheduling, num_blocks=40)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine.add_request("decoding", [5, 6, 7], params)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("prefill-only", [9] * 20, params, kv_transfer=True)
+    handoffs = []
+    while not handoffs:
+        sampled_before = len(steps)
+        handoffs = [(o.kv_handoff, sampled_before) for o in engine.step() if o.kv_handoff is not None]
+        assert len(steps) < 50
+    [(handoff, sampled_before)] = handoffs
+    # The step that sampled it: the last one before this call (async: this call queued another since).
+    assert handoff.ready == ("event of step", sampled_before - 1 if async_scheduling else sampled_before)
+    assert len(steps) == sampled_before + 1
+    assert engine.release_kv("prefill-only")
+
+
+def test_the_prefill_service_hands_the_sender_the_handoff_s_ready_event() -> None:
+    """``PrefillService._send_kv`` passes ``KVHandoff.ready`` on as the gathers' ``after`` (the sender
+    records one of its own only when it gets none)."""
+    from types import SimpleNamespace
+
+    from common.engine.engine import EngineOutput, KVHandoff
+    from common.protocol import DecodeTarget, GenerateRequest
+    from prefill_svc.service import PrefillService
+
+    sent: list[dict[str, Any]] = []
+    service = SimpleNamespace(sender=SimpleNamespace(send=lambda *args, **kwargs: sent.append(kwargs)))
+    msg = GenerateRequest(request_id="r", prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(),
+                          reply_to="tcp://127.0.0.1:1", decode_target=DecodeTarget(instance_id="d", kv_address="tcp://127.0.0.1:2"))
+    marker = object()
+    handoff = KVHandoff(block_ids=[4], block_hashes=[], num_tokens=3, ready=marker)
+    PrefillService._send_kv(service, msg, EngineOutput("r", [7]), handoff)  # type: ignore[arg-type]
+    assert [kwargs["after"] for kwargs in sent] == [marker]

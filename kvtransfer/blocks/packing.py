@@ -360,6 +360,15 @@ def use_one_cpu_thread() -> None:
         ctypes.CDLL("libgomp.so.1").omp_set_num_threads(1)
 
 
+def use_cache_device(kv_cache: Tensor) -> None:
+    """Make the cache's GPU the calling thread's current device (an I/O thread's is GPU 0 otherwise).
+    Streams switch devices on their own, but an event's ``query`` or ``synchronize`` and leaving a
+    stream's context touch the current device: on GPU 0, for an engine on another GPU, that made a
+    CUDA context there (half a GiB of another engine's GPU). Nothing on the CPU."""
+    if kv_cache.device.type == "cuda":
+        torch.cuda.set_device(kv_cache.device)
+
+
 def wait(event: Any | None) -> None:
     """Block until a copy started by ``pack``/``unpack`` finished (no-op for ``None``)."""
     if event is not None:

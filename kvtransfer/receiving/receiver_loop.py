@@ -18,7 +18,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from common.protocol import ProtocolError
 from kvtransfer.blocks.layout import KVLayout
-from kvtransfer.blocks.packing import BlockUnpacker, use_one_cpu_thread, wait
+from kvtransfer.blocks.packing import BlockUnpacker, use_cache_device, use_one_cpu_thread, wait
 from kvtransfer.log_limit import RateLimitedLog
 from kvtransfer.receiving.handshake import NO_HANDSHAKE, Handshakes
 from kvtransfer.receiving.incoming import Incoming, ReceiverTable
@@ -87,6 +87,7 @@ class ReceiverLoop:
     def run(self) -> None:
         """Serve until ``stop_event``; on exit tell every live sender the transfer is off."""
         use_one_cpu_thread()
+        use_cache_device(self.unpacker.kv_cache)
         try:
             while not self.stop_event.is_set():
                 self._step()

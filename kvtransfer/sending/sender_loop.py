@@ -20,7 +20,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from common.protocol import ProtocolError
 from kvtransfer.blocks.layout import KVLayout
-from kvtransfer.blocks.packing import BlockPacker, use_one_cpu_thread
+from kvtransfer.blocks.packing import BlockPacker, use_cache_device, use_one_cpu_thread
 from kvtransfer.sending.frame_pump import FramePump
 from kvtransfer.sending.outgoing import Outgoing, Peer
 from kvtransfer.state_board import StateBoard
@@ -85,6 +85,7 @@ class SenderLoop:
     def run(self) -> None:
         """Serve until ``stop_event``; on any exit every live transfer is reported failed."""
         use_one_cpu_thread()
+        use_cache_device(self.packer.kv_cache)
         try:
             while not self.stop_event.is_set():
                 self._step()

@@ -336,3 +336,34 @@ def test_a_refused_offer_fails_at_once_on_both_sides_without_blocks(peer: PeerPr
         assert not sent["ok"]
         assert pool.calls == ["refuse no"] and pool.is_clean()
     peer.call("close", name=name)
+
+
+def test_both_io_threads_make_the_cache_s_gpu_their_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An I/O thread's current device is GPU 0 unless set: for an engine on another GPU, its event
+    queries and stream switches made a CUDA context on GPU 0. Each thread sets the cache's device
+    first (on the CPU that does nothing; here the call is recorded)."""
+    import threading
+    import types
+
+    import kvtransfer.blocks.packing as packing
+    import kvtransfer.receiving.receiver_loop as receiver_loop
+    import kvtransfer.sending.sender_loop as sender_loop
+
+    calls: list[tuple[str, torch.Tensor]] = []
+    for module in (sender_loop, receiver_loop):
+        monkeypatch.setattr(module, "use_cache_device",
+                            lambda cache: calls.append((threading.current_thread().name, cache)))
+    rx, kv_cache, _ = make_receiver()
+    sender_cache = make_kv_cache({**SMALL, "seed": 1})
+    with rx, KVSender(sender_cache, KVLayout.from_kv_cache(sender_cache, "m"), timeout_s=5.0):
+        deadline = time.monotonic() + 30.0
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert {id(cache) for _, cache in calls} == {id(kv_cache), id(sender_cache)}
+    assert threading.main_thread().name not in {name for name, _ in calls}
+    # What it does: nothing for a CPU cache; set_device for a GPU one.
+    set_to: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", set_to.append)
+    packing.use_cache_device(kv_cache)
+    packing.use_cache_device(types.SimpleNamespace(device=torch.device("cuda", 1)))  # type: ignore[arg-type]
+    assert set_to == [torch.device("cuda", 1)]

@@ -574,9 +574,12 @@ class LLMEngine:
             self.peak_kv_slots_allocated = self.kv.pool.num_used_blocks * self.block_size
 
     def stats(self) -> EngineStats:
+        """Read by the heartbeat thread while the engine's thread steps: the waiting queue is copied in
+        one C call first (iterating the deque itself raised when a step changed it meanwhile)."""
+        waiting = tuple(self.scheduler.waiting)
         return EngineStats(
             num_requests_running=len(self.scheduler.running),
-            num_requests_waiting=len(self.scheduler.waiting),
+            num_requests_waiting=len(waiting),
             kv_cache_usage_perc=self.kv.usage,
             num_blocks=self.kv.pool.num_blocks,
             num_free_blocks=self.kv.pool.num_free_blocks,
@@ -584,7 +587,7 @@ class LLMEngine:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             extra={"num_prompt_tokens_waiting": float(
-                sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
+                sum(r.num_tokens - r.num_computed_tokens for r in waiting)
             )},
         )
 

@@ -40,6 +40,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -132,7 +133,7 @@ def place_engines(names: list[str], gpus: list[str]) -> dict[str, tuple[str, flo
     if not gpus:
         return {}
     on = {name: gpus[i % len(gpus)] for i, name in enumerate(names)}
-    sharing = {gpu: list(on.values()).count(gpu) for gpu in gpus}
+    sharing = Counter(on.values())
     return {name: (gpu, math.floor(DEFAULT_GPU_MEMORY_UTILIZATION / sharing[gpu] * 100) / 100)
             for name, gpu in on.items()}
 
@@ -224,15 +225,18 @@ class Launcher:
             threads = max(1, cores // max(1, self.args.prefill + self.args.decode))
         return {**env, "OMP_NUM_THREADS": str(threads)}
 
+    def engines(self) -> list[tuple[str, str]]:
+        """(name, role) of every engine, prefill first."""
+        return [(f"{role}-{i}", role) for role, count in (("prefill", self.args.prefill), ("decode", self.args.decode))
+                for i in range(count)]
+
     def gpu_placement(self) -> dict[str, tuple[str, float]]:
         """Where each engine runs on a GPU host (``place_engines`` over ``visible_gpus``); {} on a CPU
         host or where the engines were told ``--device``. With ``--gpu-memory-utilization`` given,
         the engines get that value as it is."""
         if any(arg == "--device" or arg.startswith("--device=") for arg in self.engine_extra):
             return {}
-        names = [f"{role}-{i}" for role, count in (("prefill", self.args.prefill), ("decode", self.args.decode))
-                 for i in range(count)]
-        return place_engines(names, visible_gpus(os.environ, nvml_gpu_count))
+        return place_engines([name for name, _ in self.engines()], visible_gpus(os.environ, nvml_gpu_count))
 
     def start_all(self, model: str) -> None:
         redis_url = self.args.redis_url or self.start_redis()
@@ -240,24 +244,22 @@ class Launcher:
         engine_env = {**self.engine_env(), **self.cluster_env}
         placement = self.gpu_placement()
         user_share = any(arg.startswith("--gpu-memory-utilization") for arg in self.engine_extra)
-        for role, count in (("prefill", self.args.prefill), ("decode", self.args.decode)):
-            for i in range(count):
-                name = f"{role}-{i}"
-                ports = [str(free_port()) for _ in range(3)]
-                argv = [*service, role, "--model", model, "--redis-url", redis_url, "--host", "127.0.0.1"]
-                argv += ["--port", ports[0], "--kv-port", ports[1], "--metrics-port", ports[2]]
-                if role == "decode" and self.args.stream_interval is not None:
-                    argv += ["--stream-interval", str(self.args.stream_interval)]
-                env = engine_env
-                if name in placement:
-                    gpu, share = placement[name]
-                    env = {**engine_env, "CUDA_VISIBLE_DEVICES": gpu}
-                    if not user_share:
-                        argv += ["--gpu-memory-utilization", str(share)]
-                    print(f"pdserve: {name} on GPU {gpu}" + ("" if user_share else f", {share:g} of its memory"),
-                          file=sys.stderr, flush=True)
-                self.spawn(name, [*argv, "--instance-id", name, *self.engine_flags()], env)
-                self.metrics_urls[name] = f"http://127.0.0.1:{ports[2]}/metrics"
+        for name, role in self.engines():
+            ports = [str(free_port()) for _ in range(3)]
+            argv = [*service, role, "--model", model, "--redis-url", redis_url, "--host", "127.0.0.1"]
+            argv += ["--port", ports[0], "--kv-port", ports[1], "--metrics-port", ports[2]]
+            if role == "decode" and self.args.stream_interval is not None:
+                argv += ["--stream-interval", str(self.args.stream_interval)]
+            env = engine_env
+            if name in placement:
+                gpu, share = placement[name]
+                env = {**engine_env, "CUDA_VISIBLE_DEVICES": gpu}
+                if not user_share:
+                    argv += ["--gpu-memory-utilization", str(share)]
+                print(f"pdserve: {name} on GPU {gpu}" + ("" if user_share else f", {share:g} of its memory"),
+                      file=sys.stderr, flush=True)
+            self.spawn(name, [*argv, "--instance-id", name, *self.engine_flags()], env)
+            self.metrics_urls[name] = f"http://127.0.0.1:{ports[2]}/metrics"
         argv = [*service, "router", "--model", model, "--redis-url", redis_url]
         self.spawn(
             "router",

@@ -68,7 +68,7 @@ def _seeded_race_kernel(probs_ptr, stride_row, keys_ptr, out_ptr, part_best_ptr,
         z = _mix64(key + (ids + 1).to(tl.uint64) * 0x9E3779B97F4A7C15)
         u = (z >> 11).to(tl.float64) * 1.1102230246251565e-16  # 2**-53: a uniform in [0, 1), 53 bits
         # At least float32's smallest normal, as ``exponentials``' noise: at u = 0 the logarithm is 0.
-        noise = tl.maximum((0.0 - tl.log(1.0 - u)).to(tl.float32), 1.1754943508222875e-38)
+        noise = tl.maximum((-tl.log(1.0 - u)).to(tl.float32), 1.1754943508222875e-38)
         score = tl.math.div_rn(p, noise)
         is_nan = (score != score) & valid
         nan_ids = tl.minimum(nan_ids, tl.where(is_nan, ids, vocab))

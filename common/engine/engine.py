@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -26,6 +26,7 @@ from common.engine.request import FINISHED, Request, RequestStatus
 from common.engine.sampler import SampledTokens, Sampler
 from common.engine.scheduler import Scheduler, SchedulerOutput
 from common.glibc_env import set_malloc_thresholds
+from common.kvcache.block_pool import KVBlock
 from common.kvcache.hashing import BlockHash
 from common.kvcache.kv_cache_manager import KVCacheManager
 from common.protocol import MAX_PROMPT_LOGPROB_ENTRIES, PositionLogprobs, PromptLogprob, choice_request_id
@@ -120,6 +121,7 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv.keep_freed = config.async_scheduling
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
@@ -402,6 +404,8 @@ class LLMEngine:
         """
         outputs, self._pending = self._pending, []
         prev, self._in_flight = self._in_flight, None
+        if prev is None:  # nothing in flight: no request freed so far can have a step to resolve
+            self.kv.take_freed()
         sched = self.scheduler.schedule()
         if sched.started_ids and self.on_started is not None:
             self.on_started(sched.started_ids)
@@ -482,15 +486,20 @@ class LLMEngine:
     def _resolve(self, launched: _Launched) -> list[EngineOutput]:
         """Wait for a launched step's tokens; append them, check stops, build its outputs."""
         result = launched.sampled.result()
+        # Async: requests freed (aborted, preempted) since the step before resolved, with their blocks.
+        freed = self.kv.take_freed()
         outputs: list[EngineOutput] = []
         now = time.monotonic()
         check_stop = self._check_stop
         for req, token, lp in zip(launched.requests, result.token_ids, result.logprobs, strict=True):
             if req.status >= FINISHED:  # aborted while in flight: the token is dropped
+                if token < 0:
+                    self._scrub_freed(freed.get(req.request_id, ()))
                 continue
             if token < 0:  # the model's logits for it were not finite: it fails, the batch goes on
                 req.drop_placeholder()
                 self._scrub_kv(req)
+                self._scrub_freed(freed.get(req.request_id, ()))  # async: preempted while in flight
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
                 outputs.append(self._output(req, [], None, "error", NOT_FINITE_ERROR))
                 continue
@@ -539,6 +548,19 @@ class LLMEngine:
         if own:
             self.runner.zero_blocks([block.block_id for block in own])
             self.kv.pool.uncache(own)
+
+    def _scrub_freed(self, blocks: Iterable[KVBlock]) -> None:
+        """Async scheduling: ``_scrub_kv`` for a request whose step wrote non-finite KV but which was freed
+        (aborted, preempted) while that step was in flight. Of the blocks it held, those still free are
+        zeroed and forgotten; those taken since (by the step just launched, say) are only forgotten by
+        the prefix cache, no further hit finds them: their holder's step, queued after the one that
+        wrote them, reads what it reads (the Triton kernels never load a slot past a sequence's
+        length; the torch ones weigh it by 0), and its own logits say whether it failed."""
+        blocks = list(blocks)
+        free = [block for block in blocks if block.ref_cnt == 0]
+        if free:
+            self.runner.zero_blocks([block.block_id for block in free])
+        self.kv.pool.uncache(blocks)
 
     def _check_stop(self, req: Request, token: int) -> str | None:
         p = req.sampling_params

@@ -40,6 +40,11 @@ class KVCacheManager:
         self.num_cow_copies = 0
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        # When set (async scheduling), the block lists of requests freed since the last
+        # ``take_freed``: a request freed while its step is still in flight may yet turn out to have
+        # written NaN into them, and the engine scrubs what it can once it knows.
+        self.keep_freed = False
+        self._freed: dict[str, list[KVBlock]] = {}
 
     def cdiv(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -188,6 +193,8 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Return the request's blocks, tail first so its head stays cached longest. Idempotent."""
         blocks = self.req_blocks.pop(request_id, [])
+        if self.keep_freed and blocks:
+            self._freed[request_id] = blocks
         self._block_ids.pop(request_id, None)
         self._num_marked.pop(request_id, None)
         self._num_hashed.pop(request_id, None)
@@ -196,6 +203,12 @@ class KVCacheManager:
             if b.ref_cnt == 0:
                 self.num_filled_slots -= self._slot_fill[b.block_id]
                 self._slot_fill[b.block_id] = 0
+
+    def take_freed(self) -> dict[str, list[KVBlock]]:
+        """The block lists of the requests freed since the last call (only kept under ``keep_freed``),
+        as they were when freed; their blocks may have been taken since."""
+        freed, self._freed = self._freed, {}
+        return freed
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -237,3 +237,56 @@ def test_a_model_whose_logits_turn_nan_fails_that_request_alone_and_its_blocks_s
     assert [t for o in outputs["after"] for t in o.new_token_ids] == tiny_greedy(folder, after, 8)
     engine.check_integrity()
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_async_a_request_aborted_while_its_nan_step_is_in_flight_leaves_no_nan_to_the_next_holder(tmp_path):
+    """Async scheduling: the request whose step turns its KV to NaN is aborted before that step's tokens
+    reach the host, so its blocks go back to the pool unscrubbed. When the step resolves, its token says
+    the logits were not finite: the blocks it held and nobody took since are zeroed and forgotten by the
+    prefix cache. The request beside it, which takes its last block as it grows (the torch attention
+    reads that block's slots past its length, weighted 0, and 0 times NaN is NaN), gets transformers'
+    tokens rather than an error."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig
+
+    from common.config import EngineConfig
+    from tests.engine.tiny_models import TINY_DIMS, build_checkpoint, prompt_token_ids
+    from tests.engine.tiny_models import hf_greedy as tiny_greedy
+
+    folder = build_checkpoint(LlamaConfig(**TINY_DIMS, tie_word_embeddings=False), tmp_path / "llama")
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["model.embed_tokens.weight"][77] = float("nan")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    poisoned = [t if i != 9 else 77 for i, t in enumerate(prompt_token_ids(21, seed=4))]
+    clean = [t for t in prompt_token_ids(20, seed=3) if t != 77][:14]
+    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", block_size=8,
+                                    num_blocks=8, max_num_batched_tokens=64, async_scheduling=True))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs: dict[str, list[EngineOutput]] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+
+    engine.add_request("clean", clean, params)
+    step()  # the clean prefill, positions 0-13, in flight
+    engine.add_request("poisoned", poisoned, params)
+    step()  # the poisoned prefill (its KV NaN from position 9 on: 3 blocks) and the clean position 14
+    poisoned_blocks = engine.kv.block_ids("poisoned")
+    assert len(poisoned_blocks) == 3 and "poisoned" not in outputs
+    assert engine.abort_request("poisoned")
+    assert "poisoned" not in engine.kv.req_blocks, "the abort was meant to free its blocks at once"
+    step()  # resolves the poisoned step; the clean position 15 in its second block
+    assert [o.finish_reason for o in outputs["poisoned"]] == ["abort"]
+    assert not torch.isnan(engine.runner.kv_cache).any(), "the aborted request's free blocks were meant to be zeroed"
+    cached = [block.block_id for block in engine.kv.pool.cached.values()]
+    assert all(engine.runner.kv_cache[:, :, block_id].any() for block_id in cached), "a zeroed block stayed cached"
+    while engine.has_unfinished_requests():
+        step()
+    # Position 16 opened a third block: the poisoned request's last one, which NaN filled up to slot 4.
+    assert engine.kv.num_cow_copies == 0
+    assert [o.error for o in outputs["clean"]] == [None] * len(outputs["clean"])
+    assert [t for o in outputs["clean"] for t in o.new_token_ids] == tiny_greedy(folder, clean, 6)
+    engine.check_integrity()
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks

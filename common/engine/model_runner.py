@@ -6,24 +6,31 @@ request's table changes); the logits stay on the device, where the sampler runs.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
+from msgspec.structs import replace
 from torch import Tensor
 
 from common.config import EngineConfig
 from common.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from common.engine.host_tensors import long_tensor, to_device
 from common.engine.input_batch import InputBatch
+from common.engine.request import Request
+from common.engine.sampler import Sampler
 from common.engine.scheduler import SchedulerOutput
 from common.model.llama import AttentionMetadata
 from common.model.loader import model_identity, resolve_model_path
 from common.model.weights import load_hf_config, load_model
 from common.protocol import PromptLogprob, TokenLogprob
+from common.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve_kernels import get_kernels, resolve_backend
 
 logger = logging.getLogger(__name__)
 
+# Kept free beyond the profiled peak (``profile_activations``): the decode CUDA graphs' memory pool,
+# captured after the cache, fragmentation of torch's cache, and libraries that allocate outside it.
 _GPU_ACTIVATION_HEADROOM = 1 << 30
 
 # Prompt logprobs are computed over at most this many positions at a time.
@@ -32,9 +39,9 @@ _PROMPT_LOGPROB_ROWS = 256
 
 def gpu_kv_cache_bytes(total: int, free: int, own: int, utilization: float) -> int:
     """The KV cache's bytes on a GPU of ``total`` bytes with ``free`` free, for an engine that holds
-    ``own`` (torch's reservation: weights, workspace) and may use ``utilization`` of the GPU: its
-    share less what it holds, never more than is free (other processes on the GPU), each less
-    the activations' headroom. The share is this engine's own, as vLLM's: two engines at 0.45 each
+    ``own`` (torch's reservation: weights, workspace, and the cached memory of its profiled peak step)
+    and may use ``utilization`` of the GPU: its share less what it holds, never more than is free
+    (other processes on the GPU), each less the headroom. The share is this engine's own, as vLLM's: two engines at 0.45 each
     fit on one GPU, whichever sizes its cache first."""
     return min(int(total * utilization) - own, free) - _GPU_ACTIVATION_HEADROOM
 
@@ -112,16 +119,20 @@ class ModelRunner:
         if self.config.num_blocks is not None:
             return self.config.num_blocks
         if self.device.type == "cuda":
+            # The largest step's activations and sampling temporaries, allocated and freed first: their
+            # memory stays in torch's cache, counted below as this engine's own, and the steps reuse it.
+            peak = self.profile_activations()
             free, total = torch.cuda.mem_get_info(self.device)
             own = torch.cuda.memory_reserved(self.device)
+            logger.info("largest step's activations and sampling: %.2f GiB at peak", peak / 2**30)
             util = self.config.gpu_memory_utilization
             num = gpu_kv_cache_bytes(total, free, own, util) // self.bytes_per_block
             if num < 1:
                 raise ValueError(
                     f"not enough GPU memory for a single KV block ({self.bytes_per_block} bytes): "
                     f"--gpu-memory-utilization {util:g} of {total / 2**30:.1f} GiB, of which this engine holds "
-                    f"{own / 2**30:.2f} GiB (weights, workspace) and keeps {_GPU_ACTIVATION_HEADROOM / 2**30:g} GiB "
-                    f"for activations; {free / 2**30:.2f} GiB free (other processes hold the rest). Raise "
+                    f"{own / 2**30:.2f} GiB (weights, workspace, the largest step's activations) and keeps {_GPU_ACTIVATION_HEADROOM / 2**30:g} GiB "
+                    f"more; {free / 2**30:.2f} GiB free (other processes hold the rest). Raise "
                     "--gpu-memory-utilization, or give this engine a GPU of its own")
             return int(num)
         num = self.config.kv_cache_memory // self.bytes_per_block
@@ -129,6 +140,56 @@ class ModelRunner:
             raise ValueError(f"--kv-cache-memory {self.config.kv_cache_memory} bytes holds no KV block "
                              f"({self.bytes_per_block} bytes); raise it")
         return int(num)
+
+    @torch.inference_mode()
+    def profile_activations(self) -> int:
+        """Run the largest step the engine may run, against a one-block stand-in cache that nothing is
+        stored to: a forward over ``max_num_batched_tokens`` tokens (in sequences of at most
+        ``max_model_len``), then logits and a sampling pass over ``max_num_seqs`` rows with every
+        sampling feature on (half of them seeded); the bytes they allocated at their peak (on the CPU,
+        0: nothing measures it). The KV cache is sized after it, as vLLM sizes its cache after a
+        profiling run: sampling alone takes several ``[rows, vocab]`` temporaries, gigabytes at 512 rows
+        of a 128k vocabulary."""
+        dev, config = self.device, self.config
+        cuda = dev.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev) if cuda else 0
+        lens = [self.max_model_len] * (config.max_num_batched_tokens // self.max_model_len)
+        lens = [*lens, config.max_num_batched_tokens % self.max_model_len][: config.max_num_seqs]
+        lens = [n for n in lens if n > 0]
+        num_tokens = sum(lens)
+        cache = torch.zeros((self.num_layers, 2, 1, self.block_size, self.model.num_kv_heads, self.model.head_size),
+                            dtype=self.dtype, device=dev)
+        starts = [0, *itertools.accumulate(lens)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),
+            block_tables=torch.zeros((len(lens), -(-max(lens) // self.block_size)), dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            max_query_len=max(lens),
+        )
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions, meta, cache)
+        rows = config.max_num_seqs
+        logits = self.model.compute_logits(hidden[torch.arange(rows, device=dev) % num_tokens])
+        del hidden
+        params = SamplingParams(
+            temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
+            frequency_penalty=0.3, logprobs=MAX_LOGPROBS, max_tokens=2, ignore_eos=True,
+        )
+        requests = [
+            Request(f"profile-{i}", [i % self.vocab_size] * 16, replace(params, seed=i if i % 2 else None),
+                    block_size=self.block_size, model_id=self.model_id)
+            for i in range(rows)
+        ]
+        Sampler(set(), seed=0, kernel_backend=self.kernel_backend).sample(logits, requests).result()
+        del logits, cache
+        if not cuda:
+            return 0
+        torch.cuda.synchronize(dev)
+        return int(torch.cuda.max_memory_allocated(dev) - base)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, prev_token_ids: Tensor | None = None) -> Tensor:

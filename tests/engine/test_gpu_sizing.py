@@ -55,7 +55,8 @@ def test_two_engines_at_the_full_default_share_each_get_what_is_free_never_more(
 
 def _runner(util: float, bytes_per_block: int = 1 << 20) -> SimpleNamespace:
     config = SimpleNamespace(num_blocks=None, gpu_memory_utilization=util, kv_cache_memory=GIB)
-    return SimpleNamespace(config=config, device=torch.device("cuda", 0), bytes_per_block=bytes_per_block)
+    return SimpleNamespace(config=config, device=torch.device("cuda", 0), bytes_per_block=bytes_per_block,
+                           profile_activations=lambda: 0)
 
 
 def test_num_blocks_on_a_gpu_uses_the_driver_s_free_memory_and_torch_s_reservation(monkeypatch):
@@ -80,3 +81,67 @@ def test_a_cpu_cache_too_small_for_one_block_names_its_flag():
                              device=torch.device("cpu"), bytes_per_block=4096)
     with pytest.raises(ValueError, match="--kv-cache-memory 1000 bytes holds no KV block"):
         ModelRunner._num_blocks(runner)  # type: ignore[arg-type]
+
+
+def test_the_cache_is_sized_after_the_profiled_step_whose_cached_memory_counts_as_the_engine_s(monkeypatch):
+    """The profile allocates (and leaves in torch's cache) the largest step's memory before the
+    reservation is read: the cache is smaller by it, and the steps find it there."""
+    reserved = {"bytes": 2 * GIB}
+
+    def profile() -> int:
+        reserved["bytes"] += 3 * GIB
+        return 3 * GIB
+
+    runner = _runner(0.45)
+    runner.profile_activations = profile
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * GIB, TOTAL))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved["bytes"])
+    expected = (int(TOTAL * 0.45) - 5 * GIB - _GPU_ACTIVATION_HEADROOM) // (1 << 20)
+    assert ModelRunner._num_blocks(runner) == expected  # type: ignore[arg-type]
+
+
+def test_the_profile_runs_the_largest_forward_and_samples_every_row_with_every_feature(tmp_path, monkeypatch):
+    """On the CPU (where it measures nothing) the profile still runs what it would on a GPU: a forward
+    over max_num_batched_tokens tokens in sequences no longer than the model's, storing nothing in the
+    cache, then a sampling pass over max_num_seqs rows with every feature on, half of them seeded."""
+    from transformers import LlamaConfig
+
+    from common.config import EngineConfig
+    from common.engine import model_runner
+    from common.engine.sampler import Sampler
+    from tests.engine.tiny_models import TINY_DIMS, build_checkpoint
+
+    folder = build_checkpoint(LlamaConfig(**TINY_DIMS), tmp_path / "llama")
+    runner = ModelRunner(EngineConfig(model=str(folder), device="cpu", dtype="float32", block_size=8, num_blocks=4,
+                                      max_model_len=64, max_num_batched_tokens=150, max_num_seqs=5))
+    forwards: list[tuple[list[int], list[int], list[int], list[int], int]] = []
+    forward = runner.model.forward
+
+    def spy_forward(input_ids, positions, meta, kv_cache):
+        forwards.append((meta.context_lens.tolist(), meta.query_start_loc.tolist(), meta.slot_mapping.tolist(),
+                         positions.tolist(), kv_cache.shape[2]))
+        return forward(input_ids, positions, meta, kv_cache)
+
+    samples = []
+    sample = Sampler.sample
+
+    def spy_sample(self, logits, requests):
+        samples.append((tuple(logits.shape), [r.sampling_params for r in requests]))
+        return sample(self, logits, requests)
+
+    monkeypatch.setattr(runner.model, "forward", spy_forward)
+    monkeypatch.setattr(model_runner.Sampler, "sample", spy_sample)
+    assert runner.profile_activations() == 0
+    (lens, starts, slots, positions, cache_blocks), = forwards
+    assert lens == [64, 64, 22] and starts == [0, 64, 128, 150] and slots == [-1] * 150 and cache_blocks == 1
+    assert positions == [p for n in (64, 64, 22) for p in range(n)]
+    (shape, params), = samples
+    assert shape == (5, runner.vocab_size)
+    assert [p.seed is not None for p in params] == [False, True, False, True, False]
+    assert all(p.top_p < 1 and p.top_k > 0 and p.min_p > 0 and p.repetition_penalty != 1 and p.presence_penalty
+               and p.frequency_penalty and p.logprobs == 20 for p in params)
+    # Fewer sequences than that fit in max_num_seqs: the forward takes as many as there are rows.
+    runner.config.max_num_seqs = 2
+    forwards.clear()
+    runner.profile_activations()
+    assert forwards[0][0] == [64, 64]

@@ -373,3 +373,11 @@ def wait(event: Any | None) -> None:
     """Block until a copy started by ``pack``/``unpack`` finished (no-op for ``None``)."""
     if event is not None:
         event.synchronize()
+
+
+def order_after(event: Any | None, device: torch.device) -> None:
+    """Queue a wait for ``event`` on the calling thread's current stream of ``device``: whatever that
+    thread queues there afterwards (the engine's next steps) runs after the copy the event marks, and
+    the host waits for nothing (no-op for ``None``)."""
+    if event is not None:
+        torch.cuda.current_stream(device).wait_event(event)

@@ -15,7 +15,7 @@ import zmq
 from torch import Tensor
 
 from kvtransfer.blocks.layout import KVLayout
-from kvtransfer.blocks.packing import BlockUnpacker, wait
+from kvtransfer.blocks.packing import BlockUnpacker, order_after
 from kvtransfer.receiving.block_allocator import Allocation, BlockAllocator, Refusal, check_allocation
 from kvtransfer.receiving.incoming import Incoming, ReceiverTable
 from kvtransfer.receiving.receiver_loop import ReceiverLoop, ReceiverStats
@@ -223,9 +223,12 @@ class KVReceiver:
         return True
 
     def _release(self, record: Incoming) -> None:
-        """Give a closed, failed record's blocks back to the engine, once."""
+        """Give a closed, failed record's blocks back to the engine, once. Called on the engine's thread
+        (``poll``, ``abort``): a GPU scatter still running into them must finish before the engine's
+        next writes into the blocks, so its stream waits for the scatter; the engine's thread does
+        not. A later transfer's scatter into them goes on the same side stream, after this one."""
         if record.allocation is not None and not record.released:
-            wait(record.last_event)  # a GPU scatter must finish before the blocks are reused
+            order_after(record.last_event, self.kv_cache.device)
             record.released = True
             self.allocator.release_transfer(record.request_id)
 

@@ -376,3 +376,38 @@ def test_on_a_gpu_the_ids_go_up_without_a_wait_and_the_scatter_waits_for_the_eng
     cuda.log.clear()
     sent = BlockIds([1, 2], dst.device, cuda.side)
     assert cuda.log == [("copy", "side", "async")] and sent.after is None
+
+
+def test_a_failed_transfer_s_blocks_go_back_with_the_engine_s_stream_waiting_for_its_scatter_not_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An aborted or failed transfer gives its blocks back on the engine's thread (``poll``, ``abort``)
+    while a scatter into them may still run on the side stream: the engine's stream waits for it, so
+    its next writes into the blocks come after, and the engine's thread goes on at once (a host wait
+    there would stall a decode instance's steps behind the transfer's copies). Once per transfer."""
+    from kvtransfer.receiving.receiver import KVReceiver
+
+    log: list[object] = []
+
+    class Event:
+        def synchronize(self) -> None:
+            log.append("the host waits")
+
+    class Stream:
+        def wait_event(self, event: Event) -> None:
+            log.append(("the engine's stream waits", event))
+
+    stream = Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    allocator = SimpleNamespace(release_transfer=lambda request_id: log.append(("released", request_id)))
+    receiver = SimpleNamespace(kv_cache=SimpleNamespace(device=torch.device("cuda", 0)), allocator=allocator)
+    scatter = Event()
+    record = SimpleNamespace(allocation=object(), released=False, last_event=scatter, request_id="r")
+    KVReceiver._release(receiver, record)  # type: ignore[arg-type]
+    KVReceiver._release(receiver, record)  # type: ignore[arg-type]
+    assert log == [("the engine's stream waits", scatter), ("released", "r")]
+    # On the CPU the scatter is done when it returns: nothing to wait for.
+    log.clear()
+    record = SimpleNamespace(allocation=object(), released=False, last_event=None, request_id="c")
+    KVReceiver._release(receiver, record)  # type: ignore[arg-type]
+    assert log == [("released", "c")]

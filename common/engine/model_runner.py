@@ -49,6 +49,8 @@ def gpu_kv_cache_bytes(total: int, free: int, own: int, utilization: float) -> i
 class ModelRunner:
     # Decode-step CUDA graphs, captured at start on a GPU (None: every step runs eagerly).
     decode_graphs: DecodeGraphs | None = None
+    # On a GPU sized by ``profile_activations``: the bytes its step allocated at the peak.
+    profiled_peak_bytes = 0
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -121,7 +123,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             # The largest step's activations and sampling temporaries, allocated and freed first: their
             # memory stays in torch's cache, counted below as this engine's own, and the steps reuse it.
-            peak = self.profile_activations()
+            peak = self.profiled_peak_bytes = self.profile_activations()
             free, total = torch.cuda.mem_get_info(self.device)
             own = torch.cuda.memory_reserved(self.device)
             logger.info("largest step's activations and sampling: %.2f GiB at peak", peak / 2**30)

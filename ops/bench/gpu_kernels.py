@@ -596,6 +596,65 @@ def bench_engine_graphs(report: Report, args: argparse.Namespace) -> None:
                      functools.partial(_at_most, float(early), float(batch // 10)))
 
 
+# The share of the GPU the sizing section's engine is given.
+SIZING_UTILIZATION = 0.5
+
+
+def check_kv_sizing(report: Report, args: argparse.Namespace, model: str | None = None) -> None:
+    """An engine that sizes its own KV cache (``--gpu-memory-utilization`` ``SIZING_UTILIZATION``, after
+    its profiled step) then runs ``--engine-batch`` requests at once, every sampling feature on in each
+    (half of them seeded): every request gets its tokens, and the memory torch reserved at the peak,
+    the cache and the steps included, stays within the share. On the CPU (a test's dry run) the cache
+    is sized by ``--kv-cache-memory`` and only the requests are checked."""
+    import gc
+
+    from common.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from common.model.loader import cache_dir
+    from common.sampling_params import MAX_LOGPROBS, SamplingParams
+
+    if model is None:
+        model = engine_model(args.engine_model, cache_dir() / "stand-in-smollm2-135m-shapes", report.meta)
+    report.group = "engine"
+    cuda = DEVICE == "cuda"
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    batch, max_tokens = args.engine_batch, 8
+    engine = LLMEngine(EngineConfig(model=model, device=DEVICE, gpu_memory_utilization=SIZING_UTILIZATION,
+                                    max_num_seqs=batch, seed=0))
+    gen = torch.Generator().manual_seed(7)
+    vocab = min(10_000, engine.vocab_size)
+    for i, prompt in enumerate(torch.randint(3, vocab, (batch, 128), generator=gen).tolist()):
+        engine.add_request(f"s{i}", prompt, SamplingParams(
+            temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
+            frequency_penalty=0.3, logprobs=MAX_LOGPROBS, seed=i if i % 2 else None, max_tokens=max_tokens,
+            ignore_eos=True))
+    counts: dict[str, int] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
+    short = sum(counts.get(f"s{i}", 0) != max_tokens for i in range(batch))
+    report.check(f"engine sizing its own KV cache: {batch} requests with every sampling feature, each "
+                 f"{max_tokens} tokens (err = requests short of them)", functools.partial(_exact, float(short)))
+    runner = engine.runner
+    cache_gib = runner.kv_cache.numel() * runner.kv_cache.element_size() / 2**30
+    if not cuda:
+        print(f"[sizing] {runner.num_blocks} KV blocks ({cache_gib:.2f} GiB) on {DEVICE}")
+        return
+    total = torch.cuda.get_device_properties(0).total_memory
+    peak = torch.cuda.max_memory_reserved()
+    profiled = getattr(runner, "profiled_peak_bytes", 0)
+    report.meta["kv_sizing"] = {"utilization": SIZING_UTILIZATION, "kv_cache_gib": round(cache_gib, 2),
+                                "profiled_step_peak_gib": round(profiled / 2**30, 3),
+                                "peak_reserved_gib": round(peak / 2**30, 2), "total_gib": round(total / 2**30, 1)}
+    print(f"[sizing] KV cache {cache_gib:.2f} GiB; profiled step {profiled / 2**30:.3f} GiB; peak reserved "
+          f"{peak / 2**30:.2f} GiB of a {SIZING_UTILIZATION:g} share of {total / 2**30:.1f} GiB")
+    report.check(f"engine sizing its own KV cache: peak memory reserved (GiB) within its "
+                 f"{SIZING_UTILIZATION:g} share of the GPU", lambda: _at_most(peak / 2**30, total * SIZING_UTILIZATION / 2**30))
+
+
 def run_sections(report: Report, sections: list[tuple[str, Callable[[], None]]], started: float) -> list[str]:
     """Run each section, saving the report after each; the names of the failed checks. A section that
     raises is a failed check of its own ("section ... ran to its end"): a crash before its checks must
@@ -699,6 +758,7 @@ def main(argv: list[str] | None = None) -> int:
         ("seeded race", lambda: bench_seeded_race(report, args)),
         ("kv receive ordering", lambda: check_receive_ordering(report)),
         ("engine, CUDA graphs off and on", lambda: bench_engine_graphs(report, args)),
+        ("engine, KV cache sized by its profiled step", lambda: check_kv_sizing(report, args)),
         ("nvml after", lambda: read_nvml(report, "after")),
     ]
     failed = run_sections(report, sections, started)

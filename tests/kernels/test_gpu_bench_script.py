@@ -178,3 +178,27 @@ def test_the_offline_script_says_how_to_use_it_and_runs_the_check(tmp_path: Path
     assert run.returncode == 1, run.stdout + run.stderr
     log = (tmp_path / "out" / "gpu-check.log").read_text()
     assert "no CUDA device is available" in log and "triton" in log
+
+
+def test_the_kv_sizing_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dry run of the KV sizing section on the CPU, on a tiny model: every request, each with every
+    sampling feature, gets its tokens (the one check the CPU can make). An engine that loses a request's
+    tokens fails it."""
+    import argparse
+
+    from transformers import LlamaConfig
+
+    from common.engine.engine import LLMEngine
+    from tests.engine.tiny_models import TINY_DIMS, build_checkpoint
+
+    monkeypatch.setattr(gpu_kernels, "DEVICE", "cpu")
+    model = str(build_checkpoint(LlamaConfig(**TINY_DIMS), tmp_path / "llama"))
+    args = argparse.Namespace(engine_batch=4, engine_model=model)
+    report = gpu_kernels.Report(tmp_path, {"device": "fake"})
+    gpu_kernels.check_kv_sizing(report, args, model)
+    assert [c["ok"] for c in report.checks] == [True], report.checks
+    step = LLMEngine.step
+    monkeypatch.setattr(LLMEngine, "step", lambda self: [o for o in step(self) if o.request_id != "s2"])
+    report = gpu_kernels.Report(tmp_path, {"device": "fake"})
+    gpu_kernels.check_kv_sizing(report, args, model)
+    assert [c["ok"] for c in report.checks] == [False] and report.checks[0]["max_abs_err"] == 1

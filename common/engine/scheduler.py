@@ -88,6 +88,11 @@ class Scheduler:
     def _check_new(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
+        if not request.forked and request.sampling_params.n > self.max_num_seqs:
+            raise ValueError(
+                f"n={request.sampling_params.n} exceeds max_num_seqs {self.max_num_seqs}: a request's choices "
+                "are sampled side by side; lower n or raise --max-num-seqs"
+            )
         longest = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len)
         if not self.kv.can_fit(longest):
             raise ValueError(
@@ -181,8 +186,17 @@ class Scheduler:
             # ``req`` preempted itself: everything after it is gone too.
             break
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted_ids:
+        # Seats: a running request is one sequence, and one not forked yet is its n choices, which
+        # its first sampling adds (or samples beside it, for a transfer): no step samples more rows
+        # than max_num_seqs, the most the engine sized its memory for (``ModelRunner.profile_activations``).
+        seats = len(self.running)
+        if self.waiting and seats < self.max_num_seqs:
+            seats += sum(r.sampling_params.n - 1 for r in self.running if not r.forked)
+        while self.waiting and budget > 0 and seats < self.max_num_seqs and not out.preempted_ids:
             req = self.waiting[0]
+            need = 1 if req.forked else req.sampling_params.n
+            if seats + need > self.max_num_seqs:
+                break
             computed_blocks: list[KVBlock] = []
             # A request collecting prompt logprobs computes every prompt position: no prefix hits.
             if req.num_computed_tokens == 0 and req.request_id not in self.kv.req_blocks and req.prompt_logprobs is None:
@@ -208,6 +222,7 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest.of(req, num_new, self.kv.block_ids_view(req.request_id)))
             budget -= num_new
+            seats += need
 
         out.block_copies = self.kv.take_pending_copies()
         return out

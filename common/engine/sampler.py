@@ -411,7 +411,8 @@ class Sampler:
         x = logits if owned else logits.clone()
         dev = x.device
         if ban_ids:
-            x[long_tensor(ban_rows, dev), long_tensor(ban_ids, dev)] = float("-inf")
+            # The value as a tensor where ``x`` is: a Python float would go up from the host, a blocking copy.
+            x.index_put_((long_tensor(ban_rows, dev), long_tensor(ban_ids, dev)), x.new_full((), float("-inf")))
         if group.rep_rows is not None:
             ids = self._token_rows(dev, "all_token_ids").padded(group.rep_requests)
             apply_repetition_penalty(x, group.rep_rows, ids, group.rep_penalty)

@@ -88,7 +88,9 @@ def _seeded_race_kernel(probs_ptr, stride_row, keys_ptr, out_ptr, part_best_ptr,
         tl.store(out_ptr + row, tl.where(first_nan < vocab, first_nan, first).to(tl.int64))
 
 
-@triton.jit
+# One build whatever the ranges per row: ``num_splits`` varies with the seeded rows a step has, and each
+# new value (or power of two above it, as a constexpr) would compile another variant inside a step.
+@triton.jit(do_not_specialize=["num_splits"])
 def _race_reduce_kernel(out_ptr, part_best_ptr, part_ids_ptr, part_nans_ptr, vocab, num_splits,
                         SPLITS_PAD: tl.constexpr):
     """One row's token from its ranges' results: the first NaN id if any, else the first id of the
@@ -137,7 +139,7 @@ def seeded_race(probs: Tensor, keys: Tensor, num_splits: int | None = None) -> T
     block = min(MAX_BLOCK, triton.next_power_of_2(vocab))
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, vocab, block, num_sms(probs.device))
-    span = triton.cdiv(triton.cdiv(vocab, max(1, num_splits)), block) * block  # whole blocks per range
+    span = triton.cdiv(triton.cdiv(vocab, max(1, min(num_splits, MAX_SPLITS))), block) * block  # whole blocks
     num_splits = triton.cdiv(vocab, span)  # no empty range
     if num_splits == 1:
         _seeded_race_kernel[(num_rows, 1)](probs, probs.stride(0), keys, out, out, out, out, vocab, span,
@@ -148,8 +150,7 @@ def seeded_race(probs: Tensor, keys: Tensor, num_splits: int | None = None) -> T
     nans = torch.empty_like(ids)
     _seeded_race_kernel[(num_rows, num_splits)](probs, probs.stride(0), keys, out, best, ids, nans, vocab, span,
                                                 BLOCK=block, SPLIT=True)
-    _race_reduce_kernel[(num_rows,)](out, best, ids, nans, vocab, num_splits,
-                                     SPLITS_PAD=triton.next_power_of_2(num_splits))
+    _race_reduce_kernel[(num_rows,)](out, best, ids, nans, vocab, num_splits, SPLITS_PAD=MAX_SPLITS)
     return out
 
 

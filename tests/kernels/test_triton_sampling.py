@@ -192,3 +192,16 @@ def test_warming_up_runs_the_kernel_only_where_it_serves_the_race(monkeypatch) -
     monkeypatch.setattr(triton_sampling, "seeded_race", broken)
     with pytest.raises(RuntimeError, match="ptxas"):
         Sampler(set(), kernel_backend="triton").warm_up(torch.device("cpu"), 5000)
+
+
+def test_more_ranges_than_the_reduce_takes_are_capped_so_no_range_is_left_out() -> None:
+    """The reduce kernel is built once, for ``MAX_SPLITS`` ranges (a variant per count would compile in
+    the middle of serving): asked for more, a row is cut into at most that many, and a winner in the
+    last of its blocks still wins."""
+    from pdserve_kernels.triton_sampling import MAX_SPLITS
+
+    vocab = (MAX_SPLITS + 6) * MAX_BLOCK
+    probs = torch.full((2, vocab), 1e-9)
+    probs[0, -1] = probs[1, -MAX_BLOCK - 3] = 1.0
+    keys = _keys(2)
+    assert seeded_race(probs, keys, MAX_SPLITS + 36).tolist() == [vocab - 1, vocab - MAX_BLOCK - 3]

@@ -69,3 +69,8 @@ def check_out(out: Tensor, query: Tensor) -> None:
     assert out.dtype in FLOAT_DTYPES, f"unsupported out dtype {out.dtype}"
     assert out.stride(-1) == 1, "out's head_size dimension must be contiguous"
     assert out.device == query.device, f"out is on {out.device}, query on {query.device}"
+
+
+def check_block_n(block_n: int) -> None:
+    """A key-tile width a compiled kernel takes: a power of two, at least 16 (``tl.dot``'s least)."""
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"

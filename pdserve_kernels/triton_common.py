@@ -8,9 +8,12 @@ first: widening is exact and the tensor cores accumulate in float32 too, so the 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 FULL_WINDOW = 1 << 30  # the sliding window passed for full attention: longer than any context
 
@@ -54,3 +57,25 @@ def launch_options(num_warps: int | None, num_stages: int | None) -> dict[str, i
     """Launch options to pass on; ``None`` keeps Triton's default."""
     options = {"num_warps": num_warps, "num_stages": num_stages}
     return {k: v for k, v in options.items() if v is not None}
+
+
+# Per kernel variant and device, the key-tile width it launches with where the default's did not fit.
+_FITTED_BLOCK_N: dict[Hashable, int] = {}
+
+
+def launch_fitting(key: Hashable, block_n: int, launch: Callable[[int], None]) -> None:
+    """``launch(block_n)``, or, where the GPU cannot give one program the shared memory that tile needs
+    (Triton refuses the launch: a 256-wide head at 16 bits on an sm86/sm89 GPU, which allow a program
+    99 KiB, or a float32 cache at 128 there), with half the tile, down to 16. The width that fits is
+    remembered per ``key`` (the kernel, its other tile sizes, the cache's dtype, the device), so a
+    variant searches once, at its first launch (the engine warms its kernels up before it serves)."""
+    block_n = _FITTED_BLOCK_N.get(key, block_n)
+    while True:
+        try:
+            launch(block_n)
+            return
+        except OutOfResources:
+            if block_n <= 16:
+                raise
+            block_n //= 2
+            _FITTED_BLOCK_N[key] = block_n

@@ -10,6 +10,7 @@ them. Otherwise a single pass writes the normalized output directly.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import triton
@@ -17,6 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pdserve_kernels.triton_checks import (
+    check_block_n,
     check_block_tables,
     check_heads,
     check_index,
@@ -27,6 +29,7 @@ from pdserve_kernels.triton_common import (
     FULL_WINDOW,
     dot,
     dot_constexprs,
+    launch_fitting,
     launch_options,
     score_args,
     soft_cap_scores,
@@ -179,13 +182,15 @@ def run_paged_decode(
     scale: float,
     out: Tensor | None = None,
     num_splits: int | None = None,
-    block_n: int = DEFAULT_BLOCK_N,
+    block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> Tensor:
-    """``paged_decode_attention`` with the split count (``None``: heuristic) and tiling exposed."""
+    """``paged_decode_attention`` with the split count (``None``: heuristic) and tiling exposed; ``block_n``
+    None: ``DEFAULT_BLOCK_N``, or less where the GPU's shared memory cannot hold that tile
+    (``launch_fitting``)."""
     check_kv_layer(kv_layer)
     num_heads, num_kv_heads, head_size = check_heads(query, kv_layer)
     num_seqs = query.shape[0]
@@ -210,31 +215,40 @@ def run_paged_decode(
     consts = dict(
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
         **dot_constexprs(kv_layer.dtype, query.device),
         **launch_options(num_warps, num_stages),
     )
     k_cache, v_cache = kv_layer[0], kv_layer[1]
     kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     grid = (num_seqs, num_kv_heads, num_splits)
+
+    def fitting(launch: Callable[[int], None], split: bool) -> None:
+        if block_n is not None:
+            check_block_n(block_n)
+            launch(block_n)
+        else:
+            key = ("decode", split, query.device, kv_layer.dtype, scores["SOFT_CAP"], *sorted(consts.items()))
+            launch_fitting(key, DEFAULT_BLOCK_N, launch)
+
     if num_splits == 1:
-        _decode_kernel[grid](
+        fitting(lambda tile: _decode_kernel[grid](
             query, k_cache, v_cache, block_tables, context_lens, out, out, out,
             scores["qk_scale"], scores["soft_cap"], 1, window, query.stride(0), query.stride(1), *kv_strides,
             block_tables.stride(0), out.stride(0), out.stride(1), 0, SPLIT=False, SOFT_CAP=scores["SOFT_CAP"],
-            **consts,
-        )
+            BLOCK_N=tile, **consts,
+        ), split=False)
         return out
 
     partial = torch.empty(num_seqs, num_heads, num_splits, head_size, dtype=torch.float32, device=query.device)
     m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     l_sum = torch.empty_like(m)
-    _decode_kernel[grid](
+    fitting(lambda tile: _decode_kernel[grid](
         query, k_cache, v_cache, block_tables, context_lens, partial, m, l_sum,
         scores["qk_scale"], scores["soft_cap"], num_splits, window, query.stride(0), query.stride(1), *kv_strides,
         block_tables.stride(0), partial.stride(0), partial.stride(1), partial.stride(2), SPLIT=True,
-        SOFT_CAP=scores["SOFT_CAP"], **consts,
-    )
+        SOFT_CAP=scores["SOFT_CAP"], BLOCK_N=tile, **consts,
+    ), split=True)
     _decode_reduce_kernel[(num_seqs, num_heads)](
         partial, m, l_sum, out, num_splits,
         partial.stride(0), partial.stride(1), partial.stride(2), out.stride(0), out.stride(1),

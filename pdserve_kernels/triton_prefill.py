@@ -18,6 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pdserve_kernels.triton_checks import (
+    check_block_n,
     check_block_tables,
     check_heads,
     check_index,
@@ -28,6 +29,7 @@ from pdserve_kernels.triton_common import (
     FULL_WINDOW,
     dot,
     dot_constexprs,
+    launch_fitting,
     launch_options,
     score_args,
     soft_cap_scores,
@@ -130,13 +132,14 @@ def run_paged_prefill(
     context_lens: Tensor,
     scale: float,
     out: Tensor | None = None,
-    block_n: int = DEFAULT_BLOCK_N,
+    block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> Tensor:
-    """``paged_prefill_attention`` with the tiling exposed."""
+    """``paged_prefill_attention`` with the tiling exposed; ``block_n`` None: ``DEFAULT_BLOCK_N``, or
+    less where the GPU's shared memory cannot hold that tile (``launch_fitting``)."""
     check_kv_layer(kv_layer)
     num_heads, num_kv_heads, head_size = check_heads(query, kv_layer)
     num_seqs = context_lens.shape[0]
@@ -157,20 +160,31 @@ def run_paged_prefill(
     block_q = max(1, BLOCK_M // g_pad)
     k_cache, v_cache = kv_layer[0], kv_layer[1]
     grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)
-    _prefill_kernel[grid](
-        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
-        num_seqs, scores["qk_scale"], scores["soft_cap"], sliding_window or FULL_WINDOW,
-        query.stride(0), query.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
+    consts = dict(
         GROUP=group, G_PAD=g_pad, HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size),
-        BLOCK_SIZE=kv_layer.shape[2], BLOCK_Q=block_q, BLOCK_N=block_n,
+        BLOCK_SIZE=kv_layer.shape[2], BLOCK_Q=block_q,
         SEQ_PAD=max(16, triton.next_power_of_2(num_seqs)),  # few sizes, few compiled variants
         SOFT_CAP=scores["SOFT_CAP"],
         **dot_constexprs(kv_layer.dtype, query.device),
         **launch_options(num_warps, num_stages),
     )
+
+    def launch(tile: int) -> None:
+        _prefill_kernel[grid](
+            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+            num_seqs, scores["qk_scale"], scores["soft_cap"], sliding_window or FULL_WINDOW,
+            query.stride(0), query.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            BLOCK_N=tile, **consts,
+        )
+
+    if block_n is not None:
+        check_block_n(block_n)
+        launch(block_n)
+    else:
+        launch_fitting(("prefill", query.device, kv_layer.dtype, *sorted(consts.items())), DEFAULT_BLOCK_N, launch)
     return out
 
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -28,6 +28,8 @@ from triton.runtime.jit import JITFunction, native_specialize_impl
 from pdserve_kernels import triton_decode, triton_kv, triton_prefill, triton_sampling
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+# The most shared memory one program may use (opt-in), per SM version: a launch over it is refused.
+SHARED_MEMORY_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
 
 
 @dataclass
@@ -75,14 +77,17 @@ def record_launches() -> list[Launch]:
     bf16, f32 = torch.bfloat16, torch.float32
     with recording() as (launches, scenario):
         for dtype, group, head_size, block_size, num_splits in [(bf16, 4, 128, 16, 1), (bf16, 4, 128, 16, 4),
-                                                                (f32, 3, 64, 32, 1)]:
+                                                                (f32, 3, 64, 32, 1), (bf16, 2, 256, 16, 2),
+                                                                (f32, 1, 128, 16, 1)]:
             scenario[0] = f"decode {dtype} gqa{group} d{head_size} splits{num_splits}"
             kv = torch.empty(2, 64, block_size, 8, head_size, dtype=dtype)
             tables = torch.zeros(4, 16, dtype=torch.int32)
             lens = torch.ones(4, dtype=torch.int32)
             q = torch.empty(4, 8 * group, head_size, dtype=dtype)
             triton_decode.run_paged_decode(q, kv, tables, lens, 0.1, num_splits=num_splits)
-        for dtype, group, head_size in [(bf16, 4, 128), (f32, 3, 64)]:
+        # A 256-wide head at 16 bits (Gemma 2 9B) and a float32 cache at 128: the default key tile's
+        # shared memory is over what an sm86/sm89 GPU gives a program (see ``main``).
+        for dtype, group, head_size in [(bf16, 4, 128), (f32, 3, 64), (bf16, 2, 256), (f32, 4, 128)]:
             scenario[0] = f"prefill {dtype} gqa{group} d{head_size}"
             kv = torch.empty(2, 64, 16, 8, head_size, dtype=dtype)
             q = torch.empty(40, 8 * group, head_size, dtype=dtype)
@@ -167,19 +172,31 @@ def resource_usage(cubin: bytes) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", type=int, default=90, help="SM version, e.g. 80 or 90")
+    parser.add_argument("--arch", type=int, default=90, help="SM version, e.g. 80, 89 or 90")
     args = parser.parse_args(argv)
     target = GPUTarget("cuda", args.arch, 32)
     failures = 0
     for launch in record_launches():
         name = f"{launch.scenario}: {launch.fn.__name__}"
+        limit = SHARED_MEMORY_LIMIT.get(args.arch)
         try:
             compiled = compile_launch(launch, target)
+            # What ``launch_fitting`` does at run time, where Triton refuses a tile the GPU cannot hold.
+            while limit and compiled.metadata.shared > limit and launch.args.get("BLOCK_N", 0) > 16:
+                launch = replace(launch, args=launch.args | {"BLOCK_N": launch.args["BLOCK_N"] // 2})
+                compiled = compile_launch(launch, target)
         except Exception as exc:  # report every kernel, not just the first failure
             failures += 1
             print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:2000]}")
             continue
-        print(f"ok   {name} ({resource_usage(compiled.asm['cubin'])})")
+        shared = compiled.metadata.shared
+        tile = f" BLOCK_N={launch.args['BLOCK_N']}" if "BLOCK_N" in launch.args else ""
+        usage = f"{resource_usage(compiled.asm['cubin'])}, shared memory {shared} B{tile}"
+        if limit and shared > limit:
+            failures += 1
+            print(f"FAIL {name}: needs {shared} B of shared memory, sm{args.arch} gives a program {limit} ({usage})")
+            continue
+        print(f"ok   {name} ({usage})")
     return 1 if failures else 0
 
 

@@ -26,7 +26,7 @@ def nvidia_backend_available() -> bool:
 
 
 @pytest.mark.skipif(not nvidia_backend_available(), reason="triton's NVIDIA backend (ptxas) is not installed")
-@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("arch", [80, 89, 90])
 def test_every_kernel_compiles_for_nvidia_gpus(arch: int) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)

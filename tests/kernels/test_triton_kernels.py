@@ -341,3 +341,74 @@ def test_dispatch_returns_triton_module_and_honours_env(monkeypatch: pytest.Monk
     monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", "cuda-magic")
     with pytest.raises(ValueError, match="unknown kernel backend"):
         kernels.resolve_backend("cpu")
+
+
+class _SharedMemoryLimit:
+    """A kernel whose launches Triton refuses above ``widest`` key tiles, as on a GPU whose shared memory
+    cannot hold the tile; logs the BLOCK_N of every launch tried."""
+
+    def __init__(self, kernel, widest: int) -> None:  # type: ignore[no-untyped-def]
+        self.kernel, self.widest, self.tiles = kernel, widest, []
+
+    def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+        from triton.runtime.errors import OutOfResources
+
+        def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
+            self.tiles.append(kwargs["BLOCK_N"])
+            if kwargs["BLOCK_N"] > self.widest:
+                raise OutOfResources(kwargs["BLOCK_N"] * 2048, self.widest * 2048, "shared memory")
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode", "decode split"])
+def test_a_tile_the_gpu_cannot_hold_is_halved_once_per_variant_and_an_explicit_one_is_not(monkeypatch, kind) -> None:
+    """A 256-wide head at 16 bits needs more shared memory per program than an sm86/sm89 GPU has at the
+    default 64-key tile (Triton refuses the launch): the attention kernels go down to the widest tile
+    that launches, give the reference's output, and remember it for the next call. A tile asked for
+    explicitly (the benchmark's sweeps) fails as Triton failed; none below 16 is tried."""
+    from triton.runtime.errors import OutOfResources
+
+    from pdserve_kernels import triton_common
+
+    monkeypatch.setattr(triton_common, "_FITTED_BLOCK_N", {})
+    module = triton_prefill if kind == "prefill" else triton_decode
+    name = "_prefill_kernel" if kind == "prefill" else "_decode_kernel"
+    limit = _SharedMemoryLimit(getattr(module, name), widest=32)
+    monkeypatch.setattr(module, name, limit)
+    context_lens = [41, 19, 70]
+    kv_layer, block_tables = paged_cache(context_lens, 16, 2, 64, F32, seed=3)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    if kind == "prefill":
+        q_lens = [9, 19, 1]
+        query = random_query(sum(q_lens), 4, 64, F32, seed=3)
+        starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        inputs, ref = (query, kv_layer, block_tables, starts, lens, 0.125), reference.paged_prefill_attention
+
+        def run(**kw):  # type: ignore[no-untyped-def]
+            return triton_prefill.run_paged_prefill(*inputs, **kw)
+    else:
+        query = random_query(3, 4, 64, F32, seed=3)
+        inputs, ref = (query, kv_layer, block_tables, lens, 0.125), reference.paged_decode_attention
+        splits = 1 if kind == "decode" else 3
+
+        def run(**kw):  # type: ignore[no-untyped-def]
+            return triton_decode.run_paged_decode(*inputs, num_splits=splits, **kw)
+
+    assert_matches_reference(run(), ref, inputs, F32)
+    assert limit.tiles == [64, 32]
+    limit.tiles.clear()
+    assert_matches_reference(run(), ref, inputs, F32)
+    assert limit.tiles == [32]  # remembered
+    limit.tiles.clear()
+    with pytest.raises(OutOfResources):
+        run(block_n=64)
+    assert limit.tiles == [64]
+    with pytest.raises(AssertionError, match="power of two >= 16"):
+        run(block_n=48)
+    monkeypatch.setattr(triton_common, "_FITTED_BLOCK_N", {})
+    limit.widest, limit.tiles = 8, []
+    with pytest.raises(OutOfResources):
+        run()
+    assert limit.tiles == [64, 32, 16]

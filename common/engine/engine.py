@@ -9,6 +9,7 @@ once; the decode instance forks the choices from it (``add_remote_request``).
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -99,6 +100,8 @@ class _Launched:
     placeholders: list[Request] = field(default_factory=list)
 
 
+logger = logging.getLogger(__name__)
+
 # A transfer may be reading or writing these requests' blocks: only ``release_kv`` frees them.
 _TRANSFER_STATES = (RequestStatus.HELD_FOR_TRANSFER, RequestStatus.WAITING_FOR_REMOTE_KV)
 NOT_FINITE_ERROR = "the model's logits for this request were not finite (NaN or infinity)"
@@ -168,7 +171,13 @@ class LLMEngine:
                 ids.add(eos)
             elif isinstance(eos, list):
                 ids.update(int(e) for e in eos)
-        return ids
+        # An id outside the vocabulary can never be sampled: kept, it would index past the logits where
+        # min_tokens bans EOS (on a GPU a device-side assert, which ends the engine's CUDA context).
+        outside = sorted(i for i in ids if not 0 <= i < self.vocab_size)
+        if outside:
+            logger.warning("EOS token ids %s of the model's config are outside its vocabulary of %d; ignored",
+                           outside, self.vocab_size)
+        return ids.difference(outside)
 
     def _grammar(self, params: SamplingParams, output_token_ids: list[int]) -> GrammarState | None:
         """The request's grammar state after its ``output_token_ids`` (a resumed request, or one whose

@@ -290,3 +290,29 @@ def test_async_a_request_aborted_while_its_nan_step_is_in_flight_leaves_no_nan_t
     assert [t for o in outputs["clean"] for t in o.new_token_ids] == tiny_greedy(folder, clean, 6)
     engine.check_integrity()
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_eos_ids_outside_the_vocabulary_are_ignored_so_min_tokens_bans_stay_in_range(tmp_path, caplog):
+    """A checkpoint whose config lists an EOS id past its vocabulary (such an id can never be sampled):
+    the engine names and ignores it, and a request with ``min_tokens`` (whose ban indexes the logits
+    by every EOS id) gets its tokens instead of an index error, or on a GPU a device-side assert."""
+    from transformers import LlamaConfig
+
+    from common.config import EngineConfig
+    from tests.engine.tiny_models import TINY_DIMS, build_checkpoint, prompt_token_ids
+
+    config = LlamaConfig(**TINY_DIMS)
+    config.eos_token_id = [2, config.vocab_size + 5]
+    folder = build_checkpoint(config, tmp_path / "llama")
+    with caplog.at_level("WARNING"):
+        engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", num_blocks=16))
+    assert engine.eos_token_ids == {2}
+    assert f"[{config.vocab_size + 5}]" in caplog.text and "outside its vocabulary" in caplog.text
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=4, min_tokens=3)
+    engine.add_request("r", prompt_token_ids(9, seed=1), params)
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.error is None
+            tokens += out.new_token_ids
+    assert len(tokens) >= 3

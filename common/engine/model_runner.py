@@ -80,6 +80,10 @@ class ModelRunner:
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_size)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.decode_graphs = self._capture_decode_graphs()
+        if self.decode_graphs is not None and self.profiled_peak_bytes:
+            # Capturing emptied torch's cache: take the largest step's memory back into it now, as one
+            # segment the steps split, rather than from whatever another process left free later.
+            torch.empty(self.profiled_peak_bytes, dtype=torch.uint8, device=self.device)
         logger.info(
             "model %s on %s/%s, %d KV blocks of %d tokens (%.2f GiB), kernels=%s",
             self.model_id, self.device, self.dtype, self.num_blocks, self.block_size,
@@ -148,7 +152,8 @@ class ModelRunner:
         """Run the largest step the engine may run, against a one-block stand-in cache that nothing is
         stored to: a forward over ``max_num_batched_tokens`` tokens (in sequences of at most
         ``max_model_len``), then logits and a sampling pass over ``max_num_seqs`` rows with every
-        sampling feature on (half of them seeded); the bytes they allocated at their peak (on the CPU,
+        sampling feature on (half of them seeded; the penalties over a prompt and an output each as
+        long as a request may have); the bytes they allocated at their peak (on the CPU,
         0: nothing measures it). The KV cache is sized after it, as vLLM sizes its cache after a
         profiling run: sampling alone takes several ``[rows, vocab]`` temporaries, gigabytes at 512 rows
         of a 128k vocabulary."""
@@ -181,10 +186,14 @@ class ModelRunner:
             temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
             frequency_penalty=0.3, logprobs=MAX_LOGPROBS, max_tokens=2, ignore_eos=True,
         )
+        # The penalties pad the rows' tokens to the longest sequence's: one as long as a prompt may be, one
+        # with as many outputs as a request may have.
+        longest = max(1, self.max_model_len - 2)
+        lengths = [(longest, 1), (1, longest)] + [(16, 1)] * (rows - 2)
         requests = [
-            Request(f"profile-{i}", [i % self.vocab_size] * 16, replace(params, seed=i if i % 2 else None),
-                    block_size=self.block_size, model_id=self.model_id)
-            for i in range(rows)
+            Request(f"profile-{i}", [i % self.vocab_size] * num_prompt, replace(params, seed=i if i % 2 else None),
+                    block_size=self.block_size, model_id=self.model_id, output_token_ids=[0] * num_output)
+            for i, (num_prompt, num_output) in enumerate(lengths[:rows])
         ]
         Sampler(set(), seed=0, kernel_backend=self.kernel_backend).sample(logits, requests).result()
         del logits, cache

@@ -103,7 +103,8 @@ def test_the_cache_is_sized_after_the_profiled_step_whose_cached_memory_counts_a
 def test_the_profile_runs_the_largest_forward_and_samples_every_row_with_every_feature(tmp_path, monkeypatch):
     """On the CPU (where it measures nothing) the profile still runs what it would on a GPU: a forward
     over max_num_batched_tokens tokens in sequences no longer than the model's, storing nothing in the
-    cache, then a sampling pass over max_num_seqs rows with every feature on, half of them seeded."""
+    cache, then a sampling pass over max_num_seqs rows with every feature on, half of them seeded, the
+    penalties over the longest prompt and output a request may have."""
     from transformers import LlamaConfig
 
     from common.config import EngineConfig
@@ -126,7 +127,8 @@ def test_the_profile_runs_the_largest_forward_and_samples_every_row_with_every_f
     sample = Sampler.sample
 
     def spy_sample(self, logits, requests):
-        samples.append((tuple(logits.shape), [r.sampling_params for r in requests]))
+        samples.append((tuple(logits.shape), [r.sampling_params for r in requests],
+                        [(r.num_prompt_tokens, len(r.output_token_ids)) for r in requests]))
         return sample(self, logits, requests)
 
     monkeypatch.setattr(runner.model, "forward", spy_forward)
@@ -135,8 +137,10 @@ def test_the_profile_runs_the_largest_forward_and_samples_every_row_with_every_f
     (lens, starts, slots, positions, cache_blocks), = forwards
     assert lens == [64, 64, 22] and starts == [0, 64, 128, 150] and slots == [-1] * 150 and cache_blocks == 1
     assert positions == [p for n in (64, 64, 22) for p in range(n)]
-    (shape, params), = samples
+    (shape, params, lengths), = samples
     assert shape == (5, runner.vocab_size)
+    # The penalties' token rows at their widest: a prompt, and an output, as long as a request's may be.
+    assert lengths == [(62, 1), (1, 62), (16, 1), (16, 1), (16, 1)]
     assert [p.seed is not None for p in params] == [False, True, False, True, False]
     assert all(p.top_p < 1 and p.top_k > 0 and p.min_p > 0 and p.repetition_penalty != 1 and p.presence_penalty
                and p.frequency_penalty and p.logprobs == 20 for p in params)

@@ -42,7 +42,9 @@ MAX_SPLITS = 32
 CPU_NUM_SMS = 8  # stand-in core count when the interpreter runs the kernels on the CPU
 
 
-@triton.jit
+# Arguments that change from step to step (the splits, the block table's width) are not specialised:
+# each value Triton tells apart (1, a multiple of 16, other) would build another variant inside a step.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt_seq"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, m_ptr, l_ptr,
@@ -119,7 +121,7 @@ def _decode_kernel(
         tl.store(l_ptr + ml_offs, l_i, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_p_seq", "stride_p_head"])
 def _decode_reduce_kernel(
     partial_ptr, m_ptr, l_ptr, out_ptr, num_splits,
     stride_p_seq, stride_p_head, stride_p_split,
@@ -253,7 +255,7 @@ def run_paged_decode(
         partial, m, l_sum, out, num_splits,
         partial.stride(0), partial.stride(1), partial.stride(2), out.stride(0), out.stride(1),
         HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size),
-        S_PAD=triton.next_power_of_2(num_splits),
+        S_PAD=max(MAX_SPLITS, triton.next_power_of_2(num_splits)),  # one variant up to MAX_SPLITS
     )
     return out
 

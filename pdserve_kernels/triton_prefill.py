@@ -40,7 +40,9 @@ BLOCK_M = 64  # query rows (tokens x heads of a group) per program
 DEFAULT_BLOCK_N = 64
 
 
-@triton.jit
+# Arguments that change from step to step (the sequences, the block table's width) are not specialised:
+# each value Triton tells apart (1, a multiple of 16, other) would build another variant inside a step.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
     num_seqs, qk_scale, soft_cap, window,

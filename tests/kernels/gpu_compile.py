@@ -126,7 +126,8 @@ def record_launches() -> list[Launch]:
 
 
 def compile_launch(launch: Launch, target: GPUTarget) -> Any:
-    """Compile as the JIT would: ints equal to 1 become constants, 16-divisible values get hints."""
+    """Compile as the JIT would: ints equal to 1 become constants, 16-divisible values get hints, but
+    for the kernel's ``do_not_specialize`` arguments."""
     signature: dict[str, str] = {}
     constexprs: dict[str, Any] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
@@ -137,7 +138,8 @@ def compile_launch(launch: Launch, target: GPUTarget) -> Any:
         if param.is_constexpr:
             kind, hint = "constexpr", None
         else:
-            kind, hint = native_specialize_impl(BaseBackend, value, False, True, True)
+            kind, hint = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize,
+                                                not param.do_not_specialize_on_alignment)
         if kind == "constexpr":
             signature[param.name] = "constexpr"
             constexprs[param.name] = value

@@ -98,6 +98,8 @@ class _Launched:
     sampled_only: dict[str, list[Request]]
     # Async scheduling: the requests that hold a placeholder for their token of this step.
     placeholders: list[Request] = field(default_factory=list)
+    # The runner's step count after this step's forward (``ModelRunner.flush_prompt_logprobs``).
+    step: int = 0
 
 
 logger = logging.getLogger(__name__)
@@ -475,7 +477,7 @@ class LLMEngine:
         # The rows' index goes over as a tensor built here: indexing a GPU tensor with a list would copy
         # it from pageable memory, waiting for the forward queued before it.
         sampled = self.sampler.sample(logits if own else logits.index_select(0, long_tensor(rows, logits.device)), reqs)
-        return _Launched(reqs, sampled, sampled_only)
+        return _Launched(reqs, sampled, sampled_only, step=self.runner.num_steps)
 
     def _leave_placeholders(self, launched: _Launched) -> None:
         """Async scheduling: a placeholder for each sampled row's token, so that the next step schedules
@@ -495,6 +497,8 @@ class LLMEngine:
     def _resolve(self, launched: _Launched) -> list[EngineOutput]:
         """Wait for a launched step's tokens; append them, check stops, build its outputs."""
         result = launched.sampled.result()
+        # Its prompts' logprobs (and earlier steps'), before a first token hands a request's list out.
+        self.runner.flush_prompt_logprobs(launched.step)
         # Async: requests freed (aborted, preempted) since the step before resolved, with their blocks.
         freed = self.kv.take_freed()
         outputs: list[EngineOutput] = []

@@ -58,3 +58,12 @@ def to_device(t: Tensor, device: torch.device | str) -> Tensor:
     if device.type == "cpu":
         return t
     return pinned_for(t, device).to(device, non_blocking=True)
+
+
+def to_host(t: Tensor) -> Tensor:
+    """A GPU tensor's copy in pinned host memory, started without waiting (read it after an event
+    recorded after this call); a CPU tensor itself."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)

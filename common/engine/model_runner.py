@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
+from typing import NamedTuple
 
 import torch
 from msgspec.structs import replace
@@ -15,7 +17,7 @@ from torch import Tensor
 
 from common.config import EngineConfig
 from common.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from common.engine.host_tensors import long_tensor, to_device
+from common.engine.host_tensors import long_tensor, to_device, to_host
 from common.engine.input_batch import InputBatch
 from common.engine.request import Request
 from common.engine.sampler import Sampler
@@ -41,14 +43,47 @@ def gpu_kv_cache_bytes(total: int, free: int, own: int, utilization: float) -> i
     """The KV cache's bytes on a GPU of ``total`` bytes with ``free`` free, for an engine that holds
     ``own`` (torch's reservation: weights, workspace, and the cached memory of its profiled peak step)
     and may use ``utilization`` of the GPU: its share less what it holds, never more than is free
-    (other processes on the GPU), each less the headroom. The share is this engine's own, as vLLM's: two engines at 0.45 each
-    fit on one GPU, whichever sizes its cache first."""
+    (other processes on the GPU), each less the headroom. The share is this engine's own, as vLLM's:
+    two engines at 0.45 each fit on one GPU, whichever sizes its cache first."""
     return min(int(total * utilization) - own, free) - _GPU_ACTIVATION_HEADROOM
+
+
+class _PromptLogprobTable(NamedTuple):
+    """One step's prompt logprobs on their way to the host: per position its logprob, rank and top
+    ``k_max`` (values, then ids), for the ``owners`` (collecting list, positions, top k) in order."""
+
+    step: int
+    table: Tensor
+    event: torch.cuda.Event | None
+    owners: list[tuple[list[PromptLogprob | None], int, int]]
+    targets: list[int]
+    k_max: int
+
+
+class _PromptLogprobsPending:
+    """The tables not yet appended, oldest first, and per collecting list how many positions they hold
+    for it (a recompute after preemption must not compute those again)."""
+
+    def __init__(self) -> None:
+        self.tables: deque[_PromptLogprobTable] = deque()
+        self.positions: dict[int, int] = {}  # id of the list (alive while a table refers to it)
+
+    def add(self, table: _PromptLogprobTable) -> None:
+        self.tables.append(table)
+        for collected, count, _ in table.owners:
+            self.positions[id(collected)] = self.positions.get(id(collected), 0) + count
+
+    def done(self, collected: list[PromptLogprob | None], count: int) -> None:
+        left = self.positions.pop(id(collected)) - count
+        if left:
+            self.positions[id(collected)] = left
 
 
 class ModelRunner:
     # Decode-step CUDA graphs, captured at start on a GPU (None: every step runs eagerly).
     decode_graphs: DecodeGraphs | None = None
+    # Forwards run so far (``execute`` calls): which step computed what is on its way to the host.
+    num_steps = 0
     # On a GPU sized by ``profile_activations``: the bytes its step allocated at the peak.
     profiled_peak_bytes = 0
 
@@ -102,9 +137,11 @@ class ModelRunner:
         )
 
     def init_input_batch(self) -> None:
-        """The persistent input state, sized for ``max_num_seqs`` requests of ``max_model_len`` tokens."""
+        """The persistent input state, sized for ``max_num_seqs`` requests of ``max_model_len`` tokens,
+        and the prompt logprobs on their way to the host."""
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(self.config.max_num_seqs, max_blocks_per_req, self.block_size)
+        self._prompt_logprobs_pending = _PromptLogprobsPending()
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode steps, on a GPU with the Triton kernels unless ``enforce_eager``."""
@@ -137,8 +174,9 @@ class ModelRunner:
                 raise ValueError(
                     f"not enough GPU memory for a single KV block ({self.bytes_per_block} bytes): "
                     f"--gpu-memory-utilization {util:g} of {total / 2**30:.1f} GiB, of which this engine holds "
-                    f"{own / 2**30:.2f} GiB (weights, workspace, the largest step's activations) and keeps {_GPU_ACTIVATION_HEADROOM / 2**30:g} GiB "
-                    f"more; {free / 2**30:.2f} GiB free (other processes hold the rest). Raise "
+                    f"{own / 2**30:.2f} GiB (weights, workspace, the largest step's activations) and keeps "
+                    f"{_GPU_ACTIVATION_HEADROOM / 2**30:g} GiB more; {free / 2**30:.2f} GiB free (other processes "
+                    "hold the rest). Raise "
                     "--gpu-memory-utilization, or give this engine a GPU of its own")
             return int(num)
         num = self.config.kv_cache_memory // self.bytes_per_block
@@ -212,6 +250,7 @@ class ModelRunner:
         read on the device from ``prev_token_ids``, the step in flight's sampled ids: nothing waits.
         """
         dev = self.device
+        self.num_steps += 1
         if out.block_copies:
             src, dst = zip(*out.block_copies, strict=True)
             self.kernels.copy_blocks(self.kv_cache, long_tensor(src, dev), long_tensor(dst, dev))
@@ -246,12 +285,15 @@ class ModelRunner:
         return logits
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: Tensor, query_start: list[int]) -> None:
-        """Append to each collecting request's ``prompt_logprobs`` those of the prompt tokens this
-        step's chunk predicts (position p's hidden state gives token p + 1), skipping positions a
-        recompute after preemption already gave."""
+        """Compute, for each collecting request, the logprobs of the prompt tokens this step's chunk
+        predicts (position p's hidden state gives token p + 1), skipping positions a recompute after
+        preemption already gave; they go to the host without waiting and join the request's
+        ``prompt_logprobs`` in ``flush_prompt_logprobs`` (a read here would wait for this step's
+        forward, which under async scheduling the host is meant to run ahead of)."""
         rows: list[int] = []
         targets: list[int] = []
         owners: list[tuple[list[PromptLogprob | None], int, int]] = []  # (list, positions, top k)
+        pending = self._prompt_logprobs_pending
         for i, s in enumerate(out.scheduled):
             req = s.request
             collected = req.prompt_logprobs
@@ -259,7 +301,7 @@ class ModelRunner:
                 continue
             start = req.num_computed_tokens
             end = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
-            first = max(start, len(collected) - 1)
+            first = max(start, len(collected) + pending.positions.get(id(collected), 0) - 1)
             if first >= end:
                 continue
             rows += range(query_start[i] + first - start, query_start[i] + end - start)
@@ -268,7 +310,7 @@ class ModelRunner:
         if not rows:
             return
         k_max = max(k for _, _, k in owners)
-        lines: list[list[float]] = []
+        tables: list[Tensor] = []
         for at in range(0, len(rows), _PROMPT_LOGPROB_ROWS):  # bounded [rows, vocab] temporaries
             idx = long_tensor(rows[at : at + _PROMPT_LOGPROB_ROWS], hidden.device)
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[idx]).float(), dim=-1)
@@ -278,10 +320,28 @@ class ModelRunner:
             if k_max:
                 top = logprobs.topk(k_max, dim=-1)
                 parts += [top.values, top.indices]
-            lines += torch.cat([p.double() for p in parts], dim=1).tolist()  # float64: ids stay exact
-        at = 0
-        for collected, count, k in owners:
-            for line, token in zip(lines[at : at + count], targets[at : at + count], strict=True):
-                alts = [TokenLogprob(int(line[2 + k_max + j]), line[2 + j]) for j in range(k)]
-                collected.append(PromptLogprob(token, line[0], int(line[1]), alts))
-            at += count
+            tables.append(torch.cat([p.double() for p in parts], dim=1))  # float64: ids stay exact
+        table = to_host(tables[0] if len(tables) == 1 else torch.cat(tables))
+        event = None
+        if hidden.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        pending.add(_PromptLogprobTable(self.num_steps, table, event, owners, targets, k_max))
+
+    def flush_prompt_logprobs(self, up_to_step: int) -> None:
+        """Append to their requests' ``prompt_logprobs`` the entries computed by steps up to
+        ``up_to_step`` (``num_steps`` after that step's ``execute``), in step order, waiting for their
+        copies; those of later steps stay on their way."""
+        pending = self._prompt_logprobs_pending
+        while pending.tables and pending.tables[0].step <= up_to_step:
+            entry = pending.tables.popleft()
+            if entry.event is not None:
+                entry.event.synchronize()
+            lines: list[list[float]] = entry.table.tolist()
+            k_max, at = entry.k_max, 0
+            for collected, count, k in entry.owners:
+                for line, token in zip(lines[at : at + count], entry.targets[at : at + count], strict=True):
+                    alts = [TokenLogprob(int(line[2 + k_max + j]), line[2 + j]) for j in range(k)]
+                    collected.append(PromptLogprob(token, line[0], int(line[1]), alts))
+                at += count
+                pending.done(collected, count)

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from common.engine.grammar import apply_token_bitmask
-from common.engine.host_tensors import float_tensor, long_tensor
+from common.engine.host_tensors import float_tensor, long_tensor, to_host
 from common.engine.penalties import TokenRows, apply_output_penalties, apply_repetition_penalty
 from common.engine.request import Request
 from common.engine.row_ops import argmax_rows, max_rows, topk_rows
@@ -86,9 +86,9 @@ class SampledTokens:
         # comes back as -1 (``result``), while on the device it keeps a valid id, which a next step in
         # flight may read as an input it never samples from.
         if token_ids.device.type == "cuda":
-            self._ids = _to_pinned(token_ids)
-            self._table = None if table is None else _to_pinned(table)
-            self._row_max = None if row_max is None else _to_pinned(row_max)
+            self._ids = to_host(token_ids)
+            self._table = None if table is None else to_host(table)
+            self._row_max = None if row_max is None else to_host(row_max)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
@@ -117,11 +117,6 @@ class SampledTokens:
                 top = [TokenLogprob(int(line[1 + k_max + j]), line[1 + j]) for j in range(k)]
                 logprobs[row] = PositionLogprobs(tokens[row], line[0], top)
         return SampleResult(tokens, logprobs)
-
-
-def _to_pinned(t: Tensor) -> Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
 
 
 class _Race(NamedTuple):

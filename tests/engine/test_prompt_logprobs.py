@@ -45,11 +45,13 @@ def _run(engine, request_id: str, prompt, params):  # type: ignore[no-untyped-de
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=K)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("budget", [8, 512], ids=["chunked", "whole"])
-def test_prompt_logprobs_equal_transformers_and_come_once_with_the_first_token(engine_factory, budget):  # type: ignore[no-untyped-def]
+def test_prompt_logprobs_equal_transformers_and_come_once_with_the_first_token(engine_factory, budget,  # type: ignore[no-untyped-def]
+                                                                                async_scheduling):
     prompt = prompt_ids()[12]
     assert len(prompt) > 3 * 8
-    engine = engine_factory(block_size=16, max_num_batched_tokens=budget)
+    engine = engine_factory(block_size=16, max_num_batched_tokens=budget, async_scheduling=async_scheduling)
     outs = _run(engine, "a", prompt, PARAMS)
     _check(prompt, outs[0].prompt_logprobs)
     assert all(o.prompt_logprobs is None for o in outs[1:])
@@ -75,9 +77,12 @@ def test_zero_alternatives_and_n2_give_them_to_the_first_choice_only(engine_fact
     assert all(o.prompt_logprobs is None for o in by_id["r#1"])
 
 
-def test_preemption_keeps_them_whole_exact_and_sent_once(engine_factory):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preemption_keeps_them_whole_exact_and_sent_once(engine_factory, async_scheduling):  # type: ignore[no-untyped-def]
+    """Also under async scheduling, where a step's logprobs reach the request when a later step
+    resolves, and a recompute must not compute again the positions still on their way."""
     prompts = [p for p in prompt_ids() if len(p) < 60][:8]
-    engine = engine_factory(block_size=16, num_blocks=24, max_num_batched_tokens=16)
+    engine = engine_factory(block_size=16, num_blocks=24, max_num_batched_tokens=16, async_scheduling=async_scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, prompt_logprobs=K)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", list(prompt), params)
@@ -114,3 +119,27 @@ def test_too_many_entries_are_refused_naming_the_field(engine_factory):  # type:
     engine = engine_factory(block_size=16)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         engine.add_request("big", [1] * 8000, SamplingParams(max_tokens=1, prompt_logprobs=20))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_recompute_skips_the_positions_still_on_their_way(engine_factory, async_scheduling):  # type: ignore[no-untyped-def]
+    """Prompt logprobs join their request when a step that samples resolves; two prompts that only
+    prefill sample nothing. The second is preempted by the first's growth, then recomputed in the step
+    that completes the first: the positions its earlier chunks computed are still on their way, and
+    must not be computed (and appended) again."""
+    tokens = [t for p in prompt_ids() for t in p]
+    first, second = tuple(tokens[:80]), tuple(tokens[100:160])
+    engine = engine_factory(block_size=16, num_blocks=6, max_num_batched_tokens=32, long_prefill_token_threshold=16,
+                            async_scheduling=async_scheduling)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=K)
+    engine.add_request("first", list(first), params)
+    engine.add_request("second", list(second), params)
+    firsts: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                assert out.request_id not in firsts, "sent twice"
+                firsts[out.request_id] = out.prompt_logprobs
+    assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
+    _check(first, firsts["first"])
+    _check(second, firsts["second"])

@@ -42,6 +42,17 @@ def _run(engine, request_id: str, prompt, params):  # type: ignore[no-untyped-de
     return outs
 
 
+def _run_all(engine) -> dict[str, list]:  # type: ignore[no-untyped-def]
+    """Step until every request is done; each request's prompt logprobs, checked to come once."""
+    firsts: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                assert out.request_id not in firsts, "sent twice"
+                firsts[out.request_id] = out.prompt_logprobs
+    return firsts
+
+
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=K)
 
 
@@ -80,18 +91,13 @@ def test_zero_alternatives_and_n2_give_them_to_the_first_choice_only(engine_fact
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_preemption_keeps_them_whole_exact_and_sent_once(engine_factory, async_scheduling):  # type: ignore[no-untyped-def]
     """Also under async scheduling, where a step's logprobs reach the request when a later step
-    resolves, and a recompute must not compute again the positions still on their way."""
+    resolves."""
     prompts = [p for p in prompt_ids() if len(p) < 60][:8]
     engine = engine_factory(block_size=16, num_blocks=24, max_num_batched_tokens=16, async_scheduling=async_scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, prompt_logprobs=K)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", list(prompt), params)
-    firsts: dict[str, list] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.prompt_logprobs is not None:
-                assert out.request_id not in firsts, "sent twice"
-                firsts[out.request_id] = out.prompt_logprobs
+    firsts = _run_all(engine)
     assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
     for i, prompt in enumerate(prompts):
         _check(prompt, firsts[f"r{i}"])
@@ -134,12 +140,7 @@ def test_a_recompute_skips_the_positions_still_on_their_way(engine_factory, asyn
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=K)
     engine.add_request("first", list(first), params)
     engine.add_request("second", list(second), params)
-    firsts: dict[str, list] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.prompt_logprobs is not None:
-                assert out.request_id not in firsts, "sent twice"
-                firsts[out.request_id] = out.prompt_logprobs
+    firsts = _run_all(engine)
     assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
     _check(first, firsts["first"])
     _check(second, firsts["second"])

@@ -21,7 +21,10 @@ import torch
 from torch import Tensor
 
 from common.engine.host_tensors import long_tensor
-from common.engine.request import Request
+from common.engine.request import FINISHED, Request
+
+# Steps between two releases of the rows of finished requests (``TokenRows.begin_step``).
+RELEASE_EVERY = 64
 
 
 class TokenRows:
@@ -39,8 +42,15 @@ class TokenRows:
         self._step = 0
 
     def begin_step(self) -> None:
-        """Rows of requests not seen since this call may be reused."""
+        """Rows of requests not seen since this call may be reused. Every ``RELEASE_EVERY`` steps the
+        rows of finished requests are given up: a row keeps its request (the id it is found by stays
+        that request's), which would otherwise keep a finished one's token lists, up to a context's
+        worth each, until another request needs its row."""
         self._step += 1
+        if self._step % RELEASE_EVERY == 0:
+            for row, holder in enumerate(self._holders):
+                if holder is not None and holder.status >= FINISHED:
+                    self._release(row, holder)
 
     def view(self, requests: list[Request]) -> tuple[Tensor, Tensor]:
         """``(ids, valid)``, both ``[len(requests), longest]``: row ``i`` holds request ``i``'s tokens, then
@@ -109,13 +119,16 @@ class TokenRows:
             self.ids[long_tensor(set_rows, dev), long_tensor(set_cols, dev)] = long_tensor(set_ids, dev)
         return self.ids[:, : max(lens)].index_select(0, long_tensor(rows, dev)), lens
 
+    def _release(self, row: int, holder: Request) -> None:
+        del self._row_of[id(holder)]
+        self._holders[row] = None
+        self._free.append(row)
+
     def _take_row(self, req: Request) -> int:
         if not self._free:
             for row, holder in enumerate(self._holders):
                 if holder is not None and self._last_step[row] != self._step:
-                    del self._row_of[id(holder)]
-                    self._holders[row] = None
-                    self._free.append(row)
+                    self._release(row, holder)
         if not self._free:
             self._grow(2 * len(self._holders), 0)
         row = self._free.pop()

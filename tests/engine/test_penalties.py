@@ -89,3 +89,29 @@ def test_penalties_over_the_store_equal_a_per_row_reference_bit_for_bit():
     ids, valid = out_rows.view(requests)
     apply_output_penalties(got, rows, ids, valid, torch.tensor(frequency), torch.tensor(presence))
     assert torch.equal(got, expected)
+
+
+def test_the_rows_of_finished_requests_let_them_go_within_release_every_steps():
+    """A row keeps its request between steps (a request that comes back finds it); a finished one's
+    row lets it go within ``RELEASE_EVERY`` steps, its token lists with it, and is taken by the next
+    request. A preempted request, which comes back, keeps its row."""
+    import gc
+    import weakref
+
+    from common.engine.penalties import RELEASE_EVERY
+    from common.engine.request import RequestStatus
+
+    rows = TokenRows("all_token_ids", num_rows=2, num_cols=8)
+    done, paused = _request([1, 2, 3]), _request([4, 5])
+    rows.begin_step()
+    _check(rows, [done, paused])
+    done.status, paused.status = RequestStatus.FINISHED_STOPPED, RequestStatus.PREEMPTED
+    gone = weakref.ref(done)
+    del done
+    for _ in range(RELEASE_EVERY):
+        rows.begin_step()
+    gc.collect()
+    assert gone() is None, "the finished request's row still held it"
+    assert rows.ids.shape[0] == 2 and len(rows._free) == 1  # the preempted one kept its row
+    _check(rows, [paused, _request([6])])  # the new one takes the freed row: no growth
+    assert rows.ids.shape[0] == 2

@@ -176,8 +176,7 @@ class ModelRunner:
                     f"--gpu-memory-utilization {util:g} of {total / 2**30:.1f} GiB, of which this engine holds "
                     f"{own / 2**30:.2f} GiB (weights, workspace, the largest step's activations) and keeps "
                     f"{_GPU_ACTIVATION_HEADROOM / 2**30:g} GiB more; {free / 2**30:.2f} GiB free (other processes "
-                    "hold the rest). Raise "
-                    "--gpu-memory-utilization, or give this engine a GPU of its own")
+                    "hold the rest). Raise --gpu-memory-utilization, or give this engine a GPU of its own")
             return int(num)
         num = self.config.kv_cache_memory // self.bytes_per_block
         if num < 1:
@@ -234,7 +233,6 @@ class ModelRunner:
             for i, (num_prompt, num_output) in enumerate(lengths[:rows])
         ]
         Sampler(set(), seed=0, kernel_backend=self.kernel_backend).sample(logits, requests).result()
-        del logits, cache
         if not cuda:
             return 0
         torch.cuda.synchronize(dev)

@@ -85,14 +85,12 @@ class SampledTokens:
         # Each row's largest raw logit goes to the host with the ids: a row whose maximum is NaN or +inf
         # comes back as -1 (``result``), while on the device it keeps a valid id, which a next step in
         # flight may read as an input it never samples from.
+        self._ids = to_host(token_ids)
+        self._table = None if table is None else to_host(table)
+        self._row_max = None if row_max is None else to_host(row_max)
         if token_ids.device.type == "cuda":
-            self._ids = to_host(token_ids)
-            self._table = None if table is None else to_host(table)
-            self._row_max = None if row_max is None else to_host(row_max)
             self._event = torch.cuda.Event()
             self._event.record()
-        else:
-            self._ids, self._table, self._row_max = token_ids, table, row_max
 
     @property
     def event(self) -> torch.cuda.Event | None:

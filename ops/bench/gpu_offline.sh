@@ -8,11 +8,13 @@
 #       ops/constraints.txt), for CPython PYTHON_VERSION (default 3.12) on x86-64 Linux (.gpu-wheels is
 #       ignored by git: copy it along with the tree);
 #   on the GPU host:                     bash ops/bench/gpu_offline.sh run .gpu-wheels OUT_DIR [gpu_kernels flags]
-#       installs those wheels into a temporary folder, prints the versions it runs with, and runs the
-#       check under a time limit (GPU_CHECK_TIMEOUT_S, default 420 s). Its Markdown and JSON report (saved
-#       after every section, so a run cut short keeps what it measured) and the whole log land in OUT_DIR.
-#       The engine section runs on the default model where its package is installed, else on a
-#       random-weight stand-in of the same shapes (its package is larger than a copy of this tree).
+#       installs those wheels into a temporary folder, prints the versions it runs with, then runs
+#       `pdserve bench overhead --device cuda` (the engine's step with a null forward, its sampler on the
+#       GPU, over the default model's vocabulary; GPU_OVERHEAD_TIMEOUT_S, default 120 s; 0 skips it) and
+#       the check (GPU_CHECK_TIMEOUT_S, default 420 s), each under its time limit. Their reports (the
+#       check's saved after every section, so a run cut short keeps what it measured) and the whole log
+#       land in OUT_DIR. The engine sections run on the default model where its package is installed,
+#       else on a random-weight stand-in of the same shapes (its package is larger than a copy of this tree).
 #
 # PYTHON names the interpreter (default python3). Exit status: the check's (0: every check passed),
 # 124 when the time limit cut it short.
@@ -56,6 +58,15 @@ case "$mode" in
 print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__,
       "transformers", transformers.__version__, "msgspec", msgspec.__version__, "cuda", torch.version.cuda,
       "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'
+      if [ "${GPU_OVERHEAD_TIMEOUT_S:-120}" != 0 ]; then
+        # The null forward reads only a config: the default model's shapes, written beside the wheels.
+        "$python" -c 'import sys; from transformers import LlamaConfig; from ops.bench.gpu_kernels import STAND_IN_DIMS
+LlamaConfig(**STAND_IN_DIMS, tie_word_embeddings=False).save_pretrained(sys.argv[1])' "$site/config-only" &&
+        timeout --signal=TERM --kill-after=20 "${GPU_OVERHEAD_TIMEOUT_S:-120}" \
+          "$python" -m ops.bench.overhead --device cuda --model "$site/config-only" --samplers batched \
+          --batch-sizes 1,64,256,512 --json "$out/overhead-cuda.json"
+        echo "[overhead] exit status $?"
+      fi
       timeout --signal=TERM --kill-after=20 "${GPU_CHECK_TIMEOUT_S:-420}" \
         "$python" -m ops.bench.gpu_kernels --out-dir "$out" "$@"
     } 2>&1 | tee "$out/gpu-check.log"
@@ -63,7 +74,7 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "triton", tr
     exit "$status"
     ;;
   *)
-    sed -n '2,18p' "$0" >&2
+    sed -n '2,20p' "$0" >&2
     exit 2
     ;;
 esac

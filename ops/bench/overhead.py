@@ -48,6 +48,10 @@ calls, conditions and Python, with the per-entry work made small. That total is 
 wait on per step, to within the launch cost of the sampler's kernels (a seeded row's noise is
 computed where its row is: on a GPU, on the GPU).
 
+On a GPU, ``--device cuda`` puts the engine's tensors, the fixed logits and the sampler there: a
+step's wall time is then the host's own work plus its waits for the sampler's kernels and the
+sampled ids' copy, measured rather than stood in for (``--host-vocab`` does not apply there).
+
     pdserve bench overhead --batch-sizes 1,16,64,256,512
 
 Part two, ``pdserve bench overhead router ...``: the router's CPU per streamed token in front of fake
@@ -249,7 +253,8 @@ class NullModel:
 
     def __init__(self, logits: Tensor, clock: PhaseClock) -> None:
         self.logits = logits
-        self.forward = clock.wrap("forward", lambda input_ids: torch.empty((input_ids.shape[0], 1)))
+        self.forward = clock.wrap("forward", lambda input_ids: torch.empty((input_ids.shape[0], 1),
+                                                                          device=input_ids.device))
         self.compute_logits = clock.wrap("forward", lambda hidden: self.logits[: hidden.shape[0]])
 
     def __call__(self, input_ids: Tensor, positions: Tensor, meta: Any, kv_cache: Tensor) -> Tensor:
@@ -275,19 +280,20 @@ class NullModelRunner(ModelRunner):
         self.num_blocks = config.num_blocks
         self.kernel_backend = "torch"
         self.kernels = get_kernels(self.device, "torch")  # copy_blocks only; no case here forks
-        self.kv_cache = torch.empty(0)
+        self.kv_cache = torch.empty(0, device=self.device)
         self.model = NullModel(logits, clock)  # type: ignore[assignment]
         self.init_input_batch()
 
 
 def null_engine(args: argparse.Namespace, batch_size: int, max_tokens: int, logits: Tensor, clock: PhaseClock,
-                **config: Any) -> LLMEngine:
-    """An engine on the CPU with ``NullModelRunner``, room for ``batch_size`` requests of ``--prompt-len``
-    tokens and ``max_tokens`` more, twice over; ``config``: more ``EngineConfig`` fields."""
+                device: str = "cpu", **config: Any) -> LLMEngine:
+    """An engine on ``device`` (that of ``logits``) with ``NullModelRunner``, room for ``batch_size``
+    requests of ``--prompt-len`` tokens and ``max_tokens`` more, twice over; ``config``: more
+    ``EngineConfig`` fields."""
     block_size = 16
     blocks_per_request = -(-(args.prompt_len + max_tokens) // block_size)
     engine_config = EngineConfig(
-        model=args.model, device="cpu", block_size=block_size, max_num_seqs=batch_size,
+        model=args.model, device=device, block_size=block_size, max_num_seqs=batch_size,
         max_num_batched_tokens=batch_size * args.prompt_len, num_blocks=2 * batch_size * blocks_per_request + 16,
         seed=args.seed, **config,
     )
@@ -337,7 +343,7 @@ def run_case(
     vocab = int(logits.shape[1])
     max_tokens = 1 if case == "prefill" else warmup + num_steps + 2
     clock = PhaseClock(CLOCKS[args.clock])
-    engine = null_engine(args, batch_size, max_tokens, logits, clock)
+    engine = null_engine(args, batch_size, max_tokens, logits, clock, device=args.device)
     runner = engine.runner
     if sampler_kind == "per-row":
         engine.sampler = _PerRowSampler(engine.eos_token_ids, args.seed)  # type: ignore[assignment]
@@ -598,8 +604,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--glibc-defaults", action="store_true",
                    help="leave malloc's thresholds at glibc's own (the engine sets them otherwise; "
                         "common.glibc_env): to measure what they do")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, or cuda[:N]: the engine, its logits and the sampler on that GPU")
     p.add_argument("--json", default=None, metavar="PATH",
-                   help="default: ops/bench/results/overhead-cpu-<date>.json")
+                   help="default: ops/bench/results/overhead-<device type>-<date>.json")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG next to the JSON")
     return p
 
@@ -630,17 +638,25 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--host-vocab is 0 (skip) or at least 128 (top-k 100 needs that many logits)")
     if args.glibc_defaults and not keep_malloc_defaults():
         raise SystemExit("--glibc-defaults: this process has already set malloc's thresholds")
+    device = torch.device(args.device)
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {args.device}: cpu or cuda[:N]")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {args.device}: no CUDA device is available")
+        args.host_vocab = 0  # the sampler's kernels run on the GPU: the step's time is the host's share
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
         vocab_size = int(load_hf_config(resolve_model_path(args.model)).vocab_size)
         gen = torch.Generator().manual_seed(args.seed)
-        logits = torch.randn(max(batch_sizes), vocab_size, generator=gen) * args.logit_std
+        logits = (torch.randn(max(batch_sizes), vocab_size, generator=gen) * args.logit_std).to(device)
+        card = f" ({torch.cuda.get_device_name(device)}, torch {torch.version.cuda} CUDA)" if device.type == "cuda" else ""
         report: dict[str, Any] = {
             "date": datetime.date.today().isoformat(),
             "command": " ".join(["pdserve bench overhead", *(argv if argv is not None else sys.argv[1:])]),
             "config": vars(args),
-            "machine": {"device": "cpu", "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+            "machine": {"device": f"{device}{card}", "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
                         "torch": torch.__version__},
             "vocab_size": vocab_size,
             "phases": list(PHASES),
@@ -671,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         torch.set_num_threads(threads)
     print(format_report(report))
-    path = Path(args.json) if args.json else RESULTS_DIR / f"overhead-cpu-{report['date']}.json"
+    path = Path(args.json) if args.json else RESULTS_DIR / f"overhead-{device.type}-{report['date']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     if not args.no_plot and write_plot(report, path.with_suffix(".png")):
         report["plot"] = str(path.with_suffix(".png").name)

@@ -6,6 +6,7 @@ request's table changes); the logits stay on the device, where the sampler runs.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections import deque
@@ -17,7 +18,7 @@ from torch import Tensor
 
 from common.config import EngineConfig
 from common.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from common.engine.host_tensors import long_tensor, to_device, to_host
+from common.engine.host_tensors import long_tensor, to_device_all, to_host
 from common.engine.input_batch import InputBatch
 from common.engine.request import Request
 from common.engine.sampler import Sampler
@@ -253,33 +254,42 @@ class ModelRunner:
             src, dst = zip(*out.block_copies, strict=True)
             self.kernels.copy_blocks(self.kv_cache, long_tensor(src, dev), long_tensor(dst, dev))
         inputs = self.input_batch.prepare(out.scheduled)
-        input_ids = to_device(inputs.input_ids, dev)
+        graphs = self.decode_graphs
+        # One token per sequence (decode, or a prompt's last one-token chunk) is replayed from a graph.
+        replay = graphs is not None and graphs.fits(inputs)
+        # Every input goes up in one copy; a graph's replay reads neither the query starts nor the rows
+        # to sample (every row is one).
+        on_device = to_device_all(
+            [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.context_lens, inputs.block_tables,
+             *(() if replay else (inputs.query_start_loc, inputs.sample_idx))], dev,
+        )
+        input_ids = on_device[0]
         if prev_token_ids is not None:
             # A few tensor operations whether or not any id is a placeholder: no branch on the data.
             rows = (-1 - input_ids).clamp_(min=0)
             input_ids = torch.where(input_ids < 0, prev_token_ids.index_select(0, rows), input_ids)
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.fits(inputs):
-            # One token per sequence (decode, or a prompt's last one-token chunk): replayed. Its
-            # hidden rows are the real rows only, all a step with one token per sequence needs.
-            inputs.input_ids = input_ids
-            hidden = graphs.run(inputs)
+        if replay:
+            assert graphs is not None
+            # Its hidden rows are the real rows only, all a step with one token per sequence needs.
+            hidden = graphs.run(dataclasses.replace(inputs, input_ids=input_ids, positions=on_device[1],
+                                        slot_mapping=on_device[2], context_lens=on_device[3],
+                                        block_tables=on_device[4]))
         else:
-            meta = AttentionMetadata(
-                slot_mapping=to_device(inputs.slot_mapping, dev),
-                block_tables=to_device(inputs.block_tables, dev),
-                query_start_loc=to_device(inputs.query_start_loc, dev),
-                context_lens=to_device(inputs.context_lens, dev),
-                max_query_len=inputs.max_query_len,
-            )
-            hidden = self.model(input_ids, to_device(inputs.positions, dev), meta, self.kv_cache)
+            meta = AttentionMetadata(slot_mapping=on_device[2], block_tables=on_device[4],
+                                     query_start_loc=on_device[5], context_lens=on_device[3],
+                                     max_query_len=inputs.max_query_len)
+            hidden = self.model(input_ids, on_device[1], meta, self.kv_cache)
         if any(s.request.prompt_logprobs is not None for s in out.scheduled):
             self._prompt_logprobs(out, hidden, inputs.query_start_loc.tolist())
-        if len(inputs.sample_idx) == 0:
+        num_sampled = len(inputs.sample_idx)
+        if num_sampled == 0:
             return torch.empty(0, self.vocab_size, device=dev)
         # Only the completing rows' logits are computed, and they stay on the device: the sampler
-        # runs there and only the sampled ids (and requested logprobs) cross to the host.
-        logits: Tensor = self.model.compute_logits(hidden[to_device(inputs.sample_idx, dev)])
+        # runs there and only the sampled ids (and requested logprobs) cross to the host. The rows to
+        # sample ascend, so as many as the hidden rows are all of them (a replay's, or decode's).
+        if num_sampled != hidden.shape[0]:
+            hidden = hidden.index_select(0, on_device[6])
+        logits: Tensor = self.model.compute_logits(hidden)
         return logits
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: Tensor, query_start: list[int]) -> None:

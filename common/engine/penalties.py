@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from common.engine.host_tensors import long_tensor
+from common.engine.host_tensors import long_tensor, long_tensors
 from common.engine.request import FINISHED, Request
 
 # Steps between two releases of the rows of finished requests (``TokenRows.begin_step``).
@@ -57,17 +57,16 @@ class TokenRows:
         (``valid`` false) copies of its first token, so that a write to every entry of a row writes
         only tokens it holds. Every request must hold at least one token."""
         ids, lens = self._rows(requests)
-        dev = ids.device
-        return ids, torch.arange(ids.shape[1], device=dev) < long_tensor(lens, dev).unsqueeze(1)
+        return ids, torch.arange(ids.shape[1], device=ids.device) < lens.unsqueeze(1)
 
     def padded(self, requests: list[Request]) -> Tensor:
         """``view``'s ``ids`` alone: enough for the repetition penalty, whose write of a token's logit is
         the same however often the token appears."""
         return self._rows(requests)[0]
 
-    def _rows(self, requests: list[Request]) -> tuple[Tensor, list[int]]:
-        """The requests' rows, ``[len(requests), longest]``, and their lengths. A row is kept padded with
-        its first token past its tokens, so reading it needs no mask."""
+    def _rows(self, requests: list[Request]) -> tuple[Tensor, Tensor]:
+        """The requests' rows, ``[len(requests), longest]``, and their lengths (on the device). A row is
+        kept padded with its first token past its tokens, so reading it needs no mask."""
         rows: list[int] = []
         lens: list[int] = []
         fill_rows: list[int] = []  # rows taken now: first their whole width holds the first token
@@ -109,15 +108,19 @@ class TokenRows:
             rows.append(row)
             lens.append(n)
         dev = self.ids.device
+        # Every index list goes up in one copy.
+        fill_rows_t, fill_ids_t, set_rows_t, set_cols_t, set_ids_t, rows_t, lens_t = long_tensors(
+            [fill_rows, fill_ids, set_rows, set_cols, set_ids, rows, lens], dev
+        )
         # In this order: a taken row's padding, then the tokens over it (the store may have grown
         # since the rows were taken: the padding spans its width now).
         if fill_rows:
-            self.ids[long_tensor(fill_rows, dev)] = long_tensor(fill_ids, dev).unsqueeze(1)
+            self.ids[fill_rows_t] = fill_ids_t.unsqueeze(1)
         for row, start, tail in long_writes:
             self.ids[row, start : start + len(tail)] = long_tensor(tail, dev)
         if set_ids:
-            self.ids[long_tensor(set_rows, dev), long_tensor(set_cols, dev)] = long_tensor(set_ids, dev)
-        return self.ids[:, : max(lens)].index_select(0, long_tensor(rows, dev)), lens
+            self.ids[set_rows_t, set_cols_t] = set_ids_t
+        return self.ids[:, : max(lens)].index_select(0, rows_t), lens_t
 
     def _release(self, row: int, holder: Request) -> None:
         del self._row_of[id(holder)]

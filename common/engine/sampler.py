@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from common.engine.grammar import apply_token_bitmask
-from common.engine.host_tensors import float_tensor, long_tensor, to_host
+from common.engine.host_tensors import float_tensor, long_tensor, long_tensors, to_host
 from common.engine.penalties import TokenRows, apply_output_penalties, apply_repetition_penalty
 from common.engine.request import Request
 from common.engine.row_ops import argmax_rows, max_rows, topk_rows
@@ -405,7 +405,7 @@ class Sampler:
         dev = x.device
         if ban_ids:
             # The value as a tensor where ``x`` is: a Python float would go up from the host, a blocking copy.
-            x.index_put_((long_tensor(ban_rows, dev), long_tensor(ban_ids, dev)), x.new_full((), float("-inf")))
+            x.index_put_(tuple(long_tensors([ban_rows, ban_ids], dev)), x.new_full((), float("-inf")))
         if group.rep_rows is not None:
             ids = self._token_rows(dev, "all_token_ids").padded(group.rep_requests)
             apply_repetition_penalty(x, group.rep_rows, ids, group.rep_penalty)

@@ -440,6 +440,62 @@ def check_receive_ordering(report: Report, sleep_cycles: int = 200_000_000) -> N
                  "(entries that differ from the frame)", lambda: _exact(run()["wrong"]))
 
 
+def check_staging(report: Report, sleep_cycles: int = 100_000_000) -> None:
+    """The pinned ring that small uploads pass through (``common.engine.host_tensors``): behind a
+    device-side sleep (about 50 ms) that holds every copy back, a small ring (2 chunks of 4 KiB) takes
+    more uploads than it holds, so it wraps onto spans whose copies have not run yet; each upload must
+    still arrive as it was sent (the ring waits for a chunk's event before writing it again). Then the
+    host time of one small upload through the ring, beside ``Tensor.pin_memory`` and a copy, the way
+    each upload went before."""
+    from common.engine.host_tensors import _Staging, long_tensor
+
+    stream = torch.cuda.current_stream()
+    ring = _Staging(torch.device(DEVICE, torch.cuda.current_device()), stream, chunk_bytes=4096, num_chunks=2)
+    gen = torch.Generator().manual_seed(3)
+    sent = [torch.randint(0, 1 << 40, (int(n),), generator=gen) for n in torch.randint(50, 400, (24,), generator=gen)]
+    result: dict[str, float] = {}
+
+    def run() -> dict[str, float]:
+        if not result:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(sleep_cycles)
+            arrived = []
+            for t in sent:
+                up = ring.upload([t, t[:7]])
+                assert up is not None
+                arrived.append(up)
+            torch.cuda.synchronize()
+            result["wrong"] = float(sum(not (torch.equal(a.cpu(), t) and torch.equal(b.cpu(), t[:7]))
+                                        for (a, b), t in zip(arrived, sent, strict=True)))
+        return result
+
+    report.check("pinned upload ring: 24 uploads through a ring of 2 x 4 KiB behind a 50 ms sleep "
+                 "(uploads that arrived changed)", lambda: _exact(run()["wrong"]))
+    report.group = "host upload"
+    values = list(range(256))
+
+    def host_us(fn: Callable[[], Any], iters: int = 2000) -> float:
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return elapsed / iters * 1e6
+
+    def pinned_copy() -> torch.Tensor:
+        return torch.tensor(values).pin_memory().to(DEVICE, non_blocking=True)
+
+    for name, fn in (("long_tensor (through the pinned ring)", lambda: long_tensor(values, DEVICE)),
+                     ("torch.tensor, pin_memory, copy (each upload before the ring)", pinned_copy)):
+        us = host_us(fn)
+        report.timings.append({"name": f"host time: {name}", "shape": "256 int64", "median_us": us, "bytes": 0.0,
+                               "gb_per_s": None, "tflop_per_s": None, "group": report.group})
+        print(f"[time] host time: {name} [256 int64] {us:.1f} us (mean)")
+
+
 def _at_most(count: float, allowed: float) -> tuple[float, float]:
     return count, allowed
 
@@ -757,6 +813,7 @@ def main(argv: list[str] | None = None) -> int:
         ("kv movement", lambda: bench_kv(report, args, ops)),
         ("seeded race", lambda: bench_seeded_race(report, args)),
         ("kv receive ordering", lambda: check_receive_ordering(report)),
+        ("pinned upload ring", lambda: check_staging(report)),
         ("engine, CUDA graphs off and on", lambda: bench_engine_graphs(report, args)),
         ("engine, KV cache sized by its profiled step", lambda: check_kv_sizing(report, args)),
         ("nvml after", lambda: read_nvml(report, "after")),

@@ -65,6 +65,7 @@ import argparse
 import datetime
 import json
 import platform
+import re
 import resource
 import statistics
 import sys
@@ -93,7 +94,7 @@ from common.model.weights import load_hf_config
 from common.protocol import PositionLogprobs, TokenLogprob
 from common.sampling_params import SamplingParams
 from ops.bench.host_speed import cpu_ticks, describe, describe_steal, host_speed, steal_during
-from pdserve_kernels import get_kernels
+from pdserve_kernels import get_kernels, resolve_backend
 
 PHASES = ("schedule", "prepare", "forward", "sample", "outputs")
 CASES = ("greedy", "mixed", "prefill")
@@ -278,8 +279,10 @@ class NullModelRunner(ModelRunner):
         self.block_size = config.block_size
         assert config.num_blocks is not None
         self.num_blocks = config.num_blocks
-        self.kernel_backend = "torch"
-        self.kernels = get_kernels(self.device, "torch")  # copy_blocks only; no case here forks
+        # The sampler's backend, as an engine on this device resolves it (on a GPU the seeded rows' race
+        # is then one Triton kernel); the runner's own kernels: copy_blocks only, and no case here forks.
+        self.kernel_backend = resolve_backend(self.device, config.kernel_backend)
+        self.kernels = get_kernels(self.device, "torch")
         self.kv_cache = torch.empty(0, device=self.device)
         self.model = NullModel(logits, clock)  # type: ignore[assignment]
         self.init_input_batch()
@@ -607,7 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda[:N]: the engine, its logits and the sampler on that GPU")
     p.add_argument("--json", default=None, metavar="PATH",
-                   help="default: ops/bench/results/overhead-<device type>-<date>.json")
+                   help="default: ops/bench/results/overhead-<device type>-<date>[-<card>].json")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG next to the JSON")
     return p
 
@@ -651,7 +654,8 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size = int(load_hf_config(resolve_model_path(args.model)).vocab_size)
         gen = torch.Generator().manual_seed(args.seed)
         logits = (torch.randn(max(batch_sizes), vocab_size, generator=gen) * args.logit_std).to(device)
-        card = f" ({torch.cuda.get_device_name(device)}, torch {torch.version.cuda} CUDA)" if device.type == "cuda" else ""
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        card = f" ({name}, CUDA {torch.version.cuda})" if name else ""
         report: dict[str, Any] = {
             "date": datetime.date.today().isoformat(),
             "command": " ".join(["pdserve bench overhead", *(argv if argv is not None else sys.argv[1:])]),
@@ -687,7 +691,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         torch.set_num_threads(threads)
     print(format_report(report))
-    path = Path(args.json) if args.json else RESULTS_DIR / f"overhead-{device.type}-{report['date']}.json"
+    slug = "".join(f"-{word}" for word in re.findall(r"[A-Za-z0-9]+", name))  # the card, on a GPU
+    path = Path(args.json) if args.json else RESULTS_DIR / f"overhead-{device.type}-{report['date']}{slug}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     if not args.no_plot and write_plot(report, path.with_suffix(".png")):
         report["plot"] = str(path.with_suffix(".png").name)

@@ -118,3 +118,14 @@ def test_overlap_runs_each_case_synchronously_and_async_beside_a_simulated_devic
         assert 0 < r["device_busy"] <= 1, key
     table = capsys.readouterr().out
     assert f"{'greedy':<8}{4:>6}{15:>11}" in table and "x" in table.splitlines()[3]
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda", "--device cuda: no CUDA device is available"),
+    ("mps", "--device mps: cpu or cuda[:N]"),
+])
+def test_a_device_that_is_not_there_or_not_supported_is_refused_by_name(device: str, message: str) -> None:
+    if device == "cuda" and overhead.torch.cuda.is_available():
+        pytest.skip("a GPU is here: --device cuda runs")
+    with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("]", r"\]")):
+        overhead.main(["--device", device, "--batch-sizes", "1", "--num-steps", "1", "--no-plot"])

@@ -44,16 +44,20 @@ def _mix64(z):
 
 
 @triton.jit
-def _seeded_race_kernel(probs_ptr, stride_row, keys_ptr, out_ptr, part_best_ptr, part_ids_ptr, part_nans_ptr,
-                        vocab, span, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+def _seeded_race_kernel(probs_ptr, stride_row, keys_ptr, pos_ptr, out_ptr, part_best_ptr, part_ids_ptr,
+                        part_nans_ptr, vocab, span, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+                        HAS_POS: tl.constexpr):
     """The race over ids ``[split * span, (split + 1) * span)`` of one row. ``SPLIT`` false: the whole
     row, its token written to ``out``; true: the range's largest score, its first id and its first NaN
-    id, for ``_race_reduce_kernel``."""
+    id, for ``_race_reduce_kernel``. ``HAS_POS``: ``keys`` are seeds' keys, and the draw's key is that of
+    the row's position (``keys_at``)."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     lo = split * span
     hi = tl.minimum(lo + span, vocab)
     key = tl.load(keys_ptr + row).to(tl.uint64, bitcast=True)
+    if HAS_POS:
+        key = _mix64(key + tl.load(pos_ptr + row).to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15)
     lanes = tl.arange(0, BLOCK)
     # Per lane: the largest score seen (-inf before any), its first token id (0 while none beats -inf,
     # as ``argmax`` of a row of -inf gives), and the first token id whose score was NaN (``vocab``: none).
@@ -117,12 +121,14 @@ def choose_num_splits(num_rows: int, vocab: int, block: int, sm_count: int) -> i
     return max(1, min(triton.cdiv(2 * sm_count, num_rows), triton.cdiv(vocab, block), MAX_SPLITS))
 
 
-def seeded_race(probs: Tensor, keys: Tensor, num_splits: int | None = None) -> Tensor:
+def seeded_race(probs: Tensor, keys: Tensor, num_splits: int | None = None, positions: Tensor | None = None) -> Tensor:
     """Per row of ``probs`` (float32 ``[rows, vocab]``, unit stride along the vocabulary), the index of
     ``argmax(probs[i] / exponentials(keys[i], token ids))``: the first largest score, or the first
     NaN where a score is one, as ``argmax`` ranks them. ``keys``: int64 ``[rows]``, the draws' keys
-    (``common.engine.seeded_draws.keys_at``). Reads ``probs`` only. ``num_splits``: ranges per row
-    (default: ``choose_num_splits``); with more than one, a second kernel picks among the ranges."""
+    (``common.engine.seeded_draws.keys_at``); with ``positions`` (int64 ``[rows]``), the seeds' keys
+    (``seed_keys``), and each draw's key is ``keys_at(keys, positions)``, derived in the kernel. Reads
+    ``probs`` only. ``num_splits``: ranges per row (default: ``choose_num_splits``); with more than one,
+    a second kernel picks among the ranges."""
     unit_stride = probs.dim() == 2 and (probs.shape[1] <= 1 or probs.stride(1) == 1)
     assert unit_stride and probs.dtype == torch.float32, (
         f"probs must be a float32 [rows, vocab] tensor with unit stride along the vocabulary; "
@@ -131,6 +137,10 @@ def seeded_race(probs: Tensor, keys: Tensor, num_splits: int | None = None) -> T
     num_rows, vocab = probs.shape
     check_index("keys", keys, num_rows, probs.device)
     assert keys.dtype == torch.int64, f"keys must be int64, got {keys.dtype}"
+    if positions is not None:
+        check_index("positions", positions, num_rows, probs.device)
+        assert positions.dtype == torch.int64, f"positions must be int64, got {positions.dtype}"
+    pos = keys if positions is None else positions  # read only with positions
     out = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
     if not num_rows:
         return out
@@ -142,14 +152,14 @@ def seeded_race(probs: Tensor, keys: Tensor, num_splits: int | None = None) -> T
     span = triton.cdiv(triton.cdiv(vocab, max(1, min(num_splits, MAX_SPLITS))), block) * block  # whole blocks
     num_splits = triton.cdiv(vocab, span)  # no empty range
     if num_splits == 1:
-        _seeded_race_kernel[(num_rows, 1)](probs, probs.stride(0), keys, out, out, out, out, vocab, span,
-                                           BLOCK=block, SPLIT=False)
+        _seeded_race_kernel[(num_rows, 1)](probs, probs.stride(0), keys, pos, out, out, out, out, vocab, span,
+                                           BLOCK=block, SPLIT=False, HAS_POS=positions is not None)
         return out
     best = torch.empty(num_rows, num_splits, dtype=torch.float32, device=probs.device)
     ids = torch.empty(num_rows, num_splits, dtype=torch.int32, device=probs.device)
     nans = torch.empty_like(ids)
-    _seeded_race_kernel[(num_rows, num_splits)](probs, probs.stride(0), keys, out, best, ids, nans, vocab, span,
-                                                BLOCK=block, SPLIT=True)
+    _seeded_race_kernel[(num_rows, num_splits)](probs, probs.stride(0), keys, pos, out, best, ids, nans, vocab,
+                                                span, BLOCK=block, SPLIT=True, HAS_POS=positions is not None)
     _race_reduce_kernel[(num_rows,)](out, best, ids, nans, vocab, num_splits, SPLITS_PAD=MAX_SPLITS)
     return out
 

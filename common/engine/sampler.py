@@ -26,7 +26,10 @@ A seeded row draws its token by the exponential race over counter-based noise
 probabilities, whatever shares the batch and wherever the request runs.
 Unseeded rows share one batched draw from the sampler's own generator: one uniform per row,
 inverted through the row's cumulative distribution (a pass over the row, where the race costs a
-logarithm per entry).
+logarithm per entry). With the Triton backend (on a GPU) every sampled row races instead, in one
+launch of the race's kernel, which derives each seeded row's key from its seed and position and takes
+the others' keys from the generator: one kernel where the inverse CDF, the seeded rows' keys and the
+indexing between them were about 40 operations, each a launch the host pays for.
 
 Logprobs are those of the model's raw distribution (before logit bias, grammar, penalties and
 temperature), as vLLM reports them by default.
@@ -34,6 +37,7 @@ temperature), as vLLM reports them by default.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass
@@ -44,7 +48,7 @@ import torch
 from torch import Tensor
 
 from common.engine.grammar import apply_token_bitmask
-from common.engine.host_tensors import float_tensor, long_tensor, long_tensors, to_host
+from common.engine.host_tensors import bool_tensor, float_tensor, long_tensor, long_tensors, to_host
 from common.engine.penalties import TokenRows, apply_output_penalties, apply_repetition_penalty
 from common.engine.request import Request
 from common.engine.row_ops import argmax_rows, max_rows, topk_rows
@@ -168,19 +172,43 @@ class _Group:
         self.min_p_index = _index(min_p, len(rows), device)
         self.min_p = min_p
         self.min_p_values = float_tensor([params[i].min_p for i in min_p], device).unsqueeze(1)
+        self.vocab, self.device = vocab, device
+        self.unseeded = [i for i, r in enumerate(reqs) if r.draw_seed is None]
+        self._race_keys: tuple[Tensor | None, Tensor | None] | None = None
+
+    # The draws' index and key tensors are built on first use: a sampler whose rows all race in the
+    # kernel (``Sampler._race_all``) needs none of them.
+    @functools.cached_property
+    def races(self) -> list[_Race]:
+        """The seeded rows' races (``exponential_race``). On the CPU, over a vocabulary's rows, the rows
+        that no top-k, top-p or min-p thins out race apart, over their whole rows at once."""
+        reqs, params, vocab, device = self.requests, [r.sampling_params for r in self.requests], self.vocab, self.device
         seeded = [i for i, r in enumerate(reqs) if r.draw_seed is not None]
-        # The seeded rows' races (``exponential_race``). On the CPU, over a vocabulary's rows, the rows that
-        # no top-k, top-p or min-p thins out race apart, over their whole rows at once.
         thins = [0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
         thinned = [i for i in seeded if thins[i]]
         whole = [i for i in seeded if not thins[i]]
         split = device.type == "cpu" and vocab >= WHOLE_ROW_RACE_MIN_VOCAB
         parts = [(whole, True), (thinned, False)] if split else [(seeded, not thinned)]
-        self.races = [_Race(_index(part, len(rows), device), [reqs[i] for i in part],
-                            seed_keys([reqs[i].draw_seed or 0 for i in part], device), whole_rows)
-                      for part, whole_rows in parts if part]
-        unseeded = [i for i, r in enumerate(reqs) if r.draw_seed is None]
-        self.unseeded, self.unseeded_index = unseeded, _index(unseeded, len(rows), device)
+        return [_Race(_index(part, len(reqs), device), [reqs[i] for i in part],
+                      seed_keys([reqs[i].draw_seed or 0 for i in part], device), whole_rows)
+                for part, whole_rows in parts if part]
+
+    @functools.cached_property
+    def unseeded_index(self) -> Tensor | None:
+        return _index(self.unseeded, len(self.requests), self.device)
+
+    def race_keys(self, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
+        """For one race over every row (``Sampler._race_all``): each row's seed key (0 for an unseeded
+        one), None without seeded rows; and which rows are seeded, None unless some are and some not.
+        Built once, on first use."""
+        if self._race_keys is None:
+            seeds = [r.draw_seed for r in self.requests]
+            seeded = [s is not None for s in seeds]
+            self._race_keys = (
+                seed_keys([s or 0 for s in seeds], device) if any(seeded) else None,
+                bool_tensor(seeded, device) if any(seeded) and not all(seeded) else None,
+            )
+        return self._race_keys
 
     def _output_penalties(self, rows: list[int], device: torch.device) -> tuple[Tensor, list[Request], Tensor, Tensor]:
         params = [self.requests[i].sampling_params for i in rows]
@@ -447,18 +475,37 @@ class Sampler:
             sub = _take(probs, group.min_p_index)
             sub.masked_fill_(sub < group.min_p_values * sub.amax(dim=-1, keepdim=True), 0.0)
             _put(probs, group.min_p_index, sub)
+        if self._race_kernel(dev):
+            return self._race_all(probs, group)
         token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)
         for race in group.races:
             positions = long_tensor([len(r.output_token_ids) for r in race.requests], dev)
             keys = keys_at(race.seed_keys, positions)
             # ``exponential_race`` writes into its rows: their own copy, or ``probs`` itself when every row is
             # in this race (then no other row reads it after).
-            ids = exponential_race(_take(probs, race.rows), keys, race.whole_rows, self._race_kernel(dev))
+            ids = exponential_race(_take(probs, race.rows), keys, race.whole_rows)
             _put(token_ids, race.rows, ids)
         if group.unseeded:
             _put(token_ids, group.unseeded_index,
                  _inverse_cdf(_take(probs, group.unseeded_index), self._generator(dev)))
         return token_ids
+
+    def _race_all(self, probs: Tensor, group: _Group) -> Tensor:
+        """Every row's draw in one launch of the race's kernel (``triton_sampling.seeded_race``): a seeded
+        row with its draw's key (``keys_at`` of its seed and position, derived in the kernel), the others
+        with keys drawn from the generator. The exponential race samples a row's distribution exactly
+        whatever its key, as the inverse CDF does on the CPU; here it is one kernel, where the inverse
+        CDF and the seeded rows' keys and indexing were two dozen operations, each a launch."""
+        from pdserve_kernels.triton_sampling import seeded_race  # Triton, imported only where it runs
+
+        dev = probs.device
+        keys, seeded = group.race_keys(dev)
+        if group.unseeded:
+            drawn = torch.empty(probs.shape[0], dtype=torch.long, device=dev).random_(generator=self._generator(dev))
+            keys = drawn if keys is None or seeded is None else torch.where(seeded, keys, drawn)
+        assert keys is not None
+        positions = long_tensor([len(r.output_token_ids) for r in group.requests], dev)
+        return seeded_race(probs, keys, positions=positions)
 
     def warm_up(self, device: torch.device, vocab: int) -> None:
         """Compile now what draws would compile (the race's kernel, where it runs: whole rows, and rows in
@@ -467,9 +514,9 @@ class Sampler:
         if self._race_kernel(device):
             from pdserve_kernels.triton_sampling import seeded_race
 
-            keys = keys_at(seed_keys([0], device), long_tensor([0], device))
+            keys, positions = seed_keys([0], device), long_tensor([0], device)
             for num_splits in (1, None):  # a single row is cut into ranges by default
-                seeded_race(torch.zeros(1, vocab, device=device), keys, num_splits)
+                seeded_race(torch.zeros(1, vocab, device=device), keys, num_splits, positions=positions)
 
     def _race_kernel(self, device: torch.device) -> bool:
         fused = self._race_kernels.get(device)

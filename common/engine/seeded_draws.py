@@ -74,12 +74,12 @@ def exponentials(keys: Tensor, token_ids: Tensor) -> Tensor:
     return u.neg_().log1p_().neg_().float().clamp_(min=NOISE_MIN)
 
 
-def exponential_race(sub: Tensor, keys: Tensor, whole_rows: bool = False, kernel: bool = False) -> Tensor:
+def exponential_race(sub: Tensor, keys: Tensor, whole_rows: bool = False) -> Tensor:
     """For each row of ``sub``, ``argmax(sub[i] / E)`` with ``E`` its draw's noise (``exponentials`` of
-    ``keys[i]``); ties go to the lowest token id, as ``argmax``'s. Writes into ``sub`` (not with ``kernel``).
+    ``keys[i]``); ties go to the lowest token id, as ``argmax``'s. Writes into ``sub``. (With the Triton
+    backend the sampler races in one kernel instead, ``triton_sampling.seeded_race``: the same tokens.)
 
-    With ``kernel`` (the Triton backend) it is one kernel over the rows (``triton_sampling``). Else on
-    a GPU the noise is computed for whole rows in one batch, and so on the CPU for ``whole_rows``
+    On a GPU the noise is computed for whole rows in one batch, and so on the CPU for ``whole_rows``
     (rows that no filter thinned out: nearly every entry positive). Otherwise on the CPU the
     logarithms are most of a draw's cost and a token of probability zero cannot win, so they are
     taken only over the entries of positive probability (top-k, top-p and min-p leave a few hundred
@@ -89,10 +89,6 @@ def exponential_race(sub: Tensor, keys: Tensor, whole_rows: bool = False, kernel
     score is zero either way.
     """
     num_rows, vocab = sub.shape
-    if kernel:
-        from pdserve_kernels.triton_sampling import seeded_race  # Triton, imported only where it runs
-
-        return seeded_race(sub, keys)
     if sub.device.type != "cpu" or whole_rows:
         noise = exponentials(keys.unsqueeze(1), torch.arange(vocab, device=sub.device).unsqueeze(0))
         return argmax_rows(sub.div_(noise))

@@ -621,11 +621,14 @@ def test_top_p_keeps_a_row_of_nans_whole_and_runs_rows_past_two_windows():
 CHI2_CRITICAL_0_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
 
 
-def test_batched_draws_follow_the_per_row_reference_distribution_chi_square():
-    """20,000 rows of one small distribution, four parameter sets, each unseeded (one batched draw) and
-    seeded (a seed per row, the exponential race), interleaved in one batch: each group's counts against
-    the reference's filtered probabilities (chi-square goodness of fit at the 0.1% level), and no token
-    the reference filters out is ever drawn."""
+@pytest.mark.parametrize("kernel_backend, num_rows", [("torch", 20_000), ("triton", 2_400)])
+def test_batched_draws_follow_the_per_row_reference_distribution_chi_square(kernel_backend, num_rows):
+    """``num_rows`` rows of one small distribution, four parameter sets, each unseeded and seeded (a seed
+    per row), interleaved in one batch: each group's counts against the reference's filtered
+    probabilities (chi-square goodness of fit at the 0.1% level), and no token the reference filters out
+    is ever drawn. With the torch backend the unseeded rows draw by the inverse CDF and the seeded ones
+    race; with Triton's (under its interpreter here) every row races in the kernel, the unseeded ones
+    with keys from the generator."""
     probs = torch.tensor([0.30, 0.20, 0.15, 0.12, 0.10, 0.08, 0.04, 0.01])
     perm = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])
     logits = torch.empty(8).index_copy_(0, perm, probs.log())
@@ -636,12 +639,12 @@ def test_batched_draws_follow_the_per_row_reference_distribution_chi_square():
         SamplingParams(temperature=0.5, min_p=0.05),
     ]
     groups = [*kinds, *(replace(k, seed=0) for k in kinds)]
-    num_rows = 20_000
     requests = []
     for row in range(num_rows):
         params = groups[row % len(groups)]
         requests.append(_request(params if params.seed is None else replace(params, seed=row)))
-    tokens = Sampler(set(), seed=11)(logits.expand(num_rows, -1).contiguous(), requests).token_ids
+    sampler = Sampler(set(), seed=11, kernel_backend=kernel_backend)
+    tokens = sampler(logits.expand(num_rows, -1).contiguous(), requests).token_ids
     num_draws = num_rows // len(groups)
     for g, params in enumerate(groups):
         _, target = _reference_row(logits, _request(params), set(), draw=False)

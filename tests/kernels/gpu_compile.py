@@ -122,6 +122,11 @@ def record_launches() -> list[Launch]:
         triton_sampling.seeded_race(torch.empty(4, 128256), torch.zeros(4, dtype=torch.long), num_splits=1)
         scenario[0] = "seeded race, 128k vocabulary, rows in ranges"
         triton_sampling.seeded_race(torch.empty(4, 128256), torch.zeros(4, dtype=torch.long), num_splits=33)
+        zeros = torch.zeros(4, dtype=torch.long)
+        scenario[0] = "seeded race with positions (the sampler's), whole rows"
+        triton_sampling.seeded_race(torch.empty(4, 128256), zeros, num_splits=1, positions=zeros)
+        scenario[0] = "seeded race with positions (the sampler's), rows in ranges"
+        triton_sampling.seeded_race(torch.empty(4, 128256), zeros, num_splits=33, positions=zeros)
     return launches
 
 

@@ -153,9 +153,10 @@ def test_a_sampler_on_the_triton_backend_races_in_the_kernel_and_draws_the_same_
     calls: list[int] = []
     real = seeded_race
 
-    def spy(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def spy(probs: torch.Tensor, keys: torch.Tensor, num_splits: int | None = None,
+            positions: torch.Tensor | None = None) -> torch.Tensor:
         calls.append(probs.shape[0])
-        return real(probs, keys)
+        return real(probs, keys, num_splits, positions)
 
     import pdserve_kernels.triton_sampling as triton_sampling
 
@@ -163,7 +164,7 @@ def test_a_sampler_on_the_triton_backend_races_in_the_kernel_and_draws_the_same_
     torch_ids = Sampler(set(), seed=1, kernel_backend="torch")(logits, requests()).token_ids
     assert calls == []
     triton_ids = Sampler(set(), seed=1, kernel_backend="triton")(logits, requests()).token_ids
-    assert sum(calls) == 8, "every seeded row (4 of each 6) races in the kernel"
+    assert calls == [10], "every sampled row (5 of each 6, seeded or not) races in one launch of the kernel"
     seeded = [i for i in range(12) if params[i % len(params)].seed is not None]
     assert [triton_ids[i] for i in seeded] == [torch_ids[i] for i in seeded]
 
@@ -176,17 +177,19 @@ def test_warming_up_runs_the_kernel_only_where_it_serves_the_race(monkeypatch) -
 
     calls: list[tuple[int, ...]] = []
 
-    def spy(probs: torch.Tensor, keys: torch.Tensor, num_splits: int | None = None) -> torch.Tensor:
-        calls.append((*probs.shape, num_splits))
-        return seeded_race(probs, keys, num_splits)
+    def spy(probs: torch.Tensor, keys: torch.Tensor, num_splits: int | None = None,
+            positions: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append((*probs.shape, num_splits, positions is not None))
+        return seeded_race(probs, keys, num_splits, positions)
 
     monkeypatch.setattr(triton_sampling, "seeded_race", spy)
     Sampler(set(), kernel_backend="torch").warm_up(torch.device("cpu"), 5000)
     assert calls == []
     Sampler(set(), kernel_backend="triton").warm_up(torch.device("cpu"), 5000)
-    assert calls == [(1, 5000, 1), (1, 5000, None)]  # whole rows, and in ranges (5 here)
+    assert calls == [(1, 5000, 1, True), (1, 5000, None, True)]  # whole rows, and in ranges (5 here)
 
-    def broken(probs: torch.Tensor, keys: torch.Tensor, num_splits: int | None = None) -> torch.Tensor:
+    def broken(probs: torch.Tensor, keys: torch.Tensor, num_splits: int | None = None,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
         raise RuntimeError("ptxas failed")
 
     monkeypatch.setattr(triton_sampling, "seeded_race", broken)
@@ -205,3 +208,20 @@ def test_more_ranges_than_the_reduce_takes_are_capped_so_no_range_is_left_out() 
     probs[0, -1] = probs[1, -MAX_BLOCK - 3] = 1.0
     keys = _keys(2)
     assert seeded_race(probs, keys, MAX_SPLITS + 36).tolist() == [vocab - 1, vocab - MAX_BLOCK - 3]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_given_positions_the_kernel_derives_each_draws_key_as_keys_at_does(num_splits: int) -> None:
+    """Seeds' keys and positions in, the kernel draws what it draws from ``keys_at`` of them: the
+    sampler hands it every row's seed key and position, not the keys (a dozen operations fewer)."""
+    from common.engine.seeded_draws import keys_at, seed_keys
+
+    vocab = 700
+    probs = torch.softmax(torch.randn(9, vocab, generator=torch.Generator().manual_seed(2)), dim=-1)
+    seeds = seed_keys([3, -1, 2**64 - 5, 0, 7, 7, 11, 2**40, 5])
+    positions = torch.tensor([0, 1, 2, 2**31, 9, 10, 0, 3, 2**62])
+    expected = seeded_race(probs, keys_at(seeds, positions), num_splits)
+    assert seeded_race(probs, seeds, num_splits, positions=positions).tolist() == expected.tolist()
+    assert expected.tolist() == _reference(probs, keys_at(seeds, positions)).tolist()
+    with pytest.raises(AssertionError, match="positions"):
+        seeded_race(probs, seeds, positions=positions[:3])

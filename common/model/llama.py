@@ -81,11 +81,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The positions' cos and sin in ``dtype``, ``[num_tokens, 1, head_size]``: once per forward, for
+        every layer (per layer they were four more kernel launches each)."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         # q: [num_tokens, num_heads, head_size]
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return apply_rope(q, k, self.cos_sin(positions, q.dtype))
+
+
+def apply_rope(q: Tensor, k: Tensor, cos_sin: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """``q`` and ``k`` rotated as transformers rotates them, by ``RotaryEmbedding.cos_sin``'s tables."""
+    cos, sin = cos_sin
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -115,16 +124,15 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.kernels = kernels
 
-    def forward(
-        self, x: Tensor, positions: Tensor, rope: RotaryEmbedding, meta: AttentionMetadata, kv_layer: Tensor
-    ) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, kv_layer: Tensor) -> Tensor:
+        """``rope``: the step's cos and sin (``RotaryEmbedding.cos_sin``)."""
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_size)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_size)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_size)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = apply_rope(q, k, rope)
         self.kernels.store_kv(k, v, kv_layer, meta.slot_mapping)
         if meta.decode_only:
             o = self.kernels.paged_decode_attention(
@@ -171,10 +179,8 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(size, eps, gemma)
             self.post_feedforward_layernorm = RMSNorm(size, eps, gemma)
 
-    def forward(
-        self, x: Tensor, positions: Tensor, rope: RotaryEmbedding, meta: AttentionMetadata, kv_layer: Tensor
-    ) -> Tensor:
-        attn = self.self_attn(self.input_layernorm(x), positions, rope, meta, kv_layer)
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, kv_layer: Tensor) -> Tensor:
+        attn = self.self_attn(self.input_layernorm(x), rope, meta, kv_layer)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             x = x + attn
             return x + self.mlp(self.post_attention_layernorm(x))
@@ -220,8 +226,9 @@ class LlamaForCausalLM(nn.Module):
             # Rounded on the host and passed as a number: a device tensor made here would be a copy to
             # the device, which a CUDA graph capture cannot hold.
             x = x * float(torch.tensor(self.arch.embed_scale, dtype=x.dtype))
+        rope = self.rotary_emb.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self.rotary_emb, meta, kv_cache[i])
+            x = layer(x, rope, meta, kv_cache[i])
         return self.model.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -78,6 +78,8 @@ def to_device_all(tensors: Sequence[Tensor], device: torch.device | str) -> list
         device = torch.device(device)
     if device.type == "cpu":
         return list(tensors)
+    if device.type != "cuda":  # the ring's events and streams are CUDA's
+        return [t.to(device) for t in tensors]
     if device.index is None:
         device = torch.device(device.type, torch.cuda.current_device())
     stream = torch.cuda.current_stream(device)

@@ -271,9 +271,10 @@ class ModelRunner:
         if replay:
             assert graphs is not None
             # Its hidden rows are the real rows only, all a step with one token per sequence needs.
-            hidden = graphs.run(dataclasses.replace(inputs, input_ids=input_ids, positions=on_device[1],
-                                        slot_mapping=on_device[2], context_lens=on_device[3],
-                                        block_tables=on_device[4]))
+            hidden = graphs.run(dataclasses.replace(
+                inputs, input_ids=input_ids, positions=on_device[1], slot_mapping=on_device[2],
+                context_lens=on_device[3], block_tables=on_device[4],
+            ))
         else:
             meta = AttentionMetadata(slot_mapping=on_device[2], block_tables=on_device[4],
                                      query_start_loc=on_device[5], context_lens=on_device[3],

@@ -197,7 +197,7 @@ class _Group:
     def unseeded_index(self) -> Tensor | None:
         return _index(self.unseeded, len(self.requests), self.device)
 
-    def race_keys(self, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
+    def race_keys(self) -> tuple[Tensor | None, Tensor | None]:
         """For one race over every row (``Sampler._race_all``): each row's seed key (0 for an unseeded
         one), None without seeded rows; and which rows are seeded, None unless some are and some not.
         Built once, on first use."""
@@ -205,8 +205,8 @@ class _Group:
             seeds = [r.draw_seed for r in self.requests]
             seeded = [s is not None for s in seeds]
             self._race_keys = (
-                seed_keys([s or 0 for s in seeds], device) if any(seeded) else None,
-                bool_tensor(seeded, device) if any(seeded) and not all(seeded) else None,
+                seed_keys([s or 0 for s in seeds], self.device) if any(seeded) else None,
+                bool_tensor(seeded, self.device) if any(seeded) and not all(seeded) else None,
             )
         return self._race_keys
 
@@ -495,11 +495,11 @@ class Sampler:
         row with its draw's key (``keys_at`` of its seed and position, derived in the kernel), the others
         with keys drawn from the generator. The exponential race samples a row's distribution exactly
         whatever its key, as the inverse CDF does on the CPU; here it is one kernel, where the inverse
-        CDF and the seeded rows' keys and indexing were two dozen operations, each a launch."""
+        CDF, the seeded rows' keys and the indexing between them were about 40 operations, each a launch."""
         from pdserve_kernels.triton_sampling import seeded_race  # Triton, imported only where it runs
 
         dev = probs.device
-        keys, seeded = group.race_keys(dev)
+        keys, seeded = group.race_keys()
         if group.unseeded:
             drawn = torch.empty(probs.shape[0], dtype=torch.long, device=dev).random_(generator=self._generator(dev))
             keys = drawn if keys is None or seeded is None else torch.where(seeded, keys, drawn)

@@ -641,7 +641,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--host-vocab is 0 (skip) or at least 128 (top-k 100 needs that many logits)")
     if args.glibc_defaults and not keep_malloc_defaults():
         raise SystemExit("--glibc-defaults: this process has already set malloc's thresholds")
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise SystemExit(f"--device {args.device}: cpu or cuda[:N]") from None
     if device.type not in ("cpu", "cuda"):
         raise SystemExit(f"--device {args.device}: cpu or cuda[:N]")
     if device.type == "cuda":

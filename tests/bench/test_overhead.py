@@ -123,6 +123,7 @@ def test_overlap_runs_each_case_synchronously_and_async_beside_a_simulated_devic
 @pytest.mark.parametrize("device, message", [
     ("cuda", "--device cuda: no CUDA device is available"),
     ("mps", "--device mps: cpu or cuda[:N]"),
+    ("gpu0", "--device gpu0: cpu or cuda[:N]"),
 ])
 def test_a_device_that_is_not_there_or_not_supported_is_refused_by_name(device: str, message: str) -> None:
     if device == "cuda" and overhead.torch.cuda.is_available():

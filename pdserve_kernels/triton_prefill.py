@@ -37,6 +37,9 @@ from pdserve_kernels.triton_common import (
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # query rows (tokens x heads of a group) per program
+# Sequences a program reads at a time to find its own (a loop over the step's sequences, so that the
+# kernel is built once, not once per power of two of them inside the steps that first need each).
+SEQ_CHUNK = 128
 DEFAULT_BLOCK_N = 64
 
 
@@ -53,17 +56,22 @@ def _prefill_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEQ_PAD: tl.constexpr, WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
+    SEQ_CHUNK: tl.constexpr, WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
 
-    offs_seq = tl.arange(0, SEQ_PAD)
-    seq_mask = offs_seq < num_seqs
-    starts = tl.load(query_start_loc_ptr + offs_seq, mask=seq_mask, other=0).to(tl.int32)
-    first_tile = starts // BLOCK_Q + offs_seq
+    # The program's sequence: the last whose first tile is at or before it, counted over the sequences
+    # ``SEQ_CHUNK`` at a time (one build whatever the step's sequence count).
+    below = tl.zeros([SEQ_CHUNK], dtype=tl.int32)
+    for seq0 in range(0, num_seqs, SEQ_CHUNK):
+        offs_seq = seq0 + tl.arange(0, SEQ_CHUNK)
+        seq_mask = offs_seq < num_seqs
+        starts = tl.load(query_start_loc_ptr + offs_seq, mask=seq_mask, other=0).to(tl.int32)
+        first_tile = starts // BLOCK_Q + offs_seq
+        below += ((first_tile <= pid) & seq_mask).to(tl.int32)
     # Clamped for programs below sequence 0's first tile (possible if query_start_loc[0] > 0).
-    seq = tl.maximum(tl.sum(((first_tile <= pid) & seq_mask).to(tl.int32), axis=0) - 1, 0)
+    seq = tl.maximum(tl.sum(below, axis=0) - 1, 0)
 
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
     q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
@@ -165,7 +173,7 @@ def run_paged_prefill(
     consts = dict(
         GROUP=group, G_PAD=g_pad, HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size),
         BLOCK_SIZE=kv_layer.shape[2], BLOCK_Q=block_q,
-        SEQ_PAD=max(16, triton.next_power_of_2(num_seqs)),  # few sizes, few compiled variants
+        SEQ_CHUNK=SEQ_CHUNK,
         SOFT_CAP=scores["SOFT_CAP"],
         **dot_constexprs(kv_layer.dtype, query.device),
         **launch_options(num_warps, num_stages),

@@ -226,6 +226,22 @@ def test_paged_prefill_matches_reference_on_varlen_chunks(
     assert torch.equal(kv_layer, before)
 
 
+def test_prefill_finds_each_programs_sequence_past_one_chunk_of_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A program finds its sequence over the step's sequences ``SEQ_CHUNK`` at a time: with 16 to a
+    chunk, 37 sequences (ragged, one of them empty) take three passes, and every token still attends
+    to its own sequence's cache."""
+    monkeypatch.setattr(triton_prefill, "SEQ_CHUNK", 16)
+    q_lens = [(i * 7) % 5 for i in range(37)]
+    context_lens = [q + (i % 4) * 3 + 1 for i, q in enumerate(q_lens)]
+    kv_layer, block_tables = paged_cache(context_lens, 16, 1, 64, F32, seed=11)
+    query = random_query(sum(q_lens), 2, 64, F32, seed=12)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    out = triton_prefill.run_paged_prefill(query, kv_layer, block_tables, starts, lens, 0.125, block_n=16)
+    assert_matches_reference(out, reference.paged_prefill_attention, (query, kv_layer, block_tables, starts, lens, 0.125),
+                             F32)
+
+
 def test_public_prefill_allocates_output_in_query_dtype() -> None:
     kv_layer, block_tables = paged_cache([20, 33], 16, 1, 64, F32, seed=7)
     query = random_query(12, 3, 64, F32, seed=7)

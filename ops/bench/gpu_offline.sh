@@ -10,7 +10,8 @@
 #   on the GPU host:                     bash ops/bench/gpu_offline.sh run .gpu-wheels OUT_DIR [gpu_kernels flags]
 #       installs those wheels into a temporary folder, prints the versions it runs with, then runs
 #       `pdserve bench overhead --device cuda` (the engine's step with a null forward, its sampler on the
-#       GPU, over the default model's vocabulary; GPU_OVERHEAD_TIMEOUT_S, default 120 s; 0 skips it) and
+#       GPU, over the default model's vocabulary, each decode case profiled operation by operation;
+#       GPU_OVERHEAD_TIMEOUT_S, default 120 s; 0 skips it) and
 #       the check (GPU_CHECK_TIMEOUT_S, default 420 s), each under its time limit. Their reports (the
 #       check's saved after every section, so a run cut short keeps what it measured) and the whole log
 #       land in OUT_DIR. The engine sections run on the default model where its package is installed,
@@ -64,7 +65,7 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "triton", tr
 LlamaConfig(**STAND_IN_DIMS, tie_word_embeddings=False).save_pretrained(sys.argv[1])' "$site/config-only" &&
         timeout --signal=TERM --kill-after=20 "${GPU_OVERHEAD_TIMEOUT_S:-120}" \
           "$python" -m ops.bench.overhead --device cuda --model "$site/config-only" --samplers batched \
-          --batch-sizes 1,64,256,512 --json "$out/overhead-cuda.json"
+          --batch-sizes 1,64,256,512 --profile-steps 10 --json "$out/overhead-cuda.json"
         echo "[overhead] exit status $?"
       fi
       timeout --signal=TERM --kill-after=20 "${GPU_CHECK_TIMEOUT_S:-420}" \

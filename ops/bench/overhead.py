@@ -344,7 +344,8 @@ def run_case(
     """Build an engine with a null forward, bring it to the measured state, time ``--num-steps`` steps."""
     prompt_len, num_steps, warmup = args.prompt_len, args.num_steps, args.warmup
     vocab = int(logits.shape[1])
-    max_tokens = 1 if case == "prefill" else warmup + num_steps + 2
+    profile_steps = args.profile_steps if case != "prefill" else 0
+    max_tokens = 1 if case == "prefill" else warmup + num_steps + 2 + profile_steps
     clock = PhaseClock(CLOCKS[args.clock])
     engine = null_engine(args, batch_size, max_tokens, logits, clock, device=args.device)
     runner = engine.runner
@@ -404,13 +405,44 @@ def run_case(
     with counter:
         engine.step()
     engine.sampler.sample = untimed  # type: ignore[method-assign]
+    profile = profile_ops(engine, profile_steps) if profile_steps else None
     return {
+        **({"profile": profile} if profile is not None else {}),
         "case": case, "batch_size": batch_size, "sampler": sampler_kind, "vocab": vocab, "num_steps": num_steps,
         "phases_ms": {name: _summary([s[name] for s in steps]) for name in (*PHASES, "total")},
         "torch_ops": {"step": sum(counter.counts.values()), "sample": counter.counts.get("sample", 0)},
         "minor_faults_per_step": faults / num_steps,
         **({"admit_us_per_request": statistics.median(admits[warmup:]) * 1e6} if admits else {}),
     }
+
+
+# Operations a profile keeps, by host time.
+PROFILE_TOP = 25
+
+
+def profile_ops(engine: LLMEngine, num_steps: int) -> list[dict[str, Any]]:
+    """``num_steps`` more decode steps under torch's profiler (and CUDA's activity, on a GPU): per
+    operation and per step, its calls, its own host time (µs) and, on a GPU, its own device time; the
+    ``PROFILE_TOP`` with the most host time. Where a step's host time goes, operation by operation: on
+    a GPU most of it is launches (``cudaLaunchKernel`` is a row of its own)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        for _ in range(num_steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0))
+        rows.append({"name": event.key, "calls": event.count / num_steps,
+                     "self_host_us": event.self_cpu_time_total / num_steps, "self_device_us": device_us / num_steps})
+    rows.sort(key=lambda r: -r["self_host_us"])
+    return rows[:PROFILE_TOP]
 
 
 def minor_faults() -> int:
@@ -480,6 +512,11 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [f"admission, prefill batch {r['batch_size']} ({r['vocab']} vocab): add_request (validation, block "
               f"hashes, queueing; between steps, not in them) {r['admit_us_per_request']:.1f} us per request of "
               f"{report['config']['prompt_len']} tokens, median" for r in results if "admit_us_per_request" in r]
+    for r in results:
+        if "profile" in r:
+            top = ", ".join(f"{op['name']} {op['calls']:g}x {op['self_host_us']:.0f}us" for op in r["profile"][:8])
+            lines.append(f"profile, {r['case']} batch {r['batch_size']} ({r['sampler']}, {r['vocab']} vocab), host "
+                         f"time per step by operation: {top}")
     if any(_is_host_share(r) for r in results):
         lines += ["rows at the small vocab: the host's share, the sampler's calls over few logits (what a GPU "
                   "would wait on)"]
@@ -607,6 +644,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--glibc-defaults", action="store_true",
                    help="leave malloc's thresholds at glibc's own (the engine sets them otherwise; "
                         "common.glibc_env): to measure what they do")
+    p.add_argument("--profile-steps", type=int, default=0, metavar="K",
+                   help="after the measured steps of each decode case, K more under torch's profiler: its "
+                        "operations by host time (and device time on a GPU), in the JSON and printed")
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda[:N]: the engine, its logits and the sampler on that GPU")
     p.add_argument("--json", default=None, metavar="PATH",

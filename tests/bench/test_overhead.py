@@ -130,3 +130,25 @@ def test_a_device_that_is_not_there_or_not_supported_is_refused_by_name(device: 
         pytest.skip("a GPU is here: --device cuda runs")
     with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("]", r"\]")):
         overhead.main(["--device", device, "--batch-sizes", "1", "--num-steps", "1", "--no-plot"])
+
+
+def test_profiled_steps_list_each_decode_cases_operations_by_host_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "profiled.json"
+    argv = ["--batch-sizes", "4", "--cases", "greedy,mixed,prefill", "--samplers", "batched", "--host-vocab", "0",
+            "--num-steps", "2", "--warmup", "1", "--prompt-len", "20", "--profile-steps", "2", "--json", str(out),
+            "--no-plot"]
+    assert overhead.main(argv) == 0
+    results = {r["case"]: r for r in json.loads(out.read_text())["results"]}
+    assert "profile" not in results["prefill"], "prefill steps add requests between them: not profiled"
+    for case in ("greedy", "mixed"):
+        rows = results[case]["profile"]
+        assert 0 < len(rows) <= overhead.PROFILE_TOP
+        hosts = [row["self_host_us"] for row in rows]
+        assert hosts == sorted(hosts, reverse=True) and hosts[0] > 0
+        assert all(row["calls"] > 0 and row["name"] for row in rows)
+    # The mixed batch's sampler runs operations the greedy one does not (top-k's topk, top-p's sort).
+    assert {"aten::topk", "aten::sort"} & {row["name"] for row in results["mixed"]["profile"]}
+    table = capsys.readouterr().out
+    assert "profile, greedy batch 4" in table and "profile, mixed batch 4" in table and "profile, prefill" not in table

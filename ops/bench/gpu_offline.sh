@@ -75,7 +75,7 @@ LlamaConfig(**STAND_IN_DIMS, tie_word_embeddings=False).save_pretrained(sys.argv
     exit "$status"
     ;;
   *)
-    sed -n '2,20p' "$0" >&2
+    sed -n '2,21p' "$0" >&2
     exit 2
     ;;
 esac

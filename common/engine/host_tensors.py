@@ -15,6 +15,7 @@ pointer query each time), and a decode step uploads a dozen or two small tensors
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from array import array
 from collections.abc import Iterable, Sequence
@@ -137,9 +138,7 @@ class _Staging:
             start = self.chunk * self.chunk_bytes + self.used
             self.used += total
             span = self.ring[start : start + total]
-            for t, offset in zip(tensors, offsets, strict=True):
-                n = t.numel() * t.element_size()
-                span[offset : offset + n].view(t.dtype).view(t.shape).copy_(t)
+            pack(tensors, span, offsets)
             up = span.to(self.device, non_blocking=True)  # on the current stream: this ring's
             event = self.events[self.chunk]
             if event is None:
@@ -147,6 +146,20 @@ class _Staging:
             event.record(self.stream)
         return [up[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                 for t, offset in zip(tensors, offsets, strict=True)]
+
+
+def pack(tensors: Sequence[Tensor], buffer: Tensor, offsets: Sequence[int]) -> None:
+    """Each CPU tensor's bytes into the uint8 CPU ``buffer`` at its offset: a ``memmove`` each where
+    the tensor is contiguous (a torch ``copy_`` through views of the buffer took four dispatches of
+    1-3 µs each on an H200's host), else a copy through a view of its shape."""
+    base = buffer.data_ptr()
+    for t, offset in zip(tensors, offsets, strict=True):
+        n = t.numel() * t.element_size()
+        if t.is_contiguous():
+            if n:
+                ctypes.memmove(base + offset, t.data_ptr(), n)
+        else:
+            buffer[offset : offset + n].view(t.dtype).view(t.shape).copy_(t)
 
 
 _STAGING: dict[tuple[torch.device, int], _Staging] = {}

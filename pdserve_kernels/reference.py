@@ -24,6 +24,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float, gemma: bool = False) -> Tensor:
+    """Each row of ``x`` over its last dimension, as transformers normalizes it: the mean of squares in
+    float32, the row scaled by its reciprocal square root and rounded to ``x``'s dtype, then times
+    ``weight`` (Gemma: scaled by ``1 + weight`` in float32 and rounded once)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (h * (1.0 + weight.float())).to(dtype)
+    return weight * h.to(dtype)
+
+
 def store_kv(key: Tensor, value: Tensor, kv_layer: Tensor, slot_mapping: Tensor) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into their slots, in place."""
     block_size = kv_layer.shape[2]

@@ -1,12 +1,14 @@
 """The Triton backend: the same names and signatures as ``pdserve_kernels.reference``, run as Triton kernels.
 
-Attention lives in ``triton_decode`` / ``triton_prefill``, KV movement in ``triton_kv``.
+Attention lives in ``triton_decode`` / ``triton_prefill``, KV movement in ``triton_kv``, RMSNorm in
+``triton_norm``.
 """
 
 from __future__ import annotations
 
 from pdserve_kernels.triton_decode import paged_decode_attention
 from pdserve_kernels.triton_kv import copy_blocks, gather_blocks, scatter_blocks, store_kv
+from pdserve_kernels.triton_norm import rms_norm
 from pdserve_kernels.triton_prefill import paged_prefill_attention
 
 __all__ = [
@@ -14,6 +16,7 @@ __all__ = [
     "gather_blocks",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "rms_norm",
     "scatter_blocks",
     "store_kv",
 ]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.model.arch import ModelArch, rope_parameters
+from pdserve_kernels import reference
 
 
 @dataclass
@@ -37,19 +38,17 @@ class AttentionMetadata:
 class RMSNorm(nn.Module):
     """Llama's RMSNorm, or with ``gemma`` Gemma's: scaled by ``1 + weight`` before the cast back."""
 
-    def __init__(self, size: int, eps: float, gemma: bool = False) -> None:
+    def __init__(self, size: int, eps: float, gemma: bool = False, kernels: ModuleType | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.gemma = gemma
+        # The kernels' ``rms_norm``: the torch formula, or on a GPU one Triton kernel for its eight operations.
+        self.kernels = kernels or reference
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.gemma:
-            return (h * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * h.to(dtype)
+        out: Tensor = self.kernels.rms_norm(x, self.weight, self.eps, self.gemma)
+        return out
 
 
 def _rope_inv_freq(config: Any, head_size: int) -> tuple[Tensor, float]:
@@ -118,8 +117,8 @@ class Attention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if arch.qk_norm:
-            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, kernels=kernels)
+            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, kernels=kernels)
         self.sliding_window = arch.sliding_windows[layer_idx]
         self.layer_idx = layer_idx
         self.kernels = kernels
@@ -169,15 +168,15 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, arch, layer_idx, kernels)
         self.mlp = MLP(config, arch)
         size, eps, gemma = config.hidden_size, config.rms_norm_eps, arch.gemma_norms
-        self.input_layernorm = RMSNorm(size, eps, gemma)
-        self.post_attention_layernorm = RMSNorm(size, eps, gemma)
+        self.input_layernorm = RMSNorm(size, eps, gemma, kernels)
+        self.post_attention_layernorm = RMSNorm(size, eps, gemma, kernels)
         # Gemma normalizes each block's output too: post_attention_layernorm then applies to the
         # attention's output, and the MLP gets a norm of its own on each side.
         self.pre_feedforward_layernorm: RMSNorm | None = None
         self.post_feedforward_layernorm: RMSNorm | None = None
         if gemma:
-            self.pre_feedforward_layernorm = RMSNorm(size, eps, gemma)
-            self.post_feedforward_layernorm = RMSNorm(size, eps, gemma)
+            self.pre_feedforward_layernorm = RMSNorm(size, eps, gemma, kernels)
+            self.post_feedforward_layernorm = RMSNorm(size, eps, gemma, kernels)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, kv_layer: Tensor) -> Tensor:
         attn = self.self_attn(self.input_layernorm(x), rope, meta, kv_layer)
@@ -199,7 +198,7 @@ class LlamaBackbone(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, arch, i, kernels) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, arch.gemma_norms)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, arch.gemma_norms, kernels)
 
 
 class LlamaForCausalLM(nn.Module):

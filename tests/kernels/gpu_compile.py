@@ -25,7 +25,7 @@ from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction, native_specialize_impl
 
-from pdserve_kernels import triton_decode, triton_kv, triton_prefill, triton_sampling
+from pdserve_kernels import triton_decode, triton_kv, triton_norm, triton_prefill, triton_sampling
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
 # The most shared memory one program may use (opt-in), per SM version: a launch over it is refused.
@@ -60,7 +60,7 @@ def recording() -> Iterator[tuple[list[Launch], list[str]]]:
     launches: list[Launch] = []
     scenario = [""]
     swapped = []
-    for module in (triton_decode, triton_prefill, triton_kv, triton_sampling):
+    for module in (triton_decode, triton_prefill, triton_kv, triton_sampling, triton_norm):
         for name, value in vars(module).items():
             if isinstance(value, JITFunction) and name.endswith("_kernel"):
                 swapped.append((module, name, value))
@@ -122,6 +122,10 @@ def record_launches() -> list[Launch]:
         triton_sampling.seeded_race(torch.empty(4, 128256), torch.zeros(4, dtype=torch.long), num_splits=1)
         scenario[0] = "seeded race, 128k vocabulary, rows in ranges"
         triton_sampling.seeded_race(torch.empty(4, 128256), torch.zeros(4, dtype=torch.long), num_splits=33)
+        for name, width, gemma in (("SmolLM2's hidden size, bf16", 576, False), ("an 8B model's, Gemma's formula", 4096, True),
+                                   ("a row wider than one pass", 8192, False), ("a 128-wide head (q/k norms)", 128, False)):
+            scenario[0] = f"rms_norm, {name}"
+            triton_norm.rms_norm(torch.empty(4, width, dtype=bf16), torch.empty(width, dtype=bf16), 1e-6, gemma)
         zeros = torch.zeros(4, dtype=torch.long)
         scenario[0] = "seeded race with positions (the sampler's), whole rows"
         triton_sampling.seeded_race(torch.empty(4, 128256), zeros, num_splits=1, positions=zeros)

@@ -1,0 +1,59 @@
+"""RMSNorm's Triton kernel against the torch reference (transformers' formula), under the interpreter:
+every dtype, both formulas (Llama's weight after the rounding, Gemma's ``1 + weight`` before it), a
+3-D input as the per-head query norms pass, a width that is no power of two, and rows wider than one
+pass of the kernel."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (see conftest.py)
+
+import pytest
+import torch
+
+from pdserve_kernels import reference, triton_norm
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+def _inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(shape, generator=gen)).to(dtype)
+    weight = (1 + 0.5 * torch.randn(shape[-1], generator=gen)).to(dtype)
+    return x, weight
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("shape", [(7, 576), (5, 3, 80), (2, 64)])
+def test_the_kernel_normalizes_as_the_reference_does(dtype: torch.dtype, gemma: bool, shape: tuple[int, ...]) -> None:
+    x, weight = _inputs(shape, dtype, seed=len(shape) * 10 + shape[-1])
+    got = triton_norm.rms_norm(x, weight, 1e-6, gemma)
+    expected = reference.rms_norm(x, weight, 1e-6, gemma)
+    assert got.shape == x.shape and got.dtype == expected.dtype == dtype
+    # The same formula; the order of the float32 sum of squares (and the interpreter's square root) may
+    # differ: at most two units in the last place of a 16-bit output, four of a float32 one (the scale's
+    # own rounding carries into every entry there). The interpreter casts float32
+    # to bfloat16 by truncation where a GPU rounds to nearest, so there bfloat16 differs more often.
+    ulp = torch.finfo(dtype).eps * expected.float().abs().clamp(min=torch.finfo(dtype).tiny)
+    assert ((got.float() - expected.float()).abs() / ulp).max().item() <= (4.0 if dtype == F32 else 2.0)
+    exact = (got == expected).float().mean().item()
+    assert exact > {F32: 0.5, F16: 0.99, BF16: 0.2}[dtype], f"only {exact:.1%} of entries equal the reference's"
+
+
+def test_rows_wider_than_one_pass_are_summed_over_every_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_norm, "MAX_BLOCK", 64)  # 200 entries: four passes, the last a partial one
+    x, weight = _inputs((3, 200), F32, seed=3)
+    torch.testing.assert_close(triton_norm.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+
+
+def test_a_row_slice_is_read_with_its_stride_and_bad_arguments_are_refused() -> None:
+    x, weight = _inputs((6, 96), F32, seed=4)
+    wide = torch.cat([x, x], dim=1)[:, :96]  # rows with a stride of 192
+    torch.testing.assert_close(triton_norm.rms_norm(wide, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+    assert triton_norm.rms_norm(x[:0], weight, 1e-5).shape == (0, 96)
+    with pytest.raises(AssertionError, match="weight"):
+        triton_norm.rms_norm(x, weight[:10], 1e-5)
+    with pytest.raises(AssertionError, match="dtype"):
+        triton_norm.rms_norm(x, weight.half(), 1e-5)

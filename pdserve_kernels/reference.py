@@ -36,6 +36,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, gemma: bool = False) -> Tens
     return weight * h.to(dtype)
 
 
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """``q`` ``[tokens, heads, head_size]`` and ``k`` ``[tokens, kv_heads, head_size]`` rotated as
+    transformers rotates them: ``x * cos + rotate_half(x) * sin``, with ``cos`` and ``sin``
+    ``[tokens, 1, head_size]`` (each operation rounded to the inputs' dtype)."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
 def store_kv(key: Tensor, value: Tensor, kv_layer: Tensor, slot_mapping: Tensor) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into their slots, in place."""
     block_size = kv_layer.shape[2]

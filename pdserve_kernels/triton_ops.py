@@ -1,7 +1,7 @@
 """The Triton backend: the same names and signatures as ``pdserve_kernels.reference``, run as Triton kernels.
 
 Attention lives in ``triton_decode`` / ``triton_prefill``, KV movement in ``triton_kv``, RMSNorm in
-``triton_norm``.
+``triton_norm``, rotary embedding in ``triton_rope``.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pdserve_kernels.triton_decode import paged_decode_attention
 from pdserve_kernels.triton_kv import copy_blocks, gather_blocks, scatter_blocks, store_kv
 from pdserve_kernels.triton_norm import rms_norm
 from pdserve_kernels.triton_prefill import paged_prefill_attention
+from pdserve_kernels.triton_rope import rope
 
 __all__ = [
     "copy_blocks",
@@ -17,6 +18,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
+    "rope",
     "scatter_blocks",
     "store_kv",
 ]

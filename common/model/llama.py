@@ -87,18 +87,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         # q: [num_tokens, num_heads, head_size]
-        return apply_rope(q, k, self.cos_sin(positions, q.dtype))
-
-
-def apply_rope(q: Tensor, k: Tensor, cos_sin: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """``q`` and ``k`` rotated as transformers rotates them, by ``RotaryEmbedding.cos_sin``'s tables."""
-    cos, sin = cos_sin
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return reference.rope(q, k, *self.cos_sin(positions, q.dtype))
 
 
 class Attention(nn.Module):
@@ -131,7 +120,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_size)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, rope)
+        q, k = self.kernels.rope(q, k, *rope)
         self.kernels.store_kv(k, v, kv_layer, meta.slot_mapping)
         if meta.decode_only:
             o = self.kernels.paged_decode_attention(

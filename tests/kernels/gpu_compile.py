@@ -25,9 +25,16 @@ from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction, native_specialize_impl
 
-from pdserve_kernels import triton_decode, triton_kv, triton_norm, triton_prefill, triton_sampling
+from pdserve_kernels import (
+    triton_decode,
+    triton_kv,
+    triton_norm,
+    triton_prefill,
+    triton_rope,
+    triton_sampling,
+)
 
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion")
 # The most shared memory one program may use (opt-in), per SM version: a launch over it is refused.
 SHARED_MEMORY_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
 
@@ -60,7 +67,7 @@ def recording() -> Iterator[tuple[list[Launch], list[str]]]:
     launches: list[Launch] = []
     scenario = [""]
     swapped = []
-    for module in (triton_decode, triton_prefill, triton_kv, triton_sampling, triton_norm):
+    for module in (triton_decode, triton_prefill, triton_kv, triton_sampling, triton_norm, triton_rope):
         for name, value in vars(module).items():
             if isinstance(value, JITFunction) and name.endswith("_kernel"):
                 swapped.append((module, name, value))
@@ -126,6 +133,11 @@ def record_launches() -> list[Launch]:
                                    ("a row wider than one pass", 8192, False), ("a 128-wide head (q/k norms)", 128, False)):
             scenario[0] = f"rms_norm, {name}"
             triton_norm.rms_norm(torch.empty(4, width, dtype=bf16), torch.empty(width, dtype=bf16), 1e-6, gemma)
+        for name, q_heads, k_heads, head_size in (("SmolLM2's heads", 9, 3, 64), ("an 8B model's", 32, 8, 128)):
+            scenario[0] = f"rope, {name}, bf16"
+            cs = torch.empty(4, 1, head_size, dtype=bf16)
+            triton_rope.rope(torch.empty(4, q_heads, head_size, dtype=bf16), torch.empty(4, k_heads, head_size, dtype=bf16),
+                             cs, cs)
         zeros = torch.zeros(4, dtype=torch.long)
         scenario[0] = "seeded race with positions (the sampler's), whole rows"
         triton_sampling.seeded_race(torch.empty(4, 128256), zeros, num_splits=1, positions=zeros)

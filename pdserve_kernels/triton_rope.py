@@ -1,0 +1,74 @@
+"""Rotary position embedding in Triton: the queries and keys of a step rotated in one kernel, where
+the torch formula (``q * cos + rotate_half(q) * sin``, and the same for ``k``) is ten operations on
+every layer of a forward that runs eagerly.
+
+Each product and the sum are rounded to the input's dtype in turn, as torch rounds each operation of
+the formula, and the kernel is built without fused multiply-adds: the same bits as the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _rotate(x_ptr, o_ptr, tok, stride_x_tok, stride_x_head, stride_o_tok, stride_o_head, cos, sin, partner, sign,
+            offs_h, offs_d, mask):
+    rows = tok * stride_x_tok + offs_h[:, None] * stride_x_head
+    x = tl.load(x_ptr + rows + offs_d[None, :], mask=mask, other=0.0)
+    rot = tl.load(x_ptr + rows + partner[None, :], mask=mask, other=0.0).to(tl.float32) * sign[None, :]
+    a = (x.to(tl.float32) * cos[None, :]).to(x.dtype).to(tl.float32)
+    b = (rot.to(x.dtype).to(tl.float32) * sin[None, :]).to(x.dtype).to(tl.float32)
+    out_rows = tok * stride_o_tok + offs_h[:, None] * stride_o_head
+    tl.store(o_ptr + out_rows + offs_d[None, :], (a + b).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
+                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_cs_tok,
+                 stride_qo_tok, stride_qo_head, stride_ko_tok, stride_ko_head,
+                 NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, H_PAD: tl.constexpr,
+                 HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_SIZE
+    half: tl.constexpr = HEAD_SIZE // 2
+    # rotate_half: the first half takes minus the second, the second half the first.
+    partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
+    partner = tl.where(d_mask, partner, 0)
+    sign = tl.where(offs_d < half, -1.0, 1.0)
+    cos = tl.load(cos_ptr + tok * stride_cs_tok + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + tok * stride_cs_tok + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    _rotate(q_ptr, q_out_ptr, tok, stride_q_tok, stride_q_head, stride_qo_tok, stride_qo_head, cos, sin, partner,
+            sign, offs_h, offs_d, (offs_h[:, None] < NUM_Q_HEADS) & d_mask[None, :])
+    _rotate(k_ptr, k_out_ptr, tok, stride_k_tok, stride_k_head, stride_ko_tok, stride_ko_head, cos, sin, partner,
+            sign, offs_h, offs_d, (offs_h[:, None] < NUM_K_HEADS) & d_mask[None, :])
+
+
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """``pdserve_kernels.reference.rope`` in one kernel: ``q`` ``[tokens, heads, head_size]``, ``k``
+    ``[tokens, kv_heads, head_size]`` (unit stride along the head), ``cos`` and ``sin``
+    ``[tokens, 1, head_size]`` of their dtype."""
+    num_tokens, num_q_heads, head_size = q.shape
+    assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_size, (
+        f"k must be [{num_tokens}, kv_heads, {head_size}]; got {tuple(k.shape)}")
+    assert head_size % 2 == 0, f"head_size must be even, got {head_size}"
+    for name, t in (("cos", cos), ("sin", sin)):
+        assert t.shape == (num_tokens, 1, head_size) and t.stride(-1) == 1, (
+            f"{name} must be [{num_tokens}, 1, {head_size}] with unit stride; got {tuple(t.shape)}")
+        assert t.dtype == q.dtype == k.dtype, f"{name}, q and k must share a dtype; got {t.dtype}, {q.dtype}, {k.dtype}"
+    assert cos.stride(0) == sin.stride(0), "cos and sin must share a layout"
+    assert q.stride(2) == 1 and k.stride(2) == 1, "q and k must have unit stride along the head"
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    if num_tokens:
+        _rope_kernel[(num_tokens,)](
+            q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+            NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], H_PAD=triton.next_power_of_2(max(num_q_heads, k.shape[1])),
+            HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size), enable_fp_fusion=False,
+        )
+    return q_out, k_out

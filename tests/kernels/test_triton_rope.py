@@ -1,0 +1,60 @@
+"""The rotary embedding's Triton kernel against the torch reference (transformers' formula), under
+the interpreter: queries and keys with different head counts, float32 and float16 bit for bit (each
+product and the sum rounded in turn, no fused multiply-add), bfloat16 within the interpreter's
+truncating casts, strided inputs, and bad arguments refused."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (see conftest.py)
+
+import pytest
+import torch
+
+from pdserve_kernels import reference, triton_rope
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+def _inputs(num_tokens: int, q_heads: int, k_heads: int, head_size: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q = (2 * torch.randn(num_tokens, q_heads, head_size, generator=gen)).to(dtype)
+    k = (2 * torch.randn(num_tokens, k_heads, head_size, generator=gen)).to(dtype)
+    angles = torch.rand(num_tokens, 1, head_size, generator=gen) * 100
+    return q, k, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize(("q_heads", "k_heads", "head_size"), [(9, 3, 64), (4, 4, 80), (2, 5, 128)])
+def test_the_kernel_rotates_as_the_reference_does(dtype: torch.dtype, q_heads: int, k_heads: int, head_size: int) -> None:
+    q, k, cos, sin = _inputs(7, q_heads, k_heads, head_size, dtype, seed=head_size + q_heads)
+    got_q, got_k = triton_rope.rope(q, k, cos, sin)
+    want_q, want_k = reference.rope(q, k, cos, sin)
+    for x, got, want in ((q, got_q, want_q), (k, got_k, want_k)):
+        assert got.shape == want.shape and got.dtype == want.dtype == dtype
+        if dtype == BF16:
+            # The interpreter truncates to bfloat16 where a GPU (and torch) rounds: each of the two
+            # products and their sum may be off by a unit in the last place of its own magnitude.
+            half = head_size // 2
+            partner = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # rotate_half's, but for the sign
+            terms = x.float().abs() + partner.float().abs()  # bounds each product and the sum
+            assert ((got.float() - want.float()).abs() <= 3 * torch.finfo(dtype).eps * terms).all()
+        else:
+            assert torch.equal(got, want)
+
+
+def test_strided_inputs_are_read_with_their_strides_and_bad_arguments_are_refused() -> None:
+    q, k, cos, sin = _inputs(5, 4, 2, 64, F32, seed=1)
+    qkv = torch.cat([q, k, k], dim=1)  # q and k as views of one tensor, as a fused projection gives them
+    got_q, got_k = triton_rope.rope(qkv[:, :4], qkv[:, 4:6], cos, sin)
+    want_q, want_k = reference.rope(q, k, cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    empty_q, empty_k = triton_rope.rope(q[:0], k[:0], cos[:0], sin[:0])
+    assert empty_q.shape == (0, 4, 64) and empty_k.shape == (0, 2, 64)
+    with pytest.raises(AssertionError, match="k must be"):
+        triton_rope.rope(q, k[:3], cos, sin)
+    with pytest.raises(AssertionError, match="dtype"):
+        triton_rope.rope(q, k, cos.half(), sin.half())
+    with pytest.raises(AssertionError, match="even"):
+        triton_rope.rope(q[..., :63], k[..., :63], cos[..., :63], sin[..., :63])

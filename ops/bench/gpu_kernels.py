@@ -256,6 +256,30 @@ def run_checks(report: Report, ops: Any, ref: Any) -> None:
 
     report.check("gather_blocks / scatter_blocks / copy_blocks bf16", blocks)
 
+    def norm(dtype: torch.dtype, width: int, gemma: bool) -> tuple[float, float]:
+        """Units in the last place of the output's dtype (the sum of squares' order may move the last bit;
+        in float32 the scale's own rounding carries into every entry)."""
+        x, weight = 3 * randn(300, width, dtype=dtype), (1 + 0.5 * randn(width)).to(dtype)
+        got, want = ops.rms_norm(x, weight, 1e-6, gemma).float(), ref.rms_norm(x, weight, 1e-6, gemma).float()
+        ulp = torch.finfo(dtype).eps * want.abs().clamp(min=torch.finfo(dtype).tiny)
+        return float(((got - want).abs() / ulp).max()), 4.0 if dtype == torch.float32 else 2.0
+
+    for dtype, width, gemma in [(torch.bfloat16, 4096, False), (torch.bfloat16, 576, True), (torch.float16, 8192, False),
+                                (torch.float32, 4096, False)]:
+        report.check(f"rms_norm {str(dtype)[6:]} width {width}{', Gemma' if gemma else ''} (err in units in the "
+                     f"last place)", functools.partial(norm, dtype, width, gemma))
+
+    def rope(dtype: torch.dtype) -> tuple[float, float]:
+        """Entries that differ from the torch formula's (the same roundings in turn: none)."""
+        q, k = randn(300, 32, 128, dtype=dtype), randn(300, 8, 128, dtype=dtype)
+        angles = torch.rand(300, 1, 128, device=DEVICE, generator=gen) * 1000
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        (gq, gk), (wq, wk) = ops.rope(q, k, cos, sin), ref.rope(q, k, cos, sin)
+        return float((gq != wq).sum() + (gk != wk).sum()), 0.0
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        report.check(f"rope {str(dtype)[6:]} 32/8 heads d128 (entries that differ)", functools.partial(rope, dtype))
+
 
 def bench_decode(report: Report, args: argparse.Namespace, batch: int, sweep: bool) -> None:
     from pdserve_kernels.triton_decode import choose_num_splits, num_sms, run_paged_decode

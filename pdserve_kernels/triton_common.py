@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from pdserve_kernels.triton_checks import check_block_n
+
 FULL_WINDOW = 1 << 30  # the sliding window passed for full attention: longer than any context
 
 
@@ -63,12 +65,17 @@ def launch_options(num_warps: int | None, num_stages: int | None) -> dict[str, i
 _FITTED_BLOCK_N: dict[Hashable, int] = {}
 
 
-def launch_fitting(key: Hashable, block_n: int, launch: Callable[[int], None]) -> None:
+def launch_fitting(key: Hashable, block_n: int, launch: Callable[[int], None], requested: int | None = None) -> None:
     """``launch(block_n)``, or, where the GPU cannot give one program the shared memory that tile needs
     (Triton refuses the launch: a 256-wide head at 16 bits on an sm86/sm89 GPU, which allow a program
     99 KiB, or a float32 cache at 128 there), with half the tile, down to 16. The width that fits is
     remembered per ``key`` (the kernel, its other tile sizes, the cache's dtype, the device), so a
-    variant searches once, at its first launch (the engine warms its kernels up before it serves)."""
+    variant searches once, at its first launch (the engine warms its kernels up before it serves).
+    A ``requested`` width (a caller's explicit tile) is checked and launched as it is, never changed."""
+    if requested is not None:
+        check_block_n(requested)
+        launch(requested)
+        return
     block_n = _FITTED_BLOCK_N.get(key, block_n)
     while True:
         try:

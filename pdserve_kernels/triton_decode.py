@@ -18,7 +18,6 @@ import triton.language as tl
 from torch import Tensor
 
 from pdserve_kernels.triton_checks import (
-    check_block_n,
     check_block_tables,
     check_heads,
     check_index,
@@ -226,12 +225,8 @@ def run_paged_decode(
     grid = (num_seqs, num_kv_heads, num_splits)
 
     def fitting(launch: Callable[[int], None], split: bool) -> None:
-        if block_n is not None:
-            check_block_n(block_n)
-            launch(block_n)
-        else:
-            key = ("decode", split, query.device, kv_layer.dtype, scores["SOFT_CAP"], *sorted(consts.items()))
-            launch_fitting(key, DEFAULT_BLOCK_N, launch)
+        key = ("decode", split, query.device, kv_layer.dtype, scores["SOFT_CAP"], *sorted(consts.items()))
+        launch_fitting(key, DEFAULT_BLOCK_N, launch, block_n)
 
     if num_splits == 1:
         fitting(lambda tile: _decode_kernel[grid](

@@ -18,7 +18,6 @@ import triton.language as tl
 from torch import Tensor
 
 from pdserve_kernels.triton_checks import (
-    check_block_n,
     check_block_tables,
     check_heads,
     check_index,
@@ -190,11 +189,7 @@ def run_paged_prefill(
             BLOCK_N=tile, **consts,
         )
 
-    if block_n is not None:
-        check_block_n(block_n)
-        launch(block_n)
-    else:
-        launch_fitting(("prefill", query.device, kv_layer.dtype, *sorted(consts.items())), DEFAULT_BLOCK_N, launch)
+    launch_fitting(("prefill", query.device, kv_layer.dtype, *sorted(consts.items())), DEFAULT_BLOCK_N, launch, block_n)
     return out
 
 

@@ -174,7 +174,6 @@ class _Group:
         self.min_p_values = float_tensor([params[i].min_p for i in min_p], device).unsqueeze(1)
         self.vocab, self.device = vocab, device
         self.unseeded = [i for i, r in enumerate(reqs) if r.draw_seed is None]
-        self._race_keys: tuple[Tensor | None, Tensor | None] | None = None
 
     # The draws' index and key tensors are built on first use: a sampler whose rows all race in the
     # kernel (``Sampler._race_all``) needs none of them.
@@ -197,18 +196,16 @@ class _Group:
     def unseeded_index(self) -> Tensor | None:
         return _index(self.unseeded, len(self.requests), self.device)
 
+    @functools.cached_property
     def race_keys(self) -> tuple[Tensor | None, Tensor | None]:
         """For one race over every row (``Sampler._race_all``): each row's seed key (0 for an unseeded
-        one), None without seeded rows; and which rows are seeded, None unless some are and some not.
-        Built once, on first use."""
-        if self._race_keys is None:
-            seeds = [r.draw_seed for r in self.requests]
-            seeded = [s is not None for s in seeds]
-            self._race_keys = (
-                seed_keys([s or 0 for s in seeds], self.device) if any(seeded) else None,
-                bool_tensor(seeded, self.device) if any(seeded) and not all(seeded) else None,
-            )
-        return self._race_keys
+        one), None without seeded rows; and which rows are seeded, None unless some are and some not."""
+        seeds = [r.draw_seed for r in self.requests]
+        seeded = [s is not None for s in seeds]
+        return (
+            seed_keys([s or 0 for s in seeds], self.device) if any(seeded) else None,
+            bool_tensor(seeded, self.device) if any(seeded) and not all(seeded) else None,
+        )
 
     def _output_penalties(self, rows: list[int], device: torch.device) -> tuple[Tensor, list[Request], Tensor, Tensor]:
         params = [self.requests[i].sampling_params for i in rows]
@@ -499,7 +496,7 @@ class Sampler:
         from pdserve_kernels.triton_sampling import seeded_race  # Triton, imported only where it runs
 
         dev = probs.device
-        keys, seeded = group.race_keys()
+        keys, seeded = group.race_keys
         if group.unseeded:
             drawn = torch.empty(probs.shape[0], dtype=torch.long, device=dev).random_(generator=self._generator(dev))
             keys = drawn if keys is None or seeded is None else torch.where(seeded, keys, drawn)

@@ -29,7 +29,9 @@ inverted through the row's cumulative distribution (a pass over the row, where t
 logarithm per entry). With the Triton backend (on a GPU) every sampled row races instead, in one
 launch of the race's kernel, which derives each seeded row's key from its seed and position and takes
 the others' keys from the generator: one kernel where the inverse CDF, the seeded rows' keys and the
-indexing between them were about 40 operations, each a launch the host pays for.
+indexing between them were about 40 operations, each a launch the host pays for. There top-p and min-p
+are one kernel too (``pdserve_kernels.triton_nucleus``), which finds each row's nucleus by searching
+for its smallest value instead of sorting the row: the same entries stay.
 
 Logprobs are those of the model's raw distribution (before logit bias, grammar, penalties and
 temperature), as vLLM reports them by default.
@@ -193,6 +195,13 @@ class _Group:
                 for part, whole_rows in parts if part]
 
     @functools.cached_property
+    def nucleus_params(self) -> tuple[Tensor, Tensor]:
+        """Every row's top-p (1: none) and min-p (0: none), for ``triton_nucleus.nucleus_filter``."""
+        params = [r.sampling_params for r in self.requests]
+        return (float_tensor([p.top_p for p in params], self.device),
+                float_tensor([p.min_p for p in params], self.device))
+
+    @functools.cached_property
     def unseeded_index(self) -> Tensor | None:
         return _index(self.unseeded, len(self.requests), self.device)
 
@@ -312,7 +321,8 @@ def _has_static_work(req: Request) -> bool:
 class Sampler:
     def __init__(self, eos_token_ids: set[int], seed: int = 0, kernel_backend: str | None = None) -> None:
         """``kernel_backend``: as the model runner's (``pdserve_kernels.resolve_backend``); with Triton the
-        seeded rows' race is one kernel (``pdserve_kernels.triton_sampling``)."""
+        sampled rows' race is one kernel (``pdserve_kernels.triton_sampling``), and top-p with min-p
+        another (``pdserve_kernels.triton_nucleus``)."""
         self.eos_token_ids = eos_token_ids
         self.seed = seed
         self.kernel_backend = kernel_backend
@@ -464,6 +474,12 @@ class Sampler:
             below = logits < kth
             logits = logits.masked_fill_(below, float("-inf")) if owned else logits.masked_fill(below, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
+        if self._race_kernel(dev):  # top-p and min-p in one kernel, then every row's race in another
+            if group.top_p or group.min_p:  # Triton, imported only where it runs
+                from pdserve_kernels.triton_nucleus import nucleus_filter
+
+                nucleus_filter(probs, *group.nucleus_params)
+            return self._race_all(probs, group)
         if group.top_p:
             sub = _take(probs, group.top_p_index)
             apply_top_p(sub, group.top_p_values, TOP_P_WINDOW)
@@ -472,8 +488,6 @@ class Sampler:
             sub = _take(probs, group.min_p_index)
             sub.masked_fill_(sub < group.min_p_values * sub.amax(dim=-1, keepdim=True), 0.0)
             _put(probs, group.min_p_index, sub)
-        if self._race_kernel(dev):
-            return self._race_all(probs, group)
         token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)
         for race in group.races:
             positions = long_tensor([len(r.output_token_ids) for r in race.requests], dev)
@@ -506,14 +520,17 @@ class Sampler:
 
     def warm_up(self, device: torch.device, vocab: int) -> None:
         """Compile now what draws would compile (the race's kernel, where it runs: whole rows, and rows in
-        ranges with the kernel that picks among them), so that a kernel that cannot build stops the
-        engine at start, not a request in the middle of serving."""
+        ranges with the kernel that picks among them; the top-p / min-p kernel), so that a kernel that
+        cannot build stops the engine at start, not a request in the middle of serving."""
         if self._race_kernel(device):
+            from pdserve_kernels.triton_nucleus import nucleus_filter
             from pdserve_kernels.triton_sampling import seeded_race
 
             keys, positions = seed_keys([0], device), long_tensor([0], device)
             for num_splits in (1, None):  # a single row is cut into ranges by default
                 seeded_race(torch.zeros(1, vocab, device=device), keys, num_splits, positions=positions)
+            nucleus_filter(torch.full((1, vocab), 1 / vocab, device=device), float_tensor([0.5], device),
+                           float_tensor([0.1], device))
 
     def _race_kernel(self, device: torch.device) -> bool:
         fused = self._race_kernels.get(device)

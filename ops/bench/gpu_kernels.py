@@ -427,6 +427,81 @@ def bench_seeded_race(report: Report, args: argparse.Namespace) -> None:
         del probs, keys
 
 
+def bench_nucleus(report: Report, args: argparse.Namespace, vocabs: tuple[int, ...] | None = None,
+                  batch: int = 256) -> None:
+    """Top-p and min-p: the Triton kernel (no sort) against the torch path it replaces on a GPU (a sort of
+    each whole row, its cumulative sum, the scatter back; min-p's maximum and mask), checked for the same
+    entries kept, then both timed from the same rows (each run first copies them in: both write in place).
+    ``vocabs``: the default model's and ``--vocab``; ``batch`` rows, and 1 and ``--batch`` of the last."""
+    from common.engine.sampler import apply_top_p
+    from pdserve_kernels.triton_nucleus import nucleus_filter
+
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+
+    def rows(num_rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows of the bench's mixed step: Gaussian logits (std 3) at temperatures 0.6 to 1, every other
+        row thinned by a top-k of 40 first; top-p 0.8 to 0.95 on three rows of four, min-p on one of four."""
+        temperature = 0.6 + 0.4 * torch.rand(num_rows, 1, device=DEVICE, generator=gen)
+        logits = 3 * torch.randn(num_rows, vocab, device=DEVICE, generator=gen) / temperature
+        kth = logits[::2].topk(40, dim=-1).values[:, -1:]
+        logits[::2] = logits[::2].masked_fill(logits[::2] < kth, float("-inf"))
+        index = torch.arange(num_rows, device=DEVICE)
+        top_p = torch.where(index % 4 != 3, 0.8 + 0.05 * (index % 4), 1.0).float()
+        min_p = torch.where(index % 4 == 1, 0.05, 0.0).float()
+        return torch.softmax(logits, dim=-1), top_p, min_p
+
+    def torch_path(probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> None:
+        """The sampler's GPU path without the kernel: top-p over the rows that have it, then min-p."""
+        rows_p, rows_m = (top_p < 1).nonzero()[:, 0], (min_p > 0).nonzero()[:, 0]
+        sub = probs.index_select(0, rows_p)
+        apply_top_p(sub, top_p[rows_p].unsqueeze(1), probs.shape[1])
+        probs.index_copy_(0, rows_p, sub)
+        sub = probs.index_select(0, rows_m)
+        sub.masked_fill_(sub < min_p[rows_m].unsqueeze(1) * sub.amax(dim=-1, keepdim=True), 0.0)
+        probs.index_copy_(0, rows_m, sub)
+
+    def same_entries(vocab: int) -> tuple[float, float]:
+        probs, top_p, min_p = rows(batch, vocab)
+        ours, theirs = probs.clone(), probs.clone()
+        nucleus_filter(ours, top_p, min_p)
+        torch_path(theirs, top_p, min_p)
+        return _exact(int(((ours > 0) != (theirs > 0)).any(dim=1).sum()))
+
+    def ties() -> tuple[float, float]:
+        probs = torch.tensor([[0.125, 0.5, 0.125, 0.0, 0.125, 0.125], [0.25, 0.0, 0.5, 0.0, 0.0, 0.25]], device=DEVICE)
+        nucleus_filter(probs, torch.tensor([0.7, 0.5], device=DEVICE), torch.zeros(2, device=DEVICE))
+        expected = [[1, 1, 1, 0, 0, 0], [0, 0, 1, 0, 0, 0]]
+        return _exact(sum(a != b for x, y in zip((probs > 0).int().tolist(), expected, strict=True)
+                          for a, b in zip(x, y, strict=True)))
+
+    vocabs = tuple(sorted(vocabs or {STAND_IN_DIMS["vocab_size"], args.vocab}))
+    for vocab in vocabs:
+        report.check(f"top-p / min-p kernel = the sort's nucleus, {batch} rows x {vocab} (rows that differ)",
+                     functools.partial(same_entries, vocab))
+    report.check("top-p kernel, equal values at the cut: as many stay as a sort keeps (entries that differ)", ties)
+    for num_rows, vocab in sorted({(1, vocabs[-1]), (args.batch, vocabs[-1]), *((batch, v) for v in vocabs)}):
+        source, top_p, min_p = rows(num_rows, vocab)
+        probs = torch.empty_like(source)
+        shape = f"{num_rows} rows x {vocab}"
+        report.group = f"top-p / min-p {num_rows} x {vocab}"
+
+        def ours(source: torch.Tensor = source, probs: torch.Tensor = probs, top_p: torch.Tensor = top_p,
+                 min_p: torch.Tensor = min_p) -> None:
+            probs.copy_(source)
+            nucleus_filter(probs, top_p, min_p)
+
+        def theirs(source: torch.Tensor = source, probs: torch.Tensor = probs, top_p: torch.Tensor = top_p,
+                   min_p: torch.Tensor = min_p) -> None:
+            probs.copy_(source)
+            torch_path(probs, top_p, min_p)
+
+        report.time("nucleus_filter (Triton; with the copy in)", shape, ours, source.numel() * 8)
+        report.time("torch top-p / min-p (sort, cumsum, scatter; with the copy in)", shape, theirs,
+                    source.numel() * 8)
+        time_copy(report, source.numel() * 8, torch.float32)
+        del source, probs
+
+
 def check_receive_ordering(report: Report, sleep_cycles: int = 200_000_000) -> None:
     """A decode instance gives a KV transfer blocks that its step in flight may still write (a slot of a
     request that has just finished), then scatters the received frame into them on the receiver's side
@@ -836,6 +911,7 @@ def main(argv: list[str] | None = None) -> int:
         ("prefill", lambda: bench_prefill(report, args, ops)),
         ("kv movement", lambda: bench_kv(report, args, ops)),
         ("seeded race", lambda: bench_seeded_race(report, args)),
+        ("top-p / min-p", lambda: bench_nucleus(report, args)),
         ("kv receive ordering", lambda: check_receive_ordering(report)),
         ("pinned upload ring", lambda: check_staging(report)),
         ("engine, CUDA graphs off and on", lambda: bench_engine_graphs(report, args)),

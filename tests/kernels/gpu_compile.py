@@ -29,6 +29,7 @@ from pdserve_kernels import (
     triton_decode,
     triton_kv,
     triton_norm,
+    triton_nucleus,
     triton_prefill,
     triton_rope,
     triton_sampling,
@@ -67,7 +68,7 @@ def recording() -> Iterator[tuple[list[Launch], list[str]]]:
     launches: list[Launch] = []
     scenario = [""]
     swapped = []
-    for module in (triton_decode, triton_prefill, triton_kv, triton_sampling, triton_norm, triton_rope):
+    for module in (triton_decode, triton_prefill, triton_kv, triton_sampling, triton_nucleus, triton_norm, triton_rope):
         for name, value in vars(module).items():
             if isinstance(value, JITFunction) and name.endswith("_kernel"):
                 swapped.append((module, name, value))
@@ -143,6 +144,9 @@ def record_launches() -> list[Launch]:
         triton_sampling.seeded_race(torch.empty(4, 128256), zeros, num_splits=1, positions=zeros)
         scenario[0] = "seeded race with positions (the sampler's), rows in ranges"
         triton_sampling.seeded_race(torch.empty(4, 128256), zeros, num_splits=33, positions=zeros)
+        for vocab in (49152, 128256):
+            scenario[0] = f"top-p / min-p, {vocab} vocabulary"
+            triton_nucleus.nucleus_filter(torch.empty(4, vocab), torch.ones(4), torch.zeros(4))
     return launches
 
 

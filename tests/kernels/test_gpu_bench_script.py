@@ -202,3 +202,24 @@ def test_the_kv_sizing_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: pyte
     report = gpu_kernels.Report(tmp_path, {"device": "fake"})
     gpu_kernels.check_kv_sizing(report, args, model)
     assert [c["ok"] for c in report.checks] == [False] and report.checks[0]["max_abs_err"] == 1
+
+
+def test_the_top_p_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dry run of the top-p / min-p section on the CPU (the kernel under the interpreter, small
+    vocabularies, timings stubbed): its checks pass, and the kernel and the sort are both timed."""
+    import argparse
+
+    monkeypatch.setattr(gpu_kernels, "DEVICE", "cpu")
+    timed: list[str] = []
+
+    def fake_median_ms(fn):  # type: ignore[no-untyped-def]
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(gpu_kernels, "median_ms", fake_median_ms)
+    monkeypatch.setattr(gpu_kernels, "time_copy", lambda report, num_bytes, dtype: timed.append("copy"))
+    report = gpu_kernels.Report(tmp_path, {"device": "fake"})
+    gpu_kernels.bench_nucleus(report, argparse.Namespace(batch=4, vocab=300), vocabs=(100, 300), batch=12)
+    assert [c["ok"] for c in report.checks] == [True, True, True], report.checks
+    assert [t["name"].split(" ")[0] for t in report.timings] == ["nucleus_filter", "torch"] * 4
+    assert all("error" not in t for t in report.timings) and timed == ["copy"] * 4

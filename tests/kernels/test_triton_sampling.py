@@ -173,6 +173,7 @@ def test_warming_up_runs_the_kernel_only_where_it_serves_the_race(monkeypatch) -
     """An engine warms its sampler up at start: with the race's kernel, a launch of each variant (whole
     rows, rows in ranges: a kernel that cannot compile then stops the start, not a request); with the
     torch race, nothing."""
+    import pdserve_kernels.triton_nucleus as triton_nucleus
     import pdserve_kernels.triton_sampling as triton_sampling
 
     calls: list[tuple[int, ...]] = []
@@ -183,10 +184,15 @@ def test_warming_up_runs_the_kernel_only_where_it_serves_the_race(monkeypatch) -
         return seeded_race(probs, keys, num_splits, positions)
 
     monkeypatch.setattr(triton_sampling, "seeded_race", spy)
+    filtered: list[tuple[int, ...]] = []
+    real_filter = triton_nucleus.nucleus_filter
+    monkeypatch.setattr(triton_nucleus, "nucleus_filter",
+                        lambda probs, *params: filtered.append(tuple(probs.shape)) or real_filter(probs, *params))
     Sampler(set(), kernel_backend="torch").warm_up(torch.device("cpu"), 5000)
-    assert calls == []
+    assert calls == [] and filtered == []
     Sampler(set(), kernel_backend="triton").warm_up(torch.device("cpu"), 5000)
     assert calls == [(1, 5000, 1, True), (1, 5000, None, True)]  # whole rows, and in ranges (5 here)
+    assert filtered == [(1, 5000)]  # and the top-p / min-p kernel
 
     def broken(probs: torch.Tensor, keys: torch.Tensor, num_splits: int | None = None,
                positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ entries larger than ``v``, the smallest value kept is the smallest value ``L`` i
 ``G(L) < top_p``, every larger entry stays and every smaller one goes. ``G`` only falls as ``v`` grows,
 and non-negative float32 values order as their bit patterns do, so the search runs over the integers
 between 0 and the row's largest entry's bits: each pass over the row sums the mass above ``PIVOTS``
-evenly spaced values at once (float32 within a block, float64 across blocks) and keeps the one
+evenly spaced values at once (float32 per lane, float64 across lanes) and keeps the one
 interval between them where ``G`` crosses ``top_p``, a seventeenth of the last, until it is one
 value wide (about eight passes). Of the entries equal to ``L``, the ``i``-th in id order stays while
 ``G(L) + i * L`` is under ``top_p``, as many as a sort would keep (which ones among equal values a sort
@@ -60,21 +60,24 @@ def _nucleus_kernel(probs_ptr, stride_row, top_p_ptr, min_p_ptr, vocab,
                 spaced = lo.to(tl.int64) + ((hi - lo).to(tl.int64) * steps) // (PIVOTS + 1)
                 pivots = tl.minimum(tl.maximum(spaced.to(tl.int32), lo + 1), hi - 1)
                 values = pivots.to(tl.float32, bitcast=True)
-                mass = tl.zeros([PIVOTS], dtype=tl.float64)
+                # Per lane and pivot, summed across lanes once a pass: the steps are element-wise.
+                lane_mass = tl.zeros([BLOCK, PIVOTS], dtype=tl.float32)
                 for start in range(0, vocab, BLOCK):
                     p = tl.load(row_ptr + start + lanes, mask=start + lanes < vocab, other=0.0)
-                    above = tl.where(p[:, None] > values[None, :], p[:, None], 0.0)
-                    mass += tl.sum(above, axis=0).to(tl.float64)
+                    lane_mass += tl.where(p[:, None] > values[None, :], p[:, None], 0.0)
+                mass = tl.sum(lane_mass.to(tl.float64), axis=0)
                 under = mass < top_p  # a suffix of the pivots, which ascend
                 hi = tl.minimum(hi, tl.min(tl.where(under, pivots, hi), axis=0))
                 lo = tl.maximum(lo, tl.max(tl.where(under, lo, pivots), axis=0))
             cut = hi.to(tl.float32, bitcast=True)
-            mass_above = tl.zeros([], dtype=tl.float64)
-            ties = tl.zeros([], dtype=tl.int32)
+            lane_above = tl.zeros([BLOCK], dtype=tl.float32)
+            lane_ties = tl.zeros([BLOCK], dtype=tl.int32)
             for start in range(0, vocab, BLOCK):
                 p = tl.load(row_ptr + start + lanes, mask=start + lanes < vocab, other=0.0)
-                mass_above += tl.sum(tl.where(p > cut, p, 0.0), axis=0).to(tl.float64)
-                ties += tl.sum((p == cut).to(tl.int32), axis=0)
+                lane_above += tl.where(p > cut, p, 0.0)
+                lane_ties += (p == cut).to(tl.int32)
+            mass_above = tl.sum(lane_above.to(tl.float64), axis=0)
+            ties = tl.sum(lane_ties, axis=0)
             # The i-th entry equal to ``cut`` stays while mass_above + i * cut < top_p; at least one does.
             room = tl.math.ceil((top_p.to(tl.float64) - mass_above) / tl.maximum(cut.to(tl.float64), 1e-300))
             allowed = tl.minimum(tl.maximum(room, 1.0), ties.to(tl.float64)).to(tl.int32)

@@ -6,6 +6,11 @@ each sequence reads (``block_tables``). The math follows Hugging Face's implemen
 step, so float32 greedy output is identical. What a config asks for (biases, norms, activation,
 scalings, soft-capping, each layer's sliding window, RoPE kind) is decided and checked in
 ``common/model/arch.py``.
+
+Each layer's q, k and v projections are one matrix product, and so are the MLP's gate and up (as
+vLLM's fused linear layers do): two launches where there were five, each reading the same input.
+The checkpoint's matrices are stacked at load (``FUSED_PROJECTIONS``); every output is the dot
+product it was, over the same input and weights.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from torch import Tensor, nn
 
 from common.model.arch import ModelArch, rope_parameters
 from pdserve_kernels import reference
+
+# Stacked projections: each fused module's weight (and bias) is its checkpoint parts', in this order.
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @dataclass
@@ -99,9 +107,9 @@ class Attention(nn.Module):
         self.scale = (arch.query_pre_attn_scalar or self.head_size) ** -0.5
         self.soft_cap = arch.attn_soft_cap
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_size, bias=arch.qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_size, bias=arch.qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_size, bias=arch.qkv_bias)
+        self.q_size, self.kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        # q, k and v in one matrix product (the checkpoint's three matrices stacked: ``FUSED_PROJECTIONS``).
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_size, hidden, bias=arch.o_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -115,9 +123,11 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, kv_layer: Tensor) -> Tensor:
         """``rope``: the step's cos and sin (``RotaryEmbedding.cos_sin``)."""
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_size)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_size)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_size)
+        qkv = self.qkv_proj(x)
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        q = qkv[:, :q_end].view(n, self.num_heads, self.head_size)  # views of the product's columns
+        k = qkv[:, q_end:k_end].view(n, self.num_kv_heads, self.head_size)
+        v = qkv[:, k_end:].view(n, self.num_kv_heads, self.head_size)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.kernels.rope(q, k, *rope)
@@ -140,15 +150,16 @@ class MLP(nn.Module):
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         bias = arch.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)  # gate and up stacked, one product
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.gelu = arch.activation == "gelu_tanh"
 
     def forward(self, x: Tensor) -> Tensor:
-        gate = self.gate_proj(x)
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up[..., : self.inter], gate_up[..., self.inter :]
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        return self.down_proj(gate * up)
 
 
 class DecoderLayer(nn.Module):
@@ -191,7 +202,8 @@ class LlamaBackbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Parameter names match Hugging Face checkpoints, so ``load_state_dict`` reads them as they are."""
+    """Parameter names match Hugging Face checkpoints but for the projections stacked into one matrix
+    product each (``FUSED_PROJECTIONS``), which ``common.model.weights.load_model`` stacks as it loads."""
 
     def __init__(self, config: Any, kernels: ModuleType, max_position: int) -> None:
         super().__init__()

@@ -15,10 +15,10 @@ from safetensors import safe_open
 
 from common.files import write_atomically
 from common.model.arch import SUPPORTED_MODEL_TYPES, ModelArch
-from common.model.llama import LlamaForCausalLM
+from common.model.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 from common.model.loader import cache_dir
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "load_model"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "load_model", "stack_projections"]
 
 
 def load_hf_config(path: Path) -> Any:
@@ -68,6 +68,7 @@ def load_model(
                 state[name] = f.get_tensor(name)
     if model.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    stack_projections(state)
     expected = {n for n, _ in model.named_parameters()}
     if model.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -79,3 +80,18 @@ def load_model(
     if model.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device=device, dtype=dtype).eval()
+
+
+def stack_projections(state: dict[str, torch.Tensor]) -> None:
+    """In place: each layer's checkpoint projections that the model computes as one product
+    (``FUSED_PROJECTIONS``: q, k, v; gate, up) stacked into that product's weight and bias, in order.
+    A layer that has some of a group's parts but not all is a broken checkpoint, named as such."""
+    for fused, parts in FUSED_PROJECTIONS.items():
+        first = f".{parts[0]}."
+        for name in [n for n in state if first in n]:
+            prefix, _, kind = name.rpartition(first)
+            names = [f"{prefix}.{part}.{kind}" for part in parts]
+            missing = [n for n in names if n not in state]
+            if missing:
+                raise ValueError(f"checkpoint mismatch: {name} without {', '.join(missing)}")
+            state[f"{prefix}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])

@@ -36,6 +36,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, gemma: bool = False) -> Tens
     return weight * h.to(dtype)
 
 
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """A gated MLP's activation over its stacked gate/up product ``[..., 2 * n]``: ``silu(gate) * up``,
+    ``[..., n]``, each operation rounded to the input's dtype as torch rounds it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """``q`` ``[tokens, heads, head_size]`` and ``k`` ``[tokens, kv_heads, head_size]`` rotated as
     transformers rotates them: ``x * cos + rotate_half(x) * sin``, with ``cos`` and ``sin``

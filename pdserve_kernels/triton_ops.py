@@ -1,11 +1,12 @@
 """The Triton backend: the same names and signatures as ``pdserve_kernels.reference``, run as Triton kernels.
 
 Attention lives in ``triton_decode`` / ``triton_prefill``, KV movement in ``triton_kv``, RMSNorm in
-``triton_norm``, rotary embedding in ``triton_rope``.
+``triton_norm``, rotary embedding in ``triton_rope``, the gated MLP's activation in ``triton_act``.
 """
 
 from __future__ import annotations
 
+from pdserve_kernels.triton_act import silu_mul
 from pdserve_kernels.triton_decode import paged_decode_attention
 from pdserve_kernels.triton_kv import copy_blocks, gather_blocks, scatter_blocks, store_kv
 from pdserve_kernels.triton_norm import rms_norm
@@ -20,5 +21,6 @@ __all__ = [
     "rms_norm",
     "rope",
     "scatter_blocks",
+    "silu_mul",
     "store_kv",
 ]

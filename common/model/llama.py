@@ -146,7 +146,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, arch: ModelArch) -> None:
+    def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType | None = None) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         bias = arch.mlp_bias
@@ -154,19 +154,22 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)  # gate and up stacked, one product
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.gelu = arch.activation == "gelu_tanh"
+        # The kernels' ``silu_mul``: the torch formula, or on a GPU one Triton kernel for its two operations.
+        self.kernels = kernels or reference
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
+        if not self.gelu:
+            return self.down_proj(self.kernels.silu_mul(gate_up))
         gate, up = gate_up[..., : self.inter], gate_up[..., self.inter :]
-        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate * up)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, arch: ModelArch, layer_idx: int, kernels: ModuleType) -> None:
         super().__init__()
         self.self_attn = Attention(config, arch, layer_idx, kernels)
-        self.mlp = MLP(config, arch)
+        self.mlp = MLP(config, arch, kernels)
         size, eps, gemma = config.hidden_size, config.rms_norm_eps, arch.gemma_norms
         self.input_layernorm = RMSNorm(size, eps, gemma, kernels)
         self.post_attention_layernorm = RMSNorm(size, eps, gemma, kernels)

@@ -280,6 +280,18 @@ def run_checks(report: Report, ops: Any, ref: Any) -> None:
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         report.check(f"rope {str(dtype)[6:]} 32/8 heads d128 (entries that differ)", functools.partial(rope, dtype))
 
+    def silu_mul(dtype: torch.dtype, inter: int) -> tuple[float, float]:
+        """Units in the last place of the output's dtype: the exponential may differ in float32's last
+        bit, which a rounding to 16 bits lets through now and then and the product carries."""
+        gate_up = 4 * randn(300, 2 * inter, dtype=dtype)
+        got, want = ops.silu_mul(gate_up).float(), ref.silu_mul(gate_up).float()
+        ulp = torch.finfo(dtype).eps * want.abs().clamp(min=torch.finfo(dtype).tiny)
+        return float(((got - want).abs() / ulp).max()), 4.0 if dtype == torch.float32 else 2.0
+
+    for dtype, inter in [(torch.bfloat16, 1536), (torch.bfloat16, 14336), (torch.float16, 1536), (torch.float32, 1536)]:
+        report.check(f"silu_mul {str(dtype)[6:]} intermediate {inter} (err in units in the last place)",
+                     functools.partial(silu_mul, dtype, inter))
+
 
 def bench_decode(report: Report, args: argparse.Namespace, batch: int, sweep: bool) -> None:
     from pdserve_kernels.triton_decode import choose_num_splits, num_sms, run_paged_decode

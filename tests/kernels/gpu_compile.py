@@ -26,6 +26,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction, native_specialize_impl
 
 from pdserve_kernels import (
+    triton_act,
     triton_decode,
     triton_kv,
     triton_norm,
@@ -68,7 +69,8 @@ def recording() -> Iterator[tuple[list[Launch], list[str]]]:
     launches: list[Launch] = []
     scenario = [""]
     swapped = []
-    for module in (triton_decode, triton_prefill, triton_kv, triton_sampling, triton_nucleus, triton_norm, triton_rope):
+    for module in (triton_decode, triton_prefill, triton_kv, triton_sampling, triton_nucleus, triton_norm, triton_rope,
+                   triton_act):
         for name, value in vars(module).items():
             if isinstance(value, JITFunction) and name.endswith("_kernel"):
                 swapped.append((module, name, value))
@@ -144,6 +146,9 @@ def record_launches() -> list[Launch]:
         triton_sampling.seeded_race(torch.empty(4, 128256), zeros, num_splits=1, positions=zeros)
         scenario[0] = "seeded race with positions (the sampler's), rows in ranges"
         triton_sampling.seeded_race(torch.empty(4, 128256), zeros, num_splits=33, positions=zeros)
+        for name, inter in (("SmolLM2's MLP", 1536), ("an 8B model's MLP (wider than one pass)", 14336)):
+            scenario[0] = f"silu_mul, {name}, bf16"
+            triton_act.silu_mul(torch.empty(4, 2 * inter, dtype=bf16))
         for vocab in (49152, 128256):
             scenario[0] = f"top-p / min-p, {vocab} vocabulary"
             triton_nucleus.nucleus_filter(torch.empty(4, vocab), torch.ones(4), torch.zeros(4))

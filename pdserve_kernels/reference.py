@@ -36,6 +36,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, gemma: bool = False) -> Tens
     return weight * h.to(dtype)
 
 
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool = False) -> tuple[Tensor, Tensor]:
+    """A block's output added to the residual stream, and the sum normalized for the next block:
+    ``(rms_norm(x + residual), x + residual)``, the sum rounded to the inputs' dtype first."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps, gemma), summed
+
+
 def silu_mul(gate_up: Tensor) -> Tensor:
     """A gated MLP's activation over its stacked gate/up product ``[..., 2 * n]``: ``silu(gate) * up``,
     ``[..., n]``, each operation rounded to the input's dtype as torch rounds it."""

@@ -1,7 +1,9 @@
 """RMSNorm in Triton: one kernel per call where the torch formula is eight operations (a cast, the
 square, the mean, the epsilon, the reciprocal square root, two products and a cast back), each a
 launch the host pays for on every layer of a forward that runs eagerly (prefill steps, and
-``--enforce-eager``).
+``--enforce-eager``). ``add_rms_norm`` adds a block's output to the residual stream in the same
+kernel (the sum rounded to the dtype, as torch's addition rounds it, then normalized), one launch
+where there were two, in a CUDA graph's replay too.
 
 The arithmetic is the reference's (``pdserve_kernels.reference.rms_norm``, transformers' own): the
 mean of squares in float32, the row scaled by its reciprocal square root, rounded to the input's
@@ -21,8 +23,10 @@ MAX_BLOCK = 4096  # entries of a row a program holds at once; wider rows go in s
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x_row, stride_o_row, n_cols, eps,
-                     GEMMA: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x_row, stride_r_row, stride_o_row, stride_s_row,
+                     n_cols, eps, GEMMA: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
+    """With ``ADD``, the row normalized is ``x + r`` (rounded to the dtype), written to ``sum`` first;
+    the second pass reads it back from there (the same lanes the first pass wrote it with)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x_row
     o_row = out_ptr + row * stride_o_row
@@ -30,9 +34,18 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x_row, stride_o_row, n_cols, 
     squares = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
         cols = start + offs
-        h = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        mask = cols < n_cols
+        x = tl.load(x_row + cols, mask=mask, other=0.0)
+        if ADD:
+            r = tl.load(r_ptr + row * stride_r_row + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(sum_ptr + row * stride_s_row + cols, x, mask=mask)
+        h = x.to(tl.float32)
         squares += h * h
     scale = tl.math.rsqrt(tl.sum(squares, axis=0) / n_cols + eps)
+    if ADD:
+        tl.debug_barrier()
+        x_row = sum_ptr + row * stride_s_row
     for start in range(0, n_cols, BLOCK):
         cols = start + offs
         mask = cols < n_cols
@@ -49,15 +62,38 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x_row, stride_o_row, n_cols, 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, gemma: bool = False) -> Tensor:
     """``pdserve_kernels.reference.rms_norm`` in one kernel: ``x`` ``[..., n]`` (rows with unit stride),
     ``weight`` ``[n]`` of ``x``'s dtype."""
+    rows, out = _rows_and_out(x, weight)
+    if rows.shape[0] and rows.shape[1]:
+        block = min(MAX_BLOCK, triton.next_power_of_2(rows.shape[1]))
+        # ``r`` and ``sum`` are not read without ``ADD``: the input stands in for them.
+        _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, rows, rows.stride(0), 0, out.stride(0), 0,
+                                           rows.shape[1], eps, GEMMA=gemma, ADD=False, BLOCK=block,
+                                           num_warps=min(16, max(1, block // 256)))
+    return out.view(x.shape)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool = False) -> tuple[Tensor, Tensor]:
+    """``pdserve_kernels.reference.add_rms_norm`` in one kernel: ``(rms_norm(x + residual), x + residual)``,
+    ``x`` and ``residual`` of one shape and dtype (rows with unit stride)."""
+    assert residual.shape == x.shape and residual.dtype == x.dtype, (
+        f"residual {residual.dtype} {tuple(residual.shape)} differs from x {x.dtype} {tuple(x.shape)}")
+    rows, out = _rows_and_out(x, weight)
+    res_rows, _ = _rows_and_out(residual, weight)
+    summed = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0] and rows.shape[1]:
+        block = min(MAX_BLOCK, triton.next_power_of_2(rows.shape[1]))
+        _rms_norm_kernel[(rows.shape[0],)](rows, res_rows, weight, out, summed, rows.stride(0), res_rows.stride(0),
+                                           out.stride(0), summed.stride(0), rows.shape[1], eps, GEMMA=gemma, ADD=True,
+                                           BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return out.view(x.shape), summed.view(x.shape)
+
+
+def _rows_and_out(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """``x``'s rows (``[rows, n]``, a view where it can be) and an output of their shape, after checking."""
     n = x.shape[-1]
     assert weight.shape == (n,) and weight.is_contiguous(), (
         f"weight must be a contiguous [{n}] tensor; got {tuple(weight.shape)}")
     assert weight.dtype == x.dtype, f"weight's dtype {weight.dtype} differs from the input's {x.dtype}"
     assert x.stride(-1) == 1 or n <= 1, f"rows must have unit stride; got strides {x.stride()}"
     rows = x.reshape(-1, n)  # a view for a contiguous input, and for a row slice of one
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0] and n:
-        block = min(MAX_BLOCK, triton.next_power_of_2(n))
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), n, eps,
-                                           GEMMA=gemma, BLOCK=block, num_warps=min(16, max(1, block // 256)))
-    return out.view(x.shape)
+    return rows, torch.empty(rows.shape, dtype=x.dtype, device=x.device)

@@ -9,11 +9,12 @@ from __future__ import annotations
 from pdserve_kernels.triton_act import silu_mul
 from pdserve_kernels.triton_decode import paged_decode_attention
 from pdserve_kernels.triton_kv import copy_blocks, gather_blocks, scatter_blocks, store_kv
-from pdserve_kernels.triton_norm import rms_norm
+from pdserve_kernels.triton_norm import add_rms_norm, rms_norm
 from pdserve_kernels.triton_prefill import paged_prefill_attention
 from pdserve_kernels.triton_rope import rope
 
 __all__ = [
+    "add_rms_norm",
     "copy_blocks",
     "gather_blocks",
     "paged_decode_attention",

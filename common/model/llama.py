@@ -10,7 +10,9 @@ scalings, soft-capping, each layer's sliding window, RoPE kind) is decided and c
 Each layer's q, k and v projections are one matrix product, and so are the MLP's gate and up (as
 vLLM's fused linear layers do): two launches where there were five, each reading the same input.
 The checkpoint's matrices are stacked at load (``FUSED_PROJECTIONS``); every output is the dot
-product it was, over the same input and weights.
+product it was, over the same input and weights. Each block's output is added to the residual stream
+by the norm that reads the sum (``RMSNorm.add``): on a GPU the kernels' ``add_rms_norm`` is one launch
+for both, as vLLM's fused residual norm is, and ``silu_mul`` one for the MLP's activation.
 """
 
 from __future__ import annotations
@@ -56,6 +58,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor = self.kernels.rms_norm(x, self.weight, self.eps, self.gemma)
+        return out
+
+    def add(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``x`` added to the residual stream (none yet: ``x`` is the stream), normalized: ``(normed,
+        stream)``; on a GPU the sum and the norm are one kernel (``add_rms_norm``)."""
+        if residual is None:
+            return self(x), x
+        out: tuple[Tensor, Tensor] = self.kernels.add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
         return out
 
 
@@ -181,13 +191,20 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(size, eps, gemma, kernels)
             self.post_feedforward_layernorm = RMSNorm(size, eps, gemma, kernels)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, kv_layer: Tensor) -> Tensor:
-        attn = self.self_attn(self.input_layernorm(x), rope, meta, kv_layer)
+    def forward(
+        self, x: Tensor, residual: Tensor | None, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, kv_layer: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """``x``: the last block's output, not yet added to ``residual``, the stream before it (None
+        before the first layer: ``x`` is the stream). Returns this layer's last block's output and the
+        stream before it: each addition is done by the norm that reads the sum (``RMSNorm.add``), the
+        last by the model's final norm. The sums are the ones transformers computes, in its order."""
+        h, residual = self.input_layernorm.add(x, residual)
+        attn = self.self_attn(h, rope, meta, kv_layer)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
-            x = x + attn
-            return x + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.post_attention_layernorm(attn)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            h, residual = self.post_attention_layernorm.add(attn, residual)
+            return self.mlp(h), residual
+        h, residual = self.pre_feedforward_layernorm.add(self.post_attention_layernorm(attn), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class LlamaBackbone(nn.Module):
@@ -230,9 +247,10 @@ class LlamaForCausalLM(nn.Module):
             # the device, which a CUDA graph capture cannot hold.
             x = x * float(torch.tensor(self.arch.embed_scale, dtype=x.dtype))
         rope = self.rotary_emb.cos_sin(positions, x.dtype)
+        residual: Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, meta, kv_cache[i])
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, meta, kv_cache[i])
+        return self.model.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         logits = self.lm_head(hidden).float()

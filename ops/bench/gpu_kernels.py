@@ -264,10 +264,24 @@ def run_checks(report: Report, ops: Any, ref: Any) -> None:
         ulp = torch.finfo(dtype).eps * want.abs().clamp(min=torch.finfo(dtype).tiny)
         return float(((got - want).abs() / ulp).max()), 4.0 if dtype == torch.float32 else 2.0
 
+    def add_norm(dtype: torch.dtype, width: int, gemma: bool) -> tuple[float, float]:
+        """The residual sum, which must equal torch's addition (entries that differ, counted as units in
+        the last place beyond the norm's), and the norm of it, as ``norm``."""
+        x, residual = 3 * randn(300, width, dtype=dtype), 10 * randn(300, width, dtype=dtype)
+        weight = (1 + 0.5 * randn(width)).to(dtype)
+        (normed, summed), (want_normed, want_summed) = (
+            ops.add_rms_norm(x, residual, weight, 1e-6, gemma), ref.add_rms_norm(x, residual, weight, 1e-6, gemma))
+        ulp = torch.finfo(dtype).eps * want_normed.float().abs().clamp(min=torch.finfo(dtype).tiny)
+        err = float(((normed.float() - want_normed.float()).abs() / ulp).max())
+        tol = 4.0 if dtype == torch.float32 else 2.0
+        return err + tol * float((summed != want_summed).sum()), tol
+
     for dtype, width, gemma in [(torch.bfloat16, 4096, False), (torch.bfloat16, 576, True), (torch.float16, 8192, False),
                                 (torch.float32, 4096, False)]:
         report.check(f"rms_norm {str(dtype)[6:]} width {width}{', Gemma' if gemma else ''} (err in units in the "
                      f"last place)", functools.partial(norm, dtype, width, gemma))
+        report.check(f"add_rms_norm {str(dtype)[6:]} width {width}{', Gemma' if gemma else ''} (err in units in the "
+                     f"last place; the sum exact)", functools.partial(add_norm, dtype, width, gemma))
 
     def rope(dtype: torch.dtype) -> tuple[float, float]:
         """Entries that differ from the torch formula's (the same roundings in turn: none)."""

@@ -136,6 +136,9 @@ def record_launches() -> list[Launch]:
                                    ("a row wider than one pass", 8192, False), ("a 128-wide head (q/k norms)", 128, False)):
             scenario[0] = f"rms_norm, {name}"
             triton_norm.rms_norm(torch.empty(4, width, dtype=bf16), torch.empty(width, dtype=bf16), 1e-6, gemma)
+            scenario[0] = f"add_rms_norm, {name}"
+            triton_norm.add_rms_norm(torch.empty(4, width, dtype=bf16), torch.empty(4, width, dtype=bf16),
+                                     torch.empty(width, dtype=bf16), 1e-6, gemma)
         for name, q_heads, k_heads, head_size in (("SmolLM2's heads", 9, 3, 64), ("an 8B model's", 32, 8, 128)):
             scenario[0] = f"rope, {name}, bf16"
             cs = torch.empty(4, 1, head_size, dtype=bf16)

@@ -57,3 +57,31 @@ def test_a_row_slice_is_read_with_its_stride_and_bad_arguments_are_refused() -> 
         triton_norm.rms_norm(x, weight[:10], 1e-5)
     with pytest.raises(AssertionError, match="dtype"):
         triton_norm.rms_norm(x, weight.half(), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("max_block", [None, 64])  # one pass, or four (the sum read back from where it was written)
+def test_the_residual_sum_is_rounded_as_torch_adds_and_then_normalized(
+    dtype: torch.dtype, gemma: bool, max_block: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if max_block is not None:
+        monkeypatch.setattr(triton_norm, "MAX_BLOCK", max_block)
+    x, weight = _inputs((7, 200), dtype, seed=5)
+    residual = (10 * torch.randn(7, 200, generator=torch.Generator().manual_seed(6))).to(dtype)
+    normed, summed = triton_norm.add_rms_norm(x, residual, weight, 1e-6, gemma)
+    want_normed, want_summed = reference.add_rms_norm(x, residual, weight, 1e-6, gemma)
+    if dtype != BF16:  # the interpreter truncates float32 to bfloat16 where torch (and a GPU) round
+        assert torch.equal(summed, want_summed)
+    ulp = torch.finfo(dtype).eps * want_normed.float().abs().clamp(min=torch.finfo(dtype).tiny)
+    limit = 4.0 if dtype == F32 else 2.0 if dtype == F16 else 4.0  # bfloat16: the truncated sum carries
+    assert ((normed.float() - want_normed.float()).abs() / ulp).max().item() <= limit
+    assert normed.shape == summed.shape == x.shape and normed.dtype == summed.dtype == dtype
+
+
+def test_the_residual_sum_refuses_a_residual_of_another_shape_or_dtype() -> None:
+    x, weight = _inputs((3, 64), F32, seed=7)
+    with pytest.raises(AssertionError, match="residual"):
+        triton_norm.add_rms_norm(x, x[:2], weight, 1e-6)
+    with pytest.raises(AssertionError, match="residual"):
+        triton_norm.add_rms_norm(x, x.half(), weight, 1e-6)

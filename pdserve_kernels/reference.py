@@ -62,6 +62,15 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rope_and_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv_layer: Tensor,
+                   slot_mapping: Tensor) -> Tensor:
+    """``q`` and ``k`` rotated (``rope``), the rotated keys and ``v`` written into their slots
+    (``store_kv``); returns the rotated queries."""
+    q, k = rope(q, k, cos, sin)
+    store_kv(k, v, kv_layer, slot_mapping)
+    return q
+
+
 def store_kv(key: Tensor, value: Tensor, kv_layer: Tensor, slot_mapping: Tensor) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into their slots, in place."""
     block_size = kv_layer.shape[2]

@@ -11,7 +11,7 @@ from pdserve_kernels.triton_decode import paged_decode_attention
 from pdserve_kernels.triton_kv import copy_blocks, gather_blocks, scatter_blocks, store_kv
 from pdserve_kernels.triton_norm import add_rms_norm, rms_norm
 from pdserve_kernels.triton_prefill import paged_prefill_attention
-from pdserve_kernels.triton_rope import rope
+from pdserve_kernels.triton_rope import rope, rope_and_store
 
 __all__ = [
     "add_rms_norm",
@@ -21,6 +21,7 @@ __all__ = [
     "paged_prefill_attention",
     "rms_norm",
     "rope",
+    "rope_and_store",
     "scatter_blocks",
     "silu_mul",
     "store_kv",

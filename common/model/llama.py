@@ -12,7 +12,8 @@ vLLM's fused linear layers do): two launches where there were five, each reading
 The checkpoint's matrices are stacked at load (``FUSED_PROJECTIONS``); every output is the dot
 product it was, over the same input and weights. Each block's output is added to the residual stream
 by the norm that reads the sum (``RMSNorm.add``): on a GPU the kernels' ``add_rms_norm`` is one launch
-for both, as vLLM's fused residual norm is, and ``silu_mul`` one for the MLP's activation.
+for both, as vLLM's fused residual norm is, ``silu_mul`` one for the MLP's activation, and
+``rope_and_store`` one for the rotary embedding and the KV cache's write.
 """
 
 from __future__ import annotations
@@ -140,8 +141,7 @@ class Attention(nn.Module):
         v = qkv[:, k_end:].view(n, self.num_kv_heads, self.head_size)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.kernels.rope(q, k, *rope)
-        self.kernels.store_kv(k, v, kv_layer, meta.slot_mapping)
+        q = self.kernels.rope_and_store(q, k, v, *rope, kv_layer, meta.slot_mapping)  # on a GPU, one kernel
         if meta.decode_only:
             o = self.kernels.paged_decode_attention(
                 q, kv_layer, meta.block_tables, meta.context_lens, self.scale, sliding_window=self.sliding_window,

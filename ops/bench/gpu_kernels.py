@@ -291,8 +291,23 @@ def run_checks(report: Report, ops: Any, ref: Any) -> None:
         (gq, gk), (wq, wk) = ops.rope(q, k, cos, sin), ref.rope(q, k, cos, sin)
         return float((gq != wq).sum() + (gk != wk).sum()), 0.0
 
+    def rope_and_store(dtype: torch.dtype) -> tuple[float, float]:
+        """Entries of the rotated queries and of the cache that differ from ``rope`` then ``store_kv``."""
+        q, k, v = randn(300, 32, 128, dtype=dtype), randn(300, 8, 128, dtype=dtype), randn(300, 8, 128, dtype=dtype)
+        angles = torch.rand(300, 1, 128, device=DEVICE, generator=gen) * 1000
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        slots = torch.randperm(640, device=DEVICE, generator=gen)[:300]
+        slots[::7] = -1  # skipped
+        got_cache = torch.zeros(2, 40, 16, 8, 128, dtype=dtype, device=DEVICE)
+        want_cache = got_cache.clone()
+        got_q = ops.rope_and_store(q, k, v, cos, sin, got_cache, slots)
+        want_q = ref.rope_and_store(q, k, v, cos, sin, want_cache, slots)
+        return float((got_q != want_q).sum() + (got_cache != want_cache).sum()), 0.0
+
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         report.check(f"rope {str(dtype)[6:]} 32/8 heads d128 (entries that differ)", functools.partial(rope, dtype))
+        report.check(f"rope_and_store {str(dtype)[6:]} 32/8 heads d128, block 16 (entries that differ)",
+                     functools.partial(rope_and_store, dtype))
 
     def silu_mul(dtype: torch.dtype, inter: int) -> tuple[float, float]:
         """Units in the last place of the output's dtype: the exponential may differ in float32's last

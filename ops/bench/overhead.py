@@ -56,7 +56,8 @@ sampled ids' copy, measured rather than stood in for (``--host-vocab`` does not 
 
 Part two, ``pdserve bench overhead router ...``: the router's CPU per streamed token in front of fake
 engines (``ops.bench.router_overhead``). ``pdserve bench overhead overlap ...``: step times with and
-without async scheduling beside a simulated device (``ops.bench.overlap``).
+without async scheduling beside a simulated device (``ops.bench.overlap``). ``pdserve bench overhead
+forward ...``: the operations and kernel launches of one forward of the model (``ops.bench.forward_ops``).
 """
 
 from __future__ import annotations
@@ -667,6 +668,10 @@ def main(argv: list[str] | None = None) -> int:
         from ops.bench import router_overhead
 
         return router_overhead.main(argv[1:])
+    if argv and argv[0] == "forward":  # what one forward of the model launches, counted
+        from ops.bench import forward_ops
+
+        return forward_ops.main(argv[1:])
     if argv and argv[0] == "overlap":  # what async scheduling hides, beside a simulated device
         from ops.bench import overlap
 

@@ -152,3 +152,27 @@ def test_profiled_steps_list_each_decode_cases_operations_by_host_time(
     assert {"aten::topk", "aten::sort"} & {row["name"] for row in results["mixed"]["profile"]}
     table = capsys.readouterr().out
     assert "profile, greedy batch 4" in table and "profile, mixed batch 4" in table and "profile, prefill" not in table
+
+
+def test_the_forward_count_runs_both_backends_and_the_triton_one_launches_fewer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``pdserve bench overhead forward`` on a tiny Llama: every case with each backend. The Triton one
+    records its kernels' launches (each replacing several torch operations), so it dispatches fewer
+    in all; the reference one launches none."""
+    from ops.bench import forward_ops
+    from tests.engine.tiny_models import build_checkpoint, family_configs
+
+    folder = build_checkpoint(family_configs()["llama-bias"], tmp_path / "llama")
+    out = tmp_path / "forward.json"
+    assert overhead.main(["forward", "--model", str(folder), "--batch", "2", "--context", "20", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    got = {(r["case"], r["backend"]): r for r in report["results"]}
+    assert set(got) == {(c, b) for c in ("decode", "prefill") for b in forward_ops.BACKENDS}
+    for case in ("decode", "prefill"):
+        torch_run, triton_run = got[case, "torch"], got[case, "triton"]
+        assert torch_run["triton_launches"] == 0 and triton_run["triton_launches"] > 0
+        assert triton_run["total"] < torch_run["total"]
+        assert triton_run["launches"]["_rms_norm_kernel"] >= 2  # the layers' norms (with the residual sums) and the last
+        assert triton_run["total"] == triton_run["torch_ops"] + triton_run["triton_launches"]
+    assert "per layer" in capsys.readouterr().out

@@ -144,6 +144,10 @@ def record_launches() -> list[Launch]:
             cs = torch.empty(4, 1, head_size, dtype=bf16)
             triton_rope.rope(torch.empty(4, q_heads, head_size, dtype=bf16), torch.empty(4, k_heads, head_size, dtype=bf16),
                              cs, cs)
+            scenario[0] = f"rope_and_store, {name}, bf16"
+            kv = torch.empty(4, k_heads, head_size, dtype=bf16)
+            triton_rope.rope_and_store(torch.empty(4, q_heads, head_size, dtype=bf16), kv, kv, cs, cs,
+                                       torch.empty(2, 8, 16, k_heads, head_size, dtype=bf16), torch.arange(4))
         zeros = torch.zeros(4, dtype=torch.long)
         scenario[0] = "seeded race with positions (the sampler's), whole rows"
         triton_sampling.seeded_race(torch.empty(4, 128256), zeros, num_splits=1, positions=zeros)

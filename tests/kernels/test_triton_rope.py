@@ -58,3 +58,32 @@ def test_strided_inputs_are_read_with_their_strides_and_bad_arguments_are_refuse
         triton_rope.rope(q, k, cos.half(), sin.half())
     with pytest.raises(AssertionError, match="even"):
         triton_rope.rope(q[..., :63], k[..., :63], cos[..., :63], sin[..., :63])
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+@pytest.mark.parametrize(("q_heads", "k_heads", "head_size", "block_size"), [(9, 3, 64, 16), (4, 4, 80, 8), (2, 5, 128, 4)])
+def test_rotating_and_storing_in_one_kernel_writes_what_rope_then_store_kv_write(
+    dtype: torch.dtype, q_heads: int, k_heads: int, head_size: int, block_size: int
+) -> None:
+    """The queries come back rotated; the rotated keys and the values land in the cache at their slots,
+    bit for bit as the reference's two steps put them there; a negative slot writes nothing."""
+    q, k, cos, sin = _inputs(7, q_heads, k_heads, head_size, dtype, seed=head_size + k_heads)
+    v = torch.randn(7, k_heads, head_size, generator=torch.Generator().manual_seed(2)).to(dtype)
+    qkv = torch.cat([q, k, v], dim=1)  # views of one tensor, as the stacked projection gives them
+    q, k, v = qkv[:, :q_heads], qkv[:, q_heads : q_heads + k_heads], qkv[:, q_heads + k_heads :]
+    slots = torch.tensor([5, 0, -1, 17, 3, 30, 9])
+    got_cache = torch.full((2, 40 // block_size, block_size, k_heads, head_size), 7.0, dtype=dtype)
+    want_cache = got_cache.clone()
+    got_q = triton_rope.rope_and_store(q, k, v, cos, sin, got_cache, slots)
+    want_q = reference.rope_and_store(q, k, v, cos, sin, want_cache, slots)
+    assert torch.equal(got_q, want_q) and torch.equal(got_cache, want_cache)
+    assert int((got_cache != 7.0).any(dim=-1).any(dim=-1).sum()) == 2 * 6  # six slots written, K and V
+
+
+def test_rotating_and_storing_refuses_values_that_do_not_fit_the_cache() -> None:
+    q, k, cos, sin = _inputs(3, 4, 2, 64, F32, seed=3)
+    cache = torch.zeros(2, 4, 8, 2, 64)
+    with pytest.raises(AssertionError, match="v must be"):
+        triton_rope.rope_and_store(q, k, k[:, :1], cos, sin, cache, torch.arange(3))
+    with pytest.raises(AssertionError, match="slot_mapping"):
+        triton_rope.rope_and_store(q, k, k, cos, sin, cache, torch.arange(2))

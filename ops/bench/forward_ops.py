@@ -1,0 +1,180 @@
+"""``pdserve bench overhead forward``: what one forward of the model launches, counted.
+
+Beside a GPU every torch operation a forward dispatches is a kernel launch (or a cuBLAS call), and so
+is every Triton kernel: run eagerly (prefill steps, ``--enforce-eager``) each costs the host its
+launch, and in a CUDA graph's replay each still costs the device a few microseconds at a small
+model's sizes. The count does not move with the host's load, and needs no GPU: the model is built on
+the CPU with its real weights; with the Triton backend each of its Triton kernels is recorded
+instead of run (what their wrappers dispatch around them still counts), so the outputs are not
+meaningful, only what was launched. Views and allocations (``aten.empty*``), which launch nothing,
+are left out.
+
+Both backends in one invocation: ``torch`` is the reference formulas (the CPU's path), ``triton``
+what a GPU runs. Cases: a decode step (``--batch`` sequences, one token each, ``--context`` tokens
+in the cache) and a prefill step (``--batch`` prompts of ``--context`` tokens).
+
+    pdserve bench overhead forward --batch 8 --context 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import datetime
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from common.model.llama import AttentionMetadata, LlamaForCausalLM
+from common.model.loader import model_identity, resolve_model_path
+from common.model.weights import load_hf_config, load_model
+from pdserve_kernels import get_kernels
+
+RESULTS_DIR = Path(__file__).parent / "results"
+BACKENDS = ("torch", "triton")
+
+
+class _Count(TorchDispatchMode):
+    """The torch operations dispatched, by name: views and allocations apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = str(func)
+        if not func.is_view and not name.startswith("aten.empty"):
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def recorded_triton_launches() -> Iterator[collections.Counter[str]]:
+    """Every ``*_kernel`` Triton function of the kernels package (compiled, or under the interpreter)
+    stood in by a recorder: a launch counts by the kernel's name and runs nothing."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from pdserve_kernels import (
+        triton_act,
+        triton_decode,
+        triton_kv,
+        triton_norm,
+        triton_nucleus,
+        triton_prefill,
+        triton_rope,
+        triton_sampling,
+    )
+
+    launches: collections.Counter[str] = collections.Counter()
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: Any) -> Any:
+            return lambda *args, **kwargs: launches.update([self.name])
+
+    swapped = []
+    for module in (triton_act, triton_decode, triton_kv, triton_norm, triton_nucleus, triton_prefill, triton_rope,
+                   triton_sampling):
+        for name, value in vars(module).items():
+            if isinstance(value, (JITFunction, InterpretedFunction)) and name.endswith("_kernel"):
+                swapped.append((module, name, value))
+                setattr(module, name, Recorder(name))
+    try:
+        yield launches
+    finally:
+        for module, name, value in swapped:
+            setattr(module, name, value)
+
+
+def step_inputs(model: LlamaForCausalLM, case: str, batch: int, context: int,
+                block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """Token ids, positions, metadata and a KV cache for one step of ``case``."""
+    blocks = -(-context // block_size)
+    kv_cache = torch.zeros(len(model.model.layers), 2, batch * blocks, block_size, model.num_kv_heads,
+                           model.head_size)
+    tables = torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    if case == "decode":
+        q_lens = [1] * batch
+        positions = torch.full((batch,), context - 1)
+        slots = tables[:, -1].long() * block_size + (context - 1) % block_size
+    else:
+        q_lens = [context] * batch
+        positions = torch.arange(context).repeat(batch)
+        slots = (tables.long()[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :context].flatten()
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_start_loc=starts, context_lens=lens,
+                             max_query_len=max(q_lens))
+    ids = torch.randint(0, int(model.config.vocab_size), (int(starts[-1]),), generator=torch.Generator().manual_seed(0))
+    return ids, positions, meta, kv_cache
+
+
+def count_forward(model: LlamaForCausalLM, backend: str, case: str, args: argparse.Namespace) -> dict[str, Any]:
+    ids, positions, meta, kv_cache = step_inputs(model, case, args.batch, args.context)
+    with contextlib.ExitStack() as stack, torch.inference_mode():
+        launches = stack.enter_context(recorded_triton_launches()) if backend == "triton" else collections.Counter()
+        model(ids, positions, meta, kv_cache)  # once first: anything done on a first call only is not counted
+        launches.clear()
+        count = _Count()
+        with count:
+            model(ids, positions, meta, kv_cache)
+    ops, triton = sum(count.ops.values()), sum(launches.values())
+    return {"backend": backend, "case": case, "torch_ops": ops, "triton_launches": triton, "total": ops + triton,
+            "per_layer": round((ops + triton) / len(model.model.layers), 1), "ops": dict(count.ops.most_common()),
+            "launches": dict(launches)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench overhead forward", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint folder; default: the default model")
+    p.add_argument("--batch", type=int, default=8, help="sequences in the step")
+    p.add_argument("--context", type=int, default=64, help="tokens in the cache (decode), or in each prompt (prefill)")
+    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--cases", default="decode,prefill")
+    p.add_argument("--json", default=None, help="default: ops/bench/results/forward-ops-<date>.json")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    backends = [b for b in args.backends.split(",") if b]
+    cases = [c for c in args.cases.split(",") if c]
+    if not set(backends) <= set(BACKENDS) or not backends:
+        raise SystemExit(f"--backends takes a comma-separated list of {', '.join(BACKENDS)}")
+    if not set(cases) <= {"decode", "prefill"} or not cases:
+        raise SystemExit("--cases takes a comma-separated list of decode, prefill")
+    if args.batch < 1 or args.context < 1:
+        raise SystemExit("--batch and --context must be positive")
+    path = resolve_model_path(args.model)
+    config = load_hf_config(path)
+    results = []
+    for backend in backends:
+        model = load_model(path, config, get_kernels("cpu", backend), torch.float32, torch.device("cpu"), args.context + 1)
+        results += [count_forward(model, backend, case, args) for case in cases]
+    report = {"date": datetime.date.today().isoformat(),
+              "command": " ".join(["pdserve bench overhead forward", *(argv if argv is not None else sys.argv[1:])]),
+              "model": path.name, "model_id": model_identity(path), "config": vars(args), "results": results}
+    print(f"one forward of {report['model']}: torch operations (views and allocations apart) and Triton launches")
+    print(f"{'case':8} {'backend':8} {'torch ops':>10} {'launches':>9} {'total':>7} {'per layer':>10}")
+    for r in results:
+        print(f"{r['case']:8} {r['backend']:8} {r['torch_ops']:>10} {r['triton_launches']:>9} {r['total']:>7} "
+              f"{r['per_layer']:>10}")
+    out = Path(args.json) if args.json else RESULTS_DIR / f"forward-ops-{report['date']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

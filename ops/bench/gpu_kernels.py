@@ -705,14 +705,17 @@ EARLY_TOKENS = 4
 
 
 def _engine_run(
-    mode: str, batch: int, prompts: list[list[int]], max_tokens: int, device: str = DEVICE, model: str | None = None
+    mode: str, batch: int, prompts: list[list[int]], max_tokens: int, device: str = DEVICE, model: str | None = None,
+    profile_steps: int = 0, profile: list[dict[str, Any]] | None = None,
 ) -> tuple[list[list[int]], float, int]:
     """Greedy outputs, the median decode step (ms; steps where every request had its first token)
     and the steps that ran through ``DecodeGraphs``, of one engine on ``model`` (None: the default
     one): ``mode`` "eager" (``--enforce-eager``), "graphs" (captured and replayed), "async" (graphs and
     ``--async-scheduling``) or "padded" (the graphs' padded static-buffer forward run eagerly, what a
     replay must equal exactly). On another ``device`` (a test's dry run on the CPU) nothing is captured:
-    "graphs" and "async" then run eagerly."""
+    "graphs" and "async" then run eagerly. With ``profile_steps``, that many decode steps after the
+    first few run under torch's profiler (left out of the median), their rows appended to ``profile``
+    (``ops.bench.overhead.profile_rows``: host and device time per operation and per step)."""
     from common.config import EngineConfig
     from common.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
     from common.engine.engine import LLMEngine
@@ -735,16 +738,58 @@ def _engine_run(
         engine.add_request(rid, prompt, params)
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     decode_s: list[float] = []
+    profiler: Any = None
+    profiled = 0
     while engine.has_unfinished_requests():
         decoding = all(tokens.values())
+        if decoding and profile_steps and profiled < profile_steps and len(decode_s) == PROFILE_AFTER_STEPS:
+            profiler = profiler or _start_profiler(device)
         t0 = time.perf_counter()
         outs = engine.step()
-        if decoding:
+        if profiler is not None and profiled < profile_steps:
+            profiled += 1
+            if profiled == profile_steps or not engine.has_unfinished_requests():
+                _stop_profiler(profiler, device, profiled, profile)
+        elif decoding:
             decode_s.append(time.perf_counter() - t0)
         for out in outs:
             tokens[out.request_id] += out.new_token_ids
     replayed = runner.decode_graphs.num_runs if runner.decode_graphs is not None else 0
     return [tokens[rid] for rid in ids], statistics.median(decode_s) * 1e3 if decode_s else float("nan"), replayed
+
+
+# Decode steps measured before a profiled stretch starts (the graphs and caches warm by then).
+PROFILE_AFTER_STEPS = 5
+
+
+def _start_profiler(device: str) -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    profiler = profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])])
+    profiler.__enter__()
+    return profiler
+
+
+def _stop_profiler(profiler: Any, device: str, num_steps: int, rows: list[dict[str, Any]] | None) -> None:
+    from ops.bench.overhead import profile_rows
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+    profiler.__exit__(None, None, None)
+    if rows is not None:
+        rows += profile_rows(profiler, num_steps)
+
+
+def _profile_summary(rows: list[dict[str, Any]]) -> str:
+    """A profile's top operations by host time, and its totals per step (the rows are the top ones only:
+    the totals are at least those)."""
+    host = sum(r["self_host_us"] for r in rows)
+    device = sum(r["self_device_us"] for r in rows)
+    top = "; ".join(f"{r['name']} {r['self_host_us']:.0f}/{r['self_device_us']:.0f} us x{r['calls']:g}" for r in rows[:8])
+    return f"per step, top operations: host {host:.0f} us, device {device:.0f} us (host/device each): {top}"
 
 
 def bench_engine_graphs(report: Report, args: argparse.Namespace) -> None:
@@ -767,7 +812,10 @@ def bench_engine_graphs(report: Report, args: argparse.Namespace) -> None:
         prompts = torch.randint(3, 10_000, (batch, prompt_len), generator=gen).tolist()
         outputs: dict[str, list[list[int]]] = {}
         for mode in ("eager", "graphs", "async", "padded"):
-            outputs[mode], ms, replayed = _engine_run(mode, batch, prompts, max_tokens, model=model)
+            rows: list[dict[str, Any]] = []
+            steps = args.engine_profile_steps if mode in ("graphs", "async") and batch == args.engine_batch else 0
+            outputs[mode], ms, replayed = _engine_run(mode, batch, prompts, max_tokens, model=model,
+                                                      profile_steps=steps, profile=rows)
             gc.collect()
             torch.cuda.empty_cache()
             if mode == "padded":
@@ -781,6 +829,9 @@ def bench_engine_graphs(report: Report, args: argparse.Namespace) -> None:
                                    "sequences_differing_from_eager": differ})
             print(f"[time] {name} [batch {batch}] {ms:.3f} ms per decode step; {replayed} steps replayed; "
                   f"{differ} of {batch} sequences differ from graphs off")
+            if rows:
+                report.timings[-1]["profile"] = rows
+                print(f"[profile] {name} [batch {batch}] {_profile_summary(rows)}")
             if mode == "graphs":
                 report.check(f"engine decode steps replayed from CUDA graphs (batch {batch}; err = 1 if none)",
                              functools.partial(_exact, float(replayed == 0)))
@@ -921,6 +972,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-batch", type=int, default=64,
                         help="decode batch of the engine section (CUDA graphs off and on; batch 1 too)")
     parser.add_argument("--engine-tokens", type=int, default=64, help="tokens each engine request generates")
+    parser.add_argument("--engine-profile-steps", type=int, default=5,
+                        help="decode steps of the engine section profiled (graphs on, and async; at --engine-batch)")
     parser.add_argument("--engine-model", default="auto",
                         help="the engine section's model (as --model takes it); auto: the default model, or a "
                              "random-weight stand-in of its shapes where its package is not installed")

@@ -437,6 +437,11 @@ def profile_ops(engine: LLMEngine, num_steps: int) -> list[dict[str, Any]]:
             engine.step()
         if cuda:
             torch.cuda.synchronize()
+    return profile_rows(prof, num_steps)
+
+
+def profile_rows(prof: Any, num_steps: int) -> list[dict[str, Any]]:
+    """A finished profile of ``num_steps`` steps, per operation and per step (see ``profile_ops``)."""
     rows = []
     for event in prof.key_averages():
         device_us = getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0))

@@ -62,6 +62,13 @@ def test_the_engine_section_runs_its_modes_on_the_cpu() -> None:
     assert [len(t) for t in tokens["eager"]] == [5, 5]
     assert runs["padded"][2] == 4 and runs["eager"][2] == runs["async"][2] == 0  # steps through the buffers
     assert all(run[1] > 0 for run in runs.values())  # a median decode step was timed
+    # Profiled steps (after the first few decode steps) keep the outputs and report operations per step.
+    rows: list[dict] = []
+    profiled = gpu_kernels._engine_run("async", 2, prompts, gpu_kernels.PROFILE_AFTER_STEPS + 4, device="cpu",
+                                       profile_steps=2, profile=rows)
+    plain = gpu_kernels._engine_run("async", 2, prompts, gpu_kernels.PROFILE_AFTER_STEPS + 4, device="cpu")
+    assert profiled[0] == plain[0] and rows and all(r["calls"] > 0 and r["self_host_us"] >= 0 for r in rows)
+    assert "host" in gpu_kernels._profile_summary(rows)
 
 
 def test_a_section_that_raises_is_a_failed_check_and_the_others_still_run(tmp_path: Path) -> None:

@@ -50,11 +50,14 @@ def _tables(cos_ptr, sin_ptr, tok, stride_cs_tok, offs_d, d_mask, HEAD_SIZE: tl.
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
-                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_cs_tok,
-                 stride_qo_tok, stride_qo_head, stride_ko_tok, stride_ko_head,
+def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_out_ptr, slot_mapping_ptr,
+                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                 stride_cs_tok, stride_qo_tok, stride_qo_head, stride_ko_block, stride_ko_tok, stride_ko_head,
                  NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, H_PAD: tl.constexpr,
-                 HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr):
+                 HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """A token's queries rotated to ``q_out``, and its keys rotated: to ``k_out``, or with ``STORE`` into
+    the cache (``k_out`` and ``v_out`` its K and V planes) at the token's slot with its values, as
+    ``store_kv`` writes them (nothing for a negative slot)."""
     tok = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -62,34 +65,20 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
     cos, sin, partner, sign = _tables(cos_ptr, sin_ptr, tok, stride_cs_tok, offs_d, d_mask, HEAD_SIZE)
     _rotate(q_ptr, q_out_ptr, tok, stride_q_tok, stride_q_head, stride_qo_tok, stride_qo_head, cos, sin, partner,
             sign, offs_h, offs_d, (offs_h[:, None] < NUM_Q_HEADS) & d_mask[None, :])
-    _rotate(k_ptr, k_out_ptr, tok, stride_k_tok, stride_k_head, stride_ko_tok, stride_ko_head, cos, sin, partner,
-            sign, offs_h, offs_d, (offs_h[:, None] < NUM_K_HEADS) & d_mask[None, :])
-
-
-@triton.jit
-def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                       stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                       stride_cs_tok, stride_qo_tok, stride_qo_head, stride_c_block, stride_c_tok, stride_c_head,
-                       NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, H_PAD: tl.constexpr,
-                       HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """A token's queries rotated to ``q_out``; its keys rotated and its values, into the cache at its slot
-    (none for a negative slot), as ``store_kv`` writes them."""
-    tok = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, H_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    d_mask = offs_d < HEAD_SIZE
-    cos, sin, partner, sign = _tables(cos_ptr, sin_ptr, tok, stride_cs_tok, offs_d, d_mask, HEAD_SIZE)
-    _rotate(q_ptr, q_out_ptr, tok, stride_q_tok, stride_q_head, stride_qo_tok, stride_qo_head, cos, sin, partner,
-            sign, offs_h, offs_d, (offs_h[:, None] < NUM_Q_HEADS) & d_mask[None, :])
-    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
-    # A skipped slot masks every head (folded into a bound, as ``store_kv`` does it).
-    mask = (offs_h[:, None] < tl.where(slot >= 0, NUM_K_HEADS, 0)) & d_mask[None, :]
-    dst = (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_tok
-    dst_offs = dst + offs_h[:, None] * stride_c_head + offs_d[None, :]
+    if STORE:
+        slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+        # A skipped slot masks every head (folded into a bound, as ``store_kv`` does it).
+        mask = (offs_h[:, None] < tl.where(slot >= 0, NUM_K_HEADS, 0)) & d_mask[None, :]
+        dst = (slot // BLOCK_SIZE) * stride_ko_block + (slot % BLOCK_SIZE) * stride_ko_tok
+    else:
+        mask = (offs_h[:, None] < NUM_K_HEADS) & d_mask[None, :]
+        dst = tok * stride_ko_tok
+    dst_offs = dst + offs_h[:, None] * stride_ko_head + offs_d[None, :]
     k = _rotated(k_ptr, tok * stride_k_tok + offs_h[:, None] * stride_k_head, cos, sin, partner, sign, offs_d, mask)
-    tl.store(k_cache_ptr + dst_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(v_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :], mask=mask)
-    tl.store(v_cache_ptr + dst_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_out_ptr + dst_offs, k.to(k_out_ptr.dtype.element_ty), mask=mask)
+    if STORE:
+        v = tl.load(v_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :], mask=mask)
+        tl.store(v_out_ptr + dst_offs, v.to(v_out_ptr.dtype.element_ty), mask=mask)
 
 
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -98,12 +87,13 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor
     ``[tokens, 1, head_size]`` of their dtype."""
     num_tokens, num_q_heads, head_size = _check(q, k, cos, sin)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    if num_tokens:
+    if num_tokens:  # without STORE, ``v``, ``v_out`` and the slots are not read: ``k`` stands in for them
         _rope_kernel[(num_tokens,)](
-            q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+            q, k, k, cos, sin, q_out, k_out, k, k, q.stride(0), q.stride(1), k.stride(0), k.stride(1), 0, 0,
+            cos.stride(0), q_out.stride(0), q_out.stride(1), 0, k_out.stride(0), k_out.stride(1),
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], H_PAD=triton.next_power_of_2(max(num_q_heads, k.shape[1])),
-            HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size), enable_fp_fusion=False,
+            HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size), STORE=False, BLOCK_SIZE=1,
+            enable_fp_fusion=False,
         )
     return q_out, k_out
 
@@ -125,13 +115,13 @@ def rope_and_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv
     q_out = torch.empty_like(q)
     if num_tokens:
         k_cache, v_cache = kv_layer[0], kv_layer[1]
-        _rope_store_kernel[(num_tokens,)](
+        _rope_kernel[(num_tokens,)](
             q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), cos.stride(0), q_out.stride(0), q_out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_kv_heads,
             H_PAD=triton.next_power_of_2(max(num_q_heads, num_kv_heads)), HEAD_SIZE=head_size,
-            D_PAD=triton.next_power_of_2(head_size), BLOCK_SIZE=block_size, enable_fp_fusion=False,
+            D_PAD=triton.next_power_of_2(head_size), STORE=True, BLOCK_SIZE=block_size, enable_fp_fusion=False,
         )
     return q_out
 

@@ -24,7 +24,6 @@ import contextlib
 import datetime
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from common.model.llama import AttentionMetadata, LlamaForCausalLM
 from common.model.loader import model_identity, resolve_model_path
 from common.model.weights import load_hf_config, load_model
 from pdserve_kernels import get_kernels
+from pdserve_kernels.launch_recorder import Launch, recording
 
 RESULTS_DIR = Path(__file__).parent / "results"
 BACKENDS = ("torch", "triton")
@@ -52,47 +52,6 @@ class _Count(TorchDispatchMode):
         if not func.is_view and not name.startswith("aten.empty"):
             self.ops[name] += 1
         return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def recorded_triton_launches() -> Iterator[collections.Counter[str]]:
-    """Every ``*_kernel`` Triton function of the kernels package (compiled, or under the interpreter)
-    stood in by a recorder: a launch counts by the kernel's name and runs nothing."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    from pdserve_kernels import (
-        triton_act,
-        triton_decode,
-        triton_kv,
-        triton_norm,
-        triton_nucleus,
-        triton_prefill,
-        triton_rope,
-        triton_sampling,
-    )
-
-    launches: collections.Counter[str] = collections.Counter()
-
-    class Recorder:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def __getitem__(self, grid: Any) -> Any:
-            return lambda *args, **kwargs: launches.update([self.name])
-
-    swapped = []
-    for module in (triton_act, triton_decode, triton_kv, triton_norm, triton_nucleus, triton_prefill, triton_rope,
-                   triton_sampling):
-        for name, value in vars(module).items():
-            if isinstance(value, (JITFunction, InterpretedFunction)) and name.endswith("_kernel"):
-                swapped.append((module, name, value))
-                setattr(module, name, Recorder(name))
-    try:
-        yield launches
-    finally:
-        for module, name, value in swapped:
-            setattr(module, name, value)
 
 
 def step_inputs(model: LlamaForCausalLM, case: str, batch: int, context: int,
@@ -121,16 +80,17 @@ def step_inputs(model: LlamaForCausalLM, case: str, batch: int, context: int,
 def count_forward(model: LlamaForCausalLM, backend: str, case: str, args: argparse.Namespace) -> dict[str, Any]:
     ids, positions, meta, kv_cache = step_inputs(model, case, args.batch, args.context)
     with contextlib.ExitStack() as stack, torch.inference_mode():
-        launches = stack.enter_context(recorded_triton_launches()) if backend == "triton" else collections.Counter()
+        launches: list[Launch] = stack.enter_context(recording())[0] if backend == "triton" else []
         model(ids, positions, meta, kv_cache)  # once first: anything done on a first call only is not counted
         launches.clear()
         count = _Count()
         with count:
             model(ids, positions, meta, kv_cache)
-    ops, triton = sum(count.ops.values()), sum(launches.values())
+    by_kernel = collections.Counter(launch.name for launch in launches)
+    ops, triton = sum(count.ops.values()), len(launches)
     return {"backend": backend, "case": case, "torch_ops": ops, "triton_launches": triton, "total": ops + triton,
             "per_layer": round((ops + triton) / len(model.model.layers), 1), "ops": dict(count.ops.most_common()),
-            "launches": dict(launches)}
+            "launches": dict(by_kernel)}
 
 
 def build_parser() -> argparse.ArgumentParser:

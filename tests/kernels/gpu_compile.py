@@ -10,20 +10,18 @@ the specialization the JIT would give it. Must run without ``TRITON_INTERPRET`` 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 import triton
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction, native_specialize_impl
+from triton.runtime.jit import native_specialize_impl
 
 from pdserve_kernels import (
     triton_act,
@@ -35,51 +33,10 @@ from pdserve_kernels import (
     triton_rope,
     triton_sampling,
 )
+from pdserve_kernels.launch_recorder import Launch, recording
 
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion")
 # The most shared memory one program may use (opt-in), per SM version: a launch over it is refused.
 SHARED_MEMORY_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
-
-
-@dataclass
-class Launch:
-    scenario: str
-    fn: JITFunction
-    args: dict[str, Any]
-    options: dict[str, Any]
-
-
-class Recorder:
-    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records the launch instead."""
-
-    def __init__(self, fn: JITFunction, launches: list[Launch], scenario: list[str]) -> None:
-        self.fn, self.launches, self.scenario = fn, launches, scenario
-
-    def __getitem__(self, grid: Any) -> Callable[..., None]:
-        def record(*args: Any, **kwargs: Any) -> None:
-            options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
-            bound = dict(zip(self.fn.arg_names, args, strict=False)) | kwargs
-            self.launches.append(Launch(self.scenario[0], self.fn, bound, options))
-
-        return record
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[tuple[list[Launch], list[str]]]:
-    launches: list[Launch] = []
-    scenario = [""]
-    swapped = []
-    for module in (triton_decode, triton_prefill, triton_kv, triton_sampling, triton_nucleus, triton_norm, triton_rope,
-                   triton_act):
-        for name, value in vars(module).items():
-            if isinstance(value, JITFunction) and name.endswith("_kernel"):
-                swapped.append((module, name, value))
-                setattr(module, name, Recorder(value, launches, scenario))
-    try:
-        yield launches, scenario
-    finally:
-        for module, name, value in swapped:
-            setattr(module, name, value)
 
 
 def record_launches() -> list[Launch]:

@@ -92,11 +92,9 @@ def test_a_section_that_raises_is_a_failed_check_and_the_others_still_run(tmp_pa
     assert report.json_path.exists() and "section engine" in report.md_path.read_text()
 
 
-def test_the_seeded_race_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A dry run of the seeded race section on the CPU (the kernel under the interpreter, a small
-    vocabulary, timings stubbed): both checks pass, and both ways of racing get timed."""
-    import argparse
-
+def _dry_run(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A section's dry run on the CPU: each timed function runs once, stubbed to 1 ms; the copies it is
+    compared with are listed in the list returned instead of run."""
     monkeypatch.setattr(gpu_kernels, "DEVICE", "cpu")
     timed: list[str] = []
 
@@ -106,6 +104,15 @@ def test_the_seeded_race_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: py
 
     monkeypatch.setattr(gpu_kernels, "median_ms", fake_median_ms)
     monkeypatch.setattr(gpu_kernels, "time_copy", lambda report, num_bytes, dtype: timed.append("copy"))
+    return timed
+
+
+def test_the_seeded_race_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dry run of the seeded race section on the CPU (the kernel under the interpreter, a small
+    vocabulary, timings stubbed): both checks pass, and both ways of racing get timed."""
+    import argparse
+
+    timed = _dry_run(monkeypatch)
     report = gpu_kernels.Report(tmp_path, {"device": "fake"})
     gpu_kernels.bench_seeded_race(report, argparse.Namespace(batch=4, vocab=1500))
     assert [c["ok"] for c in report.checks] == [True, True], report.checks
@@ -216,15 +223,7 @@ def test_the_top_p_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: pytest.M
     vocabularies, timings stubbed): its checks pass, and the kernel and the sort are both timed."""
     import argparse
 
-    monkeypatch.setattr(gpu_kernels, "DEVICE", "cpu")
-    timed: list[str] = []
-
-    def fake_median_ms(fn):  # type: ignore[no-untyped-def]
-        fn()
-        return 1.0
-
-    monkeypatch.setattr(gpu_kernels, "median_ms", fake_median_ms)
-    monkeypatch.setattr(gpu_kernels, "time_copy", lambda report, num_bytes, dtype: timed.append("copy"))
+    timed = _dry_run(monkeypatch)
     report = gpu_kernels.Report(tmp_path, {"device": "fake"})
     gpu_kernels.bench_nucleus(report, argparse.Namespace(batch=4, vocab=300), vocabs=(100, 300), batch=12)
     assert [c["ok"] for c in report.checks] == [True, True, True], report.checks

@@ -78,7 +78,8 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma:
     assert residual.shape == x.shape and residual.dtype == x.dtype, (
         f"residual {residual.dtype} {tuple(residual.shape)} differs from x {x.dtype} {tuple(x.shape)}")
     rows, out = _rows_and_out(x, weight)
-    res_rows, _ = _rows_and_out(residual, weight)
+    res_rows = residual.reshape(rows.shape)
+    assert res_rows.stride(-1) == 1 or rows.shape[1] <= 1, f"residual rows must have unit stride; got {residual.stride()}"
     summed = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0] and rows.shape[1]:
         block = min(MAX_BLOCK, triton.next_power_of_2(rows.shape[1]))

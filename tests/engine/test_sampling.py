@@ -627,8 +627,8 @@ def test_batched_draws_follow_the_per_row_reference_distribution_chi_square(kern
     per row), interleaved in one batch: each group's counts against the reference's filtered
     probabilities (chi-square goodness of fit at the 0.1% level), and no token the reference filters out
     is ever drawn. With the torch backend the unseeded rows draw by the inverse CDF and the seeded ones
-    race; with Triton's (under its interpreter here) every row races in the kernel, the unseeded ones
-    with keys from the generator."""
+    race; with Triton's (under its interpreter here) top-p and min-p are the nucleus kernel's and every
+    row races in the race's kernel, the unseeded ones with keys from the generator."""
     probs = torch.tensor([0.30, 0.20, 0.15, 0.12, 0.10, 0.08, 0.04, 0.01])
     perm = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])
     logits = torch.empty(8).index_copy_(0, perm, probs.log())

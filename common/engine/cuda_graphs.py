@@ -44,7 +44,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from common.engine.host_tensors import to_device_all
 from common.engine.input_batch import BatchInputs
 from common.model.llama import AttentionMetadata
 
@@ -142,22 +141,16 @@ class DecodeGraphs:
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     def load(self, inputs: BatchInputs, size: int) -> None:
-        """Copy a step's inputs into the static buffers' first rows; rows up to ``size`` become padding."""
+        """Copy a step's inputs, already on the buffers' device (the runner sends them up in one copy,
+        through pinned memory: ``host_tensors.to_device_all``), into the static buffers' first rows; rows
+        up to ``size`` become padding."""
         n = inputs.context_lens.shape[0]
         width = inputs.block_tables.shape[1]
-        dev = self.input_ids.device
-        sources = [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.context_lens, inputs.block_tables]
-        # Those still on the host go up together, through pinned memory: a copy from pageable memory may
-        # wait for the work already queued (with async scheduling, the step before), where this one must not.
-        on_host = [i for i, t in enumerate(sources) if t.device != dev]
-        for i, t in zip(on_host, to_device_all([sources[i] for i in on_host], dev), strict=True):
-            sources[i] = t
-        input_ids, positions, slot_mapping, context_lens, block_tables = sources
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
-        self.context_lens[:n].copy_(context_lens, non_blocking=True)
-        self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
+        self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
+        self.positions[:n].copy_(inputs.positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(inputs.slot_mapping, non_blocking=True)
+        self.context_lens[:n].copy_(inputs.context_lens, non_blocking=True)
+        self.block_tables[:n, :width].copy_(inputs.block_tables, non_blocking=True)
         if size > n:
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()

@@ -166,19 +166,25 @@ class _Group:
         self.top_k = top_k
         self.top_k_max = max((params[i].top_k for i in top_k), default=0)
         self.top_k_positions = long_tensor([params[i].top_k - 1 for i in top_k], device).unsqueeze(1)
-        top_p = [i for i, p in enumerate(params) if p.top_p < 1.0]
-        self.top_p_index = _index(top_p, len(rows), device)
-        self.top_p = top_p
-        self.top_p_values = float_tensor([params[i].top_p for i in top_p], device).unsqueeze(1)
-        min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
-        self.min_p_index = _index(min_p, len(rows), device)
-        self.min_p = min_p
-        self.min_p_values = float_tensor([params[i].min_p for i in min_p], device).unsqueeze(1)
+        self.top_p = [i for i, p in enumerate(params) if p.top_p < 1.0]
+        self.min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
         self.vocab, self.device = vocab, device
         self.unseeded = [i for i, r in enumerate(reqs) if r.draw_seed is None]
 
-    # The draws' index and key tensors are built on first use: a sampler whose rows all race in the
-    # kernel (``Sampler._race_all``) needs none of them.
+    # The draws' index, parameter and key tensors are built on first use: the torch path's and the
+    # Triton kernels' (``Sampler._race_all``, ``nucleus_params``) are each built only where they run.
+    @functools.cached_property
+    def top_p_rows(self) -> tuple[Tensor | None, Tensor]:
+        """The rows with a top-p (``_index``) and their values, ``[rows, 1]``."""
+        return (_index(self.top_p, len(self.requests), self.device),
+                float_tensor([self.requests[i].sampling_params.top_p for i in self.top_p], self.device).unsqueeze(1))
+
+    @functools.cached_property
+    def min_p_rows(self) -> tuple[Tensor | None, Tensor]:
+        """The rows with a min-p (``_index``) and their values, ``[rows, 1]``."""
+        return (_index(self.min_p, len(self.requests), self.device),
+                float_tensor([self.requests[i].sampling_params.min_p for i in self.min_p], self.device).unsqueeze(1))
+
     @functools.cached_property
     def races(self) -> list[_Race]:
         """The seeded rows' races (``exponential_race``). On the CPU, over a vocabulary's rows, the rows
@@ -481,13 +487,15 @@ class Sampler:
                 nucleus_filter(probs, *group.nucleus_params)
             return self._race_all(probs, group)
         if group.top_p:
-            sub = _take(probs, group.top_p_index)
-            apply_top_p(sub, group.top_p_values, TOP_P_WINDOW)
-            _put(probs, group.top_p_index, sub)
+            index, top_p = group.top_p_rows
+            sub = _take(probs, index)
+            apply_top_p(sub, top_p, TOP_P_WINDOW)
+            _put(probs, index, sub)
         if group.min_p:
-            sub = _take(probs, group.min_p_index)
-            sub.masked_fill_(sub < group.min_p_values * sub.amax(dim=-1, keepdim=True), 0.0)
-            _put(probs, group.min_p_index, sub)
+            index, min_p = group.min_p_rows
+            sub = _take(probs, index)
+            sub.masked_fill_(sub < min_p * sub.amax(dim=-1, keepdim=True), 0.0)
+            _put(probs, index, sub)
         token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)
         for race in group.races:
             positions = long_tensor([len(r.output_token_ids) for r in race.requests], dev)

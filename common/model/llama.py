@@ -104,10 +104,6 @@ class RotaryEmbedding(nn.Module):
         every layer (per layer they were four more kernel launches each)."""
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
-    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        # q: [num_tokens, num_heads, head_size]
-        return reference.rope(q, k, *self.cos_sin(positions, q.dtype))
-
 
 class Attention(nn.Module):
     def __init__(self, config: Any, arch: ModelArch, layer_idx: int, kernels: ModuleType) -> None:

@@ -16,6 +16,7 @@ the run keeps what came before.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import functools
 import json
@@ -256,13 +257,16 @@ def run_checks(report: Report, ops: Any, ref: Any) -> None:
 
     report.check("gather_blocks / scatter_blocks / copy_blocks bf16", blocks)
 
+    def ulps(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+        """The largest difference in units in the last place of ``want``'s dtype, and what is allowed: 2
+        at 16 bits, 4 in float32 (where a scale's own rounding carries into every entry)."""
+        ulp = torch.finfo(want.dtype).eps * want.float().abs().clamp(min=torch.finfo(want.dtype).tiny)
+        return float(((got.float() - want.float()).abs() / ulp).max()), 4.0 if want.dtype == torch.float32 else 2.0
+
     def norm(dtype: torch.dtype, width: int, gemma: bool) -> tuple[float, float]:
-        """Units in the last place of the output's dtype (the sum of squares' order may move the last bit;
-        in float32 the scale's own rounding carries into every entry)."""
+        """Units in the last place of the output's dtype (the sum of squares' order may move the last bit)."""
         x, weight = 3 * randn(300, width, dtype=dtype), (1 + 0.5 * randn(width)).to(dtype)
-        got, want = ops.rms_norm(x, weight, 1e-6, gemma).float(), ref.rms_norm(x, weight, 1e-6, gemma).float()
-        ulp = torch.finfo(dtype).eps * want.abs().clamp(min=torch.finfo(dtype).tiny)
-        return float(((got - want).abs() / ulp).max()), 4.0 if dtype == torch.float32 else 2.0
+        return ulps(ops.rms_norm(x, weight, 1e-6, gemma), ref.rms_norm(x, weight, 1e-6, gemma))
 
     def add_norm(dtype: torch.dtype, width: int, gemma: bool) -> tuple[float, float]:
         """The residual sum, which must equal torch's addition (entries that differ, counted as units in
@@ -271,9 +275,7 @@ def run_checks(report: Report, ops: Any, ref: Any) -> None:
         weight = (1 + 0.5 * randn(width)).to(dtype)
         (normed, summed), (want_normed, want_summed) = (
             ops.add_rms_norm(x, residual, weight, 1e-6, gemma), ref.add_rms_norm(x, residual, weight, 1e-6, gemma))
-        ulp = torch.finfo(dtype).eps * want_normed.float().abs().clamp(min=torch.finfo(dtype).tiny)
-        err = float(((normed.float() - want_normed.float()).abs() / ulp).max())
-        tol = 4.0 if dtype == torch.float32 else 2.0
+        err, tol = ulps(normed, want_normed)
         return err + tol * float((summed != want_summed).sum()), tol
 
     for dtype, width, gemma in [(torch.bfloat16, 4096, False), (torch.bfloat16, 576, True), (torch.float16, 8192, False),
@@ -313,9 +315,7 @@ def run_checks(report: Report, ops: Any, ref: Any) -> None:
         """Units in the last place of the output's dtype: the exponential may differ in float32's last
         bit, which a rounding to 16 bits lets through now and then and the product carries."""
         gate_up = 4 * randn(300, 2 * inter, dtype=dtype)
-        got, want = ops.silu_mul(gate_up).float(), ref.silu_mul(gate_up).float()
-        ulp = torch.finfo(dtype).eps * want.abs().clamp(min=torch.finfo(dtype).tiny)
-        return float(((got - want).abs() / ulp).max()), 4.0 if dtype == torch.float32 else 2.0
+        return ulps(ops.silu_mul(gate_up), ref.silu_mul(gate_up))
 
     for dtype, inter in [(torch.bfloat16, 1536), (torch.bfloat16, 14336), (torch.float16, 1536), (torch.float32, 1536)]:
         report.check(f"silu_mul {str(dtype)[6:]} intermediate {inter} (err in units in the last place)",
@@ -704,6 +704,10 @@ def engine_model(choice: str, folder: Path, meta: dict[str, Any]) -> str | None:
 EARLY_TOKENS = 4
 
 
+# Decode steps measured before a profiled stretch starts (the graphs and caches warm by then).
+PROFILE_AFTER_STEPS = 5
+
+
 def _engine_run(
     mode: str, batch: int, prompts: list[list[int]], max_tokens: int, device: str = DEVICE, model: str | None = None,
     profile_steps: int = 0, profile: list[dict[str, Any]] | None = None,
@@ -720,6 +724,7 @@ def _engine_run(
     from common.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
     from common.engine.engine import LLMEngine
     from common.sampling_params import SamplingParams
+    from ops.bench.overhead import profiling
 
     prompt_len = len(prompts[0])
     config = EngineConfig(model=model, device=device, enforce_eager=mode not in ("graphs", "async"), max_num_seqs=batch,
@@ -738,49 +743,26 @@ def _engine_run(
         engine.add_request(rid, prompt, params)
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     decode_s: list[float] = []
-    profiler: Any = None
-    profiled = 0
+    profiler = contextlib.ExitStack()  # holds ``overhead.profiling`` while the profiled steps run
+    profiled, active = 0, False
     while engine.has_unfinished_requests():
         decoding = all(tokens.values())
-        if decoding and profile_steps and profiled < profile_steps and len(decode_s) == PROFILE_AFTER_STEPS:
-            profiler = profiler or _start_profiler(device)
+        if decoding and profiled < profile_steps and not active and len(decode_s) == PROFILE_AFTER_STEPS:
+            profiler.enter_context(profiling(device == "cuda", profile_steps, [] if profile is None else profile))
+            active = True
         t0 = time.perf_counter()
         outs = engine.step()
-        if profiler is not None and profiled < profile_steps:
+        if active:
             profiled += 1
             if profiled == profile_steps or not engine.has_unfinished_requests():
-                _stop_profiler(profiler, device, profiled, profile)
+                profiler.close()
+                active = False
         elif decoding:
             decode_s.append(time.perf_counter() - t0)
         for out in outs:
             tokens[out.request_id] += out.new_token_ids
     replayed = runner.decode_graphs.num_runs if runner.decode_graphs is not None else 0
     return [tokens[rid] for rid in ids], statistics.median(decode_s) * 1e3 if decode_s else float("nan"), replayed
-
-
-# Decode steps measured before a profiled stretch starts (the graphs and caches warm by then).
-PROFILE_AFTER_STEPS = 5
-
-
-def _start_profiler(device: str) -> Any:
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-    profiler = profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])])
-    profiler.__enter__()
-    return profiler
-
-
-def _stop_profiler(profiler: Any, device: str, num_steps: int, rows: list[dict[str, Any]] | None) -> None:
-    from ops.bench.overhead import profile_rows
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-    profiler.__exit__(None, None, None)
-    if rows is not None:
-        rows += profile_rows(profiler, num_steps)
 
 
 def _profile_summary(rows: list[dict[str, Any]]) -> str:

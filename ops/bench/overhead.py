@@ -63,6 +63,7 @@ forward ...``: the operations and kernel launches of one forward of the model (`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import platform
@@ -71,7 +72,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -426,29 +427,33 @@ def profile_ops(engine: LLMEngine, num_steps: int) -> list[dict[str, Any]]:
     operation and per step, its calls, its own host time (µs) and, on a GPU, its own device time; the
     ``PROFILE_TOP`` with the most host time. Where a step's host time goes, operation by operation: on
     a GPU most of it is launches (``cudaLaunchKernel`` is a row of its own)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = engine.runner.device.type == "cuda"
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    if cuda:
-        torch.cuda.synchronize()
-    with profile(activities=activities) as prof:
+    rows: list[dict[str, Any]] = []
+    with profiling(engine.runner.device.type == "cuda", num_steps, rows):
         for _ in range(num_steps):
             engine.step()
+    return rows
+
+
+@contextlib.contextmanager
+def profiling(cuda: bool, num_steps: int, rows: list[dict[str, Any]]) -> Iterator[None]:
+    """Torch's profiler (and CUDA's activity, with ``cuda``: the device's queue drained at both ends)
+    over ``num_steps`` steps run within; on exit, ``rows`` takes its operations per step, as
+    ``profile_ops`` returns them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        yield
         if cuda:
             torch.cuda.synchronize()
-    return profile_rows(prof, num_steps)
-
-
-def profile_rows(prof: Any, num_steps: int) -> list[dict[str, Any]]:
-    """A finished profile of ``num_steps`` steps, per operation and per step (see ``profile_ops``)."""
-    rows = []
+    found = []
     for event in prof.key_averages():
         device_us = getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0))
-        rows.append({"name": event.key, "calls": event.count / num_steps,
-                     "self_host_us": event.self_cpu_time_total / num_steps, "self_device_us": device_us / num_steps})
-    rows.sort(key=lambda r: -r["self_host_us"])
-    return rows[:PROFILE_TOP]
+        found.append({"name": event.key, "calls": event.count / num_steps,
+                      "self_host_us": event.self_cpu_time_total / num_steps, "self_device_us": device_us / num_steps})
+    found.sort(key=lambda r: -r["self_host_us"])
+    rows += found[:PROFILE_TOP]
 
 
 def minor_faults() -> int:

@@ -1,12 +1,18 @@
 """Repetition, presence and frequency penalties over token ids kept on the device between steps.
 
 A penalty reads every token a request has seen (the repetition penalty: prompt and output) or every
-token it has output (presence and frequency). Turning those lists into tensors each step cost time in
-proportion to all the tokens of every penalised request, on the host. ``TokenRows`` instead keeps
-them in a device tensor, one row per request, written whole once when the request first shows up and
-then only its new tail (a token per decode step, in one indexed write for the batch). Past its
-tokens a row holds copies of its first token. A step then reads a ``[rows, longest]`` window of it,
-and each penalty is a fixed handful of tensor operations whatever the batch holds.
+token it has output (presence and frequency), and what it does to a token's logit depends only on
+whether the token is there (repetition, presence) and how often (frequency). ``TokenRows`` keeps, in
+device tensors with one row per request, each request's distinct tokens in the order they first came
+(``ids``) and how many times each came (``counts``). The host keeps the same per row (token to column,
+and the counts), so that a decode step's new token is one dictionary lookup on the host and, for the
+batch, one indexed write of ids and counts on the device; a request's row is written whole once,
+when it first shows up. Past a row's distinct tokens its ids hold copies of its first token and its
+counts zeros, so that a step reads a ``[rows, widest]`` window of them without a mask.
+
+Distinct tokens make each penalty a gather, a few operations and a scatter whatever the batch holds,
+with no sort to count repeats; and, with the Triton backend (a GPU's), both penalties of a group of
+rows one kernel (``pdserve_kernels.triton_penalties``).
 
 A row is its request's for as long as the request keeps coming back; rows of requests that did not
 come back in the current step are reused when rows run out (a request seen again later, after a
@@ -20,23 +26,29 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from common.engine.host_tensors import long_tensor, long_tensors
+from common.engine.host_tensors import long_tensors
 from common.engine.request import FINISHED, Request
 
 # Steps between two releases of the rows of finished requests (``TokenRows.begin_step``).
 RELEASE_EVERY = 64
+# A row with more new distinct entries than this in one step is written as one span (a new row).
+SPAN_MIN = 64
 
 
 class TokenRows:
-    """One request's ``all_token_ids`` or ``output_token_ids`` (``source``) per row of a device tensor."""
+    """The distinct tokens of each request's ``all_token_ids`` or ``output_token_ids`` (``source``), one
+    row of device tensors per request: ``ids`` and their ``counts`` (both int64)."""
 
     def __init__(self, source: Literal["all_token_ids", "output_token_ids"], device: torch.device | str = "cpu",
                  num_rows: int = 16, num_cols: int = 256) -> None:
         self.source = source
         self.ids = torch.zeros((num_rows, num_cols), dtype=torch.long, device=device)
+        self.counts = torch.zeros((num_rows, num_cols), dtype=torch.long, device=device)
         self._row_of: dict[int, int] = {}  # id(request) -> row
         self._holders: list[Request | None] = [None] * num_rows
-        self._written = [0] * num_rows
+        self._written = [0] * num_rows  # tokens of the request's source counted into its row
+        self._columns: list[dict[int, int]] = [{} for _ in range(num_rows)]  # per row: token -> column
+        self._counts: list[list[int]] = [[] for _ in range(num_rows)]  # per row: occurrences per column
         self._last_step = [-1] * num_rows
         self._free = list(range(num_rows - 1, -1, -1))
         self._step = 0
@@ -53,32 +65,31 @@ class TokenRows:
                     self._release(row, holder)
 
     def view(self, requests: list[Request]) -> tuple[Tensor, Tensor]:
-        """``(ids, valid)``, both ``[len(requests), longest]``: row ``i`` holds request ``i``'s tokens, then
-        (``valid`` false) copies of its first token, so that a write to every entry of a row writes
-        only tokens it holds. Every request must hold at least one token."""
-        ids, lens = self._rows(requests)
-        return ids, torch.arange(ids.shape[1], device=ids.device) < lens.unsqueeze(1)
+        """``(ids, counts)``, both ``[len(requests), widest]``: row ``i`` holds request ``i``'s distinct
+        tokens and their counts, then copies of its first token with count 0."""
+        rows, _, width = self.rows(requests)
+        return self.ids[:, :width].index_select(0, rows), self.counts[:, :width].index_select(0, rows)
 
     def padded(self, requests: list[Request]) -> Tensor:
         """``view``'s ``ids`` alone: enough for the repetition penalty, whose write of a token's logit is
         the same however often the token appears."""
-        return self._rows(requests)[0]
+        rows, _, width = self.rows(requests)
+        return self.ids[:, :width].index_select(0, rows)
 
-    def _rows(self, requests: list[Request]) -> tuple[Tensor, Tensor]:
-        """The requests' rows, ``[len(requests), longest]``, and their lengths (on the device). A row is
-        kept padded with its first token past its tokens, so reading it needs no mask."""
-        rows: list[int] = []
+    def rows(self, requests: list[Request]) -> tuple[Tensor, Tensor, int]:
+        """Brings the requests' rows up to date. Returns their rows of ``ids`` and ``counts`` and their
+        numbers of distinct tokens (int64, on the device), and the largest of those numbers. A request
+        with no token yet has a row of zeros (token 0, count 0)."""
+        row_list: list[int] = []
         lens: list[int] = []
         fill_rows: list[int] = []  # rows taken now: first their whole width holds the first token
         fill_ids: list[int] = []
-        long_writes: list[tuple[int, int, list[int]]] = []
+        spans: list[tuple[int, list[int], list[int]]] = []
         set_rows: list[int] = []
         set_cols: list[int] = []
         set_ids: list[int] = []
-        source, row_of, holders, written, last_step, step = (
-            self.source, self._row_of, self._holders, self._written, self._last_step, self._step
-        )
-        num_cols = self.ids.shape[1]
+        set_counts: list[int] = []
+        source, row_of, written, last_step, step = self.source, self._row_of, self._written, self._last_step, self._step
         for req in requests:
             tokens: list[int] = getattr(req, source)
             n = len(tokens)
@@ -86,45 +97,67 @@ class TokenRows:
             if row is None:
                 row = self._take_row(req)
                 fill_rows.append(row)
-                fill_ids.append(tokens[0])
-            if n > num_cols:
-                self._grow(len(holders), n)
-                num_cols = self.ids.shape[1]
-            old = written[row]  # a request's tokens only grow, so its row's first ``old`` hold
+                fill_ids.append(tokens[0] if n else 0)
+            columns, counts = self._columns[row], self._counts[row]
+            old = written[row]  # a request's tokens only grow, so its row counts its first ``old``
             if n == old + 1:  # a decode step's one new token
-                set_rows.append(row)
-                set_cols.append(old)
-                set_ids.append(tokens[old])
-                written[row] = n
-            elif n > old:
-                if n - old > 64:  # a new row, or one far behind: one write of its own
-                    long_writes.append((row, old, tokens[old:n]))
+                token = tokens[old]
+                col = columns.get(token)
+                if col is None:
+                    col = columns[token] = len(counts)
+                    counts.append(1)
                 else:
-                    set_rows += [row] * (n - old)
-                    set_cols += range(old, n)
-                    set_ids += tokens[old:n]
-                written[row] = n
+                    counts[col] += 1
+                set_rows.append(row)
+                set_cols.append(col)
+                set_ids.append(token)
+                set_counts.append(counts[col])
+            elif n > old:
+                changed: dict[int, int] = {}  # column -> token: each column written once, with its last count
+                for token in tokens[old:n]:
+                    col = columns.get(token)
+                    if col is None:
+                        col = columns[token] = len(counts)
+                        counts.append(1)
+                    else:
+                        counts[col] += 1
+                    changed[col] = token
+                if not old and len(changed) > SPAN_MIN:  # a new row: one write of its own
+                    spans.append((row, list(columns), counts))
+                else:
+                    set_rows += [row] * len(changed)
+                    set_cols += changed
+                    set_ids += changed.values()
+                    set_counts += [counts[col] for col in changed]
+            written[row] = n
             last_step[row] = step
-            rows.append(row)
-            lens.append(n)
+            row_list.append(row)
+            lens.append(len(counts))
+        width = max(lens, default=0)
+        if width > self.ids.shape[1]:
+            self._grow(len(self._holders), width)
         dev = self.ids.device
         # Every index list goes up in one copy.
-        fill_rows_t, fill_ids_t, set_rows_t, set_cols_t, set_ids_t, rows_t, lens_t = long_tensors(
-            [fill_rows, fill_ids, set_rows, set_cols, set_ids, rows, lens], dev
+        fill_rows_t, fill_ids_t, set_rows_t, set_cols_t, set_ids_t, set_counts_t, rows_t, lens_t = long_tensors(
+            [fill_rows, fill_ids, set_rows, set_cols, set_ids, set_counts, row_list, lens], dev
         )
-        # In this order: a taken row's padding, then the tokens over it (the store may have grown
-        # since the rows were taken: the padding spans its width now).
+        # In this order: a taken row's padding, then its tokens over it.
         if fill_rows:
             self.ids[fill_rows_t] = fill_ids_t.unsqueeze(1)
-        for row, start, tail in long_writes:
-            self.ids[row, start : start + len(tail)] = long_tensor(tail, dev)
+            self.counts[fill_rows_t] = 0
+        for row, ids, counts in spans:
+            span_ids, span_counts = long_tensors([ids, counts], dev)
+            self.ids[row, : len(ids)] = span_ids
+            self.counts[row, : len(counts)] = span_counts
         if set_ids:
             self.ids[set_rows_t, set_cols_t] = set_ids_t
-        return self.ids[:, : max(lens)].index_select(0, rows_t), lens_t
+            self.counts[set_rows_t, set_cols_t] = set_counts_t
+        return rows_t, lens_t, width
 
     def _release(self, row: int, holder: Request) -> None:
         del self._row_of[id(holder)]
         self._holders[row] = None
+        self._columns[row], self._counts[row] = {}, []
         self._free.append(row)
 
     def _take_row(self, req: Request) -> int:
@@ -138,6 +171,7 @@ class TokenRows:
         self._row_of[id(req)] = row
         self._holders[row] = req
         self._written[row] = 0
+        self._columns[row], self._counts[row] = {}, []
         return row
 
     def _grow(self, num_rows: int, min_cols: int) -> None:
@@ -146,21 +180,25 @@ class TokenRows:
         while num_cols < min_cols:
             num_cols *= 2
         ids = torch.zeros((num_rows, num_cols), dtype=torch.long, device=self.ids.device)
+        counts = torch.zeros((num_rows, num_cols), dtype=torch.long, device=self.ids.device)
         ids[:old_rows, :old_cols] = self.ids
+        counts[:old_rows, :old_cols] = self.counts
         if num_cols > old_cols:  # each held row's padding goes on: its first token
             ids[:old_rows, old_cols:] = self.ids[:, :1]
-        self.ids = ids
+        self.ids, self.counts = ids, counts
         extra = num_rows - old_rows
         self._free[:0] = range(num_rows - 1, old_rows - 1, -1)
         self._holders += [None] * extra
         self._written += [0] * extra
+        self._columns += [{} for _ in range(extra)]
+        self._counts += [[] for _ in range(extra)]
         self._last_step += [-1] * extra
 
 
 def apply_repetition_penalty(x: Tensor, rows: Tensor, ids: Tensor, penalty: Tensor) -> None:
-    """In place, as transformers: over rows ``rows`` of ``x`` and their tokens ``ids`` (``TokenRows.view``),
-    divide a positive logit by the row's ``penalty`` and multiply a negative one. A token held twice is
-    read twice and written twice, the same value."""
+    """In place, as transformers: over rows ``rows`` of ``x`` and their tokens ``ids`` (``TokenRows.padded``),
+    divide a positive logit by the row's ``penalty`` and multiply a negative one. A token held twice (the
+    padding) is read twice and written twice, the same value."""
     r = rows.unsqueeze(1)
     seen = x[r, ids]
     p = penalty.unsqueeze(1)
@@ -168,15 +206,12 @@ def apply_repetition_penalty(x: Tensor, rows: Tensor, ids: Tensor, penalty: Tens
 
 
 def apply_output_penalties(
-    x: Tensor, rows: Tensor, ids: Tensor, valid: Tensor, frequency: Tensor, presence: Tensor
+    x: Tensor, rows: Tensor, ids: Tensor, counts: Tensor, frequency: Tensor, presence: Tensor
 ) -> None:
     """In place, OpenAI's: subtract ``frequency * count + presence`` from the logit of each token a row
-    has output (``ids``, ``valid`` from ``TokenRows.view``), ``count`` its number of occurrences."""
-    vocab = x.shape[-1]
-    r = rows.unsqueeze(1)
-    keys = r * vocab + ids
-    # Counted among the valid entries only; a padding entry (a copy of its row's first token) looks up
-    # that token's count, so it writes the very value the token's own entries write.
-    ordered = torch.where(valid, keys, -1).flatten().sort().values
-    counts = torch.searchsorted(ordered, keys, right=True) - torch.searchsorted(ordered, keys)
-    x[r, ids] = x[r, ids] - (frequency.unsqueeze(1) * counts.float() + presence.unsqueeze(1))
+    has output (``ids`` and ``counts`` from ``TokenRows.view``), ``count`` its number of occurrences.
+
+    Added, not written: a padding entry (a copy of its row's first token, count 0) adds a zero to the
+    token's logit, which changes nothing whatever the order of the additions."""
+    penalty = torch.where(counts > 0, frequency.unsqueeze(1) * counts + presence.unsqueeze(1), 0.0)
+    x.index_put_((rows.unsqueeze(1), ids), penalty.neg_(), accumulate=True)

@@ -31,7 +31,9 @@ launch of the race's kernel, which derives each seeded row's key from its seed a
 the others' keys from the generator: one kernel where the inverse CDF, the seeded rows' keys and the
 indexing between them were about 40 operations, each a launch the host pays for. There top-p and min-p
 are one kernel too (``pdserve_kernels.triton_nucleus``), which finds each row's nucleus by searching
-for its smallest value instead of sorting the row: the same entries stay.
+for its smallest value instead of sorting the row: the same entries stay. And so are the repetition,
+presence and frequency penalties of a group of rows (``pdserve_kernels.triton_penalties``), which read
+the penalty stores' rows in place.
 
 Logprobs are those of the model's raw distribution (before logit bias, grammar, penalties and
 temperature), as vLLM reports them by default.
@@ -50,7 +52,14 @@ import torch
 from torch import Tensor
 
 from common.engine.grammar import apply_token_bitmask
-from common.engine.host_tensors import bool_tensor, float_tensor, long_tensor, long_tensors, to_host
+from common.engine.host_tensors import (
+    bool_tensor,
+    float_tensor,
+    int_tensor,
+    long_tensor,
+    long_tensors,
+    to_host,
+)
 from common.engine.penalties import TokenRows, apply_output_penalties, apply_repetition_penalty
 from common.engine.request import Request
 from common.engine.row_ops import argmax_rows, max_rows, topk_rows
@@ -150,13 +159,14 @@ class _Group:
             (i, [*p.stop_token_ids, *([] if p.ignore_eos else eos_token_ids)])
             for i, (r, p) in enumerate(zip(reqs, params, strict=True)) if p.min_tokens > 0 and r.grammar is None
         ]
-        rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        rep = self.rep_list = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         self.rep_rows = long_tensor(rep, device) if rep else None  # None: no row has one
         self.rep_requests = [reqs[i] for i in rep]
         self.rep_penalty = float_tensor([params[i].repetition_penalty for i in rep], device)
         self.out_rows = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
         self.out_all = self._output_penalties(self.out_rows, device)
         self.draw = draw
+        self.vocab, self.device = vocab, device
         if not draw:
             return
         temperatures = [p.temperature for p in params]
@@ -168,7 +178,6 @@ class _Group:
         self.top_k_positions = long_tensor([params[i].top_k - 1 for i in top_k], device).unsqueeze(1)
         self.top_p = [i for i, p in enumerate(params) if p.top_p < 1.0]
         self.min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
-        self.vocab, self.device = vocab, device
         self.unseeded = [i for i, r in enumerate(reqs) if r.draw_seed is None]
 
     # The draws' index, parameter and key tensors are built on first use: the torch path's and the
@@ -206,6 +215,18 @@ class _Group:
         params = [r.sampling_params for r in self.requests]
         return (float_tensor([p.top_p for p in params], self.device),
                 float_tensor([p.min_p for p in params], self.device))
+
+    @functools.cached_property
+    def penalty_programs(self) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """For ``triton_penalties.apply_penalties``: the rows with a penalty, and for each its place among
+        the repetition penalty's rows and among the presence and frequency penalties' (-1: none; None
+        where no row has that penalty)."""
+        rep = {row: k for k, row in enumerate(self.rep_list)}
+        out = {row: k for k, row in enumerate(self.out_rows)}
+        rows = sorted(rep.keys() | out.keys())
+        return (long_tensor(rows, self.device),
+                int_tensor([rep.get(row, -1) for row in rows], self.device) if rep else None,
+                int_tensor([out.get(row, -1) for row in rows], self.device) if out else None)
 
     @functools.cached_property
     def unseeded_index(self) -> Tensor | None:
@@ -447,14 +468,35 @@ class Sampler:
         if ban_ids:
             # The value as a tensor where ``x`` is: a Python float would go up from the host, a blocking copy.
             x.index_put_(tuple(long_tensors([ban_rows, ban_ids], dev)), x.new_full((), float("-inf")))
+        if self._race_kernel(dev):  # Triton: both penalties of every row in one kernel
+            self._penalties_kernel(x, group)
+            return x
         if group.rep_rows is not None:
             ids = self._token_rows(dev, "all_token_ids").padded(group.rep_requests)
             apply_repetition_penalty(x, group.rep_rows, ids, group.rep_penalty)
         if output_penalties is not None:
             rows, reqs, frequency, presence = output_penalties
-            ids, valid = self._token_rows(dev, "output_token_ids").view(reqs)
-            apply_output_penalties(x, rows, ids, valid, frequency, presence)
+            ids, counts = self._token_rows(dev, "output_token_ids").view(reqs)
+            apply_output_penalties(x, rows, ids, counts, frequency, presence)
         return x
+
+    def _penalties_kernel(self, x: Tensor, group: _Group) -> None:
+        """``_penalized``'s penalties with the Triton backend: one launch for the group's rows, over every
+        row with a presence or frequency penalty (one that has output nothing yet reads no token)."""
+        from pdserve_kernels.triton_penalties import apply_penalties  # Triton, imported only where it runs
+
+        rows, rep_k, out_k = group.penalty_programs
+        rep = out = None
+        if rep_k is not None:
+            store = self._token_rows(x.device, "all_token_ids")
+            slots, lens, _ = store.rows(group.rep_requests)
+            rep = (rep_k, store.ids, slots, lens, group.rep_penalty)
+        if out_k is not None:
+            _, reqs, frequency, presence = group.out_all
+            store = self._token_rows(x.device, "output_token_ids")
+            slots, lens, _ = store.rows(reqs)
+            out = (out_k, store.ids, store.counts, slots, lens, frequency, presence)
+        apply_penalties(x, rows, rep, out)
 
     def _token_rows(self, device: torch.device, source: Literal["all_token_ids", "output_token_ids"]) -> TokenRows:
         """The sampler's store of every request's ``source`` tokens on ``device``."""
@@ -528,7 +570,7 @@ class Sampler:
 
     def warm_up(self, device: torch.device, vocab: int) -> None:
         """Compile now what draws would compile (the race's kernel, where it runs: whole rows, and rows in
-        ranges with the kernel that picks among them; the top-p / min-p kernel), so that a kernel that
+        ranges with the kernel that picks among them; the top-p / min-p kernel; the penalties'), so that a kernel that
         cannot build stops the engine at start, not a request in the middle of serving."""
         if self._race_kernel(device):
             from pdserve_kernels.triton_nucleus import nucleus_filter
@@ -539,6 +581,13 @@ class Sampler:
                 seeded_race(torch.zeros(1, vocab, device=device), keys, num_splits, positions=positions)
             nucleus_filter(torch.full((1, vocab), 1 / vocab, device=device), float_tensor([0.5], device),
                            float_tensor([0.1], device))
+            from pdserve_kernels.triton_penalties import apply_penalties
+
+            zero, one = long_tensor([0], device), float_tensor([1.0], device)
+            k, store = int_tensor([0], device), torch.zeros((1, 1), dtype=torch.long, device=device)
+            rep, out = (k, store, zero, zero, one), (k, store, store, zero, zero, one, one)
+            for penalties in ((rep, None), (None, out), (rep, out)):  # each variant the kernel compiles to
+                apply_penalties(torch.zeros(1, vocab, device=device), zero, *penalties)
 
     def _race_kernel(self, device: torch.device) -> bool:
         fused = self._race_kernels.get(device)

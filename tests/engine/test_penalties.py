@@ -19,13 +19,19 @@ def _request(prompt: list[int]) -> Request:
 
 
 def _check(rows: TokenRows, requests: list[Request]) -> None:
-    ids, valid = rows.view(requests)
+    ids, counts = rows.view(requests)
     for i, req in enumerate(requests):
         tokens = getattr(req, rows.source)
-        assert ids[i][valid[i]].tolist() == tokens, i
-        assert int(valid[i].sum()) == len(tokens)
-        assert set(ids[i][~valid[i]].tolist()) <= {tokens[0]}, "padding holds another token"
+        distinct = list(dict.fromkeys(tokens))  # in the order they first came
+        n = len(distinct)
+        assert ids[i, :n].tolist() == distinct, i
+        assert counts[i, :n].tolist() == [tokens.count(t) for t in distinct], i
+        assert set(ids[i, n:].tolist()) <= {tokens[0]}, "padding holds another token"
+        assert not counts[i, n:].any(), "padding counts a token"
     assert torch.equal(rows.padded(requests), ids)
+    slots, lens, width = rows.rows(requests)
+    assert lens.tolist() == [len(set(getattr(r, rows.source))) for r in requests] and width == ids.shape[1]
+    assert torch.equal(rows.ids[slots, :width], ids) and torch.equal(rows.counts[slots, :width], counts)
 
 
 def test_rows_follow_requests_that_grow_come_and_go_past_the_store_s_rows_and_columns():
@@ -43,7 +49,7 @@ def test_rows_follow_requests_that_grow_come_and_go_past_the_store_s_rows_and_co
             live += [_request([rng.randrange(1000) for _ in range(rng.randrange(1, 300))])
                      for _ in range(rng.randrange(1, 3))]
             live = live[-9:]
-    assert rows.ids.shape[0] >= 9 and rows.ids.shape[1] > 300
+    assert rows.ids.shape[0] >= 9 and rows.ids.shape[1] > 256  # more distinct tokens than its first width
 
 
 def test_a_request_that_comes_back_after_its_row_went_to_another_is_written_whole_again():
@@ -86,8 +92,8 @@ def test_penalties_over_the_store_equal_a_per_row_reference_bit_for_bit():
     rows = torch.arange(1, len(requests) + 1)  # the requests' rows of the batch: not the first or last
     ids, _ = all_rows.view(requests)
     apply_repetition_penalty(got, rows, ids, torch.full((len(requests),), 1.3))
-    ids, valid = out_rows.view(requests)
-    apply_output_penalties(got, rows, ids, valid, torch.tensor(frequency), torch.tensor(presence))
+    ids, counts = out_rows.view(requests)
+    apply_output_penalties(got, rows, ids, counts, torch.tensor(frequency), torch.tensor(presence))
     assert torch.equal(got, expected)
 
 

@@ -430,14 +430,16 @@ BATCH_KINDS = [
 ]
 
 
-@pytest.mark.parametrize(("vocab", "top_p_window", "chunk_rows"), [(300, None, None), (3000, 32, 5)])
+@pytest.mark.parametrize(("vocab", "top_p_window", "chunk_rows", "kernel_backend"),
+                         [(300, None, None, "torch"), (3000, 32, 5, "torch"), (300, None, None, "triton")])
 def test_batched_rows_equal_the_per_row_reference_for_greedy_and_seeded_requests_step_after_step(
-    vocab, top_p_window, chunk_rows, monkeypatch
+    vocab, top_p_window, chunk_rows, kernel_backend, monkeypatch
 ):
     """Greedy and seeded rows give the reference's very tokens (a seeded one: the dense race over the
     whole row's counter-based noise), and unseeded rows stay in the reference's support.
     Half the rows are peaked, so from a 32-entry window top-p takes its window, a larger one and a full sort;
-    with 5-row chunks the batch goes through the CPU's chunked path, the last chunk short."""
+    with 5-row chunks the batch goes through the CPU's chunked path, the last chunk short. With the
+    Triton backend (its interpreter here) the penalties, top-p with min-p, and the draws are its kernels."""
     if top_p_window is not None:
         monkeypatch.setattr(sampler_module, "TOP_P_WINDOW", top_p_window)
     if chunk_rows is not None:
@@ -450,7 +452,7 @@ def test_batched_rows_equal_the_per_row_reference_for_greedy_and_seeded_requests
     kinds = [BATCH_KINDS[row % len(BATCH_KINDS)] for row in range(num_rows)]
     batched = [_request(k, prompt=pr) for k, pr in zip(kinds, prompts, strict=True)]
     reference = [_request(k, prompt=pr) for k, pr in zip(kinds, prompts, strict=True)]
-    sampler = Sampler(eos_token_ids=eos, seed=0)
+    sampler = Sampler(eos_token_ids=eos, seed=0, kernel_backend=kernel_backend)
     num_left_greedy = 0
     for _ in range(5):
         logits = torch.randn(num_rows, vocab, generator=gen) * scales

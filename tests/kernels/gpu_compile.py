@@ -29,6 +29,7 @@ from pdserve_kernels import (
     triton_kv,
     triton_norm,
     triton_nucleus,
+    triton_penalties,
     triton_prefill,
     triton_rope,
     triton_sampling,
@@ -116,6 +117,13 @@ def record_launches() -> list[Launch]:
         for vocab in (49152, 128256):
             scenario[0] = f"top-p / min-p, {vocab} vocabulary"
             triton_nucleus.nucleus_filter(torch.empty(4, vocab), torch.ones(4), torch.zeros(4))
+        rows, k = torch.arange(4), torch.zeros(4, dtype=torch.int32)
+        store, counts = torch.zeros(8, 256, dtype=torch.long), torch.zeros(8, 256, dtype=torch.long)
+        rep = (k, store, rows, rows, torch.ones(4))
+        out = (k, store, counts, rows, rows, torch.ones(4), torch.ones(4))
+        for name, both in (("repetition", (rep, None)), ("presence / frequency", (None, out)), ("both", (rep, out))):
+            scenario[0] = f"penalties, {name}"
+            triton_penalties.apply_penalties(torch.empty(4, 49152), rows, *both)
     return launches
 
 

@@ -174,6 +174,7 @@ def test_warming_up_runs_the_kernel_only_where_it_serves_the_race(monkeypatch) -
     rows, rows in ranges: a kernel that cannot compile then stops the start, not a request); with the
     torch race, nothing."""
     import pdserve_kernels.triton_nucleus as triton_nucleus
+    import pdserve_kernels.triton_penalties as triton_penalties
     import pdserve_kernels.triton_sampling as triton_sampling
 
     calls: list[tuple[int, ...]] = []
@@ -188,11 +189,17 @@ def test_warming_up_runs_the_kernel_only_where_it_serves_the_race(monkeypatch) -
     real_filter = triton_nucleus.nucleus_filter
     monkeypatch.setattr(triton_nucleus, "nucleus_filter",
                         lambda probs, *params: filtered.append(tuple(probs.shape)) or real_filter(probs, *params))
+    penalised: list[tuple[bool, bool]] = []
+    real_penalties = triton_penalties.apply_penalties
+    monkeypatch.setattr(triton_penalties, "apply_penalties",
+                        lambda x, rows, rep, out: penalised.append((rep is not None, out is not None))
+                        or real_penalties(x, rows, rep, out))
     Sampler(set(), kernel_backend="torch").warm_up(torch.device("cpu"), 5000)
-    assert calls == [] and filtered == []
+    assert calls == [] and filtered == [] and penalised == []
     Sampler(set(), kernel_backend="triton").warm_up(torch.device("cpu"), 5000)
     assert calls == [(1, 5000, 1, True), (1, 5000, None, True)]  # whole rows, and in ranges (5 here)
     assert filtered == [(1, 5000)]  # and the top-p / min-p kernel
+    assert penalised == [(True, False), (False, True), (True, True)]  # and each variant of the penalties'
 
     def broken(probs: torch.Tensor, keys: torch.Tensor, num_splits: int | None = None,
                positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -37,11 +37,13 @@ SPAN_MIN = 64
 
 class TokenRows:
     """The distinct tokens of each request's ``all_token_ids`` or ``output_token_ids`` (``source``), one
-    row of device tensors per request: ``ids`` and their ``counts`` (both int64)."""
+    row of device tensors per request: ``ids`` and their ``counts`` (both int64). The counts go to the
+    device only for ``output_token_ids`` (``counted``): the repetition penalty reads no count."""
 
     def __init__(self, source: Literal["all_token_ids", "output_token_ids"], device: torch.device | str = "cpu",
                  num_rows: int = 16, num_cols: int = 256) -> None:
         self.source = source
+        self.counted = source == "output_token_ids"
         self.ids = torch.zeros((num_rows, num_cols), dtype=torch.long, device=device)
         self.counts = torch.zeros((num_rows, num_cols), dtype=torch.long, device=device)
         self._row_of: dict[int, int] = {}  # id(request) -> row
@@ -66,7 +68,8 @@ class TokenRows:
 
     def view(self, requests: list[Request]) -> tuple[Tensor, Tensor]:
         """``(ids, counts)``, both ``[len(requests), widest]``: row ``i`` holds request ``i``'s distinct
-        tokens and their counts, then copies of its first token with count 0."""
+        tokens and their counts, then copies of its first token with count 0 (``counted`` stores only)."""
+        assert self.counted, "the counts of a store of all_token_ids are not kept on the device"
         rows, _, width = self.rows(requests)
         return self.ids[:, :width].index_select(0, rows), self.counts[:, :width].index_select(0, rows)
 
@@ -139,19 +142,22 @@ class TokenRows:
         dev = self.ids.device
         # Every index list goes up in one copy.
         fill_rows_t, fill_ids_t, set_rows_t, set_cols_t, set_ids_t, set_counts_t, rows_t, lens_t = long_tensors(
-            [fill_rows, fill_ids, set_rows, set_cols, set_ids, set_counts, row_list, lens], dev
+            [fill_rows, fill_ids, set_rows, set_cols, set_ids, set_counts if self.counted else [], row_list, lens], dev
         )
         # In this order: a taken row's padding, then its tokens over it.
         if fill_rows:
             self.ids[fill_rows_t] = fill_ids_t.unsqueeze(1)
-            self.counts[fill_rows_t] = 0
+            if self.counted:
+                self.counts[fill_rows_t] = 0
         for row, ids, counts in spans:
-            span_ids, span_counts = long_tensors([ids, counts], dev)
+            span_ids, span_counts = long_tensors([ids, counts if self.counted else []], dev)
             self.ids[row, : len(ids)] = span_ids
-            self.counts[row, : len(counts)] = span_counts
+            if self.counted:
+                self.counts[row, : len(counts)] = span_counts
         if set_ids:
             self.ids[set_rows_t, set_cols_t] = set_ids_t
-            self.counts[set_rows_t, set_cols_t] = set_counts_t
+            if self.counted:
+                self.counts[set_rows_t, set_cols_t] = set_counts_t
         return rows_t, lens_t, width
 
     def _release(self, row: int, holder: Request) -> None:

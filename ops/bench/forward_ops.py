@@ -11,7 +11,11 @@ are left out.
 
 Both backends in one invocation: ``torch`` is the reference formulas (the CPU's path), ``triton``
 what a GPU runs. Cases: a decode step (``--batch`` sequences, one token each, ``--context`` tokens
-in the cache) and a prefill step (``--batch`` prompts of ``--context`` tokens).
+in the cache), a prefill step (``--batch`` prompts of ``--context`` tokens), and the sampler's work in
+a decode step of ``--batch`` requests with mixed parameters (``overhead``'s ``MIXED``: temperatures,
+top-k, top-p, min-p, penalties, seeds, logprobs), over the model's vocabulary. The sampler's count
+takes the branches a GPU takes (no block maxima, no chunks: those are the CPU's), and counts apart its
+copies between host and device (``uploads``, ``downloads``), which on a GPU are launches too.
 
     pdserve bench overhead forward --batch 8 --context 64
 """
@@ -28,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from common.model.llama import AttentionMetadata, LlamaForCausalLM
 from common.model.loader import model_identity, resolve_model_path
@@ -93,6 +97,78 @@ def count_forward(model: LlamaForCausalLM, backend: str, case: str, args: argpar
             "launches": dict(by_kernel)}
 
 
+def count_sample(vocab: int, backend: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The operations of one steady decode step's sampling (the second of two, a token appended between:
+    the batch's plan and the penalty stores' rows are built at the first)."""
+    import common.engine.host_tensors as host_tensors
+    import common.engine.row_ops as row_ops
+    import common.engine.sampler as sampler_module
+    import pdserve_kernels.triton_sampling as triton_sampling
+    from common.engine.request import Request
+    from ops.bench.overhead import MIXED
+
+    copies = collections.Counter[str]()
+    count = _Count()
+    real_upload, real_download = host_tensors.to_device_all, sampler_module.to_host
+    real_race: Any = triton_sampling.seeded_race
+
+    def upload(tensors: Any, device: Any) -> Any:
+        copies["uploads"] += 1
+        return real_upload(tensors, device)
+
+    def download(t: torch.Tensor) -> torch.Tensor:
+        copies["downloads"] += 1
+        return real_download(t)
+
+    def race(*a: Any, **k: Any) -> torch.Tensor:  # the recorded race wrote nothing: ids in range, uncounted
+        out = real_race(*a, **k)
+        with _disable_current_modes():
+            return out.zero_()
+
+    reqs = []
+    for i in range(args.batch):
+        req = Request(f"r{i}", [(7 * i + j) % vocab for j in range(args.context)], MIXED[i % len(MIXED)],
+                      block_size=16, model_id="m")
+        for token in (3, 5, 3):
+            req.append_output_token(token)
+        reqs.append(req)
+    logits = torch.randn(args.batch, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    sampler = sampler_module.Sampler({2}, kernel_backend=backend)
+    with contextlib.ExitStack() as stack:
+        if backend == "triton":  # a GPU's branches
+            launches: list[Launch] = stack.enter_context(recording())[0]
+            for module, name, value in ((row_ops, "blocks_pay", lambda x: False),
+                                        (sampler_module, "CPU_CHUNK_BYTES", 1 << 62), (triton_sampling, "seeded_race", race)):
+                stack.enter_context(_patched(module, name, value))
+        else:
+            launches = []
+        sampler.sample(logits, reqs).result()
+        for req in reqs:
+            req.append_output_token(5)
+        launches.clear()
+        stack.enter_context(_patched(host_tensors, "to_device_all", upload))
+        stack.enter_context(_patched(sampler_module, "to_host", download))
+        with count:
+            sampler.sample(logits, reqs).result()
+    by_kernel = collections.Counter(launch.name for launch in launches)
+    ops, triton = sum(count.ops.values()), len(launches)
+    if backend == "torch":  # on the CPU nothing crosses
+        copies.clear()
+    total = ops + triton + copies["uploads"] + copies["downloads"]
+    return {"backend": backend, "case": "sample", "torch_ops": ops, "triton_launches": triton, **copies,
+            "total": total, "per_layer": None, "ops": dict(count.ops.most_common()), "launches": dict(by_kernel)}
+
+
+@contextlib.contextmanager
+def _patched(module: Any, name: str, value: Any) -> Any:
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench overhead forward", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8, help="sequences in the step")
     p.add_argument("--context", type=int, default=64, help="tokens in the cache (decode), or in each prompt (prefill)")
     p.add_argument("--backends", default=",".join(BACKENDS))
-    p.add_argument("--cases", default="decode,prefill")
+    p.add_argument("--cases", default="decode,prefill,sample")
     p.add_argument("--json", default=None, help="default: ops/bench/results/forward-ops-<date>.json")
     return p
 
@@ -111,24 +187,29 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in args.cases.split(",") if c]
     if not set(backends) <= set(BACKENDS) or not backends:
         raise SystemExit(f"--backends takes a comma-separated list of {', '.join(BACKENDS)}")
-    if not set(cases) <= {"decode", "prefill"} or not cases:
-        raise SystemExit("--cases takes a comma-separated list of decode, prefill")
+    if not set(cases) <= {"decode", "prefill", "sample"} or not cases:
+        raise SystemExit("--cases takes a comma-separated list of decode, prefill, sample")
     if args.batch < 1 or args.context < 1:
         raise SystemExit("--batch and --context must be positive")
     path = resolve_model_path(args.model)
     config = load_hf_config(path)
     results = []
     for backend in backends:
-        model = load_model(path, config, get_kernels("cpu", backend), torch.float32, torch.device("cpu"), args.context + 1)
-        results += [count_forward(model, backend, case, args) for case in cases]
+        if set(cases) - {"sample"}:
+            model = load_model(path, config, get_kernels("cpu", backend), torch.float32, torch.device("cpu"),
+                               args.context + 1)
+        results += [count_forward(model, backend, case, args) if case != "sample"
+                    else count_sample(int(config.vocab_size), backend, args) for case in cases]
     report = {"date": datetime.date.today().isoformat(),
               "command": " ".join(["pdserve bench overhead forward", *(argv if argv is not None else sys.argv[1:])]),
               "model": path.name, "model_id": model_identity(path), "config": vars(args), "results": results}
-    print(f"one forward of {report['model']}: torch operations (views and allocations apart) and Triton launches")
-    print(f"{'case':8} {'backend':8} {'torch ops':>10} {'launches':>9} {'total':>7} {'per layer':>10}")
+    print(f"one forward (or sampling step) of {report['model']}: torch operations (views and allocations apart), Triton "
+          "launches, and the sampler's copies between host and device")
+    print(f"{'case':8} {'backend':8} {'torch ops':>10} {'launches':>9} {'copies':>7} {'total':>7} {'per layer':>10}")
     for r in results:
-        print(f"{r['case']:8} {r['backend']:8} {r['torch_ops']:>10} {r['triton_launches']:>9} {r['total']:>7} "
-              f"{r['per_layer']:>10}")
+        copies = r.get("uploads", 0) + r.get("downloads", 0)
+        print(f"{r['case']:8} {r['backend']:8} {r['torch_ops']:>10} {r['triton_launches']:>9} {copies:>7} "
+              f"{r['total']:>7} {r['per_layer'] if r['per_layer'] is not None else '':>10}")
     out = Path(args.json) if args.json else RESULTS_DIR / f"forward-ops-{report['date']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -552,6 +552,74 @@ def bench_nucleus(report: Report, args: argparse.Namespace, vocabs: tuple[int, .
         del source, probs
 
 
+def bench_penalties(report: Report, args: argparse.Namespace, vocab: int | None = None, prompt_len: int = 512,
+                    output_len: int = 128) -> None:
+    """The repetition, presence and frequency penalties: the Triton kernel against the torch path it
+    replaces (each penalty's gather, arithmetic and scatter over the stores' windows), checked for the
+    same logits bit for bit, then both timed from the same logits (each run first copies them in).
+    ``--batch`` rows of ``vocab`` (default ``--vocab``), prompts of ``prompt_len`` tokens and outputs
+    of ``output_len`` (drawn from a few hundred ids: many repeats); the repetition penalty on half the
+    rows, presence and frequency on half, both on a quarter."""
+    import random
+
+    from common.engine.penalties import TokenRows, apply_output_penalties, apply_repetition_penalty
+    from common.engine.request import Request
+    from common.sampling_params import SamplingParams
+    from pdserve_kernels.triton_penalties import apply_penalties
+
+    vocab = vocab or args.vocab
+    rng = random.Random(3)
+    num_rows = args.batch
+    reqs = []
+    for i in range(num_rows):
+        req = Request(f"r{i}", [rng.randrange(vocab) for _ in range(prompt_len)], SamplingParams(), block_size=16,
+                      model_id="m")
+        for _ in range(output_len):
+            req.append_output_token(rng.randrange(min(vocab, 300)))
+        reqs.append(req)
+    rep_rows = [i for i in range(num_rows) if i % 4 in (0, 1)]
+    out_rows = [i for i in range(num_rows) if i % 4 in (1, 2)]
+    programs = sorted({*rep_rows, *out_rows})
+    rows = torch.tensor(programs, device=DEVICE)
+    rep_k = torch.tensor([rep_rows.index(r) if r in rep_rows else -1 for r in programs], dtype=torch.int32, device=DEVICE)
+    out_k = torch.tensor([out_rows.index(r) if r in out_rows else -1 for r in programs], dtype=torch.int32, device=DEVICE)
+    penalty = torch.tensor([rng.uniform(0.8, 1.5) for _ in rep_rows], device=DEVICE)
+    frequency = torch.tensor([rng.uniform(-1, 1) for _ in out_rows], device=DEVICE)
+    presence = torch.tensor([rng.uniform(-1, 1) for _ in out_rows], device=DEVICE)
+    all_store, out_store = TokenRows("all_token_ids", DEVICE), TokenRows("output_token_ids", DEVICE)
+    rep_slots, rep_lens, _ = all_store.rows([reqs[r] for r in rep_rows])
+    out_slots, out_lens, _ = out_store.rows([reqs[r] for r in out_rows])
+    rep = (rep_k, all_store.ids, rep_slots, rep_lens, penalty)
+    out = (out_k, out_store.ids, out_store.counts, out_slots, out_lens, frequency, presence)
+    rep_ids = all_store.padded([reqs[r] for r in rep_rows])
+    out_ids, out_counts = out_store.view([reqs[r] for r in out_rows])
+    rep_index, out_index = torch.tensor(rep_rows, device=DEVICE), torch.tensor(out_rows, device=DEVICE)
+    source = 3 * torch.randn(num_rows, vocab, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(4))
+    logits = torch.empty_like(source)
+
+    def ours() -> None:
+        logits.copy_(source)
+        apply_penalties(logits, rows, rep, out)
+
+    def theirs() -> None:
+        logits.copy_(source)
+        apply_repetition_penalty(logits, rep_index, rep_ids, penalty)
+        apply_output_penalties(logits, out_index, out_ids, out_counts, frequency, presence)
+
+    def same() -> tuple[float, float]:
+        theirs()
+        expected = logits.clone()
+        ours()
+        return _exact(int((logits != expected).sum()))
+
+    shape = f"{num_rows} rows x {vocab}, {prompt_len} + {output_len} tokens"
+    report.check(f"penalties kernel = the torch penalties, {shape} (logits that differ)", same)
+    report.group = f"penalties {num_rows} x {vocab}"
+    report.time("apply_penalties (Triton; with the copy in)", shape, ours, source.numel() * 8)
+    report.time("torch penalties (gathers, scatters; with the copy in)", shape, theirs, source.numel() * 8)
+    time_copy(report, source.numel() * 8, torch.float32)
+
+
 def check_receive_ordering(report: Report, sleep_cycles: int = 200_000_000) -> None:
     """A decode instance gives a KV transfer blocks that its step in flight may still write (a slot of a
     request that has just finished), then scatters the received frame into them on the receiver's side
@@ -997,6 +1065,7 @@ def main(argv: list[str] | None = None) -> int:
         ("kv movement", lambda: bench_kv(report, args, ops)),
         ("seeded race", lambda: bench_seeded_race(report, args)),
         ("top-p / min-p", lambda: bench_nucleus(report, args)),
+        ("penalties", lambda: bench_penalties(report, args)),
         ("kv receive ordering", lambda: check_receive_ordering(report)),
         ("pinned upload ring", lambda: check_staging(report)),
         ("engine, CUDA graphs off and on", lambda: bench_engine_graphs(report, args)),

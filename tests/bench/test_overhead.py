@@ -165,14 +165,21 @@ def test_the_forward_count_runs_both_backends_and_the_triton_one_launches_fewer(
 
     folder = build_checkpoint(family_configs()["llama-bias"], tmp_path / "llama")
     out = tmp_path / "forward.json"
-    assert overhead.main(["forward", "--model", str(folder), "--batch", "2", "--context", "20", "--json", str(out)]) == 0
+    assert overhead.main(["forward", "--model", str(folder), "--batch", "8", "--context", "20", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     got = {(r["case"], r["backend"]): r for r in report["results"]}
-    assert set(got) == {(c, b) for c in ("decode", "prefill") for b in forward_ops.BACKENDS}
+    assert set(got) == {(c, b) for c in ("decode", "prefill", "sample") for b in forward_ops.BACKENDS}
     for case in ("decode", "prefill"):
         torch_run, triton_run = got[case, "torch"], got[case, "triton"]
         assert torch_run["triton_launches"] == 0 and triton_run["triton_launches"] > 0
         assert triton_run["total"] < torch_run["total"]
         assert triton_run["launches"]["_rms_norm_kernel"] >= 2  # the layers' norms (with the residual sums) and the last
         assert triton_run["total"] == triton_run["torch_ops"] + triton_run["triton_launches"]
+    # The sampler's mixed step (8 rows: each of MIXED once): on the GPU's branches its kernels (the
+    # penalties' once per group of rows: greedy, sampled), and its copies to and from the device too.
+    torch_run, triton_run = got["sample", "torch"], got["sample", "triton"]
+    assert triton_run["launches"] == {"_penalties_kernel": 2, "_nucleus_kernel": 1, "_seeded_race_kernel": 1}
+    assert triton_run["uploads"] > 0 and triton_run["downloads"] == 3  # ids, logprob table, row maxima
+    assert triton_run["total"] == triton_run["torch_ops"] + 4 + triton_run["uploads"] + 3 < torch_run["total"]
+    assert "aten.sort.default" not in triton_run["ops"] and torch_run["triton_launches"] == 0
     assert "per layer" in capsys.readouterr().out

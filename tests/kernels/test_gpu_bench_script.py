@@ -229,3 +229,16 @@ def test_the_top_p_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: pytest.M
     assert [c["ok"] for c in report.checks] == [True, True, True], report.checks
     assert [t["name"].split(" ")[0] for t in report.timings] == ["nucleus_filter", "torch"] * 4
     assert all("error" not in t for t in report.timings) and timed == ["copy"] * 4
+
+
+def test_the_penalties_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dry run of the penalties section on the CPU (the kernel under the interpreter, a small
+    vocabulary, timings stubbed): its check passes, and the kernel and the torch path are both timed."""
+    import argparse
+
+    timed = _dry_run(monkeypatch)
+    report = gpu_kernels.Report(tmp_path, {"device": "fake"})
+    gpu_kernels.bench_penalties(report, argparse.Namespace(batch=8, vocab=500), prompt_len=40, output_len=30)
+    assert [c["ok"] for c in report.checks] == [True], report.checks
+    assert [t["name"].split(" ")[0] for t in report.timings] == ["apply_penalties", "torch"]
+    assert all("error" not in t for t in report.timings) and timed == ["copy"]

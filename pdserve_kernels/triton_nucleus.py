@@ -37,12 +37,16 @@ PIVOTS = 16  # values whose mass a pass sums (the search narrows 17-fold a pass)
 
 
 @triton.jit
-def _nucleus_kernel(probs_ptr, stride_row, top_p_ptr, min_p_ptr, vocab,
-                    BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+def _nucleus_kernel(probs_ptr, stride_row, top_p_ptr, min_p_ptr, top_k_ptr, vocab,
+                    HAS_TOP_K: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
     row = tl.program_id(0)
     top_p = tl.load(top_p_ptr + row)
     min_p = tl.load(min_p_ptr + row)
-    if (top_p < 1.0) | (min_p > 0.0):
+    top_k = 0
+    if HAS_TOP_K:
+        top_k = tl.load(top_k_ptr + row)
+    thin_k = (top_k > 0) & (top_k < vocab)
+    if (top_p < 1.0) | (min_p > 0.0) | thin_k:
         row_ptr = probs_ptr + row.to(tl.int64) * stride_row
         lanes = tl.arange(0, BLOCK)
         top = tl.zeros([BLOCK], dtype=tl.float32)
@@ -50,13 +54,38 @@ def _nucleus_kernel(probs_ptr, stride_row, top_p_ptr, min_p_ptr, vocab,
             p = tl.load(row_ptr + start + lanes, mask=start + lanes < vocab, other=0.0)
             top = tl.maximum(top, p)
         largest = tl.max(top, axis=0)
-        cut = largest * 0.0  # entries below it go; with no top-p, none
+        steps = tl.arange(1, PIVOTS + 1).to(tl.int64)
+        kth = largest * 0.0  # entries below it go (top-k); with no top-k, none
+        target = top_p.to(tl.float64)  # the mass top-p keeps: of the row, or of what top-k keeps
+        if thin_k:
+            # The k-th largest value's bits lie in [lo, hi): at least k entries are >= lo's value, fewer
+            # than k are >= hi's.
+            lo_k = tl.full([], 0, dtype=tl.int32)
+            hi_k = largest.to(tl.int32, bitcast=True) + 1
+            while hi_k - lo_k > 1:
+                spaced = lo_k.to(tl.int64) + ((hi_k - lo_k).to(tl.int64) * steps) // (PIVOTS + 1)
+                pivots = tl.minimum(tl.maximum(spaced.to(tl.int32), lo_k + 1), hi_k - 1)
+                values = pivots.to(tl.float32, bitcast=True)
+                lane_count = tl.zeros([BLOCK, PIVOTS], dtype=tl.int32)
+                for start in range(0, vocab, BLOCK):
+                    p = tl.load(row_ptr + start + lanes, mask=start + lanes < vocab, other=0.0)
+                    lane_count += (p[:, None] >= values[None, :]).to(tl.int32)
+                enough = tl.sum(lane_count, axis=0) >= top_k  # a prefix of the pivots, which ascend
+                lo_k = tl.maximum(lo_k, tl.max(tl.where(enough, pivots, lo_k), axis=0))
+                hi_k = tl.minimum(hi_k, tl.min(tl.where(enough, hi_k, pivots), axis=0))
+            kth = lo_k.to(tl.float32, bitcast=True)
+            lane_kept = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, vocab, BLOCK):
+                p = tl.load(row_ptr + start + lanes, mask=start + lanes < vocab, other=0.0)
+                lane_kept += tl.where(p >= kth, p, 0.0)
+            target = target * tl.sum(lane_kept.to(tl.float64), axis=0)
+        cut = kth  # entries below it go
         allowed = vocab + 1  # of the entries equal to ``cut``, how many stay (in id order)
         if top_p < 1.0:
-            # The answer's bits lie in (lo, hi]: G(hi) < top_p, and lo = -1 or G(lo) >= top_p.
-            lo = tl.full([], -1, dtype=tl.int32)
+            # The answer's bits lie in (lo, hi]: G(hi) < target, and lo is below the k-th value (or -1)
+            # or G(lo) >= target.
+            lo = kth.to(tl.int32, bitcast=True) - 1
             hi = largest.to(tl.int32, bitcast=True)
-            steps = tl.arange(1, PIVOTS + 1).to(tl.int64)
             while hi - lo > 1:
                 spaced = lo.to(tl.int64) + ((hi - lo).to(tl.int64) * steps) // (PIVOTS + 1)
                 pivots = tl.minimum(tl.maximum(spaced.to(tl.int32), lo + 1), hi - 1)
@@ -67,7 +96,7 @@ def _nucleus_kernel(probs_ptr, stride_row, top_p_ptr, min_p_ptr, vocab,
                     p = tl.load(row_ptr + start + lanes, mask=start + lanes < vocab, other=0.0)
                     lane_mass += tl.where(p[:, None] > values[None, :], p[:, None], 0.0)
                 mass = tl.sum(lane_mass.to(tl.float64), axis=0)
-                under = mass < top_p  # a suffix of the pivots, which ascend
+                under = mass < target  # a suffix of the pivots, which ascend
                 hi = tl.minimum(hi, tl.min(tl.where(under, pivots, hi), axis=0))
                 lo = tl.maximum(lo, tl.max(tl.where(under, lo, pivots), axis=0))
             cut = hi.to(tl.float32, bitcast=True)
@@ -79,8 +108,8 @@ def _nucleus_kernel(probs_ptr, stride_row, top_p_ptr, min_p_ptr, vocab,
                 lane_ties += (p == cut).to(tl.int32)
             mass_above = tl.sum(lane_above.to(tl.float64), axis=0)
             ties = tl.sum(lane_ties, axis=0)
-            # The i-th entry equal to ``cut`` stays while mass_above + i * cut < top_p; at least one does.
-            room = tl.math.ceil((top_p.to(tl.float64) - mass_above) / tl.maximum(cut.to(tl.float64), 1e-300))
+            # The i-th entry equal to ``cut`` stays while mass_above + i * cut < target; at least one does.
+            room = tl.math.ceil((target - mass_above) / tl.maximum(cut.to(tl.float64), 1e-300))
             allowed = tl.minimum(tl.maximum(room, 1.0), ties.to(tl.float64)).to(tl.int32)
         floor = min_p * largest  # min-p's bound, rounded as the torch path's product
         seen = tl.zeros([], dtype=tl.int32)  # entries equal to ``cut`` before this block
@@ -95,25 +124,29 @@ def _nucleus_kernel(probs_ptr, stride_row, top_p_ptr, min_p_ptr, vocab,
             tl.store(row_ptr + ids, tl.zeros([BLOCK], dtype=tl.float32), mask=valid & drop)
 
 
-def nucleus_filter(probs: Tensor, top_p: Tensor, min_p: Tensor) -> None:
+def nucleus_filter(probs: Tensor, top_p: Tensor, min_p: Tensor, top_k: Tensor | None = None) -> None:
     """In place, per row of ``probs`` (float32 ``[rows, vocab]``, unit stride along the vocabulary, each
-    row a distribution's probabilities, non-negative): zero every entry outside the row's top-p nucleus
-    (``top_p``: float32 ``[rows]``; 1 keeps the row) and every entry under ``min_p`` times the row's
-    largest (float32 ``[rows]``; 0 for none). A row with neither is not read."""
+    row a distribution's probabilities, non-negative): zero every entry under the row's ``top_k``-th
+    largest (int32 ``[rows]``; 0, or the vocabulary or more, for none), then every entry outside the
+    top-p nucleus of what stays (``top_p``: float32 ``[rows]``; 1 keeps the row), then every entry under
+    ``min_p`` times the row's largest (float32 ``[rows]``; 0 for none). A row with none is not read."""
     unit_stride = probs.dim() == 2 and (probs.shape[1] <= 1 or probs.stride(1) == 1)
     assert unit_stride and probs.dtype == torch.float32, (
         f"probs must be a float32 [rows, vocab] tensor with unit stride along the vocabulary; "
         f"got {probs.dtype} {tuple(probs.shape)}, strides {probs.stride()}"
     )
     num_rows, vocab = probs.shape
-    for name, values in (("top_p", top_p), ("min_p", min_p)):
-        assert values.shape == (num_rows,) and values.dtype == torch.float32 and values.is_contiguous(), (
-            f"{name} must be a contiguous float32 [{num_rows}] tensor; got {values.dtype} {tuple(values.shape)}"
+    params = [("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32)]
+    if top_k is not None:
+        params.append(("top_k", top_k, torch.int32))
+    for name, values, dtype in params:
+        assert values.shape == (num_rows,) and values.dtype == dtype and values.is_contiguous(), (
+            f"{name} must be a contiguous {dtype} [{num_rows}] tensor; got {values.dtype} {tuple(values.shape)}"
         )
         assert values.device == probs.device, f"{name} is on {values.device}, probs on {probs.device}"
     if not num_rows or not vocab:
         return
     block = min(MAX_BLOCK, triton.next_power_of_2(vocab))
-    _nucleus_kernel[(num_rows,)](probs, probs.stride(0), top_p, min_p, vocab, BLOCK=block, PIVOTS=PIVOTS,
+    _nucleus_kernel[(num_rows,)](probs, probs.stride(0), top_p, min_p, top_p if top_k is None else top_k, vocab,
+                                 HAS_TOP_K=top_k is not None, BLOCK=block, PIVOTS=PIVOTS,
                                  num_warps=8 if block >= 512 else 4)
-

@@ -30,8 +30,10 @@ logarithm per entry). With the Triton backend (on a GPU) every sampled row races
 launch of the race's kernel, which derives each seeded row's key from its seed and position and takes
 the others' keys from the generator: one kernel where the inverse CDF, the seeded rows' keys and the
 indexing between them were about 40 operations, each a launch the host pays for. There top-p and min-p
-are one kernel too (``pdserve_kernels.triton_nucleus``), which finds each row's nucleus by searching
-for its smallest value instead of sorting the row: the same entries stay. And so are the repetition,
+are one kernel too with top-k (``pdserve_kernels.triton_nucleus``), which finds each row's k-th largest
+probability and its nucleus by searching for them instead of sorting the row: the same entries stay,
+up to roundings at the cuts (the probabilities are those of the whole row, what top-k keeps not
+normalised again: the race draws from them as they are, and top-p's mass is taken relative to theirs). And so are the repetition,
 presence and frequency penalties of a group of rows (``pdserve_kernels.triton_penalties``), which read
 the penalty stores' rows in place.
 
@@ -210,11 +212,14 @@ class _Group:
                 for part, whole_rows in parts if part]
 
     @functools.cached_property
-    def nucleus_params(self) -> tuple[Tensor, Tensor]:
-        """Every row's top-p (1: none) and min-p (0: none), for ``triton_nucleus.nucleus_filter``."""
+    def nucleus_params(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Every row's top-p (1: none), min-p (0: none) and top-k (0: none; None where no row has one),
+        for ``triton_nucleus.nucleus_filter``."""
         params = [r.sampling_params for r in self.requests]
         return (float_tensor([p.top_p for p in params], self.device),
-                float_tensor([p.min_p for p in params], self.device))
+                float_tensor([p.min_p for p in params], self.device),
+                int_tensor([p.top_k if 0 < p.top_k < self.vocab else 0 for p in params], self.device)
+                if self.top_k else None)
 
     @functools.cached_property
     def penalty_programs(self) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -515,6 +520,13 @@ class Sampler:
         if group.scale is not None:
             logits = logits.div_(group.scale) if owned else logits / group.scale
             owned = True
+        if self._race_kernel(dev):  # top-k, top-p and min-p in one kernel, then every row's race in another
+            probs = torch.softmax(logits, dim=-1)
+            if group.top_k or group.top_p or group.min_p:  # Triton, imported only where it runs
+                from pdserve_kernels.triton_nucleus import nucleus_filter
+
+                nucleus_filter(probs, *group.nucleus_params)
+            return self._race_all(probs, group)
         if group.top_k:
             kth = topk_rows(_take(logits, group.top_k_index), group.top_k_max)[0].gather(1, group.top_k_positions)
             if group.top_k_index is not None:  # rows without top-k compare against -inf: nothing masked
@@ -522,12 +534,6 @@ class Sampler:
             below = logits < kth
             logits = logits.masked_fill_(below, float("-inf")) if owned else logits.masked_fill(below, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        if self._race_kernel(dev):  # top-p and min-p in one kernel, then every row's race in another
-            if group.top_p or group.min_p:  # Triton, imported only where it runs
-                from pdserve_kernels.triton_nucleus import nucleus_filter
-
-                nucleus_filter(probs, *group.nucleus_params)
-            return self._race_all(probs, group)
         if group.top_p:
             index, top_p = group.top_p_rows
             sub = _take(probs, index)
@@ -570,7 +576,7 @@ class Sampler:
 
     def warm_up(self, device: torch.device, vocab: int) -> None:
         """Compile now what draws would compile (the race's kernel, where it runs: whole rows, and rows in
-        ranges with the kernel that picks among them; the top-p / min-p kernel; the penalties'), so that a kernel that
+        ranges with the kernel that picks among them; the top-k / top-p / min-p kernel; the penalties'), so that a kernel that
         cannot build stops the engine at start, not a request in the middle of serving."""
         if self._race_kernel(device):
             from pdserve_kernels.triton_nucleus import nucleus_filter
@@ -579,8 +585,9 @@ class Sampler:
             keys, positions = seed_keys([0], device), long_tensor([0], device)
             for num_splits in (1, None):  # a single row is cut into ranges by default
                 seeded_race(torch.zeros(1, vocab, device=device), keys, num_splits, positions=positions)
-            nucleus_filter(torch.full((1, vocab), 1 / vocab, device=device), float_tensor([0.5], device),
-                           float_tensor([0.1], device))
+            for top_k in (None, int_tensor([1], device)):  # each variant the kernel compiles to
+                nucleus_filter(torch.full((1, vocab), 1 / vocab, device=device), float_tensor([0.5], device),
+                               float_tensor([0.1], device), top_k)
             from pdserve_kernels.triton_penalties import apply_penalties
 
             zero, one = long_tensor([0], device), float_tensor([1.0], device)

@@ -479,17 +479,26 @@ def bench_nucleus(report: Report, args: argparse.Namespace, vocabs: tuple[int, .
 
     gen = torch.Generator(device=DEVICE).manual_seed(1)
 
-    def rows(num_rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def rows(num_rows: int, vocab: int, top_k_in_kernel: bool = False) -> tuple[torch.Tensor, ...]:
         """Rows of the bench's mixed step: Gaussian logits (std 3) at temperatures 0.6 to 1, every other
-        row thinned by a top-k of 40 first; top-p 0.8 to 0.95 on three rows of four, min-p on one of four."""
+        row thinned by a top-k of 40 first; top-p 0.8 to 0.95 on three rows of four, min-p on one of four.
+        Returns their probabilities, top-p, min-p, the logits (before top-k) and top-k (int32, 0: none).
+        ``top_k_in_kernel``: the probabilities are those of the whole rows, for the kernel's top-k (the
+        sampler's Triton path), else those after top-k (the torch path's)."""
         temperature = 0.6 + 0.4 * torch.rand(num_rows, 1, device=DEVICE, generator=gen)
         logits = 3 * torch.randn(num_rows, vocab, device=DEVICE, generator=gen) / temperature
-        kth = logits[::2].topk(40, dim=-1).values[:, -1:]
-        logits[::2] = logits[::2].masked_fill(logits[::2] < kth, float("-inf"))
         index = torch.arange(num_rows, device=DEVICE)
         top_p = torch.where(index % 4 != 3, 0.8 + 0.05 * (index % 4), 1.0).float()
         min_p = torch.where(index % 4 == 1, 0.05, 0.0).float()
-        return torch.softmax(logits, dim=-1), top_p, min_p
+        top_k = torch.where(index % 2 == 0, 40, 0).int()
+        return torch.softmax(logits if top_k_in_kernel else top_k_masked(logits), dim=-1), top_p, min_p, logits, top_k
+
+    def top_k_masked(logits: torch.Tensor) -> torch.Tensor:
+        """The torch path's top-k (of 40, every other row): the row's 40th largest, each smaller at -inf."""
+        k_rows = torch.arange(0, logits.shape[0], 2, device=logits.device)
+        kth = logits.index_select(0, k_rows).topk(min(40, logits.shape[1]), dim=-1).values[:, -1:]
+        kth = logits.new_full((logits.shape[0], 1), float("-inf")).index_copy_(0, k_rows, kth)
+        return logits.masked_fill(logits < kth, float("-inf"))
 
     def torch_path(probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> None:
         """The sampler's GPU path without the kernel: top-p over the rows that have it, then min-p."""
@@ -501,18 +510,22 @@ def bench_nucleus(report: Report, args: argparse.Namespace, vocabs: tuple[int, .
         sub.masked_fill_(sub < min_p[rows_m].unsqueeze(1) * sub.amax(dim=-1, keepdim=True), 0.0)
         probs.index_copy_(0, rows_m, sub)
 
-    def same_entries(vocab: int) -> tuple[float, float]:
+    def same_entries(vocab: int, top_k_in_kernel: bool = False) -> tuple[float, float]:
         # The kernel's masses are summed in another order than the sort's cumulative sum: where a row's
         # mass at its cut lies within a rounding of top-p, the two may keep one entry more or less.
-        # Rows that differ by more than that one entry at the cut are errors.
-        probs, top_p, min_p = rows(batch, vocab)
-        ours, theirs = probs.clone(), probs.clone()
-        nucleus_filter(ours, top_p, min_p)
+        # Rows that differ by more than that one entry at the cut are errors. With the kernel's top-k,
+        # its probabilities are the whole rows' (what top-k keeps is not normalised again).
+        probs, top_p, min_p, logits, top_k = rows(batch, vocab, top_k_in_kernel)
+        ours = probs.clone()
+        nucleus_filter(ours, top_p, min_p, top_k if top_k_in_kernel else None)
+        theirs = torch.softmax(top_k_masked(logits), dim=-1) if top_k_in_kernel else probs.clone()
         torch_path(theirs, top_p, min_p)
         differ = (ours > 0) != (theirs > 0)
-        smallest = torch.minimum(ours.masked_fill(ours == 0, 2.0).amin(dim=1), theirs.masked_fill(theirs == 0, 2.0).amin(dim=1))
-        at_cut = (differ.sum(dim=1) == 1) & (probs.masked_fill(~differ, 2.0).amin(dim=1) == smallest)
-        print(f"top-p / min-p, {batch} rows x {vocab}: {int(differ.any(dim=1).sum())} rows differ, "
+        # The smallest logit either keeps: the one entry where they differ must be it.
+        smallest = logits.masked_fill((ours == 0) & (theirs == 0), float("inf")).amin(dim=1)
+        at_cut = (differ.sum(dim=1) == 1) & (logits.masked_fill(~differ, float("inf")).amin(dim=1) == smallest)
+        what = "top-k / top-p / min-p" if top_k_in_kernel else "top-p / min-p"
+        print(f"{what}, {batch} rows x {vocab}: {int(differ.any(dim=1).sum())} rows differ, "
               f"{int(at_cut.sum())} of them by the one entry at the cut")
         return _exact(int((differ.any(dim=1) & ~at_cut).sum()))
 
@@ -528,9 +541,12 @@ def bench_nucleus(report: Report, args: argparse.Namespace, vocabs: tuple[int, .
         report.check(f"top-p / min-p kernel = the sort's nucleus, {batch} rows x {vocab} (rows that differ but "
                      f"by one entry at the cut)",
                      functools.partial(same_entries, vocab))
+        report.check(f"top-k / top-p / min-p kernel (whole rows' probabilities) = top-k on the logits, then the "
+                     f"sort's nucleus, {batch} rows x {vocab} (rows that differ but by one entry at the cut)",
+                     functools.partial(same_entries, vocab, True))
     report.check("top-p kernel, equal values at the cut: as many stay as a sort keeps (entries that differ)", ties)
     for num_rows, vocab in sorted({(1, vocabs[-1]), (args.batch, vocabs[-1]), *((batch, v) for v in vocabs)}):
-        source, top_p, min_p = rows(num_rows, vocab)
+        source, top_p, min_p, _, _ = rows(num_rows, vocab)
         probs = torch.empty_like(source)
         shape = f"{num_rows} rows x {vocab}"
         report.group = f"top-p / min-p {num_rows} x {vocab}"
@@ -548,8 +564,22 @@ def bench_nucleus(report: Report, args: argparse.Namespace, vocabs: tuple[int, .
         report.time("nucleus_filter (Triton; with the copy in)", shape, ours, source.numel() * 8)
         report.time("torch top-p / min-p (sort, cumsum, scatter; with the copy in)", shape, theirs,
                     source.numel() * 8)
+        # With top-k: the kernel over the whole rows' softmax, against the torch path's top-k on the
+        # logits, its mask and softmax, then top-p and min-p (each from the logits: both start there).
+        _, top_p, min_p, logits, top_k = rows(num_rows, vocab, True)
+
+        def ours_k(logits: torch.Tensor = logits, top_p: torch.Tensor = top_p, min_p: torch.Tensor = min_p,
+                   top_k: torch.Tensor = top_k) -> None:
+            nucleus_filter(torch.softmax(logits, dim=-1), top_p, min_p, top_k)
+
+        def theirs_k(logits: torch.Tensor = logits, top_p: torch.Tensor = top_p, min_p: torch.Tensor = min_p) -> None:
+            torch_path(torch.softmax(top_k_masked(logits), dim=-1), top_p, min_p)
+
+        report.time("nucleus_filter with top-k (Triton; with the softmax)", shape, ours_k, source.numel() * 8)
+        report.time("torch top-k / top-p / min-p (topk, mask, softmax, sort, cumsum, scatter)", shape, theirs_k,
+                    source.numel() * 8)
         time_copy(report, source.numel() * 8, torch.float32)
-        del source, probs
+        del source, probs, logits
 
 
 def bench_penalties(report: Report, args: argparse.Namespace, vocab: int | None = None, prompt_len: int = 512,

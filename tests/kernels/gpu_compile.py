@@ -117,6 +117,9 @@ def record_launches() -> list[Launch]:
         for vocab in (49152, 128256):
             scenario[0] = f"top-p / min-p, {vocab} vocabulary"
             triton_nucleus.nucleus_filter(torch.empty(4, vocab), torch.ones(4), torch.zeros(4))
+            scenario[0] = f"top-k / top-p / min-p, {vocab} vocabulary"
+            triton_nucleus.nucleus_filter(torch.empty(4, vocab), torch.ones(4), torch.zeros(4),
+                                          torch.zeros(4, dtype=torch.int32))
         rows, k = torch.arange(4), torch.zeros(4, dtype=torch.int32)
         store, counts = torch.zeros(8, 256, dtype=torch.long), torch.zeros(8, 256, dtype=torch.long)
         rep = (k, store, rows, rows, torch.ones(4))

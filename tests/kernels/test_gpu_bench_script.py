@@ -220,14 +220,15 @@ def test_the_kv_sizing_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: pyte
 
 def test_the_top_p_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A dry run of the top-p / min-p section on the CPU (the kernel under the interpreter, small
-    vocabularies, timings stubbed): its checks pass, and the kernel and the sort are both timed."""
+    vocabularies, timings stubbed): its checks pass (with top-k in the kernel and without), and the
+    kernel and the sort are both timed, with top-k and without."""
     import argparse
 
     timed = _dry_run(monkeypatch)
     report = gpu_kernels.Report(tmp_path, {"device": "fake"})
     gpu_kernels.bench_nucleus(report, argparse.Namespace(batch=4, vocab=300), vocabs=(100, 300), batch=12)
-    assert [c["ok"] for c in report.checks] == [True, True, True], report.checks
-    assert [t["name"].split(" ")[0] for t in report.timings] == ["nucleus_filter", "torch"] * 4
+    assert [c["ok"] for c in report.checks] == [True] * 5, report.checks
+    assert [t["name"].split(" ")[0] for t in report.timings] == ["nucleus_filter", "torch"] * 8
     assert all("error" not in t for t in report.timings) and timed == ["copy"] * 4
 
 

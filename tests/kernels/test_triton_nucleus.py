@@ -126,3 +126,54 @@ def test_bad_arguments_are_refused_by_name() -> None:
         nucleus_filter(probs, torch.ones(2), torch.zeros(2, dtype=torch.float64))
     with pytest.raises(AssertionError, match="unit stride"):
         nucleus_filter(probs.t(), torch.ones(10), torch.zeros(10))
+
+
+def _reference_with_top_k(probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                          top_k: torch.Tensor) -> torch.Tensor:
+    """Top-k (every entry at least the k-th largest stays), then top-p over what stays, its mass taken
+    relative to theirs (as the sort over the renormalised probabilities of the torch path), then
+    min-p. Sums in float64: exact over the binary fractions of the tests."""
+    out = probs.clone()
+    for row in range(len(out)):
+        k = int(top_k[row])
+        if 0 < k < out.shape[1]:
+            kth = out[row].sort(descending=True).values[k - 1]
+            out[row][out[row] < kth] = 0.0
+        if top_p[row] < 1.0:
+            values, order = out[row].sort(descending=True, stable=True)
+            before = values.double().cumsum(0) - values.double()
+            values[1:][before[1:] >= float(top_p[row]) * float(values.double().sum())] = 0.0
+            out[row] = torch.zeros_like(values).scatter_(0, order, values)
+        if min_p[row] > 0.0:
+            out[row][out[row] < min_p[row] * out[row].max()] = 0.0
+    return out
+
+
+@pytest.mark.parametrize("vocab", [37, MAX_BLOCK + 1, 3 * MAX_BLOCK - 5])
+def test_top_k_then_top_p_of_what_stays_then_min_p_as_the_sort_keeps_them(vocab: int) -> None:
+    """Rows of binary fractions (integers over 2**16, summing to 1: every mass exact, many equal values),
+    with top-k alone, with top-p and min-p over what it keeps, and without it; a k of 1, a k the row's
+    nonzero entries do not reach, and a k past the vocabulary (none)."""
+    gen = torch.Generator().manual_seed(vocab)
+    num_rows = 10
+    weights = torch.randint(0, 40, (num_rows, vocab), generator=gen).double()
+    weights[3, vocab // 2 :] = 0.0  # fewer nonzero entries than its k
+    probs = torch.floor(weights / weights.sum(dim=1, keepdim=True) * 2**16)
+    probs[:, 0] += 2**16 - probs.sum(dim=1)  # the rest on the first entry: sums of exactly 1
+    probs = (probs / 2**16).float()
+    top_k = torch.tensor([5, 20, 1, vocab - 2, 0, 30, vocab, 7, 12, 3], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 0.5, 0.9, 0.75, 0.625, 1.0, 0.5, 0.25, 0.875, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.25, 0.0, 0.0, 0.125, 0.5])
+    expected = _reference_with_top_k(probs, top_p, min_p, top_k)
+    got = probs.clone()
+    nucleus_filter(got, top_p, min_p, top_k)
+    assert torch.equal(got, expected), [((got[r] > 0).sum().item(), (expected[r] > 0).sum().item())
+                                        for r in range(num_rows)]
+    kept = (got > 0).sum(dim=1)
+    assert int(kept[2]) == 1 and int(kept[0]) >= 5  # k of 1; a k of 5 keeps the ties at its 5th value
+    if vocab > 100:  # the rows were worth testing: top-p thinned what top-k kept
+        assert int(kept[1]) < int((_reference_with_top_k(probs, torch.ones(10), torch.zeros(10), top_k)[1] > 0).sum())
+    # Without top-k the same call is the plain kernel's.
+    plain = probs.clone()
+    nucleus_filter(plain, top_p, min_p, torch.zeros(num_rows, dtype=torch.int32))
+    assert torch.equal(plain, _reference(probs, top_p, min_p))

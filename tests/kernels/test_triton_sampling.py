@@ -198,7 +198,7 @@ def test_warming_up_runs_the_kernel_only_where_it_serves_the_race(monkeypatch) -
     assert calls == [] and filtered == [] and penalised == []
     Sampler(set(), kernel_backend="triton").warm_up(torch.device("cpu"), 5000)
     assert calls == [(1, 5000, 1, True), (1, 5000, None, True)]  # whole rows, and in ranges (5 here)
-    assert filtered == [(1, 5000)]  # and the top-p / min-p kernel
+    assert filtered == [(1, 5000)] * 2  # and the top-k / top-p / min-p kernel, without top-k and with
     assert penalised == [(True, False), (False, True), (True, True)]  # and each variant of the penalties'
 
     def broken(probs: torch.Tensor, keys: torch.Tensor, num_splits: int | None = None,

@@ -27,8 +27,8 @@ probabilities, whatever shares the batch and wherever the request runs.
 Unseeded rows share one batched draw from the sampler's own generator: one uniform per row,
 inverted through the row's cumulative distribution (a pass over the row, where the race costs a
 logarithm per entry). With the Triton backend (on a GPU) every sampled row races instead, in one
-launch of the race's kernel, which derives each seeded row's key from its seed and position and takes
-the others' keys from the generator: one kernel where the inverse CDF, the seeded rows' keys and the
+launch of the race's kernel, which derives each seeded row's key from its seed and position, and the
+others' from random draw indices the host picks: one kernel where the inverse CDF, the seeded rows' keys and the
 indexing between them were about 40 operations, each a launch the host pays for. There top-p and min-p
 are one kernel too with top-k (``pdserve_kernels.triton_nucleus``), which finds each row's k-th largest
 probability and its nucleus by searching for them instead of sorting the row: the same entries stay,
@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import random
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -55,7 +56,6 @@ from torch import Tensor
 
 from common.engine.grammar import apply_token_bitmask
 from common.engine.host_tensors import (
-    bool_tensor,
     float_tensor,
     int_tensor,
     long_tensor,
@@ -238,15 +238,10 @@ class _Group:
         return _index(self.unseeded, len(self.requests), self.device)
 
     @functools.cached_property
-    def race_keys(self) -> tuple[Tensor | None, Tensor | None]:
-        """For one race over every row (``Sampler._race_all``): each row's seed key (0 for an unseeded
-        one), None without seeded rows; and which rows are seeded, None unless some are and some not."""
-        seeds = [r.draw_seed for r in self.requests]
-        seeded = [s is not None for s in seeds]
-        return (
-            seed_keys([s or 0 for s in seeds], self.device) if any(seeded) else None,
-            bool_tensor(seeded, self.device) if any(seeded) and not all(seeded) else None,
-        )
+    def race_seed_keys(self) -> Tensor:
+        """For one race over every row (``Sampler._race_all``): each row's seed key (that of 0 for an
+        unseeded row, whose draw index is a fresh random number each step)."""
+        return seed_keys([r.draw_seed or 0 for r in self.requests], self.device)
 
     def _output_penalties(self, rows: list[int], device: torch.device) -> tuple[Tensor, list[Request], Tensor, Tensor]:
         params = [self.requests[i].sampling_params for i in rows]
@@ -361,6 +356,7 @@ class Sampler:
         self._race_kernels: dict[torch.device, bool] = {}  # per device: whether the race is the kernel
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
+        self._host_random = random.Random(seed)  # the unseeded rows' draw indices with the race's kernel
         self._device_generators: dict[torch.device, torch.Generator] = {}
         # Token bitmask rows for grammars, reused step after step (xgrammar fills it on the CPU).
         self._bitmask = torch.empty(0, 0, dtype=torch.int32)
@@ -558,21 +554,20 @@ class Sampler:
         return token_ids
 
     def _race_all(self, probs: Tensor, group: _Group) -> Tensor:
-        """Every row's draw in one launch of the race's kernel (``triton_sampling.seeded_race``): a seeded
-        row with its draw's key (``keys_at`` of its seed and position, derived in the kernel), the others
-        with keys drawn from the generator. The exponential race samples a row's distribution exactly
-        whatever its key, as the inverse CDF does on the CPU; here it is one kernel, where the inverse
-        CDF, the seeded rows' keys and the indexing between them were about 40 operations, each a launch."""
+        """Every row's draw in one launch of the race's kernel (``triton_sampling.seeded_race``), with its
+        draw's key derived in the kernel (``keys_at`` of a seed key and a draw index): a seeded row's from
+        its seed and position; an unseeded row's from seed 0 and an index of 62 random bits, drawn on
+        the host once a step for the group (its rows take consecutive ones: splitmix64's keys of
+        consecutive indices are its stream, independent for the race). The exponential race samples a
+        row's distribution exactly whatever its key, as the inverse CDF does on the CPU; here it is one
+        kernel, where the inverse CDF, the seeded rows' keys and the indexing between them were about 40
+        operations, each a launch, and the unseeded keys need no generator on the device."""
         from pdserve_kernels.triton_sampling import seeded_race  # Triton, imported only where it runs
 
-        dev = probs.device
-        keys, seeded = group.race_keys
-        if group.unseeded:
-            drawn = torch.empty(probs.shape[0], dtype=torch.long, device=dev).random_(generator=self._generator(dev))
-            keys = drawn if keys is None or seeded is None else torch.where(seeded, keys, drawn)
-        assert keys is not None
-        positions = long_tensor([len(r.output_token_ids) for r in group.requests], dev)
-        return seeded_race(probs, keys, positions=positions)
+        base = self._host_random.getrandbits(62)
+        positions = long_tensor([base + i if r.draw_seed is None else len(r.output_token_ids)
+                                 for i, r in enumerate(group.requests)], probs.device)
+        return seeded_race(probs, group.race_seed_keys, positions=positions)
 
     def warm_up(self, device: torch.device, vocab: int) -> None:
         """Compile now what draws would compile (the race's kernel, where it runs: whole rows, and rows in

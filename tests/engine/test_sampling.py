@@ -834,3 +834,23 @@ def test_a_request_whose_logits_turn_nan_fails_with_a_clear_error_and_the_batch_
     assert clean_errors == {} and errors == {"b": "the model's logits for this request were not finite (NaN or infinity)"}
     assert faulted["b"] == clean["b"][:3]
     assert faulted["a"] == clean["a"] and faulted["c"] == clean["c"]
+
+
+def test_unseeded_draws_of_the_race_kernel_change_from_step_to_step_and_follow_the_sampler_s_seed():
+    """With the Triton backend an unseeded row's key comes from random draw indices the host picks each
+    step: one request's draws over a flat distribution vary from step to step, and two samplers seeded
+    alike draw the same sequence."""
+    logits = torch.zeros(1, 8)
+
+    def draws(seed: int) -> list[int]:
+        sampler = Sampler(set(), seed=seed, kernel_backend="triton")
+        req = _request(SamplingParams(temperature=1.0))
+        tokens = []
+        for _ in range(40):
+            tokens.append(sampler(logits, [req]).token_ids[0])
+            req.append_output_token(tokens[-1])
+        return tokens
+
+    first = draws(3)
+    assert len(set(first)) >= 5, first  # 40 draws from 8 equal tokens
+    assert draws(3) == first and draws(4) != first

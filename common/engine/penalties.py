@@ -21,6 +21,7 @@ preemption say, is written whole again: its tokens are all in the request).
 
 from __future__ import annotations
 
+import collections
 from typing import Literal
 
 import torch
@@ -31,7 +32,7 @@ from common.engine.request import FINISHED, Request
 
 # Steps between two releases of the rows of finished requests (``TokenRows.begin_step``).
 RELEASE_EVERY = 64
-# A row with more new distinct entries than this in one step is written as one span (a new row).
+# A new row of more tokens than this is counted by ``collections.Counter`` and written as one span.
 SPAN_MIN = 64
 
 
@@ -115,6 +116,11 @@ class TokenRows:
                 set_cols.append(col)
                 set_ids.append(token)
                 set_counts.append(counts[col])
+            elif not old and n > SPAN_MIN:  # a new row of many tokens (a prompt): counted in C, one write
+                occurrences = collections.Counter(tokens)  # in the order they first came
+                columns.update(zip(occurrences, range(len(occurrences)), strict=True))
+                counts += occurrences.values()
+                spans.append((row, list(occurrences), counts))
             elif n > old:
                 changed: dict[int, int] = {}  # column -> token: each column written once, with its last count
                 for token in tokens[old:n]:
@@ -125,13 +131,10 @@ class TokenRows:
                     else:
                         counts[col] += 1
                     changed[col] = token
-                if not old and len(changed) > SPAN_MIN:  # a new row: one write of its own
-                    spans.append((row, list(columns), counts))
-                else:
-                    set_rows += [row] * len(changed)
-                    set_cols += changed
-                    set_ids += changed.values()
-                    set_counts += [counts[col] for col in changed]
+                set_rows += [row] * len(changed)
+                set_cols += changed
+                set_ids += changed.values()
+                set_counts += [counts[col] for col in changed]
             written[row] = n
             last_step[row] = step
             row_list.append(row)

@@ -49,7 +49,7 @@ class TokenRows:
         self.counts = torch.zeros((num_rows, num_cols), dtype=torch.long, device=device)
         self._row_of: dict[int, int] = {}  # id(request) -> row
         self._holders: list[Request | None] = [None] * num_rows
-        self._written = [0] * num_rows  # tokens of the request's source counted into its row
+        self._written = [0] * num_rows  # tokens of the request's source counted into its row (-1: none, no padding)
         self._columns: list[dict[int, int]] = [{} for _ in range(num_rows)]  # per row: token -> column
         self._counts: list[list[int]] = [[] for _ in range(num_rows)]  # per row: occurrences per column
         self._last_step = [-1] * num_rows
@@ -83,7 +83,8 @@ class TokenRows:
     def rows(self, requests: list[Request]) -> tuple[Tensor, Tensor, int]:
         """Brings the requests' rows up to date. Returns their rows of ``ids`` and ``counts`` and their
         numbers of distinct tokens (int64, on the device), and the largest of those numbers. A request
-        with no token yet has a row of zeros (token 0, count 0)."""
+        with no token yet has a row of zeros (token 0, count 0), padded with its first token once it has
+        one."""
         row_list: list[int] = []
         lens: list[int] = []
         fill_rows: list[int] = []  # rows taken now: first their whole width holds the first token
@@ -100,10 +101,12 @@ class TokenRows:
             row = row_of.get(id(req))  # a held request's id is never another's: the row holds it
             if row is None:
                 row = self._take_row(req)
+            old = written[row]  # a request's tokens only grow, so its row counts its first ``old``
+            if old < 0 or (not old and n):  # a row taken now (-1), or its first tokens: padding first
                 fill_rows.append(row)
                 fill_ids.append(tokens[0] if n else 0)
+                old = 0
             columns, counts = self._columns[row], self._counts[row]
-            old = written[row]  # a request's tokens only grow, so its row counts its first ``old``
             if n == old + 1:  # a decode step's one new token
                 token = tokens[old]
                 col = columns.get(token)
@@ -179,7 +182,7 @@ class TokenRows:
         row = self._free.pop()
         self._row_of[id(req)] = row
         self._holders[row] = req
-        self._written[row] = 0
+        self._written[row] = -1  # not even its padding written yet
         self._columns[row], self._counts[row] = {}, []
         return row
 

@@ -28,14 +28,14 @@ Unseeded rows share one batched draw from the sampler's own generator: one unifo
 inverted through the row's cumulative distribution (a pass over the row, where the race costs a
 logarithm per entry). With the Triton backend (on a GPU) every sampled row races instead, in one
 launch of the race's kernel, which derives each seeded row's key from its seed and position, and the
-others' from random draw indices the host picks: one kernel where the inverse CDF, the seeded rows' keys and the
-indexing between them were about 40 operations, each a launch the host pays for. There top-p and min-p
-are one kernel too with top-k (``pdserve_kernels.triton_nucleus``), which finds each row's k-th largest
-probability and its nucleus by searching for them instead of sorting the row: the same entries stay,
-up to roundings at the cuts (the probabilities are those of the whole row, what top-k keeps not
-normalised again: the race draws from them as they are, and top-p's mass is taken relative to theirs). And so are the repetition,
-presence and frequency penalties of a group of rows (``pdserve_kernels.triton_penalties``), which read
-the penalty stores' rows in place.
+others' from random draw indices the host picks: one kernel where the inverse CDF, the seeded rows'
+keys and the indexing between them were about 40 operations, each a launch the host pays for. There
+top-k, top-p and min-p are one kernel too (``pdserve_kernels.triton_nucleus``), which finds each row's
+k-th largest probability and its nucleus by searching for them instead of sorting the row: the same
+entries stay, up to roundings at the cuts. Its probabilities are the whole row's, what top-k keeps
+not normalised again: the race draws from them as they are, and top-p's mass is taken relative to
+what top-k keeps. The repetition, presence and frequency penalties of a group of rows are one kernel
+as well (``pdserve_kernels.triton_penalties``), which reads the penalty stores' rows in place.
 
 Logprobs are those of the model's raw distribution (before logit bias, grammar, penalties and
 temperature), as vLLM reports them by default.
@@ -55,13 +55,7 @@ import torch
 from torch import Tensor
 
 from common.engine.grammar import apply_token_bitmask
-from common.engine.host_tensors import (
-    float_tensor,
-    int_tensor,
-    long_tensor,
-    long_tensors,
-    to_host,
-)
+from common.engine.host_tensors import float_tensor, int_tensor, long_tensor, long_tensors, to_host
 from common.engine.penalties import TokenRows, apply_output_penalties, apply_repetition_penalty
 from common.engine.request import Request
 from common.engine.row_ops import argmax_rows, max_rows, topk_rows
@@ -174,16 +168,20 @@ class _Group:
         temperatures = [p.temperature for p in params]
         self.scale = float_tensor(temperatures, device).unsqueeze(1) if any(t != 1.0 for t in temperatures) else None
         top_k = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
-        self.top_k_index = _index(top_k, len(rows), device)
         self.top_k = top_k
-        self.top_k_max = max((params[i].top_k for i in top_k), default=0)
-        self.top_k_positions = long_tensor([params[i].top_k - 1 for i in top_k], device).unsqueeze(1)
         self.top_p = [i for i, p in enumerate(params) if p.top_p < 1.0]
         self.min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
         self.unseeded = [i for i, r in enumerate(reqs) if r.draw_seed is None]
 
     # The draws' index, parameter and key tensors are built on first use: the torch path's and the
     # Triton kernels' (``Sampler._race_all``, ``nucleus_params``) are each built only where they run.
+    @functools.cached_property
+    def top_k_rows(self) -> tuple[Tensor | None, int, Tensor]:
+        """The rows with a top-k (``_index``), the largest k, and each row's k - 1, ``[rows, 1]``."""
+        ks = [self.requests[i].sampling_params.top_k for i in self.top_k]
+        return (_index(self.top_k, len(self.requests), self.device), max(ks, default=0),
+                long_tensor([k - 1 for k in ks], self.device).unsqueeze(1))
+
     @functools.cached_property
     def top_p_rows(self) -> tuple[Tensor | None, Tensor]:
         """The rows with a top-p (``_index``) and their values, ``[rows, 1]``."""
@@ -524,9 +522,10 @@ class Sampler:
                 nucleus_filter(probs, *group.nucleus_params)
             return self._race_all(probs, group)
         if group.top_k:
-            kth = topk_rows(_take(logits, group.top_k_index), group.top_k_max)[0].gather(1, group.top_k_positions)
-            if group.top_k_index is not None:  # rows without top-k compare against -inf: nothing masked
-                kth = logits.new_full((num_rows, 1), float("-inf")).index_copy_(0, group.top_k_index, kth)
+            index, k_max, positions = group.top_k_rows
+            kth = topk_rows(_take(logits, index), k_max)[0].gather(1, positions)
+            if index is not None:  # rows without top-k compare against -inf: nothing masked
+                kth = logits.new_full((num_rows, 1), float("-inf")).index_copy_(0, index, kth)
             below = logits < kth
             logits = logits.masked_fill_(below, float("-inf")) if owned else logits.masked_fill(below, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
@@ -571,8 +570,9 @@ class Sampler:
 
     def warm_up(self, device: torch.device, vocab: int) -> None:
         """Compile now what draws would compile (the race's kernel, where it runs: whole rows, and rows in
-        ranges with the kernel that picks among them; the top-k / top-p / min-p kernel; the penalties'), so that a kernel that
-        cannot build stops the engine at start, not a request in the middle of serving."""
+        ranges with the kernel that picks among them; the top-k / top-p / min-p kernel; the penalties'),
+        so that a kernel that cannot build stops the engine at start, not a request in the middle of
+        serving."""
         if self._race_kernel(device):
             from pdserve_kernels.triton_nucleus import nucleus_filter
             from pdserve_kernels.triton_sampling import seeded_race

@@ -126,3 +126,23 @@ def test_the_rows_of_finished_requests_let_them_go_within_release_every_steps():
     assert rows.ids.shape[0] == 2 and len(rows._free) == 1  # the preempted one kept its row
     _check(rows, [paused, _request([6])])  # the new one takes the freed row: no growth
     assert rows.ids.shape[0] == 2
+
+
+def test_a_request_with_no_output_yet_reads_zeros_not_its_row_s_last_holder_then_pads_with_its_first_token():
+    """An output store's row taken by a request that has output nothing (the Triton path asks for every
+    penalised row) holds no count of the request that held it before; once the request outputs, its
+    padding is its first token."""
+    rows = TokenRows("output_token_ids", num_rows=1, num_cols=4)
+    old = _request([1])
+    for t in (5, 5, 6):
+        old.append_output_token(t)
+    rows.begin_step()
+    _check(rows, [old])
+    new = _request([2])
+    rows.begin_step()  # ``old`` did not come back: its row goes to ``new``
+    slots, lens, _ = rows.rows([new])
+    assert lens.tolist() == [0] and not rows.ids[slots].any() and not rows.counts[slots].any()
+    new.append_output_token(7)
+    rows.begin_step()
+    _check(rows, [new])
+    assert rows.ids[slots].tolist() == [[7, 7, 7, 7]] and rows.counts[slots].tolist() == [[1, 0, 0, 0]]

@@ -1,4 +1,4 @@
-"""Top-p and min-p in one Triton kernel, without sorting a row.
+"""Top-k, top-p and min-p in one Triton kernel, without sorting a row.
 
 The torch path keeps a row's nucleus by sorting the whole row (49,152 to 128k entries), summing it
 cumulatively and scattering the kept values back, with the index copies around it about fifteen
@@ -19,6 +19,14 @@ value wide (about eight passes). Of the entries equal to ``L``, the ``i``-th in 
 ``G(L) + i * L`` is under ``top_p``, as many as a sort would keep (which ones among equal values a sort
 keeps is its own order's choice). Min-p zeroes the entries under ``min_p`` times the row's largest
 in the same last pass (the largest entry, which top-p keeps, is unchanged by it).
+
+With ``top_k`` (the sampler's Triton path) the same program first finds the row's k-th largest value
+by a search of the same kind over counts (the largest value with at least k entries at or above it,
+about eight passes), and every entry under it goes, as top-k over the logits drops the entries under
+the k-th largest logit (where two logits' probabilities round to the same value at the k-th place,
+both stay). Top-p then takes its mass relative to what top-k keeps, ``top_p`` times their sum, as the
+torch path's sort over the renormalised probabilities does, and the row is not normalised again: the
+race draws from it as it is.
 
 The masses are summed in another order than a sort's cumulative sum, so at a boundary the two can
 round differently: the nucleus then differs by the entries whose mass lies within a rounding of

@@ -45,12 +45,40 @@ PIVOTS = 16  # values whose mass a pass sums (the search narrows 17-fold a pass)
 
 
 @triton.jit
+def _search(row_ptr, vocab, lo, hi, threshold, COUNT: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+    """Narrows ``(lo, hi)``, the bits of two non-negative float32 values, to adjacent ones: ``hi`` the
+    smallest whose score is under ``threshold`` (float64), ``lo`` below it. The score of a value ``v``
+    falls as ``v`` grows: with ``COUNT`` the number of the row's entries at or above ``v``, else the mass
+    of those above it. Each pass over the row scores ``PIVOTS`` evenly spaced values at once (float32
+    per lane, exact for counts, float64 across lanes) and keeps the interval between two of them where
+    the score crosses ``threshold``: a seventeenth of the last."""
+    lanes = tl.arange(0, BLOCK)
+    steps = tl.arange(1, PIVOTS + 1).to(tl.int64)
+    while hi - lo > 1:
+        spaced = lo.to(tl.int64) + ((hi - lo).to(tl.int64) * steps) // (PIVOTS + 1)
+        pivots = tl.minimum(tl.maximum(spaced.to(tl.int32), lo + 1), hi - 1)
+        values = pivots.to(tl.float32, bitcast=True)
+        # Per lane and pivot, summed across lanes once a pass: the steps are element-wise.
+        lane_score = tl.zeros([BLOCK, PIVOTS], dtype=tl.float32)
+        for start in range(0, vocab, BLOCK):
+            p = tl.load(row_ptr + start + lanes, mask=start + lanes < vocab, other=0.0)
+            if COUNT:
+                lane_score += tl.where(p[:, None] >= values[None, :], 1.0, 0.0)
+            else:
+                lane_score += tl.where(p[:, None] > values[None, :], p[:, None], 0.0)
+        under = tl.sum(lane_score.to(tl.float64), axis=0) < threshold  # a suffix of the pivots, which ascend
+        hi = tl.minimum(hi, tl.min(tl.where(under, pivots, hi), axis=0))
+        lo = tl.maximum(lo, tl.max(tl.where(under, lo, pivots), axis=0))
+    return lo, hi
+
+
+@triton.jit
 def _nucleus_kernel(probs_ptr, stride_row, top_p_ptr, min_p_ptr, top_k_ptr, vocab,
                     HAS_TOP_K: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
     row = tl.program_id(0)
     top_p = tl.load(top_p_ptr + row)
     min_p = tl.load(min_p_ptr + row)
-    top_k = 0
+    top_k = tl.zeros([], dtype=tl.int32)
     if HAS_TOP_K:
         top_k = tl.load(top_k_ptr + row)
     thin_k = (top_k > 0) & (top_k < vocab)
@@ -62,25 +90,13 @@ def _nucleus_kernel(probs_ptr, stride_row, top_p_ptr, min_p_ptr, top_k_ptr, voca
             p = tl.load(row_ptr + start + lanes, mask=start + lanes < vocab, other=0.0)
             top = tl.maximum(top, p)
         largest = tl.max(top, axis=0)
-        steps = tl.arange(1, PIVOTS + 1).to(tl.int64)
         kth = largest * 0.0  # entries below it go (top-k); with no top-k, none
         target = top_p.to(tl.float64)  # the mass top-p keeps: of the row, or of what top-k keeps
         if thin_k:
-            # The k-th largest value's bits lie in [lo, hi): at least k entries are >= lo's value, fewer
-            # than k are >= hi's.
-            lo_k = tl.full([], 0, dtype=tl.int32)
-            hi_k = largest.to(tl.int32, bitcast=True) + 1
-            while hi_k - lo_k > 1:
-                spaced = lo_k.to(tl.int64) + ((hi_k - lo_k).to(tl.int64) * steps) // (PIVOTS + 1)
-                pivots = tl.minimum(tl.maximum(spaced.to(tl.int32), lo_k + 1), hi_k - 1)
-                values = pivots.to(tl.float32, bitcast=True)
-                lane_count = tl.zeros([BLOCK, PIVOTS], dtype=tl.int32)
-                for start in range(0, vocab, BLOCK):
-                    p = tl.load(row_ptr + start + lanes, mask=start + lanes < vocab, other=0.0)
-                    lane_count += (p[:, None] >= values[None, :]).to(tl.int32)
-                enough = tl.sum(lane_count, axis=0) >= top_k  # a prefix of the pivots, which ascend
-                lo_k = tl.maximum(lo_k, tl.max(tl.where(enough, pivots, lo_k), axis=0))
-                hi_k = tl.minimum(hi_k, tl.min(tl.where(enough, hi_k, pivots), axis=0))
+            # The k-th largest value: the largest with at least k entries at or above it. Its bits lie in
+            # [lo, hi): at least k entries are >= lo's value, fewer than k are >= hi's.
+            lo_k, _ = _search(row_ptr, vocab, tl.full([], 0, dtype=tl.int32), largest.to(tl.int32, bitcast=True) + 1,
+                              top_k.to(tl.float64), True, BLOCK, PIVOTS)
             kth = lo_k.to(tl.float32, bitcast=True)
             lane_kept = tl.zeros([BLOCK], dtype=tl.float32)
             for start in range(0, vocab, BLOCK):
@@ -92,21 +108,8 @@ def _nucleus_kernel(probs_ptr, stride_row, top_p_ptr, min_p_ptr, top_k_ptr, voca
         if top_p < 1.0:
             # The answer's bits lie in (lo, hi]: G(hi) < target, and lo is below the k-th value (or -1)
             # or G(lo) >= target.
-            lo = kth.to(tl.int32, bitcast=True) - 1
-            hi = largest.to(tl.int32, bitcast=True)
-            while hi - lo > 1:
-                spaced = lo.to(tl.int64) + ((hi - lo).to(tl.int64) * steps) // (PIVOTS + 1)
-                pivots = tl.minimum(tl.maximum(spaced.to(tl.int32), lo + 1), hi - 1)
-                values = pivots.to(tl.float32, bitcast=True)
-                # Per lane and pivot, summed across lanes once a pass: the steps are element-wise.
-                lane_mass = tl.zeros([BLOCK, PIVOTS], dtype=tl.float32)
-                for start in range(0, vocab, BLOCK):
-                    p = tl.load(row_ptr + start + lanes, mask=start + lanes < vocab, other=0.0)
-                    lane_mass += tl.where(p[:, None] > values[None, :], p[:, None], 0.0)
-                mass = tl.sum(lane_mass.to(tl.float64), axis=0)
-                under = mass < target  # a suffix of the pivots, which ascend
-                hi = tl.minimum(hi, tl.min(tl.where(under, pivots, hi), axis=0))
-                lo = tl.maximum(lo, tl.max(tl.where(under, lo, pivots), axis=0))
+            _, hi = _search(row_ptr, vocab, kth.to(tl.int32, bitcast=True) - 1, largest.to(tl.int32, bitcast=True),
+                            target, False, BLOCK, PIVOTS)
             cut = hi.to(tl.float32, bitcast=True)
             lane_above = tl.zeros([BLOCK], dtype=tl.float32)
             lane_ties = tl.zeros([BLOCK], dtype=tl.int32)

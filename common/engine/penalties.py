@@ -109,12 +109,7 @@ class TokenRows:
             columns, counts = self._columns[row], self._counts[row]
             if n == old + 1:  # a decode step's one new token
                 token = tokens[old]
-                col = columns.get(token)
-                if col is None:
-                    col = columns[token] = len(counts)
-                    counts.append(1)
-                else:
-                    counts[col] += 1
+                col = _count(columns, counts, token)
                 set_rows.append(row)
                 set_cols.append(col)
                 set_ids.append(token)
@@ -127,13 +122,7 @@ class TokenRows:
             elif n > old:
                 changed: dict[int, int] = {}  # column -> token: each column written once, with its last count
                 for token in tokens[old:n]:
-                    col = columns.get(token)
-                    if col is None:
-                        col = columns[token] = len(counts)
-                        counts.append(1)
-                    else:
-                        counts[col] += 1
-                    changed[col] = token
+                    changed[_count(columns, counts, token)] = token
                 set_rows += [row] * len(changed)
                 set_cols += changed
                 set_ids += changed.values()
@@ -205,6 +194,18 @@ class TokenRows:
         self._columns += [{} for _ in range(extra)]
         self._counts += [[] for _ in range(extra)]
         self._last_step += [-1] * extra
+
+
+def _count(columns: dict[int, int], counts: list[int], token: int) -> int:
+    """One more occurrence of ``token`` in a row (``columns``: token to column; ``counts``: per column);
+    returns its column, a new one at the end for a token not seen before."""
+    col = columns.get(token)
+    if col is None:
+        col = columns[token] = len(counts)
+        counts.append(1)
+    else:
+        counts[col] += 1
+    return col
 
 
 def apply_repetition_penalty(x: Tensor, rows: Tensor, ids: Tensor, penalty: Tensor) -> None:

@@ -38,15 +38,16 @@ SPAN_MIN = 64
 
 class TokenRows:
     """The distinct tokens of each request's ``all_token_ids`` or ``output_token_ids`` (``source``), one
-    row of device tensors per request: ``ids`` and their ``counts`` (both int64). The counts go to the
-    device only for ``output_token_ids`` (``counted``): the repetition penalty reads no count."""
+    row of device tensors per request: ``ids`` and their ``counts`` (both int64). Only a store of
+    ``output_token_ids`` keeps counts on the device (``counted``): the repetition penalty reads none."""
 
     def __init__(self, source: Literal["all_token_ids", "output_token_ids"], device: torch.device | str = "cpu",
                  num_rows: int = 16, num_cols: int = 256) -> None:
         self.source = source
         self.counted = source == "output_token_ids"
         self.ids = torch.zeros((num_rows, num_cols), dtype=torch.long, device=device)
-        self.counts = torch.zeros((num_rows, num_cols), dtype=torch.long, device=device)
+        # Empty for a store of all_token_ids: the repetition penalty reads no count.
+        self.counts = torch.zeros((num_rows, num_cols) if self.counted else (0, 0), dtype=torch.long, device=device)
         self._row_of: dict[int, int] = {}  # id(request) -> row
         self._holders: list[Request | None] = [None] * num_rows
         self._written = [0] * num_rows  # tokens of the request's source counted into its row (-1: none, no padding)
@@ -181,12 +182,14 @@ class TokenRows:
         while num_cols < min_cols:
             num_cols *= 2
         ids = torch.zeros((num_rows, num_cols), dtype=torch.long, device=self.ids.device)
-        counts = torch.zeros((num_rows, num_cols), dtype=torch.long, device=self.ids.device)
         ids[:old_rows, :old_cols] = self.ids
-        counts[:old_rows, :old_cols] = self.counts
         if num_cols > old_cols:  # each held row's padding goes on: its first token
             ids[:old_rows, old_cols:] = self.ids[:, :1]
-        self.ids, self.counts = ids, counts
+        self.ids = ids
+        if self.counted:
+            counts = torch.zeros((num_rows, num_cols), dtype=torch.long, device=self.ids.device)
+            counts[:old_rows, :old_cols] = self.counts
+            self.counts = counts
         extra = num_rows - old_rows
         self._free[:0] = range(num_rows - 1, old_rows - 1, -1)
         self._holders += [None] * extra

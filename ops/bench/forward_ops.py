@@ -30,6 +30,7 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -107,18 +108,8 @@ def count_sample(vocab: int, backend: str, args: argparse.Namespace) -> dict[str
     from common.engine.request import Request
     from ops.bench.overhead import MIXED
 
-    copies = collections.Counter[str]()
     count = _Count()
-    real_upload, real_download = host_tensors.to_device_all, sampler_module.to_host
     real_race: Any = triton_sampling.seeded_race
-
-    def upload(tensors: Any, device: Any) -> Any:
-        copies["uploads"] += 1
-        return real_upload(tensors, device)
-
-    def download(t: torch.Tensor) -> torch.Tensor:
-        copies["downloads"] += 1
-        return real_download(t)
 
     def race(*a: Any, **k: Any) -> torch.Tensor:  # the recorded race wrote nothing: ids in range, uncounted
         out = real_race(*a, **k)
@@ -137,36 +128,26 @@ def count_sample(vocab: int, backend: str, args: argparse.Namespace) -> dict[str
     with contextlib.ExitStack() as stack:
         if backend == "triton":  # a GPU's branches
             launches: list[Launch] = stack.enter_context(recording())[0]
-            for module, name, value in ((row_ops, "blocks_pay", lambda x: False),
-                                        (sampler_module, "CPU_CHUNK_BYTES", 1 << 62), (triton_sampling, "seeded_race", race)):
-                stack.enter_context(_patched(module, name, value))
+            stack.enter_context(mock.patch.object(row_ops, "blocks_pay", lambda x: False))
+            stack.enter_context(mock.patch.object(sampler_module, "CPU_CHUNK_BYTES", 1 << 62))
+            stack.enter_context(mock.patch.object(triton_sampling, "seeded_race", race))
         else:
             launches = []
         sampler.sample(logits, reqs).result()
         for req in reqs:
             req.append_output_token(5)
         launches.clear()
-        stack.enter_context(_patched(host_tensors, "to_device_all", upload))
-        stack.enter_context(_patched(sampler_module, "to_host", download))
+        # Each host-device copy counted where it is made (on the CPU they copy nothing).
+        uploads = stack.enter_context(mock.patch.object(host_tensors, "to_device_all", wraps=host_tensors.to_device_all))
+        downloads = stack.enter_context(mock.patch.object(sampler_module, "to_host", wraps=sampler_module.to_host))
         with count:
             sampler.sample(logits, reqs).result()
     by_kernel = collections.Counter(launch.name for launch in launches)
     ops, triton = sum(count.ops.values()), len(launches)
-    if backend == "torch":  # on the CPU nothing crosses
-        copies.clear()
-    total = ops + triton + copies["uploads"] + copies["downloads"]
+    copies = {"uploads": uploads.call_count, "downloads": downloads.call_count} if backend == "triton" else {}
+    total = ops + triton + sum(copies.values())
     return {"backend": backend, "case": "sample", "torch_ops": ops, "triton_launches": triton, **copies,
             "total": total, "per_layer": None, "ops": dict(count.ops.most_common()), "launches": dict(by_kernel)}
-
-
-@contextlib.contextmanager
-def _patched(module: Any, name: str, value: Any) -> Any:
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -33,7 +33,7 @@ from typing import Any
 from unittest import mock
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.model.llama import AttentionMetadata, LlamaForCausalLM
 from common.model.loader import model_identity, resolve_model_path
@@ -102,20 +102,12 @@ def count_sample(vocab: int, backend: str, args: argparse.Namespace) -> dict[str
     """The operations of one steady decode step's sampling (the second of two, a token appended between:
     the batch's plan and the penalty stores' rows are built at the first)."""
     import common.engine.host_tensors as host_tensors
-    import common.engine.row_ops as row_ops
     import common.engine.sampler as sampler_module
-    import pdserve_kernels.triton_sampling as triton_sampling
     from common.engine.request import Request
+    from ops.bench.gpu_branches import gpu_branches
     from ops.bench.overhead import MIXED
 
     count = _Count()
-    real_race: Any = triton_sampling.seeded_race
-
-    def race(*a: Any, **k: Any) -> torch.Tensor:  # the recorded race wrote nothing: ids in range, uncounted
-        out = real_race(*a, **k)
-        with _disable_current_modes():
-            return out.zero_()
-
     reqs = []
     for i in range(args.batch):
         req = Request(f"r{i}", [(7 * i + j) % vocab for j in range(args.context)], MIXED[i % len(MIXED)],
@@ -126,13 +118,7 @@ def count_sample(vocab: int, backend: str, args: argparse.Namespace) -> dict[str
     logits = torch.randn(args.batch, vocab, generator=torch.Generator().manual_seed(0)) * 3
     sampler = sampler_module.Sampler({2}, kernel_backend=backend)
     with contextlib.ExitStack() as stack:
-        if backend == "triton":  # a GPU's branches
-            launches: list[Launch] = stack.enter_context(recording())[0]
-            stack.enter_context(mock.patch.object(row_ops, "blocks_pay", lambda x: False))
-            stack.enter_context(mock.patch.object(sampler_module, "CPU_CHUNK_BYTES", 1 << 62))
-            stack.enter_context(mock.patch.object(triton_sampling, "seeded_race", race))
-        else:
-            launches = []
+        launches: list[Launch] = stack.enter_context(gpu_branches()) if backend == "triton" else []
         sampler.sample(logits, reqs).result()
         for req in reqs:
             req.append_output_token(5)

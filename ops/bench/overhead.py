@@ -46,7 +46,12 @@ waits only for the sampled ids. ``--host-vocab N`` (1,024 by default; 0 skips it
 once more with the batched sampler over ``N``-column logits (prompt ids drawn below ``N``): the same
 calls, conditions and Python, with the per-entry work made small. That total is what a GPU would
 wait on per step, to within the launch cost of the sampler's kernels (a seeded row's noise is
-computed where its row is: on a GPU, on the GPU).
+computed where its row is: on a GPU, on the GPU). That run takes the CPU's branches of the sampler;
+a GPU takes others (``ops.bench.gpu_branches``): its Triton kernels for the penalties, for top-k /
+top-p / min-p and for the draw, no block maxima, no chunks. So each case also runs over the same
+few logits with the sampler on those branches, its kernels recorded instead of run (sampler
+``gpu-path``): the host's share of a step on a GPU, but for what each kernel launch costs there
+(counted: the step's torch operations and Triton launches).
 
 On a GPU, ``--device cuda`` puts the engine's tensors, the fixed logits and the sampler there: a
 step's wall time is then the host's own work plus its waits for the sampler's kernels and the
@@ -88,13 +93,14 @@ from common.engine.engine import LLMEngine
 from common.engine.model_runner import ModelRunner
 from common.engine.request import Request
 from common.engine.row_ops import argmax_rows
-from common.engine.sampler import SampleResult
+from common.engine.sampler import Sampler, SampleResult
 from common.engine.seeded_draws import draw_keys, exponentials
 from common.glibc_env import keep_malloc_defaults, malloc_thresholds_state
 from common.model.loader import model_identity, resolve_model_path
 from common.model.weights import load_hf_config
 from common.protocol import PositionLogprobs, TokenLogprob
 from common.sampling_params import SamplingParams
+from ops.bench.gpu_branches import gpu_branches
 from ops.bench.host_speed import cpu_ticks, describe, describe_steal, host_speed, steal_during
 from pdserve_kernels import get_kernels, resolve_backend
 
@@ -343,7 +349,18 @@ def _summary(values: list[float]) -> dict[str, float]:
 def run_case(
     case: str, batch_size: int, sampler_kind: str, args: argparse.Namespace, logits: Tensor
 ) -> dict[str, Any]:
-    """Build an engine with a null forward, bring it to the measured state, time ``--num-steps`` steps."""
+    """Build an engine with a null forward, bring it to the measured state, time ``--num-steps`` steps.
+    ``sampler_kind``: ``SAMPLERS``, or ``gpu-path`` (the batched sampler on a GPU's branches, its
+    Triton kernels recorded; ``ops.bench.gpu_branches``)."""
+    with contextlib.ExitStack() as stack:
+        launches = stack.enter_context(gpu_branches()) if sampler_kind == "gpu-path" else None
+        return _run_case(case, batch_size, sampler_kind, args, logits, launches)
+
+
+def _run_case(
+    case: str, batch_size: int, sampler_kind: str, args: argparse.Namespace, logits: Tensor,
+    launches: list[Any] | None,
+) -> dict[str, Any]:
     prompt_len, num_steps, warmup = args.prompt_len, args.num_steps, args.warmup
     vocab = int(logits.shape[1])
     profile_steps = args.profile_steps if case != "prefill" else 0
@@ -353,6 +370,8 @@ def run_case(
     runner = engine.runner
     if sampler_kind == "per-row":
         engine.sampler = _PerRowSampler(engine.eos_token_ids, args.seed)  # type: ignore[assignment]
+    elif launches is not None:
+        engine.sampler = Sampler(engine.eos_token_ids, args.seed, kernel_backend="triton")
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
     runner.execute = clock.wrap("execute", runner.execute)  # type: ignore[method-assign]
     time_sampler(engine, clock.wrap)
@@ -387,6 +406,8 @@ def run_case(
         start = clock.now()
         outputs = engine.step()
         total = clock.now() - start
+        if launches is not None:
+            launches.clear()  # each holds its tensors
         if i >= warmup:
             faults += minor_faults() - faults_before
         t = clock.current
@@ -406,13 +427,14 @@ def run_case(
     untimed = time_sampler(engine, counter.counting)
     with counter:
         engine.step()
+    kernels = {"triton_launches": len(launches)} if launches is not None else {}
     engine.sampler.sample = untimed  # type: ignore[method-assign]
     profile = profile_ops(engine, profile_steps) if profile_steps else None
     return {
         **({"profile": profile} if profile is not None else {}),
         "case": case, "batch_size": batch_size, "sampler": sampler_kind, "vocab": vocab, "num_steps": num_steps,
         "phases_ms": {name: _summary([s[name] for s in steps]) for name in (*PHASES, "total")},
-        "torch_ops": {"step": sum(counter.counts.values()), "sample": counter.counts.get("sample", 0)},
+        "torch_ops": {"step": sum(counter.counts.values()), "sample": counter.counts.get("sample", 0), **kernels},
         "minor_faults_per_step": faults / num_steps,
         **({"admit_us_per_request": statistics.median(admits[warmup:]) * 1e6} if admits else {}),
     }
@@ -530,7 +552,8 @@ def format_report(report: dict[str, Any]) -> str:
                          f"time per step by operation: {top}")
     if any(_is_host_share(r) for r in results):
         lines += ["rows at the small vocab: the host's share, the sampler's calls over few logits (what a GPU "
-                  "would wait on)"]
+                  "would wait on); gpu-path: the same on the sampler's GPU branches, its Triton kernels recorded, "
+                  "not run"]
     lines += [describe(speed) for speed in report.get("host_speed", [])]
     if report.get("host_steal"):
         lines.append(f"host, over the cases: {describe_steal(report['host_steal'])}")
@@ -557,12 +580,14 @@ def format_report(report: dict[str, Any]) -> str:
         got = new["phases_ms"]["total"]["median"]
         old = _find(results, case, batch_size, "per-row")
         host = _find(results, case, batch_size, "batched", host_share=True)
+        gpu = _find(results, case, batch_size, "gpu-path", host_share=True)
         lines.append(
             f"target {case}, batch {batch_size}: <= {target:g} ms: measured {got:.2f} ms "
             + ("(met)" if got <= target else "(NOT met)")
             + ("" if old is None else f"; per-row sampler {old['phases_ms']['total']['median']:.2f} ms")
             + f"; without sampling {_without_sampling(new):.2f} ms"
             + ("" if host is None else _host_note(host, target))
+            + ("" if gpu is None else _gpu_path_note(gpu, target))
             + _baseline_note(baseline, case, batch_size)
         )
     return "\n".join(lines)
@@ -572,6 +597,14 @@ def _host_note(host: dict[str, Any], target: float) -> str:
     got = host["phases_ms"]["total"]["median"]
     return (f"; host's share (sampler over {host['vocab']} logits) {got:.2f} ms "
             + ("(met)" if got <= target else "(NOT met)"))
+
+
+def _gpu_path_note(gpu: dict[str, Any], target: float) -> str:
+    got = gpu["phases_ms"]["total"]["median"]
+    ops = gpu["torch_ops"]
+    return (f"; on the GPU path's branches {got:.2f} ms " + ("(met)" if got <= target else "(NOT met)")
+            + f" with each of its {ops['step'] + ops['triton_launches']} launches a step still to pay "
+            f"({ops['step']} torch operations, {ops['triton_launches']} Triton kernels)")
 
 
 def _baseline_note(baseline: dict[str, Any] | None, case: str, batch_size: int) -> str:
@@ -740,7 +773,11 @@ def main(argv: list[str] | None = None) -> int:
                     report["results"].append(run_case(case, batch_size, sampler, args, logits))
                 if args.host_vocab and args.host_vocab < vocab_size:
                     print(f"{case}, batch {batch_size}, host's share ...", file=sys.stderr, flush=True)
-                    share = run_case(case, batch_size, "batched", args, logits[:, : args.host_vocab].contiguous())
+                    few = logits[:, : args.host_vocab].contiguous()
+                    share = run_case(case, batch_size, "batched", args, few)
+                    report["results"].append({**share, "host_share": True})
+                    print(f"{case}, batch {batch_size}, host's share, GPU path ...", file=sys.stderr, flush=True)
+                    share = run_case(case, batch_size, "gpu-path", args, few)
                     report["results"].append({**share, "host_share": True})
         host_ticks.append((time.monotonic(), cpu_ticks()))
         report["host_steal"] = steal_during(host_ticks, host_ticks[0][0], host_ticks[-1][0])

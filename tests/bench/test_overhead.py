@@ -20,7 +20,7 @@ def test_every_case_reports_every_phase_as_positive_milliseconds_for_both_sample
     report = json.loads(out.read_text())
     measured = {(r["case"], r["batch_size"], r["sampler"] + ("-host" if r.get("host_share") else "")): r
                 for r in report["results"]}
-    samplers = (*overhead.SAMPLERS, "batched-host")
+    samplers = (*overhead.SAMPLERS, "batched-host", "gpu-path-host")
     assert set(measured) == {(c, b, s) for c in overhead.CASES for b in (1, 4) for s in samplers}
     # The host's share runs over --host-vocab logits; the others over the model's whole vocabulary.
     assert {r["vocab"] for r in report["results"] if r.get("host_share")} == {1024}
@@ -43,6 +43,12 @@ def test_every_case_reports_every_phase_as_positive_milliseconds_for_both_sample
     # parameters (4 rows: greedy, top-p, top-k with a seed, top-k/top-p/min-p with logprobs) take more.
     greedy = [measured["greedy", b, "batched-host"]["torch_ops"]["sample"] for b in (1, 4)]
     assert greedy == [1, 1] and measured["mixed", 4, "batched-host"]["torch_ops"]["sample"] > 10
+    # On a GPU's branches (its Triton kernels recorded): the draw and the nucleus are kernels, in place of
+    # the CPU's torch operations; an all-greedy batch launches none.
+    gpu = measured["mixed", 4, "gpu-path-host"]["torch_ops"]
+    assert gpu["triton_launches"] >= 2 and gpu["sample"] < measured["mixed", 4, "batched-host"]["torch_ops"]["sample"]
+    greedy_ops = measured["greedy", 4, "batched-host"]["torch_ops"]
+    assert measured["greedy", 4, "gpu-path-host"]["torch_ops"] == {**greedy_ops, "triton_launches": 0}
     blocked = [measured["greedy", b, "batched"]["torch_ops"]["sample"] for b in (1, 4)]
     assert blocked[0] == blocked[1] <= 10
     # The prefill case's admission (add_request, outside the step), per request: timed, and only there.
@@ -57,6 +63,7 @@ def test_every_case_reports_every_phase_as_positive_milliseconds_for_both_sample
     if sys.platform == "linux":  # the hypervisor's share over the cases, read from /proc/stat
         assert 0.0 <= report["host_steal"]["cpu"]["share"] <= 1.0
     table = capsys.readouterr().out
+    assert f"{'mixed':<8}{4:>6}  {'gpu-path':<8}{1024:>7}" in table
     assert table.count("host speed now: python loop") == 2
     assert "target greedy, batch 256: <= 2 ms: not measured in this run" in table
     assert f"{'greedy':<8}{4:>6}  {'batched':<8}{1024:>7}" in table

@@ -55,7 +55,14 @@ import torch
 from torch import Tensor
 
 from common.engine.grammar import apply_token_bitmask
-from common.engine.host_tensors import float_tensor, int_tensor, long_tensor, long_tensors, to_host
+from common.engine.host_tensors import (
+    bool_tensor,
+    float_tensor,
+    int_tensor,
+    long_tensor,
+    long_tensors,
+    to_host,
+)
 from common.engine.penalties import TokenRows, apply_output_penalties, apply_repetition_penalty
 from common.engine.request import Request
 from common.engine.row_ops import argmax_rows, max_rows, topk_rows
@@ -139,16 +146,19 @@ class _Race(NamedTuple):
 
 
 class _Group:
-    """The greedy, or the sampled, rows of a chunk, and what their steps share while the chunk holds
-    the same requests in the same order: row indices and parameter tensors, built once."""
+    """The greedy, or the sampled, rows of a chunk (with the Triton kernels, all of its rows: ``greedy``
+    then lists the greedy ones among them), and what their steps share while the chunk holds the same
+    requests in the same order: row indices and parameter tensors, built once."""
 
     def __init__(
         self, rows: list[int], chunk: list[Request], draw: bool, eos_token_ids: set[int], vocab: int,
-        device: torch.device,
+        device: torch.device, greedy: list[int] | None = None,
     ) -> None:
         self.index = _index(rows, len(chunk), device)
         reqs = self.requests = [chunk[r] for r in rows]
         params = [r.sampling_params for r in reqs]
+        # Rows that take their argmax among rows that draw: where each draws, the draw's result is replaced.
+        self.greedy_rows = bool_tensor([p.greedy for p in params], device) if greedy else None
         # min_tokens bans, for the rows that may need them (whether they still do is the step's to say).
         # A grammar decides alone when its output may end: banning its stop token could leave no token.
         self.bans = [
@@ -165,12 +175,12 @@ class _Group:
         self.vocab, self.device = vocab, device
         if not draw:
             return
-        temperatures = [p.temperature for p in params]
+        # A greedy row among them draws as if at temperature 1 with no thinning; its draw is not kept.
+        temperatures = [1.0 if p.greedy else p.temperature for p in params]
         self.scale = float_tensor(temperatures, device).unsqueeze(1) if any(t != 1.0 for t in temperatures) else None
-        top_k = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
-        self.top_k = top_k
-        self.top_p = [i for i, p in enumerate(params) if p.top_p < 1.0]
-        self.min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
+        self.top_k = [i for i, p in enumerate(params) if 0 < p.top_k < vocab and not p.greedy]
+        self.top_p = [i for i, p in enumerate(params) if p.top_p < 1.0 and not p.greedy]
+        self.min_p = [i for i, p in enumerate(params) if p.min_p > 0.0 and not p.greedy]
         self.unseeded = [i for i, r in enumerate(reqs) if r.draw_seed is None]
 
     # The draws' index, parameter and key tensors are built on first use: the torch path's and the
@@ -213,11 +223,15 @@ class _Group:
     def nucleus_params(self) -> tuple[Tensor, Tensor, Tensor | None]:
         """Every row's top-p (1: none), min-p (0: none) and top-k (0: none; None where no row has one),
         for ``triton_nucleus.nucleus_filter``."""
-        params = [r.sampling_params for r in self.requests]
-        return (float_tensor([p.top_p for p in params], self.device),
-                float_tensor([p.min_p for p in params], self.device),
-                int_tensor([p.top_k if 0 < p.top_k < self.vocab else 0 for p in params], self.device)
-                if self.top_k else None)
+        top_p, min_p, top_k = [1.0] * len(self.requests), [0.0] * len(self.requests), [0] * len(self.requests)
+        for i in self.top_p:
+            top_p[i] = self.requests[i].sampling_params.top_p
+        for i in self.min_p:
+            min_p[i] = self.requests[i].sampling_params.min_p
+        for i in self.top_k:
+            top_k[i] = self.requests[i].sampling_params.top_k
+        return (float_tensor(top_p, self.device), float_tensor(min_p, self.device),
+                int_tensor(top_k, self.device) if self.top_k else None)
 
     @functools.cached_property
     def penalty_programs(self) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -260,9 +274,15 @@ class _Group:
 
 
 class _ChunkPlan:
-    """A chunk's rows, sorted out once for as long as the chunk holds the same requests."""
+    """A chunk's rows, sorted out once for as long as the chunk holds the same requests. ``fused``: the
+    Triton kernels sample (a GPU's path); then the greedy rows go with the sampled ones, one group, and
+    take their argmax beside the draw: what splitting the rows into two groups would launch (a copy of
+    each group's rows, the penalties' kernel and the stores' writes once per group, two writes back) is
+    more than a draw over the greedy rows costs on a GPU."""
 
-    def __init__(self, requests: list[Request], eos_token_ids: set[int], vocab: int, device: torch.device) -> None:
+    def __init__(
+        self, requests: list[Request], eos_token_ids: set[int], vocab: int, device: torch.device, fused: bool
+    ) -> None:
         self.lp_rows = [row for row, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         self.lp_index = _index(self.lp_rows, len(requests), device)
         bias_rows: list[int] = []
@@ -281,6 +301,10 @@ class _ChunkPlan:
         self.grammar_rows = [row for row, r in enumerate(requests) if r.grammar is not None]
         greedy = [row for row, r in enumerate(requests) if r.sampling_params.greedy]
         sampled = [row for row, r in enumerate(requests) if not r.sampling_params.greedy]
+        self.fused = fused
+        if fused and greedy and sampled:
+            self.groups = [_Group(list(range(len(requests))), requests, True, eos_token_ids, vocab, device, greedy)]
+            return
         self.groups = [
             _Group(rows, requests, draw, eos_token_ids, vocab, device)
             for rows, draw in ((greedy, False), (sampled, True)) if rows
@@ -294,10 +318,11 @@ class _BatchPlan:
     and the building of every index and parameter tensor."""
 
     def __init__(
-        self, requests: list[Request], eos_token_ids: set[int], vocab: int, device: torch.device, chunk: int
+        self, requests: list[Request], eos_token_ids: set[int], vocab: int, device: torch.device, chunk: int,
+        fused: bool = False,
     ) -> None:
         self.requests = list(requests)
-        self.vocab, self.device, self.chunk = vocab, device, chunk
+        self.vocab, self.device, self.chunk, self.fused = vocab, device, chunk, fused
         self.plain = all(r.plain_greedy and r.grammar is None for r in requests)
         self.static_work = any(_has_static_work(r) for r in requests)
         self.min_tokens_requests = [r for r in requests if r.sampling_params.min_tokens > 0]
@@ -329,7 +354,8 @@ class _BatchPlan:
     def chunks(self) -> list[_ChunkPlan]:
         if self._chunks is None:
             self._chunks = [
-                _ChunkPlan(self.requests[start : start + self.chunk], self._eos_token_ids, self.vocab, self.device)
+                _ChunkPlan(self.requests[start : start + self.chunk], self._eos_token_ids, self.vocab, self.device,
+                           self.fused)
                 for start in range(0, len(self.requests), self.chunk)
             ]
         return self._chunks
@@ -381,7 +407,8 @@ class Sampler:
             chunk = max(1, CPU_CHUNK_BYTES // (4 * vocab))
         plan = self._plan
         if plan is None or not plan.fits(requests, vocab, x.device, chunk):
-            plan = self._plan = _BatchPlan(requests, self.eos_token_ids, vocab, x.device, chunk)
+            plan = self._plan = _BatchPlan(requests, self.eos_token_ids, vocab, x.device, chunk,
+                                           self._race_kernel(x.device))
         if plan.plain or not plan.has_work():  # all greedy, nothing else: one argmax
             row_max, token_ids = max_rows(x)
             return SampledTokens(token_ids, row_max=row_max)
@@ -408,16 +435,19 @@ class Sampler:
         raw = torch.log_softmax(_take(logits, plan.lp_index), dim=-1) if plan.lp_rows else None
         constrained = self._constrained(logits, requests, plan, owned)
         owned, logits = owned or constrained is not logits, constrained
-        # A NaN or +inf logit anywhere in a row: the model's output for it is broken (one operation over
-        # the raw rows, before anything writes into them; the host reads it with the ids).
-        row_max = logits.amax(dim=-1)
-        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-        for group in plan.groups:
-            x = _take(logits, group.index)  # each row is copied at most once: here, or for a penalty
-            x_owned = owned or x is not logits
-            y = self._penalized(x, group, x_owned)
-            ids = self._draw(y, group, owned=x_owned or y is not x) if group.draw else argmax_rows(y)
-            _put(token_ids, group.index, ids)
+        if plan.fused:
+            row_max, token_ids = self._sample_group(logits, plan.groups[0], owned)
+        else:
+            # A NaN or +inf logit anywhere in a row: the model's output for it is broken (one operation over
+            # the raw rows, before anything writes into them; the host reads it with the ids).
+            row_max = logits.amax(dim=-1)
+            token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+            for group in plan.groups:
+                x = _take(logits, group.index)  # each row is copied at most once: here, or for a penalty
+                x_owned = owned or x is not logits
+                y = self._penalized(x, group, x_owned)
+                ids = self._draw(y, group, owned=x_owned or y is not x) if group.draw else argmax_rows(y)
+                _put(token_ids, group.index, ids)
         if raw is None:
             return token_ids, None, row_max
         parts = [raw.gather(1, _take(token_ids.unsqueeze(1), plan.lp_index))]
@@ -425,6 +455,20 @@ class Sampler:
             parts += list(topk_rows(raw, k_max))
         dtype = torch.float32 if logits.shape[-1] <= 1 << 24 else torch.float64  # every id exact
         return token_ids, torch.cat([p.to(dtype) for p in parts], dim=1), row_max
+
+    def _sample_group(self, logits: Tensor, group: _Group, owned: bool) -> tuple[Tensor, Tensor]:
+        """``_sample_rows``' row maxima and ids with the Triton kernels, whose chunk is one group of every
+        row (``_ChunkPlan``). The maxima are taken over the penalised rows, with the greedy rows' argmax
+        where there are some (one operation): a penalty keeps a finite logit finite, and a NaN or +inf
+        one as it is."""
+        y = self._penalized(logits, group, owned)
+        owned = owned or y is not logits
+        if not group.draw:
+            return max_rows(y)
+        if group.greedy_rows is None:
+            return y.amax(dim=-1), self._draw(y, group, owned)
+        row_max, argmax = max_rows(y)  # before the draw writes into ``y``
+        return row_max, torch.where(group.greedy_rows, argmax, self._draw(y, group, owned))
 
     def _constrained(self, logits: Tensor, requests: list[Request], plan: _ChunkPlan, owned: bool) -> Tensor:
         """``logits`` plus every row's ``logit_bias`` (one scatter-add), then with every token its

@@ -769,13 +769,14 @@ def test_topk_rows_gives_torch_topk_values_with_ties_nans_and_infinities(num_row
         assert all(len(set(row)) == k for row in indices.tolist())  # k distinct entries per row
 
 
-@pytest.mark.parametrize("kinds", ["plain greedy", "mixed"])
-def test_rows_whose_logits_are_not_finite_come_back_as_minus_one_and_leave_the_others_alone(kinds):
+@pytest.mark.parametrize(("kinds", "kernel_backend"), [("plain greedy", "torch"), ("mixed", "torch"), ("mixed", "triton")])
+def test_rows_whose_logits_are_not_finite_come_back_as_minus_one_and_leave_the_others_alone(kinds, kernel_backend):
     """A NaN logit, or +inf, in a row (a model's overflow) makes its id -1 on the host, whatever path the
-    row takes (greedy argmax, penalties, the seeded races, the unseeded inverse CDF, logprobs); the
-    device's ids stay valid token ids (a next step in flight may read them), and every other row
-    samples exactly what it samples when no row is broken."""
-    vocab = 3000
+    row takes (greedy argmax, penalties, the seeded races, the unseeded inverse CDF, logprobs; with the
+    Triton backend, its kernels, the greedy rows beside the sampled ones); the device's ids stay valid
+    token ids (a next step in flight may read them), and every other row samples exactly what it samples
+    when no row is broken."""
+    vocab = 3000 if kernel_backend == "torch" else 500  # Triton's interpreter is slow
     params = [SamplingParams(temperature=0.0)] if kinds == "plain greedy" else BATCH_KINDS
     num_rows = 2 * len(BATCH_KINDS)
     gen = torch.Generator().manual_seed(7)
@@ -787,7 +788,7 @@ def test_rows_whose_logits_are_not_finite_come_back_as_minus_one_and_leave_the_o
     results = {}
     for name, logits in (("clean", clean), ("broken", broken)):
         reqs = [_request(params[row % len(params)], prompt=(5, 6, 7), output=(8, 9)) for row in range(num_rows)]
-        sampled = Sampler(eos_token_ids={0}, seed=3).sample(logits, reqs)
+        sampled = Sampler(eos_token_ids={0}, seed=3, kernel_backend=kernel_backend).sample(logits, reqs)
         assert int(sampled.token_ids.min()) > -1 and int(sampled.token_ids.max()) < vocab
         results[name] = sampled.result()
     got, want = results["broken"].token_ids, results["clean"].token_ids

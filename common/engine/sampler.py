@@ -337,6 +337,11 @@ class _BatchPlan:
         self._eos_token_ids = eos_token_ids
         self._chunks: list[_ChunkPlan] | None = None
 
+    @functools.cached_property
+    def logprob_index(self) -> Tensor:
+        """The rows that asked for logprobs, for ``triton_logprobs.logprob_table``."""
+        return long_tensor([row for row, _ in self.logprob_rows], self.device)
+
     def fits(self, requests: list[Request], vocab: int, device: torch.device, chunk: int) -> bool:
         return (
             vocab == self.vocab and device == self.device and chunk == self.chunk
@@ -420,6 +425,12 @@ class Sampler:
         ]
         token_ids = results[0][0] if len(results) == 1 else torch.cat([t for t, _, _ in results])
         row_max = results[0][2] if len(results) == 1 else torch.cat([m for _, _, m in results])
+        if plan.fused and plan.logprob_rows:  # the table in one kernel, from the logits as they came
+            from pdserve_kernels.triton_logprobs import logprob_table  # Triton, imported only where it runs
+
+            raw = logits if logits.stride(-1) == 1 else logits.contiguous()
+            table = logprob_table(raw, plan.logprob_index, token_ids, k_max, _table_dtype(vocab))
+            return SampledTokens(token_ids, table, plan.logprob_rows, k_max, row_max)
         tables = [table for _, table, _ in results if table is not None]
         # One transfer each (see ``_sample_rows`` for why the table's floats hold the ids exactly).
         table = (tables[0] if len(tables) == 1 else torch.cat(tables)) if tables else None
@@ -432,7 +443,9 @@ class Sampler:
         the rows that asked for logprobs ``[token logprob, k_max top values, k_max top ids]``, in float32
         where every token id is below 2**24 (float32 holds each of them exactly, as it holds the
         logprobs), else in float64; and each row's largest raw logit (NaN if it holds one)."""
-        raw = torch.log_softmax(_take(logits, plan.lp_index), dim=-1) if plan.lp_rows else None
+        # The raw rows' logprobs, before anything writes into them (with the Triton kernels, ``sample``
+        # builds the table instead).
+        raw = torch.log_softmax(_take(logits, plan.lp_index), dim=-1) if plan.lp_rows and not plan.fused else None
         constrained = self._constrained(logits, requests, plan, owned)
         owned, logits = owned or constrained is not logits, constrained
         if plan.fused:
@@ -453,7 +466,7 @@ class Sampler:
         parts = [raw.gather(1, _take(token_ids.unsqueeze(1), plan.lp_index))]
         if k_max:
             parts += list(topk_rows(raw, k_max))
-        dtype = torch.float32 if logits.shape[-1] <= 1 << 24 else torch.float64  # every id exact
+        dtype = _table_dtype(logits.shape[-1])
         return token_ids, torch.cat([p.to(dtype) for p in parts], dim=1), row_max
 
     def _sample_group(self, logits: Tensor, group: _Group, owned: bool) -> tuple[Tensor, Tensor]:
@@ -634,6 +647,9 @@ class Sampler:
             rep, out = (k, store, zero, zero, one), (k, store, store, zero, zero, one, one)
             for penalties in ((rep, None), (None, out), (rep, out)):  # each variant the kernel compiles to
                 apply_penalties(torch.zeros(1, vocab, device=device), zero, *penalties)
+            from pdserve_kernels.triton_logprobs import logprob_table
+
+            logprob_table(torch.zeros(1, vocab, device=device), zero, zero, 1, _table_dtype(vocab))
 
     def _race_kernel(self, device: torch.device) -> bool:
         fused = self._race_kernels.get(device)
@@ -739,6 +755,11 @@ def _inverse_cdf(probs: Tensor, generator: torch.Generator) -> Tensor:
     target = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
     # A NaN row (broken logits, flagged as such) finds no place but past its end: kept in the vocabulary.
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
+def _table_dtype(vocab: int) -> torch.dtype:
+    """The logprob table's: float32 where it holds every token id exactly, else float64."""
+    return torch.float32 if vocab <= 1 << 24 else torch.float64
 
 
 def _index(rows: list[int], num_rows: int, device: torch.device) -> Tensor | None:

@@ -650,6 +650,43 @@ def bench_penalties(report: Report, args: argparse.Namespace, vocab: int | None 
     time_copy(report, source.numel() * 8, torch.float32)
 
 
+def bench_logprobs(report: Report, args: argparse.Namespace, vocab: int | None = None, k: int = 20) -> None:
+    """The logprob table: the Triton kernel against the torch path it replaces (the rows' copy, a
+    log-softmax, a gather of the sampled tokens, ``topk``, the ids' conversion, the concatenation),
+    over ``--batch`` rows of ``vocab`` (default ``--vocab``), half of them asking for ``k`` logprobs.
+    Checked: the same logprobs to within float32's rounding of the sum, the same ids (random logits:
+    no ties); then both timed."""
+    from pdserve_kernels.triton_logprobs import logprob_table
+
+    vocab = vocab or args.vocab
+    num_rows = args.batch
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    logits = 3 * torch.randn(num_rows, vocab, device=DEVICE, generator=gen)
+    token_ids = torch.randint(0, vocab, (num_rows,), device=DEVICE, generator=gen)
+    rows = torch.arange(0, num_rows, 2, device=DEVICE)
+
+    def ours() -> torch.Tensor:
+        return logprob_table(logits, rows, token_ids, k, torch.float32)
+
+    def theirs() -> torch.Tensor:
+        raw = torch.log_softmax(logits.index_select(0, rows), dim=-1)
+        values, ids = raw.topk(k, dim=-1)
+        return torch.cat([raw.gather(1, token_ids.index_select(0, rows).unsqueeze(1)), values, ids.float()], dim=1)
+
+    def same_ids() -> tuple[float, float]:
+        return _exact(int((ours()[:, 1 + k :] != theirs()[:, 1 + k :]).sum()))
+
+    def close_values() -> tuple[float, float]:
+        return float((ours()[:, : 1 + k] - theirs()[:, : 1 + k]).abs().max()), 1e-4
+
+    shape = f"{len(rows)} of {num_rows} rows x {vocab}, k {k}"
+    report.check(f"logprob table kernel: the torch path's ids, {shape} (ids that differ)", same_ids)
+    report.check(f"logprob table kernel: the torch path's logprobs, {shape}", close_values)
+    report.group = f"logprobs {num_rows} x {vocab}"
+    report.time("logprob_table (Triton)", shape, ours, len(rows) * vocab * 4 * (k + 2))
+    report.time("torch logprob table (copy, log_softmax, gather, topk, cat)", shape, theirs, len(rows) * vocab * 4 * 3)
+
+
 def check_receive_ordering(report: Report, sleep_cycles: int = 200_000_000) -> None:
     """A decode instance gives a KV transfer blocks that its step in flight may still write (a slot of a
     request that has just finished), then scatters the received frame into them on the receiver's side
@@ -1096,6 +1133,7 @@ def main(argv: list[str] | None = None) -> int:
         ("seeded race", lambda: bench_seeded_race(report, args)),
         ("top-p / min-p", lambda: bench_nucleus(report, args)),
         ("penalties", lambda: bench_penalties(report, args)),
+        ("logprobs", lambda: bench_logprobs(report, args)),
         ("kv receive ordering", lambda: check_receive_ordering(report)),
         ("pinned upload ring", lambda: check_staging(report)),
         ("engine, CUDA graphs off and on", lambda: bench_engine_graphs(report, args)),

@@ -429,8 +429,8 @@ class Sampler:
             from pdserve_kernels.triton_logprobs import logprob_table  # Triton, imported only where it runs
 
             raw = logits if logits.stride(-1) == 1 else logits.contiguous()
-            table = logprob_table(raw, plan.logprob_index, token_ids, k_max, _table_dtype(vocab))
-            return SampledTokens(token_ids, table, plan.logprob_rows, k_max, row_max)
+            return SampledTokens(token_ids, logprob_table(raw, plan.logprob_index, token_ids, k_max, _table_dtype(vocab)),
+                                 plan.logprob_rows, k_max, row_max)
         tables = [table for _, table, _ in results if table is not None]
         # One transfer each (see ``_sample_rows`` for why the table's floats hold the ids exactly).
         table = (tables[0] if len(tables) == 1 else torch.cat(tables)) if tables else None

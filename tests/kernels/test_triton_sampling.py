@@ -175,6 +175,7 @@ def test_warming_up_runs_the_kernel_only_where_it_serves_the_race(monkeypatch) -
     """An engine warms its sampler up at start: with the race's kernel, a launch of each variant (whole
     rows, rows in ranges: a kernel that cannot compile then stops the start, not a request); with the
     torch race, nothing."""
+    import pdserve_kernels.triton_logprobs as triton_logprobs
     import pdserve_kernels.triton_nucleus as triton_nucleus
     import pdserve_kernels.triton_penalties as triton_penalties
     import pdserve_kernels.triton_sampling as triton_sampling
@@ -196,12 +197,17 @@ def test_warming_up_runs_the_kernel_only_where_it_serves_the_race(monkeypatch) -
     monkeypatch.setattr(triton_penalties, "apply_penalties",
                         lambda x, rows, rep, out: penalised.append((rep is not None, out is not None))
                         or real_penalties(x, rows, rep, out))
+    tabled: list[int] = []
+    real_table = triton_logprobs.logprob_table
+    monkeypatch.setattr(triton_logprobs, "logprob_table",
+                        lambda logits, *args: tabled.append(logits.shape[1]) or real_table(logits, *args))
     Sampler(set(), kernel_backend="torch").warm_up(torch.device("cpu"), 5000)
-    assert calls == [] and filtered == [] and penalised == []
+    assert calls == [] and filtered == [] and penalised == [] and tabled == []
     Sampler(set(), kernel_backend="triton").warm_up(torch.device("cpu"), 5000)
     assert calls == [(1, 5000, 1, True), (1, 5000, None, True)]  # whole rows, and in ranges (5 here)
     assert filtered == [(1, 5000)] * 2  # and the top-k / top-p / min-p kernel, without top-k and with
     assert penalised == [(True, False), (False, True), (True, True)]  # and each variant of the penalties'
+    assert tabled == [5000]  # and the logprob table's
 
     def broken(probs: torch.Tensor, keys: torch.Tensor, num_splits: int | None = None,
                positions: torch.Tensor | None = None) -> torch.Tensor:

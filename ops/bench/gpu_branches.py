@@ -3,8 +3,8 @@
 A GPU runs the sampler's Triton path: one kernel for the penalties of a group of rows, one for top-k,
 top-p and min-p, one for every row's draw; no block maxima and no chunks (those are the CPU's). Within
 ``gpu_branches()`` a sampler built with ``kernel_backend="triton"`` takes those branches here: each
-kernel is recorded (``pdserve_kernels.launch_recorder``) and runs nothing, and the draw's ids are zeros
-(token 0 for every sampled row). What is left is what the host does around the kernels, and the
+kernel is recorded (``pdserve_kernels.launch_recorder``) and runs nothing; what the host reads of their
+outputs is zeros (token 0 for every sampled row, a logprob table of zeros). What is left is what the host does around the kernels, and the
 torch operations a GPU would run beside them: ``pdserve bench overhead forward --cases sample`` counts
 them, and ``pdserve bench overhead`` times them over few logits (the GPU branches' host share).
 """
@@ -28,18 +28,21 @@ def gpu_branches() -> Iterator[list[Launch]]:
     which the caller may clear between steps."""
     import common.engine.row_ops as row_ops
     import common.engine.sampler as sampler_module
+    import pdserve_kernels.triton_logprobs as triton_logprobs
     import pdserve_kernels.triton_sampling as triton_sampling
 
-    real_race: Any = triton_sampling.seeded_race
+    def zeroed(real: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> torch.Tensor:  # the recorded kernel wrote nothing: zeros, uncounted
+            out: torch.Tensor = real(*args, **kwargs)
+            with _disable_current_modes():
+                return out.zero_()
 
-    def race(*args: Any, **kwargs: Any) -> torch.Tensor:  # the recorded race wrote nothing: ids in range, uncounted
-        out: torch.Tensor = real_race(*args, **kwargs)
-        with _disable_current_modes():
-            return out.zero_()
+        return run
 
     with contextlib.ExitStack() as stack:
         launches = stack.enter_context(recording())[0]
         stack.enter_context(mock.patch.object(row_ops, "blocks_pay", lambda x: False))
         stack.enter_context(mock.patch.object(sampler_module, "CPU_CHUNK_BYTES", 1 << 62))
-        stack.enter_context(mock.patch.object(triton_sampling, "seeded_race", race))
+        stack.enter_context(mock.patch.object(triton_sampling, "seeded_race", zeroed(triton_sampling.seeded_race)))
+        stack.enter_context(mock.patch.object(triton_logprobs, "logprob_table", zeroed(triton_logprobs.logprob_table)))
         yield launches

@@ -35,7 +35,9 @@ k-th largest probability and its nucleus by searching for them instead of sortin
 entries stay, up to roundings at the cuts. Its probabilities are the whole row's, what top-k keeps
 not normalised again: the race draws from them as they are, and top-p's mass is taken relative to
 what top-k keeps. The repetition, presence and frequency penalties of a group of rows are one kernel
-as well (``pdserve_kernels.triton_penalties``), which reads the penalty stores' rows in place.
+as well (``pdserve_kernels.triton_penalties``), which reads the penalty stores' rows in place, and so is
+the logprob table (``pdserve_kernels.triton_logprobs``). With these kernels the greedy rows go with the
+sampled ones, one group, and their argmax replaces their draw (``_ChunkPlan``).
 
 Logprobs are those of the model's raw distribution (before logit bias, grammar, penalties and
 temperature), as vLLM reports them by default.

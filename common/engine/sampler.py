@@ -70,6 +70,7 @@ from common.engine.request import Request
 from common.engine.row_ops import argmax_rows, max_rows, topk_rows
 from common.engine.seeded_draws import WHOLE_ROW_RACE_MIN_VOCAB, exponential_race, keys_at, seed_keys
 from common.protocol import PositionLogprobs, TokenLogprob
+from common.sampling_params import MAX_LOGPROBS
 from pdserve_kernels import resolve_backend
 
 CPU_CHUNK_BYTES = 8 << 20
@@ -651,7 +652,8 @@ class Sampler:
                 apply_penalties(torch.zeros(1, vocab, device=device), zero, *penalties)
             from pdserve_kernels.triton_logprobs import logprob_table
 
-            logprob_table(torch.zeros(1, vocab, device=device), zero, zero, 1, _table_dtype(vocab))
+            for alternatives in (0, MAX_LOGPROBS):  # each variant the kernel compiles to (up to 16, and more)
+                logprob_table(torch.zeros(1, vocab, device=device), zero, zero, alternatives, _table_dtype(vocab))
 
     def _race_kernel(self, device: torch.device) -> bool:
         fused = self._race_kernels.get(device)

@@ -651,8 +651,8 @@ def bench_penalties(report: Report, args: argparse.Namespace, vocab: int | None 
 
 
 def bench_logprobs(report: Report, args: argparse.Namespace, vocab: int | None = None, k: int = 20) -> None:
-    """The logprob table: the Triton kernel against the torch path it replaces (the rows' copy, a
-    log-softmax, a gather of the sampled tokens, ``topk``, the ids' conversion, the concatenation),
+    """The logprob table: ``topk`` and the Triton kernel against the torch path they replace (the rows'
+    copy, a log-softmax, a gather of the sampled tokens, ``topk``, the ids' conversion, the concatenation),
     over ``--batch`` rows of ``vocab`` (default ``--vocab``), half of them asking for ``k`` logprobs.
     Checked: the same logprobs to within float32's rounding of the sum, the same ids (random logits:
     no ties); then both timed."""
@@ -683,7 +683,7 @@ def bench_logprobs(report: Report, args: argparse.Namespace, vocab: int | None =
     report.check(f"logprob table kernel: the torch path's ids, {shape} (ids that differ)", same_ids)
     report.check(f"logprob table kernel: the torch path's logprobs, {shape}", close_values)
     report.group = f"logprobs {num_rows} x {vocab}"
-    report.time("logprob_table (Triton)", shape, ours, len(rows) * vocab * 4 * (k + 2))
+    report.time("logprob_table (rows' copy, topk, Triton)", shape, ours, len(rows) * vocab * 4 * 3)
     report.time("torch logprob table (copy, log_softmax, gather, topk, cat)", shape, theirs, len(rows) * vocab * 4 * 3)
 
 

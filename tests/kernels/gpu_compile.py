@@ -128,9 +128,9 @@ def record_launches() -> list[Launch]:
         for name, both in (("repetition", (rep, None)), ("presence / frequency", (None, out)), ("both", (rep, out))):
             scenario[0] = f"penalties, {name}"
             triton_penalties.apply_penalties(torch.empty(4, 49152), rows, *both)
-        for dtype in (torch.float32, torch.float64):
-            scenario[0] = f"logprob table, {dtype}"
-            triton_logprobs.logprob_table(torch.empty(4, 49152), rows, rows, 20, dtype)
+        for dtype, k in ((torch.float32, 0), (torch.float32, 20), (torch.float64, 5)):
+            scenario[0] = f"logprob table, {dtype}, {k} alternatives"
+            triton_logprobs.logprob_table(torch.empty(4, 49152), rows, rows, k, dtype)
     return launches
 
 

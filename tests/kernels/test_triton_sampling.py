@@ -207,7 +207,7 @@ def test_warming_up_runs_the_kernel_only_where_it_serves_the_race(monkeypatch) -
     assert calls == [(1, 5000, 1, True), (1, 5000, None, True)]  # whole rows, and in ranges (5 here)
     assert filtered == [(1, 5000)] * 2  # and the top-k / top-p / min-p kernel, without top-k and with
     assert penalised == [(True, False), (False, True), (True, True)]  # and each variant of the penalties'
-    assert tabled == [5000]  # and the logprob table's
+    assert tabled == [5000, 5000]  # and the logprob table's, up to 16 alternatives and more
 
     def broken(probs: torch.Tensor, keys: torch.Tensor, num_splits: int | None = None,
                positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -279,9 +279,10 @@ class _Group:
 class _ChunkPlan:
     """A chunk's rows, sorted out once for as long as the chunk holds the same requests. ``fused``: the
     Triton kernels sample (a GPU's path); then the greedy rows go with the sampled ones, one group, and
-    take their argmax beside the draw: what splitting the rows into two groups would launch (a copy of
-    each group's rows, the penalties' kernel and the stores' writes once per group, two writes back) is
-    more than a draw over the greedy rows costs on a GPU."""
+    take their argmax beside the draw. Splitting the rows into two groups launched more (a copy of each
+    group's rows, the penalties' kernel and the stores' writes once per group, two writes back); the
+    draw over the greedy rows costs the device about three passes over them (temperature, softmax,
+    race: the nucleus kernel leaves a row without top-k, top-p or min-p at once)."""
 
     def __init__(
         self, requests: list[Request], eos_token_ids: set[int], vocab: int, device: torch.device, fused: bool

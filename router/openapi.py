@@ -42,12 +42,18 @@ def generation_route(
 ) -> dict[str, Any]:
     """Keyword arguments of ``app.post`` that document a generation endpoint whose streams are made
     of ``chunk_model`` objects."""
+    # One event of the stream: before OpenAPI 3.2 (``itemSchema``), a server-sent event stream's
+    # ``schema`` describes each event, as its fields (the SSE specification's), not the stream's text.
     stream_schema = {
-        "type": "string",
-        "description": (
-            f"with stream=true: server-sent events, each 'data: ' and a {chunk_model.__name__} as JSON, "
-            "then 'data: [DONE]'"
-        ),
+        "type": "object",
+        "description": f"with stream=true, each server-sent event: a {chunk_model.__name__}, then [DONE]",
+        "properties": {
+            "data": {"type": "string", "description": f"a {chunk_model.__name__} as JSON, or the last event's [DONE]"},
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer"},
+        },
+        "required": ["data"],
     }
     return {
         "openapi_extra": {

@@ -80,7 +80,10 @@ def test_generation_endpoints_list_their_request_and_response_models(
 
     ok = operation["responses"]["200"]["content"]
     assert _resolve(document, ok["application/json"]["schema"]["$ref"])["title"] == response_model
-    assert "text/event-stream" in ok
+    # Each server-sent event, as an event's fields (what a client that reads the stream sees), not text.
+    event = ok["text/event-stream"]["schema"]
+    assert event["type"] == "object" and event["required"] == ["data"]
+    assert event["properties"]["data"]["type"] == "string"
     error = operation["responses"]["400"]["content"]["application/json"]["schema"]["$ref"]
     assert set(_resolve(document, error)["properties"]) == {"error"}
 

@@ -85,3 +85,17 @@ def test_the_router_answers_generated_requests_as_its_schema_says(operations, li
         STATUSES[f"{label} ({mode.value}) {response.status_code}"] += 1
 
     one()
+
+
+@pytest.mark.parametrize(("label", "body"), [
+    ("POST /v1/completions", {"prompt": "Once upon", "max_tokens": 4, "stream": True}),
+    ("POST /v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}),
+])
+def test_a_stream_conforms_event_by_event(operations, live_router, label, body) -> None:  # type: ignore[no-untyped-def]
+    """Generated cases stream only now and then: a streaming request of each endpoint, every time. Each
+    server-sent event is checked against what the document says an event is."""
+    response = operations[label].Case(body=body, media_type="application/json").call_and_validate(
+        base_url=live_router.url, timeout=120,
+        checks=[not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance],
+    )
+    assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")

@@ -149,19 +149,19 @@ class _Race(NamedTuple):
 
 
 class _Group:
-    """The greedy, or the sampled, rows of a chunk (with the Triton kernels, all of its rows: ``greedy``
-    then lists the greedy ones among them), and what their steps share while the chunk holds the same
-    requests in the same order: row indices and parameter tensors, built once."""
+    """The greedy, or the sampled, rows of a chunk (with the Triton kernels, all of its rows, greedy
+    among sampled: ``with_greedy``), and what their steps share while the chunk holds the same requests
+    in the same order: row indices and parameter tensors, built once."""
 
     def __init__(
         self, rows: list[int], chunk: list[Request], draw: bool, eos_token_ids: set[int], vocab: int,
-        device: torch.device, greedy: list[int] | None = None,
+        device: torch.device, with_greedy: bool = False,
     ) -> None:
         self.index = _index(rows, len(chunk), device)
         reqs = self.requests = [chunk[r] for r in rows]
         params = [r.sampling_params for r in reqs]
-        # Rows that take their argmax among rows that draw: where each draws, the draw's result is replaced.
-        self.greedy_rows = bool_tensor([p.greedy for p in params], device) if greedy else None
+        # Which rows take their argmax among rows that draw (their draw's result is then replaced).
+        self.greedy_rows = bool_tensor([p.greedy for p in params], device) if with_greedy else None
         # min_tokens bans, for the rows that may need them (whether they still do is the step's to say).
         # A grammar decides alone when its output may end: banning its stop token could leave no token.
         self.bans = [
@@ -307,7 +307,7 @@ class _ChunkPlan:
         sampled = [row for row, r in enumerate(requests) if not r.sampling_params.greedy]
         self.fused = fused
         if fused and greedy and sampled:
-            self.groups = [_Group(list(range(len(requests))), requests, True, eos_token_ids, vocab, device, greedy)]
+            self.groups = [_Group(list(range(len(requests))), requests, True, eos_token_ids, vocab, device, True)]
             return
         self.groups = [
             _Group(rows, requests, draw, eos_token_ids, vocab, device)
@@ -429,7 +429,7 @@ class Sampler:
         ]
         token_ids = results[0][0] if len(results) == 1 else torch.cat([t for t, _, _ in results])
         row_max = results[0][2] if len(results) == 1 else torch.cat([m for _, _, m in results])
-        if plan.fused and plan.logprob_rows:  # the table in one kernel, from the logits as they came
+        if plan.fused and plan.logprob_rows:  # the table by topk and one kernel, from the logits as they came
             from pdserve_kernels.triton_logprobs import logprob_table  # Triton, imported only where it runs
 
             raw = logits if logits.stride(-1) == 1 else logits.contiguous()

@@ -520,8 +520,9 @@ class Sampler:
             if req.num_output_tokens < req.sampling_params.min_tokens:
                 ban_rows += [row] * len(banned)
                 ban_ids += banned
-        output_penalties = group.output_penalties(logits.device)
-        if not (ban_ids or group.rep_rows is not None or output_penalties is not None):
+        requests = group.requests
+        has_output = any(requests[i].output_token_ids for i in group.out_rows)  # a presence or frequency penalty
+        if not (ban_ids or group.rep_rows is not None or has_output):
             return logits
         x = logits if owned else logits.clone()
         dev = x.device
@@ -531,6 +532,7 @@ class Sampler:
         if self._race_kernel(dev):  # Triton: both penalties of every row in one kernel
             self._penalties_kernel(x, group)
             return x
+        output_penalties = group.output_penalties(dev) if has_output else None
         if group.rep_rows is not None:
             ids = self._token_rows(dev, "all_token_ids").padded(group.rep_requests)
             apply_repetition_penalty(x, group.rep_rows, ids, group.rep_penalty)

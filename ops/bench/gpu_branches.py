@@ -1,12 +1,13 @@
 """The sampler's GPU branches taken on the CPU, its Triton kernels recorded instead of run.
 
-A GPU runs the sampler's Triton path: one kernel for the penalties of a group of rows, one for top-k,
-top-p and min-p, one for every row's draw; no block maxima and no chunks (those are the CPU's). Within
-``gpu_branches()`` a sampler built with ``kernel_backend="triton"`` takes those branches here: each
-kernel is recorded (``pdserve_kernels.launch_recorder``) and runs nothing; what the host reads of their
-outputs is zeros (token 0 for every sampled row, a logprob table of zeros). What is left is what the host does around the kernels, and the
-torch operations a GPU would run beside them: ``pdserve bench overhead forward --cases sample`` counts
-them, and ``pdserve bench overhead`` times them over few logits (the GPU branches' host share).
+A GPU runs the sampler's Triton path: one kernel each for the penalties, for top-k / top-p / min-p,
+for every row's draw and for the logprob table; no block maxima and no chunks (those are the CPU's).
+Within ``gpu_branches()`` a sampler built with ``kernel_backend="triton"`` takes those branches here:
+each kernel is recorded (``pdserve_kernels.launch_recorder``) and runs nothing, and what the host reads
+of their outputs is zeros (token 0 for every sampled row, a logprob table of zeros). What is left is
+what the host does around the kernels, and the torch operations a GPU would run beside them: ``pdserve
+bench overhead forward --cases sample`` counts them, and ``pdserve bench overhead`` times them over few
+logits (the GPU path's host share).
 """
 
 from __future__ import annotations

@@ -54,13 +54,15 @@ PARAMS = [
 ]
 
 
-@pytest.mark.parametrize("chunk_rows", [None, 2])
-def test_masked_tokens_are_never_sampled_and_greedy_rows_pick_the_best_allowed(chunk_rows, monkeypatch):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("chunk_rows", "kernel_backend"), [(None, "torch"), (2, "torch"), (None, "triton")])
+def test_masked_tokens_are_never_sampled_and_greedy_rows_pick_the_best_allowed(chunk_rows, kernel_backend, monkeypatch):  # type: ignore[no-untyped-def]
+    """With the Triton backend (its interpreter here) too: its kernels, the greedy rows among the
+    sampled ones, its logprob table."""
     if chunk_rows is not None:  # rows go through the sampler in chunks, each with its own bitmask rows
         monkeypatch.setattr("common.engine.sampler.CPU_CHUNK_BYTES", 4 * VOCAB * chunk_rows)
     gen = torch.Generator().manual_seed(1)
-    sampler = Sampler(eos_token_ids=set())
-    for step in range(40):
+    sampler = Sampler(eos_token_ids=set(), kernel_backend=kernel_backend)
+    for step in range(40 if kernel_backend == "torch" else 10):
         logits = _logits(2 * len(PARAMS), seed=step)
         allowed = [set(torch.randperm(VOCAB, generator=gen)[: 1 + step % 7 * 30].tolist()) for _ in PARAMS]
         allowed[0].add(VOCAB - 1)  # a token in the bitmask's padded last word
@@ -82,9 +84,10 @@ def test_masked_tokens_are_never_sampled_and_greedy_rows_pick_the_best_allowed(c
             assert lp is not None and lp.logprob == pytest.approx(raw[row, lp.token_id].item(), abs=1e-5)
 
 
-def test_a_single_allowed_token_is_sampled_by_every_kind_of_row():
+@pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
+def test_a_single_allowed_token_is_sampled_by_every_kind_of_row(kernel_backend):
     logits = _logits(len(PARAMS))
-    result = Sampler(set())(logits, [_request(p, {VOCAB - 3}) for p in PARAMS])
+    result = Sampler(set(), kernel_backend=kernel_backend)(logits, [_request(p, {VOCAB - 3}) for p in PARAMS])
     assert result.token_ids == [VOCAB - 3] * len(PARAMS)
 
 
@@ -108,7 +111,8 @@ def test_a_large_negative_bias_on_the_greedy_token_gives_the_next_best():
     assert Sampler(set())(logits, requests).token_ids == [second[0], best[1], order[2, 2].item()]
 
 
-def test_a_bias_of_plus_100_forces_a_token_greedy_or_sampled():
+@pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
+def test_a_bias_of_plus_100_forces_a_token_greedy_or_sampled(kernel_backend):
     logits = _logits(4, seed=3)
     target = logits[0].argmin().item()
     requests = [_request(p, None) for p in (
@@ -117,7 +121,7 @@ def test_a_bias_of_plus_100_forces_a_token_greedy_or_sampled():
         SamplingParams(temperature=1.0, seed=4, top_p=0.5, logit_bias={target: 100.0, 7: -3.0}),
         SamplingParams(temperature=0.0, logit_bias={target: 100.0}, logprobs=1),
     )]
-    result = Sampler(set())(logits, requests)
+    result = Sampler(set(), kernel_backend=kernel_backend)(logits, requests)
     assert result.token_ids == [target] * 4
     lp = result.logprobs[3]
     assert lp is not None and lp.logprob == pytest.approx(torch.log_softmax(logits[3], -1)[target].item(), abs=1e-5)

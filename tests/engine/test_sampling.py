@@ -855,3 +855,44 @@ def test_unseeded_draws_of_the_race_kernel_change_from_step_to_step_and_follow_t
     first = draws(3)
     assert len(set(first)) >= 5, first  # 40 draws from 8 equal tokens
     assert draws(3) == first and draws(4) != first
+
+
+def test_an_engine_on_the_triton_kernels_samples_mixed_parameters_as_on_the_torch_ones(tmp_path, engine_factory):
+    """A tiny model's engine on the Triton backend (its interpreter here: the model's kernels and the
+    sampler's, greedy rows among sampled ones, the logprob table) against the same engine on the torch
+    backend, step after step: greedy and seeded outputs token for token, logprobs to float32's
+    rounding."""
+    from tests.engine import tiny_models
+
+    folder = tiny_models.build_checkpoint(tiny_models.family_configs()["llama-bias"], tmp_path / "tiny")
+    prompts = [tiny_models.prompt_token_ids(n, seed=n) for n in (5, 9, 7, 12)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=3, max_tokens=6, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.4, min_p=0.05, seed=4,
+                       max_tokens=6, ignore_eos=True),
+    ]
+    runs = []
+    for backend in ("torch", "triton"):
+        engine = engine_factory(model=str(folder), block_size=8, num_blocks=64, kernel_backend=backend,
+                                max_model_len=64)
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(f"r{i}", prompt, p)
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        logprobs: dict[str, list[PositionLogprobs]] = {f"r{i}": [] for i in range(len(prompts))}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+                logprobs[out.request_id] += out.logprobs or []
+        runs.append((tokens, logprobs))
+    (torch_tokens, torch_lps), (triton_tokens, triton_lps) = runs
+    assert triton_tokens == torch_tokens and all(len(t) == 6 for t in torch_tokens.values())
+    assert len(set(torch_tokens["r1"] + torch_tokens["r3"])) > 2, "the sampled rows never moved"
+    for rid in ("r0", "r1"):
+        assert len(triton_lps[rid]) == len(torch_lps[rid]) == 6
+        for got, want in zip(triton_lps[rid], torch_lps[rid], strict=True):
+            assert got.token_id == want.token_id and [t.token_id for t in got.top] == [t.token_id for t in want.top]
+            assert [got.logprob, *(t.logprob for t in got.top)] == pytest.approx(
+                [want.logprob, *(t.logprob for t in want.top)], abs=1e-4)
+    assert triton_lps["r2"] == [] and triton_lps["r3"] == []

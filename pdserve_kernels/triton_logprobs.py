@@ -63,15 +63,20 @@ def _logprobs_kernel(x_ptr, stride_x, rows_ptr, ids_ptr, top_v_ptr, top_i_ptr, s
     tl.store(out_row + 1 + k + j, idx.to(out_ptr.dtype.element_ty), mask=j < k)
 
 
-def logprob_table(logits: Tensor, rows: Tensor, token_ids: Tensor, k: int, dtype: torch.dtype) -> Tensor:
+def logprob_table(logits: Tensor, rows: Tensor, token_ids: Tensor, k: int, dtype: torch.dtype,
+                  out: Tensor | None = None) -> Tensor:
     """``[len(rows), 1 + 2k]`` of ``dtype`` (float32, or float64 for a vocabulary past 2**24): for each
     row ``rows[i]`` of ``logits`` ``[num_rows, vocab]`` (unit-strided rows), the logprob of token
-    ``token_ids[rows[i]]``, then the ``k`` largest logprobs, then their ids."""
+    ``token_ids[rows[i]]``, then the ``k`` largest logprobs, then their ids. ``out``: a tensor of that
+    shape and dtype (unit-strided rows) to write the table into, returned; by default a new one."""
     num_rows, vocab = logits.shape
     assert logits.stride(-1) == 1 and rows.dtype == torch.long and token_ids.dtype == torch.long, (
         logits.stride(), rows.dtype, token_ids.dtype)
     assert vocab < 2**31 and 0 <= k <= vocab, (vocab, k)
-    out = torch.empty((rows.shape[0], 1 + 2 * k), dtype=dtype, device=logits.device)
+    if out is None:
+        out = torch.empty((rows.shape[0], 1 + 2 * k), dtype=dtype, device=logits.device)
+    assert out.shape == (rows.shape[0], 1 + 2 * k) and out.dtype == dtype and out.stride(-1) == 1, (
+        out.shape, out.dtype, out.stride())
     if not rows.shape[0]:
         return out
     if k:

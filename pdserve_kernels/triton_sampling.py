@@ -121,14 +121,16 @@ def choose_num_splits(num_rows: int, vocab: int, block: int, sm_count: int) -> i
     return max(1, min(triton.cdiv(2 * sm_count, num_rows), triton.cdiv(vocab, block), MAX_SPLITS))
 
 
-def seeded_race(probs: Tensor, keys: Tensor, num_splits: int | None = None, positions: Tensor | None = None) -> Tensor:
+def seeded_race(probs: Tensor, keys: Tensor, num_splits: int | None = None, positions: Tensor | None = None,
+                out: Tensor | None = None) -> Tensor:
     """Per row of ``probs`` (float32 ``[rows, vocab]``, unit stride along the vocabulary), the index of
     ``argmax(probs[i] / exponentials(keys[i], token ids))``: the first largest score, or the first
     NaN where a score is one, as ``argmax`` ranks them. ``keys``: int64 ``[rows]``, the draws' keys
     (``common.engine.seeded_draws.keys_at``); with ``positions`` (int64 ``[rows]``), the seeds' keys
     (``seed_keys``), and each draw's key is ``keys_at(keys, positions)``, derived in the kernel. Reads
     ``probs`` only. ``num_splits``: ranges per row (default: ``choose_num_splits``); with more than one,
-    a second kernel picks among the ranges."""
+    a second kernel picks among the ranges. ``out``: int64 ``[rows]`` (contiguous) to write the indices
+    into, returned; by default a new tensor."""
     unit_stride = probs.dim() == 2 and (probs.shape[1] <= 1 or probs.stride(1) == 1)
     assert unit_stride and probs.dtype == torch.float32, (
         f"probs must be a float32 [rows, vocab] tensor with unit stride along the vocabulary; "
@@ -141,7 +143,9 @@ def seeded_race(probs: Tensor, keys: Tensor, num_splits: int | None = None, posi
         check_index("positions", positions, num_rows, probs.device)
         assert positions.dtype == torch.int64, f"positions must be int64, got {positions.dtype}"
     pos = keys if positions is None else positions  # read only with positions
-    out = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
+    if out is None:
+        out = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
+    assert out.shape == (num_rows,) and out.dtype == torch.int64 and out.is_contiguous(), (out.shape, out.dtype)
     if not num_rows:
         return out
     if not vocab:

@@ -92,12 +92,20 @@ def topk_rows(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return top.values, columns.gather(1, top.indices)
 
 
-def max_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+def max_rows(x: Tensor, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """``x.max(dim=-1)`` of a 2-D tensor as ``(values, indices)``: each row's first maximum, or its first
     NaN (its value NaN). One operation, or on the CPU over a vocabulary's rows ``argmax_rows`` and a
-    gather of the values."""
+    gather of the values. ``out``: ``(values, indices)`` tensors to write them into, returned."""
     if blocks_pay(x):
         ids = argmax_rows(x)
-        return x.gather(1, ids.unsqueeze(1)).squeeze(1), ids
+        values = x.gather(1, ids.unsqueeze(1)).squeeze(1)
+        if out is None:
+            return values, ids
+        out[0].copy_(values)
+        out[1].copy_(ids)
+        return out
+    if out is not None:
+        torch.max(x, dim=-1, out=out)
+        return out
     top = x.max(dim=-1)
     return top.values, top.indices

@@ -87,17 +87,46 @@ class SampleResult:
     logprobs: list[PositionLogprobs | None]
 
 
+class StepOutputs:
+    """A step's sampled ids (int64), row maxima (float32) and logprob table (``table_dtype``
+    ``[table_rows, table_width]``) as views of one device buffer, in that order, each at an offset its
+    dtype aligns with: the operations that produce them write into the views (``out=``), and the three
+    cross to the host in one copy into one pinned buffer (``to_host``), where three copies of their own
+    each took a pinned allocation too. The sampler's path with the Triton kernels (a GPU's) uses it."""
+
+    def __init__(self, num_rows: int, device: torch.device, table_rows: int = 0, table_width: int = 0,
+                 table_dtype: torch.dtype = torch.float32) -> None:
+        ids_end = 8 * num_rows
+        max_end = ids_end + 4 * num_rows
+        table_start = -(-max_end // 8) * 8  # a float64 table starts at a multiple of 8
+        self._layout = (num_rows, ids_end, max_end, table_start, table_rows, table_width, table_dtype)
+        size = table_start + table_rows * table_width * table_dtype.itemsize
+        self._raw = torch.empty(size, dtype=torch.uint8, device=device)
+        self.ids, self.row_max, self.table = self._views(self._raw)
+
+    def _views(self, raw: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        num_rows, ids_end, max_end, table_start, table_rows, table_width, table_dtype = self._layout
+        table = raw[table_start:].view(table_dtype).view(table_rows, table_width) if table_rows else None
+        return raw[:ids_end].view(torch.int64), raw[ids_end:max_end].view(torch.float32), table
+
+    def to_host(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The three, on the host (``host_tensors.to_host``: started without waiting), from one copy."""
+        return self._views(to_host(self._raw))
+
+
 class SampledTokens:
     """One step's sampled ids (and logprob table) where they were sampled, on their way to the host.
 
     ``token_ids`` stays on the device: async scheduling reads the next step's input ids from it there.
     On a GPU the copies to pinned host memory start at once, without waiting; ``result`` waits for them
-    (the host's one sync per step) and builds the per-row lists.
+    (the host's one sync per step) and builds the per-row lists. With ``outputs``, the ids, table and row
+    maxima are its views, and cross in its one copy.
     """
 
     def __init__(
         self, token_ids: Tensor, table: Tensor | None = None,
         logprob_rows: list[tuple[int, int]] | None = None, k_max: int = 0, row_max: Tensor | None = None,
+        outputs: StepOutputs | None = None,
     ) -> None:
         self.token_ids = token_ids
         self._logprob_rows = logprob_rows or []
@@ -106,9 +135,15 @@ class SampledTokens:
         # Each row's largest raw logit goes to the host with the ids: a row whose maximum is NaN or +inf
         # comes back as -1 (``result``), while on the device it keeps a valid id, which a next step in
         # flight may read as an input it never samples from.
-        self._ids = to_host(token_ids)
-        self._table = None if table is None else to_host(table)
-        self._row_max = None if row_max is None else to_host(row_max)
+        self._ids: Tensor
+        self._row_max: Tensor | None
+        self._table: Tensor | None
+        if outputs is not None:
+            self._ids, self._row_max, self._table = outputs.to_host()
+        else:
+            self._ids = to_host(token_ids)
+            self._table = None if table is None else to_host(table)
+            self._row_max = None if row_max is None else to_host(row_max)
         if token_ids.device.type == "cuda":
             self._event = torch.cuda.Event()
             self._event.record()
@@ -418,10 +453,29 @@ class Sampler:
         if plan is None or not plan.fits(requests, vocab, x.device, chunk):
             plan = self._plan = _BatchPlan(requests, self.eos_token_ids, vocab, x.device, chunk,
                                            self._race_kernel(x.device))
+        fused = plan.fused
         if plan.plain or not plan.has_work():  # all greedy, nothing else: one argmax
+            if fused:  # into one buffer, one copy to the host
+                outputs = StepOutputs(num_rows, x.device)
+                max_rows(x, out=(outputs.row_max, outputs.ids))
+                return SampledTokens(outputs.ids, outputs=outputs)
             row_max, token_ids = max_rows(x)
             return SampledTokens(token_ids, row_max=row_max)
         k_max = plan.k_max
+        if fused:  # every chunk's ids and maxima, then the table, written into one buffer
+            outputs = StepOutputs(num_rows, x.device, len(plan.logprob_rows), 1 + 2 * k_max, _table_dtype(vocab))
+            for start, chunk_plan in zip(range(0, num_rows, chunk), plan.chunks(), strict=True):
+                end = start + chunk
+                self._sample_rows(x[start:end], requests[start:end], chunk_plan, x is not logits, k_max,
+                                  (outputs.row_max[start:end], outputs.ids[start:end]))
+            if outputs.table is not None:  # by topk and one kernel, from the logits as they came
+                from pdserve_kernels.triton_logprobs import (
+                    logprob_table,  # Triton, imported only where it runs
+                )
+
+                raw = logits if logits.stride(-1) == 1 else logits.contiguous()
+                logprob_table(raw, plan.logprob_index, outputs.ids, k_max, outputs.table.dtype, out=outputs.table)
+            return SampledTokens(outputs.ids, None, plan.logprob_rows, k_max, outputs=outputs)
         results = [
             self._sample_rows(x[start : start + chunk], requests[start : start + chunk], chunk_plan,
                               x is not logits, k_max)
@@ -429,31 +483,30 @@ class Sampler:
         ]
         token_ids = results[0][0] if len(results) == 1 else torch.cat([t for t, _, _ in results])
         row_max = results[0][2] if len(results) == 1 else torch.cat([m for _, _, m in results])
-        if plan.fused and plan.logprob_rows:  # the table by topk and one kernel, from the logits as they came
-            from pdserve_kernels.triton_logprobs import logprob_table  # Triton, imported only where it runs
-
-            raw = logits if logits.stride(-1) == 1 else logits.contiguous()
-            return SampledTokens(token_ids, logprob_table(raw, plan.logprob_index, token_ids, k_max, _table_dtype(vocab)),
-                                 plan.logprob_rows, k_max, row_max)
         tables = [table for _, table, _ in results if table is not None]
         # One transfer each (see ``_sample_rows`` for why the table's floats hold the ids exactly).
         table = (tables[0] if len(tables) == 1 else torch.cat(tables)) if tables else None
         return SampledTokens(token_ids, table, plan.logprob_rows, k_max, row_max)
 
     def _sample_rows(
-        self, logits: Tensor, requests: list[Request], plan: _ChunkPlan, owned: bool, k_max: int
+        self, logits: Tensor, requests: list[Request], plan: _ChunkPlan, owned: bool, k_max: int,
+        out: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         """Token ids for ``requests`` from their float32 rows ``logits`` (written only if ``owned``); for
         the rows that asked for logprobs ``[token logprob, k_max top values, k_max top ids]``, in float32
         where every token id is below 2**24 (float32 holds each of them exactly, as it holds the
-        logprobs), else in float64; and each row's largest raw logit (NaN if it holds one)."""
+        logprobs), else in float64; and each row's largest raw logit (NaN if it holds one). With the
+        Triton kernels (``plan.fused``) the maxima and ids go into ``out`` (``StepOutputs``' views), and
+        no table: ``sample`` builds it."""
         # The raw rows' logprobs, before anything writes into them (with the Triton kernels, ``sample``
         # builds the table instead).
         raw = torch.log_softmax(_take(logits, plan.lp_index), dim=-1) if plan.lp_rows and not plan.fused else None
         constrained = self._constrained(logits, requests, plan, owned)
         owned, logits = owned or constrained is not logits, constrained
         if plan.fused:
-            row_max, token_ids = self._sample_group(logits, plan.groups[0], owned)
+            assert out is not None
+            self._sample_group(logits, plan.groups[0], owned, out)
+            row_max, token_ids = out
         else:
             # A NaN or +inf logit anywhere in a row: the model's output for it is broken (one operation over
             # the raw rows, before anything writes into them; the host reads it with the ids).
@@ -473,19 +526,22 @@ class Sampler:
         dtype = _table_dtype(logits.shape[-1])
         return token_ids, torch.cat([p.to(dtype) for p in parts], dim=1), row_max
 
-    def _sample_group(self, logits: Tensor, group: _Group, owned: bool) -> tuple[Tensor, Tensor]:
+    def _sample_group(self, logits: Tensor, group: _Group, owned: bool, out: tuple[Tensor, Tensor]) -> None:
         """``_sample_rows``' row maxima and ids with the Triton kernels, whose chunk is one group of every
-        row (``_ChunkPlan``). The maxima are taken over the penalised rows, with the greedy rows' argmax
-        where there are some (one operation): a penalty keeps a finite logit finite, and a NaN or +inf
-        one as it is."""
+        row (``_ChunkPlan``), written into ``out``. The maxima are taken over the penalised rows, with
+        the greedy rows' argmax where there are some (one operation): a penalty keeps a finite logit
+        finite, and a NaN or +inf one as it is."""
+        row_max, ids = out
         y = self._penalized(logits, group, owned)
         owned = owned or y is not logits
         if not group.draw:
-            return max_rows(y)
-        if group.greedy_rows is None:
-            return y.amax(dim=-1), self._draw(y, group, owned)
-        row_max, argmax = max_rows(y)  # before the draw writes into ``y``
-        return row_max, torch.where(group.greedy_rows, argmax, self._draw(y, group, owned))
+            max_rows(y, out=out)
+        elif group.greedy_rows is None:
+            torch.amax(y, dim=-1, out=row_max)
+            self._draw(y, group, owned, out=ids)
+        else:
+            _, argmax = max_rows(y, out=(row_max, torch.empty_like(ids)))  # before the draw writes into ``y``
+            torch.where(group.greedy_rows, argmax, self._draw(y, group, owned), out=ids)
 
     def _constrained(self, logits: Tensor, requests: list[Request], plan: _ChunkPlan, owned: bool) -> Tensor:
         """``logits`` plus every row's ``logit_bias`` (one scatter-add), then with every token its
@@ -569,9 +625,9 @@ class Sampler:
             rows.begin_step()
         return rows
 
-    def _draw(self, logits: Tensor, group: _Group, owned: bool) -> Tensor:
+    def _draw(self, logits: Tensor, group: _Group, owned: bool, out: Tensor | None = None) -> Tensor:
         """One draw per row, every row sampled (the exponential race for a seeded row, the inverse CDF
-        for the others); writes into ``logits`` only if ``owned``."""
+        for the others); writes into ``logits`` only if ``owned``, and the ids into ``out`` if given."""
         num_rows = logits.shape[0]
         dev = logits.device
         if group.scale is not None:
@@ -583,7 +639,7 @@ class Sampler:
                 from pdserve_kernels.triton_nucleus import nucleus_filter
 
                 nucleus_filter(probs, *group.nucleus_params)
-            return self._race_all(probs, group)
+            return self._race_all(probs, group, out)
         if group.top_k:
             index, k_max, positions = group.top_k_rows
             kth = topk_rows(_take(logits, index), k_max)[0].gather(1, positions)
@@ -613,9 +669,9 @@ class Sampler:
         if group.unseeded:
             _put(token_ids, group.unseeded_index,
                  _inverse_cdf(_take(probs, group.unseeded_index), self._generator(dev)))
-        return token_ids
+        return token_ids if out is None else out.copy_(token_ids)
 
-    def _race_all(self, probs: Tensor, group: _Group) -> Tensor:
+    def _race_all(self, probs: Tensor, group: _Group, out: Tensor | None = None) -> Tensor:
         """Every row's draw in one launch of the race's kernel (``triton_sampling.seeded_race``), with its
         draw's key derived in the kernel (``keys_at`` of a seed key and a draw index): a seeded row's from
         its seed and position; an unseeded row's from seed 0 and an index of 62 random bits, drawn on
@@ -629,7 +685,7 @@ class Sampler:
         base = self._host_random.getrandbits(62)
         positions = long_tensor([base + i if r.draw_seed is None else len(r.output_token_ids)
                                  for i, r in enumerate(group.requests)], probs.device)
-        return seeded_race(probs, group.race_seed_keys, positions=positions)
+        return seeded_race(probs, group.race_seed_keys, positions=positions, out=out)
 
     def warm_up(self, device: torch.device, vocab: int) -> None:
         """Compile now what draws would compile (the race's kernel, where it runs: whole rows, and rows in

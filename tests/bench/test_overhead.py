@@ -47,8 +47,11 @@ def test_every_case_reports_every_phase_as_positive_milliseconds_for_both_sample
     # the CPU's torch operations; an all-greedy batch launches none.
     gpu = measured["mixed", 4, "gpu-path-host"]["torch_ops"]
     assert gpu["triton_launches"] >= 2 and gpu["sample"] < measured["mixed", 4, "batched-host"]["torch_ops"]["sample"]
+    # An all-greedy step is the one argmax on either path; on a GPU's, into the step's output buffer, whose
+    # allocation this count includes (it launches nothing).
     greedy_ops = measured["greedy", 4, "batched-host"]["torch_ops"]
-    assert measured["greedy", 4, "gpu-path-host"]["torch_ops"] == {**greedy_ops, "triton_launches": 0}
+    assert measured["greedy", 4, "gpu-path-host"]["torch_ops"] == {
+        "step": greedy_ops["step"] + 1, "sample": greedy_ops["sample"] + 1, "triton_launches": 0}
     blocked = [measured["greedy", b, "batched"]["torch_ops"]["sample"] for b in (1, 4)]
     assert blocked[0] == blocked[1] <= 10
     # The prefill case's admission (add_request, outside the step), per request: timed, and only there.
@@ -188,8 +191,9 @@ def test_the_forward_count_runs_both_backends_and_the_triton_one_launches_fewer(
     torch_run, triton_run = got["sample", "torch"], got["sample", "triton"]
     assert triton_run["launches"] == {"_penalties_kernel": 1, "_nucleus_kernel": 1, "_seeded_race_kernel": 1,
                                       "_logprobs_kernel": 1}
-    assert triton_run["uploads"] > 0 and triton_run["downloads"] == 3  # ids, logprob table, row maxima
-    assert triton_run["total"] == triton_run["torch_ops"] + 4 + triton_run["uploads"] + 3 < torch_run["total"]
+    # The ids, the row maxima and the logprob table cross to the host in one copy of one buffer.
+    assert triton_run["uploads"] > 0 and triton_run["downloads"] == 1
+    assert triton_run["total"] == triton_run["torch_ops"] + 4 + triton_run["uploads"] + 1 < torch_run["total"]
     assert "aten.sort.default" not in triton_run["ops"] and torch_run["triton_launches"] == 0
     for op in ("index_copy_", "_log_softmax", "cat"):  # no group's rows moved; the table is the kernel's
         assert f"aten.{op}.default" not in triton_run["ops"], op

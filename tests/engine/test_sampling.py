@@ -896,3 +896,27 @@ def test_an_engine_on_the_triton_kernels_samples_mixed_parameters_as_on_the_torc
             assert [got.logprob, *(t.logprob for t in got.top)] == pytest.approx(
                 [want.logprob, *(t.logprob for t in want.top)], abs=1e-4)
     assert triton_lps["r2"] == [] and triton_lps["r3"] == []
+
+
+@pytest.mark.parametrize(("num_rows", "table_rows", "width", "dtype"),
+                         [(3, 2, 5, torch.float64), (4, 0, 0, torch.float32), (1, 1, 41, torch.float32), (0, 0, 0, torch.float32)])
+def test_step_outputs_are_views_of_one_buffer_each_aligned_and_apart(num_rows, table_rows, width, dtype):
+    """The GPU path's ids, row maxima and logprob table in one buffer: each view has its own bytes (a
+    write to one leaves the others), starts where its dtype aligns (a float64 table after an odd number
+    of float32 maxima), and comes back from the host copy as written."""
+    from common.engine.sampler import StepOutputs
+
+    out = StepOutputs(num_rows, torch.device("cpu"), table_rows, width, dtype)
+    assert out.ids.dtype == torch.int64 and out.ids.shape == (num_rows,)
+    assert out.row_max.dtype == torch.float32 and out.row_max.shape == (num_rows,)
+    assert (out.table is None) == (table_rows == 0)
+    out.ids.copy_(torch.arange(num_rows) - 1)
+    out.row_max.copy_(torch.arange(num_rows) * 0.5 - 7)
+    if out.table is not None:
+        assert out.table.dtype == dtype and out.table.shape == (table_rows, width)
+        out.table.copy_(torch.arange(table_rows * width, dtype=dtype).view(table_rows, width) / 3)
+    ids, row_max, table = out.to_host()
+    assert ids.tolist() == [i - 1 for i in range(num_rows)]
+    assert row_max.tolist() == [i * 0.5 - 7 for i in range(num_rows)]
+    if table is not None:
+        assert torch.equal(table, torch.arange(table_rows * width, dtype=dtype).view(table_rows, width) / 3)

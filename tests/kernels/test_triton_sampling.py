@@ -154,9 +154,9 @@ def test_a_sampler_on_the_triton_backend_races_in_the_kernel_and_draws_the_same_
     real = seeded_race
 
     def spy(probs: torch.Tensor, keys: torch.Tensor, num_splits: int | None = None,
-            positions: torch.Tensor | None = None) -> torch.Tensor:
+            positions: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         calls.append(probs.shape[0])
-        return real(probs, keys, num_splits, positions)
+        return real(probs, keys, num_splits, positions, out)
 
     import pdserve_kernels.triton_sampling as triton_sampling
 

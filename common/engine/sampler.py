@@ -15,7 +15,8 @@ copied at most once, into the working tensor that ``logit_bias`` (one scatter-ad
 structured output (one masked fill over the rows with a grammar, whose states each fill their row of
 a token bitmask), penalties, ``min_tokens`` bans, temperature and top-k then modify in place. Greedy
 rows take the argmax of their penalised logits. Only the sampled ids and the requested logprobs
-cross to the host, one transfer each.
+cross to the host: one transfer each, or with the Triton kernels (a GPU's path) one transfer for all
+(``StepOutputs``).
 
 On the CPU the rows go through in chunks of about ``CPU_CHUNK_BYTES`` of logits: every temporary
 then comes from the malloc heap, warm in the cache, where a whole-batch one (50 MB for 256 rows of

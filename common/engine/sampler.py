@@ -416,9 +416,10 @@ def _has_static_work(req: Request) -> bool:
 
 class Sampler:
     def __init__(self, eos_token_ids: set[int], seed: int = 0, kernel_backend: str | None = None) -> None:
-        """``kernel_backend``: as the model runner's (``pdserve_kernels.resolve_backend``); with Triton the
-        sampled rows' race is one kernel (``pdserve_kernels.triton_sampling``), and top-p with min-p
-        another (``pdserve_kernels.triton_nucleus``)."""
+        """``kernel_backend``: as the model runner's (``pdserve_kernels.resolve_backend``); with Triton (a
+        GPU's path) the penalties, top-k / top-p / min-p, every row's draw and the logprob table are
+        kernels (``pdserve_kernels.triton_penalties``, ``triton_nucleus``, ``triton_sampling``,
+        ``triton_logprobs``), over one group of every row, and the step's outputs cross in one copy."""
         self.eos_token_ids = eos_token_ids
         self.seed = seed
         self.kernel_backend = kernel_backend

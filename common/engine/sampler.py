@@ -100,13 +100,13 @@ class StepOutputs:
         ids_end = 8 * num_rows
         max_end = ids_end + 4 * num_rows
         table_start = -(-max_end // 8) * 8  # a float64 table starts at a multiple of 8
-        self._layout = (num_rows, ids_end, max_end, table_start, table_rows, table_width, table_dtype)
+        self._layout = (ids_end, max_end, table_start, table_rows, table_width, table_dtype)
         size = table_start + table_rows * table_width * table_dtype.itemsize
         self._raw = torch.empty(size, dtype=torch.uint8, device=device)
         self.ids, self.row_max, self.table = self._views(self._raw)
 
     def _views(self, raw: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        num_rows, ids_end, max_end, table_start, table_rows, table_width, table_dtype = self._layout
+        ids_end, max_end, table_start, table_rows, table_width, table_dtype = self._layout
         table = raw[table_start:].view(table_dtype).view(table_rows, table_width) if table_rows else None
         return raw[:ids_end].view(torch.int64), raw[ids_end:max_end].view(torch.float32), table
 

@@ -22,7 +22,7 @@ preemption say, is written whole again: its tokens are all in the request).
 from __future__ import annotations
 
 import collections
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -39,15 +39,19 @@ SPAN_MIN = 64
 class TokenRows:
     """The distinct tokens of each request's ``all_token_ids`` or ``output_token_ids`` (``source``), one
     row of device tensors per request: ``ids`` and their ``counts`` (both int64). Only a store of
-    ``output_token_ids`` keeps counts on the device (``counted``): the repetition penalty reads none."""
+    ``output_token_ids`` keeps counts on the device (``counted``): the repetition penalty reads none.
+
+    ``ids`` and ``counts`` are the two planes of one tensor, so that a step's new entries of both are
+    one indexed write; the index lists of several stores go up in one copy (``update_rows``)."""
 
     def __init__(self, source: Literal["all_token_ids", "output_token_ids"], device: torch.device | str = "cpu",
                  num_rows: int = 16, num_cols: int = 256) -> None:
         self.source = source
         self.counted = source == "output_token_ids"
-        self.ids = torch.zeros((num_rows, num_cols), dtype=torch.long, device=device)
+        self._planes = 2 if self.counted else 1
+        self._entries = torch.zeros((self._planes, num_rows, num_cols), dtype=torch.long, device=device)
         # Empty for a store of all_token_ids: the repetition penalty reads no count.
-        self.counts = torch.zeros((num_rows, num_cols) if self.counted else (0, 0), dtype=torch.long, device=device)
+        self._no_counts = torch.zeros((0, 0), dtype=torch.long, device=device)
         self._row_of: dict[int, int] = {}  # id(request) -> row
         self._holders: list[Request | None] = [None] * num_rows
         self._written = [0] * num_rows  # tokens of the request's source counted into its row (-1: none, no padding)
@@ -56,6 +60,17 @@ class TokenRows:
         self._last_step = [-1] * num_rows
         self._free = list(range(num_rows - 1, -1, -1))
         self._step = 0
+
+    @property
+    def ids(self) -> Tensor:
+        """``[rows, columns]``: each row's distinct tokens, then copies of its first token."""
+        return self._entries[0]
+
+    @property
+    def counts(self) -> Tensor:
+        """``[rows, columns]`` beside ``ids``: how many times each came (0 in the padding); empty for a
+        store of all_token_ids."""
+        return self._entries[1] if self.counted else self._no_counts
 
     def begin_step(self) -> None:
         """Rows of requests not seen since this call may be reused. Every ``RELEASE_EVERY`` steps the
@@ -86,6 +101,10 @@ class TokenRows:
         numbers of distinct tokens (int64, on the device), and the largest of those numbers. A request
         with no token yet has a row of zeros (token 0, count 0), padded with its first token once it has
         one."""
+        return update_rows([(self, requests)])[0]
+
+    def _collect(self, requests: list[Request]) -> _Update:
+        """``rows``' host side: the requests' rows taken and counted, and the writes they need."""
         row_list: list[int] = []
         lens: list[int] = []
         fill_rows: list[int] = []  # rows taken now: first their whole width holds the first token
@@ -135,26 +154,29 @@ class TokenRows:
         width = max(lens, default=0)
         if width > self.ids.shape[1]:
             self._grow(len(self._holders), width)
-        dev = self.ids.device
-        # Every index list goes up in one copy.
-        fill_rows_t, fill_ids_t, set_rows_t, set_cols_t, set_ids_t, set_counts_t, rows_t, lens_t = long_tensors(
-            [fill_rows, fill_ids, set_rows, set_cols, set_ids, set_counts if self.counted else [], row_list, lens], dev
-        )
+        # Each plane's entries: ids, then (a counted store) counts; a taken row's counts are zeros.
+        planes = self._planes
+        if planes == 2:
+            fill_ids += [0] * len(fill_rows)
+            set_rows += set_rows
+            set_cols += set_cols
+            set_ids += set_counts
+        set_planes = [plane for plane in range(planes) for _ in range(len(set_cols) // planes)]
+        return _Update([fill_rows, fill_ids, set_planes, set_rows, set_cols, set_ids, row_list, lens], spans, width)
+
+    def _apply(self, update: _Update, tensors: list[Tensor]) -> tuple[Tensor, Tensor, int]:
+        """``rows``' device side, from ``update``'s index lists, uploaded (``tensors``)."""
+        fill_rows, fill_values, set_planes, set_rows, set_cols, set_values, rows, lens = tensors
+        entries, planes = self._entries, self._planes
         # In this order: a taken row's padding, then its tokens over it.
-        if fill_rows:
-            self.ids[fill_rows_t] = fill_ids_t.unsqueeze(1)
-            if self.counted:
-                self.counts[fill_rows_t] = 0
-        for row, ids, counts in spans:
-            span_ids, span_counts = long_tensors([ids, counts if self.counted else []], dev)
-            self.ids[row, : len(ids)] = span_ids
-            if self.counted:
-                self.counts[row, : len(counts)] = span_counts
-        if set_ids:
-            self.ids[set_rows_t, set_cols_t] = set_ids_t
-            if self.counted:
-                self.counts[set_rows_t, set_cols_t] = set_counts_t
-        return rows_t, lens_t, width
+        if fill_rows.numel():
+            entries[:, fill_rows] = fill_values.view(planes, -1, 1)
+        for row, ids, counts in update.spans:
+            (span,) = long_tensors([[*ids, *(counts if planes == 2 else ())]], entries.device)
+            entries[:, row, : len(ids)] = span.view(planes, -1)
+        if set_values.numel():
+            entries[set_planes, set_rows, set_cols] = set_values
+        return rows, lens, update.width
 
     def _release(self, row: int, holder: Request) -> None:
         del self._row_of[id(holder)]
@@ -181,15 +203,11 @@ class TokenRows:
         num_cols = old_cols
         while num_cols < min_cols:
             num_cols *= 2
-        ids = torch.zeros((num_rows, num_cols), dtype=torch.long, device=self.ids.device)
-        ids[:old_rows, :old_cols] = self.ids
-        if num_cols > old_cols:  # each held row's padding goes on: its first token
-            ids[:old_rows, old_cols:] = self.ids[:, :1]
-        self.ids = ids
-        if self.counted:
-            counts = torch.zeros((num_rows, num_cols), dtype=torch.long, device=self.ids.device)
-            counts[:old_rows, :old_cols] = self.counts
-            self.counts = counts
+        entries = torch.zeros((self._planes, num_rows, num_cols), dtype=torch.long, device=self._entries.device)
+        entries[:, :old_rows, :old_cols] = self._entries
+        if num_cols > old_cols:  # each held row's padding goes on: its first token (its counts stay 0)
+            entries[0, :old_rows, old_cols:] = self._entries[0, :, :1]
+        self._entries = entries
         extra = num_rows - old_rows
         self._free[:0] = range(num_rows - 1, old_rows - 1, -1)
         self._holders += [None] * extra
@@ -197,6 +215,30 @@ class TokenRows:
         self._columns += [{} for _ in range(extra)]
         self._counts += [[] for _ in range(extra)]
         self._last_step += [-1] * extra
+
+
+class _Update(NamedTuple):
+    """A store's writes for one ``rows`` call: its index lists (``TokenRows._apply`` reads them in this
+    order, uploaded), the new rows of many tokens written apart, and the widest row."""
+
+    lists: list[list[int]]
+    spans: list[tuple[int, list[int], list[int]]]
+    width: int
+
+
+def update_rows(updates: list[tuple[TokenRows, list[Request]]]) -> list[tuple[Tensor, Tensor, int]]:
+    """``TokenRows.rows`` of each ``(store, requests)``, the stores on one device: every store's index
+    lists go up in one copy, then each store's new entries are one indexed write (and a taken row's
+    padding one more)."""
+    collected = [store._collect(requests) for store, requests in updates]
+    tensors = long_tensors([values for update in collected for values in update.lists], updates[0][0].ids.device)
+    results = []
+    start = 0
+    for (store, _), update in zip(updates, collected, strict=True):
+        end = start + len(update.lists)
+        results.append(store._apply(update, tensors[start:end]))
+        start = end
+    return results
 
 
 def _count(columns: dict[int, int], counts: list[int], token: int) -> int:

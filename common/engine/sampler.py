@@ -66,7 +66,7 @@ from common.engine.host_tensors import (
     long_tensors,
     to_host,
 )
-from common.engine.penalties import TokenRows, apply_output_penalties, apply_repetition_penalty
+from common.engine.penalties import TokenRows, apply_output_penalties, apply_repetition_penalty, update_rows
 from common.engine.request import Request
 from common.engine.row_ops import argmax_rows, max_rows, topk_rows
 from common.engine.seeded_draws import WHOLE_ROW_RACE_MIN_VOCAB, exponential_race, keys_at, seed_keys
@@ -606,16 +606,20 @@ class Sampler:
         from pdserve_kernels.triton_penalties import apply_penalties  # Triton, imported only where it runs
 
         rows, rep_k, out_k = group.penalty_programs
+        all_tokens = self._token_rows(x.device, "all_token_ids")
+        output_tokens = self._token_rows(x.device, "output_token_ids")
+        updates = [(all_tokens, group.rep_requests)] if rep_k is not None else []
+        if out_k is not None:
+            updates.append((output_tokens, group.out_all[1]))
+        updated = iter(update_rows(updates))  # both stores' index lists in one copy
         rep = out = None
         if rep_k is not None:
-            store = self._token_rows(x.device, "all_token_ids")
-            slots, lens, _ = store.rows(group.rep_requests)
-            rep = (rep_k, store.ids, slots, lens, group.rep_penalty)
+            slots, lens, _ = next(updated)
+            rep = (rep_k, all_tokens.ids, slots, lens, group.rep_penalty)
         if out_k is not None:
-            _, reqs, frequency, presence = group.out_all
-            store = self._token_rows(x.device, "output_token_ids")
-            slots, lens, _ = store.rows(reqs)
-            out = (out_k, store.ids, store.counts, slots, lens, frequency, presence)
+            slots, lens, _ = next(updated)
+            _, _, frequency, presence = group.out_all
+            out = (out_k, output_tokens.ids, output_tokens.counts, slots, lens, frequency, presence)
         apply_penalties(x, rows, rep, out)
 
     def _token_rows(self, device: torch.device, source: Literal["all_token_ids", "output_token_ids"]) -> TokenRows:

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from common.engine.penalties import TokenRows, apply_output_penalties, apply_repetition_penalty
+from common.engine.penalties import TokenRows, apply_output_penalties, apply_repetition_penalty, update_rows
 from common.engine.request import Request
 from common.sampling_params import SamplingParams
 
@@ -55,6 +55,32 @@ def test_rows_follow_requests_that_grow_come_and_go_past_the_store_s_rows_and_co
                      for _ in range(rng.randrange(1, 3))]
             live = live[-9:]
     assert rows.ids.shape[0] >= 9 and rows.ids.shape[1] > 256  # more distinct tokens than its first width
+
+
+def test_two_stores_updated_together_hold_what_each_holds_updated_alone():
+    """``update_rows`` sends both stores' index lists in one copy: each store's rows, lengths and entries
+    are those of its own ``rows`` call, step after step (taken rows, prompts, decode tokens, growth)."""
+    rng = random.Random(3)
+    together = [TokenRows("all_token_ids", num_rows=2, num_cols=4), TokenRows("output_token_ids", num_rows=2, num_cols=4)]
+    alone = [TokenRows("all_token_ids", num_rows=2, num_cols=4), TokenRows("output_token_ids", num_rows=2, num_cols=4)]
+    live = [_request([rng.randrange(50) for _ in range(rng.randrange(1, 90))]) for _ in range(3)]
+    for step in range(12):
+        for store in (*together, *alone):
+            store.begin_step()
+        for req in live:
+            req.append_output_token(rng.randrange(50))
+        subsets = (live, live[1:])  # the stores need not hold the same requests
+        got = update_rows(list(zip(together, subsets, strict=True)))
+        for store, mine, reqs, (slots, lens, width) in zip(alone, together, subsets, got, strict=True):
+            want_slots, want_lens, want_width = store.rows(reqs)
+            assert torch.equal(lens, want_lens) and width == want_width, step
+            assert torch.equal(mine.ids[slots, :width], store.ids[want_slots, :width]), step
+            if store.counted:
+                assert torch.equal(mine.counts[slots, :width], store.counts[want_slots, :width]), step
+        if step % 4 == 3:
+            live.append(_request([rng.randrange(50) for _ in range(rng.randrange(1, 90))]))
+    _check(together[0], live)
+    _check(together[1], live[1:])
 
 
 def test_a_request_that_comes_back_after_its_row_went_to_another_is_written_whole_again():

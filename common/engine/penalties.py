@@ -230,6 +230,8 @@ def update_rows(updates: list[tuple[TokenRows, list[Request]]]) -> list[tuple[Te
     """``TokenRows.rows`` of each ``(store, requests)``, the stores on one device: every store's index
     lists go up in one copy, then each store's new entries are one indexed write (and a taken row's
     padding one more)."""
+    if not updates:
+        return []
     collected = [store._collect(requests) for store, requests in updates]
     tensors = long_tensors([values for update in collected for values in update.lists], updates[0][0].ids.device)
     results = []

@@ -588,7 +588,8 @@ class Sampler:
             # The value as a tensor where ``x`` is: a Python float would go up from the host, a blocking copy.
             x.index_put_(tuple(long_tensors([ban_rows, ban_ids], dev)), x.new_full((), float("-inf")))
         if self._race_kernel(dev):  # Triton: both penalties of every row in one kernel
-            self._penalties_kernel(x, group)
+            if group.rep_rows is not None or group.out_rows:
+                self._penalties_kernel(x, group)
             return x
         output_penalties = group.output_penalties(dev) if has_output else None
         if group.rep_rows is not None:

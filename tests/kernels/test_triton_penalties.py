@@ -105,3 +105,18 @@ def test_one_penalty_alone_and_no_rows_at_all():
     got = logits.clone()
     apply_penalties(got, torch.tensor([], dtype=torch.long), None, None)
     assert torch.equal(got, logits)
+
+
+def test_a_sampler_on_the_triton_backend_bans_with_min_tokens_where_no_row_has_a_penalty() -> None:
+    """``min_tokens`` alone (no penalty in the batch) goes through the bans, and no penalty store or
+    kernel: the banned stop and EOS tokens are never drawn while the minimum is not reached."""
+    from common.engine.sampler import Sampler
+
+    logits = torch.zeros(4, 60)
+    logits[:, [0, 7]] = 50.0  # EOS and a stop token, far the most likely
+    params = [SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=[7], seed=i) for i in range(3)]
+    reqs = [Request(f"r{i}", [1, 2, 3], p, block_size=16, model_id="m") for i, p in enumerate(params)]
+    reqs.append(Request("g", [1, 2, 3], SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[7]),
+                        block_size=16, model_id="m"))
+    tokens = Sampler({0}, kernel_backend="triton")(logits, reqs).token_ids
+    assert not {0, 7} & set(tokens), tokens

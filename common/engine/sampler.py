@@ -471,9 +471,8 @@ class Sampler:
                 self._sample_rows(x[start:end], requests[start:end], chunk_plan, x is not logits, k_max,
                                   (outputs.row_max[start:end], outputs.ids[start:end]))
             if outputs.table is not None:  # by topk and one kernel, from the logits as they came
-                from pdserve_kernels.triton_logprobs import (
-                    logprob_table,  # Triton, imported only where it runs
-                )
+                # Triton, imported only where it runs.
+                from pdserve_kernels.triton_logprobs import logprob_table
 
                 raw = logits if logits.stride(-1) == 1 else logits.contiguous()
                 logprob_table(raw, plan.logprob_index, outputs.ids, k_max, outputs.table.dtype, out=outputs.table)

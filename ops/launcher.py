@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-workers", type=int, default=1,
                    help="router processes behind --port (the router's --workers; default: %(default)s)")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--chat-template", default=None,
+                   help="the router's --chat-template: a Jinja file, or a shipped one's name (chatml-tools)")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="the router's --tool-call-parser (default: found from the chat template)")
     p.add_argument("--no-wait", action="store_true", help="do not wait for /ready before printing the URL")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /ready")
     p.add_argument("--grace-period", type=float, default=40.0,
@@ -206,6 +210,10 @@ class Launcher:
             flags += ["--served-model-name", self.args.served_model_name]
         if self.args.router_workers != 1:
             flags += ["--workers", str(self.args.router_workers)]
+        for name in ("chat_template", "tool_call_parser"):
+            value = getattr(self.args, name)
+            if value:
+                flags += [f"--{name.replace('_', '-')}", value]
         return flags
 
     def engine_env(self) -> dict[str, str]:

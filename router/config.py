@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from common.sampling_params import MAX_N
 from router.routing import POLICIES
+from router.tool_parsers import PARSERS
 
 if TYPE_CHECKING:
     from common.cluster_key import ClusterKey
@@ -70,6 +71,9 @@ class RouterConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     # Authenticates the control and reply sockets and the registry entries (None: open, loopback).
     cluster_key: ClusterKey | None = None
+    # How tool calls are read out of the chat template's format (``router/tool_parsers.py``); None:
+    # tool_choice "auto" is refused.
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -85,3 +89,5 @@ class RouterConfig:
             raise ValueError("request_timeout_s must be positive")
         if self.engine_stall_timeout_s <= 0:
             raise ValueError("engine_stall_timeout_s must be positive")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}")

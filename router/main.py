@@ -20,6 +20,7 @@ from ops.supervisor import die_with_parent
 from router.auth import keys_from_env
 from router.config import RequestLimits, RouterConfig
 from router.routing import POLICIES
+from router.tool_parsers import PARSERS
 
 logger = logging.getLogger("router")
 # uvloop's event loop and httptools' HTTP/1.1 protocol (uvicorn's h11 one frames each chunk in Python):
@@ -127,6 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
         "one prompt with the largest n fits a 128k context)",
     )
     p.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template to use instead of the tokenizer's: a Jinja file, or one shipped with the router "
+        "by name (chatml-tools: ChatML with tools in the Hermes format)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", "none", *PARSERS],
+        help="how tool calls are read out of the model's answers for tool_choice 'auto'; auto: found from "
+        "the chat template's tool-call format (none if it has none) (default: %(default)s)",
+    )
+    p.add_argument(
         "--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"]
     )
     return p
@@ -173,9 +187,17 @@ def main(argv: list[str] | None = None) -> int:
     from common.model.loader import resolve_model_path
     from router.app import create_app
     from router.state import RouterState
-    from router.tokenization import PromptProcessor
+    from router.tokenization import PromptProcessor, load_chat_template
+    from router.tool_parsers import detect_parser
 
     model_dir = resolve_model_path(args.model)
+    try:
+        prompts = PromptProcessor.from_model_dir(model_dir, load_chat_template(args.chat_template))
+    except ValueError as exc:
+        raise SystemExit(f"--chat-template: {exc}") from None
+    tool_call_parser = args.tool_call_parser
+    if tool_call_parser == "auto":
+        tool_call_parser = detect_parser(prompts.template_text())
     config = RouterConfig(
         served_model_names=args.served_model_name or [_served_name(args.model, model_dir)],
         redis_url=args.redis_url or None,
@@ -193,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         reply_host=args.reply_host,
         reply_port=args.reply_port,
         cluster_key=cluster_key,
+        tool_call_parser=None if tool_call_parser == "none" else tool_call_parser,
         direct_prompt_tokens=args.direct_prompt_tokens,
         limits=RequestLimits(
             max_prompts_per_request=args.max_prompts_per_request,
@@ -202,10 +225,13 @@ def main(argv: list[str] | None = None) -> int:
             max_total_tokens_per_request=args.max_total_tokens_per_request,
         ),
     )
-    state = RouterState(config, PromptProcessor.from_model_dir(model_dir))
+    state = RouterState(config, prompts)
     logger.info(
         "serving %s from %s on http://%s:%d", config.served_model_names, model_dir, args.host, args.port
     )
+    logger.info("tools: %s; tool-call parser: %s",
+                "shown to the model" if prompts.renders_tools else "not rendered by the chat template (refused)",
+                config.tool_call_parser or "none")
     app = create_app(state)
     # What start-up built (tokenizer, app) lives as long as the process: collections skip it, and run
     # less often; the per-token path allocates many short-lived objects, few of them in cycles. Where

@@ -28,6 +28,7 @@ from common.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams,
 from router import structured_output
 from router.config import RequestLimits
 from router.errors import bad_request
+from router.tools import ToolPlan, template_tool_calls
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SCALAR_TYPES = frozenset({int, float, bool, type(None)})
@@ -242,6 +243,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
     def text(self, index: int) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -263,14 +266,25 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: StrictBool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
+    # What ``check`` read from tools / tool_choice (``router/tools.py``).
+    _tools: ToolPlan | None = PrivateAttr(default=None)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def check(self, limits: RequestLimits) -> None:
         super().check(limits)
-        if self.tools:
-            raise bad_request("tools are not supported", param="tools")
+        self._tools = ToolPlan.from_request(self.tools, self.tool_choice, self.parallel_tool_calls)
+        forced = self._tools.structured_output() if self._tools is not None else None
+        if forced is not None:
+            if self._structured is not None:
+                raise bad_request(
+                    f"tool_choice {self.tool_choice!r} constrains the output; {self._structured[1]} cannot as well",
+                    param=self._structured[1],
+                )
+            self._structured = (forced, "tool_choice")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -280,8 +294,21 @@ class ChatCompletionRequest(_GenerationRequest):
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def tool_plan(self) -> ToolPlan | None:
+        """The request's tools and tool choice (after ``check``); None without tools."""
+        return self._tools
+
     def template_messages(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+        """The messages as chat templates take them (an earlier call's arguments as an object)."""
+        messages = []
+        for i, m in enumerate(self.messages):
+            message: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+            if m.tool_calls:
+                message["tool_calls"] = template_tool_calls(i, m.tool_calls)
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        return messages
 
 
 RequestT = TypeVar("RequestT", bound=_GenerationRequest)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
 
 
 class PromptTokensDetails(BaseModel):
@@ -73,9 +73,22 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI's API carries it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    # Present only when the answer called tools (``router/tools.py``).
+    tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatChoice(BaseModel):
@@ -96,11 +109,27 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    arguments: str | None = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class DeltaToolCall(BaseModel):
+    """A tool call's part: the first carries its id, type and name; arguments may come in pieces."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    type: Literal["function"] | None = Field(default=None, exclude_if=lambda v: v is None)
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
-    """Only the keys that are set appear: ``{"role": ...}`` first, then ``{"content": ...}``, then ``{}``."""
+    """Only the keys that are set appear: ``{"role": ...}`` first, then ``{"content": ...}`` or
+    ``{"tool_calls": ...}``, then ``{}``."""
 
     role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda v: v is None)
     content: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatStreamChoice(BaseModel):

@@ -8,6 +8,7 @@ import msgspec
 from fastapi.responses import JSONResponse, Response
 
 from router.choice_stream import ChoiceDelta, ChoiceStream
+from router.errors import bad_request
 from router.logprobs import TokenRenderer, chat_logprobs, prompt_logprobs
 from router.openai_models import (
     ChatCompletionRequest,
@@ -37,6 +38,29 @@ from router.serving import (
 )
 from router.state import RouterState
 from router.structured_output import check_grammar
+from router.tool_parsers import PARSERS, ToolCallParser
+from router.tools import ToolDeltas, ToolPlan, tool_calls_out
+
+
+def _template_tools(state: RouterState, tools: ToolPlan | None) -> list[dict[str, Any]] | None:
+    """The tools the chat template gets; a 400 when the answer is to use them but the model would
+    not see them, or could call them in a format no parser reads."""
+    if tools is None:
+        return None
+    if tools.parsed and not state.prompts.renders_tools:
+        raise bad_request(
+            "this model's chat template does not show the model its tools; start the router with a "
+            "--chat-template that does (chatml-tools, shipped, for ChatML models)",
+            param="tools",
+        )
+    if tools.choice == "auto" and state.tool_parser is None:
+        raise bad_request(
+            "tool_choice 'auto' needs a parser for the chat template's tool-call format, and none is set; "
+            f"start the router with --tool-call-parser ({', '.join(PARSERS)}), or ask for tool_choice "
+            "'required' or a named function",
+            param="tool_choice",
+        )
+    return tools.tools if state.prompts.renders_tools else None
 
 
 async def plan_chat(
@@ -46,10 +70,11 @@ async def plan_chat(
     request = parse_request(ChatCompletionRequest, body, limits)
     model = state.check_model(request.model)
     max_model_len = state.max_model_len()
+    template_tools = _template_tools(state, request.tool_plan())
     structured = request.structured_output()
     if structured is not None:
         await check_grammar(*structured)
-    prompt = await state.prompts.tokenize_chat(request.template_messages(), max_model_len)
+    prompt = await state.prompts.tokenize_chat(request.template_messages(), max_model_len, template_tools)
     max_tokens = check_max_tokens(
         request.requested_max_tokens(), len(prompt), max_model_len, None, "messages"
     )
@@ -74,10 +99,13 @@ async def create_chat_completion(
 ) -> Response:
     request, plan = await plan_chat(state, body, cache_salt)
     renderer = TokenRenderer(state.prompts.tokenizer) if request.logprobs else None
+    tools = request.tool_plan()
+    if tools is not None and not tools.parsed:
+        tools = None
     if request.stream:
         return await sse_response(
             state, plan, wait_disconnect, request.stream_options,
-            lambda include_usage: _ChatChunks(plan, renderer, include_usage),
+            lambda include_usage: _ChatChunks(plan, renderer, include_usage, tools, state.tool_parser),
         )
     results, usage = await collect(state, plan, wait_disconnect)
     response = ChatCompletionResponse(
@@ -87,16 +115,29 @@ async def create_chat_completion(
         choices=[
             ChatChoice(
                 index=r.index,
-                message=ChatMessageOut(content=r.text),
+                message=message,
                 logprobs=chat_logprobs(renderer, r.logprobs) if renderer else None,
-                finish_reason=r.finish_reason,  # type: ignore[arg-type]
+                finish_reason=finish_reason,  # type: ignore[arg-type]
             )
             for r in results
+            for message, finish_reason in [_message(r, tools, state.tool_parser)]
         ],
         usage=usage,
         prompt_logprobs=_prompt_logprobs(state, results),
     )
     return JSONResponse(response.model_dump(mode="json"))
+
+
+def _message(
+    result: ChoiceResult, tools: ToolPlan | None, parser: ToolCallParser | None
+) -> tuple[ChatMessageOut, str | None]:
+    """A whole choice's message, its tool calls read out where the request has tools, and its
+    finish reason."""
+    if tools is None:
+        return ChatMessageOut(content=result.text), result.finish_reason
+    content, calls = tools.extract(result.text, parser)
+    message = ChatMessageOut(content=content, tool_calls=tool_calls_out(calls) or None)
+    return message, tools.finish_reason(result.finish_reason, bool(calls))
 
 
 def _prompt_logprobs(state: RouterState, results: list[ChoiceResult]) -> PromptLogprobs | None:
@@ -108,11 +149,19 @@ def _prompt_logprobs(state: RouterState, results: list[ChoiceResult]) -> PromptL
 class _ChatChunks:
     """The ``chat.completion.chunk`` chunks of a streaming chat completion (``ChunkWriter``)."""
 
-    __slots__ = ("exclude", "head", "include_usage", "inline", "plan", "renderer", "tail", "usage")
+    __slots__ = (
+        "exclude", "head", "include_usage", "inline", "parser", "plan", "renderer", "tail", "tool_deltas", "tools",
+        "usage",
+    )
 
-    def __init__(self, plan: GenerationPlan, renderer: TokenRenderer | None, include_usage: bool) -> None:
+    def __init__(
+        self, plan: GenerationPlan, renderer: TokenRenderer | None, include_usage: bool,
+        tools: ToolPlan | None = None, parser: ToolCallParser | None = None,
+    ) -> None:
         self.plan, self.renderer, self.include_usage = plan, renderer, include_usage
-        self.inline = renderer is None
+        self.tools, self.parser = tools, parser
+        self.tool_deltas: dict[int, ToolDeltas] = {}  # per choice, when the answer is read for tool calls
+        self.inline = renderer is None and tools is None
         self.usage = UsageTracker(plan)
         self.exclude = None if include_usage else {"usage"}
         # Per token, the content chunk is written from its fixed parts (the bytes pydantic writes,
@@ -133,6 +182,8 @@ class _ChatChunks:
     def chunks(self, delta: ChoiceDelta) -> list[bytes]:
         if self.include_usage:
             self.usage.update(delta)
+        if self.tools is not None:
+            return self._tool_chunks(self.tools, delta)
         out = []
         if delta.text and self.renderer is None:
             out.append(self._content_chunk(delta.index, delta.text))
@@ -141,6 +192,25 @@ class _ChatChunks:
             out.append(self._chunk(delta.index, DeltaMessage(content=delta.text), logprobs))
         if delta.finish_reason is not None:
             out.append(self._chunk(delta.index, DeltaMessage(), finish_reason=delta.finish_reason))
+        return out
+
+    def _tool_chunks(self, tools: ToolPlan, delta: ChoiceDelta) -> list[bytes]:
+        """A delta of an answer read for tool calls: its content and the calls as they complete."""
+        deltas = self.tool_deltas.get(delta.index)
+        if deltas is None:
+            deltas = self.tool_deltas[delta.index] = ToolDeltas.start(tools, self.parser)
+        content, calls = deltas.feed(delta.text)
+        if delta.finish_reason is not None:
+            more_content, more_calls = deltas.finish()
+            content, calls = content + more_content, calls + more_calls
+        out = []
+        if content or calls or delta.logprobs:
+            logprobs = chat_logprobs(self.renderer, delta.logprobs) if self.renderer else None
+            message = DeltaMessage(content=content or None, tool_calls=calls or None)
+            out.append(self._chunk(delta.index, message, logprobs))
+        if delta.finish_reason is not None:
+            finish_reason = tools.finish_reason(delta.finish_reason, deltas.num_calls > 0)
+            out.append(self._chunk(delta.index, DeltaMessage(), finish_reason=finish_reason))
         return out
 
     def plain(self, stream: ChoiceStream, text: str) -> bytes | None:

@@ -15,6 +15,7 @@ from router.instance_pool import InstancePool
 from router.metrics import RouterMetrics
 from router.routing import make_policy
 from router.tokenization import PromptProcessor
+from router.tool_parsers import PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +24,7 @@ class RouterState:
     def __init__(self, config: RouterConfig, prompts: PromptProcessor) -> None:
         self.config = config
         self.prompts = prompts
+        self.tool_parser = PARSERS[config.tool_call_parser] if config.tool_call_parser else None
         self.api_keys = ApiKeys(config.api_keys)
         self.registry = (
             Registry(config.redis_url, config.namespace, cluster_key=config.cluster_key) if config.redis_url else None

@@ -48,6 +48,22 @@ def _config_max_len(model_dir: pathlib.Path) -> int | None:
     return None
 
 
+# Chat templates shipped with the router, by the name ``--chat-template`` takes.
+CHAT_TEMPLATES_DIR = pathlib.Path(__file__).parent / "chat_templates"
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's path, or the name of one shipped (``chat_templates/NAME.jinja``),
+    read; None leaves the tokenizer's own. ``ValueError`` naming what it looked for otherwise."""
+    if value is None:
+        return None
+    for path in (pathlib.Path(value), CHAT_TEMPLATES_DIR / f"{value}.jinja"):
+        if path.is_file():
+            return path.read_text()
+    shipped = sorted(p.stem for p in CHAT_TEMPLATES_DIR.glob("*.jinja"))
+    raise ValueError(f"chat template {value!r} is neither a file nor one shipped ({', '.join(shipped)})")
+
+
 class PromptProcessor:
     """Turns request prompts into token ids; errors in user input become 400s.
 
@@ -56,9 +72,13 @@ class PromptProcessor:
     the text takes)."""
 
     def __init__(
-        self, tokenizer: Any, max_model_len: int | None = None, num_threads: int = DEFAULT_TOKENIZER_THREADS
+        self, tokenizer: Any, max_model_len: int | None = None, num_threads: int = DEFAULT_TOKENIZER_THREADS,
+        chat_template: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # The template given on the command line (``--chat-template``), else the tokenizer's own (None).
+        self.chat_template = chat_template
+        self._renders_tools: bool | None = None
         self.vocab_size = len(tokenizer)
         self.eos_token_id: int | None = tokenizer.eos_token_id
         limit = getattr(tokenizer, "model_max_length", None)
@@ -75,11 +95,40 @@ class PromptProcessor:
         self._long_lane = ThreadPoolExecutor(num_threads, thread_name_prefix="tokenizer-long")
 
     @classmethod
-    def from_model_dir(cls, model_dir: pathlib.Path) -> PromptProcessor:
+    def from_model_dir(cls, model_dir: pathlib.Path, chat_template: str | None = None) -> PromptProcessor:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        return cls(tokenizer, _config_max_len(model_dir))
+        return cls(tokenizer, _config_max_len(model_dir), chat_template=chat_template)
+
+    def template_text(self) -> str | None:
+        """The chat template's source (all of them, where the tokenizer has several by name)."""
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):
+            return "\n".join(str(t) for t in template.values())
+        return template if isinstance(template, str) else None
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows the model the ``tools`` it is given: a template that
+        leaves them out would have the model answer without knowing them."""
+        if self._renders_tools is None:
+            probe = "pdserve_probe_function_5e1f"
+            tools = [{"type": "function", "function": {"name": probe, "description": "", "parameters": {}}}]
+            try:
+                text = self._render([{"role": "user", "content": "hi"}], tools)
+            except Exception:
+                text = ""
+            self._renders_tools = probe in text
+        return self._renders_tools
+
+    def _render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
+    ) -> str:
+        return str(self.tokenizer.apply_chat_template(
+            messages, tools=tools, chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        ))
 
     def check_length(self, text: str, max_model_len: int | None, param: str = "prompt") -> None:
         """A 400 for a text over ``MAX_PROMPT_CHARS``, or with so many characters that its tokens
@@ -159,16 +208,22 @@ class PromptProcessor:
         encoded = iter(await self._off_loop(encode_all, sum(len(text) for text, _ in texts)))
         return [next(encoded) if isinstance(item, str) else item for item in checked]
 
-    async def tokenize_chat(self, messages: list[dict[str, Any]], max_model_len: int) -> list[int]:
+    async def tokenize_chat(
+        self, messages: list[dict[str, Any]], max_model_len: int, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """``chat_prompt``, in a worker thread unless the messages are short."""
         num_chars = sum(len(str(m.get("content") or "")) for m in messages)  # the template adds little
-        return await self._off_loop(lambda: self.chat_prompt(messages, max_model_len), num_chars)
+        if tools:
+            num_chars += len(json.dumps(tools))
+        return await self._off_loop(lambda: self.chat_prompt(messages, max_model_len, tools), num_chars)
 
-    def chat_prompt(self, messages: list[dict[str, Any]], max_model_len: int | None = None) -> list[int]:
-        """The model's own chat template with the generation prompt, tokenized without extra BOS.
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], max_model_len: int | None = None, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The chat template with the generation prompt (and ``tools``), tokenized without extra BOS.
         The length check holds the rendered text: a template may leave parts of messages out."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self._render(messages, tools)
         except Exception as exc:  # jinja raises its own errors for unsupported conversations
             raise bad_request(f"could not apply the chat template: {exc}", param="messages") from None
         self.check_length(text, max_model_len, "messages")
@@ -189,9 +244,7 @@ class PromptProcessor:
 
         def render_and_encode() -> list[int]:
             try:
-                rendered = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=add_generation_prompt, tokenize=False
-                )
+                rendered = self._render(messages or [], add_generation_prompt=add_generation_prompt)
             except Exception as exc:  # jinja raises its own errors for unsupported conversations
                 raise bad_request(f"could not apply the chat template: {exc}", param="messages") from None
             self.check_length(rendered, None, "messages")

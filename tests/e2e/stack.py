@@ -79,6 +79,26 @@ class Stack:
                 "--log-level", "warning", *(extra or [])]
         return self._spawn("router", args)
 
+    def add_router(self, name: str, extra: list[str], timeout_s: float = 120.0) -> str:
+        """One more router in front of the same engines (with flags of its own), ready; its URL."""
+        port = free_port()
+        args = ["router", "--model", self.model, "--redis-url", self.redis_url, "--port", str(port),
+                "--log-level", "warning", *extra]
+        proc = self._spawn(name, args)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.popen.returncode}:\n{proc.log()}")
+            try:
+                body = httpx.get(url + "/ready", timeout=2).json()
+                if body.get("prefill", 0) >= 1 and body.get("decode", 0) >= 1:
+                    return url
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{name} not ready in {timeout_s}s\n{proc.log()}")
+
     def wait_ready(self, num_prefill: int, num_decode: int, timeout_s: float = 120.0) -> None:
         """Until Redis lists the expected instances and the router serves with all of them (its
         /ready counts them: a router that does not see the prefill yet would send a long prompt

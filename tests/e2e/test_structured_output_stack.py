@@ -1,6 +1,8 @@
 """Structured output and logit_bias through the real stack with the openai client: router ->
 prefill (first token under the grammar) -> KV transfer -> decode (the rest), and a short prompt the
-router sends straight to the decode instance. A bad schema is a 400 from the router."""
+router sends straight to the decode instance. A bad schema is a 400 from the router. Tool calls forced
+by tool_choice, through a second router in front of the same engines, started with a chat template
+that shows the model its tools."""
 
 from __future__ import annotations
 
@@ -107,3 +109,53 @@ def test_invalid_schema_and_regex_get_400(client):  # type: ignore[no-untyped-de
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, extra_body={"guided_regex": "(a"})
     assert err.value.body["param"] == "guided_regex"
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tools_client(stack):  # type: ignore[no-untyped-def]
+    url = stack.add_router("router-tools", ["--chat-template", "chatml-tools", "--direct-prompt-tokens",
+                                            str(DIRECT_PROMPT_TOKENS)])
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_forced_tool_calls_through_the_stack(stack, tools_client):  # type: ignore[no-untyped-def]
+    # (the tools' descriptions make any prompt long: prefill -> transfer -> decode)
+    schema = WEATHER["function"]["parameters"]
+    kwargs = {"model": MODEL, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+              "max_tokens": 60,
+              "temperature": 0, "tools": [WEATHER]}
+    named = tools_client.chat.completions.create(
+        **kwargs, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and named.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    streamed = list(tools_client.chat.completions.create(
+        **kwargs, stream=True, tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    parts = [p for c in streamed if c.choices for p in c.choices[0].delta.tool_calls or []]
+    assert parts[0].function.name == "get_weather" and parts[0].id
+    assert "".join(p.function.arguments or "" for p in parts) == call.function.arguments
+
+    required = tools_client.chat.completions.create(**kwargs, tool_choice="required", parallel_tool_calls=False)
+    [call] = required.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and required.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    # The first router's template (the model's own) does not show the model its tools: refused there.
+    with pytest.raises(openai.BadRequestError) as err:
+        openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+            **kwargs, tool_choice="required")
+    assert err.value.body["param"] == "tools"

@@ -73,8 +73,10 @@ class FakeEngine(threading.Thread):
         cluster_key: ClusterKey | None = None,
         announce: bool = False,
         restarts_on_arrival: int = 0,
+        max_model_len: int = 256,
     ) -> None:
         super().__init__(name=f"fake-{instance_id}", daemon=True)
+        self.max_model_len = max_model_len
         self.cluster_key = cluster_key
         self.role = role
         self.instance_id = instance_id
@@ -105,7 +107,7 @@ class FakeEngine(threading.Thread):
             control_address=self.address,
             kv_address=f"inproc://{self.instance_id}",
             block_size=self.block_size,
-            max_model_len=256,
+            max_model_len=self.max_model_len,
             num_requests_running=len(self._active),
             started_at=self.started_at,
         )

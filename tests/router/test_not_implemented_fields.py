@@ -24,7 +24,6 @@ def server(prompts: Any) -> Iterator[RouterServer]:
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [
-        (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
         (CHAT, "guided_grammar", "root ::= 'a'"),
         (CHAT, "structured_outputs", {"json": {"type": "object"}}),
     ],

@@ -1,0 +1,304 @@
+"""Tool calls read back out of the text a chat model wrote, in its chat template's format.
+
+A parser turns a whole answer into its content and its calls (``extract``), or follows the answer
+as it streams (``stream``): each ``feed`` gives the events that no later text can change (content
+text, or a completed ``ToolCall``) and ``finish`` the rest. Text that is not a well-formed call
+stays content, verbatim, so nothing the model wrote is lost.
+
+``extract`` runs the stream over the whole text, so both give the same content and calls however
+the text is cut into chunks. Content is stripped of leading and trailing whitespace: a stream
+holds whitespace back until more content follows it, so the whitespace around calls and at the
+end of an answer never reaches the client.
+
+* ``hermes`` (Qwen2.5, Qwen3, Hermes, ChatML templates with tools): each call is
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, anywhere in the text.
+* ``llama3_json`` (Llama 3.1, 3.2): the whole answer, after an optional ``<|python_tag|>``, is
+  ``{"name": ..., "parameters": {...}}``, or several such objects separated by ``;``.
+
+Parsing never raises on what a model writes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text of an object, as json.dumps(obj, ensure_ascii=False) writes it
+
+
+Event = str | ToolCall
+
+
+class ToolCallStream(Protocol):
+    def feed(self, text: str) -> list[Event]:
+        """The events that the text so far makes certain, in output order."""
+        ...
+
+    def finish(self) -> list[Event]:
+        """The remaining events, at the end of generation."""
+        ...
+
+
+class ToolCallParser(Protocol):
+    name: str
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A whole answer's content (None when there is none) and its calls, in order."""
+        ...
+
+    def stream(self) -> ToolCallStream:
+        """A fresh stream for one answer."""
+        ...
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError("number out of range")
+    return value
+
+
+# Strict JSON: NaN, Infinity and numbers that overflow a float would come back out of json.dumps
+# as text that is not JSON.
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
+
+
+def _call(obj: Any, args_key: str, alt_key: str) -> ToolCall | None:
+    """The call a decoded JSON value describes, or None: a non-empty string ``name`` and an object
+    of arguments under ``args_key`` (or ``alt_key``), possibly given as its JSON text."""
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    args = obj[args_key] if args_key in obj else obj.get(alt_key)
+    try:
+        if isinstance(args, str):
+            args = _DECODER.decode(args.strip())
+        if not isinstance(args, dict):
+            return None
+        text = json.dumps(args, ensure_ascii=False)
+        # A lone surrogate (a "\ud800" escape) would make the response unencodable.
+        name.encode("utf-8")
+        text.encode("utf-8")
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+        return None
+    return ToolCall(name, text)
+
+
+class _Content:
+    """Content text with the answer's leading and trailing whitespace taken out, as it streams:
+    whitespace is held until non-whitespace follows it."""
+
+    def __init__(self) -> None:
+        self._started = False
+        self._held = ""
+
+    def push(self, text: str) -> str:
+        if not self._started:
+            text = text.lstrip()
+        body = text.rstrip()
+        if not body:
+            self._held += text
+            return ""
+        out = self._held + body
+        self._held = text[len(body):]
+        self._started = True
+        return out
+
+
+def _add(events: list[Event], item: Event) -> None:
+    """Appends an event, joining adjacent content and leaving out empty text."""
+    if isinstance(item, str):
+        if not item:
+            return
+        if events and isinstance(events[-1], str):
+            events[-1] += item
+            return
+    events.append(item)
+
+
+def _collect(stream: ToolCallStream, text: str) -> tuple[str | None, list[ToolCall]]:
+    events = stream.feed(text) + stream.finish()
+    content = "".join(e for e in events if isinstance(e, str))
+    return content or None, [e for e in events if isinstance(e, ToolCall)]
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+_HERMES_OPEN = "<tool_call>"
+_HERMES_CLOSE = "</tool_call>"
+
+
+def _hermes_call(body: str) -> ToolCall | None:
+    try:
+        obj = _DECODER.decode(body.strip())
+    except (ValueError, RecursionError):
+        return None
+    return _call(obj, "arguments", "parameters")
+
+
+class _HermesStream:
+    def __init__(self) -> None:
+        self._content = _Content()
+        self._buf = ""
+        self._inside = False
+        self._scan = 0  # where in the buffer the closing tag may start, while inside a tag
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        events: list[Event] = []
+        while True:
+            if self._inside:
+                end = self._buf.find(_HERMES_CLOSE, self._scan)
+                if end < 0:
+                    self._scan = max(0, len(self._buf) - len(_HERMES_CLOSE) + 1)
+                    return events
+                self._close(self._buf[:end], _HERMES_CLOSE, events)
+                self._buf = self._buf[end + len(_HERMES_CLOSE):]
+            else:
+                start = self._buf.find(_HERMES_OPEN)
+                if start < 0:
+                    keep = len(self._buf) - _partial_suffix(self._buf, _HERMES_OPEN)
+                    _add(events, self._content.push(self._buf[:keep]))
+                    self._buf = self._buf[keep:]
+                    return events
+                _add(events, self._content.push(self._buf[:start]))
+                self._buf = self._buf[start + len(_HERMES_OPEN):]
+                self._inside, self._scan = True, 0
+
+    def finish(self) -> list[Event]:
+        events: list[Event] = []
+        if self._inside:
+            self._close(self._buf, "", events)
+        else:
+            _add(events, self._content.push(self._buf))
+        self._buf = ""
+        return events
+
+    def _close(self, body: str, close: str, events: list[Event]) -> None:
+        """Ends a tag: its call, or its text as content when it holds none."""
+        call = _hermes_call(body)
+        _add(events, call if call is not None else self._content.push(_HERMES_OPEN + body + close))
+        self._inside = False
+
+
+class HermesParser:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` anywhere in the answer; a tag
+    left open at the end is a call when the rest of the answer is one."""
+
+    name = "hermes"
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        return _collect(self.stream(), text)
+
+    def stream(self) -> ToolCallStream:
+        return _HermesStream()
+
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def _llama_calls(text: str) -> list[ToolCall] | None:
+    """The calls when the whole text is a ``;``-separated sequence of them, else None."""
+    text = text.strip()
+    if text.startswith(_PYTHON_TAG):
+        text = text[len(_PYTHON_TAG):].lstrip()
+    calls: list[ToolCall] = []
+    pos = 0
+    while True:
+        try:
+            obj, pos = _DECODER.raw_decode(text, pos)
+        except (ValueError, RecursionError):
+            return None
+        call = _call(obj, "parameters", "arguments")
+        if call is None:
+            return None
+        calls.append(call)
+        rest = text[pos:].lstrip()
+        if not rest:
+            return calls
+        if rest[0] != ";":
+            return None
+        pos = len(text) - len(rest[1:].lstrip())
+
+
+class _LlamaStream:
+    def __init__(self) -> None:
+        self._content = _Content()
+        self._buf = ""
+        self._mode: str | None = None  # None until the start is known, then "calls" or "content"
+
+    def feed(self, text: str) -> list[Event]:
+        if self._mode == "content":
+            return self._text(text)
+        self._buf += text
+        if self._mode == "calls":
+            return []
+        start = self._buf.lstrip()
+        if start.startswith(("{", _PYTHON_TAG)):
+            self._mode = "calls"
+            return []
+        if not start or _PYTHON_TAG.startswith(start):
+            return []
+        self._mode = "content"
+        text, self._buf = self._buf, ""
+        return self._text(text)
+
+    def finish(self) -> list[Event]:
+        if self._mode == "content":
+            return []
+        text, self._buf = self._buf, ""
+        calls = _llama_calls(text)
+        if calls is None:
+            return self._text(text)
+        return [*calls]
+
+    def _text(self, text: str) -> list[Event]:
+        out = self._content.push(text)
+        return [out] if out else []
+
+
+class Llama3JsonParser:
+    """The whole answer as one or more ``{"name": ..., "parameters": {...}}`` objects separated by
+    ``;``, after an optional ``<|python_tag|>``; anything else is content. A stream that starts
+    like calls is held to the end."""
+
+    name = "llama3_json"
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        return _collect(self.stream(), text)
+
+    def stream(self) -> ToolCallStream:
+        return _LlamaStream()
+
+
+PARSERS: dict[str, ToolCallParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser())}
+
+
+def detect_parser(chat_template: str | None) -> str | None:
+    """The parser for the tool-call format a chat template teaches its model, or None."""
+    if not chat_template:
+        return None
+    if _HERMES_OPEN in chat_template:
+        return "hermes"
+    if _PYTHON_TAG in chat_template or (
+        "<|start_header_id|>" in chat_template and "parameters" in chat_template
+    ):
+        return "llama3_json"
+    return None

@@ -1,0 +1,291 @@
+"""Tool calling on ``/v1/chat/completions``: the request's ``tools`` and ``tool_choice``, and the tool
+calls read back out of what the model wrote.
+
+The tools go to the model's chat template (``tools=``), which describes them to the model in its own
+format. What the model answers depends on ``tool_choice``:
+
+* ``"none"``: plain text; nothing is parsed.
+* ``"auto"`` (the default with tools): the model may call tools in its template's format, which the
+  router's tool-call parser (``router/tool_parsers.py``, ``--tool-call-parser``) reads back. Text
+  that is not a well-formed call stays content.
+* ``"required"``: the output is held by a grammar to a JSON array of one or more calls (one when
+  ``parallel_tool_calls`` is false), each ``{"name": ..., "arguments": ...}`` of a given tool with
+  arguments valid against its ``parameters`` schema. No parser is needed.
+* a named function: the output is held by a grammar to that function's arguments, which become the
+  one call. No parser is needed.
+
+Requests the router cannot serve exactly get a 400 that names why: tools on a model whose chat
+template does not render them (the model would never see them), or ``"auto"`` without a parser for
+the template's format. ``finish_reason`` is ``"tool_calls"`` when an ``"auto"`` or ``"required"``
+answer called tools and ended on its own (a named function's answer ends with ``"stop"``, as
+OpenAI's does).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.sampling_params import MAX_STRUCTURED_OUTPUT_CHARS, StructuredOutput
+from router.errors import bad_request
+from router.openai_responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
+from router.tool_parsers import ToolCall, ToolCallParser, ToolCallStream
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_CHOICES = ("none", "auto", "required")
+
+
+def new_tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def _check_function(index: int, tool: Any) -> dict[str, Any]:
+    """One entry of ``tools`` as the chat template gets it; a 400 naming what is wrong."""
+    param = f"tools.{index}"
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise bad_request("each tool must be an object with type 'function'", param=param)
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise bad_request("a tool's function must be an object", param=f"{param}.function")
+    name = function.get("name")
+    if not isinstance(name, str) or _NAME.fullmatch(name) is None:
+        raise bad_request(
+            "a function's name must be 1 to 64 letters, digits, underscores or dashes", param=f"{param}.function.name"
+        )
+    out: dict[str, Any] = {"name": name}
+    description = function.get("description")
+    if description is not None:
+        if not isinstance(description, str):
+            raise bad_request("a function's description must be a string", param=f"{param}.function.description")
+        out["description"] = description
+    parameters = function.get("parameters")
+    if parameters is not None:
+        if not isinstance(parameters, dict):
+            raise bad_request(
+                "a function's parameters must be a JSON schema object", param=f"{param}.function.parameters"
+            )
+        out["parameters"] = parameters
+    strict = function.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request("a function's strict must be a boolean", param=f"{param}.function.strict")
+    return {"type": "function", "function": out}
+
+
+def _arguments_schema(function: dict[str, Any]) -> dict[str, Any]:
+    return function.get("parameters") or {"type": "object"}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """A request's tools (as the template gets them) and how the answer may use them."""
+
+    tools: list[dict[str, Any]]
+    choice: str  # "none", "auto", "required" or "named"
+    function: str | None = None  # the named function
+    parallel: bool = True
+
+    @classmethod
+    def from_request(cls, tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolPlan | None:
+        """The plan, or None for a request without tools; a 400 naming the field that is malformed."""
+        if not tools:
+            if tool_choice not in (None, "none"):
+                raise bad_request("tool_choice needs tools", param="tool_choice")
+            return None
+        if len(tools) > MAX_TOOLS:
+            raise bad_request(f"tools holds at most {MAX_TOOLS} functions, got {len(tools)}", param="tools")
+        checked = [_check_function(i, tool) for i, tool in enumerate(tools)]
+        names = [tool["function"]["name"] for tool in checked]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise bad_request(f"two tools are named {name!r}", param=f"tools.{i}.function.name")
+        parallel = parallel_tool_calls is not False
+        if tool_choice is None or isinstance(tool_choice, str):
+            choice = tool_choice or "auto"
+            if choice not in _CHOICES:
+                raise bad_request(
+                    f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
+                    param="tool_choice",
+                )
+            return cls(checked, choice, parallel=parallel)
+        function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+        if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(function, dict):
+            raise bad_request(
+                "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+                param="tool_choice",
+            )
+        name = function.get("name")
+        if name not in names:
+            raise bad_request(f"tool_choice names {name!r}, which is not in tools", param="tool_choice.function.name")
+        return cls(checked, "named", function=name, parallel=parallel)
+
+    @property
+    def parsed(self) -> bool:
+        """Whether the answer is read for tool calls."""
+        return self.choice != "none"
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The grammar of a ``"required"`` or named answer; None for the others."""
+        functions = {tool["function"]["name"]: tool["function"] for tool in self.tools}
+        if self.choice == "named":
+            assert self.function is not None
+            parameters = functions[self.function].get("parameters")
+            if not parameters:
+                return StructuredOutput(kind="json_object")
+            schema: dict[str, Any] = parameters
+        elif self.choice == "required":
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"enum": [name]}, "arguments": _arguments_schema(function)},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for name, function in functions.items()
+            ]
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            if not self.parallel:
+                schema["maxItems"] = 1
+        else:
+            return None
+        spec = json.dumps(schema, ensure_ascii=False)
+        if len(spec) > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise bad_request(
+                f"the tools' schemas make a grammar longer than {MAX_STRUCTURED_OUTPUT_CHARS} characters", param="tools"
+            )
+        return StructuredOutput(kind="json_schema", spec=spec)
+
+    def extract(self, text: str, parser: ToolCallParser | None) -> tuple[str | None, list[ToolCall]]:
+        """A whole answer's content and tool calls."""
+        if self.choice == "named":
+            assert self.function is not None
+            return None, [ToolCall(self.function, text)]
+        if self.choice == "required":
+            calls = _required_calls(text)
+            return (text, []) if calls is None else (None, calls[: None if self.parallel else 1])
+        if self.choice == "auto":
+            assert parser is not None
+            content, calls = parser.extract(text)
+            return content, calls[: None if self.parallel else 1]
+        return text, []
+
+    def finish_reason(self, finish_reason: str | None, called: bool) -> str | None:
+        return "tool_calls" if called and finish_reason == "stop" and self.choice in ("auto", "required") else finish_reason
+
+
+def _required_calls(text: str) -> list[ToolCall] | None:
+    """The calls of a ``"required"`` answer (a JSON array of ``{"name", "arguments"}``), or None
+    when it is not one (cut short by ``max_tokens``, say)."""
+    try:
+        items = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(items, list) or not items:
+        return None
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not isinstance(
+            item.get("arguments"), dict
+        ):
+            return None
+        calls.append(ToolCall(item["name"], json.dumps(item["arguments"], ensure_ascii=False)))
+    return calls
+
+
+def tool_calls_out(calls: list[ToolCall]) -> list[ToolCallOut]:
+    return [ToolCallOut(id=new_tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+
+
+@dataclass
+class ToolDeltas:
+    """One streamed choice's text turned into content and tool-call deltas, as it comes.
+
+    An ``"auto"`` answer goes through the parser's stream: content as soon as it cannot be part of a
+    call, each call whole once it closes. A named function's arguments stream as they are written,
+    the first delta carrying the call's id and name. A ``"required"`` answer is one JSON array, read
+    when it ends."""
+
+    plan: ToolPlan
+    stream: ToolCallStream | None
+    num_calls: int = 0
+    _held: list[str] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, plan: ToolPlan, parser: ToolCallParser | None) -> ToolDeltas:
+        return cls(plan, parser.stream() if plan.choice == "auto" and parser is not None else None)
+
+    def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
+        if self.stream is not None:
+            return self._events(self.stream.feed(text))
+        if self.plan.choice == "named":
+            if not text:
+                return "", []
+            assert self.plan.function is not None
+            if self.num_calls == 0:
+                self.num_calls = 1
+                first = DeltaToolCall(
+                    index=0, id=new_tool_call_id(), type="function",
+                    function=DeltaFunctionCall(name=self.plan.function, arguments=text),
+                )
+                return "", [first]
+            return "", [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))]
+        self._held.append(text)  # "required"
+        return "", []
+
+    def finish(self) -> tuple[str, list[DeltaToolCall]]:
+        if self.stream is not None:
+            return self._events(self.stream.finish())
+        if self.plan.choice != "required":
+            return "", []
+        content, calls = self.plan.extract("".join(self._held), None)
+        return content or "", self._deltas(calls)
+
+    def _events(self, events: list[str | ToolCall]) -> tuple[str, list[DeltaToolCall]]:
+        content = "".join(e for e in events if isinstance(e, str))
+        calls = [e for e in events if isinstance(e, ToolCall)]
+        if not self.plan.parallel:
+            calls = calls[: max(0, 1 - self.num_calls)]
+        return content, self._deltas(calls)
+
+    def _deltas(self, calls: list[ToolCall]) -> list[DeltaToolCall]:
+        deltas = []
+        for call in calls:
+            deltas.append(DeltaToolCall(
+                index=self.num_calls, id=new_tool_call_id(), type="function",
+                function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
+            ))
+            self.num_calls += 1
+        return deltas
+
+
+def template_tool_calls(index: int, tool_calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as chat templates take them: each call's arguments as
+    an object (the request carries them as JSON text, as OpenAI's API does)."""
+    param = f"messages.{index}.tool_calls"
+    if not isinstance(tool_calls, list):
+        raise bad_request("tool_calls must be a list", param=param)
+    out = []
+    for j, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request("a tool call must have a function with a name", param=f"{param}.{j}")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError):
+                raise bad_request(
+                    "a tool call's arguments must be a JSON object", param=f"{param}.{j}.function.arguments"
+                ) from None
+        if not isinstance(arguments, dict):
+            raise bad_request(
+                "a tool call's arguments must be a JSON object", param=f"{param}.{j}.function.arguments"
+            )
+        entry: dict[str, Any] = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out

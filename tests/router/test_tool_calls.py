@@ -1,0 +1,253 @@
+"""Tool calling through the router: OpenAI client -> router -> fake engines over real ZMQ and Redis.
+
+The fake engines answer with the tokens of a Hermes-format reply, so what is checked is the router's
+part: the tools reach the chat template (and the engines' prompt), the answer's calls are read out
+the same whether streamed or not, and requests the router cannot serve exactly get a 400 that says
+why. That a grammar holds a "required" or named answer to the tools' schemas is checked on the
+engine (``tests/engine/test_tool_call_grammar.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from router.tokenization import PromptProcessor, load_chat_template
+from tests.router.fake_engine import FakeCluster
+from tests.router.router_harness import SERVED_MODEL, RouterServer, make_state
+
+CONTENT = "Let me look that up."
+CALLS = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "Europe/Paris"})]
+REPLY_TEXT = CONTENT + "\n" + "\n".join(
+    f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args)}}}\n</tool_call>' for name, args in CALLS
+)
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city now",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                       "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "The local time in a time zone",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}},
+]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris, and the time there?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_prompts(tokenizer: Any) -> PromptProcessor:
+    return PromptProcessor(tokenizer, max_model_len=2048, chat_template=load_chat_template("chatml-tools"))
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url: str, tokenizer: Any, tool_prompts: PromptProcessor) -> Iterator[tuple[RouterServer, FakeCluster]]:
+    namespace = f"tools-{uuid.uuid4().hex[:8]}"
+    reply = list(tokenizer.encode(REPLY_TEXT, add_special_tokens=False))
+    with FakeCluster(redis_url, namespace, reply, token_delay_s=0.001, max_model_len=2048) as cluster:
+        state = make_state(tool_prompts, redis_url=redis_url, namespace=namespace, request_timeout_s=5.0,
+                           tool_call_parser="hermes")
+        with RouterServer(state) as server:
+            server.wait_ready()
+            yield server, cluster
+
+
+@pytest.fixture
+def client(stack: tuple[RouterServer, FakeCluster]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack[0].url}/v1", api_key="unused", max_retries=0, timeout=20)
+
+
+def _prompt_text(cluster: FakeCluster, tokenizer: Any, response_id: str) -> str:
+    sent = [r for r in cluster.requests() if r.request_id.startswith(response_id)]
+    assert sent, "no engine request"
+    return str(tokenizer.decode(sent[0].prompt_token_ids))
+
+
+def _streamed(client: openai.OpenAI, **kw: Any) -> tuple[str, list[dict[str, Any]], str | None, str]:
+    """A streamed answer put together as a client does: content, calls by index, finish reason, id."""
+    content, calls, finish_reason, response_id = "", {}, None, ""
+    for chunk in client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, stream=True, **kw):
+        response_id = chunk.id
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for part in choice.delta.tool_calls or []:
+                call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = part.id or call["id"]
+                if part.function is not None:
+                    call["name"] += part.function.name or ""
+                    call["arguments"] += part.function.arguments or ""
+            finish_reason = choice.finish_reason or finish_reason
+    return content, [calls[i] for i in sorted(calls)], finish_reason, response_id
+
+
+def test_auto_reads_the_calls_out_and_the_model_saw_the_tools(
+    client: openai.OpenAI, stack: Any, tokenizer: Any
+) -> None:
+    response = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == CONTENT
+    calls = choice.message.tool_calls or []
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == CALLS
+    assert all(c.type == "function" and c.id.startswith("chatcmpl-tool-") for c in calls)
+    assert len({c.id for c in calls}) == len(calls)
+    prompt = _prompt_text(stack[1], tokenizer, response.id)
+    assert '"name": "get_weather"' in prompt and "The local time in a time zone" in prompt and "<tool_call>" in prompt
+
+
+def test_streamed_calls_equal_the_whole_answer(client: openai.OpenAI) -> None:
+    content, calls, finish_reason, _ = _streamed(client, tools=TOOLS, max_tokens=200)
+    assert finish_reason == "tool_calls"
+    assert content == CONTENT
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == CALLS
+    assert all(c["id"] and c["id"].startswith("chatcmpl-tool-") for c in calls)
+
+
+def test_streamed_calls_with_logprobs_and_n(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200, n=2, stream=True, logprobs=True
+    )
+    calls: dict[int, list[str]] = {0: [], 1: []}
+    finish: dict[int, str | None] = {}
+    for chunk in response:
+        for choice in chunk.choices:
+            calls[choice.index] += [p.function.name or "" for p in choice.delta.tool_calls or [] if p.function]
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    assert calls == {0: ["get_weather", "get_time"], 1: ["get_weather", "get_time"]}
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+
+
+def test_parallel_tool_calls_false_keeps_the_first(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, parallel_tool_calls=False, max_tokens=200
+    )
+    assert [c.function.name for c in response.choices[0].message.tool_calls or []] == ["get_weather"]
+    _, calls, _, _ = _streamed(client, tools=TOOLS, parallel_tool_calls=False, max_tokens=200)
+    assert [c["name"] for c in calls] == ["get_weather"]
+
+
+def test_tool_choice_none_leaves_the_text_as_it_is(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=200
+    )
+    assert response.choices[0].message.content == REPLY_TEXT
+    assert response.choices[0].message.tool_calls is None
+    assert response.choices[0].finish_reason == "stop"
+
+
+def test_a_call_cut_short_stays_content(client: openai.OpenAI, tokenizer: Any) -> None:
+    # Cut inside the first call's JSON: not a call, and the answer says it was cut.
+    cut = len(tokenizer.encode(CONTENT + '\n<tool_call>\n{"name": "get_weather", "arg', add_special_tokens=False))
+    response = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=cut)
+    choice = response.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.tool_calls is None
+    assert choice.message.content is not None and choice.message.content.startswith(CONTENT + "\n<tool_call>")
+
+
+def test_named_and_required_send_the_tools_grammar(client: openai.OpenAI, stack: Any) -> None:
+    named = client.chat.completions.create(
+        model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
+    [sent] = [r for r in stack[1].requests() if r.request_id.startswith(named.id) and r.decode_target is not None]
+    so = sent.sampling_params.structured_output
+    assert so is not None and so.kind == "json_schema" and json.loads(so.spec) == TOOLS[1]["function"]["parameters"]
+    # The fake engine ignores the grammar: its text comes back as the named call's arguments.
+    [call] = named.choices[0].message.tool_calls or []
+    assert call.function.name == "get_time" and call.function.arguments == REPLY_TEXT
+    assert named.choices[0].finish_reason == "stop"
+
+    required = client.chat.completions.create(
+        model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200, tool_choice="required",
+        parallel_tool_calls=False,
+    )
+    [sent] = [r for r in stack[1].requests() if r.request_id.startswith(required.id) and r.decode_target is not None]
+    so = sent.sampling_params.structured_output
+    assert so is not None and so.kind == "json_schema"
+    schema = json.loads(so.spec)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+    # Not a JSON array of calls (the grammar was not applied): the text is the content.
+    assert required.choices[0].message.tool_calls is None
+    assert required.choices[0].message.content == REPLY_TEXT
+
+
+def test_earlier_calls_and_tool_results_reach_the_template(
+    client: openai.OpenAI, stack: Any, tokenizer: Any
+) -> None:
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees"},
+    ]
+    response = client.chat.completions.create(model=SERVED_MODEL, messages=messages, tools=TOOLS, max_tokens=5)
+    prompt = _prompt_text(stack[1], tokenizer, response.id)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\nSunny, 21 degrees\n</tool_response>" in prompt
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
+        ({"tools": [{"type": "code_interpreter"}]}, "tools.0"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools.1.function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools.0.function.parameters"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}},
+         "tool_choice.function.name"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+        ({"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+         "messages.1.tool_calls.0.function.arguments"),
+    ],
+)
+def test_malformed_tool_requests_get_400(stack: Any, body: dict[str, Any], param: str) -> None:
+    request = {"model": SERVED_MODEL, "messages": MESSAGES, "max_tokens": 4, **body}
+    response = httpx.post(f"{stack[0].url}/v1/chat/completions", json=request, timeout=10)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+
+
+def test_refused_where_the_model_would_not_see_the_tools_or_no_parser_reads_them(
+    redis_url: str, prompts: PromptProcessor, tool_prompts: PromptProcessor
+) -> None:
+    # The default model's own template leaves tools out: any use of them is refused, "none" is not.
+    assert not prompts.renders_tools and tool_prompts.renders_tools
+    with RouterServer(make_state(prompts, redis_url=None, tool_call_parser="hermes")) as plain, \
+            RouterServer(make_state(tool_prompts, redis_url=None)) as unparsed:
+        url = f"{plain.url}/v1/chat/completions"
+        for choice in ("auto", "required", {"type": "function", "function": {"name": "get_time"}}):
+            body = {"model": SERVED_MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice}
+            response = httpx.post(url, json=body, timeout=10)
+            assert response.status_code == 400 and response.json()["error"]["param"] == "tools", response.text
+            assert "--chat-template" in response.json()["error"]["message"]
+        # (no engine: past validation, "none" waits for one and gets 503, not a 400)
+        body = {"model": SERVED_MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "none"}
+        assert httpx.post(url, json=body, timeout=10).status_code != 400
+
+        url = f"{unparsed.url}/v1/chat/completions"
+        body = {"model": SERVED_MODEL, "messages": MESSAGES, "tools": TOOLS}
+        response = httpx.post(url, json=body, timeout=10)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice", response.text
+        assert "--tool-call-parser" in response.json()["error"]["message"]
+
+
+def test_chat_templates_load_by_path_or_name(tmp_path: Any) -> None:
+    assert load_chat_template(None) is None
+    shipped = load_chat_template("chatml-tools")
+    assert shipped is not None and "<tool_call>" in shipped
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0].content }}")
+    assert load_chat_template(str(path)) == "{{ messages[0].content }}"
+    with pytest.raises(ValueError, match="chatml-tools"):
+        load_chat_template("no-such-template")

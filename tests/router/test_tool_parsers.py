@@ -1,0 +1,328 @@
+"""Tool-call parsers: what ``extract`` reads out of whole answers, that streaming the same text in any
+chunks gives the same content and calls, template detection, and that no input makes them raise."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from router.tool_parsers import PARSERS, ToolCall, ToolCallParser, detect_parser
+
+HERMES = PARSERS["hermes"]
+LLAMA = PARSERS["llama3_json"]
+
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TIME = (
+    '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": [24, true]}}\n</tool_call>'
+)
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+PARIS = ToolCall("get_weather", '{"city": "Paris"}')
+LLAMA_CALL2 = '{"name": "get_time", "arguments": {"tz": "UTC"}}'
+
+
+def _stream(parser: ToolCallParser, chunks: list[str]) -> tuple[str, list[ToolCall]]:
+    """The joined content and the calls that streaming the chunks gives."""
+    stream = parser.stream()
+    events = [e for chunk in chunks for e in stream.feed(chunk)] + stream.finish()
+    assert all(e for e in events if isinstance(e, str)), "empty content event"
+    return "".join(e for e in events if isinstance(e, str)), [e for e in events if isinstance(e, ToolCall)]
+
+
+def _split(text: str, cuts: list[int]) -> list[str]:
+    bounds = [0, *sorted(cuts), len(text)]
+    return [text[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _check_consistent(parser: ToolCallParser, text: str, rng: random.Random, every_position: bool) -> None:
+    content, calls = parser.extract(text)
+    assert content is None or (content and content == content.strip())
+    expected = (content or "", calls)
+    chunkings = [[text], list(text)]
+    if every_position:
+        chunkings += [_split(text, [i]) for i in range(len(text) + 1)]
+    for _ in range(8):
+        chunkings.append(_split(text, [rng.randint(0, len(text)) for _ in range(rng.randint(1, 6))]))
+    for chunks in chunkings:
+        assert _stream(parser, chunks) == expected, (text, chunks)
+
+
+# -- hermes -------------------------------------------------------------------------------------------
+
+
+def test_hermes_single_call() -> None:
+    assert HERMES.extract(WEATHER) == (None, [ToolCall("get_weather", '{"city": "Paris"}')])
+
+
+def test_hermes_several_calls_and_content_before() -> None:
+    text = f"Let me check both.\n\n{WEATHER}\n{TIME}\n"
+    content, calls = HERMES.extract(text)
+    assert content == "Let me check both."
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[1].arguments) == {"tz": "Europe/Paris", "fmt": [24, True]}
+
+
+def test_hermes_content_around_calls_keeps_inner_text() -> None:
+    content, calls = HERMES.extract(f"  Before {WEATHER} after.  ")
+    assert content == "Before  after."
+    assert len(calls) == 1
+
+
+def test_hermes_plain_text() -> None:
+    assert HERMES.extract("  Just an answer.\n") == ("Just an answer.", [])
+    assert HERMES.extract(" \n\t") == (None, [])
+    assert HERMES.extract("") == (None, [])
+
+
+def test_hermes_invalid_calls_stay_content_verbatim() -> None:
+    for body in (
+        '{"name": "f", "arguments": {"x": 1}',  # unbalanced
+        '{"arguments": {"x": 1}}',  # no name
+        '{"name": 3, "arguments": {}}',
+        '{"name": "", "arguments": {}}',
+        '{"name": "f", "arguments": [1, 2]}',
+        '{"name": "f", "arguments": "not json"}',
+        '{"name": "f", "arguments": "[1]"}',
+        '{"name": "f"}',
+        '{"name": "f", "arguments": {"x": NaN}}',
+        '{"name": "f", "arguments": {"x": 1e999}}',
+        '{"name": "f", "arguments": {}} trailing',
+        '["f", {}]',
+    ):
+        tag = f"<tool_call>{body}</tool_call>"
+        assert HERMES.extract(f"Hi {tag} {WEATHER}") == (f"Hi {tag}", [PARIS])
+
+
+def test_hermes_parameters_synonym_and_string_arguments() -> None:
+    text = (
+        '<tool_call>{"name": "f", "parameters": {"a": "é"}}</tool_call>'
+        '<tool_call>{"name": "g", "arguments": "{\\"b\\": [1, 2]}"}</tool_call>'
+    )
+    assert HERMES.extract(text) == (None, [ToolCall("f", '{"a": "é"}'), ToolCall("g", '{"b": [1, 2]}')])
+
+
+def test_hermes_unterminated_valid_call() -> None:
+    assert HERMES.extract('Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n') == (
+        "Sure.",
+        [ToolCall("f", '{"x": 1}')],
+    )
+
+
+def test_hermes_unterminated_invalid_stays_content() -> None:
+    text = 'Sure.\n<tool_call>\n{"name": "f", "argum'
+    assert HERMES.extract(text) == (text, [])
+    assert HERMES.extract("<tool_call>") == ("<tool_call>", [])
+
+
+def test_hermes_stray_and_nested_tags_are_content() -> None:
+    assert HERMES.extract(f"a </tool_call> b {WEATHER}") == ("a </tool_call> b", [PARIS])
+    nested = f"<tool_call>{WEATHER}"
+    assert HERMES.extract(nested) == (nested, [])
+
+
+def test_hermes_stream_emits_content_early() -> None:
+    stream = HERMES.stream()
+    assert stream.feed("  Hello wor") == ["Hello wor"]
+    assert stream.feed("ld <tool") == ["ld"]  # the space and the tag's start are held
+    assert stream.feed('_call>{"name": "f", "arguments": {}}') == []
+    assert stream.feed("</tool_call>\n") == [ToolCall("f", "{}")]
+    assert stream.feed("\n Bye <") == [" \n\n Bye"]  # the whitespace around the call is released
+    assert stream.finish() == [" <"]
+
+
+def test_hermes_stream_joins_adjacent_content() -> None:
+    stream = HERMES.stream()
+    assert stream.feed("a <tool_call>bad</tool_call> b") == ["a <tool_call>bad</tool_call> b"]
+
+
+def test_hermes_stream_drops_whitespace_around_calls() -> None:
+    stream = HERMES.stream()
+    assert stream.feed(f"\n{WEATHER}\n\n") == [ToolCall("get_weather", '{"city": "Paris"}')]
+    assert stream.feed(" \n") == []
+    assert stream.finish() == []
+
+
+# -- llama3_json -----------------------------------------------------------------------------------------
+
+
+def test_llama_single_and_several_calls() -> None:
+    assert LLAMA.extract(f"  {LLAMA_CALL}\n") == (None, [ToolCall("get_weather", '{"city": "Paris"}')])
+    assert LLAMA.extract(f"<|python_tag|>{LLAMA_CALL} ;\n {LLAMA_CALL2}") == (
+        None,
+        [ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", '{"tz": "UTC"}')],
+    )
+
+
+def test_llama_string_arguments() -> None:
+    assert LLAMA.extract('{"name": "f", "parameters": "{\\"x\\": 1}"}') == (None, [ToolCall("f", '{"x": 1}')])
+
+
+def test_llama_anything_else_is_content() -> None:
+    for text in (
+        f"Here you go: {LLAMA_CALL}",
+        f"{LLAMA_CALL} and some words",
+        f"{LLAMA_CALL};",
+        f"{LLAMA_CALL}; {{}}",
+        '{"name": "f", "parameters": [1]}',
+        '{"name": "f", "parameters": {"x": 1}',
+        '{"city": "Paris"}',
+        "<|python_tag|>",
+        "<|python_tag|>print(1)",
+    ):
+        assert LLAMA.extract(f" {text}\n") == (text, []), text
+    assert LLAMA.extract(" \n ") == (None, [])
+
+
+def test_llama_stream_decides_early() -> None:
+    stream = LLAMA.stream()
+    assert stream.feed("  <|pyth") == []
+    assert stream.feed("on") == []
+    assert stream.feed("!") == ["<|python!"]
+    assert stream.feed(" more ") == [" more"]
+    assert stream.finish() == []
+
+    stream = LLAMA.stream()
+    assert stream.feed(" {") == []
+    assert stream.feed('"name": "f", "parameters": {}}') == []
+    assert stream.finish() == [ToolCall("f", "{}")]
+
+    stream = LLAMA.stream()
+    assert stream.feed("{ not json") == []
+    assert stream.finish() == ["{ not json"]
+
+
+# -- streaming matches extract --------------------------------------------------------------------------
+
+HERMES_TEXTS = [
+    WEATHER,
+    f"Let me check.\n\n{WEATHER}\n{TIME}\n",
+    f"  Before {WEATHER} after.  \n",
+    f"{WEATHER}\n\nThe weather is nice.",
+    'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n',
+    'Sure.\n<tool_call>\n{"name": "f", "argum',
+    f"<tool_call>{{bad}}</tool_call> {WEATHER} <tool_",
+    f"a </tool_call> b <tool_call>{WEATHER}",
+    "Ends with a lone <",
+    "x < y <tool and <tool_cal > z",
+    "  \n  ",
+    "",
+    "多语言 ✓ <tool_call>{\"name\": \"ü\", \"arguments\": \"{\\\"k\\\": \\\"ß\\\"}\"}</tool_call> 終",
+    '<tool_call>{"name": "f", "parameters": {"n": 1e5}}</tool_call><tool_call>',
+]
+
+LLAMA_TEXTS = [
+    LLAMA_CALL,
+    f"  <|python_tag|>{LLAMA_CALL}; {LLAMA_CALL2}\n",
+    f"{LLAMA_CALL} trailing words",
+    "  The answer is 42.  \n",
+    "  <|python_tag|> oops",
+    "<|pyth",
+    " <",
+    "",
+    "\n\n",
+    '{"name": "f"',
+    "Hello { not a call }",
+]
+
+
+def test_hermes_stream_matches_extract() -> None:
+    rng = random.Random(1)
+    for text in HERMES_TEXTS:
+        _check_consistent(HERMES, text, rng, every_position=True)
+
+
+def test_llama_stream_matches_extract() -> None:
+    rng = random.Random(2)
+    for text in LLAMA_TEXTS:
+        _check_consistent(LLAMA, text, rng, every_position=True)
+
+
+# -- detection ------------------------------------------------------------------------------------------
+
+QWEN_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{{ tools | tojson }}</tools>\n"
+    'For each function call, return a json object within <tool_call></tool_call> XML tags:\n'
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{%- endif %}"
+)
+LLAMA31_TEMPLATE = (
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}"
+    "{%- if builtin_tools is defined %}{{- '<|python_tag|>' + tool_call.name }}{%- endif %}"
+)
+LLAMA32_TEMPLATE = (
+    "{{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}"
+    "{{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and "
+    "its value}.' }}"
+)
+CHATML_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+LLAMA_NO_TOOLS = "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content }}"
+
+
+def test_detect_parser() -> None:
+    assert detect_parser(QWEN_TEMPLATE) == "hermes"
+    assert detect_parser(LLAMA31_TEMPLATE) == "llama3_json"
+    assert detect_parser(LLAMA32_TEMPLATE) == "llama3_json"
+    assert detect_parser(CHATML_TEMPLATE) is None
+    assert detect_parser(LLAMA_NO_TOOLS) is None
+    assert detect_parser("") is None
+    assert detect_parser(None) is None
+    assert set(PARSERS) == {"hermes", "llama3_json"}
+    assert all(PARSERS[name].name == name for name in PARSERS)
+
+
+# -- never raising --------------------------------------------------------------------------------------
+
+FRAGMENTS = [
+    "<tool_call>", "</tool_call>", "<tool_", "</tool", "<|python_tag|>", "<|py", "{", "}", "[", "]", '"name"',
+    '"arguments"', '"parameters"', ":", ",", ";", '"f"', '"{}"', "1e999", "NaN", "-0", "12345678901234567890",
+    " ", "\n", "\t", "\u00a0", "a", "Zz", "<", ">", "\\", '"', "\\ud800", "é", "🙂", "\u2028",
+    WEATHER, LLAMA_CALL, '{"name": "f", "arguments": {}}',
+]
+
+ADVERSARIAL = [
+    "<tool_call>" + "[" * 50_000 + "</tool_call>",
+    "<tool_call>" + '{"name": "f", "arguments": ' + "[" * 50_000,
+    "{" * 50_000,
+    '{"name": "f", "parameters": ' + '{"a": ' * 5_000 + "1" + "}" * 5_001,
+    '<tool_call>{"name": "f", "arguments": {"n": ' + "9" * 10_000 + "}}</tool_call>",
+    '{"name": "f", "parameters": {"n": ' + "9" * 10_000 + "}}",
+    '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',
+    '{"name": "f", "parameters": {"s": "\\udfff"}}',
+    "<tool_call><tool_call></tool_call></tool_call>",
+    "</tool_call>" * 3,
+    "<",
+    "<|python_tag|><|python_tag|>",
+]
+
+
+def _check_calls(calls: list[ToolCall]) -> None:
+    for call in calls:
+        assert isinstance(call.name, str) and call.name
+        args = json.loads(call.arguments)
+        assert isinstance(args, dict)
+        assert call.arguments == json.dumps(args, ensure_ascii=False)
+        (call.name + call.arguments).encode("utf-8")
+
+
+def test_no_input_raises() -> None:
+    rng = random.Random(3)
+    texts = [*ADVERSARIAL]
+    for _ in range(300):
+        texts.append("".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 12))))
+    found = 0
+    for parser in (HERMES, LLAMA):
+        for text in texts:
+            content, calls = parser.extract(text)
+            _check_calls(calls)
+            found += len(calls)
+            chunks = _split(text, [rng.randint(0, len(text)) for _ in range(3)])
+            assert _stream(parser, chunks) == (content or "", calls)
+    assert found > 20  # the valid fragments were read as calls
+
+
+def test_adversarial_inputs_are_content() -> None:
+    for text in ADVERSARIAL[:3]:
+        assert HERMES.extract(text) == (text, [])
+        assert LLAMA.extract(text) == (text, [])
+    assert LLAMA.extract(ADVERSARIAL[3])[1] == []  # deeper than the decoder goes
+    assert HERMES.extract(ADVERSARIAL[4])[1] == []  # more digits than an int may have
+    assert HERMES.extract(ADVERSARIAL[6]) == (ADVERSARIAL[6], [])  # a lone surrogate

@@ -114,7 +114,9 @@ class PromptProcessor:
         leaves them out would have the model answer without knowing them."""
         if self._renders_tools is None:
             probe = "pdserve_probe_function_5e1f"
-            tools = [{"type": "function", "function": {"name": probe, "description": "", "parameters": {}}}]
+            parameters = {"type": "object", "properties": {"x": {"type": "string", "description": "x"}},
+                          "required": ["x"]}
+            tools = [{"type": "function", "function": {"name": probe, "description": "A probe", "parameters": parameters}}]
             try:
                 text = self._render([{"role": "user", "content": "hi"}], tools)
             except Exception:

@@ -221,27 +221,28 @@ class ToolDeltas:
         if self.stream is not None:
             return self._events(self.stream.feed(text))
         if self.plan.choice == "named":
-            if not text:
-                return "", []
-            assert self.plan.function is not None
-            if self.num_calls == 0:
-                self.num_calls = 1
-                first = DeltaToolCall(
-                    index=0, id=new_tool_call_id(), type="function",
-                    function=DeltaFunctionCall(name=self.plan.function, arguments=text),
-                )
-                return "", [first]
-            return "", [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))]
+            return "", self._named(text) if text else []
         self._held.append(text)  # "required"
         return "", []
 
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
         if self.stream is not None:
             return self._events(self.stream.finish())
+        if self.plan.choice == "named":  # an empty answer is still the call, as in a whole response
+            return "", self._named("") if self.num_calls == 0 else []
         if self.plan.choice != "required":
             return "", []
         content, calls = self.plan.extract("".join(self._held), None)
         return content or "", self._deltas(calls)
+
+    def _named(self, arguments: str) -> list[DeltaToolCall]:
+        """A piece of the named call's arguments; the first piece opens the call."""
+        if self.num_calls:
+            return [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=arguments))]
+        assert self.plan.function is not None
+        self.num_calls = 1
+        function = DeltaFunctionCall(name=self.plan.function, arguments=arguments)
+        return [DeltaToolCall(index=0, id=new_tool_call_id(), type="function", function=function)]
 
     def _events(self, events: list[str | ToolCall]) -> tuple[str, list[DeltaToolCall]]:
         content = "".join(e for e in events if isinstance(e, str))

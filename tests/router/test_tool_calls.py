@@ -19,6 +19,8 @@ import openai
 import pytest
 
 from router.tokenization import PromptProcessor, load_chat_template
+from router.tool_parsers import ToolCall, detect_parser
+from router.tools import ToolDeltas, ToolPlan
 from tests.router.fake_engine import FakeCluster
 from tests.router.router_harness import SERVED_MODEL, RouterServer, make_state
 
@@ -251,3 +253,46 @@ def test_chat_templates_load_by_path_or_name(tmp_path: Any) -> None:
     assert load_chat_template(str(path)) == "{{ messages[0].content }}"
     with pytest.raises(ValueError, match="chatml-tools"):
         load_chat_template("no-such-template")
+
+
+def _plan(choice: Any, parallel: bool | None = None) -> ToolPlan:
+    plan = ToolPlan.from_request(TOOLS, choice, parallel)
+    assert plan is not None
+    return plan
+
+
+def test_a_named_calls_arguments_stream_as_written_and_an_empty_answer_is_still_the_call() -> None:
+    deltas = ToolDeltas.start(_plan({"type": "function", "function": {"name": "get_time"}}), None)
+    pieces = [deltas.feed(text) for text in ['{"zone"', "", ': "UTC"}']] + [deltas.finish()]
+    assert all(content == "" for content, _ in pieces)
+    parts = [part for _, calls in pieces for part in calls]
+    assert parts[0].id and parts[0].type == "function" and parts[0].function.name == "get_time"
+    assert all(p.id is None and p.function.name is None and p.index == 0 for p in parts[1:])
+    assert "".join(p.function.arguments or "" for p in parts) == '{"zone": "UTC"}'
+
+    empty = ToolDeltas.start(_plan({"type": "function", "function": {"name": "get_time"}}), None)
+    [(_, [call])] = [empty.finish()]
+    assert call.function.name == "get_time" and call.function.arguments == ""
+
+
+def test_a_required_answer_is_read_when_it_ends() -> None:
+    answer = '[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+    deltas = ToolDeltas.start(_plan("required"), None)
+    assert deltas.feed(answer[:30]) == ("", []) and deltas.feed(answer[30:]) == ("", [])
+    content, calls = deltas.finish()
+    assert content == "" and [(c.index, c.function.name) for c in calls] == [(0, "get_time"), (1, "get_weather")]
+    assert _plan("required").extract(answer, None)[1] == [
+        ToolCall("get_time", '{"zone": "UTC"}'), ToolCall("get_weather", '{"city": "Oslo"}')]
+    cut = ToolDeltas.start(_plan("required"), None)
+    cut.feed(answer[:40])
+    assert cut.finish() == (answer[:40], [])
+
+
+def test_the_probe_finds_whether_a_template_shows_tools(tokenizer: Any) -> None:
+    shows = "{% for t in tools %}{{ t.function.name }}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    hides = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    fails = "{{ raise_exception('no tools here') if tools else '' }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert PromptProcessor(tokenizer, chat_template=shows).renders_tools
+    assert not PromptProcessor(tokenizer, chat_template=hides).renders_tools
+    assert not PromptProcessor(tokenizer, chat_template=fails).renders_tools
+    assert detect_parser(load_chat_template("chatml-tools")) == "hermes"

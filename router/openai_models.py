@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -260,7 +261,70 @@ class ChatMessage(BaseModel):
         return "".join(texts)
 
 
-class ChatCompletionRequest(_GenerationRequest):
+# apply_chat_template's own parameters and the variables it sets: not for chat_template_kwargs.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+@dataclass(frozen=True)
+class ChatRender:
+    """How the chat template renders a conversation, beyond its messages."""
+
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the template's own variables
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates take them (an earlier call's arguments as an object)."""
+    out = []
+    for i, m in enumerate(messages):
+        message: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+        if m.tool_calls:
+            message["tool_calls"] = template_tool_calls(i, m.tool_calls)
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+class ChatTemplateOptions(BaseModel):
+    """vLLM's chat-template extras, for chat completions and ``/tokenize``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # the last (assistant) message is continued, not closed
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_template_options(self, messages: list[ChatMessage] | None) -> None:
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise bad_request(
+                    "continue_final_message and add_generation_prompt cannot both be true",
+                    param="continue_final_message",
+                )
+            if messages and messages[-1].role != "assistant":
+                raise bad_request(
+                    "continue_final_message needs the last message to be the assistant's", param="continue_final_message"
+                )
+        for key in self.chat_template_kwargs or {}:
+            if key in _RESERVED_TEMPLATE_KWARGS:
+                raise bad_request(
+                    f"{key!r} is the chat template's own parameter, not one chat_template_kwargs may set",
+                    param=f"chat_template_kwargs.{key}",
+                )
+
+    def chat_render(self, tools: list[dict[str, Any]] | None = None) -> ChatRender:
+        return ChatRender(tools, self.add_generation_prompt, self.continue_final_message,
+                          dict(self.chat_template_kwargs or {}))
+
+
+class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: StrictBool | None = False
@@ -268,6 +332,9 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
+    # OpenAI's deprecated form of tools: refused, not ignored.
+    functions: Any = None
+    function_call: Any = None
     # What ``check`` read from tools / tool_choice (``router/tools.py``).
     _tools: ToolPlan | None = PrivateAttr(default=None)
 
@@ -276,6 +343,10 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def check(self, limits: RequestLimits) -> None:
         super().check(limits)
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise bad_request(f"{name} is not supported (deprecated by OpenAI): use tools and tool_choice", param=name)
+        self.check_template_options(self.messages)
         self._tools = ToolPlan.from_request(self.tools, self.tool_choice, self.parallel_tool_calls)
         forced = self._tools.structured_output() if self._tools is not None else None
         if forced is not None:
@@ -299,16 +370,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return self._tools
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as chat templates take them (an earlier call's arguments as an object)."""
-        messages = []
-        for i, m in enumerate(self.messages):
-            message: dict[str, Any] = {"role": m.role, "content": m.text(i)}
-            if m.tool_calls:
-                message["tool_calls"] = template_tool_calls(i, m.tool_calls)
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            messages.append(message)
-        return messages
+        return template_messages(self.messages)
 
 
 RequestT = TypeVar("RequestT", bound=_GenerationRequest)

@@ -74,7 +74,9 @@ async def plan_chat(
     structured = request.structured_output()
     if structured is not None:
         await check_grammar(*structured)
-    prompt = await state.prompts.tokenize_chat(request.template_messages(), max_model_len, template_tools)
+    prompt = await state.prompts.tokenize_chat(
+        request.template_messages(), max_model_len, request.chat_render(template_tools)
+    )
     max_tokens = check_max_tokens(
         request.requested_max_tokens(), len(prompt), max_model_len, None, "messages"
     )

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from router.config import RequestLimits
 from router.errors import bad_request
-from router.openai_models import ChatMessage, parse_request
+from router.openai_models import ChatMessage, ChatTemplateOptions, parse_request, template_messages
 from router.openapi import error_responses
 from router.state import RouterState
 
@@ -31,16 +31,16 @@ class _UtilityRequest(BaseModel):
         """Nothing beyond the fields' own types (``parse_request`` calls this)."""
 
 
-class TokenizeRequest(_UtilityRequest):
+class TokenizeRequest(_UtilityRequest, ChatTemplateOptions):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages
-    add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
 
     def check(self, limits: RequestLimits) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
+        self.check_template_options(self.messages)
 
 
 class DetokenizeRequest(_UtilityRequest):
@@ -74,10 +74,9 @@ async def tokenize(state: RouterState, body: Any) -> TokenizeResponse:
     state.check_model(request.model)
     prompts = state.prompts
     if request.messages is not None:
-        messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(request.messages)]
         token_ids = await prompts.tokenize_for_count(
-            None, messages, add_special_tokens=bool(request.add_special_tokens),
-            add_generation_prompt=request.add_generation_prompt,
+            None, template_messages(request.messages), add_special_tokens=bool(request.add_special_tokens),
+            render=request.chat_render(),
         )
     else:
         add_special = request.add_special_tokens is None or request.add_special_tokens

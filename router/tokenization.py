@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from router.errors import bad_request
-from router.openai_models import PromptInput
+from router.openai_models import ChatRender, PromptInput
 from router.token_bound import token_bound
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,17 @@ def _config_max_len(model_dir: pathlib.Path) -> int | None:
         if isinstance(config.get(key), int) and config[key] > 0:
             return int(config[key])
     return None
+
+
+_PLAIN = ChatRender()
+
+
+def _num_chat_chars(messages: list[dict[str, Any]], render: ChatRender) -> int:
+    """About the length of a conversation's text (the template adds little): to choose its thread."""
+    num_chars = sum(len(str(m.get("content") or "")) for m in messages)
+    if render.tools or render.kwargs:
+        num_chars += len(json.dumps([render.tools, render.kwargs], default=str))
+    return num_chars
 
 
 # Chat templates shipped with the router, by the name ``--chat-template`` takes.
@@ -118,18 +129,17 @@ class PromptProcessor:
                           "required": ["x"]}
             tools = [{"type": "function", "function": {"name": probe, "description": "A probe", "parameters": parameters}}]
             try:
-                text = self._render([{"role": "user", "content": "hi"}], tools)
+                text = self._render([{"role": "user", "content": "hi"}], ChatRender(tools))
             except Exception:
                 text = ""
             self._renders_tools = probe in text
         return self._renders_tools
 
-    def _render(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
-    ) -> str:
+    def _render(self, messages: list[dict[str, Any]], render: ChatRender) -> str:
         return str(self.tokenizer.apply_chat_template(
-            messages, tools=tools, chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
-            tokenize=False,
+            messages, tools=render.tools, chat_template=self.chat_template, tokenize=False,
+            add_generation_prompt=render.add_generation_prompt, continue_final_message=render.continue_final_message,
+            **render.kwargs,
         ))
 
     def check_length(self, text: str, max_model_len: int | None, param: str = "prompt") -> None:
@@ -211,21 +221,20 @@ class PromptProcessor:
         return [next(encoded) if isinstance(item, str) else item for item in checked]
 
     async def tokenize_chat(
-        self, messages: list[dict[str, Any]], max_model_len: int, tools: list[dict[str, Any]] | None = None
+        self, messages: list[dict[str, Any]], max_model_len: int, render: ChatRender = _PLAIN
     ) -> list[int]:
         """``chat_prompt``, in a worker thread unless the messages are short."""
-        num_chars = sum(len(str(m.get("content") or "")) for m in messages)  # the template adds little
-        if tools:
-            num_chars += len(json.dumps(tools))
-        return await self._off_loop(lambda: self.chat_prompt(messages, max_model_len, tools), num_chars)
+        return await self._off_loop(lambda: self.chat_prompt(messages, max_model_len, render),
+                                    _num_chat_chars(messages, render))
 
     def chat_prompt(
-        self, messages: list[dict[str, Any]], max_model_len: int | None = None, tools: list[dict[str, Any]] | None = None
+        self, messages: list[dict[str, Any]], max_model_len: int | None = None, render: ChatRender = _PLAIN
     ) -> list[int]:
-        """The chat template with the generation prompt (and ``tools``), tokenized without extra BOS.
-        The length check holds the rendered text: a template may leave parts of messages out."""
+        """The chat template as ``render`` says (by default with the generation prompt), tokenized
+        without extra BOS. The length check holds the rendered text: a template may leave parts of
+        messages out."""
         try:
-            text = self._render(messages, tools)
+            text = self._render(messages, render)
         except Exception as exc:  # jinja raises its own errors for unsupported conversations
             raise bad_request(f"could not apply the chat template: {exc}", param="messages") from None
         self.check_length(text, max_model_len, "messages")
@@ -233,7 +242,7 @@ class PromptProcessor:
 
     async def tokenize_for_count(
         self, text: str | None, messages: list[dict[str, Any]] | None, *, add_special_tokens: bool,
-        add_generation_prompt: bool = True,
+        render: ChatRender = _PLAIN,
     ) -> list[int]:
         """The token ids of ``text``, or of ``messages`` rendered by the chat template, in a worker
         thread unless short; no context-length check (``/tokenize`` is how a client finds the
@@ -246,14 +255,13 @@ class PromptProcessor:
 
         def render_and_encode() -> list[int]:
             try:
-                rendered = self._render(messages or [], add_generation_prompt=add_generation_prompt)
+                rendered = self._render(messages or [], render)
             except Exception as exc:  # jinja raises its own errors for unsupported conversations
                 raise bad_request(f"could not apply the chat template: {exc}", param="messages") from None
             self.check_length(rendered, None, "messages")
             return list(self.tokenizer.encode(rendered, add_special_tokens=add_special_tokens))
 
-        num_chars = sum(len(str(m.get("content") or "")) for m in messages or [])
-        return await self._off_loop(render_and_encode, num_chars)
+        return await self._off_loop(render_and_encode, _num_chat_chars(messages or [], render))
 
     async def detokenize(self, token_ids: list[int], param: str = "tokens") -> str:
         """The text of ``token_ids`` (special tokens kept), in a worker thread unless few; 400 for ids

@@ -296,3 +296,12 @@ def test_the_probe_finds_whether_a_template_shows_tools(tokenizer: Any) -> None:
     assert not PromptProcessor(tokenizer, chat_template=hides).renders_tools
     assert not PromptProcessor(tokenizer, chat_template=fails).renders_tools
     assert detect_parser(load_chat_template("chatml-tools")) == "hermes"
+
+
+def test_a_chat_completion_continues_the_final_message(client: openai.OpenAI, stack: Any, tokenizer: Any) -> None:
+    messages = [*MESSAGES, {"role": "assistant", "content": "Let me"}]
+    response = client.chat.completions.create(
+        model=SERVED_MODEL, messages=messages, max_tokens=3,  # type: ignore[arg-type]
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert _prompt_text(stack[1], tokenizer, response.id).endswith("<|im_start|>assistant\nLet me")

@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the router's --chat-template: a Jinja file, or a shipped one's name (chatml-tools)")
     p.add_argument("--tool-call-parser", default=None,
                    help="the router's --tool-call-parser (default: found from the chat template)")
+    p.add_argument("--reasoning-parser", default=None, help="the router's --reasoning-parser (deepseek_r1, qwen3)")
     p.add_argument("--no-wait", action="store_true", help="do not wait for /ready before printing the URL")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /ready")
     p.add_argument("--grace-period", type=float, default=40.0,
@@ -210,7 +211,7 @@ class Launcher:
             flags += ["--served-model-name", self.args.served_model_name]
         if self.args.router_workers != 1:
             flags += ["--workers", str(self.args.router_workers)]
-        for name in ("chat_template", "tool_call_parser"):
+        for name in ("chat_template", "tool_call_parser", "reasoning_parser"):
             value = getattr(self.args, name)
             if value:
                 flags += [f"--{name.replace('_', '-')}", value]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common.sampling_params import MAX_N
+from router.reasoning import REASONING_PARSERS
 from router.routing import POLICIES
 from router.tool_parsers import PARSERS
 
@@ -74,6 +75,8 @@ class RouterConfig:
     # How tool calls are read out of the chat template's format (``router/tool_parsers.py``); None:
     # tool_choice "auto" is refused.
     tool_call_parser: str | None = None
+    # How a reasoning model's thinking is split from its answer (``router/reasoning.py``); None: not.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -91,3 +94,5 @@ class RouterConfig:
             raise ValueError("engine_stall_timeout_s must be positive")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")

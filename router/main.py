@@ -19,6 +19,7 @@ from common.gc_pacer import GcPacer, GcPauses
 from ops.supervisor import die_with_parent
 from router.auth import keys_from_env
 from router.config import RequestLimits, RouterConfig
+from router.reasoning import REASONING_PARSERS
 from router.routing import POLICIES
 from router.tool_parsers import PARSERS
 
@@ -141,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the chat template's tool-call format (none if it has none) (default: %(default)s)",
     )
     p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=list(REASONING_PARSERS),
+        help="split a reasoning model's thinking (<think>...</think>) into reasoning_content: deepseek_r1 "
+        "(DeepSeek-R1 and its distillations, QwQ) or qwen3 (default: not split)",
+    )
+    p.add_argument(
         "--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"]
     )
     return p
@@ -216,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         reply_port=args.reply_port,
         cluster_key=cluster_key,
         tool_call_parser=None if tool_call_parser == "none" else tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         direct_prompt_tokens=args.direct_prompt_tokens,
         limits=RequestLimits(
             max_prompts_per_request=args.max_prompts_per_request,

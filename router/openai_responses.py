@@ -87,6 +87,8 @@ class ToolCallOut(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # The thinking of a reasoning model, split off (``--reasoning-parser``); present only then.
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
     # Present only when the answer called tools (``router/tools.py``).
     tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda v: v is None)
 
@@ -129,6 +131,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda v: v is None)
     content: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
     tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 

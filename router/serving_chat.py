@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 from fastapi.responses import JSONResponse, Response
 
+from router.chat_answer import AnswerReader, AnswerStream
 from router.choice_stream import ChoiceDelta, ChoiceStream
 from router.errors import bad_request
 from router.logprobs import TokenRenderer, chat_logprobs, prompt_logprobs
@@ -21,7 +22,6 @@ from router.openai_responses import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
-    ChatMessageOut,
     ChatStreamChoice,
     DeltaMessage,
     PromptLogprobs,
@@ -38,8 +38,8 @@ from router.serving import (
 )
 from router.state import RouterState
 from router.structured_output import check_grammar
-from router.tool_parsers import PARSERS, ToolCallParser
-from router.tools import ToolDeltas, ToolPlan, tool_calls_out
+from router.tool_parsers import PARSERS
+from router.tools import ToolPlan
 
 
 def _template_tools(state: RouterState, tools: ToolPlan | None) -> list[dict[str, Any]] | None:
@@ -101,13 +101,11 @@ async def create_chat_completion(
 ) -> Response:
     request, plan = await plan_chat(state, body, cache_salt)
     renderer = TokenRenderer(state.prompts.tokenizer) if request.logprobs else None
-    tools = request.tool_plan()
-    if tools is not None and not tools.parsed:
-        tools = None
+    reader = answer_reader(state, request)
     if request.stream:
         return await sse_response(
             state, plan, wait_disconnect, request.stream_options,
-            lambda include_usage: _ChatChunks(plan, renderer, include_usage, tools, state.tool_parser),
+            lambda include_usage: _ChatChunks(plan, renderer, include_usage, reader),
         )
     results, usage = await collect(state, plan, wait_disconnect)
     response = ChatCompletionResponse(
@@ -122,7 +120,7 @@ async def create_chat_completion(
                 finish_reason=finish_reason,  # type: ignore[arg-type]
             )
             for r in results
-            for message, finish_reason in [_message(r, tools, state.tool_parser)]
+            for message, finish_reason in [reader.message(r.text, r.finish_reason)]
         ],
         usage=usage,
         prompt_logprobs=_prompt_logprobs(state, results),
@@ -130,16 +128,12 @@ async def create_chat_completion(
     return JSONResponse(response.model_dump(mode="json"))
 
 
-def _message(
-    result: ChoiceResult, tools: ToolPlan | None, parser: ToolCallParser | None
-) -> tuple[ChatMessageOut, str | None]:
-    """A whole choice's message, its tool calls read out where the request has tools, and its
-    finish reason."""
-    if tools is None:
-        return ChatMessageOut(content=result.text), result.finish_reason
-    content, calls = tools.extract(result.text, parser)
-    message = ChatMessageOut(content=content, tool_calls=tool_calls_out(calls) or None)
-    return message, tools.finish_reason(result.finish_reason, bool(calls))
+def answer_reader(state: RouterState, request: ChatCompletionRequest) -> AnswerReader:
+    """How the request's answers are read: tools read for calls unless ``tool_choice`` is "none";
+    the thinking split off unless a grammar holds the output, which is then content from its start."""
+    tools = request.tool_plan()
+    reasoning = state.reasoning_parser if request.structured_output() is None else None
+    return AnswerReader(tools if tools is not None and tools.parsed else None, state.tool_parser, reasoning)
 
 
 def _prompt_logprobs(state: RouterState, results: list[ChoiceResult]) -> PromptLogprobs | None:
@@ -151,19 +145,14 @@ def _prompt_logprobs(state: RouterState, results: list[ChoiceResult]) -> PromptL
 class _ChatChunks:
     """The ``chat.completion.chunk`` chunks of a streaming chat completion (``ChunkWriter``)."""
 
-    __slots__ = (
-        "exclude", "head", "include_usage", "inline", "parser", "plan", "renderer", "tail", "tool_deltas", "tools",
-        "usage",
-    )
+    __slots__ = ("answers", "exclude", "head", "include_usage", "inline", "plan", "reader", "renderer", "tail", "usage")
 
     def __init__(
-        self, plan: GenerationPlan, renderer: TokenRenderer | None, include_usage: bool,
-        tools: ToolPlan | None = None, parser: ToolCallParser | None = None,
+        self, plan: GenerationPlan, renderer: TokenRenderer | None, include_usage: bool, reader: AnswerReader
     ) -> None:
-        self.plan, self.renderer, self.include_usage = plan, renderer, include_usage
-        self.tools, self.parser = tools, parser
-        self.tool_deltas: dict[int, ToolDeltas] = {}  # per choice, when the answer is read for tool calls
-        self.inline = renderer is None and tools is None
+        self.plan, self.renderer, self.include_usage, self.reader = plan, renderer, include_usage, reader
+        self.answers: dict[int, AnswerStream] = {}  # per choice, where the answer is read (not plain)
+        self.inline = renderer is None and reader.plain
         self.usage = UsageTracker(plan)
         self.exclude = None if include_usage else {"usage"}
         # Per token, the content chunk is written from its fixed parts (the bytes pydantic writes,
@@ -184,8 +173,8 @@ class _ChatChunks:
     def chunks(self, delta: ChoiceDelta) -> list[bytes]:
         if self.include_usage:
             self.usage.update(delta)
-        if self.tools is not None:
-            return self._tool_chunks(self.tools, delta)
+        if not self.reader.plain:
+            return self._read_chunks(delta)
         out = []
         if delta.text and self.renderer is None:
             out.append(self._content_chunk(delta.index, delta.text))
@@ -196,23 +185,19 @@ class _ChatChunks:
             out.append(self._chunk(delta.index, DeltaMessage(), finish_reason=delta.finish_reason))
         return out
 
-    def _tool_chunks(self, tools: ToolPlan, delta: ChoiceDelta) -> list[bytes]:
-        """A delta of an answer read for tool calls: its content and the calls as they complete."""
-        deltas = self.tool_deltas.get(delta.index)
-        if deltas is None:
-            deltas = self.tool_deltas[delta.index] = ToolDeltas.start(tools, self.parser)
-        content, calls = deltas.feed(delta.text)
-        if delta.finish_reason is not None:
-            more_content, more_calls = deltas.finish()
-            content, calls = content + more_content, calls + more_calls
+    def _read_chunks(self, delta: ChoiceDelta) -> list[bytes]:
+        """A delta of an answer that is read: its thinking, content and tool calls as they are certain."""
+        answer = self.answers.get(delta.index)
+        if answer is None:
+            answer = self.answers[delta.index] = self.reader.stream()
+        reasoning, content, calls = answer.feed(delta.text, delta.finish_reason is not None)
         out = []
-        if content or calls or delta.logprobs:
+        if reasoning or content or calls or delta.logprobs:
             logprobs = chat_logprobs(self.renderer, delta.logprobs) if self.renderer else None
-            message = DeltaMessage(content=content or None, tool_calls=calls or None)
+            message = DeltaMessage(content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None)
             out.append(self._chunk(delta.index, message, logprobs))
         if delta.finish_reason is not None:
-            finish_reason = tools.finish_reason(delta.finish_reason, deltas.num_calls > 0)
-            out.append(self._chunk(delta.index, DeltaMessage(), finish_reason=finish_reason))
+            out.append(self._chunk(delta.index, DeltaMessage(), finish_reason=answer.finish_reason(delta.finish_reason)))
         return out
 
     def plain(self, stream: ChoiceStream, text: str) -> bytes | None:

@@ -13,6 +13,7 @@ from router.engine_client import EngineClient
 from router.errors import APIError
 from router.instance_pool import InstancePool
 from router.metrics import RouterMetrics
+from router.reasoning import REASONING_PARSERS
 from router.routing import make_policy
 from router.tokenization import PromptProcessor
 from router.tool_parsers import PARSERS
@@ -25,6 +26,7 @@ class RouterState:
         self.config = config
         self.prompts = prompts
         self.tool_parser = PARSERS[config.tool_call_parser] if config.tool_call_parser else None
+        self.reasoning_parser = REASONING_PARSERS[config.reasoning_parser] if config.reasoning_parser else None
         self.api_keys = ApiKeys(config.api_keys)
         self.registry = (
             Registry(config.redis_url, config.namespace, cluster_key=config.cluster_key) if config.redis_url else None

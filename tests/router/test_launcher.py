@@ -413,7 +413,7 @@ def test_up_on_a_gpu_host_pins_each_engine_to_its_gpu_and_passes_its_share(
     assert "CUDA_VISIBLE_DEVICES" not in spawned["decode-0"][1] and "--gpu-memory-utilization" not in spawned["decode-0"][0]
 
 
-def test_up_hands_the_chat_template_and_tool_parser_to_the_router_and_the_router_takes_them(
+def test_up_hands_the_chat_template_and_parsers_to_the_router_and_the_router_takes_them(
     monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
 ) -> None:
     from ops.launcher import Launcher, build_parser
@@ -421,7 +421,7 @@ def test_up_hands_the_chat_template_and_tool_parser_to_the_router_and_the_router
 
     args, extra = build_parser().parse_known_args(
         ["--log-dir", str(tmp_path), "--redis-url", "redis://127.0.0.1:1/0", "--chat-template", "chatml-tools",
-         "--tool-call-parser", "hermes"]
+         "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
     )
     launcher = Launcher(args, extra)
     spawned: dict[str, list[str]] = {}
@@ -431,5 +431,5 @@ def test_up_hands_the_chat_template_and_tool_parser_to_the_router_and_the_router
     assert router[router.index("--chat-template") + 1] == "chatml-tools"
     assert router[router.index("--tool-call-parser") + 1] == "hermes"
     assert "--chat-template" not in spawned["decode-0"]
-    parsed = router_parser().parse_args(router[router.index("--chat-template"):router.index("--tool-call-parser") + 2])
-    assert (parsed.chat_template, parsed.tool_call_parser) == ("chatml-tools", "hermes")
+    parsed = router_parser().parse_args(router[router.index("--chat-template"):router.index("--reasoning-parser") + 2])
+    assert (parsed.chat_template, parsed.tool_call_parser, parsed.reasoning_parser) == ("chatml-tools", "hermes", "qwen3")

@@ -1,0 +1,123 @@
+"""A reasoning model's thinking split into ``reasoning_content``: the parsers over every chunking of
+an answer, and through the router (OpenAI client -> router -> fake engines answering with thinking,
+then a tool call), streamed or whole, and left whole where a grammar holds the output."""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from router.reasoning import REASONING_PARSERS
+from router.tokenization import PromptProcessor, load_chat_template
+from tests.router.fake_engine import FakeCluster
+from tests.router.router_harness import SERVED_MODEL, RouterServer, make_state
+
+TEXTS = [
+    "<think>\nThe user wants Paris.\n</think>\n\nParis.",
+    "  <think>cut short",
+    "No thinking at all.",
+    "plain words</think>\n\nthen an answer",
+    "<think></think>X",
+    "<thi",
+    "",
+    "\n\n",
+    "<think>a</think>",
+    "<think>nested <think> tags </think> and </think> twice",
+]
+
+
+def _streamed(parser_name: str, text: str, cuts: list[int]) -> tuple[str, str]:
+    stream = REASONING_PARSERS[parser_name].stream()
+    reasoning, content = "", ""
+    for start, end in zip([0, *cuts], [*cuts, len(text)], strict=True):
+        r, c = stream.feed(text[start:end])
+        reasoning, content = reasoning + r, content + c
+    r, c = stream.finish()
+    return reasoning + r, content + c
+
+
+@pytest.mark.parametrize("parser_name", list(REASONING_PARSERS))
+@pytest.mark.parametrize("text", TEXTS)
+def test_any_chunking_streams_what_the_whole_answer_splits_into(parser_name: str, text: str) -> None:
+    reasoning, content = REASONING_PARSERS[parser_name].split(text)
+    rng = random.Random(len(text))
+    chunkings = [[i] for i in range(1, len(text))] + [
+        sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6)))) for _ in range(20) if len(text) > 1
+    ]
+    for cuts in [[], *chunkings]:
+        assert _streamed(parser_name, text, cuts) == (reasoning or "", content), (text, cuts)
+
+
+def test_what_each_parser_makes_of_an_answer() -> None:
+    qwen3, r1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek_r1"]
+    assert qwen3.split(TEXTS[0]) == r1.split(TEXTS[0]) == ("\nThe user wants Paris.\n", "Paris.")
+    assert qwen3.split("No thinking at all.") == (None, "No thinking at all.")  # thinking off
+    assert r1.split("No thinking at all.") == ("No thinking at all.", "")  # cut before its end
+    assert r1.split("plain words</think>\n\nthen an answer") == ("plain words", "then an answer")  # opened by the prompt
+    assert qwen3.split("plain words</think>\n\nthen an answer") == (None, "plain words</think>\n\nthen an answer")
+    assert qwen3.split("  <think>cut short") == ("cut short", "")
+    assert r1.split("") == qwen3.split("") == (None, "")
+
+
+THINKING = "The user asks for the weather; I will call the tool."
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+REPLY = f"<think>\n{THINKING}\n</think>\n\nChecking.\n<tool_call>\n{json.dumps(CALL)}\n</tool_call>"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(redis_url: str, tokenizer: Any) -> Iterator[openai.OpenAI]:
+    namespace = f"reasoning-{uuid.uuid4().hex[:8]}"
+    prompts = PromptProcessor(tokenizer, max_model_len=2048, chat_template=load_chat_template("chatml-tools"))
+    reply = list(tokenizer.encode(REPLY, add_special_tokens=False))
+    with FakeCluster(redis_url, namespace, reply, token_delay_s=0.001, max_model_len=2048):
+        state = make_state(prompts, redis_url=redis_url, namespace=namespace, request_timeout_s=5.0,
+                           tool_call_parser="hermes", reasoning_parser="qwen3")
+        with RouterServer(state) as server:
+            server.wait_ready()
+            yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
+
+
+def test_thinking_then_a_tool_call_whole_and_streamed(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=300)
+    message = response.choices[0].message
+    assert message.reasoning_content == f"\n{THINKING}\n"  # type: ignore[attr-defined]
+    assert message.content == "Checking."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []] == [
+        ("get_weather", {"city": "Paris"})]
+    assert response.choices[0].finish_reason == "tool_calls"
+
+    reasoning, content, names, finish_reason = "", "", [], None
+    for chunk in client.chat.completions.create(
+        model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=300, stream=True
+    ):
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+            names += [p.function.name for p in choice.delta.tool_calls or [] if p.function and p.function.name]
+            finish_reason = choice.finish_reason or finish_reason
+    assert (reasoning, content, names, finish_reason) == (f"\n{THINKING}\n", "Checking.", ["get_weather"], "tool_calls")
+
+
+def test_without_tools_the_answer_after_thinking_is_content(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, max_tokens=300)
+    message = response.choices[0].message
+    assert message.reasoning_content == f"\n{THINKING}\n"  # type: ignore[attr-defined]
+    assert message.content == REPLY.split("</think>\n\n", 1)[1]
+    assert message.tool_calls is None and response.choices[0].finish_reason == "stop"
+
+
+def test_output_held_by_a_grammar_is_not_split(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=SERVED_MODEL, messages=MESSAGES, max_tokens=300, response_format={"type": "json_object"}
+    )
+    assert response.choices[0].message.content == REPLY
+    assert getattr(response.choices[0].message, "reasoning_content", None) is None

@@ -85,6 +85,7 @@ class ReasoningStream:
 class ReasoningParser:
     name: str
     starts_inside: bool
+    tags: tuple[str, ...] = (OPEN, CLOSE)  # what it must see in the streamed text
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self.starts_inside)

@@ -112,6 +112,13 @@ class PromptProcessor:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         return cls(tokenizer, _config_max_len(model_dir), chat_template=chat_template)
 
+    def lost_in_text(self, tags: tuple[str, ...]) -> list[str]:
+        """Those of ``tags`` that streamed text leaves out: the tokenizer marks them special tokens,
+        which detokenizing skips, so a parser looking for them would never see them."""
+        return [tag for tag in tags
+                if tag not in self.tokenizer.decode(self.tokenizer.encode(tag, add_special_tokens=False),
+                                                    skip_special_tokens=True)]
+
     def template_text(self) -> str | None:
         """The chat template's source (all of them, where the tokenizer has several by name)."""
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)

@@ -46,6 +46,7 @@ class ToolCallStream(Protocol):
 
 class ToolCallParser(Protocol):
     name: str
+    tags: tuple[str, ...]  # what the parser must see in the streamed text (so not skipped as special tokens)
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A whole answer's content (None when there is none) and its calls, in order."""
@@ -203,6 +204,7 @@ class HermesParser:
     left open at the end is a call when the rest of the answer is one."""
 
     name = "hermes"
+    tags: tuple[str, ...] = (_HERMES_OPEN, _HERMES_CLOSE)
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         return _collect(self.stream(), text)
@@ -280,6 +282,7 @@ class Llama3JsonParser:
     like calls is held to the end."""
 
     name = "llama3_json"
+    tags: tuple[str, ...] = ()  # (its <|python_tag|> prefix may be left out of the text: the calls are the same)
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         return _collect(self.stream(), text)

@@ -121,3 +121,19 @@ def test_output_held_by_a_grammar_is_not_split(client: openai.OpenAI) -> None:
     )
     assert response.choices[0].message.content == REPLY
     assert getattr(response.choices[0].message, "reasoning_content", None) is None
+
+
+def test_a_parser_whose_tags_the_tokenizer_drops_is_refused_at_start(tokenizer: Any, tokenizer_dir: Any, tmp_path: Any) -> None:
+    import shutil
+
+    from router.main import main
+
+    prompts = PromptProcessor(tokenizer)
+    assert prompts.lost_in_text(("<tool_call>", "<|im_end|>", "</think>")) == ["<|im_end|>"]
+    # The default model's tokenizer with <think> made a special token (as some reasoning models have it).
+    special = type(tokenizer).from_pretrained(str(tokenizer_dir))
+    special.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    special.save_pretrained(str(tmp_path))
+    shutil.copy(tokenizer_dir / "config.json", tmp_path / "config.json")
+    with pytest.raises(SystemExit, match=r"--reasoning-parser qwen3: this tokenizer drops <think>, </think>"):
+        main(["--model", str(tmp_path), "--redis-url", "", "--port", "0", "--reasoning-parser", "qwen3"])

@@ -52,6 +52,19 @@ def tokenizer():  # type: ignore[no-untyped-def]
     return AutoTokenizer.from_pretrained(model_path())
 
 
+def drain_tokens(engine: LLMEngine) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Steps ``engine`` until its requests finish: each one's tokens and finish reason, by id."""
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                reasons[out.request_id] = out.finish_reason
+    return tokens, reasons
+
+
 @functools.cache
 def prompt_ids() -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(tokenizer()(p).input_ids) for p in PROMPTS)

@@ -17,7 +17,7 @@ import pytest
 
 from common.sampling_params import SamplingParams, StructuredOutput
 from ops.bench.structured import chat_prompt, check_outputs, make_schemas, run_batch
-from tests.engine.conftest import tokenizer
+from tests.engine.conftest import drain_tokens, tokenizer
 
 PERSON = {
     "type": "object",
@@ -51,18 +51,6 @@ def _params(spec: StructuredOutput | None = PERSON_SPEC, **kw) -> SamplingParams
     return SamplingParams(**{"temperature": 0.0, "max_tokens": 96, "structured_output": spec, **kw})
 
 
-def _drain(engine) -> tuple[dict[str, list[int]], dict[str, str]]:  # type: ignore[no-untyped-def]
-    tokens: dict[str, list[int]] = {}
-    reasons: dict[str, str] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            assert out.error is None, out.error
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finish_reason is not None:
-                reasons[out.request_id] = out.finish_reason
-    return tokens, reasons
-
-
 def _text(ids: list[int]) -> str:
     return tokenizer().decode(ids, skip_special_tokens=True)
 
@@ -76,10 +64,10 @@ def _valid_person(ids: list[int]) -> dict:  # type: ignore[type-arg]
 def test_json_schema_output_validates_and_stops_while_a_free_request_in_the_batch_is_untouched(engine_factory):  # type: ignore[no-untyped-def]
     engine = engine_factory()
     engine.add_request("free-alone", _prompt(), _params(None, max_tokens=24, ignore_eos=True))
-    alone, _ = _drain(engine)
+    alone, _ = drain_tokens(engine)
     engine.add_request("json", _prompt(), _params())
     engine.add_request("free", _prompt(), _params(None, max_tokens=24, ignore_eos=True))
-    tokens, reasons = _drain(engine)
+    tokens, reasons = drain_tokens(engine)
     _valid_person(tokens["json"])
     assert reasons["json"] == "stop" and tokens["json"][-1] in engine.eos_token_ids
     assert tokens["free"] == alone["free-alone"]
@@ -95,7 +83,7 @@ def test_json_object_regex_and_choice(engine_factory):  # type: ignore[no-untype
     }
     for name, spec in specs.items():
         engine.add_request(name, _chat("What is the capital of France? Answer briefly."), _params(spec, max_tokens=64))
-    tokens, reasons = _drain(engine)
+    tokens, reasons = drain_tokens(engine)
     assert isinstance(json.loads(_text(tokens["object"])), dict)
     assert re.fullmatch(r"[A-Z][a-z]{2,8} (is|was) [0-9]{1,3}\.", _text(tokens["regex"]))
     assert _text(tokens["choice"]) in {"Paris", "London", 'Rome "the city"'}
@@ -106,14 +94,14 @@ def test_the_grammar_ends_the_request_even_with_ignore_eos(engine_factory):  # t
     engine = engine_factory()
     spec = StructuredOutput(kind="choice", spec=json.dumps(["yes", "no"]))
     engine.add_request("r", _chat("Is water wet?"), _params(spec, ignore_eos=True, min_tokens=5))
-    tokens, reasons = _drain(engine)
+    tokens, reasons = drain_tokens(engine)
     assert reasons["r"] == "stop" and _text(tokens["r"]) in {"yes", "no"}
 
 
 def test_seeded_sampling_and_n_choices_each_follow_the_grammar(engine_factory):  # type: ignore[no-untyped-def]
     engine = engine_factory()
     engine.add_request("r", _prompt(), _params(temperature=1.0, seed=5, n=3, max_tokens=128))
-    tokens, reasons = _drain(engine)
+    tokens, reasons = drain_tokens(engine)
     assert set(tokens) == {"r", "r#1", "r#2"}
     values = [_valid_person(tokens[k]) for k in sorted(tokens)]
     assert set(reasons.values()) == {"stop"}
@@ -126,18 +114,18 @@ def test_the_same_outputs_under_preemption_and_on_a_prefix_cache_hit(engine_fact
     roomy = engine_factory()
     for i, p in enumerate(prompts):
         roomy.add_request(f"r{i}", p, _params(max_tokens=80))
-    expected, _ = _drain(roomy)
+    expected, _ = drain_tokens(roomy)
     for i, p in enumerate(prompts):  # again: every prompt's full blocks are prefix-cache hits now
         roomy.add_request(f"again{i}", p, _params(max_tokens=80))
     hits_before = roomy.kv.prefix_cache_hits
-    again, _ = _drain(roomy)
+    again, _ = drain_tokens(roomy)
     assert roomy.kv.prefix_cache_hits > hits_before
     assert [again[f"again{i}"] for i in range(4)] == [expected[f"r{i}"] for i in range(4)]
 
     tight = engine_factory(num_blocks=14)  # 4 requests of ~3 blocks each must take turns
     for i, p in enumerate(prompts):
         tight.add_request(f"r{i}", p, _params(max_tokens=80))
-    tokens, reasons = _drain(tight)
+    tokens, reasons = drain_tokens(tight)
     assert tight.scheduler.num_preemptions > 0
     assert tokens == expected
     for ids in tokens.values():
@@ -147,10 +135,10 @@ def test_the_same_outputs_under_preemption_and_on_a_prefix_cache_hit(engine_fact
 def test_a_continued_request_replays_its_tokens_into_the_grammar(engine_factory):  # type: ignore[no-untyped-def]
     engine = engine_factory()
     engine.add_request("full", _prompt(), _params())
-    full = _drain(engine)[0]["full"]
+    full = drain_tokens(engine)[0]["full"]
     cut = 7
     engine.add_request("rest", _prompt(), _params(), output_token_ids=full[:cut])
-    rest = _drain(engine)[0]["rest"]
+    rest = drain_tokens(engine)[0]["rest"]
     assert full[:cut] + rest == full
     # Tokens already produced that the grammar cannot have produced: refused, nothing queued.
     not_json = list(tokenizer()("Hello there", add_special_tokens=False).input_ids)
@@ -207,12 +195,12 @@ def _handoff(prefill, decode, prompt, params, output_token_ids=None):  # type: i
 def test_prefill_samples_the_first_token_under_the_grammar_and_decode_replays_it(engine_factory, resumed):  # type: ignore[no-untyped-def]
     single = engine_factory()
     single.add_request("r", _prompt(), _params())
-    expected = _drain(single)[0]["r"]
+    expected = drain_tokens(single)[0]["r"]
     prefill, decode = engine_factory(), engine_factory()
     earlier = expected[:resumed] or None
     out, _ = _handoff(prefill, decode, _prompt(), _params(), earlier)
     assert decode.scheduler.requests["r"].grammar is not None
-    rest, reasons = _drain(decode)
+    rest, reasons = drain_tokens(decode)
     assert expected[:resumed] + out.new_token_ids + rest["r"] == expected
     assert reasons["r"] == "stop"
     _valid_person(expected)
@@ -222,10 +210,10 @@ def test_disaggregated_n_choices_fork_with_their_own_grammar_states(engine_facto
     params = _params(temperature=1.0, seed=9, n=2, max_tokens=128)
     single = engine_factory()
     single.add_request("r", _prompt(), params)
-    expected = _drain(single)[0]
+    expected = drain_tokens(single)[0]
     prefill, decode = engine_factory(), engine_factory()
     out, _ = _handoff(prefill, decode, _prompt(), params)
-    rest = _drain(decode)[0]
+    rest = drain_tokens(decode)[0]
     firsts = out.kv_handoff.choice_token_ids
     assert {"r": [firsts[0], *rest["r"]], "r#1": [firsts[1], *rest["r#1"]]} == expected
     for ids in expected.values():
@@ -258,7 +246,7 @@ def test_logit_bias_moves_greedy_output_to_the_next_best_and_plus_100_forces_a_t
     prompt = list(tokenizer()("The capital of France is").input_ids)
     base = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
     engine.add_request("base", prompt, base)
-    tokens, _ = _drain(engine)
+    tokens, _ = drain_tokens(engine)
     first = tokens["base"][0]
     # The model's second-best first token, from its own logprobs.
     engine.add_request("lp", prompt, SamplingParams(temperature=0.0, max_tokens=1, logprobs=2))
@@ -276,7 +264,7 @@ def test_logit_bias_moves_greedy_output_to_the_next_best_and_plus_100_forces_a_t
                                                         logit_bias={forced: 100.0}))
     engine.add_request("sampled", prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=3, ignore_eos=True,
                                                          logit_bias={forced: 100.0}))
-    tokens, _ = _drain(engine)
+    tokens, _ = drain_tokens(engine)
     assert tokens["banned"][0] == second
     assert first not in tokens["banned"]
     assert tokens["forced"] == [forced] * 3 and tokens["sampled"] == [forced] * 3
@@ -285,7 +273,7 @@ def test_logit_bias_moves_greedy_output_to_the_next_best_and_plus_100_forces_a_t
 def test_max_tokens_cuts_a_grammar_request_short_with_length(engine_factory):  # type: ignore[no-untyped-def]
     engine = engine_factory()
     engine.add_request("r", _prompt(), _params(max_tokens=3))
-    tokens, reasons = _drain(engine)
+    tokens, reasons = drain_tokens(engine)
     assert reasons["r"] == "length" and len(tokens["r"]) == 3
     with pytest.raises(json.JSONDecodeError):
         json.loads(_text(tokens["r"]))  # the grammar could not finish it

@@ -14,7 +14,7 @@ import pytest
 from common.sampling_params import SamplingParams
 from router.tokenization import load_chat_template
 from router.tools import ToolPlan
-from tests.engine.conftest import tokenizer
+from tests.engine.conftest import drain_tokens, tokenizer
 
 # Bounded strings: the default model tends to fill a string until it may not, a decode step a token.
 TOOLS = [
@@ -45,14 +45,7 @@ def _run(engine: Any, plans: dict[str, ToolPlan]) -> dict[str, tuple[str, str]]:
     for request_id, plan in plans.items():
         params = SamplingParams(temperature=0.0, max_tokens=160, structured_output=plan.structured_output())
         engine.add_request(request_id, _prompt(), params)
-    tokens: dict[str, list[int]] = {}
-    reasons: dict[str, str] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            assert out.error is None, out.error
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finish_reason is not None:
-                reasons[out.request_id] = out.finish_reason
+    tokens, reasons = drain_tokens(engine)
     return {rid: (tokenizer().decode(ids, skip_special_tokens=True), reasons[rid]) for rid, ids in tokens.items()}
 
 

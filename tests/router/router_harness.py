@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -16,6 +18,7 @@ from router.main import UVICORN_SETTINGS
 from router.state import RouterState
 from router.tokenization import PromptProcessor
 from tests.conftest import free_port
+from tests.router.fake_engine import FakeCluster
 
 SERVED_MODEL = "test-model"
 
@@ -24,6 +27,21 @@ def make_state(prompts: PromptProcessor, **config: Any) -> RouterState:
     config.setdefault("served_model_names", [SERVED_MODEL])
     config.setdefault("refresh_interval_s", 0.1)
     return RouterState(RouterConfig(**config), prompts)
+
+
+@contextmanager
+def fake_stack(
+    redis_url: str, prompts: PromptProcessor, reply_tokens: list[int], cluster_kw: dict[str, Any] | None = None,
+    **config: Any,
+) -> Iterator[tuple[RouterServer, FakeCluster]]:
+    """A router in front of fake engines (one prefill and one decode unless ``cluster_kw`` says
+    otherwise) answering with ``reply_tokens``, under a namespace of their own; ready."""
+    namespace = f"fake-{uuid.uuid4().hex[:8]}"
+    kw = cluster_kw or {}
+    state = make_state(prompts, redis_url=redis_url, namespace=namespace, **config)
+    with FakeCluster(redis_url, namespace, reply_tokens, **kw) as cluster, RouterServer(state) as server:
+        server.wait_ready(prefill=kw.get("num_prefill", 1), decode=kw.get("num_decode", 1))
+        yield server, cluster
 
 
 class RouterServer:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,8 +14,7 @@ import pytest
 
 from router.reasoning import REASONING_PARSERS
 from router.tokenization import PromptProcessor, load_chat_template
-from tests.router.fake_engine import FakeCluster
-from tests.router.router_harness import SERVED_MODEL, RouterServer, make_state
+from tests.router.router_harness import SERVED_MODEL, fake_stack
 
 TEXTS = [
     "<think>\nThe user wants Paris.\n</think>\n\nParis.",
@@ -75,15 +73,11 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def client(redis_url: str, tokenizer: Any) -> Iterator[openai.OpenAI]:
-    namespace = f"reasoning-{uuid.uuid4().hex[:8]}"
     prompts = PromptProcessor(tokenizer, max_model_len=2048, chat_template=load_chat_template("chatml-tools"))
     reply = list(tokenizer.encode(REPLY, add_special_tokens=False))
-    with FakeCluster(redis_url, namespace, reply, token_delay_s=0.001, max_model_len=2048):
-        state = make_state(prompts, redis_url=redis_url, namespace=namespace, request_timeout_s=5.0,
-                           tool_call_parser="hermes", reasoning_parser="qwen3")
-        with RouterServer(state) as server:
-            server.wait_ready()
-            yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001, "max_model_len": 2048},
+                    tool_call_parser="hermes", reasoning_parser="qwen3", request_timeout_s=5.0) as (server, _):
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
 
 
 def test_thinking_then_a_tool_call_whole_and_streamed(client: openai.OpenAI) -> None:

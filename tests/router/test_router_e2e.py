@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +11,7 @@ import openai
 import pytest
 
 from tests.router.fake_engine import FakeCluster
-from tests.router.router_harness import SERVED_MODEL, RouterServer, make_state, wait_until
+from tests.router.router_harness import SERVED_MODEL, RouterServer, fake_stack, wait_until
 
 REPLY_TEXT = "Hello, world! Ça va? 你好 🎉 The end."
 LONG_PROMPT = "Tell me a story about a dragon who learns to paint, in several short sentences please."
@@ -27,12 +26,8 @@ def reply_tokens(tokenizer: Any) -> list[int]:
 def stack(
     redis_url: str, prompts: Any, reply_tokens: list[int]
 ) -> Iterator[tuple[RouterServer, FakeCluster]]:
-    namespace = f"e2e-{uuid.uuid4().hex[:8]}"
-    with FakeCluster(redis_url, namespace, reply_tokens) as cluster:
-        state = make_state(prompts, redis_url=redis_url, namespace=namespace, request_timeout_s=5.0)
-        with RouterServer(state) as server:
-            server.wait_ready()
-            yield server, cluster
+    with fake_stack(redis_url, prompts, reply_tokens, request_timeout_s=5.0) as stack:
+        yield stack
 
 
 @pytest.fixture

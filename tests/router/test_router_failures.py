@@ -15,7 +15,7 @@ from common.kvcache.hashing import compute_block_hashes
 from common.registry import PrefixIndex
 from router.auth import cache_salt_for
 from tests.router.fake_engine import MODEL_ID, FakeCluster
-from tests.router.router_harness import SERVED_MODEL, RouterServer, make_state, wait_until
+from tests.router.router_harness import SERVED_MODEL, RouterServer, fake_stack, make_state, wait_until
 
 PROMPT = "Explain, in a few sentences, why the sky looks blue during the day and red at sunset."
 CHAT = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5}
@@ -25,14 +25,9 @@ CHAT = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": PROMPT}]
 def running(
     redis_url: str, prompts: Any, cluster_kw: dict[str, Any] | None = None, **config: Any
 ) -> Iterator[tuple[RouterServer, FakeCluster]]:
-    namespace = f"fail-{uuid.uuid4().hex[:8]}"
     tokens = list(prompts.tokenizer.encode(" one two three four five six", add_special_tokens=False))
-    with FakeCluster(redis_url, namespace, tokens, **(cluster_kw or {})) as cluster:
-        state = make_state(prompts, redis_url=redis_url, namespace=namespace, **config)
-        with RouterServer(state) as server:
-            kw = cluster_kw or {}
-            server.wait_ready(prefill=kw.get("num_prefill", 1), decode=kw.get("num_decode", 1))
-            yield server, cluster
+    with fake_stack(redis_url, prompts, tokens, cluster_kw, **config) as stack:
+        yield stack
 
 
 def _error(response: httpx.Response) -> dict[str, Any]:

@@ -10,7 +10,6 @@ engine (``tests/engine/test_tool_call_grammar.py``).
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +21,7 @@ from router.tokenization import PromptProcessor, load_chat_template
 from router.tool_parsers import ToolCall, detect_parser
 from router.tools import ToolDeltas, ToolPlan
 from tests.router.fake_engine import FakeCluster
-from tests.router.router_harness import SERVED_MODEL, RouterServer, make_state
+from tests.router.router_harness import SERVED_MODEL, RouterServer, fake_stack, make_state
 
 CONTENT = "Let me look that up."
 CALLS = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "Europe/Paris"})]
@@ -48,14 +47,10 @@ def tool_prompts(tokenizer: Any) -> PromptProcessor:
 
 @pytest.fixture(scope="module")
 def stack(redis_url: str, tokenizer: Any, tool_prompts: PromptProcessor) -> Iterator[tuple[RouterServer, FakeCluster]]:
-    namespace = f"tools-{uuid.uuid4().hex[:8]}"
     reply = list(tokenizer.encode(REPLY_TEXT, add_special_tokens=False))
-    with FakeCluster(redis_url, namespace, reply, token_delay_s=0.001, max_model_len=2048) as cluster:
-        state = make_state(tool_prompts, redis_url=redis_url, namespace=namespace, request_timeout_s=5.0,
-                           tool_call_parser="hermes")
-        with RouterServer(state) as server:
-            server.wait_ready()
-            yield server, cluster
+    with fake_stack(redis_url, tool_prompts, reply, {"token_delay_s": 0.001, "max_model_len": 2048},
+                    tool_call_parser="hermes", request_timeout_s=5.0) as stack:
+        yield stack
 
 
 @pytest.fixture

@@ -19,6 +19,18 @@ from router.metrics import RouterMetrics
 from router.stop_checker import StopChecker
 
 
+@dataclass(frozen=True)
+class TextOptions:
+    """How a choice's tokens become its text (vLLM's names). The token a request stopped on (end of
+    sequence, or one of its ``stop_token_ids``) adds no text, as a matched stop string adds none,
+    unless ``include_stop``; special tokens add none unless ``skip_special_tokens`` is false."""
+
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    include_stop: bool = False
+    skip_special_tokens: bool = True
+
+
 @dataclass
 class ChoiceDelta:
     index: int
@@ -47,7 +59,7 @@ class ChoiceStream:
 
     __slots__ = (
         "_arrival", "_detokenizer", "_emitted_len", "_last_output_time", "_metrics", "_pending", "_raw_len", "_stop",
-        "engine_request", "index", "num_cached_tokens", "num_output_tokens",
+        "_stop_token_ids", "engine_request", "index", "num_cached_tokens", "num_output_tokens",
     )
 
     def __init__(
@@ -56,13 +68,15 @@ class ChoiceStream:
         engine_request: EngineRequest,
         tokenizer: Any,
         prompt_token_ids: list[int],
-        stop: list[str],
+        options: TextOptions,
         metrics: RouterMetrics,
     ) -> None:
         self.index = index
         self.engine_request = engine_request
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
-        self._stop = StopChecker(stop)
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, options.skip_special_tokens)
+        self._stop = StopChecker(options.stop, options.include_stop)
+        # The tokens whose text a stop on them leaves out (none when it is kept).
+        self._stop_token_ids = frozenset() if options.include_stop else options.stop_token_ids
         self._metrics = metrics
         self._pending: list[_PendingToken] = []
         self._raw_len = 0  # characters the detokenizer produced
@@ -94,9 +108,13 @@ class ChoiceStream:
             self.num_cached_tokens = output.num_cached_tokens
         text = ""
         logprobs = output.logprobs or []
+        last = len(output.new_token_ids) - 1
         for k, token_id in enumerate(output.new_token_ids):
             self.num_output_tokens += 1
-            piece = self._detokenizer.push(token_id)
+            if k == last and output.finish_reason == "stop" and token_id in self._stop_token_ids:
+                piece = ""  # the token it stopped on
+            else:
+                piece = self._detokenizer.push(token_id)
             if k < len(logprobs):  # only tokens with logprobs wait for their text (the rest have nothing to release)
                 self._pending.append(_PendingToken(logprobs[k], self._raw_len))
             self._raw_len += len(piece)

@@ -27,6 +27,7 @@ from pydantic import (
 from common.protocol import MAX_PROMPT_LOGPROB_ENTRIES
 from common.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 from router import structured_output
+from router.choice_stream import TextOptions
 from router.config import RequestLimits
 from router.errors import bad_request
 from router.tools import ToolPlan, template_tool_calls
@@ -39,7 +40,22 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-_NOT_IMPLEMENTED_EXTRAS = ("guided_grammar", "structured_outputs")
+# vLLM's extras this server does not implement, each with the value that asks for nothing: any other
+# value is refused, not ignored.
+_NOT_IMPLEMENTED_EXTRAS: dict[str, Any] = {
+    "guided_grammar": None,
+    "structured_outputs": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "logits_processors": None,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "spaces_between_special_tokens": True,
+    "truncate_prompt_tokens": None,
+    "priority": 0,
+    "return_tokens_as_token_ids": False,
+    "mm_processor_kwargs": None,
+}
 
 
 class _GenerationRequest(BaseModel):
@@ -74,14 +90,38 @@ class _GenerationRequest(BaseModel):
     guided_choice: Any = None
     # The prompt tokens' logprobs with this many top alternatives (vLLM's extra; not with stream).
     prompt_logprobs: int | None = Field(default=None, ge=-(2**31), le=2**31)
-    # vLLM extras not implemented: declared so that they are refused, not silently ignored
+    # How tokens become text (vLLM's extras): the matched stop string (or stop token's text) kept at
+    # the end; special tokens' text kept.
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    # vLLM extras not implemented (``_NOT_IMPLEMENTED_EXTRAS``): declared so that they are refused,
+    # not silently ignored
     guided_grammar: Any = None
     structured_outputs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    use_beam_search: Any = False
+    length_penalty: Any = 1.0
+    spaces_between_special_tokens: Any = True
+    truncate_prompt_tokens: Any = None
+    priority: Any = 0
+    return_tokens_as_token_ids: Any = False
+    mm_processor_kwargs: Any = None
     # What ``check`` read from response_format / guided_*: the spec and the field it came from.
     _structured: tuple[StructuredOutput, str] | None = PrivateAttr(default=None)
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def text_options(self, params: SamplingParams) -> TextOptions:
+        """How the choices' tokens become text; ``params``: the engine requests' (their stop tokens)."""
+        return TextOptions(
+            stop=tuple(self.stop_strings()),
+            stop_token_ids=frozenset(params.stop_token_ids),
+            include_stop=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
 
     def num_prompts(self) -> int:
         return 1
@@ -101,9 +141,9 @@ class _GenerationRequest(BaseModel):
         self._structured = structured_output.from_request(
             self.response_format, {name: getattr(self, name) for name in structured_output.GUIDED_FIELDS}
         )
-        for name in _NOT_IMPLEMENTED_EXTRAS:
+        for name, nothing in _NOT_IMPLEMENTED_EXTRAS.items():
             value = getattr(self, name)
-            if value is not None and value is not False:  # prompt_logprobs=0 is a request too
+            if value is not None and value != nothing:
                 raise bad_request(f"{name} is not supported (not yet implemented)", param=name)
         if self.n is not None and self.n > limits.max_n:
             raise bad_request(f"n must be at most {limits.max_n} (--max-n), got {self.n}", param="n")

@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from common.protocol import PositionLogprobs, PromptLogprob
 from common.sampling_params import SamplingParams
 from router.admission import CLIENT_KEY, Lane, Slot
-from router.choice_stream import ChoiceDelta, ChoiceStream
+from router.choice_stream import ChoiceDelta, ChoiceStream, TextOptions
 from router.dispatcher import EngineRequestError
 from router.errors import APIError
 from router.inline_stream import InlineSink, TokenChunks, sse_event
@@ -36,7 +36,7 @@ class GenerationPlan:
     model: str
     prompts: list[list[int]]
     params: list[SamplingParams]  # per prompt, n as requested
-    stop: list[str]
+    text: TextOptions
     cache_salt: str | None
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -111,7 +111,7 @@ class PlanChoices:
         shared = ChoicesSlot(slot, len(engine_requests))
         started = [
             (ChoiceStream(p * params.n + i, engine_request, self.state.prompts.tokenizer, prompt,
-                          self.plan.stop, self.state.metrics), shared)
+                          self.plan.text, self.state.metrics), shared)
             for i, engine_request in enumerate(engine_requests)
         ]
         self._running.extend(started)

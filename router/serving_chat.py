@@ -90,7 +90,7 @@ async def plan_chat(
         model=model,
         prompts=[prompt],
         params=[params],
-        stop=request.stop_strings(),
+        text=request.text_options(params),
         cache_salt=cache_salt,
     )
     return request, plan

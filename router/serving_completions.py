@@ -75,7 +75,7 @@ async def plan_completion(
         model=model,
         prompts=prompts,
         params=params,
-        stop=request.stop_strings(),
+        text=request.text_options(params[0]),
         cache_salt=cache_salt,
     )
     return request, plan

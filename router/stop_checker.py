@@ -1,7 +1,8 @@
 """Stop strings over streamed text, across token boundaries.
 
 Text that could be the start of a stop string is held back until it is clear either way, so a
-client never sees part of a stop string. The stop string itself is never emitted.
+client never sees part of a stop string. The stop string itself is emitted only when asked for
+(vLLM's ``include_stop_str_in_output``).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from collections.abc import Sequence
 class StopChecker:
     """``push`` returns the text safe to emit; after a stop string hits, ``stopped`` is True."""
 
-    __slots__ = ("_held", "_max_hold", "_stop", "stopped")
+    __slots__ = ("_held", "_include", "_max_hold", "_stop", "stopped")
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include: bool = False) -> None:
         self._stop = [s for s in stop if s]
+        self._include = include  # the stop string that hits ends the text, instead of being cut
         self._max_hold = max((len(s) for s in self._stop), default=1) - 1
         self._held = ""
         self.stopped = False
@@ -32,7 +34,8 @@ class StopChecker:
         if hits:
             self.stopped = True
             self._held = ""
-            return buffer[: min(hits)[1]]
+            end, start = min(hits)
+            return buffer[: end if self._include else start]
         num_held = self._num_to_hold(buffer)
         self._held = buffer[len(buffer) - num_held :]
         return buffer[: len(buffer) - num_held]

@@ -26,6 +26,16 @@ def server(prompts: Any) -> Iterator[RouterServer]:
     [
         (CHAT, "guided_grammar", "root ::= 'a'"),
         (CHAT, "structured_outputs", {"json": {"type": "object"}}),
+        (COMPLETIONS, "allowed_token_ids", [1, 2]),
+        (CHAT, "bad_words", ["no"]),
+        (COMPLETIONS, "logits_processors", ["x"]),
+        (COMPLETIONS, "use_beam_search", True),
+        (COMPLETIONS, "length_penalty", 0.5),
+        (CHAT, "spaces_between_special_tokens", False),
+        (COMPLETIONS, "truncate_prompt_tokens", 10),
+        (CHAT, "priority", 3),
+        (CHAT, "return_tokens_as_token_ids", True),
+        (CHAT, "mm_processor_kwargs", {"a": 1}),
     ],
 )
 def test_unimplemented_fields_get_400_naming_them(server: RouterServer, path: str, field: str, value: Any) -> None:
@@ -34,3 +44,11 @@ def test_unimplemented_fields_get_400_naming_them(server: RouterServer, path: st
     response = httpx.post(f"{server.url}{path}", json=body, timeout=10)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field
+
+
+def test_the_values_that_ask_for_nothing_are_accepted(server: RouterServer) -> None:
+    # Past validation, with no engine to run them: a 503, not a 400.
+    body = {"model": SERVED_MODEL, "prompt": "Hi", "max_tokens": 4, "use_beam_search": False, "length_penalty": 1.0,
+            "spaces_between_special_tokens": True, "priority": 0, "return_tokens_as_token_ids": False}
+    response = httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=10)
+    assert response.status_code == 503, response.text

@@ -38,6 +38,12 @@ def test_the_stop_string_completing_first_wins_whatever_the_split() -> None:
     assert run(["aca"], ["c", "aca"]) == ("a", True)
 
 
+def test_include_keeps_the_stop_string_that_hit_and_nothing_after_it() -> None:
+    checker = StopChecker(["o World", "rld"], include=True)
+    text = "".join(checker.push(p) for p in ["Hel", "lo W", "or", "ld and more"])
+    assert (text + checker.flush(), checker.stopped) == ("Hello World", True)
+
+
 def test_nothing_is_emitted_after_a_stop() -> None:
     checker = StopChecker(["x"])
     assert checker.push("abxcd") == "ab"

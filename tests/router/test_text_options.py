@@ -1,0 +1,53 @@
+"""How a choice's tokens become its text, through the router in front of fake engines: the token a
+request stops on adds no text (as vLLM leaves it out) unless ``include_stop_str_in_output``, which
+also keeps a matched stop string; ``skip_special_tokens: false`` keeps special tokens' text."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.router.router_harness import SERVED_MODEL, RouterServer, fake_stack
+
+# The fake engines answer with these tokens and finish ("stop") on the last one, as an engine does
+# on a stop token.
+TEXT = "Hello<|im_start|> world"
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url: str, prompts: Any, tokenizer: Any) -> Iterator[tuple[RouterServer, list[int]]]:
+    reply = list(tokenizer.encode(TEXT, add_special_tokens=False))
+    assert tokenizer.decode(reply[-1:]) == " world" and len(reply) == 3
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001}, request_timeout_s=5.0) as (server, _):
+        yield server, reply
+
+
+def _text(server: RouterServer, stream: bool = False, **body: Any) -> str:
+    request = {"model": SERVED_MODEL, "prompt": "Say hello", "max_tokens": 10, **body}
+    if not stream:
+        response = httpx.post(f"{server.url}/v1/completions", json=request, timeout=10)
+        assert response.status_code == 200, response.text
+        return str(response.json()["choices"][0]["text"])
+    import json
+
+    text = ""
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**request, "stream": True}, timeout=10) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+    return text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_stop_token_and_special_tokens(stack: tuple[RouterServer, list[int]], stream: bool) -> None:
+    server, reply = stack
+    world = reply[-1]
+    assert _text(server, stream) == "Hello world"  # the special token skipped; " world" is no stop token
+    assert _text(server, stream, stop_token_ids=[world]) == "Hello"
+    assert _text(server, stream, stop_token_ids=[world], include_stop_str_in_output=True) == "Hello world"
+    assert _text(server, stream, skip_special_tokens=False) == "Hello<|im_start|> world"
+    assert _text(server, stream, stop=["wor"]) == "Hello "
+    assert _text(server, stream, stop=["wor"], include_stop_str_in_output=True) == "Hello wor"

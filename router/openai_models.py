@@ -317,6 +317,7 @@ class ChatRender:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)  # the template's own variables
+    documents: list[dict[str, str]] | None = None
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -340,6 +341,7 @@ class ChatTemplateOptions(BaseModel):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # the last (assistant) message is continued, not closed
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None  # for templates that take them (retrieval)
 
     def check_template_options(self, messages: list[ChatMessage] | None) -> None:
         if self.continue_final_message:
@@ -361,7 +363,7 @@ class ChatTemplateOptions(BaseModel):
 
     def chat_render(self, tools: list[dict[str, Any]] | None = None) -> ChatRender:
         return ChatRender(tools, self.add_generation_prompt, self.continue_final_message,
-                          dict(self.chat_template_kwargs or {}))
+                          dict(self.chat_template_kwargs or {}), self.documents)
 
 
 class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
@@ -372,9 +374,11 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
-    # OpenAI's deprecated form of tools: refused, not ignored.
+    # Refused, not ignored: OpenAI's deprecated form of tools, and vLLM's chat extras not implemented.
     functions: Any = None
     function_call: Any = None
+    chat_template: Any = None
+    echo: Any = None
     # What ``check`` read from tools / tool_choice (``router/tools.py``).
     _tools: ToolPlan | None = PrivateAttr(default=None)
 
@@ -386,6 +390,13 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
         for name in ("functions", "function_call"):
             if getattr(self, name) is not None:
                 raise bad_request(f"{name} is not supported (deprecated by OpenAI): use tools and tool_choice", param=name)
+        if self.chat_template is not None:
+            raise bad_request(
+                "a request may not bring its own chat template; the server's is set by --chat-template",
+                param="chat_template",
+            )
+        if self.echo not in (None, False):
+            raise bad_request("echo is not supported on chat completions", param="echo")
         self.check_template_options(self.messages)
         self._tools = ToolPlan.from_request(self.tools, self.tool_choice, self.parallel_tool_calls)
         forced = self._tools.structured_output() if self._tools is not None else None

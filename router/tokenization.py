@@ -54,8 +54,8 @@ _PLAIN = ChatRender()
 def _num_chat_chars(messages: list[dict[str, Any]], render: ChatRender) -> int:
     """About the length of a conversation's text (the template adds little): to choose its thread."""
     num_chars = sum(len(str(m.get("content") or "")) for m in messages)
-    if render.tools or render.kwargs:
-        num_chars += len(json.dumps([render.tools, render.kwargs], default=str))
+    if render.tools or render.kwargs or render.documents:
+        num_chars += len(json.dumps([render.tools, render.kwargs, render.documents], default=str))
     return num_chars
 
 
@@ -144,7 +144,7 @@ class PromptProcessor:
 
     def _render(self, messages: list[dict[str, Any]], render: ChatRender) -> str:
         return str(self.tokenizer.apply_chat_template(
-            messages, tools=render.tools, chat_template=self.chat_template, tokenize=False,
+            messages, tools=render.tools, documents=render.documents, chat_template=self.chat_template, tokenize=False,
             add_generation_prompt=render.add_generation_prompt, continue_final_message=render.continue_final_message,
             **render.kwargs,
         ))

@@ -16,6 +16,7 @@ from tests.router.router_harness import SERVED_MODEL, RouterServer, make_state
 
 # ChatML, with a variable of its own and the generation prompt as HF's templates write it.
 TEMPLATE = (
+    "{% for d in documents or [] %}<|im_start|>system\nSource {{ d.title }}: {{ d.text }}<|im_end|>\n{% endfor %}"
     "{% if style is defined %}<|im_start|>system\nAnswer in a {{ style }} style.<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
     "{% if not (loop.last and continue_final_message is defined and continue_final_message) %}<|im_end|>\n{% endif %}"
@@ -42,6 +43,9 @@ def test_template_kwargs_and_the_conversations_end(server: RouterServer, tokeniz
     assert plain == "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n"
     styled = _rendered(server, tokenizer, messages=MESSAGES, chat_template_kwargs={"style": "terse"})
     assert styled == "<|im_start|>system\nAnswer in a terse style.<|im_end|>\n" + plain
+    documents = [{"title": "Paint", "text": "Blue is a colour."}]
+    sourced = _rendered(server, tokenizer, messages=MESSAGES, documents=documents)
+    assert sourced == "<|im_start|>system\nSource Paint: Blue is a colour.<|im_end|>\n" + plain
     assert _rendered(server, tokenizer, messages=MESSAGES, add_generation_prompt=False) == (
         "<|im_start|>user\nName a colour.<|im_end|>\n")
     started = [*MESSAGES, {"role": "assistant", "content": "My favourite is"}]
@@ -66,8 +70,11 @@ def test_what_the_template_cannot_take_is_a_400(server: RouterServer, path: str,
     assert response.json()["error"]["param"] == param, response.text
 
 
-@pytest.mark.parametrize("field", ["functions", "function_call"])
-def test_the_deprecated_function_fields_are_refused_not_ignored(server: RouterServer, field: str) -> None:
-    body = {"model": SERVED_MODEL, "messages": MESSAGES, field: [{"name": "f"}] if field == "functions" else "auto"}
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("functions", [{"name": "f"}]), ("function_call", "auto"), ("chat_template", "{{ 7 * 7 }}"), ("echo", True)],
+)
+def test_chat_fields_not_served_are_refused_not_ignored(server: RouterServer, field: str, value: Any) -> None:
+    body = {"model": SERVED_MODEL, "messages": MESSAGES, field: value}
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=10)
     assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text

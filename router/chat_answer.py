@@ -19,6 +19,9 @@ class AnswerReader:
     tools: ToolPlan | None
     tool_parser: ToolCallParser | None
     reasoning: ReasoningParser | None
+    # Whether the text must keep special tokens: a parser reads tags the tokenizer marks special
+    # (Mistral's [TOOL_CALLS], some models' <tool_call> or <think>), which detokenizing would drop.
+    needs_special_tokens: bool = False
 
     @property
     def plain(self) -> bool:

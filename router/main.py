@@ -206,19 +206,6 @@ def main(argv: list[str] | None = None) -> int:
     tool_call_parser = args.tool_call_parser
     if tool_call_parser == "auto":
         tool_call_parser = detect_parser(prompts.template_text())
-        if tool_call_parser is not None and prompts.lost_in_text(PARSERS[tool_call_parser].tags):
-            logger.warning("the chat template writes tool calls in the %s format, but this tokenizer drops its tags "
-                           "from text as special tokens: tool_choice 'auto' is refused", tool_call_parser)
-            tool_call_parser = None
-    for flag, name, tags in (
-        ("--tool-call-parser", tool_call_parser, PARSERS[tool_call_parser].tags if tool_call_parser in PARSERS else ()),
-        ("--reasoning-parser", args.reasoning_parser,
-         REASONING_PARSERS[args.reasoning_parser].tags if args.reasoning_parser else ()),
-    ):
-        lost = prompts.lost_in_text(tags)
-        if lost:
-            raise SystemExit(f"{flag} {name}: this tokenizer drops {', '.join(lost)} from text as special tokens, "
-                             "so the parser would never see them")
     config = RouterConfig(
         served_model_names=args.served_model_name or [_served_name(args.model, model_dir)],
         redis_url=args.redis_url or None,

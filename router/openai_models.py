@@ -114,13 +114,14 @@ class _GenerationRequest(BaseModel):
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def text_options(self, params: SamplingParams) -> TextOptions:
-        """How the choices' tokens become text; ``params``: the engine requests' (their stop tokens)."""
+    def text_options(self, params: SamplingParams, keep_special_tokens: bool = False) -> TextOptions:
+        """How the choices' tokens become text; ``params``: the engine requests' (their stop tokens);
+        ``keep_special_tokens``: whatever ``skip_special_tokens`` says (a parser reads them)."""
         return TextOptions(
             stop=tuple(self.stop_strings()),
             stop_token_ids=frozenset(params.stop_token_ids),
             include_stop=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens and not keep_special_tokens,
         )
 
     def num_prompts(self) -> int:

@@ -65,7 +65,7 @@ def _template_tools(state: RouterState, tools: ToolPlan | None) -> list[dict[str
 
 async def plan_chat(
     state: RouterState, body: Any, cache_salt: str | None
-) -> tuple[ChatCompletionRequest, GenerationPlan]:
+) -> tuple[ChatCompletionRequest, GenerationPlan, AnswerReader]:
     limits = state.config.limits
     request = parse_request(ChatCompletionRequest, body, limits)
     model = state.check_model(request.model)
@@ -85,23 +85,23 @@ async def plan_chat(
         max_tokens, request.requested_logprobs(), state.prompts.eos_token_id, state.prompts.vocab_size
     )
     check_prompt_logprobs(params, len(prompt))
+    reader = answer_reader(state, request)
     plan = GenerationPlan(
         request_id=new_request_id("chatcmpl"),
         model=model,
         prompts=[prompt],
         params=[params],
-        text=request.text_options(params),
+        text=request.text_options(params, keep_special_tokens=reader.needs_special_tokens),
         cache_salt=cache_salt,
     )
-    return request, plan
+    return request, plan, reader
 
 
 async def create_chat_completion(
     state: RouterState, body: Any, cache_salt: str | None, wait_disconnect: DisconnectWaiter
 ) -> Response:
-    request, plan = await plan_chat(state, body, cache_salt)
+    request, plan, reader = await plan_chat(state, body, cache_salt)
     renderer = TokenRenderer(state.prompts.tokenizer) if request.logprobs else None
-    reader = answer_reader(state, request)
     if request.stream:
         return await sse_response(
             state, plan, wait_disconnect, request.stream_options,
@@ -133,7 +133,14 @@ def answer_reader(state: RouterState, request: ChatCompletionRequest) -> AnswerR
     the thinking split off unless a grammar holds the output, which is then content from its start."""
     tools = request.tool_plan()
     reasoning = state.reasoning_parser if request.structured_output() is None else None
-    return AnswerReader(tools if tools is not None and tools.parsed else None, state.tool_parser, reasoning)
+    tools = tools if tools is not None and tools.parsed else None
+    lost = state.tags_lost_in_text  # the parsers' tags the tokenizer marks special
+    needs_special = bool(
+        (tools is not None and tools.choice == "auto" and state.tool_parser is not None
+         and lost.intersection(state.tool_parser.tags))
+        or (reasoning is not None and lost.intersection(reasoning.tags))
+    )
+    return AnswerReader(tools, state.tool_parser, reasoning, needs_special)
 
 
 def _prompt_logprobs(state: RouterState, results: list[ChoiceResult]) -> PromptLogprobs | None:

@@ -27,6 +27,10 @@ class RouterState:
         self.prompts = prompts
         self.tool_parser = PARSERS[config.tool_call_parser] if config.tool_call_parser else None
         self.reasoning_parser = REASONING_PARSERS[config.reasoning_parser] if config.reasoning_parser else None
+        # The parsers' tags that this tokenizer marks special (their answers keep special tokens' text).
+        tags = [*(self.tool_parser.tags if self.tool_parser else ()),
+                *(self.reasoning_parser.tags if self.reasoning_parser else ())]
+        self.tags_lost_in_text = frozenset(prompts.lost_in_text(tuple(tags)))
         self.api_keys = ApiKeys(config.api_keys)
         self.registry = (
             Registry(config.redis_url, config.namespace, cluster_key=config.cluster_key) if config.redis_url else None

@@ -117,17 +117,19 @@ def test_output_held_by_a_grammar_is_not_split(client: openai.OpenAI) -> None:
     assert getattr(response.choices[0].message, "reasoning_content", None) is None
 
 
-def test_a_parser_whose_tags_the_tokenizer_drops_is_refused_at_start(tokenizer: Any, tokenizer_dir: Any, tmp_path: Any) -> None:
-    import shutil
-
-    from router.main import main
-
-    prompts = PromptProcessor(tokenizer)
-    assert prompts.lost_in_text(("<tool_call>", "<|im_end|>", "</think>")) == ["<|im_end|>"]
-    # The default model's tokenizer with <think> made a special token (as some reasoning models have it).
+def test_tags_the_tokenizer_marks_special_still_reach_the_parser(
+    redis_url: str, tokenizer: Any, tokenizer_dir: Any
+) -> None:
+    assert PromptProcessor(tokenizer).lost_in_text(("<tool_call>", "<|im_end|>", "</think>")) == ["<|im_end|>"]
+    # The default model's tokenizer with <think> and </think> made special tokens, as some reasoning
+    # models have them: detokenizing would drop them, so these answers keep special tokens' text.
     special = type(tokenizer).from_pretrained(str(tokenizer_dir))
     special.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
-    special.save_pretrained(str(tmp_path))
-    shutil.copy(tokenizer_dir / "config.json", tmp_path / "config.json")
-    with pytest.raises(SystemExit, match=r"--reasoning-parser qwen3: this tokenizer drops <think>, </think>"):
-        main(["--model", str(tmp_path), "--redis-url", "", "--port", "0", "--reasoning-parser", "qwen3"])
+    prompts = PromptProcessor(special, max_model_len=2048)
+    assert prompts.lost_in_text(("<think>", "</think>")) == ["<think>", "</think>"]
+    reply = list(special.encode(f"<think>\n{THINKING}\n</think>\n\nParis.", add_special_tokens=False))
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001, "max_model_len": 2048},
+                    reasoning_parser="qwen3", request_timeout_s=5.0) as (server, _):
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
+        message = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, max_tokens=300).choices[0].message
+        assert (message.reasoning_content, message.content) == (f"\n{THINKING}\n", "Paris.")  # type: ignore[attr-defined]

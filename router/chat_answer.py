@@ -34,7 +34,8 @@ class AnswerReader:
         if self.tools is None:
             return ChatMessageOut(content=content, reasoning_content=reasoning), finish_reason
         answer, calls = self.tools.extract(content, self.tool_parser)
-        message = ChatMessageOut(content=answer, reasoning_content=reasoning, tool_calls=tool_calls_out(calls) or None)
+        tool_calls = tool_calls_out(calls, self.tool_parser) or None
+        message = ChatMessageOut(content=answer, reasoning_content=reasoning, tool_calls=tool_calls)
         return message, self.tools.finish_reason(finish_reason, bool(calls))
 
     def stream(self) -> AnswerStream:

@@ -14,6 +14,7 @@ end of an answer never reaches the client.
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, anywhere in the text.
 * ``llama3_json`` (Llama 3.1, 3.2): the whole answer, after an optional ``<|python_tag|>``, is
   ``{"name": ..., "parameters": {...}}``, or several such objects separated by ``;``.
+* ``mistral`` (Mistral 7B v0.3, Mixtral, Mistral Small/Nemo): ``[TOOL_CALLS]`` and the calls after it.
 
 Parsing never raises on what a model writes.
 """
@@ -21,6 +22,9 @@ Parsing never raises on what a model writes.
 from __future__ import annotations
 
 import json
+import secrets
+import string
+import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,6 +59,14 @@ class ToolCallParser(Protocol):
     def stream(self) -> ToolCallStream:
         """A fresh stream for one answer."""
         ...
+
+    def new_call_id(self) -> str:
+        """An id for a call, of the kind the format's chat templates take back."""
+        ...
+
+
+def openai_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 def _no_constant(name: str) -> Any:
@@ -212,6 +224,9 @@ class HermesParser:
     def stream(self) -> ToolCallStream:
         return _HermesStream()
 
+    def new_call_id(self) -> str:
+        return openai_call_id()
+
 
 _PYTHON_TAG = "<|python_tag|>"
 
@@ -290,8 +305,94 @@ class Llama3JsonParser:
     def stream(self) -> ToolCallStream:
         return _LlamaStream()
 
+    def new_call_id(self) -> str:
+        return openai_call_id()
 
-PARSERS: dict[str, ToolCallParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser())}
+
+_MISTRAL_TAG = "[TOOL_CALLS]"
+_MISTRAL_ARGS = "[ARGS]"
+
+
+def _mistral_calls(text: str) -> list[ToolCall] | None:
+    """The calls after ``[TOOL_CALLS]``: a JSON array of ``{"name", "arguments"}`` (tokenizers before
+    v11), or ``name[ARGS]{...}`` runs, each after its own ``[TOOL_CALLS]`` (v11 on); None when the
+    text is neither."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            items = _DECODER.decode(text)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(items, list) or not items:
+            return None
+        listed = [_call(item, "arguments", "parameters") for item in items]
+        return None if any(c is None for c in listed) else [c for c in listed if c is not None]
+    calls: list[ToolCall] = []
+    for part in text.split(_MISTRAL_TAG):
+        name, sep, arguments = part.partition(_MISTRAL_ARGS)
+        call = _call({"name": name.strip(), "arguments": arguments.strip()}, "arguments", "parameters") if sep else None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
+class _MistralStream:
+    def __init__(self) -> None:
+        self._content = _Content()
+        self._buf = ""
+        self._calls: str | None = None  # what follows [TOOL_CALLS], held to the end
+
+    def feed(self, text: str) -> list[Event]:
+        if self._calls is not None:
+            self._calls += text
+            return []
+        self._buf += text
+        start = self._buf.find(_MISTRAL_TAG)
+        if start >= 0:
+            out, self._calls, self._buf = self._buf[:start], self._buf[start + len(_MISTRAL_TAG):], ""
+        else:
+            keep = len(self._buf) - _partial_suffix(self._buf, _MISTRAL_TAG)
+            out, self._buf = self._buf[:keep], self._buf[keep:]
+        events: list[Event] = []
+        _add(events, self._content.push(out))
+        return events
+
+    def finish(self) -> list[Event]:
+        events: list[Event] = []
+        if self._calls is None:
+            _add(events, self._content.push(self._buf))
+        else:
+            calls = _mistral_calls(self._calls)
+            if calls is None:
+                _add(events, self._content.push(_MISTRAL_TAG + self._calls))
+            else:
+                events.extend(calls)
+        self._buf, self._calls = "", None
+        return events
+
+
+class MistralParser:
+    """``[TOOL_CALLS]`` and the calls to the end of the answer: a JSON array of ``{"name": ...,
+    "arguments": {...}}``, or (v11 tokenizers) ``name[ARGS]{...}``; the text before it is content.
+    ``[TOOL_CALLS]`` is a special token: the router keeps special tokens' text for these answers."""
+
+    name = "mistral"
+    tags: tuple[str, ...] = (_MISTRAL_TAG,)
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        return _collect(self.stream(), text)
+
+    def stream(self) -> ToolCallStream:
+        return _MistralStream()
+
+    def new_call_id(self) -> str:
+        """Nine letters and digits: Mistral's chat templates refuse any other id when a conversation
+        brings the calls back."""
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+PARSERS: dict[str, ToolCallParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser())}
 
 
 def detect_parser(chat_template: str | None) -> str | None:
@@ -300,6 +401,8 @@ def detect_parser(chat_template: str | None) -> str | None:
         return None
     if _HERMES_OPEN in chat_template:
         return "hermes"
+    if _MISTRAL_TAG in chat_template:
+        return "mistral"
     if _PYTHON_TAG in chat_template or (
         "<|start_header_id|>" in chat_template and "parameters" in chat_template
     ):

@@ -25,22 +25,17 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.sampling_params import MAX_STRUCTURED_OUTPUT_CHARS, StructuredOutput
 from router.errors import bad_request
 from router.openai_responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
-from router.tool_parsers import ToolCall, ToolCallParser, ToolCallStream
+from router.tool_parsers import ToolCall, ToolCallParser, ToolCallStream, openai_call_id
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CHOICES = ("none", "auto", "required")
-
-
-def new_tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 def _check_function(index: int, tool: Any) -> dict[str, Any]:
@@ -195,8 +190,9 @@ def _required_calls(text: str) -> list[ToolCall] | None:
     return calls
 
 
-def tool_calls_out(calls: list[ToolCall]) -> list[ToolCallOut]:
-    return [ToolCallOut(id=new_tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+def tool_calls_out(calls: list[ToolCall], parser: ToolCallParser | None) -> list[ToolCallOut]:
+    new_id = parser.new_call_id if parser is not None else openai_call_id
+    return [ToolCallOut(id=new_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
 
 
 @dataclass
@@ -209,13 +205,17 @@ class ToolDeltas:
     when it ends."""
 
     plan: ToolPlan
+    parser: ToolCallParser | None
     stream: ToolCallStream | None
     num_calls: int = 0
     _held: list[str] = field(default_factory=list)
 
     @classmethod
     def start(cls, plan: ToolPlan, parser: ToolCallParser | None) -> ToolDeltas:
-        return cls(plan, parser.stream() if plan.choice == "auto" and parser is not None else None)
+        return cls(plan, parser, parser.stream() if plan.choice == "auto" and parser is not None else None)
+
+    def _new_id(self) -> str:
+        return self.parser.new_call_id() if self.parser is not None else openai_call_id()
 
     def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
         if self.stream is not None:
@@ -242,7 +242,7 @@ class ToolDeltas:
         assert self.plan.function is not None
         self.num_calls = 1
         function = DeltaFunctionCall(name=self.plan.function, arguments=arguments)
-        return [DeltaToolCall(index=0, id=new_tool_call_id(), type="function", function=function)]
+        return [DeltaToolCall(index=0, id=self._new_id(), type="function", function=function)]
 
     def _events(self, events: list[str | ToolCall]) -> tuple[str, list[DeltaToolCall]]:
         content = "".join(e for e in events if isinstance(e, str))
@@ -255,7 +255,7 @@ class ToolDeltas:
         deltas = []
         for call in calls:
             deltas.append(DeltaToolCall(
-                index=self.num_calls, id=new_tool_call_id(), type="function",
+                index=self.num_calls, id=self._new_id(), type="function",
                 function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
             ))
             self.num_calls += 1

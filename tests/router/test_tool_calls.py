@@ -300,3 +300,27 @@ def test_a_chat_completion_continues_the_final_message(client: openai.OpenAI, st
         extra_body={"continue_final_message": True, "add_generation_prompt": False},
     )
     assert _prompt_text(stack[1], tokenizer, response.id).endswith("<|im_start|>assistant\nLet me")
+
+
+def test_mistral_calls_behind_a_special_token(redis_url: str, tokenizer: Any, tokenizer_dir: Any) -> None:
+    # Mistral's [TOOL_CALLS] is a special token, which detokenizing drops: these answers keep it.
+    special = type(tokenizer).from_pretrained(str(tokenizer_dir))
+    special.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    template = ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+                "{% for m in messages %}[INST]{{ m.content }}[/INST]{% endfor %}")
+    prompts = PromptProcessor(special, max_model_len=2048, chat_template=template)
+    reply = list(special.encode('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+                                add_special_tokens=False))
+    assert special.decode(reply, skip_special_tokens=True).startswith("[{")  # the tag would be lost
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001, "max_model_len": 2048},
+                    tool_call_parser="mistral", request_timeout_s=5.0) as (server, _):
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
+        choice = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS).choices[0]
+        [call] = choice.message.tool_calls or []
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+        assert len(call.id) == 9 and call.id.isalnum()  # Mistral's templates take back no other id
+        assert choice.message.content is None and choice.finish_reason == "tool_calls"
+        parts = [p for chunk in client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS,
+                                                               stream=True)
+                 for c in chunk.choices for p in c.delta.tool_calls or []]
+        assert [(p.function.name, len(p.id or "")) for p in parts if p.function] == [("get_weather", 9)]

@@ -10,6 +10,7 @@ from router.tool_parsers import PARSERS, ToolCall, ToolCallParser, detect_parser
 
 HERMES = PARSERS["hermes"]
 LLAMA = PARSERS["llama3_json"]
+MISTRAL = PARSERS["mistral"]
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TIME = (
@@ -236,6 +237,38 @@ def test_llama_stream_matches_extract() -> None:
         _check_consistent(LLAMA, text, rng, every_position=True)
 
 
+# -- mistral --------------------------------------------------------------------------------------------
+
+MISTRAL_TEXTS = [
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    'Sure.\n[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "get_time", "arguments": {"tz": "UTC"}}]',
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "UTC"}',
+    '[TOOL_CALLS] [{"name": "get_weather", "argu',
+    "[TOOL_CALLS]get_weather[ARGS]{oops",
+    "No tools needed: [TOOL_CAL",
+    "plain answer",
+    "",
+]
+
+
+def test_mistral_both_formats_and_what_is_not_a_call() -> None:
+    assert MISTRAL.extract(MISTRAL_TEXTS[0]) == (None, [PARIS])
+    assert MISTRAL.extract(MISTRAL_TEXTS[1]) == ("Sure.", [PARIS, ToolCall("get_time", '{"tz": "UTC"}')])
+    assert MISTRAL.extract(MISTRAL_TEXTS[2]) == (None, [PARIS, ToolCall("get_time", '{"tz": "UTC"}')])
+    for text in MISTRAL_TEXTS[3:7]:
+        assert MISTRAL.extract(text) == (text.strip() or None, [])
+    rng = random.Random(4)
+    for text in MISTRAL_TEXTS:
+        _check_consistent(MISTRAL, text, rng, every_position=True)
+
+
+def test_call_ids_are_the_kind_each_format_takes_back() -> None:
+    ids = {MISTRAL.new_call_id() for _ in range(50)}
+    assert len(ids) == 50 and all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids)
+    assert HERMES.new_call_id().startswith("chatcmpl-tool-") and HERMES.new_call_id() != HERMES.new_call_id()
+
+
 # -- detection ------------------------------------------------------------------------------------------
 
 QWEN_TEMPLATE = (
@@ -265,7 +298,9 @@ def test_detect_parser() -> None:
     assert detect_parser(LLAMA_NO_TOOLS) is None
     assert detect_parser("") is None
     assert detect_parser(None) is None
-    assert set(PARSERS) == {"hermes", "llama3_json"}
+    assert detect_parser("{%- if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
+                         "{{- '[TOOL_CALLS]' + tool_calls|tojson }}") == "mistral"
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral"}
     assert all(PARSERS[name].name == name for name in PARSERS)
 
 
@@ -274,8 +309,8 @@ def test_detect_parser() -> None:
 FRAGMENTS = [
     "<tool_call>", "</tool_call>", "<tool_", "</tool", "<|python_tag|>", "<|py", "{", "}", "[", "]", '"name"',
     '"arguments"', '"parameters"', ":", ",", ";", '"f"', '"{}"', "1e999", "NaN", "-0", "12345678901234567890",
-    " ", "\n", "\t", "\u00a0", "a", "Zz", "<", ">", "\\", '"', "\\ud800", "é", "🙂", "\u2028",
-    WEATHER, LLAMA_CALL, '{"name": "f", "arguments": {}}',
+    " ", "\n", "\t", "\u00a0", "a", "Zz", "<", ">", "\\", '"', "\\ud800", "é", "🙂", "\u2028", "[TOOL_CALLS]", "[ARGS]",
+    WEATHER, LLAMA_CALL, '{"name": "f", "arguments": {}}', '[TOOL_CALLS][{"name": "f", "arguments": {}}]',
 ]
 
 ADVERSARIAL = [
@@ -291,6 +326,8 @@ ADVERSARIAL = [
     "</tool_call>" * 3,
     "<",
     "<|python_tag|><|python_tag|>",
+    "[TOOL_CALLS]" + "[" * 50_000,
+    "[TOOL_CALLS]" * 3,
 ]
 
 
@@ -309,7 +346,7 @@ def test_no_input_raises() -> None:
     for _ in range(300):
         texts.append("".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 12))))
     found = 0
-    for parser in (HERMES, LLAMA):
+    for parser in (HERMES, LLAMA, MISTRAL):
         for text in texts:
             content, calls = parser.extract(text)
             _check_calls(calls)

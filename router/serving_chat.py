@@ -199,7 +199,11 @@ class _ChatChunks:
             answer = self.answers[delta.index] = self.reader.stream()
         reasoning, content, calls = answer.feed(delta.text, delta.finish_reason is not None)
         out = []
-        if reasoning or content or calls or delta.logprobs:
+        if (reasoning or content) and not calls and not delta.logprobs:  # most deltas: from fixed parts
+            fields = {"content": content} if content else {}
+            fields.update({"reasoning_content": reasoning} if reasoning else {})
+            out.append(b"%b%d,\"delta\":%b%b" % (self.head, delta.index, msgspec.json.encode(fields), self.tail))
+        elif reasoning or content or calls or delta.logprobs:
             logprobs = chat_logprobs(self.renderer, delta.logprobs) if self.renderer else None
             message = DeltaMessage(content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None)
             out.append(self._chunk(delta.index, message, logprobs))

@@ -87,7 +87,7 @@ class ToolPlan:
     def from_request(cls, tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolPlan | None:
         """The plan, or None for a request without tools; a 400 naming the field that is malformed."""
         if not tools:
-            if tool_choice not in (None, "none"):
+            if tool_choice not in (None, "none", "auto"):  # "auto" with nothing to call: a plain answer
                 raise bad_request("tool_choice needs tools", param="tool_choice")
             return None
         if len(tools) > MAX_TOOLS:

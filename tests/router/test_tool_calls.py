@@ -127,6 +127,13 @@ def test_parallel_tool_calls_false_keeps_the_first(client: openai.OpenAI) -> Non
     assert [c["name"] for c in calls] == ["get_weather"]
 
 
+def test_auto_with_no_tools_is_a_plain_answer(stack: Any) -> None:
+    body = {"model": SERVED_MODEL, "messages": MESSAGES, "max_tokens": 200, "tools": [], "tool_choice": "auto"}
+    response = httpx.post(f"{stack[0].url}/v1/chat/completions", json=body, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"] == {"role": "assistant", "content": REPLY_TEXT}
+
+
 def test_tool_choice_none_leaves_the_text_as_it_is(client: openai.OpenAI) -> None:
     response = client.chat.completions.create(
         model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=200
@@ -198,6 +205,7 @@ def test_earlier_calls_and_tool_results_reach_the_template(
         ({"tools": [TOOLS[0], TOOLS[0]]}, "tools.1.function.name"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools.0.function.parameters"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}},
          "tool_choice.function.name"),

@@ -51,7 +51,6 @@ _NOT_IMPLEMENTED_EXTRAS: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
     "spaces_between_special_tokens": True,
-    "truncate_prompt_tokens": None,
     "priority": 0,
     "return_tokens_as_token_ids": False,
     "mm_processor_kwargs": None,
@@ -94,6 +93,9 @@ class _GenerationRequest(BaseModel):
     # the end; special tokens' text kept.
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # Only the prompt's last k tokens are kept (-1: as many as the context holds); a longer prompt is
+    # cut to them instead of refused.
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31)
     # vLLM extras not implemented (``_NOT_IMPLEMENTED_EXTRAS``): declared so that they are refused,
     # not silently ignored
     guided_grammar: Any = None
@@ -104,7 +106,6 @@ class _GenerationRequest(BaseModel):
     use_beam_search: Any = False
     length_penalty: Any = 1.0
     spaces_between_special_tokens: Any = True
-    truncate_prompt_tokens: Any = None
     priority: Any = 0
     return_tokens_as_token_ids: Any = False
     mm_processor_kwargs: Any = None
@@ -113,6 +114,19 @@ class _GenerationRequest(BaseModel):
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def context_check(self, max_model_len: int) -> int | None:
+        """The context length to hold a prompt's text to before it is tokenized: none when it is
+        to be truncated (``truncated``)."""
+        return None if self.truncate_prompt_tokens is not None else max_model_len
+
+    def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens (all of them when unset)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return token_ids
+        k = max_model_len if k == -1 else k
+        return token_ids[-k:] if len(token_ids) > k else token_ids
 
     def text_options(self, params: SamplingParams, keep_special_tokens: bool = False) -> TextOptions:
         """How the choices' tokens become text; ``params``: the engine requests' (their stop tokens);
@@ -148,6 +162,8 @@ class _GenerationRequest(BaseModel):
                 raise bad_request(f"{name} is not supported (not yet implemented)", param=name)
         if self.n is not None and self.n > limits.max_n:
             raise bad_request(f"n must be at most {limits.max_n} (--max-n), got {self.n}", param="n")
+        if self.truncate_prompt_tokens == 0:
+            raise bad_request("truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
         if self.prompt_logprobs is not None and self.stream:
             raise bad_request("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
         self._check_stop(limits)

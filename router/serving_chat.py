@@ -75,8 +75,9 @@ async def plan_chat(
     if structured is not None:
         await check_grammar(*structured)
     prompt = await state.prompts.tokenize_chat(
-        request.template_messages(), max_model_len, request.chat_render(template_tools)
+        request.template_messages(), request.context_check(max_model_len), request.chat_render(template_tools)
     )
+    prompt = request.truncated(prompt, max_model_len)
     max_tokens = check_max_tokens(
         request.requested_max_tokens(), len(prompt), max_model_len, None, "messages"
     )

@@ -54,7 +54,8 @@ async def plan_completion(
     # A request the fair queue could not take now is refused before any tokenizing.
     state.admission.check(CLIENT_KEY.get() or "-", _num_prompts(request.prompt))  # one engine request per prompt
     max_model_len = state.max_model_len()
-    prompts = await state.prompts.tokenize_completion(request.prompt, max_model_len)
+    prompts = await state.prompts.tokenize_completion(request.prompt, request.context_check(max_model_len))
+    prompts = [request.truncated(prompt_ids, max_model_len) for prompt_ids in prompts]
     params = []
     by_max_tokens: dict[int, SamplingParams] = {}  # frozen: prompts with one max_tokens share them
     for prompt_ids in prompts:
@@ -116,7 +117,10 @@ async def create_completion(
 
 
 def _prompt_texts(state: RouterState, request: CompletionRequest, plan: GenerationPlan) -> list[str]:
-    """Each prompt's text, as given, or decoded from its token ids (``echo``)."""
+    """Each prompt's text, as given, or decoded from its token ids (``echo``; a truncated prompt's
+    kept tokens)."""
+    if request.truncate_prompt_tokens is not None:
+        return [state.prompts.tokenizer.decode(ids) for ids in plan.prompts]
     if isinstance(request.prompt, str):
         return [request.prompt]
     if request.prompt and isinstance(request.prompt[0], str):

@@ -189,10 +189,11 @@ class PromptProcessor:
             raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", param=param)
         return list(token_ids)
 
-    async def tokenize_completion(self, prompt: PromptInput, max_model_len: int) -> list[list[int]]:
+    async def tokenize_completion(self, prompt: PromptInput, max_model_len: int | None) -> list[list[int]]:
         """One token list per prompt of a (possibly batched) completions ``prompt``. Every check
         that needs no tokenizer runs first, so a bad request is refused before any text is
-        tokenized; then all texts are tokenized in one worker job."""
+        tokenized; then all texts are tokenized in one worker job. ``max_model_len`` None: no
+        context check."""
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
             params = ["prompt"]
@@ -228,7 +229,7 @@ class PromptProcessor:
         return [next(encoded) if isinstance(item, str) else item for item in checked]
 
     async def tokenize_chat(
-        self, messages: list[dict[str, Any]], max_model_len: int, render: ChatRender = _PLAIN
+        self, messages: list[dict[str, Any]], max_model_len: int | None, render: ChatRender = _PLAIN
     ) -> list[int]:
         """``chat_prompt``, in a worker thread unless the messages are short."""
         return await self._off_loop(lambda: self.chat_prompt(messages, max_model_len, render),

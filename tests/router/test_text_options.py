@@ -1,6 +1,7 @@
 """How a choice's tokens become its text, through the router in front of fake engines: the token a
 request stops on adds no text (as vLLM leaves it out) unless ``include_stop_str_in_output``, which
-also keeps a matched stop string; ``skip_special_tokens: false`` keeps special tokens' text."""
+also keeps a matched stop string; ``skip_special_tokens: false`` keeps special tokens' text. And
+``truncate_prompt_tokens``: a prompt cut to its last tokens instead of refused."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.router.fake_engine import FakeCluster
 from tests.router.router_harness import SERVED_MODEL, RouterServer, fake_stack
 
 # The fake engines answer with these tokens and finish ("stop") on the last one, as an engine does
@@ -18,11 +20,16 @@ TEXT = "Hello<|im_start|> world"
 
 
 @pytest.fixture(scope="module")
-def stack(redis_url: str, prompts: Any, tokenizer: Any) -> Iterator[tuple[RouterServer, list[int]]]:
+def running(redis_url: str, prompts: Any, tokenizer: Any) -> Iterator[tuple[RouterServer, FakeCluster, list[int]]]:
     reply = list(tokenizer.encode(TEXT, add_special_tokens=False))
     assert tokenizer.decode(reply[-1:]) == " world" and len(reply) == 3
-    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001}, request_timeout_s=5.0) as (server, _):
-        yield server, reply
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001}, request_timeout_s=5.0) as (server, cluster):
+        yield server, cluster, reply
+
+
+@pytest.fixture
+def stack(running: tuple[RouterServer, FakeCluster, list[int]]) -> tuple[RouterServer, list[int]]:
+    return running[0], running[2]
 
 
 def _text(server: RouterServer, stream: bool = False, **body: Any) -> str:
@@ -51,3 +58,28 @@ def test_the_stop_token_and_special_tokens(stack: tuple[RouterServer, list[int]]
     assert _text(server, stream, skip_special_tokens=False) == "Hello<|im_start|> world"
     assert _text(server, stream, stop=["wor"]) == "Hello "
     assert _text(server, stream, stop=["wor"], include_stop_str_in_output=True) == "Hello wor"
+
+
+def test_a_prompt_too_long_for_the_context_is_cut_to_its_last_tokens(
+    running: tuple[RouterServer, FakeCluster, list[int]], tokenizer: Any
+) -> None:
+    server, cluster, _ = running
+    prompt = " ".join(f"w{i}" for i in range(400))  # over the fake engines' 256-token context
+    ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+    url = f"{server.url}/v1/completions"
+    body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 3}
+    assert httpx.post(url, json=body, timeout=10).status_code == 400  # refused whole
+    response = httpx.post(url, json={**body, "truncate_prompt_tokens": 20, "echo": True}, timeout=10)
+    assert response.status_code == 200, response.text
+    sent = [r for r in cluster.requests() if r.request_id.startswith(response.json()["id"])]
+    assert sent and all(list(r.prompt_token_ids) == ids[-20:] for r in sent)
+    assert response.json()["choices"][0]["text"].startswith(tokenizer.decode(ids[-20:]))  # echo: what was kept
+    chat = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 3,
+            "truncate_prompt_tokens": 30}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=10)
+    assert response.status_code == 200, response.text
+    sent = [r for r in cluster.requests() if r.request_id.startswith(response.json()["id"])]
+    assert sent and all(len(r.prompt_token_ids) == 30 for r in sent)
+    for k, status in ((0, 400), (-1, 400)):  # -1: the whole context, leaving no room for the answer
+        response = httpx.post(url, json={**body, "truncate_prompt_tokens": k}, timeout=10)
+        assert response.status_code == status, response.text

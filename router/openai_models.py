@@ -338,14 +338,21 @@ class ChatRender:
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as chat templates take them (an earlier call's arguments as an object)."""
+    """Messages as chat templates take them: text content, an earlier call's arguments as an object,
+    and the fields templates read when a message has them (a participant's ``name``, the thinking
+    of an earlier answer as ``reasoning_content``, which Qwen3's template leaves out of old turns)."""
     out = []
     for i, m in enumerate(messages):
         message: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+        if m.name is not None:
+            message["name"] = m.name
         if m.tool_calls:
             message["tool_calls"] = template_tool_calls(i, m.tool_calls)
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        reasoning = (m.model_extra or {}).get("reasoning_content")
+        if isinstance(reasoning, str):
+            message["reasoning_content"] = reasoning
         out.append(message)
     return out
 

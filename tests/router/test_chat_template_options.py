@@ -18,7 +18,8 @@ from tests.router.router_harness import SERVED_MODEL, RouterServer, make_state
 TEMPLATE = (
     "{% for d in documents or [] %}<|im_start|>system\nSource {{ d.title }}: {{ d.text }}<|im_end|>\n{% endfor %}"
     "{% if style is defined %}<|im_start|>system\nAnswer in a {{ style }} style.<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}{{ '\\n' }}"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}"
     "{% if not (loop.last and continue_final_message is defined and continue_final_message) %}<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -48,6 +49,10 @@ def test_template_kwargs_and_the_conversations_end(server: RouterServer, tokeniz
     assert sourced == "<|im_start|>system\nSource Paint: Blue is a colour.<|im_end|>\n" + plain
     assert _rendered(server, tokenizer, messages=MESSAGES, add_generation_prompt=False) == (
         "<|im_start|>user\nName a colour.<|im_end|>\n")
+    named = [{"role": "user", "content": "Hi", "name": "ann"},
+             {"role": "assistant", "content": "Hello.", "reasoning_content": "Greet back."}]
+    assert _rendered(server, tokenizer, messages=named, add_generation_prompt=False) == (
+        "<|im_start|>user (ann)\nHi<|im_end|>\n<|im_start|>assistant\n<think>Greet back.</think>Hello.<|im_end|>\n")
     started = [*MESSAGES, {"role": "assistant", "content": "My favourite is"}]
     continued = _rendered(server, tokenizer, messages=started, add_generation_prompt=False, continue_final_message=True)
     assert continued.endswith("<|im_start|>assistant\nMy favourite is")

@@ -142,7 +142,8 @@ class RequestOutput(msgspec.Struct, tag="output", kw_only=True):
     # KV transfer), not the request itself; the router continues it on another instance.
     retryable: bool = False
     # With ``finish_reason="error"``: the instance refused a new request because its waiting queue
-    # is full; nothing was started, the router sends it again later (or elsewhere), not a migration.
+    # is full, or it is draining; nothing was started, the router sends it again later (or
+    # elsewhere), not a migration.
     overloaded: bool = False
 
 

@@ -393,8 +393,8 @@ class EngineService:
             logger.warning("dropped request %r: %s", msg.request_id, exc)
             return
         self.heard_from(msg.reply_to)
-        if self.draining:
-            self.reject(msg, f"instance {self.instance_id} is draining", retryable=True)
+        if self.draining:  # a refusal, as of a full queue: nothing started, the router sends it elsewhere
+            self.reject(msg, f"instance {self.instance_id} is draining", retryable=True, overloaded=True)
             return
         if msg.request_id in self.records or self.engine.knows(msg.request_id):
             self.reject(msg, f"duplicate request_id {msg.request_id!r}")

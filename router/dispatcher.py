@@ -206,6 +206,7 @@ class EngineRequest:
             request_id=f"{self.request.request_id}.m{attempt}",
             output_token_ids=[*self.request.output_token_ids, *self.streamed_token_ids],
         )
+        await self.dispatcher.pool.refresh_soon()  # where the registry says it can go now
         deadline = time.monotonic() + MIGRATION_WAIT_S
         while True:
             self._check_interrupt()
@@ -236,6 +237,7 @@ class EngineRequest:
         self.num_refusals += 1
         self.close()
         await asyncio.sleep(min(0.05 * 2 ** min(self.num_refusals, 5), 1.0))
+        await self.dispatcher.pool.refresh_soon()  # a draining instance (it refused so) is passed over
         self._check_interrupt()  # the client may have left during the back-off: send nothing more
         request = msgspec.structs.replace(
             self.request,

@@ -40,6 +40,8 @@ class InstancePool:
         self._unavailable_until: dict[str, float] = {}
         self.inflight: Counter[str] = Counter()
         self.registry_ok = registry is not None
+        self._refreshed_at = float("-inf")
+        self._refreshing: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._lease_task: asyncio.Task[None] | None = None
 
@@ -60,10 +62,7 @@ class InstancePool:
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self.refresh_interval_s)
-            try:
-                await self.refresh()
-            except Exception:  # the loop must survive anything a refresh throws
-                logger.exception("instance refresh failed")
+            await self._refresh_logged()  # the loop survives anything a refresh throws
 
     async def _lease_loop(self) -> None:
         """Renew this router's lease on every known engine, on its own clock: a slow or hung Redis
@@ -75,9 +74,30 @@ class InstancePool:
             except Exception:
                 logger.exception("lease renewal failed")
 
+    async def refresh_soon(self, max_age_s: float = 0.05) -> None:
+        """A fresh view for a request about to be sent again after a refusal or a loss: an instance
+        that began draining (and said so in the registry) is then passed over, instead of being
+        tried again until the next periodic refresh. One read serves the requests that ask at once;
+        a view younger than ``max_age_s`` is kept."""
+        if self._registry is None:
+            return
+        if self._refreshing is None:
+            if time.monotonic() - self._refreshed_at < max_age_s:
+                return
+            self._refreshing = asyncio.ensure_future(self._refresh_logged())
+            self._refreshing.add_done_callback(lambda _: setattr(self, "_refreshing", None))
+        await asyncio.shield(self._refreshing)
+
+    async def _refresh_logged(self) -> None:
+        try:
+            await self.refresh()
+        except Exception:
+            logger.exception("instance refresh failed")
+
     async def refresh(self) -> None:
         assert self._registry is not None
         found = await asyncio.to_thread(self._registry.try_instances)
+        self._refreshed_at = time.monotonic()
         was_ok, self.registry_ok = self.registry_ok, found is not None
         if found is None:
             return

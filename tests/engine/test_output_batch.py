@@ -274,3 +274,26 @@ def test_with_a_stream_interval_the_service_sends_each_request_every_interval_to
         for sock in [pull, *service._outputs.values()]:
             sock.close(0)
         ctx.term()
+
+
+def test_a_draining_service_refuses_a_new_request_as_a_refusal_not_a_loss() -> None:
+    """Nothing started, so the router sends it elsewhere without counting a migration (a rolling
+    restart would otherwise run requests out of them while routers still route here)."""
+    ctx = zmq.Context()
+    pull, addr = _pull(ctx)
+    service = _OutputPathService(ctx, [], set())
+    service.drain_deadline = time.monotonic() + 30
+    service.routers = {}
+    try:
+        request = GenerateRequest(request_id="r", prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(n=2),
+                                  reply_to=addr)
+        service.on_generate(request)
+        refusals = [o for raw in _receive_all(pull, timeout_s=2, settle_s=0.1) for o in request_outputs(decode_output(raw))]
+        assert len(refusals) == 2  # each choice
+        assert all(o.finish_reason == "error" and o.retryable and o.overloaded and "draining" in (o.error or "")
+                   for o in refusals)
+        assert "r" not in service.records
+    finally:
+        for sock in [pull, *service._outputs.values()]:
+            sock.close(0)
+        ctx.term()

@@ -77,6 +77,11 @@ class FakeEngine(threading.Thread):
     ) -> None:
         super().__init__(name=f"fake-{instance_id}", daemon=True)
         self.max_model_len = max_model_len
+        # ``drain(lag_s)``: refuses new requests from then on, as a draining engine does, and says
+        # so in the registry only ``lag_s`` later (a heartbeat that has not landed yet).
+        self.draining_since: float | None = None
+        self.registry_lag_s = 0.0
+        self.num_draining_refusals = 0
         self.cluster_key = cluster_key
         self.role = role
         self.instance_id = instance_id
@@ -110,7 +115,12 @@ class FakeEngine(threading.Thread):
             max_model_len=self.max_model_len,
             num_requests_running=len(self._active),
             started_at=self.started_at,
+            draining=self.draining_since is not None and time.monotonic() - self.draining_since >= self.registry_lag_s,
         )
+
+    def drain(self, registry_lag_s: float = 0.0) -> None:
+        self.registry_lag_s = registry_lag_s
+        self.draining_since = time.monotonic()
 
     def start(self) -> None:
         super().start()
@@ -188,6 +198,13 @@ class FakeEngine(threading.Thread):
 
     def _generate(self, msg: GenerateRequest, replies: dict[str, zmq.Socket], ctx: zmq.Context) -> None:
         if self.mode == "silent":
+            return
+        if self.draining_since is not None:  # refused as the real engines refuse while draining
+            self.num_draining_refusals += 1
+            refusal = RequestOutput(request_id=msg.request_id, new_token_ids=[], finish_reason="error",
+                                    error=f"instance {self.instance_id} is draining", retryable=True, overloaded=True)
+            refusal.instance_id = self.instance_id
+            self._send(replies, ctx, msg.reply_to, refusal)
             return
         if self.mode == "overloaded-once":  # refuses its first request as a full waiting queue does
             self.mode = "ok"

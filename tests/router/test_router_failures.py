@@ -70,6 +70,26 @@ def test_an_overloaded_refusal_is_sent_again_later_and_is_not_a_migration(redis_
         assert 'pdserve:request_migrations_total{where="waiting"} 0.0' in metrics
 
 
+def test_requests_a_draining_instance_refuses_go_elsewhere_before_the_registry_says_so(
+    redis_url: str, prompts: Any
+) -> None:
+    """A rolling restart's window: the decode drains (refusing new requests, as the engines do, as a
+    refusal, not a loss) while the registry still lists it as taking them, for a second. Every
+    request is served by the other decode, none is failed for running out of migrations, and the
+    refusals are no migrations."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with running(redis_url, prompts, cluster_kw={"num_prefill": 0, "num_decode": 2}) as (server, cluster):
+        cluster.engine("decode-0").drain(registry_lag_s=1.0)
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(
+                lambda _: httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=30), range(16)))
+        assert [r.status_code for r in responses] == [200] * 16, [r.text for r in responses if r.status_code != 200]
+        assert cluster.engine("decode-0").num_draining_refusals > 0  # the window was there
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert 'pdserve:request_migrations_total{where="running"} 0.0' in metrics
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_request_lost_midstream_continues_elsewhere_without_a_lost_or_repeated_token(
     redis_url: str, prompts: Any, stream: bool

@@ -211,21 +211,28 @@ class _HermesStream:
         self._inside = False
 
 
-class HermesParser:
+class _Parser:
+    """What the parsers share: ``extract`` runs ``stream`` over the whole text; OpenAI-style ids."""
+
+    def stream(self) -> ToolCallStream:
+        raise NotImplementedError
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        return _collect(self.stream(), text)
+
+    def new_call_id(self) -> str:
+        return openai_call_id()
+
+
+class HermesParser(_Parser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` anywhere in the answer; a tag
     left open at the end is a call when the rest of the answer is one."""
 
     name = "hermes"
     tags: tuple[str, ...] = (_HERMES_OPEN, _HERMES_CLOSE)
 
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        return _collect(self.stream(), text)
-
     def stream(self) -> ToolCallStream:
         return _HermesStream()
-
-    def new_call_id(self) -> str:
-        return openai_call_id()
 
 
 _PYTHON_TAG = "<|python_tag|>"
@@ -291,7 +298,7 @@ class _LlamaStream:
         return [out] if out else []
 
 
-class Llama3JsonParser:
+class Llama3JsonParser(_Parser):
     """The whole answer as one or more ``{"name": ..., "parameters": {...}}`` objects separated by
     ``;``, after an optional ``<|python_tag|>``; anything else is content. A stream that starts
     like calls is held to the end."""
@@ -299,14 +306,21 @@ class Llama3JsonParser:
     name = "llama3_json"
     tags: tuple[str, ...] = ()  # (its <|python_tag|> prefix may be left out of the text: the calls are the same)
 
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        return _collect(self.stream(), text)
-
     def stream(self) -> ToolCallStream:
         return _LlamaStream()
 
-    def new_call_id(self) -> str:
-        return openai_call_id()
+
+def json_array_calls(text: str) -> list[ToolCall] | None:
+    """The calls of a JSON array of ``{"name": ..., "arguments": {...}}`` objects (Mistral's form, and
+    the answer a ``"required"`` tool choice is held to), or None when the text is not one."""
+    try:
+        items = _DECODER.decode(text.strip())
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(items, list) or not items:
+        return None
+    calls = [_call(item, "arguments", "parameters") for item in items]
+    return None if any(c is None for c in calls) else [c for c in calls if c is not None]
 
 
 _MISTRAL_TAG = "[TOOL_CALLS]"
@@ -319,14 +333,7 @@ def _mistral_calls(text: str) -> list[ToolCall] | None:
     text is neither."""
     text = text.strip()
     if text.startswith("["):
-        try:
-            items = _DECODER.decode(text)
-        except (ValueError, RecursionError):
-            return None
-        if not isinstance(items, list) or not items:
-            return None
-        listed = [_call(item, "arguments", "parameters") for item in items]
-        return None if any(c is None for c in listed) else [c for c in listed if c is not None]
+        return json_array_calls(text)
     calls: list[ToolCall] = []
     for part in text.split(_MISTRAL_TAG):
         name, sep, arguments = part.partition(_MISTRAL_ARGS)
@@ -372,16 +379,13 @@ class _MistralStream:
         return events
 
 
-class MistralParser:
+class MistralParser(_Parser):
     """``[TOOL_CALLS]`` and the calls to the end of the answer: a JSON array of ``{"name": ...,
     "arguments": {...}}``, or (v11 tokenizers) ``name[ARGS]{...}``; the text before it is content.
     ``[TOOL_CALLS]`` is a special token: the router keeps special tokens' text for these answers."""
 
     name = "mistral"
     tags: tuple[str, ...] = (_MISTRAL_TAG,)
-
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        return _collect(self.stream(), text)
 
     def stream(self) -> ToolCallStream:
         return _MistralStream()

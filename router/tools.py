@@ -31,7 +31,7 @@ from typing import Any
 from common.sampling_params import MAX_STRUCTURED_OUTPUT_CHARS, StructuredOutput
 from router.errors import bad_request
 from router.openai_responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
-from router.tool_parsers import ToolCall, ToolCallParser, ToolCallStream, openai_call_id
+from router.tool_parsers import ToolCall, ToolCallParser, ToolCallStream, json_array_calls, openai_call_id
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -159,7 +159,7 @@ class ToolPlan:
             assert self.function is not None
             return None, [ToolCall(self.function, text)]
         if self.choice == "required":
-            calls = _required_calls(text)
+            calls = json_array_calls(text)
             return (text, []) if calls is None else (None, calls[: None if self.parallel else 1])
         if self.choice == "auto":
             assert parser is not None
@@ -169,25 +169,6 @@ class ToolPlan:
 
     def finish_reason(self, finish_reason: str | None, called: bool) -> str | None:
         return "tool_calls" if called and finish_reason == "stop" and self.choice in ("auto", "required") else finish_reason
-
-
-def _required_calls(text: str) -> list[ToolCall] | None:
-    """The calls of a ``"required"`` answer (a JSON array of ``{"name", "arguments"}``), or None
-    when it is not one (cut short by ``max_tokens``, say)."""
-    try:
-        items = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(items, list) or not items:
-        return None
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not isinstance(
-            item.get("arguments"), dict
-        ):
-            return None
-        calls.append(ToolCall(item["name"], json.dumps(item["arguments"], ensure_ascii=False)))
-    return calls
 
 
 def tool_calls_out(calls: list[ToolCall], parser: ToolCallParser | None) -> list[ToolCallOut]:

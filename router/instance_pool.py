@@ -74,11 +74,12 @@ class InstancePool:
             except Exception:
                 logger.exception("lease renewal failed")
 
-    async def refresh_soon(self, max_age_s: float = 0.05) -> None:
+    async def refresh_soon(self, max_age_s: float = 0.05, max_wait_s: float = 0.5) -> None:
         """A fresh view for a request about to be sent again after a refusal or a loss: an instance
         that began draining (and said so in the registry) is then passed over, instead of being
         tried again until the next periodic refresh. One read serves the requests that ask at once;
-        a view younger than ``max_age_s`` is kept."""
+        a view younger than ``max_age_s`` is kept; a Redis slower than ``max_wait_s`` is not waited
+        for (the read goes on, and the request with the view it has)."""
         if self._registry is None:
             return
         if self._refreshing is None:
@@ -86,7 +87,8 @@ class InstancePool:
                 return
             self._refreshing = asyncio.ensure_future(self._refresh_logged())
             self._refreshing.add_done_callback(lambda _: setattr(self, "_refreshing", None))
-        await asyncio.shield(self._refreshing)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._refreshing), max_wait_s)
 
     async def _refresh_logged(self) -> None:
         try:

@@ -9,7 +9,6 @@ from fastapi.responses import JSONResponse, Response
 
 from router.chat_answer import AnswerReader, AnswerStream
 from router.choice_stream import ChoiceDelta, ChoiceStream
-from router.errors import bad_request
 from router.logprobs import TokenRenderer, chat_logprobs, prompt_logprobs
 from router.openai_models import (
     ChatCompletionRequest,
@@ -38,29 +37,7 @@ from router.serving import (
 )
 from router.state import RouterState
 from router.structured_output import check_grammar
-from router.tool_parsers import PARSERS
-from router.tools import ToolPlan
-
-
-def _template_tools(state: RouterState, tools: ToolPlan | None) -> list[dict[str, Any]] | None:
-    """The tools the chat template gets; a 400 when the answer is to use them but the model would
-    not see them, or could call them in a format no parser reads."""
-    if tools is None:
-        return None
-    if tools.parsed and not state.prompts.renders_tools:
-        raise bad_request(
-            "this model's chat template does not show the model its tools; start the router with a "
-            "--chat-template that does (chatml-tools, shipped, for ChatML models)",
-            param="tools",
-        )
-    if tools.choice == "auto" and state.tool_parser is None:
-        raise bad_request(
-            "tool_choice 'auto' needs a parser for the chat template's tool-call format, and none is set; "
-            f"start the router with --tool-call-parser ({', '.join(PARSERS)}), or ask for tool_choice "
-            "'required' or a named function",
-            param="tool_choice",
-        )
-    return tools.tools if state.prompts.renders_tools else None
+from router.tools import tools_for_template
 
 
 async def plan_chat(
@@ -70,7 +47,7 @@ async def plan_chat(
     request = parse_request(ChatCompletionRequest, body, limits)
     model = state.check_model(request.model)
     max_model_len = state.max_model_len()
-    template_tools = _template_tools(state, request.tool_plan())
+    template_tools = tools_for_template(state, request.tool_plan())
     structured = request.structured_output()
     if structured is not None:
         await check_grammar(*structured)

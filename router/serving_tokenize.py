@@ -20,6 +20,7 @@ from router.errors import bad_request
 from router.openai_models import ChatMessage, ChatTemplateOptions, parse_request, template_messages
 from router.openapi import error_responses
 from router.state import RouterState
+from router.tools import ToolPlan
 
 
 class _UtilityRequest(BaseModel):
@@ -36,11 +37,14 @@ class TokenizeRequest(_UtilityRequest, ChatTemplateOptions):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages
     return_token_strs: StrictBool = False
+    tools: list[Any] | None = None  # rendered with messages, as a chat completion renders them
 
     def check(self, limits: RequestLimits) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
         self.check_template_options(self.messages)
+        if self.tools and self.messages is None:
+            raise bad_request("tools go with messages", param="tools")
 
 
 class DetokenizeRequest(_UtilityRequest):
@@ -74,9 +78,12 @@ async def tokenize(state: RouterState, body: Any) -> TokenizeResponse:
     state.check_model(request.model)
     prompts = state.prompts
     if request.messages is not None:
+        tools = ToolPlan.from_request(request.tools, "none", None)  # counted, not called: no parser needed
+        if tools is not None and not prompts.renders_tools:
+            raise bad_request("this model's chat template does not render tools (see --chat-template)", param="tools")
         token_ids = await prompts.tokenize_for_count(
             None, template_messages(request.messages), add_special_tokens=bool(request.add_special_tokens),
-            render=request.chat_render(),
+            render=request.chat_render(tools.tools if tools is not None else None),
         )
     else:
         add_special = request.add_special_tokens is None or request.add_special_tokens

@@ -26,12 +26,22 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.sampling_params import MAX_STRUCTURED_OUTPUT_CHARS, StructuredOutput
 from router.errors import bad_request
 from router.openai_responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
-from router.tool_parsers import ToolCall, ToolCallParser, ToolCallStream, json_array_calls, openai_call_id
+from router.tool_parsers import (
+    PARSERS,
+    ToolCall,
+    ToolCallParser,
+    ToolCallStream,
+    json_array_calls,
+    openai_call_id,
+)
+
+if TYPE_CHECKING:
+    from router.state import RouterState
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -169,6 +179,27 @@ class ToolPlan:
 
     def finish_reason(self, finish_reason: str | None, called: bool) -> str | None:
         return "tool_calls" if called and finish_reason == "stop" and self.choice in ("auto", "required") else finish_reason
+
+
+def tools_for_template(state: RouterState, tools: ToolPlan | None) -> list[dict[str, Any]] | None:
+    """The tools the chat template gets; a 400 when the answer is to use them but the model would
+    not see them, or could call them in a format no parser reads."""
+    if tools is None:
+        return None
+    if tools.parsed and not state.prompts.renders_tools:
+        raise bad_request(
+            "this model's chat template does not show the model its tools; start the router with a "
+            "--chat-template that does (chatml-tools, shipped, for ChatML models)",
+            param="tools",
+        )
+    if tools.choice == "auto" and state.tool_parser is None:
+        raise bad_request(
+            "tool_choice 'auto' needs a parser for the chat template's tool-call format, and none is set; "
+            f"start the router with --tool-call-parser ({', '.join(PARSERS)}), or ask for tool_choice "
+            "'required' or a named function",
+            param="tool_choice",
+        )
+    return tools.tools if state.prompts.renders_tools else None
 
 
 def tool_calls_out(calls: list[ToolCall], parser: ToolCallParser | None) -> list[ToolCallOut]:

@@ -236,6 +236,9 @@ def test_refused_where_the_model_would_not_see_the_tools_or_no_parser_reads_them
             response = httpx.post(url, json=body, timeout=10)
             assert response.status_code == 400 and response.json()["error"]["param"] == "tools", response.text
             assert "--chat-template" in response.json()["error"]["message"]
+        tokenize = {"model": SERVED_MODEL, "messages": MESSAGES, "tools": TOOLS}
+        response = httpx.post(f"{plain.url}/tokenize", json=tokenize, timeout=10)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "tools", response.text
         # (no engine: past validation, "none" waits for one and gets 503, not a 400)
         body = {"model": SERVED_MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "none"}
         assert httpx.post(url, json=body, timeout=10).status_code != 400
@@ -245,6 +248,8 @@ def test_refused_where_the_model_would_not_see_the_tools_or_no_parser_reads_them
         response = httpx.post(url, json=body, timeout=10)
         assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice", response.text
         assert "--tool-call-parser" in response.json()["error"]["message"]
+        # Counting needs no parser: the same tools are rendered.
+        assert httpx.post(f"{unparsed.url}/tokenize", json=tokenize, timeout=10).status_code == 200
 
 
 def test_chat_templates_load_by_path_or_name(tmp_path: Any) -> None:
@@ -332,3 +337,17 @@ def test_mistral_calls_behind_a_special_token(redis_url: str, tokenizer: Any, to
                                                                stream=True)
                  for c in chunk.choices for p in c.delta.tool_calls or []]
         assert [(p.function.name, len(p.id or "")) for p in parts if p.function] == [("get_weather", 9)]
+
+
+def test_tokenize_counts_the_tools_as_the_chat_completion_sends_them(
+    client: openai.OpenAI, stack: Any, tokenizer: Any
+) -> None:
+    counted = httpx.post(f"{stack[0].url}/tokenize", json={"model": SERVED_MODEL, "messages": MESSAGES, "tools": TOOLS},
+                         timeout=10)
+    assert counted.status_code == 200, counted.text
+    response = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=5)
+    [sent] = [r for r in stack[1].requests() if r.request_id.startswith(response.id) and r.decode_target is not None]
+    assert counted.json()["tokens"] == list(sent.prompt_token_ids)
+    assert "The local time in a time zone" in tokenizer.decode(counted.json()["tokens"])
+    bad = httpx.post(f"{stack[0].url}/tokenize", json={"model": SERVED_MODEL, "prompt": "hi", "tools": TOOLS}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"

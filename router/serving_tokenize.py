@@ -20,7 +20,7 @@ from router.errors import bad_request
 from router.openai_models import ChatMessage, ChatTemplateOptions, parse_request, template_messages
 from router.openapi import error_responses
 from router.state import RouterState
-from router.tools import ToolPlan
+from router.tools import ToolPlan, require_rendered
 
 
 class _UtilityRequest(BaseModel):
@@ -79,8 +79,8 @@ async def tokenize(state: RouterState, body: Any) -> TokenizeResponse:
     prompts = state.prompts
     if request.messages is not None:
         tools = ToolPlan.from_request(request.tools, "none", None)  # counted, not called: no parser needed
-        if tools is not None and not prompts.renders_tools:
-            raise bad_request("this model's chat template does not render tools (see --chat-template)", param="tools")
+        if tools is not None:
+            require_rendered(prompts)
         token_ids = await prompts.tokenize_for_count(
             None, template_messages(request.messages), add_special_tokens=bool(request.add_special_tokens),
             render=request.chat_render(tools.tools if tools is not None else None),

@@ -42,6 +42,7 @@ from router.tool_parsers import (
 
 if TYPE_CHECKING:
     from router.state import RouterState
+    from router.tokenization import PromptProcessor
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -181,17 +182,23 @@ class ToolPlan:
         return "tool_calls" if called and finish_reason == "stop" and self.choice in ("auto", "required") else finish_reason
 
 
-def tools_for_template(state: RouterState, tools: ToolPlan | None) -> list[dict[str, Any]] | None:
-    """The tools the chat template gets; a 400 when the answer is to use them but the model would
-    not see them, or could call them in a format no parser reads."""
-    if tools is None:
-        return None
-    if tools.parsed and not state.prompts.renders_tools:
+def require_rendered(prompts: PromptProcessor) -> None:
+    """A 400 when the chat template would not show the model the tools it is given."""
+    if not prompts.renders_tools:
         raise bad_request(
             "this model's chat template does not show the model its tools; start the router with a "
             "--chat-template that does (chatml-tools, shipped, for ChatML models)",
             param="tools",
         )
+
+
+def tools_for_template(state: RouterState, tools: ToolPlan | None) -> list[dict[str, Any]] | None:
+    """The tools the chat template gets; a 400 when the answer is to use them but the model would
+    not see them, or could call them in a format no parser reads."""
+    if tools is None:
+        return None
+    if tools.parsed:
+        require_rendered(state.prompts)
     if tools.choice == "auto" and state.tool_parser is None:
         raise bad_request(
             "tool_choice 'auto' needs a parser for the chat template's tool-call format, and none is set; "

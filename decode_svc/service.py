@@ -55,7 +55,7 @@ class DecodeService(EngineService):
             return Refusal(str(exc))
         msg = transfer.request
         if self.draining:
-            return Refusal(f"instance {self.instance_id} is draining")
+            return Refusal(f"instance {self.instance_id} is draining", busy=True)
         try:
             handoff = self.engine.add_remote_request(
                 request_id, msg.prompt_token_ids, transfer.first_token_id, msg.sampling_params,

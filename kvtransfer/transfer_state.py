@@ -29,7 +29,9 @@ class TransferResult:
     On the receiver, ``ok`` hands ``block_ids`` to the engine; a failure has already released them.
     On the sender, any result means the engine may free or reuse its ``block_ids`` again.
     A failure before allocation (refused offer) has no ``block_ids``. ``reason`` is ``ABORTED``
-    exactly when this side's engine called ``abort``.
+    exactly when this side's engine called ``abort``. ``receiver_busy``: the receiving engine refused
+    the offer for a state of its own (draining) before anything was allocated; nothing is wrong with
+    the request, and another receiver may take it.
     """
 
     request_id: str
@@ -43,3 +45,4 @@ class TransferResult:
     bytes_received: int = 0
     bytes_sent: int = 0
     seconds: float = 0.0
+    receiver_busy: bool = False

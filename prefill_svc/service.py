@@ -3,7 +3,9 @@
 Time to first token does not wait for the transfer: the first token leaves for the router the
 step it is sampled, then the request's blocks are handed to the KV sender and freed when the
 sender reports the transfer's end (success or failure). A failed transfer is reported to the
-router as retryable, so it continues the request (prompt + tokens streamed so far) elsewhere.
+router as retryable, so it continues the request (prompt + tokens streamed so far) elsewhere;
+a decode that refused the offer as busy (draining) is reported as a refusal (``overloaded``), which
+the router answers by sending the request again, not by spending a migration.
 """
 
 from __future__ import annotations
@@ -95,9 +97,11 @@ class PrefillService(EngineService):
                 self.metrics.kv_transfer_failures.inc()
                 logger.warning("KV transfer of %s failed: %s", res.request_id, res.reason)
                 for choice_id in group if res.reason != ABORTED else []:  # each continues elsewhere
-                    self.send_output(choice_id, self.error_output(
-                        choice_id, f"KV transfer failed: {res.reason}", "prefill", retryable=True,
-                    ))
+                    failed = self.error_output(choice_id, f"KV transfer failed: {res.reason}", "prefill", retryable=True)
+                    # A decode that refused the offer as busy (draining) is not a loss: the router
+                    # sends the request again elsewhere, as after a full queue, spending no migration.
+                    failed.overloaded = res.receiver_busy
+                    self.send_output(choice_id, failed)
             for choice_id in group:
                 self.forget(choice_id)
         return bool(results)

@@ -19,9 +19,15 @@ class Allocation:
 
 @dataclass(frozen=True)
 class Refusal:
-    """The engine will never take this transfer (a bad or duplicate request): fail it now."""
+    """The engine will not take this transfer: fail it now.
+
+    ``busy``: the refusal is about this engine, not the request (it is draining); the sender is told
+    so, and the request may go to another receiver without counting as lost. Otherwise the engine
+    will never take it (a bad or duplicate request).
+    """
 
     reason: str
+    busy: bool = False
 
 
 class BlockAllocator(Protocol):
@@ -31,7 +37,7 @@ class BlockAllocator(Protocol):
     def allocate_for_transfer(
         self, request_id: str, block_hashes: list[bytes], num_tokens: int, meta: bytes
     ) -> Allocation | Refusal | str:
-        """Take blocks for a transfer; or refuse it for good; or return a reason to defer (pool
+        """Take blocks for a transfer; or refuse it (for now, ``busy``, or for good); or return a reason to defer (pool
         full), and be called again later. ``meta`` is the sender's opaque request description."""
         ...
 

@@ -41,6 +41,7 @@ class Incoming:
     closed: bool = False
     ok: bool = False
     reason: str | None = None
+    busy: bool = False  # refused as busy (``Refusal.busy``): the sender may offer it elsewhere
     finished_at: float = 0.0
     allocation: Allocation | None = None
     released: bool = False
@@ -51,13 +52,14 @@ class Incoming:
     bytes_received: int = 0
     last_event: Any | None = None  # CUDA event of the latest scatter
 
-    def close_locked(self, ok: bool, reason: str | None) -> bool:
+    def close_locked(self, ok: bool, reason: str | None, *, busy: bool = False) -> bool:
         """Close while holding ``lock``; ``False`` if it was already closed."""
         if self.closed:
             return False
         self.closed = True
         self.ok = ok
         self.reason = reason
+        self.busy = busy
         self.state = TransferState.SUCCESS if ok else TransferState.FAILED
         self.finished_at = time.monotonic()
         return True
@@ -74,6 +76,7 @@ class Incoming:
             block_hashes=self.block_hashes,
             meta=self.meta,
             bytes_received=self.bytes_received,
+            receiver_busy=self.busy,
             seconds=(self.finished_at or time.monotonic()) - self.offered_at,
         )
 
@@ -93,10 +96,10 @@ class ReceiverTable:
         self.board = StateBoard()
         self.waker = Waker()
 
-    def close(self, record: Incoming, ok: bool, reason: str | None) -> bool:
+    def close(self, record: Incoming, ok: bool, reason: str | None, *, busy: bool = False) -> bool:
         """Close ``record`` and queue it for the engine; ``False`` if it was already closed."""
         with record.lock:
-            if not record.close_locked(ok, reason):
+            if not record.close_locked(ok, reason, busy=busy):
                 return False
         self.finished.append(record)
         return True

@@ -188,7 +188,7 @@ class KVReceiver:
                 self._table.tell_sender(record, "abort")
             return True
         if isinstance(outcome, Refusal):
-            if self._table.close(record, False, f"refused: {outcome.reason}"):
+            if self._table.close(record, False, f"refused: {outcome.reason}", busy=outcome.busy):
                 self._table.tell_sender(record, "abort")
             return True
         if isinstance(outcome, str):

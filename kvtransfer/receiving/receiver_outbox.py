@@ -58,7 +58,7 @@ class ReceiverOutbox:
     def abort_sender(self, record: Incoming, reason: str) -> None:
         """Tell the sender a transfer failed here; its frames still on the way are then expected."""
         self.remember_closed(record)
-        self.send(record.identity, Abort(request_id=record.request_id, reason=reason[:1024]))
+        self.send(record.identity, Abort(request_id=record.request_id, reason=reason[:1024], busy=record.busy))
 
     def remember_closed(self, record: Incoming) -> None:
         self.recently_closed[record.request_id] = record.identity

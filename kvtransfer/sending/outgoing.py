@@ -39,7 +39,7 @@ class Outgoing:
     def has_frames_to_send(self) -> bool:
         return bool(self.frames) or self.staged is not None
 
-    def result(self, ok: bool, reason: str | None) -> TransferResult:
+    def result(self, ok: bool, reason: str | None, *, receiver_busy: bool = False) -> TransferResult:
         return TransferResult(
             request_id=self.request_id,
             ok=ok,
@@ -51,6 +51,7 @@ class Outgoing:
             meta=self.meta,
             bytes_sent=self.bytes_sent,
             seconds=time.monotonic() - self.started,
+            receiver_busy=receiver_busy,
         )
 
 

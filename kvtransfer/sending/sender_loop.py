@@ -211,7 +211,7 @@ class SenderLoop:
                 else:
                     self._finish(transfer, None)
             elif isinstance(msg, Abort):
-                self._fail(transfer, f"receiver aborted: {msg.reason}", notify=False)
+                self._fail(transfer, f"receiver aborted: {msg.reason}", notify=False, receiver_busy=msg.busy)
             elif isinstance(msg, Defer):
                 logger.debug("receiver %s defers %r: %s", peer.address, msg.request_id, msg.reason)
 
@@ -282,21 +282,21 @@ class SenderLoop:
             if not peer.transfers and now - peer.idle_since > IDLE_PEER_S:
                 self._close_peer(peer)
 
-    def _finish(self, transfer: Outgoing, reason: str | None) -> None:
+    def _finish(self, transfer: Outgoing, reason: str | None, *, receiver_busy: bool = False) -> None:
         peer = self.peers.get(transfer.peer_address)
         if peer is not None and peer.transfers.pop(transfer.request_id, None) is not None:
             peer.idle_since = time.monotonic()
         self.pump.retire(transfer)
-        self.board.finish(transfer.result(reason is None, reason))
+        self.board.finish(transfer.result(reason is None, reason, receiver_busy=receiver_busy))
 
-    def _fail(self, transfer: Outgoing, reason: str, *, notify: bool) -> None:
+    def _fail(self, transfer: Outgoing, reason: str, *, notify: bool, receiver_busy: bool = False) -> None:
         peer = self.peers.get(transfer.peer_address)
         if notify and peer is not None:
             abort = encode(Abort(request_id=transfer.request_id, reason=reason[:1024]))
             with contextlib.suppress(zmq.ZMQError):
                 peer.sock.send(abort, zmq.NOBLOCK)
         logger.info("kv transfer %r to %s failed: %s", transfer.request_id, transfer.peer_address, reason)
-        self._finish(transfer, reason)
+        self._finish(transfer, reason, receiver_busy=receiver_busy)
 
     def _fail_peer(self, peer: Peer, reason: str) -> None:
         for transfer in list(peer.transfers.values()):

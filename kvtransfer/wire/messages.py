@@ -104,11 +104,16 @@ class Done(msgspec.Struct, tag="done", kw_only=True):
 
 
 class Abort(msgspec.Struct, tag="abort", kw_only=True):
-    """Either way: the transfer is over and failed; the receiving side frees its blocks."""
+    """Either way: the transfer is over and failed; the receiving side frees its blocks.
+
+    ``busy`` (R -> S only): the receiver refused the offer for a state of its own (draining), before
+    allocating anything; the request is fine to offer to another receiver.
+    """
 
     version: int = KV_PROTOCOL_VERSION
     request_id: RequestId
     reason: Reason
+    busy: bool = False
 
 
 SenderMessage = Hello | Offer | Data | Abort

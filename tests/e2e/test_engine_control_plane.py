@@ -2,11 +2,13 @@
 
 Real prefill and decode processes and a raw ZMQ client in place of the router. A duplicate id
 fails the duplicate, not the original; a decode target the sender cannot use fails that request
-and the prefill keeps serving; an engine sends progress to the routers it serves.
+and the prefill keeps serving; an engine sends progress to the routers it serves; a draining decode
+refuses a prefill's KV as a refusal, not a loss.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -80,7 +82,8 @@ def engines() -> Iterator[tuple[Stack, dict[str, Any]]]:
     redis = RedisServer()
     s = Stack(redis_url=redis.url, model=model_path())
     s.start_engine("prefill", "prefill-c")
-    s.start_engine("decode", "decode-c")
+    # Time enough to drain that the last test sees it draining on a loaded host (it ends the drain).
+    s.start_engine("decode", "decode-c", ["--drain-timeout", "300"])
     try:
         yield s, s.wait_registered(2)
     finally:
@@ -200,3 +203,41 @@ def test_engines_say_they_run_a_request_before_its_first_output(engines, router)
     for instance in ("prefill-c", "decode-c"):  # each over its own socket: in order per instance
         from_it = [what for what, source in seen if source == instance]
         assert from_it[0] == "started" and from_it.count("started") == 1 and len(from_it) > 1, seen
+
+
+def test_a_draining_decode_refuses_the_prefill_s_kv_as_a_refusal_not_a_loss(engines, router):  # type: ignore[no-untyped-def]
+    """The router's view lags a drain: the KV a prefill offers a draining decode is refused as busy,
+    and the prefill reports it as a refusal (``overloaded``), so the router sends the request again
+    elsewhere without spending one of its few migrations. Both pools get their blocks back. Last
+    in this module: the decode exits."""
+    s, infos = engines
+    prefill, decode = infos["prefill-c"], infos["decode-c"]
+    registry = Registry(s.redis_url)
+
+    def view(name: str) -> Any:
+        return next(i for i in registry.instances() if i.instance_id == name)
+
+    holder = GenerateRequest(request_id="holder", prompt_token_ids=list(prompt_ids()[0]), reply_to=router.address,
+                             sampling_params=SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True))
+    router.send(decode.control_address, holder)  # keeps the decode draining until it is aborted
+    deadline = time.monotonic() + 120
+    while view("decode-c").num_blocks_in_use == 0:
+        assert time.monotonic() < deadline, "the holder never ran"
+        time.sleep(0.2)
+    s.procs["decode-c"].popen.send_signal(signal.SIGTERM)
+    while not view("decode-c").draining:
+        assert time.monotonic() < deadline, "the decode never said it drains"
+        time.sleep(0.1)
+    request = _request("offered", router.address,
+                       decode_target=DecodeTarget(instance_id=decode.instance_id, kv_address=decode.kv_address))
+    router.send(prefill.control_address, request)
+    outs = router.until_finished("offered")
+    first, refusal = outs[0], outs[-1]
+    assert first.phase == "prefill" and len(first.new_token_ids) == 1, outs
+    assert refusal.finish_reason == "error" and refusal.retryable and refusal.overloaded, refusal
+    assert "draining" in (refusal.error or "") and refusal.instance_id == "prefill-c", refusal
+    router.send(decode.control_address, AbortRequest(request_id="holder"))
+    assert s.procs["decode-c"].popen.wait(120) == 0, s.procs["decode-c"].log()
+    while view("prefill-c").num_blocks_in_use > 0:
+        assert time.monotonic() < deadline + 120, "the prefill kept the refused request's blocks"
+        time.sleep(0.2)

@@ -41,6 +41,7 @@ def _result(r: TransferResult) -> dict[str, Any]:
         "bytes_sent": r.bytes_sent,
         "bytes_received": r.bytes_received,
         "meta": r.meta.hex(),
+        "receiver_busy": r.receiver_busy,
     }
 
 

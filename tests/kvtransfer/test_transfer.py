@@ -312,9 +312,9 @@ class _RefusingPool(BlockPool):
     """Refuses for good any request whose meta says so (as the engine does a bad or duplicate one)."""
 
     def allocate_for_transfer(self, request_id, block_hashes, num_tokens, meta=b""):  # type: ignore[no-untyped-def]
-        if meta == b"refuse me":
+        if meta in (b"refuse me", b"busy"):
             self.calls.append(f"refuse {request_id}")
-            return Refusal("the engine will not take it")
+            return Refusal("the engine will not take it", busy=meta == b"busy")
         return super().allocate_for_transfer(request_id, block_hashes, num_tokens, meta)
 
 
@@ -334,7 +334,27 @@ def test_a_refused_offer_fails_at_once_on_both_sides_without_blocks(peer: PeerPr
         assert time.monotonic() - started < 10
         assert not result.ok and "the engine will not take it" in (result.reason or "")
         assert not sent["ok"]
+        assert not result.receiver_busy and not sent["receiver_busy"]  # a refusal for good
         assert pool.calls == ["refuse no"] and pool.is_clean()
+    peer.call("close", name=name)
+
+
+def test_an_offer_refused_as_busy_says_so_on_both_sides(peer: PeerProcess) -> None:
+    """A draining engine refuses for a state of its own: the sender learns the request itself is
+    fine (its engine sends it elsewhere without counting a loss)."""
+    name = "refused-busy"
+    start_sender(peer, name)
+    kv_cache = make_kv_cache({**SMALL, "seed": 2})
+    pool = _RefusingPool(SMALL["num_blocks"], BLOCK_SIZE)
+    receiver = KVReceiver("tcp://127.0.0.1:0", kv_cache, KVLayout.from_kv_cache(kv_cache, "m"), pool,
+                          timeout_s=60, defer_timeout_s=60)
+    with receiver:
+        send(peer, name, "later", receiver.address, [1, 2], 8, meta=b"busy")
+        [result] = poll_until(receiver)
+        [sent] = peer.wait_results(name)
+        assert not result.ok and result.receiver_busy and result.block_ids == []
+        assert not sent["ok"] and sent["receiver_busy"] and "the engine will not take it" in sent["reason"]
+        assert pool.calls == ["refuse later"] and pool.is_clean()
     peer.call("close", name=name)
 
 

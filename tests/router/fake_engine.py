@@ -50,6 +50,8 @@ class FakeEngine(threading.Thread):
     choice 1 of an n > 1 request) or "stall-once" (after its third token, the first request
     it streams gets nothing more, while the engine stays registered, as a step that never ends) or
     "overloaded-once" (refuses its first request as overloaded, as a full waiting queue does) or
+    "kv-busy-once" (a prefill: after the first token of its first request, that request fails as
+    refused, as when the decode it offers the KV to is draining) or
     "restart-once" (after its third token, the first request it streams is forgotten, as by a
     process restarted under the same id: the registry entry gets a new ``started_at``, and nothing
     else tells the router). A continued request (``output_token_ids``) resumes
@@ -231,6 +233,14 @@ class FakeEngine(threading.Thread):
         # Prefill: the first token now, then hand over to the decode instance.
         active = _Active(msg, resumed, "prefill")
         self._emit(active, replies, ctx)
+        if self.mode == "kv-busy-once":
+            self.mode = "ok"
+            refused = RequestOutput(request_id=msg.request_id, new_token_ids=[], finish_reason="error",
+                                    error="KV transfer failed: refused: instance decode-0 is draining",
+                                    phase="prefill", retryable=True, overloaded=True)
+            refused.instance_id = self.instance_id
+            self._send(replies, ctx, msg.reply_to, refused)
+            return
         if active.produced < self._limit(msg):
             self.peers[msg.decode_target.instance_id].handoffs.put((msg, active.produced))
 

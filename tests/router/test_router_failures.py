@@ -70,6 +70,25 @@ def test_an_overloaded_refusal_is_sent_again_later_and_is_not_a_migration(redis_
         assert 'pdserve:request_migrations_total{where="waiting"} 0.0' in metrics
 
 
+def test_kv_a_draining_decode_refused_after_the_first_token_is_sent_again_from_there_not_migrated(
+    redis_url: str, prompts: Any
+) -> None:
+    """The prefill streamed the first token, then the decode refused its KV as draining: the
+    request goes again with that token as output so far, and the client sees one unbroken answer."""
+    with running(redis_url, prompts, cluster_kw={"mode": "kv-busy-once", "num_prefill": 1}) as (server, cluster):
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=10)
+        assert response.status_code == 200, response.text
+        content = response.json()["choices"][0]["message"]["content"]
+        reference = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=10).json()["choices"][0]
+        assert content == reference["message"]["content"] == " one two three four five"
+        first, again = [r for r in cluster.requests() if r.decode_target is not None][:2]
+        assert again.request_id == first.request_id + ".r1"
+        assert again.output_token_ids == cluster.engine("prefill-0").reply_tokens[:1]
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert 'pdserve:request_migrations_total{where="running"} 0.0' in metrics
+        assert 'pdserve:request_migrations_total{where="waiting"} 0.0' in metrics
+
+
 def test_requests_a_draining_instance_refuses_go_elsewhere_before_the_registry_says_so(
     redis_url: str, prompts: Any
 ) -> None:

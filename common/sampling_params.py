@@ -15,13 +15,14 @@ MAX_LOGIT_BIAS_VALUE = 100.0
 # ``MAX_MESSAGE_BYTES``, which leaves 1 MiB beside the token ids).
 MAX_STRUCTURED_OUTPUT_CHARS = 1 << 16
 
-StructuredOutputKind = Literal["json_object", "json_schema", "regex", "choice"]
+StructuredOutputKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
 
 
 class StructuredOutput(msgspec.Struct, kw_only=True, frozen=True):
     """What the output must match: ``json_object`` (any JSON object; ``spec`` is empty),
     ``json_schema`` (``spec`` is the schema as JSON text), ``regex`` (``spec`` is the pattern) or
-    ``choice`` (``spec`` is a JSON list of the allowed strings). Hashable: engines cache the
+    ``choice`` (``spec`` is a JSON list of the allowed strings) or ``grammar`` (``spec`` is an EBNF
+    grammar in xgrammar's dialect, GBNF's: ``name ::= ...`` rules from ``root``). Hashable: engines cache the
     compiled grammar under it."""
 
     kind: StructuredOutputKind

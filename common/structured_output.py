@@ -1,4 +1,5 @@
-"""Structured output's grammars: a JSON schema, a regex or a list of choices as an xgrammar ``Grammar``.
+"""Structured output's grammars: a JSON schema, a regex, a list of choices or an EBNF grammar as an
+xgrammar ``Grammar``.
 
 The router builds a request's grammar to refuse a bad schema with a 400; each engine builds it again
 to compile it against its tokenizer (``common/engine/grammar.py``), trusting no router. xgrammar
@@ -65,6 +66,13 @@ def build_grammar(so: StructuredOutput) -> xgrammar.Grammar:
             return xgr.Grammar.from_json_schema(so.spec, any_whitespace=False, strict_mode=True)
         if so.kind == "regex":
             return xgr.Grammar.from_regex(so.spec)
+        if so.kind == "grammar":
+            if "::=" not in so.spec:  # say, a Lark grammar (``rule: ...``), which is not converted
+                raise ValueError(
+                    "the grammar must be EBNF in the GBNF form (rules `name ::= ...`, starting from `root`); "
+                    "Lark grammars are not converted"
+                )
+            return xgr.Grammar.from_ebnf(so.spec)
         choices = json.loads(so.spec)
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
             raise ValueError("choice must be a non-empty list of strings")

@@ -43,8 +43,6 @@ class StreamOptions(BaseModel):
 # vLLM's extras this server does not implement, each with the value that asks for nothing: any other
 # value is refused, not ignored.
 _NOT_IMPLEMENTED_EXTRAS: dict[str, Any] = {
-    "guided_grammar": None,
-    "structured_outputs": None,
     "allowed_token_ids": None,
     "bad_words": None,
     "logits_processors": None,
@@ -87,6 +85,8 @@ class _GenerationRequest(BaseModel):
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None  # vLLM's newer form of the guided_* fields
     # The prompt tokens' logprobs with this many top alternatives (vLLM's extra; not with stream).
     prompt_logprobs: int | None = Field(default=None, ge=-(2**31), le=2**31)
     # How tokens become text (vLLM's extras): the matched stop string (or stop token's text) kept at
@@ -98,8 +98,6 @@ class _GenerationRequest(BaseModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31)
     # vLLM extras not implemented (``_NOT_IMPLEMENTED_EXTRAS``): declared so that they are refused,
     # not silently ignored
-    guided_grammar: Any = None
-    structured_outputs: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
@@ -154,7 +152,8 @@ class _GenerationRequest(BaseModel):
         if any(not (key.isascii() and key.isdigit()) for key in self.logit_bias or ()):
             raise bad_request("logit_bias keys must be token ids (non-negative integers)", param="logit_bias")
         self._structured = structured_output.from_request(
-            self.response_format, {name: getattr(self, name) for name in structured_output.GUIDED_FIELDS}
+            self.response_format,
+            {name: getattr(self, name) for name in (*structured_output.GUIDED_FIELDS, "structured_outputs")},
         )
         for name, nothing in _NOT_IMPLEMENTED_EXTRAS.items():
             value = getattr(self, name)

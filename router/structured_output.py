@@ -1,5 +1,6 @@
 """Structured-output fields of a request (OpenAI's ``response_format``, vLLM's ``guided_json``,
-``guided_regex``, ``guided_choice``) as the one ``StructuredOutput`` the engines enforce.
+``guided_regex``, ``guided_choice``, ``guided_grammar`` and their newer form, the ``structured_outputs``
+object) as the one ``StructuredOutput`` the engines enforce.
 
 ``from_request`` reads the fields (400 for a malformed or second one); ``check_grammar`` builds the
 grammar in a worker thread, so an invalid schema or regex is a 400 here and never reaches an engine
@@ -17,7 +18,14 @@ from common.sampling_params import MAX_STRUCTURED_OUTPUT_CHARS, StructuredOutput
 from common.structured_output import build_grammar
 from router.errors import bad_request
 
-GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice")
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# vLLM's ``structured_outputs`` object: its keys that constrain the output, as the ``guided_*`` field
+# each one means.
+_STRUCTURED_OUTPUTS_KEYS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                            "grammar": "guided_grammar"}
+# Its keys that tune a backend and ask nothing this one does not do: JSON never has free whitespace
+# here and an object schema admits no properties it does not list; there is no fallback backend.
+_STRUCTURED_OUTPUTS_TUNING = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
 
 
 def _schema_text(schema: Any, param: str) -> str:
@@ -53,34 +61,65 @@ def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
     return StructuredOutput(kind="json_schema", spec=_schema_text(spec["schema"], "response_format"))
 
 
+def _guided(field: str, value: Any, param: str) -> StructuredOutput:
+    """``value`` of the ``guided_*`` field ``field`` (or the ``structured_outputs`` key meaning it,
+    named ``param``) as a ``StructuredOutput``."""
+    if field == "guided_json":
+        return StructuredOutput(kind="json_schema", spec=_schema_text(value, param))
+    if field == "guided_choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise bad_request(f"{param} must be a non-empty list of strings", param=param)
+        return StructuredOutput(kind="choice", spec=json.dumps(value, ensure_ascii=False))
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{param} must be a non-empty string", param=param)
+    return StructuredOutput(kind="regex" if field == "guided_regex" else "grammar", spec=value)
+
+
+def _structured_outputs(value: Any) -> list[tuple[StructuredOutput, str]]:
+    """What vLLM's ``structured_outputs`` object asks for: a key not implemented gets a 400 naming it."""
+    if not isinstance(value, dict):
+        raise bad_request("structured_outputs must be an object", param="structured_outputs")
+    found = []
+    for key, item in value.items():
+        param = f"structured_outputs.{key}"
+        if key in _STRUCTURED_OUTPUTS_KEYS:
+            if item is not None:
+                found.append((_guided(_STRUCTURED_OUTPUTS_KEYS[key], item, param), param))
+        elif key == "json_object":
+            if not isinstance(item, bool) and item is not None:
+                raise bad_request(f"{param} must be a boolean", param=param)
+            if item:
+                found.append((StructuredOutput(kind="json_object"), param))
+        elif key in _STRUCTURED_OUTPUTS_TUNING:
+            if not isinstance(item, bool) and item is not None:
+                raise bad_request(f"{param} must be a boolean", param=param)
+        elif item is not None:  # structural_tag, whitespace_pattern, and what this server does not know
+            raise bad_request(f"{param} is not implemented", param=param)
+    return found
+
+
 def from_request(
     response_format: dict[str, Any] | None, guided: dict[str, Any]
 ) -> tuple[StructuredOutput, str] | None:
     """The request's structured output and the field that asked for it, or None; a 400 naming the
-    field when it is malformed, too large, or not the only one."""
+    field when it is malformed, too large, or not the only one. ``guided``: the ``guided_*`` fields
+    and ``structured_outputs``."""
     found: list[tuple[StructuredOutput, str]] = []
     if response_format is not None:
         so = _response_format(response_format)
         if so is not None:
             found.append((so, "response_format"))
-    if guided.get("guided_json") is not None:
-        found.append((StructuredOutput(kind="json_schema", spec=_schema_text(guided["guided_json"], "guided_json")),
-                      "guided_json"))
-    regex = guided.get("guided_regex")
-    if regex is not None:
-        if not isinstance(regex, str) or not regex:
-            raise bad_request("guided_regex must be a non-empty string", param="guided_regex")
-        found.append((StructuredOutput(kind="regex", spec=regex), "guided_regex"))
-    choice = guided.get("guided_choice")
-    if choice is not None:
-        if not isinstance(choice, list) or not choice or not all(isinstance(c, str) for c in choice):
-            raise bad_request("guided_choice must be a non-empty list of strings", param="guided_choice")
-        found.append((StructuredOutput(kind="choice", spec=json.dumps(choice, ensure_ascii=False)), "guided_choice"))
+    for field in GUIDED_FIELDS:
+        if guided.get(field) is not None:
+            found.append((_guided(field, guided[field], field), field))
+    if guided.get("structured_outputs") is not None:
+        found += _structured_outputs(guided["structured_outputs"])
     if not found:
         return None
     if len(found) > 1:
         raise bad_request(
-            f"only one of response_format, {', '.join(GUIDED_FIELDS)} may constrain the output",
+            f"only one of response_format, {', '.join(GUIDED_FIELDS)} or a key of structured_outputs may "
+            "constrain the output",
             param=found[1][1],
         )
     so, param = found[0]

@@ -76,6 +76,13 @@ def test_guided_fields_and_json_object_on_completions(client):  # type: ignore[n
                                        extra_body={"guided_json": SCHEMA})
     for c in guided.choices:
         jsonschema.validate(json.loads(c.text), SCHEMA)
+    grammar = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0.7, seed=2,
+                                        extra_body={"guided_grammar": 'root ::= ("Yes" | "No") ", " [a-z]+ "."'})
+    assert re.fullmatch(r"(Yes|No), [a-z]+\.", grammar.choices[0].text), grammar.choices[0].text
+    newer = client.chat.completions.create(  # vLLM's newer form of the same fields
+        model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=10, temperature=0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"], "disable_any_whitespace": True}})
+    assert newer.choices[0].message.content in {"yes", "no"}
     obj = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=60,
                                          temperature=0, response_format={"type": "json_object"})
     assert isinstance(json.loads(obj.choices[0].message.content), dict)

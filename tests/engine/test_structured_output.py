@@ -90,6 +90,47 @@ def test_json_object_regex_and_choice(engine_factory):  # type: ignore[no-untype
     assert set(reasons.values()) == {"stop"}
 
 
+# A sum of small numbers, spaced as written: text a regex could not pin to this shape's recursion.
+SUM_GRAMMAR = """root ::= sum "."
+sum ::= term (" + " term)*
+term ::= [1-9] [0-9]? | "(" sum ")"
+"""
+
+
+def _is_sum(text: str) -> bool:
+    """Whether ``text`` is in ``SUM_GRAMMAR``'s language (recursive descent)."""
+    term = re.compile(r"[1-9][0-9]?")
+
+    def parse_sum(i: int) -> int | None:  # the index after a sum starting at i, or None
+        i = parse_term(i)  # type: ignore[assignment]
+        while i is not None and text.startswith(" + ", i):
+            i = parse_term(i + 3)  # type: ignore[assignment]
+        return i
+
+    def parse_term(i: int) -> int | None:
+        if text.startswith("(", i):
+            end = parse_sum(i + 1)
+            return end + 1 if end is not None and text.startswith(")", end) else None
+        m = term.match(text, i)
+        return m.end() if m else None
+
+    end = parse_sum(0)
+    return end is not None and text[end:] == "."
+
+
+def test_an_ebnf_grammar_holds_the_output_to_its_language(engine_factory):  # type: ignore[no-untyped-def]
+    assert _is_sum("(1 + 23) + 4.") and not _is_sum("(1 + 2.") and not _is_sum("1 +2.")  # the checker itself
+    engine = engine_factory()
+    spec = StructuredOutput(kind="grammar", spec=SUM_GRAMMAR)
+    engine.add_request("free", _chat("Write a sum of three numbers."), _params(None, max_tokens=24))
+    engine.add_request("sum", _chat("Write a sum of three numbers."), _params(spec, max_tokens=48))
+    tokens, reasons = drain_tokens(engine)
+    text = _text(tokens["sum"])
+    assert reasons["sum"] == "stop" and text.endswith("."), text
+    assert _is_sum(text), text
+    assert _text(tokens["free"]) != text  # the grammar really changed the output
+
+
 def test_the_grammar_ends_the_request_even_with_ignore_eos(engine_factory):  # type: ignore[no-untyped-def]
     engine = engine_factory()
     spec = StructuredOutput(kind="choice", spec=json.dumps(["yes", "no"]))

@@ -24,8 +24,6 @@ def server(prompts: Any) -> Iterator[RouterServer]:
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [
-        (CHAT, "guided_grammar", "root ::= 'a'"),
-        (CHAT, "structured_outputs", {"json": {"type": "object"}}),
         (COMPLETIONS, "allowed_token_ids", [1, 2]),
         (CHAT, "bad_words", ["no"]),
         (COMPLETIONS, "logits_processors", ["x"]),

@@ -97,6 +97,17 @@ BAD_REQUESTS = [
     (CHAT, chat(response_format={"type": "json_object"}, guided_json={"type": "object"}), "guided_json"),
     (CHAT, chat(guided_json=json.loads('{"type": "array", "items": ' * 70 + "{}" + "}" * 70)), "guided_json"),
     (CHAT, chat(guided_json="[" * 20_000 + "]" * 20_000), "guided_json"),
+    (COMPLETIONS, completion(guided_grammar='root ::= "a" undefined'), "guided_grammar"),
+    (COMPLETIONS, completion(guided_grammar='start: "a"'), "guided_grammar"),  # Lark: not converted
+    (COMPLETIONS, completion(guided_grammar='expr ::= "a"'), "guided_grammar"),  # no root rule
+    (COMPLETIONS, completion(guided_grammar=""), "guided_grammar"),
+    (CHAT, chat(structured_outputs="json"), "structured_outputs"),
+    (CHAT, chat(structured_outputs={"regex": "[a-"}), "structured_outputs.regex"),
+    (CHAT, chat(structured_outputs={"choice": ["a"], "grammar": 'root ::= "a"'}), "structured_outputs.grammar"),
+    (CHAT, chat(structured_outputs={"json_object": "yes"}), "structured_outputs.json_object"),
+    (CHAT, chat(structured_outputs={"structural_tag": "{}"}), "structured_outputs.structural_tag"),
+    (CHAT, chat(structured_outputs={"whitespace_pattern": " "}), "structured_outputs.whitespace_pattern"),
+    (CHAT, chat(structured_outputs={"json": {"type": "object"}}, guided_regex="a"), "structured_outputs.json"),
     (CHAT, chat(tools=[{"type": "function"}]), "tools"),
     (CHAT, chat(stream="yes"), "stream"),
     (COMPLETIONS, {"model": SERVED_MODEL}, "prompt"),

@@ -11,6 +11,9 @@ MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's own limit
 MAX_LOGIT_BIAS_VALUE = 100.0
+MAX_ALLOWED_TOKEN_IDS = 1 << 16  # about 200 KB on the wire at most
+MAX_BAD_WORDS = 256  # token sequences (a word may give two: with and without a space before it)
+MAX_BAD_WORD_TOKENS = 64
 # A JSON schema, regex or list of choices as it travels to the engines (one message is at most
 # ``MAX_MESSAGE_BYTES``, which leaves 1 MiB beside the token ids).
 MAX_STRUCTURED_OUTPUT_CHARS = 1 << 16
@@ -52,6 +55,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
         default_factory=dict
     )
     structured_output: StructuredOutput | None = None
+    # vLLM's: only these tokens may be sampled (None: any).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's ``bad_words`` as token sequences (the router tokenizes them): a sequence's last token is
+    # banned wherever the output so far ends with the rest of it (a one-token sequence, everywhere).
+    bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
 
     @property
     def greedy(self) -> bool:
@@ -94,6 +102,21 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
                 raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}), got {token_id}")
             if not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not 1 <= len(allowed) <= MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids must hold 1 to {MAX_ALLOWED_TOKEN_IDS} ids, got {len(allowed)}")
+            if vocab_size is not None and any(not 0 <= t < vocab_size for t in allowed):
+                raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab_size})")
+            if self.min_tokens > 0 and set(allowed) <= set(self.stop_token_ids):
+                raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens bans: no token is left")
+        if len(self.bad_words_token_ids) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words gives at most {MAX_BAD_WORDS} token sequences, got {len(self.bad_words_token_ids)}")
+        for word in self.bad_words_token_ids:
+            if not 1 <= len(word) <= MAX_BAD_WORD_TOKENS:
+                raise ValueError(f"bad_words must each be 1 to {MAX_BAD_WORD_TOKENS} tokens, got {len(word)}")
+            if vocab_size is not None and any(not 0 <= t < vocab_size for t in word):
+                raise ValueError(f"bad_words token ids must be in [0, {vocab_size})")
         so = self.structured_output
         if so is not None and len(so.spec) > MAX_STRUCTURED_OUTPUT_CHARS:
             raise ValueError(f"structured_output spec holds at most {MAX_STRUCTURED_OUTPUT_CHARS} characters")

@@ -18,6 +18,8 @@ from pydantic import (
     Field,
     PrivateAttr,
     StrictBool,
+    StrictInt,
+    StrictStr,
     TypeAdapter,
     ValidationError,
     ValidatorFunctionWrapHandler,
@@ -25,7 +27,14 @@ from pydantic import (
 )
 
 from common.protocol import MAX_PROMPT_LOGPROB_ENTRIES
-from common.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
+from common.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutput,
+)
 from router import structured_output
 from router.choice_stream import TextOptions
 from router.config import RequestLimits
@@ -43,8 +52,6 @@ class StreamOptions(BaseModel):
 # vLLM's extras this server does not implement, each with the value that asks for nothing: any other
 # value is refused, not ignored.
 _NOT_IMPLEMENTED_EXTRAS: dict[str, Any] = {
-    "allowed_token_ids": None,
-    "bad_words": None,
     "logits_processors": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
@@ -96,10 +103,11 @@ class _GenerationRequest(BaseModel):
     # Only the prompt's last k tokens are kept (-1: as many as the context holds); a longer prompt is
     # cut to them instead of refused.
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31)
+    # Only these tokens may be sampled; these words may not be written (vLLM's extras).
+    allowed_token_ids: list[StrictInt] | None = Field(default=None, max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[StrictStr] | None = Field(default=None, max_length=MAX_BAD_WORDS // 2)
     # vLLM extras not implemented (``_NOT_IMPLEMENTED_EXTRAS``): declared so that they are refused,
     # not silently ignored
-    allowed_token_ids: Any = None
-    bad_words: Any = None
     logits_processors: Any = None
     use_beam_search: Any = False
     length_penalty: Any = 1.0
@@ -198,9 +206,11 @@ class _GenerationRequest(BaseModel):
                 )
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, eos_token_id: int | None, vocab_size: int
+        self, max_tokens: int, logprobs: int | None, eos_token_id: int | None, vocab_size: int,
+        bad_words_token_ids: list[list[int]] | None = None,
     ) -> SamplingParams:
-        """SamplingParams for one engine request (n=1; the router fans out ``n`` itself)."""
+        """SamplingParams for one engine request (n=1; the router fans out ``n`` itself);
+        ``bad_words_token_ids``: ``bad_words`` tokenized (``PromptProcessor.bad_word_sequences``)."""
         stop_token_ids = list(self.stop_token_ids or [])
         if eos_token_id is not None and not self.ignore_eos and eos_token_id not in stop_token_ids:
             stop_token_ids.append(eos_token_id)
@@ -222,6 +232,8 @@ class _GenerationRequest(BaseModel):
             prompt_logprobs=self.engine_prompt_logprobs(),
             logit_bias={int(key): bias for key, bias in (self.logit_bias or {}).items()},
             structured_output=self._structured[0] if self._structured is not None else None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words_token_ids=bad_words_token_ids or [],
         )
         try:
             params.validate(vocab_size=vocab_size)

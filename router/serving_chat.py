@@ -60,7 +60,8 @@ async def plan_chat(
     )
     check_total_tokens(request.n, [max_tokens], limits)
     params = request.sampling_params(
-        max_tokens, request.requested_logprobs(), state.prompts.eos_token_id, state.prompts.vocab_size
+        max_tokens, request.requested_logprobs(), state.prompts.eos_token_id, state.prompts.vocab_size,
+        state.prompts.bad_word_sequences(request.bad_words),
     )
     check_prompt_logprobs(params, len(prompt))
     reader = answer_reader(state, request)

@@ -58,13 +58,14 @@ async def plan_completion(
     prompts = [request.truncated(prompt_ids, max_model_len) for prompt_ids in prompts]
     params = []
     by_max_tokens: dict[int, SamplingParams] = {}  # frozen: prompts with one max_tokens share them
+    bad_words = state.prompts.bad_word_sequences(request.bad_words)
     for prompt_ids in prompts:
         max_tokens = check_max_tokens(
             request.max_tokens, len(prompt_ids), max_model_len, DEFAULT_MAX_TOKENS, "prompt"
         )
         if max_tokens not in by_max_tokens:
             by_max_tokens[max_tokens] = request.sampling_params(
-                max_tokens, request.logprobs, state.prompts.eos_token_id, state.prompts.vocab_size
+                max_tokens, request.logprobs, state.prompts.eos_token_id, state.prompts.vocab_size, bad_words
             )
         params.append(by_max_tokens[max_tokens])
     check_total_tokens(request.n, [p.max_tokens for p in params], limits)

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 2048
 MAX_PROMPT_CHARS = 4 << 20
+MAX_BAD_WORD_CHARS = 256
 DEFAULT_TOKENIZER_THREADS = min(4, os.cpu_count() or 1)  # per lane: short texts, long texts
 LONG_TEXT_CHARS = 64 << 10  # from here on a text takes tens of milliseconds or more to tokenize
 # Below this a text is tokenized on the event loop: the hop to a worker thread and back costs the
@@ -181,6 +182,25 @@ class PromptProcessor:
         if not token_ids:  # every character was one the tokenizer drops
             raise bad_request("prompt has no tokens", param=param)
         return token_ids
+
+    def bad_word_sequences(self, words: list[str] | None) -> list[list[int]]:
+        """The token sequences ``bad_words`` ban (vLLM's rule): each word as it starts a text, and
+        again after a space where that makes other tokens of the same number (the word in the middle
+        of a text); leading whitespace of a word is dropped. Short texts: tokenized where called."""
+        sequences: list[list[int]] = []
+        for word in words or ():
+            word = word.lstrip()
+            if not word or len(word) > MAX_BAD_WORD_CHARS:
+                raise bad_request(f"each of bad_words must be 1 to {MAX_BAD_WORD_CHARS} characters (leading "
+                                  "whitespace dropped)", param="bad_words")
+            alone = list(self.tokenizer.encode(word, add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word, add_special_tokens=False))
+            if not alone:
+                raise bad_request(f"bad word {word!r} has no tokens", param="bad_words")
+            sequences.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        return sequences
 
     def check_token_ids(self, token_ids: Sequence[int], param: str = "prompt") -> list[int]:
         if not token_ids:

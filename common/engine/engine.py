@@ -24,7 +24,7 @@ from common.engine.grammar import GrammarCache, GrammarState
 from common.engine.host_tensors import long_tensor
 from common.engine.model_runner import ModelRunner
 from common.engine.request import FINISHED, Request, RequestStatus
-from common.engine.sampler import SampledTokens, Sampler
+from common.engine.sampler import NO_TOKEN_ERROR, SampledTokens, Sampler
 from common.engine.scheduler import Scheduler, SchedulerOutput
 from common.glibc_env import set_malloc_thresholds
 from common.kvcache.block_pool import KVBlock
@@ -107,6 +107,7 @@ logger = logging.getLogger(__name__)
 # A transfer may be reading or writing these requests' blocks: only ``release_kv`` frees them.
 _TRANSFER_STATES = (RequestStatus.HELD_FOR_TRANSFER, RequestStatus.WAITING_FOR_REMOTE_KV)
 NOT_FINITE_ERROR = "the model's logits for this request were not finite (NaN or infinity)"
+NOT_FINITE = -1  # the sampled id of a row whose logits were not finite (``SampledTokens.result``)
 
 _FINISHED = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -506,15 +507,17 @@ class LLMEngine:
         check_stop = self._check_stop
         for req, token, lp in zip(launched.requests, result.token_ids, result.logprobs, strict=True):
             if req.status >= FINISHED:  # aborted while in flight: the token is dropped
-                if token < 0:
+                if token == NOT_FINITE:
                     self._scrub_freed(freed.get(req.request_id, ()))
                 continue
-            if token < 0:  # the model's logits for it were not finite: it fails, the batch goes on
+            if token < 0:  # no token: it fails, the batch goes on
                 req.drop_placeholder()
-                self._scrub_kv(req)
-                self._scrub_freed(freed.get(req.request_id, ()))  # async: preempted while in flight
+                if token == NOT_FINITE:  # the model's logits for it were not finite: so may its KV be
+                    self._scrub_kv(req)
+                    self._scrub_freed(freed.get(req.request_id, ()))  # async: preempted while in flight
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-                outputs.append(self._output(req, [], None, "error", NOT_FINITE_ERROR))
+                error = NOT_FINITE_ERROR if token == NOT_FINITE else NO_TOKEN_ERROR  # its bans left none
+                outputs.append(self._output(req, [], None, "error", error))
                 continue
             if req.has_placeholder:  # async: the one this row left (a request holds at most one)
                 # Before the next step's progress is marked: a block this token fills is cached

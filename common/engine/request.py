@@ -81,6 +81,7 @@ class Request:
         self.plain_greedy = (
             p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.logit_bias
             and not p.presence_penalty and not p.frequency_penalty and p.min_tokens == 0
+            and p.allowed_token_ids is None and not p.bad_words_token_ids
         )
         self.cache_salt = cache_salt
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

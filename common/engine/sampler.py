@@ -1,5 +1,5 @@
-"""Token sampling for a whole batch at once: logit bias, grammars, penalties, temperature,
-top-k/top-p/min-p, seeds, logprobs.
+"""Token sampling for a whole batch at once: logit bias, allowed tokens, grammars, bad words,
+penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
 A step is a fixed handful of tensor operations over ``[rows, vocab]`` whatever the batch holds: the
 per-row parameters travel as tensors, a row with neutral parameters passes through unchanged, and
@@ -12,9 +12,14 @@ step to the next. The tokens a penalty reads stay on the device from step to ste
 
 An all-greedy batch without penalties is one argmax over the logits in place; otherwise each row is
 copied at most once, into the working tensor that ``logit_bias`` (one scatter-add, first of all),
-structured output (one masked fill over the rows with a grammar, whose states each fill their row of
-a token bitmask), penalties, ``min_tokens`` bans, temperature and top-k then modify in place. Greedy
-rows take the argmax of their penalised logits. Only the sampled ids and the requested logprobs
+``allowed_token_ids`` (one masked fill over their rows, its mask built once per batch), structured
+output (one masked fill over the rows with a grammar, whose states each fill their row of a token
+bitmask), bad words (one scatter of the tokens each row's output so far bans), penalties,
+``min_tokens`` bans, temperature and top-k then modify in place. Greedy rows take the argmax of their
+penalised logits. A row these bans may leave without any token (allowed tokens, bad words, a grammar
+and ``min_tokens`` can contradict each other) is checked for one after them; one left with none
+comes back as -2 and its request fails with ``NO_TOKEN_ERROR``, where an argmax or a draw over
+nothing would give a token that means nothing. Only the sampled ids and the requested logprobs
 cross to the host: one transfer each, or with the Triton kernels (a GPU's path) one transfer for all
 (``StepOutputs``).
 
@@ -74,6 +79,11 @@ from common.protocol import PositionLogprobs, TokenLogprob
 from common.sampling_params import MAX_LOGPROBS
 from pdserve_kernels import resolve_backend
 
+NO_TOKEN_ERROR = (
+    "no token may be sampled: allowed_token_ids, bad_words, the structured output and min_tokens together "
+    "leave none"
+)
+
 CPU_CHUNK_BYTES = 8 << 20
 # On the CPU top-p first sorts only this many of a row's largest probabilities, with their indices;
 # a row whose nucleus may be larger goes on with its whole row's values (``apply_top_p``). A top-p 0.9
@@ -127,8 +137,10 @@ class SampledTokens:
     def __init__(
         self, token_ids: Tensor, table: Tensor | None = None,
         logprob_rows: list[tuple[int, int]] | None = None, k_max: int = 0, row_max: Tensor | None = None,
-        outputs: StepOutputs | None = None,
+        outputs: StepOutputs | None = None, empty_rows: tuple[list[int], Tensor] | None = None,
     ) -> None:
+        """``empty_rows``: the rows that may have been left without a token, and for each whether it was
+        (``Sampler._check_left``); those come back as -2."""
         self.token_ids = token_ids
         self._logprob_rows = logprob_rows or []
         self._k_max = k_max
@@ -139,6 +151,7 @@ class SampledTokens:
         self._ids: Tensor
         self._row_max: Tensor | None
         self._table: Tensor | None
+        self._empty_rows = None if empty_rows is None else (empty_rows[0], to_host(empty_rows[1]))
         if outputs is not None:
             self._ids, self._row_max, self._table = outputs.to_host()
         else:
@@ -156,7 +169,8 @@ class SampledTokens:
         return self._event
 
     def result(self) -> SampleResult:
-        """The ids (-1 for a row whose raw logits held a NaN or +inf) and the logprobs asked for."""
+        """The ids (-1 for a row whose raw logits held a NaN or +inf, -2 for one its bans left without a
+        token) and the logprobs asked for."""
         if self._event is not None:
             self._event.synchronize()
         tokens: list[int] = self._ids.tolist()
@@ -164,6 +178,11 @@ class SampledTokens:
             maxima: list[float] = self._row_max.tolist()
             if not all(map(math.isfinite, maxima)):
                 tokens = [token if math.isfinite(m) else -1 for token, m in zip(tokens, maxima, strict=True)]
+        if self._empty_rows is not None:
+            rows, empty = self._empty_rows
+            for row, none_left in zip(rows, empty.tolist(), strict=True):
+                if none_left:  # its maximum, after the bans, was -inf: not the model's fault
+                    tokens[row] = -2
         logprobs: list[PositionLogprobs | None] = [None] * len(tokens)
         if self._table is not None:
             k_max = self._k_max
@@ -204,6 +223,9 @@ class _Group:
             (i, [*p.stop_token_ids, *([] if p.ignore_eos else eos_token_ids)])
             for i, (r, p) in enumerate(zip(reqs, params, strict=True)) if p.min_tokens > 0 and r.grammar is None
         ]
+        # Rows whose bans may leave no token (``Sampler._check_left``): their rows here, and in the chunk.
+        restricted = [i for i, p in enumerate(params) if p.allowed_token_ids is not None or p.bad_words_token_ids]
+        self.restricted = (long_tensor(restricted, device), [rows[i] for i in restricted]) if restricted else None
         rep = self.rep_list = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         self.rep_rows = long_tensor(rep, device) if rep else None  # None: no row has one
         self.rep_requests = [reqs[i] for i in rep]
@@ -339,6 +361,8 @@ class _ChunkPlan:
             if bias_rows else None
         )
         self.grammar_rows = [row for row, r in enumerate(requests) if r.grammar is not None]
+        self.allowed = _allowed_mask(requests, vocab, device)
+        self.bad_word_rows = [row for row, r in enumerate(requests) if r.sampling_params.bad_words_token_ids]
         greedy = [row for row, r in enumerate(requests) if r.sampling_params.greedy]
         sampled = [row for row, r in enumerate(requests) if not r.sampling_params.greedy]
         self.fused = fused
@@ -410,8 +434,33 @@ def _has_static_work(req: Request) -> bool:
     p = req.sampling_params
     return (
         not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0
-        or bool(p.logit_bias) or req.grammar is not None
+        or bool(p.logit_bias) or req.grammar is not None or p.allowed_token_ids is not None
+        or bool(p.bad_words_token_ids)
     )
+
+
+def _allowed_mask(requests: list[Request], vocab: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """The rows with ``allowed_token_ids`` and, for each, which tokens it may not sample (``True``)."""
+    rows = [row for row, r in enumerate(requests) if r.sampling_params.allowed_token_ids is not None]
+    if not rows:
+        return None
+    banned = torch.ones(len(rows), vocab, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        allowed = [t for t in requests[row].sampling_params.allowed_token_ids or () if t < vocab]
+        banned[i, torch.tensor(allowed, dtype=torch.long)] = False
+    return long_tensor(rows, device), banned.to(device)
+
+
+def bad_word_bans(req: Request) -> list[int]:
+    """The tokens ``req``'s bad words ban next: each word's last token where the output so far ends
+    with the rest of it (vLLM's rule: the output only, not the prompt)."""
+    out = req.output_token_ids
+    bans = []
+    for word in req.sampling_params.bad_words_token_ids:
+        k = len(word) - 1
+        if k == 0 or (len(out) >= k and out[-k:] == word[:-1]):
+            bans.append(word[-1])
+    return bans
 
 
 class Sampler:
@@ -433,6 +482,9 @@ class Sampler:
         # The tokens penalties read, per request, kept where the logits are (``common.engine.penalties``).
         self._penalty_tokens: dict[tuple[torch.device, str], TokenRows] = {}
         self._plan: _BatchPlan | None = None  # the last batch's
+        # This step's rows that may have no token left (in the batch), and whether each has none.
+        self._empty_parts: list[tuple[list[int], Tensor]] = []
+        self._chunk_start = 0  # where the chunk ``_sample_rows`` works on starts in the batch
 
     def __call__(self, logits: Tensor, requests: list[Request]) -> SampleResult:
         """Sample one token per row of ``logits`` ``[len(requests), vocab]`` and wait for them on the host."""
@@ -464,10 +516,12 @@ class Sampler:
             row_max, token_ids = max_rows(x)
             return SampledTokens(token_ids, row_max=row_max)
         k_max = plan.k_max
+        self._empty_parts = []
         if fused:  # every chunk's ids and maxima, then the table, written into one buffer
             outputs = StepOutputs(num_rows, x.device, len(plan.logprob_rows), 1 + 2 * k_max, _table_dtype(vocab))
             for start, chunk_plan in zip(range(0, num_rows, chunk), plan.chunks(), strict=True):
                 end = start + chunk
+                self._chunk_start = start
                 self._sample_rows(x[start:end], requests[start:end], chunk_plan, x is not logits, k_max,
                                   (outputs.row_max[start:end], outputs.ids[start:end]))
             if outputs.table is not None:  # by topk and one kernel, from the logits as they came
@@ -476,18 +530,37 @@ class Sampler:
 
                 raw = logits if logits.stride(-1) == 1 else logits.contiguous()
                 logprob_table(raw, plan.logprob_index, outputs.ids, k_max, outputs.table.dtype, out=outputs.table)
-            return SampledTokens(outputs.ids, None, plan.logprob_rows, k_max, outputs=outputs)
-        results = [
-            self._sample_rows(x[start : start + chunk], requests[start : start + chunk], chunk_plan,
-                              x is not logits, k_max)
-            for start, chunk_plan in zip(range(0, num_rows, chunk), plan.chunks(), strict=True)
-        ]
+            return SampledTokens(outputs.ids, None, plan.logprob_rows, k_max, outputs=outputs,
+                                 empty_rows=self._empty_rows())
+        results = []
+        for start, chunk_plan in zip(range(0, num_rows, chunk), plan.chunks(), strict=True):
+            self._chunk_start = start
+            results.append(self._sample_rows(x[start : start + chunk], requests[start : start + chunk], chunk_plan,
+                                             x is not logits, k_max))
         token_ids = results[0][0] if len(results) == 1 else torch.cat([t for t, _, _ in results])
         row_max = results[0][2] if len(results) == 1 else torch.cat([m for _, _, m in results])
         tables = [table for _, table, _ in results if table is not None]
         # One transfer each (see ``_sample_rows`` for why the table's floats hold the ids exactly).
         table = (tables[0] if len(tables) == 1 else torch.cat(tables)) if tables else None
-        return SampledTokens(token_ids, table, plan.logprob_rows, k_max, row_max)
+        return SampledTokens(token_ids, table, plan.logprob_rows, k_max, row_max, empty_rows=self._empty_rows())
+
+    def _check_left(self, y: Tensor, group: _Group) -> None:
+        """Note, for the group's rows whose bans may leave no token, whether they did (every logit
+        -inf, after every ban): one reduction over those rows, read on the host with the ids."""
+        if group.restricted is None:
+            return
+        index, chunk_rows = group.restricted
+        # Every logit -inf: a NaN (broken logits, reported as such) is not one.
+        none_left = torch.isneginf(y.index_select(0, index)).all(dim=-1)
+        self._empty_parts.append(([self._chunk_start + row for row in chunk_rows], none_left))
+
+    def _empty_rows(self) -> tuple[list[int], Tensor] | None:
+        parts = self._empty_parts
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        return [row for rows, _ in parts for row in rows], torch.cat([t for _, t in parts])
 
     def _sample_rows(
         self, logits: Tensor, requests: list[Request], plan: _ChunkPlan, owned: bool, k_max: int,
@@ -517,6 +590,7 @@ class Sampler:
                 x = _take(logits, group.index)  # each row is copied at most once: here, or for a penalty
                 x_owned = owned or x is not logits
                 y = self._penalized(x, group, x_owned)
+                self._check_left(y, group)
                 ids = self._draw(y, group, owned=x_owned or y is not x) if group.draw else argmax_rows(y)
                 _put(token_ids, group.index, ids)
         if raw is None:
@@ -534,6 +608,7 @@ class Sampler:
         finite, and a NaN or +inf one as it is."""
         row_max, ids = out
         y = self._penalized(logits, group, owned)
+        self._check_left(y, group)
         owned = owned or y is not logits
         if not group.draw:
             max_rows(y, out=out)
@@ -545,16 +620,29 @@ class Sampler:
             torch.where(group.greedy_rows, argmax, self._draw(y, group, owned), out=ids)
 
     def _constrained(self, logits: Tensor, requests: list[Request], plan: _ChunkPlan, owned: bool) -> Tensor:
-        """``logits`` plus every row's ``logit_bias`` (one scatter-add), then with every token its
-        grammar does not allow next at -inf (one masked fill over the grammar rows); written in place
-        if ``owned``, else a copy when any applies."""
+        """``logits`` plus every row's ``logit_bias`` (one scatter-add), then with every token outside
+        its ``allowed_token_ids``, every token its grammar does not allow next (one masked fill over
+        each's rows) and every token its bad words ban next at -inf; written in place if ``owned``,
+        else a copy when any applies."""
         grammar_rows = plan.grammar_rows
-        if plan.bias is None and not grammar_rows:
+        if plan.bias is None and not grammar_rows and plan.allowed is None and not plan.bad_word_rows:
             return logits
         x = logits if owned else logits.clone()
         if plan.bias is not None:
             bias_rows, bias_ids, bias_values = plan.bias
             x.index_put_((bias_rows, bias_ids), bias_values.to(x.dtype), accumulate=True)
+        if plan.allowed is not None:
+            allowed_rows, banned = plan.allowed
+            x.index_copy_(0, allowed_rows, x.index_select(0, allowed_rows).masked_fill_(banned, float("-inf")))
+        if plan.bad_word_rows:  # one scatter of what each row's output so far bans
+            ban_rows: list[int] = []
+            ban_ids: list[int] = []
+            for row in plan.bad_word_rows:
+                bans = bad_word_bans(requests[row])
+                ban_rows += [row] * len(bans)
+                ban_ids += bans
+            if ban_ids:
+                x.index_put_(tuple(long_tensors([ban_rows, ban_ids], x.device)), x.new_full((), float("-inf")))
         if grammar_rows:
             words = -(-x.shape[-1] // 32)
             if self._bitmask.shape[0] < len(requests) or self._bitmask.shape[1] != words:

@@ -1,4 +1,4 @@
-"""Structured output and logit_bias through the real stack with the openai client: router ->
+"""Structured output, logit_bias, allowed_token_ids and bad_words through the real stack with the openai client: router ->
 prefill (first token under the grammar) -> KV transfer -> decode (the rest), and a short prompt the
 router sends straight to the decode instance. A bad schema is a 400 from the router. Tool calls forced
 by tool_choice, through a second router in front of the same engines, started with a chat template
@@ -103,6 +103,28 @@ def test_logit_bias_bans_and_forces_tokens(client):  # type: ignore[no-untyped-d
     forced = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
                                        logit_bias={str(forced_id): 100})
     assert forced.choices[0].text == tokenizer().decode([forced_id, forced_id])
+
+
+def test_allowed_token_ids_and_bad_words(client):  # type: ignore[no-untyped-def]
+    """Through prefill -> KV -> decode (the long prompt) and straight to decode (the short one)."""
+    tok = tokenizer()
+    for prompt in (LONG + "The capital of France is", "The capital of France is"):
+        allowed = tok(" Paris Rome London and or", add_special_tokens=False).input_ids
+        assert len(allowed) == 5  # a word a token
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.9, seed=5,
+                                        extra_body={"allowed_token_ids": allowed})
+        assert re.fullmatch(r"( (Paris|Rome|London|and|or)){12}", out.choices[0].text), out.choices[0].text
+        # The greedy answer's first word, then banned: the answer no longer holds it, nor its tokens after it.
+        free = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        word = free.choices[0].text.split()[0]
+        banned = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                           extra_body={"bad_words": [word]})
+        assert banned.choices[0].text != free.choices[0].text
+        assert word not in banned.choices[0].text.split(), (word, banned.choices[0].text)
+    # Contradicting constraints that only sampling can find: an error naming them, not a made-up token.
+    with pytest.raises(openai.InternalServerError, match="no token may be sampled"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=5,
+                                  extra_body={"allowed_token_ids": allowed[:1], "bad_words": ["Paris"]})
 
 
 def test_invalid_schema_and_regex_get_400(client):  # type: ignore[no-untyped-def]

@@ -1,4 +1,5 @@
-"""The sampler's constraints on hand-made logits: ``logit_bias`` and grammar token masks.
+"""The sampler's constraints on hand-made logits: ``logit_bias``, grammar token masks,
+``allowed_token_ids`` and bad words, and a row they leave without any token.
 
 A masked token is never sampled, whatever the sampling parameters; a greedy row picks the best
 allowed token; rows without a constraint sample as if the others had none; logprobs stay raw.
@@ -6,6 +7,7 @@ allowed token; rows without a constraint sample as if the others had none; logpr
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -34,8 +36,8 @@ class AllowOnly:
         return token_id in self.allowed
 
 
-def _request(params: SamplingParams, allowed: set[int] | None = None) -> Request:
-    req = Request("r", [1, 2, 3], params, block_size=16, model_id="m")
+def _request(params: SamplingParams, allowed: set[int] | None = None, output: list[int] | None = None) -> Request:
+    req = Request("r", [1, 2, 3], params, block_size=16, model_id="m", output_token_ids=output)
     if allowed is not None:
         req.grammar = AllowOnly(allowed)  # type: ignore[assignment]
     return req
@@ -149,3 +151,60 @@ def test_the_torch_mask_equals_xgrammar_s_cpu_kernel_on_random_bitmasks():
     assert torch.equal(expected, actual)
     assert torch.equal(actual[[1, 4]], logits[[1, 4]])
     assert torch.isinf(actual[rows]).any() and not torch.isinf(actual[rows]).all()
+
+
+@pytest.mark.parametrize(("chunk_rows", "kernel_backend"), [(None, "torch"), (2, "torch"), (None, "triton")])
+def test_allowed_token_ids_are_all_a_row_samples_and_free_rows_are_untouched(chunk_rows, kernel_backend, monkeypatch):  # type: ignore[no-untyped-def]
+    if chunk_rows is not None:
+        monkeypatch.setattr("common.engine.sampler.CPU_CHUNK_BYTES", 4 * VOCAB * chunk_rows)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(20 if kernel_backend == "torch" else 5):
+        logits = _logits(2 * len(PARAMS), seed=100 + step)
+        allowed = [torch.randperm(VOCAB, generator=gen)[: 1 + step % 5 * 40].tolist() for _ in PARAMS]
+        params = [msgspec.structs.replace(p, allowed_token_ids=a) for p, a in zip(PARAMS, allowed, strict=True)]
+        requests = [r for p, q in zip(params, PARAMS, strict=True) for r in (_request(p), _request(q))]
+        result = Sampler(set(), kernel_backend=kernel_backend)(logits, requests)
+        free = Sampler(set(), kernel_backend=kernel_backend)(logits[1::2], requests[1::2])
+        for row, (req, token) in enumerate(zip(requests, result.token_ids, strict=True)):
+            ids = req.sampling_params.allowed_token_ids
+            if ids is not None:
+                assert token in ids
+                if req.sampling_params.greedy:
+                    assert token == max(ids, key=lambda t: logits[row, t].item())
+        greedy_free = [t for t, p in zip(free.token_ids, PARAMS, strict=True) if p.greedy or p.seed is not None]
+        assert greedy_free == [t for t, p in zip(result.token_ids[1::2], PARAMS, strict=True) if p.greedy or p.seed is not None]
+
+
+@pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
+def test_a_bad_word_s_last_token_is_banned_only_after_the_rest_of_it(kernel_backend):
+    logits = _logits(4, seed=21)
+    best = logits.argmax(dim=-1).tolist()
+    second = [int(logits[r].argsort(descending=True)[1]) for r in range(4)]
+    greedy = SamplingParams(temperature=0.0)
+    requests = [
+        _request(msgspec.structs.replace(greedy, bad_words_token_ids=[[best[0]]])),  # one token: banned always
+        _request(msgspec.structs.replace(greedy, bad_words_token_ids=[[5, 6, best[1]]]), output=[9, 5, 6]),
+        _request(msgspec.structs.replace(greedy, bad_words_token_ids=[[5, 6, best[2]]]), output=[5, 6, 9]),
+        _request(msgspec.structs.replace(SamplingParams(temperature=1.0, seed=3, top_k=2),
+                                         bad_words_token_ids=[[best[3]], [7, second[3]]]), output=[7]),
+    ]
+    result = Sampler(set(), kernel_backend=kernel_backend)(logits, requests)
+    assert result.token_ids[:3] == [second[0], second[1], best[2]]  # row 2: the output does not end with 5, 6
+    assert result.token_ids[3] not in (best[3], second[3])  # both of its top two banned: top-k 2 draws a third
+
+
+@pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
+def test_a_row_its_bans_leave_without_a_token_comes_back_as_minus_2_and_the_rest_sample(kernel_backend):
+    """Bans that contradict each other (every allowed token a bad word; a grammar allowing only bad
+    words; only stop tokens allowed while ``min_tokens`` bans them): no token, said so, instead of an
+    argmax or a draw over nothing."""
+    logits = _logits(5, seed=4)
+    requests = [
+        _request(SamplingParams(temperature=0.0, allowed_token_ids=[3, 4], bad_words_token_ids=[[3], [4]])),
+        _request(SamplingParams(temperature=0.0)),
+        _request(SamplingParams(temperature=1.0, seed=1, bad_words_token_ids=[[8], [9]]), allowed={8, 9}),
+        _request(SamplingParams(temperature=0.8, allowed_token_ids=[2], min_tokens=3)),  # 2: the eos here
+        _request(SamplingParams(temperature=0.0, allowed_token_ids=[2, 11], min_tokens=3)),
+    ]
+    result = Sampler({2}, kernel_backend=kernel_backend)(logits, requests)
+    assert result.token_ids == [-2, int(logits[1].argmax()), -2, -2, 11]

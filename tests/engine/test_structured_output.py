@@ -318,3 +318,30 @@ def test_max_tokens_cuts_a_grammar_request_short_with_length(engine_factory):  #
     assert reasons["r"] == "length" and len(tokens["r"]) == 3
     with pytest.raises(json.JSONDecodeError):
         json.loads(_text(tokens["r"]))  # the grammar could not finish it
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_bans_that_leave_no_token_fail_that_request_and_the_batch_goes_on(engine_factory, async_scheduling):  # type: ignore[no-untyped-def]
+    """A choice the allowed tokens cannot begin, and a bad word that becomes the only way on after a
+    few tokens: each fails, saying why, where a token that means nothing would have been made up."""
+    from common.engine.sampler import NO_TOKEN_ERROR
+
+    engine = engine_factory(async_scheduling=async_scheduling)
+    london = tokenizer()(" London", add_special_tokens=False).input_ids
+    paris = tokenizer()(" Paris and", add_special_tokens=False).input_ids
+    choice = StructuredOutput(kind="choice", spec=json.dumps(["Paris"]))
+    engine.add_request("free", _prompt(), _params(None, max_tokens=12, ignore_eos=True))
+    engine.add_request("at-once", _prompt(), _params(choice, allowed_token_ids=london))
+    # " Paris" first (its bias), after which the bad words " Paris Paris" and " Paris and" ban both allowed tokens.
+    bad_words = [[paris[0], paris[0]], paris]
+    engine.add_request("later", _prompt(), _params(None, max_tokens=12, ignore_eos=True, allowed_token_ids=paris,
+                                                   logit_bias={paris[0]: 100.0}, bad_words_token_ids=bad_words))
+    errors: dict[str, tuple[int, str]] = {}
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.error is not None:
+                errors[out.request_id] = (len(tokens[out.request_id]), out.error)
+    assert errors == {"at-once": (0, NO_TOKEN_ERROR), "later": (1, NO_TOKEN_ERROR)}
+    assert tokens["later"] == paris[:1] and len(tokens["free"]) == 12

@@ -24,8 +24,6 @@ def server(prompts: Any) -> Iterator[RouterServer]:
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [
-        (COMPLETIONS, "allowed_token_ids", [1, 2]),
-        (CHAT, "bad_words", ["no"]),
         (COMPLETIONS, "logits_processors", ["x"]),
         (COMPLETIONS, "use_beam_search", True),
         (COMPLETIONS, "length_penalty", 0.5),

@@ -53,13 +53,14 @@ class Incoming:
     last_event: Any | None = None  # CUDA event of the latest scatter
 
     def close_locked(self, ok: bool, reason: str | None, *, busy: bool = False) -> bool:
-        """Close while holding ``lock``; ``False`` if it was already closed."""
+        """Close while holding ``lock``; ``False`` if it was already closed. ``busy`` (the receiver's
+        own state ends it) holds only for a transfer nothing was allocated for yet."""
         if self.closed:
             return False
         self.closed = True
         self.ok = ok
         self.reason = reason
-        self.busy = busy
+        self.busy = busy and self.allocation is None
         self.state = TransferState.SUCCESS if ok else TransferState.FAILED
         self.finished_at = time.monotonic()
         return True

@@ -102,9 +102,10 @@ class ReceiverOutbox:
         self.abort_sender(record, f"receiver timed out: {reason}")
 
     def close_all(self, reason: str) -> None:
-        """Fail every live transfer and tell its sender (the receiver is shutting down)."""
+        """Fail every live transfer and tell its sender (the receiver is shutting down): one offered
+        but not yet given blocks as busy, so its sender's engine may offer it elsewhere as fine."""
         with self.table.lock:
             records = list(self.table.records.values())
         for record in records:
-            if self.table.close(record, False, reason):
+            if self.table.close(record, False, reason, busy=True):
                 self.abort_sender(record, reason)

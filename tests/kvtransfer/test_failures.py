@@ -344,3 +344,24 @@ def test_layout_mismatch_is_a_clear_error_on_both_sides(peer: PeerProcess, field
         assert receiver.stats.num_layout_mismatches == 1
         assert pool.is_clean() and pool.calls == []
     peer.call("close", name=name)
+
+
+def test_closing_the_receiver_tells_a_waiting_offer_it_is_busy_and_a_landing_one_it_failed(peer: PeerProcess) -> None:
+    """A decode exits (its drain over) holding an offer it never gave blocks: nothing started there, so
+    the Abort says busy (the sender's engine sends the request elsewhere as fine); one whose blocks
+    were taken failed there, and its Abort does not."""
+    receiver, _, pool = make_receiver(reserved=SMALL["num_blocks"] - 3, defer_timeout_s=30.0, timeout_s=30.0)
+    raw = RawSender(peer, "raw-closing", receiver.address)
+    offer_and_allocate(raw, receiver, pool, "landing")  # 3 blocks: the pool has no more
+    assert isinstance(raw.recv(), Accept)
+    raw.send(encode(Offer(request_id="waiting", num_tokens=12, block_hashes=[])))
+    wait_for_state(receiver, "waiting", TransferState.WAITING)
+    receiver.close()
+    aborts = {}
+    while len(aborts) < 2:
+        msg = raw.recv()
+        if isinstance(msg, Abort):
+            aborts[msg.request_id] = msg
+    assert aborts["waiting"].busy and not aborts["landing"].busy, aborts
+    assert pool.is_clean()
+    peer.call("close", name="raw-closing")

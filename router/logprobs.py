@@ -43,10 +43,14 @@ def _uses_byte_level(tokenizer: Any) -> bool:
 
 
 class TokenRenderer:
-    """The raw bytes and a printable string of single tokens (cached; a token may be half a char)."""
+    """The raw bytes and a printable string of single tokens (cached; a token may be half a char).
 
-    def __init__(self, tokenizer: Any) -> None:
+    ``as_token_ids`` (vLLM's ``return_tokens_as_token_ids``): each token is ``"token_id:<id>"`` (and its
+    bytes that text's), which names a token even where its text is not one whole character."""
+
+    def __init__(self, tokenizer: Any, as_token_ids: bool = False) -> None:
         self._tokenizer = tokenizer
+        self._as_token_ids = as_token_ids
         self._byte_level = _uses_byte_level(tokenizer)
         self._special = set(getattr(tokenizer, "all_special_tokens", []) or [])
         self._cache: dict[int, tuple[str, list[int]]] = {}
@@ -55,7 +59,7 @@ class TokenRenderer:
         """(text, bytes) of one token; bytes that are not a whole UTF-8 character are shown escaped."""
         cached = self._cache.get(token_id)
         if cached is None:
-            raw = self._bytes(token_id)
+            raw = f"token_id:{token_id}".encode() if self._as_token_ids else self._bytes(token_id)
             cached = (raw.decode("utf-8", errors="backslashreplace"), list(raw))
             self._cache[token_id] = cached
         return cached

@@ -57,7 +57,6 @@ _NOT_IMPLEMENTED_EXTRAS: dict[str, Any] = {
     "length_penalty": 1.0,
     "spaces_between_special_tokens": True,
     "priority": 0,
-    "return_tokens_as_token_ids": False,
     "mm_processor_kwargs": None,
 }
 
@@ -103,6 +102,8 @@ class _GenerationRequest(BaseModel):
     # Only the prompt's last k tokens are kept (-1: as many as the context holds); a longer prompt is
     # cut to them instead of refused.
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31)
+    # Logprobs name each token as "token_id:<id>" (vLLM's extra).
+    return_tokens_as_token_ids: StrictBool = False
     # Only these tokens may be sampled; these words may not be written (vLLM's extras).
     allowed_token_ids: list[StrictInt] | None = Field(default=None, max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[StrictStr] | None = Field(default=None, max_length=MAX_BAD_WORDS // 2)
@@ -113,7 +114,6 @@ class _GenerationRequest(BaseModel):
     length_penalty: Any = 1.0
     spaces_between_special_tokens: Any = True
     priority: Any = 0
-    return_tokens_as_token_ids: Any = False
     mm_processor_kwargs: Any = None
     # What ``check`` read from response_format / guided_*: the spec and the field it came from.
     _structured: tuple[StructuredOutput, str] | None = PrivateAttr(default=None)

@@ -80,7 +80,7 @@ async def create_chat_completion(
     state: RouterState, body: Any, cache_salt: str | None, wait_disconnect: DisconnectWaiter
 ) -> Response:
     request, plan, reader = await plan_chat(state, body, cache_salt)
-    renderer = TokenRenderer(state.prompts.tokenizer) if request.logprobs else None
+    renderer = TokenRenderer(state.prompts.tokenizer, request.return_tokens_as_token_ids) if request.logprobs else None
     if request.stream:
         return await sse_response(
             state, plan, wait_disconnect, request.stream_options,
@@ -102,7 +102,7 @@ async def create_chat_completion(
             for message, finish_reason in [reader.message(r.text, r.finish_reason)]
         ],
         usage=usage,
-        prompt_logprobs=_prompt_logprobs(state, results),
+        prompt_logprobs=_prompt_logprobs(state, request, results),
     )
     return JSONResponse(response.model_dump(mode="json"))
 
@@ -122,10 +122,14 @@ def answer_reader(state: RouterState, request: ChatCompletionRequest) -> AnswerR
     return AnswerReader(tools, state.tool_parser, reasoning, needs_special)
 
 
-def _prompt_logprobs(state: RouterState, results: list[ChoiceResult]) -> PromptLogprobs | None:
+def _prompt_logprobs(
+    state: RouterState, request: ChatCompletionRequest, results: list[ChoiceResult]
+) -> PromptLogprobs | None:
     """The prompt's logprobs (they come with the first choice's first token)."""
     entries = next((r.prompt_logprobs for r in results if r.prompt_logprobs is not None), None)
-    return None if entries is None else prompt_logprobs(TokenRenderer(state.prompts.tokenizer), entries)
+    if entries is None:
+        return None
+    return prompt_logprobs(TokenRenderer(state.prompts.tokenizer, request.return_tokens_as_token_ids), entries)
 
 
 class _ChatChunks:

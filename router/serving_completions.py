@@ -99,7 +99,10 @@ async def create_completion(
     state: RouterState, body: Any, cache_salt: str | None, wait_disconnect: DisconnectWaiter
 ) -> Response:
     request, plan = await plan_completion(state, body, cache_salt)
-    renderer = TokenRenderer(state.prompts.tokenizer) if request.logprobs is not None else None
+    renderer = (
+        TokenRenderer(state.prompts.tokenizer, request.return_tokens_as_token_ids)
+        if request.logprobs is not None else None
+    )
     echo = _prompt_texts(state, request, plan) if request.echo else None
     if request.stream:
         return await sse_response(
@@ -142,7 +145,7 @@ def _choices(
     by_prompt = {r.index // plan.n: r.prompt_logprobs for r in results if r.prompt_logprobs is not None}
     token_renderer = renderer
     if token_renderer is None and by_prompt:
-        token_renderer = TokenRenderer(state.prompts.tokenizer)
+        token_renderer = TokenRenderer(state.prompts.tokenizer, request.return_tokens_as_token_ids)
     choices = []
     for r in results:
         p = r.index // plan.n

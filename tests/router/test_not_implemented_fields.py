@@ -29,7 +29,6 @@ def server(prompts: Any) -> Iterator[RouterServer]:
         (COMPLETIONS, "length_penalty", 0.5),
         (CHAT, "spaces_between_special_tokens", False),
         (CHAT, "priority", 3),
-        (CHAT, "return_tokens_as_token_ids", True),
         (CHAT, "mm_processor_kwargs", {"a": 1}),
     ],
 )

@@ -83,3 +83,20 @@ def test_a_prompt_too_long_for_the_context_is_cut_to_its_last_tokens(
     for k, status in ((0, 400), (-1, 400)):  # -1: the whole context, leaving no room for the answer
         response = httpx.post(url, json={**body, "truncate_prompt_tokens": k}, timeout=10)
         assert response.status_code == status, response.text
+
+
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id(stack: tuple[RouterServer, list[int]]) -> None:
+    server, reply = stack
+    body = {"model": SERVED_MODEL, "max_tokens": 10, "logprobs": 1, "return_tokens_as_token_ids": True}
+    response = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": "Say hello"}, timeout=10)
+    assert response.status_code == 200, response.text
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [f"token_id:{t}" for t in reply]
+    assert all(set(top) <= {f"token_id:{t}" for t in [*reply, 0]} for top in logprobs["top_logprobs"])
+    chat = {**body, "logprobs": True, "top_logprobs": 1, "messages": [{"role": "user", "content": "Say hello"}]}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=10)
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["bytes"]) for c in content] == [(f"token_id:{t}", list(f"token_id:{t}".encode())) for t in reply]
+    plain = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": "Say hello",
+                                                             "return_tokens_as_token_ids": False}, timeout=10)
+    assert not any(t.startswith("token_id:") for t in plain.json()["choices"][0]["logprobs"]["tokens"])

@@ -38,6 +38,8 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps (see common.engine.cuda_graphs)
     # Schedule step N+1 while step N runs (see ``LLMEngine.step``).
     async_scheduling: bool = False
+    # The order waiting requests are taken in, and preempted (``common.engine.waiting_queue``).
+    scheduling_policy: str = "fcfs"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -53,6 +55,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be at least 1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}")
 
@@ -107,6 +111,10 @@ class EngineConfig:
                             help="schedule and prepare each step while the device still runs the one "
                             "before (its sampled ids feed the next step's inputs on the device); a "
                             "step's tokens then leave one step later")
+        parser.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"],
+                            help="fcfs: requests in arrival order; priority: by each request's priority "
+                            "(lower first, then arrival), and under memory pressure the running request "
+                            "of the highest value is preempted first")
         if include_seed:
             parser.add_argument("--seed", type=int, default=d.seed, help="seed for requests without one")
 

@@ -60,6 +60,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     # vLLM's ``bad_words`` as token sequences (the router tokenizes them): a sequence's last token is
     # banned wherever the output so far ends with the rest of it (a one-token sequence, everywhere).
     bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    # How the engine schedules it, not how it samples (here because it travels with the request the
+    # same way): under ``--scheduling-policy priority``, lower first; must be 0 otherwise.
+    priority: Annotated[int, msgspec.Meta(ge=-(2**31), lt=2**31)] = 0
 
     @property
     def greedy(self) -> bool:

@@ -52,7 +52,8 @@ from ops.supervisor import die_with_parent as die_with_parent  # re-exported: te
 POLL_S = 0.2
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # the engines' own default (``EngineConfig``), shared out here
 
-ENGINE_FLAGS = ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+ENGINE_FLAGS = ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                "scheduling_policy")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads of each engine (0: the host's cores shared out, or OMP_NUM_THREADS)")
     p.add_argument("--api-key", action="append", default=[], help="router API key (repeatable)")
     p.add_argument("--routing-policy", default=None, help="router policy: prefix, least-loaded, round-robin")
+    p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"],
+                   help="the engines' and the router's: priority orders requests by their 'priority'")
     p.add_argument("--router-workers", type=int, default=1,
                    help="router processes behind --port (the router's --workers; default: %(default)s)")
     p.add_argument("--served-model-name", default=None)
@@ -207,6 +210,8 @@ class Launcher:
         flags = [arg for key in self.args.api_key for arg in ("--api-key", key)]
         if self.args.routing_policy:
             flags += ["--routing-policy", self.args.routing_policy]
+        if self.args.scheduling_policy:
+            flags += ["--scheduling-policy", self.args.scheduling_policy]
         if self.args.served_model_name:
             flags += ["--served-model-name", self.args.served_model_name]
         if self.args.router_workers != 1:

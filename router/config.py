@@ -32,6 +32,8 @@ class RequestLimits:
     max_stop_string_chars: int = 256
     # n x prompts x max_tokens: the most output tokens one request may ask for; 0 means unlimited.
     max_total_tokens_per_request: int = DEFAULT_MAX_TOTAL_TOKENS_PER_REQUEST
+    # Whether a request may carry a ``priority``: the engines run ``--scheduling-policy priority``.
+    priority_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_prompts_per_request", "max_stop_strings", "max_stop_string_chars"):

@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest 'n' (choices per prompt) a request may ask for (default and most: %(default)s)",
     )
     p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="as the engines': with priority, a request's 'priority' (lower first) orders it in their "
+        "queues; with fcfs (the default) a nonzero one gets a 400",
+    )
+    p.add_argument(
         "--max-stop-strings",
         type=int,
         default=limits.max_stop_strings,
@@ -232,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             max_stop_strings=args.max_stop_strings,
             max_stop_string_chars=args.max_stop_string_chars,
             max_total_tokens_per_request=args.max_total_tokens_per_request,
+            priority_scheduling=args.scheduling_policy == "priority",
         ),
     )
     state = RouterState(config, prompts)

@@ -56,7 +56,6 @@ _NOT_IMPLEMENTED_EXTRAS: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
     "spaces_between_special_tokens": True,
-    "priority": 0,
     "mm_processor_kwargs": None,
 }
 
@@ -102,6 +101,8 @@ class _GenerationRequest(BaseModel):
     # Only the prompt's last k tokens are kept (-1: as many as the context holds); a longer prompt is
     # cut to them instead of refused.
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31)
+    # Lower first, in the engines' queues (vLLM's extra; needs ``--scheduling-policy priority``).
+    priority: StrictInt = Field(default=0, ge=-(2**31), lt=2**31)
     # Logprobs name each token as "token_id:<id>" (vLLM's extra).
     return_tokens_as_token_ids: StrictBool = False
     # Only these tokens may be sampled; these words may not be written (vLLM's extras).
@@ -113,7 +114,6 @@ class _GenerationRequest(BaseModel):
     use_beam_search: Any = False
     length_penalty: Any = 1.0
     spaces_between_special_tokens: Any = True
-    priority: Any = 0
     mm_processor_kwargs: Any = None
     # What ``check`` read from response_format / guided_*: the spec and the field it came from.
     _structured: tuple[StructuredOutput, str] | None = PrivateAttr(default=None)
@@ -167,6 +167,9 @@ class _GenerationRequest(BaseModel):
             value = getattr(self, name)
             if value is not None and value != nothing:
                 raise bad_request(f"{name} is not supported (not yet implemented)", param=name)
+        if self.priority != 0 and not limits.priority_scheduling:
+            raise bad_request("priority needs --scheduling-policy priority (router and engines); the server "
+                              "takes requests first come, first served", param="priority")
         if self.n is not None and self.n > limits.max_n:
             raise bad_request(f"n must be at most {limits.max_n} (--max-n), got {self.n}", param="n")
         if self.truncate_prompt_tokens == 0:
@@ -233,6 +236,7 @@ class _GenerationRequest(BaseModel):
             logit_bias={int(key): bias for key, bias in (self.logit_bias or {}).items()},
             structured_output=self._structured[0] if self._structured is not None else None,
             allowed_token_ids=self.allowed_token_ids,
+            priority=self.priority,
             bad_words_token_ids=bad_words_token_ids or [],
         )
         try:

@@ -135,6 +135,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            policy=config.scheduling_policy,  # type: ignore[arg-type]
         )
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.runner.kernel_backend)
@@ -206,6 +207,8 @@ class LLMEngine:
                 f"prompt ({num_tokens} tokens) is too long: max_model_len is {self.max_model_len}"
             )
         params.validate(self.vocab_size)
+        if params.priority != 0 and self.scheduler.policy != "priority":
+            raise ValueError("priority needs the engine's --scheduling-policy priority")
         if params.prompt_logprobs is not None and not outputs:
             entries = len(prompt_token_ids) * (1 + params.prompt_logprobs)
             if entries > MAX_PROMPT_LOGPROB_ENTRIES:

@@ -3,7 +3,8 @@
 Bookkeeping only: the scheduler decides which requests advance by how many tokens each step and
 which blocks they use; it never touches tensors. Running requests go first (oldest first), so
 decodes are never starved by a long prompt; waiting requests fill what is left of the token
-budget, a long prompt in chunks. With ``long_prefill_token_threshold`` (as in vLLM), no request
+budget, a long prompt in chunks, in the order of the scheduling policy (``common.engine.waiting_queue``:
+first come first served, or by priority). With ``long_prefill_token_threshold`` (as in vLLM), no request
 prefills more than that many tokens in one step, so the rest of the budget goes to the prompts
 queued behind a long one instead of them waiting until it has been prefilled whole.
 
@@ -18,10 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from common.engine.request import FINISHED, Request, RequestStatus
+from common.engine.waiting_queue import SchedulingPolicy, priority_key, waiting_queue
 from common.kvcache.block_pool import KVBlock
 from common.kvcache.kv_cache_manager import KVCacheManager
 
@@ -68,6 +69,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
+        policy: SchedulingPolicy = "fcfs",
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -76,7 +78,8 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         # Only chunks can be capped: without chunked prefill a prompt goes in one step or waits.
         self.max_prefill_chunk = long_prefill_token_threshold if enable_chunked_prefill else 0
-        self.waiting: deque[Request] = deque()
+        self.policy = policy
+        self.waiting = waiting_queue(policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -157,6 +160,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        if self.policy == "priority":  # the most urgent get the budget and blocks first (stable: cheap)
+            self.running.sort(key=priority_key)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -193,7 +198,7 @@ class Scheduler:
         if self.waiting and seats < self.max_num_seqs:
             seats += sum(r.sampling_params.n - 1 for r in self.running if not r.forked)
         while self.waiting and budget > 0 and seats < self.max_num_seqs and not out.preempted_ids:
-            req = self.waiting[0]
+            req = self.waiting.peek()
             need = 1 if req.forked else req.sampling_params.n
             if seats + need > self.max_num_seqs:
                 break
@@ -214,7 +219,7 @@ class Scheduler:
                 req.num_cached_tokens = req.num_computed_tokens
                 self.kv.prefix_cache_queries += req.num_tokens
                 self.kv.prefix_cache_hits += req.num_computed_tokens
-            self.waiting.popleft()
+            self.waiting.pop()
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
                 out.started_ids.append(req.request_id)
@@ -228,9 +233,11 @@ class Scheduler:
         return out
 
     def _victim(self) -> Request:
-        """The request to preempt: the last running one, passing over those that sit this step out
-        (async scheduling: their token, still on its way, ends them or hands them to a transfer). The
-        request being scheduled never sits out, so there is always one."""
+        """The request to preempt: the last running one (under the priority policy the running ones
+        are in priority order: the one of the highest ``priority`` value, the latest among equals),
+        passing over those that sit this step out (async scheduling: their token, still on its way,
+        ends them or hands them to a transfer). The request being scheduled never sits out, so there
+        is always one; and it is never one already scheduled this step, which all come before it."""
         for victim in reversed(self.running):
             if victim.num_computed_tokens < len(victim.all_token_ids):
                 return victim
@@ -251,7 +258,7 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.requeue(req)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance progress of every scheduled request and cache its newly full blocks (not of one

@@ -433,3 +433,30 @@ def test_up_hands_the_chat_template_and_parsers_to_the_router_and_the_router_tak
     assert "--chat-template" not in spawned["decode-0"]
     parsed = router_parser().parse_args(router[router.index("--chat-template"):router.index("--reasoning-parser") + 2])
     assert (parsed.chat_template, parsed.tool_call_parser, parsed.reasoning_parser) == ("chatml-tools", "hermes", "qwen3")
+
+
+def test_up_hands_the_scheduling_policy_to_every_engine_and_the_router(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    import argparse
+
+    from common.service import add_service_args
+    from ops.launcher import Launcher, build_parser
+    from router.main import build_parser as router_parser
+
+    args, extra = build_parser().parse_known_args(
+        ["--log-dir", str(tmp_path), "--redis-url", "redis://127.0.0.1:1/0", "--scheduling-policy", "priority"]
+    )
+    launcher = Launcher(args, extra)
+    spawned: dict[str, list[str]] = {}
+    monkeypatch.setattr(launcher, "spawn", lambda name, argv, env=None: spawned.setdefault(name, argv))
+    launcher.start_all("model-dir")
+    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        argv = spawned[name]
+        parser = argparse.ArgumentParser()
+        add_service_args(parser, role)
+        flag = argv.index("--scheduling-policy")
+        assert parser.parse_known_args(argv[flag:flag + 2])[0].scheduling_policy == "priority"
+    router = spawned["router"]
+    flag = router.index("--scheduling-policy")
+    assert router_parser().parse_args(router[flag:flag + 2]).scheduling_policy == "priority"

@@ -28,7 +28,6 @@ def server(prompts: Any) -> Iterator[RouterServer]:
         (COMPLETIONS, "use_beam_search", True),
         (COMPLETIONS, "length_penalty", 0.5),
         (CHAT, "spaces_between_special_tokens", False),
-        (CHAT, "priority", 3),
         (CHAT, "mm_processor_kwargs", {"a": 1}),
     ],
 )

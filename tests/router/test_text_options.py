@@ -100,3 +100,20 @@ def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id(stack: t
     plain = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": "Say hello",
                                                              "return_tokens_as_token_ids": False}, timeout=10)
     assert not any(t.startswith("token_id:") for t in plain.json()["choices"][0]["logprobs"]["tokens"])
+
+
+def test_priority_needs_the_priority_policy_and_then_reaches_the_engines(
+    stack: tuple[RouterServer, list[int]], redis_url: str, prompts: Any, tokenizer: Any
+) -> None:
+    from router.config import RequestLimits
+
+    server, _ = stack
+    body = {"model": SERVED_MODEL, "prompt": "Say hello", "max_tokens": 3, "priority": 2}
+    refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=10)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority", refused.text
+    assert "--scheduling-policy priority" in refused.json()["error"]["message"]
+    reply = list(tokenizer.encode(TEXT, add_special_tokens=False))
+    with fake_stack(redis_url, prompts, reply, limits=RequestLimits(priority_scheduling=True)) as (urgent, cluster):
+        response = httpx.post(f"{urgent.url}/v1/completions", json={**body, "priority": -5}, timeout=10)
+        assert response.status_code == 200, response.text
+        assert [r.sampling_params.priority for r in cluster.requests()] == [-5]

@@ -47,6 +47,8 @@ _SCALAR_TYPES = frozenset({int, float, bool, type(None)})
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far.
+    continuous_usage_stats: StrictBool = False
 
 
 # vLLM's extras this server does not implement, each with the value that asks for nothing: any other

@@ -305,6 +305,16 @@ class UsageTracker:
         prompt_index = index // self._plan.n
         self._cached[prompt_index] = max(self._cached.get(prompt_index, 0), num_cached_tokens)
 
+    def choice_usage(self, index: int) -> Usage:
+        """Choice ``index``'s usage so far: its prompt's tokens and its own (``continuous_usage_stats``)."""
+        prompt_index = index // self._plan.n
+        num_prompt = len(self._plan.prompts[prompt_index])
+        num_output = self._output.get(index, 0)
+        return Usage(
+            prompt_tokens=num_prompt, completion_tokens=num_output, total_tokens=num_prompt + num_output,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self._cached.get(prompt_index, 0)),
+        )
+
     def usage(self) -> Usage:
         num_prompt = sum(len(p) for p in self._plan.prompts)
         num_output = sum(self._output.values())
@@ -444,12 +454,15 @@ async def sse_response(
     plan: GenerationPlan,
     wait_disconnect: DisconnectWaiter,
     stream_options: Any,
-    writer_for: Callable[[bool], ChunkWriter],
+    writer_for: Callable[[bool, bool], ChunkWriter],
 ) -> EventStreamResponse:
-    """Start every choice and send the JSON chunks of ``writer_for(include_usage)`` as SSE."""
+    """Start every choice and send the JSON chunks of ``writer_for(include_usage, continuous_usage)``
+    as SSE (``continuous_usage``: every chunk with its choice's usage so far, vLLM's
+    ``continuous_usage_stats``, which needs ``include_usage``)."""
     include_usage = bool(stream_options and stream_options.include_usage)
+    continuous = include_usage and bool(stream_options.continuous_usage_stats)
     choices = await start_choices(state, plan, wait_disconnect)
-    writer = writer_for(include_usage)
+    writer = writer_for(include_usage, continuous)
     sink = None
     if writer.inline and choices.num_choices == 1 and len(choices.started) == 1:
         sink = InlineSink(choices.started[0][0], writer, state.metrics.inline_outputs, state.client.after_sends)

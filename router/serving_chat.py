@@ -84,7 +84,7 @@ async def create_chat_completion(
     if request.stream:
         return await sse_response(
             state, plan, wait_disconnect, request.stream_options,
-            lambda include_usage: _ChatChunks(plan, renderer, include_usage, reader),
+            lambda include_usage, continuous: _ChatChunks(plan, renderer, include_usage, reader, continuous),
         )
     results, usage = await collect(state, plan, wait_disconnect)
     response = ChatCompletionResponse(
@@ -135,12 +135,16 @@ def _prompt_logprobs(
 class _ChatChunks:
     """The ``chat.completion.chunk`` chunks of a streaming chat completion (``ChunkWriter``)."""
 
-    __slots__ = ("answers", "exclude", "head", "include_usage", "inline", "plan", "reader", "renderer", "tail", "usage")
+    __slots__ = ("answers", "continuous", "exclude", "head", "include_usage", "inline", "plan", "reader", "renderer",
+                 "tail", "usage")
 
     def __init__(
-        self, plan: GenerationPlan, renderer: TokenRenderer | None, include_usage: bool, reader: AnswerReader
+        self, plan: GenerationPlan, renderer: TokenRenderer | None, include_usage: bool, reader: AnswerReader,
+        continuous: bool = False,
     ) -> None:
+        """``continuous``: every chunk carries its choice's usage so far (``sse_response``)."""
         self.plan, self.renderer, self.include_usage, self.reader = plan, renderer, include_usage, reader
+        self.continuous = continuous
         self.answers: dict[int, AnswerStream] = {}  # per choice, where the answer is read (not plain)
         self.inline = renderer is None and reader.plain
         self.usage = UsageTracker(plan)
@@ -153,8 +157,17 @@ class _ChatChunks:
     def _chunk(self, index: int, delta: DeltaMessage, logprobs: Any = None, finish_reason: Any = None) -> bytes:
         choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
         plan = self.plan
-        body = ChatCompletionChunk(id=plan.request_id, created=plan.created, model=plan.model, choices=[choice])
+        usage = self.usage.choice_usage(index) if self.continuous else None
+        body = ChatCompletionChunk(id=plan.request_id, created=plan.created, model=plan.model, choices=[choice],
+                                   usage=usage)
         return body.model_dump_json(exclude=self.exclude).encode()
+
+    def _tail(self, index: int) -> bytes:
+        """What a chunk written from fixed parts ends with: its usage so far, where every chunk has one."""
+        if not self.continuous:
+            return self.tail
+        return b',"logprobs":null,"finish_reason":null}],"usage":%b}' % (
+            self.usage.choice_usage(index).model_dump_json().encode())
 
     def opening(self) -> list[bytes]:
         plan = self.plan
@@ -185,7 +198,7 @@ class _ChatChunks:
         if (reasoning or content) and not calls and not delta.logprobs:  # most deltas: from fixed parts
             fields = {"content": content} if content else {}
             fields.update({"reasoning_content": reasoning} if reasoning else {})
-            out.append(b"%b%d,\"delta\":%b%b" % (self.head, delta.index, msgspec.json.encode(fields), self.tail))
+            out.append(b"%b%d,\"delta\":%b%b" % (self.head, delta.index, msgspec.json.encode(fields), self._tail(delta.index)))
         elif reasoning or content or calls or delta.logprobs:
             logprobs = chat_logprobs(self.renderer, delta.logprobs) if self.renderer else None
             message = DeltaMessage(content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None)
@@ -201,7 +214,7 @@ class _ChatChunks:
 
     def _content_chunk(self, index: int, text: str) -> bytes:
         """A content chunk without logprobs, written from its fixed parts."""
-        return b'%b%d,"delta":{"content":%b}%b' % (self.head, index, msgspec.json.encode(text), self.tail)
+        return b'%b%d,"delta":{"content":%b}%b' % (self.head, index, msgspec.json.encode(text), self._tail(index))
 
     def closing(self) -> list[bytes]:
         if not self.include_usage:

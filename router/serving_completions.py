@@ -107,7 +107,7 @@ async def create_completion(
     if request.stream:
         return await sse_response(
             state, plan, wait_disconnect, request.stream_options,
-            lambda include_usage: _CompletionChunks(plan, renderer, include_usage, echo),
+            lambda include_usage, continuous: _CompletionChunks(plan, renderer, include_usage, echo, continuous),
         )
     results, usage = await collect(state, plan, wait_disconnect)
     response = CompletionResponse(
@@ -179,12 +179,16 @@ def _choices(
 class _CompletionChunks:
     """The ``text_completion`` chunks of a streaming completion (``ChunkWriter``)."""
 
-    __slots__ = ("echo", "echoed", "exclude", "head", "include_usage", "inline", "plan", "renderer", "tail", "usage")
+    __slots__ = ("continuous", "echo", "echoed", "exclude", "head", "include_usage", "inline", "plan", "renderer",
+                 "tail", "usage")
 
     def __init__(
-        self, plan: GenerationPlan, renderer: TokenRenderer | None, include_usage: bool, echo: list[str] | None
+        self, plan: GenerationPlan, renderer: TokenRenderer | None, include_usage: bool, echo: list[str] | None,
+        continuous: bool = False,
     ) -> None:
+        """``continuous``: every chunk carries its choice's usage so far (``sse_response``)."""
         self.plan, self.renderer, self.include_usage, self.echo = plan, renderer, include_usage, echo
+        self.continuous = continuous
         self.inline = renderer is None
         self.usage = UsageTracker(plan)
         self.echoed: set[int] = set()  # choices whose prompt text went out (``echo``: before their first text)
@@ -220,6 +224,7 @@ class _CompletionChunks:
                     finish_reason=delta.finish_reason,  # type: ignore[arg-type]
                 )
             ],
+            usage=self.usage.choice_usage(delta.index) if self.continuous else None,
         )
         return [chunk.model_dump_json(exclude=self.exclude).encode()]
 
@@ -239,8 +244,11 @@ class _CompletionChunks:
 
     def _text_chunk(self, index: int, text: str, finish: bytes) -> bytes:
         """A chunk without logprobs, written from its fixed parts; ``finish`` as JSON."""
+        tail = self.tail
+        if self.continuous:  # every chunk with its choice's usage so far
+            tail = b',"usage":%b}' % self.usage.choice_usage(index).model_dump_json().encode()
         return b'%b%d,"text":%b,"logprobs":null,"finish_reason":%b}]%b' % (
-            self.head, index, msgspec.json.encode(text), finish, self.tail)
+            self.head, index, msgspec.json.encode(text), finish, tail)
 
     def closing(self) -> list[bytes]:
         if not self.include_usage:

@@ -98,6 +98,31 @@ def test_completions_streaming_equals_non_streaming(client: openai.OpenAI) -> No
     assert full.usage is not None and full.usage.completion_tokens == 9
 
 
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_continuous_usage_stats_put_each_choice_s_usage_so_far_in_every_chunk(client: openai.OpenAI, logprobs: bool) -> None:
+    """vLLM's ``continuous_usage_stats``: the plain chunks (written from fixed parts) and the model-built
+    ones (logprobs) alike; the final usage chunk as without it."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chat = dict(model=SERVED_MODEL, messages=[{"role": "user", "content": LONG_PROMPT}], n=2, seed=7, max_tokens=6,
+                logprobs=logprobs)
+    full = client.chat.completions.create(**chat)  # type: ignore[call-overload]
+    chunks = list(client.chat.completions.create(stream=True, stream_options=options, **chat))  # type: ignore[call-overload]
+    seen: dict[int, list[int]] = {}
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        assert chunk.usage is not None, chunk
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+        seen.setdefault(choice.index, []).append(chunk.usage.completion_tokens)
+    for counts in seen.values():
+        assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 6, counts  # the role chunk: 0
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    completion = dict(model=SERVED_MODEL, prompt=LONG_PROMPT, max_tokens=4, logprobs=1 if logprobs else None)
+    texts = list(client.completions.create(stream=True, stream_options=options, **completion))  # type: ignore[call-overload]
+    assert [c.usage.completion_tokens for c in texts[:-1]] == [1, 2, 3, 4]
+    plain = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **completion))  # type: ignore[call-overload]
+    assert all(c.usage is None for c in plain[:-1])
+
+
 def test_n_choices_go_as_one_engine_request_per_prompt(client: openai.OpenAI, stack: Any) -> None:
     """The engines fork the choices (sharing the prompt's blocks): one request per prompt, with n."""
     response = client.completions.create(model=SERVED_MODEL, prompt=LONG_PROMPT, n=3, seed=41, max_tokens=4)

@@ -23,6 +23,14 @@ def cache_salt_for(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:SALT_HEX_CHARS]
 
 
+def with_request_salt(key_salt: str | None, request_salt: str | None) -> str | None:
+    """The cache salt of a request that names one of its own (vLLM's ``cache_salt``), under its API
+    key's: requests share cached blocks only with the same key and the same salt."""
+    if request_salt is None:
+        return key_salt
+    return hashlib.sha256(f"{key_salt or ''}\x00{request_salt}".encode()).hexdigest()[:SALT_HEX_CHARS]
+
+
 class ApiKeys:
     """Checks ``Authorization: Bearer <key>``; with no keys configured, everything is allowed."""
 

@@ -105,6 +105,9 @@ class _GenerationRequest(BaseModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31)
     # Lower first, in the engines' queues (vLLM's extra; needs ``--scheduling-policy priority``).
     priority: StrictInt = Field(default=0, ge=-(2**31), lt=2**31)
+    # vLLM's: a salt of the request's own for its prefix-cache blocks, on top of its API key's: only
+    # requests with the same salt (and key) share cached blocks.
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=256)
     # Logprobs name each token as "token_id:<id>" (vLLM's extra).
     return_tokens_as_token_ids: StrictBool = False
     # Only these tokens may be sampled; these words may not be written (vLLM's extras).
@@ -274,6 +277,8 @@ class CompletionRequest(_GenerationRequest):
     echo: StrictBool | None = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's: the tokenizer's BOS and the like around a text prompt.
+    add_special_tokens: StrictBool = True
 
     def num_prompts(self) -> int:
         """Prompts in ``prompt``; pydantic has made a list's items all of one type."""
@@ -415,6 +420,8 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
+    # vLLM's: the tokenizer's BOS and the like on top of what the chat template writes.
+    add_special_tokens: StrictBool = False
     # Refused, not ignored: OpenAI's deprecated form of tools, and vLLM's chat extras not implemented.
     functions: Any = None
     function_call: Any = None

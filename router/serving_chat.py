@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 from fastapi.responses import JSONResponse, Response
 
+from router.auth import with_request_salt
 from router.chat_answer import AnswerReader, AnswerStream
 from router.choice_stream import ChoiceDelta, ChoiceStream
 from router.logprobs import TokenRenderer, chat_logprobs, prompt_logprobs
@@ -52,7 +53,8 @@ async def plan_chat(
     if structured is not None:
         await check_grammar(*structured)
     prompt = await state.prompts.tokenize_chat(
-        request.template_messages(), request.context_check(max_model_len), request.chat_render(template_tools)
+        request.template_messages(), request.context_check(max_model_len), request.chat_render(template_tools),
+        request.add_special_tokens,
     )
     prompt = request.truncated(prompt, max_model_len)
     max_tokens = check_max_tokens(
@@ -71,7 +73,7 @@ async def plan_chat(
         prompts=[prompt],
         params=[params],
         text=request.text_options(params, keep_special_tokens=reader.needs_special_tokens),
-        cache_salt=cache_salt,
+        cache_salt=with_request_salt(cache_salt, request.cache_salt),
     )
     return request, plan, reader
 

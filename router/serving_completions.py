@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from common.sampling_params import SamplingParams
 from router.admission import CLIENT_KEY
+from router.auth import with_request_salt
 from router.choice_stream import ChoiceDelta, ChoiceStream
 from router.logprobs import TokenRenderer, completion_logprobs, echo_logprobs, prompt_logprobs
 from router.openai_models import (
@@ -54,7 +55,9 @@ async def plan_completion(
     # A request the fair queue could not take now is refused before any tokenizing.
     state.admission.check(CLIENT_KEY.get() or "-", _num_prompts(request.prompt))  # one engine request per prompt
     max_model_len = state.max_model_len()
-    prompts = await state.prompts.tokenize_completion(request.prompt, request.context_check(max_model_len))
+    prompts = await state.prompts.tokenize_completion(
+        request.prompt, request.context_check(max_model_len), request.add_special_tokens
+    )
     prompts = [request.truncated(prompt_ids, max_model_len) for prompt_ids in prompts]
     params = []
     by_max_tokens: dict[int, SamplingParams] = {}  # frozen: prompts with one max_tokens share them
@@ -78,7 +81,7 @@ async def plan_completion(
         prompts=prompts,
         params=params,
         text=request.text_options(params[0]),
-        cache_salt=cache_salt,
+        cache_salt=with_request_salt(cache_salt, request.cache_salt),
     )
     return request, plan
 

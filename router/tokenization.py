@@ -174,11 +174,13 @@ class PromptProcessor:
             code="context_length_exceeded",
         )
 
-    def encode(self, text: str, param: str = "prompt", max_model_len: int | None = None) -> list[int]:
+    def encode(
+        self, text: str, param: str = "prompt", max_model_len: int | None = None, add_special_tokens: bool = True
+    ) -> list[int]:
         if not text:
             raise bad_request("prompt must not be empty", param=param)
         self.check_length(text, max_model_len, param)
-        token_ids = list(self.tokenizer.encode(text, add_special_tokens=True))
+        token_ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         if not token_ids:  # every character was one the tokenizer drops
             raise bad_request("prompt has no tokens", param=param)
         return token_ids
@@ -209,11 +211,14 @@ class PromptProcessor:
             raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", param=param)
         return list(token_ids)
 
-    async def tokenize_completion(self, prompt: PromptInput, max_model_len: int | None) -> list[list[int]]:
+    async def tokenize_completion(
+        self, prompt: PromptInput, max_model_len: int | None, add_special_tokens: bool = True
+    ) -> list[list[int]]:
         """One token list per prompt of a (possibly batched) completions ``prompt``. Every check
         that needs no tokenizer runs first, so a bad request is refused before any text is
         tokenized; then all texts are tokenized in one worker job. ``max_model_len`` None: no
-        context check."""
+        context check. ``add_special_tokens`` (vLLM's): the tokenizer's BOS and the like around each
+        text (token ids are taken as they are)."""
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
             params = ["prompt"]
@@ -243,30 +248,33 @@ class PromptProcessor:
             return checked  # type: ignore[return-value]  # token ids only
 
         def encode_all() -> list[list[int]]:
-            return [self.encode(text, param) for text, param in texts]
+            return [self.encode(text, param, add_special_tokens=add_special_tokens) for text, param in texts]
 
         encoded = iter(await self._off_loop(encode_all, sum(len(text) for text, _ in texts)))
         return [next(encoded) if isinstance(item, str) else item for item in checked]
 
     async def tokenize_chat(
-        self, messages: list[dict[str, Any]], max_model_len: int | None, render: ChatRender = _PLAIN
+        self, messages: list[dict[str, Any]], max_model_len: int | None, render: ChatRender = _PLAIN,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """``chat_prompt``, in a worker thread unless the messages are short."""
-        return await self._off_loop(lambda: self.chat_prompt(messages, max_model_len, render),
+        return await self._off_loop(lambda: self.chat_prompt(messages, max_model_len, render, add_special_tokens),
                                     _num_chat_chars(messages, render))
 
     def chat_prompt(
-        self, messages: list[dict[str, Any]], max_model_len: int | None = None, render: ChatRender = _PLAIN
+        self, messages: list[dict[str, Any]], max_model_len: int | None = None, render: ChatRender = _PLAIN,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """The chat template as ``render`` says (by default with the generation prompt), tokenized
-        without extra BOS. The length check holds the rendered text: a template may leave parts of
-        messages out."""
+        without extra BOS (``add_special_tokens``, vLLM's chat extra: with the tokenizer's BOS and the
+        like on top of the template's). The length check holds the rendered text: a template may
+        leave parts of messages out."""
         try:
             text = self._render(messages, render)
         except Exception as exc:  # jinja raises its own errors for unsupported conversations
             raise bad_request(f"could not apply the chat template: {exc}", param="messages") from None
         self.check_length(text, max_model_len, "messages")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def tokenize_for_count(
         self, text: str | None, messages: list[dict[str, Any]] | None, *, add_special_tokens: bool,

@@ -238,3 +238,21 @@ def test_echo_and_prompt_logprobs_through_prefill_equal_transformers(stack, clie
     chat_ids = _chat_ids("Say hi.")
     plp = chat.model_extra["prompt_logprobs"]
     assert len(plp) == len(chat_ids) and all(str(t) in e for t, e in zip(chat_ids[1:], plp[1:], strict=True))
+
+
+def test_cache_salt_keeps_prefix_cache_hits_to_requests_with_the_same_salt(client):  # type: ignore[no-untyped-def]
+    """vLLM's ``cache_salt``: through prefill -> KV -> decode, a long prompt's blocks are hits again
+    for the same salt, and never for another salt or none."""
+    prompt = LONG_PREFIX + "Now name three rivers."
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
+        return done.usage.prompt_tokens_details.cached_tokens  # type: ignore[no-any-return]
+
+    assert cached("tenant-a") == 0  # the first with this salt
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+    assert cached(None) > 0 and cached("tenant-b") > 0
+

@@ -22,6 +22,8 @@ class AnswerReader:
     # Whether the text must keep special tokens: a parser reads tags the tokenizer marks special
     # (Mistral's [TOOL_CALLS], some models' <tool_call> or <think>), which detokenizing would drop.
     needs_special_tokens: bool = False
+    # vLLM's ``include_reasoning``: false leaves the thinking split off the content out of the answer.
+    include_reasoning: bool = True
 
     @property
     def plain(self) -> bool:
@@ -31,6 +33,7 @@ class AnswerReader:
     def message(self, text: str, finish_reason: str | None) -> tuple[ChatMessageOut, str | None]:
         """A whole answer's message and finish reason."""
         reasoning, content = self.reasoning.split(text) if self.reasoning is not None else (None, text)
+        reasoning = reasoning if self.include_reasoning else None
         if self.tools is None:
             return ChatMessageOut(content=content, reasoning_content=reasoning), finish_reason
         answer, calls = self.tools.extract(content, self.tool_parser)
@@ -63,6 +66,8 @@ class AnswerStream:
             if finished:
                 more_reasoning, more_content = self.reasoning.finish()
                 reasoning, content = reasoning + more_reasoning, content + more_content
+            if not self.reader.include_reasoning:
+                reasoning = ""
         calls: list[DeltaToolCall] = []
         if self.tools is not None:
             content, calls = self.tools.feed(content)

@@ -59,6 +59,13 @@ _NOT_IMPLEMENTED_EXTRAS: dict[str, Any] = {
     "length_penalty": 1.0,
     "spaces_between_special_tokens": True,
     "mm_processor_kwargs": None,
+    # Structured-output and serving knobs of vLLM's, and OpenAI's fields for other modalities.
+    "guided_whitespace_pattern": None,
+    "structural_tag": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "prediction": None,
+    "audio": None,
 }
 
 
@@ -105,6 +112,8 @@ class _GenerationRequest(BaseModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31)
     # Lower first, in the engines' queues (vLLM's extra; needs ``--scheduling-policy priority``).
     priority: StrictInt = Field(default=0, ge=-(2**31), lt=2**31)
+    # vLLM's: the response's id is "chatcmpl-<request_id>" ("cmpl-" for completions).
+    request_id: StrictStr | None = Field(default=None, min_length=1, max_length=128)
     # vLLM's: a salt of the request's own for its prefix-cache blocks, on top of its API key's: only
     # requests with the same salt (and key) share cached blocks.
     cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=256)
@@ -120,6 +129,15 @@ class _GenerationRequest(BaseModel):
     length_penalty: Any = 1.0
     spaces_between_special_tokens: Any = True
     mm_processor_kwargs: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    prediction: Any = None
+    audio: Any = None
+    # Taken where they ask for what this server does: xgrammar's grammars, text out.
+    guided_decoding_backend: Any = None
+    modalities: Any = None
     # What ``check`` read from response_format / guided_*: the spec and the field it came from.
     _structured: tuple[StructuredOutput, str] | None = PrivateAttr(default=None)
 
@@ -175,6 +193,11 @@ class _GenerationRequest(BaseModel):
         if self.priority != 0 and not limits.priority_scheduling:
             raise bad_request("priority needs --scheduling-policy priority (router and engines); the server "
                               "takes requests first come, first served", param="priority")
+        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+            raise bad_request("guided_decoding_backend: this server's grammars are xgrammar's ('auto' or "
+                              "'xgrammar')", param="guided_decoding_backend")
+        if self.modalities not in (None, ["text"]):
+            raise bad_request("modalities: this server writes text only", param="modalities")
         if self.n is not None and self.n > limits.max_n:
             raise bad_request(f"n must be at most {limits.max_n} (--max-n), got {self.n}", param="n")
         if self.truncate_prompt_tokens == 0:
@@ -422,6 +445,8 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
     parallel_tool_calls: StrictBool | None = None
     # vLLM's: the tokenizer's BOS and the like on top of what the chat template writes.
     add_special_tokens: StrictBool = False
+    # vLLM's: false leaves a reasoning model's thinking (``--reasoning-parser``) out of the answer.
+    include_reasoning: StrictBool = True
     # Refused, not ignored: OpenAI's deprecated form of tools, and vLLM's chat extras not implemented.
     functions: Any = None
     function_call: Any = None

@@ -39,6 +39,12 @@ class GenerationPlan:
     text: TextOptions
     cache_salt: str | None
     created: int = field(default_factory=lambda: int(time.time()))
+    # The engines' id of the request (with each prompt's index after it): unique whatever id the
+    # client gave the response (``request_id``, vLLM's extra); by default the response's id.
+    engine_request_id: str = ""
+
+    def __post_init__(self) -> None:
+        self.engine_request_id = self.engine_request_id or self.request_id
 
     @property
     def n(self) -> int:
@@ -47,6 +53,13 @@ class GenerationPlan:
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def response_ids(prefix: str, client_id: str | None) -> tuple[str, str]:
+    """The response's id and the engines' id of a request: ``prefix-<client_id>`` (vLLM's
+    ``request_id``) and a unique one beside it, or one new id for both."""
+    engine_id = new_request_id(prefix)
+    return (engine_id if client_id is None else f"{prefix}-{client_id}"), engine_id
 
 
 class ChoicesSlot:
@@ -95,7 +108,7 @@ class PlanChoices:
         prompt, params = self.plan.prompts[p], self.plan.params[p]
         try:
             engine_requests = await self.state.dispatcher.submit(
-                f"{self.plan.request_id}-{p}", prompt, params, self.plan.cache_salt
+                f"{self.plan.engine_request_id}-{p}", prompt, params, self.plan.cache_salt
             )
         except BaseException:
             slot.release()

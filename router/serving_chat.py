@@ -33,7 +33,7 @@ from router.serving import (
     UsageTracker,
     chunk_head,
     collect,
-    new_request_id,
+    response_ids,
     sse_response,
 )
 from router.state import RouterState
@@ -67,8 +67,10 @@ async def plan_chat(
     )
     check_prompt_logprobs(params, len(prompt))
     reader = answer_reader(state, request)
+    response_id, engine_id = response_ids("chatcmpl", request.request_id)
     plan = GenerationPlan(
-        request_id=new_request_id("chatcmpl"),
+        request_id=response_id,
+        engine_request_id=engine_id,
         model=model,
         prompts=[prompt],
         params=[params],
@@ -121,7 +123,7 @@ def answer_reader(state: RouterState, request: ChatCompletionRequest) -> AnswerR
          and lost.intersection(state.tool_parser.tags))
         or (reasoning is not None and lost.intersection(reasoning.tags))
     )
-    return AnswerReader(tools, state.tool_parser, reasoning, needs_special)
+    return AnswerReader(tools, state.tool_parser, reasoning, needs_special, request.include_reasoning)
 
 
 def _prompt_logprobs(

@@ -28,7 +28,7 @@ from router.serving import (
     UsageTracker,
     chunk_head,
     collect,
-    new_request_id,
+    response_ids,
     sse_response,
 )
 from router.state import RouterState
@@ -75,8 +75,10 @@ async def plan_completion(
     if params and params[0].prompt_logprobs is not None:
         for prompt_ids, prompt_params in zip(prompts, params, strict=True):
             check_prompt_logprobs(prompt_params, len(prompt_ids))
+    response_id, engine_id = response_ids("cmpl", request.request_id)
     plan = GenerationPlan(
-        request_id=new_request_id("cmpl"),
+        request_id=response_id,
+        engine_request_id=engine_id,
         model=model,
         prompts=prompts,
         params=params,

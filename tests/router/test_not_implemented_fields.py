@@ -29,6 +29,14 @@ def server(prompts: Any) -> Iterator[RouterServer]:
         (COMPLETIONS, "length_penalty", 0.5),
         (CHAT, "spaces_between_special_tokens", False),
         (CHAT, "mm_processor_kwargs", {"a": 1}),
+        (CHAT, "guided_whitespace_pattern", " "),
+        (COMPLETIONS, "structural_tag", "{}"),
+        (CHAT, "kv_transfer_params", {"do_remote_decode": True}),
+        (CHAT, "vllm_xargs", {"a": 1}),
+        (CHAT, "prediction", {"type": "content", "content": "x"}),
+        (CHAT, "audio", {"voice": "alloy"}),
+        (CHAT, "guided_decoding_backend", "outlines"),
+        (CHAT, "modalities", ["text", "audio"]),
     ],
 )
 def test_unimplemented_fields_get_400_naming_them(server: RouterServer, path: str, field: str, value: Any) -> None:
@@ -42,6 +50,7 @@ def test_unimplemented_fields_get_400_naming_them(server: RouterServer, path: st
 def test_the_values_that_ask_for_nothing_are_accepted(server: RouterServer) -> None:
     # Past validation, with no engine to run them: a 503, not a 400.
     body = {"model": SERVED_MODEL, "prompt": "Hi", "max_tokens": 4, "use_beam_search": False, "length_penalty": 1.0,
-            "spaces_between_special_tokens": True, "priority": 0, "return_tokens_as_token_ids": False}
+            "spaces_between_special_tokens": True, "priority": 0, "return_tokens_as_token_ids": False,
+            "guided_decoding_backend": "xgrammar", "modalities": ["text"]}
     response = httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=10)
     assert response.status_code == 503, response.text

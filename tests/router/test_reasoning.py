@@ -109,6 +109,18 @@ def test_without_tools_the_answer_after_thinking_is_content(client: openai.OpenA
     assert message.tool_calls is None and response.choices[0].finish_reason == "stop"
 
 
+def test_include_reasoning_false_leaves_the_thinking_out_whole_and_streamed(client: openai.OpenAI) -> None:
+    extra = {"include_reasoning": False}
+    response = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, max_tokens=300, extra_body=extra)
+    message = response.choices[0].message
+    assert getattr(message, "reasoning_content", None) is None
+    assert message.content == REPLY.split("</think>\n\n", 1)[1]
+    chunks = list(client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, max_tokens=300, stream=True,
+                                                 extra_body=extra))
+    assert not any(getattr(c.delta, "reasoning_content", None) for chunk in chunks for c in chunk.choices)
+    assert "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices) == message.content
+
+
 def test_output_held_by_a_grammar_is_not_split(client: openai.OpenAI) -> None:
     response = client.chat.completions.create(
         model=SERVED_MODEL, messages=MESSAGES, max_tokens=300, response_format={"type": "json_object"}

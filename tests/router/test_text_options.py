@@ -117,3 +117,23 @@ def test_priority_needs_the_priority_policy_and_then_reaches_the_engines(
         response = httpx.post(f"{urgent.url}/v1/completions", json={**body, "priority": -5}, timeout=10)
         assert response.status_code == 200, response.text
         assert [r.sampling_params.priority for r in cluster.requests()] == [-5]
+
+
+def test_a_client_request_id_names_the_response_and_the_engines_keep_unique_ids(
+    stack: tuple[RouterServer, list[int]], running: tuple[RouterServer, FakeCluster, list[int]]
+) -> None:
+    server, _ = stack
+    cluster = running[1]
+    before = len(cluster.requests())
+    ids = []
+    for path, body in (("completions", {"prompt": "Say hello"}),
+                       ("chat/completions", {"messages": [{"role": "user", "content": "Say hello"}]})):
+        for stream in (False, True):
+            request = {"model": SERVED_MODEL, "max_tokens": 2, "request_id": "my-id", "stream": stream, **body}
+            response = httpx.post(f"{server.url}/v1/{path}", json=request, timeout=10)
+            assert response.status_code == 200, response.text
+            first = response.text.split("\n")[0].removeprefix("data: ") if stream else response.text
+            ids.append(__import__("json").loads(first)["id"])
+    assert ids == ["cmpl-my-id", "cmpl-my-id", "chatcmpl-my-id", "chatcmpl-my-id"]
+    engine_ids = [r.request_id for r in cluster.requests()[before:]]
+    assert len(set(engine_ids)) == len(engine_ids) == 4 and not any("my-id" in i for i in engine_ids)

@@ -451,7 +451,9 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
     functions: Any = None
     function_call: Any = None
     chat_template: Any = None
-    echo: Any = None
+    # vLLM's: an answer that goes on from a final assistant message (``continue_final_message``)
+    # starts with that message's text.
+    echo: StrictBool = False
     # What ``check`` read from tools / tool_choice (``router/tools.py``).
     _tools: ToolPlan | None = PrivateAttr(default=None)
 
@@ -468,8 +470,6 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
                 "a request may not bring its own chat template; the server's is set by --chat-template",
                 param="chat_template",
             )
-        if self.echo not in (None, False):
-            raise bad_request("echo is not supported on chat completions", param="echo")
         self.check_template_options(self.messages)
         self._tools = ToolPlan.from_request(self.tools, self.tool_choice, self.parallel_tool_calls)
         forced = self._tools.structured_output() if self._tools is not None else None
@@ -495,6 +495,15 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
+
+    def echoed_text(self) -> str | None:
+        """With ``echo``, the text each answer starts with: the last message's, where it is the
+        assistant's (the role answers take), as vLLM echoes; else None."""
+        if not self.echo:
+            return None
+        last = self.template_messages()[-1]
+        content = last.get("content")
+        return content if last.get("role") == "assistant" and isinstance(content, str) and content else None
 
 
 RequestT = TypeVar("RequestT", bound=_GenerationRequest)

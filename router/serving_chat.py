@@ -22,6 +22,7 @@ from router.openai_responses import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
+    ChatMessageOut,
     ChatStreamChoice,
     DeltaMessage,
     PromptLogprobs,
@@ -88,7 +89,8 @@ async def create_chat_completion(
     if request.stream:
         return await sse_response(
             state, plan, wait_disconnect, request.stream_options,
-            lambda include_usage, continuous: _ChatChunks(plan, renderer, include_usage, reader, continuous),
+            lambda include_usage, continuous: _ChatChunks(plan, renderer, include_usage, reader, continuous,
+                                                          request.echoed_text()),
         )
     results, usage = await collect(state, plan, wait_disconnect)
     response = ChatCompletionResponse(
@@ -103,12 +105,20 @@ async def create_chat_completion(
                 finish_reason=finish_reason,  # type: ignore[arg-type]
             )
             for r in results
-            for message, finish_reason in [reader.message(r.text, r.finish_reason)]
+            for message, finish_reason in [_echoed(reader.message(r.text, r.finish_reason), request.echoed_text())]
         ],
         usage=usage,
         prompt_logprobs=_prompt_logprobs(state, request, results),
     )
     return JSONResponse(response.model_dump(mode="json"))
+
+
+def _echoed(answer: tuple[ChatMessageOut, str | None], echo: str | None) -> tuple[ChatMessageOut, str | None]:
+    """An answer's message starting with the ``echo`` text (the final assistant message it goes on from)."""
+    message, finish_reason = answer
+    if echo is not None:
+        message.content = echo + (message.content or "")
+    return message, finish_reason
 
 
 def answer_reader(state: RouterState, request: ChatCompletionRequest) -> AnswerReader:
@@ -139,16 +149,17 @@ def _prompt_logprobs(
 class _ChatChunks:
     """The ``chat.completion.chunk`` chunks of a streaming chat completion (``ChunkWriter``)."""
 
-    __slots__ = ("answers", "continuous", "exclude", "head", "include_usage", "inline", "plan", "reader", "renderer",
-                 "tail", "usage")
+    __slots__ = ("answers", "continuous", "echo", "exclude", "head", "include_usage", "inline", "plan", "reader",
+                 "renderer", "tail", "usage")
 
     def __init__(
         self, plan: GenerationPlan, renderer: TokenRenderer | None, include_usage: bool, reader: AnswerReader,
-        continuous: bool = False,
+        continuous: bool = False, echo: str | None = None,
     ) -> None:
-        """``continuous``: every chunk carries its choice's usage so far (``sse_response``)."""
+        """``continuous``: every chunk carries its choice's usage so far (``sse_response``); ``echo``:
+        each answer's first content, before anything the engines write (``echoed_text``)."""
         self.plan, self.renderer, self.include_usage, self.reader = plan, renderer, include_usage, reader
-        self.continuous = continuous
+        self.continuous, self.echo = continuous, echo
         self.answers: dict[int, AnswerStream] = {}  # per choice, where the answer is read (not plain)
         self.inline = renderer is None and reader.plain
         self.usage = UsageTracker(plan)
@@ -175,7 +186,11 @@ class _ChatChunks:
 
     def opening(self) -> list[bytes]:
         plan = self.plan
-        return [self._chunk(i, DeltaMessage(role="assistant", content="")) for i in range(len(plan.prompts) * plan.n)]
+        num_choices = len(plan.prompts) * plan.n
+        out = [self._chunk(i, DeltaMessage(role="assistant", content="")) for i in range(num_choices)]
+        if self.echo is not None:
+            out += [self._content_chunk(i, self.echo) for i in range(num_choices)]
+        return out
 
     def chunks(self, delta: ChoiceDelta) -> list[bytes]:
         if self.include_usage:

@@ -137,3 +137,25 @@ def test_a_client_request_id_names_the_response_and_the_engines_keep_unique_ids(
     assert ids == ["cmpl-my-id", "cmpl-my-id", "chatcmpl-my-id", "chatcmpl-my-id"]
     engine_ids = [r.request_id for r in cluster.requests()[before:]]
     assert len(set(engine_ids)) == len(engine_ids) == 4 and not any("my-id" in i for i in engine_ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_echo_starts_an_answer_with_the_assistant_message_it_goes_on_from(
+    stack: tuple[RouterServer, list[int]], stream: bool
+) -> None:
+    import json
+
+    server, _ = stack
+
+    def content(messages: list[dict[str, str]], **body: Any) -> str:
+        request = {"model": SERVED_MODEL, "messages": messages, "max_tokens": 10, "echo": True, "stream": stream, **body}
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=request, timeout=10)
+        assert response.status_code == 200, response.text
+        if not stream:
+            return str(response.json()["choices"][0]["message"]["content"])
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        return "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+
+    started = [{"role": "user", "content": "Greet me."}, {"role": "assistant", "content": "Sure:"}]
+    assert content(started, add_generation_prompt=False, continue_final_message=True) == "Sure:Hello world"
+    assert content(started[:1]) == "Hello world"  # the last message is the user's: nothing to echo

@@ -276,21 +276,28 @@ def test_engines_get_the_c_library_settings_and_keep_the_users(
     )
 
 
+def _spawned(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, *flags: str) -> dict[str, list[str]]:
+    """The argv of every child ``pdserve up`` with ``flags`` starts (none is run)."""
+    from ops.launcher import Launcher, build_parser
+
+    args, extra = build_parser().parse_known_args(
+        ["--log-dir", str(tmp_path), "--redis-url", "redis://127.0.0.1:1/0", *flags]
+    )
+    launcher = Launcher(args, extra)
+    spawned: dict[str, list[str]] = {}
+    monkeypatch.setattr(launcher, "spawn", lambda name, argv, env=None: spawned.setdefault(name, argv))
+    launcher.start_all("model-dir")
+    return spawned
+
+
 def test_the_stream_interval_goes_to_the_decode_instances_only_and_must_be_positive(
     monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
 ) -> None:
     import argparse
 
     from common.service import add_service_args
-    from ops.launcher import Launcher, build_parser
 
-    args, extra = build_parser().parse_known_args(
-        ["--log-dir", str(tmp_path), "--redis-url", "redis://127.0.0.1:1/0", "--stream-interval", "4"]
-    )
-    launcher = Launcher(args, extra)
-    spawned: dict[str, list[str]] = {}
-    monkeypatch.setattr(launcher, "spawn", lambda name, argv, env=None: spawned.setdefault(name, argv))
-    launcher.start_all("model-dir")
+    spawned = _spawned(monkeypatch, tmp_path, "--stream-interval", "4")
     assert spawned["decode-0"][spawned["decode-0"].index("--stream-interval") + 1] == "4"
     assert "--stream-interval" not in spawned["prefill-0"] and "--stream-interval" not in spawned["router"]
     parser = argparse.ArgumentParser()
@@ -416,17 +423,10 @@ def test_up_on_a_gpu_host_pins_each_engine_to_its_gpu_and_passes_its_share(
 def test_up_hands_the_chat_template_and_parsers_to_the_router_and_the_router_takes_them(
     monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
 ) -> None:
-    from ops.launcher import Launcher, build_parser
     from router.main import build_parser as router_parser
 
-    args, extra = build_parser().parse_known_args(
-        ["--log-dir", str(tmp_path), "--redis-url", "redis://127.0.0.1:1/0", "--chat-template", "chatml-tools",
-         "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
-    )
-    launcher = Launcher(args, extra)
-    spawned: dict[str, list[str]] = {}
-    monkeypatch.setattr(launcher, "spawn", lambda name, argv, env=None: spawned.setdefault(name, argv))
-    launcher.start_all("model-dir")
+    spawned = _spawned(monkeypatch, tmp_path, "--chat-template", "chatml-tools", "--tool-call-parser", "hermes",
+                       "--reasoning-parser", "qwen3")
     router = spawned["router"]
     assert router[router.index("--chat-template") + 1] == "chatml-tools"
     assert router[router.index("--tool-call-parser") + 1] == "hermes"
@@ -441,16 +441,9 @@ def test_up_hands_the_scheduling_policy_to_every_engine_and_the_router(
     import argparse
 
     from common.service import add_service_args
-    from ops.launcher import Launcher, build_parser
     from router.main import build_parser as router_parser
 
-    args, extra = build_parser().parse_known_args(
-        ["--log-dir", str(tmp_path), "--redis-url", "redis://127.0.0.1:1/0", "--scheduling-policy", "priority"]
-    )
-    launcher = Launcher(args, extra)
-    spawned: dict[str, list[str]] = {}
-    monkeypatch.setattr(launcher, "spawn", lambda name, argv, env=None: spawned.setdefault(name, argv))
-    launcher.start_all("model-dir")
+    spawned = _spawned(monkeypatch, tmp_path, "--scheduling-policy", "priority")
     for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
         argv = spawned[name]
         parser = argparse.ArgumentParser()

@@ -25,6 +25,7 @@ from router.openai_responses import (
     ModelList,
 )
 from router.openapi import error_responses, generation_route, install_openapi
+from router.responses_api import ResponseObject, ResponsesRequest, ResponseStreamEvent
 from router.serving import (
     SERVER_SEND,
     ClientDisconnected,
@@ -35,6 +36,7 @@ from router.serving import (
 )
 from router.serving_chat import create_chat_completion
 from router.serving_completions import create_completion
+from router.serving_responses import create_response
 from router.serving_tokenize import install_tokenize_routes
 from router.state import RouterState
 
@@ -176,7 +178,13 @@ def create_app(state: RouterState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await generate(request, create_chat_completion)
 
-    app.direct_routes = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
+    @app.post("/v1/responses", **generation_route(ResponsesRequest, ResponseObject, ResponseStreamEvent))
+    async def responses(request: Request) -> Response:
+        return await generate(request, create_response)
+
+    app.direct_routes = {
+        "/v1/completions": completions, "/v1/chat/completions": chat_completions, "/v1/responses": responses,
+    }
 
     @app.get("/v1/models", response_model=ModelList, responses={401: error_responses()[401]})
     async def models(request: Request) -> JSONResponse:

@@ -69,7 +69,14 @@ _NOT_IMPLEMENTED_EXTRAS: dict[str, Any] = {
 }
 
 
-class _GenerationRequest(BaseModel):
+class CheckedRequest(BaseModel):
+    """A request body ``parse_request`` reads: its types by pydantic, then ``check``."""
+
+    def check(self, limits: RequestLimits) -> None:
+        """A 400 naming the first field the types let through but the server refuses."""
+
+
+class _GenerationRequest(CheckedRequest):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -506,7 +513,7 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
         return content if last.get("role") == "assistant" and isinstance(content, str) and content else None
 
 
-RequestT = TypeVar("RequestT", bound=_GenerationRequest)
+RequestT = TypeVar("RequestT", bound=CheckedRequest)
 
 
 def _has_surrogate(text: str) -> bool:

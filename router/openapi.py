@@ -17,10 +17,11 @@ from pydantic.json_schema import models_json_schema
 
 from router.openai_models import ChatCompletionRequest, CompletionRequest
 from router.openai_responses import ChatCompletionChunk, ErrorResponse
+from router.responses_api import ResponsesRequest, ResponseStreamEvent
 
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, ResponsesRequest)
 # Sent only inside event streams, so no route's response model names it.
-STREAM_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionChunk,)
+STREAM_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionChunk, ResponseStreamEvent)
 _REF = "#/components/schemas/{model}"
 
 _ERRORS = {

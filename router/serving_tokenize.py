@@ -17,19 +17,22 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from router.config import RequestLimits
 from router.errors import bad_request
-from router.openai_models import ChatMessage, ChatTemplateOptions, parse_request, template_messages
+from router.openai_models import (
+    ChatMessage,
+    ChatTemplateOptions,
+    CheckedRequest,
+    parse_request,
+    template_messages,
+)
 from router.openapi import error_responses
 from router.state import RouterState
 from router.tools import ToolPlan, require_rendered
 
 
-class _UtilityRequest(BaseModel):
+class _UtilityRequest(CheckedRequest):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-
-    def check(self, limits: RequestLimits) -> None:
-        """Nothing beyond the fields' own types (``parse_request`` calls this)."""
 
 
 class TokenizeRequest(_UtilityRequest, ChatTemplateOptions):
@@ -74,7 +77,7 @@ def pdserve_version() -> str:
 
 
 async def tokenize(state: RouterState, body: Any) -> TokenizeResponse:
-    request = parse_request(TokenizeRequest, body, state.config.limits)  # type: ignore[type-var]
+    request = parse_request(TokenizeRequest, body, state.config.limits)
     state.check_model(request.model)
     prompts = state.prompts
     if request.messages is not None:
@@ -95,7 +98,7 @@ async def tokenize(state: RouterState, body: Any) -> TokenizeResponse:
 
 
 async def detokenize(state: RouterState, body: Any) -> DetokenizeResponse:
-    request = parse_request(DetokenizeRequest, body, state.config.limits)  # type: ignore[type-var]
+    request = parse_request(DetokenizeRequest, body, state.config.limits)
     state.check_model(request.model)
     return DetokenizeResponse(prompt=await state.prompts.detokenize(request.tokens, param="tokens"))
 

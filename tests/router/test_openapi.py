@@ -88,6 +88,18 @@ def test_generation_endpoints_list_their_request_and_response_models(
     assert set(_resolve(document, error)["properties"]) == {"error"}
 
 
+def test_the_responses_endpoint_lists_its_request_response_and_event_models(document: dict[str, Any]) -> None:
+    operation = document["paths"]["/v1/responses"]["post"]
+    request_schema = _resolve(document, operation["requestBody"]["content"]["application/json"]["schema"]["$ref"])
+    assert request_schema["title"] == "ResponsesRequest" and request_schema["required"] == ["input"]
+    assert {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "stream"} <= set(
+        request_schema["properties"])
+    ok = operation["responses"]["200"]["content"]
+    assert _resolve(document, ok["application/json"]["schema"]["$ref"])["title"] == "ResponseObject"
+    assert "ResponseStreamEvent" in ok["text/event-stream"]["schema"]["description"]
+    assert "ResponseStreamEvent" in document["components"]["schemas"]
+
+
 def test_every_reference_in_the_document_resolves(document: dict[str, Any]) -> None:
     refs = set(_refs(document))
     assert "#/components/schemas/ChatMessage" in refs  # the request models' own parts are there too

@@ -32,7 +32,9 @@ from tests.engine.conftest import model_path  # noqa: E402
 pytestmark = pytest.mark.timeout(600)
 
 MAX_EXAMPLES = 10  # per operation and mode: CI-sized; raise it by hand for a longer run
-OPERATIONS = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health")
+OPERATIONS = (
+    "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "GET /v1/models", "GET /health",
+)
 STATUSES: Counter[str] = Counter()
 
 

@@ -1,0 +1,407 @@
+"""OpenAI's Responses API (``POST /v1/responses``) as a chat completion underneath.
+
+A request's ``instructions`` and ``input`` items become chat messages (``function_call`` and
+``function_call_output`` items the assistant's tool calls and the tool's answers; a ``reasoning``
+item the thinking of the assistant message after it), its function tools and ``text.format`` the chat
+completion's ``tools`` and ``response_format``; the chat machinery then validates, templates, routes
+and reads the answer (tool calls, ``--reasoning-parser``). Its message comes back as output items:
+the thinking as a ``reasoning`` item, the text as a ``message``, each call as a ``function_call``.
+Streamed, the answer's pieces become the API's typed events, in the order OpenAI sends them.
+
+Nothing is stored: ``store`` is answered ``false``, and what needs a stored response
+(``previous_response_id``, ``background``) or a tool the server does not run (web search, files,
+computers) is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+
+from router.config import RequestLimits
+from router.errors import APIError, bad_request
+from router.openai_models import CheckedRequest
+from router.openai_responses import ChatMessageOut, DeltaToolCall, Usage
+
+# Request fields this server does not serve, each with the value that asks for nothing.
+_NOT_SERVED: dict[str, Any] = {
+    "previous_response_id": None,  # nothing is stored to go on from
+    "conversation": None,
+    "prompt": None,  # a stored prompt template
+    "background": False,
+    "include": [],
+    "reasoning": None,  # no reasoning effort to set on the models served
+    "max_tool_calls": None,
+    "top_logprobs": 0,
+}
+# What a Responses field is called in the chat completion it becomes, for the errors about it.
+_CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+                "response_format": "text.format"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponsesRequest(CheckedRequest):
+    """The fields of ``POST /v1/responses`` this server reads; the others are refused or ignored as
+    the chat completion's are."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    # A string, or a list of items: checked by ``check``, so that a 400 names ``input`` itself.
+    input: Any = Field(json_schema_extra={"anyOf": [
+        {"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "object"}}]})
+    instructions: StrictStr | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: StrictBool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: dict[str, Any] | None = None
+    truncation: StrictStr | None = None
+    store: StrictBool | None = None  # answered false: nothing is stored
+    metadata: dict[str, StrictStr] | None = Field(default=None, max_length=16)
+    user: StrictStr | None = None
+    previous_response_id: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    background: Any = False
+    include: Any = None
+    reasoning: Any = None
+    max_tool_calls: Any = None
+    top_logprobs: Any = None
+
+    def check(self, limits: RequestLimits) -> None:
+        if not (isinstance(self.input, str) or (
+            isinstance(self.input, list) and self.input and all(isinstance(item, dict) for item in self.input)
+        )):
+            raise bad_request("input must be a string or a non-empty list of input items", param="input")
+        for name, nothing in _NOT_SERVED.items():
+            value = getattr(self, name)
+            if value is not None and value != nothing:
+                raise bad_request(f"{name} is not supported by this server", param=name)
+        if self.truncation not in (None, "disabled"):
+            raise bad_request("truncation must be 'disabled': a prompt too long is refused, not cut", param="truncation")
+
+    def chat_body(self) -> dict[str, Any]:
+        """The chat completion this request is, as a JSON body (validated by the chat path)."""
+        body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": False}
+        for name, chat_name in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
+                                ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user")):
+            value = getattr(self, name)
+            if value is not None:
+                body[chat_name] = value
+        if self.tools:
+            body["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            body["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        response_format = _response_format(self.text)
+        if response_format is not None:
+            body["response_format"] = response_format
+        return body
+
+    def _messages(self) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return [*messages, {"role": "user", "content": self.input}]
+        thinking: str | None = None  # a reasoning item's text, for the assistant message after it
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message")
+            param = f"input.{i}"
+            if kind == "message":
+                role = item.get("role")
+                if role not in ("user", "system", "developer", "assistant"):
+                    raise bad_request(f"{param}.role must be user, system, developer or assistant", param=param)
+                message: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                           "content": _text_content(item.get("content"), param)}
+                if role == "assistant" and thinking is not None:
+                    message["reasoning_content"], thinking = thinking, None
+                messages.append(message)
+            elif kind == "function_call":
+                call = {"id": _string(item, "call_id", param), "type": "function",
+                        "function": {"name": _string(item, "name", param), "arguments": _string(item, "arguments", param)}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                    last["tool_calls"].append(call)  # parallel calls: one assistant message
+                else:
+                    message = {"role": "assistant", "content": None, "tool_calls": [call]}
+                    if thinking is not None:
+                        message["reasoning_content"], thinking = thinking, None
+                    messages.append(message)
+            elif kind == "function_call_output":
+                output = item.get("output")
+                if not isinstance(output, str):
+                    raise bad_request(f"{param}.output must be a string", param=param)
+                messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", param), "content": output})
+            elif kind == "reasoning":
+                parts = item.get("content") or []
+                thinking = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or None
+            else:
+                raise bad_request(f"{param}: input items of type {kind!r} are not supported", param=param)
+        return messages
+
+
+class ResponseObject(BaseModel):
+    """The ``response`` object (``response_object``), for the API's schema."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: str = "response"
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None = None
+
+
+class ResponseStreamEvent(BaseModel):
+    """One event of a streamed response (``ResponseEvents``), for the API's schema."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    sequence_number: int
+
+
+def _string(item: dict[str, Any], key: str, param: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise bad_request(f"{param}.{key} must be a string", param=param)
+    return value
+
+
+def _text_content(content: Any, param: str) -> str:
+    """A message's content as text: a string, or its ``input_text`` / ``output_text`` parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{param}.content must be a string or a list of text parts", param=param)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad_request(f"{param}.content.{j}: parts of type {kind!r} are not supported (text only)",
+                              param=param)
+        texts.append(_string(part, "text", f"{param}.content.{j}"))
+    return "".join(texts)
+
+
+def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    """A Responses function tool as the chat completion's; other tools are not run here."""
+    if tool.get("type") != "function":
+        raise bad_request(f"tools.{i}: only function tools are supported, not {tool.get('type')!r}", param="tools")
+    function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> Any:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad_request("tool_choice must be none, auto, required or {'type': 'function', 'name': ...}",
+                      param="tool_choice")
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object", param="text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    raise bad_request("text.format.type must be text, json_object or json_schema", param="text.format")
+
+
+def renamed(exc: APIError) -> APIError:
+    """``exc`` from the chat path, its ``param`` named as the Responses request names it."""
+    if exc.param is not None:
+        head, dot, rest = exc.param.partition(".")
+        if head in _CHAT_PARAMS:
+            exc.param = _CHAT_PARAMS[head] + dot + rest
+    return exc
+
+
+# ---------------------------------------------------------------------------------- the output
+def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "message", "id": item_id or new_id("msg"), "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def reasoning_item(text: str, item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id or new_id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+
+
+def call_item(call_id: str, name: str, arguments: str, item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id or new_id("fc"), "call_id": call_id, "name": name,
+            "arguments": arguments, "status": "completed"}
+
+
+def output_items(message: ChatMessageOut, status: str) -> list[dict[str, Any]]:
+    """A whole answer's output items: its thinking, its text, its calls."""
+    items = []
+    if message.reasoning_content:
+        items.append(reasoning_item(message.reasoning_content))
+    if message.content:
+        items.append(message_item(message.content, status))
+    items += [call_item(call.id, call.function.name, call.function.arguments) for call in message.tool_calls or []]
+    return items
+
+
+def response_usage(usage: Usage, reasoning_tokens: int) -> dict[str, Any]:
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details is not None else 0
+    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": usage.total_tokens}
+
+
+def response_object(
+    request: ResponsesRequest, response_id: str, created: int, model: str, status: str,
+    output: list[dict[str, Any]], usage: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The ``response`` object; ``status``: in_progress, completed or incomplete (``max_output_tokens``)."""
+    return {
+        "id": response_id, "object": "response", "created_at": created, "status": status, "model": model,
+        "output": output, "usage": usage, "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
+        "temperature": request.temperature, "top_p": request.top_p,
+        "parallel_tool_calls": request.parallel_tool_calls is not False,
+        "tool_choice": request.tool_choice or "auto", "tools": request.tools or [],
+        "text": request.text or {"format": {"type": "text"}}, "truncation": "disabled",
+        "metadata": request.metadata or {}, "store": False, "background": False, "user": request.user,
+    }
+
+
+class ResponseEvents:
+    """A streamed answer as the Responses API's events: each output item opened when its first piece
+    comes (``output_item.added``, for text ``content_part.added``), its pieces as deltas, and closed
+    (``...done``) when something else begins or the answer ends; the whole response last."""
+
+    def __init__(self, request: ResponsesRequest, response_id: str, created: int, model: str) -> None:
+        self.request, self.response_id, self.created, self.model = request, response_id, created, model
+        self.output: list[dict[str, Any]] = []  # closed items
+        self._open: dict[str, Any] | None = None  # the item being written: its dict, with its text so far
+        self._calls: dict[int, dict[str, Any]] = {}  # streamed tool call index -> its item
+        self._sequence = 0
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return msgspec.json.encode(event)
+
+    def _response(self, status: str, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        return response_object(self.request, self.response_id, self.created, self.model, status, list(self.output), usage)
+
+    def opening(self) -> list[bytes]:
+        response = self._response("in_progress")
+        return [self._event("response.created", response=response),
+                self._event("response.in_progress", response=response)]
+
+    def reasoning(self, text: str) -> list[bytes]:
+        out = self._open_item("reasoning")
+        item = self._open
+        assert item is not None
+        item["content"][0]["text"] += text
+        out.append(self._event("response.reasoning_text.delta", item_id=item["id"], output_index=len(self.output),
+                               content_index=0, delta=text))
+        return out
+
+    def content(self, text: str) -> list[bytes]:
+        out = self._open_item("message")
+        item = self._open
+        assert item is not None
+        item["content"][0]["text"] += text
+        out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=len(self.output),
+                               content_index=0, delta=text, logprobs=[]))
+        return out
+
+    def call(self, part: DeltaToolCall) -> list[bytes]:
+        """A tool call's piece: the first with its id and name, then its arguments (whole or in pieces)."""
+        out: list[bytes] = []
+        item = self._calls.get(part.index)
+        if item is None or item is not self._open:
+            out += self._close()
+            item = call_item(part.id or new_id("call"), part.function.name or "", "")
+            item["status"] = "in_progress"
+            self._calls[part.index], self._open = item, item
+            out.append(self._event("response.output_item.added", output_index=len(self.output), item=dict(item)))
+        if part.function.arguments:
+            item["arguments"] += part.function.arguments
+            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                   output_index=len(self.output), delta=part.function.arguments))
+        return out
+
+    def closing(self, finish_reason: str | None, usage: dict[str, Any]) -> list[bytes]:
+        status = "incomplete" if finish_reason == "length" else "completed"
+        out = self._close(status)
+        response = self._response(status, usage)
+        out.append(self._event("response.incomplete" if status == "incomplete" else "response.completed",
+                               response=response))
+        return out
+
+    def _open_item(self, kind: str) -> list[bytes]:
+        """Open a ``kind`` item unless one is open; closes whatever else is."""
+        if self._open is not None and self._open["type"] == kind:
+            return []
+        out = self._close()
+        item = message_item("", "in_progress") if kind == "message" else reasoning_item("")
+        if kind == "reasoning":
+            item["status"] = "in_progress"
+        self._open = item
+        index = len(self.output)
+        out.append(self._event("response.output_item.added", output_index=index, item=_empty(item)))
+        if kind == "message":
+            out.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                   content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        return out
+
+    def _close(self, status: str = "completed") -> list[bytes]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = len(self.output)
+        out = []
+        if item["type"] == "message":
+            item["status"] = status
+            part = item["content"][0]
+            out.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                   content_index=0, text=part["text"], logprobs=[]))
+            out.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                   content_index=0, part=part))
+        elif item["type"] == "reasoning":
+            item["status"] = "completed"
+            out.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                   content_index=0, text=item["content"][0]["text"]))
+        else:
+            item["status"] = "completed"
+            out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                   arguments=item["arguments"]))
+        self.output.append(item)
+        out.append(self._event("response.output_item.done", output_index=index, item=item))
+        return out
+
+
+def _empty(item: dict[str, Any]) -> dict[str, Any]:
+    """An item as ``output_item.added`` shows it: before any of its text."""
+    if item["type"] == "message":
+        return {**item, "content": []}
+    return {**item, "content": []} if item["type"] == "reasoning" else dict(item)

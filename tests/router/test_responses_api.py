@@ -1,0 +1,141 @@
+"""``POST /v1/responses`` through the router with the openai client, before fake engines: plain text,
+whole and streamed (the SDK's own stream helper checks the events add up to the response); a
+reasoning model's thinking and a tool call as output items; the conversation's items (instructions,
+messages, earlier calls and their outputs) as the chat template renders them; structured output;
+an answer cut short; and what is not served refused by name."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from router.tokenization import PromptProcessor, load_chat_template
+from tests.router.fake_engine import FakeCluster
+from tests.router.router_harness import SERVED_MODEL, fake_stack
+
+THINKING = "The user asks for the weather; I will call the tool."
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+REPLY = f"<think>\n{THINKING}\n</think>\n\nChecking.\n<tool_call>\n{json.dumps(CALL)}\n</tool_call>"
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+
+
+@pytest.fixture(scope="module")
+def plain(redis_url: str, prompts: Any, tokenizer: Any) -> Iterator[tuple[openai.OpenAI, FakeCluster]]:
+    reply = list(tokenizer.encode(" one two three four five six", add_special_tokens=False))
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001}, request_timeout_s=5.0) as (server, cluster):
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20), cluster
+
+
+@pytest.fixture(scope="module")
+def thinking(redis_url: str, tokenizer: Any) -> Iterator[tuple[openai.OpenAI, FakeCluster]]:
+    prompts = PromptProcessor(tokenizer, max_model_len=2048, chat_template=load_chat_template("chatml-tools"))
+    reply = list(tokenizer.encode(REPLY, add_special_tokens=False))
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001, "max_model_len": 2048},
+                    tool_call_parser="hermes", reasoning_parser="qwen3", request_timeout_s=5.0) as (server, cluster):
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20), cluster
+
+
+def test_text_whole_and_streamed(plain: tuple[openai.OpenAI, FakeCluster]) -> None:
+    client, _ = plain
+    whole = client.responses.create(model=SERVED_MODEL, input="Count.", max_output_tokens=100)
+    assert whole.status == "completed" and whole.output_text == " one two three four five six"
+    assert [item.type for item in whole.output] == ["message"]
+    assert whole.usage is not None and whole.usage.output_tokens == 6
+    assert whole.usage.total_tokens == whole.usage.input_tokens + 6 and whole.store is False
+    with client.responses.stream(model=SERVED_MODEL, input="Count.", max_output_tokens=100) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert final.output_text == whole.output_text and final.usage == whole.usage
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+
+
+def test_an_answer_cut_short_is_incomplete(plain: tuple[openai.OpenAI, FakeCluster]) -> None:
+    client, _ = plain
+    whole = client.responses.create(model=SERVED_MODEL, input="Count.", max_output_tokens=3)
+    assert whole.status == "incomplete" and whole.incomplete_details is not None
+    assert whole.incomplete_details.reason == "max_output_tokens" and whole.output_text == " one two three"
+    events = list(client.responses.create(model=SERVED_MODEL, input="Count.", max_output_tokens=3, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_thinking_and_a_tool_call_become_output_items_whole_and_streamed(
+    thinking: tuple[openai.OpenAI, FakeCluster],
+) -> None:
+    client, _ = thinking
+    kwargs: dict[str, Any] = dict(model=SERVED_MODEL, input="Weather in Paris?", tools=TOOLS, max_output_tokens=300)
+    whole = client.responses.create(**kwargs)
+    assert [item.type for item in whole.output] == ["reasoning", "message", "function_call"]
+    reasoning, message, call = whole.output
+    assert reasoning.content is not None and reasoning.content[0].text == f"\n{THINKING}\n"  # type: ignore[union-attr]
+    assert whole.output_text == "Checking."
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})  # type: ignore[union-attr]
+    assert call.call_id.startswith("chatcmpl-tool-")  # type: ignore[union-attr]
+    assert whole.usage is not None and whole.usage.output_tokens_details.reasoning_tokens > 0
+    with client.responses.stream(**kwargs) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
+    assert final.output_text == "Checking." and final.output[2].arguments == call.arguments  # type: ignore[union-attr]
+    assert "response.reasoning_text.delta" in kinds and "response.function_call_arguments.done" in kinds
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 3
+
+
+def test_the_conversation_s_items_reach_the_template(thinking: tuple[openai.OpenAI, FakeCluster], tokenizer: Any) -> None:
+    client, cluster = thinking
+    items: list[Any] = [
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Call it."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"},
+    ]
+    client.responses.create(model=SERVED_MODEL, instructions="You help with weather.", input=items, tools=TOOLS,
+                            max_output_tokens=5)
+    prompt = tokenizer.decode(cluster.requests()[-1].prompt_token_ids)
+    for piece in ("You help with weather.", "Be brief.", "Weather in Paris?", "get_weather", "Sunny, 21 C"):
+        assert piece in prompt, (piece, prompt)
+    assert prompt.index("Weather in Paris?") < prompt.index('"city": "Paris"') < prompt.index("Sunny, 21 C")
+
+
+def test_text_format_constrains_the_output(plain: tuple[openai.OpenAI, FakeCluster]) -> None:
+    client, cluster = plain
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    client.responses.create(model=SERVED_MODEL, input="A number.", max_output_tokens=5,
+                            text={"format": {"type": "json_schema", "name": "n", "schema": schema}})
+    structured = cluster.requests()[-1].sampling_params.structured_output
+    assert structured is not None and structured.kind == "json_schema" and json.loads(structured.spec) == schema
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"background": True}, "background"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0"),
+        ({"input": None}, "input"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format"),
+        ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ],
+)
+def test_what_is_not_served_is_refused_by_name(plain: tuple[openai.OpenAI, FakeCluster], body: dict[str, Any],
+                                               param: str) -> None:
+    client, _ = plain
+    request = {"model": SERVED_MODEL, "input": "Hi", **body}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.post("/responses", body=request, cast_to=object)
+    assert refused.value.body["param"] == param, refused.value.body  # type: ignore[index]

@@ -256,3 +256,20 @@ def test_cache_salt_keeps_prefix_cache_hits_to_requests_with_the_same_salt(clien
     assert cached(None) == 0
     assert cached(None) > 0 and cached("tenant-b") > 0
 
+
+
+def test_a_response_says_what_the_chat_completion_says(client):  # type: ignore[no-untyped-def]
+    """``/v1/responses`` through prefill -> KV -> decode: greedy, its text is the chat completion's for
+    the same conversation, whole and streamed."""
+    question = LONG_PREFIX + "Now name three rivers."
+    chat = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=12, messages=[
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": question}])
+    kwargs = {"model": MODEL, "temperature": 0, "max_output_tokens": 12, "instructions": "Answer briefly.",
+              "input": question}
+    whole = client.responses.create(**kwargs)
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    events = list(client.responses.create(**kwargs, stream=True))
+    assert events[-1].type == f"response.{whole.status}"  # response.incomplete when cut at max_output_tokens
+    assert events[-1].response.output_text == whole.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text

@@ -29,6 +29,15 @@ from kvtransfer.transfer_state import ABORTED
 logger = logging.getLogger(__name__)
 
 
+def _offer_priority(meta: bytes) -> int:
+    """Where an offer waits for blocks under the priority policy: its request's priority (lower
+    first); a meta that does not decode sorts as 0, and its allocation refuses it."""
+    try:
+        return decode_transfer_meta(meta).request.sampling_params.priority
+    except ProtocolError:
+        return 0
+
+
 class DecodeService(EngineService):
     role = "decode"
 
@@ -36,10 +45,11 @@ class DecodeService(EngineService):
         super().__init__(args)
         layout = KVLayout.from_kv_cache(self.engine.runner.kv_cache, self.engine.model_id)
         port = args.kv_port or "*"
+        priority = self.engine.scheduler.policy == "priority"
         self.receiver = KVReceiver(
             f"tcp://{args.host}:{port}", self.engine.runner.kv_cache, layout, self,
             timeout_s=args.kv_transfer_timeout, defer_timeout_s=args.kv_transfer_timeout,
-            curve=self.kv_curve,
+            curve=self.kv_curve, offer_order=_offer_priority if priority else None,
         )
         self.kv_address = self.receiver.address
 

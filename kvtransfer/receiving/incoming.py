@@ -46,6 +46,7 @@ class Incoming:
     allocation: Allocation | None = None
     released: bool = False
     defer_reason: str | None = None
+    order: Any = None  # its place among offers waiting for blocks (``KVReceiver``'s ``offer_order``)
     last_defer_sent: float = 0.0
     dst_ids: BlockIds | None = None
     cursor: FrameCursor | None = None

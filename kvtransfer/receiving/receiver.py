@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 from torch import Tensor
@@ -49,8 +51,13 @@ class KVReceiver:
         curve: CurveConfig | None = None,
         max_meta_bytes: int = 1 << 20,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        offer_order: Callable[[bytes], Any] | None = None,
     ) -> None:
+        """``offer_order``: the order offers waiting for blocks are given them in, as a sort key of an
+        offer's ``meta`` (say, the engine's scheduling priority); None: the order they came in. It
+        must not raise: a meta it cannot read gets the allocator's refusal later."""
         layout.check_kv_cache(kv_cache)
+        self._offer_order = offer_order
         if timeout_s <= 0 or defer_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
         self.kv_cache = kv_cache
@@ -121,8 +128,14 @@ class KVReceiver:
         if not self._closed and not self._thread.is_alive() and not self._reported_dead:
             self._reported_dead = True  # its transfers were failed on the way out; new ones time out
             logger.error("the kv receiver I/O thread stopped; no new transfers will arrive")
+        arrived = bool(table.offers)
         while table.offers:
-            self._waiting.append(table.offers.popleft())
+            record = table.offers.popleft()
+            if self._offer_order is not None:
+                record.order = self._offer_order(record.meta)
+            self._waiting.append(record)
+        if arrived and self._offer_order is not None:
+            self._waiting.sort(key=lambda r: r.order)  # stable: equal keys keep their arrival order
         self._waiting = [r for r in self._waiting if not r.closed and not self._try_allocate(r)]
         while table.finished:
             self._finalize(table.finished.popleft())

@@ -182,6 +182,32 @@ def test_full_receiver_defers_then_completes_when_blocks_free(peer: PeerProcess)
     peer.call("close", name=name)
 
 
+def test_waiting_offers_get_blocks_in_the_order_the_engine_gives(peer: PeerProcess) -> None:
+    """With ``offer_order`` (the decode engine's priority, read from each offer's meta), blocks freed
+    go to the offer that sorts first, not to the one that came first."""
+    name = "ordered"
+    start_sender(peer, name, timeout_s=30.0)
+    receiver, _, pool = make_receiver(reserved=SMALL["num_blocks"], defer_timeout_s=30.0,
+                                      offer_order=lambda meta: meta[0])
+    with receiver:
+        send(peer, name, "lax", receiver.address, [1, 2], 8, meta=bytes([9]))
+        wait_for_state(receiver, "lax", TransferState.WAITING)
+        send(peer, name, "urgent", receiver.address, [3, 4], 8, meta=bytes([1]))
+        wait_for_state(receiver, "urgent", TransferState.WAITING)
+        pool.num_reserved = SMALL["num_blocks"] - 2  # room for one of them
+        [first] = poll_until(receiver)
+        assert first.request_id == "urgent" and first.ok
+        assert receiver.state("lax") == TransferState.WAITING
+        pool.finish(first.request_id, first.block_hashes)
+        pool.num_reserved = 0
+        [second] = poll_until(receiver)
+        assert second.request_id == "lax" and second.ok
+        pool.finish(second.request_id, second.block_hashes)
+        assert pool.is_clean()
+    assert len(peer.wait_results(name, count=2)) == 2
+    peer.call("close", name=name)
+
+
 def test_full_receiver_fails_at_defer_timeout_with_both_pools_clean(peer: PeerProcess) -> None:
     name = "defer-timeout"
     start_sender(peer, name, timeout_s=5.0)

@@ -401,7 +401,5 @@ class ResponseEvents:
 
 
 def _empty(item: dict[str, Any]) -> dict[str, Any]:
-    """An item as ``output_item.added`` shows it: before any of its text."""
-    if item["type"] == "message":
-        return {**item, "content": []}
-    return {**item, "content": []} if item["type"] == "reasoning" else dict(item)
+    """A message or reasoning item as ``output_item.added`` shows it: before any of its text."""
+    return {**item, "content": []}

@@ -243,7 +243,8 @@ def test_echo_and_prompt_logprobs_through_prefill_equal_transformers(stack, clie
 def test_cache_salt_keeps_prefix_cache_hits_to_requests_with_the_same_salt(client):  # type: ignore[no-untyped-def]
     """vLLM's ``cache_salt``: through prefill -> KV -> decode, a long prompt's blocks are hits again
     for the same salt, and never for another salt or none."""
-    prompt = LONG_PREFIX + "Now name three rivers."
+    # A prompt no other test sends: its blocks are cached only by what this test sends.
+    prompt = "A salted prompt. " + "The quick brown fox jumps over the lazy dog. " * 8 + "Name three rivers."
 
     def cached(salt: str | None) -> int:
         extra = {} if salt is None else {"cache_salt": salt}

@@ -5,7 +5,8 @@ at once: at most ``capacity()`` are out at the engines (sent and not finished) a
 here, in one ``Lane`` per HTTP request. Each time a slot frees, the client with waiting work that
 holds the fewest slots gets it (ties: the one served longest ago), and within that client its
 oldest request. So another client's single prompt beside a 100,000-prompt batch takes the very
-next slot that frees.
+next slot that frees. Requests with a ``priority`` (``--scheduling-policy priority``) go first by it,
+lower first, whoever sent them; clients take turns among requests of equal priority.
 
 Waiting work is bounded by a number of engine requests and of their prompt tokens. Past the bound a
 new HTTP request is refused with a 429 (or a 400 when it alone exceeds the bound, so a retry could
@@ -55,6 +56,7 @@ class Lane:
     granted: deque[Slot] = field(default_factory=deque)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     closed: bool = False
+    priority: int = 0  # lower first, before the turns of clients (``Admission._dispatch``)
 
     async def next_slot(self) -> Slot:
         """The next engine request's slot, once its turn comes."""
@@ -103,16 +105,18 @@ class Admission:
         self._running: Counter[str] = Counter()  # slots out per client
         self._last_turn: dict[str, int] = {}  # when each client with work last got a slot
         self._num_turns = 0
+        self._num_prioritized = 0  # lanes waiting with a nonzero priority: none, the turns alone decide
 
     # -- entering ------------------------------------------------------------------------------
-    def enter(self, key: str, costs: list[int]) -> Lane:
+    def enter(self, key: str, costs: list[int], priority: int = 0) -> Lane:
         """Queue an HTTP request's engine requests (``costs``: prompt tokens of each); raises a
         429 ``APIError`` when the queue is full, a 400 when the request alone exceeds the bound."""
         self.check(key, len(costs), sum(costs))
-        lane = Lane(key, self, deque(costs))
+        lane = Lane(key, self, deque(costs), priority=priority)
         if costs:
             self.num_waiting += len(costs)
             self.num_queued_tokens += sum(costs)
+            self._num_prioritized += priority != 0
             if key not in self._lanes:
                 self._lanes[key] = deque()
                 self._last_turn.setdefault(key, -1)
@@ -153,12 +157,13 @@ class Admission:
     # -- turns ---------------------------------------------------------------------------------
     def _dispatch(self) -> None:
         """Hand free slots out: each to the client with work that holds the fewest slots (of those,
-        the one served longest ago), and within a client to its oldest lane."""
+        the one served longest ago), and within a client to its oldest lane; where lanes have
+        priorities, only among the lanes of the lowest first."""
         limit = max(1, self.capacity())
         while self.num_running < limit and self._lanes:
-            key = min(self._lanes, key=lambda k: (self._running[k], self._last_turn[k]))
+            lane = self._next_lane()
+            key = lane.key
             lanes = self._lanes[key]
-            lane = lanes[0]
             cost = lane.costs.popleft()
             self.num_waiting -= 1
             self.num_queued_tokens -= cost
@@ -169,9 +174,18 @@ class Admission:
             lane.granted.append(Slot(self, key))
             lane.wakeup.set()
             if not lane.costs:
-                lanes.popleft()
+                lanes.remove(lane)
+                self._num_prioritized -= lane.priority != 0
             if not lanes:
                 self._forget_client(key)
+
+    def _next_lane(self) -> Lane:
+        turn = lambda k: (self._running[k], self._last_turn[k])  # noqa: E731
+        if not self._num_prioritized:
+            return self._lanes[min(self._lanes, key=turn)][0]
+        best = min(lane.priority for lanes in self._lanes.values() for lane in lanes)
+        key = min((k for k, lanes in self._lanes.items() if any(lane.priority == best for lane in lanes)), key=turn)
+        return next(lane for lane in self._lanes[key] if lane.priority == best)
 
     def _forget_client(self, key: str) -> None:
         del self._lanes[key]
@@ -193,6 +207,7 @@ class Admission:
             self.num_waiting -= len(lane.costs)
             self.num_queued_tokens -= sum(lane.costs)
             lane.costs.clear()
+            self._num_prioritized -= lane.priority != 0
             lanes = self._lanes[lane.key]
             lanes.remove(lane)
             if not lanes:
@@ -207,3 +222,4 @@ class Admission:
         assert set(self._lanes) <= set(self._last_turn), "a client with work has no turn record"
         assert all(n > 0 or k in self._lanes for k, n in self._running.items()), "an idle client is counted"
         assert self.num_running == sum(self._running.values()), "running count drifted"
+        assert self._num_prioritized == sum(lane.priority != 0 for lane in lanes), "prioritized count drifted"

@@ -147,7 +147,9 @@ async def start_choices(
     first. A client that leaves while the first waits for its turn gives its place up at once
     (``ClientDisconnected``), instead of holding its queued prompts until they all ran."""
     costs = [len(prompt) for prompt in plan.prompts]
-    choices = PlanChoices(state, plan, state.admission.enter(CLIENT_KEY.get() or "-", costs))
+    choices = PlanChoices(state, plan, state.admission.enter(
+        CLIENT_KEY.get() or "-", costs, plan.params[0].priority if plan.params else 0
+    ))
     try:
         first = asyncio.ensure_future(choices.start_next())
         gone = asyncio.ensure_future(wait_disconnect()) if wait_disconnect is not None else None

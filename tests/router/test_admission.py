@@ -41,6 +41,27 @@ def test_a_single_prompt_gets_the_next_free_slot_beside_a_huge_batch() -> None:
     admission.check_integrity()
 
 
+def test_priorities_go_first_whoever_sent_them_and_clients_take_turns_among_equals() -> None:
+    admission = Admission(lambda: 1, max_waiting_requests=100, max_queued_tokens=10_000)
+    [slot] = _take_all(admission.enter("a", [1]))
+    lax_a = admission.enter("a", [1], priority=5)
+    lax_b = admission.enter("b", [1, 1], priority=5)
+    plain_c = admission.enter("c", [1])
+    urgent_a = admission.enter("a", [1], priority=-1)
+    order = []
+    for _ in range(5):
+        slot.release()
+        [granted] = [(name, lane) for name, lane in
+                     (("lax_a", lax_a), ("lax_b", lax_b), ("plain_c", plain_c), ("urgent_a", urgent_a)) if lane.granted]
+        order.append(granted[0])
+        [slot] = _take_all(granted[1])
+        admission.check_integrity()
+    # The urgent one although its client had the last turn; then priority 0; then turns among the 5s.
+    assert order == ["urgent_a", "plain_c", "lax_b", "lax_a", "lax_b"]
+    slot.release()
+    assert admission.num_running == admission.num_waiting == 0
+
+
 def test_clients_alternate_and_one_client_is_first_come_first_served() -> None:
     admission = Admission(lambda: 1, max_waiting_requests=100, max_queued_tokens=10_000)
     first = admission.enter("a", [1, 1])
@@ -161,10 +182,11 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.admission = Admission(lambda: self.capacity, max_waiting_requests=20, max_queued_tokens=200)
         self.max_capacity_seen = self.capacity
 
-    @rule(target=lanes, key=st.sampled_from("abc"), costs=st.lists(st.integers(0, 30), max_size=8))
-    def enter(self, key: str, costs: list[int]) -> Lane | None:
+    @rule(target=lanes, key=st.sampled_from("abc"), costs=st.lists(st.integers(0, 30), max_size=8),
+          priority=st.sampled_from([0, 0, 0, 1, -1]))
+    def enter(self, key: str, costs: list[int], priority: int) -> Lane | None:
         try:
-            return self.admission.enter(key, costs)
+            return self.admission.enter(key, costs, priority)
         except APIError as exc:
             assert exc.status in (400, 429)
             return None

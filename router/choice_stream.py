@@ -41,6 +41,8 @@ class ChoiceDelta:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0  # so far, including this delta
     prompt_logprobs: list[PromptLogprob | None] | None = None  # with the first token, when asked for
+    # The tokens this delta's output added (the one a request stopped on too; none past a stop string).
+    token_ids: list[int] = field(default_factory=list)
 
 
 class EndedInline(Exception):
@@ -109,6 +111,7 @@ class ChoiceStream:
         text = ""
         logprobs = output.logprobs or []
         last = len(output.new_token_ids) - 1
+        taken = len(output.new_token_ids)
         for k, token_id in enumerate(output.new_token_ids):
             self.num_output_tokens += 1
             if k == last and output.finish_reason == "stop" and token_id in self._stop_token_ids:
@@ -120,6 +123,7 @@ class ChoiceStream:
             self._raw_len += len(piece)
             text += self._stop.push(piece)
             if self._stop.stopped:
+                taken = k + 1
                 break
         finish_reason = "stop" if self._stop.stopped else output.finish_reason
         if finish_reason is not None and not self._stop.stopped:
@@ -140,6 +144,7 @@ class ChoiceStream:
             num_cached_tokens=self.num_cached_tokens,
             num_output_tokens=self.num_output_tokens,
             prompt_logprobs=output.prompt_logprobs,
+            token_ids=output.new_token_ids[:taken],
         )
 
     def process_plain(self, output: RequestOutput) -> str | ChoiceDelta:

@@ -124,6 +124,8 @@ class _GenerationRequest(CheckedRequest):
     # vLLM's: a salt of the request's own for its prefix-cache blocks, on top of its API key's: only
     # requests with the same salt (and key) share cached blocks.
     cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=256)
+    # The prompt's and each choice's token ids in the response (vLLM's extra).
+    return_token_ids: StrictBool = False
     # Logprobs name each token as "token_id:<id>" (vLLM's extra).
     return_tokens_as_token_ids: StrictBool = False
     # Only these tokens may be sampled; these words may not be written (vLLM's extras).

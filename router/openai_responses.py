@@ -60,6 +60,9 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None = None
     # vLLM's extra, present only when asked for.
     prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)
+    # vLLM's ``return_token_ids``: present only when asked for.
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(BaseModel):
@@ -98,6 +101,8 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    # vLLM's ``return_token_ids``: present only when asked for.
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -109,6 +114,8 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     # vLLM's extra, present only when asked for.
     prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)
+    # vLLM's ``return_token_ids``: present only when asked for.
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class DeltaFunctionCall(BaseModel):
@@ -140,6 +147,8 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    # vLLM's ``return_token_ids``: present only when asked for.
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -149,6 +158,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    # vLLM's ``return_token_ids``: present only when asked for.
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ModelCard(BaseModel):

@@ -302,6 +302,7 @@ class ChoiceResult:
     text_offsets: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    token_ids: list[int] = field(default_factory=list)
 
 
 class UsageTracker:
@@ -355,6 +356,7 @@ async def collect(
             result.text += delta.text
             result.logprobs += delta.logprobs
             result.text_offsets += delta.text_offsets
+            result.token_ids += delta.token_ids
             result.finish_reason = delta.finish_reason or result.finish_reason
             if delta.prompt_logprobs is not None:
                 result.prompt_logprobs = delta.prompt_logprobs

@@ -90,7 +90,7 @@ async def create_chat_completion(
         return await sse_response(
             state, plan, wait_disconnect, request.stream_options,
             lambda include_usage, continuous: _ChatChunks(plan, renderer, include_usage, reader, continuous,
-                                                          request.echoed_text()),
+                                                          request.echoed_text(), request.return_token_ids),
         )
     results, usage = await collect(state, plan, wait_disconnect)
     response = ChatCompletionResponse(
@@ -103,12 +103,14 @@ async def create_chat_completion(
                 message=message,
                 logprobs=chat_logprobs(renderer, r.logprobs) if renderer else None,
                 finish_reason=finish_reason,  # type: ignore[arg-type]
+                token_ids=r.token_ids if request.return_token_ids else None,
             )
             for r in results
             for message, finish_reason in [_echoed(reader.message(r.text, r.finish_reason), request.echoed_text())]
         ],
         usage=usage,
         prompt_logprobs=_prompt_logprobs(state, request, results),
+        prompt_token_ids=plan.prompts[0] if request.return_token_ids else None,
     )
     return JSONResponse(response.model_dump(mode="json"))
 
@@ -150,18 +152,19 @@ class _ChatChunks:
     """The ``chat.completion.chunk`` chunks of a streaming chat completion (``ChunkWriter``)."""
 
     __slots__ = ("answers", "continuous", "echo", "exclude", "head", "include_usage", "inline", "plan", "reader",
-                 "renderer", "tail", "usage")
+                 "renderer", "tail", "token_ids", "usage")
 
     def __init__(
         self, plan: GenerationPlan, renderer: TokenRenderer | None, include_usage: bool, reader: AnswerReader,
-        continuous: bool = False, echo: str | None = None,
+        continuous: bool = False, echo: str | None = None, token_ids: bool = False,
     ) -> None:
         """``continuous``: every chunk carries its choice's usage so far (``sse_response``); ``echo``:
-        each answer's first content, before anything the engines write (``echoed_text``)."""
+        each answer's first content, before anything the engines write (``echoed_text``); ``token_ids``
+        (``return_token_ids``): the first chunk carries the prompt's ids, each delta its tokens' ids."""
         self.plan, self.renderer, self.include_usage, self.reader = plan, renderer, include_usage, reader
-        self.continuous, self.echo = continuous, echo
+        self.continuous, self.echo, self.token_ids = continuous, echo, token_ids
         self.answers: dict[int, AnswerStream] = {}  # per choice, where the answer is read (not plain)
-        self.inline = renderer is None and reader.plain
+        self.inline = renderer is None and reader.plain and not token_ids
         self.usage = UsageTracker(plan)
         self.exclude = None if include_usage else {"usage"}
         # Per token, the content chunk is written from its fixed parts (the bytes pydantic writes,
@@ -169,12 +172,16 @@ class _ChatChunks:
         self.head = chunk_head(plan, "chat.completion.chunk")
         self.tail = b',"logprobs":null,"finish_reason":null}]' + (b',"usage":null}' if include_usage else b"}")
 
-    def _chunk(self, index: int, delta: DeltaMessage, logprobs: Any = None, finish_reason: Any = None) -> bytes:
-        choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+    def _chunk(
+        self, index: int, delta: DeltaMessage, logprobs: Any = None, finish_reason: Any = None,
+        token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None,
+    ) -> bytes:
+        choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                                  token_ids=token_ids)
         plan = self.plan
         usage = self.usage.choice_usage(index) if self.continuous else None
         body = ChatCompletionChunk(id=plan.request_id, created=plan.created, model=plan.model, choices=[choice],
-                                   usage=usage)
+                                   usage=usage, prompt_token_ids=prompt_token_ids)
         return body.model_dump_json(exclude=self.exclude).encode()
 
     def _tail(self, index: int) -> bytes:
@@ -187,7 +194,9 @@ class _ChatChunks:
     def opening(self) -> list[bytes]:
         plan = self.plan
         num_choices = len(plan.prompts) * plan.n
-        out = [self._chunk(i, DeltaMessage(role="assistant", content="")) for i in range(num_choices)]
+        prompt_ids = plan.prompts[0] if self.token_ids else None  # in the first chunk only
+        out = [self._chunk(i, DeltaMessage(role="assistant", content=""), prompt_token_ids=None if i else prompt_ids)
+               for i in range(num_choices)]
         if self.echo is not None:
             out += [self._content_chunk(i, self.echo) for i in range(num_choices)]
         return out
@@ -198,11 +207,13 @@ class _ChatChunks:
         if not self.reader.plain:
             return self._read_chunks(delta)
         out = []
-        if delta.text and self.renderer is None:
+        ids = delta.token_ids if self.token_ids and delta.token_ids else None
+        if delta.text and self.renderer is None and ids is None:
             out.append(self._content_chunk(delta.index, delta.text))
-        elif delta.text or delta.logprobs:
+        elif delta.text or delta.logprobs or ids:
             logprobs = chat_logprobs(self.renderer, delta.logprobs) if self.renderer else None
-            out.append(self._chunk(delta.index, DeltaMessage(content=delta.text), logprobs))
+            text = delta.text if delta.text or delta.logprobs else None
+            out.append(self._chunk(delta.index, DeltaMessage(content=text), logprobs, token_ids=ids))
         if delta.finish_reason is not None:
             out.append(self._chunk(delta.index, DeltaMessage(), finish_reason=delta.finish_reason))
         return out
@@ -214,14 +225,15 @@ class _ChatChunks:
             answer = self.answers[delta.index] = self.reader.stream()
         reasoning, content, calls = answer.feed(delta.text, delta.finish_reason is not None)
         out = []
-        if (reasoning or content) and not calls and not delta.logprobs:  # most deltas: from fixed parts
+        ids = delta.token_ids if self.token_ids and delta.token_ids else None
+        if (reasoning or content) and not calls and not delta.logprobs and ids is None:  # most: from fixed parts
             fields = {"content": content} if content else {}
             fields.update({"reasoning_content": reasoning} if reasoning else {})
             out.append(b"%b%d,\"delta\":%b%b" % (self.head, delta.index, msgspec.json.encode(fields), self._tail(delta.index)))
-        elif reasoning or content or calls or delta.logprobs:
+        elif reasoning or content or calls or delta.logprobs or ids:
             logprobs = chat_logprobs(self.renderer, delta.logprobs) if self.renderer else None
             message = DeltaMessage(content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None)
-            out.append(self._chunk(delta.index, message, logprobs))
+            out.append(self._chunk(delta.index, message, logprobs, token_ids=ids))
         if delta.finish_reason is not None:
             out.append(self._chunk(delta.index, DeltaMessage(), finish_reason=answer.finish_reason(delta.finish_reason)))
         return out

@@ -112,7 +112,8 @@ async def create_completion(
     if request.stream:
         return await sse_response(
             state, plan, wait_disconnect, request.stream_options,
-            lambda include_usage, continuous: _CompletionChunks(plan, renderer, include_usage, echo, continuous),
+            lambda include_usage, continuous: _CompletionChunks(plan, renderer, include_usage, echo, continuous,
+                                                                request.return_token_ids),
         )
     results, usage = await collect(state, plan, wait_disconnect)
     response = CompletionResponse(
@@ -177,6 +178,8 @@ def _choices(
                 if request.prompt_logprobs is not None and entries is not None and token_renderer is not None
                 else None
             ),
+            prompt_token_ids=plan.prompts[p] if request.return_token_ids else None,
+            token_ids=r.token_ids if request.return_token_ids else None,
         ))
     return choices
 
@@ -185,16 +188,18 @@ class _CompletionChunks:
     """The ``text_completion`` chunks of a streaming completion (``ChunkWriter``)."""
 
     __slots__ = ("continuous", "echo", "echoed", "exclude", "head", "include_usage", "inline", "plan", "renderer",
-                 "tail", "usage")
+                 "started", "tail", "token_ids", "usage")
 
     def __init__(
         self, plan: GenerationPlan, renderer: TokenRenderer | None, include_usage: bool, echo: list[str] | None,
-        continuous: bool = False,
+        continuous: bool = False, token_ids: bool = False,
     ) -> None:
-        """``continuous``: every chunk carries its choice's usage so far (``sse_response``)."""
+        """``continuous``: every chunk carries its choice's usage so far (``sse_response``); ``token_ids``
+        (``return_token_ids``): a choice's first chunk carries its prompt's ids, each chunk its tokens'."""
         self.plan, self.renderer, self.include_usage, self.echo = plan, renderer, include_usage, echo
-        self.continuous = continuous
-        self.inline = renderer is None
+        self.continuous, self.token_ids = continuous, token_ids
+        self.started: set[int] = set()  # choices whose first chunk went out (``token_ids``)
+        self.inline = renderer is None and not token_ids
         self.usage = UsageTracker(plan)
         self.echoed: set[int] = set()  # choices whose prompt text went out (``echo``: before their first text)
         self.exclude = None if include_usage else {"usage"}
@@ -211,11 +216,16 @@ class _CompletionChunks:
             self.usage.update(delta)
         if self.echo is not None:
             delta.text = self._echoed(delta.index, delta.text)
-        if not delta.text and not delta.logprobs and delta.finish_reason is None:
+        ids = delta.token_ids if self.token_ids else None
+        if not delta.text and not delta.logprobs and delta.finish_reason is None and not ids:
             return []
-        if self.renderer is None:
+        if self.renderer is None and not self.token_ids:
             finish = b"null" if delta.finish_reason is None else b'"%s"' % delta.finish_reason.encode()
             return [self._text_chunk(delta.index, delta.text, finish)]
+        prompt_ids = None
+        if self.token_ids and delta.index not in self.started:
+            self.started.add(delta.index)
+            prompt_ids = self.plan.prompts[delta.index // self.plan.n]
         plan = self.plan
         chunk = CompletionResponse(
             id=plan.request_id,
@@ -227,6 +237,8 @@ class _CompletionChunks:
                     text=delta.text,
                     logprobs=_logprobs(self.renderer, delta),
                     finish_reason=delta.finish_reason,  # type: ignore[arg-type]
+                    prompt_token_ids=prompt_ids,
+                    token_ids=ids,
                 )
             ],
             usage=self.usage.choice_usage(delta.index) if self.continuous else None,

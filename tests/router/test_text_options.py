@@ -159,3 +159,40 @@ def test_chat_echo_starts_an_answer_with_the_assistant_message_it_goes_on_from(
     started = [{"role": "user", "content": "Greet me."}, {"role": "assistant", "content": "Sure:"}]
     assert content(started, add_generation_prompt=False, continue_final_message=True) == "Sure:Hello world"
     assert content(started[:1]) == "Hello world"  # the last message is the user's: nothing to echo
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_gives_the_prompt_s_and_each_choice_s_ids(stack: tuple[RouterServer, list[int]],
+                                                                   stream: bool) -> None:
+    import json
+
+    server, reply = stack
+    messages = [{"role": "user", "content": "Say hello"}]
+    for path, body, prompt_body in (
+        ("completions", {"prompt": "Say hello"}, {"prompt": "Say hello"}),
+        ("chat/completions", {"messages": messages}, {"messages": messages, "add_generation_prompt": True}),
+    ):
+        prompt = httpx.post(f"{server.url}/tokenize", json={"model": SERVED_MODEL, **prompt_body}, timeout=10).json()
+        request = {"model": SERVED_MODEL, "max_tokens": 10, "n": 2, "return_token_ids": True, "stream": stream, **body}
+        response = httpx.post(f"{server.url}/v1/{path}", json=request, timeout=10)
+        assert response.status_code == 200, response.text
+        if not stream:
+            done = response.json()
+            prompt_ids = done.get("prompt_token_ids") or done["choices"][0]["prompt_token_ids"]
+            assert prompt_ids == prompt["tokens"]
+            assert [c["token_ids"] for c in done["choices"]] == [reply, reply]
+            continue
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        ids: dict[int, list[int]] = {0: [], 1: []}
+        firsts = []
+        for event in events:
+            if event.get("prompt_token_ids") is not None:
+                firsts.append(event["prompt_token_ids"])
+            for choice in event["choices"]:
+                ids[choice["index"]] += choice.get("token_ids") or []
+                if choice.get("prompt_token_ids") is not None:
+                    firsts.append(choice["prompt_token_ids"])
+        assert ids == {0: reply, 1: reply}
+        assert firsts == [prompt["tokens"]] * (1 if path.startswith("chat") else 2)  # chat: the first chunk only
+    plain = httpx.post(f"{server.url}/v1/completions", json={"model": SERVED_MODEL, "prompt": "Say hello"}, timeout=10)
+    assert "token_ids" not in plain.json()["choices"][0]

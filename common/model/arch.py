@@ -6,7 +6,8 @@ Any field that would change the math in a way ``common/model/llama.py`` does not
 ``UnsupportedConfig`` naming the field, so a model is either computed exactly as transformers computes it or not loaded.
 Per family, the rules follow transformers' own modeling code (which is the reference for
 correctness): Llama reads ``attention_bias`` / ``mlp_bias``, Qwen2 always has q/k/v biases, Mistral
-applies ``sliding_window`` to every layer, Qwen2/Qwen3/Gemma 2 to the layers ``layer_types`` marks.
+and Phi-3 apply ``sliding_window`` to every layer, Qwen2/Qwen3/Gemma 2 to the layers ``layer_types``
+marks. Phi-3's checkpoints hold q/k/v and gate/up already stacked, as this model computes them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3")
 # Static RoPE kinds: their cos/sin tables depend on the position only, so precomputing them is exact.
 # "dynamic" and "longrope" change frequencies with the sequence length at run time: refused.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -93,6 +94,7 @@ class ModelArch:
             "gemma2": (bias, bias, False),
             "qwen2": (True, False, False),
             "mistral": (False, False, False),
+            "phi3": (False, False, False),
         }[model_type]
         gemma = model_type == "gemma2"
         return cls(
@@ -153,7 +155,7 @@ def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
         return (None,) * num_layers  # transformers' Llama has no sliding window: the field is unused
     if window is not None and (not isinstance(window, int) or window < 1):
         raise UnsupportedConfig("sliding_window", window, "must be a positive integer")
-    if model_type == "mistral":  # every layer, whatever layer_types says (as transformers' Mistral)
+    if model_type in ("mistral", "phi3"):  # every layer, whatever layer_types says (as transformers' own)
         return (window,) * num_layers
     # Qwen2/Qwen3 derive layer_types from use_sliding_window and max_window_layers; Gemma 2 alternates.
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers

@@ -69,6 +69,7 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     configs = family_configs()
     arch = {name: ModelArch.from_config(configs[name]) for name in FAMILIES}
     assert arch["mistral-window"].sliding_windows == (WINDOW, WINDOW, WINDOW)
+    assert arch["phi3-window"].sliding_windows == (WINDOW, WINDOW, WINDOW)
     assert arch["qwen2-window-layers"].sliding_windows == (None, WINDOW, WINDOW)  # i >= max_window_layers
     assert arch["qwen3-layer-types-bias"].sliding_windows == (WINDOW, None, WINDOW)
     assert arch["qwen3-qk-norm"].qk_norm and arch["qwen3-qk-norm"].sliding_windows == (None,) * 3

@@ -27,7 +27,7 @@ WINDOW = 12  # not a multiple of the 8-token blocks the tests use
 
 def family_configs() -> dict[str, Any]:
     """One config per family and config feature; each windowed one has a window of ``WINDOW``."""
-    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     return {
         "mistral-window": MistralConfig(**TINY_DIMS, sliding_window=WINDOW, tie_word_embeddings=False),
@@ -46,6 +46,8 @@ def family_configs() -> dict[str, Any]:
             **TINY_DIMS, sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
             final_logit_softcapping=3.0, tie_word_embeddings=False,  # tied, the residual just repeats tokens
         ),
+        # q/k/v and gate/up stacked in the checkpoint itself; a window on every layer.
+        "phi3-window": Phi3Config(**TINY_DIMS, sliding_window=WINDOW, tie_word_embeddings=False),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={
             "rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),

@@ -6,8 +6,10 @@ Any field that would change the math in a way ``common/model/llama.py`` does not
 ``UnsupportedConfig`` naming the field, so a model is either computed exactly as transformers computes it or not loaded.
 Per family, the rules follow transformers' own modeling code (which is the reference for
 correctness): Llama reads ``attention_bias`` / ``mlp_bias``, Qwen2 always has q/k/v biases, Mistral
-and Phi-3 apply ``sliding_window`` to every layer, Qwen2/Qwen3/Gemma 2 to the layers ``layer_types``
-marks. Phi-3's checkpoints hold q/k/v and gate/up already stacked, as this model computes them.
+and Phi-3 apply ``sliding_window`` to every layer, Qwen2/Qwen3/Gemma 2/Gemma 3 to the layers
+``layer_types`` marks. Phi-3's checkpoints hold q/k/v and gate/up already stacked, as this model
+computes them. Gemma 3 is Gemma 2's layer with Qwen3's q/k norms (Gemma's ``1 + weight`` form) and a
+RoPE per layer type (local layers their own base frequency, global ones theirs, scaled).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+_GEMMA_TYPES = ("gemma2", "gemma3_text")
+# Families whose modeling code reads a RoPE per layer type (``rope_parameters`` keyed by layer type).
+_ROPE_PER_LAYER_TYPE = ("gemma3_text",)
 # Static RoPE kinds: their cos/sin tables depend on the position only, so precomputing them is exact.
 # "dynamic" and "longrope" change frequencies with the sequence length at run time: refused.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -35,7 +40,9 @@ _UNSET_FIELDS = (
     "use_bidirectional_attention",  # non-causal attention
 )
 # ... except where a family implements them.
-_FAMILY_FIELDS = {"gemma2": ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")}
+_FAMILY_FIELDS = {
+    gemma: ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar") for gemma in _GEMMA_TYPES
+}
 _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
@@ -53,9 +60,11 @@ class ModelArch:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool  # RMSNorm over each head of q and k, before RoPE (Qwen3)
+    qk_norm: bool  # RMSNorm over each head of q and k, before RoPE (Qwen3; Gemma 3 in Gemma's form)
     sliding_windows: tuple[int | None, ...]  # per layer: a query sees itself and the window - 1 before it
-    rope_type: str
+    rope_type: str  # "default" where every layer's RoPE is the default one (its tables need no transformers)
+    # Each layer's key into ``rope_parameters`` where the family has a RoPE per layer type, else None.
+    rope_layer_types: tuple[str, ...] | None
     activation: str = "silu"  # or "gelu_tanh"
     gemma_norms: bool = False  # RMSNorm scaled by (1 + weight) in float32; norms after attention and MLP too
     embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
@@ -73,7 +82,7 @@ class ModelArch:
             value = getattr(config, field, None)
             if field not in implemented and value not in (None, False, 0, {}):
                 raise UnsupportedConfig(field, value, f"not implemented for {model_type}")
-        if model_type == "gemma2":
+        if model_type in _GEMMA_TYPES:
             act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
             if act not in _GEMMA_ACTIVATIONS:
                 raise UnsupportedConfig("hidden_activation", act, f"supported: {', '.join(_GEMMA_ACTIVATIONS)}")
@@ -92,19 +101,22 @@ class ModelArch:
             "llama": (bias, bias, bool(getattr(config, "mlp_bias", False))),
             "qwen3": (bias, bias, False),
             "gemma2": (bias, bias, False),
+            "gemma3_text": (bias, bias, False),
             "qwen2": (True, False, False),
             "mistral": (False, False, False),
             "phi3": (False, False, False),
         }[model_type]
-        gemma = model_type == "gemma2"
+        gemma = model_type in _GEMMA_TYPES
+        rope_type, rope_layer_types = _rope(config, model_type)
         return cls(
             model_type=model_type,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             sliding_windows=_sliding_windows(config, model_type),
-            rope_type=_rope_type(config),
+            rope_type=rope_type,
+            rope_layer_types=rope_layer_types,
             activation="gelu_tanh" if gemma else "silu",
             gemma_norms=gemma,
             embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
@@ -133,15 +145,25 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return dict(params)
 
 
-def _rope_type(config: Any) -> str:
+def _rope(config: Any, model_type: str) -> tuple[str, tuple[str, ...] | None]:
+    """The RoPE kind (``"default"`` only where every layer's is) and, for a RoPE per layer type,
+    each layer's type."""
     params = rope_parameters(config)
-    if params and all(isinstance(v, dict) for v in params.values()):
-        raise UnsupportedConfig("rope_parameters", params, "a RoPE per layer type is not implemented")
+    if not (params and all(isinstance(v, dict) for v in params.values())):
+        return _rope_type(config, params, "rope_parameters"), None
+    if model_type not in _ROPE_PER_LAYER_TYPE:
+        raise UnsupportedConfig("rope_parameters", params, f"a RoPE per layer type is not implemented for {model_type}")
+    layer_types = tuple(getattr(config, "layer_types", None) or ())
+    if len(layer_types) != int(config.num_hidden_layers) or not set(layer_types) <= set(params):
+        raise UnsupportedConfig("rope_parameters", params, f"needs a RoPE for each of layer_types {layer_types}")
+    kinds = {_rope_type(config, params[kind], f"rope_parameters.{kind}") for kind in set(layer_types)}
+    return ("default" if kinds == {"default"} else "scaled"), layer_types
+
+
+def _rope_type(config: Any, params: dict[str, Any], field: str) -> str:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedConfig(
-            "rope_parameters.rope_type", rope_type, f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
+        raise UnsupportedConfig(f"{field}.rope_type", rope_type, f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
     if partial not in (None, 1, 1.0):
         raise UnsupportedConfig("partial_rotary_factor", partial, "only full-width RoPE is implemented")

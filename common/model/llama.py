@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,7 @@ from common.model.arch import ModelArch, rope_parameters
 from pdserve_kernels import reference
 
 # Stacked projections: each fused module's weight (and bias) is its checkpoint parts', in this order.
+_ONE_ROPE = "all_layers"  # the key of a model's one RoPE (``LlamaForCausalLM.rotary_embs``)
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -70,27 +71,31 @@ class RMSNorm(nn.Module):
         return out
 
 
-def _rope_inv_freq(config: Any, head_size: int) -> tuple[Tensor, float]:
+def _rope_inv_freq(config: Any, head_size: int, layer_type: str | None = None) -> tuple[Tensor, float]:
     params = rope_parameters(config)
+    if layer_type is not None:  # a RoPE per layer type (``ModelArch.rope_layer_types``)
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         base = params["rope_theta"]
         return 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float) / head_size)), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    init = ROPE_INIT_FUNCTIONS[rope_type]
+    inv_freq, scaling = init(config, None) if layer_type is None else init(config, None, layer_type=layer_type)
     return inv_freq, float(scaling)
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin per position, computed exactly as transformers does per call."""
+    """Precomputed cos/sin per position, computed exactly as transformers does per call; of one layer
+    type's RoPE where the family has one per type."""
 
-    def __init__(self, config: Any, head_size: int, max_position: int) -> None:
+    def __init__(self, config: Any, head_size: int, max_position: int, layer_type: str | None = None) -> None:
         super().__init__()
         # Computed for real even where the model is built on the meta device (its buffers are not
         # loaded from the checkpoint); on meta these operations would also import torch._dynamo (~4 s).
         with torch.device("cpu"):
-            inv_freq, scaling = _rope_inv_freq(config, head_size)
+            inv_freq, scaling = _rope_inv_freq(config, head_size, layer_type)
             positions = torch.arange(max_position, dtype=torch.float)
             freqs = positions[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
@@ -121,8 +126,8 @@ class Attention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if arch.qk_norm:
-            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, kernels=kernels)
-            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, kernels=kernels)
+            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, arch.gemma_norms, kernels)
+            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, arch.gemma_norms, kernels)
         self.sliding_window = arch.sliding_windows[layer_idx]
         self.layer_idx = layer_idx
         self.kernels = kernels
@@ -233,8 +238,14 @@ class LlamaForCausalLM(nn.Module):
         attn: Attention = self.model.layers[0].self_attn  # type: ignore[assignment]
         self.num_kv_heads: int = attn.num_kv_heads
         self.head_size: int = attn.head_size
-        self.rotary_emb = RotaryEmbedding(config, self.head_size, max_position)
-
+        # One RoPE, or one per layer type (Gemma 3): each computed once per forward, for its layers.
+        per_type = self.arch.rope_layer_types
+        kinds = per_type or (_ONE_ROPE,) * len(self.model.layers)
+        self.rotary_embs = nn.ModuleDict({
+            kind: RotaryEmbedding(config, self.head_size, max_position, kind if per_type else None)
+            for kind in sorted(set(kinds))
+        })
+        self.layer_rope_kinds = kinds
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor) -> Tensor:
         """Hidden states ``[num_tokens, hidden]``; writes this step's K/V into ``kv_cache``."""
         x = self.model.embed_tokens(input_ids)
@@ -242,10 +253,10 @@ class LlamaForCausalLM(nn.Module):
             # Rounded on the host and passed as a number: a device tensor made here would be a copy to
             # the device, which a CUDA graph capture cannot hold.
             x = x * float(torch.tensor(self.arch.embed_scale, dtype=x.dtype))
-        rope = self.rotary_emb.cos_sin(positions, x.dtype)
+        ropes = {kind: cast(RotaryEmbedding, emb).cos_sin(positions, x.dtype) for kind, emb in self.rotary_embs.items()}
         residual: Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, rope, meta, kv_cache[i])
+            x, residual = layer(x, residual, ropes[self.layer_rope_kinds[i]], meta, kv_cache[i])
         return self.model.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

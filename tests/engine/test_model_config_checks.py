@@ -31,6 +31,13 @@ def _gemma2(**fields: Any) -> Any:
     return Gemma2Config(**TINY_DIMS, **fields)
 
 
+def _gemma3(**fields: Any) -> Any:
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(**TINY_DIMS, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                            **fields)
+
+
 REFUSED = [
     ("rope-dynamic", lambda: _llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
      "rope_parameters.rope_type"),
@@ -45,6 +52,12 @@ REFUSED = [
     ("gemma2-activation", lambda: _gemma2(hidden_activation="gelu"), "hidden_activation"),
     ("gemma2-bidirectional", lambda: _gemma2(use_bidirectional_attention=True), "use_bidirectional_attention"),
     ("llama-attn-scalar", lambda: _llama(query_pre_attn_scalar=24), "query_pre_attn_scalar"),
+    ("rope-per-type-qwen2", lambda: _qwen2(rope_parameters={"full_attention": {"rope_type": "default",
+                                                                               "rope_theta": 1e4}}), "rope_parameters"),
+    ("gemma3-rope-longrope", lambda: _gemma3(rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}),
+     "rope_parameters.full_attention.rope_type"),
     ("chunked-layer", lambda: _qwen2(sliding_window=8, layer_types=["chunked_attention", "full_attention",
                                                                       "full_attention"]), "layer_types"),
 ]
@@ -57,7 +70,7 @@ def test_unimplemented_config_fields_are_refused_by_name(make, field: str) -> No
     assert info.value.field == field
 
 
-@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "phi", "llama4_text"])
+@pytest.mark.parametrize("model_type", ["gemma", "gemma3", "phi", "llama4_text"])
 def test_other_families_are_refused_when_loading_their_config(tmp_path: Path, model_type: str) -> None:
     from transformers import AutoConfig
 

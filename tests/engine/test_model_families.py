@@ -16,7 +16,7 @@ import torch
 from common.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.model.arch import ModelArch
-from common.model.llama import LlamaForCausalLM, RotaryEmbedding
+from common.model.llama import LlamaForCausalLM
 from common.model.weights import load_hf_config
 from common.sampling_params import SamplingParams
 from pdserve_kernels import get_kernels
@@ -70,6 +70,9 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     arch = {name: ModelArch.from_config(configs[name]) for name in FAMILIES}
     assert arch["mistral-window"].sliding_windows == (WINDOW, WINDOW, WINDOW)
     assert arch["phi3-window"].sliding_windows == (WINDOW, WINDOW, WINDOW)
+    gemma3 = arch["gemma3-window-rope-per-type"]
+    assert gemma3.sliding_windows == (WINDOW, None, WINDOW) and gemma3.qk_norm and gemma3.gemma_norms
+    assert gemma3.rope_layer_types == ("sliding_attention", "full_attention", "sliding_attention")
     assert arch["qwen2-window-layers"].sliding_windows == (None, WINDOW, WINDOW)  # i >= max_window_layers
     assert arch["qwen3-layer-types-bias"].sliding_windows == (WINDOW, None, WINDOW)
     assert arch["qwen3-qk-norm"].qk_norm and arch["qwen3-qk-norm"].sliding_windows == (None,) * 3
@@ -186,7 +189,7 @@ def test_a_config_read_back_from_the_cache_builds_the_same_model(checkpoint, nam
     with torch.device("meta"):
         built = [LlamaForCausalLM(config, kernels, 64) for config in (first, again)]
     assert _derived(built[0]) == _derived(built[1])
-    ropes = [RotaryEmbedding(config, built[0].head_size, 64) for config in (first, again)]
+    ropes = [model.rotary_embs for model in built]
     for (key, a), (_, b) in zip(ropes[0].named_buffers(), ropes[1].named_buffers(), strict=True):
         assert torch.equal(a, b), key
     # A changed config.json is resolved afresh, not read from the old entry.

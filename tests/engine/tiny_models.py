@@ -27,7 +27,15 @@ WINDOW = 12  # not a multiple of the 8-token blocks the tests use
 
 def family_configs() -> dict[str, Any]:
     """One config per family and config feature; each windowed one has a window of ``WINDOW``."""
-    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     return {
         "mistral-window": MistralConfig(**TINY_DIMS, sliding_window=WINDOW, tie_word_embeddings=False),
@@ -45,6 +53,14 @@ def family_configs() -> dict[str, Any]:
         "gemma2-window-softcap": Gemma2Config(
             **TINY_DIMS, sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
             final_logit_softcapping=3.0, tie_word_embeddings=False,  # tied, the residual just repeats tokens
+        ),
+        # Gemma 2's layer with q/k norms, a RoPE per layer type (the global one scaled) and no soft-caps.
+        "gemma3-window-rope-per-type": Gemma3TextConfig(
+            **TINY_DIMS, sliding_window=WINDOW, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
+            tie_word_embeddings=False,
         ),
         # q/k/v and gate/up stacked in the checkpoint itself; a window on every layer.
         "phi3-window": Phi3Config(**TINY_DIMS, sliding_window=WINDOW, tie_word_embeddings=False),

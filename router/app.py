@@ -196,6 +196,21 @@ def create_app(state: RouterState) -> FastAPI:
         ]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses={
+        401: error_responses()[401], 404: error_responses()[404]})
+    async def model_card(request: Request, model: str) -> JSONResponse:
+        """One served model (the SDK's ``models.retrieve``); 404 for any other."""
+        state.api_keys.check(request.headers.get("authorization"))
+        name = state.check_model(model)
+        card = ModelCard(id=name, created=int(time.time()), max_model_len=state.max_model_len())
+        return JSONResponse(card.model_dump(mode="json"))
+
+    @app.get("/v1/responses/{response_id}", responses={401: error_responses()[401], 404: error_responses()[404]})
+    async def stored_response(request: Request, response_id: str) -> JSONResponse:
+        """Responses are not stored (``store`` is answered false): none can be retrieved."""
+        state.api_keys.check(request.headers.get("authorization"))
+        raise APIError(404, f"no response '{response_id}': this server stores no responses", code="not_found")
+
     @app.get("/health")
     async def health() -> JSONResponse:
         return JSONResponse({"status": "ok"})

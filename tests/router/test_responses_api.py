@@ -139,3 +139,13 @@ def test_what_is_not_served_is_refused_by_name(plain: tuple[openai.OpenAI, FakeC
     with pytest.raises(openai.BadRequestError) as refused:
         client.post("/responses", body=request, cast_to=object)
     assert refused.value.body["param"] == param, refused.value.body  # type: ignore[index]
+
+
+def test_models_retrieve_and_no_stored_response(plain: tuple[openai.OpenAI, FakeCluster]) -> None:
+    client, _ = plain
+    assert client.models.retrieve(SERVED_MODEL).id == SERVED_MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other-model")
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.retrieve("resp_123")
+    assert "stores no responses" in str(missing.value)

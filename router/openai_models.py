@@ -462,7 +462,7 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
     chat_template: Any = None
     # vLLM's: an answer that goes on from a final assistant message (``continue_final_message``)
     # starts with that message's text.
-    echo: StrictBool = False
+    echo: StrictBool | None = False
     # What ``check`` read from tools / tool_choice (``router/tools.py``).
     _tools: ToolPlan | None = PrivateAttr(default=None)
 

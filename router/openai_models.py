@@ -75,6 +75,14 @@ class CheckedRequest(BaseModel):
     def check(self, limits: RequestLimits) -> None:
         """A 400 naming the first field the types let through but the server refuses."""
 
+    def refuse_unless_nothing(self, fields: dict[str, Any], why: str) -> None:
+        """A 400 naming the first of ``fields`` (name -> the value that asks for nothing) given any
+        other value: refused, never ignored."""
+        for name, nothing in fields.items():
+            value = getattr(self, name)
+            if value is not None and value != nothing:
+                raise bad_request(f"{name} is not supported ({why})", param=name)
+
 
 class _GenerationRequest(CheckedRequest):
     """Fields shared by /v1/completions and /v1/chat/completions."""
@@ -195,10 +203,7 @@ class _GenerationRequest(CheckedRequest):
             self.response_format,
             {name: getattr(self, name) for name in (*structured_output.GUIDED_FIELDS, "structured_outputs")},
         )
-        for name, nothing in _NOT_IMPLEMENTED_EXTRAS.items():
-            value = getattr(self, name)
-            if value is not None and value != nothing:
-                raise bad_request(f"{name} is not supported (not yet implemented)", param=name)
+        self.refuse_unless_nothing(_NOT_IMPLEMENTED_EXTRAS, "not yet implemented")
         if self.priority != 0 and not limits.priority_scheduling:
             raise bad_request("priority needs --scheduling-policy priority (router and engines); the server "
                               "takes requests first come, first served", param="priority")

@@ -83,10 +83,7 @@ class ResponsesRequest(CheckedRequest):
             isinstance(self.input, list) and self.input and all(isinstance(item, dict) for item in self.input)
         )):
             raise bad_request("input must be a string or a non-empty list of input items", param="input")
-        for name, nothing in _NOT_SERVED.items():
-            value = getattr(self, name)
-            if value is not None and value != nothing:
-                raise bad_request(f"{name} is not supported by this server", param=name)
+        self.refuse_unless_nothing(_NOT_SERVED, "not served here")
         if self.truncation not in (None, "disabled"):
             raise bad_request("truncation must be 'disabled': a prompt too long is refused, not cut", param="truncation")
 
@@ -317,21 +314,19 @@ class ResponseEvents:
                 self._event("response.in_progress", response=response)]
 
     def reasoning(self, text: str) -> list[bytes]:
-        out = self._open_item("reasoning")
-        item = self._open
-        assert item is not None
-        item["content"][0]["text"] += text
-        out.append(self._event("response.reasoning_text.delta", item_id=item["id"], output_index=len(self.output),
-                               content_index=0, delta=text))
-        return out
+        return self._text("reasoning", "response.reasoning_text.delta", text)
 
     def content(self, text: str) -> list[bytes]:
-        out = self._open_item("message")
+        return self._text("message", "response.output_text.delta", text, logprobs=[])
+
+    def _text(self, kind: str, event: str, text: str, **fields: Any) -> list[bytes]:
+        """``text`` added to the open ``kind`` item (opened first if another is open, or none)."""
+        out = self._open_item(kind)
         item = self._open
         assert item is not None
         item["content"][0]["text"] += text
-        out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=len(self.output),
-                               content_index=0, delta=text, logprobs=[]))
+        out.append(self._event(event, item_id=item["id"], output_index=len(self.output), content_index=0,
+                               delta=text, **fields))
         return out
 
     def call(self, part: DeltaToolCall) -> list[bytes]:

@@ -21,6 +21,7 @@ and compares the served output tokens/s with it and with ``transformers``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import math
 import shlex
@@ -73,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--long-output-len", type=int, default=16)
     w.add_argument("--num-long-prompts", type=int, default=8)
     w.add_argument("--long-prompt-rate", type=float, default=0.5, help="long prompts per second")
+    w.add_argument("--urgent-fraction", type=float, default=0.0,
+                   help="this share of the requests (evenly spread) are of kind 'urgent', reported apart")
+    w.add_argument("--urgent-priority", type=int, default=-1,
+                   help="the 'priority' urgent requests carry (a server with --scheduling-policy priority "
+                        "serves lower first; 0: none sent, for a first-come-first-served baseline)")
     w.add_argument("--temperature", type=float, default=0.0)
     w.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     a = p.add_argument_group("arrival and report")
@@ -128,6 +134,17 @@ def build_workload(args: argparse.Namespace, builder: PromptBuilder) -> Workload
     return random_workload(builder, args.num_prompts, args.random_input_len, args.random_output_len, ratio)
 
 
+def mark_urgent(workload: Workload, fraction: float) -> None:
+    """Make ``fraction`` of the main requests, evenly spread, of kind ``urgent`` (in place)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise SystemExit("--urgent-fraction must be in [0, 1]")
+    num = round(len(workload.requests) * fraction)
+    if num:
+        step = len(workload.requests) / num
+        for i in (int(k * step) for k in range(num)):
+            workload.requests[i] = dataclasses.replace(workload.requests[i], kind="urgent")
+
+
 def _exit_on_sigterm(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
@@ -149,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     model = str(resolve_model_path(args.model))
     builder = PromptBuilder(AutoTokenizer.from_pretrained(args.tokenizer or model), args.seed)
     workload = build_workload(args, builder)
+    mark_urgent(workload, args.urgent_fraction)
     print(f"pdserve bench: {workload.name}, {len(workload.requests)} requests, targets "
           f"{', '.join(n for n, _ in targets)}", flush=True)
     runs = run_served(args, targets, workload, builder, levels, slo, model)

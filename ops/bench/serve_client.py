@@ -38,6 +38,7 @@ class ClientConfig:
     ignore_eos: bool = True
     timeout_s: float = 600.0
     extra_body: dict[str, Any] = field(default_factory=dict)
+    urgent_priority: int = 0  # the priority of an ``urgent`` request (0: none sent)
 
     @property
     def url(self) -> str:
@@ -52,6 +53,8 @@ class ClientConfig:
             body["model"] = self.model
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if req.kind == "urgent" and self.urgent_priority:
+            body["priority"] = self.urgent_priority
         if self.endpoint == "chat":
             body["messages"] = [{"role": "user", "content": req.prompt}]
         else:

@@ -54,7 +54,7 @@ def run_target(
     """Every load level against one URL; engine metrics too when a registry is known."""
     model = args.served_model_name or asyncio.run(first_model(url, args.api_key))
     config = ClientConfig(url, model, args.endpoint, args.api_key, args.temperature, args.ignore_eos,
-                          args.request_timeout)
+                          args.request_timeout, urgent_priority=getattr(args, "urgent_priority", 0))
     asyncio.run(_warm_up(config, builder, args.warmup))
     urls = engine_metrics_urls(redis_url) if redis_url else {}
     decode_urls = list(engine_metrics_urls(redis_url, "decode").values()) if redis_url else []

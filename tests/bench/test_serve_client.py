@@ -42,6 +42,19 @@ def test_request_body_streams_with_usage_and_ignores_eos() -> None:
     assert body["ignore_eos"] is True and body["max_tokens"] == 3 and body["model"] == "m" and body["top_k"] == 1
 
 
+def test_urgent_requests_carry_the_priority_and_the_others_none() -> None:
+    from ops.bench.serve import mark_urgent
+    from ops.bench.serve_workloads import Workload
+
+    workload = Workload("w", requests(8, 2))
+    mark_urgent(workload, 0.25)
+    assert [r.kind for r in workload.requests] == ["urgent", "main", "main", "main", "urgent", "main", "main", "main"]
+    with FakeServer(Script()) as server:
+        asyncio.run(run_load(ClientConfig(server.url, urgent_priority=-3), workload.requests[:2], concurrency=1))
+        asyncio.run(run_load(ClientConfig(server.url), workload.requests[:1], concurrency=1))  # a baseline run
+    assert [body.get("priority") for body in server.record.bodies] == [-3, None, None]
+
+
 def test_closed_loop_keeps_exactly_concurrency_requests_in_flight() -> None:
     with FakeServer(Script(first_token_delay_s=0.2, token_gap_s=0.01)) as server:
         out = asyncio.run(run_load(ClientConfig(server.url), requests(9, 3), concurrency=3))

@@ -84,7 +84,8 @@ class ReceiverOutbox:
                 if now - record.offered_at > self.defer_timeout_s:
                     why = record.defer_reason or "the engine did not allocate"
                     reason = f"no free blocks within {self.defer_timeout_s:g}s ({why})"
-                    self._expire_one(record, TransferState.WAITING, reason)
+                    # Deferred for a full pool: this receiver is busy, the request is fine elsewhere.
+                    self._expire_one(record, TransferState.WAITING, reason, busy=record.defer_reason is not None)
                 elif record.defer_reason and now - record.last_defer_sent >= record.keepalive_s:
                     record.last_defer_sent = now
                     self.send(
@@ -93,9 +94,9 @@ class ReceiverOutbox:
             elif record.state == TransferState.TRANSFERRING and now - record.last_activity > self.timeout_s:
                 self._expire_one(record, TransferState.TRANSFERRING, f"no data for {self.timeout_s:g}s")
 
-    def _expire_one(self, record: Incoming, state: TransferState, reason: str) -> None:
+    def _expire_one(self, record: Incoming, state: TransferState, reason: str, busy: bool = False) -> None:
         with record.lock:
-            if record.state != state or not record.close_locked(False, f"timed out: {reason}"):
+            if record.state != state or not record.close_locked(False, f"timed out: {reason}", busy=busy):
                 return
         self.table.finished.append(record)
         logger.info("kv transfer %r timed out: %s", record.request_id, reason)

@@ -29,9 +29,9 @@ class TransferResult:
     On the receiver, ``ok`` hands ``block_ids`` to the engine; a failure has already released them.
     On the sender, any result means the engine may free or reuse its ``block_ids`` again.
     A failure before allocation (refused offer) has no ``block_ids``. ``reason`` is ``ABORTED``
-    exactly when this side's engine called ``abort``. ``receiver_busy``: the receiving engine refused
-    the offer for a state of its own (draining) before anything was allocated; nothing is wrong with
-    the request, and another receiver may take it.
+    exactly when this side's engine called ``abort``. ``receiver_busy``: the receiving side ended the
+    offer for a state of its own (draining, closing, its pool full past its timeout) before anything
+    was allocated; nothing is wrong with the request, and another receiver may take it.
     """
 
     request_id: str

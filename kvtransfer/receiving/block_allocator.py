@@ -37,8 +37,9 @@ class BlockAllocator(Protocol):
     def allocate_for_transfer(
         self, request_id: str, block_hashes: list[bytes], num_tokens: int, meta: bytes
     ) -> Allocation | Refusal | str:
-        """Take blocks for a transfer; or refuse it (for now, ``busy``, or for good); or return a reason to defer (pool
-        full), and be called again later. ``meta`` is the sender's opaque request description."""
+        """Take blocks for a transfer; or refuse it (for now, ``busy``, or for good); or return a
+        reason to defer (pool full), and be called again later. ``meta`` is the sender's opaque
+        request description."""
         ...
 
     def release_transfer(self, request_id: str) -> None:

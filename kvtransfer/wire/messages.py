@@ -106,8 +106,8 @@ class Done(msgspec.Struct, tag="done", kw_only=True):
 class Abort(msgspec.Struct, tag="abort", kw_only=True):
     """Either way: the transfer is over and failed; the receiving side frees its blocks.
 
-    ``busy`` (R -> S only): the receiver refused the offer for a state of its own (draining), before
-    allocating anything; the request is fine to offer to another receiver.
+    ``busy`` (R -> S only): the receiver ended the offer for a state of its own (draining, closing, its
+    pool full past its timeout), before allocating anything; the request is fine to offer elsewhere.
     """
 
     version: int = KV_PROTOCOL_VERSION

@@ -75,7 +75,11 @@ def test_a_short_router_run_measures_tokens_per_second_latency_and_cpu_per_token
     assert "router pass over an engine message" in text
     if sys.platform == "linux":  # the hypervisor's share of the window, read from /proc/stat
         for r in report["results"]:
-            assert 0.0 <= r["host_steal"]["cpu"]["share"] <= r["host_steal"]["cpu"]["worst_share"] <= 1.0, r
+            cpu = r["host_steal"]["cpu"]
+            # A window short enough to hold only its two bounding readings has no span inside it to be worst.
+            assert 0.0 <= cpu["share"] <= cpu.get("worst_share", cpu["share"]) <= 1.0, r
+        # The paced points last half a second or more: the sampler reads every 20 ms inside them.
+        assert all("worst_share" in r["host_steal"]["cpu"] for r in report["results"] if r["offered_tokens_per_s"])
         assert "stolen by the hypervisor" in text
 
 

@@ -57,7 +57,6 @@ _NOT_IMPLEMENTED_EXTRAS: dict[str, Any] = {
     "logits_processors": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "spaces_between_special_tokens": True,
     "mm_processor_kwargs": None,
     # Structured-output and serving knobs of vLLM's, and OpenAI's fields for other modalities.
     "guided_whitespace_pattern": None,
@@ -119,9 +118,11 @@ class _GenerationRequest(CheckedRequest):
     # The prompt tokens' logprobs with this many top alternatives (vLLM's extra; not with stream).
     prompt_logprobs: int | None = Field(default=None, ge=-(2**31), le=2**31)
     # How tokens become text (vLLM's extras): the matched stop string (or stop token's text) kept at
-    # the end; special tokens' text kept.
+    # the end; special tokens' text kept, and false: adjacent special tokens' texts side by side (a
+    # tokenizer that spaces them apart refuses false: ``PromptProcessor.check_special_token_spacing``).
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
     # Only the prompt's last k tokens are kept (-1: as many as the context holds); a longer prompt is
     # cut to them instead of refused.
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31)
@@ -144,7 +145,6 @@ class _GenerationRequest(CheckedRequest):
     logits_processors: Any = None
     use_beam_search: Any = False
     length_penalty: Any = 1.0
-    spaces_between_special_tokens: Any = True
     mm_processor_kwargs: Any = None
     guided_whitespace_pattern: Any = None
     structural_tag: Any = None

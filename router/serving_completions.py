@@ -61,6 +61,7 @@ async def plan_completion(
     prompts = [request.truncated(prompt_ids, max_model_len) for prompt_ids in prompts]
     params = []
     by_max_tokens: dict[int, SamplingParams] = {}  # frozen: prompts with one max_tokens share them
+    state.prompts.check_special_token_spacing(request.spaces_between_special_tokens)
     bad_words = state.prompts.bad_word_sequences(request.bad_words)
     for prompt_ids in prompts:
         max_tokens = check_max_tokens(

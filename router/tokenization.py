@@ -12,6 +12,7 @@ too long to fit whatever its tokens is refused at once (see ``router/token_bound
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -184,6 +185,25 @@ class PromptProcessor:
         if not token_ids:  # every character was one the tokenizer drops
             raise bad_request("prompt has no tokens", param=param)
         return token_ids
+
+    @functools.cached_property
+    def spaces_special_tokens(self) -> bool:
+        """Whether this tokenizer's decode puts anything between adjacent special tokens (a
+        sentencepiece-style decoder may space them apart): then ``spaces_between_special_tokens:
+        false``, which asks for their texts side by side, would need a text of its own."""
+        special = list(getattr(self.tokenizer, "all_special_ids", None) or [])[:2]
+        if not special:
+            return False
+        ids = [special[0], special[-1], special[0]]
+        text = str(self.tokenizer.decode(ids, skip_special_tokens=False))
+        return text != "".join(self.tokenizer.convert_ids_to_tokens(ids))
+
+    def check_special_token_spacing(self, spaces_between_special_tokens: bool) -> None:
+        """A 400 for ``spaces_between_special_tokens: false`` where the tokenizer spaces special
+        tokens apart; elsewhere false asks for the text the detokenizer writes anyway."""
+        if not spaces_between_special_tokens and self.spaces_special_tokens:
+            raise bad_request("spaces_between_special_tokens: false is not implemented for this model's "
+                              "tokenizer, which spaces special tokens apart", param="spaces_between_special_tokens")
 
     def bad_word_sequences(self, words: list[str] | None) -> list[list[int]]:
         """The token sequences ``bad_words`` ban (vLLM's rule): each word as it starts a text, and

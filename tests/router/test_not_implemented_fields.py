@@ -27,7 +27,6 @@ def server(prompts: Any) -> Iterator[RouterServer]:
         (COMPLETIONS, "logits_processors", ["x"]),
         (COMPLETIONS, "use_beam_search", True),
         (COMPLETIONS, "length_penalty", 0.5),
-        (CHAT, "spaces_between_special_tokens", False),
         (CHAT, "mm_processor_kwargs", {"a": 1}),
         (CHAT, "guided_whitespace_pattern", " "),
         (COMPLETIONS, "structural_tag", "{}"),

@@ -56,6 +56,10 @@ def test_the_stop_token_and_special_tokens(stack: tuple[RouterServer, list[int]]
     assert _text(server, stream, stop_token_ids=[world]) == "Hello"
     assert _text(server, stream, stop_token_ids=[world], include_stop_str_in_output=True) == "Hello world"
     assert _text(server, stream, skip_special_tokens=False) == "Hello<|im_start|> world"
+    # This tokenizer writes special tokens side by side, as false asks: the same text, not a 400.
+    assert _text(server, stream, skip_special_tokens=False, spaces_between_special_tokens=False) == (
+        "Hello<|im_start|> world"
+    )
     assert _text(server, stream, stop=["wor"]) == "Hello "
     assert _text(server, stream, stop=["wor"], include_stop_str_in_output=True) == "Hello wor"
 

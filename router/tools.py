@@ -10,7 +10,8 @@ format. What the model answers depends on ``tool_choice``:
   that is not a well-formed call stays content.
 * ``"required"``: the output is held by a grammar to a JSON array of one or more calls (one when
   ``parallel_tool_calls`` is false), each ``{"name": ..., "arguments": ...}`` of a given tool with
-  arguments valid against its ``parameters`` schema. No parser is needed.
+  arguments valid against its ``parameters`` schema. No parser is needed: the grammar's fixed layout
+  is read as it streams (``RequiredCalls``), each call's arguments sent as they are written.
 * a named function: the output is held by a grammar to that function's arguments, which become the
   one call. No parser is needed.
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from common.sampling_params import MAX_STRUCTURED_OUTPUT_CHARS, StructuredOutput
@@ -36,7 +37,6 @@ from router.tool_parsers import (
     ToolCall,
     ToolCallParser,
     ToolCallStream,
-    json_array_calls,
     openai_call_id,
 )
 
@@ -170,8 +170,7 @@ class ToolPlan:
             assert self.function is not None
             return None, [ToolCall(self.function, text)]
         if self.choice == "required":
-            calls = json_array_calls(text)
-            return (text, []) if calls is None else (None, calls[: None if self.parallel else 1])
+            return read_required(text, None if self.parallel else 1)
         if self.choice == "auto":
             assert parser is not None
             content, calls = parser.extract(text)
@@ -214,24 +213,186 @@ def tool_calls_out(calls: list[ToolCall], parser: ToolCallParser | None) -> list
     return [ToolCallOut(id=new_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
 
 
+@dataclass(frozen=True)
+class CallStart:
+    """A call of a ``"required"`` answer opens: its name is known, its arguments follow."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsPiece:
+    """More of the open call's arguments, as written."""
+
+    text: str
+
+
+RequiredEvent = str | CallStart | ArgumentsPiece
+
+# The grammar of a "required" answer (xgrammar's, from ``ToolPlan.structured_output``) writes the array
+# with these separators and each call's keys in this order, and no other whitespace.
+_ITEM_OPEN = '{"name": "'
+_ARGUMENTS_KEY = ', "arguments": '
+_NEXT_ITEM = ", "
+
+
+class RequiredCalls:
+    """A ``"required"`` answer, ``[{"name": "...", "arguments": ...}, ...]``, read as it streams: each
+    call opens when its name's string closes, and its arguments go out as they are written (so a
+    stream's pieces join into a whole response's arguments, character for character).
+
+    Text that leaves that layout (an engine that did not hold the answer to the grammar), or a call
+    past ``max_calls``, is content from there on, the array's text before it included while no call
+    has opened: nothing the model wrote is lost. An answer cut short ends with its last call's
+    arguments cut short, as a named call's are, and as OpenAI's are at ``finish_reason: length``."""
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self._max_calls = max_calls
+        self._buf = ""  # text not read yet
+        self._unspent = ""  # read, but part of no call yet: content if the layout breaks
+        self._state = "open"  # open, item, name, key, arguments, close, next, done, content
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[RequiredEvent]:
+        self._buf += text
+        events: list[RequiredEvent] = []
+        while self._buf and self._step(events):
+            pass
+        return events
+
+    def finish(self) -> list[RequiredEvent]:
+        """What is left: content where the answer stopped outside a call's arguments."""
+        rest = "" if self._state in ("arguments", "done") else self._unspent + self._buf
+        self._buf = self._unspent = ""
+        self._state = "done"
+        return [rest] if rest else []
+
+    def _step(self, events: list[RequiredEvent]) -> bool:
+        """Reads what it can of the buffer; False when it must wait for more text."""
+        state = self._state
+        if state == "content":
+            events.append(self._unspent + self._buf)
+            self._buf = self._unspent = ""
+            return False
+        if state == "open":
+            return self._literal("[", "item")
+        if state == "item":
+            if self._max_calls is not None and self.num_calls >= self._max_calls:
+                self._state = "content"
+                return True
+            return self._literal(_ITEM_OPEN, "name")
+        if state == "name":
+            return self._name(events)
+        if state == "key":
+            return self._literal(_ARGUMENTS_KEY, "arguments")
+        if state == "arguments":
+            return self._arguments(events)
+        if state == "close":
+            return self._literal("}", "next")
+        if state == "next":
+            if self._buf.startswith("]"):
+                return self._literal("]", "done")
+            return self._literal(_NEXT_ITEM, "item")
+        self._state = "content"  # text after the array's end
+        return True
+
+    def _literal(self, literal: str, then: str) -> bool:
+        if self._buf.startswith(literal):
+            if then == "name" or self.num_calls == 0:  # the array's and an item's opening, not a call's
+                self._unspent += literal
+            self._buf = self._buf[len(literal):]
+            self._state = then
+            return True
+        if not literal.startswith(self._buf):
+            self._state = "content"
+            return True
+        return False  # the literal's start so far
+
+    def _name(self, events: list[RequiredEvent]) -> bool:
+        escaped = False
+        for i, c in enumerate(self._buf):
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                try:
+                    name = json.loads('"' + self._buf[:i + 1])
+                except ValueError:
+                    self._state = "content"
+                    return True
+                events.append(CallStart(name))
+                self.num_calls += 1
+                self._buf, self._unspent = self._buf[i + 1:], ""
+                self._state = "key"
+                return True
+        return False
+
+    def _arguments(self, events: list[RequiredEvent]) -> bool:
+        """The arguments' JSON value, up to the call's closing brace (not its own)."""
+        for i, c in enumerate(self._buf):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                if self._depth == 0:  # the call's own brace: the value ended before it
+                    if i:
+                        events.append(ArgumentsPiece(self._buf[:i]))
+                    self._buf, self._unspent = self._buf[i:], ""
+                    self._state = "close"
+                    return True
+                self._depth -= 1
+        events.append(ArgumentsPiece(self._buf))
+        self._buf = ""
+        return False
+
+
+def read_required(text: str, max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
+    """A whole ``"required"`` answer's content (None when there is none) and calls, as its stream reads them."""
+    reader = RequiredCalls(max_calls)
+    content: list[str] = []
+    calls: list[list[str]] = []
+    for event in reader.feed(text) + reader.finish():
+        if isinstance(event, CallStart):
+            calls.append([event.name, ""])
+        elif isinstance(event, ArgumentsPiece):
+            calls[-1][1] += event.text
+        else:
+            content.append(event)
+    return "".join(content) or None, [ToolCall(name, arguments) for name, arguments in calls]
+
+
 @dataclass
 class ToolDeltas:
     """One streamed choice's text turned into content and tool-call deltas, as it comes.
 
     An ``"auto"`` answer goes through the parser's stream: content as soon as it cannot be part of a
-    call, each call whole once it closes. A named function's arguments stream as they are written,
-    the first delta carrying the call's id and name. A ``"required"`` answer is one JSON array, read
-    when it ends."""
+    call, each call whole once it closes. A named function's arguments, and each call's of a
+    ``"required"`` answer (``RequiredCalls``), stream as they are written, the first delta of a call
+    carrying its id and name."""
 
     plan: ToolPlan
     parser: ToolCallParser | None
     stream: ToolCallStream | None
+    required: RequiredCalls | None = None
     num_calls: int = 0
-    _held: list[str] = field(default_factory=list)
 
     @classmethod
     def start(cls, plan: ToolPlan, parser: ToolCallParser | None) -> ToolDeltas:
-        return cls(plan, parser, parser.stream() if plan.choice == "auto" and parser is not None else None)
+        stream = parser.stream() if plan.choice == "auto" and parser is not None else None
+        required = RequiredCalls(None if plan.parallel else 1) if plan.choice == "required" else None
+        return cls(plan, parser, stream, required)
 
     def _new_id(self) -> str:
         return self.parser.new_call_id() if self.parser is not None else openai_call_id()
@@ -239,29 +400,50 @@ class ToolDeltas:
     def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
         if self.stream is not None:
             return self._events(self.stream.feed(text))
+        if self.required is not None:
+            return self._required(self.required.feed(text))
         if self.plan.choice == "named":
             return "", self._named(text) if text else []
-        self._held.append(text)  # "required"
-        return "", []
+        return text, []
 
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
         if self.stream is not None:
             return self._events(self.stream.finish())
+        if self.required is not None:
+            return self._required(self.required.finish())
         if self.plan.choice == "named":  # an empty answer is still the call, as in a whole response
             return "", self._named("") if self.num_calls == 0 else []
-        if self.plan.choice != "required":
-            return "", []
-        content, calls = self.plan.extract("".join(self._held), None)
-        return content or "", self._deltas(calls)
+        return "", []
+
+    def _open(self, name: str, arguments: str) -> DeltaToolCall:
+        """A call's first delta: its id and name."""
+        function = DeltaFunctionCall(name=name, arguments=arguments)
+        call = DeltaToolCall(index=self.num_calls, id=self._new_id(), type="function", function=function)
+        self.num_calls += 1
+        return call
+
+    def _more(self, arguments: str) -> DeltaToolCall:
+        """More of the last call's arguments."""
+        return DeltaToolCall(index=self.num_calls - 1, function=DeltaFunctionCall(arguments=arguments))
 
     def _named(self, arguments: str) -> list[DeltaToolCall]:
         """A piece of the named call's arguments; the first piece opens the call."""
         if self.num_calls:
-            return [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=arguments))]
+            return [self._more(arguments)]
         assert self.plan.function is not None
-        self.num_calls = 1
-        function = DeltaFunctionCall(name=self.plan.function, arguments=arguments)
-        return [DeltaToolCall(index=0, id=self._new_id(), type="function", function=function)]
+        return [self._open(self.plan.function, arguments)]
+
+    def _required(self, events: list[RequiredEvent]) -> tuple[str, list[DeltaToolCall]]:
+        content = ""
+        calls: list[DeltaToolCall] = []
+        for event in events:
+            if isinstance(event, CallStart):
+                calls.append(self._open(event.name, ""))
+            elif isinstance(event, ArgumentsPiece):
+                calls.append(self._more(event.text))
+            else:
+                content += event
+        return content, calls
 
     def _events(self, events: list[str | ToolCall]) -> tuple[str, list[DeltaToolCall]]:
         content = "".join(e for e in events if isinstance(e, str))
@@ -271,14 +453,7 @@ class ToolDeltas:
         return content, self._deltas(calls)
 
     def _deltas(self, calls: list[ToolCall]) -> list[DeltaToolCall]:
-        deltas = []
-        for call in calls:
-            deltas.append(DeltaToolCall(
-                index=self.num_calls, id=self._new_id(), type="function",
-                function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
-            ))
-            self.num_calls += 1
-        return deltas
+        return [self._open(call.name, call.arguments) for call in calls]
 
 
 def template_tool_calls(index: int, tool_calls: Any) -> list[dict[str, Any]]:

@@ -183,6 +183,15 @@ def test_forced_tool_calls_through_the_stack(stack, tools_client):  # type: igno
     [call] = required.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and required.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(call.function.arguments), schema)
+    # Streamed, the call opens with its name and its arguments come in pieces that join into the same text.
+    streamed = list(tools_client.chat.completions.create(
+        **kwargs, stream=True, tool_choice="required", parallel_tool_calls=False))
+    parts = [p for c in streamed if c.choices for p in c.choices[0].delta.tool_calls or []]
+    assert parts[0].function.name == "get_weather" and parts[0].id and len(parts) > 2
+    assert all(p.index == 0 and p.id is None for p in parts[1:])
+    assert "".join(p.function.arguments or "" for p in parts) == call.function.arguments
+    assert not "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     # The first router's template (the model's own) does not show the model its tools: refused there.
     with pytest.raises(openai.BadRequestError) as err:
         openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(

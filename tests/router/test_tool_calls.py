@@ -283,17 +283,48 @@ def test_a_named_calls_arguments_stream_as_written_and_an_empty_answer_is_still_
     assert call.function.name == "get_time" and call.function.arguments == ""
 
 
-def test_a_required_answer_is_read_when_it_ends() -> None:
+def test_a_required_answers_calls_stream_as_written_and_read_back_as_a_whole_response() -> None:
+    answer = ('[{"name": "get_time", "arguments": {"zone": "U\\"}TC"}}, '
+              '{"name": "get_weather", "arguments": {"city": "Oslo", "days": [1, {"a": 2}]}}]')
+    whole = [ToolCall("get_time", '{"zone": "U\\"}TC"}'),
+             ToolCall("get_weather", '{"city": "Oslo", "days": [1, {"a": 2}]}')]
+    assert _plan("required").extract(answer, None) == (None, whole)
+    for size in (1, 3, 7, len(answer)):  # however the text is cut, the same calls
+        deltas = ToolDeltas.start(_plan("required"), None)
+        pieces = [deltas.feed(answer[i:i + size]) for i in range(0, len(answer), size)] + [deltas.finish()]
+        assert all(content == "" for content, _ in pieces)
+        parts = [part for _, calls in pieces for part in calls]
+        opened = [p for p in parts if p.id is not None]
+        assert [(p.index, p.type, p.function.name) for p in opened] == [(0, "function", "get_time"),
+                                                                         (1, "function", "get_weather")]
+        assert all(p.function.name is None for p in parts if p.id is None)
+        joined = ["".join(p.function.arguments or "" for p in parts if p.index == i) for i in (0, 1)]
+        assert joined == [call.arguments for call in whole]
+        assert deltas.num_calls == 2
+    # The first call opens once its name is written, before its arguments are.
+    early = ToolDeltas.start(_plan("required"), None)
+    assert early.feed(answer[:19]) == ("", [])
+    [(_, [first])] = [early.feed(answer[19:20])]  # the quote that closes "get_time"
+    assert first.function.name == "get_time" and first.function.arguments == ""
+
+
+def test_a_required_answer_cut_short_or_off_its_layout() -> None:
     answer = '[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]'
-    deltas = ToolDeltas.start(_plan("required"), None)
-    assert deltas.feed(answer[:30]) == ("", []) and deltas.feed(answer[30:]) == ("", [])
-    content, calls = deltas.finish()
-    assert content == "" and [(c.index, c.function.name) for c in calls] == [(0, "get_time"), (1, "get_weather")]
-    assert _plan("required").extract(answer, None)[1] == [
-        ToolCall("get_time", '{"zone": "UTC"}'), ToolCall("get_weather", '{"city": "Oslo"}')]
-    cut = ToolDeltas.start(_plan("required"), None)
-    cut.feed(answer[:40])
-    assert cut.finish() == (answer[:40], [])
+    # Cut inside the arguments: the call with its arguments so far, as a named call's (finish_reason length).
+    assert _plan("required").extract(answer[:40], None) == (None, [ToolCall("get_time", '{"zon')])
+    # Cut before any call opened: the text is the content, nothing lost.
+    assert _plan("required").extract(answer[:12], None) == (answer[:12], [])
+    # Cut in the second call's name: the first call whole, the rest content.
+    cut = answer.index("get_weather") + 1
+    assert _plan("required").extract(answer[:cut], None) == ('{"name": "g', [ToolCall("get_time", '{"zone": "UTC"}')])
+    # Not the grammar's layout (an engine that did not apply it): content.
+    assert _plan("required").extract("Hello [there]", None) == ("Hello [there]", [])
+    # One call asked for: a second (which the grammar forbids) is content, not dropped.
+    content, calls = _plan("required", parallel=False).extract(answer, None)
+    assert calls == [ToolCall("get_time", '{"zone": "UTC"}')] and content == answer[answer.index('{"name": "get_w'):]
+    stream = ToolDeltas.start(_plan("required", parallel=False), None)
+    streamed = [stream.feed(answer[:50]), stream.feed(answer[50:]), stream.finish()]
+    assert "".join(c for c, _ in streamed) == content and stream.num_calls == 1
 
 
 def test_the_probe_finds_whether_a_template_shows_tools(tokenizer: Any) -> None:

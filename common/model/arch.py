@@ -7,7 +7,8 @@ Any field that would change the math in a way ``common/model/llama.py`` does not
 Per family, the rules follow transformers' own modeling code (which is the reference for
 correctness): Llama reads ``attention_bias`` / ``mlp_bias``, Qwen2 always has q/k/v biases, Mistral
 and Phi-3 apply ``sliding_window`` to every layer, Qwen2/Qwen3/Gemma 2/Gemma 3 to the layers
-``layer_types`` marks. Phi-3's checkpoints hold q/k/v and gate/up already stacked, as this model
+``layer_types`` marks. Granite is Llama's layer with four scalings (embeddings, attention, each
+block's output, logits). Phi-3's checkpoints hold q/k/v and gate/up already stacked, as this model
 computes them. Gemma 3 is Gemma 2's layer with Qwen3's q/k norms (Gemma's ``1 + weight`` form) and a
 RoPE per layer type (local layers their own base frequency, global ones theirs, scaled).
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite")
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Families whose modeling code reads a RoPE per layer type (``rope_parameters`` keyed by layer type).
 _ROPE_PER_LAYER_TYPE = ("gemma3_text",)
@@ -33,15 +34,17 @@ _UNSET_FIELDS = (
     "query_pre_attn_scalar",  # Gemma: a scale other than head_dim ** -0.5
     "use_qk_norm",  # Llama 4 style q/k norms (Qwen3's are its own family rule)
     "attention_chunk_size",  # chunked (local) attention
-    "embedding_multiplier",  # Granite-style scalings
+    "embedding_multiplier",  # Granite's scalings
     "logits_scaling",
     "residual_multiplier",
     "attention_multiplier",
     "use_bidirectional_attention",  # non-causal attention
 )
 # ... except where a family implements them.
+_GRANITE_SCALINGS = ("embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier")
 _FAMILY_FIELDS = {
-    gemma: ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar") for gemma in _GEMMA_TYPES
+    **{gemma: ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar") for gemma in _GEMMA_TYPES},
+    "granite": _GRANITE_SCALINGS,
 }
 _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
@@ -71,6 +74,13 @@ class ModelArch:
     query_pre_attn_scalar: float | None = None  # attention scale is its -0.5 power (default: head_dim's)
     attn_soft_cap: float | None = None  # scores become cap * tanh(scores / cap)
     final_soft_cap: float | None = None  # the same for the logits
+    # Granite's: embeddings times ``embedding_multiplier``; ``attention_multiplier`` as the attention
+    # scale; each block's output times ``residual_multiplier`` before it joins the residual stream;
+    # logits divided by ``logits_scaling``.
+    embedding_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    logits_scaling: float | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> ModelArch:
@@ -105,6 +115,7 @@ class ModelArch:
             "qwen2": (True, False, False),
             "mistral": (False, False, False),
             "phi3": (False, False, False),
+            "granite": (bias, bias, bool(getattr(config, "mlp_bias", False))),
         }[model_type]
         gemma = model_type in _GEMMA_TYPES
         rope_type, rope_layer_types = _rope(config, model_type)
@@ -124,6 +135,7 @@ class ModelArch:
             query_pre_attn_scalar=_positive_or_none(config, "query_pre_attn_scalar"),
             attn_soft_cap=_positive_or_none(config, "attn_logit_softcapping"),
             final_soft_cap=_positive_or_none(config, "final_logit_softcapping"),
+            **{name: _positive_or_none(config, name) for name in _GRANITE_SCALINGS},
         )
 
 

@@ -116,7 +116,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_size = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.scale = (arch.query_pre_attn_scalar or self.head_size) ** -0.5
+        self.scale = arch.attention_multiplier or (arch.query_pre_attn_scalar or self.head_size) ** -0.5
         self.soft_cap = arch.attn_soft_cap
         hidden = config.hidden_size
         self.q_size, self.kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
@@ -184,6 +184,7 @@ class DecoderLayer(nn.Module):
         size, eps, gemma = config.hidden_size, config.rms_norm_eps, arch.gemma_norms
         self.input_layernorm = RMSNorm(size, eps, gemma, kernels)
         self.post_attention_layernorm = RMSNorm(size, eps, gemma, kernels)
+        self.residual_multiplier = arch.residual_multiplier  # Granite: each block's output scaled
         # Gemma normalizes each block's output too: post_attention_layernorm then applies to the
         # attention's output, and the MLP gets a norm of its own on each side.
         self.pre_feedforward_layernorm: RMSNorm | None = None
@@ -202,6 +203,10 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm.add(x, residual)
         attn = self.self_attn(h, rope, meta, kv_layer)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            m = self.residual_multiplier
+            if m is not None:
+                h, residual = self.post_attention_layernorm.add(attn * m, residual)
+                return self.mlp(h) * m, residual
             h, residual = self.post_attention_layernorm.add(attn, residual)
             return self.mlp(h), residual
         h, residual = self.pre_feedforward_layernorm.add(self.post_attention_layernorm(attn), residual)
@@ -253,6 +258,8 @@ class LlamaForCausalLM(nn.Module):
             # Rounded on the host and passed as a number: a device tensor made here would be a copy to
             # the device, which a CUDA graph capture cannot hold.
             x = x * float(torch.tensor(self.arch.embed_scale, dtype=x.dtype))
+        if self.arch.embedding_multiplier is not None:  # Granite: the number as it is, as transformers
+            x = x * self.arch.embedding_multiplier
         ropes = {kind: cast(RotaryEmbedding, emb).cos_sin(positions, x.dtype) for kind, emb in self.rotary_embs.items()}
         residual: Tensor | None = None
         for i, layer in enumerate(self.model.layers):
@@ -260,6 +267,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.arch.logits_scaling is not None:  # Granite: in the weights' dtype, as transformers
+            logits = logits / self.arch.logits_scaling
+        logits = logits.float()
         cap = self.arch.final_soft_cap
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -38,6 +38,12 @@ def _gemma3(**fields: Any) -> Any:
                             **fields)
 
 
+def _granite(**fields: Any) -> Any:
+    from transformers import GraniteConfig
+
+    return GraniteConfig(**TINY_DIMS, **fields)
+
+
 REFUSED = [
     ("rope-dynamic", lambda: _llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
      "rope_parameters.rope_type"),
@@ -52,6 +58,8 @@ REFUSED = [
     ("gemma2-activation", lambda: _gemma2(hidden_activation="gelu"), "hidden_activation"),
     ("gemma2-bidirectional", lambda: _gemma2(use_bidirectional_attention=True), "use_bidirectional_attention"),
     ("llama-attn-scalar", lambda: _llama(query_pre_attn_scalar=24), "query_pre_attn_scalar"),
+    ("llama-residual-multiplier", lambda: _llama(residual_multiplier=0.5), "residual_multiplier"),
+    ("granite-zero-logits-scaling", lambda: _granite(logits_scaling=0.0), "logits_scaling"),
     ("rope-per-type-qwen2", lambda: _qwen2(rope_parameters={"full_attention": {"rope_type": "default",
                                                                                "rope_theta": 1e4}}), "rope_parameters"),
     ("gemma3-rope-longrope", lambda: _gemma3(rope_parameters={

@@ -78,6 +78,11 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     assert arch["qwen3-qk-norm"].qk_norm and arch["qwen3-qk-norm"].sliding_windows == (None,) * 3
     assert arch["qwen3-layer-types-bias"].o_bias and arch["llama-bias"].mlp_bias
     assert arch["qwen2-window-layers"].qkv_bias and not arch["qwen2-window-layers"].o_bias
+    granite = arch["granite-scalings"]
+    assert (granite.embedding_multiplier, granite.attention_multiplier, granite.residual_multiplier,
+            granite.logits_scaling) == (3.0, 0.1, 0.5, 2.0)
+    assert granite.o_bias and granite.sliding_windows == (None,) * 3
+    assert arch["llama-bias"].residual_multiplier is None  # only Granite reads them
     gemma = arch["gemma2-window-softcap"]
     assert gemma.sliding_windows == (WINDOW, None, WINDOW) and gemma.gemma_norms
     assert (gemma.attn_soft_cap, gemma.final_soft_cap, gemma.query_pre_attn_scalar) == (2.0, 3.0, 24.0)
@@ -104,6 +109,21 @@ def test_attention_soft_capping_changes_transformers_output_so_the_tests_can_see
     uncapped = AutoConfig.from_pretrained(str(folder))
     uncapped.attn_logit_softcapping = None
     assert hf_greedy(folder, prompt, MAX_NEW_TOKENS, config=uncapped) != _expected(folder, tuple(prompt))
+
+
+@pytest.mark.parametrize("scaling", ["embedding_multiplier", "attention_multiplier", "residual_multiplier",
+                                     "logits_scaling"])
+def test_each_granite_scaling_changes_transformers_logits_so_the_tests_can_see_it(checkpoint, scaling: str) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = checkpoint("granite-scalings")
+    prompt = torch.tensor([prompt_token_ids(PROMPT_LEN)])
+    plain = AutoConfig.from_pretrained(str(folder))
+    setattr(plain, scaling, 1.0)
+    with torch.inference_mode():
+        logits = [AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kw).eval()(prompt).logits
+                  for kw in ({}, {"config": plain})]
+    assert (logits[0] - logits[1]).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("name", FAMILIES)

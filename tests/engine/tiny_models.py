@@ -30,6 +30,7 @@ def family_configs() -> dict[str, Any]:
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
+        GraniteConfig,
         LlamaConfig,
         MistralConfig,
         Phi3Config,
@@ -64,6 +65,11 @@ def family_configs() -> dict[str, Any]:
         ),
         # q/k/v and gate/up stacked in the checkpoint itself; a window on every layer.
         "phi3-window": Phi3Config(**TINY_DIMS, sliding_window=WINDOW, tie_word_embeddings=False),
+        # Llama's layer with Granite's four scalings, each far enough from 1 to change the output.
+        "granite-scalings": GraniteConfig(
+            **TINY_DIMS, embedding_multiplier=3.0, attention_multiplier=0.1, residual_multiplier=0.5,
+            logits_scaling=2.0, attention_bias=True, tie_word_embeddings=True,
+        ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={
             "rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),

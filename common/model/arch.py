@@ -8,7 +8,7 @@ Per family, the rules follow transformers' own modeling code (which is the refer
 correctness): Llama reads ``attention_bias`` / ``mlp_bias``, Qwen2 always has q/k/v biases, Mistral
 and Phi-3 apply ``sliding_window`` to every layer, Qwen2/Qwen3/Gemma 2/Gemma 3 to the layers
 ``layer_types`` marks. Granite is Llama's layer with four scalings (embeddings, attention, each
-block's output, logits). Phi-3's checkpoints hold q/k/v and gate/up already stacked, as this model
+block's output, logits); SmolLM3 Llama's with some layers unrotated (``no_rope_layers``). Phi-3's checkpoints hold q/k/v and gate/up already stacked, as this model
 computes them. Gemma 3 is Gemma 2's layer with Qwen3's q/k norms (Gemma's ``1 + weight`` form) and a
 RoPE per layer type (local layers their own base frequency, global ones theirs, scaled).
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "smollm3")
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Families whose modeling code reads a RoPE per layer type (``rope_parameters`` keyed by layer type).
 _ROPE_PER_LAYER_TYPE = ("gemma3_text",)
@@ -68,6 +68,8 @@ class ModelArch:
     rope_type: str  # "default" where every layer's RoPE is the default one (its tables need no transformers)
     # Each layer's key into ``rope_parameters`` where the family has a RoPE per layer type, else None.
     rope_layer_types: tuple[str, ...] | None
+    # Layers that apply no RoPE at all (SmolLM3's ``no_rope_layers`` zeros): their q and k go unrotated.
+    no_rope_layers: tuple[int, ...] = ()
     activation: str = "silu"  # or "gelu_tanh"
     gemma_norms: bool = False  # RMSNorm scaled by (1 + weight) in float32; norms after attention and MLP too
     embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
@@ -116,6 +118,7 @@ class ModelArch:
             "mistral": (False, False, False),
             "phi3": (False, False, False),
             "granite": (bias, bias, bool(getattr(config, "mlp_bias", False))),
+            "smollm3": (bias, bias, bool(getattr(config, "mlp_bias", False))),
         }[model_type]
         gemma = model_type in _GEMMA_TYPES
         rope_type, rope_layer_types = _rope(config, model_type)
@@ -128,6 +131,7 @@ class ModelArch:
             sliding_windows=_sliding_windows(config, model_type),
             rope_type=rope_type,
             rope_layer_types=rope_layer_types,
+            no_rope_layers=_no_rope_layers(config, model_type),
             activation="gelu_tanh" if gemma else "silu",
             gemma_norms=gemma,
             embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
@@ -182,11 +186,25 @@ def _rope_type(config: Any, params: dict[str, Any], field: str) -> str:
     return str(rope_type)
 
 
+def _no_rope_layers(config: Any, model_type: str) -> tuple[int, ...]:
+    """The layers without RoPE: SmolLM3's ``no_rope_layers`` holds 1 (RoPE) or 0 (none) per layer."""
+    if model_type != "smollm3":
+        return ()
+    flags = getattr(config, "no_rope_layers", None)
+    if not isinstance(flags, list) or len(flags) != int(config.num_hidden_layers) or any(
+        f not in (0, 1) or isinstance(f, float) for f in flags
+    ):
+        raise UnsupportedConfig("no_rope_layers", flags, f"needs a 0 or 1 per layer ({config.num_hidden_layers})")
+    return tuple(i for i, flag in enumerate(flags) if not flag)
+
+
 def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
     if model_type == "llama":
         return (None,) * num_layers  # transformers' Llama has no sliding window: the field is unused
+    if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
+        return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window
     if window is not None and (not isinstance(window, int) or window < 1):
         raise UnsupportedConfig("sliding_window", window, "must be a positive integer")
     if model_type in ("mistral", "phi3"):  # every layer, whatever layer_types says (as transformers' own)

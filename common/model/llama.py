@@ -29,8 +29,9 @@ from torch import Tensor, nn
 from common.model.arch import ModelArch, rope_parameters
 from pdserve_kernels import reference
 
-# Stacked projections: each fused module's weight (and bias) is its checkpoint parts', in this order.
 _ONE_ROPE = "all_layers"  # the key of a model's one RoPE (``LlamaForCausalLM.rotary_embs``)
+_NO_ROPE = "no_rope"  # the key of the layers without RoPE (``NoRotation``)
+# Stacked projections: each fused module's weight (and bias) is its checkpoint parts', in this order.
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -108,6 +109,23 @@ class RotaryEmbedding(nn.Module):
         """The positions' cos and sin in ``dtype``, ``[num_tokens, 1, head_size]``: once per forward, for
         every layer (per layer they were four more kernel launches each)."""
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+class NoRotation(nn.Module):
+    """RoPE's place in a layer that applies none (SmolLM3's ``no_rope_layers``): cos 1 and sin 0, which
+    leave q and k as they are, through the same kernels as every other layer's."""
+
+    def __init__(self, head_size: int) -> None:
+        super().__init__()
+        self.cos: Tensor
+        self.sin: Tensor
+        with torch.device("cpu"):  # real values where the model is built on the meta device (as RotaryEmbedding)
+            self.register_buffer("cos", torch.ones(1, head_size), persistent=False)
+            self.register_buffer("sin", torch.zeros(1, head_size), persistent=False)
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        rows = torch.zeros_like(positions)
+        return self.cos[rows].to(dtype)[:, None, :], self.sin[rows].to(dtype)[:, None, :]
 
 
 class Attention(nn.Module):
@@ -245,9 +263,11 @@ class LlamaForCausalLM(nn.Module):
         self.head_size: int = attn.head_size
         # One RoPE, or one per layer type (Gemma 3): each computed once per forward, for its layers.
         per_type = self.arch.rope_layer_types
-        kinds = per_type or (_ONE_ROPE,) * len(self.model.layers)
+        kinds = tuple(_NO_ROPE if i in self.arch.no_rope_layers else kind
+                      for i, kind in enumerate(per_type or (_ONE_ROPE,) * len(self.model.layers)))
         self.rotary_embs = nn.ModuleDict({
-            kind: RotaryEmbedding(config, self.head_size, max_position, kind if per_type else None)
+            kind: NoRotation(self.head_size) if kind == _NO_ROPE
+            else RotaryEmbedding(config, self.head_size, max_position, kind if per_type else None)
             for kind in sorted(set(kinds))
         })
         self.layer_rope_kinds = kinds

@@ -44,6 +44,12 @@ def _granite(**fields: Any) -> Any:
     return GraniteConfig(**TINY_DIMS, **fields)
 
 
+def _smollm3(**fields: Any) -> Any:
+    from transformers import SmolLM3Config
+
+    return SmolLM3Config(**TINY_DIMS, **fields)
+
+
 REFUSED = [
     ("rope-dynamic", lambda: _llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
      "rope_parameters.rope_type"),
@@ -59,6 +65,9 @@ REFUSED = [
     ("gemma2-bidirectional", lambda: _gemma2(use_bidirectional_attention=True), "use_bidirectional_attention"),
     ("llama-attn-scalar", lambda: _llama(query_pre_attn_scalar=24), "query_pre_attn_scalar"),
     ("llama-residual-multiplier", lambda: _llama(residual_multiplier=0.5), "residual_multiplier"),
+    ("smollm3-no-rope-flags", lambda: _smollm3(no_rope_layers=[1, 2, 1]), "no_rope_layers"),
+    ("smollm3-no-rope-length", lambda: _smollm3(no_rope_layers=[1, 0], layer_types=["full_attention"] * 3),
+     "no_rope_layers"),
     ("granite-zero-logits-scaling", lambda: _granite(logits_scaling=0.0), "logits_scaling"),
     ("rope-per-type-qwen2", lambda: _qwen2(rope_parameters={"full_attention": {"rope_type": "default",
                                                                                "rope_theta": 1e4}}), "rope_parameters"),

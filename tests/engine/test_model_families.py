@@ -83,6 +83,9 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
             granite.logits_scaling) == (3.0, 0.1, 0.5, 2.0)
     assert granite.o_bias and granite.sliding_windows == (None,) * 3
     assert arch["llama-bias"].residual_multiplier is None  # only Granite reads them
+    assert arch["smollm3-nope"].no_rope_layers == (1,) and arch["smollm3-nope"].sliding_windows == (None,) * 3
+    assert arch["smollm3-nope-window"].sliding_windows == (None, WINDOW, None)
+    assert arch["llama-bias"].no_rope_layers == ()
     gemma = arch["gemma2-window-softcap"]
     assert gemma.sliding_windows == (WINDOW, None, WINDOW) and gemma.gemma_norms
     assert (gemma.attn_soft_cap, gemma.final_soft_cap, gemma.query_pre_attn_scalar) == (2.0, 3.0, 24.0)
@@ -123,6 +126,19 @@ def test_each_granite_scaling_changes_transformers_logits_so_the_tests_can_see_i
     with torch.inference_mode():
         logits = [AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kw).eval()(prompt).logits
                   for kw in ({}, {"config": plain})]
+    assert (logits[0] - logits[1]).abs().max() > 1e-2
+
+
+def test_a_layer_without_rope_changes_transformers_logits_so_the_tests_can_see_it(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = checkpoint("smollm3-nope")
+    prompt = torch.tensor([prompt_token_ids(PROMPT_LEN)])
+    rotated = AutoConfig.from_pretrained(str(folder))
+    rotated.no_rope_layers = [1, 1, 1]
+    with torch.inference_mode():
+        logits = [AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kw).eval()(prompt).logits
+                  for kw in ({}, {"config": rotated})]
     assert (logits[0] - logits[1]).abs().max() > 1e-2
 
 

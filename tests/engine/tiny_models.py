@@ -36,6 +36,7 @@ def family_configs() -> dict[str, Any]:
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
+        SmolLM3Config,
     )
 
     return {
@@ -69,6 +70,12 @@ def family_configs() -> dict[str, Any]:
         "granite-scalings": GraniteConfig(
             **TINY_DIMS, embedding_multiplier=3.0, attention_multiplier=0.1, residual_multiplier=0.5,
             logits_scaling=2.0, attention_bias=True, tie_word_embeddings=True,
+        ),
+        # Layer 1 without RoPE; with use_sliding_window, transformers gives the NoPE layers the window.
+        "smollm3-nope": SmolLM3Config(**TINY_DIMS, no_rope_layers=[1, 0, 1], tie_word_embeddings=True),
+        "smollm3-nope-window": SmolLM3Config(
+            **TINY_DIMS, no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=WINDOW,
+            tie_word_embeddings=False,
         ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={

@@ -5,12 +5,16 @@ needs (biases, norms, activation, scalings, soft-capping, each layer's sliding w
 Any field that would change the math in a way ``common/model/llama.py`` does not implement raises
 ``UnsupportedConfig`` naming the field, so a model is either computed exactly as transformers computes it or not loaded.
 Per family, the rules follow transformers' own modeling code (which is the reference for
-correctness): Llama reads ``attention_bias`` / ``mlp_bias``, Qwen2 always has q/k/v biases, Mistral
-and Phi-3 apply ``sliding_window`` to every layer, Qwen2/Qwen3/Gemma 2/Gemma 3 to the layers
-``layer_types`` marks. Granite is Llama's layer with four scalings (embeddings, attention, each
-block's output, logits); SmolLM3 Llama's with some layers unrotated (``no_rope_layers``). Phi-3's checkpoints hold q/k/v and gate/up already stacked, as this model
-computes them. Gemma 3 is Gemma 2's layer with Qwen3's q/k norms (Gemma's ``1 + weight`` form) and a
-RoPE per layer type (local layers their own base frequency, global ones theirs, scaled).
+correctness):
+- Llama (and InternLM3, which transformers runs as Llama) reads ``attention_bias`` / ``mlp_bias``;
+  Seed-OSS the output projection's bias from ``attention_out_bias``; Qwen2 always has q/k/v biases.
+- Mistral and Phi-3 apply ``sliding_window`` to every layer; Qwen2/Qwen3/Gemma 2/Gemma 3 and
+  Ministral (Mistral's layer otherwise) to the layers ``layer_types`` marks.
+- Phi-3's checkpoints hold q/k/v and gate/up already stacked, as this model computes them.
+- Gemma 3 is Gemma 2's layer with Qwen3's q/k norms (Gemma's ``1 + weight`` form) and a RoPE per
+  layer type (local layers their own base frequency, global ones theirs, scaled).
+- Granite is Llama's layer with four scalings (embeddings, attention, each block's output, logits);
+  SmolLM3 is Llama's with some layers unrotated (``no_rope_layers``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "smollm3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "smollm3", "ministral", "seed_oss", "internlm3")
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Families whose modeling code reads a RoPE per layer type (``rope_parameters`` keyed by layer type).
 _ROPE_PER_LAYER_TYPE = ("gemma3_text",)
@@ -119,6 +123,10 @@ class ModelArch:
             "phi3": (False, False, False),
             "granite": (bias, bias, bool(getattr(config, "mlp_bias", False))),
             "smollm3": (bias, bias, bool(getattr(config, "mlp_bias", False))),
+            "internlm3": (bias, bias, bool(getattr(config, "mlp_bias", False))),  # transformers runs it as Llama
+            "ministral": (False, False, False),
+            # q/k/v by attention_bias, the output projection by a field of its own
+            "seed_oss": (bias, bool(getattr(config, "attention_out_bias", False)), bool(getattr(config, "mlp_bias", False))),
         }[model_type]
         gemma = model_type in _GEMMA_TYPES
         rope_type, rope_layer_types = _rope(config, model_type)
@@ -201,8 +209,8 @@ def _no_rope_layers(config: Any, model_type: str) -> tuple[int, ...]:
 def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
-    if model_type == "llama":
-        return (None,) * num_layers  # transformers' Llama has no sliding window: the field is unused
+    if model_type in ("llama", "internlm3", "seed_oss"):
+        return (None,) * num_layers  # their transformers code has no sliding window: the field is unused
     if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window
     if window is not None and (not isinstance(window, int) or window < 1):

@@ -86,6 +86,10 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     assert arch["smollm3-nope"].no_rope_layers == (1,) and arch["smollm3-nope"].sliding_windows == (None,) * 3
     assert arch["smollm3-nope-window"].sliding_windows == (None, WINDOW, None)
     assert arch["llama-bias"].no_rope_layers == ()
+    assert arch["ministral-window-layers"].sliding_windows == (WINDOW, None, WINDOW)
+    seed = arch["seed-oss-biases"]
+    assert seed.qkv_bias and not seed.o_bias and seed.mlp_bias
+    assert arch["internlm3-bias"].o_bias and arch["internlm3-bias"].mlp_bias
     gemma = arch["gemma2-window-softcap"]
     assert gemma.sliding_windows == (WINDOW, None, WINDOW) and gemma.gemma_norms
     assert (gemma.attn_soft_cap, gemma.final_soft_cap, gemma.query_pre_attn_scalar) == (2.0, 3.0, 24.0)

@@ -31,11 +31,14 @@ def family_configs() -> dict[str, Any]:
         Gemma2Config,
         Gemma3TextConfig,
         GraniteConfig,
+        InternLM3Config,
         LlamaConfig,
+        MinistralConfig,
         MistralConfig,
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
+        SeedOssConfig,
         SmolLM3Config,
     )
 
@@ -77,6 +80,14 @@ def family_configs() -> dict[str, Any]:
             **TINY_DIMS, no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=WINDOW,
             tie_word_embeddings=False,
         ),
+        # Mistral's layer with windows where layer_types says.
+        "ministral-window-layers": MinistralConfig(
+            **TINY_DIMS, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            tie_word_embeddings=False,
+        ),
+        # q/k/v biases without the output projection's (attention_out_bias), MLP biases.
+        "seed-oss-biases": SeedOssConfig(**TINY_DIMS, attention_bias=True, attention_out_bias=False, mlp_bias=True),
+        "internlm3-bias": InternLM3Config(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={
             "rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),

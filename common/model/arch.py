@@ -14,7 +14,8 @@ correctness):
 - Gemma 3 is Gemma 2's layer with Qwen3's q/k norms (Gemma's ``1 + weight`` form) and a RoPE per
   layer type (local layers their own base frequency, global ones theirs, scaled).
 - Granite is Llama's layer with four scalings (embeddings, attention, each block's output, logits);
-  SmolLM3 is Llama's with some layers unrotated (``no_rope_layers``).
+  SmolLM3 is Llama's with some layers unrotated (``no_rope_layers``); Arcee's MLP has no gate and
+  squares a ReLU (``relu2``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "smollm3", "ministral", "seed_oss", "internlm3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "smollm3", "ministral", "seed_oss", "internlm3", "arcee")
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Families whose modeling code reads a RoPE per layer type (``rope_parameters`` keyed by layer type).
 _ROPE_PER_LAYER_TYPE = ("gemma3_text",)
@@ -74,7 +75,7 @@ class ModelArch:
     rope_layer_types: tuple[str, ...] | None
     # Layers that apply no RoPE at all (SmolLM3's ``no_rope_layers`` zeros): their q and k go unrotated.
     no_rope_layers: tuple[int, ...] = ()
-    activation: str = "silu"  # or "gelu_tanh"
+    activation: str = "silu"  # or "gelu_tanh" (both gated: down(act(gate) * up)), or "relu2" (no gate: down(relu(up)^2))
     gemma_norms: bool = False  # RMSNorm scaled by (1 + weight) in float32; norms after attention and MLP too
     embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
     query_pre_attn_scalar: float | None = None  # attention scale is its -0.5 power (default: head_dim's)
@@ -102,6 +103,10 @@ class ModelArch:
             act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
             if act not in _GEMMA_ACTIVATIONS:
                 raise UnsupportedConfig("hidden_activation", act, f"supported: {', '.join(_GEMMA_ACTIVATIONS)}")
+        elif model_type == "arcee":  # its MLP has no gate: down(act(up(x)))
+            act = getattr(config, "hidden_act", None)
+            if act != "relu2":
+                raise UnsupportedConfig("hidden_act", act, "only relu2 is implemented for arcee")
         else:
             act = getattr(config, "hidden_act", "silu")
             if act != "silu":
@@ -124,6 +129,7 @@ class ModelArch:
             "granite": (bias, bias, bool(getattr(config, "mlp_bias", False))),
             "smollm3": (bias, bias, bool(getattr(config, "mlp_bias", False))),
             "internlm3": (bias, bias, bool(getattr(config, "mlp_bias", False))),  # transformers runs it as Llama
+            "arcee": (bias, bias, bool(getattr(config, "mlp_bias", False))),
             "ministral": (False, False, False),
             # q/k/v by attention_bias, the output projection by a field of its own
             "seed_oss": (bias, bool(getattr(config, "attention_out_bias", False)), bool(getattr(config, "mlp_bias", False))),
@@ -140,7 +146,7 @@ class ModelArch:
             rope_type=rope_type,
             rope_layer_types=rope_layer_types,
             no_rope_layers=_no_rope_layers(config, model_type),
-            activation="gelu_tanh" if gemma else "silu",
+            activation="gelu_tanh" if gemma else "relu2" if model_type == "arcee" else "silu",
             gemma_norms=gemma,
             embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
             # Set only where the family implements them (checked above).

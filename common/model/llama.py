@@ -180,13 +180,19 @@ class MLP(nn.Module):
         hidden, inter = config.hidden_size, config.intermediate_size
         bias = arch.mlp_bias
         self.inter = inter
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)  # gate and up stacked, one product
+        self.relu2 = arch.activation == "relu2"  # Arcee: no gate, down(relu(up(x)) ** 2)
+        if self.relu2:
+            self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        else:
+            self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)  # gate and up stacked, one product
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.gelu = arch.activation == "gelu_tanh"
         # The kernels' ``silu_mul``: the torch formula, or on a GPU one Triton kernel for its two operations.
         self.kernels = kernels or reference
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.relu2:  # as transformers' relu2: the ReLU, then its square
+            return self.down_proj(torch.square(F.relu(self.up_proj(x))))
         gate_up = self.gate_up_proj(x)
         if not self.gelu:
             return self.down_proj(self.kernels.silu_mul(gate_up))

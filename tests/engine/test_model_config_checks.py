@@ -50,6 +50,12 @@ def _smollm3(**fields: Any) -> Any:
     return SmolLM3Config(**TINY_DIMS, **fields)
 
 
+def _arcee(**fields: Any) -> Any:
+    from transformers import ArceeConfig
+
+    return ArceeConfig(**TINY_DIMS, **fields)
+
+
 REFUSED = [
     ("rope-dynamic", lambda: _llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
      "rope_parameters.rope_type"),
@@ -68,6 +74,7 @@ REFUSED = [
     ("smollm3-no-rope-flags", lambda: _smollm3(no_rope_layers=[1, 2, 1]), "no_rope_layers"),
     ("smollm3-no-rope-length", lambda: _smollm3(no_rope_layers=[1, 0], layer_types=["full_attention"] * 3),
      "no_rope_layers"),
+    ("arcee-silu", lambda: _arcee(hidden_act="silu"), "hidden_act"),
     ("granite-zero-logits-scaling", lambda: _granite(logits_scaling=0.0), "logits_scaling"),
     ("rope-per-type-qwen2", lambda: _qwen2(rope_parameters={"full_attention": {"rope_type": "default",
                                                                                "rope_theta": 1e4}}), "rope_parameters"),

@@ -90,6 +90,7 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     seed = arch["seed-oss-biases"]
     assert seed.qkv_bias and not seed.o_bias and seed.mlp_bias
     assert arch["internlm3-bias"].o_bias and arch["internlm3-bias"].mlp_bias
+    assert arch["arcee-relu2"].activation == "relu2" and arch["llama-bias"].activation == "silu"
     gemma = arch["gemma2-window-softcap"]
     assert gemma.sliding_windows == (WINDOW, None, WINDOW) and gemma.gemma_norms
     assert (gemma.attn_soft_cap, gemma.final_soft_cap, gemma.query_pre_attn_scalar) == (2.0, 3.0, 24.0)

@@ -28,6 +28,7 @@ WINDOW = 12  # not a multiple of the 8-token blocks the tests use
 def family_configs() -> dict[str, Any]:
     """One config per family and config feature; each windowed one has a window of ``WINDOW``."""
     from transformers import (
+        ArceeConfig,
         Gemma2Config,
         Gemma3TextConfig,
         GraniteConfig,
@@ -88,6 +89,8 @@ def family_configs() -> dict[str, Any]:
         # q/k/v biases without the output projection's (attention_out_bias), MLP biases.
         "seed-oss-biases": SeedOssConfig(**TINY_DIMS, attention_bias=True, attention_out_bias=False, mlp_bias=True),
         "internlm3-bias": InternLM3Config(**TINY_DIMS, attention_bias=True, mlp_bias=True),
+        # An MLP without a gate: down(relu(up(x)) ** 2).
+        "arcee-relu2": ArceeConfig(**TINY_DIMS, mlp_bias=True, tie_word_embeddings=False),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={
             "rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),

@@ -13,76 +13,45 @@ from common.model.weights import load_hf_config
 from tests.engine.tiny_models import TINY_DIMS
 
 
-def _llama(**fields: Any) -> Any:
-    from transformers import LlamaConfig
+def _config(class_name: str, **fields: Any) -> Any:
+    """A tiny config of transformers' class ``class_name`` with ``fields`` over ``TINY_DIMS``."""
+    import transformers
 
-    return LlamaConfig(**TINY_DIMS, **fields)
-
-
-def _qwen2(**fields: Any) -> Any:
-    from transformers import Qwen2Config
-
-    return Qwen2Config(**TINY_DIMS, **fields)
-
-
-def _gemma2(**fields: Any) -> Any:
-    from transformers import Gemma2Config
-
-    return Gemma2Config(**TINY_DIMS, **fields)
+    return getattr(transformers, class_name)(**{**TINY_DIMS, **fields})
 
 
 def _gemma3(**fields: Any) -> Any:
-    from transformers import Gemma3TextConfig
-
-    return Gemma3TextConfig(**TINY_DIMS, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                            **fields)
-
-
-def _granite(**fields: Any) -> Any:
-    from transformers import GraniteConfig
-
-    return GraniteConfig(**TINY_DIMS, **fields)
-
-
-def _smollm3(**fields: Any) -> Any:
-    from transformers import SmolLM3Config
-
-    return SmolLM3Config(**TINY_DIMS, **fields)
-
-
-def _arcee(**fields: Any) -> Any:
-    from transformers import ArceeConfig
-
-    return ArceeConfig(**TINY_DIMS, **fields)
+    return _config("Gemma3TextConfig", layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   **fields)
 
 
 REFUSED = [
-    ("rope-dynamic", lambda: _llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+    ("rope-dynamic", lambda: _config("LlamaConfig", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
      "rope_parameters.rope_type"),
-    ("rope-longrope", lambda: _llama(rope_parameters={
+    ("rope-longrope", lambda: _config("LlamaConfig", rope_parameters={
         "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "rope_theta": 1e4,
         "original_max_position_embeddings": 64}), "rope_parameters.rope_type"),
-    ("partial-rotary", lambda: _llama(partial_rotary_factor=0.5), "partial_rotary_factor"),
-    ("activation", lambda: _llama(hidden_act="gelu"), "hidden_act"),
-    ("final-softcap", lambda: _llama(final_logit_softcapping=30.0), "final_logit_softcapping"),
-    ("attn-softcap", lambda: _llama(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
-    ("quantized", lambda: _llama(quantization_config={"quant_method": "awq", "bits": 4}), "quantization_config"),
-    ("gemma2-activation", lambda: _gemma2(hidden_activation="gelu"), "hidden_activation"),
-    ("gemma2-bidirectional", lambda: _gemma2(use_bidirectional_attention=True), "use_bidirectional_attention"),
-    ("llama-attn-scalar", lambda: _llama(query_pre_attn_scalar=24), "query_pre_attn_scalar"),
-    ("llama-residual-multiplier", lambda: _llama(residual_multiplier=0.5), "residual_multiplier"),
-    ("smollm3-no-rope-flags", lambda: _smollm3(no_rope_layers=[1, 2, 1]), "no_rope_layers"),
-    ("smollm3-no-rope-length", lambda: _smollm3(no_rope_layers=[1, 0], layer_types=["full_attention"] * 3),
+    ("partial-rotary", lambda: _config("LlamaConfig", partial_rotary_factor=0.5), "partial_rotary_factor"),
+    ("activation", lambda: _config("LlamaConfig", hidden_act="gelu"), "hidden_act"),
+    ("final-softcap", lambda: _config("LlamaConfig", final_logit_softcapping=30.0), "final_logit_softcapping"),
+    ("attn-softcap", lambda: _config("LlamaConfig", attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    ("quantized", lambda: _config("LlamaConfig", quantization_config={"quant_method": "awq", "bits": 4}), "quantization_config"),
+    ("gemma2-activation", lambda: _config("Gemma2Config", hidden_activation="gelu"), "hidden_activation"),
+    ("gemma2-bidirectional", lambda: _config("Gemma2Config", use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("llama-attn-scalar", lambda: _config("LlamaConfig", query_pre_attn_scalar=24), "query_pre_attn_scalar"),
+    ("llama-residual-multiplier", lambda: _config("LlamaConfig", residual_multiplier=0.5), "residual_multiplier"),
+    ("smollm3-no-rope-flags", lambda: _config("SmolLM3Config", no_rope_layers=[1, 2, 1]), "no_rope_layers"),
+    ("smollm3-no-rope-length", lambda: _config("SmolLM3Config", no_rope_layers=[1, 0], layer_types=["full_attention"] * 3),
      "no_rope_layers"),
-    ("arcee-silu", lambda: _arcee(hidden_act="silu"), "hidden_act"),
-    ("granite-zero-logits-scaling", lambda: _granite(logits_scaling=0.0), "logits_scaling"),
-    ("rope-per-type-qwen2", lambda: _qwen2(rope_parameters={"full_attention": {"rope_type": "default",
+    ("arcee-silu", lambda: _config("ArceeConfig", hidden_act="silu"), "hidden_act"),
+    ("granite-zero-logits-scaling", lambda: _config("GraniteConfig", logits_scaling=0.0), "logits_scaling"),
+    ("rope-per-type-qwen2", lambda: _config("Qwen2Config", rope_parameters={"full_attention": {"rope_type": "default",
                                                                                "rope_theta": 1e4}}), "rope_parameters"),
     ("gemma3-rope-longrope", lambda: _gemma3(rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}),
      "rope_parameters.full_attention.rope_type"),
-    ("chunked-layer", lambda: _qwen2(sliding_window=8, layer_types=["chunked_attention", "full_attention",
+    ("chunked-layer", lambda: _config("Qwen2Config", sliding_window=8, layer_types=["chunked_attention", "full_attention",
                                                                       "full_attention"]), "layer_types"),
 ]
 
@@ -104,7 +73,7 @@ def test_other_families_are_refused_when_loading_their_config(tmp_path: Path, mo
 
 
 def test_a_refused_field_in_config_json_stops_loading_before_weights(tmp_path: Path) -> None:
-    _llama().save_pretrained(str(tmp_path))
+    _config("LlamaConfig").save_pretrained(str(tmp_path))
     config = json.loads((tmp_path / "config.json").read_text())
     config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -113,8 +82,8 @@ def test_a_refused_field_in_config_json_stops_loading_before_weights(tmp_path: P
 
 
 def test_supported_static_rope_kinds_and_biases_load() -> None:
-    assert ModelArch.from_config(_llama()).rope_type == "default"
+    assert ModelArch.from_config(_config("LlamaConfig")).rope_type == "default"
     for kind in ("linear", "llama3", "yarn"):
         params = {"rope_type": kind, "factor": 2.0, "rope_theta": 1e4, "original_max_position_embeddings": 64,
                   "low_freq_factor": 1.0, "high_freq_factor": 4.0}
-        assert ModelArch.from_config(_llama(rope_parameters=params)).rope_type == kind
+        assert ModelArch.from_config(_config("LlamaConfig", rope_parameters=params)).rope_type == kind

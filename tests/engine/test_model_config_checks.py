@@ -26,7 +26,8 @@ def _gemma3(**fields: Any) -> Any:
 
 
 REFUSED = [
-    ("rope-dynamic", lambda: _config("LlamaConfig", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+    ("rope-dynamic", lambda: _config("LlamaConfig", rope_parameters={
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
      "rope_parameters.rope_type"),
     ("rope-longrope", lambda: _config("LlamaConfig", rope_parameters={
         "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "rope_theta": 1e4,
@@ -35,13 +36,16 @@ REFUSED = [
     ("activation", lambda: _config("LlamaConfig", hidden_act="gelu"), "hidden_act"),
     ("final-softcap", lambda: _config("LlamaConfig", final_logit_softcapping=30.0), "final_logit_softcapping"),
     ("attn-softcap", lambda: _config("LlamaConfig", attn_logit_softcapping=50.0), "attn_logit_softcapping"),
-    ("quantized", lambda: _config("LlamaConfig", quantization_config={"quant_method": "awq", "bits": 4}), "quantization_config"),
+    ("quantized", lambda: _config("LlamaConfig", quantization_config={"quant_method": "awq", "bits": 4}),
+     "quantization_config"),
     ("gemma2-activation", lambda: _config("Gemma2Config", hidden_activation="gelu"), "hidden_activation"),
-    ("gemma2-bidirectional", lambda: _config("Gemma2Config", use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("gemma2-bidirectional", lambda: _config("Gemma2Config", use_bidirectional_attention=True),
+     "use_bidirectional_attention"),
     ("llama-attn-scalar", lambda: _config("LlamaConfig", query_pre_attn_scalar=24), "query_pre_attn_scalar"),
     ("llama-residual-multiplier", lambda: _config("LlamaConfig", residual_multiplier=0.5), "residual_multiplier"),
     ("smollm3-no-rope-flags", lambda: _config("SmolLM3Config", no_rope_layers=[1, 2, 1]), "no_rope_layers"),
-    ("smollm3-no-rope-length", lambda: _config("SmolLM3Config", no_rope_layers=[1, 0], layer_types=["full_attention"] * 3),
+    ("smollm3-no-rope-length", lambda: _config("SmolLM3Config", no_rope_layers=[1, 0],
+                                                layer_types=["full_attention"] * 3),
      "no_rope_layers"),
     ("arcee-silu", lambda: _config("ArceeConfig", hidden_act="silu"), "hidden_act"),
     ("granite-zero-logits-scaling", lambda: _config("GraniteConfig", logits_scaling=0.0), "logits_scaling"),
@@ -51,8 +55,9 @@ REFUSED = [
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}),
      "rope_parameters.full_attention.rope_type"),
-    ("chunked-layer", lambda: _config("Qwen2Config", sliding_window=8, layer_types=["chunked_attention", "full_attention",
-                                                                      "full_attention"]), "layer_types"),
+    ("chunked-layer", lambda: _config("Qwen2Config", sliding_window=8,
+                                      layer_types=["chunked_attention", "full_attention", "full_attention"]),
+     "layer_types"),
 ]
 
 

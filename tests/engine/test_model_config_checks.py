@@ -49,8 +49,8 @@ REFUSED = [
      "no_rope_layers"),
     ("arcee-silu", lambda: _config("ArceeConfig", hidden_act="silu"), "hidden_act"),
     ("granite-zero-logits-scaling", lambda: _config("GraniteConfig", logits_scaling=0.0), "logits_scaling"),
-    ("rope-per-type-qwen2", lambda: _config("Qwen2Config", rope_parameters={"full_attention": {"rope_type": "default",
-                                                                               "rope_theta": 1e4}}), "rope_parameters"),
+    ("rope-per-type-qwen2", lambda: _config("Qwen2Config", rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e4}}), "rope_parameters"),
     ("gemma3-rope-longrope", lambda: _gemma3(rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}),

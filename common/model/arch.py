@@ -15,7 +15,7 @@ correctness):
   layer type (local layers their own base frequency, global ones theirs, scaled).
 - Granite is Llama's layer with four scalings (embeddings, attention, each block's output, logits);
   SmolLM3 is Llama's with some layers unrotated (``no_rope_layers``); Arcee's MLP has no gate and
-  squares a ReLU (``relu2``).
+  squares a ReLU (``relu2``); Hunyuan norms q and k after RoPE, whose base a fixed NTK alpha stretches.
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "smollm3", "ministral", "seed_oss", "internlm3", "arcee")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "smollm3", "ministral", "seed_oss", "internlm3", "arcee", "hunyuan_v1_dense")
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Families whose modeling code reads a RoPE per layer type (``rope_parameters`` keyed by layer type).
 _ROPE_PER_LAYER_TYPE = ("gemma3_text",)
 # Static RoPE kinds: their cos/sin tables depend on the position only, so precomputing them is exact.
 # "dynamic" and "longrope" change frequencies with the sequence length at run time: refused.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Hunyuan's RoPE with a fixed NTK alpha (its checkpoints label it "dynamic"): base * alpha ** (d / (d - 2)).
+NTK_ALPHA = "ntk_alpha"
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Fields that change the math, are not implemented, and must be unset (None/False/0) to load.
 _UNSET_FIELDS = (
@@ -73,6 +75,8 @@ class ModelArch:
     rope_type: str  # "default" where every layer's RoPE is the default one (its tables need no transformers)
     # Each layer's key into ``rope_parameters`` where the family has a RoPE per layer type, else None.
     rope_layer_types: tuple[str, ...] | None
+    # Hunyuan's: the per-head RMSNorm of q and k after RoPE (``query_layernorm`` / ``key_layernorm``).
+    qk_norm_after_rope: bool = False
     # Layers that apply no RoPE at all (SmolLM3's ``no_rope_layers`` zeros): their q and k go unrotated.
     no_rope_layers: tuple[int, ...] = ()
     activation: str = "silu"  # or "gelu_tanh" (both gated: down(act(gate) * up)), or "relu2" (no gate: down(relu(up)^2))
@@ -130,6 +134,7 @@ class ModelArch:
             "smollm3": (bias, bias, bool(getattr(config, "mlp_bias", False))),
             "internlm3": (bias, bias, bool(getattr(config, "mlp_bias", False))),  # transformers runs it as Llama
             "arcee": (bias, bias, bool(getattr(config, "mlp_bias", False))),
+            "hunyuan_v1_dense": (bias, bias, False),
             "ministral": (False, False, False),
             # q/k/v by attention_bias, the output projection by a field of its own
             "seed_oss": (bias, bool(getattr(config, "attention_out_bias", False)), bool(getattr(config, "mlp_bias", False))),
@@ -142,6 +147,7 @@ class ModelArch:
             o_bias=o_bias,
             mlp_bias=mlp_bias,
             qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm_after_rope=model_type == "hunyuan_v1_dense",
             sliding_windows=_sliding_windows(config, model_type),
             rope_type=rope_type,
             rope_layer_types=rope_layer_types,
@@ -179,6 +185,12 @@ def _rope(config: Any, model_type: str) -> tuple[str, tuple[str, ...] | None]:
     """The RoPE kind (``"default"`` only where every layer's is) and, for a RoPE per layer type,
     each layer's type."""
     params = rope_parameters(config)
+    if model_type == "hunyuan_v1_dense" and params.get("rope_type") == "dynamic" and "alpha" in params:
+        # Labelled dynamic, but a fixed alpha only stretches the base: static (transformers' "ntk_alpha").
+        alpha = params["alpha"]
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+            raise UnsupportedConfig("rope_parameters.alpha", alpha, "must be a positive number")
+        return NTK_ALPHA, None
     if not (params and all(isinstance(v, dict) for v in params.values())):
         return _rope_type(config, params, "rope_parameters"), None
     if model_type not in _ROPE_PER_LAYER_TYPE:

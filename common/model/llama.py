@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from common.model.arch import ModelArch, rope_parameters
+from common.model.arch import NTK_ALPHA, ModelArch, rope_parameters
 from pdserve_kernels import reference
 
 _ONE_ROPE = "all_layers"  # the key of a model's one RoPE (``LlamaForCausalLM.rotary_embs``)
@@ -79,6 +79,9 @@ def _rope_inv_freq(config: Any, head_size: int, layer_type: str | None = None) -
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         base = params["rope_theta"]
+        return 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float) / head_size)), 1.0
+    if ModelArch.from_config(config).rope_type == NTK_ALPHA:  # Hunyuan: only the base changes
+        base = params["rope_theta"] * params["alpha"] ** (head_size / (head_size - 2))
         return 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float) / head_size)), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -146,6 +149,12 @@ class Attention(nn.Module):
         if arch.qk_norm:
             self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, arch.gemma_norms, kernels)
             self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, arch.gemma_norms, kernels)
+        # Hunyuan's norms after RoPE, under its checkpoints' names.
+        self.query_layernorm: RMSNorm | None = None
+        self.key_layernorm: RMSNorm | None = None
+        if arch.qk_norm_after_rope:
+            self.query_layernorm = RMSNorm(self.head_size, config.rms_norm_eps, kernels=kernels)
+            self.key_layernorm = RMSNorm(self.head_size, config.rms_norm_eps, kernels=kernels)
         self.sliding_window = arch.sliding_windows[layer_idx]
         self.layer_idx = layer_idx
         self.kernels = kernels
@@ -160,7 +169,12 @@ class Attention(nn.Module):
         v = qkv[:, k_end:].view(n, self.num_kv_heads, self.head_size)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = self.kernels.rope_and_store(q, k, v, *rope, kv_layer, meta.slot_mapping)  # on a GPU, one kernel
+        if self.query_layernorm is not None and self.key_layernorm is not None:  # rotate, norm, then store
+            q, k = self.kernels.rope(q, k, *rope)
+            q, k = self.query_layernorm(q), self.key_layernorm(k)
+            self.kernels.store_kv(k, v, kv_layer, meta.slot_mapping)
+        else:
+            q = self.kernels.rope_and_store(q, k, v, *rope, kv_layer, meta.slot_mapping)  # on a GPU, one kernel
         if meta.decode_only:
             o = self.kernels.paged_decode_attention(
                 q, kv_layer, meta.block_tables, meta.context_lens, self.scale, sliding_window=self.sliding_window,

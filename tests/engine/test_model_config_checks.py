@@ -47,6 +47,10 @@ REFUSED = [
     ("smollm3-no-rope-length", lambda: _config("SmolLM3Config", no_rope_layers=[1, 0],
                                                 layer_types=["full_attention"] * 3),
      "no_rope_layers"),
+    ("hunyuan-dynamic-without-alpha", lambda: _config("HunYuanDenseV1Config", rope_parameters={
+        "rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}), "rope_parameters.rope_type"),
+    ("hunyuan-negative-alpha", lambda: _config("HunYuanDenseV1Config", rope_parameters={
+        "rope_type": "dynamic", "rope_theta": 1e4, "factor": 1.0, "alpha": -2.0}), "rope_parameters.alpha"),
     ("arcee-silu", lambda: _config("ArceeConfig", hidden_act="silu"), "hidden_act"),
     ("granite-zero-logits-scaling", lambda: _config("GraniteConfig", logits_scaling=0.0), "logits_scaling"),
     ("rope-per-type-qwen2", lambda: _config("Qwen2Config", rope_parameters={

@@ -91,6 +91,8 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     assert seed.qkv_bias and not seed.o_bias and seed.mlp_bias
     assert arch["internlm3-bias"].o_bias and arch["internlm3-bias"].mlp_bias
     assert arch["arcee-relu2"].activation == "relu2" and arch["llama-bias"].activation == "silu"
+    hunyuan = arch["hunyuan-qk-norm-ntk-alpha"]
+    assert hunyuan.qk_norm_after_rope and not hunyuan.qk_norm and hunyuan.rope_type == "ntk_alpha"
     gemma = arch["gemma2-window-softcap"]
     assert gemma.sliding_windows == (WINDOW, None, WINDOW) and gemma.gemma_norms
     assert (gemma.attn_soft_cap, gemma.final_soft_cap, gemma.query_pre_attn_scalar) == (2.0, 3.0, 24.0)
@@ -189,7 +191,7 @@ def test_family_greedy_equals_transformers_through_the_engine(checkpoint, engine
     assert got == [_expected(folder, tuple(p)) for p in prompts]
 
 
-@pytest.mark.parametrize("name", [*WINDOWED, "qwen3-qk-norm"])
+@pytest.mark.parametrize("name", [*WINDOWED, "qwen3-qk-norm", "hunyuan-qk-norm-ntk-alpha"])
 def test_family_greedy_equals_transformers_through_prefill_handoff_decode(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
     folder = checkpoint(name)
     prompt = prompt_token_ids(PROMPT_LEN)

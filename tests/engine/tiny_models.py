@@ -32,6 +32,7 @@ def family_configs() -> dict[str, Any]:
         Gemma2Config,
         Gemma3TextConfig,
         GraniteConfig,
+        HunYuanDenseV1Config,
         InternLM3Config,
         LlamaConfig,
         MinistralConfig,
@@ -91,6 +92,11 @@ def family_configs() -> dict[str, Any]:
         "internlm3-bias": InternLM3Config(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         # An MLP without a gate: down(relu(up(x)) ** 2).
         "arcee-relu2": ArceeConfig(**TINY_DIMS, mlp_bias=True, tie_word_embeddings=False),
+        # q/k norms after RoPE; the RoPE its checkpoints label "dynamic" with a fixed NTK alpha (static).
+        "hunyuan-qk-norm-ntk-alpha": HunYuanDenseV1Config(
+            **TINY_DIMS, attention_bias=True, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0},
+        ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={
             "rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),

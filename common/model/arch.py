@@ -23,7 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "smollm3", "ministral", "seed_oss", "internlm3", "arcee", "hunyuan_v1_dense")
+# Families whose biases follow Llama's code: q/k/v/o by ``attention_bias``, the MLP's by ``mlp_bias``.
+_LLAMA_BIAS_TYPES = ("llama", "granite", "smollm3", "internlm3", "arcee")
+SUPPORTED_MODEL_TYPES = (
+    *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "seed_oss",
+    "hunyuan_v1_dense",
+)
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Families whose modeling code reads a RoPE per layer type (``rope_parameters`` keyed by layer type).
 _ROPE_PER_LAYER_TYPE = ("gemma3_text",)
@@ -122,22 +127,19 @@ class ModelArch:
         if heads % kv_heads:
             raise UnsupportedConfig("num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}")
         bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias, o_bias, mlp_bias = {  # (q/k/v, o, MLP) biases, as each family's modeling code has them
-            "llama": (bias, bias, bool(getattr(config, "mlp_bias", False))),
+        mlp = bool(getattr(config, "mlp_bias", False))
+        qkv_bias, o_bias, mlp_bias = (bias, bias, mlp) if model_type in _LLAMA_BIAS_TYPES else {
+            # (q/k/v, o, MLP) biases, as each other family's modeling code has them
             "qwen3": (bias, bias, False),
             "gemma2": (bias, bias, False),
             "gemma3_text": (bias, bias, False),
+            "hunyuan_v1_dense": (bias, bias, False),
             "qwen2": (True, False, False),
             "mistral": (False, False, False),
-            "phi3": (False, False, False),
-            "granite": (bias, bias, bool(getattr(config, "mlp_bias", False))),
-            "smollm3": (bias, bias, bool(getattr(config, "mlp_bias", False))),
-            "internlm3": (bias, bias, bool(getattr(config, "mlp_bias", False))),  # transformers runs it as Llama
-            "arcee": (bias, bias, bool(getattr(config, "mlp_bias", False))),
-            "hunyuan_v1_dense": (bias, bias, False),
             "ministral": (False, False, False),
+            "phi3": (False, False, False),
             # q/k/v by attention_bias, the output projection by a field of its own
-            "seed_oss": (bias, bool(getattr(config, "attention_out_bias", False)), bool(getattr(config, "mlp_bias", False))),
+            "seed_oss": (bias, bool(getattr(config, "attention_out_bias", False)), mlp),
         }[model_type]
         gemma = model_type in _GEMMA_TYPES
         rope_type, rope_layer_types = _rope(config, model_type)

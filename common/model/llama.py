@@ -72,7 +72,9 @@ class RMSNorm(nn.Module):
         return out
 
 
-def _rope_inv_freq(config: Any, head_size: int, layer_type: str | None = None) -> tuple[Tensor, float]:
+def _rope_inv_freq(config: Any, head_size: int, layer_type: str | None = None,
+                   ntk_alpha: bool = False) -> tuple[Tensor, float]:
+    """``ntk_alpha``: the config's RoPE is Hunyuan's fixed-alpha one (``ModelArch.rope_type``)."""
     params = rope_parameters(config)
     if layer_type is not None:  # a RoPE per layer type (``ModelArch.rope_layer_types``)
         params = params[layer_type]
@@ -80,7 +82,7 @@ def _rope_inv_freq(config: Any, head_size: int, layer_type: str | None = None) -
     if rope_type == "default":
         base = params["rope_theta"]
         return 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float) / head_size)), 1.0
-    if ModelArch.from_config(config).rope_type == NTK_ALPHA:  # Hunyuan: only the base changes
+    if ntk_alpha:  # Hunyuan: only the base changes
         base = params["rope_theta"] * params["alpha"] ** (head_size / (head_size - 2))
         return 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float) / head_size)), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -94,12 +96,13 @@ class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin per position, computed exactly as transformers does per call; of one layer
     type's RoPE where the family has one per type."""
 
-    def __init__(self, config: Any, head_size: int, max_position: int, layer_type: str | None = None) -> None:
+    def __init__(self, config: Any, head_size: int, max_position: int, layer_type: str | None = None,
+                 ntk_alpha: bool = False) -> None:
         super().__init__()
         # Computed for real even where the model is built on the meta device (its buffers are not
         # loaded from the checkpoint); on meta these operations would also import torch._dynamo (~4 s).
         with torch.device("cpu"):
-            inv_freq, scaling = _rope_inv_freq(config, head_size, layer_type)
+            inv_freq, scaling = _rope_inv_freq(config, head_size, layer_type, ntk_alpha)
             positions = torch.arange(max_position, dtype=torch.float)
             freqs = positions[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
@@ -241,12 +244,10 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm.add(x, residual)
         attn = self.self_attn(h, rope, meta, kv_layer)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
-            m = self.residual_multiplier
-            if m is not None:
-                h, residual = self.post_attention_layernorm.add(attn * m, residual)
-                return self.mlp(h) * m, residual
-            h, residual = self.post_attention_layernorm.add(attn, residual)
-            return self.mlp(h), residual
+            m = self.residual_multiplier  # Granite's; None elsewhere
+            h, residual = self.post_attention_layernorm.add(attn if m is None else attn * m, residual)
+            out = self.mlp(h)
+            return (out if m is None else out * m), residual
         h, residual = self.pre_feedforward_layernorm.add(self.post_attention_layernorm(attn), residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
@@ -287,7 +288,8 @@ class LlamaForCausalLM(nn.Module):
                       for i, kind in enumerate(per_type or (_ONE_ROPE,) * len(self.model.layers)))
         self.rotary_embs = nn.ModuleDict({
             kind: NoRotation(self.head_size) if kind == _NO_ROPE
-            else RotaryEmbedding(config, self.head_size, max_position, kind if per_type else None)
+            else RotaryEmbedding(config, self.head_size, max_position, kind if per_type else None,
+                                 self.arch.rope_type == NTK_ALPHA)
             for kind in sorted(set(kinds))
         })
         self.layer_rope_kinds = kinds

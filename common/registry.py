@@ -56,7 +56,7 @@ class InstanceInfo(msgspec.Struct, kw_only=True):
     started_at: float = 0.0
 
 
-class _SignedEntry(msgspec.Struct):
+class SignedEntry(msgspec.Struct):
     """A registry entry as written with a cluster key: the exact bytes the MAC covers, and the MAC."""
 
     entry: msgspec.Raw
@@ -65,7 +65,7 @@ class _SignedEntry(msgspec.Struct):
 
 _info_encoder = msgspec.json.Encoder()
 _info_decoder = msgspec.json.Decoder(InstanceInfo)
-_signed_decoder = msgspec.json.Decoder(_SignedEntry)
+_signed_decoder = msgspec.json.Decoder(SignedEntry)
 _MAX_LOGGED_REJECTS = 1024
 
 
@@ -80,7 +80,7 @@ class Beat(enum.Enum):
         return self is not Beat.UNREACHABLE
 
 
-class _RedisClient:
+class RedisClient:
     """A Redis connection with short timeouts, no retries, and a back-off after each failure."""
 
     def __init__(self, redis_url: str, namespace: str) -> None:
@@ -132,7 +132,7 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _clear_instance_blocks(rc: _RedisClient, client: redis.Redis, instance_id: str) -> None:
+def _clear_instance_blocks(rc: RedisClient, client: redis.Redis, instance_id: str) -> None:
     owned = rc.key("instance_blocks", instance_id)
     for batch in _chunks([_text(h) for h in client.smembers(owned)]):
         pipe = client.pipeline(transaction=False)
@@ -155,7 +155,7 @@ class Registry:
     def __init__(
         self, redis_url: str, namespace: str = "pdserve", ttl_s: float = 3.0, cluster_key: ClusterKey | None = None
     ) -> None:
-        self._rc = _RedisClient(redis_url, namespace)
+        self._rc = RedisClient(redis_url, namespace)
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self._key = cluster_key
         self.num_rejected_entries = 0
@@ -172,7 +172,7 @@ class Registry:
         payload = _info_encoder.encode(info)
         if self._key is not None:
             mac = self._key.sign(key.encode() + b"\n" + payload)
-            payload = _info_encoder.encode(_SignedEntry(msgspec.Raw(payload), mac))
+            payload = _info_encoder.encode(SignedEntry(msgspec.Raw(payload), mac))
 
         def op(client: redis.Redis) -> bool:
             pipe = client.pipeline(transaction=False)
@@ -236,7 +236,7 @@ class Registry:
         """The entry if it passes this reader's key (any well-formed one without a key), else None."""
         raw = raw.encode() if isinstance(raw, str) else raw
         try:
-            signed: _SignedEntry | None = _signed_decoder.decode(raw)
+            signed: SignedEntry | None = _signed_decoder.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError):
             signed = None  # an unsigned entry (or garbage: the plain decode below says which)
         entry = raw if signed is None else bytes(signed.entry)
@@ -266,7 +266,7 @@ class PrefixIndex:
     """Which instances hold which block hashes; used by the router to find cached prefixes."""
 
     def __init__(self, redis_url: str, namespace: str = "pdserve") -> None:
-        self._rc = _RedisClient(redis_url, namespace)
+        self._rc = RedisClient(redis_url, namespace)
 
     def add(self, instance_id: str, block_hashes: Sequence[bytes]) -> bool:
         """Publish that ``instance_id`` holds these blocks; False if Redis is unreachable."""

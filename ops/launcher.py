@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None,
                    help="the router's --tool-call-parser (default: found from the chat template)")
     p.add_argument("--reasoning-parser", default=None, help="the router's --reasoning-parser (deepseek_r1, qwen3)")
+    p.add_argument("--response-ttl", type=int, default=None,
+                   help="the router's --response-ttl: seconds a stored Responses API response is kept (0: none)")
     p.add_argument("--no-wait", action="store_true", help="do not wait for /ready before printing the URL")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /ready")
     p.add_argument("--grace-period", type=float, default=40.0,
@@ -216,6 +218,8 @@ class Launcher:
             flags += ["--served-model-name", self.args.served_model_name]
         if self.args.router_workers != 1:
             flags += ["--workers", str(self.args.router_workers)]
+        if self.args.response_ttl is not None:
+            flags += ["--response-ttl", str(self.args.response_ttl)]
         for name in ("chat_template", "tool_call_parser", "reasoning_parser"):
             value = getattr(self.args, name)
             if value:

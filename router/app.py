@@ -25,7 +25,13 @@ from router.openai_responses import (
     ModelList,
 )
 from router.openapi import error_responses, generation_route, install_openapi
-from router.responses_api import ResponseObject, ResponsesRequest, ResponseStreamEvent
+from router.responses_api import (
+    DeletedResponse,
+    InputItemList,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+)
 from router.serving import (
     SERVER_SEND,
     ClientDisconnected,
@@ -36,7 +42,7 @@ from router.serving import (
 )
 from router.serving_chat import create_chat_completion
 from router.serving_completions import create_completion
-from router.serving_responses import create_response
+from router.serving_responses import create_response, delete_response, list_input_items, retrieve_response
 from router.serving_tokenize import install_tokenize_routes
 from router.state import RouterState
 
@@ -205,11 +211,27 @@ def create_app(state: RouterState) -> FastAPI:
         card = ModelCard(id=name, created=int(time.time()), max_model_len=state.max_model_len())
         return JSONResponse(card.model_dump(mode="json"))
 
-    @app.get("/v1/responses/{response_id}", responses={401: error_responses()[401], 404: error_responses()[404]})
+    # Stored responses (``router/response_store.py``): each readable by the API key that made it.
+    errors = error_responses()
+    not_found: dict[int | str, dict[str, Any]] = {status: errors[status] for status in (401, 404, 503)}
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=not_found)
     async def stored_response(request: Request, response_id: str) -> JSONResponse:
-        """Responses are not stored (``store`` is answered false): none can be retrieved."""
-        state.api_keys.check(request.headers.get("authorization"))
-        raise APIError(404, f"no response '{response_id}': this server stores no responses", code="not_found")
+        owner = state.api_keys.check(request.headers.get("authorization")) or ""
+        return JSONResponse(await retrieve_response(state, owner, response_id))
+
+    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=not_found)
+    async def remove_response(request: Request, response_id: str) -> JSONResponse:
+        owner = state.api_keys.check(request.headers.get("authorization")) or ""
+        return JSONResponse(await delete_response(state, owner, response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items", response_model=InputItemList,
+             responses={**not_found, 400: errors[400]})
+    async def response_input_items(
+        request: Request, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
+    ) -> JSONResponse:
+        owner = state.api_keys.check(request.headers.get("authorization")) or ""
+        return JSONResponse(await list_input_items(state, owner, response_id, limit, order, after))
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -79,6 +79,10 @@ class RouterConfig:
     tool_call_parser: str | None = None
     # How a reasoning model's thinking is split from its answer (``router/reasoning.py``); None: not.
     reasoning_parser: str | None = None
+    # How long a stored Responses API response is kept (``router/response_store.py``); 0: none is.
+    response_ttl_s: int = 3600
+    # The Redis that keeps them; None: ``redis_url``'s.
+    response_store_url: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -96,5 +100,7 @@ class RouterConfig:
             raise ValueError("engine_stall_timeout_s must be positive")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}")
+        if self.response_ttl_s < 0:
+            raise ValueError("response_ttl_s must be 0 (store nothing) or positive")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")

@@ -156,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(DeepSeek-R1 and its distillations, QwQ) or qwen3 (default: not split)",
     )
     p.add_argument(
+        "--response-ttl", type=int, default=defaults.response_ttl_s,
+        help="seconds a Responses API response asked to be stored (store, true by default) is kept in "
+        "Redis, for previous_response_id and GET /v1/responses/{id}; 0: none is stored (default: %(default)s)",
+    )
+    p.add_argument(
+        "--response-store-url", default=None,
+        help="the Redis that keeps stored responses, apart from the registry's (default: --redis-url)",
+    )
+    p.add_argument(
         "--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"]
     )
     return p
@@ -232,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster_key=cluster_key,
         tool_call_parser=None if tool_call_parser == "none" else tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        response_ttl_s=args.response_ttl,
+        response_store_url=args.response_store_url,
         direct_prompt_tokens=args.direct_prompt_tokens,
         limits=RequestLimits(
             max_prompts_per_request=args.max_prompts_per_request,

@@ -27,10 +27,10 @@ _REF = "#/components/schemas/{model}"
 _ERRORS = {
     400: "invalid request: the error's param names the field",
     401: "missing or wrong API key",
-    404: "unknown model",
+    404: "unknown model, or no such stored response",
     413: "request body too large",
     429: "too many requests in flight, or the fair queue is full: retry after Retry-After seconds",
-    503: "no instance can serve the request",
+    503: "no instance can serve the request, or the response store is unreachable",
 }
 
 

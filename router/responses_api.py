@@ -8,9 +8,11 @@ and reads the answer (tool calls, ``--reasoning-parser``). Its message comes bac
 the thinking as a ``reasoning`` item, the text as a ``message``, each call as a ``function_call``.
 Streamed, the answer's pieces become the API's typed events, in the order OpenAI sends them.
 
-Nothing is stored: ``store`` is answered ``false``, and what needs a stored response
-(``previous_response_id``, ``background``) or a tool the server does not run (web search, files,
-computers) is a 400 naming the field.
+With ``previous_response_id`` the items of the stored response it names (its input items, then its
+output) come before the request's own, and that response's ``instructions`` do not, as OpenAI
+does; storing is ``router/response_store.py``'s. What needs a response still running on the server
+(``background``) or a tool the server does not run (web search, files, computers) is a 400 naming
+the field.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from router.openai_responses import ChatMessageOut, DeltaToolCall, Usage
 
 # Request fields this server does not serve, each with the value that asks for nothing.
 _NOT_SERVED: dict[str, Any] = {
-    "previous_response_id": None,  # nothing is stored to go on from
     "conversation": None,
     "prompt": None,  # a stored prompt template
     "background": False,
@@ -66,10 +67,10 @@ class ResponsesRequest(CheckedRequest):
     parallel_tool_calls: StrictBool | None = None
     text: dict[str, Any] | None = None
     truncation: StrictStr | None = None
-    store: StrictBool | None = None  # answered false: nothing is stored
+    store: StrictBool | None = None  # None: stored, as OpenAI's default
     metadata: dict[str, StrictStr] | None = Field(default=None, max_length=16)
     user: StrictStr | None = None
-    previous_response_id: Any = None
+    previous_response_id: StrictStr | None = None
     conversation: Any = None
     prompt: Any = None
     background: Any = False
@@ -87,9 +88,12 @@ class ResponsesRequest(CheckedRequest):
         if self.truncation not in (None, "disabled"):
             raise bad_request("truncation must be 'disabled': a prompt too long is refused, not cut", param="truncation")
 
-    def chat_body(self) -> dict[str, Any]:
-        """The chat completion this request is, as a JSON body (validated by the chat path)."""
-        body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": False}
+    def chat_body(self, earlier: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The chat completion this request is, as a JSON body (validated by the chat path);
+        ``earlier``: the items of the conversation it continues, before its own."""
+        earlier = earlier or []
+        messages = self._messages([*earlier, *self.own_items()], len(earlier))
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": False}
         for name, chat_name in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
                                 ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user")):
             value = getattr(self, name)
@@ -104,16 +108,20 @@ class ResponsesRequest(CheckedRequest):
             body["response_format"] = response_format
         return body
 
-    def _messages(self) -> list[dict[str, Any]]:
+    def own_items(self) -> list[dict[str, Any]]:
+        """This request's input as a list of items (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": self.input}]}]
+        return list(self.input)
+
+    def _messages(self, items: list[dict[str, Any]], num_earlier: int) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
-        if isinstance(self.input, str):
-            return [*messages, {"role": "user", "content": self.input}]
         thinking: str | None = None  # a reasoning item's text, for the assistant message after it
-        for i, item in enumerate(self.input):
+        for i, item in enumerate(items):
             kind = item.get("type", "message")
-            param = f"input.{i}"
+            param = f"input.{i - num_earlier}"  # (the earlier items were checked when they were stored)
             if kind == "message":
                 role = item.get("role")
                 if role not in ("user", "system", "developer", "assistant"):
@@ -272,9 +280,10 @@ def response_usage(usage: Usage, reasoning_tokens: int) -> dict[str, Any]:
 
 def response_object(
     request: ResponsesRequest, response_id: str, created: int, model: str, status: str,
-    output: list[dict[str, Any]], usage: dict[str, Any] | None,
+    output: list[dict[str, Any]], usage: dict[str, Any] | None, store: bool,
 ) -> dict[str, Any]:
-    """The ``response`` object; ``status``: in_progress, completed or incomplete (``max_output_tokens``)."""
+    """The ``response`` object; ``status``: in_progress, completed or incomplete (``max_output_tokens``);
+    ``store``: whether it is (or, in progress, is to be) stored."""
     return {
         "id": response_id, "object": "response", "created_at": created, "status": status, "model": model,
         "output": output, "usage": usage, "error": None,
@@ -284,7 +293,8 @@ def response_object(
         "parallel_tool_calls": request.parallel_tool_calls is not False,
         "tool_choice": request.tool_choice or "auto", "tools": request.tools or [],
         "text": request.text or {"format": {"type": "text"}}, "truncation": "disabled",
-        "metadata": request.metadata or {}, "store": False, "background": False, "user": request.user,
+        "metadata": request.metadata or {}, "store": store, "background": False, "user": request.user,
+        "previous_response_id": request.previous_response_id,
     }
 
 
@@ -293,8 +303,10 @@ class ResponseEvents:
     comes (``output_item.added``, for text ``content_part.added``), its pieces as deltas, and closed
     (``...done``) when something else begins or the answer ends; the whole response last."""
 
-    def __init__(self, request: ResponsesRequest, response_id: str, created: int, model: str) -> None:
+    def __init__(self, request: ResponsesRequest, response_id: str, created: int, model: str, store: bool) -> None:
         self.request, self.response_id, self.created, self.model = request, response_id, created, model
+        self.store = store
+        self.status = "in_progress"
         self.output: list[dict[str, Any]] = []  # closed items
         self._open: dict[str, Any] | None = None  # the item being written: its dict, with its text so far
         self._calls: dict[int, dict[str, Any]] = {}  # streamed tool call index -> its item
@@ -305,11 +317,13 @@ class ResponseEvents:
         self._sequence += 1
         return msgspec.json.encode(event)
 
-    def _response(self, status: str, usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        return response_object(self.request, self.response_id, self.created, self.model, status, list(self.output), usage)
+    def response(self, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The response object as it stands (whole once ``close_output`` ran)."""
+        return response_object(self.request, self.response_id, self.created, self.model, self.status,
+                               list(self.output), usage, self.store)
 
     def opening(self) -> list[bytes]:
-        response = self._response("in_progress")
+        response = self.response()
         return [self._event("response.created", response=response),
                 self._event("response.in_progress", response=response)]
 
@@ -345,13 +359,15 @@ class ResponseEvents:
                                    output_index=len(self.output), delta=part.function.arguments))
         return out
 
-    def closing(self, finish_reason: str | None, usage: dict[str, Any]) -> list[bytes]:
-        status = "incomplete" if finish_reason == "length" else "completed"
-        out = self._close(status)
-        response = self._response(status, usage)
-        out.append(self._event("response.incomplete" if status == "incomplete" else "response.completed",
-                               response=response))
-        return out
+    def close_output(self, finish_reason: str | None) -> list[bytes]:
+        """The answer ended: its last item closed; the response is then whole (``response``)."""
+        self.status = "incomplete" if finish_reason == "length" else "completed"
+        return self._close(self.status)
+
+    def final(self, response: dict[str, Any]) -> bytes:
+        """The last event: the whole ``response``."""
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return self._event(kind, response=response)
 
     def _open_item(self, kind: str) -> list[bytes]:
         """Open a ``kind`` item unless one is open; closes whatever else is."""
@@ -398,3 +414,23 @@ class ResponseEvents:
 def _empty(item: dict[str, Any]) -> dict[str, Any]:
     """A message or reasoning item as ``output_item.added`` shows it: before any of its text."""
     return {**item, "content": []}
+
+
+class DeletedResponse(BaseModel):
+    """What ``DELETE /v1/responses/{id}`` answers."""
+
+    id: str
+    object: str = "response.deleted"
+    deleted: bool
+
+
+class InputItemList(BaseModel):
+    """A page of a stored response's input items (``GET /v1/responses/{id}/input_items``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    object: str = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

@@ -396,13 +396,17 @@ def chunk_head(plan: GenerationPlan, object_name: str) -> bytes:
     )[:-1] + b',"choices":[{"index":'
 
 
-async def _chunks(writer: ChunkWriter, deltas: AsyncGenerator[ChoiceDelta, None]) -> AsyncGenerator[bytes, None]:
+async def _chunks(
+    writer: ChunkWriter, deltas: AsyncGenerator[ChoiceDelta, None], finish: Callable[[], Awaitable[None]] | None,
+) -> AsyncGenerator[bytes, None]:
     for chunk in writer.opening():
         yield chunk
     async with contextlib.aclosing(deltas):
         async for delta in deltas:
             for chunk in writer.chunks(delta):
                 yield chunk
+    if finish is not None:
+        await finish()
     for chunk in writer.closing():
         yield chunk
 
@@ -472,10 +476,12 @@ async def sse_response(
     wait_disconnect: DisconnectWaiter,
     stream_options: Any,
     writer_for: Callable[[bool, bool], ChunkWriter],
+    finish: Callable[[], Awaitable[None]] | None = None,
 ) -> EventStreamResponse:
     """Start every choice and send the JSON chunks of ``writer_for(include_usage, continuous_usage)``
     as SSE (``continuous_usage``: every chunk with its choice's usage so far, vLLM's
-    ``continuous_usage_stats``, which needs ``include_usage``)."""
+    ``continuous_usage_stats``, which needs ``include_usage``). ``finish``, when given, is awaited
+    once every choice has ended, before the writer's closing chunks."""
     include_usage = bool(stream_options and stream_options.include_usage)
     continuous = include_usage and bool(stream_options.continuous_usage_stats)
     choices = await start_choices(state, plan, wait_disconnect)
@@ -483,5 +489,5 @@ async def sse_response(
     sink = None
     if writer.inline and choices.num_choices == 1 and len(choices.started) == 1:
         sink = InlineSink(choices.started[0][0], writer, state.metrics.inline_outputs, state.client.after_sends)
-    chunks = _chunks(writer, merge_choices(choices, wait_disconnect))
+    chunks = _chunks(writer, merge_choices(choices, wait_disconnect), finish)
     return EventStreamResponse(chunks, close=choices.close, sink=sink)

@@ -1,8 +1,10 @@
 """``POST /v1/responses``: a Responses request planned as the chat completion it is
-(``router/responses_api.py``), answered whole or as the API's stream of typed events."""
+(``router/responses_api.py``), answered whole or as the API's stream of typed events, and stored
+once it has finished (``router/response_store.py``); the routes that read and remove stored ones."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -10,8 +12,9 @@ from starlette.responses import Response
 
 from router.chat_answer import AnswerReader, AnswerStream
 from router.choice_stream import ChoiceDelta, ChoiceStream
-from router.errors import APIError
+from router.errors import APIError, bad_request
 from router.openai_models import StreamOptions, parse_request
+from router.response_store import StoredResponse
 from router.responses_api import (
     ResponseEvents,
     ResponsesRequest,
@@ -31,30 +34,80 @@ def _reasoning_tokens(state: RouterState, reasoning: str | None) -> int:
     return len(state.prompts.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
 
 
+Saver = Callable[[dict[str, Any]], Awaitable[bool]]
+
+
 async def create_response(
     state: RouterState, body: Any, cache_salt: str | None, wait_disconnect: DisconnectWaiter
 ) -> Response:
     request = parse_request(ResponsesRequest, body, state.config.limits)
+    owner = cache_salt or ""
+    earlier = await _earlier_items(state, request, owner)
     try:
-        _, plan, reader = await plan_chat(state, request.chat_body(), cache_salt)
+        _, plan, reader = await plan_chat(state, request.chat_body(earlier), cache_salt)
     except APIError as exc:
         raise renamed(exc) from None
     response_id = new_id("resp")
+    store = state.responses is not None and request.store is not False
+    save = _saver(state, owner, [*earlier, *_as_stored(request.own_items())]) if store else None
     if request.stream:
-        events = ResponseEvents(request, response_id, plan.created, plan.model)
+        events = ResponseEvents(request, response_id, plan.created, plan.model, store)
+        chunks = _ResponseChunks(state, plan, reader, events, save)
         return await sse_response(
-            state, plan, wait_disconnect, StreamOptions(include_usage=True),
-            lambda include_usage, continuous: _ResponseChunks(state, plan, reader, events),
+            state, plan, wait_disconnect, StreamOptions(include_usage=True), lambda include_usage, continuous: chunks,
+            finish=chunks.finish,
         )
     results, usage = await collect(state, plan, wait_disconnect)
     [result] = results
     message, _ = reader.message(result.text, result.finish_reason)
     status = "incomplete" if result.finish_reason == "length" else "completed"
     reasoning_tokens = _reasoning_tokens(state, message.reasoning_content)
-    return JSONResponse(response_object(
+    response = response_object(
         request, response_id, plan.created, plan.model, status, output_items(message, status),
-        response_usage(usage, reasoning_tokens),
-    ))
+        response_usage(usage, reasoning_tokens), store,
+    )
+    if save is not None:
+        response["store"] = await save(response)
+    return JSONResponse(response)
+
+
+async def _earlier_items(state: RouterState, request: ResponsesRequest, owner: str) -> list[dict[str, Any]]:
+    """The items of the conversation ``previous_response_id`` names: its input items, then its output."""
+    previous_id = request.previous_response_id
+    if previous_id is None:
+        return []
+    if state.responses is None:
+        raise bad_request("previous_response_id: this router stores no responses (--response-ttl 0, or no Redis)",
+                          param="previous_response_id")
+    previous = await state.responses.load(previous_id, owner)
+    if previous is None:
+        raise APIError(400, f"previous response '{previous_id}' not found (never stored, expired or deleted)",
+                       param="previous_response_id", code="previous_response_not_found")
+    return [*previous.items, *previous.response["output"]]
+
+
+def _as_stored(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items as stored, in the form ``input_items`` lists them: each with an id and its type, a
+    message's text as a part."""
+    prefixes = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+    stored = []
+    for item in items:
+        kind = item.get("type", "message")
+        item = {**item, "id": item.get("id") or new_id(prefixes.get(kind, "item")), "type": kind}
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        stored.append(item)
+    return stored
+
+
+def _saver(state: RouterState, owner: str, items: list[dict[str, Any]]) -> Saver:
+    async def save(response: dict[str, Any]) -> bool:
+        """Store the finished ``response``; whether it was (False: Redis unreachable)."""
+        assert state.responses is not None
+        return await state.responses.save(StoredResponse(owner, {**response, "store": True}, items))
+
+    return save
 
 
 class _ResponseChunks:
@@ -63,11 +116,15 @@ class _ResponseChunks:
 
     inline = False  # every delta goes through ``chunks``: its pieces are events, not one chunk
 
-    def __init__(self, state: RouterState, plan: GenerationPlan, reader: AnswerReader, events: ResponseEvents) -> None:
-        self.state, self.events, self.usage = state, events, UsageTracker(plan)
+    def __init__(
+        self, state: RouterState, plan: GenerationPlan, reader: AnswerReader, events: ResponseEvents,
+        save: Saver | None,
+    ) -> None:
+        self.state, self.events, self.usage, self.save = state, events, UsageTracker(plan), save
         self.answer: AnswerStream = reader.stream()
         self.finish_reason: str | None = None
         self.reasoning = ""
+        self._closing: list[bytes] = []
 
     def opening(self) -> list[bytes]:
         return self.events.opening()
@@ -91,6 +148,57 @@ class _ResponseChunks:
     def plain(self, stream: ChoiceStream, text: str) -> bytes | None:
         raise AssertionError("a response's stream is not written inline")
 
+    async def finish(self) -> None:
+        """Once the answer ended: the whole response, stored (when asked) before the last event says so."""
+        self._closing = self.events.close_output(self.finish_reason)
+        response = self.events.response(response_usage(self.usage.usage(), _reasoning_tokens(self.state, self.reasoning)))
+        if self.save is not None:
+            response["store"] = await self.save(response)
+        self._closing.append(self.events.final(response))
+
     def closing(self) -> list[bytes]:
-        usage = response_usage(self.usage.usage(), _reasoning_tokens(self.state, self.reasoning))
-        return self.events.closing(self.finish_reason, usage)
+        return self._closing
+
+
+# ----------------------------------------------------------------------------- stored responses
+async def _stored(state: RouterState, owner: str, response_id: str) -> StoredResponse:
+    if state.responses is None:
+        raise APIError(404, f"no response '{response_id}': this router stores no responses", code="not_found")
+    record = await state.responses.load(response_id, owner)
+    if record is None:
+        raise APIError(404, f"no response '{response_id}' (never stored, expired or deleted)", code="not_found")
+    return record
+
+
+async def retrieve_response(state: RouterState, owner: str, response_id: str) -> dict[str, Any]:
+    return (await _stored(state, owner, response_id)).response
+
+
+async def delete_response(state: RouterState, owner: str, response_id: str) -> dict[str, Any]:
+    await _stored(state, owner, response_id)  # 404 unless it is there and the caller's
+    assert state.responses is not None
+    if not await state.responses.delete(response_id, owner):
+        raise APIError(404, f"no response '{response_id}' (deleted meanwhile)", code="not_found")
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+async def list_input_items(
+    state: RouterState, owner: str, response_id: str, limit: int, order: str, after: str | None
+) -> dict[str, Any]:
+    """The input items a stored response answered (the whole conversation before its output), a page
+    of ``limit`` after the item ``after``, newest first unless ``order`` is ``asc``."""
+    if not 1 <= limit <= 100:
+        raise bad_request("limit must be between 1 and 100", param="limit")
+    if order not in ("asc", "desc"):
+        raise bad_request("order must be 'asc' or 'desc'", param="order")
+    items = list((await _stored(state, owner, response_id)).items)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise bad_request(f"after: no input item '{after}' in this response", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}

@@ -14,6 +14,7 @@ from router.errors import APIError
 from router.instance_pool import InstancePool
 from router.metrics import RouterMetrics
 from router.reasoning import REASONING_PARSERS
+from router.response_store import ResponseStore
 from router.routing import make_policy
 from router.tokenization import PromptProcessor
 from router.tool_parsers import PARSERS
@@ -36,6 +37,11 @@ class RouterState:
             Registry(config.redis_url, config.namespace, cluster_key=config.cluster_key) if config.redis_url else None
         )
         self.prefix_index = PrefixIndex(config.redis_url, config.namespace) if config.redis_url else None
+        store_url = config.response_store_url or config.redis_url
+        self.responses = (
+            ResponseStore(store_url, config.namespace, config.response_ttl_s, config.cluster_key)
+            if store_url and config.response_ttl_s else None
+        )
         self.client = EngineClient(config.reply_host, config.reply_port, config.cluster_key)
         self.pool = InstancePool(self.registry, self.client, config.refresh_interval_s)
         self.num_inflight = 0
@@ -69,7 +75,7 @@ class RouterState:
     async def stop(self) -> None:
         await self.pool.stop()
         await self.client.close()
-        for redis_user in (self.registry, self.prefix_index):
+        for redis_user in (self.registry, self.prefix_index, self.responses):
             if redis_user is not None:
                 redis_user.close()
 

@@ -274,3 +274,20 @@ def test_a_response_says_what_the_chat_completion_says(client):  # type: ignore[
     assert events[-1].type == f"response.{whole.status}"  # response.incomplete when cut at max_output_tokens
     assert events[-1].response.output_text == whole.output_text
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+
+
+def test_a_conversation_goes_on_from_a_stored_response(client):  # type: ignore[no-untyped-def]
+    """``previous_response_id`` through the real stack: the second turn sees what a chat completion of
+    the whole conversation sees (the same prompt tokens, the same greedy answer); the stored
+    responses read back whole."""
+    opening = {"role": "user", "content": LONG_PREFIX + "My name is Ada. Greet me."}
+    question = {"role": "user", "content": "What is my name?"}
+    first = client.responses.create(model=MODEL, temperature=0, max_output_tokens=8, input=[opening])
+    second = client.responses.create(model=MODEL, temperature=0, max_output_tokens=8, input=[question],
+                                     previous_response_id=first.id)
+    chat = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=8, messages=[
+        opening, {"role": "assistant", "content": first.output_text}, question])
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    assert [item.type for item in client.responses.input_items.list(second.id, order="asc").data] == ["message"] * 3

@@ -435,6 +435,18 @@ def test_up_hands_the_chat_template_and_parsers_to_the_router_and_the_router_tak
     assert (parsed.chat_template, parsed.tool_call_parser, parsed.reasoning_parser) == ("chatml-tools", "hermes", "qwen3")
 
 
+def test_up_hands_the_response_ttl_to_the_router_and_the_router_takes_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    from router.main import build_parser as router_parser
+
+    router = _spawned(monkeypatch, tmp_path)["router"]
+    assert "--response-ttl" not in router  # the router's own default
+    router = _spawned(monkeypatch, tmp_path, "--response-ttl", "0")["router"]
+    at = router.index("--response-ttl")
+    assert router_parser().parse_args(router[at:at + 2]).response_ttl == 0
+
+
 def test_up_hands_the_scheduling_policy_to_every_engine_and_the_router(
     monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
 ) -> None:

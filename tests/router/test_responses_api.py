@@ -46,7 +46,7 @@ def test_text_whole_and_streamed(plain: tuple[openai.OpenAI, FakeCluster]) -> No
     assert whole.status == "completed" and whole.output_text == " one two three four five six"
     assert [item.type for item in whole.output] == ["message"]
     assert whole.usage is not None and whole.usage.output_tokens == 6
-    assert whole.usage.total_tokens == whole.usage.input_tokens + 6 and whole.store is False
+    assert whole.usage.total_tokens == whole.usage.input_tokens + 6 and whole.store is True
     with client.responses.stream(model=SERVED_MODEL, input="Count.", max_output_tokens=100) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_response()
@@ -119,7 +119,8 @@ def test_text_format_constrains_the_output(plain: tuple[openai.OpenAI, FakeClust
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),  # never stored
+        ({"previous_response_id": 1}, "previous_response_id"),
         ({"background": True}, "background"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"truncation": "auto"}, "truncation"),
@@ -141,11 +142,11 @@ def test_what_is_not_served_is_refused_by_name(plain: tuple[openai.OpenAI, FakeC
     assert refused.value.body["param"] == param, refused.value.body  # type: ignore[index]
 
 
-def test_models_retrieve_and_no_stored_response(plain: tuple[openai.OpenAI, FakeCluster]) -> None:
+def test_models_retrieve_and_a_response_never_stored(plain: tuple[openai.OpenAI, FakeCluster]) -> None:
     client, _ = plain
     assert client.models.retrieve(SERVED_MODEL).id == SERVED_MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("other-model")
     with pytest.raises(openai.NotFoundError) as missing:
         client.responses.retrieve("resp_123")
-    assert "stores no responses" in str(missing.value)
+    assert "never stored" in str(missing.value)

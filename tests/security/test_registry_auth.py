@@ -15,7 +15,7 @@ import redis
 import zmq
 
 from common.cluster_key import ClusterKey
-from common.registry import Beat, InstanceInfo, PrefixIndex, Registry, _RedisClient
+from common.registry import Beat, InstanceInfo, PrefixIndex, RedisClient, Registry
 from tests.conftest import RedisServer
 from tests.router.fake_engine import FakeCluster, FakeEngine
 from tests.router.router_harness import SERVED_MODEL, RouterServer, make_state, wait_until
@@ -141,7 +141,7 @@ def test_a_password_in_the_redis_url_works_and_a_missing_one_fails_clearly(
 
 def test_redis_urls_reach_the_client_unchanged() -> None:
     """TLS and ACL users come from the URL as redis-py reads it; nothing here rewrites it."""
-    tls = _RedisClient("rediss://alice:pw@redis.example:6380/2", "ns")._client.connection_pool
+    tls = RedisClient("rediss://alice:pw@redis.example:6380/2", "ns")._client.connection_pool
     assert tls.connection_class.__name__ == "SSLConnection"
     kwargs = tls.connection_kwargs
     assert (kwargs["username"], kwargs["password"], kwargs["host"], kwargs["port"], kwargs["db"]) == (

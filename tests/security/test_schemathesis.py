@@ -34,6 +34,8 @@ pytestmark = pytest.mark.timeout(600)
 MAX_EXAMPLES = 10  # per operation and mode: CI-sized; raise it by hand for a longer run
 OPERATIONS = (
     "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "GET /v1/models", "GET /health",
+    "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
+    "GET /v1/responses/{response_id}/input_items",
 )
 STATUSES: Counter[str] = Counter()
 

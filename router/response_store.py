@@ -1,0 +1,115 @@
+"""The Responses API's stored responses, kept in Redis for ``--response-ttl`` seconds.
+
+A response asked to be stored (``store``, true unless the request says false) is written once it has
+finished, with every input item it answered: those of the responses it continued from
+(``previous_response_id``) first, then its own. Continuing from it then reads one record, however
+long the chain. ``GET``/``DELETE /v1/responses/{id}`` and ``GET .../input_items`` read and remove it.
+
+Unlike a store in the router's memory, every router process on the same Redis sees every response
+(a conversation may continue on another worker or router, or after a restart), and Redis drops each
+one at its TTL, so the store cannot grow without bound. A record is its caller's: with API keys on,
+another key reads it as not found. With a cluster key each record carries an HMAC-SHA256 over its
+key name and bytes, as registry entries do, and a record that does not verify is not believed:
+whoever can write to Redis cannot put words into a conversation that the model then continues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from common.registry import RedisClient, SignedEntry
+from router.errors import APIError
+
+if TYPE_CHECKING:
+    from common.cluster_key import ClusterKey
+
+logger = logging.getLogger(__name__)
+
+# A response id this router could have made (``resp_`` and hex); any other names no record, and is
+# never put into a Redis key name.
+_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+class StoredResponse(msgspec.Struct):
+    owner: str  # the caller's API-key salt; "" with API keys off
+    response: dict[str, Any]  # the response object as it was answered
+    items: list[dict[str, Any]]  # the input items it answered, the whole chain's, oldest first
+
+
+_encoder = msgspec.json.Encoder()
+_signed_decoder = msgspec.json.Decoder(SignedEntry)
+_record_decoder = msgspec.json.Decoder(StoredResponse)
+
+
+def unavailable() -> APIError:
+    return APIError(503, "the response store (Redis) is unreachable; try again", code="store_unavailable")
+
+
+class ResponseStore:
+    def __init__(self, redis_url: str, namespace: str, ttl_s: int, cluster_key: ClusterKey | None = None) -> None:
+        if ttl_s < 1:
+            raise ValueError("a response store needs a TTL of at least one second")
+        self._rc = RedisClient(redis_url, namespace)
+        self.ttl_s = ttl_s
+        self._key = cluster_key
+
+    def _name(self, response_id: str) -> str:
+        return self._rc.key("response", response_id)
+
+    async def save(self, record: StoredResponse) -> bool:
+        """Write ``record`` under its response's id, to expire after the TTL; False if Redis is down."""
+        name = self._name(record.response["id"])
+        payload = _encoder.encode(record)
+        if self._key is not None:
+            mac = self._key.sign(name.encode() + b"\n" + payload)
+            payload = _encoder.encode(SignedEntry(msgspec.Raw(payload), mac))
+        ok, _ = await asyncio.to_thread(self._rc.run, "response save", lambda c: c.set(name, payload, ex=self.ttl_s))
+        return ok
+
+    async def load(self, response_id: str, owner: str) -> StoredResponse | None:
+        """The record of ``response_id`` if ``owner`` may read it, else None; a 503 if Redis is down."""
+        if not _ID.fullmatch(response_id):
+            return None
+        name = self._name(response_id)
+        ok, raw = await asyncio.to_thread(self._rc.run, "response load", lambda c: c.get(name))
+        if not ok:
+            raise unavailable()
+        if raw is None:
+            return None
+        record = self._open(name, raw)
+        return record if record is not None and record.owner == owner else None
+
+    async def delete(self, response_id: str, owner: str) -> bool:
+        """Remove ``owner``'s record of ``response_id``; False if there was none for them."""
+        if await self.load(response_id, owner) is None:
+            return False
+        name = self._name(response_id)
+        ok, removed = await asyncio.to_thread(self._rc.run, "response delete", lambda c: c.delete(name))
+        if not ok:
+            raise unavailable()
+        return bool(removed)
+
+    def _open(self, name: str, raw: bytes) -> StoredResponse | None:
+        try:
+            signed: SignedEntry | None = _signed_decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            signed = None  # unsigned (or garbage: the decode below says which)
+        payload = raw if signed is None else bytes(signed.entry)
+        if self._key is not None and (signed is None or not self._key.verify(name.encode() + b"\n" + payload, signed.mac)):
+            logger.warning("ignoring stored response %s: %s", name, "unsigned" if signed is None else "its MAC does not verify")
+            return None
+        try:
+            record = _record_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            logger.warning("ignoring malformed stored response %s", name)
+            return None
+        return record if name == self._name(str(record.response.get("id"))) else None
+
+    def close(self) -> None:
+        self._rc.close()
+

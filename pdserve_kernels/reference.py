@@ -23,24 +23,31 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# RMSNorm's forms, as each family's transformers code meets the normalized row with its weight
+# (the ``form`` of ``rms_norm``; a Triton kernel's constant too):
+NORM_LLAMA = 0  # the row rounded to the dtype, then times the weight (Llama and most families)
+NORM_GEMMA = 1  # times ``1 + weight`` in float32, rounded once (Gemma 2 and 3)
+NORM_OLMO = 2  # times the weight in float32, rounded once (OLMo 2 and 3)
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, gemma: bool = False) -> Tensor:
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, form: int = NORM_LLAMA) -> Tensor:
     """Each row of ``x`` over its last dimension, as transformers normalizes it: the mean of squares in
-    float32, the row scaled by its reciprocal square root and rounded to ``x``'s dtype, then times
-    ``weight`` (Gemma: scaled by ``1 + weight`` in float32 and rounded once)."""
+    float32, the row scaled by its reciprocal square root, then met with ``weight`` in ``form``."""
     dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if gemma:
+    if form == NORM_GEMMA:
         return (h * (1.0 + weight.float())).to(dtype)
+    if form == NORM_OLMO:
+        return (weight * h).to(dtype)
     return weight * h.to(dtype)
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool = False) -> tuple[Tensor, Tensor]:
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, form: int = NORM_LLAMA) -> tuple[Tensor, Tensor]:
     """A block's output added to the residual stream, and the sum normalized for the next block:
     ``(rms_norm(x + residual), x + residual)``, the sum rounded to the inputs' dtype first."""
     summed = x + residual
-    return rms_norm(summed, weight, eps, gemma), summed
+    return rms_norm(summed, weight, eps, form), summed
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:

@@ -8,7 +8,7 @@ where there were two, in a CUDA graph's replay too.
 The arithmetic is the reference's (``pdserve_kernels.reference.rms_norm``, transformers' own): the
 mean of squares in float32, the row scaled by its reciprocal square root, rounded to the input's
 dtype, then multiplied by the weight and rounded again (Gemma: scaled by ``1 + weight`` in float32,
-rounded once). What can differ is the order in which the squares are summed, and with it the last
+rounded once; OLMo: by the weight in float32, rounded once). What can differ is the order in which the squares are summed, and with it the last
 bits of the float32 mean: a difference that the rounding to 16 bits seldom lets through.
 """
 
@@ -19,12 +19,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pdserve_kernels.reference import NORM_GEMMA, NORM_LLAMA, NORM_OLMO
+
+assert (NORM_LLAMA, NORM_GEMMA, NORM_OLMO) == (0, 1, 2), "the kernel's FORM branches name these values"
+
 MAX_BLOCK = 4096  # entries of a row a program holds at once; wider rows go in several passes
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x_row, stride_r_row, stride_o_row, stride_s_row,
-                     n_cols, eps, GEMMA: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
+                     n_cols, eps, FORM: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
     """With ``ADD``, the row normalized is ``x + r`` (rounded to the dtype), written to ``sum`` first;
     the second pass reads it back from there (the same lanes the first pass wrote it with)."""
     row = tl.program_id(0).to(tl.int64)
@@ -52,14 +56,16 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x_row, stride
         x = tl.load(x_row + cols, mask=mask, other=0.0)
         h = x.to(tl.float32) * scale
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if GEMMA:
+        if FORM == 1:  # NORM_GEMMA
             y = h * (1.0 + w)
+        elif FORM == 2:  # NORM_OLMO
+            y = w * h
         else:
             y = w * h.to(x.dtype).to(tl.float32)  # rounded to the input's dtype first, as transformers
         tl.store(o_row + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, gemma: bool = False) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, form: int = NORM_LLAMA) -> Tensor:
     """``pdserve_kernels.reference.rms_norm`` in one kernel: ``x`` ``[..., n]`` (rows with unit stride),
     ``weight`` ``[n]`` of ``x``'s dtype."""
     rows, out = _rows_and_out(x, weight)
@@ -67,12 +73,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, gemma: bool = False) -> Tens
         block = min(MAX_BLOCK, triton.next_power_of_2(rows.shape[1]))
         # ``r`` and ``sum`` are not read without ``ADD``: the input stands in for them.
         _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, rows, rows.stride(0), 0, out.stride(0), 0,
-                                           rows.shape[1], eps, GEMMA=gemma, ADD=False, BLOCK=block,
+                                           rows.shape[1], eps, FORM=form, ADD=False, BLOCK=block,
                                            num_warps=min(16, max(1, block // 256)))
     return out.view(x.shape)
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool = False) -> tuple[Tensor, Tensor]:
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, form: int = NORM_LLAMA) -> tuple[Tensor, Tensor]:
     """``pdserve_kernels.reference.add_rms_norm`` in one kernel: ``(rms_norm(x + residual), x + residual)``,
     ``x`` and ``residual`` of one shape and dtype (rows with unit stride)."""
     assert residual.shape == x.shape and residual.dtype == x.dtype, (
@@ -84,7 +90,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma:
     if rows.shape[0] and rows.shape[1]:
         block = min(MAX_BLOCK, triton.next_power_of_2(rows.shape[1]))
         _rms_norm_kernel[(rows.shape[0],)](rows, res_rows, weight, out, summed, rows.stride(0), res_rows.stride(0),
-                                           out.stride(0), summed.stride(0), rows.shape[1], eps, GEMMA=gemma, ADD=True,
+                                           out.stride(0), summed.stride(0), rows.shape[1], eps, FORM=form, ADD=True,
                                            BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return out.view(x.shape), summed.view(x.shape)
 

@@ -16,6 +16,9 @@ correctness):
 - Granite is Llama's layer with four scalings (embeddings, attention, each block's output, logits);
   SmolLM3 is Llama's with some layers unrotated (``no_rope_layers``); Arcee's MLP has no gate and
   squares a ReLU (``relu2``); Hunyuan norms q and k after RoPE, whose base a fixed NTK alpha stretches.
+- OLMo 2 norms each block's output instead of its input (no norm before attention or the MLP), q and
+  k across all their heads at once, and meets the normalized row with the weight in float32 (its own
+  RMSNorm form); OLMo 3 adds sliding layers and a RoPE per layer type, as Gemma 3's.
 """
 
 from __future__ import annotations
@@ -23,15 +26,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve_kernels.reference import NORM_GEMMA, NORM_LLAMA, NORM_OLMO
+
 # Families whose biases follow Llama's code: q/k/v/o by ``attention_bias``, the MLP's by ``mlp_bias``.
 _LLAMA_BIAS_TYPES = ("llama", "granite", "smollm3", "internlm3", "arcee")
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "seed_oss",
-    "hunyuan_v1_dense",
+    "hunyuan_v1_dense", "olmo2", "olmo3",
 )
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
+_OLMO_TYPES = ("olmo2", "olmo3")
 # Families whose modeling code reads a RoPE per layer type (``rope_parameters`` keyed by layer type).
-_ROPE_PER_LAYER_TYPE = ("gemma3_text",)
+_ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3")
 # Static RoPE kinds: their cos/sin tables depend on the position only, so precomputing them is exact.
 # "dynamic" and "longrope" change frequencies with the sequence length at run time: refused.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -86,6 +92,11 @@ class ModelArch:
     no_rope_layers: tuple[int, ...] = ()
     activation: str = "silu"  # or "gelu_tanh" (both gated: down(act(gate) * up)), or "relu2" (no gate: down(relu(up)^2))
     gemma_norms: bool = False  # RMSNorm scaled by (1 + weight) in float32; norms after attention and MLP too
+    norm_form: int = NORM_LLAMA  # how every RMSNorm meets its weight (``pdserve_kernels.reference.NORM_*``)
+    # OLMo's layer: no norm before a block, one after each (the block's output normed, then added);
+    # q and k normed across all their heads (one norm of q_size, one of kv_size), before RoPE.
+    post_norms_only: bool = False
+    qk_norm_full_width: bool = False
     embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
     query_pre_attn_scalar: float | None = None  # attention scale is its -0.5 power (default: head_dim's)
     attn_soft_cap: float | None = None  # scores become cap * tanh(scores / cap)
@@ -134,6 +145,8 @@ class ModelArch:
             "gemma2": (bias, bias, False),
             "gemma3_text": (bias, bias, False),
             "hunyuan_v1_dense": (bias, bias, False),
+            "olmo2": (bias, bias, False),
+            "olmo3": (bias, bias, False),
             "qwen2": (True, False, False),
             "mistral": (False, False, False),
             "ministral": (False, False, False),
@@ -141,7 +154,7 @@ class ModelArch:
             # q/k/v by attention_bias, the output projection by a field of its own
             "seed_oss": (bias, bool(getattr(config, "attention_out_bias", False)), mlp),
         }[model_type]
-        gemma = model_type in _GEMMA_TYPES
+        gemma, olmo = model_type in _GEMMA_TYPES, model_type in _OLMO_TYPES
         rope_type, rope_layer_types = _rope(config, model_type)
         return cls(
             model_type=model_type,
@@ -156,6 +169,9 @@ class ModelArch:
             no_rope_layers=_no_rope_layers(config, model_type),
             activation="gelu_tanh" if gemma else "relu2" if model_type == "arcee" else "silu",
             gemma_norms=gemma,
+            norm_form=NORM_GEMMA if gemma else NORM_OLMO if olmo else NORM_LLAMA,
+            post_norms_only=olmo,
+            qk_norm_full_width=olmo,
             embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
             # Set only where the family implements them (checked above).
             query_pre_attn_scalar=_positive_or_none(config, "query_pre_attn_scalar"),
@@ -229,7 +245,7 @@ def _no_rope_layers(config: Any, model_type: str) -> tuple[int, ...]:
 def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
-    if model_type in ("llama", "internlm3", "seed_oss"):
+    if model_type in ("llama", "internlm3", "seed_oss", "olmo2"):
         return (None,) * num_layers  # their transformers code has no sliding window: the field is unused
     if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from common.model.arch import NTK_ALPHA, ModelArch, rope_parameters
 from pdserve_kernels import reference
+from pdserve_kernels.reference import NORM_LLAMA
 
 _ONE_ROPE = "all_layers"  # the key of a model's one RoPE (``LlamaForCausalLM.rotary_embs``)
 _NO_ROPE = "no_rope"  # the key of the layers without RoPE (``NoRotation``)
@@ -49,18 +50,19 @@ class AttentionMetadata:
 
 
 class RMSNorm(nn.Module):
-    """Llama's RMSNorm, or with ``gemma`` Gemma's: scaled by ``1 + weight`` before the cast back."""
+    """Llama's RMSNorm, or in another ``form`` (``pdserve_kernels.reference.NORM_*``) Gemma's, scaled by
+    ``1 + weight`` before the cast back, or OLMo's, by the weight before it."""
 
-    def __init__(self, size: int, eps: float, gemma: bool = False, kernels: ModuleType | None = None) -> None:
+    def __init__(self, size: int, eps: float, form: int = NORM_LLAMA, kernels: ModuleType | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.gemma = gemma
+        self.form = form
         # The kernels' ``rms_norm``: the torch formula, or on a GPU one Triton kernel for its eight operations.
         self.kernels = kernels or reference
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.kernels.rms_norm(x, self.weight, self.eps, self.gemma)
+        out: Tensor = self.kernels.rms_norm(x, self.weight, self.eps, self.form)
         return out
 
     def add(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -68,7 +70,7 @@ class RMSNorm(nn.Module):
         stream)``; on a GPU the sum and the norm are one kernel (``add_rms_norm``)."""
         if residual is None:
             return self(x), x
-        out: tuple[Tensor, Tensor] = self.kernels.add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
+        out: tuple[Tensor, Tensor] = self.kernels.add_rms_norm(x, residual, self.weight, self.eps, self.form)
         return out
 
 
@@ -149,9 +151,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_size, hidden, bias=arch.o_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
-        if arch.qk_norm:
-            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, arch.gemma_norms, kernels)
-            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, arch.gemma_norms, kernels)
+        # Per head (Qwen3, Gemma 3), or across all heads at once (OLMo: one norm of q_size, one of kv_size).
+        self.qk_norm_full_width = arch.qk_norm_full_width
+        if arch.qk_norm or arch.qk_norm_full_width:
+            q_width, k_width = (self.q_size, self.kv_size) if arch.qk_norm_full_width else (self.head_size,) * 2
+            self.q_norm = RMSNorm(q_width, config.rms_norm_eps, arch.norm_form, kernels)
+            self.k_norm = RMSNorm(k_width, config.rms_norm_eps, arch.norm_form, kernels)
         # Hunyuan's norms after RoPE, under its checkpoints' names.
         self.query_layernorm: RMSNorm | None = None
         self.key_layernorm: RMSNorm | None = None
@@ -167,10 +172,13 @@ class Attention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
-        q = qkv[:, :q_end].view(n, self.num_heads, self.head_size)  # views of the product's columns
-        k = qkv[:, q_end:k_end].view(n, self.num_kv_heads, self.head_size)
+        q, k = qkv[:, :q_end], qkv[:, q_end:k_end]  # views of the product's columns
+        if self.qk_norm_full_width and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(n, self.num_heads, self.head_size)
+        k = k.view(n, self.num_kv_heads, self.head_size)
         v = qkv[:, k_end:].view(n, self.num_kv_heads, self.head_size)
-        if self.q_norm is not None and self.k_norm is not None:
+        if not self.qk_norm_full_width and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.query_layernorm is not None and self.key_layernorm is not None:  # rotate, norm, then store
             q, k = self.kernels.rope(q, k, *rope)
@@ -222,17 +230,19 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, arch, layer_idx, kernels)
         self.mlp = MLP(config, arch, kernels)
-        size, eps, gemma = config.hidden_size, config.rms_norm_eps, arch.gemma_norms
-        self.input_layernorm = RMSNorm(size, eps, gemma, kernels)
-        self.post_attention_layernorm = RMSNorm(size, eps, gemma, kernels)
+        size, eps, form = config.hidden_size, config.rms_norm_eps, arch.norm_form
+        # OLMo has no norm before a block: its checkpoints hold no input_layernorm.
+        self.input_layernorm = None if arch.post_norms_only else RMSNorm(size, eps, form, kernels)
+        self.post_attention_layernorm = RMSNorm(size, eps, form, kernels)
         self.residual_multiplier = arch.residual_multiplier  # Granite: each block's output scaled
         # Gemma normalizes each block's output too: post_attention_layernorm then applies to the
-        # attention's output, and the MLP gets a norm of its own on each side.
+        # attention's output, and the MLP gets a norm of its own on each side; OLMo only the one after.
         self.pre_feedforward_layernorm: RMSNorm | None = None
         self.post_feedforward_layernorm: RMSNorm | None = None
-        if gemma:
-            self.pre_feedforward_layernorm = RMSNorm(size, eps, gemma, kernels)
-            self.post_feedforward_layernorm = RMSNorm(size, eps, gemma, kernels)
+        if arch.gemma_norms:
+            self.pre_feedforward_layernorm = RMSNorm(size, eps, form, kernels)
+        if arch.gemma_norms or arch.post_norms_only:
+            self.post_feedforward_layernorm = RMSNorm(size, eps, form, kernels)
 
     def forward(
         self, x: Tensor, residual: Tensor | None, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, kv_layer: Tensor
@@ -241,6 +251,11 @@ class DecoderLayer(nn.Module):
         before the first layer: ``x`` is the stream). Returns this layer's last block's output and the
         stream before it: each addition is done by the norm that reads the sum (``RMSNorm.add``), the
         last by the model's final norm. The sums are the ones transformers computes, in its order."""
+        if self.input_layernorm is None:  # OLMo: each block reads the stream itself; its output is normed
+            assert self.post_feedforward_layernorm is not None
+            stream = x if residual is None else x + residual
+            stream = stream + self.post_attention_layernorm(self.self_attn(stream, rope, meta, kv_layer))
+            return self.post_feedforward_layernorm(self.mlp(stream)), stream
         h, residual = self.input_layernorm.add(x, residual)
         attn = self.self_attn(h, rope, meta, kv_layer)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
@@ -263,7 +278,7 @@ class LlamaBackbone(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, arch, i, kernels) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, arch.gemma_norms, kernels)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, arch.norm_form, kernels)
 
 
 class LlamaForCausalLM(nn.Module):

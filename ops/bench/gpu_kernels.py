@@ -263,27 +263,29 @@ def run_checks(report: Report, ops: Any, ref: Any) -> None:
         ulp = torch.finfo(want.dtype).eps * want.float().abs().clamp(min=torch.finfo(want.dtype).tiny)
         return float(((got.float() - want.float()).abs() / ulp).max()), 4.0 if want.dtype == torch.float32 else 2.0
 
-    def norm(dtype: torch.dtype, width: int, gemma: bool) -> tuple[float, float]:
+    def norm(dtype: torch.dtype, width: int, form: int) -> tuple[float, float]:
         """Units in the last place of the output's dtype (the sum of squares' order may move the last bit)."""
         x, weight = 3 * randn(300, width, dtype=dtype), (1 + 0.5 * randn(width)).to(dtype)
-        return ulps(ops.rms_norm(x, weight, 1e-6, gemma), ref.rms_norm(x, weight, 1e-6, gemma))
+        return ulps(ops.rms_norm(x, weight, 1e-6, form), ref.rms_norm(x, weight, 1e-6, form))
 
-    def add_norm(dtype: torch.dtype, width: int, gemma: bool) -> tuple[float, float]:
+    def add_norm(dtype: torch.dtype, width: int, form: int) -> tuple[float, float]:
         """The residual sum, which must equal torch's addition (entries that differ, counted as units in
         the last place beyond the norm's), and the norm of it, as ``norm``."""
         x, residual = 3 * randn(300, width, dtype=dtype), 10 * randn(300, width, dtype=dtype)
         weight = (1 + 0.5 * randn(width)).to(dtype)
         (normed, summed), (want_normed, want_summed) = (
-            ops.add_rms_norm(x, residual, weight, 1e-6, gemma), ref.add_rms_norm(x, residual, weight, 1e-6, gemma))
+            ops.add_rms_norm(x, residual, weight, 1e-6, form), ref.add_rms_norm(x, residual, weight, 1e-6, form))
         err, tol = ulps(normed, want_normed)
         return err + tol * float((summed != want_summed).sum()), tol
 
-    for dtype, width, gemma in [(torch.bfloat16, 4096, False), (torch.bfloat16, 576, True), (torch.float16, 8192, False),
-                                (torch.float32, 4096, False)]:
-        report.check(f"rms_norm {str(dtype)[6:]} width {width}{', Gemma' if gemma else ''} (err in units in the "
-                     f"last place)", functools.partial(norm, dtype, width, gemma))
-        report.check(f"add_rms_norm {str(dtype)[6:]} width {width}{', Gemma' if gemma else ''} (err in units in the "
-                     f"last place; the sum exact)", functools.partial(add_norm, dtype, width, gemma))
+    form_names = {ref.NORM_LLAMA: "", ref.NORM_GEMMA: ", Gemma", ref.NORM_OLMO: ", OLMo"}
+    for dtype, width, form in [(torch.bfloat16, 4096, ref.NORM_LLAMA), (torch.bfloat16, 576, ref.NORM_GEMMA),
+                               (torch.bfloat16, 2048, ref.NORM_OLMO), (torch.float16, 8192, ref.NORM_LLAMA),
+                               (torch.float32, 4096, ref.NORM_LLAMA)]:
+        report.check(f"rms_norm {str(dtype)[6:]} width {width}{form_names[form]} (err in units in the "
+                     f"last place)", functools.partial(norm, dtype, width, form))
+        report.check(f"add_rms_norm {str(dtype)[6:]} width {width}{form_names[form]} (err in units in the "
+                     f"last place; the sum exact)", functools.partial(add_norm, dtype, width, form))
 
     def rope(dtype: torch.dtype) -> tuple[float, float]:
         """Entries that differ from the torch formula's (the same roundings in turn: none)."""

@@ -59,6 +59,12 @@ REFUSED = [
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}),
      "rope_parameters.full_attention.rope_type"),
+    ("olmo2-activation", lambda: _config("Olmo2Config", hidden_act="gelu"), "hidden_act"),
+    ("olmo3-rope-dynamic", lambda: _config("Olmo3Config", sliding_window=8, layer_types=[
+        "sliding_attention", "full_attention", "sliding_attention"], rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}),
+     "rope_parameters.full_attention.rope_type"),
     ("chunked-layer", lambda: _config("Qwen2Config", sliding_window=8,
                                       layer_types=["chunked_attention", "full_attention", "full_attention"]),
      "layer_types"),
@@ -72,7 +78,7 @@ def test_unimplemented_config_fields_are_refused_by_name(make, field: str) -> No
     assert info.value.field == field
 
 
-@pytest.mark.parametrize("model_type", ["gemma", "gemma3", "phi", "llama4_text"])
+@pytest.mark.parametrize("model_type", ["gemma", "gemma3", "phi", "llama4_text", "olmo", "olmoe"])
 def test_other_families_are_refused_when_loading_their_config(tmp_path: Path, model_type: str) -> None:
     from transformers import AutoConfig
 

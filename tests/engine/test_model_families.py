@@ -20,6 +20,7 @@ from common.model.llama import LlamaForCausalLM
 from common.model.weights import load_hf_config
 from common.sampling_params import SamplingParams
 from pdserve_kernels import get_kernels
+from pdserve_kernels.reference import NORM_GEMMA, NORM_LLAMA, NORM_OLMO
 from tests.engine.test_disaggregated_lifecycle import _drain, _transfer
 from tests.engine.tiny_models import WINDOW, build_checkpoint, family_configs, hf_greedy, prompt_token_ids
 
@@ -95,6 +96,14 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     assert hunyuan.qk_norm_after_rope and not hunyuan.qk_norm and hunyuan.rope_type == "ntk_alpha"
     gemma = arch["gemma2-window-softcap"]
     assert gemma.sliding_windows == (WINDOW, None, WINDOW) and gemma.gemma_norms
+    olmo2, olmo3 = arch["olmo2-post-norms"], arch["olmo3-window-rope-per-type"]
+    for olmo in (olmo2, olmo3):
+        assert olmo.post_norms_only and olmo.qk_norm_full_width and not olmo.qk_norm and not olmo.gemma_norms
+        assert olmo.norm_form == NORM_OLMO and not olmo.mlp_bias
+    assert olmo2.qkv_bias and olmo2.o_bias and not olmo3.qkv_bias  # attention_bias, as the configs say
+    assert olmo2.sliding_windows == (None,) * 3 and olmo2.rope_layer_types is None
+    assert olmo3.sliding_windows == (WINDOW, None, WINDOW) and olmo3.rope_type == "scaled"
+    assert arch["llama-bias"].norm_form == NORM_LLAMA and gemma.norm_form == NORM_GEMMA
     assert (gemma.attn_soft_cap, gemma.final_soft_cap, gemma.query_pre_attn_scalar) == (2.0, 3.0, 24.0)
 
 
@@ -191,7 +200,7 @@ def test_family_greedy_equals_transformers_through_the_engine(checkpoint, engine
     assert got == [_expected(folder, tuple(p)) for p in prompts]
 
 
-@pytest.mark.parametrize("name", [*WINDOWED, "qwen3-qk-norm", "hunyuan-qk-norm-ntk-alpha"])
+@pytest.mark.parametrize("name", [*WINDOWED, "qwen3-qk-norm", "hunyuan-qk-norm-ntk-alpha", "olmo2-post-norms"])
 def test_family_greedy_equals_transformers_through_prefill_handoff_decode(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
     folder = checkpoint(name)
     prompt = prompt_token_ids(PROMPT_LEN)

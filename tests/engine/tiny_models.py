@@ -37,6 +37,8 @@ def family_configs() -> dict[str, Any]:
         LlamaConfig,
         MinistralConfig,
         MistralConfig,
+        Olmo2Config,
+        Olmo3Config,
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
@@ -96,6 +98,15 @@ def family_configs() -> dict[str, Any]:
         "hunyuan-qk-norm-ntk-alpha": HunYuanDenseV1Config(
             **TINY_DIMS, attention_bias=True, tie_word_embeddings=False,
             rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0},
+        ),
+        # Norms after each block, none before; q and k normed across all their heads.
+        "olmo2-post-norms": Olmo2Config(**TINY_DIMS, attention_bias=True, tie_word_embeddings=False),
+        # OLMo 2's layer with sliding layers and a RoPE per layer type (the global one scaled).
+        "olmo3-window-rope-per-type": Olmo3Config(
+            **TINY_DIMS, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
+            tie_word_embeddings=False,
         ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={

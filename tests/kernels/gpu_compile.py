@@ -91,13 +91,14 @@ def record_launches() -> list[Launch]:
         triton_sampling.seeded_race(torch.empty(4, 128256), torch.zeros(4, dtype=torch.long), num_splits=1)
         scenario[0] = "seeded race, 128k vocabulary, rows in ranges"
         triton_sampling.seeded_race(torch.empty(4, 128256), torch.zeros(4, dtype=torch.long), num_splits=33)
-        for name, width, gemma in (("SmolLM2's hidden size, bf16", 576, False), ("an 8B model's, Gemma's formula", 4096, True),
-                                   ("a row wider than one pass", 8192, False), ("a 128-wide head (q/k norms)", 128, False)):
+        for name, width, form in (("SmolLM2's hidden size, bf16", 576, 0), ("an 8B model's, Gemma's formula", 4096, 1),
+                                  ("a row wider than one pass", 8192, 0), ("a 128-wide head (q/k norms)", 128, 0),
+                                  ("OLMo's formula", 4096, 2)):
             scenario[0] = f"rms_norm, {name}"
-            triton_norm.rms_norm(torch.empty(4, width, dtype=bf16), torch.empty(width, dtype=bf16), 1e-6, gemma)
+            triton_norm.rms_norm(torch.empty(4, width, dtype=bf16), torch.empty(width, dtype=bf16), 1e-6, form)
             scenario[0] = f"add_rms_norm, {name}"
             triton_norm.add_rms_norm(torch.empty(4, width, dtype=bf16), torch.empty(4, width, dtype=bf16),
-                                     torch.empty(width, dtype=bf16), 1e-6, gemma)
+                                     torch.empty(width, dtype=bf16), 1e-6, form)
         for name, q_heads, k_heads, head_size in (("SmolLM2's heads", 9, 3, 64), ("an 8B model's", 32, 8, 128)):
             scenario[0] = f"rope, {name}, bf16"
             cs = torch.empty(4, 1, head_size, dtype=bf16)

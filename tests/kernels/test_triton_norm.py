@@ -1,7 +1,7 @@
 """RMSNorm's Triton kernel against the torch reference (transformers' formula), under the interpreter:
-every dtype, both formulas (Llama's weight after the rounding, Gemma's ``1 + weight`` before it), a
-3-D input as the per-head query norms pass, a width that is no power of two, and rows wider than one
-pass of the kernel."""
+every dtype, the three forms (Llama's weight after the rounding, Gemma's ``1 + weight`` and OLMo's
+weight before it), a 3-D input as the per-head query norms pass, a width that is no power of two, and
+rows wider than one pass of the kernel; the reference's forms against transformers' own norms."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from pdserve_kernels import reference, triton_norm
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+FORMS = [reference.NORM_LLAMA, reference.NORM_GEMMA, reference.NORM_OLMO]
 
 
 def _inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,12 +26,12 @@ def _inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tuple[torc
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
-@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("shape", [(7, 576), (5, 3, 80), (2, 64)])
-def test_the_kernel_normalizes_as_the_reference_does(dtype: torch.dtype, gemma: bool, shape: tuple[int, ...]) -> None:
+def test_the_kernel_normalizes_as_the_reference_does(dtype: torch.dtype, form: int, shape: tuple[int, ...]) -> None:
     x, weight = _inputs(shape, dtype, seed=len(shape) * 10 + shape[-1])
-    got = triton_norm.rms_norm(x, weight, 1e-6, gemma)
-    expected = reference.rms_norm(x, weight, 1e-6, gemma)
+    got = triton_norm.rms_norm(x, weight, 1e-6, form)
+    expected = reference.rms_norm(x, weight, 1e-6, form)
     assert got.shape == x.shape and got.dtype == expected.dtype == dtype
     # The same formula; the order of the float32 sum of squares (and the interpreter's square root) may
     # differ: at most two units in the last place of a 16-bit output, four of a float32 one (the scale's
@@ -60,17 +61,17 @@ def test_a_row_slice_is_read_with_its_stride_and_bad_arguments_are_refused() -> 
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
-@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("max_block", [None, 64])  # one pass, or four (the sum read back from where it was written)
 def test_the_residual_sum_is_rounded_as_torch_adds_and_then_normalized(
-    dtype: torch.dtype, gemma: bool, max_block: int | None, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, form: int, max_block: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if max_block is not None:
         monkeypatch.setattr(triton_norm, "MAX_BLOCK", max_block)
     x, weight = _inputs((7, 200), dtype, seed=5)
     residual = (10 * torch.randn(7, 200, generator=torch.Generator().manual_seed(6))).to(dtype)
-    normed, summed = triton_norm.add_rms_norm(x, residual, weight, 1e-6, gemma)
-    want_normed, want_summed = reference.add_rms_norm(x, residual, weight, 1e-6, gemma)
+    normed, summed = triton_norm.add_rms_norm(x, residual, weight, 1e-6, form)
+    want_normed, want_summed = reference.add_rms_norm(x, residual, weight, 1e-6, form)
     if dtype != BF16:  # the interpreter truncates float32 to bfloat16 where torch (and a GPU) round
         assert torch.equal(summed, want_summed)
     ulp = torch.finfo(dtype).eps * want_normed.float().abs().clamp(min=torch.finfo(dtype).tiny)
@@ -85,3 +86,23 @@ def test_the_residual_sum_refuses_a_residual_of_another_shape_or_dtype() -> None
         triton_norm.add_rms_norm(x, x[:2], weight, 1e-6)
     with pytest.raises(AssertionError, match="residual"):
         triton_norm.add_rms_norm(x, x.half(), weight, 1e-6)
+
+
+def test_each_form_is_its_family_s_norm_in_transformers_to_the_bit() -> None:
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    x, weight = _inputs((64, 96), BF16, seed=7)
+    outputs = {}
+    for form, module in ((reference.NORM_LLAMA, LlamaRMSNorm(96, eps=1e-6)),
+                         (reference.NORM_GEMMA, Gemma2RMSNorm(96, eps=1e-6)),
+                         (reference.NORM_OLMO, Olmo2RMSNorm(96, eps=1e-6))):
+        module = module.to(BF16)
+        with torch.no_grad():
+            module.weight.copy_(weight)
+            want = module(x)
+        outputs[form] = reference.rms_norm(x, weight, 1e-6, form)
+        assert torch.equal(outputs[form], want), form
+    # In bfloat16 the forms round differently: no form stands in for another.
+    assert not torch.equal(outputs[reference.NORM_LLAMA], outputs[reference.NORM_OLMO])

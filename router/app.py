@@ -215,23 +215,24 @@ def create_app(state: RouterState) -> FastAPI:
     errors = error_responses()
     not_found: dict[int | str, dict[str, Any]] = {status: errors[status] for status in (401, 404, 503)}
 
+    def owner(request: Request) -> str:
+        """The caller's API-key salt ("" with keys off): whose stored responses it may see."""
+        return state.api_keys.check(request.headers.get("authorization")) or ""
+
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=not_found)
     async def stored_response(request: Request, response_id: str) -> JSONResponse:
-        owner = state.api_keys.check(request.headers.get("authorization")) or ""
-        return JSONResponse(await retrieve_response(state, owner, response_id))
+        return JSONResponse(await retrieve_response(state, owner(request), response_id))
 
     @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=not_found)
     async def remove_response(request: Request, response_id: str) -> JSONResponse:
-        owner = state.api_keys.check(request.headers.get("authorization")) or ""
-        return JSONResponse(await delete_response(state, owner, response_id))
+        return JSONResponse(await delete_response(state, owner(request), response_id))
 
     @app.get("/v1/responses/{response_id}/input_items", response_model=InputItemList,
              responses={**not_found, 400: errors[400]})
     async def response_input_items(
         request: Request, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
     ) -> JSONResponse:
-        owner = state.api_keys.check(request.headers.get("authorization")) or ""
-        return JSONResponse(await list_input_items(state, owner, response_id, limit, order, after))
+        return JSONResponse(await list_input_items(state, owner(request), response_id, limit, order, after))
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -14,7 +14,7 @@ from router.chat_answer import AnswerReader, AnswerStream
 from router.choice_stream import ChoiceDelta, ChoiceStream
 from router.errors import APIError, bad_request
 from router.openai_models import StreamOptions, parse_request
-from router.response_store import StoredResponse
+from router.response_store import ResponseStore, StoredResponse
 from router.responses_api import (
     ResponseEvents,
     ResponsesRequest,
@@ -161,12 +161,20 @@ class _ResponseChunks:
 
 
 # ----------------------------------------------------------------------------- stored responses
-async def _stored(state: RouterState, owner: str, response_id: str) -> StoredResponse:
+def _store(state: RouterState, response_id: str) -> ResponseStore:
     if state.responses is None:
         raise APIError(404, f"no response '{response_id}': this router stores no responses", code="not_found")
-    record = await state.responses.load(response_id, owner)
+    return state.responses
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"no response '{response_id}' (never stored, expired or deleted)", code="not_found")
+
+
+async def _stored(state: RouterState, owner: str, response_id: str) -> StoredResponse:
+    record = await _store(state, response_id).load(response_id, owner)
     if record is None:
-        raise APIError(404, f"no response '{response_id}' (never stored, expired or deleted)", code="not_found")
+        raise _not_found(response_id)
     return record
 
 
@@ -175,10 +183,8 @@ async def retrieve_response(state: RouterState, owner: str, response_id: str) ->
 
 
 async def delete_response(state: RouterState, owner: str, response_id: str) -> dict[str, Any]:
-    await _stored(state, owner, response_id)  # 404 unless it is there and the caller's
-    assert state.responses is not None
-    if not await state.responses.delete(response_id, owner):
-        raise APIError(404, f"no response '{response_id}' (deleted meanwhile)", code="not_found")
+    if not await _store(state, response_id).delete(response_id, owner):  # there and the caller's, or a 404
+        raise _not_found(response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 

@@ -259,3 +259,33 @@ def copy_blocks(kv_cache: Tensor, src_block_ids: Tensor, dst_block_ids: Tensor) 
     src = src_block_ids.to(device=kv_cache.device, dtype=torch.long)
     dst = dst_block_ids.to(device=kv_cache.device, dtype=torch.long)
     kv_cache.index_copy_(2, dst, kv_cache.index_select(2, src))
+
+
+def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """A mixture-of-experts block's experts over the tokens ``x`` ``[T, H]``: for each token, the sum
+    over the experts its router chose (``topk_ids`` ``[T, k]``, distinct per row) of ``weight *
+    down(silu(gate) * up)``, ``[T, H]``.
+
+    ``w13`` ``[E, 2I, H]`` holds each expert's gate and up projections stacked, ``w2`` ``[E, H, I]``
+    its down projection; ``topk_weights`` ``[T, k]`` is float32 or ``x``'s dtype (the family decides).
+    The arithmetic is transformers' (its experts' loop): each expert's output rounded to the dtype,
+    times its weight in the weight's dtype, rounded again, and a token's terms added in ascending expert
+    order, each sum rounded to the dtype. Only the chosen experts run, over their own tokens."""
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros_like(x)
+    if num_tokens == 0:
+        return out
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, ascending
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    weights = topk_weights.reshape(-1)
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // top_k
+        y = F.linear(silu_mul(F.linear(x[tokens], w13[expert])), w2[expert])
+        out.index_add_(0, tokens, (y * weights[pairs, None]).to(x.dtype))
+    return out

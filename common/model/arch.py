@@ -30,9 +30,11 @@ from pdserve_kernels.reference import NORM_GEMMA, NORM_LLAMA, NORM_OLMO
 
 # Families whose biases follow Llama's code: q/k/v/o by ``attention_bias``, the MLP's by ``mlp_bias``.
 _LLAMA_BIAS_TYPES = ("llama", "granite", "smollm3", "internlm3", "arcee")
+# Mixture-of-experts families: a router over experts in place of the MLP (in some layers or all).
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "seed_oss",
-    "hunyuan_v1_dense", "olmo2", "olmo3",
+    "hunyuan_v1_dense", "olmo2", "olmo3", *_MOE_TYPES,
 )
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
 _OLMO_TYPES = ("olmo2", "olmo3")
@@ -57,6 +59,7 @@ _UNSET_FIELDS = (
     "residual_multiplier",
     "attention_multiplier",
     "use_bidirectional_attention",  # non-causal attention
+    "clip_qkv",  # OLMoE / OLMo 1: q, k and v clamped
 )
 # ... except where a family implements them.
 _GRANITE_SCALINGS = ("embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier")
@@ -108,6 +111,18 @@ class ModelArch:
     attention_multiplier: float | None = None
     residual_multiplier: float | None = None
     logits_scaling: float | None = None
+    # A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) in the layers ``moe_layers``: a router
+    # picks ``experts_per_token`` of ``num_experts`` gated MLPs (each ``moe_intermediate_size`` wide) by
+    # softmax, their weights renormalized to sum to 1 where ``norm_topk_prob``, kept in float32 where
+    # ``routing_weights_float32`` (Mixtral) or else rounded to the model's dtype. Qwen2-MoE adds a shared
+    # expert every token goes through (``shared_expert_intermediate_size`` wide), scaled by a sigmoid gate.
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    routing_weights_float32: bool = False
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def from_config(cls, config: Any) -> ModelArch:
@@ -147,7 +162,11 @@ class ModelArch:
             "hunyuan_v1_dense": (bias, bias, False),
             "olmo2": (bias, bias, False),
             "olmo3": (bias, bias, False),
+            "qwen3_moe": (bias, bias, False),
+            "olmoe": (bias, bias, False),
             "qwen2": (True, False, False),
+            "qwen2_moe": (bool(getattr(config, "qkv_bias", True)), False, False),
+            "mixtral": (False, False, False),
             "mistral": (False, False, False),
             "ministral": (False, False, False),
             "phi3": (False, False, False),
@@ -161,7 +180,7 @@ class ModelArch:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             qk_norm_after_rope=model_type == "hunyuan_v1_dense",
             sliding_windows=_sliding_windows(config, model_type),
             rope_type=rope_type,
@@ -171,14 +190,56 @@ class ModelArch:
             gemma_norms=gemma,
             norm_form=NORM_GEMMA if gemma else NORM_OLMO if olmo else NORM_LLAMA,
             post_norms_only=olmo,
-            qk_norm_full_width=olmo,
+            qk_norm_full_width=olmo or model_type == "olmoe",
             embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
             # Set only where the family implements them (checked above).
             query_pre_attn_scalar=_positive_or_none(config, "query_pre_attn_scalar"),
             attn_soft_cap=_positive_or_none(config, "attn_logit_softcapping"),
             final_soft_cap=_positive_or_none(config, "final_logit_softcapping"),
             **{name: _positive_or_none(config, name) for name in _GRANITE_SCALINGS},
+            **(_moe_fields(config, model_type) if model_type in _MOE_TYPES else {}),
         )
+
+
+def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
+    """A mixture-of-experts family's ``ModelArch`` fields, checked; which layers have experts follows its
+    transformers code (Qwen's: every ``decoder_sparse_step``-th layer outside ``mlp_only_layers``)."""
+    num_layers = int(config.num_hidden_layers)
+    mixtral = model_type == "mixtral"
+    # transformers maps Qwen's and OLMoE's ``num_experts`` to ``num_local_experts`` (as a saved config names it).
+    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    inter = getattr(config, "intermediate_size" if model_type in ("mixtral", "olmoe") else "moe_intermediate_size", None)
+    if not _positive_int(num_experts):
+        raise UnsupportedConfig("num_local_experts", num_experts, "must be a positive integer")
+    if not _positive_int(top_k) or top_k > num_experts:
+        raise UnsupportedConfig("num_experts_per_tok", top_k, f"must be 1 to the number of experts ({num_experts})")
+    if not _positive_int(inter):
+        raise UnsupportedConfig("moe_intermediate_size", inter, "must be a positive integer")
+    moe_layers = tuple(range(num_layers))
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        step, dense = getattr(config, "decoder_sparse_step", 1), getattr(config, "mlp_only_layers", None) or []
+        if not _positive_int(step):
+            raise UnsupportedConfig("decoder_sparse_step", step, "must be a positive integer")
+        if not isinstance(dense, list) or any(not isinstance(i, int) or not 0 <= i < num_layers for i in dense):
+            raise UnsupportedConfig("mlp_only_layers", dense, f"must list layers 0 to {num_layers - 1}")
+        moe_layers = tuple(i for i in moe_layers if i not in dense and (i + 1) % step == 0)
+    shared = 0
+    if model_type == "qwen2_moe":
+        shared = getattr(config, "shared_expert_intermediate_size", None)
+        if not _positive_int(shared):
+            raise UnsupportedConfig("shared_expert_intermediate_size", shared, "must be a positive integer")
+    return {
+        "moe_layers": moe_layers, "num_experts": num_experts, "experts_per_token": top_k,
+        "moe_intermediate_size": inter,
+        # Mixtral always renormalizes the chosen experts' weights, and keeps them in float32.
+        "norm_topk_prob": mixtral or bool(getattr(config, "norm_topk_prob", False)),
+        "routing_weights_float32": mixtral, "shared_expert_intermediate_size": shared,
+    }
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _positive_or_none(config: Any, field: str) -> float | None:
@@ -249,9 +310,17 @@ def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
         return (None,) * num_layers  # their transformers code has no sliding window: the field is unused
     if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window
+    if model_type == "qwen2_moe" and not getattr(config, "use_sliding_window", False):
+        return (None,) * num_layers  # its config sets the window to 0 then
     if window is not None and (not isinstance(window, int) or window < 1):
         raise UnsupportedConfig("sliding_window", window, "must be a positive integer")
-    if model_type in ("mistral", "phi3"):  # every layer, whatever layer_types says (as transformers' own)
+    if model_type == "olmoe":  # its attention would read one, but its config class has no such field
+        if window is not None:
+            raise UnsupportedConfig("sliding_window", window, "not implemented for olmoe")
+        return (None,) * num_layers
+    if model_type == "qwen3_moe":  # every layer with use_sliding_window (its config has no layer_types)
+        return ((window if getattr(config, "use_sliding_window", False) else None),) * num_layers
+    if model_type in ("mistral", "phi3", "mixtral"):  # every layer, whatever layer_types says (as transformers' own)
         return (window,) * num_layers
     # Qwen2/Qwen3 derive layer_types from use_sliding_window and max_window_layers; Gemma 2 alternates.
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, SmolLM) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, SmolLM, and their mixtures of experts:
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) over a paged KV cache.
 
 The forward pass takes the flattened tokens of many sequences at once, with their positions and
 an ``AttentionMetadata`` that says where each token's K/V goes (``slot_mapping``) and which blocks
@@ -200,9 +201,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType | None = None) -> None:
+    def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType | None = None, inter: int | None = None) -> None:
+        """``inter``: the width of its gate and up, where not the config's ``intermediate_size`` (a shared expert)."""
         super().__init__()
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden, inter = config.hidden_size, inter or config.intermediate_size
         bias = arch.mlp_bias
         self.inter = inter
         self.relu2 = arch.activation == "relu2"  # Arcee: no gate, down(relu(up(x)) ** 2)
@@ -225,11 +227,58 @@ class MLP(nn.Module):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
+class Experts(nn.Module):
+    """A mixture's experts, each a gated MLP, their weights stacked: ``gate_up_proj`` ``[E, 2I, H]`` (each
+    expert's gate and up, as ``MLP.gate_up_proj``), ``down_proj`` ``[E, H, I]``; transformers' layout, into
+    which ``common.model.weights.stack_experts`` stacks a checkpoint's experts as it loads them."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+
+class SparseMoE(nn.Module):
+    """A mixture of experts in the MLP's place (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): the router (``gate``)
+    scores every expert, a softmax in float32 picks each token's ``experts_per_token`` best, and the
+    kernels' ``moe_experts`` runs only those (the torch loop over the experts hit, or on a GPU one Triton
+    grouped matrix product per projection); Qwen2-MoE's shared expert is added, scaled by its gate."""
+
+    def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.gate = nn.Linear(hidden, arch.num_experts, bias=False)
+        self.experts = Experts(arch.num_experts, hidden, arch.moe_intermediate_size)
+        self.top_k = arch.experts_per_token
+        self.norm_topk_prob = arch.norm_topk_prob
+        self.routing_weights_float32 = arch.routing_weights_float32
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if arch.shared_expert_intermediate_size:
+            self.shared_expert = MLP(config, arch, kernels, inter=arch.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.kernels = kernels
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = self.gate(x)
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.routing_weights_float32:
+            weights = weights.to(logits.dtype)
+        out: Tensor = self.kernels.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, arch: ModelArch, layer_idx: int, kernels: ModuleType) -> None:
         super().__init__()
         self.self_attn = Attention(config, arch, layer_idx, kernels)
-        self.mlp = MLP(config, arch, kernels)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(config, arch, kernels) if layer_idx in arch.moe_layers else MLP(config, arch, kernels)
+        )
         size, eps, form = config.hidden_size, config.rms_norm_eps, arch.norm_form
         # OLMo has no norm before a block: its checkpoints hold no input_layernorm.
         self.input_layernorm = None if arch.post_norms_only else RMSNorm(size, eps, form, kernels)

@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import importlib.metadata
 import json
+import re
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -18,7 +19,11 @@ from common.model.arch import SUPPORTED_MODEL_TYPES, ModelArch
 from common.model.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 from common.model.loader import cache_dir
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "load_model", "stack_projections"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "load_model", "stack_experts", "stack_projections"]
+
+# Mixtral's checkpoints name its experts' block and projections their own way.
+_MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<kind>gate_up_proj|down_proj)\.weight$")
 
 
 def load_hf_config(path: Path) -> Any:
@@ -68,7 +73,14 @@ def load_model(
                 state[name] = f.get_tensor(name)
     if model.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if model.arch.model_type == "mixtral":
+        for name in [n for n in state if ".block_sparse_moe." in n]:
+            new = name
+            for old, ours in _MIXTRAL_NAMES:
+                new = new.replace(old, ours)
+            state[new] = state.pop(name)
     stack_projections(state)
+    stack_experts(state)
     expected = {n for n, _ in model.named_parameters()}
     if model.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -95,3 +107,20 @@ def stack_projections(state: dict[str, torch.Tensor]) -> None:
             if missing:
                 raise ValueError(f"checkpoint mismatch: {name} without {', '.join(missing)}")
             state[f"{prefix}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+
+
+def stack_experts(state: dict[str, torch.Tensor]) -> None:
+    """In place: each mixture's experts, one weight per expert and projection in the checkpoint
+    (``...experts.<e>.gate_up_proj.weight`` once ``stack_projections`` has stacked its gate and up), stacked
+    into ``Experts``' ``[E, ...]`` parameters in expert order. A checkpoint that holds them stacked
+    already (transformers' own layout) is left as it is; one that lacks an expert is named as broken."""
+    groups: dict[tuple[str, str], dict[int, str]] = {}
+    for name in state:
+        match = _EXPERT.match(name)
+        if match:
+            groups.setdefault((match["prefix"], match["kind"]), {})[int(match["index"])] = name
+    for (prefix, kind), experts in groups.items():
+        missing = sorted(set(range(max(experts) + 1)) - experts.keys())
+        if missing:
+            raise ValueError(f"checkpoint mismatch: {prefix} lacks {kind} of experts {missing[:5]}")
+        state[f"{prefix}.{kind}"] = torch.stack([state.pop(experts[e]) for e in range(len(experts))])

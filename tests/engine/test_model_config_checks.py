@@ -65,6 +65,15 @@ REFUSED = [
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}),
      "rope_parameters.full_attention.rope_type"),
+    ("olmoe-clip-qkv", lambda: _config("OlmoeConfig", clip_qkv=8.0), "clip_qkv"),
+    ("olmoe-window", lambda: _config("OlmoeConfig", sliding_window=8), "sliding_window"),
+    ("mixtral-activation", lambda: _config("MixtralConfig", hidden_act="gelu"), "hidden_act"),
+    ("mixtral-more-experts-per-token-than-experts", lambda: _config(
+        "MixtralConfig", num_local_experts=4, num_experts_per_tok=5), "num_experts_per_tok"),
+    ("qwen3-moe-dense-layer-out-of-range", lambda: _config(
+        "Qwen3MoeConfig", mlp_only_layers=[3]), "mlp_only_layers"),
+    ("qwen2-moe-no-shared-expert", lambda: _config(
+        "Qwen2MoeConfig", shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
     ("chunked-layer", lambda: _config("Qwen2Config", sliding_window=8,
                                       layer_types=["chunked_attention", "full_attention", "full_attention"]),
      "layer_types"),
@@ -78,7 +87,7 @@ def test_unimplemented_config_fields_are_refused_by_name(make, field: str) -> No
     assert info.value.field == field
 
 
-@pytest.mark.parametrize("model_type", ["gemma", "gemma3", "phi", "llama4_text", "olmo", "olmoe"])
+@pytest.mark.parametrize("model_type", ["gemma", "gemma3", "phi", "llama4_text", "olmo", "gpt_oss", "granitemoe"])
 def test_other_families_are_refused_when_loading_their_config(tmp_path: Path, model_type: str) -> None:
     from transformers import AutoConfig
 

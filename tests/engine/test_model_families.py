@@ -1,4 +1,4 @@
-"""Each supported family and config feature, on a tiny random-weight checkpoint: greedy output equals
+"""Each supported family and config feature (mixtures of experts among them), on a tiny random-weight checkpoint: greedy output equals
 transformers ``generate`` over a prompt longer than the sliding window, through one engine (chunked
 prefill with chunks ending inside blocks and windows, a batch of two) and through prefill -> KV
 hand-off -> decode."""
@@ -29,6 +29,7 @@ PROMPT_LEN = 2 * WINDOW + 7  # longer than the window, ending inside a block
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
 FAMILIES = sorted(family_configs())
 WINDOWED = [name for name in FAMILIES if "window" in name or "layer-types" in name]
+MIXTURES = [name for name in FAMILIES if "moe" in name]
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +105,20 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     assert olmo2.sliding_windows == (None,) * 3 and olmo2.rope_layer_types is None
     assert olmo3.sliding_windows == (WINDOW, None, WINDOW) and olmo3.rope_type == "scaled"
     assert arch["llama-bias"].norm_form == NORM_LLAMA and gemma.norm_form == NORM_GEMMA
+    mixtral, qwen3_moe = arch["mixtral-moe-window"], arch["qwen3-moe-dense-layer"]
+    qwen2_moe, olmoe = arch["qwen2-moe-shared-expert"], arch["olmoe-qk-norm"]
+    assert (mixtral.moe_layers, mixtral.num_experts, mixtral.experts_per_token) == ((0, 1, 2), 4, 2)
+    assert mixtral.norm_topk_prob and mixtral.routing_weights_float32 and mixtral.sliding_windows == (WINDOW,) * 3
+    assert mixtral.moe_intermediate_size == 128  # Mixtral's experts are intermediate_size wide
+    assert qwen3_moe.moe_layers == (0, 2) and qwen3_moe.moe_intermediate_size == 32 and qwen3_moe.qk_norm
+    assert qwen3_moe.norm_topk_prob and not qwen3_moe.routing_weights_float32
+    assert qwen3_moe.sliding_windows == (None,) * 3
+    assert (qwen2_moe.num_experts, qwen2_moe.experts_per_token, qwen2_moe.shared_expert_intermediate_size) == (6, 3, 48)
+    assert not qwen2_moe.norm_topk_prob and qwen2_moe.qkv_bias and not qwen2_moe.o_bias
+    assert qwen2_moe.sliding_windows == (None,) * 3  # use_sliding_window off: its config's window is 0
+    assert olmoe.qk_norm_full_width and not olmoe.post_norms_only and olmoe.norm_form == NORM_LLAMA
+    assert olmoe.qkv_bias and olmoe.o_bias and olmoe.moe_layers == (0, 1, 2)
+    assert arch["llama-bias"].moe_layers == () and arch["llama-bias"].num_experts == 0
     assert (gemma.attn_soft_cap, gemma.final_soft_cap, gemma.query_pre_attn_scalar) == (2.0, 3.0, 24.0)
 
 
@@ -158,6 +173,21 @@ def test_a_layer_without_rope_changes_transformers_logits_so_the_tests_can_see_i
     assert (logits[0] - logits[1]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("name", MIXTURES)
+def test_the_routing_changes_transformers_logits_so_the_tests_can_see_it(checkpoint, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Guards the tests below: routed to one expert fewer, the same weights give other logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = checkpoint(name)
+    prompt = torch.tensor([prompt_token_ids(PROMPT_LEN)])
+    fewer = AutoConfig.from_pretrained(str(folder))
+    fewer.num_experts_per_tok -= 1
+    with torch.inference_mode():
+        logits = [AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kw).eval()(prompt).logits
+                  for kw in ({}, {"config": fewer})]
+    assert (logits[0] - logits[1]).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_logits_over_a_prompt_equal_transformers(checkpoint, name: str) -> None:  # type: ignore[no-untyped-def]
     """Logits, not only their argmax: a final soft-cap (monotonic) can never change a greedy token."""
@@ -200,7 +230,8 @@ def test_family_greedy_equals_transformers_through_the_engine(checkpoint, engine
     assert got == [_expected(folder, tuple(p)) for p in prompts]
 
 
-@pytest.mark.parametrize("name", [*WINDOWED, "qwen3-qk-norm", "hunyuan-qk-norm-ntk-alpha", "olmo2-post-norms"])
+@pytest.mark.parametrize("name", sorted({*WINDOWED, *MIXTURES, "qwen3-qk-norm", "hunyuan-qk-norm-ntk-alpha",
+                                          "olmo2-post-norms"}))
 def test_family_greedy_equals_transformers_through_prefill_handoff_decode(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
     folder = checkpoint(name)
     prompt = prompt_token_ids(PROMPT_LEN)

@@ -37,11 +37,15 @@ def family_configs() -> dict[str, Any]:
         LlamaConfig,
         MinistralConfig,
         MistralConfig,
+        MixtralConfig,
         Olmo2Config,
         Olmo3Config,
+        OlmoeConfig,
         Phi3Config,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
+        Qwen3MoeConfig,
         SeedOssConfig,
         SmolLM3Config,
     )
@@ -107,6 +111,24 @@ def family_configs() -> dict[str, Any]:
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
             tie_word_embeddings=False,
+        ),
+        # Mixtures of experts. Mixtral: Mistral's layer (a window on every layer) with 2 of 4 experts.
+        "mixtral-moe-window": MixtralConfig(
+            **TINY_DIMS, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, tie_word_embeddings=False,
+        ),
+        # Qwen3's layer with 2 of 8 experts, renormalized; layer 1 a dense MLP (mlp_only_layers).
+        "qwen3-moe-dense-layer": Qwen3MoeConfig(
+            **TINY_DIMS, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+            mlp_only_layers=[1], tie_word_embeddings=False,
+        ),
+        # Qwen2's layer with 3 of 6 experts, not renormalized, beside a shared expert behind a sigmoid gate.
+        "qwen2-moe-shared-expert": Qwen2MoeConfig(
+            **TINY_DIMS, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=False,
+        ),
+        # OLMoE: Llama's norms, q and k normed across all their heads, 2 of 4 experts, biases.
+        "olmoe-qk-norm": OlmoeConfig(
+            **TINY_DIMS, num_experts=4, num_experts_per_tok=2, attention_bias=True, tie_word_embeddings=False,
         ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={

@@ -28,6 +28,7 @@ from pdserve_kernels import (
     triton_decode,
     triton_kv,
     triton_logprobs,
+    triton_moe,
     triton_norm,
     triton_nucleus,
     triton_penalties,
@@ -116,6 +117,17 @@ def record_launches() -> list[Launch]:
         for name, inter in (("SmolLM2's MLP", 1536), ("an 8B model's MLP (wider than one pass)", 14336)):
             scenario[0] = f"silu_mul, {name}, bf16"
             triton_act.silu_mul(torch.empty(4, 2 * inter, dtype=bf16))
+        # Mixtures of experts: Qwen3-30B-A3B's experts (8 of 128, 768 wide) and Mixtral's (2 of 8, 14336
+        # wide), over a decode step's tokens and a prefill chunk's (the other row tile); float32 too.
+        # The weights are never touched here: their pages are not even allocated.
+        for name, dtype, hidden, inter, experts, k, tokens in (
+                ("Qwen3-30B-A3B, decode", bf16, 2048, 768, 128, 8, 64), ("Qwen3-30B-A3B, prefill", bf16, 2048, 768, 128, 8, 512),
+                ("Mixtral, decode", bf16, 4096, 14336, 8, 2, 16), ("float32", f32, 256, 96, 8, 2, 16)):
+            scenario[0] = f"moe_experts, {name}, {dtype}"
+            ids = (torch.arange(tokens * k) % experts).view(tokens, k)
+            triton_moe.moe_experts(torch.empty(tokens, hidden, dtype=dtype), ids, torch.ones(tokens, k),
+                                   torch.empty(experts, 2 * inter, hidden, dtype=dtype),
+                                   torch.empty(experts, hidden, inter, dtype=dtype))
         for vocab in (49152, 128256):
             scenario[0] = f"top-p / min-p, {vocab} vocabulary"
             triton_nucleus.nucleus_filter(torch.empty(4, vocab), torch.ones(4), torch.zeros(4))

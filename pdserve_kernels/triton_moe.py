@@ -1,0 +1,130 @@
+"""A mixture of experts' experts in Triton: one grouped matrix product per projection over every expert
+a step's tokens chose, where the torch reference loops over the experts hit, one product each.
+
+``moe_experts`` computes ``pdserve_kernels.reference.moe_experts``. Each (token, slot) pair, that is each
+token's k chosen experts, is one row of the work:
+
+1. The pairs are grouped by expert and each group padded to a whole number of ``BLOCK_M`` rows
+   (``align_pairs``): a table of pair ids in that order, and the expert of each ``BLOCK_M`` rows. This is
+   done with device operations only (a sort, a scatter-add, cumulative sums, a search): no count comes
+   back to the host, so a CUDA graph can hold it, and its sizes depend on the number of tokens alone.
+2. ``_moe_matmul_kernel`` multiplies each tile of rows by its expert's weight: first the tokens by the
+   stacked gate/up (``[E, 2I, H]``), then, after ``silu_mul``, each pair's activation by the down
+   projection (``[E, H, I]``), its output rounded to the dtype and times the pair's routing weight.
+3. A token's k terms are added in ascending expert order, each sum rounded, as transformers' loop adds
+   them (its slots are sorted by expert before step 1).
+
+Rows past a group's end (padding) are masked; a tile whose rows are all padding beyond the last group
+does nothing. The tile sizes are fixed, not tuned per GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from pdserve_kernels.triton_act import silu_mul
+from pdserve_kernels.triton_common import dot, dot_constexprs
+
+
+@triton.jit
+def _moe_matmul_kernel(
+    a_ptr, w_ptr, c_ptr, pairs_ptr, block_expert_ptr, weight_ptr,
+    num_pairs, N, K,
+    stride_a_row, stride_w_expert, stride_w_n, stride_w_k, stride_c_row,
+    TOP_K: tl.constexpr, A_ROW_IS_PAIR: tl.constexpr, WEIGHTED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """``c[pair, n] = sum_k a[row(pair), k] * w[expert, n, k]`` for the pairs of one tile, all of one
+    expert; ``row(pair)`` is the pair's token (``pair // TOP_K``) or the pair itself."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= 0:
+        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(pairs_ptr + offs_m).to(tl.int64)
+        valid = pairs < num_pairs
+        if A_ROW_IS_PAIR:
+            rows = pairs
+        else:
+            rows = pairs // TOP_K
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_base = w_ptr + expert * stride_w_expert
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + rows[:, None] * stride_a_row + offs_k[None, :],
+                        mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
+            b = tl.load(w_base + offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k,
+                        mask=(offs_n[None, :] < N) & (offs_k[:, None] < K), other=0.0)
+            acc += dot(a, b, WIDEN_DOT, DOT_PRECISION)
+        out = acc.to(c_ptr.dtype.element_ty)  # the product rounded to the dtype, as F.linear's output
+        if WEIGHTED:  # times the pair's routing weight (float32 or the dtype: exact in float32), rounded
+            weight = tl.load(weight_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+            out = (out.to(tl.float32) * weight[:, None]).to(c_ptr.dtype.element_ty)
+        tl.store(c_ptr + pairs[:, None] * stride_c_row + offs_n[None, :], out,
+                 mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+def align_pairs(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """The pairs (``token * k + slot``) grouped by expert, each group padded to whole ``block_m`` tiles
+    with the id ``T * k`` (no pair), and each tile's expert (-1: a tile past the last group). Sizes
+    depend on ``T``, ``k``, ``num_experts`` and ``block_m`` only; nothing is read back to the host."""
+    num_pairs = topk_ids.numel()
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    group_start = torch.cumsum(counts, 0) - counts
+    experts = flat[order]
+    slots = padded_end[experts] - padded[experts] + torch.arange(num_pairs, device=device) - group_start[experts]
+    # At most one partly filled tile per expert that has pairs.
+    num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    pairs[slots] = order.to(torch.int32)
+    starts = torch.arange(num_blocks, device=device, dtype=torch.int64) * block_m
+    block_expert = torch.searchsorted(padded_end, starts, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return pairs, block_expert
+
+
+def _matmul(a: Tensor, w: Tensor, pairs: Tensor, block_expert: Tensor, num_pairs: int, top_k: int,
+            weights: Tensor | None, block_m: int) -> Tensor:
+    _, n, k = w.shape
+    c = torch.empty((num_pairs, n), dtype=a.dtype, device=a.device)
+    block_n, block_k = 64, 64
+    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    _moe_matmul_kernel[grid](
+        a, w, c, pairs, block_expert, weights if weights is not None else c,
+        num_pairs, n, k,
+        a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0),
+        TOP_K=top_k, A_ROW_IS_PAIR=weights is not None, WEIGHTED=weights is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dot_constexprs(a.dtype, a.device),
+    )
+    return c
+
+
+def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """``pdserve_kernels.reference.moe_experts`` as two grouped products (see the module's docstring)."""
+    num_tokens, top_k = topk_ids.shape
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1, "rows must have unit stride"
+    # Each token's slots in ascending expert order, so that its terms are added in transformers' order.
+    topk_ids, perm = torch.sort(topk_ids, dim=1)
+    weights = topk_weights.gather(1, perm).reshape(-1).contiguous()
+    num_pairs = num_tokens * top_k
+    block_m = 16 if num_pairs <= 1024 else 64  # decode steps: fewer padded rows per expert
+    pairs, block_expert = align_pairs(topk_ids, w13.shape[0], block_m)
+    gate_up = _matmul(x, w13, pairs, block_expert, num_pairs, top_k, None, block_m)
+    terms = _matmul(silu_mul(gate_up), w2, pairs, block_expert, num_pairs, top_k, weights, block_m)
+    terms = terms.view(num_tokens, top_k, -1)
+    out = terms[:, 0]
+    for slot in range(1, top_k):
+        out = out + terms[:, slot]
+    return out.contiguous()

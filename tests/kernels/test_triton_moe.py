@@ -1,0 +1,79 @@
+"""A mixture's experts in Triton (``triton_moe.moe_experts``) against the torch reference, under the
+interpreter: every dtype, routing weights in float32 or the dtype, widths that are no multiple of a
+tile, experts no token chose, one expert and one slot, and more pairs than a decode step has (the
+wider row tile); and the grouping of pairs by expert that both products read."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (see conftest.py)
+
+import pytest
+import torch
+
+from pdserve_kernels import reference, triton_moe
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+def _routing(num_tokens: int, num_experts: int, top_k: int, seed: int, used: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's ``top_k`` distinct experts among the first ``used``, and softmax-like weights."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(num_tokens, used or num_experts, generator=gen)
+    weights, ids = torch.topk(scores.softmax(-1), top_k, dim=-1)
+    return ids, weights
+
+
+@pytest.mark.parametrize(("num_tokens", "hidden", "inter", "num_experts", "top_k", "used"), [
+    (1, 16, 8, 1, 1, None),  # one expert, one slot
+    (7, 48, 40, 4, 2, None),  # widths no multiple of a tile
+    (37, 96, 72, 8, 3, 5),  # three of the experts chosen by no token
+    (530, 32, 24, 6, 2, None),  # more than 1,024 pairs: 64-row tiles
+])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_the_kernel_computes_the_reference(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
+                                           used: int | None, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(hidden + num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+    ids, weights = _routing(num_tokens, num_experts, top_k, seed=num_tokens, used=used)
+    for routing_dtype in {F32, dtype}:  # Mixtral keeps its weights in float32, Qwen rounds them
+        got = triton_moe.moe_experts(x, ids, weights.to(routing_dtype), w13, w2)
+        want = reference.moe_experts(x, ids, weights.to(routing_dtype), w13, w2)
+        assert got.shape == want.shape == x.shape and got.dtype == dtype
+        # The products' sums go in another order than torch's; each term and sum is rounded as the
+        # reference rounds it.
+        tol = {F32: 1e-5, F16: 2e-3, BF16: 2e-2}[dtype]
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_pairs_are_grouped_by_expert_in_whole_tiles() -> None:
+    ids, _ = _routing(23, 8, 3, seed=3, used=6)  # experts 6 and 7 chosen by no token
+    block_m = 4
+    pairs, block_expert = triton_moe.align_pairs(ids, 8, block_m)
+    num_pairs = ids.numel()
+    flat = ids.reshape(-1)
+    assert pairs.numel() == block_expert.numel() * block_m
+    real = pairs[pairs < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs)), "each pair exactly once"
+    assert set(pairs[pairs >= num_pairs].tolist()) == {num_pairs}, "padding is one id past the pairs"
+    tiles = pairs.view(-1, block_m)
+    seen = []
+    for tile, expert in zip(tiles.tolist(), block_expert.tolist(), strict=True):
+        members = [p for p in tile if p < num_pairs]
+        if expert < 0:
+            assert not members
+            continue
+        assert members and all(int(flat[p]) == expert for p in members), "a tile holds one expert's pairs"
+        assert tile == members + [num_pairs] * (block_m - len(members)), "padding only at a group's end"
+        seen.append(expert)
+    assert seen == sorted(seen) and set(seen) == set(flat.tolist()), "groups in expert order, none empty"
+
+
+def test_no_tokens() -> None:
+    x = torch.empty(0, 16)
+    out = triton_moe.moe_experts(x, torch.empty(0, 2, dtype=torch.long), torch.empty(0, 2), torch.randn(4, 16, 16),
+                                 torch.randn(4, 16, 8))
+    assert out.shape == (0, 16)

@@ -19,12 +19,17 @@ correctness):
 - OLMo 2 norms each block's output instead of its input (no norm before attention or the MLP), q and
   k across all their heads at once, and meets the normalized row with the weight in float32 (its own
   RMSNorm form); OLMo 3 adds sliding layers and a RoPE per layer type, as Gemma 3's.
+- The mixtures of experts are their dense family's layer with a router over experts in the MLP's
+  place: Mixtral Mistral's (every layer; its chosen experts' weights renormalized, kept in float32),
+  Qwen3-MoE Qwen3's and Qwen2-MoE Qwen2's (each the layers ``decoder_sparse_step`` and
+  ``mlp_only_layers`` leave it; ``norm_topk_prob``; Qwen2-MoE's shared expert behind a sigmoid gate),
+  OLMoE Llama's with q and k normed across all heads, as OLMo 2's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from pdserve_kernels.reference import NORM_GEMMA, NORM_LLAMA, NORM_OLMO
 
@@ -196,9 +201,13 @@ class ModelArch:
             query_pre_attn_scalar=_positive_or_none(config, "query_pre_attn_scalar"),
             attn_soft_cap=_positive_or_none(config, "attn_logit_softcapping"),
             final_soft_cap=_positive_or_none(config, "final_logit_softcapping"),
-            **{name: _positive_or_none(config, name) for name in _GRANITE_SCALINGS},
+            **_granite_scalings(config),
             **(_moe_fields(config, model_type) if model_type in _MOE_TYPES else {}),
         )
+
+
+def _granite_scalings(config: Any) -> dict[str, Any]:
+    return {name: _positive_or_none(config, name) for name in _GRANITE_SCALINGS}
 
 
 def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
@@ -224,11 +233,9 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         if not isinstance(dense, list) or any(not isinstance(i, int) or not 0 <= i < num_layers for i in dense):
             raise UnsupportedConfig("mlp_only_layers", dense, f"must list layers 0 to {num_layers - 1}")
         moe_layers = tuple(i for i in moe_layers if i not in dense and (i + 1) % step == 0)
-    shared = 0
-    if model_type == "qwen2_moe":
-        shared = getattr(config, "shared_expert_intermediate_size", None)
-        if not _positive_int(shared):
-            raise UnsupportedConfig("shared_expert_intermediate_size", shared, "must be a positive integer")
+    shared = getattr(config, "shared_expert_intermediate_size", None) if model_type == "qwen2_moe" else 0
+    if model_type == "qwen2_moe" and not _positive_int(shared):
+        raise UnsupportedConfig("shared_expert_intermediate_size", shared, "must be a positive integer")
     return {
         "moe_layers": moe_layers, "num_experts": num_experts, "experts_per_token": top_k,
         "moe_intermediate_size": inter,
@@ -238,7 +245,7 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
     }
 
 
-def _positive_int(value: Any) -> bool:
+def _positive_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 

@@ -424,6 +424,46 @@ def bench_kv(report: Report, args: argparse.Namespace, ops: Any) -> None:
     time_copy(report, moved, dtype)
 
 
+# Mixtures of experts the MoE section runs: (name, hidden, expert width, experts, experts per token).
+MOE_SHAPES = (("Qwen3-30B-A3B", 2048, 768, 128, 8), ("Mixtral-8x7B", 4096, 14336, 8, 2))
+
+
+def bench_moe(report: Report, ops: Any, ref: Any, shapes: tuple[tuple[str, int, int, int, int], ...] = MOE_SHAPES,
+              token_counts: tuple[int, ...] = (1, 64, 2048), device: str = DEVICE, time_it: bool = True) -> None:
+    """A mixture's experts (``moe_experts``): the Triton grouped products against the torch loop over the
+    experts hit, checked against a float32 reference of the same weights, then both timed at decode and
+    prefill token counts, beside a copy of the bytes of the experts a step reads."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16
+    for name, hidden, inter, num_experts, top_k in shapes:
+        w13 = (torch.randn(num_experts, 2 * inter, hidden, device=device, generator=gen) / hidden**0.5).to(dtype)
+        w2 = (torch.randn(num_experts, hidden, inter, device=device, generator=gen) / inter**0.5).to(dtype)
+        for tokens in token_counts:
+            x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
+            logits = torch.randn(tokens, num_experts, device=device, generator=gen)
+            weights, ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
+            shape = f"{name}: {tokens} tokens, {top_k} of {num_experts} experts, {hidden} -> {inter}"
+
+            def close(x: torch.Tensor = x, ids: torch.Tensor = ids, weights: torch.Tensor = weights,
+                      w13: torch.Tensor = w13, w2: torch.Tensor = w2) -> tuple[float, float]:
+                want = ref.moe_experts(x.float(), ids, weights, w13.float(), w2.float())
+                got = ops.moe_experts(x, ids, weights, w13, w2)
+                return max_err(got, want), TOLERANCE[dtype] * max(1.0, float(want.abs().max()))
+
+            report.check(f"moe_experts bf16, {shape} (vs float32)", close)
+            if not time_it:
+                continue
+            hit = int(torch.unique(ids).numel())
+            num_bytes = hit * (w13[0].numel() + w2[0].numel()) * w13.element_size()
+            flops = 2.0 * tokens * top_k * 3 * hidden * inter
+            report.group = f"moe {name} {tokens}"
+            report.time("moe_experts (Triton)", shape, functools.partial(ops.moe_experts, x, ids, weights, w13, w2),
+                        num_bytes, flops)
+            report.time("moe_experts (torch loop over the experts hit)", shape,
+                        functools.partial(ref.moe_experts, x, ids, weights, w13, w2), num_bytes, flops)
+            time_copy(report, num_bytes, dtype)
+
+
 def bench_seeded_race(report: Report, args: argparse.Namespace) -> None:
     """The seeded rows' race: the Triton kernel against the torch path it replaces on a GPU (whole rows:
     the noise, the division, ``argmax``), checked for equal tokens and equal noise, then both timed."""
@@ -1133,6 +1173,7 @@ def main(argv: list[str] | None = None) -> int:
         ("prefill", lambda: bench_prefill(report, args, ops)),
         ("kv movement", lambda: bench_kv(report, args, ops)),
         ("seeded race", lambda: bench_seeded_race(report, args)),
+        ("mixture of experts", lambda: bench_moe(report, ops, ref)),
         ("top-p / min-p", lambda: bench_nucleus(report, args)),
         ("penalties", lambda: bench_penalties(report, args)),
         ("logprobs", lambda: bench_logprobs(report, args)),

@@ -20,7 +20,9 @@ from common.model.arch import ModelArch
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes that set a decoder's matmul FLOPs; ``sliding_windows`` per layer (None: full attention)."""
+    """The sizes that set a decoder's matmul FLOPs; ``sliding_windows`` per layer (None: full attention).
+    A mixture of experts counts what a token multiplies: in ``moe_layers`` the router and its
+    ``experts_per_token`` experts (and a shared expert), not every expert it holds."""
 
     hidden_size: int
     intermediate_size: int
@@ -29,11 +31,17 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     sliding_windows: tuple[int | None, ...]
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
         num_heads = int(config.num_attention_heads)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        arch = ModelArch.from_config(config)
         return cls(
             hidden_size=int(config.hidden_size),
             intermediate_size=int(config.intermediate_size),
@@ -41,7 +49,12 @@ class ModelShape:
             num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
             head_dim=int(head_dim),
             vocab_size=int(config.vocab_size),
-            sliding_windows=ModelArch.from_config(config).sliding_windows,
+            sliding_windows=arch.sliding_windows,
+            moe_layers=arch.moe_layers,
+            num_experts=arch.num_experts,
+            experts_per_token=arch.experts_per_token,
+            moe_intermediate_size=arch.moe_intermediate_size,
+            shared_expert_intermediate_size=arch.shared_expert_intermediate_size,
         )
 
     @property
@@ -50,10 +63,29 @@ class ModelShape:
 
     @property
     def layer_matmul_params(self) -> int:
-        """Weights one token multiplies in one layer: q, k, v, o projections and gate, up, down."""
+        """Weights one token multiplies in a dense layer: q, k, v, o projections and gate, up, down."""
+        return self._attention_params + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def moe_layer_matmul_params(self) -> int:
+        """Weights one token multiplies in a mixture's layer: q, k, v, o, the router over every expert, the
+        gate, up and down of each expert it is routed to, and a shared expert with its one-column gate."""
+        h = self.hidden_size
+        experts = self.experts_per_token * 3 * h * self.moe_intermediate_size
+        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
+        return self._attention_params + h * self.num_experts + experts + shared
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights one token multiplies in all the layers."""
+        num_moe = len(self.moe_layers)
+        return (self.num_layers - num_moe) * self.layer_matmul_params + num_moe * self.moe_layer_matmul_params
+
+    @property
+    def _attention_params(self) -> int:
         q_o = 2 * self.hidden_size * self.num_heads * self.head_dim
         k_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
-        return q_o + k_v + 3 * self.hidden_size * self.intermediate_size
+        return q_o + k_v
 
 
 def _sum_of_contexts(num_tokens: int, window: int | None) -> int:
@@ -70,14 +102,15 @@ def sequence_flops(shape: ModelShape, num_tokens: int, num_logits: int) -> int:
         attention = sum over layers, i = 1..num_tokens of 4 * H * d * min(i, window)   QK^T and PV
         logits    = 2 * num_logits * h * V                                          the LM head
 
-    with h the hidden size, I the MLP's intermediate size, H query heads, K key/value heads, d the head
+    (a mixture's layer: ``ModelShape.moe_layer_matmul_params`` in place of 3*h*I's layer) with h the
+    hidden size, I the MLP's intermediate size, H query heads, K key/value heads, d the head
     dim, V the vocabulary. A multiply-add counts 2. Norms, RoPE, softmax, activations, biases and the
     embedding lookup are left out (a few FLOPs per element, not per weight).
 
     The context a token sees does not depend on how the sequence was split into chunks or steps, so
     this is the same whether it ran as one prefill, chunks, or prefill plus one-token decode steps.
     """
-    linear = 2 * num_tokens * shape.num_layers * shape.layer_matmul_params
+    linear = 2 * num_tokens * shape.matmul_params
     attention = sum(4 * shape.num_heads * shape.head_dim * _sum_of_contexts(num_tokens, w)
                     for w in shape.sliding_windows)
     return linear + attention + 2 * num_logits * shape.hidden_size * shape.vocab_size

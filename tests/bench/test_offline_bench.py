@@ -29,6 +29,21 @@ def test_layer_weights_are_the_seven_projections() -> None:
     assert _shape().layer_matmul_params == LAYER_WEIGHTS
 
 
+def test_a_mixture_of_experts_counts_the_experts_a_token_is_routed_to() -> None:
+    from transformers import Qwen2MoeConfig
+
+    # Layer 1 of 2 a mixture (decoder_sparse_step 2): 2 of 6 experts 4 wide, a shared expert 12 wide.
+    config = Qwen2MoeConfig(**DIMS, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=4,
+                            shared_expert_intermediate_size=12, decoder_sparse_step=2)
+    shape = ModelShape.from_config(config)
+    attention = 64 + 32 + 32 + 64
+    # router 8*6, two experts 2*3*8*4, shared expert 3*8*12 and its gate 8*1
+    moe_layer = attention + 48 + 192 + 288 + 8
+    assert shape.moe_layers == (1,) and shape.moe_layer_matmul_params == moe_layer
+    assert shape.matmul_params == LAYER_WEIGHTS + moe_layer
+    assert sequence_flops(shape, 1, 0) == 2 * (LAYER_WEIGHTS + moe_layer) + 2 * 4 * 2 * 4
+
+
 def test_flops_of_a_sequence_equal_the_hand_count_with_full_attention() -> None:
     # 5 tokens, logits for 2 of them. Token i (1-based) attends to i keys: 1+2+3+4+5 = 15.
     linear = 2 * 5 * 2 * LAYER_WEIGHTS  # 11,520

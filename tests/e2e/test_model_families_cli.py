@@ -1,4 +1,4 @@
-"""Sliding-window Mistral and Qwen3 tiny checkpoints through the real commands: the greedy tokens of
+"""Sliding-window Mistral, Qwen3 and Mixtral (a mixture of experts) tiny checkpoints through the real commands: the greedy tokens of
 ``pdserve generate`` (a subprocess) and of ``pdserve up`` (redis-server, router, prefill and decode
 processes; the prompt is long enough that the router sends it prefill -> KV transfer -> decode) equal
 transformers ``generate`` on the same checkpoint, over a prompt several windows long."""
@@ -31,8 +31,9 @@ from tests.router.router_harness import wait_until
 pytestmark = pytest.mark.timeout(300)
 
 ROOT = Path(__file__).resolve().parents[2]
-# Sliding window on every layer (Mistral); Qwen3 with q/k norms, biases and windowed / full layers.
-MODELS = ["mistral-window", "qwen3-layer-types-bias"]
+# Sliding window on every layer (Mistral); Qwen3 with q/k norms, biases and windowed / full layers;
+# Mixtral: Mistral's attention with 2 of 4 experts in every layer.
+MODELS = ["mistral-window", "qwen3-layer-types-bias", "mixtral-moe-window"]
 BLOCK_SIZE = 8
 PROMPT_LEN = 3 * WINDOW + 9  # 45 tokens: past three windows, ending inside a block
 MAX_TOKENS = 8

@@ -243,3 +243,24 @@ def test_the_penalties_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: pyte
     assert [c["ok"] for c in report.checks] == [True], report.checks
     assert [t["name"].split(" ")[0] for t in report.timings] == ["apply_penalties", "torch"]
     assert all("error" not in t for t in report.timings) and timed == ["copy"]
+
+
+def test_the_moe_section_checks_the_triton_kernel_on_the_cpu(tmp_path: Path) -> None:
+    """A dry run of the mixture-of-experts section (small shapes, the Triton kernel under the
+    interpreter, no timings), so that a GPU's time is not spent finding a bug in it; a wrong kernel
+    fails its checks."""
+    from pdserve_kernels import reference, triton_moe
+
+    shapes = (("tiny", 32, 24, 6, 2),)
+    report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
+    gpu_kernels.bench_moe(report, triton_moe, reference, shapes, (1, 40), device="cpu", time_it=False)
+    assert [c["ok"] for c in report.checks] == [True, True], report.checks
+
+    class Wrong:
+        @staticmethod
+        def moe_experts(*args: torch.Tensor) -> torch.Tensor:
+            return 1.1 * triton_moe.moe_experts(*args)
+
+    report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
+    gpu_kernels.bench_moe(report, Wrong, reference, shapes, (40,), device="cpu", time_it=False)
+    assert [c["ok"] for c in report.checks] == [False]

@@ -23,7 +23,8 @@ correctness):
   place: Mixtral Mistral's (every layer; its chosen experts' weights renormalized, kept in float32),
   Qwen3-MoE Qwen3's and Qwen2-MoE Qwen2's (each the layers ``decoder_sparse_step`` and
   ``mlp_only_layers`` leave it; ``norm_topk_prob``; Qwen2-MoE's shared expert behind a sigmoid gate),
-  OLMoE Llama's with q and k normed across all heads, as OLMo 2's.
+  OLMoE Llama's with q and k normed across all heads, as OLMo 2's; Granite MoE Granite's with four
+  scalings, its router's softmax over the top k logits only (and Granite MoE Shared a shared expert).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from pdserve_kernels.reference import NORM_GEMMA, NORM_LLAMA, NORM_OLMO
 # Families whose biases follow Llama's code: q/k/v/o by ``attention_bias``, the MLP's by ``mlp_bias``.
 _LLAMA_BIAS_TYPES = ("llama", "granite", "smollm3", "internlm3", "arcee")
 # Mixture-of-experts families: a router over experts in place of the MLP (in some layers or all).
-_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
+_GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "seed_oss",
     "hunyuan_v1_dense", "olmo2", "olmo3", *_MOE_TYPES,
@@ -70,7 +72,7 @@ _UNSET_FIELDS = (
 _GRANITE_SCALINGS = ("embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier")
 _FAMILY_FIELDS = {
     **{gemma: ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar") for gemma in _GEMMA_TYPES},
-    "granite": _GRANITE_SCALINGS,
+    **{granite: _GRANITE_SCALINGS for granite in ("granite", *_GRANITE_MOE_TYPES)},
 }
 _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
@@ -120,7 +122,9 @@ class ModelArch:
     # picks ``experts_per_token`` of ``num_experts`` gated MLPs (each ``moe_intermediate_size`` wide) by
     # softmax, their weights renormalized to sum to 1 where ``norm_topk_prob``, kept in float32 where
     # ``routing_weights_float32`` (Mixtral) or else rounded to the model's dtype. Qwen2-MoE adds a shared
-    # expert every token goes through (``shared_expert_intermediate_size`` wide), scaled by a sigmoid gate.
+    # expert every token goes through (``shared_expert_intermediate_size`` wide), scaled by a sigmoid gate
+    # (``shared_expert_gated``); Granite's shared expert is added as it is. Granite's router takes the
+    # top k of its logits, then a softmax over those k (``softmax_after_topk``).
     moe_layers: tuple[int, ...] = ()
     num_experts: int = 0
     experts_per_token: int = 0
@@ -128,6 +132,8 @@ class ModelArch:
     norm_topk_prob: bool = False
     routing_weights_float32: bool = False
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = False
+    softmax_after_topk: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> ModelArch:
@@ -169,6 +175,8 @@ class ModelArch:
             "olmo3": (bias, bias, False),
             "qwen3_moe": (bias, bias, False),
             "olmoe": (bias, bias, False),
+            "granitemoe": (bias, bias, False),
+            "granitemoeshared": (bias, bias, False),
             "qwen2": (True, False, False),
             "qwen2_moe": (bool(getattr(config, "qkv_bias", True)), False, False),
             "mixtral": (False, False, False),
@@ -218,7 +226,7 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
     # transformers maps Qwen's and OLMoE's ``num_experts`` to ``num_local_experts`` (as a saved config names it).
     num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     top_k = getattr(config, "num_experts_per_tok", None)
-    inter = getattr(config, "intermediate_size" if model_type in ("mixtral", "olmoe") else "moe_intermediate_size", None)
+    inter = getattr(config, "moe_intermediate_size" if model_type in ("qwen2_moe", "qwen3_moe") else "intermediate_size", None)
     if not _positive_int(num_experts):
         raise UnsupportedConfig("num_local_experts", num_experts, "must be a positive integer")
     if not _positive_int(top_k) or top_k > num_experts:
@@ -236,12 +244,17 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
     shared = getattr(config, "shared_expert_intermediate_size", None) if model_type == "qwen2_moe" else 0
     if model_type == "qwen2_moe" and not _positive_int(shared):
         raise UnsupportedConfig("shared_expert_intermediate_size", shared, "must be a positive integer")
+    if model_type == "granitemoeshared":  # 0: no shared expert
+        shared = getattr(config, "shared_intermediate_size", 0)
+        if shared != 0 and not _positive_int(shared):
+            raise UnsupportedConfig("shared_intermediate_size", shared, "must be 0 or a positive integer")
     return {
         "moe_layers": moe_layers, "num_experts": num_experts, "experts_per_token": top_k,
         "moe_intermediate_size": inter,
         # Mixtral always renormalizes the chosen experts' weights, and keeps them in float32.
         "norm_topk_prob": mixtral or bool(getattr(config, "norm_topk_prob", False)),
         "routing_weights_float32": mixtral, "shared_expert_intermediate_size": shared,
+        "shared_expert_gated": model_type == "qwen2_moe", "softmax_after_topk": model_type in _GRANITE_MOE_TYPES,
     }
 
 

@@ -239,10 +239,10 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """A mixture of experts in the MLP's place (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): the router (``gate``)
+    """A mixture of experts in the MLP's place (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE): the router (``gate``)
     scores every expert, a softmax in float32 picks each token's ``experts_per_token`` best, and the
     kernels' ``moe_experts`` runs only those (the torch loop over the experts hit, or on a GPU one Triton
-    grouped matrix product per projection); Qwen2-MoE's shared expert is added, scaled by its gate."""
+    grouped matrix product per projection); a shared expert is added, scaled by its gate in Qwen2-MoE."""
 
     def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType) -> None:
         super().__init__()
@@ -252,23 +252,30 @@ class SparseMoE(nn.Module):
         self.top_k = arch.experts_per_token
         self.norm_topk_prob = arch.norm_topk_prob
         self.routing_weights_float32 = arch.routing_weights_float32
+        self.softmax_after_topk = arch.softmax_after_topk
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if arch.shared_expert_intermediate_size:
             self.shared_expert = MLP(config, arch, kernels, inter=arch.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            if arch.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.kernels = kernels
 
     def forward(self, x: Tensor) -> Tensor:
         logits = self.gate(x)
-        weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        if self.softmax_after_topk:  # Granite: the top k logits, then a softmax over them
+            top, ids = torch.topk(logits.float(), self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        else:
+            weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not self.routing_weights_float32:
             weights = weights.to(logits.dtype)
         out: Tensor = self.kernels.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            out = out + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared)
         return out
 
 

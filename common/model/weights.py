@@ -21,8 +21,20 @@ from common.model.loader import cache_dir
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "load_model", "stack_experts", "stack_projections"]
 
-# Mixtral's checkpoints name its experts' block and projections their own way.
-_MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+# Checkpoints that name a mixture's parts their own way: (pattern, this model's name), in order.
+_MOE_NAMES = {
+    # Mixtral: one weight per expert and projection.
+    "mixtral": ((r"\.block_sparse_moe\.", ".mlp."), (r"\.w1\.", ".gate_proj."), (r"\.w3\.", ".up_proj."),
+                (r"\.w2\.", ".down_proj.")),
+    # Granite MoE: the experts stacked already, gate and up together; the shared expert's gate and up too.
+    "granitemoe": ((r"\.block_sparse_moe\.input_linear\.weight$", ".mlp.experts.gate_up_proj"),
+                   (r"\.block_sparse_moe\.output_linear\.weight$", ".mlp.experts.down_proj"),
+                   (r"\.block_sparse_moe\.router\.(layer\.)?", ".mlp.gate."),
+                   (r"\.shared_mlp\.input_linear\.", ".mlp.shared_expert.gate_up_proj."),
+                   (r"\.shared_mlp\.output_linear\.", ".mlp.shared_expert.down_proj."),
+                   (r"\.block_sparse_moe\.", ".mlp.")),
+}
+_MOE_NAMES["granitemoeshared"] = _MOE_NAMES["granitemoe"]
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<kind>gate_up_proj|down_proj)\.weight$")
 
 
@@ -73,12 +85,12 @@ def load_model(
                 state[name] = f.get_tensor(name)
     if model.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    if model.arch.model_type == "mixtral":
-        for name in [n for n in state if ".block_sparse_moe." in n]:
-            new = name
-            for old, ours in _MIXTRAL_NAMES:
-                new = new.replace(old, ours)
-            state[new] = state.pop(name)
+    renames = _MOE_NAMES.get(model.arch.model_type, ())
+    for name in [n for n in state if ".block_sparse_moe." in n or ".shared_mlp." in n] if renames else []:
+        new = name
+        for pattern, ours in renames:
+            new = re.sub(pattern, ours, new)
+        state[new] = state.pop(name)
     stack_projections(state)
     stack_experts(state)
     expected = {n for n, _ in model.named_parameters()}

@@ -36,6 +36,7 @@ class ModelShape:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
@@ -55,6 +56,7 @@ class ModelShape:
             experts_per_token=arch.experts_per_token,
             moe_intermediate_size=arch.moe_intermediate_size,
             shared_expert_intermediate_size=arch.shared_expert_intermediate_size,
+            shared_expert_gated=arch.shared_expert_gated,
         )
 
     @property
@@ -69,10 +71,11 @@ class ModelShape:
     @property
     def moe_layer_matmul_params(self) -> int:
         """Weights one token multiplies in a mixture's layer: q, k, v, o, the router over every expert, the
-        gate, up and down of each expert it is routed to, and a shared expert with its one-column gate."""
+        gate, up and down of each expert it is routed to, and a shared expert (with its one-column gate in
+        Qwen2-MoE)."""
         h = self.hidden_size
         experts = self.experts_per_token * 3 * h * self.moe_intermediate_size
-        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
+        shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_gated else 0)
         return self._attention_params + h * self.num_experts + experts + shared
 
     @property

@@ -118,6 +118,12 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     assert qwen2_moe.sliding_windows == (None,) * 3  # use_sliding_window off: its config's window is 0
     assert olmoe.qk_norm_full_width and not olmoe.post_norms_only and olmoe.norm_form == NORM_LLAMA
     assert olmoe.qkv_bias and olmoe.o_bias and olmoe.moe_layers == (0, 1, 2)
+    granite_moe, granite_shared = arch["granitemoe-scalings"], arch["granitemoeshared-shared-expert"]
+    assert granite_moe.softmax_after_topk and not granite_moe.norm_topk_prob and not mixtral.softmax_after_topk
+    assert granite_moe.residual_multiplier == 0.5 and granite_moe.embedding_multiplier == 3.0
+    assert granite_moe.shared_expert_intermediate_size == 0 and granite_moe.o_bias
+    assert granite_shared.shared_expert_intermediate_size == 48 and not granite_shared.shared_expert_gated
+    assert qwen2_moe.shared_expert_gated
     assert arch["llama-bias"].moe_layers == () and arch["llama-bias"].num_experts == 0
     assert (gemma.attn_soft_cap, gemma.final_soft_cap, gemma.query_pre_attn_scalar) == (2.0, 3.0, 24.0)
 

@@ -32,6 +32,8 @@ def family_configs() -> dict[str, Any]:
         Gemma2Config,
         Gemma3TextConfig,
         GraniteConfig,
+        GraniteMoeConfig,
+        GraniteMoeSharedConfig,
         HunYuanDenseV1Config,
         InternLM3Config,
         LlamaConfig,
@@ -129,6 +131,17 @@ def family_configs() -> dict[str, Any]:
         # OLMoE: Llama's norms, q and k normed across all their heads, 2 of 4 experts, biases.
         "olmoe-qk-norm": OlmoeConfig(
             **TINY_DIMS, num_experts=4, num_experts_per_tok=2, attention_bias=True, tie_word_embeddings=False,
+        ),
+        # Granite's four scalings with 2 of 4 experts (the softmax over the top 2 logits only)...
+        "granitemoe-scalings": GraniteMoeConfig(
+            **TINY_DIMS, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0,
+            attention_multiplier=0.1, residual_multiplier=0.5, logits_scaling=2.0, attention_bias=True,
+            tie_word_embeddings=False,
+        ),
+        # ... and beside them a shared expert, added as it is.
+        "granitemoeshared-shared-expert": GraniteMoeSharedConfig(
+            **TINY_DIMS, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48,
+            residual_multiplier=0.5, tie_word_embeddings=True,
         ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={

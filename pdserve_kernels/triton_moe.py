@@ -11,8 +11,9 @@ token's k chosen experts, is one row of the work:
 2. ``_moe_matmul_kernel`` multiplies each tile of rows by its expert's weight: first the tokens by the
    stacked gate/up (``[E, 2I, H]``), then, after ``silu_mul``, each pair's activation by the down
    projection (``[E, H, I]``), its output rounded to the dtype and times the pair's routing weight.
-3. A token's k terms are added in ascending expert order, each sum rounded, as transformers' loop adds
-   them (its slots are sorted by expert before step 1).
+3. ``_moe_sum_kernel`` adds a token's k terms in ascending expert order, each sum rounded, as
+   transformers' loop adds them (its slots are sorted by expert before step 1): one launch where torch
+   would take k - 1 additions.
 
 Rows past a group's end (padding) are masked; a tile whose rows are all padding beyond the last group
 does nothing. The tile sizes are fixed, not tuned per GPU.
@@ -32,7 +33,7 @@ from pdserve_kernels.triton_common import dot, dot_constexprs
 @triton.jit
 def _moe_matmul_kernel(
     a_ptr, w_ptr, c_ptr, pairs_ptr, block_expert_ptr, weight_ptr,
-    num_pairs, N, K,
+    num_pairs, num_experts, N, K,
     stride_a_row, stride_w_expert, stride_w_n, stride_w_k, stride_c_row,
     TOP_K: tl.constexpr, A_ROW_IS_PAIR: tl.constexpr, WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -42,7 +43,7 @@ def _moe_matmul_kernel(
     expert; ``row(pair)`` is the pair's token (``pair // TOP_K``) or the pair itself."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    if expert >= 0:
+    if expert < num_experts:  # else a tile past the last group
         offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
         pairs = tl.load(pairs_ptr + offs_m).to(tl.int64)
         valid = pairs < num_pairs
@@ -68,29 +69,41 @@ def _moe_matmul_kernel(
                  mask=valid[:, None] & (offs_n[None, :] < N))
 
 
+@triton.jit
+def _moe_sum_kernel(terms_ptr, out_ptr, stride_t_token, stride_t_slot, stride_o_token, N,
+                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[t] = terms[t, 0] + terms[t, 1] + ...``, in slot order, each sum rounded to the dtype."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    row = terms_ptr + token * stride_t_token + cols
+    acc = tl.load(row, mask=mask, other=0.0)
+    for slot in tl.static_range(1, TOP_K):
+        term = tl.load(row + slot * stride_t_slot, mask=mask, other=0.0)
+        acc = (acc.to(tl.float32) + term.to(tl.float32)).to(terms_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * stride_o_token + cols, acc, mask=mask)
+
+
 def align_pairs(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
     """The pairs (``token * k + slot``) grouped by expert, each group padded to whole ``block_m`` tiles
-    with the id ``T * k`` (no pair), and each tile's expert (-1: a tile past the last group). Sizes
-    depend on ``T``, ``k``, ``num_experts`` and ``block_m`` only; nothing is read back to the host."""
+    with the id ``T * k`` (no pair), and each tile's expert (``num_experts``: a tile past the last group).
+    Sizes depend on ``T``, ``k``, ``num_experts`` and ``block_m`` only; nothing is read back to the host."""
     num_pairs = topk_ids.numel()
     device = topk_ids.device
-    flat = topk_ids.reshape(-1).to(torch.int64)
+    flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
-        0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts, dtype=flat.dtype, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
-    group_start = torch.cumsum(counts, 0) - counts
-    experts = flat[order]
-    slots = padded_end[experts] - padded[experts] + torch.arange(num_pairs, device=device) - group_start[experts]
+    # Where each expert's group starts among the padded tiles, less where it starts among the pairs.
+    shift = padded_end - padded - torch.cumsum(counts, 0) + counts
+    slots = shift[flat[order]] + torch.arange(num_pairs, device=device)
     # At most one partly filled tile per expert that has pairs.
     num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
     pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
     pairs[slots] = order.to(torch.int32)
-    starts = torch.arange(num_blocks, device=device, dtype=torch.int64) * block_m
-    block_expert = torch.searchsorted(padded_end, starts, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return pairs, block_expert
+    starts = torch.arange(0, num_blocks * block_m, block_m, device=device, dtype=padded_end.dtype)
+    return pairs, torch.searchsorted(padded_end, starts, right=True, out_int32=True)
 
 
 def _matmul(a: Tensor, w: Tensor, pairs: Tensor, block_expert: Tensor, num_pairs: int, top_k: int,
@@ -101,7 +114,7 @@ def _matmul(a: Tensor, w: Tensor, pairs: Tensor, block_expert: Tensor, num_pairs
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _moe_matmul_kernel[grid](
         a, w, c, pairs, block_expert, weights if weights is not None else c,
-        num_pairs, n, k,
+        num_pairs, w.shape[0], n, k,
         a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0),
         TOP_K=top_k, A_ROW_IS_PAIR=weights is not None, WEIGHTED=weights is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dot_constexprs(a.dtype, a.device),
@@ -124,7 +137,9 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
     gate_up = _matmul(x, w13, pairs, block_expert, num_pairs, top_k, None, block_m)
     terms = _matmul(silu_mul(gate_up), w2, pairs, block_expert, num_pairs, top_k, weights, block_m)
     terms = terms.view(num_tokens, top_k, -1)
-    out = terms[:, 0]
-    for slot in range(1, top_k):
-        out = out + terms[:, slot]
-    return out.contiguous()
+    hidden = terms.shape[2]
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        terms, out, terms.stride(0), terms.stride(1), out.stride(0), hidden, TOP_K=top_k, BLOCK=block)
+    return out

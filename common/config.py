@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields
 import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The KV cache's dtype: the model's ("auto"), or 8-bit floats (e4m3, scale 1), as vLLM names them.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def parse_size(text: str) -> int:
@@ -24,6 +26,7 @@ class EngineConfig:
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
@@ -59,6 +62,9 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not implemented; "
+                             f"expected one of {', '.join(KV_CACHE_DTYPES)}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -72,6 +78,10 @@ class EngineConfig:
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
 
+    @property
+    def torch_kv_cache_dtype(self) -> torch.dtype:
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, include_seed: bool = True) -> None:
         d = EngineConfig()
@@ -81,6 +91,10 @@ class EngineConfig:
         )
         parser.add_argument("--device", default=d.device)
         parser.add_argument("--dtype", default=d.dtype, choices=["auto", *_DTYPES])
+        parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+                            help="the KV cache's dtype: the model's (auto), or fp8 (e4m3, scale 1; K and V "
+                            "saturated at +-448): half a 16-bit cache's memory, so twice the tokens; "
+                            "attention still runs in the model's dtype. Prefill and decode must agree")
         parser.add_argument("--block-size", type=int, default=d.block_size)
         parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
         parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)

@@ -15,6 +15,9 @@ Layouts (shared with pdserve_kernels/triton_*.py; a Triton kernel must accept ex
   keys ``p - w + 1 .. p`` only (itself and the ``w - 1`` before it), as transformers' sliding masks do.
 - ``soft_cap``: ``None`` (or 0), or ``c`` to turn each scaled score ``s`` into ``c * tanh(s / c)``
   before the mask and softmax (Gemma 2's attention logit soft-capping).
+- The cache's dtype is the model's, or ``float8_e4m3fn`` (``--kv-cache-dtype fp8``): K and V are then
+  stored rounded to 8 bits, saturated at +-448 (never NaN: e4m3fn has no infinity), with a scale of
+  1, and read back into the queries' dtype, in which attention runs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,24 @@ from torch import Tensor
 NORM_LLAMA = 0  # the row rounded to the dtype, then times the weight (Llama and most families)
 NORM_GEMMA = 1  # times ``1 + weight`` in float32, rounded once (Gemma 2 and 3)
 NORM_OLMO = 2  # times the weight in float32, rounded once (OLMo 2 and 3)
+
+FP8 = torch.float8_e4m3fn  # the 8-bit cache's dtype
+FP8_MAX = float(torch.finfo(FP8).max)  # 448: what a larger K or V entry is stored as
+
+
+def to_cache(x: Tensor, cache_dtype: torch.dtype) -> Tensor:
+    """``x`` as the cache stores it: in its dtype, saturated first where that is 8-bit."""
+    if x.dtype == cache_dtype:
+        return x
+    if cache_dtype == FP8:
+        x = x.clamp(-FP8_MAX, FP8_MAX)
+    return x.to(cache_dtype)
+
+
+def cache_bytes(t: Tensor) -> Tensor:
+    """An 8-bit cache (or a piece of one) as bytes, for the copies torch does not implement for float8 on
+    the CPU (``index_copy_``, ``index_fill_``); any other tensor as it is."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, form: int = NORM_LLAMA) -> Tensor:
@@ -85,15 +106,17 @@ def store_kv(key: Tensor, value: Tensor, kv_layer: Tensor, slot_mapping: Tensor)
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    key, value = cache_bytes(to_cache(key, kv_layer.dtype)), cache_bytes(to_cache(value, kv_layer.dtype))
+    kv_layer = cache_bytes(kv_layer)
     flat = kv_layer.view(2, -1, *kv_layer.shape[3:]) if kv_layer.is_contiguous() else None
     if flat is not None:
-        flat[0].index_copy_(0, slot_mapping, key.to(kv_layer.dtype))
-        flat[1].index_copy_(0, slot_mapping, value.to(kv_layer.dtype))
+        flat[0].index_copy_(0, slot_mapping, key)
+        flat[1].index_copy_(0, slot_mapping, value)
         return
     block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
-    kv_layer[0, block_ids, offsets] = key.to(kv_layer.dtype)
-    kv_layer[1, block_ids, offsets] = value.to(kv_layer.dtype)
+    kv_layer[0, block_ids, offsets] = key
+    kv_layer[1, block_ids, offsets] = value
 
 
 def _gather_blocks_flat(kv_layer: Tensor, block_ids: Tensor) -> Tensor:
@@ -105,6 +128,11 @@ def _gather_blocks_flat(kv_layer: Tensor, block_ids: Tensor) -> Tensor:
     _, num_blocks, *block_shape = kv_layer.shape
     flat = kv_layer.reshape(2, num_blocks, -1).index_select(1, block_ids.reshape(-1).long())
     return flat.view(2, *block_ids.shape, *block_shape)
+
+
+def _readable(kv: Tensor, query_dtype: torch.dtype) -> Tensor:
+    """Gathered K/V in the dtype attention runs in: an 8-bit cache's widened to the queries' dtype."""
+    return kv.to(query_dtype) if kv.dtype == FP8 else kv
 
 
 def _length_groups(lens: list[int], block_size: int) -> list[list[int]]:
@@ -143,6 +171,7 @@ def _decode_padded(query: Tensor, kv_layer: Tensor, block_tables: Tensor, lens: 
     num_blocks = (max_len + block_size - 1) // block_size
     ids = block_tables[:, :num_blocks].long().clamp(0, total_blocks - 1)
     kv = _gather_blocks_flat(kv_layer, ids).view(2, num_seqs, num_blocks * block_size, num_kv_heads, head_size)
+    kv = _readable(kv, query.dtype)
     k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [num_seqs, num_kv_heads, tokens, head_size]
     key_pos = torch.arange(num_blocks * block_size, device=query.device)[None, :]
     visible = key_pos < lens[:, None]
@@ -225,6 +254,7 @@ def paged_prefill_attention(
         ctx = lens[s]
         num_blocks = (ctx + block_size - 1) // block_size
         kv = _gather_blocks_flat(kv_layer, block_tables[s, :num_blocks]).view(2, -1, num_kv_heads, head_size)
+        kv = _readable(kv, query.dtype)
         k, v = kv[0, :ctx].transpose(0, 1), kv[1, :ctx].transpose(0, 1)  # [num_kv_heads, ctx, head_size]
         q = query[starts[s] : starts[s + 1]].transpose(0, 1).to(k.dtype)  # [num_heads, q_len, head_size]
         # The chunk holds the last q_len positions: query i sees keys 0 .. ctx - q_len + i.
@@ -251,14 +281,15 @@ def gather_blocks(kv_cache: Tensor, block_ids: Tensor, out: Tensor | None = None
 def scatter_blocks(kv_cache: Tensor, block_ids: Tensor, src: Tensor) -> None:
     """Unpack ``src`` (as made by ``gather_blocks``) into ``block_ids`` of ``kv_cache``, in place."""
     ids = block_ids.to(device=kv_cache.device, dtype=torch.long)
-    kv_cache.index_copy_(2, ids, src.to(device=kv_cache.device, dtype=kv_cache.dtype))
+    cache_bytes(kv_cache).index_copy_(2, ids, cache_bytes(to_cache(src.to(kv_cache.device), kv_cache.dtype)))
 
 
 def copy_blocks(kv_cache: Tensor, src_block_ids: Tensor, dst_block_ids: Tensor) -> None:
     """Copy whole blocks (all layers, K and V) from ``src`` to ``dst`` ids, in place (copy-on-write)."""
     src = src_block_ids.to(device=kv_cache.device, dtype=torch.long)
     dst = dst_block_ids.to(device=kv_cache.device, dtype=torch.long)
-    kv_cache.index_copy_(2, dst, kv_cache.index_select(2, src))
+    kv_bytes = cache_bytes(kv_cache)
+    kv_bytes.index_copy_(2, dst, kv_bytes.index_select(2, src))
 
 
 def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:

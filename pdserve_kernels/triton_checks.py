@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CACHE_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)  # the model's dtype, or 8 bits (``--kv-cache-dtype fp8``)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -18,7 +19,7 @@ def check_kv_layer(kv_layer: Tensor) -> None:
     assert kv_layer.dim() == 5 and kv_layer.shape[0] == 2, (
         f"kv_layer must be [2, num_blocks, block_size, num_kv_heads, head_size], got {tuple(kv_layer.shape)}"
     )
-    assert kv_layer.dtype in FLOAT_DTYPES, f"unsupported cache dtype {kv_layer.dtype}"
+    assert kv_layer.dtype in CACHE_DTYPES, f"unsupported cache dtype {kv_layer.dtype}"
     assert kv_layer.stride(-1) == 1, "kv_layer's head_size dimension must be contiguous"
 
 

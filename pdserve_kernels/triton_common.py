@@ -55,6 +55,42 @@ def dot_constexprs(cache_dtype: torch.dtype, device: torch.device) -> dict[str, 
     }
 
 
+def kv_constexprs(kv_dtype: torch.dtype, query_dtype: torch.dtype, device: torch.device) -> dict[str, object]:
+    """The attention kernels' ``KV_FP8``, ``WIDEN_DOT`` and ``DOT_PRECISION``: an 8-bit cache's K and V
+    are widened to the queries' dtype as they are loaded, and the products run in that dtype; any
+    other cache's queries are narrowed to the cache's dtype, as before."""
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    return {"KV_FP8": fp8, **dot_constexprs(query_dtype if fp8 else kv_dtype, device)}
+
+
+@triton.jit
+def to_cache(x, dtype: tl.constexpr, SATURATE: tl.constexpr):
+    """``x`` as the cache stores it: an 8-bit cache's entries rounded to float8 e4m3 and saturated at
+    +-448 (never NaN) first, as ``pdserve_kernels.reference.to_cache`` stores them."""
+    if SATURATE:
+        x = e4m3_grid(x.to(tl.float32))
+    return x.to(dtype)
+
+
+@triton.jit
+def e4m3_grid(x):
+    """``x`` (float32) rounded to the nearest float8 e4m3 value, ties to even, saturated at +-448, still
+    in float32: its conversion to 8 bits is then exact. Done in arithmetic rather than left to the
+    conversion, which Triton's CPU interpreter gets wrong where rounding carries into the exponent
+    (7.9 became 4.0); a GPU's conversion agrees with this one."""
+    bits = x.to(tl.int32, bitcast=True)
+    ax = tl.minimum(tl.abs(x), 448.0)
+    # The binade's exponent (subnormals share the smallest normal one's), and its step: 3 mantissa bits.
+    exponent = tl.maximum(((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    v = ax / step  # exact: a power of two
+    r = tl.floor(v)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    r = tl.where((v - r > 0.5) | ((v - r == 0.5) & odd), r + 1.0, r)
+    rounded = (r * step).to(tl.int32, bitcast=True) | ((bits >> 31) << 31)  # x's sign back, -0 too
+    return rounded.to(tl.float32, bitcast=True)
+
+
 def launch_options(num_warps: int | None, num_stages: int | None) -> dict[str, int]:
     """Launch options to pass on; ``None`` keeps Triton's default."""
     options = {"num_warps": num_warps, "num_stages": num_stages}

@@ -27,7 +27,7 @@ from pdserve_kernels.triton_checks import (
 from pdserve_kernels.triton_common import (
     FULL_WINDOW,
     dot,
-    dot_constexprs,
+    kv_constexprs,
     launch_fitting,
     launch_options,
     score_args,
@@ -56,6 +56,7 @@ def _decode_kernel(
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Attention of one (sequence, KV head) over its ``split``-th context range.
 
@@ -82,7 +83,8 @@ def _decode_kernel(
 
     q_ptrs = q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
+    if not KV_FP8:  # else K and V are widened to q's dtype as they load
+        q = q.to(k_ptr.dtype.element_ty)
 
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -95,6 +97,8 @@ def _decode_kernel(
         kv_offs = block_ids * stride_kv_block + (toks % BLOCK_SIZE) * stride_kv_tok + kv_head * stride_kv_head
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(tl.float32).to(q.dtype)  # exact; via float32, which the interpreter converts right
         s = dot(q, tl.trans(k), WIDEN_DOT, DOT_PRECISION) * qk_scale
         if SOFT_CAP:
             s = soft_cap_scores(s, soft_cap) * 1.4426950408889634  # log2(e), as LOG2E
@@ -105,6 +109,8 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(tl.float32).to(q.dtype)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN_DOT, DOT_PRECISION)
         m_i = m_new
 
@@ -217,7 +223,7 @@ def run_paged_decode(
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size),
         BLOCK_SIZE=block_size,
-        **dot_constexprs(kv_layer.dtype, query.device),
+        **kv_constexprs(kv_layer.dtype, query.dtype, query.device),
         **launch_options(num_warps, num_stages),
     )
     k_cache, v_cache = kv_layer[0], kv_layer[1]

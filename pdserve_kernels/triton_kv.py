@@ -14,6 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pdserve_kernels.triton_checks import check_index, check_kv_cache, check_kv_layer
+from pdserve_kernels.triton_common import to_cache
 
 MAX_COPY_TILE = 4096  # elements per program when moving blocks
 
@@ -25,7 +26,7 @@ def _store_kv_kernel(
     stride_c_block, stride_c_tok, stride_c_head,
     NUM_KV_HEADS: tl.constexpr, H_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SATURATE: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -40,8 +41,8 @@ def _store_kv_kernel(
     dst_offs = dst + offs_h[:, None] * stride_c_head + offs_d[None, :]
     k = tl.load(key_ptr + tok * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :], mask=mask)
     v = tl.load(value_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :], mask=mask)
-    tl.store(k_cache_ptr + dst_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst_offs, to_cache(k, k_cache_ptr.dtype.element_ty, SATURATE), mask=mask)
+    tl.store(v_cache_ptr + dst_offs, to_cache(v, v_cache_ptr.dtype.element_ty, SATURATE), mask=mask)
 
 
 @triton.jit
@@ -97,6 +98,7 @@ def store_kv(key: Tensor, value: Tensor, kv_layer: Tensor, slot_mapping: Tensor)
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, H_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size), BLOCK_SIZE=block_size,
+        SATURATE=kv_layer.dtype == torch.float8_e4m3fn,
     )
 
 

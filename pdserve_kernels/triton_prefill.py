@@ -27,7 +27,7 @@ from pdserve_kernels.triton_checks import (
 from pdserve_kernels.triton_common import (
     FULL_WINDOW,
     dot,
-    dot_constexprs,
+    kv_constexprs,
     launch_fitting,
     launch_options,
     score_args,
@@ -56,6 +56,7 @@ def _prefill_kernel(
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQ_CHUNK: tl.constexpr, WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -92,7 +93,8 @@ def _prefill_kernel(
 
     q_rows = (q_start + toks).to(tl.int64) * stride_q_tok + heads * stride_q_head
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
+    if not KV_FP8:  # else K and V are widened to q's dtype as they load
+        q = q.to(k_ptr.dtype.element_ty)
 
     # Keys past the tile's last query position are masked for every row; a tile past the chunk's
     # end does no work at all.
@@ -111,6 +113,8 @@ def _prefill_kernel(
         kv_offs = block_ids * stride_kv_block + (k_pos % BLOCK_SIZE) * stride_kv_tok + kv_head * stride_kv_head
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(tl.float32).to(q.dtype)  # exact; via float32, which the interpreter converts right
         s = dot(q, tl.trans(k), WIDEN_DOT, DOT_PRECISION) * qk_scale
         if SOFT_CAP:
             s = soft_cap_scores(s, soft_cap) * 1.4426950408889634  # log2(e), as LOG2E
@@ -124,6 +128,8 @@ def _prefill_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(tl.float32).to(q.dtype)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN_DOT, DOT_PRECISION)
         m_i = m_new
 
@@ -174,7 +180,7 @@ def run_paged_prefill(
         BLOCK_SIZE=kv_layer.shape[2], BLOCK_Q=block_q,
         SEQ_CHUNK=SEQ_CHUNK,
         SOFT_CAP=scores["SOFT_CAP"],
-        **dot_constexprs(kv_layer.dtype, query.device),
+        **kv_constexprs(kv_layer.dtype, query.dtype, query.device),
         **launch_options(num_warps, num_stages),
     )
 

@@ -16,6 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pdserve_kernels.triton_checks import check_index, check_kv_layer
+from pdserve_kernels.triton_common import to_cache
 
 
 @triton.jit
@@ -54,7 +55,8 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_
                  stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                  stride_cs_tok, stride_qo_tok, stride_qo_head, stride_ko_block, stride_ko_tok, stride_ko_head,
                  NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, H_PAD: tl.constexpr,
-                 HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                 HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 SATURATE: tl.constexpr):
     """A token's queries rotated to ``q_out``, and its keys rotated: to ``k_out``, or with ``STORE`` into
     the cache (``k_out`` and ``v_out`` its K and V planes) at the token's slot with its values, as
     ``store_kv`` writes them (nothing for a negative slot)."""
@@ -75,10 +77,10 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_
         dst = tok * stride_ko_tok
     dst_offs = dst + offs_h[:, None] * stride_ko_head + offs_d[None, :]
     k = _rotated(k_ptr, tok * stride_k_tok + offs_h[:, None] * stride_k_head, cos, sin, partner, sign, offs_d, mask)
-    tl.store(k_out_ptr + dst_offs, k.to(k_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_out_ptr + dst_offs, to_cache(k, k_out_ptr.dtype.element_ty, SATURATE), mask=mask)
     if STORE:
         v = tl.load(v_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :], mask=mask)
-        tl.store(v_out_ptr + dst_offs, v.to(v_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_out_ptr + dst_offs, to_cache(v, v_out_ptr.dtype.element_ty, SATURATE), mask=mask)
 
 
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -93,7 +95,7 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor
             cos.stride(0), q_out.stride(0), q_out.stride(1), 0, k_out.stride(0), k_out.stride(1),
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], H_PAD=triton.next_power_of_2(max(num_q_heads, k.shape[1])),
             HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size), STORE=False, BLOCK_SIZE=1,
-            enable_fp_fusion=False,
+            SATURATE=False, enable_fp_fusion=False,
         )
     return q_out, k_out
 
@@ -121,7 +123,8 @@ def rope_and_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_kv_heads,
             H_PAD=triton.next_power_of_2(max(num_q_heads, num_kv_heads)), HEAD_SIZE=head_size,
-            D_PAD=triton.next_power_of_2(head_size), STORE=True, BLOCK_SIZE=block_size, enable_fp_fusion=False,
+            D_PAD=triton.next_power_of_2(head_size), STORE=True, BLOCK_SIZE=block_size,
+            SATURATE=kv_layer.dtype == torch.float8_e4m3fn, enable_fp_fusion=False,
         )
     return q_out
 

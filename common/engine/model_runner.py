@@ -29,6 +29,7 @@ from common.model.weights import load_hf_config, load_model
 from common.protocol import PromptLogprob, TokenLogprob
 from common.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve_kernels import get_kernels, resolve_backend
+from pdserve_kernels.reference import cache_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,17 @@ def gpu_kv_cache_bytes(total: int, free: int, own: int, utilization: float) -> i
     (other processes on the GPU), each less the headroom. The share is this engine's own, as vLLM's:
     two engines at 0.45 each fit on one GPU, whichever sizes its cache first."""
     return min(int(total * utilization) - own, free) - _GPU_ACTIVATION_HEADROOM
+
+
+def _check_kv_dtype(kv_dtype: torch.dtype, device: torch.device) -> None:
+    """An 8-bit cache on a GPU needs float8 conversions in hardware (compute capability 8.9: Ada, Hopper
+    and later), which the Triton kernels compile to; refused by name elsewhere, not emulated."""
+    if kv_dtype != torch.float8_e4m3fn or device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(f"--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or later (float8 "
+                         f"conversions); this one is {capability[0]}.{capability[1]}: use --kv-cache-dtype auto")
 
 
 class _PromptLogprobTable(NamedTuple):
@@ -92,6 +104,8 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
+        self.kv_dtype = config.torch_kv_cache_dtype
+        _check_kv_dtype(self.kv_dtype, self.device)
         if self.device.type == "cuda" and self.device.index is not None:
             # Triton launches its kernels on the current device, not on their tensors': make it this one
             # (for this thread, the one that runs the engine's steps).
@@ -114,27 +128,27 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.init_input_batch()
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_size)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.decode_graphs = self._capture_decode_graphs()
         if self.decode_graphs is not None and self.profiled_peak_bytes:
             # Capturing emptied torch's cache: take the largest step's memory back into it now, as one
             # segment the steps split, rather than from whatever another process left free later.
             torch.empty(self.profiled_peak_bytes, dtype=torch.uint8, device=self.device)
         logger.info(
-            "model %s on %s/%s, %d KV blocks of %d tokens (%.2f GiB), kernels=%s",
+            "model %s on %s/%s, %d KV blocks of %d tokens (%.2f GiB, %s), kernels=%s",
             self.model_id, self.device, self.dtype, self.num_blocks, self.block_size,
-            self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, self.kernel_backend,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, self.kv_dtype, self.kernel_backend,
         )
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         """Overwrite these blocks' K and V with zeros, in every layer (queued after the steps before)."""
-        self.kv_cache.index_fill_(2, long_tensor(block_ids, self.device), 0.0)
+        cache_bytes(self.kv_cache).index_fill_(2, long_tensor(block_ids, self.device), 0)
 
     @property
     def bytes_per_block(self) -> int:
         return (
             self.num_layers * 2 * self.block_size * self.model.num_kv_heads * self.model.head_size
-            * torch.finfo(self.dtype).bits // 8
+            * torch.finfo(self.kv_dtype).bits // 8
         )
 
     def init_input_batch(self) -> None:
@@ -206,7 +220,7 @@ class ModelRunner:
         lens = [n for n in lens if n > 0]
         num_tokens = sum(lens)
         cache = torch.zeros((self.num_layers, 2, 1, self.block_size, self.model.num_kv_heads, self.model.head_size),
-                            dtype=self.dtype, device=dev)
+                            dtype=self.kv_dtype, device=dev)
         starts = [0, *itertools.accumulate(lens)]
         meta = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),

@@ -1,4 +1,4 @@
-"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured``: benchmarks that print measured figures beside baselines."""
+"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured|kv-dtype``: benchmarks that print measured figures beside baselines."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ _BENCHES = {
     "overhead": "ops.bench.overhead",
     "fuzz": "ops.bench.fuzz",
     "structured": "ops.bench.structured",
+    "kv-dtype": "ops.bench.kv_dtype",
 }
 
 

@@ -9,6 +9,7 @@ remote KV* in blocks allocated before the data; ``remote_kv_arrived`` puts it in
 from __future__ import annotations
 
 import pytest
+import torch
 
 from common.engine.request import RequestStatus
 from common.sampling_params import SamplingParams
@@ -44,8 +45,10 @@ def _transfer(prefill, decode, prompt, params, output_token_ids=None):  # type: 
     assert handoff is not None and handoff.num_tokens == out.kv_handoff.num_tokens
     assert [bytes(h) for h in handoff.block_hashes] == [bytes(h) for h in out.kv_handoff.block_hashes]
     assert decode.scheduler.requests["r"].status == RequestStatus.WAITING_FOR_REMOTE_KV
-    src, dst = out.kv_handoff.block_ids, handoff.block_ids
-    decode.runner.kv_cache[:, :, dst] = prefill.runner.kv_cache[:, :, src]
+    src, dst = torch.tensor(out.kv_handoff.block_ids), torch.tensor(handoff.block_ids)
+    # As the transfer layer moves them: gathered on one side, scattered on the other (any cache dtype).
+    decode.runner.kernels.scatter_blocks(decode.runner.kv_cache, dst,
+                                         prefill.runner.kernels.gather_blocks(prefill.runner.kv_cache, src))
     assert prefill.release_kv("r") and not prefill.release_kv("r")
     return out.new_token_ids[0]
 

@@ -1,0 +1,106 @@
+"""``--kv-cache-dtype fp8``: the engine keeps K and V in 8 bits. Twice the blocks of a 16-bit cache in
+the same memory; logits close to the exact ones (and not equal: the cache really is 8-bit); prefill ->
+KV hand-off -> decode gives what one engine gives with the same cache; what is not implemented is
+refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.config import EngineConfig
+from common.engine import model_runner
+from common.sampling_params import SamplingParams
+from kvtransfer.blocks.layout import KVLayout
+from tests.engine.test_disaggregated_lifecycle import _drain, _transfer
+from tests.engine.tiny_models import build_checkpoint, family_configs, prompt_token_ids
+
+FP8 = torch.float8_e4m3fn
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Mistral's layer with a window: the 8-bit cache is read through the windowed kernels too.
+    return build_checkpoint(family_configs()["mistral-window"], tmp_path_factory.mktemp("fp8"))
+
+
+def _engine(engine_factory, folder: Path, **overrides: object):  # type: ignore[no-untyped-def]
+    config = {"model": str(folder), "block_size": 8, "num_blocks": 64, "max_num_batched_tokens": 16,
+              "device": "cpu", "dtype": "float32"}
+    return engine_factory(**{**config, **overrides})
+
+
+def test_an_fp8_cache_holds_twice_a_16_bit_cache_s_blocks(tiny: Path, engine_factory) -> None:  # type: ignore[no-untyped-def]
+    sizes = {}
+    for dtype, kv in (("bfloat16", "auto"), ("bfloat16", "fp8"), ("float32", "fp8_e4m3")):
+        engine = _engine(engine_factory, tiny, dtype=dtype, kv_cache_dtype=kv, num_blocks=None, kv_cache_memory=1 << 20)
+        sizes[(dtype, kv)] = engine.runner.num_blocks
+        assert engine.runner.kv_cache.dtype == (torch.bfloat16 if kv == "auto" else FP8)
+    assert sizes[("bfloat16", "fp8")] == 2 * sizes[("bfloat16", "auto")]
+    assert sizes[("float32", "fp8_e4m3")] == sizes[("bfloat16", "fp8")]
+
+
+def test_logits_with_an_fp8_cache_are_close_to_the_exact_ones_and_not_equal() -> None:
+    """On the default model (real weights; a tiny random one's sharp attention says little), over the
+    test prompts: the logits move by a few percent of their range, the top token seldom."""
+    from common.model.llama import AttentionMetadata
+    from common.model.loader import resolve_model_path
+    from common.model.weights import load_hf_config, load_model
+    from pdserve_kernels import reference
+    from tests.engine.conftest import prompt_ids
+
+    path = resolve_model_path(None)
+    model = load_model(path, load_hf_config(path), reference, torch.float32, torch.device("cpu"), 256)
+    attn = model.model.layers[0].self_attn
+    errors, agree, positions = [], 0, 0
+    for prompt in prompt_ids()[:4]:
+        n, block_size = len(prompt), 8
+        num_blocks = -(-n // block_size)
+        logits = {}
+        for dtype in (torch.float32, FP8):
+            cache = torch.zeros(len(model.model.layers), 2, num_blocks, block_size, attn.num_kv_heads,
+                                attn.head_size, dtype=dtype)
+            meta = AttentionMetadata(
+                slot_mapping=torch.arange(n), block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
+                query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                context_lens=torch.tensor([n], dtype=torch.int32), max_query_len=n,
+            )
+            with torch.inference_mode():
+                logits[dtype] = model.compute_logits(model(torch.tensor(prompt), torch.arange(n), meta, cache))
+        exact, fp8 = logits[torch.float32], logits[FP8]
+        errors.append(float((fp8 - exact).abs().max()) / float(exact.abs().max()))
+        agree += int((fp8.argmax(-1) == exact.argmax(-1)).sum())
+        positions += n
+    assert all(0 < e < 0.2 for e in errors), errors  # measured 4-12% of the largest logit
+    assert agree / positions >= 0.85, agree / positions  # measured 28 of 29
+
+
+def test_prefill_hand_off_decode_with_fp8_caches_equals_one_engine(tiny: Path, engine_factory) -> None:  # type: ignore[no-untyped-def]
+    prompt = prompt_token_ids(37)
+    one = _engine(engine_factory, tiny, kv_cache_dtype="fp8")
+    [expected] = [c[0] for c in one.generate([prompt], GREEDY)]
+    prefill, decode = _engine(engine_factory, tiny, kv_cache_dtype="fp8"), _engine(engine_factory, tiny, kv_cache_dtype="fp8")
+    first = _transfer(prefill, decode, prompt, GREEDY)
+    decode.remote_kv_arrived("r")
+    assert [first, *_drain(decode)["r"]] == expected
+
+
+def test_the_transfer_layout_names_the_8_bit_dtype_and_tells_it_apart() -> None:
+    fp8 = KVLayout.from_kv_cache(torch.zeros(2, 2, 4, 8, 2, 16, dtype=FP8), "m")
+    bf16 = KVLayout.from_kv_cache(torch.zeros(2, 2, 4, 8, 2, 16, dtype=torch.bfloat16), "m")
+    assert fp8.dtype == "float8_e4m3fn" and fp8.bytes_per_block_layer * 2 == bf16.bytes_per_block_layer
+    assert fp8.mismatch(bf16) == "dtype: 'float8_e4m3fn' != 'bfloat16'"
+
+
+def test_what_is_not_implemented_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2' is not implemented"):
+        EngineConfig(kv_cache_dtype="fp8_e5m2")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="compute capability 8.9 or later.*this one is 8.0"):
+        model_runner._check_kv_dtype(FP8, torch.device("cuda"))
+    model_runner._check_kv_dtype(torch.bfloat16, torch.device("cuda"))  # a 16-bit cache needs nothing
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    model_runner._check_kv_dtype(FP8, torch.device("cuda"))

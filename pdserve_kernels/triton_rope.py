@@ -1,4 +1,5 @@
-"""Rotary position embedding in Triton: the queries and keys of a step rotated in one kernel, where
+"""Rotary position embedding in Triton (over each head's first ``rotary_dim`` entries, the width of the
+cos and sin tables: all of them, or GLM-4.5's half): the queries and keys of a step rotated in one kernel, where
 the torch formula (``q * cos + rotate_half(q) * sin``, and the same for ``k``) is ten operations on
 every layer of a forward that runs eagerly. ``rope_and_store`` also writes the rotated keys and the
 values into the KV cache at their slots, the launch ``store_kv`` would have been, in a CUDA graph's
@@ -38,15 +39,18 @@ def _rotate(x_ptr, o_ptr, tok, stride_x_tok, stride_x_head, stride_o_tok, stride
 
 
 @triton.jit
-def _tables(cos_ptr, sin_ptr, tok, stride_cs_tok, offs_d, d_mask, HEAD_SIZE: tl.constexpr):
-    """A token's cos and sin (float32), and for each lane its ``rotate_half`` partner and sign."""
-    half: tl.constexpr = HEAD_SIZE // 2
-    # rotate_half: the first half takes minus the second, the second half the first.
-    partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
+def _tables(cos_ptr, sin_ptr, tok, stride_cs_tok, offs_d, d_mask, ROTARY_DIM: tl.constexpr):
+    """A token's cos and sin (float32), and for each lane its ``rotate_half`` partner and sign. Lanes
+    past ``ROTARY_DIM`` (a partial RoPE) take cos 1 and sin 0, themselves as partner: they pass as
+    they are (``x * 1 + x * 0``)."""
+    half: tl.constexpr = ROTARY_DIM // 2
+    rotated = d_mask & (offs_d < ROTARY_DIM)
+    # rotate_half within the rotated lanes: the first half takes minus the second, the second the first.
+    partner = tl.where(offs_d < half, offs_d + half, tl.where(offs_d < ROTARY_DIM, offs_d - half, offs_d))
     partner = tl.where(d_mask, partner, 0)
     sign = tl.where(offs_d < half, -1.0, 1.0)
-    cos = tl.load(cos_ptr + tok * stride_cs_tok + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + tok * stride_cs_tok + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + tok * stride_cs_tok + offs_d, mask=rotated, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + tok * stride_cs_tok + offs_d, mask=rotated, other=0.0).to(tl.float32)
     return cos, sin, partner, sign
 
 
@@ -56,7 +60,7 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_
                  stride_cs_tok, stride_qo_tok, stride_qo_head, stride_ko_block, stride_ko_tok, stride_ko_head,
                  NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, H_PAD: tl.constexpr,
                  HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 SATURATE: tl.constexpr):
+                 SATURATE: tl.constexpr, ROTARY_DIM: tl.constexpr):
     """A token's queries rotated to ``q_out``, and its keys rotated: to ``k_out``, or with ``STORE`` into
     the cache (``k_out`` and ``v_out`` its K and V planes) at the token's slot with its values, as
     ``store_kv`` writes them (nothing for a negative slot)."""
@@ -64,7 +68,7 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < HEAD_SIZE
-    cos, sin, partner, sign = _tables(cos_ptr, sin_ptr, tok, stride_cs_tok, offs_d, d_mask, HEAD_SIZE)
+    cos, sin, partner, sign = _tables(cos_ptr, sin_ptr, tok, stride_cs_tok, offs_d, d_mask, ROTARY_DIM)
     _rotate(q_ptr, q_out_ptr, tok, stride_q_tok, stride_q_head, stride_qo_tok, stride_qo_head, cos, sin, partner,
             sign, offs_h, offs_d, (offs_h[:, None] < NUM_Q_HEADS) & d_mask[None, :])
     if STORE:
@@ -95,7 +99,7 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor
             cos.stride(0), q_out.stride(0), q_out.stride(1), 0, k_out.stride(0), k_out.stride(1),
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], H_PAD=triton.next_power_of_2(max(num_q_heads, k.shape[1])),
             HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size), STORE=False, BLOCK_SIZE=1,
-            SATURATE=False, enable_fp_fusion=False,
+            SATURATE=False, ROTARY_DIM=cos.shape[-1], enable_fp_fusion=False,
         )
     return q_out, k_out
 
@@ -124,7 +128,7 @@ def rope_and_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_kv_heads,
             H_PAD=triton.next_power_of_2(max(num_q_heads, num_kv_heads)), HEAD_SIZE=head_size,
             D_PAD=triton.next_power_of_2(head_size), STORE=True, BLOCK_SIZE=block_size,
-            SATURATE=kv_layer.dtype == torch.float8_e4m3fn, enable_fp_fusion=False,
+            SATURATE=kv_layer.dtype == torch.float8_e4m3fn, ROTARY_DIM=cos.shape[-1], enable_fp_fusion=False,
         )
     return q_out
 
@@ -135,9 +139,12 @@ def _check(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[int, int, in
     assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_size, (
         f"k must be [{num_tokens}, kv_heads, {head_size}]; got {tuple(k.shape)}")
     assert head_size % 2 == 0, f"head_size must be even, got {head_size}"
+    rotary_dim = cos.shape[-1]
+    assert rotary_dim % 2 == 0 and 0 < rotary_dim <= head_size, (
+        f"cos and sin must cover an even number of each head's first entries, up to {head_size}; got {rotary_dim}")
     for name, t in (("cos", cos), ("sin", sin)):
-        assert t.shape == (num_tokens, 1, head_size) and t.stride(-1) == 1, (
-            f"{name} must be [{num_tokens}, 1, {head_size}] with unit stride; got {tuple(t.shape)}")
+        assert t.shape == (num_tokens, 1, rotary_dim) and t.stride(-1) == 1, (
+            f"{name} must be [{num_tokens}, 1, {rotary_dim}] with unit stride; got {tuple(t.shape)}")
         assert t.dtype == q.dtype == k.dtype, f"{name}, q and k must share a dtype; got {t.dtype}, {q.dtype}, {k.dtype}"
     assert cos.stride(0) == sin.stride(0), "cos and sin must share a layout"
     assert q.stride(2) == 1 and k.stride(2) == 1, "q and k must have unit stride along the head"

@@ -24,7 +24,10 @@ correctness):
   Qwen3-MoE Qwen3's and Qwen2-MoE Qwen2's (each the layers ``decoder_sparse_step`` and
   ``mlp_only_layers`` leave it; ``norm_topk_prob``; Qwen2-MoE's shared expert behind a sigmoid gate),
   OLMoE Llama's with q and k normed across all heads, as OLMo 2's; Granite MoE Granite's with four
-  scalings, its router's softmax over the top k logits only (and Granite MoE Shared a shared expert).
+  scalings, its router's softmax over the top k logits only (and Granite MoE Shared a shared expert);
+  GLM-4.5 (``glm4_moe``) Llama's with q/k biases, optional per-head q/k norms and a partial RoPE, its
+  first ``first_k_dense_replace`` layers dense, its router DeepSeek-V3's (sigmoid scores, a correction
+  bias for the choice, groups, a scaling), its shared experts one MLP beside.
 """
 
 from __future__ import annotations
@@ -37,7 +40,15 @@ from pdserve_kernels.reference import NORM_GEMMA, NORM_LLAMA, NORM_OLMO
 # Families whose biases follow Llama's code: q/k/v/o by ``attention_bias``, the MLP's by ``mlp_bias``.
 _LLAMA_BIAS_TYPES = ("llama", "granite", "smollm3", "internlm3", "arcee")
 # Mixture-of-experts families: a router over experts in place of the MLP (in some layers or all).
-_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe")
+# Families whose modeling code rotates only each head's first ``partial_rotary_factor`` share.
+_PARTIAL_ROPE_TYPES = ("glm4_moe",)
+# How a mixture's router picks and weighs experts, as each family's transformers code does:
+ROUTER_SOFTMAX_TOPK = "softmax_topk"  # softmax over all experts, then the top k (Mixtral, Qwen, OLMoE)
+ROUTER_TOPK_SOFTMAX = "topk_softmax"  # the top k logits, then a softmax over those (Granite)
+# GLM-4.5's (DeepSeek-V3's): sigmoid scores; the k chosen by score plus a correction bias, among the
+# ``topk_group`` groups whose two best such scores sum highest; weighed by score, scaled.
+ROUTER_SIGMOID_GROUPS = "sigmoid_group_topk"
 _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "seed_oss",
@@ -73,6 +84,7 @@ _GRANITE_SCALINGS = ("embedding_multiplier", "logits_scaling", "residual_multipl
 _FAMILY_FIELDS = {
     **{gemma: ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar") for gemma in _GEMMA_TYPES},
     **{granite: _GRANITE_SCALINGS for granite in ("granite", *_GRANITE_MOE_TYPES)},
+    "glm4_moe": ("use_qk_norm",),  # per-head q/k norms, as Qwen3's
 }
 _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
@@ -123,8 +135,8 @@ class ModelArch:
     # softmax, their weights renormalized to sum to 1 where ``norm_topk_prob``, kept in float32 where
     # ``routing_weights_float32`` (Mixtral) or else rounded to the model's dtype. Qwen2-MoE adds a shared
     # expert every token goes through (``shared_expert_intermediate_size`` wide), scaled by a sigmoid gate
-    # (``shared_expert_gated``); Granite's shared expert is added as it is. Granite's router takes the
-    # top k of its logits, then a softmax over those k (``softmax_after_topk``).
+    # (``shared_expert_gated``); Granite's and GLM-4.5's are added as they are. ``router``: how the
+    # experts are picked and weighed (``ROUTER_*``).
     moe_layers: tuple[int, ...] = ()
     num_experts: int = 0
     experts_per_token: int = 0
@@ -133,7 +145,12 @@ class ModelArch:
     routing_weights_float32: bool = False
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = False
-    softmax_after_topk: bool = False
+    router: str = ROUTER_SOFTMAX_TOPK
+    num_expert_groups: int = 1  # the sigmoid router's groups and how many of them a token may use
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    # Each head's first entries that RoPE rotates (a partial RoPE, GLM-4.5's); None: all of them.
+    rotary_dim: int | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> ModelArch:
@@ -177,6 +194,7 @@ class ModelArch:
             "olmoe": (bias, bias, False),
             "granitemoe": (bias, bias, False),
             "granitemoeshared": (bias, bias, False),
+            "glm4_moe": (bias, False, False),
             "qwen2": (True, False, False),
             "qwen2_moe": (bool(getattr(config, "qkv_bias", True)), False, False),
             "mixtral": (False, False, False),
@@ -188,14 +206,17 @@ class ModelArch:
         }[model_type]
         gemma, olmo = model_type in _GEMMA_TYPES, model_type in _OLMO_TYPES
         rope_type, rope_layer_types = _rope(config, model_type)
+        rotary_dim = _rotary_dim(config, model_type)
         return cls(
             model_type=model_type,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
-            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe") or (
+                model_type == "glm4_moe" and bool(getattr(config, "use_qk_norm", False))),
             qk_norm_after_rope=model_type == "hunyuan_v1_dense",
             sliding_windows=_sliding_windows(config, model_type),
+            rotary_dim=rotary_dim,
             rope_type=rope_type,
             rope_layer_types=rope_layer_types,
             no_rope_layers=_no_rope_layers(config, model_type),
@@ -223,10 +244,13 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
     transformers code (Qwen's: every ``decoder_sparse_step``-th layer outside ``mlp_only_layers``)."""
     num_layers = int(config.num_hidden_layers)
     mixtral = model_type == "mixtral"
-    # transformers maps Qwen's and OLMoE's ``num_experts`` to ``num_local_experts`` (as a saved config names it).
-    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    # transformers maps Qwen's and OLMoE's ``num_experts`` to ``num_local_experts`` (as a saved config names
+    # it), and ``num_local_experts`` to GLM-4.5's ``n_routed_experts``.
+    num_experts = (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+                   or getattr(config, "n_routed_experts", None))
     top_k = getattr(config, "num_experts_per_tok", None)
-    inter = getattr(config, "moe_intermediate_size" if model_type in ("qwen2_moe", "qwen3_moe") else "intermediate_size", None)
+    own_width = ("qwen2_moe", "qwen3_moe", "glm4_moe")  # experts narrower than the dense MLP
+    inter = getattr(config, "moe_intermediate_size" if model_type in own_width else "intermediate_size", None)
     if not _positive_int(num_experts):
         raise UnsupportedConfig("num_local_experts", num_experts, "must be a positive integer")
     if not _positive_int(top_k) or top_k > num_experts:
@@ -241,9 +265,21 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         if not isinstance(dense, list) or any(not isinstance(i, int) or not 0 <= i < num_layers for i in dense):
             raise UnsupportedConfig("mlp_only_layers", dense, f"must list layers 0 to {num_layers - 1}")
         moe_layers = tuple(i for i in moe_layers if i not in dense and (i + 1) % step == 0)
+    if model_type == "glm4_moe":
+        first = getattr(config, "first_k_dense_replace", 0)
+        if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first <= num_layers:
+            raise UnsupportedConfig("first_k_dense_replace", first, f"must be 0 to {num_layers}")
+        moe_layers = tuple(range(first, num_layers))
     shared = getattr(config, "shared_expert_intermediate_size", None) if model_type == "qwen2_moe" else 0
     if model_type == "qwen2_moe" and not _positive_int(shared):
         raise UnsupportedConfig("shared_expert_intermediate_size", shared, "must be a positive integer")
+    glm: dict[str, Any] = {}
+    if model_type == "glm4_moe":
+        glm = _sigmoid_router_fields(config, num_experts, top_k)
+        n_shared = getattr(config, "n_shared_experts", 0) or 0
+        if not isinstance(n_shared, int) or n_shared < 0:
+            raise UnsupportedConfig("n_shared_experts", n_shared, "must be 0 or a positive integer")
+        shared = inter * n_shared  # one MLP as wide as all the shared experts together, as transformers builds it
     if model_type == "granitemoeshared":  # 0: no shared expert
         shared = getattr(config, "shared_intermediate_size", 0)
         if shared != 0 and not _positive_int(shared):
@@ -254,8 +290,38 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         # Mixtral always renormalizes the chosen experts' weights, and keeps them in float32.
         "norm_topk_prob": mixtral or bool(getattr(config, "norm_topk_prob", False)),
         "routing_weights_float32": mixtral, "shared_expert_intermediate_size": shared,
-        "shared_expert_gated": model_type == "qwen2_moe", "softmax_after_topk": model_type in _GRANITE_MOE_TYPES,
+        "shared_expert_gated": model_type == "qwen2_moe",
+        "router": ROUTER_TOPK_SOFTMAX if model_type in _GRANITE_MOE_TYPES else ROUTER_SOFTMAX_TOPK, **glm,
     }
+
+
+def _sigmoid_router_fields(config: Any, num_experts: int, top_k: int) -> dict[str, Any]:
+    groups, topk_groups = getattr(config, "n_group", 1) or 1, getattr(config, "topk_group", 1) or 1
+    if not _positive_int(groups) or num_experts % groups or num_experts // groups < 2:
+        raise UnsupportedConfig("n_group", groups, f"must divide the {num_experts} experts into groups of 2 or more")
+    if not _positive_int(topk_groups) or topk_groups > groups or top_k > topk_groups * (num_experts // groups):
+        raise UnsupportedConfig("topk_group", topk_groups,
+                                f"must be 1 to n_group ({groups}), its groups holding num_experts_per_tok experts")
+    scale = getattr(config, "routed_scaling_factor", 1.0)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0:
+        raise UnsupportedConfig("routed_scaling_factor", scale, "must be a positive number")
+    # Weights in float32 as its router computes them, each expert's output met with its weight there.
+    return {"router": ROUTER_SIGMOID_GROUPS, "num_expert_groups": groups, "topk_groups": topk_groups,
+            "routed_scaling_factor": float(scale), "routing_weights_float32": True}
+
+
+def _rotary_dim(config: Any, model_type: str) -> int | None:
+    """Each head's rotated entries under a partial RoPE (``partial_rotary_factor``, checked in ``_rope``)."""
+    if model_type not in _PARTIAL_ROPE_TYPES:
+        return None
+    factor = rope_parameters(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if factor in (None, 1, 1.0):
+        return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = int(head_dim * factor)  # as transformers' RoPE initialisation rounds it
+    if dim < 2 or dim % 2:
+        raise UnsupportedConfig("partial_rotary_factor", factor, f"rotates {dim} of {head_dim} entries: needs an even number")
+    return dim
 
 
 def _positive_int(value: Any) -> TypeGuard[int]:
@@ -291,23 +357,26 @@ def _rope(config: Any, model_type: str) -> tuple[str, tuple[str, ...] | None]:
             raise UnsupportedConfig("rope_parameters.alpha", alpha, "must be a positive number")
         return NTK_ALPHA, None
     if not (params and all(isinstance(v, dict) for v in params.values())):
-        return _rope_type(config, params, "rope_parameters"), None
+        return _rope_type(config, params, "rope_parameters", model_type), None
     if model_type not in _ROPE_PER_LAYER_TYPE:
         raise UnsupportedConfig("rope_parameters", params, f"a RoPE per layer type is not implemented for {model_type}")
     layer_types = tuple(getattr(config, "layer_types", None) or ())
     if len(layer_types) != int(config.num_hidden_layers) or not set(layer_types) <= set(params):
         raise UnsupportedConfig("rope_parameters", params, f"needs a RoPE for each of layer_types {layer_types}")
-    kinds = {_rope_type(config, params[kind], f"rope_parameters.{kind}") for kind in set(layer_types)}
+    kinds = {_rope_type(config, params[kind], f"rope_parameters.{kind}", model_type) for kind in set(layer_types)}
     return ("default" if kinds == {"default"} else "scaled"), layer_types
 
 
-def _rope_type(config: Any, params: dict[str, Any], field: str) -> str:
+def _rope_type(config: Any, params: dict[str, Any], field: str, model_type: str) -> str:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedConfig(f"{field}.rope_type", rope_type, f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    if partial not in (None, 1, 1.0):
-        raise UnsupportedConfig("partial_rotary_factor", partial, "only full-width RoPE is implemented")
+    if model_type in _PARTIAL_ROPE_TYPES and partial is not None and (
+            not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1):
+        raise UnsupportedConfig("partial_rotary_factor", partial, "must be in (0, 1]")
+    if model_type not in _PARTIAL_ROPE_TYPES and partial not in (None, 1, 1.0):
+        raise UnsupportedConfig("partial_rotary_factor", partial, f"a partial RoPE is not implemented for {model_type}")
     return str(rope_type)
 
 
@@ -326,7 +395,7 @@ def _no_rope_layers(config: Any, model_type: str) -> tuple[int, ...]:
 def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
-    if model_type in ("llama", "internlm3", "seed_oss", "olmo2"):
+    if model_type in ("llama", "internlm3", "seed_oss", "olmo2", "glm4_moe"):
         return (None,) * num_layers  # their transformers code has no sliding window: the field is unused
     if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window

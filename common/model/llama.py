@@ -27,7 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from common.model.arch import NTK_ALPHA, ModelArch, rope_parameters
+from common.model.arch import (
+    NTK_ALPHA,
+    ROUTER_SIGMOID_GROUPS,
+    ROUTER_TOPK_SOFTMAX,
+    ModelArch,
+    rope_parameters,
+)
 from pdserve_kernels import reference
 from pdserve_kernels.reference import NORM_LLAMA
 
@@ -75,7 +81,7 @@ class RMSNorm(nn.Module):
         return out
 
 
-def _rope_inv_freq(config: Any, head_size: int, layer_type: str | None = None,
+def _rope_inv_freq(config: Any, rotary_dim: int, layer_type: str | None = None,
                    ntk_alpha: bool = False) -> tuple[Tensor, float]:
     """``ntk_alpha``: the config's RoPE is Hunyuan's fixed-alpha one (``ModelArch.rope_type``)."""
     params = rope_parameters(config)
@@ -84,10 +90,10 @@ def _rope_inv_freq(config: Any, head_size: int, layer_type: str | None = None,
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         base = params["rope_theta"]
-        return 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float) / head_size)), 1.0
+        return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)), 1.0
     if ntk_alpha:  # Hunyuan: only the base changes
-        base = params["rope_theta"] * params["alpha"] ** (head_size / (head_size - 2))
-        return 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float) / head_size)), 1.0
+        base = params["rope_theta"] * params["alpha"] ** (rotary_dim / (rotary_dim - 2))
+        return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     init = ROPE_INIT_FUNCTIONS[rope_type]
@@ -97,15 +103,16 @@ def _rope_inv_freq(config: Any, head_size: int, layer_type: str | None = None,
 
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin per position, computed exactly as transformers does per call; of one layer
-    type's RoPE where the family has one per type."""
+    type's RoPE where the family has one per type; ``rotary_dim`` wide (a head's width, or the part of it
+    a partial RoPE rotates)."""
 
-    def __init__(self, config: Any, head_size: int, max_position: int, layer_type: str | None = None,
+    def __init__(self, config: Any, rotary_dim: int, max_position: int, layer_type: str | None = None,
                  ntk_alpha: bool = False) -> None:
         super().__init__()
         # Computed for real even where the model is built on the meta device (its buffers are not
         # loaded from the checkpoint); on meta these operations would also import torch._dynamo (~4 s).
         with torch.device("cpu"):
-            inv_freq, scaling = _rope_inv_freq(config, head_size, layer_type, ntk_alpha)
+            inv_freq, scaling = _rope_inv_freq(config, rotary_dim, layer_type, ntk_alpha)
             positions = torch.arange(max_position, dtype=torch.float)
             freqs = positions[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
@@ -115,7 +122,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """The positions' cos and sin in ``dtype``, ``[num_tokens, 1, head_size]``: once per forward, for
+        """The positions' cos and sin in ``dtype``, ``[num_tokens, 1, rotary_dim]``: once per forward, for
         every layer (per layer they were four more kernel launches each)."""
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
@@ -252,7 +259,11 @@ class SparseMoE(nn.Module):
         self.top_k = arch.experts_per_token
         self.norm_topk_prob = arch.norm_topk_prob
         self.routing_weights_float32 = arch.routing_weights_float32
-        self.softmax_after_topk = arch.softmax_after_topk
+        self.router = arch.router
+        if self.router == ROUTER_SIGMOID_GROUPS:  # its checkpoints' name: the gate's own
+            self.gate.register_parameter("e_score_correction_bias", nn.Parameter(torch.zeros(arch.num_experts)))
+            self.groups, self.topk_groups = arch.num_expert_groups, arch.topk_groups
+            self.routed_scaling_factor = arch.routed_scaling_factor
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if arch.shared_expert_intermediate_size:
@@ -262,21 +273,42 @@ class SparseMoE(nn.Module):
         self.kernels = kernels
 
     def forward(self, x: Tensor) -> Tensor:
-        logits = self.gate(x)
-        if self.softmax_after_topk:  # Granite: the top k logits, then a softmax over them
-            top, ids = torch.topk(logits.float(), self.top_k, dim=-1)
-            weights = torch.softmax(top, dim=-1)
+        if self.router == ROUTER_SIGMOID_GROUPS:
+            weights, ids = self._sigmoid_groups(x)
         else:
-            weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if not self.routing_weights_float32:
-            weights = weights.to(logits.dtype)
+            logits = self.gate(x)
+            if self.router == ROUTER_TOPK_SOFTMAX:  # Granite: the top k logits, then a softmax over them
+                top, ids = torch.topk(logits.float(), self.top_k, dim=-1)
+                weights = torch.softmax(top, dim=-1)
+            else:
+                weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            if not self.routing_weights_float32:
+                weights = weights.to(logits.dtype)
         out: Tensor = self.kernels.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             out = out + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared)
         return out
+
+
+    def _sigmoid_groups(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """GLM-4.5's router (DeepSeek-V3's), in float32 as transformers computes it (its weight and bias
+        are kept in float32 whatever the model's dtype: ``LlamaForCausalLM.float32_parameters``)."""
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
+        bias: Tensor = self.gate.get_parameter("e_score_correction_bias")
+        choice = scores + bias
+        num_tokens, num_experts = choice.shape
+        grouped = choice.view(num_tokens, self.groups, num_experts // self.groups)
+        best_groups = torch.topk(grouped.topk(2, dim=-1)[0].sum(dim=-1), self.topk_groups, dim=-1, sorted=False)[1]
+        allowed = torch.zeros_like(grouped[..., 0]).scatter_(1, best_groups, 1.0).bool()
+        choice = grouped.masked_fill(~allowed[..., None], float("-inf")).view(num_tokens, num_experts)
+        ids = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
 
 
 class DecoderLayer(nn.Module):
@@ -359,11 +391,18 @@ class LlamaForCausalLM(nn.Module):
                       for i, kind in enumerate(per_type or (_ONE_ROPE,) * len(self.model.layers)))
         self.rotary_embs = nn.ModuleDict({
             kind: NoRotation(self.head_size) if kind == _NO_ROPE
-            else RotaryEmbedding(config, self.head_size, max_position, kind if per_type else None,
-                                 self.arch.rope_type == NTK_ALPHA)
+            else RotaryEmbedding(config, self.arch.rotary_dim or self.head_size, max_position,
+                                 kind if per_type else None, self.arch.rope_type == NTK_ALPHA)
             for kind in sorted(set(kinds))
         })
         self.layer_rope_kinds = kinds
+    def float32_parameters(self) -> list[str]:
+        """Parameters kept in float32 whatever the model's dtype, as transformers keeps them: GLM-4.5's
+        routers' weight and correction bias."""
+        return [f"{name}.gate.{param}" for name, module in self.named_modules()
+                if isinstance(module, SparseMoE) and module.router == ROUTER_SIGMOID_GROUPS
+                for param in ("weight", "e_score_correction_bias")]
+
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor) -> Tensor:
         """Hidden states ``[num_tokens, hidden]``; writes this step's K/V into ``kv_cache``."""
         x = self.model.embed_tokens(input_ids)

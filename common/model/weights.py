@@ -35,6 +35,9 @@ _MOE_NAMES = {
                    (r"\.block_sparse_moe\.", ".mlp.")),
 }
 _MOE_NAMES["granitemoeshared"] = _MOE_NAMES["granitemoe"]
+# GLM-4.5: its shared experts, one MLP, under a plural name.
+_MOE_NAMES["glm4_moe"] = ((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<kind>gate_up_proj|down_proj)\.weight$")
 
 
@@ -85,12 +88,16 @@ def load_model(
                 state[name] = f.get_tensor(name)
     if model.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    renames = _MOE_NAMES.get(model.arch.model_type, ())
-    for name in [n for n in state if ".block_sparse_moe." in n or ".shared_mlp." in n] if renames else []:
+    for name in list(state) if model.arch.model_type in _MOE_NAMES else []:
         new = name
-        for pattern, ours in renames:
+        for pattern, ours in _MOE_NAMES[model.arch.model_type]:
             new = re.sub(pattern, ours, new)
-        state[new] = state.pop(name)
+        if new != name:
+            state[new] = state.pop(name)
+    # GLM-4.5's checkpoints hold its multi-token-prediction layers after the model's own: not run here.
+    num_layers, mtp = int(config.num_hidden_layers), int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+    for name in [n for n in state if mtp and (m := _LAYER.match(n)) and num_layers <= int(m[1]) < num_layers + mtp]:
+        del state[name]
     stack_projections(state)
     stack_experts(state)
     expected = {n for n, _ in model.named_parameters()}
@@ -103,7 +110,11 @@ def load_model(
     model.load_state_dict(state, strict=False, assign=True)
     if model.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    # What transformers keeps in float32 whatever the dtype (GLM-4.5's router), from the checkpoint's values.
+    for name in model.float32_parameters():
+        model.get_parameter(name).data = state[name].to(device=device, dtype=torch.float32)
+    return model
 
 
 def stack_projections(state: dict[str, torch.Tensor]) -> None:

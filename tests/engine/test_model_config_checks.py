@@ -74,6 +74,11 @@ REFUSED = [
         "Qwen3MoeConfig", mlp_only_layers=[3]), "mlp_only_layers"),
     ("qwen2-moe-no-shared-expert", lambda: _config(
         "Qwen2MoeConfig", shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
+    ("glm4-moe-groups-do-not-divide", lambda: _config("Glm4MoeConfig", n_routed_experts=8, n_group=3), "n_group"),
+    ("glm4-moe-more-groups-than-groups", lambda: _config(
+        "Glm4MoeConfig", n_routed_experts=8, n_group=2, topk_group=3), "topk_group"),
+    ("glm4-moe-odd-rotary-width", lambda: _config("Glm4MoeConfig", rope_parameters={
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.2}), "partial_rotary_factor"),
     ("chunked-layer", lambda: _config("Qwen2Config", sliding_window=8,
                                       layer_types=["chunked_attention", "full_attention", "full_attention"]),
      "layer_types"),

@@ -15,7 +15,7 @@ import torch
 
 from common.config import EngineConfig
 from common.engine.engine import LLMEngine
-from common.model.arch import ModelArch
+from common.model.arch import ROUTER_SIGMOID_GROUPS, ROUTER_SOFTMAX_TOPK, ROUTER_TOPK_SOFTMAX, ModelArch
 from common.model.llama import LlamaForCausalLM
 from common.model.weights import load_hf_config
 from common.sampling_params import SamplingParams
@@ -119,7 +119,13 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     assert olmoe.qk_norm_full_width and not olmoe.post_norms_only and olmoe.norm_form == NORM_LLAMA
     assert olmoe.qkv_bias and olmoe.o_bias and olmoe.moe_layers == (0, 1, 2)
     granite_moe, granite_shared = arch["granitemoe-scalings"], arch["granitemoeshared-shared-expert"]
-    assert granite_moe.softmax_after_topk and not granite_moe.norm_topk_prob and not mixtral.softmax_after_topk
+    assert granite_moe.router == ROUTER_TOPK_SOFTMAX and not granite_moe.norm_topk_prob
+    assert mixtral.router == ROUTER_SOFTMAX_TOPK and mixtral.rotary_dim is None
+    glm = arch["glm4-moe-partial-rope-groups"]
+    assert glm.router == ROUTER_SIGMOID_GROUPS and (glm.num_expert_groups, glm.topk_groups) == (2, 1)
+    assert glm.moe_layers == (1, 2) and glm.moe_intermediate_size == 32 and glm.shared_expert_intermediate_size == 32
+    assert glm.rotary_dim == 8 and glm.qk_norm and glm.qkv_bias and not glm.o_bias
+    assert glm.routing_weights_float32 and glm.routed_scaling_factor == 2.5 and not glm.shared_expert_gated
     assert granite_moe.residual_multiplier == 0.5 and granite_moe.embedding_multiplier == 3.0
     assert granite_moe.shared_expert_intermediate_size == 0 and granite_moe.o_bias
     assert granite_shared.shared_expert_intermediate_size == 48 and not granite_shared.shared_expert_gated
@@ -191,6 +197,28 @@ def test_the_routing_changes_transformers_logits_so_the_tests_can_see_it(checkpo
     with torch.inference_mode():
         logits = [AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kw).eval()(prompt).logits
                   for kw in ({}, {"config": fewer})]
+    assert (logits[0] - logits[1]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("change", ["full-rope", "all-groups", "no-correction-bias"])
+def test_glm_s_partial_rope_groups_and_correction_bias_change_transformers_logits(checkpoint, change: str) -> None:  # type: ignore[no-untyped-def]
+    """Guards the tests below: each of GLM-4.5's features, undone, gives other logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = checkpoint("glm4-moe-partial-rope-groups")
+    prompt = torch.tensor([prompt_token_ids(PROMPT_LEN)])
+    config = AutoConfig.from_pretrained(str(folder))
+    if change == "full-rope":
+        config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": 1.0}
+    elif change == "all-groups":
+        config.topk_group = 2
+    with torch.inference_mode():
+        models = [AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kw).eval()
+                  for kw in ({}, {"config": config})]
+        if change == "no-correction-bias":
+            for layer in models[1].model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.zero_()
+        logits = [model(prompt).logits for model in models]
     assert (logits[0] - logits[1]).abs().max() > 1e-2
 
 

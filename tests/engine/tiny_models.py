@@ -31,6 +31,7 @@ def family_configs() -> dict[str, Any]:
         ArceeConfig,
         Gemma2Config,
         Gemma3TextConfig,
+        Glm4MoeConfig,
         GraniteConfig,
         GraniteMoeConfig,
         GraniteMoeSharedConfig,
@@ -143,6 +144,14 @@ def family_configs() -> dict[str, Any]:
             **TINY_DIMS, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48,
             residual_multiplier=0.5, tie_word_embeddings=True,
         ),
+        # GLM-4.5: q/k biases and norms, RoPE over half of each head, layer 0 dense; 2 of 8 experts picked
+        # by sigmoid score plus a correction bias within the best 1 of 2 groups, scaled, beside a shared one.
+        "glm4-moe-partial-rope-groups": Glm4MoeConfig(
+            **TINY_DIMS, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+            n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            use_qk_norm=True, attention_bias=True, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={
             "rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
@@ -164,6 +173,9 @@ def build_checkpoint(config: Any, folder: Path, seed: int = 0) -> Path:
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 param.add_(0.3 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():  # GLM-4.5's router's correction bias, which picks experts
+            if name.endswith("e_score_correction_bias"):
+                buffer.add_(0.3 * torch.randn_like(buffer))
     model.save_pretrained(str(folder))
     return folder
 

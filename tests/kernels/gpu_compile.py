@@ -109,6 +109,11 @@ def record_launches() -> list[Launch]:
             kv = torch.empty(4, k_heads, head_size, dtype=bf16)
             triton_rope.rope_and_store(torch.empty(4, q_heads, head_size, dtype=bf16), kv, kv, cs, cs,
                                        torch.empty(2, 8, 16, k_heads, head_size, dtype=bf16), torch.arange(4))
+        scenario[0] = "rope_and_store, GLM-4.5's partial RoPE (64 of 128), bf16"
+        half = torch.empty(4, 1, 64, dtype=bf16)
+        kv = torch.empty(4, 8, 128, dtype=bf16)
+        triton_rope.rope_and_store(torch.empty(4, 96, 128, dtype=bf16), kv, kv, half, half,
+                                   torch.empty(2, 8, 16, 8, 128, dtype=bf16), torch.arange(4))
         zeros = torch.zeros(4, dtype=torch.long)
         scenario[0] = "seeded race with positions (the sampler's), whole rows"
         triton_sampling.seeded_race(torch.empty(4, 128256), zeros, num_splits=1, positions=zeros)

@@ -44,6 +44,27 @@ def test_the_kernel_rotates_as_the_reference_does(dtype: torch.dtype, q_heads: i
             assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [F32, F16])
+@pytest.mark.parametrize(("head_size", "rotary_dim"), [(64, 32), (128, 64), (80, 48), (16, 2)])
+def test_a_partial_rope_rotates_the_first_entries_and_passes_the_rest(dtype: torch.dtype, head_size: int,
+                                                                      rotary_dim: int) -> None:
+    """GLM-4.5's partial RoPE: tables as wide as the rotated part, the rest of each head as it is."""
+    q, k, cos, sin = _inputs(7, 4, 2, head_size, dtype, seed=rotary_dim)
+    cos, sin = cos[..., :rotary_dim].contiguous(), sin[..., :rotary_dim].contiguous()
+    got_q, got_k = triton_rope.rope(q, k, cos, sin)
+    want_q, want_k = reference.rope(q, k, cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(got_q[..., rotary_dim:], q[..., rotary_dim:]) and not torch.equal(got_q, q)
+    full_q, _ = reference.rope(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin)  # transformers' own split
+    assert torch.equal(want_q[..., :rotary_dim], full_q)
+    v = torch.randn(7, 2, head_size, generator=torch.Generator().manual_seed(3)).to(dtype)
+    slots = torch.tensor([0, 5, -1, 9, 2, 11, 7])
+    got_cache, want_cache = torch.zeros(2, 3, 4, 2, head_size, dtype=dtype), torch.zeros(2, 3, 4, 2, head_size, dtype=dtype)
+    assert torch.equal(triton_rope.rope_and_store(q, k, v, cos, sin, got_cache, slots), want_q)
+    reference.store_kv(want_k, v, want_cache, slots)
+    assert torch.equal(got_cache, want_cache)
+
+
 def test_strided_inputs_are_read_with_their_strides_and_bad_arguments_are_refused() -> None:
     q, k, cos, sin = _inputs(5, 4, 2, 64, F32, seed=1)
     qkv = torch.cat([q, k, k], dim=1)  # q and k as views of one tensor, as a fused projection gives them

@@ -27,7 +27,9 @@ correctness):
   scalings, its router's softmax over the top k logits only (and Granite MoE Shared a shared expert);
   GLM-4.5 (``glm4_moe``) Llama's with q/k biases, optional per-head q/k norms and a partial RoPE, its
   first ``first_k_dense_replace`` layers dense, its router DeepSeek-V3's (sigmoid scores, a correction
-  bias for the choice, groups, a scaling), its shared experts one MLP beside.
+  bias for the choice, groups, a scaling), its shared experts one MLP beside; MiniMax-M2
+  (``minimax_m2``) Mixtral's with OLMo's q/k norms across all heads, a partial RoPE and the same router
+  without groups.
 """
 
 from __future__ import annotations
@@ -40,15 +42,17 @@ from pdserve_kernels.reference import NORM_GEMMA, NORM_LLAMA, NORM_OLMO
 # Families whose biases follow Llama's code: q/k/v/o by ``attention_bias``, the MLP's by ``mlp_bias``.
 _LLAMA_BIAS_TYPES = ("llama", "granite", "smollm3", "internlm3", "arcee")
 # Mixture-of-experts families: a router over experts in place of the MLP (in some layers or all).
-_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe", "minimax_m2")
 # Families whose modeling code rotates only each head's first ``partial_rotary_factor`` share.
-_PARTIAL_ROPE_TYPES = ("glm4_moe",)
+_PARTIAL_ROPE_TYPES = ("glm4_moe", "minimax_m2")
 # How a mixture's router picks and weighs experts, as each family's transformers code does:
 ROUTER_SOFTMAX_TOPK = "softmax_topk"  # softmax over all experts, then the top k (Mixtral, Qwen, OLMoE)
 ROUTER_TOPK_SOFTMAX = "topk_softmax"  # the top k logits, then a softmax over those (Granite)
 # GLM-4.5's (DeepSeek-V3's): sigmoid scores; the k chosen by score plus a correction bias, among the
 # ``topk_group`` groups whose two best such scores sum highest; weighed by score, scaled.
 ROUTER_SIGMOID_GROUPS = "sigmoid_group_topk"
+# MiniMax-M2's: the same without groups or scaling, its logits in the model's dtype.
+ROUTER_SIGMOID = "sigmoid_topk"
 _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "seed_oss",
@@ -195,6 +199,7 @@ class ModelArch:
             "granitemoe": (bias, bias, False),
             "granitemoeshared": (bias, bias, False),
             "glm4_moe": (bias, False, False),
+            "minimax_m2": (False, False, False),
             "qwen2": (True, False, False),
             "qwen2_moe": (bool(getattr(config, "qkv_bias", True)), False, False),
             "mixtral": (False, False, False),
@@ -224,7 +229,7 @@ class ModelArch:
             gemma_norms=gemma,
             norm_form=NORM_GEMMA if gemma else NORM_OLMO if olmo else NORM_LLAMA,
             post_norms_only=olmo,
-            qk_norm_full_width=olmo or model_type == "olmoe",
+            qk_norm_full_width=olmo or model_type in ("olmoe", "minimax_m2"),
             embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
             # Set only where the family implements them (checked above).
             query_pre_attn_scalar=_positive_or_none(config, "query_pre_attn_scalar"),
@@ -280,6 +285,8 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         if not isinstance(n_shared, int) or n_shared < 0:
             raise UnsupportedConfig("n_shared_experts", n_shared, "must be 0 or a positive integer")
         shared = inter * n_shared  # one MLP as wide as all the shared experts together, as transformers builds it
+    if model_type == "minimax_m2":  # weights in float32, as its router leaves them
+        glm = {"router": ROUTER_SIGMOID, "routing_weights_float32": True}
     if model_type == "granitemoeshared":  # 0: no shared expert
         shared = getattr(config, "shared_intermediate_size", 0)
         if shared != 0 and not _positive_int(shared):
@@ -288,7 +295,7 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         "moe_layers": moe_layers, "num_experts": num_experts, "experts_per_token": top_k,
         "moe_intermediate_size": inter,
         # Mixtral always renormalizes the chosen experts' weights, and keeps them in float32.
-        "norm_topk_prob": mixtral or bool(getattr(config, "norm_topk_prob", False)),
+        "norm_topk_prob": mixtral or model_type == "minimax_m2" or bool(getattr(config, "norm_topk_prob", False)),
         "routing_weights_float32": mixtral, "shared_expert_intermediate_size": shared,
         "shared_expert_gated": model_type == "qwen2_moe",
         "router": ROUTER_TOPK_SOFTMAX if model_type in _GRANITE_MOE_TYPES else ROUTER_SOFTMAX_TOPK, **glm,
@@ -395,7 +402,7 @@ def _no_rope_layers(config: Any, model_type: str) -> tuple[int, ...]:
 def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
-    if model_type in ("llama", "internlm3", "seed_oss", "olmo2", "glm4_moe"):
+    if model_type in ("llama", "internlm3", "seed_oss", "olmo2", "glm4_moe", "minimax_m2"):
         return (None,) * num_layers  # their transformers code has no sliding window: the field is unused
     if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from common.model.arch import (
     NTK_ALPHA,
+    ROUTER_SIGMOID,
     ROUTER_SIGMOID_GROUPS,
     ROUTER_TOPK_SOFTMAX,
     ModelArch,
@@ -260,7 +261,7 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = arch.norm_topk_prob
         self.routing_weights_float32 = arch.routing_weights_float32
         self.router = arch.router
-        if self.router == ROUTER_SIGMOID_GROUPS:  # its checkpoints' name: the gate's own
+        if self.router in (ROUTER_SIGMOID_GROUPS, ROUTER_SIGMOID):  # a correction bias: the gate's own here
             self.gate.register_parameter("e_score_correction_bias", nn.Parameter(torch.zeros(arch.num_experts)))
             self.groups, self.topk_groups = arch.num_expert_groups, arch.topk_groups
             self.routed_scaling_factor = arch.routed_scaling_factor
@@ -273,8 +274,8 @@ class SparseMoE(nn.Module):
         self.kernels = kernels
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.router == ROUTER_SIGMOID_GROUPS:
-            weights, ids = self._sigmoid_groups(x)
+        if self.router in (ROUTER_SIGMOID_GROUPS, ROUTER_SIGMOID):
+            weights, ids = self._sigmoid(x)
         else:
             logits = self.gate(x)
             if self.router == ROUTER_TOPK_SOFTMAX:  # Granite: the top k logits, then a softmax over them
@@ -293,11 +294,17 @@ class SparseMoE(nn.Module):
         return out
 
 
-    def _sigmoid_groups(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def _sigmoid(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """GLM-4.5's router (DeepSeek-V3's), in float32 as transformers computes it (its weight and bias
-        are kept in float32 whatever the model's dtype: ``LlamaForCausalLM.float32_parameters``)."""
-        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
+        are kept in float32 whatever the model's dtype: ``LlamaForCausalLM.float32_parameters``), or
+        MiniMax-M2's: its logits in the model's dtype, no groups, no scaling."""
         bias: Tensor = self.gate.get_parameter("e_score_correction_bias")
+        if self.router == ROUTER_SIGMOID:
+            scores = self.gate(x).float().sigmoid()
+            ids = torch.topk(scores + bias, self.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, ids)
+            return weights / weights.sum(dim=-1, keepdim=True), ids
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
         choice = scores + bias
         num_tokens, num_experts = choice.shape
         grouped = choice.view(num_tokens, self.groups, num_experts // self.groups)

@@ -37,6 +37,9 @@ _MOE_NAMES = {
 _MOE_NAMES["granitemoeshared"] = _MOE_NAMES["granitemoe"]
 # GLM-4.5: its shared experts, one MLP, under a plural name.
 _MOE_NAMES["glm4_moe"] = ((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),)
+# MiniMax-M2: Mixtral's names, its router's correction bias on the block.
+_MOE_NAMES["minimax_m2"] = ((r"\.block_sparse_moe\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias"),
+                            *_MOE_NAMES["mixtral"])
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<kind>gate_up_proj|down_proj)\.weight$")
 

@@ -15,7 +15,13 @@ import torch
 
 from common.config import EngineConfig
 from common.engine.engine import LLMEngine
-from common.model.arch import ROUTER_SIGMOID_GROUPS, ROUTER_SOFTMAX_TOPK, ROUTER_TOPK_SOFTMAX, ModelArch
+from common.model.arch import (
+    ROUTER_SIGMOID,
+    ROUTER_SIGMOID_GROUPS,
+    ROUTER_SOFTMAX_TOPK,
+    ROUTER_TOPK_SOFTMAX,
+    ModelArch,
+)
 from common.model.llama import LlamaForCausalLM
 from common.model.weights import load_hf_config
 from common.sampling_params import SamplingParams
@@ -126,6 +132,10 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     assert glm.moe_layers == (1, 2) and glm.moe_intermediate_size == 32 and glm.shared_expert_intermediate_size == 32
     assert glm.rotary_dim == 8 and glm.qk_norm and glm.qkv_bias and not glm.o_bias
     assert glm.routing_weights_float32 and glm.routed_scaling_factor == 2.5 and not glm.shared_expert_gated
+    minimax = arch["minimax-m2-moe-partial-rope"]
+    assert minimax.router == ROUTER_SIGMOID and minimax.rotary_dim == 8 and minimax.qk_norm_full_width
+    assert minimax.norm_topk_prob and minimax.moe_layers == (0, 1, 2) and minimax.moe_intermediate_size == 128
+    assert not (minimax.qkv_bias or minimax.o_bias or minimax.qk_norm or minimax.shared_expert_intermediate_size)
     assert granite_moe.residual_multiplier == 0.5 and granite_moe.embedding_multiplier == 3.0
     assert granite_moe.shared_expert_intermediate_size == 0 and granite_moe.o_bias
     assert granite_shared.shared_expert_intermediate_size == 48 and not granite_shared.shared_expert_gated

@@ -38,6 +38,7 @@ def family_configs() -> dict[str, Any]:
         HunYuanDenseV1Config,
         InternLM3Config,
         LlamaConfig,
+        MiniMaxM2Config,
         MinistralConfig,
         MistralConfig,
         MixtralConfig,
@@ -150,6 +151,12 @@ def family_configs() -> dict[str, Any]:
             **TINY_DIMS, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
             n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
             use_qk_norm=True, attention_bias=True, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        ),
+        # MiniMax-M2: q and k normed across all heads, RoPE over half of each head, 2 of 6 experts picked
+        # by sigmoid score plus a correction bias.
+        "minimax-m2-moe-partial-rope": MiniMaxM2Config(
+            **TINY_DIMS, num_local_experts=6, num_experts_per_tok=2, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),

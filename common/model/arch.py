@@ -41,6 +41,10 @@ from pdserve_kernels.reference import NORM_GEMMA, NORM_LLAMA, NORM_OLMO
 
 # Families whose biases follow Llama's code: q/k/v/o by ``attention_bias``, the MLP's by ``mlp_bias``.
 _LLAMA_BIAS_TYPES = ("llama", "granite", "smollm3", "internlm3", "arcee")
+# Families whose q/k/v and o projections have biases by ``attention_bias`` and whose MLPs have none.
+_ATTENTION_BIAS_TYPES = ("qwen3", "gemma2", "gemma3_text", "hunyuan_v1_dense", "olmo2", "olmo3", "qwen3_moe", "olmoe",
+                         "granitemoe", "granitemoeshared")
+_NO_BIAS_TYPES = ("mistral", "ministral", "phi3", "mixtral", "minimax_m2")  # no bias anywhere
 # Mixture-of-experts families: a router over experts in place of the MLP (in some layers or all).
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe", "minimax_m2")
 # Families whose modeling code rotates only each head's first ``partial_rotary_factor`` share.
@@ -186,29 +190,18 @@ class ModelArch:
             raise UnsupportedConfig("num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}")
         bias = bool(getattr(config, "attention_bias", False))
         mlp = bool(getattr(config, "mlp_bias", False))
-        qkv_bias, o_bias, mlp_bias = (bias, bias, mlp) if model_type in _LLAMA_BIAS_TYPES else {
-            # (q/k/v, o, MLP) biases, as each other family's modeling code has them
-            "qwen3": (bias, bias, False),
-            "gemma2": (bias, bias, False),
-            "gemma3_text": (bias, bias, False),
-            "hunyuan_v1_dense": (bias, bias, False),
-            "olmo2": (bias, bias, False),
-            "olmo3": (bias, bias, False),
-            "qwen3_moe": (bias, bias, False),
-            "olmoe": (bias, bias, False),
-            "granitemoe": (bias, bias, False),
-            "granitemoeshared": (bias, bias, False),
-            "glm4_moe": (bias, False, False),
-            "minimax_m2": (False, False, False),
-            "qwen2": (True, False, False),
-            "qwen2_moe": (bool(getattr(config, "qkv_bias", True)), False, False),
-            "mixtral": (False, False, False),
-            "mistral": (False, False, False),
-            "ministral": (False, False, False),
-            "phi3": (False, False, False),
-            # q/k/v by attention_bias, the output projection by a field of its own
-            "seed_oss": (bias, bool(getattr(config, "attention_out_bias", False)), mlp),
-        }[model_type]
+        qkv_bias, o_bias, mlp_bias = (
+            (bias, bias, mlp) if model_type in _LLAMA_BIAS_TYPES
+            else (bias, bias, False) if model_type in _ATTENTION_BIAS_TYPES
+            else (False, False, False) if model_type in _NO_BIAS_TYPES
+            else {  # (q/k/v, o, MLP) biases, as each other family's modeling code has them
+                "qwen2": (True, False, False),
+                "qwen2_moe": (bool(getattr(config, "qkv_bias", True)), False, False),
+                "glm4_moe": (bias, False, False),
+                # q/k/v by attention_bias, the output projection by a field of its own
+                "seed_oss": (bias, bool(getattr(config, "attention_out_bias", False)), mlp),
+            }[model_type]
+        )
         gemma, olmo = model_type in _GEMMA_TYPES, model_type in _OLMO_TYPES
         rope_type, rope_layer_types = _rope(config, model_type)
         rotary_dim = _rotary_dim(config, model_type)

@@ -5,6 +5,7 @@ transformers ``generate`` on the same checkpoint, over a prompt several windows 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -96,15 +97,13 @@ class UpStack:
     stderr: list[str]
 
 
-@pytest.fixture(scope="module")
-def up(tiny: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
-    """``pdserve up --prefill 1 --decode 1`` on the tiny checkpoint, one per model for the module."""
-    port = free_port()
-    argv = [sys.executable, "-m", "common.cli", "up", "--prefill", "1", "--decode", "1", "--model", str(tiny.folder),
-            "--port", str(port), "--threads-per-engine", "1", "--grace-period", "10",
-            "--ready-timeout", "180", "--log-dir", str(tmp_path_factory.mktemp(f"up-{tiny.name}")),
-            "--device", "cpu", "--dtype", "float32", *ENGINE_FLAGS]
-    proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+@contextlib.contextmanager
+def running_up(argv: list[str]) -> Iterator[UpStack]:
+    """``pdserve up`` with ``argv`` (its port given by ``--port``) until ready; SIGTERM at the end must
+    stop it cleanly."""
+    port = argv[argv.index("--port") + 1]
+    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "up", *argv], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     stdout, stderr = collect_lines(proc.stdout), collect_lines(proc.stderr)
     try:
@@ -117,6 +116,20 @@ def up(tiny: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def up_argv(folder: Path, log_dir: Path, *flags: str) -> list[str]:
+    """One prefill and one decode instance on ``folder``, on a free port, float32 on the CPU."""
+    return ["--prefill", "1", "--decode", "1", "--model", str(folder), "--port", str(free_port()),
+            "--threads-per-engine", "1", "--grace-period", "10", "--ready-timeout", "180", "--log-dir", str(log_dir),
+            "--device", "cpu", "--dtype", "float32", *flags]
+
+
+@pytest.fixture(scope="module")
+def up(tiny: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
+    """``pdserve up --prefill 1 --decode 1`` on the tiny checkpoint, one per model for the module."""
+    with running_up(up_argv(tiny.folder, tmp_path_factory.mktemp(f"up-{tiny.name}"), *ENGINE_FLAGS)) as stack:
+        yield stack
 
 
 def _routed(url: str) -> dict[str, float]:

@@ -869,6 +869,31 @@ STAND_IN_DIMS: dict[str, Any] = {
 # the rounding of one path against another seldom flips a greedy token (near ties are what random
 # weights give otherwise).
 STAND_IN_LOGIT_SCALE = 30.0
+# A mixture of experts for the engine variants' section: Qwen3-30B-A3B's routing (8 of 128 experts,
+# renormalized) at a smaller width and depth, random weights.
+MOE_STAND_IN_DIMS: dict[str, Any] = {
+    **STAND_IN_DIMS, "hidden_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 16, "num_key_value_heads": 4,
+    "intermediate_size": 2048, "moe_intermediate_size": 256, "num_experts": 128, "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+}
+
+
+def moe_stand_in(folder: Path) -> Path:
+    """A random-weight Qwen3-MoE checkpoint of ``MOE_STAND_IN_DIMS``, written once into ``folder``."""
+    if not folder.exists():  # written whole, then renamed: a run cut short leaves no half a checkpoint
+        import shutil
+
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        torch.manual_seed(0)
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**MOE_STAND_IN_DIMS, tie_word_embeddings=False))
+        with torch.no_grad():
+            model.lm_head.weight.mul_(STAND_IN_LOGIT_SCALE)
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        model.save_pretrained(str(partial))
+        partial.rename(folder)
+    return folder
 
 
 def engine_model(choice: str, folder: Path, meta: dict[str, Any]) -> str | None:
@@ -915,7 +940,7 @@ PROFILE_AFTER_STEPS = 5
 
 def _engine_run(
     mode: str, batch: int, prompts: list[list[int]], max_tokens: int, device: str = DEVICE, model: str | None = None,
-    profile_steps: int = 0, profile: list[dict[str, Any]] | None = None,
+    profile_steps: int = 0, profile: list[dict[str, Any]] | None = None, kv_cache_dtype: str = "auto",
 ) -> tuple[list[list[int]], float, int]:
     """Greedy outputs, the median decode step (ms; steps where every request had its first token)
     and the steps that ran through ``DecodeGraphs``, of one engine on ``model`` (None: the default
@@ -934,7 +959,7 @@ def _engine_run(
     prompt_len = len(prompts[0])
     config = EngineConfig(model=model, device=device, enforce_eager=mode not in ("graphs", "async"), max_num_seqs=batch,
                           num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 64, seed=0,
-                          async_scheduling=mode == "async")
+                          async_scheduling=mode == "async", kv_cache_dtype=kv_cache_dtype)
     engine = LLMEngine(config)
     runner = engine.runner
     if mode == "padded":
@@ -1037,6 +1062,50 @@ def bench_engine_graphs(report: Report, args: argparse.Namespace) -> None:
         report.check(f"engine greedy outputs, CUDA graphs on ~ off: sequences whose first {EARLY_TOKENS} tokens "
                      f"differ (batch {batch}; at most a tenth)",
                      functools.partial(_at_most, float(early), float(batch // 10)))
+
+
+def bench_engine_variants(report: Report, args: argparse.Namespace, device: str = DEVICE,
+                          variants: list[tuple[str, str | None, str]] | None = None, batch: int | None = None,
+                          max_tokens: int | None = None) -> None:
+    """The engine with an 8-bit KV cache, and on a mixture of experts (the Triton grouped products, the
+    pairs grouped on the device inside the graph): graphs on and off, decode steps timed side by side;
+    a replay's greedy outputs must equal the same padded forward run eagerly, and at most a tenth of
+    the sequences may differ from graphs off in their first ``EARLY_TOKENS`` tokens. ``variants``:
+    (name, model, kv cache dtype); by default the engine section's model with ``fp8``, and the
+    mixture's stand-in (``MOE_STAND_IN_DIMS``)."""
+    import gc
+
+    from common.model.loader import cache_dir
+
+    if variants is None:
+        model = engine_model(args.engine_model, cache_dir() / "stand-in-smollm2-135m-shapes", report.meta)
+        moe = str(moe_stand_in(cache_dir() / "stand-in-qwen3-moe-128-experts"))
+        variants = [("8-bit KV cache", model, "fp8"), ("Qwen3-MoE stand-in, 8 of 128 experts", moe, "auto")]
+    batch = batch or args.engine_batch
+    max_tokens = max_tokens or args.engine_tokens
+    # Ids every vocabulary here holds (a CPU dry run's tiny model's too).
+    prompts = torch.randint(3, 100, (batch, 128), generator=torch.Generator().manual_seed(batch)).tolist()
+    for name, model, kv in variants:
+        report.group = f"engine, {name}"
+        outputs: dict[str, list[list[int]]] = {}
+        for mode in ("eager", "graphs", "padded"):
+            outputs[mode], ms, replayed = _engine_run(mode, batch, prompts, max_tokens, device=device, model=model,
+                                                      kv_cache_dtype=kv)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if mode != "padded":
+                report.timings.append({"name": f"engine decode step, {name}, CUDA graphs {'on' if mode == 'graphs' else 'off'}",
+                                       "shape": f"batch {batch}, 128-token prompts", "median_us": ms * 1e3, "bytes": 0.0,
+                                       "gb_per_s": None, "tflop_per_s": None, "group": report.group,
+                                       "steps_replayed": replayed})
+                print(f"[time] engine decode step, {name}, {mode} [batch {batch}] {ms:.3f} ms; {replayed} replayed")
+        differences = float(sum(a != b for a, b in zip(outputs["graphs"], outputs["padded"], strict=True)))
+        report.check(f"engine, {name}: CUDA graph replay == the same padded forward run eagerly "
+                     f"(batch {batch}; err = sequences that differ)", functools.partial(_exact, differences))
+        early = sum(a[:EARLY_TOKENS] != b[:EARLY_TOKENS] for a, b in zip(outputs["graphs"], outputs["eager"], strict=True))
+        report.check(f"engine, {name}: graphs on ~ off, sequences whose first {EARLY_TOKENS} tokens differ "
+                     f"(at most a tenth)", functools.partial(_at_most, float(early), float(batch // 10)))
 
 
 # The share of the GPU the sizing section's engine is given.
@@ -1208,6 +1277,7 @@ def main(argv: list[str] | None = None) -> int:
         ("kv receive ordering", lambda: check_receive_ordering(report)),
         ("pinned upload ring", lambda: check_staging(report)),
         ("engine, CUDA graphs off and on", lambda: bench_engine_graphs(report, args)),
+        ("engine, an 8-bit KV cache and a mixture of experts", lambda: bench_engine_variants(report, args)),
         ("engine, KV cache sized by its profiled step", lambda: check_kv_sizing(report, args)),
         ("nvml after", lambda: read_nvml(report, "after")),
     ]

@@ -264,3 +264,17 @@ def test_the_moe_section_checks_the_triton_kernel_on_the_cpu(tmp_path: Path) -> 
     report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
     gpu_kernels.bench_moe(report, Wrong, reference, shapes, (40,), device="cpu", time_it=False)
     assert [c["ok"] for c in report.checks] == [False]
+
+
+def test_the_engine_variants_section_runs_on_the_cpu(tmp_path: Path) -> None:
+    """A dry run of the 8-bit cache and mixture-of-experts engine section (a tiny mixture, nothing captured
+    on the CPU): its checks pass, as they must on a GPU."""
+    from tests.engine.tiny_models import build_checkpoint, family_configs
+
+    moe = str(build_checkpoint(family_configs()["qwen3-moe-dense-layer"], tmp_path / "moe"))
+    report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
+    gpu_kernels.bench_engine_variants(report, None, device="cpu",  # type: ignore[arg-type]
+                                      variants=[("8-bit KV cache", moe, "fp8"), ("mixture", moe, "auto")],
+                                      batch=3, max_tokens=6)
+    assert [c["ok"] for c in report.checks] == [True] * 4, report.checks
+    assert len([t for t in report.timings if "median_us" in t]) == 4

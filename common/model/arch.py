@@ -93,6 +93,7 @@ _FAMILY_FIELDS = {
     **{gemma: ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar") for gemma in _GEMMA_TYPES},
     **{granite: _GRANITE_SCALINGS for granite in ("granite", *_GRANITE_MOE_TYPES)},
     "glm4_moe": ("use_qk_norm",),  # per-head q/k norms, as Qwen3's
+    "minimax_m2": ("use_qk_norm",),  # its released configs set it; its modeling code norms q and k always
 }
 _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
@@ -271,15 +272,15 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
     shared = getattr(config, "shared_expert_intermediate_size", None) if model_type == "qwen2_moe" else 0
     if model_type == "qwen2_moe" and not _positive_int(shared):
         raise UnsupportedConfig("shared_expert_intermediate_size", shared, "must be a positive integer")
-    glm: dict[str, Any] = {}
+    router: dict[str, Any] = {}  # a sigmoid router's fields
     if model_type == "glm4_moe":
-        glm = _sigmoid_router_fields(config, num_experts, top_k)
+        router = _sigmoid_router_fields(config, num_experts, top_k)
         n_shared = getattr(config, "n_shared_experts", 0) or 0
         if not isinstance(n_shared, int) or n_shared < 0:
             raise UnsupportedConfig("n_shared_experts", n_shared, "must be 0 or a positive integer")
         shared = inter * n_shared  # one MLP as wide as all the shared experts together, as transformers builds it
     if model_type == "minimax_m2":  # weights in float32, as its router leaves them
-        glm = {"router": ROUTER_SIGMOID, "routing_weights_float32": True}
+        router = {"router": ROUTER_SIGMOID, "routing_weights_float32": True}
     if model_type == "granitemoeshared":  # 0: no shared expert
         shared = getattr(config, "shared_intermediate_size", 0)
         if shared != 0 and not _positive_int(shared):
@@ -291,7 +292,7 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         "norm_topk_prob": mixtral or model_type == "minimax_m2" or bool(getattr(config, "norm_topk_prob", False)),
         "routing_weights_float32": mixtral, "shared_expert_intermediate_size": shared,
         "shared_expert_gated": model_type == "qwen2_moe",
-        "router": ROUTER_TOPK_SOFTMAX if model_type in _GRANITE_MOE_TYPES else ROUTER_SOFTMAX_TOPK, **glm,
+        "router": ROUTER_TOPK_SOFTMAX if model_type in _GRANITE_MOE_TYPES else ROUTER_SOFTMAX_TOPK, **router,
     }
 
 

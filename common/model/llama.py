@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, SmolLM, and their mixtures of experts:
-Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, SmolLM, ..., and mixtures of experts:
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GLM-4.5, MiniMax-M2) over a paged KV cache.
 
 The forward pass takes the flattened tokens of many sequences at once, with their positions and
 an ``AttentionMetadata`` that says where each token's K/V goes (``slot_mapping``) and which blocks
@@ -247,10 +247,11 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """A mixture of experts in the MLP's place (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE): the router (``gate``)
-    scores every expert, a softmax in float32 picks each token's ``experts_per_token`` best, and the
-    kernels' ``moe_experts`` runs only those (the torch loop over the experts hit, or on a GPU one Triton
-    grouped matrix product per projection); a shared expert is added, scaled by its gate in Qwen2-MoE."""
+    """A mixture of experts in the MLP's place: the router (``gate``) scores every expert and picks each
+    token's ``experts_per_token`` best as the family's code does (``ModelArch.router``: a softmax, or
+    sigmoid scores with a correction bias), and the kernels' ``moe_experts`` runs only those (the torch
+    loop over the experts hit, or on a GPU one Triton grouped matrix product per projection); a shared
+    expert is added, scaled by its gate in Qwen2-MoE."""
 
     def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType) -> None:
         super().__init__()
@@ -292,7 +293,6 @@ class SparseMoE(nn.Module):
             shared = self.shared_expert(x)
             out = out + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared)
         return out
-
 
     def _sigmoid(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """GLM-4.5's router (DeepSeek-V3's), in float32 as transformers computes it (its weight and bias
@@ -403,6 +403,7 @@ class LlamaForCausalLM(nn.Module):
             for kind in sorted(set(kinds))
         })
         self.layer_rope_kinds = kinds
+
     def float32_parameters(self) -> list[str]:
         """Parameters kept in float32 whatever the model's dtype, as transformers keeps them: GLM-4.5's
         routers' weight and correction bias."""

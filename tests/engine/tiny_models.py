@@ -156,7 +156,7 @@ def family_configs() -> dict[str, Any]:
         # MiniMax-M2: q and k normed across all heads, RoPE over half of each head, 2 of 6 experts picked
         # by sigmoid score plus a correction bias.
         "minimax-m2-moe-partial-rope": MiniMaxM2Config(
-            **TINY_DIMS, num_local_experts=6, num_experts_per_tok=2, tie_word_embeddings=False,
+            **TINY_DIMS, num_local_experts=6, num_experts_per_tok=2, use_qk_norm=True, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),

@@ -157,20 +157,29 @@ def _length_groups(lens: list[int], block_size: int) -> list[list[int]]:
 
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float, group: int,
-               soft_cap: float | None) -> Tensor:
+               soft_cap: float | None, sinks: Tensor | None = None) -> Tensor:
     """SDPA over ``[..., heads, q_len, head_size]`` (K/V with ``heads // group`` heads), ``visible``
-    broadcasting to the scores; with ``soft_cap`` written out, since SDPA cannot cap scores."""
-    if not soft_cap:
+    broadcasting to the scores; with ``soft_cap`` or ``sinks`` written out, since SDPA does neither."""
+    if not soft_cap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=group > 1)
     if group > 1:
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = (torch.tanh(scores / soft_cap) * soft_cap).masked_fill(~visible, float("-inf"))
-    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
+    if soft_cap:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
+    # gpt-oss: each head's sink logit joins every query's softmax, and takes its share of the weight.
+    sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    combined = torch.cat((scores, sink), dim=-1)
+    probs = (combined - combined.amax(-1, keepdim=True)).softmax(-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def _decode_padded(query: Tensor, kv_layer: Tensor, block_tables: Tensor, lens: Tensor, max_len: int,
-                   scale: float, sliding_window: int | None = None, soft_cap: float | None = None) -> Tensor:
+                   scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                   sinks: Tensor | None = None) -> Tensor:
     """Decode attention of sequences padded to ``max_len`` with the tail masked; ``[seqs, heads, head_size]``."""
     num_seqs, num_heads, head_size = query.shape
     _, total_blocks, block_size, num_kv_heads, _ = kv_layer.shape
@@ -184,7 +193,8 @@ def _decode_padded(query: Tensor, kv_layer: Tensor, block_tables: Tensor, lens: 
     if sliding_window:
         visible &= key_pos >= lens[:, None] - sliding_window
     return _attention(
-        query[:, :, None, :].to(k.dtype), k, v, visible[:, None, None, :], scale, num_heads // num_kv_heads, soft_cap
+        query[:, :, None, :].to(k.dtype), k, v, visible[:, None, None, :], scale, num_heads // num_kv_heads, soft_cap,
+        sinks,
     ).view(num_seqs, num_heads, head_size)
 
 
@@ -197,10 +207,12 @@ def paged_decode_attention(
     out: Tensor | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """One query token per sequence: ``query`` ``[num_seqs, num_heads, head_size]``.
 
     Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+    ``sinks`` ``[num_heads]``: a logit per head that joins each softmax with no value (gpt-oss).
     Returns (or fills ``out``) ``[num_seqs, num_heads, head_size]``; does not modify the cache.
     """
     result = out if out is not None else torch.empty_like(query)
@@ -211,13 +223,13 @@ def paged_decode_attention(
     groups = _length_groups(lens_list, kv_layer.shape[2])
     if len(groups) == 1:
         result.copy_(_decode_padded(query, kv_layer, block_tables, lens, max(lens_list), scale, sliding_window,
-                                    soft_cap))
+                                    soft_cap, sinks))
         return result
     for group in groups:
         idx = torch.tensor(group, device=query.device)
         result[idx] = _decode_padded(
             query[idx], kv_layer, block_tables[idx], lens[idx], lens_list[group[-1]], scale, sliding_window,
-            soft_cap,
+            soft_cap, sinks,
         ).to(result.dtype)
     return result
 
@@ -232,6 +244,7 @@ def paged_prefill_attention(
     out: Tensor | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Varlen attention for chunks whose earlier context (and the chunk itself) is in the cache.
 
@@ -251,7 +264,7 @@ def paged_prefill_attention(
         tok = torch.tensor([starts[i] for i in single], device=query.device)
         result[tok] = paged_decode_attention(
             query[tok], kv_layer, block_tables[idx], context_lens[idx], scale, sliding_window=sliding_window,
-            soft_cap=soft_cap,
+            soft_cap=soft_cap, sinks=sinks,
         ).to(result.dtype)
     block_size = kv_layer.shape[2]
     for s, q_len in enumerate(q_lens):
@@ -267,7 +280,7 @@ def paged_prefill_attention(
         visible = torch.ones(q_len, ctx, dtype=torch.bool, device=query.device).tril(ctx - q_len)
         if sliding_window:  # ... and no key more than sliding_window - 1 before it
             visible = visible.triu(ctx - q_len - sliding_window + 1)
-        o = _attention(q, k, v, visible, scale, group, soft_cap)
+        o = _attention(q, k, v, visible, scale, group, soft_cap, sinks)
         result[starts[s] : starts[s + 1]] = o.transpose(0, 1).to(result.dtype)
     return result
 
@@ -298,7 +311,18 @@ def copy_blocks(kv_cache: Tensor, src_block_ids: Tensor, dst_block_ids: Tensor) 
     kv_bytes.index_copy_(2, dst, kv_bytes.index_select(2, src))
 
 
-def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+def gpt_oss_swiglu(gate_up: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's experts' activation over the stacked gate/up ``[..., 2 * n]``: the gate clamped above at
+    ``limit``, the up within +-``limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``, in the input's dtype."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                b13: Tensor | None = None, b2: Tensor | None = None,
+                swiglu: tuple[float, float] | None = None) -> Tensor:
     """A mixture-of-experts block's experts over the tokens ``x`` ``[T, H]``: for each token, the sum
     over the experts its router chose (``topk_ids`` ``[T, k]``, distinct per row) of ``weight *
     down(silu(gate) * up)``, ``[T, H]``.
@@ -307,7 +331,10 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
     its down projection; ``topk_weights`` ``[T, k]`` is float32 or ``x``'s dtype (the family decides).
     The arithmetic is transformers' (its experts' loop): each expert's output rounded to the dtype,
     times its weight in the weight's dtype, rounded again, and a token's terms added in ascending expert
-    order, each sum rounded to the dtype. Only the chosen experts run, over their own tokens."""
+    order, each sum rounded to the dtype. Only the chosen experts run, over their own tokens.
+
+    gpt-oss: ``b13`` ``[E, 2I]`` and ``b2`` ``[E, H]``, each projection's bias added to its product (each
+    rounded), and ``swiglu`` ``(alpha, limit)`` its activation (``gpt_oss_swiglu``) in ``silu_mul``'s place."""
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros_like(x)
     if num_tokens == 0:
@@ -323,6 +350,11 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
         pairs = order[start:start + count]
         start += count
         tokens = pairs // top_k
-        y = F.linear(silu_mul(F.linear(x[tokens], w13[expert])), w2[expert])
+        gate_up = F.linear(x[tokens], w13[expert])
+        if b13 is not None:
+            gate_up = gate_up + b13[expert]
+        y = F.linear(silu_mul(gate_up) if swiglu is None else gpt_oss_swiglu(gate_up, *swiglu), w2[expert])
+        if b2 is not None:
+            y = y + b2[expert]
         out.index_add_(0, tokens, (y * weights[pairs, None]).to(x.dtype))
     return out

@@ -75,3 +75,12 @@ def check_out(out: Tensor, query: Tensor) -> None:
 def check_block_n(block_n: int) -> None:
     """A key-tile width a compiled kernel takes: a power of two, at least 16 (``tl.dot``'s least)."""
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"
+
+
+def check_sinks(sinks: Tensor | None, num_heads: int, device: torch.device) -> None:
+    """Attention sinks, where given: one float logit per query head, contiguous, on the queries' device."""
+    if sinks is None:
+        return
+    assert sinks.shape == (num_heads,) and sinks.is_floating_point() and sinks.stride(0) == 1, (
+        f"sinks must be a float [{num_heads}] (one logit per query head), got {sinks.dtype} {tuple(sinks.shape)}")
+    assert sinks.device == device, f"sinks are on {sinks.device}, the queries on {device}"

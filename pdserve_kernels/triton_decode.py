@@ -23,6 +23,7 @@ from pdserve_kernels.triton_checks import (
     check_index,
     check_kv_layer,
     check_out,
+    check_sinks,
 )
 from pdserve_kernels.triton_common import (
     FULL_WINDOW,
@@ -45,7 +46,7 @@ CPU_NUM_SMS = 8  # stand-in core count when the interpreter runs the kernels on 
 # each value Triton tells apart (1, a multiple of 16, other) would build another variant inside a step.
 @triton.jit(do_not_specialize=["num_splits", "stride_bt_seq"])
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, sinks_ptr,
     out_ptr, m_ptr, l_ptr,
     qk_scale, soft_cap, num_splits, window,
     stride_q_seq, stride_q_head,
@@ -56,7 +57,7 @@ def _decode_kernel(
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, SINKS: tl.constexpr,
 ):
     """Attention of one (sequence, KV head) over its ``split``-th context range.
 
@@ -88,6 +89,11 @@ def _decode_kernel(
 
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    if SINKS:  # each head's sink logit (gpt-oss) joins the softmax once: in the first range, as a weight 1 at it
+        sink_rows = offs_g < tl.where(split == 0, GROUP, 0)  # a bound: the interpreter mishandles scalar masks
+        sink = tl.load(sinks_ptr + heads, mask=sink_rows, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(sink_rows, sink, m_i)
+        l_i = tl.where(sink_rows, 1.0, l_i)
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     for tok0 in range(start, end, BLOCK_N):
@@ -194,6 +200,7 @@ def run_paged_decode(
     num_stages: int | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """``paged_decode_attention`` with the split count (``None``: heuristic) and tiling exposed; ``block_n``
     None: ``DEFAULT_BLOCK_N``, or less where the GPU's shared memory cannot hold that tile
@@ -204,6 +211,7 @@ def run_paged_decode(
     block_size = kv_layer.shape[2]
     check_index("context_lens", context_lens, num_seqs, query.device)
     check_block_tables(block_tables, num_seqs, query.device)
+    check_sinks(sinks, num_heads, query.device)
     if out is None:
         out = torch.empty_like(query)
     check_out(out, query)
@@ -223,7 +231,7 @@ def run_paged_decode(
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size),
         BLOCK_SIZE=block_size,
-        **kv_constexprs(kv_layer.dtype, query.dtype, query.device),
+        **kv_constexprs(kv_layer.dtype, query.dtype, query.device), SINKS=sinks is not None,
         **launch_options(num_warps, num_stages),
     )
     k_cache, v_cache = kv_layer[0], kv_layer[1]
@@ -236,7 +244,7 @@ def run_paged_decode(
 
     if num_splits == 1:
         fitting(lambda tile: _decode_kernel[grid](
-            query, k_cache, v_cache, block_tables, context_lens, out, out, out,
+            query, k_cache, v_cache, block_tables, context_lens, query if sinks is None else sinks, out, out, out,
             scores["qk_scale"], scores["soft_cap"], 1, window, query.stride(0), query.stride(1), *kv_strides,
             block_tables.stride(0), out.stride(0), out.stride(1), 0, SPLIT=False, SOFT_CAP=scores["SOFT_CAP"],
             BLOCK_N=tile, **consts,
@@ -247,7 +255,7 @@ def run_paged_decode(
     m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     l_sum = torch.empty_like(m)
     fitting(lambda tile: _decode_kernel[grid](
-        query, k_cache, v_cache, block_tables, context_lens, partial, m, l_sum,
+        query, k_cache, v_cache, block_tables, context_lens, query if sinks is None else sinks, partial, m, l_sum,
         scores["qk_scale"], scores["soft_cap"], num_splits, window, query.stride(0), query.stride(1), *kv_strides,
         block_tables.stride(0), partial.stride(0), partial.stride(1), partial.stride(2), SPLIT=True,
         SOFT_CAP=scores["SOFT_CAP"], BLOCK_N=tile, **consts,
@@ -270,8 +278,10 @@ def paged_decode_attention(
     out: Tensor | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """One query token per sequence; see ``pdserve_kernels.reference.paged_decode_attention``. Cache unmodified."""
     return run_paged_decode(
-        query, kv_layer, block_tables, context_lens, scale, out, sliding_window=sliding_window, soft_cap=soft_cap
+        query, kv_layer, block_tables, context_lens, scale, out, sliding_window=sliding_window, soft_cap=soft_cap,
+        sinks=sinks,
     )

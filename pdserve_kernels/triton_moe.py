@@ -26,16 +26,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pdserve_kernels.reference import gpt_oss_swiglu
 from pdserve_kernels.triton_act import silu_mul
 from pdserve_kernels.triton_common import dot, dot_constexprs
 
 
 @triton.jit
 def _moe_matmul_kernel(
-    a_ptr, w_ptr, c_ptr, pairs_ptr, block_expert_ptr, weight_ptr,
+    a_ptr, w_ptr, c_ptr, pairs_ptr, block_expert_ptr, weight_ptr, bias_ptr,
     num_pairs, num_experts, N, K,
-    stride_a_row, stride_w_expert, stride_w_n, stride_w_k, stride_c_row,
-    TOP_K: tl.constexpr, A_ROW_IS_PAIR: tl.constexpr, WEIGHTED: tl.constexpr,
+    stride_a_row, stride_w_expert, stride_w_n, stride_w_k, stride_c_row, stride_bias_expert,
+    TOP_K: tl.constexpr, A_ROW_IS_PAIR: tl.constexpr, WEIGHTED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -62,6 +63,9 @@ def _moe_matmul_kernel(
                         mask=(offs_n[None, :] < N) & (offs_k[:, None] < K), other=0.0)
             acc += dot(a, b, WIDEN_DOT, DOT_PRECISION)
         out = acc.to(c_ptr.dtype.element_ty)  # the product rounded to the dtype, as F.linear's output
+        if HAS_BIAS:  # gpt-oss: the expert's bias added, rounded again (as transformers adds it)
+            bias = tl.load(bias_ptr + expert * stride_bias_expert + offs_n, mask=offs_n < N, other=0.0)
+            out = (out.to(tl.float32) + bias.to(tl.float32)[None, :]).to(c_ptr.dtype.element_ty)
         if WEIGHTED:  # times the pair's routing weight (float32 or the dtype: exact in float32), rounded
             weight = tl.load(weight_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
             out = (out.to(tl.float32) * weight[:, None]).to(c_ptr.dtype.element_ty)
@@ -107,23 +111,26 @@ def align_pairs(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tenso
 
 
 def _matmul(a: Tensor, w: Tensor, pairs: Tensor, block_expert: Tensor, num_pairs: int, top_k: int,
-            weights: Tensor | None, block_m: int) -> Tensor:
+            weights: Tensor | None, block_m: int, bias: Tensor | None = None) -> Tensor:
     _, n, k = w.shape
     c = torch.empty((num_pairs, n), dtype=a.dtype, device=a.device)
     block_n, block_k = 64, 64
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _moe_matmul_kernel[grid](
-        a, w, c, pairs, block_expert, weights if weights is not None else c,
+        a, w, c, pairs, block_expert, weights if weights is not None else c, bias if bias is not None else c,
         num_pairs, w.shape[0], n, k,
-        a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0),
-        TOP_K=top_k, A_ROW_IS_PAIR=weights is not None, WEIGHTED=weights is not None,
+        a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0), bias.stride(0) if bias is not None else 0,
+        TOP_K=top_k, A_ROW_IS_PAIR=weights is not None, WEIGHTED=weights is not None, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dot_constexprs(a.dtype, a.device),
     )
     return c
 
 
-def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-    """``pdserve_kernels.reference.moe_experts`` as two grouped products (see the module's docstring)."""
+def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                b13: Tensor | None = None, b2: Tensor | None = None,
+                swiglu: tuple[float, float] | None = None) -> Tensor:
+    """``pdserve_kernels.reference.moe_experts`` as two grouped products (see the module's docstring);
+    gpt-oss's biases added in the products' epilogues, its activation (``swiglu``) in torch's operations."""
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
         return torch.zeros_like(x)
@@ -134,8 +141,9 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
     num_pairs = num_tokens * top_k
     block_m = 16 if num_pairs <= 1024 else 64  # decode steps: fewer padded rows per expert
     pairs, block_expert = align_pairs(topk_ids, w13.shape[0], block_m)
-    gate_up = _matmul(x, w13, pairs, block_expert, num_pairs, top_k, None, block_m)
-    terms = _matmul(silu_mul(gate_up), w2, pairs, block_expert, num_pairs, top_k, weights, block_m)
+    gate_up = _matmul(x, w13, pairs, block_expert, num_pairs, top_k, None, block_m, b13)
+    act = silu_mul(gate_up) if swiglu is None else gpt_oss_swiglu(gate_up, *swiglu)
+    terms = _matmul(act, w2, pairs, block_expert, num_pairs, top_k, weights, block_m, b2)
     terms = terms.view(num_tokens, top_k, -1)
     hidden = terms.shape[2]
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)

@@ -23,6 +23,7 @@ from pdserve_kernels.triton_checks import (
     check_index,
     check_kv_layer,
     check_out,
+    check_sinks,
 )
 from pdserve_kernels.triton_common import (
     FULL_WINDOW,
@@ -46,7 +47,7 @@ DEFAULT_BLOCK_N = 64
 # each value Triton tells apart (1, a multiple of 16, other) would build another variant inside a step.
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, sinks_ptr, out_ptr,
     num_seqs, qk_scale, soft_cap, window,
     stride_q_tok, stride_q_head,
     stride_kv_block, stride_kv_tok, stride_kv_head,
@@ -56,7 +57,7 @@ def _prefill_kernel(
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQ_CHUNK: tl.constexpr, WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, SINKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -104,6 +105,10 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * G_PAD], dtype=tl.float32)
+    if SINKS:  # each head's sink logit (gpt-oss) joins every row's softmax, as a weight 1 at it
+        sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(row_mask, sink, m_i)
+        l_i = tl.where(row_mask, 1.0, l_i)
     acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     for kv0 in range(kv_start, kv_end, BLOCK_N):
@@ -152,6 +157,7 @@ def run_paged_prefill(
     num_stages: int | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """``paged_prefill_attention`` with the tiling exposed; ``block_n`` None: ``DEFAULT_BLOCK_N``, or
     less where the GPU's shared memory cannot hold that tile (``launch_fitting``)."""
@@ -161,6 +167,7 @@ def run_paged_prefill(
     check_index("context_lens", context_lens, None, query.device)
     check_index("query_start_loc", query_start_loc, num_seqs + 1, query.device)
     check_block_tables(block_tables, num_seqs, query.device)
+    check_sinks(sinks, num_heads, query.device)
     if out is None:
         out = torch.empty_like(query)
     check_out(out, query)
@@ -180,13 +187,13 @@ def run_paged_prefill(
         BLOCK_SIZE=kv_layer.shape[2], BLOCK_Q=block_q,
         SEQ_CHUNK=SEQ_CHUNK,
         SOFT_CAP=scores["SOFT_CAP"],
-        **kv_constexprs(kv_layer.dtype, query.dtype, query.device),
+        **kv_constexprs(kv_layer.dtype, query.dtype, query.device), SINKS=sinks is not None,
         **launch_options(num_warps, num_stages),
     )
 
     def launch(tile: int) -> None:
         _prefill_kernel[grid](
-            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, query if sinks is None else sinks, out,
             num_seqs, scores["qk_scale"], scores["soft_cap"], sliding_window or FULL_WINDOW,
             query.stride(0), query.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -209,6 +216,7 @@ def paged_prefill_attention(
     out: Tensor | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Varlen causal chunks over paged context; see ``pdserve_kernels.reference.paged_prefill_attention``.
 
@@ -217,5 +225,5 @@ def paged_prefill_attention(
     """
     return run_paged_prefill(
         query, kv_layer, block_tables, query_start_loc, context_lens, scale, out, sliding_window=sliding_window,
-        soft_cap=soft_cap,
+        soft_cap=soft_cap, sinks=sinks,
     )

@@ -29,7 +29,8 @@ correctness):
   first ``first_k_dense_replace`` layers dense, its router DeepSeek-V3's (sigmoid scores, a correction
   bias for the choice, groups, a scaling), its shared experts one MLP beside; MiniMax-M2
   (``minimax_m2``) Mixtral's with OLMo's q/k norms across all heads, a partial RoPE and the same router
-  without groups.
+  without groups; gpt-oss (``gpt_oss``) Llama's with biases, alternating sliding and full layers, a sink
+  logit per head in each softmax, and a mixture whose experts have biases and a clamped SwiGLU of their own.
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ from pdserve_kernels.reference import NORM_GEMMA, NORM_LLAMA, NORM_OLMO
 _LLAMA_BIAS_TYPES = ("llama", "granite", "smollm3", "internlm3", "arcee")
 # Families whose q/k/v and o projections have biases by ``attention_bias`` and whose MLPs have none.
 _ATTENTION_BIAS_TYPES = ("qwen3", "gemma2", "gemma3_text", "hunyuan_v1_dense", "olmo2", "olmo3", "qwen3_moe", "olmoe",
-                         "granitemoe", "granitemoeshared")
+                         "granitemoe", "granitemoeshared", "gpt_oss")
 _NO_BIAS_TYPES = ("mistral", "ministral", "phi3", "mixtral", "minimax_m2")  # no bias anywhere
 # Mixture-of-experts families: a router over experts in place of the MLP (in some layers or all).
-_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe", "minimax_m2")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe", "minimax_m2",
+              "gpt_oss")
 # Families whose modeling code rotates only each head's first ``partial_rotary_factor`` share.
 _PARTIAL_ROPE_TYPES = ("glm4_moe", "minimax_m2")
 # How a mixture's router picks and weighs experts, as each family's transformers code does:
@@ -57,6 +59,8 @@ ROUTER_TOPK_SOFTMAX = "topk_softmax"  # the top k logits, then a softmax over th
 ROUTER_SIGMOID_GROUPS = "sigmoid_group_topk"
 # MiniMax-M2's: the same without groups or scaling, its logits in the model's dtype.
 ROUTER_SIGMOID = "sigmoid_topk"
+# gpt-oss's: the top k of its logits (a linear layer with a bias), a softmax over them in the model's dtype.
+ROUTER_TOPK_SOFTMAX_BIASED = "topk_softmax_biased"
 _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "seed_oss",
@@ -160,6 +164,13 @@ class ModelArch:
     routed_scaling_factor: float = 1.0
     # Each head's first entries that RoPE rotates (a partial RoPE, GLM-4.5's); None: all of them.
     rotary_dim: int | None = None
+    # gpt-oss: a learned sink logit per query head in every softmax (``sinks``); its experts' projections
+    # with biases, and their activation its own clamped one (``EXPERT_ACTIVATION_GPT_OSS``).
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    expert_activation: str = "silu"
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
 
     @classmethod
     def from_config(cls, config: Any) -> ModelArch:
@@ -216,6 +227,7 @@ class ModelArch:
             qk_norm_after_rope=model_type == "hunyuan_v1_dense",
             sliding_windows=_sliding_windows(config, model_type),
             rotary_dim=rotary_dim,
+            attention_sinks=model_type == "gpt_oss",
             rope_type=rope_type,
             rope_layer_types=rope_layer_types,
             no_rope_layers=_no_rope_layers(config, model_type),
@@ -279,6 +291,12 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         if not isinstance(n_shared, int) or n_shared < 0:
             raise UnsupportedConfig("n_shared_experts", n_shared, "must be 0 or a positive integer")
         shared = inter * n_shared  # one MLP as wide as all the shared experts together, as transformers builds it
+    if model_type == "gpt_oss":
+        swiglu = {field: _positive_or_none(config, field) for field in ("swiglu_alpha", "swiglu_limit")}
+        for field, value in swiglu.items():
+            if value is None:
+                raise UnsupportedConfig(field, value, "must be a positive number")
+        router = {"router": ROUTER_TOPK_SOFTMAX_BIASED, "expert_bias": True, "expert_activation": "gpt_oss", **swiglu}
     if model_type == "minimax_m2":  # weights in float32, as its router leaves them
         router = {"router": ROUTER_SIGMOID, "routing_weights_float32": True}
     if model_type == "granitemoeshared":  # 0: no shared expert

@@ -32,6 +32,7 @@ from common.model.arch import (
     ROUTER_SIGMOID,
     ROUTER_SIGMOID_GROUPS,
     ROUTER_TOPK_SOFTMAX,
+    ROUTER_TOPK_SOFTMAX_BIASED,
     ModelArch,
     rope_parameters,
 )
@@ -173,6 +174,8 @@ class Attention(nn.Module):
             self.query_layernorm = RMSNorm(self.head_size, config.rms_norm_eps, kernels=kernels)
             self.key_layernorm = RMSNorm(self.head_size, config.rms_norm_eps, kernels=kernels)
         self.sliding_window = arch.sliding_windows[layer_idx]
+        # gpt-oss: a sink logit per query head, in every softmax of the layer.
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if arch.attention_sinks else None
         self.layer_idx = layer_idx
         self.kernels = kernels
 
@@ -198,14 +201,18 @@ class Attention(nn.Module):
         if meta.decode_only:
             o = self.kernels.paged_decode_attention(
                 q, kv_layer, meta.block_tables, meta.context_lens, self.scale, sliding_window=self.sliding_window,
-                soft_cap=self.soft_cap,
+                soft_cap=self.soft_cap, **self._sinks(),
             )
         else:
             o = self.kernels.paged_prefill_attention(
                 q, kv_layer, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale,
-                sliding_window=self.sliding_window, soft_cap=self.soft_cap,
+                sliding_window=self.sliding_window, soft_cap=self.soft_cap, **self._sinks(),
             )
         return self.o_proj(o.reshape(n, self.num_heads * self.head_size))
+
+    def _sinks(self) -> dict[str, Tensor]:
+        """The kernels' ``sinks`` argument where the layer has them (no argument otherwise)."""
+        return {} if self.sinks is None else {"sinks": self.sinks}
 
 
 class MLP(nn.Module):
@@ -240,10 +247,14 @@ class Experts(nn.Module):
     expert's gate and up, as ``MLP.gate_up_proj``), ``down_proj`` ``[E, H, I]``; transformers' layout, into
     which ``common.model.weights.stack_experts`` stacks a checkpoint's experts as it loads them."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, inter: int, bias: bool = False) -> None:
+        """``bias``: each projection with a bias (gpt-oss), ``gate_up_proj_bias`` ``[E, 2I]`` and
+        ``down_proj_bias`` ``[E, H]``."""
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
 
 
 class SparseMoE(nn.Module):
@@ -256,8 +267,10 @@ class SparseMoE(nn.Module):
     def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.gate = nn.Linear(hidden, arch.num_experts, bias=False)
-        self.experts = Experts(arch.num_experts, hidden, arch.moe_intermediate_size)
+        # gpt-oss's router has a bias; its experts too, and an activation of their own.
+        self.gate = nn.Linear(hidden, arch.num_experts, bias=arch.router == ROUTER_TOPK_SOFTMAX_BIASED)
+        self.experts = Experts(arch.num_experts, hidden, arch.moe_intermediate_size, bias=arch.expert_bias)
+        self.swiglu = (arch.swiglu_alpha, arch.swiglu_limit) if arch.expert_activation == "gpt_oss" else None
         self.top_k = arch.experts_per_token
         self.norm_topk_prob = arch.norm_topk_prob
         self.routing_weights_float32 = arch.routing_weights_float32
@@ -282,13 +295,18 @@ class SparseMoE(nn.Module):
             if self.router == ROUTER_TOPK_SOFTMAX:  # Granite: the top k logits, then a softmax over them
                 top, ids = torch.topk(logits.float(), self.top_k, dim=-1)
                 weights = torch.softmax(top, dim=-1)
+            elif self.router == ROUTER_TOPK_SOFTMAX_BIASED:  # gpt-oss: the same, in the logits' dtype
+                top, ids = torch.topk(logits, self.top_k, dim=-1)
+                weights = torch.softmax(top, dim=-1, dtype=top.dtype)
             else:
                 weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             if not self.routing_weights_float32:
                 weights = weights.to(logits.dtype)
-        out: Tensor = self.kernels.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        experts = self.experts
+        out: Tensor = self.kernels.moe_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj,
+                                               experts.gate_up_proj_bias, experts.down_proj_bias, self.swiglu)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             out = out + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared)

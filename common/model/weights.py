@@ -40,6 +40,8 @@ _MOE_NAMES["glm4_moe"] = ((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),)
 # MiniMax-M2: Mixtral's names, its router's correction bias on the block.
 _MOE_NAMES["minimax_m2"] = ((r"\.block_sparse_moe\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias"),
                             *_MOE_NAMES["mixtral"])
+# gpt-oss: its router under its own name.
+_MOE_NAMES["gpt_oss"] = ((r"\.mlp\.router\.", ".mlp.gate."),)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<kind>gate_up_proj|down_proj)\.weight$")
 
@@ -103,6 +105,8 @@ def load_model(
         del state[name]
     stack_projections(state)
     stack_experts(state)
+    if model.arch.model_type == "gpt_oss":
+        gpt_oss_experts(state)
     expected = {n for n, _ in model.named_parameters()}
     if model.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -150,3 +154,18 @@ def stack_experts(state: dict[str, torch.Tensor]) -> None:
         if missing:
             raise ValueError(f"checkpoint mismatch: {prefix} lacks {kind} of experts {missing[:5]}")
         state[f"{prefix}.{kind}"] = torch.stack([state.pop(experts[e]) for e in range(len(experts))])
+
+
+def gpt_oss_experts(state: dict[str, torch.Tensor]) -> None:
+    """In place: gpt-oss's experts as ``Experts`` holds them. Its checkpoints keep each projection's
+    weight input-major (``gate_up_proj`` ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``) and the gate and up
+    columns interleaved (gate, up, gate, up, ...), biases too: transposed here, and the gate's columns put
+    before the up's."""
+    for name in [n for n in state if n.endswith(".mlp.experts.gate_up_proj")]:
+        w = state[name].transpose(1, 2)  # [E, 2I, H], rows interleaved
+        state[name] = torch.cat((w[:, 0::2], w[:, 1::2]), dim=1).contiguous()
+        bias = state.get(name + "_bias")
+        if bias is not None:
+            state[name + "_bias"] = torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1).contiguous()
+    for name in [n for n in state if n.endswith(".mlp.experts.down_proj")]:
+        state[name] = state[name].transpose(1, 2).contiguous()  # [E, H, I]

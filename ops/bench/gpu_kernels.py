@@ -253,7 +253,7 @@ def run_checks(report: Report, ops: Any, ref: Any) -> None:
     def fp8_attention(kind: str) -> tuple[float, float]:
         q_lens, ctx = ([1] * 4, [17, 300, 2049, 77]) if kind == "decode" else ([1, 200, 37], [90, 200, 1000])
         q, kv, tables, starts, lens = attention_case(torch.bfloat16, 4, 128, 16, q_lens, ctx)
-        kv = (3 * kv).to(torch.float8_e4m3fn)
+        kv = kv.to(torch.float8_e4m3fn)
         if kind == "decode":
             out = ops.paged_decode_attention(q, kv, tables, lens, 128**-0.5)
             expected = ref.paged_decode_attention(q.float(), kv.float(), tables, lens, 128**-0.5)
@@ -261,6 +261,25 @@ def run_checks(report: Report, ops: Any, ref: Any) -> None:
             out = ops.paged_prefill_attention(q, kv, tables, starts, lens, 128**-0.5)
             expected = ref.paged_prefill_attention(q.float(), kv.float(), tables, starts, lens, 128**-0.5)
         return max_err(out, expected), TOLERANCE[torch.bfloat16]
+
+    def sinks_attention(kind: str) -> tuple[float, float]:
+        """gpt-oss's attention sinks, with its 128-token window, against the float32 reference."""
+        q_lens, ctx = ([1] * 4, [17, 300, 2049, 77]) if kind == "decode" else ([1, 200, 37], [90, 200, 1000])
+        q, kv, tables, starts, lens = attention_case(torch.bfloat16, 8, 64, 16, q_lens, ctx)
+        sinks = 3 * randn(q.shape[1], dtype=torch.bfloat16)
+        if kind == "decode":
+            out = ops.paged_decode_attention(q, kv, tables, lens, 0.125, sliding_window=128, sinks=sinks)
+            expected = ref.paged_decode_attention(*widen(q, kv, tables, lens, 0.125), sliding_window=128,
+                                                  sinks=sinks.float())
+        else:
+            out = ops.paged_prefill_attention(q, kv, tables, starts, lens, 0.125, sliding_window=128, sinks=sinks)
+            expected = ref.paged_prefill_attention(*widen(q, kv, tables, starts, lens, 0.125), sliding_window=128,
+                                                   sinks=sinks.float())
+        return max_err(out, expected), TOLERANCE[torch.bfloat16]
+
+    for kind in ("decode", "prefill"):
+        report.check(f"paged_{kind}_attention bf16 with attention sinks, window 128 (gpt-oss)",
+                     functools.partial(sinks_attention, kind))
 
     if torch.cuda.get_device_capability() >= (8, 9):  # float8 conversions (the engine refuses fp8 below)
         report.check("store_kv bf16/fp32 -> fp8 cache (entries whose byte differs from torch's)", fp8_store)

@@ -20,6 +20,7 @@ from common.model.arch import (
     ROUTER_SIGMOID_GROUPS,
     ROUTER_SOFTMAX_TOPK,
     ROUTER_TOPK_SOFTMAX,
+    ROUTER_TOPK_SOFTMAX_BIASED,
     ModelArch,
 )
 from common.model.llama import LlamaForCausalLM
@@ -132,6 +133,11 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     assert glm.moe_layers == (1, 2) and glm.moe_intermediate_size == 32 and glm.shared_expert_intermediate_size == 32
     assert glm.rotary_dim == 8 and glm.qk_norm and glm.qkv_bias and not glm.o_bias
     assert glm.routing_weights_float32 and glm.routed_scaling_factor == 2.5 and not glm.shared_expert_gated
+    oss = arch["gpt-oss-moe-sinks-window"]
+    assert oss.attention_sinks and oss.expert_bias and oss.expert_activation == "gpt_oss"
+    assert (oss.swiglu_alpha, oss.swiglu_limit) == (1.702, 1.5) and oss.router == ROUTER_TOPK_SOFTMAX_BIASED
+    assert oss.sliding_windows == (WINDOW, None, WINDOW) and oss.qkv_bias and oss.o_bias
+    assert not arch["llama-bias"].attention_sinks
     minimax = arch["minimax-m2-moe-partial-rope"]
     assert minimax.router == ROUTER_SIGMOID and minimax.rotary_dim == 8 and minimax.qk_norm_full_width
     assert minimax.norm_topk_prob and minimax.moe_layers == (0, 1, 2) and minimax.moe_intermediate_size == 128
@@ -228,6 +234,26 @@ def test_glm_s_partial_rope_groups_and_correction_bias_change_transformers_logit
         if change == "no-correction-bias":
             for layer in models[1].model.layers[1:]:
                 layer.mlp.gate.e_score_correction_bias.zero_()
+        logits = [model(prompt).logits for model in models]
+    assert (logits[0] - logits[1]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("change", ["no-sinks", "no-clamp"])
+def test_gpt_oss_s_sinks_and_clamp_change_transformers_logits(checkpoint, change: str) -> None:  # type: ignore[no-untyped-def]
+    """Guards the tests below: gpt-oss without its sinks, or with a limit nothing reaches, gives other logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = checkpoint("gpt-oss-moe-sinks-window")
+    prompt = torch.tensor([prompt_token_ids(PROMPT_LEN)])
+    config = AutoConfig.from_pretrained(str(folder))
+    if change == "no-clamp":
+        config.swiglu_limit = 1e6
+    with torch.inference_mode():
+        models = [AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kw).eval()
+                  for kw in ({}, {"config": config})]
+        if change == "no-sinks":
+            for layer in models[1].model.layers:
+                layer.self_attn.sinks.fill_(-1e4)
         logits = [model(prompt).logits for model in models]
     assert (logits[0] - logits[1]).abs().max() > 1e-2
 

@@ -32,6 +32,7 @@ def family_configs() -> dict[str, Any]:
         Gemma2Config,
         Gemma3TextConfig,
         Glm4MoeConfig,
+        GptOssConfig,
         GraniteConfig,
         GraniteMoeConfig,
         GraniteMoeSharedConfig,
@@ -159,6 +160,14 @@ def family_configs() -> dict[str, Any]:
             **TINY_DIMS, num_local_experts=6, num_experts_per_tok=2, use_qk_norm=True, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         ),
+        # gpt-oss: sliding and full layers, a sink per head, 2 of 4 experts with biases and a clamped SwiGLU
+        # (a limit the random weights cross), its YaRN RoPE.
+        "gpt-oss-moe-sinks-window": GptOssConfig(
+            **TINY_DIMS, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, swiglu_limit=1.5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0},
+        ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={
             "rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
@@ -178,7 +187,7 @@ def build_checkpoint(config: Any, folder: Path, seed: int = 0) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random norm weights too, so a norm applied wrongly shows
         for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith(("bias", "sinks")):
                 param.add_(0.3 * torch.randn_like(param))
         for name, buffer in model.named_buffers():  # GLM-4.5's router's correction bias, which picks experts
             if name.endswith("e_score_correction_bias"):

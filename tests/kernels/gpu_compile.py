@@ -147,6 +147,24 @@ def record_launches() -> list[Launch]:
         cache8 = torch.empty(4, 2, 64, 16, 8, 128, dtype=fp8)
         triton_kv.scatter_blocks(cache8, ids, triton_kv.gather_blocks(cache8, ids))
         triton_kv.copy_blocks(cache8, ids, torch.tensor([5, 6]))
+        # gpt-oss: attention sinks (decode whole and split, prefill), its experts' biases.
+        kv = torch.empty(2, 64, 16, 8, 64, dtype=bf16)
+        sinks = torch.empty(64, dtype=bf16)
+        for splits in (1, 4):
+            scenario[0] = f"decode bf16 with attention sinks, sliding window, splits{splits} (gpt-oss)"
+            triton_decode.run_paged_decode(torch.empty(4, 64, 64, dtype=bf16), kv, torch.zeros(4, 16, dtype=torch.int32),
+                                           torch.ones(4, dtype=torch.int32), 0.1, num_splits=splits,
+                                           sliding_window=128, sinks=sinks)
+        scenario[0] = "prefill bf16 with attention sinks (gpt-oss)"
+        triton_prefill.paged_prefill_attention(torch.empty(40, 64, 64, dtype=bf16), kv,
+                                               torch.zeros(2, 4, dtype=torch.int32),
+                                               torch.tensor([0, 8, 40], dtype=torch.int32),
+                                               torch.tensor([20, 32], dtype=torch.int32), 0.1, sinks=sinks)
+        scenario[0] = "moe_experts with biases (gpt-oss-20b), bf16"
+        ids = (torch.arange(64 * 4) % 32).view(64, 4)
+        triton_moe.moe_experts(torch.empty(64, 2880, dtype=bf16), ids, torch.ones(64, 4, dtype=bf16),
+                               torch.empty(32, 5760, 2880, dtype=bf16), torch.empty(32, 2880, 2880, dtype=bf16),
+                               torch.empty(32, 5760, dtype=bf16), torch.empty(32, 2880, dtype=bf16), (1.702, 7.0))
         # Mixtures of experts: Qwen3-30B-A3B's experts (8 of 128, 768 wide) and Mixtral's (2 of 8, 14336
         # wide), over a decode step's tokens and a prefill chunk's (the other row tile); float32 too.
         # The weights are never touched here: their pages are not even allocated.

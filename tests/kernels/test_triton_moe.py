@@ -77,3 +77,32 @@ def test_no_tokens() -> None:
     out = triton_moe.moe_experts(x, torch.empty(0, 2, dtype=torch.long), torch.empty(0, 2), torch.randn(4, 16, 16),
                                  torch.randn(4, 16, 8))
     assert out.shape == (0, 16)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_gpt_oss_biases_and_activation_match_the_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(9)
+    num_tokens, hidden, inter, num_experts, top_k = 29, 48, 40, 6, 2
+    x = (3 * torch.randn(num_tokens, hidden, generator=gen)).to(dtype)  # some gate/up entries past the clamp
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+    b13 = torch.randn(num_experts, 2 * inter, generator=gen).to(dtype)
+    b2 = torch.randn(num_experts, hidden, generator=gen).to(dtype)
+    ids, weights = _routing(num_tokens, num_experts, top_k, seed=9)
+    swiglu = (1.702, 7.0)
+    got = triton_moe.moe_experts(x, ids, weights.to(dtype), w13, w2, b13, b2, swiglu)
+    # Against the float32 reference over the same values: in bfloat16 each product, bias and the
+    # activation round, and the grouped products sum in another order than torch's.
+    wide = [t.float() for t in (x, w13, w2, b13, b2)]
+    want = reference.moe_experts(wide[0], ids, weights, wide[1], wide[2], wide[3], wide[4], swiglu)
+    tol = {F32: 1e-5, BF16: 2e-2}[dtype] * float(want.abs().max())
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=0)
+    plain = reference.moe_experts(x, ids, weights.to(dtype), w13, w2).float()
+    assert (want.float() - plain.float()).abs().max() > 0.1  # the biases and the activation matter
+
+
+def test_gpt_oss_swiglu_clamps_as_transformers_does() -> None:
+    gate_up = torch.tensor([[10.0, -10.0, 1.0, 9.0, -9.0, 0.5]])  # gate 10, -10, 1; up 9, -9, 0.5
+    got = reference.gpt_oss_swiglu(gate_up, 1.702, 7.0)
+    gate, up = torch.tensor([7.0, -10.0, 1.0]), torch.tensor([7.0, -7.0, 0.5])
+    torch.testing.assert_close(got[0], (up + 1) * gate * torch.sigmoid(1.702 * gate))

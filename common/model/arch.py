@@ -27,7 +27,8 @@ correctness):
   scalings, its router's softmax over the top k logits only (and Granite MoE Shared a shared expert);
   GLM-4.5 (``glm4_moe``) Llama's with q/k biases, optional per-head q/k norms and a partial RoPE, its
   first ``first_k_dense_replace`` layers dense, its router DeepSeek-V3's (sigmoid scores, a correction
-  bias for the choice, groups, a scaling), its shared experts one MLP beside; MiniMax-M2
+  bias for the choice, groups, a scaling), its shared experts one MLP beside; dots.llm1 (``dots1``) the
+  same mixture behind Qwen3's attention; MiniMax-M2
   (``minimax_m2``) Mixtral's with OLMo's q/k norms across all heads, a partial RoPE and the same router
   without groups; gpt-oss (``gpt_oss``) Llama's with biases, alternating sliding and full layers, a sink
   logit per head in each softmax, and a mixture whose experts have biases and a clamped SwiGLU of their own.
@@ -44,11 +45,13 @@ from pdserve_kernels.reference import NORM_GEMMA, NORM_LLAMA, NORM_OLMO
 _LLAMA_BIAS_TYPES = ("llama", "granite", "smollm3", "internlm3", "arcee")
 # Families whose q/k/v and o projections have biases by ``attention_bias`` and whose MLPs have none.
 _ATTENTION_BIAS_TYPES = ("qwen3", "gemma2", "gemma3_text", "hunyuan_v1_dense", "olmo2", "olmo3", "qwen3_moe", "olmoe",
-                         "granitemoe", "granitemoeshared", "gpt_oss")
+                         "granitemoe", "granitemoeshared", "gpt_oss", "dots1")
 _NO_BIAS_TYPES = ("mistral", "ministral", "phi3", "mixtral", "minimax_m2")  # no bias anywhere
 # Mixture-of-experts families: a router over experts in place of the MLP (in some layers or all).
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe", "minimax_m2",
-              "gpt_oss")
+              "gpt_oss", "dots1")
+# Mixtures routed as DeepSeek-V3 routes (``ROUTER_SIGMOID_GROUPS``), with dense first layers and shared experts.
+_DEEPSEEK_ROUTED_TYPES = ("glm4_moe", "dots1")
 # Families whose modeling code rotates only each head's first ``partial_rotary_factor`` share.
 _PARTIAL_ROPE_TYPES = ("glm4_moe", "minimax_m2")
 # How a mixture's router picks and weighs experts, as each family's transformers code does:
@@ -222,7 +225,7 @@ class ModelArch:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
-            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe") or (
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "dots1") or (
                 model_type == "glm4_moe" and bool(getattr(config, "use_qk_norm", False))),
             qk_norm_after_rope=model_type == "hunyuan_v1_dense",
             sliding_windows=_sliding_windows(config, model_type),
@@ -260,7 +263,7 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
     num_experts = (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
                    or getattr(config, "n_routed_experts", None))
     top_k = getattr(config, "num_experts_per_tok", None)
-    own_width = ("qwen2_moe", "qwen3_moe", "glm4_moe")  # experts narrower than the dense MLP
+    own_width = ("qwen2_moe", "qwen3_moe", *_DEEPSEEK_ROUTED_TYPES)  # experts narrower than the dense MLP
     inter = getattr(config, "moe_intermediate_size" if model_type in own_width else "intermediate_size", None)
     if not _positive_int(num_experts):
         raise UnsupportedConfig("num_local_experts", num_experts, "must be a positive integer")
@@ -276,7 +279,7 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         if not isinstance(dense, list) or any(not isinstance(i, int) or not 0 <= i < num_layers for i in dense):
             raise UnsupportedConfig("mlp_only_layers", dense, f"must list layers 0 to {num_layers - 1}")
         moe_layers = tuple(i for i in moe_layers if i not in dense and (i + 1) % step == 0)
-    if model_type == "glm4_moe":
+    if model_type in _DEEPSEEK_ROUTED_TYPES:
         first = getattr(config, "first_k_dense_replace", 0)
         if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first <= num_layers:
             raise UnsupportedConfig("first_k_dense_replace", first, f"must be 0 to {num_layers}")
@@ -285,7 +288,7 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
     if model_type == "qwen2_moe" and not _positive_int(shared):
         raise UnsupportedConfig("shared_expert_intermediate_size", shared, "must be a positive integer")
     router: dict[str, Any] = {}  # a sigmoid router's fields
-    if model_type == "glm4_moe":
+    if model_type in _DEEPSEEK_ROUTED_TYPES:
         router = _sigmoid_router_fields(config, num_experts, top_k)
         n_shared = getattr(config, "n_shared_experts", 0) or 0
         if not isinstance(n_shared, int) or n_shared < 0:

@@ -133,6 +133,10 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     assert glm.moe_layers == (1, 2) and glm.moe_intermediate_size == 32 and glm.shared_expert_intermediate_size == 32
     assert glm.rotary_dim == 8 and glm.qk_norm and glm.qkv_bias and not glm.o_bias
     assert glm.routing_weights_float32 and glm.routed_scaling_factor == 2.5 and not glm.shared_expert_gated
+    dots = arch["dots1-moe-window"]
+    assert dots.router == ROUTER_SIGMOID_GROUPS and dots.qk_norm and dots.rotary_dim is None
+    assert dots.moe_layers == (1, 2) and dots.shared_expert_intermediate_size == 64 and dots.o_bias
+    assert dots.sliding_windows == (WINDOW, None, WINDOW) and dots.routed_scaling_factor == 1.5
     oss = arch["gpt-oss-moe-sinks-window"]
     assert oss.attention_sinks and oss.expert_bias and oss.expert_activation == "gpt_oss"
     assert (oss.swiglu_alpha, oss.swiglu_limit) == (1.702, 1.5) and oss.router == ROUTER_TOPK_SOFTMAX_BIASED

@@ -29,6 +29,7 @@ def family_configs() -> dict[str, Any]:
     """One config per family and config feature; each windowed one has a window of ``WINDOW``."""
     from transformers import (
         ArceeConfig,
+        Dots1Config,
         Gemma2Config,
         Gemma3TextConfig,
         Glm4MoeConfig,
@@ -167,6 +168,13 @@ def family_configs() -> dict[str, Any]:
             layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False,
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                              "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0},
+        ),
+        # dots.llm1: Qwen3's attention with windows where layer_types says, GLM-4.5's mixture (2 groups of 3).
+        "dots1-moe-window": Dots1Config(
+            **TINY_DIMS, n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
+            n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+            attention_bias=True, sliding_window=WINDOW, tie_word_embeddings=False,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={

@@ -28,7 +28,8 @@ correctness):
   GLM-4.5 (``glm4_moe``) Llama's with q/k biases, optional per-head q/k norms and a partial RoPE, its
   first ``first_k_dense_replace`` layers dense, its router DeepSeek-V3's (sigmoid scores, a correction
   bias for the choice, groups, a scaling), its shared experts one MLP beside; dots.llm1 (``dots1``) the
-  same mixture behind Qwen3's attention; MiniMax-M2
+  same mixture behind Qwen3's attention; FlexOlmo (``flex_olmo``) OLMo 2's layer with Qwen's softmax
+  mixture; MiniMax-M2
   (``minimax_m2``) Mixtral's with OLMo's q/k norms across all heads, a partial RoPE and the same router
   without groups; gpt-oss (``gpt_oss``) Llama's with biases, alternating sliding and full layers, a sink
   logit per head in each softmax, and a mixture whose experts have biases and a clamped SwiGLU of their own.
@@ -45,11 +46,11 @@ from pdserve_kernels.reference import NORM_GEMMA, NORM_LLAMA, NORM_OLMO
 _LLAMA_BIAS_TYPES = ("llama", "granite", "smollm3", "internlm3", "arcee")
 # Families whose q/k/v and o projections have biases by ``attention_bias`` and whose MLPs have none.
 _ATTENTION_BIAS_TYPES = ("qwen3", "gemma2", "gemma3_text", "hunyuan_v1_dense", "olmo2", "olmo3", "qwen3_moe", "olmoe",
-                         "granitemoe", "granitemoeshared", "gpt_oss", "dots1")
+                         "granitemoe", "granitemoeshared", "gpt_oss", "dots1", "flex_olmo")
 _NO_BIAS_TYPES = ("mistral", "ministral", "phi3", "mixtral", "minimax_m2")  # no bias anywhere
 # Mixture-of-experts families: a router over experts in place of the MLP (in some layers or all).
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe", "minimax_m2",
-              "gpt_oss", "dots1")
+              "gpt_oss", "dots1", "flex_olmo")
 # Mixtures routed as DeepSeek-V3 routes (``ROUTER_SIGMOID_GROUPS``), with dense first layers and shared experts.
 _DEEPSEEK_ROUTED_TYPES = ("glm4_moe", "dots1")
 # Families whose modeling code rotates only each head's first ``partial_rotary_factor`` share.
@@ -70,7 +71,7 @@ SUPPORTED_MODEL_TYPES = (
     "hunyuan_v1_dense", "olmo2", "olmo3", *_MOE_TYPES,
 )
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
-_OLMO_TYPES = ("olmo2", "olmo3")
+_OLMO_TYPES = ("olmo2", "olmo3", "flex_olmo")
 # Families whose modeling code reads a RoPE per layer type (``rope_parameters`` keyed by layer type).
 _ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3")
 # Static RoPE kinds: their cos/sin tables depend on the position only, so precomputing them is exact.
@@ -417,7 +418,7 @@ def _no_rope_layers(config: Any, model_type: str) -> tuple[int, ...]:
 def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
-    if model_type in ("llama", "internlm3", "seed_oss", "olmo2", "glm4_moe", "minimax_m2"):
+    if model_type in ("llama", "internlm3", "seed_oss", "olmo2", "flex_olmo", "glm4_moe", "minimax_m2"):
         return (None,) * num_layers  # their transformers code has no sliding window: the field is unused
     if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window

@@ -133,6 +133,9 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     assert glm.moe_layers == (1, 2) and glm.moe_intermediate_size == 32 and glm.shared_expert_intermediate_size == 32
     assert glm.rotary_dim == 8 and glm.qk_norm and glm.qkv_bias and not glm.o_bias
     assert glm.routing_weights_float32 and glm.routed_scaling_factor == 2.5 and not glm.shared_expert_gated
+    flex = arch["flex-olmo-moe-post-norms"]
+    assert flex.post_norms_only and flex.qk_norm_full_width and flex.norm_form == NORM_OLMO
+    assert flex.router == ROUTER_SOFTMAX_TOPK and flex.norm_topk_prob and flex.moe_layers == (0, 1, 2)
     dots = arch["dots1-moe-window"]
     assert dots.router == ROUTER_SIGMOID_GROUPS and dots.qk_norm and dots.rotary_dim is None
     assert dots.moe_layers == (1, 2) and dots.shared_expert_intermediate_size == 64 and dots.o_bias

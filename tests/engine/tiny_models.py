@@ -30,6 +30,7 @@ def family_configs() -> dict[str, Any]:
     from transformers import (
         ArceeConfig,
         Dots1Config,
+        FlexOlmoConfig,
         Gemma2Config,
         Gemma3TextConfig,
         Glm4MoeConfig,
@@ -175,6 +176,11 @@ def family_configs() -> dict[str, Any]:
             n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5, norm_topk_prob=True,
             attention_bias=True, sliding_window=WINDOW, tie_word_embeddings=False,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+        # FlexOlmo: OLMo 2's layer (norms after each block, q/k across all heads) with 2 of 4 experts.
+        "flex-olmo-moe-post-norms": FlexOlmoConfig(
+            **TINY_DIMS, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, attention_bias=True,
+            tie_word_embeddings=False,
         ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={

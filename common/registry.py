@@ -54,6 +54,9 @@ class InstanceInfo(msgspec.Struct, kw_only=True):
     num_blocks_in_use: int = 0  # held by requests or transfers (cached, evictable blocks are free)
     draining: bool = False  # SIGTERM received: finishing what it holds, taking nothing new
     started_at: float = 0.0
+    # Its KV cache's layout (``KVLayout.fingerprint``: dtype, shapes, model, block hashing): a prefill
+    # hands KV only to a decode of the same. "" where unknown (taken as fitting any).
+    kv_layout: str = ""
 
 
 class SignedEntry(msgspec.Struct):

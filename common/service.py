@@ -193,6 +193,7 @@ class EngineService:
         self.registry = Registry(args.redis_url, cluster_key=self.cluster_key)
         self.prefix_index = PrefixIndex(args.redis_url)
         self.kv_address = ""
+        self.kv_layout = ""  # the KV cache's layout fingerprint, set by the roles that move KV
         self._stop = threading.Event()
         self._drain_requested = threading.Event()
         self.drain_deadline: float | None = None
@@ -241,7 +242,7 @@ class EngineService:
             num_requests_running=stats.num_requests_running, num_requests_waiting=stats.num_requests_waiting,
             kv_cache_usage_perc=stats.kv_cache_usage_perc, num_blocks=stats.num_blocks,
             num_blocks_in_use=stats.num_blocks - stats.num_free_blocks, draining=self.draining,
-            started_at=self._started_at,
+            started_at=self._started_at, kv_layout=self.kv_layout,
         )
 
     # ------------------------------------------------------------ outputs

@@ -44,6 +44,7 @@ class DecodeService(EngineService):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
         layout = KVLayout.from_kv_cache(self.engine.runner.kv_cache, self.engine.model_id)
+        self.kv_layout = layout.fingerprint()
         port = args.kv_port or "*"
         priority = self.engine.scheduler.policy == "priority"
         self.receiver = KVReceiver(

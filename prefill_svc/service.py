@@ -32,6 +32,7 @@ class PrefillService(EngineService):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
         layout = KVLayout.from_kv_cache(self.engine.runner.kv_cache, self.engine.model_id)
+        self.kv_layout = layout.fingerprint()
         self.sender = KVSender(
             self.engine.runner.kv_cache, layout, timeout_s=args.kv_transfer_timeout,
             curve=self.kv_curve, sender_id=self.instance_id,

@@ -458,6 +458,13 @@ class Dispatcher:
         ranked_decodes.sort(key=lambda d: not self.client.writable(d.control_address))
         decode = ranked_decodes[0]
         prompt = [*request.prompt_token_ids, *request.output_token_ids]  # a continued request's too
+        # A prefill hands its KV only to a decode whose cache it fits (a fleet part way through a change of
+        # --kv-cache-dtype or block size, say): the others would fail the transfer.
+        fitting = [p for p in prefills if not (p.kv_layout and decode.kv_layout) or p.kv_layout == decode.kv_layout]
+        if prefills and not fitting:
+            logger.warning("no prefill instance's KV layout fits decode %s (%s); running %s there", decode.instance_id,
+                           decode.kv_layout, request.request_id)
+        prefills = fitting
         if not self._is_direct(len(prompt), decode, bool(prefills)):
             matched, num_blocks = await self._prefix_matches(prefills, prompt, request.cache_salt)
             request.decode_target = DecodeTarget(instance_id=decode.instance_id, kv_address=decode.kv_address)

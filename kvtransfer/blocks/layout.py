@@ -6,6 +6,7 @@ block size, head count or dtype would otherwise land as silently wrong attention
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated
 
 import msgspec
@@ -79,6 +80,11 @@ class KVLayout(msgspec.Struct, frozen=True):
     def frame_shape(self, num_layers: int, num_blocks: int) -> tuple[int, ...]:
         """Shape of a packed frame of ``num_layers`` layers and ``num_blocks`` blocks."""
         return (num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+
+    def fingerprint(self) -> str:
+        """A short name of this layout for the registry: its dtype, then a digest of every field (equal
+        fingerprints, equal layouts)."""
+        return f"{self.dtype}:{hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]}"
 
     def mismatch(self, other: KVLayout) -> str | None:
         """A readable list of the fields that differ from ``other``, or ``None`` when equal."""

@@ -93,6 +93,8 @@ def test_the_transfer_layout_names_the_8_bit_dtype_and_tells_it_apart() -> None:
     bf16 = KVLayout.from_kv_cache(torch.zeros(2, 2, 4, 8, 2, 16, dtype=torch.bfloat16), "m")
     assert fp8.dtype == "float8_e4m3fn" and fp8.bytes_per_block_layer * 2 == bf16.bytes_per_block_layer
     assert fp8.mismatch(bf16) == "dtype: 'float8_e4m3fn' != 'bfloat16'"
+    assert fp8.fingerprint().startswith("float8_e4m3fn:") and fp8.fingerprint() != bf16.fingerprint()
+    assert fp8.fingerprint() == KVLayout.from_kv_cache(torch.zeros(2, 2, 9, 8, 2, 16, dtype=FP8), "m").fingerprint()
 
 
 def test_what_is_not_implemented_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -91,6 +91,7 @@ class FakeEngine(threading.Thread):
         self.peers = peers
         self.token_delay_s = token_delay_s
         self.block_size = block_size
+        self.kv_layout = ""  # as a real engine publishes it; a test may set it before the engine starts
         self.mode = mode
         self.announce = announce
         self.restarts_on_arrival = restarts_on_arrival
@@ -116,7 +117,7 @@ class FakeEngine(threading.Thread):
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             num_requests_running=len(self._active),
-            started_at=self.started_at,
+            started_at=self.started_at, kv_layout=self.kv_layout,
             draining=self.draining_since is not None and time.monotonic() - self.draining_since >= self.registry_lag_s,
         )
 

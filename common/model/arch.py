@@ -29,7 +29,8 @@ correctness):
   first ``first_k_dense_replace`` layers dense, its router DeepSeek-V3's (sigmoid scores, a correction
   bias for the choice, groups, a scaling), its shared experts one MLP beside; dots.llm1 (``dots1``) the
   same mixture behind Qwen3's attention; FlexOlmo (``flex_olmo``) OLMo 2's layer with Qwen's softmax
-  mixture; MiniMax-M2
+  mixture; Hunyuan MoE (``hunyuan_v1_moe``) Hunyuan's dense layer with a softmax mixture beside a
+  shared MLP; MiniMax-M2
   (``minimax_m2``) Mixtral's with OLMo's q/k norms across all heads, a partial RoPE and the same router
   without groups; gpt-oss (``gpt_oss``) Llama's with biases, alternating sliding and full layers, a sink
   logit per head in each softmax, and a mixture whose experts have biases and a clamped SwiGLU of their own.
@@ -46,11 +47,12 @@ from pdserve_kernels.reference import NORM_GEMMA, NORM_LLAMA, NORM_OLMO
 _LLAMA_BIAS_TYPES = ("llama", "granite", "smollm3", "internlm3", "arcee")
 # Families whose q/k/v and o projections have biases by ``attention_bias`` and whose MLPs have none.
 _ATTENTION_BIAS_TYPES = ("qwen3", "gemma2", "gemma3_text", "hunyuan_v1_dense", "olmo2", "olmo3", "qwen3_moe", "olmoe",
-                         "granitemoe", "granitemoeshared", "gpt_oss", "dots1", "flex_olmo")
+                         "granitemoe", "granitemoeshared", "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe")
 _NO_BIAS_TYPES = ("mistral", "ministral", "phi3", "mixtral", "minimax_m2")  # no bias anywhere
 # Mixture-of-experts families: a router over experts in place of the MLP (in some layers or all).
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe", "minimax_m2",
-              "gpt_oss", "dots1", "flex_olmo")
+              "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe")
+_HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 # Mixtures routed as DeepSeek-V3 routes (``ROUTER_SIGMOID_GROUPS``), with dense first layers and shared experts.
 _DEEPSEEK_ROUTED_TYPES = ("glm4_moe", "dots1")
 # Families whose modeling code rotates only each head's first ``partial_rotary_factor`` share.
@@ -228,7 +230,7 @@ class ModelArch:
             mlp_bias=mlp_bias,
             qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "dots1") or (
                 model_type == "glm4_moe" and bool(getattr(config, "use_qk_norm", False))),
-            qk_norm_after_rope=model_type == "hunyuan_v1_dense",
+            qk_norm_after_rope=model_type in _HUNYUAN_TYPES,
             sliding_windows=_sliding_windows(config, model_type),
             rotary_dim=rotary_dim,
             attention_sinks=model_type == "gpt_oss",
@@ -263,13 +265,14 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
     # it), and ``num_local_experts`` to GLM-4.5's ``n_routed_experts``.
     num_experts = (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
                    or getattr(config, "n_routed_experts", None))
-    top_k = getattr(config, "num_experts_per_tok", None)
+    top_k = getattr(config, "moe_topk" if model_type == "hunyuan_v1_moe" else "num_experts_per_tok", None)
     own_width = ("qwen2_moe", "qwen3_moe", *_DEEPSEEK_ROUTED_TYPES)  # experts narrower than the dense MLP
     inter = getattr(config, "moe_intermediate_size" if model_type in own_width else "intermediate_size", None)
-    if not _positive_int(num_experts):
+    if not _positive_int(num_experts):  # Hunyuan's may be a list, one per layer: not implemented
         raise UnsupportedConfig("num_local_experts", num_experts, "must be a positive integer")
     if not _positive_int(top_k) or top_k > num_experts:
-        raise UnsupportedConfig("num_experts_per_tok", top_k, f"must be 1 to the number of experts ({num_experts})")
+        raise UnsupportedConfig("moe_topk" if model_type == "hunyuan_v1_moe" else "num_experts_per_tok", top_k,
+                                f"must be 1 to the number of experts ({num_experts})")
     if not _positive_int(inter):
         raise UnsupportedConfig("moe_intermediate_size", inter, "must be a positive integer")
     moe_layers = tuple(range(num_layers))
@@ -301,6 +304,8 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
             if value is None:
                 raise UnsupportedConfig(field, value, "must be a positive number")
         router = {"router": ROUTER_TOPK_SOFTMAX_BIASED, "expert_bias": True, "expert_activation": "gpt_oss", **swiglu}
+    if model_type == "hunyuan_v1_moe":  # a shared MLP as wide as the dense one, ungated
+        shared = getattr(config, "intermediate_size", None)
     if model_type == "minimax_m2":  # weights in float32, as its router leaves them
         router = {"router": ROUTER_SIGMOID, "routing_weights_float32": True}
     if model_type == "granitemoeshared":  # 0: no shared expert
@@ -311,7 +316,8 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         "moe_layers": moe_layers, "num_experts": num_experts, "experts_per_token": top_k,
         "moe_intermediate_size": inter,
         # Mixtral always renormalizes the chosen experts' weights, and keeps them in float32.
-        "norm_topk_prob": mixtral or model_type == "minimax_m2" or bool(getattr(config, "norm_topk_prob", False)),
+        "norm_topk_prob": mixtral or model_type in ("minimax_m2", "hunyuan_v1_moe")
+        or bool(getattr(config, "norm_topk_prob", False)),
         "routing_weights_float32": mixtral, "shared_expert_intermediate_size": shared,
         "shared_expert_gated": model_type == "qwen2_moe",
         "router": ROUTER_TOPK_SOFTMAX if model_type in _GRANITE_MOE_TYPES else ROUTER_SOFTMAX_TOPK, **router,
@@ -373,7 +379,7 @@ def _rope(config: Any, model_type: str) -> tuple[str, tuple[str, ...] | None]:
     """The RoPE kind (``"default"`` only where every layer's is) and, for a RoPE per layer type,
     each layer's type."""
     params = rope_parameters(config)
-    if model_type == "hunyuan_v1_dense" and params.get("rope_type") == "dynamic" and "alpha" in params:
+    if model_type in _HUNYUAN_TYPES and params.get("rope_type") == "dynamic" and "alpha" in params:
         # Labelled dynamic, but a fixed alpha only stretches the base: static (transformers' "ntk_alpha").
         alpha = params["alpha"]
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:

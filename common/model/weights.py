@@ -38,6 +38,8 @@ _MOE_NAMES["granitemoeshared"] = _MOE_NAMES["granitemoe"]
 # GLM-4.5 and dots.llm1: their shared experts, one MLP, under a plural name.
 _MOE_NAMES["glm4_moe"] = ((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),)
 _MOE_NAMES["dots1"] = _MOE_NAMES["glm4_moe"]
+# Hunyuan MoE: its router's weight one module down, its shared MLP under its own name.
+_MOE_NAMES["hunyuan_v1_moe"] = ((r"\.mlp\.gate\.wg\.", ".mlp.gate."), (r"\.mlp\.shared_mlp\.", ".mlp.shared_expert."))
 # MiniMax-M2: Mixtral's names, its router's correction bias on the block.
 _MOE_NAMES["minimax_m2"] = ((r"\.block_sparse_moe\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias"),
                             *_MOE_NAMES["mixtral"])

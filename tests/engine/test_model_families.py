@@ -136,6 +136,9 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     flex = arch["flex-olmo-moe-post-norms"]
     assert flex.post_norms_only and flex.qk_norm_full_width and flex.norm_form == NORM_OLMO
     assert flex.router == ROUTER_SOFTMAX_TOPK and flex.norm_topk_prob and flex.moe_layers == (0, 1, 2)
+    hunyuan_moe = arch["hunyuan-moe-shared-mlp"]
+    assert hunyuan_moe.qk_norm_after_rope and hunyuan_moe.rope_type == "ntk_alpha" and hunyuan_moe.norm_topk_prob
+    assert hunyuan_moe.shared_expert_intermediate_size == 128 and not hunyuan_moe.shared_expert_gated
     dots = arch["dots1-moe-window"]
     assert dots.router == ROUTER_SIGMOID_GROUPS and dots.qk_norm and dots.rotary_dim is None
     assert dots.moe_layers == (1, 2) and dots.shared_expert_intermediate_size == 64 and dots.o_bias

@@ -39,6 +39,7 @@ def family_configs() -> dict[str, Any]:
         GraniteMoeConfig,
         GraniteMoeSharedConfig,
         HunYuanDenseV1Config,
+        HunYuanMoEV1Config,
         InternLM3Config,
         LlamaConfig,
         MiniMaxM2Config,
@@ -181,6 +182,11 @@ def family_configs() -> dict[str, Any]:
         "flex-olmo-moe-post-norms": FlexOlmoConfig(
             **TINY_DIMS, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, attention_bias=True,
             tie_word_embeddings=False,
+        ),
+        # Hunyuan MoE: Hunyuan's layer (q/k norms after RoPE, its NTK-alpha RoPE), 2 of 4 experts and a shared MLP.
+        "hunyuan-moe-shared-mlp": HunYuanMoEV1Config(
+            **TINY_DIMS, num_experts=4, moe_topk=2, attention_bias=True, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0},
         ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={

@@ -42,7 +42,13 @@ from router.serving import (
 )
 from router.serving_chat import create_chat_completion
 from router.serving_completions import create_completion
-from router.serving_responses import create_response, delete_response, list_input_items, retrieve_response
+from router.serving_responses import (
+    cancel_response,
+    create_response,
+    delete_response,
+    list_input_items,
+    retrieve_response,
+)
 from router.serving_tokenize import install_tokenize_routes
 from router.state import RouterState
 
@@ -226,6 +232,11 @@ def create_app(state: RouterState) -> FastAPI:
     @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=not_found)
     async def remove_response(request: Request, response_id: str) -> JSONResponse:
         return JSONResponse(await delete_response(state, owner(request), response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject,
+              responses={**not_found, 400: errors[400]})
+    async def cancel_background_response(request: Request, response_id: str) -> JSONResponse:
+        return JSONResponse(await cancel_response(state, owner(request), response_id))
 
     @app.get("/v1/responses/{response_id}/input_items", response_model=InputItemList,
              responses={**not_found, 400: errors[400]})

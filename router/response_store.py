@@ -39,6 +39,9 @@ class StoredResponse(msgspec.Struct):
     owner: str  # the caller's API-key salt; "" with API keys off
     response: dict[str, Any]  # the response object as it was answered
     items: list[dict[str, Any]]  # the input items it answered, the whole chain's, oldest first
+    # A background response still running: until when (wall clock) the router process running it has
+    # vouched for it; past it, that process is gone and the response failed. 0: not running.
+    lease_until: float = 0.0
 
 
 _encoder = msgspec.json.Encoder()

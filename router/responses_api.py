@@ -32,7 +32,6 @@ from router.openai_responses import ChatMessageOut, DeltaToolCall, Usage
 _NOT_SERVED: dict[str, Any] = {
     "conversation": None,
     "prompt": None,  # a stored prompt template
-    "background": False,
     "include": [],
     "reasoning": None,  # no reasoning effort to set on the models served
     "max_tool_calls": None,
@@ -73,7 +72,7 @@ class ResponsesRequest(CheckedRequest):
     previous_response_id: StrictStr | None = None
     conversation: Any = None
     prompt: Any = None
-    background: Any = False
+    background: StrictBool | None = None  # run after the request returns; read back with GET
     include: Any = None
     reasoning: Any = None
     max_tool_calls: Any = None
@@ -85,6 +84,9 @@ class ResponsesRequest(CheckedRequest):
         )):
             raise bad_request("input must be a string or a non-empty list of input items", param="input")
         self.refuse_unless_nothing(_NOT_SERVED, "not served here")
+        if self.background and self.stream:
+            raise bad_request("background with stream is not supported: poll GET /v1/responses/{id} instead",
+                              param="background")
         if self.truncation not in (None, "disabled"):
             raise bad_request("truncation must be 'disabled': a prompt too long is refused, not cut", param="truncation")
 
@@ -293,7 +295,7 @@ def response_object(
         "parallel_tool_calls": request.parallel_tool_calls is not False,
         "tool_choice": request.tool_choice or "auto", "tools": request.tools or [],
         "text": request.text or {"format": {"type": "text"}}, "truncation": "disabled",
-        "metadata": request.metadata or {}, "store": store, "background": False, "user": request.user,
+        "metadata": request.metadata or {}, "store": store, "background": bool(request.background), "user": request.user,
         "previous_response_id": request.previous_response_id,
     }
 

@@ -1,20 +1,25 @@
 """``POST /v1/responses``: a Responses request planned as the chat completion it is
 (``router/responses_api.py``), answered whole or as the API's stream of typed events, and stored
-once it has finished (``router/response_store.py``); the routes that read and remove stored ones."""
+once it has finished (``router/response_store.py``), or run in the background
+(``router/background_responses.py``); the routes that read, cancel and remove stored ones."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from router.background_responses import RUNNING, failed_by_loss, keep_lease, lapsed, record_in_progress
 from router.chat_answer import AnswerReader, AnswerStream
 from router.choice_stream import ChoiceDelta, ChoiceStream
+from router.dispatcher import EngineRequestError
 from router.errors import APIError, bad_request
 from router.openai_models import StreamOptions, parse_request
-from router.response_store import ResponseStore, StoredResponse
+from router.response_store import ResponseStore, StoredResponse, unavailable
 from router.responses_api import (
     ResponseEvents,
     ResponsesRequest,
@@ -24,7 +29,15 @@ from router.responses_api import (
     response_object,
     response_usage,
 )
-from router.serving import DisconnectWaiter, GenerationPlan, UsageTracker, collect, sse_response
+from router.serving import (
+    ClientDisconnected,
+    DisconnectWaiter,
+    GenerationPlan,
+    UsageTracker,
+    collect,
+    engine_api_error,
+    sse_response,
+)
 from router.serving_chat import plan_chat
 from router.state import RouterState
 
@@ -57,18 +70,68 @@ async def create_response(
             state, plan, wait_disconnect, StreamOptions(include_usage=True), lambda include_usage, continuous: chunks,
             finish=chunks.finish,
         )
+    if request.background:
+        return JSONResponse(await _start_background(state, request, response_id, plan, reader, owner,
+                                                    [*earlier, *_as_stored(request.own_items())]))
+    response = await _answer(state, request, response_id, plan, reader, wait_disconnect, store)
+    if save is not None:
+        response["store"] = await save(response)
+    return JSONResponse(response)
+
+
+async def _answer(
+    state: RouterState, request: ResponsesRequest, response_id: str, plan: GenerationPlan, reader: AnswerReader,
+    wait_disconnect: DisconnectWaiter, store: bool,
+) -> dict[str, Any]:
+    """The whole response, once the engines have answered."""
     results, usage = await collect(state, plan, wait_disconnect)
     [result] = results
     message, _ = reader.message(result.text, result.finish_reason)
     status = "incomplete" if result.finish_reason == "length" else "completed"
     reasoning_tokens = _reasoning_tokens(state, message.reasoning_content)
-    response = response_object(
+    return response_object(
         request, response_id, plan.created, plan.model, status, output_items(message, status),
         response_usage(usage, reasoning_tokens), store,
     )
-    if save is not None:
-        response["store"] = await save(response)
-    return JSONResponse(response)
+
+
+async def _start_background(
+    state: RouterState, request: ResponsesRequest, response_id: str, plan: GenerationPlan, reader: AnswerReader,
+    owner: str, items: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """Store the response in progress, and run it in this process (``router/background_responses.py``)."""
+    if state.responses is None or request.store is False:
+        raise bad_request("background needs the response stored: store true, on a router with --response-ttl > 0",
+                          param="background")
+    responses = state.responses
+    record = record_in_progress(owner, response_object(
+        request, response_id, plan.created, plan.model, "in_progress", [], None, True), items)
+    if not await responses.save(record):
+        raise unavailable()
+    state.admit()  # a seat among the requests in flight until it ends (the request's own is left as it returns)
+
+    async def run(cancelled: asyncio.Event) -> None:
+        lease = asyncio.create_task(keep_lease(responses, record, cancelled))
+
+        async def until_cancelled() -> None:
+            await cancelled.wait()
+
+        try:
+            response = await _answer(state, request, response_id, plan, reader, until_cancelled, True)
+        except ClientDisconnected:  # cancelled, here or through another process
+            response = {**record.response, "status": "cancelled"}
+        except EngineRequestError as exc:
+            response = {**record.response, "status": "failed",
+                        "error": {"code": "server_error", "message": engine_api_error(exc).message}}
+        finally:
+            lease.cancel()
+            state.leave()
+        with contextlib.suppress(Exception):  # the store down: readers find the lease lapsed, then failed
+            if await responses.load(response_id, owner) is not None:  # not deleted meanwhile
+                await responses.save(StoredResponse(owner, response, items))
+
+    state.background.start(response_id, run)
+    return record.response
 
 
 async def _earlier_items(state: RouterState, request: ResponsesRequest, owner: str) -> list[dict[str, Any]]:
@@ -179,12 +242,33 @@ async def _stored(state: RouterState, owner: str, response_id: str) -> StoredRes
 
 
 async def retrieve_response(state: RouterState, owner: str, response_id: str) -> dict[str, Any]:
-    return (await _stored(state, owner, response_id)).response
+    record = await _stored(state, owner, response_id)
+    if lapsed(record):  # a background response whose process stopped vouching for it
+        record = failed_by_loss(record)
+        await _store(state, response_id).save(record)
+    return record.response
+
+
+async def cancel_response(state: RouterState, owner: str, response_id: str) -> dict[str, Any]:
+    """Stop a background response: marked cancelled at once; the process running it (this one, or
+    another that sees the mark at its next renewal) stops its engine requests. A response that has
+    ended is returned as it is."""
+    record = await _stored(state, owner, response_id)
+    if not record.response.get("background"):
+        raise bad_request(f"response '{response_id}' was not created with background: true; only those can be "
+                          "cancelled", param="response_id")
+    if record.response.get("status") in RUNNING:
+        record = failed_by_loss(record) if lapsed(record) else StoredResponse(
+            owner, {**record.response, "status": "cancelled"}, record.items, record.lease_until)
+        await _store(state, response_id).save(record)
+        state.background.cancel(response_id)
+    return record.response
 
 
 async def delete_response(state: RouterState, owner: str, response_id: str) -> dict[str, Any]:
     if not await _store(state, response_id).delete(response_id, owner):  # there and the caller's, or a 404
         raise _not_found(response_id)
+    state.background.cancel(response_id)  # running here: it stops (elsewhere: at its next renewal)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 

@@ -7,6 +7,7 @@ import logging
 from common.registry import PrefixIndex, Registry
 from router.admission import RETRY_AFTER_S, Admission
 from router.auth import ApiKeys
+from router.background_responses import BackgroundResponses
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
 from router.engine_client import EngineClient
@@ -42,6 +43,7 @@ class RouterState:
             ResponseStore(store_url, config.namespace, config.response_ttl_s, config.cluster_key)
             if store_url and config.response_ttl_s else None
         )
+        self.background = BackgroundResponses()  # background responses this process runs
         self.client = EngineClient(config.reply_host, config.reply_port, config.cluster_key)
         self.pool = InstancePool(self.registry, self.client, config.refresh_interval_s)
         self.num_inflight = 0
@@ -73,6 +75,7 @@ class RouterState:
         logger.info("router receiving engine outputs at %s", self.client.reply_address)
 
     async def stop(self) -> None:
+        await self.background.stop()
         await self.pool.stop()
         await self.client.close()
         for redis_user in (self.registry, self.prefix_index, self.responses):

@@ -1,0 +1,157 @@
+"""The Responses API's ``background`` mode through the router with the openai client, before fake engines
+and a real Redis: a response that runs on after its request and is read back; cancelled through the
+router running it and through another one (its engine request aborted); deleted while it runs; and a
+router that stops while it runs (its lease lapses, and a read finds the response failed)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from router import background_responses
+from tests.router.fake_engine import FakeCluster
+from tests.router.router_harness import SERVED_MODEL, RouterServer, fake_stack, make_state, wait_until
+
+SLOW_TOKEN_S = 0.05  # a reply of 200 tokens takes 10 s: long enough to act on while it runs
+
+
+@pytest.fixture
+def short_lease(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(background_responses, "LEASE_S", 1.5)
+    monkeypatch.setattr(background_responses, "RENEW_S", 0.2)
+
+
+@pytest.fixture
+def stack(redis_url: str, prompts: Any, tokenizer: Any, short_lease: None) -> Iterator[tuple[RouterServer, FakeCluster]]:
+    reply = list(tokenizer.encode(" word" * 200, add_special_tokens=False))
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": SLOW_TOKEN_S}, request_timeout_s=30.0,
+                    response_ttl_s=600) as (server, cluster):
+        yield server, cluster
+
+
+def _client(server: RouterServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
+
+
+def _settles(client: openai.OpenAI, response_id: str, timeout_s: float = 30.0) -> Any:
+    """The response once it is no longer running."""
+    final: list[Any] = []
+
+    def done() -> bool:
+        final[:] = [client.responses.retrieve(response_id)]
+        return final[0].status not in ("queued", "in_progress")
+
+    assert wait_until(done, timeout_s), f"{response_id} still {final[0].status}"
+    return final[0]
+
+
+def _aborted(cluster: FakeCluster) -> set[str]:
+    """The engine requests aborted (on the prefill and the decode instance alike)."""
+    return {rid for ids in cluster.aborts().values() for rid in ids}
+
+
+def test_a_background_response_returns_at_once_and_is_read_back_when_done(stack: tuple[RouterServer, FakeCluster]) -> None:
+    server, cluster = stack
+    client = _client(server)
+    started = time.monotonic()
+    response = client.responses.create(model=SERVED_MODEL, input="Count.", background=True, max_output_tokens=20)
+    assert time.monotonic() - started < 20 * SLOW_TOKEN_S, "the request waited for the answer"
+    assert response.status == "in_progress" and response.background is True and response.output == []
+    done = _settles(client, response.id)
+    assert done.status == "incomplete" and done.output_text == " word" * 20  # cut at max_output_tokens
+    assert done.background is True and done.usage is not None and done.usage.output_tokens == 20
+    assert server.state.num_inflight == 0 and len(server.state.background) == 0  # its seat left with it
+    later = client.responses.create(model=SERVED_MODEL, input="Again.", previous_response_id=done.id,
+                                    max_output_tokens=2)
+    assert later.output_text == " word" * 2  # it continues as any stored response
+
+
+def test_cancelling_stops_it_and_aborts_its_engine_request(stack: tuple[RouterServer, FakeCluster]) -> None:
+    server, cluster = stack
+    client = _client(server)
+    response = client.responses.create(model=SERVED_MODEL, input="Long.", background=True, max_output_tokens=200)
+    assert wait_until(lambda: cluster.requests(), 10)
+    time.sleep(2 * background_responses.LEASE_S)  # its lease renewed meanwhile: still running, not failed
+    assert client.responses.retrieve(response.id).status == "in_progress"
+    cancelled = client.responses.cancel(response.id)
+    assert cancelled.status == "cancelled"
+    assert wait_until(lambda: len(_aborted(cluster)) == 1, 10), "the engine request was not aborted"
+    assert wait_until(lambda: len(server.state.background) == 0, 10)
+    assert client.responses.retrieve(response.id).status == "cancelled"  # not overwritten by the task's end
+    assert client.responses.cancel(response.id).status == "cancelled"  # ended: returned as it is
+    # Cancelled before its engine request went out (or just as it did): it ends all the same.
+    early = client.responses.create(model=SERVED_MODEL, input="Long.", background=True, max_output_tokens=200)
+    assert client.responses.cancel(early.id).status == "cancelled"
+    assert wait_until(lambda: len(server.state.background) == 0, 10)
+    assert client.responses.retrieve(early.id).status == "cancelled" and server.state.num_inflight == 0
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.cancel(client.responses.create(model=SERVED_MODEL, input="Hi.", max_output_tokens=2).id)
+
+
+def test_another_router_cancels_it_and_the_one_running_it_stops(
+    stack: tuple[RouterServer, FakeCluster], prompts: Any, redis_url: str,
+) -> None:
+    server, cluster = stack
+    response = _client(server).responses.create(model=SERVED_MODEL, input="Long.", background=True,
+                                                max_output_tokens=200)
+    other_state = make_state(prompts, redis_url=redis_url, namespace=server.state.config.namespace,
+                             request_timeout_s=30.0, response_ttl_s=600)
+    with RouterServer(other_state) as other:
+        other.wait_ready()
+        assert _client(other).responses.cancel(response.id).status == "cancelled"
+        # The router running it sees the mark at its next renewal and aborts its engine request.
+        assert wait_until(lambda: len(_aborted(cluster)) == 1, 10), "the engine request was not aborted"
+        assert wait_until(lambda: len(server.state.background) == 0, 10)
+        assert _client(other).responses.retrieve(response.id).status == "cancelled"
+
+
+def test_deleting_it_while_it_runs_stops_it(stack: tuple[RouterServer, FakeCluster]) -> None:
+    server, cluster = stack
+    client = _client(server)
+    response = client.responses.create(model=SERVED_MODEL, input="Long.", background=True, max_output_tokens=200)
+    assert wait_until(lambda: cluster.requests(), 10)  # running on an engine
+    client.responses.delete(response.id)
+    assert wait_until(lambda: len(_aborted(cluster)) == 1, 10), "the engine request was not aborted"
+    assert wait_until(lambda: len(server.state.background) == 0, 10)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)  # and its end did not store it again
+
+
+def test_a_router_that_stops_while_it_runs_leaves_it_failed_once_its_lease_lapses(
+    redis_url: str, prompts: Any, tokenizer: Any, short_lease: None,
+) -> None:
+    reply = list(tokenizer.encode(" word" * 200, add_special_tokens=False))
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": SLOW_TOKEN_S}, request_timeout_s=30.0,
+                    response_ttl_s=600) as (server, _):
+        namespace = server.state.config.namespace
+        other_state = make_state(prompts, redis_url=redis_url, namespace=namespace, request_timeout_s=30.0,
+                                 response_ttl_s=600)
+        with RouterServer(other_state) as other:
+            other.wait_ready()
+            with RouterServer(make_state(prompts, redis_url=redis_url, namespace=namespace, request_timeout_s=30.0,
+                                         response_ttl_s=600)) as doomed:
+                doomed.wait_ready()
+                response = _client(doomed).responses.create(model=SERVED_MODEL, input="Long.", background=True,
+                                                            max_output_tokens=200)
+                assert _client(other).responses.retrieve(response.id).status == "in_progress"  # vouched for
+            # That router has stopped: nothing renews the lease; once it lapses the response has failed.
+            failed = _settles(_client(other), response.id, timeout_s=15)
+            assert failed.status == "failed" and failed.error is not None
+            assert "stopped before it finished" in failed.error.message
+
+
+def test_what_background_cannot_do_is_refused_by_name(redis_url: str, prompts: Any, tokenizer: Any) -> None:
+    reply = list(tokenizer.encode(" word", add_special_tokens=False))
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001}, response_ttl_s=600) as (server, _):
+        client = _client(server)
+        for kwargs in ({"store": False}, {"stream": True}):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.responses.create(model=SERVED_MODEL, input="Hi.", background=True, **kwargs)
+            assert refused.value.body["param"] == "background"  # type: ignore[index]
+    with (fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001}, response_ttl_s=0) as (server, _),
+          pytest.raises(openai.BadRequestError, match="--response-ttl")):
+        _client(server).responses.create(model=SERVED_MODEL, input="Hi.", background=True)

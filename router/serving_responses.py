@@ -106,9 +106,10 @@ async def _start_background(
     responses = state.responses
     record = record_in_progress(owner, response_object(
         request, response_id, plan.created, plan.model, "in_progress", [], None, True), items)
-    if not await responses.save(record):
-        raise unavailable()
     state.admit()  # a seat among the requests in flight until it ends (the request's own is left as it returns)
+    if not await responses.save(record):
+        state.leave()
+        raise unavailable()
 
     async def run(cancelled: asyncio.Event) -> None:
         lease = asyncio.create_task(keep_lease(responses, record, cancelled))
@@ -120,9 +121,9 @@ async def _start_background(
             response = await _answer(state, request, response_id, plan, reader, until_cancelled, True)
         except ClientDisconnected:  # cancelled, here or through another process
             response = {**record.response, "status": "cancelled"}
-        except EngineRequestError as exc:
-            response = {**record.response, "status": "failed",
-                        "error": {"code": "server_error", "message": engine_api_error(exc).message}}
+        except (EngineRequestError, APIError) as exc:  # an engine's error, or none to run it on
+            message = engine_api_error(exc).message if isinstance(exc, EngineRequestError) else exc.message
+            response = {**record.response, "status": "failed", "error": {"code": "server_error", "message": message}}
         finally:
             lease.cancel()
             state.leave()

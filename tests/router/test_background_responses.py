@@ -155,3 +155,14 @@ def test_what_background_cannot_do_is_refused_by_name(redis_url: str, prompts: A
     with (fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001}, response_ttl_s=0) as (server, _),
           pytest.raises(openai.BadRequestError, match="--response-ttl")):
         _client(server).responses.create(model=SERVED_MODEL, input="Hi.", background=True)
+
+
+def test_an_engine_s_error_leaves_it_failed_saying_so(redis_url: str, prompts: Any, tokenizer: Any) -> None:
+    reply = list(tokenizer.encode(" word", add_special_tokens=False))
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001, "mode": "error"}, response_ttl_s=600,
+                    request_timeout_s=10.0) as (server, _):
+        client = _client(server)
+        response = client.responses.create(model=SERVED_MODEL, input="Hi.", background=True)
+        failed = _settles(client, response.id)
+        assert failed.status == "failed" and failed.error is not None and "boom" in failed.error.message
+        assert server.state.num_inflight == 0

@@ -897,15 +897,17 @@ MOE_STAND_IN_DIMS: dict[str, Any] = {
 }
 
 
-def moe_stand_in(folder: Path) -> Path:
-    """A random-weight Qwen3-MoE checkpoint of ``MOE_STAND_IN_DIMS``, written once into ``folder``."""
-    if not folder.exists():  # written whole, then renamed: a run cut short leaves no half a checkpoint
+def _write_stand_in(folder: Path, config: Any) -> Path:
+    """A random-weight checkpoint of transformers' ``config``, its output layer scaled up
+    (``STAND_IN_LOGIT_SCALE``), written once into ``folder``: whole, then renamed, so a run cut short
+    leaves no half a checkpoint."""
+    if not folder.exists():
         import shutil
 
-        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        from transformers import AutoModelForCausalLM
 
         torch.manual_seed(0)
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**MOE_STAND_IN_DIMS, tie_word_embeddings=False))
+        model = AutoModelForCausalLM.from_config(config)
         with torch.no_grad():
             model.lm_head.weight.mul_(STAND_IN_LOGIT_SCALE)
         partial = folder.with_name(folder.name + ".partial")
@@ -913,6 +915,13 @@ def moe_stand_in(folder: Path) -> Path:
         model.save_pretrained(str(partial))
         partial.rename(folder)
     return folder
+
+
+def moe_stand_in(folder: Path) -> Path:
+    """A random-weight Qwen3-MoE checkpoint of ``MOE_STAND_IN_DIMS``, written once into ``folder``."""
+    from transformers import Qwen3MoeConfig
+
+    return _write_stand_in(folder, Qwen3MoeConfig(**MOE_STAND_IN_DIMS, tie_word_embeddings=False))
 
 
 def engine_model(choice: str, folder: Path, meta: dict[str, Any]) -> str | None:
@@ -931,20 +940,9 @@ def engine_model(choice: str, folder: Path, meta: dict[str, Any]) -> str | None:
         return None
     except FileNotFoundError as exc:
         print(f"[engine] {exc}; a random-weight stand-in of its shapes is used instead")
-    if not folder.exists():  # written whole, then renamed: a run cut short leaves no half a checkpoint
-        import shutil
+    from transformers import LlamaConfig
 
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(0)
-        config = LlamaConfig(**STAND_IN_DIMS, tie_word_embeddings=False)
-        model = LlamaForCausalLM(config)
-        with torch.no_grad():
-            model.lm_head.weight.mul_(STAND_IN_LOGIT_SCALE)
-        partial = folder.with_name(folder.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        model.save_pretrained(str(partial))
-        partial.rename(folder)
+    _write_stand_in(folder, LlamaConfig(**STAND_IN_DIMS, tie_word_embeddings=False))
     meta["engine_model"] = f"random-weight stand-in of the default model's shapes ({folder})"
     return str(folder)
 

@@ -6,9 +6,10 @@ hand-off -> decode."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -183,89 +184,64 @@ def test_attention_soft_capping_changes_transformers_output_so_the_tests_can_see
     assert hf_greedy(folder, prompt, MAX_NEW_TOKENS, config=uncapped) != _expected(folder, tuple(prompt))
 
 
+def _changes_transformers_logits(folder: Path, change_config: Callable[[Any], None] | None = None,
+                                 change_model: Callable[[Any], None] | None = None) -> bool:
+    """Whether transformers' logits over the test prompt move (by more than 1e-2) when the checkpoint's
+    config is changed by ``change_config``, or its loaded model by ``change_model``: a guard that the
+    equality tests below could see that feature done wrong."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    prompt = torch.tensor([prompt_token_ids(PROMPT_LEN)])
+    config = AutoConfig.from_pretrained(str(folder))
+    if change_config is not None:
+        change_config(config)
+    with torch.inference_mode():
+        models = [AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kw).eval()
+                  for kw in ({}, {"config": config})]
+        if change_model is not None:
+            change_model(models[1])
+        logits = [model(prompt).logits for model in models]
+    return bool((logits[0] - logits[1]).abs().max() > 1e-2)
+
+
 @pytest.mark.parametrize("scaling", ["embedding_multiplier", "attention_multiplier", "residual_multiplier",
                                      "logits_scaling"])
 def test_each_granite_scaling_changes_transformers_logits_so_the_tests_can_see_it(checkpoint, scaling: str) -> None:  # type: ignore[no-untyped-def]
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    folder = checkpoint("granite-scalings")
-    prompt = torch.tensor([prompt_token_ids(PROMPT_LEN)])
-    plain = AutoConfig.from_pretrained(str(folder))
-    setattr(plain, scaling, 1.0)
-    with torch.inference_mode():
-        logits = [AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kw).eval()(prompt).logits
-                  for kw in ({}, {"config": plain})]
-    assert (logits[0] - logits[1]).abs().max() > 1e-2
+    assert _changes_transformers_logits(checkpoint("granite-scalings"), lambda c: setattr(c, scaling, 1.0))
 
 
 def test_a_layer_without_rope_changes_transformers_logits_so_the_tests_can_see_it(checkpoint) -> None:  # type: ignore[no-untyped-def]
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    folder = checkpoint("smollm3-nope")
-    prompt = torch.tensor([prompt_token_ids(PROMPT_LEN)])
-    rotated = AutoConfig.from_pretrained(str(folder))
-    rotated.no_rope_layers = [1, 1, 1]
-    with torch.inference_mode():
-        logits = [AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kw).eval()(prompt).logits
-                  for kw in ({}, {"config": rotated})]
-    assert (logits[0] - logits[1]).abs().max() > 1e-2
+    assert _changes_transformers_logits(checkpoint("smollm3-nope"), lambda c: setattr(c, "no_rope_layers", [1, 1, 1]))
 
 
 @pytest.mark.parametrize("name", MIXTURES)
 def test_the_routing_changes_transformers_logits_so_the_tests_can_see_it(checkpoint, name: str) -> None:  # type: ignore[no-untyped-def]
-    """Guards the tests below: routed to one expert fewer, the same weights give other logits."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    folder = checkpoint(name)
-    prompt = torch.tensor([prompt_token_ids(PROMPT_LEN)])
-    fewer = AutoConfig.from_pretrained(str(folder))
-    fewer.num_experts_per_tok -= 1
-    with torch.inference_mode():
-        logits = [AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kw).eval()(prompt).logits
-                  for kw in ({}, {"config": fewer})]
-    assert (logits[0] - logits[1]).abs().max() > 1e-2
+    """Routed to one expert fewer, the same weights give other logits."""
+    assert _changes_transformers_logits(
+        checkpoint(name), lambda c: setattr(c, "num_experts_per_tok", c.num_experts_per_tok - 1))
 
 
-@pytest.mark.parametrize("change", ["full-rope", "all-groups", "no-correction-bias"])
-def test_glm_s_partial_rope_groups_and_correction_bias_change_transformers_logits(checkpoint, change: str) -> None:  # type: ignore[no-untyped-def]
-    """Guards the tests below: each of GLM-4.5's features, undone, gives other logits."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    folder = checkpoint("glm4-moe-partial-rope-groups")
-    prompt = torch.tensor([prompt_token_ids(PROMPT_LEN)])
-    config = AutoConfig.from_pretrained(str(folder))
-    if change == "full-rope":
-        config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": 1.0}
-    elif change == "all-groups":
-        config.topk_group = 2
-    with torch.inference_mode():
-        models = [AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kw).eval()
-                  for kw in ({}, {"config": config})]
-        if change == "no-correction-bias":
-            for layer in models[1].model.layers[1:]:
-                layer.mlp.gate.e_score_correction_bias.zero_()
-        logits = [model(prompt).logits for model in models]
-    assert (logits[0] - logits[1]).abs().max() > 1e-2
+def _no_correction_bias(model: Any) -> None:
+    for layer in model.model.layers[1:]:
+        layer.mlp.gate.e_score_correction_bias.zero_()
 
 
-@pytest.mark.parametrize("change", ["no-sinks", "no-clamp"])
-def test_gpt_oss_s_sinks_and_clamp_change_transformers_logits(checkpoint, change: str) -> None:  # type: ignore[no-untyped-def]
-    """Guards the tests below: gpt-oss without its sinks, or with a limit nothing reaches, gives other logits."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _no_sinks(model: Any) -> None:
+    for layer in model.model.layers:
+        layer.self_attn.sinks.fill_(-1e4)
 
-    folder = checkpoint("gpt-oss-moe-sinks-window")
-    prompt = torch.tensor([prompt_token_ids(PROMPT_LEN)])
-    config = AutoConfig.from_pretrained(str(folder))
-    if change == "no-clamp":
-        config.swiglu_limit = 1e6
-    with torch.inference_mode():
-        models = [AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kw).eval()
-                  for kw in ({}, {"config": config})]
-        if change == "no-sinks":
-            for layer in models[1].model.layers:
-                layer.self_attn.sinks.fill_(-1e4)
-        logits = [model(prompt).logits for model in models]
-    assert (logits[0] - logits[1]).abs().max() > 1e-2
+
+@pytest.mark.parametrize(("name", "change_config", "change_model"), [
+    ("glm4-moe-partial-rope-groups",
+     lambda c: setattr(c, "rope_parameters", {**c.rope_parameters, "partial_rotary_factor": 1.0}), None),
+    ("glm4-moe-partial-rope-groups", lambda c: setattr(c, "topk_group", 2), None),
+    ("glm4-moe-partial-rope-groups", None, _no_correction_bias),
+    ("gpt-oss-moe-sinks-window", lambda c: setattr(c, "swiglu_limit", 1e6), None),
+    ("gpt-oss-moe-sinks-window", None, _no_sinks),
+], ids=["glm-full-rope", "glm-all-groups", "glm-no-correction-bias", "gpt-oss-no-clamp", "gpt-oss-no-sinks"])
+def test_glm_s_and_gpt_oss_s_features_each_change_transformers_logits(checkpoint, name, change_config, change_model) -> None:  # type: ignore[no-untyped-def]
+    """GLM-4.5's partial RoPE, groups and correction bias, and gpt-oss's clamp and sinks, each undone."""
+    assert _changes_transformers_logits(checkpoint(name), change_config, change_model)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -1,18 +1,26 @@
 """The Responses API's ``background`` mode through the router with the openai client, before fake engines
 and a real Redis: a response that runs on after its request and is read back; cancelled through the
 router running it and through another one (its engine request aborted); deleted while it runs; and a
-router that stops while it runs (its lease lapses, and a read finds the response failed)."""
+router that stops, or a router process SIGKILLed, while it runs (its lease lapses, and a read finds the
+response failed)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from router import background_responses
+from tests.conftest import free_port
 from tests.router.fake_engine import FakeCluster
 from tests.router.router_harness import SERVED_MODEL, RouterServer, fake_stack, make_state, wait_until
 
@@ -166,3 +174,48 @@ def test_an_engine_s_error_leaves_it_failed_saying_so(redis_url: str, prompts: A
         failed = _settles(client, response.id)
         assert failed.status == "failed" and failed.error is not None and "boom" in failed.error.message
         assert server.state.num_inflight == 0
+
+
+def test_a_router_process_killed_while_it_runs_leaves_it_failed_once_its_lease_lapses(
+    redis_url: str, prompts: Any, tokenizer: Any, tokenizer_dir: Path,
+) -> None:
+    """A real router process, SIGKILLed mid-response: nothing of it says goodbye. Another router reads the
+    response ``in_progress`` while its lease holds, then ``failed``."""
+    reply = list(tokenizer.encode(" word" * 200, add_special_tokens=False))  # 20 s: it cannot end first
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.1}, request_timeout_s=60.0,
+                    response_ttl_s=600) as (server, _):
+        port = free_port()
+        root = Path(__file__).resolve().parents[2]
+        doomed = subprocess.Popen(
+            [sys.executable, "-m", "common.cli", "router", "--model", str(tokenizer_dir), "--served-model-name",
+             SERVED_MODEL, "--redis-url", redis_url, "--namespace", server.state.config.namespace, "--port", str(port),
+             "--response-ttl", "600", "--log-level", "warning"],
+            cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            url = f"http://127.0.0.1:{port}"
+
+            def ready() -> bool:
+                assert doomed.poll() is None, doomed.stderr.read().decode() if doomed.stderr else ""
+                try:
+                    body = httpx.get(f"{url}/ready", timeout=2).json()
+                except (httpx.HTTPError, ValueError):
+                    return False
+                return bool(body.get("prefill", 0) >= 1 and body.get("decode", 0) >= 1)
+
+            assert wait_until(ready, 60, interval_s=0.3), "the router process did not come up"
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=20)
+            response = client.responses.create(model=SERVED_MODEL, input="Long.", background=True,
+                                               max_output_tokens=200)
+            other = _client(server)
+            assert other.responses.retrieve(response.id).status == "in_progress"
+            doomed.send_signal(signal.SIGKILL)
+            doomed.wait(10)
+            killed_at = time.monotonic()
+            failed = _settles(other, response.id, timeout_s=background_responses.LEASE_S + 15)
+            assert failed.status == "failed" and failed.error is not None
+            assert "stopped before it finished" in failed.error.message
+            assert time.monotonic() - killed_at <= background_responses.LEASE_S + 15
+        finally:
+            if doomed.poll() is None:
+                doomed.kill()
+                doomed.wait()

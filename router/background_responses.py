@@ -25,18 +25,29 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import msgspec
+
 from router.response_store import ResponseStore, StoredResponse
 
 logger = logging.getLogger(__name__)
 
 LEASE_S = 10.0  # how long a renewal vouches for a running response
 RENEW_S = 2.0  # how often the running process renews (and looks for a cancel from another process)
-RUNNING = ("queued", "in_progress")
+IN_PROGRESS = "in_progress"  # a background response's status while it runs
 
 
-def lapsed(record: StoredResponse, now: float | None = None) -> bool:
+def running(record: StoredResponse) -> bool:
+    return record.response.get("status") == IN_PROGRESS
+
+
+def lapsed(record: StoredResponse) -> bool:
     """Whether ``record`` says it runs but no process has vouched for it lately."""
-    return record.response.get("status") in RUNNING and record.lease_until < (now or time.time())
+    return running(record) and record.lease_until < time.time()
+
+
+def leased(record: StoredResponse) -> StoredResponse:
+    """``record`` vouched for another ``LEASE_S`` from now."""
+    return msgspec.structs.replace(record, lease_until=time.time() + LEASE_S)
 
 
 def failed_by_loss(record: StoredResponse) -> StoredResponse:
@@ -60,12 +71,10 @@ class BackgroundResponses:
         self._running[response_id] = (task, cancelled)
         task.add_done_callback(lambda _: self._running.pop(response_id, None))
 
-    def cancel(self, response_id: str) -> bool:
-        """Signal the response to stop, if it runs here; whether it does."""
-        running = self._running.get(response_id)
-        if running is not None:
-            running[1].set()
-        return running is not None
+    def cancel(self, response_id: str) -> None:
+        """Signal the response to stop, if it runs here."""
+        if response_id in self._running:
+            self._running[response_id][1].set()
 
     def __len__(self) -> int:
         return len(self._running)
@@ -91,12 +100,7 @@ async def keep_lease(store: ResponseStore, record: StoredResponse, cancelled: as
         except Exception:  # the store unreachable: keep running; a read will judge the lease
             logger.warning("background response %s: could not read its record to renew its lease", response_id)
             continue
-        if current is None or current.response.get("status") not in RUNNING:
+        if current is None or not running(current):
             cancelled.set()  # cancelled or deleted through another router process
             return
-        await store.save(StoredResponse(record.owner, current.response, current.items, time.time() + LEASE_S))
-
-
-def record_in_progress(owner: str, response: dict[str, Any], items: list[dict[str, Any]]) -> StoredResponse:
-    return StoredResponse(owner, {**response, "status": "in_progress", "store": True}, items,
-                          time.time() + LEASE_S)
+        await store.save(leased(current))

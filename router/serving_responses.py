@@ -10,10 +10,11 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from router.background_responses import RUNNING, failed_by_loss, keep_lease, lapsed, record_in_progress
+from router.background_responses import failed_by_loss, keep_lease, lapsed, leased, running
 from router.chat_answer import AnswerReader, AnswerStream
 from router.choice_stream import ChoiceDelta, ChoiceStream
 from router.dispatcher import EngineRequestError
@@ -35,7 +36,6 @@ from router.serving import (
     GenerationPlan,
     UsageTracker,
     collect,
-    engine_api_error,
     sse_response,
 )
 from router.serving_chat import plan_chat
@@ -104,8 +104,8 @@ async def _start_background(
         raise bad_request("background needs the response stored: store true, on a router with --response-ttl > 0",
                           param="background")
     responses = state.responses
-    record = record_in_progress(owner, response_object(
-        request, response_id, plan.created, plan.model, "in_progress", [], None, True), items)
+    record = leased(StoredResponse(owner, response_object(
+        request, response_id, plan.created, plan.model, "in_progress", [], None, True), items))
     state.admit()  # a seat among the requests in flight until it ends (the request's own is left as it returns)
     if not await responses.save(record):
         state.leave()
@@ -122,8 +122,7 @@ async def _start_background(
         except ClientDisconnected:  # cancelled, here or through another process
             response = {**record.response, "status": "cancelled"}
         except (EngineRequestError, APIError) as exc:  # an engine's error, or none to run it on
-            message = engine_api_error(exc).message if isinstance(exc, EngineRequestError) else exc.message
-            response = {**record.response, "status": "failed", "error": {"code": "server_error", "message": message}}
+            response = {**record.response, "status": "failed", "error": {"code": "server_error", "message": str(exc)}}
         finally:
             lease.cancel()
             state.leave()
@@ -258,9 +257,9 @@ async def cancel_response(state: RouterState, owner: str, response_id: str) -> d
     if not record.response.get("background"):
         raise bad_request(f"response '{response_id}' was not created with background: true; only those can be "
                           "cancelled", param="response_id")
-    if record.response.get("status") in RUNNING:
-        record = failed_by_loss(record) if lapsed(record) else StoredResponse(
-            owner, {**record.response, "status": "cancelled"}, record.items, record.lease_until)
+    if running(record):
+        record = failed_by_loss(record) if lapsed(record) else msgspec.structs.replace(
+            record, response={**record.response, "status": "cancelled"})
         await _store(state, response_id).save(record)
         state.background.cancel(response_id)
     return record.response

@@ -81,13 +81,16 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """``q`` ``[tokens, heads, head_size]`` and ``k`` ``[tokens, kv_heads, head_size]`` rotated as
     transformers rotates them: ``x * cos + rotate_half(x) * sin``, with ``cos`` and ``sin``
-    ``[tokens, 1, rotary_dim]`` (each operation rounded to the inputs' dtype). A ``rotary_dim`` below
-    ``head_size`` (a partial RoPE, GLM-4.5's) rotates each head's first ``rotary_dim`` entries only, the
-    rest passing as they are."""
+    ``[tokens, 1, rotary_dim]`` (each operation rounded to the inputs' dtype; or, given float32 tables for
+    narrower q and k, as ERNIE 4.5 rotates: in float32, rounded once). A ``rotary_dim`` below ``head_size``
+    (a partial RoPE, GLM-4.5's) rotates each head's first ``rotary_dim`` entries only, the rest passing as
+    they are."""
     rotary_dim = cos.shape[-1]
     if rotary_dim < q.shape[-1]:
         q_rot, k_rot = rope(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin)
         return torch.cat((q_rot, q[..., rotary_dim:]), -1), torch.cat((k_rot, k[..., rotary_dim:]), -1)
+    if cos.dtype != q.dtype:
+        return tuple((x.float() * cos + _rotate_half(x).float() * sin).to(x.dtype) for x in (q, k))  # type: ignore[return-value]
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -6,7 +6,8 @@ values into the KV cache at their slots, the launch ``store_kv`` would have been
 replay too.
 
 Each product and the sum are rounded to the input's dtype in turn, as torch rounds each operation of
-the formula, and the kernel is built without fused multiply-adds: the same bits as the reference.
+the formula (or, given float32 tables for narrower q and k, ERNIE 4.5's rotation, only the result), and the
+kernel is built without fused multiply-adds: the same bits as the reference.
 """
 
 from __future__ import annotations
@@ -21,19 +22,24 @@ from pdserve_kernels.triton_common import to_cache
 
 
 @triton.jit
-def _rotated(x_ptr, rows, cos, sin, partner, sign, offs_d, mask):
-    """The heads at ``rows`` of ``x`` rotated, rounded to ``x``'s dtype after each operation."""
+def _rotated(x_ptr, rows, cos, sin, partner, sign, offs_d, mask, ROUND_EACH: tl.constexpr):
+    """The heads at ``rows`` of ``x`` rotated, rounded to ``x``'s dtype after each operation (or, without
+    ``ROUND_EACH``, once)."""
     x = tl.load(x_ptr + rows + offs_d[None, :], mask=mask, other=0.0)
     rot = tl.load(x_ptr + rows + partner[None, :], mask=mask, other=0.0).to(tl.float32) * sign[None, :]
-    a = (x.to(tl.float32) * cos[None, :]).to(x.dtype).to(tl.float32)
-    b = (rot.to(x.dtype).to(tl.float32) * sin[None, :]).to(x.dtype).to(tl.float32)
+    a = x.to(tl.float32) * cos[None, :]
+    b = rot * sin[None, :]
+    if ROUND_EACH:
+        a = a.to(x.dtype).to(tl.float32)
+        b = b.to(x.dtype).to(tl.float32)
     return (a + b).to(x.dtype)
 
 
 @triton.jit
 def _rotate(x_ptr, o_ptr, tok, stride_x_tok, stride_x_head, stride_o_tok, stride_o_head, cos, sin, partner, sign,
-            offs_h, offs_d, mask):
-    y = _rotated(x_ptr, tok * stride_x_tok + offs_h[:, None] * stride_x_head, cos, sin, partner, sign, offs_d, mask)
+            offs_h, offs_d, mask, ROUND_EACH: tl.constexpr):
+    y = _rotated(x_ptr, tok * stride_x_tok + offs_h[:, None] * stride_x_head, cos, sin, partner, sign, offs_d, mask,
+                 ROUND_EACH)
     out_rows = tok * stride_o_tok + offs_h[:, None] * stride_o_head
     tl.store(o_ptr + out_rows + offs_d[None, :], y.to(o_ptr.dtype.element_ty), mask=mask)
 
@@ -60,7 +66,7 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_
                  stride_cs_tok, stride_qo_tok, stride_qo_head, stride_ko_block, stride_ko_tok, stride_ko_head,
                  NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, H_PAD: tl.constexpr,
                  HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 SATURATE: tl.constexpr, ROTARY_DIM: tl.constexpr):
+                 SATURATE: tl.constexpr, ROTARY_DIM: tl.constexpr, ROUND_EACH: tl.constexpr):
     """A token's queries rotated to ``q_out``, and its keys rotated: to ``k_out``, or with ``STORE`` into
     the cache (``k_out`` and ``v_out`` its K and V planes) at the token's slot with its values, as
     ``store_kv`` writes them (nothing for a negative slot)."""
@@ -70,7 +76,7 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_
     d_mask = offs_d < HEAD_SIZE
     cos, sin, partner, sign = _tables(cos_ptr, sin_ptr, tok, stride_cs_tok, offs_d, d_mask, ROTARY_DIM)
     _rotate(q_ptr, q_out_ptr, tok, stride_q_tok, stride_q_head, stride_qo_tok, stride_qo_head, cos, sin, partner,
-            sign, offs_h, offs_d, (offs_h[:, None] < NUM_Q_HEADS) & d_mask[None, :])
+            sign, offs_h, offs_d, (offs_h[:, None] < NUM_Q_HEADS) & d_mask[None, :], ROUND_EACH)
     if STORE:
         slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
         # A skipped slot masks every head (folded into a bound, as ``store_kv`` does it).
@@ -80,7 +86,8 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_
         mask = (offs_h[:, None] < NUM_K_HEADS) & d_mask[None, :]
         dst = tok * stride_ko_tok
     dst_offs = dst + offs_h[:, None] * stride_ko_head + offs_d[None, :]
-    k = _rotated(k_ptr, tok * stride_k_tok + offs_h[:, None] * stride_k_head, cos, sin, partner, sign, offs_d, mask)
+    k = _rotated(k_ptr, tok * stride_k_tok + offs_h[:, None] * stride_k_head, cos, sin, partner, sign, offs_d, mask,
+                 ROUND_EACH)
     tl.store(k_out_ptr + dst_offs, to_cache(k, k_out_ptr.dtype.element_ty, SATURATE), mask=mask)
     if STORE:
         v = tl.load(v_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :], mask=mask)
@@ -90,7 +97,7 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """``pdserve_kernels.reference.rope`` in one kernel: ``q`` ``[tokens, heads, head_size]``, ``k``
     ``[tokens, kv_heads, head_size]`` (unit stride along the head), ``cos`` and ``sin``
-    ``[tokens, 1, head_size]`` of their dtype."""
+    ``[tokens, 1, rotary_dim]`` of their dtype (or float32: rounded once)."""
     num_tokens, num_q_heads, head_size = _check(q, k, cos, sin)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     if num_tokens:  # without STORE, ``v``, ``v_out`` and the slots are not read: ``k`` stands in for them
@@ -99,7 +106,7 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor
             cos.stride(0), q_out.stride(0), q_out.stride(1), 0, k_out.stride(0), k_out.stride(1),
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], H_PAD=triton.next_power_of_2(max(num_q_heads, k.shape[1])),
             HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size), STORE=False, BLOCK_SIZE=1,
-            SATURATE=False, ROTARY_DIM=cos.shape[-1], enable_fp_fusion=False,
+            SATURATE=False, ROTARY_DIM=cos.shape[-1], ROUND_EACH=cos.dtype == q.dtype, enable_fp_fusion=False,
         )
     return q_out, k_out
 
@@ -128,7 +135,8 @@ def rope_and_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_kv_heads,
             H_PAD=triton.next_power_of_2(max(num_q_heads, num_kv_heads)), HEAD_SIZE=head_size,
             D_PAD=triton.next_power_of_2(head_size), STORE=True, BLOCK_SIZE=block_size,
-            SATURATE=kv_layer.dtype == torch.float8_e4m3fn, ROTARY_DIM=cos.shape[-1], enable_fp_fusion=False,
+            SATURATE=kv_layer.dtype == torch.float8_e4m3fn, ROTARY_DIM=cos.shape[-1], ROUND_EACH=cos.dtype == q.dtype,
+            enable_fp_fusion=False,
         )
     return q_out
 
@@ -145,7 +153,8 @@ def _check(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[int, int, in
     for name, t in (("cos", cos), ("sin", sin)):
         assert t.shape == (num_tokens, 1, rotary_dim) and t.stride(-1) == 1, (
             f"{name} must be [{num_tokens}, 1, {rotary_dim}] with unit stride; got {tuple(t.shape)}")
-        assert t.dtype == q.dtype == k.dtype, f"{name}, q and k must share a dtype; got {t.dtype}, {q.dtype}, {k.dtype}"
-    assert cos.stride(0) == sin.stride(0), "cos and sin must share a layout"
+        assert t.dtype in (q.dtype, torch.float32) and q.dtype == k.dtype, (
+            f"q and k must share a dtype, {name} theirs or float32; got {t.dtype}, {q.dtype}, {k.dtype}")
+    assert cos.stride(0) == sin.stride(0) and cos.dtype == sin.dtype, "cos and sin must share a layout and a dtype"
     assert q.stride(2) == 1 and k.stride(2) == 1, "q and k must have unit stride along the head"
     return num_tokens, num_q_heads, head_size

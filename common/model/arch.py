@@ -34,6 +34,10 @@ correctness):
   (``minimax_m2``) Mixtral's with OLMo's q/k norms across all heads, a partial RoPE and the same router
   without groups; gpt-oss (``gpt_oss``) Llama's with biases, alternating sliding and full layers, a sink
   logit per head in each softmax, and a mixture whose experts have biases and a clamped SwiGLU of their own.
+- GLM-4 (``glm``), GLM-4-0414 (``glm4``, with Gemma's four norms), Helium and ERNIE 4.5 (dense, and its mixture:
+  a softmax router whose choice a correction bias shifts) rotate interleaved pairs, served by the kernels'
+  rotation of halves once the checkpoint's q and k rows are reordered (``rope_interleaved``); ERNIE rotates
+  in float32 (``rope_float32``).
 """
 
 from __future__ import annotations
@@ -49,14 +53,19 @@ _LLAMA_BIAS_TYPES = ("llama", "granite", "smollm3", "internlm3", "arcee")
 _ATTENTION_BIAS_TYPES = ("qwen3", "gemma2", "gemma3_text", "hunyuan_v1_dense", "olmo2", "olmo3", "qwen3_moe", "olmoe",
                          "granitemoe", "granitemoeshared", "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe")
 _NO_BIAS_TYPES = ("mistral", "ministral", "phi3", "mixtral", "minimax_m2")  # no bias anywhere
+# Families whose q/k/v, o and MLP projections all have biases by ``use_bias`` (ERNIE 4.5; its experts none).
+_ERNIE_TYPES = ("ernie4_5", "ernie4_5_moe")
+_GLM_TYPES = ("glm", "glm4")
+# Families whose RoPE rotates interleaved pairs (entries 0 and 1, 2 and 3, ...), not each head's halves.
+_INTERLEAVED_ROPE_TYPES = ("helium", *_GLM_TYPES, *_ERNIE_TYPES)
 # Mixture-of-experts families: a router over experts in place of the MLP (in some layers or all).
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe", "minimax_m2",
-              "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe")
+              "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe", "ernie4_5_moe")
 _HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 # Mixtures routed as DeepSeek-V3 routes (``ROUTER_SIGMOID_GROUPS``), with dense first layers and shared experts.
 _DEEPSEEK_ROUTED_TYPES = ("glm4_moe", "dots1")
 # Families whose modeling code rotates only each head's first ``partial_rotary_factor`` share.
-_PARTIAL_ROPE_TYPES = ("glm4_moe", "minimax_m2")
+_PARTIAL_ROPE_TYPES = ("glm4_moe", "minimax_m2", *_GLM_TYPES)
 # How a mixture's router picks and weighs experts, as each family's transformers code does:
 ROUTER_SOFTMAX_TOPK = "softmax_topk"  # softmax over all experts, then the top k (Mixtral, Qwen, OLMoE)
 ROUTER_TOPK_SOFTMAX = "topk_softmax"  # the top k logits, then a softmax over those (Granite)
@@ -67,10 +76,13 @@ ROUTER_SIGMOID_GROUPS = "sigmoid_group_topk"
 ROUTER_SIGMOID = "sigmoid_topk"
 # gpt-oss's: the top k of its logits (a linear layer with a bias), a softmax over them in the model's dtype.
 ROUTER_TOPK_SOFTMAX_BIASED = "topk_softmax_biased"
+# ERNIE 4.5's: a softmax in float32; the k chosen by probability plus a correction bias, weighed by their
+# probabilities renormalized, rounded to the model's dtype.
+ROUTER_SOFTMAX_CORRECTED = "softmax_corrected_topk"
 _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "seed_oss",
-    "hunyuan_v1_dense", "olmo2", "olmo3", *_MOE_TYPES,
+    "hunyuan_v1_dense", "olmo2", "olmo3", "helium", *_GLM_TYPES, *_ERNIE_TYPES, *_MOE_TYPES,
 )
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
 _OLMO_TYPES = ("olmo2", "olmo3", "flex_olmo")
@@ -132,7 +144,8 @@ class ModelArch:
     # Layers that apply no RoPE at all (SmolLM3's ``no_rope_layers`` zeros): their q and k go unrotated.
     no_rope_layers: tuple[int, ...] = ()
     activation: str = "silu"  # or "gelu_tanh" (both gated: down(act(gate) * up)), or "relu2" (no gate: down(relu(up)^2))
-    gemma_norms: bool = False  # RMSNorm scaled by (1 + weight) in float32; norms after attention and MLP too
+    # Norms on each side of each block (Gemma 2/3, GLM-4): the block's output normed before it joins the stream.
+    sandwich_norms: bool = False
     norm_form: int = NORM_LLAMA  # how every RMSNorm meets its weight (``pdserve_kernels.reference.NORM_*``)
     # OLMo's layer: no norm before a block, one after each (the block's output normed, then added);
     # q and k normed across all their heads (one norm of q_size, one of kv_size), before RoPE.
@@ -170,6 +183,14 @@ class ModelArch:
     routed_scaling_factor: float = 1.0
     # Each head's first entries that RoPE rotates (a partial RoPE, GLM-4.5's); None: all of them.
     rotary_dim: int | None = None
+    # RoPE over interleaved pairs (GLM, Helium, ERNIE 4.5): served by rotating halves after the checkpoint's
+    # q and k rows are reordered as they load (``common.model.weights.deinterleave_rope``), each head's
+    # even entries first: the same rotation of the same numbers, q . k a sum over the same products.
+    rope_interleaved: bool = False
+    # ERNIE 4.5's: q and k rotated in float32 against float32 tables and rounded once (others round each
+    # operation to the model's dtype).
+    rope_float32: bool = False
+    lm_head_bias: bool = False  # ERNIE 4.5's mixture: the output head with a bias (``use_bias``)
     # gpt-oss: a learned sink logit per query head in every softmax (``sinks``); its experts' projections
     # with biases, and their activation its own clamped one (``EXPERT_ACTIVATION_GPT_OSS``).
     attention_sinks: bool = False
@@ -212,10 +233,14 @@ class ModelArch:
             (bias, bias, mlp) if model_type in _LLAMA_BIAS_TYPES
             else (bias, bias, False) if model_type in _ATTENTION_BIAS_TYPES
             else (False, False, False) if model_type in _NO_BIAS_TYPES
+            else (bool(getattr(config, "use_bias", False)),) * 3 if model_type in _ERNIE_TYPES
             else {  # (q/k/v, o, MLP) biases, as each other family's modeling code has them
                 "qwen2": (True, False, False),
                 "qwen2_moe": (bool(getattr(config, "qkv_bias", True)), False, False),
                 "glm4_moe": (bias, False, False),
+                "glm": (bias, False, False),
+                "glm4": (bias, False, False),
+                "helium": (bias, False, mlp),
                 # q/k/v by attention_bias, the output projection by a field of its own
                 "seed_oss": (bias, bool(getattr(config, "attention_out_bias", False)), mlp),
             }[model_type]
@@ -234,12 +259,16 @@ class ModelArch:
             sliding_windows=_sliding_windows(config, model_type),
             rotary_dim=rotary_dim,
             attention_sinks=model_type == "gpt_oss",
+            rope_interleaved=model_type in _INTERLEAVED_ROPE_TYPES,
+            rope_float32=model_type in _ERNIE_TYPES,
+            lm_head_bias=model_type == "ernie4_5_moe" and bool(getattr(config, "use_bias", False)),
             rope_type=rope_type,
             rope_layer_types=rope_layer_types,
             no_rope_layers=_no_rope_layers(config, model_type),
             activation="gelu_tanh" if gemma else "relu2" if model_type == "arcee" else "silu",
-            gemma_norms=gemma,
-            norm_form=NORM_GEMMA if gemma else NORM_OLMO if olmo else NORM_LLAMA,
+            sandwich_norms=gemma or model_type == "glm4",
+            # Helium's RMSNorm meets its weight in float32, as OLMo's.
+            norm_form=NORM_GEMMA if gemma else NORM_OLMO if olmo or model_type == "helium" else NORM_LLAMA,
             post_norms_only=olmo,
             qk_norm_full_width=olmo or model_type in ("olmoe", "minimax_m2"),
             embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
@@ -263,10 +292,12 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
     mixtral = model_type == "mixtral"
     # transformers maps Qwen's and OLMoE's ``num_experts`` to ``num_local_experts`` (as a saved config names
     # it), and ``num_local_experts`` to GLM-4.5's ``n_routed_experts``.
+    # ERNIE 4.5's config stores them as ``moe_num_experts`` and ``moe_k`` (a config read back from the cache).
     num_experts = (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-                   or getattr(config, "n_routed_experts", None))
-    top_k = getattr(config, "moe_topk" if model_type == "hunyuan_v1_moe" else "num_experts_per_tok", None)
-    own_width = ("qwen2_moe", "qwen3_moe", *_DEEPSEEK_ROUTED_TYPES)  # experts narrower than the dense MLP
+                   or getattr(config, "n_routed_experts", None) or getattr(config, "moe_num_experts", None))
+    top_k = (getattr(config, "moe_topk", None) if model_type == "hunyuan_v1_moe"
+             else getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_k", None))
+    own_width = ("qwen2_moe", "qwen3_moe", "ernie4_5_moe", *_DEEPSEEK_ROUTED_TYPES)  # narrower than the dense MLP
     inter = getattr(config, "moe_intermediate_size" if model_type in own_width else "intermediate_size", None)
     if not _positive_int(num_experts):  # Hunyuan's may be a list, one per layer: not implemented
         raise UnsupportedConfig("num_local_experts", num_experts, "must be a positive integer")
@@ -288,6 +319,8 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first <= num_layers:
             raise UnsupportedConfig("first_k_dense_replace", first, f"must be 0 to {num_layers}")
         moe_layers = tuple(range(first, num_layers))
+    if model_type == "ernie4_5_moe":
+        moe_layers = _ernie_moe_layers(config, num_layers)
     shared = getattr(config, "shared_expert_intermediate_size", None) if model_type == "qwen2_moe" else 0
     if model_type == "qwen2_moe" and not _positive_int(shared):
         raise UnsupportedConfig("shared_expert_intermediate_size", shared, "must be a positive integer")
@@ -308,6 +341,12 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         shared = getattr(config, "intermediate_size", None)
     if model_type == "minimax_m2":  # weights in float32, as its router leaves them
         router = {"router": ROUTER_SIGMOID, "routing_weights_float32": True}
+    if model_type == "ernie4_5_moe":
+        router = _ernie_router_fields(config, num_experts, top_k)
+        n_shared = getattr(config, "moe_num_shared_experts", 0) or 0
+        if not isinstance(n_shared, int) or n_shared < 0:
+            raise UnsupportedConfig("moe_num_shared_experts", n_shared, "must be 0 or a positive integer")
+        shared = inter * n_shared  # one MLP as wide as all the shared experts together, ungated
     if model_type == "granitemoeshared":  # 0: no shared expert
         shared = getattr(config, "shared_intermediate_size", 0)
         if shared != 0 and not _positive_int(shared):
@@ -322,6 +361,29 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         "shared_expert_gated": model_type == "qwen2_moe",
         "router": ROUTER_TOPK_SOFTMAX if model_type in _GRANITE_MOE_TYPES else ROUTER_SOFTMAX_TOPK, **router,
     }
+
+
+def _ernie_moe_layers(config: Any, num_layers: int) -> tuple[int, ...]:
+    """ERNIE 4.5's mixture layers: every ``moe_layer_interval``-th from ``moe_layer_start_index`` to
+    ``moe_layer_end_index`` (-1: the last), as its decoder layer decides."""
+    bounds = {field: getattr(config, field, default) for field, default in (
+        ("moe_layer_start_index", 1), ("moe_layer_end_index", -1), ("moe_layer_interval", 1))}
+    for field, value in bounds.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if field == "moe_layer_interval" else -1):
+            raise UnsupportedConfig(field, value, "must be an integer (the interval positive)")
+    start, end, interval = bounds.values()
+    end = num_layers - 1 if end == -1 else end
+    return tuple(i for i in range(num_layers) if (i + 1) % interval == 0 and start <= i <= end)
+
+
+def _ernie_router_fields(config: Any, num_experts: int, top_k: int) -> dict[str, Any]:
+    """ERNIE 4.5's router divides its chosen probabilities by their sum clamped below at ``moe_norm_min``.
+    The k largest of a softmax over the experts sum to at least k / experts, so a minimum below that never
+    binds and the weights are renormalized as ``norm_topk_prob`` renormalizes them; one above it would."""
+    norm_min = getattr(config, "moe_norm_min", 1e-12)
+    if not isinstance(norm_min, (int, float)) or isinstance(norm_min, bool) or not 0 <= norm_min < top_k / num_experts:
+        raise UnsupportedConfig("moe_norm_min", norm_min, f"only a minimum below {top_k}/{num_experts} is implemented")
+    return {"router": ROUTER_SOFTMAX_CORRECTED, "norm_topk_prob": True}
 
 
 def _sigmoid_router_fields(config: Any, num_experts: int, top_k: int) -> dict[str, Any]:
@@ -424,7 +486,8 @@ def _no_rope_layers(config: Any, model_type: str) -> tuple[int, ...]:
 def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
-    if model_type in ("llama", "internlm3", "seed_oss", "olmo2", "flex_olmo", "glm4_moe", "minimax_m2"):
+    if model_type in ("llama", "internlm3", "seed_oss", "olmo2", "flex_olmo", "glm4_moe", "minimax_m2", "helium",
+                      *_GLM_TYPES, *_ERNIE_TYPES):
         return (None,) * num_layers  # their transformers code has no sliding window: the field is unused
     if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window

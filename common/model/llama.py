@@ -31,6 +31,7 @@ from common.model.arch import (
     NTK_ALPHA,
     ROUTER_SIGMOID,
     ROUTER_SIGMOID_GROUPS,
+    ROUTER_SOFTMAX_CORRECTED,
     ROUTER_TOPK_SOFTMAX,
     ROUTER_TOPK_SOFTMAX_BIASED,
     ModelArch,
@@ -257,10 +258,14 @@ class Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
 
 
+# Routers that choose by score plus a correction bias (``e_score_correction_bias``, kept on the gate).
+_CORRECTED_ROUTERS = (ROUTER_SIGMOID_GROUPS, ROUTER_SIGMOID, ROUTER_SOFTMAX_CORRECTED)
+
+
 class SparseMoE(nn.Module):
     """A mixture of experts in the MLP's place: the router (``gate``) scores every expert and picks each
-    token's ``experts_per_token`` best as the family's code does (``ModelArch.router``: a softmax, or
-    sigmoid scores with a correction bias), and the kernels' ``moe_experts`` runs only those (the torch
+    token's ``experts_per_token`` best as the family's code does (``ModelArch.router``: a softmax, with or
+    without a correction bias to the choice, or sigmoid scores with one), and the kernels' ``moe_experts`` runs only those (the torch
     loop over the experts hit, or on a GPU one Triton grouped matrix product per projection); a shared
     expert is added, scaled by its gate in Qwen2-MoE."""
 
@@ -275,7 +280,7 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = arch.norm_topk_prob
         self.routing_weights_float32 = arch.routing_weights_float32
         self.router = arch.router
-        if self.router in (ROUTER_SIGMOID_GROUPS, ROUTER_SIGMOID):  # a correction bias: the gate's own here
+        if self.router in _CORRECTED_ROUTERS:  # a correction bias: the gate's own here
             self.gate.register_parameter("e_score_correction_bias", nn.Parameter(torch.zeros(arch.num_experts)))
             self.groups, self.topk_groups = arch.num_expert_groups, arch.topk_groups
             self.routed_scaling_factor = arch.routed_scaling_factor
@@ -290,6 +295,11 @@ class SparseMoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.router in (ROUTER_SIGMOID_GROUPS, ROUTER_SIGMOID):
             weights, ids = self._sigmoid(x)
+        elif self.router == ROUTER_SOFTMAX_CORRECTED:  # ERNIE 4.5: in float32, its weight kept so
+            probs = torch.softmax(F.linear(x.float(), self.gate.weight.float()), dim=-1, dtype=torch.float32)
+            ids = torch.topk(probs + self.gate.get_parameter("e_score_correction_bias"), self.top_k, dim=-1)[1]
+            weights = probs.gather(1, ids)
+            weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
         else:
             logits = self.gate(x)
             if self.router == ROUTER_TOPK_SOFTMAX:  # Granite: the top k logits, then a softmax over them
@@ -348,13 +358,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = None if arch.post_norms_only else RMSNorm(size, eps, form, kernels)
         self.post_attention_layernorm = RMSNorm(size, eps, form, kernels)
         self.residual_multiplier = arch.residual_multiplier  # Granite: each block's output scaled
-        # Gemma normalizes each block's output too: post_attention_layernorm then applies to the
+        # Gemma and GLM-4 normalize each block's output too: post_attention_layernorm then applies to the
         # attention's output, and the MLP gets a norm of its own on each side; OLMo only the one after.
+        # (GLM-4's checkpoints name them otherwise: ``common.model.weights`` renames them as they load.)
         self.pre_feedforward_layernorm: RMSNorm | None = None
         self.post_feedforward_layernorm: RMSNorm | None = None
-        if arch.gemma_norms:
+        if arch.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(size, eps, form, kernels)
-        if arch.gemma_norms or arch.post_norms_only:
+        if arch.sandwich_norms or arch.post_norms_only:
             self.post_feedforward_layernorm = RMSNorm(size, eps, form, kernels)
 
     def forward(
@@ -403,7 +414,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.arch = ModelArch.from_config(config)
         self.model = LlamaBackbone(config, self.arch, kernels)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=self.arch.lm_head_bias)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -424,10 +435,21 @@ class LlamaForCausalLM(nn.Module):
 
     def float32_parameters(self) -> list[str]:
         """Parameters kept in float32 whatever the model's dtype, as transformers keeps them: GLM-4.5's
-        routers' weight and correction bias."""
+        and ERNIE 4.5's routers' weight and correction bias."""
         return [f"{name}.gate.{param}" for name, module in self.named_modules()
-                if isinstance(module, SparseMoE) and module.router == ROUTER_SIGMOID_GROUPS
+                if isinstance(module, SparseMoE) and module.router in (ROUTER_SIGMOID_GROUPS, ROUTER_SOFTMAX_CORRECTED)
                 for param in ("weight", "e_score_correction_bias")]
+
+    def float32_buffers(self) -> list[str]:
+        """Buffers kept in float32 whatever the model's dtype: ERNIE 4.5's RoPE tables, against which it
+        rotates q and k in float32."""
+        return [f"rotary_embs.{name}" for name, _ in self.rotary_embs.named_buffers()] if self.arch.rope_float32 else []
+
+    def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
+        """Each RoPE kind's cos and sin at ``positions``, in ``dtype``, or float32 where the family rotates
+        in float32 (ERNIE 4.5): the tables' dtype is the rotation's."""
+        rope_dtype = torch.float32 if self.arch.rope_float32 else dtype
+        return {kind: cast(RotaryEmbedding, emb).cos_sin(positions, rope_dtype) for kind, emb in self.rotary_embs.items()}
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor) -> Tensor:
         """Hidden states ``[num_tokens, hidden]``; writes this step's K/V into ``kv_cache``."""
@@ -438,7 +460,7 @@ class LlamaForCausalLM(nn.Module):
             x = x * float(torch.tensor(self.arch.embed_scale, dtype=x.dtype))
         if self.arch.embedding_multiplier is not None:  # Granite: the number as it is, as transformers
             x = x * self.arch.embedding_multiplier
-        ropes = {kind: cast(RotaryEmbedding, emb).cos_sin(positions, x.dtype) for kind, emb in self.rotary_embs.items()}
+        ropes = self.rope_tables(positions, x.dtype)
         residual: Tensor | None = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, ropes[self.layer_rope_kinds[i]], meta, kv_cache[i])

@@ -21,8 +21,9 @@ from common.model.loader import cache_dir
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "load_model", "stack_experts", "stack_projections"]
 
-# Checkpoints that name a mixture's parts their own way: (pattern, this model's name), in order.
-_MOE_NAMES = {
+# Checkpoints that name parts their own way (a mixture's, a norm's): (pattern, this model's name), applied
+# to each name in order.
+_RENAMES = {
     # Mixtral: one weight per expert and projection.
     "mixtral": ((r"\.block_sparse_moe\.", ".mlp."), (r"\.w1\.", ".gate_proj."), (r"\.w3\.", ".up_proj."),
                 (r"\.w2\.", ".down_proj.")),
@@ -34,17 +35,25 @@ _MOE_NAMES = {
                    (r"\.shared_mlp\.output_linear\.", ".mlp.shared_expert.down_proj."),
                    (r"\.block_sparse_moe\.", ".mlp.")),
 }
-_MOE_NAMES["granitemoeshared"] = _MOE_NAMES["granitemoe"]
+_RENAMES["granitemoeshared"] = _RENAMES["granitemoe"]
 # GLM-4.5 and dots.llm1: their shared experts, one MLP, under a plural name.
-_MOE_NAMES["glm4_moe"] = ((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),)
-_MOE_NAMES["dots1"] = _MOE_NAMES["glm4_moe"]
+_RENAMES["glm4_moe"] = ((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),)
+_RENAMES["dots1"] = _RENAMES["glm4_moe"]
 # Hunyuan MoE: its router's weight one module down, its shared MLP under its own name.
-_MOE_NAMES["hunyuan_v1_moe"] = ((r"\.mlp\.gate\.wg\.", ".mlp.gate."), (r"\.mlp\.shared_mlp\.", ".mlp.shared_expert."))
+_RENAMES["hunyuan_v1_moe"] = ((r"\.mlp\.gate\.wg\.", ".mlp.gate."), (r"\.mlp\.shared_mlp\.", ".mlp.shared_expert."))
 # MiniMax-M2: Mixtral's names, its router's correction bias on the block.
-_MOE_NAMES["minimax_m2"] = ((r"\.block_sparse_moe\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias"),
-                            *_MOE_NAMES["mixtral"])
+_RENAMES["minimax_m2"] = ((r"\.block_sparse_moe\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias"),
+                            *_RENAMES["mixtral"])
 # gpt-oss: its router under its own name.
-_MOE_NAMES["gpt_oss"] = ((r"\.mlp\.router\.", ".mlp.gate."),)
+_RENAMES["gpt_oss"] = ((r"\.mlp\.router\.", ".mlp.gate."),)
+# ERNIE 4.5: the correction bias on the block (or, as transformers names it, in the router's statistics),
+# its shared experts one MLP under a plural name.
+_RENAMES["ernie4_5_moe"] = ((r"\.mlp\.(gate\.)?moe_statics\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias"),
+                            *_RENAMES["glm4_moe"])
+# GLM-4: Gemma's four norms under its own names (its post_attention_layernorm is the one before the MLP).
+_RENAMES["glm4"] = ((r"\.post_attention_layernorm\.", ".pre_feedforward_layernorm."),
+                    (r"\.post_self_attn_layernorm\.", ".post_attention_layernorm."),
+                    (r"\.post_mlp_layernorm\.", ".post_feedforward_layernorm."))
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<kind>gate_up_proj|down_proj)\.weight$")
 
@@ -96,9 +105,9 @@ def load_model(
                 state[name] = f.get_tensor(name)
     if model.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    for name in list(state) if model.arch.model_type in _MOE_NAMES else []:
+    for name in list(state) if model.arch.model_type in _RENAMES else []:
         new = name
-        for pattern, ours in _MOE_NAMES[model.arch.model_type]:
+        for pattern, ours in _RENAMES[model.arch.model_type]:
             new = re.sub(pattern, ours, new)
         if new != name:
             state[new] = state.pop(name)
@@ -108,6 +117,11 @@ def load_model(
         del state[name]
     stack_projections(state)
     stack_experts(state)
+    if model.arch.rope_interleaved:
+        deinterleave_rope(state, int(config.num_attention_heads), model.num_kv_heads, model.head_size,
+                          model.arch.rotary_dim)
+    for name in [n for n in state if n.endswith(".gate.e_score_correction_bias")]:
+        state[name] = state[name].reshape(-1)  # ERNIE 4.5's is [1, experts]
     if model.arch.model_type == "gpt_oss":
         gpt_oss_experts(state)
     expected = {n for n, _ in model.named_parameters()}
@@ -120,7 +134,11 @@ def load_model(
     model.load_state_dict(state, strict=False, assign=True)
     if model.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    float32_buffers = {name: model.get_buffer(name) for name in model.float32_buffers()}  # before the cast
     model = model.to(device=device, dtype=dtype).eval()
+    for name, buffer in float32_buffers.items():
+        module, _, attr = name.rpartition(".")
+        model.get_submodule(module).register_buffer(attr, buffer.to(device=device, dtype=torch.float32), persistent=False)
     # What transformers keeps in float32 whatever the dtype (GLM-4.5's router), from the checkpoint's values.
     for name in model.float32_parameters():
         model.get_parameter(name).data = state[name].to(device=device, dtype=torch.float32)
@@ -140,6 +158,27 @@ def stack_projections(state: dict[str, torch.Tensor]) -> None:
             if missing:
                 raise ValueError(f"checkpoint mismatch: {name} without {', '.join(missing)}")
             state[f"{prefix}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+
+
+def deinterleave_rope(state: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int, head_size: int,
+                      rotary_dim: int | None) -> None:
+    """In place: each layer's stacked q and k rows (``qkv_proj`` weight and bias) reordered within each head
+    so that a RoPE over interleaved pairs (entries 2i and 2i+1 turned by the i-th frequency: GLM, Helium,
+    ERNIE 4.5) becomes the rotation of halves the kernels compute (entries i and i + rotary_dim / 2): each
+    head's first ``rotary_dim`` rows (all of them by default) even ones first, then odd ones; rows past
+    them, and v's, stay. Every rotated entry is computed from the same two numbers with the same
+    operations, and attention reads q and k only through q . k, a sum over the same products in another
+    order, so the model is the same; its K cache holds each head's entries in this order."""
+    rotary = rotary_dim or head_size
+    within = torch.cat((torch.arange(0, rotary, 2), torch.arange(1, rotary, 2), torch.arange(rotary, head_size)))
+    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+    order = torch.cat((
+        (torch.arange(num_heads)[:, None] * head_size + within).reshape(-1),  # q
+        q_size + (torch.arange(num_kv_heads)[:, None] * head_size + within).reshape(-1),  # k
+        torch.arange(q_size + kv_size, q_size + 2 * kv_size),  # v, as it is
+    ))
+    for name in [n for n in state if ".self_attn.qkv_proj." in n]:
+        state[name] = state[name][order].contiguous()
 
 
 def stack_experts(state: dict[str, torch.Tensor]) -> None:

@@ -79,6 +79,11 @@ REFUSED = [
         "Glm4MoeConfig", n_routed_experts=8, n_group=2, topk_group=3), "topk_group"),
     ("glm4-moe-odd-rotary-width", lambda: _config("Glm4MoeConfig", rope_parameters={
         "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.2}), "partial_rotary_factor"),
+    ("ernie-moe-norm-min-that-binds", lambda: _config(
+        "Ernie4_5_MoeConfig", moe_num_experts=8, moe_k=2, moe_norm_min=0.5), "moe_norm_min"),
+    ("ernie-moe-interval-zero", lambda: _config("Ernie4_5_MoeConfig", moe_layer_interval=0), "moe_layer_interval"),
+    ("glm-odd-rotary-width", lambda: _config("GlmConfig", partial_rotary_factor=0.2), "partial_rotary_factor"),
+    ("helium-activation", lambda: _config("HeliumConfig", hidden_act="gelu"), "hidden_act"),
     ("chunked-layer", lambda: _config("Qwen2Config", sliding_window=8,
                                       layer_types=["chunked_attention", "full_attention", "full_attention"]),
      "layer_types"),

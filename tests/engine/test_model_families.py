@@ -38,6 +38,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=T
 FAMILIES = sorted(family_configs())
 WINDOWED = [name for name in FAMILIES if "window" in name or "layer-types" in name]
 MIXTURES = [name for name in FAMILIES if "moe" in name]
+INTERLEAVED = [name for name in FAMILIES if "interleaved" in name]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     assert arch["mistral-window"].sliding_windows == (WINDOW, WINDOW, WINDOW)
     assert arch["phi3-window"].sliding_windows == (WINDOW, WINDOW, WINDOW)
     gemma3 = arch["gemma3-window-rope-per-type"]
-    assert gemma3.sliding_windows == (WINDOW, None, WINDOW) and gemma3.qk_norm and gemma3.gemma_norms
+    assert gemma3.sliding_windows == (WINDOW, None, WINDOW) and gemma3.qk_norm and gemma3.sandwich_norms
     assert gemma3.rope_layer_types == ("sliding_attention", "full_attention", "sliding_attention")
     assert arch["qwen2-window-layers"].sliding_windows == (None, WINDOW, WINDOW)  # i >= max_window_layers
     assert arch["qwen3-layer-types-bias"].sliding_windows == (WINDOW, None, WINDOW)
@@ -104,10 +105,10 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     hunyuan = arch["hunyuan-qk-norm-ntk-alpha"]
     assert hunyuan.qk_norm_after_rope and not hunyuan.qk_norm and hunyuan.rope_type == "ntk_alpha"
     gemma = arch["gemma2-window-softcap"]
-    assert gemma.sliding_windows == (WINDOW, None, WINDOW) and gemma.gemma_norms
+    assert gemma.sliding_windows == (WINDOW, None, WINDOW) and gemma.sandwich_norms
     olmo2, olmo3 = arch["olmo2-post-norms"], arch["olmo3-window-rope-per-type"]
     for olmo in (olmo2, olmo3):
-        assert olmo.post_norms_only and olmo.qk_norm_full_width and not olmo.qk_norm and not olmo.gemma_norms
+        assert olmo.post_norms_only and olmo.qk_norm_full_width and not olmo.qk_norm and not olmo.sandwich_norms
         assert olmo.norm_form == NORM_OLMO and not olmo.mlp_bias
     assert olmo2.qkv_bias and olmo2.o_bias and not olmo3.qkv_bias  # attention_bias, as the configs say
     assert olmo2.sliding_windows == (None,) * 3 and olmo2.rope_layer_types is None
@@ -226,6 +227,11 @@ def _no_correction_bias(model: Any) -> None:
         layer.mlp.gate.e_score_correction_bias.zero_()
 
 
+def _no_ernie_correction_bias(model: Any) -> None:
+    for layer in model.model.layers[1:]:
+        layer.mlp.gate.moe_statics.e_score_correction_bias.zero_()
+
+
 def _no_sinks(model: Any) -> None:
     for layer in model.model.layers:
         layer.self_attn.sinks.fill_(-1e4)
@@ -238,10 +244,73 @@ def _no_sinks(model: Any) -> None:
     ("glm4-moe-partial-rope-groups", None, _no_correction_bias),
     ("gpt-oss-moe-sinks-window", lambda c: setattr(c, "swiglu_limit", 1e6), None),
     ("gpt-oss-moe-sinks-window", None, _no_sinks),
-], ids=["glm-full-rope", "glm-all-groups", "glm-no-correction-bias", "gpt-oss-no-clamp", "gpt-oss-no-sinks"])
+    ("ernie4_5-moe-interleaved-rope-shared", None, _no_ernie_correction_bias),
+    ("glm-interleaved-partial-rope",
+     lambda c: setattr(c, "rope_parameters", {**c.rope_parameters, "partial_rotary_factor": 1.0}), None),
+], ids=["glm-full-rope", "glm-all-groups", "glm-no-correction-bias", "gpt-oss-no-clamp", "gpt-oss-no-sinks",
+        "ernie-no-correction-bias", "glm4-dense-full-rope"])
 def test_glm_s_and_gpt_oss_s_features_each_change_transformers_logits(checkpoint, name, change_config, change_model) -> None:  # type: ignore[no-untyped-def]
     """GLM-4.5's partial RoPE, groups and correction bias, and gpt-oss's clamp and sinks, each undone."""
     assert _changes_transformers_logits(checkpoint(name), change_config, change_model)
+
+
+def _transformers_modeling(folder: Path) -> Any:
+    import importlib
+    import json
+
+    model_type = json.loads((folder / "config.json").read_text())["model_type"]
+    return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+
+
+@pytest.mark.parametrize("name", INTERLEAVED)
+def test_the_interleaved_pairing_changes_transformers_logits_so_the_tests_can_see_it(checkpoint, name, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Rotated by halves, as the other families rotate (GLM-4.5's function, partial RoPE included), the same
+    weights give other logits: loading them without reordering q and k would show."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb as by_halves
+
+    folder = checkpoint(name)
+    prompt = torch.tensor([prompt_token_ids(PROMPT_LEN)])
+    with torch.inference_mode():
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        interleaved = model(prompt).logits
+        monkeypatch.setattr(_transformers_modeling(folder), "apply_rotary_pos_emb", by_halves)
+        halves = model(prompt).logits
+    assert (interleaved - halves).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(("name", "dtype"), [(n, d) for n in INTERLEAVED for d in (torch.bfloat16, torch.float16)])
+def test_interleaved_rope_rotates_as_transformers_does_bit_for_bit(checkpoint, name: str, dtype: torch.dtype) -> None:
+    """In 16-bit, the model's tables and rotation (float32 and rounded once for ERNIE, each operation rounded
+    for GLM and Helium) on q and k whose head entries were reordered as the loader reorders the weights'
+    rows give transformers' interleaved rotation's bits, reordered so."""
+    from transformers import AutoModelForCausalLM
+
+    from common.model.weights import load_model
+    from pdserve_kernels import reference
+
+    folder = checkpoint(name)
+    ours = load_model(folder, load_hf_config(folder), reference, dtype, torch.device("cpu"), 64)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    attn = ours.model.layers[0].self_attn
+    heads, kv_heads, head_size = attn.num_heads, attn.num_kv_heads, attn.head_size
+    rotary = ours.arch.rotary_dim or head_size
+    assert ours.arch.rope_interleaved and rotary in (head_size, head_size // 2)
+    gen = torch.Generator().manual_seed(4)
+    n = 40
+    q = (3 * torch.randn(n, heads, head_size, generator=gen)).to(dtype)
+    k = (3 * torch.randn(n, kv_heads, head_size, generator=gen)).to(dtype)
+    positions = torch.arange(n)
+    with torch.inference_mode():
+        cos, sin = hf.model.rotary_emb(q[None], positions[None])
+        want_q, want_k = _transformers_modeling(folder).apply_rotary_pos_emb(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        (tables,) = ours.rope_tables(positions, dtype).values()
+        order = torch.cat((torch.arange(0, rotary, 2), torch.arange(1, rotary, 2), torch.arange(rotary, head_size)))
+        got_q, got_k = reference.rope(q[..., order], k[..., order], *tables)
+    assert cos.dtype == (torch.float32 if "ernie" in name else dtype)
+    assert torch.equal(got_q, want_q[0].transpose(0, 1)[..., order])
+    assert torch.equal(got_k, want_k[0].transpose(0, 1)[..., order])
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -286,8 +355,8 @@ def test_family_greedy_equals_transformers_through_the_engine(checkpoint, engine
     assert got == [_expected(folder, tuple(p)) for p in prompts]
 
 
-@pytest.mark.parametrize("name", sorted({*WINDOWED, *MIXTURES, "qwen3-qk-norm", "hunyuan-qk-norm-ntk-alpha",
-                                          "olmo2-post-norms"}))
+@pytest.mark.parametrize("name", sorted({*WINDOWED, *MIXTURES, *INTERLEAVED, "qwen3-qk-norm",
+                                          "hunyuan-qk-norm-ntk-alpha", "olmo2-post-norms"}))
 def test_family_greedy_equals_transformers_through_prefill_handoff_decode(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
     folder = checkpoint(name)
     prompt = prompt_token_ids(PROMPT_LEN)

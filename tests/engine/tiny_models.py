@@ -30,14 +30,19 @@ def family_configs() -> dict[str, Any]:
     from transformers import (
         ArceeConfig,
         Dots1Config,
+        Ernie4_5_MoeConfig,
+        Ernie4_5Config,
         FlexOlmoConfig,
         Gemma2Config,
         Gemma3TextConfig,
+        Glm4Config,
         Glm4MoeConfig,
+        GlmConfig,
         GptOssConfig,
         GraniteConfig,
         GraniteMoeConfig,
         GraniteMoeSharedConfig,
+        HeliumConfig,
         HunYuanDenseV1Config,
         HunYuanMoEV1Config,
         InternLM3Config,
@@ -187,6 +192,19 @@ def family_configs() -> dict[str, Any]:
         "hunyuan-moe-shared-mlp": HunYuanMoEV1Config(
             **TINY_DIMS, num_experts=4, moe_topk=2, attention_bias=True, tie_word_embeddings=False,
             rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0},
+        ),
+        # RoPE over interleaved pairs. GLM: over each head's first half, q/k/v biases, gate and up stacked in
+        # the checkpoint; GLM-4 adds norms after each block (Gemma's four, under its own names).
+        "glm-interleaved-partial-rope": GlmConfig(**TINY_DIMS, attention_bias=True, tie_word_embeddings=False),
+        "glm4-interleaved-rope-sandwich-norms": Glm4Config(**TINY_DIMS, attention_bias=True, tie_word_embeddings=False),
+        # Helium: Llama's layer, its RMSNorm meeting the weight in float32.
+        "helium-interleaved-rope": HeliumConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
+        # ERNIE 4.5: biases everywhere (use_bias); rotated in float32. Its mixture: layers 1 and 2, 2 of 6 experts
+        # chosen by probability plus a correction bias, beside a shared one.
+        "ernie4_5-interleaved-rope-biases": Ernie4_5Config(**TINY_DIMS, use_bias=True, tie_word_embeddings=True),
+        "ernie4_5-moe-interleaved-rope-shared": Ernie4_5_MoeConfig(
+            **TINY_DIMS, moe_num_experts=6, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
+            moe_layer_start_index=1, use_bias=True, tie_word_embeddings=False,
         ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={

@@ -114,6 +114,11 @@ def record_launches() -> list[Launch]:
         kv = torch.empty(4, 8, 128, dtype=bf16)
         triton_rope.rope_and_store(torch.empty(4, 96, 128, dtype=bf16), kv, kv, half, half,
                                    torch.empty(2, 8, 16, 8, 128, dtype=bf16), torch.arange(4))
+        scenario[0] = "rope and rope_and_store, ERNIE 4.5's float32 tables for bf16 q and k (rounded once)"
+        wide = torch.empty(4, 1, 128, dtype=f32)
+        triton_rope.rope(torch.empty(4, 16, 128, dtype=bf16), kv, wide, wide)
+        triton_rope.rope_and_store(torch.empty(4, 16, 128, dtype=bf16), kv, kv, wide, wide,
+                                   torch.empty(2, 8, 16, 8, 128, dtype=bf16), torch.arange(4))
         zeros = torch.zeros(4, dtype=torch.long)
         scenario[0] = "seeded race with positions (the sampler's), whole rows"
         triton_sampling.seeded_race(torch.empty(4, 128256), zeros, num_splits=1, positions=zeros)

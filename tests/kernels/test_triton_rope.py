@@ -1,7 +1,7 @@
 """The rotary embedding's Triton kernel against the torch reference (transformers' formula), under
 the interpreter: queries and keys with different head counts, float32 and float16 bit for bit (each
 product and the sum rounded in turn, no fused multiply-add), bfloat16 within the interpreter's
-truncating casts, strided inputs, and bad arguments refused."""
+truncating casts, float32 tables rounding once (ERNIE 4.5), strided inputs, and bad arguments refused."""
 
 from __future__ import annotations
 
@@ -60,6 +60,30 @@ def test_a_partial_rope_rotates_the_first_entries_and_passes_the_rest(dtype: tor
     v = torch.randn(7, 2, head_size, generator=torch.Generator().manual_seed(3)).to(dtype)
     slots = torch.tensor([0, 5, -1, 9, 2, 11, 7])
     got_cache, want_cache = torch.zeros(2, 3, 4, 2, head_size, dtype=dtype), torch.zeros(2, 3, 4, 2, head_size, dtype=dtype)
+    assert torch.equal(triton_rope.rope_and_store(q, k, v, cos, sin, got_cache, slots), want_q)
+    reference.store_kv(want_k, v, want_cache, slots)
+    assert torch.equal(got_cache, want_cache)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_float32_tables_rotate_in_float32_and_round_once_as_ernie_does(rotary_dim: int) -> None:
+    """ERNIE 4.5 rotates float16/bfloat16 q and k against float32 tables in float32, rounding only the
+    result: the kernel (in the fused store too) equals the reference, which equals transformers' formula,
+    and differs from rounding each operation."""
+    q, k, _, _ = _inputs(7, 4, 2, 64, F16, seed=rotary_dim)
+    angles = torch.rand(7, 1, rotary_dim, generator=torch.Generator().manual_seed(5)) * 100
+    cos, sin = angles.cos(), angles.sin()  # float32
+    got_q, got_k = triton_rope.rope(q, k, cos, sin)
+    want_q, want_k = reference.rope(q, k, cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and got_q.dtype == F16
+    half = rotary_dim // 2
+    x = q[..., :rotary_dim].float()
+    ernie = (x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin).to(F16)
+    assert torch.equal(want_q[..., :rotary_dim], ernie)
+    assert not torch.equal(want_q, reference.rope(q, k, cos.half(), sin.half())[0])
+    v = torch.randn(7, 2, 64, generator=torch.Generator().manual_seed(3)).to(F16)
+    slots = torch.tensor([0, 5, -1, 9, 2, 11, 7])
+    got_cache, want_cache = torch.zeros(2, 3, 4, 2, 64, dtype=F16), torch.zeros(2, 3, 4, 2, 64, dtype=F16)
     assert torch.equal(triton_rope.rope_and_store(q, k, v, cos, sin, got_cache, slots), want_q)
     reference.store_kv(want_k, v, want_cache, slots)
     assert torch.equal(got_cache, want_cache)

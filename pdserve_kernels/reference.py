@@ -31,6 +31,9 @@ from torch import Tensor
 NORM_LLAMA = 0  # the row rounded to the dtype, then times the weight (Llama and most families)
 NORM_GEMMA = 1  # times ``1 + weight`` in float32, rounded once (Gemma 2 and 3)
 NORM_OLMO = 2  # times the weight in float32, rounded once (OLMo 2 and 3)
+# A LayerNorm without bias: the row's mean subtracted, the variance that of the centred row, then times the
+# weight in float32, rounded once (Cohere's ``CohereLayerNorm``).
+NORM_LAYER = 3
 
 FP8 = torch.float8_e4m3fn  # the 8-bit cache's dtype
 FP8_MAX = float(torch.finfo(FP8).max)  # 448: what a larger K or V entry is stored as
@@ -53,9 +56,13 @@ def cache_bytes(t: Tensor) -> Tensor:
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, form: int = NORM_LLAMA) -> Tensor:
     """Each row of ``x`` over its last dimension, as transformers normalizes it: the mean of squares in
-    float32, the row scaled by its reciprocal square root, then met with ``weight`` in ``form``."""
+    float32, the row scaled by its reciprocal square root, then met with ``weight`` in ``form`` (or, in
+    ``NORM_LAYER``, centred on its mean first)."""
     dtype = x.dtype
     h = x.to(torch.float32)
+    if form == NORM_LAYER:
+        h = h - h.mean(-1, keepdim=True)
+        return (weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(dtype)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if form == NORM_GEMMA:
         return (h * (1.0 + weight.float())).to(dtype)

@@ -8,8 +8,10 @@ where there were two, in a CUDA graph's replay too.
 The arithmetic is the reference's (``pdserve_kernels.reference.rms_norm``, transformers' own): the
 mean of squares in float32, the row scaled by its reciprocal square root, rounded to the input's
 dtype, then multiplied by the weight and rounded again (Gemma: scaled by ``1 + weight`` in float32,
-rounded once; OLMo: by the weight in float32, rounded once). What can differ is the order in which the squares are summed, and with it the last
-bits of the float32 mean: a difference that the rounding to 16 bits seldom lets through.
+rounded once; OLMo: by the weight in float32, rounded once). Cohere's LayerNorm (``NORM_LAYER``) first
+centres the row on its mean (one more pass over it) and meets the weight in float32, rounded once. What
+can differ is the order in which the squares (and the entries, for the mean) are summed, and with it the
+last bits of the float32 mean: a difference that the rounding to 16 bits seldom lets through.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pdserve_kernels.reference import NORM_GEMMA, NORM_LLAMA, NORM_OLMO
+from pdserve_kernels.reference import NORM_GEMMA, NORM_LAYER, NORM_LLAMA, NORM_OLMO
 
-assert (NORM_LLAMA, NORM_GEMMA, NORM_OLMO) == (0, 1, 2), "the kernel's FORM branches name these values"
+assert (NORM_LLAMA, NORM_GEMMA, NORM_OLMO, NORM_LAYER) == (0, 1, 2, 3), "the kernel's FORM branches name these values"
 
 MAX_BLOCK = 4096  # entries of a row a program holds at once; wider rows go in several passes
 
@@ -35,7 +37,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x_row, stride
     x_row = x_ptr + row * stride_x_row
     o_row = out_ptr + row * stride_o_row
     offs = tl.arange(0, BLOCK)
-    squares = tl.zeros([BLOCK], dtype=tl.float32)
+    squares = tl.zeros([BLOCK], dtype=tl.float32)  # the entries' squares; for NORM_LAYER, the entries
     for start in range(0, n_cols, BLOCK):
         cols = start + offs
         mask = cols < n_cols
@@ -45,20 +47,29 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x_row, stride
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
             tl.store(sum_ptr + row * stride_s_row + cols, x, mask=mask)
         h = x.to(tl.float32)
-        squares += h * h
-    scale = tl.math.rsqrt(tl.sum(squares, axis=0) / n_cols + eps)
+        squares += h if FORM == 3 else h * h
     if ADD:
         tl.debug_barrier()
         x_row = sum_ptr + row * stride_s_row
+    mean = 0.0
+    if FORM == 3:  # NORM_LAYER: the mean, then the centred squares in a pass of their own
+        mean = tl.sum(squares, axis=0) / n_cols
+        squares = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + offs
+            mask = cols < n_cols
+            h = tl.where(mask, tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) - mean, 0.0)
+            squares += h * h
+    scale = tl.math.rsqrt(tl.sum(squares, axis=0) / n_cols + eps)
     for start in range(0, n_cols, BLOCK):
         cols = start + offs
         mask = cols < n_cols
         x = tl.load(x_row + cols, mask=mask, other=0.0)
-        h = x.to(tl.float32) * scale
+        h = (x.to(tl.float32) - mean) * scale
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if FORM == 1:  # NORM_GEMMA
             y = h * (1.0 + w)
-        elif FORM == 2:  # NORM_OLMO
+        elif FORM == 2 or FORM == 3:  # NORM_OLMO, NORM_LAYER
             y = w * h
         else:
             y = w * h.to(x.dtype).to(tl.float32)  # rounded to the input's dtype first, as transformers

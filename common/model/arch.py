@@ -38,6 +38,9 @@ correctness):
   a softmax router whose choice a correction bias shifts) rotate interleaved pairs, served by the kernels'
   rotation of halves once the checkpoint's q and k rows are reordered (``rope_interleaved``); ERNIE rotates
   in float32 (``rope_float32``).
+- Cohere (``cohere``) and Cohere 2 (``cohere2``) rotate interleaved pairs too, in float32; their norms are
+  LayerNorms without bias (``NORM_LAYER``), attention and MLP read the same norm side by side, and the
+  logits are scaled by ``logit_scale``; Cohere 2 windows its sliding layers and rotates only those.
 """
 
 from __future__ import annotations
@@ -45,19 +48,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from pdserve_kernels.reference import NORM_GEMMA, NORM_LLAMA, NORM_OLMO
+from pdserve_kernels.reference import NORM_GEMMA, NORM_LAYER, NORM_LLAMA, NORM_OLMO
 
 # Families whose biases follow Llama's code: q/k/v/o by ``attention_bias``, the MLP's by ``mlp_bias``.
 _LLAMA_BIAS_TYPES = ("llama", "granite", "smollm3", "internlm3", "arcee")
+# Cohere's: LayerNorms, attention and MLP side by side on one norm, logits scaled (Command R, Aya; Cohere 2:
+# Command R7B, Command A, whose global layers have no RoPE).
+_COHERE_TYPES = ("cohere", "cohere2")
 # Families whose q/k/v and o projections have biases by ``attention_bias`` and whose MLPs have none.
 _ATTENTION_BIAS_TYPES = ("qwen3", "gemma2", "gemma3_text", "hunyuan_v1_dense", "olmo2", "olmo3", "qwen3_moe", "olmoe",
-                         "granitemoe", "granitemoeshared", "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe")
+                         "granitemoe", "granitemoeshared", "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe",
+                         *_COHERE_TYPES)
 _NO_BIAS_TYPES = ("mistral", "ministral", "phi3", "mixtral", "minimax_m2")  # no bias anywhere
 # Families whose q/k/v, o and MLP projections all have biases by ``use_bias`` (ERNIE 4.5; its experts none).
 _ERNIE_TYPES = ("ernie4_5", "ernie4_5_moe")
 _GLM_TYPES = ("glm", "glm4")
 # Families whose RoPE rotates interleaved pairs (entries 0 and 1, 2 and 3, ...), not each head's halves.
-_INTERLEAVED_ROPE_TYPES = ("helium", *_GLM_TYPES, *_ERNIE_TYPES)
+_INTERLEAVED_ROPE_TYPES = ("helium", *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES)
 # Mixture-of-experts families: a router over experts in place of the MLP (in some layers or all).
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe", "minimax_m2",
               "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe", "ernie4_5_moe")
@@ -82,7 +89,7 @@ ROUTER_SOFTMAX_CORRECTED = "softmax_corrected_topk"
 _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "seed_oss",
-    "hunyuan_v1_dense", "olmo2", "olmo3", "helium", *_GLM_TYPES, *_ERNIE_TYPES, *_MOE_TYPES,
+    "hunyuan_v1_dense", "olmo2", "olmo3", "helium", *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
 )
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
 _OLMO_TYPES = ("olmo2", "olmo3", "flex_olmo")
@@ -187,10 +194,15 @@ class ModelArch:
     # q and k rows are reordered as they load (``common.model.weights.deinterleave_rope``), each head's
     # even entries first: the same rotation of the same numbers, q . k a sum over the same products.
     rope_interleaved: bool = False
-    # ERNIE 4.5's: q and k rotated in float32 against float32 tables and rounded once (others round each
-    # operation to the model's dtype).
+    # ERNIE 4.5's and Cohere's: q and k rotated in float32 and rounded once (others round each operation to
+    # the model's dtype); ERNIE's tables in float32 too (``rope_tables_float32``), Cohere's rounded to the dtype.
     rope_float32: bool = False
+    rope_tables_float32: bool = False
     lm_head_bias: bool = False  # ERNIE 4.5's mixture: the output head with a bias (``use_bias``)
+    norm_eps: float = 1e-6  # every norm's epsilon: ``rms_norm_eps``, or Cohere's ``layer_norm_eps``
+    # Cohere's layer: attention and MLP both read the one input norm, their outputs added to the stream in turn.
+    parallel_block: bool = False
+    logit_scale: float | None = None  # Cohere's: the logits multiplied by it, in the weights' dtype
     # gpt-oss: a learned sink logit per query head in every softmax (``sinks``); its experts' projections
     # with biases, and their activation its own clamped one (``EXPERT_ACTIVATION_GPT_OSS``).
     attention_sinks: bool = False
@@ -221,8 +233,11 @@ class ModelArch:
             act = getattr(config, "hidden_act", "silu")
             if act != "silu":
                 raise UnsupportedConfig("hidden_act", act, "only silu is implemented")
-        if getattr(config, "rms_norm_eps", None) is None:
-            raise UnsupportedConfig("rms_norm_eps", None, "only RMSNorm is implemented")
+        eps_field = "layer_norm_eps" if model_type in _COHERE_TYPES else "rms_norm_eps"
+        norm_eps = getattr(config, eps_field, None)
+        if not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or norm_eps <= 0:
+            raise UnsupportedConfig(eps_field, norm_eps, "must be a positive number (only RMSNorm, and Cohere's LayerNorm, "
+                                    "are implemented)")
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if heads % kv_heads:
@@ -260,7 +275,8 @@ class ModelArch:
             rotary_dim=rotary_dim,
             attention_sinks=model_type == "gpt_oss",
             rope_interleaved=model_type in _INTERLEAVED_ROPE_TYPES,
-            rope_float32=model_type in _ERNIE_TYPES,
+            rope_float32=model_type in (*_ERNIE_TYPES, *_COHERE_TYPES),
+            rope_tables_float32=model_type in _ERNIE_TYPES,
             lm_head_bias=model_type == "ernie4_5_moe" and bool(getattr(config, "use_bias", False)),
             rope_type=rope_type,
             rope_layer_types=rope_layer_types,
@@ -268,7 +284,11 @@ class ModelArch:
             activation="gelu_tanh" if gemma else "relu2" if model_type == "arcee" else "silu",
             sandwich_norms=gemma or model_type == "glm4",
             # Helium's RMSNorm meets its weight in float32, as OLMo's.
-            norm_form=NORM_GEMMA if gemma else NORM_OLMO if olmo or model_type == "helium" else NORM_LLAMA,
+            norm_form=(NORM_GEMMA if gemma else NORM_OLMO if olmo or model_type == "helium"
+                       else NORM_LAYER if model_type in _COHERE_TYPES else NORM_LLAMA),
+            norm_eps=float(norm_eps),
+            parallel_block=model_type in _COHERE_TYPES,
+            logit_scale=_positive_or_none(config, "logit_scale") if model_type in _COHERE_TYPES else None,
             post_norms_only=olmo,
             qk_norm_full_width=olmo or model_type in ("olmoe", "minimax_m2"),
             embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
@@ -472,7 +492,11 @@ def _rope_type(config: Any, params: dict[str, Any], field: str, model_type: str)
 
 
 def _no_rope_layers(config: Any, model_type: str) -> tuple[int, ...]:
-    """The layers without RoPE: SmolLM3's ``no_rope_layers`` holds 1 (RoPE) or 0 (none) per layer."""
+    """The layers without RoPE: SmolLM3's ``no_rope_layers`` holds 1 (RoPE) or 0 (none) per layer; Cohere 2
+    rotates its sliding layers only."""
+    if model_type == "cohere2":
+        layer_types = getattr(config, "layer_types", None) or ()
+        return tuple(i for i, kind in enumerate(layer_types) if kind != "sliding_attention")
     if model_type != "smollm3":
         return ()
     flags = getattr(config, "no_rope_layers", None)
@@ -487,7 +511,7 @@ def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
     if model_type in ("llama", "internlm3", "seed_oss", "olmo2", "flex_olmo", "glm4_moe", "minimax_m2", "helium",
-                      *_GLM_TYPES, *_ERNIE_TYPES):
+                      "cohere", *_GLM_TYPES, *_ERNIE_TYPES):
         return (None,) * num_layers  # their transformers code has no sliding window: the field is unused
     if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window

@@ -166,14 +166,14 @@ class Attention(nn.Module):
         self.qk_norm_full_width = arch.qk_norm_full_width
         if arch.qk_norm or arch.qk_norm_full_width:
             q_width, k_width = (self.q_size, self.kv_size) if arch.qk_norm_full_width else (self.head_size,) * 2
-            self.q_norm = RMSNorm(q_width, config.rms_norm_eps, arch.norm_form, kernels)
-            self.k_norm = RMSNorm(k_width, config.rms_norm_eps, arch.norm_form, kernels)
+            self.q_norm = RMSNorm(q_width, arch.norm_eps, arch.norm_form, kernels)
+            self.k_norm = RMSNorm(k_width, arch.norm_eps, arch.norm_form, kernels)
         # Hunyuan's norms after RoPE, under its checkpoints' names.
         self.query_layernorm: RMSNorm | None = None
         self.key_layernorm: RMSNorm | None = None
         if arch.qk_norm_after_rope:
-            self.query_layernorm = RMSNorm(self.head_size, config.rms_norm_eps, kernels=kernels)
-            self.key_layernorm = RMSNorm(self.head_size, config.rms_norm_eps, kernels=kernels)
+            self.query_layernorm = RMSNorm(self.head_size, arch.norm_eps, kernels=kernels)
+            self.key_layernorm = RMSNorm(self.head_size, arch.norm_eps, kernels=kernels)
         self.sliding_window = arch.sliding_windows[layer_idx]
         # gpt-oss: a sink logit per query head, in every softmax of the layer.
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if arch.attention_sinks else None
@@ -353,10 +353,12 @@ class DecoderLayer(nn.Module):
         self.mlp: MLP | SparseMoE = (
             SparseMoE(config, arch, kernels) if layer_idx in arch.moe_layers else MLP(config, arch, kernels)
         )
-        size, eps, form = config.hidden_size, config.rms_norm_eps, arch.norm_form
+        size, eps, form = config.hidden_size, arch.norm_eps, arch.norm_form
+        self.parallel_block = arch.parallel_block
         # OLMo has no norm before a block: its checkpoints hold no input_layernorm.
         self.input_layernorm = None if arch.post_norms_only else RMSNorm(size, eps, form, kernels)
-        self.post_attention_layernorm = RMSNorm(size, eps, form, kernels)
+        # Cohere's layer has one norm, read by attention and MLP alike.
+        self.post_attention_layernorm = None if arch.parallel_block else RMSNorm(size, eps, form, kernels)
         self.residual_multiplier = arch.residual_multiplier  # Granite: each block's output scaled
         # Gemma and GLM-4 normalize each block's output too: post_attention_layernorm then applies to the
         # attention's output, and the MLP gets a norm of its own on each side; OLMo only the one after.
@@ -375,6 +377,10 @@ class DecoderLayer(nn.Module):
         before the first layer: ``x`` is the stream). Returns this layer's last block's output and the
         stream before it: each addition is done by the norm that reads the sum (``RMSNorm.add``), the
         last by the model's final norm. The sums are the ones transformers computes, in its order."""
+        if self.post_attention_layernorm is None:  # Cohere: residual + attention, then + MLP, as transformers sums
+            assert self.input_layernorm is not None
+            h, stream = self.input_layernorm.add(x, residual)
+            return self.mlp(h), stream + self.self_attn(h, rope, meta, kv_layer)
         if self.input_layernorm is None:  # OLMo: each block reads the stream itself; its output is normed
             assert self.post_feedforward_layernorm is not None
             stream = x if residual is None else x + residual
@@ -402,7 +408,7 @@ class LlamaBackbone(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, arch, i, kernels) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, arch.norm_form, kernels)
+        self.norm = RMSNorm(config.hidden_size, arch.norm_eps, arch.norm_form, kernels)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -443,13 +449,17 @@ class LlamaForCausalLM(nn.Module):
     def float32_buffers(self) -> list[str]:
         """Buffers kept in float32 whatever the model's dtype: ERNIE 4.5's RoPE tables, against which it
         rotates q and k in float32."""
-        return [f"rotary_embs.{name}" for name, _ in self.rotary_embs.named_buffers()] if self.arch.rope_float32 else []
+        return [f"rotary_embs.{name}" for name, _ in self.rotary_embs.named_buffers()] if self.arch.rope_tables_float32 else []
 
     def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
         """Each RoPE kind's cos and sin at ``positions``, in ``dtype``, or float32 where the family rotates
-        in float32 (ERNIE 4.5): the tables' dtype is the rotation's."""
-        rope_dtype = torch.float32 if self.arch.rope_float32 else dtype
-        return {kind: cast(RotaryEmbedding, emb).cos_sin(positions, rope_dtype) for kind, emb in self.rotary_embs.items()}
+        in float32 (the tables' dtype is the rotation's): ERNIE 4.5's as computed, Cohere's rounded to
+        ``dtype`` first, as transformers hands them over."""
+        tables = {kind: cast(RotaryEmbedding, emb).cos_sin(positions, torch.float32 if self.arch.rope_tables_float32 else dtype)
+                  for kind, emb in self.rotary_embs.items()}
+        if self.arch.rope_float32 and not self.arch.rope_tables_float32:
+            tables = {kind: (cos.float(), sin.float()) for kind, (cos, sin) in tables.items()}
+        return tables
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor) -> Tensor:
         """Hidden states ``[num_tokens, hidden]``; writes this step's K/V into ``kv_cache``."""
@@ -470,6 +480,8 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if self.arch.logits_scaling is not None:  # Granite: in the weights' dtype, as transformers
             logits = logits / self.arch.logits_scaling
+        if self.arch.logit_scale is not None:  # Cohere: the same, multiplied
+            logits = logits * self.arch.logit_scale
         logits = logits.float()
         cap = self.arch.final_soft_cap
         return logits if cap is None else torch.tanh(logits / cap) * cap

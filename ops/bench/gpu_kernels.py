@@ -325,20 +325,23 @@ def run_checks(report: Report, ops: Any, ref: Any) -> None:
         err, tol = ulps(normed, want_normed)
         return err + tol * float((summed != want_summed).sum()), tol
 
-    form_names = {ref.NORM_LLAMA: "", ref.NORM_GEMMA: ", Gemma", ref.NORM_OLMO: ", OLMo"}
+    form_names = {ref.NORM_LLAMA: "", ref.NORM_GEMMA: ", Gemma", ref.NORM_OLMO: ", OLMo",
+                  ref.NORM_LAYER: ", Cohere's LayerNorm"}
     for dtype, width, form in [(torch.bfloat16, 4096, ref.NORM_LLAMA), (torch.bfloat16, 576, ref.NORM_GEMMA),
-                               (torch.bfloat16, 2048, ref.NORM_OLMO), (torch.float16, 8192, ref.NORM_LLAMA),
+                               (torch.bfloat16, 2048, ref.NORM_OLMO), (torch.bfloat16, 8192, ref.NORM_LAYER),
+                               (torch.float16, 8192, ref.NORM_LLAMA),
                                (torch.float32, 4096, ref.NORM_LLAMA)]:
         report.check(f"rms_norm {str(dtype)[6:]} width {width}{form_names[form]} (err in units in the "
                      f"last place)", functools.partial(norm, dtype, width, form))
         report.check(f"add_rms_norm {str(dtype)[6:]} width {width}{form_names[form]} (err in units in the "
                      f"last place; the sum exact)", functools.partial(add_norm, dtype, width, form))
 
-    def rope(dtype: torch.dtype) -> tuple[float, float]:
-        """Entries that differ from the torch formula's (the same roundings in turn: none)."""
+    def rope(dtype: torch.dtype, tables: torch.dtype | None = None) -> tuple[float, float]:
+        """Entries that differ from the torch formula's (the same roundings in turn: none); ``tables``
+        float32: rotated in float32, rounded once (ERNIE 4.5, Cohere)."""
         q, k = randn(300, 32, 128, dtype=dtype), randn(300, 8, 128, dtype=dtype)
         angles = torch.rand(300, 1, 128, device=DEVICE, generator=gen) * 1000
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos().to(tables or dtype), angles.sin().to(tables or dtype)
         (gq, gk), (wq, wk) = ops.rope(q, k, cos, sin), ref.rope(q, k, cos, sin)
         return float((gq != wq).sum() + (gk != wk).sum()), 0.0
 
@@ -359,6 +362,8 @@ def run_checks(report: Report, ops: Any, ref: Any) -> None:
         report.check(f"rope {str(dtype)[6:]} 32/8 heads d128 (entries that differ)", functools.partial(rope, dtype))
         report.check(f"rope_and_store {str(dtype)[6:]} 32/8 heads d128, block 16 (entries that differ)",
                      functools.partial(rope_and_store, dtype))
+    report.check("rope bf16 32/8 heads d128, float32 tables (entries that differ)",
+                 functools.partial(rope, torch.bfloat16, torch.float32))
 
     def silu_mul(dtype: torch.dtype, inter: int) -> tuple[float, float]:
         """Units in the last place of the output's dtype: the exponential may differ in float32's last

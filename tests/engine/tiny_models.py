@@ -29,6 +29,8 @@ def family_configs() -> dict[str, Any]:
     """One config per family and config feature; each windowed one has a window of ``WINDOW``."""
     from transformers import (
         ArceeConfig,
+        Cohere2Config,
+        CohereConfig,
         Dots1Config,
         Ernie4_5_MoeConfig,
         Ernie4_5Config,
@@ -205,6 +207,13 @@ def family_configs() -> dict[str, Any]:
         "ernie4_5-moe-interleaved-rope-shared": Ernie4_5_MoeConfig(
             **TINY_DIMS, moe_num_experts=6, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
             moe_layer_start_index=1, use_bias=True, tie_word_embeddings=False,
+        ),
+        # Cohere: LayerNorms, attention and MLP side by side on one norm, logits scaled, RoPE over interleaved
+        # pairs in float32; Cohere 2 the same with sliding layers, the only ones it rotates.
+        "cohere-interleaved-rope-parallel": CohereConfig(**TINY_DIMS, attention_bias=True, logit_scale=0.5),
+        "cohere2-interleaved-rope-window": Cohere2Config(
+            **TINY_DIMS, attention_bias=True, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={

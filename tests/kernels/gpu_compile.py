@@ -94,7 +94,7 @@ def record_launches() -> list[Launch]:
         triton_sampling.seeded_race(torch.empty(4, 128256), torch.zeros(4, dtype=torch.long), num_splits=33)
         for name, width, form in (("SmolLM2's hidden size, bf16", 576, 0), ("an 8B model's, Gemma's formula", 4096, 1),
                                   ("a row wider than one pass", 8192, 0), ("a 128-wide head (q/k norms)", 128, 0),
-                                  ("OLMo's formula", 4096, 2)):
+                                  ("OLMo's formula", 4096, 2), ("Cohere's LayerNorm", 8192, 3)):
             scenario[0] = f"rms_norm, {name}"
             triton_norm.rms_norm(torch.empty(4, width, dtype=bf16), torch.empty(width, dtype=bf16), 1e-6, form)
             scenario[0] = f"add_rms_norm, {name}"

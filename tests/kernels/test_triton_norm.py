@@ -1,6 +1,6 @@
 """RMSNorm's Triton kernel against the torch reference (transformers' formula), under the interpreter:
-every dtype, the three forms (Llama's weight after the rounding, Gemma's ``1 + weight`` and OLMo's
-weight before it), a 3-D input as the per-head query norms pass, a width that is no power of two, and
+every dtype, the four forms (Llama's weight after the rounding, Gemma's ``1 + weight``, OLMo's
+weight before it, and Cohere's LayerNorm, centred first), a 3-D input as the per-head query norms pass, a width that is no power of two, and
 rows wider than one pass of the kernel; the reference's forms against transformers' own norms."""
 
 from __future__ import annotations
@@ -15,14 +15,27 @@ import torch
 from pdserve_kernels import reference, triton_norm
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-FORMS = [reference.NORM_LLAMA, reference.NORM_GEMMA, reference.NORM_OLMO]
+FORMS = [reference.NORM_LLAMA, reference.NORM_GEMMA, reference.NORM_OLMO, reference.NORM_LAYER]
 
 
 def _inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    x = (3 * torch.randn(shape, generator=gen)).to(dtype)
+    x = (3 * torch.randn(shape, generator=gen) + 2).to(dtype)  # off centre, so that centring shows
     weight = (1 + 0.5 * torch.randn(shape[-1], generator=gen)).to(dtype)
     return x, weight
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, form: int) -> float:
+    """The largest difference in units in the last place of what was rounded: of each output, and for the
+    LayerNorm also of the mean it subtracted (scaled as the entry is), whose last bits depend on the order
+    of the sum and carry into every entry, the more so where the entry cancels it."""
+    scale = want.float().abs()
+    if form == reference.NORM_LAYER:
+        h = x.float()
+        mean = h.mean(-1, keepdim=True)
+        scale = scale + (mean * torch.rsqrt((h - mean).pow(2).mean(-1, keepdim=True)) * weight.float()).abs()
+    ulp = torch.finfo(want.dtype).eps * scale.clamp(min=torch.finfo(want.dtype).tiny)
+    return ((got.float() - want.float()).abs() / ulp).max().item()
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
@@ -37,16 +50,18 @@ def test_the_kernel_normalizes_as_the_reference_does(dtype: torch.dtype, form: i
     # differ: at most two units in the last place of a 16-bit output, four of a float32 one (the scale's
     # own rounding carries into every entry there). The interpreter casts float32
     # to bfloat16 by truncation where a GPU rounds to nearest, so there bfloat16 differs more often.
-    ulp = torch.finfo(dtype).eps * expected.float().abs().clamp(min=torch.finfo(dtype).tiny)
-    assert ((got.float() - expected.float()).abs() / ulp).max().item() <= (4.0 if dtype == F32 else 2.0)
+    assert _ulps(got, expected, x, weight, form) <= (4.0 if dtype == F32 else 2.0)
     exact = (got == expected).float().mean().item()
     assert exact > {F32: 0.5, F16: 0.99, BF16: 0.2}[dtype], f"only {exact:.1%} of entries equal the reference's"
 
 
-def test_rows_wider_than_one_pass_are_summed_over_every_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_rows_wider_than_one_pass_are_summed_over_every_pass(monkeypatch: pytest.MonkeyPatch, form: int) -> None:
     monkeypatch.setattr(triton_norm, "MAX_BLOCK", 64)  # 200 entries: four passes, the last a partial one
     x, weight = _inputs((3, 200), F32, seed=3)
-    torch.testing.assert_close(triton_norm.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+    torch.testing.assert_close(triton_norm.rms_norm(x, weight, 1e-5, form), reference.rms_norm(x, weight, 1e-5, form))
+    got, summed = triton_norm.add_rms_norm(x, x.flip(0), weight, 1e-5, form)
+    torch.testing.assert_close(got, reference.rms_norm(x + x.flip(0), weight, 1e-5, form))
 
 
 def test_a_row_slice_is_read_with_its_stride_and_bad_arguments_are_refused() -> None:
@@ -74,9 +89,8 @@ def test_the_residual_sum_is_rounded_as_torch_adds_and_then_normalized(
     want_normed, want_summed = reference.add_rms_norm(x, residual, weight, 1e-6, form)
     if dtype != BF16:  # the interpreter truncates float32 to bfloat16 where torch (and a GPU) round
         assert torch.equal(summed, want_summed)
-    ulp = torch.finfo(dtype).eps * want_normed.float().abs().clamp(min=torch.finfo(dtype).tiny)
     limit = 4.0 if dtype == F32 else 2.0 if dtype == F16 else 4.0  # bfloat16: the truncated sum carries
-    assert ((normed.float() - want_normed.float()).abs() / ulp).max().item() <= limit
+    assert _ulps(normed, want_normed, want_summed, weight, form) <= limit
     assert normed.shape == summed.shape == x.shape and normed.dtype == summed.dtype == dtype
 
 
@@ -89,6 +103,7 @@ def test_the_residual_sum_refuses_a_residual_of_another_shape_or_dtype() -> None
 
 
 def test_each_form_is_its_family_s_norm_in_transformers_to_the_bit() -> None:
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
     from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
@@ -97,7 +112,8 @@ def test_each_form_is_its_family_s_norm_in_transformers_to_the_bit() -> None:
     outputs = {}
     for form, module in ((reference.NORM_LLAMA, LlamaRMSNorm(96, eps=1e-6)),
                          (reference.NORM_GEMMA, Gemma2RMSNorm(96, eps=1e-6)),
-                         (reference.NORM_OLMO, Olmo2RMSNorm(96, eps=1e-6))):
+                         (reference.NORM_OLMO, Olmo2RMSNorm(96, eps=1e-6)),
+                         (reference.NORM_LAYER, CohereLayerNorm(96, eps=1e-6))):
         module = module.to(BF16)
         with torch.no_grad():
             module.weight.copy_(weight)
@@ -106,3 +122,5 @@ def test_each_form_is_its_family_s_norm_in_transformers_to_the_bit() -> None:
         assert torch.equal(outputs[form], want), form
     # In bfloat16 the forms round differently: no form stands in for another.
     assert not torch.equal(outputs[reference.NORM_LLAMA], outputs[reference.NORM_OLMO])
+    # Off centre, the LayerNorm is no RMSNorm in any form.
+    assert (outputs[reference.NORM_LAYER].float() - outputs[reference.NORM_OLMO].float()).abs().max() > 0.1

@@ -44,9 +44,11 @@ def _config_max_len(model_dir: pathlib.Path) -> int | None:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        if isinstance(config.get(key), int) and config[key] > 0:
-            return int(config[key])
+    # An image-text checkpoint's language model says it in its own config.
+    for fields in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+            if isinstance(fields.get(key), int) and fields[key] > 0:
+                return int(fields[key])
     return None
 
 

@@ -92,6 +92,11 @@ SUPPORTED_MODEL_TYPES = (
     "hunyuan_v1_dense", "olmo2", "olmo3", "helium", *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
 )
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
+# Image-text checkpoints whose language model is served on its own: Gemma 3 (4B and up) and Mistral Small
+# 3.1 / 3.2. For a prompt of text alone the wrapper's logits are its language model's (the vision tower
+# and projector only ever touch image tokens), so the model is its ``text_config``'s family; images are
+# refused by the API, by name.
+IMAGE_TEXT_TYPES = ("gemma3", "mistral3")
 _OLMO_TYPES = ("olmo2", "olmo3", "flex_olmo")
 # Families whose modeling code reads a RoPE per layer type (``rope_parameters`` keyed by layer type).
 _ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3")
@@ -213,6 +218,7 @@ class ModelArch:
 
     @classmethod
     def from_config(cls, config: Any) -> ModelArch:
+        config = language_model_config(config)
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedConfig("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -299,6 +305,21 @@ class ModelArch:
             **_granite_scalings(config),
             **(_moe_fields(config, model_type) if model_type in _MOE_TYPES else {}),
         )
+
+
+def language_model_config(config: Any) -> Any:
+    """The config of the language model a checkpoint runs: its own, or an image-text wrapper's
+    ``text_config`` (``IMAGE_TEXT_TYPES``) with what transformers reads from the wrapper instead: whether the
+    output head shares the embedding (``tie_word_embeddings``), and the EOS id where the text config has none."""
+    if getattr(config, "model_type", None) not in IMAGE_TEXT_TYPES:
+        return config
+    text = getattr(config, "text_config", None)
+    if text is None:
+        raise UnsupportedConfig("text_config", None, f"{config.model_type} needs its language model's config")
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    if getattr(text, "eos_token_id", None) is None:
+        text.eos_token_id = getattr(config, "eos_token_id", None)
+    return text
 
 
 def _granite_scalings(config: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from common.files import write_atomically
-from common.model.arch import SUPPORTED_MODEL_TYPES, ModelArch
+from common.model.arch import IMAGE_TEXT_TYPES, SUPPORTED_MODEL_TYPES, ModelArch, language_model_config
 from common.model.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 from common.model.loader import cache_dir
 
@@ -54,6 +54,11 @@ _RENAMES["ernie4_5_moe"] = ((r"\.mlp\.(gate\.)?moe_statics\.e_score_correction_b
 _RENAMES["glm4"] = ((r"\.post_attention_layernorm\.", ".pre_feedforward_layernorm."),
                     (r"\.post_self_attn_layernorm\.", ".post_attention_layernorm."),
                     (r"\.post_mlp_layernorm\.", ".post_feedforward_layernorm."))
+# An image-text checkpoint (``IMAGE_TEXT_TYPES``): its language model's weights under a prefix of their own,
+# renamed to a causal LM's; the vision tower's and the projector's, which text alone never reaches, unloaded.
+_LANGUAGE_MODEL_NAMES = ((r"^language_model\.model\.", "model."), (r"^language_model\.lm_head\.", "lm_head."),
+                         (r"^model\.language_model\.", "model."))
+_VISION_NAMES = re.compile(r"^(model\.)?(vision_tower|vision_model|multi_modal_projector)\.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<kind>gate_up_proj|down_proj)\.weight$")
 
@@ -76,7 +81,7 @@ def load_hf_config(path: Path) -> Any:
     except (OSError, ValueError):
         from transformers import AutoConfig
 
-        config, resolved = AutoConfig.from_pretrained(str(path)), True
+        config, resolved = language_model_config(AutoConfig.from_pretrained(str(path))), True
     arch = ModelArch.from_config(config)
     # Scaled RoPE tables come from transformers' functions, which need its config object.
     if resolved and arch.rope_type == "default":
@@ -103,14 +108,13 @@ def load_model(
                 if "rotary_emb.inv_freq" in name:
                     continue
                 state[name] = f.get_tensor(name)
+    if json.loads((path / "config.json").read_text()).get("model_type") in IMAGE_TEXT_TYPES:
+        for name in [n for n in state if _VISION_NAMES.match(n)]:
+            del state[name]
+        _rename(state, _LANGUAGE_MODEL_NAMES)
     if model.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    for name in list(state) if model.arch.model_type in _RENAMES else []:
-        new = name
-        for pattern, ours in _RENAMES[model.arch.model_type]:
-            new = re.sub(pattern, ours, new)
-        if new != name:
-            state[new] = state.pop(name)
+    _rename(state, _RENAMES.get(model.arch.model_type, ()))
     # GLM-4.5's checkpoints hold its multi-token-prediction layers after the model's own: not run here.
     num_layers, mtp = int(config.num_hidden_layers), int(getattr(config, "num_nextn_predict_layers", 0) or 0)
     for name in [n for n in state if mtp and (m := _LAYER.match(n)) and num_layers <= int(m[1]) < num_layers + mtp]:
@@ -143,6 +147,16 @@ def load_model(
     for name in model.float32_parameters():
         model.get_parameter(name).data = state[name].to(device=device, dtype=torch.float32)
     return model
+
+
+def _rename(state: dict[str, torch.Tensor], rules: tuple[tuple[str, str], ...]) -> None:
+    """In place: each name with every rule (pattern, replacement) applied in turn."""
+    for name in list(state) if rules else []:
+        new = name
+        for pattern, ours in rules:
+            new = re.sub(pattern, ours, new)
+        if new != name:
+            state[new] = state.pop(name)
 
 
 def stack_projections(state: dict[str, torch.Tensor]) -> None:

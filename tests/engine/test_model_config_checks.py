@@ -99,12 +99,23 @@ def test_unimplemented_config_fields_are_refused_by_name(make, field: str) -> No
     assert info.value.field == field
 
 
-@pytest.mark.parametrize("model_type", ["gemma", "gemma3", "phi", "llama4_text", "olmo", "qwen3_next", "phimoe", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["gemma", "phi", "llama4_text", "olmo", "qwen3_next", "phimoe", "deepseek_v3",
+                                        "qwen2_5_vl"])
 def test_other_families_are_refused_when_loading_their_config(tmp_path: Path, model_type: str) -> None:
     from transformers import AutoConfig
 
     AutoConfig.for_model(model_type).save_pretrained(str(tmp_path))
     with pytest.raises(UnsupportedConfig, match=f"model_type='{model_type}'"):
+        load_hf_config(tmp_path)
+
+
+def test_an_image_text_checkpoint_whose_language_model_is_not_served_is_refused_by_its_family(tmp_path: Path) -> None:
+    """Mistral 3's wrapper around a language model of a family not served: refused, naming that family."""
+    from transformers import AutoConfig, Mistral3Config
+
+    text = AutoConfig.for_model("phi").to_dict()
+    Mistral3Config(text_config=text).save_pretrained(str(tmp_path))
+    with pytest.raises(UnsupportedConfig, match="model_type='phi'"):
         load_hf_config(tmp_path)
 
 

@@ -30,7 +30,14 @@ from common.sampling_params import SamplingParams
 from pdserve_kernels import get_kernels
 from pdserve_kernels.reference import NORM_GEMMA, NORM_LLAMA, NORM_OLMO
 from tests.engine.test_disaggregated_lifecycle import _drain, _transfer
-from tests.engine.tiny_models import WINDOW, build_checkpoint, family_configs, hf_greedy, prompt_token_ids
+from tests.engine.tiny_models import (
+    WINDOW,
+    build_checkpoint,
+    family_configs,
+    hf_greedy,
+    hf_model,
+    prompt_token_ids,
+)
 
 MAX_NEW_TOKENS = 10
 PROMPT_LEN = 2 * WINDOW + 7  # longer than the window, ending inside a block
@@ -39,6 +46,7 @@ FAMILIES = sorted(family_configs())
 WINDOWED = [name for name in FAMILIES if "window" in name or "layer-types" in name]
 MIXTURES = [name for name in FAMILIES if "moe" in name]
 INTERLEAVED = [name for name in FAMILIES if "interleaved" in name]
+IMAGE_TEXT = [name for name in FAMILIES if "image-text" in name]
 
 
 @pytest.fixture(scope="module")
@@ -190,14 +198,14 @@ def _changes_transformers_logits(folder: Path, change_config: Callable[[Any], No
     """Whether transformers' logits over the test prompt move (by more than 1e-2) when the checkpoint's
     config is changed by ``change_config``, or its loaded model by ``change_model``: a guard that the
     equality tests below could see that feature done wrong."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     prompt = torch.tensor([prompt_token_ids(PROMPT_LEN)])
     config = AutoConfig.from_pretrained(str(folder))
     if change_config is not None:
         change_config(config)
     with torch.inference_mode():
-        models = [AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kw).eval()
+        models = [hf_model(folder, **kw)
                   for kw in ({}, {"config": config})]
         if change_model is not None:
             change_model(models[1])
@@ -254,6 +262,30 @@ def test_glm_s_and_gpt_oss_s_features_each_change_transformers_logits(checkpoint
     assert _changes_transformers_logits(checkpoint(name), change_config, change_model)
 
 
+@pytest.mark.parametrize("name", IMAGE_TEXT)
+def test_an_image_text_checkpoint_serves_its_language_model_alone(checkpoint, name: str) -> None:
+    """Its vision tower and projector are in the checkpoint and left unloaded; whether the head shares the
+    embedding is the wrapper's word, as transformers reads it (Mistral 3's text config says the opposite)."""
+    from safetensors import safe_open
+
+    from common.model.weights import load_model
+    from pdserve_kernels import reference
+
+    folder = checkpoint(name)
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        assert any(key.startswith(("vision_tower.", "multi_modal_projector.")) for key in f.keys())  # noqa: SIM118
+    wrapper = family_configs()[name]
+    config = load_hf_config(folder)
+    assert config.model_type == wrapper.text_config.model_type
+    assert config.tie_word_embeddings == wrapper.tie_word_embeddings
+    if name.startswith("mistral3"):
+        assert not config.tie_word_embeddings and family_configs()[name].text_config.tie_word_embeddings
+    model = load_model(folder, config, reference, torch.float32, torch.device("cpu"), 64)
+    assert not any("vision" in n or "projector" in n for n, _ in model.named_parameters())
+    hf = hf_model(folder)
+    assert torch.equal(model.lm_head.weight, hf.lm_head.weight)
+
+
 def _transformers_modeling(folder: Path) -> Any:
     import importlib
     import json
@@ -266,13 +298,12 @@ def _transformers_modeling(folder: Path) -> Any:
 def test_the_interleaved_pairing_changes_transformers_logits_so_the_tests_can_see_it(checkpoint, name, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Rotated by halves, as the other families rotate (GLM-4.5's function, partial RoPE included), the same
     weights give other logits: loading them without reordering q and k would show."""
-    from transformers import AutoModelForCausalLM
     from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb as by_halves
 
     folder = checkpoint(name)
     prompt = torch.tensor([prompt_token_ids(PROMPT_LEN)])
     with torch.inference_mode():
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        model = hf_model(folder)
         interleaved = model(prompt).logits
         monkeypatch.setattr(_transformers_modeling(folder), "apply_rotary_pos_emb", by_halves)
         halves = model(prompt).logits
@@ -284,14 +315,12 @@ def test_interleaved_rope_rotates_as_transformers_does_bit_for_bit(checkpoint, n
     """In 16-bit, the model's tables and rotation (float32 and rounded once for ERNIE, each operation rounded
     for GLM and Helium) on q and k whose head entries were reordered as the loader reorders the weights'
     rows give transformers' interleaved rotation's bits, reordered so."""
-    from transformers import AutoModelForCausalLM
-
     from common.model.weights import load_model
     from pdserve_kernels import reference
 
     folder = checkpoint(name)
     ours = load_model(folder, load_hf_config(folder), reference, dtype, torch.device("cpu"), 64)
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    hf = hf_model(folder, dtype)
     attn = ours.model.layers[0].self_attn
     heads, kv_heads, head_size = attn.num_heads, attn.num_kv_heads, attn.head_size
     rotary = ours.arch.rotary_dim or head_size
@@ -317,7 +346,6 @@ def test_interleaved_rope_rotates_as_transformers_does_bit_for_bit(checkpoint, n
 def test_family_logits_over_a_prompt_equal_transformers(checkpoint, name: str) -> None:  # type: ignore[no-untyped-def]
     """Logits, not only their argmax: a final soft-cap (monotonic) can never change a greedy token."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from common.model.llama import AttentionMetadata
     from common.model.weights import load_hf_config, load_model
@@ -339,7 +367,7 @@ def test_family_logits_over_a_prompt_equal_transformers(checkpoint, name: str) -
         hidden = model(torch.tensor(prompt), torch.arange(n), meta, kv_cache)
         got = model.compute_logits(hidden)
         uncapped = model.lm_head(hidden).float()
-        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        hf = hf_model(folder)
         expected = hf(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     if model.arch.final_soft_cap is not None:  # the cap is applied, and changes the logits
@@ -355,7 +383,7 @@ def test_family_greedy_equals_transformers_through_the_engine(checkpoint, engine
     assert got == [_expected(folder, tuple(p)) for p in prompts]
 
 
-@pytest.mark.parametrize("name", sorted({*WINDOWED, *MIXTURES, *INTERLEAVED, "qwen3-qk-norm",
+@pytest.mark.parametrize("name", sorted({*WINDOWED, *MIXTURES, *INTERLEAVED, *IMAGE_TEXT, "qwen3-qk-norm",
                                           "hunyuan-qk-norm-ntk-alpha", "olmo2-post-norms"}))
 def test_family_greedy_equals_transformers_through_prefill_handoff_decode(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
     folder = checkpoint(name)

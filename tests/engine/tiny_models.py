@@ -3,6 +3,7 @@ config and model classes, and transformers' greedy output for them (the referenc
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,9 @@ TINY_DIMS: dict[str, Any] = {
     "pad_token_id": 0,
 }
 WINDOW = 12  # not a multiple of the 8-token blocks the tests use
+# An image-text checkpoint's vision tower, as small as its config allows.
+_TINY_VISION: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
 
 
 def family_configs() -> dict[str, Any]:
@@ -36,6 +40,7 @@ def family_configs() -> dict[str, Any]:
         Ernie4_5Config,
         FlexOlmoConfig,
         Gemma2Config,
+        Gemma3Config,
         Gemma3TextConfig,
         Glm4Config,
         Glm4MoeConfig,
@@ -51,17 +56,20 @@ def family_configs() -> dict[str, Any]:
         LlamaConfig,
         MiniMaxM2Config,
         MinistralConfig,
+        Mistral3Config,
         MistralConfig,
         MixtralConfig,
         Olmo2Config,
         Olmo3Config,
         OlmoeConfig,
         Phi3Config,
+        PixtralVisionConfig,
         Qwen2Config,
         Qwen2MoeConfig,
         Qwen3Config,
         Qwen3MoeConfig,
         SeedOssConfig,
+        SiglipVisionConfig,
         SmolLM3Config,
     )
 
@@ -215,6 +223,23 @@ def family_configs() -> dict[str, Any]:
             **TINY_DIMS, attention_bias=True, sliding_window=WINDOW,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         ),
+        # Image-text checkpoints, served text-only: the language model under its own prefix beside a (tiny)
+        # vision tower and projector. Gemma 3's: gemma3-window-rope-per-type's layer, the head tied; Mistral
+        # Small 3.1's: Mistral's layer, the head its own (the wrapper's tie_word_embeddings, as transformers).
+        "gemma3-image-text-text-only": Gemma3Config(
+            text_config=Gemma3TextConfig(
+                **TINY_DIMS, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
+            ).to_dict(),
+            vision_config=SiglipVisionConfig(**_TINY_VISION).to_dict(), mm_tokens_per_image=4,
+        ),
+        "mistral3-image-text-text-only": Mistral3Config(
+            text_config=MistralConfig(**TINY_DIMS, sliding_window=None, tie_word_embeddings=True).to_dict(),
+            vision_config=PixtralVisionConfig(**_TINY_VISION, head_dim=16).to_dict(), spatial_merge_size=1,
+            image_token_index=TINY_DIMS["vocab_size"] - 1, tie_word_embeddings=False,
+        ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={
             "rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
@@ -226,12 +251,24 @@ def family_configs() -> dict[str, Any]:
     }
 
 
+def hf_model_class(model_type: str) -> Any:
+    """transformers' class for a checkpoint: a causal LM's, or an image-text model's (Mistral 3)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return AutoModelForCausalLM if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModelForImageTextToText
+
+
+def hf_model(folder: Path, dtype: torch.dtype = torch.float32, **kwargs: Any) -> Any:
+    """transformers' model of a checkpoint folder, in eval mode."""
+    model_type = json.loads((folder / "config.json").read_text())["model_type"]
+    return hf_model_class(model_type).from_pretrained(str(folder), dtype=dtype, **kwargs).eval()
+
+
 def build_checkpoint(config: Any, folder: Path, seed: int = 0) -> Path:
     """A checkpoint folder (config.json + model.safetensors) with random float32 weights."""
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = hf_model_class(config.model_type).from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random norm weights too, so a norm applied wrongly shows
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith(("bias", "sinks")):
@@ -260,9 +297,7 @@ def build_tokenizer(folder: Path) -> None:
 
 def hf_greedy(folder: Path, prompt: list[int], max_new_tokens: int, **config_overrides: Any) -> list[int]:
     """transformers ``generate`` (greedy, float32, CPU) on the checkpoint, EOS ignored."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **config_overrides).eval()
+    model = hf_model(folder, **config_overrides)
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,

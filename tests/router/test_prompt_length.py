@@ -432,3 +432,16 @@ def test_short_texts_are_tokenized_on_the_loop_and_longer_ones_in_a_worker(token
     loop_thread = asyncio.run(tokenize())
     assert recorder.threads[:3] == [loop_thread] * 3
     assert [name.startswith("tokenizer-short") for name in recorder.threads[3:]] == [True] * 3
+
+
+@pytest.mark.parametrize(("config", "expected"), [
+    ({"max_position_embeddings": 4096}, 4096),
+    # An image-text checkpoint (Gemma 3, Mistral 3): the language model's own config says it.
+    ({"model_type": "gemma3", "text_config": {"max_position_embeddings": 131072}}, 131072),
+    ({"model_type": "mistral3", "text_config": {}}, None),
+])
+def test_the_context_length_is_read_from_the_config_or_its_language_model_s(tmp_path, config, expected) -> None:  # type: ignore[no-untyped-def]
+    from router.tokenization import _config_max_len
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert _config_max_len(tmp_path) == expected

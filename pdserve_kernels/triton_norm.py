@@ -30,10 +30,12 @@ MAX_BLOCK = 4096  # entries of a row a program holds at once; wider rows go in s
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x_row, stride_r_row, stride_o_row, stride_s_row,
-                     n_cols, eps, FORM: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
+                     n_cols, w_rows, eps, FORM: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
     """With ``ADD``, the row normalized is ``x + r`` (rounded to the dtype), written to ``sum`` first;
-    the second pass reads it back from there (the same lanes the first pass wrote it with)."""
+    the second pass reads it back from there (the same lanes the first pass wrote it with). The weight
+    has ``w_rows`` rows, row ``i`` of ``x`` met with row ``i % w_rows`` (a weight per head: Cohere's q/k norms)."""
     row = tl.program_id(0).to(tl.int64)
+    w_row = w_ptr + (row % w_rows) * n_cols
     x_row = x_ptr + row * stride_x_row
     o_row = out_ptr + row * stride_o_row
     offs = tl.arange(0, BLOCK)
@@ -66,7 +68,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x_row, stride
         mask = cols < n_cols
         x = tl.load(x_row + cols, mask=mask, other=0.0)
         h = (x.to(tl.float32) - mean) * scale
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_row + cols, mask=mask, other=0.0).to(tl.float32)
         if FORM == 1:  # NORM_GEMMA
             y = h * (1.0 + w)
         elif FORM == 2 or FORM == 3:  # NORM_OLMO, NORM_LAYER
@@ -78,13 +80,14 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x_row, stride
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, form: int = NORM_LLAMA) -> Tensor:
     """``pdserve_kernels.reference.rms_norm`` in one kernel: ``x`` ``[..., n]`` (rows with unit stride),
-    ``weight`` ``[n]`` of ``x``'s dtype."""
+    ``weight`` ``[n]`` of ``x``'s dtype, or ``[heads, n]`` for ``x`` ``[..., heads, n]`` (one per head)."""
     rows, out = _rows_and_out(x, weight)
     if rows.shape[0] and rows.shape[1]:
         block = min(MAX_BLOCK, triton.next_power_of_2(rows.shape[1]))
         # ``r`` and ``sum`` are not read without ``ADD``: the input stands in for them.
         _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, rows, rows.stride(0), 0, out.stride(0), 0,
-                                           rows.shape[1], eps, FORM=form, ADD=False, BLOCK=block,
+                                           rows.shape[1], weight.numel() // rows.shape[1], eps, FORM=form, ADD=False,
+                                           BLOCK=block,
                                            num_warps=min(16, max(1, block // 256)))
     return out.view(x.shape)
 
@@ -101,16 +104,16 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, form: 
     if rows.shape[0] and rows.shape[1]:
         block = min(MAX_BLOCK, triton.next_power_of_2(rows.shape[1]))
         _rms_norm_kernel[(rows.shape[0],)](rows, res_rows, weight, out, summed, rows.stride(0), res_rows.stride(0),
-                                           out.stride(0), summed.stride(0), rows.shape[1], eps, FORM=form, ADD=True,
-                                           BLOCK=block, num_warps=min(16, max(1, block // 256)))
+                                           out.stride(0), summed.stride(0), rows.shape[1], weight.numel() // rows.shape[1],
+                                           eps, FORM=form, ADD=True, BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return out.view(x.shape), summed.view(x.shape)
 
 
 def _rows_and_out(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     """``x``'s rows (``[rows, n]``, a view where it can be) and an output of their shape, after checking."""
     n = x.shape[-1]
-    assert weight.shape == (n,) and weight.is_contiguous(), (
-        f"weight must be a contiguous [{n}] tensor; got {tuple(weight.shape)}")
+    assert (weight.shape == (n,) or (weight.dim() == 2 and tuple(weight.shape) == tuple(x.shape[-2:]))) and (
+        weight.is_contiguous()), f"weight must be a contiguous [{n}] or [heads, {n}] tensor; got {tuple(weight.shape)}"
     assert weight.dtype == x.dtype, f"weight's dtype {weight.dtype} differs from the input's {x.dtype}"
     assert x.stride(-1) == 1 or n <= 1, f"rows must have unit stride; got strides {x.stride()}"
     rows = x.reshape(-1, n)  # a view for a contiguous input, and for a row slice of one

@@ -56,7 +56,7 @@ _LLAMA_BIAS_TYPES = ("llama", "granite", "smollm3", "internlm3", "arcee")
 # Command R7B, Command A, whose global layers have no RoPE).
 _COHERE_TYPES = ("cohere", "cohere2")
 # Families whose q/k/v and o projections have biases by ``attention_bias`` and whose MLPs have none.
-_ATTENTION_BIAS_TYPES = ("qwen3", "gemma2", "gemma3_text", "hunyuan_v1_dense", "olmo2", "olmo3", "qwen3_moe", "olmoe",
+_ATTENTION_BIAS_TYPES = ("qwen3", "gemma", "gemma2", "gemma3_text", "hunyuan_v1_dense", "olmo2", "olmo3", "qwen3_moe", "olmoe",
                          "granitemoe", "granitemoeshared", "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe",
                          *_COHERE_TYPES)
 _NO_BIAS_TYPES = ("mistral", "ministral", "phi3", "mixtral", "minimax_m2")  # no bias anywhere
@@ -88,10 +88,13 @@ ROUTER_TOPK_SOFTMAX_BIASED = "topk_softmax_biased"
 ROUTER_SOFTMAX_CORRECTED = "softmax_corrected_topk"
 _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 SUPPORTED_MODEL_TYPES = (
-    *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "seed_oss",
+    *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "seed_oss",
     "hunyuan_v1_dense", "olmo2", "olmo3", "helium", *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
 )
-_GEMMA_TYPES = ("gemma2", "gemma3_text")
+# Gemma's norms ((1 + weight) in float32), scaled embeddings and GELU-tanh; Gemma 2 and 3 add norms after
+# each block, soft-caps and their attention scale (``_SANDWICH_GEMMA_TYPES``).
+_GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+_SANDWICH_GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Image-text checkpoints whose language model is served on its own: Gemma 3 (4B and up) and Mistral Small
 # 3.1 / 3.2. For a prompt of text alone the wrapper's logits are its language model's (the vision tower
 # and projector only ever touch image tokens), so the model is its ``text_config``'s family; images are
@@ -124,10 +127,12 @@ _UNSET_FIELDS = (
 # ... except where a family implements them.
 _GRANITE_SCALINGS = ("embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier")
 _FAMILY_FIELDS = {
-    **{gemma: ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar") for gemma in _GEMMA_TYPES},
+    **{gemma: ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
+       for gemma in _SANDWICH_GEMMA_TYPES},
     **{granite: _GRANITE_SCALINGS for granite in ("granite", *_GRANITE_MOE_TYPES)},
     "glm4_moe": ("use_qk_norm",),  # per-head q/k norms, as Qwen3's
     "minimax_m2": ("use_qk_norm",),  # its released configs set it; its modeling code norms q and k always
+    "cohere": ("use_qk_norm",),  # Command R+'s LayerNorms of q and k, a weight per head
 }
 _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
@@ -151,6 +156,8 @@ class ModelArch:
     rope_type: str  # "default" where every layer's RoPE is the default one (its tables need no transformers)
     # Each layer's key into ``rope_parameters`` where the family has a RoPE per layer type, else None.
     rope_layer_types: tuple[str, ...] | None
+    # Cohere's q and k norms keep a weight per head (``[heads, head_dim]``), where others share one.
+    qk_norm_per_head: bool = False
     # Hunyuan's: the per-head RMSNorm of q and k after RoPE (``query_layernorm`` / ``key_layernorm``).
     qk_norm_after_rope: bool = False
     # Layers that apply no RoPE at all (SmolLM3's ``no_rope_layers`` zeros): their q and k go unrotated.
@@ -275,7 +282,8 @@ class ModelArch:
             o_bias=o_bias,
             mlp_bias=mlp_bias,
             qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "dots1") or (
-                model_type == "glm4_moe" and bool(getattr(config, "use_qk_norm", False))),
+                model_type in ("glm4_moe", "cohere") and bool(getattr(config, "use_qk_norm", False))),
+            qk_norm_per_head=model_type == "cohere",
             qk_norm_after_rope=model_type in _HUNYUAN_TYPES,
             sliding_windows=_sliding_windows(config, model_type),
             rotary_dim=rotary_dim,
@@ -288,7 +296,7 @@ class ModelArch:
             rope_layer_types=rope_layer_types,
             no_rope_layers=_no_rope_layers(config, model_type),
             activation="gelu_tanh" if gemma else "relu2" if model_type == "arcee" else "silu",
-            sandwich_norms=gemma or model_type == "glm4",
+            sandwich_norms=model_type in (*_SANDWICH_GEMMA_TYPES, "glm4"),
             # Helium's RMSNorm meets its weight in float32, as OLMo's.
             norm_form=(NORM_GEMMA if gemma else NORM_OLMO if olmo or model_type == "helium"
                        else NORM_LAYER if model_type in _COHERE_TYPES else NORM_LLAMA),
@@ -532,7 +540,7 @@ def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
     if model_type in ("llama", "internlm3", "seed_oss", "olmo2", "flex_olmo", "glm4_moe", "minimax_m2", "helium",
-                      "cohere", *_GLM_TYPES, *_ERNIE_TYPES):
+                      "cohere", "gemma", *_GLM_TYPES, *_ERNIE_TYPES):
         return (None,) * num_layers  # their transformers code has no sliding window: the field is unused
     if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window

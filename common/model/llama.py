@@ -63,7 +63,9 @@ class RMSNorm(nn.Module):
     """Llama's RMSNorm, or in another ``form`` (``pdserve_kernels.reference.NORM_*``) Gemma's, scaled by
     ``1 + weight`` before the cast back, or OLMo's, by the weight before it."""
 
-    def __init__(self, size: int, eps: float, form: int = NORM_LLAMA, kernels: ModuleType | None = None) -> None:
+    def __init__(self, size: int | tuple[int, int], eps: float, form: int = NORM_LLAMA,
+                 kernels: ModuleType | None = None) -> None:
+        """``size``: the normalized width, or ``(heads, width)`` for a weight per head."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
@@ -165,7 +167,10 @@ class Attention(nn.Module):
         # Per head (Qwen3, Gemma 3), or across all heads at once (OLMo: one norm of q_size, one of kv_size).
         self.qk_norm_full_width = arch.qk_norm_full_width
         if arch.qk_norm or arch.qk_norm_full_width:
-            q_width, k_width = (self.q_size, self.kv_size) if arch.qk_norm_full_width else (self.head_size,) * 2
+            q_width, k_width = (
+                (self.q_size, self.kv_size) if arch.qk_norm_full_width
+                else ((self.num_heads, self.head_size), (self.num_kv_heads, self.head_size)) if arch.qk_norm_per_head
+                else (self.head_size, self.head_size))
             self.q_norm = RMSNorm(q_width, arch.norm_eps, arch.norm_form, kernels)
             self.k_norm = RMSNorm(k_width, arch.norm_eps, arch.norm_form, kernels)
         # Hunyuan's norms after RoPE, under its checkpoints' names.

@@ -182,7 +182,8 @@ def deinterleave_rope(state: dict[str, torch.Tensor], num_heads: int, num_kv_hea
     head's first ``rotary_dim`` rows (all of them by default) even ones first, then odd ones; rows past
     them, and v's, stay. Every rotated entry is computed from the same two numbers with the same
     operations, and attention reads q and k only through q . k, a sum over the same products in another
-    order, so the model is the same; its K cache holds each head's entries in this order."""
+    order, so the model is the same; its K cache holds each head's entries in this order. Norms of q and k
+    before RoPE (Cohere's) see each head's entries reordered and their weights reordered with them."""
     rotary = rotary_dim or head_size
     within = torch.cat((torch.arange(0, rotary, 2), torch.arange(1, rotary, 2), torch.arange(rotary, head_size)))
     q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
@@ -193,6 +194,10 @@ def deinterleave_rope(state: dict[str, torch.Tensor], num_heads: int, num_kv_hea
     ))
     for name in [n for n in state if ".self_attn.qkv_proj." in n]:
         state[name] = state[name][order].contiguous()
+    # q and k norms' weights (one per head, per head shared, or across all heads) follow their entries.
+    for name in [n for n in state if n.endswith((".self_attn.q_norm.weight", ".self_attn.k_norm.weight"))]:
+        weight = state[name]
+        state[name] = weight.reshape(-1, head_size)[:, within].reshape(weight.shape).contiguous()
 
 
 def stack_experts(state: dict[str, torch.Tensor]) -> None:

@@ -42,6 +42,7 @@ def family_configs() -> dict[str, Any]:
         Gemma2Config,
         Gemma3Config,
         Gemma3TextConfig,
+        GemmaConfig,
         Glm4Config,
         Glm4MoeConfig,
         GlmConfig,
@@ -85,6 +86,9 @@ def family_configs() -> dict[str, Any]:
             **TINY_DIMS, use_sliding_window=True, sliding_window=WINDOW, attention_bias=True,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False,
         ),
+        # Gemma 1: Llama's layer with Gemma's (1 + weight) norms, scaled embeddings and GELU-tanh; the
+        # checkpoints' legacy hidden_act "gelu", which transformers reads as the tanh approximation.
+        "gemma-norms-gelu": GemmaConfig(**TINY_DIMS, hidden_act="gelu", attention_bias=True),
         # Layers alternate sliding / full; small caps so that soft-capping changes the output.
         "gemma2-window-softcap": Gemma2Config(
             **TINY_DIMS, sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
@@ -218,7 +222,9 @@ def family_configs() -> dict[str, Any]:
         ),
         # Cohere: LayerNorms, attention and MLP side by side on one norm, logits scaled, RoPE over interleaved
         # pairs in float32; Cohere 2 the same with sliding layers, the only ones it rotates.
-        "cohere-interleaved-rope-parallel": CohereConfig(**TINY_DIMS, attention_bias=True, logit_scale=0.5),
+        # Cohere with Command R+'s LayerNorms of q and k, a weight per head.
+        "cohere-interleaved-rope-parallel-qk-norm": CohereConfig(
+            **TINY_DIMS, attention_bias=True, logit_scale=0.5, use_qk_norm=True),
         "cohere2-interleaved-rope-window": Cohere2Config(
             **TINY_DIMS, attention_bias=True, sliding_window=WINDOW,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],

@@ -55,6 +55,28 @@ def test_the_kernel_normalizes_as_the_reference_does(dtype: torch.dtype, form: i
     assert exact > {F32: 0.5, F16: 0.99, BF16: 0.2}[dtype], f"only {exact:.1%} of entries equal the reference's"
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_a_weight_per_head_meets_each_head_s_rows_as_cohere_s_q_and_k_norms(dtype: torch.dtype) -> None:
+    """Command R+'s q and k LayerNorms: ``x`` ``[tokens, heads, d]`` and a weight ``[heads, d]``; the
+    reference against transformers' ``CohereLayerNorm`` to the bit, the kernel against the reference."""
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+
+    x, _ = _inputs((6, 3, 64), dtype, seed=8)
+    weight = (1 + 0.5 * torch.randn(3, 64, generator=torch.Generator().manual_seed(9))).to(dtype)
+    module = CohereLayerNorm((3, 64), eps=1e-5).to(dtype)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        want = module(x)
+    got = reference.rms_norm(x, weight, 1e-5, reference.NORM_LAYER)
+    assert torch.equal(got, want)
+    kernel = triton_norm.rms_norm(x[:, :, :], weight, 1e-5, reference.NORM_LAYER)
+    assert _ulps(kernel, want, x, weight, reference.NORM_LAYER) <= 4.0
+    # Each head met with its own weight: one weight for all would differ.
+    assert not torch.equal(got, reference.rms_norm(x, weight[0].contiguous(), 1e-5, reference.NORM_LAYER))
+    with pytest.raises(AssertionError, match="heads"):
+        triton_norm.rms_norm(x, weight[:2].contiguous(), 1e-5, reference.NORM_LAYER)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_rows_wider_than_one_pass_are_summed_over_every_pass(monkeypatch: pytest.MonkeyPatch, form: int) -> None:
     monkeypatch.setattr(triton_norm, "MAX_BLOCK", 64)  # 200 entries: four passes, the last a partial one

@@ -59,7 +59,7 @@ _COHERE_TYPES = ("cohere", "cohere2")
 _ATTENTION_BIAS_TYPES = ("qwen3", "gemma", "gemma2", "gemma3_text", "hunyuan_v1_dense", "olmo2", "olmo3", "qwen3_moe", "olmoe",
                          "granitemoe", "granitemoeshared", "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe",
                          *_COHERE_TYPES)
-_NO_BIAS_TYPES = ("mistral", "ministral", "phi3", "mixtral", "minimax_m2")  # no bias anywhere
+_NO_BIAS_TYPES = ("mistral", "ministral", "ministral3", "phi3", "mixtral", "minimax_m2")  # no bias anywhere
 # Families whose q/k/v, o and MLP projections all have biases by ``use_bias`` (ERNIE 4.5; its experts none).
 _ERNIE_TYPES = ("ernie4_5", "ernie4_5_moe")
 _GLM_TYPES = ("glm", "glm4")
@@ -89,7 +89,7 @@ ROUTER_SOFTMAX_CORRECTED = "softmax_corrected_topk"
 _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "seed_oss",
-    "hunyuan_v1_dense", "olmo2", "olmo3", "helium", *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
+    "hunyuan_v1_dense", "olmo2", "olmo3", "helium", "ministral3", *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
 )
 # Gemma's norms ((1 + weight) in float32), scaled embeddings and GELU-tanh; Gemma 2 and 3 add norms after
 # each block, soft-caps and their attention scale (``_SANDWICH_GEMMA_TYPES``).
@@ -215,6 +215,10 @@ class ModelArch:
     # Cohere's layer: attention and MLP both read the one input norm, their outputs added to the stream in turn.
     parallel_block: bool = False
     logit_scale: float | None = None  # Cohere's: the logits multiplied by it, in the weights' dtype
+    # Ministral 3's: each token's rotated queries times 1 + beta * log(1 + floor(position / positions)), with
+    # beta ``rope_parameters.llama_4_scaling_beta`` and positions its ``original_max_position_embeddings``.
+    query_scale_beta: float | None = None
+    query_scale_positions: int = 1
     # gpt-oss: a learned sink logit per query head in every softmax (``sinks``); its experts' projections
     # with biases, and their activation its own clamped one (``EXPERT_ACTIVATION_GPT_OSS``).
     attention_sinks: bool = False
@@ -303,6 +307,7 @@ class ModelArch:
             norm_eps=float(norm_eps),
             parallel_block=model_type in _COHERE_TYPES,
             logit_scale=_positive_or_none(config, "logit_scale") if model_type in _COHERE_TYPES else None,
+            **(_query_scale(config) if model_type == "ministral3" else {}),
             post_norms_only=olmo,
             qk_norm_full_width=olmo or model_type in ("olmoe", "minimax_m2"),
             embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
@@ -328,6 +333,18 @@ def language_model_config(config: Any) -> Any:
     if getattr(text, "eos_token_id", None) is None:
         text.eos_token_id = getattr(config, "eos_token_id", None)
     return text
+
+
+def _query_scale(config: Any) -> dict[str, Any]:
+    """Ministral 3's query scaling, from its RoPE parameters (its modeling code reads both there)."""
+    params = rope_parameters(config)
+    beta, positions = params.get("llama_4_scaling_beta"), params.get("original_max_position_embeddings")
+    if not isinstance(beta, (int, float)) or isinstance(beta, bool) or beta < 0:
+        raise UnsupportedConfig("rope_parameters.llama_4_scaling_beta", beta, "must be a number, 0 or more")
+    if not _positive_int(positions):
+        raise UnsupportedConfig("rope_parameters.original_max_position_embeddings", positions,
+                                "must be a positive integer (the query scaling's period)")
+    return {"query_scale_beta": float(beta), "query_scale_positions": positions}
 
 
 def _granite_scalings(config: Any) -> dict[str, Any]:
@@ -554,7 +571,7 @@ def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
         return (None,) * num_layers
     if model_type == "qwen3_moe":  # every layer with use_sliding_window (its config has no layer_types)
         return ((window if getattr(config, "use_sliding_window", False) else None),) * num_layers
-    if model_type in ("mistral", "phi3", "mixtral"):  # every layer, whatever layer_types says (as transformers' own)
+    if model_type in ("mistral", "ministral3", "phi3", "mixtral"):  # every layer, whatever layer_types says (as transformers')
         return (window,) * num_layers
     # Qwen2/Qwen3 derive layer_types from use_sliding_window and max_window_layers; Gemma 2 alternates.
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers

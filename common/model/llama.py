@@ -185,8 +185,10 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.kernels = kernels
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, kv_layer: Tensor) -> Tensor:
-        """``rope``: the step's cos and sin (``RotaryEmbedding.cos_sin``)."""
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, kv_layer: Tensor,
+                q_scale: Tensor | None = None) -> Tensor:
+        """``rope``: the step's cos and sin (``RotaryEmbedding.cos_sin``); ``q_scale``: each token's factor
+        for its rotated queries (Ministral 3's, ``LlamaForCausalLM.query_scales``), None for none."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
@@ -204,6 +206,8 @@ class Attention(nn.Module):
             self.kernels.store_kv(k, v, kv_layer, meta.slot_mapping)
         else:
             q = self.kernels.rope_and_store(q, k, v, *rope, kv_layer, meta.slot_mapping)  # on a GPU, one kernel
+        if q_scale is not None:
+            q = q * q_scale
         if meta.decode_only:
             o = self.kernels.paged_decode_attention(
                 q, kv_layer, meta.block_tables, meta.context_lens, self.scale, sliding_window=self.sliding_window,
@@ -376,7 +380,8 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(size, eps, form, kernels)
 
     def forward(
-        self, x: Tensor, residual: Tensor | None, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, kv_layer: Tensor
+        self, x: Tensor, residual: Tensor | None, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, kv_layer: Tensor,
+        q_scale: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """``x``: the last block's output, not yet added to ``residual``, the stream before it (None
         before the first layer: ``x`` is the stream). Returns this layer's last block's output and the
@@ -385,14 +390,14 @@ class DecoderLayer(nn.Module):
         if self.post_attention_layernorm is None:  # Cohere: residual + attention, then + MLP, as transformers sums
             assert self.input_layernorm is not None
             h, stream = self.input_layernorm.add(x, residual)
-            return self.mlp(h), stream + self.self_attn(h, rope, meta, kv_layer)
+            return self.mlp(h), stream + self.self_attn(h, rope, meta, kv_layer, q_scale)
         if self.input_layernorm is None:  # OLMo: each block reads the stream itself; its output is normed
             assert self.post_feedforward_layernorm is not None
             stream = x if residual is None else x + residual
-            stream = stream + self.post_attention_layernorm(self.self_attn(stream, rope, meta, kv_layer))
+            stream = stream + self.post_attention_layernorm(self.self_attn(stream, rope, meta, kv_layer, q_scale))
             return self.post_feedforward_layernorm(self.mlp(stream)), stream
         h, residual = self.input_layernorm.add(x, residual)
-        attn = self.self_attn(h, rope, meta, kv_layer)
+        attn = self.self_attn(h, rope, meta, kv_layer, q_scale)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             m = self.residual_multiplier  # Granite's; None elsewhere
             h, residual = self.post_attention_layernorm.add(attn if m is None else attn * m, residual)
@@ -466,6 +471,16 @@ class LlamaForCausalLM(nn.Module):
             tables = {kind: (cos.float(), sin.float()) for kind, (cos, sin) in tables.items()}
         return tables
 
+    def query_scales(self, positions: Tensor, dtype: torch.dtype) -> Tensor | None:
+        """Ministral 3's factor for each token's rotated queries, ``[tokens, 1, 1]`` in ``dtype``, as
+        transformers computes it: 1 + beta * log(1 + floor(position / original context)), 1 within the
+        context it was trained on; None for other families."""
+        beta = self.arch.query_scale_beta
+        if beta is None:
+            return None
+        scale = 1 + beta * torch.log(1 + torch.floor(positions / self.arch.query_scale_positions))
+        return scale.to(dtype)[:, None, None]
+
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor) -> Tensor:
         """Hidden states ``[num_tokens, hidden]``; writes this step's K/V into ``kv_cache``."""
         x = self.model.embed_tokens(input_ids)
@@ -476,9 +491,10 @@ class LlamaForCausalLM(nn.Module):
         if self.arch.embedding_multiplier is not None:  # Granite: the number as it is, as transformers
             x = x * self.arch.embedding_multiplier
         ropes = self.rope_tables(positions, x.dtype)
+        q_scale = self.query_scales(positions, x.dtype)
         residual: Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, ropes[self.layer_rope_kinds[i]], meta, kv_cache[i])
+            x, residual = layer(x, residual, ropes[self.layer_rope_kinds[i]], meta, kv_cache[i], q_scale)
         return self.model.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -84,6 +84,9 @@ REFUSED = [
     ("ernie-moe-interval-zero", lambda: _config("Ernie4_5_MoeConfig", moe_layer_interval=0), "moe_layer_interval"),
     ("glm-odd-rotary-width", lambda: _config("GlmConfig", partial_rotary_factor=0.2), "partial_rotary_factor"),
     ("cohere-no-layer-norm-eps", lambda: _config("CohereConfig", layer_norm_eps=None), "layer_norm_eps"),
+    ("ministral3-no-query-scale-beta", lambda: _config("Ministral3Config", rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}),
+     "rope_parameters.llama_4_scaling_beta"),
     ("helium-activation", lambda: _config("HeliumConfig", hidden_act="gelu"), "hidden_act"),
     ("chunked-layer", lambda: _config("Qwen2Config", sliding_window=8,
                                       layer_types=["chunked_attention", "full_attention", "full_attention"]),

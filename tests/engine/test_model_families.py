@@ -255,8 +255,10 @@ def _no_sinks(model: Any) -> None:
     ("ernie4_5-moe-interleaved-rope-shared", None, _no_ernie_correction_bias),
     ("glm-interleaved-partial-rope",
      lambda c: setattr(c, "rope_parameters", {**c.rope_parameters, "partial_rotary_factor": 1.0}), None),
+    ("ministral3-query-scale-yarn",
+     lambda c: setattr(c, "rope_parameters", {**c.rope_parameters, "llama_4_scaling_beta": 0.0}), None),
 ], ids=["glm-full-rope", "glm-all-groups", "glm-no-correction-bias", "gpt-oss-no-clamp", "gpt-oss-no-sinks",
-        "ernie-no-correction-bias", "glm4-dense-full-rope"])
+        "ernie-no-correction-bias", "glm-dense-full-rope", "ministral3-no-query-scale"])
 def test_glm_s_and_gpt_oss_s_features_each_change_transformers_logits(checkpoint, name, change_config, change_model) -> None:  # type: ignore[no-untyped-def]
     """GLM-4.5's partial RoPE, groups and correction bias, and gpt-oss's clamp and sinks, each undone."""
     assert _changes_transformers_logits(checkpoint(name), change_config, change_model)
@@ -383,7 +385,8 @@ def test_family_greedy_equals_transformers_through_the_engine(checkpoint, engine
     assert got == [_expected(folder, tuple(p)) for p in prompts]
 
 
-@pytest.mark.parametrize("name", sorted({*WINDOWED, *MIXTURES, *INTERLEAVED, *IMAGE_TEXT, "qwen3-qk-norm",
+@pytest.mark.parametrize("name", sorted({*WINDOWED, *MIXTURES, *INTERLEAVED, *IMAGE_TEXT, "ministral3-query-scale-yarn",
+                                          "qwen3-qk-norm",
                                           "hunyuan-qk-norm-ntk-alpha", "olmo2-post-norms"}))
 def test_family_greedy_equals_transformers_through_prefill_handoff_decode(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
     folder = checkpoint(name)

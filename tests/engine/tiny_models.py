@@ -56,6 +56,7 @@ def family_configs() -> dict[str, Any]:
         InternLM3Config,
         LlamaConfig,
         MiniMaxM2Config,
+        Ministral3Config,
         MinistralConfig,
         Mistral3Config,
         MistralConfig,
@@ -115,6 +116,11 @@ def family_configs() -> dict[str, Any]:
             **TINY_DIMS, no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=WINDOW,
             tie_word_embeddings=False,
         ),
+        # Ministral 3: Mistral's layer, YaRN, and each token's rotated queries scaled by its position's period
+        # (here 16 tokens, so that the test prompts cross two).
+        "ministral3-query-scale-yarn": Ministral3Config(**TINY_DIMS, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5}),
         # Mistral's layer with windows where layer_types says.
         "ministral-window-layers": MinistralConfig(
             **TINY_DIMS, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],

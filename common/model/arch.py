@@ -38,6 +38,10 @@ correctness):
   a softmax router whose choice a correction bias shifts) rotate interleaved pairs, served by the kernels'
   rotation of halves once the checkpoint's q and k rows are reordered (``rope_interleaved``); ERNIE rotates
   in float32 (``rope_float32``).
+- EXAONE 4 is OLMo 2's layout in Llama's norm form with Qwen3's per-head q/k norms, its global layers
+  unrotated; Ministral 3 is Mistral's layer with its queries scaled by position (``query_scale_beta``);
+  Gemma 1 is Llama's layer with Gemma's norms, scaled embeddings and GELU-tanh.
+- Image-text checkpoints (Gemma 3, Mistral 3) are served as their ``text_config``'s family (text only).
 - Cohere (``cohere``) and Cohere 2 (``cohere2``) rotate interleaved pairs too, in float32; their norms are
   LayerNorms without bias (``NORM_LAYER``), attention and MLP read the same norm side by side, and the
   logits are scaled by ``logit_scale``; Cohere 2 windows its sliding layers and rotates only those.
@@ -59,7 +63,7 @@ _COHERE_TYPES = ("cohere", "cohere2")
 _ATTENTION_BIAS_TYPES = ("qwen3", "gemma", "gemma2", "gemma3_text", "hunyuan_v1_dense", "olmo2", "olmo3", "qwen3_moe", "olmoe",
                          "granitemoe", "granitemoeshared", "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe",
                          *_COHERE_TYPES)
-_NO_BIAS_TYPES = ("mistral", "ministral", "ministral3", "phi3", "mixtral", "minimax_m2")  # no bias anywhere
+_NO_BIAS_TYPES = ("mistral", "ministral", "ministral3", "phi3", "mixtral", "minimax_m2", "exaone4")  # no bias anywhere
 # Families whose q/k/v, o and MLP projections all have biases by ``use_bias`` (ERNIE 4.5; its experts none).
 _ERNIE_TYPES = ("ernie4_5", "ernie4_5_moe")
 _GLM_TYPES = ("glm", "glm4")
@@ -89,7 +93,7 @@ ROUTER_SOFTMAX_CORRECTED = "softmax_corrected_topk"
 _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "seed_oss",
-    "hunyuan_v1_dense", "olmo2", "olmo3", "helium", "ministral3", *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
+    "hunyuan_v1_dense", "olmo2", "olmo3", "helium", "ministral3", "exaone4", *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
 )
 # Gemma's norms ((1 + weight) in float32), scaled embeddings and GELU-tanh; Gemma 2 and 3 add norms after
 # each block, soft-caps and their attention scale (``_SANDWICH_GEMMA_TYPES``).
@@ -285,7 +289,7 @@ class ModelArch:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
-            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "dots1") or (
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "dots1", "exaone4") or (
                 model_type in ("glm4_moe", "cohere") and bool(getattr(config, "use_qk_norm", False))),
             qk_norm_per_head=model_type == "cohere",
             qk_norm_after_rope=model_type in _HUNYUAN_TYPES,
@@ -308,7 +312,7 @@ class ModelArch:
             parallel_block=model_type in _COHERE_TYPES,
             logit_scale=_positive_or_none(config, "logit_scale") if model_type in _COHERE_TYPES else None,
             **(_query_scale(config) if model_type == "ministral3" else {}),
-            post_norms_only=olmo,
+            post_norms_only=olmo or model_type == "exaone4",  # EXAONE 4's in Llama's norm form
             qk_norm_full_width=olmo or model_type in ("olmoe", "minimax_m2"),
             embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
             # Set only where the family implements them (checked above).
@@ -539,8 +543,8 @@ def _rope_type(config: Any, params: dict[str, Any], field: str, model_type: str)
 
 def _no_rope_layers(config: Any, model_type: str) -> tuple[int, ...]:
     """The layers without RoPE: SmolLM3's ``no_rope_layers`` holds 1 (RoPE) or 0 (none) per layer; Cohere 2
-    rotates its sliding layers only."""
-    if model_type == "cohere2":
+    rotates its sliding layers only, and EXAONE 4 too where it has a window."""
+    if model_type == "cohere2" or (model_type == "exaone4" and getattr(config, "sliding_window", None) is not None):
         layer_types = getattr(config, "layer_types", None) or ()
         return tuple(i for i, kind in enumerate(layer_types) if kind != "sliding_attention")
     if model_type != "smollm3":
@@ -561,6 +565,8 @@ def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
         return (None,) * num_layers  # their transformers code has no sliding window: the field is unused
     if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window
+    if model_type == "exaone4" and window is None:
+        return (None,) * num_layers  # its sliding layers, without a window, attend to everything (and rotate)
     if model_type == "qwen2_moe" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its config sets the window to 0 then
     if window is not None and (not isinstance(window, int) or window < 1):

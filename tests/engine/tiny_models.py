@@ -38,6 +38,7 @@ def family_configs() -> dict[str, Any]:
         Dots1Config,
         Ernie4_5_MoeConfig,
         Ernie4_5Config,
+        Exaone4Config,
         FlexOlmoConfig,
         Gemma2Config,
         Gemma3Config,
@@ -115,6 +116,11 @@ def family_configs() -> dict[str, Any]:
         "smollm3-nope-window": SmolLM3Config(
             **TINY_DIMS, no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=WINDOW,
             tie_word_embeddings=False,
+        ),
+        # EXAONE 4: norms after each block (OLMo 2's layout, Llama's norm), q/k norms per head, sliding layers
+        # that alone rotate.
+        "exaone4-post-norms-window": Exaone4Config(
+            **TINY_DIMS, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         ),
         # Ministral 3: Mistral's layer, YaRN, and each token's rotated queries scaled by its position's period
         # (here 16 tokens, so that the test prompts cross two).

@@ -137,6 +137,7 @@ _FAMILY_FIELDS = {
     "glm4_moe": ("use_qk_norm",),  # per-head q/k norms, as Qwen3's
     "minimax_m2": ("use_qk_norm",),  # its released configs set it; its modeling code norms q and k always
     "cohere": ("use_qk_norm",),  # Command R+'s LayerNorms of q and k, a weight per head
+    "gpt_oss": ("quantization_config",),  # its released MXFP4 experts (``_experts_mxfp4`` checks the method)
 }
 _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
@@ -230,6 +231,9 @@ class ModelArch:
     expert_activation: str = "silu"
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
+    # gpt-oss's released checkpoints: its experts' weights in MXFP4 (``*_blocks`` and ``*_scales``), widened
+    # to the model's dtype as they load, the model transformers runs with ``Mxfp4Config(dequantize=True)``.
+    experts_mxfp4: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> ModelArch:
@@ -406,7 +410,8 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         for field, value in swiglu.items():
             if value is None:
                 raise UnsupportedConfig(field, value, "must be a positive number")
-        router = {"router": ROUTER_TOPK_SOFTMAX_BIASED, "expert_bias": True, "expert_activation": "gpt_oss", **swiglu}
+        router = {"router": ROUTER_TOPK_SOFTMAX_BIASED, "expert_bias": True, "expert_activation": "gpt_oss", **swiglu,
+                  "experts_mxfp4": _experts_mxfp4(config)}
     if model_type == "hunyuan_v1_moe":  # a shared MLP as wide as the dense one, ungated
         shared = getattr(config, "intermediate_size", None)
     if model_type == "minimax_m2":  # weights in float32, as its router leaves them
@@ -431,6 +436,18 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         "shared_expert_gated": model_type == "qwen2_moe",
         "router": ROUTER_TOPK_SOFTMAX if model_type in _GRANITE_MOE_TYPES else ROUTER_SOFTMAX_TOPK, **router,
     }
+
+
+def _experts_mxfp4(config: Any) -> bool:
+    """Whether gpt-oss's experts come in MXFP4: its ``quantization_config`` may say so and nothing else
+    (transformers quantizes only the experts of gpt-oss, whatever ``modules_to_not_convert`` lists)."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization in (None, {}):
+        return False
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    if getattr(method, "value", method) != "mxfp4":  # transformers' QuantizationMethod is a str enum
+        raise UnsupportedConfig("quantization_config.quant_method", method, "only gpt-oss's mxfp4 experts are implemented")
+    return True
 
 
 def _ernie_moe_layers(config: Any, num_layers: int) -> tuple[int, ...]:

@@ -87,6 +87,8 @@ REFUSED = [
     ("ministral3-no-query-scale-beta", lambda: _config("Ministral3Config", rope_parameters={
         "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}),
      "rope_parameters.llama_4_scaling_beta"),
+    ("gpt-oss-awq", lambda: _config("GptOssConfig", quantization_config={"quant_method": "awq", "bits": 4}),
+     "quantization_config.quant_method"),
     ("helium-activation", lambda: _config("HeliumConfig", hidden_act="gelu"), "hidden_act"),
     ("chunked-layer", lambda: _config("Qwen2Config", sliding_window=8,
                                       layer_types=["chunked_attention", "full_attention", "full_attention"]),

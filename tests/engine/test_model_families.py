@@ -288,6 +288,48 @@ def test_an_image_text_checkpoint_serves_its_language_model_alone(checkpoint, na
     assert torch.equal(model.lm_head.weight, hf.lm_head.weight)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_widens_to_transformers_own_bits(dtype: torch.dtype) -> None:
+    """Every byte (two codes) under scales from 2**-127 to 2**127, against transformers' dequantization."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from common.model.weights import dequantize_mxfp4
+
+    gen = torch.Generator().manual_seed(5)
+    blocks = torch.arange(256, dtype=torch.uint8)[torch.randperm(256, generator=gen)].reshape(2, 4, 2, 16)
+    scales = torch.tensor([0, 1, 60, 100, 126, 127, 128, 140, 200, 254, 120, 130, 127, 3, 250, 90],
+                          dtype=torch.uint8).reshape(2, 4, 2)
+    got = dequantize_mxfp4(blocks, scales, dtype)
+    assert got.shape == (2, 64, 4) and got.dtype == dtype
+    assert torch.equal(got, convert_moe_packed_tensors(blocks, scales, dtype=dtype))
+    with pytest.raises(ValueError, match="do not fit"):
+        dequantize_mxfp4(blocks, scales[..., :1], dtype)
+
+
+def test_gpt_oss_mxfp4_checkpoint_equals_transformers_dequantized(checkpoint, engines, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """gpt-oss as released (its experts in MXFP4): logits over the prompt and greedy output through the
+    engine equal transformers' with ``Mxfp4Config(dequantize=True)``, which quantization moved from the
+    unquantized model's."""
+    from transformers import Mxfp4Config
+
+    from common.model.weights import load_model
+    from pdserve_kernels import reference
+    from tests.engine.tiny_models import mxfp4_checkpoint
+
+    folder = mxfp4_checkpoint(checkpoint("gpt-oss-moe-sinks-window"), tmp_path / "mxfp4")
+    prompt = prompt_token_ids(PROMPT_LEN)
+    dequantize = {"quantization_config": Mxfp4Config(dequantize=True)}
+    with torch.inference_mode():
+        hf = hf_model(folder, **dequantize)(torch.tensor([prompt])).logits[0]
+        unquantized = hf_model(checkpoint("gpt-oss-moe-sinks-window"))(torch.tensor([prompt])).logits[0]
+    assert (hf - unquantized).abs().max() > 1e-2
+    model = load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64)
+    assert model.arch.experts_mxfp4
+    torch.testing.assert_close(_logits(model, prompt), hf, atol=1e-4, rtol=1e-4)
+    engine = _engine(engines, folder)
+    assert [c[0] for c in engine.generate([prompt], GREEDY)] == [hf_greedy(folder, prompt, MAX_NEW_TOKENS, **dequantize)]
+
+
 def _transformers_modeling(folder: Path) -> Any:
     import importlib
     import json
@@ -344,19 +386,12 @@ def test_interleaved_rope_rotates_as_transformers_does_bit_for_bit(checkpoint, n
     assert torch.equal(got_k, want_k[0].transpose(0, 1)[..., order])
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_family_logits_over_a_prompt_equal_transformers(checkpoint, name: str) -> None:  # type: ignore[no-untyped-def]
-    """Logits, not only their argmax: a final soft-cap (monotonic) can never change a greedy token."""
-    import torch
-
+def _logits(model: LlamaForCausalLM, prompt: list[int], capped: bool = True) -> torch.Tensor:
+    """The model's logits over ``prompt`` in one prefill, its K and V in 8-token blocks (``capped``
+    False: before a final soft-cap)."""
     from common.model.llama import AttentionMetadata
-    from common.model.weights import load_hf_config, load_model
-    from pdserve_kernels import reference
 
-    folder = checkpoint(name)
-    prompt = prompt_token_ids(PROMPT_LEN)
     n, block_size = len(prompt), 8
-    model = load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64)
     attn = model.model.layers[0].self_attn
     kv_cache = torch.zeros(len(model.model.layers), 2, -(-n // block_size), block_size, attn.num_kv_heads,
                            attn.head_size)
@@ -367,10 +402,21 @@ def test_family_logits_over_a_prompt_equal_transformers(checkpoint, name: str) -
     )
     with torch.inference_mode():
         hidden = model(torch.tensor(prompt), torch.arange(n), meta, kv_cache)
-        got = model.compute_logits(hidden)
-        uncapped = model.lm_head(hidden).float()
-        hf = hf_model(folder)
-        expected = hf(torch.tensor([prompt])).logits[0].float()
+        return model.compute_logits(hidden) if capped else model.lm_head(hidden).float()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_logits_over_a_prompt_equal_transformers(checkpoint, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Logits, not only their argmax: a final soft-cap (monotonic) can never change a greedy token."""
+    from common.model.weights import load_model
+    from pdserve_kernels import reference
+
+    folder = checkpoint(name)
+    prompt = prompt_token_ids(PROMPT_LEN)
+    model = load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64)
+    got, uncapped = _logits(model, prompt), _logits(model, prompt, capped=False)
+    with torch.inference_mode():
+        expected = hf_model(folder)(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     if model.arch.final_soft_cap is not None:  # the cap is applied, and changes the logits
         assert got.abs().max() < model.arch.final_soft_cap < uncapped.abs().max()

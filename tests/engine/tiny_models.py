@@ -298,6 +298,36 @@ def build_checkpoint(config: Any, folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+# MXFP4's four-bit values by code, for ``mxfp4_checkpoint``'s rounding.
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def mxfp4_checkpoint(folder: Path, target: Path) -> Path:
+    """gpt-oss's checkpoint at ``folder`` with its experts quantized to MXFP4 as its released checkpoints
+    hold them (``*_blocks``: two e2m1 codes a byte, the low four bits first; ``*_scales``: a power of two
+    per 32 inputs, e8m0), and the ``quantization_config`` that says so."""
+    from safetensors.torch import load_file, save_file
+
+    target.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, weight in load_file(str(folder / "model.safetensors")).items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name] = weight
+            continue
+        rows = weight.transpose(1, 2).float()  # [E, outputs, inputs]: the blocks run along the inputs
+        groups = rows.reshape(*rows.shape[:2], -1, 32)
+        exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
+        codes = ((groups / torch.exp2(exponent)[..., None])[..., None] - _E2M1).abs().argmin(-1).to(torch.uint8)
+        out[name + "_blocks"] = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        out[name + "_scales"] = (exponent + 127).to(torch.uint8)
+    save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
 def build_tokenizer(folder: Path) -> None:
     """A word-level tokenizer over the tiny vocabulary: ``"w5 w9"`` encodes to ``[1, 5, 9]``."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors

@@ -48,6 +48,7 @@ from router.serving_responses import (
     delete_response,
     list_input_items,
     retrieve_response,
+    stream_response,
 )
 from router.serving_tokenize import install_tokenize_routes
 from router.state import RouterState
@@ -225,8 +226,15 @@ def create_app(state: RouterState) -> FastAPI:
         """The caller's API-key salt ("" with keys off): whose stored responses it may see."""
         return state.api_keys.check(request.headers.get("authorization")) or ""
 
-    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=not_found)
-    async def stored_response(request: Request, response_id: str) -> JSONResponse:
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses={**not_found, 400: errors[400]})
+    async def stored_response(
+        request: Request, response_id: str, stream: bool = False, starting_after: int | None = None
+    ) -> Response:
+        """The stored response; with ``stream``, a streaming background response's events again, those
+        after ``starting_after`` (a sequence number), then the rest as they come."""
+        if stream:
+            return await stream_response(state, owner(request), response_id, starting_after,
+                                         lambda: wait_for_disconnect(request.receive))
         return JSONResponse(await retrieve_response(state, owner(request), response_id))
 
     @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=not_found)

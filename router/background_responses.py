@@ -14,6 +14,11 @@ error), or ``cancelled``. Any router process on the same Redis serves the record
 
 A background response holds a seat among the router's requests in flight (``--max-inflight``) until
 it ends, taken before the request returns (a 429 then, as for any request).
+
+With ``stream`` too, the process running it logs its events in the store as they come, and every
+stream of it (the request's own, and ``GET /v1/responses/{id}?stream=true&starting_after=N`` on any
+process) reads that log (``router/serving_responses.py``'s ``tail_events``): a client that drops its
+connection leaves the response running and picks up where it was.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ def failed_by_loss(record: StoredResponse) -> StoredResponse:
     response = {**record.response, "status": "failed", "error": {
         "code": "server_error", "message": "the router process running this background response stopped before "
                                            "it finished; create it again"}}
-    return StoredResponse(record.owner, response, record.items, 0.0)
+    return msgspec.structs.replace(record, response=response, lease_until=0.0)
 
 
 class BackgroundResponses:

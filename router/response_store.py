@@ -11,6 +11,11 @@ one at its TTL, so the store cannot grow without bound. A record is its caller's
 another key reads it as not found. With a cluster key each record carries an HMAC-SHA256 over its
 key name and bytes, as registry entries do, and a record that does not verify is not believed:
 whoever can write to Redis cannot put words into a conversation that the model then continues.
+
+A background response that streams also keeps its events, in order, in a list beside its record
+(``append_events`` / ``read_events``), for as long as the record: a client that lost its stream reads
+them again from where it was (``GET /v1/responses/{id}?stream=true&starting_after=N``). With a cluster
+key each event's MAC covers its number too, so a log cannot be reordered or spliced unnoticed.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class StoredResponse(msgspec.Struct):
     # A background response still running: until when (wall clock) the router process running it has
     # vouched for it; past it, that process is gone and the response failed. 0: not running.
     lease_until: float = 0.0
+    streamed: bool = False  # a background response created with ``stream``: its events are logged
 
 
 _encoder = msgspec.json.Encoder()
@@ -64,15 +70,67 @@ class ResponseStore:
     def _name(self, response_id: str) -> str:
         return self._rc.key("response", response_id)
 
+    def _events_name(self, response_id: str) -> str:
+        return self._rc.key("response-events", response_id)
+
+    def _seal(self, name: str, payload: bytes) -> bytes:
+        """``payload`` as stored under ``name``: with a cluster key, signed over the name and its bytes."""
+        if self._key is None:
+            return payload
+        return _encoder.encode(SignedEntry(msgspec.Raw(payload), self._key.sign(name.encode() + b"\n" + payload)))
+
+    def _unseal(self, name: str, raw: bytes) -> bytes | None:
+        """What ``_seal`` stored under ``name``; None where a cluster key is set and it does not verify."""
+        try:
+            signed: SignedEntry | None = _signed_decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            signed = None  # unsigned (or garbage: what decodes it next says which)
+        payload = raw if signed is None else bytes(signed.entry)
+        if self._key is not None and (signed is None or not self._key.verify(name.encode() + b"\n" + payload, signed.mac)):
+            logger.warning("ignoring stored response %s: %s", name, "unsigned" if signed is None else "its MAC does not verify")
+            return None
+        return payload
+
     async def save(self, record: StoredResponse) -> bool:
         """Write ``record`` under its response's id, to expire after the TTL; False if Redis is down."""
         name = self._name(record.response["id"])
-        payload = _encoder.encode(record)
-        if self._key is not None:
-            mac = self._key.sign(name.encode() + b"\n" + payload)
-            payload = _encoder.encode(SignedEntry(msgspec.Raw(payload), mac))
+        payload = self._seal(name, _encoder.encode(record))
         ok, _ = await asyncio.to_thread(self._rc.run, "response save", lambda c: c.set(name, payload, ex=self.ttl_s))
         return ok
+
+    async def append_events(self, response_id: str, first: int, events: list[bytes]) -> bool:
+        """Append a streaming background response's ``events`` (numbered ``first`` on) to its log, which
+        expires with the record; False if Redis is down."""
+        if not events:
+            return True
+        name = self._events_name(response_id)
+        entries = [self._seal(f"{name}#{first + i}", event) for i, event in enumerate(events)]
+
+        def write(client: Any) -> None:
+            pipe = client.pipeline(transaction=False)
+            pipe.rpush(name, *entries)
+            pipe.expire(name, self.ttl_s)
+            pipe.execute()
+
+        ok, _ = await asyncio.to_thread(self._rc.run, "response events append", write)
+        return ok
+
+    async def read_events(self, response_id: str, after: int) -> list[bytes]:
+        """The logged events numbered after ``after`` (-1: all), up to the first that does not verify; a
+        503 if Redis is down."""
+        if not _ID.fullmatch(response_id):
+            return []
+        name = self._events_name(response_id)
+        ok, raw = await asyncio.to_thread(self._rc.run, "response events read", lambda c: c.lrange(name, after + 1, -1))
+        if not ok:
+            raise unavailable()
+        events = []
+        for number, entry in enumerate(raw, start=after + 1):
+            event = self._unseal(f"{name}#{number}", entry)
+            if event is None:
+                break
+            events.append(event)
+        return events
 
     async def load(self, response_id: str, owner: str) -> StoredResponse | None:
         """The record of ``response_id`` if ``owner`` may read it, else None; a 503 if Redis is down."""
@@ -92,19 +150,15 @@ class ResponseStore:
         if await self.load(response_id, owner) is None:
             return False
         name = self._name(response_id)
-        ok, removed = await asyncio.to_thread(self._rc.run, "response delete", lambda c: c.delete(name))
+        events = self._events_name(response_id)
+        ok, removed = await asyncio.to_thread(self._rc.run, "response delete", lambda c: c.delete(name, events))
         if not ok:
             raise unavailable()
         return bool(removed)
 
     def _open(self, name: str, raw: bytes) -> StoredResponse | None:
-        try:
-            signed: SignedEntry | None = _signed_decoder.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            signed = None  # unsigned (or garbage: the decode below says which)
-        payload = raw if signed is None else bytes(signed.entry)
-        if self._key is not None and (signed is None or not self._key.verify(name.encode() + b"\n" + payload, signed.mac)):
-            logger.warning("ignoring stored response %s: %s", name, "unsigned" if signed is None else "its MAC does not verify")
+        payload = self._unseal(name, raw)
+        if payload is None:
             return None
         try:
             record = _record_decoder.decode(payload)

@@ -10,9 +10,9 @@ Streamed, the answer's pieces become the API's typed events, in the order OpenAI
 
 With ``previous_response_id`` the items of the stored response it names (its input items, then its
 output) come before the request's own, and that response's ``instructions`` do not, as OpenAI
-does; storing is ``router/response_store.py``'s. What needs a response still running on the server
-(``background``) or a tool the server does not run (web search, files, computers) is a 400 naming
-the field.
+does; storing is ``router/response_store.py``'s, running in the background
+``router/background_responses.py``'s. A tool the server does not run (web search, files, computers)
+is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -84,9 +84,6 @@ class ResponsesRequest(CheckedRequest):
         )):
             raise bad_request("input must be a string or a non-empty list of input items", param="input")
         self.refuse_unless_nothing(_NOT_SERVED, "not served here")
-        if self.background and self.stream:
-            raise bad_request("background with stream is not supported: poll GET /v1/responses/{id} instead",
-                              param="background")
         if self.truncation not in (None, "disabled"):
             raise bad_request("truncation must be 'disabled': a prompt too long is refused, not cut", param="truncation")
 
@@ -365,6 +362,10 @@ class ResponseEvents:
         """The answer ended: its last item closed; the response is then whole (``response``)."""
         self.status = "incomplete" if finish_reason == "length" else "completed"
         return self._close(self.status)
+
+    def failed(self, response: dict[str, Any]) -> bytes:
+        """The last event of a response that failed: the response, with its error."""
+        return self._event("response.failed", response=response)
 
     def final(self, response: dict[str, Any]) -> bytes:
         """The last event: the whole ``response``."""

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -33,13 +34,18 @@ from router.responses_api import (
 from router.serving import (
     ClientDisconnected,
     DisconnectWaiter,
+    EventStreamResponse,
     GenerationPlan,
     UsageTracker,
     collect,
+    merge_choices,
     sse_response,
+    start_choices,
 )
 from router.serving_chat import plan_chat
 from router.state import RouterState
+
+logger = logging.getLogger(__name__)
 
 
 def _reasoning_tokens(state: RouterState, reasoning: str | None) -> int:
@@ -63,7 +69,7 @@ async def create_response(
     response_id = new_id("resp")
     store = state.responses is not None and request.store is not False
     save = _saver(state, owner, [*earlier, *_as_stored(request.own_items())]) if store else None
-    if request.stream:
+    if request.stream and not request.background:
         events = ResponseEvents(request, response_id, plan.created, plan.model, store)
         chunks = _ResponseChunks(state, plan, reader, events, save)
         return await sse_response(
@@ -71,8 +77,11 @@ async def create_response(
             finish=chunks.finish,
         )
     if request.background:
-        return JSONResponse(await _start_background(state, request, response_id, plan, reader, owner,
-                                                    [*earlier, *_as_stored(request.own_items())]))
+        started = await _start_background(state, request, response_id, plan, reader, owner,
+                                          [*earlier, *_as_stored(request.own_items())])
+        if request.stream:  # its events as they are logged; a client that goes leaves it running
+            return EventStreamResponse(tail_events(state, owner, response_id, -1, wait_disconnect))
+        return JSONResponse(started)
     response = await _answer(state, request, response_id, plan, reader, wait_disconnect, store)
     if save is not None:
         response["store"] = await save(response)
@@ -105,7 +114,8 @@ async def _start_background(
                           param="background")
     responses = state.responses
     record = leased(StoredResponse(owner, response_object(
-        request, response_id, plan.created, plan.model, "in_progress", [], None, True), items))
+        request, response_id, plan.created, plan.model, "in_progress", [], None, True), items,
+        streamed=bool(request.stream)))
     state.admit()  # a seat among the requests in flight until it ends (the request's own is left as it returns)
     if not await responses.save(record):
         state.leave()
@@ -117,21 +127,136 @@ async def _start_background(
         async def until_cancelled() -> None:
             await cancelled.wait()
 
+        events = ResponseEvents(request, response_id, plan.created, plan.model, True)
+        log = _EventLog(responses, response_id)
         try:
-            response = await _answer(state, request, response_id, plan, reader, until_cancelled, True)
-        except ClientDisconnected:  # cancelled, here or through another process
+            if request.stream:
+                response = await _stream_to_log(state, plan, reader, events, log, until_cancelled)
+            else:
+                response = await _answer(state, request, response_id, plan, reader, until_cancelled, True)
+        except ClientDisconnected:  # cancelled, here or through another process: its stream just ends
             response = {**record.response, "status": "cancelled"}
         except (EngineRequestError, APIError) as exc:  # an engine's error, or none to run it on
             response = {**record.response, "status": "failed", "error": {"code": "server_error", "message": str(exc)}}
+            if request.stream:
+                await log.append([events.failed(response)])
         finally:
             lease.cancel()
             state.leave()
         with contextlib.suppress(Exception):  # the store down: readers find the lease lapsed, then failed
             if await responses.load(response_id, owner) is not None:  # not deleted meanwhile
-                await responses.save(StoredResponse(owner, response, items))
+                await responses.save(msgspec.structs.replace(record, response=response, lease_until=0.0))
 
     state.background.start(response_id, run)
     return record.response
+
+
+class _EventLog:
+    """A streaming background response's events, appended to its log in the store as they come (the
+    record's final state is saved after its last event: a reader that finds the record ended has the
+    whole log). An event Redis did not take is counted all the same: readers then find the record ended
+    without it, and end there."""
+
+    def __init__(self, store: ResponseStore, response_id: str) -> None:
+        self.store, self.response_id, self.next = store, response_id, 0
+
+    async def append(self, events: list[bytes]) -> None:
+        first, self.next = self.next, self.next + len(events)
+        if not await self.store.append_events(self.response_id, first, events):
+            logger.warning("response %s: events %d-%d not logged (the store is unreachable)", self.response_id,
+                           first, self.next - 1)
+
+
+async def _stream_to_log(
+    state: RouterState, plan: GenerationPlan, reader: AnswerReader, events: ResponseEvents, log: _EventLog,
+    until_cancelled: DisconnectWaiter,
+) -> dict[str, Any]:
+    """Run a streaming background response: its events, as a streamed response writes them, into ``log``;
+    returns the whole response (its last event's)."""
+    writer = _ResponseChunks(state, plan, reader, events, None)
+    choices = await start_choices(state, plan, until_cancelled)
+    try:
+        await log.append(writer.opening())
+        async with contextlib.aclosing(merge_choices(choices, until_cancelled)) as deltas:
+            async for delta in deltas:
+                await log.append(writer.chunks(delta))
+        await writer.finish()
+        await log.append(writer.closing())
+    finally:
+        choices.close()
+    assert writer.response is not None
+    return writer.response
+
+
+# The events after which a response's stream has nothing more to say.
+_LAST_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+_POLL_S = (0.02, 0.25)  # how often a reader looks for new events: at first, and at most after backing off
+
+
+class _EventKind(msgspec.Struct):
+    type: str
+
+
+_kind_decoder = msgspec.json.Decoder(_EventKind)
+
+
+async def tail_events(
+    state: RouterState, owner: str, response_id: str, after: int, wait_disconnect: DisconnectWaiter
+) -> AsyncGenerator[bytes, None]:
+    """A streaming background response's events numbered after ``after``, from its log, then as they are
+    logged, up to its last (completed, incomplete or failed). A response cancelled ends after its
+    events so far; one whose router process stopped ends with ``response.failed`` once its lease lapsed
+    (and is stored so). Ends when the client goes (``ClientDisconnected``); the response runs on."""
+    store = _store(state, response_id)
+    disconnect = asyncio.ensure_future(wait_disconnect())
+    delay = _POLL_S[0]
+    try:
+        while True:
+            new = await store.read_events(response_id, after)
+            for event in new:
+                after += 1
+                yield event
+                if _kind_decoder.decode(event).type in _LAST_EVENTS:
+                    return
+            if new:
+                delay = _POLL_S[0]
+                continue
+            record = await store.load(response_id, owner)
+            if record is None:  # deleted, or expired
+                return
+            if lapsed(record):
+                record = failed_by_loss(record)
+                await store.save(record)
+            if not running(record):  # its last events were logged before it was saved ended
+                for event in await store.read_events(response_id, after):
+                    after += 1
+                    yield event
+                    if _kind_decoder.decode(event).type in _LAST_EVENTS:
+                        return
+                if record.response.get("status") == "failed":
+                    yield msgspec.json.encode({"type": "response.failed", "sequence_number": after + 1,
+                                               "response": record.response})
+                return
+            done, _ = await asyncio.wait({disconnect}, timeout=delay)
+            if done:
+                raise ClientDisconnected
+            delay = min(2 * delay, _POLL_S[1])
+    finally:
+        disconnect.cancel()
+
+
+async def stream_response(state: RouterState, owner: str, response_id: str, starting_after: int | None,
+                          wait_disconnect: DisconnectWaiter) -> EventStreamResponse:
+    """``GET /v1/responses/{id}?stream=true``: a streaming background response's events again, after
+    ``starting_after`` (a sequence number; none: from the first)."""
+    record = await _stored(state, owner, response_id)
+    if not record.streamed:
+        raise bad_request(f"response '{response_id}' was not created with background and stream true: only those "
+                          "can be streamed again", param="stream")
+    after = -1 if starting_after is None else starting_after
+    if after < -1:
+        raise bad_request("starting_after must be a sequence number, 0 or more", param="starting_after")
+    return EventStreamResponse(tail_events(state, owner, response_id, after, wait_disconnect))
 
 
 async def _earlier_items(state: RouterState, request: ResponsesRequest, owner: str) -> list[dict[str, Any]]:
@@ -188,6 +313,7 @@ class _ResponseChunks:
         self.finish_reason: str | None = None
         self.reasoning = ""
         self._closing: list[bytes] = []
+        self.response: dict[str, Any] | None = None  # the whole response, once ``finish`` ran
 
     def opening(self) -> list[bytes]:
         return self.events.opening()
@@ -218,6 +344,7 @@ class _ResponseChunks:
         if self.save is not None:
             response["store"] = await self.save(response)
         self._closing.append(self.events.final(response))
+        self.response = response
 
     def closing(self) -> list[bytes]:
         return self._closing

@@ -2,7 +2,8 @@
 and a real Redis: a response that runs on after its request and is read back; cancelled through the
 router running it and through another one (its engine request aborted); deleted while it runs; and a
 router that stops, or a router process SIGKILLed, while it runs (its lease lapses, and a read finds the
-response failed)."""
+response failed); streamed, a client that dropped its stream reads the rest from where it was, through
+any router, and the stream of a response cancelled or lost ends as it did."""
 
 from __future__ import annotations
 
@@ -152,14 +153,85 @@ def test_a_router_that_stops_while_it_runs_leaves_it_failed_once_its_lease_lapse
             assert "stopped before it finished" in failed.error.message
 
 
+def _texts(events: list[Any]) -> str:
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+def test_a_streamed_one_resumes_where_its_client_dropped_it_through_any_router(
+    stack: tuple[RouterServer, FakeCluster], prompts: Any, redis_url: str,
+) -> None:
+    """The client reads ten events and drops the connection: the response runs on; the rest, read from
+    another router after sequence number 9, joins the first part exactly (numbers without gap, text
+    whole), and ends as the stored response does."""
+    server, _ = stack
+    client = _client(server)
+    first = []
+    with client.responses.create(model=SERVED_MODEL, input="Count.", background=True, stream=True,
+                                 max_output_tokens=60) as stream:
+        for event in stream:
+            first.append(event)
+            if event.sequence_number == 9:
+                break  # the connection closes here
+    response_id = first[0].response.id
+    assert [e.sequence_number for e in first] == list(range(10)) and first[0].type == "response.created"
+    assert client.responses.retrieve(response_id).status == "in_progress"  # the drop did not stop it
+    other_state = make_state(prompts, redis_url=redis_url, namespace=server.state.config.namespace,
+                             request_timeout_s=30.0, response_ttl_s=600)
+    with RouterServer(other_state) as other:
+        other.wait_ready()
+        rest = list(_client(other).responses.retrieve(response_id, stream=True, starting_after=9))
+        assert [e.sequence_number for e in rest] == list(range(10, 10 + len(rest)))
+        assert rest[-1].type == "response.incomplete" and rest[-1].response.output_text == " word" * 60
+        assert _texts(first) + _texts(rest) == " word" * 60
+        again = list(_client(other).responses.retrieve(response_id, stream=True))  # the whole log, once ended
+        assert [e.model_dump() for e in again] == [e.model_dump() for e in first + rest]
+    stored = _settles(client, response_id)
+    assert stored.status == "incomplete" and stored.output_text == " word" * 60
+    assert server.state.num_inflight == 0 and len(server.state.background) == 0
+
+
+def test_a_streamed_one_cancelled_or_lost_ends_its_readers_streams(
+    redis_url: str, prompts: Any, tokenizer: Any, short_lease: None,
+) -> None:
+    """Cancelled: a reader's stream ends after the events so far (status cancelled). Its router stopped:
+    a reader on another router gets ``response.failed`` once the lease lapsed."""
+    reply = list(tokenizer.encode(" word" * 200, add_special_tokens=False))
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": SLOW_TOKEN_S}, request_timeout_s=30.0,
+                    response_ttl_s=600) as (server, cluster):
+        client = _client(server)
+        stream = client.responses.create(model=SERVED_MODEL, input="Long.", background=True, stream=True,
+                                         max_output_tokens=200)
+        events = [next(stream) for _ in range(8)]
+        client.responses.cancel(events[0].response.id)
+        events += list(stream)
+        assert all(e.type not in ("response.completed", "response.incomplete", "response.failed") for e in events)
+        assert client.responses.retrieve(events[0].response.id).status == "cancelled"
+        assert wait_until(lambda: len(_aborted(cluster)) == 1, 10)
+
+        namespace = server.state.config.namespace
+        with RouterServer(make_state(prompts, redis_url=redis_url, namespace=namespace, request_timeout_s=30.0,
+                                     response_ttl_s=600)) as doomed:
+            doomed.wait_ready()
+            lost = _client(doomed).responses.create(model=SERVED_MODEL, input="Long.", background=True, stream=True,
+                                                    max_output_tokens=200)
+            response_id = next(lost).response.id
+            lost.close()
+        tail = list(client.responses.retrieve(response_id, stream=True, starting_after=0))
+        assert tail[-1].type == "response.failed" and "stopped before it finished" in tail[-1].response.error.message
+        assert [e.sequence_number for e in tail] == list(range(1, 1 + len(tail)))
+
+
 def test_what_background_cannot_do_is_refused_by_name(redis_url: str, prompts: Any, tokenizer: Any) -> None:
     reply = list(tokenizer.encode(" word", add_special_tokens=False))
     with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001}, response_ttl_s=600) as (server, _):
         client = _client(server)
-        for kwargs in ({"store": False}, {"stream": True}):
-            with pytest.raises(openai.BadRequestError) as refused:
-                client.responses.create(model=SERVED_MODEL, input="Hi.", background=True, **kwargs)
-            assert refused.value.body["param"] == "background"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=SERVED_MODEL, input="Hi.", background=True, store=False)
+        assert refused.value.body["param"] == "background"  # type: ignore[index]
+        plain = client.responses.create(model=SERVED_MODEL, input="Hi.", max_output_tokens=1)
+        with pytest.raises(openai.BadRequestError) as refused:  # only a streaming background one is logged
+            list(client.responses.retrieve(plain.id, stream=True))
+        assert refused.value.body["param"] == "stream"  # type: ignore[index]
     with (fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001}, response_ttl_s=0) as (server, _),
           pytest.raises(openai.BadRequestError, match="--response-ttl")):
         _client(server).responses.create(model=SERVED_MODEL, input="Hi.", background=True)

@@ -236,3 +236,33 @@ def test_under_a_cluster_key_a_record_not_written_with_it_is_not_believed(redis_
         keyed.close()
         unkeyed.close()
         rc.close()
+
+
+def test_under_a_cluster_key_an_event_log_altered_or_reordered_is_read_up_to_the_change(redis_url: str) -> None:
+    """A streaming background response's events: read back after any number; with a cluster key, an event
+    rewritten, or two swapped, ends the read where the log stops being the one written."""
+    namespace = f"store-{uuid.uuid4().hex[:8]}"
+    keyed = ResponseStore(redis_url, namespace, TTL_S, ClusterKey.generate())
+    rc = redis.Redis.from_url(redis_url)
+    events = [f'{{"type":"e","sequence_number":{i}}}'.encode() for i in range(6)]
+
+    async def run() -> None:
+        assert await keyed.append_events("resp_log", 0, events[:4]) and await keyed.append_events("resp_log", 4, events[4:])
+        assert await keyed.read_events("resp_log", -1) == events
+        assert await keyed.read_events("resp_log", 2) == events[3:]
+        assert await keyed.read_events("resp_log", 5) == [] and await keyed.read_events("bad id!", -1) == []
+        name = f"{namespace}:response-events:resp_log"
+        assert 0 < (rc.ttl(name) or 0) <= TTL_S  # it expires with the record
+        third, fourth = rc.lindex(name, 3), rc.lindex(name, 4)
+        assert isinstance(third, bytes) and isinstance(fourth, bytes)
+        rc.lset(name, 3, fourth)
+        rc.lset(name, 4, third)
+        assert await keyed.read_events("resp_log", -1) == events[:3]  # swapped: read up to them
+        rc.lset(name, 3, third.replace(b'"e"', b'"x"'))
+        assert await keyed.read_events("resp_log", 2) == []  # rewritten
+
+    try:
+        asyncio.run(run())
+    finally:
+        keyed.close()
+        rc.close()

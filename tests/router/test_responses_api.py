@@ -121,7 +121,7 @@ def test_text_format_constrains_the_output(plain: tuple[openai.OpenAI, FakeClust
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),  # never stored
         ({"previous_response_id": 1}, "previous_response_id"),
-        ({"background": True, "stream": True}, "background"),  # resuming a background stream
+        ({"background": True, "stream": True, "store": False}, "background"),  # nowhere to log its events
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"truncation": "auto"}, "truncation"),
         ({"tools": [{"type": "web_search"}]}, "tools"),

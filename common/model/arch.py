@@ -77,6 +77,9 @@ _HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 _DEEPSEEK_ROUTED_TYPES = ("glm4_moe", "dots1")
 # Families whose modeling code rotates only each head's first ``partial_rotary_factor`` share.
 _PARTIAL_ROPE_TYPES = ("glm4_moe", "minimax_m2", *_GLM_TYPES)
+# Quantized checkpoints served (``ModelArch.quantization``), by their ``quant_method``.
+QUANT_MXFP4 = "mxfp4"
+QUANT_FP8 = "fp8"
 # How a mixture's router picks and weighs experts, as each family's transformers code does:
 ROUTER_SOFTMAX_TOPK = "softmax_topk"  # softmax over all experts, then the top k (Mixtral, Qwen, OLMoE)
 ROUTER_TOPK_SOFTMAX = "topk_softmax"  # the top k logits, then a softmax over those (Granite)
@@ -117,7 +120,6 @@ SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 _UNSET_FIELDS = (
     "attn_logit_softcapping",  # Gemma 2: tanh soft-capping of attention scores
     "final_logit_softcapping",  # Gemma 2/3: tanh soft-capping of the logits
-    "quantization_config",  # quantized weights
     "query_pre_attn_scalar",  # Gemma: a scale other than head_dim ** -0.5
     "use_qk_norm",  # Llama 4 style q/k norms (Qwen3's are its own family rule)
     "attention_chunk_size",  # chunked (local) attention
@@ -137,7 +139,6 @@ _FAMILY_FIELDS = {
     "glm4_moe": ("use_qk_norm",),  # per-head q/k norms, as Qwen3's
     "minimax_m2": ("use_qk_norm",),  # its released configs set it; its modeling code norms q and k always
     "cohere": ("use_qk_norm",),  # Command R+'s LayerNorms of q and k, a weight per head
-    "gpt_oss": ("quantization_config",),  # its released MXFP4 experts (``_experts_mxfp4`` checks the method)
 }
 _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
@@ -231,9 +232,11 @@ class ModelArch:
     expert_activation: str = "silu"
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
-    # gpt-oss's released checkpoints: its experts' weights in MXFP4 (``*_blocks`` and ``*_scales``), widened
-    # to the model's dtype as they load, the model transformers runs with ``Mxfp4Config(dequantize=True)``.
-    experts_mxfp4: bool = False
+    # Quantized weights, widened to the model's dtype as they load (the model transformers runs with its
+    # quantization config's ``dequantize=True``): ``QUANT_MXFP4``, gpt-oss's released experts (``*_blocks``
+    # and ``*_scales``), or ``QUANT_FP8``, 8-bit weights with a scale per block (``weight_scale_inv``: Qwen's,
+    # Mistral's and DeepSeek's FP8 checkpoints). None: none.
+    quantization: str | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> ModelArch:
@@ -315,6 +318,7 @@ class ModelArch:
             norm_eps=float(norm_eps),
             parallel_block=model_type in _COHERE_TYPES,
             logit_scale=_positive_or_none(config, "logit_scale") if model_type in _COHERE_TYPES else None,
+            quantization=_quantization(config, model_type),
             **(_query_scale(config) if model_type == "ministral3" else {}),
             post_norms_only=olmo or model_type == "exaone4",  # EXAONE 4's in Llama's norm form
             qk_norm_full_width=olmo or model_type in ("olmoe", "minimax_m2"),
@@ -410,8 +414,7 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         for field, value in swiglu.items():
             if value is None:
                 raise UnsupportedConfig(field, value, "must be a positive number")
-        router = {"router": ROUTER_TOPK_SOFTMAX_BIASED, "expert_bias": True, "expert_activation": "gpt_oss", **swiglu,
-                  "experts_mxfp4": _experts_mxfp4(config)}
+        router = {"router": ROUTER_TOPK_SOFTMAX_BIASED, "expert_bias": True, "expert_activation": "gpt_oss", **swiglu}
     if model_type == "hunyuan_v1_moe":  # a shared MLP as wide as the dense one, ungated
         shared = getattr(config, "intermediate_size", None)
     if model_type == "minimax_m2":  # weights in float32, as its router leaves them
@@ -438,16 +441,30 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
     }
 
 
-def _experts_mxfp4(config: Any) -> bool:
-    """Whether gpt-oss's experts come in MXFP4: its ``quantization_config`` may say so and nothing else
-    (transformers quantizes only the experts of gpt-oss, whatever ``modules_to_not_convert`` lists)."""
+def _quantization(config: Any, model_type: str) -> str | None:
+    """The checkpoint's weight quantization (``QUANT_*``), checked: gpt-oss's MXFP4 experts (transformers
+    quantizes only those, whatever ``modules_to_not_convert`` lists), or block-wise FP8 weights whose
+    activations are quantized on the fly (``activation_scheme: dynamic``), which widened weights compute
+    as transformers' dequantized model does; anything else refused by name."""
     quantization = getattr(config, "quantization_config", None)
     if quantization in (None, {}):
-        return False
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
-    if getattr(method, "value", method) != "mxfp4":  # transformers' QuantizationMethod is a str enum
-        raise UnsupportedConfig("quantization_config.quant_method", method, "only gpt-oss's mxfp4 experts are implemented")
-    return True
+        return None
+    fields = quantization if isinstance(quantization, dict) else vars(quantization)
+    method = fields.get("quant_method")
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod is a str enum
+    if method == QUANT_MXFP4 and model_type == "gpt_oss":
+        return QUANT_MXFP4
+    if method == QUANT_FP8:
+        if fields.get("activation_scheme", "dynamic") != "dynamic":
+            raise UnsupportedConfig("quantization_config.activation_scheme", fields.get("activation_scheme"),
+                                    "only dynamic is implemented (static activation scales change the math)")
+        block = fields.get("weight_block_size")
+        if block is not None and not (isinstance(block, (list, tuple)) and len(block) == 2 and all(
+                _positive_int(b) for b in block)):
+            raise UnsupportedConfig("quantization_config.weight_block_size", block, "must be two positive integers")
+        return QUANT_FP8
+    raise UnsupportedConfig("quantization_config.quant_method", method,
+                            "implemented: fp8 (block-wise, dynamic activations), and mxfp4 for gpt-oss's experts")
 
 
 def _ernie_moe_layers(config: Any, num_layers: int) -> tuple[int, ...]:

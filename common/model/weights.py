@@ -15,7 +15,14 @@ import torch
 from safetensors import safe_open
 
 from common.files import write_atomically
-from common.model.arch import IMAGE_TEXT_TYPES, SUPPORTED_MODEL_TYPES, ModelArch, language_model_config
+from common.model.arch import (
+    IMAGE_TEXT_TYPES,
+    QUANT_FP8,
+    QUANT_MXFP4,
+    SUPPORTED_MODEL_TYPES,
+    ModelArch,
+    language_model_config,
+)
 from common.model.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 from common.model.loader import cache_dir
 
@@ -108,6 +115,14 @@ def load_model(
                 if "rotary_emb.inv_freq" in name:
                     continue
                 state[name] = f.get_tensor(name)
+    if model.arch.quantization == QUANT_FP8:  # before anything renames or stacks the weights
+        for name in [n for n in state if n.endswith("_scale_inv")]:  # x.weight's, or stacked experts' x_scale_inv
+            weight = name.removesuffix("_scale_inv")
+            if weight not in state:
+                raise ValueError(f"checkpoint mismatch: {name} without {weight}")
+            state[weight] = dequantize_fp8(state[weight], state.pop(name), dtype)
+        for name in [n for n in state if n.endswith((".activation_scale", ".input_scale"))]:
+            raise ValueError(f"checkpoint mismatch: {name}: static activation scales are not implemented")
     if json.loads((path / "config.json").read_text()).get("model_type") in IMAGE_TEXT_TYPES:
         for name in [n for n in state if _VISION_NAMES.match(n)]:
             del state[name]
@@ -126,7 +141,7 @@ def load_model(
                           model.arch.rotary_dim)
     for name in [n for n in state if n.endswith(".gate.e_score_correction_bias")]:
         state[name] = state[name].reshape(-1)  # ERNIE 4.5's is [1, experts]
-    if model.arch.experts_mxfp4:
+    if model.arch.quantization == QUANT_MXFP4:
         for name in [n for n in state if n.endswith("_blocks")]:
             base = name.removesuffix("_blocks")
             state[base] = dequantize_mxfp4(state.pop(name), state.pop(base + "_scales"), dtype)
@@ -219,6 +234,21 @@ def stack_experts(state: dict[str, torch.Tensor]) -> None:
         if missing:
             raise ValueError(f"checkpoint mismatch: {prefix} lacks {kind} of experts {missing[:5]}")
         state[f"{prefix}.{kind}"] = torch.stack([state.pop(experts[e]) for e in range(len(experts))])
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An 8-bit weight ``[..., rows, cols]`` (e4m3) widened to ``dtype``: each block of it (the weight's
+    shape over the scales' grid) times its scale (``weight_scale_inv`` ``[..., rows / m, cols / n]``) in
+    float32, rounded once, as transformers dequantizes it."""
+    if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"an FP8 checkpoint's weight must be float8; got {weight.dtype}")
+    rows, cols = weight.shape[-2:]
+    grid = scale_inv.shape[-2:] if scale_inv.dim() >= 2 else (1, 1)
+    if scale_inv.numel() != weight[..., :1, :1].numel() * grid[0] * grid[1] or rows % grid[0] or cols % grid[1]:
+        raise ValueError(f"weight {tuple(weight.shape)} does not split into the scales' {tuple(grid)} blocks")
+    blocks = weight.float().reshape(-1, grid[0], rows // grid[0], grid[1], cols // grid[1])
+    scales = scale_inv.float().reshape(-1, grid[0], 1, grid[1], 1)
+    return (blocks * scales).to(dtype).reshape(weight.shape)
 
 
 # MXFP4's four-bit values (e2m1), by code: the high bit the sign.

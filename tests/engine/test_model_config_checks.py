@@ -37,7 +37,11 @@ REFUSED = [
     ("final-softcap", lambda: _config("LlamaConfig", final_logit_softcapping=30.0), "final_logit_softcapping"),
     ("attn-softcap", lambda: _config("LlamaConfig", attn_logit_softcapping=50.0), "attn_logit_softcapping"),
     ("quantized", lambda: _config("LlamaConfig", quantization_config={"quant_method": "awq", "bits": 4}),
-     "quantization_config"),
+     "quantization_config.quant_method"),
+    ("llama-mxfp4", lambda: _config("LlamaConfig", quantization_config={"quant_method": "mxfp4"}),
+     "quantization_config.quant_method"),
+    ("fp8-static-activations", lambda: _config("LlamaConfig", quantization_config={
+        "quant_method": "fp8", "activation_scheme": "static"}), "quantization_config.activation_scheme"),
     ("gemma2-activation", lambda: _config("Gemma2Config", hidden_activation="gelu"), "hidden_activation"),
     ("gemma2-bidirectional", lambda: _config("Gemma2Config", use_bidirectional_attention=True),
      "use_bidirectional_attention"),

@@ -324,10 +324,52 @@ def test_gpt_oss_mxfp4_checkpoint_equals_transformers_dequantized(checkpoint, en
         unquantized = hf_model(checkpoint("gpt-oss-moe-sinks-window"))(torch.tensor([prompt])).logits[0]
     assert (hf - unquantized).abs().max() > 1e-2
     model = load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64)
-    assert model.arch.experts_mxfp4
+    assert model.arch.quantization == "mxfp4"
     torch.testing.assert_close(_logits(model, prompt), hf, atol=1e-4, rtol=1e-4)
     engine = _engine(engines, folder)
     assert [c[0] for c in engine.generate([prompt], GREEDY)] == [hf_greedy(folder, prompt, MAX_NEW_TOKENS, **dequantize)]
+
+
+@pytest.mark.parametrize("name", ["llama-bias", "qwen3-moe-dense-layer"])
+def test_an_fp8_checkpoint_equals_transformers_dequantized(checkpoint, engines, tmp_path, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Block-wise FP8 weights (a dense model with biases, and a mixture's experts): logits over the prompt
+    and greedy output through the engine equal transformers' with ``FineGrainedFP8Config(dequantize=True)``,
+    which the quantization moved from the unquantized model's."""
+    from transformers import FineGrainedFP8Config
+
+    from common.model.weights import load_model
+    from pdserve_kernels import reference
+    from tests.engine.tiny_models import fp8_checkpoint
+
+    folder = fp8_checkpoint(checkpoint(name), tmp_path / "fp8")
+    prompt = prompt_token_ids(PROMPT_LEN)
+    dequantize = {"quantization_config": FineGrainedFP8Config(dequantize=True)}
+    with torch.inference_mode():
+        hf = hf_model(folder, **dequantize)(torch.tensor([prompt])).logits[0]
+        unquantized = hf_model(checkpoint(name))(torch.tensor([prompt])).logits[0]
+    assert (hf - unquantized).abs().max() > 1e-2
+    model = load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64)
+    assert model.arch.quantization == "fp8"
+    torch.testing.assert_close(_logits(model, prompt), hf, atol=1e-4, rtol=1e-4)
+    engine = _engine(engines, folder)
+    assert [c[0] for c in engine.generate([prompt], GREEDY)] == [hf_greedy(folder, prompt, MAX_NEW_TOKENS, **dequantize)]
+
+
+def test_fp8_widens_each_block_by_its_scale_as_transformers_does() -> None:
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from common.model.weights import dequantize_fp8
+
+    gen = torch.Generator().manual_seed(2)
+    weight = (100 * torch.randn(3, 32, 48, generator=gen)).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 2, 3, generator=gen) + 1e-3
+    for dtype in (torch.float32, torch.bfloat16):
+        got = dequantize_fp8(weight, scale, dtype)
+        assert torch.equal(got, Fp8Dequantize(None)._dequantize_one(weight, scale, output_dtype=dtype))
+    with pytest.raises(ValueError, match="blocks"):
+        dequantize_fp8(weight, torch.rand(3, 5, 3), torch.float32)  # 32 rows in 5 blocks
+    with pytest.raises(ValueError, match="float8"):
+        dequantize_fp8(weight.float(), scale, torch.float32)
 
 
 def _transformers_modeling(folder: Path) -> Any:

@@ -328,6 +328,31 @@ def mxfp4_checkpoint(folder: Path, target: Path) -> Path:
     return target
 
 
+def fp8_checkpoint(folder: Path, target: Path, block: int = 16) -> Path:
+    """The checkpoint at ``folder`` with every projection's weight (experts' too) in 8 bits (e4m3) with a
+    scale per ``block`` x ``block`` (``weight_scale_inv``, the block's largest magnitude over 448), as Qwen's
+    and DeepSeek's FP8 checkpoints hold them, and the ``quantization_config`` that says so."""
+    from safetensors.torch import load_file, save_file
+
+    target.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, weight in load_file(str(folder / "model.safetensors")).items():
+        if not (name.endswith(("_proj.weight", "experts.gate_up_proj", "experts.down_proj")) and weight.dim() >= 2):
+            out[name] = weight
+            continue
+        *lead, rows, cols = weight.shape
+        blocks = weight.float().reshape(*lead, rows // block, block, cols // block, block)
+        scale = blocks.abs().amax(dim=(-3, -1)) / 448.0
+        out[name] = (blocks / scale[..., :, None, :, None]).reshape(weight.shape).to(torch.float8_e4m3fn)
+        out[name.removesuffix(".weight") + (".weight_scale_inv" if name.endswith(".weight") else "_scale_inv")] = scale
+    save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block]}
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
 def build_tokenizer(folder: Path) -> None:
     """A word-level tokenizer over the tiny vocabulary: ``"w5 w9"`` encodes to ``[1, 5, 9]``."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors

@@ -1,4 +1,4 @@
-"""Sliding-window Mistral, Qwen3 and Mixtral (a mixture of experts) tiny checkpoints through the real commands: the greedy tokens of
+"""Sliding-window Mistral, Qwen3, Mixtral (a mixture of experts) and Cohere 2 tiny checkpoints through the real commands: the greedy tokens of
 ``pdserve generate`` (a subprocess) and of ``pdserve up`` (redis-server, router, prefill and decode
 processes; the prompt is long enough that the router sends it prefill -> KV transfer -> decode) equal
 transformers ``generate`` on the same checkpoint, over a prompt several windows long."""
@@ -34,7 +34,9 @@ pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
 # Sliding window on every layer (Mistral); Qwen3 with q/k norms, biases and windowed / full layers;
 # Mixtral: Mistral's attention with 2 of 4 experts in every layer.
-MODELS = ["mistral-window", "qwen3-layer-types-bias", "mixtral-moe-window"]
+# Cohere 2: RoPE over interleaved pairs (q and k rows reordered as the checkpoint loads: the K sent between
+# processes in that order), LayerNorms, attention and MLP side by side, its global layers unrotated.
+MODELS = ["mistral-window", "qwen3-layer-types-bias", "mixtral-moe-window", "cohere2-interleaved-rope-window"]
 BLOCK_SIZE = 8
 PROMPT_LEN = 3 * WINDOW + 9  # 45 tokens: past three windows, ending inside a block
 MAX_TOKENS = 8

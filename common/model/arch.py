@@ -40,7 +40,8 @@ correctness):
   in float32 (``rope_float32``).
 - EXAONE 4 is OLMo 2's layout in Llama's norm form with Qwen3's per-head q/k norms, its global layers
   unrotated; Ministral 3 is Mistral's layer with its queries scaled by position (``query_scale_beta``);
-  Gemma 1 is Llama's layer with Gemma's norms, scaled embeddings and GELU-tanh.
+  Gemma 1 is Llama's layer with Gemma's norms, scaled embeddings and GELU-tanh; Apertus is Llama's with
+  per-head q/k norms and an ungated MLP with its xIELU.
 - Image-text checkpoints (Gemma 3, Mistral 3) are served as their ``text_config``'s family (text only).
 - Cohere (``cohere``) and Cohere 2 (``cohere2``) rotate interleaved pairs too, in float32; their norms are
   LayerNorms without bias (``NORM_LAYER``), attention and MLP read the same norm side by side, and the
@@ -62,7 +63,7 @@ _COHERE_TYPES = ("cohere", "cohere2")
 # Families whose q/k/v and o projections have biases by ``attention_bias`` and whose MLPs have none.
 _ATTENTION_BIAS_TYPES = ("qwen3", "gemma", "gemma2", "gemma3_text", "hunyuan_v1_dense", "olmo2", "olmo3", "qwen3_moe", "olmoe",
                          "granitemoe", "granitemoeshared", "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe",
-                         *_COHERE_TYPES)
+                         "apertus", *_COHERE_TYPES)
 _NO_BIAS_TYPES = ("mistral", "ministral", "ministral3", "phi3", "mixtral", "minimax_m2", "exaone4")  # no bias anywhere
 # Families whose q/k/v, o and MLP projections all have biases by ``use_bias`` (ERNIE 4.5; its experts none).
 _ERNIE_TYPES = ("ernie4_5", "ernie4_5_moe")
@@ -96,7 +97,7 @@ ROUTER_SOFTMAX_CORRECTED = "softmax_corrected_topk"
 _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "seed_oss",
-    "hunyuan_v1_dense", "olmo2", "olmo3", "helium", "ministral3", "exaone4", *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
+    "hunyuan_v1_dense", "olmo2", "olmo3", "helium", "ministral3", "exaone4", "apertus", *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
 )
 # Gemma's norms ((1 + weight) in float32), scaled embeddings and GELU-tanh; Gemma 2 and 3 add norms after
 # each block, soft-caps and their attention scale (``_SANDWICH_GEMMA_TYPES``).
@@ -141,6 +142,9 @@ _FAMILY_FIELDS = {
     "cohere": ("use_qk_norm",),  # Command R+'s LayerNorms of q and k, a weight per head
 }
 _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
+# Families whose MLP has no gate, down(act(up(x))), and the activation each implements: Arcee's squared
+# ReLU, Apertus's xIELU (two learned scalars per layer, ``alpha_p`` and ``alpha_n``).
+_UNGATED_ACTIVATIONS = {"arcee": "relu2", "apertus": "xielu"}
 
 
 class UnsupportedConfig(ValueError):
@@ -168,7 +172,9 @@ class ModelArch:
     qk_norm_after_rope: bool = False
     # Layers that apply no RoPE at all (SmolLM3's ``no_rope_layers`` zeros): their q and k go unrotated.
     no_rope_layers: tuple[int, ...] = ()
-    activation: str = "silu"  # or "gelu_tanh" (both gated: down(act(gate) * up)), or "relu2" (no gate: down(relu(up)^2))
+    # "silu" or "gelu_tanh" (both gated: down(act(gate) * up)), or without a gate, down(act(up)): "relu2"
+    # (relu(x)^2) or "xielu" (Apertus's).
+    activation: str = "silu"
     # Norms on each side of each block (Gemma 2/3, GLM-4): the block's output normed before it joins the stream.
     sandwich_norms: bool = False
     norm_form: int = NORM_LLAMA  # how every RMSNorm meets its weight (``pdserve_kernels.reference.NORM_*``)
@@ -253,10 +259,11 @@ class ModelArch:
             act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
             if act not in _GEMMA_ACTIVATIONS:
                 raise UnsupportedConfig("hidden_activation", act, f"supported: {', '.join(_GEMMA_ACTIVATIONS)}")
-        elif model_type == "arcee":  # its MLP has no gate: down(act(up(x)))
+        elif model_type in _UNGATED_ACTIVATIONS:  # its MLP has no gate: down(act(up(x)))
             act = getattr(config, "hidden_act", None)
-            if act != "relu2":
-                raise UnsupportedConfig("hidden_act", act, "only relu2 is implemented for arcee")
+            if act != _UNGATED_ACTIVATIONS[model_type]:
+                raise UnsupportedConfig("hidden_act", act, f"only {_UNGATED_ACTIVATIONS[model_type]} is implemented "
+                                        f"for {model_type}")
         else:
             act = getattr(config, "hidden_act", "silu")
             if act != "silu":
@@ -296,7 +303,7 @@ class ModelArch:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
-            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "dots1", "exaone4") or (
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "dots1", "exaone4", "apertus") or (
                 model_type in ("glm4_moe", "cohere") and bool(getattr(config, "use_qk_norm", False))),
             qk_norm_per_head=model_type == "cohere",
             qk_norm_after_rope=model_type in _HUNYUAN_TYPES,
@@ -310,7 +317,7 @@ class ModelArch:
             rope_type=rope_type,
             rope_layer_types=rope_layer_types,
             no_rope_layers=_no_rope_layers(config, model_type),
-            activation="gelu_tanh" if gemma else "relu2" if model_type == "arcee" else "silu",
+            activation="gelu_tanh" if gemma else _UNGATED_ACTIVATIONS.get(model_type, "silu"),
             sandwich_norms=model_type in (*_SANDWICH_GEMMA_TYPES, "glm4"),
             # Helium's RMSNorm meets its weight in float32, as OLMo's.
             norm_form=(NORM_GEMMA if gemma else NORM_OLMO if olmo or model_type == "helium"
@@ -595,7 +602,7 @@ def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
     if model_type in ("llama", "internlm3", "seed_oss", "olmo2", "flex_olmo", "glm4_moe", "minimax_m2", "helium",
-                      "cohere", "gemma", *_GLM_TYPES, *_ERNIE_TYPES):
+                      "cohere", "gemma", "apertus", *_GLM_TYPES, *_ERNIE_TYPES):
         return (None,) * num_layers  # their transformers code has no sliding window: the field is unused
     if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window

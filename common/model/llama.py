@@ -233,7 +233,8 @@ class MLP(nn.Module):
         bias = arch.mlp_bias
         self.inter = inter
         self.relu2 = arch.activation == "relu2"  # Arcee: no gate, down(relu(up(x)) ** 2)
-        if self.relu2:
+        self.act_fn = XIELU() if arch.activation == "xielu" else None  # Apertus: no gate, down(xielu(up(x)))
+        if self.relu2 or self.act_fn is not None:
             self.up_proj = nn.Linear(hidden, inter, bias=bias)
         else:
             self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)  # gate and up stacked, one product
@@ -245,11 +246,32 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.relu2:  # as transformers' relu2: the ReLU, then its square
             return self.down_proj(torch.square(F.relu(self.up_proj(x))))
+        if self.act_fn is not None:
+            return self.down_proj(self.act_fn(self.up_proj(x)))
         gate_up = self.gate_up_proj(x)
         if not self.gelu:
             return self.down_proj(self.kernels.silu_mul(gate_up))
         gate, up = gate_up[..., : self.inter], gate_up[..., self.inter :]
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class XIELU(nn.Module):
+    """Apertus's xIELU activation, as transformers computes it (its torch formula): learned ``alpha_p`` and
+    ``alpha_n`` (through a softplus) and the checkpoint's ``beta`` and ``eps``; for x > 0,
+    alpha_p x^2 + beta x, else (expm1(min(x, eps)) - x) alpha_n' + beta x, alpha_n' = beta + softplus(alpha_n)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.empty(1))
+        self.alpha_n = nn.Parameter(torch.empty(1))
+        self.beta = nn.Parameter(torch.empty(()))
+        self.eps = nn.Parameter(torch.empty(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.beta + F.softplus(self.alpha_n)
+        return torch.where(x > 0, alpha_p * x * x + self.beta * x,
+                           (torch.expm1(torch.min(x, self.eps)) - x) * alpha_n + self.beta * x)
 
 
 class Experts(nn.Module):

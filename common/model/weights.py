@@ -66,6 +66,9 @@ _RENAMES["glm4"] = ((r"\.post_attention_layernorm\.", ".pre_feedforward_layernor
 _LANGUAGE_MODEL_NAMES = ((r"^language_model\.model\.", "model."), (r"^language_model\.lm_head\.", "lm_head."),
                          (r"^model\.language_model\.", "model."))
 _VISION_NAMES = re.compile(r"^(model\.)?(vision_tower|vision_model|multi_modal_projector)\.")
+# Apertus: Llama's two norms under names of their own.
+_RENAMES["apertus"] = ((r"\.attention_layernorm\.", ".input_layernorm."), (r"\.feedforward_layernorm\.",
+                                                                         ".post_attention_layernorm."))
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<kind>gate_up_proj|down_proj)\.weight$")
 

@@ -32,6 +32,7 @@ _TINY_VISION: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 64, "num
 def family_configs() -> dict[str, Any]:
     """One config per family and config feature; each windowed one has a window of ``WINDOW``."""
     from transformers import (
+        ApertusConfig,
         ArceeConfig,
         Cohere2Config,
         CohereConfig,
@@ -135,6 +136,11 @@ def family_configs() -> dict[str, Any]:
         # q/k/v biases without the output projection's (attention_out_bias), MLP biases.
         "seed-oss-biases": SeedOssConfig(**TINY_DIMS, attention_bias=True, attention_out_bias=False, mlp_bias=True),
         "internlm3-bias": InternLM3Config(**TINY_DIMS, attention_bias=True, mlp_bias=True),
+        # Apertus: an MLP without a gate and its xIELU (two learned scalars per layer), q/k norms per head,
+        # Llama 3's RoPE, its norms under names of their own.
+        "apertus-xielu-qk-norm": ApertusConfig(**TINY_DIMS, attention_bias=True, rope_parameters={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32, "rope_theta": 500000.0}),
         # An MLP without a gate: down(relu(up(x)) ** 2).
         "arcee-relu2": ArceeConfig(**TINY_DIMS, mlp_bias=True, tie_word_embeddings=False),
         # q/k norms after RoPE; the RoPE its checkpoints label "dynamic" with a fixed NTK alpha (static).
@@ -289,7 +295,7 @@ def build_checkpoint(config: Any, folder: Path, seed: int = 0) -> Path:
     model = hf_model_class(config.model_type).from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random norm weights too, so a norm applied wrongly shows
         for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(("bias", "sinks")):
+            if "norm" in name or name.endswith(("bias", "sinks", "alpha_p", "alpha_n")):
                 param.add_(0.3 * torch.randn_like(param))
         for name, buffer in model.named_buffers():  # GLM-4.5's router's correction bias, which picks experts
             if name.endswith("e_score_correction_bias"):

@@ -42,6 +42,8 @@ correctness):
   unrotated; Ministral 3 is Mistral's layer with its queries scaled by position (``query_scale_beta``);
   Gemma 1 is Llama's layer with Gemma's norms, scaled embeddings and GELU-tanh; Apertus is Llama's with
   per-head q/k norms and an ungated MLP with its xIELU.
+- AFMoE is Gemma's four norms in OLMo's form, per-head q/k norms, a sigmoid gate on the attention's output,
+  Cohere 2's unrotated global layers and MiniMax-M2's router, scaled.
 - Image-text checkpoints (Gemma 3, Mistral 3) are served as their ``text_config``'s family (text only).
 - Cohere (``cohere``) and Cohere 2 (``cohere2``) rotate interleaved pairs too, in float32; their norms are
   LayerNorms without bias (``NORM_LAYER``), attention and MLP read the same norm side by side, and the
@@ -63,7 +65,7 @@ _COHERE_TYPES = ("cohere", "cohere2")
 # Families whose q/k/v and o projections have biases by ``attention_bias`` and whose MLPs have none.
 _ATTENTION_BIAS_TYPES = ("qwen3", "gemma", "gemma2", "gemma3_text", "hunyuan_v1_dense", "olmo2", "olmo3", "qwen3_moe", "olmoe",
                          "granitemoe", "granitemoeshared", "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe",
-                         "apertus", *_COHERE_TYPES)
+                         "apertus", "afmoe", *_COHERE_TYPES)
 _NO_BIAS_TYPES = ("mistral", "ministral", "ministral3", "phi3", "mixtral", "minimax_m2", "exaone4")  # no bias anywhere
 # Families whose q/k/v, o and MLP projections all have biases by ``use_bias`` (ERNIE 4.5; its experts none).
 _ERNIE_TYPES = ("ernie4_5", "ernie4_5_moe")
@@ -72,7 +74,7 @@ _GLM_TYPES = ("glm", "glm4")
 _INTERLEAVED_ROPE_TYPES = ("helium", *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES)
 # Mixture-of-experts families: a router over experts in place of the MLP (in some layers or all).
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe", "minimax_m2",
-              "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe", "ernie4_5_moe")
+              "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe", "ernie4_5_moe", "afmoe")
 _HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 # Mixtures routed as DeepSeek-V3 routes (``ROUTER_SIGMOID_GROUPS``), with dense first layers and shared experts.
 _DEEPSEEK_ROUTED_TYPES = ("glm4_moe", "dots1")
@@ -166,6 +168,8 @@ class ModelArch:
     rope_type: str  # "default" where every layer's RoPE is the default one (its tables need no transformers)
     # Each layer's key into ``rope_parameters`` where the family has a RoPE per layer type, else None.
     rope_layer_types: tuple[str, ...] | None
+    # AFMoE's: the attention's output times sigmoid(``output_gate``(x)), each head's entries, before ``o_proj``.
+    attn_output_gate: bool = False
     # Cohere's q and k norms keep a weight per head (``[heads, head_dim]``), where others share one.
     qk_norm_per_head: bool = False
     # Hunyuan's: the per-head RMSNorm of q and k after RoPE (``query_layernorm`` / ``key_layernorm``).
@@ -212,6 +216,8 @@ class ModelArch:
     num_expert_groups: int = 1  # the sigmoid router's groups and how many of them a token may use
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    # AFMoE's: the router's correction bias kept in float32 whatever the model's dtype, as transformers keeps it.
+    router_bias_float32: bool = False
     # Each head's first entries that RoPE rotates (a partial RoPE, GLM-4.5's); None: all of them.
     rotary_dim: int | None = None
     # RoPE over interleaved pairs (GLM, Helium, ERNIE 4.5): served by rotating halves after the checkpoint's
@@ -303,7 +309,7 @@ class ModelArch:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
-            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "dots1", "exaone4", "apertus") or (
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "dots1", "exaone4", "apertus", "afmoe") or (
                 model_type in ("glm4_moe", "cohere") and bool(getattr(config, "use_qk_norm", False))),
             qk_norm_per_head=model_type == "cohere",
             qk_norm_after_rope=model_type in _HUNYUAN_TYPES,
@@ -318,9 +324,10 @@ class ModelArch:
             rope_layer_types=rope_layer_types,
             no_rope_layers=_no_rope_layers(config, model_type),
             activation="gelu_tanh" if gemma else _UNGATED_ACTIVATIONS.get(model_type, "silu"),
-            sandwich_norms=model_type in (*_SANDWICH_GEMMA_TYPES, "glm4"),
+            sandwich_norms=model_type in (*_SANDWICH_GEMMA_TYPES, "glm4", "afmoe"),
+            attn_output_gate=model_type == "afmoe",
             # Helium's RMSNorm meets its weight in float32, as OLMo's.
-            norm_form=(NORM_GEMMA if gemma else NORM_OLMO if olmo or model_type == "helium"
+            norm_form=(NORM_GEMMA if gemma else NORM_OLMO if olmo or model_type in ("helium", "afmoe")
                        else NORM_LAYER if model_type in _COHERE_TYPES else NORM_LLAMA),
             norm_eps=float(norm_eps),
             parallel_block=model_type in _COHERE_TYPES,
@@ -334,7 +341,7 @@ class ModelArch:
             query_pre_attn_scalar=_positive_or_none(config, "query_pre_attn_scalar"),
             attn_soft_cap=_positive_or_none(config, "attn_logit_softcapping"),
             final_soft_cap=_positive_or_none(config, "final_logit_softcapping"),
-            **_granite_scalings(config),
+            **_granite_scalings(config, model_type),
             **(_moe_fields(config, model_type) if model_type in _MOE_TYPES else {}),
         )
 
@@ -366,8 +373,12 @@ def _query_scale(config: Any) -> dict[str, Any]:
     return {"query_scale_beta": float(beta), "query_scale_positions": positions}
 
 
-def _granite_scalings(config: Any) -> dict[str, Any]:
-    return {name: _positive_or_none(config, name) for name in _GRANITE_SCALINGS}
+def _granite_scalings(config: Any, model_type: str) -> dict[str, Any]:
+    scalings = {name: _positive_or_none(config, name) for name in _GRANITE_SCALINGS}
+    if model_type == "afmoe" and getattr(config, "mup_enabled", False):
+        # AFMoE's muP: the embeddings times sqrt(hidden_size), the number as it is, as Granite's multiplier.
+        scalings["embedding_multiplier"] = float(config.hidden_size) ** 0.5
+    return scalings
 
 
 def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
@@ -382,7 +393,7 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
                    or getattr(config, "n_routed_experts", None) or getattr(config, "moe_num_experts", None))
     top_k = (getattr(config, "moe_topk", None) if model_type == "hunyuan_v1_moe"
              else getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_k", None))
-    own_width = ("qwen2_moe", "qwen3_moe", "ernie4_5_moe", *_DEEPSEEK_ROUTED_TYPES)  # narrower than the dense MLP
+    own_width = ("qwen2_moe", "qwen3_moe", "ernie4_5_moe", "afmoe", *_DEEPSEEK_ROUTED_TYPES)  # narrower than the dense MLP
     inter = getattr(config, "moe_intermediate_size" if model_type in own_width else "intermediate_size", None)
     if not _positive_int(num_experts):  # Hunyuan's may be a list, one per layer: not implemented
         raise UnsupportedConfig("num_local_experts", num_experts, "must be a positive integer")
@@ -432,6 +443,18 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         if not isinstance(n_shared, int) or n_shared < 0:
             raise UnsupportedConfig("moe_num_shared_experts", n_shared, "must be 0 or a positive integer")
         shared = inter * n_shared  # one MLP as wide as all the shared experts together, ungated
+    if model_type == "afmoe":  # MiniMax-M2's router, scaled; its first layers dense, shared experts beside
+        first = getattr(config, "num_dense_layers", 0) or 0
+        if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first <= num_layers:
+            raise UnsupportedConfig("num_dense_layers", first, f"must be 0 to {num_layers}")
+        moe_layers = tuple(range(first, num_layers))
+        n_shared = getattr(config, "num_shared_experts", 0) or 0
+        if not isinstance(n_shared, int) or n_shared < 0:
+            raise UnsupportedConfig("num_shared_experts", n_shared, "must be 0 or a positive integer")
+        shared = inter * n_shared
+        scale = _positive_or_none(config, "route_scale") or 1.0
+        router = {"router": ROUTER_SIGMOID, "routing_weights_float32": True, "routed_scaling_factor": scale,
+                  "router_bias_float32": True}
     if model_type == "granitemoeshared":  # 0: no shared expert
         shared = getattr(config, "shared_intermediate_size", 0)
         if shared != 0 and not _positive_int(shared):
@@ -440,7 +463,7 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         "moe_layers": moe_layers, "num_experts": num_experts, "experts_per_token": top_k,
         "moe_intermediate_size": inter,
         # Mixtral always renormalizes the chosen experts' weights, and keeps them in float32.
-        "norm_topk_prob": mixtral or model_type in ("minimax_m2", "hunyuan_v1_moe")
+        "norm_topk_prob": mixtral or model_type in ("minimax_m2", "hunyuan_v1_moe", "afmoe")
         or bool(getattr(config, "norm_topk_prob", False)),
         "routing_weights_float32": mixtral, "shared_expert_intermediate_size": shared,
         "shared_expert_gated": model_type == "qwen2_moe",
@@ -584,8 +607,8 @@ def _rope_type(config: Any, params: dict[str, Any], field: str, model_type: str)
 
 def _no_rope_layers(config: Any, model_type: str) -> tuple[int, ...]:
     """The layers without RoPE: SmolLM3's ``no_rope_layers`` holds 1 (RoPE) or 0 (none) per layer; Cohere 2
-    rotates its sliding layers only, and EXAONE 4 too where it has a window."""
-    if model_type == "cohere2" or (model_type == "exaone4" and getattr(config, "sliding_window", None) is not None):
+    rotates its sliding layers only, as AFMoE does, and EXAONE 4 too where it has a window."""
+    if model_type in ("cohere2", "afmoe") or (model_type == "exaone4" and getattr(config, "sliding_window", None) is not None):
         layer_types = getattr(config, "layer_types", None) or ()
         return tuple(i for i, kind in enumerate(layer_types) if kind != "sliding_attention")
     if model_type != "smollm3":

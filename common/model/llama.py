@@ -162,6 +162,8 @@ class Attention(nn.Module):
         # q, k and v in one matrix product (the checkpoint's three matrices stacked: ``FUSED_PROJECTIONS``).
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_size, hidden, bias=arch.o_bias)
+        # AFMoE: a sigmoid gate over the attention's output, from the layer's input (checkpoints: ``gate_proj``).
+        self.output_gate = nn.Linear(hidden, self.q_size, bias=False) if arch.attn_output_gate else None
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         # Per head (Qwen3, Gemma 3), or across all heads at once (OLMo: one norm of q_size, one of kv_size).
@@ -218,7 +220,10 @@ class Attention(nn.Module):
                 q, kv_layer, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale,
                 sliding_window=self.sliding_window, soft_cap=self.soft_cap, **self._sinks(),
             )
-        return self.o_proj(o.reshape(n, self.num_heads * self.head_size))
+        o = o.reshape(n, self.num_heads * self.head_size)
+        if self.output_gate is not None:
+            o = o * torch.sigmoid(self.output_gate(x))
+        return self.o_proj(o)
 
     def _sinks(self) -> dict[str, Tensor]:
         """The kernels' ``sinks`` argument where the layer has them (no argument otherwise)."""
@@ -358,11 +363,11 @@ class SparseMoE(nn.Module):
         are kept in float32 whatever the model's dtype: ``LlamaForCausalLM.float32_parameters``), or
         MiniMax-M2's: its logits in the model's dtype, no groups, no scaling."""
         bias: Tensor = self.gate.get_parameter("e_score_correction_bias")
-        if self.router == ROUTER_SIGMOID:
+        if self.router == ROUTER_SIGMOID:  # (AFMoE's: scaled; MiniMax-M2's scale is 1)
             scores = self.gate(x).float().sigmoid()
             ids = torch.topk(scores + bias, self.top_k, dim=-1, sorted=False)[1]
             weights = scores.gather(1, ids)
-            return weights / weights.sum(dim=-1, keepdim=True), ids
+            return weights / weights.sum(dim=-1, keepdim=True) * self.routed_scaling_factor, ids
         scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
         choice = scores + bias
         num_tokens, num_experts = choice.shape
@@ -473,10 +478,12 @@ class LlamaForCausalLM(nn.Module):
 
     def float32_parameters(self) -> list[str]:
         """Parameters kept in float32 whatever the model's dtype, as transformers keeps them: GLM-4.5's
-        and ERNIE 4.5's routers' weight and correction bias."""
+        and ERNIE 4.5's routers' weight and correction bias, AFMoE's correction bias."""
+        kept = ("weight", "e_score_correction_bias")  # the router's weight and correction bias
         return [f"{name}.gate.{param}" for name, module in self.named_modules()
                 if isinstance(module, SparseMoE) and module.router in (ROUTER_SIGMOID_GROUPS, ROUTER_SOFTMAX_CORRECTED)
-                for param in ("weight", "e_score_correction_bias")]
+                for param in kept] + [f"{name}.gate.e_score_correction_bias" for name, module in self.named_modules()
+                                      if isinstance(module, SparseMoE) and self.arch.router_bias_float32]
 
     def float32_buffers(self) -> list[str]:
         """Buffers kept in float32 whatever the model's dtype: ERNIE 4.5's RoPE tables, against which it

@@ -69,6 +69,13 @@ _VISION_NAMES = re.compile(r"^(model\.)?(vision_tower|vision_model|multi_modal_p
 # Apertus: Llama's two norms under names of their own.
 _RENAMES["apertus"] = ((r"\.attention_layernorm\.", ".input_layernorm."), (r"\.feedforward_layernorm\.",
                                                                          ".post_attention_layernorm."))
+# AFMoE: its router's weight one module down, its correction bias on the block, its shared experts one MLP
+# under a plural name, Gemma's four norms under names of its own, its attention's output gate renamed
+# (``gate_proj`` would be stacked with an MLP's ``up_proj``).
+_RENAMES["afmoe"] = ((r"\.mlp\.router\.gate\.", ".mlp.gate."), (r"\.mlp\.expert_bias$", ".mlp.gate.e_score_correction_bias"),
+                     (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."), (r"\.pre_mlp_layernorm\.", ".pre_feedforward_layernorm."),
+                     (r"\.post_mlp_layernorm\.", ".post_feedforward_layernorm."),
+                     (r"\.self_attn\.gate_proj\.", ".self_attn.output_gate."))
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<kind>gate_up_proj|down_proj)\.weight$")
 

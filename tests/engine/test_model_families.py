@@ -240,6 +240,11 @@ def _no_ernie_correction_bias(model: Any) -> None:
         layer.mlp.gate.moe_statics.e_score_correction_bias.zero_()
 
 
+def _no_afmoe_expert_bias(model: Any) -> None:
+    for layer in model.model.layers[1:]:
+        layer.mlp.expert_bias.zero_()
+
+
 def _no_sinks(model: Any) -> None:
     for layer in model.model.layers:
         layer.self_attn.sinks.fill_(-1e4)
@@ -257,8 +262,12 @@ def _no_sinks(model: Any) -> None:
      lambda c: setattr(c, "rope_parameters", {**c.rope_parameters, "partial_rotary_factor": 1.0}), None),
     ("ministral3-query-scale-yarn",
      lambda c: setattr(c, "rope_parameters", {**c.rope_parameters, "llama_4_scaling_beta": 0.0}), None),
+    ("afmoe-moe-gated-attention-window", lambda c: setattr(c, "mup_enabled", False), None),
+    ("afmoe-moe-gated-attention-window", None, _no_afmoe_expert_bias),
+    ("afmoe-moe-gated-attention-window", lambda c: setattr(c, "route_scale", 1.0), None),
 ], ids=["glm-full-rope", "glm-all-groups", "glm-no-correction-bias", "gpt-oss-no-clamp", "gpt-oss-no-sinks",
-        "ernie-no-correction-bias", "glm-dense-full-rope", "ministral3-no-query-scale"])
+        "ernie-no-correction-bias", "glm-dense-full-rope", "ministral3-no-query-scale", "afmoe-no-mup",
+        "afmoe-no-expert-bias", "afmoe-unscaled-routes"])
 def test_glm_s_and_gpt_oss_s_features_each_change_transformers_logits(checkpoint, name, change_config, change_model) -> None:  # type: ignore[no-untyped-def]
     """GLM-4.5's partial RoPE, groups and correction bias, and gpt-oss's clamp and sinks, each undone."""
     assert _changes_transformers_logits(checkpoint(name), change_config, change_model)

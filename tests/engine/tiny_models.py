@@ -32,6 +32,7 @@ _TINY_VISION: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 64, "num
 def family_configs() -> dict[str, Any]:
     """One config per family and config feature; each windowed one has a window of ``WINDOW``."""
     from transformers import (
+        AfmoeConfig,
         ApertusConfig,
         ArceeConfig,
         Cohere2Config,
@@ -136,6 +137,14 @@ def family_configs() -> dict[str, Any]:
         # q/k/v biases without the output projection's (attention_out_bias), MLP biases.
         "seed-oss-biases": SeedOssConfig(**TINY_DIMS, attention_bias=True, attention_out_bias=False, mlp_bias=True),
         "internlm3-bias": InternLM3Config(**TINY_DIMS, attention_bias=True, mlp_bias=True),
+        # AFMoE (Arcee's Trinity): Gemma's four norms in OLMo's form, q/k norms per head, the attention's output
+        # gated, sliding layers that alone rotate, muP-scaled embeddings; layer 0 dense, then 2 of 6 experts by
+        # sigmoid score plus a float32 correction bias, scaled, beside a shared one.
+        "afmoe-moe-gated-attention-window": AfmoeConfig(
+            **TINY_DIMS, moe_intermediate_size=32, num_dense_layers=1, num_experts=6, num_experts_per_tok=2,
+            num_shared_experts=1, route_scale=2.5, sliding_window=WINDOW, mup_enabled=True,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False,
+        ),
         # Apertus: an MLP without a gate and its xIELU (two learned scalars per layer), q/k norms per head,
         # Llama 3's RoPE, its norms under names of their own.
         "apertus-xielu-qk-norm": ApertusConfig(**TINY_DIMS, attention_bias=True, rope_parameters={
@@ -295,7 +304,7 @@ def build_checkpoint(config: Any, folder: Path, seed: int = 0) -> Path:
     model = hf_model_class(config.model_type).from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random norm weights too, so a norm applied wrongly shows
         for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(("bias", "sinks", "alpha_p", "alpha_n")):
+            if "norm" in name or name.endswith(("bias", "sinks", "alpha_p", "alpha_n")):  # AFMoE's expert_bias too
                 param.add_(0.3 * torch.randn_like(param))
         for name, buffer in model.named_buffers():  # GLM-4.5's router's correction bias, which picks experts
             if name.endswith("e_score_correction_bias"):

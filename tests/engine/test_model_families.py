@@ -315,50 +315,31 @@ def test_mxfp4_widens_to_transformers_own_bits(dtype: torch.dtype) -> None:
         dequantize_mxfp4(blocks, scales[..., :1], dtype)
 
 
-def test_gpt_oss_mxfp4_checkpoint_equals_transformers_dequantized(checkpoint, engines, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """gpt-oss as released (its experts in MXFP4): logits over the prompt and greedy output through the
-    engine equal transformers' with ``Mxfp4Config(dequantize=True)``, which quantization moved from the
+@pytest.mark.parametrize(("name", "quantization"), [
+    ("gpt-oss-moe-sinks-window", "mxfp4"), ("llama-bias", "fp8"), ("qwen3-moe-dense-layer", "fp8"),
+])
+def test_a_quantized_checkpoint_equals_transformers_dequantized(checkpoint, engines, tmp_path, name: str,  # type: ignore[no-untyped-def]
+                                                                quantization: str) -> None:
+    """A checkpoint quantized as released: gpt-oss's experts in MXFP4, or block-wise FP8 weights (a dense model
+    with biases, and a mixture's experts). Logits over the prompt and greedy output through the engine equal
+    transformers' with its quantization config's ``dequantize=True``, which the quantization moved from the
     unquantized model's."""
-    from transformers import Mxfp4Config
+    from transformers import FineGrainedFP8Config, Mxfp4Config
 
     from common.model.weights import load_model
     from pdserve_kernels import reference
-    from tests.engine.tiny_models import mxfp4_checkpoint
+    from tests.engine.tiny_models import fp8_checkpoint, mxfp4_checkpoint
 
-    folder = mxfp4_checkpoint(checkpoint("gpt-oss-moe-sinks-window"), tmp_path / "mxfp4")
+    quantize, config = {"mxfp4": (mxfp4_checkpoint, Mxfp4Config), "fp8": (fp8_checkpoint, FineGrainedFP8Config)}[quantization]
+    folder = quantize(checkpoint(name), tmp_path / quantization)
     prompt = prompt_token_ids(PROMPT_LEN)
-    dequantize = {"quantization_config": Mxfp4Config(dequantize=True)}
-    with torch.inference_mode():
-        hf = hf_model(folder, **dequantize)(torch.tensor([prompt])).logits[0]
-        unquantized = hf_model(checkpoint("gpt-oss-moe-sinks-window"))(torch.tensor([prompt])).logits[0]
-    assert (hf - unquantized).abs().max() > 1e-2
-    model = load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64)
-    assert model.arch.quantization == "mxfp4"
-    torch.testing.assert_close(_logits(model, prompt), hf, atol=1e-4, rtol=1e-4)
-    engine = _engine(engines, folder)
-    assert [c[0] for c in engine.generate([prompt], GREEDY)] == [hf_greedy(folder, prompt, MAX_NEW_TOKENS, **dequantize)]
-
-
-@pytest.mark.parametrize("name", ["llama-bias", "qwen3-moe-dense-layer"])
-def test_an_fp8_checkpoint_equals_transformers_dequantized(checkpoint, engines, tmp_path, name: str) -> None:  # type: ignore[no-untyped-def]
-    """Block-wise FP8 weights (a dense model with biases, and a mixture's experts): logits over the prompt
-    and greedy output through the engine equal transformers' with ``FineGrainedFP8Config(dequantize=True)``,
-    which the quantization moved from the unquantized model's."""
-    from transformers import FineGrainedFP8Config
-
-    from common.model.weights import load_model
-    from pdserve_kernels import reference
-    from tests.engine.tiny_models import fp8_checkpoint
-
-    folder = fp8_checkpoint(checkpoint(name), tmp_path / "fp8")
-    prompt = prompt_token_ids(PROMPT_LEN)
-    dequantize = {"quantization_config": FineGrainedFP8Config(dequantize=True)}
+    dequantize = {"quantization_config": config(dequantize=True)}
     with torch.inference_mode():
         hf = hf_model(folder, **dequantize)(torch.tensor([prompt])).logits[0]
         unquantized = hf_model(checkpoint(name))(torch.tensor([prompt])).logits[0]
     assert (hf - unquantized).abs().max() > 1e-2
     model = load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64)
-    assert model.arch.quantization == "fp8"
+    assert model.arch.quantization == quantization
     torch.testing.assert_close(_logits(model, prompt), hf, atol=1e-4, rtol=1e-4)
     engine = _engine(engines, folder)
     assert [c[0] for c in engine.generate([prompt], GREEDY)] == [hf_greedy(folder, prompt, MAX_NEW_TOKENS, **dequantize)]

@@ -179,7 +179,7 @@ class ModelArch:
     # "silu" or "gelu_tanh" (both gated: down(act(gate) * up)), or without a gate, down(act(up)): "relu2"
     # (relu(x)^2) or "xielu" (Apertus's).
     activation: str = "silu"
-    # Norms on each side of each block (Gemma 2/3, GLM-4): the block's output normed before it joins the stream.
+    # Norms on each side of each block (Gemma 2/3, GLM-4, AFMoE): a block's output normed before it joins the stream.
     sandwich_norms: bool = False
     norm_form: int = NORM_LLAMA  # how every RMSNorm meets its weight (``pdserve_kernels.reference.NORM_*``)
     # OLMo's layer: no norm before a block, one after each (the block's output normed, then added);
@@ -220,7 +220,7 @@ class ModelArch:
     router_bias_float32: bool = False
     # Each head's first entries that RoPE rotates (a partial RoPE, GLM-4.5's); None: all of them.
     rotary_dim: int | None = None
-    # RoPE over interleaved pairs (GLM, Helium, ERNIE 4.5): served by rotating halves after the checkpoint's
+    # RoPE over interleaved pairs (GLM, Helium, ERNIE 4.5, Cohere): served by rotating halves after the checkpoint's
     # q and k rows are reordered as they load (``common.model.weights.deinterleave_rope``), each head's
     # even entries first: the same rotation of the same numbers, q . k a sum over the same products.
     rope_interleaved: bool = False
@@ -326,7 +326,7 @@ class ModelArch:
             activation="gelu_tanh" if gemma else _UNGATED_ACTIVATIONS.get(model_type, "silu"),
             sandwich_norms=model_type in (*_SANDWICH_GEMMA_TYPES, "glm4", "afmoe"),
             attn_output_gate=model_type == "afmoe",
-            # Helium's RMSNorm meets its weight in float32, as OLMo's.
+            # Helium's and AFMoE's RMSNorms meet their weight in float32, as OLMo's.
             norm_form=(NORM_GEMMA if gemma else NORM_OLMO if olmo or model_type in ("helium", "afmoe")
                        else NORM_LAYER if model_type in _COHERE_TYPES else NORM_LLAMA),
             norm_eps=float(norm_eps),

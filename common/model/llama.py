@@ -61,7 +61,7 @@ class AttentionMetadata:
 
 class RMSNorm(nn.Module):
     """Llama's RMSNorm, or in another ``form`` (``pdserve_kernels.reference.NORM_*``) Gemma's, scaled by
-    ``1 + weight`` before the cast back, or OLMo's, by the weight before it."""
+    ``1 + weight`` before the cast back, OLMo's, by the weight before it, or Cohere's LayerNorm (centred)."""
 
     def __init__(self, size: int | tuple[int, int], eps: float, form: int = NORM_LLAMA,
                  kernels: ModuleType | None = None) -> None:
@@ -301,9 +301,9 @@ _CORRECTED_ROUTERS = (ROUTER_SIGMOID_GROUPS, ROUTER_SIGMOID, ROUTER_SOFTMAX_CORR
 class SparseMoE(nn.Module):
     """A mixture of experts in the MLP's place: the router (``gate``) scores every expert and picks each
     token's ``experts_per_token`` best as the family's code does (``ModelArch.router``: a softmax, with or
-    without a correction bias to the choice, or sigmoid scores with one), and the kernels' ``moe_experts`` runs only those (the torch
-    loop over the experts hit, or on a GPU one Triton grouped matrix product per projection); a shared
-    expert is added, scaled by its gate in Qwen2-MoE."""
+    without a correction bias to the choice, or sigmoid scores with one), and the kernels' ``moe_experts``
+    runs only those (the torch loop over the experts hit, or on a GPU one Triton grouped matrix product per
+    projection); a shared expert is added, scaled by its gate in Qwen2-MoE."""
 
     def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType) -> None:
         super().__init__()
@@ -361,7 +361,7 @@ class SparseMoE(nn.Module):
     def _sigmoid(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """GLM-4.5's router (DeepSeek-V3's), in float32 as transformers computes it (its weight and bias
         are kept in float32 whatever the model's dtype: ``LlamaForCausalLM.float32_parameters``), or
-        MiniMax-M2's: its logits in the model's dtype, no groups, no scaling."""
+        MiniMax-M2's: its logits in the model's dtype, no groups (AFMoE's the same, scaled)."""
         bias: Tensor = self.gate.get_parameter("e_score_correction_bias")
         if self.router == ROUTER_SIGMOID:  # (AFMoE's: scaled; MiniMax-M2's scale is 1)
             scores = self.gate(x).float().sigmoid()
@@ -390,7 +390,6 @@ class DecoderLayer(nn.Module):
             SparseMoE(config, arch, kernels) if layer_idx in arch.moe_layers else MLP(config, arch, kernels)
         )
         size, eps, form = config.hidden_size, arch.norm_eps, arch.norm_form
-        self.parallel_block = arch.parallel_block
         # OLMo has no norm before a block: its checkpoints hold no input_layernorm.
         self.input_layernorm = None if arch.post_norms_only else RMSNorm(size, eps, form, kernels)
         # Cohere's layer has one norm, read by attention and MLP alike.
@@ -479,11 +478,16 @@ class LlamaForCausalLM(nn.Module):
     def float32_parameters(self) -> list[str]:
         """Parameters kept in float32 whatever the model's dtype, as transformers keeps them: GLM-4.5's
         and ERNIE 4.5's routers' weight and correction bias, AFMoE's correction bias."""
-        kept = ("weight", "e_score_correction_bias")  # the router's weight and correction bias
-        return [f"{name}.gate.{param}" for name, module in self.named_modules()
-                if isinstance(module, SparseMoE) and module.router in (ROUTER_SIGMOID_GROUPS, ROUTER_SOFTMAX_CORRECTED)
-                for param in kept] + [f"{name}.gate.e_score_correction_bias" for name, module in self.named_modules()
-                                      if isinstance(module, SparseMoE) and self.arch.router_bias_float32]
+        names = []
+        for name, module in self.named_modules():
+            if not isinstance(module, SparseMoE):
+                continue
+            whole_router = module.router in (ROUTER_SIGMOID_GROUPS, ROUTER_SOFTMAX_CORRECTED)
+            if whole_router:
+                names.append(f"{name}.gate.weight")
+            if whole_router or self.arch.router_bias_float32:
+                names.append(f"{name}.gate.e_score_correction_bias")
+        return names
 
     def float32_buffers(self) -> list[str]:
         """Buffers kept in float32 whatever the model's dtype: ERNIE 4.5's RoPE tables, against which it

@@ -144,6 +144,8 @@ _FAMILY_FIELDS = {
     "cohere": ("use_qk_norm",),  # Command R+'s LayerNorms of q and k, a weight per head
 }
 _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
+# Families whose transformers code keeps its norms in float32 when the model is in float16.
+_FLOAT32_NORMS_UNDER_FLOAT16 = ("gpt_oss", "afmoe")
 # Families whose MLP has no gate, down(act(up(x))), and the activation each implements: Arcee's squared
 # ReLU, Apertus's xIELU (two learned scalars per layer, ``alpha_p`` and ``alpha_n``).
 _UNGATED_ACTIVATIONS = {"arcee": "relu2", "apertus": "xielu"}
@@ -249,6 +251,14 @@ class ModelArch:
     # and ``*_scales``), or ``QUANT_FP8``, 8-bit weights with a scale per block (``weight_scale_inv``: Qwen's,
     # Mistral's and DeepSeek's FP8 checkpoints). None: none.
     quantization: str | None = None
+
+    def check_dtype(self, dtype_name: str) -> None:
+        """Refuse a dtype this family is not computed in as transformers computes it: gpt-oss and AFMoE keep
+        their norms in float32 under float16 (their ``_keep_in_fp32_modules``), which these kernels, whose
+        norm weights share the activations' dtype, do not."""
+        if dtype_name == "float16" and self.model_type in _FLOAT32_NORMS_UNDER_FLOAT16:
+            raise UnsupportedConfig("dtype", dtype_name, f"transformers keeps {self.model_type}'s norms in float32 under "
+                                    "float16; serve it in bfloat16 or float32")
 
     @classmethod
     def from_config(cls, config: Any) -> ModelArch:

@@ -115,6 +115,7 @@ def load_model(
     """The model in eval mode on ``device``; every parameter must come from the checkpoint."""
     with torch.device("meta"):  # parameters without storage, until the checkpoint's are assigned
         model = LlamaForCausalLM(config, kernels, max_position)
+    model.arch.check_dtype(str(dtype).removeprefix("torch."))
     state: dict[str, torch.Tensor] = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:

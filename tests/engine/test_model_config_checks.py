@@ -127,6 +127,15 @@ def test_an_image_text_checkpoint_whose_language_model_is_not_served_is_refused_
         load_hf_config(tmp_path)
 
 
+@pytest.mark.parametrize("class_name", ["GptOssConfig", "AfmoeConfig"])
+def test_a_family_that_keeps_its_norms_in_float32_under_float16_is_refused_in_float16(class_name: str) -> None:
+    arch = ModelArch.from_config(_config(class_name))
+    with pytest.raises(UnsupportedConfig, match="dtype='float16'"):
+        arch.check_dtype("float16")
+    arch.check_dtype("bfloat16")
+    ModelArch.from_config(_config("LlamaConfig")).check_dtype("float16")
+
+
 def test_a_refused_field_in_config_json_stops_loading_before_weights(tmp_path: Path) -> None:
     _config("LlamaConfig").save_pretrained(str(tmp_path))
     config = json.loads((tmp_path / "config.json").read_text())

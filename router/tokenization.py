@@ -44,7 +44,7 @@ def _config_max_len(model_dir: pathlib.Path) -> int | None:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    # An image-text checkpoint's language model says it in its own config.
+    # An image-text checkpoint's language model says it in its own config (Gemma 3, Mistral 3, Qwen-VL).
     for fields in (config, config.get("text_config") or {}):
         for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
             if isinstance(fields.get(key), int) and fields[key] > 0:

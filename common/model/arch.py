@@ -44,7 +44,8 @@ correctness):
   per-head q/k norms and an ungated MLP with its xIELU.
 - AFMoE is Gemma's four norms in OLMo's form, per-head q/k norms, a sigmoid gate on the attention's output,
   Cohere 2's unrotated global layers and MiniMax-M2's router, scaled.
-- Image-text checkpoints (Gemma 3, Mistral 3) are served as their ``text_config``'s family (text only).
+- Image-text checkpoints (Gemma 3, Mistral 3, Qwen2.5-VL, Qwen3-VL) are served as their ``text_config``'s family
+  (text only).
 - Cohere (``cohere``) and Cohere 2 (``cohere2``) rotate interleaved pairs too, in float32; their norms are
   LayerNorms without bias (``NORM_LAYER``), attention and MLP read the same norm side by side, and the
   logits are scaled by ``logit_scale``; Cohere 2 windows its sliding layers and rotates only those.
@@ -105,11 +106,16 @@ SUPPORTED_MODEL_TYPES = (
 # each block, soft-caps and their attention scale (``_SANDWICH_GEMMA_TYPES``).
 _GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 _SANDWICH_GEMMA_TYPES = ("gemma2", "gemma3_text")
-# Image-text checkpoints whose language model is served on its own: Gemma 3 (4B and up) and Mistral Small
-# 3.1 / 3.2. For a prompt of text alone the wrapper's logits are its language model's (the vision tower
+# Image-text checkpoints whose language model is served on its own: Gemma 3 (4B and up), Mistral Small
+# 3.1 / 3.2, Qwen2.5-VL and Qwen3-VL. For a prompt of text alone the wrapper's logits are its language model's (the vision tower
 # and projector only ever touch image tokens), so the model is its ``text_config``'s family; images are
 # refused by the API, by name.
-IMAGE_TEXT_TYPES = ("gemma3", "mistral3")
+IMAGE_TEXT_TYPES = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl")
+# Language models of image-text checkpoints that are a served family's layer under another name: Qwen2.5-VL's
+# is Qwen2's, Qwen3-VL's Qwen3's. Their M-RoPE gives each token three position ids (time, height, width)
+# that, for text alone, are one: each section of the rotation then turns by that one position, which is
+# the plain RoPE.
+_TEXT_FAMILIES = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 _OLMO_TYPES = ("olmo2", "olmo3", "flex_olmo")
 # Families whose modeling code reads a RoPE per layer type (``rope_parameters`` keyed by layer type).
 _ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3")
@@ -264,6 +270,7 @@ class ModelArch:
     def from_config(cls, config: Any) -> ModelArch:
         config = language_model_config(config)
         model_type = getattr(config, "model_type", None)
+        model_type = _TEXT_FAMILIES.get(model_type, model_type)  # Qwen-VL's language models: Qwen2's and Qwen3's
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedConfig("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         implemented = _FAMILY_FIELDS.get(model_type, ())

@@ -65,7 +65,7 @@ _RENAMES["glm4"] = ((r"\.post_attention_layernorm\.", ".pre_feedforward_layernor
 # renamed to a causal LM's; the vision tower's and the projector's, which text alone never reaches, unloaded.
 _LANGUAGE_MODEL_NAMES = ((r"^language_model\.model\.", "model."), (r"^language_model\.lm_head\.", "lm_head."),
                          (r"^model\.language_model\.", "model."))
-_VISION_NAMES = re.compile(r"^(model\.)?(vision_tower|vision_model|multi_modal_projector)\.")
+_VISION_NAMES = re.compile(r"^(model\.)?(vision_tower|vision_model|multi_modal_projector|visual)\.")
 # Apertus: Llama's two norms under names of their own.
 _RENAMES["apertus"] = ((r"\.attention_layernorm\.", ".input_layernorm."), (r"\.feedforward_layernorm\.",
                                                                          ".post_attention_layernorm."))

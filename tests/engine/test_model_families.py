@@ -284,10 +284,13 @@ def test_an_image_text_checkpoint_serves_its_language_model_alone(checkpoint, na
 
     folder = checkpoint(name)
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        assert any(key.startswith(("vision_tower.", "multi_modal_projector.")) for key in f.keys())  # noqa: SIM118
+        assert any(key.startswith(("vision_tower.", "multi_modal_projector.", "visual.", "model.visual."))
+                   for key in f.keys())  # noqa: SIM118
     wrapper = family_configs()[name]
     config = load_hf_config(folder)
     assert config.model_type == wrapper.text_config.model_type
+    assert ModelArch.from_config(config).model_type == {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}.get(
+        config.model_type, config.model_type)
     assert config.tie_word_embeddings == wrapper.tie_word_embeddings
     if name.startswith("mistral3"):
         assert not config.tie_word_embeddings and family_configs()[name].text_config.tie_word_embeddings

@@ -69,10 +69,14 @@ def family_configs() -> dict[str, Any]:
         OlmoeConfig,
         Phi3Config,
         PixtralVisionConfig,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLTextConfig,
         Qwen2Config,
         Qwen2MoeConfig,
         Qwen3Config,
         Qwen3MoeConfig,
+        Qwen3VLConfig,
+        Qwen3VLTextConfig,
         SeedOssConfig,
         SiglipVisionConfig,
         SmolLM3Config,
@@ -272,6 +276,23 @@ def family_configs() -> dict[str, Any]:
             text_config=MistralConfig(**TINY_DIMS, sliding_window=None, tie_word_embeddings=True).to_dict(),
             vision_config=PixtralVisionConfig(**_TINY_VISION, head_dim=16).to_dict(), spatial_merge_size=1,
             image_token_index=TINY_DIMS["vocab_size"] - 1, tie_word_embeddings=False,
+        ),
+        # Qwen2.5-VL's and Qwen3-VL's: Qwen2's and Qwen3's layers under M-RoPE (three sections of each head's
+        # frequencies, Qwen3-VL's interleaved), beside a vision tower with its own merger.
+        "qwen2-5-vl-image-text-text-only": Qwen2_5_VLConfig(
+            text_config=Qwen2_5_VLTextConfig(**TINY_DIMS, rope_parameters={
+                "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}).to_dict(),
+            vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                           "out_hidden_size": TINY_DIMS["hidden_size"], "fullatt_block_indexes": [0]},
+            tie_word_embeddings=False,
+        ),
+        "qwen3-vl-image-text-text-only": Qwen3VLConfig(
+            text_config=Qwen3VLTextConfig(**TINY_DIMS, rope_parameters={
+                "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True}).to_dict(),
+            vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                           "out_hidden_size": TINY_DIMS["hidden_size"], "deepstack_visual_indexes": [0]},
+            tie_word_embeddings=True,
         ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={

@@ -270,7 +270,8 @@ class ModelArch:
     def from_config(cls, config: Any) -> ModelArch:
         config = language_model_config(config)
         model_type = getattr(config, "model_type", None)
-        model_type = _TEXT_FAMILIES.get(model_type, model_type)  # Qwen-VL's language models: Qwen2's and Qwen3's
+        if isinstance(model_type, str):  # Qwen-VL's language models: Qwen2's and Qwen3's layers
+            model_type = _TEXT_FAMILIES.get(model_type, model_type)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedConfig("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         implemented = _FAMILY_FIELDS.get(model_type, ())

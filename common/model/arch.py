@@ -44,8 +44,8 @@ correctness):
   per-head q/k norms and an ungated MLP with its xIELU.
 - AFMoE is Gemma's four norms in OLMo's form, per-head q/k norms, a sigmoid gate on the attention's output,
   Cohere 2's unrotated global layers and MiniMax-M2's router, scaled.
-- Image-text checkpoints (Gemma 3, Mistral 3, Qwen2.5-VL, Qwen3-VL) are served as their ``text_config``'s family
-  (text only).
+- Image-text checkpoints (Gemma 3, Mistral 3, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) are served as their
+  ``text_config``'s family (text only).
 - Cohere (``cohere``) and Cohere 2 (``cohere2``) rotate interleaved pairs too, in float32; their norms are
   LayerNorms without bias (``NORM_LAYER``), attention and MLP read the same norm side by side, and the
   logits are scaled by ``logit_scale``; Cohere 2 windows its sliding layers and rotates only those.
@@ -107,15 +107,19 @@ SUPPORTED_MODEL_TYPES = (
 _GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 _SANDWICH_GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Image-text checkpoints whose language model is served on its own: Gemma 3 (4B and up), Mistral Small
-# 3.1 / 3.2, Qwen2.5-VL and Qwen3-VL. For a prompt of text alone the wrapper's logits are its language model's (the vision tower
+# 3.1 / 3.2, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE. For a prompt of text alone the wrapper's logits are its language model's (the vision tower
 # and projector only ever touch image tokens), so the model is its ``text_config``'s family; images are
 # refused by the API, by name.
-IMAGE_TEXT_TYPES = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl")
+IMAGE_TEXT_TYPES = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Language models of image-text checkpoints that are a served family's layer under another name: Qwen2.5-VL's
 # is Qwen2's, Qwen3-VL's Qwen3's. Their M-RoPE gives each token three position ids (time, height, width)
 # that, for text alone, are one: each section of the rotation then turns by that one position, which is
 # the plain RoPE.
-_TEXT_FAMILIES = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+_TEXT_FAMILIES = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe"}
+# Qwen3-VL-MoE's: Qwen3-MoE's mixture, whose router always renormalizes its choice, and whose released
+# checkpoints hold the stacked experts input-major (``[E, H, 2I]`` and ``[E, I, H]``), turned as they load
+# where their shape says so (as transformers turns them).
+_QWEN3_VL_MOE_TEXT = "qwen3_vl_moe_text"
 _OLMO_TYPES = ("olmo2", "olmo3", "flex_olmo")
 # Families whose modeling code reads a RoPE per layer type (``rope_parameters`` keyed by layer type).
 _ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3")
@@ -224,6 +228,8 @@ class ModelArch:
     num_expert_groups: int = 1  # the sigmoid router's groups and how many of them a token may use
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    # Qwen3-VL-MoE's checkpoints: the stacked experts input-major, turned as they load.
+    experts_input_major: bool = False
     # AFMoE's: the router's correction bias kept in float32 whatever the model's dtype, as transformers keeps it.
     router_bias_float32: bool = False
     # Each head's first entries that RoPE rotates (a partial RoPE, GLM-4.5's); None: all of them.
@@ -270,6 +276,7 @@ class ModelArch:
     def from_config(cls, config: Any) -> ModelArch:
         config = language_model_config(config)
         model_type = getattr(config, "model_type", None)
+        text_model_type = model_type
         if isinstance(model_type, str):  # Qwen-VL's language models: Qwen2's and Qwen3's layers
             model_type = _TEXT_FAMILIES.get(model_type, model_type)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -320,6 +327,9 @@ class ModelArch:
             }[model_type]
         )
         gemma, olmo = model_type in _GEMMA_TYPES, model_type in _OLMO_TYPES
+        moe = _moe_fields(config, model_type) if model_type in _MOE_TYPES else {}
+        if text_model_type == _QWEN3_VL_MOE_TEXT:
+            moe.update(norm_topk_prob=True, experts_input_major=True)
         rope_type, rope_layer_types = _rope(config, model_type)
         rotary_dim = _rotary_dim(config, model_type)
         return cls(
@@ -360,7 +370,7 @@ class ModelArch:
             attn_soft_cap=_positive_or_none(config, "attn_logit_softcapping"),
             final_soft_cap=_positive_or_none(config, "final_logit_softcapping"),
             **_granite_scalings(config, model_type),
-            **(_moe_fields(config, model_type) if model_type in _MOE_TYPES else {}),
+            **moe,
         )
 
 

@@ -158,6 +158,11 @@ def load_model(
             state[base] = dequantize_mxfp4(state.pop(name), state.pop(base + "_scales"), dtype)
     if model.arch.model_type == "gpt_oss":
         gpt_oss_experts(state)
+    if model.arch.experts_input_major:  # Qwen3-VL-MoE as released: [E, H, 2I] and [E, I, H], turned where so
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        for name in [n for n in state if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
+            if state[name].shape != shapes.get(name) and state[name].transpose(1, 2).shape == shapes.get(name):
+                state[name] = state[name].transpose(1, 2).contiguous()
     expected = {n for n, _ in model.named_parameters()}
     if model.tie_word_embeddings:
         expected.discard("lm_head.weight")

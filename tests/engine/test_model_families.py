@@ -226,8 +226,11 @@ def test_a_layer_without_rope_changes_transformers_logits_so_the_tests_can_see_i
 @pytest.mark.parametrize("name", MIXTURES)
 def test_the_routing_changes_transformers_logits_so_the_tests_can_see_it(checkpoint, name: str) -> None:  # type: ignore[no-untyped-def]
     """Routed to one expert fewer, the same weights give other logits."""
-    assert _changes_transformers_logits(
-        checkpoint(name), lambda c: setattr(c, "num_experts_per_tok", c.num_experts_per_tok - 1))
+    def fewer(config: Any) -> None:
+        text = getattr(config, "text_config", None) or config  # an image-text wrapper's language model
+        text.num_experts_per_tok -= 1
+
+    assert _changes_transformers_logits(checkpoint(name), fewer)
 
 
 def _no_correction_bias(model: Any) -> None:
@@ -289,8 +292,9 @@ def test_an_image_text_checkpoint_serves_its_language_model_alone(checkpoint, na
     wrapper = family_configs()[name]
     config = load_hf_config(folder)
     assert config.model_type == wrapper.text_config.model_type
-    assert ModelArch.from_config(config).model_type == {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}.get(
-        config.model_type, config.model_type)
+    assert ModelArch.from_config(config).model_type == {
+        "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe"}.get(config.model_type,
+                                                                                                 config.model_type)
     assert config.tie_word_embeddings == wrapper.tie_word_embeddings
     if name.startswith("mistral3"):
         assert not config.tie_word_embeddings and family_configs()[name].text_config.tie_word_embeddings

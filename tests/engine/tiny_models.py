@@ -76,6 +76,8 @@ def family_configs() -> dict[str, Any]:
         Qwen3Config,
         Qwen3MoeConfig,
         Qwen3VLConfig,
+        Qwen3VLMoeConfig,
+        Qwen3VLMoeTextConfig,
         Qwen3VLTextConfig,
         SeedOssConfig,
         SiglipVisionConfig,
@@ -294,6 +296,17 @@ def family_configs() -> dict[str, Any]:
                            "out_hidden_size": TINY_DIMS["hidden_size"], "deepstack_visual_indexes": [0]},
             tie_word_embeddings=True,
         ),
+        # Qwen3-VL-MoE's: Qwen3-MoE's layer (2 of 6 experts, always renormalized; layer 1 dense), its experts
+        # stored input-major.
+        "qwen3-vl-moe-image-text-text-only": Qwen3VLMoeConfig(
+            text_config=Qwen3VLMoeTextConfig(**TINY_DIMS, num_experts=6, num_experts_per_tok=2,
+                                             moe_intermediate_size=16, mlp_only_layers=[1], rope_parameters={
+                "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True}).to_dict(),
+            vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                           "out_hidden_size": TINY_DIMS["hidden_size"], "deepstack_visual_indexes": [0]},
+            tie_word_embeddings=False,
+        ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={
             "rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
@@ -331,7 +344,19 @@ def build_checkpoint(config: Any, folder: Path, seed: int = 0) -> Path:
             if name.endswith("e_score_correction_bias"):
                 buffer.add_(0.3 * torch.randn_like(buffer))
     model.save_pretrained(str(folder))
+    if config.model_type == "qwen3_vl_moe":  # as its released checkpoints hold the stacked experts
+        _experts_input_major(folder)
     return folder
+
+
+def _experts_input_major(folder: Path) -> None:
+    """The checkpoint's stacked experts rewritten input-major (``[E, H, 2I]``, ``[E, I, H]``)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        state[name] = state[name].transpose(1, 2).contiguous()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 # MXFP4's four-bit values by code, for ``mxfp4_checkpoint``'s rounding.

@@ -64,7 +64,7 @@ _LLAMA_BIAS_TYPES = ("llama", "granite", "smollm3", "internlm3", "arcee")
 # Command R7B, Command A, whose global layers have no RoPE).
 _COHERE_TYPES = ("cohere", "cohere2")
 # Families whose q/k/v and o projections have biases by ``attention_bias`` and whose MLPs have none.
-_ATTENTION_BIAS_TYPES = ("qwen3", "gemma", "gemma2", "gemma3_text", "hunyuan_v1_dense", "olmo2", "olmo3", "qwen3_moe", "olmoe",
+_ATTENTION_BIAS_TYPES = ("qwen3", "gemma", "gemma2", "gemma3_text", "vaultgemma", "hunyuan_v1_dense", "olmo2", "olmo3", "qwen3_moe", "olmoe",
                          "granitemoe", "granitemoeshared", "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe",
                          "apertus", "afmoe", *_COHERE_TYPES)
 _NO_BIAS_TYPES = ("mistral", "ministral", "ministral3", "phi3", "mixtral", "minimax_m2", "exaone4")  # no bias anywhere
@@ -99,13 +99,16 @@ ROUTER_TOPK_SOFTMAX_BIASED = "topk_softmax_biased"
 ROUTER_SOFTMAX_CORRECTED = "softmax_corrected_topk"
 _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 SUPPORTED_MODEL_TYPES = (
-    *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "seed_oss",
+    *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "vaultgemma", "phi3",
+    "seed_oss",
     "hunyuan_v1_dense", "olmo2", "olmo3", "helium", "ministral3", "exaone4", "apertus", *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
 )
 # Gemma's norms ((1 + weight) in float32), scaled embeddings and GELU-tanh; Gemma 2 and 3 add norms after
-# each block, soft-caps and their attention scale (``_SANDWICH_GEMMA_TYPES``).
-_GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+# each block (``_SANDWICH_GEMMA_TYPES``), and with VaultGemma (Gemma 2's layer without those) soft-caps and
+# their attention scale (``_SOFT_CAPPED_GEMMA_TYPES``).
+_GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text", "vaultgemma")
 _SANDWICH_GEMMA_TYPES = ("gemma2", "gemma3_text")
+_SOFT_CAPPED_GEMMA_TYPES = (*_SANDWICH_GEMMA_TYPES, "vaultgemma")
 # Image-text checkpoints whose language model is served on its own: Gemma 3 (4B and up), Mistral Small
 # 3.1 / 3.2, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE. For a prompt of text alone the wrapper's logits are its language model's (the vision tower
 # and projector only ever touch image tokens), so the model is its ``text_config``'s family; images are
@@ -147,7 +150,7 @@ _UNSET_FIELDS = (
 _GRANITE_SCALINGS = ("embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier")
 _FAMILY_FIELDS = {
     **{gemma: ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
-       for gemma in _SANDWICH_GEMMA_TYPES},
+       for gemma in _SOFT_CAPPED_GEMMA_TYPES},
     **{granite: _GRANITE_SCALINGS for granite in ("granite", *_GRANITE_MOE_TYPES)},
     "glm4_moe": ("use_qk_norm",),  # per-head q/k norms, as Qwen3's
     "minimax_m2": ("use_qk_norm",),  # its released configs set it; its modeling code norms q and k always

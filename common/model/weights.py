@@ -76,6 +76,8 @@ _RENAMES["afmoe"] = ((r"\.mlp\.router\.gate\.", ".mlp.gate."), (r"\.mlp\.expert_
                      (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."), (r"\.pre_mlp_layernorm\.", ".pre_feedforward_layernorm."),
                      (r"\.post_mlp_layernorm\.", ".post_feedforward_layernorm."),
                      (r"\.self_attn\.gate_proj\.", ".self_attn.output_gate."))
+# VaultGemma: Gemma 2's layer without the norms after each block; its norm before the MLP under Gemma 2's name.
+_RENAMES["vaultgemma"] = ((r"\.pre_feedforward_layernorm\.", ".post_attention_layernorm."),)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<kind>gate_up_proj|down_proj)\.weight$")
 

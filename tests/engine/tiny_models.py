@@ -82,6 +82,7 @@ def family_configs() -> dict[str, Any]:
         SeedOssConfig,
         SiglipVisionConfig,
         SmolLM3Config,
+        VaultGemmaConfig,
     )
 
     return {
@@ -103,6 +104,12 @@ def family_configs() -> dict[str, Any]:
         "gemma2-window-softcap": Gemma2Config(
             **TINY_DIMS, sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
             final_logit_softcapping=3.0, tie_word_embeddings=False,  # tied, the residual just repeats tokens
+        ),
+        # VaultGemma: Gemma 2's layer without the norms after each block.
+        "vaultgemma-window-softcap": VaultGemmaConfig(
+            **TINY_DIMS, sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            tie_word_embeddings=False,
         ),
         # Gemma 2's layer with q/k norms, a RoPE per layer type (the global one scaled) and no soft-caps.
         "gemma3-window-rope-per-type": Gemma3TextConfig(

@@ -96,8 +96,11 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor
     if rotary_dim < q.shape[-1]:
         q_rot, k_rot = rope(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin)
         return torch.cat((q_rot, q[..., rotary_dim:]), -1), torch.cat((k_rot, k[..., rotary_dim:]), -1)
-    if cos.dtype != q.dtype:
-        return tuple((x.float() * cos + _rotate_half(x).float() * sin).to(x.dtype) for x in (q, k))  # type: ignore[return-value]
+    if cos.dtype != q.dtype:  # float32 tables: in float32, rounded once
+        def turned(x: Tensor) -> Tensor:
+            return (x.float() * cos + _rotate_half(x).float() * sin).to(x.dtype)
+
+        return turned(q), turned(k)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

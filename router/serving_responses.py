@@ -69,19 +69,19 @@ async def create_response(
     response_id = new_id("resp")
     store = state.responses is not None and request.store is not False
     save = _saver(state, owner, [*earlier, *_as_stored(request.own_items())]) if store else None
-    if request.stream and not request.background:
-        events = ResponseEvents(request, response_id, plan.created, plan.model, store)
-        chunks = _ResponseChunks(state, plan, reader, events, save)
-        return await sse_response(
-            state, plan, wait_disconnect, StreamOptions(include_usage=True), lambda include_usage, continuous: chunks,
-            finish=chunks.finish,
-        )
     if request.background:
         started = await _start_background(state, request, response_id, plan, reader, owner,
                                           [*earlier, *_as_stored(request.own_items())])
         if request.stream:  # its events as they are logged; a client that goes leaves it running
             return EventStreamResponse(tail_events(state, owner, response_id, -1, wait_disconnect))
         return JSONResponse(started)
+    if request.stream:
+        events = ResponseEvents(request, response_id, plan.created, plan.model, store)
+        chunks = _ResponseChunks(state, plan, reader, events, save)
+        return await sse_response(
+            state, plan, wait_disconnect, StreamOptions(include_usage=True), lambda include_usage, continuous: chunks,
+            finish=chunks.finish,
+        )
     response = await _answer(state, request, response_id, plan, reader, wait_disconnect, store)
     if save is not None:
         response["store"] = await save(response)
@@ -210,6 +210,7 @@ async def tail_events(
     store = _store(state, response_id)
     disconnect = asyncio.ensure_future(wait_disconnect())
     delay = _POLL_S[0]
+    ended: StoredResponse | None = None  # the record, once it was found ended
     try:
         while True:
             new = await store.read_events(response_id, after)
@@ -221,22 +222,18 @@ async def tail_events(
             if new:
                 delay = _POLL_S[0]
                 continue
+            if ended is not None:  # the log read to its end after the record ended: nothing more will come
+                if ended.response.get("status") == "failed":
+                    yield msgspec.json.encode({"type": "response.failed", "sequence_number": after + 1,
+                                               "response": ended.response})
+                return
             record = await store.load(response_id, owner)
             if record is None:  # deleted, or expired
                 return
-            if lapsed(record):
-                record = failed_by_loss(record)
-                await store.save(record)
-            if not running(record):  # its last events were logged before it was saved ended
-                for event in await store.read_events(response_id, after):
-                    after += 1
-                    yield event
-                    if _kind_decoder.decode(event).type in _LAST_EVENTS:
-                        return
-                if record.response.get("status") == "failed":
-                    yield msgspec.json.encode({"type": "response.failed", "sequence_number": after + 1,
-                                               "response": record.response})
-                return
+            record = await _failed_if_lapsed(store, record)
+            if not running(record):  # its last events were logged before it was saved ended: read them
+                ended = record
+                continue
             done, _ = await asyncio.wait({disconnect}, timeout=delay)
             if done:
                 raise ClientDisconnected
@@ -368,12 +365,19 @@ async def _stored(state: RouterState, owner: str, response_id: str) -> StoredRes
     return record
 
 
+async def _failed_if_lapsed(store: ResponseStore, record: StoredResponse) -> StoredResponse:
+    """``record``, or, for a background response whose process stopped vouching for it, that response
+    failed (and stored so)."""
+    if not lapsed(record):
+        return record
+    record = failed_by_loss(record)
+    await store.save(record)
+    return record
+
+
 async def retrieve_response(state: RouterState, owner: str, response_id: str) -> dict[str, Any]:
     record = await _stored(state, owner, response_id)
-    if lapsed(record):  # a background response whose process stopped vouching for it
-        record = failed_by_loss(record)
-        await _store(state, response_id).save(record)
-    return record.response
+    return (await _failed_if_lapsed(_store(state, response_id), record)).response
 
 
 async def cancel_response(state: RouterState, owner: str, response_id: str) -> dict[str, Any]:

@@ -64,9 +64,9 @@ _LLAMA_BIAS_TYPES = ("llama", "granite", "smollm3", "internlm3", "arcee")
 # Command R7B, Command A, whose global layers have no RoPE).
 _COHERE_TYPES = ("cohere", "cohere2")
 # Families whose q/k/v and o projections have biases by ``attention_bias`` and whose MLPs have none.
-_ATTENTION_BIAS_TYPES = ("qwen3", "gemma", "gemma2", "gemma3_text", "vaultgemma", "hunyuan_v1_dense", "olmo2", "olmo3", "qwen3_moe", "olmoe",
-                         "granitemoe", "granitemoeshared", "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe",
-                         "apertus", "afmoe", *_COHERE_TYPES)
+_ATTENTION_BIAS_TYPES = ("qwen3", "gemma", "gemma2", "gemma3_text", "vaultgemma", "hunyuan_v1_dense", "olmo2",
+                         "olmo3", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "dots1",
+                         "flex_olmo", "hunyuan_v1_moe", "apertus", "afmoe", *_COHERE_TYPES)
 _NO_BIAS_TYPES = ("mistral", "ministral", "ministral3", "phi3", "mixtral", "minimax_m2", "exaone4")  # no bias anywhere
 # Families whose q/k/v, o and MLP projections all have biases by ``use_bias`` (ERNIE 4.5; its experts none).
 _ERNIE_TYPES = ("ernie4_5", "ernie4_5_moe")
@@ -99,9 +99,9 @@ ROUTER_TOPK_SOFTMAX_BIASED = "topk_softmax_biased"
 ROUTER_SOFTMAX_CORRECTED = "softmax_corrected_topk"
 _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 SUPPORTED_MODEL_TYPES = (
-    *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "vaultgemma", "phi3",
-    "seed_oss",
-    "hunyuan_v1_dense", "olmo2", "olmo3", "helium", "ministral3", "exaone4", "apertus", *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
+    *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "vaultgemma",
+    "phi3", "seed_oss", "hunyuan_v1_dense", "olmo2", "olmo3", "helium", "ministral3", "exaone4", "apertus",
+    *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
 )
 # Gemma's norms ((1 + weight) in float32), scaled embeddings and GELU-tanh; Gemma 2 and 3 add norms after
 # each block (``_SANDWICH_GEMMA_TYPES``), and with VaultGemma (Gemma 2's layer without those) soft-caps and
@@ -110,9 +110,9 @@ _GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text", "vaultgemma")
 _SANDWICH_GEMMA_TYPES = ("gemma2", "gemma3_text")
 _SOFT_CAPPED_GEMMA_TYPES = (*_SANDWICH_GEMMA_TYPES, "vaultgemma")
 # Image-text checkpoints whose language model is served on its own: Gemma 3 (4B and up), Mistral Small
-# 3.1 / 3.2, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE. For a prompt of text alone the wrapper's logits are its language model's (the vision tower
-# and projector only ever touch image tokens), so the model is its ``text_config``'s family; images are
-# refused by the API, by name.
+# 3.1 / 3.2, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE. For a prompt of text alone the wrapper's logits are its
+# language model's (the vision tower and projector only ever touch image tokens), so the model is its
+# ``text_config``'s family; images are refused by the API, by name.
 IMAGE_TEXT_TYPES = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Language models of image-text checkpoints that are a served family's layer under another name: Qwen2.5-VL's
 # is Qwen2's, Qwen3-VL's Qwen3's. Their M-RoPE gives each token three position ids (time, height, width)
@@ -194,7 +194,8 @@ class ModelArch:
     # "silu" or "gelu_tanh" (both gated: down(act(gate) * up)), or without a gate, down(act(up)): "relu2"
     # (relu(x)^2) or "xielu" (Apertus's).
     activation: str = "silu"
-    # Norms on each side of each block (Gemma 2/3, GLM-4, AFMoE): a block's output normed before it joins the stream.
+    # Norms on each side of each block (Gemma 2/3, GLM-4, AFMoE): a block's output normed before it joins the
+    # stream.
     sandwich_norms: bool = False
     norm_form: int = NORM_LLAMA  # how every RMSNorm meets its weight (``pdserve_kernels.reference.NORM_*``)
     # OLMo's layer: no norm before a block, one after each (the block's output normed, then added);
@@ -237,8 +238,8 @@ class ModelArch:
     router_bias_float32: bool = False
     # Each head's first entries that RoPE rotates (a partial RoPE, GLM-4.5's); None: all of them.
     rotary_dim: int | None = None
-    # RoPE over interleaved pairs (GLM, Helium, ERNIE 4.5, Cohere): served by rotating halves after the checkpoint's
-    # q and k rows are reordered as they load (``common.model.weights.deinterleave_rope``), each head's
+    # RoPE over interleaved pairs (GLM, Helium, ERNIE 4.5, Cohere): served by rotating halves after the
+    # checkpoint's q and k rows are reordered as they load (``common.model.weights.deinterleave_rope``), each head's
     # even entries first: the same rotation of the same numbers, q . k a sum over the same products.
     rope_interleaved: bool = False
     # ERNIE 4.5's and Cohere's: q and k rotated in float32 and rounded once (others round each operation to
@@ -442,10 +443,7 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
             raise UnsupportedConfig("mlp_only_layers", dense, f"must list layers 0 to {num_layers - 1}")
         moe_layers = tuple(i for i in moe_layers if i not in dense and (i + 1) % step == 0)
     if model_type in _DEEPSEEK_ROUTED_TYPES:
-        first = getattr(config, "first_k_dense_replace", 0)
-        if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first <= num_layers:
-            raise UnsupportedConfig("first_k_dense_replace", first, f"must be 0 to {num_layers}")
-        moe_layers = tuple(range(first, num_layers))
+        moe_layers = _after_dense_layers(config, "first_k_dense_replace", num_layers)
     if model_type == "ernie4_5_moe":
         moe_layers = _ernie_moe_layers(config, num_layers)
     shared = getattr(config, "shared_expert_intermediate_size", None) if model_type == "qwen2_moe" else 0
@@ -454,10 +452,7 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
     router: dict[str, Any] = {}  # a sigmoid router's fields
     if model_type in _DEEPSEEK_ROUTED_TYPES:
         router = _sigmoid_router_fields(config, num_experts, top_k)
-        n_shared = getattr(config, "n_shared_experts", 0) or 0
-        if not isinstance(n_shared, int) or n_shared < 0:
-            raise UnsupportedConfig("n_shared_experts", n_shared, "must be 0 or a positive integer")
-        shared = inter * n_shared  # one MLP as wide as all the shared experts together, as transformers builds it
+        shared = _shared_experts_width(config, "n_shared_experts", inter)
     if model_type == "gpt_oss":
         swiglu = {field: _positive_or_none(config, field) for field in ("swiglu_alpha", "swiglu_limit")}
         for field, value in swiglu.items():
@@ -470,19 +465,10 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         router = {"router": ROUTER_SIGMOID, "routing_weights_float32": True}
     if model_type == "ernie4_5_moe":
         router = _ernie_router_fields(config, num_experts, top_k)
-        n_shared = getattr(config, "moe_num_shared_experts", 0) or 0
-        if not isinstance(n_shared, int) or n_shared < 0:
-            raise UnsupportedConfig("moe_num_shared_experts", n_shared, "must be 0 or a positive integer")
-        shared = inter * n_shared  # one MLP as wide as all the shared experts together, ungated
+        shared = _shared_experts_width(config, "moe_num_shared_experts", inter)
     if model_type == "afmoe":  # MiniMax-M2's router, scaled; its first layers dense, shared experts beside
-        first = getattr(config, "num_dense_layers", 0) or 0
-        if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first <= num_layers:
-            raise UnsupportedConfig("num_dense_layers", first, f"must be 0 to {num_layers}")
-        moe_layers = tuple(range(first, num_layers))
-        n_shared = getattr(config, "num_shared_experts", 0) or 0
-        if not isinstance(n_shared, int) or n_shared < 0:
-            raise UnsupportedConfig("num_shared_experts", n_shared, "must be 0 or a positive integer")
-        shared = inter * n_shared
+        moe_layers = _after_dense_layers(config, "num_dense_layers", num_layers)
+        shared = _shared_experts_width(config, "num_shared_experts", inter)
         scale = _positive_or_none(config, "route_scale") or 1.0
         router = {"router": ROUTER_SIGMOID, "routing_weights_float32": True, "routed_scaling_factor": scale,
                   "router_bias_float32": True}
@@ -500,6 +486,24 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         "shared_expert_gated": model_type == "qwen2_moe",
         "router": ROUTER_TOPK_SOFTMAX if model_type in _GRANITE_MOE_TYPES else ROUTER_SOFTMAX_TOPK, **router,
     }
+
+
+def _after_dense_layers(config: Any, field: str, num_layers: int) -> tuple[int, ...]:
+    """The mixture's layers: all but the first ``field`` (GLM-4.5's ``first_k_dense_replace``, AFMoE's
+    ``num_dense_layers``), which are dense."""
+    first = getattr(config, field, 0) or 0
+    if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first <= num_layers:
+        raise UnsupportedConfig(field, first, f"must be 0 to {num_layers}")
+    return tuple(range(first, num_layers))
+
+
+def _shared_experts_width(config: Any, field: str, inter: int) -> int:
+    """The shared experts' width: as many experts as ``field`` says, one ungated MLP as wide as all of them
+    together, as transformers builds it (0: none)."""
+    n_shared = getattr(config, field, 0) or 0
+    if not isinstance(n_shared, int) or n_shared < 0:
+        raise UnsupportedConfig(field, n_shared, "must be 0 or a positive integer")
+    return inter * n_shared
 
 
 def _quantization(config: Any, model_type: str) -> str | None:

@@ -61,11 +61,6 @@ _RENAMES["ernie4_5_moe"] = ((r"\.mlp\.(gate\.)?moe_statics\.e_score_correction_b
 _RENAMES["glm4"] = ((r"\.post_attention_layernorm\.", ".pre_feedforward_layernorm."),
                     (r"\.post_self_attn_layernorm\.", ".post_attention_layernorm."),
                     (r"\.post_mlp_layernorm\.", ".post_feedforward_layernorm."))
-# An image-text checkpoint (``IMAGE_TEXT_TYPES``): its language model's weights under a prefix of their own,
-# renamed to a causal LM's; the vision tower's and the projector's, which text alone never reaches, unloaded.
-_LANGUAGE_MODEL_NAMES = ((r"^language_model\.model\.", "model."), (r"^language_model\.lm_head\.", "lm_head."),
-                         (r"^model\.language_model\.", "model."))
-_VISION_NAMES = re.compile(r"^(model\.)?(vision_tower|vision_model|multi_modal_projector|visual)\.")
 # Apertus: Llama's two norms under names of their own.
 _RENAMES["apertus"] = ((r"\.attention_layernorm\.", ".input_layernorm."), (r"\.feedforward_layernorm\.",
                                                                          ".post_attention_layernorm."))
@@ -78,6 +73,11 @@ _RENAMES["afmoe"] = ((r"\.mlp\.router\.gate\.", ".mlp.gate."), (r"\.mlp\.expert_
                      (r"\.self_attn\.gate_proj\.", ".self_attn.output_gate."))
 # VaultGemma: Gemma 2's layer without the norms after each block; its norm before the MLP under Gemma 2's name.
 _RENAMES["vaultgemma"] = ((r"\.pre_feedforward_layernorm\.", ".post_attention_layernorm."),)
+# An image-text checkpoint (``IMAGE_TEXT_TYPES``): its language model's weights under a prefix of their own,
+# renamed to a causal LM's; the vision tower's and the projector's, which text alone never reaches, unloaded.
+_LANGUAGE_MODEL_NAMES = ((r"^language_model\.model\.", "model."), (r"^language_model\.lm_head\.", "lm_head."),
+                         (r"^model\.language_model\.", "model."))
+_VISION_NAMES = re.compile(r"^(model\.)?(vision_tower|vision_model|multi_modal_projector|visual)\.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<kind>gate_up_proj|down_proj)\.weight$")
 

@@ -99,7 +99,8 @@ def test_the_agreement_bound_tells_a_wrong_cache_apart(monkeypatch: pytest.Monke
 
     right = reference.to_cache
     errors, agreement = _against_exact(monkeypatch, lambda x, dtype: right(x / 16, dtype))
-    assert agreement < AGREEMENT or max(errors) >= 0.2, (agreement, errors)
+    assert agreement < AGREEMENT, agreement  # measured 0.14
+    assert max(errors) >= 0.2, errors  # measured past 0.85
 
 
 def test_prefill_hand_off_decode_with_fp8_caches_equals_one_engine(tiny: Path, engine_factory) -> None:  # type: ignore[no-untyped-def]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -19,6 +21,59 @@ def parse_size(text: str) -> int:
     if s and s[-1] in mult:
         return int(float(s[:-1]) * mult[s[-1]])
     return int(s)
+
+
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative-config`` as vLLM reads it, for the one method built here: n-gram (prompt lookup)
+    drafts, verified by the model in the step that decodes (``common.engine.spec_decode``).
+
+    ``prompt_lookup_min`` / ``prompt_lookup_max``: the shortest and longest suffix of a request's tokens
+    looked up earlier in them; one of the two given, the other takes its value; neither, both are 5
+    (vLLM's defaults)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any]) -> SpeculativeConfig:
+        """From the flag's JSON (or a dict); ``ValueError`` naming what is not implemented or invalid."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        fields_ = dict(value)
+        method = fields_.pop("method", None)
+        if method != "ngram":
+            built = " (n-gram drafts from the request's own tokens)"
+            if isinstance(method, str):  # eagle, eagle3, medusa, draft_model, mtp, suffix...
+                raise ValueError(f"speculative method {method!r} is not implemented; only 'ngram'{built}")
+            raise ValueError(f"--speculative-config needs \"method\": \"ngram\"{built}")
+        unknown = sorted(set(fields_) - {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"})
+        if unknown:
+            raise ValueError(f"speculative config field(s) {', '.join(unknown)} not implemented for ngram")
+        for name, v in fields_.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative config {name} must be a positive integer, got {v!r}")
+        k = fields_.get("num_speculative_tokens")
+        if k is None:
+            raise ValueError("speculative config needs num_speculative_tokens")
+        if k > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens {k} exceeds {MAX_SPECULATIVE_TOKENS}")
+        low, high = fields_.get("prompt_lookup_min"), fields_.get("prompt_lookup_max")
+        low = low if low is not None else high if high is not None else 5
+        high = high if high is not None else low
+        if low > high:
+            raise ValueError(f"prompt_lookup_min {low} exceeds prompt_lookup_max {high}")
+        return cls("ngram", k, low, high)
 
 
 @dataclass
@@ -43,6 +98,8 @@ class EngineConfig:
     async_scheduling: bool = False
     # The order waiting requests are taken in, and preempted (``common.engine.waiting_queue``).
     scheduling_policy: str = "fcfs"
+    # Draft tokens verified each decode step (``SpeculativeConfig``; the flag's JSON is parsed here).
+    speculative_config: SpeculativeConfig | str | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -65,6 +122,17 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not implemented; "
                              f"expected one of {', '.join(KV_CACHE_DTYPES)}")
+        if isinstance(self.speculative_config, str):
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("--speculative-config with --async-scheduling is not implemented: a step's "
+                             "accepted drafts decide the next step's inputs; use one or the other")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed ``speculative_config`` (``__post_init__`` parsed any string)."""
+        assert not isinstance(self.speculative_config, str)
+        return self.speculative_config
 
     @property
     def torch_device(self) -> torch.device:
@@ -129,6 +197,16 @@ class EngineConfig:
                             help="fcfs: requests in arrival order; priority: by each request's priority "
                             "(lower first, then arrival), and under memory pressure the running request "
                             "of the highest value is preempted first")
+        parser.add_argument(
+            "--speculative-config", default=None,
+            help='speculative decoding, as vLLM\'s flag: a JSON object, e.g. {"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}. Each decode step '
+            "proposes up to that many tokens by finding the request's last tokens earlier in its prompt "
+            "and output, and the model checks them in the same forward: every draft token it agrees with "
+            "is one more token from the step. Drafted for greedy requests without penalties, biases, bans, "
+            "min_tokens, logprobs or a grammar (their output is unchanged); others decode a token per step. "
+            "Only ngram is implemented; not with --async-scheduling",
+        )
         if include_seed:
             parser.add_argument("--seed", type=int, default=d.seed, help="seed for requests without one")
 

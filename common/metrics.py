@@ -43,6 +43,15 @@ class EngineMetrics:
             PREFIX + "num_prompt_tokens_waiting", "Prompt tokens of waiting requests not yet computed",
             names, registry=self.registry,
         )
+        # Speculative decoding, as vLLM names them; exported only by an engine that drafts.
+        self._spec_counters = {
+            name: Counter(PREFIX + name, doc, names, registry=self.registry)
+            for name, doc in (
+                ("spec_decode_num_drafts", "Decode steps of a request that checked draft tokens"),
+                ("spec_decode_num_draft_tokens", "Draft tokens checked"),
+                ("spec_decode_num_accepted_tokens", "Draft tokens the model agreed with (kept)"),
+            )
+        }
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed later)")
@@ -66,6 +75,9 @@ class EngineMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._last.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._last.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions - self._last.num_preemptions)
+        for name, spec_counter in self._spec_counters.items():
+            if name in stats.extra:
+                spec_counter.labels(**self.labels).inc(stats.extra[name] - self._last.extra.get(name, 0.0))
         self._last = stats
 
     def serve(self, host: str, port: int, ready: Callable[[], bool] = lambda: True) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -26,6 +26,7 @@ from common.engine.model_runner import ModelRunner
 from common.engine.request import FINISHED, Request, RequestStatus
 from common.engine.sampler import NO_TOKEN_ERROR, SampledTokens, Sampler
 from common.engine.scheduler import Scheduler, SchedulerOutput
+from common.engine.spec_decode import NgramProposer
 from common.glibc_env import set_malloc_thresholds
 from common.kvcache.block_pool import KVBlock
 from common.kvcache.hashing import BlockHash
@@ -100,6 +101,8 @@ class _Launched:
     placeholders: list[Request] = field(default_factory=list)
     # The runner's step count after this step's forward (``ModelRunner.flush_prompt_logprobs``).
     step: int = 0
+    # Speculative decoding: per decode with drafts, its first row and its drafts (its rows follow).
+    drafts: dict[int, Sequence[int]] = field(default_factory=dict)
 
 
 logger = logging.getLogger(__name__)
@@ -157,6 +160,11 @@ class LLMEngine:
         self._aborted_choices: dict[str, set[int]] = {}
         self.peak_kv_tokens_held = 0
         self.peak_kv_slots_allocated = 0
+        spec = config.speculative
+        self.proposer = None if spec is None else NgramProposer(spec, self.max_model_len)
+        # Speculative decoding, counted as vLLM counts it: decodes with drafts, draft tokens, and those
+        # the model agreed with.
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
 
     def _eos_token_ids(self) -> set[int]:
         """EOS ids from the model config and, where the checkpoint has one, its generation config."""
@@ -421,6 +429,8 @@ class LLMEngine:
         prev, self._in_flight = self._in_flight, None
         if prev is None:  # nothing in flight: no request freed so far can have a step to resolve
             self.kv.take_freed()
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.started_ids and self.on_started is not None:
             self.on_started(sched.started_ids)
@@ -451,6 +461,7 @@ class LLMEngine:
         # Prefill of an n > 1 request whose KV is transferred: its other choices are only sampled
         # here (their first tokens); they run on the decode instance.
         sampled_only: dict[str, list[Request]] = {}
+        drafts: dict[int, Sequence[int]] = {}
         row = -1
         dropped = False
         for s in sched.scheduled:
@@ -460,6 +471,13 @@ class LLMEngine:
             req = s.request
             if req.status >= FINISHED:  # async: finished by the step resolved after this one was launched
                 dropped = True
+                row += len(s.spec_token_ids)
+                continue
+            if s.spec_token_ids:  # a row at its last token and one at each draft, to check them by
+                drafts[len(rows)] = s.spec_token_ids
+                rows += range(row, row + 1 + len(s.spec_token_ids))
+                reqs += [req] * (1 + len(s.spec_token_ids))
+                row += len(s.spec_token_ids)
                 continue
             rows.append(row)
             reqs.append(req)
@@ -481,7 +499,7 @@ class LLMEngine:
         # The rows' index goes over as a tensor built here: indexing a GPU tensor with a list would copy
         # it from pageable memory, waiting for the forward queued before it.
         sampled = self.sampler.sample(logits if own else logits.index_select(0, long_tensor(rows, logits.device)), reqs)
-        return _Launched(reqs, sampled, sampled_only, step=self.runner.num_steps)
+        return _Launched(reqs, sampled, sampled_only, step=self.runner.num_steps, drafts=drafts)
 
     def _leave_placeholders(self, launched: _Launched) -> None:
         """Async scheduling: a placeholder for each sampled row's token, so that the next step schedules
@@ -508,7 +526,15 @@ class LLMEngine:
         outputs: list[EngineOutput] = []
         now = time.monotonic()
         check_stop = self._check_stop
-        for req, token, lp in zip(launched.requests, result.token_ids, result.logprobs, strict=True):
+        drafts, skip = launched.drafts, 0
+        for row, (req, token, lp) in enumerate(zip(launched.requests, result.token_ids, result.logprobs, strict=True)):
+            if skip:  # a row of the drafts before, taken with them
+                skip -= 1
+                continue
+            if drafts and row in drafts:
+                skip = len(drafts[row])
+                self._accept(req, result.token_ids[row : row + 1 + skip], drafts[row], outputs)
+                continue
             if req.status >= FINISHED:  # aborted while in flight: the token is dropped
                 if token == NOT_FINITE:
                     self._scrub_freed(freed.get(req.request_id, ()))
@@ -556,6 +582,42 @@ class LLMEngine:
                     [out.new_token_ids[0], *(c.output_token_ids[-1] for c in children)]
                 )
         return outputs
+
+    def _accept(self, req: Request, tokens: list[int], drafts: Sequence[int], outputs: list[EngineOutput]) -> None:
+        """A decode with drafts, sampled (synchronous steps only): ``tokens`` are the model's own choice
+        after its last token and after each draft. Its tokens are the drafts the model agreed with, in
+        order up to the first it did not, then the model's token there: what one step at a time would
+        have given, stops checked after each. The KV of the drafts kept now counts as computed (their
+        full blocks are cached); the slots of the others are written again by the next step."""
+        if req.status >= FINISHED:
+            return
+        kept: list[int] = []
+        reason: str | None = None
+        for j, token in enumerate(tokens):
+            if token < 0:  # not finite (or no token): it fails as a row of its own would
+                if token == NOT_FINITE:
+                    self._scrub_kv(req)
+                reason = "error"
+                break
+            req.append_output_token(token)
+            kept.append(token)
+            reason = self._check_stop(req, token)
+            if reason is not None or j == len(drafts) or token != drafts[j]:
+                break
+        # The leading tokens that are drafts (a stop may end the step on one).
+        num_accepted = sum(map(int.__eq__, kept, drafts))
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += len(drafts)
+        self.spec_num_accepted_tokens += num_accepted
+        if reason is not None:
+            self.scheduler.finish(req, _FINISHED[reason])
+            failed = tokens[len(kept)] if reason == "error" else 0
+            outputs.append(self._output(req, kept, None, reason,
+                                        NOT_FINITE_ERROR if failed == NOT_FINITE else NO_TOKEN_ERROR))
+            return
+        req.num_computed_tokens += num_accepted
+        self.kv.mark_computed(req)
+        outputs.append(self._output(req, kept, None, None))
 
     def _scrub_kv(self, req: Request) -> None:
         """Zero, and drop from the prefix cache, the blocks only ``req`` holds: its logits were not finite,
@@ -618,6 +680,11 @@ class LLMEngine:
         """Read by the heartbeat thread while the engine's thread steps: the waiting queue is copied in
         one C call first (iterating the deque itself raised when a step changed it meanwhile)."""
         waiting = tuple(self.scheduler.waiting)
+        extra = {"num_prompt_tokens_waiting": float(sum(r.num_tokens - r.num_computed_tokens for r in waiting))}
+        if self.proposer is not None:
+            extra |= {"spec_decode_num_drafts": float(self.spec_num_drafts),
+                      "spec_decode_num_draft_tokens": float(self.spec_num_draft_tokens),
+                      "spec_decode_num_accepted_tokens": float(self.spec_num_accepted_tokens)}
         return EngineStats(
             num_requests_running=len(self.scheduler.running),
             num_requests_waiting=len(waiting),
@@ -627,9 +694,7 @@ class LLMEngine:
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
-            extra={"num_prompt_tokens_waiting": float(
-                sum(r.num_tokens - r.num_computed_tokens for r in waiting)
-            )},
+            extra=extra,
         )
 
     def check_integrity(self) -> None:

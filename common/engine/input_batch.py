@@ -66,6 +66,7 @@ class InputBatch:
         set_cols: list[int] = []
         set_ids: list[int] = []
         max_query_len = max_num_blocks = 0
+        spec_rows: list[tuple[int, int]] = []  # (sequence, drafts) of the decodes with drafts
         row_of, tables, num_written, holders = self._row_of, self._tables, self._num_written, self._requests
         for s in scheduled:
             req = s.request
@@ -95,6 +96,10 @@ class InputBatch:
             num_new.append(n)
             if n == 1:
                 input_ids.append(req.all_token_ids[start])
+            elif s.spec_token_ids:  # a decode with drafts: the last token, then the drafts
+                input_ids.append(req.all_token_ids[start])
+                input_ids += s.spec_token_ids
+                spec_rows.append((len(rows) - 1, len(s.spec_token_ids)))
             else:
                 input_ids += req.all_token_ids[start : start + n]
             completes.append(s.completes)
@@ -135,7 +140,9 @@ class InputBatch:
             table_index = torch.arange(0, num_seqs * width, width).repeat_interleave(num_new_t, output_size=num_tokens)
             table_index += torch.div(positions, bs, rounding_mode="floor")
             slot_blocks = block_tables.reshape(-1).index_select(0, table_index)
-        if not all(completes):
+        if spec_rows:  # a decode with drafts samples at its last token and at each draft
+            sample_idx = _with_drafts(sample_idx, completes, spec_rows)
+        elif not all(completes):
             sample_idx = sample_idx[bool_tensor(completes)]
         return BatchInputs(
             input_ids=long_tensor(input_ids),
@@ -183,3 +190,16 @@ class InputBatch:
         self._requests += [None] * extra
         self._tables += [None] * extra
         self._num_written += [0] * extra
+
+
+def _with_drafts(ends: Tensor, completes: list[bool], spec_rows: list[tuple[int, int]]) -> Tensor:
+    """The tokens to sample at, in order: each completing sequence's last token (``ends``), and for a
+    decode with ``k`` drafts its last ``1 + k`` tokens."""
+    last: list[int] = ends.tolist()
+    drafts = dict(spec_rows)
+    index: list[int] = []
+    for seq, (end, done) in enumerate(zip(last, completes, strict=True)):
+        if done:
+            k = drafts.get(seq, 0)
+            index += range(end - k, end + 1)
+    return long_tensor(index)

@@ -10,6 +10,8 @@ from common.kvcache.hashing import BlockHash, compute_block_hashes
 from common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from common.engine.grammar import GrammarState
     from common.protocol import PromptLogprob
 
@@ -106,6 +108,10 @@ class Request:
         self.prompt_logprobs: list[PromptLogprob | None] | None = None
         # Async scheduling: the last token is a placeholder for one a step in flight samples.
         self.has_placeholder = False
+        # Speculative decoding (``common.engine.spec_decode``): this step's draft tokens, and its tokens
+        # mirrored in an array (the array, how many of its entries are written).
+        self.spec_token_ids: list[int] = []
+        self.spec_mirror: tuple[np.ndarray | None, int] = (None, 0)
         if sampling_params.seed is not None:
             # Choice i of an n > 1 request draws from seed + i (see ``fork``).
             self.draw_seed = sampling_params.seed + seed_offset
@@ -177,6 +183,8 @@ class Request:
         child.block_hashes = list(self.block_hashes)
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         child.prompt_logprobs = None  # choice 0 carries them
+        child.spec_token_ids = []
+        child.spec_mirror = (None, 0)
         child.draw_seed = None if params.seed is None else params.seed + seed_offset
         return child
 

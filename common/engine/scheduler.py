@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.engine.request import FINISHED, Request, RequestStatus
@@ -35,6 +36,9 @@ class ScheduledRequest:
     block_ids: list[int]
     # After this step the request's KV covers all its tokens, so it samples a token.
     completes: bool
+    # Speculative decoding: draft tokens computed after the request's last token (counted in
+    # ``num_new_tokens``); each gives a row of logits more to sample (``common.engine.spec_decode``).
+    spec_token_ids: Sequence[int] = ()
 
     @classmethod
     def of(cls, request: Request, num_new_tokens: int, block_ids: list[int]) -> ScheduledRequest:
@@ -174,6 +178,17 @@ class Scheduler:
                 continue
             if num_new > 1:
                 num_new = min(self._capped(num_new), budget)
+            elif req.spec_token_ids:
+                # A decode with drafts: as many as the budget and the free blocks take, none before a
+                # running request is preempted for them.
+                drafts = req.spec_token_ids[: budget - 1]
+                if drafts and self.kv.allocate_slots(req, 1 + len(drafts)):
+                    out.scheduled.append(ScheduledRequest(
+                        req, 1 + len(drafts), self.kv.block_ids_view(req.request_id), True, drafts,
+                    ))
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
             while not self.kv.allocate_slots(req, num_new):
                 victim = self._victim()
                 self._preempt(victim)
@@ -268,7 +283,8 @@ class Scheduler:
             req = s.request
             if req.status >= FINISHED:
                 continue
-            req.num_computed_tokens += s.num_new_tokens
+            # Drafts count once the engine knows which the model agreed with (``LLMEngine._accept``).
+            req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)
             mark_computed(req)
 
     def finish(self, req: Request, status: RequestStatus) -> None:

@@ -1,0 +1,104 @@
+"""Speculative decoding with n-gram drafts (prompt lookup), verified in the step that decodes.
+
+Before each step the proposer looks, for every running request that decodes (its tokens all computed
+but the last), for the longest suffix of its tokens (``prompt_lookup_min`` to ``prompt_lookup_max``
+long) that occurred earlier in its prompt or output, and drafts the tokens that followed its latest
+occurrence (at most ``num_speculative_tokens``, as ``Request.spec_token_ids``). The scheduler gives the
+request one token more per draft token; the forward computes the last token and the drafts at once
+and gives logits at each of them; the engine keeps each draft token the model's own choice agrees
+with, and the model's token after the last one kept (``LLMEngine._accept``): from 1 to 1 + k tokens
+per step, exactly those a step at a time would give.
+
+Drafts are proposed only where verifying them is exactly the row's sampling: a greedy request whose
+row is a bare argmax (``Request.plain_greedy``: no penalties, biases, bans, min_tokens or logprobs) and
+no grammar. Every other request decodes a token per step in the same batch.
+
+Nothing here touches a tensor that the device sees: a request's tokens are mirrored in a numpy array
+it carries (appended to as it grows), and the lookup is a few vectorized comparisons over it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from common.config import SpeculativeConfig
+from common.engine.request import Request
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.k = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+        self.max_model_len = max_model_len
+
+    def propose(self, running: Iterable[Request]) -> None:
+        """Set ``spec_token_ids`` of every running request: drafts where it decodes and may draft, else
+        none."""
+        for req in running:
+            drafts: list[int] = []
+            k = self.num_drafts(req)
+            if k > 0:
+                drafts = self.lookup(_tokens(req), k)
+            req.spec_token_ids = drafts
+
+    def num_drafts(self, req: Request) -> int:
+        """How many tokens ``req`` may draft this step: 0 unless it decodes and verifying is its sampling;
+        no more than its output may still take after the token the step surely gives, nor than its
+        positions may hold."""
+        if (
+            not req.plain_greedy or req.grammar is not None or req.kv_transfer
+            or req.num_computed_tokens != len(req.all_token_ids) - 1
+        ):
+            return 0
+        left = min(req.sampling_params.max_tokens - len(req.output_token_ids),
+                   self.max_model_len - len(req.all_token_ids))
+        return max(0, min(self.k, left - 1))
+
+    def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of
+        ``tokens`` between ``min_n`` and ``max_n`` long; [] where none occurred."""
+        n = len(tokens)
+        if n < self.min_n + 1:
+            return []
+        # Candidates: earlier positions holding the last token; their match grows backwards.
+        ends = np.flatnonzero(tokens[: n - 1] == tokens[n - 1])
+        if ends.size == 0:
+            return []
+        length = np.ones(ends.size, dtype=np.int64)
+        alive = np.ones(ends.size, dtype=bool)
+        for j in range(1, self.max_n):
+            if n - 1 - j < 0:
+                break
+            back = ends - j
+            ok = alive & (back >= 0)
+            ok[ok] = tokens[back[ok]] == tokens[n - 1 - j]
+            if not ok.any():
+                break
+            length += ok
+            alive = ok
+        best = int(length.max())
+        if best < self.min_n:
+            return []
+        end = int(ends[np.flatnonzero(length == best)[-1]])  # the latest of the longest
+        return tokens[end + 1 : end + 1 + k].tolist()
+
+
+def _tokens(req: Request) -> np.ndarray:
+    """``req.all_token_ids`` as an int64 array, kept on the request and appended to as it grows."""
+    ids = req.all_token_ids
+    n = len(ids)
+    buf, have = req.spec_mirror
+    if buf is None or have > n or n > len(buf):
+        grown = np.empty(max(64, 2 * n), dtype=np.int64)
+        if buf is not None and have <= n:
+            grown[:have] = buf[:have]
+        else:
+            have = 0
+        buf = grown
+    if have < n:
+        buf[have:n] = ids[have:n]
+    req.spec_mirror = (buf, n)
+    return buf[:n]

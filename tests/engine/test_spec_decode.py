@@ -1,0 +1,211 @@
+"""Speculative decoding with n-gram drafts: greedy output equals transformers' (and the engine's without
+drafts) whatever cuts the drafts short (token budget, block boundaries, preemption, stops, max_tokens),
+blocks kept by accepted drafts are cached under the right hashes, the companions that do not draft are
+unchanged, and the flag refuses what is not built."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from prometheus_client import generate_latest
+
+from common.config import EngineConfig, SpeculativeConfig
+from common.engine.engine import EngineStats
+from common.engine.request import Request
+from common.engine.spec_decode import NgramProposer
+from common.metrics import EngineMetrics
+from common.sampling_params import SamplingParams
+from tests.engine.conftest import MAX_NEW_TOKENS, drain_tokens, hf_greedy, prompt_ids
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+
+
+def _proposer(k: int = 3, low: int = 2, high: int = 4, max_model_len: int = 1000) -> NgramProposer:
+    return NgramProposer(SpeculativeConfig("ngram", k, low, high), max_model_len)
+
+
+def _lookup(tokens: list[int], **kw: int) -> list[int]:
+    k = kw.pop("k", 3)
+    return _proposer(k, **kw).lookup(np.array(tokens, dtype=np.int64), k)
+
+
+def test_lookup_takes_the_latest_occurrence_of_the_longest_suffix() -> None:
+    # Suffix [7, 8, 9]: once after 1 (followed by 20 21 22) and, longer ([6, 7, 8, 9]), after 6.
+    tokens = [6, 7, 8, 9, 10, 11, 12, 5, 7, 8, 9, 20, 21, 22, 6, 7, 8, 9]
+    assert _lookup(tokens) == [10, 11, 12]
+    # Equal lengths: the latest occurrence.
+    tokens = [1, 2, 3, 4, 5, 1, 2, 30, 40, 1, 2]
+    assert _lookup(tokens) == [30, 40, 1]
+    # Fewer tokens follow than k: as many as there are (a periodic tail drafts its own continuation).
+    assert _lookup([3, 4, 3, 4], k=5) == [3, 4]
+    # No suffix of at least prompt_lookup_min tokens recurs: no draft.
+    assert _lookup([1, 2, 3, 9, 2, 3, 1, 3], low=2) == []
+    assert _lookup([1, 2, 3, 1], low=2) == []
+    assert _lookup([1, 2, 3, 1], low=1) == [2, 3, 1]
+    assert _lookup([5]) == []
+    # The longest match is capped at prompt_lookup_max, then the latest of those wins.
+    tokens = [1, 2, 3, 4, 50, 9, 3, 4, 60, 1, 2, 3, 4]
+    assert _lookup(tokens, high=2) == [60, 1, 2]
+    assert _lookup(tokens, high=4) == [50, 9, 3]
+
+
+def _request(params: SamplingParams, prompt: list[int], output: list[int] | None = None) -> Request:
+    req = Request("r", prompt, params, block_size=16, model_id="m", output_token_ids=output)
+    req.num_computed_tokens = req.num_tokens - 1
+    return req
+
+
+def test_only_decoding_plain_greedy_requests_draft_and_never_past_their_budget() -> None:
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    proposer = _proposer(k=4, max_model_len=40)
+    req = _request(SamplingParams(temperature=0.0, max_tokens=20), prompt)
+    proposer.propose([req])
+    assert req.spec_token_ids == [3, 4, 1, 2]
+    # Two output tokens left: the step surely gives one, so one draft at most.
+    req = _request(SamplingParams(temperature=0.0, max_tokens=4), prompt, [3, 4])
+    assert proposer.num_drafts(req) == 1
+    # The positions left: 40 - 12 tokens, the last of them the step's own.
+    req = _request(SamplingParams(temperature=0.0, max_tokens=100), prompt, [3] * 28)
+    assert proposer.num_drafts(req) == 1
+    # A prompt being prefilled does not draft; nor does any request whose row is more than an argmax.
+    req = _request(SamplingParams(temperature=0.0, max_tokens=20), prompt)
+    req.num_computed_tokens = 4
+    assert proposer.num_drafts(req) == 0
+    for params in (
+        SamplingParams(temperature=0.7, max_tokens=20), SamplingParams(temperature=0.0, max_tokens=20, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0, max_tokens=20, min_tokens=3),
+    ):
+        req = _request(params, prompt)
+        req.spec_token_ids = [9]  # stale drafts of an earlier step are cleared
+        proposer.propose([req])
+        assert req.spec_token_ids == [], params
+    # The mirrored tokens follow the request as it grows.
+    req = _request(SamplingParams(temperature=0.0, max_tokens=20), [5, 6, 7])
+    proposer.propose([req])
+    assert req.spec_token_ids == []
+    for token in (5, 6):
+        req.append_output_token(token)
+    req.num_computed_tokens = req.num_tokens - 1
+    proposer.propose([req])
+    assert req.spec_token_ids == [7, 5, 6]
+
+
+def _run(engine, prompts, params=GREEDY):  # type: ignore[no-untyped-def]
+    return [choices[0] for choices in engine.generate([list(p) for p in prompts], params)]
+
+
+# Budget 12 with every prompt running cuts drafts short (and some decodes have none); 64 and 32-token
+# blocks, drafts that cross block boundaries; 512, every draft.
+@pytest.mark.parametrize(("budget", "block_size"), [(12, 16), (64, 32), (512, 16)])
+def test_greedy_with_drafts_equals_transformers(engine_factory, budget, block_size):
+    engine = engine_factory(block_size=block_size, max_num_batched_tokens=budget, num_blocks=8192 // block_size,
+                            speculative_config=NGRAM)
+    got = _run(engine, prompt_ids())
+    assert got == [list(hf_greedy(p)) for p in prompt_ids()]
+    # Drafts were checked, some kept and some not: the test exercised both ends of the check.
+    assert engine.spec_num_drafts > 0
+    assert 0 < engine.spec_num_accepted_tokens < engine.spec_num_draft_tokens
+
+
+def test_drafts_under_preemption_keep_greedy_output(engine_factory):
+    engine = engine_factory(block_size=16, num_blocks=24, max_num_batched_tokens=64, speculative_config=NGRAM)
+    prompts = [p for p in prompt_ids() if len(p) < 60][:8]
+    got = _run(engine, prompts)
+    assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
+    assert engine.spec_num_accepted_tokens > 0
+    assert got == [list(hf_greedy(p)) for p in prompts]
+
+
+def test_blocks_filled_by_accepted_drafts_are_cached_under_their_tokens(engine_factory):
+    """A prompt that is an earlier request's prompt and output hits the blocks that request filled (most
+    through kept drafts), and its greedy output is transformers' for that prompt: a block cached under
+    a rejected draft's hash would change it."""
+    engine = engine_factory(block_size=16, max_num_batched_tokens=512, speculative_config=NGRAM)
+    prompt = list(prompt_ids()[12])  # repetitive: most of its output comes through kept drafts
+    (first,) = _run(engine, [prompt])
+    assert engine.spec_num_accepted_tokens > len(first) // 2
+    extended = prompt + first
+    hits_before = engine.kv.prefix_cache_hits
+    (second,) = _run(engine, [extended], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert engine.kv.prefix_cache_hits - hits_before >= (len(extended) - 1) // 16 * 16 - 16
+    assert second == list(hf_greedy(tuple(extended), 16))
+
+
+def test_a_stop_token_or_max_tokens_inside_the_drafts_ends_the_output_there(engine_factory):
+    engine = engine_factory(speculative_config=NGRAM)
+    prompt = list(prompt_ids()[6])  # "The quick brown fox..." six times: its output repeats it
+    expected = list(hf_greedy(tuple(prompt)))
+    stop = expected[20]
+    cut = expected[: expected.index(stop) + 1]
+    params = {
+        "stop": SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, stop_token_ids=[stop]),
+        "length": SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True),
+    }
+    for name, p in params.items():
+        engine.add_request(name, prompt, p)
+    tokens, reasons = drain_tokens(engine)
+    assert engine.spec_num_accepted_tokens > 0
+    assert tokens["stop"] == cut and reasons["stop"] == "stop"
+    assert tokens["length"] == expected[:23] and reasons["length"] == "length"
+
+
+def test_requests_that_do_not_draft_are_unchanged_beside_those_that_do(engine_factory):
+    """Seeded sampling, logprobs and penalties decode a token per step beside drafting requests: their
+    outputs equal the engine's without speculative decoding."""
+    prompts = prompt_ids()
+    work = {
+        "greedy": (prompts[6], GREEDY),
+        "seeded": (prompts[2], SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True)),
+        "logprobs": (prompts[12], SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=True)),
+        "penalty": (prompts[9], SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3,
+                                               ignore_eos=True)),
+    }
+    results = []
+    for spec in (None, NGRAM):
+        engine = engine_factory(speculative_config=spec)
+        for name, (prompt, p) in work.items():
+            engine.add_request(name, list(prompt), p)
+        results.append(drain_tokens(engine)[0])
+    assert engine.spec_num_accepted_tokens > 0
+    assert results[0] == results[1]
+
+
+def test_speculative_config_refusals() -> None:
+    def refused(config: object, match: str) -> None:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(speculative_config=config if isinstance(config, str) else json.dumps(config))
+
+    refused({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' is not implemented")
+    refused({"num_speculative_tokens": 3}, "needs \"method\": \"ngram\"")
+    refused({"method": "ngram"}, "needs num_speculative_tokens")
+    refused({"method": "ngram", "num_speculative_tokens": 3, "model": "x"}, "model not implemented")
+    refused({"method": "ngram", "num_speculative_tokens": 0}, "positive integer")
+    refused({"method": "ngram", "num_speculative_tokens": 17}, "exceeds 16")
+    refused({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
+            "prompt_lookup_min 5 exceeds prompt_lookup_max 3")
+    refused("{not json", "JSON object")
+    with pytest.raises(ValueError, match="with --async-scheduling is not implemented"):
+        EngineConfig(speculative_config=NGRAM, async_scheduling=True)
+    # One bound given, the other takes it; neither, both 5 (vLLM's).
+    assert EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4}').speculative == SpeculativeConfig("ngram", 3, 4, 4)
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3}) == SpeculativeConfig("ngram", 3)
+
+
+def test_spec_decode_counters_are_exported_only_by_an_engine_that_drafts() -> None:
+    metrics = EngineMetrics("decode", "decode-0", "m")
+    metrics.update(EngineStats(1, 0, 0.5, 100, 50, 0, 0, 0))
+    assert "pdserve:spec_decode_num_drafts_total{" not in generate_latest(metrics.registry).decode()
+    for drafts, tokens, accepted in ((3, 12, 5), (7, 28, 11)):
+        metrics.update(EngineStats(1, 0, 0.5, 100, 50, 0, 0, 0, extra={
+            "spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": tokens,
+            "spec_decode_num_accepted_tokens": accepted}))
+    text = generate_latest(metrics.registry).decode()
+    labels = '{instance="decode-0",model_name="m",role="decode"}'
+    assert f"pdserve:spec_decode_num_drafts_total{labels} 7.0" in text
+    assert f"pdserve:spec_decode_num_draft_tokens_total{labels} 28.0" in text
+    assert f"pdserve:spec_decode_num_accepted_tokens_total{labels} 11.0" in text

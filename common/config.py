@@ -202,10 +202,11 @@ class EngineConfig:
             help='speculative decoding, as vLLM\'s flag: a JSON object, e.g. {"method": "ngram", '
             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}. Each decode step '
             "proposes up to that many tokens by finding the request's last tokens earlier in its prompt "
-            "and output, and the model checks them in the same forward: every draft token it agrees with "
-            "is one more token from the step. Drafted for greedy requests without penalties, biases, bans, "
-            "min_tokens, logprobs or a grammar (their output is unchanged); others decode a token per step. "
-            "Only ngram is implemented; not with --async-scheduling",
+            "and output, and the model checks them in the same forward: each position is sampled as a step "
+            "of its own would sample it, and every draft it samples is one more token from the step (greedy "
+            "and seeded outputs are unchanged). Requests with penalties, bad words or a grammar, and those "
+            "short of min_tokens, decode a token per step. Only ngram is implemented; not with "
+            "--async-scheduling",
         )
         if include_seed:
             parser.add_argument("--seed", type=int, default=d.seed, help="seed for requests without one")

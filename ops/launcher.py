@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--stream-interval", type=int, default=None,
                    help="the decode instances' --stream-interval: tokens per message to the router")
+    p.add_argument("--speculative-config", default=None,
+                   help="the decode instances' --speculative-config (n-gram drafts), e.g. "
+                   '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     p.add_argument("--threads-per-engine", type=int, default=0,
                    help="torch CPU threads of each engine (0: the host's cores shared out, or OMP_NUM_THREADS)")
     p.add_argument("--api-key", action="append", default=[], help="router API key (repeatable)")
@@ -270,6 +273,8 @@ class Launcher:
             argv += ["--port", ports[0], "--kv-port", ports[1], "--metrics-port", ports[2]]
             if role == "decode" and self.args.stream_interval is not None:
                 argv += ["--stream-interval", str(self.args.stream_interval)]
+            if role == "decode" and self.args.speculative_config is not None:
+                argv += ["--speculative-config", self.args.speculative_config]
             env = engine_env
             if name in placement:
                 gpu, share = placement[name]
@@ -376,6 +381,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("need --threads-per-engine >= 0")
     if args.restart_delay <= 0 or args.restart_window <= 0 or args.max_restarts < 0:
         raise SystemExit("need --restart-delay > 0, --restart-window > 0 and --max-restarts >= 0")
+    if args.speculative_config is not None:  # refused here, not by a decode instance's crash loop
+        from common.config import SpeculativeConfig
+
+        try:
+            SpeculativeConfig.parse(args.speculative_config)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     print("pdserve: resolving the model (converted once, then cached)...", flush=True)
     model = _resolve_model(args.model)
     launcher = Launcher(args, engine_extra)

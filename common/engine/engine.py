@@ -26,7 +26,7 @@ from common.engine.model_runner import ModelRunner
 from common.engine.request import FINISHED, Request, RequestStatus
 from common.engine.sampler import NO_TOKEN_ERROR, SampledTokens, Sampler
 from common.engine.scheduler import Scheduler, SchedulerOutput
-from common.engine.spec_decode import NgramProposer
+from common.engine.spec_decode import NgramProposer, draft_rows
 from common.glibc_env import set_malloc_thresholds
 from common.kvcache.block_pool import KVBlock
 from common.kvcache.hashing import BlockHash
@@ -476,7 +476,7 @@ class LLMEngine:
             if s.spec_token_ids:  # a row at its last token and one at each draft, to check them by
                 drafts[len(rows)] = s.spec_token_ids
                 rows += range(row, row + 1 + len(s.spec_token_ids))
-                reqs += [req] * (1 + len(s.spec_token_ids))
+                reqs += draft_rows(req, s.spec_token_ids)
                 row += len(s.spec_token_ids)
                 continue
             rows.append(row)
@@ -533,7 +533,8 @@ class LLMEngine:
                 continue
             if drafts and row in drafts:
                 skip = len(drafts[row])
-                self._accept(req, result.token_ids[row : row + 1 + skip], drafts[row], outputs)
+                self._accept(req, result.token_ids[row : row + 1 + skip], result.logprobs[row : row + 1 + skip],
+                             drafts[row], outputs)
                 continue
             if req.status >= FINISHED:  # aborted while in flight: the token is dropped
                 if token == NOT_FINITE:
@@ -583,12 +584,15 @@ class LLMEngine:
                 )
         return outputs
 
-    def _accept(self, req: Request, tokens: list[int], drafts: Sequence[int], outputs: list[EngineOutput]) -> None:
-        """A decode with drafts, sampled (synchronous steps only): ``tokens`` are the model's own choice
-        after its last token and after each draft. Its tokens are the drafts the model agreed with, in
-        order up to the first it did not, then the model's token there: what one step at a time would
-        have given, stops checked after each. The KV of the drafts kept now counts as computed (their
-        full blocks are cached); the slots of the others are written again by the next step."""
+    def _accept(
+        self, req: Request, tokens: list[int], logprobs: list[PositionLogprobs | None], drafts: Sequence[int],
+        outputs: list[EngineOutput],
+    ) -> None:
+        """A decode with drafts, sampled (synchronous steps only): ``tokens`` are the rows' tokens, after its
+        last token and after each draft (``common.engine.spec_decode``). Its tokens are the drafts a row
+        sampled, in order up to the first one it did not, then the token sampled there: stops checked
+        after each, with their logprobs where asked. The KV of the drafts kept now counts as computed
+        (their full blocks are cached); the slots of the others are written again by the next step."""
         if req.status >= FINISHED:
             return
         kept: list[int] = []
@@ -612,12 +616,14 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(req, _FINISHED[reason])
             failed = tokens[len(kept)] if reason == "error" else 0
-            outputs.append(self._output(req, kept, None, reason,
-                                        NOT_FINITE_ERROR if failed == NOT_FINITE else NO_TOKEN_ERROR))
-            return
-        req.num_computed_tokens += num_accepted
-        self.kv.mark_computed(req)
-        outputs.append(self._output(req, kept, None, None))
+            out = self._output(req, kept, None, reason, NOT_FINITE_ERROR if failed == NOT_FINITE else NO_TOKEN_ERROR)
+        else:
+            req.num_computed_tokens += num_accepted
+            self.kv.mark_computed(req)
+            out = self._output(req, kept, None, None)
+        if req.sampling_params.logprobs is not None:
+            out.logprobs = [lp for lp in logprobs[: len(kept)] if lp is not None]
+        outputs.append(out)
 
     def _scrub_kv(self, req: Request) -> None:
         """Zero, and drop from the prefix cache, the blocks only ``req`` holds: its logits were not finite,

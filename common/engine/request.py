@@ -85,6 +85,14 @@ class Request:
             and not p.presence_penalty and not p.frequency_penalty and p.min_tokens == 0
             and p.allowed_token_ids is None and not p.bad_words_token_ids
         )
+        # Its rows may check draft tokens (speculative decoding): each position's sampling depends on the
+        # output before it only through the draw's index, so a row per draft samples what a step per
+        # token would (penalties, bad words and grammars read the output itself; min_tokens is checked
+        # as the request goes, ``NgramProposer.num_drafts``).
+        self.may_draft = (
+            not kv_transfer and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            and not p.bad_words_token_ids
+        )
         self.cache_salt = cache_salt
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING

@@ -7,11 +7,18 @@ occurrence (at most ``num_speculative_tokens``, as ``Request.spec_token_ids``). 
 request one token more per draft token; the forward computes the last token and the drafts at once
 and gives logits at each of them; the engine keeps each draft token the model's own choice agrees
 with, and the model's token after the last one kept (``LLMEngine._accept``): from 1 to 1 + k tokens
-per step, exactly those a step at a time would give.
+per step.
 
-Drafts are proposed only where verifying them is exactly the row's sampling: a greedy request whose
-row is a bare argmax (``Request.plain_greedy``: no penalties, biases, bans, min_tokens or logprobs) and
-no grammar. Every other request decodes a token per step in the same batch.
+The engine samples each of those rows as it samples any row, and keeps a draft where the row's token
+is the draft: the tokens are then exactly those a step per token samples, for a sampled request as
+for a greedy one. A seeded row's draw is a function of its seed, its output position and its
+probabilities (``common.engine.seeded_draws``), so a seeded request gives the very tokens it gives
+without drafts; an unseeded one draws each position from the same distribution (a draft is kept with
+the probability the model gives it, and a position where it is not gets a token drawn from the rest:
+speculative sampling for a draft that is one token for sure). So drafts are proposed for any request
+whose sampling at a position depends on the output before it only through that position
+(``Request.may_draft``: no penalties, bad words or grammar; min_tokens reached). Every other request
+decodes a token per step in the same batch.
 
 Nothing here touches a tensor that the device sees: a request's tokens are mirrored in a numpy array
 it carries (appended to as it grows), and the lookup is a few vectorized comparisons over it.
@@ -19,7 +26,8 @@ it carries (appended to as it grows), and the lookup is a few vectorized compari
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -49,8 +57,8 @@ class NgramProposer:
         no more than its output may still take after the token the step surely gives, nor than its
         positions may hold."""
         if (
-            not req.plain_greedy or req.grammar is not None or req.kv_transfer
-            or req.num_computed_tokens != len(req.all_token_ids) - 1
+            not req.may_draft or req.grammar is not None or req.num_computed_tokens != len(req.all_token_ids) - 1
+            or len(req.output_token_ids) < req.sampling_params.min_tokens
         ):
             return 0
         left = min(req.sampling_params.max_tokens - len(req.output_token_ids),
@@ -102,3 +110,26 @@ def _tokens(req: Request) -> np.ndarray:
         buf[have:n] = ids[have:n]
     req.spec_mirror = (buf, n)
     return buf[:n]
+
+
+class DraftRow:
+    """Row ``j`` of a decode with drafts, as the sampler reads it: the request as it will stand after its
+    first ``j`` drafts, which for the rows of a request that may draft (``Request.may_draft``) is only
+    its output's length, the index of its draw (a seeded row's noise is a function of it). Every
+    other attribute is the request's."""
+
+    __slots__ = ("_request", "output_token_ids")
+
+    def __init__(self, request: Request, drafts_before: Sequence[int]) -> None:
+        self._request = request
+        self.output_token_ids = [*request.output_token_ids, *drafts_before]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
+
+
+def draft_rows(request: Request, drafts: Sequence[int]) -> list[Request]:
+    """The sampler's rows of a decode with ``drafts``: at its last token, then after each draft."""
+    rows: list[Any] = [request]
+    rows += (DraftRow(request, drafts[:j]) for j in range(1, len(drafts) + 1))
+    return rows

@@ -1,4 +1,4 @@
-"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured|kv-dtype``: benchmarks that print measured figures beside baselines."""
+"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec``: benchmarks that print measured figures beside baselines."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ _BENCHES = {
     "fuzz": "ops.bench.fuzz",
     "structured": "ops.bench.structured",
     "kv-dtype": "ops.bench.kv_dtype",
+    "spec": "ops.bench.spec_decode",
 }
 
 

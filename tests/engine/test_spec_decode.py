@@ -70,19 +70,32 @@ def test_only_decoding_plain_greedy_requests_draft_and_never_past_their_budget()
     # The positions left: 40 - 12 tokens, the last of them the step's own.
     req = _request(SamplingParams(temperature=0.0, max_tokens=100), prompt, [3] * 28)
     assert proposer.num_drafts(req) == 1
-    # A prompt being prefilled does not draft; nor does any request whose row is more than an argmax.
+    # A prompt being prefilled does not draft; nor does a request whose sampling reads its output.
     req = _request(SamplingParams(temperature=0.0, max_tokens=20), prompt)
     req.num_computed_tokens = 4
     assert proposer.num_drafts(req) == 0
     for params in (
-        SamplingParams(temperature=0.7, max_tokens=20), SamplingParams(temperature=0.0, max_tokens=20, logprobs=2),
         SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.2),
+        SamplingParams(temperature=0.7, max_tokens=20, presence_penalty=0.5),
+        SamplingParams(temperature=0.7, max_tokens=20, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=20, bad_words_token_ids=[[7]]),
         SamplingParams(temperature=0.0, max_tokens=20, min_tokens=3),
     ):
         req = _request(params, prompt)
         req.spec_token_ids = [9]  # stale drafts of an earlier step are cleared
         proposer.propose([req])
         assert req.spec_token_ids == [], params
+    # Sampled, seeded, with logprobs, biased, or past its min_tokens: it drafts.
+    for params in (
+        SamplingParams(temperature=0.7, top_p=0.9, max_tokens=20), SamplingParams(temperature=0.7, seed=3, max_tokens=20),
+        SamplingParams(temperature=0.0, max_tokens=20, logprobs=2), SamplingParams(temperature=0.0, max_tokens=20,
+                                                                                   logit_bias={5: 2.0}),
+    ):
+        req = _request(params, prompt)
+        proposer.propose([req])
+        assert req.spec_token_ids == [3, 4, 1, 2], params
+    req = _request(SamplingParams(temperature=0.0, max_tokens=20, min_tokens=3), prompt, [3, 4, 1])
+    assert proposer.num_drafts(req) == 4
     # The mirrored tokens follow the request as it grows.
     req = _request(SamplingParams(temperature=0.0, max_tokens=20), [5, 6, 7])
     proposer.propose([req])
@@ -153,25 +166,57 @@ def test_a_stop_token_or_max_tokens_inside_the_drafts_ends_the_output_there(engi
     assert tokens["length"] == expected[:23] and reasons["length"] == "length"
 
 
-def test_requests_that_do_not_draft_are_unchanged_beside_those_that_do(engine_factory):
-    """Seeded sampling, logprobs and penalties decode a token per step beside drafting requests: their
-    outputs equal the engine's without speculative decoding."""
+def _outputs(engine, work):  # type: ignore[no-untyped-def]
+    """Each request's tokens and logprobs (token, logprob, top ids), by id, run together."""
+    for name, (prompt, p) in work.items():
+        engine.add_request(name, list(prompt), p)
+    got: dict[str, list[tuple[int, float | None, list[int]]]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.error is None, out.error
+            lps = out.logprobs or [None] * len(out.new_token_ids)
+            got.setdefault(out.request_id, []).extend(
+                (t, None if lp is None else lp.logprob, [] if lp is None else [a.token_id for a in lp.top])
+                for t, lp in zip(out.new_token_ids, lps, strict=True)
+            )
+    return got
+
+
+def test_seeded_sampled_requests_give_the_same_tokens_and_logprobs_with_drafts(engine_factory):
+    """A seeded row's draw is a function of its seed, its position and its probabilities: with drafts it
+    samples the tokens it samples a step at a time, top-p, top-k, min-p, n > 1 and logprobs too; the
+    requests whose sampling reads their output (penalties) decode beside them unchanged."""
     prompts = prompt_ids()
     work = {
         "greedy": (prompts[6], GREEDY),
-        "seeded": (prompts[2], SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True)),
-        "logprobs": (prompts[12], SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=True)),
+        "seeded": (prompts[12], SamplingParams(temperature=0.3, top_p=0.9, seed=5, max_tokens=32, ignore_eos=True)),
+        "top-k-logprobs": (prompts[6], SamplingParams(temperature=0.5, top_k=20, seed=11, max_tokens=32, logprobs=2,
+                                                      ignore_eos=True)),
+        "min-p-n2": (prompts[15], SamplingParams(temperature=0.4, min_p=0.05, seed=7, max_tokens=24, n=2,
+                                                 ignore_eos=True)),
         "penalty": (prompts[9], SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3,
                                                ignore_eos=True)),
     }
-    results = []
-    for spec in (None, NGRAM):
-        engine = engine_factory(speculative_config=spec)
-        for name, (prompt, p) in work.items():
-            engine.add_request(name, list(prompt), p)
-        results.append(drain_tokens(engine)[0])
+    without = _outputs(engine_factory(), work)
+    engine = engine_factory(speculative_config=NGRAM)
+    with_drafts = _outputs(engine, work)
     assert engine.spec_num_accepted_tokens > 0
-    assert results[0] == results[1]
+    assert set(with_drafts) == {"greedy", "seeded", "top-k-logprobs", "min-p-n2", "min-p-n2#1", "penalty"}
+    for name, tokens in without.items():
+        assert [t for t, _, _ in with_drafts[name]] == [t for t, _, _ in tokens], name
+        for (_, lp, top), (_, want_lp, want_top) in zip(with_drafts[name], tokens, strict=True):
+            assert top == want_top and (lp is None) == (want_lp is None), name
+            assert lp is None or lp == pytest.approx(want_lp, abs=1e-4), name
+
+
+def test_an_unseeded_sampled_request_drafts_and_keeps_some(engine_factory):
+    """Drafts of a sampled request are kept where its row samples them: at a low temperature over a
+    repetitive prompt, often."""
+    engine = engine_factory(speculative_config=NGRAM)
+    params = SamplingParams(temperature=0.2, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    (got,) = _run(engine, [prompt_ids()[6]], params)
+    assert len(got) == MAX_NEW_TOKENS
+    assert engine.spec_num_accepted_tokens >= MAX_NEW_TOKENS // 4
 
 
 def test_speculative_config_refusals() -> None:

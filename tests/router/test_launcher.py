@@ -307,6 +307,19 @@ def test_the_stream_interval_goes_to_the_decode_instances_only_and_must_be_posit
         parser.parse_args(["--stream-interval", "0"])
 
 
+def test_the_speculative_config_goes_to_the_decode_instances_only_and_is_checked_first(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    from ops.launcher import main
+
+    config = '{"method": "ngram", "num_speculative_tokens": 3}'
+    spawned = _spawned(monkeypatch, tmp_path, "--speculative-config", config)
+    assert spawned["decode-0"][spawned["decode-0"].index("--speculative-config") + 1] == config
+    assert "--speculative-config" not in spawned["prefill-0"] and "--speculative-config" not in spawned["router"]
+    with pytest.raises(SystemExit, match="'eagle' is not implemented"):
+        main(["up", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}'])
+
+
 def test_restart_delays_double_up_to_the_cap_and_reset_after_a_stable_run() -> None:
     from ops.supervisor import RestartPolicy, RestartTracker
 

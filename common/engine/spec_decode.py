@@ -34,6 +34,9 @@ import numpy as np
 from common.config import SpeculativeConfig
 from common.engine.request import Request
 
+# Candidates up to this many are matched in Python (``NgramProposer._lookup_few``), more with numpy.
+_FEW = 8
+
 
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
@@ -75,6 +78,8 @@ class NgramProposer:
         ends = np.flatnonzero(tokens[: n - 1] == tokens[n - 1])
         if ends.size == 0:
             return []
+        if ends.size <= _FEW:
+            return self._lookup_few(tokens, ends.tolist(), k)
         length = np.ones(ends.size, dtype=np.int64)
         alive = np.ones(ends.size, dtype=bool)
         for j in range(1, self.max_n):
@@ -92,6 +97,24 @@ class NgramProposer:
             return []
         end = int(ends[np.flatnonzero(length == best)[-1]])  # the latest of the longest
         return tokens[end + 1 : end + 1 + k].tolist()
+
+    def _lookup_few(self, tokens: np.ndarray, ends: list[int], k: int) -> list[int]:
+        """``lookup`` over a few candidates, in Python over the last ``max_n`` tokens: the latest first,
+        so the first to match ``max_n`` long is the answer (a dozen numpy calls cost more)."""
+        n = len(tokens)
+        tail = tokens[max(0, n - self.max_n) :].tolist()[::-1]  # tail[j] is the token j before the last
+        best, best_end = 0, -1
+        for end in reversed(ends):
+            length = 1
+            while length < len(tail) and end - length >= 0 and tokens[end - length] == tail[length]:
+                length += 1
+            if length > best:
+                best, best_end = length, end
+                if length == self.max_n:
+                    break
+        if best < self.min_n:
+            return []
+        return tokens[best_end + 1 : best_end + 1 + k].tolist()
 
 
 def _tokens(req: Request) -> np.ndarray:

@@ -13,7 +13,9 @@ Each runs one request at a time (``--batch 1``: a user's inter-token latency) an
 output tokens/s, seconds per output token of a request on its own, drafts checked and kept (the share
 kept, and the tokens a drafting step gives on average), and whether every output equals the run
 without drafts (it must: each position is sampled as a step of its own samples it, and a seeded
-draw depends on its seed, position and probabilities only).
+draw depends on its seed, position and probabilities only). Beside them, the proposer's own host time
+per step at larger batches and contexts (``--cost-batches``, ``--cost-contexts``): what a GPU would
+wait on.
 
     pdserve bench spec --num-prompts 8 --max-tokens 96 --json ops/bench/results/spec-decode.json
 """
@@ -108,6 +110,31 @@ def run(engine: LLMEngine, requests: list[list[int]], params: list[SamplingParam
     }
 
 
+def proposer_cost(config: SpeculativeConfig, batch: int, context: int, steps: int = 20) -> float:
+    """The proposer's host time per step (ms, median of ``steps``) over ``batch`` decoding requests of
+    ``context`` random tokens (of 32,000) that each grow by one token a step: what a GPU would wait on."""
+    import random
+
+    from common.engine.request import Request
+    from common.engine.spec_decode import NgramProposer
+
+    rng = random.Random(0)
+    proposer = NgramProposer(config, 1 << 30)
+    params = SamplingParams(temperature=0.0, max_tokens=1 << 20)
+    requests = [Request(f"r{i}", [rng.randrange(32000) for _ in range(context)], params, block_size=16, model_id="m")
+                for i in range(batch)]
+    times = []
+    for _ in range(steps + 1):
+        for req in requests:
+            req.append_output_token(rng.randrange(32000))
+            req.num_computed_tokens = req.num_tokens - 1
+        start = time.perf_counter()
+        proposer.propose(requests)
+        times.append(time.perf_counter() - start)
+    times = sorted(times[1:])  # the first fills each request's mirror
+    return 1000 * times[len(times) // 2]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench spec", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model folder or id (default: the bundled SmolLM2)")
@@ -119,10 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speculative-config",
                         default='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                                 '"prompt_lookup_min": 2}')
+    parser.add_argument("--cost-batches", default="64,256", help="batches the proposer's host time is measured at")
+    parser.add_argument("--cost-contexts", default="200,2000,8000", help="tokens per request for that measure")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
-    SpeculativeConfig.parse(args.speculative_config)
+    spec_config = SpeculativeConfig.parse(args.speculative_config)
+    costs = [{"batch": int(b), "context": int(c), "propose_ms_per_step": proposer_cost(spec_config, int(b), int(c))}
+             for b in args.cost_batches.split(",") if b for c in args.cost_contexts.split(",") if c]
 
     from transformers import AutoTokenizer
 
@@ -159,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": {"python": platform.python_version(), "torch": torch.__version__, "device": args.device,
                         "torch_threads": torch.get_num_threads()},
         "runs": rows,
+        "proposer_host_time": costs,
     }
     for r in rows:
         line = (f"{r['workload']:5s} {r['sampling']:7s} batch {r['batch']:3d} {r['engine']:8s} {r['output_tokens']:5d} tokens "
@@ -170,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                      f" ({'-' if rate is None else f'{rate:.0%}'}), {r['tokens_per_drafting_step'] or 1:.2f} "
                      f"tokens/drafting step, x{r['speedup']:.2f}, outputs equal: {r['outputs_equal_baseline']}")
         print(line)
+    for c in costs:
+        print(f"proposer, batch {c['batch']:3d}, {c['context']:5d} tokens each: {c['propose_ms_per_step']:.2f} ms of "
+              "host time per step")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

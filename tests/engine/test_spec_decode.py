@@ -52,6 +52,32 @@ def test_lookup_takes_the_latest_occurrence_of_the_longest_suffix() -> None:
     assert _lookup(tokens, high=4) == [50, 9, 3]
 
 
+def _brute_force(tokens: list[int], k: int, low: int, high: int) -> list[int]:
+    for size in range(min(high, len(tokens) - 1), low - 1, -1):
+        suffix = tokens[len(tokens) - size :]
+        for start in range(len(tokens) - size - 1, -1, -1):  # the latest occurrence before the suffix's own
+            if tokens[start : start + size] == suffix:
+                return tokens[start + size : start + size + k]
+    return []
+
+
+@pytest.mark.parametrize("few", [0, 8, 10**9], ids=["numpy", "mixed", "python"])
+def test_lookup_equals_a_brute_force_search_on_either_path(monkeypatch, few) -> None:
+    """Candidates are matched in Python when few, with numpy when many: both give the brute force's."""
+    import random
+
+    import common.engine.spec_decode as spec_decode
+
+    monkeypatch.setattr(spec_decode, "_FEW", few)
+    rng = random.Random(few % 1000)
+    for _ in range(400):
+        vocab, length = rng.choice([2, 3, 5, 20]), rng.randrange(1, 60)
+        tokens = [rng.randrange(vocab) for _ in range(length)]
+        low = rng.randrange(1, 4)
+        high, k = rng.randrange(low, 6), rng.randrange(1, 6)
+        assert _lookup(tokens, k=k, low=low, high=high) == _brute_force(tokens, k, low, high), (tokens, k, low, high)
+
+
 def _request(params: SamplingParams, prompt: list[int], output: list[int] | None = None) -> Request:
     req = Request("r", prompt, params, block_size=16, model_id="m", output_token_ids=output)
     req.num_computed_tokens = req.num_tokens - 1

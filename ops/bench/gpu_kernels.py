@@ -958,17 +958,22 @@ EARLY_TOKENS = 4
 
 # Decode steps measured before a profiled stretch starts (the graphs and caches warm by then).
 PROFILE_AFTER_STEPS = 5
+# The engine section's speculative decoding: n-gram drafts (a random-weight model's greedy output falls
+# into loops that they find).
+SPEC_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
 
 def _engine_run(
     mode: str, batch: int, prompts: list[list[int]], max_tokens: int, device: str = DEVICE, model: str | None = None,
     profile_steps: int = 0, profile: list[dict[str, Any]] | None = None, kv_cache_dtype: str = "auto",
+    spec_counts: list[int] | None = None,
 ) -> tuple[list[list[int]], float, int]:
     """Greedy outputs, the median decode step (ms; steps where every request had its first token)
     and the steps that ran through ``DecodeGraphs``, of one engine on ``model`` (None: the default
     one): ``mode`` "eager" (``--enforce-eager``), "graphs" (captured and replayed), "async" (graphs and
-    ``--async-scheduling``) or "padded" (the graphs' padded static-buffer forward run eagerly, what a
-    replay must equal exactly). On another ``device`` (a test's dry run on the CPU) nothing is captured:
+    ``--async-scheduling``), "spec" (graphs and n-gram drafts, ``SPEC_CONFIG``: a step with drafts runs
+    eagerly; the engine's draft counts are appended to ``spec_counts``) or "padded" (the graphs' padded
+    static-buffer forward run eagerly, what a replay must equal exactly). On another ``device`` (a test's dry run on the CPU) nothing is captured:
     "graphs" and "async" then run eagerly. With ``profile_steps``, that many decode steps after the
     first few run under torch's profiler (left out of the median), their rows appended to ``profile``
     (``ops.bench.overhead.profile_rows``: host and device time per operation and per step)."""
@@ -979,9 +984,10 @@ def _engine_run(
     from ops.bench.overhead import profiling
 
     prompt_len = len(prompts[0])
-    config = EngineConfig(model=model, device=device, enforce_eager=mode not in ("graphs", "async"), max_num_seqs=batch,
-                          num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 64, seed=0,
-                          async_scheduling=mode == "async", kv_cache_dtype=kv_cache_dtype)
+    config = EngineConfig(model=model, device=device, enforce_eager=mode not in ("graphs", "async", "spec"),
+                          max_num_seqs=batch, num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 64, seed=0,
+                          async_scheduling=mode == "async", kv_cache_dtype=kv_cache_dtype,
+                          speculative_config=SPEC_CONFIG if mode == "spec" else None)
     engine = LLMEngine(config)
     runner = engine.runner
     if mode == "padded":
@@ -1014,6 +1020,8 @@ def _engine_run(
         for out in outs:
             tokens[out.request_id] += out.new_token_ids
     replayed = runner.decode_graphs.num_runs if runner.decode_graphs is not None else 0
+    if spec_counts is not None:
+        spec_counts += [engine.spec_num_drafts, engine.spec_num_draft_tokens, engine.spec_num_accepted_tokens]
     return [tokens[rid] for rid in ids], statistics.median(decode_s) * 1e3 if decode_s else float("nan"), replayed
 
 
@@ -1045,18 +1053,20 @@ def bench_engine_graphs(report: Report, args: argparse.Namespace) -> None:
         gen = torch.Generator().manual_seed(batch)
         prompts = torch.randint(3, 10_000, (batch, prompt_len), generator=gen).tolist()
         outputs: dict[str, list[list[int]]] = {}
-        for mode in ("eager", "graphs", "async", "padded"):
+        spec_counts: list[int] = []
+        for mode in ("eager", "graphs", "async", "spec", "padded"):
             rows: list[dict[str, Any]] = []
             steps = args.engine_profile_steps if mode in ("graphs", "async") and batch == args.engine_batch else 0
             outputs[mode], ms, replayed = _engine_run(mode, batch, prompts, max_tokens, model=model,
-                                                      profile_steps=steps, profile=rows)
+                                                      profile_steps=steps, profile=rows, spec_counts=spec_counts)
             gc.collect()
             torch.cuda.empty_cache()
             if mode == "padded":
                 continue
             differ = sum(a != b for a, b in zip(outputs[mode], outputs["eager"], strict=True))
             name = {"eager": "engine decode step, CUDA graphs off", "graphs": "engine decode step, CUDA graphs on",
-                    "async": "engine decode step, CUDA graphs on, async scheduling"}[mode]
+                    "async": "engine decode step, CUDA graphs on, async scheduling",
+                    "spec": "engine decode step, CUDA graphs on, n-gram drafts"}[mode]
             report.timings.append({"name": name, "shape": f"batch {batch}, {prompt_len}-token prompts",
                                    "median_us": ms * 1e3, "bytes": 0.0, "gb_per_s": None, "tflop_per_s": None,
                                    "group": report.group, "steps_replayed": replayed,
@@ -1084,6 +1094,17 @@ def bench_engine_graphs(report: Report, args: argparse.Namespace) -> None:
         report.check(f"engine greedy outputs, CUDA graphs on ~ off: sequences whose first {EARLY_TOKENS} tokens "
                      f"differ (batch {batch}; at most a tenth)",
                      functools.partial(_at_most, float(early), float(batch // 10)))
+        # Drafts are checked by a forward over several tokens per sequence (the prefill kernels), whose sums
+        # may differ in the last bits from the decode kernel's: a near tie may flip, as with graphs off.
+        drafts, draft_tokens, accepted = spec_counts
+        print(f"[spec] batch {batch}: {drafts} drafting steps, kept {accepted} of {draft_tokens} draft tokens")
+        report.timings[-1]["spec_decode"] = {"drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted}
+        early = sum(a[:EARLY_TOKENS] != b[:EARLY_TOKENS] for a, b in zip(outputs["spec"], outputs["graphs"], strict=True))
+        report.check(f"engine greedy outputs, n-gram drafts ~ none (CUDA graphs on): sequences whose first "
+                     f"{EARLY_TOKENS} tokens differ (batch {batch}; at most a tenth)",
+                     functools.partial(_at_most, float(early), float(batch // 10)))
+        report.check(f"engine with n-gram drafts kept some (batch {batch}; err = 1 if none)",
+                     functools.partial(_exact, float(accepted == 0)))
 
 
 def bench_engine_variants(report: Report, args: argparse.Namespace, device: str = DEVICE,

@@ -54,13 +54,18 @@ def test_gpu_benchmark_says_so_when_nvml_is_missing(
 def test_the_engine_section_runs_its_modes_on_the_cpu() -> None:
     """A dry run of the engine section's loop on the CPU (nothing captured there), so that a GPU's time
     is not spent finding a bug in it: every mode gives the same greedy tokens, each request as many as
-    it asked for; only the padded mode runs its decode steps through the static buffers."""
-    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
-    runs = {mode: gpu_kernels._engine_run(mode, 2, prompts, 5, device="cpu") for mode in ("eager", "async", "padded")}
+    it asked for; only the padded mode runs its decode steps through the static buffers; the spec mode
+    checks drafts."""
+    prompts = [list(range(1000, 1008)) * 3, list(range(2000, 2008)) * 3]  # repeats: drafts find them
+    counts: list[int] = []
+    runs = {mode: gpu_kernels._engine_run(mode, 2, prompts, 5, device="cpu", spec_counts=counts)
+            for mode in ("eager", "async", "spec", "padded")}
     tokens = {mode: run[0] for mode, run in runs.items()}
-    assert tokens["async"] == tokens["eager"] == tokens["padded"]
+    assert tokens["async"] == tokens["eager"] == tokens["padded"] == tokens["spec"]
+    # (drafting steps, draft tokens, kept) per run: only the spec run's engine drafts
+    assert len(counts) == 12 and counts[:6] == [0] * 6 and counts[9:] == [0] * 3 and counts[7] > 0
     assert [len(t) for t in tokens["eager"]] == [5, 5]
-    assert runs["padded"][2] == 4 and runs["eager"][2] == runs["async"][2] == 0  # steps through the buffers
+    assert runs["padded"][2] == 4 and runs["eager"][2] == runs["async"][2] == runs["spec"][2] == 0
     assert all(run[1] > 0 for run in runs.values())  # a median decode step was timed
     # Profiled steps (after the first few decode steps) keep the outputs and report operations per step.
     rows: list[dict] = []

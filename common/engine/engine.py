@@ -595,12 +595,21 @@ class LLMEngine:
         (their full blocks are cached); the slots of the others are written again by the next step."""
         if req.status >= FINISHED:
             return
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += len(drafts)
+        if NOT_FINITE in tokens:
+            # A draft's KV may be what is not finite: the torch attention weighs the slots a row may not see
+            # by 0, and 0 times NaN is NaN, so a broken draft turns every row of the step NaN. Its blocks are
+            # scrubbed and it is recomputed, drafting no more: if the fault is its own, that fails it as a
+            # step of its own would have.
+            self._scrub_kv(req)
+            req.may_draft = False
+            self.scheduler.recompute(req)
+            return
         kept: list[int] = []
         reason: str | None = None
         for j, token in enumerate(tokens):
-            if token < 0:  # not finite (or no token): it fails as a row of its own would
-                if token == NOT_FINITE:
-                    self._scrub_kv(req)
+            if token < 0:  # no token left by its bans: it fails as a row of its own would
                 reason = "error"
                 break
             req.append_output_token(token)
@@ -610,13 +619,10 @@ class LLMEngine:
                 break
         # The leading tokens that are drafts (a stop may end the step on one).
         num_accepted = sum(map(int.__eq__, kept, drafts))
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += len(drafts)
         self.spec_num_accepted_tokens += num_accepted
         if reason is not None:
             self.scheduler.finish(req, _FINISHED[reason])
-            failed = tokens[len(kept)] if reason == "error" else 0
-            out = self._output(req, kept, None, reason, NOT_FINITE_ERROR if failed == NOT_FINITE else NO_TOKEN_ERROR)
+            out = self._output(req, kept, None, reason, NO_TOKEN_ERROR)
         else:
             req.num_computed_tokens += num_accepted
             self.kv.mark_computed(req)

@@ -265,6 +265,11 @@ class Scheduler:
         if computed_blocks:
             req.num_computed_tokens = 0
 
+    def recompute(self, req: Request) -> None:
+        """Take a running request out of the batch to compute its KV again (its blocks freed; it keeps its
+        tokens), as a preemption does."""
+        self._preempt(req)
+
     def _preempt(self, req: Request) -> None:
         """Free the request's blocks and requeue it at the front; it recomputes later."""
         self.running.remove(req)

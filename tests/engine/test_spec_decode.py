@@ -245,6 +245,49 @@ def test_an_unseeded_sampled_request_drafts_and_keeps_some(engine_factory):
     assert engine.spec_num_accepted_tokens >= MAX_NEW_TOKENS // 4
 
 
+def test_a_draft_whose_kv_is_not_finite_is_recomputed_without_drafts(tmp_path, monkeypatch):
+    """A checkpoint whose embedding of one token is NaN, and a draft of that token (forced: a draft is a
+    token of the request's own, whose KV was finite where it stood before). The torch attention weighs
+    the slots a row may not see by 0, and 0 times NaN is NaN: every row of the step turns NaN, the
+    request's own last token's too. Its blocks are scrubbed and it is recomputed without drafts: it
+    gets transformers' tokens, where failing it would have failed a request that never asked for the
+    draft, and no NaN is left in the cache."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig
+
+    from common.engine.engine import LLMEngine
+    from tests.engine.tiny_models import TINY_DIMS, build_checkpoint, prompt_token_ids
+    from tests.engine.tiny_models import hf_greedy as tiny_greedy
+
+    folder = build_checkpoint(LlamaConfig(**TINY_DIMS, tie_word_embeddings=False), tmp_path / "llama")
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["model.embed_tokens.weight"][77] = float("nan")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    prompt = [t for t in prompt_token_ids(21, seed=3) if t != 77]
+    expected = tiny_greedy(folder, prompt, 8)
+    assert expected[1] != 77
+    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", block_size=8, num_blocks=8,
+                                    max_num_batched_tokens=64, speculative_config=NGRAM))
+    forced: list[list[int]] = []
+
+    def lookup(tokens: np.ndarray, k: int) -> list[int]:
+        # The first decode step's drafts: the NaN token, then one that attends to it. It would propose them
+        # again: the request must draft no more (else it would be recomputed for ever).
+        assert not forced, "the request drafted again after its drafts broke its step"
+        forced.append([77, int(tokens[0])])
+        return forced[0]
+
+    monkeypatch.setattr(engine.proposer, "lookup", lookup)
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    tokens, reasons = drain_tokens(engine)
+    assert forced and engine.spec_num_draft_tokens == 2 and engine.spec_num_accepted_tokens == 0
+    assert engine.scheduler.num_preemptions == 1  # the recompute
+    assert tokens["r"] == expected and reasons["r"] == "length"
+    assert not torch.isnan(engine.runner.kv_cache).any()
+    engine.check_integrity()
+
+
 def test_speculative_config_refusals() -> None:
     def refused(config: object, match: str) -> None:
         with pytest.raises(ValueError, match=match):

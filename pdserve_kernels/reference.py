@@ -54,15 +54,18 @@ def cache_bytes(t: Tensor) -> Tensor:
     return t.view(torch.uint8) if t.dtype == FP8 else t
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, form: int = NORM_LLAMA) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, form: int = NORM_LLAMA, bias: Tensor | None = None) -> Tensor:
     """Each row of ``x`` over its last dimension, as transformers normalizes it: the mean of squares in
     float32, the row scaled by its reciprocal square root, then met with ``weight`` in ``form`` (or, in
-    ``NORM_LAYER``, centred on its mean first)."""
+    ``NORM_LAYER``, centred on its mean first, and ``bias`` added in float32 where there is one: torch's
+    LayerNorm, StarCoder2's)."""
     dtype = x.dtype
     h = x.to(torch.float32)
     if form == NORM_LAYER:
         h = h - h.mean(-1, keepdim=True)
-        return (weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(dtype)
+        y = weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+        return (y if bias is None else y + bias.float()).to(dtype)
+    assert bias is None, "only the LayerNorm form has a bias"
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if form == NORM_GEMMA:
         return (h * (1.0 + weight.float())).to(dtype)
@@ -71,11 +74,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, form: int = NORM_LLAMA) -> T
     return weight * h.to(dtype)
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, form: int = NORM_LLAMA) -> tuple[Tensor, Tensor]:
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, form: int = NORM_LLAMA,
+                 bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """A block's output added to the residual stream, and the sum normalized for the next block:
     ``(rms_norm(x + residual), x + residual)``, the sum rounded to the inputs' dtype first."""
     summed = x + residual
-    return rms_norm(summed, weight, eps, form), summed
+    return rms_norm(summed, weight, eps, form, bias), summed
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:

@@ -9,7 +9,8 @@ The arithmetic is the reference's (``pdserve_kernels.reference.rms_norm``, trans
 mean of squares in float32, the row scaled by its reciprocal square root, rounded to the input's
 dtype, then multiplied by the weight and rounded again (Gemma: scaled by ``1 + weight`` in float32,
 rounded once; OLMo: by the weight in float32, rounded once). Cohere's LayerNorm (``NORM_LAYER``) first
-centres the row on its mean (one more pass over it) and meets the weight in float32, rounded once. What
+centres the row on its mean (one more pass over it) and meets the weight in float32, rounded once;
+torch's LayerNorm (StarCoder2's) is that form with a bias, added in float32 before the rounding. What
 can differ is the order in which the squares (and the entries, for the mean) are summed, and with it the
 last bits of the float32 mean: a difference that the rounding to 16 bits seldom lets through.
 """
@@ -29,11 +30,13 @@ MAX_BLOCK = 4096  # entries of a row a program holds at once; wider rows go in s
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x_row, stride_r_row, stride_o_row, stride_s_row,
-                     n_cols, w_rows, eps, FORM: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, stride_x_row, stride_r_row, stride_o_row,
+                     stride_s_row, n_cols, w_rows, eps, FORM: tl.constexpr, ADD: tl.constexpr, BIAS: tl.constexpr,
+                     BLOCK: tl.constexpr):
     """With ``ADD``, the row normalized is ``x + r`` (rounded to the dtype), written to ``sum`` first;
     the second pass reads it back from there (the same lanes the first pass wrote it with). The weight
-    has ``w_rows`` rows, row ``i`` of ``x`` met with row ``i % w_rows`` (a weight per head: Cohere's q/k norms)."""
+    has ``w_rows`` rows, row ``i`` of ``x`` met with row ``i % w_rows`` (a weight per head: Cohere's q/k norms).
+    With ``BIAS`` (the LayerNorm form only) the bias is added in float32 before the one rounding."""
     row = tl.program_id(0).to(tl.int64)
     w_row = w_ptr + (row % w_rows) * n_cols
     x_row = x_ptr + row * stride_x_row
@@ -73,45 +76,52 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x_row, stride
             y = h * (1.0 + w)
         elif FORM == 2 or FORM == 3:  # NORM_OLMO, NORM_LAYER
             y = w * h
+            if BIAS:
+                y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         else:
             y = w * h.to(x.dtype).to(tl.float32)  # rounded to the input's dtype first, as transformers
         tl.store(o_row + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, form: int = NORM_LLAMA) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, form: int = NORM_LLAMA, bias: Tensor | None = None) -> Tensor:
     """``pdserve_kernels.reference.rms_norm`` in one kernel: ``x`` ``[..., n]`` (rows with unit stride),
-    ``weight`` ``[n]`` of ``x``'s dtype, or ``[heads, n]`` for ``x`` ``[..., heads, n]`` (one per head)."""
-    rows, out = _rows_and_out(x, weight)
+    ``weight`` ``[n]`` of ``x``'s dtype, or ``[heads, n]`` for ``x`` ``[..., heads, n]`` (one per head);
+    ``bias`` ``[n]`` (the LayerNorm form)."""
+    rows, out = _rows_and_out(x, weight, form, bias)
     if rows.shape[0] and rows.shape[1]:
         block = min(MAX_BLOCK, triton.next_power_of_2(rows.shape[1]))
-        # ``r`` and ``sum`` are not read without ``ADD``: the input stands in for them.
-        _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, rows, rows.stride(0), 0, out.stride(0), 0,
-                                           rows.shape[1], weight.numel() // rows.shape[1], eps, FORM=form, ADD=False,
-                                           BLOCK=block,
-                                           num_warps=min(16, max(1, block // 256)))
+        # ``r`` and ``sum`` are not read without ``ADD``, nor ``b`` without ``BIAS``: the input stands in.
+        _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, rows if bias is None else bias, out, rows,
+                                           rows.stride(0), 0, out.stride(0), 0, rows.shape[1],
+                                           weight.numel() // rows.shape[1], eps, FORM=form, ADD=False,
+                                           BIAS=bias is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return out.view(x.shape)
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, form: int = NORM_LLAMA) -> tuple[Tensor, Tensor]:
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, form: int = NORM_LLAMA,
+                 bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``pdserve_kernels.reference.add_rms_norm`` in one kernel: ``(rms_norm(x + residual), x + residual)``,
     ``x`` and ``residual`` of one shape and dtype (rows with unit stride)."""
     assert residual.shape == x.shape and residual.dtype == x.dtype, (
         f"residual {residual.dtype} {tuple(residual.shape)} differs from x {x.dtype} {tuple(x.shape)}")
-    rows, out = _rows_and_out(x, weight)
+    rows, out = _rows_and_out(x, weight, form, bias)
     res_rows = residual.reshape(rows.shape)
     assert res_rows.stride(-1) == 1 or rows.shape[1] <= 1, f"residual rows must have unit stride; got {residual.stride()}"
     summed = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0] and rows.shape[1]:
         block = min(MAX_BLOCK, triton.next_power_of_2(rows.shape[1]))
-        _rms_norm_kernel[(rows.shape[0],)](rows, res_rows, weight, out, summed, rows.stride(0), res_rows.stride(0),
-                                           out.stride(0), summed.stride(0), rows.shape[1], weight.numel() // rows.shape[1],
-                                           eps, FORM=form, ADD=True, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        _rms_norm_kernel[(rows.shape[0],)](rows, res_rows, weight, rows if bias is None else bias, out, summed,
+                                           rows.stride(0), res_rows.stride(0), out.stride(0), summed.stride(0),
+                                           rows.shape[1], weight.numel() // rows.shape[1], eps, FORM=form, ADD=True,
+                                           BIAS=bias is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return out.view(x.shape), summed.view(x.shape)
 
 
-def _rows_and_out(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+def _rows_and_out(x: Tensor, weight: Tensor, form: int, bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """``x``'s rows (``[rows, n]``, a view where it can be) and an output of their shape, after checking."""
     n = x.shape[-1]
+    assert bias is None or (form == NORM_LAYER and bias.shape == (n,) and bias.dtype == x.dtype
+                            and bias.is_contiguous()), "a bias is the LayerNorm form's, contiguous, [n], of x's dtype"
     assert (weight.shape == (n,) or (weight.dim() == 2 and tuple(weight.shape) == tuple(x.shape[-2:]))) and (
         weight.is_contiguous()), f"weight must be a contiguous [{n}] or [heads, {n}] tensor; got {tuple(weight.shape)}"
     assert weight.dtype == x.dtype, f"weight's dtype {weight.dtype} differs from the input's {x.dtype}"

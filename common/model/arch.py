@@ -68,8 +68,10 @@ _ATTENTION_BIAS_TYPES = ("qwen3", "gemma", "gemma2", "gemma3_text", "vaultgemma"
                          "olmo3", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "dots1",
                          "flex_olmo", "hunyuan_v1_moe", "apertus", "afmoe", *_COHERE_TYPES)
 _NO_BIAS_TYPES = ("mistral", "ministral", "ministral3", "phi3", "mixtral", "minimax_m2", "exaone4")  # no bias anywhere
-# Families whose q/k/v, o and MLP projections all have biases by ``use_bias`` (ERNIE 4.5; its experts none).
+# Families whose q/k/v, o and MLP projections all have biases by ``use_bias`` (ERNIE 4.5, its experts none;
+# StarCoder2).
 _ERNIE_TYPES = ("ernie4_5", "ernie4_5_moe")
+_USE_BIAS_TYPES = (*_ERNIE_TYPES, "starcoder2")
 _GLM_TYPES = ("glm", "glm4")
 # Families whose RoPE rotates interleaved pairs (entries 0 and 1, 2 and 3, ...), not each head's halves.
 _INTERLEAVED_ROPE_TYPES = ("helium", *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES)
@@ -100,7 +102,7 @@ ROUTER_SOFTMAX_CORRECTED = "softmax_corrected_topk"
 _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "vaultgemma",
-    "phi3", "seed_oss", "hunyuan_v1_dense", "olmo2", "olmo3", "helium", "ministral3", "exaone4", "apertus",
+    "phi3", "seed_oss", "hunyuan_v1_dense", "olmo2", "olmo3", "helium", "ministral3", "exaone4", "apertus", "starcoder2",
     *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
 )
 # Gemma's norms ((1 + weight) in float32), scaled embeddings and GELU-tanh; Gemma 2 and 3 add norms after
@@ -160,8 +162,11 @@ _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 # Families whose transformers code keeps its norms in float32 when the model is in float16.
 _FLOAT32_NORMS_UNDER_FLOAT16 = ("gpt_oss", "afmoe")
 # Families whose MLP has no gate, down(act(up(x))), and the activation each implements: Arcee's squared
-# ReLU, Apertus's xIELU (two learned scalars per layer, ``alpha_p`` and ``alpha_n``).
-_UNGATED_ACTIVATIONS = {"arcee": "relu2", "apertus": "xielu"}
+# ReLU, Apertus's xIELU (two learned scalars per layer, ``alpha_p`` and ``alpha_n``), StarCoder2's GELU in
+# its tanh approximation.
+_UNGATED_ACTIVATIONS = {"arcee": "relu2", "apertus": "xielu", "starcoder2": "gelu_pytorch_tanh"}
+# Families whose norms are torch's LayerNorm, a bias and all (``norm_epsilon``): StarCoder2's.
+_LAYER_NORM_TYPES = ("starcoder2",)
 
 
 class UnsupportedConfig(ValueError):
@@ -192,12 +197,13 @@ class ModelArch:
     # Layers that apply no RoPE at all (SmolLM3's ``no_rope_layers`` zeros): their q and k go unrotated.
     no_rope_layers: tuple[int, ...] = ()
     # "silu" or "gelu_tanh" (both gated: down(act(gate) * up)), or without a gate, down(act(up)): "relu2"
-    # (relu(x)^2) or "xielu" (Apertus's).
+    # (relu(x)^2), "xielu" (Apertus's) or "gelu_pytorch_tanh" (StarCoder2's).
     activation: str = "silu"
     # Norms on each side of each block (Gemma 2/3, GLM-4, AFMoE): a block's output normed before it joins the
     # stream.
     sandwich_norms: bool = False
     norm_form: int = NORM_LLAMA  # how every RMSNorm meets its weight (``pdserve_kernels.reference.NORM_*``)
+    norm_bias: bool = False  # every norm with a bias (``NORM_LAYER`` only: torch's LayerNorm, StarCoder2's)
     # OLMo's layer: no norm before a block, one after each (the block's output normed, then added);
     # q and k normed across all their heads (one norm of q_size, one of kv_size), before RoPE.
     post_norms_only: bool = False
@@ -303,11 +309,12 @@ class ModelArch:
             act = getattr(config, "hidden_act", "silu")
             if act != "silu":
                 raise UnsupportedConfig("hidden_act", act, "only silu is implemented")
-        eps_field = "layer_norm_eps" if model_type in _COHERE_TYPES else "rms_norm_eps"
+        eps_field = ("layer_norm_eps" if model_type in _COHERE_TYPES else "norm_epsilon" if model_type in _LAYER_NORM_TYPES
+                     else "rms_norm_eps")
         norm_eps = getattr(config, eps_field, None)
         if not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or norm_eps <= 0:
-            raise UnsupportedConfig(eps_field, norm_eps, "must be a positive number (only RMSNorm, and Cohere's LayerNorm, "
-                                    "are implemented)")
+            raise UnsupportedConfig(eps_field, norm_eps, "must be a positive number (only RMSNorm, Cohere's LayerNorm and "
+                                    "StarCoder2's are implemented)")
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if heads % kv_heads:
@@ -318,7 +325,7 @@ class ModelArch:
             (bias, bias, mlp) if model_type in _LLAMA_BIAS_TYPES
             else (bias, bias, False) if model_type in _ATTENTION_BIAS_TYPES
             else (False, False, False) if model_type in _NO_BIAS_TYPES
-            else (bool(getattr(config, "use_bias", False)),) * 3 if model_type in _ERNIE_TYPES
+            else (bool(getattr(config, "use_bias", False)),) * 3 if model_type in _USE_BIAS_TYPES
             else {  # (q/k/v, o, MLP) biases, as each other family's modeling code has them
                 "qwen2": (True, False, False),
                 "qwen2_moe": (bool(getattr(config, "qkv_bias", True)), False, False),
@@ -360,7 +367,8 @@ class ModelArch:
             attn_output_gate=model_type == "afmoe",
             # Helium's and AFMoE's RMSNorms meet their weight in float32, as OLMo's.
             norm_form=(NORM_GEMMA if gemma else NORM_OLMO if olmo or model_type in ("helium", "afmoe")
-                       else NORM_LAYER if model_type in _COHERE_TYPES else NORM_LLAMA),
+                       else NORM_LAYER if model_type in (*_COHERE_TYPES, *_LAYER_NORM_TYPES) else NORM_LLAMA),
+            norm_bias=model_type in _LAYER_NORM_TYPES,
             norm_eps=float(norm_eps),
             parallel_block=model_type in _COHERE_TYPES,
             logit_scale=_positive_or_none(config, "logit_scale") if model_type in _COHERE_TYPES else None,
@@ -676,7 +684,7 @@ def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
         return (None,) * num_layers
     if model_type == "qwen3_moe":  # every layer with use_sliding_window (its config has no layer_types)
         return ((window if getattr(config, "use_sliding_window", False) else None),) * num_layers
-    if model_type in ("mistral", "ministral3", "phi3", "mixtral"):  # every layer, whatever layer_types says (as transformers')
+    if model_type in ("mistral", "ministral3", "phi3", "mixtral", "starcoder2"):  # every layer, whatever layer_types says
         return (window,) * num_layers
     # Qwen2/Qwen3 derive layer_types from use_sliding_window and max_window_layers; Gemma 2 alternates.
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers

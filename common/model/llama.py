@@ -19,6 +19,7 @@ for both, as vLLM's fused residual norm is, ``silu_mul`` one for the MLP's activ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, cast
@@ -64,17 +65,20 @@ class RMSNorm(nn.Module):
     ``1 + weight`` before the cast back, OLMo's, by the weight before it, or Cohere's LayerNorm (centred)."""
 
     def __init__(self, size: int | tuple[int, int], eps: float, form: int = NORM_LLAMA,
-                 kernels: ModuleType | None = None) -> None:
-        """``size``: the normalized width, or ``(heads, width)`` for a weight per head."""
+                 kernels: ModuleType | None = None, bias: bool = False) -> None:
+        """``size``: the normalized width, or ``(heads, width)`` for a weight per head; ``bias``: the LayerNorm
+        form's (torch's LayerNorm, StarCoder2's)."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size)) if bias else None
         self.eps = eps
         self.form = form
         # The kernels' ``rms_norm``: the torch formula, or on a GPU one Triton kernel for its eight operations.
         self.kernels = kernels or reference
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.kernels.rms_norm(x, self.weight, self.eps, self.form)
+        out: Tensor = (self.kernels.rms_norm(x, self.weight, self.eps, self.form) if self.bias is None
+                       else self.kernels.rms_norm(x, self.weight, self.eps, self.form, self.bias))
         return out
 
     def add(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -82,7 +86,9 @@ class RMSNorm(nn.Module):
         stream)``; on a GPU the sum and the norm are one kernel (``add_rms_norm``)."""
         if residual is None:
             return self(x), x
-        out: tuple[Tensor, Tensor] = self.kernels.add_rms_norm(x, residual, self.weight, self.eps, self.form)
+        out: tuple[Tensor, Tensor] = (
+            self.kernels.add_rms_norm(x, residual, self.weight, self.eps, self.form) if self.bias is None
+            else self.kernels.add_rms_norm(x, residual, self.weight, self.eps, self.form, self.bias))
         return out
 
 
@@ -230,6 +236,10 @@ class Attention(nn.Module):
         return {} if self.sinks is None else {"sinks": self.sinks}
 
 
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 class MLP(nn.Module):
     def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType | None = None, inter: int | None = None) -> None:
         """``inter``: the width of its gate and up, where not the config's ``intermediate_size`` (a shared expert)."""
@@ -238,7 +248,9 @@ class MLP(nn.Module):
         bias = arch.mlp_bias
         self.inter = inter
         self.relu2 = arch.activation == "relu2"  # Arcee: no gate, down(relu(up(x)) ** 2)
-        self.act_fn = XIELU() if arch.activation == "xielu" else None  # Apertus: no gate, down(xielu(up(x)))
+        # Without a gate, down(act(up(x))): Apertus's xIELU, StarCoder2's GELU (tanh approximation).
+        self.act_fn: Callable[[Tensor], Tensor] | None = (
+            XIELU() if arch.activation == "xielu" else _gelu_tanh if arch.activation == "gelu_pytorch_tanh" else None)
         if self.relu2 or self.act_fn is not None:
             self.up_proj = nn.Linear(hidden, inter, bias=bias)
         else:
@@ -391,9 +403,9 @@ class DecoderLayer(nn.Module):
         )
         size, eps, form = config.hidden_size, arch.norm_eps, arch.norm_form
         # OLMo has no norm before a block: its checkpoints hold no input_layernorm.
-        self.input_layernorm = None if arch.post_norms_only else RMSNorm(size, eps, form, kernels)
+        self.input_layernorm = None if arch.post_norms_only else RMSNorm(size, eps, form, kernels, arch.norm_bias)
         # Cohere's layer has one norm, read by attention and MLP alike.
-        self.post_attention_layernorm = None if arch.parallel_block else RMSNorm(size, eps, form, kernels)
+        self.post_attention_layernorm = None if arch.parallel_block else RMSNorm(size, eps, form, kernels, arch.norm_bias)
         self.residual_multiplier = arch.residual_multiplier  # Granite: each block's output scaled
         # Gemma and GLM-4 normalize each block's output too: post_attention_layernorm then applies to the
         # attention's output, and the MLP gets a norm of its own on each side; OLMo only the one after.
@@ -401,9 +413,9 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm: RMSNorm | None = None
         self.post_feedforward_layernorm: RMSNorm | None = None
         if arch.sandwich_norms:
-            self.pre_feedforward_layernorm = RMSNorm(size, eps, form, kernels)
+            self.pre_feedforward_layernorm = RMSNorm(size, eps, form, kernels, arch.norm_bias)
         if arch.sandwich_norms or arch.post_norms_only:
-            self.post_feedforward_layernorm = RMSNorm(size, eps, form, kernels)
+            self.post_feedforward_layernorm = RMSNorm(size, eps, form, kernels, arch.norm_bias)
 
     def forward(
         self, x: Tensor, residual: Tensor | None, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, kv_layer: Tensor,
@@ -444,7 +456,7 @@ class LlamaBackbone(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, arch, i, kernels) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, arch.norm_eps, arch.norm_form, kernels)
+        self.norm = RMSNorm(config.hidden_size, arch.norm_eps, arch.norm_form, kernels, arch.norm_bias)
 
 
 class LlamaForCausalLM(nn.Module):

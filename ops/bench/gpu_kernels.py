@@ -358,6 +358,28 @@ def run_checks(report: Report, ops: Any, ref: Any) -> None:
         want_q = ref.rope_and_store(q, k, v, cos, sin, want_cache, slots)
         return float((got_q != want_q).sum() + (got_cache != want_cache).sum()), 0.0
 
+    def layer_norm_bias(width: int) -> tuple[float, float]:
+        """StarCoder2's LayerNorm (the LayerNorm form with a bias), bf16, alone and after a residual sum: units
+        in the last place of the output or, where the bias cancels most of it, of the entry before the bias,
+        plus those of the mean it subtracted (whose last bits depend on the order of the sum)."""
+        x, residual = 3 * randn(300, width, dtype=torch.bfloat16) + 2, 10 * randn(300, width, dtype=torch.bfloat16)
+        weight, bias = (1 + 0.5 * randn(width)).to(torch.bfloat16), randn(width, dtype=torch.bfloat16)
+        worst = 0.0
+        for rows, got, want in ((x, ops.rms_norm(x, weight, 1e-5, ref.NORM_LAYER, bias),
+                                 ref.rms_norm(x, weight, 1e-5, ref.NORM_LAYER, bias)),
+                                ((x + residual), ops.add_rms_norm(x, residual, weight, 1e-5, ref.NORM_LAYER, bias)[0],
+                                 ref.add_rms_norm(x, residual, weight, 1e-5, ref.NORM_LAYER, bias)[0])):
+            h = rows.float()
+            mean = h.mean(-1, keepdim=True)
+            scale = torch.maximum(want.float().abs(), (want.float() - bias.float()).abs()) + (
+                mean * torch.rsqrt((h - mean).pow(2).mean(-1, keepdim=True)) * weight.float()).abs()
+            ulp = torch.finfo(torch.bfloat16).eps * scale.clamp(min=torch.finfo(torch.bfloat16).tiny)
+            worst = max(worst, float(((got.float() - want.float()).abs() / ulp).max()))
+        return worst, 2.0
+
+    report.check("rms_norm / add_rms_norm bf16 width 6144, LayerNorm with a bias (StarCoder2; err in units in the "
+                 "last place)", functools.partial(layer_norm_bias, 6144))
+
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         report.check(f"rope {str(dtype)[6:]} 32/8 heads d128 (entries that differ)", functools.partial(rope, dtype))
         report.check(f"rope_and_store {str(dtype)[6:]} 32/8 heads d128, block 16 (entries that differ)",

@@ -1,7 +1,7 @@
 """No request dies with a process: real engines killed, stopped and restarted under the openai client.
 
-One prefill and two decode processes (one of them with async scheduling), a real Redis and the real
-model. Each test breaks a process while it holds a request, then checks that the client saw one
+One prefill and two decode processes (one of them with async scheduling, the other with n-gram
+drafts), a real Redis and the real model. Each test breaks a process while it holds a request, then checks that the client saw one
 unbroken output equal to the uninterrupted run (greedy), and that every live engine is back to 0
 blocks in use with its idle pool check clean. The uninterrupted reference runs after the fault, on the repaired stack, so a
 prefix-cache hit cannot hide the work the fault case had to redo.
@@ -10,6 +10,7 @@ prefix-cache hit cannot hide the work the fault case had to redo.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -32,13 +33,17 @@ DECODES = ("decode-f1", "decode-f2")
 # Long enough to see the stall path by the registry (about 6 s) before the stall timeout.
 ROUTER_FLAGS = ["--engine-stall-timeout", "15"]
 ENGINE_FLAGS = ["--router-lease-timeout", "6"]
-# One decode schedules each step while the one before is in flight, the other synchronously: a
-# request moved between them must still give the uninterrupted output.
+# One decode schedules each step while the one before is in flight, the other synchronously, checking
+# n-gram drafts (several tokens a step): a request moved between them must still give the uninterrupted
+# output.
 ASYNC_ENGINES = {"decode-f1"}
+DRAFTING_ENGINES = {"decode-f2": ["--speculative-config", json.dumps(
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+)]}
 
 
 def engine_flags(name: str) -> list[str]:
-    return [*ENGINE_FLAGS, *(["--async-scheduling"] if name in ASYNC_ENGINES else [])]
+    return [*ENGINE_FLAGS, *(["--async-scheduling"] if name in ASYNC_ENGINES else []), *DRAFTING_ENGINES.get(name, [])]
 
 
 def wait_until(cond: Callable[[], Any], timeout_s: float = 120.0, what: str = "condition") -> Any:

@@ -82,6 +82,7 @@ def family_configs() -> dict[str, Any]:
         SeedOssConfig,
         SiglipVisionConfig,
         SmolLM3Config,
+        Starcoder2Config,
         VaultGemmaConfig,
     )
 
@@ -163,6 +164,12 @@ def family_configs() -> dict[str, Any]:
         "apertus-xielu-qk-norm": ApertusConfig(**TINY_DIMS, attention_bias=True, rope_parameters={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 32, "rope_theta": 500000.0}),
+        # StarCoder2: torch's LayerNorms (a bias each), biases on every projection by use_bias, an MLP without
+        # a gate (c_fc, GELU-tanh, c_proj), a window on every layer.
+        "starcoder2-layernorm-bias-window": Starcoder2Config(
+            **TINY_DIMS, use_bias=True, sliding_window=WINDOW, norm_epsilon=1e-5,
+            tie_word_embeddings=True,
+        ),
         # An MLP without a gate: down(relu(up(x)) ** 2).
         "arcee-relu2": ArceeConfig(**TINY_DIMS, mlp_bias=True, tie_word_embeddings=False),
         # q/k norms after RoPE; the RoPE its checkpoints label "dynamic" with a fixed NTK alpha (static).

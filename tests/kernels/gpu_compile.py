@@ -100,6 +100,13 @@ def record_launches() -> list[Launch]:
             scenario[0] = f"add_rms_norm, {name}"
             triton_norm.add_rms_norm(torch.empty(4, width, dtype=bf16), torch.empty(4, width, dtype=bf16),
                                      torch.empty(width, dtype=bf16), 1e-6, form)
+        width = 6144  # StarCoder2-15B's hidden size
+        scenario[0] = "rms_norm, torch's LayerNorm with a bias (StarCoder2)"
+        triton_norm.rms_norm(torch.empty(4, width, dtype=bf16), torch.empty(width, dtype=bf16), 1e-5, 3,
+                             torch.empty(width, dtype=bf16))
+        scenario[0] = "add_rms_norm, torch's LayerNorm with a bias (StarCoder2)"
+        triton_norm.add_rms_norm(torch.empty(4, width, dtype=bf16), torch.empty(4, width, dtype=bf16),
+                                 torch.empty(width, dtype=bf16), 1e-5, 3, torch.empty(width, dtype=bf16))
         for name, q_heads, k_heads, head_size in (("SmolLM2's heads", 9, 3, 64), ("an 8B model's", 32, 8, 128)):
             scenario[0] = f"rope, {name}, bf16"
             cs = torch.empty(4, 1, head_size, dtype=bf16)

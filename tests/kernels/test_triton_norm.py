@@ -25,11 +25,15 @@ def _inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tuple[torc
     return x, weight
 
 
-def _ulps(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, form: int) -> float:
+def _ulps(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, form: int,
+          bias: torch.Tensor | None = None) -> float:
     """The largest difference in units in the last place of what was rounded: of each output, and for the
     LayerNorm also of the mean it subtracted (scaled as the entry is), whose last bits depend on the order
-    of the sum and carry into every entry, the more so where the entry cancels it."""
+    of the sum and carry into every entry, the more so where the entry cancels it; with a bias, also of the
+    entry before the bias was added (where the bias cancels it, the output is smaller than its error)."""
     scale = want.float().abs()
+    if bias is not None:
+        scale = torch.maximum(scale, (want.float() - bias.float()).abs())
     if form == reference.NORM_LAYER:
         h = x.float()
         mean = h.mean(-1, keepdim=True)
@@ -146,3 +150,35 @@ def test_each_form_is_its_family_s_norm_in_transformers_to_the_bit() -> None:
     assert not torch.equal(outputs[reference.NORM_LLAMA], outputs[reference.NORM_OLMO])
     # Off centre, the LayerNorm is no RMSNorm in any form.
     assert (outputs[reference.NORM_LAYER].float() - outputs[reference.NORM_OLMO].float()).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("add", [False, True])
+def test_the_layer_norm_with_a_bias_is_torch_s_layer_norm(dtype: torch.dtype, add: bool) -> None:
+    """StarCoder2's norms: torch's ``nn.LayerNorm``, a bias added in float32 before the one rounding. The
+    kernel (alone, and after the residual sum) against the reference, and the reference against torch's
+    own: the same formula, the mean and variance summed in another order (within two units in the last
+    place of the output, and of the mean it subtracts)."""
+    x, weight = _inputs((9, 200), dtype, seed=11)
+    bias = (0.7 * torch.randn(200, generator=torch.Generator().manual_seed(12))).to(dtype)
+    residual = (5 * torch.randn(9, 200, generator=torch.Generator().manual_seed(13))).to(dtype)
+    if add:
+        got, summed = triton_norm.add_rms_norm(x, residual, weight, 1e-5, reference.NORM_LAYER, bias)
+        want, want_summed = reference.add_rms_norm(x, residual, weight, 1e-5, reference.NORM_LAYER, bias)
+        rows = want_summed
+    else:
+        got = triton_norm.rms_norm(x, weight, 1e-5, reference.NORM_LAYER, bias)
+        want = reference.rms_norm(x, weight, 1e-5, reference.NORM_LAYER, bias)
+        rows = x
+    assert _ulps(got, want, rows, weight, reference.NORM_LAYER, bias) <= 4.0
+    # The bias is added: without it nearly every entry moves.
+    moved = want.float() != reference.rms_norm(rows, weight, 1e-5, reference.NORM_LAYER).float()
+    assert moved.float().mean() > 0.9
+    torch_norm = torch.nn.LayerNorm(200, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        torch_norm.weight.copy_(weight)
+        torch_norm.bias.copy_(bias)
+        theirs = torch_norm(rows)
+    assert _ulps(want, theirs, rows, weight, reference.NORM_LAYER, bias) <= 2.0
+    with pytest.raises(AssertionError, match="bias"):
+        triton_norm.rms_norm(x, weight, 1e-5, reference.NORM_LLAMA, bias)

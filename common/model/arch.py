@@ -49,6 +49,10 @@ correctness):
 - Cohere (``cohere``) and Cohere 2 (``cohere2``) rotate interleaved pairs too, in float32; their norms are
   LayerNorms without bias (``NORM_LAYER``), attention and MLP read the same norm side by side, and the
   logits are scaled by ``logit_scale``; Cohere 2 windows its sliding layers and rotates only those.
+- StarCoder2 is Mistral's windowed layer with torch's LayerNorms (``NORM_LAYER`` with a bias), biases by
+  ``use_bias`` and an ungated MLP with GELU-tanh; Phi (1, 1.5, 2) is Cohere's side-by-side layer with
+  those LayerNorms, the two outputs summed before they join the stream, biases everywhere (its output
+  head's too), a partial RoPE and an ungated MLP with transformers' ``gelu_new``.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ _HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 # Mixtures routed as DeepSeek-V3 routes (``ROUTER_SIGMOID_GROUPS``), with dense first layers and shared experts.
 _DEEPSEEK_ROUTED_TYPES = ("glm4_moe", "dots1")
 # Families whose modeling code rotates only each head's first ``partial_rotary_factor`` share.
-_PARTIAL_ROPE_TYPES = ("glm4_moe", "minimax_m2", *_GLM_TYPES)
+_PARTIAL_ROPE_TYPES = ("glm4_moe", "minimax_m2", "phi", *_GLM_TYPES)
 # Quantized checkpoints served (``ModelArch.quantization``), by their ``quant_method``.
 QUANT_MXFP4 = "mxfp4"
 QUANT_FP8 = "fp8"
@@ -103,6 +107,7 @@ _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "vaultgemma",
     "phi3", "seed_oss", "hunyuan_v1_dense", "olmo2", "olmo3", "helium", "ministral3", "exaone4", "apertus", "starcoder2",
+    "phi",
     *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
 )
 # Gemma's norms ((1 + weight) in float32), scaled embeddings and GELU-tanh; Gemma 2 and 3 add norms after
@@ -147,6 +152,7 @@ _UNSET_FIELDS = (
     "attention_multiplier",
     "use_bidirectional_attention",  # non-causal attention
     "clip_qkv",  # OLMoE / OLMo 1: q, k and v clamped
+    "qk_layernorm",  # Phi's (and Persimmon's, StableLM's) LayerNorms of q and k
 )
 # ... except where a family implements them.
 _GRANITE_SCALINGS = ("embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier")
@@ -163,10 +169,13 @@ _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 _FLOAT32_NORMS_UNDER_FLOAT16 = ("gpt_oss", "afmoe")
 # Families whose MLP has no gate, down(act(up(x))), and the activation each implements: Arcee's squared
 # ReLU, Apertus's xIELU (two learned scalars per layer, ``alpha_p`` and ``alpha_n``), StarCoder2's GELU in
-# its tanh approximation.
-_UNGATED_ACTIVATIONS = {"arcee": "relu2", "apertus": "xielu", "starcoder2": "gelu_pytorch_tanh"}
-# Families whose norms are torch's LayerNorm, a bias and all (``norm_epsilon``): StarCoder2's.
-_LAYER_NORM_TYPES = ("starcoder2",)
+# its tanh approximation (torch's), Phi's the same by its own formula (transformers' ``NewGELUActivation``).
+_UNGATED_ACTIVATIONS = {"arcee": "relu2", "apertus": "xielu", "starcoder2": "gelu_pytorch_tanh", "phi": "gelu_new"}
+# Families whose norms are torch's LayerNorm, a bias and all: StarCoder2's and Phi's (Phi-1, Phi-1.5, Phi-2).
+_LAYER_NORM_TYPES = ("starcoder2", "phi")
+# Each norm's epsilon, where the config names it other than ``rms_norm_eps``.
+_NORM_EPS_FIELDS = {"cohere": "layer_norm_eps", "cohere2": "layer_norm_eps", "phi": "layer_norm_eps",
+                    "starcoder2": "norm_epsilon"}
 
 
 class UnsupportedConfig(ValueError):
@@ -197,7 +206,7 @@ class ModelArch:
     # Layers that apply no RoPE at all (SmolLM3's ``no_rope_layers`` zeros): their q and k go unrotated.
     no_rope_layers: tuple[int, ...] = ()
     # "silu" or "gelu_tanh" (both gated: down(act(gate) * up)), or without a gate, down(act(up)): "relu2"
-    # (relu(x)^2), "xielu" (Apertus's) or "gelu_pytorch_tanh" (StarCoder2's).
+    # (relu(x)^2), "xielu" (Apertus's), "gelu_pytorch_tanh" (StarCoder2's) or "gelu_new" (Phi's).
     activation: str = "silu"
     # Norms on each side of each block (Gemma 2/3, GLM-4, AFMoE): a block's output normed before it joins the
     # stream.
@@ -252,10 +261,12 @@ class ModelArch:
     # the model's dtype); ERNIE's tables in float32 too (``rope_tables_float32``), Cohere's rounded to the dtype.
     rope_float32: bool = False
     rope_tables_float32: bool = False
-    lm_head_bias: bool = False  # ERNIE 4.5's mixture: the output head with a bias (``use_bias``)
+    lm_head_bias: bool = False  # the output head with a bias: ERNIE 4.5's mixture's (``use_bias``), Phi's
     norm_eps: float = 1e-6  # every norm's epsilon: ``rms_norm_eps``, or Cohere's ``layer_norm_eps``
-    # Cohere's layer: attention and MLP both read the one input norm, their outputs added to the stream in turn.
+    # Cohere's layer: attention and MLP both read the one input norm, their outputs added to the stream in turn;
+    # Phi's: the same layer, the two outputs summed first, then added to the stream (``parallel_sum_first``).
     parallel_block: bool = False
+    parallel_sum_first: bool = False
     logit_scale: float | None = None  # Cohere's: the logits multiplied by it, in the weights' dtype
     # Ministral 3's: each token's rotated queries times 1 + beta * log(1 + floor(position / positions)), with
     # beta ``rope_parameters.llama_4_scaling_beta`` and positions its ``original_max_position_embeddings``.
@@ -309,12 +320,11 @@ class ModelArch:
             act = getattr(config, "hidden_act", "silu")
             if act != "silu":
                 raise UnsupportedConfig("hidden_act", act, "only silu is implemented")
-        eps_field = ("layer_norm_eps" if model_type in _COHERE_TYPES else "norm_epsilon" if model_type in _LAYER_NORM_TYPES
-                     else "rms_norm_eps")
+        eps_field = _NORM_EPS_FIELDS.get(model_type, "rms_norm_eps")
         norm_eps = getattr(config, eps_field, None)
         if not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or norm_eps <= 0:
-            raise UnsupportedConfig(eps_field, norm_eps, "must be a positive number (only RMSNorm, Cohere's LayerNorm and "
-                                    "StarCoder2's are implemented)")
+            raise UnsupportedConfig(eps_field, norm_eps, "must be a positive number (only RMSNorm and LayerNorm are "
+                                    "implemented)")
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if heads % kv_heads:
@@ -332,6 +342,7 @@ class ModelArch:
                 "glm4_moe": (bias, False, False),
                 "glm": (bias, False, False),
                 "glm4": (bias, False, False),
+                "phi": (True, True, True),
                 "helium": (bias, False, mlp),
                 # q/k/v by attention_bias, the output projection by a field of its own
                 "seed_oss": (bias, bool(getattr(config, "attention_out_bias", False)), mlp),
@@ -358,7 +369,7 @@ class ModelArch:
             rope_interleaved=model_type in _INTERLEAVED_ROPE_TYPES,
             rope_float32=model_type in (*_ERNIE_TYPES, *_COHERE_TYPES),
             rope_tables_float32=model_type in _ERNIE_TYPES,
-            lm_head_bias=model_type == "ernie4_5_moe" and bool(getattr(config, "use_bias", False)),
+            lm_head_bias=model_type == "phi" or (model_type == "ernie4_5_moe" and bool(getattr(config, "use_bias", False))),
             rope_type=rope_type,
             rope_layer_types=rope_layer_types,
             no_rope_layers=_no_rope_layers(config, model_type),
@@ -370,7 +381,8 @@ class ModelArch:
                        else NORM_LAYER if model_type in (*_COHERE_TYPES, *_LAYER_NORM_TYPES) else NORM_LLAMA),
             norm_bias=model_type in _LAYER_NORM_TYPES,
             norm_eps=float(norm_eps),
-            parallel_block=model_type in _COHERE_TYPES,
+            parallel_block=model_type in (*_COHERE_TYPES, "phi"),
+            parallel_sum_first=model_type == "phi",
             logit_scale=_positive_or_none(config, "logit_scale") if model_type in _COHERE_TYPES else None,
             quantization=_quantization(config, model_type),
             **(_query_scale(config) if model_type == "ministral3" else {}),
@@ -668,7 +680,7 @@ def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
     if model_type in ("llama", "internlm3", "seed_oss", "olmo2", "flex_olmo", "glm4_moe", "minimax_m2", "helium",
-                      "cohere", "gemma", "apertus", *_GLM_TYPES, *_ERNIE_TYPES):
+                      "cohere", "gemma", "apertus", "phi", *_GLM_TYPES, *_ERNIE_TYPES):
         return (None,) * num_layers  # their transformers code has no sliding window: the field is unused
     if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window

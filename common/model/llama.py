@@ -19,6 +19,7 @@ for both, as vLLM's fused residual norm is, ``silu_mul`` one for the MLP's activ
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -240,6 +241,11 @@ def _gelu_tanh(x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def _gelu_new(x: Tensor) -> Tensor:
+    """GELU's tanh approximation by transformers' formula (``NewGELUActivation``, Phi's), operation by operation."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
 class MLP(nn.Module):
     def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType | None = None, inter: int | None = None) -> None:
         """``inter``: the width of its gate and up, where not the config's ``intermediate_size`` (a shared expert)."""
@@ -248,9 +254,10 @@ class MLP(nn.Module):
         bias = arch.mlp_bias
         self.inter = inter
         self.relu2 = arch.activation == "relu2"  # Arcee: no gate, down(relu(up(x)) ** 2)
-        # Without a gate, down(act(up(x))): Apertus's xIELU, StarCoder2's GELU (tanh approximation).
+        # Without a gate, down(act(up(x))): Apertus's xIELU, StarCoder2's GELU (tanh approximation), Phi's.
         self.act_fn: Callable[[Tensor], Tensor] | None = (
-            XIELU() if arch.activation == "xielu" else _gelu_tanh if arch.activation == "gelu_pytorch_tanh" else None)
+            XIELU() if arch.activation == "xielu" else _gelu_tanh if arch.activation == "gelu_pytorch_tanh"
+            else _gelu_new if arch.activation == "gelu_new" else None)
         if self.relu2 or self.act_fn is not None:
             self.up_proj = nn.Linear(hidden, inter, bias=bias)
         else:
@@ -407,6 +414,7 @@ class DecoderLayer(nn.Module):
         # Cohere's layer has one norm, read by attention and MLP alike.
         self.post_attention_layernorm = None if arch.parallel_block else RMSNorm(size, eps, form, kernels, arch.norm_bias)
         self.residual_multiplier = arch.residual_multiplier  # Granite: each block's output scaled
+        self.parallel_sum_first = arch.parallel_sum_first
         # Gemma and GLM-4 normalize each block's output too: post_attention_layernorm then applies to the
         # attention's output, and the MLP gets a norm of its own on each side; OLMo only the one after.
         # (GLM-4's checkpoints name them otherwise: ``common.model.weights`` renames them as they load.)
@@ -428,6 +436,8 @@ class DecoderLayer(nn.Module):
         if self.post_attention_layernorm is None:  # Cohere: residual + attention, then + MLP, as transformers sums
             assert self.input_layernorm is not None
             h, stream = self.input_layernorm.add(x, residual)
+            if self.parallel_sum_first:  # Phi: attention + MLP, then + residual (the next norm's addition)
+                return self.self_attn(h, rope, meta, kv_layer, q_scale) + self.mlp(h), stream
             return self.mlp(h), stream + self.self_attn(h, rope, meta, kv_layer, q_scale)
         if self.input_layernorm is None:  # OLMo: each block reads the stream itself; its output is normed
             assert self.post_feedforward_layernorm is not None

@@ -74,6 +74,9 @@ _RENAMES["afmoe"] = ((r"\.mlp\.router\.gate\.", ".mlp.gate."), (r"\.mlp\.expert_
 # VaultGemma: Gemma 2's layer without the norms after each block; its norm before the MLP under Gemma 2's name.
 # StarCoder2's MLP: c_fc / c_proj, an up and a down projection without a gate.
 _RENAMES["starcoder2"] = ((r"\.mlp\.c_fc\.", ".mlp.up_proj."), (r"\.mlp\.c_proj\.", ".mlp.down_proj."))
+# Phi's: its attention's output projection ``dense``, its MLP's fc1 / fc2, its final norm ``final_layernorm``.
+_RENAMES["phi"] = ((r"\.self_attn\.dense\.", ".self_attn.o_proj."), (r"\.mlp\.fc1\.", ".mlp.up_proj."),
+                   (r"\.mlp\.fc2\.", ".mlp.down_proj."), (r"^model\.final_layernorm\.", "model.norm."))
 _RENAMES["vaultgemma"] = ((r"\.pre_feedforward_layernorm\.", ".post_attention_layernorm."),)
 # An image-text checkpoint (``IMAGE_TEXT_TYPES``): its language model's weights under a prefix of their own,
 # renamed to a causal LM's; the vision tower's and the projector's, which text alone never reaches, unloaded.

@@ -94,6 +94,9 @@ REFUSED = [
     ("gpt-oss-awq", lambda: _config("GptOssConfig", quantization_config={"quant_method": "awq", "bits": 4}),
      "quantization_config.quant_method"),
     ("helium-activation", lambda: _config("HeliumConfig", hidden_act="gelu"), "hidden_act"),
+    ("phi-qk-layernorm", lambda: _config("PhiConfig", qk_layernorm=True), "qk_layernorm"),
+    ("phi-activation", lambda: _config("PhiConfig", hidden_act="gelu"), "hidden_act"),
+    ("starcoder2-activation", lambda: _config("Starcoder2Config", hidden_act="gelu"), "hidden_act"),
     ("chunked-layer", lambda: _config("Qwen2Config", sliding_window=8,
                                       layer_types=["chunked_attention", "full_attention", "full_attention"]),
      "layer_types"),
@@ -107,7 +110,7 @@ def test_unimplemented_config_fields_are_refused_by_name(make, field: str) -> No
     assert info.value.field == field
 
 
-@pytest.mark.parametrize("model_type", ["stablelm", "phi", "llama4_text", "olmo", "qwen3_next", "phimoe", "deepseek_v3",
+@pytest.mark.parametrize("model_type", ["stablelm", "persimmon", "llama4_text", "olmo", "qwen3_next", "phimoe", "deepseek_v3",
                                         "llava"])
 def test_other_families_are_refused_when_loading_their_config(tmp_path: Path, model_type: str) -> None:
     from transformers import AutoConfig
@@ -121,9 +124,9 @@ def test_an_image_text_checkpoint_whose_language_model_is_not_served_is_refused_
     """Mistral 3's wrapper around a language model of a family not served: refused, naming that family."""
     from transformers import AutoConfig, Mistral3Config
 
-    text = AutoConfig.for_model("phi").to_dict()
+    text = AutoConfig.for_model("stablelm").to_dict()
     Mistral3Config(text_config=text).save_pretrained(str(tmp_path))
-    with pytest.raises(UnsupportedConfig, match="model_type='phi'"):
+    with pytest.raises(UnsupportedConfig, match="model_type='stablelm'"):
         load_hf_config(tmp_path)
 
 

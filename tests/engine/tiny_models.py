@@ -68,6 +68,7 @@ def family_configs() -> dict[str, Any]:
         Olmo3Config,
         OlmoeConfig,
         Phi3Config,
+        PhiConfig,
         PixtralVisionConfig,
         Qwen2_5_VLConfig,
         Qwen2_5_VLTextConfig,
@@ -169,6 +170,12 @@ def family_configs() -> dict[str, Any]:
         "starcoder2-layernorm-bias-window": Starcoder2Config(
             **TINY_DIMS, use_bias=True, sliding_window=WINDOW, norm_epsilon=1e-5,
             tie_word_embeddings=True,
+        ),
+        # Phi-2: attention and MLP side by side on one LayerNorm (their outputs summed, then added to the stream),
+        # biases everywhere, the output head's too, a partial RoPE, an MLP without a gate (GELU by its formula).
+        "phi-parallel-partial-rope-layernorm": PhiConfig(
+            **TINY_DIMS, layer_norm_eps=1e-5, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         ),
         # An MLP without a gate: down(relu(up(x)) ** 2).
         "arcee-relu2": ArceeConfig(**TINY_DIMS, mlp_bias=True, tie_word_embeddings=False),

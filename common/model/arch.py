@@ -52,7 +52,9 @@ correctness):
 - StarCoder2 is Mistral's windowed layer with torch's LayerNorms (``NORM_LAYER`` with a bias), biases by
   ``use_bias`` and an ungated MLP with GELU-tanh; Phi (1, 1.5, 2) is Cohere's side-by-side layer with
   those LayerNorms, the two outputs summed before they join the stream, biases everywhere (its output
-  head's too), a partial RoPE and an ungated MLP with transformers' ``gelu_new``.
+  head's too), a partial RoPE and an ungated MLP with transformers' ``gelu_new``; StableLM is Llama's layer
+  with those LayerNorms, a partial RoPE, q/k/v biases by ``use_qkv_bias``, optionally Cohere's side-by-side
+  layer (``use_parallel_residual``) and its LayerNorms of q and k, a weight per head (``qk_layernorm``).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ _HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 # Mixtures routed as DeepSeek-V3 routes (``ROUTER_SIGMOID_GROUPS``), with dense first layers and shared experts.
 _DEEPSEEK_ROUTED_TYPES = ("glm4_moe", "dots1")
 # Families whose modeling code rotates only each head's first ``partial_rotary_factor`` share.
-_PARTIAL_ROPE_TYPES = ("glm4_moe", "minimax_m2", "phi", *_GLM_TYPES)
+_PARTIAL_ROPE_TYPES = ("glm4_moe", "minimax_m2", "phi", "stablelm", *_GLM_TYPES)
 # Quantized checkpoints served (``ModelArch.quantization``), by their ``quant_method``.
 QUANT_MXFP4 = "mxfp4"
 QUANT_FP8 = "fp8"
@@ -107,7 +109,7 @@ _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "vaultgemma",
     "phi3", "seed_oss", "hunyuan_v1_dense", "olmo2", "olmo3", "helium", "ministral3", "exaone4", "apertus", "starcoder2",
-    "phi",
+    "phi", "stablelm",
     *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
 )
 # Gemma's norms ((1 + weight) in float32), scaled embeddings and GELU-tanh; Gemma 2 and 3 add norms after
@@ -163,6 +165,7 @@ _FAMILY_FIELDS = {
     "glm4_moe": ("use_qk_norm",),  # per-head q/k norms, as Qwen3's
     "minimax_m2": ("use_qk_norm",),  # its released configs set it; its modeling code norms q and k always
     "cohere": ("use_qk_norm",),  # Command R+'s LayerNorms of q and k, a weight per head
+    "stablelm": ("qk_layernorm",),  # StableLM 2 12B's: the same
 }
 _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 # Families whose transformers code keeps its norms in float32 when the model is in float16.
@@ -171,11 +174,12 @@ _FLOAT32_NORMS_UNDER_FLOAT16 = ("gpt_oss", "afmoe")
 # ReLU, Apertus's xIELU (two learned scalars per layer, ``alpha_p`` and ``alpha_n``), StarCoder2's GELU in
 # its tanh approximation (torch's), Phi's the same by its own formula (transformers' ``NewGELUActivation``).
 _UNGATED_ACTIVATIONS = {"arcee": "relu2", "apertus": "xielu", "starcoder2": "gelu_pytorch_tanh", "phi": "gelu_new"}
-# Families whose norms are torch's LayerNorm, a bias and all: StarCoder2's and Phi's (Phi-1, Phi-1.5, Phi-2).
-_LAYER_NORM_TYPES = ("starcoder2", "phi")
+# Families whose norms are torch's LayerNorm, a bias and all: StarCoder2's, Phi's (Phi-1, Phi-1.5, Phi-2) and
+# StableLM's (its q/k norms, a LayerNorm per head, have none).
+_LAYER_NORM_TYPES = ("starcoder2", "phi", "stablelm")
 # Each norm's epsilon, where the config names it other than ``rms_norm_eps``.
 _NORM_EPS_FIELDS = {"cohere": "layer_norm_eps", "cohere2": "layer_norm_eps", "phi": "layer_norm_eps",
-                    "starcoder2": "norm_epsilon"}
+                    "stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon"}
 
 
 class UnsupportedConfig(ValueError):
@@ -343,6 +347,7 @@ class ModelArch:
                 "glm": (bias, False, False),
                 "glm4": (bias, False, False),
                 "phi": (True, True, True),
+                "stablelm": (bool(getattr(config, "use_qkv_bias", False)), False, False),
                 "helium": (bias, False, mlp),
                 # q/k/v by attention_bias, the output projection by a field of its own
                 "seed_oss": (bias, bool(getattr(config, "attention_out_bias", False)), mlp),
@@ -360,8 +365,9 @@ class ModelArch:
             o_bias=o_bias,
             mlp_bias=mlp_bias,
             qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "dots1", "exaone4", "apertus", "afmoe") or (
-                model_type in ("glm4_moe", "cohere") and bool(getattr(config, "use_qk_norm", False))),
-            qk_norm_per_head=model_type == "cohere",
+                model_type in ("glm4_moe", "cohere") and bool(getattr(config, "use_qk_norm", False))) or (
+                model_type == "stablelm" and bool(getattr(config, "qk_layernorm", False))),
+            qk_norm_per_head=model_type in ("cohere", "stablelm"),
             qk_norm_after_rope=model_type in _HUNYUAN_TYPES,
             sliding_windows=_sliding_windows(config, model_type),
             rotary_dim=rotary_dim,
@@ -381,7 +387,8 @@ class ModelArch:
                        else NORM_LAYER if model_type in (*_COHERE_TYPES, *_LAYER_NORM_TYPES) else NORM_LLAMA),
             norm_bias=model_type in _LAYER_NORM_TYPES,
             norm_eps=float(norm_eps),
-            parallel_block=model_type in (*_COHERE_TYPES, "phi"),
+            parallel_block=model_type in (*_COHERE_TYPES, "phi") or (
+                model_type == "stablelm" and bool(getattr(config, "use_parallel_residual", False))),
             parallel_sum_first=model_type == "phi",
             logit_scale=_positive_or_none(config, "logit_scale") if model_type in _COHERE_TYPES else None,
             quantization=_quantization(config, model_type),
@@ -680,7 +687,7 @@ def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
     if model_type in ("llama", "internlm3", "seed_oss", "olmo2", "flex_olmo", "glm4_moe", "minimax_m2", "helium",
-                      "cohere", "gemma", "apertus", "phi", *_GLM_TYPES, *_ERNIE_TYPES):
+                      "cohere", "gemma", "apertus", "phi", "stablelm", *_GLM_TYPES, *_ERNIE_TYPES):
         return (None,) * num_layers  # their transformers code has no sliding window: the field is unused
     if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window

@@ -77,6 +77,9 @@ _RENAMES["starcoder2"] = ((r"\.mlp\.c_fc\.", ".mlp.up_proj."), (r"\.mlp\.c_proj\
 # Phi's: its attention's output projection ``dense``, its MLP's fc1 / fc2, its final norm ``final_layernorm``.
 _RENAMES["phi"] = ((r"\.self_attn\.dense\.", ".self_attn.o_proj."), (r"\.mlp\.fc1\.", ".mlp.up_proj."),
                    (r"\.mlp\.fc2\.", ".mlp.down_proj."), (r"^model\.final_layernorm\.", "model.norm."))
+# StableLM's per-head LayerNorms of q and k, one module per head, are one weight per head here (Cohere's).
+_RENAMES["stablelm"] = ((r"\.self_attn\.q_layernorm\.norms\.", ".self_attn.q_norm.heads."),
+                        (r"\.self_attn\.k_layernorm\.norms\.", ".self_attn.k_norm.heads."))
 _RENAMES["vaultgemma"] = ((r"\.pre_feedforward_layernorm\.", ".post_attention_layernorm."),)
 # An image-text checkpoint (``IMAGE_TEXT_TYPES``): its language model's weights under a prefix of their own,
 # renamed to a causal LM's; the vision tower's and the projector's, which text alone never reaches, unloaded.
@@ -153,6 +156,7 @@ def load_model(
     for name in [n for n in state if mtp and (m := _LAYER.match(n)) and num_layers <= int(m[1]) < num_layers + mtp]:
         del state[name]
     stack_projections(state)
+    stack_head_norms(state)
     stack_experts(state)
     if model.arch.rope_interleaved:
         deinterleave_rope(state, int(config.num_attention_heads), model.num_kv_heads, model.head_size,
@@ -214,6 +218,22 @@ def stack_projections(state: dict[str, torch.Tensor]) -> None:
             if missing:
                 raise ValueError(f"checkpoint mismatch: {name} without {', '.join(missing)}")
             state[f"{prefix}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+
+
+def stack_head_norms(state: dict[str, torch.Tensor]) -> None:
+    """In place: norms kept one per head (``<norm>.heads.<i>.weight``, StableLM's q/k LayerNorms) stacked
+    into the norm's weight per head, ``[heads, width]`` (heads in order; a gap is a broken checkpoint)."""
+    per_norm: dict[str, dict[int, torch.Tensor]] = {}
+    for name in [n for n in state if ".heads." in n]:
+        norm, _, rest = name.partition(".heads.")
+        head, _, kind = rest.partition(".")
+        if kind != "weight" or not head.isdigit():
+            raise ValueError(f"checkpoint mismatch: {name}: a per-head norm holds only a weight per head")
+        per_norm.setdefault(norm, {})[int(head)] = state.pop(name)
+    for norm, heads in per_norm.items():
+        if sorted(heads) != list(range(len(heads))):
+            raise ValueError(f"checkpoint mismatch: {norm} has the norms of heads {sorted(heads)}")
+        state[f"{norm}.weight"] = torch.stack([heads[i] for i in range(len(heads))])
 
 
 def deinterleave_rope(state: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int, head_size: int,

@@ -95,6 +95,7 @@ REFUSED = [
      "quantization_config.quant_method"),
     ("helium-activation", lambda: _config("HeliumConfig", hidden_act="gelu"), "hidden_act"),
     ("phi-qk-layernorm", lambda: _config("PhiConfig", qk_layernorm=True), "qk_layernorm"),
+    ("stablelm-activation", lambda: _config("StableLmConfig", hidden_act="gelu"), "hidden_act"),
     ("phi-activation", lambda: _config("PhiConfig", hidden_act="gelu"), "hidden_act"),
     ("starcoder2-activation", lambda: _config("Starcoder2Config", hidden_act="gelu"), "hidden_act"),
     ("chunked-layer", lambda: _config("Qwen2Config", sliding_window=8,
@@ -110,7 +111,7 @@ def test_unimplemented_config_fields_are_refused_by_name(make, field: str) -> No
     assert info.value.field == field
 
 
-@pytest.mark.parametrize("model_type", ["stablelm", "persimmon", "llama4_text", "olmo", "qwen3_next", "phimoe", "deepseek_v3",
+@pytest.mark.parametrize("model_type", ["gpt_neox", "persimmon", "llama4_text", "olmo", "qwen3_next", "phimoe", "deepseek_v3",
                                         "llava"])
 def test_other_families_are_refused_when_loading_their_config(tmp_path: Path, model_type: str) -> None:
     from transformers import AutoConfig
@@ -124,9 +125,9 @@ def test_an_image_text_checkpoint_whose_language_model_is_not_served_is_refused_
     """Mistral 3's wrapper around a language model of a family not served: refused, naming that family."""
     from transformers import AutoConfig, Mistral3Config
 
-    text = AutoConfig.for_model("stablelm").to_dict()
+    text = AutoConfig.for_model("gpt_neox").to_dict()
     Mistral3Config(text_config=text).save_pretrained(str(tmp_path))
-    with pytest.raises(UnsupportedConfig, match="model_type='stablelm'"):
+    with pytest.raises(UnsupportedConfig, match="model_type='gpt_neox'"):
         load_hf_config(tmp_path)
 
 
@@ -154,3 +155,19 @@ def test_supported_static_rope_kinds_and_biases_load() -> None:
         params = {"rope_type": kind, "factor": 2.0, "rope_theta": 1e4, "original_max_position_embeddings": 64,
                   "low_freq_factor": 1.0, "high_freq_factor": 4.0}
         assert ModelArch.from_config(_config("LlamaConfig", rope_parameters=params)).rope_type == kind
+
+
+def test_norms_kept_one_per_head_are_stacked_in_head_order_and_a_gap_is_a_broken_checkpoint() -> None:
+    import torch
+
+    from common.model.weights import stack_head_norms
+
+    state = {f"m.q_norm.heads.{i}.weight": torch.full((4,), float(i)) for i in (1, 0, 2)}
+    state["m.q_proj.weight"] = torch.zeros(2, 2)
+    stack_head_norms(state)
+    assert set(state) == {"m.q_norm.weight", "m.q_proj.weight"}
+    assert state["m.q_norm.weight"][:, 0].tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match=r"checkpoint mismatch: m.k_norm has the norms of heads \[0, 2\]"):
+        stack_head_norms({f"m.k_norm.heads.{i}.weight": torch.zeros(4) for i in (0, 2)})
+    with pytest.raises(ValueError, match="only a weight per head"):
+        stack_head_norms({"m.k_norm.heads.0.bias": torch.zeros(4)})

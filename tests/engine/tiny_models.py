@@ -83,6 +83,7 @@ def family_configs() -> dict[str, Any]:
         SeedOssConfig,
         SiglipVisionConfig,
         SmolLM3Config,
+        StableLmConfig,
         Starcoder2Config,
         VaultGemmaConfig,
     )
@@ -175,6 +176,17 @@ def family_configs() -> dict[str, Any]:
         # biases everywhere, the output head's too, a partial RoPE, an MLP without a gate (GELU by its formula).
         "phi-parallel-partial-rope-layernorm": PhiConfig(
             **TINY_DIMS, layer_norm_eps=1e-5, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        ),
+        # StableLM: Llama's layer with torch's LayerNorms, a partial RoPE and q/k/v biases; StableLM 2 12B's
+        # variant: attention and MLP side by side, LayerNorms of q and k with a weight per head (stacked as
+        # they load from one module per head).
+        "stablelm-layernorm-partial-rope": StableLmConfig(
+            **TINY_DIMS, use_qkv_bias=True, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        ),
+        "stablelm-parallel-qk-layernorm": StableLmConfig(
+            **TINY_DIMS, use_parallel_residual=True, qk_layernorm=True, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         ),
         # An MLP without a gate: down(relu(up(x)) ** 2).

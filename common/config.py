@@ -198,7 +198,7 @@ class EngineConfig:
                             "(lower first, then arrival), and under memory pressure the running request "
                             "of the highest value is preempted first")
         parser.add_argument(
-            "--speculative-config", default=None,
+            "--speculative-config", default=None, type=_speculative_config_arg,
             help='speculative decoding, as vLLM\'s flag: a JSON object, e.g. {"method": "ngram", '
             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}. Each decode step '
             "proposes up to that many tokens by finding the request's last tokens earlier in its prompt "
@@ -215,3 +215,11 @@ class EngineConfig:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _speculative_config_arg(text: str) -> SpeculativeConfig:
+    """``--speculative-config``, refused at parse time (exit 2, the reason named) when it is not built."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.engine.conftest import hf_greedy, tokenizer
+from tests.engine.conftest import PROMPTS, hf_greedy, tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,3 +64,17 @@ def test_generate_bad_request_exits_2_naming_the_field(tmp_path):
     assert proc.returncode == 2
     assert "top_p" in proc.stderr and "request 1" in proc.stderr
     assert not dst.exists(), "nothing is written when a request is rejected"
+
+
+def test_generate_with_ngram_drafts_gives_the_transformers_greedy_tokens_and_refuses_other_methods(tmp_path):
+    prompt = PROMPTS[6]  # a sentence six times: its output repeats it, so drafts are kept
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"prompt": prompt, "max_tokens": 24, "ignore_eos": True}) + "\n", encoding="utf-8")
+    proc = _generate("--input", str(src), "--output", str(dst), "--speculative-config", spec)
+    assert proc.returncode == 0, proc.stderr
+    (record,) = _json_lines(dst.read_text(encoding="utf-8"))
+    assert record["token_ids"] == list(hf_greedy(tuple(tokenizer()(prompt).input_ids), 24))
+    proc = _generate("--prompt", prompt, "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}')
+    assert proc.returncode == 2 and "'eagle' is not implemented" in proc.stderr
+

@@ -33,12 +33,15 @@ class SpeculativeConfig:
 
     ``prompt_lookup_min`` / ``prompt_lookup_max``: the shortest and longest suffix of a request's tokens
     looked up earlier in them; one of the two given, the other takes its value; neither, both are 5
-    (vLLM's defaults)."""
+    (vLLM's defaults). ``disable_by_batch_size``: no drafts in a step whose running batch holds at least
+    that many requests (0: always drafts), where a step is compute-bound and drafts the model rejects
+    cost their compute."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
+    disable_by_batch_size: int = 0
 
     @classmethod
     def parse(cls, value: str | dict[str, Any]) -> SpeculativeConfig:
@@ -57,7 +60,8 @@ class SpeculativeConfig:
             if isinstance(method, str):  # eagle, eagle3, medusa, draft_model, mtp, suffix...
                 raise ValueError(f"speculative method {method!r} is not implemented; only 'ngram'{built}")
             raise ValueError(f"--speculative-config needs \"method\": \"ngram\"{built}")
-        unknown = sorted(set(fields_) - {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"})
+        unknown = sorted(set(fields_) - {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                                         "disable_by_batch_size"})
         if unknown:
             raise ValueError(f"speculative config field(s) {', '.join(unknown)} not implemented for ngram")
         for name, v in fields_.items():
@@ -73,7 +77,7 @@ class SpeculativeConfig:
         high = high if high is not None else low
         if low > high:
             raise ValueError(f"prompt_lookup_min {low} exceeds prompt_lookup_max {high}")
-        return cls("ngram", k, low, high)
+        return cls("ngram", k, low, high, fields_.get("disable_by_batch_size", 0))
 
 
 @dataclass
@@ -205,8 +209,9 @@ class EngineConfig:
             "and output, and the model checks them in the same forward: each position is sampled as a step "
             "of its own would sample it, and every draft it samples is one more token from the step (greedy "
             "and seeded outputs are unchanged). Requests with penalties, bad words or a grammar, and those "
-            "short of min_tokens, decode a token per step. Only ngram is implemented; not with "
-            "--async-scheduling",
+            "short of min_tokens, decode a token per step. \"disable_by_batch_size\": N drafts nothing in a step "
+            "whose running batch holds N requests or more (a compute-bound step pays for rejected drafts). "
+            "Only ngram is implemented; not with --async-scheduling",
         )
         if include_seed:
             parser.add_argument("--seed", type=int, default=d.seed, help="seed for requests without one")

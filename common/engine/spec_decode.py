@@ -26,7 +26,7 @@ it carries (appended to as it grows), and the lookup is a few vectorized compari
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -44,13 +44,15 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
         self.max_model_len = max_model_len
+        self.disable_by_batch_size = config.disable_by_batch_size
 
-    def propose(self, running: Iterable[Request]) -> None:
+    def propose(self, running: Sequence[Request]) -> None:
         """Set ``spec_token_ids`` of every running request: drafts where it decodes and may draft, else
-        none."""
+        none (for all of them when the batch holds ``disable_by_batch_size`` requests or more)."""
+        off = 0 < self.disable_by_batch_size <= len(running)
         for req in running:
             drafts: list[int] = []
-            k = self.num_drafts(req)
+            k = 0 if off else self.num_drafts(req)
             if k > 0:
                 drafts = self.lookup(_tokens(req), k)
             req.spec_token_ids = drafts

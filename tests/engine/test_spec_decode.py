@@ -288,6 +288,31 @@ def test_a_draft_whose_kv_is_not_finite_is_recomputed_without_drafts(tmp_path, m
     engine.check_integrity()
 
 
+def test_no_drafts_while_the_batch_holds_disable_by_batch_size_requests(engine_factory):
+    """vLLM's ``disable_by_batch_size``: three requests running, none drafts; once one is left (the others
+    asked for fewer tokens), it drafts. The outputs are transformers' either way."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                       "prompt_lookup_min": 2, "disable_by_batch_size": 2})
+    engine = engine_factory(speculative_config=spec)
+    prompts = prompt_ids()
+    work = {"long": (prompts[6], 40), "short-a": (prompts[12], 8), "short-b": (prompts[1], 8)}
+    for name, (prompt, max_tokens) in work.items():
+        engine.add_request(name, list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    drafted_with: list[int] = []
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        before = engine.spec_num_drafts
+        running = len(engine.scheduler.running)
+        for out in engine.step():
+            assert out.error is None
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if engine.spec_num_drafts > before:
+            drafted_with.append(running)
+    assert drafted_with and max(drafted_with) == 1
+    assert engine.spec_num_accepted_tokens > 0
+    assert tokens == {name: list(hf_greedy(prompt, n)) for name, (prompt, n) in work.items()}
+
+
 def test_speculative_config_refusals() -> None:
     def refused(config: object, match: str) -> None:
         with pytest.raises(ValueError, match=match):
@@ -298,6 +323,7 @@ def test_speculative_config_refusals() -> None:
     refused({"method": "ngram"}, "needs num_speculative_tokens")
     refused({"method": "ngram", "num_speculative_tokens": 3, "model": "x"}, "model not implemented")
     refused({"method": "ngram", "num_speculative_tokens": 0}, "positive integer")
+    refused({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}, "positive integer")
     refused({"method": "ngram", "num_speculative_tokens": 17}, "exceeds 16")
     refused({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
             "prompt_lookup_min 5 exceeds prompt_lookup_max 3")

@@ -23,6 +23,7 @@ wait on.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import platform
@@ -119,7 +120,7 @@ def proposer_cost(config: SpeculativeConfig, batch: int, context: int, steps: in
     from common.engine.spec_decode import NgramProposer
 
     rng = random.Random(0)
-    proposer = NgramProposer(config, 1 << 30)
+    proposer = NgramProposer(dataclasses.replace(config, disable_by_batch_size=0), 1 << 30)  # every request drafts
     params = SamplingParams(temperature=0.0, max_tokens=1 << 20)
     requests = [Request(f"r{i}", [rng.randrange(32000) for _ in range(context)], params, block_size=16, model_id="m")
                 for i in range(batch)]

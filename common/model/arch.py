@@ -54,7 +54,9 @@ correctness):
   those LayerNorms, the two outputs summed before they join the stream, biases everywhere (its output
   head's too), a partial RoPE and an ungated MLP with transformers' ``gelu_new``; StableLM is Llama's layer
   with those LayerNorms, a partial RoPE, q/k/v biases by ``use_qkv_bias``, optionally Cohere's side-by-side
-  layer (``use_parallel_residual``) and its LayerNorms of q and k, a weight per head (``qk_layernorm``).
+  layer (``use_parallel_residual``) and its LayerNorms of q and k, a weight per head (``qk_layernorm``);
+  GPT-NeoX (Pythia) is that side-by-side layer with a norm of its own for the MLP, biases, a partial RoPE, an
+  ungated MLP with the exact GELU, and its q/k/v fused head by head in the checkpoint (split as it loads).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ _HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 # Mixtures routed as DeepSeek-V3 routes (``ROUTER_SIGMOID_GROUPS``), with dense first layers and shared experts.
 _DEEPSEEK_ROUTED_TYPES = ("glm4_moe", "dots1")
 # Families whose modeling code rotates only each head's first ``partial_rotary_factor`` share.
-_PARTIAL_ROPE_TYPES = ("glm4_moe", "minimax_m2", "phi", "stablelm", *_GLM_TYPES)
+_PARTIAL_ROPE_TYPES = ("glm4_moe", "minimax_m2", "phi", "stablelm", "gpt_neox", *_GLM_TYPES)
 # Quantized checkpoints served (``ModelArch.quantization``), by their ``quant_method``.
 QUANT_MXFP4 = "mxfp4"
 QUANT_FP8 = "fp8"
@@ -109,7 +111,7 @@ _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "vaultgemma",
     "phi3", "seed_oss", "hunyuan_v1_dense", "olmo2", "olmo3", "helium", "ministral3", "exaone4", "apertus", "starcoder2",
-    "phi", "stablelm",
+    "phi", "stablelm", "gpt_neox",
     *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
 )
 # Gemma's norms ((1 + weight) in float32), scaled embeddings and GELU-tanh; Gemma 2 and 3 add norms after
@@ -172,14 +174,16 @@ _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 _FLOAT32_NORMS_UNDER_FLOAT16 = ("gpt_oss", "afmoe")
 # Families whose MLP has no gate, down(act(up(x))), and the activation each implements: Arcee's squared
 # ReLU, Apertus's xIELU (two learned scalars per layer, ``alpha_p`` and ``alpha_n``), StarCoder2's GELU in
-# its tanh approximation (torch's), Phi's the same by its own formula (transformers' ``NewGELUActivation``).
-_UNGATED_ACTIVATIONS = {"arcee": "relu2", "apertus": "xielu", "starcoder2": "gelu_pytorch_tanh", "phi": "gelu_new"}
+# its tanh approximation (torch's), Phi's the same by its own formula (transformers' ``NewGELUActivation``),
+# GPT-NeoX's exact GELU.
+_UNGATED_ACTIVATIONS = {"arcee": "relu2", "apertus": "xielu", "starcoder2": "gelu_pytorch_tanh", "phi": "gelu_new",
+                        "gpt_neox": "gelu"}
 # Families whose norms are torch's LayerNorm, a bias and all: StarCoder2's, Phi's (Phi-1, Phi-1.5, Phi-2) and
 # StableLM's (its q/k norms, a LayerNorm per head, have none).
-_LAYER_NORM_TYPES = ("starcoder2", "phi", "stablelm")
+_LAYER_NORM_TYPES = ("starcoder2", "phi", "stablelm", "gpt_neox")
 # Each norm's epsilon, where the config names it other than ``rms_norm_eps``.
 _NORM_EPS_FIELDS = {"cohere": "layer_norm_eps", "cohere2": "layer_norm_eps", "phi": "layer_norm_eps",
-                    "stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon"}
+                    "stablelm": "layer_norm_eps", "gpt_neox": "layer_norm_eps", "starcoder2": "norm_epsilon"}
 
 
 class UnsupportedConfig(ValueError):
@@ -210,7 +214,7 @@ class ModelArch:
     # Layers that apply no RoPE at all (SmolLM3's ``no_rope_layers`` zeros): their q and k go unrotated.
     no_rope_layers: tuple[int, ...] = ()
     # "silu" or "gelu_tanh" (both gated: down(act(gate) * up)), or without a gate, down(act(up)): "relu2"
-    # (relu(x)^2), "xielu" (Apertus's), "gelu_pytorch_tanh" (StarCoder2's) or "gelu_new" (Phi's).
+    # (relu(x)^2), "xielu" (Apertus's), "gelu_pytorch_tanh" (StarCoder2's), "gelu_new" (Phi's) or "gelu" (GPT-NeoX's).
     activation: str = "silu"
     # Norms on each side of each block (Gemma 2/3, GLM-4, AFMoE): a block's output normed before it joins the
     # stream.
@@ -271,6 +275,7 @@ class ModelArch:
     # Phi's: the same layer, the two outputs summed first, then added to the stream (``parallel_sum_first``).
     parallel_block: bool = False
     parallel_sum_first: bool = False
+    parallel_mlp_norm: bool = False  # GPT-NeoX's: the MLP reads a norm of its own of the same stream
     logit_scale: float | None = None  # Cohere's: the logits multiplied by it, in the weights' dtype
     # Ministral 3's: each token's rotated queries times 1 + beta * log(1 + floor(position / positions)), with
     # beta ``rope_parameters.llama_4_scaling_beta`` and positions its ``original_max_position_embeddings``.
@@ -348,6 +353,7 @@ class ModelArch:
                 "glm4": (bias, False, False),
                 "phi": (True, True, True),
                 "stablelm": (bool(getattr(config, "use_qkv_bias", False)), False, False),
+                "gpt_neox": (bias, bias, True),
                 "helium": (bias, False, mlp),
                 # q/k/v by attention_bias, the output projection by a field of its own
                 "seed_oss": (bias, bool(getattr(config, "attention_out_bias", False)), mlp),
@@ -388,8 +394,9 @@ class ModelArch:
             norm_bias=model_type in _LAYER_NORM_TYPES,
             norm_eps=float(norm_eps),
             parallel_block=model_type in (*_COHERE_TYPES, "phi") or (
-                model_type == "stablelm" and bool(getattr(config, "use_parallel_residual", False))),
-            parallel_sum_first=model_type == "phi",
+                model_type in ("stablelm", "gpt_neox") and bool(getattr(config, "use_parallel_residual", False))),
+            parallel_sum_first=model_type in ("phi", "gpt_neox"),
+            parallel_mlp_norm=model_type == "gpt_neox",
             logit_scale=_positive_or_none(config, "logit_scale") if model_type in _COHERE_TYPES else None,
             quantization=_quantization(config, model_type),
             **(_query_scale(config) if model_type == "ministral3" else {}),
@@ -687,7 +694,7 @@ def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
     if model_type in ("llama", "internlm3", "seed_oss", "olmo2", "flex_olmo", "glm4_moe", "minimax_m2", "helium",
-                      "cohere", "gemma", "apertus", "phi", "stablelm", *_GLM_TYPES, *_ERNIE_TYPES):
+                      "cohere", "gemma", "apertus", "phi", "stablelm", "gpt_neox", *_GLM_TYPES, *_ERNIE_TYPES):
         return (None,) * num_layers  # their transformers code has no sliding window: the field is unused
     if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window

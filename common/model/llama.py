@@ -254,10 +254,11 @@ class MLP(nn.Module):
         bias = arch.mlp_bias
         self.inter = inter
         self.relu2 = arch.activation == "relu2"  # Arcee: no gate, down(relu(up(x)) ** 2)
-        # Without a gate, down(act(up(x))): Apertus's xIELU, StarCoder2's GELU (tanh approximation), Phi's.
+        # Without a gate, down(act(up(x))): Apertus's xIELU, StarCoder2's GELU (tanh approximation), Phi's, GPT-NeoX's
+        # (exact).
         self.act_fn: Callable[[Tensor], Tensor] | None = (
             XIELU() if arch.activation == "xielu" else _gelu_tanh if arch.activation == "gelu_pytorch_tanh"
-            else _gelu_new if arch.activation == "gelu_new" else None)
+            else _gelu_new if arch.activation == "gelu_new" else F.gelu if arch.activation == "gelu" else None)
         if self.relu2 or self.act_fn is not None:
             self.up_proj = nn.Linear(hidden, inter, bias=bias)
         else:
@@ -411,8 +412,11 @@ class DecoderLayer(nn.Module):
         size, eps, form = config.hidden_size, arch.norm_eps, arch.norm_form
         # OLMo has no norm before a block: its checkpoints hold no input_layernorm.
         self.input_layernorm = None if arch.post_norms_only else RMSNorm(size, eps, form, kernels, arch.norm_bias)
-        # Cohere's layer has one norm, read by attention and MLP alike.
-        self.post_attention_layernorm = None if arch.parallel_block else RMSNorm(size, eps, form, kernels, arch.norm_bias)
+        # Cohere's and Phi's layers have one norm, read by attention and MLP alike; GPT-NeoX's MLP reads a norm of
+        # its own of the same stream.
+        self.parallel = arch.parallel_block
+        self.post_attention_layernorm = (
+            None if arch.parallel_block and not arch.parallel_mlp_norm else RMSNorm(size, eps, form, kernels, arch.norm_bias))
         self.residual_multiplier = arch.residual_multiplier  # Granite: each block's output scaled
         self.parallel_sum_first = arch.parallel_sum_first
         # Gemma and GLM-4 normalize each block's output too: post_attention_layernorm then applies to the
@@ -433,12 +437,16 @@ class DecoderLayer(nn.Module):
         before the first layer: ``x`` is the stream). Returns this layer's last block's output and the
         stream before it: each addition is done by the norm that reads the sum (``RMSNorm.add``), the
         last by the model's final norm. The sums are the ones transformers computes, in its order."""
-        if self.post_attention_layernorm is None:  # Cohere: residual + attention, then + MLP, as transformers sums
+        if self.parallel:  # attention and MLP side by side on the stream
             assert self.input_layernorm is not None
             h, stream = self.input_layernorm.add(x, residual)
-            if self.parallel_sum_first:  # Phi: attention + MLP, then + residual (the next norm's addition)
-                return self.self_attn(h, rope, meta, kv_layer, q_scale) + self.mlp(h), stream
-            return self.mlp(h), stream + self.self_attn(h, rope, meta, kv_layer, q_scale)
+            attn = self.self_attn(h, rope, meta, kv_layer, q_scale)
+            if self.post_attention_layernorm is not None:  # GPT-NeoX: the MLP's own norm of the stream
+                h = self.post_attention_layernorm(stream)
+            if self.parallel_sum_first:  # Phi, GPT-NeoX: attention + MLP, then + the stream (the next norm's sum)
+                return attn + self.mlp(h), stream
+            return self.mlp(h), stream + attn  # Cohere: the stream + attention, then + MLP, as transformers sums
+        assert self.post_attention_layernorm is not None  # every layer but Cohere's and Phi's has one
         if self.input_layernorm is None:  # OLMo: each block reads the stream itself; its output is normed
             assert self.post_feedforward_layernorm is not None
             stream = x if residual is None else x + residual

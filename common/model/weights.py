@@ -71,15 +71,23 @@ _RENAMES["afmoe"] = ((r"\.mlp\.router\.gate\.", ".mlp.gate."), (r"\.mlp\.expert_
                      (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."), (r"\.pre_mlp_layernorm\.", ".pre_feedforward_layernorm."),
                      (r"\.post_mlp_layernorm\.", ".post_feedforward_layernorm."),
                      (r"\.self_attn\.gate_proj\.", ".self_attn.output_gate."))
-# VaultGemma: Gemma 2's layer without the norms after each block; its norm before the MLP under Gemma 2's name.
 # StarCoder2's MLP: c_fc / c_proj, an up and a down projection without a gate.
 _RENAMES["starcoder2"] = ((r"\.mlp\.c_fc\.", ".mlp.up_proj."), (r"\.mlp\.c_proj\.", ".mlp.down_proj."))
 # Phi's: its attention's output projection ``dense``, its MLP's fc1 / fc2, its final norm ``final_layernorm``.
 _RENAMES["phi"] = ((r"\.self_attn\.dense\.", ".self_attn.o_proj."), (r"\.mlp\.fc1\.", ".mlp.up_proj."),
                    (r"\.mlp\.fc2\.", ".mlp.down_proj."), (r"^model\.final_layernorm\.", "model.norm."))
+# GPT-NeoX's (Pythia's): its own names for the model, the attention and its projections, the MLP's two, the
+# final norm and the output head (``embed_out`` in its checkpoints); its fused q/k/v is split as it loads
+# (``split_neox_qkv``).
+_RENAMES["gpt_neox"] = ((r"^gpt_neox\.embed_in\.", "model.embed_tokens."), (r"^gpt_neox\.final_layer_norm\.", "model.norm."),
+                        (r"^gpt_neox\.layers\.", "model.layers."), (r"\.attention\.dense\.", ".self_attn.o_proj."),
+                        (r"\.attention\.query_key_value\.", ".self_attn.query_key_value."),
+                        (r"\.mlp\.dense_h_to_4h\.", ".mlp.up_proj."), (r"\.mlp\.dense_4h_to_h\.", ".mlp.down_proj."),
+                        (r"^embed_out\.", "lm_head."))
 # StableLM's per-head LayerNorms of q and k, one module per head, are one weight per head here (Cohere's).
 _RENAMES["stablelm"] = ((r"\.self_attn\.q_layernorm\.norms\.", ".self_attn.q_norm.heads."),
                         (r"\.self_attn\.k_layernorm\.norms\.", ".self_attn.k_norm.heads."))
+# VaultGemma: Gemma 2's layer without the norms after each block; its norm before the MLP under Gemma 2's name.
 _RENAMES["vaultgemma"] = ((r"\.pre_feedforward_layernorm\.", ".post_attention_layernorm."),)
 # An image-text checkpoint (``IMAGE_TEXT_TYPES``): its language model's weights under a prefix of their own,
 # renamed to a causal LM's; the vision tower's and the projector's, which text alone never reaches, unloaded.
@@ -155,6 +163,8 @@ def load_model(
     num_layers, mtp = int(config.num_hidden_layers), int(getattr(config, "num_nextn_predict_layers", 0) or 0)
     for name in [n for n in state if mtp and (m := _LAYER.match(n)) and num_layers <= int(m[1]) < num_layers + mtp]:
         del state[name]
+    if model.arch.model_type == "gpt_neox":
+        split_neox_qkv(state, int(config.num_attention_heads), model.head_size)
     stack_projections(state)
     stack_head_norms(state)
     stack_experts(state)
@@ -218,6 +228,20 @@ def stack_projections(state: dict[str, torch.Tensor]) -> None:
             if missing:
                 raise ValueError(f"checkpoint mismatch: {name} without {', '.join(missing)}")
             state[f"{prefix}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+
+
+def split_neox_qkv(state: dict[str, torch.Tensor], num_heads: int, head_size: int) -> None:
+    """In place: GPT-NeoX's fused ``query_key_value`` (rows head by head, each head's q, k and v in turn)
+    split into ``q_proj``, ``k_proj`` and ``v_proj`` (rows head by head within each), weight and bias."""
+    for name in [n for n in state if ".self_attn.query_key_value." in n]:
+        prefix, _, kind = name.rpartition(".query_key_value.")
+        fused = state.pop(name)
+        if fused.shape[0] != 3 * num_heads * head_size:
+            raise ValueError(f"checkpoint mismatch: {name} has {fused.shape[0]} rows, not 3 x {num_heads} heads x "
+                             f"{head_size}")
+        per_head = fused.reshape(num_heads, 3, head_size, *fused.shape[1:])
+        for i, part in enumerate(("q_proj", "k_proj", "v_proj")):
+            state[f"{prefix}.{part}.{kind}"] = per_head[:, i].reshape(num_heads * head_size, *fused.shape[1:]).contiguous()
 
 
 def stack_head_norms(state: dict[str, torch.Tensor]) -> None:

@@ -96,6 +96,7 @@ REFUSED = [
     ("helium-activation", lambda: _config("HeliumConfig", hidden_act="gelu"), "hidden_act"),
     ("phi-qk-layernorm", lambda: _config("PhiConfig", qk_layernorm=True), "qk_layernorm"),
     ("stablelm-activation", lambda: _config("StableLmConfig", hidden_act="gelu"), "hidden_act"),
+    ("gpt-neox-activation", lambda: _config("GPTNeoXConfig", hidden_act="gelu_fast"), "hidden_act"),
     ("phi-activation", lambda: _config("PhiConfig", hidden_act="gelu"), "hidden_act"),
     ("starcoder2-activation", lambda: _config("Starcoder2Config", hidden_act="gelu"), "hidden_act"),
     ("chunked-layer", lambda: _config("Qwen2Config", sliding_window=8,
@@ -111,7 +112,7 @@ def test_unimplemented_config_fields_are_refused_by_name(make, field: str) -> No
     assert info.value.field == field
 
 
-@pytest.mark.parametrize("model_type", ["gpt_neox", "persimmon", "llama4_text", "olmo", "qwen3_next", "phimoe", "deepseek_v3",
+@pytest.mark.parametrize("model_type", ["falcon", "persimmon", "llama4_text", "olmo", "qwen3_next", "phimoe", "deepseek_v3",
                                         "llava"])
 def test_other_families_are_refused_when_loading_their_config(tmp_path: Path, model_type: str) -> None:
     from transformers import AutoConfig
@@ -125,9 +126,9 @@ def test_an_image_text_checkpoint_whose_language_model_is_not_served_is_refused_
     """Mistral 3's wrapper around a language model of a family not served: refused, naming that family."""
     from transformers import AutoConfig, Mistral3Config
 
-    text = AutoConfig.for_model("gpt_neox").to_dict()
+    text = AutoConfig.for_model("persimmon").to_dict()
     Mistral3Config(text_config=text).save_pretrained(str(tmp_path))
-    with pytest.raises(UnsupportedConfig, match="model_type='gpt_neox'"):
+    with pytest.raises(UnsupportedConfig, match="model_type='persimmon'"):
         load_hf_config(tmp_path)
 
 
@@ -171,3 +172,19 @@ def test_norms_kept_one_per_head_are_stacked_in_head_order_and_a_gap_is_a_broken
         stack_head_norms({f"m.k_norm.heads.{i}.weight": torch.zeros(4) for i in (0, 2)})
     with pytest.raises(ValueError, match="only a weight per head"):
         stack_head_norms({"m.k_norm.heads.0.bias": torch.zeros(4)})
+
+
+def test_gpt_neox_s_fused_qkv_is_split_head_by_head_and_a_wrong_width_is_a_broken_checkpoint() -> None:
+    import torch
+
+    from common.model.weights import split_neox_qkv
+
+    heads, size = 2, 3
+    # Rows head by head, each head's q, k and v in turn: row value = 100 * head + 10 * part + entry.
+    rows = [100 * h + 10 * p + e for h in range(heads) for p in range(3) for e in range(size)]
+    state = {"l.self_attn.query_key_value.bias": torch.tensor(rows, dtype=torch.float32)}
+    split_neox_qkv(state, heads, size)
+    assert state["l.self_attn.k_proj.bias"].tolist() == [10, 11, 12, 110, 111, 112]
+    assert set(state) == {f"l.self_attn.{p}_proj.bias" for p in "qkv"}
+    with pytest.raises(ValueError, match="checkpoint mismatch"):
+        split_neox_qkv({"l.self_attn.query_key_value.weight": torch.zeros(17, 4)}, heads, size)

@@ -49,6 +49,7 @@ def family_configs() -> dict[str, Any]:
         Glm4Config,
         Glm4MoeConfig,
         GlmConfig,
+        GPTNeoXConfig,
         GptOssConfig,
         GraniteConfig,
         GraniteMoeConfig,
@@ -187,6 +188,18 @@ def family_configs() -> dict[str, Any]:
         ),
         "stablelm-parallel-qk-layernorm": StableLmConfig(
             **TINY_DIMS, use_parallel_residual=True, qk_layernorm=True, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        ),
+        # GPT-NeoX (Pythia): attention and MLP side by side, each on a LayerNorm of its own of the stream (or in
+        # turn), biases, a partial RoPE, an ungated MLP with the exact GELU, q/k/v fused head by head; no GQA.
+        "gpt-neox-parallel-two-norms": GPTNeoXConfig(
+            **{k: v for k, v in TINY_DIMS.items() if k not in ("num_key_value_heads", "head_dim")},
+            use_parallel_residual=True, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        ),
+        "gpt-neox-sequential": GPTNeoXConfig(
+            **{k: v for k, v in TINY_DIMS.items() if k not in ("num_key_value_heads", "head_dim")},
+            use_parallel_residual=False, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         ),
         # An MLP without a gate: down(relu(up(x)) ** 2).

@@ -313,6 +313,20 @@ def test_no_drafts_while_the_batch_holds_disable_by_batch_size_requests(engine_f
     assert tokens == {name: list(hf_greedy(prompt, n)) for name, (prompt, n) in work.items()}
 
 
+def test_drafts_through_the_triton_kernels_give_transformers_tokens(tmp_path, engine_factory):
+    """A GPU's path, through Triton's interpreter: the prefill attention over each decode's last token and
+    its drafts, the rows at every draft, the sampler's; a repeating prompt, so the first decode drafts."""
+    from tests.engine import tiny_models
+
+    folder = tiny_models.build_checkpoint(tiny_models.family_configs()["llama-bias"], tmp_path / "tiny")
+    prompts = [[5, 6, 7, 8, 9] * 4, [11, 12, 13] * 5]
+    engine = engine_factory(model=str(folder), block_size=8, num_blocks=64, kernel_backend="triton",
+                            max_model_len=64, speculative_config=NGRAM)
+    got = [c[0] for c in engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))]
+    assert engine.spec_num_draft_tokens > 0
+    assert got == [tiny_models.hf_greedy(folder, p, 12) for p in prompts]
+
+
 def test_speculative_config_refusals() -> None:
     def refused(config: object, match: str) -> None:
         with pytest.raises(ValueError, match=match):

@@ -53,7 +53,7 @@ class SpeculativeConfig:
                 raise ValueError(f"--speculative-config must be a JSON object: {e}") from None
         if not isinstance(value, dict):
             raise ValueError("--speculative-config must be a JSON object")
-        fields_ = dict(value)
+        fields_ = {name: v for name, v in value.items() if v is not None}  # null: unset, as vLLM reads it
         method = fields_.pop("method", None)
         if method != "ngram":
             built = " (n-gram drafts from the request's own tokens)"

@@ -348,6 +348,8 @@ def test_speculative_config_refusals() -> None:
     assert EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4}').speculative == SpeculativeConfig("ngram", 3, 4, 4)
     assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3}) == SpeculativeConfig("ngram", 3)
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": None,
+                                    "prompt_lookup_max": 2}) == SpeculativeConfig("ngram", 3, 2, 2)
 
 
 def test_spec_decode_counters_are_exported_only_by_an_engine_that_drafts() -> None:

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common.engine.engine import EngineStats
+from common.engine.engine import SPEC_PER_POS, EngineStats
 from common.metrics_server import serve_health_and_metrics
 from common.nvml_metrics import register_nvml_collector
 
@@ -52,6 +52,8 @@ class EngineMetrics:
                 ("spec_decode_num_accepted_tokens", "Draft tokens the model agreed with (kept)"),
             )
         }
+        self._spec_per_pos = Counter(PREFIX + SPEC_PER_POS, "Drafts kept, by their position in the step's drafts",
+                                     [*names, "position"], registry=self.registry)
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed later)")
@@ -78,6 +80,10 @@ class EngineMetrics:
         for name, spec_counter in self._spec_counters.items():
             if name in stats.extra:
                 spec_counter.labels(**self.labels).inc(stats.extra[name] - self._last.extra.get(name, 0.0))
+        for name, value in stats.extra.items():
+            if name.startswith(SPEC_PER_POS + ":"):
+                position = name.rpartition(":")[2]
+                self._spec_per_pos.labels(**self.labels, position=position).inc(value - self._last.extra.get(name, 0.0))
         self._last = stats
 
     def serve(self, host: str, port: int, ready: Callable[[], bool] = lambda: True) -> None:

@@ -111,6 +111,8 @@ logger = logging.getLogger(__name__)
 _TRANSFER_STATES = (RequestStatus.HELD_FOR_TRANSFER, RequestStatus.WAITING_FOR_REMOTE_KV)
 NOT_FINITE_ERROR = "the model's logits for this request were not finite (NaN or infinity)"
 NOT_FINITE = -1  # the sampled id of a row whose logits were not finite (``SampledTokens.result``)
+# ``EngineStats.extra``'s keys of the drafts kept per position: this, a colon, the position (vLLM's name).
+SPEC_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 
 _FINISHED = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -165,6 +167,8 @@ class LLMEngine:
         # Speculative decoding, counted as vLLM counts it: decodes with drafts, draft tokens, and those
         # the model agreed with.
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        # Per draft position (0: a step's first draft), the drafts kept there: where acceptance falls off.
+        self.spec_accepted_per_pos = [0] * (0 if spec is None else spec.num_speculative_tokens)
 
     def _eos_token_ids(self) -> set[int]:
         """EOS ids from the model config and, where the checkpoint has one, its generation config."""
@@ -620,6 +624,9 @@ class LLMEngine:
         # The leading tokens that are drafts (a stop may end the step on one).
         num_accepted = sum(map(int.__eq__, kept, drafts))
         self.spec_num_accepted_tokens += num_accepted
+        per_pos = self.spec_accepted_per_pos
+        for j in range(num_accepted):
+            per_pos[j] += 1
         if reason is not None:
             self.scheduler.finish(req, _FINISHED[reason])
             out = self._output(req, kept, None, reason, NO_TOKEN_ERROR)
@@ -697,6 +704,7 @@ class LLMEngine:
             extra |= {"spec_decode_num_drafts": float(self.spec_num_drafts),
                       "spec_decode_num_draft_tokens": float(self.spec_num_draft_tokens),
                       "spec_decode_num_accepted_tokens": float(self.spec_num_accepted_tokens)}
+            extra |= {f"{SPEC_PER_POS}:{j}": float(n) for j, n in enumerate(self.spec_accepted_per_pos)}
         return EngineStats(
             num_requests_running=len(self.scheduler.running),
             num_requests_waiting=len(waiting),

@@ -148,6 +148,10 @@ def test_greedy_with_drafts_equals_transformers(engine_factory, budget, block_si
     # Drafts were checked, some kept and some not: the test exercised both ends of the check.
     assert engine.spec_num_drafts > 0
     assert 0 < engine.spec_num_accepted_tokens < engine.spec_num_draft_tokens
+    # Kept drafts lead a step's drafts: each position keeps no more than the one before it.
+    per_pos = engine.spec_accepted_per_pos
+    assert sum(per_pos) == engine.spec_num_accepted_tokens and per_pos == sorted(per_pos, reverse=True)
+    assert engine.stats().extra["spec_decode_num_accepted_tokens_per_pos:0"] == per_pos[0] > 0
 
 
 def test_drafts_under_preemption_keep_greedy_output(engine_factory):
@@ -359,9 +363,12 @@ def test_spec_decode_counters_are_exported_only_by_an_engine_that_drafts() -> No
     for drafts, tokens, accepted in ((3, 12, 5), (7, 28, 11)):
         metrics.update(EngineStats(1, 0, 0.5, 100, 50, 0, 0, 0, extra={
             "spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": tokens,
-            "spec_decode_num_accepted_tokens": accepted}))
+            "spec_decode_num_accepted_tokens": accepted, "spec_decode_num_accepted_tokens_per_pos:0": drafts - 1,
+            "spec_decode_num_accepted_tokens_per_pos:1": accepted - drafts + 1}))
     text = generate_latest(metrics.registry).decode()
     labels = '{instance="decode-0",model_name="m",role="decode"}'
     assert f"pdserve:spec_decode_num_drafts_total{labels} 7.0" in text
     assert f"pdserve:spec_decode_num_draft_tokens_total{labels} 28.0" in text
     assert f"pdserve:spec_decode_num_accepted_tokens_total{labels} 11.0" in text
+    at = 'pdserve:spec_decode_num_accepted_tokens_per_pos_total{instance="decode-0",model_name="m",position="%d",role="decode"}'
+    assert f"{at % 0} 6.0" in text and f"{at % 1} 5.0" in text

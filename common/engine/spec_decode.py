@@ -137,6 +137,26 @@ def _tokens(req: Request) -> np.ndarray:
     return buf[:n]
 
 
+class _OutputAfter(Sequence[int]):
+    """A request's output followed by some drafts, read in place (a step's rows copied no output)."""
+
+    __slots__ = ("_output", "_drafts")
+
+    def __init__(self, output: list[int], drafts: Sequence[int]) -> None:
+        self._output, self._drafts = output, drafts
+
+    def __len__(self) -> int:
+        return len(self._output) + len(self._drafts)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [*self._output, *self._drafts][index]
+        if index < 0:
+            index += len(self)
+        n = len(self._output)
+        return self._output[index] if index < n else self._drafts[index - n]
+
+
 class DraftRow:
     """Row ``j`` of a decode with drafts, as the sampler reads it: the request as it will stand after its
     first ``j`` drafts, which for the rows of a request that may draft (``Request.may_draft``) is only
@@ -147,7 +167,7 @@ class DraftRow:
 
     def __init__(self, request: Request, drafts_before: Sequence[int]) -> None:
         self._request = request
-        self.output_token_ids = [*request.output_token_ids, *drafts_before]
+        self.output_token_ids = _OutputAfter(request.output_token_ids, drafts_before)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._request, name)

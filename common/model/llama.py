@@ -78,8 +78,7 @@ class RMSNorm(nn.Module):
         self.kernels = kernels or reference
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = (self.kernels.rms_norm(x, self.weight, self.eps, self.form) if self.bias is None
-                       else self.kernels.rms_norm(x, self.weight, self.eps, self.form, self.bias))
+        out: Tensor = self.kernels.rms_norm(x, self.weight, self.eps, self.form, self.bias)
         return out
 
     def add(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -87,9 +86,7 @@ class RMSNorm(nn.Module):
         stream)``; on a GPU the sum and the norm are one kernel (``add_rms_norm``)."""
         if residual is None:
             return self(x), x
-        out: tuple[Tensor, Tensor] = (
-            self.kernels.add_rms_norm(x, residual, self.weight, self.eps, self.form) if self.bias is None
-            else self.kernels.add_rms_norm(x, residual, self.weight, self.eps, self.form, self.bias))
+        out: tuple[Tensor, Tensor] = self.kernels.add_rms_norm(x, residual, self.weight, self.eps, self.form, self.bias)
         return out
 
 
@@ -237,6 +234,11 @@ class Attention(nn.Module):
         return {} if self.sinks is None else {"sinks": self.sinks}
 
 
+def _relu2(x: Tensor) -> Tensor:
+    """transformers' relu2 (Arcee's): the ReLU, then its square."""
+    return torch.square(F.relu(x))
+
+
 def _gelu_tanh(x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh")
 
@@ -246,6 +248,11 @@ def _gelu_new(x: Tensor) -> Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
+_UNGATED: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu2": _relu2, "gelu_pytorch_tanh": _gelu_tanh, "gelu_new": _gelu_new, "gelu": F.gelu,
+}
+
+
 class MLP(nn.Module):
     def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType | None = None, inter: int | None = None) -> None:
         """``inter``: the width of its gate and up, where not the config's ``intermediate_size`` (a shared expert)."""
@@ -253,13 +260,11 @@ class MLP(nn.Module):
         hidden, inter = config.hidden_size, inter or config.intermediate_size
         bias = arch.mlp_bias
         self.inter = inter
-        self.relu2 = arch.activation == "relu2"  # Arcee: no gate, down(relu(up(x)) ** 2)
-        # Without a gate, down(act(up(x))): Apertus's xIELU, StarCoder2's GELU (tanh approximation), Phi's, GPT-NeoX's
-        # (exact).
+        # Without a gate, down(act(up(x))): Arcee's squared ReLU, Apertus's xIELU, StarCoder2's GELU (tanh
+        # approximation), Phi's (by transformers' formula), GPT-NeoX's (exact).
         self.act_fn: Callable[[Tensor], Tensor] | None = (
-            XIELU() if arch.activation == "xielu" else _gelu_tanh if arch.activation == "gelu_pytorch_tanh"
-            else _gelu_new if arch.activation == "gelu_new" else F.gelu if arch.activation == "gelu" else None)
-        if self.relu2 or self.act_fn is not None:
+            XIELU() if arch.activation == "xielu" else _UNGATED.get(arch.activation))
+        if self.act_fn is not None:
             self.up_proj = nn.Linear(hidden, inter, bias=bias)
         else:
             self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)  # gate and up stacked, one product
@@ -269,8 +274,6 @@ class MLP(nn.Module):
         self.kernels = kernels or reference
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.relu2:  # as transformers' relu2: the ReLU, then its square
-            return self.down_proj(torch.square(F.relu(self.up_proj(x))))
         if self.act_fn is not None:
             return self.down_proj(self.act_fn(self.up_proj(x)))
         gate_up = self.gate_up_proj(x)

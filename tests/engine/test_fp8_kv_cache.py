@@ -84,11 +84,12 @@ def _against_exact(monkeypatch: pytest.MonkeyPatch, store: Any = None) -> tuple[
 
 
 AGREEMENT = 0.85  # of top tokens with an 8-bit cache; measured 28 of 29 positions
+ERROR_BOUND = 0.2  # a prompt's largest logit error, as a share of its largest logit; measured 4-12%
 
 
 def test_logits_with_an_fp8_cache_are_close_to_the_exact_ones_and_not_equal(monkeypatch: pytest.MonkeyPatch) -> None:
     errors, agreement = _against_exact(monkeypatch)
-    assert all(0 < e < 0.2 for e in errors), errors  # measured 4-12% of the largest logit
+    assert all(0 < e < ERROR_BOUND for e in errors), errors
     assert agreement >= AGREEMENT, agreement
 
 
@@ -100,7 +101,7 @@ def test_the_agreement_bound_tells_a_wrong_cache_apart(monkeypatch: pytest.Monke
     right = reference.to_cache
     errors, agreement = _against_exact(monkeypatch, lambda x, dtype: right(x / 16, dtype))
     assert agreement < AGREEMENT, agreement  # measured 0.14
-    assert max(errors) >= 0.2, errors  # measured past 0.85
+    assert max(errors) >= ERROR_BOUND, errors  # the bound above fails for it: measured past 0.85
 
 
 def test_prefill_hand_off_decode_with_fp8_caches_equals_one_engine(tiny: Path, engine_factory) -> None:  # type: ignore[no-untyped-def]

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from common.lora_modules import LoRAModule, lora_module_arg
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The KV cache's dtype: the model's ("auto"), or 8-bit floats (e4m3, scale 1), as vLLM names them.
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
@@ -80,6 +82,10 @@ class SpeculativeConfig:
         return cls("ngram", k, low, high, fields_.get("disable_by_batch_size", 0))
 
 
+# Adapter ranks a ``--max-lora-rank`` may allow (vLLM's largest is 512).
+MAX_LORA_RANK = 512
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None
@@ -104,6 +110,11 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     # Draft tokens verified each decode step (``SpeculativeConfig``; the flag's JSON is parsed here).
     speculative_config: SpeculativeConfig | str | None = None
+    # LoRA adapters served beside the base model (``common.model.lora``), each under its own name.
+    enable_lora: bool = False
+    lora_modules: tuple[LoRAModule, ...] = ()
+    max_loras: int | None = None  # adapters in one batch; every adapter is resident: at least their number
+    max_lora_rank: int = 16
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -131,6 +142,18 @@ class EngineConfig:
         if self.speculative_config is not None and self.async_scheduling:
             raise ValueError("--speculative-config with --async-scheduling is not implemented: a step's "
                              "accepted drafts decide the next step's inputs; use one or the other")
+        self.lora_modules = tuple(self.lora_modules or ())
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        names = [m.name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules: a name given twice in {names}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}")
+        if self.max_loras is not None and self.max_loras < max(1, len(names)):
+            # Adapters are not swapped in and out of the device: every one served holds a slot.
+            raise ValueError(f"--max-loras {self.max_loras} is below the {len(names)} adapters of --lora-modules, "
+                             "each of which stays resident (swapping adapters in and out is not implemented)")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -213,6 +236,19 @@ class EngineConfig:
             "whose running batch holds N requests or more (a compute-bound step pays for rejected drafts). "
             "Only ngram is implemented; not with --async-scheduling",
         )
+        parser.add_argument("--enable-lora", action="store_true",
+                            help="serve LoRA adapters (--lora-modules) beside the base model")
+        parser.add_argument(
+            "--lora-modules", nargs="+", default=None, type=lora_module_arg, metavar="NAME=PATH",
+            help="PEFT LoRA adapters to serve, as vLLM's flag: name=path, or a JSON object "
+            '{"name": ..., "path": ..., "base_model_name": ...}; a request selects one by its name as '
+            "the model. Adapters on the attention and MLP projections of the dense layers; every one "
+            "stays loaded on the device. Needs --enable-lora")
+        parser.add_argument("--max-loras", type=int, default=None,
+                            help="adapters in one batch (default: as many as --lora-modules; none is swapped "
+                            "out, so not fewer)")
+        parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                            help="the largest adapter rank served (the device holds every adapter at this rank)")
         if include_seed:
             parser.add_argument("--seed", type=int, default=d.seed, help="seed for requests without one")
 
@@ -228,3 +264,4 @@ def _speculative_config_arg(text: str) -> SpeculativeConfig:
         return SpeculativeConfig.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+

@@ -58,6 +58,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     # client already has). The engine resumes after them as after a preemption: ``max_tokens``,
     # ``min_tokens``, penalties and a seed's draws count them, so the output is the uninterrupted one.
     output_token_ids: TokenIds = msgspec.field(default_factory=list)
+    # The LoRA adapter to run it with (a name of the engines' ``--lora-modules``); None: the base model.
+    lora_name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)] | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort", kw_only=True):

@@ -72,6 +72,7 @@ class DecodeService(EngineService):
                 request_id, msg.prompt_token_ids, transfer.first_token_id, msg.sampling_params,
                 num_cached_tokens=transfer.num_cached_tokens, cache_salt=msg.cache_salt,
                 output_token_ids=msg.output_token_ids, choice_token_ids=transfer.choice_token_ids or None,
+                lora_name=msg.lora_name,
             )
         except ValueError as exc:
             return Refusal(str(exc))
@@ -98,7 +99,7 @@ class DecodeService(EngineService):
     def admit(self, msg: GenerateRequest) -> None:
         self.engine.add_request(
             msg.request_id, msg.prompt_token_ids, msg.sampling_params, cache_salt=msg.cache_salt,
-            output_token_ids=msg.output_token_ids,
+            output_token_ids=msg.output_token_ids, lora_name=msg.lora_name,
         )
 
     def on_abort(self, request_id: str) -> None:

@@ -46,6 +46,7 @@ from typing import Any
 
 from common.cluster_key import ENV_KEY, ClusterKey
 from common.glibc_env import tuned_env
+from common.lora_modules import lora_module_arg
 from ops.supervisor import Child, ChildExited, RestartPolicy, Supervisor
 from ops.supervisor import die_with_parent as die_with_parent  # re-exported: tests start children with it
 
@@ -76,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", default=None,
                    help="the decode instances' --speculative-config (n-gram drafts), e.g. "
                    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
+    p.add_argument("--enable-lora", action="store_true", help="every engine serves the LoRA adapters of --lora-modules")
+    p.add_argument("--lora-modules", nargs="+", default=[], type=lora_module_arg, metavar="NAME=PATH",
+                   help="PEFT LoRA adapters (name=path, or vLLM's JSON form) every engine serves and the router "
+                   "names: a request selects one by its name as the model")
+    p.add_argument("--max-loras", type=int, default=None, help="the engines' --max-loras")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="the engines' --max-lora-rank")
     p.add_argument("--threads-per-engine", type=int, default=0,
                    help="torch CPU threads of each engine (0: the host's cores shared out, or OMP_NUM_THREADS)")
     p.add_argument("--api-key", action="append", default=[], help="router API key (repeatable)")
@@ -211,6 +218,13 @@ class Launcher:
             value = getattr(self.args, name)
             if value is not None:
                 flags += [f"--{name.replace('_', '-')}", str(value)]
+        if self.args.enable_lora:
+            flags.append("--enable-lora")
+        if self.args.lora_modules:
+            flags += ["--lora-modules", *(m.to_arg() for m in self.args.lora_modules)]
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self.args, name) is not None:
+                flags += [f"--{name.replace('_', '-')}", str(getattr(self.args, name))]
         return [*flags, *self.engine_extra]
 
     def router_flags(self) -> list[str]:
@@ -221,6 +235,8 @@ class Launcher:
             flags += ["--scheduling-policy", self.args.scheduling_policy]
         if self.args.served_model_name:
             flags += ["--served-model-name", self.args.served_model_name]
+        if self.args.lora_modules:
+            flags += ["--lora-modules", *(m.to_arg() for m in self.args.lora_modules)]
         if self.args.router_workers != 1:
             flags += ["--workers", str(self.args.router_workers)]
         if self.args.response_ttl is not None:
@@ -386,6 +402,17 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             SpeculativeConfig.parse(args.speculative_config)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+    if args.lora_modules or args.enable_lora:  # refused here, not by every engine's crash loop
+        from common.config import EngineConfig
+        from common.model.lora import check_adapter_folder
+
+        try:
+            EngineConfig(enable_lora=args.enable_lora, lora_modules=tuple(args.lora_modules), max_loras=args.max_loras,
+                         **({} if args.max_lora_rank is None else {"max_lora_rank": args.max_lora_rank}))
+            for module in args.lora_modules:
+                check_adapter_folder(module)
         except ValueError as e:
             raise SystemExit(str(e)) from None
     print("pdserve: resolving the model (converted once, then cached)...", flush=True)

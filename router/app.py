@@ -203,9 +203,11 @@ def create_app(state: RouterState) -> FastAPI:
     async def models(request: Request) -> JSONResponse:
         state.api_keys.check(request.headers.get("authorization"))
         created = int(time.time())
+        base = state.config.served_model_names
         cards = [
-            ModelCard(id=name, created=created, max_model_len=state.max_model_len())
-            for name in state.config.served_model_names
+            *(ModelCard(id=name, created=created, max_model_len=state.max_model_len(), root=name) for name in base),
+            *(ModelCard(id=m.name, created=created, max_model_len=state.max_model_len(), root=m.path,
+                        parent=m.base_model_name or base[0]) for m in state.config.lora_modules),
         ]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
@@ -215,7 +217,10 @@ def create_app(state: RouterState) -> FastAPI:
         """One served model (the SDK's ``models.retrieve``); 404 for any other."""
         state.api_keys.check(request.headers.get("authorization"))
         name = state.check_model(model)
-        card = ModelCard(id=name, created=int(time.time()), max_model_len=state.max_model_len())
+        lora = next((m for m in state.config.lora_modules if m.name == name), None)
+        card = ModelCard(
+            id=name, created=int(time.time()), max_model_len=state.max_model_len(), root=lora.path if lora else name,
+            parent=(lora.base_model_name or state.config.served_model_names[0]) if lora else None)
         return JSONResponse(card.model_dump(mode="json"))
 
     # Stored responses (``router/response_store.py``): each readable by the API key that made it.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from common.lora_modules import LoRAModule
 from common.sampling_params import MAX_N
 from router.reasoning import REASONING_PARSERS
 from router.routing import POLICIES
@@ -83,10 +84,16 @@ class RouterConfig:
     response_ttl_s: int = 3600
     # The Redis that keeps them; None: ``redis_url``'s.
     response_store_url: str | None = None
+    # LoRA adapters the engines serve (their ``--lora-modules``): a request naming one as its model runs
+    # with it; listed by /v1/models under the base model.
+    lora_modules: list[LoRAModule] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("at least one served model name is required")
+        clash = sorted({m.name for m in self.lora_modules} & set(self.served_model_names))
+        if clash:
+            raise ValueError(f"LoRA adapter name(s) {', '.join(clash)} are also served model names")
         if self.routing_policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}")
         if self.max_body_bytes < 1024:

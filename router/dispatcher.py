@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from common.kvcache.hashing import compute_block_hashes
+from common.kvcache.hashing import adapter_model_key, compute_block_hashes
 from common.protocol import DecodeTarget, GenerateRequest, RequestOutput, choice_request_ids, merge_outputs
 from common.registry import InstanceInfo, PrefixIndex
 from common.sampling_params import SamplingParams
@@ -376,7 +376,7 @@ class Dispatcher:
         return num_prompt_tokens < threshold
 
     async def _prefix_matches(
-        self, prefills: list[InstanceInfo], prompt: list[int], salt: str | None
+        self, prefills: list[InstanceInfo], prompt: list[int], salt: str | None, lora_name: str | None = None
     ) -> tuple[dict[str, int], int]:
         """Leading cached blocks per prefill instance, and the prompt's number of full blocks."""
         if self.prefix_index is None or not self.policy.uses_prefix:
@@ -387,7 +387,7 @@ class Dispatcher:
         matched: dict[str, int] = {}
         num_blocks = 0
         for (block_size, model), ids in groups.items():
-            hashes = compute_block_hashes(prompt, block_size, model, salt)
+            hashes = compute_block_hashes(prompt, block_size, adapter_model_key(model, lora_name), salt)
             num_blocks = max(num_blocks, len(hashes))
             if not hashes:
                 continue
@@ -405,7 +405,8 @@ class Dispatcher:
         return matched, num_blocks
 
     async def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None,
+        lora_name: str | None = None,
     ) -> list[EngineRequest]:
         """Route and send; one ``EngineRequest`` per choice (``params.n``). Raises a 503
         ``APIError`` when no instance can take the request."""
@@ -416,6 +417,7 @@ class Dispatcher:
             reply_to=self.client.reply_address,
             cache_salt=cache_salt,
             arrival_time=time.time(),
+            lora_name=lora_name,
         )
         return await self.submit_request(request)
 
@@ -466,7 +468,7 @@ class Dispatcher:
                            decode.kv_layout, request.request_id)
         prefills = fitting
         if not self._is_direct(len(prompt), decode, bool(prefills)):
-            matched, num_blocks = await self._prefix_matches(prefills, prompt, request.cache_salt)
+            matched, num_blocks = await self._prefix_matches(prefills, prompt, request.cache_salt, request.lora_name)
             request.decode_target = DecodeTarget(instance_id=decode.instance_id, kv_address=decode.kv_address)
             for prefill in self.policy.rank_prefill(prefills, pool.inflight, matched, num_blocks):
                 if await self.client.send(prefill.control_address, request):

@@ -16,6 +16,7 @@ from typing import Any
 
 from common.cluster_key import add_cluster_key_args, cluster_key_from_args
 from common.gc_pacer import GcPacer, GcPauses
+from common.lora_modules import lora_module_arg
 from ops.supervisor import die_with_parent
 from router.auth import keys_from_env
 from router.config import RequestLimits, RouterConfig
@@ -45,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default=defaults.namespace, help="key prefix in Redis")
     p.add_argument("--model", default=None, help="model name or checkpoint folder (default model if unset)")
     p.add_argument("--served-model-name", nargs="+", default=None, help="names clients use for the model")
+    p.add_argument("--lora-modules", nargs="+", default=[], type=lora_module_arg, metavar="NAME=PATH",
+                   help="the engines' LoRA adapters (their --lora-modules): a request naming one as its model "
+                   "runs with it; /v1/models lists them under the base model")
     p.add_argument("--api-key", action="append", default=[], help="repeatable; also env PDSERVE_API_KEYS")
     p.add_argument("--routing-policy", choices=POLICIES, default=defaults.routing_policy)
     p.add_argument(
@@ -224,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         tool_call_parser = detect_parser(prompts.template_text())
     config = RouterConfig(
         served_model_names=args.served_model_name or [_served_name(args.model, model_dir)],
+        lora_modules=args.lora_modules,
         redis_url=args.redis_url or None,
         namespace=args.namespace,
         api_keys=[*args.api_key, *keys_from_env()],

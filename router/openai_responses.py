@@ -168,6 +168,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pdserve"
     max_model_len: int | None = None
+    # vLLM's: where the model came from, and for a LoRA adapter the model it adapts.
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

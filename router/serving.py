@@ -39,6 +39,8 @@ class GenerationPlan:
     text: TextOptions
     cache_salt: str | None
     created: int = field(default_factory=lambda: int(time.time()))
+    # The LoRA adapter the request's model names (``RouterState.lora_name``); None: the base model.
+    lora_name: str | None = None
     # The engines' id of the request (with each prompt's index after it): unique whatever id the
     # client gave the response (``request_id``, vLLM's extra); by default the response's id.
     engine_request_id: str = ""
@@ -108,7 +110,7 @@ class PlanChoices:
         prompt, params = self.plan.prompts[p], self.plan.params[p]
         try:
             engine_requests = await self.state.dispatcher.submit(
-                f"{self.plan.engine_request_id}-{p}", prompt, params, self.plan.cache_salt
+                f"{self.plan.engine_request_id}-{p}", prompt, params, self.plan.cache_salt, self.plan.lora_name
             )
         except BaseException:
             slot.release()

@@ -78,6 +78,7 @@ async def plan_chat(
         params=[params],
         text=request.text_options(params, keep_special_tokens=reader.needs_special_tokens),
         cache_salt=with_request_salt(cache_salt, request.cache_salt),
+        lora_name=state.lora_name(model),
     )
     return request, plan, reader
 

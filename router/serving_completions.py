@@ -85,6 +85,7 @@ async def plan_completion(
         params=params,
         text=request.text_options(params[0]),
         cache_salt=with_request_salt(cache_salt, request.cache_salt),
+        lora_name=state.lora_name(model),
     )
     return request, plan
 

@@ -89,9 +89,13 @@ class RouterState:
     def check_model(self, requested: str | None) -> str:
         """The served name to answer with; 404 for a model this router does not serve."""
         names = self.config.served_model_names
-        if requested is None or requested in names:
+        if requested is None or requested in names or self.lora_name(requested) is not None:
             return requested or names[0]
         raise APIError(404, f"the model '{requested}' does not exist", param="model", code="model_not_found")
+
+    def lora_name(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's model names (one of ``--lora-modules``), None for the base model."""
+        return model if any(m.name == model for m in self.config.lora_modules) else None
 
     def admit(self) -> None:
         """Count one more HTTP request in flight, or raise 429 past ``max_inflight``."""

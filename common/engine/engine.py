@@ -241,12 +241,15 @@ class LLMEngine:
         kv_transfer: bool = False,
         arrival_time: float | None = None,
         output_token_ids: list[int] | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Queue a request; raises ``ValueError`` (nothing queued) when the input is bad.
 
         ``output_token_ids``: tokens the request already produced on a lost instance; it resumes
-        after them (see ``GenerateRequest.output_token_ids``)."""
+        after them (see ``GenerateRequest.output_token_ids``). ``lora_name``: the LoRA adapter to
+        run it with (one of ``--lora-modules``), None for the base model."""
         self.validate(prompt_token_ids, params, output_token_ids)
+        lora_slot = self.lora_slot(lora_name)
         if params.n != 1 and output_token_ids:
             raise ValueError("n must be 1 for a continued request")
         if self.knows(request_id):
@@ -254,12 +257,23 @@ class LLMEngine:
         req = Request(
             request_id, prompt_token_ids, params, block_size=self.block_size, model_id=self.model_id,
             cache_salt=cache_salt, arrival_time=arrival_time, kv_transfer=kv_transfer,
-            output_token_ids=output_token_ids,
+            output_token_ids=output_token_ids, lora_name=lora_name, lora_slot=lora_slot,
         )
         req.grammar = self._grammar(params, req.output_token_ids)
         if params.prompt_logprobs is not None and not req.output_token_ids:  # a continuation sent them
             req.prompt_logprobs = [None]
         self.scheduler.add(req)
+
+    def lora_slot(self, lora_name: str | None) -> int:
+        """The runner's slot of a LoRA adapter (-1 for None: the base model); ``ValueError`` for one this
+        engine does not serve."""
+        if lora_name is None:
+            return -1
+        lora = self.runner.lora
+        if lora is None:
+            raise ValueError(f"LoRA adapter {lora_name!r} requested, but this engine serves none (--enable-lora "
+                             "--lora-modules)")
+        return lora.slot(lora_name)
 
     def knows(self, request_id: str) -> bool:
         """The id is in use here: queued, running, held for a transfer or receiving one."""
@@ -276,6 +290,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         output_token_ids: list[int] | None = None,
         choice_token_ids: list[int] | None = None,
+        lora_name: str | None = None,
     ) -> KVHandoff | None:
         """Hold blocks for a request whose KV another instance computed (it waits for remote KV).
 
@@ -289,6 +304,7 @@ class LLMEngine:
         """
         outputs = [*(output_token_ids or []), first_token_id]
         self.validate(prompt_token_ids, params, outputs[:-1])
+        lora_slot = self.lora_slot(lora_name)
         choices = list(choice_token_ids or [first_token_id])
         if params.n != 1 and output_token_ids:
             raise ValueError("n must be 1 for a continued request")
@@ -300,7 +316,7 @@ class LLMEngine:
             raise ValueError(f"duplicate request_id {request_id!r}")
         req = Request(
             request_id, prompt_token_ids, params, block_size=self.block_size, model_id=self.model_id,
-            cache_salt=cache_salt, output_token_ids=outputs,
+            cache_salt=cache_salt, output_token_ids=outputs, lora_name=lora_name, lora_slot=lora_slot,
         )
         req.forked = True  # the choices fork when the KV has arrived, not after a local prefill
         req.grammar = self._grammar(params, outputs)
@@ -331,7 +347,7 @@ class LLMEngine:
             child = Request(
                 choice_request_id(request_id, index), req.prompt_token_ids, req.sampling_params,
                 block_size=self.block_size, model_id=self.model_id, cache_salt=req.cache_salt,
-                output_token_ids=[token], seed_offset=index,
+                output_token_ids=[token], seed_offset=index, lora_name=req.lora_name, lora_slot=req.lora_slot,
             )
             child.forked = True
             child.grammar = self._grammar(req.sampling_params, [token])  # checked by add_remote_request

@@ -25,6 +25,7 @@ from common.engine.sampler import Sampler
 from common.engine.scheduler import SchedulerOutput
 from common.model.llama import AttentionMetadata
 from common.model.loader import model_identity, resolve_model_path
+from common.model.lora import LoRAManager
 from common.model.weights import load_hf_config, load_model
 from common.protocol import PromptLogprob, TokenLogprob
 from common.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -99,6 +100,8 @@ class ModelRunner:
     num_steps = 0
     # On a GPU sized by ``profile_activations``: the bytes its step allocated at the peak.
     profiled_peak_bytes = 0
+    # LoRA adapters served (``--enable-lora``), None without.
+    lora: LoRAManager | None = None
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -122,6 +125,8 @@ class ModelRunner:
         self.model = load_model(
             self.model_path, self.hf_config, self.kernels, self.dtype, self.device, self.max_model_len
         )
+        # LoRA adapters, resident from here, before the KV cache is sized after what is left.
+        self.lora = LoRAManager(self.model, config.lora_modules, config.max_lora_rank) if config.enable_lora else None
         self.vocab_size = int(self.hf_config.vocab_size)
         self.block_size = config.block_size
         self.num_layers = int(self.hf_config.num_hidden_layers)
@@ -269,8 +274,12 @@ class ModelRunner:
             self.kernels.copy_blocks(self.kv_cache, long_tensor(src, dev), long_tensor(dst, dev))
         inputs = self.input_batch.prepare(out.scheduled)
         graphs = self.decode_graphs
+        # Tokens with a LoRA adapter: grouped by adapter for the adapted projections (steps with any run
+        # eagerly: the graphs were captured without adapters).
+        adapted = self.lora is not None and self.lora.set_batch(
+            [s.request.lora_slot for s in out.scheduled], inputs.query_start_loc, dev)
         # One token per sequence (decode, or a prompt's last one-token chunk) is replayed from a graph.
-        replay = graphs is not None and graphs.fits(inputs)
+        replay = graphs is not None and not adapted and graphs.fits(inputs)
         # Every input goes up in one copy; a graph's replay reads neither the query starts nor the rows
         # to sample (every row is one).
         on_device = to_device_all(

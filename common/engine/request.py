@@ -6,7 +6,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from common.kvcache.hashing import BlockHash, compute_block_hashes
+from common.kvcache.hashing import BlockHash, adapter_model_key, compute_block_hashes
 from common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -69,6 +69,8 @@ class Request:
         kv_transfer: bool = False,
         output_token_ids: list[int] | None = None,
         seed_offset: int = 0,
+        lora_name: str | None = None,
+        lora_slot: int = -1,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -123,7 +125,11 @@ class Request:
         if sampling_params.seed is not None:
             # Choice i of an n > 1 request draws from seed + i (see ``fork``).
             self.draw_seed = sampling_params.seed + seed_offset
+        # Its LoRA adapter (``common.model.lora``): its name, and its slot in the runner (-1: none).
+        self.lora_name = lora_name
+        self.lora_slot = lora_slot
         self._block_size = block_size
+        model_id = adapter_model_key(model_id, lora_name)
         self._model_id = model_id
         self.block_hashes: list[BlockHash] = compute_block_hashes(
             self.all_token_ids, block_size, model_id, cache_salt

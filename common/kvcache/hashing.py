@@ -45,6 +45,12 @@ def hash_block_tokens(
     return BlockHash(h.digest())
 
 
+def adapter_model_key(model_id: str, lora_name: str | None) -> str:
+    """The model identity a request's blocks are hashed under: the base model's, or, for a request with a
+    LoRA adapter (whose KV differs from the base model's), the adapter's under it."""
+    return model_id if lora_name is None else f"{model_id}\x00lora\x00{lora_name}"
+
+
 def extra_keys_for(model_id: str, cache_salt: str | None) -> tuple[str, ...]:
     return (model_id,) if cache_salt is None else (model_id, cache_salt)
 

@@ -205,6 +205,15 @@ def load_model(
     return model
 
 
+def model_name(checkpoint_name: str, model_type: str) -> str:
+    """A checkpoint's name for a weight as this model names it (before any stacking): an image-text
+    checkpoint's language-model prefix dropped, then the family's renames (LoRA adapters' module names)."""
+    name = checkpoint_name
+    for pattern, ours in (*_LANGUAGE_MODEL_NAMES, *_RENAMES.get(model_type, ())):
+        name = re.sub(pattern, ours, name)
+    return name
+
+
 def _rename(state: dict[str, torch.Tensor], rules: tuple[tuple[str, str], ...]) -> None:
     """In place: each name with every rule (pattern, replacement) applied in turn."""
     for name in list(state) if rules else []:

@@ -489,3 +489,32 @@ def hf_greedy(folder: Path, prompt: list[int], max_new_tokens: int, **config_ove
 def prompt_token_ids(length: int, seed: int = 1) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, TINY_DIMS["vocab_size"], (length,), generator=gen).tolist()
+
+
+def peft_adapter(base: Path, target: Path, seed: int = 0, **lora_config: Any) -> Path:
+    """A LoRA adapter for the checkpoint at ``base``, saved by PEFT (``adapter_config.json`` and
+    ``adapter_model.safetensors``), A and B random (B is zeros at PEFT's default initialization, an
+    adapter that changes nothing) and large enough to change greedy tokens."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(hf_model(base), LoraConfig(init_lora_weights=False, task_type="CAUSAL_LM", **lora_config))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(20.0)
+    model.save_pretrained(str(target))
+    return target
+
+
+def peft_greedy(base: Path, adapter: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """PEFT's ``generate`` (greedy, float32, CPU) on the base checkpoint with the adapter, EOS ignored."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(hf_model(base), str(adapter)).eval()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+            eos_token_id=None,
+        )
+    return [int(t) for t in out[0, len(prompt):]]

@@ -1,0 +1,305 @@
+"""LoRA adapters in PEFT's format, served beside the base model, many in one batch.
+
+Each adapted projection computes ``W x + B (A x) * scaling`` for the rows of a request that names an
+adapter, as PEFT's ``LoraLayer`` does, and ``W x`` alone for the others. Every adapter stays resident:
+its A and B are copied at start into a slot of tensors stacked over adapters (``[slots, ranks, in]`` and
+``[slots, out, ranks]``, the rank padded with zeros to the largest served), so a step needs no copy.
+A step groups its tokens by adapter (``LoRABatch``); each group costs two small matrix products per
+adapted projection. The scaling is folded into B as it loads.
+
+On the projections this model stacks (q, k and v; gate and up), each part adapted has a column range of
+its own in the stacked ranks and writes only its own rows of the output. An adapter of a checkpoint that
+stacks them already (Phi-3's ``qkv_proj``) adapts the whole product.
+
+Refused by name (``UnsupportedAdapter``), never approximated: DoRA, trained biases, ``modules_to_save``,
+per-module ranks or alphas, adapted embeddings or output head, experts of a mixture, modules this model
+does not have, the q and k rows of a family whose checkpoints' rows are reordered as they load
+(interleaved RoPE), pickled weights (``adapter_model.bin``), and any PEFT field outside those known not
+to change the forward of a trained adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from common.lora_modules import LoRAModule
+from common.model.llama import FUSED_PROJECTIONS, Attention, LlamaForCausalLM
+from common.model.weights import model_name
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+# PEFT fields that change a trained adapter's forward: built only at their do-nothing value.
+_MUST_BE_UNSET = (
+    "use_dora", "lora_bias", "fan_in_fan_out", "modules_to_save", "rank_pattern", "alpha_pattern",
+    "layer_replication", "trainable_token_indices", "alora_invocation_tokens", "target_parameters", "use_qalora",
+    "use_bdlora", "megatron_config", "arrow_config", "kasa_config", "monteclora_config",
+)
+# Fields read here, or that only concern training and initialization.
+_KNOWN = {
+    "r", "lora_alpha", "use_rslora", "bias", "peft_type", "task_type", "target_modules", "exclude_modules",
+    "lora_dropout", "init_lora_weights", "inference_mode", "base_model_name_or_path", "revision", "peft_version",
+    "auto_mapping", "layers_to_transform", "layers_pattern", "loftq_config", "eva_config", "corda_config",
+    "lora_ga_config", "megatron_core", "qalora_group_size", "ensure_weight_tying",
+}
+# The projections an adapter may adapt (this model's names, after the family's renames and stacking).
+_ADAPTABLE = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.up_proj", "mlp.down_proj",
+              "mlp.shared_expert.gate_up_proj", "mlp.shared_expert.down_proj")
+_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>A|B)\.weight$")
+
+
+class UnsupportedAdapter(ValueError):
+    """An adapter this engine does not implement, with the reason named."""
+
+
+@dataclass
+class _Target:
+    """Where one adapted module of a checkpoint lands: a projection of this model, the part of it (its
+    index among the stacked parts, 0 for the whole) and that part's rows of its output."""
+
+    module: str
+    part: int
+    rows: slice
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter, read and checked: per projection of this model, (part, rows, A, B * scaling)."""
+
+    name: str
+    path: str
+    rank: int
+    base_model_name: str | None
+    weights: dict[str, list[tuple[int, slice, Tensor, Tensor]]] = field(default_factory=dict)
+
+
+def _config(folder: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    except FileNotFoundError:
+        raise UnsupportedAdapter(f"{folder}: no {ADAPTER_CONFIG} (a PEFT LoRA adapter's folder)") from None
+    except json.JSONDecodeError as e:
+        raise UnsupportedAdapter(f"{folder / ADAPTER_CONFIG}: not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise UnsupportedAdapter(f"{folder / ADAPTER_CONFIG}: not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise UnsupportedAdapter(f"{folder}: peft_type {config['peft_type']!r} is not implemented (LORA only)")
+    if config.get("bias", "none") != "none":
+        raise UnsupportedAdapter(f"{folder}: bias {config['bias']!r} (trained biases) is not implemented")
+    for name in _MUST_BE_UNSET:
+        if config.get(name):
+            raise UnsupportedAdapter(f"{folder}: {name} = {config[name]!r} is not implemented")
+    unknown = sorted(k for k, v in config.items() if k not in _KNOWN and k not in _MUST_BE_UNSET and v)
+    if unknown:
+        raise UnsupportedAdapter(f"{folder}: adapter config field(s) {', '.join(unknown)} not implemented")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise UnsupportedAdapter(f"{folder}: r must be a positive integer, got {rank!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise UnsupportedAdapter(f"{folder}: lora_alpha must be a number, got {alpha!r}")
+    return config
+
+
+def _part_rows(parent: nn.Module, fused: str) -> list[int]:
+    """The output rows of each part of a stacked projection: q, k, v's, or gate and up's."""
+    if isinstance(parent, Attention):
+        return [parent.q_size, parent.kv_size, parent.kv_size]
+    inter = int(parent.inter)
+    return [inter, inter]
+
+
+def _target(model: LlamaForCausalLM, module: str) -> _Target:
+    """Where an adapted module (this model's name for it) lands, or ``UnsupportedAdapter``."""
+    prefix, _, last = module.rpartition(".")
+    modules = dict(model.named_modules())
+    own = modules.get(module)
+    if isinstance(own, nn.Linear) and module.endswith(_ADAPTABLE):
+        return _Target(module, 0, slice(0, own.out_features))
+    for fused, parts in FUSED_PROJECTIONS.items():
+        stacked = modules.get(f"{prefix}.{fused}")
+        if last in parts and isinstance(stacked, nn.Linear) and f"{prefix}.{fused}".endswith(_ADAPTABLE):
+            index = parts.index(last)
+            sizes = _part_rows(modules[prefix], fused)
+            start = sum(sizes[:index])
+            return _Target(f"{prefix}.{fused}", index, slice(start, start + sizes[index]))
+    if ".experts." in module:
+        raise UnsupportedAdapter(f"LoRA on a mixture's experts ({module}) is not implemented")
+    raise UnsupportedAdapter(f"LoRA on {module} is not implemented: the attention's and the MLP's projections "
+                             "of the layers only")
+
+
+def check_adapter_folder(spec: LoRAModule) -> tuple[dict[str, Any], Path]:
+    """The adapter's config, checked, and its weights file; ``UnsupportedAdapter`` naming what is not
+    built (what needs the model, its modules and shapes, ``load_adapter`` checks)."""
+    folder = Path(spec.path).expanduser()
+    config = _config(folder)
+    file = folder / ADAPTER_WEIGHTS
+    if not file.exists():
+        pickled = " (adapter_model.bin is a pickle, which is never loaded: save it with safetensors)"
+        raise UnsupportedAdapter(f"{folder}: no {ADAPTER_WEIGHTS}{pickled if (folder / 'adapter_model.bin').exists() else ''}")
+    return config, file
+
+
+def load_adapter(spec: LoRAModule, model: LlamaForCausalLM, max_rank: int) -> LoRAAdapter:
+    """Read and check the adapter at ``spec.path`` against ``model`` (on the CPU, in float32)."""
+    from safetensors import safe_open
+
+    config, file = check_adapter_folder(spec)
+    folder = file.parent
+    rank = int(config["r"])
+    if rank > max_rank:
+        raise UnsupportedAdapter(f"adapter {spec.name!r} has rank {rank}, above --max-lora-rank {max_rank}")
+    scaling = float(config["lora_alpha"]) / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    pairs: dict[str, dict[str, Tensor]] = {}
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            match = _KEY.match(key)
+            if match is None:
+                raise UnsupportedAdapter(f"adapter {spec.name!r}: weight {key} is not implemented (LoRA A and B of "
+                                         "linear projections only)")
+            pairs.setdefault(match["module"], {})[match["which"]] = f.get_tensor(key)
+    if not pairs:
+        raise UnsupportedAdapter(f"adapter {spec.name!r}: {file} holds no LoRA weights")
+    arch = model.arch
+    adapter = LoRAAdapter(spec.name, str(folder), rank, spec.base_model_name)
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise UnsupportedAdapter(f"adapter {spec.name!r}: {module} without lora_{'B' if 'A' in ab else 'A'}")
+        ours = model_name(module + ".weight", arch.model_type).removesuffix(".weight")
+        target = _target(model, ours)
+        if arch.rope_interleaved and target.module.endswith("qkv_proj") and target.rows.start < _q_and_k_rows(model, target):
+            raise UnsupportedAdapter(f"LoRA on the queries and keys of {arch.model_type} (interleaved RoPE, its q and k "
+                                     "rows reordered as the checkpoint loads) is not implemented")
+        linear = model.get_submodule(target.module)
+        assert isinstance(linear, nn.Linear)
+        a, b = ab["A"], ab["B"]
+        rows = target.rows.stop - target.rows.start
+        if a.shape != (rank, linear.in_features) or b.shape != (rows, rank):
+            raise UnsupportedAdapter(
+                f"adapter {spec.name!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; this model's "
+                f"projection takes {linear.in_features} inputs to {rows} outputs at rank {rank} (another base model?)")
+        entries = adapter.weights.setdefault(target.module, [])
+        whole = slice(0, linear.out_features)
+        if any(part == target.part or whole in (rows_, target.rows) for part, rows_, _, _ in entries):
+            raise UnsupportedAdapter(f"adapter {spec.name!r}: {target.module} adapted twice ({module})")
+        entries.append((target.part, target.rows, a.float(), b.float() * scaling))
+    return adapter
+
+
+def _q_and_k_rows(model: LlamaForCausalLM, target: _Target) -> int:
+    """The rows of q and k in an attention's stacked projection (those a reordering touches)."""
+    attn = model.get_submodule(target.module.rpartition(".")[0])
+    assert isinstance(attn, Attention)
+    return attn.q_size + attn.kv_size
+
+
+class LoRABatch:
+    """This step's tokens by adapter: (slot, the rows of its tokens, None for every row); empty when
+    no request of the step has an adapter. Set before each forward (``LoRAManager.set_batch``)."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[int, Tensor | None]] = []
+
+
+class LoRALinear(nn.Module):
+    """A projection with every adapter's A and B beside it; adds, to each group's rows, their adapter's
+    ``B (A x)``. ``weight`` and ``bias`` are the projection's own."""
+
+    def __init__(self, base: nn.Linear, num_slots: int, num_parts: int, rank: int, batch: LoRABatch) -> None:
+        super().__init__()
+        self.base = base
+        self.rank = rank
+        self.batch = batch
+        dtype, device = base.weight.dtype, base.weight.device
+        self.lora_a: Tensor
+        self.lora_b: Tensor
+        self.register_buffer("lora_a", torch.zeros(num_slots, num_parts * rank, base.in_features, dtype=dtype,
+                                                   device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(num_slots, base.out_features, num_parts * rank, dtype=dtype,
+                                                   device=device), persistent=False)
+
+    @property
+    def weight(self) -> Tensor:
+        return self.base.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.base.bias
+
+    def set_slot(self, slot: int, entries: list[tuple[int, slice, Tensor, Tensor]]) -> None:
+        """Slot ``slot`` holds these (part, rows, A, B) and nothing else."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        for part, rows, a, b in entries:
+            r = a.shape[0]
+            cols = slice(part * self.rank, part * self.rank + r)
+            self.lora_a[slot, cols] = a.to(self.lora_a.dtype)
+            self.lora_b[slot, rows, cols] = b.to(self.lora_b.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y: Tensor = self.base(x)
+        for slot, rows in self.batch.groups:
+            if rows is None:
+                y += (x @ self.lora_a[slot].t()) @ self.lora_b[slot].t()
+            else:
+                xs = x.index_select(0, rows)
+                y.index_add_(0, rows, (xs @ self.lora_a[slot].t()) @ self.lora_b[slot].t())
+        return y
+
+
+class LoRAManager:
+    """The adapters an engine serves (``--lora-modules``), resident in slots 0, 1, ... in their order,
+    and the step's grouping of tokens by adapter."""
+
+    def __init__(self, model: LlamaForCausalLM, modules: tuple[LoRAModule, ...], max_rank: int) -> None:
+        self.adapters = [load_adapter(spec, model, max_rank) for spec in modules]
+        self.slots = {a.name: i for i, a in enumerate(self.adapters)}
+        self.batch = LoRABatch()
+        rank = max((a.rank for a in self.adapters), default=1)
+        targeted = sorted({module for a in self.adapters for module in a.weights})
+        self.layers: dict[str, LoRALinear] = {}
+        for module in targeted:
+            parent_name, _, attr = module.rpartition(".")
+            base = model.get_submodule(module)
+            assert isinstance(base, nn.Linear)
+            parts = len(FUSED_PROJECTIONS.get(attr, (attr,)))
+            wrapped = LoRALinear(base, max(1, len(self.adapters)), parts, rank, self.batch)
+            for slot, adapter in enumerate(self.adapters):
+                wrapped.set_slot(slot, adapter.weights.get(module, []))
+            setattr(model.get_submodule(parent_name), attr, wrapped)
+            self.layers[module] = wrapped
+
+    def slot(self, name: str) -> int:
+        """An adapter's slot; ``ValueError`` naming the adapters served for any other name."""
+        slot = self.slots.get(name)
+        if slot is None:
+            served = ", ".join(self.slots) or "none"
+            raise ValueError(f"unknown LoRA adapter {name!r} (served here: {served})")
+        return slot
+
+    def set_batch(self, slots: list[int], query_start: Tensor, device: torch.device) -> bool:
+        """Group the step's tokens by adapter: ``slots`` per scheduled request in order (-1: none), the
+        step's query starts (host, ``[requests + 1]``). True when some token has an adapter."""
+        groups: list[tuple[int, Tensor | None]] = []
+        used = set(slots)
+        used.discard(-1)
+        if len(used) == 1 and -1 not in slots:
+            groups = [(used.pop(), None)]
+        elif used:
+            starts = query_start.tolist()
+            rows: dict[int, list[int]] = {}
+            for i, slot in enumerate(slots):
+                if slot >= 0:
+                    rows.setdefault(slot, []).extend(range(starts[i], starts[i + 1]))
+            groups = [(slot, torch.tensor(r, dtype=torch.long).to(device, non_blocking=True))
+                      for slot, r in sorted(rows.items())]
+        self.batch.groups = groups
+        return bool(groups)

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--n", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print JSON with the token ids")
+    parser.add_argument("--lora-name", default=None,
+                        help="run the prompts with this adapter of --lora-modules (an --input line's "
+                        "\"lora_name\" chooses its own)")
     EngineConfig.add_cli_args(parser, include_seed=False)
     return parser
 
@@ -78,17 +81,19 @@ def main(argv: list[str] | None = None) -> int:
         stream = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")  # noqa: SIM115
         with stream:
             items = [json.loads(line) for line in stream if line.strip()]
-    prompts, plist = [], []
+    prompts, plist, loras = [], [], []
     for i, item in enumerate(items):
         try:
             prompts.append(_encode(tokenizer, item, args.chat))
             p = _params(item, defaults)
             engine.validate(prompts[-1], p)
             plist.append(p)
+            loras.append(item.get("lora_name", args.lora_name))
+            engine.lora_slot(loras[-1])
         except ValueError as exc:
             print(f"error: request {i}: {exc}", file=sys.stderr)
             return 2
-    results = engine.generate(prompts, plist)
+    results = engine.generate(prompts, plist, loras)
     records = []
     for i, (item, choices) in enumerate(zip(items, results, strict=True)):
         for j, token_ids in enumerate(choices):

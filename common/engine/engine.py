@@ -738,13 +738,15 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- offline
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+        lora_names: list[str | None] | None = None,
     ) -> list[list[list[int]]]:
-        """Run prompts to completion; per prompt, the output token ids of each of its n choices."""
+        """Run prompts to completion; per prompt, the output token ids of each of its n choices.
+        ``lora_names``: per prompt, its LoRA adapter (None: the base model)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
-            self.add_request(rid, prompt, p)
+        for rid, prompt, p, lora in zip(ids, prompts, plist, lora_names or [None] * len(prompts), strict=True):
+            self.add_request(rid, prompt, p, lora_name=lora)
         tokens: dict[str, list[int]] = {}
         while self.has_unfinished_requests():
             for out in self.step():

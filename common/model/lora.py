@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from common.lora_modules import LoRAModule
-from common.model.llama import FUSED_PROJECTIONS, Attention, LlamaForCausalLM
+from common.model.llama import FUSED_PROJECTIONS, MLP, Attention, LlamaForCausalLM
 from common.model.weights import model_name
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -112,8 +112,8 @@ def _part_rows(parent: nn.Module, fused: str) -> list[int]:
     """The output rows of each part of a stacked projection: q, k, v's, or gate and up's."""
     if isinstance(parent, Attention):
         return [parent.q_size, parent.kv_size, parent.kv_size]
-    inter = int(parent.inter)
-    return [inter, inter]
+    assert isinstance(parent, MLP)
+    return [parent.inter, parent.inter]
 
 
 def _target(model: LlamaForCausalLM, module: str) -> _Target:

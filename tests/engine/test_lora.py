@@ -1,0 +1,270 @@
+"""LoRA adapters (``common.model.lora``): the engine's tokens with an adapter equal PEFT's own ``generate``
+with it, whatever shares the batch; adapters are kept apart in the prefix cache; what is not built is
+refused by name."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from common.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.lora_modules import LoRAModule
+from common.model.lora import UnsupportedAdapter
+from common.sampling_params import SamplingParams
+from tests.engine.tiny_models import (
+    build_checkpoint,
+    family_configs,
+    hf_greedy,
+    peft_adapter,
+    peft_greedy,
+    prompt_token_ids,
+)
+
+MAX_NEW_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+# Per family: two adapters, by PEFT's target module names (the checkpoint's own: StarCoder2's MLP is c_fc and
+# c_proj, Phi-3 stacks q/k/v and gate/up already).
+ADAPTERS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "llama-bias": (
+        {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]},
+        {"r": 8, "lora_alpha": 16, "use_rslora": True, "target_modules": "all-linear"},
+    ),
+    "phi3-window": (
+        {"r": 4, "lora_alpha": 8, "target_modules": ["qkv_proj", "gate_up_proj"]},
+        {"r": 2, "lora_alpha": 4, "target_modules": ["o_proj", "down_proj"]},
+    ),
+    "starcoder2-layernorm-bias-window": (
+        {"r": 4, "lora_alpha": 8, "target_modules": ["k_proj", "c_fc"]},
+        {"r": 8, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "c_proj"]},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """(base checkpoint, adapter a, adapter b) of a family, built once per module."""
+    root = tmp_path_factory.mktemp("lora")
+
+    @functools.cache
+    def build(family: str) -> tuple[Path, Path, Path]:
+        base = build_checkpoint(family_configs()[family], root / family)
+        a_config, b_config = ADAPTERS[family]
+        return (base, peft_adapter(base, root / f"{family}-a", seed=1, **a_config),
+                peft_adapter(base, root / f"{family}-b", seed=2, **b_config))
+
+    return build
+
+
+@functools.cache
+def _peft(base: Path, adapter: Path | None, prompt: tuple[int, ...]) -> list[int]:
+    if adapter is None:
+        return hf_greedy(base, list(prompt), MAX_NEW_TOKENS)
+    return peft_greedy(base, adapter, list(prompt), MAX_NEW_TOKENS)
+
+
+@pytest.fixture
+def engines() -> Iterator[list[LLMEngine]]:
+    """Engines a test builds; afterwards every block must be back and each pool sound."""
+    made: list[LLMEngine] = []
+    yield made
+    for engine in made:
+        engine.check_integrity()
+        assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks, "blocks leaked"
+
+
+def _engine(engines: list[LLMEngine], base: Path, adapters: dict[str, Path], **overrides: Any) -> LLMEngine:
+    config: dict[str, Any] = {
+        "model": str(base), "block_size": 8, "num_blocks": 64, "max_num_batched_tokens": 7, "device": "cpu",
+        "dtype": "float32", "enable_lora": True,
+        "lora_modules": tuple(LoRAModule(name, str(path)) for name, path in adapters.items()),
+    }
+    config.update(overrides)
+    engine = LLMEngine(EngineConfig(**config))
+    engines.append(engine)
+    return engine
+
+
+def _run(engine: LLMEngine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("speculative", [None, '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+                                               '"prompt_lookup_max": 2}'], ids=["plain", "drafts"])
+@pytest.mark.parametrize("family", list(ADAPTERS))
+def test_each_request_gets_its_adapters_tokens_in_a_batch_that_mixes_them(built, engines, family: str,
+                                                                          speculative: str | None) -> None:
+    """Two adapters and the base model in one batch, prompts prefilled in chunks beside decodes: each
+    request's greedy tokens are PEFT's with its adapter (transformers' without)."""
+    base, a, b = built(family)
+    engine = _engine(engines, base, {"a": a, "b": b}, speculative_config=speculative)
+    cases = [("base", None, 19), ("a", a, 21), ("b", b, 17), ("a-again", a, 26), ("b-again", b, 9)]
+    for name, adapter, length in cases:
+        lora = None if adapter is None else name.removesuffix("-again")
+        engine.add_request(name, prompt_token_ids(length, seed=length), GREEDY, lora_name=lora)
+    tokens = _run(engine)
+    for name, adapter, length in cases:
+        prompt = tuple(prompt_token_ids(length, seed=length))
+        assert tokens[name] == _peft(base, adapter, prompt), name
+        if adapter is not None:  # the adapter changes the tokens, so a request run without it would fail
+            assert _peft(base, adapter, prompt) != _peft(base, None, prompt), name
+
+
+def test_the_kv_of_a_prompt_run_with_an_adapter_goes_to_a_decode_instance_serving_it(built, engines) -> None:
+    """Prefill -> KV hand-off -> decode, both with the adapter: PEFT's tokens. A decode instance hashes
+    the request's blocks under its adapter, so a prefill's blocks of another adapter do not match."""
+    base, a, b = built("llama-bias")
+    prefill = _engine(engines, base, {"a": a, "b": b})
+    decode = _engine(engines, base, {"a": a, "b": b})
+    prompt = prompt_token_ids(21, seed=5)
+    prefill.add_request("r", prompt, GREEDY, kv_transfer=True, lora_name="a")
+    while not (outs := prefill.step()):
+        pass
+    [out] = outs
+    assert out.kv_handoff is not None
+    mismatched = decode.add_remote_request("r", prompt, out.new_token_ids[0], GREEDY, lora_name="b")
+    assert mismatched is not None
+    assert [bytes(h) for h in mismatched.block_hashes] != [bytes(h) for h in out.kv_handoff.block_hashes]
+    decode.release_kv("r")
+    handoff = decode.add_remote_request("r", prompt, out.new_token_ids[0], GREEDY, lora_name="a")
+    assert handoff is not None
+    assert [bytes(h) for h in handoff.block_hashes] == [bytes(h) for h in out.kv_handoff.block_hashes]
+    src, dst = torch.tensor(out.kv_handoff.block_ids), torch.tensor(handoff.block_ids)
+    decode.runner.kernels.scatter_blocks(decode.runner.kv_cache, dst,
+                                         prefill.runner.kernels.gather_blocks(prefill.runner.kv_cache, src))
+    assert prefill.release_kv("r")
+    decode.remote_kv_arrived("r")
+    assert [out.new_token_ids[0], *_run(decode)["r"]] == _peft(base, a, tuple(prompt))
+
+
+def test_the_prefix_cache_keeps_each_adapters_blocks_apart(built, engines) -> None:
+    """A prompt cached by the base model is computed again with an adapter (its KV differs), then hit by
+    the adapter's next request; each gets its own tokens."""
+    base, a, _ = built("llama-bias")
+    engine = _engine(engines, base, {"a": a})
+    prompt = prompt_token_ids(25, seed=9)
+    cached: dict[str, int] = {}
+    for rid, lora in (("base", None), ("a-first", "a"), ("a-second", "a")):
+        engine.add_request(rid, prompt, GREEDY, lora_name=lora)
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens += out.new_token_ids
+                if out.finish_reason is not None:
+                    cached[rid] = out.num_cached_tokens
+        assert tokens == _peft(base, None if lora is None else a, tuple(prompt)), rid
+    assert cached == {"base": 0, "a-first": 0, "a-second": 24}
+
+
+def test_a_request_naming_an_adapter_the_engine_does_not_serve_is_refused(built, engines) -> None:
+    base, a, _ = built("llama-bias")
+    engine = _engine(engines, base, {"a": a})
+    with pytest.raises(ValueError, match=r"unknown LoRA adapter 'b' \(served here: a\)"):
+        engine.add_request("r", [5, 6, 7], GREEDY, lora_name="b")
+    plain = _engine(engines, base, {}, enable_lora=False)
+    with pytest.raises(ValueError, match="serves none"):
+        plain.add_request("r", [5, 6, 7], GREEDY, lora_name="a")
+    assert not engine.has_unfinished_requests() and not plain.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"enable_lora": False}, "--lora-modules needs --enable-lora"),
+    ({"max_loras": 1}, "--max-loras 1 is below the 2 adapters"),
+    ({"max_lora_rank": 0}, "max_lora_rank must be in"),
+])
+def test_engine_lora_settings_that_are_not_built_are_refused(overrides: dict[str, Any], message: str) -> None:
+    config = {"enable_lora": True, "lora_modules": (LoRAModule("a", "x"), LoRAModule("b", "y")), **overrides}
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**config)
+    with pytest.raises(ValueError, match="a name given twice"):
+        EngineConfig(enable_lora=True, lora_modules=(LoRAModule("a", "x"), LoRAModule("a", "y")))
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("sql=/adapters/sql", LoRAModule("sql", "/adapters/sql")),
+    ('{"name": "sql", "path": "/a/sql", "base_model_name": "llama"}', LoRAModule("sql", "/a/sql", "llama")),
+])
+def test_lora_modules_flag_reads_vllms_two_forms(text: str, expected: LoRAModule) -> None:
+    assert LoRAModule.parse(text) == expected
+    assert LoRAModule.parse(expected.to_arg()).name == expected.name
+
+
+@pytest.mark.parametrize("text", ["sql", '{"name": "sql"}', '{"name": "x", "path": "p", "rank": 4}', "=path"])
+def test_lora_modules_flag_refuses_what_it_cannot_read(text: str) -> None:
+    with pytest.raises(ValueError, match="--lora-modules"):
+        LoRAModule.parse(text)
+
+
+def _edited(adapter: Path, target: Path, **config: Any) -> Path:
+    """A copy of ``adapter`` with these adapter_config.json fields."""
+    target.mkdir(parents=True, exist_ok=True)
+    values = {**json.loads((adapter / "adapter_config.json").read_text()), **config}
+    (target / "adapter_config.json").write_text(json.dumps(values))
+    (target / "adapter_model.safetensors").write_bytes((adapter / "adapter_model.safetensors").read_bytes())
+    return target
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"use_dora": True}, "use_dora = True is not implemented"),
+    ({"bias": "lora_only"}, "bias 'lora_only'"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
+    ({"peft_type": "IA3"}, "peft_type 'IA3'"),
+    ({"some_future_field": True}, "some_future_field not implemented"),
+    ({"r": 32, "lora_alpha": 8}, "rank 32, above --max-lora-rank 16"),
+])
+def test_adapters_that_are_not_built_are_refused_by_name(built, tmp_path: Path, config: dict[str, Any],
+                                                         message: str) -> None:
+    base, a, _ = built("llama-bias")
+    bad = _edited(a, tmp_path / "bad", **config)
+    with pytest.raises(UnsupportedAdapter, match=message):
+        LLMEngine(EngineConfig(model=str(base), device="cpu", dtype="float32", num_blocks=8, enable_lora=True,
+                               lora_modules=(LoRAModule("bad", str(bad)),)))
+
+
+def test_adapted_modules_the_model_does_not_implement_are_refused(built, tmp_path: Path) -> None:
+    base, _, _ = built("llama-bias")
+    head = peft_adapter(base, tmp_path / "head", r=2, lora_alpha=2, target_modules=["lm_head"])
+    # PEFT saves the (tied) output head's own weight beside its A and B: a weight that is no LoRA pair.
+    with pytest.raises(UnsupportedAdapter, match="weight base_model.model.lm_head.base_layer.weight is not implemented"):
+        LLMEngine(EngineConfig(model=str(base), device="cpu", dtype="float32", num_blocks=8, enable_lora=True,
+                               lora_modules=(LoRAModule("head", str(head)),)))
+    weights = load_file(str(head / "adapter_model.safetensors"))
+    save_file({k: v for k, v in weights.items() if ".lora_" in k}, str(head / "adapter_model.safetensors"))
+    with pytest.raises(UnsupportedAdapter, match="LoRA on lm_head is not implemented"):
+        LLMEngine(EngineConfig(model=str(base), device="cpu", dtype="float32", num_blocks=8, enable_lora=True,
+                               lora_modules=(LoRAModule("head", str(head)),)))
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_text((head / "adapter_config.json").read_text())
+    (pickled / "adapter_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(UnsupportedAdapter, match="adapter_model.bin is a pickle, which is never loaded"):
+        LLMEngine(EngineConfig(model=str(base), device="cpu", dtype="float32", num_blocks=8, enable_lora=True,
+                               lora_modules=(LoRAModule("pickled", str(pickled)),)))
+
+
+def test_queries_and_keys_of_an_interleaved_rope_family_are_refused(tmp_path: Path) -> None:
+    """GLM's q and k rows are reordered as its checkpoint loads: an adapter's B for them would need the
+    same reordering, not built; its values and MLP are adapted."""
+    base = build_checkpoint(family_configs()["glm-interleaved-partial-rope"], tmp_path / "glm")
+    qk = peft_adapter(base, tmp_path / "qk", r=2, lora_alpha=2, target_modules=["q_proj"])
+    with pytest.raises(UnsupportedAdapter, match="queries and keys of glm"):
+        LLMEngine(EngineConfig(model=str(base), device="cpu", dtype="float32", num_blocks=8, enable_lora=True,
+                               lora_modules=(LoRAModule("qk", str(qk)),)))
+    values = peft_adapter(base, tmp_path / "v", r=2, lora_alpha=4, target_modules=["v_proj", "down_proj"])
+    engine = LLMEngine(EngineConfig(model=str(base), device="cpu", dtype="float32", num_blocks=16, block_size=8,
+                                    enable_lora=True, lora_modules=(LoRAModule("v", str(values)),)))
+    prompt = prompt_token_ids(13, seed=3)
+    engine.add_request("r", prompt, GREEDY, lora_name="v")
+    assert _run(engine)["r"] == peft_greedy(base, values, prompt, MAX_NEW_TOKENS)

@@ -57,6 +57,8 @@ class InstanceInfo(msgspec.Struct, kw_only=True):
     # Its KV cache's layout (``KVLayout.fingerprint``: dtype, shapes, model, block hashing): a prefill
     # hands KV only to a decode of the same. "" where unknown (taken as fitting any).
     kv_layout: str = ""
+    # The LoRA adapters it serves (its ``--lora-modules`` names): a request with one goes only to those.
+    lora_names: list[str] = msgspec.field(default_factory=list)
 
 
 class SignedEntry(msgspec.Struct):

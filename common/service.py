@@ -243,6 +243,7 @@ class EngineService:
             kv_cache_usage_perc=stats.kv_cache_usage_perc, num_blocks=stats.num_blocks,
             num_blocks_in_use=stats.num_blocks - stats.num_free_blocks, draining=self.draining,
             started_at=self._started_at, kv_layout=self.kv_layout,
+            lora_names=[] if self.engine.runner.lora is None else list(self.engine.runner.lora.slots),
         )
 
     # ------------------------------------------------------------ outputs

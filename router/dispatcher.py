@@ -453,6 +453,13 @@ class Dispatcher:
         """Send to [P] with D as decode target, or straight to D; the instances now holding it."""
         pool = self.pool
         prefills, decodes = pool.alive("prefill"), pool.alive("decode")
+        lora = request.lora_name
+        if lora is not None:  # only instances that serve the request's adapter
+            prefills = [p for p in prefills if lora in p.lora_names]
+            decodes = [d for d in decodes if lora in d.lora_names]
+            if not decodes:
+                raise APIError(503, f"no decode instance serving LoRA adapter '{lora}' is available",
+                               code="no_instances")
         if not decodes:
             raise APIError(503, "no decode instance is available", code="no_instances")
         ranked_decodes = self.policy.rank_decode(decodes, pool.inflight)

@@ -78,3 +78,25 @@ def test_generate_with_ngram_drafts_gives_the_transformers_greedy_tokens_and_ref
     proc = _generate("--prompt", prompt, "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}')
     assert proc.returncode == 2 and "'eagle' is not implemented" in proc.stderr
 
+
+
+def test_generate_with_a_lora_adapter_gives_pefts_greedy_tokens_and_refuses_an_unknown_one(tmp_path):
+    from tests.engine.conftest import model_path
+    from tests.engine.tiny_models import peft_adapter, peft_greedy
+
+    adapter = peft_adapter(Path(model_path()), tmp_path / "adapter", r=8, lora_alpha=16, scale=2.0,
+                           target_modules=["v_proj", "o_proj", "up_proj", "down_proj"])
+    prompt = "The capital of France is"
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"prompt": prompt, "max_tokens": 8, "ignore_eos": True},
+             {"prompt": prompt, "max_tokens": 8, "ignore_eos": True, "lora_name": None}]
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    proc = _generate("--input", str(src), "--output", str(dst), "--enable-lora", "--lora-modules",
+                     f"sql={adapter}", "--lora-name", "sql")
+    assert proc.returncode == 0, proc.stderr
+    adapted, base = _json_lines(dst.read_text(encoding="utf-8"))
+    ids = tokenizer()(prompt).input_ids
+    assert adapted["token_ids"] == peft_greedy(Path(model_path()), adapter, ids, 8)
+    assert base["token_ids"] == list(hf_greedy(tuple(ids), 8)) != adapted["token_ids"]
+    proc = _generate("--prompt", prompt, "--enable-lora", "--lora-modules", f"sql={adapter}", "--lora-name", "nope")
+    assert proc.returncode == 2 and "unknown LoRA adapter 'nope' (served here: sql)" in proc.stderr

@@ -491,10 +491,12 @@ def prompt_token_ids(length: int, seed: int = 1) -> list[int]:
     return torch.randint(3, TINY_DIMS["vocab_size"], (length,), generator=gen).tolist()
 
 
-def peft_adapter(base: Path, target: Path, seed: int = 0, **lora_config: Any) -> Path:
+def peft_adapter(base: Path, target: Path, seed: int = 0, scale: float = 20.0, **lora_config: Any) -> Path:
     """A LoRA adapter for the checkpoint at ``base``, saved by PEFT (``adapter_config.json`` and
     ``adapter_model.safetensors``), A and B random (B is zeros at PEFT's default initialization, an
-    adapter that changes nothing) and large enough to change greedy tokens."""
+    adapter that changes nothing), B times ``scale``: large enough to change greedy tokens. (On a trained
+    model, keep it small and off q and k: a large one drives the model where float32 rounding alone
+    changes its tokens, PEFT's own merged weights' among them.)"""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
@@ -502,7 +504,7 @@ def peft_adapter(base: Path, target: Path, seed: int = 0, **lora_config: Any) ->
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
-                param.mul_(20.0)
+                param.mul_(scale)
     model.save_pretrained(str(target))
     return target
 

@@ -92,6 +92,7 @@ class FakeEngine(threading.Thread):
         self.token_delay_s = token_delay_s
         self.block_size = block_size
         self.kv_layout = ""  # as a real engine publishes it; a test may set it before the engine starts
+        self.lora_names: list[str] = []  # the LoRA adapters it says it serves (likewise)
         self.mode = mode
         self.announce = announce
         self.restarts_on_arrival = restarts_on_arrival
@@ -117,7 +118,7 @@ class FakeEngine(threading.Thread):
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             num_requests_running=len(self._active),
-            started_at=self.started_at, kv_layout=self.kv_layout,
+            started_at=self.started_at, kv_layout=self.kv_layout, lora_names=self.lora_names,
             draining=self.draining_since is not None and time.monotonic() - self.draining_since >= self.registry_lag_s,
         )
 

@@ -478,3 +478,31 @@ def test_up_hands_the_scheduling_policy_to_every_engine_and_the_router(
     router = spawned["router"]
     flag = router.index("--scheduling-policy")
     assert router_parser().parse_args(router[flag:flag + 2]).scheduling_policy == "priority"
+
+
+def test_lora_adapters_go_to_every_engine_and_their_names_to_the_router_and_are_checked_first(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    import json
+
+    from common.lora_modules import LoRAModule
+    from ops.launcher import main
+
+    adapter = tmp_path / "sql"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    spawned = _spawned(monkeypatch, tmp_path, "--enable-lora", "--lora-modules", f"sql={adapter}", "--max-loras", "2")
+    for name in ("prefill-0", "decode-0"):
+        argv = spawned[name]
+        assert "--enable-lora" in argv and argv[argv.index("--max-loras") + 1] == "2"
+        assert LoRAModule.parse(argv[argv.index("--lora-modules") + 1]) == LoRAModule("sql", str(adapter.resolve()))
+    router = spawned["router"]
+    assert LoRAModule.parse(router[router.index("--lora-modules") + 1]).name == "sql"
+    assert "--enable-lora" not in router and "--max-loras" not in router
+    with pytest.raises(SystemExit, match="--lora-modules needs --enable-lora"):
+        main(["up", "--lora-modules", f"sql={adapter}"])
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                             "use_dora": True}))
+    with pytest.raises(SystemExit, match="use_dora = True is not implemented"):
+        main(["up", "--enable-lora", "--lora-modules", f"sql={adapter}"])

@@ -1,0 +1,71 @@
+"""LoRA adapters through the real stack: a prefill and a decode instance both serving a PEFT adapter
+(``--enable-lora --lora-modules``) behind the router; the openai client names the adapter as its model.
+Its streamed greedy text through prefill -> KV transfer -> decode equals PEFT's own ``generate``; the
+base model's text for the same prompt, sent after it, equals transformers' (the prefill's cached blocks
+of the adapter are not the base model's); /v1/models lists the adapter under the base model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.e2e.stack import prefill_decode_stack
+from tests.engine.conftest import PROMPTS, hf_greedy, model_path, tokenizer
+from tests.engine.tiny_models import peft_adapter, peft_greedy
+
+pytestmark = pytest.mark.timeout(600)
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPT = PROMPTS[6]  # long enough to go prefill -> KV transfer -> decode
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return peft_adapter(Path(model_path()), tmp_path_factory.mktemp("lora") / "sql", r=8, lora_alpha=16, scale=2.0,
+                        target_modules=["v_proj", "o_proj", "up_proj", "down_proj"])
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url, adapter):  # type: ignore[no-untyped-def]
+    module = f"sql={adapter}"
+    engine_args = ["--enable-lora", "--lora-modules", module]
+    with prefill_decode_stack(redis_url, model_path(), router_args=["--lora-modules", module],
+                              decode_args=engine_args, prefill_args=engine_args) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack):  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _text(ids: list[int]) -> str:
+    return tokenizer().decode(ids, skip_special_tokens=True)
+
+
+def test_the_adapter_s_streamed_text_is_pefts_and_the_base_model_s_is_transformers(stack, client, adapter):  # type: ignore[no-untyped-def]
+    prompt_ids = tokenizer()(PROMPT).input_ids
+    expected = _text(peft_greedy(Path(model_path()), adapter, prompt_ids, MAX_TOKENS))
+    base = _text(list(hf_greedy(tuple(prompt_ids), MAX_TOKENS)))
+    assert expected != base  # the adapter changes the text: a request run without it would fail
+    kwargs = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    events = list(client.completions.create(model="sql", stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in events if c.choices) == expected
+    assert {c.model for c in events} == {"sql"}
+    # Again, now from the prefill instance's prefix cache (the adapter's blocks), and then the base model.
+    assert client.completions.create(model="sql", **kwargs).choices[0].text == expected
+    assert client.completions.create(model=MODEL, **kwargs).choices[0].text == base
+    prefill = stack.metrics("prefill-a")
+    assert prefill.get("pdserve:prefix_cache_hits_total", 0.0) > 0
+
+
+def test_models_lists_the_adapter_under_the_base_model_and_an_unknown_name_is_a_404(client, adapter):  # type: ignore[no-untyped-def]
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {MODEL, "sql"}
+    assert cards["sql"].parent == MODEL and cards["sql"].root == str(adapter.resolve())
+    assert client.models.retrieve("sql").parent == MODEL
+    with pytest.raises(openai.NotFoundError, match="the model 'nope' does not exist"):
+        client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)

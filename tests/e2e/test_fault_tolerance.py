@@ -1,7 +1,7 @@
 """No request dies with a process: real engines killed, stopped and restarted under the openai client.
 
 One prefill and two decode processes (one of them with async scheduling, the other with n-gram
-drafts), a real Redis and the real model. Each test breaks a process while it holds a request, then checks that the client saw one
+drafts; all three serving a LoRA adapter), a real Redis and the real model. Each test breaks a process while it holds a request, then checks that the client saw one
 unbroken output equal to the uninterrupted run (greedy), and that every live engine is back to 0
 blocks in use with its idle pool check clean. The uninterrupted reference runs after the fault, on the repaired stack, so a
 prefix-cache hit cannot hide the work the fault case had to redo.
@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -24,6 +25,7 @@ import pytest
 from tests.conftest import RedisServer
 from tests.e2e.stack import Stack
 from tests.engine.conftest import model_path
+from tests.engine.tiny_models import peft_adapter
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -33,6 +35,9 @@ DECODES = ("decode-f1", "decode-f2")
 # Long enough to see the stall path by the registry (about 6 s) before the stall timeout.
 ROUTER_FLAGS = ["--engine-stall-timeout", "15"]
 ENGINE_FLAGS = ["--router-lease-timeout", "6"]
+# Every process serves the LoRA adapter "sql" (``--lora-modules``, its folder set by the stack fixture): a
+# request with it must keep it wherever it moves.
+LORA_MODULES: list[str] = []
 # One decode schedules each step while the one before is in flight, the other synchronously, checking
 # n-gram drafts (several tokens a step): a request moved between them must still give the uninterrupted
 # output.
@@ -43,7 +48,12 @@ DRAFTING_ENGINES = {"decode-f2": ["--speculative-config", json.dumps(
 
 
 def engine_flags(name: str) -> list[str]:
-    return [*ENGINE_FLAGS, *(["--async-scheduling"] if name in ASYNC_ENGINES else []), *DRAFTING_ENGINES.get(name, [])]
+    return [*ENGINE_FLAGS, *(["--async-scheduling"] if name in ASYNC_ENGINES else []), *DRAFTING_ENGINES.get(name, []),
+            "--enable-lora", "--lora-modules", *LORA_MODULES]
+
+
+def router_flags() -> list[str]:
+    return [*ROUTER_FLAGS, "--lora-modules", *LORA_MODULES]
 
 
 def wait_until(cond: Callable[[], Any], timeout_s: float = 120.0, what: str = "condition") -> Any:
@@ -57,12 +67,15 @@ def wait_until(cond: Callable[[], Any], timeout_s: float = 120.0, what: str = "c
 
 
 @pytest.fixture(scope="module")
-def stack():  # type: ignore[no-untyped-def]
+def stack(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    adapter = peft_adapter(Path(model_path()), tmp_path_factory.mktemp("lora") / "sql", r=8, lora_alpha=16, scale=2.0,
+                           target_modules=["v_proj", "o_proj", "up_proj", "down_proj"])
+    LORA_MODULES[:] = [f"sql={adapter}"]
     redis = RedisServer()
     s = Stack(redis_url=redis.url, model=model_path())
     for name, role in ROLES.items():
         s.start_engine(role, name, engine_flags(name))
-    s.start_router(ROUTER_FLAGS)
+    s.start_router(router_flags())
     try:
         s.wait_ready(1, 2, timeout_s=300)
         yield s
@@ -85,7 +98,7 @@ def repair(s: Stack) -> None:
         if proc.popen.poll() is None:
             os.kill(proc.popen.pid, signal.SIGCONT)
         elif name == "router":
-            s.start_router(ROUTER_FLAGS)
+            s.start_router(router_flags())
         else:
             s.start_engine(ROLES[name], name, engine_flags(name))
     s.wait_ready(1, 2, timeout_s=300)
@@ -163,6 +176,26 @@ def test_decode_killed_mid_stream_continues_elsewhere(stack, client):  # type: i
     assert killed, "the stream ended before a decode was killed"
     repair(stack)
     assert text == reference(client, kwargs)
+
+
+def test_decode_killed_mid_stream_with_a_lora_adapter_continues_with_it(stack, client):  # type: ignore[no-untyped-def]
+    """The request names the adapter: it moves to the other decode with it (the migration carries its
+    name and only instances serving it are chosen), so the text is the adapter's uninterrupted one, not
+    the base model's after the fault."""
+    kwargs = {**chat_kwargs("Tell me a long story about a lighthouse keeper.", 40), "model": "sql"}
+    killed: list[str] = []
+
+    def kill_holder(num_chunks: int) -> None:
+        if num_chunks == 4 and not killed:
+            victim = wait_until(lambda: running_on(stack, DECODES), 30, "a decode holding the stream")
+            kill(stack.procs[victim])
+            killed.append(victim)
+
+    text = stream_text(client, kwargs, kill_holder)
+    assert killed, "the stream ended before a decode was killed"
+    repair(stack)
+    assert text == reference(client, kwargs)
+    assert text != reference(client, {**kwargs, "model": MODEL})
 
 
 def test_decode_killed_during_a_non_streaming_request(stack, client):  # type: ignore[no-untyped-def]

@@ -1,4 +1,4 @@
-"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec``: benchmarks that print measured figures beside baselines."""
+"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec|lora``: benchmarks that print measured figures beside baselines."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ _BENCHES = {
     "structured": "ops.bench.structured",
     "kv-dtype": "ops.bench.kv_dtype",
     "spec": "ops.bench.spec_decode",
+    "lora": "ops.bench.lora",
 }
 
 

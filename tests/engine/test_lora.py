@@ -122,22 +122,26 @@ def test_each_request_gets_its_adapters_tokens_in_a_batch_that_mixes_them(built,
 
 
 def test_the_kv_of_a_prompt_run_with_an_adapter_goes_to_a_decode_instance_serving_it(built, engines) -> None:
-    """Prefill -> KV hand-off -> decode, both with the adapter: PEFT's tokens. A decode instance hashes
-    the request's blocks under its adapter, so a prefill's blocks of another adapter do not match."""
+    """Prefill -> KV hand-off -> decode, both with the adapter, two choices forked on the decode instance:
+    PEFT's tokens for each. A decode instance hashes the request's blocks under its adapter, so a
+    prefill's blocks of another adapter do not match."""
     base, a, b = built("llama-bias")
     prefill = _engine(engines, base, {"a": a, "b": b})
     decode = _engine(engines, base, {"a": a, "b": b})
     prompt = prompt_token_ids(21, seed=5)
-    prefill.add_request("r", prompt, GREEDY, kv_transfer=True, lora_name="a")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, n=2)
+    prefill.add_request("r", prompt, params, kv_transfer=True, lora_name="a")
     while not (outs := prefill.step()):
         pass
-    [out] = outs
-    assert out.kv_handoff is not None
-    mismatched = decode.add_remote_request("r", prompt, out.new_token_ids[0], GREEDY, lora_name="b")
+    [out] = [o for o in outs if o.kv_handoff is not None]  # choice 0's, with every choice's first token
+    choices = out.kv_handoff.choice_token_ids
+    mismatched = decode.add_remote_request("r", prompt, out.new_token_ids[0], params, lora_name="b",
+                                           choice_token_ids=choices)
     assert mismatched is not None
     assert [bytes(h) for h in mismatched.block_hashes] != [bytes(h) for h in out.kv_handoff.block_hashes]
     decode.release_kv("r")
-    handoff = decode.add_remote_request("r", prompt, out.new_token_ids[0], GREEDY, lora_name="a")
+    handoff = decode.add_remote_request("r", prompt, out.new_token_ids[0], params, lora_name="a",
+                                        choice_token_ids=choices)
     assert handoff is not None
     assert [bytes(h) for h in handoff.block_hashes] == [bytes(h) for h in out.kv_handoff.block_hashes]
     src, dst = torch.tensor(out.kv_handoff.block_ids), torch.tensor(handoff.block_ids)
@@ -145,7 +149,23 @@ def test_the_kv_of_a_prompt_run_with_an_adapter_goes_to_a_decode_instance_servin
                                          prefill.runner.kernels.gather_blocks(prefill.runner.kv_cache, src))
     assert prefill.release_kv("r")
     decode.remote_kv_arrived("r")
-    assert [out.new_token_ids[0], *_run(decode)["r"]] == _peft(base, a, tuple(prompt))
+    tokens = _run(decode)
+    assert [out.new_token_ids[0], *tokens["r"]] == _peft(base, a, tuple(prompt))
+    assert [choices[1], *tokens["r#1"]] == _peft(base, a, tuple(prompt))
+
+
+def test_requests_preempted_and_recomputed_keep_their_adapters(built, engines) -> None:
+    """A pool too small for the batch: requests are preempted and recomputed, each with its adapter."""
+    base, a, b = built("llama-bias")
+    engine = _engine(engines, base, {"a": a, "b": b}, num_blocks=10, max_num_batched_tokens=16)
+    cases = [(f"r{i}", [None, "a", "b"][i % 3], 15 + i) for i in range(6)]
+    for rid, lora, length in cases:
+        engine.add_request(rid, prompt_token_ids(length, seed=length), GREEDY, lora_name=lora)
+    tokens = _run(engine)
+    assert engine.scheduler.num_preemptions > 0
+    for rid, lora, length in cases:
+        expected = _peft(base, {None: None, "a": a, "b": b}[lora], tuple(prompt_token_ids(length, seed=length)))
+        assert tokens[rid] == expected, rid
 
 
 def test_the_prefix_cache_keeps_each_adapters_blocks_apart(built, engines) -> None:

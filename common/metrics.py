@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common.engine.engine import SPEC_PER_POS, EngineStats
+from common.engine.engine import LORA_REQUESTS, SPEC_PER_POS, EngineStats
 from common.metrics_server import serve_health_and_metrics
 from common.nvml_metrics import register_nvml_collector
 
@@ -54,6 +54,9 @@ class EngineMetrics:
         }
         self._spec_per_pos = Counter(PREFIX + SPEC_PER_POS, "Drafts kept, by their position in the step's drafts",
                                      [*names, "position"], registry=self.registry)
+        # Requests with each LoRA adapter, by state; exported only by an engine serving adapters.
+        self._lora_requests = Gauge(PREFIX + "lora_requests", "Requests with a LoRA adapter, by adapter and state",
+                                   [*names, "lora_name", "state"], registry=self.registry)
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed later)")
@@ -84,6 +87,9 @@ class EngineMetrics:
             if name.startswith(SPEC_PER_POS + ":"):
                 position = name.rpartition(":")[2]
                 self._spec_per_pos.labels(**self.labels, position=position).inc(value - self._last.extra.get(name, 0.0))
+            elif name.startswith(LORA_REQUESTS + ":"):
+                _, state, lora_name = name.split(":", 2)
+                self._lora_requests.labels(**self.labels, lora_name=lora_name, state=state).set(value)
         self._last = stats
 
     def serve(self, host: str, port: int, ready: Callable[[], bool] = lambda: True) -> None:

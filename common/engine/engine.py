@@ -113,6 +113,8 @@ NOT_FINITE_ERROR = "the model's logits for this request were not finite (NaN or 
 NOT_FINITE = -1  # the sampled id of a row whose logits were not finite (``SampledTokens.result``)
 # ``EngineStats.extra``'s keys of the drafts kept per position: this, a colon, the position (vLLM's name).
 SPEC_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
+# ``EngineStats.extra`` keys ``lora_requests:<running|waiting>:<adapter>``: requests with each LoRA adapter.
+LORA_REQUESTS = "lora_requests"
 
 _FINISHED = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -721,6 +723,13 @@ class LLMEngine:
                       "spec_decode_num_draft_tokens": float(self.spec_num_draft_tokens),
                       "spec_decode_num_accepted_tokens": float(self.spec_num_accepted_tokens)}
             extra |= {f"{SPEC_PER_POS}:{j}": float(n) for j, n in enumerate(self.spec_accepted_per_pos)}
+        if self.runner.lora is not None:  # requests per adapter served, running and waiting
+            for kind, requests in (("running", tuple(self.scheduler.running)), ("waiting", waiting)):
+                counts = dict.fromkeys(self.runner.lora.slots, 0.0)
+                for req in requests:
+                    if req.lora_name is not None:
+                        counts[req.lora_name] += 1
+                extra |= {f"{LORA_REQUESTS}:{kind}:{name}": n for name, n in counts.items()}
         return EngineStats(
             num_requests_running=len(self.scheduler.running),
             num_requests_waiting=len(waiting),

@@ -288,3 +288,25 @@ def test_queries_and_keys_of_an_interleaved_rope_family_are_refused(tmp_path: Pa
     prompt = prompt_token_ids(13, seed=3)
     engine.add_request("r", prompt, GREEDY, lora_name="v")
     assert _run(engine)["r"] == peft_greedy(base, values, prompt, MAX_NEW_TOKENS)
+
+
+def test_requests_per_adapter_are_exported_by_state(built, engines) -> None:
+    from prometheus_client import generate_latest
+
+    from common.metrics import EngineMetrics
+
+    base, a, b = built("llama-bias")
+    engine = _engine(engines, base, {"a": a, "b": b}, max_num_seqs=2, max_num_batched_tokens=64)
+    for rid, lora in (("r0", "a"), ("r1", "a"), ("r2", "b"), ("r3", None)):
+        engine.add_request(rid, prompt_token_ids(9, seed=1), GREEDY, lora_name=lora)
+    engine.step()  # r0 and r1 run (two at most), r2 and r3 wait
+    metrics = EngineMetrics("decode", "decode-0", "m")
+    metrics.update(engine.stats())
+    text = generate_latest(metrics.registry).decode()
+    at = 'pdserve:lora_requests{instance="decode-0",lora_name="%s",model_name="m",role="decode",state="%s"}'
+    assert f"{at % ('a', 'running')} 2.0" in text and f"{at % ('b', 'waiting')} 1.0" in text
+    assert f"{at % ('b', 'running')} 0.0" in text and f"{at % ('a', 'waiting')} 0.0" in text
+    _run(engine)
+    plain = EngineMetrics("decode", "decode-1", "m")
+    plain.update(_engine(engines, base, {}, enable_lora=False).stats())
+    assert "pdserve:lora_requests{" not in generate_latest(plain.registry).decode()

@@ -40,9 +40,18 @@ def test_adapter_requests_go_only_to_instances_serving_the_adapter(redis_url: st
         targets = {r.decode_target.instance_id for i in ("prefill-0", "prefill-1") for r in cluster.engine(i).requests
                    if r.lora_name == "sql" and r.decode_target is not None}
         assert targets == {"decode-1"}
+        # Chat completions and the Responses API name it the same way.
+        before = len(cluster.engine("prefill-1").requests)
+        chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+            "model": "sql", "messages": [{"role": "user", "content": "x " * 40}], "max_tokens": 3})
+        assert chat.status_code == 200 and chat.json()["model"] == "sql", chat.text
+        responses = httpx.post(f"{server.url}/v1/responses", timeout=30,
+                               json={"model": "sql", "input": "y " * 40, "max_output_tokens": 3, "store": False})
+        assert responses.status_code == 200 and responses.json()["model"] == "sql", responses.text
+        assert [r.lora_name for r in cluster.engine("prefill-1").requests[before:]] == ["sql", "sql"]
         # Not served by any decode instance: refused by name, nothing sent.
         response = httpx.post(f"{server.url}/v1/completions", timeout=30,
                               json={"model": "chat", "prompt": PROMPT, "max_tokens": 3})
         assert response.status_code == 503
         assert "no decode instance serving LoRA adapter 'chat'" in response.json()["error"]["message"]
-        assert sum(len(cluster.engine(i).requests) for i in taken) == 6
+        assert sum(len(cluster.engine(i).requests) for i in taken) == 8

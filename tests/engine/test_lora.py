@@ -100,15 +100,18 @@ def _run(engine: LLMEngine) -> dict[str, list[int]]:
     return tokens
 
 
-@pytest.mark.parametrize("speculative", [None, '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
-                                               '"prompt_lookup_max": 2}'], ids=["plain", "drafts"])
+_DRAFTS = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+
+
+@pytest.mark.parametrize("engine_config", [{}, {"speculative_config": _DRAFTS}, {"async_scheduling": True}],
+                         ids=["plain", "drafts", "async"])
 @pytest.mark.parametrize("family", list(ADAPTERS))
 def test_each_request_gets_its_adapters_tokens_in_a_batch_that_mixes_them(built, engines, family: str,
-                                                                          speculative: str | None) -> None:
+                                                                          engine_config: dict[str, Any]) -> None:
     """Two adapters and the base model in one batch, prompts prefilled in chunks beside decodes: each
     request's greedy tokens are PEFT's with its adapter (transformers' without)."""
     base, a, b = built(family)
-    engine = _engine(engines, base, {"a": a, "b": b}, speculative_config=speculative)
+    engine = _engine(engines, base, {"a": a, "b": b}, **engine_config)
     cases = [("base", None, 19), ("a", a, 21), ("b", b, 17), ("a-again", a, 26), ("b-again", b, 9)]
     for name, adapter, length in cases:
         lora = None if adapter is None else name.removesuffix("-again")

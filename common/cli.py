@@ -3,13 +3,15 @@
     pdserve up [--prefill N] [--decode M]     the whole local stack (Redis, router, engines)
     pdserve router | prefill | decode ...     one service
     pdserve generate --prompt TEXT ...        offline generation in this process
-    pdserve bench offline|serve|kv|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec ...   benchmarks
+    pdserve bench offline|serve|kv|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec|lora ...   benchmarks
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import sys
+from typing import Any
 
 _COMMANDS = {
     "up": ("ops.launcher", "main"),
@@ -19,6 +21,17 @@ _COMMANDS = {
     "generate": ("common.generate", "main"),
     "bench": ("ops.bench", "main"),
 }
+
+
+def json_object(text: str, flag: str) -> dict[str, Any]:
+    """A flag's value read as a JSON object (vLLM's JSON flags); ``ValueError`` naming the flag otherwise."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

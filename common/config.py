@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
+from common.cli import json_object
 from common.lora_modules import LoRAModule, lora_module_arg
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -49,10 +49,7 @@ class SpeculativeConfig:
     def parse(cls, value: str | dict[str, Any]) -> SpeculativeConfig:
         """From the flag's JSON (or a dict); ``ValueError`` naming what is not implemented or invalid."""
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config must be a JSON object: {e}") from None
+            value = json_object(value, "--speculative-config")
         if not isinstance(value, dict):
             raise ValueError("--speculative-config must be a JSON object")
         fields_ = {name: v for name, v in value.items() if v is not None}  # null: unset, as vLLM reads it

@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.cli import json_object
+
 
 @dataclass(frozen=True)
 class LoRAModule:
@@ -29,12 +31,7 @@ class LoRAModule:
         """From the flag's text; ``ValueError`` naming what is wrong."""
         text = text.strip()
         if text.startswith("{"):
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--lora-modules: not a JSON object: {e}") from None
-            if not isinstance(value, dict):
-                raise ValueError("--lora-modules: not a JSON object")
+            value = json_object(text, "--lora-modules")
             unknown = sorted(set(value) - {"name", "path", "base_model_name"})
             if unknown:
                 raise ValueError(f"--lora-modules: field(s) {', '.join(unknown)} not implemented "

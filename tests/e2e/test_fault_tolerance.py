@@ -162,8 +162,8 @@ def reference(client: openai.OpenAI, kwargs: dict[str, Any]) -> str:
     return text
 
 
-def test_decode_killed_mid_stream_continues_elsewhere(stack, client):  # type: ignore[no-untyped-def]
-    kwargs = chat_kwargs("Tell me a long story about a lighthouse keeper.", 40)
+def stream_killing_its_decode(stack: Stack, client: openai.OpenAI, kwargs: dict[str, Any]) -> str:
+    """The streamed text of a request whose decode is killed after its fourth chunk; the stack repaired."""
     killed: list[str] = []
 
     def kill_holder(num_chunks: int) -> None:
@@ -175,7 +175,12 @@ def test_decode_killed_mid_stream_continues_elsewhere(stack, client):  # type: i
     text = stream_text(client, kwargs, kill_holder)
     assert killed, "the stream ended before a decode was killed"
     repair(stack)
-    assert text == reference(client, kwargs)
+    return text
+
+
+def test_decode_killed_mid_stream_continues_elsewhere(stack, client):  # type: ignore[no-untyped-def]
+    kwargs = chat_kwargs("Tell me a long story about a lighthouse keeper.", 40)
+    assert stream_killing_its_decode(stack, client, kwargs) == reference(client, kwargs)
 
 
 def test_decode_killed_mid_stream_with_a_lora_adapter_continues_with_it(stack, client):  # type: ignore[no-untyped-def]
@@ -183,17 +188,7 @@ def test_decode_killed_mid_stream_with_a_lora_adapter_continues_with_it(stack, c
     name and only instances serving it are chosen), so the text is the adapter's uninterrupted one, not
     the base model's after the fault."""
     kwargs = {**chat_kwargs("Tell me a long story about a lighthouse keeper.", 40), "model": "sql"}
-    killed: list[str] = []
-
-    def kill_holder(num_chunks: int) -> None:
-        if num_chunks == 4 and not killed:
-            victim = wait_until(lambda: running_on(stack, DECODES), 30, "a decode holding the stream")
-            kill(stack.procs[victim])
-            killed.append(victim)
-
-    text = stream_text(client, kwargs, kill_holder)
-    assert killed, "the stream ended before a decode was killed"
-    repair(stack)
+    text = stream_killing_its_decode(stack, client, kwargs)
     assert text == reference(client, kwargs)
     assert text != reference(client, {**kwargs, "model": MODEL})
 

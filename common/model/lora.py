@@ -2,10 +2,10 @@
 
 Each adapted projection computes ``W x + B (A x) * scaling`` for the rows of a request that names an
 adapter, as PEFT's ``LoraLayer`` does, and ``W x`` alone for the others. Every adapter stays resident:
-its A and B are copied at start into a slot of tensors stacked over adapters (``[slots, ranks, in]`` and
-``[slots, out, ranks]``, the rank padded with zeros to the largest served), so a step needs no copy.
-A step groups its tokens by adapter (``LoRABatch``); each group costs two small matrix products per
-adapted projection. The scaling is folded into B as it loads.
+its A and B are copied at start into a slot of two tensors laid out over all adapters (A's rows and B's
+columns slot after slot, the rank padded with zeros to the largest served), so a step needs no copy.
+Each step says which adapter each token has (``LoRABatch``); ``LoRALinear`` explains what a step of one
+adapter and a step mixing them compute. The scaling is folded into B as it loads.
 
 On the projections this model stacks (q, k and v; gate and up), each part adapted has a column range of
 its own in the stacked ranks and writes only its own rows of the output. An adapter of a checkpoint that
@@ -109,7 +109,7 @@ def _config(folder: Path) -> dict[str, Any]:
     return config
 
 
-def _part_rows(parent: nn.Module, fused: str) -> list[int]:
+def _part_rows(parent: nn.Module) -> list[int]:
     """The output rows of each part of a stacked projection: q, k, v's, or gate and up's."""
     if isinstance(parent, Attention):
         return [parent.q_size, parent.kv_size, parent.kv_size]
@@ -117,10 +117,10 @@ def _part_rows(parent: nn.Module, fused: str) -> list[int]:
     return [parent.inter, parent.inter]
 
 
-def _target(model: LlamaForCausalLM, module: str) -> _Target:
-    """Where an adapted module (this model's name for it) lands, or ``UnsupportedAdapter``."""
+def _target(modules: dict[str, nn.Module], module: str) -> _Target:
+    """Where an adapted module (this model's name for it) lands among the model's ``modules``, or
+    ``UnsupportedAdapter``."""
     prefix, _, last = module.rpartition(".")
-    modules = dict(model.named_modules())
     own = modules.get(module)
     if isinstance(own, nn.Linear) and module.endswith(_ADAPTABLE):
         return _Target(module, 0, slice(0, own.out_features))
@@ -128,7 +128,7 @@ def _target(model: LlamaForCausalLM, module: str) -> _Target:
         stacked = modules.get(f"{prefix}.{fused}")
         if last in parts and isinstance(stacked, nn.Linear) and f"{prefix}.{fused}".endswith(_ADAPTABLE):
             index = parts.index(last)
-            sizes = _part_rows(modules[prefix], fused)
+            sizes = _part_rows(modules[prefix])
             start = sum(sizes[:index])
             return _Target(f"{prefix}.{fused}", index, slice(start, start + sizes[index]))
     if ".experts." in module:
@@ -170,12 +170,13 @@ def load_adapter(spec: LoRAModule, model: LlamaForCausalLM, max_rank: int) -> Lo
     if not pairs:
         raise UnsupportedAdapter(f"adapter {spec.name!r}: {file} holds no LoRA weights")
     arch = model.arch
+    modules = dict(model.named_modules())
     adapter = LoRAAdapter(spec.name, str(folder), rank, spec.base_model_name)
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise UnsupportedAdapter(f"adapter {spec.name!r}: {module} without lora_{'B' if 'A' in ab else 'A'}")
         ours = model_name(module + ".weight", arch.model_type).removesuffix(".weight")
-        target = _target(model, ours)
+        target = _target(modules, ours)
         if arch.rope_interleaved and target.module.endswith("qkv_proj") and target.rows.start < _q_and_k_rows(model, target):
             raise UnsupportedAdapter(f"LoRA on the queries and keys of {arch.model_type} (interleaved RoPE, its q and k "
                                      "rows reordered as the checkpoint loads) is not implemented")

@@ -220,9 +220,9 @@ class LoRALinear(nn.Module):
     A step of one adapter computes it with that slot's A and B. A step that mixes adapters (or has the
     base model's tokens beside them) computes every token against all slots' A at once (one product of
     ``slots x ranks`` columns), zeroes the columns of the slots that are not its own, and takes one
-    product with all slots' B side by side: four operations however many adapters the step mixes, and
-    no data-dependent shape (where the per-adapter loop of a gather, two products and a scatter each
-    costs a step about 10 operations an adapter per projection)."""
+    product with all slots' B side by side, added in place: three operations however many adapters the
+    step mixes, and no data-dependent shape (where a loop over the step's adapters of a gather, two
+    products and a scatter each cost about 10 operations an adapter per projection)."""
 
     def __init__(self, base: nn.Linear, num_slots: int, num_parts: int, rank: int, batch: LoRABatch) -> None:
         super().__init__()
@@ -260,12 +260,12 @@ class LoRALinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         y: Tensor = self.base(x)
         batch = self.batch
-        if batch.whole is not None:
+        if batch.whole is not None:  # the product with B added in place: two operations
             own = slice(batch.whole * self.width, (batch.whole + 1) * self.width)
-            y += F.linear(F.linear(x, self.lora_a[own]), self.lora_b[:, own])
-        elif batch.select is not None:
+            y.addmm_(F.linear(x, self.lora_a[own]), self.lora_b[:, own].t())
+        elif batch.select is not None:  # three
             xa = F.linear(x, self.lora_a).view(x.shape[0], batch.select.shape[1], self.width)
-            y += F.linear((xa * batch.select).view(x.shape[0], -1), self.lora_b)
+            y.addmm_((xa * batch.select).view(x.shape[0], -1), self.lora_b.t())
         return y
 
 

@@ -15,7 +15,11 @@ in the cache), a prefill step (``--batch`` prompts of ``--context`` tokens), and
 a decode step of ``--batch`` requests with mixed parameters (``overhead``'s ``MIXED``: temperatures,
 top-k, top-p, min-p, penalties, seeds, logprobs), over the model's vocabulary. The sampler's count
 takes the branches a GPU takes (no block maxima, no chunks: those are the CPU's), and counts apart its
-copies between host and device (``uploads``, ``downloads``), which on a GPU are launches too.
+copies between host and device (``uploads``, ``downloads``), which on a GPU are launches too. With
+LoRA adapters (``--lora-rank``: two random ones on every projection of every layer, as ``pdserve bench
+lora`` writes them), two more decode cases: ``decode-lora`` (every sequence with one adapter) and
+``decode-lora-mixed`` (sequences with either adapter or none), beside ``decode`` on the same model (its
+adapted projections idle). A step with adapted rows runs eagerly on a GPU, outside the decode CUDA graphs.
 
     pdserve bench overhead forward --batch 8 --context 64
 """
@@ -28,6 +32,7 @@ import contextlib
 import datetime
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -35,9 +40,12 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from common.lora_modules import LoRAModule
 from common.model.llama import AttentionMetadata, LlamaForCausalLM
 from common.model.loader import model_identity, resolve_model_path
+from common.model.lora import LoRAManager
 from common.model.weights import load_hf_config, load_model
+from ops.bench.lora import write_adapter
 from pdserve_kernels import get_kernels
 from pdserve_kernels.launch_recorder import Launch, recording
 
@@ -82,8 +90,13 @@ def step_inputs(model: LlamaForCausalLM, case: str, batch: int, context: int,
     return ids, positions, meta, kv_cache
 
 
-def count_forward(model: LlamaForCausalLM, backend: str, case: str, args: argparse.Namespace) -> dict[str, Any]:
-    ids, positions, meta, kv_cache = step_inputs(model, case, args.batch, args.context)
+def count_forward(model: LlamaForCausalLM, backend: str, case: str, args: argparse.Namespace,
+                  lora: LoRAManager | None = None) -> dict[str, Any]:
+    ids, positions, meta, kv_cache = step_inputs(model, case.removesuffix("-lora-mixed").removesuffix("-lora"),
+                                                 args.batch, args.context)
+    if lora is not None:  # which adapter each sequence has: none, adapter 0 for all, or each in turn
+        slots = {"decode-lora": [0] * args.batch, "decode-lora-mixed": [i % 3 - 1 for i in range(args.batch)]}
+        lora.set_batch(slots.get(case, [-1] * args.batch), meta.query_start_loc, torch.device("cpu"))
     with contextlib.ExitStack() as stack, torch.inference_mode():
         launches: list[Launch] = stack.enter_context(recording())[0] if backend == "triton" else []
         model(ids, positions, meta, kv_cache)  # once first: anything done on a first call only is not counted
@@ -143,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8, help="sequences in the step")
     p.add_argument("--context", type=int, default=64, help="tokens in the cache (decode), or in each prompt (prefill)")
     p.add_argument("--backends", default=",".join(BACKENDS))
-    p.add_argument("--cases", default="decode,prefill,sample")
+    p.add_argument("--cases", default="decode,prefill,sample",
+                   help="decode, prefill, sample; with --lora-rank also decode-lora, decode-lora-mixed")
+    p.add_argument("--lora-rank", type=int, default=0, help="serve two random LoRA adapters of this rank (0: none)")
     p.add_argument("--json", default=None, help="default: ops/bench/results/forward-ops-<date>.json")
     return p
 
@@ -154,28 +169,37 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in args.cases.split(",") if c]
     if not set(backends) <= set(BACKENDS) or not backends:
         raise SystemExit(f"--backends takes a comma-separated list of {', '.join(BACKENDS)}")
-    if not set(cases) <= {"decode", "prefill", "sample"} or not cases:
-        raise SystemExit("--cases takes a comma-separated list of decode, prefill, sample")
+    lora_cases = {"decode-lora", "decode-lora-mixed"}
+    if not set(cases) <= {"decode", "prefill", "sample", *lora_cases} or not cases:
+        raise SystemExit("--cases takes a comma-separated list of decode, prefill, sample, decode-lora, decode-lora-mixed")
+    if set(cases) & lora_cases and args.lora_rank < 1:
+        raise SystemExit("the decode-lora cases need --lora-rank")
     if args.batch < 1 or args.context < 1:
         raise SystemExit("--batch and --context must be positive")
     path = resolve_model_path(args.model)
     config = load_hf_config(path)
     results = []
+    adapters = tempfile.TemporaryDirectory()
+    lora_modules = tuple(LoRAModule(f"a{i}", str(write_adapter(Path(adapters.name) / f"a{i}", config, args.lora_rank, i)))
+                         for i in range(2 if args.lora_rank else 0))
+    lora: LoRAManager | None = None
     for backend in backends:
         if set(cases) - {"sample"}:
             model = load_model(path, config, get_kernels("cpu", backend), torch.float32, torch.device("cpu"),
                                args.context + 1)
-        results += [count_forward(model, backend, case, args) if case != "sample"
+            lora = LoRAManager(model, lora_modules, args.lora_rank) if lora_modules else None
+        results += [count_forward(model, backend, case, args, lora) if case != "sample"
                     else count_sample(int(config.vocab_size), backend, args) for case in cases]
+    adapters.cleanup()
     report = {"date": datetime.date.today().isoformat(),
               "command": " ".join(["pdserve bench overhead forward", *(argv if argv is not None else sys.argv[1:])]),
               "model": path.name, "model_id": model_identity(path), "config": vars(args), "results": results}
     print(f"one forward (or sampling step) of {report['model']}: torch operations (views and allocations apart), Triton "
           "launches, and the sampler's copies between host and device")
-    print(f"{'case':8} {'backend':8} {'torch ops':>10} {'launches':>9} {'copies':>7} {'total':>7} {'per layer':>10}")
+    print(f"{'case':17} {'backend':8} {'torch ops':>10} {'launches':>9} {'copies':>7} {'total':>7} {'per layer':>10}")
     for r in results:
         copies = r.get("uploads", 0) + r.get("downloads", 0)
-        print(f"{r['case']:8} {r['backend']:8} {r['torch_ops']:>10} {r['triton_launches']:>9} {copies:>7} "
+        print(f"{r['case']:17} {r['backend']:8} {r['torch_ops']:>10} {r['triton_launches']:>9} {copies:>7} "
               f"{r['total']:>7} {r['per_layer'] if r['per_layer'] is not None else '':>10}")
     out = Path(args.json) if args.json else RESULTS_DIR / f"forward-ops-{report['date']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

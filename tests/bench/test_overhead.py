@@ -205,3 +205,26 @@ def test_the_forward_count_runs_both_backends_and_the_triton_one_launches_fewer(
         assert f"aten.{op}.default" not in triton_run["ops"], op
     assert triton_run["ops"]["aten.topk.default"] == 1  # beside it, torch's topk for the alternatives
     assert "per layer" in capsys.readouterr().out
+
+
+def test_the_forward_count_with_lora_adapters_adds_their_products_per_adapted_projection(tmp_path: Path) -> None:
+    """``--lora-rank``: every projection of a tiny Llama adapted (its q/k/v and gate/up stacked: 4 adapted
+    products a layer). One adapter for the whole step: its two operations on each (the product with A,
+    the one with B added in place); a mixed step one more (the mask); an idle step none."""
+    from tests.engine.tiny_models import build_checkpoint, family_configs
+
+    folder = build_checkpoint(family_configs()["llama-bias"], tmp_path / "llama")
+    out = tmp_path / "forward.json"
+    assert overhead.main(["forward", "--model", str(folder), "--batch", "6", "--context", "20", "--backends", "triton",
+                          "--cases", "decode,decode-lora,decode-lora-mixed", "--lora-rank", "4", "--json", str(out)]) == 0
+    got = {r["case"]: r for r in json.loads(out.read_text())["results"]}
+    plain = overhead.main(["forward", "--model", str(folder), "--batch", "6", "--context", "20", "--backends", "triton",
+                           "--cases", "decode", "--json", str(tmp_path / "plain.json")])
+    assert plain == 0
+    (without,) = json.loads((tmp_path / "plain.json").read_text())["results"]
+    layers = family_configs()["llama-bias"].num_hidden_layers
+    assert got["decode"]["total"] == without["total"]
+    assert got["decode-lora"]["total"] - got["decode"]["total"] == 4 * layers * 2
+    assert got["decode-lora-mixed"]["total"] - got["decode"]["total"] == 4 * layers * 3
+    with pytest.raises(SystemExit, match="need --lora-rank"):
+        overhead.main(["forward", "--model", str(folder), "--cases", "decode-lora"])

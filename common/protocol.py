@@ -69,6 +69,18 @@ class AbortRequest(msgspec.Struct, tag="abort", kw_only=True):
     request_id: RequestId
 
 
+class LoRAUpdate(msgspec.Struct, tag="lora_update", kw_only=True):
+    """Router -> engine: load the LoRA adapter at ``lora_path`` under ``lora_name`` into a free slot, or
+    (``lora_path`` None) unload ``lora_name``. The engine answers with a ``RequestOutput`` for
+    ``request_id`` at ``reply_to``: ``finish_reason`` "stop" when done, "error" with the reason."""
+
+    version: int = PROTOCOL_VERSION
+    request_id: RequestId
+    reply_to: Annotated[str, msgspec.Meta(max_length=512)]
+    lora_name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
+    lora_path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = None
+
+
 class RouterHeartbeat(msgspec.Struct, tag="router_heartbeat", kw_only=True):
     """Router -> engine, every second: the router at ``reply_to`` is alive (its lease is renewed).
 
@@ -197,7 +209,7 @@ def choice_request_ids(request_id: str, n: int) -> list[str]:
     return [choice_request_id(request_id, i) for i in range(n)]
 
 
-EngineInput = GenerateRequest | AbortRequest | RouterHeartbeat
+EngineInput = GenerateRequest | AbortRequest | RouterHeartbeat | LoRAUpdate
 EngineMessage = RequestOutput | OutputBatch | EngineProgress | RequestsStarted
 
 _encoder = msgspec.msgpack.Encoder()

@@ -34,6 +34,7 @@ from common.cluster_key import add_cluster_key_args, cluster_key_from_args
 from common.config import EngineConfig
 from common.endpoints import check_endpoint
 from common.engine.engine import EngineOutput, LLMEngine
+from common.lora_modules import LoRAModule
 from common.metrics import EngineMetrics
 from common.model.loader import served_model_name
 from common.nvml_metrics import torch_device_uuids
@@ -43,6 +44,7 @@ from common.protocol import (
     AbortRequest,
     EngineProgress,
     GenerateRequest,
+    LoRAUpdate,
     ProtocolError,
     RequestOutput,
     RequestsStarted,
@@ -422,6 +424,23 @@ class EngineService:
             return [request_id]
         return choice_request_ids(record.request.request_id, record.request.sampling_params.n)
 
+    def on_lora_update(self, msg: LoRAUpdate) -> None:
+        """Load or unload a LoRA adapter between steps, and answer the router: the registry entry lists the
+        adapters from the next heartbeat on."""
+        error = None
+        try:
+            if msg.lora_path is None:
+                self.engine.unload_lora(msg.lora_name)
+            else:
+                self.engine.load_lora(LoRAModule(msg.lora_name, msg.lora_path))
+        except (ValueError, OSError) as exc:
+            error = str(exc)
+        logger.info("LoRA adapter %r %s%s", msg.lora_name, "unloaded" if msg.lora_path is None else "loaded",
+                    "" if error is None else f" failed: {error}")
+        self._send(msg.reply_to, RequestOutput(
+            request_id=msg.request_id, new_token_ids=[], finish_reason="stop" if error is None else "error",
+            error=error, instance_id=self.instance_id))
+
     def on_abort(self, request_id: str) -> None:
         """Drop the request wherever it is here and free its blocks; unknown ids are ignored."""
         self.engine.abort_request(request_id)
@@ -470,6 +489,8 @@ class EngineService:
                     self.on_abort(msg.request_id)
                 elif isinstance(msg, RouterHeartbeat):
                     self.heard_from(msg.reply_to)
+                elif isinstance(msg, LoRAUpdate):
+                    self.on_lora_update(msg)
                 else:
                     self.on_generate(msg)
             except Exception:  # one message's failure fails that message, never the engine

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PEFT LoRA adapters (name=path, or vLLM's JSON form) every engine serves and the router "
                    "names: a request selects one by its name as the model")
     p.add_argument("--max-loras", type=int, default=None, help="the engines' --max-loras")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="the router serves POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with "
+                   "--enable-lora, and --max-loras above the --lora-modules for slots to load into)")
     p.add_argument("--max-lora-rank", type=int, default=None, help="the engines' --max-lora-rank")
     p.add_argument("--threads-per-engine", type=int, default=0,
                    help="torch CPU threads of each engine (0: the host's cores shared out, or OMP_NUM_THREADS)")
@@ -237,6 +240,8 @@ class Launcher:
             flags += ["--served-model-name", self.args.served_model_name]
         if self.args.lora_modules:
             flags += ["--lora-modules", *(m.to_arg() for m in self.args.lora_modules)]
+        if self.args.allow_runtime_lora_updating:
+            flags.append("--allow-runtime-lora-updating")
         if self.args.router_workers != 1:
             flags += ["--workers", str(self.args.router_workers)]
         if self.args.response_ttl is not None:

@@ -16,6 +16,7 @@ from starlette.types import Message, Receive, Scope, Send
 from router.admission import CLIENT_KEY
 from router.dispatcher import EngineRequestError
 from router.errors import APIError, bad_request, install_error_handlers, unexpected_error
+from router.lora_admin import install_lora_admin_routes
 from router.openai_models import ChatCompletionRequest, CompletionRequest, check_unicode
 from router.openai_responses import (
     ChatCompletionChunk,
@@ -54,6 +55,14 @@ from router.serving_tokenize import install_tokenize_routes
 from router.state import RouterState
 
 Handler = Callable[[RouterState, Any, "str | None", DisconnectWaiter], Awaitable[Response]]
+
+
+def _adapter_card(state: RouterState, name: str, created: int) -> ModelCard:
+    """A LoRA adapter's card: its folder (as ``--lora-modules`` gives it; an adapter the instances serve
+    without the router's flag, its name) and the base model it adapts, as vLLM shows them."""
+    module = next((m for m in state.config.lora_modules if m.name == name), None)
+    return ModelCard(id=name, created=created, max_model_len=state.max_model_len(), root=module.path if module else name,
+                     parent=(module and module.base_model_name) or state.config.served_model_names[0])
 
 
 def _reject_constant(name: str) -> Any:
@@ -150,6 +159,8 @@ def create_app(state: RouterState) -> FastAPI:
     install_error_handlers(app)
     install_openapi(app)
     install_tokenize_routes(app, state)  # /tokenize, /detokenize, /version
+    if state.config.allow_runtime_lora_updating:
+        install_lora_admin_routes(app, state)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     def count_error(status: int) -> None:
         state.metrics.http_errors.labels(status=str(status)).inc()
@@ -206,8 +217,7 @@ def create_app(state: RouterState) -> FastAPI:
         base = state.config.served_model_names
         cards = [
             *(ModelCard(id=name, created=created, max_model_len=state.max_model_len(), root=name) for name in base),
-            *(ModelCard(id=m.name, created=created, max_model_len=state.max_model_len(), root=m.path,
-                        parent=m.base_model_name or base[0]) for m in state.config.lora_modules),
+            *(_adapter_card(state, name, created) for name in state.lora_names()),
         ]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
@@ -217,10 +227,9 @@ def create_app(state: RouterState) -> FastAPI:
         """One served model (the SDK's ``models.retrieve``); 404 for any other."""
         state.api_keys.check(request.headers.get("authorization"))
         name = state.check_model(model)
-        lora = next((m for m in state.config.lora_modules if m.name == name), None)
-        card = ModelCard(
-            id=name, created=int(time.time()), max_model_len=state.max_model_len(), root=lora.path if lora else name,
-            parent=(lora.base_model_name or state.config.served_model_names[0]) if lora else None)
+        created = int(time.time())
+        card = (_adapter_card(state, name, created) if state.lora_name(name) is not None
+                else ModelCard(id=name, created=created, max_model_len=state.max_model_len(), root=name))
         return JSONResponse(card.model_dump(mode="json"))
 
     # Stored responses (``router/response_store.py``): each readable by the API key that made it.

@@ -87,6 +87,8 @@ class RouterConfig:
     # LoRA adapters the engines serve (their ``--lora-modules``): a request naming one as its model runs
     # with it; listed by /v1/models under the base model.
     lora_modules: list[LoRAModule] = field(default_factory=list)
+    # vLLM's runtime LoRA updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (``router.lora_admin``).
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-modules", nargs="+", default=[], type=lora_module_arg, metavar="NAME=PATH",
                    help="the engines' LoRA adapters (their --lora-modules): a request naming one as its model "
                    "runs with it; /v1/models lists them under the base model")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter: LoRA adapters loaded "
+                   "into (and unloaded from) every engine's free --max-loras slots at run time, from paths on the "
+                   "engines' hosts (behind the API keys; keep it off where clients are not trusted with that)")
     p.add_argument("--api-key", action="append", default=[], help="repeatable; also env PDSERVE_API_KEYS")
     p.add_argument("--routing-policy", choices=POLICIES, default=defaults.routing_policy)
     p.add_argument(
@@ -229,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     config = RouterConfig(
         served_model_names=args.served_model_name or [_served_name(args.model, model_dir)],
         lora_modules=args.lora_modules,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         redis_url=args.redis_url or None,
         namespace=args.namespace,
         api_keys=[*args.api_key, *keys_from_env()],

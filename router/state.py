@@ -94,8 +94,19 @@ class RouterState:
         raise APIError(404, f"the model '{requested}' does not exist", param="model", code="model_not_found")
 
     def lora_name(self, model: str | None) -> str | None:
-        """The LoRA adapter a request's model names (one of ``--lora-modules``), None for the base model."""
-        return model if any(m.name == model for m in self.config.lora_modules) else None
+        """The LoRA adapter a request's model names (one of ``--lora-modules``, or one an instance says it
+        serves: loaded at run time, or given to the engines only), None for the base model."""
+        if model is None or model in self.config.served_model_names:
+            return None
+        return model if model in self.lora_names() else None
+
+    def lora_names(self) -> list[str]:
+        """The adapters this router names: its ``--lora-modules``, then those its live instances serve."""
+        names = dict.fromkeys(m.name for m in self.config.lora_modules)
+        for role in ("prefill", "decode"):
+            for info in self.pool.alive(role):
+                names.update(dict.fromkeys(info.lora_names))
+        return list(names)
 
     def admit(self) -> None:
         """Count one more HTTP request in flight, or raise 429 past ``max_inflight``."""

@@ -31,6 +31,7 @@ from common.glibc_env import set_malloc_thresholds
 from common.kvcache.block_pool import KVBlock
 from common.kvcache.hashing import BlockHash
 from common.kvcache.kv_cache_manager import KVCacheManager
+from common.lora_modules import LoRAModule
 from common.protocol import MAX_PROMPT_LOGPROB_ENTRIES, PositionLogprobs, PromptLogprob, choice_request_id
 from common.sampling_params import SamplingParams
 
@@ -276,6 +277,23 @@ class LLMEngine:
             raise ValueError(f"LoRA adapter {lora_name!r} requested, but this engine serves none (--enable-lora "
                              "--lora-modules)")
         return lora.slot(lora_name)
+
+    def load_lora(self, module: LoRAModule) -> None:
+        """Load a LoRA adapter at run time into a free slot (``--max-loras``); ``ValueError`` naming why
+        not (nothing changed)."""
+        if self.runner.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
+        self.runner.lora.load(module)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload a LoRA adapter; ``ValueError`` for one not loaded, or one a request here still has."""
+        if self.runner.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
+        self.runner.lora.slot(name)
+        using = sum(r.lora_name == name for r in self.scheduler.requests.values())
+        if using:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {using} request(s) here; unload it when they end")
+        self.runner.lora.unload(name)
 
     def knows(self, request_id: str) -> bool:
         """The id is in use here: queued, running, held for a transfer or receiving one."""

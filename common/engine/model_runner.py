@@ -126,7 +126,8 @@ class ModelRunner:
             self.model_path, self.hf_config, self.kernels, self.dtype, self.device, self.max_model_len
         )
         # LoRA adapters, resident from here, before the KV cache is sized after what is left.
-        self.lora = LoRAManager(self.model, config.lora_modules, config.max_lora_rank) if config.enable_lora else None
+        self.lora = (LoRAManager(self.model, config.lora_modules, config.max_lora_rank, config.max_loras)
+                     if config.enable_lora else None)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.block_size = config.block_size
         self.num_layers = int(self.hf_config.num_hidden_layers)

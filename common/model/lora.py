@@ -117,15 +117,20 @@ def _part_rows(parent: nn.Module) -> list[int]:
     return [parent.inter, parent.inter]
 
 
+def _linear(module: nn.Module | None) -> nn.Module | None:
+    """A projection, the one a ``LoRALinear`` wraps for one that is wrapped."""
+    return module.base if isinstance(module, LoRALinear) else module
+
+
 def _target(modules: dict[str, nn.Module], module: str) -> _Target:
     """Where an adapted module (this model's name for it) lands among the model's ``modules``, or
     ``UnsupportedAdapter``."""
     prefix, _, last = module.rpartition(".")
-    own = modules.get(module)
+    own = _linear(modules.get(module))
     if isinstance(own, nn.Linear) and module.endswith(_ADAPTABLE):
         return _Target(module, 0, slice(0, own.out_features))
     for fused, parts in FUSED_PROJECTIONS.items():
-        stacked = modules.get(f"{prefix}.{fused}")
+        stacked = _linear(modules.get(f"{prefix}.{fused}"))
         if last in parts and isinstance(stacked, nn.Linear) and f"{prefix}.{fused}".endswith(_ADAPTABLE):
             index = parts.index(last)
             sizes = _part_rows(modules[prefix])
@@ -180,7 +185,7 @@ def load_adapter(spec: LoRAModule, model: LlamaForCausalLM, max_rank: int) -> Lo
         if arch.rope_interleaved and target.module.endswith("qkv_proj") and target.rows.start < _q_and_k_rows(model, target):
             raise UnsupportedAdapter(f"LoRA on the queries and keys of {arch.model_type} (interleaved RoPE, its q and k "
                                      "rows reordered as the checkpoint loads) is not implemented")
-        linear = model.get_submodule(target.module)
+        linear = _linear(modules[target.module])
         assert isinstance(linear, nn.Linear)
         a, b = ab["A"], ab["B"]
         rows = target.rows.stop - target.rows.start
@@ -270,27 +275,70 @@ class LoRALinear(nn.Module):
 
 
 class LoRAManager:
-    """The adapters an engine serves (``--lora-modules``), resident in slots 0, 1, ... in their order,
-    and the step's grouping of tokens by adapter."""
+    """The adapters an engine serves: those of ``--lora-modules`` in slots 0, 1, ... in their order, and
+    those loaded at run time (``load``) in the slots left (``--max-loras`` in all); and the step's
+    grouping of tokens by adapter.
 
-    def __init__(self, model: LlamaForCausalLM, modules: tuple[LoRAModule, ...], max_rank: int) -> None:
-        self.adapters = [load_adapter(spec, model, max_rank) for spec in modules]
-        self.slots = {a.name: i for i, a in enumerate(self.adapters)}
+    With no slot left for run time, only the projections the adapters adapt are wrapped, at their largest
+    rank; with slots left, every projection an adapter may adapt is, at ``--max-lora-rank``."""
+
+    def __init__(self, model: LlamaForCausalLM, modules: tuple[LoRAModule, ...], max_rank: int,
+                 num_slots: int | None = None) -> None:
+        self.model = model
+        self.max_rank = max_rank
+        loaded = [load_adapter(spec, model, max_rank) for spec in modules]
+        num_slots = max(len(loaded), num_slots or 0, 1)
+        self.adapters: list[LoRAAdapter | None] = [*loaded, *[None] * (num_slots - len(loaded))]
+        self.slots = {a.name: i for i, a in enumerate(loaded)}
         self.batch = LoRABatch()
         self.dtype = model.lm_head.weight.dtype
-        rank = max((a.rank for a in self.adapters), default=1)
-        targeted = sorted({module for a in self.adapters for module in a.weights})
+        runtime = num_slots > len(loaded)
+        rank = max_rank if runtime else max((a.rank for a in loaded), default=1)
+        if runtime:
+            targeted = sorted(name for name, m in model.named_modules()
+                              if isinstance(m, nn.Linear) and name.endswith(_ADAPTABLE))
+        else:
+            targeted = sorted({module for a in loaded for module in a.weights})
         self.layers: dict[str, LoRALinear] = {}
         for module in targeted:
             parent_name, _, attr = module.rpartition(".")
             base = model.get_submodule(module)
             assert isinstance(base, nn.Linear)
             parts = len(FUSED_PROJECTIONS.get(attr, (attr,)))
-            wrapped = LoRALinear(base, max(1, len(self.adapters)), parts, rank, self.batch)
-            for slot, adapter in enumerate(self.adapters):
+            wrapped = LoRALinear(base, num_slots, parts, rank, self.batch)
+            for slot, adapter in enumerate(loaded):
                 wrapped.set_slot(slot, adapter.weights.get(module, []))
             setattr(model.get_submodule(parent_name), attr, wrapped)
             self.layers[module] = wrapped
+
+    def load(self, spec: LoRAModule) -> int:
+        """Load an adapter into a free slot (at run time); its slot. ``ValueError`` (nothing changed) for a
+        name in use, no slot left, or an adapter that is not built (``UnsupportedAdapter``)."""
+        if spec.name in self.slots:
+            raise ValueError(f"LoRA adapter {spec.name!r} is already loaded")
+        free = [i for i, a in enumerate(self.adapters) if a is None]
+        if not free:
+            raise ValueError(f"no free LoRA slot: all {len(self.adapters)} of --max-loras hold adapters "
+                             f"({', '.join(self.slots)}); unload one first")
+        adapter = load_adapter(spec, self.model, self.max_rank)
+        missing = sorted(set(adapter.weights) - set(self.layers))
+        if missing:  # only where every slot was taken at start: nothing is wrapped beyond them
+            raise UnsupportedAdapter(f"adapter {spec.name!r} adapts {missing[0]}, which no adapter loaded at start "
+                                     "adapts (start with --max-loras above the --lora-modules to load adapters later)")
+        slot = free[0]
+        for module, layer in self.layers.items():
+            layer.set_slot(slot, adapter.weights.get(module, []))
+        self.adapters[slot] = adapter
+        self.slots[spec.name] = slot
+        return slot
+
+    def unload(self, name: str) -> None:
+        """Free an adapter's slot (its weights zeroed); ``ValueError`` for a name not loaded."""
+        slot = self.slot(name)
+        for layer in self.layers.values():
+            layer.set_slot(slot, [])
+        del self.slots[name]
+        self.adapters[slot] = None
 
     def slot(self, name: str) -> int:
         """An adapter's slot; ``ValueError`` naming the adapters served for any other name."""

@@ -2,12 +2,15 @@
 (``--enable-lora --lora-modules``) behind the router; the openai client names the adapter as its model.
 Its streamed greedy text through prefill -> KV transfer -> decode equals PEFT's own ``generate``; the
 base model's text for the same prompt, sent after it, equals transformers' (the prefill's cached blocks
-of the adapter are not the base model's); /v1/models lists the adapter under the base model."""
+of the adapter are not the base model's); /v1/models lists the adapter under the base model. A second
+adapter loaded at run time (vLLM's /v1/load_lora_adapter) into every engine's free slot serves PEFT's
+text too, and is gone once unloaded."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -31,8 +34,9 @@ def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def stack(redis_url, adapter):  # type: ignore[no-untyped-def]
     module = f"sql={adapter}"
-    engine_args = ["--enable-lora", "--lora-modules", module]
-    with prefill_decode_stack(redis_url, model_path(), router_args=["--lora-modules", module],
+    engine_args = ["--enable-lora", "--lora-modules", module, "--max-loras", "2"]
+    with prefill_decode_stack(redis_url, model_path(), router_args=["--lora-modules", module,
+                                                                    "--allow-runtime-lora-updating"],
                               decode_args=engine_args, prefill_args=engine_args) as s:
         yield s
 
@@ -69,3 +73,27 @@ def test_models_lists_the_adapter_under_the_base_model_and_an_unknown_name_is_a_
     assert client.models.retrieve("sql").parent == MODEL
     with pytest.raises(openai.NotFoundError, match="the model 'nope' does not exist"):
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+
+
+def test_an_adapter_loaded_at_run_time_serves_pefts_text_until_unloaded(stack, client, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    chat = peft_adapter(Path(model_path()), tmp_path / "chat", seed=3, r=4, lora_alpha=8, scale=2.0,
+                        target_modules=["v_proj", "down_proj"])
+    prompt_ids = tokenizer()(PROMPT).input_ids
+    expected = _text(peft_greedy(Path(model_path()), chat, prompt_ids, MAX_TOKENS))
+    loaded = httpx.post(f"{stack.url}/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": str(chat)},
+                        timeout=120)
+    assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'chat' added successfully."
+    assert {m.id for m in client.models.list().data} == {MODEL, "sql", "chat"}
+    kwargs = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    assert client.completions.create(model="chat", **kwargs).choices[0].text == expected
+    # Both slots of --max-loras 2 are taken: a third is refused by every instance, named.
+    full = httpx.post(f"{stack.url}/v1/load_lora_adapter", json={"lora_name": "third", "lora_path": str(chat)},
+                      timeout=120)
+    assert full.status_code == 400 and "no free LoRA slot" in full.json()["error"]["message"]
+    assert "prefill-a" in full.json()["error"]["message"] and "decode-a" in full.json()["error"]["message"]
+    unloaded = httpx.post(f"{stack.url}/v1/unload_lora_adapter", json={"lora_name": "chat"}, timeout=120)
+    assert unloaded.status_code == 200, unloaded.text
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="chat", **kwargs)
+    again = httpx.post(f"{stack.url}/v1/unload_lora_adapter", json={"lora_name": "chat"}, timeout=120)
+    assert again.status_code == 404

@@ -313,3 +313,33 @@ def test_requests_per_adapter_are_exported_by_state(built, engines) -> None:
     plain = EngineMetrics("decode", "decode-1", "m")
     plain.update(_engine(engines, base, {}, enable_lora=False).stats())
     assert "pdserve:lora_requests{" not in generate_latest(plain.registry).decode()
+
+
+def test_adapters_load_into_free_slots_and_unload_at_run_time(built, engines) -> None:
+    """With slots beyond --lora-modules, every adaptable projection is wrapped: an adapter loaded later
+    gives PEFT's tokens beside one loaded at start; a loaded name, a full engine and an adapter in use are
+    refused; an unloaded adapter's slot takes the next one."""
+    base, a, b = built("llama-bias")
+    engine = _engine(engines, base, {"a": a}, max_loras=2, max_lora_rank=8)
+    prompt = prompt_token_ids(14, seed=4)
+    engine.load_lora(LoRAModule("b", str(b)))
+    for name in ("a", "b"):
+        engine.add_request(name, prompt, GREEDY, lora_name=name)
+    assert _run(engine) == {"a": _peft(base, a, tuple(prompt)), "b": _peft(base, b, tuple(prompt))}
+    with pytest.raises(ValueError, match="'b' is already loaded"):
+        engine.load_lora(LoRAModule("b", str(b)))
+    with pytest.raises(ValueError, match="no free LoRA slot: all 2 of --max-loras hold adapters"):
+        engine.load_lora(LoRAModule("c", str(a)))
+    engine.add_request("busy", prompt, GREEDY, lora_name="b")
+    with pytest.raises(ValueError, match="'b' is in use by 1 request"):
+        engine.unload_lora("b")
+    _run(engine)
+    engine.unload_lora("b")
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'b'"):
+        engine.add_request("gone", prompt, GREEDY, lora_name="b")
+    engine.load_lora(LoRAModule("c", str(a)))  # adapter a's weights again, under another name, in b's slot
+    engine.add_request("c", prompt, GREEDY, lora_name="c")
+    assert _run(engine)["c"] == _peft(base, a, tuple(prompt))
+    full = _engine(engines, base, {"a": a})  # no slot beyond --lora-modules
+    with pytest.raises(ValueError, match="no free LoRA slot"):
+        full.load_lora(LoRAModule("b", str(b)))

@@ -57,6 +57,17 @@ correctness):
   layer (``use_parallel_residual``) and its LayerNorms of q and k, a weight per head (``qk_layernorm``);
   GPT-NeoX (Pythia) is that side-by-side layer with a norm of its own for the MLP, biases, a partial RoPE, an
   ungated MLP with the exact GELU, and its q/k/v fused head by head in the checkpoint (split as it loads).
+- OLMo 1 (``olmo``) is Llama's layer with LayerNorms that have neither weight nor bias (epsilon 1e-5, in float32:
+  the LayerNorm form met with a weight of ones, ``norm_weightless``), q/k/v and o biases by ``attention_bias``,
+  q, k and v clamped to ``clip_qkv``, and q and k rotated in float32 against float32 tables, as its code does.
+- Persimmon is Llama's layer with torch's LayerNorms, biases everywhere, a partial RoPE, GPT-NeoX's q/k/v fused
+  head by head, LayerNorms of q and k (one weight and bias shared by the heads, ``qk_layernorm``) and an ungated
+  MLP with a squared ReLU.
+- Falcon is GPT-NeoX's side-by-side layer with two norms (``new_decoder_architecture``; or one,
+  ``num_ln_in_parallel_attn`` 1), Phi's with one (``parallel_attn``), or Llama's sequential layer, with torch's
+  LayerNorms, biases by ``bias``, an ungated MLP ``ffn_hidden_size`` wide with the exact GELU, and its fused
+  q/k/v as its variant lays it out: grouped by kv head (new architecture), all queries then one k and one v
+  (``multi_query``), or head by head; ALiBi (``alibi``) is refused.
 """
 
 from __future__ import annotations
@@ -74,7 +85,7 @@ _COHERE_TYPES = ("cohere", "cohere2")
 # Families whose q/k/v and o projections have biases by ``attention_bias`` and whose MLPs have none.
 _ATTENTION_BIAS_TYPES = ("qwen3", "gemma", "gemma2", "gemma3_text", "vaultgemma", "hunyuan_v1_dense", "olmo2",
                          "olmo3", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "dots1",
-                         "flex_olmo", "hunyuan_v1_moe", "apertus", "afmoe", *_COHERE_TYPES)
+                         "flex_olmo", "hunyuan_v1_moe", "apertus", "afmoe", "olmo", *_COHERE_TYPES)
 _NO_BIAS_TYPES = ("mistral", "ministral", "ministral3", "phi3", "mixtral", "minimax_m2", "exaone4")  # no bias anywhere
 # Families whose q/k/v, o and MLP projections all have biases by ``use_bias`` (ERNIE 4.5, its experts none;
 # StarCoder2).
@@ -90,7 +101,7 @@ _HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 # Mixtures routed as DeepSeek-V3 routes (``ROUTER_SIGMOID_GROUPS``), with dense first layers and shared experts.
 _DEEPSEEK_ROUTED_TYPES = ("glm4_moe", "dots1")
 # Families whose modeling code rotates only each head's first ``partial_rotary_factor`` share.
-_PARTIAL_ROPE_TYPES = ("glm4_moe", "minimax_m2", "phi", "stablelm", "gpt_neox", *_GLM_TYPES)
+_PARTIAL_ROPE_TYPES = ("glm4_moe", "minimax_m2", "phi", "stablelm", "gpt_neox", "persimmon", *_GLM_TYPES)
 # Quantized checkpoints served (``ModelArch.quantization``), by their ``quant_method``.
 QUANT_MXFP4 = "mxfp4"
 QUANT_FP8 = "fp8"
@@ -111,7 +122,7 @@ _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "vaultgemma",
     "phi3", "seed_oss", "hunyuan_v1_dense", "olmo2", "olmo3", "helium", "ministral3", "exaone4", "apertus", "starcoder2",
-    "phi", "stablelm", "gpt_neox",
+    "phi", "stablelm", "gpt_neox", "olmo", "persimmon", "falcon",
     *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
 )
 # Gemma's norms ((1 + weight) in float32), scaled embeddings and GELU-tanh; Gemma 2 and 3 add norms after
@@ -168,6 +179,8 @@ _FAMILY_FIELDS = {
     "minimax_m2": ("use_qk_norm",),  # its released configs set it; its modeling code norms q and k always
     "cohere": ("use_qk_norm",),  # Command R+'s LayerNorms of q and k, a weight per head
     "stablelm": ("qk_layernorm",),  # StableLM 2 12B's: the same
+    "persimmon": ("qk_layernorm",),  # a LayerNorm of each head of q and k, one weight and bias for all heads
+    "olmo": ("clip_qkv",),  # q, k and v clamped to [-clip_qkv, clip_qkv]
 }
 _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 # Families whose transformers code keeps its norms in float32 when the model is in float16.
@@ -175,15 +188,19 @@ _FLOAT32_NORMS_UNDER_FLOAT16 = ("gpt_oss", "afmoe")
 # Families whose MLP has no gate, down(act(up(x))), and the activation each implements: Arcee's squared
 # ReLU, Apertus's xIELU (two learned scalars per layer, ``alpha_p`` and ``alpha_n``), StarCoder2's GELU in
 # its tanh approximation (torch's), Phi's the same by its own formula (transformers' ``NewGELUActivation``),
-# GPT-NeoX's exact GELU.
+# GPT-NeoX's exact GELU, Persimmon's squared ReLU, Falcon's exact GELU (its field ``activation``).
 _UNGATED_ACTIVATIONS = {"arcee": "relu2", "apertus": "xielu", "starcoder2": "gelu_pytorch_tanh", "phi": "gelu_new",
-                        "gpt_neox": "gelu"}
+                        "gpt_neox": "gelu", "persimmon": "relu2", "falcon": "gelu"}
 # Families whose norms are torch's LayerNorm, a bias and all: StarCoder2's, Phi's (Phi-1, Phi-1.5, Phi-2) and
-# StableLM's (its q/k norms, a LayerNorm per head, have none).
-_LAYER_NORM_TYPES = ("starcoder2", "phi", "stablelm", "gpt_neox")
+# StableLM's (its q/k norms, a LayerNorm per head, have none), GPT-NeoX's, Persimmon's and Falcon's.
+_LAYER_NORM_TYPES = ("starcoder2", "phi", "stablelm", "gpt_neox", "persimmon", "falcon")
+# OLMo 1's LayerNorms have neither weight nor bias, and an epsilon its code fixes (no config field names it).
+_WEIGHTLESS_NORM_TYPES = ("olmo",)
+_OLMO1_NORM_EPS = 1e-5
 # Each norm's epsilon, where the config names it other than ``rms_norm_eps``.
 _NORM_EPS_FIELDS = {"cohere": "layer_norm_eps", "cohere2": "layer_norm_eps", "phi": "layer_norm_eps",
-                    "stablelm": "layer_norm_eps", "gpt_neox": "layer_norm_eps", "starcoder2": "norm_epsilon"}
+                    "stablelm": "layer_norm_eps", "gpt_neox": "layer_norm_eps", "starcoder2": "norm_epsilon",
+                    "persimmon": "layer_norm_eps", "falcon": "layer_norm_epsilon"}
 
 
 class UnsupportedConfig(ValueError):
@@ -221,6 +238,12 @@ class ModelArch:
     sandwich_norms: bool = False
     norm_form: int = NORM_LLAMA  # how every RMSNorm meets its weight (``pdserve_kernels.reference.NORM_*``)
     norm_bias: bool = False  # every norm with a bias (``NORM_LAYER`` only: torch's LayerNorm, StarCoder2's)
+    # OLMo 1's: every norm without weight or bias (``NORM_LAYER`` met with a weight of ones, exact: x * 1 is x).
+    norm_weightless: bool = False
+    qk_norm_bias: bool = False  # Persimmon's q/k LayerNorms: a bias too (one weight and bias for all heads)
+    clip_qkv: float | None = None  # OLMo 1's: q, k and v clamped to [-clip_qkv, clip_qkv] after their projections
+    # The MLP's width where the config names it other than ``intermediate_size`` (Falcon's ``ffn_hidden_size``).
+    mlp_width: int | None = None
     # OLMo's layer: no norm before a block, one after each (the block's output normed, then added);
     # q and k normed across all their heads (one norm of q_size, one of kv_size), before RoPE.
     post_norms_only: bool = False
@@ -275,7 +298,7 @@ class ModelArch:
     # Phi's: the same layer, the two outputs summed first, then added to the stream (``parallel_sum_first``).
     parallel_block: bool = False
     parallel_sum_first: bool = False
-    parallel_mlp_norm: bool = False  # GPT-NeoX's: the MLP reads a norm of its own of the same stream
+    parallel_mlp_norm: bool = False  # GPT-NeoX's (Falcon's new layer's): the MLP reads a norm of its own of the stream
     logit_scale: float | None = None  # Cohere's: the logits multiplied by it, in the weights' dtype
     # Ministral 3's: each token's rotated queries times 1 + beta * log(1 + floor(position / positions)), with
     # beta ``rope_parameters.llama_4_scaling_beta`` and positions its ``original_max_position_embeddings``.
@@ -321,16 +344,17 @@ class ModelArch:
             if act not in _GEMMA_ACTIVATIONS:
                 raise UnsupportedConfig("hidden_activation", act, f"supported: {', '.join(_GEMMA_ACTIVATIONS)}")
         elif model_type in _UNGATED_ACTIVATIONS:  # its MLP has no gate: down(act(up(x)))
-            act = getattr(config, "hidden_act", None)
+            act_field = "activation" if model_type == "falcon" else "hidden_act"
+            act = getattr(config, act_field, None)
             if act != _UNGATED_ACTIVATIONS[model_type]:
-                raise UnsupportedConfig("hidden_act", act, f"only {_UNGATED_ACTIVATIONS[model_type]} is implemented "
+                raise UnsupportedConfig(act_field, act, f"only {_UNGATED_ACTIVATIONS[model_type]} is implemented "
                                         f"for {model_type}")
         else:
             act = getattr(config, "hidden_act", "silu")
             if act != "silu":
                 raise UnsupportedConfig("hidden_act", act, "only silu is implemented")
         eps_field = _NORM_EPS_FIELDS.get(model_type, "rms_norm_eps")
-        norm_eps = getattr(config, eps_field, None)
+        norm_eps = _OLMO1_NORM_EPS if model_type in _WEIGHTLESS_NORM_TYPES else getattr(config, eps_field, None)
         if not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or norm_eps <= 0:
             raise UnsupportedConfig(eps_field, norm_eps, "must be a positive number (only RMSNorm and LayerNorm are "
                                     "implemented)")
@@ -338,6 +362,14 @@ class ModelArch:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if heads % kv_heads:
             raise UnsupportedConfig("num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}")
+        if model_type in ("persimmon", "falcon"):  # their attention splits hidden_size into the heads, whatever head_dim says
+            head_dim = getattr(config, "head_dim", None)
+            if config.hidden_size % heads or head_dim not in (None, config.hidden_size // heads):
+                raise UnsupportedConfig("head_dim", head_dim, f"{model_type}'s heads are hidden_size / "
+                                        f"num_attention_heads wide (and must divide it)")
+        if model_type == "persimmon" and kv_heads != heads:  # its code has no grouped-query attention
+            raise UnsupportedConfig("num_key_value_heads", kv_heads, f"persimmon gives every head its k and v ({heads})")
+        falcon = _falcon_layer(config, heads) if model_type == "falcon" else {}
         bias = bool(getattr(config, "attention_bias", False))
         mlp = bool(getattr(config, "mlp_bias", False))
         qkv_bias, o_bias, mlp_bias = (
@@ -354,6 +386,8 @@ class ModelArch:
                 "phi": (True, True, True),
                 "stablelm": (bool(getattr(config, "use_qkv_bias", False)), False, False),
                 "gpt_neox": (bias, bias, True),
+                "persimmon": (True, True, True),
+                "falcon": (bool(getattr(config, "bias", False)),) * 3,
                 "helium": (bias, False, mlp),
                 # q/k/v by attention_bias, the output projection by a field of its own
                 "seed_oss": (bias, bool(getattr(config, "attention_out_bias", False)), mlp),
@@ -372,15 +406,17 @@ class ModelArch:
             mlp_bias=mlp_bias,
             qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "dots1", "exaone4", "apertus", "afmoe") or (
                 model_type in ("glm4_moe", "cohere") and bool(getattr(config, "use_qk_norm", False))) or (
-                model_type == "stablelm" and bool(getattr(config, "qk_layernorm", False))),
+                model_type in ("stablelm", "persimmon") and bool(getattr(config, "qk_layernorm", False))),
             qk_norm_per_head=model_type in ("cohere", "stablelm"),
+            qk_norm_bias=model_type == "persimmon",
             qk_norm_after_rope=model_type in _HUNYUAN_TYPES,
             sliding_windows=_sliding_windows(config, model_type),
             rotary_dim=rotary_dim,
             attention_sinks=model_type == "gpt_oss",
             rope_interleaved=model_type in _INTERLEAVED_ROPE_TYPES,
-            rope_float32=model_type in (*_ERNIE_TYPES, *_COHERE_TYPES),
-            rope_tables_float32=model_type in _ERNIE_TYPES,
+            # OLMo 1's tables stay float32 too, and its q and k meet them there (rounded once), as ERNIE's.
+            rope_float32=model_type in (*_ERNIE_TYPES, *_COHERE_TYPES, "olmo"),
+            rope_tables_float32=model_type in (*_ERNIE_TYPES, "olmo"),
             lm_head_bias=model_type == "phi" or (model_type == "ernie4_5_moe" and bool(getattr(config, "use_bias", False))),
             rope_type=rope_type,
             rope_layer_types=rope_layer_types,
@@ -390,13 +426,17 @@ class ModelArch:
             attn_output_gate=model_type == "afmoe",
             # Helium's and AFMoE's RMSNorms meet their weight in float32, as OLMo's.
             norm_form=(NORM_GEMMA if gemma else NORM_OLMO if olmo or model_type in ("helium", "afmoe")
-                       else NORM_LAYER if model_type in (*_COHERE_TYPES, *_LAYER_NORM_TYPES) else NORM_LLAMA),
+                       else NORM_LAYER if model_type in (*_COHERE_TYPES, *_LAYER_NORM_TYPES, *_WEIGHTLESS_NORM_TYPES)
+                       else NORM_LLAMA),
             norm_bias=model_type in _LAYER_NORM_TYPES,
+            norm_weightless=model_type in _WEIGHTLESS_NORM_TYPES,
             norm_eps=float(norm_eps),
-            parallel_block=model_type in (*_COHERE_TYPES, "phi") or (
-                model_type in ("stablelm", "gpt_neox") and bool(getattr(config, "use_parallel_residual", False))),
-            parallel_sum_first=model_type in ("phi", "gpt_neox"),
-            parallel_mlp_norm=model_type == "gpt_neox",
+            clip_qkv=_positive_or_none(config, "clip_qkv") if model_type == "olmo" else None,
+            parallel_block=falcon.get("parallel_block", model_type in (*_COHERE_TYPES, "phi") or (
+                model_type in ("stablelm", "gpt_neox") and bool(getattr(config, "use_parallel_residual", False)))),
+            parallel_sum_first=falcon.get("parallel_sum_first", model_type in ("phi", "gpt_neox")),
+            parallel_mlp_norm=falcon.get("parallel_mlp_norm", model_type == "gpt_neox"),
+            mlp_width=falcon.get("mlp_width"),
             logit_scale=_positive_or_none(config, "logit_scale") if model_type in _COHERE_TYPES else None,
             quantization=_quantization(config, model_type),
             **(_query_scale(config) if model_type == "ministral3" else {}),
@@ -437,6 +477,31 @@ def _query_scale(config: Any) -> dict[str, Any]:
         raise UnsupportedConfig("rope_parameters.original_max_position_embeddings", positions,
                                 "must be a positive integer (the query scaling's period)")
     return {"query_scale_beta": float(beta), "query_scale_positions": positions}
+
+
+def _falcon_layer(config: Any, heads: int) -> dict[str, Any]:
+    """Falcon's layer, as its transformers code builds and runs each variant, checked: ALiBi refused; the new
+    architecture (Falcon-40B/180B, grouped q/k/v) attention and MLP side by side on two norms of the stream,
+    or on one (``num_ln_in_parallel_attn`` 1), their outputs summed before the stream; the old one side by side
+    on one norm (``parallel_attn``, Falcon-7B) or in turn on two (Llama's layer). Variants its code cannot run
+    (the new architecture in turn, two norms in the old one) are refused by name, as is a ``num_kv_heads`` the
+    old, multi-head layout does not hold."""
+    if getattr(config, "alibi", False):
+        raise UnsupportedConfig("alibi", config.alibi, "ALiBi position biases are not implemented (only RoPE)")
+    new, parallel = bool(getattr(config, "new_decoder_architecture", False)), bool(getattr(config, "parallel_attn", True))
+    norms = getattr(config, "num_ln_in_parallel_attn", None)
+    if new and not parallel:
+        raise UnsupportedConfig("parallel_attn", False, "the new decoder architecture runs attention and MLP side by side")
+    if (new and norms not in (None, 1, 2)) or (not new and parallel and norms not in (None, 1)):
+        raise UnsupportedConfig("num_ln_in_parallel_attn", norms, "1 or 2 with new_decoder_architecture, else 1 or unset")
+    if not new and not getattr(config, "multi_query", True) and getattr(config, "num_kv_heads", heads) not in (None, heads):
+        raise UnsupportedConfig("num_kv_heads", config.num_kv_heads, "without multi_query or the new architecture, "
+                                f"every head has its k and v ({heads})")
+    width = getattr(config, "ffn_hidden_size", None) or 4 * config.hidden_size
+    if not _positive_int(width):
+        raise UnsupportedConfig("ffn_hidden_size", width, "must be a positive integer")
+    return {"parallel_block": parallel, "parallel_sum_first": parallel, "parallel_mlp_norm": new and norms != 1,
+            "mlp_width": width}
 
 
 def _granite_scalings(config: Any, model_type: str) -> dict[str, Any]:
@@ -694,7 +759,8 @@ def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
     if model_type in ("llama", "internlm3", "seed_oss", "olmo2", "flex_olmo", "glm4_moe", "minimax_m2", "helium",
-                      "cohere", "gemma", "apertus", "phi", "stablelm", "gpt_neox", *_GLM_TYPES, *_ERNIE_TYPES):
+                      "cohere", "gemma", "apertus", "phi", "stablelm", "gpt_neox", "olmo", "persimmon", "falcon",
+                      *_GLM_TYPES, *_ERNIE_TYPES):
         return (None,) * num_layers  # their transformers code has no sliding window: the field is unused
     if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window

@@ -66,11 +66,17 @@ class RMSNorm(nn.Module):
     ``1 + weight`` before the cast back, OLMo's, by the weight before it, or Cohere's LayerNorm (centred)."""
 
     def __init__(self, size: int | tuple[int, int], eps: float, form: int = NORM_LLAMA,
-                 kernels: ModuleType | None = None, bias: bool = False) -> None:
+                 kernels: ModuleType | None = None, bias: bool = False, weightless: bool = False) -> None:
         """``size``: the normalized width, or ``(heads, width)`` for a weight per head; ``bias``: the LayerNorm
-        form's (torch's LayerNorm, StarCoder2's)."""
+        form's (torch's LayerNorm, StarCoder2's); ``weightless``: no weight in the checkpoint (OLMo 1's
+        LayerNorm), met with ones instead, which leaves every entry as it is, through the same kernels."""
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight: Tensor
+        if weightless:
+            with torch.device("cpu"):  # real values where the model is built on the meta device (as RotaryEmbedding)
+                self.register_buffer("weight", torch.ones(size), persistent=False)
+        else:
+            self.weight = nn.Parameter(torch.ones(size))
         self.bias = nn.Parameter(torch.zeros(size)) if bias else None
         self.eps = eps
         self.form = form
@@ -165,6 +171,7 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         # q, k and v in one matrix product (the checkpoint's three matrices stacked: ``FUSED_PROJECTIONS``).
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.clip_qkv = arch.clip_qkv  # OLMo 1's: q, k and v clamped (one clamp of their stacked product)
         self.o_proj = nn.Linear(self.num_heads * self.head_size, hidden, bias=arch.o_bias)
         # AFMoE: a sigmoid gate over the attention's output, from the layer's input (checkpoints: ``gate_proj``).
         self.output_gate = nn.Linear(hidden, self.q_size, bias=False) if arch.attn_output_gate else None
@@ -177,8 +184,9 @@ class Attention(nn.Module):
                 (self.q_size, self.kv_size) if arch.qk_norm_full_width
                 else ((self.num_heads, self.head_size), (self.num_kv_heads, self.head_size)) if arch.qk_norm_per_head
                 else (self.head_size, self.head_size))
-            self.q_norm = RMSNorm(q_width, arch.norm_eps, arch.norm_form, kernels)
-            self.k_norm = RMSNorm(k_width, arch.norm_eps, arch.norm_form, kernels)
+            # Persimmon's LayerNorms of q and k have a bias too.
+            self.q_norm = RMSNorm(q_width, arch.norm_eps, arch.norm_form, kernels, arch.qk_norm_bias)
+            self.k_norm = RMSNorm(k_width, arch.norm_eps, arch.norm_form, kernels, arch.qk_norm_bias)
         # Hunyuan's norms after RoPE, under its checkpoints' names.
         self.query_layernorm: RMSNorm | None = None
         self.key_layernorm: RMSNorm | None = None
@@ -197,6 +205,8 @@ class Attention(nn.Module):
         for its rotated queries (Ministral 3's, ``LlamaForCausalLM.query_scales``), None for none."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
         q, k = qkv[:, :q_end], qkv[:, q_end:k_end]  # views of the product's columns
         if self.qk_norm_full_width and self.q_norm is not None and self.k_norm is not None:
@@ -255,9 +265,10 @@ _UNGATED: dict[str, Callable[[Tensor], Tensor]] = {
 
 class MLP(nn.Module):
     def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType | None = None, inter: int | None = None) -> None:
-        """``inter``: the width of its gate and up, where not the config's ``intermediate_size`` (a shared expert)."""
+        """``inter``: the width of its gate and up, where not the config's ``intermediate_size`` (a shared expert;
+        Falcon's ``ffn_hidden_size``, ``ModelArch.mlp_width``)."""
         super().__init__()
-        hidden, inter = config.hidden_size, inter or config.intermediate_size
+        hidden, inter = config.hidden_size, inter or arch.mlp_width or config.intermediate_size
         bias = arch.mlp_bias
         self.inter = inter
         # Without a gate, down(act(up(x))): Arcee's squared ReLU, Apertus's xIELU, StarCoder2's GELU (tanh
@@ -413,13 +424,17 @@ class DecoderLayer(nn.Module):
             SparseMoE(config, arch, kernels) if layer_idx in arch.moe_layers else MLP(config, arch, kernels)
         )
         size, eps, form = config.hidden_size, arch.norm_eps, arch.norm_form
+
+        def norm() -> RMSNorm:  # the layer's norms: all of one form, with a bias or not, with a weight or not
+            return RMSNorm(size, eps, form, kernels, arch.norm_bias, arch.norm_weightless)
+
         # OLMo has no norm before a block: its checkpoints hold no input_layernorm.
-        self.input_layernorm = None if arch.post_norms_only else RMSNorm(size, eps, form, kernels, arch.norm_bias)
-        # Cohere's and Phi's layers have one norm, read by attention and MLP alike; GPT-NeoX's MLP reads a norm of
-        # its own of the same stream.
+        self.input_layernorm = None if arch.post_norms_only else norm()
+        # Cohere's and Phi's layers have one norm, read by attention and MLP alike; GPT-NeoX's MLP (and the new
+        # Falcon layer's) reads a norm of its own of the same stream.
         self.parallel = arch.parallel_block
         self.post_attention_layernorm = (
-            None if arch.parallel_block and not arch.parallel_mlp_norm else RMSNorm(size, eps, form, kernels, arch.norm_bias))
+            None if arch.parallel_block and not arch.parallel_mlp_norm else norm())
         self.residual_multiplier = arch.residual_multiplier  # Granite: each block's output scaled
         self.parallel_sum_first = arch.parallel_sum_first
         # Gemma and GLM-4 normalize each block's output too: post_attention_layernorm then applies to the
@@ -428,9 +443,9 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm: RMSNorm | None = None
         self.post_feedforward_layernorm: RMSNorm | None = None
         if arch.sandwich_norms:
-            self.pre_feedforward_layernorm = RMSNorm(size, eps, form, kernels, arch.norm_bias)
+            self.pre_feedforward_layernorm = norm()
         if arch.sandwich_norms or arch.post_norms_only:
-            self.post_feedforward_layernorm = RMSNorm(size, eps, form, kernels, arch.norm_bias)
+            self.post_feedforward_layernorm = norm()
 
     def forward(
         self, x: Tensor, residual: Tensor | None, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, kv_layer: Tensor,
@@ -477,7 +492,8 @@ class LlamaBackbone(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, arch, i, kernels) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, arch.norm_eps, arch.norm_form, kernels, arch.norm_bias)
+        self.norm = RMSNorm(config.hidden_size, arch.norm_eps, arch.norm_form, kernels, arch.norm_bias,
+                            arch.norm_weightless)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -84,6 +84,19 @@ _RENAMES["gpt_neox"] = ((r"^gpt_neox\.embed_in\.", "model.embed_tokens."), (r"^g
                         (r"\.attention\.query_key_value\.", ".self_attn.query_key_value."),
                         (r"\.mlp\.dense_h_to_4h\.", ".mlp.up_proj."), (r"\.mlp\.dense_4h_to_h\.", ".mlp.down_proj."),
                         (r"^embed_out\.", "lm_head."))
+# Persimmon's: GPT-NeoX's fused q/k/v (split as it loads), its attention's output projection ``dense``, its q/k
+# LayerNorms (one weight and bias for all heads), its MLP's two, its final norm ``final_layernorm``.
+_RENAMES["persimmon"] = ((r"\.self_attn\.dense\.", ".self_attn.o_proj."), (r"\.self_attn\.q_layernorm\.", ".self_attn.q_norm."),
+                         (r"\.self_attn\.k_layernorm\.", ".self_attn.k_norm."),
+                         (r"\.mlp\.dense_h_to_4h\.", ".mlp.up_proj."), (r"\.mlp\.dense_4h_to_h\.", ".mlp.down_proj."),
+                         (r"^model\.final_layernorm\.", "model.norm."))
+# Falcon's: its own names for the model, the attention and its projections, the MLP's two and the norms (the new
+# layer's ``ln_attn`` and ``ln_mlp`` as GPT-NeoX's two); its fused q/k/v is split as it loads.
+_RENAMES["falcon"] = ((r"^transformer\.word_embeddings\.", "model.embed_tokens."), (r"^transformer\.ln_f\.", "model.norm."),
+                      (r"^transformer\.h\.", "model.layers."), (r"\.self_attention\.dense\.", ".self_attn.o_proj."),
+                      (r"\.self_attention\.query_key_value\.", ".self_attn.query_key_value."),
+                      (r"\.ln_attn\.", ".input_layernorm."), (r"\.ln_mlp\.", ".post_attention_layernorm."),
+                      (r"\.mlp\.dense_h_to_4h\.", ".mlp.up_proj."), (r"\.mlp\.dense_4h_to_h\.", ".mlp.down_proj."))
 # StableLM's per-head LayerNorms of q and k, one module per head, are one weight per head here (Cohere's).
 _RENAMES["stablelm"] = ((r"\.self_attn\.q_layernorm\.norms\.", ".self_attn.q_norm.heads."),
                         (r"\.self_attn\.k_layernorm\.norms\.", ".self_attn.k_norm.heads."))
@@ -163,8 +176,9 @@ def load_model(
     num_layers, mtp = int(config.num_hidden_layers), int(getattr(config, "num_nextn_predict_layers", 0) or 0)
     for name in [n for n in state if mtp and (m := _LAYER.match(n)) and num_layers <= int(m[1]) < num_layers + mtp]:
         del state[name]
-    if model.arch.model_type == "gpt_neox":
-        split_neox_qkv(state, int(config.num_attention_heads), model.head_size)
+    if model.arch.model_type in ("gpt_neox", "persimmon", "falcon"):  # grouped by kv head: one group per head
+        # but in Falcon's multi-query and new layouts
+        split_neox_qkv(state, int(config.num_attention_heads), model.head_size, model.num_kv_heads)
     stack_projections(state)
     stack_head_norms(state)
     stack_experts(state)
@@ -239,18 +253,23 @@ def stack_projections(state: dict[str, torch.Tensor]) -> None:
             state[f"{prefix}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
 
 
-def split_neox_qkv(state: dict[str, torch.Tensor], num_heads: int, head_size: int) -> None:
-    """In place: GPT-NeoX's fused ``query_key_value`` (rows head by head, each head's q, k and v in turn)
-    split into ``q_proj``, ``k_proj`` and ``v_proj`` (rows head by head within each), weight and bias."""
+def split_neox_qkv(state: dict[str, torch.Tensor], num_heads: int, head_size: int, num_kv_heads: int | None = None) -> None:
+    """In place: a fused ``query_key_value`` split into ``q_proj``, ``k_proj`` and ``v_proj`` (rows head by head
+    within each), weight and bias. Its rows are grouped by kv head, each group its queries, then its k, then
+    its v: GPT-NeoX's and Persimmon's (and Falcon's multi-head layout) a group per head, head by head, each
+    head's q, k and v in turn; Falcon's new layout a group per kv head; its multi-query one a single group,
+    every query, then the one k and v."""
+    groups = num_kv_heads or num_heads
+    per_group = num_heads // groups
     for name in [n for n in state if ".self_attn.query_key_value." in n]:
         prefix, _, kind = name.rpartition(".query_key_value.")
         fused = state.pop(name)
-        if fused.shape[0] != 3 * num_heads * head_size:
-            raise ValueError(f"checkpoint mismatch: {name} has {fused.shape[0]} rows, not 3 x {num_heads} heads x "
-                             f"{head_size}")
-        per_head = fused.reshape(num_heads, 3, head_size, *fused.shape[1:])
-        for i, part in enumerate(("q_proj", "k_proj", "v_proj")):
-            state[f"{prefix}.{part}.{kind}"] = per_head[:, i].reshape(num_heads * head_size, *fused.shape[1:]).contiguous()
+        if fused.shape[0] != (num_heads + 2 * groups) * head_size:
+            raise ValueError(f"checkpoint mismatch: {name} has {fused.shape[0]} rows, not ({num_heads} + 2 x {groups}) "
+                             f"heads x {head_size}")
+        grouped = fused.reshape(groups, per_group + 2, head_size, *fused.shape[1:])
+        for part, rows in (("q_proj", grouped[:, :per_group]), ("k_proj", grouped[:, -2]), ("v_proj", grouped[:, -1])):
+            state[f"{prefix}.{part}.{kind}"] = rows.reshape(-1, *fused.shape[1:]).contiguous()
 
 
 def stack_head_norms(state: dict[str, torch.Tensor]) -> None:

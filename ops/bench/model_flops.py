@@ -45,7 +45,7 @@ class ModelShape:
         arch = ModelArch.from_config(config)
         return cls(
             hidden_size=int(config.hidden_size),
-            intermediate_size=int(config.intermediate_size),
+            intermediate_size=int(arch.mlp_width or config.intermediate_size),  # Falcon's: ffn_hidden_size
             num_heads=num_heads,
             num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
             head_dim=int(head_dim),

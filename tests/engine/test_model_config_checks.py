@@ -20,6 +20,14 @@ def _config(class_name: str, **fields: Any) -> Any:
     return getattr(transformers, class_name)(**{**TINY_DIMS, **fields})
 
 
+def _falcon(**fields: Any) -> Any:
+    """A tiny Falcon config: its heads are hidden_size / num_attention_heads wide (``head_dim`` is read-only)."""
+    import transformers
+
+    dims = {k: v for k, v in TINY_DIMS.items() if k not in ("num_key_value_heads", "head_dim", "intermediate_size")}
+    return transformers.FalconConfig(**{**dims, **fields})
+
+
 def _gemma3(**fields: Any) -> Any:
     return _config("Gemma3TextConfig", layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                    **fields)
@@ -97,6 +105,16 @@ REFUSED = [
     ("phi-qk-layernorm", lambda: _config("PhiConfig", qk_layernorm=True), "qk_layernorm"),
     ("stablelm-activation", lambda: _config("StableLmConfig", hidden_act="gelu"), "hidden_act"),
     ("gpt-neox-activation", lambda: _config("GPTNeoXConfig", hidden_act="gelu_fast"), "hidden_act"),
+    ("olmo-clip-qkv-zero", lambda: _config("OlmoConfig", clip_qkv=0.0), "clip_qkv"),
+    ("olmo-activation", lambda: _config("OlmoConfig", hidden_act="gelu"), "hidden_act"),
+    ("persimmon-activation", lambda: _config("PersimmonConfig", hidden_act="gelu", num_key_value_heads=4), "hidden_act"),
+    ("persimmon-grouped-query", lambda: _config("PersimmonConfig"), "num_key_value_heads"),
+    ("persimmon-head-dim", lambda: _config("PersimmonConfig", num_key_value_heads=4, head_dim=32), "head_dim"),
+    ("falcon-alibi", lambda: _falcon(alibi=True), "alibi"),
+    ("falcon-activation", lambda: _falcon(activation="gelu_new"), "activation"),
+    ("falcon-new-arch-in-turn", lambda: _falcon(new_decoder_architecture=True, parallel_attn=False), "parallel_attn"),
+    ("falcon-old-arch-two-norms", lambda: _falcon(num_ln_in_parallel_attn=2), "num_ln_in_parallel_attn"),
+    ("falcon-multi-head-kv-heads", lambda: _falcon(multi_query=False, num_kv_heads=2), "num_kv_heads"),
     ("phi-activation", lambda: _config("PhiConfig", hidden_act="gelu"), "hidden_act"),
     ("starcoder2-activation", lambda: _config("Starcoder2Config", hidden_act="gelu"), "hidden_act"),
     ("chunked-layer", lambda: _config("Qwen2Config", sliding_window=8,
@@ -112,7 +130,7 @@ def test_unimplemented_config_fields_are_refused_by_name(make, field: str) -> No
     assert info.value.field == field
 
 
-@pytest.mark.parametrize("model_type", ["falcon", "persimmon", "llama4_text", "olmo", "qwen3_next", "phimoe", "deepseek_v3",
+@pytest.mark.parametrize("model_type", ["mpt", "bloom", "llama4_text", "gptj", "qwen3_next", "phimoe", "deepseek_v3",
                                         "llava"])
 def test_other_families_are_refused_when_loading_their_config(tmp_path: Path, model_type: str) -> None:
     from transformers import AutoConfig
@@ -126,9 +144,9 @@ def test_an_image_text_checkpoint_whose_language_model_is_not_served_is_refused_
     """Mistral 3's wrapper around a language model of a family not served: refused, naming that family."""
     from transformers import AutoConfig, Mistral3Config
 
-    text = AutoConfig.for_model("persimmon").to_dict()
+    text = AutoConfig.for_model("bloom").to_dict()
     Mistral3Config(text_config=text).save_pretrained(str(tmp_path))
-    with pytest.raises(UnsupportedConfig, match="model_type='persimmon'"):
+    with pytest.raises(UnsupportedConfig, match="model_type='bloom'"):
         load_hf_config(tmp_path)
 
 
@@ -188,3 +206,28 @@ def test_gpt_neox_s_fused_qkv_is_split_head_by_head_and_a_wrong_width_is_a_broke
     assert set(state) == {f"l.self_attn.{p}_proj.bias" for p in "qkv"}
     with pytest.raises(ValueError, match="checkpoint mismatch"):
         split_neox_qkv({"l.self_attn.query_key_value.weight": torch.zeros(17, 4)}, heads, size)
+
+
+def test_falcon_s_fused_qkv_is_split_by_kv_head_in_each_of_its_layouts() -> None:
+    """Rows grouped by kv head, each group its queries, then its k, then its v: the new layout (a group per kv
+    head), the multi-query one (one group: every query, then the one k and v), the multi-head one (a group per
+    head, GPT-NeoX's)."""
+    import torch
+
+    from common.model.weights import split_neox_qkv
+
+    heads, size = 4, 2
+    for kv_heads in (2, 1, 4):
+        per_group = heads // kv_heads
+        # Row value = 100 * group + 10 * slot (queries 0.., then k, then v) + entry.
+        rows = [100 * g + 10 * s + e for g in range(kv_heads) for s in range(per_group + 2) for e in range(size)]
+        state = {"l.self_attn.query_key_value.weight": torch.tensor(rows, dtype=torch.float32)[:, None].repeat(1, 3)}
+        split_neox_qkv(state, heads, size, kv_heads)
+        q = [100 * g + 10 * s + e for g in range(kv_heads) for s in range(per_group) for e in range(size)]
+        k = [100 * g + 10 * per_group + e for g in range(kv_heads) for e in range(size)]
+        v = [100 * g + 10 * (per_group + 1) + e for g in range(kv_heads) for e in range(size)]
+        assert state["l.self_attn.q_proj.weight"][:, 0].tolist() == q
+        assert state["l.self_attn.k_proj.weight"][:, 2].tolist() == k
+        assert state["l.self_attn.v_proj.weight"][:, 1].tolist() == v
+        with pytest.raises(ValueError, match="checkpoint mismatch"):
+            split_neox_qkv({"l.self_attn.query_key_value.bias": torch.zeros(len(rows) + size)}, heads, size, kv_heads)

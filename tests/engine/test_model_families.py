@@ -28,7 +28,7 @@ from common.model.llama import LlamaForCausalLM
 from common.model.weights import load_hf_config
 from common.sampling_params import SamplingParams
 from pdserve_kernels import get_kernels
-from pdserve_kernels.reference import NORM_GEMMA, NORM_LLAMA, NORM_OLMO
+from pdserve_kernels.reference import NORM_GEMMA, NORM_LAYER, NORM_LLAMA, NORM_OLMO
 from tests.engine.test_disaggregated_lifecycle import _drain, _transfer
 from tests.engine.tiny_models import (
     WINDOW,
@@ -168,6 +168,24 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     assert qwen2_moe.shared_expert_gated
     assert arch["llama-bias"].moe_layers == () and arch["llama-bias"].num_experts == 0
     assert (gemma.attn_soft_cap, gemma.final_soft_cap, gemma.query_pre_attn_scalar) == (2.0, 3.0, 24.0)
+    olmo1 = arch["olmo-layernorm-no-weights-clip-qkv"]
+    assert olmo1.norm_form == NORM_LAYER and olmo1.norm_weightless and not olmo1.norm_bias and olmo1.norm_eps == 1e-5
+    assert olmo1.clip_qkv == 1.5 and olmo1.qkv_bias and olmo1.o_bias and not olmo1.mlp_bias
+    assert olmo1.rope_float32 and olmo1.rope_tables_float32 and not olmo1.post_norms_only
+    assert arch["llama-bias"].clip_qkv is None and not arch["llama-bias"].norm_weightless
+    persimmon = arch["persimmon-qk-layernorm-partial-rope-relu2"]
+    assert persimmon.qk_norm and persimmon.qk_norm_bias and not persimmon.qk_norm_per_head
+    assert persimmon.norm_form == NORM_LAYER and persimmon.norm_bias and persimmon.rotary_dim == 8
+    assert persimmon.activation == "relu2" and persimmon.qkv_bias and persimmon.o_bias and persimmon.mlp_bias
+    assert not arch["persimmon-no-qk-layernorm"].qk_norm and arch["persimmon-no-qk-layernorm"].rotary_dim == 4
+    falcon_two, falcon_one = arch["falcon-new-arch-grouped-qkv-two-norms"], arch["falcon-new-arch-one-norm"]
+    falcon_mq, falcon_seq = arch["falcon-multi-query-parallel"], arch["falcon-sequential-bias"]
+    assert falcon_two.parallel_block and falcon_two.parallel_sum_first and falcon_two.parallel_mlp_norm
+    assert falcon_one.parallel_block and falcon_one.parallel_sum_first and not falcon_one.parallel_mlp_norm
+    assert falcon_mq.parallel_block and not falcon_mq.parallel_mlp_norm and not falcon_mq.qkv_bias
+    assert not falcon_seq.parallel_block and falcon_seq.qkv_bias and falcon_seq.mlp_bias
+    assert {a.mlp_width for a in (falcon_two, falcon_one, falcon_mq, falcon_seq)} == {128}
+    assert falcon_two.activation == "gelu" and falcon_two.norm_bias and falcon_two.rotary_dim is None
 
 
 @pytest.mark.parametrize("name", WINDOWED)
@@ -248,6 +266,12 @@ def _no_afmoe_expert_bias(model: Any) -> None:
         layer.mlp.expert_bias.zero_()
 
 
+def _no_qk_norm_bias(model: Any) -> None:
+    for layer in model.model.layers:
+        layer.self_attn.q_layernorm.bias.zero_()
+        layer.self_attn.k_layernorm.bias.zero_()
+
+
 def _no_sinks(model: Any) -> None:
     for layer in model.model.layers:
         layer.self_attn.sinks.fill_(-1e4)
@@ -268,11 +292,17 @@ def _no_sinks(model: Any) -> None:
     ("afmoe-moe-gated-attention-window", lambda c: setattr(c, "mup_enabled", False), None),
     ("afmoe-moe-gated-attention-window", None, _no_afmoe_expert_bias),
     ("afmoe-moe-gated-attention-window", lambda c: setattr(c, "route_scale", 1.0), None),
+    ("olmo-layernorm-no-weights-clip-qkv", lambda c: setattr(c, "clip_qkv", None), None),
+    ("persimmon-qk-layernorm-partial-rope-relu2", None, _no_qk_norm_bias),
+    ("persimmon-qk-layernorm-partial-rope-relu2",
+     lambda c: setattr(c, "rope_parameters", {**c.rope_parameters, "partial_rotary_factor": 1.0}), None),
 ], ids=["glm-full-rope", "glm-all-groups", "glm-no-correction-bias", "gpt-oss-no-clamp", "gpt-oss-no-sinks",
         "ernie-no-correction-bias", "glm-dense-full-rope", "ministral3-no-query-scale", "afmoe-no-mup",
-        "afmoe-no-expert-bias", "afmoe-unscaled-routes"])
+        "afmoe-no-expert-bias", "afmoe-unscaled-routes", "olmo-no-clip-qkv", "persimmon-no-qk-norm-bias",
+        "persimmon-full-rope"])
 def test_glm_s_and_gpt_oss_s_features_each_change_transformers_logits(checkpoint, name, change_config, change_model) -> None:  # type: ignore[no-untyped-def]
-    """GLM-4.5's partial RoPE, groups and correction bias, and gpt-oss's clamp and sinks, each undone."""
+    """GLM-4.5's partial RoPE, groups and correction bias, gpt-oss's clamp and sinks, OLMo 1's clamp of q, k and v,
+    and Persimmon's q/k norms' bias and partial RoPE, each undone."""
     assert _changes_transformers_logits(checkpoint(name), change_config, change_model)
 
 
@@ -472,7 +502,9 @@ def test_family_greedy_equals_transformers_through_the_engine(checkpoint, engine
 
 @pytest.mark.parametrize("name", sorted({*WINDOWED, *MIXTURES, *INTERLEAVED, *IMAGE_TEXT, "ministral3-query-scale-yarn",
                                           "qwen3-qk-norm",
-                                          "hunyuan-qk-norm-ntk-alpha", "olmo2-post-norms"}))
+                                          "hunyuan-qk-norm-ntk-alpha", "olmo2-post-norms",
+                                          "olmo-layernorm-no-weights-clip-qkv", "persimmon-qk-layernorm-partial-rope-relu2",
+                                          "falcon-new-arch-grouped-qkv-two-norms", "falcon-multi-query-parallel"}))
 def test_family_greedy_equals_transformers_through_prefill_handoff_decode(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
     folder = checkpoint(name)
     prompt = prompt_token_ids(PROMPT_LEN)

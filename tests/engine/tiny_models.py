@@ -24,6 +24,11 @@ TINY_DIMS: dict[str, Any] = {
     "pad_token_id": 0,
 }
 WINDOW = 12  # not a multiple of the 8-token blocks the tests use
+# Falcon's config: heads hidden_size / num_attention_heads wide, the MLP ffn_hidden_size wide, kv heads its own.
+_FALCON_DIMS: dict[str, Any] = {
+    **{k: v for k, v in TINY_DIMS.items() if k not in ("num_key_value_heads", "head_dim", "intermediate_size")},
+    "ffn_hidden_size": 128,
+}
 # An image-text checkpoint's vision tower, as small as its config allows.
 _TINY_VISION: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                                 "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
@@ -41,6 +46,7 @@ def family_configs() -> dict[str, Any]:
         Ernie4_5_MoeConfig,
         Ernie4_5Config,
         Exaone4Config,
+        FalconConfig,
         FlexOlmoConfig,
         Gemma2Config,
         Gemma3Config,
@@ -67,7 +73,9 @@ def family_configs() -> dict[str, Any]:
         MixtralConfig,
         Olmo2Config,
         Olmo3Config,
+        OlmoConfig,
         OlmoeConfig,
+        PersimmonConfig,
         Phi3Config,
         PhiConfig,
         PixtralVisionConfig,
@@ -201,6 +209,40 @@ def family_configs() -> dict[str, Any]:
             **{k: v for k, v in TINY_DIMS.items() if k not in ("num_key_value_heads", "head_dim")},
             use_parallel_residual=False, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        ),
+        # OLMo 1: Llama's layer with LayerNorms without weight or bias, q/k/v/o biases, q, k and v clamped (to a
+        # bound the tiny model's q, k and v often pass).
+        "olmo-layernorm-no-weights-clip-qkv": OlmoConfig(
+            **TINY_DIMS, attention_bias=True, clip_qkv=1.5, tie_word_embeddings=False,
+        ),
+        # Persimmon: Llama's layer with torch's LayerNorms, biases everywhere, q/k/v fused head by head, LayerNorms
+        # of q and k (a weight and a bias shared by the heads), a partial RoPE, an ungated MLP squaring a ReLU.
+        "persimmon-qk-layernorm-partial-rope-relu2": PersimmonConfig(
+            **{k: v for k, v in TINY_DIMS.items() if k not in ("num_key_value_heads", "head_dim")},
+            qk_layernorm=True, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        ),
+        "persimmon-no-qk-layernorm": PersimmonConfig(
+            **{k: v for k, v in TINY_DIMS.items() if k not in ("num_key_value_heads", "head_dim")},
+            qk_layernorm=False, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        ),
+        # Falcon's variants: the new layer (40B/180B: q/k/v grouped by kv head, attention and MLP side by side on
+        # two norms; or on one), the old side-by-side layer with one k and v for all heads (7B), and the old
+        # sequential layer, multi-head, with biases; torch's LayerNorms, an ungated MLP with the exact GELU.
+        "falcon-new-arch-grouped-qkv-two-norms": FalconConfig(
+            **_FALCON_DIMS, new_decoder_architecture=True, num_kv_heads=2, bias=True, tie_word_embeddings=False,
+        ),
+        "falcon-new-arch-one-norm": FalconConfig(
+            **_FALCON_DIMS, new_decoder_architecture=True, num_kv_heads=4, num_ln_in_parallel_attn=1,
+            tie_word_embeddings=True,
+        ),
+        "falcon-multi-query-parallel": FalconConfig(
+            **_FALCON_DIMS, multi_query=True, parallel_attn=True, tie_word_embeddings=True,
+        ),
+        "falcon-sequential-bias": FalconConfig(
+            **_FALCON_DIMS, multi_query=False, parallel_attn=False, bias=True, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
         ),
         # An MLP without a gate: down(relu(up(x)) ** 2).
         "arcee-relu2": ArceeConfig(**TINY_DIMS, mlp_bias=True, tie_word_embeddings=False),
@@ -384,7 +426,8 @@ def build_checkpoint(config: Any, folder: Path, seed: int = 0) -> Path:
     model = hf_model_class(config.model_type).from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random norm weights too, so a norm applied wrongly shows
         for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(("bias", "sinks", "alpha_p", "alpha_n")):  # AFMoE's expert_bias too
+            # AFMoE's expert_bias too; Falcon's norms are ln_attn, ln_mlp and ln_f.
+            if "norm" in name or ".ln_" in name or name.endswith(("bias", "sinks", "alpha_p", "alpha_n")):
                 param.add_(0.3 * torch.randn_like(param))
         for name, buffer in model.named_buffers():  # GLM-4.5's router's correction bias, which picks experts
             if name.endswith("e_score_correction_bias"):

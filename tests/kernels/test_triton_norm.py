@@ -182,3 +182,26 @@ def test_the_layer_norm_with_a_bias_is_torch_s_layer_norm(dtype: torch.dtype, ad
     assert _ulps(want, theirs, rows, weight, reference.NORM_LAYER, bias) <= 2.0
     with pytest.raises(AssertionError, match="bias"):
         triton_norm.rms_norm(x, weight, 1e-5, reference.NORM_LLAMA, bias)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_a_layer_norm_without_weight_or_bias_is_the_layer_form_met_with_ones(dtype: torch.dtype) -> None:
+    """OLMo 1's LayerNorm (no weight, no bias, in float32): the model runs it as the LayerNorm form with a
+    weight of ones. Ones change nothing (torch's own LayerNorm gives the same bits with a weight of ones as
+    without one); what is left is the form's formula against torch's, within two units in the last place as
+    for the LayerNorm with a bias; the kernel against the reference as for any weight."""
+    import torch.nn.functional as F
+    from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
+
+    x, _ = _inputs((9, 200), dtype, seed=14)
+    ones = torch.ones(200, dtype=dtype)
+    h = x.float()
+    assert torch.equal(F.layer_norm(h, (200,), ones.float(), None, 1e-5), F.layer_norm(h, (200,), None, None, 1e-5))
+    want = OlmoLayerNorm(200)(x)
+    got = reference.rms_norm(x, ones, 1e-5, reference.NORM_LAYER)
+    assert _ulps(got, want, x, ones, reference.NORM_LAYER) <= 2.0
+    kernel = triton_norm.rms_norm(x, ones, 1e-5, reference.NORM_LAYER)
+    assert _ulps(kernel, got, x, ones, reference.NORM_LAYER) <= 4.0
+    summed, stream = triton_norm.add_rms_norm(x, x.flip(0), ones, 1e-5, reference.NORM_LAYER)
+    want_summed, want_stream = reference.add_rms_norm(x, x.flip(0), ones, 1e-5, reference.NORM_LAYER)
+    assert _ulps(summed, want_summed, want_stream, ones, reference.NORM_LAYER) <= 4.0

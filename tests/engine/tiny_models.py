@@ -34,6 +34,15 @@ _TINY_VISION: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 64, "num
                                 "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
 
 
+# Families without grouped-query attention (q/k/v fused head by head): every head its own k and v.
+_MHA_DIMS = {k: v for k, v in TINY_DIMS.items() if k not in ("num_key_value_heads", "head_dim")}
+
+
+def _partial_rope(factor: float) -> dict[str, Any]:
+    """A default RoPE over each head's first ``factor`` share."""
+    return {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": factor}
+
+
 def family_configs() -> dict[str, Any]:
     """One config per family and config feature; each windowed one has a window of ``WINDOW``."""
     from transformers import (
@@ -185,30 +194,30 @@ def family_configs() -> dict[str, Any]:
         # biases everywhere, the output head's too, a partial RoPE, an MLP without a gate (GELU by its formula).
         "phi-parallel-partial-rope-layernorm": PhiConfig(
             **TINY_DIMS, layer_norm_eps=1e-5, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            rope_parameters=_partial_rope(0.5),
         ),
         # StableLM: Llama's layer with torch's LayerNorms, a partial RoPE and q/k/v biases; StableLM 2 12B's
         # variant: attention and MLP side by side, LayerNorms of q and k with a weight per head (stacked as
         # they load from one module per head).
         "stablelm-layernorm-partial-rope": StableLmConfig(
             **TINY_DIMS, use_qkv_bias=True, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            rope_parameters=_partial_rope(0.25),
         ),
         "stablelm-parallel-qk-layernorm": StableLmConfig(
             **TINY_DIMS, use_parallel_residual=True, qk_layernorm=True, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            rope_parameters=_partial_rope(0.5),
         ),
         # GPT-NeoX (Pythia): attention and MLP side by side, each on a LayerNorm of its own of the stream (or in
         # turn), biases, a partial RoPE, an ungated MLP with the exact GELU, q/k/v fused head by head; no GQA.
         "gpt-neox-parallel-two-norms": GPTNeoXConfig(
-            **{k: v for k, v in TINY_DIMS.items() if k not in ("num_key_value_heads", "head_dim")},
+            **_MHA_DIMS,
             use_parallel_residual=True, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            rope_parameters=_partial_rope(0.25),
         ),
         "gpt-neox-sequential": GPTNeoXConfig(
-            **{k: v for k, v in TINY_DIMS.items() if k not in ("num_key_value_heads", "head_dim")},
+            **_MHA_DIMS,
             use_parallel_residual=False, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            rope_parameters=_partial_rope(0.5),
         ),
         # OLMo 1: Llama's layer with LayerNorms without weight or bias, q/k/v/o biases, q, k and v clamped (to a
         # bound the tiny model's q, k and v often pass).
@@ -218,14 +227,14 @@ def family_configs() -> dict[str, Any]:
         # Persimmon: Llama's layer with torch's LayerNorms, biases everywhere, q/k/v fused head by head, LayerNorms
         # of q and k (a weight and a bias shared by the heads), a partial RoPE, an ungated MLP squaring a ReLU.
         "persimmon-qk-layernorm-partial-rope-relu2": PersimmonConfig(
-            **{k: v for k, v in TINY_DIMS.items() if k not in ("num_key_value_heads", "head_dim")},
+            **_MHA_DIMS,
             qk_layernorm=True, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            rope_parameters=_partial_rope(0.5),
         ),
         "persimmon-no-qk-layernorm": PersimmonConfig(
-            **{k: v for k, v in TINY_DIMS.items() if k not in ("num_key_value_heads", "head_dim")},
+            **_MHA_DIMS,
             qk_layernorm=False, tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            rope_parameters=_partial_rope(0.25),
         ),
         # Falcon's variants: the new layer (40B/180B: q/k/v grouped by kv head, attention and MLP side by side on
         # two norms; or on one), the old side-by-side layer with one k and v for all heads (7B), and the old
@@ -295,13 +304,13 @@ def family_configs() -> dict[str, Any]:
             **TINY_DIMS, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
             n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
             use_qk_norm=True, attention_bias=True, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            rope_parameters=_partial_rope(0.5),
         ),
         # MiniMax-M2: q and k normed across all heads, RoPE over half of each head, 2 of 6 experts picked
         # by sigmoid score plus a correction bias.
         "minimax-m2-moe-partial-rope": MiniMaxM2Config(
             **TINY_DIMS, num_local_experts=6, num_experts_per_tok=2, use_qk_norm=True, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            rope_parameters=_partial_rope(0.5),
         ),
         # gpt-oss: sliding and full layers, a sink per head, 2 of 4 experts with biases and a clamped SwiGLU
         # (a limit the random weights cross), its YaRN RoPE.

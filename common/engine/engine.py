@@ -744,9 +744,9 @@ class LLMEngine:
         if self.runner.lora is not None:  # requests per adapter served, running and waiting
             for kind, requests in (("running", tuple(self.scheduler.running)), ("waiting", waiting)):
                 counts = dict.fromkeys(self.runner.lora.slots, 0.0)
-                for req in requests:
+                for req in requests:  # (an adapter loaded since the slots were read is counted too)
                     if req.lora_name is not None:
-                        counts[req.lora_name] += 1
+                        counts[req.lora_name] = counts.get(req.lora_name, 0.0) + 1
                 extra |= {f"{LORA_REQUESTS}:{kind}:{name}": n for name, n in counts.items()}
         return EngineStats(
             num_requests_running=len(self.scheduler.running),

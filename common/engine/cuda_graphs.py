@@ -26,6 +26,10 @@ orders: their outputs can differ in the last bits, and a greedy token now and th
 must equal exactly is the same padded forward run eagerly (``capture=False``), and the GPU bench
 checks that.
 
+With LoRA adapters (``common.model.lora``), the graphs hold the adapted projections' mixed form: each
+row's one-hot of its adapter slot is one more static buffer (zeros for a row of the base model, and for
+padding), so a decode step with adapters replays too; one without them adds exact zeros.
+
 Graphs need the Triton kernels (the torch reference reads lengths on the host, which a capture
 cannot hold) and a CUDA device; ``--enforce-eager`` turns them off, as vLLM's flag does.
 
@@ -46,6 +50,7 @@ from torch import Tensor
 
 from common.engine.input_batch import BatchInputs
 from common.model.llama import AttentionMetadata
+from common.model.lora import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +75,8 @@ class DecodeGraphs:
     hidden states of its real rows."""
 
     def __init__(
-        self, model: Any, kv_cache: Tensor, sizes: list[int], max_blocks_per_seq: int, capture: bool = True
+        self, model: Any, kv_cache: Tensor, sizes: list[int], max_blocks_per_seq: int, capture: bool = True,
+        lora: LoRAManager | None = None,
     ) -> None:
         if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"graph batch sizes must be ascending positive integers, got {sizes}")
@@ -88,6 +94,10 @@ class DecodeGraphs:
         self.context_lens = torch.zeros(top, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(top, max(1, max_blocks_per_seq), dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=dev)
+        # LoRA: each row's adapter slot, one-hot (``LoRABatch.select``); all zeros for none.
+        self.lora = lora
+        self.lora_select = (None if lora is None else
+                            torch.zeros(top, len(lora.adapters), 1, dtype=lora.dtype, device=dev))
         self.hidden: Tensor | None = None  # [top, hidden], written by every replay
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_runs = 0  # steps run through the static buffers (replayed, or eagerly without capture)
@@ -116,6 +126,8 @@ class DecodeGraphs:
         )
 
     def _forward(self, size: int) -> Tensor:
+        if self.lora is not None and self.lora_select is not None:  # the adapted projections read the static rows
+            self.lora.batch.whole, self.lora.batch.select = None, self.lora_select[:size]
         return self.model(self.input_ids[:size], self.positions[:size], self._meta(size), self.kv_cache)
 
     @torch.inference_mode()
@@ -140,10 +152,10 @@ class DecodeGraphs:
             torch.cuda.synchronize(dev)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
-    def load(self, inputs: BatchInputs, size: int) -> None:
+    def load(self, inputs: BatchInputs, size: int, lora_select: Tensor | None = None) -> None:
         """Copy a step's inputs, already on the buffers' device (the runner sends them up in one copy,
         through pinned memory: ``host_tensors.to_device_all``), into the static buffers' first rows; rows
-        up to ``size`` become padding."""
+        up to ``size`` become padding. ``lora_select``: the rows' adapter slots, one-hot (None: none)."""
         n = inputs.context_lens.shape[0]
         width = inputs.block_tables.shape[1]
         self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
@@ -151,6 +163,12 @@ class DecodeGraphs:
         self.slot_mapping[:n].copy_(inputs.slot_mapping, non_blocking=True)
         self.context_lens[:n].copy_(inputs.context_lens, non_blocking=True)
         self.block_tables[:n, :width].copy_(inputs.block_tables, non_blocking=True)
+        if self.lora_select is not None:
+            if lora_select is None:
+                self.lora_select[:size].zero_()
+            else:
+                self.lora_select[:n].copy_(lora_select, non_blocking=True)
+                self.lora_select[n:size].zero_()
         if size > n:
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
@@ -158,13 +176,13 @@ class DecodeGraphs:
             self.context_lens[n:size].zero_()
 
     @torch.inference_mode()
-    def run(self, inputs: BatchInputs) -> Tensor:
+    def run(self, inputs: BatchInputs, lora_select: Tensor | None = None) -> Tensor:
         """Hidden states ``[num_seqs, hidden]`` of a step that ``fits``: replayed from its graph, or (no
-        capture) the same padded forward run eagerly."""
+        capture) the same padded forward run eagerly. ``lora_select``: as ``load``'s."""
         n = inputs.context_lens.shape[0]
         size = self.padded_size(n)  # the caller checked ``fits``
         assert size is not None, "run() takes only decode steps that fit a graph"
-        self.load(inputs, size)
+        self.load(inputs, size, lora_select)
         self.num_runs += 1
         if not self.use_graphs:
             return self._forward(size)[:n]

@@ -174,7 +174,7 @@ class ModelRunner:
             return None
         graphs = DecodeGraphs(
             self.model, self.kv_cache, graph_batch_sizes(self.config.max_num_seqs),
-            self.input_batch.block_table.shape[1],
+            self.input_batch.block_table.shape[1], lora=self.lora,
         )
         graphs.capture()
         return graphs
@@ -275,12 +275,11 @@ class ModelRunner:
             self.kernels.copy_blocks(self.kv_cache, long_tensor(src, dev), long_tensor(dst, dev))
         inputs = self.input_batch.prepare(out.scheduled)
         graphs = self.decode_graphs
-        # Tokens with a LoRA adapter: grouped by adapter for the adapted projections (steps with any run
-        # eagerly: the graphs were captured without adapters).
-        adapted = self.lora is not None and self.lora.set_batch(
-            [s.request.lora_slot for s in out.scheduled], inputs.query_start_loc, dev)
         # One token per sequence (decode, or a prompt's last one-token chunk) is replayed from a graph.
-        replay = graphs is not None and not adapted and graphs.fits(inputs)
+        replay = graphs is not None and graphs.fits(inputs)
+        # Which adapter each token has, for the adapted projections (a replay reads the rows' one-hot).
+        adapted = self.lora is not None and self.lora.set_batch(
+            [s.request.lora_slot for s in out.scheduled], inputs.query_start_loc, dev, one_hot=replay)
         # Every input goes up in one copy; a graph's replay reads neither the query starts nor the rows
         # to sample (every row is one).
         on_device = to_device_all(
@@ -298,7 +297,7 @@ class ModelRunner:
             hidden = graphs.run(dataclasses.replace(
                 inputs, input_ids=input_ids, positions=on_device[1], slot_mapping=on_device[2],
                 context_lens=on_device[3], block_tables=on_device[4],
-            ))
+            ), self.lora.batch.select if adapted and self.lora is not None else None)
         else:
             meta = AttentionMetadata(slot_mapping=on_device[2], block_tables=on_device[4],
                                      query_start_loc=on_device[5], context_lens=on_device[3],

@@ -348,15 +348,16 @@ class LoRAManager:
             raise ValueError(f"unknown LoRA adapter {name!r} (served here: {served})")
         return slot
 
-    def set_batch(self, slots: list[int], query_start: Tensor, device: torch.device) -> bool:
+    def set_batch(self, slots: list[int], query_start: Tensor, device: torch.device, one_hot: bool = False) -> bool:
         """Say which adapter each of the step's tokens has: ``slots`` per scheduled request in order (-1:
-        none), the step's query starts (host, ``[requests + 1]``). True when some token has one."""
+        none), the step's query starts (host, ``[requests + 1]``). True when some token has one.
+        ``one_hot``: the tokens' one-hot even where they all have one adapter (a CUDA graph's replay reads it)."""
         batch = self.batch
         batch.whole, batch.select = None, None
         used = set(slots)
         if used == {-1} or not used:
             return False
-        if len(used) == 1:
+        if len(used) == 1 and not one_hot:
             batch.whole = slots[0]
             return True
         counts = (query_start[1:] - query_start[:-1]).long()

@@ -35,13 +35,13 @@ def _use_padded_path(engine: LLMEngine, sizes: list[int]) -> list[int]:
     that collects each replayed step's (real) batch size."""
     runner = engine.runner
     graphs = DecodeGraphs(runner.model, runner.kv_cache, sizes, runner.input_batch.block_table.shape[1],
-                          capture=False)
+                          capture=False, lora=runner.lora)
     runs: list[int] = []
     run = graphs.run
 
-    def counting(inputs: BatchInputs) -> torch.Tensor:
+    def counting(inputs: BatchInputs, lora_select: torch.Tensor | None = None) -> torch.Tensor:
         runs.append(inputs.context_lens.shape[0])
-        return run(inputs)
+        return run(inputs, lora_select)
 
     graphs.run = counting  # type: ignore[method-assign]
     runner.decode_graphs = graphs

@@ -343,3 +343,26 @@ def test_adapters_load_into_free_slots_and_unload_at_run_time(built, engines) ->
     full = _engine(engines, base, {"a": a})  # no slot beyond --lora-modules
     with pytest.raises(ValueError, match="no free LoRA slot"):
         full.load_lora(LoRAModule("b", str(b)))
+
+
+@pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
+def test_decode_steps_with_adapters_run_through_the_padded_graph_path(built, engines, kernel_backend: str) -> None:
+    """The static-buffer decode forward a CUDA graph records (run eagerly here): each row's adapter slot a
+    one-hot in a static buffer, padding rows and the base model's rows zeros. Base, one adapter and mixed
+    steps all replay, and every request gets PEFT's tokens (the Triton kernels through the interpreter)."""
+    from tests.engine.test_cuda_graphs import _use_padded_path
+
+    base, a, b = built("llama-bias")
+    engine = _engine(engines, base, {"a": a, "b": b}, kernel_backend=kernel_backend, max_model_len=64,
+                     max_num_batched_tokens=64)
+    runs = _use_padded_path(engine, [2, 4])
+    cases = [("base", None, 7), ("a", a, 13), ("b", b, 9)]
+    for name, adapter, length in cases:
+        engine.add_request(name, prompt_token_ids(length, seed=length), GREEDY, lora_name=None if adapter is None else name)
+    tokens = _run(engine)
+    for name, adapter, length in cases:
+        assert tokens[name] == _peft(base, adapter, tuple(prompt_token_ids(length, seed=length))), name
+    assert runs and set(runs) <= {3}  # every decode step replayed, three rows padded to four
+    engine.add_request("alone", prompt_token_ids(7, seed=7), GREEDY, lora_name="a")
+    assert _run(engine)["alone"] == _peft(base, a, tuple(prompt_token_ids(7, seed=7)))
+    assert runs[-1] == 1  # one adapter for the whole step: its rows' one-hot all the same

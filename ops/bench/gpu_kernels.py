@@ -25,6 +25,7 @@ import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -994,8 +995,10 @@ def _engine_run(
     and the steps that ran through ``DecodeGraphs``, of one engine on ``model`` (None: the default
     one): ``mode`` "eager" (``--enforce-eager``), "graphs" (captured and replayed), "async" (graphs and
     ``--async-scheduling``), "spec" (graphs and n-gram drafts, ``SPEC_CONFIG``: a step with drafts runs
-    eagerly; the engine's draft counts are appended to ``spec_counts``) or "padded" (the graphs' padded
-    static-buffer forward run eagerly, what a replay must equal exactly). On another ``device`` (a test's dry run on the CPU) nothing is captured:
+    eagerly; the engine's draft counts are appended to ``spec_counts``), "padded" (the graphs' padded
+    static-buffer forward run eagerly, what a replay must equal exactly), or "lora" / "lora-padded" (graphs,
+    or the padded forward, with two random LoRA adapters of rank 16: request i with adapter i mod 3, the
+    third the base model, so every step mixes them). On another ``device`` (a test's dry run on the CPU) nothing is captured:
     "graphs" and "async" then run eagerly. With ``profile_steps``, that many decode steps after the
     first few run under torch's profiler (left out of the median), their rows appended to ``profile``
     (``ops.bench.overhead.profile_rows``: host and device time per operation and per step)."""
@@ -1006,21 +1009,25 @@ def _engine_run(
     from ops.bench.overhead import profiling
 
     prompt_len = len(prompts[0])
-    config = EngineConfig(model=model, device=device, enforce_eager=mode not in ("graphs", "async", "spec"),
-                          max_num_seqs=batch, num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 64, seed=0,
-                          async_scheduling=mode == "async", kv_cache_dtype=kv_cache_dtype,
-                          speculative_config=SPEC_CONFIG if mode == "spec" else None)
-    engine = LLMEngine(config)
+    lora = mode in ("lora", "lora-padded")
+    with tempfile.TemporaryDirectory() as adapters:
+        modules = _lora_adapters(Path(adapters), model) if lora else ()
+        config = EngineConfig(model=model, device=device, enforce_eager=mode not in ("graphs", "async", "spec", "lora"),
+                              max_num_seqs=batch, num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 64, seed=0,
+                              async_scheduling=mode == "async", kv_cache_dtype=kv_cache_dtype,
+                              speculative_config=SPEC_CONFIG if mode == "spec" else None,
+                              enable_lora=lora, lora_modules=modules)
+        engine = LLMEngine(config)
     runner = engine.runner
-    if mode == "padded":
+    if mode in ("padded", "lora-padded"):
         runner.decode_graphs = DecodeGraphs(runner.model, runner.kv_cache, graph_batch_sizes(batch),
-                                            runner.input_batch.block_table.shape[1], capture=False)
+                                            runner.input_batch.block_table.shape[1], capture=False, lora=runner.lora)
     if mode != "eager" and runner.decode_graphs is None and device == DEVICE:
         raise RuntimeError("no CUDA graphs were captured (is PDSERVE_KERNEL_BACKEND=torch set?)")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [f"r{i}" for i in range(batch)]
-    for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, params)
+    for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
+        engine.add_request(rid, prompt, params, lora_name=[m.name for m in modules][i % 3] if lora and i % 3 < 2 else None)
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     decode_s: list[float] = []
     profiler = contextlib.ExitStack()  # holds ``overhead.profiling`` while the profiled steps run
@@ -1045,6 +1052,17 @@ def _engine_run(
     if spec_counts is not None:
         spec_counts += [engine.spec_num_drafts, engine.spec_num_draft_tokens, engine.spec_num_accepted_tokens]
     return [tokens[rid] for rid in ids], statistics.median(decode_s) * 1e3 if decode_s else float("nan"), replayed
+
+
+def _lora_adapters(folder: Path, model: str | None) -> tuple[Any, ...]:
+    """Two random LoRA adapters of rank 16 on every projection of ``model`` (``pdserve bench lora``'s)."""
+    from common.lora_modules import LoRAModule
+    from common.model.loader import resolve_model_path
+    from common.model.weights import load_hf_config
+    from ops.bench.lora import write_adapter
+
+    config = load_hf_config(resolve_model_path(model))
+    return tuple(LoRAModule(f"a{i}", str(write_adapter(folder / f"a{i}", config, 16, i))) for i in range(2))
 
 
 def _profile_summary(rows: list[dict[str, Any]]) -> str:
@@ -1076,19 +1094,20 @@ def bench_engine_graphs(report: Report, args: argparse.Namespace) -> None:
         prompts = torch.randint(3, 10_000, (batch, prompt_len), generator=gen).tolist()
         outputs: dict[str, list[list[int]]] = {}
         spec_counts: list[int] = []
-        for mode in ("eager", "graphs", "async", "spec", "padded"):
+        for mode in ("eager", "graphs", "async", "spec", "padded", "lora", "lora-padded"):
             rows: list[dict[str, Any]] = []
             steps = args.engine_profile_steps if mode in ("graphs", "async") and batch == args.engine_batch else 0
             outputs[mode], ms, replayed = _engine_run(mode, batch, prompts, max_tokens, model=model,
                                                       profile_steps=steps, profile=rows, spec_counts=spec_counts)
             gc.collect()
             torch.cuda.empty_cache()
-            if mode == "padded":
+            if mode in ("padded", "lora-padded"):
                 continue
             differ = sum(a != b for a, b in zip(outputs[mode], outputs["eager"], strict=True))
             name = {"eager": "engine decode step, CUDA graphs off", "graphs": "engine decode step, CUDA graphs on",
                     "async": "engine decode step, CUDA graphs on, async scheduling",
-                    "spec": "engine decode step, CUDA graphs on, n-gram drafts"}[mode]
+                    "spec": "engine decode step, CUDA graphs on, n-gram drafts",
+                    "lora": "engine decode step, CUDA graphs on, two LoRA adapters and the base model mixed"}[mode]
             report.timings.append({"name": name, "shape": f"batch {batch}, {prompt_len}-token prompts",
                                    "median_us": ms * 1e3, "bytes": 0.0, "gb_per_s": None, "tflop_per_s": None,
                                    "group": report.group, "steps_replayed": replayed,
@@ -1098,12 +1117,16 @@ def bench_engine_graphs(report: Report, args: argparse.Namespace) -> None:
             if rows:
                 report.timings[-1]["profile"] = rows
                 print(f"[profile] {name} [batch {batch}] {_profile_summary(rows)}")
-            if mode == "graphs":
-                report.check(f"engine decode steps replayed from CUDA graphs (batch {batch}; err = 1 if none)",
-                             functools.partial(_exact, float(replayed == 0)))
+            if mode in ("graphs", "lora"):
+                report.check(f"engine decode steps replayed from CUDA graphs{' with LoRA adapters' if mode == 'lora' else ''} "
+                             f"(batch {batch}; err = 1 if none)", functools.partial(_exact, float(replayed == 0)))
         differences = float(sum(a != b for a, b in zip(outputs["graphs"], outputs["padded"], strict=True)))
         report.check(f"engine greedy outputs, CUDA graph replay == the same padded forward run eagerly "
                      f"(batch {batch}, {max_tokens} tokens; err = sequences that differ)",
+                     functools.partial(_exact, differences))
+        differences = float(sum(a != b for a, b in zip(outputs["lora"], outputs["lora-padded"], strict=True)))
+        report.check(f"engine greedy outputs with LoRA adapters, CUDA graph replay == the same padded forward run "
+                     f"eagerly (batch {batch}, {max_tokens} tokens; err = sequences that differ)",
                      functools.partial(_exact, differences))
         differences = float(sum(a != b for a, b in zip(outputs["async"], outputs["graphs"], strict=True)))
         report.check(f"engine greedy outputs, async scheduling == synchronous steps, CUDA graphs on "

@@ -62,6 +62,9 @@ def test_the_engine_section_runs_its_modes_on_the_cpu() -> None:
             for mode in ("eager", "async", "spec", "padded")}
     tokens = {mode: run[0] for mode, run in runs.items()}
     assert tokens["async"] == tokens["eager"] == tokens["padded"] == tokens["spec"]
+    # With two adapters (request 0 with one, request 1 with the other): the padded forward equals eager.
+    lora = {mode: gpu_kernels._engine_run(mode, 2, prompts, 5, device="cpu") for mode in ("lora", "lora-padded")}
+    assert lora["lora"][0] == lora["lora-padded"][0] and lora["lora-padded"][2] == 4 and lora["lora"][2] == 0
     # (drafting steps, draft tokens, kept) per run: only the spec run's engine drafts
     assert len(counts) == 12 and counts[:6] == [0] * 6 and counts[9:] == [0] * 3 and counts[7] > 0
     assert [len(t) for t in tokens["eager"]] == [5, 5]

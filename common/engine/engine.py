@@ -32,6 +32,7 @@ from common.kvcache.block_pool import KVBlock
 from common.kvcache.hashing import BlockHash
 from common.kvcache.kv_cache_manager import KVCacheManager
 from common.lora_modules import LoRAModule
+from common.model.lora import LoRAManager
 from common.protocol import MAX_PROMPT_LOGPROB_ENTRIES, PositionLogprobs, PromptLogprob, choice_request_id
 from common.sampling_params import SamplingParams
 
@@ -270,30 +271,26 @@ class LLMEngine:
     def lora_slot(self, lora_name: str | None) -> int:
         """The runner's slot of a LoRA adapter (-1 for None: the base model); ``ValueError`` for one this
         engine does not serve."""
-        if lora_name is None:
-            return -1
-        lora = self.runner.lora
-        if lora is None:
-            raise ValueError(f"LoRA adapter {lora_name!r} requested, but this engine serves none (--enable-lora "
-                             "--lora-modules)")
-        return lora.slot(lora_name)
+        return -1 if lora_name is None else self._lora(f"LoRA adapter {lora_name!r} requested, but").slot(lora_name)
+
+    def _lora(self, what: str) -> LoRAManager:
+        """The runner's adapters; ``ValueError`` (``what`` first) where this engine serves none."""
+        if self.runner.lora is None:
+            raise ValueError(f"{what} this engine serves none (--enable-lora --lora-modules)")
+        return self.runner.lora
 
     def load_lora(self, module: LoRAModule) -> None:
         """Load a LoRA adapter at run time into a free slot (``--max-loras``); ``ValueError`` naming why
         not (nothing changed)."""
-        if self.runner.lora is None:
-            raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
-        self.runner.lora.load(module)
+        self._lora("cannot load a LoRA adapter:").load(module)
 
     def unload_lora(self, name: str) -> None:
         """Unload a LoRA adapter; ``ValueError`` for one not loaded, or one a request here still has."""
-        if self.runner.lora is None:
-            raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
-        self.runner.lora.slot(name)
+        lora = self._lora("cannot unload a LoRA adapter:")
         using = sum(r.lora_name == name for r in self.scheduler.requests.values())
         if using:
             raise ValueError(f"LoRA adapter {name!r} is in use by {using} request(s) here; unload it when they end")
-        self.runner.lora.unload(name)
+        lora.unload(name)
 
     def knows(self, request_id: str) -> bool:
         """The id is in use here: queued, running, held for a transfer or receiving one."""

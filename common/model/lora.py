@@ -76,9 +76,7 @@ class LoRAAdapter:
     """One adapter, read and checked: per projection of this model, (part, rows, A, B * scaling)."""
 
     name: str
-    path: str
     rank: int
-    base_model_name: str | None
     weights: dict[str, list[tuple[int, slice, Tensor, Tensor]]] = field(default_factory=dict)
 
 
@@ -159,7 +157,6 @@ def load_adapter(spec: LoRAModule, model: LlamaForCausalLM, max_rank: int) -> Lo
     from safetensors import safe_open
 
     config, file = check_adapter_folder(spec)
-    folder = file.parent
     rank = int(config["r"])
     if rank > max_rank:
         raise UnsupportedAdapter(f"adapter {spec.name!r} has rank {rank}, above --max-lora-rank {max_rank}")
@@ -176,7 +173,7 @@ def load_adapter(spec: LoRAModule, model: LlamaForCausalLM, max_rank: int) -> Lo
         raise UnsupportedAdapter(f"adapter {spec.name!r}: {file} holds no LoRA weights")
     arch = model.arch
     modules = dict(model.named_modules())
-    adapter = LoRAAdapter(spec.name, str(folder), rank, spec.base_model_name)
+    adapter = LoRAAdapter(spec.name, rank)
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise UnsupportedAdapter(f"adapter {spec.name!r}: {module} without lora_{'B' if 'A' in ab else 'A'}")

@@ -179,18 +179,17 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model_path(args.model)
     config = load_hf_config(path)
     results = []
-    adapters = tempfile.TemporaryDirectory()
-    lora_modules = tuple(LoRAModule(f"a{i}", str(write_adapter(Path(adapters.name) / f"a{i}", config, args.lora_rank, i)))
-                         for i in range(2 if args.lora_rank else 0))
     lora: LoRAManager | None = None
-    for backend in backends:
-        if set(cases) - {"sample"}:
-            model = load_model(path, config, get_kernels("cpu", backend), torch.float32, torch.device("cpu"),
-                               args.context + 1)
-            lora = LoRAManager(model, lora_modules, args.lora_rank) if lora_modules else None
-        results += [count_forward(model, backend, case, args, lora) if case != "sample"
-                    else count_sample(int(config.vocab_size), backend, args) for case in cases]
-    adapters.cleanup()
+    with tempfile.TemporaryDirectory() as adapters:  # read as each model is built
+        lora_modules = tuple(LoRAModule(f"a{i}", str(write_adapter(Path(adapters) / f"a{i}", config, args.lora_rank, i)))
+                             for i in range(2 if args.lora_rank else 0))
+        for backend in backends:
+            if set(cases) - {"sample"}:
+                model = load_model(path, config, get_kernels("cpu", backend), torch.float32, torch.device("cpu"),
+                                   args.context + 1)
+                lora = LoRAManager(model, lora_modules, args.lora_rank) if lora_modules else None
+            results += [count_forward(model, backend, case, args, lora) if case != "sample"
+                        else count_sample(int(config.vocab_size), backend, args) for case in cases]
     report = {"date": datetime.date.today().isoformat(),
               "command": " ".join(["pdserve bench overhead forward", *(argv if argv is not None else sys.argv[1:])]),
               "model": path.name, "model_id": model_identity(path), "config": vars(args), "results": results}

@@ -291,6 +291,7 @@ class LoRAManager:
         self.dtype = model.lm_head.weight.dtype
         runtime = num_slots > len(loaded)
         rank = max_rank if runtime else max((a.rank for a in loaded), default=1)
+        self.rank = rank  # every wrapped projection's rank per part
         if runtime:
             targeted = sorted(name for name, m in model.named_modules()
                               if isinstance(m, nn.Linear) and name.endswith(_ADAPTABLE))
@@ -318,6 +319,10 @@ class LoRAManager:
             raise ValueError(f"no free LoRA slot: all {len(self.adapters)} of --max-loras hold adapters "
                              f"({', '.join(self.slots)}); unload one first")
         adapter = load_adapter(spec, self.model, self.max_rank)
+        if adapter.rank > self.rank:  # only where every slot was taken at start: the ranks are the largest then
+            raise UnsupportedAdapter(f"adapter {spec.name!r} has rank {adapter.rank}, above the {self.rank} of the "
+                                     "adapters loaded at start (start with --max-loras above the --lora-modules to "
+                                     "load adapters later)")
         missing = sorted(set(adapter.weights) - set(self.layers))
         if missing:  # only where every slot was taken at start: nothing is wrapped beyond them
             raise UnsupportedAdapter(f"adapter {spec.name!r} adapts {missing[0]}, which no adapter loaded at start "

@@ -366,3 +366,17 @@ def test_decode_steps_with_adapters_run_through_the_padded_graph_path(built, eng
     engine.add_request("alone", prompt_token_ids(7, seed=7), GREEDY, lora_name="a")
     assert _run(engine)["alone"] == _peft(base, a, tuple(prompt_token_ids(7, seed=7)))
     assert runs[-1] == 1  # one adapter for the whole step: its rows' one-hot all the same
+
+
+def test_a_slot_freed_at_run_time_takes_no_adapter_wider_than_those_loaded_at_start(built, engines) -> None:
+    """Without slots beyond --lora-modules, the projections are wrapped at the start adapters' rank: an
+    adapter of a larger rank loaded into a freed slot is refused by name, nothing changed."""
+    base, a, b = built("llama-bias")  # ranks 4 and 8
+    engine = _engine(engines, base, {"a": a})
+    engine.unload_lora("a")
+    with pytest.raises(UnsupportedAdapter, match="rank 8, above the 4 of the adapters loaded at start"):
+        engine.load_lora(LoRAModule("b", str(b)))
+    engine.load_lora(LoRAModule("a", str(a)))
+    prompt = prompt_token_ids(11, seed=2)
+    engine.add_request("r", prompt, GREEDY, lora_name="a")
+    assert _run(engine)["r"] == _peft(base, a, tuple(prompt))

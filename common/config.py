@@ -81,6 +81,8 @@ class SpeculativeConfig:
 
 # Adapter ranks a ``--max-lora-rank`` may allow (vLLM's largest is 512).
 MAX_LORA_RANK = 512
+# Ranks one engine may split its model over (the GPUs of one host).
+MAX_TENSOR_PARALLEL_SIZE = 64
 
 
 @dataclass
@@ -112,6 +114,8 @@ class EngineConfig:
     lora_modules: tuple[LoRAModule, ...] = ()
     max_loras: int | None = None  # adapters in one batch; every adapter is resident: at least their number
     max_lora_rank: int = 16
+    # Ranks the model is split over (``common.engine.tensor_parallel``): this process and size - 1 workers.
+    tensor_parallel_size: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -151,6 +155,13 @@ class EngineConfig:
             # Adapters are not swapped in and out of the device: every one served holds a slot.
             raise ValueError(f"--max-loras {self.max_loras} is below the {len(names)} adapters of --lora-modules, "
                              "each of which stays resident (swapping adapters in and out is not implemented)")
+
+        if not 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL_SIZE:
+            raise ValueError(f"tensor_parallel_size must be in [1, {MAX_TENSOR_PARALLEL_SIZE}], "
+                             f"got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.enable_lora:
+            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not implemented: adapters "
+                             "adapt whole projections, which each rank holds a share of")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -246,6 +257,13 @@ class EngineConfig:
                             "out, so not fewer)")
         parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
                             help="the largest adapter rank served (the device holds every adapter at this rank)")
+        parser.add_argument(
+            "--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+            help="split the model over this many processes (GPUs from --device's on: cuda:0 and cuda:1 "
+            "for 2), as vLLM's flag: each holds its share of the attention heads, KV heads and MLP "
+            "widths, and of every KV block. The heads and widths must divide by it. On the CPU the "
+            "ranks share one KV cache in shared memory, and a prefill hands its blocks to a decode "
+            "of the same size; KV transfer from a tensor-parallel engine on GPUs is not implemented")
         if include_seed:
             parser.add_argument("--seed", type=int, default=d.seed, help="seed for requests without one")
 

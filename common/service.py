@@ -57,6 +57,7 @@ from common.protocol import (
 )
 from common.registry import BACKOFF_S, HeartbeatThread, InstanceInfo, PrefixIndex, Registry
 from common.sampling_params import MAX_N
+from kvtransfer.blocks.layout import KVLayout
 from kvtransfer.wire.curve import CurveConfig
 
 logger = logging.getLogger(__name__)
@@ -211,6 +212,14 @@ class EngineService:
     @property
     def draining(self) -> bool:
         return self.drain_deadline is not None
+
+    def transfer_cache(self) -> tuple[Any, KVLayout]:
+        """The cache a KV transfer moves blocks of, and its layout; refused by name where none can."""
+        runner = self.engine.runner
+        if runner.transfer_cache is None:
+            raise ValueError(f"KV transfer from a tensor-parallel engine on {runner.device.type} (--tensor-parallel-size "
+                             f"{runner.tp.size}) is not implemented: each rank's KV heads live on its own device")
+        return runner.transfer_cache, KVLayout.from_kv_cache(runner.transfer_cache, self.engine.model_id, runner.tp.size)
 
     @property
     def kv_curve(self) -> CurveConfig | None:
@@ -657,6 +666,7 @@ class EngineService:
             self.heartbeat.stop(deregister=True)
             self.prefix_index.clear_instance(self.instance_id)
             self.close()
+            self.engine.close()
             for sock in self._outputs.values():
                 sock.close(0)
             self.control.close(0)

@@ -21,7 +21,6 @@ from common.protocol import (
     decode_transfer_meta,
 )
 from common.service import EngineService, RequestRecord
-from kvtransfer.blocks.layout import KVLayout
 from kvtransfer.receiving.block_allocator import Allocation, Refusal
 from kvtransfer.receiving.receiver import KVReceiver
 from kvtransfer.transfer_state import ABORTED
@@ -43,12 +42,12 @@ class DecodeService(EngineService):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        layout = KVLayout.from_kv_cache(self.engine.runner.kv_cache, self.engine.model_id)
+        cache, layout = self.transfer_cache()
         self.kv_layout = layout.fingerprint()
         port = args.kv_port or "*"
         priority = self.engine.scheduler.policy == "priority"
         self.receiver = KVReceiver(
-            f"tcp://{args.host}:{port}", self.engine.runner.kv_cache, layout, self,
+            f"tcp://{args.host}:{port}", cache, layout, self,
             timeout_s=args.kv_transfer_timeout, defer_timeout_s=args.kv_transfer_timeout,
             curve=self.kv_curve, offer_order=_offer_priority if priority else None,
         )

@@ -54,7 +54,7 @@ POLL_S = 0.2
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # the engines' own default (``EngineConfig``), shared out here
 
 ENGINE_FLAGS = ("block_size", "kv_cache_memory", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
-                "max_model_len", "scheduling_policy")
+                "max_model_len", "scheduling_policy", "tensor_parallel_size")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="every engine's model split over this many processes (on a GPU host, that many GPUs each: "
+                   "engine after engine, as many as there are groups of them)")
     p.add_argument("--stream-interval", type=int, default=None,
                    help="the decode instances' --stream-interval: tokens per message to the router")
     p.add_argument("--speculative-config", default=None,
@@ -151,13 +154,19 @@ def nvml_gpu_count() -> int:
         nvml.nvmlShutdown()
 
 
-def place_engines(names: list[str], gpus: list[str]) -> dict[str, tuple[str, float]]:
+def place_engines(names: list[str], gpus: list[str], per_engine: int = 1) -> dict[str, tuple[str, float]]:
     """Engine name -> (its ``CUDA_VISIBLE_DEVICES``, its share of that GPU's memory): each engine on a
     GPU of its own while there are enough, round-robin after that; engines on one GPU split the
-    default utilisation evenly (two on one: 0.45 each), as two vLLM servers on one GPU must be told."""
+    default utilisation evenly (two on one: 0.45 each), as two vLLM servers on one GPU must be told.
+    ``per_engine``: GPUs each engine takes (its tensor-parallel ranks), consecutive ones, in groups that
+    the engines share out as single GPUs are; fewer GPUs than one engine needs are refused."""
     if not gpus:
         return {}
-    on = {name: gpus[i % len(gpus)] for i, name in enumerate(names)}
+    if len(gpus) < per_engine:
+        raise ValueError(f"--tensor-parallel-size {per_engine} needs {per_engine} GPUs per engine; "
+                         f"{len(gpus)} visible ({','.join(gpus)})")
+    groups = [",".join(gpus[i : i + per_engine]) for i in range(0, len(gpus) - per_engine + 1, per_engine)]
+    on = {name: groups[i % len(groups)] for i, name in enumerate(names)}
     sharing = Counter(on.values())
     return {name: (gpu, math.floor(DEFAULT_GPU_MEMORY_UTILIZATION / sharing[gpu] * 100) / 100)
             for name, gpu in on.items()}
@@ -266,7 +275,8 @@ class Launcher:
             if "OMP_NUM_THREADS" in os.environ:
                 return env
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            threads = max(1, cores // max(1, self.args.prefill + self.args.decode))
+            ranks = (self.args.prefill + self.args.decode) * (self.args.tensor_parallel_size or 1)
+            threads = max(1, cores // max(1, ranks))
         return {**env, "OMP_NUM_THREADS": str(threads)}
 
     def engines(self) -> list[tuple[str, str]]:
@@ -280,7 +290,8 @@ class Launcher:
         the engines get that value as it is."""
         if any(arg == "--device" or arg.startswith("--device=") for arg in self.engine_extra):
             return {}
-        return place_engines([name for name, _ in self.engines()], visible_gpus(os.environ, nvml_gpu_count))
+        return place_engines([name for name, _ in self.engines()], visible_gpus(os.environ, nvml_gpu_count),
+                             self.args.tensor_parallel_size or 1)
 
     def start_all(self, model: str) -> None:
         redis_url = self.args.redis_url or self.start_redis()
@@ -409,12 +420,14 @@ def main(argv: list[str] | None = None) -> int:
             SpeculativeConfig.parse(args.speculative_config)
         except ValueError as e:
             raise SystemExit(str(e)) from None
-    if args.lora_modules or args.enable_lora:  # refused here, not by every engine's crash loop
+    if args.lora_modules or args.enable_lora or args.tensor_parallel_size is not None:
+        # refused here, not by every engine's crash loop
         from common.config import EngineConfig
         from common.model.lora import check_adapter_folder
 
         try:
             EngineConfig(enable_lora=args.enable_lora, lora_modules=tuple(args.lora_modules), max_loras=args.max_loras,
+                         tensor_parallel_size=args.tensor_parallel_size or 1,
                          **({} if args.max_lora_rank is None else {"max_lora_rank": args.max_lora_rank}))
             for module in args.lora_modules:
                 check_adapter_folder(module)
@@ -423,6 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     print("pdserve: resolving the model (converted once, then cached)...", flush=True)
     model = _resolve_model(args.model)
     launcher = Launcher(args, engine_extra)
+    try:
+        launcher.gpu_placement()  # enough GPUs for each engine's ranks
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     signal.signal(signal.SIGINT, launcher.request_stop)
     signal.signal(signal.SIGTERM, launcher.request_stop)
     exit_code = 0

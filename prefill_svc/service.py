@@ -17,7 +17,6 @@ from common.endpoints import check_endpoint
 from common.engine.engine import EngineOutput, KVHandoff
 from common.protocol import GenerateRequest, TransferMeta, encode
 from common.service import EngineService, Phase
-from kvtransfer.blocks.layout import KVLayout
 from kvtransfer.sending.sender import KVSender
 from kvtransfer.transfer_state import ABORTED
 
@@ -31,10 +30,10 @@ class PrefillService(EngineService):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        layout = KVLayout.from_kv_cache(self.engine.runner.kv_cache, self.engine.model_id)
+        cache, layout = self.transfer_cache()
         self.kv_layout = layout.fingerprint()
         self.sender = KVSender(
-            self.engine.runner.kv_cache, layout, timeout_s=args.kv_transfer_timeout,
+            cache, layout, timeout_s=args.kv_transfer_timeout,
             curve=self.kv_curve, sender_id=self.instance_id,
         )
 

@@ -174,6 +174,10 @@ class LLMEngine:
         # Per draft position (0: a step's first draft), the drafts kept there: where acceptance falls off.
         self.spec_accepted_per_pos = [0] * (0 if spec is None else spec.num_speculative_tokens)
 
+    def close(self) -> None:
+        """Stop what the engine started beside its own process (a tensor-parallel engine's other ranks)."""
+        self.runner.close()
+
     def _eos_token_ids(self) -> set[int]:
         """EOS ids from the model config and, where the checkpoint has one, its generation config."""
         sources = [getattr(self.runner.hf_config, "eos_token_id", None)]

@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import logging
 from collections import deque
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -19,13 +20,23 @@ from torch import Tensor
 from common.config import EngineConfig
 from common.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from common.engine.host_tensors import long_tensor, to_device_all, to_host
-from common.engine.input_batch import InputBatch
+from common.engine.input_batch import BatchInputs, InputBatch
 from common.engine.request import Request
 from common.engine.sampler import Sampler
 from common.engine.scheduler import SchedulerOutput
+from common.engine.tensor_parallel import (
+    StepHeader,
+    TPLeader,
+    ZeroBlocks,
+    barrier,
+    device_of_rank,
+    shared_cache,
+)
+from common.model.arch import ModelArch
 from common.model.llama import AttentionMetadata
 from common.model.loader import model_identity, resolve_model_path
 from common.model.lora import LoRAManager
+from common.model.parallel import SINGLE, TensorParallel
 from common.model.weights import load_hf_config, load_model
 from common.protocol import PromptLogprob, TokenLogprob
 from common.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -102,10 +113,29 @@ class ModelRunner:
     profiled_peak_bytes = 0
     # LoRA adapters served (``--enable-lora``), None without.
     lora: LoRAManager | None = None
+    # Rank 0 of a tensor-parallel engine: its handle on the other ranks (``common.engine.tensor_parallel``).
+    tp_leader: TPLeader | None = None
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, cache_path: Path | None = None) -> None:
+        """``tp`` and ``cache_path``: given to a tensor-parallel worker rank (its group, and where rank 0's
+        shared CPU cache lies); rank 0 starts its workers itself where ``tensor_parallel_size`` > 1."""
         self.config = config
-        self.device = config.torch_device
+        if tp is None and config.tensor_parallel_size > 1:
+            # A model the ranks cannot share is refused here, before any worker starts (and fails alike).
+            hf_config = load_hf_config(resolve_model_path(config.model))
+            ModelArch.from_config(hf_config).check_tensor_parallel(hf_config, config.tensor_parallel_size)
+            # The workers first: they import and load their shares while this process loads its own.
+            self.tp_leader = TPLeader(config, config.torch_device)
+            tp, cache_path = self.tp_leader.tp, self.tp_leader.cache_path
+        try:
+            self._start(config, tp or SINGLE, cache_path)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, config: EngineConfig, tp: TensorParallel, cache_path: Path | None) -> None:
+        self.tp = tp
+        self.device = device_of_rank(config.torch_device, tp.rank)
         self.dtype = config.torch_dtype
         self.kv_dtype = config.torch_kv_cache_dtype
         _check_kv_dtype(self.kv_dtype, self.device)
@@ -123,7 +153,7 @@ class ModelRunner:
         self.kernel_backend = resolve_backend(self.device, config.kernel_backend)
         self.kernels = get_kernels(self.device, config.kernel_backend)
         self.model = load_model(
-            self.model_path, self.hf_config, self.kernels, self.dtype, self.device, self.max_model_len
+            self.model_path, self.hf_config, self.kernels, self.dtype, self.device, self.max_model_len, tp
         )
         # LoRA adapters, resident from here, before the KV cache is sized after what is left.
         self.lora = (LoRAManager(self.model, config.lora_modules, config.max_lora_rank, config.max_loras)
@@ -133,8 +163,7 @@ class ModelRunner:
         self.num_layers = int(self.hf_config.num_hidden_layers)
         self.num_blocks = self._num_blocks()
         self.init_input_batch()
-        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_size)
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_cache, self.transfer_cache = self._allocate_cache(cache_path)
         self.decode_graphs = self._capture_decode_graphs()
         if self.decode_graphs is not None and self.profiled_peak_bytes:
             # Capturing emptied torch's cache: take the largest step's memory back into it now, as one
@@ -146,8 +175,40 @@ class ModelRunner:
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, self.kv_dtype, self.kernel_backend,
         )
 
+    def _allocate_cache(self, cache_path: Path | None) -> tuple[Tensor, Tensor | None]:
+        """This rank's KV cache, and the cache a KV transfer moves blocks of (None: none can). One rank: the
+        same tensor. Tensor-parallel on the CPU: every rank's share of one shared-memory tensor ``[ranks,
+        layers, ...]``, which rank 0 creates and removes from the file system once all mapped it; its
+        transfers see all of it as ``ranks x layers`` layers of a rank's heads. On GPUs each rank's own
+        (a transfer from such an engine is not implemented)."""
+        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_size)
+        tp = self.tp
+        if tp.size == 1:
+            cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            return cache, cache
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device), None
+        assert cache_path is not None
+        if tp.rank == 0:
+            whole = shared_cache(cache_path, (tp.size, *shape), self.kv_dtype)
+        barrier(tp, self.device)
+        if tp.rank != 0:
+            whole = shared_cache(cache_path, (tp.size, *shape), self.kv_dtype)
+        barrier(tp, self.device)
+        if tp.rank == 0:
+            cache_path.unlink()  # mapped by every rank: the memory lives until the last of them ends
+        return whole[tp.rank], whole.flatten(0, 1)
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's other ranks (nothing to do for one rank)."""
+        if self.tp_leader is not None:
+            self.tp_leader.close()
+
     def zero_blocks(self, block_ids: list[int]) -> None:
-        """Overwrite these blocks' K and V with zeros, in every layer (queued after the steps before)."""
+        """Overwrite these blocks' K and V with zeros, in every layer (queued after the steps before), on
+        every rank."""
+        if self.tp_leader is not None:
+            self.tp_leader.send(ZeroBlocks(block_ids))
         cache_bytes(self.kv_cache).index_fill_(2, long_tensor(block_ids, self.device), 0)
 
     @property
@@ -191,6 +252,12 @@ class ModelRunner:
             logger.info("largest step's activations and sampling: %.2f GiB at peak", peak / 2**30)
             util = self.config.gpu_memory_utilization
             num = gpu_kv_cache_bytes(total, free, own, util) // self.bytes_per_block
+            if self.tp.size > 1:  # block ids mean the same blocks on every rank: the fewest any rank holds
+                import torch.distributed as dist
+
+                fewest = torch.tensor([num], device=self.device)
+                dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=self.tp.group)
+                num = int(fewest.item())
             if num < 1:
                 raise ValueError(
                     f"not enough GPU memory for a single KV block ({self.bytes_per_block} bytes): "
@@ -253,7 +320,8 @@ class ModelRunner:
                     block_size=self.block_size, model_id=self.model_id, output_token_ids=[0] * num_output)
             for i, (num_prompt, num_output) in enumerate(lengths[:rows])
         ]
-        Sampler(set(), seed=0, kernel_backend=self.kernel_backend).sample(logits, requests).result()
+        if self.tp.rank == 0:  # only rank 0 samples
+            Sampler(set(), seed=0, kernel_backend=self.kernel_backend).sample(logits, requests).result()
         if not cuda:
             return 0
         torch.cuda.synchronize(dev)
@@ -291,18 +359,17 @@ class ModelRunner:
             # A few tensor operations whether or not any id is a placeholder: no branch on the data.
             rows = (-1 - input_ids).clamp_(min=0)
             input_ids = torch.where(input_ids < 0, prev_token_ids.index_select(0, rows), input_ids)
-        if replay:
-            assert graphs is not None
-            # Its hidden rows are the real rows only, all a step with one token per sequence needs.
-            hidden = graphs.run(dataclasses.replace(
-                inputs, input_ids=input_ids, positions=on_device[1], slot_mapping=on_device[2],
-                context_lens=on_device[3], block_tables=on_device[4],
-            ), self.lora.batch.select if adapted and self.lora is not None else None)
-        else:
-            meta = AttentionMetadata(slot_mapping=on_device[2], block_tables=on_device[4],
-                                     query_start_loc=on_device[5], context_lens=on_device[3],
-                                     max_query_len=inputs.max_query_len)
-            hidden = self.model(input_ids, on_device[1], meta, self.kv_cache)
+        lora_select = self.lora.batch.select if adapted and self.lora is not None else None
+        if self.tp_leader is None:
+            hidden = self._forward(inputs, input_ids, on_device[1:], replay, lora_select)
+        else:  # the other ranks run the same forward on their shares, in step with this one
+            with self.tp_leader.in_step():
+                self.tp_leader.step(
+                    StepHeader(inputs.input_ids.shape[0], inputs.context_lens.shape[0], inputs.block_tables.shape[1],
+                               inputs.max_query_len, list(out.block_copies)),
+                    [inputs.positions, inputs.slot_mapping, inputs.context_lens, inputs.block_tables,
+                     inputs.query_start_loc], input_ids)
+                hidden = self._forward(inputs, input_ids, on_device[1:], replay, lora_select)
         if any(s.request.prompt_logprobs is not None for s in out.scheduled):
             self._prompt_logprobs(out, hidden, inputs.query_start_loc.tolist())
         num_sampled = len(inputs.sample_idx)
@@ -315,6 +382,42 @@ class ModelRunner:
             hidden = hidden.index_select(0, on_device[6])
         logits: Tensor = self.model.compute_logits(hidden)
         return logits
+
+    def _forward(self, inputs: BatchInputs, input_ids: Tensor, on_device: list[Tensor], replay: bool,
+                 lora_select: Tensor | None) -> Tensor:
+        """The hidden states of a step whose inputs are on the device (``on_device``: positions, slot
+        mapping, context lengths, block tables and, unless it replays a decode graph, query starts)."""
+        positions, slot_mapping, context_lens, block_tables = on_device[:4]
+        if replay:
+            assert self.decode_graphs is not None
+            # Its hidden rows are the real rows only, all a step with one token per sequence needs.
+            return self.decode_graphs.run(dataclasses.replace(
+                inputs, input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                context_lens=context_lens, block_tables=block_tables), lora_select)
+        meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, query_start_loc=on_device[4],
+                                 context_lens=context_lens, max_query_len=inputs.max_query_len)
+        hidden: Tensor = self.model(input_ids, positions, meta, self.kv_cache)
+        return hidden
+
+    @torch.inference_mode()
+    def execute_worker_step(self, header: StepHeader, host: dict[str, Tensor]) -> None:
+        """A tensor-parallel worker's share of the forward rank 0 runs (``execute``): its block copies, its
+        input ids from rank 0, then the same forward (decode graph or not, as rank 0 decides from the same
+        inputs). Nothing is sampled here."""
+        dev = self.device
+        self.num_steps += 1
+        if header.copies:
+            src, dst = zip(*header.copies, strict=True)
+            self.kernels.copy_blocks(self.kv_cache, long_tensor(src, dev), long_tensor(dst, dev))
+        input_ids = self.tp.broadcast(torch.empty(header.num_tokens, dtype=torch.long, device=dev))
+        inputs = BatchInputs(input_ids=input_ids, positions=host["positions"], slot_mapping=host["slot_mapping"],
+                             block_tables=host["block_tables"], query_start_loc=host["query_start_loc"],
+                             context_lens=host["context_lens"], max_query_len=header.max_query_len,
+                             sample_idx=torch.empty(0, dtype=torch.long))
+        replay = self.decode_graphs is not None and self.decode_graphs.fits(inputs)
+        on_device = to_device_all([inputs.positions, inputs.slot_mapping, inputs.context_lens, inputs.block_tables,
+                                   *(() if replay else (inputs.query_start_loc,))], dev)
+        self._forward(inputs, input_ids, on_device, replay, None)
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: Tensor, query_start: list[int]) -> None:
         """Compute, for each collecting request, the logprobs of the prompt tokens this step's chunk

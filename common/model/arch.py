@@ -119,6 +119,11 @@ ROUTER_TOPK_SOFTMAX_BIASED = "topk_softmax_biased"
 # probabilities renormalized, rounded to the model's dtype.
 ROUTER_SOFTMAX_CORRECTED = "softmax_corrected_topk"
 _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
+# Mixtures whose experts are ``moe_intermediate_size`` wide, narrower than the dense MLP (others': ``intermediate_size``).
+_OWN_EXPERT_WIDTH_TYPES = ("qwen2_moe", "qwen3_moe", "ernie4_5_moe", "afmoe", *_DEEPSEEK_ROUTED_TYPES)
+# The field of a shared expert's width where it is a field of its own (elsewhere a multiple of the experts').
+_SHARED_EXPERT_WIDTH_FIELDS = {"qwen2_moe": "shared_expert_intermediate_size", "granitemoeshared": "shared_intermediate_size",
+                               "hunyuan_v1_moe": "intermediate_size"}
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "vaultgemma",
     "phi3", "seed_oss", "hunyuan_v1_dense", "olmo2", "olmo3", "helium", "ministral3", "exaone4", "apertus", "starcoder2",
@@ -325,6 +330,39 @@ class ModelArch:
             raise UnsupportedConfig("dtype", dtype_name, f"transformers keeps {self.model_type}'s norms in float32 under "
                                     "float16; serve it in bfloat16 or float32")
 
+    def check_tensor_parallel(self, config: Any, size: int) -> None:
+        """Refuse, naming the field, a model that ``size`` ranks cannot each hold an equal share of
+        (``common.model.parallel``): the query and KV heads, the MLP's, each expert's and the shared expert's
+        width must divide by ``size``, and q and k must not be normed across all heads at once (OLMo's norm
+        would need every rank's heads)."""
+        if size == 1:
+            return
+        config = language_model_config(config)
+        flag = f"--tensor-parallel-size {size}"
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads % size:
+            raise UnsupportedConfig("num_attention_heads", heads, f"must divide by {flag}")
+        if kv_heads % size:
+            raise UnsupportedConfig("num_kv_heads" if self.model_type == "falcon" else "num_key_value_heads", kv_heads,
+                                    f"must divide by {flag}: KV heads replicated over more ranks than there are heads "
+                                    "(as vLLM does) is not implemented")
+        if self.qk_norm_full_width:
+            raise UnsupportedConfig("model_type", self.model_type, f"q and k are normed across all heads at once, "
+                                    f"which {flag} splits among ranks: not implemented")
+        widths = []  # (field, width) of every MLP the model has
+        if len(self.moe_layers) < int(config.num_hidden_layers):
+            widths.append(("ffn_hidden_size", self.mlp_width) if self.mlp_width
+                          else ("intermediate_size", config.intermediate_size))
+        if self.moe_layers:
+            widths.append((_experts_width_field(self.model_type), self.moe_intermediate_size))
+            shared_field = _SHARED_EXPERT_WIDTH_FIELDS.get(self.model_type)
+            if self.shared_expert_intermediate_size and shared_field:
+                widths.append((shared_field, self.shared_expert_intermediate_size))
+        for field, width in widths:
+            if width % size:
+                raise UnsupportedConfig(field, width, f"must divide by {flag}")
+
     @classmethod
     def from_config(cls, config: Any) -> ModelArch:
         config = language_model_config(config)
@@ -524,8 +562,7 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
                    or getattr(config, "n_routed_experts", None) or getattr(config, "moe_num_experts", None))
     top_k = (getattr(config, "moe_topk", None) if model_type == "hunyuan_v1_moe"
              else getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_k", None))
-    own_width = ("qwen2_moe", "qwen3_moe", "ernie4_5_moe", "afmoe", *_DEEPSEEK_ROUTED_TYPES)  # narrower than the dense MLP
-    inter = getattr(config, "moe_intermediate_size" if model_type in own_width else "intermediate_size", None)
+    inter = getattr(config, _experts_width_field(model_type), None)
     if not _positive_int(num_experts):  # Hunyuan's may be a list, one per layer: not implemented
         raise UnsupportedConfig("num_local_experts", num_experts, "must be a positive integer")
     if not _positive_int(top_k) or top_k > num_experts:
@@ -585,6 +622,10 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         "shared_expert_gated": model_type == "qwen2_moe",
         "router": ROUTER_TOPK_SOFTMAX if model_type in _GRANITE_MOE_TYPES else ROUTER_SOFTMAX_TOPK, **router,
     }
+
+
+def _experts_width_field(model_type: str) -> str:
+    return "moe_intermediate_size" if model_type in _OWN_EXPERT_WIDTH_TYPES else "intermediate_size"
 
 
 def _after_dense_layers(config: Any, field: str, num_layers: int) -> tuple[int, ...]:

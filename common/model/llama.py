@@ -39,6 +39,7 @@ from common.model.arch import (
     ModelArch,
     rope_parameters,
 )
+from common.model.parallel import SINGLE, TensorParallel
 from pdserve_kernels import reference
 from pdserve_kernels.reference import NORM_LLAMA
 
@@ -159,12 +160,24 @@ class NoRotation(nn.Module):
         return self.cos[rows].to(dtype)[:, None, :], self.sin[rows].to(dtype)[:, None, :]
 
 
+def _sharded(tp: TensorParallel | None) -> TensorParallel | None:
+    """``tp`` where it has more than one rank, else None: a single process's modules hold everything and
+    sum nothing, their forward the one they had before tensor parallelism (one ``is None`` test more)."""
+    return tp if tp is not None and tp.size > 1 else None
+
+
 class Attention(nn.Module):
-    def __init__(self, config: Any, arch: ModelArch, layer_idx: int, kernels: ModuleType) -> None:
+    def __init__(self, config: Any, arch: ModelArch, layer_idx: int, kernels: ModuleType,
+                 tp: TensorParallel | None = None) -> None:
+        """``tp``: the layer holds its rank's share of the query and KV heads (their q/k/v rows, their columns
+        of ``o_proj``), and the output is summed over the ranks."""
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.tp = _sharded(tp)
+        size = 1 if self.tp is None else self.tp.size
+        heads = config.num_attention_heads
+        self.num_heads = heads // size
+        self.num_kv_heads = (getattr(config, "num_key_value_heads", None) or heads) // size
+        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.scale = arch.attention_multiplier or (arch.query_pre_attn_scalar or self.head_size) ** -0.5
         self.soft_cap = arch.attn_soft_cap
         hidden = config.hidden_size
@@ -237,7 +250,8 @@ class Attention(nn.Module):
         o = o.reshape(n, self.num_heads * self.head_size)
         if self.output_gate is not None:
             o = o * torch.sigmoid(self.output_gate(x))
-        return self.o_proj(o)
+        out: Tensor = self.o_proj(o)
+        return out if self.tp is None else self.tp.all_reduce(out)  # this rank's heads' share, summed
 
     def _sinks(self) -> dict[str, Tensor]:
         """The kernels' ``sinks`` argument where the layer has them (no argument otherwise)."""
@@ -264,11 +278,17 @@ _UNGATED: dict[str, Callable[[Tensor], Tensor]] = {
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType | None = None, inter: int | None = None) -> None:
+    def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType | None = None, inter: int | None = None,
+                 tp: TensorParallel | None = None, reduce: bool = True) -> None:
         """``inter``: the width of its gate and up, where not the config's ``intermediate_size`` (a shared expert;
-        Falcon's ``ffn_hidden_size``, ``ModelArch.mlp_width``)."""
+        Falcon's ``ffn_hidden_size``, ``ModelArch.mlp_width``). ``tp``: it holds its rank's share of that width
+        (rows of gate and up, columns of down), its output summed over the ranks unless not ``reduce`` (a
+        shared expert, whose mixture sums its share with the experts' in one reduction)."""
         super().__init__()
+        sharded = _sharded(tp)
+        self.tp = sharded if reduce else None
         hidden, inter = config.hidden_size, inter or arch.mlp_width or config.intermediate_size
+        inter //= 1 if sharded is None else sharded.size
         bias = arch.mlp_bias
         self.inter = inter
         # Without a gate, down(act(up(x))): Arcee's squared ReLU, Apertus's xIELU, StarCoder2's GELU (tanh
@@ -285,13 +305,17 @@ class MLP(nn.Module):
         self.kernels = kernels or reference
 
     def forward(self, x: Tensor) -> Tensor:
+        out: Tensor
         if self.act_fn is not None:
-            return self.down_proj(self.act_fn(self.up_proj(x)))
-        gate_up = self.gate_up_proj(x)
-        if not self.gelu:
-            return self.down_proj(self.kernels.silu_mul(gate_up))
-        gate, up = gate_up[..., : self.inter], gate_up[..., self.inter :]
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+            out = self.down_proj(self.act_fn(self.up_proj(x)))
+        else:
+            gate_up = self.gate_up_proj(x)
+            if not self.gelu:
+                out = self.down_proj(self.kernels.silu_mul(gate_up))
+            else:
+                gate, up = gate_up[..., : self.inter], gate_up[..., self.inter :]
+                out = self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class XIELU(nn.Module):
@@ -339,12 +363,17 @@ class SparseMoE(nn.Module):
     runs only those (the torch loop over the experts hit, or on a GPU one Triton grouped matrix product per
     projection); a shared expert is added, scaled by its gate in Qwen2-MoE."""
 
-    def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType) -> None:
+    def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType, tp: TensorParallel | None = None) -> None:
+        """``tp``: the router whole, each expert's (and the shared expert's) width this rank's share; the
+        experts' and the shared expert's partial outputs added, then summed over the ranks at once (the shared
+        expert's gate is a number per token, from the whole input, so it scales each rank's share alike)."""
         super().__init__()
         hidden = config.hidden_size
+        self.tp = _sharded(tp)
+        size = 1 if self.tp is None else self.tp.size
         # gpt-oss's router has a bias; its experts too, and an activation of their own.
         self.gate = nn.Linear(hidden, arch.num_experts, bias=arch.router == ROUTER_TOPK_SOFTMAX_BIASED)
-        self.experts = Experts(arch.num_experts, hidden, arch.moe_intermediate_size, bias=arch.expert_bias)
+        self.experts = Experts(arch.num_experts, hidden, arch.moe_intermediate_size // size, bias=arch.expert_bias)
         self.swiglu = (arch.swiglu_alpha, arch.swiglu_limit) if arch.expert_activation == "gpt_oss" else None
         self.top_k = arch.experts_per_token
         self.norm_topk_prob = arch.norm_topk_prob
@@ -357,7 +386,8 @@ class SparseMoE(nn.Module):
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if arch.shared_expert_intermediate_size:
-            self.shared_expert = MLP(config, arch, kernels, inter=arch.shared_expert_intermediate_size)
+            self.shared_expert = MLP(config, arch, kernels, inter=arch.shared_expert_intermediate_size, tp=tp,
+                                     reduce=False)
             if arch.shared_expert_gated:
                 self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.kernels = kernels
@@ -390,7 +420,7 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             out = out + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared)
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def _sigmoid(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """GLM-4.5's router (DeepSeek-V3's), in float32 as transformers computes it (its weight and bias
@@ -417,11 +447,12 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, arch: ModelArch, layer_idx: int, kernels: ModuleType) -> None:
+    def __init__(self, config: Any, arch: ModelArch, layer_idx: int, kernels: ModuleType,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, arch, layer_idx, kernels)
+        self.self_attn = Attention(config, arch, layer_idx, kernels, tp)
         self.mlp: MLP | SparseMoE = (
-            SparseMoE(config, arch, kernels) if layer_idx in arch.moe_layers else MLP(config, arch, kernels)
+            SparseMoE(config, arch, kernels, tp) if layer_idx in arch.moe_layers else MLP(config, arch, kernels, tp=tp)
         )
         size, eps, form = config.hidden_size, arch.norm_eps, arch.norm_form
 
@@ -482,7 +513,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaBackbone(nn.Module):
-    def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType) -> None:
+    def __init__(self, config: Any, arch: ModelArch, kernels: ModuleType, tp: TensorParallel | None = None) -> None:
         super().__init__()
         # Given its weight, the embedding skips its random init, which on the meta device (where the model
         # is built before its weights are loaded) runs a Python reference that imports torch._dynamo (~2 s).
@@ -490,7 +521,7 @@ class LlamaBackbone(nn.Module):
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, arch, i, kernels) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, arch, i, kernels, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, arch.norm_eps, arch.norm_form, kernels, arch.norm_bias,
                             arch.norm_weightless)
@@ -498,13 +529,21 @@ class LlamaBackbone(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Parameter names match Hugging Face checkpoints but for the projections stacked into one matrix
-    product each (``FUSED_PROJECTIONS``), which ``common.model.weights.load_model`` stacks as it loads."""
+    product each (``FUSED_PROJECTIONS``), which ``common.model.weights.load_model`` stacks as it loads.
 
-    def __init__(self, config: Any, kernels: ModuleType, max_position: int) -> None:
+    With a ``TensorParallel`` of more than one rank (``tp``), each layer holds this rank's share
+    (``common.model.parallel``) and sums its blocks' outputs over the ranks; the embeddings, norms and output
+    head are whole, so every rank's forward returns the same hidden states. ``num_kv_heads`` is then this
+    rank's (its KV cache's); a model that does not divide among the ranks is refused by name
+    (``ModelArch.check_tensor_parallel``)."""
+
+    def __init__(self, config: Any, kernels: ModuleType, max_position: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
         self.arch = ModelArch.from_config(config)
-        self.model = LlamaBackbone(config, self.arch, kernels)
+        self.tp = tp or SINGLE
+        self.arch.check_tensor_parallel(config, self.tp.size)
+        self.model = LlamaBackbone(config, self.arch, kernels, tp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=self.arch.lm_head_bias)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

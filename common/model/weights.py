@@ -25,6 +25,7 @@ from common.model.arch import (
 )
 from common.model.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 from common.model.loader import cache_dir
+from common.model.parallel import TensorParallel, shard_of, shard_rules, shard_state
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "load_model", "stack_experts", "stack_projections"]
 
@@ -141,12 +142,19 @@ def load_hf_config(path: Path) -> Any:
 
 
 def load_model(
-    path: Path, config: Any, kernels: ModuleType, dtype: torch.dtype, device: torch.device, max_position: int
+    path: Path, config: Any, kernels: ModuleType, dtype: torch.dtype, device: torch.device, max_position: int,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
-    """The model in eval mode on ``device``; every parameter must come from the checkpoint."""
+    """The model in eval mode on ``device``; every parameter must come from the checkpoint. ``tp``: this
+    rank's share of it (``LlamaForCausalLM``): the whole checkpoint is read, renamed, stacked and widened as
+    for one process, then each tensor cut to this rank's share (``common.model.parallel.shard_rules``)."""
     with torch.device("meta"):  # parameters without storage, until the checkpoint's are assigned
-        model = LlamaForCausalLM(config, kernels, max_position)
+        model = LlamaForCausalLM(config, kernels, max_position, tp)
     model.arch.check_dtype(str(dtype).removeprefix("torch."))
+    size = model.tp.size
+    # The checkpoint's counts: the model holds its rank's share of the heads.
+    num_heads, num_kv_heads = int(config.num_attention_heads), model.num_kv_heads * size
+    rules = shard_rules(num_heads, num_kv_heads, model.head_size, model.arch.qk_norm_per_head)
     state: dict[str, torch.Tensor] = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -178,13 +186,12 @@ def load_model(
         del state[name]
     if model.arch.model_type in ("gpt_neox", "persimmon", "falcon"):  # grouped by kv head: one group per head
         # but in Falcon's multi-query and new layouts
-        split_neox_qkv(state, int(config.num_attention_heads), model.head_size, model.num_kv_heads)
+        split_neox_qkv(state, num_heads, model.head_size, num_kv_heads)
     stack_projections(state)
     stack_head_norms(state)
     stack_experts(state)
     if model.arch.rope_interleaved:
-        deinterleave_rope(state, int(config.num_attention_heads), model.num_kv_heads, model.head_size,
-                          model.arch.rotary_dim)
+        deinterleave_rope(state, num_heads, num_kv_heads, model.head_size, model.arch.rotary_dim)
     for name in [n for n in state if n.endswith(".gate.e_score_correction_bias")]:
         state[name] = state[name].reshape(-1)  # ERNIE 4.5's is [1, experts]
     if model.arch.quantization == QUANT_MXFP4:
@@ -194,7 +201,8 @@ def load_model(
     if model.arch.model_type == "gpt_oss":
         gpt_oss_experts(state)
     if model.arch.experts_input_major:  # Qwen3-VL-MoE as released: [E, H, 2I] and [E, I, H], turned where so
-        shapes = {n: p.shape for n, p in model.named_parameters()}
+        shapes = {n: p.shape if (shard := shard_of(rules, n)) is None else shard.full_shape(p.shape, size)
+                  for n, p in model.named_parameters()}  # the whole checkpoint's
         for name in [n for n in state if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
             if state[name].shape != shapes.get(name) and state[name].transpose(1, 2).shape == shapes.get(name):
                 state[name] = state[name].transpose(1, 2).contiguous()
@@ -205,6 +213,8 @@ def load_model(
     unexpected = state.keys() - expected
     if missing or unexpected:
         raise ValueError(f"checkpoint mismatch: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    if size > 1:
+        shard_state(state, rules, model.tp)
     model.load_state_dict(state, strict=False, assign=True)
     if model.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

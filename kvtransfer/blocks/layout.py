@@ -38,10 +38,14 @@ class KVLayout(msgspec.Struct, frozen=True):
     head_size: _Count
     block_size: _Count
     hash_scheme: _Name = HASH_SCHEME
+    # The ranks of a tensor-parallel engine whose cache this is: ``num_layers`` counts each rank's layers
+    # (rank after rank) and ``num_kv_heads`` is one rank's, so both ends must be split alike.
+    tensor_parallel_size: _Count = 1
 
     @classmethod
-    def from_kv_cache(cls, kv_cache: Tensor, model_id: str) -> KVLayout:
-        """Layout of ``kv_cache`` ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``."""
+    def from_kv_cache(cls, kv_cache: Tensor, model_id: str, tensor_parallel_size: int = 1) -> KVLayout:
+        """Layout of ``kv_cache`` ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]`` (of a
+        tensor-parallel engine: ``[ranks x layers, ...]`` of a rank's heads, ``ModelRunner.transfer_cache``)."""
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(
                 "kv_cache must be [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size], "
@@ -49,7 +53,7 @@ class KVLayout(msgspec.Struct, frozen=True):
             )
         dtype = dtype_name(kv_cache.dtype)
         num_layers, _, _, block_size, num_kv_heads, head_size = kv_cache.shape
-        return cls(model_id, dtype, num_layers, num_kv_heads, head_size, block_size, HASH_SCHEME)
+        return cls(model_id, dtype, num_layers, num_kv_heads, head_size, block_size, HASH_SCHEME, tensor_parallel_size)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -97,7 +101,7 @@ class KVLayout(msgspec.Struct, frozen=True):
 
     def check_kv_cache(self, kv_cache: Tensor) -> None:
         """Raise ``ValueError`` unless ``kv_cache`` has this layout (any number of blocks)."""
-        actual = KVLayout.from_kv_cache(kv_cache, self.model_id)
+        actual = KVLayout.from_kv_cache(kv_cache, self.model_id, self.tensor_parallel_size)
         diff = msgspec.structs.replace(self, hash_scheme=actual.hash_scheme).mismatch(actual)
         if diff:
             raise ValueError(f"kv_cache does not match the layout: {diff}")

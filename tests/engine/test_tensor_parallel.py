@@ -1,0 +1,200 @@
+"""A tensor-parallel engine (``--tensor-parallel-size``): rank 0 in this process, its workers real processes
+over gloo, each step's inputs sent over ZeroMQ. Greedy output equals transformers; a prefill engine of
+two ranks hands its blocks (every rank's heads) to a decode engine of two; the ranks end together."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.model.arch import UnsupportedConfig
+from common.sampling_params import SamplingParams
+from kvtransfer.blocks.layout import KVLayout
+from tests.engine.test_disaggregated_lifecycle import _drain, _prefill
+from tests.engine.tiny_models import TINY_DIMS, build_checkpoint, family_configs, hf_greedy, prompt_token_ids
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+FAMILIES = ["llama-bias", "qwen2-moe-shared-expert", "gemma2-window-softcap", "phi-parallel-partial-rope-layernorm"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    configs = family_configs()
+    built: dict[str, Path] = {}
+
+    def build(name: str) -> Path:
+        if name not in built:
+            built[name] = build_checkpoint(configs[name], tmp_path_factory.mktemp(name))
+        return built[name]
+
+    return build
+
+
+@pytest.fixture
+def engines() -> Iterator[list[LLMEngine]]:
+    made: list[LLMEngine] = []
+    yield made
+    for engine in made:
+        engine.close()
+
+
+def _engine(engines: list[LLMEngine], folder: Path, **overrides: object) -> LLMEngine:
+    config = {"model": str(folder), "device": "cpu", "dtype": "float32", "block_size": 8, "num_blocks": 64,
+              "tensor_parallel_size": 2, **overrides}
+    engine = LLMEngine(EngineConfig(**config))  # type: ignore[arg-type]
+    engines.append(engine)
+    return engine
+
+
+def _children() -> set[int]:
+    """This process's child processes (Linux)."""
+    path = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+    return {int(pid) for pid in path.read_text().split()}
+
+
+def _wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_over_two_ranks_equals_transformers(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Chunked prefill (12 tokens a step over three prompts), a prefix shared between two of them (its
+    blocks cached once), and decode: every request's tokens equal transformers'."""
+    folder = checkpoint(name)
+    long = prompt_token_ids(37)
+    prompts = [long, long[:29] + prompt_token_ids(5, seed=4), prompt_token_ids(11, seed=2)]
+    engine = _engine(engines, folder, max_num_batched_tokens=12)
+    assert engine.runner.tp.size == 2 and engine.runner.tp_leader is not None
+    # Each rank holds half the KV heads: the transfer cache counts both ranks' layers.
+    assert engine.runner.kv_cache.shape[4] == TINY_DIMS["num_key_value_heads"] // 2
+    assert engine.runner.transfer_cache is not None
+    assert engine.runner.transfer_cache.shape[0] == 2 * TINY_DIMS["num_hidden_layers"]
+    outs = engine.generate(prompts, GREEDY)
+    assert [o[0] for o in outs] == [hf_greedy(folder, p, GREEDY.max_tokens) for p in prompts]
+    assert engine.stats().prefix_cache_hits > 0  # the shared prefix was read from cached blocks
+
+
+def test_preemption_async_scheduling_and_drafts_over_two_ranks_equal_transformers(checkpoint, engines) -> None:  # type: ignore[no-untyped-def]
+    """Too few blocks for all four at once (recompute after preemption), the next step scheduled while one
+    runs (input ids from the step in flight, broadcast to the workers), and n-gram drafts verified."""
+    folder = checkpoint("llama-bias")
+    prompts = [prompt_token_ids(21, seed=s) for s in range(4)]
+    expected = [hf_greedy(folder, p, 20) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    tight = _engine(engines, folder, num_blocks=12, async_scheduling=True)
+    assert [o[0] for o in tight.generate(prompts, params)] == expected
+    assert tight.stats().num_preemptions > 0
+    repeating = [p[:8] * 3 for p in prompts]
+    drafting = _engine(engines, folder, speculative_config='{"method": "ngram", "num_speculative_tokens": 3, '
+                                                           '"prompt_lookup_max": 3, "prompt_lookup_min": 1}')
+    assert [o[0] for o in drafting.generate(repeating, params)] == [hf_greedy(folder, p, 20) for p in repeating]
+    assert drafting.spec_num_accepted_tokens > 0
+
+
+def test_a_prefill_of_two_ranks_hands_every_rank_s_heads_to_a_decode_of_two(checkpoint, engines) -> None:  # type: ignore[no-untyped-def]
+    """Blocks moved as the KV transfer moves them, through each engine's transfer cache (both ranks' layers):
+    the decode's tokens after the prefill's first equal transformers'; the layouts name their ranks."""
+    folder = checkpoint("qwen2-moe-shared-expert")
+    prompt = prompt_token_ids(30)
+    prefill, decode = _engine(engines, folder, max_num_batched_tokens=16), _engine(engines, folder)
+    out = _prefill(prefill, prompt, GREEDY)
+    assert out.kv_handoff is not None
+    handoff = decode.add_remote_request("r", list(prompt), out.new_token_ids[0], GREEDY)
+    assert handoff is not None
+    src, dst = torch.tensor(out.kv_handoff.block_ids), torch.tensor(handoff.block_ids)
+    assert prefill.runner.transfer_cache is not None and decode.runner.transfer_cache is not None
+    moved = prefill.runner.kernels.gather_blocks(prefill.runner.transfer_cache, src)
+    decode.runner.kernels.scatter_blocks(decode.runner.transfer_cache, dst, moved)
+    assert prefill.release_kv("r")
+    decode.remote_kv_arrived("r")
+    assert [out.new_token_ids[0], *_drain(decode)["r"]] == hf_greedy(folder, prompt, GREEDY.max_tokens)
+    two = KVLayout.from_kv_cache(decode.runner.transfer_cache, decode.model_id, 2)
+    one = KVLayout.from_kv_cache(torch.zeros(3, 2, 4, 8, 2, 16), decode.model_id)
+    assert "tensor_parallel_size: 2 != 1" in (two.mismatch(one) or "")
+
+
+def test_zeroed_blocks_are_zeroed_on_every_rank(checkpoint, engines) -> None:  # type: ignore[no-untyped-def]
+    engine = _engine(engines, checkpoint("llama-bias"))
+    cache = engine.runner.transfer_cache
+    assert cache is not None
+    cache.fill_(1.0)
+    engine.runner.zero_blocks([3, 5])
+    # Rank 1's share is zeroed by rank 1, on its own time.
+    _wait_until(lambda: bool((cache[:, :, [3, 5]] == 0).all()), "every rank's blocks 3 and 5 zeroed")
+    assert bool((cache[:, :, 4] == 1).all())
+
+
+def test_a_model_the_ranks_cannot_share_is_refused_before_any_worker_starts(tmp_path: Path) -> None:
+    from transformers import LlamaConfig
+
+    folder = build_checkpoint(LlamaConfig(**{**TINY_DIMS, "hidden_size": 48, "num_attention_heads": 3,
+                                             "num_key_value_heads": 3}),
+                              tmp_path / "three-heads")
+    before = _children()
+    with pytest.raises(UnsupportedConfig, match="num_attention_heads=3.*--tensor-parallel-size 2"):
+        LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", num_blocks=8, tensor_parallel_size=2))
+    assert _children() == before
+    with pytest.raises(ValueError, match="--enable-lora with --tensor-parallel-size"):
+        EngineConfig(enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be in"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+_ENGINE_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from common.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from common.sampling_params import SamplingParams
+    engine = LLMEngine(EngineConfig(model=sys.argv[1], device="cpu", dtype="float32", block_size=8, num_blocks=64,
+                                    tensor_parallel_size=2))
+    print(" ".join(str(p.pid) for p in engine.runner.tp_leader.workers), flush=True)
+    while True:  # steps run on every rank until something ends
+        engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        time.sleep(0.01)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("killed", ["worker", "rank 0"])
+def test_the_ranks_end_together(checkpoint, killed: str) -> None:  # type: ignore[no-untyped-def]
+    """A worker killed mid-run ends its engine's process (exit 70, its other ranks with it: whoever sent it
+    requests continues them elsewhere); rank 0 killed ends its workers (they would wait for it forever)."""
+    proc = subprocess.Popen([sys.executable, "-c", _ENGINE_SCRIPT, str(checkpoint("llama-bias"))],
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    try:
+        assert proc.stdout is not None
+        workers = [int(pid) for pid in proc.stdout.readline().split()]
+        assert len(workers) == 1 and _alive(workers[0])
+        if killed == "worker":
+            os.kill(workers[0], signal.SIGKILL)
+            assert proc.wait(60) == 70
+        else:
+            proc.kill()
+            proc.wait(60)
+        _wait_until(lambda: not _alive(workers[0]), "the worker to end")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -70,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     engine = LLMEngine(EngineConfig.from_cli_args(argparse.Namespace(**{**vars(args), "seed": args.seed or 0})))
+    try:
+        return _run(args, engine)
+    finally:
+        engine.close()  # a tensor-parallel engine's other ranks
+
+
+def _run(args: argparse.Namespace, engine: LLMEngine) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(engine.runner.model_path))

@@ -388,6 +388,38 @@ def test_engines_get_a_gpu_each_while_there_are_enough_and_split_a_shared_one_s_
     assert place_engines(names, ["0"]) == {name: ("0", 0.3) for name in names}
 
 
+def test_tensor_parallel_engines_take_consecutive_gpus_each_and_share_the_groups_out() -> None:
+    from ops.launcher import place_engines
+
+    names = ["prefill-0", "decode-0", "decode-1"]
+    assert place_engines(names, ["0", "1", "2", "3", "4", "5"], per_engine=2) == {
+        "prefill-0": ("0,1", 0.9), "decode-0": ("2,3", 0.9), "decode-1": ("4,5", 0.9)}
+    assert place_engines(names, ["0", "1", "2", "3", "4"], per_engine=2) == {  # the fifth GPU takes no engine
+        "prefill-0": ("0,1", 0.45), "decode-0": ("2,3", 0.9), "decode-1": ("0,1", 0.45)}
+    with pytest.raises(ValueError, match="--tensor-parallel-size 4 needs 4 GPUs per engine; 2 visible"):
+        place_engines(names, ["0", "1"], per_engine=4)
+
+
+def test_up_gives_every_engine_the_tensor_parallel_size_and_refuses_what_cannot_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    import ops.launcher as launcher_module
+    from common.cli import main
+
+    spawned = _spawned(monkeypatch, tmp_path, "--tensor-parallel-size", "2", "--decode", "2")
+    for name in ("prefill-0", "decode-0", "decode-1"):
+        argv = spawned[name]
+        assert argv[argv.index("--tensor-parallel-size") + 1] == "2", name
+    assert "--tensor-parallel-size" not in spawned["router"]
+    with pytest.raises(SystemExit, match="--enable-lora with --tensor-parallel-size"):
+        main(["up", "--enable-lora", "-tp", "2"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(launcher_module, "nvml_gpu_count", lambda: 1)
+    monkeypatch.setattr(launcher_module, "_resolve_model", lambda model: "model-dir")
+    with pytest.raises(SystemExit, match="needs 2 GPUs per engine; 1 visible"):
+        main(["up", "-tp", "2", "--log-dir", str(tmp_path)])
+
+
 def test_up_on_a_gpu_host_pins_each_engine_to_its_gpu_and_passes_its_share(
     monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,4 +1,4 @@
-"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec|lora``: benchmarks that print measured figures beside baselines."""
+"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec|lora|tp``: benchmarks that print measured figures beside baselines."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ _BENCHES = {
     "kv-dtype": "ops.bench.kv_dtype",
     "spec": "ops.bench.spec_decode",
     "lora": "ops.bench.lora",
+    "tp": "ops.bench.tensor_parallel",
 }
 
 

@@ -54,6 +54,22 @@ COLLECTIVE_TIMEOUT_S = 600
 # How long rank 0 waits for its workers to join the group at start (imports and a CUDA context each).
 JOIN_TIMEOUT_S = 300
 _CACHE_FILE = "kv-cache"
+_WORKDIR_PREFIX = "pdserve-tp-"
+
+
+def sweep_stale_workdirs(base: Path) -> None:
+    """Remove the folders of rank-0 processes that are gone (``pdserve-tp-<pid>-...``): a process killed
+    outright leaves its sockets' folder, and a cache file if it died before every rank mapped it."""
+    for path in base.glob(f"{_WORKDIR_PREFIX}*-*"):
+        pid = path.name.removeprefix(_WORKDIR_PREFIX).partition("-")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 class StepHeader(msgspec.Struct, tag="step", frozen=True):
@@ -145,7 +161,11 @@ class TPLeader:
         size = config.tensor_parallel_size
         self.size = size
         self.device = device
-        self.workdir = Path(tempfile.mkdtemp(prefix="pdserve-tp-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        sweep_stale_workdirs(base)
+        # Its sockets, and its shared cache until every rank mapped it; named after this process, whose
+        # successor removes it where this one could not (killed).
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"{_WORKDIR_PREFIX}{os.getpid()}-", dir=base))
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks talk over the loopback interface only
         self.store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S),
                                    wait_for_workers=False)
@@ -196,6 +216,7 @@ class TPLeader:
         logger.critical("%s: this engine stops", why)
         self.closing = True
         self._kill_workers()
+        shutil.rmtree(self.workdir, ignore_errors=True)
         os._exit(70)
 
     def _watch(self) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from common.config import EngineConfig
 from common.engine.engine import LLMEngine
+from common.engine.tensor_parallel import sweep_stale_workdirs
 from common.model.arch import UnsupportedConfig
 from common.sampling_params import SamplingParams
 from kvtransfer.blocks.layout import KVLayout
@@ -163,6 +164,7 @@ _ENGINE_SCRIPT = textwrap.dedent("""
     engine = LLMEngine(EngineConfig(model=sys.argv[1], device="cpu", dtype="float32", block_size=8, num_blocks=64,
                                     tensor_parallel_size=2))
     print(" ".join(str(p.pid) for p in engine.runner.tp_leader.workers), flush=True)
+    print(engine.runner.tp_leader.workdir, flush=True)
     while True:  # steps run on every rank until something ends
         engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         time.sleep(0.01)
@@ -186,13 +188,18 @@ def test_the_ranks_end_together(checkpoint, killed: str) -> None:  # type: ignor
     try:
         assert proc.stdout is not None
         workers = [int(pid) for pid in proc.stdout.readline().split()]
-        assert len(workers) == 1 and _alive(workers[0])
+        workdir = Path(proc.stdout.readline().strip())
+        assert len(workers) == 1 and _alive(workers[0]) and workdir.is_dir()
         if killed == "worker":
             os.kill(workers[0], signal.SIGKILL)
             assert proc.wait(60) == 70
+            assert not workdir.exists()  # its sockets' folder removed as it ended
         else:
             proc.kill()
             proc.wait(60)
+            assert workdir.exists()
+            sweep_stale_workdirs(workdir.parent)  # as the next tensor-parallel engine starting here does
+            assert not workdir.exists()
         _wait_until(lambda: not _alive(workers[0]), "the worker to end")
     finally:
         if proc.poll() is None:

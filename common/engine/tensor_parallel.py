@@ -36,7 +36,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -230,7 +230,8 @@ class TPLeader:
                     self._fail(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}")
             time.sleep(0.2)
 
-    def send(self, msg: Control, frames: list[Any] = ()) -> None:  # type: ignore[assignment]
+    def send(self, msg: Control, frames: Sequence[Any] = ()) -> None:
+        """``msg`` (and its raw frames) to every worker."""
         head = _ENCODER.encode(msg)
         for sock in self.sockets:
             if frames:

@@ -109,6 +109,7 @@ _LANGUAGE_MODEL_NAMES = ((r"^language_model\.model\.", "model."), (r"^language_m
                          (r"^model\.language_model\.", "model."))
 _VISION_NAMES = re.compile(r"^(model\.)?(vision_tower|vision_model|multi_modal_projector|visual)\.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_ANY_LAYER = re.compile(r"\.layers\.(\d+)\.")  # a layer's tensors, under any prefix
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<kind>gate_up_proj|down_proj)\.weight$")
 
 
@@ -155,16 +156,52 @@ def load_model(
     # The checkpoint's counts: the model holds its rank's share of the heads.
     num_heads, num_kv_heads = int(config.num_attention_heads), model.num_kv_heads * size
     rules = shard_rules(num_heads, num_kv_heads, model.head_size, model.arch.qk_norm_per_head)
-    state: dict[str, torch.Tensor] = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+    image_text = json.loads((path / "config.json").read_text()).get("model_type") in IMAGE_TEXT_TYPES
+    state: dict[str, torch.Tensor] = {}
+    with contextlib.ExitStack() as stack:
+        opened = [stack.enter_context(safe_open(str(file), framework="pt", device="cpu")) for file in files]
+        groups: dict[int | None, list[tuple[Any, str]]] = {}
+        for f in opened:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if "rotary_emb.inv_freq" in name:
-                    continue
-                state[name] = f.get_tensor(name)
+                if "rotary_emb.inv_freq" not in name:
+                    match = _ANY_LAYER.search(name)
+                    groups.setdefault(None if match is None else int(match[1]), []).append((f, name))
+        # A layer at a time, read, renamed, stacked and widened, then cut to this rank's share: a rank holds
+        # one layer of the whole checkpoint at most beside its shares (not the whole of it).
+        for layer in sorted(groups, key=lambda k: -1 if k is None else k):
+            part = {name: f.get_tensor(name) for f, name in groups.pop(layer)}
+            _prepare(part, model, config, rules, dtype, image_text)
+            if size > 1:
+                shard_state(part, rules, model.tp)
+            state.update(part)
+    expected = {n for n, _ in model.named_parameters()}
+    if model.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing = expected - state.keys()
+    unexpected = state.keys() - expected
+    if missing or unexpected:
+        raise ValueError(f"checkpoint mismatch: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if model.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    float32_buffers = {name: model.get_buffer(name) for name in model.float32_buffers()}  # before the cast
+    model = model.to(device=device, dtype=dtype).eval()
+    for name, buffer in float32_buffers.items():
+        module, _, attr = name.rpartition(".")
+        model.get_submodule(module).register_buffer(attr, buffer.to(device=device, dtype=torch.float32), persistent=False)
+    # What transformers keeps in float32 whatever the dtype (GLM-4.5's router), from the checkpoint's values.
+    for name in model.float32_parameters():
+        model.get_parameter(name).data = state[name].to(device=device, dtype=torch.float32)
+    return model
+
+
+def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: Any, rules: Any, dtype: torch.dtype,
+             image_text: bool) -> None:
+    """A part of the checkpoint (one layer's tensors, or those of no layer) as the model names and shapes them,
+    whole: widened from 8 or 4 bits, the vision tower dropped, renamed, split and stacked."""
     if model.arch.quantization == QUANT_FP8:  # before anything renames or stacks the weights
         for name in [n for n in state if n.endswith("_scale_inv")]:  # x.weight's, or stacked experts' x_scale_inv
             weight = name.removesuffix("_scale_inv")
@@ -173,7 +210,7 @@ def load_model(
             state[weight] = dequantize_fp8(state[weight], state.pop(name), dtype)
         for name in [n for n in state if n.endswith((".activation_scale", ".input_scale"))]:
             raise ValueError(f"checkpoint mismatch: {name}: static activation scales are not implemented")
-    if json.loads((path / "config.json").read_text()).get("model_type") in IMAGE_TEXT_TYPES:
+    if image_text:
         for name in [n for n in state if _VISION_NAMES.match(n)]:
             del state[name]
         _rename(state, _LANGUAGE_MODEL_NAMES)
@@ -181,6 +218,7 @@ def load_model(
         state.pop("lm_head.weight", None)
     _rename(state, _RENAMES.get(model.arch.model_type, ()))
     # GLM-4.5's checkpoints hold its multi-token-prediction layers after the model's own: not run here.
+    num_heads, num_kv_heads, size = int(config.num_attention_heads), model.num_kv_heads * model.tp.size, model.tp.size
     num_layers, mtp = int(config.num_hidden_layers), int(getattr(config, "num_nextn_predict_layers", 0) or 0)
     for name in [n for n in state if mtp and (m := _LAYER.match(n)) and num_layers <= int(m[1]) < num_layers + mtp]:
         del state[name]
@@ -206,27 +244,6 @@ def load_model(
         for name in [n for n in state if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
             if state[name].shape != shapes.get(name) and state[name].transpose(1, 2).shape == shapes.get(name):
                 state[name] = state[name].transpose(1, 2).contiguous()
-    expected = {n for n, _ in model.named_parameters()}
-    if model.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    missing = expected - state.keys()
-    unexpected = state.keys() - expected
-    if missing or unexpected:
-        raise ValueError(f"checkpoint mismatch: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    if size > 1:
-        shard_state(state, rules, model.tp)
-    model.load_state_dict(state, strict=False, assign=True)
-    if model.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    float32_buffers = {name: model.get_buffer(name) for name in model.float32_buffers()}  # before the cast
-    model = model.to(device=device, dtype=dtype).eval()
-    for name, buffer in float32_buffers.items():
-        module, _, attr = name.rpartition(".")
-        model.get_submodule(module).register_buffer(attr, buffer.to(device=device, dtype=torch.float32), persistent=False)
-    # What transformers keeps in float32 whatever the dtype (GLM-4.5's router), from the checkpoint's values.
-    for name in model.float32_parameters():
-        model.get_parameter(name).data = state[name].to(device=device, dtype=torch.float32)
-    return model
 
 
 def model_name(checkpoint_name: str, model_type: str) -> str:

@@ -107,6 +107,64 @@ def test_preemption_async_scheduling_and_drafts_over_two_ranks_equal_transformer
     assert drafting.spec_num_accepted_tokens > 0
 
 
+def _run_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[object]]:
+    """Every output of each request, in order (tokens, logprobs, prompt logprobs), by request id."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    seen: dict[str, list[object]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(
+                (out.new_token_ids, out.logprobs, out.prompt_logprobs, out.finish_reason))
+    return seen
+
+
+def test_seeded_choices_logprobs_and_prompt_logprobs_over_two_ranks_equal_one_rank_s(checkpoint, engines) -> None:  # type: ignore[no-untyped-def]
+    """n = 2 seeded (the choices fork from a shared partial block: a copy-on-write copy on every rank), with
+    top logprobs and prompt logprobs: the same as the engine of one rank, value for value."""
+    folder = checkpoint("gemma2-window-softcap")
+    prompts = [prompt_token_ids(19, seed=5), prompt_token_ids(26, seed=6)]
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, n=2, max_tokens=10, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)
+    split = _run_all(_engine(engines, folder), prompts, params)
+    whole = _run_all(_engine(engines, folder, tensor_parallel_size=1), prompts, params)
+    assert split.keys() == whole.keys() and len(split) == 4  # two choices each
+    for rid, outs in whole.items():
+        for (tokens, logprobs, prompt_lps, reason), (s_tokens, s_logprobs, s_prompt_lps, s_reason) in zip(
+                outs, split[rid], strict=True):
+            assert s_tokens == tokens and s_reason == reason
+            for got, want in ((s_logprobs, logprobs), (s_prompt_lps, prompt_lps)):
+                assert (got is None) == (want is None)
+                if got is not None:  # the sums' order differs between one rank and two: float32 rounding
+                    assert repr(got).count("(") == repr(want).count("(")
+                    for g, w in zip(_numbers(got), _numbers(want), strict=True):
+                        assert abs(g - w) <= 1e-4 * max(1.0, abs(w))
+
+
+def _numbers(value: object) -> list[float]:
+    """Every number inside nested logprob records, in order."""
+    import msgspec
+
+    out: list[float] = []
+
+    def walk(v: object) -> None:
+        if isinstance(v, bool) or v is None or isinstance(v, str):
+            return
+        if isinstance(v, (int, float)):
+            out.append(float(v))
+        elif isinstance(v, dict):
+            for item in v.items():
+                walk(item)
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                walk(item)
+        else:
+            walk(msgspec.to_builtins(v))
+
+    walk(value)
+    return out
+
+
 def test_a_prefill_of_two_ranks_hands_every_rank_s_heads_to_a_decode_of_two(checkpoint, engines) -> None:  # type: ignore[no-untyped-def]
     """Blocks moved as the KV transfer moves them, through each engine's transfer cache (both ranks' layers):
     the decode's tokens after the prefill's first equal transformers'; the layouts name their ranks."""
@@ -205,3 +263,26 @@ def test_the_ranks_end_together(checkpoint, killed: str) -> None:  # type: ignor
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_checkpoint_is_read_a_layer_at_a_time(checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Each part the loader renames, stacks (and, on a rank, cuts to its share) holds one layer's tensors, or
+    only tensors of no layer: a rank never holds the whole checkpoint beside its share."""
+    import re
+
+    import common.model.weights as weights
+    from common.model.weights import load_hf_config, load_model
+    from pdserve_kernels import reference
+
+    parts: list[set[str]] = []
+    prepare = weights._prepare
+
+    def recorded(state, *args):  # type: ignore[no-untyped-def]
+        parts.append({m[1] if (m := re.search(r"\.layers\.(\d+)\.", name)) else "none" for name in state})
+        prepare(state, *args)
+
+    monkeypatch.setattr(weights, "_prepare", recorded)
+    folder = checkpoint("qwen2-moe-shared-expert")
+    load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64)
+    assert sorted(parts, key=sorted) == sorted(({"none"}, *({str(i)} for i in range(TINY_DIMS["num_hidden_layers"]))),
+                                               key=sorted)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from common.engine.model_runner import _GPU_ACTIVATION_HEADROOM, ModelRunner, gpu_kv_cache_bytes
+from common.model.parallel import SINGLE
 
 GIB = 1 << 30
 TOTAL = 80 * GIB
@@ -56,7 +57,7 @@ def test_two_engines_at_the_full_default_share_each_get_what_is_free_never_more(
 def _runner(util: float, bytes_per_block: int = 1 << 20) -> SimpleNamespace:
     config = SimpleNamespace(num_blocks=None, gpu_memory_utilization=util, kv_cache_memory=GIB)
     return SimpleNamespace(config=config, device=torch.device("cuda", 0), bytes_per_block=bytes_per_block,
-                           profile_activations=lambda: 0)
+                           profile_activations=lambda: 0, tp=SINGLE)
 
 
 def test_num_blocks_on_a_gpu_uses_the_driver_s_free_memory_and_torch_s_reservation(monkeypatch):

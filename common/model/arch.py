@@ -68,6 +68,17 @@ correctness):
   LayerNorms, biases by ``bias``, an ungated MLP ``ffn_hidden_size`` wide with the exact GELU, and its fused
   q/k/v as its variant lays it out: grouped by kv head (new architecture), all queries then one k and one v
   (``multi_query``), or head by head; ALiBi (``alibi``) is refused.
+- DeepSeek-V2 (``deepseek_v2``: V2, V2-Lite, V2.5) and DeepSeek-V3 (``deepseek_v3``: V3, R1, Kimi K2, Moonlight)
+  are Llama's layer with Multi-head Latent Attention (``ModelArch.mla``, ``common/model/mla.py``): q from a
+  low-rank projection (``q_lora_rank``; V2-Lite's whole ``q_proj`` without), k and v from one latent per token
+  (``kv_lora_rank``) beside one rotated key shared by the heads, the attention's scale YaRN's ``mscale_all_dim``
+  squared where its RoPE is YaRN; RoPE over interleaved pairs (V2's always, in float32; V3's where
+  ``rope_interleave``), served as the other interleaved families are. Their first ``first_k_dense_replace`` layers
+  are dense, the rest mixtures with shared experts: V3's router GLM-4.5's, V2's a softmax in float32 whose top k
+  are weighed by probability and ``routed_scaling_factor`` (``topk_method`` ``greedy``), or chosen within the
+  ``topk_group`` groups of ``n_group`` whose best expert scores highest (``group_limited_greedy``). Fields that
+  their original code reads and transformers ignores (``scoring_func``, ``topk_method`` for V3, ``moe_layer_freq``,
+  V2's ``norm_topk_prob``) are refused where the two would differ.
 """
 
 from __future__ import annotations
@@ -94,12 +105,14 @@ _USE_BIAS_TYPES = (*_ERNIE_TYPES, "starcoder2")
 _GLM_TYPES = ("glm", "glm4")
 # Families whose RoPE rotates interleaved pairs (entries 0 and 1, 2 and 3, ...), not each head's halves.
 _INTERLEAVED_ROPE_TYPES = ("helium", *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES)
+# Families whose attention is DeepSeek's Multi-head Latent Attention (``ModelArch.mla``).
+_MLA_TYPES = ("deepseek_v2", "deepseek_v3")
 # Mixture-of-experts families: a router over experts in place of the MLP (in some layers or all).
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe", "minimax_m2",
-              "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe", "ernie4_5_moe", "afmoe")
+              "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe", "ernie4_5_moe", "afmoe", *_MLA_TYPES)
 _HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 # Mixtures routed as DeepSeek-V3 routes (``ROUTER_SIGMOID_GROUPS``), with dense first layers and shared experts.
-_DEEPSEEK_ROUTED_TYPES = ("glm4_moe", "dots1")
+_DEEPSEEK_ROUTED_TYPES = ("glm4_moe", "dots1", "deepseek_v3")
 # Families whose modeling code rotates only each head's first ``partial_rotary_factor`` share.
 _PARTIAL_ROPE_TYPES = ("glm4_moe", "minimax_m2", "phi", "stablelm", "gpt_neox", "persimmon", *_GLM_TYPES)
 # Quantized checkpoints served (``ModelArch.quantization``), by their ``quant_method``.
@@ -118,9 +131,12 @@ ROUTER_TOPK_SOFTMAX_BIASED = "topk_softmax_biased"
 # ERNIE 4.5's: a softmax in float32; the k chosen by probability plus a correction bias, weighed by their
 # probabilities renormalized, rounded to the model's dtype.
 ROUTER_SOFTMAX_CORRECTED = "softmax_corrected_topk"
+# DeepSeek-V2's: a softmax in float32; the k most probable (within the ``topk_groups`` groups whose best
+# expert is most probable, where there are groups), weighed by probability, scaled; not renormalized.
+ROUTER_SOFTMAX_GROUPS = "softmax_group_limited_topk"
 _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 # Mixtures whose experts are ``moe_intermediate_size`` wide, narrower than the dense MLP (others': ``intermediate_size``).
-_OWN_EXPERT_WIDTH_TYPES = ("qwen2_moe", "qwen3_moe", "ernie4_5_moe", "afmoe", *_DEEPSEEK_ROUTED_TYPES)
+_OWN_EXPERT_WIDTH_TYPES = ("qwen2_moe", "qwen3_moe", "ernie4_5_moe", "afmoe", "deepseek_v2", *_DEEPSEEK_ROUTED_TYPES)
 # The field of a shared expert's width where it is a field of its own (elsewhere a multiple of the experts').
 _SHARED_EXPERT_WIDTH_FIELDS = {"qwen2_moe": "shared_expert_intermediate_size", "granitemoeshared": "shared_intermediate_size",
                                "hunyuan_v1_moe": "intermediate_size"}
@@ -130,6 +146,8 @@ SUPPORTED_MODEL_TYPES = (
     "phi", "stablelm", "gpt_neox", "olmo", "persimmon", "falcon",
     *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
 )
+# DeepSeek-V2's ``topk_method`` values its transformers router implements.
+_DEEPSEEK_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 # Gemma's norms ((1 + weight) in float32), scaled embeddings and GELU-tanh; Gemma 2 and 3 add norms after
 # each block (``_SANDWICH_GEMMA_TYPES``), and with VaultGemma (Gemma 2's layer without those) soft-caps and
 # their attention scale (``_SOFT_CAPPED_GEMMA_TYPES``).
@@ -321,6 +339,10 @@ class ModelArch:
     # and ``*_scales``), or ``QUANT_FP8``, 8-bit weights with a scale per block (``weight_scale_inv``: Qwen's,
     # Mistral's and DeepSeek's FP8 checkpoints). None: none.
     quantization: str | None = None
+    # DeepSeek's Multi-head Latent Attention (``common.model.mla``): one latent KV head per token, its dims the
+    # config's (``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``q_lora_rank``);
+    # ``rotary_dim`` then the rotated key's width, ``rope_interleaved`` its pairs' layout in the checkpoint.
+    mla: bool = False
 
     def check_dtype(self, dtype_name: str) -> None:
         """Refuse a dtype this family is not computed in as transformers computes it: gpt-oss and AFMoE keep
@@ -339,6 +361,10 @@ class ModelArch:
             return
         config = language_model_config(config)
         flag = f"--tensor-parallel-size {size}"
+        if self.mla:
+            raise UnsupportedConfig("model_type", self.model_type, f"Multi-head Latent Attention caches one latent KV "
+                                    f"head per token, which {flag} cannot split among ranks (replicating it on each "
+                                    "rank, as vLLM does, is not implemented)")
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if heads % size:
@@ -408,6 +434,7 @@ class ModelArch:
         if model_type == "persimmon" and kv_heads != heads:  # its code has no grouped-query attention
             raise UnsupportedConfig("num_key_value_heads", kv_heads, f"persimmon gives every head its k and v ({heads})")
         falcon = _falcon_layer(config, heads) if model_type == "falcon" else {}
+        mla = _mla_fields(config, model_type, heads, kv_heads) if model_type in _MLA_TYPES else {}
         bias = bool(getattr(config, "attention_bias", False))
         mlp = bool(getattr(config, "mlp_bias", False))
         qkv_bias, o_bias, mlp_bias = (
@@ -427,6 +454,9 @@ class ModelArch:
                 "persimmon": (True, True, True),
                 "falcon": (bool(getattr(config, "bias", False)),) * 3,
                 "helium": (bias, False, mlp),
+                # q_a_proj and kv_a_proj_with_mqa (``qkv_bias``) and o_proj by attention_bias; V2's MLPs by mlp_bias
+                "deepseek_v2": (bias, bias, mlp),
+                "deepseek_v3": (bias, bias, False),
                 # q/k/v by attention_bias, the output projection by a field of its own
                 "seed_oss": (bias, bool(getattr(config, "attention_out_bias", False)), mlp),
             }[model_type]
@@ -436,7 +466,8 @@ class ModelArch:
         if text_model_type == _QWEN3_VL_MOE_TEXT:
             moe.update(norm_topk_prob=True, experts_input_major=True)
         rope_type, rope_layer_types = _rope(config, model_type)
-        rotary_dim = _rotary_dim(config, model_type)
+        rotary_dim = mla.pop("rotary_dim") if mla else _rotary_dim(config, model_type)
+        mla_interleaved = bool(mla.pop("rope_interleaved", False))
         return cls(
             model_type=model_type,
             qkv_bias=qkv_bias,
@@ -451,10 +482,11 @@ class ModelArch:
             sliding_windows=_sliding_windows(config, model_type),
             rotary_dim=rotary_dim,
             attention_sinks=model_type == "gpt_oss",
-            rope_interleaved=model_type in _INTERLEAVED_ROPE_TYPES,
-            # OLMo 1's tables stay float32 too, and its q and k meet them there (rounded once), as ERNIE's.
-            rope_float32=model_type in (*_ERNIE_TYPES, *_COHERE_TYPES, "olmo"),
-            rope_tables_float32=model_type in (*_ERNIE_TYPES, "olmo"),
+            rope_interleaved=model_type in _INTERLEAVED_ROPE_TYPES or mla_interleaved,
+            # OLMo 1's tables stay float32 too, and its q and k meet them there (rounded once), as ERNIE's; DeepSeek-V2
+            # rotates in float32 (complex numbers of its float32 tables), rounded once.
+            rope_float32=model_type in (*_ERNIE_TYPES, *_COHERE_TYPES, "olmo", "deepseek_v2"),
+            rope_tables_float32=model_type in (*_ERNIE_TYPES, "olmo", "deepseek_v2"),
             lm_head_bias=model_type == "phi" or (model_type == "ernie4_5_moe" and bool(getattr(config, "use_bias", False))),
             rope_type=rope_type,
             rope_layer_types=rope_layer_types,
@@ -487,6 +519,7 @@ class ModelArch:
             final_soft_cap=_positive_or_none(config, "final_logit_softcapping"),
             **_granite_scalings(config, model_type),
             **moe,
+            **mla,
         )
 
 
@@ -582,12 +615,17 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         moe_layers = _after_dense_layers(config, "first_k_dense_replace", num_layers)
     if model_type == "ernie4_5_moe":
         moe_layers = _ernie_moe_layers(config, num_layers)
+    if model_type == "deepseek_v2":
+        moe_layers = _after_dense_layers(config, "first_k_dense_replace", num_layers)
     shared = getattr(config, "shared_expert_intermediate_size", None) if model_type == "qwen2_moe" else 0
     if model_type == "qwen2_moe" and not _positive_int(shared):
         raise UnsupportedConfig("shared_expert_intermediate_size", shared, "must be a positive integer")
     router: dict[str, Any] = {}  # a sigmoid router's fields
     if model_type in _DEEPSEEK_ROUTED_TYPES:
         router = _sigmoid_router_fields(config, num_experts, top_k)
+        shared = _shared_experts_width(config, "n_shared_experts", inter)
+    if model_type == "deepseek_v2":
+        router = _deepseek_v2_router_fields(config, num_experts, top_k)
         shared = _shared_experts_width(config, "n_shared_experts", inter)
     if model_type == "gpt_oss":
         swiglu = {field: _positive_or_none(config, field) for field in ("swiglu_alpha", "swiglu_limit")}
@@ -693,6 +731,70 @@ def _ernie_router_fields(config: Any, num_experts: int, top_k: int) -> dict[str,
     if not isinstance(norm_min, (int, float)) or isinstance(norm_min, bool) or not 0 <= norm_min < top_k / num_experts:
         raise UnsupportedConfig("moe_norm_min", norm_min, f"only a minimum below {top_k}/{num_experts} is implemented")
     return {"router": ROUTER_SOFTMAX_CORRECTED, "norm_topk_prob": True}
+
+
+def _deepseek_v2_router_fields(config: Any, num_experts: int, top_k: int) -> dict[str, Any]:
+    """DeepSeek-V2's router as transformers runs it (``ROUTER_SOFTMAX_GROUPS``), checked: ``topk_method`` greedy
+    (no groups) or group_limited_greedy; its weights never renormalized (transformers reads no
+    ``norm_topk_prob``, which DeepSeek's own code would apply: refused where set)."""
+    _original_router_fields(config, "softmax", None)
+    method = getattr(config, "topk_method", "greedy")
+    if method not in _DEEPSEEK_V2_TOPK_METHODS:
+        raise UnsupportedConfig("topk_method", method, f"implemented: {', '.join(_DEEPSEEK_V2_TOPK_METHODS)}")
+    if getattr(config, "norm_topk_prob", False):
+        raise UnsupportedConfig("norm_topk_prob", config.norm_topk_prob, "transformers' DeepSeek-V2 router never "
+                                "renormalizes its weights, DeepSeek's own code would: not implemented")
+    groups: Any = 1
+    topk_groups: Any = 1
+    if method == "group_limited_greedy":
+        groups, topk_groups = getattr(config, "n_group", None), getattr(config, "topk_group", None)
+        if not _positive_int(groups) or num_experts % groups:
+            raise UnsupportedConfig("n_group", groups, f"must divide the {num_experts} experts into groups")
+        if not _positive_int(topk_groups) or topk_groups > groups or top_k > topk_groups * (num_experts // groups):
+            raise UnsupportedConfig("topk_group", topk_groups,
+                                    f"must be 1 to n_group ({groups}), its groups holding num_experts_per_tok experts")
+    scale = getattr(config, "routed_scaling_factor", 1.0)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0:
+        raise UnsupportedConfig("routed_scaling_factor", scale, "must be a positive number")
+    return {"router": ROUTER_SOFTMAX_GROUPS, "num_expert_groups": groups, "topk_groups": topk_groups,
+            "routed_scaling_factor": float(scale), "routing_weights_float32": True, "norm_topk_prob": False}
+
+
+def _original_router_fields(config: Any, scoring: str, topk_method: str | None) -> None:
+    """Refuse, by name, a DeepSeek config whose original code routes otherwise than transformers' class for its
+    ``model_type`` does (which reads none of these): another ``scoring_func``, another ``topk_method`` (V3's
+    ``noaux_tc``), or experts in every ``moe_layer_freq``-th layer only."""
+    scoring_func = getattr(config, "scoring_func", None)
+    if scoring_func not in (None, scoring):
+        raise UnsupportedConfig("scoring_func", scoring_func, f"transformers scores {config.model_type}'s experts by "
+                                f"{scoring} only")
+    method = getattr(config, "topk_method", None)
+    if topk_method is not None and method not in (None, topk_method):
+        raise UnsupportedConfig("topk_method", method, f"transformers routes {config.model_type} as {topk_method} only")
+    freq = getattr(config, "moe_layer_freq", None)
+    if freq not in (None, 1):
+        raise UnsupportedConfig("moe_layer_freq", freq, "transformers puts experts in every layer after "
+                                "first_k_dense_replace: only 1 is implemented")
+
+
+def _mla_fields(config: Any, model_type: str, heads: int, kv_heads: int) -> dict[str, Any]:
+    """Multi-head Latent Attention's ``ModelArch`` fields, its dims checked (``common.model.mla`` reads them from
+    the config); a V3 config's router checked against DeepSeek's own code as well."""
+    if kv_heads != heads:  # transformers' MLA expands the latent to every head, then would repeat them again
+        raise UnsupportedConfig("num_key_value_heads", kv_heads, f"Multi-head Latent Attention gives every head its "
+                                f"k and v ({heads})")
+    for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if not _positive_int(getattr(config, field, None)):
+            raise UnsupportedConfig(field, getattr(config, field, None), "must be a positive integer")
+    q_lora_rank = getattr(config, "q_lora_rank", None)
+    if q_lora_rank is not None and not _positive_int(q_lora_rank):
+        raise UnsupportedConfig("q_lora_rank", q_lora_rank, "must be a positive integer or null (a whole q_proj)")
+    if config.qk_rope_head_dim % 2:
+        raise UnsupportedConfig("qk_rope_head_dim", config.qk_rope_head_dim, "RoPE turns pairs: must be even")
+    if model_type == "deepseek_v3":
+        _original_router_fields(config, "sigmoid", "noaux_tc")
+    interleaved = model_type == "deepseek_v2" or bool(getattr(config, "rope_interleave", True))
+    return {"mla": True, "rotary_dim": int(config.qk_rope_head_dim), "rope_interleaved": interleaved}
 
 
 def _sigmoid_router_fields(config: Any, num_experts: int, top_k: int) -> dict[str, Any]:
@@ -801,7 +903,7 @@ def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
     window = getattr(config, "sliding_window", None)
     if model_type in ("llama", "internlm3", "seed_oss", "olmo2", "flex_olmo", "glm4_moe", "minimax_m2", "helium",
                       "cohere", "gemma", "apertus", "phi", "stablelm", "gpt_neox", "olmo", "persimmon", "falcon",
-                      *_GLM_TYPES, *_ERNIE_TYPES):
+                      *_GLM_TYPES, *_ERNIE_TYPES, *_MLA_TYPES):
         return (None,) * num_layers  # their transformers code has no sliding window: the field is unused
     if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window

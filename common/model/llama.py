@@ -1,5 +1,6 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, SmolLM, ..., and mixtures of experts:
-Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GLM-4.5, MiniMax-M2) over a paged KV cache.
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GLM-4.5, MiniMax-M2; DeepSeek-V2/V3 with their
+Multi-head Latent Attention, ``common.model.mla``) over a paged KV cache.
 
 The forward pass takes the flattened tokens of many sequences at once, with their positions and
 an ``AttentionMetadata`` that says where each token's K/V goes (``slot_mapping``) and which blocks
@@ -23,7 +24,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ from common.model.arch import (
     ROUTER_SIGMOID,
     ROUTER_SIGMOID_GROUPS,
     ROUTER_SOFTMAX_CORRECTED,
+    ROUTER_SOFTMAX_GROUPS,
     ROUTER_TOPK_SOFTMAX,
     ROUTER_TOPK_SOFTMAX_BIASED,
     ModelArch,
@@ -42,6 +44,9 @@ from common.model.arch import (
 from common.model.parallel import SINGLE, TensorParallel
 from pdserve_kernels import reference
 from pdserve_kernels.reference import NORM_LLAMA
+
+if TYPE_CHECKING:
+    from common.model.mla import MLAttention
 
 _ONE_ROPE = "all_layers"  # the key of a model's one RoPE (``LlamaForCausalLM.rotary_embs``)
 _NO_ROPE = "no_rope"  # the key of the layers without RoPE (``NoRotation``)
@@ -381,6 +386,7 @@ class SparseMoE(nn.Module):
         self.router = arch.router
         if self.router in _CORRECTED_ROUTERS:  # a correction bias: the gate's own here
             self.gate.register_parameter("e_score_correction_bias", nn.Parameter(torch.zeros(arch.num_experts)))
+        if self.router in (*_CORRECTED_ROUTERS, ROUTER_SOFTMAX_GROUPS):
             self.groups, self.topk_groups = arch.num_expert_groups, arch.topk_groups
             self.routed_scaling_factor = arch.routed_scaling_factor
         self.shared_expert: MLP | None = None
@@ -400,6 +406,8 @@ class SparseMoE(nn.Module):
             ids = torch.topk(probs + self.gate.get_parameter("e_score_correction_bias"), self.top_k, dim=-1)[1]
             weights = probs.gather(1, ids)
             weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        elif self.router == ROUTER_SOFTMAX_GROUPS:
+            weights, ids = self._softmax_groups(x)
         else:
             logits = self.gate(x)
             if self.router == ROUTER_TOPK_SOFTMAX:  # Granite: the top k logits, then a softmax over them
@@ -421,6 +429,20 @@ class SparseMoE(nn.Module):
             shared = self.shared_expert(x)
             out = out + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _softmax_groups(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """DeepSeek-V2's router, in float32 as transformers computes it (its weight kept in float32): the k most
+        probable experts, within the ``topk_groups`` groups whose best expert is most probable where there are
+        groups (the others' probabilities 0 for the choice), weighed by probability, scaled, in float32."""
+        probs = torch.softmax(F.linear(x.float(), self.gate.weight.float()), dim=-1, dtype=torch.float32)
+        if self.groups > 1:
+            num_tokens, num_experts = probs.shape
+            grouped = probs.view(num_tokens, self.groups, num_experts // self.groups)
+            best_groups = torch.topk(grouped.max(dim=-1).values, self.topk_groups, dim=-1, sorted=False)[1]
+            allowed = torch.zeros_like(grouped[..., 0]).scatter_(1, best_groups, 1.0).bool()
+            probs = grouped.masked_fill(~allowed[..., None], 0.0).view(num_tokens, num_experts)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1, sorted=False)
+        return weights * self.routed_scaling_factor, ids
 
     def _sigmoid(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """GLM-4.5's router (DeepSeek-V3's), in float32 as transformers computes it (its weight and bias
@@ -450,7 +472,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: Any, arch: ModelArch, layer_idx: int, kernels: ModuleType,
                  tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, arch, layer_idx, kernels, tp)
+        self.self_attn: Attention | MLAttention
+        if arch.mla:  # DeepSeek's: its own module (``common.model.mla``), the layer's forward the same
+            from common.model.mla import MLAttention
+
+            self.self_attn = MLAttention(config, arch, layer_idx, kernels)
+        else:
+            self.self_attn = Attention(config, arch, layer_idx, kernels, tp)
         self.mlp: MLP | SparseMoE = (
             SparseMoE(config, arch, kernels, tp) if layer_idx in arch.moe_layers else MLP(config, arch, kernels, tp=tp)
         )
@@ -570,10 +598,10 @@ class LlamaForCausalLM(nn.Module):
         for name, module in self.named_modules():
             if not isinstance(module, SparseMoE):
                 continue
-            whole_router = module.router in (ROUTER_SIGMOID_GROUPS, ROUTER_SOFTMAX_CORRECTED)
+            whole_router = module.router in (ROUTER_SIGMOID_GROUPS, ROUTER_SOFTMAX_CORRECTED, ROUTER_SOFTMAX_GROUPS)
             if whole_router:
                 names.append(f"{name}.gate.weight")
-            if whole_router or self.arch.router_bias_float32:
+            if module.router in _CORRECTED_ROUTERS and (whole_router or self.arch.router_bias_float32):
                 names.append(f"{name}.gate.e_score_correction_bias")
         return names
 

@@ -12,9 +12,10 @@ its own in the stacked ranks and writes only its own rows of the output. An adap
 stacks them already (Phi-3's ``qkv_proj``) adapts the whole product.
 
 Refused by name (``UnsupportedAdapter``), never approximated: DoRA, trained biases, ``modules_to_save``,
-per-module ranks or alphas, adapted embeddings or output head, experts of a mixture, modules this model
-does not have, the q and k rows of a family whose checkpoints' rows are reordered as they load
-(interleaved RoPE), pickled weights (``adapter_model.bin``), and any PEFT field outside those known not
+per-module ranks or alphas, adapted embeddings or output head, experts of a mixture, Multi-head Latent
+Attention's projections but its output (DeepSeek's q, latent and up-projections), modules this model does
+not have, the q and k rows of a family whose checkpoints' rows are reordered as they load (interleaved
+RoPE), pickled weights (``adapter_model.bin``), and any PEFT field outside those known not
 to change the forward of a trained adapter.
 """
 
@@ -33,6 +34,7 @@ from torch.nn import functional as F
 
 from common.lora_modules import LoRAModule
 from common.model.llama import FUSED_PROJECTIONS, MLP, Attention, LlamaForCausalLM
+from common.model.mla import MLAttention
 from common.model.weights import model_name
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -136,6 +138,9 @@ def _target(modules: dict[str, nn.Module], module: str) -> _Target:
             return _Target(f"{prefix}.{fused}", index, slice(start, start + sizes[index]))
     if ".experts." in module:
         raise UnsupportedAdapter(f"LoRA on a mixture's experts ({module}) is not implemented")
+    if isinstance(modules.get(prefix), MLAttention):  # its output projection alone is a plain one (taken above)
+        raise UnsupportedAdapter(f"LoRA on {module} is not implemented: of Multi-head Latent Attention's projections "
+                                 "(DeepSeek's), o_proj only")
     raise UnsupportedAdapter(f"LoRA on {module} is not implemented: the attention's and the MLP's projections "
                              "of the layers only")
 

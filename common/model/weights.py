@@ -47,6 +47,8 @@ _RENAMES["granitemoeshared"] = _RENAMES["granitemoe"]
 # GLM-4.5 and dots.llm1: their shared experts, one MLP, under a plural name.
 _RENAMES["glm4_moe"] = ((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),)
 _RENAMES["dots1"] = _RENAMES["glm4_moe"]
+# DeepSeek-V2 and V3: the same.
+_RENAMES["deepseek_v2"] = _RENAMES["deepseek_v3"] = _RENAMES["glm4_moe"]
 # Hunyuan MoE: its router's weight one module down, its shared MLP under its own name.
 _RENAMES["hunyuan_v1_moe"] = ((r"\.mlp\.gate\.wg\.", ".mlp.gate."), (r"\.mlp\.shared_mlp\.", ".mlp.shared_expert."))
 # MiniMax-M2: Mixtral's names, its router's correction bias on the block.
@@ -225,10 +227,15 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
     if model.arch.model_type in ("gpt_neox", "persimmon", "falcon"):  # grouped by kv head: one group per head
         # but in Falcon's multi-query and new layouts
         split_neox_qkv(state, num_heads, model.head_size, num_kv_heads)
+    # Multi-head Latent Attention's q_proj (DeepSeek-V2-Lite's) is a projection of its own, stacked with nothing.
+    mla_queries = {n: state.pop(n) for n in [n for n in state if ".self_attn.q_proj." in n]} if model.arch.mla else {}
     stack_projections(state)
+    state.update(mla_queries)
     stack_head_norms(state)
     stack_experts(state)
-    if model.arch.rope_interleaved:
+    if model.arch.rope_interleaved and model.arch.mla:
+        deinterleave_mla_rope(state, num_heads, config.qk_nope_head_dim, config.qk_rope_head_dim, config.kv_lora_rank)
+    elif model.arch.rope_interleaved:
         deinterleave_rope(state, num_heads, num_kv_heads, model.head_size, model.arch.rotary_dim)
     for name in [n for n in state if n.endswith(".gate.e_score_correction_bias")]:
         state[name] = state[name].reshape(-1)  # ERNIE 4.5's is [1, experts]
@@ -339,6 +346,25 @@ def deinterleave_rope(state: dict[str, torch.Tensor], num_heads: int, num_kv_hea
     for name in [n for n in state if n.endswith((".self_attn.q_norm.weight", ".self_attn.k_norm.weight"))]:
         weight = state[name]
         state[name] = weight.reshape(-1, head_size)[:, within].reshape(weight.shape).contiguous()
+
+
+def deinterleave_mla_rope(state: dict[str, torch.Tensor], num_heads: int, nope_dim: int, rope_dim: int,
+                          kv_lora_rank: int) -> None:
+    """In place: Multi-head Latent Attention's rotated rows reordered as ``deinterleave_rope`` reorders other
+    families' (each pair's even entry first, then the odd ones), so that the kernels' rotation of halves turns
+    the same pairs: each head's last ``rope_dim`` rows of the queries (``q_proj`` or ``q_b_proj``), and the shared
+    key's rows of ``kv_a_proj_with_mqa`` (those after the latent's ``kv_lora_rank``), weight and bias. DeepSeek-V3's
+    transformers code rotates by even and odd entries and leaves them so (``rope_interleave``): the same numbers
+    in the same order; DeepSeek-V2's rotates them as complex numbers, each pair turned in place, which this
+    order holds elsewhere, and attention reads q and k only through q . k."""
+    within = torch.cat((torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)))
+    head = torch.cat((torch.arange(nope_dim), nope_dim + within))
+    q_order = (torch.arange(num_heads)[:, None] * (nope_dim + rope_dim) + head).reshape(-1)
+    kv_order = torch.cat((torch.arange(kv_lora_rank), kv_lora_rank + within))
+    for name in [n for n in state if n.endswith((".self_attn.q_proj.weight", ".self_attn.q_b_proj.weight"))]:
+        state[name] = state[name][q_order].contiguous()
+    for name in [n for n in state if ".self_attn.kv_a_proj_with_mqa." in n]:
+        state[name] = state[name][kv_order].contiguous()
 
 
 def stack_experts(state: dict[str, torch.Tensor]) -> None:

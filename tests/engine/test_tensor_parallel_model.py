@@ -196,7 +196,7 @@ def test_every_parameter_is_whole_or_its_rule_s_share(name: str) -> None:
         sharded = _meta(config, _TWO)
     except UnsupportedConfig as e:
         assert "--tensor-parallel-size 2" in str(e)
-        assert name.startswith(("olmo2", "olmo3", "olmoe", "flex-olmo", "minimax-m2", "falcon-multi-query"))
+        assert name.startswith(("olmo2", "olmo3", "olmoe", "flex-olmo", "minimax-m2", "falcon-multi-query", "deepseek"))
         return
     whole = dict(_meta(config, None).named_parameters())
     rules = shard_rules(config.num_attention_heads, sharded.num_kv_heads * SIZE, sharded.head_size,

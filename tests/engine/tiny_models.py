@@ -34,6 +34,18 @@ _TINY_VISION: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 64, "num
                                 "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
 
 
+# DeepSeek's Multi-head Latent Attention: every head its k and v (from one latent of kv_lora_rank per token),
+# queries and keys 16 + 8 wide (the last 8 rotated), values 16; experts 32 wide.
+_MLA_DIMS: dict[str, Any] = {
+    **{k: v for k, v in TINY_DIMS.items() if k not in ("num_key_value_heads", "head_dim")},
+    "num_key_value_heads": TINY_DIMS["num_attention_heads"], "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "moe_intermediate_size": 32,
+}
+# DeepSeek's YaRN (V2's and V3's released configs scale so), its mscale_all_dim scaling the attention too.
+_DEEPSEEK_YARN: dict[str, Any] = {
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 16,
+    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
+
+
 # Families without grouped-query attention (q/k/v fused head by head): every head its own k and v.
 _MHA_DIMS = {k: v for k, v in TINY_DIMS.items() if k not in ("num_key_value_heads", "head_dim")}
 
@@ -51,6 +63,8 @@ def family_configs() -> dict[str, Any]:
         ArceeConfig,
         Cohere2Config,
         CohereConfig,
+        DeepseekV2Config,
+        DeepseekV3Config,
         Dots1Config,
         Ernie4_5_MoeConfig,
         Ernie4_5Config,
@@ -403,6 +417,35 @@ def family_configs() -> dict[str, Any]:
             vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                            "out_hidden_size": TINY_DIMS["hidden_size"], "deepstack_visual_indexes": [0]},
             tie_word_embeddings=False,
+        ),
+        # DeepSeek's Multi-head Latent Attention (MLA), layer 0 dense, the rest mixtures beside a shared expert.
+        # DeepSeek-V2-Lite's: q by one whole projection, its RoPE over interleaved pairs (as complex numbers, in
+        # float32), 2 of 6 experts by softmax (greedy), scaled.
+        "deepseek-v2-lite-mla-moe-greedy": DeepseekV2Config(
+            **_MLA_DIMS, q_lora_rank=None, n_routed_experts=6, num_experts_per_tok=2, n_shared_experts=1,
+            first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.5, tie_word_embeddings=False,
+        ),
+        # DeepSeek-V2's: q through a low-rank projection and its norm, biases (attention_bias, mlp_bias), YaRN with
+        # mscale_all_dim; 2 of 8 experts within the best 1 of 2 groups (group_limited_greedy).
+        "deepseek-v2-mla-moe-group-limited-yarn": DeepseekV2Config(
+            **_MLA_DIMS, q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
+            first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=2, topk_group=1,
+            routed_scaling_factor=2.0, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+            rope_parameters=_DEEPSEEK_YARN,
+        ),
+        # DeepSeek-V3's (Kimi K2's, Moonlight's): q low-rank, RoPE over interleaved pairs (rope_interleave), YaRN
+        # with mscale_all_dim; 2 of 8 experts by sigmoid score plus a correction bias within the best 1 of 2
+        # groups, renormalized and scaled. A large rms_norm_eps, which the latent norms (their own 1e-6) ignore.
+        "deepseek-v3-mla-moe-yarn": DeepseekV3Config(
+            **_MLA_DIMS, q_lora_rank=24, rms_norm_eps=0.05, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+            first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            tie_word_embeddings=False, rope_parameters=_DEEPSEEK_YARN,
+        ),
+        # ... without rope_interleave (halves), q by one whole projection, attention biases, the default RoPE.
+        "deepseek-v3-mla-moe-halves": DeepseekV3Config(
+            **_MLA_DIMS, q_lora_rank=None, n_routed_experts=6, num_experts_per_tok=2, n_shared_experts=1,
+            first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+            rope_interleave=False, attention_bias=True, tie_word_embeddings=True,
         ),
         "llama-bias": LlamaConfig(**TINY_DIMS, attention_bias=True, mlp_bias=True),
         "llama-rope-linear": LlamaConfig(**TINY_DIMS, rope_parameters={

@@ -1,0 +1,115 @@
+"""DeepSeek's Multi-head Latent Attention (DeepSeek-V2, V2-Lite, V3, R1, Kimi K2, Moonlight) over the paged KV cache.
+
+transformers computes it as ordinary attention over keys and values expanded from a latent: per token, the
+latent ``c`` (``kv_lora_rank`` wide, ``kv_a_proj_with_mqa``'s first columns, normed by ``kv_a_layernorm``) and
+one rotated key ``k_pe`` (``qk_rope_head_dim``) shared by every head; head ``h``'s key is
+``[W_UK[h] c, k_pe]`` and its value ``W_UV[h] c`` (``kv_b_proj``'s rows for the head), its query ``[q_nope,
+q_pe]`` (``q_proj``, or ``q_b_proj(q_a_layernorm(q_a_proj(x)))`` with ``q_lora_rank``), its scale
+``qk_head_dim ** -0.5`` (times YaRN's ``mscale_all_dim`` mscale squared).
+
+Here the cache holds what transformers' cache holds, the latent, as one KV head of ``qk_rope_head_dim +
+kv_lora_rank`` entries per token: ``[k_pe, c]``, the key rotated in the K slot (the V slot holds it unrotated,
+and its ``c`` is the one read), so the model's ``num_kv_heads`` is 1 and its ``head_size`` that width, and
+the engine, the block transfer and the kernels take it as any other cache. Attention runs in the absorbed form
+(as DeepSeek's and vLLM's inference code do): each head's ``q_nope`` is carried into the latent space by
+``W_UK[h]`` (``q_nope . W_UK[h] c = (W_UK[h]^T q_nope) . c``), so the query ``[q_pe, W_UK[h]^T q_nope]``
+meets the cached ``[k_pe, c]`` in one multi-query attention (every head reading the one latent head) at
+transformers' scale; the attended latent (the output's last ``kv_lora_rank`` entries) is carried out by
+``W_UV[h]`` before ``o_proj``. Each score and output is the same sum of the same products as transformers',
+grouped otherwise, so they agree to float rounding (about 1e-6 in float32), not to the bit.
+
+The rotation is the kernels' rotation of each head's first ``qk_rope_head_dim`` entries (``rope_and_store``:
+one kernel for the rotation and the cache's write); pairs interleaved in the checkpoint (V2's RoPE, V3's with
+``rope_interleave``) are reordered as the weights load (``common.model.weights.deinterleave_mla_rope``).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from common.model.arch import ModelArch, rope_parameters
+from common.model.llama import AttentionMetadata, RMSNorm
+
+# DeepSeek's norms of the low-rank q and of the latent: transformers builds them with their class's default
+# epsilon, whatever ``rms_norm_eps`` says.
+LATENT_NORM_EPS = 1e-6
+
+
+def mla_scale(config: Any) -> float:
+    """The attention's scale as transformers computes it: ``qk_head_dim ** -0.5``, times YaRN's mscale of
+    ``mscale_all_dim`` squared where the RoPE is scaled and names one (``yarn_apply_mscale``)."""
+    scale = float((config.qk_nope_head_dim + config.qk_rope_head_dim) ** (-0.5))
+    params = rope_parameters(config)
+    if params.get("rope_type", params.get("type", "default")) != "default" and params.get("mscale_all_dim"):
+        from transformers.modeling_rope_utils import yarn_apply_mscale
+
+        scale = float(yarn_apply_mscale(params, scale))
+    return scale
+
+
+class MLAttention(nn.Module):
+    """Multi-head Latent Attention, its parameters named as transformers' ``DeepseekV3Attention`` names them."""
+
+    def __init__(self, config: Any, arch: ModelArch, layer_idx: int, kernels: ModuleType) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = heads = config.num_attention_heads
+        self.kv_lora_rank = config.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        # The cache: one head per token, the rotated key's entries then the latent's.
+        self.num_kv_heads = 1
+        self.head_size = self.rope_dim + self.kv_lora_rank
+        self.scale = mla_scale(config)
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        q_width = heads * (self.nope_dim + self.rope_dim)
+        self.q_proj: nn.Linear | None = None
+        self.q_a_proj: nn.Linear | None = None
+        self.q_a_layernorm: RMSNorm | None = None
+        self.q_b_proj: nn.Linear | None = None
+        if self.q_lora_rank is None:  # V2-Lite's
+            self.q_proj = nn.Linear(hidden, q_width, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=arch.qkv_bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, kernels=kernels)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, q_width, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=arch.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, kernels=kernels)
+        # Each head's W_UK (its first qk_nope_head_dim rows) and W_UV (the v_head_dim after), as in the checkpoint.
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=arch.o_bias)
+        self.layer_idx = layer_idx
+        self.kernels = kernels
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, kv_layer: Tensor,
+                q_scale: Tensor | None = None) -> Tensor:
+        """As ``llama.Attention.forward`` (``q_scale`` is Ministral 3's, None for these families)."""
+        n, heads, nope, rope_dim, rank = x.shape[0], self.num_heads, self.nope_dim, self.rope_dim, self.kv_lora_rank
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(n, heads, nope + rope_dim)
+        kv = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(kv[:, :rank])
+        w_kv = self.kv_b_proj.weight.view(heads, nope + self.v_dim, rank)
+        # Each head's q_nope in the latent space: [heads, n, nope] @ W_UK [heads, nope, rank].
+        q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_kv[:, :nope]).transpose(0, 1)
+        query = torch.cat((q[..., nope:], q_latent), dim=-1)  # [n, heads, rope + rank]
+        key = torch.cat((kv[:, rank:], latent), dim=-1).view(n, 1, self.head_size)
+        # The first rope_dim entries of each rotated (the kernels' partial RoPE), the key written to the K slot
+        # and, unrotated, to the V slot: the latent there is what attention reads back.
+        query = self.kernels.rope_and_store(query, key, key, *rope, kv_layer, meta.slot_mapping)
+        if meta.decode_only:
+            o = self.kernels.paged_decode_attention(query, kv_layer, meta.block_tables, meta.context_lens, self.scale)
+        else:
+            o = self.kernels.paged_prefill_attention(query, kv_layer, meta.block_tables, meta.query_start_loc,
+                                                     meta.context_lens, self.scale)
+        # The attended latent out through each head's W_UV: [heads, n, rank] @ W_UV^T [heads, rank, v].
+        out = torch.bmm(o[..., rope_dim:].transpose(0, 1), w_kv[:, nope:].transpose(1, 2))
+        result: Tensor = self.o_proj(out.transpose(0, 1).reshape(n, heads * self.v_dim))
+        return result

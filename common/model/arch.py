@@ -361,15 +361,12 @@ class ModelArch:
             return
         config = language_model_config(config)
         flag = f"--tensor-parallel-size {size}"
-        if self.mla:
-            raise UnsupportedConfig("model_type", self.model_type, f"Multi-head Latent Attention caches one latent KV "
-                                    f"head per token, which {flag} cannot split among ranks (replicating it on each "
-                                    "rank, as vLLM does, is not implemented)")
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if heads % size:
             raise UnsupportedConfig("num_attention_heads", heads, f"must divide by {flag}")
-        if kv_heads % size:
+        # Multi-head Latent Attention's one latent head is every rank's whole (each computes and caches it).
+        if kv_heads % size and not self.mla:
             raise UnsupportedConfig("num_kv_heads" if self.model_type == "falcon" else "num_key_value_heads", kv_heads,
                                     f"must divide by {flag}: KV heads replicated over more ranks than there are heads "
                                     "(as vLLM does) is not implemented")
@@ -750,14 +747,24 @@ def _deepseek_v2_router_fields(config: Any, num_experts: int, top_k: int) -> dic
         groups, topk_groups = getattr(config, "n_group", None), getattr(config, "topk_group", None)
         if not _positive_int(groups) or num_experts % groups:
             raise UnsupportedConfig("n_group", groups, f"must divide the {num_experts} experts into groups")
-        if not _positive_int(topk_groups) or topk_groups > groups or top_k > topk_groups * (num_experts // groups):
-            raise UnsupportedConfig("topk_group", topk_groups,
-                                    f"must be 1 to n_group ({groups}), its groups holding num_experts_per_tok experts")
+        _check_topk_groups(topk_groups, groups, num_experts, top_k)
+    return {"router": ROUTER_SOFTMAX_GROUPS, "num_expert_groups": groups, "topk_groups": topk_groups,
+            "routed_scaling_factor": _routed_scaling_factor(config), "routing_weights_float32": True,
+            "norm_topk_prob": False}
+
+
+def _check_topk_groups(topk_groups: Any, groups: int, num_experts: int, top_k: int) -> None:
+    """A grouped router's ``topk_group``: 1 to ``n_group``, its groups holding enough experts to choose from."""
+    if not _positive_int(topk_groups) or topk_groups > groups or top_k > topk_groups * (num_experts // groups):
+        raise UnsupportedConfig("topk_group", topk_groups,
+                                f"must be 1 to n_group ({groups}), its groups holding num_experts_per_tok experts")
+
+
+def _routed_scaling_factor(config: Any) -> float:
     scale = getattr(config, "routed_scaling_factor", 1.0)
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0:
         raise UnsupportedConfig("routed_scaling_factor", scale, "must be a positive number")
-    return {"router": ROUTER_SOFTMAX_GROUPS, "num_expert_groups": groups, "topk_groups": topk_groups,
-            "routed_scaling_factor": float(scale), "routing_weights_float32": True, "norm_topk_prob": False}
+    return float(scale)
 
 
 def _original_router_fields(config: Any, scoring: str, topk_method: str | None) -> None:
@@ -801,15 +808,10 @@ def _sigmoid_router_fields(config: Any, num_experts: int, top_k: int) -> dict[st
     groups, topk_groups = getattr(config, "n_group", 1) or 1, getattr(config, "topk_group", 1) or 1
     if not _positive_int(groups) or num_experts % groups or num_experts // groups < 2:
         raise UnsupportedConfig("n_group", groups, f"must divide the {num_experts} experts into groups of 2 or more")
-    if not _positive_int(topk_groups) or topk_groups > groups or top_k > topk_groups * (num_experts // groups):
-        raise UnsupportedConfig("topk_group", topk_groups,
-                                f"must be 1 to n_group ({groups}), its groups holding num_experts_per_tok experts")
-    scale = getattr(config, "routed_scaling_factor", 1.0)
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0:
-        raise UnsupportedConfig("routed_scaling_factor", scale, "must be a positive number")
+    _check_topk_groups(topk_groups, groups, num_experts, top_k)
     # Weights in float32 as its router computes them, each expert's output met with its weight there.
     return {"router": ROUTER_SIGMOID_GROUPS, "num_expert_groups": groups, "topk_groups": topk_groups,
-            "routed_scaling_factor": float(scale), "routing_weights_float32": True}
+            "routed_scaling_factor": _routed_scaling_factor(config), "routing_weights_float32": True}
 
 
 def _rotary_dim(config: Any, model_type: str) -> int | None:

@@ -476,7 +476,7 @@ class DecoderLayer(nn.Module):
         if arch.mla:  # DeepSeek's: its own module (``common.model.mla``), the layer's forward the same
             from common.model.mla import MLAttention
 
-            self.self_attn = MLAttention(config, arch, layer_idx, kernels)
+            self.self_attn = MLAttention(config, arch, layer_idx, kernels, tp)
         else:
             self.self_attn = Attention(config, arch, layer_idx, kernels, tp)
         self.mlp: MLP | SparseMoE = (

@@ -32,7 +32,8 @@ import torch
 from torch import Tensor, nn
 
 from common.model.arch import ModelArch, rope_parameters
-from common.model.llama import AttentionMetadata, RMSNorm
+from common.model.llama import AttentionMetadata, RMSNorm, _sharded
+from common.model.parallel import TensorParallel
 
 # DeepSeek's norms of the low-rank q and of the latent: transformers builds them with their class's default
 # epsilon, whatever ``rms_norm_eps`` says.
@@ -54,10 +55,15 @@ def mla_scale(config: Any) -> float:
 class MLAttention(nn.Module):
     """Multi-head Latent Attention, its parameters named as transformers' ``DeepseekV3Attention`` names them."""
 
-    def __init__(self, config: Any, arch: ModelArch, layer_idx: int, kernels: ModuleType) -> None:
+    def __init__(self, config: Any, arch: ModelArch, layer_idx: int, kernels: ModuleType,
+                 tp: TensorParallel | None = None) -> None:
+        """``tp``: the layer holds its rank's share of the heads (their rows of q's and of the latent's
+        up-projections, their columns of ``o_proj``, summed over the ranks); the projections down to the
+        latent, its norm and so the cached latent head are whole on every rank (as vLLM's)."""
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = heads = config.num_attention_heads
+        self.tp = _sharded(tp)
+        self.num_heads = heads = config.num_attention_heads // (1 if self.tp is None else self.tp.size)
         self.kv_lora_rank = config.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         # The cache: one head per token, the rotated key's entries then the latent's.
@@ -112,4 +118,4 @@ class MLAttention(nn.Module):
         # The attended latent out through each head's W_UV: [heads, n, rank] @ W_UV^T [heads, rank, v].
         out = torch.bmm(o[..., rope_dim:].transpose(0, 1), w_kv[:, nope:].transpose(1, 2))
         result: Tensor = self.o_proj(out.transpose(0, 1).reshape(n, heads * self.v_dim))
-        return result
+        return result if self.tp is None else self.tp.all_reduce(result)

@@ -90,12 +90,14 @@ _ROWS, _COLUMNS = Shard(0), Shard(1)  # a column-parallel product's output rows;
 
 
 def shard_rules(num_heads: int, num_kv_heads: int, head_size: int,
-                per_head_norms: bool) -> tuple[tuple[re.Pattern[str], Shard], ...]:
+                per_head_norms: bool, mla: bool = False) -> tuple[tuple[re.Pattern[str], Shard], ...]:
     """Each sharded parameter's rule, by the end of its name (``LlamaForCausalLM``'s names, once the
     checkpoint's projections and experts are stacked), for a model of ``num_heads`` query heads and
     ``num_kv_heads`` KV heads in all; ``per_head_norms``: q and k norms with a weight per head (Cohere's,
-    StableLM's, ``[heads, width]``), split by head. A name no rule matches is whole on every rank: the
-    embeddings, every norm of a width (the layers', a head's), the routers and the output head."""
+    StableLM's, ``[heads, width]``), split by head; ``mla``: Multi-head Latent Attention's per-head projections
+    (``common.model.mla``: q's, and the latent's up-projections to each head's k and v) split by head, its
+    down-projections to the latent whole. A name no rule matches is whole on every rank: the embeddings,
+    every norm of a width (the layers', a head's), the routers and the output head."""
     q, kv = num_heads * head_size, num_kv_heads * head_size
     rules = {
         r"\.self_attn\.qkv_proj\.(weight|bias)": Shard(0, (q, kv, kv)),  # this rank's heads' rows of each
@@ -109,6 +111,7 @@ def shard_rules(num_heads: int, num_kv_heads: int, head_size: int,
         r"\.mlp\.experts\.down_proj": Shard(2),  # [E, H, I]
         r"\.mlp\.experts\.down_proj_bias": _ONCE,
         **({r"\.self_attn\.[qk]_norm\.(weight|bias)": _ROWS} if per_head_norms else {}),
+        **({r"\.self_attn\.(q_proj|q_b_proj|kv_b_proj)\.weight": _ROWS} if mla else {}),
     }
     return tuple((re.compile(pattern + "$"), shard) for pattern, shard in rules.items())
 

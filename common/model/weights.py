@@ -157,7 +157,7 @@ def load_model(
     size = model.tp.size
     # The checkpoint's counts: the model holds its rank's share of the heads.
     num_heads, num_kv_heads = int(config.num_attention_heads), model.num_kv_heads * size
-    rules = shard_rules(num_heads, num_kv_heads, model.head_size, model.arch.qk_norm_per_head)
+    rules = shard_rules(num_heads, num_kv_heads, model.head_size, model.arch.qk_norm_per_head, model.arch.mla)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")

@@ -262,16 +262,21 @@ def test_what_is_not_built_is_refused_by_name(name: str, changes: dict[str, Any]
 
 
 @pytest.mark.parametrize("name", MLA)
-def test_tensor_parallelism_is_refused_by_name(name: str) -> None:
-    """The one latent KV head cannot be split among ranks; one process serves it."""
+def test_over_two_ranks_each_holds_its_heads_and_the_whole_latent(name: str) -> None:
+    """Tensor parallelism splits the heads (their rows of q's and of the latent's up-projections, their columns of
+    o_proj); the projections down to the latent and the one cached latent head are every rank's whole. (Each
+    rank's logits equal one process's: ``tests/engine/test_tensor_parallel_model.py``.)"""
     config = family_configs()[name]
     with torch.device("meta"):
-        LlamaForCausalLM(config, reference, 64)
-        with pytest.raises(UnsupportedConfig) as refused:
-            LlamaForCausalLM(config, reference, 64, TensorParallel(1, 2, group=object()))
-    assert str(refused.value).startswith(f"unsupported model config: model_type={config.model_type!r} (Multi-head "
-                                         "Latent Attention caches one latent KV head per token, which "
-                                         "--tensor-parallel-size 2 cannot split among ranks")
+        whole = LlamaForCausalLM(config, reference, 64)
+        half = LlamaForCausalLM(config, reference, 64, TensorParallel(1, 2, group=object()))
+    full, share = whole.model.layers[0].self_attn, half.model.layers[0].self_attn
+    assert share.num_heads * 2 == full.num_heads and (half.num_kv_heads, half.head_size) == (1, whole.head_size)
+    assert share.kv_b_proj.weight.shape[0] * 2 == full.kv_b_proj.weight.shape[0]
+    assert share.o_proj.weight.shape[1] * 2 == full.o_proj.weight.shape[1]
+    assert share.kv_a_proj_with_mqa.weight.shape == full.kv_a_proj_with_mqa.weight.shape
+    with torch.device("meta"), pytest.raises(UnsupportedConfig, match="num_attention_heads=4 .*--tensor-parallel-size 8"):
+        LlamaForCausalLM(config, reference, 64, TensorParallel(1, 8, group=object()))
 
 
 def test_lora_adapts_the_output_projection_and_refuses_the_latent_projections(checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]

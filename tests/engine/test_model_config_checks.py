@@ -130,7 +130,7 @@ def test_unimplemented_config_fields_are_refused_by_name(make, field: str) -> No
     assert info.value.field == field
 
 
-@pytest.mark.parametrize("model_type", ["mpt", "bloom", "llama4_text", "gptj", "qwen3_next", "phimoe", "deepseek_v3",
+@pytest.mark.parametrize("model_type", ["mpt", "bloom", "llama4_text", "gptj", "qwen3_next", "phimoe", "deepseek_v32",
                                         "llava"])
 def test_other_families_are_refused_when_loading_their_config(tmp_path: Path, model_type: str) -> None:
     from transformers import AutoConfig

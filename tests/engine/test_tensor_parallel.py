@@ -90,6 +90,17 @@ def test_greedy_over_two_ranks_equals_transformers(checkpoint, engines, name: st
     assert engine.stats().prefix_cache_hits > 0  # the shared prefix was read from cached blocks
 
 
+@pytest.mark.parametrize("name", ["deepseek-v2-lite-mla-moe-greedy", "deepseek-v3-mla-moe-yarn"])
+def test_multi_head_latent_attention_over_two_ranks_equals_transformers(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
+    """DeepSeek's heads split over two ranks, the latent head whole on each: greedy equals transformers, with
+    chunked prefill."""
+    folder = checkpoint(name)
+    prompts = [prompt_token_ids(27), prompt_token_ids(9, seed=3)]
+    engine = _engine(engines, folder, max_num_batched_tokens=12)
+    assert engine.runner.kv_cache.shape[4] == 1  # the latent, whole on each rank
+    assert [o[0] for o in engine.generate(prompts, GREEDY)] == [hf_greedy(folder, p, GREEDY.max_tokens) for p in prompts]
+
+
 def test_preemption_async_scheduling_and_drafts_over_two_ranks_equal_transformers(checkpoint, engines) -> None:  # type: ignore[no-untyped-def]
     """Too few blocks for all four at once (recompute after preemption), the next step scheduled while one
     runs (input ids from the step in flight, broadcast to the workers), and n-gram drafts verified."""

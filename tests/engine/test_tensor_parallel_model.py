@@ -42,6 +42,8 @@ FAMILIES = (
     "phi-parallel-partial-rope-layernorm", "gpt-neox-parallel-two-norms", "falcon-new-arch-grouped-qkv-two-norms",
     "mixtral-moe-window", "qwen2-moe-shared-expert", "gpt-oss-moe-sinks-window", "afmoe-moe-gated-attention-window",
     "qwen3-vl-moe-image-text-text-only", "granitemoeshared-shared-expert",
+    # Multi-head Latent Attention: each rank's heads over the latent every rank holds whole.
+    "deepseek-v2-lite-mla-moe-greedy", "deepseek-v3-mla-moe-yarn",
 )
 RANK_TIMEOUT_S = 120
 
@@ -175,7 +177,8 @@ def test_each_rank_holds_its_kv_heads_and_sums_once_per_block(ranks: dict[str, A
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     for r, facts in enumerate(ranks["facts"]):
         assert facts[name]["tp"] == [r, SIZE]
-        assert facts[name]["num_kv_heads"] == kv_heads // SIZE
+        # (Multi-head Latent Attention's one latent head is every rank's whole.)
+        assert facts[name]["num_kv_heads"] == (1 if name.startswith("deepseek") else kv_heads // SIZE)
         assert facts[name]["sums"] == 2 * 2 * facts[name]["layers"]
 
 
@@ -196,11 +199,11 @@ def test_every_parameter_is_whole_or_its_rule_s_share(name: str) -> None:
         sharded = _meta(config, _TWO)
     except UnsupportedConfig as e:
         assert "--tensor-parallel-size 2" in str(e)
-        assert name.startswith(("olmo2", "olmo3", "olmoe", "flex-olmo", "minimax-m2", "falcon-multi-query", "deepseek"))
+        assert name.startswith(("olmo2", "olmo3", "olmoe", "flex-olmo", "minimax-m2", "falcon-multi-query"))
         return
     whole = dict(_meta(config, None).named_parameters())
     rules = shard_rules(config.num_attention_heads, sharded.num_kv_heads * SIZE, sharded.head_size,
-                        sharded.arch.qk_norm_per_head)
+                        sharded.arch.qk_norm_per_head, sharded.arch.mla)
     cut = 0
     for param_name, param in sharded.named_parameters():
         shard = shard_of(rules, param_name)

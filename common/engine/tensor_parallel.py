@@ -147,8 +147,16 @@ def barrier(tp: TensorParallel, device: torch.device) -> None:
 
 
 def shared_cache(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """A tensor of ``shape`` over the file at ``path``, mapped shared (created zeroed where absent)."""
+    """A tensor of ``shape`` over the file at ``path``, mapped shared (created zeroed where absent). Where the
+    file is created, its folder must have room for it: a page written past a full tmpfs (a container's 64 MB
+    /dev/shm, say) would end the process with SIGBUS, long after start."""
     nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+    if not path.exists():
+        free = shutil.disk_usage(path.parent).free
+        if free < nbytes:
+            raise ValueError(f"the tensor-parallel KV cache needs {nbytes / 2**20:.0f} MiB in {path.parent}, which has "
+                             f"{free / 2**20:.0f} MiB free: lower --kv-cache-memory, or give it room (a container's "
+                             "--shm-size)")
     return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8).view(dtype).view(shape)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from common.config import EngineConfig
 from common.engine.engine import LLMEngine
-from common.engine.tensor_parallel import sweep_stale_workdirs
+from common.engine.tensor_parallel import shared_cache, sweep_stale_workdirs
 from common.model.arch import UnsupportedConfig
 from common.sampling_params import SamplingParams
 from kvtransfer.blocks.layout import KVLayout
@@ -297,3 +297,16 @@ def test_the_checkpoint_is_read_a_layer_at_a_time(checkpoint, monkeypatch: pytes
     load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64)
     assert sorted(parts, key=sorted) == sorted(({"none"}, *({str(i)} for i in range(TINY_DIMS["num_hidden_layers"]))),
                                                key=sorted)
+
+
+def test_a_shared_cache_larger_than_its_folder_s_free_room_is_refused_by_name(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Not a SIGBUS at the first write past a full tmpfs, long after start: a clear error at start."""
+    import shutil
+
+    cache = shared_cache(tmp_path / "fits", (2, 3, 4), torch.float32)
+    cache[1] = 7.0
+    assert bool((shared_cache(tmp_path / "fits", (2, 3, 4), torch.float32)[1] == 7.0).all())  # one memory
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 95 << 20))  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="needs 128 MiB in .* which has 95 MiB free: lower --kv-cache-memory"):
+        shared_cache(tmp_path / "too-big", (32, 1 << 20), torch.float32)
+    assert not (tmp_path / "too-big").exists()

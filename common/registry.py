@@ -36,6 +36,10 @@ BACKOFF_S = 1.0
 _CHUNK = 256
 
 
+# ``InstanceInfo.kv_layout`` of a decode instance that takes no KV (a tensor-parallel engine on GPUs): no
+# prefill's layout fits it, so routers send it whole requests.
+NO_KV_TRANSFER = "none"
+
 class InstanceInfo(msgspec.Struct, kw_only=True):
     """What an engine instance publishes about itself on every heartbeat."""
 
@@ -55,7 +59,8 @@ class InstanceInfo(msgspec.Struct, kw_only=True):
     draining: bool = False  # SIGTERM received: finishing what it holds, taking nothing new
     started_at: float = 0.0
     # Its KV cache's layout (``KVLayout.fingerprint``: dtype, shapes, model, block hashing): a prefill
-    # hands KV only to a decode of the same. "" where unknown (taken as fitting any).
+    # hands KV only to a decode of the same. "" where unknown (taken as fitting any); ``NO_KV_TRANSFER``
+    # for a decode that takes none (it runs whole requests).
     kv_layout: str = ""
     # The LoRA adapters it serves (its ``--lora-modules`` names): a request with one goes only to those.
     lora_names: list[str] = msgspec.field(default_factory=list)

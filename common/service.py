@@ -213,13 +213,18 @@ class EngineService:
     def draining(self) -> bool:
         return self.drain_deadline is not None
 
-    def transfer_cache(self) -> tuple[Any, KVLayout]:
-        """The cache a KV transfer moves blocks of, and its layout; refused by name where none can."""
+    def transfer_cache(self) -> tuple[Any, KVLayout] | None:
+        """The cache a KV transfer moves blocks of, and its layout; None where none can (a tensor-parallel
+        engine on GPUs: each rank's KV heads live on its own device)."""
         runner = self.engine.runner
         if runner.transfer_cache is None:
-            raise ValueError(f"KV transfer from a tensor-parallel engine on {runner.device.type} (--tensor-parallel-size "
-                             f"{runner.tp.size}) is not implemented: each rank's KV heads live on its own device")
+            return None
         return runner.transfer_cache, KVLayout.from_kv_cache(runner.transfer_cache, self.engine.model_id, runner.tp.size)
+
+    def no_transfer_reason(self) -> str:
+        runner = self.engine.runner
+        return (f"KV transfer from a tensor-parallel engine on {runner.device.type} (--tensor-parallel-size "
+                f"{runner.tp.size}) is not implemented: each rank's KV heads live on its own device")
 
     @property
     def kv_curve(self) -> CurveConfig | None:

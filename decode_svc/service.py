@@ -20,6 +20,7 @@ from common.protocol import (
     choice_request_ids,
     decode_transfer_meta,
 )
+from common.registry import NO_KV_TRANSFER
 from common.service import EngineService, RequestRecord
 from kvtransfer.receiving.block_allocator import Allocation, Refusal
 from kvtransfer.receiving.receiver import KVReceiver
@@ -42,7 +43,15 @@ class DecodeService(EngineService):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        cache, layout = self.transfer_cache()
+        self.receiver: KVReceiver | None = None
+        transfer = self.transfer_cache()
+        if transfer is None:
+            # Whole requests only: its layout fits no prefill's, so routers send it every request directly.
+            self.kv_layout = NO_KV_TRANSFER
+            logger.warning("%s: this decode instance runs whole requests only (no prefill hands it KV)",
+                           self.no_transfer_reason())
+            return
+        cache, layout = transfer
         self.kv_layout = layout.fingerprint()
         port = args.kv_port or "*"
         priority = self.engine.scheduler.policy == "priority"
@@ -109,7 +118,7 @@ class DecodeService(EngineService):
         # choice still waits for it, the transfer goes on (the aborted choice never forks).
         parent, _, index = request_id.rpartition("#")
         carrier = parent if index.isdigit() and self.engine.knows(parent) else request_id
-        if not self.engine.kv_still_wanted(carrier):
+        if self.receiver is not None and not self.engine.kv_still_wanted(carrier):
             self.receiver.abort(carrier)
 
     def on_outputs(self, outputs: list[EngineOutput]) -> None:
@@ -119,6 +128,8 @@ class DecodeService(EngineService):
                 self.send_token_output(out.request_id, self.to_wire(out, record.phase))
 
     def poll_transfers(self) -> bool:
+        if self.receiver is None:
+            return False
         results = self.receiver.poll()
         for res in results:
             self.metrics.kv_transfer_bytes.inc(res.bytes_received)
@@ -150,7 +161,8 @@ class DecodeService(EngineService):
         return meta
 
     def busy(self) -> bool:
-        return super().busy() or self.receiver.num_in_flight > 0
+        return super().busy() or (self.receiver is not None and self.receiver.num_in_flight > 0)
 
     def close(self) -> None:
-        self.receiver.close()
+        if self.receiver is not None:
+            self.receiver.close()

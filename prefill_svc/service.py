@@ -30,7 +30,14 @@ class PrefillService(EngineService):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        cache, layout = self.transfer_cache()
+        transfer = self.transfer_cache()
+        if transfer is None:  # a prefill's every request ends in a transfer
+            self.engine.close()  # its other ranks
+            self.control.close(0)
+            self.ctx.destroy(linger=0)
+            raise ValueError(f"{self.no_transfer_reason()}; serve it from decode instances alone (pdserve up "
+                             "--prefill 0), which run whole requests")
+        cache, layout = transfer
         self.kv_layout = layout.fingerprint()
         self.sender = KVSender(
             cache, layout, timeout_s=args.kv_transfer_timeout,

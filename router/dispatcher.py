@@ -30,7 +30,7 @@ import msgspec
 
 from common.kvcache.hashing import adapter_model_key, compute_block_hashes
 from common.protocol import DecodeTarget, GenerateRequest, RequestOutput, choice_request_ids, merge_outputs
-from common.registry import InstanceInfo, PrefixIndex
+from common.registry import NO_KV_TRANSFER, InstanceInfo, PrefixIndex
 from common.sampling_params import SamplingParams
 from router.engine_client import EngineClient
 from router.errors import APIError
@@ -469,8 +469,10 @@ class Dispatcher:
         prompt = [*request.prompt_token_ids, *request.output_token_ids]  # a continued request's too
         # A prefill hands its KV only to a decode whose cache it fits (a fleet part way through a change of
         # --kv-cache-dtype or block size, say): the others would fail the transfer.
-        fitting = [p for p in prefills if not (p.kv_layout and decode.kv_layout) or p.kv_layout == decode.kv_layout]
-        if prefills and not fitting:
+        # One that takes no KV (``NO_KV_TRANSFER``) runs every request whole.
+        fitting = [] if decode.kv_layout == NO_KV_TRANSFER else [
+            p for p in prefills if not (p.kv_layout and decode.kv_layout) or p.kv_layout == decode.kv_layout]
+        if prefills and not fitting and decode.kv_layout != NO_KV_TRANSFER:
             logger.warning("no prefill instance's KV layout fits decode %s (%s); running %s there", decode.instance_id,
                            decode.kv_layout, request.request_id)
         prefills = fitting

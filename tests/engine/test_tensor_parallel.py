@@ -310,3 +310,51 @@ def test_a_shared_cache_larger_than_its_folder_s_free_room_is_refused_by_name(tm
     with pytest.raises(ValueError, match="needs 128 MiB in .* which has 95 MiB free: lower --kv-cache-memory"):
         shared_cache(tmp_path / "too-big", (32, 1 << 20), torch.float32)
     assert not (tmp_path / "too-big").exists()
+
+
+def _service(role: str, folder: Path, redis_url: str) -> object:
+    import argparse
+
+    from common.service import add_service_args
+
+    parser = argparse.ArgumentParser()
+    add_service_args(parser, role)
+    args = parser.parse_args(["--model", str(folder), "--device", "cpu", "--dtype", "float32", "--block-size", "8",
+                              "--num-blocks", "64", "--tensor-parallel-size", "2", "--redis-url", redis_url])
+    if role == "decode":
+        from decode_svc.service import DecodeService
+
+        return DecodeService(args)
+    from prefill_svc.service import PrefillService
+
+    return PrefillService(args)
+
+
+def test_an_engine_whose_ranks_cannot_move_kv_serves_as_a_decode_of_whole_requests_only(  # type: ignore[no-untyped-def]
+        checkpoint, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no transfer can read the ranks' caches (GPUs: each rank's heads on its own device; here made so),
+    a decode instance starts without a KV receiver and publishes ``NO_KV_TRANSFER`` (routers then send it
+    whole requests: ``tests/router/test_kv_layout_pairing.py``); a prefill instance is refused by name."""
+    from common.engine.model_runner import ModelRunner
+    from common.registry import NO_KV_TRANSFER
+
+    allocate = ModelRunner._allocate_cache
+
+    def without_transfer(self, cache_path):  # type: ignore[no-untyped-def]
+        return allocate(self, cache_path)[0], None
+
+    monkeypatch.setattr(ModelRunner, "_allocate_cache", without_transfer)
+    folder = checkpoint("llama-bias")
+    decode = _service("decode", folder, redis_url)
+    try:
+        assert decode.receiver is None and decode.kv_address == ""  # type: ignore[attr-defined]
+        assert decode.info().kv_layout == NO_KV_TRANSFER  # type: ignore[attr-defined]
+        assert not decode.poll_transfers() and not decode.busy()  # type: ignore[attr-defined]
+        decode.on_abort("never-seen")  # type: ignore[attr-defined]
+    finally:
+        decode.close()  # type: ignore[attr-defined]
+        decode.engine.close()  # type: ignore[attr-defined]
+        decode.ctx.destroy(linger=0)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"KV transfer from a tensor-parallel engine on cpu \(--tensor-parallel-size "
+                                         r"2\) is not implemented.*pdserve up --prefill 0"):
+        _service("prefill", folder, redis_url)

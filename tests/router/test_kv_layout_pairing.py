@@ -49,3 +49,12 @@ def test_with_no_prefill_that_fits_the_decode_runs_the_request_whole(redis_url: 
 def test_unknown_layouts_fit_anything(redis_url: str, prompts: PromptProcessor) -> None:
     taken = _run(redis_url, prompts, {"prefill-1": "bfloat16:bb"})
     assert taken["prefill-0"] + taken["prefill-1"] == 6 and taken["prefill-0"] > 0 and taken["prefill-1"] > 0
+
+
+def test_a_decode_that_takes_no_kv_gets_every_request_whole(redis_url: str, prompts: PromptProcessor) -> None:
+    """A decode instance that takes no KV (a tensor-parallel engine on GPUs) publishes ``NO_KV_TRANSFER``: no
+    prefill's layout fits it, so it runs every request whole."""
+    from common.registry import NO_KV_TRANSFER
+
+    taken = _run(redis_url, prompts, {"prefill-0": "bfloat16:bb", "decode-0": NO_KV_TRANSFER}, num_requests=3)
+    assert taken == {"prefill-0": 0, "prefill-1": 0, "decode-0": 3}

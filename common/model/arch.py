@@ -365,11 +365,12 @@ class ModelArch:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if heads % size:
             raise UnsupportedConfig("num_attention_heads", heads, f"must divide by {flag}")
-        # Multi-head Latent Attention's one latent head is every rank's whole (each computes and caches it).
-        if kv_heads % size and not self.mla:
+        # Multi-head Latent Attention's one latent head is every rank's whole (each computes and caches it); fewer
+        # KV heads than ranks are replicated, each on the ranks whose query heads read it (as vLLM's).
+        if not self.mla and (kv_heads % size if kv_heads >= size else size % kv_heads):
             raise UnsupportedConfig("num_kv_heads" if self.model_type == "falcon" else "num_key_value_heads", kv_heads,
-                                    f"must divide by {flag}: KV heads replicated over more ranks than there are heads "
-                                    "(as vLLM does) is not implemented")
+                                    f"must divide by {flag}, or divide it (each KV head then replicated on "
+                                    f"{flag.split()[-1]} / heads ranks)")
         if self.qk_norm_full_width:
             raise UnsupportedConfig("model_type", self.model_type, f"q and k are normed across all heads at once, "
                                     f"which {flag} splits among ranks: not implemented")

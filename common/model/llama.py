@@ -181,7 +181,9 @@ class Attention(nn.Module):
         size = 1 if self.tp is None else self.tp.size
         heads = config.num_attention_heads
         self.num_heads = heads // size
-        self.num_kv_heads = (getattr(config, "num_key_value_heads", None) or heads) // size
+        # Fewer KV heads than ranks: each rank holds the one its query heads read (replicated, as vLLM does).
+        self.total_kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.num_kv_heads = max(1, self.total_kv_heads // size)
         self.head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.scale = arch.attention_multiplier or (arch.query_pre_attn_scalar or self.head_size) ** -0.5
         self.soft_cap = arch.attn_soft_cap
@@ -578,6 +580,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         attn: Attention = self.model.layers[0].self_attn  # type: ignore[assignment]
         self.num_kv_heads: int = attn.num_kv_heads
+        # The checkpoint's KV heads (``num_kv_heads`` times the ranks, or fewer: replicated over them).
+        self.total_kv_heads: int = getattr(attn, "total_kv_heads", attn.num_kv_heads)
         self.head_size: int = attn.head_size
         # One RoPE, or one per layer type (Gemma 3): each computed once per forward, for its layers.
         per_type = self.arch.rope_layer_types

@@ -67,6 +67,9 @@ class Shard:
     dim: int = 0
     parts: int | tuple[int, ...] = 1
     once: bool = False
+    # Per part, the blocks it is cut into where fewer than the ranks (KV heads fewer than ranks): rank r keeps
+    # block r * blocks // ranks, each block shared by ranks / blocks ranks. None (or a None entry): one a rank.
+    blocks: tuple[int | None, ...] | None = None
 
     def of(self, full: Tensor, tp: TensorParallel) -> Tensor:
         """Rank ``tp.rank``'s share of the whole tensor ``full``."""
@@ -74,15 +77,21 @@ class Shard:
             return full if tp.rank == 0 else torch.zeros_like(full)
         length = full.shape[self.dim]
         widths = self.parts if isinstance(self.parts, tuple) else (length // self.parts,) * self.parts
-        if sum(widths) != length or any(w % tp.size for w in widths):
+        counts = [n or tp.size for n in (self.blocks or (None,) * len(widths))]
+        if sum(widths) != length or any(w % n or tp.size % n for w, n in zip(widths, counts, strict=True)):
             raise ValueError(f"checkpoint mismatch: {tuple(full.shape)} does not divide along dimension {self.dim} "
-                             f"into parts {widths} of {tp.size} equal blocks each")
-        return torch.cat([part.chunk(tp.size, self.dim)[tp.rank] for part in full.split(widths, self.dim)],
+                             f"into parts {widths} of {counts} equal blocks each")
+        return torch.cat([part.chunk(n, self.dim)[tp.rank * n // tp.size]
+                          for part, n in zip(full.split(widths, self.dim), counts, strict=True)],
                          self.dim).contiguous()
 
     def full_shape(self, shape: Sequence[int], size: int) -> tuple[int, ...]:
         """The whole tensor's shape, from a rank's share's."""
-        return tuple(n * size if i == self.dim and not self.once else n for i, n in enumerate(shape))
+        if self.once:
+            return tuple(shape)
+        whole = sum(self.parts) if isinstance(self.parts, tuple) else None  # stacked parts of known widths
+        blocks = self.blocks[0] if self.blocks and len(self.blocks) == 1 else None  # one part, fewer blocks
+        return tuple((whole or n * (blocks or size)) if i == self.dim else n for i, n in enumerate(shape))
 
 
 _ONCE = Shard(once=True)
@@ -90,7 +99,7 @@ _ROWS, _COLUMNS = Shard(0), Shard(1)  # a column-parallel product's output rows;
 
 
 def shard_rules(num_heads: int, num_kv_heads: int, head_size: int,
-                per_head_norms: bool, mla: bool = False) -> tuple[tuple[re.Pattern[str], Shard], ...]:
+                per_head_norms: bool, mla: bool = False, size: int = 1) -> tuple[tuple[re.Pattern[str], Shard], ...]:
     """Each sharded parameter's rule, by the end of its name (``LlamaForCausalLM``'s names, once the
     checkpoint's projections and experts are stacked), for a model of ``num_heads`` query heads and
     ``num_kv_heads`` KV heads in all; ``per_head_norms``: q and k norms with a weight per head (Cohere's,
@@ -99,8 +108,11 @@ def shard_rules(num_heads: int, num_kv_heads: int, head_size: int,
     down-projections to the latent whole. A name no rule matches is whole on every rank: the embeddings,
     every norm of a width (the layers', a head's), the routers and the output head."""
     q, kv = num_heads * head_size, num_kv_heads * head_size
+    # KV heads fewer than the ranks (``size``): each KV head whole on the ranks whose query heads read it.
+    replicated = num_kv_heads if size > num_kv_heads else None
     rules = {
-        r"\.self_attn\.qkv_proj\.(weight|bias)": Shard(0, (q, kv, kv)),  # this rank's heads' rows of each
+        # this rank's heads' rows of each
+        r"\.self_attn\.qkv_proj\.(weight|bias)": Shard(0, (q, kv, kv), blocks=(None, replicated, replicated)),
         r"\.self_attn\.(output_gate\.weight|sinks)": _ROWS,  # AFMoE's gate and gpt-oss's sinks: per query head
         r"\.self_attn\.o_proj\.weight": _COLUMNS,
         r"\.mlp(\.shared_expert)?\.gate_up_proj\.(weight|bias)": Shard(0, 2),  # [gate_r; up_r]
@@ -110,7 +122,8 @@ def shard_rules(num_heads: int, num_kv_heads: int, head_size: int,
         r"\.mlp\.experts\.gate_up_proj(_bias)?": Shard(1, 2),  # [E, 2I, H], [E, 2I]: each expert's [gate_r; up_r]
         r"\.mlp\.experts\.down_proj": Shard(2),  # [E, H, I]
         r"\.mlp\.experts\.down_proj_bias": _ONCE,
-        **({r"\.self_attn\.[qk]_norm\.(weight|bias)": _ROWS} if per_head_norms else {}),
+        **({r"\.self_attn\.q_norm\.(weight|bias)": _ROWS,
+            r"\.self_attn\.k_norm\.(weight|bias)": Shard(0, blocks=(replicated,))} if per_head_norms else {}),
         **({r"\.self_attn\.(q_proj|q_b_proj|kv_b_proj)\.weight": _ROWS} if mla else {}),
     }
     return tuple((re.compile(pattern + "$"), shard) for pattern, shard in rules.items())

@@ -156,8 +156,8 @@ def load_model(
     model.arch.check_dtype(str(dtype).removeprefix("torch."))
     size = model.tp.size
     # The checkpoint's counts: the model holds its rank's share of the heads.
-    num_heads, num_kv_heads = int(config.num_attention_heads), model.num_kv_heads * size
-    rules = shard_rules(num_heads, num_kv_heads, model.head_size, model.arch.qk_norm_per_head, model.arch.mla)
+    num_heads, num_kv_heads = int(config.num_attention_heads), model.total_kv_heads
+    rules = shard_rules(num_heads, num_kv_heads, model.head_size, model.arch.qk_norm_per_head, model.arch.mla, size)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
@@ -220,7 +220,7 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
         state.pop("lm_head.weight", None)
     _rename(state, _RENAMES.get(model.arch.model_type, ()))
     # GLM-4.5's checkpoints hold its multi-token-prediction layers after the model's own: not run here.
-    num_heads, num_kv_heads, size = int(config.num_attention_heads), model.num_kv_heads * model.tp.size, model.tp.size
+    num_heads, num_kv_heads, size = int(config.num_attention_heads), model.total_kv_heads, model.tp.size
     num_layers, mtp = int(config.num_hidden_layers), int(getattr(config, "num_nextn_predict_layers", 0) or 0)
     for name in [n for n in state if mtp and (m := _LAYER.match(n)) and num_layers <= int(m[1]) < num_layers + mtp]:
         del state[name]

@@ -90,6 +90,16 @@ def test_greedy_over_two_ranks_equals_transformers(checkpoint, engines, name: st
     assert engine.stats().prefix_cache_hits > 0  # the shared prefix was read from cached blocks
 
 
+def test_one_kv_head_replicated_on_both_ranks_equals_transformers(checkpoint, engines) -> None:  # type: ignore[no-untyped-def]
+    """Multi-query attention (Falcon's: one KV head) over two ranks: each holds half the query heads and the KV
+    head whole (as vLLM replicates KV heads fewer than the ranks)."""
+    folder = checkpoint("falcon-multi-query-parallel")
+    prompts = [prompt_token_ids(23), prompt_token_ids(10, seed=4)]
+    engine = _engine(engines, folder, max_num_batched_tokens=12)
+    assert engine.runner.kv_cache.shape[4] == 1 and engine.runner.model.total_kv_heads == 1
+    assert [o[0] for o in engine.generate(prompts, GREEDY)] == [hf_greedy(folder, p, GREEDY.max_tokens) for p in prompts]
+
+
 @pytest.mark.parametrize("name", ["deepseek-v2-lite-mla-moe-greedy", "deepseek-v3-mla-moe-yarn"])
 def test_multi_head_latent_attention_over_two_ranks_equals_transformers(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
     """DeepSeek's heads split over two ranks, the latent head whole on each: greedy equals transformers, with

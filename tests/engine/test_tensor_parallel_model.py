@@ -44,6 +44,8 @@ FAMILIES = (
     "qwen3-vl-moe-image-text-text-only", "granitemoeshared-shared-expert",
     # Multi-head Latent Attention: each rank's heads over the latent every rank holds whole.
     "deepseek-v2-lite-mla-moe-greedy", "deepseek-v3-mla-moe-yarn",
+    # One KV head (multi-query), replicated on both ranks.
+    "falcon-multi-query-parallel",
 )
 RANK_TIMEOUT_S = 120
 
@@ -178,7 +180,8 @@ def test_each_rank_holds_its_kv_heads_and_sums_once_per_block(ranks: dict[str, A
     for r, facts in enumerate(ranks["facts"]):
         assert facts[name]["tp"] == [r, SIZE]
         # (Multi-head Latent Attention's one latent head is every rank's whole.)
-        assert facts[name]["num_kv_heads"] == (1 if name.startswith("deepseek") else kv_heads // SIZE)
+        # (One KV head whole on each rank: Multi-head Latent Attention's latent, or one replicated over ranks.)
+        assert facts[name]["num_kv_heads"] == (1 if name.startswith("deepseek") else max(1, kv_heads // SIZE))
         assert facts[name]["sums"] == 2 * 2 * facts[name]["layers"]
 
 
@@ -199,11 +202,11 @@ def test_every_parameter_is_whole_or_its_rule_s_share(name: str) -> None:
         sharded = _meta(config, _TWO)
     except UnsupportedConfig as e:
         assert "--tensor-parallel-size 2" in str(e)
-        assert name.startswith(("olmo2", "olmo3", "olmoe", "flex-olmo", "minimax-m2", "falcon-multi-query"))
+        assert name.startswith(("olmo2", "olmo3", "olmoe", "flex-olmo", "minimax-m2"))
         return
     whole = dict(_meta(config, None).named_parameters())
-    rules = shard_rules(config.num_attention_heads, sharded.num_kv_heads * SIZE, sharded.head_size,
-                        sharded.arch.qk_norm_per_head, sharded.arch.mla)
+    rules = shard_rules(config.num_attention_heads, sharded.total_kv_heads, sharded.head_size,
+                        sharded.arch.qk_norm_per_head, sharded.arch.mla, SIZE)
     cut = 0
     for param_name, param in sharded.named_parameters():
         shard = shard_of(rules, param_name)
@@ -292,8 +295,7 @@ def _refused(name: str, **changes: Any) -> Any:
 
 @pytest.mark.parametrize(("config", "field"), [
     (lambda: _refused("llama-bias", num_attention_heads=3, num_key_value_heads=3), "num_attention_heads=3"),
-    (lambda: _refused("llama-bias", num_key_value_heads=1), "num_key_value_heads=1"),
-    (lambda: _configs()["falcon-multi-query-parallel"], "num_kv_heads=1"),
+    (lambda: _refused("llama-bias", num_attention_heads=6, num_key_value_heads=3), "num_key_value_heads=3"),
     (lambda: _configs()["olmo2-post-norms"], "model_type='olmo2'"),
     (lambda: _configs()["olmoe-qk-norm"], "model_type='olmoe'"),
     (lambda: _refused("llama-bias", intermediate_size=129), "intermediate_size=129"),
@@ -303,7 +305,7 @@ def _refused(name: str, **changes: Any) -> Any:
     (lambda: _refused("qwen2-moe-shared-expert", shared_expert_intermediate_size=33),
      "shared_expert_intermediate_size=33"),
     (lambda: _refused("granitemoeshared-shared-expert", shared_intermediate_size=49), "shared_intermediate_size=49"),
-], ids=["heads", "kv-heads", "falcon-multi-query", "olmo2-full-width-qk-norm", "olmoe-full-width-qk-norm",
+], ids=["heads", "kv-heads", "olmo2-full-width-qk-norm", "olmoe-full-width-qk-norm",
         "mlp-width", "falcon-mlp-width", "expert-width", "moe-expert-width", "shared-expert-width",
         "granite-shared-expert-width"])
 def test_a_model_that_does_not_divide_among_the_ranks_is_refused_by_name(config: Callable[[], Any], field: str) -> None:
@@ -312,8 +314,8 @@ def test_a_model_that_does_not_divide_among_the_ranks_is_refused_by_name(config:
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 2") as refused:
         _meta(built, TensorParallel(0, SIZE, group=object()))
     assert f"unsupported model config: {field} " in str(refused.value)
-    if field.startswith("num_k"):
-        assert "not implemented" in str(refused.value)
+    if field.startswith("num_k"):  # neither divides the other: no replication of whole heads either
+        assert "or divide it (each KV head then replicated" in str(refused.value)
 
 
 class _Ops(TorchDispatchMode):

@@ -167,8 +167,6 @@ class TPLeader:
         import torch.distributed as dist
 
         size = config.tensor_parallel_size
-        self.size = size
-        self.device = device
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         sweep_stale_workdirs(base)
         # Its sockets, and its shared cache until every rank mapped it; named after this process, whose
@@ -189,11 +187,10 @@ class TPLeader:
                 address = f"ipc://{self.workdir}/rank-{rank}"
                 sock.bind(address)
                 self.sockets.append(sock)
-                env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ["GLOO_SOCKET_IFNAME"]}
-                proc = subprocess.Popen(
+                proc = subprocess.Popen(  # (its environment this one's: the loopback interface included)
                     [sys.executable, "-m", "common.engine.tensor_parallel", str(rank), str(size), str(self.store.port),
                      address, str(self.workdir)],
-                    stdin=subprocess.PIPE, env=env, cwd=os.getcwd())
+                    stdin=subprocess.PIPE, cwd=os.getcwd())
                 assert proc.stdin is not None
                 proc.stdin.write(encoded)  # the engine's config, as JSON (never a pickle)
                 proc.stdin.close()

@@ -246,10 +246,13 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
     if model.arch.model_type == "gpt_oss":
         gpt_oss_experts(state)
     if model.arch.experts_input_major:  # Qwen3-VL-MoE as released: [E, H, 2I] and [E, I, H], turned where so
-        shapes = {n: p.shape if (shard := shard_of(rules, n)) is None else shard.full_shape(p.shape, size)
-                  for n, p in model.named_parameters()}  # the whole checkpoint's
         for name in [n for n in state if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
-            if state[name].shape != shapes.get(name) and state[name].transpose(1, 2).shape == shapes.get(name):
+            try:
+                own = model.get_parameter(name).shape
+            except AttributeError:  # not the model's: the check after every part names it
+                continue
+            whole = own if (shard := shard_of(rules, name)) is None else shard.full_shape(own, size)  # the checkpoint's
+            if state[name].shape != whole and state[name].transpose(1, 2).shape == whole:
                 state[name] = state[name].transpose(1, 2).contiguous()
 
 

@@ -15,6 +15,9 @@ Layouts (shared with pdserve_kernels/triton_*.py; a Triton kernel must accept ex
   keys ``p - w + 1 .. p`` only (itself and the ``w - 1`` before it), as transformers' sliding masks do.
 - ``soft_cap``: ``None`` (or 0), or ``c`` to turn each scaled score ``s`` into ``c * tanh(s / c)``
   before the mask and softmax (Gemma 2's attention logit soft-capping).
+- ``latent``: the cache holds one vector per token and KV head split in halves, its first half in the K
+  slot and its second in the V slot; the vector is both the key and the value (Multi-head Latent Attention's
+  latent, ``common.model.mla``), so queries and outputs are ``2 * head_size`` wide.
 - The cache's dtype is the model's, or ``float8_e4m3fn`` (``--kv-cache-dtype fp8``): K and V are then
   stored rounded to 8 bits, saturated at +-448 (never NaN: e4m3fn has no infinity), with a scale of
   1, and read back into the queries' dtype, in which attention runs.
@@ -194,17 +197,26 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float, g
     return torch.matmul(probs.to(q.dtype), v)
 
 
+def _keys_values(kv: Tensor, latent: bool) -> tuple[Tensor, Tensor]:
+    """Gathered ``[2, ..., head_size]`` K and V as attention reads them: each slot's own, or, ``latent``, both
+    the two halves joined (``[..., 2 * head_size]``, one tensor)."""
+    if not latent:
+        return kv[0], kv[1]
+    joined = torch.cat((kv[0], kv[1]), dim=-1)
+    return joined, joined
+
+
 def _decode_padded(query: Tensor, kv_layer: Tensor, block_tables: Tensor, lens: Tensor, max_len: int,
                    scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                   sinks: Tensor | None = None) -> Tensor:
+                   sinks: Tensor | None = None, latent: bool = False) -> Tensor:
     """Decode attention of sequences padded to ``max_len`` with the tail masked; ``[seqs, heads, head_size]``."""
     num_seqs, num_heads, head_size = query.shape
-    _, total_blocks, block_size, num_kv_heads, _ = kv_layer.shape
+    _, total_blocks, block_size, num_kv_heads, cache_head_size = kv_layer.shape
     num_blocks = (max_len + block_size - 1) // block_size
     ids = block_tables[:, :num_blocks].long().clamp(0, total_blocks - 1)
-    kv = _gather_blocks_flat(kv_layer, ids).view(2, num_seqs, num_blocks * block_size, num_kv_heads, head_size)
-    kv = _readable(kv, query.dtype)
-    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [num_seqs, num_kv_heads, tokens, head_size]
+    kv = _gather_blocks_flat(kv_layer, ids).view(2, num_seqs, num_blocks * block_size, num_kv_heads, cache_head_size)
+    k, v = _keys_values(_readable(kv, query.dtype), latent)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [num_seqs, num_kv_heads, tokens, head_size]
     key_pos = torch.arange(num_blocks * block_size, device=query.device)[None, :]
     visible = key_pos < lens[:, None]
     if sliding_window:
@@ -225,11 +237,13 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: Tensor | None = None,
+    latent: bool = False,
 ) -> Tensor:
     """One query token per sequence: ``query`` ``[num_seqs, num_heads, head_size]``.
 
     Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
     ``sinks`` ``[num_heads]``: a logit per head that joins each softmax with no value (gpt-oss).
+    ``latent``: keys and values are the cache's K and V halves joined (the queries twice its head_size).
     Returns (or fills ``out``) ``[num_seqs, num_heads, head_size]``; does not modify the cache.
     """
     result = out if out is not None else torch.empty_like(query)
@@ -240,13 +254,13 @@ def paged_decode_attention(
     groups = _length_groups(lens_list, kv_layer.shape[2])
     if len(groups) == 1:
         result.copy_(_decode_padded(query, kv_layer, block_tables, lens, max(lens_list), scale, sliding_window,
-                                    soft_cap, sinks))
+                                    soft_cap, sinks, latent))
         return result
     for group in groups:
         idx = torch.tensor(group, device=query.device)
         result[idx] = _decode_padded(
             query[idx], kv_layer, block_tables[idx], lens[idx], lens_list[group[-1]], scale, sliding_window,
-            soft_cap, sinks,
+            soft_cap, sinks, latent,
         ).to(result.dtype)
     return result
 
@@ -262,14 +276,16 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: Tensor | None = None,
+    latent: bool = False,
 ) -> Tensor:
     """Varlen attention for chunks whose earlier context (and the chunk itself) is in the cache.
 
     ``query`` ``[num_tokens, num_heads, head_size]``; causal within each chunk. Sequences whose
-    chunk is a single token take the batched decode path. Does not modify the cache.
+    chunk is a single token take the batched decode path. ``latent`` as ``paged_decode_attention``'s.
+    Does not modify the cache.
     """
-    num_heads, head_size = query.shape[1], query.shape[2]
-    num_kv_heads = kv_layer.shape[3]
+    num_heads = query.shape[1]
+    num_kv_heads, cache_head_size = kv_layer.shape[3], kv_layer.shape[4]
     group = num_heads // num_kv_heads
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
@@ -281,7 +297,7 @@ def paged_prefill_attention(
         tok = torch.tensor([starts[i] for i in single], device=query.device)
         result[tok] = paged_decode_attention(
             query[tok], kv_layer, block_tables[idx], context_lens[idx], scale, sliding_window=sliding_window,
-            soft_cap=soft_cap, sinks=sinks,
+            soft_cap=soft_cap, sinks=sinks, latent=latent,
         ).to(result.dtype)
     block_size = kv_layer.shape[2]
     for s, q_len in enumerate(q_lens):
@@ -289,9 +305,9 @@ def paged_prefill_attention(
             continue
         ctx = lens[s]
         num_blocks = (ctx + block_size - 1) // block_size
-        kv = _gather_blocks_flat(kv_layer, block_tables[s, :num_blocks]).view(2, -1, num_kv_heads, head_size)
-        kv = _readable(kv, query.dtype)
-        k, v = kv[0, :ctx].transpose(0, 1), kv[1, :ctx].transpose(0, 1)  # [num_kv_heads, ctx, head_size]
+        kv = _gather_blocks_flat(kv_layer, block_tables[s, :num_blocks]).view(2, -1, num_kv_heads, cache_head_size)
+        k, v = _keys_values(_readable(kv[:, :ctx], query.dtype), latent)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [num_kv_heads, ctx, head_size]
         q = query[starts[s] : starts[s + 1]].transpose(0, 1).to(k.dtype)  # [num_heads, q_len, head_size]
         # The chunk holds the last q_len positions: query i sees keys 0 .. ctx - q_len + i.
         visible = torch.ones(q_len, ctx, dtype=torch.bool, device=query.device).tril(ctx - q_len)

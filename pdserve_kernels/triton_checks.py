@@ -51,15 +51,17 @@ def check_block_tables(block_tables: Tensor, num_seqs: int, device: torch.device
     assert block_tables.device == device, f"block_tables is on {block_tables.device}, expected {device}"
 
 
-def check_heads(query: Tensor, kv_layer: Tensor) -> tuple[int, int, int]:
-    """Returns ``(num_heads, num_kv_heads, head_size)`` after checking ``query`` against the cache."""
+def check_heads(query: Tensor, kv_layer: Tensor, latent: bool = False) -> tuple[int, int, int]:
+    """Returns ``(num_heads, num_kv_heads, head_size)`` after checking ``query`` against the cache; ``head_size``
+    is the cache's (``latent``: half the queries', ``pdserve_kernels.reference``)."""
     assert query.dim() == 3, f"query must be [tokens, num_heads, head_size], got {tuple(query.shape)}"
     assert query.dtype in FLOAT_DTYPES, f"unsupported query dtype {query.dtype}"
     assert query.stride(-1) == 1, "query's head_size dimension must be contiguous"
     assert query.device == kv_layer.device, f"query is on {query.device}, cache on {kv_layer.device}"
-    num_heads, head_size = query.shape[1], query.shape[2]
+    num_heads, head_size = query.shape[1], query.shape[2] // (2 if latent else 1)
     num_kv_heads = kv_layer.shape[3]
-    assert kv_layer.shape[4] == head_size, f"head_size {head_size} != cache head_size {kv_layer.shape[4]}"
+    assert kv_layer.shape[4] == head_size and query.shape[2] == head_size * (2 if latent else 1), (
+        f"query head_size {query.shape[2]} != cache head_size {kv_layer.shape[4]}{' x 2 (latent)' if latent else ''}")
     assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of {num_kv_heads}"
     assert head_size >= 16, f"head_size {head_size} is below the 16 that tensor-core dots need"
     return num_heads, num_kv_heads, head_size

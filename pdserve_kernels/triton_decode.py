@@ -39,6 +39,7 @@ LOG2E = 1.4426950408889634
 DEFAULT_BLOCK_N = 64
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 32
+LATENT_HEADS_PER_PROGRAM = 16
 CPU_NUM_SMS = 8  # stand-in core count when the interpreter runs the kernels on the CPU
 
 
@@ -53,20 +54,24 @@ def _decode_kernel(
     stride_kv_block, stride_kv_tok, stride_kv_head,
     stride_bt_seq,
     stride_o_seq, stride_o_head, stride_o_split,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_TILES: tl.constexpr,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
-    KV_FP8: tl.constexpr, SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr, SINKS: tl.constexpr, LATENT: tl.constexpr,
 ):
-    """Attention of one (sequence, KV head) over its ``split``-th context range.
+    """Attention of one (sequence, KV head) over its ``split``-th context range, for ``G_PAD`` of the query
+    heads that read it (the ``HEAD_TILES``-th part of them: axis 1 counts KV heads times ``HEAD_TILES``).
+
+    ``LATENT``: each token's key and value are one vector, its first ``HEAD_SIZE`` entries in the K slot and
+    the rest in the V slot; the queries' and outputs' second halves meet the V slot's (``acc_hi``).
 
     ``SPLIT`` false: one range, normalized output. True: the unnormalized partial output, its row max
     (in log2 units) and sum, for ``_decode_reduce_kernel``. Only the last ``window`` tokens of the
     context are read (the wrapper passes a huge window for full attention).
     """
     seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // HEAD_TILES
     split = tl.program_id(2)
 
     ctx_len = tl.load(context_lens_ptr + seq).to(tl.int32)
@@ -75,7 +80,7 @@ def _decode_kernel(
     start = lo + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx_len)
 
-    offs_g = tl.arange(0, G_PAD)
+    offs_g = (tl.program_id(1) % HEAD_TILES) * G_PAD + tl.arange(0, G_PAD)  # within the KV head's group
     offs_d = tl.arange(0, D_PAD)
     offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_g
@@ -84,8 +89,12 @@ def _decode_kernel(
 
     q_ptrs = q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q_hi = q
+    if LATENT:
+        q_hi = tl.load(q_ptrs + HEAD_SIZE, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if not KV_FP8:  # else K and V are widened to q's dtype as they load
         q = q.to(k_ptr.dtype.element_ty)
+        q_hi = q_hi.to(k_ptr.dtype.element_ty)
 
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -95,6 +104,7 @@ def _decode_kernel(
         m_i = tl.where(sink_rows, sink, m_i)
         l_i = tl.where(sink_rows, 1.0, l_i)
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+    acc_hi = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     for tok0 in range(start, end, BLOCK_N):
         toks = tok0 + offs_n
@@ -105,7 +115,13 @@ def _decode_kernel(
         k = tl.load(k_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
             k = k.to(tl.float32).to(q.dtype)  # exact; via float32, which the interpreter converts right
-        s = dot(q, tl.trans(k), WIDEN_DOT, DOT_PRECISION) * qk_scale
+        s = dot(q, tl.trans(k), WIDEN_DOT, DOT_PRECISION)
+        if LATENT:  # the V slot holds the keys' second halves
+            v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
+                v = v.to(tl.float32).to(q.dtype)
+            s += dot(q_hi, tl.trans(v), WIDEN_DOT, DOT_PRECISION)
+        s = s * qk_scale
         if SOFT_CAP:
             s = soft_cap_scores(s, soft_cap) * 1.4426950408889634  # log2(e), as LOG2E
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -114,10 +130,14 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            v = v.to(tl.float32).to(q.dtype)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN_DOT, DOT_PRECISION)
+        if LATENT:  # the values are the keys: their halves into the outputs' halves
+            acc = acc * alpha[:, None] + dot(p.to(k.dtype), k, WIDEN_DOT, DOT_PRECISION)
+            acc_hi = acc_hi * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN_DOT, DOT_PRECISION)
+        else:
+            v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
+                v = v.to(tl.float32).to(q.dtype)
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN_DOT, DOT_PRECISION)
         m_i = m_new
 
     o_base = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :]
@@ -125,9 +145,13 @@ def _decode_kernel(
     if not SPLIT:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # an empty context yields zeros, not NaN
         tl.store(o_base, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+        if LATENT:
+            tl.store(o_base + HEAD_SIZE, (acc_hi / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         tl.store(o_base + split * stride_o_split, acc, mask=o_mask)
-        ml_offs = (seq * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
+        if LATENT:
+            tl.store(o_base + split * stride_o_split + HEAD_SIZE, acc_hi, mask=o_mask)
+        ml_offs = (seq * (tl.num_programs(1) // HEAD_TILES * GROUP) + heads) * num_splits + split
         tl.store(m_ptr + ml_offs, m_i, mask=g_mask)
         tl.store(l_ptr + ml_offs, l_i, mask=g_mask)
 
@@ -172,13 +196,14 @@ def num_sms(device: torch.device) -> int:
     return CPU_NUM_SMS
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int) -> int:
+def choose_num_splits(num_seqs: int, programs_per_seq: int, max_context_len: int, sm_count: int) -> int:
     """How many context ranges each sequence is cut into; 1 means the single-pass kernel.
 
-    Split only when (sequence, KV head) programs cannot fill about two per SM, and never into ranges
-    shorter than ``MIN_TOKENS_PER_SPLIT`` tokens of the longest possible context.
+    Split only when (sequence, KV head) programs (``programs_per_seq`` a sequence: its KV heads, or with
+    latent attention's head tiles more) cannot fill about two per SM, and never into ranges shorter than
+    ``MIN_TOKENS_PER_SPLIT`` tokens of the longest possible context.
     """
-    num_programs = num_seqs * num_kv_heads
+    num_programs = num_seqs * programs_per_seq
     target = 2 * sm_count
     if num_programs == 0 or num_programs >= target:
         return 1
@@ -201,12 +226,13 @@ def run_paged_decode(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: Tensor | None = None,
+    latent: bool = False,
 ) -> Tensor:
     """``paged_decode_attention`` with the split count (``None``: heuristic) and tiling exposed; ``block_n``
     None: ``DEFAULT_BLOCK_N``, or less where the GPU's shared memory cannot hold that tile
     (``launch_fitting``)."""
     check_kv_layer(kv_layer)
-    num_heads, num_kv_heads, head_size = check_heads(query, kv_layer)
+    num_heads, num_kv_heads, head_size = check_heads(query, kv_layer, latent)
     num_seqs = query.shape[0]
     block_size = kv_layer.shape[2]
     check_index("context_lens", context_lens, num_seqs, query.device)
@@ -217,26 +243,31 @@ def run_paged_decode(
     check_out(out, query)
     if num_seqs == 0:
         return out
+    group = num_heads // num_kv_heads
+    g_pad = max(16, triton.next_power_of_2(group))
+    # Latent attention's many query heads a KV head (128 for DeepSeek-V3) over twice the head: 16 a program, or the
+    # tiles overflow a GPU's shared memory (``tests.kernels.gpu_compile``).
+    head_tile = min(g_pad, LATENT_HEADS_PER_PROGRAM) if latent else g_pad
+    head_tiles = triton.cdiv(group, head_tile)
     if num_splits is None:
         # The table's width bounds every context without reading context_lens on the host.
         max_context_len = min(block_tables.shape[1] * block_size, sliding_window or FULL_WINDOW)
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, num_sms(query.device))
+        num_splits = choose_num_splits(num_seqs, num_kv_heads * head_tiles, max_context_len, num_sms(query.device))
     assert num_splits >= 1, f"num_splits must be positive, got {num_splits}"
     assert sliding_window is None or sliding_window >= 0, f"sliding_window must be >= 0, got {sliding_window}"
     window = sliding_window or FULL_WINDOW
     scores = score_args(scale, soft_cap, LOG2E)
 
-    group = num_heads // num_kv_heads
     consts = dict(
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP=group, G_PAD=head_tile, HEAD_TILES=head_tiles,
         HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size),
         BLOCK_SIZE=block_size,
-        **kv_constexprs(kv_layer.dtype, query.dtype, query.device), SINKS=sinks is not None,
+        **kv_constexprs(kv_layer.dtype, query.dtype, query.device), SINKS=sinks is not None, LATENT=latent,
         **launch_options(num_warps, num_stages),
     )
     k_cache, v_cache = kv_layer[0], kv_layer[1]
     kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-    grid = (num_seqs, num_kv_heads, num_splits)
+    grid = (num_seqs, num_kv_heads * head_tiles, num_splits)
 
     def fitting(launch: Callable[[int], None], split: bool) -> None:
         key = ("decode", split, query.device, kv_layer.dtype, scores["SOFT_CAP"], *sorted(consts.items()))
@@ -251,7 +282,7 @@ def run_paged_decode(
         ), split=False)
         return out
 
-    partial = torch.empty(num_seqs, num_heads, num_splits, head_size, dtype=torch.float32, device=query.device)
+    partial = torch.empty(num_seqs, num_heads, num_splits, query.shape[2], dtype=torch.float32, device=query.device)
     m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     l_sum = torch.empty_like(m)
     fitting(lambda tile: _decode_kernel[grid](
@@ -263,7 +294,7 @@ def run_paged_decode(
     _decode_reduce_kernel[(num_seqs, num_heads)](
         partial, m, l_sum, out, num_splits,
         partial.stride(0), partial.stride(1), partial.stride(2), out.stride(0), out.stride(1),
-        HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size),
+        HEAD_SIZE=query.shape[2], D_PAD=triton.next_power_of_2(query.shape[2]),
         S_PAD=max(MAX_SPLITS, triton.next_power_of_2(num_splits)),  # one variant up to MAX_SPLITS
     )
     return out
@@ -279,9 +310,10 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: Tensor | None = None,
+    latent: bool = False,
 ) -> Tensor:
     """One query token per sequence; see ``pdserve_kernels.reference.paged_decode_attention``. Cache unmodified."""
     return run_paged_decode(
         query, kv_layer, block_tables, context_lens, scale, out, sliding_window=sliding_window, soft_cap=soft_cap,
-        sinks=sinks,
+        sinks=sinks, latent=latent,
     )

@@ -34,9 +34,13 @@ from pdserve_kernels.triton_common import (
     score_args,
     soft_cap_scores,
 )
+from pdserve_kernels.triton_decode import LATENT_HEADS_PER_PROGRAM
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # query rows (tokens x heads of a group) per program
+# ... of latent attention's twice-wide rows (DeepSeek-V3's 576 entries, in two tiles of 512 lanes): 32 overflow
+# the shared memory of an L40S or RTX 4090 (sm89) even with the narrowest key tile (``tests.kernels.gpu_compile``).
+LATENT_BLOCK_M = 16
 # Sequences a program reads at a time to find its own (a loop over the step's sequences, so that the
 # kernel is built once, not once per power of two of them inside the steps that first need each).
 SEQ_CHUNK = 128
@@ -53,14 +57,17 @@ def _prefill_kernel(
     stride_kv_block, stride_kv_tok, stride_kv_head,
     stride_bt_seq,
     stride_o_tok, stride_o_head,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_TILES: tl.constexpr,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQ_CHUNK: tl.constexpr, WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
-    KV_FP8: tl.constexpr, SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr, SINKS: tl.constexpr, LATENT: tl.constexpr,
 ):
+    """``LATENT``: as ``triton_decode._decode_kernel``'s (keys and values one vector, split across the slots);
+    so are ``G_PAD`` query heads a program of the group's, in ``HEAD_TILES`` parts."""
     pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // HEAD_TILES
+    head0 = (tl.program_id(1) % HEAD_TILES) * G_PAD  # the program's first query head within the group
 
     # The program's sequence: the last whose first tile is at or before it, counted over the sequences
     # ``SEQ_CHUNK`` at a time (one build whatever the step's sequence count).
@@ -84,18 +91,23 @@ def _prefill_kernel(
     offs_d = tl.arange(0, D_PAD)
     offs_n = tl.arange(0, BLOCK_N)
     toks = tile_tok0 + offs_m // G_PAD
-    heads = kv_head * GROUP + offs_m % G_PAD
+    heads = kv_head * GROUP + head0 + offs_m % G_PAD
     tile_valid = (tile_tok0 >= 0) & (tile_tok0 < q_len)
     # Scalar conditions are folded into a bound: the interpreter mishandles scalar & vector masks.
     tok_end = tl.where(tile_valid, q_len, 0)
-    row_mask = (toks < tok_end) & (offs_m % G_PAD < GROUP)
+    row_mask = (toks < tok_end) & (head0 + offs_m % G_PAD < GROUP)
     d_mask = offs_d < HEAD_SIZE
     q_pos = prefix_len + toks
 
     q_rows = (q_start + toks).to(tl.int64) * stride_q_tok + heads * stride_q_head
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q_hi = q
+    if LATENT:
+        q_hi = tl.load(q_ptr + q_rows[:, None] + HEAD_SIZE + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :],
+                       other=0.0)
     if not KV_FP8:  # else K and V are widened to q's dtype as they load
         q = q.to(k_ptr.dtype.element_ty)
+        q_hi = q_hi.to(k_ptr.dtype.element_ty)
 
     # Keys past the tile's last query position are masked for every row; a tile past the chunk's
     # end does no work at all.
@@ -110,6 +122,7 @@ def _prefill_kernel(
         m_i = tl.where(row_mask, sink, m_i)
         l_i = tl.where(row_mask, 1.0, l_i)
     acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_Q * G_PAD, D_PAD], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     for kv0 in range(kv_start, kv_end, BLOCK_N):
         k_pos = kv0 + offs_n
@@ -120,7 +133,13 @@ def _prefill_kernel(
         k = tl.load(k_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
             k = k.to(tl.float32).to(q.dtype)  # exact; via float32, which the interpreter converts right
-        s = dot(q, tl.trans(k), WIDEN_DOT, DOT_PRECISION) * qk_scale
+        s = dot(q, tl.trans(k), WIDEN_DOT, DOT_PRECISION)
+        if LATENT:  # the V slot holds the keys' second halves
+            v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
+                v = v.to(tl.float32).to(q.dtype)
+            s += dot(q_hi, tl.trans(v), WIDEN_DOT, DOT_PRECISION)
+        s = s * qk_scale
         if SOFT_CAP:
             s = soft_cap_scores(s, soft_cap) * 1.4426950408889634  # log2(e), as LOG2E
         visible = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
@@ -132,16 +151,23 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            v = v.to(tl.float32).to(q.dtype)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN_DOT, DOT_PRECISION)
+        if LATENT:  # the values are the keys: their halves into the outputs' halves
+            acc = acc * alpha[:, None] + dot(p.to(k.dtype), k, WIDEN_DOT, DOT_PRECISION)
+            acc_hi = acc_hi * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN_DOT, DOT_PRECISION)
+        else:
+            v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
+                v = v.to(tl.float32).to(q.dtype)
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN_DOT, DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o_rows = (q_start + toks).to(tl.int64) * stride_o_tok + heads * stride_o_head
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
              mask=row_mask[:, None] & d_mask[None, :])
+    if LATENT:
+        tl.store(out_ptr + o_rows[:, None] + HEAD_SIZE + offs_d[None, :],
+                 (acc_hi / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
 def run_paged_prefill(
@@ -158,11 +184,12 @@ def run_paged_prefill(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: Tensor | None = None,
+    latent: bool = False,
 ) -> Tensor:
     """``paged_prefill_attention`` with the tiling exposed; ``block_n`` None: ``DEFAULT_BLOCK_N``, or
     less where the GPU's shared memory cannot hold that tile (``launch_fitting``)."""
     check_kv_layer(kv_layer)
-    num_heads, num_kv_heads, head_size = check_heads(query, kv_layer)
+    num_heads, num_kv_heads, head_size = check_heads(query, kv_layer, latent)
     num_seqs = context_lens.shape[0]
     check_index("context_lens", context_lens, None, query.device)
     check_index("query_start_loc", query_start_loc, num_seqs + 1, query.device)
@@ -179,15 +206,18 @@ def run_paged_prefill(
 
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
-    block_q = max(1, BLOCK_M // g_pad)
+    if latent:  # as the decode's (``triton_decode.LATENT_HEADS_PER_PROGRAM``)
+        g_pad = min(g_pad, LATENT_HEADS_PER_PROGRAM)
+    head_tiles = triton.cdiv(group, g_pad)
+    block_q = max(1, (LATENT_BLOCK_M if latent else BLOCK_M) // g_pad)
     k_cache, v_cache = kv_layer[0], kv_layer[1]
-    grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)
+    grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads * head_tiles)
     consts = dict(
-        GROUP=group, G_PAD=g_pad, HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size),
+        GROUP=group, G_PAD=g_pad, HEAD_TILES=head_tiles, HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size),
         BLOCK_SIZE=kv_layer.shape[2], BLOCK_Q=block_q,
         SEQ_CHUNK=SEQ_CHUNK,
         SOFT_CAP=scores["SOFT_CAP"],
-        **kv_constexprs(kv_layer.dtype, query.dtype, query.device), SINKS=sinks is not None,
+        **kv_constexprs(kv_layer.dtype, query.dtype, query.device), SINKS=sinks is not None, LATENT=latent,
         **launch_options(num_warps, num_stages),
     )
 
@@ -217,6 +247,7 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: Tensor | None = None,
+    latent: bool = False,
 ) -> Tensor:
     """Varlen causal chunks over paged context; see ``pdserve_kernels.reference.paged_prefill_attention``.
 
@@ -225,5 +256,5 @@ def paged_prefill_attention(
     """
     return run_paged_prefill(
         query, kv_layer, block_tables, query_start_loc, context_lens, scale, out, sliding_window=sliding_window,
-        soft_cap=soft_cap, sinks=sinks,
+        soft_cap=soft_cap, sinks=sinks, latent=latent,
     )

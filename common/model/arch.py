@@ -799,6 +799,9 @@ def _mla_fields(config: Any, model_type: str, heads: int, kv_heads: int) -> dict
         raise UnsupportedConfig("q_lora_rank", q_lora_rank, "must be a positive integer or null (a whole q_proj)")
     if config.qk_rope_head_dim % 2:
         raise UnsupportedConfig("qk_rope_head_dim", config.qk_rope_head_dim, "RoPE turns pairs: must be even")
+    if config.kv_lora_rank % 2:  # the cached [k_pe, c] is split in halves across the K and V slots
+        raise UnsupportedConfig("kv_lora_rank", config.kv_lora_rank, "the cache holds the latent in two halves: "
+                                "must be even")
     if model_type == "deepseek_v3":
         _original_router_fields(config, "sigmoid", "noaux_tc")
     interleaved = model_type == "deepseek_v2" or bool(getattr(config, "rope_interleave", True))

@@ -7,10 +7,12 @@ one rotated key ``k_pe`` (``qk_rope_head_dim``) shared by every head; head ``h``
 q_pe]`` (``q_proj``, or ``q_b_proj(q_a_layernorm(q_a_proj(x)))`` with ``q_lora_rank``), its scale
 ``qk_head_dim ** -0.5`` (times YaRN's ``mscale_all_dim`` mscale squared).
 
-Here the cache holds what transformers' cache holds, the latent, as one KV head of ``qk_rope_head_dim +
-kv_lora_rank`` entries per token: ``[k_pe, c]``, the key rotated in the K slot (the V slot holds it unrotated,
-and its ``c`` is the one read), so the model's ``num_kv_heads`` is 1 and its ``head_size`` that width, and
-the engine, the block transfer and the kernels take it as any other cache. Attention runs in the absorbed form
+Here the cache holds what transformers' cache holds, the latent, and only that: per token one vector of
+``qk_rope_head_dim + kv_lora_rank`` entries, ``[k_pe, c]`` (the key rotated), its first half in the K slot and
+its second in the V slot. So the model's ``num_kv_heads`` is 1 and its ``head_size`` half that width (288 for
+V3: 576 entries a token and layer, as DeepSeek's own and vLLM's caches hold), and the engine, the block
+transfer and the prefix cache take it as any other cache; the attention kernels' ``latent`` mode joins the two
+halves into the one vector that is each token's key and value. Attention runs in the absorbed form
 (as DeepSeek's and vLLM's inference code do): each head's ``q_nope`` is carried into the latent space by
 ``W_UK[h]`` (``q_nope . W_UK[h] c = (W_UK[h]^T q_nope) . c``), so the query ``[q_pe, W_UK[h]^T q_nope]``
 meets the cached ``[k_pe, c]`` in one multi-query attention (every head reading the one latent head) at
@@ -18,9 +20,9 @@ transformers' scale; the attended latent (the output's last ``kv_lora_rank`` ent
 ``W_UV[h]`` before ``o_proj``. Each score and output is the same sum of the same products as transformers',
 grouped otherwise, so they agree to float rounding (about 1e-6 in float32), not to the bit.
 
-The rotation is the kernels' rotation of each head's first ``qk_rope_head_dim`` entries (``rope_and_store``:
-one kernel for the rotation and the cache's write); pairs interleaved in the checkpoint (V2's RoPE, V3's with
-``rope_interleave``) are reordered as the weights load (``common.model.weights.deinterleave_mla_rope``).
+The rotation is the kernels' ``rope`` over each head's ``q_pe`` and the token's ``k_pe``; pairs interleaved in
+the checkpoint (V2's RoPE, V3's with ``rope_interleave``) are reordered as the weights load
+(``common.model.weights.deinterleave_mla_rope``).
 """
 
 from __future__ import annotations
@@ -66,9 +68,10 @@ class MLAttention(nn.Module):
         self.num_heads = heads = config.num_attention_heads // (1 if self.tp is None else self.tp.size)
         self.kv_lora_rank = config.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
-        # The cache: one head per token, the rotated key's entries then the latent's.
+        # The cache: one vector per token, the rotated key's entries then the latent's, in halves across the K
+        # and V slots (``ModelArch`` refuses an odd width).
         self.num_kv_heads = 1
-        self.head_size = self.rope_dim + self.kv_lora_rank
+        self.head_size = (self.rope_dim + self.kv_lora_rank) // 2
         self.scale = mla_scale(config)
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         q_width = heads * (self.nope_dim + self.rope_dim)
@@ -105,16 +108,17 @@ class MLAttention(nn.Module):
         w_kv = self.kv_b_proj.weight.view(heads, nope + self.v_dim, rank)
         # Each head's q_nope in the latent space: [heads, n, nope] @ W_UK [heads, nope, rank].
         q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_kv[:, :nope]).transpose(0, 1)
-        query = torch.cat((q[..., nope:], q_latent), dim=-1)  # [n, heads, rope + rank]
-        key = torch.cat((kv[:, rank:], latent), dim=-1).view(n, 1, self.head_size)
-        # The first rope_dim entries of each rotated (the kernels' partial RoPE), the key written to the K slot
-        # and, unrotated, to the V slot: the latent there is what attention reads back.
-        query = self.kernels.rope_and_store(query, key, key, *rope, kv_layer, meta.slot_mapping)
+        q_pe, k_pe = self.kernels.rope(q[..., nope:], kv[:, None, rank:], *rope)
+        query = torch.cat((q_pe, q_latent), dim=-1)  # [n, heads, rope + rank]
+        # The cached vector [k_pe, c], its first half into the K slot and its second into the V slot.
+        key = torch.cat((k_pe.view(n, rope_dim), latent), dim=-1).view(n, 2, self.head_size)
+        self.kernels.store_kv(key[:, :1], key[:, 1:], kv_layer, meta.slot_mapping)
         if meta.decode_only:
-            o = self.kernels.paged_decode_attention(query, kv_layer, meta.block_tables, meta.context_lens, self.scale)
+            o = self.kernels.paged_decode_attention(query, kv_layer, meta.block_tables, meta.context_lens, self.scale,
+                                                    latent=True)
         else:
             o = self.kernels.paged_prefill_attention(query, kv_layer, meta.block_tables, meta.query_start_loc,
-                                                     meta.context_lens, self.scale)
+                                                     meta.context_lens, self.scale, latent=True)
         # The attended latent out through each head's W_UV: [heads, n, rank] @ W_UV^T [heads, rank, v].
         out = torch.bmm(o[..., rope_dim:].transpose(0, 1), w_kv[:, nope:].transpose(1, 2))
         result: Tensor = self.o_proj(out.transpose(0, 1).reshape(n, heads * self.v_dim))

@@ -62,12 +62,27 @@ def test_the_configs_ask_for_what_they_say() -> None:
 
 @pytest.mark.parametrize("name", MLA)
 def test_the_cache_holds_one_latent_head_per_token(checkpoint, name: str) -> None:  # type: ignore[no-untyped-def]
-    """One KV head of qk_rope_head_dim + kv_lora_rank (8 + 32) entries: the engine sizes the cache, and the
-    transfer moves its blocks, from these two numbers alone."""
+    """One vector of qk_rope_head_dim + kv_lora_rank (8 + 32) entries per token and layer, its halves in the K
+    and V slots (one KV head of 20): the engine sizes the cache, and the transfer moves its blocks, from these
+    two numbers alone. What a prefill wrote there, joined, is the rotated key and the normed latent."""
     model = _load(checkpoint(name))
-    assert (model.num_kv_heads, model.head_size) == (1, 40)
+    assert (model.num_kv_heads, model.head_size) == (1, 20)
     attn = model.model.layers[0].self_attn
     assert (attn.q_proj is None) == (name in (V2_GROUPS, V3_YARN))
+    seen: list[torch.Tensor] = []
+    handle = attn.register_forward_pre_hook(lambda _module, args: seen.append(args[0]))
+    n, block_size = 6, 8
+    kv_cache = torch.zeros(len(model.model.layers), 2, 2, block_size, 1, 20)
+    meta = AttentionMetadata(slot_mapping=torch.arange(block_size, block_size + n), block_tables=torch.tensor([[1]]),
+                             query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                             context_lens=torch.tensor([n], dtype=torch.int32), max_query_len=n)
+    with torch.inference_mode():
+        model(torch.tensor(prompt_token_ids(n)), torch.arange(n), meta, kv_cache)
+        handle.remove()
+        latent = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(seen[0])[:, :32])
+    joined = torch.cat((kv_cache[0, 0, 1, :n, 0], kv_cache[0, 1, 1, :n, 0]), dim=-1)
+    torch.testing.assert_close(joined[:, 8:], latent)
+    assert not kv_cache[0, :, 0].any()  # nothing written outside the slots given
 
 
 def _prefill_then_decode(model: LlamaForCausalLM, prompt: list[int]) -> torch.Tensor:
@@ -250,9 +265,11 @@ def _refused(name: str, **changes: Any) -> Any:
     (V2_GROUPS, {"topk_group": 5}, "topk_group=5"),
     (V3_YARN, {"qk_rope_head_dim": 7}, "qk_rope_head_dim=7 (RoPE turns pairs: must be even)"),
     (V3_YARN, {"kv_lora_rank": 0}, "kv_lora_rank=0 (must be a positive integer)"),
+    (V3_YARN, {"kv_lora_rank": 33}, "kv_lora_rank=33 (the cache holds the latent in two halves: must be even)"),
     (V2_LITE, {"q_lora_rank": 0}, "q_lora_rank=0"),
 ], ids=["kv-heads", "v2-noaux-tc", "v2-norm-topk-prob", "v2-sigmoid", "v3-softmax", "v3-greedy", "moe-layer-freq",
-        "v2-groups", "v2-topk-group", "odd-rope", "no-latent", "q-lora-rank-0"])
+        "v2-groups", "v2-topk-group", "odd-rope", "no-latent", "odd-latent",
+        "q-lora-rank-0"])
 def test_what_is_not_built_is_refused_by_name(name: str, changes: dict[str, Any], message: str) -> None:
     config = _refused(name, **changes)
     with pytest.raises(UnsupportedConfig, match="unsupported model config: ") as refused:
@@ -310,8 +327,9 @@ def test_lora_adapts_the_output_projection_and_refuses_the_latent_projections(ch
 
 
 def test_the_triton_kernels_take_the_latent_head(checkpoint) -> None:  # type: ignore[no-untyped-def]
-    """The Triton kernels (here under Triton's CPU interpreter) take the one 40-wide latent head (padded to 64
-    lanes, as V3's 576 to 1024), every query head reading it: the engine's greedy tokens are transformers'."""
+    """The Triton kernels (here under Triton's CPU interpreter) take the latent in its two 20-wide halves (each
+    padded to 32 lanes, as V3's 288 to 512), every query head reading it: the engine's greedy tokens are
+    transformers'."""
     from common.config import EngineConfig
     from common.engine.engine import LLMEngine
     from common.sampling_params import SamplingParams

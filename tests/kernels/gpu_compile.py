@@ -172,6 +172,20 @@ def record_launches() -> list[Launch]:
                                                torch.zeros(2, 4, dtype=torch.int32),
                                                torch.tensor([0, 8, 40], dtype=torch.int32),
                                                torch.tensor([20, 32], dtype=torch.int32), 0.1, sinks=sinks)
+        # DeepSeek-V3's latent (576 entries a token, 288 in each slot) read by 128 query heads (16 a rank of 8),
+        # decode whole and split, prefill; over an 8-bit cache too.
+        for cache_dtype, cache_name in ((bf16, "bf16"), (fp8, "fp8")):
+            kv = torch.empty(2, 64, 16, 1, 288, dtype=cache_dtype)
+            for heads, splits in ((128, 1), (16, 4)):
+                scenario[0] = f"decode bf16 latent (DeepSeek-V3), {heads} heads, {cache_name} cache, splits{splits}"
+                triton_decode.run_paged_decode(torch.empty(4, heads, 576, dtype=bf16), kv,
+                                               torch.zeros(4, 16, dtype=torch.int32), torch.ones(4, dtype=torch.int32),
+                                               0.1, num_splits=splits, latent=True)
+            scenario[0] = f"prefill bf16 latent (DeepSeek-V3), {cache_name} cache"
+            triton_prefill.paged_prefill_attention(torch.empty(40, 16, 576, dtype=bf16), kv,
+                                                   torch.zeros(2, 4, dtype=torch.int32),
+                                                   torch.tensor([0, 8, 40], dtype=torch.int32),
+                                                   torch.tensor([20, 32], dtype=torch.int32), 0.1, latent=True)
         scenario[0] = "moe_experts with biases (gpt-oss-20b), bf16"
         ids = (torch.arange(64 * 4) % 32).view(64, 4)
         triton_moe.moe_experts(torch.empty(64, 2880, dtype=bf16), ids, torch.ones(64, 4, dtype=bf16),

@@ -242,6 +242,62 @@ def test_prefill_finds_each_programs_sequence_past_one_chunk_of_sequences(monkey
                              F32)
 
 
+def _joined(kv_layer: torch.Tensor) -> torch.Tensor:
+    """A cache whose K and V both hold each token's two latent halves joined: what ``latent`` reads."""
+    joined = torch.cat((kv_layer[0], kv_layer[1]), dim=-1)
+    return torch.stack((joined, joined))
+
+
+def test_latent_attention_is_attention_over_the_halves_joined_as_key_and_value() -> None:
+    """Multi-head Latent Attention's cache: the reference's ``latent`` mode equals plain attention over a cache
+    holding the joined vector as both K and V (decode, and prefill chunks with a cached prefix)."""
+    context_lens, q_lens = [5, 23, 40], [5, 1, 17]
+    kv_layer, block_tables = paged_cache(context_lens, 8, 1, 20, F32, seed=3)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    query = random_query(sum(q_lens), 16, 40, F32, seed=5)
+    got = reference.paged_prefill_attention(query, kv_layer, block_tables, starts, lens, 0.2, latent=True)
+    expected = reference.paged_prefill_attention(query, _joined(kv_layer), block_tables, starts, lens, 0.2)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    decoded = reference.paged_decode_attention(query[:3], kv_layer, block_tables, lens, 0.2, latent=True)
+    torch.testing.assert_close(decoded, reference.paged_decode_attention(query[:3], _joined(kv_layer), block_tables,
+                                                                         lens, 0.2), atol=1e-6, rtol=1e-6)
+    # Not the K slot's halves alone attended twice: the V slot's half of each key counts in the scores.
+    assert not torch.allclose(got, reference.paged_prefill_attention(
+        query, torch.stack((kv_layer[0], kv_layer[0])), block_tables, starts, lens, 0.2, latent=True))
+
+
+# (cache head_size: each half, KV heads, query heads reading each, dtype, decode splits); past 16 heads a KV
+# head, a program takes 16 of them (``LATENT_HEADS_PER_PROGRAM``), the last tile part empty where 40 are.
+LATENT_CASES = [(20, 1, 16, F32, 1), (20, 1, 40, F32, 3), (32, 1, 16, BF16, 2), (40, 2, 40, F16, None),
+                (24, 2, 8, F32, 1), (24, 2, 40, F32, 2)]
+
+
+@pytest.mark.parametrize(("head_size", "kv_heads", "group", "dtype", "num_splits"), LATENT_CASES)
+def test_latent_decode_and_prefill_match_the_reference(head_size: int, kv_heads: int, group: int, dtype: torch.dtype,
+                                                       num_splits: int | None) -> None:
+    context_lens, q_lens = [1, 15, 70, 33], [1, 15, 1, 20]
+    heads = kv_heads * group
+    kv_layer, block_tables = paged_cache(context_lens, 16, kv_heads, head_size, dtype, seed=head_size)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    scale = (2 * head_size) ** -0.5
+    query = random_query(len(context_lens), heads, 2 * head_size, dtype, seed=7)
+    out = torch.full_like(query, float("nan"))
+    triton_decode.run_paged_decode(query, kv_layer, block_tables, lens, scale, out=out, num_splits=num_splits,
+                                   block_n=16, latent=True)
+    assert_matches_reference(out, lambda *a: reference.paged_decode_attention(*a, latent=True),
+                             (query, kv_layer, block_tables, lens, scale), dtype)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    query = random_query(sum(q_lens), heads, 2 * head_size, dtype, seed=8)
+    out = torch.full_like(query, float("nan"))
+    triton_prefill.run_paged_prefill(query, kv_layer, block_tables, starts, lens, scale, out=out, block_n=16,
+                                     latent=True)
+    assert_matches_reference(out, lambda *a: reference.paged_prefill_attention(*a, latent=True),
+                             (query, kv_layer, block_tables, starts, lens, scale), dtype)
+    with pytest.raises(AssertionError, match="latent"):  # queries as wide as one half: not the latent's
+        triton_decode.run_paged_decode(query[:4, :, :head_size], kv_layer, block_tables, lens, scale, latent=True)
+
+
 def test_public_prefill_allocates_output_in_query_dtype() -> None:
     kv_layer, block_tables = paged_cache([20, 33], 16, 1, 64, F32, seed=7)
     query = random_query(12, 3, 64, F32, seed=7)

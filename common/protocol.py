@@ -26,6 +26,8 @@ MAX_OUTPUT_MESSAGE_BYTES = 4 << 20
 # Prompt logprobs of one request: prompt tokens x (1 + top alternatives) entries at most, about
 # 23 bytes each, so they fit one output message with room to spare.
 MAX_PROMPT_LOGPROB_ENTRIES = 150_000
+# A pooled hidden state (``RequestOutput.embedding``): float32 entries of a hidden size up to 65,536.
+MAX_EMBEDDING_BYTES = 4 << 16
 # Outputs in one ``OutputBatch``: more than any engine's ``max_num_seqs`` times its choices.
 MAX_BATCH_OUTPUTS = 1 << 16
 
@@ -60,6 +62,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     output_token_ids: TokenIds = msgspec.field(default_factory=list)
     # The LoRA adapter to run it with (a name of the engines' ``--lora-modules``); None: the base model.
     lora_name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)] | None = None
+    # An embedding (``POST /v1/embeddings``): the prompt's final hidden state at the pooled position
+    # ("last": its last token) comes back in ``RequestOutput.embedding`` instead of a token.
+    pooling: Literal["last"] | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort", kw_only=True):
@@ -159,6 +164,8 @@ class RequestOutput(msgspec.Struct, tag="output", kw_only=True):
     # is full, or it is draining; nothing was started, the router sends it again later (or
     # elsewhere), not a migration.
     overloaded: bool = False
+    # A pooling request's end (``GenerateRequest.pooling``): the pooled hidden state, float32 little-endian.
+    embedding: Annotated[bytes, msgspec.Meta(max_length=MAX_EMBEDDING_BYTES)] | None = None
 
 
 def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:

@@ -366,6 +366,7 @@ class EngineService:
             prompt_logprobs=out.prompt_logprobs, finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,  # type: ignore[arg-type]
             num_cached_tokens=out.num_cached_tokens, error=out.error, instance_id=self.instance_id,
             phase=phase,  # type: ignore[arg-type]
+            embedding=out.embedding,
         )
 
     def error_output(self, request_id: str, error: str, phase: Phase, *, retryable: bool = False) -> RequestOutput:

@@ -107,7 +107,7 @@ class DecodeService(EngineService):
     def admit(self, msg: GenerateRequest) -> None:
         self.engine.add_request(
             msg.request_id, msg.prompt_token_ids, msg.sampling_params, cache_salt=msg.cache_salt,
-            output_token_ids=msg.output_token_ids, lora_name=msg.lora_name,
+            output_token_ids=msg.output_token_ids, lora_name=msg.lora_name, pooling=msg.pooling,
         )
 
     def on_abort(self, request_id: str) -> None:

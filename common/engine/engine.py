@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
+import torch
 from torch import Tensor
 
 from common.config import EngineConfig
 from common.engine.grammar import GrammarCache, GrammarState
-from common.engine.host_tensors import long_tensor
+from common.engine.host_tensors import long_tensor, to_host
 from common.engine.model_runner import ModelRunner
 from common.engine.request import FINISHED, Request, RequestStatus
 from common.engine.sampler import NO_TOKEN_ERROR, SampledTokens, Sampler
@@ -74,6 +75,8 @@ class EngineOutput:
     # On a request's first token: seconds queued before its first schedule, and from then to the token.
     queue_time: float | None = None
     prefill_time: float | None = None
+    # A pooling request's end: its pooled hidden state, float32 little-endian (``GenerateRequest.pooling``).
+    embedding: bytes | None = None
 
 
 @dataclass
@@ -250,12 +253,16 @@ class LLMEngine:
         arrival_time: float | None = None,
         output_token_ids: list[int] | None = None,
         lora_name: str | None = None,
+        pooling: str | None = None,
     ) -> None:
         """Queue a request; raises ``ValueError`` (nothing queued) when the input is bad.
 
         ``output_token_ids``: tokens the request already produced on a lost instance; it resumes
         after them (see ``GenerateRequest.output_token_ids``). ``lora_name``: the LoRA adapter to
-        run it with (one of ``--lora-modules``), None for the base model."""
+        run it with (one of ``--lora-modules``), None for the base model. ``pooling`` ("last"): an
+        embedding, its prompt's last hidden state in ``EngineOutput.embedding`` and no token."""
+        if pooling is not None:
+            _check_pooling(pooling, params, kv_transfer, output_token_ids)
         self.validate(prompt_token_ids, params, output_token_ids)
         lora_slot = self.lora_slot(lora_name)
         if params.n != 1 and output_token_ids:
@@ -265,7 +272,7 @@ class LLMEngine:
         req = Request(
             request_id, prompt_token_ids, params, block_size=self.block_size, model_id=self.model_id,
             cache_salt=cache_salt, arrival_time=arrival_time, kv_transfer=kv_transfer,
-            output_token_ids=output_token_ids, lora_name=lora_name, lora_slot=lora_slot,
+            output_token_ids=output_token_ids, lora_name=lora_name, lora_slot=lora_slot, pooling=pooling,
         )
         req.grammar = self._grammar(params, req.output_token_ids)
         if params.prompt_logprobs is not None and not req.output_token_ids:  # a continuation sent them
@@ -522,6 +529,9 @@ class LLMEngine:
                 continue
             rows.append(row)
             reqs.append(req)
+            if req.pooling is not None:  # its hidden state, copied before the step samples: ready with its token
+                assert self.runner.sampled_hidden is not None
+                req.pooled = to_host(self.runner.sampled_hidden[row].to(torch.float32, copy=True))
             if req.sampling_params.n > 1 and not req.forked:
                 req.forked = True
                 for i in range(1, req.sampling_params.n):
@@ -600,7 +610,10 @@ class LLMEngine:
             if first:
                 req.first_token_time = now
             reason = None if req.kv_transfer and req.sampling_params.n > 1 else check_stop(req, token)
-            if reason is not None:
+            if req.pooling is not None:  # an embedding: its hidden state in place of the token
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                outputs.append(self._pooled_output(req))
+            elif reason is not None:
                 self.scheduler.finish(req, _FINISHED[reason])
                 outputs.append(self._output(req, [token], lp, reason))
             elif req.kv_transfer and req.request_id in self.scheduler.requests:
@@ -724,6 +737,12 @@ class LLMEngine:
             req.num_cached_tokens if req.num_cached_tokens > 0 else 0, error if reason == "error" else None,
         )
 
+    def _pooled_output(self, req: Request) -> EngineOutput:
+        out = self._output(req, [], None, "stop")
+        assert req.pooled is not None
+        out.embedding, req.pooled = req.pooled.numpy().astype("<f4", copy=False).tobytes(), None
+        return out
+
     def _track_slot_use(self) -> None:
         """Peak KV tokens held, each slot counted once (blocks are shared by prefix hits and n > 1);
         the KV cache manager keeps the count as requests advance, so this is O(1)."""
@@ -785,6 +804,17 @@ class LLMEngine:
             [tokens.get(choice_request_id(rid, i), []) for i in range(p.n)]
             for rid, p in zip(ids, plist, strict=True)
         ]
+
+
+def _check_pooling(pooling: str, params: SamplingParams, kv_transfer: bool, output_token_ids: list[int] | None) -> None:
+    """A pooling request is a prompt's forward whose one sampled token is dropped: refuse what would
+    ask for more (``ValueError`` naming it)."""
+    if pooling != "last":
+        raise ValueError(f"pooling {pooling!r} is not implemented (only 'last': the last token's hidden state)")
+    if kv_transfer or output_token_ids:
+        raise ValueError("a pooling request runs whole, in one attempt: no KV transfer, no output tokens")
+    if params.n != 1 or params.max_tokens != 1 or params.logprobs is not None or params.prompt_logprobs is not None:
+        raise ValueError("a pooling request samples nothing: n and max_tokens 1, no logprobs")
 
 
 def _load_tokenizer(model_path: str):  # type: ignore[no-untyped-def]

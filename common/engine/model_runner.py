@@ -115,6 +115,8 @@ class ModelRunner:
     lora: LoRAManager | None = None
     # Rank 0 of a tensor-parallel engine: its handle on the other ranks (``common.engine.tensor_parallel``).
     tp_leader: TPLeader | None = None
+    # The last step's hidden states of the rows it computed logits for, in their order.
+    sampled_hidden: Tensor | None = None
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, cache_path: Path | None = None) -> None:
         """``tp`` and ``cache_path``: given to a tensor-parallel worker rank (its group, and where rank 0's
@@ -380,6 +382,7 @@ class ModelRunner:
         # sample ascend, so as many as the hidden rows are all of them (a replay's, or decode's).
         if num_sampled != hidden.shape[0]:
             hidden = hidden.index_select(0, on_device[6])
+        self.sampled_hidden = hidden  # the logits' rows' hidden states: a pooling request's (``LLMEngine``)
         logits: Tensor = self.model.compute_logits(hidden)
         return logits
 

@@ -11,6 +11,7 @@ from common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import numpy as np
+    from torch import Tensor
 
     from common.engine.grammar import GrammarState
     from common.protocol import PromptLogprob
@@ -71,6 +72,7 @@ class Request:
         seed_offset: int = 0,
         lora_name: str | None = None,
         lora_slot: int = -1,
+        pooling: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -125,6 +127,11 @@ class Request:
         if sampling_params.seed is not None:
             # Choice i of an n > 1 request draws from seed + i (see ``fork``).
             self.draw_seed = sampling_params.seed + seed_offset
+        # An embedding (``GenerateRequest.pooling``): the hidden state its prompt's last token ends with
+        # replaces its one sampled token; ``pooled`` holds it (on its way to the host) from the step that
+        # computed it to that step's outputs.
+        self.pooling = pooling
+        self.pooled: Tensor | None = None
         # Its LoRA adapter (``common.model.lora``): its name, and its slot in the runner (-1: none).
         self.lora_name = lora_name
         self.lora_slot = lora_slot

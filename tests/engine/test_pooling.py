@@ -1,0 +1,79 @@
+"""Pooling requests (``POST /v1/embeddings``'s engine side): a prompt's last hidden state instead of a token.
+
+The engine's embedding of a prompt is transformers' base model's ``last_hidden_state`` at the prompt's last
+token (after the final norm), whatever shares its steps: chunked prefill, a prefix-cache hit, generation
+requests in the same batch, async scheduling.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from common.sampling_params import SamplingParams
+from tests.engine.conftest import hf_model, prompt_ids
+
+POOL = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+@functools.cache
+def hf_last_hidden(prompt: tuple[int, ...]) -> np.ndarray:
+    with torch.inference_mode():
+        out = hf_model().model(torch.tensor([prompt]))  # the base model: hidden states after the final norm
+    return out.last_hidden_state[0, -1].float().numpy()
+
+
+def _embeddings(engine, requests: dict[str, tuple[int, ...]], generate: dict[str, tuple[int, ...]] | None = None):  # type: ignore[no-untyped-def]
+    for rid, prompt in requests.items():
+        engine.add_request(rid, list(prompt), POOL, pooling="last")
+    for rid, prompt in (generate or {}).items():
+        engine.add_request(rid, list(prompt), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    got: dict[str, np.ndarray] = {}
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.request_id in requests:
+                assert out.finish_reason == "stop" and out.new_token_ids == [] and out.embedding is not None
+                got[out.request_id] = np.frombuffer(out.embedding, dtype="<f4")
+            else:
+                assert out.embedding is None
+    return got, tokens
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_embedding_is_transformers_last_hidden_state_whatever_shares_the_step(engine_factory, async_scheduling: bool) -> None:  # type: ignore[no-untyped-def]
+    """Chunks of 16 tokens (the longer prompts over several steps), generation beside it, then the same prompts again:
+    whole blocks from the prefix cache, the last token computed again."""
+    engine = engine_factory(max_num_batched_tokens=16, block_size=8, async_scheduling=async_scheduling)
+    prompts = {f"e{i}": prompt_ids()[i] for i in (2, 6, 12)}  # 11, 61 and 145 tokens
+    got, tokens = _embeddings(engine, prompts, {"g": prompt_ids()[3]})
+    assert len(tokens["g"]) == 6
+    for rid, prompt in prompts.items():
+        assert got[rid].shape == (hf_model().config.hidden_size,)
+        np.testing.assert_allclose(got[rid], hf_last_hidden(prompt), rtol=1e-4, atol=1e-4)
+    hits_before = engine.stats().prefix_cache_hits
+    again, _ = _embeddings(engine, {f"again-{rid}": p for rid, p in prompts.items()})
+    assert engine.stats().prefix_cache_hits > hits_before
+    for rid, prompt in prompts.items():
+        np.testing.assert_allclose(again[f"again-{rid}"], hf_last_hidden(prompt), rtol=1e-4, atol=1e-4)
+    # Two prompts' embeddings differ (not one row given to all).
+    assert not np.allclose(got["e2"], got["e6"])
+
+
+@pytest.mark.parametrize(("params", "kwargs", "message"), [
+    (SamplingParams(max_tokens=2, temperature=0.0), {}, "samples nothing"),
+    (SamplingParams(max_tokens=1, temperature=0.0, logprobs=2), {}, "samples nothing"),
+    (POOL, {"kv_transfer": True}, "runs whole"),
+    (POOL, {"output_token_ids": [5]}, "runs whole"),
+    (POOL, {"pooling": "mean"}, "pooling 'mean' is not implemented"),
+])
+def test_what_a_pooling_request_cannot_be_is_refused(engine_factory, params: SamplingParams, kwargs: dict, message: str) -> None:  # type: ignore[no-untyped-def,type-arg]
+    engine = engine_factory()
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("x", list(prompt_ids()[0]), params, **{"pooling": "last", **kwargs})
+    assert not engine.has_unfinished_requests()

@@ -43,6 +43,7 @@ from router.serving import (
 )
 from router.serving_chat import create_chat_completion
 from router.serving_completions import create_completion
+from router.serving_embeddings import EmbeddingResponse, create_embedding
 from router.serving_responses import (
     cancel_response,
     create_response,
@@ -205,6 +206,10 @@ def create_app(state: RouterState) -> FastAPI:
     @app.post("/v1/responses", **generation_route(ResponsesRequest, ResponseObject, ResponseStreamEvent))
     async def responses(request: Request) -> Response:
         return await generate(request, create_response)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=error_responses())
+    async def embeddings(request: Request) -> Response:
+        return await generate(request, create_embedding)
 
     app.direct_routes = {
         "/v1/completions": completions, "/v1/chat/completions": chat_completions, "/v1/responses": responses,

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from common.lora_modules import LoRAModule
 from common.sampling_params import MAX_N
+from router.pooling import PoolingConfig
 from router.reasoning import REASONING_PARSERS
 from router.routing import POLICIES
 from router.tool_parsers import PARSERS
@@ -89,6 +90,9 @@ class RouterConfig:
     lora_modules: list[LoRAModule] = field(default_factory=list)
     # vLLM's runtime LoRA updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (``router.lora_admin``).
     allow_runtime_lora_updating: bool = False
+    # How POST /v1/embeddings pools and normalizes (``router.pooling``): the model folder's
+    # sentence-transformers config, else the last token, normalized.
+    pooling: PoolingConfig = field(default_factory=PoolingConfig)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

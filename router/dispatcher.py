@@ -451,6 +451,8 @@ class Dispatcher:
 
     async def _route_and_send(self, request: GenerateRequest) -> list[InstanceInfo]:
         """Send to [P] with D as decode target, or straight to D; the instances now holding it."""
+        if request.pooling is not None:
+            return await self._route_pooling(request)
         pool = self.pool
         prefills, decodes = pool.alive("prefill"), pool.alive("decode")
         lora = request.lora_name
@@ -492,6 +494,31 @@ class Dispatcher:
         for candidate in ranked_decodes:
             if await self.client.send(candidate.control_address, request):
                 self.metrics.routed.labels(path="direct").inc()
+                return [candidate]
+            pool.mark_unavailable(candidate.instance_id)
+        raise APIError(503, "no engine instance is reachable", code="no_instances")
+
+    async def _route_pooling(self, request: GenerateRequest) -> list[InstanceInfo]:
+        """An embedding is the prompt's forward alone, run whole where it is sent: on a prefill instance
+        (the one holding most of the prompt's blocks, as a prefill is chosen), else a decode instance; the
+        instance now holding it. Any KV layout does: nothing is transferred."""
+        pool, lora = self.pool, request.lora_name
+        prefills, decodes = pool.alive("prefill"), pool.alive("decode")
+        if lora is not None:
+            prefills = [p for p in prefills if lora in p.lora_names]
+            decodes = [d for d in decodes if lora in d.lora_names]
+        candidates: list[InstanceInfo] = []
+        if prefills:
+            matched, num_blocks = await self._prefix_matches(prefills, request.prompt_token_ids, request.cache_salt,
+                                                             lora)
+            candidates += self.policy.rank_prefill(prefills, pool.inflight, matched, num_blocks)
+        candidates += self.policy.rank_decode(decodes, pool.inflight) if decodes else []
+        if not candidates:
+            raise APIError(503, "no engine instance is available" + (f" serving LoRA adapter '{lora}'" if lora else ""),
+                           code="no_instances")
+        for candidate in candidates:
+            if await self.client.send(candidate.control_address, request):
+                self.metrics.routed.labels(path="pooling").inc()
                 return [candidate]
             pool.mark_unavailable(candidate.instance_id)
         raise APIError(503, "no engine instance is reachable", code="no_instances")

@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from common.model.loader import resolve_model_path
     from router.app import create_app
+    from router.pooling import PoolingConfig
     from router.state import RouterState
     from router.tokenization import PromptProcessor, load_chat_template
     from router.tool_parsers import detect_parser
@@ -230,7 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     tool_call_parser = args.tool_call_parser
     if tool_call_parser == "auto":
         tool_call_parser = detect_parser(prompts.template_text())
+    try:
+        pooling = PoolingConfig.from_model_dir(model_dir)
+    except ValueError as exc:
+        raise SystemExit(f"the model's sentence-transformers config: {exc}") from None
     config = RouterConfig(
+        pooling=pooling,
         served_model_names=args.served_model_name or [_served_name(args.model, model_dir)],
         lora_modules=args.lora_modules,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,

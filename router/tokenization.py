@@ -234,33 +234,33 @@ class PromptProcessor:
         return list(token_ids)
 
     async def tokenize_completion(
-        self, prompt: PromptInput, max_model_len: int | None, add_special_tokens: bool = True
+        self, prompt: PromptInput, max_model_len: int | None, add_special_tokens: bool = True, field: str = "prompt"
     ) -> list[list[int]]:
         """One token list per prompt of a (possibly batched) completions ``prompt``. Every check
         that needs no tokenizer runs first, so a bad request is refused before any text is
         tokenized; then all texts are tokenized in one worker job. ``max_model_len`` None: no
         context check. ``add_special_tokens`` (vLLM's): the tokenizer's BOS and the like around each
-        text (token ids are taken as they are)."""
+        text (token ids are taken as they are). ``field``: the request's name for ``prompt``, in errors."""
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
-            params = ["prompt"]
+            params = [field]
         elif prompt and isinstance(prompt[0], int):
-            items, params = [prompt], ["prompt"]
+            items, params = [prompt], [field]
         else:
-            items, params = list(prompt), [f"prompt.{i}" for i in range(len(prompt))]
+            items, params = list(prompt), [f"{field}.{i}" for i in range(len(prompt))]
 
         def check_all() -> list[str | list[int]]:
             checked: list[str | list[int]] = []  # texts still to tokenize, or checked token ids
             for item, param in zip(items, params, strict=True):
                 if isinstance(item, str):
                     if not item:
-                        raise bad_request("prompt must not be empty", param=param)
+                        raise bad_request(f"{field} must not be empty", param=param)
                     self.check_length(item, max_model_len, param)
                     checked.append(item)
                 elif isinstance(item, list) and all(isinstance(t, int) for t in item[:1]):
                     checked.append(self.check_token_ids(item, param=param))
                 else:
-                    raise bad_request("prompt must be a string, a list of strings or token ids", param="prompt")
+                    raise bad_request(f"{field} must be a string, a list of strings or token ids", param=field)
             return checked
 
         # A long prompt list takes a while to check: off the event loop, which serves the others.

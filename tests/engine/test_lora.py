@@ -23,6 +23,7 @@ from tests.engine.tiny_models import (
     build_checkpoint,
     family_configs,
     hf_greedy,
+    hf_model,
     peft_adapter,
     peft_greedy,
     prompt_token_ids,
@@ -380,3 +381,30 @@ def test_a_slot_freed_at_run_time_takes_no_adapter_wider_than_those_loaded_at_st
     prompt = prompt_token_ids(11, seed=2)
     engine.add_request("r", prompt, GREEDY, lora_name="a")
     assert _run(engine)["r"] == _peft(base, a, tuple(prompt))
+
+
+def test_an_embedding_with_an_adapter_is_pefts_last_hidden_state(built, engines) -> None:  # type: ignore[no-untyped-def]
+    """Pooling requests (``/v1/embeddings``) with and without an adapter in one batch: each the last hidden
+    state of its own model, PEFT's with the adapter."""
+    from peft import PeftModel
+
+    base, adapter, _ = built("llama-bias")
+    engine = _engine(engines, base, {"a": adapter})
+    prompt = prompt_token_ids(13, seed=5)
+    pool = SamplingParams(max_tokens=1, temperature=0.0)
+    engine.add_request("adapted", prompt, pool, lora_name="a", pooling="last")
+    engine.add_request("base", prompt, pool, pooling="last")
+    got: dict[str, torch.Tensor] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.error is None and out.new_token_ids == []
+            if out.embedding is not None:
+                got[out.request_id] = torch.frombuffer(bytearray(out.embedding), dtype=torch.float32)
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        plain = hf_model(base).model(ids).last_hidden_state[0, -1]
+        peft = PeftModel.from_pretrained(hf_model(base), str(adapter)).eval()
+        adapted = peft.base_model.model.model(ids).last_hidden_state[0, -1]
+    torch.testing.assert_close(got["base"], plain, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got["adapted"], adapted, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(got["adapted"], got["base"], atol=1e-3)

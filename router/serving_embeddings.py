@@ -1,0 +1,159 @@
+"""POST /v1/embeddings, as OpenAI's (and vLLM's, for its extras) answer it.
+
+Each input (a text, a list of texts, token ids or lists of them) is one engine request that runs the
+prompt's forward only and returns the last token's final hidden state (``GenerateRequest.pooling``); the
+router turns it into the embedding the model's sentence-transformers config asks for (``router.pooling``).
+Inputs go through fair admission as completions' prompts do, and run on prefill instances (prefix-aware)
+where there are any, else on decode instances. An instance lost mid-request costs a retry elsewhere, as a
+generation's would; a client that leaves aborts what is still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from common.protocol import GenerateRequest
+from common.sampling_params import SamplingParams
+from router.admission import CLIENT_KEY
+from router.config import RequestLimits
+from router.dispatcher import EngineRequest, EngineRequestError
+from router.errors import bad_request
+from router.openai_models import CheckedRequest, PromptInput, parse_request
+from router.pooling import encode_embedding
+from router.serving import ClientDisconnected, DisconnectWaiter, new_request_id
+from router.state import RouterState
+
+# The one token a pooling request's forward samples, and drops (``common.engine.engine``).
+POOLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+class EmbeddingRequest(CheckedRequest):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: PromptInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM's extras: the tokenizer's BOS and the like around a text; keep only a prompt's last k tokens.
+    add_special_tokens: StrictBool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31)
+
+    def num_inputs(self) -> int:
+        if isinstance(self.input, str) or not self.input or isinstance(self.input[0], int):
+            return 1
+        return len(self.input)
+
+    def check(self, limits: RequestLimits) -> None:
+        if isinstance(self.input, list) and not self.input:
+            raise bad_request("input must not be empty", param="input")
+        if self.num_inputs() > limits.max_prompts_per_request:
+            raise bad_request(f"input holds at most {limits.max_prompts_per_request} inputs "
+                              f"(--max-prompts-per-request), got {self.num_inputs()}", param="input")
+        if self.truncate_prompt_tokens == 0:
+            raise bad_request("truncate_prompt_tokens must be -1 or positive", param="truncate_prompt_tokens")
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+    index: int
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
+async def create_embedding(
+    state: RouterState, body: Any, cache_salt: str | None, wait_disconnect: DisconnectWaiter
+) -> Response:
+    request = parse_request(EmbeddingRequest, body, state.config.limits)
+    model = state.check_model(request.model)
+    pooling = state.config.pooling
+    pooling.check(request.dimensions)
+    state.admission.check(CLIENT_KEY.get() or "-", request.num_inputs())
+    max_model_len = state.max_model_len()
+    truncate = request.truncate_prompt_tokens
+    prompts = await state.prompts.tokenize_completion(
+        request.input, None if truncate is not None else max_model_len, request.add_special_tokens, field="input")
+    if truncate is not None:
+        keep = max_model_len - 1 if truncate == -1 else truncate
+        prompts = [prompt[-keep:] for prompt in prompts]
+    for i, prompt in enumerate(prompts):
+        if len(prompt) >= max_model_len:  # the engines sample (and drop) one token after it
+            param = "input" if len(prompts) == 1 else f"input.{i}"
+            raise bad_request(f"{param} has {len(prompt)} tokens; the model's context ({max_model_len}) holds at most "
+                              f"{max_model_len - 1} for an embedding", param=param)
+    response_id = new_request_id("embd")
+    work = asyncio.ensure_future(_pool_all(state, response_id, prompts, cache_salt, state.lora_name(request.model)))
+    gone = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(BaseException):
+                await work
+            raise ClientDisconnected()
+    hidden_states = work.result()
+    data = [EmbeddingData(embedding=encode_embedding(pooling.embed(hidden, request.dimensions), request.encoding_format),
+                          index=i) for i, hidden in enumerate(hidden_states)]
+    num_tokens = sum(len(prompt) for prompt in prompts)
+    response = EmbeddingResponse(id=response_id, created=int(time.time()), model=model, data=data,
+                                 usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+    return JSONResponse(response.model_dump(mode="json"))
+
+
+async def _pool_all(state: RouterState, response_id: str, prompts: list[list[int]], cache_salt: str | None,
+                    lora_name: str | None) -> list[bytes]:
+    """Every prompt's pooled hidden state, in order: each sent when admission lets it, all running at once."""
+    lane = state.admission.enter(CLIENT_KEY.get() or "-", [len(prompt) for prompt in prompts])
+    running: list[asyncio.Future[bytes]] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            slot = await lane.next_slot()
+            request = GenerateRequest(
+                request_id=f"{response_id}-{i}", prompt_token_ids=prompt, sampling_params=POOLING_PARAMS,
+                reply_to=state.dispatcher.client.reply_address, cache_salt=cache_salt, arrival_time=time.time(),
+                lora_name=lora_name, pooling="last",
+            )
+            try:
+                [engine_request] = await state.dispatcher.submit_request(request)
+            except BaseException:
+                slot.release()
+                raise
+            state.metrics.prompt_tokens.inc(len(prompt))
+            running.append(asyncio.ensure_future(_pooled(engine_request, slot.release)))
+        return list(await asyncio.gather(*running))
+    finally:
+        lane.close()
+        for task in running:
+            task.cancel()  # after a failure, the others' engine work is aborted (a no-op for those done)
+
+
+async def _pooled(engine_request: EngineRequest, release: Any) -> bytes:
+    try:
+        async for output in engine_request.outputs():
+            if output.embedding is not None:
+                return output.embedding
+        raise EngineRequestError(f"engine {engine_request.holders[-1].instance_id} finished an embedding without it")
+    finally:
+        engine_request.close()
+        release()

@@ -1,0 +1,94 @@
+"""POST /v1/embeddings through the real stack (router, one prefill and one decode instance) with the openai
+client: each embedding is transformers' last hidden state of its input's last token, normalized (vLLM's
+pooling of a decoder model without a sentence-transformers config), computed on the prefill instance; an
+instance stopped with the request on it costs a retry elsewhere, not the request."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from tests.e2e.stack import prefill_decode_stack
+from tests.engine.conftest import PROMPTS, hf_model, model_path, tokenizer
+
+pytestmark = pytest.mark.timeout(600)
+
+MODEL = "SmolLM2-135M-Instruct"
+TEXTS = [PROMPTS[6], PROMPTS[2], "An embedding of a short text."]
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url):  # type: ignore[no-untyped-def]
+    # A stopped instance is taken for dead after 3 s of silence (the default 10 s would only slow the test).
+    with prefill_decode_stack(redis_url, model_path(), router_args=["--engine-stall-timeout", "3"]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack):  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@functools.cache
+def expected(token_ids: tuple[int, ...]) -> np.ndarray:
+    with torch.inference_mode():
+        hidden = hf_model().model(torch.tensor([token_ids])).last_hidden_state[0, -1].double().numpy()
+    return hidden / np.linalg.norm(hidden)
+
+
+def _ids(text: str) -> tuple[int, ...]:
+    return tuple(tokenizer()(text).input_ids)
+
+
+def test_embeddings_are_transformers_last_hidden_state_normalized(stack, client):  # type: ignore[no-untyped-def]
+    prefill_before, decode_before = stack.metrics("prefill-a"), stack.metrics("decode-a")
+    got = client.embeddings.create(model=MODEL, input=TEXTS)  # the client asks for base64 and decodes it
+    assert [d.index for d in got.data] == [0, 1, 2] and got.model == MODEL
+    for text, item in zip(TEXTS, got.data, strict=True):
+        np.testing.assert_allclose(item.embedding, expected(_ids(text)), rtol=1e-4, atol=1e-5)
+    assert got.usage.prompt_tokens == got.usage.total_tokens == sum(len(_ids(t)) for t in TEXTS)
+    # Run on the prefill instance: it looked the prompts up in its prefix cache; the decode did nothing.
+    key = "pdserve:prefix_cache_queries_total"
+    assert stack.metrics("prefill-a")[key] - prefill_before[key] >= got.usage.prompt_tokens
+    assert stack.metrics("decode-a").get(key, 0.0) == decode_before.get(key, 0.0)
+    # Floats, and token ids as input, give the same.
+    floats = client.embeddings.create(model=MODEL, input=[list(_ids(TEXTS[1]))], encoding_format="float")
+    np.testing.assert_allclose(floats.data[0].embedding, got.data[1].embedding, rtol=1e-6, atol=1e-7)
+    # Texts that differ embed differently.
+    assert not np.allclose(got.data[0].embedding, got.data[2].embedding)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": "hello", "dimensions": 32}, "dimensions"),
+    ({"input": []}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": "hello", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": [[1, 2], "mixed"]}, "input"),
+])
+def test_what_is_not_served_is_refused_by_name(stack, body: dict, param: str) -> None:  # type: ignore[no-untyped-def,type-arg]
+    response = httpx.post(stack.url + "/v1/embeddings", json={"model": MODEL, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert param in response.json()["error"]["message"] or response.json()["error"]["param"].startswith(param)
+
+
+def test_an_embedding_on_a_stopped_prefill_is_computed_again_elsewhere(stack, client):  # type: ignore[no-untyped-def]
+    """SIGSTOP the prefill instance: the router sends the request there, hears nothing for 3 s, takes the
+    instance for stalled and runs the request on the decode instance; the embedding is the same."""
+    victim = stack.procs["prefill-a"].popen.pid
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        got = client.embeddings.create(model=MODEL, input=TEXTS[0], encoding_format="float")
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    np.testing.assert_allclose(got.data[0].embedding, expected(_ids(TEXTS[0])), rtol=1e-4, atol=1e-5)
+    router = httpx.get(stack.url + "/metrics", timeout=5).text
+    assert any(line.startswith("pdserve:request_migrations_total") and not line.endswith(" 0.0")
+               for line in router.splitlines()), "the request was not continued elsewhere"
+    stack.wait_ready(1, 1)  # the prefill serves again for the tests after this one

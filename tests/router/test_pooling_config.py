@@ -1,0 +1,85 @@
+"""How the router reads a model's pooling (sentence-transformers' files beside the weights) and makes an
+embedding of the hidden state the engines pool."""
+
+from __future__ import annotations
+
+import base64
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from router.errors import APIError
+from router.pooling import PoolingConfig, encode_embedding
+
+
+def _model(folder: pathlib.Path, pooling: dict | None = None, normalize: bool = True, config: dict | None = None) -> pathlib.Path:  # type: ignore[type-arg]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config or {"model_type": "qwen3"}))
+    if pooling is not None:
+        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        if normalize:
+            modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (folder / "modules.json").write_text(json.dumps(modules))
+        (folder / "1_Pooling").mkdir()
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 8, **pooling}))
+    return folder
+
+
+def test_a_generative_model_pools_its_last_token_normalized(tmp_path: pathlib.Path) -> None:
+    config = PoolingConfig.from_model_dir(_model(tmp_path))
+    assert config == PoolingConfig("lasttoken", True, None)
+    config.check(None)
+    hidden = np.array([3.0, 4.0, 0.0], dtype="<f4").tobytes()
+    np.testing.assert_allclose(config.embed(hidden, None), [0.6, 0.8, 0.0])
+
+
+def test_a_sentence_transformers_last_token_model_without_normalize(tmp_path: pathlib.Path) -> None:
+    config = PoolingConfig.from_model_dir(_model(tmp_path, {"pooling_mode_lasttoken": True}, normalize=False))
+    assert config == PoolingConfig("lasttoken", False, None)
+    np.testing.assert_allclose(config.embed(np.array([3.0, 4.0], dtype="<f4").tobytes(), None), [3.0, 4.0])
+
+
+@pytest.mark.parametrize(("flags", "mode"), [
+    ({"pooling_mode_mean_tokens": True}, "mean"), ({"pooling_mode_cls_token": True}, "cls"), ({}, "none"),
+    ({"pooling_mode_lasttoken": True, "pooling_mode_max_tokens": True}, "max+lasttoken"),
+])
+def test_a_pooling_the_engines_do_not_compute_is_refused_by_name(tmp_path: pathlib.Path, flags: dict, mode: str) -> None:  # type: ignore[type-arg]
+    config = PoolingConfig.from_model_dir(_model(tmp_path, flags))
+    assert sorted(config.mode.split("+")) == sorted(mode.split("+"))
+    with pytest.raises(APIError, match="is not implemented") as err:
+        config.check(None)
+    assert err.value.status == 400
+
+
+def test_matryoshka_dimensions_truncate_then_normalize(tmp_path: pathlib.Path) -> None:
+    listed = PoolingConfig.from_model_dir(_model(tmp_path / "a", config={"matryoshka_dimensions": [2, 4]}))
+    assert listed.matryoshka == (2, 4)
+    listed.check(2)
+    with pytest.raises(APIError, match=r"one of \[2, 4\]"):
+        listed.check(3)
+    hidden = np.array([3.0, 4.0, 12.0, 0.0], dtype="<f4").tobytes()
+    np.testing.assert_allclose(listed.embed(hidden, 2), [0.6, 0.8])
+    anywidth = PoolingConfig.from_model_dir(_model(tmp_path / "b", config={"is_matryoshka": True}))
+    anywidth.check(3)
+    with pytest.raises(APIError, match="must be positive"):
+        anywidth.check(0)
+    with pytest.raises(APIError, match="at most the model's 4"):
+        anywidth.embed(hidden, 5)
+    with pytest.raises(APIError, match="does not support Matryoshka"):
+        PoolingConfig.from_model_dir(_model(tmp_path / "c")).check(2)
+
+
+def test_base64_is_the_float32_little_endian_bytes() -> None:
+    vector = np.array([0.25, -1.5, 3.0], dtype=np.float32)
+    assert np.array_equal(np.frombuffer(base64.b64decode(encode_embedding(vector, "base64")), dtype="<f4"), vector)
+    assert encode_embedding(vector, "float") == [0.25, -1.5, 3.0]
+
+
+def test_a_broken_modules_file_is_an_error_naming_it(tmp_path: pathlib.Path) -> None:
+    folder = _model(tmp_path)
+    (folder / "modules.json").write_text("{not json")
+    with pytest.raises(ValueError, match="modules.json"):
+        PoolingConfig.from_model_dir(folder)

@@ -36,6 +36,43 @@ def soft_cap_scores(s, soft_cap):
     return soft_cap * (2.0 * tl.sigmoid(2.0 * (s / soft_cap)) - 1.0)
 
 
+@triton.jit
+def load_kv(ptrs, mask, dtype, KV_FP8: tl.constexpr):
+    """A K or V tile, an 8-bit cache's widened to ``dtype`` (exact; via float32, which the interpreter converts right)."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if KV_FP8:
+        x = x.to(tl.float32).to(dtype)
+    return x
+
+
+@triton.jit
+def tile_scores(q, q_hi, k_ptrs, v_ptrs, kv_mask, LATENT: tl.constexpr, KV_FP8: tl.constexpr, WIDEN_DOT: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """A key tile's unscaled scores against the queries, its K tile and, with ``LATENT`` (each key one vector split
+    across the K and V slots), its V tile, the keys' second halves, which the queries' second halves ``q_hi`` meet."""
+    k = load_kv(k_ptrs, kv_mask, q.dtype, KV_FP8)
+    s = dot(q, tl.trans(k), WIDEN_DOT, DOT_PRECISION)
+    v_hi = k
+    if LATENT:
+        v_hi = load_kv(v_ptrs, kv_mask, q.dtype, KV_FP8)
+        s += dot(q_hi, tl.trans(v_hi), WIDEN_DOT, DOT_PRECISION)
+    return s, k, v_hi
+
+
+@triton.jit
+def attend(acc, acc_hi, alpha, p, k, v_hi, v_ptrs, kv_mask, LATENT: tl.constexpr, KV_FP8: tl.constexpr,
+           WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The accumulators rescaled by ``alpha`` plus a tile's weights ``p`` times its values: the V tile, or with
+    ``LATENT`` the keys themselves, their K halves into ``acc`` and their V halves (``v_hi``) into ``acc_hi``."""
+    if LATENT:
+        acc = acc * alpha[:, None] + dot(p.to(k.dtype), k, WIDEN_DOT, DOT_PRECISION)
+        acc_hi = acc_hi * alpha[:, None] + dot(p.to(v_hi.dtype), v_hi, WIDEN_DOT, DOT_PRECISION)
+    else:
+        v = load_kv(v_ptrs, kv_mask, k.dtype, KV_FP8)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN_DOT, DOT_PRECISION)
+    return acc, acc_hi
+
+
 def score_args(scale: float, soft_cap: float | None, log2e: float) -> dict[str, object]:
     """The ``qk_scale``, ``soft_cap`` and ``SOFT_CAP`` launch arguments of the attention kernels.
 

@@ -27,12 +27,13 @@ from pdserve_kernels.triton_checks import (
 )
 from pdserve_kernels.triton_common import (
     FULL_WINDOW,
-    dot,
+    attend,
     kv_constexprs,
     launch_fitting,
     launch_options,
     score_args,
     soft_cap_scores,
+    tile_scores,
 )
 from pdserve_kernels.triton_decode import LATENT_HEADS_PER_PROGRAM
 
@@ -130,15 +131,9 @@ def _prefill_kernel(
         block_ids = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         kv_offs = block_ids * stride_kv_block + (k_pos % BLOCK_SIZE) * stride_kv_tok + kv_head * stride_kv_head
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            k = k.to(tl.float32).to(q.dtype)  # exact; via float32, which the interpreter converts right
-        s = dot(q, tl.trans(k), WIDEN_DOT, DOT_PRECISION)
-        if LATENT:  # the V slot holds the keys' second halves
-            v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            if KV_FP8:
-                v = v.to(tl.float32).to(q.dtype)
-            s += dot(q_hi, tl.trans(v), WIDEN_DOT, DOT_PRECISION)
+        v_ptrs = v_ptr + kv_offs[:, None] + offs_d[None, :]
+        s, k, v_hi = tile_scores(q, q_hi, k_ptr + kv_offs[:, None] + offs_d[None, :], v_ptrs, kv_mask, LATENT, KV_FP8,
+                                 WIDEN_DOT, DOT_PRECISION)
         s = s * qk_scale
         if SOFT_CAP:
             s = soft_cap_scores(s, soft_cap) * 1.4426950408889634  # log2(e), as LOG2E
@@ -151,14 +146,7 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if LATENT:  # the values are the keys: their halves into the outputs' halves
-            acc = acc * alpha[:, None] + dot(p.to(k.dtype), k, WIDEN_DOT, DOT_PRECISION)
-            acc_hi = acc_hi * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN_DOT, DOT_PRECISION)
-        else:
-            v = tl.load(v_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            if KV_FP8:
-                v = v.to(tl.float32).to(q.dtype)
-            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN_DOT, DOT_PRECISION)
+        acc, acc_hi = attend(acc, acc_hi, alpha, p, k, v_hi, v_ptrs, kv_mask, LATENT, KV_FP8, WIDEN_DOT, DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)

@@ -398,7 +398,8 @@ class ModelRunner:
                 inputs, input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
                 context_lens=context_lens, block_tables=block_tables), lora_select)
         meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, query_start_loc=on_device[4],
-                                 context_lens=context_lens, max_query_len=inputs.max_query_len)
+                                 context_lens=context_lens, max_query_len=inputs.max_query_len,
+                                 host_query_start_loc=inputs.query_start_loc, host_context_lens=inputs.context_lens)
         hidden: Tensor = self.model(input_ids, positions, meta, self.kv_cache)
         return hidden
 

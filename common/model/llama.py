@@ -61,6 +61,10 @@ class AttentionMetadata:
     query_start_loc: Tensor  # [num_seqs + 1] int32
     context_lens: Tensor  # [num_seqs] int32, tokens in cache after this step's store
     max_query_len: int
+    # The same two on the host, where the runner has them (an attention that splits a step by sequence reads
+    # them there: reading the device's would wait for everything queued before it).
+    host_query_start_loc: Tensor | None = None
+    host_context_lens: Tensor | None = None
 
     @property
     def decode_only(self) -> bool:

@@ -27,10 +27,12 @@ the checkpoint (V2's RoPE, V3's with ``rope_interleave``) are reordered as the w
 
 from __future__ import annotations
 
+import itertools
 from types import ModuleType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.model.arch import ModelArch, rope_parameters
@@ -106,20 +108,100 @@ class MLAttention(nn.Module):
         kv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv[:, :rank])
         w_kv = self.kv_b_proj.weight.view(heads, nope + self.v_dim, rank)
-        # Each head's q_nope in the latent space: [heads, n, nope] @ W_UK [heads, nope, rank].
-        q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_kv[:, :nope]).transpose(0, 1)
         q_pe, k_pe = self.kernels.rope(q[..., nope:], kv[:, None, rank:], *rope)
-        query = torch.cat((q_pe, q_latent), dim=-1)  # [n, heads, rope + rank]
         # The cached vector [k_pe, c], its first half into the K slot and its second into the V slot.
         key = torch.cat((k_pe.view(n, rope_dim), latent), dim=-1).view(n, 2, self.head_size)
         self.kernels.store_kv(key[:, :1], key[:, 1:], kv_layer, meta.slot_mapping)
         if meta.decode_only:
-            o = self.kernels.paged_decode_attention(query, kv_layer, meta.block_tables, meta.context_lens, self.scale,
+            out = self._absorbed(q[..., :nope], q_pe, w_kv, kv_layer, meta.block_tables, meta.context_lens)
+        else:
+            out = self._prefill(q[..., :nope], q_pe, w_kv, kv_layer, meta)
+        result: Tensor = self.o_proj(out.reshape(n, heads * self.v_dim))
+        return result if self.tp is None else self.tp.all_reduce(result)
+
+    def _absorbed(self, q_nope: Tensor, q_pe: Tensor, w_kv: Tensor, kv_layer: Tensor, block_tables: Tensor,
+                  context_lens: Tensor, query_start_loc: Tensor | None = None) -> Tensor:
+        """Attention in the latent space, ``[rows, heads, v_head_dim]``: each head's ``q_nope`` carried in by its
+        ``W_UK``, every head reading the cached latent, the attended latent carried out by its ``W_UV``. One
+        query row per sequence without ``query_start_loc``, else chunks."""
+        nope = self.nope_dim
+        # [heads, rows, nope] @ W_UK [heads, nope, rank].
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_kv[:, :nope]).transpose(0, 1)
+        query = torch.cat((q_pe, q_latent), dim=-1)  # [rows, heads, rope + rank]
+        if query_start_loc is None:
+            o = self.kernels.paged_decode_attention(query, kv_layer, block_tables, context_lens, self.scale,
                                                     latent=True)
         else:
-            o = self.kernels.paged_prefill_attention(query, kv_layer, meta.block_tables, meta.query_start_loc,
-                                                     meta.context_lens, self.scale, latent=True)
-        # The attended latent out through each head's W_UV: [heads, n, rank] @ W_UV^T [heads, rank, v].
-        out = torch.bmm(o[..., rope_dim:].transpose(0, 1), w_kv[:, nope:].transpose(1, 2))
-        result: Tensor = self.o_proj(out.transpose(0, 1).reshape(n, heads * self.v_dim))
-        return result if self.tp is None else self.tp.all_reduce(result)
+            o = self.kernels.paged_prefill_attention(query, kv_layer, block_tables, query_start_loc, context_lens,
+                                                     self.scale, latent=True)
+        # [heads, rows, rank] @ W_UV^T [heads, rank, v].
+        return torch.bmm(o[..., self.rope_dim:].transpose(0, 1), w_kv[:, nope:].transpose(1, 2)).transpose(0, 1)
+
+    def _prefill(self, q_nope: Tensor, q_pe: Tensor, w_kv: Tensor, kv_layer: Tensor, meta: AttentionMetadata) -> Tensor:
+        """A step with chunks longer than a token: each chunk in whichever form costs fewer multiply-adds
+        (``expands``), the rest (decode rows among them) together in the absorbed form."""
+        starts = (meta.query_start_loc if meta.host_query_start_loc is None else meta.host_query_start_loc).tolist()
+        lens = (meta.context_lens if meta.host_context_lens is None else meta.host_context_lens).tolist()
+        n = q_nope.shape[0]
+        expanded = [s for s in range(len(lens)) if self.expands(starts[s + 1] - starts[s], lens[s], n)]
+        if not expanded:
+            return self._absorbed(q_nope, q_pe, w_kv, kv_layer, meta.block_tables, meta.context_lens,
+                                  meta.query_start_loc)
+        out = q_nope.new_empty(n, self.num_heads, self.v_dim)
+        for s in expanded:
+            rows = slice(starts[s], starts[s + 1])
+            out[rows] = self._expanded(q_nope[rows], q_pe[rows], w_kv, kv_layer, meta.block_tables[s], lens[s])
+        rest = [s for s in range(len(lens)) if s not in expanded and starts[s + 1] > starts[s]]
+        if rest:
+            dev = q_nope.device
+            rows_t = _index([r for s in rest for r in range(starts[s], starts[s + 1])], dev)
+            seqs = _index(rest, dev)
+            chunk_starts = _index([0, *itertools.accumulate(starts[s + 1] - starts[s] for s in rest)], dev)
+            out[rows_t] = self._absorbed(q_nope[rows_t], q_pe[rows_t], w_kv, kv_layer, meta.block_tables[seqs],
+                                         meta.context_lens[seqs], chunk_starts)
+        return out
+
+    def expands(self, q_len: int, context_len: int, step_tokens: int) -> bool:
+        """Whether a chunk of ``q_len`` queries over ``context_len`` cached tokens runs expanded: each context
+        token's latent carried out to every head's key and value, then plain attention (transformers' form; vLLM
+        runs every prefill so), rather than absorbed. Where it costs fewer multiply-adds per head: expanding
+        costs ``context * rank * (nope + v)`` for the keys and values and ``q_len * context * (nope + rope + v)``
+        for attention; absorbing costs ``q_len * rank * (nope + v)`` carrying queries in and outputs out, and
+        ``q_len * context * (rope + 2 * rank)`` for attention over the latent. And only over a context no longer
+        than the step's tokens: the largest expansion is then the profiling run's (a prompt of the step's
+        tokens), which sized the KV cache around it; a long cached prefix under a short chunk stays absorbed."""
+        if q_len <= 1 or context_len > step_tokens or not EXPANDED_PREFILL:
+            return False
+        rank, nope, rope, v = self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim
+        expand = context_len * rank * (nope + v) + q_len * context_len * (nope + rope + v)
+        absorb = q_len * rank * (nope + v) + q_len * context_len * (rope + 2 * rank)
+        return expand < absorb
+
+    def _expanded(self, q_nope: Tensor, q_pe: Tensor, w_kv: Tensor, kv_layer: Tensor, table: Tensor,
+                  context_len: int) -> Tensor:
+        """One chunk (its queries the last of ``context_len`` positions) attending as transformers computes it:
+        the cached latent of the context carried out to every head's ``[k_nope, k_pe]`` and ``v``; ``[q_len,
+        heads, v]``."""
+        heads, nope, rope_dim = self.num_heads, self.nope_dim, self.rope_dim
+        block_size = kv_layer.shape[2]
+        # [2, blocks, block_size, 1, half], an 8-bit cache's widened.
+        blocks = kv_layer.index_select(1, table[: -(-context_len // block_size)].long()).to(q_nope.dtype)
+        cached = torch.cat((blocks[0], blocks[1]), dim=-1).reshape(-1, 2 * self.head_size)[:context_len]
+        # [heads, context, rank] @ [heads, rank, nope + v]: every head's k_nope and v.
+        kv_heads = torch.matmul(cached[None, :, rope_dim:], w_kv.transpose(1, 2))
+        k = torch.cat((kv_heads[..., :nope], cached[None, :, :rope_dim].expand(heads, -1, -1)), dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)  # [heads, q_len, nope + rope]
+        q_len = q.shape[1]
+        visible = torch.ones(q_len, context_len, dtype=torch.bool, device=q.device).tril(context_len - q_len)
+        o = F.scaled_dot_product_attention(q, k, kv_heads[..., nope:], attn_mask=visible, scale=self.scale)
+        return o.transpose(0, 1)
+
+
+# Prefill chunks may run expanded (``MLAttention.expands``); off, every chunk runs absorbed (a benchmark's baseline).
+EXPANDED_PREFILL = True
+
+
+def _index(values: list[int], device: torch.device) -> Tensor:
+    """Row indices on ``device`` without waiting for the work queued there (pinned memory, an asynchronous copy)."""
+    host = torch.tensor(values, dtype=torch.long)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)

@@ -1,4 +1,4 @@
-"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec|lora|tp``: benchmarks that print measured figures beside baselines."""
+"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec|lora|tp|mla``: benchmarks that print measured figures beside baselines."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ _BENCHES = {
     "spec": "ops.bench.spec_decode",
     "lora": "ops.bench.lora",
     "tp": "ops.bench.tensor_parallel",
+    "mla": "ops.bench.mla",
 }
 
 

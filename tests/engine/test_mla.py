@@ -117,6 +117,75 @@ def test_absorbed_attention_agrees_with_transformers_to_float_rounding(checkpoin
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
+@pytest.mark.parametrize("expanded", [True, False], ids=["expanded", "absorbed"])
+def test_prefill_in_either_form_agrees_with_transformers(checkpoint, monkeypatch, expanded: bool) -> None:  # type: ignore[no-untyped-def]
+    """The prefill of ``_prefill_then_decode`` expanded (transformers' form) or absorbed, a decode absorbed."""
+    from common.model import mla
+
+    monkeypatch.setattr(mla, "EXPANDED_PREFILL", expanded)
+    calls: list[int] = []
+    real = mla.MLAttention._expanded
+    monkeypatch.setattr(mla.MLAttention, "_expanded", lambda self, *a: calls.append(1) or real(self, *a))
+    folder = checkpoint(V3_YARN)
+    prompt = prompt_token_ids(PROMPT_LEN)
+    got = _prefill_then_decode(_load(folder), prompt)
+    with torch.inference_mode():
+        expected = hf_model(folder)(torch.tensor([prompt])).logits[0].float()
+    assert (got - expected).abs().max() < 5e-5
+    assert bool(calls) == expanded  # one call per layer where expanded
+
+
+def test_a_step_mixing_decode_rows_and_chunks_runs_each_in_its_form(checkpoint, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """One forward over a decode row, a whole 12-token prompt (expanded) and a 4-token chunk after a 26-token
+    cached prefix (its context longer than the step's 17 tokens: absorbed) gives each row what a step of its
+    own, all absorbed, gives."""
+    from common.model import mla
+
+    model = _load(checkpoint(V3_YARN))
+    block_size, layers = 8, len(model.model.layers)
+    prompts = [prompt_token_ids(10, seed=1), prompt_token_ids(12, seed=2), prompt_token_ids(30, seed=3)]
+    cached = [9, 0, 26]  # tokens of each already in the cache before the mixed step
+    tables = torch.tensor([[1, 2, 0, 0], [3, 4, 0, 0], [5, 6, 7, 8]], dtype=torch.int32)
+
+    def slots(seq: int, start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        return tables[seq, pos // block_size].long() * block_size + pos % block_size
+
+    def step(cache: torch.Tensor, seqs: list[int], starts: list[int], ends: list[int]) -> torch.Tensor:
+        lens = [e - b for b, e in zip(starts, ends, strict=True)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat([slots(s, b, e) for s, b, e in zip(seqs, starts, ends, strict=True)]),
+            block_tables=tables[seqs], query_start_loc=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]),
+            context_lens=torch.tensor(ends, dtype=torch.int32), max_query_len=max(lens))
+        ids = torch.tensor([t for s, b, e in zip(seqs, starts, ends, strict=True) for t in prompts[s][b:e]])
+        pos = torch.cat([torch.arange(b, e) for b, e in zip(starts, ends, strict=True)])
+        with torch.inference_mode():
+            return model(ids, pos, meta, cache)
+
+    cache = torch.zeros(layers, 2, 9, block_size, 1, model.head_size)
+    for seq in (0, 2):  # the cached prefixes
+        step(cache, [seq], [0], [cached[seq]])
+    expanded: list[int] = []
+    real = mla.MLAttention._expanded
+    monkeypatch.setattr(mla.MLAttention, "_expanded", lambda self, *a: expanded.append(a[-1]) or real(self, *a))
+    mixed = step(cache.clone(), [0, 1, 2], [9, 0, 26], [10, 12, 30])
+    assert set(expanded) == {12}  # the whole prompt only, in every layer
+    monkeypatch.setattr(mla, "EXPANDED_PREFILL", False)
+    alone = torch.cat([step(cache.clone(), [s], [cached[s]], [len(prompts[s])]) for s in range(3)])
+    torch.testing.assert_close(mixed, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_the_form_of_a_chunk_is_the_one_with_fewer_multiply_adds(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """DeepSeek-V3's dims (rank 512, nope 128, rope 64, v 128): a prompt's chunk of 512 expands, a decode row
+    and a short chunk over a long context do not, nor a context longer than the step's tokens."""
+    attn = _load(checkpoint(V3_YARN)).model.layers[0].self_attn
+    attn.kv_lora_rank, attn.nope_dim, attn.rope_dim, attn.v_dim = 512, 128, 64, 128
+    assert attn.expands(512, 512, 512) and attn.expands(2048, 4096, 4096)
+    assert not attn.expands(1, 100, 100)  # a decode row
+    assert not attn.expands(64, 4096, 4096)  # a short chunk over a long context: carrying it all out costs more
+    assert not attn.expands(512, 1024, 512)  # more context than the step's tokens (the profiled bound)
+
+
 def _attentions(model: Any) -> list[Any]:
     return [layer.self_attn for layer in model.model.layers]
 

@@ -168,8 +168,12 @@ def create_app(state: RouterState) -> FastAPI:
 
     app.count_error = count_error
 
-    async def generate(request: Request, handler: Handler) -> Response:
+    async def generate(request: Request, handler: Handler, generates: bool = True) -> Response:
         cache_salt = state.api_keys.check(request.headers.get("authorization"))
+        headless = state.config.headless_architecture
+        if generates and headless is not None:
+            raise APIError(400, f"the model's checkpoint ({headless}) has no output head: it serves /v1/embeddings "
+                           "only", param="model", code="model_not_supported")
         # Fair admission shares the engines per API key, else per client address.
         CLIENT_KEY.set(cache_salt or (request.client.host if request.client else "-"))
         state.admit()
@@ -209,7 +213,7 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=error_responses())
     async def embeddings(request: Request) -> Response:
-        return await generate(request, create_embedding)
+        return await generate(request, create_embedding, generates=False)
 
     app.direct_routes = {
         "/v1/completions": completions, "/v1/chat/completions": chat_completions, "/v1/responses": responses,

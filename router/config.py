@@ -93,6 +93,9 @@ class RouterConfig:
     # How POST /v1/embeddings pools and normalizes (``router.pooling``): the model folder's
     # sentence-transformers config, else the last token, normalized.
     pooling: PoolingConfig = field(default_factory=PoolingConfig)
+    # The model's architecture where its checkpoint is a base model without an output head (an embedding
+    # model, ``common.model.arch.headless_architecture``): it serves /v1/embeddings only.
+    headless_architecture: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

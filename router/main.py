@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import pathlib
 import signal
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from common.model.loader import resolve_model_path
+    from common.model.loader import headless_architecture, resolve_model_path
     from router.app import create_app
     from router.pooling import PoolingConfig
     from router.state import RouterState
@@ -237,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"the model's sentence-transformers config: {exc}") from None
     config = RouterConfig(
         pooling=pooling,
+        headless_architecture=headless_architecture(json.loads((model_dir / "config.json").read_text())),
         served_model_names=args.served_model_name or [_served_name(args.model, model_dir)],
         lora_modules=args.lora_modules,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,

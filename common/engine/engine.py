@@ -263,6 +263,9 @@ class LLMEngine:
         embedding, its prompt's last hidden state in ``EngineOutput.embedding`` and no token."""
         if pooling is not None:
             _check_pooling(pooling, params, kv_transfer, output_token_ids)
+        elif self.runner.model.headless is not None:
+            raise ValueError(f"the model ({self.runner.model.headless}, saved without its output head) serves "
+                             "embeddings only")
         self.validate(prompt_token_ids, params, output_token_ids)
         lora_slot = self.lora_slot(lora_name)
         if params.n != 1 and output_token_ids:

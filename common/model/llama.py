@@ -41,6 +41,7 @@ from common.model.arch import (
     ModelArch,
     rope_parameters,
 )
+from common.model.loader import headless_architecture
 from common.model.parallel import SINGLE, TensorParallel
 from pdserve_kernels import reference
 from pdserve_kernels.reference import NORM_LLAMA
@@ -578,9 +579,15 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp or SINGLE
         self.arch.check_tensor_parallel(config, self.tp.size)
         self.model = LlamaBackbone(config, self.arch, kernels, tp)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=self.arch.lm_head_bias)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        # A base model saved without its output head (``headless_architecture``: an embedding model) has none:
+        # it serves embeddings only (``compute_logits`` gives zeros for the token a pooling request drops).
+        self.headless = headless_architecture(config)
+        self.vocab_size = int(config.vocab_size)
+        self.lm_head: nn.Linear | None = None
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)) and self.headless is None
+        if self.headless is None:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=self.arch.lm_head_bias)
+        if self.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
         attn: Attention = self.model.layers[0].self_attn  # type: ignore[assignment]
         self.num_kv_heads: int = attn.num_kv_heads
@@ -655,6 +662,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
+        if self.lm_head is None:  # headless: only pooling requests run, and drop their token
+            return hidden.new_zeros(hidden.shape[0], self.vocab_size, dtype=torch.float32)
         logits = self.lm_head(hidden)
         if self.arch.logits_scaling is not None:  # Granite: in the weights' dtype, as transformers
             logits = logits / self.arch.logits_scaling

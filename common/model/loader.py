@@ -248,3 +248,15 @@ def served_model_name(path: Path) -> str:
     if path.parent.name == "snapshots" and repo_folder.startswith("models--") and "--" in repo_folder[8:]:
         return repo_folder[len("models--"):].replace("--", "/", 1)
     return path.name
+
+
+def headless_architecture(config: Any) -> str | None:
+    """The checkpoint's architecture where it is a base model saved without its output head (an embedding
+    model: ``Qwen3Model``, ``MistralModel``, whose weights lack the causal LM's ``model.`` prefix and
+    ``lm_head``), None for a causal LM (``...ForCausalLM``, ``...LMHeadModel``, an image-text model's class).
+    ``config``: transformers' config, or ``config.json``'s dict."""
+    found = config.get("architectures") if isinstance(config, dict) else getattr(config, "architectures", None)
+    names = [str(a) for a in found or []]
+    if names and all(a.endswith("Model") and not a.endswith("LMHeadModel") for a in names):
+        return names[0]
+    return None

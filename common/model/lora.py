@@ -293,7 +293,7 @@ class LoRAManager:
         self.adapters: list[LoRAAdapter | None] = [*loaded, *[None] * (num_slots - len(loaded))]
         self.slots = {a.name: i for i, a in enumerate(loaded)}
         self.batch = LoRABatch()
-        self.dtype = model.lm_head.weight.dtype
+        self.dtype = model.model.embed_tokens.weight.dtype
         runtime = num_slots > len(loaded)
         rank = max_rank if runtime else max((a.rank for a in loaded), default=1)
         self.rank = rank  # every wrapped projection's rank per part

@@ -107,6 +107,8 @@ _RENAMES["stablelm"] = ((r"\.self_attn\.q_layernorm\.norms\.", ".self_attn.q_nor
 _RENAMES["vaultgemma"] = ((r"\.pre_feedforward_layernorm\.", ".post_attention_layernorm."),)
 # An image-text checkpoint (``IMAGE_TEXT_TYPES``): its language model's weights under a prefix of their own,
 # renamed to a causal LM's; the vision tower's and the projector's, which text alone never reaches, unloaded.
+# Families whose causal LM holds its base model under a name of its own (not ``model.``).
+_OWN_PREFIX_TYPES = ("gpt_neox", "falcon")
 _LANGUAGE_MODEL_NAMES = ((r"^language_model\.model\.", "model."), (r"^language_model\.lm_head\.", "lm_head."),
                          (r"^model\.language_model\.", "model."))
 _VISION_NAMES = re.compile(r"^(model\.)?(vision_tower|vision_model|multi_modal_projector|visual)\.")
@@ -187,7 +189,7 @@ def load_model(
     if missing or unexpected:
         raise ValueError(f"checkpoint mismatch: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     model.load_state_dict(state, strict=False, assign=True)
-    if model.tie_word_embeddings:
+    if model.tie_word_embeddings and model.lm_head is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     float32_buffers = {name: model.get_buffer(name) for name in model.float32_buffers()}  # before the cast
     model = model.to(device=device, dtype=dtype).eval()
@@ -216,6 +218,12 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
         for name in [n for n in state if _VISION_NAMES.match(n)]:
             del state[name]
         _rename(state, _LANGUAGE_MODEL_NAMES)
+    if model.headless is not None:  # a base model's names lack the causal LM's prefix
+        if model.arch.model_type in _OWN_PREFIX_TYPES or image_text:
+            raise ValueError(f"checkpoint {model.headless}: a base model without its output head is served for "
+                             f"families whose causal LM holds it under 'model.' only, not {model.arch.model_type}")
+        for name in [n for n in state if not n.startswith("model.")]:
+            state["model." + name] = state.pop(name)
     if model.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     _rename(state, _RENAMES.get(model.arch.model_type, ()))

@@ -8,6 +8,7 @@ requests in the same batch, async scheduling.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from tests.engine.conftest import hf_model, prompt_ids
+from tests.engine.tiny_models import TINY_DIMS, build_tokenizer, prompt_token_ids
 
 POOL = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -77,3 +79,48 @@ def test_what_a_pooling_request_cannot_be_is_refused(engine_factory, params: Sam
     with pytest.raises(ValueError, match=message):
         engine.add_request("x", list(prompt_ids()[0]), params, **{"pooling": "last", **kwargs})
     assert not engine.has_unfinished_requests()
+
+
+def _base_model_checkpoint(folder: Path, config) -> Path:  # type: ignore[no-untyped-def]
+    """A checkpoint saved as transformers saves a base model (an embedding model's form): ``architectures``
+    names the base class, the weights lack the causal LM's ``model.`` prefix and there is no ``lm_head``."""
+    from transformers import AutoModel
+
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    model.save_pretrained(str(folder))
+    build_tokenizer(folder)
+    return folder
+
+
+def test_a_base_model_without_its_output_head_serves_embeddings_only(tmp_path: Path) -> None:
+    """``Qwen3Model`` saved alone (Qwen3-Embedding's form): its embeddings equal transformers' base model's
+    last hidden state; a generation request is refused by name; a base model of a family whose causal LM
+    keeps it under another name (GPT-NeoX's) is refused at load."""
+    from safetensors import safe_open
+    from transformers import AutoModel, GPTNeoXConfig, Qwen3Config
+
+    from common.config import EngineConfig
+    from common.engine.engine import LLMEngine
+
+    folder = _base_model_checkpoint(tmp_path / "qwen3-base", Qwen3Config(**TINY_DIMS, tie_word_embeddings=False))
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = list(f.keys())  # noqa: SIM118 - safe_open is not a mapping
+    assert "layers.0.self_attn.q_proj.weight" in names and not any(n.startswith(("model.", "lm_head")) for n in names)
+    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", num_blocks=16, block_size=8,
+                                    max_num_batched_tokens=8))
+    prompt = prompt_token_ids(13, seed=3)
+    with pytest.raises(ValueError, match=r"Qwen3Model, saved without its output head\) serves embeddings only"):
+        engine.add_request("gen", prompt, SamplingParams(max_tokens=4))
+    got, _ = _embeddings(engine, {"e": tuple(prompt)})
+    with torch.inference_mode():
+        expected = AutoModel.from_pretrained(str(folder)).eval()(torch.tensor([prompt])).last_hidden_state[0, -1]
+    np.testing.assert_allclose(got["e"], expected.numpy(), rtol=1e-4, atol=1e-5)
+    neox = GPTNeoXConfig(**{k: v for k, v in TINY_DIMS.items() if k not in ("num_key_value_heads", "head_dim")})
+    with pytest.raises(ValueError, match="not gpt_neox"):
+        LLMEngine(EngineConfig(model=str(_base_model_checkpoint(tmp_path / "neox-base", neox)), device="cpu",
+                               dtype="float32", num_blocks=16, block_size=8))

@@ -83,3 +83,31 @@ def test_a_broken_modules_file_is_an_error_naming_it(tmp_path: pathlib.Path) -> 
     (folder / "modules.json").write_text("{not json")
     with pytest.raises(ValueError, match="modules.json"):
         PoolingConfig.from_model_dir(folder)
+
+
+def test_a_model_without_an_output_head_is_refused_for_generation_by_name(prompts) -> None:  # type: ignore[no-untyped-def]
+    """The router of a base model saved without ``lm_head`` (``headless_architecture``) answers generation
+    endpoints with a 400 naming it; /v1/embeddings goes on to the engines (none here: 503)."""
+    from fastapi.testclient import TestClient
+
+    from router.app import create_app
+    from tests.router.router_harness import SERVED_MODEL, make_state
+
+    state = make_state(prompts, redis_url=None, headless_architecture="Qwen3Model")
+    with TestClient(create_app(state)) as client:
+        for path, body in [("/v1/completions", {"prompt": "hi"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/responses", {"input": "hi"})]:
+            response = client.post(path, json={"model": SERVED_MODEL, **body})
+            assert response.status_code == 400, response.text
+            assert "(Qwen3Model) has no output head" in response.json()["error"]["message"]
+        assert client.post("/v1/embeddings", json={"model": SERVED_MODEL, "input": "hi"}).status_code == 503
+
+
+def test_the_router_reads_whether_a_checkpoint_has_its_output_head() -> None:
+    from common.model.loader import headless_architecture
+
+    assert headless_architecture({"architectures": ["Qwen3Model"]}) == "Qwen3Model"
+    assert headless_architecture({"architectures": ["MistralModel"]}) == "MistralModel"
+    for causal in (["Qwen3ForCausalLM"], ["GPT2LMHeadModel"], ["Mistral3ForConditionalGeneration"], [], None):
+        assert headless_architecture({"architectures": causal}) is None

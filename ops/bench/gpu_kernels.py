@@ -469,6 +469,59 @@ def bench_prefill(report: Report, args: argparse.Namespace, ops: Any) -> None:
                                "error": _short(exc)})
 
 
+def bench_latent(report: Report, args: argparse.Namespace, ops: Any, ref: Any) -> None:
+    """DeepSeek-V3's latent attention (``common.model.mla``): the kernels' ``latent`` mode (576 entries a token,
+    288 in each slot, every query head reading them) against the torch reference, then timed: decode at 16
+    query heads (128 over 8 ranks) and 128, against SDPA over the joined latent; a prefill chunk absorbed,
+    against the expanded form's SDPA (what the engine runs for a prompt's chunk)."""
+    from pdserve_kernels.triton_decode import run_paged_decode
+
+    dtype, ctx, rope, rank, nope, v_dim = DTYPES[args.dtype], min(args.context_len, 4096), 64, 512, 128, 128
+    scale = (nope + rope) ** -0.5
+    report.group = "latent attention (DeepSeek-V3)"
+    for heads, batch in ((16, args.batch), (128, args.small_batch)):
+        joined = torch.randn(batch, 1, ctx, rope + rank, device=DEVICE).to(dtype)
+        kv_layer, tables = paged_layout(joined[..., :288].contiguous(), joined[..., 288:].contiguous(),
+                                        args.block_size)
+        q = torch.randn(batch, heads, rope + rank, device=DEVICE).to(dtype)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
+        out = torch.empty_like(q)
+        shape = f"batch {batch}, ctx {ctx}, {heads} heads on the latent, {args.dtype}"
+
+        def against_reference(q: torch.Tensor = q, kv: torch.Tensor = kv_layer, t: torch.Tensor = tables,
+                              n: torch.Tensor = lens, o: torch.Tensor = out) -> tuple[float, float]:
+            run_paged_decode(q, kv, t, n, scale, out=o, latent=True)
+            expected = ref.paged_decode_attention(q.float(), kv.float(), t, n, scale, latent=True)
+            return max_err(o, expected), TOLERANCE[dtype]
+
+        report.check(f"latent decode vs the torch reference ({heads} heads)", against_reference)
+        kv_bytes = joined.numel() * joined.element_size() + 2 * q.numel() * q.element_size()
+        report.time(f"paged_decode_attention latent ({heads} heads)", shape,
+                    functools.partial(run_paged_decode, q, kv_layer, tables, lens, scale, out=out, latent=True),
+                    kv_bytes)
+        report.time(f"torch SDPA over the joined latent (baseline, {heads} heads)", shape,
+                    functools.partial(F.scaled_dot_product_attention, q[:, None], joined, joined, scale=scale),
+                    kv_bytes)
+        time_copy(report, kv_bytes, dtype)
+    heads, chunk = 16, min(1024, ctx)
+    joined = torch.randn(1, 1, chunk, rope + rank, device=DEVICE).to(dtype)
+    kv_layer, tables = paged_layout(joined[..., :288].contiguous(), joined[..., 288:].contiguous(), args.block_size)
+    q = torch.randn(chunk, heads, rope + rank, device=DEVICE).to(dtype)
+    starts = torch.tensor([0, chunk], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([chunk], dtype=torch.int32, device=DEVICE)
+    pairs = chunk * (chunk + 1) / 2
+    shape = f"one prompt of {chunk}, {heads} heads, {args.dtype}"
+    report.time("paged_prefill_attention latent (absorbed)", shape,
+                lambda: ops.paged_prefill_attention(q, kv_layer, tables, starts, lens, scale, latent=True),
+                flops=2.0 * heads * pairs * (rope + 2 * rank))
+    q_full = torch.randn(heads, chunk, nope + rope, device=DEVICE).to(dtype)
+    k_full = torch.randn(heads, chunk, nope + rope, device=DEVICE).to(dtype)
+    v_full = torch.randn(heads, chunk, v_dim, device=DEVICE).to(dtype)
+    report.time("torch SDPA, keys and values expanded per head (the engine's prefill form)", shape,
+                lambda: F.scaled_dot_product_attention(q_full, k_full, v_full, is_causal=True, scale=scale),
+                flops=2.0 * heads * pairs * (nope + rope + v_dim))
+
+
 def bench_kv(report: Report, args: argparse.Namespace, ops: Any) -> None:
     dtype, kvh, d, bs = DTYPES[args.dtype], args.num_kv_heads, args.head_size, args.block_size
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -1357,6 +1410,7 @@ def main(argv: list[str] | None = None) -> int:
         ("decode small batch", lambda: bench_decode(report, args, args.small_batch, sweep=False)),
         ("prefill", lambda: bench_prefill(report, args, ops)),
         ("kv movement", lambda: bench_kv(report, args, ops)),
+        ("latent attention", lambda: bench_latent(report, args, ops, ref)),
         ("seeded race", lambda: bench_seeded_race(report, args)),
         ("mixture of experts", lambda: bench_moe(report, ops, ref)),
         ("top-p / min-p", lambda: bench_nucleus(report, args)),

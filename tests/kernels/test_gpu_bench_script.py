@@ -286,3 +286,19 @@ def test_the_engine_variants_section_runs_on_the_cpu(tmp_path: Path) -> None:
                                       batch=3, max_tokens=6)
     assert [c["ok"] for c in report.checks] == [True] * 4, report.checks
     assert len([t for t in report.timings if "median_us" in t]) == 4
+
+
+def test_the_latent_attention_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dry run of the latent attention section on the CPU (the kernels under the interpreter, a short context,
+    timings stubbed): both checks against the reference pass, and every kernel and baseline gets timed."""
+    import argparse
+
+    from pdserve_kernels import reference, triton_ops
+
+    timed = _dry_run(monkeypatch)
+    report = gpu_kernels.Report(tmp_path, {"device": "fake"})
+    args = argparse.Namespace(dtype="fp32", context_len=40, batch=2, small_batch=1, block_size=16)
+    gpu_kernels.bench_latent(report, args, triton_ops, reference)
+    assert [c["ok"] for c in report.checks] == [True, True], report.checks
+    assert len(report.timings) == 6 and all("error" not in t for t in report.timings), report.timings
+    assert timed == ["copy"] * 2

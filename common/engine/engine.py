@@ -33,6 +33,7 @@ from common.kvcache.block_pool import KVBlock
 from common.kvcache.hashing import BlockHash
 from common.kvcache.kv_cache_manager import KVCacheManager
 from common.lora_modules import LoRAModule
+from common.model.loader import headless_architecture
 from common.model.lora import LoRAManager
 from common.protocol import MAX_PROMPT_LOGPROB_ENTRIES, PositionLogprobs, PromptLogprob, choice_request_id
 from common.sampling_params import SamplingParams
@@ -138,6 +139,8 @@ class LLMEngine:
         self.block_size = config.block_size
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
+        # A base model saved without its output head serves pooling requests only (``headless_architecture``).
+        self.headless = headless_architecture(self.runner.hf_config)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv.keep_freed = config.async_scheduling
         self.scheduler = Scheduler(
@@ -263,9 +266,8 @@ class LLMEngine:
         embedding, its prompt's last hidden state in ``EngineOutput.embedding`` and no token."""
         if pooling is not None:
             _check_pooling(pooling, params, kv_transfer, output_token_ids)
-        elif self.runner.model.headless is not None:
-            raise ValueError(f"the model ({self.runner.model.headless}, saved without its output head) serves "
-                             "embeddings only")
+        elif self.headless is not None:
+            raise ValueError(f"the model ({self.headless}, saved without its output head) serves embeddings only")
         self.validate(prompt_token_ids, params, output_token_ids)
         lora_slot = self.lora_slot(lora_name)
         if params.n != 1 and output_token_ids:

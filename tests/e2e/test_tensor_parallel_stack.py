@@ -170,6 +170,24 @@ def test_streamed_greedy_text_over_two_ranks_and_the_kv_transfer_equals_transfor
     assert transfers == {n: float(n == PREFILL or received[n] > 0) for n in names}, transfers
 
 
+def test_an_embedding_over_two_ranks_is_transformers_last_hidden_state(tiny, stack, client):  # type: ignore[no-untyped-def]
+    """/v1/embeddings on the tensor-parallel prefill: rank 0's last hidden state (each rank's the same),
+    normalized, equals transformers' base model's."""
+    import numpy as np
+    import torch
+
+    from tests.engine.tiny_models import hf_model
+
+    routed = router_counter(stack.url, "pdserve:router_requests_routed_total", 'path="pooling"')
+    prompt, prompt_ids = prompt_of(30, seed=5)
+    got = client.embeddings.create(model=served_model(client), input=prompt, encoding_format="float")
+    with torch.inference_mode():
+        hidden = hf_model(tiny.folder).model(torch.tensor([prompt_ids])).last_hidden_state[0, -1].double().numpy()
+    np.testing.assert_allclose(got.data[0].embedding, hidden / np.linalg.norm(hidden), rtol=1e-4, atol=1e-6)
+    assert got.usage.prompt_tokens == len(prompt_ids)
+    assert router_counter(stack.url, "pdserve:router_requests_routed_total", 'path="pooling"') == routed + 1
+
+
 def _cmdline(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

@@ -111,3 +111,38 @@ def test_the_router_reads_whether_a_checkpoint_has_its_output_head() -> None:
     assert headless_architecture({"architectures": ["MistralModel"]}) == "MistralModel"
     for causal in (["Qwen3ForCausalLM"], ["GPT2LMHeadModel"], ["Mistral3ForConditionalGeneration"], [], None):
         assert headless_architecture({"architectures": causal}) is None
+
+
+def test_a_large_response_is_written_an_embedding_at_a_time_handing_the_loop_back() -> None:
+    """200 embeddings of 4,096 floats: while the body is written, another task on the loop runs again and
+    again (every few embeddings, whatever the host's speed); the body is the response the API documents."""
+    import asyncio
+
+    from router.serving_embeddings import YIELD_EVERY, EmbeddingResponse, response_body
+
+    hidden = [np.full(4096, i, dtype="<f4").tobytes() for i in range(200)]
+    config = PoolingConfig(normalize=False)
+
+    async def run() -> tuple[bytes, int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0)
+        start = ticks
+        body = await response_body({"id": "embd-1", "object": "list", "created": 1, "model": "m"}, hidden,
+                                   {"prompt_tokens": 7, "total_tokens": 7},
+                                   lambda h: encode_embedding(config.embed(h, None), "float"))
+        task.cancel()
+        return body, ticks - start
+
+    body, ticks = asyncio.run(run())
+    assert ticks >= 200 // YIELD_EVERY
+    response = EmbeddingResponse.model_validate_json(body)
+    assert [d.index for d in response.data] == list(range(200)) and response.usage.prompt_tokens == 7
+    assert response.data[5].embedding == [5.0] * 4096 and response.model == "m"

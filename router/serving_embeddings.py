@@ -26,7 +26,14 @@ from router.admission import CLIENT_KEY
 from router.config import RequestLimits
 from router.dispatcher import EngineRequest, EngineRequestError
 from router.errors import bad_request
-from router.openai_models import CheckedRequest, PromptInput, parse_request
+from router.openai_models import (
+    ChatMessage,
+    ChatTemplateOptions,
+    CheckedRequest,
+    PromptInput,
+    parse_request,
+    template_messages,
+)
 from router.pooling import encode_embedding
 from router.serving import ClientDisconnected, DisconnectWaiter, new_request_id
 from router.state import RouterState
@@ -38,24 +45,31 @@ YIELD_AFTER_S = 0.001
 POOLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-class EmbeddingRequest(CheckedRequest):
+class EmbeddingRequest(CheckedRequest, ChatTemplateOptions):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    input: PromptInput
+    input: PromptInput | None = None
+    # vLLM's chat form: one conversation rendered by the model's chat template, embedded as one input.
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: StrictBool = False  # vLLM's default for an embedding's conversation
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
-    # vLLM's extras: the tokenizer's BOS and the like around a text; keep only a prompt's last k tokens.
-    add_special_tokens: StrictBool = True
+    # vLLM's extras: the tokenizer's BOS and the like around a text (default: yes for ``input``, no on top of
+    # the chat template's for ``messages``); keep only a prompt's last k tokens.
+    add_special_tokens: StrictBool | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31)
 
     def num_inputs(self) -> int:
-        if isinstance(self.input, str) or not self.input or isinstance(self.input[0], int):
+        if self.input is None or isinstance(self.input, str) or not self.input or isinstance(self.input[0], int):
             return 1
         return len(self.input)
 
     def check(self, limits: RequestLimits) -> None:
+        if (self.input is None) == (self.messages is None):
+            raise bad_request("give exactly one of 'input' and 'messages'", param="input")
+        self.check_template_options(self.messages)
         if isinstance(self.input, list) and not self.input:
             raise bad_request("input must not be empty", param="input")
         if self.num_inputs() > limits.max_prompts_per_request:
@@ -95,14 +109,20 @@ async def create_embedding(
     state.admission.check(CLIENT_KEY.get() or "-", request.num_inputs())
     max_model_len = state.max_model_len()
     truncate = request.truncate_prompt_tokens
-    prompts = await state.prompts.tokenize_completion(
-        request.input, None if truncate is not None else max_model_len, request.add_special_tokens, field="input")
+    context = None if truncate is not None else max_model_len
+    if request.messages is not None:
+        prompts = [await state.prompts.tokenize_chat(
+            template_messages(request.messages), context, request.chat_render(), bool(request.add_special_tokens))]
+    else:
+        assert request.input is not None
+        prompts = await state.prompts.tokenize_completion(
+            request.input, context, request.add_special_tokens is not False, field="input")
     if truncate is not None:
         keep = max_model_len - 1 if truncate == -1 else truncate
         prompts = [prompt[-keep:] for prompt in prompts]
     for i, prompt in enumerate(prompts):
         if len(prompt) >= max_model_len:  # the engines sample (and drop) one token after it
-            param = "input" if len(prompts) == 1 else f"input.{i}"
+            param = "messages" if request.messages is not None else "input" if len(prompts) == 1 else f"input.{i}"
             raise bad_request(f"{param} has {len(prompt)} tokens; the model's context ({max_model_len}) holds at most "
                               f"{max_model_len - 1} for an embedding", param=param)
     response_id = new_request_id("embd")

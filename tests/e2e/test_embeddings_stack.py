@@ -65,12 +65,39 @@ def test_embeddings_are_transformers_last_hidden_state_normalized(stack, client)
     assert not np.allclose(got.data[0].embedding, got.data[2].embedding)
 
 
+def test_a_conversation_embeds_as_its_rendered_chat_template(stack, client):  # type: ignore[no-untyped-def]
+    """vLLM's chat form: ``messages`` rendered by the model's template (without the generation prompt unless
+    asked, without extra BOS) embed as those token ids would; asking for the generation prompt changes them."""
+    messages = [{"role": "system", "content": "You rank documents."}, {"role": "user", "content": "Query: fox"}]
+
+    def embed(**body: object) -> tuple[list[float], int]:
+        response = httpx.post(stack.url + "/v1/embeddings", json={"model": MODEL, **body}, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["data"][0]["embedding"], response.json()["usage"]["prompt_tokens"]
+
+    def rendered(**options: object) -> list[int]:
+        response = httpx.post(stack.url + "/tokenize", json={"model": MODEL, "messages": messages, **options},
+                              timeout=60)
+        return response.json()["tokens"]
+
+    ids = rendered(add_generation_prompt=False)
+    got, num_tokens = embed(messages=messages)
+    assert num_tokens == len(ids)
+    np.testing.assert_allclose(got, embed(input=ids)[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, expected(tuple(ids)), rtol=1e-4, atol=1e-5)
+    with_prompt, more = embed(messages=messages, add_generation_prompt=True)
+    assert more == len(rendered(add_generation_prompt=True)) > num_tokens
+    assert not np.allclose(with_prompt, got)
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": "hello", "dimensions": 32}, "dimensions"),
     ({"input": []}, "input"),
     ({"input": ""}, "input"),
     ({"input": "hello", "encoding_format": "int8"}, "encoding_format"),
     ({"input": [[1, 2], "mixed"]}, "input"),
+    ({"input": "hello", "messages": [{"role": "user", "content": "hi"}]}, "input"),
+    ({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, "continue_final_message"),
 ])
 def test_what_is_not_served_is_refused_by_name(stack, body: dict, param: str) -> None:  # type: ignore[no-untyped-def,type-arg]
     response = httpx.post(stack.url + "/v1/embeddings", json={"model": MODEL, **body}, timeout=60)

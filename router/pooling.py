@@ -85,16 +85,17 @@ class PoolingConfig:
             raise bad_request(f"dimensions must be one of {list(self.matryoshka)}, got {dimensions}",
                               param="dimensions")
 
-    def embed(self, hidden: bytes, dimensions: int | None) -> np.ndarray:
+    def embed(self, hidden: bytes, dimensions: int | None, normalize: bool | None = None) -> np.ndarray:
         """The embedding of a pooled hidden state (float32 bytes): truncated to ``dimensions``, then
-        normalized where the model normalizes (as sentence-transformers truncates, then normalizes)."""
+        normalized where the model normalizes (as sentence-transformers truncates, then normalizes), or as
+        ``normalize`` says (vLLM's request extra)."""
         vector = np.frombuffer(hidden, dtype="<f4")
         if dimensions is not None:
             if dimensions > len(vector):
                 raise bad_request(f"dimensions must be at most the model's {len(vector)}, got {dimensions}",
                                   param="dimensions")
             vector = vector[:dimensions]
-        if not self.normalize:
+        if not (self.normalize if normalize is None else normalize):
             return vector
         norm = float(np.linalg.norm(vector.astype(np.float64)))
         return vector / np.float32(max(norm, 1e-12))  # torch.nn.functional.normalize's epsilon

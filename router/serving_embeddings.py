@@ -60,6 +60,13 @@ class EmbeddingRequest(CheckedRequest, ChatTemplateOptions):
     # the chat template's for ``messages``); keep only a prompt's last k tokens.
     add_special_tokens: StrictBool | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31)
+    # vLLM's: normalize or not, whatever the model's pooling says (``use_activation``, before it ``normalize``).
+    use_activation: StrictBool | None = None
+    normalize: StrictBool | None = None
+    # vLLM's extras not implemented: refused unless they ask for what is done anyway.
+    priority: Any = None
+    embed_dtype: Any = None
+    endianness: Any = None
 
     def num_inputs(self) -> int:
         if self.input is None or isinstance(self.input, str) or not self.input or isinstance(self.input[0], int):
@@ -70,6 +77,11 @@ class EmbeddingRequest(CheckedRequest, ChatTemplateOptions):
         if (self.input is None) == (self.messages is None):
             raise bad_request("give exactly one of 'input' and 'messages'", param="input")
         self.check_template_options(self.messages)
+        self.refuse_unless_nothing({"priority": 0, "embed_dtype": "float32"}, "embeddings run at priority 0, as float32")
+        if self.endianness not in (None, "native", "little"):
+            raise bad_request("endianness is not supported (base64 embeddings are little-endian)", param="endianness")
+        if None not in (self.use_activation, self.normalize) and self.use_activation != self.normalize:
+            raise bad_request("use_activation and normalize disagree", param="normalize")
         if isinstance(self.input, list) and not self.input:
             raise bad_request("input must not be empty", param="input")
         if self.num_inputs() > limits.max_prompts_per_request:
@@ -138,10 +150,11 @@ async def create_embedding(
                 await work
             raise ClientDisconnected()
     num_tokens = sum(len(prompt) for prompt in prompts)
+    normalize = request.normalize if request.use_activation is None else request.use_activation
     head = {"id": response_id, "object": "list", "created": int(time.time()), "model": model}
     usage = EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens).model_dump()
     body = await response_body(head, work.result(), usage, lambda hidden: encode_embedding(
-        pooling.embed(hidden, request.dimensions), request.encoding_format))
+        pooling.embed(hidden, request.dimensions, normalize), request.encoding_format))
     return Response(body, media_type="application/json")
 
 

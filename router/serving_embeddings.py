@@ -18,11 +18,12 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from common.protocol import GenerateRequest
 from common.sampling_params import SamplingParams
 from router.admission import CLIENT_KEY
+from router.auth import with_request_salt
 from router.config import RequestLimits
 from router.dispatcher import EngineRequest, EngineRequestError
 from router.errors import bad_request
@@ -35,7 +36,7 @@ from router.openai_models import (
     template_messages,
 )
 from router.pooling import encode_embedding
-from router.serving import ClientDisconnected, DisconnectWaiter, new_request_id
+from router.serving import ClientDisconnected, DisconnectWaiter, response_ids
 from router.state import RouterState
 
 # Writing a response hands the event loop back after this many embeddings, or this long, whichever first.
@@ -63,10 +64,14 @@ class EmbeddingRequest(CheckedRequest, ChatTemplateOptions):
     # vLLM's: normalize or not, whatever the model's pooling says (``use_activation``, before it ``normalize``).
     use_activation: StrictBool | None = None
     normalize: StrictBool | None = None
+    # vLLM's: the response's id is "embd-<request_id>"; a salt of the request's own for its prefix-cache blocks.
+    request_id: StrictStr | None = Field(default=None, min_length=1, max_length=128)
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=256)
     # vLLM's extras not implemented: refused unless they ask for what is done anyway.
     priority: Any = None
     embed_dtype: Any = None
     endianness: Any = None
+    mm_processor_kwargs: Any = None
 
     def num_inputs(self) -> int:
         if self.input is None or isinstance(self.input, str) or not self.input or isinstance(self.input[0], int):
@@ -77,7 +82,8 @@ class EmbeddingRequest(CheckedRequest, ChatTemplateOptions):
         if (self.input is None) == (self.messages is None):
             raise bad_request("give exactly one of 'input' and 'messages'", param="input")
         self.check_template_options(self.messages)
-        self.refuse_unless_nothing({"priority": 0, "embed_dtype": "float32"}, "embeddings run at priority 0, as float32")
+        self.refuse_unless_nothing({"priority": 0, "embed_dtype": "float32", "mm_processor_kwargs": None},
+                                   "embeddings run text only, at priority 0, as float32")
         if self.endianness not in (None, "native", "little"):
             raise bad_request("endianness is not supported (base64 embeddings are little-endian)", param="endianness")
         if None not in (self.use_activation, self.normalize) and self.use_activation != self.normalize:
@@ -137,8 +143,9 @@ async def create_embedding(
             param = "messages" if request.messages is not None else "input" if len(prompts) == 1 else f"input.{i}"
             raise bad_request(f"{param} has {len(prompt)} tokens; the model's context ({max_model_len}) holds at most "
                               f"{max_model_len - 1} for an embedding", param=param)
-    response_id = new_request_id("embd")
-    work = asyncio.ensure_future(_pool_all(state, response_id, prompts, cache_salt, state.lora_name(request.model)))
+    response_id, engine_id = response_ids("embd", request.request_id)
+    salt = with_request_salt(cache_salt, request.cache_salt)
+    work = asyncio.ensure_future(_pool_all(state, engine_id, prompts, salt, state.lora_name(request.model)))
     gone = asyncio.ensure_future(wait_disconnect())
     try:
         await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -176,7 +183,7 @@ async def response_body(head: dict[str, Any], hidden_states: list[bytes], usage:
     return b"".join(parts)
 
 
-async def _pool_all(state: RouterState, response_id: str, prompts: list[list[int]], cache_salt: str | None,
+async def _pool_all(state: RouterState, engine_id: str, prompts: list[list[int]], cache_salt: str | None,
                     lora_name: str | None) -> list[bytes]:
     """Every prompt's pooled hidden state, in order: each sent when admission lets it, all running at once."""
     lane = state.admission.enter(CLIENT_KEY.get() or "-", [len(prompt) for prompt in prompts])
@@ -185,7 +192,7 @@ async def _pool_all(state: RouterState, response_id: str, prompts: list[list[int
         for i, prompt in enumerate(prompts):
             slot = await lane.next_slot()
             request = GenerateRequest(
-                request_id=f"{response_id}-{i}", prompt_token_ids=prompt, sampling_params=POOLING_PARAMS,
+                request_id=f"{engine_id}-{i}", prompt_token_ids=prompt, sampling_params=POOLING_PARAMS,
                 reply_to=state.dispatcher.client.reply_address, cache_salt=cache_salt, arrival_time=time.time(),
                 lora_name=lora_name, pooling="last",
             )

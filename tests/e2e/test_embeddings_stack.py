@@ -93,8 +93,9 @@ def test_a_conversation_embeds_as_its_rendered_chat_template(stack, client):  # 
 def test_vllms_use_activation_false_gives_the_hidden_state_as_it_is(stack) -> None:  # type: ignore[no-untyped-def]
     ids = _ids(TEXTS[2])
     for field in ("use_activation", "normalize"):  # vLLM's name for it, and its name before
-        response = httpx.post(stack.url + "/v1/embeddings", json={"model": MODEL, "input": TEXTS[2], field: False},
-                              timeout=60)
+        response = httpx.post(stack.url + "/v1/embeddings", timeout=60,
+                              json={"model": MODEL, "input": TEXTS[2], field: False, "request_id": f"raw-{field}"})
+        assert response.json()["id"] == f"embd-raw-{field}"  # vLLM's request_id names the response
         raw = np.asarray(response.json()["data"][0]["embedding"])
         np.testing.assert_allclose(raw / np.linalg.norm(raw), expected(ids), rtol=1e-4, atol=1e-5)
         assert abs(np.linalg.norm(raw) - 1.0) > 0.1  # not normalized
@@ -111,6 +112,7 @@ def test_vllms_use_activation_false_gives_the_hidden_state_as_it_is(stack) -> No
     ({"input": "hello", "priority": 1}, "priority"),
     ({"input": "hello", "embed_dtype": "float16"}, "embed_dtype"),
     ({"input": "hello", "endianness": "big"}, "endianness"),
+    ({"input": "hello", "mm_processor_kwargs": {"x": 1}}, "mm_processor_kwargs"),
 ])
 def test_what_is_not_served_is_refused_by_name(stack, body: dict, param: str) -> None:  # type: ignore[no-untyped-def,type-arg]
     response = httpx.post(stack.url + "/v1/embeddings", json={"model": MODEL, **body}, timeout=60)

@@ -202,7 +202,8 @@ async def _pool_all(state: RouterState, engine_id: str, prompts: list[list[int]]
                 slot.release()
                 raise
             state.metrics.prompt_tokens.inc(len(prompt))
-            running.append(asyncio.ensure_future(_pooled(engine_request, slot.release)))
+            state.metrics.request_prompt_tokens.observe(len(prompt))
+            running.append(asyncio.ensure_future(_pooled(state, engine_request, slot.release)))
         return list(await asyncio.gather(*running))
     finally:
         lane.close()
@@ -210,10 +211,16 @@ async def _pool_all(state: RouterState, engine_id: str, prompts: list[list[int]]
             task.cancel()  # after a failure, the others' engine work is aborted (a no-op for those done)
 
 
-async def _pooled(engine_request: EngineRequest, release: Any) -> bytes:
+async def _pooled(state: RouterState, engine_request: EngineRequest, release: Any) -> bytes:
+    """One input's pooled hidden state, counted as a generation's end is (latency, success, cached tokens)."""
+    sent = time.monotonic()
     try:
         async for output in engine_request.outputs():
             if output.embedding is not None:
+                metrics = state.metrics
+                metrics.e2e_latency.observe(time.monotonic() - sent)
+                metrics.request_success.labels(finished_reason="stop").inc()
+                metrics.cached_prompt_tokens.inc(output.num_cached_tokens)
                 return output.embedding
         raise EngineRequestError(f"engine {engine_request.holders[-1].instance_id} finished an embedding without it")
     finally:

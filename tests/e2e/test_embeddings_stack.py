@@ -47,8 +47,19 @@ def _ids(text: str) -> tuple[int, ...]:
     return tuple(tokenizer()(text).input_ids)
 
 
+def _router_metrics(stack) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """The router's Prometheus samples, summed over labels, by metric name."""
+    values: dict[str, float] = {}
+    for line in httpx.get(stack.url + "/metrics", timeout=5).text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            values[key.split("{", 1)[0]] = values.get(key.split("{", 1)[0], 0.0) + float(value)
+    return values
+
+
 def test_embeddings_are_transformers_last_hidden_state_normalized(stack, client):  # type: ignore[no-untyped-def]
     prefill_before, decode_before = stack.metrics("prefill-a"), stack.metrics("decode-a")
+    router_before = _router_metrics(stack)
     got = client.embeddings.create(model=MODEL, input=TEXTS)  # the client asks for base64 and decodes it
     assert [d.index for d in got.data] == [0, 1, 2] and got.model == MODEL
     for text, item in zip(TEXTS, got.data, strict=True):
@@ -58,6 +69,10 @@ def test_embeddings_are_transformers_last_hidden_state_normalized(stack, client)
     key = "pdserve:prefix_cache_queries_total"
     assert stack.metrics("prefill-a")[key] - prefill_before[key] >= got.usage.prompt_tokens
     assert stack.metrics("decode-a").get(key, 0.0) == decode_before.get(key, 0.0)
+    # The router counts each input as a finished request, as it counts a generation's end.
+    router_after = _router_metrics(stack)
+    for name in ("pdserve:request_success_total", "pdserve:e2e_request_latency_seconds_count"):
+        assert router_after[name] - router_before.get(name, 0.0) == len(TEXTS), name
     # Floats, and token ids as input, give the same.
     floats = client.embeddings.create(model=MODEL, input=[list(_ids(TEXTS[1]))], encoding_format="float")
     np.testing.assert_allclose(floats.data[0].embedding, got.data[1].embedding, rtol=1e-6, atol=1e-7)

@@ -94,7 +94,7 @@ class RouterConfig:
     # sentence-transformers config, else the last token, normalized.
     pooling: PoolingConfig = field(default_factory=PoolingConfig)
     # The model's architecture where its checkpoint is a base model without an output head (an embedding
-    # model, ``common.model.arch.headless_architecture``): it serves /v1/embeddings only.
+    # model, ``common.model.loader.headless_architecture``): it serves /v1/embeddings only.
     headless_architecture: str | None = None
 
     def __post_init__(self) -> None:

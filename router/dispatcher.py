@@ -491,11 +491,16 @@ class Dispatcher:
                 "no prefill instance reachable; running %s on a decode instance", request.request_id
             )
         request.decode_target = None
-        for candidate in ranked_decodes:
+        return [await self._send_whole(request, ranked_decodes, "direct")]
+
+    async def _send_whole(self, request: GenerateRequest, candidates: list[InstanceInfo], path: str) -> InstanceInfo:
+        """Send a request that runs whole where it goes to the first of ``candidates`` that takes it (those
+        unreachable marked so); a 503 when none does."""
+        for candidate in candidates:
             if await self.client.send(candidate.control_address, request):
-                self.metrics.routed.labels(path="direct").inc()
-                return [candidate]
-            pool.mark_unavailable(candidate.instance_id)
+                self.metrics.routed.labels(path=path).inc()
+                return candidate
+            self.pool.mark_unavailable(candidate.instance_id)
         raise APIError(503, "no engine instance is reachable", code="no_instances")
 
     async def _route_pooling(self, request: GenerateRequest) -> list[InstanceInfo]:
@@ -516,9 +521,4 @@ class Dispatcher:
         if not candidates:
             raise APIError(503, "no engine instance is available" + (f" serving LoRA adapter '{lora}'" if lora else ""),
                            code="no_instances")
-        for candidate in candidates:
-            if await self.client.send(candidate.control_address, request):
-                self.metrics.routed.labels(path="pooling").inc()
-                return [candidate]
-            pool.mark_unavailable(candidate.instance_id)
-        raise APIError(503, "no engine instance is reachable", code="no_instances")
+        return [await self._send_whole(request, candidates, "pooling")]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import json
-import logging
 import pathlib
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +23,6 @@ from typing import Any
 import numpy as np
 
 from router.errors import bad_request
-
-logger = logging.getLogger(__name__)
 
 # sentence-transformers' ``Pooling`` flags, by the mode each names.
 _MODE_FLAGS = {

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from common.engine.host_tensors import long_tensors
 from common.model.arch import ModelArch, rope_parameters
 from common.model.llama import AttentionMetadata, RMSNorm, _sharded
 from common.model.parallel import TensorParallel
@@ -151,12 +152,12 @@ class MLAttention(nn.Module):
         for s in expanded:
             rows = slice(starts[s], starts[s + 1])
             out[rows] = self._expanded(q_nope[rows], q_pe[rows], w_kv, kv_layer, meta.block_tables[s], lens[s])
-        rest = [s for s in range(len(lens)) if s not in expanded and starts[s + 1] > starts[s]]
+        taken = set(expanded)
+        rest = [s for s in range(len(lens)) if s not in taken and starts[s + 1] > starts[s]]
         if rest:
-            dev = q_nope.device
-            rows_t = _index([r for s in rest for r in range(starts[s], starts[s + 1])], dev)
-            seqs = _index(rest, dev)
-            chunk_starts = _index([0, *itertools.accumulate(starts[s + 1] - starts[s] for s in rest)], dev)
+            rows_t, seqs, chunk_starts = long_tensors(
+                [[r for s in rest for r in range(starts[s], starts[s + 1])], rest,
+                 [0, *itertools.accumulate(starts[s + 1] - starts[s] for s in rest)]], q_nope.device)
             out[rows_t] = self._absorbed(q_nope[rows_t], q_pe[rows_t], w_kv, kv_layer, meta.block_tables[seqs],
                                          meta.context_lens[seqs], chunk_starts)
         return out
@@ -200,8 +201,3 @@ class MLAttention(nn.Module):
 # Prefill chunks may run expanded (``MLAttention.expands``); off, every chunk runs absorbed (a benchmark's baseline).
 EXPANDED_PREFILL = True
 
-
-def _index(values: list[int], device: torch.device) -> Tensor:
-    """Row indices on ``device`` without waiting for the work queued there (pinned memory, an asynchronous copy)."""
-    host = torch.tensor(values, dtype=torch.long)
-    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)

@@ -105,10 +105,10 @@ _RENAMES["stablelm"] = ((r"\.self_attn\.q_layernorm\.norms\.", ".self_attn.q_nor
                         (r"\.self_attn\.k_layernorm\.norms\.", ".self_attn.k_norm.heads."))
 # VaultGemma: Gemma 2's layer without the norms after each block; its norm before the MLP under Gemma 2's name.
 _RENAMES["vaultgemma"] = ((r"\.pre_feedforward_layernorm\.", ".post_attention_layernorm."),)
-# An image-text checkpoint (``IMAGE_TEXT_TYPES``): its language model's weights under a prefix of their own,
-# renamed to a causal LM's; the vision tower's and the projector's, which text alone never reaches, unloaded.
 # Families whose causal LM holds its base model under a name of its own (not ``model.``).
 _OWN_PREFIX_TYPES = ("gpt_neox", "falcon")
+# An image-text checkpoint (``IMAGE_TEXT_TYPES``): its language model's weights under a prefix of their own,
+# renamed to a causal LM's; the vision tower's and the projector's, which text alone never reaches, unloaded.
 _LANGUAGE_MODEL_NAMES = ((r"^language_model\.model\.", "model."), (r"^language_model\.lm_head\.", "lm_head."),
                          (r"^model\.language_model\.", "model."))
 _VISION_NAMES = re.compile(r"^(model\.)?(vision_tower|vision_model|multi_modal_projector|visual)\.")
@@ -164,6 +164,9 @@ def load_model(
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
     image_text = json.loads((path / "config.json").read_text()).get("model_type") in IMAGE_TEXT_TYPES
+    if model.headless is not None and (model.arch.model_type in _OWN_PREFIX_TYPES or image_text):
+        raise ValueError(f"checkpoint {model.headless}: a base model without its output head is served for "
+                         f"families whose causal LM holds it under 'model.' only, not {model.arch.model_type}")
     state: dict[str, torch.Tensor] = {}
     with contextlib.ExitStack() as stack:
         opened = [stack.enter_context(safe_open(str(file), framework="pt", device="cpu")) for file in files]
@@ -218,10 +221,7 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
         for name in [n for n in state if _VISION_NAMES.match(n)]:
             del state[name]
         _rename(state, _LANGUAGE_MODEL_NAMES)
-    if model.headless is not None:  # a base model's names lack the causal LM's prefix
-        if model.arch.model_type in _OWN_PREFIX_TYPES or image_text:
-            raise ValueError(f"checkpoint {model.headless}: a base model without its output head is served for "
-                             f"families whose causal LM holds it under 'model.' only, not {model.arch.model_type}")
+    if model.headless is not None:  # a base model's names lack the causal LM's prefix (``load_model`` checked it)
         for name in [n for n in state if not n.startswith("model.")]:
             state["model." + name] = state.pop(name)
     if model.tie_word_embeddings:

@@ -6,7 +6,7 @@ types and the size limits below before anything is built from it. No pickle, no 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
@@ -34,6 +34,8 @@ MAX_BATCH_OUTPUTS = 1 << 16
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
 TokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
 FinishReason = Literal["stop", "length", "abort", "error"]
+PoolingKind = Literal["last", "classify"]
+POOLING_KINDS: tuple[str, ...] = get_args(PoolingKind)
 
 
 class DecodeTarget(msgspec.Struct, frozen=True):
@@ -62,9 +64,10 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     output_token_ids: TokenIds = msgspec.field(default_factory=list)
     # The LoRA adapter to run it with (a name of the engines' ``--lora-modules``); None: the base model.
     lora_name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)] | None = None
-    # An embedding (``POST /v1/embeddings``): the prompt's final hidden state at the pooled position
-    # ("last": its last token) comes back in ``RequestOutput.embedding`` instead of a token.
-    pooling: Literal["last"] | None = None
+    # A pooling request, answered in ``RequestOutput.embedding`` instead of a token: the prompt's final
+    # hidden state at its last token ("last": ``POST /v1/embeddings``), or a sequence classifier's logits of
+    # it ("classify": ``/classify``, ``/score``, ``/rerank``).
+    pooling: PoolingKind | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort", kw_only=True):
@@ -164,7 +167,8 @@ class RequestOutput(msgspec.Struct, tag="output", kw_only=True):
     # is full, or it is draining; nothing was started, the router sends it again later (or
     # elsewhere), not a migration.
     overloaded: bool = False
-    # A pooling request's end (``GenerateRequest.pooling``): the pooled hidden state, float32 little-endian.
+    # A pooling request's end (``GenerateRequest.pooling``): the pooled hidden state, or a classifier's
+    # logits, float32 little-endian.
     embedding: Annotated[bytes, msgspec.Meta(max_length=MAX_EMBEDDING_BYTES)] | None = None
 
 

@@ -52,6 +52,14 @@ from router.serving_responses import (
     retrieve_response,
     stream_response,
 )
+from router.serving_scores import (
+    ClassificationResponse,
+    RerankResponse,
+    ScoreResponse,
+    create_classification,
+    create_rerank,
+    create_score,
+)
 from router.serving_tokenize import install_tokenize_routes
 from router.state import RouterState
 
@@ -172,8 +180,9 @@ def create_app(state: RouterState) -> FastAPI:
         cache_salt = state.api_keys.check(request.headers.get("authorization"))
         headless = state.config.headless_architecture
         if generates and headless is not None:
-            raise APIError(400, f"the model's checkpoint ({headless}) has no output head: it serves /v1/embeddings "
-                           "only", param="model", code="model_not_supported")
+            raise APIError(400, f"the model's checkpoint ({headless}) has no language-model output head: it "
+                           "serves /v1/embeddings, /classify, /score and /rerank only", param="model",
+                           code="model_not_supported")
         # Fair admission shares the engines per API key, else per client address.
         CLIENT_KEY.set(cache_salt or (request.client.host if request.client else "-"))
         state.admit()
@@ -214,6 +223,23 @@ def create_app(state: RouterState) -> FastAPI:
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=error_responses())
     async def embeddings(request: Request) -> Response:
         return await generate(request, create_embedding, generates=False)
+
+    # vLLM's pooling endpoints beside it: a sequence classifier's labels, pairs' scores, documents ranked.
+    @app.post("/classify", response_model=ClassificationResponse, responses=error_responses())
+    @app.post("/v1/classify", response_model=ClassificationResponse, responses=error_responses())
+    async def classify(request: Request) -> Response:
+        return await generate(request, create_classification, generates=False)
+
+    @app.post("/score", response_model=ScoreResponse, responses=error_responses())
+    @app.post("/v1/score", response_model=ScoreResponse, responses=error_responses())
+    async def score(request: Request) -> Response:
+        return await generate(request, create_score, generates=False)
+
+    @app.post("/rerank", response_model=RerankResponse, responses=error_responses())
+    @app.post("/v1/rerank", response_model=RerankResponse, responses=error_responses())
+    @app.post("/v2/rerank", response_model=RerankResponse, responses=error_responses())
+    async def rerank(request: Request) -> Response:
+        return await generate(request, create_rerank, generates=False)
 
     app.direct_routes = {
         "/v1/completions": completions, "/v1/chat/completions": chat_completions, "/v1/responses": responses,

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from common.model.loader import classifier_architecture, num_labels
 from router.errors import bad_request
 
 # sentence-transformers' ``Pooling`` flags, by the mode each names.
@@ -35,6 +36,70 @@ _MODE_FLAGS = {
 }
 
 
+# A cross-encoder's activation as sentence-transformers names it in the model's config.json, by what it is.
+_SCORE_ACTIVATIONS = {
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.modules.activation.Sigmoid": "classify",
+    "torch.nn.modules.activation.Softmax": "classify",
+}
+
+
+@dataclass(frozen=True)
+class ClassifierConfig:
+    """A sequence classifier's labels and activations, from its ``config.json`` (``/classify``, ``/score``,
+    ``/rerank``). ``activation`` (for ``/classify``) follows transformers' loss for the config's
+    ``problem_type``, as vLLM does: "identity" for regression, "sigmoid" for multi-label, else a softmax
+    over two labels or more and a sigmoid of one. ``score_activation`` (for ``/score`` and ``/rerank``): the
+    cross-encoder's own from sentence-transformers' config, else the same rule; any other is kept by name
+    and refused on request."""
+
+    architecture: str
+    labels: tuple[str, ...]
+    activation: str
+    score_activation: str
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ClassifierConfig | None:
+        architecture = classifier_architecture(config)
+        if architecture is None:
+            return None
+        count = num_labels(config)
+        id2label = config.get("id2label")
+        names = {str(k): str(v) for k, v in id2label.items()} if isinstance(id2label, dict) else {}
+        labels = tuple(names.get(str(i), f"LABEL_{i}") for i in range(count))  # transformers' default names
+        classify = "softmax" if count > 1 else "sigmoid"
+        problem = config.get("problem_type")
+        activation = {"regression": "identity", "multi_label_classification": "sigmoid"}.get(str(problem), classify)
+        st_config = config.get("sentence_transformers")
+        named = st_config.get("activation_fn") if isinstance(st_config, dict) else None
+        named = named or config.get("sbert_ce_default_activation_function")
+        score = classify if named is None else _SCORE_ACTIVATIONS.get(str(named), str(named))
+        return cls(architecture, labels, activation, classify if score == "classify" else score)
+
+    def outputs(self, logits: bytes, activation: str) -> np.ndarray:
+        """The classifier's logits (float32 bytes) through ``activation`` (``identity`` for none), as float64."""
+        values = np.frombuffer(logits, dtype="<f4").astype(np.float64)
+        if len(values) != len(self.labels):
+            raise ValueError(f"a classifier's output of {len(values)} logits for {len(self.labels)} labels")
+        if activation == "sigmoid":
+            return 1.0 / (1.0 + np.exp(-values))
+        if activation == "softmax":
+            exp = np.exp(values - values.max())
+            return exp / exp.sum()
+        assert activation == "identity", activation  # ``check_score`` refused any other
+        return values
+
+    def check_score(self) -> None:
+        """A 400 unless the model scores a pair: one label (a cross-encoder's, a reranker's or a reward model's),
+        and an activation implemented."""
+        if len(self.labels) != 1:
+            raise bad_request(f"the model ({self.architecture}) has {len(self.labels)} labels: a score needs a "
+                              "classifier of one (num_labels 1); /classify gives each label's", param="model")
+        if self.score_activation not in ("sigmoid", "softmax", "identity"):
+            raise bad_request(f"the model's activation {self.score_activation!r} (its sentence-transformers "
+                              "config) is not implemented: Identity, Sigmoid and Softmax are", param="model")
+
+
 @dataclass(frozen=True)
 class PoolingConfig:
     """The model's pooling (``mode``: sentence-transformers' name, ``lasttoken`` being the one served),
@@ -44,13 +109,19 @@ class PoolingConfig:
     mode: str = "lasttoken"
     normalize: bool = True
     matryoshka: tuple[int, ...] | None = None
+    # A sequence classifier's (``...ForSequenceClassification``), None for any other checkpoint.
+    classifier: ClassifierConfig | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: pathlib.Path) -> PoolingConfig:
-        matryoshka = _matryoshka(model_dir / "config.json")
+        config_file = model_dir / "config.json"
+        config = _read_json(config_file) if config_file.is_file() else {}
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_file}: expected an object")
+        matryoshka, classifier = _matryoshka(config), ClassifierConfig.from_config(config)
         modules_file = model_dir / "modules.json"
         if not modules_file.is_file():
-            return cls(matryoshka=matryoshka)
+            return cls(matryoshka=matryoshka, classifier=classifier)
         modules = _read_json(modules_file)
         if not isinstance(modules, list):
             raise ValueError(f"{modules_file}: expected a list of modules")
@@ -63,7 +134,7 @@ class PoolingConfig:
                 mode = "+".join(chosen) or "none"
             elif kind.endswith(".Normalize"):
                 normalize = True
-        return cls(mode=mode, normalize=normalize, matryoshka=matryoshka)
+        return cls(mode=mode, normalize=normalize, matryoshka=matryoshka, classifier=classifier)
 
     def check(self, dimensions: int | None) -> None:
         """A 400 for a request this model's pooling cannot answer (``dimensions`` past the hidden size: ``embed``)."""
@@ -105,10 +176,7 @@ def encode_embedding(vector: np.ndarray, encoding_format: str) -> list[float] | 
     return [float(x) for x in vector.tolist()]
 
 
-def _matryoshka(config_file: pathlib.Path) -> tuple[int, ...] | None:
-    if not config_file.is_file():
-        return None
-    config = _read_json(config_file)
+def _matryoshka(config: dict[str, Any]) -> tuple[int, ...] | None:
     dims = config.get("matryoshka_dimensions")
     if isinstance(dims, list) and dims and all(isinstance(d, int) and d > 0 for d in dims):
         return tuple(dims)

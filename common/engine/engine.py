@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
-import torch
 from torch import Tensor
 
 from common.config import EngineConfig
@@ -35,7 +34,13 @@ from common.kvcache.kv_cache_manager import KVCacheManager
 from common.lora_modules import LoRAModule
 from common.model.loader import headless_architecture
 from common.model.lora import LoRAManager
-from common.protocol import MAX_PROMPT_LOGPROB_ENTRIES, PositionLogprobs, PromptLogprob, choice_request_id
+from common.protocol import (
+    MAX_PROMPT_LOGPROB_ENTRIES,
+    POOLING_KINDS,
+    PositionLogprobs,
+    PromptLogprob,
+    choice_request_id,
+)
 from common.sampling_params import SamplingParams
 
 
@@ -262,12 +267,17 @@ class LLMEngine:
 
         ``output_token_ids``: tokens the request already produced on a lost instance; it resumes
         after them (see ``GenerateRequest.output_token_ids``). ``lora_name``: the LoRA adapter to
-        run it with (one of ``--lora-modules``), None for the base model. ``pooling`` ("last"): an
-        embedding, its prompt's last hidden state in ``EngineOutput.embedding`` and no token."""
+        run it with (one of ``--lora-modules``), None for the base model. ``pooling``: no token, but in
+        ``EngineOutput.embedding`` the prompt's last hidden state ("last": an embedding) or a sequence
+        classifier's logits of it ("classify")."""
         if pooling is not None:
             _check_pooling(pooling, params, kv_transfer, output_token_ids)
+            if pooling == "classify" and self.runner.model.score is None:
+                raise ValueError(f"pooling 'classify': the model ({self.headless or 'a causal LM'}) has no "
+                                 "classification head (only a ...ForSequenceClassification checkpoint has)")
         elif self.headless is not None:
-            raise ValueError(f"the model ({self.headless}, saved without its output head) serves embeddings only")
+            raise ValueError(f"the model ({self.headless}, without a language-model output head) serves pooling "
+                             "requests only")
         self.validate(prompt_token_ids, params, output_token_ids)
         lora_slot = self.lora_slot(lora_name)
         if params.n != 1 and output_token_ids:
@@ -534,9 +544,8 @@ class LLMEngine:
                 continue
             rows.append(row)
             reqs.append(req)
-            if req.pooling is not None:  # its hidden state, copied before the step samples: ready with its token
-                assert self.runner.sampled_hidden is not None
-                req.pooled = to_host(self.runner.sampled_hidden[row].to(torch.float32, copy=True))
+            if req.pooling is not None:  # copied before the step samples: ready with its token
+                req.pooled = to_host(self.runner.pooled(row, req.pooling))
             if req.sampling_params.n > 1 and not req.forked:
                 req.forked = True
                 for i in range(1, req.sampling_params.n):
@@ -814,8 +823,9 @@ class LLMEngine:
 def _check_pooling(pooling: str, params: SamplingParams, kv_transfer: bool, output_token_ids: list[int] | None) -> None:
     """A pooling request is a prompt's forward whose one sampled token is dropped: refuse what would
     ask for more (``ValueError`` naming it)."""
-    if pooling != "last":
-        raise ValueError(f"pooling {pooling!r} is not implemented (only 'last': the last token's hidden state)")
+    if pooling not in POOLING_KINDS:
+        raise ValueError(f"pooling {pooling!r} is not implemented (only 'last': the last token's hidden state, "
+                         "and 'classify': a sequence classifier's logits of it)")
     if kv_transfer or output_token_ids:
         raise ValueError("a pooling request runs whole, in one attempt: no KV transfer, no output tokens")
     if params.n != 1 or params.max_tokens != 1 or params.logprobs is not None or params.prompt_logprobs is not None:

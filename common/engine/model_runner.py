@@ -386,6 +386,16 @@ class ModelRunner:
         logits: Tensor = self.model.compute_logits(hidden)
         return logits
 
+    def pooled(self, row: int, pooling: str) -> Tensor:
+        """A pooling request's answer from the last step's sampled row ``row`` (float32, on the device): its
+        final hidden state ("last"), or the sequence classifier's logits of it ("classify")."""
+        assert self.sampled_hidden is not None
+        hidden = self.sampled_hidden[row]
+        if pooling == "classify":
+            with torch.inference_mode():
+                return self.model.classify(hidden[None])[0]
+        return hidden.to(torch.float32, copy=True)
+
     def _forward(self, inputs: BatchInputs, input_ids: Tensor, on_device: list[Tensor], replay: bool,
                  lora_select: Tensor | None) -> Tensor:
         """The hidden states of a step whose inputs are on the device (``on_device``: positions, slot

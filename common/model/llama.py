@@ -41,7 +41,7 @@ from common.model.arch import (
     ModelArch,
     rope_parameters,
 )
-from common.model.loader import headless_architecture
+from common.model.loader import classifier_architecture, headless_architecture, num_labels
 from common.model.parallel import SINGLE, TensorParallel
 from pdserve_kernels import reference
 from pdserve_kernels.reference import NORM_LLAMA
@@ -579,11 +579,17 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp or SINGLE
         self.arch.check_tensor_parallel(config, self.tp.size)
         self.model = LlamaBackbone(config, self.arch, kernels, tp)
-        # A base model saved without its output head (``headless_architecture``: an embedding model) has none:
-        # it serves embeddings only (``compute_logits`` gives zeros for the token a pooling request drops).
+        # A base model saved without its output head (``headless_architecture``: an embedding model) has none,
+        # nor has a sequence classifier: they serve pooling requests only (``compute_logits`` gives zeros for
+        # the token a pooling request drops). A classifier's ``score`` maps the last token's hidden state to
+        # its labels' logits, without a bias, as transformers' ``...ForSequenceClassification``.
         self.headless = headless_architecture(config)
+        self.classifier = classifier_architecture(config)
         self.vocab_size = int(config.vocab_size)
         self.lm_head: nn.Linear | None = None
+        self.score: nn.Linear | None = None
+        if self.classifier is not None:
+            self.score = nn.Linear(config.hidden_size, num_labels(config), bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)) and self.headless is None
         if self.headless is None:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=self.arch.lm_head_bias)
@@ -660,6 +666,19 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, ropes[self.layer_rope_kinds[i]], meta, kv_cache[i], q_scale)
         return self.model.norm.add(x, residual)[0]
+
+    @property
+    def base_model_only(self) -> bool:
+        """A base model saved alone (no head at all): its weights' names lack the causal LM's ``model.``."""
+        return self.headless is not None and self.classifier is None
+
+    def classify(self, hidden: Tensor) -> Tensor:
+        """A sequence classifier's logits of final hidden states (``[rows, num_labels]``, float32): the
+        ``score`` projection in the weights' dtype, as transformers computes it."""
+        if self.score is None:
+            raise ValueError(f"the model ({self.headless or 'a causal LM'}) has no classification head: only a "
+                             "...ForSequenceClassification checkpoint classifies")
+        return self.score(hidden).float()
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         if self.lm_head is None:  # headless: only pooling requests run, and drop their token

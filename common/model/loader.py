@@ -250,13 +250,40 @@ def served_model_name(path: Path) -> str:
     return path.name
 
 
-def headless_architecture(config: Any) -> str | None:
-    """The checkpoint's architecture where it is a base model saved without its output head (an embedding
-    model: ``Qwen3Model``, ``MistralModel``, whose weights lack the causal LM's ``model.`` prefix and
-    ``lm_head``), None for a causal LM (``...ForCausalLM``, ``...LMHeadModel``, an image-text model's class).
-    ``config``: transformers' config, or ``config.json``'s dict."""
+def _architectures(config: Any) -> list[str]:
     found = config.get("architectures") if isinstance(config, dict) else getattr(config, "architectures", None)
-    names = [str(a) for a in found or []]
+    return [str(a) for a in found or []]
+
+
+def headless_architecture(config: Any) -> str | None:
+    """The checkpoint's architecture where it has no language-model output head: a base model saved alone
+    (an embedding model: ``Qwen3Model``, ``MistralModel``, whose weights lack the causal LM's ``model.``
+    prefix and ``lm_head``) or a sequence classifier (``classifier_architecture``); None for a causal LM
+    (``...ForCausalLM``, ``...LMHeadModel``, an image-text model's class). ``config``: transformers' config,
+    or ``config.json``'s dict."""
+    names = _architectures(config)
     if names and all(a.endswith("Model") and not a.endswith("LMHeadModel") for a in names):
         return names[0]
+    return classifier_architecture(config)
+
+
+def classifier_architecture(config: Any) -> str | None:
+    """The checkpoint's architecture where it is a sequence classifier (``LlamaForSequenceClassification``,
+    ``Qwen3ForSequenceClassification``...: reward models, rerankers, classifiers): the causal LM's base model
+    under its own name, and a ``score`` projection from the last token's hidden state to ``num_labels``
+    logits in place of the output head. None otherwise."""
+    names = _architectures(config)
+    if names and all(a.endswith("ForSequenceClassification") for a in names):
+        return names[0]
     return None
+
+
+def num_labels(config: Any) -> int:
+    """A classifier's number of labels as transformers counts them: ``id2label``'s entries, else
+    ``num_labels``, else 2 (its default). ``config``: transformers' config, a namespace or a dict."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    labels = get("id2label")
+    if isinstance(labels, dict) and labels:
+        return len(labels)
+    count = get("num_labels")
+    return int(count) if isinstance(count, int) and count > 0 else 2

@@ -164,7 +164,10 @@ def load_model(
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
     image_text = json.loads((path / "config.json").read_text()).get("model_type") in IMAGE_TEXT_TYPES
-    if model.headless is not None and (model.arch.model_type in _OWN_PREFIX_TYPES or image_text):
+    if model.classifier is not None and image_text:
+        raise ValueError(f"checkpoint {model.classifier}: a sequence classifier of an image-text model is not "
+                         "implemented")
+    if model.base_model_only and (model.arch.model_type in _OWN_PREFIX_TYPES or image_text):
         raise ValueError(f"checkpoint {model.headless}: a base model without its output head is served for "
                          f"families whose causal LM holds it under 'model.' only, not {model.arch.model_type}")
     state: dict[str, torch.Tensor] = {}
@@ -221,7 +224,7 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
         for name in [n for n in state if _VISION_NAMES.match(n)]:
             del state[name]
         _rename(state, _LANGUAGE_MODEL_NAMES)
-    if model.headless is not None:  # a base model's names lack the causal LM's prefix (``load_model`` checked it)
+    if model.base_model_only:  # a base model's names lack the causal LM's prefix (``load_model`` checked it)
         for name in [n for n in state if not n.startswith("model.")]:
             state["model." + name] = state.pop(name)
     if model.tie_word_embeddings:

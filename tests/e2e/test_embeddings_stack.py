@@ -116,6 +116,25 @@ def test_vllms_use_activation_false_gives_the_hidden_state_as_it_is(stack) -> No
         assert abs(np.linalg.norm(raw) - 1.0) > 0.1  # not normalized
 
 
+def test_score_and_rerank_of_a_model_without_a_classifier_are_cosine_similarities(stack) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's scoring with an embedding model: each pair's score is the cosine similarity of the two texts'
+    embeddings (each distinct text embedded once); /rerank orders the documents by it; /classify needs a
+    classification head."""
+    query, documents = TEXTS[2], [TEXTS[0], TEXTS[1], TEXTS[2]]
+    cosine = [float(expected(_ids(query)) @ expected(_ids(d))) for d in documents]
+    response = httpx.post(stack.url + "/score", json={"model": MODEL, "text_1": query, "text_2": documents}, timeout=60)
+    assert response.status_code == 200, response.text
+    np.testing.assert_allclose([d["score"] for d in response.json()["data"]], cosine, rtol=1e-4, atol=1e-5)
+    assert response.json()["data"][2]["score"] == pytest.approx(1.0, abs=1e-5)  # a text against itself
+    # The query is one of the documents: embedded once, its tokens counted once.
+    assert response.json()["usage"]["prompt_tokens"] == len(_ids(TEXTS[0])) + len(_ids(TEXTS[1])) + len(_ids(query))
+    ranked = httpx.post(stack.url + "/v1/rerank", json={"model": MODEL, "query": query, "documents": documents},
+                        timeout=60).json()
+    assert [r["index"] for r in ranked["results"]] == sorted(range(3), key=lambda i: -cosine[i])
+    refused = httpx.post(stack.url + "/classify", json={"model": MODEL, "input": query}, timeout=60)
+    assert refused.status_code == 400 and "needs a sequence classifier" in refused.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": "hello", "dimensions": 32}, "dimensions"),
     ({"input": []}, "input"),

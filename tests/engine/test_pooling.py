@@ -114,7 +114,7 @@ def test_a_base_model_without_its_output_head_serves_embeddings_only(tmp_path: P
     engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", num_blocks=16, block_size=8,
                                     max_num_batched_tokens=8))
     prompt = prompt_token_ids(13, seed=3)
-    with pytest.raises(ValueError, match=r"Qwen3Model, saved without its output head\) serves embeddings only"):
+    with pytest.raises(ValueError, match=r"Qwen3Model, without a language-model output head\) serves pooling requests only"):
         engine.add_request("gen", prompt, SamplingParams(max_tokens=4))
     got, _ = _embeddings(engine, {"e": tuple(prompt)})
     with torch.inference_mode():
@@ -124,3 +124,68 @@ def test_a_base_model_without_its_output_head_serves_embeddings_only(tmp_path: P
     with pytest.raises(ValueError, match="not gpt_neox"):
         LLMEngine(EngineConfig(model=str(_base_model_checkpoint(tmp_path / "neox-base", neox)), device="cpu",
                                dtype="float32", num_blocks=16, block_size=8))
+
+
+def _classifier_checkpoint(folder: Path, config) -> Path:  # type: ignore[no-untyped-def]
+    """A sequence classifier saved as transformers saves one (``...ForSequenceClassification``: the causal
+    LM's base model under its own name, ``score`` in place of the output head), random weights."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or ".ln_" in name or name.endswith("bias"):
+                param.add_(0.3 * torch.randn_like(param))
+    model.save_pretrained(str(folder))
+    build_tokenizer(folder)
+    return folder
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_a_sequence_classifier_gives_transformers_logits_of_the_last_token(tmp_path: Path, family: str) -> None:
+    """``LlamaForSequenceClassification`` and ``GPTNeoXForSequenceClassification`` (whose base model keeps its
+    own name, ``gpt_neox.``) with 3 labels: pooling "classify" returns the ``score`` head's logits at the
+    prompt's last token, equal to transformers' (prompts over several chunks of 8, then again from the prefix
+    cache); "last" the hidden state it scored; generation is refused. A causal LM refuses "classify"."""
+    from transformers import AutoModelForSequenceClassification, GPTNeoXConfig, LlamaConfig
+
+    from common.config import EngineConfig
+    from common.engine.engine import LLMEngine
+
+    neox_dims = {k: v for k, v in TINY_DIMS.items() if k not in ("num_key_value_heads", "head_dim")}
+    config = (LlamaConfig(**TINY_DIMS, num_labels=3) if family == "llama"
+              else GPTNeoXConfig(**neox_dims, num_labels=3))
+    folder = _classifier_checkpoint(tmp_path / family, config)
+    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", num_blocks=32, block_size=8,
+                                    max_num_batched_tokens=8))
+    prompts = {f"c{n}": tuple(prompt_token_ids(n, seed=n)) for n in (5, 19, 30)}
+    with pytest.raises(ValueError, match=r"ForSequenceClassification, without a language-model output head\) "
+                                         "serves pooling requests only"):
+        engine.add_request("gen", list(prompts["c5"]), SamplingParams(max_tokens=4))
+    hf = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype=torch.float32).eval()
+    for round_ in ("first", "cached"):
+        for rid, prompt in prompts.items():
+            engine.add_request(f"{round_}-{rid}", list(prompt), POOL, pooling="classify")
+        engine.add_request(f"{round_}-hidden", list(prompts["c19"]), POOL, pooling="last")
+        got: dict[str, np.ndarray] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert out.error is None and out.embedding is not None and out.new_token_ids == []
+                got[out.request_id] = np.frombuffer(out.embedding, dtype="<f4")
+        with torch.inference_mode():
+            for rid, prompt in prompts.items():
+                expected = hf(torch.tensor([prompt])).logits[0]
+                assert got[f"{round_}-{rid}"].shape == (3,)
+                np.testing.assert_allclose(got[f"{round_}-{rid}"], expected.numpy(), rtol=1e-4, atol=1e-5)
+            base = hf.base_model(torch.tensor([prompts["c19"]])).last_hidden_state[0, -1]
+            np.testing.assert_allclose(got[f"{round_}-hidden"], base.numpy(), rtol=1e-4, atol=1e-5)
+    assert engine.stats().prefix_cache_hits > 0
+    assert not np.allclose(got["cached-c5"], got["cached-c30"])
+
+
+def test_a_causal_lm_refuses_classification(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    engine = engine_factory()
+    with pytest.raises(ValueError, match="pooling 'classify': the model \\(a causal LM\\) has no classification head"):
+        engine.add_request("x", list(prompt_ids()[0]), POOL, pooling="classify")
+    assert not engine.has_unfinished_requests()

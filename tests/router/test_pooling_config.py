@@ -100,7 +100,7 @@ def test_a_model_without_an_output_head_is_refused_for_generation_by_name(prompt
                            ("/v1/responses", {"input": "hi"})]:
             response = client.post(path, json={"model": SERVED_MODEL, **body})
             assert response.status_code == 400, response.text
-            assert "(Qwen3Model) has no output head" in response.json()["error"]["message"]
+            assert "(Qwen3Model) has no language-model output head" in response.json()["error"]["message"]
         assert client.post("/v1/embeddings", json={"model": SERVED_MODEL, "input": "hi"}).status_code == 503
 
 
@@ -146,3 +146,83 @@ def test_a_large_response_is_written_an_embedding_at_a_time_handing_the_loop_bac
     response = EmbeddingResponse.model_validate_json(body)
     assert [d.index for d in response.data] == list(range(200)) and response.usage.prompt_tokens == 7
     assert response.data[5].embedding == [5.0] * 4096 and response.model == "m"
+
+
+def _logits(*values: float) -> bytes:
+    return np.array(values, dtype="<f4").tobytes()
+
+
+def test_a_classifier_s_labels_and_activations_are_its_config_s() -> None:
+    """``/classify``'s activation follows transformers' loss for ``problem_type`` (vLLM's rule): a softmax over
+    labels, a sigmoid of one label or of each for multi-label, none for regression; ``/score``'s is the
+    cross-encoder's own from sentence-transformers' config, else the same rule."""
+    from router.pooling import ClassifierConfig
+
+    assert ClassifierConfig.from_config({"architectures": ["LlamaForCausalLM"]}) is None
+    three = ClassifierConfig.from_config({"architectures": ["Qwen2ForSequenceClassification"],
+                                          "id2label": {"0": "neg", "1": "neu", "2": "pos"}})
+    assert three is not None and three.labels == ("neg", "neu", "pos") and three.activation == "softmax"
+    probs = three.outputs(_logits(1.0, 2.0, 3.0), three.activation)
+    np.testing.assert_allclose(probs, np.exp([1.0, 2.0, 3.0]) / np.exp([1.0, 2.0, 3.0]).sum())
+    np.testing.assert_allclose(three.outputs(_logits(1.0, 2.0, 3.0), "identity"), [1.0, 2.0, 3.0])
+    with pytest.raises(APIError, match="has 3 labels: a score needs a classifier of one"):
+        three.check_score()
+    default = ClassifierConfig.from_config({"architectures": ["LlamaForSequenceClassification"]})
+    assert default is not None and default.labels == ("LABEL_0", "LABEL_1")  # transformers' default: 2
+    multi = ClassifierConfig.from_config({"architectures": ["LlamaForSequenceClassification"], "num_labels": 2,
+                                          "problem_type": "multi_label_classification"})
+    assert multi is not None and multi.activation == "sigmoid"
+    np.testing.assert_allclose(multi.outputs(_logits(0.0, 2.0), "sigmoid"), [0.5, 1 / (1 + np.exp(-2.0))])
+    reward = ClassifierConfig.from_config({"architectures": ["LlamaForSequenceClassification"],
+                                           "id2label": {"0": "LABEL_0"}, "problem_type": "regression"})
+    assert reward is not None and reward.activation == "identity" and reward.score_activation == "sigmoid"
+    reward.check_score()
+    np.testing.assert_allclose(reward.outputs(_logits(-1.0), reward.score_activation), [1 / (1 + np.e)])
+    for named, expected in [("torch.nn.modules.linear.Identity", "identity"),
+                            ("torch.nn.modules.activation.Sigmoid", "sigmoid")]:
+        ce = ClassifierConfig.from_config({"architectures": ["Qwen3ForSequenceClassification"], "num_labels": 1,
+                                           "sentence_transformers": {"activation_fn": named}})
+        assert ce is not None and ce.score_activation == expected
+    tanh = ClassifierConfig.from_config({"architectures": ["Qwen3ForSequenceClassification"], "num_labels": 1,
+                                         "sbert_ce_default_activation_function": "torch.nn.modules.activation.Tanh"})
+    assert tanh is not None
+    with pytest.raises(APIError, match="activation 'torch.nn.modules.activation.Tanh'.*is not implemented"):
+        tanh.check_score()
+
+
+def test_the_router_reads_a_classifier_from_the_model_folder(tmp_path: pathlib.Path) -> None:
+    config = PoolingConfig.from_model_dir(_model(tmp_path, config={
+        "model_type": "qwen3", "architectures": ["Qwen3ForSequenceClassification"], "id2label": {"0": "relevant"}}))
+    assert config.classifier is not None and config.classifier.labels == ("relevant",)
+    assert PoolingConfig.from_model_dir(_model(tmp_path / "lm")).classifier is None
+
+
+def test_scoring_requests_are_checked_before_any_engine_is_asked(prompts) -> None:  # type: ignore[no-untyped-def]
+    """Without engines (a valid request would be a 503): each malformed request is a 400 naming its field;
+    /classify on a model without a classification head is a 400 naming that."""
+    from fastapi.testclient import TestClient
+
+    from router.app import create_app
+    from tests.router.router_harness import SERVED_MODEL, make_state
+
+    state = make_state(prompts, redis_url=None)
+    with TestClient(create_app(state)) as client:
+        for path, body, needle in [
+            ("/classify", {"input": "hi"}, "/classify needs a sequence classifier"),
+            ("/score", {"text_1": "a"}, "give exactly one of text_2, documents, items, data_2"),
+            ("/score", {"text_1": "a", "queries": "b", "text_2": "c"}, "give exactly one of text_1, queries, data_1"),
+            ("/v1/score", {"queries": ["a", "b"], "documents": ["c", "d", "e"]}, "queries holds 2 texts and documents 3"),
+            ("/score", {"text_1": "a", "text_2": []}, "text_2 must not be empty"),
+            ("/score", {"text_1": "", "text_2": "b"}, "text_1 must not be empty"),
+            ("/score", {"text_1": "a", "text_2": "b", "use_activation": False}, "cosine similarity"),
+            ("/score", {"text_1": "a", "text_2": "b", "instruction": "x"}, "instruction is not supported"),
+            ("/rerank", {"query": "a", "documents": []}, "documents"),
+            ("/v2/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+            ("/v1/rerank", {"query": "a", "documents": ["b"], "truncate_prompt_tokens": 0}, "must be -1 or positive"),
+        ]:
+            response = client.post(path, json={"model": SERVED_MODEL, **body})
+            assert response.status_code == 400, (path, body, response.text)
+            assert needle in response.json()["error"]["message"], (body, response.text)
+        for path, body in [("/score", {"text_1": "a", "text_2": ["b", "c"]}),
+                           ("/rerank", {"query": "a", "documents": ["b", "c"]})]:
+            assert client.post(path, json={"model": SERVED_MODEL, **body}).status_code == 503  # no engines

@@ -57,6 +57,7 @@ class ClassifierConfig:
     labels: tuple[str, ...]
     activation: str
     score_activation: str
+    pad_token_id: int | None = None
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ClassifierConfig | None:
@@ -74,7 +75,17 @@ class ClassifierConfig:
         named = st_config.get("activation_fn") if isinstance(st_config, dict) else None
         named = named or config.get("sbert_ce_default_activation_function")
         score = classify if named is None else _SCORE_ACTIVATIONS.get(str(named), str(named))
-        return cls(architecture, labels, activation, classify if score == "classify" else score)
+        pad = config.get("pad_token_id")
+        return cls(architecture, labels, activation, classify if score == "classify" else score,
+                   pad if isinstance(pad, int) else None)
+
+    def check_prompts(self, prompts: list[list[int]], param: str) -> None:
+        """A 400 for a prompt ending in the model's pad token: transformers' classifier scores the last token
+        that is not one (taking it for padding), vLLM's the last token; neither answer would be both's."""
+        for i, prompt in enumerate(prompts):
+            if self.pad_token_id is not None and prompt and prompt[-1] == self.pad_token_id:
+                raise bad_request(f"{param} (input {i}) ends with the model's pad token ({self.pad_token_id}), which "
+                                  "transformers' classifier skips as padding: remove it", param=param)
 
     def outputs(self, logits: bytes, activation: str) -> np.ndarray:
         """The classifier's logits (float32 bytes) through ``activation`` (``identity`` for none), as float64."""

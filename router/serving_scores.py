@@ -197,6 +197,7 @@ async def create_classification(
     activation = classifier.activation if request.activated() else "identity"
     state.admission.check(CLIENT_KEY.get() or "-", request.num_inputs())
     prompts = await request.prompts(state)
+    classifier.check_prompts(prompts, "messages" if request.messages is not None else "input")
     response_id, engine_id = response_ids("classify", request.request_id)
     outputs = await pool(state, engine_id, prompts, "classify", cache_salt, request.cache_salt, request.model,
                          wait_disconnect)
@@ -262,6 +263,7 @@ async def _score_pairs(state: RouterState, request: _ScoringRequest, pairs: list
         limit = None if truncate is None else max_model_len - 1 if truncate == -1 else truncate
         prompts = await state.prompts.tokenize_pairs(pairs, max_model_len, params, limit)
         prompts = fit_prompts(state, prompts, None, f"{params[0]}/{params[1]} pair")
+        classifier.check_prompts(prompts, params[1])
         outputs = await pool(state, engine_id, prompts, "classify", cache_salt, request.cache_salt, request.model,
                              wait_disconnect)
         return [float(classifier.outputs(logits, activation)[0]) for logits in outputs], sum(map(len, prompts))

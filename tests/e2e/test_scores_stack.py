@@ -74,6 +74,9 @@ def test_classify_gives_the_classifier_s_label_and_probability(stack, folder) ->
     assert got["usage"]["prompt_tokens"] == got["usage"]["total_tokens"] == 4 + 7  # with the tokenizer's <s>
     raw = post(stack, "/v1/classify", {"input": QUERY, "use_activation": False})
     np.testing.assert_allclose(raw["data"][0]["probs"], [logit(folder, QUERY)], rtol=1e-4, atol=1e-5)
+    # A prompt ending in the pad token (0 here), which transformers would skip as padding: refused.
+    padded = httpx.post(stack.url + "/classify", json={"input": [[5, 17, 0]]}, timeout=60)
+    assert padded.status_code == 400 and "ends with the model's pad token (0)" in padded.json()["error"]["message"]
 
 
 def test_score_pairs_each_text_with_the_query_as_a_cross_encoder(stack, folder) -> None:  # type: ignore[no-untyped-def]

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import sys
@@ -33,6 +34,19 @@ def json_object(text: str, flag: str) -> dict[str, Any]:
         raise ValueError(f"{flag} must be a JSON object")
     return value
 
+HF_OVERRIDES_HELP = (
+    "vLLM's flag: a JSON object of keys set over the model's config.json (top level), e.g. to serve a causal "
+    'LM reranker as a classifier: {"architectures": ["Qwen3ForSequenceClassification"], '
+    '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}. Every engine and router of '
+    "a deployment needs the same")
+
+
+def hf_overrides_arg(text: str) -> dict[str, Any]:
+    try:
+        return json_object(text, "--hf-overrides")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -46,3 +60,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

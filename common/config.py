@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from common.cli import json_object
+from common.cli import HF_OVERRIDES_HELP, hf_overrides_arg, json_object
 from common.lora_modules import LoRAModule, lora_module_arg
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -88,6 +88,8 @@ MAX_TENSOR_PARALLEL_SIZE = 64
 @dataclass
 class EngineConfig:
     model: str | None = None
+    # vLLM's ``--hf-overrides``: keys set over the model's config.json (``common.model.loader.overridden_model``).
+    hf_overrides: dict[str, Any] | None = None
     device: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -192,6 +194,8 @@ class EngineConfig:
             "--model", default=None,
             help="checkpoint folder, .gguf or Hugging Face id (org/name); default SmolLM2-135M-Instruct",
         )
+        parser.add_argument("--hf-overrides", default=None, type=hf_overrides_arg, metavar="JSON",
+                            help=HF_OVERRIDES_HELP)
         parser.add_argument("--device", default=d.device)
         parser.add_argument("--dtype", default=d.dtype, choices=["auto", *_DTYPES])
         parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),

@@ -44,6 +44,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from common.cli import HF_OVERRIDES_HELP, hf_overrides_arg
 from common.cluster_key import ENV_KEY, ClusterKey
 from common.glibc_env import tuned_env
 from common.lora_modules import lora_module_arg
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=1, help="number of prefill instances")
     p.add_argument("--decode", type=int, default=1, help="number of decode instances")
     p.add_argument("--model", default=None, help="checkpoint folder, .gguf file, or the default model's name")
+    p.add_argument("--hf-overrides", default=None, type=hf_overrides_arg, metavar="JSON",
+                   help=HF_OVERRIDES_HELP + ": given to the router and every engine")
     p.add_argument("--host", default="127.0.0.1", help="the router's HTTP host")
     p.add_argument("--port", type=int, default=8000, help="the router's HTTP port")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
@@ -237,10 +240,16 @@ class Launcher:
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self.args, name) is not None:
                 flags += [f"--{name.replace('_', '-')}", str(getattr(self.args, name))]
-        return [*flags, *self.engine_extra]
+        return [*flags, *self.model_flags(), *self.engine_extra]
+
+    def model_flags(self) -> list[str]:
+        """What every service needs to see the same model: ``--hf-overrides``."""
+        overrides = self.args.hf_overrides
+        return [] if overrides is None else ["--hf-overrides", json.dumps(overrides)]
 
     def router_flags(self) -> list[str]:
         flags = [arg for key in self.args.api_key for arg in ("--api-key", key)]
+        flags += self.model_flags()
         if self.args.routing_policy:
             flags += ["--routing-policy", self.args.routing_policy]
         if self.args.scheduling_policy:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from common.cli import HF_OVERRIDES_HELP, hf_overrides_arg
 from common.cluster_key import add_cluster_key_args, cluster_key_from_args
 from common.gc_pacer import GcPacer, GcPauses
 from common.lora_modules import lora_module_arg
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=defaults.redis_url, help="registry and prefix index")
     p.add_argument("--namespace", default=defaults.namespace, help="key prefix in Redis")
     p.add_argument("--model", default=None, help="model name or checkpoint folder (default model if unset)")
+    p.add_argument("--hf-overrides", default=None, type=hf_overrides_arg, metavar="JSON", help=HF_OVERRIDES_HELP)
     p.add_argument("--served-model-name", nargs="+", default=None, help="names clients use for the model")
     p.add_argument("--lora-modules", nargs="+", default=[], type=lora_module_arg, metavar="NAME=PATH",
                    help="the engines' LoRA adapters (their --lora-modules): a request naming one as its model "
@@ -224,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     from router.tokenization import PromptProcessor, load_chat_template
     from router.tool_parsers import detect_parser
 
-    model_dir = resolve_model_path(args.model)
+    source_dir = resolve_model_path(args.model)
+    model_dir = resolve_model_path(args.model, args.hf_overrides)
     try:
         prompts = PromptProcessor.from_model_dir(model_dir, load_chat_template(args.chat_template))
     except ValueError as exc:
@@ -239,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     config = RouterConfig(
         pooling=pooling,
         headless_architecture=headless_architecture(json.loads((model_dir / "config.json").read_text())),
-        served_model_names=args.served_model_name or [_served_name(args.model, model_dir)],
+        served_model_names=args.served_model_name or [_served_name(args.model, source_dir)],
         lora_modules=args.lora_modules,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         redis_url=args.redis_url or None,

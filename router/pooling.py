@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from common.model.loader import classifier_architecture, num_labels
+from common.model.loader import classifier_architecture, classifier_from_tokens, num_labels
 from router.errors import bad_request
 
 # sentence-transformers' ``Pooling`` flags, by the mode each names.
@@ -58,6 +58,9 @@ class ClassifierConfig:
     activation: str
     score_activation: str
     pad_token_id: int | None = None
+    # A pair's input: the tokenizer's encoding of a text with its ``text_pair`` (a cross-encoder's), or of the
+    # two texts joined (vLLM's ``use_pad_token`` false: its default for a causal LM made a classifier).
+    joins_pairs: bool = False
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ClassifierConfig | None:
@@ -76,8 +79,9 @@ class ClassifierConfig:
         named = named or config.get("sbert_ce_default_activation_function")
         score = classify if named is None else _SCORE_ACTIVATIONS.get(str(named), str(named))
         pad = config.get("pad_token_id")
+        joins = config.get("use_pad_token", classifier_from_tokens(config) is None) is False
         return cls(architecture, labels, activation, classify if score == "classify" else score,
-                   pad if isinstance(pad, int) else None)
+                   pad if isinstance(pad, int) else None, joins)
 
     def check_prompts(self, prompts: list[list[int]], param: str) -> None:
         """A 400 for a prompt ending in the model's pad token: transformers' classifier scores the last token

@@ -277,19 +277,22 @@ class PromptProcessor:
 
     async def tokenize_pairs(
         self, pairs: list[tuple[str, str]], max_model_len: int, params: tuple[str, str],
-        truncate: int | None = None,
+        truncate: int | None = None, join: bool = False,
     ) -> list[list[int]]:
         """Each pair's token ids as the tokenizer encodes a text with its ``text_pair`` (a cross-encoder's
-        input: its special tokens around and between them, as transformers' tokenizer call gives), in one
-        worker job. ``truncate``: at most that many tokens, the longer text cut first (the tokenizer's
-        ``longest_first``, as sentence-transformers' cross-encoders truncate); else a pair too long for
-        ``max_model_len`` is refused. ``params``: the two sides' names, in errors."""
+        input: its special tokens around and between them, as transformers' tokenizer call gives), or with
+        ``join`` the two texts joined into one, in one worker job. ``truncate``: at most that many tokens,
+        the longer text cut first (the tokenizer's ``longest_first``, as sentence-transformers'
+        cross-encoders truncate; a joined text loses its end); else a pair too long for ``max_model_len`` is
+        refused. ``params``: the two sides' names, in errors."""
         for i, pair in enumerate(pairs):
             for text, param in zip(pair, params, strict=True):
                 self.check_length(text, None if truncate is not None else max_model_len, f"{param} (pair {i})")
 
         def encode_all() -> list[list[int]]:
             options: dict[str, Any] = {} if truncate is None else {"truncation": True, "max_length": truncate}
+            if join:
+                return [list(self.tokenizer(first + second, **options)["input_ids"]) for first, second in pairs]
             return [list(self.tokenizer(first, text_pair=second, **options)["input_ids"]) for first, second in pairs]
 
         return await self._off_loop(encode_all, sum(len(a) + len(b) for a, b in pairs))

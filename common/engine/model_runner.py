@@ -124,7 +124,7 @@ class ModelRunner:
         self.config = config
         if tp is None and config.tensor_parallel_size > 1:
             # A model the ranks cannot share is refused here, before any worker starts (and fails alike).
-            hf_config = load_hf_config(resolve_model_path(config.model))
+            hf_config = load_hf_config(resolve_model_path(config.model, config.hf_overrides))
             ModelArch.from_config(hf_config).check_tensor_parallel(hf_config, config.tensor_parallel_size)
             # The workers first: they import and load their shares while this process loads its own.
             self.tp_leader = TPLeader(config, config.torch_device)
@@ -145,7 +145,7 @@ class ModelRunner:
             # Triton launches its kernels on the current device, not on their tensors': make it this one
             # (for this thread, the one that runs the engine's steps).
             torch.cuda.set_device(self.device)
-        self.model_path = resolve_model_path(config.model)
+        self.model_path = resolve_model_path(config.model, config.hf_overrides)
         self.model_id = model_identity(self.model_path)
         self.hf_config = load_hf_config(self.model_path)
         limit = int(getattr(self.hf_config, "max_position_embeddings", 8192))

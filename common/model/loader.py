@@ -56,8 +56,45 @@ def default_gguf_path() -> Path:
     return path
 
 
-def resolve_model_path(name_or_path: str | None = None) -> Path:
-    """A local checkpoint folder for ``name_or_path`` (default model when None); converts once."""
+def resolve_model_path(name_or_path: str | None = None, hf_overrides: dict[str, Any] | None = None) -> Path:
+    """A local checkpoint folder for ``name_or_path`` (default model when None); converts once.
+    ``hf_overrides`` (vLLM's ``--hf-overrides``): the model's folder with those ``config.json`` keys set
+    (``overridden_model``)."""
+    path = _resolve_model_path(name_or_path)
+    return overridden_model(path, hf_overrides) if hf_overrides else path
+
+
+def overridden_model(path: Path, overrides: dict[str, Any]) -> Path:
+    """The checkpoint at ``path`` with ``overrides`` set over its ``config.json``'s top-level keys, as vLLM's
+    ``--hf-overrides`` sets them: a folder in the cache, named as the model's, holding its config.json so
+    changed and every other file of the model by a symbolic link. Every reader (engines, router, tokenizer)
+    then sees the one config; a model identity of the folder's name and config tells its blocks apart.
+    Processes that make it at once make one folder (each builds its own, the first rename wins)."""
+    config = json.loads((path / "config.json").read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{path / 'config.json'}: expected a JSON object")
+    text = json.dumps({**config, **overrides}, indent=2, sort_keys=True)
+    key = hashlib.sha256(f"{path.resolve()}\0{text}".encode()).hexdigest()[:16]
+    parent = cache_dir() / "overrides" / key
+    target = parent / path.name
+    if (target / "config.json").is_file():
+        return target  # the key holds the source folder and the whole config: the same folder
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".overrides-", dir=parent))
+    try:
+        for entry in path.iterdir():
+            if entry.name != "config.json":
+                (tmp / entry.name).symlink_to(entry.resolve())
+        (tmp / "config.json").write_text(text)
+        with contextlib.suppress(OSError):  # another process's rename came first: the same folder
+            tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _resolve_model_path(name_or_path: str | None) -> Path:
     if name_or_path and Path(name_or_path).is_dir():
         path = Path(name_or_path)
         if not (path / "config.json").exists():
@@ -278,10 +315,46 @@ def classifier_architecture(config: Any) -> str | None:
     return None
 
 
+# vLLM's ways of making a classifier of a causal LM's output head (``classifier_from_tokens``).
+FROM_2_WAY_SOFTMAX = "from_2_way_softmax"
+NO_POST_PROCESSING = "no_post_processing"
+
+
+def _getter(config: Any) -> Any:
+    return config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+
+
+def classifier_from_tokens(config: Any) -> tuple[str, list[str]] | None:
+    """A causal LM served as a classifier, as vLLM's config keys (its ``--hf-overrides``) ask: ``method``
+    and ``classifier_from_token``, or Qwen3-Reranker's ``is_original_qwen3_reranker`` (the 2-way method).
+    "from_2_way_softmax" with tokens [false, true]: one label whose logit is the true token's output-head
+    logit minus the false one's (its sigmoid is the softmax of the two, the reranker's score);
+    "no_post_processing": a label per token, each its token's logit. None for a checkpoint without them.
+    ``ValueError`` naming what is not implemented."""
+    get = _getter(config)
+    tokens, method = get("classifier_from_token"), get("method")
+    if get("is_original_qwen3_reranker") is True:
+        method = method or FROM_2_WAY_SOFTMAX
+    if tokens is None and method is None:
+        return None
+    if method not in (FROM_2_WAY_SOFTMAX, NO_POST_PROCESSING):
+        raise ValueError(f"classifier method {method!r} is not implemented: {FROM_2_WAY_SOFTMAX!r} and "
+                         f"{NO_POST_PROCESSING!r} are (classifier_from_token needs one)")
+    if not (isinstance(tokens, list) and tokens and all(isinstance(t, str) for t in tokens)):
+        raise ValueError(f"classifier method {method!r} needs classifier_from_token, a list of tokens")
+    if method == FROM_2_WAY_SOFTMAX and len(tokens) != 2:
+        raise ValueError(f"{FROM_2_WAY_SOFTMAX} needs two classifier_from_token (false, true), got {tokens}")
+    return method, tokens
+
+
 def num_labels(config: Any) -> int:
-    """A classifier's number of labels as transformers counts them: ``id2label``'s entries, else
-    ``num_labels``, else 2 (its default). ``config``: transformers' config, a namespace or a dict."""
-    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    """A classifier's number of labels: as ``classifier_from_tokens`` makes it, else as transformers counts
+    them: ``id2label``'s entries, else ``num_labels``, else 2 (its default). ``config``: transformers'
+    config, a namespace or a dict."""
+    from_tokens = classifier_from_tokens(config)
+    if from_tokens is not None:
+        return 1 if from_tokens[0] == FROM_2_WAY_SOFTMAX else len(from_tokens[1])
+    get = _getter(config)
     labels = get("id2label")
     if isinstance(labels, dict) and labels:
         return len(labels)

@@ -24,7 +24,7 @@ from common.model.arch import (
     language_model_config,
 )
 from common.model.llama import FUSED_PROJECTIONS, LlamaForCausalLM
-from common.model.loader import cache_dir
+from common.model.loader import FROM_2_WAY_SOFTMAX, cache_dir, classifier_from_tokens
 from common.model.parallel import TensorParallel, shard_of, shard_rules, shard_state
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "load_model", "stack_experts", "stack_projections"]
@@ -187,6 +187,9 @@ def load_model(
             if size > 1:
                 shard_state(part, rules, model.tp)
             state.update(part)
+    from_tokens = classifier_from_tokens(config)
+    if from_tokens is not None:
+        score_from_tokens(state, model, config, path, *from_tokens)
     expected = {n for n, _ in model.named_parameters()}
     if model.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -206,6 +209,36 @@ def load_model(
     for name in model.float32_parameters():
         model.get_parameter(name).data = state[name].to(device=device, dtype=torch.float32)
     return model
+
+
+def score_from_tokens(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: Any, path: Path,
+                      method: str, tokens: list[str]) -> None:
+    """In place: a causal LM's output head (or its tied embeddings) made the classifier's ``score``, as vLLM
+    makes it (``common.model.loader.classifier_from_tokens``): the tokens' rows, in float32, or for the
+    2-way method the true token's row minus the false one's; the output head dropped."""
+    from transformers import AutoTokenizer
+
+    if model.classifier is None:
+        raise ValueError(f"classifier_from_token ({method}) needs a ...ForSequenceClassification architecture: "
+                         "set architectures too")
+    arch = model.arch
+    for name, value in [("an output-head bias", arch.lm_head_bias), ("logits_scaling", arch.logits_scaling),
+                        ("logit_scale", arch.logit_scale), ("a final logit soft-cap", arch.final_soft_cap)]:
+        if value:
+            raise ValueError(f"classifier_from_token: a model with {name} is not implemented (its score would "
+                             "not be its tokens' logits)")
+    head = state.pop("lm_head.weight", None)
+    if getattr(config, "tie_word_embeddings", False):
+        head = state["model.embed_tokens.weight"]
+    if head is None:
+        raise ValueError("classifier_from_token: the checkpoint has no lm_head.weight (and untied embeddings)")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in tokens]
+    unknown = [t for t, i in zip(tokens, ids, strict=True) if i is None or i == tokenizer.unk_token_id]
+    if unknown:
+        raise ValueError(f"classifier_from_token: {unknown} are not tokens of the model's vocabulary")
+    rows = head[ids].float()
+    state["score.weight"] = rows[1:2] - rows[0:1] if method == FROM_2_WAY_SOFTMAX else rows
 
 
 def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: Any, rules: Any, dtype: torch.dtype,

@@ -125,3 +125,45 @@ def test_a_classifier_refuses_generation_and_embeds(stack, folder) -> None:  # t
         hidden = model.model(torch.tensor([tokenizer(QUERY).input_ids])).last_hidden_state[0, -1]
     np.testing.assert_allclose(got["data"][0]["embedding"], hidden.numpy(), rtol=1e-4, atol=1e-5)
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3ForSequenceClassification"]
+
+
+# Qwen3-Reranker's form: a causal LM served as a classifier of two tokens' logits by vLLM's --hf-overrides.
+OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["w10", "w11"],
+             "is_original_qwen3_reranker": True}
+
+
+@pytest.fixture(scope="module")
+def causal_folder(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
+    from transformers import Qwen3Config
+
+    from tests.engine.tiny_models import build_checkpoint, build_tokenizer
+
+    folder = build_checkpoint(Qwen3Config(**TINY_DIMS), tmp_path_factory.mktemp("causal-reranker"))
+    build_tokenizer(folder)
+    return folder
+
+
+def test_a_causal_lm_reranker_by_hf_overrides_scores_the_joined_pair(redis_url, causal_folder) -> None:  # type: ignore[no-untyped-def]
+    """Router and engines given the same ``--hf-overrides``: /score and /rerank join each pair's texts into
+    one prompt (vLLM's way for a causal LM made a classifier) and score it by the softmax of the true
+    token's logit against the false one's, as Qwen3-Reranker's model card computes it with transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(causal_folder), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(causal_folder))
+    query = QUERY + " "  # the prompt's templates end and begin the two texts, as a client formats them
+    expected = []
+    with torch.inference_mode():
+        for document in DOCUMENTS:
+            last = model(torch.tensor([tokenizer(query + document).input_ids])).logits[0, -1]
+            expected.append(float(torch.softmax(last[[10, 11]], dim=0)[1]))
+    flags = ["--hf-overrides", json.dumps(OVERRIDES)]
+    with prefill_decode_stack(redis_url, str(causal_folder), router_args=flags, prefill_args=[*flags, "--dtype", "float32"],
+                              decode_args=[*flags, "--dtype", "float32"]) as stack:
+        got = post(stack, "/score", {"text_1": query, "text_2": DOCUMENTS})
+        np.testing.assert_allclose([d["score"] for d in got["data"]], expected, rtol=1e-4, atol=1e-6)
+        ranked = post(stack, "/rerank", {"query": query, "documents": DOCUMENTS})
+        assert [r["index"] for r in ranked["results"]] == sorted(range(len(DOCUMENTS)), key=lambda i: -expected[i])
+        # The model is served under its own name, not the overridden folder's.
+        names = [m["id"] for m in httpx.get(stack.url + "/v1/models", timeout=10).json()["data"]]
+        assert names == [causal_folder.name]

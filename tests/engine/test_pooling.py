@@ -189,3 +189,89 @@ def test_a_causal_lm_refuses_classification(engine_factory) -> None:  # type: ig
     with pytest.raises(ValueError, match="pooling 'classify': the model \\(a causal LM\\) has no classification head"):
         engine.add_request("x", list(prompt_ids()[0]), POOL, pooling="classify")
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(("family", "tied"), [("qwen3", True), ("llama", False)])
+def test_a_causal_lm_made_a_classifier_of_its_tokens_logits_by_hf_overrides(tmp_path: Path, family: str,
+                                                                            tied: bool) -> None:
+    """vLLM's ``--hf-overrides`` for a causal LM reranker (Qwen3-Reranker's form): the 2-way method's one
+    logit is the true token's logit minus the false one's at the prompt's last token (its sigmoid the
+    softmax of the two), read from the output head or the tied embeddings; "no_post_processing" gives each
+    token's logit. The model is transformers' causal LM, unchanged."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    from common.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from tests.engine.tiny_models import build_checkpoint
+
+    config_class = Qwen3Config if family == "qwen3" else LlamaConfig
+    folder = build_checkpoint(config_class(**TINY_DIMS, tie_word_embeddings=tied), tmp_path / family)
+    build_tokenizer(folder)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    prompts = [prompt_token_ids(n, seed=n) for n in (6, 21)]
+    with torch.inference_mode():
+        logits = [hf(torch.tensor([p])).logits[0, -1].numpy() for p in prompts]
+    arch = "Qwen3ForSequenceClassification" if family == "qwen3" else "LlamaForSequenceClassification"
+    for overrides, expected in [
+        ({"architectures": [arch], "classifier_from_token": ["w10", "w11"], "is_original_qwen3_reranker": True},
+         [[lg[11] - lg[10]] for lg in logits]),
+        ({"architectures": [arch], "classifier_from_token": ["w7", "w9", "w3"], "method": "no_post_processing"},
+         [lg[[7, 9, 3]] for lg in logits]),
+    ]:
+        engine = LLMEngine(EngineConfig(model=str(folder), hf_overrides=overrides, device="cpu", dtype="float32",
+                                        num_blocks=16, block_size=8, max_num_batched_tokens=8))
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, POOL, pooling="classify")
+        got: dict[str, np.ndarray] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert out.error is None and out.embedding is not None
+                got[out.request_id] = np.frombuffer(out.embedding, dtype="<f4")
+        for i in range(len(prompts)):
+            np.testing.assert_allclose(got[f"r{i}"], expected[i], rtol=1e-4, atol=1e-5)
+
+
+def test_what_hf_overrides_cannot_make_a_classifier_of_is_refused_by_name(tmp_path: Path) -> None:
+    from transformers import LlamaConfig
+
+    from common.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from tests.engine.tiny_models import build_checkpoint
+
+    folder = build_checkpoint(LlamaConfig(**TINY_DIMS), tmp_path / "llama")
+    build_tokenizer(folder)
+    arch = {"architectures": ["LlamaForSequenceClassification"]}
+    for overrides, message in [
+        ({**arch, "classifier_from_token": ["w10", "w11"], "method": "from_3_way"}, "'from_3_way' is not implemented"),
+        ({**arch, "classifier_from_token": ["w10"], "method": "from_2_way_softmax"}, "needs two classifier_from_token"),
+        ({**arch, "classifier_from_token": ["w10", "w11"]}, "classifier method None is not implemented"),
+        ({**arch, "classifier_from_token": ["w10", "nope"], "method": "from_2_way_softmax"}, r"\['nope'\] are not tokens"),
+        ({"classifier_from_token": ["w10", "w11"], "method": "from_2_way_softmax"}, "needs a ...ForSequenceClassification"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            LLMEngine(EngineConfig(model=str(folder), hf_overrides=overrides, device="cpu", dtype="float32",
+                                   num_blocks=16, block_size=8))
+
+
+def test_hf_overrides_make_one_folder_beside_the_cache_that_every_reader_sees(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from common.model.loader import model_identity, resolve_model_path
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "my-model"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    (source / "tokenizer.json").write_text("{}")
+    (source / "1_Pooling").mkdir()
+    overrides = {"architectures": ["LlamaForSequenceClassification"], "num_labels": 1}
+    first = resolve_model_path(str(source), overrides)
+    assert first.name == "my-model" and first != source
+    assert json.loads((first / "config.json").read_text()) == {"model_type": "llama", **overrides}
+    assert (first / "tokenizer.json").resolve() == (source / "tokenizer.json").resolve()
+    assert (first / "1_Pooling").is_dir()
+    assert resolve_model_path(str(source), overrides) == first  # made once
+    other = resolve_model_path(str(source), {"num_labels": 2})
+    assert other != first and json.loads((other / "config.json").read_text())["num_labels"] == 2
+    assert resolve_model_path(str(source)) == source and resolve_model_path(str(source), {}) == source
+    assert model_identity(first) != model_identity(source)  # blocks hashed apart

@@ -320,6 +320,21 @@ def test_the_speculative_config_goes_to_the_decode_instances_only_and_is_checked
         main(["up", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}'])
 
 
+def test_hf_overrides_go_to_the_router_and_every_engine_and_are_checked_first(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    import json
+
+    from ops.launcher import main
+
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}
+    spawned = _spawned(monkeypatch, tmp_path, "--hf-overrides", json.dumps(overrides))
+    for name in ("prefill-0", "decode-0", "router"):
+        assert json.loads(spawned[name][spawned[name].index("--hf-overrides") + 1]) == overrides, name
+    with pytest.raises(SystemExit):  # argparse's exit 2, naming the flag
+        main(["up", "--hf-overrides", "[1, 2]"])
+
+
 def test_restart_delays_double_up_to_the_cap_and_reset_after_a_stable_run() -> None:
     from ops.supervisor import RestartPolicy, RestartTracker
 

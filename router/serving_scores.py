@@ -262,7 +262,7 @@ async def _score_pairs(state: RouterState, request: _ScoringRequest, pairs: list
         max_model_len = state.max_model_len()
         limit = None if truncate is None else max_model_len - 1 if truncate == -1 else truncate
         prompts = await state.prompts.tokenize_pairs(pairs, max_model_len, params, limit, classifier.joins_pairs)
-        prompts = fit_prompts(state, prompts, None, f"{params[0]}/{params[1]} pair")
+        prompts = fit_prompts(state, prompts, None, [f"{params[1]}.{i}" for i in range(len(prompts))])
         classifier.check_prompts(prompts, params[1])
         outputs = await pool(state, engine_id, prompts, "classify", cache_salt, request.cache_salt, request.model,
                              wait_disconnect)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -109,6 +110,31 @@ def test_multi_head_latent_attention_over_two_ranks_equals_transformers(checkpoi
     engine = _engine(engines, folder, max_num_batched_tokens=12)
     assert engine.runner.kv_cache.shape[4] == 1  # the latent, whole on each rank
     assert [o[0] for o in engine.generate(prompts, GREEDY)] == [hf_greedy(folder, p, GREEDY.max_tokens) for p in prompts]
+
+
+def test_a_classifier_over_two_ranks_scores_as_transformers(checkpoint, engines) -> None:  # type: ignore[no-untyped-def]
+    """A causal LM made a classifier by ``hf_overrides`` (given to the workers with the rest of the config):
+    rank 0's score head, whole, gives the two tokens' logit difference of transformers' causal LM."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.tiny_models import build_tokenizer
+
+    folder = checkpoint("llama-bias")
+    build_tokenizer(folder)
+    overrides = {"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["w10", "w11"],
+                 "method": "from_2_way_softmax"}
+    engine = _engine(engines, folder, hf_overrides=overrides, max_num_batched_tokens=8)
+    prompt = prompt_token_ids(19)
+    engine.add_request("c", prompt, SamplingParams(max_tokens=1, temperature=0.0), pooling="classify")
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].embedding is not None
+    with torch.inference_mode():
+        logits = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()(
+            torch.tensor([prompt])).logits[0, -1]
+    np.testing.assert_allclose(np.frombuffer(outputs[-1].embedding, dtype="<f4"), [float(logits[11] - logits[10])],
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_preemption_async_scheduling_and_drafts_over_two_ranks_equal_transformers(checkpoint, engines) -> None:  # type: ignore[no-untyped-def]

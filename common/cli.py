@@ -34,6 +34,7 @@ def json_object(text: str, flag: str) -> dict[str, Any]:
         raise ValueError(f"{flag} must be a JSON object")
     return value
 
+
 HF_OVERRIDES_HELP = (
     "vLLM's flag: a JSON object of keys set over the model's config.json (top level), e.g. to serve a causal "
     'LM reranker as a classifier: {"architectures": ["Qwen3ForSequenceClassification"], '
@@ -60,4 +61,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -78,8 +78,10 @@ class ClassifierConfig:
         named = st_config.get("activation_fn") if isinstance(st_config, dict) else None
         named = named or config.get("sbert_ce_default_activation_function")
         score = classify if named is None else _SCORE_ACTIVATIONS.get(str(named), str(named))
-        pad = config.get("pad_token_id")
-        joins = config.get("use_pad_token", classifier_from_tokens(config) is None) is False
+        from_tokens = classifier_from_tokens(config) is not None
+        # A causal LM made a classifier scores its last token, pad or not, as its transformers model does.
+        pad = None if from_tokens else config.get("pad_token_id")
+        joins = config.get("use_pad_token", not from_tokens) is False
         return cls(architecture, labels, activation, classify if score == "classify" else score,
                    pad if isinstance(pad, int) else None, joins)
 

@@ -190,6 +190,25 @@ def test_a_classifier_s_labels_and_activations_are_its_config_s() -> None:
         tanh.check_score()
 
 
+def test_a_causal_lm_made_a_classifier_joins_pairs_and_scores_its_last_token_pad_or_not() -> None:
+    from router.pooling import ClassifierConfig
+
+    reranker = ClassifierConfig.from_config({
+        "architectures": ["Qwen3ForSequenceClassification"], "pad_token_id": 0,
+        "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True})
+    assert reranker is not None and reranker.labels == ("LABEL_0",) and reranker.joins_pairs
+    reranker.check_score()
+    reranker.check_prompts([[5, 0]], "documents")  # its transformers model (a causal LM) skips no padding
+    seq_cls = ClassifierConfig.from_config({"architectures": ["Qwen3ForSequenceClassification"], "num_labels": 1,
+                                            "pad_token_id": 0})
+    assert seq_cls is not None and not seq_cls.joins_pairs
+    with pytest.raises(APIError, match="ends with the model's pad token"):
+        seq_cls.check_prompts([[5, 0]], "documents")
+    kept = ClassifierConfig.from_config({"architectures": ["LlamaForSequenceClassification"], "use_pad_token": True,
+                                         "classifier_from_token": ["no", "yes"], "method": "from_2_way_softmax"})
+    assert kept is not None and not kept.joins_pairs
+
+
 def test_the_router_reads_a_classifier_from_the_model_folder(tmp_path: pathlib.Path) -> None:
     config = PoolingConfig.from_model_dir(_model(tmp_path, config={
         "model_type": "qwen3", "architectures": ["Qwen3ForSequenceClassification"], "id2label": {"0": "relevant"}}))

@@ -206,10 +206,7 @@ async def create_classification(
         probs = classifier.outputs(logits, activation)
         data.append(ClassificationData(index=i, label=classifier.labels[int(np.argmax(probs))],
                                        probs=probs.tolist(), num_classes=len(probs)))
-    num_tokens = sum(len(prompt) for prompt in prompts)
-    return JSONResponse(ClassificationResponse(
-        id=response_id, created=int(time.time()), model=model, data=data,
-        usage=PoolingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)).model_dump())
+    return _listed(ClassificationResponse, response_id, model, data, sum(len(prompt) for prompt in prompts))
 
 
 async def create_score(
@@ -220,10 +217,8 @@ async def create_score(
     pairs, params = request.pairs()
     response_id, engine_id = response_ids("score", request.request_id)
     scores, num_tokens = await _score_pairs(state, request, pairs, params, engine_id, cache_salt, wait_disconnect)
-    return JSONResponse(ScoreResponse(
-        id=response_id, created=int(time.time()), model=model,
-        data=[ScoreData(index=i, score=score) for i, score in enumerate(scores)],
-        usage=PoolingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)).model_dump())
+    return _listed(ScoreResponse, response_id, model,
+                   [ScoreData(index=i, score=score) for i, score in enumerate(scores)], num_tokens)
 
 
 async def create_rerank(
@@ -242,6 +237,13 @@ async def create_rerank(
     return JSONResponse(RerankResponse(
         id=response_id, model=model, results=results,
         usage=RerankUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)).model_dump(exclude_none=True))
+
+
+def _listed(response: type[ClassificationResponse | ScoreResponse], response_id: str, model: str, data: list[Any],
+            num_tokens: int) -> JSONResponse:
+    """vLLM's list response of a pooling endpoint, its usage the prompt tokens pooled."""
+    return JSONResponse(response(id=response_id, created=int(time.time()), model=model, data=data,
+                                 usage=PoolingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)).model_dump())
 
 
 async def _score_pairs(state: RouterState, request: _ScoringRequest, pairs: list[tuple[str, str]],

@@ -125,6 +125,17 @@ def redis_url() -> Iterator[str]:
 
 
 @pytest.fixture
+def private_redis_url() -> Iterator[str]:
+    """URL of a redis-server of the test's own: a router sees every instance registered in its Redis, so a
+    stack beside another still up (a module's) needs its own."""
+    server = RedisServer()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
 def make_redis_server() -> Iterator[Callable[..., RedisServer]]:
     """Factory for private redis-servers a test may kill and restart (all stopped afterwards)."""
     servers: list[RedisServer] = []

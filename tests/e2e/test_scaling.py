@@ -12,7 +12,6 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import RedisServer
 from tests.e2e.stack import Stack
 from tests.e2e.test_stack import LONG_PREFIX, MODEL
 from tests.engine.conftest import model_path, tokenizer
@@ -23,15 +22,6 @@ pytestmark = pytest.mark.timeout(600)
 # Deadlines for what a loaded host may make slow (an index write, an engine start, a TTL expiry);
 # every wait polls its condition and ends as soon as it holds.
 DEADLINE_S = 120.0
-
-
-@pytest.fixture
-def private_redis_url():  # type: ignore[no-untyped-def]
-    server = RedisServer()
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 def _generated_tokens(s: Stack, name: str) -> float:

@@ -143,7 +143,7 @@ def causal_folder(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
     return folder
 
 
-def test_a_causal_lm_reranker_by_hf_overrides_scores_the_joined_pair(redis_url, causal_folder) -> None:  # type: ignore[no-untyped-def]
+def test_a_causal_lm_reranker_by_hf_overrides_scores_the_joined_pair(private_redis_url, causal_folder) -> None:  # type: ignore[no-untyped-def]
     """Router and engines given the same ``--hf-overrides``: /score and /rerank join each pair's texts into
     one prompt (vLLM's way for a causal LM made a classifier) and score it by the softmax of the true
     token's logit against the false one's, as Qwen3-Reranker's model card computes it with transformers."""
@@ -158,7 +158,8 @@ def test_a_causal_lm_reranker_by_hf_overrides_scores_the_joined_pair(redis_url, 
             last = model(torch.tensor([tokenizer(query + document).input_ids])).logits[0, -1]
             expected.append(float(torch.softmax(last[[10, 11]], dim=0)[1]))
     flags = ["--hf-overrides", json.dumps(OVERRIDES)]
-    with prefill_decode_stack(redis_url, str(causal_folder), router_args=flags, prefill_args=[*flags, "--dtype", "float32"],
+    # A Redis of its own: the module's classifier stack is still up, and a router sees every instance of its Redis.
+    with prefill_decode_stack(private_redis_url, str(causal_folder), router_args=flags, prefill_args=[*flags, "--dtype", "float32"],
                               decode_args=[*flags, "--dtype", "float32"]) as stack:
         got = post(stack, "/score", {"text_1": query, "text_2": DOCUMENTS})
         np.testing.assert_allclose([d["score"] for d in got["data"]], expected, rtol=1e-4, atol=1e-6)

@@ -96,6 +96,9 @@ class RouterConfig:
     # The model's architecture where its checkpoint is a base model without an output head (an embedding
     # model, ``common.model.loader.headless_architecture``): it serves /v1/embeddings only.
     headless_architecture: str | None = None
+    # The model's identity (``common.model.loader.model_identity``): instances registered with another config
+    # are ignored, never sent this model's requests. None: any instance's (a router before stand-ins).
+    model_identity: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -17,6 +17,7 @@ import logging
 import time
 from collections import Counter
 
+from common.model.loader import same_model_config
 from common.registry import InstanceInfo, Registry
 from router.engine_client import EngineClient
 
@@ -30,9 +31,14 @@ class InstancePool:
     """Live instances by id. ``refresh`` replaces them from Redis; a failed read keeps the old ones."""
 
     def __init__(
-        self, registry: Registry | None, client: EngineClient, refresh_interval_s: float = 0.5
+        self, registry: Registry | None, client: EngineClient, refresh_interval_s: float = 0.5,
+        model_identity: str | None = None,
     ) -> None:
+        """``model_identity``: the router's model; instances registered with another config are left out
+        (None: every instance)."""
         self._registry = registry
+        self._model_identity = model_identity
+        self._foreign: set[str] = set()  # instances left out for their model, each logged once
         self._client = client
         self.refresh_interval_s = refresh_interval_s
         self._instances: dict[str, InstanceInfo] = {}
@@ -103,6 +109,7 @@ class InstancePool:
         was_ok, self.registry_ok = self.registry_ok, found is not None
         if found is None:
             return
+        found = self._own_model(found)
         now = time.monotonic()
         if not was_ok:  # the grace period of instances missing from the registry starts now
             self._last_seen = dict.fromkeys(self._last_seen, now)
@@ -119,6 +126,20 @@ class InstancePool:
                  or now - heard.get(instance_id, -REMOVAL_GRACE_S) <= REMOVAL_GRACE_S)
         ]
         self.set_instances([*found, *kept])
+
+    def _own_model(self, found: list[InstanceInfo]) -> list[InstanceInfo]:
+        """``found`` without the instances that serve another model (a deployment of another model under
+        the same Redis namespace): they would answer this model's requests with theirs."""
+        if self._model_identity is None:
+            return found
+        own = [info for info in found if same_model_config(info.model, self._model_identity)]
+        for info in found:
+            if not same_model_config(info.model, self._model_identity) and info.instance_id not in self._foreign:
+                self._foreign.add(info.instance_id)
+                logger.warning("instance %s serves model %s, not this router's %s: left out (another "
+                               "deployment in this Redis namespace?)", info.instance_id, info.model,
+                               self._model_identity)
+        return own
 
     def set_instances(self, infos: list[InstanceInfo]) -> None:
         """Replace the known instances (also used directly when running without a registry)."""

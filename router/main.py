@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from common.model.loader import headless_architecture, resolve_model_path
+    from common.model.loader import headless_architecture, model_identity, resolve_model_path
     from router.app import create_app
     from router.pooling import PoolingConfig
     from router.state import RouterState
@@ -242,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     config = RouterConfig(
         pooling=pooling,
         headless_architecture=headless_architecture(json.loads((model_dir / "config.json").read_text())),
+        model_identity=model_identity(model_dir),
         served_model_names=args.served_model_name or [_served_name(args.model, source_dir)],
         lora_modules=args.lora_modules,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,

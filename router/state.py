@@ -45,7 +45,7 @@ class RouterState:
         )
         self.background = BackgroundResponses()  # background responses this process runs
         self.client = EngineClient(config.reply_host, config.reply_port, config.cluster_key)
-        self.pool = InstancePool(self.registry, self.client, config.refresh_interval_s)
+        self.pool = InstancePool(self.registry, self.client, config.refresh_interval_s, config.model_identity)
         self.num_inflight = 0
         self.metrics = RouterMetrics(
             self.pool.instances,

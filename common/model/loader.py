@@ -273,6 +273,12 @@ def model_identity(path: Path) -> str:
     return f"{path.name}:{hashlib.sha256(config).hexdigest()[:16]}"
 
 
+def same_model_config(identity: str, other: str) -> bool:
+    """Whether two ``model_identity`` values name the same config (their folders' names may differ: a
+    router and its engines may see the checkpoint under other paths)."""
+    return identity.rpartition(":")[2] == other.rpartition(":")[2]
+
+
 def served_model_name(path: Path) -> str:
     """The name clients use: the model's own name for a converted GGUF, the model id (``org/name``)
     for a snapshot in the Hugging Face cache, else the folder's name."""

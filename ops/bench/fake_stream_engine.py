@@ -48,6 +48,8 @@ class StreamEngineConfig:
     batched: bool = True
     window: int = 2
     stream_interval: int = 1
+    # The model identity it registers: the router's (``common.model.loader.model_identity``), or it is left out.
+    model: str = "bench"
 
 
 class EngineLink:
@@ -150,7 +152,7 @@ class _EngineLoop:
 
     def info(self) -> InstanceInfo:
         return InstanceInfo(
-            instance_id=self.instance_id, role="decode", model="bench", control_address=self.address,
+            instance_id=self.instance_id, role="decode", model=self.config.model, control_address=self.address,
             block_size=16, max_model_len=1 << 16, num_requests_running=len(self.active),
         )
 

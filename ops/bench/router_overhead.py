@@ -904,6 +904,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_tokens < 2 or args.engines < 1 or args.window < 1 or args.stream_interval < 1:
         raise SystemExit("--max-tokens must be at least 2, --engines, --window and --stream-interval at least 1")
     token_id = _token_id(TOKEN_TEXT)
+    from common.model.loader import model_identity, resolve_model_path
+
+    served_identity = model_identity(resolve_model_path(None))  # the router's model: the default one
     report: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "command": " ".join(["pdserve bench overhead router", *(argv if argv is not None else sys.argv[1:])]),
@@ -924,7 +927,7 @@ def main(argv: list[str] | None = None) -> int:
             namespace = f"bench-{uuid.uuid4().hex[:8]}"
             config = StreamEngineConfig(redis_url=redis_url, namespace=namespace, token_id=token_id,
                                         batched=mode == "batched", window=args.window,
-                                        stream_interval=args.stream_interval)
+                                        stream_interval=args.stream_interval, model=served_identity)
             link = EngineLink(ctx, args.engines)
             engines = [FakeStreamEngine(ctx, config, f"decode-{i}", i, link) for i in range(args.engines)]
             for engine in engines:

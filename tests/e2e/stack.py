@@ -161,12 +161,13 @@ class Stack:
 @contextlib.contextmanager
 def prefill_decode_stack(
     redis_url: str, model: str, router_args: list[str] | None = None, decode_args: list[str] | None = None,
-    prefill_args: list[str] | None = None,
+    prefill_args: list[str] | None = None, suffix: str = "a",
 ) -> Iterator[Stack]:
-    """One prefill, one decode and a router, ready; stopped on leaving."""
+    """One prefill, one decode and a router, ready; stopped on leaving. ``suffix``: the instances' names'
+    (``prefill-<suffix>``, ``decode-<suffix>``), other than another stack's in the same Redis."""
     s = Stack(redis_url=redis_url, model=model)
-    s.start_engine("prefill", "prefill-a", prefill_args)
-    s.start_engine("decode", "decode-a", decode_args)
+    s.start_engine("prefill", f"prefill-{suffix}", prefill_args)
+    s.start_engine("decode", f"decode-{suffix}", decode_args)
     s.start_router(router_args)
     try:
         s.wait_ready(1, 1)

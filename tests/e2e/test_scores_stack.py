@@ -143,10 +143,13 @@ def causal_folder(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
     return folder
 
 
-def test_a_causal_lm_reranker_by_hf_overrides_scores_the_joined_pair(private_redis_url, causal_folder) -> None:  # type: ignore[no-untyped-def]
+def test_a_causal_lm_reranker_by_hf_overrides_scores_the_joined_pair(stack, folder, redis_url, causal_folder) -> None:  # type: ignore[no-untyped-def]
     """Router and engines given the same ``--hf-overrides``: /score and /rerank join each pair's texts into
     one prompt (vLLM's way for a causal LM made a classifier) and score it by the softmax of the true
-    token's logit against the false one's, as Qwen3-Reranker's model card computes it with transformers."""
+    token's logit against the false one's, as Qwen3-Reranker's model card computes it with transformers.
+    The module's classifier stack is up in the same Redis namespace: each router leaves out the other
+    model's instances (without that, this router sent requests to the classifier's engines and answered
+    with their scores)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(causal_folder), dtype=torch.float32).eval()
@@ -158,13 +161,18 @@ def test_a_causal_lm_reranker_by_hf_overrides_scores_the_joined_pair(private_red
             last = model(torch.tensor([tokenizer(query + document).input_ids])).logits[0, -1]
             expected.append(float(torch.softmax(last[[10, 11]], dim=0)[1]))
     flags = ["--hf-overrides", json.dumps(OVERRIDES)]
-    # A Redis of its own: the module's classifier stack is still up, and a router sees every instance of its Redis.
-    with prefill_decode_stack(private_redis_url, str(causal_folder), router_args=flags, prefill_args=[*flags, "--dtype", "float32"],
-                              decode_args=[*flags, "--dtype", "float32"]) as stack:
-        got = post(stack, "/score", {"text_1": query, "text_2": DOCUMENTS})
-        np.testing.assert_allclose([d["score"] for d in got["data"]], expected, rtol=1e-4, atol=1e-6)
-        ranked = post(stack, "/rerank", {"query": query, "documents": DOCUMENTS})
+    float32 = [*flags, "--dtype", "float32"]
+    with prefill_decode_stack(redis_url, str(causal_folder), router_args=flags, prefill_args=float32,
+                              decode_args=float32, suffix="reranker") as reranker:
+        assert len(reranker.procs) == 3 and httpx.get(stack.url + "/ready", timeout=10).json()["prefill"] == 1
+        for _ in range(3):  # every instance of the namespace had its chance
+            got = post(reranker, "/score", {"text_1": query, "text_2": DOCUMENTS})
+            np.testing.assert_allclose([d["score"] for d in got["data"]], expected, rtol=1e-4, atol=1e-6)
+        ranked = post(reranker, "/rerank", {"query": query, "documents": DOCUMENTS})
         assert [r["index"] for r in ranked["results"]] == sorted(range(len(DOCUMENTS)), key=lambda i: -expected[i])
         # The model is served under its own name, not the overridden folder's.
-        names = [m["id"] for m in httpx.get(stack.url + "/v1/models", timeout=10).json()["data"]]
+        names = [m["id"] for m in httpx.get(reranker.url + "/v1/models", timeout=10).json()["data"]]
         assert names == [causal_folder.name]
+        # The classifier's router still answers with its own engines.
+        np.testing.assert_allclose(post(stack, "/classify", {"input": QUERY})["data"][0]["probs"],
+                                   [sigmoid(logit(folder, QUERY))], rtol=1e-4, atol=1e-6)

@@ -76,8 +76,10 @@ class FakeEngine(threading.Thread):
         announce: bool = False,
         restarts_on_arrival: int = 0,
         max_model_len: int = 256,
+        model_id: str = MODEL_ID,
     ) -> None:
         super().__init__(name=f"fake-{instance_id}", daemon=True)
+        self.model_id = model_id  # what it says it serves: a router process serves its own model's instances only
         self.max_model_len = max_model_len
         # ``drain(lag_s)``: refuses new requests from then on, as a draining engine does, and says
         # so in the registry only ``lag_s`` later (a heartbeat that has not landed yet).
@@ -112,7 +114,7 @@ class FakeEngine(threading.Thread):
         return InstanceInfo(
             instance_id=self.instance_id,
             role=self.role,
-            model=MODEL_ID,
+            model=self.model_id,
             control_address=self.address,
             kv_address=f"inproc://{self.instance_id}",
             block_size=self.block_size,

@@ -254,8 +254,11 @@ def test_a_router_process_killed_while_it_runs_leaves_it_failed_once_its_lease_l
     """A real router process, SIGKILLed mid-response: nothing of it says goodbye. Another router reads the
     response ``in_progress`` while its lease holds, then ``failed``."""
     reply = list(tokenizer.encode(" word" * 200, add_special_tokens=False))  # 20 s: it cannot end first
-    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.1}, request_timeout_s=60.0,
-                    response_ttl_s=600) as (server, _):
+    from common.model.loader import model_identity
+
+    # The fakes say they serve the router process's model: it would leave out instances of another.
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.1, "model_id": model_identity(tokenizer_dir)},
+                    request_timeout_s=60.0, response_ttl_s=600) as (server, _):
         port = free_port()
         root = Path(__file__).resolve().parents[2]
         doomed = subprocess.Popen(

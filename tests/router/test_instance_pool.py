@@ -65,3 +65,31 @@ def test_a_hung_registry_is_not_waited_for() -> None:
 
     assert asyncio.run(run()) < 5
     assert registry.reads == 1
+
+
+def test_instances_of_another_model_in_the_same_namespace_are_left_out(redis_url: str, caplog: Any) -> None:
+    """Two deployments of different models sharing a Redis namespace: a router takes only the instances
+    whose model config is its own (another folder name for the same config is the same model), and says
+    once which it left out."""
+    import logging
+    import uuid
+
+    from common.registry import InstanceInfo, Registry
+
+    registry = Registry(redis_url, f"models-{uuid.uuid4().hex[:8]}")
+    mine, theirs = "my-llama:0123456789abcdef", "their-qwen:fedcba9876543210"
+    for instance_id, model in [("ours", mine), ("ours-elsewhere", "llama-copy:0123456789abcdef"),
+                               ("foreign", theirs)]:
+        registry.heartbeat(InstanceInfo(instance_id=instance_id, role="decode", model=model,
+                                        control_address=f"tcp://127.0.0.1:{1000 + len(instance_id)}"))
+    pool = InstancePool(registry, _Client(), model_identity=mine)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="router.instance_pool"):
+        for _ in range(3):
+            asyncio.run(pool.refresh())
+    assert sorted(info.instance_id for info in pool.alive("decode")) == ["ours", "ours-elsewhere"]
+    warnings = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(warnings) == 1 and "foreign serves model their-qwen" in warnings[0]
+    anyone = InstancePool(registry, _Client())  # type: ignore[arg-type]  # no identity: a router before stand-ins
+    asyncio.run(anyone.refresh())
+    assert len(anyone.alive("decode")) == 3
+    registry.close()

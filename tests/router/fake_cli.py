@@ -14,6 +14,7 @@ import sys
 import threading
 
 from common.cluster_key import ClusterKey
+from common.model.loader import model_identity, resolve_model_path
 from tests.router.fake_engine import FakeEngine
 
 
@@ -43,13 +44,16 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("--instance-id", required=True)
+    parser.add_argument("--model", default=None)
     args, _ = parser.parse_known_args(rest)
     if _told_to_exit(args.instance_id):
         return _exit_at_once(args.instance_id)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # It says it serves the model it was given, as an engine does: the router leaves out any other model's.
     engine = FakeEngine(
-        role, args.instance_id, args.redis_url, "pdserve", [28, 29, 30, 31], peers={}, cluster_key=ClusterKey.load()
+        role, args.instance_id, args.redis_url, "pdserve", [28, 29, 30, 31], peers={}, cluster_key=ClusterKey.load(),
+        model_id=model_identity(resolve_model_path(args.model)),
     )
     engine.start()
     stop.wait()

@@ -66,8 +66,9 @@ def resolve_model_path(name_or_path: str | None = None, hf_overrides: dict[str, 
 
 def overridden_model(path: Path, overrides: dict[str, Any]) -> Path:
     """The checkpoint at ``path`` with ``overrides`` set over its ``config.json``'s top-level keys, as vLLM's
-    ``--hf-overrides`` sets them: a folder in the cache, named as the model's, holding its config.json so
-    changed and every other file of the model by a symbolic link. Every reader (engines, router, tokenizer)
+    ``--hf-overrides`` sets them: a folder in the cache (or in the temporary folder where the cache cannot be
+    written: a cluster's read-only model volume), named as the model's, holding its config.json so changed
+    and every other file of the model by a symbolic link. Every reader (engines, router, tokenizer)
     then sees the one config; a model identity of the folder's name and config tells its blocks apart.
     Processes that make it at once make one folder (each builds its own, the first rename wins)."""
     config = json.loads((path / "config.json").read_text())
@@ -75,11 +76,24 @@ def overridden_model(path: Path, overrides: dict[str, Any]) -> Path:
         raise ValueError(f"{path / 'config.json'}: expected a JSON object")
     text = json.dumps({**config, **overrides}, indent=2, sort_keys=True)
     key = hashlib.sha256(f"{path.resolve()}\0{text}".encode()).hexdigest()[:16]
-    parent = cache_dir() / "overrides" / key
+    # The cache, or where it is read-only (a cluster's model volume) the temporary folder.
+    roots = [cache_dir() / "overrides", Path(tempfile.gettempdir()) / "pdserve-overrides"]
+    for root in roots:
+        if (root / key / path.name / "config.json").is_file():
+            return root / key / path.name  # the key holds the source folder and the whole config: the same
+    failures = []
+    for root in roots:
+        try:
+            (root / key).mkdir(parents=True, exist_ok=True)
+            return _link_overridden(path, text, root / key)
+        except OSError as exc:
+            failures.append(f"{root}: {exc}")
+    raise ValueError(f"--hf-overrides: no folder to write the overridden model in ({'; '.join(failures)})")
+
+
+def _link_overridden(path: Path, text: str, parent: Path) -> Path:
+    """``parent / path.name``: ``text`` as its config.json, every other file of ``path`` linked."""
     target = parent / path.name
-    if (target / "config.json").is_file():
-        return target  # the key holds the source folder and the whole config: the same folder
-    parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".overrides-", dir=parent))
     try:
         for entry in path.iterdir():

@@ -275,3 +275,15 @@ def test_hf_overrides_make_one_folder_beside_the_cache_that_every_reader_sees(tm
     assert other != first and json.loads((other / "config.json").read_text())["num_labels"] == 2
     assert resolve_model_path(str(source)) == source and resolve_model_path(str(source), {}) == source
     assert model_identity(first) != model_identity(source)  # blocks hashed apart
+    # A cache that cannot be written (a cluster's read-only model volume): the temporary folder.
+    import tempfile
+
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "not-a-folder"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    fallback = resolve_model_path(str(source), overrides)
+    assert fallback.is_relative_to(tmp_path / "tmp") and (fallback / "tokenizer.json").is_file()
+    assert resolve_model_path(str(source), overrides) == fallback
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "not-a-folder"))
+    with pytest.raises(ValueError, match="--hf-overrides: no folder to write the overridden model in"):
+        resolve_model_path(str(source), {"num_labels": 3})

@@ -219,7 +219,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from common.model.loader import headless_architecture, model_identity, resolve_model_path
+    from common.model.loader import (
+        headless_architecture,
+        model_identity,
+        overridden_model,
+        resolve_model_path,
+    )
     from router.app import create_app
     from router.pooling import PoolingConfig
     from router.state import RouterState
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     from router.tool_parsers import detect_parser
 
     source_dir = resolve_model_path(args.model)
-    model_dir = resolve_model_path(args.model, args.hf_overrides)
+    model_dir = overridden_model(source_dir, args.hf_overrides) if args.hf_overrides else source_dir
     try:
         prompts = PromptProcessor.from_model_dir(model_dir, load_chat_template(args.chat_template))
     except ValueError as exc:

@@ -37,20 +37,15 @@ from router.state import RouterState
 POOLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-class PoolingInputRequest(CheckedRequest, ChatTemplateOptions):
-    """The inputs of ``/v1/embeddings`` and ``/classify``: texts or token ids (``input``), or vLLM's chat
-    form (``messages``, one conversation rendered by the model's chat template), and vLLM's extras on them."""
+class PoolingRequest(CheckedRequest):
+    """The fields every pooling endpoint's request has: the model, vLLM's truncation, id and salt extras,
+    and those it refuses unless they ask for what is done (each subclass's ``check``)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    input: PromptInput | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_generation_prompt: StrictBool = False  # vLLM's default for a pooled conversation
     user: str | None = None
-    # vLLM's extras: the tokenizer's BOS and the like around a text (default: yes for ``input``, no on top of
-    # the chat template's for ``messages``); keep only a prompt's last k tokens.
-    add_special_tokens: StrictBool | None = None
+    # vLLM's: keep only a prompt's last k tokens (-1: as many as the context holds).
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31)
     # vLLM's: the response's id is "<prefix>-<request_id>"; a salt of the request's own for its prefix-cache blocks.
     request_id: StrictStr | None = Field(default=None, min_length=1, max_length=128)
@@ -58,6 +53,18 @@ class PoolingInputRequest(CheckedRequest, ChatTemplateOptions):
     # vLLM's extras not implemented: refused unless they ask for what is done anyway.
     priority: Any = None
     mm_processor_kwargs: Any = None
+
+
+class PoolingInputRequest(PoolingRequest, ChatTemplateOptions):
+    """The inputs of ``/v1/embeddings`` and ``/classify``: texts or token ids (``input``), or vLLM's chat
+    form (``messages``, one conversation rendered by the model's chat template), and vLLM's extras on them."""
+
+    input: PromptInput | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: StrictBool = False  # vLLM's default for a pooled conversation
+    # vLLM's: the tokenizer's BOS and the like around a text (default: yes for ``input``, no on top of the
+    # chat template's for ``messages``).
+    add_special_tokens: StrictBool | None = None
 
     def num_inputs(self) -> int:
         if self.input is None or isinstance(self.input, str) or not self.input or isinstance(self.input[0], int):

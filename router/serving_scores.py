@@ -18,15 +18,22 @@ from typing import Any, Literal
 
 import numpy as np
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, Field, StrictBool, StrictStr
 
 from router.admission import CLIENT_KEY
 from router.config import RequestLimits
 from router.errors import bad_request
-from router.openai_models import CheckedRequest, parse_request
+from router.openai_models import parse_request
 from router.pooling import ClassifierConfig
 from router.serving import DisconnectWaiter, response_ids
-from router.serving_pooling import PoolingInputRequest, check_num_inputs, check_truncation, fit_prompts, pool
+from router.serving_pooling import (
+    PoolingInputRequest,
+    PoolingRequest,
+    check_num_inputs,
+    check_truncation,
+    fit_prompts,
+    pool,
+)
 from router.state import RouterState
 
 
@@ -70,17 +77,8 @@ class ClassificationResponse(BaseModel):
 ScoreInput = StrictStr | list[StrictStr]
 
 
-class _ScoringRequest(CheckedRequest, _Activation):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    user: str | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31)
-    request_id: StrictStr | None = Field(default=None, min_length=1, max_length=128)
-    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=256)
+class _ScoringRequest(PoolingRequest, _Activation):
     # vLLM's extras not implemented: refused unless they ask for what is done anyway.
-    priority: Any = None
-    mm_processor_kwargs: Any = None
     instruction: Any = None
     max_tokens_per_query: Any = None
     max_tokens_per_doc: Any = None

@@ -32,7 +32,7 @@ from common.kvcache.block_pool import KVBlock
 from common.kvcache.hashing import BlockHash
 from common.kvcache.kv_cache_manager import KVCacheManager
 from common.lora_modules import LoRAModule
-from common.model.loader import headless_architecture
+from common.model.loader import classifier_architecture, headless_architecture
 from common.model.lora import LoRAManager
 from common.protocol import (
     MAX_PROMPT_LOGPROB_ENTRIES,
@@ -146,6 +146,7 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         # A base model saved without its output head serves pooling requests only (``headless_architecture``).
         self.headless = headless_architecture(self.runner.hf_config)
+        self.classifier = classifier_architecture(self.runner.hf_config)  # a score head: pooling "classify"
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv.keep_freed = config.async_scheduling
         self.scheduler = Scheduler(
@@ -272,7 +273,7 @@ class LLMEngine:
         classifier's logits of it ("classify")."""
         if pooling is not None:
             _check_pooling(pooling, params, kv_transfer, output_token_ids)
-            if pooling == "classify" and self.runner.model.score is None:
+            if pooling == "classify" and self.classifier is None:
                 raise ValueError(f"pooling 'classify': the model ({self.headless or 'a causal LM'}) has no "
                                  "classification head (only a ...ForSequenceClassification checkpoint has)")
         elif self.headless is not None:

@@ -675,9 +675,7 @@ class LlamaForCausalLM(nn.Module):
     def classify(self, hidden: Tensor) -> Tensor:
         """A sequence classifier's logits of final hidden states (``[rows, num_labels]``, float32): the
         ``score`` projection in the weights' dtype, as transformers computes it."""
-        if self.score is None:
-            raise ValueError(f"the model ({self.headless or 'a causal LM'}) has no classification head: only a "
-                             "...ForSequenceClassification checkpoint classifies")
+        assert self.score is not None, "only a ...ForSequenceClassification checkpoint classifies (the engine checks)"
         return self.score(hidden).float()
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

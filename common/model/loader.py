@@ -308,8 +308,7 @@ def served_model_name(path: Path) -> str:
 
 
 def _architectures(config: Any) -> list[str]:
-    found = config.get("architectures") if isinstance(config, dict) else getattr(config, "architectures", None)
-    return [str(a) for a in found or []]
+    return [str(a) for a in _getter(config)("architectures") or []]
 
 
 def headless_architecture(config: Any) -> str | None:

@@ -93,6 +93,9 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    # vLLM's ``--quantization``: the checkpoint's quantization method, checked against its config (the
+    # weights are read as the config says either way; ``common.model.quantization.check_quantization``).
+    quantization: str | None = None
     block_size: int = 16
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
@@ -202,6 +205,10 @@ class EngineConfig:
                             help="the KV cache's dtype: the model's (auto), or fp8 (e4m3, scale 1; K and V "
                             "saturated at +-448): half a 16-bit cache's memory, so twice the tokens; "
                             "attention still runs in the model's dtype. Prefill and decode must agree")
+        parser.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                            help="the checkpoint's quantization (fp8, gptq, awq, compressed-tensors, mxfp4; "
+                            "vLLM's gptq_marlin and awq_marlin name the same checkpoints): checked against its "
+                            "config, which decides either way; quantizing an unquantized model is not implemented")
         parser.add_argument("--block-size", type=int, default=d.block_size)
         parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
         parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)

@@ -55,7 +55,7 @@ POLL_S = 0.2
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # the engines' own default (``EngineConfig``), shared out here
 
 ENGINE_FLAGS = ("block_size", "kv_cache_memory", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
-                "max_model_len", "scheduling_policy", "tensor_parallel_size")
+                "max_model_len", "scheduling_policy", "tensor_parallel_size", "quantization")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3"],
                    help="every engine's KV cache dtype (fp8: half a 16-bit cache's memory; auto: the model's)")
+    p.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                   help="the checkpoint's quantization, checked by every engine against its config")
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-model-len", type=int)

@@ -37,6 +37,7 @@ from common.model.llama import AttentionMetadata
 from common.model.loader import model_identity, resolve_model_path
 from common.model.lora import LoRAManager
 from common.model.parallel import SINGLE, TensorParallel
+from common.model.quantization import check_quantization
 from common.model.weights import load_hf_config, load_model
 from common.protocol import PromptLogprob, TokenLogprob
 from common.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -148,6 +149,7 @@ class ModelRunner:
         self.model_path = resolve_model_path(config.model, config.hf_overrides)
         self.model_id = model_identity(self.model_path)
         self.hf_config = load_hf_config(self.model_path)
+        check_quantization(config.quantization, self.hf_config)
         limit = int(getattr(self.hf_config, "max_position_embeddings", 8192))
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")

@@ -86,6 +86,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+from common.model.quantization import (
+    QUANT_AWQ,
+    QUANT_COMPRESSED_TENSORS,
+    QUANT_FP8,
+    QUANT_GPTQ,
+    QUANT_MXFP4,
+    IntWeights,
+)
 from pdserve_kernels.reference import NORM_GEMMA, NORM_LAYER, NORM_LLAMA, NORM_OLMO
 
 # Families whose biases follow Llama's code: q/k/v/o by ``attention_bias``, the MLP's by ``mlp_bias``.
@@ -115,9 +123,6 @@ _HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 _DEEPSEEK_ROUTED_TYPES = ("glm4_moe", "dots1", "deepseek_v3")
 # Families whose modeling code rotates only each head's first ``partial_rotary_factor`` share.
 _PARTIAL_ROPE_TYPES = ("glm4_moe", "minimax_m2", "phi", "stablelm", "gpt_neox", "persimmon", *_GLM_TYPES)
-# Quantized checkpoints served (``ModelArch.quantization``), by their ``quant_method``.
-QUANT_MXFP4 = "mxfp4"
-QUANT_FP8 = "fp8"
 # How a mixture's router picks and weighs experts, as each family's transformers code does:
 ROUTER_SOFTMAX_TOPK = "softmax_topk"  # softmax over all experts, then the top k (Mixtral, Qwen, OLMoE)
 ROUTER_TOPK_SOFTMAX = "topk_softmax"  # the top k logits, then a softmax over those (Granite)
@@ -337,8 +342,10 @@ class ModelArch:
     # Quantized weights, widened to the model's dtype as they load (the model transformers runs with its
     # quantization config's ``dequantize=True``): ``QUANT_MXFP4``, gpt-oss's released experts (``*_blocks``
     # and ``*_scales``), or ``QUANT_FP8``, 8-bit weights with a scale per block (``weight_scale_inv``: Qwen's,
-    # Mistral's and DeepSeek's FP8 checkpoints). None: none.
+    # Mistral's and DeepSeek's FP8 checkpoints), or integer weights (``QUANT_GPTQ``, ``QUANT_AWQ``,
+    # ``QUANT_COMPRESSED_TENSORS``), whose layout ``int_weights`` says (``common.model.quantization``). None: none.
     quantization: str | None = None
+    int_weights: IntWeights | None = None
     # DeepSeek's Multi-head Latent Attention (``common.model.mla``): one latent KV head per token, its dims the
     # config's (``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``q_lora_rank``);
     # ``rotary_dim`` then the rotated key's width, ``rope_interleaved`` its pairs' layout in the checkpoint.
@@ -506,7 +513,7 @@ class ModelArch:
             parallel_mlp_norm=falcon.get("parallel_mlp_norm", model_type == "gpt_neox"),
             mlp_width=falcon.get("mlp_width"),
             logit_scale=_positive_or_none(config, "logit_scale") if model_type in _COHERE_TYPES else None,
-            quantization=_quantization(config, model_type),
+            **_quantization(config, model_type),
             **(_query_scale(config) if model_type == "ministral3" else {}),
             post_norms_only=olmo or model_type == "exaone4",  # EXAONE 4's in Llama's norm form
             qk_norm_full_width=olmo or model_type in ("olmoe", "minimax_m2"),
@@ -682,19 +689,20 @@ def _shared_experts_width(config: Any, field: str, inter: int) -> int:
     return inter * n_shared
 
 
-def _quantization(config: Any, model_type: str) -> str | None:
-    """The checkpoint's weight quantization (``QUANT_*``), checked: gpt-oss's MXFP4 experts (transformers
-    quantizes only those, whatever ``modules_to_not_convert`` lists), or block-wise FP8 weights whose
-    activations are quantized on the fly (``activation_scheme: dynamic``), which widened weights compute
-    as transformers' dequantized model does; anything else refused by name."""
+def _quantization(config: Any, model_type: str) -> dict[str, Any]:
+    """The checkpoint's weight quantization (``ModelArch.quantization`` and ``int_weights``), checked:
+    gpt-oss's MXFP4 experts (transformers quantizes only those, whatever ``modules_to_not_convert`` lists),
+    block-wise FP8 weights whose activations are quantized on the fly (``activation_scheme: dynamic``),
+    which widened weights compute as transformers' dequantized model does, or integer weights with
+    unquantized activations (GPTQ, AWQ, compressed-tensors); anything else refused by name."""
     quantization = getattr(config, "quantization_config", None)
     if quantization in (None, {}):
-        return None
+        return {}
     fields = quantization if isinstance(quantization, dict) else vars(quantization)
     method = fields.get("quant_method")
     method = getattr(method, "value", method)  # transformers' QuantizationMethod is a str enum
     if method == QUANT_MXFP4 and model_type == "gpt_oss":
-        return QUANT_MXFP4
+        return {"quantization": QUANT_MXFP4}
     if method == QUANT_FP8:
         if fields.get("activation_scheme", "dynamic") != "dynamic":
             raise UnsupportedConfig("quantization_config.activation_scheme", fields.get("activation_scheme"),
@@ -703,9 +711,82 @@ def _quantization(config: Any, model_type: str) -> str | None:
         if block is not None and not (isinstance(block, (list, tuple)) and len(block) == 2 and all(
                 _positive_int(b) for b in block)):
             raise UnsupportedConfig("quantization_config.weight_block_size", block, "must be two positive integers")
-        return QUANT_FP8
+        return {"quantization": QUANT_FP8}
+    readers = {QUANT_GPTQ: _gptq_weights, QUANT_AWQ: _awq_weights, QUANT_COMPRESSED_TENSORS: _compressed_weights}
+    if method in readers:
+        if model_type == "gpt_oss":
+            raise UnsupportedConfig("quantization_config.quant_method", method, "gpt-oss's experts are fused "
+                                    "tensors, not linear layers: integer weights are not implemented for it")
+        return {"quantization": method, "int_weights": readers[method](fields)}
     raise UnsupportedConfig("quantization_config.quant_method", method,
-                            "implemented: fp8 (block-wise, dynamic activations), and mxfp4 for gpt-oss's experts")
+                            "implemented: fp8 (block-wise, dynamic activations), gptq, awq, compressed-tensors "
+                            "(integer weights), and mxfp4 for gpt-oss's experts")
+
+
+def _gptq_weights(fields: dict[str, Any]) -> IntWeights:
+    """GPTQ (AutoGPTQ's and GPTQModel's checkpoints): 2, 4 or 8 bits in int32 words, in the original format
+    (zero points stored minus one) or GPTQModel's v2; ``desc_act``'s group order comes with ``g_idx``."""
+    bits = fields.get("bits")
+    if bits not in (2, 4, 8):
+        raise UnsupportedConfig("quantization_config.bits", bits, "implemented for gptq: 2, 4 and 8")
+    layout = fields.get("checkpoint_format") or fields.get("format") or "gptq"
+    if layout not in ("gptq", "gptq_v2"):
+        raise UnsupportedConfig("quantization_config.checkpoint_format", layout, "implemented: gptq, gptq_v2")
+    if fields.get("is_marlin_format"):
+        raise UnsupportedConfig("quantization_config.is_marlin_format", True, "Marlin's repacked layout is not "
+                                "implemented (gptq's is)")
+    if str(fields.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
+        raise UnsupportedConfig("quantization_config.pack_dtype", fields.get("pack_dtype"), "implemented: int32")
+    return IntWeights(QUANT_GPTQ, (bits,), zeros_minus_one=layout == "gptq")
+
+
+def _awq_weights(fields: dict[str, Any]) -> IntWeights:
+    """AWQ in AutoAWQ's GEMM layout (``version: gemm``, the one its 4-bit releases use)."""
+    if fields.get("bits", fields.get("w_bit")) != 4:
+        raise UnsupportedConfig("quantization_config.bits", fields.get("bits"), "implemented for awq: 4")
+    version = str(fields.get("version", "gemm")).lower()
+    version = version.removeprefix("awqlinearversion.")  # transformers' enum, written by name
+    if version != "gemm":
+        raise UnsupportedConfig("quantization_config.version", fields.get("version"), "implemented for awq: gemm")
+    if fields.get("backend") not in (None, "autoawq", "auto"):
+        raise UnsupportedConfig("quantization_config.backend", fields.get("backend"), "implemented for awq: autoawq")
+    return IntWeights(QUANT_AWQ, (4,))
+
+
+def _compressed_weights(fields: dict[str, Any]) -> IntWeights:
+    """compressed-tensors (llm-compressor's checkpoints) in its ``pack-quantized`` format: integer weights of
+    4 or 8 bits, a scale per group or channel, symmetric or not, activations left unquantized (W4A16,
+    W8A16). Activation or KV-cache quantization, sparsity and transforms change the math: refused."""
+    status = fields.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise UnsupportedConfig("quantization_config.quantization_status", status, "implemented: compressed")
+    for name in ("kv_cache_scheme", "transform_config"):
+        if fields.get(name):
+            raise UnsupportedConfig(f"quantization_config.{name}", fields[name], "not implemented")
+    sparsity = fields.get("sparsity_config") or {}
+    if (sparsity.get("format") if isinstance(sparsity, dict) else sparsity) not in (None, "dense"):
+        raise UnsupportedConfig("quantization_config.sparsity_config", sparsity, "sparse formats are not implemented")
+    groups = fields.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise UnsupportedConfig("quantization_config.config_groups", groups, "must name at least one scheme")
+    bits: set[int] = set()
+    for key, scheme in groups.items():
+        field = f"quantization_config.config_groups.{key}"
+        layout = scheme.get("format") or fields.get("format")
+        if layout != "pack-quantized":
+            raise UnsupportedConfig(f"{field}.format", layout, "implemented: pack-quantized (integer weights)")
+        for activations in ("input_activations", "output_activations"):
+            if scheme.get(activations):
+                raise UnsupportedConfig(f"{field}.{activations}", scheme[activations],
+                                        "quantized activations are not implemented (weights only: W4A16, W8A16)")
+        weights = scheme.get("weights") or {}
+        for name, allowed in (("type", ("int",)), ("num_bits", (4, 8)), ("strategy", ("group", "channel")),
+                              ("dynamic", (False, None)), ("block_structure", (None,))):
+            if weights.get(name) not in allowed:
+                raise UnsupportedConfig(f"{field}.weights.{name}", weights.get(name),
+                                        f"implemented: {', '.join(map(str, allowed))}")
+        bits.add(int(weights["num_bits"]))
+    return IntWeights(QUANT_COMPRESSED_TENSORS, tuple(sorted(bits)))
 
 
 def _ernie_moe_layers(config: Any, num_layers: int) -> tuple[int, ...]:

@@ -15,17 +15,17 @@ import torch
 from safetensors import safe_open
 
 from common.files import write_atomically
-from common.model.arch import (
-    IMAGE_TEXT_TYPES,
-    QUANT_FP8,
-    QUANT_MXFP4,
-    SUPPORTED_MODEL_TYPES,
-    ModelArch,
-    language_model_config,
-)
+from common.model.arch import IMAGE_TEXT_TYPES, SUPPORTED_MODEL_TYPES, ModelArch, language_model_config
 from common.model.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 from common.model.loader import FROM_2_WAY_SOFTMAX, cache_dir, classifier_from_tokens
 from common.model.parallel import TensorParallel, shard_of, shard_rules, shard_state
+from common.model.quantization import (
+    QUANT_FP8,
+    QUANT_MXFP4,
+    dequantize_fp8,
+    dequantize_mxfp4,
+    widen_int_weights,
+)
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "load_model", "stack_experts", "stack_projections"]
 
@@ -253,6 +253,8 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
             state[weight] = dequantize_fp8(state[weight], state.pop(name), dtype)
         for name in [n for n in state if n.endswith((".activation_scale", ".input_scale"))]:
             raise ValueError(f"checkpoint mismatch: {name}: static activation scales are not implemented")
+    if model.arch.int_weights is not None:
+        widen_int_weights(state, model.arch.int_weights, dtype)
     if image_text:
         for name in [n for n in state if _VISION_NAMES.match(n)]:
             del state[name]
@@ -429,45 +431,6 @@ def stack_experts(state: dict[str, torch.Tensor]) -> None:
         if missing:
             raise ValueError(f"checkpoint mismatch: {prefix} lacks {kind} of experts {missing[:5]}")
         state[f"{prefix}.{kind}"] = torch.stack([state.pop(experts[e]) for e in range(len(experts))])
-
-
-def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An 8-bit weight ``[..., rows, cols]`` (e4m3) widened to ``dtype``: each block of it (the weight's
-    shape over the scales' grid) times its scale (``weight_scale_inv`` ``[..., rows / m, cols / n]``) in
-    float32, rounded once, as transformers dequantizes it."""
-    if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise ValueError(f"an FP8 checkpoint's weight must be float8; got {weight.dtype}")
-    rows, cols = weight.shape[-2:]
-    grid = scale_inv.shape[-2:] if scale_inv.dim() >= 2 else (1, 1)
-    if scale_inv.numel() != weight[..., :1, :1].numel() * grid[0] * grid[1] or rows % grid[0] or cols % grid[1]:
-        raise ValueError(f"weight {tuple(weight.shape)} does not split into the scales' {tuple(grid)} blocks")
-    blocks = weight.float().reshape(-1, grid[0], rows // grid[0], grid[1], cols // grid[1])
-    scales = scale_inv.float().reshape(-1, grid[0], 1, grid[1], 1)
-    return (blocks * scales).to(dtype).reshape(weight.shape)
-
-
-# MXFP4's four-bit values (e2m1), by code: the high bit the sign.
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """gpt-oss's MXFP4 experts widened to ``dtype``: ``blocks`` ``[E, rows, groups, 16]`` bytes, each two
-    e2m1 values (the low four bits first), ``scales`` ``[E, rows, groups]``, each group's power of two
-    (e8m0: 2 ** (s - 127)). Returns ``[E, groups * 32, rows]``, the layout of gpt-oss's unquantized
-    checkpoints (input-major). Every value is a small integer over a power of two, exact in float32 and
-    in bfloat16, so the widening is exact, as transformers' own; one expert at a time, to bound the
-    temporaries of a large checkpoint."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} do not fit scales "
-                         f"{tuple(scales.shape)} {scales.dtype}")
-    values = torch.tensor(_E2M1, dtype=torch.float32)
-    num_experts, rows, groups, num_bytes = blocks.shape
-    out = torch.empty(num_experts, rows, groups, 2 * num_bytes, dtype=dtype)
-    for e in range(num_experts):
-        codes = torch.stack(((blocks[e] & 0x0F).long(), (blocks[e] >> 4).long()), dim=-1).flatten(-2)
-        powers = torch.exp2(scales[e].float() - 127)[..., None]
-        out[e] = (values[codes] * powers).to(dtype)
-    return out.reshape(num_experts, rows, groups * 2 * num_bytes).transpose(1, 2)
 
 
 def gpt_oss_experts(state: dict[str, torch.Tensor]) -> None:

@@ -33,6 +33,13 @@ def _gemma3(**fields: Any) -> Any:
                    **fields)
 
 
+def _compressed(**scheme: Any) -> dict[str, Any]:
+    """A compressed-tensors quantization config of one scheme: W4A16 by groups of 16, ``scheme`` over it."""
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, **scheme}}}
+
+
 REFUSED = [
     ("rope-dynamic", lambda: _config("LlamaConfig", rope_parameters={
         "rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
@@ -44,8 +51,24 @@ REFUSED = [
     ("activation", lambda: _config("LlamaConfig", hidden_act="gelu"), "hidden_act"),
     ("final-softcap", lambda: _config("LlamaConfig", final_logit_softcapping=30.0), "final_logit_softcapping"),
     ("attn-softcap", lambda: _config("LlamaConfig", attn_logit_softcapping=50.0), "attn_logit_softcapping"),
-    ("quantized", lambda: _config("LlamaConfig", quantization_config={"quant_method": "awq", "bits": 4}),
+    ("quantized", lambda: _config("LlamaConfig", quantization_config={"quant_method": "bitsandbytes"}),
      "quantization_config.quant_method"),
+    ("gptq-3-bits", lambda: _config("LlamaConfig", quantization_config={"quant_method": "gptq", "bits": 3}),
+     "quantization_config.bits"),
+    ("gptq-marlin", lambda: _config("LlamaConfig", quantization_config={
+        "quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}), "quantization_config.checkpoint_format"),
+    ("awq-gemv", lambda: _config("LlamaConfig", quantization_config={"quant_method": "awq", "bits": 4,
+                                                                     "version": "gemv"}), "quantization_config.version"),
+    ("compressed-tensors-w8a8", lambda: _config("LlamaConfig", quantization_config=_compressed(input_activations={
+        "num_bits": 8, "type": "int", "strategy": "token", "dynamic": True})),
+     "quantization_config.config_groups.group_0.input_activations"),
+    ("compressed-tensors-fp8", lambda: _config("LlamaConfig", quantization_config=_compressed(format="float-quantized")),
+     "quantization_config.config_groups.group_0.format"),
+    ("compressed-tensors-sparse", lambda: _config("LlamaConfig", quantization_config={
+        **_compressed(), "sparsity_config": {"format": "sparse-24-bitmask"}}), "quantization_config.sparsity_config"),
+    ("compressed-tensors-block", lambda: _config("LlamaConfig", quantization_config=_compressed(weights={
+        "num_bits": 4, "type": "int", "strategy": "block", "block_structure": [16, 16]})),
+     "quantization_config.config_groups.group_0.weights.strategy"),
     ("llama-mxfp4", lambda: _config("LlamaConfig", quantization_config={"quant_method": "mxfp4"}),
      "quantization_config.quant_method"),
     ("fp8-static-activations", lambda: _config("LlamaConfig", quantization_config={

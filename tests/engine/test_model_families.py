@@ -339,7 +339,7 @@ def test_mxfp4_widens_to_transformers_own_bits(dtype: torch.dtype) -> None:
     """Every byte (two codes) under scales from 2**-127 to 2**127, against transformers' dequantization."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from common.model.weights import dequantize_mxfp4
+    from common.model.quantization import dequantize_mxfp4
 
     gen = torch.Generator().manual_seed(5)
     blocks = torch.arange(256, dtype=torch.uint8)[torch.randperm(256, generator=gen)].reshape(2, 4, 2, 16)
@@ -382,10 +382,96 @@ def test_a_quantized_checkpoint_equals_transformers_dequantized(checkpoint, engi
     assert [c[0] for c in engine.generate([prompt], GREEDY)] == [hf_greedy(folder, prompt, MAX_NEW_TOKENS, **dequantize)]
 
 
+@pytest.mark.parametrize(("name", "method", "options"), [
+    ("llama-bias", "gptq", {"bits": 4, "desc_act": True}), ("gpt-neox-parallel-two-norms", "gptq", {"bits": 8, "v2": True}),
+    ("qwen3-qk-norm", "gptq", {"bits": 2, "desc_act": False}),
+    ("qwen3-moe-dense-layer", "gptq", {"bits": 4, "desc_act": False}), ("qwen3-qk-norm", "awq", {}),
+    ("phi3-window", "compressed-tensors", {"bits": 4, "group": 16}),
+    ("mistral-window", "compressed-tensors", {"bits": 8, "group": None, "symmetric": True}),
+], ids=["gptq-4-desc-act", "gptq_v2-8-fused-qkv", "gptq-2", "gptq-4-moe", "awq", "compressed-tensors-w4a16-group",
+        "compressed-tensors-w8a16-channel"])
+def test_an_integer_quantized_checkpoint_equals_its_dequantized_model(checkpoint, engines, tmp_path, name: str,  # type: ignore[no-untyped-def]
+                                                                      method: str, options: dict[str, Any]) -> None:
+    """Integer weights as GPTQ (its original and v2 formats, 4 and 8 bits, groups in activation order, a
+    fused q/k/v, a mixture's experts), AutoAWQ and compressed-tensors store them: logits over the prompt and
+    greedy output through the engine equal transformers' on the dequantized model. Its reference, where
+    this host can run one, is transformers' own loading through compressed-tensors (``run_compressed``
+    false); AWQ's after compressed-tensors' own converter from AutoAWQ's layout; GPTQ's (whose libraries need
+    a newer torch) the checkpoint of the weights the quantization stands for."""
+    from transformers import CompressedTensorsConfig
+
+    from common.model.weights import load_model
+    from pdserve_kernels import reference
+    from tests.engine.tiny_models import (
+        awq_as_compressed_tensors,
+        awq_checkpoint,
+        compressed_tensors_checkpoint,
+        gptq_checkpoint,
+    )
+
+    source, folder = checkpoint(name), tmp_path / "quantized"
+    decompress: dict[str, Any] = {"quantization_config": CompressedTensorsConfig(run_compressed=False)}
+    if method == "gptq":
+        reference_folder, decompress = tmp_path / "dequantized", {}
+        gptq_checkpoint(source, folder, reference_folder, **options)
+    elif method == "awq":
+        reference_folder = awq_as_compressed_tensors(awq_checkpoint(source, folder), tmp_path / "converted")
+    else:
+        reference_folder = compressed_tensors_checkpoint(source, folder, **options)
+    prompt = prompt_token_ids(PROMPT_LEN)
+    with torch.inference_mode():
+        hf = hf_model(reference_folder, **decompress)(torch.tensor([prompt])).logits[0]
+        unquantized = hf_model(source)(torch.tensor([prompt])).logits[0]
+    assert (hf - unquantized).abs().max() > 1e-2
+    model = load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64)
+    assert model.arch.quantization == method
+    torch.testing.assert_close(_logits(model, prompt), hf, atol=1e-4, rtol=1e-4)
+    # vLLM's --quantization, with its kernels' names for the same checkpoints, is checked against the config.
+    engine = _engine(engines, folder, quantization={"gptq": "gptq_marlin", "awq": "awq_marlin"}.get(method, method))
+    assert [c[0] for c in engine.generate([prompt], GREEDY)] == [hf_greedy(reference_folder, prompt, MAX_NEW_TOKENS,
+                                                                           **decompress)]
+    with pytest.raises(ValueError, match=f"--quantization fp8: the checkpoint's quantization_config says {method}"):
+        _engine(engines, folder, quantization="fp8")
+    with pytest.raises(ValueError, match="not quantized, and quantizing a model as it loads is not implemented"):
+        _engine(engines, source, quantization=method)
+
+
+def test_awq_s_packing_order_and_stray_tensors() -> None:
+    """AutoAWQ's nibble order read as compressed-tensors' converter reads it, on random words; a scale or
+    zero point without its packed weights, or packed weights that do not fit their scales, is a broken
+    checkpoint."""
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+    from common.model.quantization import QUANT_AWQ, QUANT_GPTQ, IntWeights, widen_int_weights
+
+    gen = torch.Generator().manual_seed(3)
+    qweight = torch.randint(-2**31, 2**31 - 1, (32, 2), generator=gen, dtype=torch.int32)
+    qzeros = torch.randint(-2**31, 2**31 - 1, (2, 2), generator=gen, dtype=torch.int32)
+    scales = torch.rand(2, 16, generator=gen).half()
+    state = {"x.qweight": qweight, "x.qzeros": qzeros, "x.scales": scales}
+    widen_int_weights(state, IntWeights(QUANT_AWQ, (4,)), torch.float32)
+    weight, scale, zero = AutoAWQConverter(group_size=16)._convert_gemm_module(qweight, scales, qzeros)
+    expected = (weight.int() - zero.int().repeat_interleave(16, dim=1)).half() * scale.repeat_interleave(16, dim=1)
+    assert set(state) == {"x.weight"} and torch.equal(state["x.weight"], expected.float())
+    state = {"x.qweight": qweight, "x.scales": scales}  # ``zero_point: false``: the middle value, as the converter's
+    widen_int_weights(state, IntWeights(QUANT_AWQ, (4,)), torch.float32)
+    weight, scale, _ = AutoAWQConverter(group_size=16, zero_point=False)._convert_gemm_module(qweight, scales, None)
+    assert torch.equal(state["x.weight"], (weight.half() * scale.repeat_interleave(16, dim=1)).float())
+    with pytest.raises(ValueError, match="without their qweight"):
+        widen_int_weights({"x.scales": scales}, IntWeights(QUANT_AWQ, (4,)), torch.float32)
+    with pytest.raises(ValueError, match="does not fit"):
+        widen_int_weights({"x.qweight": qweight, "x.qzeros": qzeros, "x.scales": scales[:, :8]},
+                          IntWeights(QUANT_AWQ, (4,)), torch.float32)
+    with pytest.raises(ValueError, match="group index"):  # GPTQ's g_idx naming a group it has no scale for
+        widen_int_weights({"x.qweight": qweight.reshape(8, 8)[:4], "x.qzeros": qzeros[:, :1], "x.scales": scales[:, :8],
+                           "x.g_idx": torch.full((32,), 2, dtype=torch.int32)}, IntWeights(QUANT_GPTQ, (4,)),
+                          torch.float32)
+
+
 def test_fp8_widens_each_block_by_its_scale_as_transformers_does() -> None:
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-    from common.model.weights import dequantize_fp8
+    from common.model.quantization import dequantize_fp8
 
     gen = torch.Generator().manual_seed(2)
     weight = (100 * torch.randn(3, 32, 48, generator=gen)).to(torch.float8_e4m3fn)

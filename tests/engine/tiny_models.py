@@ -555,6 +555,155 @@ def fp8_checkpoint(folder: Path, target: Path, block: int = 16) -> Path:
     return target
 
 
+def int_quantize(weight: torch.Tensor, bits: int, group: int, symmetric: bool, act_order: bool = False,
+                 scale_dtype: torch.dtype = torch.float16, min_zero: int = 0) -> dict[str, torch.Tensor]:
+    """A weight ``[out, in]`` quantized to unsigned integers of ``bits`` with a scale (in ``scale_dtype``) and
+    a zero point per row and group of ``group`` inputs (``group`` = in: one per row), as GPTQ and AWQ
+    quantize: ``q``, ``zeros``, ``scales`` ``[out, groups]``, ``g_idx`` ``[in]`` (the inputs' groups:
+    contiguous, or with ``act_order`` spread over the row as GPTQ's ``desc_act`` leaves them), and
+    ``dequantized``, ``(q - zeros) * scales`` rounded once in ``scale_dtype``. Zero points are at least
+    ``min_zero``."""
+    out, inputs = weight.shape
+    g_idx = torch.arange(inputs) // group
+    if act_order:
+        g_idx = g_idx[torch.randperm(inputs, generator=torch.Generator().manual_seed(out + inputs))]
+    groups = inputs // group
+    members = torch.stack([weight[:, g_idx == g] for g in range(groups)], dim=1)  # [out, groups, group]
+    top = (1 << bits) - 1
+    if symmetric:
+        scales = (members.abs().amax(-1) / ((1 << (bits - 1)) - 1)).to(scale_dtype)
+        zeros = torch.full((out, groups), 1 << (bits - 1), dtype=torch.int32)
+    else:
+        low, high = members.amin(-1).clamp(max=0), members.amax(-1).clamp(min=0)
+        scales = ((high - low) / top).to(scale_dtype)
+        zeros = torch.round(-low / scales.float()).clamp(min_zero, top).to(torch.int32)
+    q = torch.round(weight / scales.float()[:, g_idx]) + zeros[:, g_idx]
+    q = q.clamp(0, top).to(torch.int32)
+    dequantized = (q - zeros[:, g_idx]).to(scale_dtype) * scales[:, g_idx]
+    return {"q": q, "zeros": zeros, "scales": scales, "g_idx": g_idx.to(torch.int32), "dequantized": dequantized}
+
+
+def pack_words(values: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Unsigned values ``[..., n]`` packed ``32 / bits`` to an int32 word along the last dimension, the first
+    value in the lowest bits (with ``order``, the word's value ``k`` in its field ``order[k]``)."""
+    per_word = 32 // bits
+    fields = torch.tensor(order if order is not None else range(per_word), dtype=torch.int64) * bits
+    words = (values.to(torch.int64).reshape(*values.shape[:-1], -1, per_word) << fields).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _quantized_layers(state: dict[str, torch.Tensor]) -> list[str]:
+    """The checkpoint's linear layers' weights within its decoder layers (not embeddings, norms, a mixture's
+    router or the head: as GPTQ, AWQ and llm-compressor leave them)."""
+    return [n for n in state if ".layers." in n and n.endswith(".weight") and state[n].dim() == 2
+            and not n.endswith(".mlp.gate.weight")]
+
+
+def _save_quantized(folder: Path, target: Path, out: dict[str, torch.Tensor], quantization: dict[str, Any]) -> Path:
+    from safetensors.torch import save_file
+
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = quantization
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def gptq_checkpoint(folder: Path, target: Path, reference: Path, bits: int = 4, group: int = 16,
+                    desc_act: bool = True, v2: bool = False) -> Path:
+    """The checkpoint at ``folder`` quantized as GPTQ stores it (AutoGPTQ's and GPTQModel's layout: ``qweight``
+    packed along the inputs, ``qzeros`` along the outputs, minus one unless ``v2``, ``scales``, ``g_idx``),
+    asymmetric, and at ``reference`` the same model with each weight its dequantized value. The original
+    format cannot store a zero point of 0 (it would be -1): there they are 1 or more."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    out, dense = dict(state), dict(state)
+    for name in _quantized_layers(state):
+        prefix = name.removesuffix(".weight")
+        quantized = int_quantize(state[name], bits, group, symmetric=False, act_order=desc_act, min_zero=0 if v2 else 1)
+        del out[name]
+        out[prefix + ".qweight"] = pack_words(quantized["q"], bits).T.contiguous()  # along the inputs
+        out[prefix + ".qzeros"] = pack_words(quantized["zeros"].T - (0 if v2 else 1), bits)
+        out[prefix + ".scales"] = quantized["scales"].T.contiguous()
+        out[prefix + ".g_idx"] = quantized["g_idx"]
+        dense[name] = quantized["dequantized"].float()
+    reference.mkdir(parents=True, exist_ok=True)
+    save_file(dense, str(reference / "model.safetensors"), metadata={"format": "pt"})
+    (reference / "config.json").write_text((folder / "config.json").read_text())
+    return _save_quantized(folder, target, out, {
+        "quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": False,
+        "checkpoint_format": "gptq_v2" if v2 else "gptq"})
+
+
+# AutoAWQ's GEMM layout: column 8j + c of a word's eight in its nibble _AWQ_NIBBLE[c].
+_AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def awq_checkpoint(folder: Path, target: Path, group: int = 16) -> Path:
+    """The checkpoint at ``folder`` quantized to 4 bits as AutoAWQ's GEMM layout stores it (``qweight``
+    ``[in, out / 8]`` and ``qzeros`` packed along the outputs in AWQ's order, ``scales`` ``[groups, out]``)."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    out = dict(state)
+    for name in _quantized_layers(state):
+        prefix = name.removesuffix(".weight")
+        quantized = int_quantize(state[name], 4, group, symmetric=False)
+        del out[name]
+        out[prefix + ".qweight"] = pack_words(quantized["q"].T.contiguous(), 4, _AWQ_NIBBLE)
+        out[prefix + ".qzeros"] = pack_words(quantized["zeros"].T.contiguous(), 4, _AWQ_NIBBLE)
+        out[prefix + ".scales"] = quantized["scales"].T.contiguous()
+    return _save_quantized(folder, target, out, {
+        "quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"})
+
+
+def awq_as_compressed_tensors(awq: Path, target: Path) -> Path:
+    """An AWQ checkpoint converted by compressed-tensors' own AutoAWQ converter: the reference transformers
+    loads (through compressed-tensors) for a format transformers alone cannot run here."""
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+    from safetensors.torch import load_file
+
+    config = json.loads((awq / "config.json").read_text())
+    converter = AutoAWQConverter.from_autoawq_config(config.pop("quantization_config"))
+    out = converter.process(dict(load_file(str(awq / "model.safetensors"))))
+    quantization = converter.update_config(None).model_dump(exclude_none=True)
+    (awq / "plain").mkdir(exist_ok=True)
+    (awq / "plain" / "config.json").write_text(json.dumps(config))
+    return _save_quantized(awq / "plain", target, out, quantization)
+
+
+def compressed_tensors_checkpoint(folder: Path, target: Path, bits: int = 4, group: int | None = 16,
+                                  symmetric: bool = False) -> Path:
+    """The checkpoint at ``folder`` in compressed-tensors' ``pack-quantized`` format (llm-compressor's W4A16 /
+    W8A16), packed by compressed-tensors itself: integers of ``bits``, a scale per ``group`` inputs (None:
+    per channel), zero points unless ``symmetric``."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.torch import load_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    out = dict(state)
+    offset = 1 << (bits - 1)
+    for name in _quantized_layers(state):
+        prefix = name.removesuffix(".weight")
+        weight = state[name]
+        quantized = int_quantize(weight, bits, group or weight.shape[1], symmetric, scale_dtype=torch.bfloat16)
+        del out[name]
+        out[prefix + ".weight_packed"] = pack_to_int32((quantized["q"] - offset).to(torch.int8), bits)
+        out[prefix + ".weight_scale"] = quantized["scales"]
+        out[prefix + ".weight_shape"] = torch.tensor(weight.shape)
+        if not symmetric:
+            out[prefix + ".weight_zero_point"] = pack_to_int32((quantized["zeros"] - offset).to(torch.int8), bits,
+                                                               packed_dim=0)
+    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "dynamic": False,
+               **({"strategy": "group", "group_size": group} if group else {"strategy": "channel"})}
+    return _save_quantized(folder, target, out, {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": ["lm_head"], "quantization_status": "compressed"})
+
+
 def build_tokenizer(folder: Path) -> None:
     """A word-level tokenizer over the tiny vocabulary: ``"w5 w9"`` encodes to ``[1, 5, 9]``."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors

@@ -290,6 +290,14 @@ def _spawned(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, *flags: st
     return spawned
 
 
+def test_up_gives_every_engine_the_quantization_to_check(monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: pathlib.Path) -> None:
+    spawned = _spawned(monkeypatch, tmp_path, "-q", "awq")
+    for name in ("prefill-0", "decode-0"):
+        assert spawned[name][spawned[name].index("--quantization") + 1] == "awq", name
+    assert "--quantization" not in spawned["router"]
+
+
 def test_the_stream_interval_goes_to_the_decode_instances_only_and_must_be_positive(
     monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
 ) -> None:

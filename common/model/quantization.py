@@ -1,0 +1,224 @@
+"""Quantized checkpoints, widened to the model's dtype as they load.
+
+A quantized checkpoint is served as released and computed as transformers computes its dequantized
+model: every quantized weight becomes the weight its quantization stands for, once, before anything
+renames, splits or stacks it (``common.model.weights``). So the engine's memory is a 16-bit model's;
+quantized matrix products are not built. ``common.model.arch`` reads the config (``ModelArch.quantization``
+and, for integer weights, ``ModelArch.int_weights``) and refuses what this module does not widen.
+
+- ``QUANT_FP8``: block-wise e4m3 weights, a scale per block (``weight_scale_inv``).
+- ``QUANT_MXFP4``: gpt-oss's experts, four-bit e2m1 values and a power of two per 32 inputs.
+- Integer weights of 2, 4 or 8 bits packed into int32 words, each group of inputs of a row with a
+  scale and a zero point: ``w = (q - z) * s``, the difference exact and the product rounded once in the
+  scales' dtype, as GPTQModel's, AutoAWQ's and compressed-tensors' dequantizations compute it. Their
+  layouts differ (``_gptq``, ``_awq``, ``_compressed_tensors``); the arithmetic is ``_widen``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+QUANT_MXFP4 = "mxfp4"
+QUANT_FP8 = "fp8"
+QUANT_GPTQ = "gptq"
+QUANT_AWQ = "awq"
+QUANT_COMPRESSED_TENSORS = "compressed-tensors"
+INT_QUANT_METHODS = (QUANT_GPTQ, QUANT_AWQ, QUANT_COMPRESSED_TENSORS)
+
+
+# vLLM's ``--quantization`` names for its kernels of a checkpoint format: here the same checkpoints.
+_METHOD_ALIASES = {"gptq_marlin": QUANT_GPTQ, "awq_marlin": QUANT_AWQ, "compressed_tensors": QUANT_COMPRESSED_TENSORS}
+
+
+def check_quantization(flag: str | None, config: Any) -> None:
+    """vLLM's ``--quantization`` against the checkpoint's config: the method its ``quantization_config``
+    names (or one of vLLM's kernel names for it), else an error naming both; for a checkpoint without one,
+    an error (vLLM quantizes such a model as it loads; that is not implemented)."""
+    if flag is None:
+        return
+    quantization = getattr(config, "quantization_config", None) or {}
+    method = (quantization if isinstance(quantization, dict) else vars(quantization)).get("quant_method")
+    method = getattr(method, "value", method)
+    if method is None:
+        raise ValueError(f"--quantization {flag}: the checkpoint is not quantized, and quantizing a model as it "
+                         "loads is not implemented (serve a quantized checkpoint, or leave the flag out)")
+    if _METHOD_ALIASES.get(flag, flag) != method:
+        raise ValueError(f"--quantization {flag}: the checkpoint's quantization_config says {method}")
+
+
+@dataclass(frozen=True)
+class IntWeights:
+    """How a checkpoint of integer weights stores them (read from its ``quantization_config``)."""
+
+    method: str  # one of INT_QUANT_METHODS
+    bits: tuple[int, ...]  # the widths its weights may have (compressed-tensors' groups may mix 4 and 8)
+    # GPTQ's original format ("gptq", v1) stores each zero point minus one; "gptq_v2" stores it as it is.
+    zeros_minus_one: bool = False
+
+
+# Each method's tensors beside a layer's ``<prefix>.weight``, the first of each the packed weights.
+_TENSORS = {
+    QUANT_GPTQ: ("qweight", "qzeros", "scales", "g_idx"),
+    QUANT_AWQ: ("qweight", "qzeros", "scales"),
+    QUANT_COMPRESSED_TENSORS: ("weight_packed", "weight_zero_point", "weight_scale", "weight_g_idx", "weight_shape"),
+}
+# AutoAWQ's GEMM layout packs a word's eight 4-bit columns in this order: the value of column 8j + c is
+# in the word's nibble _AWQ_NIBBLE[c].
+_AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def widen_int_weights(state: dict[str, torch.Tensor], spec: IntWeights, dtype: torch.dtype) -> None:
+    """In place: every packed weight of ``state`` (one layer's tensors, or those of no layer) replaced by
+    ``<prefix>.weight`` in ``dtype``; a scale, zero point or group index left without its weights is a
+    checkpoint mismatch. Weights the checkpoint left unquantized (an output head, a router) pass."""
+    names = _TENSORS[spec.method]
+    for packed in [n for n in state if n.endswith("." + names[0])]:
+        prefix = packed.removesuffix("." + names[0])
+        if prefix + ".weight" in state:
+            raise ValueError(f"checkpoint mismatch: {prefix} holds both {names[0]} and weight")
+        weights = state.pop(packed)
+        parts = {name: state.pop(f"{prefix}.{name}", None) for name in names[1:]}
+        try:
+            widen = {QUANT_GPTQ: _gptq, QUANT_AWQ: _awq, QUANT_COMPRESSED_TENSORS: _compressed_tensors}[spec.method]
+            state[prefix + ".weight"] = widen(weights, parts, spec).to(dtype)
+        except ValueError as e:
+            raise ValueError(f"checkpoint mismatch: {prefix}: {e}") from None
+    stray = [n for n in state if n.rpartition(".")[2] in names[1:]]
+    if stray:
+        raise ValueError(f"checkpoint mismatch: {stray[:3]} without their {names[0]}")
+
+
+def _unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 words ``[..., n]`` to their ``32 / bits`` values each ``[..., n * 32 / bits]``, the lowest bits
+    first, each unsigned."""
+    if words.dtype != torch.int32:
+        raise ValueError(f"packed values must be int32, got {words.dtype}")
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
+    return ((words[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*words.shape[:-1], -1)
+
+
+def _widen(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None) -> torch.Tensor:
+    """``[out, in]`` weights from unsigned values ``q`` ``[out, in]`` and their groups' zero points and
+    scales ``[out, groups]``; input ``i`` in group ``g_idx[i]``, else in contiguous groups of in / groups."""
+    out, inputs = q.shape
+    groups = scales.shape[1]
+    if scales.shape[0] != out or zeros.shape != scales.shape:
+        raise ValueError(f"values {tuple(q.shape)}, zero points {tuple(zeros.shape)} and scales "
+                         f"{tuple(scales.shape)} do not fit")
+    if g_idx is None:
+        if inputs % groups:
+            raise ValueError(f"{inputs} inputs do not split into {groups} groups")
+        g_idx = torch.arange(inputs) // (inputs // groups)
+    elif g_idx.shape != (inputs,) or g_idx.min() < 0 or g_idx.max() >= groups:
+        raise ValueError(f"group index {tuple(g_idx.shape)} does not give each of {inputs} inputs one of {groups} groups")
+    g_idx = g_idx.long()
+    if not scales.is_floating_point():
+        raise ValueError(f"scales must be floating point, got {scales.dtype}")
+    difference = q.to(torch.int32) - zeros.to(torch.int32)[:, g_idx]  # at most 255 apart: exact in 16 bits
+    return difference.to(scales.dtype) * scales[:, g_idx]
+
+
+def _gptq(qweight: torch.Tensor, parts: dict[str, torch.Tensor | None], spec: IntWeights) -> torch.Tensor:
+    """GPTQ: ``qweight`` ``[in * bits / 32, out]`` packed along the inputs, ``qzeros`` ``[groups, out * bits /
+    32]`` along the outputs, ``scales`` ``[groups, out]``, ``g_idx`` ``[in]`` (the inputs' groups, in any
+    order under ``desc_act``)."""
+    qzeros, scales = parts["qzeros"], parts["scales"]
+    if qzeros is None or scales is None:
+        raise ValueError("qweight without qzeros and scales")
+    bits = spec.bits[0]
+    out = scales.shape[-1]
+    q = _unpack(qweight.T.contiguous(), bits)
+    # Read as AutoGPTQ and GPTQModel read the original format: one added to each field, within its bits.
+    zeros = (_unpack(qzeros, bits)[:, :out] + int(spec.zeros_minus_one)) & ((1 << bits) - 1)
+    if q.shape[0] != out:
+        raise ValueError(f"qweight {tuple(qweight.shape)} does not fit scales {tuple(scales.shape)}")
+    return _widen(q, zeros.T, scales.T, parts["g_idx"])
+
+
+def _awq(qweight: torch.Tensor, parts: dict[str, torch.Tensor | None], spec: IntWeights) -> torch.Tensor:
+    """AutoAWQ's GEMM layout: ``qweight`` ``[in, out / 8]`` and ``qzeros`` ``[groups, out / 8]``, both packed
+    along the outputs in ``_AWQ_NIBBLE``'s order; ``scales`` ``[groups, out]``; groups contiguous. Without
+    zero points (``zero_point: false``) every zero is the middle value, 8."""
+    qzeros, scales = parts["qzeros"], parts["scales"]
+    if scales is None:
+        raise ValueError("qweight without scales")
+    bits = spec.bits[0]
+    order = (torch.arange(qweight.shape[1] * 8).reshape(-1, 8)[:, list(_AWQ_NIBBLE)]).reshape(-1)
+    q = _unpack(qweight, bits)[:, order]
+    if q.shape[1] != scales.shape[1]:
+        raise ValueError(f"qweight {tuple(qweight.shape)} does not fit scales {tuple(scales.shape)}")
+    zeros = (torch.full(scales.shape, 1 << (bits - 1), dtype=torch.int32) if qzeros is None
+             else _unpack(qzeros, bits)[:, order])
+    return _widen(q.T, zeros.T, scales.T, None)
+
+
+def _compressed_tensors(packed: torch.Tensor, parts: dict[str, torch.Tensor | None], spec: IntWeights) -> torch.Tensor:
+    """compressed-tensors' ``pack-quantized``: ``weight_packed`` ``[out, in * bits / 32]`` packed along the
+    inputs, each value stored plus 2**(bits - 1); ``weight_shape`` ``[out, in]``; ``weight_scale`` ``[out,
+    groups]`` (one group: a scale per channel); ``weight_zero_point`` (asymmetric only) packed along the
+    outputs ``[out * bits / 32, groups]``; ``weight_g_idx`` ``[in]`` with activation ordering by groups. Its
+    width is the one of ``spec.bits`` the packed shape fits."""
+    scales, shape = parts["weight_scale"], parts["weight_shape"]
+    if scales is None or shape is None:
+        raise ValueError("weight_packed without weight_scale and weight_shape")
+    out, inputs = (int(n) for n in shape.tolist())
+    fits = [b for b in spec.bits if packed.shape == (out, -(-inputs * b // 32))]
+    if len(fits) != 1:
+        raise ValueError(f"weight_packed {tuple(packed.shape)} is not {out} x {inputs} values of "
+                         f"{' or '.join(map(str, spec.bits))} bits")
+    bits = fits[0]
+    q = _unpack(packed, bits)[:, :inputs]
+    scales = scales.reshape(out, -1)
+    zero_point = parts["weight_zero_point"]
+    if zero_point is None:
+        zeros = torch.full(scales.shape, 1 << (bits - 1), dtype=torch.int32)
+    elif zero_point.dtype == torch.int32 and zero_point.shape == (-(-out * bits // 32), scales.shape[1]):
+        zeros = _unpack(zero_point.T.contiguous(), bits)[:, :out].T
+    elif zero_point.numel() == scales.numel() and not zero_point.is_floating_point():  # unpacked, signed
+        zeros = zero_point.reshape(scales.shape).to(torch.int32) + (1 << (bits - 1))
+    else:
+        raise ValueError(f"weight_zero_point {tuple(zero_point.shape)} {zero_point.dtype} does not fit "
+                         f"weight_scale {tuple(scales.shape)}")
+    return _widen(q, zeros, scales, parts["weight_g_idx"])
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An 8-bit weight ``[..., rows, cols]`` (e4m3) widened to ``dtype``: each block of it (the weight's
+    shape over the scales' grid) times its scale (``weight_scale_inv`` ``[..., rows / m, cols / n]``) in
+    float32, rounded once, as transformers dequantizes it."""
+    if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"an FP8 checkpoint's weight must be float8; got {weight.dtype}")
+    rows, cols = weight.shape[-2:]
+    grid = scale_inv.shape[-2:] if scale_inv.dim() >= 2 else (1, 1)
+    if scale_inv.numel() != weight[..., :1, :1].numel() * grid[0] * grid[1] or rows % grid[0] or cols % grid[1]:
+        raise ValueError(f"weight {tuple(weight.shape)} does not split into the scales' {tuple(grid)} blocks")
+    blocks = weight.float().reshape(-1, grid[0], rows // grid[0], grid[1], cols // grid[1])
+    scales = scale_inv.float().reshape(-1, grid[0], 1, grid[1], 1)
+    return (blocks * scales).to(dtype).reshape(weight.shape)
+
+
+# MXFP4's four-bit values (e2m1), by code: the high bit the sign.
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """gpt-oss's MXFP4 experts widened to ``dtype``: ``blocks`` ``[E, rows, groups, 16]`` bytes, each two
+    e2m1 values (the low four bits first), ``scales`` ``[E, rows, groups]``, each group's power of two
+    (e8m0: 2 ** (s - 127)). Returns ``[E, groups * 32, rows]``, the layout of gpt-oss's unquantized
+    checkpoints (input-major). Every value is a small integer over a power of two, exact in float32 and
+    in bfloat16, so the widening is exact, as transformers' own; one expert at a time, to bound the
+    temporaries of a large checkpoint."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} do not fit scales "
+                         f"{tuple(scales.shape)} {scales.dtype}")
+    values = torch.tensor(_E2M1, dtype=torch.float32)
+    num_experts, rows, groups, num_bytes = blocks.shape
+    out = torch.empty(num_experts, rows, groups, 2 * num_bytes, dtype=dtype)
+    for e in range(num_experts):
+        codes = torch.stack(((blocks[e] & 0x0F).long(), (blocks[e] >> 4).long()), dim=-1).flatten(-2)
+        powers = torch.exp2(scales[e].float() - 127)[..., None]
+        out[e] = (values[codes] * powers).to(dtype)
+    return out.reshape(num_experts, rows, groups * 2 * num_bytes).transpose(1, 2)

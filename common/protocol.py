@@ -34,8 +34,13 @@ MAX_BATCH_OUTPUTS = 1 << 16
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
 TokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
 FinishReason = Literal["stop", "length", "abort", "error"]
-PoolingKind = Literal["last", "classify"]
+# A pooling request's answer (``GenerateRequest.pooling``): the prompt's last token's final hidden state, a
+# sequence classifier's logits of it, or a reduction over every prompt token's (sentence-transformers'
+# modes: their mean, their elementwise max, the first token's).
+PoolingKind = Literal["last", "classify", "mean", "max", "cls"]
 POOLING_KINDS: tuple[str, ...] = get_args(PoolingKind)
+# The kinds that read every prompt position's hidden state: their prompts compute every position.
+EVERY_TOKEN_POOLING = ("mean", "max", "cls")
 
 
 class DecodeTarget(msgspec.Struct, frozen=True):

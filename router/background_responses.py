@@ -100,12 +100,11 @@ async def keep_lease(store: ResponseStore, record: StoredResponse, cancelled: as
     response_id = record.response["id"]
     while not cancelled.is_set():
         await asyncio.sleep(RENEW_S)
-        try:
-            current = await store.load(response_id, record.owner)
+        try:  # renewed only while it runs: a cancel saved since the read is not undone (``update``)
+            current = await store.update(response_id, record.owner, lambda r: leased(r) if running(r) else None)
         except Exception:  # the store unreachable: keep running; a read will judge the lease
             logger.warning("background response %s: could not read its record to renew its lease", response_id)
             continue
         if current is None or not running(current):
             cancelled.set()  # cancelled or deleted through another router process
             return
-        await store.save(leased(current))

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from common.model.loader import classifier_architecture, classifier_from_tokens, num_labels
+from common.protocol import PoolingKind
 from router.errors import bad_request
 
 # sentence-transformers' ``Pooling`` flags, by the mode each names.
@@ -35,6 +36,9 @@ _MODE_FLAGS = {
     "pooling_mode_weightedmean_tokens": "weightedmean",
 }
 
+
+# The modes the engines pool (``GenerateRequest.pooling``), by sentence-transformers' names.
+_ENGINE_POOLING: dict[str, PoolingKind] = {"lasttoken": "last", "mean": "mean", "max": "max", "cls": "cls"}
 
 # A cross-encoder's activation as sentence-transformers names it in the model's config.json, by what it is.
 _SCORE_ACTIVATIONS = {
@@ -119,7 +123,8 @@ class ClassifierConfig:
 
 @dataclass(frozen=True)
 class PoolingConfig:
-    """The model's pooling (``mode``: sentence-transformers' name, ``lasttoken`` being the one served),
+    """The model's pooling (``mode``: sentence-transformers' name; the last token's, the mean, max or first
+    token's of every position are served),
     whether its embeddings are normalized, and the Matryoshka truncations it allows (``None``: none;
     an empty tuple: any width up to the hidden size)."""
 
@@ -149,16 +154,18 @@ class PoolingConfig:
                 pooling = _read_json(model_dir / str(module.get("path", "")) / "config.json")
                 chosen = [name for flag, name in _MODE_FLAGS.items() if pooling.get(flag)]
                 mode = "+".join(chosen) or "none"
+                if pooling.get("include_prompt") is False:  # an instruction's tokens left out: not implemented
+                    mode += " without the prompt (include_prompt false)"
             elif kind.endswith(".Normalize"):
                 normalize = True
         return cls(mode=mode, normalize=normalize, matryoshka=matryoshka, classifier=classifier)
 
     def check(self, dimensions: int | None) -> None:
         """A 400 for a request this model's pooling cannot answer (``dimensions`` past the hidden size: ``embed``)."""
-        if self.mode != "lasttoken":
+        if self.mode not in _ENGINE_POOLING:
             raise bad_request(
                 f"the model's pooling ({self.mode!r}, its sentence-transformers Pooling config) is not implemented: "
-                "the engines pool the last token only", param="model")
+                "the engines pool the last token, the mean, the max or the first token (cls)", param="model")
         if dimensions is None:
             return
         if dimensions < 1:
@@ -169,6 +176,11 @@ class PoolingConfig:
         if self.matryoshka and dimensions not in self.matryoshka:
             raise bad_request(f"dimensions must be one of {list(self.matryoshka)}, got {dimensions}",
                               param="dimensions")
+
+    @property
+    def engine_pooling(self) -> PoolingKind:
+        """What the engines pool for this model's embeddings (``check`` refused any other mode)."""
+        return _ENGINE_POOLING[self.mode]
 
     def embed(self, hidden: bytes, dimensions: int | None, normalize: bool | None = None) -> np.ndarray:
         """The embedding of a pooled hidden state (float32 bytes): truncated to ``dimensions``, then

@@ -23,9 +23,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import redis
 
 from common.registry import RedisClient, SignedEntry
 from router.errors import APIError
@@ -97,6 +99,41 @@ class ResponseStore:
         payload = self._seal(name, _encoder.encode(record))
         ok, _ = await asyncio.to_thread(self._rc.run, "response save", lambda c: c.set(name, payload, ex=self.ttl_s))
         return ok
+
+    async def update(self, response_id: str, owner: str,
+                     change: Callable[[StoredResponse], StoredResponse | None]) -> StoredResponse | None:
+        """Replace ``owner``'s record of ``response_id`` by ``change(record)`` (None: leave it), atomically: if
+        another writer changed it between this read and this write, read it again and ask ``change`` again
+        (Redis' optimistic transaction: WATCH, then MULTI/EXEC). So a background response's lease renewal
+        cannot undo a cancel saved meanwhile, nor a cancel overwrite an answer saved meanwhile. Returns the
+        record as it stands afterwards; None if there is none of ``owner``'s; a 503 if Redis is down."""
+        if not _ID.fullmatch(response_id):
+            return None
+        name = self._name(response_id)
+
+        def transact(client: Any) -> StoredResponse | None:
+            with client.pipeline() as pipe:
+                while True:
+                    try:
+                        pipe.watch(name)
+                        raw = pipe.get(name)
+                        record = None if raw is None else self._open(name, raw)
+                        if record is None or record.owner != owner:
+                            return None
+                        new = change(record)
+                        if new is None:
+                            return record
+                        pipe.multi()
+                        pipe.set(name, self._seal(name, _encoder.encode(new)), ex=self.ttl_s)
+                        pipe.execute()
+                        return new
+                    except redis.WatchError:
+                        continue
+
+        ok, result = await asyncio.to_thread(self._rc.run, "response update", transact)
+        if not ok:
+            raise unavailable()
+        return result
 
     async def append_events(self, response_id: str, first: int, events: list[bytes]) -> bool:
         """Append a streaming background response's ``events`` (numbered ``first`` on) to its log, which

@@ -79,7 +79,7 @@ async def create_embedding(
     state.admission.check(CLIENT_KEY.get() or "-", request.num_inputs())
     prompts = await request.prompts(state)
     response_id, engine_id = response_ids("embd", request.request_id)
-    hidden_states = await pool(state, engine_id, prompts, "last", cache_salt, request.cache_salt, request.model,
+    hidden_states = await pool(state, engine_id, prompts, pooling.engine_pooling, cache_salt, request.cache_salt, request.model,
                                wait_disconnect)
     num_tokens = sum(len(prompt) for prompt in prompts)
     normalize = request.normalize if request.use_activation is None else request.use_activation

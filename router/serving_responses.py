@@ -143,9 +143,11 @@ async def _start_background(
         finally:
             lease.cancel()
             state.leave()
+        ended = msgspec.structs.replace(record, response=response, lease_until=0.0)
         with contextlib.suppress(Exception):  # the store down: readers find the lease lapsed, then failed
-            if await responses.load(response_id, owner) is not None:  # not deleted meanwhile
-                await responses.save(msgspec.structs.replace(record, response=response, lease_until=0.0))
+            # Not if deleted meanwhile, nor over a cancel saved meanwhile: the client was told it was cancelled.
+            await responses.update(response_id, owner, lambda r: None if r.response.get("status") == "cancelled"
+                                   else ended)
 
     state.background.start(response_id, run)
     return record.response
@@ -370,9 +372,10 @@ async def _failed_if_lapsed(store: ResponseStore, record: StoredResponse) -> Sto
     failed (and stored so)."""
     if not lapsed(record):
         return record
-    record = failed_by_loss(record)
-    await store.save(record)
-    return record
+    # Failed only if still lapsed as it is written: a renewal or an end saved since the read stands.
+    updated = await store.update(record.response["id"], record.owner,
+                                 lambda r: failed_by_loss(r) if lapsed(r) else None)
+    return failed_by_loss(record) if updated is None else updated
 
 
 async def retrieve_response(state: RouterState, owner: str, response_id: str) -> dict[str, Any]:
@@ -388,12 +391,21 @@ async def cancel_response(state: RouterState, owner: str, response_id: str) -> d
     if not record.response.get("background"):
         raise bad_request(f"response '{response_id}' was not created with background: true; only those can be "
                           "cancelled", param="response_id")
-    if running(record):
-        record = failed_by_loss(record) if lapsed(record) else msgspec.structs.replace(
-            record, response={**record.response, "status": "cancelled"})
-        await _store(state, response_id).save(record)
+    if not running(record):
+        return record.response
+
+    def cancel(current: StoredResponse) -> StoredResponse | None:  # unless it ended since it was read
+        if not running(current):
+            return None
+        return failed_by_loss(current) if lapsed(current) else msgspec.structs.replace(
+            current, response={**current.response, "status": "cancelled"})
+
+    updated = await _store(state, response_id).update(response_id, owner, cancel)
+    if updated is None:
+        raise _not_found(response_id)  # deleted meanwhile
+    if updated.response.get("status") == "cancelled":
         state.background.cancel(response_id)
-    return record.response
+    return updated.response
 
 
 async def delete_response(state: RouterState, owner: str, response_id: str) -> dict[str, Any]:

@@ -277,7 +277,7 @@ async def _score_pairs(state: RouterState, request: _ScoringRequest, pairs: list
     context = None if truncate is not None else state.max_model_len()
     prompts = await state.prompts.tokenize_completion(texts, context, field="text")
     prompts = fit_prompts(state, prompts, truncate, "text")
-    hidden = await pool(state, engine_id, prompts, "last", cache_salt, request.cache_salt, request.model,
+    hidden = await pool(state, engine_id, prompts, state.config.pooling.engine_pooling, cache_salt, request.cache_salt, request.model,
                         wait_disconnect)
     unit = {}
     for text, vector in zip(texts, hidden, strict=True):

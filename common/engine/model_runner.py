@@ -39,7 +39,7 @@ from common.model.lora import LoRAManager
 from common.model.parallel import SINGLE, TensorParallel
 from common.model.quantization import check_quantization
 from common.model.weights import load_hf_config, load_model
-from common.protocol import PromptLogprob, TokenLogprob
+from common.protocol import EVERY_TOKEN_POOLING, PromptLogprob, TokenLogprob
 from common.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve_kernels import get_kernels, resolve_backend
 from pdserve_kernels.reference import cache_bytes
@@ -376,6 +376,8 @@ class ModelRunner:
                 hidden = self._forward(inputs, input_ids, on_device[1:], replay, lora_select)
         if any(s.request.prompt_logprobs is not None for s in out.scheduled):
             self._prompt_logprobs(out, hidden, inputs.query_start_loc.tolist())
+        if any(s.request.pooling in EVERY_TOKEN_POOLING for s in out.scheduled):
+            self.pool_positions(out, hidden, inputs.query_start_loc.tolist())
         num_sampled = len(inputs.sample_idx)
         if num_sampled == 0:
             return torch.empty(0, self.vocab_size, device=dev)
@@ -388,15 +390,46 @@ class ModelRunner:
         logits: Tensor = self.model.compute_logits(hidden)
         return logits
 
-    def pooled(self, row: int, pooling: str) -> Tensor:
-        """A pooling request's answer from the last step's sampled row ``row`` (float32, on the device): its
-        final hidden state ("last"), or the sequence classifier's logits of it ("classify")."""
+    def pooled(self, row: int, req: Request) -> Tensor:
+        """A pooling request's answer (float32, on the device) from the last step, which computed its prompt's
+        last position, sampled at row ``row``: its final hidden state ("last"), the sequence classifier's
+        logits of it ("classify"), or the reduction over every prompt position (``pool_positions``)."""
+        if req.pooling in EVERY_TOKEN_POOLING:
+            assert req.pooling_state is not None
+            state = req.pooling_state
+            return state / req.num_prompt_tokens if req.pooling == "mean" else state
         assert self.sampled_hidden is not None
         hidden = self.sampled_hidden[row]
-        if pooling == "classify":
+        if req.pooling == "classify":
             with torch.inference_mode():
                 return self.model.classify(hidden[None])[0]
         return hidden.to(torch.float32, copy=True)
+
+    def pool_positions(self, out: SchedulerOutput, hidden: Tensor, query_start: list[int]) -> None:
+        """Fold this step's prompt positions into each every-position pooling request's state (float32, on the
+        device, nothing read back): their sum ("mean", divided by the prompt's length at the end), their
+        elementwise max ("max"), or the first position's ("cls"). A chunk from position 0 (the first, or a
+        recompute's after preemption) starts the state afresh; positions past the prompt pool nothing."""
+        for i, s in enumerate(out.scheduled):
+            req = s.request
+            if req.pooling not in EVERY_TOKEN_POOLING:
+                continue
+            start = req.num_computed_tokens
+            end = min(start + s.num_new_tokens, req.num_prompt_tokens)
+            if end <= start:
+                continue
+            rows = hidden[query_start[i] : query_start[i] + end - start].float()
+            if req.pooling == "cls":
+                if start == 0:
+                    req.pooling_state = rows[0].clone()
+                continue
+            part = rows.sum(dim=0) if req.pooling == "mean" else rows.amax(dim=0)
+            if start == 0 or req.pooling_state is None:
+                req.pooling_state = part
+            elif req.pooling == "mean":
+                req.pooling_state += part
+            else:
+                torch.maximum(req.pooling_state, part, out=req.pooling_state)
 
     def _forward(self, inputs: BatchInputs, input_ids: Tensor, on_device: list[Tensor], replay: bool,
                  lora_select: Tensor | None) -> Tensor:

@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from common.kvcache.hashing import BlockHash, adapter_model_key, compute_block_hashes
+from common.protocol import EVERY_TOKEN_POOLING
 from common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -132,6 +133,9 @@ class Request:
         # computed it to that step's outputs.
         self.pooling = pooling
         self.pooled: Tensor | None = None
+        # A reduction over every prompt position (``EVERY_TOKEN_POOLING``), on the device, float32: the running
+        # sum, max or first row of the positions computed so far (``ModelRunner.pool_positions``).
+        self.pooling_state: Tensor | None = None
         # Its LoRA adapter (``common.model.lora``): its name, and its slot in the runner (-1: none).
         self.lora_name = lora_name
         self.lora_slot = lora_slot
@@ -153,6 +157,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def computes_every_position(self) -> bool:
+        """Prompt logprobs and the poolings over every position read each prompt position's hidden state:
+        such a prompt takes no prefix-cache hits (their positions would not be computed)."""
+        return self.prompt_logprobs is not None or self.pooling in EVERY_TOKEN_POOLING
 
     @property
     def is_finished(self) -> bool:

@@ -218,8 +218,9 @@ class Scheduler:
             if seats + need > self.max_num_seqs:
                 break
             computed_blocks: list[KVBlock] = []
-            # A request collecting prompt logprobs computes every prompt position: no prefix hits.
-            if req.num_computed_tokens == 0 and req.request_id not in self.kv.req_blocks and req.prompt_logprobs is None:
+            # A request collecting prompt logprobs, or pooling every position, computes every prompt position:
+            # no prefix hits.
+            if req.num_computed_tokens == 0 and req.request_id not in self.kv.req_blocks and not req.computes_every_position:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(req)
                 req.num_computed_tokens = num_hit
             num_new = req.num_tokens - req.num_computed_tokens

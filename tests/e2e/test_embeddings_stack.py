@@ -6,6 +6,7 @@ instance stopped with the request on it costs a retry elsewhere, not the request
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 
@@ -168,3 +169,42 @@ def test_an_embedding_on_a_stopped_prefill_is_computed_again_elsewhere(stack, cl
     assert any(line.startswith("pdserve:request_migrations_total") and not line.endswith(" 0.0")
                for line in router.splitlines()), "the request was not continued elsewhere"
     stack.wait_ready(1, 1)  # the prefill serves again for the tests after this one
+
+
+def test_a_mean_pooling_sentence_transformers_model_embeds_the_mean_of_every_position(  # type: ignore[no-untyped-def]
+        private_redis_url, tmp_path):
+    """A model folder whose sentence-transformers config pools the mean (``1_Pooling``) and normalizes
+    (``2_Normalize``), served by a router and one decode instance: each embedding is the mean of transformers'
+    final hidden states over every position of its input, normalized; the same input again, its blocks now
+    cached, computes every position again and gives the same."""
+    from pathlib import Path
+
+    from tests.e2e.stack import Stack
+
+    folder = tmp_path / "mean-pooling-model"
+    folder.mkdir()
+    for source in Path(model_path()).iterdir():
+        (folder / source.name).symlink_to(source.resolve())
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": hf_model().config.hidden_size, "pooling_mode_mean_tokens": True}))
+    stack = Stack(redis_url=private_redis_url, model=str(folder))
+    try:
+        stack.start_engine("decode", "decode-mean")
+        stack.start_router()
+        stack.wait_ready(0, 1)
+        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for _ in range(2):  # the second time, every block of both inputs is in the prefix cache
+            got = client.embeddings.create(model=client.models.list().data[0].id, input=TEXTS[:2])
+            for text, item in zip(TEXTS[:2], got.data, strict=True):
+                with torch.inference_mode():
+                    hidden = hf_model().model(torch.tensor([_ids(text)])).last_hidden_state[0].double()
+                mean = hidden.mean(dim=0).numpy()
+                np.testing.assert_allclose(item.embedding, mean / np.linalg.norm(mean), rtol=1e-4, atol=1e-5)
+                assert not np.allclose(item.embedding, expected(_ids(text)), atol=1e-3)  # not the last token's
+    finally:
+        stack.stop()

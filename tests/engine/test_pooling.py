@@ -28,9 +28,19 @@ def hf_last_hidden(prompt: tuple[int, ...]) -> np.ndarray:
     return out.last_hidden_state[0, -1].float().numpy()
 
 
-def _embeddings(engine, requests: dict[str, tuple[int, ...]], generate: dict[str, tuple[int, ...]] | None = None):  # type: ignore[no-untyped-def]
+@functools.cache
+def hf_pooled(prompt: tuple[int, ...], pooling: str) -> np.ndarray:
+    """sentence-transformers' poolings of transformers' ``last_hidden_state`` over every prompt position."""
+    with torch.inference_mode():
+        hidden = hf_model().model(torch.tensor([prompt])).last_hidden_state[0].float()
+    pooled = {"mean": hidden.mean(dim=0), "max": hidden.amax(dim=0), "cls": hidden[0]}[pooling]
+    return pooled.numpy()
+
+
+def _embeddings(engine, requests: dict[str, tuple[int, ...]], generate: dict[str, tuple[int, ...]] | None = None,  # type: ignore[no-untyped-def]
+                pooling: str = "last"):
     for rid, prompt in requests.items():
-        engine.add_request(rid, list(prompt), POOL, pooling="last")
+        engine.add_request(rid, list(prompt), POOL, pooling=pooling)
     for rid, prompt in (generate or {}).items():
         engine.add_request(rid, list(prompt), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     got: dict[str, np.ndarray] = {}
@@ -67,12 +77,49 @@ def test_an_embedding_is_transformers_last_hidden_state_whatever_shares_the_step
     assert not np.allclose(got["e2"], got["e6"])
 
 
+def test_poolings_over_every_position_equal_transformers_whatever_is_cached_or_preempted(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """sentence-transformers' mean, max and first-token (CLS) poolings of the prompt's final hidden states, all in
+    one batch over chunks of 16 tokens with generation beside them, async scheduling; then a prompt again, whose
+    blocks are cached: every position is computed again (no hit), the same answer; then in a pool so small
+    that the prompt is preempted mid-prompt and computed again from its start."""
+    engine = engine_factory(max_num_batched_tokens=16, block_size=8, async_scheduling=True)
+    prompts = {(i, kind): prompt_ids()[i] for i in (2, 6) for kind in ("mean", "max", "cls")}  # 11 and 61 tokens
+
+    def run(prefix: str, generate: bool) -> dict[tuple[int, str], np.ndarray]:
+        for (i, kind), prompt in prompts.items():
+            engine.add_request(f"{prefix}{i}-{kind}", list(prompt), POOL, pooling=kind)
+        if generate:
+            engine.add_request("g", list(prompt_ids()[3]), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        got: dict[tuple[int, str], np.ndarray] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert out.error is None, out.error
+                if out.request_id != "g":
+                    assert out.embedding is not None
+                    i, kind = out.request_id.removeprefix(prefix).split("-")
+                    got[int(i), kind] = np.frombuffer(out.embedding, dtype="<f4")
+        return got
+
+    for key, got in run("", generate=True).items():
+        np.testing.assert_allclose(got, hf_pooled(prompts[key], key[1]), rtol=1e-4, atol=1e-4)
+        assert not np.allclose(got, hf_last_hidden(prompts[key]), atol=1e-3)  # not the last token's
+    hits_before = engine.stats().prefix_cache_hits
+    for key, got in run("again-", generate=False).items():
+        np.testing.assert_allclose(got, hf_pooled(prompts[key], key[1]), rtol=1e-4, atol=1e-4)
+    assert engine.stats().prefix_cache_hits == hits_before
+    small = engine_factory(max_num_batched_tokens=16, block_size=8, num_blocks=24)
+    small.add_request("gen", list(prompt_ids()[6]), SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    got, _ = _embeddings(small, {"long": prompt_ids()[12]}, pooling="mean")  # 145 tokens, 19 of the 24 blocks
+    assert small.stats().num_preemptions > 0
+    np.testing.assert_allclose(got["long"], hf_pooled(prompt_ids()[12], "mean"), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize(("params", "kwargs", "message"), [
     (SamplingParams(max_tokens=2, temperature=0.0), {}, "samples nothing"),
     (SamplingParams(max_tokens=1, temperature=0.0, logprobs=2), {}, "samples nothing"),
     (POOL, {"kv_transfer": True}, "runs whole"),
     (POOL, {"output_token_ids": [5]}, "runs whole"),
-    (POOL, {"pooling": "mean"}, "pooling 'mean' is not implemented"),
+    (POOL, {"pooling": "weightedmean"}, "pooling 'weightedmean' is not implemented"),
 ])
 def test_what_a_pooling_request_cannot_be_is_refused(engine_factory, params: SamplingParams, kwargs: dict, message: str) -> None:  # type: ignore[no-untyped-def,type-arg]
     engine = engine_factory()

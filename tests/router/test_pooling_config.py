@@ -42,9 +42,21 @@ def test_a_sentence_transformers_last_token_model_without_normalize(tmp_path: pa
     np.testing.assert_allclose(config.embed(np.array([3.0, 4.0], dtype="<f4").tobytes(), None), [3.0, 4.0])
 
 
+@pytest.mark.parametrize(("flags", "engine_pooling"), [
+    ({"pooling_mode_lasttoken": True}, "last"), ({"pooling_mode_mean_tokens": True}, "mean"),
+    ({"pooling_mode_max_tokens": True}, "max"), ({"pooling_mode_cls_token": True}, "cls"),
+])
+def test_the_poolings_the_engines_compute_are_served(tmp_path: pathlib.Path, flags: dict, engine_pooling: str) -> None:  # type: ignore[type-arg]
+    config = PoolingConfig.from_model_dir(_model(tmp_path, flags))
+    config.check(None)
+    assert config.engine_pooling == engine_pooling
+
+
 @pytest.mark.parametrize(("flags", "mode"), [
-    ({"pooling_mode_mean_tokens": True}, "mean"), ({"pooling_mode_cls_token": True}, "cls"), ({}, "none"),
+    ({"pooling_mode_weightedmean_tokens": True}, "weightedmean"), ({}, "none"),
+    ({"pooling_mode_mean_sqrt_len_tokens": True}, "mean_sqrt_len"),
     ({"pooling_mode_lasttoken": True, "pooling_mode_max_tokens": True}, "max+lasttoken"),
+    ({"pooling_mode_mean_tokens": True, "include_prompt": False}, "mean without the prompt (include_prompt false)"),
 ])
 def test_a_pooling_the_engines_do_not_compute_is_refused_by_name(tmp_path: pathlib.Path, flags: dict, mode: str) -> None:  # type: ignore[type-arg]
     config = PoolingConfig.from_model_dir(_model(tmp_path, flags))

@@ -266,3 +266,41 @@ def test_under_a_cluster_key_an_event_log_altered_or_reordered_is_read_up_to_the
     finally:
         keyed.close()
         rc.close()
+
+
+def test_an_update_reads_again_when_another_writer_changed_the_record_between_its_read_and_write(
+    redis_url: str,
+) -> None:
+    """The lost update CI once met: a background response's lease renewal read its record running, a cancel was
+    saved, and the renewal wrote the running record back over it (the cancel undone, the response run on).
+    Here another writer cancels between the renewal's read and its write: the renewal reads again, finds it
+    cancelled, and leaves it; under a cluster key too. Another owner's record is not touched."""
+    import msgspec
+
+    from router.background_responses import leased, running
+
+    namespace = f"store-{uuid.uuid4().hex[:8]}"
+    key = ClusterKey.generate()
+    store, other = ResponseStore(redis_url, namespace, TTL_S, key), ResponseStore(redis_url, namespace, TTL_S, key)
+    record = StoredResponse("owner", {"id": "resp_race", "status": "in_progress", "background": True}, [])
+    seen: list[str] = []
+
+    def renew(current: StoredResponse) -> StoredResponse | None:
+        seen.append(current.response["status"])
+        if len(seen) == 1:  # another router process cancels it now (this runs in the store's thread)
+            asyncio.run(other.save(msgspec.structs.replace(
+                current, response={**current.response, "status": "cancelled"})))
+        return leased(current) if running(current) else None
+
+    async def run() -> None:
+        assert await store.save(record)
+        after = await store.update("resp_race", "owner", renew)
+        assert seen == ["in_progress", "cancelled"] and after is not None and after.response["status"] == "cancelled"
+        stored = await store.load("resp_race", "owner")
+        assert stored is not None and stored.response["status"] == "cancelled"
+        assert await store.update("resp_race", "someone-else", lambda r: leased(r)) is None
+        assert await store.update("resp_missing", "owner", lambda r: leased(r)) is None
+
+    asyncio.run(run())
+    store.close()
+    other.close()

@@ -123,9 +123,8 @@ class ClassifierConfig:
 
 @dataclass(frozen=True)
 class PoolingConfig:
-    """The model's pooling (``mode``: sentence-transformers' name; the last token's, the mean, max or first
-    token's of every position are served),
-    whether its embeddings are normalized, and the Matryoshka truncations it allows (``None``: none;
+    """The model's pooling (``mode``: sentence-transformers' name; served: the last token's hidden state, or
+    the mean, max or first (cls) of every position's), whether its embeddings are normalized, and the Matryoshka truncations it allows (``None``: none;
     an empty tuple: any width up to the hidden size)."""
 
     mode: str = "lasttoken"

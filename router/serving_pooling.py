@@ -1,8 +1,9 @@
 """What the pooling endpoints share (``/v1/embeddings``, ``/classify``, ``/score``, ``/rerank``).
 
 A pooling request's every input is one engine request that runs the prompt's forward only and returns,
-instead of a token, the last token's final hidden state (``GenerateRequest.pooling`` "last") or a sequence
-classifier's logits of it ("classify"). Inputs go through fair admission as completions' prompts do and
+instead of a token, the last token's final hidden state (``GenerateRequest.pooling`` "last"), a sequence
+classifier's logits of it ("classify"), or the mean, max or first of every position's ("mean", "max", "cls",
+as the model's sentence-transformers config asks). Inputs go through fair admission as completions' prompts do and
 run on prefill instances (prefix-aware) where there are any, else on decode instances. An instance lost
 mid-request costs a retry elsewhere, as a generation's would; a client that leaves aborts what still runs.
 """

@@ -50,12 +50,19 @@ from common.glibc_env import tuned_env
 from common.lora_modules import lora_module_arg
 from ops.supervisor import Child, ChildExited, RestartPolicy, Supervisor
 from ops.supervisor import die_with_parent as die_with_parent  # re-exported: tests start children with it
+from router.sampling_defaults import generation_config_arg
 
 POLL_S = 0.2
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # the engines' own default (``EngineConfig``), shared out here
 
 ENGINE_FLAGS = ("block_size", "kv_cache_memory", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
                 "max_model_len", "scheduling_policy", "tensor_parallel_size", "quantization")
+
+
+def _generation_config_text(text: str) -> str:
+    """``--override-generation-config``, checked here and given to the router as it was written."""
+    generation_config_arg(text)
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None,
                    help="the router's --tool-call-parser (default: found from the chat template)")
     p.add_argument("--reasoning-parser", default=None, help="the router's --reasoning-parser (deepseek_r1, qwen3)")
+    p.add_argument("--generation-config", default=None, metavar="auto|vllm|FOLDER",
+                   help="the router's --generation-config: sampling defaults from the model's generation_config.json "
+                   "(auto, the default), OpenAI's (vllm), or another folder's")
+    p.add_argument("--override-generation-config", default=None, type=_generation_config_text, metavar="JSON",
+                   help="the router's --override-generation-config")
     p.add_argument("--response-ttl", type=int, default=None,
                    help="the router's --response-ttl: seconds a stored Responses API response is kept (0: none)")
     p.add_argument("--no-wait", action="store_true", help="do not wait for /ready before printing the URL")
@@ -266,7 +278,8 @@ class Launcher:
             flags += ["--workers", str(self.args.router_workers)]
         if self.args.response_ttl is not None:
             flags += ["--response-ttl", str(self.args.response_ttl)]
-        for name in ("chat_template", "tool_call_parser", "reasoning_parser"):
+        for name in ("chat_template", "tool_call_parser", "reasoning_parser", "generation_config",
+                     "override_generation_config"):
             value = getattr(self.args, name)
             if value:
                 flags += [f"--{name.replace('_', '-')}", value]

@@ -10,6 +10,7 @@ from common.sampling_params import MAX_N
 from router.pooling import PoolingConfig
 from router.reasoning import REASONING_PARSERS
 from router.routing import POLICIES
+from router.sampling_defaults import SamplingDefaults
 from router.tool_parsers import PARSERS
 
 if TYPE_CHECKING:
@@ -93,6 +94,9 @@ class RouterConfig:
     # How POST /v1/embeddings pools and normalizes (``router.pooling``): the model folder's
     # sentence-transformers config, else the last token, normalized.
     pooling: PoolingConfig = field(default_factory=PoolingConfig)
+    # What a request that leaves a sampling parameter unset samples with: the model's generation config's
+    # recommendations (``router.sampling_defaults``; vLLM's ``--generation-config``), else OpenAI's defaults.
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # The model's architecture where its checkpoint is a base model without an output head (an embedding
     # model, ``common.model.loader.headless_architecture``): it serves /v1/embeddings only.
     headless_architecture: str | None = None

@@ -24,6 +24,7 @@ from router.auth import keys_from_env
 from router.config import RequestLimits, RouterConfig
 from router.reasoning import REASONING_PARSERS
 from router.routing import POLICIES
+from router.sampling_defaults import generation_config_arg
 from router.tool_parsers import PARSERS
 
 logger = logging.getLogger("router")
@@ -49,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name or checkpoint folder (default model if unset)")
     p.add_argument("--hf-overrides", default=None, type=hf_overrides_arg, metavar="JSON", help=HF_OVERRIDES_HELP)
     p.add_argument("--served-model-name", nargs="+", default=None, help="names clients use for the model")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="vLLM's flag: the sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, "
+                   "max_new_tokens) of requests that leave them unset: the model's generation_config.json (auto), "
+                   "OpenAI's (vllm), or that of another folder (default: %(default)s)")
+    p.add_argument("--override-generation-config", default=None, type=generation_config_arg, metavar="JSON",
+                   help="vLLM's flag: generation config keys set over those of --generation-config, e.g. "
+                   '{"temperature": 0.5}')
     p.add_argument("--lora-modules", nargs="+", default=[], type=lora_module_arg, metavar="NAME=PATH",
                    help="the engines' LoRA adapters (their --lora-modules): a request naming one as its model "
                    "runs with it; /v1/models lists them under the base model")
@@ -227,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from router.app import create_app
     from router.pooling import PoolingConfig
+    from router.sampling_defaults import SamplingDefaults
     from router.state import RouterState
     from router.tokenization import PromptProcessor, load_chat_template
     from router.tool_parsers import detect_parser
@@ -244,8 +253,16 @@ def main(argv: list[str] | None = None) -> int:
         pooling = PoolingConfig.from_model_dir(model_dir)
     except ValueError as exc:
         raise SystemExit(f"the model's sentence-transformers config: {exc}") from None
+    try:
+        sampling_defaults = SamplingDefaults.load(args.generation_config, model_dir, args.override_generation_config)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if sampling_defaults.describe():
+        logger.info("sampling defaults of requests that leave them unset, from the generation config: %s",
+                    sampling_defaults.describe())
     config = RouterConfig(
         pooling=pooling,
+        sampling_defaults=sampling_defaults,
         headless_architecture=headless_architecture(json.loads((model_dir / "config.json").read_text())),
         model_identity=model_identity(model_dir),
         served_model_names=args.served_model_name or [_served_name(args.model, source_dir)],

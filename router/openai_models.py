@@ -39,6 +39,7 @@ from router import structured_output
 from router.choice_stream import TextOptions
 from router.config import RequestLimits
 from router.errors import bad_request
+from router.sampling_defaults import SamplingDefaults
 from router.tools import ToolPlan, template_tool_calls
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -252,10 +253,12 @@ class _GenerationRequest(CheckedRequest):
 
     def sampling_params(
         self, max_tokens: int, logprobs: int | None, eos_token_id: int | None, vocab_size: int,
-        bad_words_token_ids: list[list[int]] | None = None,
+        bad_words_token_ids: list[list[int]] | None = None, defaults: SamplingDefaults | None = None,
     ) -> SamplingParams:
         """SamplingParams for one engine request (n=1; the router fans out ``n`` itself);
-        ``bad_words_token_ids``: ``bad_words`` tokenized (``PromptProcessor.bad_word_sequences``)."""
+        ``bad_words_token_ids``: ``bad_words`` tokenized (``PromptProcessor.bad_word_sequences``); ``defaults``:
+        the model's generation config's, for each parameter the request leaves unset (else OpenAI's)."""
+        d = defaults or SamplingDefaults()
         stop_token_ids = list(self.stop_token_ids or [])
         if eos_token_id is not None and not self.ignore_eos and eos_token_id not in stop_token_ids:
             stop_token_ids.append(eos_token_id)
@@ -263,13 +266,13 @@ class _GenerationRequest(CheckedRequest):
             n=self.n if self.n is not None else 1,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens or 0,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=_first(self.temperature, d.temperature, 1.0),
+            top_p=_first(self.top_p, d.top_p, 1.0),
+            top_k=_first(self.top_k, d.top_k, 0),
+            min_p=_first(self.min_p, d.min_p, 0.0),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=_first(self.repetition_penalty, d.repetition_penalty, 1.0),
             seed=self.seed,
             stop_token_ids=stop_token_ids,
             ignore_eos=bool(self.ignore_eos),
@@ -287,6 +290,11 @@ class _GenerationRequest(CheckedRequest):
             message = str(exc)
             raise bad_request(message, param=message.split(" ", 1)[0]) from None
         return params
+
+
+def _first(value: Any, default: Any, openai_default: Any) -> Any:
+    """The request's value, else the model's default, else OpenAI's."""
+    return value if value is not None else default if default is not None else openai_default
 
 
 _PROMPT_LIST_ARMS: dict[type, TypeAdapter[Any]] = {

@@ -58,14 +58,15 @@ async def plan_chat(
         request.add_special_tokens,
     )
     prompt = request.truncated(prompt, max_model_len)
+    defaults = state.config.sampling_defaults
     max_tokens = check_max_tokens(
-        request.requested_max_tokens(), len(prompt), max_model_len, None, "messages"
+        request.requested_max_tokens(), len(prompt), max_model_len, defaults.max_tokens, "messages"
     )
     check_total_tokens(request.n, [max_tokens], limits)
     state.prompts.check_special_token_spacing(request.spaces_between_special_tokens)
     params = request.sampling_params(
         max_tokens, request.requested_logprobs(), state.prompts.eos_token_id, state.prompts.vocab_size,
-        state.prompts.bad_word_sequences(request.bad_words),
+        state.prompts.bad_word_sequences(request.bad_words), defaults,
     )
     check_prompt_logprobs(params, len(prompt))
     reader = answer_reader(state, request)

@@ -69,7 +69,8 @@ async def plan_completion(
         )
         if max_tokens not in by_max_tokens:
             by_max_tokens[max_tokens] = request.sampling_params(
-                max_tokens, request.logprobs, state.prompts.eos_token_id, state.prompts.vocab_size, bad_words
+                max_tokens, request.logprobs, state.prompts.eos_token_id, state.prompts.vocab_size, bad_words,
+                state.config.sampling_defaults,
             )
         params.append(by_max_tokens[max_tokens])
     check_total_tokens(request.n, [p.max_tokens for p in params], limits)

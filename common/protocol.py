@@ -36,11 +36,12 @@ TokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
 FinishReason = Literal["stop", "length", "abort", "error"]
 # A pooling request's answer (``GenerateRequest.pooling``): the prompt's last token's final hidden state, a
 # sequence classifier's logits of it, or a reduction over every prompt token's (sentence-transformers'
-# modes: their mean, their elementwise max, the first token's).
-PoolingKind = Literal["last", "classify", "mean", "max", "cls"]
+# modes: their mean, their elementwise max, the first token's, their sum over the square root of their
+# number, their mean weighed by position 1, 2, ...).
+PoolingKind = Literal["last", "classify", "mean", "max", "cls", "mean_sqrt_len", "weightedmean"]
 POOLING_KINDS: tuple[str, ...] = get_args(PoolingKind)
 # The kinds that read every prompt position's hidden state: their prompts compute every position.
-EVERY_TOKEN_POOLING = ("mean", "max", "cls")
+EVERY_TOKEN_POOLING = ("mean", "max", "cls", "mean_sqrt_len", "weightedmean")
 
 
 class DecodeTarget(msgspec.Struct, frozen=True):

@@ -38,7 +38,8 @@ _MODE_FLAGS = {
 
 
 # The modes the engines pool (``GenerateRequest.pooling``), by sentence-transformers' names.
-_ENGINE_POOLING: dict[str, PoolingKind] = {"lasttoken": "last", "mean": "mean", "max": "max", "cls": "cls"}
+_ENGINE_POOLING: dict[str, PoolingKind] = {"lasttoken": "last", "mean": "mean", "max": "max", "cls": "cls",
+                                           "mean_sqrt_len": "mean_sqrt_len", "weightedmean": "weightedmean"}
 
 # A cross-encoder's activation as sentence-transformers names it in the model's config.json, by what it is.
 _SCORE_ACTIVATIONS = {
@@ -164,7 +165,8 @@ class PoolingConfig:
         if self.mode not in _ENGINE_POOLING:
             raise bad_request(
                 f"the model's pooling ({self.mode!r}, its sentence-transformers Pooling config) is not implemented: "
-                "the engines pool the last token, the mean, the max or the first token (cls)", param="model")
+                "the engines pool one of sentence-transformers' modes at a time (lasttoken, mean, max, cls, "
+                "mean_sqrt_len, weightedmean), over the whole prompt", param="model")
         if dimensions is None:
             return
         if dimensions < 1:

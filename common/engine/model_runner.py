@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 from collections import deque
 from pathlib import Path
 from typing import NamedTuple
@@ -396,8 +397,9 @@ class ModelRunner:
         logits of it ("classify"), or the reduction over every prompt position (``pool_positions``)."""
         if req.pooling in EVERY_TOKEN_POOLING:
             assert req.pooling_state is not None
-            state = req.pooling_state
-            return state / req.num_prompt_tokens if req.pooling == "mean" else state
+            n = req.num_prompt_tokens
+            divisor = {"mean": n, "mean_sqrt_len": math.sqrt(n), "weightedmean": n * (n + 1) / 2}.get(req.pooling)
+            return req.pooling_state if divisor is None else req.pooling_state / divisor
         assert self.sampled_hidden is not None
         hidden = self.sampled_hidden[row]
         if req.pooling == "classify":
@@ -407,9 +409,11 @@ class ModelRunner:
 
     def pool_positions(self, out: SchedulerOutput, hidden: Tensor, query_start: list[int]) -> None:
         """Fold this step's prompt positions into each every-position pooling request's state (float32, on the
-        device, nothing read back): their sum ("mean", divided by the prompt's length at the end), their
-        elementwise max ("max"), or the first position's ("cls"). A chunk from position 0 (the first, or a
-        recompute's after preemption) starts the state afresh; positions past the prompt pool nothing."""
+        device, nothing read back): their sum ("mean", "mean_sqrt_len": divided at the end by the prompt's
+        length or its square root), their sum weighed by position + 1 ("weightedmean", divided by the
+        weights' sum), their elementwise max ("max"), or the first position's ("cls"). A chunk from position
+        0 (the first, or a recompute's after preemption) starts the state afresh; positions past the prompt
+        pool nothing."""
         for i, s in enumerate(out.scheduled):
             req = s.request
             if req.pooling not in EVERY_TOKEN_POOLING:
@@ -423,13 +427,19 @@ class ModelRunner:
                 if start == 0:
                     req.pooling_state = rows[0].clone()
                 continue
-            part = rows.sum(dim=0) if req.pooling == "mean" else rows.amax(dim=0)
+            if req.pooling == "max":
+                part = rows.amax(dim=0)
+            elif req.pooling == "weightedmean":
+                weights = torch.arange(start + 1, end + 1, dtype=torch.float32, device=rows.device)
+                part = weights @ rows
+            else:
+                part = rows.sum(dim=0)
             if start == 0 or req.pooling_state is None:
                 req.pooling_state = part
-            elif req.pooling == "mean":
-                req.pooling_state += part
-            else:
+            elif req.pooling == "max":
                 torch.maximum(req.pooling_state, part, out=req.pooling_state)
+            else:
+                req.pooling_state += part
 
     def _forward(self, inputs: BatchInputs, input_ids: Tensor, on_device: list[Tensor], replay: bool,
                  lora_select: Tensor | None) -> Tensor:

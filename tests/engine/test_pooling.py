@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.protocol import EVERY_TOKEN_POOLING
 from common.sampling_params import SamplingParams
 from tests.engine.conftest import hf_model, prompt_ids
 from tests.engine.tiny_models import TINY_DIMS, build_tokenizer, prompt_token_ids
@@ -30,10 +31,14 @@ def hf_last_hidden(prompt: tuple[int, ...]) -> np.ndarray:
 
 @functools.cache
 def hf_pooled(prompt: tuple[int, ...], pooling: str) -> np.ndarray:
-    """sentence-transformers' poolings of transformers' ``last_hidden_state`` over every prompt position."""
+    """sentence-transformers' poolings of transformers' ``last_hidden_state`` over every prompt position (its
+    ``Pooling`` module's formulas)."""
     with torch.inference_mode():
         hidden = hf_model().model(torch.tensor([prompt])).last_hidden_state[0].float()
-    pooled = {"mean": hidden.mean(dim=0), "max": hidden.amax(dim=0), "cls": hidden[0]}[pooling]
+    weights = torch.arange(1, len(prompt) + 1, dtype=torch.float32)[:, None]
+    pooled = {"mean": hidden.mean(dim=0), "max": hidden.amax(dim=0), "cls": hidden[0],
+              "mean_sqrt_len": hidden.sum(dim=0) / len(prompt) ** 0.5,
+              "weightedmean": (hidden * weights).sum(dim=0) / weights.sum()}[pooling]
     return pooled.numpy()
 
 
@@ -78,12 +83,12 @@ def test_an_embedding_is_transformers_last_hidden_state_whatever_shares_the_step
 
 
 def test_poolings_over_every_position_equal_transformers_whatever_is_cached_or_preempted(engine_factory) -> None:  # type: ignore[no-untyped-def]
-    """sentence-transformers' mean, max and first-token (CLS) poolings of the prompt's final hidden states, all in
-    one batch over chunks of 16 tokens with generation beside them, async scheduling; then a prompt again, whose
+    """sentence-transformers' mean, max, first-token (CLS), mean_sqrt_len and weightedmean poolings of the prompt's
+    final hidden states, all in one batch over chunks of 16 tokens with generation beside them, async scheduling; then a prompt again, whose
     blocks are cached: every position is computed again (no hit), the same answer; then in a pool so small
     that the prompt is preempted mid-prompt and computed again from its start."""
     engine = engine_factory(max_num_batched_tokens=16, block_size=8, async_scheduling=True)
-    prompts = {(i, kind): prompt_ids()[i] for i in (2, 6) for kind in ("mean", "max", "cls")}  # 11 and 61 tokens
+    prompts = {(i, kind): prompt_ids()[i] for i in (2, 6) for kind in EVERY_TOKEN_POOLING}  # 11 and 61 tokens
 
     def run(prefix: str, generate: bool) -> dict[tuple[int, str], np.ndarray]:
         for (i, kind), prompt in prompts.items():
@@ -96,7 +101,7 @@ def test_poolings_over_every_position_equal_transformers_whatever_is_cached_or_p
                 assert out.error is None, out.error
                 if out.request_id != "g":
                     assert out.embedding is not None
-                    i, kind = out.request_id.removeprefix(prefix).split("-")
+                    i, kind = out.request_id.removeprefix(prefix).split("-", 1)
                     got[int(i), kind] = np.frombuffer(out.embedding, dtype="<f4")
         return got
 
@@ -109,9 +114,9 @@ def test_poolings_over_every_position_equal_transformers_whatever_is_cached_or_p
     assert engine.stats().prefix_cache_hits == hits_before
     small = engine_factory(max_num_batched_tokens=16, block_size=8, num_blocks=24)
     small.add_request("gen", list(prompt_ids()[6]), SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
-    got, _ = _embeddings(small, {"long": prompt_ids()[12]}, pooling="mean")  # 145 tokens, 19 of the 24 blocks
+    got, _ = _embeddings(small, {"long": prompt_ids()[12]}, pooling="weightedmean")  # 145 tokens: 19 of 24 blocks
     assert small.stats().num_preemptions > 0
-    np.testing.assert_allclose(got["long"], hf_pooled(prompt_ids()[12], "mean"), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got["long"], hf_pooled(prompt_ids()[12], "weightedmean"), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(("params", "kwargs", "message"), [
@@ -119,7 +124,7 @@ def test_poolings_over_every_position_equal_transformers_whatever_is_cached_or_p
     (SamplingParams(max_tokens=1, temperature=0.0, logprobs=2), {}, "samples nothing"),
     (POOL, {"kv_transfer": True}, "runs whole"),
     (POOL, {"output_token_ids": [5]}, "runs whole"),
-    (POOL, {"pooling": "weightedmean"}, "pooling 'weightedmean' is not implemented"),
+    (POOL, {"pooling": "sum"}, "pooling 'sum' is not implemented"),
 ])
 def test_what_a_pooling_request_cannot_be_is_refused(engine_factory, params: SamplingParams, kwargs: dict, message: str) -> None:  # type: ignore[no-untyped-def,type-arg]
     engine = engine_factory()

@@ -45,6 +45,8 @@ def test_a_sentence_transformers_last_token_model_without_normalize(tmp_path: pa
 @pytest.mark.parametrize(("flags", "engine_pooling"), [
     ({"pooling_mode_lasttoken": True}, "last"), ({"pooling_mode_mean_tokens": True}, "mean"),
     ({"pooling_mode_max_tokens": True}, "max"), ({"pooling_mode_cls_token": True}, "cls"),
+    ({"pooling_mode_mean_sqrt_len_tokens": True}, "mean_sqrt_len"),
+    ({"pooling_mode_weightedmean_tokens": True}, "weightedmean"),
 ])
 def test_the_poolings_the_engines_compute_are_served(tmp_path: pathlib.Path, flags: dict, engine_pooling: str) -> None:  # type: ignore[type-arg]
     config = PoolingConfig.from_model_dir(_model(tmp_path, flags))
@@ -53,8 +55,7 @@ def test_the_poolings_the_engines_compute_are_served(tmp_path: pathlib.Path, fla
 
 
 @pytest.mark.parametrize(("flags", "mode"), [
-    ({"pooling_mode_weightedmean_tokens": True}, "weightedmean"), ({}, "none"),
-    ({"pooling_mode_mean_sqrt_len_tokens": True}, "mean_sqrt_len"),
+    ({}, "none"),
     ({"pooling_mode_lasttoken": True, "pooling_mode_max_tokens": True}, "max+lasttoken"),
     ({"pooling_mode_mean_tokens": True, "include_prompt": False}, "mean without the prompt (include_prompt false)"),
 ])

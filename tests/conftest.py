@@ -22,6 +22,10 @@ from ops.launcher import die_with_parent
 # through transformers while a model is converted) fixes how triton's own library functions are
 # decorated; tests that compile for a GPU start a process without it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ["TRITON_INTERPRET"] == "1" and not os.environ.get("PDSERVE_TEST_PLAIN_INTERPRETER"):
+    from tests.triton_interpreter import install as _install_interpreter_patch
+
+    _install_interpreter_patch()  # the language patched once per launch, not at every helper call
 
 
 def collect_lines(stream: IO[str] | None) -> list[str]:

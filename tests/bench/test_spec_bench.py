@@ -11,14 +11,15 @@ from ops.bench import spec_decode
 
 def test_a_short_run_reports_drafts_and_equal_outputs(tmp_path: Path) -> None:
     out = tmp_path / "spec.json"
-    assert spec_decode.main(["--num-prompts", "2", "--max-tokens", "12", "--batches", "1,2", "--cost-batches", "4",
+    # One batch size (of 2: drafts checked for several rows in one step) keeps the suite's time down.
+    assert spec_decode.main(["--num-prompts", "2", "--max-tokens", "12", "--batches", "2", "--cost-batches", "4",
                               "--cost-contexts", "50", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     runs = result["runs"]
     (cost,) = result["proposer_host_time"]
     assert cost["batch"] == 4 and cost["context"] == 50 and cost["propose_ms_per_step"] > 0
     assert [(r["workload"], r["sampling"], r["batch"], r["engine"]) for r in runs] == [
-        (w, m, b, e) for w in ("edit", "open") for m in ("greedy", "seeded") for b in (1, 2) for e in ("baseline", "ngram")
+        (w, m, 2, e) for w in ("edit", "open") for m in ("greedy", "seeded") for e in ("baseline", "ngram")
     ]
     for r in runs:
         assert 0 < r["output_tokens"] <= 24 and r["tokens_per_s"] > 0

@@ -145,9 +145,9 @@ async def _start_background(
             state.leave()
         ended = msgspec.structs.replace(record, response=response, lease_until=0.0)
         with contextlib.suppress(Exception):  # the store down: readers find the lease lapsed, then failed
-            # Not if deleted meanwhile, nor over a cancel saved meanwhile: the client was told it was cancelled.
-            await responses.update(response_id, owner, lambda r: None if r.response.get("status") == "cancelled"
-                                   else ended)
+            # Only over the running record: not if deleted meanwhile, nor over a cancel or a lapse marked failed
+            # since (a client may have been told so).
+            await responses.update(response_id, owner, lambda r: ended if running(r) else None)
 
     state.background.start(response_id, run)
     return record.response
@@ -403,7 +403,7 @@ async def cancel_response(state: RouterState, owner: str, response_id: str) -> d
     updated = await _store(state, response_id).update(response_id, owner, cancel)
     if updated is None:
         raise _not_found(response_id)  # deleted meanwhile
-    if updated.response.get("status") == "cancelled":
+    if not running(updated):  # cancelled, or failed by a lapse: stop it here at once if it runs here
         state.background.cancel(response_id)
     return updated.response
 

@@ -826,8 +826,8 @@ def _check_pooling(pooling: str, params: SamplingParams, kv_transfer: bool, outp
     ask for more (``ValueError`` naming it)."""
     if pooling not in POOLING_KINDS:
         raise ValueError(f"pooling {pooling!r} is not implemented (only 'last': the last token's hidden state, "
-                         "'classify': a sequence classifier's logits of it, and 'mean', 'max' and 'cls' of every "
-                         "prompt position's)")
+                         "'classify': a sequence classifier's logits of it, and 'mean', 'max', 'cls', "
+                         "'mean_sqrt_len' and 'weightedmean' of every prompt position's)")
     if kv_transfer or output_token_ids:
         raise ValueError("a pooling request runs whole, in one attempt: no KV transfer, no output tokens")
     if params.n != 1 or params.max_tokens != 1 or params.logprobs is not None or params.prompt_logprobs is not None:

@@ -748,6 +748,8 @@ def _awq_weights(fields: dict[str, Any]) -> IntWeights:
     version = version.removeprefix("awqlinearversion.")  # transformers' enum, written by name
     if version != "gemm":
         raise UnsupportedConfig("quantization_config.version", fields.get("version"), "implemented for awq: gemm")
+    if fields.get("zero_point", True) is not True:  # AutoAWQ's releases; without, implementations disagree
+        raise UnsupportedConfig("quantization_config.zero_point", fields.get("zero_point"), "implemented for awq: true")
     if fields.get("backend") not in (None, "autoawq", "auto"):
         raise UnsupportedConfig("quantization_config.backend", fields.get("backend"), "implemented for awq: autoawq")
     return IntWeights(QUANT_AWQ, (4,))

@@ -140,19 +140,16 @@ def _gptq(qweight: torch.Tensor, parts: dict[str, torch.Tensor | None], spec: In
 
 def _awq(qweight: torch.Tensor, parts: dict[str, torch.Tensor | None], spec: IntWeights) -> torch.Tensor:
     """AutoAWQ's GEMM layout: ``qweight`` ``[in, out / 8]`` and ``qzeros`` ``[groups, out / 8]``, both packed
-    along the outputs in ``_AWQ_NIBBLE``'s order; ``scales`` ``[groups, out]``; groups contiguous. Without
-    zero points (``zero_point: false``) every zero is the middle value, 8."""
+    along the outputs in ``_AWQ_NIBBLE``'s order; ``scales`` ``[groups, out]``; groups contiguous."""
     qzeros, scales = parts["qzeros"], parts["scales"]
-    if scales is None:
-        raise ValueError("qweight without scales")
+    if qzeros is None or scales is None:
+        raise ValueError("qweight without qzeros and scales")
     bits = spec.bits[0]
     order = (torch.arange(qweight.shape[1] * 8).reshape(-1, 8)[:, list(_AWQ_NIBBLE)]).reshape(-1)
     q = _unpack(qweight, bits)[:, order]
     if q.shape[1] != scales.shape[1]:
         raise ValueError(f"qweight {tuple(qweight.shape)} does not fit scales {tuple(scales.shape)}")
-    zeros = (torch.full(scales.shape, 1 << (bits - 1), dtype=torch.int32) if qzeros is None
-             else _unpack(qzeros, bits)[:, order])
-    return _widen(q.T, zeros.T, scales.T, None)
+    return _widen(q.T, _unpack(qzeros, bits)[:, order].T, scales.T, None)
 
 
 def _compressed_tensors(packed: torch.Tensor, parts: dict[str, torch.Tensor | None], spec: IntWeights) -> torch.Tensor:

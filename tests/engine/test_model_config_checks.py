@@ -57,6 +57,9 @@ REFUSED = [
      "quantization_config.bits"),
     ("gptq-marlin", lambda: _config("LlamaConfig", quantization_config={
         "quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}), "quantization_config.checkpoint_format"),
+    ("awq-no-zero-point", lambda: _config("LlamaConfig", quantization_config={"quant_method": "awq", "bits": 4,
+                                                                              "zero_point": False}),
+     "quantization_config.zero_point"),
     ("awq-gemv", lambda: _config("LlamaConfig", quantization_config={"quant_method": "awq", "bits": 4,
                                                                      "version": "gemv"}), "quantization_config.version"),
     ("compressed-tensors-w8a8", lambda: _config("LlamaConfig", quantization_config=_compressed(input_activations={

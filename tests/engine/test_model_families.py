@@ -437,9 +437,9 @@ def test_an_integer_quantized_checkpoint_equals_its_dequantized_model(checkpoint
 
 
 def test_awq_s_packing_order_and_stray_tensors() -> None:
-    """AutoAWQ's nibble order read as compressed-tensors' converter reads it, on random words; a scale or
-    zero point without its packed weights, or packed weights that do not fit their scales, is a broken
-    checkpoint."""
+    """AutoAWQ's nibble order read as compressed-tensors' converter reads it, on random words; packed weights
+    without their zero points, a scale or zero point without its packed weights, or packed weights that do not
+    fit their scales, is a broken checkpoint."""
     from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
 
     from common.model.quantization import QUANT_AWQ, QUANT_GPTQ, IntWeights, widen_int_weights
@@ -453,10 +453,8 @@ def test_awq_s_packing_order_and_stray_tensors() -> None:
     weight, scale, zero = AutoAWQConverter(group_size=16)._convert_gemm_module(qweight, scales, qzeros)
     expected = (weight.int() - zero.int().repeat_interleave(16, dim=1)).half() * scale.repeat_interleave(16, dim=1)
     assert set(state) == {"x.weight"} and torch.equal(state["x.weight"], expected.float())
-    state = {"x.qweight": qweight, "x.scales": scales}  # ``zero_point: false``: the middle value, as the converter's
-    widen_int_weights(state, IntWeights(QUANT_AWQ, (4,)), torch.float32)
-    weight, scale, _ = AutoAWQConverter(group_size=16, zero_point=False)._convert_gemm_module(qweight, scales, None)
-    assert torch.equal(state["x.weight"], (weight.half() * scale.repeat_interleave(16, dim=1)).float())
+    with pytest.raises(ValueError, match="qweight without qzeros"):
+        widen_int_weights({"x.qweight": qweight, "x.scales": scales}, IntWeights(QUANT_AWQ, (4,)), torch.float32)
     with pytest.raises(ValueError, match="without their qweight"):
         widen_int_weights({"x.scales": scales}, IntWeights(QUANT_AWQ, (4,)), torch.float32)
     with pytest.raises(ValueError, match="does not fit"):

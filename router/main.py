@@ -24,7 +24,7 @@ from router.auth import keys_from_env
 from router.config import RequestLimits, RouterConfig
 from router.reasoning import REASONING_PARSERS
 from router.routing import POLICIES
-from router.sampling_defaults import generation_config_arg
+from router.sampling_defaults import SamplingDefaults, generation_config_arg
 from router.tool_parsers import PARSERS
 
 logger = logging.getLogger("router")
@@ -235,7 +235,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     from router.app import create_app
     from router.pooling import PoolingConfig
-    from router.sampling_defaults import SamplingDefaults
     from router.state import RouterState
     from router.tokenization import PromptProcessor, load_chat_template
     from router.tool_parsers import detect_parser
@@ -257,9 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         sampling_defaults = SamplingDefaults.load(args.generation_config, model_dir, args.override_generation_config)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    if sampling_defaults.describe():
-        logger.info("sampling defaults of requests that leave them unset, from the generation config: %s",
-                    sampling_defaults.describe())
+    if described := sampling_defaults.describe():
+        logger.info("sampling defaults of requests that leave them unset, from the generation config: %s", described)
     config = RouterConfig(
         pooling=pooling,
         sampling_defaults=sampling_defaults,

@@ -93,6 +93,7 @@ from common.model.quantization import (
     QUANT_GPTQ,
     QUANT_MXFP4,
     IntWeights,
+    quantization_fields,
 )
 from pdserve_kernels.reference import NORM_GEMMA, NORM_LAYER, NORM_LLAMA, NORM_OLMO
 
@@ -695,12 +696,9 @@ def _quantization(config: Any, model_type: str) -> dict[str, Any]:
     block-wise FP8 weights whose activations are quantized on the fly (``activation_scheme: dynamic``),
     which widened weights compute as transformers' dequantized model does, or integer weights with
     unquantized activations (GPTQ, AWQ, compressed-tensors); anything else refused by name."""
-    quantization = getattr(config, "quantization_config", None)
-    if quantization in (None, {}):
+    if getattr(config, "quantization_config", None) in (None, {}):
         return {}
-    fields = quantization if isinstance(quantization, dict) else vars(quantization)
-    method = fields.get("quant_method")
-    method = getattr(method, "value", method)  # transformers' QuantizationMethod is a str enum
+    method, fields = quantization_fields(config)
     if method == QUANT_MXFP4 and model_type == "gpt_oss":
         return {"quantization": QUANT_MXFP4}
     if method == QUANT_FP8:

@@ -26,11 +26,19 @@ QUANT_FP8 = "fp8"
 QUANT_GPTQ = "gptq"
 QUANT_AWQ = "awq"
 QUANT_COMPRESSED_TENSORS = "compressed-tensors"
-INT_QUANT_METHODS = (QUANT_GPTQ, QUANT_AWQ, QUANT_COMPRESSED_TENSORS)
 
 
 # vLLM's ``--quantization`` names for its kernels of a checkpoint format: here the same checkpoints.
 _METHOD_ALIASES = {"gptq_marlin": QUANT_GPTQ, "awq_marlin": QUANT_AWQ, "compressed_tensors": QUANT_COMPRESSED_TENSORS}
+
+
+def quantization_fields(config: Any) -> tuple[str | None, dict[str, Any]]:
+    """The checkpoint's ``quantization_config``: its ``quant_method`` (None: not quantized) and its fields,
+    whether transformers left it a dict or made it an object."""
+    quantization = getattr(config, "quantization_config", None) or {}
+    fields = quantization if isinstance(quantization, dict) else vars(quantization)
+    method = fields.get("quant_method")
+    return getattr(method, "value", method), fields  # transformers' QuantizationMethod is a str enum
 
 
 def check_quantization(flag: str | None, config: Any) -> None:
@@ -39,9 +47,7 @@ def check_quantization(flag: str | None, config: Any) -> None:
     an error (vLLM quantizes such a model as it loads; that is not implemented)."""
     if flag is None:
         return
-    quantization = getattr(config, "quantization_config", None) or {}
-    method = (quantization if isinstance(quantization, dict) else vars(quantization)).get("quant_method")
-    method = getattr(method, "value", method)
+    method, _ = quantization_fields(config)
     if method is None:
         raise ValueError(f"--quantization {flag}: the checkpoint is not quantized, and quantizing a model as it "
                          "loads is not implemented (serve a quantized checkpoint, or leave the flag out)")
@@ -53,7 +59,7 @@ def check_quantization(flag: str | None, config: Any) -> None:
 class IntWeights:
     """How a checkpoint of integer weights stores them (read from its ``quantization_config``)."""
 
-    method: str  # one of INT_QUANT_METHODS
+    method: str  # QUANT_GPTQ, QUANT_AWQ or QUANT_COMPRESSED_TENSORS
     bits: tuple[int, ...]  # the widths its weights may have (compressed-tensors' groups may mix 4 and 8)
     # GPTQ's original format ("gptq", v1) stores each zero point minus one; "gptq_v2" stores it as it is.
     zeros_minus_one: bool = False
@@ -82,8 +88,7 @@ def widen_int_weights(state: dict[str, torch.Tensor], spec: IntWeights, dtype: t
         weights = state.pop(packed)
         parts = {name: state.pop(f"{prefix}.{name}", None) for name in names[1:]}
         try:
-            widen = {QUANT_GPTQ: _gptq, QUANT_AWQ: _awq, QUANT_COMPRESSED_TENSORS: _compressed_tensors}[spec.method]
-            state[prefix + ".weight"] = widen(weights, parts, spec).to(dtype)
+            state[prefix + ".weight"] = _WIDEN[spec.method](weights, parts, spec).to(dtype)
         except ValueError as e:
             raise ValueError(f"checkpoint mismatch: {prefix}: {e}") from None
     stray = [n for n in state if n.rpartition(".")[2] in names[1:]]
@@ -180,6 +185,10 @@ def _compressed_tensors(packed: torch.Tensor, parts: dict[str, torch.Tensor | No
         raise ValueError(f"weight_zero_point {tuple(zero_point.shape)} {zero_point.dtype} does not fit "
                          f"weight_scale {tuple(scales.shape)}")
     return _widen(q, zeros, scales, parts["weight_g_idx"])
+
+
+# Each method's reading of a layer's tensors into its weights.
+_WIDEN = {QUANT_GPTQ: _gptq, QUANT_AWQ: _awq, QUANT_COMPRESSED_TENSORS: _compressed_tensors}
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

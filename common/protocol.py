@@ -6,6 +6,7 @@ types and the size limits below before anything is built from it. No pickle, no 
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Any, Literal, get_args
 
 import msgspec
@@ -19,7 +20,11 @@ MAX_ID_LEN = 256
 # prompt and, when continued, the tokens already produced, each at most MAX_PROMPT_TOKENS; every
 # socket that reads engine inputs refuses larger frames (ZMQ_MAXMSGSIZE) before buffering them.
 _MAX_TOKEN_ID_BYTES = 5
-MAX_MESSAGE_BYTES = 2 * MAX_PROMPT_TOKENS * _MAX_TOKEN_ID_BYTES + (1 << 20)
+# A prompt's images (``ImageInput``), their processed pixels all together: about four 1540 x 1540 images in
+# float32, Mistral Small 3.1's largest.
+MAX_IMAGE_BYTES = 128 << 20
+MAX_IMAGES_PER_PROMPT = 64
+MAX_MESSAGE_BYTES = 2 * MAX_PROMPT_TOKENS * _MAX_TOKEN_ID_BYTES + MAX_IMAGE_BYTES + (1 << 20)
 # Engine -> router: one step's tokens of one request, with their logprobs (top 20 at most), or one
 # step's outputs of every request a router owns (``OutputBatch``, split to stay under this bound).
 MAX_OUTPUT_MESSAGE_BYTES = 4 << 20
@@ -51,6 +56,27 @@ class DecodeTarget(msgspec.Struct, frozen=True):
     kv_address: str
 
 
+class ImageInput(msgspec.Struct, kw_only=True):
+    """One image of a prompt, as the router's image processor (the model folder's own) made it: the pixels the
+    vision tower reads, float32 ``[3, height, width]`` row-major, and the span of prompt positions its tokens
+    take (``offset``, ``length``): the model's image token at each position its features replace, in order,
+    and whatever other tokens the processor put between them (Pixtral's row breaks and end). ``digest``
+    (sha256 of the pixels and their shape, hex) is its identity in the block hashes of the blocks the span
+    touches: the same tokens with another image are another prefix."""
+
+    offset: Annotated[int, msgspec.Meta(ge=0, lt=MAX_PROMPT_TOKENS)]
+    length: Annotated[int, msgspec.Meta(ge=1, le=MAX_PROMPT_TOKENS)]
+    height: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    width: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    digest: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+    pixel_values: Annotated[bytes, msgspec.Meta(max_length=MAX_IMAGE_BYTES)]
+
+
+def image_digest(pixels: bytes, height: int, width: int) -> str:
+    """``ImageInput.digest``: what its blocks are hashed under."""
+    return hashlib.sha256(b"pdserve/image/v1\0%d\0%d\0" % (height, width) + pixels).hexdigest()
+
+
 class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     """Router -> engine. With ``decode_target`` set, a prefill instance computes the prompt, sends
     the first token to ``reply_to`` and the KV to the decode target; without it the receiving
@@ -74,6 +100,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     # hidden state at its last token ("last": ``POST /v1/embeddings``), or a sequence classifier's logits of
     # it ("classify": ``/classify``, ``/score``, ``/rerank``).
     pooling: PoolingKind | None = None
+    # The prompt's images (an image-text model's): their features replace their tokens' embeddings.
+    images: Annotated[list[ImageInput], msgspec.Meta(max_length=MAX_IMAGES_PER_PROMPT)] = msgspec.field(
+        default_factory=list)
 
 
 class AbortRequest(msgspec.Struct, tag="abort", kw_only=True):

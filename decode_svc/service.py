@@ -14,6 +14,7 @@ import logging
 from common.endpoints import check_endpoint
 from common.engine.engine import EngineOutput
 from common.protocol import (
+    MAX_MESSAGE_BYTES,
     GenerateRequest,
     ProtocolError,
     TransferMeta,
@@ -59,6 +60,8 @@ class DecodeService(EngineService):
             f"tcp://{args.host}:{port}", cache, layout, self,
             timeout_s=args.kv_transfer_timeout, defer_timeout_s=args.kv_transfer_timeout,
             curve=self.kv_curve, offer_order=_offer_priority if priority else None,
+            # The offer's meta carries the request, its prompt's images included (``GenerateRequest``).
+            max_meta_bytes=MAX_MESSAGE_BYTES,
         )
         self.kv_address = self.receiver.address
 
@@ -80,7 +83,7 @@ class DecodeService(EngineService):
                 request_id, msg.prompt_token_ids, transfer.first_token_id, msg.sampling_params,
                 num_cached_tokens=transfer.num_cached_tokens, cache_salt=msg.cache_salt,
                 output_token_ids=msg.output_token_ids, choice_token_ids=transfer.choice_token_ids or None,
-                lora_name=msg.lora_name,
+                lora_name=msg.lora_name, images=msg.images,
             )
         except ValueError as exc:
             return Refusal(str(exc))
@@ -107,7 +110,7 @@ class DecodeService(EngineService):
     def admit(self, msg: GenerateRequest) -> None:
         self.engine.add_request(
             msg.request_id, msg.prompt_token_ids, msg.sampling_params, cache_salt=msg.cache_salt,
-            output_token_ids=msg.output_token_ids, lora_name=msg.lora_name, pooling=msg.pooling,
+            output_token_ids=msg.output_token_ids, lora_name=msg.lora_name, pooling=msg.pooling, images=msg.images,
         )
 
     def on_abort(self, request_id: str) -> None:

@@ -53,7 +53,7 @@ class PrefillService(EngineService):
         self.engine.add_request(
             msg.request_id, msg.prompt_token_ids, msg.sampling_params, cache_salt=msg.cache_salt,
             kv_transfer=msg.decode_target is not None, output_token_ids=msg.output_token_ids,
-            lora_name=msg.lora_name, pooling=msg.pooling,
+            lora_name=msg.lora_name, pooling=msg.pooling, images=msg.images,
         )
 
     def on_abort(self, request_id: str) -> None:

@@ -37,6 +37,7 @@ from common.model.lora import LoRAManager
 from common.protocol import (
     MAX_PROMPT_LOGPROB_ENTRIES,
     POOLING_KINDS,
+    ImageInput,
     PositionLogprobs,
     PromptLogprob,
     choice_request_id,
@@ -263,6 +264,7 @@ class LLMEngine:
         output_token_ids: list[int] | None = None,
         lora_name: str | None = None,
         pooling: str | None = None,
+        images: list[ImageInput] | None = None,
     ) -> None:
         """Queue a request; raises ``ValueError`` (nothing queued) when the input is bad.
 
@@ -289,7 +291,9 @@ class LLMEngine:
             request_id, prompt_token_ids, params, block_size=self.block_size, model_id=self.model_id,
             cache_salt=cache_salt, arrival_time=arrival_time, kv_transfer=kv_transfer,
             output_token_ids=output_token_ids, lora_name=lora_name, lora_slot=lora_slot, pooling=pooling,
+            images=images,
         )
+        self.runner.check_images(req)
         req.grammar = self._grammar(params, req.output_token_ids)
         if params.prompt_logprobs is not None and not req.output_token_ids:  # a continuation sent them
             req.prompt_logprobs = [None]
@@ -335,6 +339,7 @@ class LLMEngine:
         output_token_ids: list[int] | None = None,
         choice_token_ids: list[int] | None = None,
         lora_name: str | None = None,
+        images: list[ImageInput] | None = None,
     ) -> KVHandoff | None:
         """Hold blocks for a request whose KV another instance computed (it waits for remote KV).
 
@@ -360,8 +365,9 @@ class LLMEngine:
             raise ValueError(f"duplicate request_id {request_id!r}")
         req = Request(
             request_id, prompt_token_ids, params, block_size=self.block_size, model_id=self.model_id,
-            cache_salt=cache_salt, output_token_ids=outputs, lora_name=lora_name, lora_slot=lora_slot,
+            cache_salt=cache_salt, output_token_ids=outputs, lora_name=lora_name, lora_slot=lora_slot, images=images,
         )
+        self.runner.check_images(req)  # its images' tokens' KV arrives; a recompute after preemption encodes them
         req.forked = True  # the choices fork when the KV has arrived, not after a local prefill
         req.grammar = self._grammar(params, outputs)
         for token in choices[1:]:  # each choice's first token must fit the grammar too
@@ -392,6 +398,7 @@ class LLMEngine:
                 choice_request_id(request_id, index), req.prompt_token_ids, req.sampling_params,
                 block_size=self.block_size, model_id=self.model_id, cache_salt=req.cache_salt,
                 output_token_ids=[token], seed_offset=index, lora_name=req.lora_name, lora_slot=req.lora_slot,
+                images=req.images,
             )
             child.forked = True
             child.grammar = self._grammar(req.sampling_params, [token])  # checked by add_remote_request

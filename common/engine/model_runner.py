@@ -39,6 +39,7 @@ from common.model.loader import model_identity, resolve_model_path
 from common.model.lora import LoRAManager
 from common.model.parallel import SINGLE, TensorParallel
 from common.model.quantization import check_quantization
+from common.model.vision import ImageEncoder, ImageEncoderRefused
 from common.model.weights import load_hf_config, load_model
 from common.protocol import EVERY_TOKEN_POOLING, PromptLogprob, TokenLogprob
 from common.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -119,6 +120,10 @@ class ModelRunner:
     tp_leader: TPLeader | None = None
     # The last step's hidden states of the rows it computed logits for, in their order.
     sampled_hidden: Tensor | None = None
+    # An image-text checkpoint's vision tower and projector (``common.model.vision``); None: images are refused,
+    # for the reason in ``images_refused``.
+    image_encoder: ImageEncoder | None = None
+    images_refused = "the model takes no images"
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, cache_path: Path | None = None) -> None:
         """``tp`` and ``cache_path``: given to a tensor-parallel worker rank (its group, and where rank 0's
@@ -160,6 +165,7 @@ class ModelRunner:
         self.model = load_model(
             self.model_path, self.hf_config, self.kernels, self.dtype, self.device, self.max_model_len, tp
         )
+        self._load_image_encoder()
         # LoRA adapters, resident from here, before the KV cache is sized after what is left.
         self.lora = (LoRAManager(self.model, config.lora_modules, config.max_lora_rank, config.max_loras)
                      if config.enable_lora else None)
@@ -179,6 +185,82 @@ class ModelRunner:
             self.model_id, self.device, self.dtype, self.num_blocks, self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, self.kv_dtype, self.kernel_backend,
         )
+
+    def _load_image_encoder(self) -> None:
+        """An image-text checkpoint's vision side, loaded before the KV cache is sized after what is left; where
+        its images are not implemented (or the model is split over ranks) its text is served alone."""
+        try:
+            encoder = ImageEncoder.for_checkpoint(self.model_path, self.dtype, self.device)
+        except ImageEncoderRefused as exc:
+            self.images_refused = str(exc)
+            return
+        if encoder is not None and self.tp.size > 1:
+            self.images_refused = "image input with --tensor-parallel-size above 1 is not implemented"
+            return
+        self.image_encoder = encoder
+
+    def check_images(self, req: Request) -> None:
+        """``ValueError`` naming what is wrong with a request's images (``GenerateRequest.images``): spans in
+        order inside the prompt, pixels of the size said, and as many image tokens in each span as its image
+        has features, none outside them."""
+        if not req.images:
+            return
+        encoder = self.image_encoder
+        if encoder is None:
+            raise ValueError(f"images: {self.images_refused}")
+        prompt = req.prompt_token_ids
+        token = encoder.image_token_id
+        end = 0
+        for k, image in enumerate(req.images):
+            if image.offset < end or image.offset + image.length > len(prompt):
+                raise ValueError(f"images[{k}]: its span [{image.offset}, {image.offset + image.length}) overlaps "
+                                 f"the one before or leaves the prompt of {len(prompt)} tokens")
+            if len(image.pixel_values) != 3 * image.height * image.width * 4:
+                raise ValueError(f"images[{k}]: {len(image.pixel_values)} bytes of pixels for a float32 image of "
+                                 f"3 x {image.height} x {image.width}")
+            encoder.check_size(image.height, image.width)
+            count = prompt[image.offset:image.offset + image.length].count(token)
+            if count != encoder.num_features(image.height, image.width):
+                raise ValueError(f"images[{k}]: its span holds {count} image tokens (id {token}) for an image of "
+                                 f"{encoder.num_features(image.height, image.width)} features")
+            end = image.offset + image.length
+        if prompt.count(token) != sum(prompt[i.offset:i.offset + i.length].count(token) for i in req.images):
+            raise ValueError(f"prompt: the image token (id {token}) outside its images' spans")
+
+    def image_rows(self, out: SchedulerOutput, query_start: list[int]) -> tuple[Tensor, Tensor] | None:
+        """The rows of this step's input that are image tokens, and the features that replace their embeddings
+        (in the model's dtype, on the device): each image is encoded at the first chunk that reaches it and
+        kept on its request until a chunk passes its end (a preemption's recompute encodes it again)."""
+        encoder = self.image_encoder
+        if encoder is None:
+            return None
+        rows: list[int] = []
+        parts: list[Tensor] = []
+        for i, s in enumerate(out.scheduled):
+            req = s.request
+            if not req.images:
+                continue
+            start = req.num_computed_tokens
+            end = start + s.num_new_tokens
+            for k, image in enumerate(req.images):
+                lo, hi = max(start, image.offset), min(end, image.offset + image.length)
+                if lo >= hi:
+                    continue
+                features = req.image_features.get(k)
+                if features is None:
+                    pixels = torch.frombuffer(bytearray(image.pixel_values), dtype=torch.float32)
+                    pixels = pixels.view(3, image.height, image.width).to(self.device)
+                    features = req.image_features[k] = encoder.encode(pixels, image.height, image.width)
+                span = req.prompt_token_ids[image.offset:image.offset + image.length]
+                positions = [image.offset + j for j, t in enumerate(span) if t == encoder.image_token_id]
+                chosen = [j for j, p in enumerate(positions) if lo <= p < hi]
+                rows.extend(query_start[i] + positions[j] - start for j in chosen)
+                parts.append(features[chosen[0]:chosen[-1] + 1] if chosen else features[:0])
+                if hi == image.offset + image.length:
+                    del req.image_features[k]
+        if not rows:
+            return None
+        return long_tensor(rows, self.device), torch.cat(parts).to(self.dtype)
 
     def _allocate_cache(self, cache_path: Path | None) -> tuple[Tensor, Tensor | None]:
         """This rank's KV cache, and the cache a KV transfer moves blocks of (None: none can). One rank: the
@@ -308,7 +390,12 @@ class ModelRunner:
             max_query_len=max(lens),
         )
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        features = None
+        if self.image_encoder is not None:  # the largest image's encoding; its features live through the step
+            side = self.image_encoder.max_side
+            features = self.image_encoder.encode(torch.zeros(3, side, side, device=dev), side, side)
         hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions, meta, cache)
+        del features
         rows = config.max_num_seqs
         logits = self.model.compute_logits(hidden[torch.arange(rows, device=dev) % num_tokens])
         del hidden
@@ -348,8 +435,11 @@ class ModelRunner:
             self.kernels.copy_blocks(self.kv_cache, long_tensor(src, dev), long_tensor(dst, dev))
         inputs = self.input_batch.prepare(out.scheduled)
         graphs = self.decode_graphs
+        images = None
+        if self.image_encoder is not None and any(s.request.images for s in out.scheduled):
+            images = self.image_rows(out, inputs.query_start_loc.tolist())
         # One token per sequence (decode, or a prompt's last one-token chunk) is replayed from a graph.
-        replay = graphs is not None and graphs.fits(inputs)
+        replay = graphs is not None and images is None and graphs.fits(inputs)
         # Which adapter each token has, for the adapted projections (a replay reads the rows' one-hot).
         adapted = self.lora is not None and self.lora.set_batch(
             [s.request.lora_slot for s in out.scheduled], inputs.query_start_loc, dev, one_hot=replay)
@@ -366,7 +456,7 @@ class ModelRunner:
             input_ids = torch.where(input_ids < 0, prev_token_ids.index_select(0, rows), input_ids)
         lora_select = self.lora.batch.select if adapted and self.lora is not None else None
         if self.tp_leader is None:
-            hidden = self._forward(inputs, input_ids, on_device[1:], replay, lora_select)
+            hidden = self._forward(inputs, input_ids, on_device[1:], replay, lora_select, images)
         else:  # the other ranks run the same forward on their shares, in step with this one
             with self.tp_leader.in_step():
                 self.tp_leader.step(
@@ -442,7 +532,7 @@ class ModelRunner:
                 req.pooling_state += part
 
     def _forward(self, inputs: BatchInputs, input_ids: Tensor, on_device: list[Tensor], replay: bool,
-                 lora_select: Tensor | None) -> Tensor:
+                 lora_select: Tensor | None, images: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """The hidden states of a step whose inputs are on the device (``on_device``: positions, slot
         mapping, context lengths, block tables and, unless it replays a decode graph, query starts)."""
         positions, slot_mapping, context_lens, block_tables = on_device[:4]
@@ -455,7 +545,10 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, query_start_loc=on_device[4],
                                  context_lens=context_lens, max_query_len=inputs.max_query_len,
                                  host_query_start_loc=inputs.query_start_loc, host_context_lens=inputs.context_lens)
-        hidden: Tensor = self.model(input_ids, positions, meta, self.kv_cache)
+        if images is not None:
+            hidden: Tensor = self.model(input_ids, positions, meta, self.kv_cache, images)
+        else:
+            hidden = self.model(input_ids, positions, meta, self.kv_cache)
         return hidden
 
     @torch.inference_mode()

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from common.engine.grammar import GrammarState
-    from common.protocol import PromptLogprob
+    from common.protocol import ImageInput, PromptLogprob
 
 
 class RequestStatus(enum.IntEnum):
@@ -74,6 +74,7 @@ class Request:
         lora_name: str | None = None,
         lora_slot: int = -1,
         pooling: str | None = None,
+        images: list[ImageInput] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -139,12 +140,21 @@ class Request:
         # Its LoRA adapter (``common.model.lora``): its name, and its slot in the runner (-1: none).
         self.lora_name = lora_name
         self.lora_slot = lora_slot
+        # An image-text model's prompt images (``GenerateRequest.images``, checked by the engine), and the
+        # features of those a chunk reached, by index, until the prompt's positions pass them
+        # (``ModelRunner.image_rows``).
+        self.images: list[ImageInput] = images or []
+        self.image_features: dict[int, Tensor] = {}
         self._block_size = block_size
         model_id = adapter_model_key(model_id, lora_name)
         self._model_id = model_id
         self.block_hashes: list[BlockHash] = compute_block_hashes(
-            self.all_token_ids, block_size, model_id, cache_salt
+            self.all_token_ids, block_size, model_id, cache_salt, images=self.image_spans
         )
+
+    @property
+    def image_spans(self) -> list[tuple[int, int, str]]:
+        return [(image.offset, image.length, image.digest) for image in self.images]
 
     @property
     def num_tokens(self) -> int:

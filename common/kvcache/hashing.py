@@ -1,7 +1,8 @@
 """Block hashes: sha256 over a canonical, type-tagged encoding; one function for every process.
 
 A block's hash covers its parent's hash, its token ids and the extra keys (model identity, cache
-salt), so equal hashes mean equal KV for the same model and tenant. Only full blocks are hashed.
+salt) and, for a block that holds a position of a prompt's image, that image's digest and offset, so
+equal hashes mean equal KV for the same model and tenant. Only full blocks are hashed.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ def _keys_part(extra_keys: Sequence[str]) -> bytes:
     return b"X" + struct.pack("<I", len(extra_keys)) + b"".join(_tagged_str(b"S", key) for key in extra_keys)
 
 
+# An image a block's positions reach into: its first position and ``common.protocol.image_digest``.
+ImageSpan = tuple[int, int, str]  # offset, length, digest (64 hex digits)
+
+
+def _images_part(images: Sequence[tuple[int, str]]) -> bytes:
+    return b"I" + struct.pack("<I", len(images)) + b"".join(
+        struct.pack("<Q", offset) + bytes.fromhex(digest) for offset, digest in images)
+
+
 def hash_block_tokens(
     parent: BlockHash | None, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
 ) -> BlockHash:
@@ -62,6 +72,7 @@ def compute_block_hashes(
     cache_salt: str | None = None,
     start: int = 0,
     parent: BlockHash | None = None,
+    images: Sequence[ImageSpan] = (),
 ) -> list[BlockHash]:
     """Hashes of the full blocks of ``token_ids`` from block index ``start`` on.
 
@@ -71,6 +82,9 @@ def compute_block_hashes(
     The bytes hashed per block are ``hash_block_tokens``' own, put together with less work: the
     tokens of every block packed in one call, the extra keys' encoding made once (every request's
     prompt and every routed prompt go through here).
+
+    ``images``: the prompt's images' spans; a block holding a position of one hashes its offset and digest
+    too (after the extra keys; a block of text alone is hashed as without them).
     """
     num_full = len(token_ids) // block_size
     if num_full <= start:
@@ -81,9 +95,15 @@ def compute_block_hashes(
     packed = struct.pack(f"<{hi - lo}q", *token_ids[lo:hi])
     width = 8 * block_size
     hashes: list[BlockHash] = []
-    for offset in range(0, len(packed), width):
+    for index, offset in enumerate(range(0, len(packed), width), start=start):
         h = _SEEDED.copy()
-        h.update(_parent_part(parent) + head + packed[offset : offset + width] + tail)
+        block_tail = tail
+        if images:
+            first = index * block_size
+            reached = [(o, d) for o, n, d in images if o < first + block_size and first < o + n]
+            if reached:
+                block_tail = tail + _images_part(reached)
+        h.update(_parent_part(parent) + head + packed[offset : offset + width] + block_tail)
         parent = BlockHash(h.digest())
         hashes.append(parent)
     return hashes

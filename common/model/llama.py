@@ -651,8 +651,11 @@ class LlamaForCausalLM(nn.Module):
         scale = 1 + beta * torch.log(1 + torch.floor(positions / self.arch.query_scale_positions))
         return scale.to(dtype)[:, None, None]
 
-    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor) -> Tensor:
-        """Hidden states ``[num_tokens, hidden]``; writes this step's K/V into ``kv_cache``."""
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor,
+                images: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Hidden states ``[num_tokens, hidden]``; writes this step's K/V into ``kv_cache``. ``images``: rows
+        of the input whose embeddings an image's features replace, and those features (an image-text model's
+        image tokens: ``ModelRunner.image_rows``)."""
         x = self.model.embed_tokens(input_ids)
         if self.arch.embed_scale is not None:  # as transformers: the scale rounded to the weights' dtype
             # Rounded on the host and passed as a number: a device tensor made here would be a copy to
@@ -660,6 +663,8 @@ class LlamaForCausalLM(nn.Module):
             x = x * float(torch.tensor(self.arch.embed_scale, dtype=x.dtype))
         if self.arch.embedding_multiplier is not None:  # Granite: the number as it is, as transformers
             x = x * self.arch.embedding_multiplier
+        if images is not None:
+            x = x.index_copy(0, images[0], images[1])
         ropes = self.rope_tables(positions, x.dtype)
         q_scale = self.query_scales(positions, x.dtype)
         residual: Tensor | None = None

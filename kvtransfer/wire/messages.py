@@ -24,7 +24,7 @@ KV_PROTOCOL_VERSION = 3  # 2: a Data frame may come in several parts; 3: parts o
 MAX_HASH_BYTES = 64
 MAX_BLOCKS_PER_REQUEST = 1 << 20
 MAX_TOKENS_PER_REQUEST = 1 << 28
-MAX_META_BYTES = 64 << 20  # static ceiling; a receiver enforces its own, smaller limit
+MAX_META_BYTES = 256 << 20  # static ceiling; a receiver enforces its own, smaller limit
 MAX_REASON_LEN = 2048
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]

@@ -142,3 +142,24 @@ def test_request_hashes_grow_token_by_token_like_from_scratch(prompt, outputs, s
     child.append_output_token(7)
     assert child.block_hashes == compute_block_hashes(child.all_token_ids, 8, MODEL, salt)
     assert req.block_hashes == compute_block_hashes(req.all_token_ids, 8, MODEL, salt)
+
+
+def test_an_image_changes_the_hashes_of_the_blocks_it_reaches_and_those_after() -> None:
+    """The same tokens with another image (another digest, or the same one elsewhere) differ from the first
+    block the image reaches on (the chain carries it); the blocks before it are text's; a salt that spells
+    an image's key is not one (the image is hashed under a tag of its own)."""
+    digest_a, digest_b = "a" * 64, "b" * 64
+    plain = compute_block_hashes(TOKENS, BS, MODEL)
+    with_a = compute_block_hashes(TOKENS, BS, MODEL, images=[(2 * BS + 3, BS, digest_a)])  # blocks 2 and 3
+    with_b = compute_block_hashes(TOKENS, BS, MODEL, images=[(2 * BS + 3, BS, digest_b)])
+    moved = compute_block_hashes(TOKENS, BS, MODEL, images=[(2 * BS + 4, BS, digest_a)])
+    assert with_a[:2] == plain[:2] == with_b[:2] == moved[:2]
+    for other in (plain, with_b, moved):
+        assert not set(with_a[2:]) & set(other[2:])
+    assert compute_block_hashes(TOKENS, BS, MODEL, images=[(5 * BS, 3, digest_a)]) == plain  # past the full blocks
+    assert compute_block_hashes(TOKENS, BS, MODEL, f"{2 * BS + 3}:{digest_a}") != with_a
+    # Incremental hashing from a block after the image equals hashing from scratch.
+    images = [(BS - 2, 4, digest_a)]
+    whole = compute_block_hashes(TOKENS, BS, MODEL, images=images)
+    assert whole[:2] + compute_block_hashes(TOKENS, BS, MODEL, start=2, parent=whole[1], images=images) == whole
+    assert whole[0] != plain[0] and whole[1] != plain[1]

@@ -764,3 +764,79 @@ def peft_greedy(base: Path, adapter: Path, prompt: list[int], max_new_tokens: in
             eos_token_id=None,
         )
     return [int(t) for t in out[0, len(prompt):]]
+
+
+# A Mistral 3 image-text checkpoint whose images are served: a Pixtral tower of two layers over patches of 8
+# pixels (images up to 112 pixels a side), the patch merger over 2 x 2 patches, so an image token stands for
+# 16 x 16 pixels. Its tokenizer is ``build_tokenizer``'s with the processor's three tokens at the vocabulary's
+# end, and a chat template that writes ``[IMG]`` for an image part (as Mistral's own templates do).
+IMAGE_TOKENS = {"[IMG_END]": TINY_DIMS["vocab_size"] - 3, "[IMG_BREAK]": TINY_DIMS["vocab_size"] - 2,
+                "[IMG]": TINY_DIMS["vocab_size"] - 1}
+IMAGE_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] in ('image', 'image_url') %}[IMG]{% endif %}{% endfor %}{% endif %} "
+    "{% endfor %}{% if add_generation_prompt %}w7{% endif %}"
+)
+
+
+def image_text_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """The Mistral 3 checkpoint above with its tokenizer, image processor (transformers' Pixtral processor's
+    files: ``preprocessor_config.json``, ``processor_config.json``) and chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig, PreTrainedTokenizerFast
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    vocab_size = TINY_DIMS["vocab_size"]
+    config = Mistral3Config(
+        text_config=MistralConfig(**TINY_DIMS, sliding_window=None).to_dict(),
+        vision_config=PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, head_dim=16, image_size=112, patch_size=8).to_dict(),
+        spatial_merge_size=2, image_token_index=IMAGE_TOKENS["[IMG]"], tie_word_embeddings=False,
+    )
+    build_checkpoint(config, folder, seed)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size - 3)}, **IMAGE_TOKENS}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>",
+        additional_special_tokens=list(IMAGE_TOKENS),
+    )
+    tokenizer.chat_template = IMAGE_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(folder))
+    PixtralImageProcessorPil(patch_size=16, size={"longest_edge": 112}).save_pretrained(str(folder))
+    (folder / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": 2, "image_token": "[IMG]",
+        "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}, indent=2))
+    return folder
+
+
+def image_pixels(folder: Path, image: Any) -> tuple[torch.Tensor, int, int]:
+    """transformers' processing of one PIL image for the checkpoint: pixels ``[3, height, width]`` (float32)."""
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(str(folder))
+    out = processor(images=[image], patch_size={"height": 16, "width": 16}, return_tensors="pt")
+    height, width = (int(v) for v in out["image_sizes"][0])
+    return out["pixel_values"][0, :, :height, :width].contiguous(), height, width
+
+
+def expand_image_tokens(prompt: list[int], sizes: list[tuple[int, int]]) -> tuple[list[int], list[tuple[int, int]]]:
+    """transformers' Pixtral processor's expansion of each ``[IMG]`` in ``prompt`` (one per image, in order): a
+    row of ``[IMG]`` per 16 pixels of height, each row ``[IMG_BREAK]``-ended, the last ``[IMG_END]``-ended;
+    the ids and each image's (offset, length)."""
+    out: list[int] = []
+    spans = []
+    images = iter(sizes)
+    for token in prompt:
+        if token != IMAGE_TOKENS["[IMG]"]:
+            out.append(token)
+            continue
+        height, width = next(images)
+        rows = [[IMAGE_TOKENS["[IMG]"]] * (width // 16) + [IMAGE_TOKENS["[IMG_BREAK]"]] for _ in range(height // 16)]
+        expanded = [t for row in rows for t in row]
+        expanded[-1] = IMAGE_TOKENS["[IMG_END]"]
+        spans.append((len(out), len(expanded)))
+        out.extend(expanded)
+    return out, spans

@@ -1,0 +1,192 @@
+"""An image-text model's images through the engine (Mistral 3: a Pixtral tower, the patch merger): greedy output
+equals transformers' ``generate`` with the same pixels, whatever the chunks cut, what the prefix cache holds,
+a preemption, or a hand-off from prefill to decode; the blocks an image reaches are hashed under it; bad
+image inputs are refused by name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.request import RequestStatus
+from common.protocol import ImageInput, image_digest
+from common.sampling_params import SamplingParams
+from tests.engine.test_disaggregated_lifecycle import _drain
+from tests.engine.tiny_models import (
+    IMAGE_TOKENS,
+    expand_image_tokens,
+    hf_model,
+    image_pixels,
+    image_text_checkpoint,
+    prompt_token_ids,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+IMG = IMAGE_TOKENS["[IMG]"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return image_text_checkpoint(tmp_path_factory.mktemp("image-text"))
+
+
+def _image(seed: int, height: int, width: int):  # type: ignore[no-untyped-def]
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
+
+
+def _request(folder: Path, seeds: tuple[int, ...], sizes: tuple[tuple[int, int], ...], text_seed: int = 1
+             ) -> tuple[list[int], list[ImageInput], list[torch.Tensor]]:
+    """A prompt of text, an ``[IMG]`` per image and text between and after, expanded as the processor expands
+    it; its images as the router sends them, and their pixels."""
+    words = prompt_token_ids(9 * (len(seeds) + 1), seed=text_seed)
+    words = [w if w < IMAGE_TOKENS["[IMG_END]"] else 3 for w in words]  # no image token among the words
+    prompt = words[:9]
+    for k in range(len(seeds)):
+        prompt += [IMG, *words[9 * (k + 1):9 * (k + 2)]]
+    pixels = [image_pixels(folder, _image(seed, *size)) for seed, size in zip(seeds, sizes, strict=True)]
+    ids, spans = expand_image_tokens(prompt, [(h, w) for _, h, w in pixels])
+    images = [ImageInput(offset=o, length=n, height=h, width=w, digest=image_digest(p.numpy().tobytes(), h, w),
+                         pixel_values=p.numpy().tobytes()) for (o, n), (p, h, w) in zip(spans, pixels, strict=True)]
+    return ids, images, [p for p, _, _ in pixels]
+
+
+def _hf_greedy(folder: Path, ids: list[int], images: list[ImageInput], pixels: list[torch.Tensor]) -> list[int]:
+    """transformers' ``generate`` with the images padded into one batch, as its processor hands them over."""
+    height, width = max(i.height for i in images), max(i.width for i in images)
+    batch = torch.zeros(len(images), 3, height, width)
+    for k, p in enumerate(pixels):
+        batch[k, :, :p.shape[1], :p.shape[2]] = p
+    sizes = torch.tensor([[i.height, i.width] for i in images])
+    model = hf_model(folder)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), pixel_values=batch, image_sizes=sizes, max_new_tokens=GREEDY.max_tokens,
+                             do_sample=False, pad_token_id=0, eos_token_id=None)
+    return [int(t) for t in out[0, len(ids):]]
+
+
+@pytest.fixture
+def engines() -> Iterator[list[LLMEngine]]:
+    built: list[LLMEngine] = []
+    yield built
+    for engine in built:
+        engine.check_integrity()
+        assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks, "blocks leaked"
+
+
+def _engine(engines: list[LLMEngine], folder: Path, **overrides: object) -> LLMEngine:
+    config = {"model": str(folder), "block_size": 8, "num_blocks": 64, "max_num_batched_tokens": 7,
+              "device": "cpu", "dtype": "float32"}
+    config.update(overrides)
+    engine = LLMEngine(EngineConfig(**config))  # type: ignore[arg-type]
+    engines.append(engine)
+    return engine
+
+
+def test_images_equal_transformers_through_chunks_cache_and_preemption(folder: Path, engines: list[LLMEngine]) -> None:
+    """Two images of different sizes in one prompt, chunks of 7 tokens (cutting through both), beside a request of
+    the same words with other images; then both again from the prefix cache; then preempted part way."""
+    ids, images, pixels = _request(folder, (1, 2), ((50, 90), (70, 40)))
+    other_ids, other_images, other_pixels = _request(folder, (3, 4), ((50, 90), (70, 40)))
+    assert other_ids == ids and other_images[0].digest != images[0].digest  # the same tokens, other pixels
+    expected = _hf_greedy(folder, ids, images, pixels)
+    other_expected = _hf_greedy(folder, other_ids, other_images, other_pixels)
+    assert expected != other_expected  # the images decide the output
+    engine = _engine(engines, folder)
+    engine.add_request("a", ids, GREEDY, images=images)
+    engine.add_request("b", other_ids, GREEDY, images=other_images)
+    assert _drain(engine) == {"a": expected, "b": other_expected}
+    # Again: the blocks before the first image are shared, none after it (another image, another prefix).
+    engine.add_request("a2", ids, GREEDY, images=images)
+    engine.add_request("b2", other_ids, GREEDY, images=other_images)
+    requests = {r: engine.scheduler.requests[r] for r in ("a2", "b2")}
+    first_image_block = images[0].offset // 8
+    assert requests["a2"].block_hashes[:first_image_block] == requests["b2"].block_hashes[:first_image_block]
+    assert not set(requests["a2"].block_hashes[first_image_block:]) & set(requests["b2"].block_hashes)
+    assert _drain(engine) == {"a2": expected, "b2": other_expected}
+    assert requests["a2"].num_cached_tokens >= 8 * (len(ids) // 8 - 1)  # all but the last block from the cache
+    # A request preempted in its prompt encodes its images again as its recompute reaches them.
+    small = _engine(engines, folder, num_blocks=len(ids) // 8 + 3, enable_prefix_caching=False)
+    small.add_request("p", ids, GREEDY, images=images)
+    small.add_request("q", other_ids, GREEDY, images=other_images)
+    preempted = [small.scheduler.requests["p"], small.scheduler.requests["q"]]
+    assert _drain(small) == {"p": expected, "q": other_expected}
+    assert sum(r.num_preemptions for r in preempted) > 0
+
+
+def test_a_prefill_hands_an_image_prompt_to_a_decode(folder: Path, engines: list[LLMEngine]) -> None:
+    """The prefill encodes the images; the decode gets their KV under the same block hashes and goes on."""
+    ids, images, pixels = _request(folder, (5,), ((64, 64),))
+    expected = _hf_greedy(folder, ids, images, pixels)
+    prefill, decode = _engine(engines, folder), _engine(engines, folder)
+    prefill.add_request("r", ids, GREEDY, kv_transfer=True, images=images)
+    while not (outs := prefill.step()):
+        pass
+    [out] = outs
+    assert out.kv_handoff is not None
+    handoff = decode.add_remote_request("r", ids, out.new_token_ids[0], GREEDY, images=images)
+    assert handoff is not None
+    assert [bytes(h) for h in handoff.block_hashes] == [bytes(h) for h in out.kv_handoff.block_hashes]
+    src, dst = torch.tensor(out.kv_handoff.block_ids), torch.tensor(handoff.block_ids)
+    decode.runner.kernels.scatter_blocks(decode.runner.kv_cache, dst,
+                                         prefill.runner.kernels.gather_blocks(prefill.runner.kv_cache, src))
+    assert prefill.release_kv("r")
+    decode.remote_kv_arrived("r")
+    assert decode.scheduler.requests["r"].status != RequestStatus.WAITING_FOR_REMOTE_KV
+    assert [out.new_token_ids[0], *_drain(decode)["r"]] == expected
+
+
+def test_bad_image_inputs_are_refused_by_name(folder: Path, engines: list[LLMEngine], tmp_path: Path) -> None:
+    import msgspec
+
+    from tests.engine.tiny_models import build_checkpoint, family_configs
+
+    ids, images, _ = _request(folder, (1,), ((50, 90),))
+    engine = _engine(engines, folder)
+    image = images[0]
+    cases = {
+        "holds 23 image tokens": (ids[:image.offset + 1] + ids[image.offset + 2:],
+                                  msgspec.structs.replace(image, length=image.length - 1)),
+        "bytes of pixels": (ids, msgspec.structs.replace(image, pixel_values=image.pixel_values[:-4])),
+        "multiples of 16": (ids, msgspec.structs.replace(image, height=image.height - 8,
+                                                          pixel_values=image.pixel_values[:-8 * image.width * 12])),
+        "sides of at most 112": (ids, msgspec.structs.replace(image, height=128,
+                                                               pixel_values=bytes(3 * 128 * image.width * 4))),
+        "leaves the prompt": (ids[:image.offset + 5], image),
+        "outside its images' spans": ([*ids, IMG], image),
+    }
+    for expected, (prompt, bad) in cases.items():
+        with pytest.raises(ValueError, match=expected):
+            engine.add_request("bad", prompt, GREEDY, images=[bad])
+    with pytest.raises(ValueError, match="overlaps"):
+        engine.add_request("bad", ids, GREEDY, images=[image, image])
+    assert not engine.has_unfinished_requests()
+    # Gemma 3's text is served, its images are not (its image tokens attend to each other both ways).
+    gemma = _engine(engines, build_checkpoint(family_configs()["gemma3-image-text-text-only"], tmp_path / "g"))
+    with pytest.raises(ValueError, match="image input for model type 'gemma3' is not implemented"):
+        gemma.add_request("bad", ids, GREEDY, images=[image])
+
+
+def test_the_profiling_run_encodes_the_largest_image(folder: Path, engines: list[LLMEngine],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU's KV cache is sized after the largest step: with the largest image's encoding in it."""
+    engine = _engine(engines, folder)
+    encoder = engine.runner.image_encoder
+    assert encoder is not None and encoder.max_side == 112
+    calls = []
+    encode = encoder.encode
+
+    def spy(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        calls.append((tuple(pixels.shape), height, width))
+        return encode(pixels, height, width)
+
+    monkeypatch.setattr(encoder, "encode", spy)
+    engine.runner.profile_activations()
+    assert calls == [((3, 112, 112), 112, 112)]

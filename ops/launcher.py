@@ -50,6 +50,7 @@ from common.glibc_env import tuned_env
 from common.lora_modules import lora_module_arg
 from ops.supervisor import Child, ChildExited, RestartPolicy, Supervisor
 from ops.supervisor import die_with_parent as die_with_parent  # re-exported: tests start children with it
+from router.images import limit_mm_per_prompt_arg
 from router.sampling_defaults import generation_config_arg
 
 POLL_S = 0.2
@@ -62,6 +63,12 @@ ENGINE_FLAGS = ("block_size", "kv_cache_memory", "kv_cache_dtype", "max_num_seqs
 def _generation_config_text(text: str) -> str:
     """``--override-generation-config``, checked here and given to the router as it was written."""
     generation_config_arg(text)
+    return text
+
+
+def _limit_mm_text(text: str) -> str:
+    """``--limit-mm-per-prompt``, checked here and given to the router as it was written."""
+    limit_mm_per_prompt_arg(text)
     return text
 
 
@@ -120,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(auto, the default), OpenAI's (vllm), or another folder's")
     p.add_argument("--override-generation-config", default=None, type=_generation_config_text, metavar="JSON",
                    help="the router's --override-generation-config")
+    p.add_argument("--limit-mm-per-prompt", default=None, type=_limit_mm_text, metavar="JSON",
+                   help='the router\'s --limit-mm-per-prompt: images one chat prompt may hold, e.g. {"image": 4}')
     p.add_argument("--response-ttl", type=int, default=None,
                    help="the router's --response-ttl: seconds a stored Responses API response is kept (0: none)")
     p.add_argument("--no-wait", action="store_true", help="do not wait for /ready before printing the URL")
@@ -279,7 +288,7 @@ class Launcher:
         if self.args.response_ttl is not None:
             flags += ["--response-ttl", str(self.args.response_ttl)]
         for name in ("chat_template", "tool_call_parser", "reasoning_parser", "generation_config",
-                     "override_generation_config"):
+                     "override_generation_config", "limit_mm_per_prompt"):
             value = getattr(self.args, name)
             if value:
                 flags += [f"--{name.replace('_', '-')}", value]

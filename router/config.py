@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common.lora_modules import LoRAModule
+from common.protocol import MAX_IMAGES_PER_PROMPT
 from common.sampling_params import MAX_N
+from router.images import DEFAULT_MAX_IMAGES_PER_PROMPT, ModelImages
 from router.pooling import PoolingConfig
 from router.reasoning import REASONING_PARSERS
 from router.routing import POLICIES
@@ -37,6 +39,8 @@ class RequestLimits:
     max_total_tokens_per_request: int = DEFAULT_MAX_TOTAL_TOKENS_PER_REQUEST
     # Whether a request may carry a ``priority``: the engines run ``--scheduling-policy priority``.
     priority_scheduling: bool = False
+    # Images one prompt may hold (vLLM's ``--limit-mm-per-prompt '{"image": N}'``), for a model that takes them.
+    max_images_per_prompt: int = DEFAULT_MAX_IMAGES_PER_PROMPT
 
     def __post_init__(self) -> None:
         for name in ("max_prompts_per_request", "max_stop_strings", "max_stop_string_chars"):
@@ -46,6 +50,8 @@ class RequestLimits:
             raise ValueError(f"max_n must be between 1 and {MAX_N}")
         if self.max_total_tokens_per_request < 0:
             raise ValueError("max_total_tokens_per_request must be 0 (unlimited) or positive")
+        if not 0 <= self.max_images_per_prompt <= MAX_IMAGES_PER_PROMPT:
+            raise ValueError(f"max_images_per_prompt must be between 0 and {MAX_IMAGES_PER_PROMPT}")
 
 
 @dataclass
@@ -100,6 +106,9 @@ class RouterConfig:
     # The model's architecture where its checkpoint is a base model without an output head (an embedding
     # model, ``common.model.loader.headless_architecture``): it serves /v1/embeddings only.
     headless_architecture: str | None = None
+    # What the model does with a chat message's images (``router.images``): its processor where the engines
+    # take them, else why they are refused.
+    images: ModelImages = field(default_factory=ModelImages)
     # The model's identity (``common.model.loader.model_identity``): instances registered with another config
     # are ignored, never sent this model's requests. None: any instance's (a router before stand-ins).
     model_identity: str | None = None

@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 import msgspec
 
 from common.kvcache.hashing import adapter_model_key, compute_block_hashes
-from common.protocol import DecodeTarget, GenerateRequest, RequestOutput, choice_request_ids, merge_outputs
+from common.protocol import (
+    DecodeTarget,
+    GenerateRequest,
+    ImageInput,
+    RequestOutput,
+    choice_request_ids,
+    merge_outputs,
+)
 from common.registry import NO_KV_TRANSFER, InstanceInfo, PrefixIndex
 from common.sampling_params import SamplingParams
 from router.engine_client import EngineClient
@@ -376,9 +383,11 @@ class Dispatcher:
         return num_prompt_tokens < threshold
 
     async def _prefix_matches(
-        self, prefills: list[InstanceInfo], prompt: list[int], salt: str | None, lora_name: str | None = None
+        self, prefills: list[InstanceInfo], prompt: list[int], salt: str | None, lora_name: str | None = None,
+        images: list[ImageInput] | None = None,
     ) -> tuple[dict[str, int], int]:
-        """Leading cached blocks per prefill instance, and the prompt's number of full blocks."""
+        """Leading cached blocks per prefill instance, and the prompt's number of full blocks (a block
+        that holds an image's tokens hashed with the image's digest, as the engines hash it)."""
         if self.prefix_index is None or not self.policy.uses_prefix:
             return {}, 0
         groups: dict[tuple[int, str], set[str]] = {}
@@ -386,8 +395,9 @@ class Dispatcher:
             groups.setdefault((info.block_size, info.model), set()).add(info.instance_id)
         matched: dict[str, int] = {}
         num_blocks = 0
+        spans = [(image.offset, image.length, image.digest) for image in images or ()]
         for (block_size, model), ids in groups.items():
-            hashes = compute_block_hashes(prompt, block_size, adapter_model_key(model, lora_name), salt)
+            hashes = compute_block_hashes(prompt, block_size, adapter_model_key(model, lora_name), salt, images=spans)
             num_blocks = max(num_blocks, len(hashes))
             if not hashes:
                 continue
@@ -406,10 +416,11 @@ class Dispatcher:
 
     async def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None,
-        lora_name: str | None = None,
+        lora_name: str | None = None, images: list[ImageInput] | None = None,
     ) -> list[EngineRequest]:
-        """Route and send; one ``EngineRequest`` per choice (``params.n``). Raises a 503
-        ``APIError`` when no instance can take the request."""
+        """Route and send; one ``EngineRequest`` per choice (``params.n``), each carrying the prompt's
+        ``images`` (a migration re-sends them with the rest). Raises a 503 ``APIError`` when no instance
+        can take the request."""
         request = GenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -418,6 +429,7 @@ class Dispatcher:
             cache_salt=cache_salt,
             arrival_time=time.time(),
             lora_name=lora_name,
+            images=images or [],
         )
         return await self.submit_request(request)
 
@@ -479,7 +491,8 @@ class Dispatcher:
                            decode.kv_layout, request.request_id)
         prefills = fitting
         if not self._is_direct(len(prompt), decode, bool(prefills)):
-            matched, num_blocks = await self._prefix_matches(prefills, prompt, request.cache_salt, request.lora_name)
+            matched, num_blocks = await self._prefix_matches(prefills, prompt, request.cache_salt, request.lora_name,
+                                                             request.images)
             request.decode_target = DecodeTarget(instance_id=decode.instance_id, kv_address=decode.kv_address)
             for prefill in self.policy.rank_prefill(prefills, pool.inflight, matched, num_blocks):
                 if await self.client.send(prefill.control_address, request):

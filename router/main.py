@@ -22,6 +22,7 @@ from common.lora_modules import lora_module_arg
 from ops.supervisor import die_with_parent
 from router.auth import keys_from_env
 from router.config import RequestLimits, RouterConfig
+from router.images import DEFAULT_MAX_IMAGES_PER_PROMPT, limit_mm_per_prompt_arg
 from router.reasoning import REASONING_PARSERS
 from router.routing import POLICIES
 from router.sampling_defaults import SamplingDefaults, generation_config_arg
@@ -155,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
         "one prompt with the largest n fits a 128k context)",
     )
     p.add_argument(
+        "--limit-mm-per-prompt",
+        type=limit_mm_per_prompt_arg,
+        default=DEFAULT_MAX_IMAGES_PER_PROMPT,
+        metavar="JSON",
+        help='vLLM\'s flag: the images one chat prompt may hold, e.g. {"image": 4}, for a model that takes '
+        "images; other modalities are not served (default: %(default)s images)",
+    )
+    p.add_argument(
         "--chat-template",
         default=None,
         help="chat template to use instead of the tokenizer's: a Jinja file, or one shipped with the router "
@@ -234,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         resolve_model_path,
     )
     from router.app import create_app
+    from router.images import ModelImages
     from router.pooling import PoolingConfig
     from router.state import RouterState
     from router.tokenization import PromptProcessor, load_chat_template
@@ -253,6 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         raise SystemExit(f"the model's sentence-transformers config: {exc}") from None
     try:
+        images = ModelImages.from_model_dir(model_dir, prompts.tokenizer)
+    except ValueError as exc:
+        raise SystemExit(f"the model's image processor: {exc}") from None
+    if images.processor is not None:
+        logger.info("images: taken in user messages, at most %d per prompt (--limit-mm-per-prompt)",
+                    args.limit_mm_per_prompt)
+    try:
         sampling_defaults = SamplingDefaults.load(args.generation_config, model_dir, args.override_generation_config)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
@@ -260,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("sampling defaults of requests that leave them unset, from the generation config: %s", described)
     config = RouterConfig(
         pooling=pooling,
+        images=images,
         sampling_defaults=sampling_defaults,
         headless_architecture=headless_architecture(json.loads((model_dir / "config.json").read_text())),
         model_identity=model_identity(model_dir),
@@ -293,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             max_stop_string_chars=args.max_stop_string_chars,
             max_total_tokens_per_request=args.max_total_tokens_per_request,
             priority_scheduling=args.scheduling_policy == "priority",
+            max_images_per_prompt=args.limit_mm_per_prompt,
         ),
     )
     state = RouterState(config, prompts)

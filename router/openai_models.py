@@ -39,6 +39,7 @@ from router import structured_output
 from router.choice_stream import TextOptions
 from router.config import RequestLimits
 from router.errors import bad_request
+from router.images import NO_IMAGES, ImageRef
 from router.sampling_defaults import SamplingDefaults
 from router.tools import ToolPlan, template_tool_calls
 
@@ -362,6 +363,25 @@ class TextPart(BaseModel):
     text: str
 
 
+class _ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI's "detail": the model's processor decides the size
+
+    url: StrictStr
+
+
+class ImagePart(BaseModel):
+    """OpenAI's image part; vLLM's plain-string ``image_url`` too."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["image_url"]
+    image_url: StrictStr | _ImageURL
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -372,17 +392,47 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # the call a tool message answers
 
     def text(self, index: int) -> str:
+        """The content's text (its text parts joined); a 400 naming an image part (``NO_IMAGES``)."""
+        content = self.template_content(index, None)
+        assert isinstance(content, str)  # without images, always
+        return content
+
+    def template_content(
+        self, index: int, images: list[ImageRef] | None, no_images: str = NO_IMAGES
+    ) -> str | list[dict[str, Any]]:
+        """The content as the chat template takes it: text (its text parts joined), or, for a message with
+        images, its parts in order, each image as ``{"type": "image"}`` (transformers' convention, which
+        image-text models' templates read) and its URL appended to ``images``. ``images`` None: the model
+        takes no images, and an image part is refused with ``no_images``. Images come in user messages only
+        (vLLM takes them in others too)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        texts = []
+        texts: list[str] = []
+        parts: list[dict[str, Any]] = []
         for j, part in enumerate(self.content):
+            param = f"messages.{index}.content.{j}"
+            if part.get("type") == "image_url":
+                if images is None:
+                    raise bad_request(no_images, param=param)
+                if self.role != "user":
+                    raise bad_request(f"images are taken in user messages only, not in a {self.role} message",
+                                      param=param)
+                try:
+                    url = ImagePart.model_validate(part).url
+                except ValidationError:
+                    raise bad_request("image_url must be a data URL, or an object with one as 'url'",
+                                      param=f"{param}.image_url") from None
+                images.append(ImageRef(f"{param}.image_url", url))
+                parts.append({"type": "image"})
+                continue
             try:
-                texts.append(TextPart.model_validate(part).text)
+                text = TextPart.model_validate(part).text
             except ValidationError:
-                raise bad_request(
-                    "only text content parts are supported", param=f"messages.{index}.content.{j}"
-                ) from None
-        return "".join(texts)
+                kinds = "text and image_url" if images is not None else "text"
+                raise bad_request(f"only {kinds} content parts are supported", param=param) from None
+            texts.append(text)
+            parts.append({"type": "text", "text": text})
+        return parts if any(part["type"] == "image" for part in parts) else "".join(texts)
 
 
 # apply_chat_template's own parameters and the variables it sets: not for chat_template_kwargs.
@@ -404,13 +454,18 @@ class ChatRender:
     documents: list[dict[str, str]] | None = None
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as chat templates take them: text content, an earlier call's arguments as an object,
-    and the fields templates read when a message has them (a participant's ``name``, the thinking
-    of an earlier answer as ``reasoning_content``, which Qwen3's template leaves out of old turns)."""
+def template_messages(
+    messages: list[ChatMessage], images: list[ImageRef] | None = None, no_images: str = NO_IMAGES
+) -> list[dict[str, Any]]:
+    """Messages as chat templates take them: text content (parts, for a message with images:
+    ``ChatMessage.template_content``), an earlier call's arguments as an object, and the fields
+    templates read when a message has them (a participant's ``name``, the thinking of an earlier
+    answer as ``reasoning_content``, which Qwen3's template leaves out of old turns). ``images``: where
+    the image parts' URLs are collected, in order, for a model that takes them; None refuses them
+    with ``no_images``."""
     out = []
     for i, m in enumerate(messages):
-        message: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+        message: dict[str, Any] = {"role": m.role, "content": m.template_content(i, images, no_images)}
         if m.name is not None:
             message["name"] = m.name
         if m.tool_calls:
@@ -515,17 +570,18 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
         """The request's tools and tool choice (after ``check``); None without tools."""
         return self._tools
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        return template_messages(self.messages)
+    def template_messages(
+        self, images: list[ImageRef] | None = None, no_images: str = NO_IMAGES
+    ) -> list[dict[str, Any]]:
+        return template_messages(self.messages, images, no_images)
 
     def echoed_text(self) -> str | None:
         """With ``echo``, the text each answer starts with: the last message's, where it is the
         assistant's (the role answers take), as vLLM echoes; else None."""
         if not self.echo:
             return None
-        last = self.template_messages()[-1]
-        content = last.get("content")
-        return content if last.get("role") == "assistant" and isinstance(content, str) and content else None
+        last = self.messages[-1]
+        return (last.text(len(self.messages) - 1) or None) if last.role == "assistant" else None
 
 
 RequestT = TypeVar("RequestT", bound=CheckedRequest)

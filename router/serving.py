@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import msgspec
 from fastapi.responses import StreamingResponse
 
-from common.protocol import PositionLogprobs, PromptLogprob
+from common.protocol import ImageInput, PositionLogprobs, PromptLogprob
 from common.sampling_params import SamplingParams
 from router.admission import CLIENT_KEY, Lane, Slot
 from router.choice_stream import ChoiceDelta, ChoiceStream, TextOptions
@@ -44,6 +44,8 @@ class GenerationPlan:
     # The engines' id of the request (with each prompt's index after it): unique whatever id the
     # client gave the response (``request_id``, vLLM's extra); by default the response's id.
     engine_request_id: str = ""
+    # Each prompt's images (``router.images``: a chat's one prompt, for a model that takes them); empty: none.
+    images: list[list[ImageInput]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.engine_request_id = self.engine_request_id or self.request_id
@@ -110,7 +112,8 @@ class PlanChoices:
         prompt, params = self.plan.prompts[p], self.plan.params[p]
         try:
             engine_requests = await self.state.dispatcher.submit(
-                f"{self.plan.engine_request_id}-{p}", prompt, params, self.plan.cache_salt, self.plan.lora_name
+                f"{self.plan.engine_request_id}-{p}", prompt, params, self.plan.cache_salt, self.plan.lora_name,
+                self.plan.images[p] if self.plan.images else None,
             )
         except BaseException:
             slot.release()

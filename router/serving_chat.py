@@ -7,9 +7,11 @@ from typing import Any
 import msgspec
 from fastapi.responses import JSONResponse, Response
 
+from common.protocol import ImageInput
 from router.auth import with_request_salt
 from router.chat_answer import AnswerReader, AnswerStream
 from router.choice_stream import ChoiceDelta, ChoiceStream
+from router.images import ImageRef, check_image_count, truncate_images
 from router.logprobs import TokenRenderer, chat_logprobs, prompt_logprobs
 from router.openai_models import (
     ChatCompletionRequest,
@@ -53,11 +55,21 @@ async def plan_chat(
     structured = request.structured_output()
     if structured is not None:
         await check_grammar(*structured)
+    model_images = state.config.images
+    image_refs: list[ImageRef] | None = [] if model_images.processor is not None else None
+    messages = request.template_messages(image_refs, model_images.refusal)
+    check_image_count(image_refs or [], limits.max_images_per_prompt)
     prompt = await state.prompts.tokenize_chat(
-        request.template_messages(), request.context_check(max_model_len), request.chat_render(template_tools),
+        messages, request.context_check(max_model_len), request.chat_render(template_tools),
         request.add_special_tokens,
     )
+    images: list[ImageInput] = []
+    if image_refs and model_images.processor is not None:
+        # Each image token the template wrote becomes its image's span: the checks below see the whole prompt.
+        prompt, images = await model_images.processor.prepare_off_loop(prompt, image_refs)
+    num_tokens = len(prompt)
     prompt = request.truncated(prompt, max_model_len)
+    images = truncate_images(images, num_tokens - len(prompt))
     defaults = state.config.sampling_defaults
     max_tokens = check_max_tokens(
         request.requested_max_tokens(), len(prompt), max_model_len, defaults.max_tokens, "messages"
@@ -80,6 +92,7 @@ async def plan_chat(
         text=request.text_options(params, keep_special_tokens=reader.needs_special_tokens),
         cache_salt=with_request_salt(cache_salt, request.cache_salt),
         lora_name=state.lora_name(model),
+        images=[images] if images else [],
     )
     return request, plan, reader
 

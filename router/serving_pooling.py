@@ -36,6 +36,8 @@ from router.state import RouterState
 
 # The one token a pooling request's forward samples, and drops (``common.engine.engine``).
 POOLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+# Pooling runs text only, for every model (an image-text model's images reach generation alone).
+POOLING_NO_IMAGES = "image parts are not supported here: pooling takes text only"
 
 
 class PoolingRequest(CheckedRequest):
@@ -86,8 +88,9 @@ class PoolingInputRequest(PoolingRequest, ChatTemplateOptions):
         """Each input's token ids, truncated as asked, every one short enough to pool."""
         context = None if self.truncate_prompt_tokens is not None else state.max_model_len()
         if self.messages is not None:
-            prompts = [await state.prompts.tokenize_chat(
-                template_messages(self.messages), context, self.chat_render(), bool(self.add_special_tokens))]
+            messages = template_messages(self.messages, None, POOLING_NO_IMAGES)
+            prompts = [await state.prompts.tokenize_chat(messages, context, self.chat_render(),
+                                                         bool(self.add_special_tokens))]
         else:
             assert self.input is not None
             prompts = await state.prompts.tokenize_completion(

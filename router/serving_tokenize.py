@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from router.config import RequestLimits
 from router.errors import bad_request
+from router.images import ImageRef, check_image_count
 from router.openai_models import (
     ChatMessage,
     ChatTemplateOptions,
@@ -84,10 +85,16 @@ async def tokenize(state: RouterState, body: Any) -> TokenizeResponse:
         tools = ToolPlan.from_request(request.tools, "none", None)  # counted, not called: no parser needed
         if tools is not None:
             require_rendered(prompts)
+        model_images = state.config.images
+        image_refs: list[ImageRef] | None = [] if model_images.processor is not None else None
+        messages = template_messages(request.messages, image_refs, model_images.refusal)
+        check_image_count(image_refs or [], state.config.limits.max_images_per_prompt)
         token_ids = await prompts.tokenize_for_count(
-            None, template_messages(request.messages), add_special_tokens=bool(request.add_special_tokens),
+            None, messages, add_special_tokens=bool(request.add_special_tokens),
             render=request.chat_render(tools.tools if tools is not None else None),
         )
+        if image_refs and model_images.processor is not None:  # the ids the engines would take, as vLLM's
+            token_ids, _ = await model_images.processor.prepare_off_loop(token_ids, image_refs)
     else:
         add_special = request.add_special_tokens is None or request.add_special_tokens
         token_ids = await prompts.tokenize_for_count(request.prompt, None, add_special_tokens=add_special)

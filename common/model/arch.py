@@ -45,7 +45,7 @@ correctness):
 - AFMoE is Gemma's four norms in OLMo's form, per-head q/k norms, a sigmoid gate on the attention's output,
   Cohere 2's unrotated global layers and MiniMax-M2's router, scaled.
 - Image-text checkpoints (Gemma 3, Mistral 3, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) are served as their
-  ``text_config``'s family (text only).
+  ``text_config``'s family; Mistral 3's images too (``common.model.vision``), the others' text only.
 - Cohere (``cohere``) and Cohere 2 (``cohere2``) rotate interleaved pairs too, in float32; their norms are
   LayerNorms without bias (``NORM_LAYER``), attention and MLP read the same norm side by side, and the
   logits are scaled by ``logit_scale``; Cohere 2 windows its sliding layers and rotates only those.
@@ -163,8 +163,16 @@ _SOFT_CAPPED_GEMMA_TYPES = (*_SANDWICH_GEMMA_TYPES, "vaultgemma")
 # Image-text checkpoints whose language model is served on its own: Gemma 3 (4B and up), Mistral Small
 # 3.1 / 3.2, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE. For a prompt of text alone the wrapper's logits are its
 # language model's (the vision tower and projector only ever touch image tokens), so the model is its
-# ``text_config``'s family; images are refused by the API, by name.
+# ``text_config``'s family; its images, where taken, replace their tokens' embeddings (``common.model.vision``).
 IMAGE_TEXT_TYPES = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# Those whose images are implemented (``common.model.vision``); the others' images are refused by name.
+IMAGE_INPUT_TYPES = ("mistral3",)
+
+
+def image_input_refusal(model_type: str) -> str:
+    """Why an image-text checkpoint of ``model_type`` (not in ``IMAGE_INPUT_TYPES``) is served its text alone."""
+    return (f"image input for model type {model_type!r} is not implemented (its text is served; images are taken "
+            f"for {', '.join(IMAGE_INPUT_TYPES)})")
 # Language models of image-text checkpoints that are a served family's layer under another name: Qwen2.5-VL's
 # is Qwen2's, Qwen3-VL's Qwen3's. Their M-RoPE gives each token three position ids (time, height, width)
 # that, for text alone, are one: each section of the rotation then turns by that one position, which is

@@ -24,8 +24,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-# The image-text model types whose images are implemented.
-IMAGE_INPUT_TYPES = ("mistral3",)
+from common.model.arch import IMAGE_INPUT_TYPES, IMAGE_TEXT_TYPES, image_input_refusal
+
 _VISION_WEIGHT = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
 
 
@@ -54,14 +54,11 @@ class ImageEncoder:
     def for_checkpoint(cls, path: Path, dtype: torch.dtype, device: torch.device) -> ImageEncoder | None:
         """The encoder of an image-text checkpoint whose images are implemented; None for a text model;
         ``ImageEncoderRefused`` naming the model type for one whose images are not (its text is served)."""
-        from common.model.arch import IMAGE_TEXT_TYPES
-
         model_type = cls.model_type(path)
         if model_type not in IMAGE_TEXT_TYPES:
             return None
         if model_type not in IMAGE_INPUT_TYPES:
-            raise ImageEncoderRefused(f"image input for model type {model_type!r} is not implemented (its text is "
-                                      f"served; images are for {', '.join(IMAGE_INPUT_TYPES)})")
+            raise ImageEncoderRefused(image_input_refusal(model_type))
         from transformers import AutoConfig, AutoModel
         from transformers.initialization import no_init_weights
         from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector

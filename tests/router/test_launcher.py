@@ -290,18 +290,20 @@ def _spawned(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, *flags: st
     return spawned
 
 
-def test_up_gives_the_router_the_generation_config_and_checks_the_override(monkeypatch: pytest.MonkeyPatch,
-                                                                           tmp_path: pathlib.Path) -> None:
+def test_up_gives_the_router_the_generation_config_and_image_limit_and_checks_them(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
     from ops.launcher import build_parser
 
     spawned = _spawned(monkeypatch, tmp_path, "--generation-config", "vllm", "--override-generation-config",
-                       '{"temperature": 0.5}')
+                       '{"temperature": 0.5}', "--limit-mm-per-prompt", '{"image": 2}')
     router = spawned["router"]
     assert router[router.index("--generation-config") + 1] == "vllm"
     assert json.loads(router[router.index("--override-generation-config") + 1]) == {"temperature": 0.5}
-    assert "--generation-config" not in spawned["decode-0"]
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["--override-generation-config", "[1]"])
+    assert json.loads(router[router.index("--limit-mm-per-prompt") + 1]) == {"image": 2}
+    assert "--generation-config" not in spawned["decode-0"] and "--limit-mm-per-prompt" not in spawned["decode-0"]
+    for bad in (["--override-generation-config", "[1]"], ["--limit-mm-per-prompt", '{"audio": 1}']):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(bad)
 
 
 def test_up_gives_every_engine_the_quantization_to_check(monkeypatch: pytest.MonkeyPatch,

@@ -1,0 +1,320 @@
+"""A chat message's images, as an image-text model's engines take them (vLLM's image inputs).
+
+A user message's ``image_url`` parts (``{"type": "image_url", "image_url": {"url": ...}}``, or the URL as a
+plain string) reach the engines as processed pixels: the router decodes each image, runs the model folder's
+own image processor over it (transformers' ``AutoImageProcessor``, its PIL backend), and replaces the one image
+token the chat template wrote for it with the span of tokens the model's processor expands it to (Pixtral's:
+a row of image tokens per ``patch_size * spatial_merge_size`` pixels of height, each row ended by the break
+token, the last by the end token). Each image travels as a ``common.protocol.ImageInput``: its span, its
+pixels and their digest, under which the blocks its span touches are hashed.
+
+Only ``data:image/...;base64,`` URLs are taken: the router fetches nothing on a request's behalf (an
+``http(s)://`` URL would have it reach whatever host a client names, from inside the deployment). Images
+are decoded from a short list of formats, bounded in bytes and in pixels (PIL's decompression-bomb limit)
+before their pixels are decoded. Decoding, processing and hashing cost milliseconds to a second per image,
+so they run in worker threads of their own, never on the event loop.
+
+The models whose images the engines implement are ``common.model.arch.IMAGE_INPUT_TYPES``; the other
+image-text checkpoints (``common.model.arch.IMAGE_TEXT_TYPES``) are served as text, and their images are
+refused by name, as a text model's are (``ModelImages``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import binascii
+import io
+import json
+import logging
+import os
+import pathlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import msgspec
+import numpy as np
+
+from common.cli import json_object
+from common.protocol import MAX_IMAGE_BYTES, MAX_IMAGES_PER_PROMPT, ImageInput, image_digest
+from router.errors import bad_request
+
+logger = logging.getLogger(__name__)
+
+# An image's encoded bytes (after base64). The request body's own limit (--max-body-bytes) usually binds first.
+MAX_ENCODED_IMAGE_BYTES = 32 << 20
+# The formats an image may come in (PIL's names): the common ones, not every plugin PIL has (some hand the
+# bytes to other programs, or parse formats few clients send and attackers like).
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+# Where PIL's ``Image.MAX_IMAGE_PIXELS`` is turned off (None): the decoded pixels an image may have.
+FALLBACK_MAX_PIXELS = 89_478_485  # PIL's default
+# vLLM's ``--limit-mm-per-prompt`` default: images per prompt.
+DEFAULT_MAX_IMAGES_PER_PROMPT = 4
+NO_IMAGES = "this model takes no images (it is a text model)"
+IMAGE_THREADS = min(4, os.cpu_count() or 1)
+
+
+class ImageRef(NamedTuple):
+    """An image part of a request: the field it came in (``messages.{i}.content.{j}.image_url``) and its URL."""
+
+    param: str
+    url: str
+
+
+class ProcessedImage(NamedTuple):
+    """One image as the model's processor made it: float32 ``[3, height, width]`` pixels, row-major."""
+
+    pixel_values: bytes
+    height: int
+    width: int
+
+
+def limit_mm_per_prompt_arg(text: str) -> int:
+    """vLLM's ``--limit-mm-per-prompt`` (a JSON object, e.g. ``{"image": 4}``): the images one prompt may hold.
+    Other modalities are not served: any of them set above 0 is refused by name."""
+    try:
+        value = json_object(text, "--limit-mm-per-prompt")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    limit = DEFAULT_MAX_IMAGES_PER_PROMPT
+    for modality, count in value.items():
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: {modality} must be a count (an integer >= 0)")
+        if modality == "image":
+            if count > MAX_IMAGES_PER_PROMPT:
+                raise argparse.ArgumentTypeError(
+                    f"--limit-mm-per-prompt: image must be at most {MAX_IMAGES_PER_PROMPT}, got {count}")
+            limit = count
+        elif count:
+            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: {modality} inputs are not served (images only)")
+    return limit
+
+
+def check_image_count(images: Sequence[ImageRef], limit: int) -> None:
+    """A 400 naming the first image past ``limit`` (``--limit-mm-per-prompt``)."""
+    if len(images) > limit:
+        raise bad_request(
+            f"a prompt may hold at most {limit} image(s) (--limit-mm-per-prompt), got {len(images)}",
+            param=images[limit].param,
+        )
+
+
+def decode_image_url(url: str, param: str) -> Any:
+    """The RGB PIL image of a ``data:image/...;base64,`` URL, or a 400 naming ``param``: another URL (the
+    router fetches nothing), base64 that is not, more than ``MAX_ENCODED_IMAGE_BYTES``, a format not in
+    ``IMAGE_FORMATS``, more pixels than PIL's decompression-bomb limit, or bytes that are no image.
+    Transparency is composited onto white, as transformers' ``convert_to_rgb`` (and vLLM) do."""
+    if not url.startswith("data:"):
+        if url.startswith(("http://", "https://")):
+            raise bad_request("image URLs are not fetched: this server fetches nothing on a request's behalf; "
+                              "send the image inline as a data URL (data:image/png;base64,...)", param=param)
+        raise bad_request("an image URL must be a data URL (data:image/png;base64,...)", param=param)
+    header, comma, payload = url[5:].partition(",")
+    media_type, *options = header.split(";")
+    if not comma or not media_type.lower().startswith("image/") or "base64" not in options:
+        raise bad_request("an image URL must be a base64 data URL of an image (data:image/png;base64,...)",
+                          param=param)
+    payload = payload.strip()
+    if len(payload) > (MAX_ENCODED_IMAGE_BYTES + 2) // 3 * 4:
+        raise bad_request(f"an image may take at most {MAX_ENCODED_IMAGE_BYTES >> 20} MiB", param=param)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request("the image's data is not valid base64", param=param) from None
+    return _open_image(data, param)
+
+
+def _open_image(data: bytes, param: str) -> Any:
+    from PIL import Image
+
+    limit = Image.MAX_IMAGE_PIXELS or FALLBACK_MAX_PIXELS
+    try:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
+            # The header alone is read so far: an image's size is known before its pixels are decoded.
+            if image.width * image.height > limit:
+                raise Image.DecompressionBombError("too many pixels")
+            return _rgb(image)
+    except Image.DecompressionBombError:
+        raise bad_request(f"the image has more than {limit} pixels", param=param) from None
+    except Exception as exc:  # PIL's decoders raise many kinds of errors for bytes that are no image
+        raise bad_request(f"the image could not be decoded ({', '.join(IMAGE_FORMATS)} are read): {exc}",
+                          param=param) from None
+
+
+def _rgb(image: Any) -> Any:
+    """``image`` in RGB, its transparency composited onto white (transformers' ``convert_to_rgb``)."""
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+class ImageProcessor:
+    """The served model's image processing: its folder's image processor and Pixtral's processor config
+    (``processor_config.json``: the patch size, the merge of patches, the three tokens of an image's span).
+
+    One image token stands for ``step`` x ``step`` pixels (``patch_size * spatial_merge_size``), the size the
+    image processor pads each image to a multiple of."""
+
+    def __init__(self, processor: Any, step: int, image_token_id: int, break_token_id: int, end_token_id: int,
+                 num_threads: int = IMAGE_THREADS) -> None:
+        self.processor = processor
+        self.step = step
+        self.image_token_id = image_token_id
+        self.break_token_id = break_token_id
+        self.end_token_id = end_token_id
+        # Threads of their own: an image's seconds never queue the tokenizer's work or the default executor's.
+        self._pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="images")
+
+    @classmethod
+    def from_model_dir(cls, model_dir: pathlib.Path, tokenizer: Any) -> ImageProcessor:
+        """The processing of a Mistral 3 folder (``preprocessor_config.json``, ``processor_config.json``; the
+        patch size and merge fall back to ``config.json``'s); ``ValueError`` naming what does not fit: a token
+        the tokenizer does not hold as one, an image token other than the model's."""
+        from transformers import AutoImageProcessor
+
+        config = json.loads((model_dir / "config.json").read_text())
+        file = model_dir / "processor_config.json"
+        spec: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+        patch_size = spec.get("patch_size", (config.get("vision_config") or {}).get("patch_size"))
+        merge = spec.get("spatial_merge_size", config.get("spatial_merge_size", 1))
+        if isinstance(patch_size, dict):  # {"height": p, "width": p}
+            patch_size = patch_size.get("height") if patch_size.get("height") == patch_size.get("width") else None
+        if not isinstance(patch_size, int) or not isinstance(merge, int) or patch_size < 1 or merge < 1:
+            raise ValueError(f"{model_dir}: the processor's patch_size ({patch_size!r}) and spatial_merge_size "
+                             f"({merge!r}) must be positive integers")
+        ids = []
+        for key, default in (("image_token", "[IMG]"), ("image_break_token", "[IMG_BREAK]"),
+                             ("image_end_token", "[IMG_END]")):
+            token = spec.get(key, default)
+            token_id = tokenizer.convert_tokens_to_ids(token) if isinstance(token, str) else None
+            if not isinstance(token_id, int) or tokenizer.convert_ids_to_tokens(token_id) != token:
+                raise ValueError(f"{model_dir}: the processor's {key} {token!r} is not one token of the tokenizer")
+            ids.append(token_id)
+        model_token = config.get("image_token_index", config.get("image_token_id"))
+        if model_token is not None and model_token != ids[0]:
+            raise ValueError(f"{model_dir}: the processor's image token is id {ids[0]}, the model's "
+                             f"image_token_index {model_token}")
+        # The PIL backend whatever else is installed: the same pixels on every host, in numpy (no torch).
+        processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+        return cls(processor, patch_size * merge, *ids)
+
+    def process(self, image: Any, param: str) -> ProcessedImage:
+        """One RGB image through the model's image processor (resized, rescaled, normalized, its sides
+        multiples of ``step``); a 400 naming ``param`` if it cannot be."""
+        step = {"height": self.step, "width": self.step}
+        try:
+            out = self.processor(images=[image], patch_size=step, return_tensors="np")
+            height, width = (int(v) for v in out["image_sizes"][0])
+            pixels = np.ascontiguousarray(out["pixel_values"][0, :, :height, :width], dtype=np.float32)
+        except Exception as exc:  # an image the processor cannot size (a sliver a pixel wide, say)
+            raise bad_request(f"the image could not be processed: {exc}", param=param) from None
+        if height < self.step or width < self.step:
+            raise bad_request(f"the image is processed to {height} x {width} pixels, less than one image token "
+                              f"({self.step} x {self.step})", param=param)
+        return ProcessedImage(pixels.tobytes(), height, width)
+
+    def span(self, height: int, width: int) -> list[int]:
+        """The tokens an image of ``height`` x ``width`` processed pixels takes in the prompt (Pixtral's)."""
+        rows, cols = height // self.step, width // self.step
+        tokens = ([self.image_token_id] * cols + [self.break_token_id]) * rows
+        tokens[-1] = self.end_token_id
+        return tokens
+
+    def expand(self, token_ids: list[int], images: Sequence[ProcessedImage]) -> tuple[list[int], list[ImageInput]]:
+        """``token_ids`` with each image token (one per image, in order: ``check_placeholders``) replaced by
+        its image's span; the ``ImageInput`` of each."""
+        out: list[int] = []
+        inputs: list[ImageInput] = []
+        start = 0
+        for image in images:
+            at = token_ids.index(self.image_token_id, start)
+            out.extend(token_ids[start:at])
+            span = self.span(image.height, image.width)
+            inputs.append(ImageInput(
+                offset=len(out), length=len(span), height=image.height, width=image.width,
+                digest=image_digest(image.pixel_values, image.height, image.width), pixel_values=image.pixel_values,
+            ))
+            out.extend(span)
+            start = at + 1
+        out.extend(token_ids[start:])
+        return out, inputs
+
+    def check_placeholders(self, token_ids: list[int], images: Sequence[ImageRef]) -> None:
+        """A 400 unless the rendered prompt holds exactly one image token per image. A message's text that
+        holds the image token's string is tokenized to it too: counting them all keeps such a text from
+        moving an image's span (the engines would refuse the request, or worse, place features elsewhere)."""
+        count = token_ids.count(self.image_token_id)
+        if count != len(images):
+            raise bad_request(
+                f"the chat template placed {count} image token(s) for {len(images)} image(s): each image part is "
+                "written as one, and no message's text may hold the image token itself", param="messages")
+
+    def prepare(self, token_ids: list[int], images: Sequence[ImageRef]) -> tuple[list[int], list[ImageInput]]:
+        """The prompt with its images' spans and their ``ImageInput``s: each image decoded, processed and
+        hashed; a 400 naming the image for a bad one, or for processed pixels past ``MAX_IMAGE_BYTES`` in all.
+        Blocks for as long as that takes (``prepare_off_loop``)."""
+        self.check_placeholders(token_ids, images)
+        processed: list[ProcessedImage] = []
+        total = 0
+        for ref in images:
+            image = self.process(decode_image_url(ref.url, ref.param), ref.param)
+            total += len(image.pixel_values)
+            if total > MAX_IMAGE_BYTES:
+                raise bad_request(f"the prompt's images take more than {MAX_IMAGE_BYTES >> 20} MiB once processed "
+                                  "(float32 pixels); send fewer or smaller images", param=ref.param)
+            processed.append(image)
+        return self.expand(token_ids, processed)
+
+    async def prepare_off_loop(
+        self, token_ids: list[int], images: Sequence[ImageRef]
+    ) -> tuple[list[int], list[ImageInput]]:
+        """``prepare`` in one of the image threads (decoding, resizing and hashing release the GIL)."""
+        self.check_placeholders(token_ids, images)  # a cheap refusal needs no thread
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.prepare, token_ids, images)
+
+
+@dataclass(frozen=True)
+class ModelImages:
+    """What the served model does with images: ``processor`` where its engines take them, else None and the
+    reason they are refused (``refusal``, naming the model type of an image-text model served as text)."""
+
+    processor: ImageProcessor | None = None
+    refusal: str = NO_IMAGES
+    model_type: str | None = None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: pathlib.Path, tokenizer: Any) -> ModelImages:
+        """The model folder's: ``ValueError`` for an image-text model whose processor files do not fit."""
+        try:
+            config = json.loads((model_dir / "config.json").read_text())
+        except (OSError, ValueError):
+            return cls()
+        model_type = config.get("model_type") if isinstance(config, dict) else None
+        # Every image-text checkpoint wraps its language model's config (``text_config``): a text model's
+        # folder is told apart here without importing the model code (and torch) into the router.
+        if not isinstance(model_type, str) or "text_config" not in config:
+            return cls()
+        from common.model.arch import IMAGE_INPUT_TYPES, IMAGE_TEXT_TYPES, image_input_refusal
+
+        if model_type not in IMAGE_TEXT_TYPES:
+            return cls()
+        if model_type not in IMAGE_INPUT_TYPES:
+            return cls(refusal=image_input_refusal(model_type), model_type=model_type)
+        return cls(ImageProcessor.from_model_dir(model_dir, tokenizer), "", model_type)
+
+
+def truncate_images(images: list[ImageInput], num_removed: int) -> list[ImageInput]:
+    """The images of a prompt whose first ``num_removed`` tokens were cut (``truncate_prompt_tokens``), their
+    spans moved with it; a 400 where the cut reaches into an image's span."""
+    if not num_removed or not images:
+        return images
+    if images[0].offset < num_removed:
+        raise bad_request(f"truncate_prompt_tokens would cut the prompt's first {num_removed} tokens, into an "
+                          "image's tokens; keep more tokens or send fewer images", param="truncate_prompt_tokens")
+    return [msgspec.structs.replace(image, offset=image.offset - num_removed) for image in images]

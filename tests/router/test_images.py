@@ -1,0 +1,293 @@
+"""Image inputs of chat completions (vLLM's): a user message's ``image_url`` parts reach the engines as the model
+folder's processor makes them (pixels, digest, the prompt's image tokens expanded as Pixtral's processor
+expands them), through the openai client, a migration and prefix routing; and each refusal names its field."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from common.kvcache.hashing import compute_block_hashes
+from common.protocol import GenerateRequest, image_digest
+from common.registry import PrefixIndex
+from router.app import create_app
+from router.config import RequestLimits
+from router.images import ModelImages, limit_mm_per_prompt_arg
+from router.main import build_parser
+from router.tokenization import PromptProcessor
+from tests.engine.tiny_models import IMAGE_TOKENS, expand_image_tokens, image_pixels, image_text_checkpoint
+from tests.router.fake_engine import MODEL_ID
+from tests.router.router_harness import SERVED_MODEL, fake_stack, make_state
+
+CHAT = "/v1/chat/completions"
+REPLY = [5, 6, 7]
+
+
+def _image(seed: int, height: int = 50, width: int = 90, mode: str = "RGB") -> Image.Image:
+    channels = len(mode)
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, channels), dtype=np.uint8)
+    return Image.fromarray(pixels, mode=mode)
+
+
+def _data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(buffer.getvalue()).decode()}"
+
+
+def _part(url: str, plain: bool = False) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": url if plain else {"url": url, "detail": "auto"}}
+
+
+def _text(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return image_text_checkpoint(tmp_path_factory.mktemp("mistral3"))
+
+
+@pytest.fixture(scope="module")
+def image_prompts(folder: pathlib.Path) -> PromptProcessor:
+    return PromptProcessor.from_model_dir(folder)
+
+
+@pytest.fixture(scope="module")
+def images(folder: pathlib.Path, image_prompts: PromptProcessor) -> ModelImages:
+    return ModelImages.from_model_dir(folder, image_prompts.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def client(image_prompts: PromptProcessor, images: ModelImages) -> Iterator[TestClient]:
+    """The image model's router without engines: every refusal comes before anything is sent."""
+    with TestClient(create_app(make_state(image_prompts, redis_url=None, images=images))) as test_client:
+        yield test_client
+
+
+def _expected(folder: pathlib.Path, prompts: PromptProcessor, messages: list[dict[str, Any]],
+              pictures: list[Image.Image]) -> tuple[list[int], list[tuple[int, int]], list[Any]]:
+    """The reference: the template over transformers' parts ({"type": "image"}), tokenized, each image token
+    expanded as Pixtral's processor does; each image's pixels as transformers' processor makes them."""
+    parts = [{**m, "content": [_text(p["text"]) if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
+             if isinstance(m["content"], list) else m for m in messages]
+    text = prompts.tokenizer.apply_chat_template(parts, tokenize=False, add_generation_prompt=True)
+    rendered = list(prompts.tokenizer.encode(text, add_special_tokens=False))
+    pixels = [image_pixels(folder, picture) for picture in pictures]
+    ids, spans = expand_image_tokens(rendered, [(h, w) for _, h, w in pixels])
+    return ids, spans, pixels
+
+
+def _check_images(sent: GenerateRequest, ids: list[int], spans: list[tuple[int, int]], pixels: list[Any]) -> None:
+    assert sent.prompt_token_ids == ids
+    assert [(i.offset, i.length) for i in sent.images] == spans
+    for image, (values, height, width) in zip(sent.images, pixels, strict=True):
+        assert (image.height, image.width) == (height, width)
+        assert image.pixel_values == values.numpy().tobytes()
+        assert image.digest == image_digest(image.pixel_values, height, width)
+
+
+def test_the_engines_get_the_expanded_prompt_and_the_processed_pixels(
+    redis_url: str, folder: pathlib.Path, image_prompts: PromptProcessor, images: ModelImages
+) -> None:
+    pictures = [_image(1), _image(2, 40, 30), _image(3, 20, 20, mode="RGBA")]
+    messages = [
+        {"role": "system", "content": "w9 w10"},
+        {"role": "user", "content": [_text("w11 "), _part(_data_url(pictures[0])), _text(" w12"),
+                                     _part(_data_url(pictures[1], "JPEG"), plain=True)]},
+        {"role": "assistant", "content": "w13"},
+        {"role": "user", "content": [_part(_data_url(pictures[2], "WEBP")), _text(" w14")]},
+    ]
+    # A JPEG and a WebP image are lossy: the reference reads the same decoded pixels.
+    decoded = [Image.open(io.BytesIO(base64.b64decode(_data_url(p, f).split(",", 1)[1]))) for p, f in
+               zip(pictures, ("PNG", "JPEG", "WEBP"), strict=True)]
+    ids, spans, pixels = _expected(folder, image_prompts, messages, decoded)
+    assert len(ids) > 3 * 16 and len(spans) == 3  # past a block: sent to a prefill instance
+    with fake_stack(redis_url, image_prompts, REPLY, images=images) as (server, cluster):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model=SERVED_MODEL, messages=messages, max_tokens=3,
+                                               extra_body={"return_token_ids": True})
+        assert reply.choices[0].message.content and reply.usage is not None
+        assert reply.usage.prompt_tokens == len(ids)
+        assert reply.prompt_token_ids == ids
+        [sent] = cluster.requests()
+        assert sent.decode_target is not None
+        _check_images(sent, ids, spans, pixels)
+        # A stream takes them as well.
+        chunks = list(client.chat.completions.create(model=SERVED_MODEL, messages=messages, max_tokens=3,
+                                                     stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        _check_images(cluster.requests()[-1], ids, spans, pixels)
+
+
+def test_a_migrated_request_takes_its_images_along(
+    redis_url: str, folder: pathlib.Path, image_prompts: PromptProcessor, images: ModelImages
+) -> None:
+    picture = _image(4)
+    messages = [{"role": "user", "content": [_part(_data_url(picture)), _text("w20")]}]
+    ids, spans, pixels = _expected(folder, image_prompts, messages, [picture])
+    with fake_stack(redis_url, image_prompts, REPLY, {"mode": "transfer-fail-once"}, images=images) as (server, cluster):
+        response = httpx.post(f"{server.url}{CHAT}", json={"messages": messages, "max_tokens": 3}, timeout=10)
+        assert response.status_code == 200, response.text
+        first, again = cluster.requests()
+        assert again.request_id == first.request_id + ".m1"
+        for sent in (first, again):
+            _check_images(sent, ids, spans, pixels)
+
+
+def test_prefix_routing_hashes_the_image_with_its_tokens(
+    redis_url: str, folder: pathlib.Path, image_prompts: PromptProcessor, images: ModelImages
+) -> None:
+    """The instance holding the prompt's blocks under this image is chosen; one holding the same tokens
+    with no image (or another one) is not."""
+    picture = _image(5)
+    messages = [{"role": "user", "content": [_part(_data_url(picture)), _text("w21 w22")]}]
+    ids, spans, pixels = _expected(folder, image_prompts, messages, [picture])
+    (offset, length), (values, height, width) = spans[0], pixels[0]
+    digest = image_digest(values.numpy().tobytes(), height, width)
+    with_image = compute_block_hashes(ids, 16, MODEL_ID, None, images=[(offset, length, digest)])
+    without = compute_block_hashes(ids, 16, MODEL_ID, None)
+    assert with_image[0] != without[0]
+    with fake_stack(redis_url, image_prompts, REPLY, {"num_prefill": 3}, images=images) as (server, cluster):
+        index = PrefixIndex(redis_url, server.state.config.namespace)
+        assert index.add("prefill-1", without) and index.add("prefill-2", with_image)
+        for _ in range(2):
+            response = httpx.post(f"{server.url}{CHAT}", json={"messages": messages, "max_tokens": 2}, timeout=10)
+            assert response.status_code == 200, response.text
+        assert len(cluster.engine("prefill-2").requests) == 2
+
+
+def test_tokenize_gives_the_expanded_prompt(
+    client: TestClient, folder: pathlib.Path, image_prompts: PromptProcessor
+) -> None:
+    picture = _image(6)
+    messages = [{"role": "user", "content": [_text("w30 "), _part(_data_url(picture))]}]
+    ids, _, _ = _expected(folder, image_prompts, messages, [picture])
+    response = client.post("/tokenize", json={"messages": messages})
+    assert response.status_code == 200, response.text
+    assert response.json()["tokens"] == ids
+
+
+def _refusal(response: httpx.Response, param: str, words: str) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def _chat(content: list[dict[str, Any]], role: str = "user", **fields: Any) -> dict[str, Any]:
+    return {"model": SERVED_MODEL, "messages": [{"role": role, "content": content}], "max_tokens": 2, **fields}
+
+
+PNG = _data_url(_image(7))
+BAD_IMAGES = [
+    # (content parts, param, words of the message)
+    ([_part("https://example.com/cat.png")], "messages.0.content.0.image_url", "fetches nothing"),
+    ([_text("w3"), _part("file:///etc/passwd")], "messages.0.content.1.image_url", "must be a data URL"),
+    ([_part("data:text/plain;base64,aGVsbG8=")], "messages.0.content.0.image_url", "base64 data URL of an image"),
+    ([_part("data:image/png,rawbytes")], "messages.0.content.0.image_url", "base64 data URL of an image"),
+    ([_part("data:image/png;base64,not*base64!")], "messages.0.content.0.image_url", "not valid base64"),
+    ([_part("data:image/png;base64," + base64.b64encode(b"no image here").decode())],
+     "messages.0.content.0.image_url", "could not be decoded"),
+    ([_part(_data_url(_image(8), "TIFF").replace("image/tiff", "image/png"))],  # a format not read
+     "messages.0.content.0.image_url", "could not be decoded"),
+    ([{"type": "image_url", "image_url": {"detail": "low"}}], "messages.0.content.0.image_url", "data URL"),
+    ([{"type": "input_audio", "input_audio": {}}], "messages.0.content.0", "only text and image_url"),
+    ([_part(PNG)] * 5, "messages.0.content.4.image_url", "at most 4 image(s) (--limit-mm-per-prompt)"),
+    ([_text("w3 [IMG] w4"), _part(PNG)], "messages", "placed 2 image token(s) for 1 image(s)"),
+    ([_text("w3 " + "w4 " * 240), _part(PNG)], "messages", "maximum context length"),
+]
+
+
+@pytest.mark.parametrize(("content", "param", "words"), BAD_IMAGES)
+def test_each_bad_image_is_refused_naming_its_field(
+    client: TestClient, content: list[dict[str, Any]], param: str, words: str
+) -> None:
+    _refusal(client.post(CHAT, json=_chat(content)), param, words)
+
+
+def test_images_in_other_messages_and_image_tokens_without_an_image_part(client: TestClient) -> None:
+    _refusal(client.post(CHAT, json=_chat([_part(PNG)], role="assistant", add_generation_prompt=False)),
+             "messages.0.content.0", "user messages only")
+    # The image token's text in a message with images cannot move an image's span; without images it is text.
+    _refusal(client.post(CHAT, json=_chat([_part(PNG), _text("[IMG]")])), "messages", "placed 2 image token")
+    _refusal(client.post(CHAT, json=_chat([_text("w3 [IMG][IMG]"), _part(PNG), _part(PNG)])), "messages",
+             "placed 4 image token(s) for 2 image(s)")
+    # A prompt cut into its image is refused (one cut before it would move the spans).
+    _refusal(client.post(CHAT, json=_chat([_part(PNG), _text(" w3 w4")], truncate_prompt_tokens=10)),
+             "truncate_prompt_tokens", "into an image's tokens")
+    # Pooling reads text only.
+    _refusal(client.post("/v1/embeddings", json={"model": SERVED_MODEL, "messages": [
+        {"role": "user", "content": [_part(PNG)]}]}), "messages.0.content.0", "pooling takes text only")
+
+
+def test_a_decompression_bomb_is_refused_before_its_pixels_are_decoded(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # the 50 x 90 image has 4,500
+    _refusal(client.post(CHAT, json=_chat([_part(PNG)])), "messages.0.content.0.image_url", "more than 1000 pixels")
+
+
+def test_limit_mm_per_prompt_is_vllm_s_flag(image_prompts: PromptProcessor, images: ModelImages) -> None:
+    assert limit_mm_per_prompt_arg('{"image": 2}') == 2
+    assert limit_mm_per_prompt_arg('{"image": 0, "video": 0}') == 0
+    assert build_parser().parse_args([]).limit_mm_per_prompt == 4
+    assert build_parser().parse_args(["--limit-mm-per-prompt", '{"image": 1}']).limit_mm_per_prompt == 1
+    for bad, words in [('{"image": 65}', "at most 64"), ('{"video": 1}', "video inputs are not served"),
+                       ('{"image": -1}', "a count"), ("[4]", "JSON object")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=words):
+            limit_mm_per_prompt_arg(bad)
+    state = make_state(image_prompts, redis_url=None, images=images, limits=RequestLimits(max_images_per_prompt=1))
+    with TestClient(create_app(state)) as one:
+        _refusal(one.post(CHAT, json=_chat([_part(PNG), _part(PNG)])), "messages.0.content.1.image_url",
+                 "at most 1 image(s)")
+
+
+def test_a_text_model_and_an_image_text_model_served_as_text_refuse_images_by_name(
+    tmp_path: pathlib.Path, image_prompts: PromptProcessor, prompts: PromptProcessor
+) -> None:
+    gemma = tmp_path / "gemma3"
+    gemma.mkdir()
+    (gemma / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {}, "vision_config": {}}))
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert ModelImages.from_model_dir(llama, image_prompts.tokenizer) == ModelImages()
+    served_as_text = ModelImages.from_model_dir(gemma, image_prompts.tokenizer)
+    assert served_as_text.processor is None
+    for state, words in [
+        (make_state(image_prompts, redis_url=None, images=served_as_text),
+         "image input for model type 'gemma3' is not implemented"),
+        (make_state(prompts, redis_url=None), "this model takes no images"),  # the default model
+    ]:
+        with TestClient(create_app(state)) as test_client:
+            for path in (CHAT, "/tokenize"):
+                _refusal(test_client.post(path, json=_chat([_text("hi"), _part(PNG)])),
+                         "messages.0.content.1", words)
+
+
+def test_a_processor_whose_image_token_is_not_the_model_s_is_refused_at_start(
+    tmp_path: pathlib.Path, folder: pathlib.Path, image_prompts: PromptProcessor
+) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("config.json", "preprocessor_config.json", "processor_config.json"):
+        (other / name).write_text((folder / name).read_text())
+    spec = json.loads((other / "processor_config.json").read_text())
+    (other / "processor_config.json").write_text(json.dumps({**spec, "image_token": "[IMG_BREAK]"}))
+    with pytest.raises(ValueError, match=f"image token is id {IMAGE_TOKENS['[IMG_BREAK]']}"):
+        ModelImages.from_model_dir(other, image_prompts.tokenizer)
+    (other / "processor_config.json").write_text(json.dumps({**spec, "image_token": "<no such token>"}))
+    with pytest.raises(ValueError, match="not one token of the tokenizer"):
+        ModelImages.from_model_dir(other, image_prompts.tokenizer)

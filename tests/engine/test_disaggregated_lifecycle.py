@@ -34,6 +34,17 @@ def _prefill(prefill, prompt, params, output_token_ids=None):  # type: ignore[no
             return out
 
 
+def hand_over(prefill, decode, out, handoff, request_id: str = "r") -> None:  # type: ignore[no-untyped-def]
+    """The KV of the prefill's ``out`` into the decode's ``handoff`` blocks, as the transfer layer moves them
+    (gathered on one side, scattered on the other), the prefill side released and the decode told it arrived."""
+    assert [bytes(h) for h in handoff.block_hashes] == [bytes(h) for h in out.kv_handoff.block_hashes]
+    src, dst = torch.tensor(out.kv_handoff.block_ids), torch.tensor(handoff.block_ids)
+    decode.runner.kernels.scatter_blocks(decode.runner.kv_cache, dst,
+                                         prefill.runner.kernels.gather_blocks(prefill.runner.kv_cache, src))
+    assert prefill.release_kv(request_id)
+    decode.remote_kv_arrived(request_id)
+
+
 def _transfer(prefill, decode, prompt, params, output_token_ids=None):  # type: ignore[no-untyped-def]
     """Prefill, hand the KV to ``decode`` by copying the blocks, and release the prefill side."""
     out = _prefill(prefill, prompt, params, output_token_ids)

@@ -5,19 +5,18 @@ image inputs are refused by name."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from common.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import RequestStatus
 from common.protocol import ImageInput, image_digest
 from common.sampling_params import SamplingParams
-from tests.engine.test_disaggregated_lifecycle import _drain
+from tests.engine.test_disaggregated_lifecycle import _drain, hand_over
 from tests.engine.tiny_models import (
     IMAGE_TOKENS,
     expand_image_tokens,
@@ -72,25 +71,14 @@ def _hf_greedy(folder: Path, ids: list[int], images: list[ImageInput], pixels: l
     return [int(t) for t in out[0, len(ids):]]
 
 
-@pytest.fixture
-def engines() -> Iterator[list[LLMEngine]]:
-    built: list[LLMEngine] = []
-    yield built
-    for engine in built:
-        engine.check_integrity()
-        assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks, "blocks leaked"
+def _engine(engine_factory: Any, folder: Path, **overrides: object) -> LLMEngine:
+    """An engine on ``folder`` whose blocks are all checked back after the test (``engine_factory``)."""
+    config: dict[str, object] = {"model": str(folder), "block_size": 8, "num_blocks": 64,
+                                 "max_num_batched_tokens": 7, "device": "cpu", "dtype": "float32"}
+    return engine_factory(**{**config, **overrides})  # type: ignore[no-any-return]
 
 
-def _engine(engines: list[LLMEngine], folder: Path, **overrides: object) -> LLMEngine:
-    config = {"model": str(folder), "block_size": 8, "num_blocks": 64, "max_num_batched_tokens": 7,
-              "device": "cpu", "dtype": "float32"}
-    config.update(overrides)
-    engine = LLMEngine(EngineConfig(**config))  # type: ignore[arg-type]
-    engines.append(engine)
-    return engine
-
-
-def test_images_equal_transformers_through_chunks_cache_and_preemption(folder: Path, engines: list[LLMEngine]) -> None:
+def test_images_equal_transformers_through_chunks_cache_and_preemption(folder: Path, engine_factory: Any) -> None:
     """Two images of different sizes in one prompt, chunks of 7 tokens (cutting through both), beside a request of
     the same words with other images; then both again from the prefix cache; then preempted part way."""
     ids, images, pixels = _request(folder, (1, 2), ((50, 90), (70, 40)))
@@ -99,7 +87,7 @@ def test_images_equal_transformers_through_chunks_cache_and_preemption(folder: P
     expected = _hf_greedy(folder, ids, images, pixels)
     other_expected = _hf_greedy(folder, other_ids, other_images, other_pixels)
     assert expected != other_expected  # the images decide the output
-    engine = _engine(engines, folder)
+    engine = _engine(engine_factory, folder)
     engine.add_request("a", ids, GREEDY, images=images)
     engine.add_request("b", other_ids, GREEDY, images=other_images)
     assert _drain(engine) == {"a": expected, "b": other_expected}
@@ -113,7 +101,7 @@ def test_images_equal_transformers_through_chunks_cache_and_preemption(folder: P
     assert _drain(engine) == {"a2": expected, "b2": other_expected}
     assert requests["a2"].num_cached_tokens >= 8 * (len(ids) // 8 - 1)  # all but the last block from the cache
     # A request preempted in its prompt encodes its images again as its recompute reaches them.
-    small = _engine(engines, folder, num_blocks=len(ids) // 8 + 3, enable_prefix_caching=False)
+    small = _engine(engine_factory, folder, num_blocks=len(ids) // 8 + 3, enable_prefix_caching=False)
     small.add_request("p", ids, GREEDY, images=images)
     small.add_request("q", other_ids, GREEDY, images=other_images)
     preempted = [small.scheduler.requests["p"], small.scheduler.requests["q"]]
@@ -121,11 +109,11 @@ def test_images_equal_transformers_through_chunks_cache_and_preemption(folder: P
     assert sum(r.num_preemptions for r in preempted) > 0
 
 
-def test_a_prefill_hands_an_image_prompt_to_a_decode(folder: Path, engines: list[LLMEngine]) -> None:
+def test_a_prefill_hands_an_image_prompt_to_a_decode(folder: Path, engine_factory: Any) -> None:
     """The prefill encodes the images; the decode gets their KV under the same block hashes and goes on."""
     ids, images, pixels = _request(folder, (5,), ((64, 64),))
     expected = _hf_greedy(folder, ids, images, pixels)
-    prefill, decode = _engine(engines, folder), _engine(engines, folder)
+    prefill, decode = _engine(engine_factory, folder), _engine(engine_factory, folder)
     prefill.add_request("r", ids, GREEDY, kv_transfer=True, images=images)
     while not (outs := prefill.step()):
         pass
@@ -133,23 +121,18 @@ def test_a_prefill_hands_an_image_prompt_to_a_decode(folder: Path, engines: list
     assert out.kv_handoff is not None
     handoff = decode.add_remote_request("r", ids, out.new_token_ids[0], GREEDY, images=images)
     assert handoff is not None
-    assert [bytes(h) for h in handoff.block_hashes] == [bytes(h) for h in out.kv_handoff.block_hashes]
-    src, dst = torch.tensor(out.kv_handoff.block_ids), torch.tensor(handoff.block_ids)
-    decode.runner.kernels.scatter_blocks(decode.runner.kv_cache, dst,
-                                         prefill.runner.kernels.gather_blocks(prefill.runner.kv_cache, src))
-    assert prefill.release_kv("r")
-    decode.remote_kv_arrived("r")
+    hand_over(prefill, decode, out, handoff)  # under the same block hashes
     assert decode.scheduler.requests["r"].status != RequestStatus.WAITING_FOR_REMOTE_KV
     assert [out.new_token_ids[0], *_drain(decode)["r"]] == expected
 
 
-def test_bad_image_inputs_are_refused_by_name(folder: Path, engines: list[LLMEngine], tmp_path: Path) -> None:
+def test_bad_image_inputs_are_refused_by_name(folder: Path, engine_factory: Any, tmp_path: Path) -> None:
     import msgspec
 
     from tests.engine.tiny_models import build_checkpoint, family_configs
 
     ids, images, _ = _request(folder, (1,), ((50, 90),))
-    engine = _engine(engines, folder)
+    engine = _engine(engine_factory, folder)
     image = images[0]
     cases = {
         "holds 23 image tokens": (ids[:image.offset + 1] + ids[image.offset + 2:],
@@ -169,15 +152,15 @@ def test_bad_image_inputs_are_refused_by_name(folder: Path, engines: list[LLMEng
         engine.add_request("bad", ids, GREEDY, images=[image, image])
     assert not engine.has_unfinished_requests()
     # Gemma 3's text is served, its images are not (its image tokens attend to each other both ways).
-    gemma = _engine(engines, build_checkpoint(family_configs()["gemma3-image-text-text-only"], tmp_path / "g"))
+    gemma = _engine(engine_factory, build_checkpoint(family_configs()["gemma3-image-text-text-only"], tmp_path / "g"))
     with pytest.raises(ValueError, match="image input for model type 'gemma3' is not implemented"):
         gemma.add_request("bad", ids, GREEDY, images=[image])
 
 
-def test_the_profiling_run_encodes_the_largest_image(folder: Path, engines: list[LLMEngine],
+def test_the_profiling_run_encodes_the_largest_image(folder: Path, engine_factory: Any,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU's KV cache is sized after the largest step: with the largest image's encoding in it."""
-    engine = _engine(engines, folder)
+    engine = _engine(engine_factory, folder)
     encoder = engine.runner.image_encoder
     assert encoder is not None and encoder.max_side == 112
     calls = []

@@ -19,6 +19,7 @@ from common.engine.engine import LLMEngine
 from common.lora_modules import LoRAModule
 from common.model.lora import UnsupportedAdapter
 from common.sampling_params import SamplingParams
+from tests.engine.test_disaggregated_lifecycle import hand_over
 from tests.engine.tiny_models import (
     build_checkpoint,
     family_configs,
@@ -147,12 +148,7 @@ def test_the_kv_of_a_prompt_run_with_an_adapter_goes_to_a_decode_instance_servin
     handoff = decode.add_remote_request("r", prompt, out.new_token_ids[0], params, lora_name="a",
                                         choice_token_ids=choices)
     assert handoff is not None
-    assert [bytes(h) for h in handoff.block_hashes] == [bytes(h) for h in out.kv_handoff.block_hashes]
-    src, dst = torch.tensor(out.kv_handoff.block_ids), torch.tensor(handoff.block_ids)
-    decode.runner.kernels.scatter_blocks(decode.runner.kv_cache, dst,
-                                         prefill.runner.kernels.gather_blocks(prefill.runner.kv_cache, src))
-    assert prefill.release_kv("r")
-    decode.remote_kv_arrived("r")
+    hand_over(prefill, decode, out, handoff)
     tokens = _run(decode)
     assert [out.new_token_ids[0], *tokens["r"]] == _peft(base, a, tuple(prompt))
     assert [choices[1], *tokens["r#1"]] == _peft(base, a, tuple(prompt))

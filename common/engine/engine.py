@@ -400,6 +400,7 @@ class LLMEngine:
                 output_token_ids=[token], seed_offset=index, lora_name=req.lora_name, lora_slot=req.lora_slot,
                 images=req.images,
             )
+            child.mrope = req.mrope
             child.forked = True
             child.grammar = self._grammar(req.sampling_params, [token])  # checked by add_remote_request
             child.num_computed_tokens = req.num_computed_tokens

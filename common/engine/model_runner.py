@@ -14,6 +14,7 @@ from collections import deque
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from msgspec.structs import replace
 from torch import Tensor
@@ -39,7 +40,7 @@ from common.model.loader import model_identity, resolve_model_path
 from common.model.lora import LoRAManager
 from common.model.parallel import SINGLE, TensorParallel
 from common.model.quantization import check_quantization
-from common.model.vision import ImageEncoder, ImageEncoderRefused
+from common.model.vision import ImageEncoder, ImageEncoderRefused, load_image_encoder
 from common.model.weights import load_hf_config, load_model
 from common.protocol import EVERY_TOKEN_POOLING, PromptLogprob, TokenLogprob
 from common.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -190,7 +191,7 @@ class ModelRunner:
         """An image-text checkpoint's vision side, loaded before the KV cache is sized after what is left; where
         its images are not implemented (or the model is split over ranks) its text is served alone."""
         try:
-            encoder = ImageEncoder.for_checkpoint(self.model_path, self.dtype, self.device)
+            encoder = load_image_encoder(self.model_path, self.dtype, self.device)
         except ImageEncoderRefused as exc:
             self.images_refused = str(exc)
             return
@@ -215,10 +216,11 @@ class ModelRunner:
             if image.offset < end or image.offset + image.length > len(prompt):
                 raise ValueError(f"images[{k}]: its span [{image.offset}, {image.offset + image.length}) overlaps "
                                  f"the one before or leaves the prompt of {len(prompt)} tokens")
-            if len(image.pixel_values) != 3 * image.height * image.width * 4:
-                raise ValueError(f"images[{k}]: {len(image.pixel_values)} bytes of pixels for a float32 image of "
-                                 f"3 x {image.height} x {image.width}")
             encoder.check_size(image.height, image.width)
+            if len(image.pixel_values) != 4 * encoder.pixel_count(image.height, image.width):
+                raise ValueError(f"images[{k}]: {len(image.pixel_values)} bytes of pixels for a float32 image of "
+                                 f"{encoder.pixel_count(image.height, image.width)} values ({image.height} x "
+                                 f"{image.width} pixels)")
             count = prompt[image.offset:image.offset + image.length].count(token)
             if count != encoder.num_features(image.height, image.width):
                 raise ValueError(f"images[{k}]: its span holds {count} image tokens (id {token}) for an image of "
@@ -226,6 +228,7 @@ class ModelRunner:
             end = image.offset + image.length
         if prompt.count(token) != sum(prompt[i.offset:i.offset + i.length].count(token) for i in req.images):
             raise ValueError(f"prompt: the image token (id {token}) outside its images' spans")
+        req.mrope = encoder.rope_positions(len(prompt), req.images)
 
     def image_rows(self, out: SchedulerOutput, query_start: list[int]) -> tuple[Tensor, Tensor] | None:
         """The rows of this step's input that are image tokens, and the features that replace their embeddings
@@ -248,8 +251,7 @@ class ModelRunner:
                     continue
                 features = req.image_features.get(k)
                 if features is None:
-                    pixels = torch.frombuffer(bytearray(image.pixel_values), dtype=torch.float32)
-                    pixels = pixels.view(3, image.height, image.width).to(self.device)
+                    pixels = torch.frombuffer(bytearray(image.pixel_values), dtype=torch.float32).to(self.device)
                     features = req.image_features[k] = encoder.encode(pixels, image.height, image.width)
                 span = req.prompt_token_ids[image.offset:image.offset + image.length]
                 positions = [image.offset + j for j, t in enumerate(span) if t == encoder.image_token_id]
@@ -261,6 +263,24 @@ class ModelRunner:
         if not rows:
             return None
         return long_tensor(rows, self.device), torch.cat(parts).to(self.dtype)
+
+    def rope_positions(self, out: SchedulerOutput, positions: Tensor, query_start: list[int]) -> Tensor | None:
+        """M-RoPE's three positions of each of this step's tokens ``[3, num_tokens]`` (on the host), where a
+        request's images make them differ from its tokens' indices (``Request.mrope``): its prompt's from the
+        table, later ones shifted by its delta; every other token's index thrice. None where none differs."""
+        if not any(s.request.mrope is not None for s in out.scheduled):
+            return None
+        rope = positions.expand(3, -1).clone()
+        for i, s in enumerate(out.scheduled):
+            if s.request.mrope is None:
+                continue
+            table, delta = s.request.mrope
+            lo, hi = query_start[i], query_start[i + 1]
+            index = positions[lo:hi].numpy()
+            inside = index < table.shape[1]
+            rope[:, lo:hi] = torch.from_numpy(
+                np.where(inside, table[:, np.minimum(index, table.shape[1] - 1)], index + delta))
+        return rope
 
     def _allocate_cache(self, cache_path: Path | None) -> tuple[Tensor, Tensor | None]:
         """This rank's KV cache, and the cache a KV transfer moves blocks of (None: none can). One rank: the
@@ -391,9 +411,10 @@ class ModelRunner:
         )
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
         features = None
-        if self.image_encoder is not None:  # the largest image's encoding; its features live through the step
-            side = self.image_encoder.max_side
-            features = self.image_encoder.encode(torch.zeros(3, side, side, device=dev), side, side)
+        encoder = self.image_encoder
+        if encoder is not None:  # the largest image's encoding; its features live through the step
+            height, width = encoder.largest()
+            features = encoder.encode(torch.zeros(encoder.pixel_count(height, width), device=dev), height, width)
         hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions, meta, cache)
         del features
         rows = config.max_num_seqs
@@ -435,11 +456,13 @@ class ModelRunner:
             self.kernels.copy_blocks(self.kv_cache, long_tensor(src, dev), long_tensor(dst, dev))
         inputs = self.input_batch.prepare(out.scheduled)
         graphs = self.decode_graphs
-        images = None
+        images = rope = None
         if self.image_encoder is not None and any(s.request.images for s in out.scheduled):
-            images = self.image_rows(out, inputs.query_start_loc.tolist())
+            query_start = inputs.query_start_loc.tolist()
+            images = self.image_rows(out, query_start)
+            rope = self.rope_positions(out, inputs.positions, query_start)
         # One token per sequence (decode, or a prompt's last one-token chunk) is replayed from a graph.
-        replay = graphs is not None and images is None and graphs.fits(inputs)
+        replay = graphs is not None and images is None and rope is None and graphs.fits(inputs)
         # Which adapter each token has, for the adapted projections (a replay reads the rows' one-hot).
         adapted = self.lora is not None and self.lora.set_batch(
             [s.request.lora_slot for s in out.scheduled], inputs.query_start_loc, dev, one_hot=replay)
@@ -456,7 +479,8 @@ class ModelRunner:
             input_ids = torch.where(input_ids < 0, prev_token_ids.index_select(0, rows), input_ids)
         lora_select = self.lora.batch.select if adapted and self.lora is not None else None
         if self.tp_leader is None:
-            hidden = self._forward(inputs, input_ids, on_device[1:], replay, lora_select, images)
+            hidden = self._forward(inputs, input_ids, on_device[1:], replay, lora_select, images,
+                                   None if rope is None else rope.to(dev))
         else:  # the other ranks run the same forward on their shares, in step with this one
             with self.tp_leader.in_step():
                 self.tp_leader.step(
@@ -532,7 +556,8 @@ class ModelRunner:
                 req.pooling_state += part
 
     def _forward(self, inputs: BatchInputs, input_ids: Tensor, on_device: list[Tensor], replay: bool,
-                 lora_select: Tensor | None, images: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                 lora_select: Tensor | None, images: tuple[Tensor, Tensor] | None = None,
+                 rope: Tensor | None = None) -> Tensor:
         """The hidden states of a step whose inputs are on the device (``on_device``: positions, slot
         mapping, context lengths, block tables and, unless it replays a decode graph, query starts)."""
         positions, slot_mapping, context_lens, block_tables = on_device[:4]
@@ -545,8 +570,8 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, query_start_loc=on_device[4],
                                  context_lens=context_lens, max_query_len=inputs.max_query_len,
                                  host_query_start_loc=inputs.query_start_loc, host_context_lens=inputs.context_lens)
-        if images is not None:
-            hidden: Tensor = self.model(input_ids, positions, meta, self.kv_cache, images)
+        if images is not None or rope is not None:
+            hidden: Tensor = self.model(input_ids, positions, meta, self.kv_cache, images, rope)
         else:
             hidden = self.model(input_ids, positions, meta, self.kv_cache)
         return hidden

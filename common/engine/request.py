@@ -145,6 +145,9 @@ class Request:
         # (``ModelRunner.image_rows``).
         self.images: list[ImageInput] = images or []
         self.image_features: dict[int, Tensor] = {}
+        # M-RoPE's positions of the prompt ``[3, num_prompt_tokens]`` and the shift of every position after it,
+        # where its images make them differ from the tokens' indices (``ImageEncoder.rope_positions``).
+        self.mrope: tuple[np.ndarray, int] | None = None
         self._block_size = block_size
         model_id = adapter_model_key(model_id, lora_name)
         self._model_id = model_id

@@ -166,13 +166,15 @@ _SOFT_CAPPED_GEMMA_TYPES = (*_SANDWICH_GEMMA_TYPES, "vaultgemma")
 # ``text_config``'s family; its images, where taken, replace their tokens' embeddings (``common.model.vision``).
 IMAGE_TEXT_TYPES = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Those whose images are implemented (``common.model.vision``); the others' images are refused by name.
-IMAGE_INPUT_TYPES = ("mistral3",)
+IMAGE_INPUT_TYPES = ("mistral3", "qwen2_5_vl")
 
 
 def image_input_refusal(model_type: str) -> str:
     """Why an image-text checkpoint of ``model_type`` (not in ``IMAGE_INPUT_TYPES``) is served its text alone."""
     return (f"image input for model type {model_type!r} is not implemented (its text is served; images are taken "
             f"for {', '.join(IMAGE_INPUT_TYPES)})")
+
+
 # Language models of image-text checkpoints that are a served family's layer under another name: Qwen2.5-VL's
 # is Qwen2's, Qwen3-VL's Qwen3's. Their M-RoPE gives each token three position ids (time, height, width)
 # that, for text alone, are one: each section of the rotation then turns by that one position, which is

@@ -152,6 +152,13 @@ class RotaryEmbedding(nn.Module):
         every layer (per layer they were four more kernel launches each)."""
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
+    def cos_sin_sections(self, positions: Tensor, columns: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """M-RoPE's: ``positions`` ``[3, num_tokens]`` (time, height, width), each column of the rotation turned by
+        the position of its section (``columns``: the component of each of the ``rotary_dim`` columns), as
+        transformers' Qwen2.5-VL recomposes its frequencies."""
+        rows, cols = positions[columns].T, torch.arange(columns.shape[0], device=positions.device)
+        return self.cos[rows, cols].to(dtype)[:, None, :], self.sin[rows, cols].to(dtype)[:, None, :]
+
 
 class NoRotation(nn.Module):
     """RoPE's place in a layer that applies none (SmolLM3's ``no_rope_layers``): cos 1 and sin 0, which
@@ -611,6 +618,16 @@ class LlamaForCausalLM(nn.Module):
             for kind in sorted(set(kinds))
         })
         self.layer_rope_kinds = kinds
+        # M-RoPE's sections (Qwen2.5-VL: of each head's frequencies, in order time, height, width, both halves
+        # alike): which of a token's three positions turns each column. None: one position per token.
+        sections = rope_parameters(config).get("mrope_section") if not per_type else None
+        columns = None
+        if sections and not rope_parameters(config).get("mrope_interleaved"):
+            half = [i % 3 for i, n in enumerate(sections) for _ in range(n)]
+            with torch.device("cpu"):
+                columns = torch.tensor(half + half)
+        self.mrope_columns: Tensor | None
+        self.register_buffer("mrope_columns", columns, persistent=False)
 
     def float32_parameters(self) -> list[str]:
         """Parameters kept in float32 whatever the model's dtype, as transformers keeps them: GLM-4.5's
@@ -652,10 +669,11 @@ class LlamaForCausalLM(nn.Module):
         return scale.to(dtype)[:, None, None]
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor,
-                images: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                images: tuple[Tensor, Tensor] | None = None, rope_positions: Tensor | None = None) -> Tensor:
         """Hidden states ``[num_tokens, hidden]``; writes this step's K/V into ``kv_cache``. ``images``: rows
         of the input whose embeddings an image's features replace, and those features (an image-text model's
-        image tokens: ``ModelRunner.image_rows``)."""
+        image tokens: ``ModelRunner.image_rows``). ``rope_positions``: M-RoPE's three positions of each token
+        ``[3, num_tokens]``, where a prompt's images make them differ from ``positions``."""
         x = self.model.embed_tokens(input_ids)
         if self.arch.embed_scale is not None:  # as transformers: the scale rounded to the weights' dtype
             # Rounded on the host and passed as a number: a device tensor made here would be a copy to
@@ -665,7 +683,13 @@ class LlamaForCausalLM(nn.Module):
             x = x * self.arch.embedding_multiplier
         if images is not None:
             x = x.index_copy(0, images[0], images[1])
-        ropes = self.rope_tables(positions, x.dtype)
+        if rope_positions is None:
+            ropes = self.rope_tables(positions, x.dtype)
+        else:
+            assert self.mrope_columns is not None, "three positions per token need M-RoPE's sections"
+            columns = self.mrope_columns
+            ropes = {kind: cast(RotaryEmbedding, emb).cos_sin_sections(rope_positions, columns, x.dtype)
+                     for kind, emb in self.rotary_embs.items()}
         q_scale = self.query_scales(positions, x.dtype)
         residual: Tensor | None = None
         for i, layer in enumerate(self.model.layers):

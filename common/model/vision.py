@@ -1,76 +1,86 @@
 """An image-text checkpoint's vision side: the tower and projector that turn one image's pixels into the rows
-that replace its image tokens' embeddings in the language model.
+that replace its image tokens' embeddings in the language model, and, for a model whose positions are
+three-dimensional, its prompt's rotary positions.
 
 These run once per image, at the prompt's first chunk that reaches it, beside the language model's forward,
 never in a decode step; they are transformers' own modules for the checkpoint's vision config (built from
 it, the checkpoint's weights loaded into them), so the features are transformers' by construction. The
 language model is this project's (``common.model.llama``).
 
-Families: Mistral 3 (``mistral3``: Mistral Small 3.1 / 3.2, Ministral 3, a Pixtral tower, RMSNorm, the
-patch merger and two linear layers). The other image-text checkpoints served as text (Gemma 3, whose image
-tokens attend to each other both ways; Qwen2.5-VL and Qwen3-VL, whose positions are three-dimensional) are
-refused images by name (``ImageEncoder.for_checkpoint``).
+Families (``common.model.arch.IMAGE_INPUT_TYPES``):
+
+- Mistral 3 (``mistral3``: Mistral Small 3.1 / 3.2, Ministral 3): a Pixtral tower over the image's pixels
+  (``[3, height, width]``), RMSNorm, the patch merger and two linear layers. Its prompt positions are plain.
+- Qwen2.5-VL (``qwen2_5_vl``): its tower (windowed and full attention blocks, the merger) over the image
+  processor's flattened patches (``[grid_h * grid_w, 3 * 2 * 14 * 14]``: a still image is two frames of one).
+  Its language model's M-RoPE gives an image's tokens the positions (t, t + row, t + column) from the position
+  t the image starts at, and the text after it positions from t + its larger side in tokens on, so every
+  token after an image turns by its index plus a (negative) delta (transformers' ``get_rope_index``).
+
+The other image-text checkpoints served as text (Gemma 3, whose image tokens attend to each other both ways;
+Qwen3-VL, whose features also join the language model's first layers) are refused images by name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
 from common.model.arch import IMAGE_INPUT_TYPES, IMAGE_TEXT_TYPES, image_input_refusal
-
-_VISION_WEIGHT = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+from common.protocol import ImageInput
 
 
 class ImageEncoderRefused(ValueError):
     """A checkpoint whose images are not implemented (its text is served)."""
 
 
+def model_type_of(path: Path) -> str | None:
+    return json.loads((path / "config.json").read_text()).get("model_type")  # type: ignore[no-any-return]
+
+
+def load_image_encoder(path: Path, dtype: torch.dtype, device: torch.device) -> ImageEncoder | None:
+    """The encoder of an image-text checkpoint whose images are implemented; None for a text model;
+    ``ImageEncoderRefused`` naming the model type for one whose images are not (its text is served)."""
+    model_type = model_type_of(path)
+    if model_type not in IMAGE_TEXT_TYPES:
+        return None
+    if model_type not in IMAGE_INPUT_TYPES:
+        raise ImageEncoderRefused(image_input_refusal(model_type))
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path))
+    family = {"mistral3": PixtralEncoder, "qwen2_5_vl": QwenVLEncoder}[model_type]
+    return family(config, path, dtype, device)
+
+
 class ImageEncoder:
-    """One checkpoint's vision tower and projector, on the engine's device in its dtype."""
+    """One checkpoint's vision tower and projector, on the engine's device in its dtype. ``step``: the pixels of
+    an image token's side; ``modules``: transformers' modules, named as the checkpoint's tensors are (under an
+    optional ``model.``)."""
 
-    def __init__(self, config: Any, modules: nn.Module) -> None:
-        self.config = config
-        self.modules = modules
-        self.image_token_id = int(config.image_token_id)
-        vision = config.vision_config
-        self.patch_size = int(vision.patch_size)
-        self.merge = int(config.spatial_merge_size)
-        layer = config.vision_feature_layer
-        self.feature_layers: list[int] = [int(layer)] if isinstance(layer, int) else [int(i) for i in layer]
+    image_token_id: int
+    step: int
+    # The checkpoint's tensors this encoder loads: their names' first part (after an optional ``model.``).
+    prefixes: tuple[str, ...] = ()
 
-    @staticmethod
-    def model_type(path: Path) -> str | None:
-        return json.loads((path / "config.json").read_text()).get("model_type")  # type: ignore[no-any-return]
-
-    @classmethod
-    def for_checkpoint(cls, path: Path, dtype: torch.dtype, device: torch.device) -> ImageEncoder | None:
-        """The encoder of an image-text checkpoint whose images are implemented; None for a text model;
-        ``ImageEncoderRefused`` naming the model type for one whose images are not (its text is served)."""
-        model_type = cls.model_type(path)
-        if model_type not in IMAGE_TEXT_TYPES:
-            return None
-        if model_type not in IMAGE_INPUT_TYPES:
-            raise ImageEncoderRefused(image_input_refusal(model_type))
-        from transformers import AutoConfig, AutoModel
+    def __init__(self, config: Any, path: Path, dtype: torch.dtype, device: torch.device) -> None:
         from transformers.initialization import no_init_weights
-        from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
 
-        config = AutoConfig.from_pretrained(str(path))
-        # Built where they run, uninitialized (the checkpoint's weights replace every parameter; the tower's
-        # RoPE tables are computed buffers, which a build on the meta device would leave without data).
+        self.config = config
+        # Built where they run, uninitialized (the checkpoint's weights replace every parameter; the towers' RoPE
+        # tables are computed buffers, which a build on the meta device would leave without data).
         with torch.device(device), no_init_weights():
-            modules = nn.Module()
-            modules.vision_tower = AutoModel.from_config(config.vision_config)
-            modules.multi_modal_projector = Mistral3MultiModalProjector(config)
-        state = _vision_weights(path)
+            modules = self.build(config)
+        state = _weights(path, self.prefixes)
         expected = set(modules.state_dict())
         missing, unexpected = expected - state.keys(), state.keys() - expected
         if missing or unexpected:
@@ -79,50 +89,177 @@ class ImageEncoder:
         modules.load_state_dict(state)
         for param in modules.parameters():  # the buffers (RoPE tables) stay float32, as transformers keeps them
             param.data = param.data.to(dtype)
-        return cls(config, modules.eval())
+        self.modules = modules.eval()
+
+    def build(self, config: Any) -> nn.Module:
+        raise NotImplementedError
 
     def num_features(self, height: int, width: int) -> int:
         """How many image tokens an image of this processed size has (the projector's rows)."""
-        step = self.patch_size * self.merge
-        return (height // step) * (width // step)
+        return (height // self.step) * (width // self.step)
 
-    @property
-    def max_side(self) -> int:
-        """The largest side of an image the tower takes (its position tables' reach), in whole image tokens."""
-        step = self.patch_size * self.merge
-        return int(self.config.vision_config.image_size) // step * step
+    def pixel_count(self, height: int, width: int) -> int:
+        """The float32 values an image of this processed size comes in (``ImageInput.pixel_values``)."""
+        return 3 * height * width
+
+    def largest(self) -> tuple[int, int]:
+        """The largest image the tower takes (the profiling run encodes it)."""
+        raise NotImplementedError
 
     def check_size(self, height: int, width: int) -> None:
-        step = self.patch_size * self.merge
+        """``ValueError`` for a processed size the tower does not take (the model's image processor makes every
+        image one it takes)."""
+        step = self.step
         if height % step or width % step:
             raise ValueError(f"image of {height}x{width} pixels: its sides must be multiples of {step} (the model's "
                              "image processor makes them so)")
-        if max(height, width) > self.max_side:
-            raise ValueError(f"image of {height}x{width} pixels: the vision tower takes sides of at most "
-                             f"{self.max_side}")
+        reason = self.too_large(height, width)
+        if reason:
+            raise ValueError(f"image of {height}x{width} pixels: {reason}")
+
+    def too_large(self, height: int, width: int) -> str | None:
+        raise NotImplementedError
+
+    def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
+        """The features ``[num_features, text hidden]`` of one image from its ``pixel_count`` float32 values, as
+        transformers computes them for it alone (an image attends only to itself in these towers, so one at a
+        time is the same image)."""
+        raise NotImplementedError
+
+    def rope_positions(self, num_prompt: int, images: list[ImageInput]) -> tuple[np.ndarray, int] | None:
+        """A prompt's rotary positions ``[3, num_prompt]`` and the shift of every position after it, where the
+        language model's are three-dimensional; None where they are the token's index."""
+        return None
+
+
+class PixtralEncoder(ImageEncoder):
+    """Mistral 3's: a Pixtral tower, the projector's norm, patch merger and two linear layers."""
+
+    prefixes = ("vision_tower", "multi_modal_projector")
+
+    def __init__(self, config: Any, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+        self.image_token_id = int(config.image_token_id)
+        self.patch_size = int(config.vision_config.patch_size)
+        self.step = self.patch_size * int(config.spatial_merge_size)
+        layer = config.vision_feature_layer
+        self.feature_layers: list[int] = [int(layer)] if isinstance(layer, int) else [int(i) for i in layer]
+        super().__init__(config, path, dtype, device)
+
+    def build(self, config: Any) -> nn.Module:
+        from transformers import AutoModel
+        from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
+
+        modules = nn.Module()
+        modules.vision_tower = AutoModel.from_config(config.vision_config)
+        modules.multi_modal_projector = Mistral3MultiModalProjector(config)
+        return modules
+
+    def largest(self) -> tuple[int, int]:
+        """Square, of the tower's position tables' reach (``image_size``), in whole image tokens."""
+        side = int(self.config.vision_config.image_size) // self.step * self.step
+        return side, side
+
+    def too_large(self, height: int, width: int) -> str | None:
+        side = self.largest()[0]
+        return f"the vision tower takes sides of at most {side}" if max(height, width) > side else None
 
     @torch.inference_mode()
     def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
-        """The features ``[num_features, text hidden]`` of one image, ``pixels`` ``[3, height, width]``, as
-        transformers' ``get_image_features`` computes them for it alone (its images attend only to
-        themselves in the tower, so one at a time is the same image)."""
         tower: nn.Module = self.modules.get_submodule("vision_tower")
         projector: nn.Module = self.modules.get_submodule("multi_modal_projector")
         sizes = torch.tensor([[height, width]], device=pixels.device)
-        out = tower(pixels[None], image_sizes=sizes, output_hidden_states=True, return_dict=True)
+        out = tower(pixels.view(1, 3, height, width), image_sizes=sizes, output_hidden_states=True, return_dict=True)
         hidden = torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1)
         features: Tensor = projector(hidden.squeeze(0), sizes)
         return features
 
 
-def _vision_weights(path: Path) -> dict[str, Tensor]:
-    """The checkpoint's vision tower and projector tensors, named as the modules name them."""
+class QwenVLEncoder(ImageEncoder):
+    """Qwen2.5-VL's: its vision transformer and merger (``visual``), over the processor's patches; M-RoPE."""
+
+    prefixes = ("visual",)
+
+    def __init__(self, config: Any, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+        vision = config.vision_config
+        self.image_token_id = int(config.image_token_id)
+        self.patch_size = int(vision.patch_size)
+        self.merge = int(vision.spatial_merge_size)
+        self.temporal_patch_size = int(vision.temporal_patch_size)
+        self.step = self.patch_size * self.merge
+        # The image processor's bound on an image's pixels (``max_pixels``), where its file says it.
+        self.max_pixels = _max_pixels(path)
+        super().__init__(config, path, dtype, device)
+
+    def build(self, config: Any) -> nn.Module:
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+        )
+
+        modules = nn.Module()
+        modules.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
+        return modules
+
+    def pixel_count(self, height: int, width: int) -> int:
+        return (height // self.patch_size) * (width // self.patch_size) * 3 * self.temporal_patch_size * self.patch_size ** 2
+
+    def largest(self) -> tuple[int, int]:
+        """A square of the image processor's ``max_pixels``, in whole image tokens."""
+        side = math.isqrt(self.max_pixels) // self.step * self.step
+        return side, side
+
+    def too_large(self, height: int, width: int) -> str | None:
+        if height * width > self.max_pixels:
+            return f"the image processor's max_pixels is {self.max_pixels}"
+        return None
+
+    @torch.inference_mode()
+    def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
+        grid = torch.tensor([[1, height // self.patch_size, width // self.patch_size]], device=pixels.device)
+        patches = pixels.view(-1, 3 * self.temporal_patch_size * self.patch_size ** 2)
+        visual: nn.Module = self.modules.get_submodule("visual")
+        dtype = next(visual.parameters()).dtype
+        features: Tensor = visual(patches.to(dtype), grid_thw=grid).pooler_output
+        return features
+
+    def rope_positions(self, num_prompt: int, images: list[ImageInput]) -> tuple[np.ndarray, int]:
+        """transformers' ``get_rope_index`` for one prompt of still images: text positions count on; an image's
+        tokens, row by row, are (t, t + row, t + column) from the position t it starts at, and the count goes on
+        from t + its larger side in tokens."""
+        positions = np.empty((3, num_prompt), dtype=np.int64)
+        index = position = 0
+        for image in images:
+            text = image.offset - index
+            positions[:, index:image.offset] = np.arange(position, position + text)
+            position += text
+            rows, cols = image.height // self.step, image.width // self.step
+            grid_rows, grid_cols = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+            span = slice(image.offset, image.offset + image.length)
+            positions[0, span] = position
+            positions[1, span] = position + grid_rows.reshape(-1)
+            positions[2, span] = position + grid_cols.reshape(-1)
+            position += max(rows, cols)
+            index = image.offset + image.length
+        positions[:, index:] = np.arange(position, position + num_prompt - index)
+        return positions, int(positions.max()) + 1 - num_prompt
+
+
+def _max_pixels(path: Path) -> int:
+    """Qwen2-VL's image processor's ``max_pixels`` (``size.longest_edge`` in transformers 5), or its default."""
+    file = path / "preprocessor_config.json"
+    spec = json.loads(file.read_text()) if file.is_file() else {}
+    value = spec.get("max_pixels") or (spec.get("size") or {}).get("longest_edge") or 12_845_056
+    return int(value)
+
+
+def _weights(path: Path, prefixes: tuple[str, ...]) -> dict[str, Tensor]:
+    """The checkpoint's tensors under ``prefixes`` (after an optional ``model.``), named as the modules name them."""
+    pattern = re.compile(rf"^(model\.)?({'|'.join(prefixes)})\.")
     state: dict[str, Tensor] = {}
     with contextlib.ExitStack() as stack:
         for file in sorted(path.glob("*.safetensors")):
             f = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                match = _VISION_WEIGHT.match(name)
+                match = pattern.match(name)
                 if match is not None:
                     state[name[len(match[1] or ""):]] = f.get_tensor(name)
     return state

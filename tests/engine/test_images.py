@@ -5,6 +5,7 @@ image inputs are refused by name."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +20,32 @@ from common.sampling_params import SamplingParams
 from tests.engine.test_disaggregated_lifecycle import _drain, hand_over
 from tests.engine.tiny_models import (
     IMAGE_TOKENS,
+    QWEN_VL_TOKENS,
     expand_image_tokens,
+    expand_qwen_vl_tokens,
     hf_model,
     image_pixels,
     image_text_checkpoint,
     prompt_token_ids,
+    qwen_vl_checkpoint,
+    qwen_vl_pixels,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 IMG = IMAGE_TOKENS["[IMG]"]
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return image_text_checkpoint(tmp_path_factory.mktemp("image-text"))
+FAMILIES = ("mistral3", "qwen2_5_vl")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    build = image_text_checkpoint if request.param == "mistral3" else qwen_vl_checkpoint
+    return build(tmp_path_factory.mktemp(request.param))
+
+
+def _qwen(folder: Path) -> bool:
+    return json.loads((folder / "config.json").read_text())["model_type"] == "qwen2_5_vl"
 
 
 def _image(seed: int, height: int, width: int):  # type: ignore[no-untyped-def]
@@ -43,31 +56,54 @@ def _image(seed: int, height: int, width: int):  # type: ignore[no-untyped-def]
 
 def _request(folder: Path, seeds: tuple[int, ...], sizes: tuple[tuple[int, int], ...], text_seed: int = 1
              ) -> tuple[list[int], list[ImageInput], list[torch.Tensor]]:
-    """A prompt of text, an ``[IMG]`` per image and text between and after, expanded as the processor expands
-    it; its images as the router sends them, and their pixels."""
+    """A prompt of text, an image's placeholder per image (Pixtral's ``[IMG]``, Qwen's ``<|vision_start|>
+    <|image_pad|><|vision_end|>``) and text between and after, expanded as the model's processor expands it; its
+    images as the router sends them (Pixtral's pixels, Qwen's patches), and those."""
+    qwen = _qwen(folder)
+    special = min((QWEN_VL_TOKENS if qwen else IMAGE_TOKENS).values())
     words = prompt_token_ids(9 * (len(seeds) + 1), seed=text_seed)
-    words = [w if w < IMAGE_TOKENS["[IMG_END]"] else 3 for w in words]  # no image token among the words
+    words = [w if w < special else 3 for w in words]  # no image token among the words
+    placeholder = ([QWEN_VL_TOKENS["<|vision_start|>"], QWEN_VL_TOKENS["<|image_pad|>"], QWEN_VL_TOKENS["<|vision_end|>"]]
+                   if qwen else [IMG])
     prompt = words[:9]
     for k in range(len(seeds)):
-        prompt += [IMG, *words[9 * (k + 1):9 * (k + 2)]]
-    pixels = [image_pixels(folder, _image(seed, *size)) for seed, size in zip(seeds, sizes, strict=True)]
-    ids, spans = expand_image_tokens(prompt, [(h, w) for _, h, w in pixels])
-    images = [ImageInput(offset=o, length=n, height=h, width=w, digest=image_digest(p.numpy().tobytes(), h, w),
+        prompt += [*placeholder, *words[9 * (k + 1):9 * (k + 2)]]
+    images = [_image(seed, *size) for seed, size in zip(seeds, sizes, strict=True)]
+    if qwen:
+        processed = [qwen_vl_pixels(folder, image) for image in images]
+        ids, spans = expand_qwen_vl_tokens(prompt, [grid for _, grid in processed])
+        pixels = [(p, 14 * h, 14 * w) for p, (_, h, w) in processed]
+    else:
+        pixels = [image_pixels(folder, image) for image in images]
+        ids, spans = expand_image_tokens(prompt, [(h, w) for _, h, w in pixels])
+    inputs = [ImageInput(offset=o, length=n, height=h, width=w, digest=image_digest(p.numpy().tobytes(), h, w),
                          pixel_values=p.numpy().tobytes()) for (o, n), (p, h, w) in zip(spans, pixels, strict=True)]
-    return ids, images, [p for p, _, _ in pixels]
+    return ids, inputs, [p for p, _, _ in pixels]
 
 
-def _hf_greedy(folder: Path, ids: list[int], images: list[ImageInput], pixels: list[torch.Tensor]) -> list[int]:
-    """transformers' ``generate`` with the images padded into one batch, as its processor hands them over."""
-    height, width = max(i.height for i in images), max(i.width for i in images)
-    batch = torch.zeros(len(images), 3, height, width)
-    for k, p in enumerate(pixels):
-        batch[k, :, :p.shape[1], :p.shape[2]] = p
-    sizes = torch.tensor([[i.height, i.width] for i in images])
+def _hf_greedy(folder: Path, ids: list[int], images: list[ImageInput], pixels: list[torch.Tensor],
+               mrope: bool = True) -> list[int]:
+    """transformers' ``generate`` with the images as its processor hands them over: Pixtral's padded into one
+    batch with their sizes, Qwen's patches one after another with their grids (``mrope`` False: without the
+    marks of the image tokens, so every position is the token's index)."""
+    if _qwen(folder):
+        # The processor marks the image tokens (``mm_token_type_ids``); without them transformers' M-RoPE
+        # would take every position as the token's index.
+        kwargs = {"pixel_values": torch.cat(pixels),
+                  "image_grid_thw": torch.tensor([[1, i.height // 14, i.width // 14] for i in images]),
+                  "mm_token_type_ids": torch.tensor([[int(t == QWEN_VL_TOKENS["<|image_pad|>"]) for t in ids]])}
+        if not mrope:
+            del kwargs["mm_token_type_ids"]
+    else:
+        height, width = max(i.height for i in images), max(i.width for i in images)
+        batch = torch.zeros(len(images), 3, height, width)
+        for k, p in enumerate(pixels):
+            batch[k, :, :p.shape[1], :p.shape[2]] = p
+        kwargs = {"pixel_values": batch, "image_sizes": torch.tensor([[i.height, i.width] for i in images])}
     model = hf_model(folder)
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), pixel_values=batch, image_sizes=sizes, max_new_tokens=GREEDY.max_tokens,
-                             do_sample=False, pad_token_id=0, eos_token_id=None)
+        out = model.generate(torch.tensor([ids]), **kwargs, max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
     return [int(t) for t in out[0, len(ids):]]
 
 
@@ -87,6 +123,8 @@ def test_images_equal_transformers_through_chunks_cache_and_preemption(folder: P
     expected = _hf_greedy(folder, ids, images, pixels)
     other_expected = _hf_greedy(folder, other_ids, other_images, other_pixels)
     assert expected != other_expected  # the images decide the output
+    if _qwen(folder):  # and so do the three positions M-RoPE gives them
+        assert _hf_greedy(folder, ids, images, pixels, mrope=False) != expected
     engine = _engine(engine_factory, folder)
     engine.add_request("a", ids, GREEDY, images=images)
     engine.add_request("b", other_ids, GREEDY, images=other_images)
@@ -126,6 +164,7 @@ def test_a_prefill_hands_an_image_prompt_to_a_decode(folder: Path, engine_factor
     assert [out.new_token_ids[0], *_drain(decode)["r"]] == expected
 
 
+@pytest.mark.parametrize("folder", ["mistral3"], indirect=True)
 def test_bad_image_inputs_are_refused_by_name(folder: Path, engine_factory: Any, tmp_path: Path) -> None:
     import msgspec
 
@@ -162,7 +201,9 @@ def test_the_profiling_run_encodes_the_largest_image(folder: Path, engine_factor
     """A GPU's KV cache is sized after the largest step: with the largest image's encoding in it."""
     engine = _engine(engine_factory, folder)
     encoder = engine.runner.image_encoder
-    assert encoder is not None and encoder.max_side == 112
+    # Pixtral's tower's reach (image_size 112); a square within Qwen's image processor's max_pixels (28 * 28 * 64).
+    side = 224 if _qwen(folder) else 112
+    assert encoder is not None and encoder.largest() == (side, side)
     calls = []
     encode = encoder.encode
 
@@ -172,4 +213,5 @@ def test_the_profiling_run_encodes_the_largest_image(folder: Path, engine_factor
 
     monkeypatch.setattr(encoder, "encode", spy)
     engine.runner.profile_activations()
-    assert calls == [((3, 112, 112), 112, 112)]
+    assert calls == [((encoder.pixel_count(side, side),), side, side)]
+    assert encoder.pixel_count(side, side) == (16 * 16 * 1176 if _qwen(folder) else 3 * 112 * 112)

@@ -783,11 +783,9 @@ IMAGE_CHAT_TEMPLATE = (
 def image_text_checkpoint(folder: Path, seed: int = 0) -> Path:
     """The Mistral 3 checkpoint above with its tokenizer, image processor (transformers' Pixtral processor's
     files: ``preprocessor_config.json``, ``processor_config.json``) and chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig, PreTrainedTokenizerFast
+    from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
-    vocab_size = TINY_DIMS["vocab_size"]
     config = Mistral3Config(
         text_config=MistralConfig(**TINY_DIMS, sliding_window=None).to_dict(),
         vision_config=PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -795,16 +793,7 @@ def image_text_checkpoint(folder: Path, seed: int = 0) -> Path:
         spatial_merge_size=2, image_token_index=IMAGE_TOKENS["[IMG]"], tie_word_embeddings=False,
     )
     build_checkpoint(config, folder, seed)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size - 3)}, **IMAGE_TOKENS}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>",
-        additional_special_tokens=list(IMAGE_TOKENS),
-    )
-    tokenizer.chat_template = IMAGE_CHAT_TEMPLATE
-    tokenizer.save_pretrained(str(folder))
+    _word_tokenizer(folder, IMAGE_TOKENS, IMAGE_CHAT_TEMPLATE)
     PixtralImageProcessorPil(patch_size=16, size={"longest_edge": 112}).save_pretrained(str(folder))
     (folder / "processor_config.json").write_text(json.dumps({
         "processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": 2, "image_token": "[IMG]",
@@ -839,4 +828,84 @@ def expand_image_tokens(prompt: list[int], sizes: list[tuple[int, int]]) -> tupl
         expanded[-1] = IMAGE_TOKENS["[IMG_END]"]
         spans.append((len(out), len(expanded)))
         out.extend(expanded)
+    return out, spans
+
+
+# A Qwen2.5-VL checkpoint whose images are served: Qwen2's layer under M-RoPE (sections [2, 3, 3] of each head's 8
+# frequencies), a vision tower of two blocks (one windowed, one full) over patches of 14 pixels merged 2 x 2, so an
+# image token stands for 28 x 28 pixels; images resized to between 4 and 64 tokens. Its tokenizer is
+# ``build_tokenizer``'s with Qwen's three vision tokens at the vocabulary's end and a template that writes
+# ``<|vision_start|><|image_pad|><|vision_end|>`` for an image part, as Qwen2.5-VL's own.
+QWEN_VL_TOKENS = {"<|vision_start|>": TINY_DIMS["vocab_size"] - 3, "<|vision_end|>": TINY_DIMS["vocab_size"] - 2,
+                  "<|image_pad|>": TINY_DIMS["vocab_size"] - 1}
+QWEN_VL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] in ('image', 'image_url') %} <|vision_start|><|image_pad|><|vision_end|> {% endif %}"
+    "{% endfor %}{% endif %} {% endfor %}{% if add_generation_prompt %}w7{% endif %}"
+)
+
+
+def _word_tokenizer(folder: Path, special: dict[str, int], chat_template: str) -> None:
+    """``build_tokenizer``'s word-level tokenizer with ``special`` tokens at the vocabulary's end, and a template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab_size = TINY_DIMS["vocab_size"]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size - len(special))}, **special}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>",
+        additional_special_tokens=list(special),
+    )
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(str(folder))
+
+
+def qwen_vl_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """The Qwen2.5-VL checkpoint above with its tokenizer, chat template and image processor's file
+    (``preprocessor_config.json``: transformers' Qwen2-VL image processor)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLTextConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    config = Qwen2_5_VLConfig(
+        text_config=Qwen2_5_VLTextConfig(**TINY_DIMS, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}).to_dict(),
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "window_size": 56,
+                       "out_hidden_size": TINY_DIMS["hidden_size"], "fullatt_block_indexes": [1]},
+        image_token_id=QWEN_VL_TOKENS["<|image_pad|>"], vision_start_token_id=QWEN_VL_TOKENS["<|vision_start|>"],
+        vision_end_token_id=QWEN_VL_TOKENS["<|vision_end|>"], tie_word_embeddings=False,
+    )
+    build_checkpoint(config, folder, seed)
+    _word_tokenizer(folder, QWEN_VL_TOKENS, QWEN_VL_CHAT_TEMPLATE)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64).save_pretrained(str(folder))
+    return folder
+
+
+def qwen_vl_pixels(folder: Path, image: Any) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """transformers' processing of one PIL image for the checkpoint: its patches ``[t * h * w, 3 * 2 * 14 * 14]``
+    (float32) and their grid (t, h, w)."""
+    from transformers import AutoImageProcessor
+
+    out = AutoImageProcessor.from_pretrained(str(folder), backend="pil")(images=[image], return_tensors="pt")
+    t, h, w = (int(v) for v in out["image_grid_thw"][0])
+    return out["pixel_values"].float(), (t, h, w)
+
+
+def expand_qwen_vl_tokens(prompt: list[int], grids: list[tuple[int, int, int]]) -> tuple[list[int], list[tuple[int, int]]]:
+    """transformers' Qwen2.5-VL processor's expansion of each ``<|image_pad|>`` in ``prompt`` (one per image, in
+    order) into t * h * w / 4 of them; the ids and each image's (offset, length)."""
+    out: list[int] = []
+    spans = []
+    images = iter(grids)
+    pad = QWEN_VL_TOKENS["<|image_pad|>"]
+    for token in prompt:
+        if token != pad:
+            out.append(token)
+            continue
+        t, h, w = next(images)
+        spans.append((len(out), t * h * w // 4))
+        out.extend([pad] * (t * h * w // 4))
     return out, spans

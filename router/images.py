@@ -3,10 +3,19 @@
 A user message's ``image_url`` parts (``{"type": "image_url", "image_url": {"url": ...}}``, or the URL as a
 plain string) reach the engines as processed pixels: the router decodes each image, runs the model folder's
 own image processor over it (transformers' ``AutoImageProcessor``, its PIL backend), and replaces the one image
-token the chat template wrote for it with the span of tokens the model's processor expands it to (Pixtral's:
-a row of image tokens per ``patch_size * spatial_merge_size`` pixels of height, each row ended by the break
-token, the last by the end token). Each image travels as a ``common.protocol.ImageInput``: its span, its
-pixels and their digest, under which the blocks its span touches are hashed.
+token the chat template wrote for it with the span of tokens the model's processor expands it to. Each family
+(``IMAGE_FAMILIES``) is a strategy of its own (``ImageFamily``): how it loads from the folder, the pixels it
+sends and the span of an image:
+
+- Mistral 3 (``PixtralImages``): float32 ``[3, height, width]`` pixels; a row of image tokens per
+  ``patch_size * spatial_merge_size`` pixels of height, each row ended by the break token, the last by the end
+  token.
+- Qwen2.5-VL (``QwenVLImages``): the processor's patches as it makes them, float32
+  ``[grid_h * grid_w, 3 * temporal_patch_size * patch_size ** 2]``, with the resized image's height and width;
+  one ``<|image_pad|>`` per ``merge_size`` x ``merge_size`` patches.
+
+Each image travels as a ``common.protocol.ImageInput``: its span, its pixels and their digest, under which the
+blocks its span touches are hashed.
 
 Only ``data:image/...;base64,`` URLs are taken: the router fetches nothing on a request's behalf (an
 ``http(s)://`` URL would have it reach whatever host a client names, from inside the deployment). Images
@@ -30,6 +39,7 @@ import json
 import logging
 import os
 import pathlib
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -65,7 +75,8 @@ class ImageRef(NamedTuple):
 
 
 class ProcessedImage(NamedTuple):
-    """One image as the model's processor made it: float32 ``[3, height, width]`` pixels, row-major."""
+    """One image as the model's processor made it: its float32 pixels, row-major, in its family's layout
+    (``ImageFamily``), and the processed image's height and width in pixels."""
 
     pixel_values: bytes
     height: int
@@ -154,31 +165,82 @@ def _rgb(image: Any) -> Any:
     return image.convert("RGB")
 
 
-class ImageProcessor:
-    """The served model's image processing: its folder's image processor and Pixtral's processor config
-    (``processor_config.json``: the patch size, the merge of patches, the three tokens of an image's span).
+def _one_token(model_dir: pathlib.Path, tokenizer: Any, token: Any, what: str) -> int:
+    """The id of ``token`` where the tokenizer holds it as one token; else ``ValueError`` naming ``what``."""
+    token_id = tokenizer.convert_tokens_to_ids(token) if isinstance(token, str) else None
+    if not isinstance(token_id, int) or tokenizer.convert_ids_to_tokens(token_id) != token:
+        raise ValueError(f"{model_dir}: the processor's {what} {token!r} is not one token of the tokenizer")
+    return token_id
 
-    One image token stands for ``step`` x ``step`` pixels (``patch_size * spatial_merge_size``), the size the
-    image processor pads each image to a multiple of."""
 
-    def __init__(self, processor: Any, step: int, image_token_id: int, break_token_id: int, end_token_id: int,
-                 num_threads: int = IMAGE_THREADS) -> None:
-        self.processor = processor
-        self.step = step
-        self.image_token_id = image_token_id
-        self.break_token_id = break_token_id
-        self.end_token_id = end_token_id
-        # Threads of their own: an image's seconds never queue the tokenizer's work or the default executor's.
-        self._pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="images")
+def _check_model_image_token(model_dir: pathlib.Path, config: dict[str, Any], token_id: int) -> None:
+    """``ValueError`` where the model's config names another image token than the processor's."""
+    for key in ("image_token_index", "image_token_id"):
+        model_token = config.get(key)
+        if model_token is not None:
+            if model_token != token_id:
+                raise ValueError(f"{model_dir}: the processor's image token is id {token_id}, the model's {key} "
+                                 f"{model_token!r}")
+            return
+
+
+class ImageFamily(ABC):
+    """One family's image processing (``ImageProcessor``'s strategy), loaded from the model folder: one RGB image
+    into the pixels its engines' vision tower reads (``process``), and the tokens the image takes in the prompt
+    (``span``) in place of the one ``placeholder_id`` the chat template writes for it.
+
+    One image token stands for ``step`` x ``step`` processed pixels: an image's processed sides are multiples of it."""
+
+    placeholder_id: int
+    step: int
 
     @classmethod
-    def from_model_dir(cls, model_dir: pathlib.Path, tokenizer: Any) -> ImageProcessor:
-        """The processing of a Mistral 3 folder (``preprocessor_config.json``, ``processor_config.json``; the
-        patch size and merge fall back to ``config.json``'s); ``ValueError`` naming what does not fit: a token
-        the tokenizer does not hold as one, an image token other than the model's."""
+    @abstractmethod
+    def load(cls, model_dir: pathlib.Path, config: dict[str, Any], tokenizer: Any) -> ImageFamily:
+        """The family's processing of the folder (its ``config.json`` read as ``config``); ``ValueError`` naming
+        what does not fit the tokenizer or the model."""
+
+    @abstractmethod
+    def run(self, image: Any) -> ProcessedImage:
+        """One RGB image through the folder's image processor; any exception for one it cannot take."""
+
+    @abstractmethod
+    def span(self, height: int, width: int) -> list[int]:
+        """The tokens an image of ``height`` x ``width`` processed pixels takes in the prompt."""
+
+    def process(self, image: Any, param: str) -> ProcessedImage:
+        """``run``, or a 400 naming ``param`` for an image the processor cannot take (a sliver a pixel wide, an
+        aspect ratio past its bound) or that comes out smaller than one image token."""
+        try:
+            processed = self.run(image)
+        except Exception as exc:  # an image the processor cannot size
+            raise bad_request(f"the image could not be processed: {exc}", param=param) from None
+        if processed.height < self.step or processed.width < self.step:
+            raise bad_request(f"the image is processed to {processed.height} x {processed.width} pixels, less than "
+                              f"one image token ({self.step} x {self.step})", param=param)
+        return processed
+
+
+class PixtralImages(ImageFamily):
+    """Mistral 3's (Pixtral's processor; ``processor_config.json``: the patch size, the merge of patches, the three
+    tokens of an image's span). The pixels are float32 ``[3, height, width]``; the span a row of image tokens per
+    ``step`` pixels of height, each row ended by the break token, the last by the end token."""
+
+    def __init__(self, processor: Any, step: int, image_token_id: int, break_token_id: int,
+                 end_token_id: int) -> None:
+        self.processor = processor
+        self.step = step
+        self.placeholder_id = image_token_id
+        self.break_token_id = break_token_id
+        self.end_token_id = end_token_id
+
+    @classmethod
+    def load(cls, model_dir: pathlib.Path, config: dict[str, Any], tokenizer: Any) -> PixtralImages:
+        """``preprocessor_config.json`` and ``processor_config.json`` (the patch size and merge fall back to
+        ``config.json``'s); ``ValueError`` for a token the tokenizer does not hold as one, or an image token
+        other than the model's."""
         from transformers import AutoImageProcessor
 
-        config = json.loads((model_dir / "config.json").read_text())
         file = model_dir / "processor_config.json"
         spec: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
         patch_size = spec.get("patch_size", (config.get("vision_config") or {}).get("patch_size"))
@@ -188,52 +250,131 @@ class ImageProcessor:
         if not isinstance(patch_size, int) or not isinstance(merge, int) or patch_size < 1 or merge < 1:
             raise ValueError(f"{model_dir}: the processor's patch_size ({patch_size!r}) and spatial_merge_size "
                              f"({merge!r}) must be positive integers")
-        ids = []
-        for key, default in (("image_token", "[IMG]"), ("image_break_token", "[IMG_BREAK]"),
-                             ("image_end_token", "[IMG_END]")):
-            token = spec.get(key, default)
-            token_id = tokenizer.convert_tokens_to_ids(token) if isinstance(token, str) else None
-            if not isinstance(token_id, int) or tokenizer.convert_ids_to_tokens(token_id) != token:
-                raise ValueError(f"{model_dir}: the processor's {key} {token!r} is not one token of the tokenizer")
-            ids.append(token_id)
-        model_token = config.get("image_token_index", config.get("image_token_id"))
-        if model_token is not None and model_token != ids[0]:
-            raise ValueError(f"{model_dir}: the processor's image token is id {ids[0]}, the model's "
-                             f"image_token_index {model_token}")
+        ids = [_one_token(model_dir, tokenizer, spec.get(key, default), key)
+               for key, default in (("image_token", "[IMG]"), ("image_break_token", "[IMG_BREAK]"),
+                                    ("image_end_token", "[IMG_END]"))]
+        _check_model_image_token(model_dir, config, ids[0])
         # The PIL backend whatever else is installed: the same pixels on every host, in numpy (no torch).
         processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
         return cls(processor, patch_size * merge, *ids)
 
-    def process(self, image: Any, param: str) -> ProcessedImage:
-        """One RGB image through the model's image processor (resized, rescaled, normalized, its sides
-        multiples of ``step``); a 400 naming ``param`` if it cannot be."""
+    def run(self, image: Any) -> ProcessedImage:
+        """Resized, rescaled, normalized, its sides padded to multiples of ``step`` (the padding cut off)."""
         step = {"height": self.step, "width": self.step}
-        try:
-            out = self.processor(images=[image], patch_size=step, return_tensors="np")
-            height, width = (int(v) for v in out["image_sizes"][0])
-            pixels = np.ascontiguousarray(out["pixel_values"][0, :, :height, :width], dtype=np.float32)
-        except Exception as exc:  # an image the processor cannot size (a sliver a pixel wide, say)
-            raise bad_request(f"the image could not be processed: {exc}", param=param) from None
-        if height < self.step or width < self.step:
-            raise bad_request(f"the image is processed to {height} x {width} pixels, less than one image token "
-                              f"({self.step} x {self.step})", param=param)
+        out = self.processor(images=[image], patch_size=step, return_tensors="np")
+        height, width = (int(v) for v in out["image_sizes"][0])
+        pixels = np.ascontiguousarray(out["pixel_values"][0, :, :height, :width], dtype=np.float32)
         return ProcessedImage(pixels.tobytes(), height, width)
 
     def span(self, height: int, width: int) -> list[int]:
-        """The tokens an image of ``height`` x ``width`` processed pixels takes in the prompt (Pixtral's)."""
         rows, cols = height // self.step, width // self.step
-        tokens = ([self.image_token_id] * cols + [self.break_token_id]) * rows
+        tokens = ([self.placeholder_id] * cols + [self.break_token_id]) * rows
         tokens[-1] = self.end_token_id
         return tokens
 
+
+class QwenVLImages(ImageFamily):
+    """Qwen2.5-VL's (transformers' Qwen2-VL image processor; ``preprocessor_config.json``: ``patch_size``,
+    ``merge_size``, ``temporal_patch_size``, the bounds on an image's pixels). The pixels are the processor's
+    patches as it makes them, float32 ``[grid_h * grid_w, 3 * temporal_patch_size * patch_size ** 2]`` (a still
+    image is ``temporal_patch_size`` frames of one), with ``height`` and ``width`` the resized image's
+    (``grid_h * patch_size``, ``grid_w * patch_size``); the span one ``<|image_pad|>`` per ``merge_size ** 2``
+    patches, between the ``<|vision_start|>`` and ``<|vision_end|>`` the template writes around it."""
+
+    IMAGE_TOKEN = "<|image_pad|>"
+
+    def __init__(self, processor: Any, image_token_id: int, patch_size: int, merge_size: int,
+                 temporal_patch_size: int) -> None:
+        self.processor = processor
+        self.placeholder_id = image_token_id
+        self.patch_size = patch_size
+        self.step = patch_size * merge_size
+        self.patch_width = 3 * temporal_patch_size * patch_size ** 2
+
+    @classmethod
+    def load(cls, model_dir: pathlib.Path, config: dict[str, Any], tokenizer: Any) -> QwenVLImages:
+        """``preprocessor_config.json``; ``ValueError`` where the tokenizer does not hold ``<|image_pad|>`` as one
+        token, where it is not the model's ``image_token_id``, or where the processor's patch sizes are not the
+        vision tower's (``vision_config``)."""
+        from transformers import AutoImageProcessor
+
+        image_token_id = _one_token(model_dir, tokenizer, cls.IMAGE_TOKEN, "image token")
+        _check_model_image_token(model_dir, config, image_token_id)
+        # The PIL backend whatever else is installed: the same pixels on every host, in numpy (no torch).
+        processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+        vision = config.get("vision_config") or {}
+        sizes = []
+        for name, model_name in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
+                                 ("temporal_patch_size", "temporal_patch_size")):
+            value = getattr(processor, name, None)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{model_dir}: the image processor's {name} ({value!r}) must be a positive integer")
+            if model_name in vision and vision[model_name] != value:
+                raise ValueError(f"{model_dir}: the image processor's {name} is {value}, the vision tower's "
+                                 f"{model_name} {vision[model_name]!r}")
+            sizes.append(value)
+        return cls(processor, image_token_id, *sizes)
+
+    def run(self, image: Any) -> ProcessedImage:
+        """Resized to sides that are multiples of ``step`` (within the processor's bounds on pixels), rescaled,
+        normalized, cut into patches."""
+        out = self.processor(images=[image], return_tensors="np")
+        [(frames, rows, cols)] = (tuple(int(v) for v in grid) for grid in out["image_grid_thw"])
+        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+        if frames != 1 or pixels.shape != (rows * cols, self.patch_width):
+            raise ValueError(f"the processor made patches {pixels.shape} of grid {(frames, rows, cols)}, not one "
+                             f"frame's [{rows * cols}, {self.patch_width}]")
+        return ProcessedImage(pixels.tobytes(), rows * self.patch_size, cols * self.patch_size)
+
+    def span(self, height: int, width: int) -> list[int]:
+        return [self.placeholder_id] * ((height // self.step) * (width // self.step))
+
+
+# The families whose images the router processes, by model type (each of ``common.model.arch.IMAGE_INPUT_TYPES``).
+IMAGE_FAMILIES: dict[str, type[ImageFamily]] = {"mistral3": PixtralImages, "qwen2_5_vl": QwenVLImages}
+
+
+class ImageProcessor:
+    """The served model's image processing: its family's (``family``), run in threads of its own, and what
+    every family shares: the placeholders the template wrote checked, each replaced by its image's span."""
+
+    def __init__(self, family: ImageFamily, num_threads: int = IMAGE_THREADS) -> None:
+        self.family = family
+        # Threads of their own: an image's seconds never queue the tokenizer's work or the default executor's.
+        self._pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="images")
+
+    @classmethod
+    def from_model_dir(cls, model_dir: pathlib.Path, tokenizer: Any) -> ImageProcessor:
+        """The processing of the folder's model type (``IMAGE_FAMILIES``); ``ValueError`` naming what does not fit."""
+        config = json.loads((model_dir / "config.json").read_text())
+        model_type = config.get("model_type")
+        family = IMAGE_FAMILIES.get(model_type) if isinstance(model_type, str) else None
+        if family is None:
+            raise ValueError(f"{model_dir}: the router processes no images of model type {model_type!r} "
+                             f"(it does for {', '.join(IMAGE_FAMILIES)})")
+        return cls(family.load(model_dir, config, tokenizer))
+
+    @property
+    def placeholder_id(self) -> int:
+        """The token the chat template writes once per image."""
+        return self.family.placeholder_id
+
+    def process(self, image: Any, param: str) -> ProcessedImage:
+        """One RGB image through the model's image processor; a 400 naming ``param`` if it cannot be."""
+        return self.family.process(image, param)
+
+    def span(self, height: int, width: int) -> list[int]:
+        """The tokens an image of ``height`` x ``width`` processed pixels takes in the prompt."""
+        return self.family.span(height, width)
+
     def expand(self, token_ids: list[int], images: Sequence[ProcessedImage]) -> tuple[list[int], list[ImageInput]]:
-        """``token_ids`` with each image token (one per image, in order: ``check_placeholders``) replaced by
+        """``token_ids`` with each placeholder (one per image, in order: ``check_placeholders``) replaced by
         its image's span; the ``ImageInput`` of each."""
         out: list[int] = []
         inputs: list[ImageInput] = []
         start = 0
         for image in images:
-            at = token_ids.index(self.image_token_id, start)
+            at = token_ids.index(self.placeholder_id, start)
             out.extend(token_ids[start:at])
             span = self.span(image.height, image.width)
             inputs.append(ImageInput(
@@ -249,7 +390,7 @@ class ImageProcessor:
         """A 400 unless the rendered prompt holds exactly one image token per image. A message's text that
         holds the image token's string is tokenized to it too: counting them all keeps such a text from
         moving an image's span (the engines would refuse the request, or worse, place features elsewhere)."""
-        count = token_ids.count(self.image_token_id)
+        count = token_ids.count(self.placeholder_id)
         if count != len(images):
             raise bad_request(
                 f"the chat template placed {count} image token(s) for {len(images)} image(s): each image part is "
@@ -296,9 +437,10 @@ class ModelImages:
         except (OSError, ValueError):
             return cls()
         model_type = config.get("model_type") if isinstance(config, dict) else None
-        # Every image-text checkpoint wraps its language model's config (``text_config``): a text model's
-        # folder is told apart here without importing the model code (and torch) into the router.
-        if not isinstance(model_type, str) or "text_config" not in config:
+        # Every image-text checkpoint has a vision config beside its language model's (``text_config``, or, in
+        # Qwen2.5-VL's own folders, the language model's fields at the top): a text model's folder is told apart
+        # here without importing the model code (and torch) into the router.
+        if not isinstance(model_type, str) or ("text_config" not in config and "vision_config" not in config):
             return cls()
         from common.model.arch import IMAGE_INPUT_TYPES, IMAGE_TEXT_TYPES, image_input_refusal
 

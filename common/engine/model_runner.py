@@ -264,23 +264,33 @@ class ModelRunner:
             return None
         return long_tensor(rows, self.device), torch.cat(parts).to(self.dtype)
 
-    def rope_positions(self, out: SchedulerOutput, positions: Tensor, query_start: list[int]) -> Tensor | None:
-        """M-RoPE's three positions of each of this step's tokens ``[3, num_tokens]`` (on the host), where a
-        request's images make them differ from its tokens' indices (``Request.mrope``): its prompt's from the
-        table, later ones shifted by its delta; every other token's index thrice. None where none differs."""
+    def rope_positions(self, out: SchedulerOutput, positions: Tensor, query_start: list[int]
+                       ) -> tuple[Tensor | None, Tensor]:
+        """M-RoPE's positions of this step's tokens where a request's images make them differ from its tokens'
+        indices (``Request.mrope``): the positions after such a prompt shifted by its delta (on the host), and,
+        where the step holds a position inside such a prompt, all three of each token ``[3, num_tokens]`` (the
+        prompt's from its table); else None and the shifted positions alone, which a decode graph replays."""
         if not any(s.request.mrope is not None for s in out.scheduled):
-            return None
-        rope = positions.expand(3, -1).clone()
+            return None, positions
+        shifted = positions.clone()
+        inside: list[tuple[int, int, np.ndarray]] = []
         for i, s in enumerate(out.scheduled):
             if s.request.mrope is None:
                 continue
             table, delta = s.request.mrope
             lo, hi = query_start[i], query_start[i + 1]
-            index = positions[lo:hi].numpy()
-            inside = index < table.shape[1]
-            rope[:, lo:hi] = torch.from_numpy(
-                np.where(inside, table[:, np.minimum(index, table.shape[1] - 1)], index + delta))
-        return rope
+            index = positions[lo:hi]
+            shifted[lo:hi] = torch.where(index >= table.shape[1], index + delta, index)
+            if int(index[0]) < table.shape[1]:
+                inside.append((lo, hi, table))
+        if not inside:
+            return None, shifted
+        three = shifted.expand(3, -1).clone()
+        for lo, hi, table in inside:
+            at = positions[lo:hi].numpy()
+            three[:, lo:hi] = torch.from_numpy(np.where(at < table.shape[1], table[:, np.minimum(at, table.shape[1] - 1)],
+                                                        three[:, lo:hi].numpy()))
+        return three, shifted
 
     def _allocate_cache(self, cache_path: Path | None) -> tuple[Tensor, Tensor | None]:
         """This rank's KV cache, and the cache a KV transfer moves blocks of (None: none can). One rank: the
@@ -460,7 +470,9 @@ class ModelRunner:
         if self.image_encoder is not None and any(s.request.images for s in out.scheduled):
             query_start = inputs.query_start_loc.tolist()
             images = self.image_rows(out, query_start)
-            rope = self.rope_positions(out, inputs.positions, query_start)
+            rope, positions = self.rope_positions(out, inputs.positions, query_start)
+            if positions is not inputs.positions:  # only the rotation reads them (the slots are computed)
+                inputs = dataclasses.replace(inputs, positions=positions)
         # One token per sequence (decode, or a prompt's last one-token chunk) is replayed from a graph.
         replay = graphs is not None and images is None and rope is None and graphs.fits(inputs)
         # Which adapter each token has, for the adapted projections (a replay reads the rows' one-hot).

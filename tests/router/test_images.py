@@ -1,6 +1,7 @@
 """Image inputs of chat completions (vLLM's): a user message's ``image_url`` parts reach the engines as the model
 folder's processor makes them (pixels, digest, the prompt's image tokens expanded as Pixtral's processor
-expands them), through the openai client, a migration and prefix routing; and each refusal names its field."""
+expands them), through the openai client, a migration and prefix routing; and each refusal names its field.
+Qwen2.5-VL's the same way: its processor's patches, each ``<|image_pad|>`` expanded to its image's run."""
 
 from __future__ import annotations
 
@@ -24,10 +25,19 @@ from common.protocol import GenerateRequest, image_digest
 from common.registry import PrefixIndex
 from router.app import create_app
 from router.config import RequestLimits
-from router.images import ModelImages, limit_mm_per_prompt_arg
+from router.images import IMAGE_FAMILIES, ModelImages, QwenVLImages, limit_mm_per_prompt_arg
 from router.main import build_parser
 from router.tokenization import PromptProcessor
-from tests.engine.tiny_models import IMAGE_TOKENS, expand_image_tokens, image_pixels, image_text_checkpoint
+from tests.engine.tiny_models import (
+    IMAGE_TOKENS,
+    QWEN_VL_TOKENS,
+    expand_image_tokens,
+    expand_qwen_vl_tokens,
+    image_pixels,
+    image_text_checkpoint,
+    qwen_vl_checkpoint,
+    qwen_vl_pixels,
+)
 from tests.router.fake_engine import MODEL_ID
 from tests.router.router_harness import SERVED_MODEL, fake_stack, make_state
 
@@ -77,14 +87,19 @@ def client(image_prompts: PromptProcessor, images: ModelImages) -> Iterator[Test
         yield test_client
 
 
-def _expected(folder: pathlib.Path, prompts: PromptProcessor, messages: list[dict[str, Any]],
-              pictures: list[Image.Image]) -> tuple[list[int], list[tuple[int, int]], list[Any]]:
-    """The reference: the template over transformers' parts ({"type": "image"}), tokenized, each image token
-    expanded as Pixtral's processor does; each image's pixels as transformers' processor makes them."""
+def _rendered(prompts: PromptProcessor, messages: list[dict[str, Any]]) -> list[int]:
+    """The template over transformers' parts ({"type": "image"}), tokenized."""
     parts = [{**m, "content": [_text(p["text"]) if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
              if isinstance(m["content"], list) else m for m in messages]
     text = prompts.tokenizer.apply_chat_template(parts, tokenize=False, add_generation_prompt=True)
-    rendered = list(prompts.tokenizer.encode(text, add_special_tokens=False))
+    return list(prompts.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _expected(folder: pathlib.Path, prompts: PromptProcessor, messages: list[dict[str, Any]],
+              pictures: list[Image.Image]) -> tuple[list[int], list[tuple[int, int]], list[Any]]:
+    """The reference: the rendered prompt, each image token expanded as Pixtral's processor does; each image's
+    pixels as transformers' processor makes them."""
+    rendered = _rendered(prompts, messages)
     pixels = [image_pixels(folder, picture) for picture in pictures]
     ids, spans = expand_image_tokens(rendered, [(h, w) for _, h, w in pixels])
     return ids, spans, pixels
@@ -291,3 +306,114 @@ def test_a_processor_whose_image_token_is_not_the_model_s_is_refused_at_start(
     (other / "processor_config.json").write_text(json.dumps({**spec, "image_token": "<no such token>"}))
     with pytest.raises(ValueError, match="not one token of the tokenizer"):
         ModelImages.from_model_dir(other, image_prompts.tokenizer)
+
+
+# Qwen2.5-VL: the processor's patches and a run of <|image_pad|> per image.
+@pytest.fixture(scope="module")
+def qwen_folder(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return qwen_vl_checkpoint(tmp_path_factory.mktemp("qwen2_5_vl"))
+
+
+@pytest.fixture(scope="module")
+def qwen_prompts(qwen_folder: pathlib.Path) -> PromptProcessor:
+    return PromptProcessor.from_model_dir(qwen_folder)
+
+
+@pytest.fixture(scope="module")
+def qwen_images(qwen_folder: pathlib.Path, qwen_prompts: PromptProcessor) -> ModelImages:
+    return ModelImages.from_model_dir(qwen_folder, qwen_prompts.tokenizer)
+
+
+def _expected_qwen(folder: pathlib.Path, prompts: PromptProcessor, messages: list[dict[str, Any]],
+                   pictures: list[Image.Image]) -> tuple[list[int], list[tuple[int, int]], list[Any]]:
+    """The reference: the rendered prompt, each <|image_pad|> expanded as Qwen2.5-VL's processor does; each
+    image's patches as transformers' processor makes them, with the resized image's height and width."""
+    processed = [qwen_vl_pixels(folder, picture) for picture in pictures]
+    ids, spans = expand_qwen_vl_tokens(_rendered(prompts, messages), [grid for _, grid in processed])
+    return ids, spans, [(patches, h * 14, w * 14) for patches, (_, h, w) in processed]
+
+
+def test_qwen_vl_images_reach_the_engines_as_its_processor_makes_them(
+    redis_url: str, qwen_folder: pathlib.Path, qwen_prompts: PromptProcessor, qwen_images: ModelImages
+) -> None:
+    assert qwen_images.model_type == "qwen2_5_vl" and qwen_images.processor is not None
+    pictures = [_image(11, 200, 300), _image(12, 50, 90)]
+    messages = [{"role": "user", "content": [_text("w11 "), _part(_data_url(pictures[0])), _text(" w12"),
+                                             _part(_data_url(pictures[1]), plain=True), _text(" w13")]}]
+    ids, spans, pixels = _expected_qwen(qwen_folder, qwen_prompts, messages, pictures)
+    pad, start, end = (QWEN_VL_TOKENS[t] for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"))
+    assert [length for _, length in spans] == [54, 6]  # 12 x 18 and 4 x 6 patches, 2 x 2 a token
+    for offset, length in spans:  # the run of pads alone, between the template's start and end tokens
+        assert ids[offset - 1] == start and ids[offset:offset + length] == [pad] * length
+        assert ids[offset + length] == end
+    with fake_stack(redis_url, qwen_prompts, REPLY, images=qwen_images) as (server, cluster):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model=SERVED_MODEL, messages=messages, max_tokens=3,
+                                               extra_body={"return_token_ids": True})
+        assert reply.usage is not None and reply.usage.prompt_tokens == len(ids)
+        assert reply.prompt_token_ids == ids
+        [sent] = cluster.requests()
+        _check_images(sent, ids, spans, pixels)
+        assert [len(i.pixel_values) for i in sent.images] == [216 * 1176 * 4, 24 * 1176 * 4]
+
+
+@pytest.fixture(scope="module")
+def qwen_client(qwen_prompts: PromptProcessor, qwen_images: ModelImages) -> Iterator[TestClient]:
+    with TestClient(create_app(make_state(qwen_prompts, redis_url=None, images=qwen_images))) as test_client:
+        yield test_client
+
+
+def test_qwen_vl_tokenize_and_placeholder_refusals(
+    qwen_client: TestClient, qwen_folder: pathlib.Path, qwen_prompts: PromptProcessor
+) -> None:
+    picture = _image(13, 60, 40)
+    messages = [{"role": "user", "content": [_text("w30 "), _part(_data_url(picture))]}]
+    ids, _, _ = _expected_qwen(qwen_folder, qwen_prompts, messages, [picture])
+    response = qwen_client.post("/tokenize", json={"messages": messages})
+    assert response.status_code == 200, response.text
+    assert response.json()["tokens"] == ids
+    # The image token's text moves no image's span: counted with the template's, the count is refused.
+    _refusal(qwen_client.post(CHAT, json=_chat([_text("w3 <|image_pad|>"), _part(PNG)])), "messages",
+             "placed 2 image token(s) for 1 image(s)")
+    _refusal(qwen_client.post("/tokenize", json={"messages": [{"role": "user", "content": [
+        _part(PNG), _part(PNG), _text("<|image_pad|>")]}]}), "messages", "placed 3 image token(s) for 2 image(s)")
+    # An aspect ratio past the processor's bound (200) is refused naming the image.
+    _refusal(qwen_client.post(CHAT, json=_chat([_text("w3"), _part(_data_url(_image(14, 2, 500)))])),
+             "messages.0.content.1.image_url", "could not be processed")
+
+
+def test_qwen_vl_folders_that_do_not_fit_are_refused_at_start(
+    tmp_path: pathlib.Path, qwen_folder: pathlib.Path, qwen_prompts: PromptProcessor
+) -> None:
+    from common.model.arch import IMAGE_INPUT_TYPES
+
+    assert set(IMAGE_INPUT_TYPES) <= set(IMAGE_FAMILIES)
+    config = json.loads((qwen_folder / "config.json").read_text())
+    spec = json.loads((qwen_folder / "preprocessor_config.json").read_text())
+    tokenizer = qwen_prompts.tokenizer
+
+    def folder(config: dict[str, Any], spec: dict[str, Any]) -> pathlib.Path:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        (tmp_path / "preprocessor_config.json").write_text(json.dumps(spec))
+        return tmp_path
+
+    # Qwen2.5-VL's own folders hold the language model's fields at the top, not in a text_config.
+    flat = config["text_config"] | {k: v for k, v in config.items() if k != "text_config"}
+    images = ModelImages.from_model_dir(folder(flat, spec), tokenizer)
+    assert images.processor is not None and isinstance(images.processor.family, QwenVLImages)
+    assert images.processor.placeholder_id == QWEN_VL_TOKENS["<|image_pad|>"]
+    for bad_config, bad_spec, words in [
+        ({**config, "image_token_id": QWEN_VL_TOKENS["<|vision_end|>"]}, spec,
+         f"image token is id {QWEN_VL_TOKENS['<|image_pad|>']}, the model's image_token_id"),
+        (config, {**spec, "patch_size": 16}, "patch_size is 16, the vision tower's patch_size 14"),
+        (config, {**spec, "merge_size": 1}, "merge_size is 1, the vision tower's spatial_merge_size 2"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            ModelImages.from_model_dir(folder(bad_config, bad_spec), tokenizer)
+    # A tokenizer without <|image_pad|> as one token (the Mistral folder's).
+    image_text = tmp_path / "no_pad"
+    image_text.mkdir()
+    (image_text / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="'<|image_pad|>' is not one token"):
+        ModelImages.from_model_dir(image_text, PromptProcessor.from_model_dir(
+            image_text_checkpoint(tmp_path / "mistral")).tokenizer)

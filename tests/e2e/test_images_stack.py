@@ -1,5 +1,5 @@
 """Images in chat through the real stack (router, one prefill and one decode instance) serving a tiny Mistral 3
-image-text model, with the openai client: the answer is transformers' greedy answer to the same pixels; the
+and a tiny Qwen2.5-VL image-text model, with the openai client: the answer is transformers' greedy answer to the same pixels; the
 prefill encodes the image and hands the KV (and the request, its image with it) to the decode; another image
 behind the same words is another answer; an instance stopped with the request on it costs a retry elsewhere,
 not the request."""
@@ -19,16 +19,26 @@ import pytest
 import torch
 
 from tests.e2e.stack import prefill_decode_stack
-from tests.engine.tiny_models import expand_image_tokens, hf_model, image_pixels, image_text_checkpoint
+from tests.engine.tiny_models import (
+    QWEN_VL_TOKENS,
+    expand_image_tokens,
+    expand_qwen_vl_tokens,
+    hf_model,
+    image_pixels,
+    image_text_checkpoint,
+    qwen_vl_checkpoint,
+    qwen_vl_pixels,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
 MAX_TOKENS = 6
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
-    return image_text_checkpoint(tmp_path_factory.mktemp("image-text"))
+@pytest.fixture(scope="module", params=["mistral3", "qwen2_5_vl"])
+def folder(request, tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
+    build = image_text_checkpoint if request.param == "mistral3" else qwen_vl_checkpoint
+    return build(tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +80,18 @@ def _expected(folder: Path, image) -> list[str]:  # type: ignore[no-untyped-def]
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     text = tokenizer.apply_chat_template(_messages(image), tokenize=False, add_generation_prompt=True)
-    pixels, height, width = image_pixels(folder, image)
-    ids, _ = expand_image_tokens(tokenizer(text, add_special_tokens=False).input_ids, [(height, width)])
+    rendered = tokenizer(text, add_special_tokens=False).input_ids
+    if (folder / "processor_config.json").is_file():  # Mistral 3's Pixtral processor
+        pixels, height, width = image_pixels(folder, image)
+        ids, _ = expand_image_tokens(rendered, [(height, width)])
+        kwargs = {"pixel_values": pixels[None], "image_sizes": torch.tensor([[height, width]])}
+    else:  # Qwen2.5-VL's patches, and the image tokens marked for its M-RoPE, as its processor hands them over
+        patches, grid = qwen_vl_pixels(folder, image)
+        ids, _ = expand_qwen_vl_tokens(rendered, [grid])
+        kwargs = {"pixel_values": patches, "image_grid_thw": torch.tensor([grid]),
+                  "mm_token_type_ids": torch.tensor([[int(t == QWEN_VL_TOKENS["<|image_pad|>"]) for t in ids]])}
     with torch.inference_mode():
-        out = hf_model(folder).generate(torch.tensor([ids]), pixel_values=pixels[None],
-                                        image_sizes=torch.tensor([[height, width]]), max_new_tokens=MAX_TOKENS,
+        out = hf_model(folder).generate(torch.tensor([ids]), **kwargs, max_new_tokens=MAX_TOKENS,
                                         do_sample=False, pad_token_id=0, eos_token_id=None)
     return str(tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)).split()
 
@@ -88,7 +105,7 @@ def _ask(client, image) -> list[str]:  # type: ignore[no-untyped-def]
 
 
 def test_an_image_in_chat_answers_as_transformers_through_prefill_and_decode(stack, client, folder) -> None:  # type: ignore[no-untyped-def]
-    first, second = _image(1, 50, 90), _image(2, 50, 90)
+    first, second = _image(1, 100, 180), _image(2, 100, 180)  # prompts of more than a block: prefill -> decode
     key = "pdserve:request_prefill_time_seconds_count"
     before = stack.metrics("prefill-a").get(key, 0.0)
     expected = _expected(folder, first)
@@ -100,10 +117,11 @@ def test_an_image_in_chat_answers_as_transformers_through_prefill_and_decode(sta
     assert _ask(client, first) == expected  # again, from the prefix cache
 
 
+@pytest.mark.parametrize("folder", ["mistral3"], indirect=True)  # the router's path is the same for both
 def test_an_image_request_on_a_stopped_prefill_is_answered_elsewhere(stack, client, folder) -> None:  # type: ignore[no-untyped-def]
     """SIGSTOP the prefill: the router takes it for dead after 3 s and runs the request, its image with it, on
     the decode."""
-    image = _image(3, 64, 48)
+    image = _image(3, 120, 90)
     expected = _expected(folder, image)
     pid = stack.procs["prefill-a"].popen.pid
     os.kill(pid, signal.SIGSTOP)

@@ -79,15 +79,14 @@ def test_padded_decode_steps_with_the_triton_kernels_equal_eager(tmp_path: Path,
     folder = tiny_models.build_checkpoint(tiny_models.family_configs()[family], tmp_path / "tiny")
     prompts = [tiny_models.prompt_token_ids(n, seed=n) for n in (5, 19, 11)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    outputs = []
-    for padded in (False, True):
-        engine = engine_factory(model=str(folder), block_size=8, num_blocks=64, kernel_backend="triton",
-                                max_model_len=64)
-        runs = _use_padded_path(engine, [4]) if padded else []
-        outputs.append([c[0] for c in engine.generate(prompts, params)])
-        assert len(runs) == (9 if padded else 0)
-    assert outputs[0] == outputs[1]
-    assert outputs[0] == [tiny_models.hf_greedy(folder, p, 10) for p in prompts]
+    # Transformers' greedy output is the reference: a run whose every decode step is padded, equal to it, is equal to
+    # the unpadded one wherever that is right (its prompts run unpadded through the same kernels); one engine, not
+    # two compared, halves the interpreter's time.
+    engine = engine_factory(model=str(folder), block_size=8, num_blocks=64, kernel_backend="triton", max_model_len=64)
+    runs = _use_padded_path(engine, [4])
+    outputs = [c[0] for c in engine.generate(prompts, params)]
+    assert len(runs) == 9
+    assert outputs == [tiny_models.hf_greedy(folder, p, 10) for p in prompts]
 
 
 def _inputs(num_seqs: int, tokens_per_seq: int = 1, width: int = 2) -> BatchInputs:

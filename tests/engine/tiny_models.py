@@ -772,12 +772,19 @@ def peft_greedy(base: Path, adapter: Path, prompt: list[int], max_new_tokens: in
 # end, and a chat template that writes ``[IMG]`` for an image part (as Mistral's own templates do).
 IMAGE_TOKENS = {"[IMG_END]": TINY_DIMS["vocab_size"] - 3, "[IMG_BREAK]": TINY_DIMS["vocab_size"] - 2,
                 "[IMG]": TINY_DIMS["vocab_size"] - 1}
-IMAGE_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] in ('image', 'image_url') %}[IMG]{% endif %}{% endfor %}{% endif %} "
-    "{% endfor %}{% if add_generation_prompt %}w7{% endif %}"
-)
+
+
+def _image_chat_template(placeholder: str) -> str:
+    """A chat template over the word-level vocabulary that writes ``placeholder`` for each image part."""
+    return (
+        "{{ bos_token }}{% for message in messages %}{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+        "{% elif part['type'] in ('image', 'image_url') %}" + placeholder + "{% endif %}{% endfor %}{% endif %} "
+        "{% endfor %}{% if add_generation_prompt %}w7{% endif %}"
+    )
+
+
+IMAGE_CHAT_TEMPLATE = _image_chat_template("[IMG]")
 
 
 def image_text_checkpoint(folder: Path, seed: int = 0) -> Path:
@@ -838,12 +845,7 @@ def expand_image_tokens(prompt: list[int], sizes: list[tuple[int, int]]) -> tupl
 # ``<|vision_start|><|image_pad|><|vision_end|>`` for an image part, as Qwen2.5-VL's own.
 QWEN_VL_TOKENS = {"<|vision_start|>": TINY_DIMS["vocab_size"] - 3, "<|vision_end|>": TINY_DIMS["vocab_size"] - 2,
                   "<|image_pad|>": TINY_DIMS["vocab_size"] - 1}
-QWEN_VL_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] in ('image', 'image_url') %} <|vision_start|><|image_pad|><|vision_end|> {% endif %}"
-    "{% endfor %}{% endif %} {% endfor %}{% if add_generation_prompt %}w7{% endif %}"
-)
+QWEN_VL_CHAT_TEMPLATE = _image_chat_template(" <|vision_start|><|image_pad|><|vision_end|> ")
 
 
 def _word_tokenizer(folder: Path, special: dict[str, int], chat_template: str) -> None:

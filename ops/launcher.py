@@ -50,6 +50,7 @@ from common.glibc_env import tuned_env
 from common.lora_modules import lora_module_arg
 from ops.supervisor import Child, ChildExited, RestartPolicy, Supervisor
 from ops.supervisor import die_with_parent as die_with_parent  # re-exported: tests start children with it
+from router.image_fetch import fetch_timeout_arg
 from router.images import limit_mm_per_prompt_arg
 from router.sampling_defaults import generation_config_arg
 
@@ -129,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the router's --override-generation-config")
     p.add_argument("--limit-mm-per-prompt", default=None, type=_limit_mm_text, metavar="JSON",
                    help='the router\'s --limit-mm-per-prompt: images one chat prompt may hold, e.g. {"image": 4}')
+    p.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                   help="the router's --allowed-media-domains: hosts whose http(s) image URLs it fetches")
+    p.add_argument("--media-fetch-timeout", default=None, type=fetch_timeout_arg,
+                   help="the router's --media-fetch-timeout (seconds)")
     p.add_argument("--response-ttl", type=int, default=None,
                    help="the router's --response-ttl: seconds a stored Responses API response is kept (0: none)")
     p.add_argument("--no-wait", action="store_true", help="do not wait for /ready before printing the URL")
@@ -292,6 +297,10 @@ class Launcher:
             value = getattr(self.args, name)
             if value:
                 flags += [f"--{name.replace('_', '-')}", value]
+        if self.args.allowed_media_domains:
+            flags += ["--allowed-media-domains", *self.args.allowed_media_domains]
+        if self.args.media_fetch_timeout is not None:
+            flags += ["--media-fetch-timeout", str(self.args.media_fetch_timeout)]
         return flags
 
     def engine_env(self) -> dict[str, str]:

@@ -17,8 +17,9 @@ sends and the span of an image:
 Each image travels as a ``common.protocol.ImageInput``: its span, its pixels and their digest, under which the
 blocks its span touches are hashed.
 
-Only ``data:image/...;base64,`` URLs are taken: the router fetches nothing on a request's behalf (an
-``http(s)://`` URL would have it reach whatever host a client names, from inside the deployment). Images
+Images come inline (``data:image/...;base64,`` URLs) or by ``http(s)://`` URL from the hosts the operator lists
+(``--allowed-media-domains``; none by default: a router that fetched whatever host a client names would reach,
+from inside the deployment, what the client cannot; ``router.image_fetch``). Images
 are decoded from a short list of formats, bounded in bytes and in pixels (PIL's decompression-bomb limit)
 before their pixels are decoded. Decoding, processing and hashing cost milliseconds to a second per image,
 so they run in worker threads of their own, never on the event loop.
@@ -51,6 +52,7 @@ import numpy as np
 from common.cli import json_object
 from common.protocol import MAX_IMAGE_BYTES, MAX_IMAGES_PER_PROMPT, ImageInput, image_digest
 from router.errors import bad_request
+from router.image_fetch import ImageFetcher
 
 logger = logging.getLogger(__name__)
 
@@ -114,15 +116,13 @@ def check_image_count(images: Sequence[ImageRef], limit: int) -> None:
 
 
 def decode_image_url(url: str, param: str) -> Any:
-    """The RGB PIL image of a ``data:image/...;base64,`` URL, or a 400 naming ``param``: another URL (the
-    router fetches nothing), base64 that is not, more than ``MAX_ENCODED_IMAGE_BYTES``, a format not in
+    """The RGB PIL image of a ``data:image/...;base64,`` URL, or a 400 naming ``param``: another URL, base64
+    that is not, more than ``MAX_ENCODED_IMAGE_BYTES``, a format not in
     ``IMAGE_FORMATS``, more pixels than PIL's decompression-bomb limit, or bytes that are no image.
     Transparency is composited onto white, as transformers' ``convert_to_rgb`` (and vLLM) do."""
-    if not url.startswith("data:"):
-        if url.startswith(("http://", "https://")):
-            raise bad_request("image URLs are not fetched: this server fetches nothing on a request's behalf; "
-                              "send the image inline as a data URL (data:image/png;base64,...)", param=param)
-        raise bad_request("an image URL must be a data URL (data:image/png;base64,...)", param=param)
+    if not url.startswith("data:"):  # an http(s) URL is fetched before (``ImageFetcher``)
+        raise bad_request("an image URL must be a data URL (data:image/png;base64,...) or an http(s) URL",
+                          param=param)
     header, comma, payload = url[5:].partition(",")
     media_type, *options = header.split(";")
     if not comma or not media_type.lower().startswith("image/") or "base64" not in options:
@@ -338,13 +338,17 @@ class ImageProcessor:
     """The served model's image processing: its family's (``family``), run in threads of its own, and what
     every family shares: the placeholders the template wrote checked, each replaced by its image's span."""
 
-    def __init__(self, family: ImageFamily, num_threads: int = IMAGE_THREADS) -> None:
+    def __init__(self, family: ImageFamily, num_threads: int = IMAGE_THREADS, fetcher: ImageFetcher | None = None
+                 ) -> None:
         self.family = family
+        # Images by URL, from the hosts --allowed-media-domains lists (none by default: each refused by name).
+        self.fetcher = fetcher or ImageFetcher(())
         # Threads of their own: an image's seconds never queue the tokenizer's work or the default executor's.
         self._pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="images")
 
     @classmethod
-    def from_model_dir(cls, model_dir: pathlib.Path, tokenizer: Any) -> ImageProcessor:
+    def from_model_dir(cls, model_dir: pathlib.Path, tokenizer: Any, fetcher: ImageFetcher | None = None
+                       ) -> ImageProcessor:
         """The processing of the folder's model type (``IMAGE_FAMILIES``); ``ValueError`` naming what does not fit."""
         config = json.loads((model_dir / "config.json").read_text())
         model_type = config.get("model_type")
@@ -352,7 +356,7 @@ class ImageProcessor:
         if family is None:
             raise ValueError(f"{model_dir}: the router processes no images of model type {model_type!r} "
                              f"(it does for {', '.join(IMAGE_FAMILIES)})")
-        return cls(family.load(model_dir, config, tokenizer))
+        return cls(family.load(model_dir, config, tokenizer), fetcher=fetcher)
 
     @property
     def placeholder_id(self) -> int:
@@ -396,15 +400,18 @@ class ImageProcessor:
                 f"the chat template placed {count} image token(s) for {len(images)} image(s): each image part is "
                 "written as one, and no message's text may hold the image token itself", param="messages")
 
-    def prepare(self, token_ids: list[int], images: Sequence[ImageRef]) -> tuple[list[int], list[ImageInput]]:
-        """The prompt with its images' spans and their ``ImageInput``s: each image decoded, processed and
-        hashed; a 400 naming the image for a bad one, or for processed pixels past ``MAX_IMAGE_BYTES`` in all.
-        Blocks for as long as that takes (``prepare_off_loop``)."""
+    def prepare(self, token_ids: list[int], images: Sequence[ImageRef], fetched: dict[int, bytes] | None = None
+                ) -> tuple[list[int], list[ImageInput]]:
+        """The prompt with its images' spans and their ``ImageInput``s: each image decoded (from its data URL, or
+        the bytes ``fetched`` for it), processed and hashed; a 400 naming the image for a bad one, or for processed
+        pixels past ``MAX_IMAGE_BYTES`` in all. Blocks for as long as that takes (``prepare_off_loop``)."""
         self.check_placeholders(token_ids, images)
         processed: list[ProcessedImage] = []
         total = 0
-        for ref in images:
-            image = self.process(decode_image_url(ref.url, ref.param), ref.param)
+        for k, ref in enumerate(images):
+            data = (fetched or {}).get(k)
+            picture = decode_image_url(ref.url, ref.param) if data is None else _open_image(data, ref.param)
+            image = self.process(picture, ref.param)
             total += len(image.pixel_values)
             if total > MAX_IMAGE_BYTES:
                 raise bad_request(f"the prompt's images take more than {MAX_IMAGE_BYTES >> 20} MiB once processed "
@@ -415,9 +422,13 @@ class ImageProcessor:
     async def prepare_off_loop(
         self, token_ids: list[int], images: Sequence[ImageRef]
     ) -> tuple[list[int], list[ImageInput]]:
-        """``prepare`` in one of the image threads (decoding, resizing and hashing release the GIL)."""
+        """``prepare`` in one of the image threads (decoding, resizing and hashing release the GIL), after the
+        images given by http(s) URL are fetched, together, on the event loop."""
         self.check_placeholders(token_ids, images)  # a cheap refusal needs no thread
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.prepare, token_ids, images)
+        by_url = [k for k, ref in enumerate(images) if not ref.url.startswith("data:")]
+        bodies = await asyncio.gather(*(self.fetcher.fetch(images[k].url, images[k].param) for k in by_url))
+        fetched = dict(zip(by_url, bodies, strict=True))
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.prepare, token_ids, images, fetched)
 
 
 @dataclass(frozen=True)
@@ -430,8 +441,10 @@ class ModelImages:
     model_type: str | None = None
 
     @classmethod
-    def from_model_dir(cls, model_dir: pathlib.Path, tokenizer: Any) -> ModelImages:
-        """The model folder's: ``ValueError`` for an image-text model whose processor files do not fit."""
+    def from_model_dir(cls, model_dir: pathlib.Path, tokenizer: Any, fetcher: ImageFetcher | None = None
+                       ) -> ModelImages:
+        """The model folder's: ``ValueError`` for an image-text model whose processor files do not fit.
+        ``fetcher``: where images given by URL come from (``router.image_fetch``; none without)."""
         try:
             config = json.loads((model_dir / "config.json").read_text())
         except (OSError, ValueError):
@@ -448,7 +461,7 @@ class ModelImages:
             return cls()
         if model_type not in IMAGE_INPUT_TYPES:
             return cls(refusal=image_input_refusal(model_type), model_type=model_type)
-        return cls(ImageProcessor.from_model_dir(model_dir, tokenizer), "", model_type)
+        return cls(ImageProcessor.from_model_dir(model_dir, tokenizer, fetcher), "", model_type)
 
 
 def truncate_images(images: list[ImageInput], num_removed: int) -> list[ImageInput]:

@@ -22,6 +22,7 @@ from common.lora_modules import lora_module_arg
 from ops.supervisor import die_with_parent
 from router.auth import keys_from_env
 from router.config import RequestLimits, RouterConfig
+from router.image_fetch import DEFAULT_FETCH_TIMEOUT_S, fetch_timeout_arg
 from router.images import DEFAULT_MAX_IMAGES_PER_PROMPT, limit_mm_per_prompt_arg
 from router.reasoning import REASONING_PARSERS
 from router.routing import POLICIES
@@ -164,6 +165,20 @@ def build_parser() -> argparse.ArgumentParser:
         "images; other modalities are not served (default: %(default)s images)",
     )
     p.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=[],
+        metavar="HOST",
+        help="vLLM's flag: the hosts whose http(s) image URLs the router fetches (exact host names); none by "
+        "default, so only inline data URLs are taken",
+    )
+    p.add_argument(
+        "--media-fetch-timeout",
+        type=fetch_timeout_arg,
+        default=DEFAULT_FETCH_TIMEOUT_S,
+        help="seconds a fetch of an image URL may take, redirects included (default: %(default)s, vLLM's)",
+    )
+    p.add_argument(
         "--chat-template",
         default=None,
         help="chat template to use instead of the tokenizer's: a Jinja file, or one shipped with the router "
@@ -243,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         resolve_model_path,
     )
     from router.app import create_app
-    from router.images import ModelImages
+    from router.image_fetch import ImageFetcher
+    from router.images import MAX_ENCODED_IMAGE_BYTES, ModelImages
     from router.pooling import PoolingConfig
     from router.state import RouterState
     from router.tokenization import PromptProcessor, load_chat_template
@@ -263,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         raise SystemExit(f"the model's sentence-transformers config: {exc}") from None
     try:
-        images = ModelImages.from_model_dir(model_dir, prompts.tokenizer)
+        fetcher = ImageFetcher(args.allowed_media_domains, args.media_fetch_timeout, MAX_ENCODED_IMAGE_BYTES)
+        images = ModelImages.from_model_dir(model_dir, prompts.tokenizer, fetcher)
     except ValueError as exc:
         raise SystemExit(f"the model's image processor: {exc}") from None
     if images.processor is not None:

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import argparse
 import base64
+import http.server
 import io
 import json
 import pathlib
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +28,7 @@ from common.protocol import GenerateRequest, image_digest
 from common.registry import PrefixIndex
 from router.app import create_app
 from router.config import RequestLimits
+from router.image_fetch import ImageFetcher
 from router.images import IMAGE_FAMILIES, ModelImages, QwenVLImages, limit_mm_per_prompt_arg
 from router.main import build_parser
 from router.tokenization import PromptProcessor
@@ -208,8 +212,9 @@ def _chat(content: list[dict[str, Any]], role: str = "user", **fields: Any) -> d
 PNG = _data_url(_image(7))
 BAD_IMAGES = [
     # (content parts, param, words of the message)
-    ([_part("https://example.com/cat.png")], "messages.0.content.0.image_url", "fetches nothing"),
-    ([_text("w3"), _part("file:///etc/passwd")], "messages.0.content.1.image_url", "must be a data URL"),
+    ([_part("https://example.com/cat.png")], "messages.0.content.0.image_url",
+     "fetched only from the hosts --allowed-media-domains lists (none), not example.com"),
+    ([_text("w3"), _part("file:///etc/passwd")], "messages.0.content.1.image_url", "http(s) URL or a data URL"),
     ([_part("data:text/plain;base64,aGVsbG8=")], "messages.0.content.0.image_url", "base64 data URL of an image"),
     ([_part("data:image/png,rawbytes")], "messages.0.content.0.image_url", "base64 data URL of an image"),
     ([_part("data:image/png;base64,not*base64!")], "messages.0.content.0.image_url", "not valid base64"),
@@ -417,3 +422,72 @@ def test_qwen_vl_folders_that_do_not_fit_are_refused_at_start(
     with pytest.raises(ValueError, match="'<|image_pad|>' is not one token"):
         ModelImages.from_model_dir(image_text, PromptProcessor.from_model_dir(
             image_text_checkpoint(tmp_path / "mistral")).tokenizer)
+
+
+# Images by URL: a real HTTP server on this host, fetched from only where --allowed-media-domains says.
+class _ImageServer(http.server.BaseHTTPRequestHandler):
+    routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        status, headers, body = self.routes.get(self.path, (404, {}, b""))
+        if self.path == "/slow":
+            time.sleep(1.5)
+        self.send_response(status)
+        for key, value in {"Content-Length": str(len(body)), **headers}.items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ImageServer)
+    port = server.server_address[1]
+    png = base64.b64decode(_data_url(_image(11)).split(",", 1)[1])
+    _ImageServer.routes = {
+        "/cat.png": (200, {"Content-Type": "image/png"}, png),
+        "/moved": (302, {"Location": "/cat.png"}, b""),
+        "/elsewhere": (302, {"Location": f"http://localhost:{port}/cat.png"}, b""),  # another host name
+        "/loop": (302, {"Location": "/loop"}, b""),
+        "/big": (200, {}, b"\0" * (65 << 10)),
+        "/slow": (200, {}, png),
+        "/gone": (404, {}, b""),
+    }
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_image_urls_are_fetched_from_the_allowed_hosts_only(
+    redis_url: str, folder: pathlib.Path, image_prompts: PromptProcessor, image_server: str
+) -> None:
+    """An allowed host's image, directly or through a redirect, reaches the engines as the same image inline
+    would; another host, a redirect to one, a loop, a failure, too many bytes or too long a fetch is a 400
+    naming the image's field."""
+    fetcher = ImageFetcher(["127.0.0.1"], timeout_s=1.0, max_bytes=64 << 10)
+    fetching = ModelImages.from_model_dir(folder, image_prompts.tokenizer, fetcher)
+    param = "messages.0.content.1.image_url"
+    with fake_stack(redis_url, image_prompts, REPLY, images=fetching) as (server, cluster):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        inline = [_text("w11 " * 20), _part(_data_url(_image(11)))]
+        for url in (f"{image_server}/cat.png", f"{image_server}/moved"):
+            messages = [{"role": "user", "content": [inline[0], _part(url)]}]
+            client.chat.completions.create(model=SERVED_MODEL, messages=messages, max_tokens=2)  # type: ignore[arg-type]
+            client.chat.completions.create(model=SERVED_MODEL, messages=[{"role": "user", "content": inline}],
+                                           max_tokens=2)  # type: ignore[arg-type]
+            by_url, by_data = cluster.requests()[-2:]
+            assert by_url.images and by_url.prompt_token_ids == by_data.prompt_token_ids
+            assert by_url.images[0].pixel_values == by_data.images[0].pixel_values
+        for path, words in (("/elsewhere", "not localhost"), ("/loop", "redirected more than 3 times"),
+                            ("/gone", "HTTP 404"), ("/big", "more than 65536 bytes"), ("/slow", "more than 1 s")):
+            response = httpx.post(f"{server.url}{CHAT}", timeout=10, json=_chat(
+                [_text("w3"), _part(image_server + path)]))
+            _refusal(response, param, words)
+        port = image_server.rsplit(":", 1)[1]
+        _refusal(httpx.post(f"{server.url}{CHAT}", timeout=10, json=_chat(
+            [_text("w3"), _part(f"http://localhost:{port}/cat.png")])), param, "not localhost")

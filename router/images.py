@@ -331,7 +331,8 @@ class QwenVLImages(ImageFamily):
 
 
 # The families whose images the router processes, by model type (each of ``common.model.arch.IMAGE_INPUT_TYPES``).
-IMAGE_FAMILIES: dict[str, type[ImageFamily]] = {"mistral3": PixtralImages, "qwen2_5_vl": QwenVLImages}
+IMAGE_FAMILIES: dict[str, type[ImageFamily]] = {"mistral3": PixtralImages, "qwen2_5_vl": QwenVLImages,
+                                                "qwen3_vl": QwenVLImages, "qwen3_vl_moe": QwenVLImages}
 
 
 class ImageProcessor:

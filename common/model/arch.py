@@ -166,7 +166,7 @@ _SOFT_CAPPED_GEMMA_TYPES = (*_SANDWICH_GEMMA_TYPES, "vaultgemma")
 # ``text_config``'s family; its images, where taken, replace their tokens' embeddings (``common.model.vision``).
 IMAGE_TEXT_TYPES = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Those whose images are implemented (``common.model.vision``); the others' images are refused by name.
-IMAGE_INPUT_TYPES = ("mistral3", "qwen2_5_vl")
+IMAGE_INPUT_TYPES = ("mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def image_input_refusal(model_type: str) -> str:

@@ -622,8 +622,14 @@ class LlamaForCausalLM(nn.Module):
         # alike): which of a token's three positions turns each column. None: one position per token.
         sections = rope_parameters(config).get("mrope_section") if not per_type else None
         columns = None
-        if sections and not rope_parameters(config).get("mrope_interleaved"):
-            half = [i % 3 for i, n in enumerate(sections) for _ in range(n)]
+        if sections:
+            if rope_parameters(config).get("mrope_interleaved"):  # Qwen3-VL's: t, h, w, t, h, w, ... then t
+                half = [0] * ((self.arch.rotary_dim or self.head_size) // 2)
+                for component in (1, 2):  # every third column from its own, within 3 x its section (and the width)
+                    for column in range(component, min(3 * sections[component], len(half)), 3):
+                        half[column] = component
+            else:  # Qwen2.5-VL's: a run of each
+                half = [i % 3 for i, n in enumerate(sections) for _ in range(n)]
             with torch.device("cpu"):
                 columns = torch.tensor(half + half)
         self.mrope_columns: Tensor | None
@@ -682,7 +688,7 @@ class LlamaForCausalLM(nn.Module):
         if self.arch.embedding_multiplier is not None:  # Granite: the number as it is, as transformers
             x = x * self.arch.embedding_multiplier
         if images is not None:
-            x = x.index_copy(0, images[0], images[1])
+            x = x.index_copy(0, images[0], images[1][:, :x.shape[1]])
         if rope_positions is None:
             ropes = self.rope_tables(positions, x.dtype)
         else:
@@ -692,8 +698,16 @@ class LlamaForCausalLM(nn.Module):
                      for kind, emb in self.rotary_embs.items()}
         q_scale = self.query_scales(positions, x.dtype)
         residual: Tensor | None = None
+        # Qwen3-VL's deepstack: the vision tower's earlier layers' features, one width each after the embeddings',
+        # added to the image tokens' stream after each of the first layers (transformers' ``_deepstack_process``).
+        deepstack = 0 if images is None else images[1].shape[1] // x.shape[1] - 1
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, ropes[self.layer_rope_kinds[i]], meta, kv_cache[i], q_scale)
+            if i < deepstack:
+                assert images is not None and residual is not None
+                width = x.shape[1]
+                stream = (x + residual).index_add(0, images[0], images[1][:, width * (i + 1):width * (i + 2)])
+                x, residual = stream, torch.zeros_like(stream)  # the sum made here, as transformers makes it
         return self.model.norm.add(x, residual)[0]
 
     @property

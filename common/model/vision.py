@@ -17,8 +17,11 @@ Families (``common.model.arch.IMAGE_INPUT_TYPES``):
   t the image starts at, and the text after it positions from t + its larger side in tokens on, so every
   token after an image turns by its index plus a (negative) delta (transformers' ``get_rope_index``).
 
-The other image-text checkpoints served as text (Gemma 3, whose image tokens attend to each other both ways;
-Qwen3-VL, whose features also join the language model's first layers) are refused images by name.
+- Qwen3-VL and Qwen3-VL-MoE (``qwen3_vl``, ``qwen3_vl_moe``): Qwen2.5-VL's patches and positions, M-RoPE over
+  interleaved columns, and the deepstack: features of the tower's earlier blocks added to the image tokens'
+  stream after each of the language model's first layers.
+
+Gemma 3 (its image tokens attend to each other both ways) is served as text; its images are refused by name.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ def load_image_encoder(path: Path, dtype: torch.dtype, device: torch.device) -> 
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(path))
-    family = {"mistral3": PixtralEncoder, "qwen2_5_vl": QwenVLEncoder}[model_type]
+    family = {"mistral3": PixtralEncoder, "qwen2_5_vl": QwenVLEncoder, "qwen3_vl": Qwen3VLEncoder,
+              "qwen3_vl_moe": Qwen3VLEncoder}[model_type]
     return family(config, path, dtype, device)
 
 
@@ -212,13 +216,16 @@ class QwenVLEncoder(ImageEncoder):
             return f"the image processor's max_pixels is {self.max_pixels}"
         return None
 
-    @torch.inference_mode()
-    def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
+    def run_tower(self, pixels: Tensor, height: int, width: int) -> Any:
+        """The vision transformer's output for one image's patches (its grid of one frame)."""
         grid = torch.tensor([[1, height // self.patch_size, width // self.patch_size]], device=pixels.device)
         patches = pixels.view(-1, 3 * self.temporal_patch_size * self.patch_size ** 2)
         visual: nn.Module = self.modules.get_submodule("visual")
-        dtype = next(visual.parameters()).dtype
-        features: Tensor = visual(patches.to(dtype), grid_thw=grid).pooler_output
+        return visual(patches.to(next(visual.parameters()).dtype), grid_thw=grid, return_dict=True)
+
+    @torch.inference_mode()
+    def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
+        features: Tensor = self.run_tower(pixels, height, width).pooler_output
         return features
 
     def rope_positions(self, num_prompt: int, images: list[ImageInput]) -> tuple[np.ndarray, int]:
@@ -241,6 +248,25 @@ class QwenVLEncoder(ImageEncoder):
             index = image.offset + image.length
         positions[:, index:] = np.arange(position, position + num_prompt - index)
         return positions, int(positions.max()) + 1 - num_prompt
+
+
+class Qwen3VLEncoder(QwenVLEncoder):
+    """Qwen3-VL's: its vision transformer, whose merger's features replace the image tokens' embeddings and whose
+    deepstack mergers' (of earlier blocks, ``deepstack_visual_indexes``) join the language model's stream at the
+    image tokens after each of its first layers; M-RoPE over interleaved columns (``common.model.llama``). The
+    features come as one row per image token: the merger's, then each deepstack merger's, side by side."""
+
+    def build(self, config: Any) -> nn.Module:
+        from transformers import AutoModel
+
+        modules = nn.Module()
+        modules.visual = AutoModel.from_config(config.vision_config)
+        return modules
+
+    @torch.inference_mode()
+    def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
+        out = self.run_tower(pixels, height, width)
+        return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
 
 
 def _max_pixels(path: Path) -> int:

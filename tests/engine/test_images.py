@@ -20,6 +20,7 @@ from common.sampling_params import SamplingParams
 from tests.engine.test_disaggregated_lifecycle import _drain, hand_over
 from tests.engine.tiny_models import (
     IMAGE_TOKENS,
+    QWEN_VL_PATCH,
     QWEN_VL_TOKENS,
     expand_image_tokens,
     expand_qwen_vl_tokens,
@@ -35,17 +36,31 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 IMG = IMAGE_TOKENS["[IMG]"]
 
 
-FAMILIES = ("mistral3", "qwen2_5_vl")
+FAMILIES = ("mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+
+
+def _drain_outputs(engine: LLMEngine) -> list[Any]:
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    return outputs
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    build = image_text_checkpoint if request.param == "mistral3" else qwen_vl_checkpoint
-    return build(tmp_path_factory.mktemp(request.param))
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "mistral3":
+        return image_text_checkpoint(folder)
+    return qwen_vl_checkpoint(folder, model_type=request.param)
+
+
+def _qwen_patch(folder: Path) -> int | None:
+    """A Qwen-VL checkpoint's patch size; None for another model."""
+    return QWEN_VL_PATCH.get(json.loads((folder / "config.json").read_text())["model_type"])
 
 
 def _qwen(folder: Path) -> bool:
-    return json.loads((folder / "config.json").read_text())["model_type"] == "qwen2_5_vl"
+    return _qwen_patch(folder) is not None
 
 
 def _image(seed: int, height: int, width: int):  # type: ignore[no-untyped-def]
@@ -72,7 +87,8 @@ def _request(folder: Path, seeds: tuple[int, ...], sizes: tuple[tuple[int, int],
     if qwen:
         processed = [qwen_vl_pixels(folder, image) for image in images]
         ids, spans = expand_qwen_vl_tokens(prompt, [grid for _, grid in processed])
-        pixels = [(p, 14 * h, 14 * w) for p, (_, h, w) in processed]
+        patch = _qwen_patch(folder) or 0
+        pixels = [(p, patch * h, patch * w) for p, (_, h, w) in processed]
     else:
         pixels = [image_pixels(folder, image) for image in images]
         ids, spans = expand_image_tokens(prompt, [(h, w) for _, h, w in pixels])
@@ -81,30 +97,41 @@ def _request(folder: Path, seeds: tuple[int, ...], sizes: tuple[tuple[int, int],
     return ids, inputs, [p for p, _, _ in pixels]
 
 
-def _hf_greedy(folder: Path, ids: list[int], images: list[ImageInput], pixels: list[torch.Tensor],
-               mrope: bool = True) -> list[int]:
-    """transformers' ``generate`` with the images as its processor hands them over: Pixtral's padded into one
-    batch with their sizes, Qwen's patches one after another with their grids (``mrope`` False: without the
-    marks of the image tokens, so every position is the token's index)."""
-    if _qwen(folder):
-        # The processor marks the image tokens (``mm_token_type_ids``); without them transformers' M-RoPE
-        # would take every position as the token's index.
+def _hf_inputs(folder: Path, ids: list[int], images: list[ImageInput], pixels: list[torch.Tensor],
+               mrope: bool = True) -> dict[str, Any]:
+    """The images as transformers' processor hands them over: Pixtral's padded into one batch with their sizes,
+    Qwen's patches one after another with their grids and the image tokens marked (``mm_token_type_ids``, from
+    which transformers computes M-RoPE's positions; ``mrope`` False: every position the token's index instead)."""
+    patch = _qwen_patch(folder)
+    if patch is not None:
         kwargs = {"pixel_values": torch.cat(pixels),
-                  "image_grid_thw": torch.tensor([[1, i.height // 14, i.width // 14] for i in images]),
-                  "mm_token_type_ids": torch.tensor([[int(t == QWEN_VL_TOKENS["<|image_pad|>"]) for t in ids]])}
+                  "image_grid_thw": torch.tensor([[1, i.height // patch, i.width // patch] for i in images])}
+        kwargs["mm_token_type_ids"] = torch.tensor([[int(t == QWEN_VL_TOKENS["<|image_pad|>"]) for t in ids]])
         if not mrope:
-            del kwargs["mm_token_type_ids"]
-    else:
-        height, width = max(i.height for i in images), max(i.width for i in images)
-        batch = torch.zeros(len(images), 3, height, width)
-        for k, p in enumerate(pixels):
-            batch[k, :, :p.shape[1], :p.shape[2]] = p
-        kwargs = {"pixel_values": batch, "image_sizes": torch.tensor([[i.height, i.width] for i in images])}
-    model = hf_model(folder)
+            kwargs["position_ids"] = torch.arange(len(ids)).view(1, 1, -1).expand(3, 1, -1)
+        return kwargs
+    height, width = max(i.height for i in images), max(i.width for i in images)
+    batch = torch.zeros(len(images), 3, height, width)
+    for k, p in enumerate(pixels):
+        batch[k, :, :p.shape[1], :p.shape[2]] = p
+    return {"pixel_values": batch, "image_sizes": torch.tensor([[i.height, i.width] for i in images])}
+
+
+def _hf_greedy(folder: Path, ids: list[int], images: list[ImageInput], pixels: list[torch.Tensor]) -> list[int]:
+    """transformers' ``generate`` (greedy, EOS ignored) with the images."""
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), **kwargs, max_new_tokens=GREEDY.max_tokens, do_sample=False,
-                             pad_token_id=0, eos_token_id=None)
+        out = hf_model(folder).generate(torch.tensor([ids]), **_hf_inputs(folder, ids, images, pixels),
+                                        max_new_tokens=GREEDY.max_tokens, do_sample=False, pad_token_id=0,
+                                        eos_token_id=None)
     return [int(t) for t in out[0, len(ids):]]
+
+
+def _hf_logprobs(folder: Path, ids: list[int], images: list[ImageInput], pixels: list[torch.Tensor],
+                 mrope: bool = True) -> torch.Tensor:
+    """transformers' log-probabilities ``[len(ids), vocab]`` over the prompt with the images."""
+    with torch.inference_mode():
+        logits = hf_model(folder)(torch.tensor([ids]), **_hf_inputs(folder, ids, images, pixels, mrope)).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
 
 
 def _engine(engine_factory: Any, folder: Path, **overrides: object) -> LLMEngine:
@@ -117,14 +144,23 @@ def _engine(engine_factory: Any, folder: Path, **overrides: object) -> LLMEngine
 def test_images_equal_transformers_through_chunks_cache_and_preemption(folder: Path, engine_factory: Any) -> None:
     """Two images of different sizes in one prompt, chunks of 7 tokens (cutting through both), beside a request of
     the same words with other images; then both again from the prefix cache; then preempted part way."""
-    ids, images, pixels = _request(folder, (1, 2), ((50, 90), (70, 40)))
-    other_ids, other_images, other_pixels = _request(folder, (3, 4), ((50, 90), (70, 40)))
+    ids, images, pixels = _request(folder, (1, 2), ((100, 180), (140, 80)))
+    other_ids, other_images, other_pixels = _request(folder, (3, 4), ((100, 180), (140, 80)))
     assert other_ids == ids and other_images[0].digest != images[0].digest  # the same tokens, other pixels
     expected = _hf_greedy(folder, ids, images, pixels)
     other_expected = _hf_greedy(folder, other_ids, other_images, other_pixels)
-    assert expected != other_expected  # the images decide the output
-    if _qwen(folder):  # and so do the three positions M-RoPE gives them
-        assert _hf_greedy(folder, ids, images, pixels, mrope=False) != expected
+    # The prompt's log-probabilities, from the engine's prompt logprobs, equal transformers' at every position
+    # (where a tiny random model's greedy tokens may not tell two images apart, these do).
+    reference = _hf_logprobs(folder, ids, images, pixels)
+    assert (reference - _hf_logprobs(folder, other_ids, other_images, other_pixels)).abs().max() > 1e-2
+    if _qwen(folder):  # as do the three positions M-RoPE gives them
+        assert (reference - _hf_logprobs(folder, ids, images, pixels, mrope=False)).abs().max() > 1e-2
+    scoring = _engine(engine_factory, folder)
+    scoring.add_request("s", ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), images=images)
+    [out] = [o for o in _drain_outputs(scoring) if o.prompt_logprobs]
+    got = [p.logprob for p in out.prompt_logprobs[1:]]
+    want = [float(reference[i - 1, ids[i]]) for i in range(1, len(ids))]
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
     engine = _engine(engine_factory, folder)
     engine.add_request("a", ids, GREEDY, images=images)
     engine.add_request("b", other_ids, GREEDY, images=other_images)
@@ -201,8 +237,9 @@ def test_the_profiling_run_encodes_the_largest_image(folder: Path, engine_factor
     """A GPU's KV cache is sized after the largest step: with the largest image's encoding in it."""
     engine = _engine(engine_factory, folder)
     encoder = engine.runner.image_encoder
-    # Pixtral's tower's reach (image_size 112); a square within Qwen's image processor's max_pixels (28 * 28 * 64).
-    side = 224 if _qwen(folder) else 112
+    # Pixtral's tower's reach (image_size 112); a square within Qwen's image processor's max_pixels (8 x 8 tokens).
+    patch = _qwen_patch(folder)
+    side = 16 * patch if patch else 112
     assert encoder is not None and encoder.largest() == (side, side)
     calls = []
     encode = encoder.encode
@@ -214,4 +251,4 @@ def test_the_profiling_run_encodes_the_largest_image(folder: Path, engine_factor
     monkeypatch.setattr(encoder, "encode", spy)
     engine.runner.profile_activations()
     assert calls == [((encoder.pixel_count(side, side),), side, side)]
-    assert encoder.pixel_count(side, side) == (16 * 16 * 1176 if _qwen(folder) else 3 * 112 * 112)
+    assert encoder.pixel_count(side, side) == (16 * 16 * 6 * patch * patch if patch else 3 * 112 * 112)

@@ -845,6 +845,7 @@ def expand_image_tokens(prompt: list[int], sizes: list[tuple[int, int]]) -> tupl
 # ``<|vision_start|><|image_pad|><|vision_end|>`` for an image part, as Qwen2.5-VL's own.
 QWEN_VL_TOKENS = {"<|vision_start|>": TINY_DIMS["vocab_size"] - 3, "<|vision_end|>": TINY_DIMS["vocab_size"] - 2,
                   "<|image_pad|>": TINY_DIMS["vocab_size"] - 1}
+QWEN_VL_PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}
 QWEN_VL_CHAT_TEMPLATE = _image_chat_template(" <|vision_start|><|image_pad|><|vision_end|> ")
 
 
@@ -866,28 +867,56 @@ def _word_tokenizer(folder: Path, special: dict[str, int], chat_template: str) -
     tokenizer.save_pretrained(str(folder))
 
 
-def qwen_vl_checkpoint(folder: Path, seed: int = 0) -> Path:
-    """The Qwen2.5-VL checkpoint above with its tokenizer, chat template and image processor's file
-    (``preprocessor_config.json``: transformers' Qwen2-VL image processor)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLTextConfig
+def qwen_vl_checkpoint(folder: Path, seed: int = 0, model_type: str = "qwen2_5_vl") -> Path:
+    """The Qwen2.5-VL checkpoint above (or, ``model_type`` "qwen3_vl", a Qwen3-VL one: Qwen3's layer under M-RoPE
+    over interleaved columns, a tower over patches of 16 pixels whose two blocks' features also join the first two
+    layers, the deepstack; "qwen3_vl_moe": the same around Qwen3-MoE's layer) with its tokenizer, chat template and image processor's file (``preprocessor_config.json``:
+    transformers' Qwen2-VL image processor, images of 4 to 64 tokens)."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLTextConfig,
+        Qwen3VLConfig,
+        Qwen3VLMoeConfig,
+        Qwen3VLMoeTextConfig,
+        Qwen3VLTextConfig,
+    )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    config = Qwen2_5_VLConfig(
-        text_config=Qwen2_5_VLTextConfig(**TINY_DIMS, rope_parameters={
-            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}).to_dict(),
-        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "window_size": 56,
-                       "out_hidden_size": TINY_DIMS["hidden_size"], "fullatt_block_indexes": [1]},
-        image_token_id=QWEN_VL_TOKENS["<|image_pad|>"], vision_start_token_id=QWEN_VL_TOKENS["<|vision_start|>"],
-        vision_end_token_id=QWEN_VL_TOKENS["<|vision_end|>"], tie_word_embeddings=False,
-    )
+    tokens = {"image_token_id": QWEN_VL_TOKENS["<|image_pad|>"], "vision_start_token_id": QWEN_VL_TOKENS["<|vision_start|>"],
+              "vision_end_token_id": QWEN_VL_TOKENS["<|vision_end|>"], "tie_word_embeddings": False}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    vision3 = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 16,
+               "out_hidden_size": TINY_DIMS["hidden_size"], "deepstack_visual_indexes": [0, 1],
+               "num_position_embeddings": 64}
+    if model_type == "qwen3_vl":
+        config: Any = Qwen3VLConfig(
+            text_config=Qwen3VLTextConfig(**TINY_DIMS, rope_parameters={**rope, "mrope_interleaved": True}).to_dict(),
+            vision_config=vision3, **tokens,
+        )
+    elif model_type == "qwen3_vl_moe":  # Qwen3-MoE's layer (a dense one at 1) under the same
+        config = Qwen3VLMoeConfig(
+            text_config=Qwen3VLMoeTextConfig(**TINY_DIMS, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+                                             mlp_only_layers=[1],
+                                             rope_parameters={**rope, "mrope_interleaved": True}).to_dict(),
+            vision_config=vision3, **tokens,
+        )
+    else:
+        config = Qwen2_5_VLConfig(
+            text_config=Qwen2_5_VLTextConfig(**TINY_DIMS, rope_parameters=rope).to_dict(),
+            vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "window_size": 56,
+                           "out_hidden_size": TINY_DIMS["hidden_size"], "fullatt_block_indexes": [1]},
+            **tokens,
+        )
     build_checkpoint(config, folder, seed)
     _word_tokenizer(folder, QWEN_VL_TOKENS, QWEN_VL_CHAT_TEMPLATE)
-    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64).save_pretrained(str(folder))
+    step = 2 * QWEN_VL_PATCH[model_type]
+    Qwen2VLImageProcessorPil(patch_size=QWEN_VL_PATCH[model_type], min_pixels=step * step * 4,
+                             max_pixels=step * step * 64).save_pretrained(str(folder))
     return folder
 
 
 def qwen_vl_pixels(folder: Path, image: Any) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """transformers' processing of one PIL image for the checkpoint: its patches ``[t * h * w, 3 * 2 * 14 * 14]``
+    """transformers' processing of one PIL image for the checkpoint: its patches ``[t * h * w, 3 * 2 * p * p]``
     (float32) and their grid (t, h, w)."""
     from transformers import AutoImageProcessor
 

@@ -34,6 +34,7 @@ from router.main import build_parser
 from router.tokenization import PromptProcessor
 from tests.engine.tiny_models import (
     IMAGE_TOKENS,
+    QWEN_VL_PATCH,
     QWEN_VL_TOKENS,
     expand_image_tokens,
     expand_qwen_vl_tokens,
@@ -335,7 +336,8 @@ def _expected_qwen(folder: pathlib.Path, prompts: PromptProcessor, messages: lis
     image's patches as transformers' processor makes them, with the resized image's height and width."""
     processed = [qwen_vl_pixels(folder, picture) for picture in pictures]
     ids, spans = expand_qwen_vl_tokens(_rendered(prompts, messages), [grid for _, grid in processed])
-    return ids, spans, [(patches, h * 14, w * 14) for patches, (_, h, w) in processed]
+    patch = QWEN_VL_PATCH[json.loads((folder / "config.json").read_text())["model_type"]]
+    return ids, spans, [(patches, h * patch, w * patch) for patches, (_, h, w) in processed]
 
 
 def test_qwen_vl_images_reach_the_engines_as_its_processor_makes_them(
@@ -491,3 +493,22 @@ def test_image_urls_are_fetched_from_the_allowed_hosts_only(
         port = image_server.rsplit(":", 1)[1]
         _refusal(httpx.post(f"{server.url}{CHAT}", timeout=10, json=_chat(
             [_text("w3"), _part(f"http://localhost:{port}/cat.png")])), param, "not localhost")
+
+
+def test_qwen3_vl_images_reach_the_engines_as_its_processor_makes_them(
+    redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Qwen3-VL's processing is Qwen2.5-VL's over patches of 16 pixels (32 a token's side)."""
+    folder = qwen_vl_checkpoint(tmp_path_factory.mktemp("qwen3_vl"), model_type="qwen3_vl")
+    prompts = PromptProcessor.from_model_dir(folder)
+    images = ModelImages.from_model_dir(folder, prompts.tokenizer)
+    assert images.model_type == "qwen3_vl" and images.processor is not None
+    pictures = [_image(13, 200, 300)]
+    messages = [{"role": "user", "content": [_text("w11 "), _part(_data_url(pictures[0])), _text(" w12")]}]
+    ids, spans, pixels = _expected_qwen(folder, prompts, messages, pictures)
+    assert [length for _, length in spans] == [54]  # resized to 192 x 288: 12 x 18 patches of 16, 2 x 2 a token
+    with fake_stack(redis_url, prompts, REPLY, images=images) as (server, cluster):
+        response = httpx.post(f"{server.url}{CHAT}", json={"messages": messages, "max_tokens": 2}, timeout=10)
+        assert response.status_code == 200, response.text
+        [sent] = cluster.requests()
+        _check_images(sent, ids, spans, pixels)

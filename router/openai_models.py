@@ -420,7 +420,7 @@ class ChatMessage(BaseModel):
                 try:
                     url = ImagePart.model_validate(part).url
                 except ValidationError:
-                    raise bad_request("image_url must be a data URL, or an object with one as 'url'",
+                    raise bad_request("image_url must be a URL (data: or http(s)), or an object with one as 'url'",
                                       param=f"{param}.image_url") from None
                 images.append(ImageRef(f"{param}.image_url", url))
                 parts.append({"type": "image"})

@@ -223,7 +223,8 @@ BAD_IMAGES = [
      "messages.0.content.0.image_url", "could not be decoded"),
     ([_part(_data_url(_image(8), "TIFF").replace("image/tiff", "image/png"))],  # a format not read
      "messages.0.content.0.image_url", "could not be decoded"),
-    ([{"type": "image_url", "image_url": {"detail": "low"}}], "messages.0.content.0.image_url", "data URL"),
+    ([{"type": "image_url", "image_url": {"detail": "low"}}], "messages.0.content.0.image_url",
+     "or an object with one as 'url'"),
     ([{"type": "input_audio", "input_audio": {}}], "messages.0.content.0", "only text and image_url"),
     ([_part(PNG)] * 5, "messages.0.content.4.image_url", "at most 4 image(s) (--limit-mm-per-prompt)"),
     ([_text("w3 [IMG] w4"), _part(PNG)], "messages", "placed 2 image token(s) for 1 image(s)"),

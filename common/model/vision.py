@@ -16,8 +16,7 @@ Families (``common.model.arch.IMAGE_INPUT_TYPES``):
   Its language model's M-RoPE gives an image's tokens the positions (t, t + row, t + column) from the position
   t the image starts at, and the text after it positions from t + its larger side in tokens on, so every
   token after an image turns by its index plus a (negative) delta (transformers' ``get_rope_index``).
-
-- Qwen3-VL and Qwen3-VL-MoE (``qwen3_vl``, ``qwen3_vl_moe``): Qwen2.5-VL's patches and positions, M-RoPE over
+- Qwen3-VL and Qwen3-VL-MoE (``qwen3_vl``, ``qwen3_vl_moe``): Qwen2.5-VL's patches (of 16 pixels) and positions, M-RoPE over
   interleaved columns, and the deepstack: features of the tower's earlier blocks added to the image tokens'
   stream after each of the language model's first layers.
 

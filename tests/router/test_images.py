@@ -12,7 +12,6 @@ import io
 import json
 import pathlib
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -430,11 +429,13 @@ def test_qwen_vl_folders_that_do_not_fit_are_refused_at_start(
 # Images by URL: a real HTTP server on this host, fetched from only where --allowed-media-domains says.
 class _ImageServer(http.server.BaseHTTPRequestHandler):
     routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
+    # "/slow" answers only once the test has seen the fetch time out (or after a generous deadline).
+    release = threading.Event()
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         status, headers, body = self.routes.get(self.path, (404, {}, b""))
         if self.path == "/slow":
-            time.sleep(1.5)
+            self.release.wait(timeout=60)
         self.send_response(status)
         for key, value in {"Content-Length": str(len(body)), **headers}.items():
             self.send_header(key, value)
@@ -462,6 +463,7 @@ def image_server() -> Iterator[str]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{port}"
+    _ImageServer.release.set()
     server.shutdown()
     server.server_close()
 
@@ -491,6 +493,7 @@ def test_image_urls_are_fetched_from_the_allowed_hosts_only(
             response = httpx.post(f"{server.url}{CHAT}", timeout=10, json=_chat(
                 [_text("w3"), _part(image_server + path)]))
             _refusal(response, param, words)
+        _ImageServer.release.set()  # the slow answer may go now: the fetch gave up on it
         port = image_server.rsplit(":", 1)[1]
         _refusal(httpx.post(f"{server.url}{CHAT}", timeout=10, json=_chat(
             [_text("w3"), _part(f"http://localhost:{port}/cat.png")])), param, "not localhost")

@@ -58,7 +58,8 @@ class DecodeTarget(msgspec.Struct, frozen=True):
 
 class ImageInput(msgspec.Struct, kw_only=True):
     """One image of a prompt, as the router's image processor (the model folder's own) made it: the pixels the
-    vision tower reads, float32 ``[3, height, width]`` row-major, and the span of prompt positions its tokens
+    vision tower reads, float32 row-major in its family's layout (``ImageEncoder.pixel_count``: Pixtral's
+    ``[3, height, width]``, Qwen's patches of the image resized to ``height`` x ``width``), and the span of prompt positions its tokens
     take (``offset``, ``length``): the model's image token at each position its features replace, in order,
     and whatever other tokens the processor put between them (Pixtral's row breaks and end). ``digest``
     (sha256 of the pixels and their shape, hex) is its identity in the block hashes of the blocks the span
@@ -70,6 +71,11 @@ class ImageInput(msgspec.Struct, kw_only=True):
     width: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
     digest: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
     pixel_values: Annotated[bytes, msgspec.Meta(max_length=MAX_IMAGE_BYTES)]
+
+
+def image_spans(images: list[ImageInput]) -> list[tuple[int, int, str]]:
+    """The images' spans and digests, as the block hashes take them (``compute_block_hashes(images=...)``)."""
+    return [(image.offset, image.length, image.digest) for image in images]
 
 
 def image_digest(pixels: bytes, height: int, width: int) -> str:

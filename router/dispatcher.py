@@ -35,6 +35,7 @@ from common.protocol import (
     ImageInput,
     RequestOutput,
     choice_request_ids,
+    image_spans,
     merge_outputs,
 )
 from common.registry import NO_KV_TRANSFER, InstanceInfo, PrefixIndex
@@ -395,7 +396,7 @@ class Dispatcher:
             groups.setdefault((info.block_size, info.model), set()).add(info.instance_id)
         matched: dict[str, int] = {}
         num_blocks = 0
-        spans = [(image.offset, image.length, image.digest) for image in images or ()]
+        spans = image_spans(images or [])
         for (block_size, model), ids in groups.items():
             hashes = compute_block_hashes(prompt, block_size, adapter_model_key(model, lora_name), salt, images=spans)
             num_blocks = max(num_blocks, len(hashes))

@@ -211,7 +211,7 @@ class ModelRunner:
             raise ValueError(f"images: {self.images_refused}")
         prompt = req.prompt_token_ids
         token = encoder.image_token_id
-        end = 0
+        end = inside = 0
         for k, image in enumerate(req.images):
             if image.offset < end or image.offset + image.length > len(prompt):
                 raise ValueError(f"images[{k}]: its span [{image.offset}, {image.offset + image.length}) overlaps "
@@ -226,7 +226,8 @@ class ModelRunner:
                 raise ValueError(f"images[{k}]: its span holds {count} image tokens (id {token}) for an image of "
                                  f"{encoder.num_features(image.height, image.width)} features")
             end = image.offset + image.length
-        if prompt.count(token) != sum(prompt[i.offset:i.offset + i.length].count(token) for i in req.images):
+            inside += count
+        if prompt.count(token) != inside:
             raise ValueError(f"prompt: the image token (id {token}) outside its images' spans")
         req.mrope = encoder.rope_positions(len(prompt), req.images)
 

@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from common.kvcache.hashing import BlockHash, adapter_model_key, compute_block_hashes
-from common.protocol import EVERY_TOKEN_POOLING
+from common.protocol import EVERY_TOKEN_POOLING, image_spans
 from common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -152,12 +152,8 @@ class Request:
         model_id = adapter_model_key(model_id, lora_name)
         self._model_id = model_id
         self.block_hashes: list[BlockHash] = compute_block_hashes(
-            self.all_token_ids, block_size, model_id, cache_salt, images=self.image_spans
+            self.all_token_ids, block_size, model_id, cache_salt, images=image_spans(self.images)
         )
-
-    @property
-    def image_spans(self) -> list[tuple[int, int, str]]:
-        return [(image.offset, image.length, image.digest) for image in self.images]
 
     @property
     def num_tokens(self) -> int:

@@ -45,7 +45,7 @@ correctness):
 - AFMoE is Gemma's four norms in OLMo's form, per-head q/k norms, a sigmoid gate on the attention's output,
   Cohere 2's unrotated global layers and MiniMax-M2's router, scaled.
 - Image-text checkpoints (Gemma 3, Mistral 3, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) are served as their
-  ``text_config``'s family; Mistral 3's images too (``common.model.vision``), the others' text only.
+  ``text_config``'s family; their images too (``common.model.vision``) but Gemma 3's.
 - Cohere (``cohere``) and Cohere 2 (``cohere2``) rotate interleaved pairs too, in float32; their norms are
   LayerNorms without bias (``NORM_LAYER``), attention and MLP read the same norm side by side, and the
   logits are scaled by ``logit_scale``; Cohere 2 windows its sliding layers and rotates only those.

@@ -124,7 +124,8 @@ class ImageEncoder:
         raise NotImplementedError
 
     def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
-        """The features ``[num_features, text hidden]`` of one image from its ``pixel_count`` float32 values, as
+        """The features ``[num_features, text hidden]`` of one image (Qwen3-VL's: its deepstack features beside,
+        ``Qwen3VLEncoder``) from its ``pixel_count`` float32 values, as
         transformers computes them for it alone (an image attends only to itself in these towers, so one at a
         time is the same image)."""
         raise NotImplementedError

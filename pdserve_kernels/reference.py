@@ -13,6 +13,9 @@ Layouts (shared with pdserve_kernels/triton_*.py; a Triton kernel must accept ex
   ``context_lens[s] - q_len .. context_lens[s] - 1`` and attends causally.
 - ``sliding_window``: ``None`` (or 0) for full attention; ``w`` lets the query at position ``p`` see
   keys ``p - w + 1 .. p`` only (itself and the ``w - 1`` before it), as transformers' sliding masks do.
+- ``key_limits`` (prefill only): ``None``, or per query token the position of the last key it sees, its own or
+  a later one within its chunk (an image's tokens that attend to each other both ways, Gemma 3's: each sees
+  up to the image's last token); a window still counts back from the query's own position.
 - ``soft_cap``: ``None`` (or 0), or ``c`` to turn each scaled score ``s`` into ``c * tanh(s / c)``
   before the mask and softmax (Gemma 2's attention logit soft-capping).
 - ``latent``: the cache holds one vector per token and KV head split in halves, its first half in the K
@@ -277,12 +280,14 @@ def paged_prefill_attention(
     soft_cap: float | None = None,
     sinks: Tensor | None = None,
     latent: bool = False,
+    key_limits: Tensor | None = None,
 ) -> Tensor:
     """Varlen attention for chunks whose earlier context (and the chunk itself) is in the cache.
 
-    ``query`` ``[num_tokens, num_heads, head_size]``; causal within each chunk. Sequences whose
-    chunk is a single token take the batched decode path. ``latent`` as ``paged_decode_attention``'s.
-    Does not modify the cache.
+    ``query`` ``[num_tokens, num_heads, head_size]``; causal within each chunk, or up to ``key_limits``
+    ``[num_tokens]`` (the position of the last key each token sees). Sequences whose chunk is a single
+    token take the batched decode path (such a token's limit is its own position). ``latent`` as
+    ``paged_decode_attention``'s. Does not modify the cache.
     """
     num_heads = query.shape[1]
     num_kv_heads, cache_head_size = kv_layer.shape[3], kv_layer.shape[4]
@@ -311,6 +316,9 @@ def paged_prefill_attention(
         q = query[starts[s] : starts[s + 1]].transpose(0, 1).to(k.dtype)  # [num_heads, q_len, head_size]
         # The chunk holds the last q_len positions: query i sees keys 0 .. ctx - q_len + i.
         visible = torch.ones(q_len, ctx, dtype=torch.bool, device=query.device).tril(ctx - q_len)
+        if key_limits is not None:  # ... or up to its limit
+            key_pos = torch.arange(ctx, device=query.device)
+            visible = key_pos[None, :] <= key_limits[starts[s] : starts[s + 1], None].long()
         if sliding_window:  # ... and no key more than sliding_window - 1 before it
             visible = visible.triu(ctx - q_len - sliding_window + 1)
         o = _attention(q, k, v, visible, scale, group, soft_cap, sinks)

@@ -7,7 +7,9 @@ of those starts are at or below its id. A tile holds ``BLOCK_Q`` query tokens ti
 of one KV group, so a K/V tile is read once per group. Softmax is online, in float32, causal within
 the chunk (the chunk's token ``i`` sits at position ``context_len - q_len + i``). With a sliding
 ``window`` a query sees only the ``window - 1`` keys before it, and a tile skips keys that no row
-of it can see; the wrapper passes a huge window for full attention.
+of it can see; the wrapper passes a huge window for full attention. With ``key_limits`` a query sees keys up
+to its own limit instead of its own position (an image's tokens that attend to each other both ways), and a
+tile reads keys up to its rows' largest limit.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ DEFAULT_BLOCK_N = 64
 # each value Triton tells apart (1, a multiple of 16, other) would build another variant inside a step.
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, sinks_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, sinks_ptr, key_limits_ptr, out_ptr,
     num_seqs, qk_scale, soft_cap, window,
     stride_q_tok, stride_q_head,
     stride_kv_block, stride_kv_tok, stride_kv_head,
@@ -62,7 +64,7 @@ def _prefill_kernel(
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQ_CHUNK: tl.constexpr, WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
-    KV_FP8: tl.constexpr, SINKS: tl.constexpr, LATENT: tl.constexpr,
+    KV_FP8: tl.constexpr, SINKS: tl.constexpr, LATENT: tl.constexpr, KEY_LIMITS: tl.constexpr,
 ):
     """``LATENT``: as ``triton_decode._decode_kernel``'s (keys and values one vector, split across the slots);
     so are ``G_PAD`` query heads a program of the group's, in ``HEAD_TILES`` parts."""
@@ -99,6 +101,9 @@ def _prefill_kernel(
     row_mask = (toks < tok_end) & (head0 + offs_m % G_PAD < GROUP)
     d_mask = offs_d < HEAD_SIZE
     q_pos = prefix_len + toks
+    q_limit = q_pos  # the last key each row sees
+    if KEY_LIMITS:
+        q_limit = tl.load(key_limits_ptr + q_start + toks, mask=row_mask, other=0).to(tl.int32)
 
     q_rows = (q_start + toks).to(tl.int64) * stride_q_tok + heads * stride_q_head
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
@@ -113,6 +118,8 @@ def _prefill_kernel(
     # Keys past the tile's last query position are masked for every row; a tile past the chunk's
     # end does no work at all.
     kv_end = tl.minimum(ctx_len, prefix_len + tile_tok0 + BLOCK_Q)
+    if KEY_LIMITS:  # ... past the largest limit of its rows
+        kv_end = tl.minimum(ctx_len, tl.maximum(kv_end, tl.max(tl.where(row_mask, q_limit, 0), axis=0) + 1))
     kv_end = tl.where(tile_valid, kv_end, 0)
     kv_start = tl.maximum(prefix_len + tile_tok0 - window + 1, 0)
 
@@ -137,7 +144,7 @@ def _prefill_kernel(
         s = s * qk_scale
         if SOFT_CAP:
             s = soft_cap_scores(s, soft_cap) * 1.4426950408889634  # log2(e), as LOG2E
-        visible = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+        visible = n_mask[None, :] & (k_pos[None, :] <= q_limit[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         # With a window, a row may see nothing in a tile (its max stays -inf): subtract 0 instead,
         # so its weights are 0 rather than NaN.
@@ -173,6 +180,7 @@ def run_paged_prefill(
     soft_cap: float | None = None,
     sinks: Tensor | None = None,
     latent: bool = False,
+    key_limits: Tensor | None = None,
 ) -> Tensor:
     """``paged_prefill_attention`` with the tiling exposed; ``block_n`` None: ``DEFAULT_BLOCK_N``, or
     less where the GPU's shared memory cannot hold that tile (``launch_fitting``)."""
@@ -183,6 +191,8 @@ def run_paged_prefill(
     check_index("query_start_loc", query_start_loc, num_seqs + 1, query.device)
     check_block_tables(block_tables, num_seqs, query.device)
     check_sinks(sinks, num_heads, query.device)
+    if key_limits is not None:
+        check_index("key_limits", key_limits, query.shape[0], query.device)
     if out is None:
         out = torch.empty_like(query)
     check_out(out, query)
@@ -206,12 +216,13 @@ def run_paged_prefill(
         SEQ_CHUNK=SEQ_CHUNK,
         SOFT_CAP=scores["SOFT_CAP"],
         **kv_constexprs(kv_layer.dtype, query.dtype, query.device), SINKS=sinks is not None, LATENT=latent,
-        **launch_options(num_warps, num_stages),
+        KEY_LIMITS=key_limits is not None, **launch_options(num_warps, num_stages),
     )
 
     def launch(tile: int) -> None:
         _prefill_kernel[grid](
-            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, query if sinks is None else sinks, out,
+            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, query if sinks is None else sinks,
+            context_lens if key_limits is None else key_limits, out,
             num_seqs, scores["qk_scale"], scores["soft_cap"], sliding_window or FULL_WINDOW,
             query.stride(0), query.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -236,6 +247,7 @@ def paged_prefill_attention(
     soft_cap: float | None = None,
     sinks: Tensor | None = None,
     latent: bool = False,
+    key_limits: Tensor | None = None,
 ) -> Tensor:
     """Varlen causal chunks over paged context; see ``pdserve_kernels.reference.paged_prefill_attention``.
 
@@ -244,5 +256,5 @@ def paged_prefill_attention(
     """
     return run_paged_prefill(
         query, kv_layer, block_tables, query_start_loc, context_lens, scale, out, sliding_window=sliding_window,
-        soft_cap=soft_cap, sinks=sinks, latent=latent,
+        soft_cap=soft_cap, sinks=sinks, latent=latent, key_limits=key_limits,
     )

@@ -42,7 +42,7 @@ from common.model.parallel import SINGLE, TensorParallel
 from common.model.quantization import check_quantization
 from common.model.vision import ImageEncoder, ImageEncoderRefused, load_image_encoder
 from common.model.weights import load_hf_config, load_model
-from common.protocol import EVERY_TOKEN_POOLING, PromptLogprob, TokenLogprob
+from common.protocol import EVERY_TOKEN_POOLING, ImageInput, PromptLogprob, TokenLogprob
 from common.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve_kernels import get_kernels, resolve_backend
 from pdserve_kernels.reference import cache_bytes
@@ -230,6 +230,8 @@ class ModelRunner:
         if prompt.count(token) != inside:
             raise ValueError(f"prompt: the image token (id {token}) outside its images' spans")
         req.mrope = encoder.rope_positions(len(prompt), req.images)
+        if encoder.bidirectional:
+            req.image_groups = [_image_group(prompt, image, token, k) for k, image in enumerate(req.images)]
 
     def image_rows(self, out: SchedulerOutput, query_start: list[int]) -> tuple[Tensor, Tensor] | None:
         """The rows of this step's input that are image tokens, and the features that replace their embeddings
@@ -264,6 +266,23 @@ class ModelRunner:
         if not rows:
             return None
         return long_tensor(rows, self.device), torch.cat(parts).to(self.dtype)
+
+    def key_limits(self, out: SchedulerOutput, positions: Tensor, query_start: list[int]) -> Tensor | None:
+        """Each of this step's tokens' last visible key where a prompt chunk holds tokens of an image that attend
+        to each other both ways (``Request.image_groups``): the image's last token for those, else the token's own
+        position (from ``positions``, the tokens' indices); None where no chunk holds any."""
+        limits: Tensor | None = None
+        for i, s in enumerate(out.scheduled):
+            start = s.request.num_computed_tokens
+            end = start + s.num_new_tokens
+            for first, stop in s.request.image_groups:
+                lo, hi = max(start, first), min(end, stop)
+                if lo >= hi:
+                    continue
+                if limits is None:
+                    limits = positions.clone()
+                limits[query_start[i] + lo - start : query_start[i] + hi - start] = stop - 1
+        return limits
 
     def rope_positions(self, out: SchedulerOutput, positions: Tensor, query_start: list[int]
                        ) -> tuple[Tensor | None, Tensor]:
@@ -467,10 +486,12 @@ class ModelRunner:
             self.kernels.copy_blocks(self.kv_cache, long_tensor(src, dev), long_tensor(dst, dev))
         inputs = self.input_batch.prepare(out.scheduled)
         graphs = self.decode_graphs
-        images = rope = None
+        images = rope = limits = None
         if self.image_encoder is not None and any(s.request.images for s in out.scheduled):
             query_start = inputs.query_start_loc.tolist()
             images = self.image_rows(out, query_start)
+            if self.image_encoder.bidirectional:
+                limits = self.key_limits(out, inputs.positions, query_start)
             rope, positions = self.rope_positions(out, inputs.positions, query_start)
             if positions is not inputs.positions:  # only the rotation reads them (the slots are computed)
                 inputs = dataclasses.replace(inputs, positions=positions)
@@ -493,7 +514,7 @@ class ModelRunner:
         lora_select = self.lora.batch.select if adapted and self.lora is not None else None
         if self.tp_leader is None:
             hidden = self._forward(inputs, input_ids, on_device[1:], replay, lora_select, images,
-                                   None if rope is None else rope.to(dev))
+                                   None if rope is None else rope.to(dev), None if limits is None else limits.to(dev))
         else:  # the other ranks run the same forward on their shares, in step with this one
             with self.tp_leader.in_step():
                 self.tp_leader.step(
@@ -570,9 +591,10 @@ class ModelRunner:
 
     def _forward(self, inputs: BatchInputs, input_ids: Tensor, on_device: list[Tensor], replay: bool,
                  lora_select: Tensor | None, images: tuple[Tensor, Tensor] | None = None,
-                 rope: Tensor | None = None) -> Tensor:
+                 rope: Tensor | None = None, key_limits: Tensor | None = None) -> Tensor:
         """The hidden states of a step whose inputs are on the device (``on_device``: positions, slot
-        mapping, context lengths, block tables and, unless it replays a decode graph, query starts)."""
+        mapping, context lengths, block tables and, unless it replays a decode graph, query starts; ``key_limits``:
+        ``key_limits``'s)."""
         positions, slot_mapping, context_lens, block_tables = on_device[:4]
         if replay:
             assert self.decode_graphs is not None
@@ -582,7 +604,8 @@ class ModelRunner:
                 context_lens=context_lens, block_tables=block_tables), lora_select)
         meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, query_start_loc=on_device[4],
                                  context_lens=context_lens, max_query_len=inputs.max_query_len,
-                                 host_query_start_loc=inputs.query_start_loc, host_context_lens=inputs.context_lens)
+                                 host_query_start_loc=inputs.query_start_loc, host_context_lens=inputs.context_lens,
+                                 key_limits=key_limits)
         if images is not None or rope is not None:
             hidden: Tensor = self.model(input_ids, positions, meta, self.kv_cache, images, rope)
         else:
@@ -670,3 +693,13 @@ class ModelRunner:
                     collected.append(PromptLogprob(token, line[0], int(line[1]), alts))
                 at += count
                 pending.done(collected, count)
+
+
+def _image_group(prompt: list[int], image: ImageInput, token: int, k: int) -> tuple[int, int]:
+    """The positions [first, end) of an image's tokens (``token``) in its span, which must be one run."""
+    span = prompt[image.offset:image.offset + image.length]
+    first = span.index(token)
+    end = first + span[first:].count(token)
+    if span[first:end].count(token) != end - first:
+        raise ValueError(f"images[{k}]: its image tokens (id {token}) must be one run in its span")
+    return image.offset + first, image.offset + end

@@ -148,6 +148,9 @@ class Request:
         # M-RoPE's positions of the prompt ``[3, num_prompt_tokens]`` and the shift of every position after it,
         # where its images make them differ from the tokens' indices (``ImageEncoder.rope_positions``).
         self.mrope: tuple[np.ndarray, int] | None = None
+        # The prompt positions [first, end) of each image whose tokens attend to each other both ways (Gemma 3's;
+        # ``ModelRunner.check_images``): a prompt chunk never ends inside one (``Scheduler``).
+        self.image_groups: list[tuple[int, int]] = []
         self._block_size = block_size
         model_id = adapter_model_key(model_id, lora_name)
         self._model_id = model_id

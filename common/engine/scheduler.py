@@ -100,6 +100,13 @@ class Scheduler:
                 f"n={request.sampling_params.n} exceeds max_num_seqs {self.max_num_seqs}: a request's choices "
                 "are sampled side by side; lower n or raise --max-num-seqs"
             )
+        for k, (first, stop) in enumerate(request.image_groups):
+            if stop - first > self.max_num_batched_tokens:
+                raise ValueError(
+                    f"images[{k}]: its {stop - first} tokens attend to each other both ways, so one step prefills "
+                    f"them together, more than max_num_batched_tokens {self.max_num_batched_tokens}; raise "
+                    "--max-num-batched-tokens"
+                )
         longest = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len)
         if not self.kv.can_fit(longest):
             raise ValueError(
@@ -177,7 +184,10 @@ class Scheduler:
                 i += 1
                 continue
             if num_new > 1:
-                num_new = min(self._capped(num_new), budget)
+                num_new = self._whole_images(req, min(self._capped(num_new), budget), budget)
+                if num_new == 0:  # the next image does not fit what is left of the budget: it waits a step
+                    i += 1
+                    continue
             elif req.spec_token_ids:
                 # A decode with drafts: as many as the budget and the free blocks take, none before a
                 # running request is preempted for them.
@@ -227,8 +237,8 @@ class Scheduler:
             if num_new > budget and not self.enable_chunked_prefill:
                 self._undo_hit(req, computed_blocks)
                 break
-            num_new = min(self._capped(num_new), budget)
-            if not self.kv.allocate_slots(req, num_new, computed_blocks):
+            num_new = self._whole_images(req, min(self._capped(num_new), budget), budget)
+            if num_new == 0 or not self.kv.allocate_slots(req, num_new, computed_blocks):
                 self._undo_hit(req, computed_blocks)
                 break
             if req.num_cached_tokens < 0:
@@ -261,6 +271,21 @@ class Scheduler:
 
     def _capped(self, num_new: int) -> int:
         return min(num_new, self.max_prefill_chunk) if self.max_prefill_chunk > 0 else num_new
+
+    @staticmethod
+    def _whole_images(req: Request, num_new: int, budget: int) -> int:
+        """``num_new`` prompt tokens from where ``req`` stands, cut back so that the chunk does not end inside an
+        image whose tokens attend to each other both ways (``Request.image_groups``): to the image's start, or,
+        for a chunk that starts inside or at it, on to its end where ``budget`` allows (past a
+        ``long_prefill_token_threshold``), else 0 (it waits)."""
+        start = req.num_computed_tokens
+        end = start + num_new
+        for first, stop in req.image_groups:
+            if first < end < stop:
+                if first > start:
+                    return first - start
+                return stop - start if stop - start <= budget else 0
+        return num_new
 
     def _undo_hit(self, req: Request, computed_blocks: list[KVBlock]) -> None:
         if computed_blocks:

@@ -45,7 +45,7 @@ correctness):
 - AFMoE is Gemma's four norms in OLMo's form, per-head q/k norms, a sigmoid gate on the attention's output,
   Cohere 2's unrotated global layers and MiniMax-M2's router, scaled.
 - Image-text checkpoints (Gemma 3, Mistral 3, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) are served as their
-  ``text_config``'s family; their images too (``common.model.vision``) but Gemma 3's.
+  ``text_config``'s family; their images too (``common.model.vision``).
 - Cohere (``cohere``) and Cohere 2 (``cohere2``) rotate interleaved pairs too, in float32; their norms are
   LayerNorms without bias (``NORM_LAYER``), attention and MLP read the same norm side by side, and the
   logits are scaled by ``logit_scale``; Cohere 2 windows its sliding layers and rotates only those.
@@ -166,7 +166,7 @@ _SOFT_CAPPED_GEMMA_TYPES = (*_SANDWICH_GEMMA_TYPES, "vaultgemma")
 # ``text_config``'s family; its images, where taken, replace their tokens' embeddings (``common.model.vision``).
 IMAGE_TEXT_TYPES = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Those whose images are implemented (``common.model.vision``); the others' images are refused by name.
-IMAGE_INPUT_TYPES = ("mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+IMAGE_INPUT_TYPES = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def image_input_refusal(model_type: str) -> str:

@@ -66,6 +66,9 @@ class AttentionMetadata:
     # them there: reading the device's would wait for everything queued before it).
     host_query_start_loc: Tensor | None = None
     host_context_lens: Tensor | None = None
+    # Per token, the position of the last key it sees where a step's prompt chunk holds an image whose tokens
+    # attend to each other both ways (``ModelRunner.key_limits``); None: causal.
+    key_limits: Tensor | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -265,6 +268,7 @@ class Attention(nn.Module):
             o = self.kernels.paged_prefill_attention(
                 q, kv_layer, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale,
                 sliding_window=self.sliding_window, soft_cap=self.soft_cap, **self._sinks(),
+                **({} if meta.key_limits is None else {"key_limits": meta.key_limits}),
             )
         o = o.reshape(n, self.num_heads * self.head_size)
         if self.output_gate is not None:

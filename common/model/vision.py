@@ -20,7 +20,11 @@ Families (``common.model.arch.IMAGE_INPUT_TYPES``):
   interleaved columns, and the deepstack: features of the tower's earlier blocks added to the image tokens'
   stream after each of the language model's first layers.
 
-Gemma 3 (its image tokens attend to each other both ways) is served as text; its images are refused by name.
+- Gemma 3 (``gemma3``): a SigLIP tower over the image resized to its one size (``[3, image_size, image_size]``),
+  its patches' features averaged into ``mm_tokens_per_image`` tokens, normed (Gemma's ``1 + weight``) and
+  projected. An image's tokens attend to each other both ways in the language model, as transformers masks them
+  (``bidirectional``): each sees up to the image's last token, so a prompt chunk holds an image whole
+  (``common.engine.scheduler``).
 """
 
 from __future__ import annotations
@@ -60,8 +64,8 @@ def load_image_encoder(path: Path, dtype: torch.dtype, device: torch.device) -> 
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(path))
-    family = {"mistral3": PixtralEncoder, "qwen2_5_vl": QwenVLEncoder, "qwen3_vl": Qwen3VLEncoder,
-              "qwen3_vl_moe": Qwen3VLEncoder}[model_type]
+    family = {"gemma3": Gemma3Encoder, "mistral3": PixtralEncoder, "qwen2_5_vl": QwenVLEncoder,
+              "qwen3_vl": Qwen3VLEncoder, "qwen3_vl_moe": Qwen3VLEncoder}[model_type]
     return family(config, path, dtype, device)
 
 
@@ -72,6 +76,9 @@ class ImageEncoder:
 
     image_token_id: int
     step: int
+    # Whether an image's tokens attend to each other both ways in the language model (Gemma 3's), not causally:
+    # a prompt chunk then holds each image whole (``Request.image_groups``).
+    bidirectional = False
     # The checkpoint's tensors this encoder loads: their names' first part (after an optional ``model.``).
     prefixes: tuple[str, ...] = ()
 
@@ -175,6 +182,51 @@ class PixtralEncoder(ImageEncoder):
         out = tower(pixels.view(1, 3, height, width), image_sizes=sizes, output_hidden_states=True, return_dict=True)
         hidden = torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1)
         features: Tensor = projector(hidden.squeeze(0), sizes)
+        return features
+
+
+class Gemma3Encoder(ImageEncoder):
+    """Gemma 3's: a SigLIP tower, then the projector (average pooling to ``mm_tokens_per_image`` tokens, Gemma's
+    RMSNorm, the projection). Every image is the one size the tower takes; its tokens attend to each other both
+    ways."""
+
+    prefixes = ("vision_tower", "multi_modal_projector")
+    bidirectional = True
+
+    def __init__(self, config: Any, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+        self.image_token_id = int(config.image_token_id)
+        self.side = int(config.vision_config.image_size)
+        self.step = self.side
+        self.tokens = int(config.mm_tokens_per_image)
+        super().__init__(config, path, dtype, device)
+
+    def build(self, config: Any) -> nn.Module:
+        from transformers import AutoModel
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+        modules = nn.Module()
+        modules.vision_tower = AutoModel.from_config(config.vision_config)
+        modules.multi_modal_projector = Gemma3MultiModalProjector(config)
+        return modules
+
+    def num_features(self, height: int, width: int) -> int:
+        return self.tokens
+
+    def largest(self) -> tuple[int, int]:
+        return self.side, self.side
+
+    def too_large(self, height: int, width: int) -> str | None:
+        if (height, width) != (self.side, self.side):
+            return f"the vision tower takes images of {self.side} x {self.side} pixels only"
+        return None
+
+    @torch.inference_mode()
+    def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
+        tower: nn.Module = self.modules.get_submodule("vision_tower")
+        projector: nn.Module = self.modules.get_submodule("multi_modal_projector")
+        hidden = tower(pixel_values=pixels.view(1, 3, height, width).to(next(tower.parameters()).dtype),
+                       return_dict=True).last_hidden_state
+        features: Tensor = projector(hidden)[0]
         return features
 
 

@@ -1,12 +1,13 @@
-"""An image-text model's images through the engine (Mistral 3: a Pixtral tower, the patch merger): greedy output
-equals transformers' ``generate`` with the same pixels, whatever the chunks cut, what the prefix cache holds,
-a preemption, or a hand-off from prefill to decode; the blocks an image reaches are hashed under it; bad
+"""An image-text model's images through the engine (Gemma 3, Mistral 3, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE): greedy
+output equals transformers' ``generate`` with the same pixels, whatever the chunks cut, what the prefix cache
+holds, a preemption, or a hand-off from prefill to decode; the blocks an image reaches are hashed under it; bad
 image inputs are refused by name."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -15,15 +16,21 @@ import torch
 
 from common.engine.engine import LLMEngine
 from common.engine.request import RequestStatus
+from common.engine.scheduler import Scheduler
 from common.protocol import ImageInput, image_digest
 from common.sampling_params import SamplingParams
 from tests.engine.test_disaggregated_lifecycle import _drain, hand_over
 from tests.engine.tiny_models import (
+    GEMMA3_IMAGE_SIDE,
+    GEMMA3_TOKENS,
     IMAGE_TOKENS,
     QWEN_VL_PATCH,
     QWEN_VL_TOKENS,
+    expand_gemma3_tokens,
     expand_image_tokens,
     expand_qwen_vl_tokens,
+    gemma3_image_checkpoint,
+    gemma3_pixels,
     hf_model,
     image_pixels,
     image_text_checkpoint,
@@ -36,7 +43,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 IMG = IMAGE_TOKENS["[IMG]"]
 
 
-FAMILIES = ("mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+FAMILIES = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def _drain_outputs(engine: LLMEngine) -> list[Any]:
@@ -51,6 +58,8 @@ def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     folder = tmp_path_factory.mktemp(request.param)
     if request.param == "mistral3":
         return image_text_checkpoint(folder)
+    if request.param == "gemma3":
+        return gemma3_image_checkpoint(folder)
     return qwen_vl_checkpoint(folder, model_type=request.param)
 
 
@@ -61,6 +70,10 @@ def _qwen_patch(folder: Path) -> int | None:
 
 def _qwen(folder: Path) -> bool:
     return _qwen_patch(folder) is not None
+
+
+def _gemma(folder: Path) -> bool:
+    return json.loads((folder / "config.json").read_text())["model_type"] == "gemma3"
 
 
 def _image(seed: int, height: int, width: int):  # type: ignore[no-untyped-def]
@@ -74,17 +87,20 @@ def _request(folder: Path, seeds: tuple[int, ...], sizes: tuple[tuple[int, int],
     """A prompt of text, an image's placeholder per image (Pixtral's ``[IMG]``, Qwen's ``<|vision_start|>
     <|image_pad|><|vision_end|>``) and text between and after, expanded as the model's processor expands it; its
     images as the router sends them (Pixtral's pixels, Qwen's patches), and those."""
-    qwen = _qwen(folder)
-    special = min((QWEN_VL_TOKENS if qwen else IMAGE_TOKENS).values())
+    qwen, gemma = _qwen(folder), _gemma(folder)
+    special = min((QWEN_VL_TOKENS if qwen else GEMMA3_TOKENS if gemma else IMAGE_TOKENS).values())
     words = prompt_token_ids(9 * (len(seeds) + 1), seed=text_seed)
     words = [w if w < special else 3 for w in words]  # no image token among the words
     placeholder = ([QWEN_VL_TOKENS["<|vision_start|>"], QWEN_VL_TOKENS["<|image_pad|>"], QWEN_VL_TOKENS["<|vision_end|>"]]
-                   if qwen else [IMG])
+                   if qwen else [GEMMA3_TOKENS["<start_of_image>"]] if gemma else [IMG])
     prompt = words[:9]
     for k in range(len(seeds)):
         prompt += [*placeholder, *words[9 * (k + 1):9 * (k + 2)]]
     images = [_image(seed, *size) for seed, size in zip(seeds, sizes, strict=True)]
-    if qwen:
+    if gemma:
+        pixels = [(gemma3_pixels(folder, image), GEMMA3_IMAGE_SIDE, GEMMA3_IMAGE_SIDE) for image in images]
+        ids, spans = expand_gemma3_tokens(prompt, len(images))
+    elif qwen:
         processed = [qwen_vl_pixels(folder, image) for image in images]
         ids, spans = expand_qwen_vl_tokens(prompt, [grid for _, grid in processed])
         patch = _qwen_patch(folder) or 0
@@ -98,16 +114,23 @@ def _request(folder: Path, seeds: tuple[int, ...], sizes: tuple[tuple[int, int],
 
 
 def _hf_inputs(folder: Path, ids: list[int], images: list[ImageInput], pixels: list[torch.Tensor],
-               mrope: bool = True) -> dict[str, Any]:
+               image_aware: bool = True) -> dict[str, Any]:
     """The images as transformers' processor hands them over: Pixtral's padded into one batch with their sizes,
     Qwen's patches one after another with their grids and the image tokens marked (``mm_token_type_ids``, from
-    which transformers computes M-RoPE's positions; ``mrope`` False: every position the token's index instead)."""
+    which transformers computes M-RoPE's positions; ``image_aware`` False: every position the token's index
+    instead), Gemma 3's in one batch with the image tokens marked (``token_type_ids``, from which transformers
+    masks them to attend to each other both ways; ``image_aware`` False: causally)."""
+    if _gemma(folder):
+        kwargs = {"pixel_values": torch.stack(pixels)}
+        if image_aware:
+            kwargs["token_type_ids"] = torch.tensor([[int(t == GEMMA3_TOKENS["<image_soft_token>"]) for t in ids]])
+        return kwargs
     patch = _qwen_patch(folder)
     if patch is not None:
         kwargs = {"pixel_values": torch.cat(pixels),
                   "image_grid_thw": torch.tensor([[1, i.height // patch, i.width // patch] for i in images])}
         kwargs["mm_token_type_ids"] = torch.tensor([[int(t == QWEN_VL_TOKENS["<|image_pad|>"]) for t in ids]])
-        if not mrope:
+        if not image_aware:
             kwargs["position_ids"] = torch.arange(len(ids)).view(1, 1, -1).expand(3, 1, -1)
         return kwargs
     height, width = max(i.height for i in images), max(i.width for i in images)
@@ -127,17 +150,20 @@ def _hf_greedy(folder: Path, ids: list[int], images: list[ImageInput], pixels: l
 
 
 def _hf_logprobs(folder: Path, ids: list[int], images: list[ImageInput], pixels: list[torch.Tensor],
-                 mrope: bool = True) -> torch.Tensor:
+                 image_aware: bool = True) -> torch.Tensor:
     """transformers' log-probabilities ``[len(ids), vocab]`` over the prompt with the images."""
     with torch.inference_mode():
-        logits = hf_model(folder)(torch.tensor([ids]), **_hf_inputs(folder, ids, images, pixels, mrope)).logits[0]
+        logits = hf_model(folder)(torch.tensor([ids]), **_hf_inputs(folder, ids, images, pixels, image_aware)).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
 
 
 def _engine(engine_factory: Any, folder: Path, **overrides: object) -> LLMEngine:
-    """An engine on ``folder`` whose blocks are all checked back after the test (``engine_factory``)."""
-    config: dict[str, object] = {"model": str(folder), "block_size": 8, "num_blocks": 64,
-                                 "max_num_batched_tokens": 7, "device": "cpu", "dtype": "float32"}
+    """An engine on ``folder`` whose blocks are all checked back after the test (``engine_factory``); prompts in
+    chunks of 7 tokens (Gemma 3's images whole: each is one chunk of up to 20 tokens)."""
+    chunks = {"max_num_batched_tokens": 20, "long_prefill_token_threshold": 7} if _gemma(folder) else {
+        "max_num_batched_tokens": 7}
+    config: dict[str, object] = {"model": str(folder), "block_size": 8, "num_blocks": 64, **chunks,
+                                 "device": "cpu", "dtype": "float32"}
     return engine_factory(**{**config, **overrides})  # type: ignore[no-any-return]
 
 
@@ -153,8 +179,8 @@ def test_images_equal_transformers_through_chunks_cache_and_preemption(folder: P
     # (where a tiny random model's greedy tokens may not tell two images apart, these do).
     reference = _hf_logprobs(folder, ids, images, pixels)
     assert (reference - _hf_logprobs(folder, other_ids, other_images, other_pixels)).abs().max() > 1e-2
-    if _qwen(folder):  # as do the three positions M-RoPE gives them
-        assert (reference - _hf_logprobs(folder, ids, images, pixels, mrope=False)).abs().max() > 1e-2
+    if _qwen(folder) or _gemma(folder):  # as do the three positions M-RoPE gives them, and Gemma's mask both ways
+        assert (reference - _hf_logprobs(folder, ids, images, pixels, image_aware=False)).abs().max() > 1e-2
     scoring = _engine(engine_factory, folder)
     scoring.add_request("s", ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), images=images)
     [out] = [o for o in _drain_outputs(scoring) if o.prompt_logprobs]
@@ -204,8 +230,6 @@ def test_a_prefill_hands_an_image_prompt_to_a_decode(folder: Path, engine_factor
 def test_bad_image_inputs_are_refused_by_name(folder: Path, engine_factory: Any, tmp_path: Path) -> None:
     import msgspec
 
-    from tests.engine.tiny_models import build_checkpoint, family_configs
-
     ids, images, _ = _request(folder, (1,), ((50, 90),))
     engine = _engine(engine_factory, folder)
     image = images[0]
@@ -226,10 +250,18 @@ def test_bad_image_inputs_are_refused_by_name(folder: Path, engine_factory: Any,
     with pytest.raises(ValueError, match="overlaps"):
         engine.add_request("bad", ids, GREEDY, images=[image, image])
     assert not engine.has_unfinished_requests()
-    # Gemma 3's text is served, its images are not (its image tokens attend to each other both ways).
-    gemma = _engine(engine_factory, build_checkpoint(family_configs()["gemma3-image-text-text-only"], tmp_path / "g"))
-    with pytest.raises(ValueError, match="image input for model type 'gemma3' is not implemented"):
-        gemma.add_request("bad", ids, GREEDY, images=[image])
+    # Gemma 3's image tokens attend to each other both ways: one run in the span, prefilled in one step.
+    gemma_folder = gemma3_image_checkpoint(tmp_path / "g")
+    gemma_ids, [gemma_image], _ = _request(gemma_folder, (1,), ((50, 90),))
+    # The span's 16 image tokens with a word among them.
+    split = [*gemma_ids[:gemma_image.offset + 2], 3, *gemma_ids[gemma_image.offset + 2:]]
+    gemma = _engine(engine_factory, gemma_folder)
+    with pytest.raises(ValueError, match="must be one run"):
+        gemma.add_request("bad", split, GREEDY, images=[msgspec.structs.replace(gemma_image, length=19)])
+    with pytest.raises(ValueError, match="images\\[0\\]: its 16 tokens attend to each other both ways"):
+        _engine(engine_factory, gemma_folder, max_num_batched_tokens=15).add_request(
+            "bad", gemma_ids, GREEDY, images=[gemma_image])
+    assert not gemma.has_unfinished_requests()
 
 
 def test_the_profiling_run_encodes_the_largest_image(folder: Path, engine_factory: Any,
@@ -237,9 +269,10 @@ def test_the_profiling_run_encodes_the_largest_image(folder: Path, engine_factor
     """A GPU's KV cache is sized after the largest step: with the largest image's encoding in it."""
     engine = _engine(engine_factory, folder)
     encoder = engine.runner.image_encoder
-    # Pixtral's tower's reach (image_size 112); a square within Qwen's image processor's max_pixels (8 x 8 tokens).
+    # Pixtral's tower's reach (image_size 112); a square within Qwen's image processor's max_pixels (8 x 8 tokens);
+    # Gemma's one size.
     patch = _qwen_patch(folder)
-    side = 16 * patch if patch else 112
+    side = 16 * patch if patch else GEMMA3_IMAGE_SIDE if _gemma(folder) else 112
     assert encoder is not None and encoder.largest() == (side, side)
     calls = []
     encode = encoder.encode
@@ -251,4 +284,19 @@ def test_the_profiling_run_encodes_the_largest_image(folder: Path, engine_factor
     monkeypatch.setattr(encoder, "encode", spy)
     engine.runner.profile_activations()
     assert calls == [((encoder.pixel_count(side, side),), side, side)]
-    assert encoder.pixel_count(side, side) == (16 * 16 * 6 * patch * patch if patch else 3 * 112 * 112)
+    assert encoder.pixel_count(side, side) == (16 * 16 * 6 * patch * patch if patch else 3 * side * side)
+
+
+def test_a_chunk_never_ends_inside_an_image_that_attends_both_ways() -> None:
+    """The scheduler's cut (Gemma 3's images, ``Request.image_groups`` [10, 26) and [40, 56)): a chunk that would
+    end inside an image ends at its start; one that starts inside or at it runs to its end, past the chunk cap,
+    where the step's budget allows, else waits (0)."""
+    def cut(computed: int, num_new: int, budget: int = 64) -> int:
+        req = SimpleNamespace(num_computed_tokens=computed, image_groups=[(10, 26), (40, 56)])
+        return Scheduler._whole_images(req, num_new, budget)  # type: ignore[arg-type]
+
+    assert cut(0, 7) == 7 and cut(0, 10) == 10  # before the first image; up to its start
+    assert cut(0, 12) == 10 and cut(7, 7) == 3  # into it: cut back to its start
+    assert cut(10, 7) == 16 and cut(17, 7) == 9  # from its start, or a cached part of it: to its end
+    assert cut(10, 7, budget=15) == 0  # the image does not fit the budget left: it waits
+    assert cut(26, 20) == 14 and cut(20, 40) == 40  # to the next image's start; past both

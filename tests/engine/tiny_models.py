@@ -479,7 +479,9 @@ def build_checkpoint(config: Any, folder: Path, seed: int = 0) -> Path:
     with torch.no_grad():  # random norm weights too, so a norm applied wrongly shows
         for name, param in model.named_parameters():
             # AFMoE's expert_bias too; Falcon's norms are ln_attn, ln_mlp and ln_f.
-            if "norm" in name or ".ln_" in name or name.endswith(("bias", "sinks", "alpha_p", "alpha_n")):
+            # Gemma 3's image projection is initialized to zeros.
+            if "norm" in name or ".ln_" in name or name.endswith(
+                    ("bias", "sinks", "alpha_p", "alpha_n", "mm_input_projection_weight")):
                 param.add_(0.3 * torch.randn_like(param))
         for name, buffer in model.named_buffers():  # GLM-4.5's router's correction bias, which picks experts
             if name.endswith("e_score_correction_bias"):
@@ -835,6 +837,62 @@ def expand_image_tokens(prompt: list[int], sizes: list[tuple[int, int]]) -> tupl
         expanded[-1] = IMAGE_TOKENS["[IMG_END]"]
         spans.append((len(out), len(expanded)))
         out.extend(expanded)
+    return out, spans
+
+
+# A Gemma 3 checkpoint whose images are served: gemma3-window-rope-per-type's layer (windows of 12 tokens), a SigLIP
+# tower over 56 x 56 pixels in patches of 7, its 8 x 8 patches' features averaged 2 x 2 into 16 image tokens, more
+# than a window: within an image both ways and the window bind. Its tokenizer is ``build_tokenizer``'s with
+# Gemma's three image tokens at the vocabulary's end, and a template that writes ``<start_of_image>`` for an image
+# part, as Gemma 3's own.
+GEMMA3_TOKENS = {"<start_of_image>": TINY_DIMS["vocab_size"] - 3, "<end_of_image>": TINY_DIMS["vocab_size"] - 2,
+                 "<image_soft_token>": TINY_DIMS["vocab_size"] - 1}
+GEMMA3_IMAGE_SIDE = 56
+GEMMA3_IMAGE_TOKENS = 16
+
+
+def gemma3_image_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """The Gemma 3 checkpoint above with its tokenizer, chat template and image processor's file
+    (``preprocessor_config.json``: transformers' Gemma 3 image processor, images resized to 56 x 56)."""
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    config = Gemma3Config(
+        text_config=Gemma3TextConfig(
+            **TINY_DIMS, sliding_window=WINDOW, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ).to_dict(),
+        vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, image_size=GEMMA3_IMAGE_SIDE, patch_size=7).to_dict(),
+        mm_tokens_per_image=GEMMA3_IMAGE_TOKENS, boi_token_index=GEMMA3_TOKENS["<start_of_image>"],
+        eoi_token_index=GEMMA3_TOKENS["<end_of_image>"], image_token_index=GEMMA3_TOKENS["<image_soft_token>"],
+    )
+    build_checkpoint(config, folder, seed)
+    _word_tokenizer(folder, GEMMA3_TOKENS, _image_chat_template("<start_of_image>"))
+    Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE_SIDE, "width": GEMMA3_IMAGE_SIDE}).save_pretrained(str(folder))
+    return folder
+
+
+def gemma3_pixels(folder: Path, image: Any) -> torch.Tensor:
+    """transformers' processing of one PIL image for the checkpoint: pixels ``[3, 56, 56]`` (float32)."""
+    from transformers import AutoImageProcessor
+
+    out = AutoImageProcessor.from_pretrained(str(folder), backend="pil")(images=[image], return_tensors="pt")
+    return out["pixel_values"][0].float()
+
+
+def expand_gemma3_tokens(prompt: list[int], num_images: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Each ``<start_of_image>`` in ``prompt`` followed by the image's 16 ``<image_soft_token>`` and
+    ``<end_of_image>`` (transformers' Gemma 3 processor's sequence, less the newlines around it, which this
+    word-level vocabulary has not); the ids and each image's (offset, length), its span from ``<start_of_image>``."""
+    out: list[int] = []
+    spans = []
+    for token in prompt:
+        out.append(token)
+        if token == GEMMA3_TOKENS["<start_of_image>"]:
+            spans.append((len(out) - 1, GEMMA3_IMAGE_TOKENS + 2))
+            out += [GEMMA3_TOKENS["<image_soft_token>"]] * GEMMA3_IMAGE_TOKENS + [GEMMA3_TOKENS["<end_of_image>"]]
+    assert len(spans) == num_images
     return out, spans
 
 

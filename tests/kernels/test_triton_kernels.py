@@ -242,6 +242,51 @@ def test_prefill_finds_each_programs_sequence_past_one_chunk_of_sequences(monkey
                              F32)
 
 
+def _limits(q_lens: list[int], context_lens: list[int], groups: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Each query token's last visible key: its own position, or, inside a group ``(seq, first, end)`` of a
+    chunk's tokens (an image's, attending to each other both ways), the group's last position."""
+    limits: list[int] = []
+    for s, (q_len, ctx) in enumerate(zip(q_lens, context_lens, strict=True)):
+        own = list(range(ctx - q_len, ctx))
+        for seq, first, end in groups:
+            if seq == s:
+                own[first:end] = [ctx - q_len + end - 1] * (end - first)
+        limits += own
+    return torch.tensor(limits, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_paged_prefill_key_limits_let_a_span_attend_both_ways(window: int | None) -> None:
+    """Tokens of a span see every key up to the span's end (Gemma 3's image tokens), in the reference and the
+    kernel: the span crosses the kernel's query tiles (32 tokens of a group of 2), and a window still counts back
+    from each token's own position. The reference agrees with the mask written out over the gathered keys."""
+    q_lens, context_lens = [45, 19, 1], [60, 19, 50]
+    groups = [(0, 5, 37), (1, 0, 10)]
+    kv_layer, block_tables = paged_cache(context_lens, 16, 2, 32, F32, seed=5)
+    query = random_query(sum(q_lens), 4, 32, F32, seed=6)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    limits = _limits(q_lens, context_lens, groups)
+    want = reference.paged_prefill_attention(query, kv_layer, block_tables, starts, lens, 0.2, sliding_window=window,
+                                             key_limits=limits)
+    causal = reference.paged_prefill_attention(query, kv_layer, block_tables, starts, lens, 0.2, sliding_window=window)
+    assert not torch.allclose(want, causal, atol=1e-3)
+    for s, (q_len, ctx) in enumerate(zip(q_lens, context_lens, strict=True)):  # written out
+        keys = kv_layer[:, block_tables[s, :cdiv(ctx, 16)].long()].reshape(2, -1, 2, 32)[:, :ctx]
+        k, v = keys[0].repeat_interleave(2, dim=1), keys[1].repeat_interleave(2, dim=1)  # [ctx, heads, size]
+        rows = slice(int(starts[s]), int(starts[s + 1]))
+        pos = torch.arange(ctx - q_len, ctx)
+        visible = torch.arange(ctx)[None, :] <= limits[rows, None]
+        if window:
+            visible &= torch.arange(ctx)[None, :] > pos[:, None] - window
+        scores = torch.einsum("qhd,khd->hqk", query[rows], k) * 0.2
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        torch.testing.assert_close(want[rows], torch.einsum("hqk,khd->qhd", probs, v), atol=2e-5, rtol=2e-5)
+    got = triton_prefill.run_paged_prefill(query, kv_layer, block_tables, starts, lens, 0.2, block_n=16,
+                                           sliding_window=window, key_limits=limits)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 def _joined(kv_layer: torch.Tensor) -> torch.Tensor:
     """A cache whose K and V both hold each token's two latent halves joined: what ``latent`` reads."""
     joined = torch.cat((kv_layer[0], kv_layer[1]), dim=-1)

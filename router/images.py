@@ -13,6 +13,9 @@ sends and the span of an image:
 - Qwen2.5-VL (``QwenVLImages``): the processor's patches as it makes them, float32
   ``[grid_h * grid_w, 3 * temporal_patch_size * patch_size ** 2]``, with the resized image's height and width;
   one ``<|image_pad|>`` per ``merge_size`` x ``merge_size`` patches.
+- Gemma 3 (``Gemma3Images``): float32 ``[3, side, side]`` pixels, every image resized to the one size; its
+  processor expands the template's ``<start_of_image>`` in the text, newlines around it, before it is tokenized
+  (``ImageFamily.text_expansion``), which the router does too, so the ids are its processor's.
 
 Each image travels as a ``common.protocol.ImageInput``: its span, its pixels and their digest, under which the
 blocks its span touches are hashed.
@@ -35,6 +38,7 @@ import argparse
 import asyncio
 import base64
 import binascii
+import dataclasses
 import io
 import json
 import logging
@@ -44,7 +48,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -53,6 +57,9 @@ from common.cli import json_object
 from common.protocol import MAX_IMAGE_BYTES, MAX_IMAGES_PER_PROMPT, ImageInput, image_digest
 from router.errors import bad_request
 from router.image_fetch import ImageFetcher
+
+if TYPE_CHECKING:
+    from router.openai_models import ChatRender
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +200,9 @@ class ImageFamily(ABC):
 
     placeholder_id: int
     step: int
+    # (placeholder, sequence) where the family's processor expands each image's placeholder in the rendered text
+    # before tokenizing (the span is then in the ids already); None where the router expands the ids.
+    text_expansion: tuple[str, str] | None = None
 
     @classmethod
     @abstractmethod
@@ -330,9 +340,77 @@ class QwenVLImages(ImageFamily):
         return [self.placeholder_id] * ((height // self.step) * (width // self.step))
 
 
+class Gemma3Images(ImageFamily):
+    """Gemma 3's (transformers' Gemma 3 image processor and processor: ``preprocessor_config.json``,
+    ``processor_config.json``'s ``image_seq_length``). The pixels are float32 ``[3, side, side]``, every image
+    resized to the tower's one size; the span ``<start_of_image>``, ``image_seq_length`` image tokens and
+    ``<end_of_image>``. Its processor writes that sequence, with two newlines on either side, in place of each
+    ``<start_of_image>`` of the rendered text before tokenizing, where newlines merge with the text's own into
+    one token: the router does the same (``text_expansion``). Pan and scan (crops beside the image) is not
+    implemented: a folder that turns it on is refused by name."""
+
+    def __init__(self, processor: Any, side: int, boi: tuple[str, int], image: tuple[str, int], eoi: tuple[str, int],
+                 num_tokens: int) -> None:
+        self.processor = processor
+        self.step = side
+        self.placeholder_id = boi[1]
+        self.image_token_id = image[1]
+        self.span_ids = [boi[1], *[image[1]] * num_tokens, eoi[1]]
+        self.text_expansion = (boi[0], f"\n\n{boi[0]}{image[0] * num_tokens}{eoi[0]}\n\n")
+
+    @classmethod
+    def load(cls, model_dir: pathlib.Path, config: dict[str, Any], tokenizer: Any) -> Gemma3Images:
+        """``preprocessor_config.json`` and ``processor_config.json``; ``ValueError`` for a token the tokenizer does
+        not hold as one or that is not the model's, an ``image_seq_length`` other than the model's
+        ``mm_tokens_per_image``, a size other than the tower's, or pan and scan turned on."""
+        from transformers import AutoImageProcessor
+
+        tokens: list[tuple[str, int]] = []
+        for name, default, key in (("boi_token", "<start_of_image>", "boi_token_index"),
+                                   ("image_token", "<image_soft_token>", "image_token_index"),
+                                   ("eoi_token", "<end_of_image>", "eoi_token_index")):
+            text = getattr(tokenizer, name, None) or default
+            token_id = _one_token(model_dir, tokenizer, text, name)
+            model_id = config.get(key, config.get(key.replace("_index", "_id")))
+            if model_id is not None and model_id != token_id:
+                raise ValueError(f"{model_dir}: the tokenizer's {name} {text!r} is id {token_id}, the model's {key} "
+                                 f"{model_id!r}")
+            tokens.append((text, token_id))
+        file = model_dir / "processor_config.json"
+        spec: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+        num_tokens = spec.get("image_seq_length", 256)
+        if num_tokens != config.get("mm_tokens_per_image", 256):
+            raise ValueError(f"{model_dir}: the processor's image_seq_length {num_tokens!r} is not the model's "
+                             f"mm_tokens_per_image {config.get('mm_tokens_per_image', 256)!r}")
+        # The PIL backend whatever else is installed: the same pixels on every host, in numpy (no torch).
+        processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+        if getattr(processor, "do_pan_and_scan", None):
+            raise ValueError(f"{model_dir}: the image processor's do_pan_and_scan (crops beside each image) is not "
+                             "implemented")
+        size = getattr(processor, "size", None) or {}
+        side = (config.get("vision_config") or {}).get("image_size", 224)
+        if (size.get("height"), size.get("width")) != (side, side):
+            raise ValueError(f"{model_dir}: the image processor's size {dict(size)!r} is not the vision tower's "
+                             f"image_size {side!r}")
+        boi, image, eoi = tokens
+        return cls(processor, side, boi, image, eoi, num_tokens)
+
+    def run(self, image: Any) -> ProcessedImage:
+        """Resized to the one size, rescaled, normalized."""
+        out = self.processor(images=[image], do_pan_and_scan=False, return_tensors="np")
+        pixels = np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
+        if pixels.shape != (3, self.step, self.step):
+            raise ValueError(f"the processor made pixels {pixels.shape}, not [3, {self.step}, {self.step}]")
+        return ProcessedImage(pixels.tobytes(), self.step, self.step)
+
+    def span(self, height: int, width: int) -> list[int]:
+        return list(self.span_ids)
+
+
 # The families whose images the router processes, by model type (each of ``common.model.arch.IMAGE_INPUT_TYPES``).
-IMAGE_FAMILIES: dict[str, type[ImageFamily]] = {"mistral3": PixtralImages, "qwen2_5_vl": QwenVLImages,
-                                                "qwen3_vl": QwenVLImages, "qwen3_vl_moe": QwenVLImages}
+IMAGE_FAMILIES: dict[str, type[ImageFamily]] = {"gemma3": Gemma3Images, "mistral3": PixtralImages,
+                                                "qwen2_5_vl": QwenVLImages, "qwen3_vl": QwenVLImages,
+                                                "qwen3_vl_moe": QwenVLImages}
 
 
 class ImageProcessor:
@@ -372,9 +450,18 @@ class ImageProcessor:
         """The tokens an image of ``height`` x ``width`` processed pixels takes in the prompt."""
         return self.family.span(height, width)
 
+    def chat_render(self, render: ChatRender) -> ChatRender:
+        """How the chat template renders a conversation with images: with the family's expansion of each image's
+        placeholder in the text, where its processor expands it there."""
+        expansion = self.family.text_expansion
+        return render if expansion is None else dataclasses.replace(render, image_text=expansion)
+
     def expand(self, token_ids: list[int], images: Sequence[ProcessedImage]) -> tuple[list[int], list[ImageInput]]:
         """``token_ids`` with each placeholder (one per image, in order: ``check_placeholders``) replaced by
-        its image's span; the ``ImageInput`` of each."""
+        its image's span (where the text was expanded, ``text_expansion``, the span found there); the
+        ``ImageInput`` of each."""
+        if self.family.text_expansion is not None:
+            return token_ids, self._spans_in(token_ids, images)
         out: list[int] = []
         inputs: list[ImageInput] = []
         start = 0
@@ -390,6 +477,29 @@ class ImageProcessor:
             start = at + 1
         out.extend(token_ids[start:])
         return out, inputs
+
+    def _spans_in(self, token_ids: list[int], images: Sequence[ProcessedImage]) -> list[ImageInput]:
+        """The ``ImageInput`` of each image whose span the text expansion put in ``token_ids``, at its
+        placeholder; a 400 where a span is not whole there, or where a message's text holds an image token the
+        spans do not (the engines would refuse it)."""
+        inputs: list[ImageInput] = []
+        start = 0
+        span_tokens: set[int] = set()
+        for image in images:
+            at = token_ids.index(self.placeholder_id, start)
+            span = self.span(image.height, image.width)
+            span_tokens.update(span)
+            if token_ids[at:at + len(span)] != span:
+                raise bad_request("an image's tokens are not whole after its placeholder: no message's text may "
+                                  "hold the model's image tokens", param="messages")
+            inputs.append(ImageInput(
+                offset=at, length=len(span), height=image.height, width=image.width,
+                digest=image_digest(image.pixel_values, image.height, image.width), pixel_values=image.pixel_values,
+            ))
+            start = at + len(span)
+        if sum(t in span_tokens for t in token_ids) != sum(i.length for i in inputs):
+            raise bad_request("a message's text holds one of the model's image tokens", param="messages")
+        return inputs
 
     def check_placeholders(self, token_ids: list[int], images: Sequence[ImageRef]) -> None:
         """A 400 unless the rendered prompt holds exactly one image token per image. A message's text that

@@ -452,6 +452,9 @@ class ChatRender:
     continue_final_message: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)  # the template's own variables
     documents: list[dict[str, str]] | None = None
+    # (placeholder, sequence): each placeholder in the rendered text replaced by the sequence before it is
+    # tokenized (Gemma 3's images, as its processor expands them: ``router.images.ImageProcessor.chat_render``).
+    image_text: tuple[str, str] | None = None
 
 
 def template_messages(

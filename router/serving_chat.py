@@ -59,9 +59,11 @@ async def plan_chat(
     image_refs: list[ImageRef] | None = [] if model_images.processor is not None else None
     messages = request.template_messages(image_refs, model_images.refusal)
     check_image_count(image_refs or [], limits.max_images_per_prompt)
+    render = request.chat_render(template_tools)
+    if image_refs and model_images.processor is not None:
+        render = model_images.processor.chat_render(render)
     prompt = await state.prompts.tokenize_chat(
-        messages, request.context_check(max_model_len), request.chat_render(template_tools),
-        request.add_special_tokens,
+        messages, request.context_check(max_model_len), render, request.add_special_tokens,
     )
     images: list[ImageInput] = []
     if image_refs and model_images.processor is not None:

@@ -89,9 +89,11 @@ async def tokenize(state: RouterState, body: Any) -> TokenizeResponse:
         image_refs: list[ImageRef] | None = [] if model_images.processor is not None else None
         messages = template_messages(request.messages, image_refs, model_images.refusal)
         check_image_count(image_refs or [], state.config.limits.max_images_per_prompt)
+        render = request.chat_render(tools.tools if tools is not None else None)
+        if image_refs and model_images.processor is not None:
+            render = model_images.processor.chat_render(render)
         token_ids = await prompts.tokenize_for_count(
-            None, messages, add_special_tokens=bool(request.add_special_tokens),
-            render=request.chat_render(tools.tools if tools is not None else None),
+            None, messages, add_special_tokens=bool(request.add_special_tokens), render=render,
         )
         if image_refs and model_images.processor is not None:  # the ids the engines would take, as vLLM's
             token_ids, _ = await model_images.processor.prepare_off_loop(token_ids, image_refs)

@@ -147,11 +147,12 @@ class PromptProcessor:
         return self._renders_tools
 
     def _render(self, messages: list[dict[str, Any]], render: ChatRender) -> str:
-        return str(self.tokenizer.apply_chat_template(
+        text = str(self.tokenizer.apply_chat_template(
             messages, tools=render.tools, documents=render.documents, chat_template=self.chat_template, tokenize=False,
             add_generation_prompt=render.add_generation_prompt, continue_final_message=render.continue_final_message,
             **render.kwargs,
         ))
+        return text if render.image_text is None else text.replace(*render.image_text)
 
     def check_length(self, text: str, max_model_len: int | None, param: str = "prompt") -> None:
         """A 400 for a text over ``MAX_PROMPT_CHARS``, or with so many characters that its tokens

@@ -842,9 +842,9 @@ def expand_image_tokens(prompt: list[int], sizes: list[tuple[int, int]]) -> tupl
 
 # A Gemma 3 checkpoint whose images are served: gemma3-window-rope-per-type's layer (windows of 12 tokens), a SigLIP
 # tower over 56 x 56 pixels in patches of 7, its 8 x 8 patches' features averaged 2 x 2 into 16 image tokens, more
-# than a window: within an image both ways and the window bind. Its tokenizer is ``build_tokenizer``'s with
-# Gemma's three image tokens at the vocabulary's end, and a template that writes ``<start_of_image>`` for an image
-# part, as Gemma 3's own.
+# than a window: within an image both ways and the window bind. Its tokenizer is ``build_tokenizer``'s with runs of
+# up to 4 newlines a token each and Gemma's three image tokens at the vocabulary's end, and a template that writes
+# ``<start_of_image>`` for an image part, as Gemma 3's own.
 GEMMA3_TOKENS = {"<start_of_image>": TINY_DIMS["vocab_size"] - 3, "<end_of_image>": TINY_DIMS["vocab_size"] - 2,
                  "<image_soft_token>": TINY_DIMS["vocab_size"] - 1}
 GEMMA3_IMAGE_SIDE = 56
@@ -866,10 +866,14 @@ def gemma3_image_checkpoint(folder: Path, seed: int = 0) -> Path:
                                          num_attention_heads=2, image_size=GEMMA3_IMAGE_SIDE, patch_size=7).to_dict(),
         mm_tokens_per_image=GEMMA3_IMAGE_TOKENS, boi_token_index=GEMMA3_TOKENS["<start_of_image>"],
         eoi_token_index=GEMMA3_TOKENS["<end_of_image>"], image_token_index=GEMMA3_TOKENS["<image_soft_token>"],
+        tie_word_embeddings=False,  # a head of its own: tied, this tiny model's greedy answer repeats its last token
     )
     build_checkpoint(config, folder, seed)
-    _word_tokenizer(folder, GEMMA3_TOKENS, _image_chat_template("<start_of_image>"))
+    _word_tokenizer(folder, GEMMA3_TOKENS, _image_chat_template("<start_of_image>"), newlines=4, named={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
     Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE_SIDE, "width": GEMMA3_IMAGE_SIDE}).save_pretrained(str(folder))
+    (folder / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Gemma3Processor", "image_seq_length": GEMMA3_IMAGE_TOKENS}, indent=2))
     return folder
 
 
@@ -907,19 +911,27 @@ QWEN_VL_PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}
 QWEN_VL_CHAT_TEMPLATE = _image_chat_template(" <|vision_start|><|image_pad|><|vision_end|> ")
 
 
-def _word_tokenizer(folder: Path, special: dict[str, int], chat_template: str) -> None:
-    """``build_tokenizer``'s word-level tokenizer with ``special`` tokens at the vocabulary's end, and a template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+def _word_tokenizer(folder: Path, special: dict[str, int], chat_template: str, newlines: int = 0,
+                    named: dict[str, str] | None = None) -> None:
+    """``build_tokenizer``'s word-level tokenizer with ``special`` tokens at the vocabulary's end, and a template.
+    ``newlines``: runs of up to that many newlines are tokens of their own (one token a run, as Gemma's
+    vocabulary has them), before the special tokens; ``named``: special tokens the tokenizer names (Gemma's
+    ``boi_token``...)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab_size = TINY_DIMS["vocab_size"]
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size - len(special))}, **special}
+    words_end = vocab_size - len(special) - newlines
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, words_end)},
+             **{"\n" * k: words_end + k - 1 for k in range(1, newlines + 1)}, **special}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex("\n+"), "isolated"), pre_tokenizers.Split(" ", "removed"),
+    ]) if newlines else pre_tokenizers.WhitespaceSplit()
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>",
-        additional_special_tokens=list(special),
+        additional_special_tokens=list(special), **({"extra_special_tokens": named} if named else {}),
     )
     tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(str(folder))

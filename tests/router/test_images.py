@@ -1,7 +1,8 @@
 """Image inputs of chat completions (vLLM's): a user message's ``image_url`` parts reach the engines as the model
 folder's processor makes them (pixels, digest, the prompt's image tokens expanded as Pixtral's processor
 expands them), through the openai client, a migration and prefix routing; and each refusal names its field.
-Qwen2.5-VL's the same way: its processor's patches, each ``<|image_pad|>`` expanded to its image's run."""
+Qwen2.5-VL's the same way: its processor's patches, each ``<|image_pad|>`` expanded to its image's run; Gemma 3's
+as its processor expands the text, newlines merged."""
 
 from __future__ import annotations
 
@@ -32,11 +33,13 @@ from router.images import IMAGE_FAMILIES, ModelImages, QwenVLImages, limit_mm_pe
 from router.main import build_parser
 from router.tokenization import PromptProcessor
 from tests.engine.tiny_models import (
+    GEMMA3_TOKENS,
     IMAGE_TOKENS,
     QWEN_VL_PATCH,
     QWEN_VL_TOKENS,
     expand_image_tokens,
     expand_qwen_vl_tokens,
+    gemma3_image_checkpoint,
     image_pixels,
     image_text_checkpoint,
     qwen_vl_checkpoint,
@@ -276,8 +279,12 @@ def test_limit_mm_per_prompt_is_vllm_s_flag(image_prompts: PromptProcessor, imag
 
 
 def test_a_text_model_and_an_image_text_model_served_as_text_refuse_images_by_name(
-    tmp_path: pathlib.Path, image_prompts: PromptProcessor, prompts: PromptProcessor
+    tmp_path: pathlib.Path, image_prompts: PromptProcessor, prompts: PromptProcessor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from common.model import arch
+
+    # An image-text model type whose images are not implemented (every one is now: Gemma 3's stands for one).
+    monkeypatch.setattr(arch, "IMAGE_INPUT_TYPES", tuple(t for t in arch.IMAGE_INPUT_TYPES if t != "gemma3"))
     gemma = tmp_path / "gemma3"
     gemma.mkdir()
     (gemma / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {}, "vision_config": {}}))
@@ -516,3 +523,48 @@ def test_qwen3_vl_images_reach_the_engines_as_its_processor_makes_them(
         assert response.status_code == 200, response.text
         [sent] = cluster.requests()
         _check_images(sent, ids, spans, pixels)
+
+
+def test_gemma3_images_reach_the_engines_as_its_processor_makes_them(
+    redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Gemma 3's processor expands each ``<start_of_image>`` of the rendered text, two newlines either side, before
+    tokenizing: a newline of the message's text and the processor's merge into one token (``\\n\\n\\n``). The ids,
+    spans and pixels equal transformers' ``Gemma3Processor``'s."""
+    from transformers import AutoProcessor
+
+    folder = gemma3_image_checkpoint(tmp_path_factory.mktemp("gemma3"))
+    prompts = PromptProcessor.from_model_dir(folder)
+    images = ModelImages.from_model_dir(folder, prompts.tokenizer)
+    assert images.model_type == "gemma3" and images.processor is not None
+    pictures = [_image(21, 200, 300), _image(22, 50, 90)]
+    messages = [{"role": "user", "content": [_text("w11\n"), _part(_data_url(pictures[0])), _text("\nw12 "),
+                                             _part(_data_url(pictures[1]), plain=True), _text(" w13")]}]
+    parts = [{**m, "content": [_text(p["text"]) if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
+             for m in messages]
+    text = prompts.tokenizer.apply_chat_template(parts, tokenize=False, add_generation_prompt=True)
+    reference = AutoProcessor.from_pretrained(str(folder))(text=text, images=pictures, add_special_tokens=False,
+                                                           return_tensors="np")
+    ids = reference["input_ids"][0].tolist()
+    boi, soft, eoi = (GEMMA3_TOKENS[t] for t in ("<start_of_image>", "<image_soft_token>", "<end_of_image>"))
+    spans = [(k, 18) for k, t in enumerate(ids) if t == boi]
+    assert ids.count(prompts.tokenizer.convert_tokens_to_ids("\n\n\n")) == 2  # merged on either side of image 0
+    assert [ids[o:o + n] for o, n in spans] == [[boi, *[soft] * 16, eoi]] * 2
+    pixels = [(reference["pixel_values"][k], 56, 56) for k in range(2)]
+    with fake_stack(redis_url, prompts, REPLY, images=images) as (server, cluster):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model=SERVED_MODEL, messages=messages, max_tokens=3,
+                                               extra_body={"return_token_ids": True})
+        assert reply.prompt_token_ids == ids
+        [sent] = cluster.requests()
+        assert sent.prompt_token_ids == ids and [(i.offset, i.length) for i in sent.images] == spans
+        for image, (values, height, width) in zip(sent.images, pixels, strict=True):
+            assert (image.height, image.width) == (height, width)
+            assert image.pixel_values == values.astype(np.float32).tobytes()
+        response = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=10)
+        assert response.status_code == 200, response.text
+        assert response.json()["tokens"] == ids
+        # A message's text may hold neither the image token nor the placeholder.
+        for words in ("<image_soft_token>", "<start_of_image>"):
+            bad = _chat([_text(f"w3 {words}"), _part(PNG)])
+            _refusal(httpx.post(f"{server.url}{CHAT}", json=bad, timeout=10), "messages", "image token")

@@ -13,6 +13,9 @@ sends and the span of an image:
 - Qwen2.5-VL (``QwenVLImages``): the processor's patches as it makes them, float32
   ``[grid_h * grid_w, 3 * temporal_patch_size * patch_size ** 2]``, with the resized image's height and width;
   one ``<|image_pad|>`` per ``merge_size`` x ``merge_size`` patches.
+- LLaVA (``LlavaImages``) with a CLIP or SigLIP tower: float32 ``[3, side, side]`` pixels, every image resized and
+  cropped to the tower's one size; its ``<image>`` repeated once per feature, as LLaVA's processor repeats it. With
+  a Pixtral tower (Pixtral 12B's checkpoint): Mistral 3's processing.
 - Gemma 3 (``Gemma3Images``): float32 ``[3, side, side]`` pixels, every image resized to the one size; its
   processor expands the template's ``<start_of_image>`` in the text, newlines around it, before it is tokenized
   (``ImageFamily.text_expansion``), which the router does too, so the ids are its processor's.
@@ -74,6 +77,10 @@ FALLBACK_MAX_PIXELS = 89_478_485  # PIL's default
 DEFAULT_MAX_IMAGES_PER_PROMPT = 4
 NO_IMAGES = "this model takes no images (it is a text model)"
 IMAGE_THREADS = min(4, os.cpu_count() or 1)
+
+
+class ImagesRefused(ValueError):
+    """A model folder whose images are not served (its text is): the reason, naming what is not implemented."""
 
 
 class ImageRef(NamedTuple):
@@ -340,6 +347,64 @@ class QwenVLImages(ImageFamily):
         return [self.placeholder_id] * ((height // self.step) * (width // self.step))
 
 
+class LlavaImages(ImageFamily):
+    """LLaVA's with a CLIP or SigLIP tower (transformers' LLaVA processor: ``processor_config.json``'s
+    ``patch_size``, ``num_additional_image_tokens``, ``vision_feature_select_strategy``, ``image_token``; the
+    folder's image processor, CLIP's or SigLIP's). The pixels are float32 ``[3, side, side]``; the span the image
+    token once per feature: ``(side / patch_size) ** 2 + num_additional_image_tokens``, less one for the ``default``
+    strategy. A LLaVA checkpoint with a Pixtral tower takes Pixtral's processing (``PixtralImages``)."""
+
+    def __init__(self, processor: Any, side: int, image_token_id: int, num_tokens: int) -> None:
+        self.processor = processor
+        self.step = side
+        self.placeholder_id = image_token_id
+        self.num_tokens = num_tokens
+
+    @classmethod
+    def load(cls, model_dir: pathlib.Path, config: dict[str, Any], tokenizer: Any) -> ImageFamily:
+        """``ImagesRefused`` for a tower or strategy not implemented; ``ValueError`` where the processor's image
+        token or count of them is not the model's."""
+        from transformers import AutoImageProcessor
+
+        from common.model.arch import LLAVA_TOWERS, llava_image_refusal
+
+        vision = config.get("vision_config") or {}
+        tower, strategy = vision.get("model_type"), config.get("vision_feature_select_strategy", "default")
+        refusal = llava_image_refusal(tower, strategy)
+        if refusal is not None:
+            raise ImagesRefused(refusal)
+        if tower == "pixtral":
+            return PixtralImages.load(model_dir, config, tokenizer)
+        file = model_dir / "processor_config.json"
+        spec: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+        image_token = getattr(tokenizer, "image_token", None) or spec.get("image_token", "<image>")
+        image_token_id = _one_token(model_dir, tokenizer, image_token, "image token")
+        _check_model_image_token(model_dir, config, image_token_id)
+        side, patch = vision.get("image_size", 224), vision.get("patch_size", 32)
+        num_tokens = (side // patch) ** 2 + int(LLAVA_TOWERS[str(tower)]) - int(strategy == "default")
+        processed = (side // spec.get("patch_size", patch)) ** 2 + spec.get("num_additional_image_tokens", 0) - int(
+            spec.get("vision_feature_select_strategy") == "default")
+        if processed != num_tokens:
+            raise ValueError(f"{model_dir}: LLaVA's processor makes {processed} image tokens of an image, its model "
+                             f"{num_tokens} features (processor_config.json's patch_size, "
+                             "num_additional_image_tokens and vision_feature_select_strategy)")
+        # The PIL backend whatever else is installed: the same pixels on every host, in numpy (no torch).
+        processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+        return cls(processor, side, image_token_id, num_tokens)
+
+    def run(self, image: Any) -> ProcessedImage:
+        """Resized (and cropped) to the tower's one size, rescaled, normalized."""
+        out = self.processor(images=[image], return_tensors="np")
+        pixels = np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
+        if pixels.shape != (3, self.step, self.step):
+            raise ValueError(f"the processor made pixels {pixels.shape}, not the vision tower's "
+                             f"[3, {self.step}, {self.step}]")
+        return ProcessedImage(pixels.tobytes(), self.step, self.step)
+
+    def span(self, height: int, width: int) -> list[int]:
+        return [self.placeholder_id] * self.num_tokens
+
+
 class Gemma3Images(ImageFamily):
     """Gemma 3's (transformers' Gemma 3 image processor and processor: ``preprocessor_config.json``,
     ``processor_config.json``'s ``image_seq_length``). The pixels are float32 ``[3, side, side]``, every image
@@ -408,9 +473,10 @@ class Gemma3Images(ImageFamily):
 
 
 # The families whose images the router processes, by model type (each of ``common.model.arch.IMAGE_INPUT_TYPES``).
-IMAGE_FAMILIES: dict[str, type[ImageFamily]] = {"gemma3": Gemma3Images, "mistral3": PixtralImages,
-                                                "qwen2_5_vl": QwenVLImages, "qwen3_vl": QwenVLImages,
-                                                "qwen3_vl_moe": QwenVLImages}
+IMAGE_FAMILIES: dict[str, type[ImageFamily]] = {
+    "gemma3": Gemma3Images, "llava": LlavaImages, "mistral3": PixtralImages, "qwen2_5_vl": QwenVLImages,
+    "qwen3_vl": QwenVLImages, "qwen3_vl_moe": QwenVLImages,
+}
 
 
 class ImageProcessor:
@@ -572,7 +638,10 @@ class ModelImages:
             return cls()
         if model_type not in IMAGE_INPUT_TYPES:
             return cls(refusal=image_input_refusal(model_type), model_type=model_type)
-        return cls(ImageProcessor.from_model_dir(model_dir, tokenizer, fetcher), "", model_type)
+        try:
+            return cls(ImageProcessor.from_model_dir(model_dir, tokenizer, fetcher), "", model_type)
+        except ImagesRefused as exc:
+            return cls(refusal=str(exc), model_type=model_type)
 
 
 def truncate_images(images: list[ImageInput], num_removed: int) -> list[ImageInput]:

@@ -506,6 +506,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.started_ids and self.on_started is not None:
             self.on_started(sched.started_ids)
+        if self.runner.image_encoder is not None and any(s.request.images for s in sched.scheduled):
+            outputs += self._encode_images(sched)
         if sched.is_empty:
             if prev is not None:
                 outputs += self._resolve(prev)
@@ -521,6 +523,21 @@ class LLMEngine:
             self._in_flight = launched
         else:
             outputs += self._resolve(launched)
+        return outputs
+
+    def _encode_images(self, sched: SchedulerOutput) -> list[EngineOutput]:
+        """The images this step's chunks reach, encoded before its forward; a request whose vision tower raised
+        leaves the step and fails alone (its blocks freed, an error output naming the failure), the others go on."""
+        failed = self.runner.encode_images(sched)
+        if not failed:
+            return []
+        sched.scheduled = [s for s in sched.scheduled if s.request.request_id not in failed]
+        outputs = []
+        for request_id, exc in failed.items():
+            req = self.scheduler.requests[request_id]
+            logger.error("request %s: its image could not be encoded: %r", request_id, exc)
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            outputs.append(self._output(req, [], None, "error", f"images: the vision tower failed: {exc!r}"))
         return outputs
 
     def _sample(self, sched: SchedulerOutput, logits: Tensor) -> _Launched | None:

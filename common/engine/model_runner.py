@@ -233,10 +233,35 @@ class ModelRunner:
         if encoder.bidirectional:
             req.image_groups = [_image_group(prompt, image, token, k) for k, image in enumerate(req.images)]
 
+    def encode_images(self, out: SchedulerOutput) -> dict[str, Exception]:
+        """Encode each image a scheduled chunk reaches that its request does not hold the features of yet (the
+        first chunk that reaches it, or a recompute's), before the step's forward: the error of each request
+        whose vision tower raised (a GPU out of memory, say), by id, so that it fails alone (``LLMEngine``)."""
+        encoder = self.image_encoder
+        failed: dict[str, Exception] = {}
+        if encoder is None:
+            return failed
+        for s in out.scheduled:
+            req = s.request
+            start = req.num_computed_tokens
+            end = start + s.num_new_tokens
+            for k, image in enumerate(req.images):
+                if k in req.image_features or image.offset >= end or image.offset + image.length <= start:
+                    continue
+                try:
+                    pixels = torch.frombuffer(bytearray(image.pixel_values), dtype=torch.float32).to(self.device)
+                    req.image_features[k] = encoder.encode(pixels, image.height, image.width)
+                except Exception as exc:  # noqa: BLE001 - whatever the tower raised fails its request alone
+                    req.image_features.clear()
+                    failed[req.request_id] = exc
+                    break
+        return failed
+
     def image_rows(self, out: SchedulerOutput, query_start: list[int]) -> tuple[Tensor, Tensor] | None:
         """The rows of this step's input that are image tokens, and the features that replace their embeddings
-        (in the model's dtype, on the device): each image is encoded at the first chunk that reaches it and
-        kept on its request until a chunk passes its end (a preemption's recompute encodes it again)."""
+        (in the model's dtype, on the device): each image is encoded at the first chunk that reaches it
+        (``encode_images``) and kept on its request until a chunk passes its end (a preemption's recompute
+        encodes it again)."""
         encoder = self.image_encoder
         if encoder is None:
             return None
@@ -253,9 +278,7 @@ class ModelRunner:
                 if lo >= hi:
                     continue
                 features = req.image_features.get(k)
-                if features is None:
-                    pixels = torch.frombuffer(bytearray(image.pixel_values), dtype=torch.float32).to(self.device)
-                    features = req.image_features[k] = encoder.encode(pixels, image.height, image.width)
+                assert features is not None, "encode_images runs before the step's forward"
                 span = req.prompt_token_ids[image.offset:image.offset + image.length]
                 positions = [image.offset + j for j, t in enumerate(span) if t == encoder.image_token_id]
                 chosen = [j for j, p in enumerate(positions) if lo <= p < hi]

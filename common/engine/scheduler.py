@@ -6,7 +6,9 @@ decodes are never starved by a long prompt; waiting requests fill what is left o
 budget, a long prompt in chunks, in the order of the scheduling policy (``common.engine.waiting_queue``:
 first come first served, or by priority). With ``long_prefill_token_threshold`` (as in vLLM), no request
 prefills more than that many tokens in one step, so the rest of the budget goes to the prompts
-queued behind a long one instead of them waiting until it has been prefilled whole.
+queued behind a long one instead of them waiting until it has been prefilled whole. A chunk never ends
+inside an image whose tokens attend to each other both ways (Gemma 3's, ``Request.image_groups``): such an
+image is prefilled in one step.
 
 Disaggregation adds two states that hold blocks outside the batch (see ``RequestStatus``): on a
 prefill instance a request *held for transfer* after its first token, until ``release``; on a

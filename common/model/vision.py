@@ -20,6 +20,10 @@ Families (``common.model.arch.IMAGE_INPUT_TYPES``):
   interleaved columns, and the deepstack: features of the tower's earlier blocks added to the image tokens'
   stream after each of the language model's first layers.
 
+- LLaVA (``llava``: LLaVA 1.5, LLaVA-Interleave, Pixtral 12B's checkpoint in transformers' form): a CLIP or SigLIP
+  tower over the image resized to its one size, or a Pixtral tower over an image of any size within its reach;
+  the hidden states of its ``vision_feature_layer`` (the CLS position dropped by the ``default`` strategy, as
+  transformers drops the first), then two linear layers. Its prompt positions are plain.
 - Gemma 3 (``gemma3``): a SigLIP tower over the image resized to its one size (``[3, image_size, image_size]``),
   its patches' features averaged into ``mm_tokens_per_image`` tokens, normed (Gemma's ``1 + weight``) and
   projected. An image's tokens attend to each other both ways in the language model, as transformers masks them
@@ -41,7 +45,13 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from common.model.arch import IMAGE_INPUT_TYPES, IMAGE_TEXT_TYPES, image_input_refusal
+from common.model.arch import (
+    IMAGE_INPUT_TYPES,
+    IMAGE_TEXT_TYPES,
+    LLAVA_TOWERS,
+    image_input_refusal,
+    llava_image_refusal,
+)
 from common.protocol import ImageInput
 
 
@@ -64,7 +74,7 @@ def load_image_encoder(path: Path, dtype: torch.dtype, device: torch.device) -> 
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(path))
-    family = {"gemma3": Gemma3Encoder, "mistral3": PixtralEncoder, "qwen2_5_vl": QwenVLEncoder,
+    family = {"gemma3": Gemma3Encoder, "llava": LlavaEncoder, "mistral3": PixtralEncoder, "qwen2_5_vl": QwenVLEncoder,
               "qwen3_vl": Qwen3VLEncoder, "qwen3_vl_moe": Qwen3VLEncoder}[model_type]
     return family(config, path, dtype, device)
 
@@ -182,6 +192,70 @@ class PixtralEncoder(ImageEncoder):
         out = tower(pixels.view(1, 3, height, width), image_sizes=sizes, output_hidden_states=True, return_dict=True)
         hidden = torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1)
         features: Tensor = projector(hidden.squeeze(0), sizes)
+        return features
+
+
+class LlavaEncoder(ImageEncoder):
+    """LLaVA's: a vision tower (``common.model.arch.LLAVA_TOWERS``), the hidden states of its ``vision_feature_layer`` (a list:
+    side by side), less their first position for the ``default`` strategy, through the projector's two linear
+    layers. A CLIP or SigLIP tower takes images of its one size (``image_size``) and gives a row per patch (CLIP's
+    CLS first); a Pixtral tower takes any size whose sides are multiples of its patch, up to ``image_size``, a
+    row per patch."""
+
+    prefixes = ("vision_tower", "multi_modal_projector")
+
+    def __init__(self, config: Any, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+        vision = config.vision_config
+        tower = getattr(vision, "model_type", None)
+        strategy = config.vision_feature_select_strategy
+        refusal = llava_image_refusal(tower, strategy)
+        if refusal is not None:
+            raise ImageEncoderRefused(refusal)
+        self.image_token_id = int(config.image_token_id)
+        self.pixtral = tower == "pixtral"
+        self.patch_size = int(vision.patch_size)
+        self.side = int(vision.image_size)
+        self.step = self.patch_size if self.pixtral else self.side
+        layer = config.vision_feature_layer
+        self.feature_layers: list[int] = [int(layer)] if isinstance(layer, int) else [int(i) for i in layer]
+        self.drop_first = strategy == "default"
+        cls = 1 if LLAVA_TOWERS[str(tower)] else 0
+        self.tokens = (self.side // self.patch_size) ** 2 + cls - int(self.drop_first)
+        super().__init__(config, path, dtype, device)
+
+    def build(self, config: Any) -> nn.Module:
+        from transformers import AutoModel
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+        modules = nn.Module()
+        modules.vision_tower = AutoModel.from_config(config.vision_config)
+        modules.multi_modal_projector = LlavaMultiModalProjector(config)
+        return modules
+
+    def num_features(self, height: int, width: int) -> int:
+        if self.pixtral:
+            return (height // self.patch_size) * (width // self.patch_size) - int(self.drop_first)
+        return self.tokens
+
+    def largest(self) -> tuple[int, int]:
+        return self.side, self.side
+
+    def too_large(self, height: int, width: int) -> str | None:
+        if self.pixtral:
+            return f"the vision tower takes sides of at most {self.side}" if max(height, width) > self.side else None
+        if (height, width) != (self.side, self.side):
+            return f"the vision tower takes images of {self.side} x {self.side} pixels only"
+        return None
+
+    @torch.inference_mode()
+    def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
+        tower: nn.Module = self.modules.get_submodule("vision_tower")
+        projector: nn.Module = self.modules.get_submodule("multi_modal_projector")
+        extra = {"image_sizes": torch.tensor([[height, width]], device=pixels.device)} if self.pixtral else {}
+        out = tower(pixels.view(1, 3, height, width).to(next(tower.parameters()).dtype), output_hidden_states=True,
+                    return_dict=True, **extra)
+        hidden = torch.cat([out.hidden_states[i][:, int(self.drop_first):] for i in self.feature_layers], dim=-1)
+        features: Tensor = projector(hidden)[0]
         return features
 
 

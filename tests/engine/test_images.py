@@ -1,4 +1,5 @@
-"""An image-text model's images through the engine (Gemma 3, Mistral 3, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE): greedy
+"""An image-text model's images through the engine (Gemma 3, LLaVA with a CLIP or a Pixtral tower, Mistral 3,
+Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE): greedy
 output equals transformers' ``generate`` with the same pixels, whatever the chunks cut, what the prefix cache
 holds, a preemption, or a hand-off from prefill to decode; the blocks an image reaches are hashed under it; bad
 image inputs are refused by name."""
@@ -24,6 +25,9 @@ from tests.engine.tiny_models import (
     GEMMA3_IMAGE_SIDE,
     GEMMA3_TOKENS,
     IMAGE_TOKENS,
+    LLAVA_IMAGE_SIDE,
+    LLAVA_IMAGE_TOKENS,
+    LLAVA_TOKENS,
     QWEN_VL_PATCH,
     QWEN_VL_TOKENS,
     expand_gemma3_tokens,
@@ -34,6 +38,8 @@ from tests.engine.tiny_models import (
     hf_model,
     image_pixels,
     image_text_checkpoint,
+    llava_checkpoint,
+    llava_pixels,
     prompt_token_ids,
     qwen_vl_checkpoint,
     qwen_vl_pixels,
@@ -43,7 +49,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 IMG = IMAGE_TOKENS["[IMG]"]
 
 
-FAMILIES = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+FAMILIES = ("gemma3", "llava", "llava_pixtral", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def _drain_outputs(engine: LLMEngine) -> list[Any]:
@@ -60,6 +66,8 @@ def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         return image_text_checkpoint(folder)
     if request.param == "gemma3":
         return gemma3_image_checkpoint(folder)
+    if request.param.startswith("llava"):
+        return llava_checkpoint(folder, "pixtral" if request.param == "llava_pixtral" else "clip")
     return qwen_vl_checkpoint(folder, model_type=request.param)
 
 
@@ -76,6 +84,12 @@ def _gemma(folder: Path) -> bool:
     return json.loads((folder / "config.json").read_text())["model_type"] == "gemma3"
 
 
+def _clip(folder: Path) -> bool:
+    """A LLaVA checkpoint with a CLIP tower (one with a Pixtral tower takes Pixtral's images, as Mistral 3)."""
+    config = json.loads((folder / "config.json").read_text())
+    return config["model_type"] == "llava" and config["vision_config"]["model_type"] == "clip_vision_model"
+
+
 def _image(seed: int, height: int, width: int):  # type: ignore[no-untyped-def]
     from PIL import Image
 
@@ -87,12 +101,14 @@ def _request(folder: Path, seeds: tuple[int, ...], sizes: tuple[tuple[int, int],
     """A prompt of text, an image's placeholder per image (Pixtral's ``[IMG]``, Qwen's ``<|vision_start|>
     <|image_pad|><|vision_end|>``) and text between and after, expanded as the model's processor expands it; its
     images as the router sends them (Pixtral's pixels, Qwen's patches), and those."""
-    qwen, gemma = _qwen(folder), _gemma(folder)
-    special = min((QWEN_VL_TOKENS if qwen else GEMMA3_TOKENS if gemma else IMAGE_TOKENS).values())
+    qwen, gemma, clip = _qwen(folder), _gemma(folder), _clip(folder)
+    special = min((QWEN_VL_TOKENS if qwen else GEMMA3_TOKENS if gemma else LLAVA_TOKENS if clip else IMAGE_TOKENS
+                   ).values())
     words = prompt_token_ids(9 * (len(seeds) + 1), seed=text_seed)
     words = [w if w < special else 3 for w in words]  # no image token among the words
     placeholder = ([QWEN_VL_TOKENS["<|vision_start|>"], QWEN_VL_TOKENS["<|image_pad|>"], QWEN_VL_TOKENS["<|vision_end|>"]]
-                   if qwen else [GEMMA3_TOKENS["<start_of_image>"]] if gemma else [IMG])
+                   if qwen else [GEMMA3_TOKENS["<start_of_image>"]] if gemma else [LLAVA_TOKENS["<image>"]] if clip
+                   else [IMG])
     prompt = words[:9]
     for k in range(len(seeds)):
         prompt += [*placeholder, *words[9 * (k + 1):9 * (k + 2)]]
@@ -100,6 +116,15 @@ def _request(folder: Path, seeds: tuple[int, ...], sizes: tuple[tuple[int, int],
     if gemma:
         pixels = [(gemma3_pixels(folder, image), GEMMA3_IMAGE_SIDE, GEMMA3_IMAGE_SIDE) for image in images]
         ids, spans = expand_gemma3_tokens(prompt, len(images))
+    elif clip:  # LLaVA's processor: the one <image> repeated, once per feature
+        pixels = [(llava_pixels(folder, image), LLAVA_IMAGE_SIDE, LLAVA_IMAGE_SIDE) for image in images]
+        ids, spans = [], []
+        for token in prompt:
+            if token == LLAVA_TOKENS["<image>"]:
+                spans.append((len(ids), LLAVA_IMAGE_TOKENS))
+                ids += [token] * LLAVA_IMAGE_TOKENS
+            else:
+                ids.append(token)
     elif qwen:
         processed = [qwen_vl_pixels(folder, image) for image in images]
         ids, spans = expand_qwen_vl_tokens(prompt, [grid for _, grid in processed])
@@ -120,6 +145,8 @@ def _hf_inputs(folder: Path, ids: list[int], images: list[ImageInput], pixels: l
     which transformers computes M-RoPE's positions; ``image_aware`` False: every position the token's index
     instead), Gemma 3's in one batch with the image tokens marked (``token_type_ids``, from which transformers
     masks them to attend to each other both ways; ``image_aware`` False: causally)."""
+    if _clip(folder):
+        return {"pixel_values": torch.stack(pixels)}
     if _gemma(folder):
         kwargs = {"pixel_values": torch.stack(pixels)}
         if image_aware:
@@ -209,6 +236,50 @@ def test_images_equal_transformers_through_chunks_cache_and_preemption(folder: P
     assert sum(r.num_preemptions for r in preempted) > 0
 
 
+@pytest.mark.parametrize("folder", ["gemma3"], indirect=True)
+def test_an_image_attends_both_ways_through_the_triton_kernels(folder: Path, engine_factory: Any) -> None:
+    """Gemma 3's key limits through the Triton prefill kernel (under the interpreter): an image of 16 tokens in one
+    chunk, after a chunk of text, its prompt's log-probabilities within 1e-4 of transformers'."""
+    ids, images, pixels = _request(folder, (6,), ((60, 40),))
+    reference = _hf_logprobs(folder, ids, images, pixels)
+    engine = _engine(engine_factory, folder, kernel_backend="triton")
+    engine.add_request("t", ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), images=images)
+    [out] = [o for o in _drain_outputs(engine) if o.prompt_logprobs]
+    got = [p.logprob for p in out.prompt_logprobs[1:]]
+    want = [float(reference[i - 1, ids[i]]) for i in range(1, len(ids))]
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("folder", ["mistral3"], indirect=True)
+def test_a_vision_tower_that_raises_fails_its_request_alone(folder: Path, engine_factory: Any,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An image whose encoding raises (a GPU out of memory, say) fails its request with an error naming it, its
+    blocks back in the pool; the request beside it in the same step answers as transformers does."""
+    ids, images, pixels = _request(folder, (1,), ((64, 64),))
+    bad_ids, bad_images, _ = _request(folder, (2,), ((100, 180),))
+    expected = _hf_greedy(folder, ids, images, pixels)
+    engine = _engine(engine_factory, folder, max_num_batched_tokens=200)  # both prompts in the first step
+    encoder = engine.runner.image_encoder
+    assert encoder is not None
+    encode = encoder.encode
+
+    def failing(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        if (height, width) == (bad_images[0].height, bad_images[0].width):
+            raise RuntimeError("CUDA out of memory (a stand-in)")
+        return encode(pixels, height, width)
+
+    monkeypatch.setattr(encoder, "encode", failing)
+    engine.add_request("good", ids, GREEDY, images=images)
+    engine.add_request("bad", bad_ids, GREEDY, images=bad_images)
+    first = engine.step()
+    [error] = [o for o in first if o.request_id == "bad"]
+    assert error.finish_reason == "error" and error.error is not None
+    assert "the vision tower failed" in error.error and "a stand-in" in error.error
+    assert "bad" not in engine.scheduler.requests
+    outputs = first + _drain_outputs(engine)
+    assert [t for o in outputs if o.request_id == "good" for t in o.new_token_ids] == expected
+
+
 def test_a_prefill_hands_an_image_prompt_to_a_decode(folder: Path, engine_factory: Any) -> None:
     """The prefill encodes the images; the decode gets their KV under the same block hashes and goes on."""
     ids, images, pixels = _request(folder, (5,), ((64, 64),))
@@ -270,9 +341,9 @@ def test_the_profiling_run_encodes_the_largest_image(folder: Path, engine_factor
     engine = _engine(engine_factory, folder)
     encoder = engine.runner.image_encoder
     # Pixtral's tower's reach (image_size 112); a square within Qwen's image processor's max_pixels (8 x 8 tokens);
-    # Gemma's one size.
+    # Gemma's and CLIP's one size.
     patch = _qwen_patch(folder)
-    side = 16 * patch if patch else GEMMA3_IMAGE_SIDE if _gemma(folder) else 112
+    side = 16 * patch if patch else GEMMA3_IMAGE_SIDE if _gemma(folder) else LLAVA_IMAGE_SIDE if _clip(folder) else 112
     assert encoder is not None and encoder.largest() == (side, side)
     calls = []
     encode = encoder.encode

@@ -840,6 +840,61 @@ def expand_image_tokens(prompt: list[int], sizes: list[tuple[int, int]]) -> tupl
     return out, spans
 
 
+# LLaVA checkpoints whose images are served: Llama's layer beside a CLIP tower over 28 x 28 pixels in patches of
+# 7 (its second-to-last layer's 16 patch rows, the CLS row dropped: 16 image tokens), ``<image>`` the image token
+# at the vocabulary's end; or Mistral's layer beside a Pixtral tower (Pixtral 12B's form: images up to 112
+# pixels a side, a token per 16 x 16 patch, the last layer's every row), with Pixtral's three tokens.
+LLAVA_TOKENS = {"<image>": TINY_DIMS["vocab_size"] - 1}
+LLAVA_IMAGE_SIDE = 28
+LLAVA_IMAGE_TOKENS = 16
+
+
+def llava_checkpoint(folder: Path, tower: str = "clip", seed: int = 0) -> Path:
+    """The LLaVA checkpoint above (``tower`` "clip" or "pixtral") with its tokenizer, chat template and processor's
+    files (CLIP's image processor and LLaVA's processor; or Pixtral's, as ``image_text_checkpoint``'s)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, MistralConfig, PixtralVisionConfig
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    if tower == "pixtral":
+        config = LlavaConfig(
+            text_config=MistralConfig(**TINY_DIMS, sliding_window=None).to_dict(),
+            vision_config=PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=2, head_dim=16, image_size=112,
+                                              patch_size=16).to_dict(),
+            image_token_index=IMAGE_TOKENS["[IMG]"], vision_feature_layer=-1, vision_feature_select_strategy="full",
+        )
+        build_checkpoint(config, folder, seed)
+        _word_tokenizer(folder, IMAGE_TOKENS, IMAGE_CHAT_TEMPLATE)
+        PixtralImageProcessorPil(patch_size=16, size={"longest_edge": 112}).save_pretrained(str(folder))
+        (folder / "processor_config.json").write_text(json.dumps({
+            "processor_class": "PixtralProcessor", "patch_size": 16, "spatial_merge_size": 1, "image_token": "[IMG]",
+            "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}, indent=2))
+        return folder
+    config = LlavaConfig(
+        text_config=LlamaConfig(**TINY_DIMS).to_dict(),
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                       image_size=LLAVA_IMAGE_SIDE, patch_size=7).to_dict(),
+        image_token_index=LLAVA_TOKENS["<image>"], image_seq_length=LLAVA_IMAGE_TOKENS,
+    )
+    build_checkpoint(config, folder, seed)
+    _word_tokenizer(folder, LLAVA_TOKENS, _image_chat_template("<image>"))
+    CLIPImageProcessorPil(size={"shortest_edge": LLAVA_IMAGE_SIDE},
+                          crop_size={"height": LLAVA_IMAGE_SIDE, "width": LLAVA_IMAGE_SIDE}).save_pretrained(str(folder))
+    (folder / "processor_config.json").write_text(json.dumps({
+        "processor_class": "LlavaProcessor", "patch_size": 7, "num_additional_image_tokens": 1,
+        "vision_feature_select_strategy": "default", "image_token": "<image>"}, indent=2))
+    return folder
+
+
+def llava_pixels(folder: Path, image: Any) -> torch.Tensor:
+    """transformers' processing of one PIL image for the CLIP checkpoint: pixels ``[3, 28, 28]`` (float32)."""
+    from transformers import AutoImageProcessor
+
+    out = AutoImageProcessor.from_pretrained(str(folder), backend="pil")(images=[image], return_tensors="pt")
+    return out["pixel_values"][0].float()
+
+
 # A Gemma 3 checkpoint whose images are served: gemma3-window-rope-per-type's layer (windows of 12 tokens), a SigLIP
 # tower over 56 x 56 pixels in patches of 7, its 8 x 8 patches' features averaged 2 x 2 into 16 image tokens, more
 # than a window: within an image both ways and the window bind. Its tokenizer is ``build_tokenizer``'s with runs of

@@ -42,6 +42,7 @@ from tests.engine.tiny_models import (
     gemma3_image_checkpoint,
     image_pixels,
     image_text_checkpoint,
+    llava_checkpoint,
     qwen_vl_checkpoint,
     qwen_vl_pixels,
 )
@@ -279,24 +280,22 @@ def test_limit_mm_per_prompt_is_vllm_s_flag(image_prompts: PromptProcessor, imag
 
 
 def test_a_text_model_and_an_image_text_model_served_as_text_refuse_images_by_name(
-    tmp_path: pathlib.Path, image_prompts: PromptProcessor, prompts: PromptProcessor, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, image_prompts: PromptProcessor, prompts: PromptProcessor
 ) -> None:
-    from common.model import arch
-
-    # An image-text model type whose images are not implemented (every one is now: Gemma 3's stands for one).
-    monkeypatch.setattr(arch, "IMAGE_INPUT_TYPES", tuple(t for t in arch.IMAGE_INPUT_TYPES if t != "gemma3"))
-    gemma = tmp_path / "gemma3"
-    gemma.mkdir()
-    (gemma / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {}, "vision_config": {}}))
+    # A LLaVA checkpoint whose vision tower is not implemented: its text is served.
+    llava = tmp_path / "llava"
+    llava.mkdir()
+    (llava / "config.json").write_text(json.dumps({"model_type": "llava", "text_config": {},
+                                                   "vision_config": {"model_type": "dinov2"}}))
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert ModelImages.from_model_dir(llama, image_prompts.tokenizer) == ModelImages()
-    served_as_text = ModelImages.from_model_dir(gemma, image_prompts.tokenizer)
-    assert served_as_text.processor is None
+    served_as_text = ModelImages.from_model_dir(llava, image_prompts.tokenizer)
+    assert served_as_text.processor is None and served_as_text.model_type == "llava"
     for state, words in [
         (make_state(image_prompts, redis_url=None, images=served_as_text),
-         "image input for model type 'gemma3' is not implemented"),
+         "image input for a llava checkpoint with a 'dinov2' vision tower is not implemented"),
         (make_state(prompts, redis_url=None), "this model takes no images"),  # the default model
     ]:
         with TestClient(create_app(state)) as test_client:
@@ -568,3 +567,37 @@ def test_gemma3_images_reach_the_engines_as_its_processor_makes_them(
         for words in ("<image_soft_token>", "<start_of_image>"):
             bad = _chat([_text(f"w3 {words}"), _part(PNG)])
             _refusal(httpx.post(f"{server.url}{CHAT}", json=bad, timeout=10), "messages", "image token")
+
+
+@pytest.mark.parametrize("tower", ["clip", "pixtral"])
+def test_llava_images_reach_the_engines_as_its_processor_makes_them(
+    redis_url: str, tmp_path_factory: pytest.TempPathFactory, tower: str
+) -> None:
+    """LLaVA's processor (a CLIP tower: ``<image>`` once per feature, pixels of its one size): the ids and pixels
+    equal transformers' processor's. A Pixtral tower's: Pixtral's processing, as Mistral 3's (whose processor class
+    needs torchvision: the reference is its expansion and image processor's pixels, as for Mistral 3)."""
+    from transformers import AutoProcessor
+
+    folder = llava_checkpoint(tmp_path_factory.mktemp(f"llava-{tower}"), tower)
+    prompts = PromptProcessor.from_model_dir(folder)
+    images = ModelImages.from_model_dir(folder, prompts.tokenizer)
+    assert images.model_type == "llava" and images.processor is not None
+    pictures = [_image(31, 200, 300), _image(32, 50, 90)]
+    messages = [{"role": "user", "content": [_text("w11 "), _part(_data_url(pictures[0])), _text(" w12"),
+                                             _part(_data_url(pictures[1])), _text(" w13")]}]
+    parts = [{**m, "content": [_text(p["text"]) if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
+             for m in messages]
+    with fake_stack(redis_url, prompts, REPLY, images=images) as (server, cluster):
+        response = httpx.post(f"{server.url}{CHAT}", json={"messages": messages, "max_tokens": 2}, timeout=10)
+        assert response.status_code == 200, response.text
+        [sent] = cluster.requests()
+    if tower == "pixtral":
+        _check_images(sent, *_expected(folder, prompts, messages, pictures))
+        return
+    text = prompts.tokenizer.apply_chat_template(parts, tokenize=False, add_generation_prompt=True)
+    reference = AutoProcessor.from_pretrained(str(folder))(text=text, images=pictures, add_special_tokens=False,
+                                                           return_tensors="np")
+    assert sent.prompt_token_ids == reference["input_ids"][0].tolist()
+    assert [(i.height, i.width, i.length) for i in sent.images] == [(28, 28, 16)] * 2
+    for image, values in zip(sent.images, reference["pixel_values"], strict=True):
+        assert image.pixel_values == values.astype(np.float32).tobytes()

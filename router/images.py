@@ -347,6 +347,14 @@ class QwenVLImages(ImageFamily):
         return [self.placeholder_id] * ((height // self.step) * (width // self.step))
 
 
+def _one_size(out: Any, side: int) -> ProcessedImage:
+    """The one image an image processor's output holds, of the one size its tower takes."""
+    pixels = np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
+    if pixels.shape != (3, side, side):
+        raise ValueError(f"the processor made pixels {pixels.shape}, not the vision tower's [3, {side}, {side}]")
+    return ProcessedImage(pixels.tobytes(), side, side)
+
+
 class LlavaImages(ImageFamily):
     """LLaVA's with a CLIP or SigLIP tower (transformers' LLaVA processor: ``processor_config.json``'s
     ``patch_size``, ``num_additional_image_tokens``, ``vision_feature_select_strategy``, ``image_token``; the
@@ -394,12 +402,7 @@ class LlavaImages(ImageFamily):
 
     def run(self, image: Any) -> ProcessedImage:
         """Resized (and cropped) to the tower's one size, rescaled, normalized."""
-        out = self.processor(images=[image], return_tensors="np")
-        pixels = np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
-        if pixels.shape != (3, self.step, self.step):
-            raise ValueError(f"the processor made pixels {pixels.shape}, not the vision tower's "
-                             f"[3, {self.step}, {self.step}]")
-        return ProcessedImage(pixels.tobytes(), self.step, self.step)
+        return _one_size(self.processor(images=[image], return_tensors="np"), self.step)
 
     def span(self, height: int, width: int) -> list[int]:
         return [self.placeholder_id] * self.num_tokens
@@ -462,11 +465,7 @@ class Gemma3Images(ImageFamily):
 
     def run(self, image: Any) -> ProcessedImage:
         """Resized to the one size, rescaled, normalized."""
-        out = self.processor(images=[image], do_pan_and_scan=False, return_tensors="np")
-        pixels = np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
-        if pixels.shape != (3, self.step, self.step):
-            raise ValueError(f"the processor made pixels {pixels.shape}, not [3, {self.step}, {self.step}]")
-        return ProcessedImage(pixels.tobytes(), self.step, self.step)
+        return _one_size(self.processor(images=[image], do_pan_and_scan=False, return_tensors="np"), self.step)
 
     def span(self, height: int, width: int) -> list[int]:
         return list(self.span_ids)

@@ -153,27 +153,55 @@ class ImageEncoder:
         return None
 
 
-class PixtralEncoder(ImageEncoder):
-    """Mistral 3's: a Pixtral tower, the projector's norm, patch merger and two linear layers."""
+class TowerEncoder(ImageEncoder):
+    """A family whose checkpoint holds transformers' vision model for its vision config (``vision_tower``) and a
+    projector of the family's own (``multi_modal_projector``, built from the whole config)."""
 
     prefixes = ("vision_tower", "multi_modal_projector")
+
+    def projector_class(self) -> Any:
+        raise NotImplementedError
+
+    def build(self, config: Any) -> nn.Module:
+        from transformers import AutoModel
+
+        modules = nn.Module()
+        modules.vision_tower = AutoModel.from_config(config.vision_config)
+        modules.multi_modal_projector = self.projector_class()(config)
+        return modules
+
+    def parts(self) -> tuple[nn.Module, nn.Module]:
+        """The tower and the projector."""
+        return self.modules.get_submodule("vision_tower"), self.modules.get_submodule("multi_modal_projector")
+
+
+def _one_size(side: int, height: int, width: int) -> str | None:
+    """Why an image is not the one size a tower takes; None where it is."""
+    if (height, width) != (side, side):
+        return f"the vision tower takes images of {side} x {side} pixels only"
+    return None
+
+
+def _feature_layers(config: Any) -> list[int]:
+    """The tower's layers whose hidden states the projector reads (``vision_feature_layer``: one or a list)."""
+    layer = config.vision_feature_layer
+    return [int(layer)] if isinstance(layer, int) else [int(i) for i in layer]
+
+
+class PixtralEncoder(TowerEncoder):
+    """Mistral 3's: a Pixtral tower, the projector's norm, patch merger and two linear layers."""
 
     def __init__(self, config: Any, path: Path, dtype: torch.dtype, device: torch.device) -> None:
         self.image_token_id = int(config.image_token_id)
         self.patch_size = int(config.vision_config.patch_size)
         self.step = self.patch_size * int(config.spatial_merge_size)
-        layer = config.vision_feature_layer
-        self.feature_layers: list[int] = [int(layer)] if isinstance(layer, int) else [int(i) for i in layer]
+        self.feature_layers = _feature_layers(config)
         super().__init__(config, path, dtype, device)
 
-    def build(self, config: Any) -> nn.Module:
-        from transformers import AutoModel
+    def projector_class(self) -> Any:
         from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
 
-        modules = nn.Module()
-        modules.vision_tower = AutoModel.from_config(config.vision_config)
-        modules.multi_modal_projector = Mistral3MultiModalProjector(config)
-        return modules
+        return Mistral3MultiModalProjector
 
     def largest(self) -> tuple[int, int]:
         """Square, of the tower's position tables' reach (``image_size``), in whole image tokens."""
@@ -186,8 +214,7 @@ class PixtralEncoder(ImageEncoder):
 
     @torch.inference_mode()
     def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
-        tower: nn.Module = self.modules.get_submodule("vision_tower")
-        projector: nn.Module = self.modules.get_submodule("multi_modal_projector")
+        tower, projector = self.parts()
         sizes = torch.tensor([[height, width]], device=pixels.device)
         out = tower(pixels.view(1, 3, height, width), image_sizes=sizes, output_hidden_states=True, return_dict=True)
         hidden = torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1)
@@ -195,14 +222,12 @@ class PixtralEncoder(ImageEncoder):
         return features
 
 
-class LlavaEncoder(ImageEncoder):
+class LlavaEncoder(TowerEncoder):
     """LLaVA's: a vision tower (``common.model.arch.LLAVA_TOWERS``), the hidden states of its ``vision_feature_layer`` (a list:
     side by side), less their first position for the ``default`` strategy, through the projector's two linear
     layers. A CLIP or SigLIP tower takes images of its one size (``image_size``) and gives a row per patch (CLIP's
     CLS first); a Pixtral tower takes any size whose sides are multiples of its patch, up to ``image_size``, a
     row per patch."""
-
-    prefixes = ("vision_tower", "multi_modal_projector")
 
     def __init__(self, config: Any, path: Path, dtype: torch.dtype, device: torch.device) -> None:
         vision = config.vision_config
@@ -216,21 +241,16 @@ class LlavaEncoder(ImageEncoder):
         self.patch_size = int(vision.patch_size)
         self.side = int(vision.image_size)
         self.step = self.patch_size if self.pixtral else self.side
-        layer = config.vision_feature_layer
-        self.feature_layers: list[int] = [int(layer)] if isinstance(layer, int) else [int(i) for i in layer]
+        self.feature_layers = _feature_layers(config)
         self.drop_first = strategy == "default"
         cls = 1 if LLAVA_TOWERS[str(tower)] else 0
         self.tokens = (self.side // self.patch_size) ** 2 + cls - int(self.drop_first)
         super().__init__(config, path, dtype, device)
 
-    def build(self, config: Any) -> nn.Module:
-        from transformers import AutoModel
+    def projector_class(self) -> Any:
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-        modules = nn.Module()
-        modules.vision_tower = AutoModel.from_config(config.vision_config)
-        modules.multi_modal_projector = LlavaMultiModalProjector(config)
-        return modules
+        return LlavaMultiModalProjector
 
     def num_features(self, height: int, width: int) -> int:
         if self.pixtral:
@@ -243,14 +263,11 @@ class LlavaEncoder(ImageEncoder):
     def too_large(self, height: int, width: int) -> str | None:
         if self.pixtral:
             return f"the vision tower takes sides of at most {self.side}" if max(height, width) > self.side else None
-        if (height, width) != (self.side, self.side):
-            return f"the vision tower takes images of {self.side} x {self.side} pixels only"
-        return None
+        return _one_size(self.side, height, width)
 
     @torch.inference_mode()
     def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
-        tower: nn.Module = self.modules.get_submodule("vision_tower")
-        projector: nn.Module = self.modules.get_submodule("multi_modal_projector")
+        tower, projector = self.parts()
         extra = {"image_sizes": torch.tensor([[height, width]], device=pixels.device)} if self.pixtral else {}
         out = tower(pixels.view(1, 3, height, width).to(next(tower.parameters()).dtype), output_hidden_states=True,
                     return_dict=True, **extra)
@@ -259,12 +276,11 @@ class LlavaEncoder(ImageEncoder):
         return features
 
 
-class Gemma3Encoder(ImageEncoder):
+class Gemma3Encoder(TowerEncoder):
     """Gemma 3's: a SigLIP tower, then the projector (average pooling to ``mm_tokens_per_image`` tokens, Gemma's
     RMSNorm, the projection). Every image is the one size the tower takes; its tokens attend to each other both
     ways."""
 
-    prefixes = ("vision_tower", "multi_modal_projector")
     bidirectional = True
 
     def __init__(self, config: Any, path: Path, dtype: torch.dtype, device: torch.device) -> None:
@@ -274,14 +290,10 @@ class Gemma3Encoder(ImageEncoder):
         self.tokens = int(config.mm_tokens_per_image)
         super().__init__(config, path, dtype, device)
 
-    def build(self, config: Any) -> nn.Module:
-        from transformers import AutoModel
+    def projector_class(self) -> Any:
         from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 
-        modules = nn.Module()
-        modules.vision_tower = AutoModel.from_config(config.vision_config)
-        modules.multi_modal_projector = Gemma3MultiModalProjector(config)
-        return modules
+        return Gemma3MultiModalProjector
 
     def num_features(self, height: int, width: int) -> int:
         return self.tokens
@@ -290,14 +302,11 @@ class Gemma3Encoder(ImageEncoder):
         return self.side, self.side
 
     def too_large(self, height: int, width: int) -> str | None:
-        if (height, width) != (self.side, self.side):
-            return f"the vision tower takes images of {self.side} x {self.side} pixels only"
-        return None
+        return _one_size(self.side, height, width)
 
     @torch.inference_mode()
     def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
-        tower: nn.Module = self.modules.get_submodule("vision_tower")
-        projector: nn.Module = self.modules.get_submodule("multi_modal_projector")
+        tower, projector = self.parts()
         hidden = tower(pixel_values=pixels.view(1, 3, height, width).to(next(tower.parameters()).dtype),
                        return_dict=True).last_hidden_state
         features: Tensor = projector(hidden)[0]

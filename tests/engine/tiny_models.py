@@ -793,7 +793,6 @@ def image_text_checkpoint(folder: Path, seed: int = 0) -> Path:
     """The Mistral 3 checkpoint above with its tokenizer, image processor (transformers' Pixtral processor's
     files: ``preprocessor_config.json``, ``processor_config.json``) and chat template."""
     from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
-    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
     config = Mistral3Config(
         text_config=MistralConfig(**TINY_DIMS, sliding_window=None).to_dict(),
@@ -801,12 +800,20 @@ def image_text_checkpoint(folder: Path, seed: int = 0) -> Path:
                                           num_attention_heads=2, head_dim=16, image_size=112, patch_size=8).to_dict(),
         spatial_merge_size=2, image_token_index=IMAGE_TOKENS["[IMG]"], tie_word_embeddings=False,
     )
+    return _pixtral_checkpoint(config, folder, seed, patch_size=8, merge=2)
+
+
+def _pixtral_checkpoint(config: Any, folder: Path, seed: int, patch_size: int, merge: int) -> Path:
+    """A checkpoint of a Pixtral tower with its tokenizer, template and Pixtral's processor files (an image token
+    a 16 x 16 pixels: ``patch_size * merge`` is 16)."""
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
     build_checkpoint(config, folder, seed)
     _word_tokenizer(folder, IMAGE_TOKENS, IMAGE_CHAT_TEMPLATE)
     PixtralImageProcessorPil(patch_size=16, size={"longest_edge": 112}).save_pretrained(str(folder))
     (folder / "processor_config.json").write_text(json.dumps({
-        "processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": 2, "image_token": "[IMG]",
-        "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}, indent=2))
+        "processor_class": "PixtralProcessor", "patch_size": patch_size, "spatial_merge_size": merge,
+        "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}, indent=2))
     return folder
 
 
@@ -854,7 +861,6 @@ def llava_checkpoint(folder: Path, tower: str = "clip", seed: int = 0) -> Path:
     files (CLIP's image processor and LLaVA's processor; or Pixtral's, as ``image_text_checkpoint``'s)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, MistralConfig, PixtralVisionConfig
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
     if tower == "pixtral":
         config = LlavaConfig(
@@ -864,13 +870,7 @@ def llava_checkpoint(folder: Path, tower: str = "clip", seed: int = 0) -> Path:
                                               patch_size=16).to_dict(),
             image_token_index=IMAGE_TOKENS["[IMG]"], vision_feature_layer=-1, vision_feature_select_strategy="full",
         )
-        build_checkpoint(config, folder, seed)
-        _word_tokenizer(folder, IMAGE_TOKENS, IMAGE_CHAT_TEMPLATE)
-        PixtralImageProcessorPil(patch_size=16, size={"longest_edge": 112}).save_pretrained(str(folder))
-        (folder / "processor_config.json").write_text(json.dumps({
-            "processor_class": "PixtralProcessor", "patch_size": 16, "spatial_merge_size": 1, "image_token": "[IMG]",
-            "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}, indent=2))
-        return folder
+        return _pixtral_checkpoint(config, folder, seed, patch_size=16, merge=1)
     config = LlavaConfig(
         text_config=LlamaConfig(**TINY_DIMS).to_dict(),
         vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

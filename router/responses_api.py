@@ -1,6 +1,7 @@
 """OpenAI's Responses API (``POST /v1/responses``) as a chat completion underneath.
 
-A request's ``instructions`` and ``input`` items become chat messages (``function_call`` and
+A request's ``instructions`` and ``input`` items become chat messages (a user message's ``input_image`` parts
+its images, as the chat completion's ``image_url`` parts; ``function_call`` and
 ``function_call_output`` items the assistant's tool calls and the tool's answers; a ``reasoning``
 item the thinking of the assistant message after it), its function tools and ``text.format`` the chat
 completion's ``tools`` and ``response_format``; the chat machinery then validates, templates, routes
@@ -21,7 +22,7 @@ import uuid
 from typing import Any
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictStr
 
 from router.config import RequestLimits
 from router.errors import APIError, bad_request
@@ -77,6 +78,9 @@ class ResponsesRequest(CheckedRequest):
     reasoning: Any = None
     max_tool_calls: Any = None
     top_logprobs: Any = None
+    # The Responses field each chat message of ``chat_body`` came from (``input.3``, ``instructions``, or
+    # ``previous_response_id`` for the stored conversation's), by the message's index: ``renamed``'s.
+    _message_params: list[str] = PrivateAttr(default_factory=list)
 
     def check(self, limits: RequestLimits) -> None:
         if not (isinstance(self.input, str) or (
@@ -115,18 +119,23 @@ class ResponsesRequest(CheckedRequest):
 
     def _messages(self, items: list[dict[str, Any]], num_earlier: int) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
+        params = self._message_params
+        params.clear()
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
+            params.append("instructions")
         thinking: str | None = None  # a reasoning item's text, for the assistant message after it
         for i, item in enumerate(items):
             kind = item.get("type", "message")
-            param = f"input.{i - num_earlier}"  # (the earlier items were checked when they were stored)
+            # (the earlier items were checked when they were stored)
+            param = f"input.{i - num_earlier}" if i >= num_earlier else "previous_response_id"
+            num_messages = len(messages)
             if kind == "message":
                 role = item.get("role")
                 if role not in ("user", "system", "developer", "assistant"):
                     raise bad_request(f"{param}.role must be user, system, developer or assistant", param=param)
                 message: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                                           "content": _text_content(item.get("content"), param)}
+                                           "content": _content(item.get("content"), param, role == "user")}
                 if role == "assistant" and thinking is not None:
                     message["reasoning_content"], thinking = thinking, None
                 messages.append(message)
@@ -151,6 +160,7 @@ class ResponsesRequest(CheckedRequest):
                 thinking = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or None
             else:
                 raise bad_request(f"{param}: input items of type {kind!r} are not supported", param=param)
+            params.extend([param] * (len(messages) - num_messages))  # the messages this item began
         return messages
 
 
@@ -184,20 +194,35 @@ def _string(item: dict[str, Any], key: str, param: str) -> str:
     return value
 
 
-def _text_content(content: Any, param: str) -> str:
-    """A message's content as text: a string, or its ``input_text`` / ``output_text`` parts joined."""
+def _content(content: Any, param: str, user: bool) -> str | list[dict[str, Any]]:
+    """A message's content as the chat completion takes it: a string, or its ``input_text`` / ``output_text`` parts
+    joined; a user message with ``input_image`` parts: the chat completion's parts, one for each, in order (an
+    image by ``image_url``, a data URL or an http(s) URL; a ``file_id`` is not served)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(f"{param}.content must be a string or a list of text parts", param=param)
-    texts = []
+        raise bad_request(f"{param}.content must be a string or a list of content parts", param=param)
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise bad_request(f"{param}.content.{j}: parts of type {kind!r} are not supported (text only)",
-                              param=param)
-        texts.append(_string(part, "text", f"{param}.content.{j}"))
-    return "".join(texts)
+        where = f"{param}.content.{j}"
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if isinstance(part, dict) and kind in ("input_text", "output_text"):
+            parts.append({"type": "text", "text": _string(part, "text", where)})
+        elif isinstance(part, dict) and kind == "input_image" and user:
+            if part.get("file_id") is not None:
+                raise bad_request(f"{where}.file_id: files are not served; send the image as image_url", param=where)
+            image: dict[str, Any] = {"url": _string(part, "image_url", where)}
+            if part.get("detail") is not None:
+                image["detail"] = part["detail"]
+            parts.append({"type": "image_url", "image_url": image})
+        elif kind == "input_image":
+            raise bad_request(f"{where}: input_image parts are taken in user messages only", param=where)
+        else:
+            allowed = "input_text, output_text, input_image" if user else "input_text, output_text"
+            raise bad_request(f"{where}: parts of type {kind!r} are not supported ({allowed})", param=where)
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
@@ -234,11 +259,16 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     raise bad_request("text.format.type must be text, json_object or json_schema", param="text.format")
 
 
-def renamed(exc: APIError) -> APIError:
-    """``exc`` from the chat path, its ``param`` named as the Responses request names it."""
+def renamed(exc: APIError, request: ResponsesRequest | None = None) -> APIError:
+    """``exc`` from the chat path, its ``param`` named as the Responses request names it: a message's by the item
+    it came from (``request``'s ``chat_body``), its content parts in the same order."""
     if exc.param is not None:
         head, dot, rest = exc.param.partition(".")
-        if head in _CHAT_PARAMS:
+        index, dot2, tail = rest.partition(".")
+        params = request._message_params if request is not None else []
+        if head == "messages" and index.isdigit() and int(index) < len(params):
+            exc.param = params[int(index)] + dot2 + tail
+        elif head in _CHAT_PARAMS:
             exc.param = _CHAT_PARAMS[head] + dot + rest
     return exc
 

@@ -65,7 +65,7 @@ async def create_response(
     try:
         _, plan, reader = await plan_chat(state, request.chat_body(earlier), cache_salt)
     except APIError as exc:
-        raise renamed(exc) from None
+        raise renamed(exc, request) from None
     response_id = new_id("resp")
     store = state.responses is not None and request.store is not False
     save = _saver(state, owner, [*earlier, *_as_stored(request.own_items())]) if store else None

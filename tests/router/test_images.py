@@ -601,3 +601,37 @@ def test_llava_images_reach_the_engines_as_its_processor_makes_them(
     assert [(i.height, i.width, i.length) for i in sent.images] == [(28, 28, 16)] * 2
     for image, values in zip(sent.images, reference["pixel_values"], strict=True):
         assert image.pixel_values == values.astype(np.float32).tobytes()
+
+
+def test_responses_api_input_images_reach_the_engines_as_a_chat_s(
+    redis_url: str, folder: pathlib.Path, image_prompts: PromptProcessor, images: ModelImages
+) -> None:
+    """The Responses API's ``input_image`` parts: the engines get what the same chat completion sends them; a
+    response continued by ``previous_response_id`` sends its image again; each refusal names its input part."""
+    picture = _image(41)
+    url = _data_url(picture)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": [_text("w11 "), _part(url), _text(" w12")]}]
+    ids, spans, pixels = _expected(folder, image_prompts, messages, [picture])
+    content = [{"type": "input_text", "text": "w11 "}, {"type": "input_image", "image_url": url, "detail": "auto"},
+               {"type": "input_text", "text": " w12"}]
+    with fake_stack(redis_url, image_prompts, REPLY, images=images) as (server, cluster):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        first = client.responses.create(model=SERVED_MODEL, input=[{"role": "user", "content": content}],
+                                        max_output_tokens=3)
+        assert first.output_text
+        [sent] = cluster.requests()
+        _check_images(sent, ids, spans, pixels)
+        client.responses.create(model=SERVED_MODEL, previous_response_id=first.id, input="w13", max_output_tokens=3)
+        conversation = [*messages, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "w13"}]
+        _check_images(cluster.requests()[-1], *_expected(folder, image_prompts, conversation, [picture]))
+        responses = f"{server.url}/v1/responses"
+        for bad, param, words in [
+            ({"type": "input_image", "file_id": "file-1"}, "input.0.content.1", "files are not served"),
+            ({"type": "input_image", "image_url": "data:image/png;base64,???"}, "input.0.content.1.image_url",
+             "not valid base64"),
+        ]:
+            body = {"model": SERVED_MODEL, "instructions": "w3",  # a system message first: the indices differ
+                    "input": [{"role": "user", "content": [content[0], bad]}]}
+            _refusal(httpx.post(responses, json=body, timeout=10), param, words)
+        assistant = {"model": SERVED_MODEL, "input": [{"role": "assistant", "content": [content[1]]}]}
+        _refusal(httpx.post(responses, json=assistant, timeout=10), "input.0.content.0", "user messages only")

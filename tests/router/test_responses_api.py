@@ -125,7 +125,8 @@ def test_text_format_constrains_the_output(plain: tuple[openai.OpenAI, FakeClust
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"truncation": "auto"}, "truncation"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0"),
+        # The default model is a text model: the image part is refused by name.
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0"),
         ({"input": None}, "input"),
         ({"text": {"format": {"type": "xml"}}}, "text.format"),

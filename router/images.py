@@ -98,6 +98,12 @@ class ProcessedImage(NamedTuple):
     height: int
     width: int
 
+    def engine_input(self, offset: int, length: int) -> ImageInput:
+        """The image as the engines take it, its span at ``offset``, hashed."""
+        return ImageInput(offset=offset, length=length, height=self.height, width=self.width,
+                          digest=image_digest(self.pixel_values, self.height, self.width),
+                          pixel_values=self.pixel_values)
+
 
 def limit_mm_per_prompt_arg(text: str) -> int:
     """vLLM's ``--limit-mm-per-prompt`` (a JSON object, e.g. ``{"image": 4}``): the images one prompt may hold.
@@ -534,10 +540,7 @@ class ImageProcessor:
             at = token_ids.index(self.placeholder_id, start)
             out.extend(token_ids[start:at])
             span = self.span(image.height, image.width)
-            inputs.append(ImageInput(
-                offset=len(out), length=len(span), height=image.height, width=image.width,
-                digest=image_digest(image.pixel_values, image.height, image.width), pixel_values=image.pixel_values,
-            ))
+            inputs.append(image.engine_input(len(out), len(span)))
             out.extend(span)
             start = at + 1
         out.extend(token_ids[start:])
@@ -557,10 +560,7 @@ class ImageProcessor:
             if token_ids[at:at + len(span)] != span:
                 raise bad_request("an image's tokens are not whole after its placeholder: no message's text may "
                                   "hold the model's image tokens", param="messages")
-            inputs.append(ImageInput(
-                offset=at, length=len(span), height=image.height, width=image.width,
-                digest=image_digest(image.pixel_values, image.height, image.width), pixel_values=image.pixel_values,
-            ))
+            inputs.append(image.engine_input(at, len(span)))
             start = at + len(span)
         if sum(t in span_tokens for t in token_ids) != sum(i.length for i in inputs):
             raise bad_request("a message's text holds one of the model's image tokens", param="messages")

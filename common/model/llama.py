@@ -267,8 +267,7 @@ class Attention(nn.Module):
         else:
             o = self.kernels.paged_prefill_attention(
                 q, kv_layer, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale,
-                sliding_window=self.sliding_window, soft_cap=self.soft_cap, **self._sinks(),
-                **({} if meta.key_limits is None else {"key_limits": meta.key_limits}),
+                sliding_window=self.sliding_window, soft_cap=self.soft_cap, key_limits=meta.key_limits, **self._sinks(),
             )
         o = o.reshape(n, self.num_heads * self.head_size)
         if self.output_gate is not None:

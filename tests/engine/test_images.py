@@ -250,6 +250,32 @@ def test_an_image_attends_both_ways_through_the_triton_kernels(folder: Path, eng
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
 
 
+@pytest.mark.parametrize("folder", ["gemma3"], indirect=True)
+def test_a_prefix_hit_that_ends_inside_an_image_that_attends_both_ways(folder: Path, engine_factory: Any) -> None:
+    """The same words and image, other words after it: the second request's prefix hit ends inside the image (its
+    16 tokens at [10, 26), blocks of 8: a hit of 24 tokens), so its first chunk starts there and runs on to the
+    image's end; its answer is still transformers'."""
+    ids, images, pixels = _request(folder, (7,), ((50, 90),))
+    words = prompt_token_ids(len(ids) - 27, seed=5)
+    other = [*ids[:27], *(w if w < min(GEMMA3_TOKENS.values()) else 3 for w in words)]  # no image token among them
+    assert images[0].offset == 9 and other[:27] == ids[:27] and other[27:] != ids[27:]
+    engine = _engine(engine_factory, folder)
+    engine.add_request("a", ids, GREEDY, images=images)
+    _drain(engine)
+    scored = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+    engine.add_request("b", other, scored, images=images)
+    b = engine.scheduler.requests["b"]
+    outputs = [lp for o in _drain_outputs(engine) for lp in o.logprobs or ()]
+    assert b.num_cached_tokens == 24  # inside the image's tokens
+    # Each answer token's log-probability equals transformers' over the prompt and the answer before it (a token's
+    # argmax alone may not tell a key the image's last rows missed).
+    answer = [lp.token_id for lp in outputs]
+    reference = _hf_logprobs(folder, [*other, *answer], images, pixels)
+    want = [float(reference[len(other) - 1 + j, t]) for j, t in enumerate(answer)]
+    # (Measured 5e-7; with the key limits left out for a chunk that starts inside an image, 1.2e-4.)
+    assert max(abs(lp.logprob - w) for lp, w in zip(outputs, want, strict=True)) < 1e-5
+
+
 @pytest.mark.parametrize("folder", ["mistral3"], indirect=True)
 def test_a_vision_tower_that_raises_fails_its_request_alone(folder: Path, engine_factory: Any,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:

@@ -204,6 +204,12 @@ def _check_model_image_token(model_dir: pathlib.Path, config: dict[str, Any], to
             return
 
 
+def _processor_spec(model_dir: pathlib.Path) -> dict[str, Any]:
+    """The folder's ``processor_config.json`` (transformers' processor's settings), or none."""
+    file = model_dir / "processor_config.json"
+    return json.loads(file.read_text()) if file.is_file() else {}  # type: ignore[no-any-return]
+
+
 class ImageFamily(ABC):
     """One family's image processing (``ImageProcessor``'s strategy), loaded from the model folder: one RGB image
     into the pixels its engines' vision tower reads (``process``), and the tokens the image takes in the prompt
@@ -264,8 +270,7 @@ class PixtralImages(ImageFamily):
         other than the model's."""
         from transformers import AutoImageProcessor
 
-        file = model_dir / "processor_config.json"
-        spec: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+        spec = _processor_spec(model_dir)
         patch_size = spec.get("patch_size", (config.get("vision_config") or {}).get("patch_size"))
         merge = spec.get("spatial_merge_size", config.get("spatial_merge_size", 1))
         if isinstance(patch_size, dict):  # {"height": p, "width": p}
@@ -389,8 +394,7 @@ class LlavaImages(ImageFamily):
             raise ImagesRefused(refusal)
         if tower == "pixtral":
             return PixtralImages.load(model_dir, config, tokenizer)
-        file = model_dir / "processor_config.json"
-        spec: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+        spec = _processor_spec(model_dir)
         image_token = getattr(tokenizer, "image_token", None) or spec.get("image_token", "<image>")
         image_token_id = _one_token(model_dir, tokenizer, image_token, "image token")
         _check_model_image_token(model_dir, config, image_token_id)
@@ -450,8 +454,7 @@ class Gemma3Images(ImageFamily):
                 raise ValueError(f"{model_dir}: the tokenizer's {name} {text!r} is id {token_id}, the model's {key} "
                                  f"{model_id!r}")
             tokens.append((text, token_id))
-        file = model_dir / "processor_config.json"
-        spec: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+        spec = _processor_spec(model_dir)
         num_tokens = spec.get("image_seq_length", 256)
         if num_tokens != config.get("mm_tokens_per_image", 256):
             raise ValueError(f"{model_dir}: the processor's image_seq_length {num_tokens!r} is not the model's "

@@ -174,6 +174,10 @@ class TowerEncoder(ImageEncoder):
         """The tower and the projector."""
         return self.modules.get_submodule("vision_tower"), self.modules.get_submodule("multi_modal_projector")
 
+    def batch(self, tower: nn.Module, pixels: Tensor, height: int, width: int) -> Tensor:
+        """One image's pixels as the tower takes a batch of it, in the tower's dtype."""
+        return pixels.view(1, 3, height, width).to(next(tower.parameters()).dtype)
+
 
 def _one_size(side: int, height: int, width: int) -> str | None:
     """Why an image is not the one size a tower takes; None where it is."""
@@ -269,8 +273,7 @@ class LlavaEncoder(TowerEncoder):
     def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
         tower, projector = self.parts()
         extra = {"image_sizes": torch.tensor([[height, width]], device=pixels.device)} if self.pixtral else {}
-        out = tower(pixels.view(1, 3, height, width).to(next(tower.parameters()).dtype), output_hidden_states=True,
-                    return_dict=True, **extra)
+        out = tower(self.batch(tower, pixels, height, width), output_hidden_states=True, return_dict=True, **extra)
         hidden = torch.cat([out.hidden_states[i][:, int(self.drop_first):] for i in self.feature_layers], dim=-1)
         features: Tensor = projector(hidden)[0]
         return features
@@ -307,8 +310,7 @@ class Gemma3Encoder(TowerEncoder):
     @torch.inference_mode()
     def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
         tower, projector = self.parts()
-        hidden = tower(pixel_values=pixels.view(1, 3, height, width).to(next(tower.parameters()).dtype),
-                       return_dict=True).last_hidden_state
+        hidden = tower(pixel_values=self.batch(tower, pixels, height, width), return_dict=True).last_hidden_state
         features: Tensor = projector(hidden)[0]
         return features
 

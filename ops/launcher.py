@@ -30,6 +30,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -203,8 +204,38 @@ def place_engines(names: list[str], gpus: list[str], per_engine: int = 1) -> dic
             for name, gpu in on.items()}
 
 
-def free_port() -> int:
+# Ports the launcher hands its children start here: below the kernel's ephemeral range, above the
+# ranges the test suite's first five workers take theirs from (tests/conftest.py).
+PORT_FLOOR = 20_000
+
+
+def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux's default where unreadable)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            low, high = (int(field) for field in f.read().split())
+    except (OSError, ValueError):
+        return 32_768, 60_999
+    return low, high
+
+
+def free_port(rng: random.Random | None = None, ephemeral: tuple[int, int] | None = None) -> int:
+    """A loopback port that is free now, for a child to bind later.
+
+    ``bind(0)`` would hand out a port from the ephemeral range, which any outgoing connection on the
+    host may be given before the child binds it (an engine then dies on "Address already in use",
+    and its restart on the same port can fail again). So the port is drawn at random between
+    ``PORT_FLOOR`` and the start of that range, where the kernel hands nothing out by itself, and
+    kept only if it binds; ``bind(0)`` only where that range leaves no room."""
+    low = (ephemeral or ephemeral_ports())[0]
+    rng = rng or random.SystemRandom()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        for _ in range(200 if low - PORT_FLOOR >= 1_000 else 0):
+            try:
+                sock.bind(("127.0.0.1", rng.randrange(PORT_FLOOR, low)))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 

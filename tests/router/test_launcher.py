@@ -405,6 +405,27 @@ def test_a_crash_loop_is_more_than_max_restarts_quick_deaths_in_a_row() -> None:
     assert steady.num_restarts == 12
 
 
+def test_child_ports_come_from_below_the_ephemeral_range_and_skip_ports_in_use(tmp_path: pathlib.Path) -> None:
+    import random
+    import socket
+
+    from ops.launcher import PORT_FLOOR, ephemeral_ports, free_port
+
+    range_file = tmp_path / "ip_local_port_range"
+    range_file.write_text("40000\t60999\n")
+    assert ephemeral_ports(str(range_file)) == (40000, 60999)
+    assert ephemeral_ports(str(tmp_path / "missing")) == (32768, 60999)
+    low = ephemeral_ports()[0]
+    ports = {free_port() for _ in range(50)}
+    assert all(PORT_FLOOR <= port < low for port in ports), sorted(ports)
+    # The first port drawn, taken by a listener, is passed over for the second.
+    draws = random.Random(7)
+    first, second = draws.randrange(PORT_FLOOR, 40000), draws.randrange(PORT_FLOOR, 40000)
+    with socket.create_server(("127.0.0.1", first)):
+        assert free_port(random.Random(7), ephemeral=(40000, 60999)) == second
+    assert free_port(random.Random(7), ephemeral=(40000, 60999)) == first
+
+
 def test_visible_gpus_read_cuda_visible_devices_as_cuda_does_else_count_the_driver_s() -> None:
     from ops.launcher import visible_gpus
 

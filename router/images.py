@@ -19,6 +19,9 @@ sends and the span of an image:
 - Gemma 3 (``Gemma3Images``): float32 ``[3, side, side]`` pixels, every image resized to the one size; its
   processor expands the template's ``<start_of_image>`` in the text, newlines around it, before it is tokenized
   (``ImageFamily.text_expansion``), which the router does too, so the ids are its processor's.
+- Idefics3 and SmolVLM (``Idefics3Images``): an image split into tiles of the tower's one size and the whole
+  image as one more, float32 ``[tiles, 3, tile, tile]``; its span the text its processor writes for the grid
+  (a row and column token before each tile's image tokens), tokenized alone.
 
 Each image travels as a ``common.protocol.ImageInput``: its span, its pixels and their digest, under which the
 blocks its span touches are hashed.
@@ -480,10 +483,109 @@ class Gemma3Images(ImageFamily):
         return list(self.span_ids)
 
 
+class Idefics3Images(ImageFamily):
+    """Idefics3's and SmolVLM's (their image processor, which splits an image into tiles of the tower's one size,
+    and ``processor_config.json``'s ``image_seq_len``). The pixels are float32 ``[tiles, 3, tile, tile]``: a split
+    image's tiles row by row, then the whole image resized to one tile; an image of one tile that tile alone. Its
+    processed size is its grid (``rows * tile`` x ``columns * tile``; one tile: ``tile`` x ``tile``). The span is
+    the text its processor writes in place of ``<image>`` before tokenizing: per tile ``<fake_token_around_image>``,
+    ``<row_R_col_C>`` and ``image_seq_len`` image tokens, a newline after each row, then a newline,
+    ``<fake_token_around_image><global-img>``, the whole image's tokens and ``<fake_token_around_image>`` (one
+    tile: the last part alone, without the newline), tokenized alone. That is the processor's tokenization of the
+    prompt where the special tokens at both ends keep it from merging with the text around it, which ``load``
+    checks against the tokenizer."""
+
+    def __init__(self, processor: Any, tokenizer: Any, side: int, tokens: dict[str, str], num_tokens: int) -> None:
+        self.processor = processor
+        self.tokenizer = tokenizer
+        self.step = side
+        self.tokens = tokens
+        self.num_tokens = num_tokens
+        self.placeholder_id = tokenizer.convert_tokens_to_ids(tokens["image_token"])
+        self._spans: dict[tuple[int, int], list[int]] = {}
+
+    @classmethod
+    def load(cls, model_dir: pathlib.Path, config: dict[str, Any], tokenizer: Any) -> Idefics3Images:
+        """``ValueError`` for a token the tokenizer does not hold as one or that is not the model's, a tile or an
+        ``image_seq_len`` other than the model's; ``ImagesRefused`` where the tokenizer would merge an image's text
+        with the text around it."""
+        from transformers import AutoImageProcessor
+
+        tokens = {name: getattr(tokenizer, name, None) or default for name, default in (
+            ("image_token", "<image>"), ("fake_image_token", "<fake_token_around_image>"),
+            ("global_image_token", "<global-img>"))}
+        for name, text in tokens.items():
+            _one_token(model_dir, tokenizer, text, name)
+        _check_model_image_token(model_dir, config, tokenizer.convert_tokens_to_ids(tokens["image_token"]))
+        vision = config.get("vision_config") or {}
+        side, patch = vision.get("image_size", 224), vision.get("patch_size", 32)
+        num_tokens = (side // patch) ** 2 // config.get("scale_factor", 2) ** 2
+        spec = _processor_spec(model_dir)
+        if spec.get("image_seq_len", 169) != num_tokens:
+            raise ValueError(f"{model_dir}: the processor's image_seq_len {spec.get('image_seq_len', 169)!r} is not "
+                             f"the model's {num_tokens} features of a tile")
+        # The PIL backend whatever else is installed: the same pixels on every host, in numpy (no torch).
+        processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+        tile = (getattr(processor, "max_image_size", None) or {}).get("longest_edge")
+        if tile != side:
+            raise ValueError(f"{model_dir}: the image processor's max_image_size {tile!r} is not the vision tower's "
+                             f"image_size {side!r}")
+        family = cls(processor, tokenizer, side, tokens, num_tokens)
+        grid = 1
+        if processor.do_image_splitting:
+            grid = -(-min(int(processor.size["longest_edge"]), 4096) // side)
+        for row in range(1, grid + 1):
+            for col in range(1, grid + 1):
+                _one_token(model_dir, tokenizer, f"<row_{row}_col_{col}>", "row and column token")
+        family.check_alone(model_dir, side, min(grid, 2) * side)
+        return family
+
+    def check_alone(self, model_dir: pathlib.Path, height: int, width: int) -> None:
+        """``ImagesRefused`` where the tokenizer's ids of a prompt with the text of an image of this processed size
+        in it are not the text before, the image's span and the text after, each tokenized alone (an added token
+        that strips the newlines beside it, say)."""
+        encode = self.tokenizer.encode
+        text, span = self.text(height, width), self.span(height, width)
+        for before, after in ((":", "\n"), ("w ", " w"), ("\n", "\n\n")):
+            whole = encode(before + text + after, add_special_tokens=False)
+            if whole != encode(before, add_special_tokens=False) + span + encode(after, add_special_tokens=False):
+                raise ImagesRefused(f"{model_dir}: the tokenizer merges an image's text with the text around it "
+                                    "(its image tokens strip or join their neighbours): images are not served")
+
+    def text(self, height: int, width: int) -> str:
+        """What the processor writes in place of ``<image>`` for an image of this processed size."""
+        image, fake, whole = self.tokens["image_token"], self.tokens["fake_image_token"], self.tokens[
+            "global_image_token"]
+        tile_tokens = image * self.num_tokens
+        last = f"{fake}{whole}{tile_tokens}{fake}"
+        if (height, width) == (self.step, self.step):
+            return last
+        rows = "".join("".join(f"{fake}<row_{r + 1}_col_{c + 1}>{tile_tokens}" for c in range(width // self.step))
+                       + "\n" for r in range(height // self.step))
+        return f"{rows}\n{last}"
+
+    def run(self, image: Any) -> ProcessedImage:
+        """Resized, split into tiles with the whole image as one more (or one tile), rescaled, normalized."""
+        out = self.processor(images=[image], return_tensors="np", return_row_col_info=True)
+        rows, cols, side = int(out["rows"][0][0]), int(out["cols"][0][0]), self.step
+        pixels = np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
+        tiles = rows * cols + 1 if rows else 1
+        if pixels.shape != (tiles, 3, side, side):
+            raise ValueError(f"the processor made pixels {pixels.shape}, not {tiles} tiles of [3, {side}, {side}]")
+        return ProcessedImage(pixels.tobytes(), max(rows, 1) * side, max(cols, 1) * side)
+
+    def span(self, height: int, width: int) -> list[int]:
+        grid = (height // self.step, width // self.step)
+        span = self._spans.get(grid)
+        if span is None:
+            span = self._spans[grid] = self.tokenizer.encode(self.text(height, width), add_special_tokens=False)
+        return list(span)
+
+
 # The families whose images the router processes, by model type (each of ``common.model.arch.IMAGE_INPUT_TYPES``).
 IMAGE_FAMILIES: dict[str, type[ImageFamily]] = {
-    "gemma3": Gemma3Images, "llava": LlavaImages, "mistral3": PixtralImages, "qwen2_5_vl": QwenVLImages,
-    "qwen3_vl": QwenVLImages, "qwen3_vl_moe": QwenVLImages,
+    "gemma3": Gemma3Images, "idefics3": Idefics3Images, "llava": LlavaImages, "mistral3": PixtralImages,
+    "qwen2_5_vl": QwenVLImages, "qwen3_vl": QwenVLImages, "qwen3_vl_moe": QwenVLImages, "smolvlm": Idefics3Images,
 }
 
 

@@ -24,6 +24,10 @@ Families (``common.model.arch.IMAGE_INPUT_TYPES``):
   tower over the image resized to its one size, or a Pixtral tower over an image of any size within its reach;
   the hidden states of its ``vision_feature_layer`` (the CLS position dropped by the ``default`` strategy, as
   transformers drops the first), then two linear layers. Its prompt positions are plain.
+- Idefics3 and SmolVLM (``idefics3``, ``smolvlm``): a SigLIP-like tower over tiles of its one size
+  (``image_size``): an image split into rows x columns of tiles by its image processor, then the whole image
+  resized to one tile (or only that, for an image of one tile); each tile's patches' features shuffled
+  ``scale_factor`` x ``scale_factor`` into one row each, then one linear layer. Its prompt positions are plain.
 - Gemma 3 (``gemma3``): a SigLIP tower over the image resized to its one size (``[3, image_size, image_size]``),
   its patches' features averaged into ``mm_tokens_per_image`` tokens, normed (Gemma's ``1 + weight``) and
   projected. An image's tokens attend to each other both ways in the language model, as transformers masks them
@@ -74,7 +78,7 @@ def load_image_encoder(path: Path, dtype: torch.dtype, device: torch.device) -> 
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(path))
-    family = {"gemma3": Gemma3Encoder, "llava": LlavaEncoder, "mistral3": PixtralEncoder, "qwen2_5_vl": QwenVLEncoder,
+    family = {"gemma3": Gemma3Encoder, "idefics3": Idefics3Encoder, "smolvlm": Idefics3Encoder, "llava": LlavaEncoder, "mistral3": PixtralEncoder, "qwen2_5_vl": QwenVLEncoder,
               "qwen3_vl": Qwen3VLEncoder, "qwen3_vl_moe": Qwen3VLEncoder}[model_type]
     return family(config, path, dtype, device)
 
@@ -313,6 +317,84 @@ class Gemma3Encoder(TowerEncoder):
         hidden = tower(pixel_values=self.batch(tower, pixels, height, width), return_dict=True).last_hidden_state
         features: Tensor = projector(hidden)[0]
         return features
+
+
+class Idefics3Encoder(ImageEncoder):
+    """Idefics3's and SmolVLM's: the tower (``vision_model``) over each tile of the tower's one size, the
+    connector (pixel shuffle, one linear layer) over its last hidden state, a tile's ``image_seq_len`` rows after
+    another. An image's processed size is its grid of tiles: ``rows * tile`` x ``columns * tile`` pixels for a
+    split image, whose pixels are its tiles row by row and then the whole image resized to one tile; ``tile`` x
+    ``tile`` for an image of one tile, whose pixels are that tile alone (transformers' image processor: an image is
+    split only where a side is longer than one tile)."""
+
+    prefixes = ("vision_model", "connector")
+
+    def __init__(self, config: Any, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+        vision = config.vision_config
+        self.image_token_id = int(config.image_token_id)
+        self.side = int(vision.image_size)
+        self.step = self.side
+        scale = int(config.scale_factor)
+        self.tokens = (self.side // int(vision.patch_size)) ** 2 // scale ** 2
+        self.longest = _tiled_longest_side(path, self.side)
+        super().__init__(config, path, dtype, device)
+
+    def build(self, config: Any) -> nn.Module:
+        if config.model_type == "smolvlm":
+            from transformers.models.smolvlm.modeling_smolvlm import SmolVLMConnector as Connector
+            from transformers.models.smolvlm.modeling_smolvlm import SmolVLMVisionTransformer as Tower
+        else:
+            from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector as Connector
+            from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionTransformer as Tower
+        modules = nn.Module()
+        modules.vision_model = Tower._from_config(config.vision_config)
+        modules.connector = Connector(config)
+        return modules
+
+    def num_tiles(self, height: int, width: int) -> int:
+        """The tiles an image of this processed size comes in: its grid's, and the whole image as one, or one."""
+        if (height, width) == (self.side, self.side):
+            return 1
+        return (height // self.side) * (width // self.side) + 1
+
+    def num_features(self, height: int, width: int) -> int:
+        return self.num_tiles(height, width) * self.tokens
+
+    def pixel_count(self, height: int, width: int) -> int:
+        return self.num_tiles(height, width) * 3 * self.side * self.side
+
+    def largest(self) -> tuple[int, int]:
+        return self.longest, self.longest
+
+    def too_large(self, height: int, width: int) -> str | None:
+        if max(height, width) > self.longest:
+            return f"the image processor makes sides of at most {self.longest}"
+        return None
+
+    @torch.inference_mode()
+    def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
+        tower, connector = self.modules.get_submodule("vision_model"), self.modules.get_submodule("connector")
+        tiles = pixels.view(self.num_tiles(height, width), 3, self.side, self.side)
+        hidden = tower(pixel_values=tiles.to(next(tower.parameters()).dtype), return_dict=True).last_hidden_state
+        features: Tensor = connector(hidden)
+        return features.reshape(-1, features.shape[-1])
+
+
+def _tiled_longest_side(path: Path, tile: int) -> int:
+    """The longest side, in pixels, of an image Idefics3's image processor makes for the folder
+    (``preprocessor_config.json``): ``size.longest_edge`` rounded up to whole tiles where it splits images, else
+    one tile. ``ValueError`` where its tiles are not the tower's size."""
+    file = path / "preprocessor_config.json"
+    spec = json.loads(file.read_text()) if file.is_file() else {}
+    # transformers' defaults for both families
+    max_tile = (spec.get("max_image_size") or {}).get("longest_edge", 364)
+    if max_tile != tile:
+        raise ValueError(f"{path}: the image processor's max_image_size {max_tile!r} is not the vision tower's "
+                         f"image_size {tile}")
+    if not spec.get("do_image_splitting", True):
+        return tile
+    longest = min(int((spec.get("size") or {}).get("longest_edge", 4 * 364)), 4096)
+    return -(-longest // tile) * tile
 
 
 class QwenVLEncoder(ImageEncoder):

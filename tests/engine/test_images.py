@@ -1,5 +1,5 @@
 """An image-text model's images through the engine (Gemma 3, LLaVA with a CLIP or a Pixtral tower, Mistral 3,
-Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE): greedy
+Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, SmolVLM; Idefics3's features): greedy
 output equals transformers' ``generate`` with the same pixels, whatever the chunks cut, what the prefix cache
 holds, a preemption, or a hand-off from prefill to decode; the blocks an image reaches are hashed under it; bad
 image inputs are refused by name."""
@@ -24,6 +24,8 @@ from tests.engine.test_disaggregated_lifecycle import _drain, hand_over
 from tests.engine.tiny_models import (
     GEMMA3_IMAGE_SIDE,
     GEMMA3_TOKENS,
+    IDEFICS3_TILE,
+    IDEFICS3_TOKENS,
     IMAGE_TOKENS,
     LLAVA_IMAGE_SIDE,
     LLAVA_IMAGE_TOKENS,
@@ -31,11 +33,14 @@ from tests.engine.tiny_models import (
     QWEN_VL_PATCH,
     QWEN_VL_TOKENS,
     expand_gemma3_tokens,
+    expand_idefics3_tokens,
     expand_image_tokens,
     expand_qwen_vl_tokens,
     gemma3_image_checkpoint,
     gemma3_pixels,
     hf_model,
+    idefics3_checkpoint,
+    idefics3_pixels,
     image_pixels,
     image_text_checkpoint,
     llava_checkpoint,
@@ -49,7 +54,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 IMG = IMAGE_TOKENS["[IMG]"]
 
 
-FAMILIES = ("gemma3", "llava", "llava_pixtral", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+FAMILIES = ("gemma3", "llava", "llava_pixtral", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "smolvlm")
 
 
 def _drain_outputs(engine: LLMEngine) -> list[Any]:
@@ -66,6 +71,8 @@ def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         return image_text_checkpoint(folder)
     if request.param == "gemma3":
         return gemma3_image_checkpoint(folder)
+    if request.param in ("smolvlm", "idefics3"):
+        return idefics3_checkpoint(folder, request.param)
     if request.param.startswith("llava"):
         return llava_checkpoint(folder, "pixtral" if request.param == "llava_pixtral" else "clip")
     return qwen_vl_checkpoint(folder, model_type=request.param)
@@ -82,6 +89,11 @@ def _qwen(folder: Path) -> bool:
 
 def _gemma(folder: Path) -> bool:
     return json.loads((folder / "config.json").read_text())["model_type"] == "gemma3"
+
+
+def _tiled(folder: Path) -> bool:
+    """A SmolVLM or Idefics3 checkpoint (images in tiles)."""
+    return json.loads((folder / "config.json").read_text())["model_type"] in ("smolvlm", "idefics3")
 
 
 def _clip(folder: Path) -> bool:
@@ -101,19 +113,24 @@ def _request(folder: Path, seeds: tuple[int, ...], sizes: tuple[tuple[int, int],
     """A prompt of text, an image's placeholder per image (Pixtral's ``[IMG]``, Qwen's ``<|vision_start|>
     <|image_pad|><|vision_end|>``) and text between and after, expanded as the model's processor expands it; its
     images as the router sends them (Pixtral's pixels, Qwen's patches), and those."""
-    qwen, gemma, clip = _qwen(folder), _gemma(folder), _clip(folder)
-    special = min((QWEN_VL_TOKENS if qwen else GEMMA3_TOKENS if gemma else LLAVA_TOKENS if clip else IMAGE_TOKENS
-                   ).values())
+    qwen, gemma, clip, tiled = _qwen(folder), _gemma(folder), _clip(folder), _tiled(folder)
+    special = min((QWEN_VL_TOKENS if qwen else GEMMA3_TOKENS if gemma else LLAVA_TOKENS if clip else
+                   IDEFICS3_TOKENS if tiled else IMAGE_TOKENS).values())
     words = prompt_token_ids(9 * (len(seeds) + 1), seed=text_seed)
     words = [w if w < special else 3 for w in words]  # no image token among the words
     placeholder = ([QWEN_VL_TOKENS["<|vision_start|>"], QWEN_VL_TOKENS["<|image_pad|>"], QWEN_VL_TOKENS["<|vision_end|>"]]
                    if qwen else [GEMMA3_TOKENS["<start_of_image>"]] if gemma else [LLAVA_TOKENS["<image>"]] if clip
-                   else [IMG])
+                   else [IDEFICS3_TOKENS["<image>"]] if tiled else [IMG])
     prompt = words[:9]
     for k in range(len(seeds)):
         prompt += [*placeholder, *words[9 * (k + 1):9 * (k + 2)]]
     images = [_image(seed, *size) for seed, size in zip(seeds, sizes, strict=True)]
-    if gemma:
+    if tiled:  # transformers' processor's text for each image's grid of tiles
+        pixels = [idefics3_pixels(folder, image) for image in images]
+        grids = [(0, 0) if (h, w) == (IDEFICS3_TILE, IDEFICS3_TILE) else (h // IDEFICS3_TILE, w // IDEFICS3_TILE)
+                 for _, h, w in pixels]
+        ids, spans = expand_idefics3_tokens(folder, prompt, grids)
+    elif gemma:
         pixels = [(gemma3_pixels(folder, image), GEMMA3_IMAGE_SIDE, GEMMA3_IMAGE_SIDE) for image in images]
         ids, spans = expand_gemma3_tokens(prompt, len(images))
     elif clip:  # LLaVA's processor: the one <image> repeated, once per feature
@@ -147,6 +164,8 @@ def _hf_inputs(folder: Path, ids: list[int], images: list[ImageInput], pixels: l
     masks them to attend to each other both ways; ``image_aware`` False: causally)."""
     if _clip(folder):
         return {"pixel_values": torch.stack(pixels)}
+    if _tiled(folder):  # every image's tiles in one row of the batch
+        return {"pixel_values": torch.cat(pixels)[None]}
     if _gemma(folder):
         kwargs = {"pixel_values": torch.stack(pixels)}
         if image_aware:
@@ -234,6 +253,30 @@ def test_images_equal_transformers_through_chunks_cache_and_preemption(folder: P
     preempted = [small.scheduler.requests["p"], small.scheduler.requests["q"]]
     assert _drain(small) == {"p": expected, "q": other_expected}
     assert sum(r.num_preemptions for r in preempted) > 0
+
+
+@pytest.mark.parametrize("folder", ["idefics3"], indirect=True)
+def test_idefics3_images_of_other_grids_equal_transformers(folder: Path, engine_factory: Any) -> None:
+    """Idefics3's tower and connector (SmolVLM's are their twins): a tall image split into 2 x 1 tiles and a wide
+    one into 1 x 2, each with the whole image as one more; then, with the image processor's splitting turned off,
+    each one tile. The prompt's log-probabilities within 1e-4 of transformers' at every position."""
+    grids = [(2 * IDEFICS3_TILE, IDEFICS3_TILE), (IDEFICS3_TILE, 2 * IDEFICS3_TILE)]
+    for split in (True, False):
+        if not split:
+            spec_file = folder / "preprocessor_config.json"
+            spec_file.write_text(json.dumps({**json.loads(spec_file.read_text()), "do_image_splitting": False}))
+            grids = [(IDEFICS3_TILE, IDEFICS3_TILE)] * 2
+        ids, images, pixels = _request(folder, (8, 9), ((100, 20), (30, 90)))
+        assert [(i.height, i.width) for i in images] == grids
+        reference = _hf_logprobs(folder, ids, images, pixels)
+        engine = _engine(engine_factory, folder)
+        assert engine.runner.image_encoder is not None
+        assert engine.runner.image_encoder.largest() == ((2 if split else 1) * IDEFICS3_TILE,) * 2
+        engine.add_request("t", ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), images=images)
+        [out] = [o for o in _drain_outputs(engine) if o.prompt_logprobs]
+        got = [p.logprob for p in out.prompt_logprobs[1:]]
+        want = [float(reference[i - 1, ids[i]]) for i in range(1, len(ids))]
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
 
 
 @pytest.mark.parametrize("folder", ["gemma3"], indirect=True)
@@ -369,7 +412,8 @@ def test_the_profiling_run_encodes_the_largest_image(folder: Path, engine_factor
     # Pixtral's tower's reach (image_size 112); a square within Qwen's image processor's max_pixels (8 x 8 tokens);
     # Gemma's and CLIP's one size.
     patch = _qwen_patch(folder)
-    side = 16 * patch if patch else GEMMA3_IMAGE_SIDE if _gemma(folder) else LLAVA_IMAGE_SIDE if _clip(folder) else 112
+    side = (16 * patch if patch else GEMMA3_IMAGE_SIDE if _gemma(folder) else LLAVA_IMAGE_SIDE if _clip(folder) else
+            2 * IDEFICS3_TILE if _tiled(folder) else 112)  # SmolVLM's: its image processor's longest side, 2 tiles
     assert encoder is not None and encoder.largest() == (side, side)
     calls = []
     encode = encoder.encode
@@ -381,7 +425,9 @@ def test_the_profiling_run_encodes_the_largest_image(folder: Path, engine_factor
     monkeypatch.setattr(encoder, "encode", spy)
     engine.runner.profile_activations()
     assert calls == [((encoder.pixel_count(side, side),), side, side)]
-    assert encoder.pixel_count(side, side) == (16 * 16 * 6 * patch * patch if patch else 3 * side * side)
+    # SmolVLM's: its 2 x 2 tiles and the whole image as one more
+    assert encoder.pixel_count(side, side) == (16 * 16 * 6 * patch * patch if patch else
+                                               5 * 3 * IDEFICS3_TILE ** 2 if _tiled(folder) else 3 * side * side)
 
 
 def test_a_chunk_never_ends_inside_an_image_that_attends_both_ways() -> None:

@@ -955,6 +955,87 @@ def expand_gemma3_tokens(prompt: list[int], num_images: int) -> tuple[list[int],
     return out, spans
 
 
+# SmolVLM and Idefics3 checkpoints whose images are served: Llama's layer beside a SigLIP-like tower over tiles of
+# 28 x 28 pixels in patches of 7, each tile's 4 x 4 patches shuffled 2 x 2 into 4 image tokens. Images are resized
+# to a longest side of 56 pixels and split into at most 2 x 2 tiles, the whole image one more. Its tokenizer is
+# ``build_tokenizer``'s with runs of up to 2 newlines a token each and the processor's tokens at the vocabulary's
+# end; its template writes ``<image>`` for an image part.
+IDEFICS3_TOKENS = {"<image>": TINY_DIMS["vocab_size"] - 7, "<fake_token_around_image>": TINY_DIMS["vocab_size"] - 6,
+                   "<global-img>": TINY_DIMS["vocab_size"] - 5,
+                   **{f"<row_{r}_col_{c}>": TINY_DIMS["vocab_size"] - 4 + 2 * (r - 1) + c - 1
+                      for r in (1, 2) for c in (1, 2)}}
+IDEFICS3_TILE = 28
+IDEFICS3_TILE_TOKENS = 4
+
+
+def idefics3_checkpoint(folder: Path, model_type: str = "smolvlm", seed: int = 0) -> Path:
+    """The checkpoint above (``model_type`` "smolvlm" or "idefics3") with its tokenizer, chat template and
+    processor's files (its image processor's ``preprocessor_config.json``, ``processor_config.json``)."""
+    from transformers import (
+        Idefics3Config,
+        Idefics3VisionConfig,
+        LlamaConfig,
+        SmolVLMConfig,
+        SmolVLMVisionConfig,
+    )
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    smol = model_type == "smolvlm"
+    vision = (SmolVLMVisionConfig if smol else Idefics3VisionConfig)(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=IDEFICS3_TILE,
+        patch_size=7)
+    config = (SmolVLMConfig if smol else Idefics3Config)(
+        text_config=LlamaConfig(**TINY_DIMS).to_dict(), vision_config=vision.to_dict(), scale_factor=2,
+        image_token_id=IDEFICS3_TOKENS["<image>"])
+    build_checkpoint(config, folder, seed)
+    _word_tokenizer(folder, IDEFICS3_TOKENS, _image_chat_template("<image>"), newlines=2, named={
+        "image_token": "<image>", "fake_image_token": "<fake_token_around_image>", "global_image_token": "<global-img>"})
+    (SmolVLMImageProcessorPil if smol else Idefics3ImageProcessorPil)(
+        size={"longest_edge": 2 * IDEFICS3_TILE}, max_image_size={"longest_edge": IDEFICS3_TILE},
+    ).save_pretrained(str(folder))
+    (folder / "processor_config.json").write_text(json.dumps({
+        "processor_class": "SmolVLMProcessor" if smol else "Idefics3Processor",
+        "image_seq_len": IDEFICS3_TILE_TOKENS}, indent=2))
+    return folder
+
+
+def idefics3_pixels(folder: Path, image: Any) -> tuple[torch.Tensor, int, int]:
+    """transformers' processing of one PIL image for the checkpoint: its tiles ``[n, 3, 28, 28]`` (float32) and its
+    grid's height and width in pixels (one tile: 28 x 28)."""
+    from transformers import AutoImageProcessor
+
+    out = AutoImageProcessor.from_pretrained(str(folder), backend="pil")(images=[image], return_tensors="pt",
+                                                                         return_row_col_info=True)
+    rows, cols = int(out["rows"][0][0]), int(out["cols"][0][0])
+    return out["pixel_values"][0].float(), max(rows, 1) * IDEFICS3_TILE, max(cols, 1) * IDEFICS3_TILE
+
+
+def expand_idefics3_tokens(folder: Path, prompt: list[int], grids: list[tuple[int, int]]
+                           ) -> tuple[list[int], list[tuple[int, int]]]:
+    """Each ``<image>`` in ``prompt`` replaced by transformers' processor's text for its image's grid (rows,
+    columns; (0, 0): one tile) tokenized by the folder's tokenizer; the ids and each image's (offset, length)."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    processor = Idefics3Processor(image_processor=AutoImageProcessor.from_pretrained(str(folder), backend="pil"),
+                                  tokenizer=tokenizer, image_seq_len=IDEFICS3_TILE_TOKENS)
+    out: list[int] = []
+    spans = []
+    images = iter(grids)
+    for token in prompt:
+        if token != IDEFICS3_TOKENS["<image>"]:
+            out.append(token)
+            continue
+        rows, cols = next(images)
+        text = processor.replace_image_token({"rows": [[rows]], "cols": [[cols]]}, 0)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        spans.append((len(out), len(ids)))
+        out.extend(ids)
+    return out, spans
+
+
 # A Qwen2.5-VL checkpoint whose images are served: Qwen2's layer under M-RoPE (sections [2, 3, 3] of each head's 8
 # frequencies), a vision tower of two blocks (one windowed, one full) over patches of 14 pixels merged 2 x 2, so an
 # image token stands for 28 x 28 pixels; images resized to between 4 and 64 tokens. Its tokenizer is

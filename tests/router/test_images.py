@@ -34,12 +34,15 @@ from router.main import build_parser
 from router.tokenization import PromptProcessor
 from tests.engine.tiny_models import (
     GEMMA3_TOKENS,
+    IDEFICS3_TILE_TOKENS,
+    IDEFICS3_TOKENS,
     IMAGE_TOKENS,
     QWEN_VL_PATCH,
     QWEN_VL_TOKENS,
     expand_image_tokens,
     expand_qwen_vl_tokens,
     gemma3_image_checkpoint,
+    idefics3_checkpoint,
     image_pixels,
     image_text_checkpoint,
     llava_checkpoint,
@@ -567,6 +570,66 @@ def test_gemma3_images_reach_the_engines_as_its_processor_makes_them(
         for words in ("<image_soft_token>", "<start_of_image>"):
             bad = _chat([_text(f"w3 {words}"), _part(PNG)])
             _refusal(httpx.post(f"{server.url}{CHAT}", json=bad, timeout=10), "messages", "image token")
+
+
+@pytest.mark.parametrize("model_type", ["smolvlm", "idefics3"])
+def test_idefics3_images_reach_the_engines_as_its_processor_makes_them(
+    redis_url: str, tmp_path_factory: pytest.TempPathFactory, model_type: str
+) -> None:
+    """Idefics3's and SmolVLM's processor (the same text for an image; SmolVLM's class needs num2words, so
+    Idefics3's is the reference for both): each ``<image>`` becomes its grid's text before tokenizing, its pixels
+    the tiles row by row and the whole image. A wide image in 2 x 2 tiles, a tall one in 2 x 1; with splitting
+    turned off, one tile each. The ids and pixels equal the processor's."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
+
+    folder = idefics3_checkpoint(tmp_path_factory.mktemp(model_type), model_type)
+    pictures = [_image(41, 200, 300), _image(42, 50, 15)]
+    messages = [{"role": "user", "content": [_text("w11 "), _part(_data_url(pictures[0])), _text(" w12"),
+                                             _part(_data_url(pictures[1])), _text(" w13")]}]
+    parts = [{**m, "content": [_text(p["text"]) if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
+             for m in messages]
+    for split, grids in ((True, [(56, 56), (56, 28)]), (False, [(28, 28), (28, 28)])):
+        spec_file = folder / "preprocessor_config.json"
+        spec_file.write_text(json.dumps({**json.loads(spec_file.read_text()), "do_image_splitting": split}))
+        prompts = PromptProcessor.from_model_dir(folder)
+        images = ModelImages.from_model_dir(folder, prompts.tokenizer)
+        assert images.model_type == model_type and images.processor is not None
+        with fake_stack(redis_url, prompts, REPLY, images=images) as (server, cluster):
+            response = httpx.post(f"{server.url}{CHAT}", json={"messages": messages, "max_tokens": 2}, timeout=10)
+            assert response.status_code == 200, response.text
+            [sent] = cluster.requests()
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))  # the processor adds a token to its tokenizer
+        reference = Idefics3Processor(AutoImageProcessor.from_pretrained(str(folder), backend="pil"), tokenizer,
+                                      image_seq_len=IDEFICS3_TILE_TOKENS)(
+            text=prompts.tokenizer.apply_chat_template(parts, tokenize=False, add_generation_prompt=True),
+            images=pictures, add_special_tokens=False, return_tensors="np")
+        ids = reference["input_ids"][0].tolist()
+        assert sent.prompt_token_ids == ids
+        assert [(i.height, i.width) for i in sent.images] == grids
+        tiles = [h // 28 * w // 28 + 1 if split else 1 for h, w in grids]
+        # Per tile its tokens after a fake token and a row/column (or global) token; a fake token at the end; a
+        # newline token per row (the last one's two newlines one token).
+        assert [i.length for i in sent.images] == [n * (IDEFICS3_TILE_TOKENS + 2) + 1 + int(split) * h // 28
+                                                   for n, (h, _) in zip(tiles, grids, strict=True)]
+        assert [ids[i.offset] for i in sent.images] == [IDEFICS3_TOKENS["<fake_token_around_image>"]] * 2
+        assert b"".join(i.pixel_values for i in sent.images) == reference["pixel_values"][0].astype(
+            np.float32).tobytes()
+    # A folder whose tiles hold another count of features than its processor writes tokens for fails start-up.
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "scale_factor": 1}))
+    with pytest.raises(ValueError, match="image_seq_len 4 is not the model's 16 features of a tile"):
+        ModelImages.from_model_dir(folder, prompts.tokenizer)
+    (folder / "config.json").write_text(json.dumps(config))
+    # A tokenizer whose token around an image strips the newline before it: the router's ids would not be the
+    # processor's, so its images are refused (its text served).
+    file = folder / "tokenizer.json"
+    spec = json.loads(file.read_text())
+    for token in spec["added_tokens"]:
+        token["lstrip"] = token["content"] == "<fake_token_around_image>"
+    file.write_text(json.dumps(spec))
+    stripping = ModelImages.from_model_dir(folder, AutoTokenizer.from_pretrained(str(folder)))
+    assert stripping.processor is None and "merges an image's text with the text around it" in stripping.refusal
 
 
 @pytest.mark.parametrize("tower", ["clip", "pixtral"])

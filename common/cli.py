@@ -3,7 +3,7 @@
     pdserve up [--prefill N] [--decode M]     the whole local stack (Redis, router, engines)
     pdserve router | prefill | decode ...     one service
     pdserve generate --prompt TEXT ...        offline generation in this process
-    pdserve bench offline|serve|kv|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec|lora ...   benchmarks
+    pdserve bench offline|serve|kv|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec|lora|images ...   benchmarks
 """
 
 from __future__ import annotations

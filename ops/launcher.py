@@ -52,7 +52,7 @@ from common.lora_modules import lora_module_arg
 from ops.supervisor import Child, ChildExited, RestartPolicy, Supervisor
 from ops.supervisor import die_with_parent as die_with_parent  # re-exported: tests start children with it
 from router.image_fetch import fetch_timeout_arg
-from router.images import limit_mm_per_prompt_arg
+from router.images import limit_mm_per_prompt_arg, mm_processor_cache_gb_arg
 from router.sampling_defaults import generation_config_arg
 
 POLL_S = 0.2
@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help='the router\'s --limit-mm-per-prompt: images one chat prompt may hold, e.g. {"image": 4}')
     p.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
                    help="the router's --allowed-media-domains: hosts whose http(s) image URLs it fetches")
+    p.add_argument("--mm-processor-cache-gb", default=None, type=mm_processor_cache_gb_arg, metavar="GIB",
+                   help="the router's --mm-processor-cache-gb: GiB of processed images each router process keeps")
     p.add_argument("--media-fetch-timeout", default=None, type=fetch_timeout_arg,
                    help="the router's --media-fetch-timeout (seconds)")
     p.add_argument("--response-ttl", type=int, default=None,
@@ -332,6 +334,8 @@ class Launcher:
             flags += ["--allowed-media-domains", *self.args.allowed_media_domains]
         if self.args.media_fetch_timeout is not None:
             flags += ["--media-fetch-timeout", str(self.args.media_fetch_timeout)]
+        if self.args.mm_processor_cache_gb is not None:
+            flags += ["--mm-processor-cache-gb", str(self.args.mm_processor_cache_gb)]
         return flags
 
     def engine_env(self) -> dict[str, str]:

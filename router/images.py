@@ -45,12 +45,15 @@ import asyncio
 import base64
 import binascii
 import dataclasses
+import hashlib
 import io
 import json
 import logging
 import os
 import pathlib
+import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -80,6 +83,9 @@ FALLBACK_MAX_PIXELS = 89_478_485  # PIL's default
 DEFAULT_MAX_IMAGES_PER_PROMPT = 4
 NO_IMAGES = "this model takes no images (it is a text model)"
 IMAGE_THREADS = min(4, os.cpu_count() or 1)
+# vLLM's --mm-processor-cache-gb default: GiB of processed images each router process keeps.
+DEFAULT_CACHE_GB = 4.0
+DEFAULT_CACHE_BYTES = int(DEFAULT_CACHE_GB * (1 << 30))
 
 
 class ImagesRefused(ValueError):
@@ -95,17 +101,72 @@ class ImageRef(NamedTuple):
 
 class ProcessedImage(NamedTuple):
     """One image as the model's processor made it: its float32 pixels, row-major, in its family's layout
-    (``ImageFamily``), and the processed image's height and width in pixels."""
+    (``ImageFamily``), the processed image's height and width in pixels, and, once ``hashed``, their digest."""
 
     pixel_values: bytes
     height: int
     width: int
+    digest: str = ""
+
+    def hashed(self) -> ProcessedImage:
+        """The image with its pixels' digest (``common.protocol.image_digest``)."""
+        return self if self.digest else self._replace(digest=image_digest(self.pixel_values, self.height, self.width))
 
     def engine_input(self, offset: int, length: int) -> ImageInput:
         """The image as the engines take it, its span at ``offset``, hashed."""
         return ImageInput(offset=offset, length=length, height=self.height, width=self.width,
-                          digest=image_digest(self.pixel_values, self.height, self.width),
-                          pixel_values=self.pixel_values)
+                          digest=self.hashed().digest, pixel_values=self.pixel_values)
+
+
+class ProcessedCache:
+    """Processed images by the sha256 of what they came in (a data URL, or the bytes fetched for a URL), least
+    recently used first out, up to ``capacity`` bytes of pixels (vLLM's ``--mm-processor-cache-gb``): a
+    conversation sends its images again with every turn, and decoding, resizing and hashing them again would cost
+    each turn's first token milliseconds to a second per image. The processing is a function of those bytes (the
+    router's image processor is fixed); an image refused on first sight is never kept. Shared by the image
+    threads: a lock around each look-up and insertion, never around the processing."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.size = 0
+        self.hits = self.misses = 0
+        self._entries: OrderedDict[bytes, ProcessedImage] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: bytes) -> ProcessedImage | None:
+        with self._lock:
+            image = self._entries.get(key)
+            if image is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return image
+
+    def put(self, key: bytes, image: ProcessedImage) -> None:
+        """Keep ``image`` (hashed) under ``key``, dropping the least recently used past the capacity; one larger
+        than the whole capacity is not kept."""
+        cost = len(image.pixel_values)
+        if cost > self.capacity:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            self.size += cost - (len(old.pixel_values) if old is not None else 0)
+            self._entries[key] = image
+            while self.size > self.capacity:
+                _, dropped = self._entries.popitem(last=False)
+                self.size -= len(dropped.pixel_values)
+
+
+def mm_processor_cache_gb_arg(text: str) -> float:
+    """vLLM's ``--mm-processor-cache-gb``: GiB of processed images a router process keeps (0: none)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mm-processor-cache-gb must be a number of GiB, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"--mm-processor-cache-gb must be 0 or more GiB, got {text!r}")
+    return value
 
 
 def limit_mm_per_prompt_arg(text: str) -> int:
@@ -143,6 +204,12 @@ def decode_image_url(url: str, param: str) -> Any:
     that is not, more than ``MAX_ENCODED_IMAGE_BYTES``, a format not in
     ``IMAGE_FORMATS``, more pixels than PIL's decompression-bomb limit, or bytes that are no image.
     Transparency is composited onto white, as transformers' ``convert_to_rgb`` (and vLLM) do."""
+    return _open_image(data_url_bytes(url, param), param)
+
+
+def data_url_bytes(url: str, param: str) -> bytes:
+    """The encoded image of a ``data:image/...;base64,`` URL (``decode_image_url``'s refusals but those of its
+    decoding)."""
     if not url.startswith("data:"):  # an http(s) URL is fetched before (``ImageFetcher``)
         raise bad_request("an image URL must be a data URL (data:image/png;base64,...) or an http(s) URL",
                           param=param)
@@ -155,10 +222,9 @@ def decode_image_url(url: str, param: str) -> Any:
     if len(payload) > (MAX_ENCODED_IMAGE_BYTES + 2) // 3 * 4:
         raise bad_request(f"an image may take at most {MAX_ENCODED_IMAGE_BYTES >> 20} MiB", param=param)
     try:
-        data = base64.b64decode(payload, validate=True)
+        return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise bad_request("the image's data is not valid base64", param=param) from None
-    return _open_image(data, param)
 
 
 def _open_image(data: bytes, param: str) -> Any:
@@ -593,17 +659,18 @@ class ImageProcessor:
     """The served model's image processing: its family's (``family``), run in threads of its own, and what
     every family shares: the placeholders the template wrote checked, each replaced by its image's span."""
 
-    def __init__(self, family: ImageFamily, num_threads: int = IMAGE_THREADS, fetcher: ImageFetcher | None = None
-                 ) -> None:
+    def __init__(self, family: ImageFamily, num_threads: int = IMAGE_THREADS, fetcher: ImageFetcher | None = None,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.family = family
         # Images by URL, from the hosts --allowed-media-domains lists (none by default: each refused by name).
         self.fetcher = fetcher or ImageFetcher(())
+        self.cache = ProcessedCache(cache_bytes)  # --mm-processor-cache-gb
         # Threads of their own: an image's seconds never queue the tokenizer's work or the default executor's.
         self._pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="images")
 
     @classmethod
-    def from_model_dir(cls, model_dir: pathlib.Path, tokenizer: Any, fetcher: ImageFetcher | None = None
-                       ) -> ImageProcessor:
+    def from_model_dir(cls, model_dir: pathlib.Path, tokenizer: Any, fetcher: ImageFetcher | None = None,
+                       cache_bytes: int = DEFAULT_CACHE_BYTES) -> ImageProcessor:
         """The processing of the folder's model type (``IMAGE_FAMILIES``); ``ValueError`` naming what does not fit."""
         config = json.loads((model_dir / "config.json").read_text())
         model_type = config.get("model_type")
@@ -611,7 +678,7 @@ class ImageProcessor:
         if family is None:
             raise ValueError(f"{model_dir}: the router processes no images of model type {model_type!r} "
                              f"(it does for {', '.join(IMAGE_FAMILIES)})")
-        return cls(family.load(model_dir, config, tokenizer), fetcher=fetcher)
+        return cls(family.load(model_dir, config, tokenizer), fetcher=fetcher, cache_bytes=cache_bytes)
 
     @property
     def placeholder_id(self) -> int:
@@ -691,8 +758,14 @@ class ImageProcessor:
         total = 0
         for k, ref in enumerate(images):
             data = (fetched or {}).get(k)
-            picture = decode_image_url(ref.url, ref.param) if data is None else _open_image(data, ref.param)
-            image = self.process(picture, ref.param)
+            # By the data URL as it came (a hit skips its base64 too), or by the bytes fetched for a URL.
+            key = hashlib.sha256(b"data URL\0" if data is None else b"fetched\0")
+            key.update(ref.url.encode() if data is None else data)
+            image = self.cache.get(key.digest())
+            if image is None:
+                picture = _open_image(data_url_bytes(ref.url, ref.param) if data is None else data, ref.param)
+                image = self.process(picture, ref.param).hashed()
+                self.cache.put(key.digest(), image)
             total += len(image.pixel_values)
             if total > MAX_IMAGE_BYTES:
                 raise bad_request(f"the prompt's images take more than {MAX_IMAGE_BYTES >> 20} MiB once processed "
@@ -722,10 +795,11 @@ class ModelImages:
     model_type: str | None = None
 
     @classmethod
-    def from_model_dir(cls, model_dir: pathlib.Path, tokenizer: Any, fetcher: ImageFetcher | None = None
-                       ) -> ModelImages:
+    def from_model_dir(cls, model_dir: pathlib.Path, tokenizer: Any, fetcher: ImageFetcher | None = None,
+                       cache_bytes: int = DEFAULT_CACHE_BYTES) -> ModelImages:
         """The model folder's: ``ValueError`` for an image-text model whose processor files do not fit.
-        ``fetcher``: where images given by URL come from (``router.image_fetch``; none without)."""
+        ``fetcher``: where images given by URL come from (``router.image_fetch``; none without); ``cache_bytes``:
+        the processed images kept (``ProcessedCache``)."""
         try:
             config = json.loads((model_dir / "config.json").read_text())
         except (OSError, ValueError):
@@ -743,7 +817,7 @@ class ModelImages:
         if model_type not in IMAGE_INPUT_TYPES:
             return cls(refusal=image_input_refusal(model_type), model_type=model_type)
         try:
-            return cls(ImageProcessor.from_model_dir(model_dir, tokenizer, fetcher), "", model_type)
+            return cls(ImageProcessor.from_model_dir(model_dir, tokenizer, fetcher, cache_bytes), "", model_type)
         except ImagesRefused as exc:
             return cls(refusal=str(exc), model_type=model_type)
 

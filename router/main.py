@@ -23,7 +23,12 @@ from ops.supervisor import die_with_parent
 from router.auth import keys_from_env
 from router.config import RequestLimits, RouterConfig
 from router.image_fetch import DEFAULT_FETCH_TIMEOUT_S, fetch_timeout_arg
-from router.images import DEFAULT_MAX_IMAGES_PER_PROMPT, limit_mm_per_prompt_arg
+from router.images import (
+    DEFAULT_CACHE_GB,
+    DEFAULT_MAX_IMAGES_PER_PROMPT,
+    limit_mm_per_prompt_arg,
+    mm_processor_cache_gb_arg,
+)
 from router.reasoning import REASONING_PARSERS
 from router.routing import POLICIES
 from router.sampling_defaults import SamplingDefaults, generation_config_arg
@@ -173,6 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
         "default, so only inline data URLs are taken",
     )
     p.add_argument(
+        "--mm-processor-cache-gb",
+        type=mm_processor_cache_gb_arg,
+        default=DEFAULT_CACHE_GB,
+        metavar="GIB",
+        help="vLLM's flag: GiB of processed images (by the bytes they came in) each router process keeps, so a "
+        "conversation's images are not processed again every turn; 0: none (default: %(default)s)",
+    )
+    p.add_argument(
         "--media-fetch-timeout",
         type=fetch_timeout_arg,
         default=DEFAULT_FETCH_TIMEOUT_S,
@@ -280,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"the model's sentence-transformers config: {exc}") from None
     try:
         fetcher = ImageFetcher(args.allowed_media_domains, args.media_fetch_timeout, MAX_ENCODED_IMAGE_BYTES)
-        images = ModelImages.from_model_dir(model_dir, prompts.tokenizer, fetcher)
+        images = ModelImages.from_model_dir(model_dir, prompts.tokenizer, fetcher,
+                                            int(args.mm_processor_cache_gb * (1 << 30)))
     except ValueError as exc:
         raise SystemExit(f"the model's image processor: {exc}") from None
     if images.processor is not None:

@@ -1,4 +1,4 @@
-"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec|lora|tp|mla``: benchmarks that print measured figures beside baselines."""
+"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec|lora|tp|mla|images``: benchmarks that print measured figures beside baselines."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ _BENCHES = {
     "lora": "ops.bench.lora",
     "tp": "ops.bench.tensor_parallel",
     "mla": "ops.bench.mla",
+    "images": "ops.bench.images",
 }
 
 

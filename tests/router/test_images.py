@@ -29,7 +29,14 @@ from common.registry import PrefixIndex
 from router.app import create_app
 from router.config import RequestLimits
 from router.image_fetch import ImageFetcher
-from router.images import IMAGE_FAMILIES, ModelImages, QwenVLImages, limit_mm_per_prompt_arg
+from router.images import (
+    IMAGE_FAMILIES,
+    ImageRef,
+    ModelImages,
+    QwenVLImages,
+    limit_mm_per_prompt_arg,
+    mm_processor_cache_gb_arg,
+)
 from router.main import build_parser
 from router.tokenization import PromptProcessor
 from tests.engine.tiny_models import (
@@ -264,7 +271,9 @@ def test_a_decompression_bomb_is_refused_before_its_pixels_are_decoded(
     client: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # the 50 x 90 image has 4,500
-    _refusal(client.post(CHAT, json=_chat([_part(PNG)])), "messages.0.content.0.image_url", "more than 1000 pixels")
+    # An image not sent before (one processed before comes from the processor cache, not decoded again).
+    _refusal(client.post(CHAT, json=_chat([_part(_data_url(_image(99)))])), "messages.0.content.0.image_url",
+             "more than 1000 pixels")
 
 
 def test_limit_mm_per_prompt_is_vllm_s_flag(image_prompts: PromptProcessor, images: ModelImages) -> None:
@@ -280,6 +289,50 @@ def test_limit_mm_per_prompt_is_vllm_s_flag(image_prompts: PromptProcessor, imag
     with TestClient(create_app(state)) as one:
         _refusal(one.post(CHAT, json=_chat([_part(PNG), _part(PNG)])), "messages.0.content.1.image_url",
                  "at most 1 image(s)")
+
+
+def test_a_conversation_s_images_are_processed_once_and_the_cache_keeps_its_bytes(
+    folder: pathlib.Path, image_prompts: PromptProcessor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's ``--mm-processor-cache-gb``: an image sent again (by the same bytes) is not decoded or processed
+    again, and its prompt and pixels are the same; the least recently used image goes first past the capacity,
+    and one larger than it is never kept; 0 keeps none."""
+    pictures = [_data_url(_image(seed)) for seed in (51, 52, 53)]
+    ids = [*_rendered(image_prompts, [{"role": "user", "content": [_part(PNG), _text(" w3")]}])]
+    fresh = ModelImages.from_model_dir(folder, image_prompts.tokenizer).processor
+    assert fresh is not None and fresh.cache.capacity == 4 << 30
+    size = len(fresh.prepare(ids, [ImageRef("p", pictures[0])])[1][0].pixel_values)
+    processor = ModelImages.from_model_dir(folder, image_prompts.tokenizer, cache_bytes=2 * size).processor
+    assert processor is not None
+    runs: list[Any] = []
+    run = processor.family.run
+    monkeypatch.setattr(processor.family, "run", lambda image: runs.append(image) or run(image))
+
+    def prepare(k: int) -> Any:
+        return processor.prepare(ids, [ImageRef("p", pictures[k])])
+
+    first = prepare(0)
+    assert prepare(0) == first and len(runs) == 1  # the same ids, span, pixels and digest, processed once
+    assert (processor.cache.hits, processor.cache.misses) == (1, 1)
+    prepare(1)
+    prepare(0)  # 0 now the most recently used
+    prepare(2)  # past two images' bytes: 1 goes
+    assert len(runs) == 3 and processor.cache.size == 2 * size
+    prepare(0)
+    assert len(runs) == 3
+    prepare(1)
+    assert len(runs) == 4
+    for capacity in (0, size - 1):
+        none = ModelImages.from_model_dir(folder, image_prompts.tokenizer, cache_bytes=capacity).processor
+        assert none is not None
+        assert none.prepare(ids, [ImageRef("p", pictures[0])]) == first
+        none.prepare(ids, [ImageRef("p", pictures[0])])
+        assert none.cache.hits == 0 and none.cache.size == 0
+    assert build_parser().parse_args([]).mm_processor_cache_gb == 4.0
+    assert build_parser().parse_args(["--mm-processor-cache-gb", "0"]).mm_processor_cache_gb == 0.0
+    for bad in ("-1", "nan", "inf", "lots"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--mm-processor-cache-gb"):
+            mm_processor_cache_gb_arg(bad)
 
 
 def test_a_text_model_and_an_image_text_model_served_as_text_refuse_images_by_name(

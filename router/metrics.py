@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
@@ -145,6 +146,18 @@ class RouterMetrics:
             "Registry entries dropped on read: unsigned or with a MAC that does not verify under the cluster key.",
             num_rejected_registry_entries,
         ))
+        # The processed images (``router.images.ProcessedCache``), where the model takes them: ``watch_image_cache``.
+        self._image_cache: Any = None
+        r.register(_CountCollector(
+            "pdserve:router_image_cache_queries",
+            "Chat images looked up in the processed-image cache (--mm-processor-cache-gb).",
+            lambda: self._image_cache_count("queries"),
+        ))
+        r.register(_CountCollector(
+            "pdserve:router_image_cache_hits",
+            "Chat images found in the processed-image cache: not decoded or processed again.",
+            lambda: self._image_cache_count("hits"),
+        ))
         # Engine outputs a streaming response took in the receive loop (``router/inline_stream.py``),
         # counted there: [count], a plain int, not a locked counter, for a per-token figure.
         self.inline_outputs = [0]
@@ -172,6 +185,16 @@ class RouterMetrics:
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
             registry=r,
         )
+
+    def watch_image_cache(self, cache: Any) -> None:
+        """Report ``cache``'s queries and hits (a ``router.images.ProcessedCache``) at each scrape."""
+        self._image_cache = cache
+
+    def _image_cache_count(self, field: str) -> float:
+        cache = self._image_cache
+        if cache is None:
+            return 0
+        return float(cache.hits + cache.misses if field == "queries" else cache.hits)
 
     def observe_gc_pause(self, seconds: float, paced: bool) -> None:
         self.gc_pause.labels(when="paced" if paced else "automatic").observe(seconds)

@@ -53,6 +53,8 @@ class RouterState:
             lambda: self.registry.num_rejected_entries if self.registry is not None else 0,
         )
         self.client.observe_message = self.metrics.engine_message_seconds.observe
+        if config.images.processor is not None:
+            self.metrics.watch_image_cache(config.images.processor.cache)
         self.admission = Admission(
             lambda: config.max_requests_per_instance * len(self.pool.alive("decode")),
             config.max_waiting_requests,

@@ -158,11 +158,18 @@ def test_the_engines_get_the_expanded_prompt_and_the_processed_pixels(
         [sent] = cluster.requests()
         assert sent.decode_target is not None
         _check_images(sent, ids, spans, pixels)
-        # A stream takes them as well.
+        # A stream takes them as well, from the processed-image cache: three hits, which /metrics counts.
+        assert images.processor is not None
+        hits = images.processor.cache.hits
         chunks = list(client.chat.completions.create(model=SERVED_MODEL, messages=messages, max_tokens=3,
                                                      stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         _check_images(cluster.requests()[-1], ids, spans, pixels)
+        assert images.processor.cache.hits == hits + 3
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        cache = images.processor.cache
+        assert f"pdserve:router_image_cache_hits_total {float(cache.hits)}" in metrics
+        assert f"pdserve:router_image_cache_queries_total {float(cache.hits + cache.misses)}" in metrics
 
 
 def test_a_migrated_request_takes_its_images_along(

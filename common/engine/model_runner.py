@@ -235,12 +235,17 @@ class ModelRunner:
 
     def encode_images(self, out: SchedulerOutput) -> dict[str, Exception]:
         """Encode each image a scheduled chunk reaches that its request does not hold the features of yet (the
-        first chunk that reaches it, or a recompute's), before the step's forward: the error of each request
-        whose vision tower raised (a GPU out of memory, say), by id, so that it fails alone (``LLMEngine``)."""
+        first chunk that reaches it, or a recompute's), before the step's forward, once for all of the step's
+        requests with that image: the error of each request whose vision tower raised (a GPU out of memory, say),
+        by id, so that it fails alone (``LLMEngine``)."""
         encoder = self.image_encoder
         failed: dict[str, Exception] = {}
         if encoder is None:
             return failed
+        # The features the step's requests hold, by their image's digest: a request that reaches the same image
+        # (the same pixels) takes them as they are, encoded once (no memory beyond what its holders keep).
+        held = {s.request.images[k].digest: features for s in out.scheduled
+                for k, features in s.request.image_features.items()}
         for s in out.scheduled:
             req = s.request
             start = req.num_computed_tokens
@@ -248,13 +253,16 @@ class ModelRunner:
             for k, image in enumerate(req.images):
                 if k in req.image_features or image.offset >= end or image.offset + image.length <= start:
                     continue
-                try:
-                    pixels = torch.frombuffer(bytearray(image.pixel_values), dtype=torch.float32).to(self.device)
-                    req.image_features[k] = encoder.encode(pixels, image.height, image.width)
-                except Exception as exc:  # noqa: BLE001 - whatever the tower raised fails its request alone
-                    req.image_features.clear()
-                    failed[req.request_id] = exc
-                    break
+                features = held.get(image.digest)
+                if features is None:
+                    try:
+                        pixels = torch.frombuffer(bytearray(image.pixel_values), dtype=torch.float32).to(self.device)
+                        features = held[image.digest] = encoder.encode(pixels, image.height, image.width)
+                    except Exception as exc:  # noqa: BLE001 - whatever the tower raised fails its request alone
+                        req.image_features.clear()
+                        failed[req.request_id] = exc
+                        break
+                req.image_features[k] = features
         return failed
 
     def image_rows(self, out: SchedulerOutput, query_start: list[int]) -> tuple[Tensor, Tensor] | None:

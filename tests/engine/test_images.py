@@ -349,6 +349,36 @@ def test_a_vision_tower_that_raises_fails_its_request_alone(folder: Path, engine
     assert [t for o in outputs if o.request_id == "good" for t in o.new_token_ids] == expected
 
 
+@pytest.mark.parametrize("folder", ["mistral3"], indirect=True)
+def test_requests_that_reach_the_same_image_in_a_step_encode_it_once(folder: Path, engine_factory: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two prompts of other words around the same image in one step: the tower runs once, each answer is
+    transformers'; another image beside them is encoded for itself."""
+    ids, images, pixels = _request(folder, (1,), ((64, 64),))
+    other_ids, other_images, other_pixels = _request(folder, (1,), ((64, 64),), text_seed=2)
+    third_ids, third_images, third_pixels = _request(folder, (3,), ((64, 64),), text_seed=3)
+    assert other_ids != ids and other_images[0].digest == images[0].digest != third_images[0].digest
+    expected = {"a": _hf_greedy(folder, ids, images, pixels),
+                "b": _hf_greedy(folder, other_ids, other_images, other_pixels),
+                "c": _hf_greedy(folder, third_ids, third_images, third_pixels)}
+    engine = _engine(engine_factory, folder, max_num_batched_tokens=300)  # the three prompts in the first step
+    encoder = engine.runner.image_encoder
+    assert encoder is not None
+    calls: list[int] = []
+    encode = encoder.encode
+
+    def spy(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        calls.append(height)
+        return encode(pixels, height, width)
+
+    monkeypatch.setattr(encoder, "encode", spy)
+    engine.add_request("a", ids, GREEDY, images=images)
+    engine.add_request("b", other_ids, GREEDY, images=other_images)
+    engine.add_request("c", third_ids, GREEDY, images=third_images)
+    assert _drain(engine) == expected
+    assert len(calls) == 2
+
+
 def test_a_prefill_hands_an_image_prompt_to_a_decode(folder: Path, engine_factory: Any) -> None:
     """The prefill encodes the images; the decode gets their KV under the same block hashes and goes on."""
     ids, images, pixels = _request(folder, (5,), ((64, 64),))

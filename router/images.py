@@ -19,6 +19,9 @@ sends and the span of an image:
 - Gemma 3 (``Gemma3Images``): float32 ``[3, side, side]`` pixels, every image resized to the one size; its
   processor expands the template's ``<start_of_image>`` in the text, newlines around it, before it is tokenized
   (``ImageFamily.text_expansion``), which the router does too, so the ids are its processor's.
+- LLaVA-NeXT (``LlavaNextImages``): the image fitted to a grid resolution and cut in tiles of the tower's one size
+  after the whole image as one, float32 ``[tiles, 3, side, side]``, with the image's size as sent; its ``<image>``
+  once per feature, as LLaVA-NeXT's processor counts them.
 - Idefics3 and SmolVLM (``Idefics3Images``): an image split into tiles of the tower's one size and the whole
   image as one more, float32 ``[tiles, 3, tile, tile]``; its span the text its processor writes for the grid
   (a row and column token before each tile's image tokens), tokenized alone.
@@ -487,6 +490,69 @@ class LlavaImages(ImageFamily):
         return [self.placeholder_id] * self.num_tokens
 
 
+class LlavaNextImages(ImageFamily):
+    """LLaVA-NeXT's (its image processor: the image resized and padded to the grid resolution of
+    ``image_grid_pinpoints`` that fits it best, cut in tiles of the tower's one size, after the whole image resized
+    to one; transformers' LLaVA-NeXT processor's count of an image's tokens, from ``processor_config.json``). The
+    pixels are float32 ``[tiles, 3, side, side]``; the processed size is the image's own, from which the engines
+    know its grid; the span ``<image>`` once per feature of it."""
+
+    def __init__(self, processor: Any, counter: Any, image_token_id: int, drop_first: bool) -> None:
+        self.processor = processor
+        self.counter = counter
+        self.step = 1
+        self.side = int(processor.crop_size["height"])
+        self.placeholder_id = image_token_id
+        self.drop_first = drop_first
+
+    @classmethod
+    def load(cls, model_dir: pathlib.Path, config: dict[str, Any], tokenizer: Any) -> LlavaNextImages:
+        """``ImagesRefused`` for a tower or strategy not implemented; ``ValueError`` where the processor's image
+        token, tile or grid is not the model's."""
+        from transformers import AutoImageProcessor, LlavaNextProcessor
+
+        from common.model.arch import llava_next_image_refusal
+
+        vision = config.get("vision_config") or {}
+        strategy = config.get("vision_feature_select_strategy", "default")
+        refusal = llava_next_image_refusal(vision.get("model_type"), strategy)
+        if refusal is not None:
+            raise ImagesRefused(refusal)
+        spec = _processor_spec(model_dir)
+        image_token = getattr(tokenizer, "image_token", None) or spec.get("image_token", "<image>")
+        image_token_id = _one_token(model_dir, tokenizer, image_token, "image token")
+        _check_model_image_token(model_dir, config, image_token_id)
+        # The PIL backend whatever else is installed: the same pixels on every host, in numpy (no torch).
+        processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+        side, patch = vision.get("image_size", 224), vision.get("patch_size", 32)
+        crop = dict(processor.crop_size or {})
+        if (crop.get("height"), crop.get("width")) != (side, side):
+            raise ValueError(f"{model_dir}: the image processor's crop_size {crop!r} is not the vision tower's "
+                             f"image_size {side!r}")
+        pinpoints = config.get("image_grid_pinpoints")
+        if [list(p) for p in processor.image_grid_pinpoints] != [list(p) for p in pinpoints or ()]:
+            raise ValueError(f"{model_dir}: the image processor's image_grid_pinpoints are not the model's")
+        if spec.get("patch_size", patch) != patch or spec.get("vision_feature_select_strategy", strategy) != strategy:
+            raise ValueError(f"{model_dir}: processor_config.json's patch_size or vision_feature_select_strategy is "
+                             "not the model's")
+        counter = LlavaNextProcessor(processor, tokenizer, patch_size=patch, vision_feature_select_strategy=strategy,
+                                     num_additional_image_tokens=spec.get("num_additional_image_tokens", 0))
+        return cls(processor, counter, image_token_id, strategy == "default")
+
+    def run(self, image: Any) -> ProcessedImage:
+        """Fitted to its grid, cut in tiles after the whole image as one, rescaled, normalized; its size as sent."""
+        out = self.processor(images=[image], return_tensors="np")
+        height, width = (int(v) for v in out["image_sizes"][0])
+        pixels = np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
+        if pixels.shape[1:] != (3, self.side, self.side):
+            raise ValueError(f"the processor made pixels {pixels.shape}, not tiles of [3, {self.side}, {self.side}]")
+        return ProcessedImage(pixels.tobytes(), height, width)
+
+    def span(self, height: int, width: int) -> list[int]:
+        count = self.counter._get_number_of_features(height, width, self.side, self.side) - int(self.drop_first)
+        return [self.placeholder_id] * count
+
+
 class Gemma3Images(ImageFamily):
     """Gemma 3's (transformers' Gemma 3 image processor and processor: ``preprocessor_config.json``,
     ``processor_config.json``'s ``image_seq_length``). The pixels are float32 ``[3, side, side]``, every image
@@ -650,7 +716,8 @@ class Idefics3Images(ImageFamily):
 
 # The families whose images the router processes, by model type (each of ``common.model.arch.IMAGE_INPUT_TYPES``).
 IMAGE_FAMILIES: dict[str, type[ImageFamily]] = {
-    "gemma3": Gemma3Images, "idefics3": Idefics3Images, "llava": LlavaImages, "mistral3": PixtralImages,
+    "gemma3": Gemma3Images, "idefics3": Idefics3Images, "llava": LlavaImages, "llava_next": LlavaNextImages,
+    "mistral3": PixtralImages,
     "qwen2_5_vl": QwenVLImages, "qwen3_vl": QwenVLImages, "qwen3_vl_moe": QwenVLImages, "smolvlm": Idefics3Images,
 }
 

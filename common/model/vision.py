@@ -28,6 +28,11 @@ Families (``common.model.arch.IMAGE_INPUT_TYPES``):
   (``image_size``): an image split into rows x columns of tiles by its image processor, then the whole image
   resized to one tile (or only that, for an image of one tile); each tile's patches' features shuffled
   ``scale_factor`` x ``scale_factor`` into one row each, then one linear layer. Its prompt positions are plain.
+- LLaVA-NeXT (``llava_next``: LLaVA 1.6): the image resized and padded to the grid resolution that fits it best
+  (``image_grid_pinpoints``), cut in tiles of the CLIP or SigLIP tower's one size, after the whole image resized to
+  one tile; each tile's ``vision_feature_layer`` hidden states through the two linear layers; the grid's features
+  laid out as the image, the padding's rows or columns cut off, ``image_newline`` after each row
+  (transformers' ``pack_image_features``). Its processed size is the image's own (the grid and the cut follow it).
 - Gemma 3 (``gemma3``): a SigLIP tower over the image resized to its one size (``[3, image_size, image_size]``),
   its patches' features averaged into ``mm_tokens_per_image`` tokens, normed (Gemma's ``1 + weight``) and
   projected. An image's tokens attend to each other both ways in the language model, as transformers masks them
@@ -42,6 +47,7 @@ import json
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -55,6 +61,7 @@ from common.model.arch import (
     LLAVA_TOWERS,
     image_input_refusal,
     llava_image_refusal,
+    llava_next_image_refusal,
 )
 from common.protocol import ImageInput
 
@@ -78,7 +85,8 @@ def load_image_encoder(path: Path, dtype: torch.dtype, device: torch.device) -> 
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(path))
-    family = {"gemma3": Gemma3Encoder, "idefics3": Idefics3Encoder, "smolvlm": Idefics3Encoder, "llava": LlavaEncoder, "mistral3": PixtralEncoder, "qwen2_5_vl": QwenVLEncoder,
+    family = {"gemma3": Gemma3Encoder, "idefics3": Idefics3Encoder, "smolvlm": Idefics3Encoder, "llava": LlavaEncoder,
+              "llava_next": LlavaNextEncoder, "mistral3": PixtralEncoder, "qwen2_5_vl": QwenVLEncoder,
               "qwen3_vl": Qwen3VLEncoder, "qwen3_vl_moe": Qwen3VLEncoder}[model_type]
     return family(config, path, dtype, device)
 
@@ -161,7 +169,7 @@ class TowerEncoder(ImageEncoder):
     """A family whose checkpoint holds transformers' vision model for its vision config (``vision_tower``) and a
     projector of the family's own (``multi_modal_projector``, built from the whole config)."""
 
-    prefixes = ("vision_tower", "multi_modal_projector")
+    prefixes: tuple[str, ...] = ("vision_tower", "multi_modal_projector")
 
     def projector_class(self) -> Any:
         raise NotImplementedError
@@ -280,6 +288,80 @@ class LlavaEncoder(TowerEncoder):
         out = tower(self.batch(tower, pixels, height, width), output_hidden_states=True, return_dict=True, **extra)
         hidden = torch.cat([out.hidden_states[i][:, int(self.drop_first):] for i in self.feature_layers], dim=-1)
         features: Tensor = projector(hidden)[0]
+        return features
+
+
+class LlavaNextEncoder(TowerEncoder):
+    """LLaVA-NeXT's (``common.model.vision``'s list): a tower of CLIP's or SigLIP's, the projector's two linear
+    layers, transformers' ``pack_image_features`` with the checkpoint's ``image_newline``. An image's processed
+    size (``ImageInput.height``, ``width``) is its size as sent: its tiles' count and its features' follow from it
+    and ``image_grid_pinpoints``, as transformers' model computes them."""
+
+    prefixes = ("vision_tower", "multi_modal_projector", "image_newline")
+
+    def __init__(self, config: Any, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+        vision = config.vision_config
+        refusal = llava_next_image_refusal(getattr(vision, "model_type", None), config.vision_feature_select_strategy)
+        if refusal is not None:
+            raise ImageEncoderRefused(refusal)
+        self.image_token_id = int(config.image_token_id)
+        self.step = 1  # any size: the image processor fits it to a grid resolution
+        self.side = int(vision.image_size)
+        self.per_side = self.side // int(vision.patch_size)
+        self.pinpoints = [list(p) for p in config.image_grid_pinpoints]
+        self.feature_layers = _feature_layers(config)
+        self.drop_first = config.vision_feature_select_strategy == "default"
+        super().__init__(config, path, dtype, device)
+
+    def projector_class(self) -> Any:
+        from transformers.models.llava_next.modeling_llava_next import LlavaNextMultiModalProjector
+
+        return LlavaNextMultiModalProjector
+
+    def build(self, config: Any) -> nn.Module:
+        modules = super().build(config)
+        modules.image_newline = nn.Parameter(torch.empty(int(config.text_config.hidden_size)))
+        return modules
+
+    def num_tiles(self, height: int, width: int) -> int:
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        return int(image_size_to_num_patches((height, width), self.pinpoints, self.side))
+
+    def num_features(self, height: int, width: int) -> int:
+        """The whole image's tile, then the grid's features less its padding, a newline after each row."""
+        from transformers.models.llava_next.modeling_llava_next import (
+            get_anyres_image_grid_shape,
+            unpad_image,
+        )
+
+        rows, cols = get_anyres_image_grid_shape((height, width), self.pinpoints, self.side)
+        grid = unpad_image(torch.empty(0, rows * self.per_side, cols * self.per_side), (height, width))
+        return self.per_side ** 2 + int(grid.shape[1]) * (int(grid.shape[2]) + 1)
+
+    def pixel_count(self, height: int, width: int) -> int:
+        return self.num_tiles(height, width) * 3 * self.side * self.side
+
+    def largest(self) -> tuple[int, int]:
+        """The grid resolution of the most pixels (an image of that size fills it, nothing cut)."""
+        height, width = max(self.pinpoints, key=lambda p: p[0] * p[1])
+        return int(height), int(width)
+
+    def too_large(self, height: int, width: int) -> str | None:
+        return None if min(height, width) >= 1 else "its sides must be at least a pixel"
+
+    @torch.inference_mode()
+    def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
+        from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
+
+        tower, projector = self.parts()
+        tiles = pixels.view(self.num_tiles(height, width), 3, self.side, self.side)
+        out = tower(tiles.to(next(tower.parameters()).dtype), output_hidden_states=True, return_dict=True)
+        hidden = torch.cat([out.hidden_states[i][:, int(self.drop_first):] for i in self.feature_layers], dim=-1)
+        packed, _ = LlavaNextModel.pack_image_features(
+            SimpleNamespace(config=self.config), [projector(hidden)], torch.tensor([[height, width]]),
+            self.config.vision_feature_select_strategy, image_newline=self.modules.get_parameter("image_newline"))
+        features: Tensor = packed[0]
         return features
 
 
@@ -498,7 +580,7 @@ def _max_pixels(path: Path) -> int:
 
 def _weights(path: Path, prefixes: tuple[str, ...]) -> dict[str, Tensor]:
     """The checkpoint's tensors under ``prefixes`` (after an optional ``model.``), named as the modules name them."""
-    pattern = re.compile(rf"^(model\.)?({'|'.join(prefixes)})\.")
+    pattern = re.compile(rf"^(model\.)?({'|'.join(prefixes)})(\.|$)")
     state: dict[str, Tensor] = {}
     with contextlib.ExitStack() as stack:
         for file in sorted(path.glob("*.safetensors")):

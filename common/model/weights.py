@@ -111,7 +111,8 @@ _OWN_PREFIX_TYPES = ("gpt_neox", "falcon")
 # renamed to a causal LM's; the vision tower's and the projector's, which text alone never reaches, unloaded.
 _LANGUAGE_MODEL_NAMES = ((r"^language_model\.model\.", "model."), (r"^language_model\.lm_head\.", "lm_head."),
                          (r"^model\.language_model\.", "model."), (r"^model\.text_model\.", "model."))
-_VISION_NAMES = re.compile(r"^(model\.)?(vision_tower|vision_model|multi_modal_projector|visual|connector)\.")
+_VISION_NAMES = re.compile(r"^(model\.)?((vision_tower|vision_model|multi_modal_projector|visual|connector)\.|"
+                           r"image_newline$)")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _ANY_LAYER = re.compile(r"\.layers\.(\d+)\.")  # a layer's tensors, under any prefix
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<kind>gate_up_proj|down_proj)\.weight$")

@@ -1,5 +1,5 @@
 """An image-text model's images through the engine (Gemma 3, LLaVA with a CLIP or a Pixtral tower, Mistral 3,
-Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, SmolVLM; Idefics3's features): greedy
+Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, SmolVLM, LLaVA-NeXT; Idefics3's features): greedy
 output equals transformers' ``generate`` with the same pixels, whatever the chunks cut, what the prefix cache
 holds, a preemption, or a hand-off from prefill to decode; the blocks an image reaches are hashed under it; bad
 image inputs are refused by name."""
@@ -44,6 +44,8 @@ from tests.engine.tiny_models import (
     image_pixels,
     image_text_checkpoint,
     llava_checkpoint,
+    llava_next_checkpoint,
+    llava_next_pixels,
     llava_pixels,
     prompt_token_ids,
     qwen_vl_checkpoint,
@@ -54,7 +56,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 IMG = IMAGE_TOKENS["[IMG]"]
 
 
-FAMILIES = ("gemma3", "llava", "llava_pixtral", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "smolvlm")
+FAMILIES = ("gemma3", "llava", "llava_pixtral", "llava_next", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
+            "smolvlm")
 
 
 def _drain_outputs(engine: LLMEngine) -> list[Any]:
@@ -71,6 +74,8 @@ def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         return image_text_checkpoint(folder)
     if request.param == "gemma3":
         return gemma3_image_checkpoint(folder)
+    if request.param == "llava_next":
+        return llava_next_checkpoint(folder)
     if request.param in ("smolvlm", "idefics3"):
         return idefics3_checkpoint(folder, request.param)
     if request.param.startswith("llava"):
@@ -96,6 +101,11 @@ def _tiled(folder: Path) -> bool:
     return json.loads((folder / "config.json").read_text())["model_type"] in ("smolvlm", "idefics3")
 
 
+def _next(folder: Path) -> bool:
+    """A LLaVA-NeXT checkpoint (images in a grid of tiles by their size)."""
+    return json.loads((folder / "config.json").read_text())["model_type"] == "llava_next"
+
+
 def _clip(folder: Path) -> bool:
     """A LLaVA checkpoint with a CLIP tower (one with a Pixtral tower takes Pixtral's images, as Mistral 3)."""
     config = json.loads((folder / "config.json").read_text())
@@ -113,19 +123,31 @@ def _request(folder: Path, seeds: tuple[int, ...], sizes: tuple[tuple[int, int],
     """A prompt of text, an image's placeholder per image (Pixtral's ``[IMG]``, Qwen's ``<|vision_start|>
     <|image_pad|><|vision_end|>``) and text between and after, expanded as the model's processor expands it; its
     images as the router sends them (Pixtral's pixels, Qwen's patches), and those."""
-    qwen, gemma, clip, tiled = _qwen(folder), _gemma(folder), _clip(folder), _tiled(folder)
-    special = min((QWEN_VL_TOKENS if qwen else GEMMA3_TOKENS if gemma else LLAVA_TOKENS if clip else
+    qwen, gemma, clip, tiled, grid = _qwen(folder), _gemma(folder), _clip(folder), _tiled(folder), _next(folder)
+    special = min((QWEN_VL_TOKENS if qwen else GEMMA3_TOKENS if gemma else LLAVA_TOKENS if clip or grid else
                    IDEFICS3_TOKENS if tiled else IMAGE_TOKENS).values())
     words = prompt_token_ids(9 * (len(seeds) + 1), seed=text_seed)
     words = [w if w < special else 3 for w in words]  # no image token among the words
     placeholder = ([QWEN_VL_TOKENS["<|vision_start|>"], QWEN_VL_TOKENS["<|image_pad|>"], QWEN_VL_TOKENS["<|vision_end|>"]]
                    if qwen else [GEMMA3_TOKENS["<start_of_image>"]] if gemma else [LLAVA_TOKENS["<image>"]] if clip
-                   else [IDEFICS3_TOKENS["<image>"]] if tiled else [IMG])
+                   or grid else [IDEFICS3_TOKENS["<image>"]] if tiled else [IMG])
     prompt = words[:9]
     for k in range(len(seeds)):
         prompt += [*placeholder, *words[9 * (k + 1):9 * (k + 2)]]
     images = [_image(seed, *size) for seed, size in zip(seeds, sizes, strict=True)]
-    if tiled:  # transformers' processor's text for each image's grid of tiles
+    if grid:  # LLaVA-NeXT's processor: the one <image> repeated, once per feature of the image's grid
+        processed = [llava_next_pixels(folder, image) for image in images]
+        pixels = [(p, h, w) for p, h, w, _ in processed]
+        counts = iter([n for *_, n in processed])
+        ids, spans = [], []
+        for token in prompt:
+            if token == LLAVA_TOKENS["<image>"]:
+                count = next(counts)
+                spans.append((len(ids), count))
+                ids += [token] * count
+            else:
+                ids.append(token)
+    elif tiled:  # transformers' processor's text for each image's grid of tiles
         pixels = [idefics3_pixels(folder, image) for image in images]
         grids = [(0, 0) if (h, w) == (IDEFICS3_TILE, IDEFICS3_TILE) else (h // IDEFICS3_TILE, w // IDEFICS3_TILE)
                  for _, h, w in pixels]
@@ -166,6 +188,11 @@ def _hf_inputs(folder: Path, ids: list[int], images: list[ImageInput], pixels: l
         return {"pixel_values": torch.stack(pixels)}
     if _tiled(folder):  # every image's tiles in one row of the batch
         return {"pixel_values": torch.cat(pixels)[None]}
+    if _next(folder):  # a row of the batch per image, its tiles padded to the most tiles, its size as sent
+        batch = torch.zeros(len(pixels), max(len(p) for p in pixels), *pixels[0].shape[1:])
+        for k, p in enumerate(pixels):
+            batch[k, :len(p)] = p
+        return {"pixel_values": batch, "image_sizes": torch.tensor([[i.height, i.width] for i in images])}
     if _gemma(folder):
         kwargs = {"pixel_values": torch.stack(pixels)}
         if image_aware:
@@ -442,8 +469,9 @@ def test_the_profiling_run_encodes_the_largest_image(folder: Path, engine_factor
     # Pixtral's tower's reach (image_size 112); a square within Qwen's image processor's max_pixels (8 x 8 tokens);
     # Gemma's and CLIP's one size.
     patch = _qwen_patch(folder)
+    # SmolVLM's: its image processor's longest side, 2 tiles; LLaVA-NeXT's: its largest grid, 2 x 2 tiles.
     side = (16 * patch if patch else GEMMA3_IMAGE_SIDE if _gemma(folder) else LLAVA_IMAGE_SIDE if _clip(folder) else
-            2 * IDEFICS3_TILE if _tiled(folder) else 112)  # SmolVLM's: its image processor's longest side, 2 tiles
+            2 * IDEFICS3_TILE if _tiled(folder) else 2 * LLAVA_IMAGE_SIDE if _next(folder) else 112)
     assert encoder is not None and encoder.largest() == (side, side)
     calls = []
     encode = encoder.encode
@@ -455,9 +483,10 @@ def test_the_profiling_run_encodes_the_largest_image(folder: Path, engine_factor
     monkeypatch.setattr(encoder, "encode", spy)
     engine.runner.profile_activations()
     assert calls == [((encoder.pixel_count(side, side),), side, side)]
-    # SmolVLM's: its 2 x 2 tiles and the whole image as one more
+    # SmolVLM's and LLaVA-NeXT's: 2 x 2 tiles and the whole image as one more
     assert encoder.pixel_count(side, side) == (16 * 16 * 6 * patch * patch if patch else
-                                               5 * 3 * IDEFICS3_TILE ** 2 if _tiled(folder) else 3 * side * side)
+                                               5 * 3 * (side // 2) ** 2 if _tiled(folder) or _next(folder) else
+                                               3 * side * side)
 
 
 def test_a_chunk_never_ends_inside_an_image_that_attends_both_ways() -> None:

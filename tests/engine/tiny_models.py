@@ -895,6 +895,50 @@ def llava_pixels(folder: Path, image: Any) -> torch.Tensor:
     return out["pixel_values"][0].float()
 
 
+# A LLaVA-NeXT checkpoint whose images are served: the LLaVA checkpoint's layer and CLIP tower (16 features a tile of
+# 28 x 28 pixels) over grids of 1 x 2, 2 x 1 or 2 x 2 tiles (``image_grid_pinpoints``), after the whole image as one.
+LLAVA_NEXT_PINPOINTS = [[28, 56], [56, 28], [56, 56]]
+
+
+def llava_next_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """The LLaVA-NeXT checkpoint above with its tokenizer, chat template and processor's files (LLaVA-NeXT's image
+    processor and processor)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    config = LlavaNextConfig(
+        text_config=LlamaConfig(**TINY_DIMS).to_dict(),
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                       image_size=LLAVA_IMAGE_SIDE, patch_size=7).to_dict(),
+        image_token_index=LLAVA_TOKENS["<image>"], image_grid_pinpoints=LLAVA_NEXT_PINPOINTS,
+        tie_word_embeddings=False,
+    )
+    build_checkpoint(config, folder, seed)
+    _word_tokenizer(folder, LLAVA_TOKENS, _image_chat_template("<image>"))
+    LlavaNextImageProcessorPil(size={"shortest_edge": LLAVA_IMAGE_SIDE},
+                               crop_size={"height": LLAVA_IMAGE_SIDE, "width": LLAVA_IMAGE_SIDE},
+                               image_grid_pinpoints=LLAVA_NEXT_PINPOINTS).save_pretrained(str(folder))
+    (folder / "processor_config.json").write_text(json.dumps({
+        "processor_class": "LlavaNextProcessor", "patch_size": 7, "num_additional_image_tokens": 1,
+        "vision_feature_select_strategy": "default", "image_token": "<image>"}, indent=2))
+    return folder
+
+
+def llava_next_pixels(folder: Path, image: Any) -> tuple[torch.Tensor, int, int, int]:
+    """transformers' processing of one PIL image for the checkpoint: its tiles ``[n, 3, 28, 28]`` (float32), its
+    size as sent, and the image tokens transformers' ``LlavaNextProcessor`` writes for it."""
+    from transformers import AutoImageProcessor, AutoTokenizer, LlavaNextProcessor
+
+    image_processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
+    out = image_processor(images=[image], return_tensors="pt")
+    height, width = (int(v) for v in out["image_sizes"][0])
+    processor = LlavaNextProcessor(image_processor, AutoTokenizer.from_pretrained(str(folder)), patch_size=7,
+                                   vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    count = len(processor.replace_image_token({"image_sizes": [[height, width]],
+                                               "pixel_values": out["pixel_values"]}, 0)) // len("<image>")
+    return out["pixel_values"][0].float(), height, width, count
+
+
 # A Gemma 3 checkpoint whose images are served: gemma3-window-rope-per-type's layer (windows of 12 tokens), a SigLIP
 # tower over 56 x 56 pixels in patches of 7, its 8 x 8 patches' features averaged 2 x 2 into 16 image tokens, more
 # than a window: within an image both ways and the window bind. Its tokenizer is ``build_tokenizer``'s with runs of

@@ -53,6 +53,7 @@ from tests.engine.tiny_models import (
     image_pixels,
     image_text_checkpoint,
     llava_checkpoint,
+    llava_next_checkpoint,
     qwen_vl_checkpoint,
     qwen_vl_pixels,
 )
@@ -690,6 +691,50 @@ def test_idefics3_images_reach_the_engines_as_its_processor_makes_them(
     file.write_text(json.dumps(spec))
     stripping = ModelImages.from_model_dir(folder, AutoTokenizer.from_pretrained(str(folder)))
     assert stripping.processor is None and "merges an image's text with the text around it" in stripping.refusal
+
+
+def test_llava_next_images_reach_the_engines_as_its_processor_makes_them(
+    redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """LLaVA-NeXT's processor: ``<image>`` once per feature of the image's grid (a wide, a tall and a square image:
+    1 x 2, 2 x 1 and 2 x 2 tiles, their padding cut), its tiles' pixels, its size as sent. The ids and pixels equal
+    transformers' ``LlavaNextProcessor``'s."""
+    from transformers import AutoImageProcessor, AutoTokenizer, LlavaNextProcessor
+
+    folder = llava_next_checkpoint(tmp_path_factory.mktemp("llava-next"))
+    prompts = PromptProcessor.from_model_dir(folder)
+    images = ModelImages.from_model_dir(folder, prompts.tokenizer)
+    assert images.model_type == "llava_next" and images.processor is not None
+    pictures = [_image(61, 100, 300), _image(62, 90, 40), _image(63, 70, 80)]
+    messages = [{"role": "user", "content": [_text("w11 "), _part(_data_url(pictures[0])), _text(" w12"),
+                                             _part(_data_url(pictures[1])), _part(_data_url(pictures[2])),
+                                             _text(" w13")]}]
+    parts = [{**m, "content": [_text(p["text"]) if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
+             for m in messages]
+    with fake_stack(redis_url, prompts, REPLY, images=images) as (server, cluster):
+        response = httpx.post(f"{server.url}{CHAT}", json={"messages": messages, "max_tokens": 2}, timeout=10)
+        assert response.status_code == 200, response.text
+        [sent] = cluster.requests()
+    reference = LlavaNextProcessor(AutoImageProcessor.from_pretrained(str(folder), backend="pil"),
+                                   AutoTokenizer.from_pretrained(str(folder)), patch_size=7,
+                                   vision_feature_select_strategy="default", num_additional_image_tokens=1)(
+        text=prompts.tokenizer.apply_chat_template(parts, tokenize=False, add_generation_prompt=True),
+        images=pictures, add_special_tokens=False, return_tensors="np")
+    assert sent.prompt_token_ids == reference["input_ids"][0].tolist()
+    assert [(i.height, i.width) for i in sent.images] == [(100, 300), (90, 40), (70, 80)]
+    tiles = [3, 3, 5]  # the grid's and the whole image's
+    for image, values, n in zip(sent.images, reference["pixel_values"], tiles, strict=True):
+        assert image.pixel_values == values[:n].astype(np.float32).tobytes()
+    assert len({i.length for i in sent.images}) == 3  # each grid, less its padding, its own count
+    # A tower other than CLIP's or SigLIP's, or a strategy that would not leave a feature per patch: its text served.
+    config = json.loads((folder / "config.json").read_text())
+    for vision_type, strategy, words in [("pixtral", "full", "'pixtral' vision tower"),
+                                         ("clip_vision_model", "full", "strategy 'full' and a clip_vision_model")]:
+        (folder / "config.json").write_text(json.dumps({
+            **config, "vision_feature_select_strategy": strategy,
+            "vision_config": {**config["vision_config"], "model_type": vision_type}}))
+        refused = ModelImages.from_model_dir(folder, prompts.tokenizer)
+        assert refused.processor is None and words in refused.refusal, refused.refusal
 
 
 @pytest.mark.parametrize("tower", ["clip", "pixtral"])

@@ -294,6 +294,8 @@ class ImageFamily(ABC):
     # (placeholder, sequence) where the family's processor expands each image's placeholder in the rendered text
     # before tokenizing (the span is then in the ids already); None where the router expands the ids.
     text_expansion: tuple[str, str] | None = None
+    # The images one prompt may hold, where the family's way with several is not implemented.
+    max_images: int | None = None
 
     @classmethod
     @abstractmethod
@@ -497,11 +499,11 @@ class LlavaNextImages(ImageFamily):
     pixels are float32 ``[tiles, 3, side, side]``; the processed size is the image's own, from which the engines
     know its grid; the span ``<image>`` once per feature of it."""
 
-    def __init__(self, processor: Any, counter: Any, image_token_id: int, drop_first: bool) -> None:
+    def __init__(self, processor: Any, counter: Any, side: int, image_token_id: int, drop_first: bool) -> None:
         self.processor = processor
         self.counter = counter
         self.step = 1
-        self.side = int(processor.crop_size["height"])
+        self.side = side
         self.placeholder_id = image_token_id
         self.drop_first = drop_first
 
@@ -509,13 +511,14 @@ class LlavaNextImages(ImageFamily):
     def load(cls, model_dir: pathlib.Path, config: dict[str, Any], tokenizer: Any) -> LlavaNextImages:
         """``ImagesRefused`` for a tower or strategy not implemented; ``ValueError`` where the processor's image
         token, tile or grid is not the model's."""
-        from transformers import AutoImageProcessor, LlavaNextProcessor
+        from transformers import AutoImageProcessor
 
         from common.model.arch import llava_next_image_refusal
 
         vision = config.get("vision_config") or {}
-        strategy = config.get("vision_feature_select_strategy", "default")
-        refusal = llava_next_image_refusal(vision.get("model_type"), strategy)
+        strategy = config.get("vision_feature_select_strategy", cls.default_strategy)
+        aspect = config.get("vision_aspect_ratio", "anyres_max_9")
+        refusal = llava_next_image_refusal(config["model_type"], vision.get("model_type"), strategy, aspect)
         if refusal is not None:
             raise ImagesRefused(refusal)
         spec = _processor_spec(model_dir)
@@ -525,19 +528,31 @@ class LlavaNextImages(ImageFamily):
         # The PIL backend whatever else is installed: the same pixels on every host, in numpy (no torch).
         processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
         side, patch = vision.get("image_size", 224), vision.get("patch_size", 32)
-        crop = dict(processor.crop_size or {})
-        if (crop.get("height"), crop.get("width")) != (side, side):
-            raise ValueError(f"{model_dir}: the image processor's crop_size {crop!r} is not the vision tower's "
+        tile = dict(processor.crop_size or processor.size or {})  # OneVision's tiles are its size, uncropped
+        if (tile.get("height"), tile.get("width")) != (side, side):
+            raise ValueError(f"{model_dir}: the image processor's tiles {tile!r} are not the vision tower's "
                              f"image_size {side!r}")
         pinpoints = config.get("image_grid_pinpoints")
         if [list(p) for p in processor.image_grid_pinpoints] != [list(p) for p in pinpoints or ()]:
             raise ValueError(f"{model_dir}: the image processor's image_grid_pinpoints are not the model's")
-        if spec.get("patch_size", patch) != patch or spec.get("vision_feature_select_strategy", strategy) != strategy:
-            raise ValueError(f"{model_dir}: processor_config.json's patch_size or vision_feature_select_strategy is "
-                             "not the model's")
-        counter = LlavaNextProcessor(processor, tokenizer, patch_size=patch, vision_feature_select_strategy=strategy,
-                                     num_additional_image_tokens=spec.get("num_additional_image_tokens", 0))
-        return cls(processor, counter, image_token_id, strategy == "default")
+        if spec.get("vision_feature_select_strategy", strategy) != strategy:
+            raise ValueError(f"{model_dir}: processor_config.json's vision_feature_select_strategy is not the model's")
+        counter = cls.counter_for(processor, tokenizer, spec, (side // patch) ** 2, patch, strategy, aspect)
+        return cls(processor, counter, side, image_token_id, strategy == "default")
+
+    default_strategy = "default"
+
+    @staticmethod
+    def counter_for(processor: Any, tokenizer: Any, spec: dict[str, Any], per_tile: int, patch: int, strategy: str,
+                    aspect: str) -> Any:
+        """transformers' processor whose count of an image's tokens the span takes; ``ValueError`` where its
+        settings (``processor_config.json``) are not the model's."""
+        from transformers import LlavaNextProcessor
+
+        if spec.get("patch_size", patch) != patch:
+            raise ValueError(f"processor_config.json's patch_size {spec.get('patch_size')!r} is not the model's {patch}")
+        return LlavaNextProcessor(processor, tokenizer, patch_size=patch, vision_feature_select_strategy=strategy,
+                                  num_additional_image_tokens=spec.get("num_additional_image_tokens", 0))
 
     def run(self, image: Any) -> ProcessedImage:
         """Fitted to its grid, cut in tiles after the whole image as one, rescaled, normalized; its size as sent."""
@@ -551,6 +566,29 @@ class LlavaNextImages(ImageFamily):
     def span(self, height: int, width: int) -> list[int]:
         count = self.counter._get_number_of_features(height, width, self.side, self.side) - int(self.drop_first)
         return [self.placeholder_id] * count
+
+
+class LlavaOnevisionImages(LlavaNextImages):
+    """LLaVA-OneVision's: LLaVA-NeXT's tiles (its image processor's), transformers' LLaVA-OneVision processor's count
+    (a grid of more features than ``vision_aspect_ratio`` allows counted as resized to fit). One image a prompt
+    (``max_images``): several are refused by name."""
+
+    default_strategy = "full"
+    max_images = 1
+
+    @staticmethod
+    def counter_for(processor: Any, tokenizer: Any, spec: dict[str, Any], per_tile: int, patch: int, strategy: str,
+                    aspect: str) -> Any:
+        from transformers import LlavaOnevisionProcessor
+
+        if spec.get("num_image_tokens", per_tile) != per_tile or spec.get("vision_aspect_ratio", aspect) != aspect:
+            raise ValueError(f"processor_config.json's num_image_tokens or vision_aspect_ratio is not the model's "
+                             f"({per_tile}, {aspect})")
+        # Its count alone: the class's constructor wants a video processor, which needs torchvision.
+        counter = LlavaOnevisionProcessor.__new__(LlavaOnevisionProcessor)
+        counter.image_processor, counter.num_image_tokens = processor, per_tile
+        counter.vision_feature_select_strategy, counter.vision_aspect_ratio = strategy, aspect
+        return counter
 
 
 class Gemma3Images(ImageFamily):
@@ -717,7 +755,7 @@ class Idefics3Images(ImageFamily):
 # The families whose images the router processes, by model type (each of ``common.model.arch.IMAGE_INPUT_TYPES``).
 IMAGE_FAMILIES: dict[str, type[ImageFamily]] = {
     "gemma3": Gemma3Images, "idefics3": Idefics3Images, "llava": LlavaImages, "llava_next": LlavaNextImages,
-    "mistral3": PixtralImages,
+    "llava_onevision": LlavaOnevisionImages, "mistral3": PixtralImages,
     "qwen2_5_vl": QwenVLImages, "qwen3_vl": QwenVLImages, "qwen3_vl_moe": QwenVLImages, "smolvlm": Idefics3Images,
 }
 
@@ -821,6 +859,7 @@ class ImageProcessor:
         the bytes ``fetched`` for it), processed and hashed; a 400 naming the image for a bad one, or for processed
         pixels past ``MAX_IMAGE_BYTES`` in all. Blocks for as long as that takes (``prepare_off_loop``)."""
         self.check_placeholders(token_ids, images)
+        self.check_count(images)
         processed: list[ProcessedImage] = []
         total = 0
         for k, ref in enumerate(images):
@@ -840,12 +879,20 @@ class ImageProcessor:
             processed.append(image)
         return self.expand(token_ids, processed)
 
+    def check_count(self, images: Sequence[ImageRef]) -> None:
+        """A 400 naming the second image where the family takes one a prompt (``ImageFamily.max_images``)."""
+        limit = self.family.max_images
+        if limit is not None and len(images) > limit:
+            raise bad_request(f"this model takes at most {limit} image(s) a prompt (its way with several is not "
+                              "implemented)", param=images[limit].param)
+
     async def prepare_off_loop(
         self, token_ids: list[int], images: Sequence[ImageRef]
     ) -> tuple[list[int], list[ImageInput]]:
         """``prepare`` in one of the image threads (decoding, resizing and hashing release the GIL), after the
         images given by http(s) URL are fetched, together, on the event loop."""
-        self.check_placeholders(token_ids, images)  # a cheap refusal needs no thread
+        self.check_placeholders(token_ids, images)  # cheap refusals need no thread
+        self.check_count(images)
         by_url = [k for k, ref in enumerate(images) if not ref.url.startswith("data:")]
         bodies = await asyncio.gather(*(self.fetcher.fetch(images[k].url, images[k].param) for k in by_url))
         fetched = dict(zip(by_url, bodies, strict=True))

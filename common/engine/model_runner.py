@@ -209,6 +209,9 @@ class ModelRunner:
         encoder = self.image_encoder
         if encoder is None:
             raise ValueError(f"images: {self.images_refused}")
+        if encoder.max_images is not None and len(req.images) > encoder.max_images:
+            raise ValueError(f"images: {len(req.images)} in one prompt; this model takes at most "
+                             f"{encoder.max_images} (its way with several is not implemented)")
         prompt = req.prompt_token_ids
         token = encoder.image_token_id
         end = inside = 0

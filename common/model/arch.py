@@ -44,8 +44,8 @@ correctness):
   per-head q/k norms and an ungated MLP with its xIELU.
 - AFMoE is Gemma's four norms in OLMo's form, per-head q/k norms, a sigmoid gate on the attention's output,
   Cohere 2's unrotated global layers and MiniMax-M2's router, scaled.
-- Image-text checkpoints (Gemma 3, Idefics3, LLaVA, LLaVA-NeXT, Mistral 3, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE,
-  SmolVLM) are served as their ``text_config``'s family; their images too (``common.model.vision``).
+- Image-text checkpoints (Gemma 3, Idefics3, LLaVA, LLaVA-NeXT, LLaVA-OneVision, Mistral 3, Qwen2.5-VL, Qwen3-VL,
+  Qwen3-VL-MoE, SmolVLM) are served as their ``text_config``'s family; their images too (``common.model.vision``).
 - Cohere (``cohere``) and Cohere 2 (``cohere2``) rotate interleaved pairs too, in float32; their norms are
   LayerNorms without bias (``NORM_LAYER``), attention and MLP read the same norm side by side, and the
   logits are scaled by ``logit_scale``; Cohere 2 windows its sliding layers and rotates only those.
@@ -83,6 +83,7 @@ correctness):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -161,12 +162,12 @@ _GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text", "vaultgemma")
 _SANDWICH_GEMMA_TYPES = ("gemma2", "gemma3_text")
 _SOFT_CAPPED_GEMMA_TYPES = (*_SANDWICH_GEMMA_TYPES, "vaultgemma")
 # Image-text checkpoints whose language model is served on its own: Gemma 3 (4B and up), Idefics3, LLaVA,
-# LLaVA-NeXT, Mistral Small 3.1 / 3.2, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and SmolVLM. For a prompt of text alone
+# LLaVA-NeXT, LLaVA-OneVision, Mistral Small 3.1 / 3.2, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and SmolVLM. For a prompt of text alone
 # the wrapper's logits are its language model's (the vision tower and projector only ever touch image tokens), so
 # the model is its ``text_config``'s family; its images, where taken, replace their tokens' embeddings
 # (``common.model.vision``).
-IMAGE_TEXT_TYPES = ("gemma3", "idefics3", "llava", "llava_next", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
-                    "smolvlm")
+IMAGE_TEXT_TYPES = ("gemma3", "idefics3", "llava", "llava_next", "llava_onevision", "mistral3", "qwen2_5_vl",
+                    "qwen3_vl", "qwen3_vl_moe", "smolvlm")
 # Those whose images are implemented (``common.model.vision``); the others' images are refused by name.
 IMAGE_INPUT_TYPES = IMAGE_TEXT_TYPES
 
@@ -187,17 +188,20 @@ def llava_image_refusal(tower: object, strategy: object) -> str | None:
     return None
 
 
-def llava_next_image_refusal(tower: object, strategy: object) -> str | None:
-    """Why a LLaVA-NeXT checkpoint's images are not taken (its text is served): a tower other than CLIP's or
-    SigLIP's, or a strategy that does not leave each tile one feature per patch (``default`` drops CLIP's CLS
-    position, ``full`` keeps SigLIP's every one); None where they are."""
+def llava_next_image_refusal(model_type: str, tower: object, strategy: object, aspect: object = None) -> str | None:
+    """Why a LLaVA-NeXT or LLaVA-OneVision checkpoint's images are not taken (its text is served): a tower other
+    than CLIP's or SigLIP's, a strategy that does not leave each tile one feature per patch (``default`` drops
+    CLIP's CLS position, ``full`` keeps SigLIP's every one), OneVision's ``vision_aspect_ratio`` other than
+    ``anyres_max_N``; None where they are."""
     if tower not in LLAVA_TOWERS or tower == "pixtral":
-        return (f"image input for a llava_next checkpoint with a {tower!r} vision tower is not implemented (its text "
-                "is served; towers: clip_vision_model, siglip_vision_model)")
+        return (f"image input for a {model_type} checkpoint with a {tower!r} vision tower is not implemented (its "
+                "text is served; towers: clip_vision_model, siglip_vision_model)")
     if (strategy == "default") != LLAVA_TOWERS[str(tower)] or strategy not in ("default", "full"):
-        return (f"image input for a llava_next checkpoint with vision_feature_select_strategy {strategy!r} and a "
+        return (f"image input for a {model_type} checkpoint with vision_feature_select_strategy {strategy!r} and a "
                 f"{tower} tower is not implemented (a tile's features must be one per patch: default with CLIP, "
                 "full with SigLIP)")
+    if model_type == "llava_onevision" and not re.fullmatch(r"anyres_max_[1-9][0-9]*", str(aspect)):
+        return f"image input with vision_aspect_ratio {aspect!r} is not implemented (anyres_max_N)"
     return None
 
 

@@ -33,6 +33,8 @@ Families (``common.model.arch.IMAGE_INPUT_TYPES``):
   one tile; each tile's ``vision_feature_layer`` hidden states through the two linear layers; the grid's features
   laid out as the image, the padding's rows or columns cut off, ``image_newline`` after each row
   (transformers' ``pack_image_features``). Its processed size is the image's own (the grid and the cut follow it).
+- LLaVA-OneVision (``llava_onevision``): LLaVA-NeXT's tiles (a SigLIP tower, every feature), a grid of more
+  features than ``anyres_max_N`` allows resized to fit; one image a prompt.
 - Gemma 3 (``gemma3``): a SigLIP tower over the image resized to its one size (``[3, image_size, image_size]``),
   its patches' features averaged into ``mm_tokens_per_image`` tokens, normed (Gemma's ``1 + weight``) and
   projected. An image's tokens attend to each other both ways in the language model, as transformers masks them
@@ -86,8 +88,8 @@ def load_image_encoder(path: Path, dtype: torch.dtype, device: torch.device) -> 
 
     config = AutoConfig.from_pretrained(str(path))
     family = {"gemma3": Gemma3Encoder, "idefics3": Idefics3Encoder, "smolvlm": Idefics3Encoder, "llava": LlavaEncoder,
-              "llava_next": LlavaNextEncoder, "mistral3": PixtralEncoder, "qwen2_5_vl": QwenVLEncoder,
-              "qwen3_vl": Qwen3VLEncoder, "qwen3_vl_moe": Qwen3VLEncoder}[model_type]
+              "llava_next": LlavaNextEncoder, "llava_onevision": LlavaOnevisionEncoder, "mistral3": PixtralEncoder,
+              "qwen2_5_vl": QwenVLEncoder, "qwen3_vl": Qwen3VLEncoder, "qwen3_vl_moe": Qwen3VLEncoder}[model_type]
     return family(config, path, dtype, device)
 
 
@@ -103,6 +105,8 @@ class ImageEncoder:
     bidirectional = False
     # The checkpoint's tensors this encoder loads: their names' first part (after an optional ``model.``).
     prefixes: tuple[str, ...] = ()
+    # The images one prompt may hold, where the family's way with several is not implemented.
+    max_images: int | None = None
 
     def __init__(self, config: Any, path: Path, dtype: torch.dtype, device: torch.device) -> None:
         from transformers.initialization import no_init_weights
@@ -301,7 +305,9 @@ class LlavaNextEncoder(TowerEncoder):
 
     def __init__(self, config: Any, path: Path, dtype: torch.dtype, device: torch.device) -> None:
         vision = config.vision_config
-        refusal = llava_next_image_refusal(getattr(vision, "model_type", None), config.vision_feature_select_strategy)
+        refusal = llava_next_image_refusal(config.model_type, getattr(vision, "model_type", None),
+                                           config.vision_feature_select_strategy,
+                                           getattr(config, "vision_aspect_ratio", None))
         if refusal is not None:
             raise ImageEncoderRefused(refusal)
         self.image_token_id = int(config.image_token_id)
@@ -337,7 +343,12 @@ class LlavaNextEncoder(TowerEncoder):
 
         rows, cols = get_anyres_image_grid_shape((height, width), self.pinpoints, self.side)
         grid = unpad_image(torch.empty(0, rows * self.per_side, cols * self.per_side), (height, width))
-        return self.per_side ** 2 + int(grid.shape[1]) * (int(grid.shape[2]) + 1)
+        rows, cols = self.grid_shape(int(grid.shape[1]), int(grid.shape[2]))
+        return self.per_side ** 2 + rows * (cols + 1)
+
+    def grid_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        """The grid's features, rows by columns, as packed from its unpadded ``rows`` x ``cols``."""
+        return rows, cols
 
     def pixel_count(self, height: int, width: int) -> int:
         return self.num_tiles(height, width) * 3 * self.side * self.side
@@ -350,17 +361,58 @@ class LlavaNextEncoder(TowerEncoder):
     def too_large(self, height: int, width: int) -> str | None:
         return None if min(height, width) >= 1 else "its sides must be at least a pixel"
 
-    @torch.inference_mode()
-    def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
-        from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
-
+    def tile_features(self, pixels: Tensor, height: int, width: int) -> Tensor:
+        """Each tile's features ``[tiles, per tile, text hidden]``: its layers' hidden states, projected."""
         tower, projector = self.parts()
         tiles = pixels.view(self.num_tiles(height, width), 3, self.side, self.side)
         out = tower(tiles.to(next(tower.parameters()).dtype), output_hidden_states=True, return_dict=True)
         hidden = torch.cat([out.hidden_states[i][:, int(self.drop_first):] for i in self.feature_layers], dim=-1)
+        features: Tensor = projector(hidden)
+        return features
+
+    @torch.inference_mode()
+    def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
+        from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
+
         packed, _ = LlavaNextModel.pack_image_features(
-            SimpleNamespace(config=self.config), [projector(hidden)], torch.tensor([[height, width]]),
-            self.config.vision_feature_select_strategy, image_newline=self.modules.get_parameter("image_newline"))
+            SimpleNamespace(config=self.config), [self.tile_features(pixels, height, width)],
+            torch.tensor([[height, width]]), self.config.vision_feature_select_strategy,
+            image_newline=self.modules.get_parameter("image_newline"))
+        features: Tensor = packed[0]
+        return features
+
+
+class LlavaOnevisionEncoder(LlavaNextEncoder):
+    """LLaVA-OneVision's: LLaVA-NeXT's tiles, packed as transformers' ``LlavaOnevisionModel`` packs them: a grid of
+    more features than ``vision_aspect_ratio``'s ``anyres_max_N`` allows (N tiles' worth, by over 10%) resized
+    bilinearly to fit, before the newlines. One image a prompt (``max_images``): transformers gives each image of a
+    prompt of several its whole-image tile alone, a mode not implemented."""
+
+    max_images = 1
+
+    def __init__(self, config: Any, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(config, path, dtype, device)  # its refusals first
+        self.max_tiles = int(str(config.vision_aspect_ratio).removeprefix("anyres_max_"))
+
+    def projector_class(self) -> Any:
+        from transformers.models.llava_onevision.modeling_llava_onevision import (
+            LlavaOnevisionMultiModalProjector,
+        )
+
+        return LlavaOnevisionMultiModalProjector
+
+    def grid_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        ratio = math.sqrt(rows * cols / (self.max_tiles * self.per_side ** 2))
+        return (int(rows // ratio), int(cols // ratio)) if ratio > 1.1 else (rows, cols)
+
+    @torch.inference_mode()
+    def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
+        from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionModel
+
+        packed, _ = LlavaOnevisionModel.pack_image_features(
+            SimpleNamespace(config=self.config), [self.tile_features(pixels, height, width)],
+            torch.tensor([[height, width]]), image_newline=self.modules.get_parameter("image_newline"),
+            vision_aspect_ratio=self.config.vision_aspect_ratio)
         features: Tensor = packed[0]
         return features
 

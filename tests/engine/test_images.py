@@ -46,6 +46,7 @@ from tests.engine.tiny_models import (
     llava_checkpoint,
     llava_next_checkpoint,
     llava_next_pixels,
+    llava_onevision_checkpoint,
     llava_pixels,
     prompt_token_ids,
     qwen_vl_checkpoint,
@@ -76,6 +77,8 @@ def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         return gemma3_image_checkpoint(folder)
     if request.param == "llava_next":
         return llava_next_checkpoint(folder)
+    if request.param == "llava_onevision":
+        return llava_onevision_checkpoint(folder)
     if request.param in ("smolvlm", "idefics3"):
         return idefics3_checkpoint(folder, request.param)
     if request.param.startswith("llava"):
@@ -102,8 +105,8 @@ def _tiled(folder: Path) -> bool:
 
 
 def _next(folder: Path) -> bool:
-    """A LLaVA-NeXT checkpoint (images in a grid of tiles by their size)."""
-    return json.loads((folder / "config.json").read_text())["model_type"] == "llava_next"
+    """A LLaVA-NeXT or LLaVA-OneVision checkpoint (images in a grid of tiles by their size)."""
+    return json.loads((folder / "config.json").read_text())["model_type"] in ("llava_next", "llava_onevision")
 
 
 def _clip(folder: Path) -> bool:
@@ -304,6 +307,28 @@ def test_idefics3_images_of_other_grids_equal_transformers(folder: Path, engine_
         got = [p.logprob for p in out.prompt_logprobs[1:]]
         want = [float(reference[i - 1, ids[i]]) for i in range(1, len(ids))]
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("folder", ["llava_onevision"], indirect=True)
+def test_llava_onevision_images_equal_transformers_one_a_prompt(folder: Path, engine_factory: Any) -> None:
+    """LLaVA-OneVision's grids (1 x 2, 2 x 1, and 2 x 2, whose features ``anyres_max_1`` resizes to fit), an image a
+    prompt: the prompt's log-probabilities within 1e-4 of transformers' at every position. Two images in a prompt
+    (transformers' multi-image mode, each its whole-image tile alone) are refused by name."""
+    engine = _engine(engine_factory, folder)
+    for seed, size in ((1, (100, 180)), (2, (140, 80)), (3, (64, 64))):
+        ids, images, pixels = _request(folder, (seed,), (size,))
+        reference = _hf_logprobs(folder, ids, images, pixels)
+        engine.add_request(f"r{seed}", ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
+                           images=images)
+        [out] = [o for o in _drain_outputs(engine) if o.prompt_logprobs]
+        got = [p.logprob for p in out.prompt_logprobs[1:]]
+        want = [float(reference[i - 1, ids[i]]) for i in range(1, len(ids))]
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+    encoder = engine.runner.image_encoder
+    assert encoder is not None and encoder.num_features(64, 64) == 16 + 4 * 5  # 8 x 8 resized to 4 x 4, newlines
+    ids, images, _ = _request(folder, (1, 2), ((50, 90), (40, 40)))
+    with pytest.raises(ValueError, match="2 in one prompt; this model takes at most 1"):
+        engine.add_request("two", ids, GREEDY, images=images)
 
 
 @pytest.mark.parametrize("folder", ["gemma3"], indirect=True)

@@ -157,7 +157,7 @@ def test_unimplemented_config_fields_are_refused_by_name(make, field: str) -> No
 
 
 @pytest.mark.parametrize("model_type", ["mpt", "bloom", "llama4_text", "gptj", "qwen3_next", "phimoe", "deepseek_v32",
-                                        "llava_onevision"])
+                                        "idefics2"])
 def test_other_families_are_refused_when_loading_their_config(tmp_path: Path, model_type: str) -> None:
     from transformers import AutoConfig
 

@@ -925,18 +925,53 @@ def llava_next_checkpoint(folder: Path, seed: int = 0) -> Path:
 
 
 def llava_next_pixels(folder: Path, image: Any) -> tuple[torch.Tensor, int, int, int]:
-    """transformers' processing of one PIL image for the checkpoint: its tiles ``[n, 3, 28, 28]`` (float32), its
-    size as sent, and the image tokens transformers' ``LlavaNextProcessor`` writes for it."""
-    from transformers import AutoImageProcessor, AutoTokenizer, LlavaNextProcessor
+    """transformers' processing of one PIL image for the checkpoint (LLaVA-NeXT's or LLaVA-OneVision's): its tiles
+    ``[n, 3, 28, 28]`` (float32), its size as sent, and the image tokens transformers' processor writes for it."""
+    from transformers import AutoImageProcessor, AutoTokenizer, LlavaNextProcessor, LlavaOnevisionProcessor
 
     image_processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
     out = image_processor(images=[image], return_tensors="pt")
     height, width = (int(v) for v in out["image_sizes"][0])
-    processor = LlavaNextProcessor(image_processor, AutoTokenizer.from_pretrained(str(folder)), patch_size=7,
-                                   vision_feature_select_strategy="default", num_additional_image_tokens=1)
-    count = len(processor.replace_image_token({"image_sizes": [[height, width]],
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    if json.loads((folder / "config.json").read_text())["model_type"] == "llava_onevision":
+        # Not constructed: its constructor wants a video processor, which needs torchvision.
+        processor = LlavaOnevisionProcessor.__new__(LlavaOnevisionProcessor)
+        processor.image_processor, processor.num_image_tokens = image_processor, 16
+        processor.vision_feature_select_strategy, processor.vision_aspect_ratio = "full", "anyres_max_1"
+        processor.image_token = "<image>"
+    else:
+        processor = LlavaNextProcessor(image_processor, tokenizer, patch_size=7,
+                                       vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    count = len(processor.replace_image_token({"image_sizes": [[height, width]], "batch_num_images": [1],
                                                "pixel_values": out["pixel_values"]}, 0)) // len("<image>")
     return out["pixel_values"][0].float(), height, width, count
+
+
+# A LLaVA-OneVision checkpoint whose images are served: the LLaVA-NeXT checkpoint's grids with a SigLIP tower (every
+# feature: 16 a tile of 28 x 28 pixels, its last layer's), and ``anyres_max_1``: a grid of more than one tile's
+# features (by over 10%) is resized to about one tile's.
+def llava_onevision_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """The LLaVA-OneVision checkpoint above with its tokenizer, chat template and processor's files."""
+    from transformers import LlamaConfig, LlavaOnevisionConfig, SiglipVisionConfig
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+
+    config = LlavaOnevisionConfig(
+        text_config=LlamaConfig(**TINY_DIMS).to_dict(),
+        vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, image_size=LLAVA_IMAGE_SIDE, patch_size=7).to_dict(),
+        image_token_index=LLAVA_TOKENS["<image>"], image_grid_pinpoints=LLAVA_NEXT_PINPOINTS,
+        vision_aspect_ratio="anyres_max_1", tie_word_embeddings=False,
+    )
+    build_checkpoint(config, folder, seed)
+    _word_tokenizer(folder, LLAVA_TOKENS, _image_chat_template("<image>"))
+    LlavaOnevisionImageProcessorPil(size={"height": LLAVA_IMAGE_SIDE, "width": LLAVA_IMAGE_SIDE},
+                                    image_grid_pinpoints=LLAVA_NEXT_PINPOINTS).save_pretrained(str(folder))
+    (folder / "processor_config.json").write_text(json.dumps({
+        "processor_class": "LlavaOnevisionProcessor", "num_image_tokens": 16, "vision_feature_select_strategy": "full",
+        "vision_aspect_ratio": "anyres_max_1", "image_token": "<image>"}, indent=2))
+    return folder
 
 
 # A Gemma 3 checkpoint whose images are served: gemma3-window-rope-per-type's layer (windows of 12 tokens), a SigLIP

@@ -44,6 +44,7 @@ from tests.engine.tiny_models import (
     IDEFICS3_TILE_TOKENS,
     IDEFICS3_TOKENS,
     IMAGE_TOKENS,
+    LLAVA_TOKENS,
     QWEN_VL_PATCH,
     QWEN_VL_TOKENS,
     expand_image_tokens,
@@ -54,6 +55,8 @@ from tests.engine.tiny_models import (
     image_text_checkpoint,
     llava_checkpoint,
     llava_next_checkpoint,
+    llava_next_pixels,
+    llava_onevision_checkpoint,
     qwen_vl_checkpoint,
     qwen_vl_pixels,
 )
@@ -735,6 +738,35 @@ def test_llava_next_images_reach_the_engines_as_its_processor_makes_them(
             "vision_config": {**config["vision_config"], "model_type": vision_type}}))
         refused = ModelImages.from_model_dir(folder, prompts.tokenizer)
         assert refused.processor is None and words in refused.refusal, refused.refusal
+
+
+def test_llava_onevision_takes_one_image_a_prompt_as_its_processor_makes_it(
+    redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """LLaVA-OneVision: ``<image>`` once per feature as its processor counts them (a 2 x 2 grid's resized to fit
+    ``anyres_max_1``), the image processor's tiles, the size as sent; a second image in the prompt is refused by
+    name (transformers' multi-image mode is not implemented)."""
+    folder = llava_onevision_checkpoint(tmp_path_factory.mktemp("llava-onevision"))
+    prompts = PromptProcessor.from_model_dir(folder)
+    images = ModelImages.from_model_dir(folder, prompts.tokenizer)
+    assert images.model_type == "llava_onevision" and images.processor is not None
+    picture = _image(71, 64, 64)
+    messages = [{"role": "user", "content": [_text("w11 "), _part(_data_url(picture)), _text(" w13")]}]
+    with fake_stack(redis_url, prompts, REPLY, images=images) as (server, cluster):
+        response = httpx.post(f"{server.url}{CHAT}", json={"messages": messages, "max_tokens": 2}, timeout=10)
+        assert response.status_code == 200, response.text
+        [sent] = cluster.requests()
+        two = [{"role": "user", "content": [_part(PNG), _text(" w3"), _part(PNG)]}]
+        _refusal(httpx.post(f"{server.url}{CHAT}", json={"messages": two, "max_tokens": 2}, timeout=10),
+                 "messages.0.content.2.image_url", "at most 1 image(s) a prompt")
+    pixels, height, width, count = llava_next_pixels(folder, picture)
+    rendered = _rendered(prompts, messages)
+    at = rendered.index(LLAVA_TOKENS["<image>"])
+    assert count == 16 + 4 * 5  # the whole image's tile; the 8 x 8 grid resized to 4 x 4, a newline a row
+    assert sent.prompt_token_ids == [*rendered[:at], *[LLAVA_TOKENS["<image>"]] * count, *rendered[at + 1:]]
+    [image] = sent.images
+    assert (image.height, image.width, image.offset, image.length) == (height, width, at, count)
+    assert image.pixel_values == pixels.numpy().tobytes()
 
 
 @pytest.mark.parametrize("tower", ["clip", "pixtral"])

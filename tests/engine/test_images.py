@@ -243,6 +243,19 @@ def _engine(engine_factory: Any, folder: Path, **overrides: object) -> LLMEngine
     return engine_factory(**{**config, **overrides})  # type: ignore[no-any-return]
 
 
+def _check_prompt_logprobs(engine: LLMEngine, folder: Path, ids: list[int], images: list[ImageInput],
+                           pixels: list[torch.Tensor], request_id: str = "t") -> None:
+    """The engine's prompt log-probabilities of ``ids`` with ``images`` within 1e-4 of transformers' at every
+    position."""
+    reference = _hf_logprobs(folder, ids, images, pixels)
+    engine.add_request(request_id, ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
+                       images=images)
+    [out] = [o for o in _drain_outputs(engine) if o.prompt_logprobs]
+    got = [p.logprob for p in out.prompt_logprobs[1:]]
+    want = [float(reference[i - 1, ids[i]]) for i in range(1, len(ids))]
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+
+
 def test_images_equal_transformers_through_chunks_cache_and_preemption(folder: Path, engine_factory: Any) -> None:
     """Two images of different sizes in one prompt, chunks of 7 tokens (cutting through both), beside a request of
     the same words with other images; then both again from the prefix cache; then preempted part way."""
@@ -298,15 +311,10 @@ def test_idefics3_images_of_other_grids_equal_transformers(folder: Path, engine_
             grids = [(IDEFICS3_TILE, IDEFICS3_TILE)] * 2
         ids, images, pixels = _request(folder, (8, 9), ((100, 20), (30, 90)))
         assert [(i.height, i.width) for i in images] == grids
-        reference = _hf_logprobs(folder, ids, images, pixels)
         engine = _engine(engine_factory, folder)
         assert engine.runner.image_encoder is not None
         assert engine.runner.image_encoder.largest() == ((2 if split else 1) * IDEFICS3_TILE,) * 2
-        engine.add_request("t", ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), images=images)
-        [out] = [o for o in _drain_outputs(engine) if o.prompt_logprobs]
-        got = [p.logprob for p in out.prompt_logprobs[1:]]
-        want = [float(reference[i - 1, ids[i]]) for i in range(1, len(ids))]
-        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+        _check_prompt_logprobs(engine, folder, ids, images, pixels)
 
 
 @pytest.mark.parametrize("folder", ["llava_onevision"], indirect=True)
@@ -317,13 +325,7 @@ def test_llava_onevision_images_equal_transformers_one_a_prompt(folder: Path, en
     engine = _engine(engine_factory, folder)
     for seed, size in ((1, (100, 180)), (2, (140, 80)), (3, (64, 64))):
         ids, images, pixels = _request(folder, (seed,), (size,))
-        reference = _hf_logprobs(folder, ids, images, pixels)
-        engine.add_request(f"r{seed}", ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
-                           images=images)
-        [out] = [o for o in _drain_outputs(engine) if o.prompt_logprobs]
-        got = [p.logprob for p in out.prompt_logprobs[1:]]
-        want = [float(reference[i - 1, ids[i]]) for i in range(1, len(ids))]
-        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+        _check_prompt_logprobs(engine, folder, ids, images, pixels, request_id=f"r{seed}")
     encoder = engine.runner.image_encoder
     assert encoder is not None and encoder.num_features(64, 64) == 16 + 4 * 5  # 8 x 8 resized to 4 x 4, newlines
     ids, images, _ = _request(folder, (1, 2), ((50, 90), (40, 40)))
@@ -336,13 +338,7 @@ def test_an_image_attends_both_ways_through_the_triton_kernels(folder: Path, eng
     """Gemma 3's key limits through the Triton prefill kernel (under the interpreter): an image of 16 tokens in one
     chunk, after a chunk of text, its prompt's log-probabilities within 1e-4 of transformers'."""
     ids, images, pixels = _request(folder, (6,), ((60, 40),))
-    reference = _hf_logprobs(folder, ids, images, pixels)
-    engine = _engine(engine_factory, folder, kernel_backend="triton")
-    engine.add_request("t", ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), images=images)
-    [out] = [o for o in _drain_outputs(engine) if o.prompt_logprobs]
-    got = [p.logprob for p in out.prompt_logprobs[1:]]
-    want = [float(reference[i - 1, ids[i]]) for i in range(1, len(ids))]
-    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+    _check_prompt_logprobs(_engine(engine_factory, folder, kernel_backend="triton"), folder, ids, images, pixels)
 
 
 @pytest.mark.parametrize("folder", ["gemma3"], indirect=True)

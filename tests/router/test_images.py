@@ -111,9 +111,7 @@ def client(image_prompts: PromptProcessor, images: ModelImages) -> Iterator[Test
 
 def _rendered(prompts: PromptProcessor, messages: list[dict[str, Any]]) -> list[int]:
     """The template over transformers' parts ({"type": "image"}), tokenized."""
-    parts = [{**m, "content": [_text(p["text"]) if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
-             if isinstance(m["content"], list) else m for m in messages]
-    text = prompts.tokenizer.apply_chat_template(parts, tokenize=False, add_generation_prompt=True)
+    text = prompts.tokenizer.apply_chat_template(_template_parts(messages), tokenize=False, add_generation_prompt=True)
     return list(prompts.tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -125,6 +123,22 @@ def _expected(folder: pathlib.Path, prompts: PromptProcessor, messages: list[dic
     pixels = [image_pixels(folder, picture) for picture in pictures]
     ids, spans = expand_image_tokens(rendered, [(h, w) for _, h, w in pixels])
     return ids, spans, pixels
+
+
+def _template_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as transformers' processors take them: each image part a {"type": "image"}."""
+    return [{**m, "content": [_text(p["text"]) if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
+            if isinstance(m["content"], list) else m for m in messages]
+
+
+def _sent(redis_url: str, prompts: PromptProcessor, images: ModelImages, messages: list[dict[str, Any]]
+          ) -> GenerateRequest:
+    """What the engines get for a chat completion of ``messages`` (through a router before fake engines)."""
+    with fake_stack(redis_url, prompts, REPLY, images=images) as (server, cluster):
+        response = httpx.post(f"{server.url}{CHAT}", json={"messages": messages, "max_tokens": 2}, timeout=10)
+        assert response.status_code == 200, response.text
+        [sent] = cluster.requests()
+    return sent
 
 
 def _check_images(sent: GenerateRequest, ids: list[int], spans: list[tuple[int, int]], pixels: list[Any]) -> None:
@@ -606,8 +620,7 @@ def test_gemma3_images_reach_the_engines_as_its_processor_makes_them(
     pictures = [_image(21, 200, 300), _image(22, 50, 90)]
     messages = [{"role": "user", "content": [_text("w11\n"), _part(_data_url(pictures[0])), _text("\nw12 "),
                                              _part(_data_url(pictures[1]), plain=True), _text(" w13")]}]
-    parts = [{**m, "content": [_text(p["text"]) if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
-             for m in messages]
+    parts = _template_parts(messages)
     text = prompts.tokenizer.apply_chat_template(parts, tokenize=False, add_generation_prompt=True)
     reference = AutoProcessor.from_pretrained(str(folder))(text=text, images=pictures, add_special_tokens=False,
                                                            return_tensors="np")
@@ -651,18 +664,14 @@ def test_idefics3_images_reach_the_engines_as_its_processor_makes_them(
     pictures = [_image(41, 200, 300), _image(42, 50, 15)]
     messages = [{"role": "user", "content": [_text("w11 "), _part(_data_url(pictures[0])), _text(" w12"),
                                              _part(_data_url(pictures[1])), _text(" w13")]}]
-    parts = [{**m, "content": [_text(p["text"]) if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
-             for m in messages]
+    parts = _template_parts(messages)
     for split, grids in ((True, [(56, 56), (56, 28)]), (False, [(28, 28), (28, 28)])):
         spec_file = folder / "preprocessor_config.json"
         spec_file.write_text(json.dumps({**json.loads(spec_file.read_text()), "do_image_splitting": split}))
         prompts = PromptProcessor.from_model_dir(folder)
         images = ModelImages.from_model_dir(folder, prompts.tokenizer)
         assert images.model_type == model_type and images.processor is not None
-        with fake_stack(redis_url, prompts, REPLY, images=images) as (server, cluster):
-            response = httpx.post(f"{server.url}{CHAT}", json={"messages": messages, "max_tokens": 2}, timeout=10)
-            assert response.status_code == 200, response.text
-            [sent] = cluster.requests()
+        sent = _sent(redis_url, prompts, images, messages)
         tokenizer = AutoTokenizer.from_pretrained(str(folder))  # the processor adds a token to its tokenizer
         reference = Idefics3Processor(AutoImageProcessor.from_pretrained(str(folder), backend="pil"), tokenizer,
                                       image_seq_len=IDEFICS3_TILE_TOKENS)(
@@ -712,12 +721,8 @@ def test_llava_next_images_reach_the_engines_as_its_processor_makes_them(
     messages = [{"role": "user", "content": [_text("w11 "), _part(_data_url(pictures[0])), _text(" w12"),
                                              _part(_data_url(pictures[1])), _part(_data_url(pictures[2])),
                                              _text(" w13")]}]
-    parts = [{**m, "content": [_text(p["text"]) if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
-             for m in messages]
-    with fake_stack(redis_url, prompts, REPLY, images=images) as (server, cluster):
-        response = httpx.post(f"{server.url}{CHAT}", json={"messages": messages, "max_tokens": 2}, timeout=10)
-        assert response.status_code == 200, response.text
-        [sent] = cluster.requests()
+    parts = _template_parts(messages)
+    sent = _sent(redis_url, prompts, images, messages)
     reference = LlavaNextProcessor(AutoImageProcessor.from_pretrained(str(folder), backend="pil"),
                                    AutoTokenizer.from_pretrained(str(folder)), patch_size=7,
                                    vision_feature_select_strategy="default", num_additional_image_tokens=1)(
@@ -785,12 +790,8 @@ def test_llava_images_reach_the_engines_as_its_processor_makes_them(
     pictures = [_image(31, 200, 300), _image(32, 50, 90)]
     messages = [{"role": "user", "content": [_text("w11 "), _part(_data_url(pictures[0])), _text(" w12"),
                                              _part(_data_url(pictures[1])), _text(" w13")]}]
-    parts = [{**m, "content": [_text(p["text"]) if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
-             for m in messages]
-    with fake_stack(redis_url, prompts, REPLY, images=images) as (server, cluster):
-        response = httpx.post(f"{server.url}{CHAT}", json={"messages": messages, "max_tokens": 2}, timeout=10)
-        assert response.status_code == 200, response.text
-        [sent] = cluster.requests()
+    parts = _template_parts(messages)
+    sent = _sent(redis_url, prompts, images, messages)
     if tower == "pixtral":
         _check_images(sent, *_expected(folder, prompts, messages, pictures))
         return

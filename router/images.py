@@ -499,6 +499,8 @@ class LlavaNextImages(ImageFamily):
     pixels are float32 ``[tiles, 3, side, side]``; the processed size is the image's own, from which the engines
     know its grid; the span ``<image>`` once per feature of it."""
 
+    default_strategy = "default"  # the config's vision_feature_select_strategy where it sets none (transformers')
+
     def __init__(self, processor: Any, counter: Any, side: int, image_token_id: int, drop_first: bool) -> None:
         self.processor = processor
         self.counter = counter
@@ -539,8 +541,6 @@ class LlavaNextImages(ImageFamily):
             raise ValueError(f"{model_dir}: processor_config.json's vision_feature_select_strategy is not the model's")
         counter = cls.counter_for(processor, tokenizer, spec, (side // patch) ** 2, patch, strategy, aspect)
         return cls(processor, counter, side, image_token_id, strategy == "default")
-
-    default_strategy = "default"
 
     @staticmethod
     def counter_for(processor: Any, tokenizer: Any, spec: dict[str, Any], per_tile: int, patch: int, strategy: str,

@@ -10,8 +10,8 @@ sends and the span of an image:
 - Mistral 3 (``PixtralImages``): float32 ``[3, height, width]`` pixels; a row of image tokens per
   ``patch_size * spatial_merge_size`` pixels of height, each row ended by the break token, the last by the end
   token.
-- Qwen2.5-VL (``QwenVLImages``): the processor's patches as it makes them, float32
-  ``[grid_h * grid_w, 3 * temporal_patch_size * patch_size ** 2]``, with the resized image's height and width;
+- Qwen2.5-VL (``QwenVLImages``): one frame of the processor's patches (a still image is ``temporal_patch_size``
+  equal ones), float32 ``[grid_h * grid_w, 3 * patch_size ** 2]``, with the resized image's height and width;
   one ``<|image_pad|>`` per ``merge_size`` x ``merge_size`` patches.
 - LLaVA (``LlavaImages``) with a CLIP or SigLIP tower: float32 ``[3, side, side]`` pixels, every image resized and
   cropped to the tower's one size; its ``<image>`` repeated once per feature, as LLaVA's processor repeats it. With
@@ -377,11 +377,12 @@ class PixtralImages(ImageFamily):
 
 class QwenVLImages(ImageFamily):
     """Qwen2.5-VL's (transformers' Qwen2-VL image processor; ``preprocessor_config.json``: ``patch_size``,
-    ``merge_size``, ``temporal_patch_size``, the bounds on an image's pixels). The pixels are the processor's
-    patches as it makes them, float32 ``[grid_h * grid_w, 3 * temporal_patch_size * patch_size ** 2]`` (a still
-    image is ``temporal_patch_size`` frames of one), with ``height`` and ``width`` the resized image's
-    (``grid_h * patch_size``, ``grid_w * patch_size``); the span one ``<|image_pad|>`` per ``merge_size ** 2``
-    patches, between the ``<|vision_start|>`` and ``<|vision_end|>`` the template writes around it."""
+    ``merge_size``, ``temporal_patch_size``, the bounds on an image's pixels). The processor's patches are
+    ``[grid_h * grid_w, 3 * temporal_patch_size * patch_size ** 2]``, a still image ``temporal_patch_size`` equal
+    frames of one; the pixels sent are one frame of them, float32 ``[grid_h * grid_w, 3 * patch_size ** 2]``
+    (half the bytes; the engines repeat it), with ``height`` and ``width`` the resized image's (``grid_h *
+    patch_size``, ``grid_w * patch_size``); the span one ``<|image_pad|>`` per ``merge_size ** 2`` patches, between
+    the ``<|vision_start|>`` and ``<|vision_end|>`` the template writes around it."""
 
     IMAGE_TOKEN = "<|image_pad|>"
 
@@ -391,6 +392,7 @@ class QwenVLImages(ImageFamily):
         self.placeholder_id = image_token_id
         self.patch_size = patch_size
         self.step = patch_size * merge_size
+        self.frames = temporal_patch_size
         self.patch_width = 3 * temporal_patch_size * patch_size ** 2
 
     @classmethod
@@ -419,14 +421,19 @@ class QwenVLImages(ImageFamily):
 
     def run(self, image: Any) -> ProcessedImage:
         """Resized to sides that are multiples of ``step`` (within the processor's bounds on pixels), rescaled,
-        normalized, cut into patches."""
+        normalized, cut into patches; one of their equal frames."""
         out = self.processor(images=[image], return_tensors="np")
         [(frames, rows, cols)] = (tuple(int(v) for v in grid) for grid in out["image_grid_thw"])
-        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
         if frames != 1 or pixels.shape != (rows * cols, self.patch_width):
             raise ValueError(f"the processor made patches {pixels.shape} of grid {(frames, rows, cols)}, not one "
                              f"frame's [{rows * cols}, {self.patch_width}]")
-        return ProcessedImage(pixels.tobytes(), rows * self.patch_size, cols * self.patch_size)
+        # Each patch's values are channel, frame, row, column: the frames of a still image are one image repeated.
+        patches = pixels.reshape(rows * cols, 3, self.frames, -1)
+        if not (patches == patches[:, :, :1]).all():
+            raise ValueError("the processor's frames of a still image differ")
+        return ProcessedImage(np.ascontiguousarray(patches[:, :, 0]).tobytes(), rows * self.patch_size,
+                              cols * self.patch_size)
 
     def span(self, height: int, width: int) -> list[int]:
         return [self.placeholder_id] * ((height // self.step) * (width // self.step))

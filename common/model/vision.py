@@ -12,7 +12,8 @@ Families (``common.model.arch.IMAGE_INPUT_TYPES``):
 - Mistral 3 (``mistral3``: Mistral Small 3.1 / 3.2, Ministral 3): a Pixtral tower over the image's pixels
   (``[3, height, width]``), RMSNorm, the patch merger and two linear layers. Its prompt positions are plain.
 - Qwen2.5-VL (``qwen2_5_vl``): its tower (windowed and full attention blocks, the merger) over the image
-  processor's flattened patches (``[grid_h * grid_w, 3 * 2 * 14 * 14]``: a still image is two frames of one).
+  processor's flattened patches (``[grid_h * grid_w, 3 * 2 * 14 * 14]``: a still image is two frames of one, of
+  which the router sends one, ``[grid_h * grid_w, 3 * 14 * 14]``).
   Its language model's M-RoPE gives an image's tokens the positions (t, t + row, t + column) from the position
   t the image starts at, and the text after it positions from t + its larger side in tokens on, so every
   token after an image turns by its index plus a (negative) delta (transformers' ``get_rope_index``).
@@ -542,6 +543,7 @@ class QwenVLEncoder(ImageEncoder):
         self.patch_size = int(vision.patch_size)
         self.merge = int(vision.spatial_merge_size)
         self.temporal_patch_size = int(vision.temporal_patch_size)
+        self.patch_width = 3 * self.temporal_patch_size * self.patch_size ** 2
         self.step = self.patch_size * self.merge
         # The image processor's bound on an image's pixels (``max_pixels``), where its file says it.
         self.max_pixels = _max_pixels(path)
@@ -557,7 +559,8 @@ class QwenVLEncoder(ImageEncoder):
         return modules
 
     def pixel_count(self, height: int, width: int) -> int:
-        return (height // self.patch_size) * (width // self.patch_size) * 3 * self.temporal_patch_size * self.patch_size ** 2
+        """One frame of each patch (the router sends one of a still image's equal frames)."""
+        return (height // self.patch_size) * (width // self.patch_size) * 3 * self.patch_size ** 2
 
     def largest(self) -> tuple[int, int]:
         """A square of the image processor's ``max_pixels``, in whole image tokens."""
@@ -572,7 +575,9 @@ class QwenVLEncoder(ImageEncoder):
     def run_tower(self, pixels: Tensor, height: int, width: int) -> Any:
         """The vision transformer's output for one image's patches (its grid of one frame)."""
         grid = torch.tensor([[1, height // self.patch_size, width // self.patch_size]], device=pixels.device)
-        patches = pixels.view(-1, 3 * self.temporal_patch_size * self.patch_size ** 2)
+        # Each patch's channel, frame, row and column, as the image processor lays them: its frame repeated.
+        frame = pixels.view(-1, 3, 1, self.patch_size ** 2)
+        patches = frame.expand(-1, 3, self.temporal_patch_size, -1).reshape(-1, self.patch_width)
         visual: nn.Module = self.modules.get_submodule("visual")
         return visual(patches.to(next(visual.parameters()).dtype), grid_thw=grid, return_dict=True)
 

@@ -50,6 +50,7 @@ from tests.engine.tiny_models import (
     llava_pixels,
     prompt_token_ids,
     qwen_vl_checkpoint,
+    qwen_vl_one_frame,
     qwen_vl_pixels,
 )
 
@@ -175,8 +176,9 @@ def _request(folder: Path, seeds: tuple[int, ...], sizes: tuple[tuple[int, int],
     else:
         pixels = [image_pixels(folder, image) for image in images]
         ids, spans = expand_image_tokens(prompt, [(h, w) for _, h, w in pixels])
-    inputs = [ImageInput(offset=o, length=n, height=h, width=w, digest=image_digest(p.numpy().tobytes(), h, w),
-                         pixel_values=p.numpy().tobytes()) for (o, n), (p, h, w) in zip(spans, pixels, strict=True)]
+    sent = [(qwen_vl_one_frame(p) if qwen else p).numpy().tobytes() for p, _, _ in pixels]  # Qwen's: one frame
+    inputs = [ImageInput(offset=o, length=n, height=h, width=w, digest=image_digest(data, h, w), pixel_values=data)
+              for (o, n), (_, h, w), data in zip(spans, pixels, sent, strict=True)]
     return ids, inputs, [p for p, _, _ in pixels]
 
 
@@ -505,7 +507,7 @@ def test_the_profiling_run_encodes_the_largest_image(folder: Path, engine_factor
     engine.runner.profile_activations()
     assert calls == [((encoder.pixel_count(side, side),), side, side)]
     # SmolVLM's and LLaVA-NeXT's: 2 x 2 tiles and the whole image as one more
-    assert encoder.pixel_count(side, side) == (16 * 16 * 6 * patch * patch if patch else
+    assert encoder.pixel_count(side, side) == (16 * 16 * 3 * patch * patch if patch else  # Qwen's: one frame
                                                5 * 3 * (side // 2) ** 2 if _tiled(folder) or _next(folder) else
                                                3 * side * side)
 

@@ -1210,6 +1210,14 @@ def qwen_vl_pixels(folder: Path, image: Any) -> tuple[torch.Tensor, tuple[int, i
     return out["pixel_values"].float(), (t, h, w)
 
 
+def qwen_vl_one_frame(patches: torch.Tensor) -> torch.Tensor:
+    """The frame of a still image's patches the router sends (``[n, 3 * p * p]``): each patch's values are channel,
+    frame, row and column, its two frames equal."""
+    frames = patches.view(patches.shape[0], 3, 2, -1)
+    assert torch.equal(frames[:, :, 0], frames[:, :, 1])
+    return frames[:, :, 0].reshape(patches.shape[0], -1).contiguous()
+
+
 def expand_qwen_vl_tokens(prompt: list[int], grids: list[tuple[int, int, int]]) -> tuple[list[int], list[tuple[int, int]]]:
     """transformers' Qwen2.5-VL processor's expansion of each ``<|image_pad|>`` in ``prompt`` (one per image, in
     order) into t * h * w / 4 of them; the ids and each image's (offset, length)."""

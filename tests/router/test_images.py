@@ -58,6 +58,7 @@ from tests.engine.tiny_models import (
     llava_next_pixels,
     llava_onevision_checkpoint,
     qwen_vl_checkpoint,
+    qwen_vl_one_frame,
     qwen_vl_pixels,
 )
 from tests.router.fake_engine import MODEL_ID
@@ -420,11 +421,12 @@ def qwen_images(qwen_folder: pathlib.Path, qwen_prompts: PromptProcessor) -> Mod
 def _expected_qwen(folder: pathlib.Path, prompts: PromptProcessor, messages: list[dict[str, Any]],
                    pictures: list[Image.Image]) -> tuple[list[int], list[tuple[int, int]], list[Any]]:
     """The reference: the rendered prompt, each <|image_pad|> expanded as Qwen2.5-VL's processor does; each
-    image's patches as transformers' processor makes them, with the resized image's height and width."""
+    image's patches as transformers' processor makes them, one of their two equal frames, with the resized image's
+    height and width."""
     processed = [qwen_vl_pixels(folder, picture) for picture in pictures]
     ids, spans = expand_qwen_vl_tokens(_rendered(prompts, messages), [grid for _, grid in processed])
     patch = QWEN_VL_PATCH[json.loads((folder / "config.json").read_text())["model_type"]]
-    return ids, spans, [(patches, h * patch, w * patch) for patches, (_, h, w) in processed]
+    return ids, spans, [(qwen_vl_one_frame(patches), h * patch, w * patch) for patches, (_, h, w) in processed]
 
 
 def test_qwen_vl_images_reach_the_engines_as_its_processor_makes_them(
@@ -448,7 +450,8 @@ def test_qwen_vl_images_reach_the_engines_as_its_processor_makes_them(
         assert reply.prompt_token_ids == ids
         [sent] = cluster.requests()
         _check_images(sent, ids, spans, pixels)
-        assert [len(i.pixel_values) for i in sent.images] == [216 * 1176 * 4, 24 * 1176 * 4]
+        # One frame of each 14 x 14 patch (the processor's two are equal): half its 1,176 values.
+        assert [len(i.pixel_values) for i in sent.images] == [216 * 588 * 4, 24 * 588 * 4]
 
 
 @pytest.fixture(scope="module")

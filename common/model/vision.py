@@ -209,6 +209,12 @@ def _feature_layers(config: Any) -> list[int]:
     return [int(layer)] if isinstance(layer, int) else [int(i) for i in layer]
 
 
+def _selected_states(out: Any, layers: list[int], drop_first: bool = False) -> Tensor:
+    """The tower's hidden states of ``layers`` side by side, less each row's first position where ``drop_first``
+    (the ``default`` strategy's CLS)."""
+    return torch.cat([out.hidden_states[i][:, int(drop_first):] for i in layers], dim=-1)
+
+
 class PixtralEncoder(TowerEncoder):
     """Mistral 3's: a Pixtral tower, the projector's norm, patch merger and two linear layers."""
 
@@ -238,7 +244,7 @@ class PixtralEncoder(TowerEncoder):
         tower, projector = self.parts()
         sizes = torch.tensor([[height, width]], device=pixels.device)
         out = tower(pixels.view(1, 3, height, width), image_sizes=sizes, output_hidden_states=True, return_dict=True)
-        hidden = torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1)
+        hidden = _selected_states(out, self.feature_layers)
         features: Tensor = projector(hidden.squeeze(0), sizes)
         return features
 
@@ -291,7 +297,7 @@ class LlavaEncoder(TowerEncoder):
         tower, projector = self.parts()
         extra = {"image_sizes": torch.tensor([[height, width]], device=pixels.device)} if self.pixtral else {}
         out = tower(self.batch(tower, pixels, height, width), output_hidden_states=True, return_dict=True, **extra)
-        hidden = torch.cat([out.hidden_states[i][:, int(self.drop_first):] for i in self.feature_layers], dim=-1)
+        hidden = _selected_states(out, self.feature_layers, self.drop_first)
         features: Tensor = projector(hidden)[0]
         return features
 
@@ -367,20 +373,23 @@ class LlavaNextEncoder(TowerEncoder):
         tower, projector = self.parts()
         tiles = pixels.view(self.num_tiles(height, width), 3, self.side, self.side)
         out = tower(tiles.to(next(tower.parameters()).dtype), output_hidden_states=True, return_dict=True)
-        hidden = torch.cat([out.hidden_states[i][:, int(self.drop_first):] for i in self.feature_layers], dim=-1)
+        hidden = _selected_states(out, self.feature_layers, self.drop_first)
         features: Tensor = projector(hidden)
+        return features
+
+    def pack(self, tiles: Tensor, height: int, width: int) -> Tensor:
+        """The image's features from its tiles', as transformers' ``LlavaNextModel`` packs them."""
+        from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
+
+        packed, _ = LlavaNextModel.pack_image_features(
+            SimpleNamespace(config=self.config), [tiles], torch.tensor([[height, width]]),
+            self.config.vision_feature_select_strategy, image_newline=self.modules.get_parameter("image_newline"))
+        features: Tensor = packed[0]
         return features
 
     @torch.inference_mode()
     def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
-        from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
-
-        packed, _ = LlavaNextModel.pack_image_features(
-            SimpleNamespace(config=self.config), [self.tile_features(pixels, height, width)],
-            torch.tensor([[height, width]]), self.config.vision_feature_select_strategy,
-            image_newline=self.modules.get_parameter("image_newline"))
-        features: Tensor = packed[0]
-        return features
+        return self.pack(self.tile_features(pixels, height, width), height, width)
 
 
 class LlavaOnevisionEncoder(LlavaNextEncoder):
@@ -406,13 +415,12 @@ class LlavaOnevisionEncoder(LlavaNextEncoder):
         ratio = math.sqrt(rows * cols / (self.max_tiles * self.per_side ** 2))
         return (int(rows // ratio), int(cols // ratio)) if ratio > 1.1 else (rows, cols)
 
-    @torch.inference_mode()
-    def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
+    def pack(self, tiles: Tensor, height: int, width: int) -> Tensor:
         from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionModel
 
         packed, _ = LlavaOnevisionModel.pack_image_features(
-            SimpleNamespace(config=self.config), [self.tile_features(pixels, height, width)],
-            torch.tensor([[height, width]]), image_newline=self.modules.get_parameter("image_newline"),
+            SimpleNamespace(config=self.config), [tiles], torch.tensor([[height, width]]),
+            image_newline=self.modules.get_parameter("image_newline"),
             vision_aspect_ratio=self.config.vision_aspect_ratio)
         features: Tensor = packed[0]
         return features

@@ -13,6 +13,9 @@ Layouts (shared with pdserve_kernels/triton_*.py; a Triton kernel must accept ex
   ``context_lens[s] - q_len .. context_lens[s] - 1`` and attends causally.
 - ``sliding_window``: ``None`` (or 0) for full attention; ``w`` lets the query at position ``p`` see
   keys ``p - w + 1 .. p`` only (itself and the ``w - 1`` before it), as transformers' sliding masks do.
+- ``attention_chunk``: ``None`` (or 0), or ``c`` to cut positions into chunks of ``c`` (``0 .. c - 1``,
+  ``c .. 2c - 1``, ...) and let the query at position ``p`` see keys of its own chunk only, from
+  ``(p // c) * c`` on (Llama 4's chunked local attention, transformers' chunked causal mask).
 - ``key_limits`` (prefill only): ``None``, or per query token the position of the last key it sees, its own or
   a later one within its chunk (an image's tokens that attend to each other both ways, Gemma 3's: each sees
   up to the image's last token); a window still counts back from the query's own position.
@@ -211,7 +214,7 @@ def _keys_values(kv: Tensor, latent: bool) -> tuple[Tensor, Tensor]:
 
 def _decode_padded(query: Tensor, kv_layer: Tensor, block_tables: Tensor, lens: Tensor, max_len: int,
                    scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                   sinks: Tensor | None = None, latent: bool = False) -> Tensor:
+                   sinks: Tensor | None = None, latent: bool = False, attention_chunk: int | None = None) -> Tensor:
     """Decode attention of sequences padded to ``max_len`` with the tail masked; ``[seqs, heads, head_size]``."""
     num_seqs, num_heads, head_size = query.shape
     _, total_blocks, block_size, num_kv_heads, cache_head_size = kv_layer.shape
@@ -224,6 +227,8 @@ def _decode_padded(query: Tensor, kv_layer: Tensor, block_tables: Tensor, lens: 
     visible = key_pos < lens[:, None]
     if sliding_window:
         visible &= key_pos >= lens[:, None] - sliding_window
+    if attention_chunk:  # the query sits at lens - 1
+        visible &= key_pos >= (lens[:, None] - 1) // attention_chunk * attention_chunk
     return _attention(
         query[:, :, None, :].to(k.dtype), k, v, visible[:, None, None, :], scale, num_heads // num_kv_heads, soft_cap,
         sinks,
@@ -241,6 +246,7 @@ def paged_decode_attention(
     soft_cap: float | None = None,
     sinks: Tensor | None = None,
     latent: bool = False,
+    attention_chunk: int | None = None,
 ) -> Tensor:
     """One query token per sequence: ``query`` ``[num_seqs, num_heads, head_size]``.
 
@@ -257,13 +263,13 @@ def paged_decode_attention(
     groups = _length_groups(lens_list, kv_layer.shape[2])
     if len(groups) == 1:
         result.copy_(_decode_padded(query, kv_layer, block_tables, lens, max(lens_list), scale, sliding_window,
-                                    soft_cap, sinks, latent))
+                                    soft_cap, sinks, latent, attention_chunk))
         return result
     for group in groups:
         idx = torch.tensor(group, device=query.device)
         result[idx] = _decode_padded(
             query[idx], kv_layer, block_tables[idx], lens[idx], lens_list[group[-1]], scale, sliding_window,
-            soft_cap, sinks, latent,
+            soft_cap, sinks, latent, attention_chunk,
         ).to(result.dtype)
     return result
 
@@ -281,6 +287,7 @@ def paged_prefill_attention(
     sinks: Tensor | None = None,
     latent: bool = False,
     key_limits: Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> Tensor:
     """Varlen attention for chunks whose earlier context (and the chunk itself) is in the cache.
 
@@ -302,7 +309,7 @@ def paged_prefill_attention(
         tok = torch.tensor([starts[i] for i in single], device=query.device)
         result[tok] = paged_decode_attention(
             query[tok], kv_layer, block_tables[idx], context_lens[idx], scale, sliding_window=sliding_window,
-            soft_cap=soft_cap, sinks=sinks, latent=latent,
+            soft_cap=soft_cap, sinks=sinks, latent=latent, attention_chunk=attention_chunk,
         ).to(result.dtype)
     block_size = kv_layer.shape[2]
     for s, q_len in enumerate(q_lens):
@@ -321,6 +328,10 @@ def paged_prefill_attention(
             visible = key_pos[None, :] <= key_limits[starts[s] : starts[s + 1], None].long()
         if sliding_window:  # ... and no key more than sliding_window - 1 before it
             visible = visible.triu(ctx - q_len - sliding_window + 1)
+        if attention_chunk:  # ... and no key of an earlier chunk than its own
+            q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
+            visible = visible & (torch.arange(ctx, device=query.device)[None, :]
+                                 >= (q_pos // attention_chunk * attention_chunk)[:, None])
         o = _attention(q, k, v, visible, scale, group, soft_cap, sinks)
         result[starts[s] : starts[s + 1]] = o.transpose(0, 1).to(result.dtype)
     return result

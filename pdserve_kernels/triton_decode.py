@@ -50,7 +50,7 @@ CPU_NUM_SMS = 8  # stand-in core count when the interpreter runs the kernels on 
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, sinks_ptr,
     out_ptr, m_ptr, l_ptr,
-    qk_scale, soft_cap, num_splits, window,
+    qk_scale, soft_cap, num_splits, window, chunk,
     stride_q_seq, stride_q_head,
     stride_kv_block, stride_kv_tok, stride_kv_head,
     stride_bt_seq,
@@ -69,14 +69,15 @@ def _decode_kernel(
 
     ``SPLIT`` false: one range, normalized output. True: the unnormalized partial output, its row max
     (in log2 units) and sum, for ``_decode_reduce_kernel``. Only the last ``window`` tokens of the
-    context are read (the wrapper passes a huge window for full attention).
+    context are read, and only those of the query's own ``chunk`` of positions (the wrapper passes a huge
+    window and chunk for full attention).
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_TILES
     split = tl.program_id(2)
 
     ctx_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-    lo = tl.maximum(ctx_len - window, 0)
+    lo = tl.maximum(tl.maximum(ctx_len - window, 0), (tl.maximum(ctx_len, 1) - 1) // chunk * chunk)
     tiles_per_split = tl.cdiv(tl.cdiv(ctx_len - lo, BLOCK_N), num_splits)
     start = lo + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx_len)
@@ -215,6 +216,7 @@ def run_paged_decode(
     soft_cap: float | None = None,
     sinks: Tensor | None = None,
     latent: bool = False,
+    attention_chunk: int | None = None,
 ) -> Tensor:
     """``paged_decode_attention`` with the split count (``None``: heuristic) and tiling exposed; ``block_n``
     None: ``DEFAULT_BLOCK_N``, or less where the GPU's shared memory cannot hold that tile
@@ -239,11 +241,13 @@ def run_paged_decode(
     head_tiles = triton.cdiv(group, head_tile)
     if num_splits is None:
         # The table's width bounds every context without reading context_lens on the host.
-        max_context_len = min(block_tables.shape[1] * block_size, sliding_window or FULL_WINDOW)
+        max_context_len = min(block_tables.shape[1] * block_size, sliding_window or FULL_WINDOW,
+                              attention_chunk or FULL_WINDOW)
         num_splits = choose_num_splits(num_seqs, num_kv_heads * head_tiles, max_context_len, num_sms(query.device))
     assert num_splits >= 1, f"num_splits must be positive, got {num_splits}"
     assert sliding_window is None or sliding_window >= 0, f"sliding_window must be >= 0, got {sliding_window}"
-    window = sliding_window or FULL_WINDOW
+    assert attention_chunk is None or attention_chunk >= 0, f"attention_chunk must be >= 0, got {attention_chunk}"
+    window, chunk = sliding_window or FULL_WINDOW, attention_chunk or FULL_WINDOW
     scores = score_args(scale, soft_cap, LOG2E)
 
     consts = dict(
@@ -264,7 +268,7 @@ def run_paged_decode(
     if num_splits == 1:
         fitting(lambda tile: _decode_kernel[grid](
             query, k_cache, v_cache, block_tables, context_lens, query if sinks is None else sinks, out, out, out,
-            scores["qk_scale"], scores["soft_cap"], 1, window, query.stride(0), query.stride(1), *kv_strides,
+            scores["qk_scale"], scores["soft_cap"], 1, window, chunk, query.stride(0), query.stride(1), *kv_strides,
             block_tables.stride(0), out.stride(0), out.stride(1), 0, SPLIT=False, SOFT_CAP=scores["SOFT_CAP"],
             BLOCK_N=tile, **consts,
         ), split=False)
@@ -275,7 +279,7 @@ def run_paged_decode(
     l_sum = torch.empty_like(m)
     fitting(lambda tile: _decode_kernel[grid](
         query, k_cache, v_cache, block_tables, context_lens, query if sinks is None else sinks, partial, m, l_sum,
-        scores["qk_scale"], scores["soft_cap"], num_splits, window, query.stride(0), query.stride(1), *kv_strides,
+        scores["qk_scale"], scores["soft_cap"], num_splits, window, chunk, query.stride(0), query.stride(1), *kv_strides,
         block_tables.stride(0), partial.stride(0), partial.stride(1), partial.stride(2), SPLIT=True,
         SOFT_CAP=scores["SOFT_CAP"], BLOCK_N=tile, **consts,
     ), split=True)
@@ -299,9 +303,10 @@ def paged_decode_attention(
     soft_cap: float | None = None,
     sinks: Tensor | None = None,
     latent: bool = False,
+    attention_chunk: int | None = None,
 ) -> Tensor:
     """One query token per sequence; see ``pdserve_kernels.reference.paged_decode_attention``. Cache unmodified."""
     return run_paged_decode(
         query, kv_layer, block_tables, context_lens, scale, out, sliding_window=sliding_window, soft_cap=soft_cap,
-        sinks=sinks, latent=latent,
+        sinks=sinks, latent=latent, attention_chunk=attention_chunk,
     )

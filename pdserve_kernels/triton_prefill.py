@@ -7,7 +7,9 @@ of those starts are at or below its id. A tile holds ``BLOCK_Q`` query tokens ti
 of one KV group, so a K/V tile is read once per group. Softmax is online, in float32, causal within
 the chunk (the chunk's token ``i`` sits at position ``context_len - q_len + i``). With a sliding
 ``window`` a query sees only the ``window - 1`` keys before it, and a tile skips keys that no row
-of it can see; the wrapper passes a huge window for full attention. With ``key_limits`` a query sees keys up
+of it can see; the wrapper passes a huge window for full attention. An attention ``chunk`` (a huge one for
+none) hides the keys of earlier chunks of positions than a query's own, and a tile skips those of every row.
+With ``key_limits`` a query sees keys up
 to its own limit instead of its own position (an image's tokens that attend to each other both ways), and a
 tile reads keys up to its rows' largest limit.
 """
@@ -55,7 +57,7 @@ DEFAULT_BLOCK_N = 64
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, sinks_ptr, key_limits_ptr, out_ptr,
-    num_seqs, qk_scale, soft_cap, window,
+    num_seqs, qk_scale, soft_cap, window, chunk,
     stride_q_tok, stride_q_head,
     stride_kv_block, stride_kv_tok, stride_kv_head,
     stride_bt_seq,
@@ -121,7 +123,8 @@ def _prefill_kernel(
     if KEY_LIMITS:  # ... past the largest limit of its rows
         kv_end = tl.minimum(ctx_len, tl.maximum(kv_end, tl.max(tl.where(row_mask, q_limit, 0), axis=0) + 1))
     kv_end = tl.where(tile_valid, kv_end, 0)
-    kv_start = tl.maximum(prefix_len + tile_tok0 - window + 1, 0)
+    # The tile's first row sees the earliest keys, of the window and of its chunk.
+    kv_start = tl.maximum(tl.maximum(prefix_len + tile_tok0 - window + 1, 0), (prefix_len + tile_tok0) // chunk * chunk)
 
     m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * G_PAD], dtype=tl.float32)
@@ -145,6 +148,7 @@ def _prefill_kernel(
         if SOFT_CAP:
             s = soft_cap_scores(s, soft_cap) * 1.4426950408889634  # log2(e), as LOG2E
         visible = n_mask[None, :] & (k_pos[None, :] <= q_limit[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+        visible = visible & (k_pos[None, :] >= (q_pos // chunk * chunk)[:, None])
         s = tl.where(visible, s, float("-inf"))
         # With a window, a row may see nothing in a tile (its max stays -inf): subtract 0 instead,
         # so its weights are 0 rather than NaN.
@@ -181,6 +185,7 @@ def run_paged_prefill(
     sinks: Tensor | None = None,
     latent: bool = False,
     key_limits: Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> Tensor:
     """``paged_prefill_attention`` with the tiling exposed; ``block_n`` None: ``DEFAULT_BLOCK_N``, or
     less where the GPU's shared memory cannot hold that tile (``launch_fitting``)."""
@@ -200,6 +205,7 @@ def run_paged_prefill(
     if num_seqs == 0 or num_tokens == 0:
         return out
     assert sliding_window is None or sliding_window >= 0, f"sliding_window must be >= 0, got {sliding_window}"
+    assert attention_chunk is None or attention_chunk >= 0, f"attention_chunk must be >= 0, got {attention_chunk}"
     scores = score_args(scale, soft_cap, LOG2E)
 
     group = num_heads // num_kv_heads
@@ -223,7 +229,7 @@ def run_paged_prefill(
         _prefill_kernel[grid](
             query, k_cache, v_cache, block_tables, query_start_loc, context_lens, query if sinks is None else sinks,
             context_lens if key_limits is None else key_limits, out,
-            num_seqs, scores["qk_scale"], scores["soft_cap"], sliding_window or FULL_WINDOW,
+            num_seqs, scores["qk_scale"], scores["soft_cap"], sliding_window or FULL_WINDOW, attention_chunk or FULL_WINDOW,
             query.stride(0), query.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0),
@@ -248,6 +254,7 @@ def paged_prefill_attention(
     sinks: Tensor | None = None,
     latent: bool = False,
     key_limits: Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> Tensor:
     """Varlen causal chunks over paged context; see ``pdserve_kernels.reference.paged_prefill_attention``.
 
@@ -256,5 +263,5 @@ def paged_prefill_attention(
     """
     return run_paged_prefill(
         query, kv_layer, block_tables, query_start_loc, context_lens, scale, out, sliding_window=sliding_window,
-        soft_cap=soft_cap, sinks=sinks, latent=latent, key_limits=key_limits,
+        soft_cap=soft_cap, sinks=sinks, latent=latent, key_limits=key_limits, attention_chunk=attention_chunk,
     )

@@ -106,7 +106,7 @@ _COHERE_TYPES = ("cohere", "cohere2")
 # Families whose q/k/v and o projections have biases by ``attention_bias`` and whose MLPs have none.
 _ATTENTION_BIAS_TYPES = ("qwen3", "gemma", "gemma2", "gemma3_text", "vaultgemma", "hunyuan_v1_dense", "olmo2",
                          "olmo3", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "dots1",
-                         "flex_olmo", "hunyuan_v1_moe", "apertus", "afmoe", "olmo", *_COHERE_TYPES)
+                         "flex_olmo", "hunyuan_v1_moe", "apertus", "afmoe", "olmo", "llama4_text", *_COHERE_TYPES)
 _NO_BIAS_TYPES = ("mistral", "ministral", "ministral3", "phi3", "mixtral", "minimax_m2", "exaone4")  # no bias anywhere
 # Families whose q/k/v, o and MLP projections all have biases by ``use_bias`` (ERNIE 4.5, its experts none;
 # StarCoder2).
@@ -114,12 +114,12 @@ _ERNIE_TYPES = ("ernie4_5", "ernie4_5_moe")
 _USE_BIAS_TYPES = (*_ERNIE_TYPES, "starcoder2")
 _GLM_TYPES = ("glm", "glm4")
 # Families whose RoPE rotates interleaved pairs (entries 0 and 1, 2 and 3, ...), not each head's halves.
-_INTERLEAVED_ROPE_TYPES = ("helium", *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES)
+_INTERLEAVED_ROPE_TYPES = ("helium", "llama4_text", *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES)
 # Families whose attention is DeepSeek's Multi-head Latent Attention (``ModelArch.mla``).
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3")
 # Mixture-of-experts families: a router over experts in place of the MLP (in some layers or all).
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe", "minimax_m2",
-              "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe", "ernie4_5_moe", "afmoe", *_MLA_TYPES)
+              "gpt_oss", "dots1", "flex_olmo", "hunyuan_v1_moe", "ernie4_5_moe", "afmoe", "llama4_text", *_MLA_TYPES)
 _HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 # Mixtures routed as DeepSeek-V3 routes (``ROUTER_SIGMOID_GROUPS``), with dense first layers and shared experts.
 _DEEPSEEK_ROUTED_TYPES = ("glm4_moe", "dots1", "deepseek_v3")
@@ -141,16 +141,21 @@ ROUTER_SOFTMAX_CORRECTED = "softmax_corrected_topk"
 # DeepSeek-V2's: a softmax in float32; the k most probable (within the ``topk_groups`` groups whose best
 # expert is most probable, where there are groups), weighed by probability, scaled; not renormalized.
 ROUTER_SOFTMAX_GROUPS = "softmax_group_limited_topk"
+# Llama 4's: the top k logits; each one's sigmoid (in float32, rounded to the model's dtype) scales the token's
+# input to that expert, not the expert's output.
+ROUTER_SIGMOID_SCALED_INPUT = "topk_sigmoid_scaled_input"
 _GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 # Mixtures whose experts are ``moe_intermediate_size`` wide, narrower than the dense MLP (others': ``intermediate_size``).
 _OWN_EXPERT_WIDTH_TYPES = ("qwen2_moe", "qwen3_moe", "ernie4_5_moe", "afmoe", "deepseek_v2", *_DEEPSEEK_ROUTED_TYPES)
 # The field of a shared expert's width where it is a field of its own (elsewhere a multiple of the experts').
 _SHARED_EXPERT_WIDTH_FIELDS = {"qwen2_moe": "shared_expert_intermediate_size", "granitemoeshared": "shared_intermediate_size",
-                               "hunyuan_v1_moe": "intermediate_size"}
+                               "hunyuan_v1_moe": "intermediate_size", "llama4_text": "intermediate_size"}
+# The dense MLP's width where the config names it other than ``intermediate_size`` (``ModelArch.mlp_width``).
+_MLP_WIDTH_FIELDS = {"falcon": "ffn_hidden_size", "llama4_text": "intermediate_size_mlp"}
 SUPPORTED_MODEL_TYPES = (
     *_LLAMA_BIAS_TYPES, "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "vaultgemma",
     "phi3", "seed_oss", "hunyuan_v1_dense", "olmo2", "olmo3", "helium", "ministral3", "exaone4", "apertus", "starcoder2",
-    "phi", "stablelm", "gpt_neox", "olmo", "persimmon", "falcon",
+    "phi", "stablelm", "gpt_neox", "olmo", "persimmon", "falcon", "llama4_text",
     *_GLM_TYPES, *_ERNIE_TYPES, *_COHERE_TYPES, *_MOE_TYPES,
 )
 # DeepSeek-V2's ``topk_method`` values its transformers router implements.
@@ -162,14 +167,14 @@ _GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text", "vaultgemma")
 _SANDWICH_GEMMA_TYPES = ("gemma2", "gemma3_text")
 _SOFT_CAPPED_GEMMA_TYPES = (*_SANDWICH_GEMMA_TYPES, "vaultgemma")
 # Image-text checkpoints whose language model is served on its own: Gemma 3 (4B and up), Idefics3, LLaVA,
-# LLaVA-NeXT, LLaVA-OneVision, Mistral Small 3.1 / 3.2, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and SmolVLM. For a prompt of text alone
+# LLaVA-NeXT, LLaVA-OneVision, Llama 4, Mistral Small 3.1 / 3.2, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and SmolVLM. For a prompt of text alone
 # the wrapper's logits are its language model's (the vision tower and projector only ever touch image tokens), so
 # the model is its ``text_config``'s family; its images, where taken, replace their tokens' embeddings
 # (``common.model.vision``).
-IMAGE_TEXT_TYPES = ("gemma3", "idefics3", "llava", "llava_next", "llava_onevision", "mistral3", "qwen2_5_vl",
+IMAGE_TEXT_TYPES = ("gemma3", "idefics3", "llama4", "llava", "llava_next", "llava_onevision", "mistral3", "qwen2_5_vl",
                     "qwen3_vl", "qwen3_vl_moe", "smolvlm")
 # Those whose images are implemented (``common.model.vision``); the others' images are refused by name.
-IMAGE_INPUT_TYPES = IMAGE_TEXT_TYPES
+IMAGE_INPUT_TYPES = tuple(kind for kind in IMAGE_TEXT_TYPES if kind != "llama4")
 
 
 # LLaVA's vision towers whose images are implemented, by their config's model type: whether each has a CLS
@@ -256,6 +261,7 @@ _FAMILY_FIELDS = {
     "stablelm": ("qk_layernorm",),  # StableLM 2 12B's: the same
     "persimmon": ("qk_layernorm",),  # a LayerNorm of each head of q and k, one weight and bias for all heads
     "olmo": ("clip_qkv",),  # q, k and v clamped to [-clip_qkv, clip_qkv]
+    "llama4_text": ("use_qk_norm", "attention_chunk_size"),  # its weightless q/k norms, its chunked layers
 }
 _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 # Families whose transformers code keeps its norms in float32 when the model is in float16.
@@ -305,6 +311,16 @@ class ModelArch:
     qk_norm_after_rope: bool = False
     # Layers that apply no RoPE at all (SmolLM3's ``no_rope_layers`` zeros): their q and k go unrotated.
     no_rope_layers: tuple[int, ...] = ()
+    # Llama 4's chunked local attention: per layer, the chunk of positions a query's keys must share with it
+    # (``attention_chunk_size`` in its ``chunked_attention`` layers), None for all of them. Empty: none anywhere.
+    attention_chunks: tuple[int | None, ...] = ()
+    # Llama 4's q and k norms (``use_qk_norm``): an RMSNorm of each head without a weight, after RoPE, in the layers
+    # that rotate.
+    qk_norm_weightless_after_rope: bool = False
+    # Llama 4's attention temperature (``attn_temperature_tuning``), ``(floor_scale, attn_scale)``: in the layers
+    # without RoPE, each token's queries times 1 + attn_scale * log(1 + floor((position + 1) / floor_scale)),
+    # in float32, rounded once.
+    query_temperature: tuple[float, float] | None = None
     # "silu" or "gelu_tanh" (both gated: down(act(gate) * up)), or without a gate, down(act(up)): "relu2"
     # (relu(x)^2), "xielu" (Apertus's), "gelu_pytorch_tanh" (StarCoder2's), "gelu_new" (Phi's) or "gelu" (GPT-NeoX's).
     activation: str = "silu"
@@ -430,7 +446,7 @@ class ModelArch:
                                     f"which {flag} splits among ranks: not implemented")
         widths = []  # (field, width) of every MLP the model has
         if len(self.moe_layers) < int(config.num_hidden_layers):
-            widths.append(("ffn_hidden_size", self.mlp_width) if self.mlp_width
+            widths.append((_MLP_WIDTH_FIELDS.get(self.model_type, "ffn_hidden_size"), self.mlp_width) if self.mlp_width
                           else ("intermediate_size", config.intermediate_size))
         if self.moe_layers:
             widths.append((_experts_width_field(self.model_type), self.moe_intermediate_size))
@@ -486,6 +502,7 @@ class ModelArch:
         if model_type == "persimmon" and kv_heads != heads:  # its code has no grouped-query attention
             raise UnsupportedConfig("num_key_value_heads", kv_heads, f"persimmon gives every head its k and v ({heads})")
         falcon = _falcon_layer(config, heads) if model_type == "falcon" else {}
+        llama4 = _llama4_fields(config) if model_type == "llama4_text" else {}
         mla = _mla_fields(config, model_type, heads, kv_heads) if model_type in _MLA_TYPES else {}
         bias = bool(getattr(config, "attention_bias", False))
         mlp = bool(getattr(config, "mlp_bias", False))
@@ -537,8 +554,9 @@ class ModelArch:
             rope_interleaved=model_type in _INTERLEAVED_ROPE_TYPES or mla_interleaved,
             # OLMo 1's tables stay float32 too, and its q and k meet them there (rounded once), as ERNIE's; DeepSeek-V2
             # rotates in float32 (complex numbers of its float32 tables), rounded once.
-            rope_float32=model_type in (*_ERNIE_TYPES, *_COHERE_TYPES, "olmo", "deepseek_v2"),
-            rope_tables_float32=model_type in (*_ERNIE_TYPES, "olmo", "deepseek_v2"),
+            # Llama 4's too (complex numbers of its float32 tables, as DeepSeek-V2's).
+            rope_float32=model_type in (*_ERNIE_TYPES, *_COHERE_TYPES, "olmo", "deepseek_v2", "llama4_text"),
+            rope_tables_float32=model_type in (*_ERNIE_TYPES, "olmo", "deepseek_v2", "llama4_text"),
             lm_head_bias=model_type == "phi" or (model_type == "ernie4_5_moe" and bool(getattr(config, "use_bias", False))),
             rope_type=rope_type,
             rope_layer_types=rope_layer_types,
@@ -558,7 +576,7 @@ class ModelArch:
                 model_type in ("stablelm", "gpt_neox") and bool(getattr(config, "use_parallel_residual", False)))),
             parallel_sum_first=falcon.get("parallel_sum_first", model_type in ("phi", "gpt_neox")),
             parallel_mlp_norm=falcon.get("parallel_mlp_norm", model_type == "gpt_neox"),
-            mlp_width=falcon.get("mlp_width"),
+            mlp_width=falcon.get("mlp_width", llama4.pop("mlp_width", None)),
             logit_scale=_positive_or_none(config, "logit_scale") if model_type in _COHERE_TYPES else None,
             **_quantization(config, model_type),
             **(_query_scale(config) if model_type == "ministral3" else {}),
@@ -572,6 +590,7 @@ class ModelArch:
             **_granite_scalings(config, model_type),
             **moe,
             **mla,
+            **llama4,
         )
 
 
@@ -698,6 +717,10 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         scale = _positive_or_none(config, "route_scale") or 1.0
         router = {"router": ROUTER_SIGMOID, "routing_weights_float32": True, "routed_scaling_factor": scale,
                   "router_bias_float32": True}
+    if model_type == "llama4_text":  # its mixture's layers listed; a shared expert as wide as each routed one
+        moe_layers = _listed_layers(config, "moe_layers", num_layers)
+        shared = inter
+        router = {"router": ROUTER_SIGMOID_SCALED_INPUT, "experts_input_major": True}
     if model_type == "granitemoeshared":  # 0: no shared expert
         shared = getattr(config, "shared_intermediate_size", 0)
         if shared != 0 and not _positive_int(shared):
@@ -712,6 +735,48 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         "shared_expert_gated": model_type == "qwen2_moe",
         "router": ROUTER_TOPK_SOFTMAX if model_type in _GRANITE_MOE_TYPES else ROUTER_SOFTMAX_TOPK, **router,
     }
+
+
+def _listed_layers(config: Any, field: str, num_layers: int) -> tuple[int, ...]:
+    """The layers a config field lists (Llama 4's ``moe_layers``), checked."""
+    layers = getattr(config, field, None)
+    if not isinstance(layers, (list, tuple)) or any(
+            not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers for i in layers):
+        raise UnsupportedConfig(field, layers, f"must list layers 0 to {num_layers - 1}")
+    return tuple(sorted(set(layers)))
+
+
+def _llama4_fields(config: Any) -> dict[str, Any]:
+    """Llama 4's text model, as its transformers code runs it, checked: its dense layers' width
+    (``intermediate_size_mlp``); its layers of chunked attention (``layer_types``, each chunk
+    ``attention_chunk_size`` positions), which its masks read, whatever ``no_rope_layers`` says; its
+    weightless q/k norms in the layers that rotate (``use_qk_norm``); its attention temperature in the others
+    (``attn_temperature_tuning``, ``floor_scale``, ``attn_scale``)."""
+    num_layers = int(config.num_hidden_layers)
+    width = getattr(config, "intermediate_size_mlp", None)
+    if not _positive_int(width):
+        raise UnsupportedConfig("intermediate_size_mlp", width, "must be a positive integer")
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+    if len(layer_types) != num_layers or any(kind not in ("full_attention", "chunked_attention") for kind in layer_types):
+        raise UnsupportedConfig("layer_types", layer_types, f"needs full_attention or chunked_attention for each of "
+                                f"the {num_layers} layers")
+    chunk = getattr(config, "attention_chunk_size", None)
+    if "chunked_attention" in layer_types and not _positive_int(chunk):
+        raise UnsupportedConfig("attention_chunk_size", chunk, "must be a positive integer (layer_types marks "
+                                "chunked layers)")
+    fields: dict[str, Any] = {
+        "mlp_width": width,
+        "attention_chunks": tuple(chunk if kind == "chunked_attention" else None for kind in layer_types),
+        "qk_norm_weightless_after_rope": bool(getattr(config, "use_qk_norm", False)),
+    }
+    if getattr(config, "attn_temperature_tuning", False):
+        scales = {field: _positive_or_none(config, field) for field in ("floor_scale", "attn_scale")}
+        for field, value in scales.items():
+            if value is None:
+                raise UnsupportedConfig(field, getattr(config, field, None), "must be a positive number "
+                                        "(attn_temperature_tuning is on)")
+        fields["query_temperature"] = (scales["floor_scale"], scales["attn_scale"])
+    return fields
 
 
 def _experts_width_field(model_type: str) -> str:
@@ -1016,12 +1081,12 @@ def _rope_type(config: Any, params: dict[str, Any], field: str, model_type: str)
 
 
 def _no_rope_layers(config: Any, model_type: str) -> tuple[int, ...]:
-    """The layers without RoPE: SmolLM3's ``no_rope_layers`` holds 1 (RoPE) or 0 (none) per layer; Cohere 2
+    """The layers without RoPE: SmolLM3's (and Llama 4's) ``no_rope_layers`` holds 1 (RoPE) or 0 (none) per layer; Cohere 2
     rotates its sliding layers only, as AFMoE does, and EXAONE 4 too where it has a window."""
     if model_type in ("cohere2", "afmoe") or (model_type == "exaone4" and getattr(config, "sliding_window", None) is not None):
         layer_types = getattr(config, "layer_types", None) or ()
         return tuple(i for i, kind in enumerate(layer_types) if kind != "sliding_attention")
-    if model_type != "smollm3":
+    if model_type not in ("smollm3", "llama4_text"):  # Llama 4's config fills them in where a checkpoint has none
         return ()
     flags = getattr(config, "no_rope_layers", None)
     if not isinstance(flags, list) or len(flags) != int(config.num_hidden_layers) or any(
@@ -1036,7 +1101,7 @@ def _sliding_windows(config: Any, model_type: str) -> tuple[int | None, ...]:
     window = getattr(config, "sliding_window", None)
     if model_type in ("llama", "internlm3", "seed_oss", "olmo2", "flex_olmo", "glm4_moe", "minimax_m2", "helium",
                       "cohere", "gemma", "apertus", "phi", "stablelm", "gpt_neox", "olmo", "persimmon", "falcon",
-                      *_GLM_TYPES, *_ERNIE_TYPES, *_MLA_TYPES):
+                      "llama4_text", *_GLM_TYPES, *_ERNIE_TYPES, *_MLA_TYPES):
         return (None,) * num_layers  # their transformers code has no sliding window: the field is unused
     if model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
         return (None,) * num_layers  # its attention reads layer_types only with use_sliding_window

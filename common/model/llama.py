@@ -34,6 +34,7 @@ from common.model.arch import (
     NTK_ALPHA,
     ROUTER_SIGMOID,
     ROUTER_SIGMOID_GROUPS,
+    ROUTER_SIGMOID_SCALED_INPUT,
     ROUTER_SOFTMAX_CORRECTED,
     ROUTER_SOFTMAX_GROUPS,
     ROUTER_TOPK_SOFTMAX,
@@ -222,13 +223,15 @@ class Attention(nn.Module):
             # Persimmon's LayerNorms of q and k have a bias too.
             self.q_norm = RMSNorm(q_width, arch.norm_eps, arch.norm_form, kernels, arch.qk_norm_bias)
             self.k_norm = RMSNorm(k_width, arch.norm_eps, arch.norm_form, kernels, arch.qk_norm_bias)
-        # Hunyuan's norms after RoPE, under its checkpoints' names.
+        # Hunyuan's norms after RoPE, under its checkpoints' names; Llama 4's, without a weight, where it rotates.
         self.query_layernorm: RMSNorm | None = None
         self.key_layernorm: RMSNorm | None = None
-        if arch.qk_norm_after_rope:
-            self.query_layernorm = RMSNorm(self.head_size, arch.norm_eps, kernels=kernels)
-            self.key_layernorm = RMSNorm(self.head_size, arch.norm_eps, kernels=kernels)
+        weightless = arch.qk_norm_weightless_after_rope and layer_idx not in arch.no_rope_layers
+        if arch.qk_norm_after_rope or weightless:
+            self.query_layernorm = RMSNorm(self.head_size, arch.norm_eps, kernels=kernels, weightless=weightless)
+            self.key_layernorm = RMSNorm(self.head_size, arch.norm_eps, kernels=kernels, weightless=weightless)
         self.sliding_window = arch.sliding_windows[layer_idx]
+        self.attention_chunk = arch.attention_chunks[layer_idx] if arch.attention_chunks else None
         # gpt-oss: a sink logit per query head, in every softmax of the layer.
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if arch.attention_sinks else None
         self.layer_idx = layer_idx
@@ -237,7 +240,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, kv_layer: Tensor,
                 q_scale: Tensor | None = None) -> Tensor:
         """``rope``: the step's cos and sin (``RotaryEmbedding.cos_sin``); ``q_scale``: each token's factor
-        for its rotated queries (Ministral 3's, ``LlamaForCausalLM.query_scales``), None for none."""
+        for its rotated queries (Ministral 3's, Llama 4's: ``LlamaForCausalLM.query_scales``), None for none."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.clip_qkv is not None:
@@ -257,17 +260,18 @@ class Attention(nn.Module):
             self.kernels.store_kv(k, v, kv_layer, meta.slot_mapping)
         else:
             q = self.kernels.rope_and_store(q, k, v, *rope, kv_layer, meta.slot_mapping)  # on a GPU, one kernel
-        if q_scale is not None:
-            q = q * q_scale
+        if q_scale is not None:  # (Llama 4's float32 factor: the product rounded once)
+            q = (q * q_scale).to(q.dtype)
         if meta.decode_only:
             o = self.kernels.paged_decode_attention(
                 q, kv_layer, meta.block_tables, meta.context_lens, self.scale, sliding_window=self.sliding_window,
-                soft_cap=self.soft_cap, **self._sinks(),
+                soft_cap=self.soft_cap, attention_chunk=self.attention_chunk, **self._sinks(),
             )
         else:
             o = self.kernels.paged_prefill_attention(
                 q, kv_layer, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale,
-                sliding_window=self.sliding_window, soft_cap=self.soft_cap, key_limits=meta.key_limits, **self._sinks(),
+                sliding_window=self.sliding_window, soft_cap=self.soft_cap, key_limits=meta.key_limits,
+                attention_chunk=self.attention_chunk, **self._sinks(),
             )
         o = o.reshape(n, self.num_heads * self.head_size)
         if self.output_gate is not None:
@@ -416,7 +420,10 @@ class SparseMoE(nn.Module):
         self.kernels = kernels
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.router in (ROUTER_SIGMOID_GROUPS, ROUTER_SIGMOID):
+        routed_in = x  # each chosen expert's input (Llama 4's: scaled per expert, ``routed_inputs``)
+        if self.router == ROUTER_SIGMOID_SCALED_INPUT:
+            routed_in, ids, weights = self._routed_inputs(x)
+        elif self.router in (ROUTER_SIGMOID_GROUPS, ROUTER_SIGMOID):
             weights, ids = self._sigmoid(x)
         elif self.router == ROUTER_SOFTMAX_CORRECTED:  # ERNIE 4.5: in float32, its weight kept so
             probs = torch.softmax(F.linear(x.float(), self.gate.weight.float()), dim=-1, dtype=torch.float32)
@@ -440,12 +447,23 @@ class SparseMoE(nn.Module):
             if not self.routing_weights_float32:
                 weights = weights.to(logits.dtype)
         experts = self.experts
-        out: Tensor = self.kernels.moe_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj,
+        out: Tensor = self.kernels.moe_experts(routed_in, ids, weights, experts.gate_up_proj, experts.down_proj,
                                                experts.gate_up_proj_bias, experts.down_proj_bias, self.swiglu)
+        if routed_in is not x:  # a row per token and expert: each token's summed
+            out = out.view(x.shape[0], self.top_k, -1).sum(dim=1)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             out = out + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _routed_inputs(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Llama 4's router: the top k logits, each one's sigmoid (in float32, rounded to the dtype) scaling the
+        token's input to that expert; returns those inputs (a row per token and expert), each row's one expert,
+        and weights of 1 (its output joins the sum as it is), as transformers computes them."""
+        top, ids = torch.topk(self.gate(x), self.top_k, dim=-1)
+        scores = torch.sigmoid(top.float()).to(x.dtype)
+        routed_in = (x[:, None, :] * scores[..., None]).reshape(-1, x.shape[1])
+        return routed_in, ids.reshape(-1, 1), torch.ones_like(scores).reshape(-1, 1)
 
     def _softmax_groups(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """DeepSeek-V2's router, in float32 as transformers computes it (its weight kept in float32): the k most
@@ -621,6 +639,9 @@ class LlamaForCausalLM(nn.Module):
             for kind in sorted(set(kinds))
         })
         self.layer_rope_kinds = kinds
+        # The layers whose queries ``query_scales`` scales: Llama 4's without RoPE (its temperature), else all.
+        self.query_scaled_layers = tuple(
+            kind == _NO_ROPE or self.arch.query_temperature is None for kind in kinds)
         # M-RoPE's sections (Qwen2.5-VL: of each head's frequencies, in order time, height, width, both halves
         # alike): which of a token's three positions turns each column. None: one position per token.
         sections = rope_parameters(config).get("mrope_section") if not per_type else None
@@ -670,7 +691,12 @@ class LlamaForCausalLM(nn.Module):
     def query_scales(self, positions: Tensor, dtype: torch.dtype) -> Tensor | None:
         """Ministral 3's factor for each token's rotated queries, ``[tokens, 1, 1]`` in ``dtype``, as
         transformers computes it: 1 + beta * log(1 + floor(position / original context)), 1 within the
-        context it was trained on; None for other families."""
+        context it was trained on; Llama 4's attention temperature for its layers without RoPE, in float32
+        (``ModelArch.query_temperature``); None for other families. ``query_scaled_layers`` says which
+        layers take it."""
+        if self.arch.query_temperature is not None:
+            floor_scale, attn_scale = self.arch.query_temperature
+            return (torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0)[:, None, None]
         beta = self.arch.query_scale_beta
         if beta is None:
             return None
@@ -700,12 +726,13 @@ class LlamaForCausalLM(nn.Module):
             ropes = {kind: cast(RotaryEmbedding, emb).cos_sin_sections(rope_positions, columns, x.dtype)
                      for kind, emb in self.rotary_embs.items()}
         q_scale = self.query_scales(positions, x.dtype)
+        scaled = self.query_scaled_layers
         residual: Tensor | None = None
         # Qwen3-VL's deepstack: the vision tower's earlier layers' features, one width each after the embeddings',
         # added to the image tokens' stream after each of the first layers (transformers' ``_deepstack_process``).
         deepstack = 0 if images is None else images[1].shape[1] // x.shape[1] - 1
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, ropes[self.layer_rope_kinds[i]], meta, kv_cache[i], q_scale)
+            x, residual = layer(x, residual, ropes[self.layer_rope_kinds[i]], meta, kv_cache[i], q_scale if scaled[i] else None)
             if i < deepstack:
                 assert images is not None and residual is not None
                 width = x.shape[1]

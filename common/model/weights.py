@@ -105,6 +105,8 @@ _RENAMES["stablelm"] = ((r"\.self_attn\.q_layernorm\.norms\.", ".self_attn.q_nor
                         (r"\.self_attn\.k_layernorm\.norms\.", ".self_attn.k_norm.heads."))
 # VaultGemma: Gemma 2's layer without the norms after each block; its norm before the MLP under Gemma 2's name.
 _RENAMES["vaultgemma"] = ((r"\.pre_feedforward_layernorm\.", ".post_attention_layernorm."),)
+# Llama 4's: its MLP (dense, or the mixture with its shared expert) as ``feed_forward``, its router under its own name.
+_RENAMES["llama4_text"] = ((r"\.feed_forward\.router\.", ".mlp.gate."), (r"\.feed_forward\.", ".mlp."))
 # Families whose causal LM holds its base model under a name of its own (not ``model.``).
 _OWN_PREFIX_TYPES = ("gpt_neox", "falcon")
 # An image-text checkpoint (``IMAGE_TEXT_TYPES``): its language model's weights under a prefix of their own,
@@ -292,14 +294,16 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
             state[base] = dequantize_mxfp4(state.pop(name), state.pop(base + "_scales"), dtype)
     if model.arch.model_type == "gpt_oss":
         gpt_oss_experts(state)
-    if model.arch.experts_input_major:  # Qwen3-VL-MoE as released: [E, H, 2I] and [E, I, H], turned where so
+    # Qwen3-VL-MoE as released: [E, H, 2I] and [E, I, H], turned where so; Llama 4's always so.
+    if model.arch.experts_input_major:
         for name in [n for n in state if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
             try:
                 own = model.get_parameter(name).shape
             except AttributeError:  # not the model's: the check after every part names it
                 continue
             whole = own if (shard := shard_of(rules, name)) is None else shard.full_shape(own, size)  # the checkpoint's
-            if state[name].shape != whole and state[name].transpose(1, 2).shape == whole:
+            if (model.arch.model_type == "llama4_text" or state[name].shape != whole) and \
+                    state[name].transpose(1, 2).shape == whole:
                 state[name] = state[name].transpose(1, 2).contiguous()
 
 

@@ -66,7 +66,7 @@ def test_padded_decode_steps_equal_transformers_on_the_default_model(engine_fact
                                     "gpt-oss-moe-sinks-window", "ernie4_5-moe-interleaved-rope-shared",
                                     "cohere2-interleaved-rope-window", "gpt-neox-parallel-two-norms",
                                     "olmo-layernorm-no-weights-clip-qkv", "persimmon-qk-layernorm-partial-rope-relu2",
-                                    "falcon-new-arch-grouped-qkv-two-norms"])
+                                    "falcon-new-arch-grouped-qkv-two-norms", "llama4-moe-chunked-nope-qk-norm"])
 def test_padded_decode_steps_with_the_triton_kernels_equal_eager(tmp_path: Path, engine_factory, family: str) -> None:  # type: ignore[no-untyped-def]
     """The kernels a graph captures (through Triton's interpreter here): stores skipped for slot -1,
     an empty context's attention, the full-width block table; a mixture's experts grouped on the device
@@ -75,7 +75,8 @@ def test_padded_decode_steps_with_the_triton_kernels_equal_eager(tmp_path: Path,
     and its corrected softmax router; Cohere 2's LayerNorm kernel, side-by-side blocks and unrotated layers;
     GPT-NeoX's LayerNorms with a bias, a norm of its own for the MLP, and its partial RoPE; OLMo 1's LayerNorms
     met with ones, its clamped q, k and v rotated against float32 tables; Persimmon's q/k LayerNorms with a bias;
-    Falcon's q/k/v split by kv head."""
+    Falcon's q/k/v split by kv head; Llama 4's chunked attention (prompts and decodes across chunks), its
+    weightless q/k norms and its experts' scaled inputs."""
     folder = tiny_models.build_checkpoint(tiny_models.family_configs()[family], tmp_path / "tiny")
     prompts = [tiny_models.prompt_token_ids(n, seed=n) for n in (5, 19, 11)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

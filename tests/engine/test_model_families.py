@@ -19,6 +19,7 @@ from common.engine.engine import LLMEngine
 from common.model.arch import (
     ROUTER_SIGMOID,
     ROUTER_SIGMOID_GROUPS,
+    ROUTER_SIGMOID_SCALED_INPUT,
     ROUTER_SOFTMAX_TOPK,
     ROUTER_TOPK_SOFTMAX,
     ROUTER_TOPK_SOFTMAX_BIASED,
@@ -158,6 +159,12 @@ def test_windowed_families_have_the_layers_their_config_asks_for() -> None:
     assert (oss.swiglu_alpha, oss.swiglu_limit) == (1.702, 1.5) and oss.router == ROUTER_TOPK_SOFTMAX_BIASED
     assert oss.sliding_windows == (WINDOW, None, WINDOW) and oss.qkv_bias and oss.o_bias
     assert not arch["llama-bias"].attention_sinks
+    llama4 = arch["llama4-moe-chunked-nope-qk-norm"]
+    assert llama4.attention_chunks == (WINDOW, None, WINDOW) and llama4.no_rope_layers == (1,)
+    assert llama4.qk_norm_weightless_after_rope and not llama4.qk_norm and llama4.query_temperature == (4.0, 0.5)
+    assert llama4.router == ROUTER_SIGMOID_SCALED_INPUT and llama4.moe_layers == (0, 2) and llama4.mlp_width == 96
+    assert llama4.moe_intermediate_size == llama4.shared_expert_intermediate_size == 48 and llama4.rope_interleaved
+    assert all(not arch[name].attention_chunks for name in FAMILIES if not name.startswith("llama4"))
     minimax = arch["minimax-m2-moe-partial-rope"]
     assert minimax.router == ROUTER_SIGMOID and minimax.rotary_dim == 8 and minimax.qk_norm_full_width
     assert minimax.norm_topk_prob and minimax.moe_layers == (0, 1, 2) and minimax.moe_intermediate_size == 128
@@ -296,13 +303,18 @@ def _no_sinks(model: Any) -> None:
     ("persimmon-qk-layernorm-partial-rope-relu2", None, _no_qk_norm_bias),
     ("persimmon-qk-layernorm-partial-rope-relu2",
      lambda c: setattr(c, "rope_parameters", {**c.rope_parameters, "partial_rotary_factor": 1.0}), None),
+    ("llama4-moe-chunked-nope-qk-norm", lambda c: setattr(c, "attention_chunk_size", 10_000), None),
+    ("llama4-moe-chunked-nope-qk-norm", lambda c: setattr(c, "attn_temperature_tuning", False), None),
+    ("llama4-moe-chunked-nope-qk-norm", lambda c: setattr(c, "use_qk_norm", False), None),
+    ("llama4-moe-chunked-nope-qk-norm", lambda c: setattr(c, "no_rope_layers", [1, 1, 1]), None),
 ], ids=["glm-full-rope", "glm-all-groups", "glm-no-correction-bias", "gpt-oss-no-clamp", "gpt-oss-no-sinks",
         "ernie-no-correction-bias", "glm-dense-full-rope", "ministral3-no-query-scale", "afmoe-no-mup",
         "afmoe-no-expert-bias", "afmoe-unscaled-routes", "olmo-no-clip-qkv", "persimmon-no-qk-norm-bias",
-        "persimmon-full-rope"])
+        "persimmon-full-rope", "llama4-unchunked", "llama4-no-temperature", "llama4-no-qk-norm", "llama4-rope-everywhere"])
 def test_glm_s_and_gpt_oss_s_features_each_change_transformers_logits(checkpoint, name, change_config, change_model) -> None:  # type: ignore[no-untyped-def]
     """GLM-4.5's partial RoPE, groups and correction bias, gpt-oss's clamp and sinks, OLMo 1's clamp of q, k and v,
-    and Persimmon's q/k norms' bias and partial RoPE, each undone."""
+    Persimmon's q/k norms' bias and partial RoPE, and Llama 4's chunks, temperature, q/k norms and layer without
+    RoPE, each undone."""
     assert _changes_transformers_logits(checkpoint(name), change_config, change_model)
 
 
@@ -331,7 +343,8 @@ def test_an_image_text_checkpoint_serves_its_language_model_alone(checkpoint, na
     model = load_model(folder, config, reference, torch.float32, torch.device("cpu"), 64)
     assert not any("vision" in n or "projector" in n for n, _ in model.named_parameters())
     hf = hf_model(folder)
-    assert torch.equal(model.lm_head.weight, hf.lm_head.weight)
+    head = getattr(hf, "lm_head", None) or hf.language_model.lm_head  # Llama 4's: its language model's
+    assert torch.equal(model.lm_head.weight, head.weight)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -46,6 +46,15 @@ _DEEPSEEK_YARN: dict[str, Any] = {
     "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
 
 
+# Llama 4's text model (see ``family_configs``): layer 1 without RoPE, the others chunked; layers 0 and 2 mixtures.
+_LLAMA4_TEXT: dict[str, Any] = {
+    **TINY_DIMS, "intermediate_size": 48, "intermediate_size_mlp": 96, "num_local_experts": 4, "num_experts_per_tok": 2,
+    "moe_layers": [0, 2], "no_rope_layers": [1, 0, 1], "attention_chunk_size": WINDOW, "use_qk_norm": True,
+    "attn_temperature_tuning": True, "floor_scale": 4, "attn_scale": 0.5, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
+
+
 # Families without grouped-query attention (q/k/v fused head by head): every head its own k and v.
 _MHA_DIMS = {k: v for k, v in TINY_DIMS.items() if k not in ("num_key_value_heads", "head_dim")}
 
@@ -87,6 +96,8 @@ def family_configs() -> dict[str, Any]:
         HunYuanDenseV1Config,
         HunYuanMoEV1Config,
         InternLM3Config,
+        Llama4Config,
+        Llama4TextConfig,
         LlamaConfig,
         MiniMaxM2Config,
         Ministral3Config,
@@ -347,6 +358,10 @@ def family_configs() -> dict[str, Any]:
             tie_word_embeddings=False,
         ),
         # Hunyuan MoE: Hunyuan's layer (q/k norms after RoPE, its NTK-alpha RoPE), 2 of 4 experts and a shared MLP.
+        # Llama 4: chunked attention in the layers that rotate (chunks of WINDOW), the others without RoPE under
+        # the attention temperature (its floor low enough to bite here), weightless q/k norms after RoPE; its
+        # mixture's experts fed inputs scaled by their sigmoid scores, beside a shared expert, one dense layer.
+        "llama4-moe-chunked-nope-qk-norm": Llama4TextConfig(**_LLAMA4_TEXT),
         "hunyuan-moe-shared-mlp": HunYuanMoEV1Config(
             **TINY_DIMS, num_experts=4, moe_topk=2, attention_bias=True, tie_word_embeddings=False,
             rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0},
@@ -409,6 +424,13 @@ def family_configs() -> dict[str, Any]:
         ),
         # Qwen3-VL-MoE's: Qwen3-MoE's layer (2 of 6 experts, always renormalized; layer 1 dense), its experts
         # stored input-major.
+        "llama4-image-text-text-only": Llama4Config(
+            text_config=Llama4TextConfig(**_LLAMA4_TEXT).to_dict(),
+            vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                           "image_size": 28, "patch_size": 14, "vision_output_dim": 32, "projector_input_dim": 32,
+                           "projector_output_dim": TINY_DIMS["hidden_size"]},
+            tie_word_embeddings=False,
+        ),
         "qwen3-vl-moe-image-text-text-only": Qwen3VLMoeConfig(
             text_config=Qwen3VLMoeTextConfig(**TINY_DIMS, num_experts=6, num_experts_per_tok=2,
                                              moe_intermediate_size=16, mlp_only_layers=[1], rope_parameters={
@@ -459,11 +481,13 @@ def family_configs() -> dict[str, Any]:
 
 
 def hf_model_class(model_type: str) -> Any:
-    """transformers' class for a checkpoint: a causal LM's, or an image-text model's (Mistral 3)."""
+    """transformers' class for a checkpoint: a causal LM's, or an image-text model's (Mistral 3; Llama 4, whose
+    wrapper the causal-LM table maps to its language model alone, without the vision tower)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    return AutoModelForCausalLM if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModelForImageTextToText
+    causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type != "llama4"
+    return AutoModelForCausalLM if causal else AutoModelForImageTextToText
 
 
 def hf_model(folder: Path, dtype: torch.dtype = torch.float32, **kwargs: Any) -> Any:

@@ -1,6 +1,6 @@
-"""Sliding-window attention and score soft-capping: the reference against a plain dense computation,
-the Triton kernels (under the CPU interpreter) against the reference, on ragged contexts and windows
-that end inside blocks, tiles and splits."""
+"""Sliding-window attention, chunked attention and score soft-capping: the reference against a plain dense
+computation, the Triton kernels (under the CPU interpreter) against the reference, on ragged contexts and
+windows or chunks that end inside blocks, tiles and splits."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from tests.kernels.test_triton_kernels import F32, assert_matches_reference, pag
 
 
 def _dense_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                            window: int, scale: float, soft_cap: float | None = None) -> torch.Tensor:
-    """Softmax attention written out: ``q`` ``[n, heads, d]`` at ``q_pos``, ``k``/``v`` ``[ctx, kv_heads, d]``."""
+                            window: int, scale: float, soft_cap: float | None = None,
+                            chunk: int | None = None) -> torch.Tensor:
+    """Softmax attention written out: ``q`` ``[n, heads, d]`` at ``q_pos``, ``k``/``v`` ``[ctx, kv_heads, d]``;
+    ``chunk``: a key only where it is in the query's chunk of positions (the same ``position // chunk``)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,khd->hnk", q, k) * scale
@@ -26,6 +28,8 @@ def _dense_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
         scores = soft_cap * torch.tanh(scores / soft_cap)
     key_pos = torch.arange(k.shape[0])
     visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] > q_pos[:, None] - window)
+    if chunk is not None:
+        visible &= key_pos[None, :] // chunk == q_pos[:, None] // chunk
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hnk,khd->nhd", scores.softmax(-1), v)
 
@@ -126,4 +130,54 @@ def test_triton_prefill_soft_cap_matches_reference(window: int | None) -> None:
     triton_prefill.run_paged_prefill(query, kv_layer, block_tables, starts, lens, 0.125, out=out, block_n=16,
                                      sliding_window=window, soft_cap=3.0)
     run_reference = functools.partial(reference.paged_prefill_attention, sliding_window=window, soft_cap=3.0)
+    assert_matches_reference(out, run_reference, (query, kv_layer, block_tables, starts, lens, 0.125), F32)
+
+
+@pytest.mark.parametrize(("chunk", "window"), [(1, 10_000), (5, 10_000), (16, 10_000), (12, 7)])
+def test_reference_chunks_equal_dense_attention_within_each_chunk(chunk: int, window: int) -> None:
+    q_lens, context_lens = [9, 1, 23], [41, 30, 23]
+    kv_layer, block_tables = paged_cache(context_lens, 16, 2, 32, F32, seed=chunk)
+    query = random_query(sum(q_lens), 4, 32, F32, seed=chunk)
+    starts = torch.tensor([0, 9, 10, 33], dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    got = reference.paged_prefill_attention(query, kv_layer, block_tables, starts, lens, 0.2, sliding_window=window,
+                                            attention_chunk=chunk)
+    for s, (q_len, ctx) in enumerate(zip(q_lens, context_lens, strict=True)):
+        k, v = _contiguous_kv(kv_layer, block_tables, s, ctx)
+        q_pos = torch.arange(ctx - q_len, ctx)
+        expected = _dense_window_attention(query[starts[s] : starts[s + 1]], k, v, q_pos, window, 0.2, chunk=chunk)
+        torch.testing.assert_close(got[starts[s] : starts[s + 1]], expected, atol=1e-5, rtol=1e-5)
+    # The chunks change the answer, and a chunk as long as every context is full attention.
+    full = reference.paged_prefill_attention(query, kv_layer, block_tables, starts, lens, 0.2, sliding_window=window)
+    assert not torch.allclose(got, full, atol=1e-3)
+    whole = reference.paged_prefill_attention(query, kv_layer, block_tables, starts, lens, 0.2, sliding_window=window,
+                                              attention_chunk=64)
+    torch.testing.assert_close(whole, full, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("chunk", "num_splits"), [(1, 1), (16, 2), (20, 3), (33, 1)])
+def test_triton_decode_chunks_match_reference(chunk: int, num_splits: int) -> None:
+    # Contexts that end on a chunk's first position, inside one and on its last.
+    context_lens = [1, 16, 33, 97]
+    kv_layer, block_tables = paged_cache(context_lens, 16, 2, 64, F32, seed=chunk)
+    query = random_query(len(context_lens), 6, 64, F32, seed=chunk)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    out = torch.full_like(query, float("nan"))
+    triton_decode.run_paged_decode(query, kv_layer, block_tables, lens, 0.125, out=out, num_splits=num_splits,
+                                   block_n=16, attention_chunk=chunk)
+    run_reference = functools.partial(reference.paged_decode_attention, attention_chunk=chunk)
+    assert_matches_reference(out, run_reference, (query, kv_layer, block_tables, lens, 0.125), F32)
+
+
+@pytest.mark.parametrize(("chunk", "window"), [(6, None), (24, None), (20, 9)])
+def test_triton_prefill_chunks_match_reference(chunk: int, window: int | None) -> None:
+    q_lens, context_lens = [9, 19, 1, 70], [41, 19, 50, 75]
+    kv_layer, block_tables = paged_cache(context_lens, 16, 2, 64, F32, seed=chunk)
+    query = random_query(sum(q_lens), 6, 64, F32, seed=chunk + 1)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    out = torch.full_like(query, float("nan"))
+    triton_prefill.run_paged_prefill(query, kv_layer, block_tables, starts, lens, 0.125, out=out, block_n=16,
+                                     sliding_window=window, attention_chunk=chunk)
+    run_reference = functools.partial(reference.paged_prefill_attention, sliding_window=window, attention_chunk=chunk)
     assert_matches_reference(out, run_reference, (query, kv_layer, block_tables, starts, lens, 0.125), F32)

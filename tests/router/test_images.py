@@ -369,15 +369,23 @@ def test_a_text_model_and_an_image_text_model_served_as_text_refuse_images_by_na
     llava.mkdir()
     (llava / "config.json").write_text(json.dumps({"model_type": "llava", "text_config": {},
                                                    "vision_config": {"model_type": "dinov2"}}))
+    # A Llama 4 checkpoint: its images are not implemented at all.
+    llama4 = tmp_path / "llama4"
+    llama4.mkdir()
+    (llama4 / "config.json").write_text(json.dumps({"model_type": "llama4", "text_config": {}, "vision_config": {}}))
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert ModelImages.from_model_dir(llama, image_prompts.tokenizer) == ModelImages()
     served_as_text = ModelImages.from_model_dir(llava, image_prompts.tokenizer)
     assert served_as_text.processor is None and served_as_text.model_type == "llava"
+    llama4_text = ModelImages.from_model_dir(llama4, image_prompts.tokenizer)
+    assert llama4_text.processor is None and llama4_text.model_type == "llama4"
     for state, words in [
         (make_state(image_prompts, redis_url=None, images=served_as_text),
          "image input for a llava checkpoint with a 'dinov2' vision tower is not implemented"),
+        (make_state(image_prompts, redis_url=None, images=llama4_text),
+         "image input for model type 'llama4' is not implemented"),
         (make_state(prompts, redis_url=None), "this model takes no images"),  # the default model
     ]:
         with TestClient(create_app(state)) as test_client:

@@ -278,9 +278,23 @@ def run_checks(report: Report, ops: Any, ref: Any) -> None:
                                                    sinks=sinks.float())
         return max_err(out, expected), TOLERANCE[torch.bfloat16]
 
+    def chunked_attention(kind: str) -> tuple[float, float]:
+        """Llama 4's chunked local attention (chunks of 256 here, contexts across several) against the float32
+        reference."""
+        q_lens, ctx = ([1] * 4, [17, 256, 2049, 777]) if kind == "decode" else ([1, 300, 37], [90, 300, 1000])
+        q, kv, tables, starts, lens = attention_case(torch.bfloat16, 5, 128, 16, q_lens, ctx)
+        if kind == "decode":
+            out = ops.paged_decode_attention(q, kv, tables, lens, 128**-0.5, attention_chunk=256)
+            expected = ref.paged_decode_attention(*widen(q, kv, tables, lens, 128**-0.5), attention_chunk=256)
+        else:
+            out = ops.paged_prefill_attention(q, kv, tables, starts, lens, 128**-0.5, attention_chunk=256)
+            expected = ref.paged_prefill_attention(*widen(q, kv, tables, starts, lens, 128**-0.5), attention_chunk=256)
+        return max_err(out, expected), TOLERANCE[torch.bfloat16]
+
     for kind in ("decode", "prefill"):
         report.check(f"paged_{kind}_attention bf16 with attention sinks, window 128 (gpt-oss)",
                      functools.partial(sinks_attention, kind))
+        report.check(f"paged_{kind}_attention bf16 in chunks of 256 (Llama 4)", functools.partial(chunked_attention, kind))
 
     if torch.cuda.get_device_capability() >= (8, 9):  # float8 conversions (the engine refuses fp8 below)
         report.check("store_kv bf16/fp32 -> fp8 cache (entries whose byte differs from torch's)", fp8_store)

@@ -41,7 +41,7 @@ FAMILIES = (
     "stablelm-parallel-qk-layernorm", "gemma2-window-softcap", "starcoder2-layernorm-bias-window",
     "phi-parallel-partial-rope-layernorm", "gpt-neox-parallel-two-norms", "falcon-new-arch-grouped-qkv-two-norms",
     "mixtral-moe-window", "qwen2-moe-shared-expert", "gpt-oss-moe-sinks-window", "afmoe-moe-gated-attention-window",
-    "qwen3-vl-moe-image-text-text-only", "granitemoeshared-shared-expert",
+    "qwen3-vl-moe-image-text-text-only", "granitemoeshared-shared-expert", "llama4-moe-chunked-nope-qk-norm",
     # Multi-head Latent Attention: each rank's heads over the latent every rank holds whole.
     "deepseek-v2-lite-mla-moe-greedy", "deepseek-v3-mla-moe-yarn",
     # One KV head (multi-query), replicated on both ranks.

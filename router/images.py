@@ -718,16 +718,8 @@ class Idefics3Images(ImageFamily):
         return family
 
     def check_alone(self, model_dir: pathlib.Path, height: int, width: int) -> None:
-        """``ImagesRefused`` where the tokenizer's ids of a prompt with the text of an image of this processed size
-        in it are not the text before, the image's span and the text after, each tokenized alone (an added token
-        that strips the newlines beside it, say)."""
-        encode = self.tokenizer.encode
-        text, span = self.text(height, width), self.span(height, width)
-        for before, after in ((":", "\n"), ("w ", " w"), ("\n", "\n\n")):
-            whole = encode(before + text + after, add_special_tokens=False)
-            if whole != encode(before, add_special_tokens=False) + span + encode(after, add_special_tokens=False):
-                raise ImagesRefused(f"{model_dir}: the tokenizer merges an image's text with the text around it "
-                                    "(its image tokens strip or join their neighbours): images are not served")
+        """``_check_alone`` for an image of this processed size."""
+        _check_alone(model_dir, self.tokenizer, self.text(height, width), self.span(height, width))
 
     def text(self, height: int, width: int) -> str:
         """What the processor writes in place of ``<image>`` for an image of this processed size."""
@@ -759,9 +751,96 @@ class Idefics3Images(ImageFamily):
         return list(span)
 
 
+def _check_alone(model_dir: pathlib.Path, tokenizer: Any, text: str, span: list[int]) -> None:
+    """``ImagesRefused`` where the tokenizer's ids of a prompt with an image's ``text`` in it are not the text
+    before, the image's ``span`` and the text after, each tokenized alone (an added token that strips the newlines
+    beside it, say): the processor tokenizes the text, the router puts the span in place of the placeholder."""
+    encode = tokenizer.encode
+    for before, after in ((":", "\n"), ("w ", " w"), ("\n", "\n\n")):
+        whole = encode(before + text + after, add_special_tokens=False)
+        if whole != encode(before, add_special_tokens=False) + span + encode(after, add_special_tokens=False):
+            raise ImagesRefused(f"{model_dir}: the tokenizer merges an image's text with the text around it "
+                                "(its image tokens strip or join their neighbours): images are not served")
+
+
+class InternVLImages(ImageFamily):
+    """InternVL's (InternVL 3 and 3.5 in transformers' form: GOT-OCR2's image processor, run with
+    ``crop_to_patches`` as InternVL's processor runs it; ``processor_config.json``'s ``image_seq_length``). The
+    pixels are float32 ``[tiles, 3, tile, tile]``: the image's grid of tiles, then (where there are several) the
+    whole image resized to one; its processed size a column of them, ``tiles * tile`` x ``tile``. The span is what
+    its processor writes in place of each ``<IMG_CONTEXT>`` the chat template writes for an image: ``<img>``,
+    ``image_seq_length`` context tokens per tile and ``</img>``, each one token, kept apart from the text around
+    them (``load`` checks that against the tokenizer)."""
+
+    def __init__(self, processor: Any, side: int, start_id: int, context_id: int, end_id: int, num_tokens: int) -> None:
+        self.processor = processor
+        self.step = side
+        self.placeholder_id = context_id
+        self.ids = (start_id, context_id, end_id)
+        self.num_tokens = num_tokens
+
+    @classmethod
+    def load(cls, model_dir: pathlib.Path, config: dict[str, Any], tokenizer: Any) -> InternVLImages:
+        """``ValueError`` for a token the tokenizer does not hold as one or that is not the model's, a tile or an
+        ``image_seq_length`` other than the model's; ``ImagesRefused`` for a strategy or layout not implemented, or
+        where the tokenizer would merge an image's tokens with the text around them."""
+        from transformers import AutoImageProcessor
+
+        tokens = [getattr(tokenizer, name, None) or default for name, default in (
+            ("start_image_token", "<img>"), ("context_image_token", "<IMG_CONTEXT>"), ("end_image_token", "</img>"))]
+        start_id, context_id, end_id = (_one_token(model_dir, tokenizer, text, what) for text, what in zip(
+            tokens, ("start image token", "image token", "end image token"), strict=True))
+        _check_model_image_token(model_dir, config, context_id)
+        vision = config.get("vision_config") or {}
+        side, patch = (_square_side(vision.get(key, default), key) for key, default in (("image_size", 448),
+                                                                                         ("patch_size", 14)))
+        ratio = config.get("downsample_ratio", 0.5)
+        strategy = config.get("vision_feature_select_strategy", "default")
+        if strategy not in ("default", "full"):
+            raise ImagesRefused(f"image input with vision_feature_select_strategy {strategy!r} is not implemented "
+                                "(default, full)")
+        num_tokens = int((side // patch) ** 2 * ratio ** 2)
+        spec = _processor_spec(model_dir)
+        if spec.get("image_seq_length", 256) != num_tokens:
+            raise ValueError(f"{model_dir}: the processor's image_seq_length {spec.get('image_seq_length', 256)!r} "
+                             f"is not the model's {num_tokens} features of a tile")
+        # The PIL backend whatever else is installed: the same pixels on every host, in numpy (no torch).
+        processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+        size = getattr(processor, "size", None) or {}
+        if (size.get("height"), size.get("width")) != (side, side):
+            raise ValueError(f"{model_dir}: the image processor's size {dict(size)!r} is not the vision tower's "
+                             f"image_size {side!r}")
+        family = cls(processor, side, start_id, context_id, end_id, num_tokens)
+        _check_alone(model_dir, tokenizer, tokens[0] + tokens[1] * 2 * num_tokens + tokens[2], family.span(2 * side, side))
+        return family
+
+    def run(self, image: Any) -> ProcessedImage:
+        """Cut into its grid of tiles (and the whole image as one more where there are several), rescaled,
+        normalized."""
+        out = self.processor(images=[image], crop_to_patches=True, return_tensors="np")
+        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+        tiles, side = int(out["num_patches"][0]), self.step
+        if pixels.shape != (tiles, 3, side, side):
+            raise ValueError(f"the processor made pixels {pixels.shape}, not {tiles} tiles of [3, {side}, {side}]")
+        return ProcessedImage(pixels.tobytes(), tiles * side, side)
+
+    def span(self, height: int, width: int) -> list[int]:
+        start, context, end = self.ids
+        return [start, *[context] * (self.num_tokens * (height // self.step)), end]
+
+
+def _square_side(size: Any, field: str) -> int:
+    """A side given as one number or two equal ones (InternVL's config lists them); ``ImagesRefused`` otherwise."""
+    sides = list(size) if isinstance(size, (list, tuple)) else [size, size]
+    if len(sides) != 2 or sides[0] != sides[1] or not isinstance(sides[0], int):
+        raise ImagesRefused(f"image input with a vision_config.{field} of {size!r} is not implemented (square only)")
+    return sides[0]
+
+
 # The families whose images the router processes, by model type (each of ``common.model.arch.IMAGE_INPUT_TYPES``).
 IMAGE_FAMILIES: dict[str, type[ImageFamily]] = {
-    "gemma3": Gemma3Images, "idefics3": Idefics3Images, "llava": LlavaImages, "llava_next": LlavaNextImages,
+    "gemma3": Gemma3Images, "idefics3": Idefics3Images, "internvl": InternVLImages, "llava": LlavaImages,
+    "llava_next": LlavaNextImages,
     "llava_onevision": LlavaOnevisionImages, "mistral3": PixtralImages,
     "qwen2_5_vl": QwenVLImages, "qwen3_vl": QwenVLImages, "qwen3_vl_moe": QwenVLImages, "smolvlm": Idefics3Images,
 }

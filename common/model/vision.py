@@ -29,6 +29,10 @@ Families (``common.model.arch.IMAGE_INPUT_TYPES``):
   (``image_size``): an image split into rows x columns of tiles by its image processor, then the whole image
   resized to one tile (or only that, for an image of one tile); each tile's patches' features shuffled
   ``scale_factor`` x ``scale_factor`` into one row each, then one linear layer. Its prompt positions are plain.
+- InternVL (``internvl``: InternVL 3 and 3.5 in transformers' form, a Qwen2 or Qwen3 inside): its InternViT over
+  tiles of its one size (a grid by its image processor, then the whole image resized to one tile where there are
+  several), the CLS position dropped, each tile's features pixel-shuffled by ``downsample_ratio``, then a LayerNorm
+  and two linear layers. Its prompt positions are plain.
 - LLaVA-NeXT (``llava_next``: LLaVA 1.6): the image resized and padded to the grid resolution that fits it best
   (``image_grid_pinpoints``), cut in tiles of the CLIP or SigLIP tower's one size, after the whole image resized to
   one tile; each tile's ``vision_feature_layer`` hidden states through the two linear layers; the grid's features
@@ -88,7 +92,8 @@ def load_image_encoder(path: Path, dtype: torch.dtype, device: torch.device) -> 
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(path))
-    family = {"gemma3": Gemma3Encoder, "idefics3": Idefics3Encoder, "smolvlm": Idefics3Encoder, "llava": LlavaEncoder,
+    family = {"gemma3": Gemma3Encoder, "idefics3": Idefics3Encoder, "smolvlm": Idefics3Encoder, "internvl": InternVLEncoder,
+              "llava": LlavaEncoder,
               "llava_next": LlavaNextEncoder, "llava_onevision": LlavaOnevisionEncoder, "mistral3": PixtralEncoder,
               "qwen2_5_vl": QwenVLEncoder, "qwen3_vl": Qwen3VLEncoder, "qwen3_vl_moe": Qwen3VLEncoder}[model_type]
     return family(config, path, dtype, device)
@@ -521,6 +526,87 @@ class Idefics3Encoder(ImageEncoder):
         hidden = tower(pixel_values=tiles.to(next(tower.parameters()).dtype), return_dict=True).last_hidden_state
         features: Tensor = connector(hidden)
         return features.reshape(-1, features.shape[-1])
+
+
+class InternVLEncoder(TowerEncoder):
+    """InternVL's (InternVL 3 and 3.5 in transformers' form): its vision transformer (InternViT) over each tile of
+    the tower's one size, the hidden states of ``vision_feature_layer`` (the last: after the tower's final norm),
+    less the CLS position for the ``default`` strategy, pixel-shuffled by ``downsample_ratio``, through the
+    projector (a LayerNorm and two linear layers), a tile's features after another. Its image processor (GOT-OCR2's,
+    which InternVL's processor runs with ``crop_to_patches``) cuts an image into a grid of tiles and, where there
+    are several, adds the whole image resized to one tile; the processed size here is a column of those tiles,
+    ``tiles * tile`` x ``tile`` pixels, the pixels the tiles in the processor's order."""
+
+    def __init__(self, config: Any, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+        vision = config.vision_config
+        self.image_token_id = int(config.image_token_id)
+        self.side = _square(vision.image_size, "vision_config.image_size")
+        patch = _square(vision.patch_size, "vision_config.patch_size")
+        self.ratio = float(config.downsample_ratio)
+        strategy = config.vision_feature_select_strategy
+        if strategy not in ("default", "full"):
+            raise ImageEncoderRefused(f"image input with vision_feature_select_strategy {strategy!r} is not "
+                                      "implemented (default, full)")
+        self.drop_first = strategy == "default"
+        self.layer = int(config.vision_feature_layer)
+        self.step = self.side
+        self.tokens = int((self.side // patch) ** 2 * self.ratio ** 2)
+        self.max_tiles = _internvl_max_tiles(path)
+        super().__init__(config, path, dtype, device)
+
+    def projector_class(self) -> Any:
+        from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector
+
+        return InternVLMultiModalProjector
+
+    def num_features(self, height: int, width: int) -> int:
+        return height // self.side * self.tokens
+
+    def pixel_count(self, height: int, width: int) -> int:
+        return 3 * height * width
+
+    def largest(self) -> tuple[int, int]:
+        return self.max_tiles * self.side, self.side
+
+    def too_large(self, height: int, width: int) -> str | None:
+        if width != self.side:
+            return f"InternVL's images are a column of tiles {self.side} pixels wide"
+        if height > self.max_tiles * self.side:
+            return f"the image processor makes at most {self.max_tiles} tiles"
+        return None
+
+    @torch.inference_mode()
+    def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
+        from transformers.models.internvl.modeling_internvl import InternVLModel
+
+        tower, projector = self.parts()
+        tiles = pixels.view(height // self.side, 3, self.side, self.side).to(next(tower.parameters()).dtype)
+        out = tower(pixel_values=tiles, output_hidden_states=self.layer != -1, return_dict=True)
+        hidden = out.last_hidden_state if self.layer == -1 else out.hidden_states[self.layer]
+        hidden = hidden[:, int(self.drop_first):]
+        side = int(hidden.shape[1] ** 0.5)
+        # transformers' own shuffle (it reads nothing of the model it is a method of)
+        shuffled = InternVLModel.pixel_shuffle(None, hidden.reshape(hidden.shape[0], side, side, -1),  # type: ignore[arg-type]
+                                               scale_factor=self.ratio)
+        features: Tensor = projector(shuffled.reshape(shuffled.shape[0], -1, shuffled.shape[-1]))
+        return features.reshape(-1, features.shape[-1])
+
+
+def _square(size: Any, field: str) -> int:
+    """A side given as one number or as two equal ones (InternVL's config lists them)."""
+    sides = list(size) if isinstance(size, (list, tuple)) else [size, size]
+    if len(sides) != 2 or sides[0] != sides[1]:
+        raise ImageEncoderRefused(f"image input with a {field} of {size!r} is not implemented (square only)")
+    return int(sides[0])
+
+
+def _internvl_max_tiles(path: Path) -> int:
+    """The most tiles InternVL's image processor makes of an image (``max_patches``, and the whole image beside
+    them where there is more than one), from ``preprocessor_config.json`` or transformers' default."""
+    file = path / "preprocessor_config.json"
+    spec = json.loads(file.read_text()) if file.is_file() else {}
+    most = int(spec.get("max_patches", 12))
+    return most + 1 if most > 1 else 1
 
 
 def _tiled_longest_side(path: Path, tile: int) -> int:

@@ -1,5 +1,5 @@
-"""An image-text model's images through the engine (Gemma 3, LLaVA with a CLIP or a Pixtral tower, Mistral 3,
-Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, SmolVLM, LLaVA-NeXT; Idefics3's features): greedy
+"""An image-text model's images through the engine (Gemma 3, InternVL, LLaVA with a CLIP or a Pixtral tower,
+Mistral 3, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, SmolVLM, LLaVA-NeXT; Idefics3's features): greedy
 output equals transformers' ``generate`` with the same pixels, whatever the chunks cut, what the prefix cache
 holds, a preemption, or a hand-off from prefill to decode; the blocks an image reaches are hashed under it; bad
 image inputs are refused by name."""
@@ -27,6 +27,8 @@ from tests.engine.tiny_models import (
     IDEFICS3_TILE,
     IDEFICS3_TOKENS,
     IMAGE_TOKENS,
+    INTERNVL_TILE,
+    INTERNVL_TOKENS,
     LLAVA_IMAGE_SIDE,
     LLAVA_IMAGE_TOKENS,
     LLAVA_TOKENS,
@@ -35,6 +37,7 @@ from tests.engine.tiny_models import (
     expand_gemma3_tokens,
     expand_idefics3_tokens,
     expand_image_tokens,
+    expand_internvl_tokens,
     expand_qwen_vl_tokens,
     gemma3_image_checkpoint,
     gemma3_pixels,
@@ -43,6 +46,8 @@ from tests.engine.tiny_models import (
     idefics3_pixels,
     image_pixels,
     image_text_checkpoint,
+    internvl_checkpoint,
+    internvl_pixels,
     llava_checkpoint,
     llava_next_checkpoint,
     llava_next_pixels,
@@ -58,7 +63,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 IMG = IMAGE_TOKENS["[IMG]"]
 
 
-FAMILIES = ("gemma3", "llava", "llava_pixtral", "llava_next", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
+FAMILIES = ("gemma3", "internvl", "llava", "llava_pixtral", "llava_next", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
             "smolvlm")
 
 
@@ -76,6 +81,8 @@ def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         return image_text_checkpoint(folder)
     if request.param == "gemma3":
         return gemma3_image_checkpoint(folder)
+    if request.param == "internvl":
+        return internvl_checkpoint(folder)
     if request.param == "llava_next":
         return llava_next_checkpoint(folder)
     if request.param == "llava_onevision":
@@ -98,6 +105,10 @@ def _qwen(folder: Path) -> bool:
 
 def _gemma(folder: Path) -> bool:
     return json.loads((folder / "config.json").read_text())["model_type"] == "gemma3"
+
+
+def _internvl(folder: Path) -> bool:
+    return json.loads((folder / "config.json").read_text())["model_type"] == "internvl"
 
 
 def _tiled(folder: Path) -> bool:
@@ -128,13 +139,15 @@ def _request(folder: Path, seeds: tuple[int, ...], sizes: tuple[tuple[int, int],
     <|image_pad|><|vision_end|>``) and text between and after, expanded as the model's processor expands it; its
     images as the router sends them (Pixtral's pixels, Qwen's patches), and those."""
     qwen, gemma, clip, tiled, grid = _qwen(folder), _gemma(folder), _clip(folder), _tiled(folder), _next(folder)
+    internvl = _internvl(folder)
     special = min((QWEN_VL_TOKENS if qwen else GEMMA3_TOKENS if gemma else LLAVA_TOKENS if clip or grid else
-                   IDEFICS3_TOKENS if tiled else IMAGE_TOKENS).values())
+                   IDEFICS3_TOKENS if tiled else INTERNVL_TOKENS if internvl else IMAGE_TOKENS).values())
     words = prompt_token_ids(9 * (len(seeds) + 1), seed=text_seed)
     words = [w if w < special else 3 for w in words]  # no image token among the words
     placeholder = ([QWEN_VL_TOKENS["<|vision_start|>"], QWEN_VL_TOKENS["<|image_pad|>"], QWEN_VL_TOKENS["<|vision_end|>"]]
                    if qwen else [GEMMA3_TOKENS["<start_of_image>"]] if gemma else [LLAVA_TOKENS["<image>"]] if clip
-                   or grid else [IDEFICS3_TOKENS["<image>"]] if tiled else [IMG])
+                   or grid else [IDEFICS3_TOKENS["<image>"]] if tiled else [INTERNVL_TOKENS["<IMG_CONTEXT>"]] if internvl
+                   else [IMG])
     prompt = words[:9]
     for k in range(len(seeds)):
         prompt += [*placeholder, *words[9 * (k + 1):9 * (k + 2)]]
@@ -156,6 +169,9 @@ def _request(folder: Path, seeds: tuple[int, ...], sizes: tuple[tuple[int, int],
         grids = [(0, 0) if (h, w) == (IDEFICS3_TILE, IDEFICS3_TILE) else (h // IDEFICS3_TILE, w // IDEFICS3_TILE)
                  for _, h, w in pixels]
         ids, spans = expand_idefics3_tokens(folder, prompt, grids)
+    elif internvl:  # a column of tiles
+        pixels = [(p, len(p) * INTERNVL_TILE, INTERNVL_TILE) for p in (internvl_pixels(folder, i) for i in images)]
+        ids, spans = expand_internvl_tokens(prompt, [len(p) for p, _, _ in pixels])
     elif gemma:
         pixels = [(gemma3_pixels(folder, image), GEMMA3_IMAGE_SIDE, GEMMA3_IMAGE_SIDE) for image in images]
         ids, spans = expand_gemma3_tokens(prompt, len(images))
@@ -193,6 +209,8 @@ def _hf_inputs(folder: Path, ids: list[int], images: list[ImageInput], pixels: l
         return {"pixel_values": torch.stack(pixels)}
     if _tiled(folder):  # every image's tiles in one row of the batch
         return {"pixel_values": torch.cat(pixels)[None]}
+    if _internvl(folder):  # every image's tiles, one after another
+        return {"pixel_values": torch.cat(pixels)}
     if _next(folder):  # a row of the batch per image, its tiles padded to the most tiles, its size as sent
         batch = torch.zeros(len(pixels), max(len(p) for p in pixels), *pixels[0].shape[1:])
         for k, p in enumerate(pixels):
@@ -494,8 +512,11 @@ def test_the_profiling_run_encodes_the_largest_image(folder: Path, engine_factor
     patch = _qwen_patch(folder)
     # SmolVLM's: its image processor's longest side, 2 tiles; LLaVA-NeXT's: its largest grid, 2 x 2 tiles.
     side = (16 * patch if patch else GEMMA3_IMAGE_SIDE if _gemma(folder) else LLAVA_IMAGE_SIDE if _clip(folder) else
-            2 * IDEFICS3_TILE if _tiled(folder) else 2 * LLAVA_IMAGE_SIDE if _next(folder) else 112)
-    assert encoder is not None and encoder.largest() == (side, side)
+            2 * IDEFICS3_TILE if _tiled(folder) else 2 * LLAVA_IMAGE_SIDE if _next(folder) else
+            INTERNVL_TILE if _internvl(folder) else 112)
+    # InternVL's: a column of its most tiles, 3 and the whole image
+    height = 4 * side if _internvl(folder) else side
+    assert encoder is not None and encoder.largest() == (height, side)
     calls = []
     encode = encoder.encode
 
@@ -505,11 +526,11 @@ def test_the_profiling_run_encodes_the_largest_image(folder: Path, engine_factor
 
     monkeypatch.setattr(encoder, "encode", spy)
     engine.runner.profile_activations()
-    assert calls == [((encoder.pixel_count(side, side),), side, side)]
+    assert calls == [((encoder.pixel_count(height, side),), height, side)]
     # SmolVLM's and LLaVA-NeXT's: 2 x 2 tiles and the whole image as one more
-    assert encoder.pixel_count(side, side) == (16 * 16 * 3 * patch * patch if patch else  # Qwen's: one frame
-                                               5 * 3 * (side // 2) ** 2 if _tiled(folder) or _next(folder) else
-                                               3 * side * side)
+    assert encoder.pixel_count(height, side) == (16 * 16 * 3 * patch * patch if patch else  # Qwen's: one frame
+                                                 5 * 3 * (side // 2) ** 2 if _tiled(folder) or _next(folder) else
+                                                 3 * height * side)
 
 
 def test_a_chunk_never_ends_inside_an_image_that_attends_both_ways() -> None:

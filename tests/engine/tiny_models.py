@@ -1150,6 +1150,61 @@ QWEN_VL_PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}
 QWEN_VL_CHAT_TEMPLATE = _image_chat_template(" <|vision_start|><|image_pad|><|vision_end|> ")
 
 
+# InternVL: tiles of 28 pixels in patches of 7 (16 patches, 4 features a tile after the shuffle), at most 3 tiles
+# and the whole image.
+INTERNVL_TOKENS = {"<img>": TINY_DIMS["vocab_size"] - 3, "<IMG_CONTEXT>": TINY_DIMS["vocab_size"] - 2,
+                   "</img>": TINY_DIMS["vocab_size"] - 1}
+INTERNVL_TILE = 28
+INTERNVL_TILE_TOKENS = 4
+
+
+def internvl_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """An InternVL checkpoint in transformers' form (a Qwen2 inside, a two-layer InternViT), its tokenizer (the three
+    image tokens named as InternVL's tokenizer names them), chat template and processor's files (GOT-OCR2's image
+    processor, up to 3 tiles; ``processor_config.json``'s ``image_seq_length``)."""
+    from transformers import InternVLConfig, Qwen2Config
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "image_size": [INTERNVL_TILE, INTERNVL_TILE], "patch_size": [7, 7], "use_qk_norm": False}
+    config = InternVLConfig(text_config=Qwen2Config(**TINY_DIMS).to_dict(), vision_config=vision,
+                            image_token_id=INTERNVL_TOKENS["<IMG_CONTEXT>"], downsample_ratio=0.5)
+    build_checkpoint(config, folder, seed)
+    _word_tokenizer(folder, INTERNVL_TOKENS, _image_chat_template("<IMG_CONTEXT>"), named={
+        "start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>"})
+    GotOcr2ImageProcessorPil(size={"height": INTERNVL_TILE, "width": INTERNVL_TILE}, max_patches=3).save_pretrained(
+        str(folder))
+    (folder / "processor_config.json").write_text(json.dumps({
+        "processor_class": "InternVLProcessor", "image_seq_length": INTERNVL_TILE_TOKENS}, indent=2))
+    return folder
+
+
+def internvl_pixels(folder: Path, image: Any) -> torch.Tensor:
+    """transformers' processing of one PIL image for the checkpoint, as InternVL's processor runs it: its tiles
+    ``[n, 3, 28, 28]`` (float32)."""
+    from transformers import AutoImageProcessor
+
+    out = AutoImageProcessor.from_pretrained(str(folder), backend="pil")(images=[image], crop_to_patches=True,
+                                                                         return_tensors="pt")
+    return out["pixel_values"].float()
+
+
+def expand_internvl_tokens(prompt: list[int], tiles: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Each ``<IMG_CONTEXT>`` in ``prompt`` replaced as InternVL's processor replaces it for an image of that many
+    tiles (``<img>``, 4 context tokens a tile, ``</img>``), and each image's (offset, length), its span from
+    ``<img>`` to ``</img>``."""
+    context, out, spans = INTERNVL_TOKENS["<IMG_CONTEXT>"], [], []
+    images = iter(tiles)
+    for token in prompt:
+        if token != context:
+            out.append(token)
+            continue
+        n = next(images) * INTERNVL_TILE_TOKENS
+        spans.append((len(out), n + 2))
+        out += [INTERNVL_TOKENS["<img>"], *[context] * n, INTERNVL_TOKENS["</img>"]]
+    return out, spans
+
+
 def _word_tokenizer(folder: Path, special: dict[str, int], chat_template: str, newlines: int = 0,
                     named: dict[str, str] | None = None) -> None:
     """``build_tokenizer``'s word-level tokenizer with ``special`` tokens at the vocabulary's end, and a template.

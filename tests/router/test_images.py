@@ -44,6 +44,9 @@ from tests.engine.tiny_models import (
     IDEFICS3_TILE_TOKENS,
     IDEFICS3_TOKENS,
     IMAGE_TOKENS,
+    INTERNVL_TILE,
+    INTERNVL_TILE_TOKENS,
+    INTERNVL_TOKENS,
     LLAVA_TOKENS,
     QWEN_VL_PATCH,
     QWEN_VL_TOKENS,
@@ -53,6 +56,8 @@ from tests.engine.tiny_models import (
     idefics3_checkpoint,
     image_pixels,
     image_text_checkpoint,
+    internvl_checkpoint,
+    internvl_pixels,
     llava_checkpoint,
     llava_next_checkpoint,
     llava_next_pixels,
@@ -754,6 +759,44 @@ def test_llava_next_images_reach_the_engines_as_its_processor_makes_them(
             "vision_config": {**config["vision_config"], "model_type": vision_type}}))
         refused = ModelImages.from_model_dir(folder, prompts.tokenizer)
         assert refused.processor is None and words in refused.refusal, refused.refusal
+
+
+def test_internvl_images_reach_the_engines_as_its_processor_makes_them(
+    redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """InternVL: ``<IMG_CONTEXT>`` replaced by the text InternVL's processor writes for the image's tiles
+    (transformers' ``replace_image_token``; its processor class itself needs a video processor, which needs
+    torchvision), tokenized; the image processor's tiles with ``crop_to_patches``, as its processor runs it; the
+    processed size a column of tiles. A folder whose ``image_seq_length`` is not the model's is refused at start."""
+    from transformers import InternVLProcessor
+
+    folder = internvl_checkpoint(tmp_path_factory.mktemp("internvl"))
+    prompts = PromptProcessor.from_model_dir(folder)
+    images = ModelImages.from_model_dir(folder, prompts.tokenizer)
+    assert images.model_type == "internvl" and images.processor is not None
+    picture = _image(72, 40, 90)
+    messages = [{"role": "user", "content": [_text("w11 "), _part(_data_url(picture)), _text(" w13")]}]
+    with fake_stack(redis_url, prompts, REPLY, images=images) as (server, cluster):
+        response = httpx.post(f"{server.url}{CHAT}", json={"messages": messages, "max_tokens": 2}, timeout=10)
+        assert response.status_code == 200, response.text
+        [sent] = cluster.requests()
+    pixels = internvl_pixels(folder, picture)
+    assert len(pixels) == 3  # a 1 x 2 grid and the whole image
+    processor = InternVLProcessor.__new__(InternVLProcessor)
+    processor.start_image_token, processor.end_image_token = "<img>", "</img>"
+    processor.image_token, processor.image_seq_length = "<IMG_CONTEXT>", INTERNVL_TILE_TOKENS
+    text = processor.replace_image_token({"num_patches": [len(pixels)]}, 0)
+    span = prompts.tokenizer.encode(text, add_special_tokens=False)
+    rendered = _rendered(prompts, messages)
+    at = rendered.index(INTERNVL_TOKENS["<IMG_CONTEXT>"])
+    assert len(span) == 3 * INTERNVL_TILE_TOKENS + 2
+    assert sent.prompt_token_ids == [*rendered[:at], *span, *rendered[at + 1:]]
+    [image] = sent.images
+    assert (image.height, image.width, image.offset, image.length) == (3 * INTERNVL_TILE, INTERNVL_TILE, at, len(span))
+    assert image.pixel_values == pixels.numpy().tobytes()
+    (folder / "processor_config.json").write_text(json.dumps({"image_seq_length": 16}))
+    with pytest.raises(ValueError, match="image_seq_length 16 is not the model's 4 features of a tile"):
+        ModelImages.from_model_dir(folder, prompts.tokenizer)
 
 
 def test_llava_onevision_takes_one_image_a_prompt_as_its_processor_makes_it(

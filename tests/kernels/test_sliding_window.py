@@ -40,50 +40,70 @@ def _contiguous_kv(kv_layer: torch.Tensor, block_tables: torch.Tensor, s: int, c
     return flat[0], flat[1]
 
 
-@pytest.mark.parametrize("window", [1, 5, 16, 37])
-def test_reference_window_equals_dense_masked_attention(window: int) -> None:
+@pytest.mark.parametrize(("window", "chunk"), [(1, None), (5, None), (16, None), (37, None), (10_000, 1),
+                                             (10_000, 5), (10_000, 16), (7, 12)])
+def test_reference_windows_and_chunks_equal_dense_masked_attention(window: int, chunk: int | None) -> None:
     q_lens, context_lens = [9, 1, 23], [41, 30, 23]
-    kv_layer, block_tables = paged_cache(context_lens, 16, 2, 32, F32, seed=window)
-    query = random_query(sum(q_lens), 4, 32, F32, seed=window)
+    seed = window % 1000 + (chunk or 0)
+    kv_layer, block_tables = paged_cache(context_lens, 16, 2, 32, F32, seed=seed)
+    query = random_query(sum(q_lens), 4, 32, F32, seed=seed)
     starts = torch.tensor([0, 9, 10, 33], dtype=torch.int32)
     lens = torch.tensor(context_lens, dtype=torch.int32)
-    got = reference.paged_prefill_attention(query, kv_layer, block_tables, starts, lens, 0.2, sliding_window=window)
+    got = reference.paged_prefill_attention(query, kv_layer, block_tables, starts, lens, 0.2, sliding_window=window,
+                                            attention_chunk=chunk)
     for s, (q_len, ctx) in enumerate(zip(q_lens, context_lens, strict=True)):
         k, v = _contiguous_kv(kv_layer, block_tables, s, ctx)
         q_pos = torch.arange(ctx - q_len, ctx)
-        expected = _dense_window_attention(query[starts[s] : starts[s + 1]], k, v, q_pos, window, 0.2)
+        expected = _dense_window_attention(query[starts[s] : starts[s + 1]], k, v, q_pos, window, 0.2, chunk=chunk)
         torch.testing.assert_close(got[starts[s] : starts[s + 1]], expected, atol=1e-5, rtol=1e-5)
-    # A window at least as long as every context is full attention.
+    # The mask changes the answer, and a window and a chunk at least as long as every context are full attention.
     full = reference.paged_prefill_attention(query, kv_layer, block_tables, starts, lens, 0.2)
-    wide = reference.paged_prefill_attention(query, kv_layer, block_tables, starts, lens, 0.2, sliding_window=64)
+    assert not torch.allclose(got, full, atol=1e-3)
+    wide = reference.paged_prefill_attention(query, kv_layer, block_tables, starts, lens, 0.2, sliding_window=64,
+                                             attention_chunk=64)
     torch.testing.assert_close(wide, full, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize(("window", "num_splits", "block_n"), [(1, 1, 16), (7, 1, 16), (20, 3, 16), (50, 2, 32)])
-def test_triton_decode_window_matches_reference(window: int, num_splits: int, block_n: int) -> None:
-    context_lens = [1, 15, 33, 97]
-    kv_layer, block_tables = paged_cache(context_lens, 16, 2, 64, F32, seed=window)
-    query = random_query(len(context_lens), 6, 64, F32, seed=window)
+# Windows, chunks (contexts that end on a chunk's first position, inside one and on its last), and both.
+DECODE_MASKS = [({"sliding_window": 1}, 1, 16), ({"sliding_window": 7}, 1, 16), ({"sliding_window": 20}, 3, 16),
+                ({"sliding_window": 50}, 2, 32), ({"attention_chunk": 1}, 1, 16), ({"attention_chunk": 16}, 2, 16),
+                ({"attention_chunk": 20}, 3, 16), ({"attention_chunk": 33, "sliding_window": 20}, 1, 16)]
+PREFILL_MASKS = [({"sliding_window": 1}, 16), ({"sliding_window": 6}, 16), ({"sliding_window": 24}, 16),
+                 ({"sliding_window": 40}, 32), ({"attention_chunk": 6}, 16), ({"attention_chunk": 24}, 16),
+                 ({"attention_chunk": 20, "sliding_window": 9}, 16)]
+
+
+def _ids(masks: list[tuple]) -> list[str]:
+    return ["-".join(f"{k.split('_')[-1]}{v}" for k, v in mask.items()) for mask, *_ in masks]
+
+
+@pytest.mark.parametrize(("mask", "num_splits", "block_n"), DECODE_MASKS, ids=_ids(DECODE_MASKS))
+def test_triton_decode_window_and_chunks_match_reference(mask: dict[str, int], num_splits: int, block_n: int) -> None:
+    context_lens = [1, 16, 33, 97]
+    seed = sum(mask.values())
+    kv_layer, block_tables = paged_cache(context_lens, 16, 2, 64, F32, seed=seed)
+    query = random_query(len(context_lens), 6, 64, F32, seed=seed)
     lens = torch.tensor(context_lens, dtype=torch.int32)
     out = torch.full_like(query, float("nan"))
     triton_decode.run_paged_decode(query, kv_layer, block_tables, lens, 0.125, out=out, num_splits=num_splits,
-                                   block_n=block_n, sliding_window=window)
-    run_reference = functools.partial(reference.paged_decode_attention, sliding_window=window)
+                                   block_n=block_n, **mask)
+    run_reference = functools.partial(reference.paged_decode_attention, **mask)
     assert_matches_reference(out, run_reference, (query, kv_layer, block_tables, lens, 0.125), F32)
 
 
-@pytest.mark.parametrize(("window", "block_n"), [(1, 16), (6, 16), (24, 16), (40, 32)])
-def test_triton_prefill_window_matches_reference(window: int, block_n: int) -> None:
+@pytest.mark.parametrize(("mask", "block_n"), PREFILL_MASKS, ids=_ids(PREFILL_MASKS))
+def test_triton_prefill_window_and_chunks_match_reference(mask: dict[str, int], block_n: int) -> None:
     # A chunk after a cached prefix, a whole prompt, a single token and a chunk over several tiles.
     q_lens, context_lens = [9, 19, 1, 70], [41, 19, 50, 75]
-    kv_layer, block_tables = paged_cache(context_lens, 16, 2, 64, F32, seed=window)
-    query = random_query(sum(q_lens), 6, 64, F32, seed=window + 1)
+    seed = sum(mask.values())
+    kv_layer, block_tables = paged_cache(context_lens, 16, 2, 64, F32, seed=seed)
+    query = random_query(sum(q_lens), 6, 64, F32, seed=seed + 1)
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(context_lens, dtype=torch.int32)
     out = torch.full_like(query, float("nan"))
     triton_prefill.run_paged_prefill(query, kv_layer, block_tables, starts, lens, 0.125, out=out, block_n=block_n,
-                                     sliding_window=window)
-    run_reference = functools.partial(reference.paged_prefill_attention, sliding_window=window)
+                                     **mask)
+    run_reference = functools.partial(reference.paged_prefill_attention, **mask)
     assert_matches_reference(out, run_reference, (query, kv_layer, block_tables, starts, lens, 0.125), F32)
 
 
@@ -130,54 +150,4 @@ def test_triton_prefill_soft_cap_matches_reference(window: int | None) -> None:
     triton_prefill.run_paged_prefill(query, kv_layer, block_tables, starts, lens, 0.125, out=out, block_n=16,
                                      sliding_window=window, soft_cap=3.0)
     run_reference = functools.partial(reference.paged_prefill_attention, sliding_window=window, soft_cap=3.0)
-    assert_matches_reference(out, run_reference, (query, kv_layer, block_tables, starts, lens, 0.125), F32)
-
-
-@pytest.mark.parametrize(("chunk", "window"), [(1, 10_000), (5, 10_000), (16, 10_000), (12, 7)])
-def test_reference_chunks_equal_dense_attention_within_each_chunk(chunk: int, window: int) -> None:
-    q_lens, context_lens = [9, 1, 23], [41, 30, 23]
-    kv_layer, block_tables = paged_cache(context_lens, 16, 2, 32, F32, seed=chunk)
-    query = random_query(sum(q_lens), 4, 32, F32, seed=chunk)
-    starts = torch.tensor([0, 9, 10, 33], dtype=torch.int32)
-    lens = torch.tensor(context_lens, dtype=torch.int32)
-    got = reference.paged_prefill_attention(query, kv_layer, block_tables, starts, lens, 0.2, sliding_window=window,
-                                            attention_chunk=chunk)
-    for s, (q_len, ctx) in enumerate(zip(q_lens, context_lens, strict=True)):
-        k, v = _contiguous_kv(kv_layer, block_tables, s, ctx)
-        q_pos = torch.arange(ctx - q_len, ctx)
-        expected = _dense_window_attention(query[starts[s] : starts[s + 1]], k, v, q_pos, window, 0.2, chunk=chunk)
-        torch.testing.assert_close(got[starts[s] : starts[s + 1]], expected, atol=1e-5, rtol=1e-5)
-    # The chunks change the answer, and a chunk as long as every context is full attention.
-    full = reference.paged_prefill_attention(query, kv_layer, block_tables, starts, lens, 0.2, sliding_window=window)
-    assert not torch.allclose(got, full, atol=1e-3)
-    whole = reference.paged_prefill_attention(query, kv_layer, block_tables, starts, lens, 0.2, sliding_window=window,
-                                              attention_chunk=64)
-    torch.testing.assert_close(whole, full, atol=0, rtol=0)
-
-
-@pytest.mark.parametrize(("chunk", "num_splits"), [(1, 1), (16, 2), (20, 3), (33, 1)])
-def test_triton_decode_chunks_match_reference(chunk: int, num_splits: int) -> None:
-    # Contexts that end on a chunk's first position, inside one and on its last.
-    context_lens = [1, 16, 33, 97]
-    kv_layer, block_tables = paged_cache(context_lens, 16, 2, 64, F32, seed=chunk)
-    query = random_query(len(context_lens), 6, 64, F32, seed=chunk)
-    lens = torch.tensor(context_lens, dtype=torch.int32)
-    out = torch.full_like(query, float("nan"))
-    triton_decode.run_paged_decode(query, kv_layer, block_tables, lens, 0.125, out=out, num_splits=num_splits,
-                                   block_n=16, attention_chunk=chunk)
-    run_reference = functools.partial(reference.paged_decode_attention, attention_chunk=chunk)
-    assert_matches_reference(out, run_reference, (query, kv_layer, block_tables, lens, 0.125), F32)
-
-
-@pytest.mark.parametrize(("chunk", "window"), [(6, None), (24, None), (20, 9)])
-def test_triton_prefill_chunks_match_reference(chunk: int, window: int | None) -> None:
-    q_lens, context_lens = [9, 19, 1, 70], [41, 19, 50, 75]
-    kv_layer, block_tables = paged_cache(context_lens, 16, 2, 64, F32, seed=chunk)
-    query = random_query(sum(q_lens), 6, 64, F32, seed=chunk + 1)
-    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    lens = torch.tensor(context_lens, dtype=torch.int32)
-    out = torch.full_like(query, float("nan"))
-    triton_prefill.run_paged_prefill(query, kv_layer, block_tables, starts, lens, 0.125, out=out, block_n=16,
-                                     sliding_window=window, attention_chunk=chunk)
-    run_reference = functools.partial(reference.paged_prefill_attention, sliding_window=window, attention_chunk=chunk)
     assert_matches_reference(out, run_reference, (query, kv_layer, block_tables, starts, lens, 0.125), F32)

@@ -761,6 +761,24 @@ def test_llava_next_images_reach_the_engines_as_its_processor_makes_them(
         assert refused.processor is None and words in refused.refusal, refused.refusal
 
 
+def _served(folder: pathlib.Path, model_type: str) -> tuple[PromptProcessor, ModelImages]:
+    """The router's prompt processing and image processing of ``folder``, its images taken."""
+    prompts = PromptProcessor.from_model_dir(folder)
+    images = ModelImages.from_model_dir(folder, prompts.tokenizer)
+    assert images.model_type == model_type and images.processor is not None
+    return prompts, images
+
+
+def _chat_one_image(server: Any, cluster: Any, picture: Image.Image) -> tuple[list[dict[str, Any]], GenerateRequest]:
+    """A chat of ``w11``, ``picture`` and ``w13`` through the router to the fake engines: its messages, and the
+    request the engines got."""
+    messages = [{"role": "user", "content": [_text("w11 "), _part(_data_url(picture)), _text(" w13")]}]
+    response = httpx.post(f"{server.url}{CHAT}", json={"messages": messages, "max_tokens": 2}, timeout=10)
+    assert response.status_code == 200, response.text
+    [sent] = cluster.requests()
+    return messages, sent
+
+
 def test_internvl_images_reach_the_engines_as_its_processor_makes_them(
     redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -771,15 +789,10 @@ def test_internvl_images_reach_the_engines_as_its_processor_makes_them(
     from transformers import InternVLProcessor
 
     folder = internvl_checkpoint(tmp_path_factory.mktemp("internvl"))
-    prompts = PromptProcessor.from_model_dir(folder)
-    images = ModelImages.from_model_dir(folder, prompts.tokenizer)
-    assert images.model_type == "internvl" and images.processor is not None
+    prompts, images = _served(folder, "internvl")
     picture = _image(72, 40, 90)
-    messages = [{"role": "user", "content": [_text("w11 "), _part(_data_url(picture)), _text(" w13")]}]
     with fake_stack(redis_url, prompts, REPLY, images=images) as (server, cluster):
-        response = httpx.post(f"{server.url}{CHAT}", json={"messages": messages, "max_tokens": 2}, timeout=10)
-        assert response.status_code == 200, response.text
-        [sent] = cluster.requests()
+        messages, sent = _chat_one_image(server, cluster, picture)
     pixels = internvl_pixels(folder, picture)
     assert len(pixels) == 3  # a 1 x 2 grid and the whole image
     processor = InternVLProcessor.__new__(InternVLProcessor)
@@ -806,15 +819,10 @@ def test_llava_onevision_takes_one_image_a_prompt_as_its_processor_makes_it(
     ``anyres_max_1``), the image processor's tiles, the size as sent; a second image in the prompt is refused by
     name (transformers' multi-image mode is not implemented)."""
     folder = llava_onevision_checkpoint(tmp_path_factory.mktemp("llava-onevision"))
-    prompts = PromptProcessor.from_model_dir(folder)
-    images = ModelImages.from_model_dir(folder, prompts.tokenizer)
-    assert images.model_type == "llava_onevision" and images.processor is not None
+    prompts, images = _served(folder, "llava_onevision")
     picture = _image(71, 64, 64)
-    messages = [{"role": "user", "content": [_text("w11 "), _part(_data_url(picture)), _text(" w13")]}]
     with fake_stack(redis_url, prompts, REPLY, images=images) as (server, cluster):
-        response = httpx.post(f"{server.url}{CHAT}", json={"messages": messages, "max_tokens": 2}, timeout=10)
-        assert response.status_code == 200, response.text
-        [sent] = cluster.requests()
+        messages, sent = _chat_one_image(server, cluster, picture)
         two = [{"role": "user", "content": [_part(PNG), _text(" w3"), _part(PNG)]}]
         _refusal(httpx.post(f"{server.url}{CHAT}", json={"messages": two, "max_tokens": 2}, timeout=10),
                  "messages.0.content.2.image_url", "at most 1 image(s) a prompt")

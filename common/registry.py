@@ -272,6 +272,79 @@ class Registry:
         self._rc.close()
 
 
+class RuntimeAdapter(msgspec.Struct, kw_only=True):
+    """A LoRA adapter loaded at run time (vLLM's ``/v1/load_lora_adapter``), as the cluster keeps it."""
+
+    name: str
+    path: str
+
+
+_adapter_decoder = msgspec.json.Decoder(RuntimeAdapter)
+
+
+class RuntimeAdapters:
+    """The LoRA adapters loaded at run time, kept in Redis for the whole cluster (one hash, a field per adapter):
+    a router writes one before it asks the engines to load it and deletes it before they unload it, and an engine
+    that starts later (restarted after a crash, or added) loads them too (``common.service``).
+
+    With a ``cluster_key`` each entry carries an HMAC-SHA256 over the hash's name, the adapter's name and its exact
+    JSON, as registry entries do, and reading drops every entry that does not verify: whoever can write to Redis
+    but lacks the key cannot make the engines load weights of their choosing."""
+
+    def __init__(self, redis_url: str, namespace: str = "pdserve", cluster_key: ClusterKey | None = None) -> None:
+        self._rc = RedisClient(redis_url, namespace)
+        self._key = cluster_key
+        self._hash = self._rc.key("lora_adapters")
+
+    def put(self, name: str, path: str) -> bool:
+        """Keep the adapter (replacing one of that name); False where Redis is unreachable."""
+        payload = _info_encoder.encode(RuntimeAdapter(name=name, path=path))
+        if self._key is not None:
+            mac = self._key.sign(self._signed_bytes(name, payload))
+            payload = _info_encoder.encode(SignedEntry(msgspec.Raw(payload), mac))
+        return self._rc.run("lora adapter put", lambda client: client.hset(self._hash, name, payload))[0]
+
+    def remove(self, name: str) -> bool:
+        """Forget the adapter; False where Redis is unreachable."""
+        return self._rc.run("lora adapter remove", lambda client: client.hdel(self._hash, name))[0]
+
+    def all(self) -> dict[str, str] | None:
+        """Each adapter's path by name (those that verify); None where Redis is unreachable."""
+        ok, raw = self._rc.run("lora adapters", lambda client: client.hgetall(self._hash))
+        if not ok:
+            return None
+        adapters: dict[str, str] = {}
+        for field, value in raw.items():
+            name = _text(field)
+            adapter = self._open(name, value)
+            if adapter is not None:
+                adapters[name] = adapter.path
+        return adapters
+
+    def _signed_bytes(self, name: str, payload: bytes) -> bytes:
+        return self._hash.encode() + b"\n" + name.encode() + b"\n" + payload
+
+    def _open(self, name: str, raw: bytes) -> RuntimeAdapter | None:
+        try:
+            signed: SignedEntry | None = _signed_decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            signed = None
+        entry = raw if signed is None else bytes(signed.entry)
+        if self._key is not None and (signed is None or not self._key.verify(self._signed_bytes(name, entry),
+                                                                            signed.mac)):
+            logger.warning("ignoring runtime LoRA adapter %r: not written with this cluster's key", name)
+            return None
+        try:
+            adapter = _adapter_decoder.decode(entry)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            logger.warning("ignoring malformed runtime LoRA adapter entry %r", name)
+            return None
+        return adapter if adapter.name == name else None
+
+    def close(self) -> None:
+        self._rc.close()
+
+
 class PrefixIndex:
     """Which instances hold which block hashes; used by the router to find cached prefixes."""
 

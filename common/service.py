@@ -55,7 +55,7 @@ from common.protocol import (
     encode_output_batches,
     merge_outputs,
 )
-from common.registry import BACKOFF_S, HeartbeatThread, InstanceInfo, PrefixIndex, Registry
+from common.registry import BACKOFF_S, HeartbeatThread, InstanceInfo, PrefixIndex, Registry, RuntimeAdapters
 from common.sampling_params import MAX_N
 from kvtransfer.blocks.layout import KVLayout
 from kvtransfer.wire.curve import CurveConfig
@@ -65,6 +65,8 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 5
 _OUTPUT_HWM = 100_000
 PROGRESS_INTERVAL_S = 0.5
+# How often an engine that serves LoRA adapters reads the cluster's runtime-loaded ones (``RuntimeAdapters``).
+ADAPTER_POLL_S = 2.0
 
 Phase = str  # "prefill" | "decode" | "full", as in ``RequestOutput.phase``
 
@@ -195,6 +197,15 @@ class EngineService:
         self.metrics = EngineMetrics(self.role, self.instance_id, served_model_name(self.engine.runner.model_path))
         self.registry = Registry(args.redis_url, cluster_key=self.cluster_key)
         self.prefix_index = PrefixIndex(args.redis_url)
+        # The adapters loaded at run time across the cluster, read by a thread of their own (a hung Redis must
+        # not hold the loop up) and loaded between steps (``_sync_adapters``); each adapter's path by name, of
+        # those this engine serves, and of those it loaded from there (which it unloads once they leave it).
+        self.runtime_adapters = (RuntimeAdapters(args.redis_url, cluster_key=self.cluster_key)
+                                 if self.engine.runner.lora is not None else None)
+        self._wanted_adapters: dict[str, str] | None = None
+        self._adapter_paths = {m.name: m.path for m in self.engine.config.lora_modules}
+        self._from_cluster: set[str] = set()
+        self._failed_adapters: dict[str, str] = {}  # each adapter whose loading failed, with its path then
         self.kv_address = ""
         self.kv_layout = ""  # the KV cache's layout fingerprint, set by the roles that move KV
         self._stop = threading.Event()
@@ -441,13 +452,14 @@ class EngineService:
 
     def on_lora_update(self, msg: LoRAUpdate) -> None:
         """Load or unload a LoRA adapter between steps, and answer the router: the registry entry lists the
-        adapters from the next heartbeat on."""
+        adapters from the next heartbeat on. Loading one already here from the same path, or unloading one not
+        here, is done already (this engine may have read the cluster's adapters first: ``_sync_adapters``)."""
         error = None
         try:
             if msg.lora_path is None:
-                self.engine.unload_lora(msg.lora_name)
-            else:
-                self.engine.load_lora(LoRAModule(msg.lora_name, msg.lora_path))
+                self._unload_adapter(msg.lora_name)
+            elif self._adapter_paths.get(msg.lora_name) != msg.lora_path:
+                self._load_adapter(msg.lora_name, msg.lora_path)
         except (ValueError, OSError) as exc:
             error = str(exc)
         logger.info("LoRA adapter %r %s%s", msg.lora_name, "unloaded" if msg.lora_path is None else "loaded",
@@ -455,6 +467,60 @@ class EngineService:
         self._send(msg.reply_to, RequestOutput(
             request_id=msg.request_id, new_token_ids=[], finish_reason="stop" if error is None else "error",
             error=error, instance_id=self.instance_id))
+
+    def _load_adapter(self, name: str, path: str) -> None:
+        self.engine.load_lora(LoRAModule(name, path))
+        self._adapter_paths[name] = path
+
+    def _unload_adapter(self, name: str) -> None:
+        if name in self._adapter_paths:
+            self.engine.unload_lora(name)
+            del self._adapter_paths[name]
+        self._from_cluster.discard(name)
+
+    def _watch_adapters(self) -> None:
+        """Thread: the cluster's runtime adapters, now and every ``ADAPTER_POLL_S`` (kept while Redis is down)."""
+        assert self.runtime_adapters is not None
+        while not self._stop.is_set():
+            found = self.runtime_adapters.all()
+            if found is not None:
+                self._wanted_adapters = found
+            self._stop.wait(ADAPTER_POLL_S)
+
+    def _sync_adapters(self) -> None:
+        """Between steps: load each runtime adapter of the cluster this engine lacks (one started after it was
+        loaded: restarted, or added), and unload those it loaded so that the cluster no longer holds, once no
+        request here has them. One that fails (no free slot, a path this host lacks) is logged and left; it is
+        tried again when its entry changes."""
+        wanted = self._wanted_adapters
+        if wanted is None:
+            return
+        for name in [n for n in self._failed_adapters if n not in wanted]:  # removed: tried afresh if added again
+            del self._failed_adapters[name]
+        for name, path in wanted.items():
+            if name in self._adapter_paths or self._failed_adapters.get(name) == path:
+                continue
+            try:
+                self._load_adapter(name, path)
+            except (ValueError, OSError) as exc:
+                self._failed_adapters[name] = path
+                logger.warning("runtime LoRA adapter %r (%s) not loaded: %s", name, path, exc)
+                continue
+            self._from_cluster.add(name)
+            logger.info("runtime LoRA adapter %r loaded from the cluster's (%s)", name, path)
+            self._beat_now()
+        for name in sorted(self._from_cluster - wanted.keys()):
+            try:
+                self._unload_adapter(name)
+            except ValueError:  # a request here still has it: next time
+                continue
+            logger.info("runtime LoRA adapter %r unloaded: the cluster no longer holds it", name)
+            self._beat_now()
+
+    def _beat_now(self) -> None:
+        """The registry entry published now (its adapters changed), not at the next beat."""
+        if self.heartbeat is not None:
+            self.heartbeat.beat_now()
 
     def on_abort(self, request_id: str) -> None:
         """Drop the request wherever it is here and free its blocks; unknown ids are ignored."""
@@ -542,6 +608,8 @@ class EngineService:
                 self._expire_router(address)
             else:
                 self._send(address, progress)
+        if self.runtime_adapters is not None:
+            self._sync_adapters()
         if self.drain_deadline is not None and now > self.drain_deadline:
             held = list(self.records)
             logger.warning("drain timeout: handing %d requests back to their routers", len(held))
@@ -637,6 +705,8 @@ class EngineService:
         threading.Thread(target=self._prefix_publisher, daemon=True, name="prefix-publisher").start()
         self.heartbeat = HeartbeatThread(self.registry, self.info, 1.0, on_reconnect=self._republish.set)
         self.heartbeat.start()
+        if self.runtime_adapters is not None:
+            threading.Thread(target=self._watch_adapters, daemon=True, name="lora-adapters").start()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.stop)
             signal.signal(signal.SIGINT, self.stop)

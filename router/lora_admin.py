@@ -8,12 +8,19 @@ no request of its own still has. Each instance lists its adapters in its registr
 every router process learns them: a request names a loaded adapter as its model and goes only to
 instances that serve it (``router.dispatcher``). A load answers once the registry shows the adapter on
 every instance that loaded it. An instance that failed is named in the error; those that loaded the
-adapter keep it (requests go there). An engine restarted later starts with its ``--lora-modules`` only.
+adapter keep it (requests go there). A name already loaded is refused, as vLLM refuses it.
+
+The cluster keeps each adapter loaded at run time in Redis (``common.registry.RuntimeAdapters``, signed under
+the cluster key): written before the engines are asked to load it (and deleted again where none could), deleted
+before they are asked to unload it. An engine that starts later, restarted after a crash or added, loads the
+adapters kept there with its ``--lora-modules``, and every engine unloads one it loaded from there once it is
+gone from there (``common.service``): a restart loses no adapter, and an engine the router missed converges.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any
@@ -27,6 +34,8 @@ from common.registry import InstanceInfo
 from router.errors import APIError, bad_request
 from router.openai_models import CheckedRequest, parse_request
 from router.state import RouterState
+
+logger = logging.getLogger(__name__)
 
 UPDATE_TIMEOUT_S = 120.0  # an engine loads between steps: a long step, then the adapter's files
 REGISTRY_WAIT_S = 10.0
@@ -95,12 +104,30 @@ async def _registry_shows(state: RouterState, instances: list[InstanceInfo], nam
         await asyncio.sleep(0.05)
 
 
+async def _keep(state: RouterState, name: str, path: str | None) -> None:
+    """Keep the adapter for engines that start later (``path`` None: forget it); a warning where Redis is down."""
+    adapters = state.runtime_adapters
+    if adapters is None:
+        return
+    ok = await asyncio.to_thread(adapters.remove, name) if path is None else await asyncio.to_thread(
+        adapters.put, name, path)
+    if not ok:
+        logger.warning("redis unreachable: LoRA adapter %r %s the cluster's runtime adapters (an engine that starts "
+                       "later will %s it)", name, "left in" if path is None else "not kept in",
+                       "still load" if path is None else "not load")
+
+
 async def load_adapter(state: RouterState, body: Any) -> str:
     request = parse_request(LoadLoRAAdapterRequest, body, state.config.limits)
     name = request.lora_name
     if name in state.config.served_model_names:
         raise bad_request(f"'{name}' is the served model's name", param="lora_name")
+    if state.lora_name(name) is not None:
+        raise bad_request(f"the LoRA adapter '{name}' has already been loaded", param="lora_name")
+    await _keep(state, name, request.lora_path)
     done, errors = await _update_all(state, name, request.lora_path)
+    if not done:  # loaded nowhere: not to be loaded by engines that start later either
+        await _keep(state, name, None)
     if errors:
         raise _failure("loading", name, done, errors)
     await _registry_shows(state, done, name, loaded=True)
@@ -112,6 +139,7 @@ async def unload_adapter(state: RouterState, body: Any) -> str:
     name = request.lora_name
     if state.lora_name(name) is None:
         raise APIError(404, f"the LoRA adapter '{name}' is not loaded", param="lora_name", code="model_not_found")
+    await _keep(state, name, None)
     done, errors = await _update_all(state, name, None)
     if errors:
         raise _failure("unloading", name, done, errors)

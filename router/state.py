@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from common.registry import PrefixIndex, Registry
+from common.registry import PrefixIndex, Registry, RuntimeAdapters
 from router.admission import RETRY_AFTER_S, Admission
 from router.auth import ApiKeys
 from router.background_responses import BackgroundResponses
@@ -38,6 +38,9 @@ class RouterState:
             Registry(config.redis_url, config.namespace, cluster_key=config.cluster_key) if config.redis_url else None
         )
         self.prefix_index = PrefixIndex(config.redis_url, config.namespace) if config.redis_url else None
+        # The LoRA adapters loaded at run time, kept for engines that start later (``router.lora_admin``).
+        self.runtime_adapters = (RuntimeAdapters(config.redis_url, config.namespace, config.cluster_key)
+                                 if config.redis_url else None)
         store_url = config.response_store_url or config.redis_url
         self.responses = (
             ResponseStore(store_url, config.namespace, config.response_ttl_s, config.cluster_key)
@@ -80,7 +83,7 @@ class RouterState:
         await self.background.stop()
         await self.pool.stop()
         await self.client.close()
-        for redis_user in (self.registry, self.prefix_index, self.responses):
+        for redis_user in (self.registry, self.prefix_index, self.responses, self.runtime_adapters):
             if redis_user is not None:
                 redis_user.close()
 

@@ -4,7 +4,8 @@ Its streamed greedy text through prefill -> KV transfer -> decode equals PEFT's 
 base model's text for the same prompt, sent after it, equals transformers' (the prefill's cached blocks
 of the adapter are not the base model's); /v1/models lists the adapter under the base model. A second
 adapter loaded at run time (vLLM's /v1/load_lora_adapter) into every engine's free slot serves PEFT's
-text too, and is gone once unloaded."""
+text too, refuses to be loaded twice, is loaded by an engine started after it (the cluster keeps it in Redis),
+and is gone from every engine once unloaded."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import httpx
 import openai
 import pytest
 
+from common.registry import Registry, RuntimeAdapters
 from tests.e2e.stack import prefill_decode_stack
 from tests.engine.conftest import PROMPTS, hf_greedy, model_path, tokenizer
 from tests.engine.tiny_models import peft_adapter, peft_greedy
+from tests.router.router_harness import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -31,13 +34,16 @@ def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
                         target_modules=["v_proj", "o_proj", "up_proj", "down_proj"])
 
 
+ENGINE_ARGS: list[str] = []  # the engines' LoRA flags, set by the stack
+
+
 @pytest.fixture(scope="module")
 def stack(redis_url, adapter):  # type: ignore[no-untyped-def]
     module = f"sql={adapter}"
-    engine_args = ["--enable-lora", "--lora-modules", module, "--max-loras", "2"]
+    ENGINE_ARGS[:] = ["--enable-lora", "--lora-modules", module, "--max-loras", "2"]
     with prefill_decode_stack(redis_url, model_path(), router_args=["--lora-modules", module,
                                                                     "--allow-runtime-lora-updating"],
-                              decode_args=engine_args, prefill_args=engine_args) as s:
+                              decode_args=ENGINE_ARGS, prefill_args=ENGINE_ARGS) as s:
         yield s
 
 
@@ -91,8 +97,22 @@ def test_an_adapter_loaded_at_run_time_serves_pefts_text_until_unloaded(stack, c
                       timeout=120)
     assert full.status_code == 400 and "no free LoRA slot" in full.json()["error"]["message"]
     assert "prefill-a" in full.json()["error"]["message"] and "decode-a" in full.json()["error"]["message"]
-    unloaded = httpx.post(f"{stack.url}/v1/unload_lora_adapter", json={"lora_name": "chat"}, timeout=120)
-    assert unloaded.status_code == 200, unloaded.text
+    again = httpx.post(f"{stack.url}/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": str(chat)},
+                       timeout=120)
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    # The cluster keeps it: an engine started after the load (restarted, or added) loads it with its own.
+    assert RuntimeAdapters(stack.redis_url).all() == {"chat": str(chat)}
+    later = stack.start_engine("decode", "decode-b", ENGINE_ARGS)
+    try:
+        assert wait_until(lambda: {a for i in Registry(stack.redis_url).instances() if i.instance_id == "decode-b"
+                                   for a in i.lora_names} == {"sql", "chat"}, 300, 0.3), later.log()
+        unloaded = httpx.post(f"{stack.url}/v1/unload_lora_adapter", json={"lora_name": "chat"}, timeout=120)
+        assert unloaded.status_code == 200, unloaded.text
+        assert RuntimeAdapters(stack.redis_url).all() == {}
+        assert wait_until(lambda: all(i.lora_names == ["sql"] for i in Registry(stack.redis_url).instances()), 30,
+                          0.3), later.log()
+    finally:
+        later.stop()
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="chat", **kwargs)
     again = httpx.post(f"{stack.url}/v1/unload_lora_adapter", json={"lora_name": "chat"}, timeout=120)

@@ -147,3 +147,30 @@ def test_redis_urls_reach_the_client_unchanged() -> None:
     assert (kwargs["username"], kwargs["password"], kwargs["host"], kwargs["port"], kwargs["db"]) == (
         "alice", "pw", "redis.example", 6380, 2,
     )
+
+
+def test_runtime_lora_adapters_are_kept_signed_and_forged_ones_are_dropped(redis_url: str) -> None:
+    """The cluster's runtime-loaded adapters: put, read back, removed; with a key, an entry written without it, under
+    another key, with its path changed, or moved to another name is dropped (an engine would load its weights)."""
+    from common.registry import RuntimeAdapters
+
+    ns, key = _ns(), _key()
+    writer = RuntimeAdapters(redis_url, ns, cluster_key=key)
+    assert writer.put("chat", "/adapters/chat") and writer.put("sql", "/adapters/sql")
+    assert RuntimeAdapters(redis_url, ns, cluster_key=key).all() == {"chat": "/adapters/chat", "sql": "/adapters/sql"}
+    assert writer.remove("sql") and writer.all() == {"chat": "/adapters/chat"}
+    RuntimeAdapters(redis_url, ns).put("unsigned", "/tmp/evil")
+    RuntimeAdapters(redis_url, ns, cluster_key=_key()).put("other-cluster", "/tmp/evil")
+    client = redis.Redis.from_url(redis_url)
+    signed = bytes(client.hget(f"{ns}:lora_adapters", "chat") or b"")  # type: ignore[arg-type]
+    client.hset(f"{ns}:lora_adapters", "moved", signed)  # a real entry under another name
+    client.hset(f"{ns}:lora_adapters", "garbage", b"{not json")
+    assert writer.all() == {"chat": "/adapters/chat"}
+    # A reader without a key takes every well-formed entry under its own name.
+    assert RuntimeAdapters(redis_url, ns).all() == {"chat": "/adapters/chat", "unsigned": "/tmp/evil",
+                                                    "other-cluster": "/tmp/evil"}
+    client.hset(f"{ns}:lora_adapters", "chat", signed.replace(b"/adapters/chat", b"/adapters/evil"))
+    assert writer.all() == {}
+    # Redis down: None (the engines keep what they knew), and put and remove say they failed.
+    down = RuntimeAdapters("redis://127.0.0.1:1/0", ns)
+    assert down.all() is None and not down.put("x", "/x") and not down.remove("x")

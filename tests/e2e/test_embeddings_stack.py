@@ -18,6 +18,7 @@ import torch
 
 from tests.e2e.stack import prefill_decode_stack
 from tests.engine.conftest import PROMPTS, hf_model, model_path, tokenizer
+from tests.router.router_harness import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -66,9 +67,11 @@ def test_embeddings_are_transformers_last_hidden_state_normalized(stack, client)
     for text, item in zip(TEXTS, got.data, strict=True):
         np.testing.assert_allclose(item.embedding, expected(_ids(text)), rtol=1e-4, atol=1e-5)
     assert got.usage.prompt_tokens == got.usage.total_tokens == sum(len(_ids(t)) for t in TEXTS)
-    # Run on the prefill instance: it looked the prompts up in its prefix cache; the decode did nothing.
+    # Run on the prefill instance: it looked the prompts up in its prefix cache; the decode did nothing. (An engine
+    # publishes its counters between steps, twice a second: they may trail the answer.)
     key = "pdserve:prefix_cache_queries_total"
-    assert stack.metrics("prefill-a")[key] - prefill_before[key] >= got.usage.prompt_tokens
+    assert wait_until(lambda: stack.metrics("prefill-a")[key] - prefill_before[key] >= got.usage.prompt_tokens,
+                      30, 0.1), (stack.metrics("prefill-a")[key], prefill_before[key], got.usage.prompt_tokens)
     assert stack.metrics("decode-a").get(key, 0.0) == decode_before.get(key, 0.0)
     # The router counts each input as a finished request, as it counts a generation's end.
     router_after = _router_metrics(stack)

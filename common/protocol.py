@@ -71,6 +71,9 @@ class ImageInput(msgspec.Struct, kw_only=True):
     width: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
     digest: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
     pixel_values: Annotated[bytes, msgspec.Meta(max_length=MAX_IMAGE_BYTES)]
+    # LLaVA-OneVision's prompts of several images: each image its whole-image tile alone (``height`` x ``width``
+    # its size as sent), not its grid of tiles.
+    whole_image_only: bool = False
 
 
 def image_spans(images: list[ImageInput]) -> list[tuple[int, int, str]]:

@@ -110,6 +110,7 @@ class ProcessedImage(NamedTuple):
     height: int
     width: int
     digest: str = ""
+    whole: bool = False  # LLaVA-OneVision's whole-image tile alone (``ImageInput.whole_image_only``)
 
     def hashed(self) -> ProcessedImage:
         """The image with its pixels' digest (``common.protocol.image_digest``)."""
@@ -118,7 +119,7 @@ class ProcessedImage(NamedTuple):
     def engine_input(self, offset: int, length: int) -> ImageInput:
         """The image as the engines take it, its span at ``offset``, hashed."""
         return ImageInput(offset=offset, length=length, height=self.height, width=self.width,
-                          digest=self.hashed().digest, pixel_values=self.pixel_values)
+                          digest=self.hashed().digest, pixel_values=self.pixel_values, whole_image_only=self.whole)
 
 
 class ProcessedCache:
@@ -296,6 +297,8 @@ class ImageFamily(ABC):
     text_expansion: tuple[str, str] | None = None
     # The images one prompt may hold, where the family's way with several is not implemented.
     max_images: int | None = None
+    # Whether a prompt of several images takes each as its whole-image tile alone (LLaVA-OneVision's: ``run_whole``).
+    whole_when_several = False
 
     @classmethod
     @abstractmethod
@@ -311,11 +314,19 @@ class ImageFamily(ABC):
     def span(self, height: int, width: int) -> list[int]:
         """The tokens an image of ``height`` x ``width`` processed pixels takes in the prompt."""
 
-    def process(self, image: Any, param: str) -> ProcessedImage:
-        """``run``, or a 400 naming ``param`` for an image the processor cannot take (a sliver a pixel wide, an
-        aspect ratio past its bound) or that comes out smaller than one image token."""
+    def run_whole(self, image: Any) -> ProcessedImage:
+        """One RGB image as its whole-image tile alone (``whole_when_several`` families)."""
+        raise NotImplementedError
+
+    def span_of(self, image: ProcessedImage) -> list[int]:
+        """The tokens a processed image takes in the prompt."""
+        return self.span(image.height, image.width)
+
+    def process(self, image: Any, param: str, whole: bool = False) -> ProcessedImage:
+        """``run`` (``whole``: ``run_whole``), or a 400 naming ``param`` for an image the processor cannot take (a
+        sliver a pixel wide, an aspect ratio past its bound) or that comes out smaller than one image token."""
         try:
-            processed = self.run(image)
+            processed = self.run_whole(image) if whole else self.run(image)
         except Exception as exc:  # an image the processor cannot size
             raise bad_request(f"the image could not be processed: {exc}", param=param) from None
         if processed.height < self.step or processed.width < self.step:
@@ -577,11 +588,29 @@ class LlavaNextImages(ImageFamily):
 
 class LlavaOnevisionImages(LlavaNextImages):
     """LLaVA-OneVision's: LLaVA-NeXT's tiles (its image processor's), transformers' LLaVA-OneVision processor's count
-    (a grid of more features than ``vision_aspect_ratio`` allows counted as resized to fit). One image a prompt
-    (``max_images``): several are refused by name."""
+    (a grid of more features than ``vision_aspect_ratio`` allows counted as resized to fit). In a prompt of several
+    images each is its whole-image tile alone (padded to a square, resized), ``num_image_tokens`` and a newline's
+    token, as its processor makes a sample of several."""
 
     default_strategy = "full"
-    max_images = 1
+    whole_when_several = True
+
+    def run_whole(self, image: Any) -> ProcessedImage:
+        """Padded to a square, resized to one tile, rescaled, normalized (the image processor's way with an image
+        of a sample of several: it is given one more, a pixel's worth, that is dropped); its size as sent."""
+        from PIL import Image
+
+        out = self.processor(images=[[image, Image.new("RGB", (1, 1))]], return_tensors="np")
+        height, width = (int(v) for v in out["image_sizes"][0])
+        pixels = np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
+        if pixels.shape != (1, 3, self.side, self.side):
+            raise ValueError(f"the processor made pixels {pixels.shape}, not one tile of [3, {self.side}, {self.side}]")
+        return ProcessedImage(pixels.tobytes(), height, width, whole=True)
+
+    def span_of(self, image: ProcessedImage) -> list[int]:
+        if not image.whole:
+            return self.span(image.height, image.width)
+        return [self.placeholder_id] * (self.counter.num_image_tokens + 1 - int(self.drop_first))
 
     @staticmethod
     def counter_for(processor: Any, tokenizer: Any, spec: dict[str, Any], per_tile: int, patch: int, strategy: str,
@@ -876,9 +905,10 @@ class ImageProcessor:
         """The token the chat template writes once per image."""
         return self.family.placeholder_id
 
-    def process(self, image: Any, param: str) -> ProcessedImage:
-        """One RGB image through the model's image processor; a 400 naming ``param`` if it cannot be."""
-        return self.family.process(image, param)
+    def process(self, image: Any, param: str, whole: bool = False) -> ProcessedImage:
+        """One RGB image through the model's image processor (``whole``: as its whole-image tile alone); a 400
+        naming ``param`` if it cannot be."""
+        return self.family.process(image, param, whole)
 
     def span(self, height: int, width: int) -> list[int]:
         """The tokens an image of ``height`` x ``width`` processed pixels takes in the prompt."""
@@ -902,7 +932,7 @@ class ImageProcessor:
         for image in images:
             at = token_ids.index(self.placeholder_id, start)
             out.extend(token_ids[start:at])
-            span = self.span(image.height, image.width)
+            span = self.family.span_of(image)
             inputs.append(image.engine_input(len(out), len(span)))
             out.extend(span)
             start = at + 1
@@ -918,7 +948,7 @@ class ImageProcessor:
         span_tokens: set[int] = set()
         for image in images:
             at = token_ids.index(self.placeholder_id, start)
-            span = self.span(image.height, image.width)
+            span = self.family.span_of(image)
             span_tokens.update(span)
             if token_ids[at:at + len(span)] != span:
                 raise bad_request("an image's tokens are not whole after its placeholder: no message's text may "
@@ -946,17 +976,19 @@ class ImageProcessor:
         pixels past ``MAX_IMAGE_BYTES`` in all. Blocks for as long as that takes (``prepare_off_loop``)."""
         self.check_placeholders(token_ids, images)
         self.check_count(images)
+        whole = self.family.whole_when_several and len(images) > 1
         processed: list[ProcessedImage] = []
         total = 0
         for k, ref in enumerate(images):
             data = (fetched or {}).get(k)
-            # By the data URL as it came (a hit skips its base64 too), or by the bytes fetched for a URL.
-            key = hashlib.sha256(b"data URL\0" if data is None else b"fetched\0")
+            # By the data URL as it came (a hit skips its base64 too), or by the bytes fetched for a URL; and by
+            # the way it is processed.
+            key = hashlib.sha256((b"whole " if whole else b"") + (b"data URL\0" if data is None else b"fetched\0"))
             key.update(ref.url.encode() if data is None else data)
             image = self.cache.get(key.digest())
             if image is None:
                 picture = _open_image(data_url_bytes(ref.url, ref.param) if data is None else data, ref.param)
-                image = self.process(picture, ref.param).hashed()
+                image = self.process(picture, ref.param, whole).hashed()
                 self.cache.put(key.digest(), image)
             total += len(image.pixel_values)
             if total > MAX_IMAGE_BYTES:

@@ -209,9 +209,7 @@ class ModelRunner:
         encoder = self.image_encoder
         if encoder is None:
             raise ValueError(f"images: {self.images_refused}")
-        if encoder.max_images is not None and len(req.images) > encoder.max_images:
-            raise ValueError(f"images: {len(req.images)} in one prompt; this model takes at most "
-                             f"{encoder.max_images} (its way with several is not implemented)")
+        encoder.check_modes(req.images)
         prompt = req.prompt_token_ids
         token = encoder.image_token_id
         end = inside = 0
@@ -220,14 +218,13 @@ class ModelRunner:
                 raise ValueError(f"images[{k}]: its span [{image.offset}, {image.offset + image.length}) overlaps "
                                  f"the one before or leaves the prompt of {len(prompt)} tokens")
             encoder.check_size(image.height, image.width)
-            if len(image.pixel_values) != 4 * encoder.pixel_count(image.height, image.width):
+            if len(image.pixel_values) != 4 * encoder.image_pixel_count(image):
                 raise ValueError(f"images[{k}]: {len(image.pixel_values)} bytes of pixels for a float32 image of "
-                                 f"{encoder.pixel_count(image.height, image.width)} values ({image.height} x "
-                                 f"{image.width} pixels)")
+                                 f"{encoder.image_pixel_count(image)} values ({image.height} x {image.width} pixels)")
             count = prompt[image.offset:image.offset + image.length].count(token)
-            if count != encoder.num_features(image.height, image.width):
+            if count != encoder.image_features(image):
                 raise ValueError(f"images[{k}]: its span holds {count} image tokens (id {token}) for an image of "
-                                 f"{encoder.num_features(image.height, image.width)} features")
+                                 f"{encoder.image_features(image)} features")
             end = image.offset + image.length
             inside += count
         if prompt.count(token) != inside:
@@ -260,7 +257,7 @@ class ModelRunner:
                 if features is None:
                     try:
                         pixels = torch.frombuffer(bytearray(image.pixel_values), dtype=torch.float32).to(self.device)
-                        features = held[image.digest] = encoder.encode(pixels, image.height, image.width)
+                        features = held[image.digest] = encoder.encode_image(pixels, image)
                     except Exception as exc:  # noqa: BLE001 - whatever the tower raised fails its request alone
                         req.image_features.clear()
                         failed[req.request_id] = exc

@@ -39,7 +39,8 @@ Families (``common.model.arch.IMAGE_INPUT_TYPES``):
   laid out as the image, the padding's rows or columns cut off, ``image_newline`` after each row
   (transformers' ``pack_image_features``). Its processed size is the image's own (the grid and the cut follow it).
 - LLaVA-OneVision (``llava_onevision``): LLaVA-NeXT's tiles (a SigLIP tower, every feature), a grid of more
-  features than ``anyres_max_N`` allows resized to fit; one image a prompt.
+  features than ``anyres_max_N`` allows resized to fit; in a prompt of several images, each its whole-image tile
+  alone and a newline (``ImageInput.whole_image_only``).
 - Gemma 3 (``gemma3``): a SigLIP tower over the image resized to its one size (``[3, image_size, image_size]``),
   its patches' features averaged into ``mm_tokens_per_image`` tokens, normed (Gemma's ``1 + weight``) and
   projected. An image's tokens attend to each other both ways in the language model, as transformers masks them
@@ -173,6 +174,28 @@ class ImageEncoder:
         """A prompt's rotary positions ``[3, num_prompt]`` and the shift of every position after it, where the
         language model's are three-dimensional; None where they are the token's index."""
         return None
+
+    def check_modes(self, images: list[ImageInput]) -> None:
+        """``ValueError`` where a prompt's images are not as many, or not in the mode, the family takes them in:
+        only LLaVA-OneVision's come as their whole-image tile alone (``ImageInput.whole_image_only``)."""
+        if self.max_images is not None and len(images) > self.max_images:
+            raise ValueError(f"images: {len(images)} in one prompt; this model takes at most {self.max_images} (its "
+                             "way with several is not implemented)")
+        for k, image in enumerate(images):
+            if image.whole_image_only:
+                raise ValueError(f"images[{k}]: whole_image_only is LLaVA-OneVision's mode for several images, not "
+                                 "this model's")
+
+    # An image as ``ImageInput`` gives it: by default its processed size says it all (``num_features``,
+    # ``pixel_count``, ``encode``); LLaVA-OneVision's mode for several images overrides these.
+    def image_features(self, image: ImageInput) -> int:
+        return self.num_features(image.height, image.width)
+
+    def image_pixel_count(self, image: ImageInput) -> int:
+        return self.pixel_count(image.height, image.width)
+
+    def encode_image(self, pixels: Tensor, image: ImageInput) -> Tensor:
+        return self.encode(pixels, image.height, image.width)
 
 
 class TowerEncoder(ImageEncoder):
@@ -400,10 +423,9 @@ class LlavaNextEncoder(TowerEncoder):
 class LlavaOnevisionEncoder(LlavaNextEncoder):
     """LLaVA-OneVision's: LLaVA-NeXT's tiles, packed as transformers' ``LlavaOnevisionModel`` packs them: a grid of
     more features than ``vision_aspect_ratio``'s ``anyres_max_N`` allows (N tiles' worth, by over 10%) resized
-    bilinearly to fit, before the newlines. One image a prompt (``max_images``): transformers gives each image of a
-    prompt of several its whole-image tile alone, a mode not implemented."""
-
-    max_images = 1
+    bilinearly to fit, before the newlines. In a prompt of several images, each image is its whole-image tile alone
+    (padded to a square, resized to one tile: ``ImageInput.whole_image_only``), its features that tile's and a
+    newline, as transformers runs a sample of several images; a prompt of one image takes its grid."""
 
     def __init__(self, config: Any, path: Path, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(config, path, dtype, device)  # its refusals first
@@ -415,6 +437,30 @@ class LlavaOnevisionEncoder(LlavaNextEncoder):
         )
 
         return LlavaOnevisionMultiModalProjector
+
+    def check_modes(self, images: list[ImageInput]) -> None:
+        several = len(images) > 1
+        for k, image in enumerate(images):
+            if image.whole_image_only != several:
+                raise ValueError(f"images[{k}]: in a prompt of {len(images)} image(s), LLaVA-OneVision takes each "
+                                 f"{'as its whole-image tile alone' if several else 'with its grid of tiles'} "
+                                 f"(whole_image_only {several})")
+
+    def image_features(self, image: ImageInput) -> int:
+        return self.per_side ** 2 + 1 if image.whole_image_only else self.num_features(image.height, image.width)
+
+    def image_pixel_count(self, image: ImageInput) -> int:
+        return 3 * self.side * self.side if image.whole_image_only else self.pixel_count(image.height, image.width)
+
+    @torch.inference_mode()
+    def encode_image(self, pixels: Tensor, image: ImageInput) -> Tensor:
+        if not image.whole_image_only:
+            return self.encode(pixels, image.height, image.width)
+        tower, projector = self.parts()
+        out = tower(pixels.view(1, 3, self.side, self.side).to(next(tower.parameters()).dtype),
+                    output_hidden_states=True, return_dict=True)
+        tile: Tensor = projector(_selected_states(out, self.feature_layers, self.drop_first))
+        return self.pack(tile, image.height, image.width)  # one tile: its features, then the newline
 
     def grid_shape(self, rows: int, cols: int) -> tuple[int, int]:
         ratio = math.sqrt(rows * cols / (self.max_tiles * self.per_side ** 2))

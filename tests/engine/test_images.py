@@ -52,6 +52,7 @@ from tests.engine.tiny_models import (
     llava_next_checkpoint,
     llava_next_pixels,
     llava_onevision_checkpoint,
+    llava_onevision_sample_pixels,
     llava_pixels,
     prompt_token_ids,
     qwen_vl_checkpoint,
@@ -152,8 +153,11 @@ def _request(folder: Path, seeds: tuple[int, ...], sizes: tuple[tuple[int, int],
     for k in range(len(seeds)):
         prompt += [*placeholder, *words[9 * (k + 1):9 * (k + 2)]]
     images = [_image(seed, *size) for seed, size in zip(seeds, sizes, strict=True)]
+    # LLaVA-OneVision's prompt of several images: each its whole-image tile alone, as one sample of them
+    whole = grid and len(images) > 1 and json.loads((folder / "config.json").read_text())["model_type"] == "llava_onevision"
     if grid:  # LLaVA-NeXT's processor: the one <image> repeated, once per feature of the image's grid
-        processed = [llava_next_pixels(folder, image) for image in images]
+        processed = (llava_onevision_sample_pixels(folder, images) if whole
+                     else [llava_next_pixels(folder, image) for image in images])
         pixels = [(p, h, w) for p, h, w, _ in processed]
         counts = iter([n for *_, n in processed])
         ids, spans = [], []
@@ -193,8 +197,8 @@ def _request(folder: Path, seeds: tuple[int, ...], sizes: tuple[tuple[int, int],
         pixels = [image_pixels(folder, image) for image in images]
         ids, spans = expand_image_tokens(prompt, [(h, w) for _, h, w in pixels])
     sent = [(qwen_vl_one_frame(p) if qwen else p).numpy().tobytes() for p, _, _ in pixels]  # Qwen's: one frame
-    inputs = [ImageInput(offset=o, length=n, height=h, width=w, digest=image_digest(data, h, w), pixel_values=data)
-              for (o, n), (_, h, w), data in zip(spans, pixels, sent, strict=True)]
+    inputs = [ImageInput(offset=o, length=n, height=h, width=w, digest=image_digest(data, h, w), pixel_values=data,
+                         whole_image_only=whole) for (o, n), (_, h, w), data in zip(spans, pixels, sent, strict=True)]
     return ids, inputs, [p for p, _, _ in pixels]
 
 
@@ -215,7 +219,10 @@ def _hf_inputs(folder: Path, ids: list[int], images: list[ImageInput], pixels: l
         batch = torch.zeros(len(pixels), max(len(p) for p in pixels), *pixels[0].shape[1:])
         for k, p in enumerate(pixels):
             batch[k, :len(p)] = p
-        return {"pixel_values": batch, "image_sizes": torch.tensor([[i.height, i.width] for i in images])}
+        kwargs = {"pixel_values": batch, "image_sizes": torch.tensor([[i.height, i.width] for i in images])}
+        if images[0].whole_image_only:  # LLaVA-OneVision's sample of several
+            kwargs["batch_num_images"] = torch.tensor([len(images)])
+        return kwargs
     if _gemma(folder):
         kwargs = {"pixel_values": torch.stack(pixels)}
         if image_aware:
@@ -338,19 +345,31 @@ def test_idefics3_images_of_other_grids_equal_transformers(folder: Path, engine_
 
 
 @pytest.mark.parametrize("folder", ["llava_onevision"], indirect=True)
-def test_llava_onevision_images_equal_transformers_one_a_prompt(folder: Path, engine_factory: Any) -> None:
+def test_llava_onevision_images_equal_transformers_alone_and_several_a_prompt(folder: Path, engine_factory: Any) -> None:
     """LLaVA-OneVision's grids (1 x 2, 2 x 1, and 2 x 2, whose features ``anyres_max_1`` resizes to fit), an image a
-    prompt: the prompt's log-probabilities within 1e-4 of transformers' at every position. Two images in a prompt
-    (transformers' multi-image mode, each its whole-image tile alone) are refused by name."""
+    prompt; then prompts of two and three images, each its whole-image tile alone (transformers' way with a sample of
+    several): the prompt's log-probabilities within 1e-4 of transformers' at every position. An image in the other
+    mode than its prompt's count of images is refused by name."""
+    import msgspec
+
     engine = _engine(engine_factory, folder)
     for seed, size in ((1, (100, 180)), (2, (140, 80)), (3, (64, 64))):
         ids, images, pixels = _request(folder, (seed,), (size,))
         _check_prompt_logprobs(engine, folder, ids, images, pixels, request_id=f"r{seed}")
     encoder = engine.runner.image_encoder
     assert encoder is not None and encoder.num_features(64, 64) == 16 + 4 * 5  # 8 x 8 resized to 4 x 4, newlines
-    ids, images, _ = _request(folder, (1, 2), ((50, 90), (40, 40)))
-    with pytest.raises(ValueError, match="2 in one prompt; this model takes at most 1"):
-        engine.add_request("two", ids, GREEDY, images=images)
+    for seeds, sizes in (((1, 2), ((50, 90), (40, 40))), ((4, 5, 6), ((30, 90), (64, 64), (90, 20)))):
+        ids, images, pixels = _request(folder, seeds, sizes)
+        assert all(i.whole_image_only and i.length == 16 + 1 for i in images)  # a tile's features and a newline
+        _check_prompt_logprobs(engine, folder, ids, images, pixels, request_id=f"s{seeds[0]}")
+    one_ids, [one], _ = _request(folder, (1,), ((50, 90),))
+    for prompt, bad, words in ((ids, [*images[:-1], msgspec.structs.replace(images[-1], whole_image_only=False)],
+                                "images\\[2\\]: in a prompt of 3 image\\(s\\), LLaVA-OneVision takes each as its "
+                                "whole-image tile alone"),
+                               (one_ids, [msgspec.structs.replace(one, whole_image_only=True)],
+                                "images\\[0\\]: in a prompt of 1 image\\(s\\), LLaVA-OneVision takes each with its grid")):
+        with pytest.raises(ValueError, match=words):
+            engine.add_request("bad", prompt, GREEDY, images=bad)
 
 
 @pytest.mark.parametrize("folder", ["gemma3"], indirect=True)
@@ -481,6 +500,7 @@ def test_bad_image_inputs_are_refused_by_name(folder: Path, engine_factory: Any,
                                                                pixel_values=bytes(3 * 128 * image.width * 4))),
         "leaves the prompt": (ids[:image.offset + 5], image),
         "outside its images' spans": ([*ids, IMG], image),
+        "whole_image_only is LLaVA-OneVision's": (ids, msgspec.structs.replace(image, whole_image_only=True)),
     }
     for expected, (prompt, bad) in cases.items():
         with pytest.raises(ValueError, match=expected):

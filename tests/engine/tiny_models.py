@@ -951,24 +951,46 @@ def llava_next_checkpoint(folder: Path, seed: int = 0) -> Path:
 def llava_next_pixels(folder: Path, image: Any) -> tuple[torch.Tensor, int, int, int]:
     """transformers' processing of one PIL image for the checkpoint (LLaVA-NeXT's or LLaVA-OneVision's): its tiles
     ``[n, 3, 28, 28]`` (float32), its size as sent, and the image tokens transformers' processor writes for it."""
-    from transformers import AutoImageProcessor, AutoTokenizer, LlavaNextProcessor, LlavaOnevisionProcessor
+    from transformers import AutoImageProcessor, AutoTokenizer, LlavaNextProcessor
 
     image_processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
     out = image_processor(images=[image], return_tensors="pt")
     height, width = (int(v) for v in out["image_sizes"][0])
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     if json.loads((folder / "config.json").read_text())["model_type"] == "llava_onevision":
-        # Not constructed: its constructor wants a video processor, which needs torchvision.
-        processor = LlavaOnevisionProcessor.__new__(LlavaOnevisionProcessor)
-        processor.image_processor, processor.num_image_tokens = image_processor, 16
-        processor.vision_feature_select_strategy, processor.vision_aspect_ratio = "full", "anyres_max_1"
-        processor.image_token = "<image>"
+        processor = _onevision_processor(image_processor)
     else:
         processor = LlavaNextProcessor(image_processor, tokenizer, patch_size=7,
                                        vision_feature_select_strategy="default", num_additional_image_tokens=1)
     count = len(processor.replace_image_token({"image_sizes": [[height, width]], "batch_num_images": [1],
                                                "pixel_values": out["pixel_values"]}, 0)) // len("<image>")
     return out["pixel_values"][0].float(), height, width, count
+
+
+def _onevision_processor(image_processor: Any) -> Any:
+    """transformers' LLaVA-OneVision processor of the checkpoint below, not constructed: its constructor wants a
+    video processor, which needs torchvision."""
+    from transformers import LlavaOnevisionProcessor
+
+    processor = LlavaOnevisionProcessor.__new__(LlavaOnevisionProcessor)
+    processor.image_processor, processor.num_image_tokens = image_processor, 16
+    processor.vision_feature_select_strategy, processor.vision_aspect_ratio = "full", "anyres_max_1"
+    processor.image_token = "<image>"
+    return processor
+
+
+def llava_onevision_sample_pixels(folder: Path, images: list[Any]) -> list[tuple[torch.Tensor, int, int, int]]:
+    """transformers' processing of a prompt of several images for the LLaVA-OneVision checkpoint, all of them in
+    one sample: each image's whole-image tile ``[1, 3, 28, 28]`` (float32), its size as sent, and the image tokens
+    transformers' processor writes for it."""
+    from transformers import AutoImageProcessor
+
+    image_processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
+    out = image_processor(images=[list(images)], return_tensors="pt")
+    processor = _onevision_processor(image_processor)
+    inputs = {"image_sizes": out["image_sizes"], "batch_num_images": [len(images)], "pixel_values": out["pixel_values"]}
+    return [(out["pixel_values"][k][:1].float(), *(int(v) for v in out["image_sizes"][k]),
+             len(processor.replace_image_token(inputs, k)) // len("<image>")) for k in range(len(images))]
 
 
 # A LLaVA-OneVision checkpoint whose images are served: the LLaVA-NeXT checkpoint's grids with a SigLIP tower (every

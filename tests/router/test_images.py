@@ -62,6 +62,7 @@ from tests.engine.tiny_models import (
     llava_next_checkpoint,
     llava_next_pixels,
     llava_onevision_checkpoint,
+    llava_onevision_sample_pixels,
     qwen_vl_checkpoint,
     qwen_vl_one_frame,
     qwen_vl_pixels,
@@ -773,9 +774,10 @@ def _chat_one_image(server: Any, cluster: Any, picture: Image.Image) -> tuple[li
     """A chat of ``w11``, ``picture`` and ``w13`` through the router to the fake engines: its messages, and the
     request the engines got."""
     messages = [{"role": "user", "content": [_text("w11 "), _part(_data_url(picture)), _text(" w13")]}]
+    before = len(cluster.requests())
     response = httpx.post(f"{server.url}{CHAT}", json={"messages": messages, "max_tokens": 2}, timeout=10)
     assert response.status_code == 200, response.text
-    [sent] = cluster.requests()
+    [sent] = cluster.requests()[before:]
     return messages, sent
 
 
@@ -812,20 +814,22 @@ def test_internvl_images_reach_the_engines_as_its_processor_makes_them(
         ModelImages.from_model_dir(folder, prompts.tokenizer)
 
 
-def test_llava_onevision_takes_one_image_a_prompt_as_its_processor_makes_it(
+def test_llava_onevision_images_reach_the_engines_as_its_processor_makes_them_alone_and_several(
     redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """LLaVA-OneVision: ``<image>`` once per feature as its processor counts them (a 2 x 2 grid's resized to fit
-    ``anyres_max_1``), the image processor's tiles, the size as sent; a second image in the prompt is refused by
-    name (transformers' multi-image mode is not implemented)."""
+    ``anyres_max_1``), the image processor's tiles, the size as sent. In a prompt of two images, each its
+    whole-image tile alone and a tile's tokens and a newline's, as its processors make one sample of both; the
+    same image sent alone again is processed with its grid (the cache keeps the two apart)."""
     folder = llava_onevision_checkpoint(tmp_path_factory.mktemp("llava-onevision"))
     prompts, images = _served(folder, "llava_onevision")
-    picture = _image(71, 64, 64)
+    picture, other = _image(71, 64, 64), _image(72, 30, 90)
+    two = [{"role": "user", "content": [_part(_data_url(picture)), _text(" w3"), _part(_data_url(other))]}]
     with fake_stack(redis_url, prompts, REPLY, images=images) as (server, cluster):
+        response = httpx.post(f"{server.url}{CHAT}", json={"messages": two, "max_tokens": 2}, timeout=10)
+        assert response.status_code == 200, response.text
+        [several] = cluster.requests()
         messages, sent = _chat_one_image(server, cluster, picture)
-        two = [{"role": "user", "content": [_part(PNG), _text(" w3"), _part(PNG)]}]
-        _refusal(httpx.post(f"{server.url}{CHAT}", json={"messages": two, "max_tokens": 2}, timeout=10),
-                 "messages.0.content.2.image_url", "at most 1 image(s) a prompt")
     pixels, height, width, count = llava_next_pixels(folder, picture)
     rendered = _rendered(prompts, messages)
     at = rendered.index(LLAVA_TOKENS["<image>"])
@@ -833,7 +837,18 @@ def test_llava_onevision_takes_one_image_a_prompt_as_its_processor_makes_it(
     assert sent.prompt_token_ids == [*rendered[:at], *[LLAVA_TOKENS["<image>"]] * count, *rendered[at + 1:]]
     [image] = sent.images
     assert (image.height, image.width, image.offset, image.length) == (height, width, at, count)
-    assert image.pixel_values == pixels.numpy().tobytes()
+    assert image.pixel_values == pixels.numpy().tobytes() and not image.whole_image_only
+    expected = llava_onevision_sample_pixels(folder, [picture, other])
+    ids, offset = _rendered(prompts, two), 0
+    for k, (tile, height, width, count) in enumerate(expected):
+        assert count == 16 + 1
+        at = ids.index(LLAVA_TOKENS["<image>"], offset)
+        ids[at:at + 1] = [LLAVA_TOKENS["<image>"]] * count
+        got = several.images[k]
+        assert (got.height, got.width, got.offset, got.length, got.whole_image_only) == (height, width, at, count, True)
+        assert got.pixel_values == tile.numpy().tobytes()
+        offset = at + count
+    assert several.prompt_token_ids == ids
 
 
 @pytest.mark.parametrize("tower", ["clip", "pixtral"])

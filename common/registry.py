@@ -76,6 +76,26 @@ class SignedEntry(msgspec.Struct):
 _info_encoder = msgspec.json.Encoder()
 _info_decoder = msgspec.json.Decoder(InstanceInfo)
 _signed_decoder = msgspec.json.Decoder(SignedEntry)
+
+
+def _sealed(payload: bytes, key: ClusterKey | None, name: bytes) -> bytes:
+    """An entry as written: its JSON, or with a key that JSON and its MAC over ``name``, a newline and the JSON."""
+    if key is None:
+        return payload
+    return _info_encoder.encode(SignedEntry(msgspec.Raw(payload), key.sign(name + b"\n" + payload)))
+
+
+def _opened(raw: bytes, key: ClusterKey | None, name: bytes) -> tuple[bytes, str | None]:
+    """An entry's JSON as written (``_sealed``), and why it does not pass ``key`` (None where it does; without a key
+    every entry does)."""
+    try:
+        signed: SignedEntry | None = _signed_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        signed = None  # an unsigned entry (or garbage: the plain decode after this says which)
+    entry = raw if signed is None else bytes(signed.entry)
+    if key is not None and (signed is None or not key.verify(name + b"\n" + entry, signed.mac)):
+        return entry, "unsigned" if signed is None else "its MAC does not verify"
+    return entry, None
 _MAX_LOGGED_REJECTS = 1024
 
 
@@ -179,10 +199,7 @@ class Registry:
         likely gone too.
         """
         key = self._rc.key("instance", info.instance_id)
-        payload = _info_encoder.encode(info)
-        if self._key is not None:
-            mac = self._key.sign(key.encode() + b"\n" + payload)
-            payload = _info_encoder.encode(SignedEntry(msgspec.Raw(payload), mac))
+        payload = _sealed(_info_encoder.encode(info), self._key, key.encode())
 
         def op(client: redis.Redis) -> bool:
             pipe = client.pipeline(transaction=False)
@@ -245,16 +262,10 @@ class Registry:
     def _open(self, instance_id: str, raw: bytes | str) -> InstanceInfo | None:
         """The entry if it passes this reader's key (any well-formed one without a key), else None."""
         raw = raw.encode() if isinstance(raw, str) else raw
-        try:
-            signed: SignedEntry | None = _signed_decoder.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            signed = None  # an unsigned entry (or garbage: the plain decode below says which)
-        entry = raw if signed is None else bytes(signed.entry)
-        if self._key is not None:
-            name = self._rc.key("instance", instance_id).encode()
-            if signed is None or not self._key.verify(name + b"\n" + entry, signed.mac):
-                self._reject(instance_id, "unsigned" if signed is None else "its MAC does not verify")
-                return None
+        entry, refused = _opened(raw, self._key, self._rc.key("instance", instance_id).encode())
+        if refused is not None:
+            self._reject(instance_id, refused)
+            return None
         info = _info_decoder.decode(entry)
         if info.instance_id != instance_id:
             raise msgspec.ValidationError(f"entry names instance {info.instance_id!r}")
@@ -298,10 +309,7 @@ class RuntimeAdapters:
 
     def put(self, name: str, path: str) -> bool:
         """Keep the adapter (replacing one of that name); False where Redis is unreachable."""
-        payload = _info_encoder.encode(RuntimeAdapter(name=name, path=path))
-        if self._key is not None:
-            mac = self._key.sign(self._signed_bytes(name, payload))
-            payload = _info_encoder.encode(SignedEntry(msgspec.Raw(payload), mac))
+        payload = _sealed(_info_encoder.encode(RuntimeAdapter(name=name, path=path)), self._key, self._entry_name(name))
         return self._rc.run("lora adapter put", lambda client: client.hset(self._hash, name, payload))[0]
 
     def remove(self, name: str) -> bool:
@@ -321,18 +329,14 @@ class RuntimeAdapters:
                 adapters[name] = adapter.path
         return adapters
 
-    def _signed_bytes(self, name: str, payload: bytes) -> bytes:
-        return self._hash.encode() + b"\n" + name.encode() + b"\n" + payload
+    def _entry_name(self, name: str) -> bytes:
+        """What an entry's MAC covers before its JSON: the hash's name and the adapter's."""
+        return self._hash.encode() + b"\n" + name.encode()
 
     def _open(self, name: str, raw: bytes) -> RuntimeAdapter | None:
-        try:
-            signed: SignedEntry | None = _signed_decoder.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            signed = None
-        entry = raw if signed is None else bytes(signed.entry)
-        if self._key is not None and (signed is None or not self._key.verify(self._signed_bytes(name, entry),
-                                                                            signed.mac)):
-            logger.warning("ignoring runtime LoRA adapter %r: not written with this cluster's key", name)
+        entry, refused = _opened(raw, self._key, self._entry_name(name))
+        if refused is not None:
+            logger.warning("ignoring runtime LoRA adapter %r: %s (not written with this cluster's key)", name, refused)
             return None
         try:
             adapter = _adapter_decoder.decode(entry)

@@ -174,6 +174,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_layers = int(self.hf_config.num_hidden_layers)
         self.num_blocks = self._num_blocks()
+        self._check_capacity()
         self.init_input_batch()
         self.kv_cache, self.transfer_cache = self._allocate_cache(cache_path)
         self.decode_graphs = self._capture_decode_graphs()
@@ -407,6 +408,19 @@ class ModelRunner:
         )
         graphs.capture()
         return graphs
+
+    def _check_capacity(self) -> None:
+        """Where the cache was sized from memory (no ``--num-blocks``), ``ValueError`` unless it holds one request of
+        ``max_model_len`` tokens, as vLLM refuses to start then: the model's own context length (Llama 4 Scout's
+        10M tokens, say) is the default, and a request that long could never run."""
+        capacity = self.num_blocks * self.block_size
+        if self.config.num_blocks is not None or capacity >= self.max_model_len:
+            return
+        memory = "--gpu-memory-utilization" if self.device.type == "cuda" else "--kv-cache-memory"
+        raise ValueError(
+            f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks of {self.block_size}), fewer than "
+            f"max_model_len {self.max_model_len}: a request of that length could never run. Pass --max-model-len "
+            f"{capacity} or less, or give the cache more memory ({memory})")
 
     def _num_blocks(self) -> int:
         if self.config.num_blocks is not None:

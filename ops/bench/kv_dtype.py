@@ -105,11 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     requests = prompts(AutoTokenizer.from_pretrained(str(resolve_model_path(args.model))), args.num_prompts)
     dtypes = args.dtypes.split(",")
     runs: dict[str, dict[str, Any]] = {}
+    # The context the workload needs: a cache of a few MiB need not hold the model's whole one.
+    max_model_len = max(len(r) for r in requests) + args.max_tokens
     for dtype in dtypes:
         for kv in ("auto", "fp8"):
             config = EngineConfig(model=args.model, device=args.device, dtype=dtype, kv_cache_dtype=kv,
                                   kv_cache_memory=parse_size(args.kv_cache_memory),
-                                  max_num_seqs=max(8, args.num_prompts))
+                                  max_num_seqs=max(8, args.num_prompts), max_model_len=max_model_len)
             runs[f"{dtype}/{kv}"] = run_one(config, requests, args.max_tokens)
     comparisons = {f"{d}/fp8 vs {d}/auto": (f"{d}/auto", f"{d}/fp8") for d in dtypes}
     comparisons |= {f"{d}/auto vs {dtypes[0]}/auto": (f"{dtypes[0]}/auto", f"{d}/auto") for d in dtypes[1:]}

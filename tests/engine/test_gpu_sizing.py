@@ -150,3 +150,24 @@ def test_the_profile_runs_the_largest_forward_and_samples_every_row_with_every_f
     forwards.clear()
     runner.profile_activations()
     assert forwards[0][0] == [64, 64]
+
+
+def test_a_cache_sized_from_memory_that_cannot_hold_max_model_len_refuses_to_start(tmp_path):
+    """As vLLM: a cache sized from memory (no ``--num-blocks``) must hold one request of ``max_model_len`` tokens (the
+    model's own context by default); the error names both figures and the flags. Given that many blocks, or a
+    shorter ``max_model_len``, the engine starts."""
+    from common.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from tests.engine.tiny_models import TINY_DIMS, build_checkpoint, family_configs
+
+    folder = build_checkpoint(family_configs()["llama-bias"], tmp_path / "tiny")
+    per_token = TINY_DIMS["num_hidden_layers"] * 2 * TINY_DIMS["num_key_value_heads"] * TINY_DIMS["head_dim"] * 4
+    config = {"model": str(folder), "device": "cpu", "dtype": "float32", "block_size": 8, "num_blocks": None,
+              "kv_cache_memory": 100 * 8 * per_token}  # 100 blocks: 800 tokens
+    LLMEngine(EngineConfig(**config)).close()  # the model's 256 positions fit
+    small = {**config, "kv_cache_memory": 20 * 8 * per_token}  # 160 tokens
+    with pytest.raises(ValueError, match="holds 160 tokens \\(20 blocks of 8\\), fewer than max_model_len 256.*"
+                                         "--max-model-len 160 or less.*--kv-cache-memory"):
+        LLMEngine(EngineConfig(**small))
+    LLMEngine(EngineConfig(**small, max_model_len=160)).close()
+    LLMEngine(EngineConfig(**{**small, "num_blocks": 20})).close()

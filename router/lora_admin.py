@@ -125,8 +125,12 @@ async def load_adapter(state: RouterState, body: Any) -> str:
     if state.lora_name(name) is not None:
         raise bad_request(f"the LoRA adapter '{name}' has already been loaded", param="lora_name")
     await _keep(state, name, request.lora_path)
-    done, errors = await _update_all(state, name, request.lora_path)
-    if not done:  # loaded nowhere: not to be loaded by engines that start later either
+    try:
+        done, errors = await _update_all(state, name, request.lora_path)
+    except APIError:  # no instance to load it: not to be loaded by engines that start later either
+        await _keep(state, name, None)
+        raise
+    if not done:  # loaded nowhere: the same
         await _keep(state, name, None)
     if errors:
         raise _failure("loading", name, done, errors)

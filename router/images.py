@@ -10,7 +10,7 @@ sends and the span of an image:
 - Mistral 3 (``PixtralImages``): float32 ``[3, height, width]`` pixels; a row of image tokens per
   ``patch_size * spatial_merge_size`` pixels of height, each row ended by the break token, the last by the end
   token.
-- Qwen2.5-VL (``QwenVLImages``): one frame of the processor's patches (a still image is ``temporal_patch_size``
+- Qwen2-VL and Qwen2.5-VL (``QwenVLImages``; Qwen3-VL's too, its patches of 16): one frame of the processor's patches (a still image is ``temporal_patch_size``
   equal ones), float32 ``[grid_h * grid_w, 3 * patch_size ** 2]``, with the resized image's height and width;
   one ``<|image_pad|>`` per ``merge_size`` x ``merge_size`` patches.
 - LLaVA (``LlavaImages``) with a CLIP or SigLIP tower: float32 ``[3, side, side]`` pixels, every image resized and
@@ -387,7 +387,7 @@ class PixtralImages(ImageFamily):
 
 
 class QwenVLImages(ImageFamily):
-    """Qwen2.5-VL's (transformers' Qwen2-VL image processor; ``preprocessor_config.json``: ``patch_size``,
+    """Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's (transformers' Qwen2-VL image processor; ``preprocessor_config.json``: ``patch_size``,
     ``merge_size``, ``temporal_patch_size``, the bounds on an image's pixels). The processor's patches are
     ``[grid_h * grid_w, 3 * temporal_patch_size * patch_size ** 2]``, a still image ``temporal_patch_size`` equal
     frames of one; the pixels sent are one frame of them, float32 ``[grid_h * grid_w, 3 * patch_size ** 2]``
@@ -871,7 +871,7 @@ IMAGE_FAMILIES: dict[str, type[ImageFamily]] = {
     "gemma3": Gemma3Images, "idefics3": Idefics3Images, "internvl": InternVLImages, "llava": LlavaImages,
     "llava_next": LlavaNextImages,
     "llava_onevision": LlavaOnevisionImages, "mistral3": PixtralImages,
-    "qwen2_5_vl": QwenVLImages, "qwen3_vl": QwenVLImages, "qwen3_vl_moe": QwenVLImages, "smolvlm": Idefics3Images,
+    "qwen2_vl": QwenVLImages, "qwen2_5_vl": QwenVLImages, "qwen3_vl": QwenVLImages, "qwen3_vl_moe": QwenVLImages, "smolvlm": Idefics3Images,
 }
 
 

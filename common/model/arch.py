@@ -167,12 +167,13 @@ _GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text", "vaultgemma")
 _SANDWICH_GEMMA_TYPES = ("gemma2", "gemma3_text")
 _SOFT_CAPPED_GEMMA_TYPES = (*_SANDWICH_GEMMA_TYPES, "vaultgemma")
 # Image-text checkpoints whose language model is served on its own: Gemma 3 (4B and up), Idefics3, LLaVA,
-# InternVL 3 / 3.5, LLaVA-NeXT, LLaVA-OneVision, Llama 4, Mistral Small 3.1 / 3.2, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and SmolVLM. For a prompt of text alone
+# InternVL 3 / 3.5, LLaVA-NeXT, LLaVA-OneVision, Llama 4, Mistral Small 3.1 / 3.2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+# Qwen3-VL-MoE and SmolVLM. For a prompt of text alone
 # the wrapper's logits are its language model's (the vision tower and projector only ever touch image tokens), so
 # the model is its ``text_config``'s family; its images, where taken, replace their tokens' embeddings
 # (``common.model.vision``).
-IMAGE_TEXT_TYPES = ("gemma3", "idefics3", "internvl", "llama4", "llava", "llava_next", "llava_onevision", "mistral3", "qwen2_5_vl",
-                    "qwen3_vl", "qwen3_vl_moe", "smolvlm")
+IMAGE_TEXT_TYPES = ("gemma3", "idefics3", "internvl", "llama4", "llava", "llava_next", "llava_onevision", "mistral3",
+                    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "smolvlm")
 # Those whose images are implemented (``common.model.vision``); the others' images are refused by name.
 IMAGE_INPUT_TYPES = tuple(kind for kind in IMAGE_TEXT_TYPES if kind != "llama4")
 
@@ -220,7 +221,8 @@ def image_input_refusal(model_type: str) -> str:
 # is Qwen2's, Qwen3-VL's Qwen3's. Their M-RoPE gives each token three position ids (time, height, width)
 # that, for text alone, are one: each section of the rotation then turns by that one position, which is
 # the plain RoPE.
-_TEXT_FAMILIES = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe"}
+_TEXT_FAMILIES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3",
+                  "qwen3_vl_moe_text": "qwen3_moe"}
 # Qwen3-VL-MoE's: Qwen3-MoE's mixture, whose router always renormalizes its choice, and whose released
 # checkpoints hold the stacked experts input-major (``[E, H, 2I]`` and ``[E, I, H]``), turned as they load
 # where their shape says so (as transformers turns them).

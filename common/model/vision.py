@@ -11,8 +11,8 @@ Families (``common.model.arch.IMAGE_INPUT_TYPES``):
 
 - Mistral 3 (``mistral3``: Mistral Small 3.1 / 3.2, Ministral 3): a Pixtral tower over the image's pixels
   (``[3, height, width]``), RMSNorm, the patch merger and two linear layers. Its prompt positions are plain.
-- Qwen2.5-VL (``qwen2_5_vl``): its tower (windowed and full attention blocks, the merger) over the image
-  processor's flattened patches (``[grid_h * grid_w, 3 * 2 * 14 * 14]``: a still image is two frames of one, of
+- Qwen2-VL and Qwen2.5-VL (``qwen2_vl``, ``qwen2_5_vl``): its tower (Qwen2.5-VL's windowed and full attention
+  blocks, Qwen2-VL's all full; the merger) over the image processor's flattened patches (``[grid_h * grid_w, 3 * 2 * 14 * 14]``: a still image is two frames of one, of
   which the router sends one, ``[grid_h * grid_w, 3 * 14 * 14]``).
   Its language model's M-RoPE gives an image's tokens the positions (t, t + row, t + column) from the position
   t the image starts at, and the text after it positions from t + its larger side in tokens on, so every
@@ -96,7 +96,8 @@ def load_image_encoder(path: Path, dtype: torch.dtype, device: torch.device) -> 
     family = {"gemma3": Gemma3Encoder, "idefics3": Idefics3Encoder, "smolvlm": Idefics3Encoder, "internvl": InternVLEncoder,
               "llava": LlavaEncoder,
               "llava_next": LlavaNextEncoder, "llava_onevision": LlavaOnevisionEncoder, "mistral3": PixtralEncoder,
-              "qwen2_5_vl": QwenVLEncoder, "qwen3_vl": Qwen3VLEncoder, "qwen3_vl_moe": Qwen3VLEncoder}[model_type]
+              "qwen2_vl": QwenVLEncoder, "qwen2_5_vl": QwenVLEncoder, "qwen3_vl": Qwen3VLEncoder,
+              "qwen3_vl_moe": Qwen3VLEncoder}[model_type]
     return family(config, path, dtype, device)
 
 
@@ -673,7 +674,8 @@ def _tiled_longest_side(path: Path, tile: int) -> int:
 
 
 class QwenVLEncoder(ImageEncoder):
-    """Qwen2.5-VL's: its vision transformer and merger (``visual``), over the processor's patches; M-RoPE."""
+    """Qwen2.5-VL's (and Qwen2-VL's: the same patches, positions and layout, its tower's blocks all of full
+    attention): its vision transformer and merger (``visual``), over the processor's patches; M-RoPE."""
 
     prefixes = ("visual",)
 
@@ -693,9 +695,12 @@ class QwenVLEncoder(ImageEncoder):
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
             Qwen2_5_VisionTransformerPretrainedModel,
         )
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
+        tower = (Qwen2VisionTransformerPretrainedModel if config.model_type == "qwen2_vl"
+                 else Qwen2_5_VisionTransformerPretrainedModel)
         modules = nn.Module()
-        modules.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
+        modules.visual = tower._from_config(config.vision_config)
         return modules
 
     def pixel_count(self, height: int, width: int) -> int:

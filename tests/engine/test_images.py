@@ -64,8 +64,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 IMG = IMAGE_TOKENS["[IMG]"]
 
 
-FAMILIES = ("gemma3", "internvl", "llava", "llava_pixtral", "llava_next", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
-            "smolvlm")
+FAMILIES = ("gemma3", "internvl", "llava", "llava_pixtral", "llava_next", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+            "qwen3_vl_moe", "smolvlm")
 
 
 def _drain_outputs(engine: LLMEngine) -> list[Any]:

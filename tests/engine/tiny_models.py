@@ -1168,7 +1168,7 @@ def expand_idefics3_tokens(folder: Path, prompt: list[int], grids: list[tuple[in
 # ``<|vision_start|><|image_pad|><|vision_end|>`` for an image part, as Qwen2.5-VL's own.
 QWEN_VL_TOKENS = {"<|vision_start|>": TINY_DIMS["vocab_size"] - 3, "<|vision_end|>": TINY_DIMS["vocab_size"] - 2,
                   "<|image_pad|>": TINY_DIMS["vocab_size"] - 1}
-QWEN_VL_PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}
+QWEN_VL_PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}
 QWEN_VL_CHAT_TEMPLATE = _image_chat_template(" <|vision_start|><|image_pad|><|vision_end|> ")
 
 
@@ -1256,11 +1256,14 @@ def _word_tokenizer(folder: Path, special: dict[str, int], chat_template: str, n
 def qwen_vl_checkpoint(folder: Path, seed: int = 0, model_type: str = "qwen2_5_vl") -> Path:
     """The Qwen2.5-VL checkpoint above (or, ``model_type`` "qwen3_vl", a Qwen3-VL one: Qwen3's layer under M-RoPE
     over interleaved columns, a tower over patches of 16 pixels whose two blocks' features also join the first two
-    layers, the deepstack; "qwen3_vl_moe": the same around Qwen3-MoE's layer) with its tokenizer, chat template and image processor's file (``preprocessor_config.json``:
+    layers, the deepstack; "qwen3_vl_moe": the same around Qwen3-MoE's layer; "qwen2_vl": Qwen2-VL's, its tower's blocks
+    all of full attention, its merger's norm a LayerNorm) with its tokenizer, chat template and image processor's file (``preprocessor_config.json``:
     transformers' Qwen2-VL image processor, images of 4 to 64 tokens)."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLTextConfig,
+        Qwen2VLConfig,
+        Qwen2VLTextConfig,
         Qwen3VLConfig,
         Qwen3VLMoeConfig,
         Qwen3VLMoeTextConfig,
@@ -1285,6 +1288,13 @@ def qwen_vl_checkpoint(folder: Path, seed: int = 0, model_type: str = "qwen2_5_v
                                              mlp_only_layers=[1],
                                              rope_parameters={**rope, "mrope_interleaved": True}).to_dict(),
             vision_config=vision3, **tokens,
+        )
+    elif model_type == "qwen2_vl":
+        config = Qwen2VLConfig(
+            text_config=Qwen2VLTextConfig(**TINY_DIMS, rope_parameters=rope).to_dict(),
+            vision_config={"depth": 2, "embed_dim": 32, "mlp_ratio": 2, "num_heads": 2,
+                           "hidden_size": TINY_DIMS["hidden_size"]},
+            **tokens,
         )
     else:
         config = Qwen2_5_VLConfig(

@@ -416,10 +416,10 @@ def test_a_processor_whose_image_token_is_not_the_model_s_is_refused_at_start(
         ModelImages.from_model_dir(other, image_prompts.tokenizer)
 
 
-# Qwen2.5-VL: the processor's patches and a run of <|image_pad|> per image.
-@pytest.fixture(scope="module")
-def qwen_folder(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return qwen_vl_checkpoint(tmp_path_factory.mktemp("qwen2_5_vl"))
+# Qwen2.5-VL and Qwen2-VL: the processor's patches and a run of <|image_pad|> per image.
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
+def qwen_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return qwen_vl_checkpoint(tmp_path_factory.mktemp(request.param), model_type=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -446,7 +446,8 @@ def _expected_qwen(folder: pathlib.Path, prompts: PromptProcessor, messages: lis
 def test_qwen_vl_images_reach_the_engines_as_its_processor_makes_them(
     redis_url: str, qwen_folder: pathlib.Path, qwen_prompts: PromptProcessor, qwen_images: ModelImages
 ) -> None:
-    assert qwen_images.model_type == "qwen2_5_vl" and qwen_images.processor is not None
+    assert qwen_images.model_type == json.loads((qwen_folder / "config.json").read_text())["model_type"]
+    assert qwen_images.processor is not None
     pictures = [_image(11, 200, 300), _image(12, 50, 90)]
     messages = [{"role": "user", "content": [_text("w11 "), _part(_data_url(pictures[0])), _text(" w12"),
                                              _part(_data_url(pictures[1]), plain=True), _text(" w13")]}]

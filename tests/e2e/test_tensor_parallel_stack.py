@@ -151,10 +151,17 @@ def test_streamed_greedy_text_over_two_ranks_and_the_kv_transfer_equals_transfor
     assert text == expected
     assert text.split() == [f"w{t}" for t in tokens if t > 2]  # every token's own word
     assert chunks[-1].choices[0].finish_reason == "length"
-    after = {n: stack.metrics(n) for n in names}
+    after: dict[str, dict[str, float]] = {}
 
     def grew(name: str, metric: str) -> float:
         return after[name].get(metric, 0.0) - before[name].get(metric, 0.0)
+
+    def transferred() -> bool:  # an engine publishes its counters twice a second: they may trail the answer
+        after.update({n: stack.metrics(n) for n in names})
+        return grew(PREFILL, "pdserve:kv_transfer_seconds_count") >= 1 and sum(
+            grew(n, "pdserve:kv_transfer_seconds_count") for n in DECODES) >= 1
+
+    wait_until(transferred, 30, "both sides of the KV transfer to be counted")
 
     # The prompt went prefill -> KV transfer -> decode, and its blocks (each with both ranks' heads)
     # arrived whole: the decode did not recompute it.

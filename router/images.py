@@ -815,14 +815,16 @@ class InternVLImages(ImageFamily):
         where the tokenizer would merge an image's tokens with the text around them."""
         from transformers import AutoImageProcessor
 
+        from common.model.arch import square_side
+
         tokens = [getattr(tokenizer, name, None) or default for name, default in (
             ("start_image_token", "<img>"), ("context_image_token", "<IMG_CONTEXT>"), ("end_image_token", "</img>"))]
         start_id, context_id, end_id = (_one_token(model_dir, tokenizer, text, what) for text, what in zip(
             tokens, ("start image token", "image token", "end image token"), strict=True))
         _check_model_image_token(model_dir, config, context_id)
         vision = config.get("vision_config") or {}
-        side, patch = (_square_side(vision.get(key, default), key) for key, default in (("image_size", 448),
-                                                                                         ("patch_size", 14)))
+        side, patch = (square_side(vision.get(key, default), key, ImagesRefused)
+                       for key, default in (("image_size", 448), ("patch_size", 14)))
         ratio = config.get("downsample_ratio", 0.5)
         strategy = config.get("vision_feature_select_strategy", "default")
         if strategy not in ("default", "full"):
@@ -856,14 +858,6 @@ class InternVLImages(ImageFamily):
     def span(self, height: int, width: int) -> list[int]:
         start, context, end = self.ids
         return [start, *[context] * (self.num_tokens * (height // self.step)), end]
-
-
-def _square_side(size: Any, field: str) -> int:
-    """A side given as one number or two equal ones (InternVL's config lists them); ``ImagesRefused`` otherwise."""
-    sides = list(size) if isinstance(size, (list, tuple)) else [size, size]
-    if len(sides) != 2 or sides[0] != sides[1] or not isinstance(sides[0], int):
-        raise ImagesRefused(f"image input with a vision_config.{field} of {size!r} is not implemented (square only)")
-    return sides[0]
 
 
 # The families whose images the router processes, by model type (each of ``common.model.arch.IMAGE_INPUT_TYPES``).

@@ -44,8 +44,9 @@ correctness):
   per-head q/k norms and an ungated MLP with its xIELU.
 - AFMoE is Gemma's four norms in OLMo's form, per-head q/k norms, a sigmoid gate on the attention's output,
   Cohere 2's unrotated global layers and MiniMax-M2's router, scaled.
-- Image-text checkpoints (Gemma 3, Idefics3, LLaVA, LLaVA-NeXT, LLaVA-OneVision, Mistral 3, Qwen2.5-VL, Qwen3-VL,
-  Qwen3-VL-MoE, SmolVLM) are served as their ``text_config``'s family; their images too (``common.model.vision``).
+- Image-text checkpoints (``IMAGE_TEXT_TYPES``: Gemma 3, Idefics3, InternVL, Llama 4, LLaVA, LLaVA-NeXT,
+  LLaVA-OneVision, Mistral 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, SmolVLM) are served as their
+  ``text_config``'s family; their images too, but Llama 4's (``common.model.vision``).
 - Cohere (``cohere``) and Cohere 2 (``cohere2``) rotate interleaved pairs too, in float32; their norms are
   LayerNorms without bias (``NORM_LAYER``), attention and MLP read the same norm side by side, and the
   logits are scaled by ``logit_scale``; Cohere 2 windows its sliding layers and rotates only those.
@@ -209,6 +210,15 @@ def llava_next_image_refusal(model_type: str, tower: object, strategy: object, a
     if model_type == "llava_onevision" and not re.fullmatch(r"anyres_max_[1-9][0-9]*", str(aspect)):
         return f"image input with vision_aspect_ratio {aspect!r} is not implemented (anyres_max_N)"
     return None
+
+
+def square_side(size: object, field: str, refused: type[Exception]) -> int:
+    """A vision tower's side given as one integer or as two equal ones (InternVL's config lists them); ``refused``
+    naming ``field`` otherwise (engine and router alike)."""
+    sides = list(size) if isinstance(size, (list, tuple)) else [size, size]
+    if len(sides) != 2 or sides[0] != sides[1] or not isinstance(sides[0], int) or isinstance(sides[0], bool):
+        raise refused(f"image input with a vision_config.{field} of {size!r} is not implemented (square only)")
+    return sides[0]
 
 
 def image_input_refusal(model_type: str) -> str:

@@ -70,6 +70,7 @@ from common.model.arch import (
     image_input_refusal,
     llava_image_refusal,
     llava_next_image_refusal,
+    square_side,
 )
 from common.protocol import ImageInput
 
@@ -397,10 +398,11 @@ class LlavaNextEncoder(TowerEncoder):
     def too_large(self, height: int, width: int) -> str | None:
         return None if min(height, width) >= 1 else "its sides must be at least a pixel"
 
-    def tile_features(self, pixels: Tensor, height: int, width: int) -> Tensor:
-        """Each tile's features ``[tiles, per tile, text hidden]``: its layers' hidden states, projected."""
+    def tile_features(self, pixels: Tensor, num_tiles: int) -> Tensor:
+        """Each of ``num_tiles`` tiles' features ``[tiles, per tile, text hidden]``: its layers' hidden states,
+        projected."""
         tower, projector = self.parts()
-        tiles = pixels.view(self.num_tiles(height, width), 3, self.side, self.side)
+        tiles = pixels.view(num_tiles, 3, self.side, self.side)
         out = tower(tiles.to(next(tower.parameters()).dtype), output_hidden_states=True, return_dict=True)
         hidden = _selected_states(out, self.feature_layers, self.drop_first)
         features: Tensor = projector(hidden)
@@ -418,7 +420,7 @@ class LlavaNextEncoder(TowerEncoder):
 
     @torch.inference_mode()
     def encode(self, pixels: Tensor, height: int, width: int) -> Tensor:
-        return self.pack(self.tile_features(pixels, height, width), height, width)
+        return self.pack(self.tile_features(pixels, self.num_tiles(height, width)), height, width)
 
 
 class LlavaOnevisionEncoder(LlavaNextEncoder):
@@ -457,11 +459,8 @@ class LlavaOnevisionEncoder(LlavaNextEncoder):
     def encode_image(self, pixels: Tensor, image: ImageInput) -> Tensor:
         if not image.whole_image_only:
             return self.encode(pixels, image.height, image.width)
-        tower, projector = self.parts()
-        out = tower(pixels.view(1, 3, self.side, self.side).to(next(tower.parameters()).dtype),
-                    output_hidden_states=True, return_dict=True)
-        tile: Tensor = projector(_selected_states(out, self.feature_layers, self.drop_first))
-        return self.pack(tile, image.height, image.width)  # one tile: its features, then the newline
+        # one tile: its features, then the newline
+        return self.pack(self.tile_features(pixels, 1), image.height, image.width)
 
     def grid_shape(self, rows: int, cols: int) -> tuple[int, int]:
         ratio = math.sqrt(rows * cols / (self.max_tiles * self.per_side ** 2))
@@ -587,8 +586,8 @@ class InternVLEncoder(TowerEncoder):
     def __init__(self, config: Any, path: Path, dtype: torch.dtype, device: torch.device) -> None:
         vision = config.vision_config
         self.image_token_id = int(config.image_token_id)
-        self.side = _square(vision.image_size, "vision_config.image_size")
-        patch = _square(vision.patch_size, "vision_config.patch_size")
+        self.side = square_side(vision.image_size, "image_size", ImageEncoderRefused)
+        patch = square_side(vision.patch_size, "patch_size", ImageEncoderRefused)
         self.ratio = float(config.downsample_ratio)
         strategy = config.vision_feature_select_strategy
         if strategy not in ("default", "full"):
@@ -608,9 +607,6 @@ class InternVLEncoder(TowerEncoder):
 
     def num_features(self, height: int, width: int) -> int:
         return height // self.side * self.tokens
-
-    def pixel_count(self, height: int, width: int) -> int:
-        return 3 * height * width
 
     def largest(self) -> tuple[int, int]:
         return self.max_tiles * self.side, self.side
@@ -637,14 +633,6 @@ class InternVLEncoder(TowerEncoder):
                                                scale_factor=self.ratio)
         features: Tensor = projector(shuffled.reshape(shuffled.shape[0], -1, shuffled.shape[-1]))
         return features.reshape(-1, features.shape[-1])
-
-
-def _square(size: Any, field: str) -> int:
-    """A side given as one number or as two equal ones (InternVL's config lists them)."""
-    sides = list(size) if isinstance(size, (list, tuple)) else [size, size]
-    if len(sides) != 2 or sides[0] != sides[1]:
-        raise ImageEncoderRefused(f"image input with a {field} of {size!r} is not implemented (square only)")
-    return int(sides[0])
 
 
 def _internvl_max_tiles(path: Path) -> int:

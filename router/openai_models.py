@@ -36,6 +36,7 @@ from common.sampling_params import (
     StructuredOutput,
 )
 from router import structured_output
+from router.beam_search import BeamSearch
 from router.choice_stream import TextOptions
 from router.config import RequestLimits
 from router.errors import bad_request
@@ -57,8 +58,6 @@ class StreamOptions(BaseModel):
 # value is refused, not ignored.
 _NOT_IMPLEMENTED_EXTRAS: dict[str, Any] = {
     "logits_processors": None,
-    "use_beam_search": False,
-    "length_penalty": 1.0,
     "mm_processor_kwargs": None,
     # Structured-output and serving knobs of vLLM's, and OpenAI's fields for other modalities.
     "guided_whitespace_pattern": None,
@@ -67,6 +66,20 @@ _NOT_IMPLEMENTED_EXTRAS: dict[str, Any] = {
     "vllm_xargs": None,
     "prediction": None,
     "audio": None,
+}
+
+
+# Beam search reads 2 * width alternatives a step from the engines, which report at most MAX_LOGPROBS.
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+# What a beam search does not take, each with the value that asks for nothing (``_check_beam_search``).
+_NOT_WITH_BEAM_SEARCH: dict[str, Any] = {
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+    "prompt_logprobs": None,
 }
 
 
@@ -142,11 +155,12 @@ class _GenerationRequest(CheckedRequest):
     # Only these tokens may be sampled; these words may not be written (vLLM's extras).
     allowed_token_ids: list[StrictInt] | None = Field(default=None, max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[StrictStr] | None = Field(default=None, max_length=MAX_BAD_WORDS // 2)
+    # vLLM's beam search (``router/beam_search.py``): ``n`` beams, scored by ``length_penalty``.
+    use_beam_search: StrictBool = False
+    length_penalty: float = Field(default=1.0, allow_inf_nan=False)
     # vLLM extras not implemented (``_NOT_IMPLEMENTED_EXTRAS``): declared so that they are refused,
     # not silently ignored
     logits_processors: Any = None
-    use_beam_search: Any = False
-    length_penalty: Any = 1.0
     mm_processor_kwargs: Any = None
     guided_whitespace_pattern: Any = None
     structural_tag: Any = None
@@ -221,9 +235,36 @@ class _GenerationRequest(CheckedRequest):
         if self.prompt_logprobs is not None and self.stream:
             raise bad_request("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
         self._check_stop(limits)
+        self._check_beam_search()
         requested = self.requested_max_tokens()
         if requested is not None:
             check_total_tokens(self.n, [requested] * self.num_prompts(), limits)
+
+    def _check_beam_search(self) -> None:
+        """A 400 naming the first field a beam search does not take: the search ranks the model's raw
+        log-probabilities, so whatever would change them, or what it draws from them, is refused."""
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise bad_request("length_penalty is only used with use_beam_search", param="length_penalty")
+            return
+        if (self.n or 1) > MAX_BEAM_WIDTH:
+            raise bad_request(f"n (the beam width) must be at most {MAX_BEAM_WIDTH} with use_beam_search: each "
+                              f"step reads 2 * n logprobs, at most {MAX_LOGPROBS}", param="n")
+        self.refuse_unless_nothing(_NOT_WITH_BEAM_SEARCH, "with use_beam_search")
+        if self.top_k not in (None, 0, -1):
+            raise bad_request("top_k is not supported with use_beam_search", param="top_k")
+        if self.temperature not in (None, 0.0, 1.0):
+            raise bad_request("temperature is not supported with use_beam_search (the search ranks the raw "
+                              "log-probabilities: leave it unset, 0 or 1)", param="temperature")
+        if self._structured is not None:
+            raise bad_request(f"{self._structured[1]} is not supported with use_beam_search", param=self._structured[1])
+        for name in ("stop", "bad_words", "logit_bias", "allowed_token_ids"):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported with use_beam_search", param=name)
+
+    def beam_search(self) -> BeamSearch | None:
+        """The search the request asks for (after ``check``), or None."""
+        return BeamSearch(length_penalty=self.length_penalty) if self.use_beam_search else None
 
     def engine_prompt_logprobs(self) -> int | None:
         """How many top alternatives the engine reports per prompt token (None: no prompt logprobs)."""

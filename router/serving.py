@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from common.protocol import ImageInput, PositionLogprobs, PromptLogprob
 from common.sampling_params import SamplingParams
+from router import beam_search
 from router.admission import CLIENT_KEY, Lane, Slot
 from router.choice_stream import ChoiceDelta, ChoiceStream, TextOptions
 from router.dispatcher import EngineRequestError
@@ -46,6 +47,8 @@ class GenerationPlan:
     engine_request_id: str = ""
     # Each prompt's images (``router.images``: a chat's one prompt, for a model that takes them); empty: none.
     images: list[list[ImageInput]] = field(default_factory=list)
+    # vLLM's ``use_beam_search``: each prompt's ``n`` best beams are its choices (``router/beam_search.py``).
+    beam_search: beam_search.BeamSearch | None = None
 
     def __post_init__(self) -> None:
         self.engine_request_id = self.engine_request_id or self.request_id
@@ -351,10 +354,15 @@ async def collect(
     state: RouterState, plan: GenerationPlan, wait_disconnect: DisconnectWaiter
 ) -> tuple[list[ChoiceResult], Usage]:
     """Run a non-streaming request to the end; raises ``ClientDisconnected`` or ``EngineRequestError``."""
-    choices = await start_choices(state, plan, wait_disconnect)
     results: dict[int, ChoiceResult] = {}  # built as choices report, not all up front
     usage = UsageTracker(plan)
-    deltas = merge_choices(choices, wait_disconnect)
+    if plan.beam_search is not None:
+        deltas = beam_search.replay(await beam_search.search(state, plan, wait_disconnect))
+        num_choices = len(plan.prompts) * plan.n
+    else:
+        choices = await start_choices(state, plan, wait_disconnect)
+        deltas = merge_choices(choices, wait_disconnect)
+        num_choices = choices.num_choices
     async with contextlib.aclosing(deltas):
         async for delta in deltas:
             result = results.get(delta.index) or results.setdefault(delta.index, ChoiceResult(index=delta.index))
@@ -366,7 +374,7 @@ async def collect(
             if delta.prompt_logprobs is not None:
                 result.prompt_logprobs = delta.prompt_logprobs
             usage.update(delta)
-    return [results.get(i) or ChoiceResult(index=i) for i in range(choices.num_choices)], usage.usage()
+    return [results.get(i) or ChoiceResult(index=i) for i in range(num_choices)], usage.usage()
 
 
 def engine_api_error(exc: EngineRequestError) -> APIError:
@@ -489,6 +497,9 @@ async def sse_response(
     once every choice has ended, before the writer's closing chunks."""
     include_usage = bool(stream_options and stream_options.include_usage)
     continuous = include_usage and bool(stream_options.continuous_usage_stats)
+    if plan.beam_search is not None:  # the whole answer at the end, as vLLM streams a beam search
+        beams = await beam_search.search(state, plan, wait_disconnect)
+        return EventStreamResponse(_chunks(writer_for(include_usage, continuous), beam_search.replay(beams), finish))
     choices = await start_choices(state, plan, wait_disconnect)
     writer = writer_for(include_usage, continuous)
     sink = None

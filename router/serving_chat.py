@@ -95,6 +95,7 @@ async def plan_chat(
         cache_salt=with_request_salt(cache_salt, request.cache_salt),
         lora_name=state.lora_name(model),
         images=[images] if images else [],
+        beam_search=request.beam_search(),
     )
     return request, plan, reader
 

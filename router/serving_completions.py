@@ -87,6 +87,7 @@ async def plan_completion(
         text=request.text_options(params[0]),
         cache_salt=with_request_salt(cache_salt, request.cache_salt),
         lora_name=state.lora_name(model),
+        beam_search=request.beam_search(),
     )
     return request, plan
 

@@ -291,3 +291,127 @@ def test_a_conversation_goes_on_from_a_stored_response(client):  # type: ignore[
     assert second.usage.input_tokens == chat.usage.prompt_tokens
     assert client.responses.retrieve(second.id).output_text == second.output_text
     assert [item.type for item in client.responses.input_items.list(second.id, order="asc").data] == ["message"] * 3
+
+
+def _hf_beam_search(prompt_ids: tuple[int, ...], width: int, max_tokens: int, length_penalty: float = 1.0,
+                    ) -> list[tuple[list[int], float, str]]:
+    """vLLM's beam search over transformers' log-probabilities, every step run, no early end:
+    each choice's tokens (a stop token kept), its cumulative logprob and finish reason, best first."""
+    import torch
+
+    from tests.engine.conftest import hf_model
+
+    eos = tokenizer().eos_token_id
+
+    def key(beam: tuple[list[int], float, bool]) -> float:
+        tokens, cum, stopped = beam
+        return cum / ((len(prompt_ids) + len(tokens) - int(stopped)) ** length_penalty)
+
+    live: list[tuple[list[int], float, bool]] = [([], 0.0, False)]
+    completed: list[tuple[list[int], float, bool]] = []
+    for _ in range(max_tokens):
+        going = []
+        for tokens, cum, _stopped in live:
+            with torch.inference_mode():
+                logits = hf_model()(torch.tensor([[*prompt_ids, *tokens]])).logits[0, -1].float()
+            top = torch.log_softmax(logits, dim=-1).topk(2 * width)
+            for lp, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                (completed if token == eos else going).append(([*tokens, token], cum + lp, token == eos))
+        live = sorted(going, key=key, reverse=True)[:width]
+    ranked = sorted(completed + live, key=key, reverse=True)[:width]
+    return [(tokens, cum, "stop" if stopped else "length") for tokens, cum, stopped in ranked]
+
+
+def test_beam_search_equals_vllm_s_search_over_transformers_logprobs(stack, client):  # type: ignore[no-untyped-def]
+    """``use_beam_search``: the n best beams, in order, as vLLM's search finds them over transformers'
+    log-probabilities; chat and completions, streamed and not; a prompt long enough for the prefill
+    instance (each step's prompt a prefix-cache hit there)."""
+    prompt = LONG_PREFIX + "The planet closest to the Sun is"
+    ids = tuple(tokenizer()(prompt).input_ids)
+    want = _hf_beam_search(ids, width=3, max_tokens=6, length_penalty=0.5)
+    done = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, n=3, logprobs=1,
+        extra_body={"use_beam_search": True, "length_penalty": 0.5, "return_token_ids": True},
+    )
+    got = [(c.model_extra["token_ids"], sum(c.logprobs.token_logprobs), c.finish_reason) for c in done.choices]
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert [g[2] for g in got] == [w[2] for w in want]
+    assert [g[1] for g in got] == pytest.approx([w[1] for w in want], abs=1e-3)
+    eos = tokenizer().eos_token_id
+    for choice, (tokens, _, _) in zip(done.choices, want, strict=True):
+        assert choice.text == tokenizer().decode([t for t in tokens if t != eos], skip_special_tokens=True)
+    assert len({c.text for c in done.choices}) == 3, "three different beams"
+    assert done.usage.completion_tokens == sum(len(w[0]) for w in want)
+    assert done.usage.prompt_tokens == len(ids)
+    streamed = list(client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, n=3, stream=True,
+        extra_body={"use_beam_search": True, "length_penalty": 0.5},
+    ))
+    texts = {i: "".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == i) for i in range(3)}
+    assert [texts[i] for i in range(3)] == [c.text for c in done.choices]
+
+
+def _routed(stack) -> float:  # type: ignore[no-untyped-def]
+    text = httpx.get(stack.url + "/metrics", timeout=10).text
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith("pdserve:router_requests_routed_total{"))
+
+
+@pytest.mark.parametrize(
+    ("question", "length_penalty"),
+    [("What is 2+2?", 1.0),  # beams ended on the end-of-sequence token among beams cut by max_tokens
+     ("Say yes or no.", 10.0)],  # the penalty reorders them (by the prompt's and beam's length, less the stop)
+)
+def test_beam_search_in_chat_equals_vllm_s_search(stack, client, question, length_penalty):  # type: ignore[no-untyped-def]
+    want = _hf_beam_search(_chat_ids(question), width=3, max_tokens=10, length_penalty=length_penalty)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=10, n=3,
+        extra_body={"use_beam_search": True, "length_penalty": length_penalty, "return_token_ids": True},
+    )
+    assert [c.model_extra["token_ids"] for c in chat.choices] == [w[0] for w in want]
+    assert [c.finish_reason for c in chat.choices] == [w[2] for w in want]
+    eos = tokenizer().eos_token_id
+    assert [c.message.content for c in chat.choices] == [
+        tokenizer().decode([t for t in w[0] if t != eos], skip_special_tokens=True) for w in want]
+
+
+def test_beam_search_ends_once_no_live_beam_can_catch_up(stack, client):  # type: ignore[no-untyped-def]
+    """Three beams end on the end-of-sequence token within a few steps, each scoring above anything the
+    live ones can reach: the search stops there (vLLM's would run its 40 steps), with vLLM's answer."""
+    question = "Say yes or no."
+    want = _hf_beam_search(_chat_ids(question), width=3, max_tokens=40)
+    assert [w[2] for w in want] == ["stop"] * 3
+    before = _routed(stack)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=40, n=3,
+        extra_body={"use_beam_search": True, "return_token_ids": True},
+    )
+    assert [c.model_extra["token_ids"] for c in chat.choices] == [w[0] for w in want]
+    steps = _routed(stack) - before
+    assert steps < 1 + 3 * 39 // 4, f"{steps} engine requests: the search did not end early"
+
+
+def test_a_beam_search_whose_client_leaves_stops_sending_steps(stack):  # type: ignore[no-untyped-def]
+    """The client gives up on a long search: the router sends no more steps, the engines hold no block."""
+    body = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 300, "n": 3,
+            "ignore_eos": True, "use_beam_search": True}
+    before = _routed(stack)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=3))
+    deadline, last, steady_since = time.monotonic() + 30, -1.0, time.monotonic()
+    while time.monotonic() < deadline:
+        routed = _routed(stack)
+        if routed != last:
+            last, steady_since = routed, time.monotonic()
+        elif time.monotonic() - steady_since > 2:
+            break
+        time.sleep(0.2)
+    assert time.monotonic() < deadline, "the router went on sending the search's steps"
+    assert 0 < last - before < 1 + 3 * 299, "the search ran to its end"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        usage = {n: stack.metrics(n).get("pdserve:kv_cache_usage_perc", 1.0) for n in ("prefill-a", "decode-a")}
+        if all(v == 0.0 for v in usage.values()):
+            break
+        time.sleep(0.3)
+    assert all(v == 0.0 for v in usage.values()), f"blocks still in use after the client left: {usage}"

@@ -25,7 +25,6 @@ def server(prompts: Any) -> Iterator[RouterServer]:
     ("path", "field", "value"),
     [
         (COMPLETIONS, "logits_processors", ["x"]),
-        (COMPLETIONS, "use_beam_search", True),
         (COMPLETIONS, "length_penalty", 0.5),
         (CHAT, "mm_processor_kwargs", {"a": 1}),
         (CHAT, "guided_whitespace_pattern", " "),
@@ -53,3 +52,26 @@ def test_the_values_that_ask_for_nothing_are_accepted(server: RouterServer) -> N
             "guided_decoding_backend": "xgrammar", "modalities": ["text"]}
     response = httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=10)
     assert response.status_code == 503, response.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [({"temperature": 0.7}, "temperature"), ({"top_p": 0.9}, "top_p"), ({"stop": ["."]}, "stop"),
+     ({"n": 11}, "n"), ({"min_tokens": 2}, "min_tokens"), ({"guided_choice": ["a", "b"]}, "guided_choice"),
+     ({"repetition_penalty": 1.2}, "repetition_penalty"), ({"top_k": 5}, "top_k"),
+     ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+     ({"use_beam_search": False, "length_penalty": 2.0}, "length_penalty")],
+)
+def test_beam_search_refuses_what_it_does_not_take(server: RouterServer, extra: dict[str, Any], param: str) -> None:
+    """Whatever would change the log-probabilities the search ranks, or draw from them, is refused by name."""
+    body = {"model": SERVED_MODEL, "prompt": "Hi", "max_tokens": 4, "use_beam_search": True, **extra}
+    response = httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=10)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_a_beam_search_of_what_it_takes_passes_validation(server: RouterServer) -> None:
+    body = {"model": SERVED_MODEL, "prompt": "Hi", "max_tokens": 4, "use_beam_search": True, "n": 10,
+            "temperature": 0, "top_k": -1, "seed": 3, "length_penalty": -0.5, "logprobs": 20, "echo": True}
+    response = httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=10)
+    assert response.status_code == 503, response.text  # past validation, with no engine to run it

@@ -476,6 +476,8 @@ class EngineService:
         if name in self._adapter_paths:
             self.engine.unload_lora(name)
             del self._adapter_paths[name]
+            # A slot is free: the cluster's adapters that found none (or failed otherwise) are tried again.
+            self._failed_adapters.clear()
         self._from_cluster.discard(name)
 
     def _watch_adapters(self) -> None:
@@ -491,7 +493,7 @@ class EngineService:
         """Between steps: load each runtime adapter of the cluster this engine lacks (one started after it was
         loaded: restarted, or added), and unload those it loaded so that the cluster no longer holds, once no
         request here has them. One that fails (no free slot, a path this host lacks) is logged and left; it is
-        tried again when its entry changes."""
+        tried again when its entry changes, or once an adapter here is unloaded (a slot freed)."""
         wanted = self._wanted_adapters
         if wanted is None:
             return

@@ -25,7 +25,9 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequ
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from common.protocol import PositionLogprobs, RequestOutput
+import msgspec
+
+from common.protocol import PositionLogprobs, PromptLogprob, RequestOutput
 from common.sampling_params import SamplingParams
 from router.admission import CLIENT_KEY, Slot
 from router.choice_stream import ChoiceDelta, ChoiceStream
@@ -143,6 +145,8 @@ class _Search:
     images: Any
     num_cached_tokens: int = 0
     num_steps: int = 0
+    # The prompt's logprobs (``prompt_logprobs``, or an echo's with ``logprobs``), from the first step.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     def step_params(self) -> SamplingParams:
         """One greedy token with the alternatives the search (and the request's logprobs) need, from the
@@ -161,8 +165,9 @@ class _Search:
         position: PositionLogprobs | None = None
         try:
             async for output in engine_request.outputs():
-                if step == 0 and output.num_cached_tokens:
+                if step == 0:
                     self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+                    self.prompt_logprobs = output.prompt_logprobs or self.prompt_logprobs
                 if output.logprobs:
                     position = output.logprobs[0]
         finally:
@@ -173,9 +178,12 @@ class _Search:
 
     async def run(self) -> list[Beam]:
         step_params = self.step_params()
+        # The first step (one beam: the prompt alone) also brings the prompt's logprobs, when asked for.
+        first_params = msgspec.structs.replace(step_params, prompt_logprobs=self.params.prompt_logprobs)
 
         async def next_positions(live: list[Beam], step: int) -> list[PositionLogprobs]:
-            return await _all_or_none([self._next_position(beam, step, i, step_params) for i, beam in enumerate(live)])
+            params = first_params if step == 0 else step_params
+            return await _all_or_none([self._next_position(beam, step, i, params) for i, beam in enumerate(live)])
 
         beams, self.num_steps = await run_search(next_positions, len(self.prompt), self.params, self.options)
         return beams
@@ -212,9 +220,7 @@ class _Done:
         pass
 
 
-def _choice_delta(
-    state: RouterState, plan: GenerationPlan, p: int, index: int, beam: Beam, num_cached_tokens: int
-) -> ChoiceDelta:
+def _choice_delta(state: RouterState, plan: GenerationPlan, p: int, index: int, beam: Beam, run: _Search) -> ChoiceDelta:
     """A finished beam as one delta of its choice: detokenized, stop token and logprobs as any choice's."""
     prompt = plan.prompts[p]
     stream = ChoiceStream(index, _Done(), state.prompts.tokenizer, prompt, plan.text, state.metrics)  # type: ignore[arg-type]
@@ -222,7 +228,7 @@ def _choice_delta(
         request_id=f"{plan.engine_request_id}-{index}", new_token_ids=beam.token_ids,
         logprobs=beam.logprobs if plan.params[p].logprobs is not None else None,
         finish_reason="stop" if beam.stopped else "length", num_prompt_tokens=len(prompt),
-        num_cached_tokens=num_cached_tokens,
+        num_cached_tokens=run.num_cached_tokens, prompt_logprobs=run.prompt_logprobs,
     )
     return stream.process(output)
 
@@ -251,7 +257,7 @@ async def search(
                           plan.lora_name, plan.images[p] if plan.images else None)
             beams = await run.run()
             n = plan.params[p].n
-            return [_choice_delta(state, plan, p, p * n + i, beam, run.num_cached_tokens)
+            return [_choice_delta(state, plan, p, p * n + i, beam, run)
                     for i, beam in enumerate(beams)]
         finally:
             slot.release()

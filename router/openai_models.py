@@ -79,7 +79,6 @@ _NOT_WITH_BEAM_SEARCH: dict[str, Any] = {
     "frequency_penalty": 0.0,
     "repetition_penalty": 1.0,
     "min_tokens": 0,
-    "prompt_logprobs": None,
 }
 
 

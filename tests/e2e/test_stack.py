@@ -349,6 +349,24 @@ def test_beam_search_equals_vllm_s_search_over_transformers_logprobs(stack, clie
     ))
     texts = {i: "".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == i) for i in range(3)}
     assert [texts[i] for i in range(3)] == [c.text for c in done.choices]
+    # Echoed with the prompt's logprobs (from the search's first step), and vLLM's prompt_logprobs.
+    import torch
+
+    from tests.engine.conftest import hf_model
+
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model()(torch.tensor([ids])).logits[0].float(), dim=-1)
+    echoed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, n=3, logprobs=1, echo=True,
+        extra_body={"use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 0},
+    )
+    for choice, plain in zip(echoed.choices, done.choices, strict=True):
+        assert choice.text == prompt + plain.text
+        assert choice.logprobs.token_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:len(ids)] == pytest.approx(
+            [ref[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=2e-3)
+        assert [e and e[str(t)]["logprob"] for e, t in zip(choice.model_extra["prompt_logprobs"][1:], ids[1:],
+                                                            strict=True)] == choice.logprobs.token_logprobs[1:len(ids)]
 
 
 def _routed(stack) -> float:  # type: ignore[no-untyped-def]

@@ -404,3 +404,28 @@ def test_an_embedding_with_an_adapter_is_pefts_last_hidden_state(built, engines)
     torch.testing.assert_close(got["base"], plain, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got["adapted"], adapted, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(got["adapted"], got["base"], atol=1e-3)
+
+
+def test_a_cluster_adapter_that_found_no_slot_loads_once_one_frees(built, engines) -> None:
+    """An engine's share of the cluster's runtime adapters (``EngineService._sync_adapters``): one that found
+    every slot taken is not tried again each step, but is as soon as an unload frees a slot."""
+    from common.service import EngineService
+
+    base, a, b = built("llama-bias")
+    engine = _engine(engines, base, {"a": a}, max_loras=2, max_lora_rank=8)
+    service = object.__new__(EngineService)  # only what the adapters' bookkeeping reads
+    service.engine = engine
+    service._adapter_paths = {"a": str(a)}
+    service._from_cluster, service._failed_adapters = set(), {}
+    service._beat_now = lambda: None  # type: ignore[method-assign]
+    service._wanted_adapters = {"b": str(b), "c": str(a)}
+    service._sync_adapters()
+    assert set(service._adapter_paths) == {"a", "b"} and "c" in service._failed_adapters  # both slots taken
+    service._sync_adapters()
+    assert set(service._adapter_paths) == {"a", "b"}
+    service._wanted_adapters = {"c": str(a)}  # b leaves the cluster: its slot frees, and c takes it
+    service._sync_adapters()
+    service._sync_adapters()
+    assert set(service._adapter_paths) == {"a", "c"} and not service._failed_adapters
+    engine.add_request("c", prompt_token_ids(14, seed=4), GREEDY, lora_name="c")
+    assert _run(engine)["c"] == _peft(base, a, tuple(prompt_token_ids(14, seed=4)))

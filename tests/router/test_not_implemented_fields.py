@@ -59,7 +59,7 @@ def test_the_values_that_ask_for_nothing_are_accepted(server: RouterServer) -> N
     [({"temperature": 0.7}, "temperature"), ({"top_p": 0.9}, "top_p"), ({"stop": ["."]}, "stop"),
      ({"n": 11}, "n"), ({"min_tokens": 2}, "min_tokens"), ({"guided_choice": ["a", "b"]}, "guided_choice"),
      ({"repetition_penalty": 1.2}, "repetition_penalty"), ({"top_k": 5}, "top_k"),
-     ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+     ({"logit_bias": {"5": 1.0}}, "logit_bias"),
      ({"use_beam_search": False, "length_penalty": 2.0}, "length_penalty")],
 )
 def test_beam_search_refuses_what_it_does_not_take(server: RouterServer, extra: dict[str, Any], param: str) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -220,10 +221,14 @@ class _Done:
         pass
 
 
-def _choice_delta(state: RouterState, plan: GenerationPlan, p: int, index: int, beam: Beam, run: _Search) -> ChoiceDelta:
-    """A finished beam as one delta of its choice: detokenized, stop token and logprobs as any choice's."""
+def _choice_delta(
+    state: RouterState, plan: GenerationPlan, p: int, index: int, beam: Beam, run: _Search, started: float
+) -> ChoiceDelta:
+    """A finished beam as one delta of its choice: detokenized, stop token and logprobs as any choice's; its
+    first token, as the client sees it, comes at the end of the search that ``started`` then."""
     prompt = plan.prompts[p]
-    stream = ChoiceStream(index, _Done(), state.prompts.tokenizer, prompt, plan.text, state.metrics)  # type: ignore[arg-type]
+    stream = ChoiceStream(index, _Done(), state.prompts.tokenizer, prompt, plan.text, state.metrics,  # type: ignore[arg-type]
+                          arrival=started)
     output = RequestOutput(
         request_id=f"{plan.engine_request_id}-{index}", new_token_ids=beam.token_ids,
         logprobs=beam.logprobs if plan.params[p].logprobs is not None else None,
@@ -243,6 +248,7 @@ async def search(
 
     options = plan.beam_search
     assert options is not None
+    started = time.monotonic()
     lane = state.admission.enter(CLIENT_KEY.get() or "-", [len(p) for p in plan.prompts], plan.params[0].priority)
     slots: list[Slot] = []
 
@@ -257,7 +263,7 @@ async def search(
                           plan.lora_name, plan.images[p] if plan.images else None)
             beams = await run.run()
             n = plan.params[p].n
-            return [_choice_delta(state, plan, p, p * n + i, beam, run)
+            return [_choice_delta(state, plan, p, p * n + i, beam, run, started)
                     for i, beam in enumerate(beams)]
         finally:
             slot.release()

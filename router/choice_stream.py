@@ -72,7 +72,9 @@ class ChoiceStream:
         prompt_token_ids: list[int],
         options: TextOptions,
         metrics: RouterMetrics,
+        arrival: float | None = None,
     ) -> None:
+        """``arrival``: when the client's request came (``time.monotonic``), if before now."""
         self.index = index
         self.engine_request = engine_request
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, options.skip_special_tokens)
@@ -85,7 +87,7 @@ class ChoiceStream:
         self._emitted_len = 0  # characters released to the client
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
-        self._arrival = time.monotonic()
+        self._arrival = time.monotonic() if arrival is None else arrival
         self._last_output_time: float | None = None
 
     def close(self) -> None:

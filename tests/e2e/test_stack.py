@@ -18,6 +18,7 @@ import pytest
 from common.sampling_params import SamplingParams
 from tests.e2e.stack import prefill_decode_stack
 from tests.engine.conftest import hf_greedy, make_engine, model_path, tokenizer
+from tests.router.router_harness import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -329,10 +330,16 @@ def test_beam_search_equals_vllm_s_search_over_transformers_logprobs(stack, clie
     prompt = LONG_PREFIX + "The planet closest to the Sun is"
     ids = tuple(tokenizer()(prompt).input_ids)
     want = _hf_beam_search(ids, width=3, max_tokens=6, length_penalty=0.5)
+    hits, routed = stack.metrics("prefill-a").get("pdserve:prefix_cache_hits_total", 0.0), _routed(stack)
     done = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=6, n=3, logprobs=1,
         extra_body={"use_beam_search": True, "length_penalty": 0.5, "return_token_ids": True},
     )
+    # Every step after the first finds the prompt's full blocks (16 tokens each) in the prefill's prefix cache.
+    steps = _routed(stack) - routed
+    assert steps > 3
+    assert wait_until(lambda: stack.metrics("prefill-a").get("pdserve:prefix_cache_hits_total", 0.0) - hits
+                      >= (steps - 1) * (len(ids) // 16 * 16), 30, 0.1)
     got = [(c.model_extra["token_ids"], sum(c.logprobs.token_logprobs), c.finish_reason) for c in done.choices]
     assert [g[0] for g in got] == [w[0] for w in want]
     assert [g[2] for g in got] == [w[2] for w in want]

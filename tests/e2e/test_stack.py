@@ -301,26 +301,17 @@ def _hf_beam_search(prompt_ids: tuple[int, ...], width: int, max_tokens: int, le
     import torch
 
     from tests.engine.conftest import hf_model
+    from tests.router.test_beam_search import vllm_beam_search
 
-    eos = tokenizer().eos_token_id
+    def alternatives(tokens: list[int]) -> list[tuple[int, float]]:
+        with torch.inference_mode():
+            logits = hf_model()(torch.tensor([[*prompt_ids, *tokens]])).logits[0, -1].float()
+        top = torch.log_softmax(logits, dim=-1).topk(2 * width)
+        return list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
 
-    def key(beam: tuple[list[int], float, bool]) -> float:
-        tokens, cum, stopped = beam
-        return cum / ((len(prompt_ids) + len(tokens) - int(stopped)) ** length_penalty)
-
-    live: list[tuple[list[int], float, bool]] = [([], 0.0, False)]
-    completed: list[tuple[list[int], float, bool]] = []
-    for _ in range(max_tokens):
-        going = []
-        for tokens, cum, _stopped in live:
-            with torch.inference_mode():
-                logits = hf_model()(torch.tensor([[*prompt_ids, *tokens]])).logits[0, -1].float()
-            top = torch.log_softmax(logits, dim=-1).topk(2 * width)
-            for lp, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                (completed if token == eos else going).append(([*tokens, token], cum + lp, token == eos))
-        live = sorted(going, key=key, reverse=True)[:width]
-    ranked = sorted(completed + live, key=key, reverse=True)[:width]
-    return [(tokens, cum, "stop" if stopped else "length") for tokens, cum, stopped in ranked]
+    beams = vllm_beam_search(alternatives, len(prompt_ids), width, max_tokens, length_penalty,
+                             frozenset([tokenizer().eos_token_id]))
+    return [(tokens, cum, "stop" if stopped else "length") for tokens, cum, stopped in beams]
 
 
 def test_beam_search_equals_vllm_s_search_over_transformers_logprobs(stack, client):  # type: ignore[no-untyped-def]

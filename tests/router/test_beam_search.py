@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -43,23 +44,36 @@ def _oracle(prompt: tuple[int, ...], seed: int, stop_bias: float):  # type: igno
     return next_positions
 
 
-def _reference(prompt: tuple[int, ...], seed: int, stop_bias: float, width: int, max_tokens: int,
-               length_penalty: float) -> list[list[int]]:
-    """vLLM's loop: every step, ``2 * width`` alternatives a beam, a stop token ends its beam."""
+def vllm_beam_search(
+    alternatives: Callable[[list[int]], list[tuple[int, float]]], num_prompt_tokens: int, width: int, max_tokens: int,
+    length_penalty: float, stop_ids: frozenset[int],
+) -> list[tuple[list[int], float, bool]]:
+    """vLLM's loop, every step run: ``alternatives(tokens after the prompt)`` gives the next tokens and their
+    logprobs, most likely first, of which a beam takes ``2 * width``; a stop token ends its beam. The ``width``
+    best as (tokens, cumulative logprob, ended on a stop token), best first."""
     def key(beam: tuple[list[int], float, bool]) -> float:
         tokens, cum, stopped = beam
-        return cum / ((len(prompt) + len(tokens) - int(stopped)) ** length_penalty)
+        return cum / ((num_prompt_tokens + len(tokens) - int(stopped)) ** length_penalty)
 
     live: list[tuple[list[int], float, bool]] = [([], 0.0, False)]
     completed: list[tuple[list[int], float, bool]] = []
     for _ in range(max_tokens):
         going = []
         for tokens, cum, _ in live:
-            lps = _logprobs((*prompt, *tokens), seed, stop_bias)
-            for t in sorted(range(VOCAB), key=lambda t: -lps[t])[: 2 * width]:
-                (completed if t == STOP else going).append(([*tokens, t], cum + lps[t], t == STOP))
+            for t, lp in alternatives(tokens)[: 2 * width]:
+                (completed if t in stop_ids else going).append(([*tokens, t], cum + lp, t in stop_ids))
         live = sorted(going, key=key, reverse=True)[:width]
-    return [tokens for tokens, _, _ in sorted(completed + live, key=key, reverse=True)[:width]]
+    return sorted(completed + live, key=key, reverse=True)[:width]
+
+
+def _reference(prompt: tuple[int, ...], seed: int, stop_bias: float, width: int, max_tokens: int,
+               length_penalty: float) -> list[list[int]]:
+    def alternatives(tokens: list[int]) -> list[tuple[int, float]]:
+        lps = _logprobs((*prompt, *tokens), seed, stop_bias)
+        return [(t, lps[t]) for t in sorted(range(VOCAB), key=lambda t: -lps[t])]
+
+    beams = vllm_beam_search(alternatives, len(prompt), width, max_tokens, length_penalty, frozenset([STOP]))
+    return [tokens for tokens, _, _ in beams]
 
 
 def test_the_search_equals_vllm_s_over_many_shapes_and_ends_early_in_some() -> None:

@@ -600,6 +600,9 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
                     param=self._structured[1],
                 )
             self._structured = (forced, "tool_choice")
+            if self.use_beam_search:
+                raise bad_request(f"tool_choice {self.tool_choice!r} is not supported with use_beam_search",
+                                  param="tool_choice")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")

@@ -75,3 +75,12 @@ def test_a_beam_search_of_what_it_takes_passes_validation(server: RouterServer) 
             "temperature": 0, "top_k": -1, "seed": 3, "length_penalty": -0.5, "logprobs": 20, "echo": True}
     response = httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=10)
     assert response.status_code == 503, response.text  # past validation, with no engine to run it
+
+
+def test_a_beam_search_refuses_a_forced_tool_call(server: RouterServer) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"model": SERVED_MODEL, "messages": MESSAGES, "max_tokens": 4, "use_beam_search": True, "tools": [tool],
+            "tool_choice": "required"}
+    response = httpx.post(f"{server.url}{CHAT}", json=body, timeout=10)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "tool_choice"

@@ -30,7 +30,7 @@ import msgspec
 
 from common.protocol import PositionLogprobs, PromptLogprob, RequestOutput
 from common.sampling_params import SamplingParams
-from router.admission import CLIENT_KEY, Slot
+from router.admission import CLIENT_KEY
 from router.choice_stream import ChoiceDelta, ChoiceStream
 from router.dispatcher import EngineRequestError
 
@@ -145,7 +145,6 @@ class _Search:
     lora_name: str | None
     images: Any
     num_cached_tokens: int = 0
-    num_steps: int = 0
     # The prompt's logprobs (``prompt_logprobs``, or an echo's with ``logprobs``), from the first step.
     prompt_logprobs: list[PromptLogprob | None] | None = None
 
@@ -186,7 +185,7 @@ class _Search:
             params = first_params if step == 0 else step_params
             return await _all_or_none([self._next_position(beam, step, i, params) for i, beam in enumerate(live)])
 
-        beams, self.num_steps = await run_search(next_positions, len(self.prompt), self.params, self.options)
+        beams, _ = await run_search(next_positions, len(self.prompt), self.params, self.options)
         return beams
 
 
@@ -250,11 +249,9 @@ async def search(
     assert options is not None
     started = time.monotonic()
     lane = state.admission.enter(CLIENT_KEY.get() or "-", [len(p) for p in plan.prompts], plan.params[0].priority)
-    slots: list[Slot] = []
 
     async def one(p: int) -> list[ChoiceDelta]:
         slot = await lane.next_slot()
-        slots.append(slot)
         try:
             prompt = plan.prompts[p]
             state.metrics.prompt_tokens.inc(len(prompt))
@@ -281,9 +278,7 @@ async def search(
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        lane.close()
-        for slot in slots:
-            slot.release()
+        lane.close()  # the slots taken are released by their searches; those granted, not taken, here
 
 
 async def replay(deltas: list[ChoiceDelta]) -> AsyncGenerator[ChoiceDelta, None]:

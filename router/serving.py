@@ -358,11 +358,8 @@ async def collect(
     usage = UsageTracker(plan)
     if plan.beam_search is not None:
         deltas = beam_search.replay(await beam_search.search(state, plan, wait_disconnect))
-        num_choices = len(plan.prompts) * plan.n
     else:
-        choices = await start_choices(state, plan, wait_disconnect)
-        deltas = merge_choices(choices, wait_disconnect)
-        num_choices = choices.num_choices
+        deltas = merge_choices(await start_choices(state, plan, wait_disconnect), wait_disconnect)
     async with contextlib.aclosing(deltas):
         async for delta in deltas:
             result = results.get(delta.index) or results.setdefault(delta.index, ChoiceResult(index=delta.index))
@@ -374,7 +371,7 @@ async def collect(
             if delta.prompt_logprobs is not None:
                 result.prompt_logprobs = delta.prompt_logprobs
             usage.update(delta)
-    return [results.get(i) or ChoiceResult(index=i) for i in range(num_choices)], usage.usage()
+    return [results.get(i) or ChoiceResult(index=i) for i in range(len(plan.prompts) * plan.n)], usage.usage()
 
 
 def engine_api_error(exc: EngineRequestError) -> APIError:

@@ -148,7 +148,8 @@ class LLMEngine:
         # A base model saved without its output head serves pooling requests only (``headless_architecture``).
         self.headless = headless_architecture(self.runner.hf_config)
         self.classifier = classifier_architecture(self.runner.hf_config)  # a score head: pooling "classify"
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 sliding_window=self.runner.kv_window)
         self.kv.keep_freed = config.async_scheduling
         self.scheduler = Scheduler(
             self.kv,

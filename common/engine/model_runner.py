@@ -166,6 +166,8 @@ class ModelRunner:
         self.model = load_model(
             self.model_path, self.hf_config, self.kernels, self.dtype, self.device, self.max_model_len, tp
         )
+        # How far back any layer reads keys (``ModelArch.kv_window``): the KV cache gives back blocks past it.
+        self.kv_window = self.model.arch.kv_window
         self._load_image_encoder()
         # LoRA adapters, resident from here, before the KV cache is sized after what is left.
         self.lora = (LoRAManager(self.model, config.lora_modules, config.max_lora_rank, config.max_loras)

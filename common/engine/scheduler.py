@@ -312,13 +312,18 @@ class Scheduler:
         """Advance progress of every scheduled request and cache its newly full blocks (not of one
         that finished meanwhile: async scheduling resolves the step before it after launching this)."""
         mark_computed = self.kv.mark_computed
+        windowed = self.kv.sliding_window is not None
         for s in out.scheduled:
             req = s.request
             if req.status >= FINISHED:
                 continue
+            first_query = req.num_computed_tokens
             # Drafts count once the engine knows which the model agreed with (``LLMEngine._accept``).
             req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)
             mark_computed(req)
+            # Blocks out of every layer's window go back, except a prefill's whose KV leaves whole for a decode.
+            if windowed and not req.kv_transfer:
+                self.kv.release_out_of_window(req, first_query)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Retire a request and return its blocks to the pool."""

@@ -1,6 +1,13 @@
 """Per-request block tables over a ``BlockPool``: prefix hits, slot allocation, copy-on-write, free.
 
 Pure bookkeeping over block ids; the runner turns it into tensors.
+
+A model whose every layer sees only a window of keys (Mistral 7B v0.1, Phi-3, StarCoder2: ``ModelArch.kv_window``)
+never reads a sequence's keys more than the window back again: ``release_out_of_window`` gives such leading
+blocks back to the pool as the sequence advances (still cached, so a later prompt may hit them), as vLLM's
+sliding-window manager does. Their places in the table stay, marked ``RELEASED``, and their ids point at the
+sequence's first block still held, so the table keeps its positions and a kernel that reads a block it masks
+out (the torch attention gathers whole blocks, then weighs the window's keys only) reads the sequence's own KV.
 """
 
 from __future__ import annotations
@@ -20,9 +27,22 @@ class SequenceLike(Protocol):
     def num_tokens(self) -> int: ...
 
 
+# A place in a request's block list whose block went back to the pool (``release_out_of_window``). Never in
+# the pool, never counted: every pool operation skips it.
+RELEASED = KVBlock(-1)
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.block_size = block_size
+        # ``ModelArch.kv_window``: no query reads a key more than ``sliding_window - 1`` before it.
+        self.sliding_window = sliding_window
+        # Per request, its leading blocks given back by ``release_out_of_window`` (``RELEASED`` in its list).
+        self._num_released: dict[str, int] = {}
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
         self.req_blocks: dict[str, list[KVBlock]] = {}
@@ -124,7 +144,9 @@ class KVCacheManager:
             self.num_cow_copies += 1
             self.pool.free_blocks([shared])
             blocks = blocks[:write_idx] + [copy] + blocks[write_idx + 1 :]
-            ids = self._block_ids[rid] = [b.block_id for b in blocks]
+            ids = self._block_ids[rid] = [*ids[:write_idx], copy.block_id, *ids[write_idx + 1 :]]
+            if write_idx and write_idx == self._num_released.get(rid, 0):  # released places follow their block
+                ids[:write_idx] = [copy.block_id] * write_idx
             self._fill(copy.block_id, num_computed - write_idx * bs)
         if num_needed > 0:
             new_blocks = self.pool.get_new_blocks(num_needed)
@@ -184,15 +206,21 @@ class KVCacheManager:
     def fork(self, parent: SequenceLike, child: SequenceLike) -> None:
         """``child`` shares all of ``parent``'s blocks (copy-on-write on its first divergent write)."""
         blocks = list(self.req_blocks.get(parent.request_id, []))
-        self.pool.touch(blocks)
+        released = self._num_released.get(parent.request_id, 0)
+        self.pool.touch(blocks[released:])
         self.req_blocks[child.request_id] = blocks
-        self._block_ids[child.request_id] = [b.block_id for b in blocks]
+        self._block_ids[child.request_id] = list(self._block_ids.get(parent.request_id, ()))
         self._num_marked[child.request_id] = self._num_marked.get(parent.request_id, 0)
         self._num_hashed[child.request_id] = self._num_hashed.get(parent.request_id, 0)
+        if released:
+            self._num_released[child.request_id] = released
 
     def free(self, request_id: str) -> None:
         """Return the request's blocks, tail first so its head stays cached longest. Idempotent."""
         blocks = self.req_blocks.pop(request_id, [])
+        released = self._num_released.pop(request_id, 0)
+        if released:
+            blocks = blocks[released:]
         if self.keep_freed and blocks:
             self._freed[request_id] = blocks
         self._block_ids.pop(request_id, None)
@@ -203,6 +231,42 @@ class KVCacheManager:
             if b.ref_cnt == 0:
                 self.num_filled_slots -= self._slot_fill[b.block_id]
                 self._slot_fill[b.block_id] = 0
+
+    def release_out_of_window(self, seq: SequenceLike, first_query: int) -> None:
+        """Give back the leading blocks of ``seq`` that hold only keys no query at ``first_query`` or later
+        reads (those before ``first_query - sliding_window + 1``), once they are cached (with caching on): the
+        caller passes the position of the first token its step computed, so the step's own queries, which may
+        still be running, read none of them either. The table's ids are rewritten (another list, as
+        ``block_ids_view`` says), pointing the released places at the first block still held. At least one
+        block stays. O(1) unless a block is released; then O(blocks in the table)."""
+        bs = self.block_size
+        assert self.sliding_window is not None
+        num = (first_query - self.sliding_window + 1) // bs
+        rid = seq.request_id
+        done = self._num_released.get(rid, 0)
+        if num <= done:
+            return
+        blocks = self.req_blocks.get(rid)
+        if blocks is None:
+            return
+        # Cached before they go (a block goes back findable, as a finished request's does), and one held.
+        num = min(num, len(blocks) - 1, self._num_hashed.get(rid, 0) if self.enable_caching else num)
+        if num <= done:
+            return
+        gone = blocks[done:num]
+        self.req_blocks[rid] = [RELEASED] * num + blocks[num:]
+        ids = self._block_ids[rid]
+        self._block_ids[rid] = [ids[num]] * num + ids[num:]
+        self._num_released[rid] = num
+        self.pool.free_blocks(reversed(gone))
+        for b in gone:
+            if b.ref_cnt == 0:
+                self.num_filled_slots -= self._slot_fill[b.block_id]
+                self._slot_fill[b.block_id] = 0
+
+    def num_released(self, request_id: str) -> int:
+        """How many of the request's leading blocks ``release_out_of_window`` gave back."""
+        return self._num_released.get(request_id, 0)
 
     def take_freed(self) -> dict[str, list[KVBlock]]:
         """The block lists of the requests freed since the last call (only kept under ``keep_freed``),
@@ -217,10 +281,15 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         holders: dict[int, int] = {}
         for request_id, blocks in self.req_blocks.items():
-            assert self._block_ids.get(request_id) == [b.block_id for b in blocks], f"{request_id}: block ids differ"
-            for b in blocks:
+            released = self._num_released.get(request_id, 0)
+            ids = self._block_ids.get(request_id, [])
+            assert blocks[:released] == [RELEASED] * released and RELEASED not in blocks[released:], request_id
+            assert ids[released:] == [b.block_id for b in blocks[released:]], f"{request_id}: block ids differ"
+            assert ids[:released] == ids[released : released + 1] * released, f"{request_id}: released ids"
+            for b in blocks[released:]:
                 holders[b.block_id] = holders.get(b.block_id, 0) + 1
         assert set(self._block_ids) == set(self.req_blocks), "block ids kept for requests that hold no blocks"
+        assert set(self._num_released) <= set(self.req_blocks), "releases kept for requests that hold no blocks"
         self.pool.check_integrity(holders)
         assert all(0 <= f <= self.block_size for f in self._slot_fill)
         assert all(self._slot_fill[i] == 0 for i in range(self.pool.num_blocks) if i not in holders), "fill of a free block"

@@ -605,6 +605,16 @@ class ModelArch:
             **llama4,
         )
 
+    @property
+    def kv_window(self) -> int | None:
+        """How far back any layer's query reads keys: a query at position ``p`` reads none before
+        ``p - kv_window + 1``. None where some layer attends to the whole context. The KV cache frees a
+        sequence's blocks that lie wholly before that (``KVCacheManager.release_out_of_window``)."""
+        windows = self.sliding_windows
+        if not windows or None in windows:
+            return None
+        return max(w for w in windows if w is not None)
+
 
 def language_model_config(config: Any) -> Any:
     """The config of the language model a checkpoint runs: its own, or an image-text wrapper's

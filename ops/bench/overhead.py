@@ -96,6 +96,7 @@ from common.engine.row_ops import argmax_rows
 from common.engine.sampler import Sampler, SampleResult
 from common.engine.seeded_draws import draw_keys, exponentials
 from common.glibc_env import keep_malloc_defaults, malloc_thresholds_state
+from common.model.arch import ModelArch
 from common.model.loader import model_identity, resolve_model_path
 from common.model.weights import load_hf_config
 from common.protocol import PositionLogprobs, TokenLogprob
@@ -293,6 +294,8 @@ class NullModelRunner(ModelRunner):
         self.kernels = get_kernels(self.device, "torch")
         self.kv_cache = torch.empty(0, device=self.device)
         self.model = NullModel(logits, clock)  # type: ignore[assignment]
+        # The model's window, so the engine keeps its blocks as it would with the real forward.
+        self.kv_window = ModelArch.from_config(self.hf_config).kv_window
         self.init_input_batch()
 
 

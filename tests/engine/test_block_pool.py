@@ -312,6 +312,50 @@ TestKVCacheManagerStateMachine = KVCacheManagerMachine.TestCase
 TestKVCacheManagerStateMachine.settings = MACHINE_SETTINGS
 
 
+class WindowedKVCacheManagerMachine(KVCacheManagerMachine):
+    """The same operations on a model whose queries see ``WINDOW`` keys at most: each computed chunk releases the
+    blocks no later query reads, and every key a next query reads must still be in a block the request holds."""
+
+    WINDOW = 6  # not a multiple of the blocks
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(self.NUM_BLOCKS, BS, sliding_window=self.WINDOW)
+
+    def _compute(self, req: Request, num_new: int) -> None:
+        first_query = req.num_computed_tokens
+        super()._compute(req, num_new)
+        before = self.kv.num_released(req.request_id)
+        held = self.kv.pool.num_used_blocks
+        self.kv.release_out_of_window(req, first_query)
+        after = self.kv.num_released(req.request_id)
+        expected = max(before, min((first_query - self.WINDOW + 1) // BS, self.kv.cdiv(req.num_computed_tokens) - 1,
+                                   req.num_computed_tokens // BS))
+        assert after == expected, f"{req}: {after} blocks released, {expected} out of the window"
+        assert self.kv.pool.num_used_blocks <= held
+
+    @invariant()
+    def sound(self) -> None:
+        self.kv.check_integrity()
+        assert set(self.kv.req_blocks) == {r.request_id for r in self.running}
+        for req in self.running:
+            ids = self.kv.block_ids(req.request_id)
+            released = self.kv.num_released(req.request_id)
+            assert len(ids) == self.kv.cdiv(req.num_computed_tokens) and len(set(ids[released:])) == len(ids) - released
+            # Every key the next query reads is in a block still held, holding its token.
+            assert released * BS <= max(0, req.num_computed_tokens - self.WINDOW + 1)
+            for pos in range(released * BS, req.num_computed_tokens):
+                assert self.slots[ids[pos // BS]][pos % BS] == req.all_token_ids[pos], (
+                    f"{req}: slot of token {pos} holds another token's KV"
+                )
+        for h, block in self.kv.pool.cached.items():
+            assert tuple(self.slots[block.block_id]) == self.hash_tokens[h], f"{block} does not hold its hash"
+
+
+TestWindowedKVCacheManagerStateMachine = WindowedKVCacheManagerMachine.TestCase
+TestWindowedKVCacheManagerStateMachine.settings = MACHINE_SETTINGS
+
+
 # --------------------------------------------------------------------------- plain unit tests
 def test_eviction_takes_the_least_recently_freed_cached_block_first():
     pool = BlockPool(4)

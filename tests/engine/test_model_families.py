@@ -611,6 +611,58 @@ def test_family_greedy_equals_transformers_through_prefill_handoff_decode(checkp
     assert [first, *_drain(decode)["r"]] == _expected(folder, tuple(prompt))
 
 
+# The families whose every layer has the window: only they give blocks back as a sequence moves on.
+WINDOW_ON_EVERY_LAYER = ["mistral-window", "mixtral-moe-window", "phi3-window", "starcoder2-layernorm-bias-window"]
+
+
+def test_only_a_window_on_every_layer_lets_the_cache_give_blocks_back() -> None:
+    configs = family_configs()
+    windows = {name: ModelArch.from_config(configs[name]).kv_window for name in FAMILIES}
+    assert sorted(name for name, window in windows.items() if window is not None) == WINDOW_ON_EVERY_LAYER
+    assert {windows[name] for name in WINDOW_ON_EVERY_LAYER} == {WINDOW}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("name", WINDOW_ON_EVERY_LAYER)
+def test_blocks_out_of_every_window_go_back_and_every_logprob_stays_transformers(  # type: ignore[no-untyped-def]
+    checkpoint, engines, name: str, async_scheduling: bool,
+) -> None:
+    """A prompt of five windows in chunks of 5, then three windows of tokens: the request holds the blocks of about
+    one window and a chunk, never the sequence's, and each prompt token's and each sampled token's logprob equals
+    transformers' forward over the whole sequence (a key read from a block given back too early would move it).
+    Two choices forked after the prompt's blocks went back both decode transformers' greedy tokens."""
+    folder = checkpoint(name)
+    prompt = prompt_token_ids(5 * WINDOW + 1, seed=3)
+    engine = _engine(engines, folder, async_scheduling=async_scheduling)
+    assert engine.kv.sliding_window == WINDOW
+    num_new = 3 * WINDOW
+    params = SamplingParams(temperature=0.0, max_tokens=num_new, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    engine.add_request("r", prompt, params)
+    outs, most_held, least_free = [], 0, engine.kv.pool.num_blocks
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+        held = len(engine.kv.req_blocks.get("r", ())) - engine.kv.num_released("r")
+        most_held, least_free = max(most_held, held), min(least_free, engine.kv.pool.num_free_blocks)
+    tokens = [t for out in outs for t in out.new_token_ids]
+    sequence = prompt + tokens
+    assert len(tokens) == num_new
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(folder)(torch.tensor([sequence])).logits[0].float(), dim=-1)
+    (prompt_logprobs,) = [out.prompt_logprobs for out in outs if out.prompt_logprobs is not None]
+    for i in range(1, len(prompt)):
+        assert prompt_logprobs[i].logprob == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4), i
+    sampled = [lp for out in outs for lp in out.logprobs or ()]
+    assert [lp.token_id for lp in sampled] == tokens == ref[len(prompt) - 1 : -1].argmax(-1).tolist()
+    for j, lp in enumerate(sampled):
+        assert lp.logprob == pytest.approx(ref[len(prompt) - 1 + j, tokens[j]].item(), abs=1e-4), j
+    bs = engine.block_size
+    assert most_held <= -(-(WINDOW + 2 * 5) // bs) + 1 < -(-len(sequence) // bs) // 2
+    # Released blocks go back to the pool: never more than the window's worth in use (plus cached ones free).
+    assert engine.kv.pool.num_blocks - least_free == most_held
+    forked = SamplingParams(temperature=0.0, max_tokens=WINDOW, ignore_eos=True, n=2)
+    assert engine.generate([prompt], forked) == [[tokens[:WINDOW]] * 2]
+
+
 def _derived(model: torch.nn.Module) -> dict[str, str]:
     """Every value a model's modules computed from its config (shapes, flags, scales, windows)."""
     out = {}

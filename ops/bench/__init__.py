@@ -1,4 +1,4 @@
-"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec|lora|tp|mla|images``: benchmarks that print measured figures beside baselines."""
+"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec|lora|tp|mla|images|window``: benchmarks that print measured figures beside baselines."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ _BENCHES = {
     "tp": "ops.bench.tensor_parallel",
     "mla": "ops.bench.mla",
     "images": "ops.bench.images",
+    "window": "ops.bench.window",
 }
 
 

@@ -663,6 +663,27 @@ def test_blocks_out_of_every_window_go_back_and_every_logprob_stays_transformers
     assert engine.generate([prompt], forked) == [[tokens[:WINDOW]] * 2]
 
 
+@pytest.mark.parametrize("name", WINDOW_ON_EVERY_LAYER)
+def test_a_prefill_hands_off_every_block_of_a_windowed_prompt(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
+    """The prefill gives back no block of a prompt whose KV leaves for a decode: the decode caches every block it
+    receives under its hash, so a shorter prompt sharing the head hits them there and reads their keys."""
+    folder = checkpoint(name)
+    prompt = prompt_token_ids(5 * WINDOW + 1, seed=3)
+    prefill, decode = _engine(engines, folder), _engine(engines, folder)
+    first = _transfer(prefill, decode, prompt, GREEDY)
+    decode.remote_kv_arrived("r")
+    assert [first, *_drain(decode)["r"]] == _expected(folder, tuple(prompt))
+    bs = decode.block_size
+    short = prompt[: 2 * bs + 3]
+    decode.add_request("short", short, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=0))
+    (out,) = [out for out in decode.step() if out.request_id == "short"]
+    assert out.num_cached_tokens == 2 * bs
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(folder)(torch.tensor([short])).logits[0, -1].float(), dim=-1)
+    assert out.new_token_ids == [int(ref.argmax())]
+    assert out.logprobs is not None and out.logprobs[0].logprob == pytest.approx(ref.max().item(), abs=1e-4)
+
+
 def _derived(model: torch.nn.Module) -> dict[str, str]:
     """Every value a model's modules computed from its config (shapes, flags, scales, windows)."""
     out = {}

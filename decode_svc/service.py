@@ -101,7 +101,8 @@ class DecodeService(EngineService):
         record = RequestRecord(msg, "decode")
         for choice_id in choice_request_ids(request_id, msg.sampling_params.n):
             self.records[choice_id] = record
-        return Allocation(block_ids=handoff.block_ids, num_cached_blocks=handoff.num_cached_blocks)
+        return Allocation(block_ids=handoff.block_ids, num_cached_blocks=handoff.num_cached_blocks,
+                          num_released_blocks=handoff.num_released_blocks)
 
     def release_transfer(self, request_id: str) -> None:
         self.engine.release_kv(request_id)

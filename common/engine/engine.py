@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -56,8 +56,10 @@ class KVHandoff:
     block_ids: list[int]
     block_hashes: list[BlockHash]
     num_tokens: int
-    # Receiving side: leading blocks that already hold this KV (prefix-cache hits), not sent.
+    # Receiving side: leading blocks that already hold this KV (prefix-cache hits), not sent; the first
+    # ``num_released_blocks`` of them are out of a sliding window, not held (placeholder ids).
     num_cached_blocks: int = 0
+    num_released_blocks: int = 0
     # Sending side, n > 1: every choice's first token, in choice order.
     choice_token_ids: list[int] = field(default_factory=list)
     # Sending side, on a GPU: a CUDA event after which the blocks hold the KV (recorded when the step
@@ -380,7 +382,8 @@ class LLMEngine:
         req.num_cached_tokens = num_cached_tokens
         if len(choices) > 1:
             self._remote_choices[request_id] = choices[1:]
-        return self._handoff(req, num_kv_tokens, num_hit_blocks)
+        return replace(self._handoff(req, num_kv_tokens, num_hit_blocks),
+                       num_released_blocks=self.kv.num_released(request_id))
 
     def remote_kv_arrived(self, request_id: str) -> None:
         """The KV of a request from ``add_remote_request`` is in its blocks: it joins the batch,

@@ -124,15 +124,12 @@ class Scheduler:
 
     def add_remote(self, request: Request, num_kv_tokens: int) -> bool:
         """Hold blocks for a request whose first ``num_kv_tokens`` of KV arrive from another
-        instance; its leading cached blocks are reused and count as computed. False (nothing held)
+        instance; its leading cached blocks are reused and count as computed, as do those out of a
+        window (``KVCacheManager.allocate_remote``): the sender skips them. False (nothing held)
         when the pool cannot take it now; ``ValueError`` when it never could."""
         self._check_new(request)
-        hits, num_hit = self.kv.get_computed_blocks(request)
-        num_hit = min(num_hit, num_kv_tokens // self.kv.block_size * self.kv.block_size)
-        hits = hits[: num_hit // self.kv.block_size]
-        request.num_computed_tokens = num_hit
-        if not self.kv.allocate_slots(request, num_kv_tokens - num_hit, hits):
-            request.num_computed_tokens = 0
+        hits, _ = self.kv.get_computed_blocks(request)
+        if self.kv.allocate_remote(request, num_kv_tokens, hits[: num_kv_tokens // self.kv.block_size]) is None:
             return False
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request

@@ -155,6 +155,36 @@ class KVCacheManager:
         self.req_blocks[rid] = blocks
         return True
 
+    def allocate_remote(self, seq: SequenceLike, num_kv_tokens: int, computed_blocks: list[KVBlock]) -> int | None:
+        """Blocks for a request whose first ``num_kv_tokens`` of KV another instance sends, after its prefix hits
+        here (``computed_blocks``, from ``get_computed_blocks``); sets ``seq.num_computed_tokens`` to what needs
+        no sending. Returns how many leading blocks the sender skips, or None (nothing changed) if the pool is
+        short. With a window, the blocks no query from ``num_kv_tokens`` on reads are skipped too, and where the
+        hits do not reach them they are neither held nor sent: their places are ``RELEASED`` from the start."""
+        bs = self.block_size
+        skip = 0
+        if self.sliding_window is not None:
+            skip = max(0, min((num_kv_tokens - self.sliding_window + 1) // bs, self.cdiv(num_kv_tokens) - 1))
+        if skip <= len(computed_blocks):  # the hits reach the window: as any prefix hit
+            seq.num_computed_tokens = len(computed_blocks) * bs
+            if not self.allocate_slots(seq, num_kv_tokens - seq.num_computed_tokens, computed_blocks):
+                seq.num_computed_tokens = 0
+                return None
+            return len(computed_blocks)
+        rid = seq.request_id
+        assert rid not in self.req_blocks, f"{rid} already holds blocks"
+        num_new = self.cdiv(num_kv_tokens) - skip
+        if num_new > self.pool.num_free_blocks:
+            return None
+        new = self.pool.get_new_blocks(num_new)
+        self.req_blocks[rid] = [RELEASED] * skip + new
+        self._block_ids[rid] = [new[0].block_id] * skip + [b.block_id for b in new]
+        self._num_released[rid] = skip
+        self._num_hashed[rid] = skip  # never cached: their KV was never here
+        self._num_marked[rid] = skip * bs
+        seq.num_computed_tokens = skip * bs
+        return skip
+
     def _fill(self, block_id: int, num_slots: int) -> None:
         """Record that ``num_slots`` leading slots of a held block hold KV."""
         if num_slots > self._slot_fill[block_id]:

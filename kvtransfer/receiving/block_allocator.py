@@ -10,11 +10,14 @@ from typing import Protocol
 class Allocation:
     """Blocks for all ``ceil(num_tokens / block_size)`` blocks of a request, in order.
 
-    The first ``num_cached_blocks`` already hold the right KV (prefix-cache hits) and are not sent.
+    The first ``num_cached_blocks`` already hold the right KV (prefix-cache hits) and are not sent. Of those,
+    the first ``num_released_blocks`` are not held at all: no query will read them (out of a sliding window),
+    and their ids are placeholders, repeating the first block held.
     """
 
     block_ids: list[int]
     num_cached_blocks: int = 0
+    num_released_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ def check_allocation(
         return f"num_cached_blocks {allocation.num_cached_blocks} outside 0..{min(num_hashes, num_blocks)}"
     if not all(isinstance(b, int) and 0 <= b < num_pool_blocks for b in ids):
         return "block id out of range of the kv_cache"
-    if len(set(ids)) != len(ids):
+    if not 0 <= allocation.num_released_blocks <= allocation.num_cached_blocks:
+        return f"num_released_blocks {allocation.num_released_blocks} outside 0..{allocation.num_cached_blocks}"
+    held = ids[allocation.num_released_blocks :]
+    if len(set(held)) != len(held):
         return "the same block id twice in one request"
     return None

@@ -242,6 +242,29 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self._note_hashes(req)
         self._admit(req, chunk)
 
+    @rule(doc=st.integers(0, 2), length=st.integers(1, 20), tail=st.lists(st.integers(0, 3), max_size=6))
+    def admit_remote(self, doc: int, length: int, tail: list[int]) -> None:
+        """A request whose KV another instance sends: what ``allocate_remote`` skips needs no sending, the
+        sender writes the rest."""
+        self.num_ids += 1
+        req = Request(f"r{self.num_ids}", DOCS[doc][:length] + tail + [1], SamplingParams(), block_size=BS,
+                      model_id="m")
+        self._note_hashes(req)
+        num_kv = req.num_tokens - 1
+        hits, _ = self.kv.get_computed_blocks(req)
+        before = self._snapshot()
+        skip = self.kv.allocate_remote(req, num_kv, hits[: num_kv // BS])
+        if skip is None:
+            assert self._snapshot() == before, "a failed allocation changed the pool"
+            return
+        assert req.num_computed_tokens == skip * BS and skip >= min(len(hits), num_kv // BS)
+        ids = self.kv.block_ids(req.request_id)
+        for pos in range(skip * BS, num_kv):
+            self.slots[ids[pos // BS]][pos % BS] = req.all_token_ids[pos]
+        req.num_computed_tokens = num_kv
+        self.kv.mark_computed(req)
+        self.running.append(req)
+
     @precondition(lambda self: self.waiting)
     @rule(data=st.data(), chunk=st.integers(1, 12))
     def readmit(self, data: st.DataObject, chunk: int) -> None:

@@ -56,8 +56,10 @@ def _transfer(prefill, decode, prompt, params, output_token_ids=None):  # type: 
     assert handoff is not None and handoff.num_tokens == out.kv_handoff.num_tokens
     assert [bytes(h) for h in handoff.block_hashes] == [bytes(h) for h in out.kv_handoff.block_hashes]
     assert decode.scheduler.requests["r"].status == RequestStatus.WAITING_FOR_REMOTE_KV
-    src, dst = torch.tensor(out.kv_handoff.block_ids), torch.tensor(handoff.block_ids)
-    # As the transfer layer moves them: gathered on one side, scattered on the other (any cache dtype).
+    # As the transfer layer moves them: gathered on one side, scattered on the other (any cache dtype), all but
+    # the leading blocks the decode skips (its prefix hits, or those out of a window).
+    skip = handoff.num_cached_blocks
+    src, dst = torch.tensor(out.kv_handoff.block_ids[skip:]), torch.tensor(handoff.block_ids[skip:])
     decode.runner.kernels.scatter_blocks(decode.runner.kv_cache, dst,
                                          prefill.runner.kernels.gather_blocks(prefill.runner.kv_cache, src))
     assert prefill.release_kv("r") and not prefill.release_kv("r")

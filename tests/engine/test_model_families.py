@@ -664,24 +664,33 @@ def test_blocks_out_of_every_window_go_back_and_every_logprob_stays_transformers
 
 
 @pytest.mark.parametrize("name", WINDOW_ON_EVERY_LAYER)
-def test_a_prefill_hands_off_every_block_of_a_windowed_prompt(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
-    """The prefill gives back no block of a prompt whose KV leaves for a decode: the decode caches every block it
-    receives under its hash, so a shorter prompt sharing the head hits them there and reads their keys."""
+def test_a_decode_takes_only_the_window_of_a_handed_off_prompt(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
+    """The decode holds, and the prefill sends, only the blocks its first query reads: those before are skipped
+    as prefix hits are. Again after the decode computed the prompt itself: then its cached blocks are hits."""
     folder = checkpoint(name)
-    prompt = prompt_token_ids(5 * WINDOW + 1, seed=3)
+    # 58 tokens: the first query (at 58) sees keys from 47 on, the last of the 8-token block 40-47.
+    prompt = prompt_token_ids(4 * WINDOW + 10, seed=3)
     prefill, decode = _engine(engines, folder), _engine(engines, folder)
+    bs = decode.block_size
+    skip = (len(prompt) - WINDOW + 1) // bs  # the decode's first query is at len(prompt), after the prompt
+    prefill.add_request("r", prompt, GREEDY, kv_transfer=True)
+    while not any(out.kv_handoff for out in prefill.step()):
+        pass
+    assert prefill.kv.num_released("r") == 0  # the prefill holds every block until the transfer ends
+    prefill.abort_request("r")
+    prefill.release_kv("r")
     first = _transfer(prefill, decode, prompt, GREEDY)
+    assert decode.kv.num_released("r") == skip > 0
+    assert decode.kv.pool.num_used_blocks == -(-len(prompt) // bs) - skip
     decode.remote_kv_arrived("r")
     assert [first, *_drain(decode)["r"]] == _expected(folder, tuple(prompt))
-    bs = decode.block_size
-    short = prompt[: 2 * bs + 3]
-    decode.add_request("short", short, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=0))
-    (out,) = [out for out in decode.step() if out.request_id == "short"]
-    assert out.num_cached_tokens == 2 * bs
-    with torch.inference_mode():
-        ref = torch.log_softmax(hf_model(folder)(torch.tensor([short])).logits[0, -1].float(), dim=-1)
-    assert out.new_token_ids == [int(ref.argmax())]
-    assert out.logprobs is not None and out.logprobs[0].logprob == pytest.approx(ref.max().item(), abs=1e-4)
+    # The decode computes the prompt itself, caching its blocks (given back, still findable)...
+    assert decode.generate([prompt], GREEDY) == [[_expected(folder, tuple(prompt))]]
+    # ... so a hand-off of it now hits every full block, and only the last is sent.
+    first = _transfer(prefill, decode, prompt, GREEDY)
+    assert decode.kv.num_released("r") == 0 and decode.kv.req_blocks["r"][0].block_hash is not None
+    decode.remote_kv_arrived("r")
+    assert [first, *_drain(decode)["r"]] == _expected(folder, tuple(prompt))
 
 
 def _derived(model: torch.nn.Module) -> dict[str, str]:

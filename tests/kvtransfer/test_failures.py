@@ -316,7 +316,11 @@ def test_frame_over_the_size_limit_drops_the_connection_and_times_out_clean(peer
         assert hello.max_frame_bytes < 1 << 20
         raw.send(data_header("oversized", 3), 1 << 20)  # far above this receiver's MAXMSGSIZE
         [result] = poll_until(receiver, timeout_s=5.0)
-        assert not result.ok and "timed out" in (result.reason or "") and result.bytes_received == 0
+        # ZeroMQ drops the connection: the receiver sees it at its deadline, or at once if it writes to the sender
+        # first (its router socket refuses a write to a peer that is gone), whichever comes first on a busy host.
+        reason = result.reason or ""
+        assert not result.ok and ("timed out" in reason or "sender unreachable" in reason), reason
+        assert result.bytes_received == 0
         assert pool.is_clean()
         # Still serving others.
         start_sender(peer, "after-oversized")

@@ -110,6 +110,10 @@ def test_staging_pool_reuses_buffers_and_respects_its_budget() -> None:
         (Allocation([1, 2, 99], 0), "out of range"),
         (Allocation([1, 2, 2], 0), "the same block id twice"),
         (Allocation([2, 2, 3], 1), "the same block id twice"),  # a cached block must not be written
+        (Allocation([2, 2, 3], 1, num_released_blocks=1), None),  # out of a window: a placeholder, not held
+        (Allocation([2, 2, 2], 2, num_released_blocks=2), None),
+        (Allocation([2, 2, 3], 1, num_released_blocks=2), "num_released_blocks 2 outside 0..1"),
+        (Allocation([2, 3, 3], 1, num_released_blocks=1), "the same block id twice"),
     ],
 )
 def test_unusable_allocations_are_caught(allocation: Allocation, error: str | None) -> None:

@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -382,8 +382,7 @@ class LLMEngine:
         req.num_cached_tokens = num_cached_tokens
         if len(choices) > 1:
             self._remote_choices[request_id] = choices[1:]
-        return replace(self._handoff(req, num_kv_tokens, num_hit_blocks),
-                       num_released_blocks=self.kv.num_released(request_id))
+        return self._handoff(req, num_kv_tokens, num_hit_blocks)
 
     def remote_kv_arrived(self, request_id: str) -> None:
         """The KV of a request from ``add_remote_request`` is in its blocks: it joins the batch,
@@ -449,7 +448,7 @@ class LLMEngine:
     def _handoff(self, req: Request, num_tokens: int, num_cached_blocks: int = 0, ready: Any | None = None) -> KVHandoff:
         block_ids = self.kv.block_ids(req.request_id)[: self.kv.cdiv(num_tokens)]
         return KVHandoff(block_ids, req.block_hashes[: num_tokens // self.block_size], num_tokens, num_cached_blocks,
-                         ready=ready)
+                         num_released_blocks=self.kv.num_released(req.request_id), ready=ready)
 
     @property
     def num_blocks_in_use(self) -> int:

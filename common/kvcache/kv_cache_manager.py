@@ -177,9 +177,7 @@ class KVCacheManager:
         if num_new > self.pool.num_free_blocks:
             return None
         new = self.pool.get_new_blocks(num_new)
-        self.req_blocks[rid] = [RELEASED] * skip + new
-        self._block_ids[rid] = [new[0].block_id] * skip + [b.block_id for b in new]
-        self._num_released[rid] = skip
+        self._place_released(rid, skip, new, [b.block_id for b in new])
         self._num_hashed[rid] = skip  # never cached: their KV was never here
         self._num_marked[rid] = skip * bs
         seq.num_computed_tokens = skip * bs
@@ -284,15 +282,18 @@ class KVCacheManager:
         if num <= done:
             return
         gone = blocks[done:num]
-        self.req_blocks[rid] = [RELEASED] * num + blocks[num:]
-        ids = self._block_ids[rid]
-        self._block_ids[rid] = [ids[num]] * num + ids[num:]
-        self._num_released[rid] = num
+        self._place_released(rid, num, blocks[num:], self._block_ids[rid][num:])
         self.pool.free_blocks(reversed(gone))
         for b in gone:
             if b.ref_cnt == 0:
                 self.num_filled_slots -= self._slot_fill[b.block_id]
                 self._slot_fill[b.block_id] = 0
+
+    def _place_released(self, rid: str, num: int, held: list[KVBlock], held_ids: list[int]) -> None:
+        """The request's table: ``num`` released places, their ids its first block held's, then ``held``."""
+        self.req_blocks[rid] = [RELEASED] * num + held
+        self._block_ids[rid] = [held_ids[0]] * num + held_ids
+        self._num_released[rid] = num
 
     def num_released(self, request_id: str) -> int:
         """How many of the request's leading blocks ``release_out_of_window`` gave back."""

@@ -26,6 +26,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from common.kvcache.kv_cache_manager import out_of_window
+
 if TYPE_CHECKING:
     from common.cluster_key import ClusterKey
 
@@ -34,6 +36,8 @@ logger = logging.getLogger(__name__)
 REDIS_TIMEOUT_S = 0.5
 BACKOFF_S = 1.0
 _CHUNK = 256
+# Block ends of a prompt, back from its last, where ``PrefixIndex.match`` looks for a windowed instance's hit.
+WINDOW_PROBE_BLOCKS = 64
 
 
 # ``InstanceInfo.kv_layout`` of a decode instance that takes no KV (a tensor-parallel engine on GPUs): no
@@ -64,6 +68,9 @@ class InstanceInfo(msgspec.Struct, kw_only=True):
     kv_layout: str = ""
     # The LoRA adapters it serves (its ``--lora-modules`` names): a request with one goes only to those.
     lora_names: list[str] = msgspec.field(default_factory=list)
+    # How far back its model's queries read keys where every layer has a window (``ModelArch.kv_window``), else 0:
+    # its prefix hits then need only the blocks a query after them reads (``PrefixIndex.match``).
+    kv_window: int = 0
 
 
 class SignedEntry(msgspec.Struct):
@@ -388,13 +395,43 @@ class PrefixIndex:
         """Forget everything ``instance_id`` published (call it when an instance starts empty)."""
         return self._rc.run("clear instance", lambda c: _clear_instance_blocks(self._rc, c, instance_id))[0]
 
-    def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+    def match(self, block_hashes: Sequence[bytes], block_size: int = 16, kv_window: int = 0) -> dict[str, int]:
         """instance_id -> number of leading blocks of ``block_hashes`` it holds, live instances only.
 
         Lookups are pipelined in chunks and stop once no instance still matches; {} when Redis is down.
+
+        For instances whose queries read ``kv_window`` keys back at most (``InstanceInfo.kv_window``), a hit needs
+        only the blocks a query after it reads, as their engines count hits (``KVCacheManager.get_computed_blocks``):
+        the longest prefix whose last window of blocks an instance holds counts, whether or not it holds the ones
+        before. That is looked for among the prompt's last ``WINDOW_PROBE_BLOCKS`` block ends, in one more round
+        trip: where a conversation's next turn ends the earlier turns' blocks, whose first blocks went back first.
         """
-        ok, result = self._rc.run("prefix match", lambda client: self._match(client, block_hashes))
+        def lookup(client: redis.Redis) -> dict[str, int]:
+            counts = self._match(client, block_hashes)
+            if kv_window > 0 and block_hashes:
+                for instance_id, k in self._window_match(client, block_hashes, block_size, kv_window).items():
+                    counts[instance_id] = max(counts.get(instance_id, 0), k)
+            return self._only_live(client, counts)
+
+        ok, result = self._rc.run("prefix match", lookup)
         return result if ok else {}
+
+    def _window_match(self, client: redis.Redis, block_hashes: Sequence[bytes], block_size: int,
+                      kv_window: int) -> dict[str, int]:
+        num = len(block_hashes)
+        first_end = max(1, num - WINDOW_PROBE_BLOCKS)
+        start = out_of_window(first_end * block_size, block_size, kv_window)  # the first block any end reads
+        pipe = client.pipeline(transaction=False)
+        for block_hash in block_hashes[start:]:
+            pipe.smembers(self._rc.key("block", block_hash.hex()))
+        runs: dict[str, int] = {}  # per instance, how many blocks up to here it holds in a row
+        best: dict[str, int] = {}
+        for end, members in enumerate(pipe.execute(), start + 1):
+            runs = {instance_id: runs.get(instance_id, 0) + 1 for instance_id in map(_text, members)}
+            if end >= first_end:
+                needed = end - out_of_window(end * block_size, block_size, kv_window)
+                best.update({instance_id: end for instance_id, run in runs.items() if run >= needed})
+        return best
 
     def _match(self, client: redis.Redis, block_hashes: Sequence[bytes]) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -408,11 +445,11 @@ class PrefixIndex:
                 holders = {_text(m) for m in members}
                 running = holders if running is None else running & holders
                 if not running:
-                    return self._only_live(client, counts)
+                    return counts
                 position += 1
                 for instance_id in running:
                     counts[instance_id] = position
-        return self._only_live(client, counts)
+        return counts
 
     def _only_live(self, client: redis.Redis, counts: dict[str, int]) -> dict[str, int]:
         if not counts:

@@ -271,6 +271,7 @@ class EngineService:
             num_blocks_in_use=stats.num_blocks - stats.num_free_blocks, draining=self.draining,
             started_at=self._started_at, kv_layout=self.kv_layout,
             lora_names=[] if self.engine.runner.lora is None else list(self.engine.runner.lora.slots),
+            kv_window=self.engine.kv.sliding_window or 0,
         )
 
     # ------------------------------------------------------------ outputs

@@ -88,6 +88,7 @@ class PrefillService(EngineService):
             self.sender.send(
                 msg.request_id, msg.decode_target.kv_address, handoff.block_ids,
                 [bytes(h) for h in handoff.block_hashes], handoff.num_tokens, encode(meta), after=handoff.ready,
+                num_released_blocks=handoff.num_released_blocks,
             )
         except ValueError as exc:  # e.g. a decode target address the sender cannot use
             self.engine.release_kv(msg.request_id)

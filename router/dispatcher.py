@@ -387,23 +387,24 @@ class Dispatcher:
         self, prefills: list[InstanceInfo], prompt: list[int], salt: str | None, lora_name: str | None = None,
         images: list[ImageInput] | None = None,
     ) -> tuple[dict[str, int], int]:
-        """Leading cached blocks per prefill instance, and the prompt's number of full blocks (a block
-        that holds an image's tokens hashed with the image's digest, as the engines hash it)."""
+        """Leading cached blocks per prefill instance (of a model windowed on every layer: those a hit there would
+        count, ``PrefixIndex.match``), and the prompt's number of full blocks (a block that holds an image's tokens
+        hashed with the image's digest, as the engines hash it)."""
         if self.prefix_index is None or not self.policy.uses_prefix:
             return {}, 0
-        groups: dict[tuple[int, str], set[str]] = {}
+        groups: dict[tuple[int, str, int], set[str]] = {}
         for info in prefills:
-            groups.setdefault((info.block_size, info.model), set()).add(info.instance_id)
+            groups.setdefault((info.block_size, info.model, info.kv_window), set()).add(info.instance_id)
         matched: dict[str, int] = {}
         num_blocks = 0
         spans = image_spans(images or [])
-        for (block_size, model), ids in groups.items():
+        for (block_size, model, kv_window), ids in groups.items():
             hashes = compute_block_hashes(prompt, block_size, adapter_model_key(model, lora_name), salt, images=spans)
             num_blocks = max(num_blocks, len(hashes))
             if not hashes:
                 continue
             # Not asyncio.wait_for, which before Python 3.12 can swallow the caller's cancellation.
-            lookup = asyncio.ensure_future(asyncio.to_thread(self.prefix_index.match, hashes))
+            lookup = asyncio.ensure_future(asyncio.to_thread(self.prefix_index.match, hashes, block_size, kv_window))
             try:
                 await asyncio.wait([lookup], timeout=PREFIX_LOOKUP_TIMEOUT_S)
             finally:

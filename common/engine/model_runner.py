@@ -34,6 +34,7 @@ from common.engine.tensor_parallel import (
     device_of_rank,
     shared_cache,
 )
+from common.kvcache.kv_cache_manager import max_blocks_held
 from common.model.arch import ModelArch
 from common.model.llama import AttentionMetadata
 from common.model.loader import model_identity, resolve_model_path
@@ -414,14 +415,17 @@ class ModelRunner:
     def _check_capacity(self) -> None:
         """Where the cache was sized from memory (no ``--num-blocks``), ``ValueError`` unless it holds one request of
         ``max_model_len`` tokens, as vLLM refuses to start then: the model's own context length (Llama 4 Scout's
-        10M tokens, say) is the default, and a request that long could never run."""
+        10M tokens, say) is the default, and a request that long could never run. A model windowed on every layer
+        holds only its window's blocks at once (``max_blocks_held``)."""
         capacity = self.num_blocks * self.block_size
-        if self.config.num_blocks is not None or capacity >= self.max_model_len:
+        needed = max_blocks_held(self.max_model_len, self.block_size, self.kv_window, self.config.max_num_batched_tokens)
+        if self.config.num_blocks is not None or needed <= self.num_blocks:
             return
         memory = "--gpu-memory-utilization" if self.device.type == "cuda" else "--kv-cache-memory"
         raise ValueError(
-            f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks of {self.block_size}), fewer than "
-            f"max_model_len {self.max_model_len}: a request of that length could never run. Pass --max-model-len "
+            f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks of {self.block_size}), fewer than a "
+            f"request of max_model_len {self.max_model_len} holds at once ({needed} blocks): it could never run. "
+            "Pass --max-model-len "
             f"{capacity} or less, or give the cache more memory ({memory})")
 
     def _num_blocks(self) -> int:

@@ -110,9 +110,10 @@ class Scheduler:
                     "--max-num-batched-tokens"
                 )
         longest = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len)
-        if not self.kv.can_fit(longest):
+        if not self.kv.can_fit(longest, self.max_num_batched_tokens):
             raise ValueError(
-                f"request needs {self.kv.cdiv(longest)} KV blocks at its longest, but the pool has only "
+                f"request needs {self.kv.max_blocks_held(longest, self.max_num_batched_tokens)} KV blocks at its "
+                f"longest, but the pool has only "
                 f"{self.kv.pool.num_blocks}; lower max_tokens or enlarge the KV cache"
             )
 
@@ -128,8 +129,8 @@ class Scheduler:
         window (``KVCacheManager.allocate_remote``): the sender skips them. False (nothing held)
         when the pool cannot take it now; ``ValueError`` when it never could."""
         self._check_new(request)
-        hits, _ = self.kv.get_computed_blocks(request)
-        if self.kv.allocate_remote(request, num_kv_tokens, hits[: num_kv_tokens // self.kv.block_size]) is None:
+        hits, _ = self.kv.get_computed_blocks(request, num_kv_tokens // self.kv.block_size)
+        if self.kv.allocate_remote(request, num_kv_tokens, hits) is None:
             return False
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
@@ -318,8 +319,9 @@ class Scheduler:
             # Drafts count once the engine knows which the model agreed with (``LLMEngine._accept``).
             req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)
             mark_computed(req)
-            # Blocks out of every layer's window go back, except a prefill's whose KV leaves whole for a decode.
-            if windowed and not req.kv_transfer:
+            # Blocks out of every layer's window go back, a prefill's whose KV leaves for a decode's too: the
+            # decode skips at least those (``KVCacheManager.allocate_remote``), and the sender checks it does.
+            if windowed:
                 self.kv.release_out_of_window(req, first_query)
 
     def finish(self, req: Request, status: RequestStatus) -> None:

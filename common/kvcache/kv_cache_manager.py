@@ -32,6 +32,23 @@ class SequenceLike(Protocol):
 RELEASED = KVBlock(-1)
 
 
+def out_of_window(num_tokens: int, block_size: int, sliding_window: int) -> int:
+    """How many leading blocks of a sequence no query at ``num_tokens`` or later reads, when each reads keys at most
+    ``sliding_window - 1`` back: all but the last block at most."""
+    return max(0, min((num_tokens - sliding_window + 1) // block_size, -(-num_tokens // block_size) - 1))
+
+
+def max_blocks_held(num_tokens: int, block_size: int, sliding_window: int | None, max_step_tokens: int) -> int:
+    """The most blocks a sequence of ``num_tokens`` tokens holds at once, in steps of ``max_step_tokens`` tokens
+    at most: all of them, or with a window, those of the keys a step's queries read. Blocks go back a step late
+    (``release_out_of_window`` goes by the step's first query), so a step holds the window of the step before
+    it and both steps' tokens, plus a block where they straddle block edges."""
+    whole = -(-num_tokens // block_size)
+    if sliding_window is None:
+        return whole
+    return min(whole, -(-(sliding_window + 2 * max_step_tokens - 2) // block_size) + 1)
+
+
 class KVCacheManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_caching: bool = True, sliding_window: int | None = None
@@ -83,25 +100,52 @@ class KVCacheManager:
         earlier one tells a grown table (same list, longer) from a rewritten one (another list)."""
         return self._block_ids.get(request_id, [])
 
-    def get_computed_blocks(self, seq: SequenceLike) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, seq: SequenceLike, max_blocks: int | None = None) -> tuple[list[KVBlock], int]:
         """Leading cached blocks of ``seq`` and how many tokens they cover; does not take them.
 
         At most ``num_tokens - 1`` tokens are reported, so the last token is always computed
-        (its logits are needed).
+        (its logits are needed); at most ``max_blocks`` blocks where given.
+
+        With a window, a hit needs only the blocks a query after it reads: the longest prefix whose last
+        window of blocks is cached counts, however many blocks before it are gone (as vLLM's sliding-window
+        manager finds its hits), and the list's leading places for those are ``RELEASED``, to be neither held
+        nor read (``allocate_slots`` takes them as released places). At least one hit block is real.
         """
         if not self.enable_caching:
             return [], 0
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
-        for block_hash in seq.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        bs = self.block_size
+        limit = (seq.num_tokens - 1) // bs
+        lookup = self.pool.get_cached_block
+        hashes = seq.block_hashes[: limit if max_blocks is None else min(limit, max_blocks)]
+        if self.sliding_window is None:
+            hits: list[KVBlock] = []
+            for block_hash in hashes:
+                block = lookup(block_hash)
+                if block is None:
+                    break
+                hits.append(block)
+            return hits, len(hits) * bs
+        found = [lookup(h) for h in hashes]
+        best, best_skip, run = 0, 0, 0  # run: cached blocks ending at the one looked at
+        for k in range(1, len(found) + 1):
+            run = run + 1 if found[k - 1] is not None else 0
+            skip = self._out_of_window(k * bs)
+            if run >= k - skip > 0:
+                best, best_skip = k, skip
+        window_hits = [RELEASED] * best_skip + [b for b in found[best_skip:best] if b is not None]
+        return window_hits, best * bs
 
-    def can_fit(self, num_tokens: int) -> bool:
-        return self.cdiv(num_tokens) <= self.pool.num_blocks
+    def _out_of_window(self, num_tokens: int) -> int:
+        assert self.sliding_window is not None
+        return out_of_window(num_tokens, self.block_size, self.sliding_window)
+
+    def can_fit(self, num_tokens: int, max_step_tokens: int) -> bool:
+        """Whether the pool could ever hold a sequence of ``num_tokens`` tokens (``max_blocks_held``)."""
+        return self.max_blocks_held(num_tokens, max_step_tokens) <= self.pool.num_blocks
+
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks a sequence of ``num_tokens`` tokens holds at once (``max_blocks_held``)."""
+        return max_blocks_held(num_tokens, self.block_size, self.sliding_window, max_step_tokens)
 
     def allocate_slots(
         self, seq: SequenceLike, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
@@ -124,19 +168,27 @@ class KVCacheManager:
         num_needed = self.cdiv(num_computed + num_new_tokens) - num_have
         write_idx = num_computed // bs
         cow = num_computed % bs != 0 and write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1
-        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        # A hit out of a window (``get_computed_blocks``) starts with released places, taken by a new request.
+        skipped = computed_blocks.count(RELEASED)
+        assert not skipped or not blocks, f"{rid} already holds blocks"
+        hits = computed_blocks[skipped:]
+        num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
         if max(num_needed, 0) + int(cow) + num_evictable_hits > self.pool.num_free_blocks:
             return False
         ids = self._block_ids.get(rid)
         if ids is None:
             ids = self._block_ids[rid] = []
             self._num_marked[rid] = num_computed
-        if computed_blocks:
-            self.pool.touch(computed_blocks)
+        if hits:
+            self.pool.touch(hits)
             blocks = blocks + computed_blocks
-            ids.extend(b.block_id for b in computed_blocks)
-            for b in computed_blocks:  # cached, so full
+            ids.extend(b.block_id for b in hits)
+            for b in hits:  # cached, so full
                 self._fill(b.block_id, bs)
+            if skipped:
+                self._place_released(rid, skipped, hits, ids)
+                self._num_hashed[rid] = skipped
+                ids = self._block_ids[rid]
         if cow:
             shared = blocks[write_idx]
             (copy,) = self.pool.get_new_blocks(1)
@@ -162,9 +214,7 @@ class KVCacheManager:
         short. With a window, the blocks no query from ``num_kv_tokens`` on reads are skipped too, and where the
         hits do not reach them they are neither held nor sent: their places are ``RELEASED`` from the start."""
         bs = self.block_size
-        skip = 0
-        if self.sliding_window is not None:
-            skip = max(0, min((num_kv_tokens - self.sliding_window + 1) // bs, self.cdiv(num_kv_tokens) - 1))
+        skip = 0 if self.sliding_window is None else self._out_of_window(num_kv_tokens)
         if skip <= len(computed_blocks):  # the hits reach the window: as any prefix hit
             seq.num_computed_tokens = len(computed_blocks) * bs
             if not self.allocate_slots(seq, num_kv_tokens - seq.num_computed_tokens, computed_blocks):

@@ -25,6 +25,7 @@ class Outgoing:
     num_tokens: int
     meta: bytes
     after: Any | None = None  # CUDA event: the engine's writes to the blocks
+    num_released_blocks: int = 0  # leading blocks out of the window, not held: never to be sent
     started: float = field(default_factory=time.monotonic)
     last_activity: float = field(default_factory=time.monotonic)
     state: TransferState = TransferState.BOOTSTRAPPING

@@ -89,19 +89,26 @@ class KVSender:
         num_tokens: int,
         meta: bytes = b"",
         after: Any | None = None,
+        num_released_blocks: int = 0,
     ) -> None:
         """Start sending; never blocks. Raises ``ValueError`` on bad arguments or a live duplicate id.
 
         ``block_ids`` hold all ``ceil(num_tokens / block_size)`` blocks of the request in order;
         ``block_hashes`` the hashes of its full blocks (a prefix of them is enough). On a GPU the
         gathers wait for ``after``, a CUDA event after which the blocks hold the KV; without one, for
-        everything queued on the current stream now.
+        everything queued on the current stream now. The first ``num_released_blocks`` are out of the
+        model's window and no longer held here (``KVCacheManager.release_out_of_window``): a receiver
+        that asks for any of them fails the transfer instead of receiving other requests' KV.
         """
         self._validate(request_id, peer_address, block_ids, block_hashes, num_tokens, meta)
+        if not 0 <= num_released_blocks < len(block_ids):
+            raise ValueError(f"num_released_blocks {num_released_blocks} outside 0..{len(block_ids) - 1}: "
+                             "at least the last block is held")
         if after is None and self.kv_cache.is_cuda:
             after = torch.cuda.current_stream(self.kv_cache.device).record_event()
         transfer = Outgoing(
-            request_id, peer_address, list(block_ids), list(block_hashes), num_tokens, bytes(meta), after
+            request_id, peer_address, list(block_ids), list(block_hashes), num_tokens, bytes(meta), after,
+            num_released_blocks=num_released_blocks,
         )
         with self._lock:
             if not self._board.start(request_id, TransferState.BOOTSTRAPPING):

@@ -240,6 +240,10 @@ class SenderLoop:
         if len(msg.block_ids) != num_blocks or num_cached > min(num_blocks, len(transfer.block_hashes)):
             self._fail(transfer, "receiver sent an inconsistent Accept", notify=True)
             return
+        if num_cached < transfer.num_released_blocks:
+            self._fail(transfer, f"receiver asks for blocks from {num_cached}, but this sender gave back the first "
+                       f"{transfer.num_released_blocks} (out of the model's window)", notify=True)
+            return
         transfer.num_cached_blocks = num_cached
         transfer.send_ids = self.packer.block_ids(transfer.block_ids[num_cached:])
         num_to_send = num_blocks - num_cached

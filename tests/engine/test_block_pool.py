@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from common.engine.request import Request
 from common.kvcache.block_pool import CONTIGUITY_WINDOW, BlockPool, FreeBlockQueue, KVBlock
 from common.kvcache.hashing import BlockHash, hash_block_tokens
-from common.kvcache.kv_cache_manager import KVCacheManager
+from common.kvcache.kv_cache_manager import RELEASED, KVCacheManager
 from common.sampling_params import SamplingParams
 
 MACHINE_SETTINGS = settings(max_examples=50, stateful_step_count=40, deadline=None)
@@ -216,13 +216,22 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         req.num_computed_tokens += num_new
         self.kv.cache_blocks(req)
 
+    def _first_read(self, num_blocks: int) -> int:
+        """The first block a query right after ``num_blocks`` full blocks reads (one block at least is)."""
+        if self.WINDOW is None:
+            return 0
+        return max(0, min((num_blocks * BS - self.WINDOW + 1) // BS, num_blocks - 1))
+
     def _admit(self, req: Request, chunk: int) -> None:
         hits, num_hit = self.kv.get_computed_blocks(req)
         assert num_hit == len(hits) * BS <= req.num_tokens - 1
-        assert [b.block_hash for b in hits] == req.block_hashes[: len(hits)]
-        max_blocks = (req.num_tokens - 1) // BS
-        if len(hits) < max_blocks:
-            assert self.kv.pool.get_cached_block(req.block_hashes[len(hits)]) is None, "hit cut short"
+        skipped = self._first_read(len(hits))
+        assert hits[:skipped] == [RELEASED] * skipped, "blocks a query after the hit reads are not taken"
+        assert [b.block_hash for b in hits[skipped:]] == req.block_hashes[skipped : len(hits)]
+        # The longest hit: every block a query right after it reads is cached (with a window, the early ones
+        # need not be).
+        cached = [self.kv.pool.get_cached_block(h) is not None for h in req.block_hashes[: (req.num_tokens - 1) // BS]]
+        assert len(hits) == max(k for k in range(len(cached) + 1) if all(cached[self._first_read(k) : k])), "hit cut short"
         req.num_computed_tokens = num_hit
         num_new = min(chunk, req.num_tokens - num_hit)
         before = self._snapshot()
@@ -252,9 +261,9 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
                       model_id="m")
         self._note_hashes(req)
         num_kv = req.num_tokens - 1
-        hits, _ = self.kv.get_computed_blocks(req)
+        hits, _ = self.kv.get_computed_blocks(req, num_kv // BS)
         before = self._snapshot()
-        skip = self.kv.allocate_remote(req, num_kv, hits[: num_kv // BS])
+        skip = self.kv.allocate_remote(req, num_kv, hits)
         if skip is None:
             assert self._snapshot() == before, "a failed allocation changed the pool"
             return

@@ -59,6 +59,7 @@ def _transfer(prefill, decode, prompt, params, output_token_ids=None):  # type: 
     # As the transfer layer moves them: gathered on one side, scattered on the other (any cache dtype), all but
     # the leading blocks the decode skips (its prefix hits, or those out of a window).
     skip = handoff.num_cached_blocks
+    assert skip >= out.kv_handoff.num_released_blocks, "the decode asks for blocks the prefill gave back"
     src, dst = torch.tensor(out.kv_handoff.block_ids[skip:]), torch.tensor(handoff.block_ids[skip:])
     decode.runner.kernels.scatter_blocks(decode.runner.kv_cache, dst,
                                          prefill.runner.kernels.gather_blocks(prefill.runner.kv_cache, src))

@@ -155,7 +155,8 @@ def test_the_profile_runs_the_largest_forward_and_samples_every_row_with_every_f
 def test_a_cache_sized_from_memory_that_cannot_hold_max_model_len_refuses_to_start(tmp_path):
     """As vLLM: a cache sized from memory (no ``--num-blocks``) must hold one request of ``max_model_len`` tokens (the
     model's own context by default); the error names both figures and the flags. Given that many blocks, or a
-    shorter ``max_model_len``, the engine starts."""
+    shorter ``max_model_len``, the engine starts. A model windowed on every layer needs only the blocks a request of
+    that length holds at once: its window and two steps' tokens."""
     from common.config import EngineConfig
     from common.engine.engine import LLMEngine
     from tests.engine.tiny_models import TINY_DIMS, build_checkpoint, family_configs
@@ -166,8 +167,15 @@ def test_a_cache_sized_from_memory_that_cannot_hold_max_model_len_refuses_to_sta
               "kv_cache_memory": 100 * 8 * per_token}  # 100 blocks: 800 tokens
     LLMEngine(EngineConfig(**config)).close()  # the model's 256 positions fit
     small = {**config, "kv_cache_memory": 20 * 8 * per_token}  # 160 tokens
-    with pytest.raises(ValueError, match="holds 160 tokens \\(20 blocks of 8\\), fewer than max_model_len 256.*"
+    with pytest.raises(ValueError, match="holds 160 tokens \\(20 blocks of 8\\), fewer than a request of "
+                                         "max_model_len 256 holds at once \\(32 blocks\\).*"
                                          "--max-model-len 160 or less.*--kv-cache-memory"):
         LLMEngine(EngineConfig(**small))
     LLMEngine(EngineConfig(**small, max_model_len=160)).close()
     LLMEngine(EngineConfig(**{**small, "num_blocks": 20})).close()
+    windowed = {**small, "model": str(build_checkpoint(family_configs()["mistral-window"], tmp_path / "window"))}
+    # A window of 12 and steps of 1,024 tokens: a 256-token request may still hold all its 32 blocks at once...
+    with pytest.raises(ValueError, match="max_model_len 256 holds at once \\(32 blocks\\)"):
+        LLMEngine(EngineConfig(**windowed))
+    # ... in steps of 16 at most, 12 + 2 x 16 - 2 keys span 6 blocks of 8 at most: 20 blocks are plenty.
+    LLMEngine(EngineConfig(**windowed, max_num_batched_tokens=16)).close()

@@ -657,16 +657,73 @@ def test_blocks_out_of_every_window_go_back_and_every_logprob_stays_transformers
         assert lp.logprob == pytest.approx(ref[len(prompt) - 1 + j, tokens[j]].item(), abs=1e-4), j
     bs = engine.block_size
     assert most_held <= -(-(WINDOW + 2 * 5) // bs) + 1 < -(-len(sequence) // bs) // 2
+    assert most_held <= engine.kv.max_blocks_held(len(sequence), 5)  # what admission and start-up count on
     # Released blocks go back to the pool: never more than the window's worth in use (plus cached ones free).
     assert engine.kv.pool.num_blocks - least_free == most_held
     forked = SamplingParams(temperature=0.0, max_tokens=WINDOW, ignore_eos=True, n=2)
     assert engine.generate([prompt], forked) == [[tokens[:WINDOW]] * 2]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("name", ["mistral-window", "starcoder2-layernorm-bias-window"])
+def test_a_windowed_request_longer_than_the_pool_runs_and_a_continuation_hits_its_last_window(  # type: ignore[no-untyped-def]
+    checkpoint, engines, name: str, async_scheduling: bool,
+) -> None:
+    """6 blocks of 8 (48 tokens) cannot hold a 97-token sequence, but a request whose queries read 12 keys back holds
+    at most 4 blocks at once (a window and two 5-token steps): it is admitted and runs to transformers' tokens; the
+    same pool refuses it for a model without a window. A continuation of that conversation hits the blocks of its
+    last window, still cached, though the first blocks were taken for others by then: they count as given back."""
+    folder = checkpoint(name)
+    prompt = prompt_token_ids(5 * WINDOW + 1, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=3 * WINDOW, ignore_eos=True)
+    whole = _engine(engines, checkpoint("llama-bias"), num_blocks=6)
+    with pytest.raises(ValueError, match="request needs 13 KV blocks at its longest, but the pool has only 6"):
+        whole.add_request("r", prompt, params)
+    engine = _engine(engines, folder, num_blocks=6, async_scheduling=async_scheduling)
+    assert engine.kv.max_blocks_held(len(prompt) + 3 * WINDOW, 5) == 4
+    [[tokens]] = engine.generate([prompt], params)
+    assert engine.scheduler.num_preemptions == 0
+    follow = prompt + tokens + prompt_token_ids(5, seed=4)
+    engine.add_request("next", follow, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    more = [t for out in outs for t in out.new_token_ids]
+    hit = max(out.num_cached_tokens for out in outs)
+    assert hit >= WINDOW, "a continuation found no block of its last window"
+    with torch.inference_mode():
+        ref = hf_model(folder)(torch.tensor([follow + more])).logits[0]
+    assert tokens == ref[len(prompt) - 1 : len(prompt) + len(tokens) - 1].argmax(-1).tolist()
+    assert more == ref[len(follow) - 1 : -1].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("name", ["mistral-window", "gemma2-window-softcap"])
+def test_a_service_publishes_its_window_for_the_routers_prefix_matches(checkpoint, redis_url: str, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Routers count a windowed instance's prefix hits as its engine does (``PrefixIndex.match``) from the window
+    it publishes: a model windowed on every layer publishes its window, one with a layer that sees everything 0."""
+    import argparse
+
+    from common.service import add_service_args
+    from prefill_svc.service import PrefillService
+
+    parser = argparse.ArgumentParser()
+    add_service_args(parser, "prefill")
+    args = parser.parse_args(["--model", str(checkpoint(name)), "--device", "cpu", "--dtype", "float32",
+                              "--block-size", "8", "--num-blocks", "16", "--redis-url", redis_url])
+    service = PrefillService(args)
+    try:
+        assert service.info().kv_window == (WINDOW if name in WINDOW_ON_EVERY_LAYER else 0)
+    finally:
+        service.close()
+        service.engine.close()
+        service.ctx.destroy(linger=0)
+
+
 @pytest.mark.parametrize("name", WINDOW_ON_EVERY_LAYER)
 def test_a_decode_takes_only_the_window_of_a_handed_off_prompt(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
     """The decode holds, and the prefill sends, only the blocks its first query reads: those before are skipped
-    as prefix hits are. Again after the decode computed the prompt itself: then its cached blocks are hits."""
+    as prefix hits are, and the prefill gives back, as its chunks go, blocks the decode skips. Again after the
+    decode computed the prompt itself: then its cached blocks of the window are hits, the ones before skipped."""
     folder = checkpoint(name)
     # 58 tokens: the first query (at 58) sees keys from 47 on, the last of the 8-token block 40-47.
     prompt = prompt_token_ids(4 * WINDOW + 10, seed=3)
@@ -674,9 +731,12 @@ def test_a_decode_takes_only_the_window_of_a_handed_off_prompt(checkpoint, engin
     bs = decode.block_size
     skip = (len(prompt) - WINDOW + 1) // bs  # the decode's first query is at len(prompt), after the prompt
     prefill.add_request("r", prompt, GREEDY, kv_transfer=True)
+    most_held = 0
     while not any(out.kv_handoff for out in prefill.step()):
-        pass
-    assert prefill.kv.num_released("r") == 0  # the prefill holds every block until the transfer ends
+        most_held = max(most_held, prefill.kv.pool.num_used_blocks)
+    # The last chunk (from 55) read keys from 44 on: blocks 0-4 went back, all of them skipped by the decode.
+    assert prefill.kv.num_released("r") == (len(prompt) - 3 - WINDOW + 1) // bs == skip
+    assert most_held <= prefill.kv.max_blocks_held(len(prompt), 5) < -(-len(prompt) // bs)
     prefill.abort_request("r")
     prefill.release_kv("r")
     first = _transfer(prefill, decode, prompt, GREEDY)
@@ -686,9 +746,10 @@ def test_a_decode_takes_only_the_window_of_a_handed_off_prompt(checkpoint, engin
     assert [first, *_drain(decode)["r"]] == _expected(folder, tuple(prompt))
     # The decode computes the prompt itself, caching its blocks (given back, still findable)...
     assert decode.generate([prompt], GREEDY) == [[_expected(folder, tuple(prompt))]]
-    # ... so a hand-off of it now hits every full block, and only the last is sent.
+    # ... so a hand-off of it now hits every full block of the window, and only the last block is sent.
     first = _transfer(prefill, decode, prompt, GREEDY)
-    assert decode.kv.num_released("r") == 0 and decode.kv.req_blocks["r"][0].block_hash is not None
+    assert decode.kv.num_released("r") == skip and decode.kv.req_blocks["r"][skip].block_hash is not None
+    assert decode.kv.pool.num_used_blocks == -(-len(prompt) // bs) - skip
     decode.remote_kv_arrived("r")
     assert [first, *_drain(decode)["r"]] == _expected(folder, tuple(prompt))
 

@@ -369,3 +369,44 @@ def test_closing_the_receiver_tells_a_waiting_offer_it_is_busy_and_a_landing_one
     assert aborts["waiting"].busy and not aborts["landing"].busy, aborts
     assert pool.is_clean()
     peer.call("close", name="raw-closing")
+
+
+def test_a_receiver_asking_for_blocks_the_sender_gave_back_out_of_the_window_fails_the_transfer(
+    peer: PeerProcess,
+) -> None:
+    """A prefill gives back its blocks out of a sliding window as its chunks go: a receiver that would skip fewer
+    of them (another model's window) fails the transfer, told so, instead of receiving blocks now others' KV. One
+    that skips them gets the rest, and only the rest."""
+    cache = make_kv_cache({**SMALL, "seed": 3})
+    address = peer.call("raw_router", name="window", address="tcp://127.0.0.1:0")["address"]
+    src_ids = [7, 3, 11, 12, 5]  # the first two are out of the window
+    with KVSender(cache, LAYOUT, timeout_s=5.0, layers_per_frame=1) as sender:
+        with pytest.raises(ValueError, match="num_released_blocks 5 outside"):
+            sender.send("all", address, src_ids, [], 4 * len(src_ids), num_released_blocks=5)
+        identity = None
+        for request_id, num_cached in (("short", 1), ("skips", 2)):
+            sender.send(request_id, address, src_ids, [b"h%d" % i for i in range(4)], 4 * len(src_ids),
+                        num_released_blocks=2)
+            if identity is None:
+                identity, hello = peer.call("raw_recv", name="window")
+                assert isinstance(decode_from_sender(bytes.fromhex(hello), 1 << 20), Hello)
+                reply = HelloReply(ok=True, layout=LAYOUT, max_frame_bytes=1 << 24)
+                peer.call("raw_send", name="window", frames=[identity, encode(reply).hex()])
+            _, offer = peer.call("raw_recv", name="window")
+            assert isinstance(decode_from_sender(bytes.fromhex(offer), 1 << 20), Offer)
+            accept = Accept(request_id=request_id, block_ids=list(range(len(src_ids))), num_cached_blocks=num_cached)
+            peer.call("raw_send", name="window", frames=[identity, encode(accept).hex()])
+            if num_cached == 1:
+                [result] = poll_until(sender, timeout_s=5.0)
+                assert not result.ok and "gave back the first 2 (out of the model's window)" in (result.reason or "")
+                assert result.bytes_sent == 0
+                _, told = peer.call("raw_recv", name="window")
+                assert isinstance(decode_from_sender(bytes.fromhex(told), 1 << 20), Abort)
+                continue
+            for layer in range(LAYOUT.num_layers):
+                _, header, *parts = peer.call("raw_recv", name="window")
+                data = decode_from_sender(bytes.fromhex(header), 1 << 20)
+                assert isinstance(data, Data) and (data.layer_start, data.num_layers) == (layer, 1)
+                expected = cache[layer, :, src_ids[2:]].contiguous().view(torch.uint8).flatten().numpy().tobytes()
+                assert b"".join(bytes.fromhex(p) for p in parts) == expected
+    peer.call("close", name="window")

@@ -77,8 +77,10 @@ class FakeEngine(threading.Thread):
         restarts_on_arrival: int = 0,
         max_model_len: int = 256,
         model_id: str = MODEL_ID,
+        kv_window: int = 0,
     ) -> None:
         super().__init__(name=f"fake-{instance_id}", daemon=True)
+        self.kv_window = kv_window  # what it says its model's window is (``InstanceInfo.kv_window``)
         self.model_id = model_id  # what it says it serves: a router process serves its own model's instances only
         self.max_model_len = max_model_len
         # ``drain(lag_s)``: refuses new requests from then on, as a draining engine does, and says
@@ -120,7 +122,7 @@ class FakeEngine(threading.Thread):
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             num_requests_running=len(self._active),
-            started_at=self.started_at, kv_layout=self.kv_layout, lora_names=self.lora_names,
+            started_at=self.started_at, kv_layout=self.kv_layout, lora_names=self.lora_names, kv_window=self.kv_window,
             draining=self.draining_since is not None and time.monotonic() - self.draining_since >= self.registry_lag_s,
         )
 

@@ -6,8 +6,10 @@ import time
 import uuid
 from typing import Any
 
+import pytest
 import redis
 
+from common import registry
 from common.kvcache.hashing import compute_block_hashes
 from common.registry import Beat, HeartbeatThread, InstanceInfo, PrefixIndex, Registry
 
@@ -64,6 +66,30 @@ def test_match_counts_only_leading_blocks(redis_url: str) -> None:
     assert index.match(hashes) == {"a": 1}
     index.clear_instance("a")
     assert index.match(hashes) == {}
+
+
+def test_a_windowed_model_s_hit_needs_only_the_blocks_its_next_query_reads(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Queries reading 20 keys back, in blocks of 16: a hit ending at block k needs blocks k - 2 and k - 1 only, as
+    the engines count it; the longest such end counts, looked for among the prompt's last block ends."""
+    ns = _ns()
+    reg = Registry(redis_url, namespace=ns)
+    index = PrefixIndex(redis_url, namespace=ns)
+    for name in ("a", "b", "c", "d"):
+        reg.heartbeat(_info(name))
+    hashes = compute_block_hashes(list(range(128)), 16, "m")  # 8 blocks
+    assert index.add("a", [hashes[0], hashes[1], hashes[3]])  # its hit ends at 2: block 3 alone is no window
+    assert index.add("b", hashes[1:])  # its first block went back and was taken: the whole prompt still hits
+    assert index.add("c", hashes[4:6])  # a window ending at 6
+    assert index.add("d", hashes[7:])  # one block: no window ends there
+    assert index.add("gone", hashes[6:])  # holds the last window, but is not registered
+    assert index.match(hashes) == {"a": 2}  # without a window: leading blocks only
+    assert index.match(hashes, 16, 20) == {"a": 2, "b": 8, "c": 6}
+    assert index.match(hashes, 16, 1000) == {"a": 2}  # a window past the prompt needs every block
+    monkeypatch.setattr(registry, "WINDOW_PROBE_BLOCKS", 1)  # only the ends at 7 and 8 are looked at
+    assert index.match(hashes, 16, 20) == {"a": 2, "b": 8}
+    assert index.match([], 16, 20) == {}
 
 
 def test_deregister_removes_instance_and_blocks(redis_url: str) -> None:

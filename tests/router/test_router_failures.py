@@ -299,6 +299,25 @@ def test_prefix_hit_routes_to_the_instance_holding_the_blocks(redis_url: str, pr
         assert {r.cache_salt for r in cluster.requests()} == {cache_salt_for("key-a")}
 
 
+@pytest.mark.parametrize("kv_window", [0, 32])
+def test_a_windowed_model_s_request_goes_where_its_last_window_is_cached(
+    redis_url: str, prompts: Any, kv_window: int,
+) -> None:
+    """A conversation's next turn, on instances whose model reads 32 keys back (blocks of 16): the one holding the
+    blocks its last window needs takes it, though another holds its first block and it does not (given back
+    first, taken for others). Without a window only leading blocks count."""
+    with running(redis_url, prompts, cluster_kw={"num_prefill": 3, "kv_window": kv_window}) as (server, cluster):
+        content = " ".join(["Tell me more about the colour of the sky at dawn and at noon."] * 6)
+        body = {**CHAT, "messages": [{"role": "user", "content": content}]}
+        hashes = compute_block_hashes(prompts.chat_prompt(body["messages"]), 16, MODEL_ID)
+        assert len(hashes) >= 5
+        index = PrefixIndex(redis_url, server.state.config.namespace)
+        assert index.add("prefill-1", hashes[:1]) and index.add("prefill-2", hashes[-3:])
+        for _ in range(3):
+            assert httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=10).status_code == 200
+        assert len(cluster.engine("prefill-2" if kv_window else "prefill-1").requests) == 3
+
+
 def test_api_keys_guard_v1_but_not_health_or_metrics(redis_url: str, prompts: Any) -> None:
     with running(redis_url, prompts, api_keys=["key-a", "key-b"]) as (server, cluster):
         url = f"{server.url}/v1/chat/completions"

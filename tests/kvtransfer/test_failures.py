@@ -118,20 +118,32 @@ def test_sender_killed_mid_transfer_receiver_frees_within_its_timeout(spawn_peer
         assert pool.is_clean()
 
 
+def _hello_by_hand(peer: PeerProcess, name: str, layout: KVLayout, max_frame_bytes: int) -> str:
+    """Answer a sender's Hello on the peer's raw ROUTER ``name`` with ``layout``; the sender's identity."""
+    identity, hello = peer.call("raw_recv", name=name)
+    assert isinstance(decode_from_sender(bytes.fromhex(hello), 1 << 20), Hello)
+    reply = HelloReply(ok=True, layout=layout, max_frame_bytes=max_frame_bytes)
+    peer.call("raw_send", name=name, frames=[identity, encode(reply).hex()])
+    return str(identity)
+
+
+def _accept_by_hand(peer: PeerProcess, name: str, identity: str, request_id: str, block_ids: list[int],
+                    num_cached_blocks: int = 0) -> None:
+    """Take the sender's next Offer on the raw ROUTER ``name`` and accept it into ``block_ids``."""
+    _, offer = peer.call("raw_recv", name=name)
+    assert isinstance(decode_from_sender(bytes.fromhex(offer), 1 << 20), Offer)
+    accept = Accept(request_id=request_id, block_ids=block_ids, num_cached_blocks=num_cached_blocks)
+    peer.call("raw_send", name=name, frames=[identity, encode(accept).hex()])
+
+
 def test_receiver_killed_mid_transfer_sender_frees(spawn_peer) -> None:
     victim = spawn_peer()
     address = victim.call("raw_router", name="router", address="tcp://127.0.0.1:0")["address"]
     kv_cache = make_kv_cache({**SMALL, "seed": 1})
     with KVSender(kv_cache, LAYOUT, timeout_s=5.0, layers_per_frame=1, staging_bytes=1) as sender:
         sender.send("orphan", address, [1, 2, 3], [], 12)
-        identity, hello = victim.call("raw_recv", name="router")
-        assert isinstance(decode_from_sender(bytes.fromhex(hello), 1 << 20), Hello)
-        reply = HelloReply(ok=True, layout=LAYOUT, max_frame_bytes=1 << 20)
-        victim.call("raw_send", name="router", frames=[identity, encode(reply).hex()])
-        _, offer = victim.call("raw_recv", name="router")
-        assert isinstance(decode_from_sender(bytes.fromhex(offer), 1 << 20), Offer)
-        accept = Accept(request_id="orphan", block_ids=[5, 6, 7], num_cached_blocks=0)
-        victim.call("raw_send", name="router", frames=[identity, encode(accept).hex()])
+        identity = _hello_by_hand(victim, "router", LAYOUT, 1 << 20)
+        _accept_by_hand(victim, "router", identity, "orphan", [5, 6, 7])
         _, header, _ = victim.call("raw_recv", name="router")  # the first frame arrived
         assert isinstance(decode_from_sender(bytes.fromhex(header), 1 << 20), Data)
         assert sender.state("orphan") == TransferState.TRANSFERRING
@@ -155,14 +167,8 @@ def test_receiver_abort_after_the_first_frame_of_a_fragmented_transfer_frees_the
     src_ids = [*range(0, 10), 25, 20, *range(30, 40)]  # a run, two strays, a run
     with KVSender(cache, layout, timeout_s=5.0, layers_per_frame=1, staging_bytes=1) as sender:
         sender.send("mid", address, src_ids, [], 16 * len(src_ids))
-        identity, hello = peer.call("raw_recv", name="abort-mid")
-        assert isinstance(decode_from_sender(bytes.fromhex(hello), 1 << 20), Hello)
-        reply = HelloReply(ok=True, layout=layout, max_frame_bytes=1 << 24)
-        peer.call("raw_send", name="abort-mid", frames=[identity, encode(reply).hex()])
-        _, offer = peer.call("raw_recv", name="abort-mid")
-        assert isinstance(decode_from_sender(bytes.fromhex(offer), 1 << 20), Offer)
-        accept = Accept(request_id="mid", block_ids=list(range(len(src_ids))), num_cached_blocks=0)
-        peer.call("raw_send", name="abort-mid", frames=[identity, encode(accept).hex()])
+        identity = _hello_by_hand(peer, "abort-mid", layout, 1 << 24)
+        _accept_by_hand(peer, "abort-mid", identity, "mid", list(range(len(src_ids))))
         _, header, *parts = peer.call("raw_recv", name="abort-mid")
         data = decode_from_sender(bytes.fromhex(header), 1 << 20)
         assert isinstance(data, Data) and (data.layer_start, data.num_layers) == (0, 1)
@@ -387,15 +393,8 @@ def test_a_receiver_asking_for_blocks_the_sender_gave_back_out_of_the_window_fai
         for request_id, num_cached in (("short", 1), ("skips", 2)):
             sender.send(request_id, address, src_ids, [b"h%d" % i for i in range(4)], 4 * len(src_ids),
                         num_released_blocks=2)
-            if identity is None:
-                identity, hello = peer.call("raw_recv", name="window")
-                assert isinstance(decode_from_sender(bytes.fromhex(hello), 1 << 20), Hello)
-                reply = HelloReply(ok=True, layout=LAYOUT, max_frame_bytes=1 << 24)
-                peer.call("raw_send", name="window", frames=[identity, encode(reply).hex()])
-            _, offer = peer.call("raw_recv", name="window")
-            assert isinstance(decode_from_sender(bytes.fromhex(offer), 1 << 20), Offer)
-            accept = Accept(request_id=request_id, block_ids=list(range(len(src_ids))), num_cached_blocks=num_cached)
-            peer.call("raw_send", name="window", frames=[identity, encode(accept).hex()])
+            identity = identity or _hello_by_hand(peer, "window", LAYOUT, 1 << 24)
+            _accept_by_hand(peer, "window", identity, request_id, list(range(len(src_ids))), num_cached)
             if num_cached == 1:
                 [result] = poll_until(sender, timeout_s=5.0)
                 assert not result.ok and "gave back the first 2 (out of the model's window)" in (result.reason or "")

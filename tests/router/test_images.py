@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
 import openai
 import pytest
@@ -210,6 +211,29 @@ def test_a_migrated_request_takes_its_images_along(
         assert again.request_id == first.request_id + ".m1"
         for sent in (first, again):
             _check_images(sent, ids, spans, pixels)
+
+
+def test_each_step_of_a_beam_search_takes_the_prompt_s_images_along(
+    redis_url: str, folder: pathlib.Path, image_prompts: PromptProcessor, images: ModelImages
+) -> None:
+    """``use_beam_search`` sends each live beam to the engines as a prompt of its own, a token at a time: every one
+    of those prompts is the conversation's expanded prompt and its beam's tokens, with the image's pixels and span."""
+    picture = _image(5)
+    messages = [{"role": "user", "content": [_part(_data_url(picture)), _text("w21")]}]
+    ids, spans, pixels = _expected(folder, image_prompts, messages, [picture])
+    with fake_stack(redis_url, image_prompts, REPLY, images=images) as (server, cluster):
+        body = {"messages": messages, "max_tokens": 3, "n": 2, "use_beam_search": True}
+        response = httpx.post(f"{server.url}{CHAT}", json=body, timeout=10)
+        assert response.status_code == 200, response.text
+        assert len(response.json()["choices"]) == 2
+        sent = cluster.requests()
+        assert len(sent) > 3  # the first step, then each live beam's steps
+        lengths = set()
+        for step in sent:
+            assert step.prompt_token_ids[: len(ids)] == ids
+            lengths.add(len(step.prompt_token_ids) - len(ids))
+            _check_images(msgspec.structs.replace(step, prompt_token_ids=ids), ids, spans, pixels)
+        assert lengths == {0, 1, 2}  # the beams' tokens so far follow the prompt
 
 
 def test_prefix_routing_hashes_the_image_with_its_tokens(

@@ -697,6 +697,30 @@ def test_a_windowed_request_longer_than_the_pool_runs_and_a_continuation_hits_it
     assert more == ref[len(follow) - 1 : -1].argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("name", ["mistral-window", "phi3-window"])
+def test_drafts_verified_over_a_window_keep_transformers_tokens_and_the_window_s_blocks(  # type: ignore[no-untyped-def]
+    checkpoint, engines, name: str,
+) -> None:
+    """n-gram drafts: a decode step writes the KV of its token and up to 4 drafts, some rejected and written over
+    later, while the blocks behind the window go back by the step's first query. The tokens stay transformers'
+    greedy at every position, some drafts are taken, and the request holds no more than a window and two steps."""
+    folder = checkpoint(name)
+    prompt = prompt_token_ids(2 * WINDOW, seed=5) * 2 + prompt_token_ids(3, seed=6)  # a repeat to draft from
+    ngram = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+    engine = _engine(engines, folder, speculative_config=ngram)
+    params = SamplingParams(temperature=0.0, max_tokens=4 * WINDOW, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    tokens, most_held = [], 0
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+        most_held = max(most_held, engine.kv.pool.num_used_blocks)
+    assert engine.spec_num_accepted_tokens > 0
+    assert most_held <= engine.kv.max_blocks_held(len(prompt) + len(tokens), 5) < -(-(len(prompt) + len(tokens)) // 8)
+    with torch.inference_mode():
+        ref = hf_model(folder)(torch.tensor([prompt + tokens])).logits[0]
+    assert tokens == ref[len(prompt) - 1 : -1].argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("name", ["mistral-window", "gemma2-window-softcap"])
 def test_a_service_publishes_its_window_for_the_routers_prefix_matches(checkpoint, redis_url: str, name: str) -> None:  # type: ignore[no-untyped-def]
     """Routers count a windowed instance's prefix hits as its engine does (``PrefixIndex.match``) from the window

@@ -35,6 +35,7 @@ import shlex
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,7 @@ from common.glibc_env import tuned_env
 from common.lora_modules import lora_module_arg
 from ops.supervisor import Child, ChildExited, RestartPolicy, Supervisor
 from ops.supervisor import die_with_parent as die_with_parent  # re-exported: tests start children with it
+from router.http_options import add_http_args, check_http_args, http_flags
 from router.image_fetch import fetch_timeout_arg
 from router.images import limit_mm_per_prompt_arg, mm_processor_cache_gb_arg
 from router.sampling_defaults import generation_config_arg
@@ -139,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the router's --media-fetch-timeout (seconds)")
     p.add_argument("--response-ttl", type=int, default=None,
                    help="the router's --response-ttl: seconds a stored Responses API response is kept (0: none)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true", help="the router's (taken for vLLM's command "
+                   "lines: tool_choice 'auto' is served wherever the chat template shows the tools)")
+    add_http_args(p)  # the router's HTTP front door: CORS, HTTPS, request ids
     p.add_argument("--no-wait", action="store_true", help="do not wait for /ready before printing the URL")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /ready")
     p.add_argument("--grace-period", type=float, default=40.0,
@@ -336,7 +341,9 @@ class Launcher:
             flags += ["--media-fetch-timeout", str(self.args.media_fetch_timeout)]
         if self.args.mm_processor_cache_gb is not None:
             flags += ["--mm-processor-cache-gb", str(self.args.mm_processor_cache_gb)]
-        return flags
+        if self.args.enable_auto_tool_choice:
+            flags.append("--enable-auto-tool-choice")
+        return [*flags, *http_flags(self.args)]
 
     def engine_env(self) -> dict[str, str]:
         """What the engines get beyond this environment: CPU threads and C-library settings.
@@ -409,7 +416,19 @@ class Launcher:
     @property
     def url(self) -> str:
         host = "127.0.0.1" if self.args.host in ("0.0.0.0", "::", "") else self.args.host
-        return f"http://{host}:{self.args.port}"
+        return f"{'https' if self.args.ssl_certfile else 'http'}://{host}:{self.args.port}"
+
+    @property
+    def _ready_context(self) -> ssl.SSLContext | None:
+        """For an HTTPS router, what its readiness is read with: the router is this launcher's own child on a
+        local address, and a certificate made for the host's public name would not match it, so none is
+        checked here (clients check it)."""
+        if not self.args.ssl_certfile:
+            return None
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.args.ready_timeout
@@ -417,7 +436,7 @@ class Launcher:
             self.poll_children()
             with (
                 contextlib.suppress(urllib.error.URLError, OSError, ValueError),
-                urllib.request.urlopen(f"{self.url}/ready", timeout=2) as response,
+                urllib.request.urlopen(f"{self.url}/ready", timeout=2, context=self._ready_context) as response,
             ):
                 body = json.loads(response.read())
                 # /ready is 200 once one decode instance serves; wait for every instance launched.
@@ -486,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     args, engine_extra = build_parser().parse_known_args(argv)
     if args.prefill < 0 or args.decode < 1:
         raise SystemExit("need --decode >= 1 and --prefill >= 0")
+    check_http_args(args)  # here, not by the router's crash loop
     if args.threads_per_engine < 0:
         raise SystemExit("need --threads-per-engine >= 0")
     if args.restart_delay <= 0 or args.restart_window <= 0 or args.max_restarts < 0:

@@ -22,6 +22,7 @@ from common.lora_modules import lora_module_arg
 from ops.supervisor import die_with_parent
 from router.auth import keys_from_env
 from router.config import RequestLimits, RouterConfig
+from router.http_options import add_http_args, check_http_args, uvicorn_options, wrap_app
 from router.image_fetch import DEFAULT_FETCH_TIMEOUT_S, fetch_timeout_arg
 from router.images import (
     DEFAULT_CACHE_GB,
@@ -205,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the chat template's tool-call format (none if it has none) (default: %(default)s)",
     )
     p.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="taken for vLLM's command lines: tool_choice 'auto' is served wherever the chat template shows the "
+        "model its tools and a parser reads their calls, with or without it",
+    )
+    p.add_argument(
         "--reasoning-parser",
         default=None,
         choices=list(REASONING_PARSERS),
@@ -223,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"]
     )
+    add_http_args(p)
     return p
 
 
@@ -255,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.workers < 1:
         raise SystemExit("--workers must be at least 1")
+    check_http_args(args)
     if args.workers > 1:
         if args.port == 0:
             raise SystemExit("--workers > 1 needs a fixed --port")
@@ -363,11 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     pacer.install()
     state.client.gc_pacer = pacer
     GcPauses(state.metrics.observe_gc_pause, pacer)
+    served, tls = wrap_app(app, args), uvicorn_options(args)
     if not args.reuse_port:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                    **UVICORN_SETTINGS)
+        uvicorn.run(served, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                    **UVICORN_SETTINGS, **tls)
         return 0
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False, **UVICORN_SETTINGS))
+    server = uvicorn.Server(uvicorn.Config(served, log_level=args.log_level, access_log=False, **UVICORN_SETTINGS,
+                                           **tls))
     server.run(sockets=[_reuse_port_socket(args.host, args.port)])
     return 0
 

@@ -606,3 +606,61 @@ def test_lora_adapters_go_to_every_engine_and_their_names_to_the_router_and_are_
                                                              "use_dora": True}))
     with pytest.raises(SystemExit, match="use_dora = True is not implemented"):
         main(["up", "--enable-lora", "--lora-modules", f"sql={adapter}"])
+
+
+def test_up_hands_the_http_front_door_to_the_router_only(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path,
+                                                         ) -> None:
+    from router.main import build_parser as router_parser
+
+    (tmp_path / "k.pem").write_text("key")
+    (tmp_path / "c.pem").write_text("cert")
+    monkeypatch.chdir(tmp_path)  # files named relative to where up runs reach the router as absolute paths
+    spawned = _spawned(monkeypatch, tmp_path, "--allowed-origins", '["https://app.example"]', "--allow-credentials",
+                       "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--enable-request-id-headers",
+                       "--enable-auto-tool-choice")
+    router = spawned["router"]
+    at = router.index("--enable-auto-tool-choice")
+    parsed = router_parser().parse_args(router[at:])
+    assert parsed.allowed_origins == ["https://app.example"] and parsed.allow_credentials
+    assert (parsed.ssl_keyfile, parsed.ssl_certfile) == (str(tmp_path / "k.pem"), str(tmp_path / "c.pem"))
+    assert parsed.enable_request_id_headers and parsed.enable_auto_tool_choice
+    for engine in ("prefill-0", "decode-0"):
+        assert not {"--allowed-origins", "--ssl-keyfile", "--enable-request-id-headers"} & set(spawned[engine])
+    assert "--ssl-keyfile" not in _spawned(monkeypatch, tmp_path)["router"]
+
+
+def test_up_refuses_https_flags_that_do_not_fit_before_starting_anything(
+        model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "ops.launcher", "up", "--model", str(model_dir), "--ssl-keyfile",
+                           str(tmp_path / "k.pem")], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--ssl-keyfile and --ssl-certfile go together" in proc.stderr
+    assert "resolving the model" not in proc.stdout
+
+
+def test_up_serves_https_and_waits_for_it(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """With a certificate, the stack is ready over HTTPS and says so; CORS and request ids reach its router."""
+    from tests.router.test_http_options import _self_signed
+
+    key, cert = _self_signed(tmp_path)
+    port = free_port()
+    argv = [sys.executable, "-m", "ops.launcher", "up", "--prefill", "1", "--decode", "1", "--model", str(model_dir),
+            "--port", str(port), "--log-dir", str(tmp_path), "--grace-period", "5", "--ready-timeout", "60",
+            "--service-command", f"{sys.executable} -m tests.router.fake_cli", "--ssl-keyfile", key,
+            "--ssl-certfile", cert, "--allowed-origins", '["https://app.example"]', "--enable-request-id-headers"]
+    proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        lines = collect_lines(proc.stdout)
+        assert wait_until(lambda: any("ready at" in line for line in lines) or proc.poll() is not None, 90), lines
+        url = f"https://127.0.0.1:{port}"
+        assert any(f"ready at {url}" in line for line in lines), lines
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, verify=cert, timeout=10,
+                              headers={"Origin": "https://app.example", "X-Request-Id": "up-1"})
+        assert response.status_code == 200, response.text
+        assert response.headers["access-control-allow-origin"] == "https://app.example"
+        assert response.headers["x-request-id"] == "up-1"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        _kill(proc)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -59,6 +60,29 @@ def test_https_serves_the_api_to_a_client_that_trusts_the_certificate(redis_url:
             httpx.get(f"{server.url}/health")  # the system's CAs do not know it
         with pytest.raises(httpx.HTTPError):  # plain HTTP on the port is no API
             assert httpx.get(server.url.replace("https://", "http://") + "/health").status_code >= 400
+
+
+def test_https_checks_client_certificates_against_the_ca_given(redis_url: str, prompts: Any, tmp_path: Path) -> None:
+    """``--ssl-cert-reqs 1``: a client may come without a certificate, but one it shows must be the CA's (2, required,
+    is the same check with none refused)."""
+    key, cert = _self_signed(tmp_path)  # the server's, and the one CA clients' certificates are checked against
+    (tmp_path / "other").mkdir()
+    other_key, other_cert = _self_signed(tmp_path / "other")
+    flags = ["--ssl-keyfile", key, "--ssl-certfile", cert, "--ssl-ca-certs", cert, "--ssl-cert-reqs", "1"]
+    with _router(redis_url, prompts, flags) as (server, _):
+        for client_cert in (None, (cert, key)):
+            with httpx.Client(verify=_trusting(cert, client_cert)) as client:
+                assert client.post(f"{server.url}/v1/chat/completions", json=CHAT).status_code == 200
+        with pytest.raises(httpx.HTTPError), httpx.Client(verify=_trusting(cert, (other_cert, other_key))) as client:
+            client.post(f"{server.url}/v1/chat/completions", json=CHAT)  # one the CA did not sign
+
+
+def _trusting(ca: str, client_cert: tuple[str, str] | None = None) -> ssl.SSLContext:
+    """A client's TLS settings: trusting ``ca``, showing ``client_cert`` (certificate, key) where given."""
+    context = ssl.create_default_context(cafile=ca)
+    if client_cert is not None:
+        context.load_cert_chain(*client_cert)
+    return context
 
 
 def test_cors_answers_only_the_origins_named(redis_url: str, prompts: Any) -> None:

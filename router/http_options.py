@@ -94,12 +94,13 @@ def http_flags(args: argparse.Namespace) -> list[str]:
 
 
 def wrap_app(app: ASGIApp, args: argparse.Namespace) -> ASGIApp:
-    """``app`` behind the layers the flags ask for, outermost last: request ids, then CORS."""
-    if args.enable_request_id_headers:
-        app = RequestIdHeaders(app)
+    """``app`` behind the layers the flags ask for, outermost last: CORS, then request ids (so the answers CORS
+    gives itself, to a preflight, carry an id too)."""
     if args.allowed_origins:
         app = CORSMiddleware(app, allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
                              allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+    if args.enable_request_id_headers:
+        app = RequestIdHeaders(app)
     return app
 
 

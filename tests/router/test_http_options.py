@@ -180,6 +180,9 @@ def test_pdserve_router_serves_https_cors_and_request_ids_from_its_flags(  # typ
             assert response.json()["choices"][0]["message"]["content"] == " one two three"
             assert response.headers["access-control-allow-origin"] == "https://app.example"
             assert response.headers["x-request-id"] == "cli-1"
+            preflight = httpx.options(f"{url}/v1/chat/completions", verify=cert, headers={
+                "Origin": "https://app.example", "Access-Control-Request-Method": "POST", "X-Request-Id": "cli-2"})
+            assert preflight.status_code == 200 and preflight.headers["x-request-id"] == "cli-2"
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             try:

@@ -124,7 +124,12 @@ class RouterApp(FastAPI):
             await super().__call__(scope, receive, send)
             return
         scope[SERVER_SEND] = send
-        endpoint = self.direct_routes.get(scope["path"]) if scope["method"] == "POST" else None
+        # Behind ``--root-path`` the server puts the prefix before each path (as the ASGI spec has it); routes
+        # match what follows it, as Starlette's routing matches them.
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        endpoint = self.direct_routes.get(path) if scope["method"] == "POST" else None
         if endpoint is not None:
             await self._serve_direct(endpoint, scope, receive, send)
             return

@@ -1,4 +1,5 @@
-"""The router's HTTP front door, set by vLLM's server flags: CORS, TLS, and an ``X-Request-Id`` on every response.
+"""The router's HTTP front door, set by vLLM's server flags: CORS, TLS, a root path behind a proxy, and an
+``X-Request-Id`` on every response.
 
 ``add_http_args`` declares the flags, ``wrap_app`` puts the ASGI layers they ask for around the app (none by
 default), and ``uvicorn_options`` gives the server its TLS settings. ``pdserve router`` uses all three; a
@@ -53,6 +54,9 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
                    "against")
     p.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=[0, 1, 2],
                    help="HTTPS: whether a client certificate is needed: 0 none, 1 optional, 2 required (default: 0)")
+    p.add_argument("--root-path", default="",
+                   help="the path prefix a proxy in front serves the API under, and strips (vLLM's flag; FastAPI's "
+                   "root_path): links the app writes, /openapi.json's among them, carry it")
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="answer every request with an X-Request-Id header: the client's own (printable, 256 "
                    "characters at most), else a new one")
@@ -72,6 +76,8 @@ def check_http_args(args: argparse.Namespace) -> None:
         raise SystemExit("--ssl-cert-reqs needs --ssl-ca-certs: the CAs client certificates are checked against")
     if not args.allowed_origins and args.allow_credentials:
         raise SystemExit("--allow-credentials needs --allowed-origins")
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
+        raise SystemExit(f"--root-path {args.root_path!r}: a path that starts with '/' and does not end with one")
 
 
 def http_flags(args: argparse.Namespace) -> list[str]:
@@ -88,6 +94,8 @@ def http_flags(args: argparse.Namespace) -> list[str]:
             flags += [f"--{name.replace('_', '-')}", str(Path(getattr(args, name)).resolve())]
     if args.ssl_cert_reqs:
         flags += ["--ssl-cert-reqs", str(args.ssl_cert_reqs)]
+    if args.root_path:
+        flags += ["--root-path", args.root_path]
     if args.enable_request_id_headers:
         flags.append("--enable-request-id-headers")
     return flags
@@ -105,11 +113,12 @@ def wrap_app(app: ASGIApp, args: argparse.Namespace) -> ASGIApp:
 
 
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
-    """uvicorn's TLS settings from the flags ({} for plain HTTP)."""
-    if not args.ssl_certfile:
-        return {}
-    return {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile, "ssl_ca_certs": args.ssl_ca_certs,
-            "ssl_cert_reqs": args.ssl_cert_reqs}
+    """uvicorn's settings from the flags: TLS, and the root path ({} for neither)."""
+    options: dict[str, Any] = {"root_path": args.root_path} if args.root_path else {}
+    if args.ssl_certfile:
+        options.update(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                       ssl_cert_reqs=args.ssl_cert_reqs)
+    return options
 
 
 def _client_request_id(scope: Scope) -> str | None:

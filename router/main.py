@@ -371,13 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     pacer.install()
     state.client.gc_pacer = pacer
     GcPauses(state.metrics.observe_gc_pause, pacer)
-    served, tls = wrap_app(app, args), uvicorn_options(args)
+    served, options = wrap_app(app, args), uvicorn_options(args)
     if not args.reuse_port:
         uvicorn.run(served, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                    **UVICORN_SETTINGS, **tls)
+                    **UVICORN_SETTINGS, **options)
         return 0
     server = uvicorn.Server(uvicorn.Config(served, log_level=args.log_level, access_log=False, **UVICORN_SETTINGS,
-                                           **tls))
+                                           **options))
     server.run(sockets=[_reuse_port_socket(args.host, args.port)])
     return 0
 

@@ -55,11 +55,10 @@ class RouterServer:
         self.port = free_port()
         args = build_parser().parse_args(http_flags or [])
         check_http_args(args)
-        tls = uvicorn_options(args)
-        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.url = f"{'https' if args.ssl_certfile else 'http'}://127.0.0.1:{self.port}"
         self.verify: str | bool = args.ssl_certfile or True
         config = uvicorn.Config(wrap_app(create_app(state), args), host="127.0.0.1", port=self.port,
-                                log_level="warning", **UVICORN_SETTINGS, **tls)
+                                log_level="warning", **UVICORN_SETTINGS, **uvicorn_options(args))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="router", daemon=True)
 

@@ -121,10 +121,34 @@ def test_request_id_headers_echo_the_client_s_id_or_make_one(redis_url: str, pro
         assert "x-request-id" not in httpx.post(f"{server.url}/v1/chat/completions", json=CHAT).headers
 
 
+def test_behind_a_proxy_s_path_prefix_the_api_is_served_and_links_carry_the_prefix(
+    redis_url: str, prompts: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--root-path /llm``: the proxy strips the prefix; the generation endpoints still answer on their direct
+    path below FastAPI (not FastAPI's slower routing), and /openapi.json names the prefix for clients built from it."""
+    from router.app import RouterApp
+
+    direct: list[str] = []
+    serve_direct = RouterApp._serve_direct
+
+    async def counted(self, endpoint, scope, receive, send):  # type: ignore[no-untyped-def]
+        direct.append(scope["path"])
+        await serve_direct(self, endpoint, scope, receive, send)
+
+    monkeypatch.setattr(RouterApp, "_serve_direct", counted)
+    with _router(redis_url, prompts, ["--root-path", "/llm"]) as (server, _):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        assert client.chat.completions.create(**CHAT).choices[0].message.content == " one two three"  # type: ignore[call-overload]
+        assert direct == ["/llm/v1/chat/completions"]
+        assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == SERVED_MODEL
+        assert httpx.get(f"{server.url}/openapi.json").json()["servers"] == [{"url": "/llm"}]
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
     (["--ssl-cert-reqs", "2"], "--ssl-ca-certs and --ssl-cert-reqs need HTTPS"),
     (["--allow-credentials"], "--allow-credentials needs --allowed-origins"),
+    (["--root-path", "llm/"], "--root-path 'llm/': a path that starts with '/'"),
     (["--ssl-keyfile", "/nonexistent/k.pem", "--ssl-certfile", "/nonexistent/c.pem"], "--ssl-keyfile .*no such file"),
 ])
 def test_http_flags_that_do_not_fit_together_are_refused_by_name(flags: list[str], message: str) -> None:

@@ -617,13 +617,13 @@ def test_up_hands_the_http_front_door_to_the_router_only(monkeypatch: pytest.Mon
     monkeypatch.chdir(tmp_path)  # files named relative to where up runs reach the router as absolute paths
     spawned = _spawned(monkeypatch, tmp_path, "--allowed-origins", '["https://app.example"]', "--allow-credentials",
                        "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--enable-request-id-headers",
-                       "--enable-auto-tool-choice")
+                       "--root-path", "/llm", "--enable-auto-tool-choice")
     router = spawned["router"]
     at = router.index("--enable-auto-tool-choice")
     parsed = router_parser().parse_args(router[at:])
     assert parsed.allowed_origins == ["https://app.example"] and parsed.allow_credentials
     assert (parsed.ssl_keyfile, parsed.ssl_certfile) == (str(tmp_path / "k.pem"), str(tmp_path / "c.pem"))
-    assert parsed.enable_request_id_headers and parsed.enable_auto_tool_choice
+    assert parsed.enable_request_id_headers and parsed.enable_auto_tool_choice and parsed.root_path == "/llm"
     for engine in ("prefill-0", "decode-0"):
         assert not {"--allowed-origins", "--ssl-keyfile", "--enable-request-id-headers"} & set(spawned[engine])
     assert "--ssl-keyfile" not in _spawned(monkeypatch, tmp_path)["router"]

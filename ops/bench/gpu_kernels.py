@@ -1263,6 +1263,56 @@ def bench_engine_variants(report: Report, args: argparse.Namespace, device: str 
                      f"(at most a tenth)", functools.partial(_at_most, float(early), float(batch // 10)))
 
 
+def check_window_release(report: Report, args: argparse.Namespace, model: str | None = None, device: str = DEVICE,
+                         batch: int | None = None, window: int = 64, max_num_batched_tokens: int = 512) -> None:
+    """The engine's model read as a Mistral windowed on every layer (``--hf-overrides``), CUDA graphs on: blocks out
+    of the window given back (during chunked prefill too, and the prefix hits that need only a window), beside
+    the same engine keeping every block. A kernel that read a given-back place (its id another block's) would
+    move a token: every sequence must be identical, and the blocks in use must stay within the bound admission
+    counts (``max_blocks_held``) per request."""
+    from common.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from common.model.loader import cache_dir
+    from common.sampling_params import SamplingParams
+
+    if model is None:
+        model = engine_model(args.engine_model, cache_dir() / "stand-in-smollm2-135m-shapes", report.meta)
+    batch = batch or args.engine_batch
+    prompt_len, max_tokens = 4 * window + 5, 2 * window
+    report.group = "engine, a window on every layer"
+    prompts = torch.randint(3, 100, (batch, prompt_len), generator=torch.Generator().manual_seed(7)).tolist()
+    overrides = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": window}
+    outputs: dict[bool, list[list[int]]] = {}
+    most: dict[bool, int] = {}
+    bound = 0
+    for release in (True, False):
+        config = EngineConfig(model=model, device=device, max_num_seqs=batch, seed=0, hf_overrides=overrides,
+                              num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 64,
+                              max_num_batched_tokens=max_num_batched_tokens)
+        engine = LLMEngine(config)
+        if not release:
+            engine.kv.sliding_window = None  # every block kept, whole-prefix hits
+        bound = engine.kv.max_blocks_held(prompt_len + max_tokens, max_num_batched_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(batch)}
+        most[release] = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+            most[release] = max(most[release], engine.kv.pool.num_used_blocks)
+        outputs[release] = [tokens[f"r{i}"] for i in range(batch)]
+        engine.close()
+    differences = float(sum(a != b for a, b in zip(outputs[True], outputs[False], strict=True)))
+    report.check(f"engine, window {window} on every layer: blocks given back == every block kept, sequences that "
+                 f"differ (batch {batch}, {prompt_len}-token prompts in steps of {max_num_batched_tokens})",
+                 functools.partial(_exact, differences))
+    report.check(f"engine, window {window}: blocks in use at most (every block kept: {most[False]}) within {bound} "
+                 f"a request", functools.partial(_at_most, float(most[True]), float(batch * bound)))
+    print(f"[window] blocks in use at most: {most[True]} given back, {most[False]} kept")
+
+
 # The share of the GPU the sizing section's engine is given.
 SIZING_UTILIZATION = 0.5
 
@@ -1435,6 +1485,7 @@ def main(argv: list[str] | None = None) -> int:
         ("engine, CUDA graphs off and on", lambda: bench_engine_graphs(report, args)),
         ("engine, an 8-bit KV cache and a mixture of experts", lambda: bench_engine_variants(report, args)),
         ("engine, KV cache sized by its profiled step", lambda: check_kv_sizing(report, args)),
+        ("engine, blocks out of a window given back", lambda: check_window_release(report, args)),
         ("nvml after", lambda: read_nvml(report, "after")),
     ]
     failed = run_sections(report, sections, started)

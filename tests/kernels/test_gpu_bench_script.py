@@ -302,3 +302,26 @@ def test_the_latent_attention_section_runs_on_the_cpu(tmp_path: Path, monkeypatc
     assert [c["ok"] for c in report.checks] == [True, True], report.checks
     assert len(report.timings) == 6 and all("error" not in t for t in report.timings), report.timings
     assert timed == ["copy"] * 2
+
+
+def test_the_window_section_runs_on_the_cpu_and_sees_a_block_given_back_too_early(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dry run of the window section on a tiny Llama read as a windowed Mistral: both checks pass; an engine that
+    gave back a block a query still reads (a window early) fails the first."""
+    from transformers import LlamaConfig
+
+    from common.kvcache.kv_cache_manager import KVCacheManager
+    from tests.engine.tiny_models import TINY_DIMS, build_checkpoint
+
+    model = str(build_checkpoint(LlamaConfig(**TINY_DIMS), tmp_path / "llama"))
+    report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
+    gpu_kernels.check_window_release(report, None, model, device="cpu", batch=3, window=12,  # type: ignore[arg-type]
+                                     max_num_batched_tokens=16)
+    assert [c["ok"] for c in report.checks] == [True, True], report.checks
+    release = KVCacheManager.release_out_of_window
+    monkeypatch.setattr(KVCacheManager, "release_out_of_window",
+                        lambda self, seq, first_query: release(self, seq, first_query + 12))
+    report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
+    gpu_kernels.check_window_release(report, None, model, device="cpu", batch=3, window=12,  # type: ignore[arg-type]
+                                     max_num_batched_tokens=16)
+    assert not report.checks[0]["ok"] and report.checks[0]["max_abs_err"] >= 1, report.checks

@@ -304,6 +304,10 @@ class KVCacheManager:
         self._block_ids.pop(request_id, None)
         self._num_marked.pop(request_id, None)
         self._num_hashed.pop(request_id, None)
+        self._give_back(blocks)
+
+    def _give_back(self, blocks: list[KVBlock]) -> None:
+        """Drop one holder of each block, tail first; a block no one holds any more has no filled slots."""
         self.pool.free_blocks(reversed(blocks))
         for b in blocks:
             if b.ref_cnt == 0:
@@ -333,11 +337,7 @@ class KVCacheManager:
             return
         gone = blocks[done:num]
         self._place_released(rid, num, blocks[num:], self._block_ids[rid][num:])
-        self.pool.free_blocks(reversed(gone))
-        for b in gone:
-            if b.ref_cnt == 0:
-                self.num_filled_slots -= self._slot_fill[b.block_id]
-                self._slot_fill[b.block_id] = 0
+        self._give_back(gone)
 
     def _place_released(self, rid: str, num: int, held: list[KVBlock], held_ids: list[int]) -> None:
         """The request's table: ``num`` released places, their ids its first block held's, then ``held``."""

@@ -1271,9 +1271,8 @@ def check_window_release(report: Report, args: argparse.Namespace, model: str | 
     move a token: every sequence must be identical, and the blocks in use must stay within the bound admission
     counts (``max_blocks_held``) per request."""
     from common.config import EngineConfig
-    from common.engine.engine import LLMEngine
     from common.model.loader import cache_dir
-    from common.sampling_params import SamplingParams
+    from ops.bench.window import run_greedy, windowed_engine
 
     if model is None:
         model = engine_model(args.engine_model, cache_dir() / "stand-in-smollm2-135m-shapes", report.meta)
@@ -1284,25 +1283,16 @@ def check_window_release(report: Report, args: argparse.Namespace, model: str | 
     overrides = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": window}
     outputs: dict[bool, list[list[int]]] = {}
     most: dict[bool, int] = {}
+    config = EngineConfig(model=model, device=device, max_num_seqs=batch, seed=0, hf_overrides=overrides,
+                          num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 64,
+                          max_num_batched_tokens=max_num_batched_tokens)
     bound = 0
     for release in (True, False):
-        config = EngineConfig(model=model, device=device, max_num_seqs=batch, seed=0, hf_overrides=overrides,
-                              num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 64,
-                              max_num_batched_tokens=max_num_batched_tokens)
-        engine = LLMEngine(config)
-        if not release:
-            engine.kv.sliding_window = None  # every block kept, whole-prefix hits
-        bound = engine.kv.max_blocks_held(prompt_len + max_tokens, max_num_batched_tokens)
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{i}", prompt, params)
-        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(batch)}
-        most[release] = 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-            most[release] = max(most[release], engine.kv.pool.num_used_blocks)
-        outputs[release] = [tokens[f"r{i}"] for i in range(batch)]
+        engine = windowed_engine(config, release)  # without release: every block kept, whole-prefix hits
+        if release:
+            bound = engine.kv.max_blocks_held(prompt_len + max_tokens, max_num_batched_tokens)
+        run = run_greedy(engine, prompts, max_tokens)
+        outputs[release], most[release] = run["outputs"], run["peak_blocks_in_use"]
         engine.close()
     differences = float(sum(a != b for a, b in zip(outputs[True], outputs[False], strict=True)))
     report.check(f"engine, window {window} on every layer: blocks given back == every block kept, sequences that "

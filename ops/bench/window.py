@@ -44,7 +44,7 @@ from common.engine.engine import LLMEngine
 from common.sampling_params import SamplingParams
 
 
-def _engine(config: EngineConfig, release: bool) -> LLMEngine:
+def windowed_engine(config: EngineConfig, release: bool) -> LLMEngine:
     engine = LLMEngine(config)
     if engine.kv.sliding_window is None:
         raise SystemExit(f"{config.model or 'the default model'} has a layer without a window: nothing to release")
@@ -53,7 +53,7 @@ def _engine(config: EngineConfig, release: bool) -> LLMEngine:
     return engine
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+def run_greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     """``prompts`` run together, greedy: their outputs, prompt tokens found cached, the most blocks in use and
     requests running at once, and the seconds it took."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -80,12 +80,12 @@ def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[s
 
 def run_one(config: EngineConfig, prompts: list[list[int]], max_tokens: int, release: bool,
             follow: list[list[int]]) -> dict[str, Any]:
-    engine = _engine(config, release)
-    run = _run(engine, prompts, max_tokens)
+    engine = windowed_engine(config, release)
+    run = run_greedy(engine, prompts, max_tokens)
     tokens = sum(len(o) for o in run["outputs"])
     # The conversations go on, one after another, as users' next turns come.
     next_prompts = [p + o + f for p, o, f in zip(prompts, run["outputs"], follow, strict=True)]
-    turns = [_run(engine, [prompt], 4) for prompt in next_prompts]
+    turns = [run_greedy(engine, [prompt], 4) for prompt in next_prompts]
     return {
         "release_out_of_window": release, "window": engine.runner.kv_window, "num_blocks": engine.kv.pool.num_blocks,
         "block_size": engine.block_size, "peak_blocks_in_use": run["peak_blocks_in_use"],
@@ -100,7 +100,7 @@ def run_one(config: EngineConfig, prompts: list[list[int]], max_tokens: int, rel
 def run_prefill(config: EngineConfig, prompts: list[list[int]], release: bool) -> dict[str, Any]:
     """A prefill instance's side: every prompt computed for a KV hand-off and held until its transfer ends
     (released here once all are computed, as if the transfers all ended then)."""
-    engine = _engine(config, release)
+    engine = windowed_engine(config, release)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)  # more than one: it hands off
     for i, prompt in enumerate(prompts):
         engine.add_request(f"p{i}", prompt, params, kv_transfer=True)

@@ -2,7 +2,7 @@
 ``X-Request-Id`` on every response.
 
 ``add_http_args`` declares the flags, ``wrap_app`` puts the ASGI layers they ask for around the app (none by
-default), and ``uvicorn_options`` gives the server its TLS settings. ``pdserve router`` uses all three; a
+default), and ``uvicorn_options`` gives the server its TLS settings and root path. ``pdserve router`` uses all three; a
 test builds its server from the same three.
 
 Chosen where vLLM differs: vLLM answers every origin's CORS requests unless told otherwise

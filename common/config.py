@@ -104,6 +104,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # > 0: at most this many prompt tokens per request per step
     kv_cache_memory: int = 1 << 30  # bytes for the KV cache on the CPU
+    # vLLM's ``--kv-offloading-size``: GiB of host memory for the prefix cache's second tier (all ranks together;
+    # 0: none), ``common/kvcache/host_tier.py``; ``--kv-offloading-backend``: only vLLM's ``native``.
+    kv_offloading_size: float = 0.0
+    kv_offloading_backend: str = "native"
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None  # overrides both sizings (tests, benchmarks)
     kernel_backend: str | None = None  # "torch" | "triton"; default by device
@@ -136,6 +140,14 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be at least 1")
+        if not self.kv_offloading_size >= 0 or self.kv_offloading_size == float("inf"):
+            raise ValueError(f"kv_offloading_size must be a finite number of GiB >= 0, got {self.kv_offloading_size}")
+        if self.kv_offloading_backend != "native":
+            raise ValueError(f"--kv-offloading-backend {self.kv_offloading_backend!r} is not implemented; only "
+                             "native (this engine's own host tier of the prefix cache)")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("--kv-offloading-size needs prefix caching: the host tier holds cached blocks by "
+                             "their hashes (drop --no-enable-prefix-caching)")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -229,6 +241,13 @@ class EngineConfig:
         parser.add_argument("--kv-cache-memory", type=parse_size, default=d.kv_cache_memory,
                             help="KV cache size on the CPU, e.g. 512M, 2G")
         parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        parser.add_argument("--kv-offloading-size", type=float, default=d.kv_offloading_size, metavar="GIB",
+                            help="GiB of host memory (all tensor-parallel ranks together) for a second tier of "
+                            "the prefix cache, as vLLM's flag: a cached block the KV cache takes back for "
+                            "another request is copied there first, and a later prompt that shares it loads it "
+                            "back instead of computing it again (0: none)")
+        parser.add_argument("--kv-offloading-backend", default=d.kv_offloading_backend, choices=["native"],
+                            help="what holds the offloaded blocks: native (this engine's host memory)")
         parser.add_argument("--num-blocks", type=int, default=None, help="fixed number of KV blocks")
         parser.add_argument("--kernel-backend", default=None, choices=["torch", "triton"])
         parser.add_argument("--enforce-eager", action="store_true",

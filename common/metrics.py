@@ -43,15 +43,20 @@ class EngineMetrics:
             PREFIX + "num_prompt_tokens_waiting", "Prompt tokens of waiting requests not yet computed",
             names, registry=self.registry,
         )
-        # Speculative decoding, as vLLM names them; exported only by an engine that drafts.
-        self._spec_counters = {
+        # Speculative decoding, as vLLM names them, exported only by an engine that drafts; the host tier of the
+        # prefix cache (``--kv-offloading-size``), only by an engine with one.
+        self._extra_counters = {
             name: Counter(PREFIX + name, doc, names, registry=self.registry)
             for name, doc in (
                 ("spec_decode_num_drafts", "Decode steps of a request that checked draft tokens"),
                 ("spec_decode_num_draft_tokens", "Draft tokens checked"),
                 ("spec_decode_num_accepted_tokens", "Draft tokens the model agreed with (kept)"),
+                ("kv_offload_saved_blocks", "Cached KV blocks copied to the host tier as the KV cache took them back"),
+                ("kv_offload_loaded_blocks", "KV blocks loaded from the host tier for a prefix hit"),
             )
         }
+        self._kv_offload_blocks = Gauge(PREFIX + "kv_offload_blocks", "KV blocks the host tier holds",
+                                        names, registry=self.registry)
         self._spec_per_pos = Counter(PREFIX + SPEC_PER_POS, "Drafts kept, by their position in the step's drafts",
                                      [*names, "position"], registry=self.registry)
         # Requests with each LoRA adapter, by state; exported only by an engine serving adapters.
@@ -80,9 +85,11 @@ class EngineMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._last.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._last.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions - self._last.num_preemptions)
-        for name, spec_counter in self._spec_counters.items():
+        for name, extra_counter in self._extra_counters.items():
             if name in stats.extra:
-                spec_counter.labels(**self.labels).inc(stats.extra[name] - self._last.extra.get(name, 0.0))
+                extra_counter.labels(**self.labels).inc(stats.extra[name] - self._last.extra.get(name, 0.0))
+        if "kv_offload_blocks" in stats.extra:
+            self._kv_offload_blocks.labels(**self.labels).set(stats.extra["kv_offload_blocks"])
         for name, value in stats.extra.items():
             if name.startswith(SPEC_PER_POS + ":"):
                 position = name.rpartition(":")[2]

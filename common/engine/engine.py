@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -151,7 +151,7 @@ class LLMEngine:
         self.headless = headless_architecture(self.runner.hf_config)
         self.classifier = classifier_architecture(self.runner.hf_config)  # a score head: pooling "classify"
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 sliding_window=self.runner.kv_window)
+                                 sliding_window=self.runner.kv_window, num_host_blocks=self.runner.num_host_blocks)
         self.kv.keep_freed = config.async_scheduling
         self.scheduler = Scheduler(
             self.kv,
@@ -378,6 +378,7 @@ class LLMEngine:
         num_kv_tokens = req.num_tokens - 1
         if not self.scheduler.add_remote(req, num_kv_tokens):
             return None
+        self._copy_host_now()
         num_hit_blocks = req.num_computed_tokens // self.block_size
         req.num_cached_tokens = num_cached_tokens
         if len(choices) > 1:
@@ -455,13 +456,22 @@ class LLMEngine:
         """Blocks held by requests or transfers (cached, evictable blocks count as free)."""
         return self.kv.pool.num_used_blocks
 
+    def _copy_host_now(self) -> None:
+        """The host tier's copies queued outside a step (blocks taken for a KV transfer), done before this returns:
+        the transfer writes those blocks as soon as the sender hears where they are, so the cached blocks they
+        held must be in the host tier first (the wait includes a step still in flight, with async scheduling)."""
+        copies = self.kv.take_host_copies()
+        if copies:
+            self.runner.copy_host(copies, wait=True)
+
     def drain_prefix_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
-        """(stored, evicted) block hashes since the last call, for the prefix index."""
-        return self.kv.pool.drain_events()
+        """(stored, evicted) block hashes since the last call, for the prefix index (a block in the host tier
+        counts as stored)."""
+        return self.kv.drain_events()
 
     def cached_block_hashes(self) -> list[BlockHash]:
-        """Every block hash the prefix cache holds now (a full republish)."""
-        return list(self.kv.pool.cached)
+        """Every block hash the prefix cache holds now (a full republish), the host tier's too."""
+        return self.kv.cached_hashes()
 
     @property
     def num_held_for_transfer(self) -> int:
@@ -632,13 +642,13 @@ class LLMEngine:
                 continue
             if req.status >= FINISHED:  # aborted while in flight: the token is dropped
                 if token == NOT_FINITE:
-                    self._scrub_freed(freed.get(req.request_id, ()))
+                    self._scrub_freed(freed.get(req.request_id))
                 continue
             if token < 0:  # no token: it fails, the batch goes on
                 req.drop_placeholder()
                 if token == NOT_FINITE:  # the model's logits for it were not finite: so may its KV be
                     self._scrub_kv(req)
-                    self._scrub_freed(freed.get(req.request_id, ()))  # async: preempted while in flight
+                    self._scrub_freed(freed.get(req.request_id))  # async: preempted while in flight
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
                 error = NOT_FINITE_ERROR if token == NOT_FINITE else NO_TOKEN_ERROR  # its bans left none
                 outputs.append(self._output(req, [], None, "error", error))
@@ -740,20 +750,23 @@ class LLMEngine:
         own = [block for block in self.kv.req_blocks.get(req.request_id, ()) if block.ref_cnt == 1]
         if own:
             self.runner.zero_blocks([block.block_id for block in own])
-            self.kv.pool.uncache(own)
+            self.kv.uncache(own)
 
-    def _scrub_freed(self, blocks: Iterable[KVBlock]) -> None:
+    def _scrub_freed(self, freed: tuple[list[KVBlock], list[BlockHash]] | None) -> None:
         """Async scheduling: ``_scrub_kv`` for a request whose step wrote non-finite KV but which was freed
         (aborted, preempted) while that step was in flight. Of the blocks it held, those still free are
         zeroed and forgotten; those taken since (by the step just launched, say) are only forgotten by
         the prefix cache, no further hit finds them: their holder's step, queued after the one that
         wrote them, reads what it reads (the Triton kernels never load a slot past a sequence's
-        length; the torch ones weigh it by 0), and its own logits say whether it failed."""
-        blocks = list(blocks)
+        length; the torch ones weigh it by 0), and its own logits say whether it failed. The host tier
+        forgets the hashes they held when freed (one evicted since may have been copied there)."""
+        if freed is None:
+            return
+        blocks, hashes = freed
         free = [block for block in blocks if block.ref_cnt == 0]
         if free:
             self.runner.zero_blocks([block.block_id for block in free])
-        self.kv.pool.uncache(blocks)
+        self.kv.uncache(blocks, hashes)
 
     def _check_stop(self, req: Request, token: int) -> str | None:
         p = req.sampling_params
@@ -799,6 +812,10 @@ class LLMEngine:
         one C call first (iterating the deque itself raised when a step changed it meanwhile)."""
         waiting = tuple(self.scheduler.waiting)
         extra = {"num_prompt_tokens_waiting": float(sum(r.num_tokens - r.num_computed_tokens for r in waiting))}
+        if self.kv.host is not None:  # the prefix cache's host tier
+            extra |= {"kv_offload_saved_blocks": float(self.kv.host.num_saved),
+                      "kv_offload_loaded_blocks": float(self.kv.host.num_loaded),
+                      "kv_offload_blocks": float(len(self.kv.host))}
         if self.proposer is not None:
             extra |= {"spec_decode_num_drafts": float(self.spec_num_drafts),
                       "spec_decode_num_draft_tokens": float(self.spec_num_draft_tokens),

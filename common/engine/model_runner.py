@@ -27,6 +27,7 @@ from common.engine.request import Request
 from common.engine.sampler import Sampler
 from common.engine.scheduler import SchedulerOutput
 from common.engine.tensor_parallel import (
+    HostCopies,
     StepHeader,
     TPLeader,
     ZeroBlocks,
@@ -34,6 +35,7 @@ from common.engine.tensor_parallel import (
     device_of_rank,
     shared_cache,
 )
+from common.kvcache.host_tier import SAVE, HostCopy, copy_batches
 from common.kvcache.kv_cache_manager import max_blocks_held
 from common.model.arch import ModelArch
 from common.model.llama import AttentionMetadata
@@ -180,6 +182,12 @@ class ModelRunner:
         self._check_capacity()
         self.init_input_batch()
         self.kv_cache, self.transfer_cache = self._allocate_cache(cache_path)
+        # The prefix cache's host tier (``--kv-offloading-size``): this rank's share of each block, a slot each.
+        self.num_host_blocks = self._num_host_blocks()
+        self.host_cache = torch.zeros(
+            (self.num_host_blocks, *self.kv_cache[:, :, 0].shape), dtype=self.kv_dtype,
+            pin_memory=self.device.type == "cuda" and self.num_host_blocks > 0,
+        )
         self.decode_graphs = self._capture_decode_graphs()
         if self.decode_graphs is not None and self.profiled_peak_bytes:
             # Capturing emptied torch's cache: take the largest step's memory back into it now, as one
@@ -383,6 +391,42 @@ class ModelRunner:
             self.tp_leader.send(ZeroBlocks(block_ids))
         cache_bytes(self.kv_cache).index_fill_(2, long_tensor(block_ids, self.device), 0)
 
+    def _num_host_blocks(self) -> int:
+        """Slots of the host tier: this rank's share of ``--kv-offloading-size`` over this rank's bytes a block."""
+        size = self.config.kv_offloading_size
+        if not size:
+            return 0
+        per_block = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
+        num = int(size * 2**30 / self.tp.size) // per_block
+        if num < 1:
+            raise ValueError(f"--kv-offloading-size {size} GiB holds no KV block: one takes "
+                             f"{per_block * self.tp.size} bytes over the {self.tp.size} rank(s)")
+        logger.info("KV offloading: %d blocks in host memory (%.2f GiB)", num, num * per_block / 2**30)
+        return num
+
+    def copy_host(self, copies: list[HostCopy], wait: bool = False) -> None:
+        """Copies between the KV cache and its host tier (``KVCacheManager.host_copies``), in order, queued on the
+        device's stream (on every rank): a save through a staging gather on the device, then a block a slot into
+        the host's pinned memory; a load a slot a block into a staging buffer, then scattered in one copy. With
+        ``wait``, done when this returns (the device's stream waited for)."""
+        if self.tp_leader is not None:
+            self.tp_leader.send(HostCopies([(c.direction, c.block_id, c.slot) for c in copies]))
+        dev = self.device
+        kv, host = cache_bytes(self.kv_cache), cache_bytes(self.host_cache)
+        for direction, block_ids, slots in copy_batches(copies):
+            ids = long_tensor(block_ids, dev)
+            if direction == SAVE:
+                staged = kv.index_select(2, ids).movedim(2, 0).contiguous()
+                for i, slot in enumerate(slots):
+                    host[slot].copy_(staged[i], non_blocking=True)
+            else:
+                staged = torch.empty((len(slots), *host.shape[1:]), dtype=host.dtype, device=dev)
+                for i, slot in enumerate(slots):
+                    staged[i].copy_(host[slot], non_blocking=True)
+                kv.index_copy_(2, ids, staged.movedim(0, 2))
+        if wait and dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+
     @property
     def bytes_per_block(self) -> int:
         return (
@@ -526,12 +570,15 @@ class ModelRunner:
         """Run one forward; logits ``[num_completing, vocab]``, on the runner's device, for requests that
         finish their tokens.
 
-        Performs pending copy-on-write block copies first, then stores this step's K/V. With async
+        Performs pending copies to and from the host tier first, then copy-on-write block copies, then stores
+        this step's K/V. With async
         scheduling, input ids that are placeholders (``Request.append_placeholder``: ``-1 - row``) are
         read on the device from ``prev_token_ids``, the step in flight's sampled ids: nothing waits.
         """
         dev = self.device
         self.num_steps += 1
+        if out.host_copies:
+            self.copy_host(out.host_copies)
         if out.block_copies:
             src, dst = zip(*out.block_copies, strict=True)
             self.kernels.copy_blocks(self.kv_cache, long_tensor(src, dev), long_tensor(dst, dev))

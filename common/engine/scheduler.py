@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from common.engine.request import FINISHED, Request, RequestStatus
 from common.engine.waiting_queue import SchedulingPolicy, priority_key, waiting_queue
 from common.kvcache.block_pool import KVBlock
+from common.kvcache.host_tier import HostCopy
 from common.kvcache.kv_cache_manager import KVCacheManager
 
 
@@ -53,6 +54,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Copies between the KV cache and its host tier, in order, before the block copies (``KVCacheManager``).
+    host_copies: list[HostCopy] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     started_ids: list[str] = field(default_factory=list)  # in the running batch for the first time
 
@@ -256,6 +259,7 @@ class Scheduler:
             seats += need
 
         out.block_copies = self.kv.take_pending_copies()
+        out.host_copies = self.kv.take_host_copies()
         return out
 
     def _victim(self) -> Request:

@@ -86,11 +86,17 @@ class ZeroBlocks(msgspec.Struct, tag="zero", frozen=True):
     block_ids: list[int]
 
 
+class HostCopies(msgspec.Struct, tag="host", frozen=True):
+    """Copies between the KV cache and its host tier, in order (``common.kvcache.host_tier.HostCopy``)."""
+
+    copies: list[tuple[int, int, int]]
+
+
 class Stop(msgspec.Struct, tag="stop", frozen=True):
     pass
 
 
-Control = StepHeader | ZeroBlocks | Stop
+Control = StepHeader | ZeroBlocks | HostCopies | Stop
 _DECODER = msgspec.msgpack.Decoder(Control)
 _ENCODER = msgspec.msgpack.Encoder()
 # The step's index tensors as the frames carry them: name, dtype, shape from the header.
@@ -300,6 +306,7 @@ def worker_main(argv: list[str]) -> None:
 
     from common.config import EngineConfig
     from common.engine.model_runner import ModelRunner
+    from common.kvcache.host_tier import HostCopy
 
     _die_with_parent()
     rank, size, port, address, workdir = int(argv[0]), int(argv[1]), int(argv[2]), argv[3], Path(argv[4])
@@ -319,6 +326,9 @@ def worker_main(argv: list[str]) -> None:
             break
         if isinstance(msg, ZeroBlocks):
             runner.zero_blocks(msg.block_ids)
+            continue
+        if isinstance(msg, HostCopies):
+            runner.copy_host([HostCopy(*c) for c in msg.copies])
             continue
         runner.execute_worker_step(msg, decode_step(msg, [p.buffer for p in parts[1:]]))
     with contextlib.suppress(Exception):

@@ -10,7 +10,7 @@ to hand out runs of consecutive ids.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import accumulate
 from operator import attrgetter, sub
 
@@ -124,6 +124,9 @@ class BlockPool:
         # Hashes stored / evicted since the last drain (published to the prefix index).
         self._stored: list[BlockHash] = []
         self._removed: list[BlockHash] = []
+        # Called with each cached block the pool takes back for another use, before it goes (the host tier
+        # copies it out: ``KVCacheManager``); not for a block ``uncache`` forgets.
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -154,9 +157,11 @@ class BlockPool:
         else:
             out = self._runs_to_take(num_blocks)
             queue.remove_all(out)
-        evict = self._evict
+        evict, on_evict, cached = self._evict, self.on_evict, self.cached
         for block in out:
             if block.block_hash is not None:
+                if on_evict is not None and cached.get(block.block_hash) is block:
+                    on_evict(block)
                 evict(block)
             block.ref_cnt = 1
         out.sort(key=_BLOCK_ID)

@@ -8,6 +8,11 @@ blocks back to the pool as the sequence advances (still cached, so a later promp
 sliding-window manager does. Their places in the table stay, marked ``RELEASED``, and their ids point at the
 sequence's first block still held, so the table keeps its positions and a kernel that reads a block it masks
 out (the torch attention gathers whole blocks, then weighs the window's keys only) reads the sequence's own KV.
+
+With a host tier (``num_host_blocks``, vLLM's ``--kv-offloading-size``: ``common/kvcache/host_tier.py``), a cached
+block the pool takes back is copied to host memory first, and a prefix hit goes on past the device's cached blocks
+into the host's: each such hit takes a device block and is loaded into it when the request takes its hits
+(``allocate_slots``). The copies wait in ``host_copies``, in order, for the runner.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Protocol
 
 from common.kvcache.block_pool import BlockPool, KVBlock
 from common.kvcache.hashing import BlockHash
+from common.kvcache.host_tier import LOAD, SAVE, HostCopy, HostHit, HostTier
 
 
 class SequenceLike(Protocol):
@@ -51,7 +57,8 @@ def max_blocks_held(num_tokens: int, block_size: int, sliding_window: int | None
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = True, sliding_window: int | None = None
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, sliding_window: int | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
@@ -62,6 +69,11 @@ class KVCacheManager:
         self._num_released: dict[str, int] = {}
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
+        # The prefix cache's host tier, and the copies to and from it the runner does before the next forward.
+        self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
+        self.host_copies: list[HostCopy] = []
+        if self.host is not None:
+            self.pool.on_evict = self._save_to_host
         self.req_blocks: dict[str, list[KVBlock]] = {}
         # The same tables as block ids, for the runner (see ``block_ids_view``).
         self._block_ids: dict[str, list[int]] = {}
@@ -82,6 +94,8 @@ class KVCacheManager:
         # written NaN into them, and the engine scrubs what it can once it knows.
         self.keep_freed = False
         self._freed: dict[str, list[KVBlock]] = {}
+        # With a host tier, the hashes those blocks held when freed: one evicted since may sit in the host tier.
+        self._freed_hashes: dict[str, list[BlockHash]] = {}
 
     def cdiv(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -104,7 +118,8 @@ class KVCacheManager:
         """Leading cached blocks of ``seq`` and how many tokens they cover; does not take them.
 
         At most ``num_tokens - 1`` tokens are reported, so the last token is always computed
-        (its logits are needed); at most ``max_blocks`` blocks where given.
+        (its logits are needed); at most ``max_blocks`` blocks where given. With a host tier, a block
+        cached there only is a ``HostHit`` in the list.
 
         With a window, a hit needs only the blocks a query after it reads: the longest prefix whose last
         window of blocks is cached counts, however many blocks before it are gone (as vLLM's sliding-window
@@ -115,7 +130,7 @@ class KVCacheManager:
             return [], 0
         bs = self.block_size
         limit = (seq.num_tokens - 1) // bs
-        lookup = self.pool.get_cached_block
+        lookup = self.pool.get_cached_block if self.host is None else self._lookup_both
         hashes = seq.block_hashes[: limit if max_blocks is None else min(limit, max_blocks)]
         if self.sliding_window is None:
             hits: list[KVBlock] = []
@@ -134,6 +149,48 @@ class KVCacheManager:
                 best, best_skip = k, skip
         window_hits = [RELEASED] * best_skip + [b for b in found[best_skip:best] if b is not None]
         return window_hits, best * bs
+
+    def _lookup_both(self, block_hash: BlockHash) -> KVBlock | None:
+        """The device's cached block, else the host tier's as a ``HostHit``, else None."""
+        block = self.pool.get_cached_block(block_hash)
+        if block is None:
+            assert self.host is not None
+            slot = self.host.lookup(block_hash)
+            if slot is not None:
+                return HostHit(slot, block_hash)
+        return block
+
+    def _save_to_host(self, block: KVBlock) -> None:
+        """``BlockPool.on_evict``: a cached block about to be reused goes to the host tier, unless it is there."""
+        assert self.host is not None and block.block_hash is not None
+        if self.host.lookup(block.block_hash) is None:
+            slot = self.host.store(block.block_hash)
+            if slot is not None:
+                self.host_copies.append(HostCopy(SAVE, block.block_id, slot))
+
+    def _take_hits(self, hits: list[KVBlock]) -> list[KVBlock]:
+        """Hold the prefix hits ``hits``: the device's are touched, each ``HostHit`` gets a new device block,
+        cached under its hash, with its load queued. Their slots are pinned while the pool gives the blocks (its
+        evictions save to the host tier, never into a slot about to be loaded from)."""
+        real = [b for b in hits if type(b) is not HostHit]
+        self.pool.touch(real)
+        if len(real) == len(hits):
+            return hits
+        assert self.host is not None
+        from_host = [(i, b) for i, b in enumerate(hits) if isinstance(b, HostHit)]
+        self.host.pinned = {b.slot for _, b in from_host}
+        try:
+            new = self.pool.get_new_blocks(len(from_host))
+        finally:
+            self.host.pinned = set()
+        taken = list(hits)
+        for (i, hit), block in zip(from_host, new, strict=True):
+            assert hit.block_hash is not None
+            self.pool.cache_full_block(block, hit.block_hash)
+            self.host_copies.append(HostCopy(LOAD, block.block_id, hit.slot))
+            taken[i] = block
+        self.host.num_loaded += len(new)
+        return taken
 
     def _out_of_window(self, num_tokens: int) -> int:
         assert self.sliding_window is not None
@@ -180,8 +237,8 @@ class KVCacheManager:
             ids = self._block_ids[rid] = []
             self._num_marked[rid] = num_computed
         if hits:
-            self.pool.touch(hits)
-            blocks = blocks + computed_blocks
+            hits = self._take_hits(hits)
+            blocks = blocks + [RELEASED] * skipped + hits
             ids.extend(b.block_id for b in hits)
             for b in hits:  # cached, so full
                 self._fill(b.block_id, bs)
@@ -301,6 +358,8 @@ class KVCacheManager:
             blocks = blocks[released:]
         if self.keep_freed and blocks:
             self._freed[request_id] = blocks
+            if self.host is not None:
+                self._freed_hashes[request_id] = [b.block_hash for b in blocks if b.block_hash is not None]
         self._block_ids.pop(request_id, None)
         self._num_marked.pop(request_id, None)
         self._num_hashed.pop(request_id, None)
@@ -349,11 +408,48 @@ class KVCacheManager:
         """How many of the request's leading blocks ``release_out_of_window`` gave back."""
         return self._num_released.get(request_id, 0)
 
-    def take_freed(self) -> dict[str, list[KVBlock]]:
+    def take_freed(self) -> dict[str, tuple[list[KVBlock], list[BlockHash]]]:
         """The block lists of the requests freed since the last call (only kept under ``keep_freed``),
-        as they were when freed; their blocks may have been taken since."""
-        freed, self._freed = self._freed, {}
-        return freed
+        as they were when freed, with the hashes they held then where a host tier may have kept them since; their
+        blocks may have been taken since."""
+        freed, hashes, self._freed, self._freed_hashes = self._freed, self._freed_hashes, {}, {}
+        return {rid: (blocks, hashes.get(rid, [])) for rid, blocks in freed.items()}
+
+    def uncache(self, blocks: list[KVBlock], hashes: list[BlockHash] | None = None) -> None:
+        """No prefix hit finds what these blocks hold, nor the host tier's copies of them or of ``hashes``."""
+        if self.host is not None:
+            for block_hash in [*(b.block_hash for b in blocks if b.block_hash is not None), *(hashes or ())]:
+                self.host.drop(block_hash)
+        self.pool.uncache(blocks)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, the host tier's too; only allowed while no block is in use."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.host is not None:
+            self.host.clear()
+        return True
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block hash a prefix hit would find, on the device or in the host tier."""
+        if self.host is None:
+            return list(self.pool.cached)
+        return list(dict.fromkeys([*self.pool.cached, *self.host.hashes()]))
+
+    def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(stored, removed) hashes since the last call, for the prefix index (``BlockPool.drain_events``): a
+        block the device gave up is removed only if the host tier does not hold it, and one the host tier gave up
+        only if the device does not."""
+        stored, removed = self.pool.drain_events()
+        if self.host is None:
+            return stored, removed
+        host, cached = self.host, self.pool.cached
+        gone = [h for h in dict.fromkeys([*removed, *host.drain_dropped()]) if h not in host and h not in cached]
+        return stored, gone
+
+    def take_host_copies(self) -> list[HostCopy]:
+        copies, self.host_copies = self.host_copies, []
+        return copies
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -372,6 +468,8 @@ class KVCacheManager:
         assert set(self._block_ids) == set(self.req_blocks), "block ids kept for requests that hold no blocks"
         assert set(self._num_released) <= set(self.req_blocks), "releases kept for requests that hold no blocks"
         self.pool.check_integrity(holders)
+        if self.host is not None:
+            self.host.check_integrity()
         assert all(0 <= f <= self.block_size for f in self._slot_fill)
         assert all(self._slot_fill[i] == 0 for i in range(self.pool.num_blocks) if i not in holders), "fill of a free block"
         assert sum(self._slot_fill) == self.num_filled_slots, "filled-slot count drifted"

@@ -90,7 +90,7 @@ def run_engine(engine: LLMEngine, workload: list[OfflineRequest]) -> dict[str, A
 
     Starts from an idle engine with an empty prefix cache and fresh peak counters.
     """
-    if not engine.kv.pool.reset_prefix_cache():
+    if not engine.kv.reset_prefix_cache():
         raise RuntimeError("the engine is not idle")
     engine.peak_kv_tokens_held = engine.peak_kv_slots_allocated = 0
     preemptions_before = engine.scheduler.num_preemptions

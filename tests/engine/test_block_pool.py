@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from common.engine.request import Request
 from common.kvcache.block_pool import CONTIGUITY_WINDOW, BlockPool, FreeBlockQueue, KVBlock
 from common.kvcache.hashing import BlockHash, hash_block_tokens
+from common.kvcache.host_tier import SAVE
 from common.kvcache.kv_cache_manager import RELEASED, KVCacheManager
 from common.sampling_params import SamplingParams
 
@@ -181,16 +182,30 @@ DOCS = [[(d * 97 + i * 31) % 50 + 10 for i in range(24)] for d in range(3)]
 class KVCacheManagerMachine(RuleBasedStateMachine):
     NUM_BLOCKS = 10
     WINDOW: int | None = None  # how far back a query reads keys (None: the whole context)
+    HOST_BLOCKS = 0  # slots of the host tier (0: none)
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(self.NUM_BLOCKS, BS, sliding_window=self.WINDOW)
+        self.kv = KVCacheManager(self.NUM_BLOCKS, BS, sliding_window=self.WINDOW, num_host_blocks=self.HOST_BLOCKS)
         self.running: list[Request] = []
         self.waiting: list[Request] = []
         self.num_ids = 0
         # What the runner would have written in each slot: the token whose KV it holds.
         self.slots: dict[int, list[int | None]] = {i: [None] * BS for i in range(self.NUM_BLOCKS)}
+        self.host_slots: dict[int, list[int | None]] = {i: [None] * BS for i in range(self.HOST_BLOCKS)}
         self.hash_tokens: dict[BlockHash, tuple[int, ...]] = {}
+
+    def _copy_host(self) -> None:
+        """What the runner does with the host tier's copies: each in the order queued."""
+        for direction, block_id, slot in self.kv.take_host_copies():
+            if direction == SAVE:
+                self.host_slots[slot] = list(self.slots[block_id])
+            else:
+                self.slots[block_id] = list(self.host_slots[slot])
+
+    def _cached(self, block_hash: BlockHash) -> bool:
+        host = self.kv.host
+        return self.kv.pool.get_cached_block(block_hash) is not None or (host is not None and block_hash in host)
 
     def _snapshot(self) -> tuple:
         pool = self.kv.pool
@@ -205,7 +220,9 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             self.hash_tokens[h] = tuple(req.all_token_ids[i * BS : (i + 1) * BS])
 
     def _compute(self, req: Request, num_new: int) -> None:
-        """What the runner and ``update_after_step`` do: copy-on-write, store K/V, cache full blocks."""
+        """What the runner and ``update_after_step`` do: the host tier's copies, copy-on-write, store K/V, cache
+        full blocks."""
+        self._copy_host()
         for src, dst in self.kv.take_pending_copies():
             self.slots[dst] = list(self.slots[src])
         ids = self.kv.block_ids(req.request_id)
@@ -230,7 +247,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         assert [b.block_hash for b in hits[skipped:]] == req.block_hashes[skipped : len(hits)]
         # The longest hit: every block a query right after it reads is cached (with a window, the early ones
         # need not be).
-        cached = [self.kv.pool.get_cached_block(h) is not None for h in req.block_hashes[: (req.num_tokens - 1) // BS]]
+        cached = [self._cached(h) for h in req.block_hashes[: (req.num_tokens - 1) // BS]]
         assert len(hits) == max(k for k in range(len(cached) + 1) if all(cached[self._first_read(k) : k])), "hit cut short"
         req.num_computed_tokens = num_hit
         num_new = min(chunk, req.num_tokens - num_hit)
@@ -268,6 +285,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             assert self._snapshot() == before, "a failed allocation changed the pool"
             return
         assert req.num_computed_tokens == skip * BS and skip >= min(len(hits), num_kv // BS)
+        self._copy_host()  # before the sender writes the blocks (``LLMEngine._copy_host_now``)
         ids = self.kv.block_ids(req.request_id)
         for pos in range(skip * BS, num_kv):
             self.slots[ids[pos // BS]][pos % BS] = req.all_token_ids[pos]
@@ -336,6 +354,12 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
                 )
         for h, block in self.kv.pool.cached.items():
             assert tuple(self.slots[block.block_id]) == self.hash_tokens[h], f"{block} does not hold its hash"
+        host = self.kv.host
+        if host is not None:
+            pending = {c.slot for c in self.kv.host_copies}
+            for h, slot in host.entries():
+                if slot not in pending:
+                    assert tuple(self.host_slots[slot]) == self.hash_tokens[h], f"host slot {slot} does not hold its hash"
 
     def teardown(self) -> None:
         for req in self.running:
@@ -369,6 +393,26 @@ class WindowedKVCacheManagerMachine(KVCacheManagerMachine):
 
 TestWindowedKVCacheManagerStateMachine = WindowedKVCacheManagerMachine.TestCase
 TestWindowedKVCacheManagerStateMachine.settings = MACHINE_SETTINGS
+
+
+class HostTierKVCacheManagerMachine(KVCacheManagerMachine):
+    """The same operations with a host tier of fewer slots than blocks: every cached block the pool takes back is
+    saved there first (if there is room), hits go on into it, and every hash either tier finds holds its tokens
+    once the queued copies ran in order."""
+
+    HOST_BLOCKS = 3
+
+
+TestHostTierKVCacheManagerStateMachine = HostTierKVCacheManagerMachine.TestCase
+TestHostTierKVCacheManagerStateMachine.settings = MACHINE_SETTINGS
+
+
+class WindowedHostTierKVCacheManagerMachine(WindowedKVCacheManagerMachine):
+    HOST_BLOCKS = 4
+
+
+TestWindowedHostTierKVCacheManagerStateMachine = WindowedHostTierKVCacheManagerMachine.TestCase
+TestWindowedHostTierKVCacheManagerStateMachine.settings = MACHINE_SETTINGS
 
 
 # --------------------------------------------------------------------------- plain unit tests

@@ -1,4 +1,4 @@
-"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec|lora|tp|mla|images|window``: benchmarks that print measured figures beside baselines."""
+"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec|lora|tp|mla|images|window|offload``: benchmarks that print measured figures beside baselines."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ _BENCHES = {
     "mla": "ops.bench.mla",
     "images": "ops.bench.images",
     "window": "ops.bench.window",
+    "offload": "ops.bench.offload",
 }
 
 

@@ -659,3 +659,29 @@ def test_engine_peak_kv_slot_use_counts_blocks_shared_by_n2_choices_once(engine_
     held, slots = engine.peak_kv_tokens_held, engine.peak_kv_slots_allocated
     # Both choices read the prompt's full blocks; they hold those slots once, not twice.
     assert 0.8 * slots < held <= slots, (held, slots)
+
+
+def test_host_copies_run_in_order_whatever_batches_they_make():
+    """``ModelRunner.copy_host`` batches the copies by direction, never writing one place twice in a batch: a
+    block saved, its slot loaded elsewhere, then the slot saved over, and a slot saved to twice, each as in
+    order. (An 8-bit cache, copied as bytes.)"""
+    from types import SimpleNamespace
+
+    import torch
+
+    from common.engine.model_runner import ModelRunner
+    from common.kvcache.host_tier import LOAD, HostCopy, copy_batches
+
+    copies = [HostCopy(SAVE, 1, 0), HostCopy(LOAD, 2, 0), HostCopy(SAVE, 3, 0), HostCopy(SAVE, 4, 1),
+              HostCopy(SAVE, 5, 1), HostCopy(LOAD, 6, 1), HostCopy(LOAD, 7, 0)]
+    assert copy_batches(copies) == [(SAVE, [1], [0]), (LOAD, [2], [0]), (SAVE, [3, 4], [0, 1]), (SAVE, [5], [1]),
+                                    (LOAD, [6, 7], [1, 0])]
+    for dtype in (torch.float32, torch.float8_e4m3fn):
+        kv = torch.arange(8, dtype=torch.float32).view(1, 1, 8, 1, 1, 1).expand(2, 2, 8, 4, 1, 3).to(dtype)
+        runner = SimpleNamespace(tp_leader=None, device=torch.device("cpu"), kv_cache=kv.clone(),
+                                 host_cache=torch.zeros(2, 2, 2, 4, 1, 3, dtype=dtype))
+        ModelRunner.copy_host(runner, copies)  # type: ignore[arg-type]
+        held = [int(runner.kv_cache[0, 0, b, 0, 0, 0].float()) for b in range(8)]
+        assert held == [0, 1, 1, 3, 4, 5, 5, 3], dtype
+        assert torch.equal(runner.host_cache[0].float(), kv[:, :, 3].float())
+        assert torch.equal(runner.host_cache[1].float(), kv[:, :, 5].float())

@@ -394,3 +394,36 @@ def test_an_engine_whose_ranks_cannot_move_kv_serves_as_a_decode_of_whole_reques
     with pytest.raises(ValueError, match=r"KV transfer from a tensor-parallel engine on cpu \(--tensor-parallel-size "
                                          r"2\) is not implemented.*pdserve up --prefill 0"):
         _service("prefill", folder, redis_url)
+
+
+def test_the_host_tier_saves_and_loads_every_rank_s_share(checkpoint, engines) -> None:  # type: ignore[no-untyped-def]
+    """``--kv-offloading-size`` over two ranks: each keeps its share of a block in its own host memory, told the
+    copies by rank 0 in order. A prompt whose blocks the cache took back loads both ranks' shares back, bit-equal
+    to what they computed, and answers as transformers does."""
+    from common.engine.request import Request
+
+    folder = checkpoint("llama-bias")
+    engine = _engine(engines, folder, num_blocks=12, kv_offloading_size=0.01)
+    assert engine.kv.host is not None
+    prompt = prompt_token_ids(40)
+    hashes = Request("probe", prompt, GREEDY, block_size=8, model_id=engine.model_id).block_hashes[:4]
+    cache = engine.runner.transfer_cache
+    assert cache is not None
+
+    def held() -> torch.Tensor:
+        blocks = [engine.kv.pool.get_cached_block(h) for h in hashes]
+        assert all(b is not None for b in blocks), "a block of the prompt is not on the device"
+        return cache[:, :, [b.block_id for b in blocks if b is not None]].clone()
+
+    engine.add_request("a", prompt, GREEDY)
+    first = _drain(engine)["a"]
+    computed = held()
+    for k in range(4):
+        engine.add_request(f"o{k}", prompt_token_ids(40, seed=10 + k), GREEDY)
+        _drain(engine)
+    assert all(engine.kv.pool.get_cached_block(h) is None and h in engine.kv.host for h in hashes)
+    engine.add_request("a2", prompt, GREEDY)
+    again = _drain(engine)["a2"]
+    assert engine.kv.host.num_loaded >= len(hashes)
+    assert torch.equal(held(), computed), "a rank's share did not come back as it was computed"
+    assert again == first == hf_greedy(folder, prompt, GREEDY.max_tokens)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as dt
 import functools
 import json
@@ -1303,6 +1304,49 @@ def check_window_release(report: Report, args: argparse.Namespace, model: str | 
     print(f"[window] blocks in use at most: {most[True]} given back, {most[False]} kept")
 
 
+def check_kv_offload(report: Report, args: argparse.Namespace, model: str | None = None, device: str = DEVICE,
+                     conversations: int = 6, doc_len: int = 512, copy_blocks: int = 256) -> None:
+    """The prefix cache's host tier (``--kv-offloading-size``) on the device: conversations whose documents the
+    device pool (two documents) takes back for each other, turn after turn (``pdserve bench offload``'s workload),
+    beside the same engine without a host tier. Every turn must answer the same, and every later turn must find
+    its whole document cached: the copies to pinned host memory and back, queued on the stream without a wait,
+    carried the KV. Then ``copy_blocks`` blocks saved and loaded, timed (each a block's bytes over PCIe)."""
+    from common.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from common.kvcache.host_tier import LOAD, SAVE, HostCopy
+    from common.model.loader import cache_dir
+    from ops.bench.offload import run_turns
+
+    if model is None:
+        model = engine_model(args.engine_model, cache_dir() / "stand-in-smollm2-135m-shapes", report.meta)
+    report.group = "engine, a host tier of the prefix cache"
+    gen = torch.Generator().manual_seed(11)
+    docs = [torch.randint(3, 100, (doc_len,), generator=gen).tolist() for _ in range(conversations)]
+    turns = [doc + torch.randint(3, 100, (8,), generator=gen).tolist() for _ in range(2) for doc in docs]
+    config = EngineConfig(model=model, device=device, max_num_seqs=4, seed=0, max_model_len=doc_len + 32,
+                          num_blocks=2 * -(-(doc_len + 16) // 16))
+    runs = {gib: run_turns(dataclasses.replace(config, kv_offloading_size=gib), turns, 8, conversations)
+            for gib in (0.25, 0.0)}
+    differences = float(sum(a != b for a, b in zip(runs[0.25]["outputs"], runs[0.0]["outputs"], strict=True)))
+    report.check(f"engine, host tier == device only: turns that differ ({conversations} conversations of "
+                 f"{doc_len}-token documents, twice)", functools.partial(_exact, differences))
+    missed = conversations * (doc_len // 16) * 16 - runs[0.25]["cached_tokens"]
+    report.check("engine, host tier: document tokens of the second turns not found cached",
+                 functools.partial(_exact, float(missed)))
+    print(f"[offload] TTFT p50 of the second turns: {runs[0.25]['later_rounds_ttft_p50_s'] * 1e3:.1f} ms with the "
+          f"host tier, {runs[0.0]['later_rounds_ttft_p50_s'] * 1e3:.1f} ms without; "
+          f"{runs[0.25]['host_copy_seconds'] * 1e3:.1f} ms in copies")
+    engine = LLMEngine(dataclasses.replace(config, num_blocks=copy_blocks, kv_offloading_size=0.25))
+    runner = engine.runner
+    block_bytes = runner.kv_cache[:, :, 0].numel() * runner.kv_cache.element_size()
+    count = min(copy_blocks, runner.num_host_blocks)
+    for direction, name in ((SAVE, "save"), (LOAD, "load")):
+        copies = [HostCopy(direction, b, b) for b in range(count)]
+        report.time(f"host tier {name}", f"{count} blocks of {block_bytes} B",
+                    functools.partial(runner.copy_host, copies), num_bytes=2.0 * count * block_bytes)
+    engine.close()
+
+
 # The share of the GPU the sizing section's engine is given.
 SIZING_UTILIZATION = 0.5
 
@@ -1476,6 +1520,7 @@ def main(argv: list[str] | None = None) -> int:
         ("engine, an 8-bit KV cache and a mixture of experts", lambda: bench_engine_variants(report, args)),
         ("engine, KV cache sized by its profiled step", lambda: check_kv_sizing(report, args)),
         ("engine, blocks out of a window given back", lambda: check_window_release(report, args)),
+        ("engine, a host tier of the prefix cache", lambda: check_kv_offload(report, args)),
         ("nvml after", lambda: read_nvml(report, "after")),
     ]
     failed = run_sections(report, sections, started)

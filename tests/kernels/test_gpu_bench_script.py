@@ -325,3 +325,29 @@ def test_the_window_section_runs_on_the_cpu_and_sees_a_block_given_back_too_earl
     gpu_kernels.check_window_release(report, None, model, device="cpu", batch=3, window=12,  # type: ignore[arg-type]
                                      max_num_batched_tokens=16)
     assert not report.checks[0]["ok"] and report.checks[0]["max_abs_err"] >= 1, report.checks
+
+
+def test_the_host_tier_section_runs_on_the_cpu_and_sees_a_load_that_moved_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dry run of the host-tier section on a tiny Llama: both checks pass and both copies are timed; an engine
+    whose loads leave the device blocks as they were fails the first check."""
+    from transformers import LlamaConfig
+
+    from common.engine.model_runner import ModelRunner
+    from common.kvcache.host_tier import SAVE
+    from tests.engine.tiny_models import TINY_DIMS, build_checkpoint
+
+    _dry_run(monkeypatch)
+    model = str(build_checkpoint(LlamaConfig(**TINY_DIMS), tmp_path / "llama"))
+    report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
+    gpu_kernels.check_kv_offload(report, None, model, device="cpu", conversations=3, doc_len=64,  # type: ignore[arg-type]
+                                 copy_blocks=16)
+    assert [c["ok"] for c in report.checks] == [True, True], report.checks
+    assert [t["name"] for t in report.timings] == ["host tier save", "host tier load"], report.timings
+    copy_host = ModelRunner.copy_host
+    monkeypatch.setattr(ModelRunner, "copy_host",
+                        lambda self, copies, wait=False: copy_host(self, [c for c in copies if c.direction == SAVE], wait))
+    report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
+    gpu_kernels.check_kv_offload(report, None, model, device="cpu", conversations=3, doc_len=64,  # type: ignore[arg-type]
+                                 copy_blocks=16)
+    assert not report.checks[0]["ok"] and report.checks[0]["max_abs_err"] >= 1, report.checks

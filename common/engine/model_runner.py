@@ -35,7 +35,7 @@ from common.engine.tensor_parallel import (
     device_of_rank,
     shared_cache,
 )
-from common.kvcache.host_tier import SAVE, HostCopy, copy_batches
+from common.kvcache.host_tier import SAVE, HostCopy, available_host_memory, copy_batches
 from common.kvcache.kv_cache_manager import max_blocks_held
 from common.model.arch import ModelArch
 from common.model.llama import AttentionMetadata
@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 # Kept free beyond the profiled peak (``profile_activations``): the decode CUDA graphs' memory pool,
 # captured after the cache, fragmentation of torch's cache, and libraries that allocate outside it.
 _GPU_ACTIVATION_HEADROOM = 1 << 30
+# Blocks a copy to or from the host tier stages on the device at once (``copy_host``): 64 MiB for an 8B model's
+# blocks of 16 tokens, within the headroom above.
+HOST_COPY_STAGING_BLOCKS = 32
 
 # Prompt logprobs are computed over at most this many positions at a time.
 _PROMPT_LOGPROB_ROWS = 256
@@ -184,7 +187,7 @@ class ModelRunner:
         self.kv_cache, self.transfer_cache = self._allocate_cache(cache_path)
         # The prefix cache's host tier (``--kv-offloading-size``): this rank's share of each block, a slot each.
         self.num_host_blocks = self._num_host_blocks()
-        self.host_cache = torch.zeros(
+        self.host_cache = torch.empty(  # a slot is read only after a save wrote it
             (self.num_host_blocks, *self.kv_cache[:, :, 0].shape), dtype=self.kv_dtype,
             pin_memory=self.device.type == "cuda" and self.num_host_blocks > 0,
         )
@@ -401,6 +404,10 @@ class ModelRunner:
         if num < 1:
             raise ValueError(f"--kv-offloading-size {size} GiB holds no KV block: one takes "
                              f"{per_block * self.tp.size} bytes over the {self.tp.size} rank(s)")
+        available = available_host_memory()
+        if available is not None and num * per_block > available:
+            raise ValueError(f"--kv-offloading-size {size} GiB: this rank's {num * per_block / 2**30:.2f} GiB of it "
+                             f"exceed the {available / 2**30:.2f} GiB of memory the host has available")
         logger.info("KV offloading: %d blocks in host memory (%.2f GiB)", num, num * per_block / 2**30)
         return num
 
@@ -413,7 +420,7 @@ class ModelRunner:
             self.tp_leader.send(HostCopies([(c.direction, c.block_id, c.slot) for c in copies]))
         dev = self.device
         kv, host = cache_bytes(self.kv_cache), cache_bytes(self.host_cache)
-        for direction, block_ids, slots in copy_batches(copies):
+        for direction, block_ids, slots in copy_batches(copies, HOST_COPY_STAGING_BLOCKS):
             ids = long_tensor(block_ids, dev)
             if direction == SAVE:
                 staged = kv.index_select(2, ids).movedim(2, 0).contiguous()

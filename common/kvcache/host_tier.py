@@ -30,21 +30,34 @@ class HostCopy(NamedTuple):
     slot: int
 
 
-def copy_batches(copies: list[HostCopy]) -> list[tuple[int, list[int], list[int]]]:
-    """``copies`` as batches to run one after another, each one direction and one indexed copy: (direction,
-    block ids, slots). A batch ends where the direction changes or a destination repeats (a slot saved to twice,
-    its first hash dropped in between), so running the batches in order is running the copies in order."""
+def copy_batches(copies: list[HostCopy], max_blocks: int = 1 << 30) -> list[tuple[int, list[int], list[int]]]:
+    """``copies`` as batches to run one after another, each one direction and one indexed copy of at most
+    ``max_blocks`` blocks: (direction, block ids, slots). A batch ends where the direction changes or a destination
+    repeats (a slot saved to twice, its first hash dropped in between), so running the batches in order is running
+    the copies in order."""
     batches: list[tuple[int, list[int], list[int]]] = []
     written: set[int] = set()
     for direction, block_id, slot in copies:
         dest = slot if direction == SAVE else block_id
-        if not batches or batches[-1][0] != direction or dest in written:
+        if not batches or batches[-1][0] != direction or dest in written or len(written) >= max_blocks:
             batches.append((direction, [], []))
             written = set()
         batches[-1][1].append(block_id)
         batches[-1][2].append(slot)
         written.add(dest)
     return batches
+
+
+def available_host_memory() -> int | None:
+    """Bytes of memory the host can still give (``MemAvailable``), or None where the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 class HostHit(KVBlock):

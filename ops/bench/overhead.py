@@ -296,6 +296,7 @@ class NullModelRunner(ModelRunner):
         self.model = NullModel(logits, clock)  # type: ignore[assignment]
         # The model's window, so the engine keeps its blocks as it would with the real forward.
         self.kv_window = ModelArch.from_config(self.hf_config).kv_window
+        self.num_host_blocks = 0  # no host tier of the prefix cache
         self.init_input_batch()
 
 

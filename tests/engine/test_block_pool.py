@@ -676,6 +676,8 @@ def test_host_copies_run_in_order_whatever_batches_they_make():
               HostCopy(SAVE, 5, 1), HostCopy(LOAD, 6, 1), HostCopy(LOAD, 7, 0)]
     assert copy_batches(copies) == [(SAVE, [1], [0]), (LOAD, [2], [0]), (SAVE, [3, 4], [0, 1]), (SAVE, [5], [1]),
                                     (LOAD, [6, 7], [1, 0])]
+    assert copy_batches(copies[3:], max_blocks=1) == [(SAVE, [4], [1]), (SAVE, [5], [1]), (LOAD, [6], [1]),
+                                                      (LOAD, [7], [0])]
     for dtype in (torch.float32, torch.float8_e4m3fn):
         kv = torch.arange(8, dtype=torch.float32).view(1, 1, 8, 1, 1, 1).expand(2, 2, 8, 4, 1, 3).to(dtype)
         runner = SimpleNamespace(tp_leader=None, device=torch.device("cpu"), kv_cache=kv.clone(),

@@ -151,3 +151,11 @@ def test_offloading_settings_it_does_not_implement_are_refused_by_name(overrides
 def test_a_host_tier_too_small_for_one_block_is_refused_naming_a_block_s_bytes(engine_factory):
     with pytest.raises(ValueError, match=r"holds no KV block: one takes 737280 bytes"):
         engine_factory(num_blocks=8, kv_offloading_size=1e-6)
+
+
+def test_a_host_tier_larger_than_the_host_s_available_memory_is_refused(engine_factory, monkeypatch):
+    import common.engine.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "available_host_memory", lambda: 10 << 20)
+    with pytest.raises(ValueError, match=r"exceed the 0.01 GiB of memory the host has available"):
+        engine_factory(num_blocks=8, kv_offloading_size=0.05)

@@ -16,6 +16,7 @@ from starlette.types import Message, Receive, Scope, Send
 from router.admission import CLIENT_KEY
 from router.dispatcher import EngineRequestError
 from router.errors import APIError, bad_request, install_error_handlers, unexpected_error
+from router.http_options import MAX_NAMING_REQUEST_ID_CHARS, printable_id
 from router.lora_admin import install_lora_admin_routes
 from router.openai_models import ChatCompletionRequest, CompletionRequest, check_unicode
 from router.openai_responses import (
@@ -181,7 +182,10 @@ def create_app(state: RouterState) -> FastAPI:
 
     app.count_error = count_error
 
-    async def generate(request: Request, handler: Handler, generates: bool = True) -> Response:
+    async def generate(request: Request, handler: Handler, generates: bool = True, named: bool = True) -> Response:
+        """``handler``'s answer to the request's JSON body. ``named``: the body takes vLLM's ``request_id``, which a
+        client's ``X-Request-Id`` header overrides, as vLLM's server lets it (printable, 128 characters at most;
+        another is left out)."""
         cache_salt = state.api_keys.check(request.headers.get("authorization"))
         headless = state.config.headless_architecture
         if generates and headless is not None:
@@ -194,6 +198,9 @@ def create_app(state: RouterState) -> FastAPI:
         leave_now = True
         try:
             body = await read_json(request, state.config.max_body_bytes)
+            header_id = printable_id(request.headers.get("x-request-id", "").encode("latin-1"), MAX_NAMING_REQUEST_ID_CHARS)
+            if named and header_id is not None and isinstance(body, dict):
+                body["request_id"] = header_id
             response = await handler(state, body, cache_salt, lambda: wait_for_disconnect(request.receive))
             if isinstance(response, EventStreamResponse):
                 response.on_close = state.leave
@@ -223,7 +230,7 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.post("/v1/responses", **generation_route(ResponsesRequest, ResponseObject, ResponseStreamEvent))
     async def responses(request: Request) -> Response:
-        return await generate(request, create_response)
+        return await generate(request, create_response, named=False)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=error_responses())
     async def embeddings(request: Request) -> Response:

@@ -24,6 +24,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # A client's own id is echoed only if it is this long at most and printable ASCII; else the router makes one.
 MAX_REQUEST_ID_CHARS = 256
+# ... and names the request (its response's id, vLLM's ``request_id``) only if this long at most.
+MAX_NAMING_REQUEST_ID_CHARS = 128
+
+
+def printable_id(value: bytes | None, limit: int) -> str | None:
+    """A header's value as an id: printable ASCII without spaces, ``limit`` characters at most; else None."""
+    if value is None or not value or len(value) > limit or not value.isascii() or not all(32 < c < 127 for c in value):
+        return None
+    return value.decode()
 
 
 def json_list_arg(text: str) -> list[str]:
@@ -124,9 +133,7 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
 def _client_request_id(scope: Scope) -> str | None:
     for name, value in scope["headers"]:
         if name == b"x-request-id":
-            if len(value) <= MAX_REQUEST_ID_CHARS and value.isascii() and all(32 < c < 127 for c in value):
-                return value.decode()
-            return None
+            return printable_id(value, MAX_REQUEST_ID_CHARS)
     return None
 
 

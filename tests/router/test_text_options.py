@@ -143,6 +143,35 @@ def test_a_client_request_id_names_the_response_and_the_engines_keep_unique_ids(
     assert len(set(engine_ids)) == len(engine_ids) == 4 and not any("my-id" in i for i in engine_ids)
 
 
+def test_a_client_s_x_request_id_header_names_the_response_over_the_body_s_request_id(
+    stack: tuple[RouterServer, list[int]]
+) -> None:
+    """As vLLM's server takes it: the header's id wins over ``request_id``; one that could not name a request
+    (over 128 characters, or not printable ASCII) leaves the body's, or a new one."""
+    import json
+
+    server, _ = stack
+    url = f"{server.url}/v1/completions"
+    body = {"model": SERVED_MODEL, "max_tokens": 2, "prompt": "Say hello"}
+
+    def response_id(headers: dict[str, str | bytes], **extra: object) -> str:
+        response = httpx.post(url, json={**body, **extra}, headers=headers, timeout=10)
+        assert response.status_code == 200, response.text
+        first = response.text.split("\n")[0].removeprefix("data: ") if extra.get("stream") else response.text
+        return str(json.loads(first)["id"])
+
+    for stream in (False, True):
+        assert response_id({"X-Request-Id": "trace-7"}, request_id="my-id", stream=stream) == "cmpl-trace-7"
+    assert response_id({"X-Request-Id": "t" * 128}) == "cmpl-" + "t" * 128
+    assert response_id({"X-Request-Id": "t" * 129}, request_id="my-id") == "cmpl-my-id"
+    assert response_id({"X-Request-Id": "two words"}, request_id="my-id") == "cmpl-my-id"
+    made = response_id({"X-Request-Id": "caf\u00e9".encode()})
+    assert made.startswith("cmpl-") and len(made) == 5 + 32
+    chat = httpx.post(f"{server.url}/v1/chat/completions", headers={"X-Request-Id": "trace-8"}, timeout=10, json={
+        "model": SERVED_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Say hello"}]})
+    assert chat.json()["id"] == "chatcmpl-trace-8"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_echo_starts_an_answer_with_the_assistant_message_it_goes_on_from(
     stack: tuple[RouterServer, list[int]], stream: bool

@@ -24,19 +24,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import json
-import platform
 import random
 import statistics
 import time
 from typing import Any
 
-import torch
-
 from common.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.sampling_params import SamplingParams
+from ops.bench.engine_args import add_engine_args, result_header
 
 
 def run_turns(config: EngineConfig, turns: list[list[int]], max_tokens: int, first_round: int) -> dict[str, Any]:
@@ -88,20 +85,13 @@ def run_turns(config: EngineConfig, turns: list[list[int]], max_tokens: int, fir
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench offload", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="model folder or id (default: the bundled SmolLM2)")
+    add_engine_args(parser, num_blocks=80, max_num_batched_tokens=1024, num_blocks_help="the device pool, in blocks")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--doc-len", type=int, default=512, help="each conversation's own leading tokens")
     parser.add_argument("--question-len", type=int, default=16, help="new tokens of each turn")
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=80, help="the device pool, in blocks")
     parser.add_argument("--offload-gib", type=float, default=0.25, help="the host tier (--kv-offloading-size)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     if args.conversations < 1 or args.rounds < 2 or args.offload_gib <= 0:
         raise SystemExit("need --conversations >= 1, --rounds >= 2 and --offload-gib > 0")
@@ -123,10 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     identical = sum(a == b for a, b in zip(runs["host tier"]["outputs"], runs["device only"]["outputs"], strict=True))
     result: dict[str, Any] = {
-        "date": dt.date.today().isoformat(),
-        "command": "pdserve bench offload " + " ".join(argv or []),
-        "environment": {"python": platform.python_version(), "torch": torch.__version__, "device": args.device,
-                        "torch_threads": torch.get_num_threads()},
+        **result_header("offload", argv, args.device),
         "workload": {"conversations": args.conversations, "rounds": args.rounds, "doc_len": args.doc_len,
                      "question_len": args.question_len, "max_tokens": args.max_tokens,
                      "model": args.model or "default", "offload_gib": args.offload_gib},

@@ -29,19 +29,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import json
-import platform
 import random
 import time
 import uuid
 from typing import Any
 
-import torch
-
 from common.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.sampling_params import SamplingParams
+from ops.bench.engine_args import add_engine_args, result_header
 
 
 def windowed_engine(config: EngineConfig, release: bool) -> LLMEngine:
@@ -122,7 +119,7 @@ def run_prefill(config: EngineConfig, prompts: list[list[int]], release: bool) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench window", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="model folder or id (default: the bundled SmolLM2)")
+    add_engine_args(parser, num_blocks=200, max_num_batched_tokens=256)
     parser.add_argument("--window", type=int, default=128,
                         help="read the model as a Mistral with this window on every layer (0: take the model as it is)")
     parser.add_argument("--num-requests", type=int, default=16)
@@ -131,13 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--follow-len", type=int, default=16, help="new tokens in each conversation's next turn")
     parser.add_argument("--prefill-requests", type=int, default=4, help="prompts computed for a KV hand-off (0: none)")
     parser.add_argument("--prefill-len", type=int, default=1024)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens a step computes at most")
-    parser.add_argument("--num-blocks", type=int, default=200)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
 
     overrides = None if args.window == 0 else {
@@ -166,10 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     identical = sum(a == b for a, b in zip(runs["release"]["outputs"], runs["keep every block"]["outputs"],
                                            strict=True))
     result: dict[str, Any] = {
-        "date": dt.date.today().isoformat(),
-        "command": "pdserve bench window " + " ".join(argv or []),
-        "environment": {"python": platform.python_version(), "torch": torch.__version__, "device": args.device,
-                        "torch_threads": torch.get_num_threads()},
+        **result_header("window", argv, args.device),
         "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                      "model": args.model or "default", "window": runs["release"]["window"]},
         "runs": {k: {key: v for key, v in r.items() if key != "outputs"} for k, r in runs.items()},

@@ -415,9 +415,9 @@ class ModelRunner:
         """Copies between the KV cache and its host tier (``KVCacheManager.host_copies``), in order, queued on the
         device's stream (on every rank): a save through a staging gather on the device, then a block a slot into
         the host's pinned memory; a load a slot a block into a staging buffer, then scattered in one copy. With
-        ``wait``, done when this returns (the device's stream waited for)."""
+        ``wait``, done on every rank when this returns (the device's stream waited for; the ranks meet after)."""
         if self.tp_leader is not None:
-            self.tp_leader.send(HostCopies([(c.direction, c.block_id, c.slot) for c in copies]))
+            self.tp_leader.send(HostCopies([(c.direction, c.block_id, c.slot) for c in copies], wait))
         dev = self.device
         kv, host = cache_bytes(self.kv_cache), cache_bytes(self.host_cache)
         for direction, block_ids, slots in copy_batches(copies, HOST_COPY_STAGING_BLOCKS):
@@ -433,6 +433,8 @@ class ModelRunner:
                 kv.index_copy_(2, ids, staged.movedim(0, 2))
         if wait and dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()
+        if wait and self.tp.size > 1:
+            barrier(self.tp, dev)
 
     @property
     def bytes_per_block(self) -> int:

@@ -90,6 +90,7 @@ class HostCopies(msgspec.Struct, tag="host", frozen=True):
     """Copies between the KV cache and its host tier, in order (``common.kvcache.host_tier.HostCopy``)."""
 
     copies: list[tuple[int, int, int]]
+    wait: bool = False  # every rank done before rank 0 goes on (a barrier after the copies)
 
 
 class Stop(msgspec.Struct, tag="stop", frozen=True):
@@ -328,7 +329,7 @@ def worker_main(argv: list[str]) -> None:
             runner.zero_blocks(msg.block_ids)
             continue
         if isinstance(msg, HostCopies):
-            runner.copy_host([HostCopy(*c) for c in msg.copies])
+            runner.copy_host([HostCopy(*c) for c in msg.copies], wait=msg.wait)
             continue
         runner.execute_worker_step(msg, decode_step(msg, [p.buffer for p in parts[1:]]))
     with contextlib.suppress(Exception):

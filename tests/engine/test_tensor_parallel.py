@@ -427,3 +427,42 @@ def test_the_host_tier_saves_and_loads_every_rank_s_share(checkpoint, engines) -
     assert engine.kv.host.num_loaded >= len(hashes)
     assert torch.equal(held(), computed), "a rank's share did not come back as it was computed"
     assert again == first == hf_greedy(folder, prompt, GREEDY.max_tokens)
+
+
+def test_a_decode_of_two_ranks_saves_what_a_transfer_takes_on_every_rank_before_it_writes(  # type: ignore[no-untyped-def]
+        checkpoint, engines) -> None:
+    """A decode of two ranks with a host tier: a prefill's request takes every block of the pool, each cached. Rank 1
+    saves its share of them too before ``add_remote_request`` returns (the ranks meet after the copies), so the
+    hand-over, which writes both ranks' shares at once, does not land in the host tier: the prompt run again finds
+    its own KV there, on both ranks, and answers as transformers does."""
+    from common.engine.request import Request
+
+    folder = checkpoint("llama-bias")
+    mine, theirs = prompt_token_ids(40), prompt_token_ids(40, seed=5)
+    decode = _engine(engines, folder, num_blocks=7, kv_offloading_size=0.01)
+    prefill = _engine(engines, folder)
+    hashes = Request("probe", mine, GREEDY, block_size=8, model_id=decode.model_id).block_hashes
+    cache = decode.runner.transfer_cache
+    assert cache is not None and prefill.runner.transfer_cache is not None
+
+    def held() -> torch.Tensor:
+        blocks = [decode.kv.pool.get_cached_block(h) for h in hashes]
+        assert all(b is not None for b in blocks), "a block of the prompt is not on the device"
+        return cache[:, :, [b.block_id for b in blocks if b is not None]].clone()
+
+    decode.add_request("mine", mine, GREEDY)
+    first = _drain(decode)["mine"]
+    computed = held()
+    out = _prefill(prefill, theirs, GREEDY)
+    handoff = decode.add_remote_request("r", list(theirs), out.new_token_ids[0], GREEDY)
+    assert handoff is not None and handoff.num_cached_blocks == 0
+    assert sum(decode.kv.pool.get_cached_block(h) is None for h in hashes) >= 2, "the transfer took none of them"
+    src, dst = torch.tensor(out.kv_handoff.block_ids), torch.tensor(handoff.block_ids)
+    decode.runner.kernels.scatter_blocks(cache, dst, prefill.runner.kernels.gather_blocks(prefill.runner.transfer_cache, src))
+    assert prefill.release_kv("r")
+    decode.remote_kv_arrived("r")
+    _drain(decode)
+    decode.add_request("mine2", mine, GREEDY)
+    again = _drain(decode)["mine2"]
+    assert torch.equal(held(), computed), "a rank's host tier kept the transfer's KV"
+    assert again == first == hf_greedy(folder, mine, GREEDY.max_tokens)

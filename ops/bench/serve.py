@@ -4,7 +4,8 @@ It streams a workload (``random``, ``shared-prefix``, ``long-prompt-interference
 more targets and prints throughput, TTFT, ITL, end-to-end latency (p50/p90/p99) and goodput
 under an SLO, then the ratios between targets. Targets: ``--url URL`` (a running server),
 stacks it launches itself (``pd``: 1 prefill + 1 decode; ``pd-nocache``: the same with prefix
-caching off; ``pd-cap256``: the same with at most 256 prompt tokens per request per step;
+caching off; ``pd-cap256``: the same with at most 256 prompt tokens per request per step; ``pd-offload``: the same with
+a host tier of the prefix cache, ``--kv-offloading-size 1``;
 ``single``: one decode instance doing its own prefill) and ``hf`` (the same requests through
 ``transformers`` ``generate`` in this process, output tokens/s only).
 
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--random-range-ratio", type=float, default=0.5)
     w.add_argument("--prefix-len", type=int, default=2000, help="shared-prefix: tokens of the common prefix")
     w.add_argument("--question-len", type=int, default=32, help="shared-prefix: tokens of each question")
+    w.add_argument("--num-prefixes", type=int, default=1,
+                   help="shared-prefix: distinct prefixes, taken in turn (more than a KV cache holds: see pd-offload)")
     w.add_argument("--long-prompt-len", type=int, default=2000)
     w.add_argument("--long-output-len", type=int, default=16)
     w.add_argument("--num-long-prompts", type=int, default=8)
@@ -124,7 +127,8 @@ def build_workload(args: argparse.Namespace, builder: PromptBuilder) -> Workload
     ratio = args.random_range_ratio
     if args.workload == "shared-prefix":
         return shared_prefix_workload(
-            builder, args.num_prompts, args.prefix_len, args.question_len, args.random_output_len, ratio
+            builder, args.num_prompts, args.prefix_len, args.question_len, args.random_output_len, ratio,
+            args.num_prefixes,
         )
     if args.workload == "long-prompt-interference":
         return long_prompt_interference_workload(

@@ -33,6 +33,7 @@ STACKS = {
     "pd": StackSpec(1, 1),
     "pd-nocache": StackSpec(1, 1, ("--no-enable-prefix-caching",)),
     "pd-cap256": StackSpec(1, 1, ("--long-prefill-token-threshold", "256")),
+    "pd-offload": StackSpec(1, 1, ("--kv-offloading-size", "1")),
     "single": StackSpec(0, 1),
 }
 IN_PROCESS = ("hf",)

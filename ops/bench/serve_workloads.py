@@ -6,7 +6,9 @@ controlled while the text stays plain words any OpenAI-compatible server accepts
 
 * ``random``: prompt and output lengths drawn uniformly from ``len * [1 - r, 1 + r]``.
 * ``shared-prefix``: one long common prefix (a system prompt of ``prefix_len`` tokens) followed by
-  short distinct questions; the prefix's tokens are checked to be a token prefix of every prompt.
+  short distinct questions; the prefix's tokens are checked to be a token prefix of every prompt. With
+  ``num_prefixes`` above 1, that many such prefixes (users' documents, each a conversation's own), the requests
+  taking them in turn: more of them than an engine's KV cache holds make it give some back between turns.
 * ``long-prompt-interference``: short-prompt, long-output requests (kind ``decode``, kept running
   in a closed loop) while long prompts (kind ``long``) arrive as a Poisson stream among them.
 """
@@ -124,12 +126,16 @@ def random_workload(
 
 
 def shared_prefix_workload(
-    builder: PromptBuilder, num_prompts: int, prefix_len: int, question_len: int, output_len: int, range_ratio: float
+    builder: PromptBuilder, num_prompts: int, prefix_len: int, question_len: int, output_len: int, range_ratio: float,
+    num_prefixes: int = 1,
 ) -> Workload:
-    prefix, prefix_ids = builder.build(prefix_len)
-    prefix += "\n"  # the questions start on their own line; the newline is a token of its own
+    if num_prefixes < 1:
+        raise ValueError(f"need at least one prefix, got {num_prefixes}")
+    # The questions start on their own line; the newline is a token of its own.
+    prefixes = [(text + "\n", ids) for text, ids in (builder.build(prefix_len) for _ in range(num_prefixes))]
     requests = []
-    for _ in range(num_prompts):
+    for i in range(num_prompts):
+        prefix, prefix_ids = prefixes[i % num_prefixes]
         total = len(builder.encode(prefix)) + _length(builder.rng, question_len, range_ratio)
         text, ids = builder.build(total, head=prefix)
         if ids[:prefix_len] != prefix_ids:

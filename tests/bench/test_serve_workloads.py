@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from ops.bench.serve_workloads import (
     PromptBuilder,
     long_prompt_interference_workload,
@@ -67,6 +69,17 @@ def test_shared_prefix_is_a_token_prefix_of_every_prompt_and_questions_differ() 
     for r in w.requests:
         assert r.prompt_token_ids[:64] == prefix and 64 + 4 <= r.prompt_len <= 64 + 1 + 12
     assert len({r.prompt_token_ids[64:] for r in w.requests}) == 8
+
+
+def test_several_prefixes_are_taken_in_turn_each_a_token_prefix_of_its_prompts() -> None:
+    w = shared_prefix_workload(builder(), 9, prefix_len=32, question_len=8, output_len=4, range_ratio=0.5,
+                               num_prefixes=3)
+    heads = [r.prompt_token_ids[:32] for r in w.requests]
+    assert len(set(heads)) == 3 and heads[:3] * 3 == heads
+    assert shared_prefix_workload(builder(), 4, 32, 8, 4, 0.5).requests == \
+        shared_prefix_workload(builder(), 4, 32, 8, 4, 0.5, num_prefixes=1).requests
+    with pytest.raises(ValueError, match="at least one prefix"):
+        shared_prefix_workload(builder(), 4, 32, 8, 4, 0.5, num_prefixes=0)
 
 
 def test_interference_mixes_running_decodes_and_long_prompts() -> None:

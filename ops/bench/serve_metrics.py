@@ -120,13 +120,14 @@ def summarize_by_kind(
 
 
 def prefix_reuse(
-    before: dict[str, float], after: dict[str, float], num_requests: int, prefix_len: int, block_size: int
+    before: dict[str, float], after: dict[str, float], num_requests: int, prefix_len: int, block_size: int,
+    num_prefixes: int = 1,
 ) -> dict[str, Any]:
-    """How much of the common prefix came from a cache, from the engines' prefix-cache counters.
+    """How much of the common prefixes came from a cache, from the engines' prefix-cache counters.
 
     ``reused = hits / (num_requests * prefix_len)``. Every request is in the denominator, the first
-    one included: it necessarily computes the prefix, so the best possible value is
-    ``(num_requests - 1) / num_requests`` (less when requests arrive before the prefix is cached).
+    of each prefix included: it necessarily computes its prefix, so the best possible value is
+    ``(num_requests - num_prefixes) / num_requests`` (less when requests arrive before the prefix is cached).
     Hits are counted in whole blocks, so a prefix that is not a multiple of the block size can
     reuse at most its full blocks. Hits beyond the prefix are not credited (the distinct questions
     share no full block, so there should be none).
@@ -140,11 +141,13 @@ def prefix_reuse(
     cacheable = prefix_len // block_size * block_size if block_size else prefix_len
     return {
         "prefix_len": prefix_len,
+        "num_prefixes": num_prefixes,
         "num_requests": num_requests,
         "prompt_tokens_queried": queries,
         "prompt_tokens_hit": hits,
         "prefix_tokens_reused": prefix_hits,
         "reused_fraction": prefix_hits / denominator if denominator else math.nan,
-        "best_possible_fraction": (num_requests - 1) * cacheable / denominator if denominator else math.nan,
+        "best_possible_fraction": (max(0, num_requests - num_prefixes) * cacheable / denominator
+                                   if denominator else math.nan),
         "hit_fraction_of_all_prompt_tokens": hits / queries if queries else math.nan,
     }

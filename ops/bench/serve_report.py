@@ -99,7 +99,8 @@ def comparison_lines(runs: list[dict[str, Any]], baselines: dict[str, Any]) -> l
             lines.append(
                 f"{label}: prefix tokens reused {100 * reuse['reused_fraction']:.1f}% = "
                 f"{reuse['prefix_tokens_reused']:.0f} / ({reuse['num_requests']} requests x {reuse['prefix_len']}) "
-                f"(best possible {100 * reuse['best_possible_fraction']:.1f}%: the first request computes the prefix)"
+                f"(best possible {100 * reuse['best_possible_fraction']:.1f}%: the first request of each of the "
+                f"{reuse.get('num_prefixes', 1)} prefixes computes it)"
             )
     for on in [r for r in runs if r["target"] == "pd" and r.get("prefix_reuse")]:
         for off in [r for r in runs if r["target"] == "pd-nocache" and r["concurrency"] == on["concurrency"]]:

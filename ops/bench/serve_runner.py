@@ -86,7 +86,8 @@ def run_target(
             run["block_size"] = block_size_of(redis_url)
         if workload.prefix_len and urls:
             num = len(workload.requests)
-            run["prefix_reuse"] = prefix_reuse(before, after, num, workload.prefix_len, run["block_size"])
+            run["prefix_reuse"] = prefix_reuse(before, after, num, workload.prefix_len, run["block_size"],
+                                               workload.num_prefixes)
         runs.append(run)
         print(report.results_table([run]).splitlines()[-1], flush=True)
     return runs

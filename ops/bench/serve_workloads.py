@@ -44,6 +44,7 @@ class Workload:
     long_requests: list[BenchRequest] = field(default_factory=list)
     long_rate: float = 0.0
     prefix_len: int = 0
+    num_prefixes: int = 1  # distinct prefixes of ``prefix_len`` tokens (shared-prefix)
 
     def describe(self) -> dict[str, Any]:
         def lengths(reqs: list[BenchRequest]) -> dict[str, Any]:
@@ -58,7 +59,8 @@ class Workload:
             }
 
         return {
-            "name": self.name, "prefix_len": self.prefix_len, "requests": lengths(self.requests),
+            "name": self.name, "prefix_len": self.prefix_len, "num_prefixes": self.num_prefixes,
+            "requests": lengths(self.requests),
             "long_requests": lengths(self.long_requests), "long_rate": self.long_rate,
         }
 
@@ -141,7 +143,7 @@ def shared_prefix_workload(
         if ids[:prefix_len] != prefix_ids:
             raise ValueError("the common prefix does not tokenize the same inside a prompt")
         requests.append(BenchRequest(text, tuple(ids), _length(builder.rng, output_len, range_ratio)))
-    return Workload("shared-prefix", requests, prefix_len=prefix_len)
+    return Workload("shared-prefix", requests, prefix_len=prefix_len, num_prefixes=num_prefixes)
 
 
 def long_prompt_interference_workload(

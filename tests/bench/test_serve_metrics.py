@@ -95,3 +95,4 @@ def test_prefix_reuse_credits_no_more_than_the_prefix_and_only_full_blocks() -> 
     assert prefix_reuse({}, after, 4, 100, 16)["reused_fraction"] == 1.0
     # 100 tokens hold 6 full blocks of 16: at most 96 tokens of each later request can come from the cache.
     assert prefix_reuse({}, after, 4, 100, 16)["best_possible_fraction"] == pytest.approx(3 * 96 / 400)
+    assert prefix_reuse({}, after, 4, 100, 16, num_prefixes=2)["best_possible_fraction"] == pytest.approx(2 * 96 / 400)

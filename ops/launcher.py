@@ -498,6 +498,20 @@ def _resolve_model(model: str | None) -> str:
     return str(resolve_model_path(model))
 
 
+def check_engine_flags(flags: list[str]) -> None:
+    """``SystemExit`` naming what an engine would refuse in ``flags`` (``EngineConfig``'s flags and checks; the
+    others, a service's own, are left to it): argparse's for a value of the wrong form, else the config's reason."""
+    from common.config import EngineConfig
+
+    parser = argparse.ArgumentParser(prog="pdserve up (engine flags)", add_help=False, allow_abbrev=False)
+    EngineConfig.add_cli_args(parser)
+    known, _ = parser.parse_known_args(flags)
+    try:
+        EngineConfig.from_cli_args(known)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["up"]:
@@ -517,22 +531,21 @@ def main(argv: list[str] | None = None) -> int:
             SpeculativeConfig.parse(args.speculative_config)
         except ValueError as e:
             raise SystemExit(str(e)) from None
-    if args.lora_modules or args.enable_lora or args.tensor_parallel_size is not None:
-        # refused here, not by every engine's crash loop
-        from common.config import EngineConfig
+    launcher = Launcher(args, engine_extra)
+    # Refused here, naming the flag, not by every engine's crash loop: the flags as the engines read them, and the
+    # adapters' folders.
+    spec = [] if args.speculative_config is None else ["--speculative-config", args.speculative_config]
+    check_engine_flags([*launcher.engine_flags(), *spec])
+    if args.lora_modules:
         from common.model.lora import check_adapter_folder
 
         try:
-            EngineConfig(enable_lora=args.enable_lora, lora_modules=tuple(args.lora_modules), max_loras=args.max_loras,
-                         tensor_parallel_size=args.tensor_parallel_size or 1,
-                         **({} if args.max_lora_rank is None else {"max_lora_rank": args.max_lora_rank}))
             for module in args.lora_modules:
                 check_adapter_folder(module)
         except ValueError as e:
             raise SystemExit(str(e)) from None
     print("pdserve: resolving the model (converted once, then cached)...", flush=True)
     model = _resolve_model(args.model)
-    launcher = Launcher(args, engine_extra)
     try:
         launcher.gpu_placement()  # enough GPUs for each engine's ranks
     except ValueError as e:

@@ -367,6 +367,28 @@ def test_hf_overrides_go_to_the_router_and_every_engine_and_are_checked_first(
         main(["up", "--hf-overrides", "[1, 2]"])
 
 
+def test_engine_flags_are_handed_on_and_what_an_engine_would_refuse_stops_up_first(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Engine flags ``pdserve up`` does not know go to every engine; a value an engine would refuse stops it before
+    the model is resolved or anything starts, naming the flag, rather than every engine's crash loop."""
+    import ops.launcher
+    from ops.launcher import main
+
+    spawned = _spawned(monkeypatch, tmp_path, "--kv-offloading-size", "0.5")
+    for name in ("prefill-0", "decode-0"):
+        assert spawned[name][spawned[name].index("--kv-offloading-size") + 1] == "0.5", name
+    assert "--kv-offloading-size" not in spawned["router"]
+    monkeypatch.setattr(ops.launcher, "_resolve_model", lambda model: pytest.fail("resolved the model"))
+    with pytest.raises(SystemExit, match="needs prefix caching"):
+        main(["up", "--kv-offloading-size", "0.5", "--no-enable-prefix-caching"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["up", "--kv-offloading-backend", "lmcache"])
+    assert exit_info.value.code == 2 and "--kv-offloading-backend: invalid choice: 'lmcache'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="max_num_seqs must be at least 1"):
+        main(["up", "--max-num-seqs", "0"])
+
+
 def test_restart_delays_double_up_to_the_cap_and_reset_after_a_stable_run() -> None:
     from ops.supervisor import RestartPolicy, RestartTracker
 

@@ -522,6 +522,8 @@ class LLMEngine:
         if self.runner.image_encoder is not None and any(s.request.images for s in sched.scheduled):
             outputs += self._encode_images(sched)
         if sched.is_empty:
+            if sched.host_copies:  # taken for requests that all left the step (an image failed): done all the same
+                self.runner.copy_host(sched.host_copies)
             if prev is not None:
                 outputs += self._resolve(prev)
             return outputs

@@ -122,6 +122,38 @@ def test_a_decode_saves_the_blocks_a_transfer_takes_before_the_transfer_writes_t
     assert again == first
 
 
+def test_copies_of_a_step_whose_requests_all_left_it_are_done_all_the_same(engine_factory, monkeypatch):
+    """A step whose requests all leave it before the forward (an image that fails to encode fails its request
+    there) still runs the host tier's copies its scheduling queued: the blocks it loaded stay cached under their
+    hashes, and the next prompt that finds them reads the KV that was computed."""
+    from common.engine.request import RequestStatus
+
+    prompt = list(prompt_ids()[12])
+    num_full = (len(prompt) - 1) // 16
+    engine = engine_factory(num_blocks=NUM_BLOCKS, kv_offloading_size=OFFLOAD_GIB)
+    first, _ = _run(engine, "a", prompt)
+    computed = _block_bytes(engine, prompt, num_full)
+    for k, other in enumerate(_others()):
+        _run(engine, f"o{k}", other)
+    schedule = engine.scheduler.schedule
+
+    def leave(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = schedule(*args, **kwargs)
+        for s in out.scheduled:
+            engine.scheduler.finish(s.request, RequestStatus.FINISHED_ERROR)
+        out.scheduled = []
+        return out
+
+    monkeypatch.setattr(engine.scheduler, "schedule", leave)
+    engine.add_request("left", prompt, GREEDY)
+    engine.step()
+    assert not engine.has_unfinished_requests()
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    assert torch.equal(_block_bytes(engine, prompt, num_full), computed), "a load queued for the step was dropped"
+    again, cached = _run(engine, "a2", prompt)
+    assert cached == num_full * 16 and again == first
+
+
 def test_the_prefix_index_hears_of_a_block_only_once_both_tiers_gave_it_up(engine_factory):
     prompt = list(prompt_ids()[12])
     engine = engine_factory(num_blocks=NUM_BLOCKS, kv_offloading_size=OFFLOAD_GIB)

@@ -40,8 +40,9 @@ def _others() -> list[list[int]]:
     return [[1000 + k, *base, *base] for k in range(8)]
 
 
-def _block_bytes(engine: LLMEngine, prompt: list[int], num_blocks: int) -> torch.Tensor:
-    """The KV of ``prompt``'s first blocks as the device cache holds them under their hashes."""
+def cached_kv(engine: LLMEngine, prompt: list[int], num_blocks: int | None = None) -> torch.Tensor:
+    """The KV of ``prompt``'s first ``num_blocks`` full blocks (all by default) as the device cache holds them under
+    their hashes, every rank's share (the transfer cache: the KV cache itself for one rank)."""
     from common.engine.request import Request
 
     req = Request("probe", prompt, GREEDY, block_size=engine.block_size, model_id=engine.model_id)
@@ -50,7 +51,9 @@ def _block_bytes(engine: LLMEngine, prompt: list[int], num_blocks: int) -> torch
         block = engine.kv.pool.get_cached_block(block_hash)
         assert block is not None, "a block of the prompt is not on the device"
         ids.append(block.block_id)
-    return engine.runner.kv_cache[:, :, ids].clone()
+    cache = engine.runner.transfer_cache
+    assert cache is not None
+    return cache[:, :, ids].clone()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -62,7 +65,7 @@ def test_a_prompt_whose_blocks_the_cache_took_back_loads_them_from_the_host_tier
     assert engine.kv.host is not None and engine.kv.host.num_slots > 2 * NUM_BLOCKS
     first, cached = _run(engine, "a", prompt)
     assert cached == 0
-    computed = _block_bytes(engine, prompt, num_full)
+    computed = cached_kv(engine, prompt, num_full)
     for k, other in enumerate(_others()):
         _run(engine, f"o{k}", other)
     hashes = engine.kv.pool.cached
@@ -78,7 +81,7 @@ def test_a_prompt_whose_blocks_the_cache_took_back_loads_them_from_the_host_tier
     again, cached = _run(engine, "a2", prompt)
     assert cached == num_full * 16
     assert engine.kv.host.num_loaded - loaded == num_full
-    assert torch.equal(_block_bytes(engine, prompt, num_full), computed), "the loaded KV is not what was computed"
+    assert torch.equal(cached_kv(engine, prompt, num_full), computed), "the loaded KV is not what was computed"
     assert again == first
     stats = engine.stats().extra
     assert stats["kv_offload_loaded_blocks"] == engine.kv.host.num_loaded > 0
@@ -107,7 +110,7 @@ def test_a_decode_saves_the_blocks_a_transfer_takes_before_the_transfer_writes_t
     prefill = engine_factory(num_blocks=64)
     first, _ = _run(decode, "mine", mine)
     num_full = (len(mine) - 1) // 16
-    computed = _block_bytes(decode, mine, num_full)
+    computed = cached_kv(decode, mine, num_full)
 
     out = _prefill(prefill, theirs, GREEDY)
     handoff = decode.add_remote_request("r", list(theirs), out.new_token_ids[0], GREEDY)
@@ -118,7 +121,7 @@ def test_a_decode_saves_the_blocks_a_transfer_takes_before_the_transfer_writes_t
 
     again, cached = _run(decode, "mine2", mine)
     assert cached == num_full * 16
-    assert torch.equal(_block_bytes(decode, mine, num_full), computed), "the host tier kept the transfer's KV"
+    assert torch.equal(cached_kv(decode, mine, num_full), computed), "the host tier kept the transfer's KV"
     assert again == first
 
 
@@ -132,7 +135,7 @@ def test_copies_of_a_step_whose_requests_all_left_it_are_done_all_the_same(engin
     num_full = (len(prompt) - 1) // 16
     engine = engine_factory(num_blocks=NUM_BLOCKS, kv_offloading_size=OFFLOAD_GIB)
     first, _ = _run(engine, "a", prompt)
-    computed = _block_bytes(engine, prompt, num_full)
+    computed = cached_kv(engine, prompt, num_full)
     for k, other in enumerate(_others()):
         _run(engine, f"o{k}", other)
     schedule = engine.scheduler.schedule
@@ -149,7 +152,7 @@ def test_copies_of_a_step_whose_requests_all_left_it_are_done_all_the_same(engin
     engine.step()
     assert not engine.has_unfinished_requests()
     monkeypatch.setattr(engine.scheduler, "schedule", schedule)
-    assert torch.equal(_block_bytes(engine, prompt, num_full), computed), "a load queued for the step was dropped"
+    assert torch.equal(cached_kv(engine, prompt, num_full), computed), "a load queued for the step was dropped"
     again, cached = _run(engine, "a2", prompt)
     assert cached == num_full * 16 and again == first
 

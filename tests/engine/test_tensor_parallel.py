@@ -24,6 +24,7 @@ from common.model.arch import UnsupportedConfig
 from common.sampling_params import SamplingParams
 from kvtransfer.blocks.layout import KVLayout
 from tests.engine.test_disaggregated_lifecycle import _drain, _prefill
+from tests.engine.test_kv_offloading import cached_kv
 from tests.engine.tiny_models import TINY_DIMS, build_checkpoint, family_configs, hf_greedy, prompt_token_ids
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -407,17 +408,9 @@ def test_the_host_tier_saves_and_loads_every_rank_s_share(checkpoint, engines) -
     assert engine.kv.host is not None
     prompt = prompt_token_ids(40)
     hashes = Request("probe", prompt, GREEDY, block_size=8, model_id=engine.model_id).block_hashes[:4]
-    cache = engine.runner.transfer_cache
-    assert cache is not None
-
-    def held() -> torch.Tensor:
-        blocks = [engine.kv.pool.get_cached_block(h) for h in hashes]
-        assert all(b is not None for b in blocks), "a block of the prompt is not on the device"
-        return cache[:, :, [b.block_id for b in blocks if b is not None]].clone()
-
     engine.add_request("a", prompt, GREEDY)
     first = _drain(engine)["a"]
-    computed = held()
+    computed = cached_kv(engine, prompt, 4)
     for k in range(4):
         engine.add_request(f"o{k}", prompt_token_ids(40, seed=10 + k), GREEDY)
         _drain(engine)
@@ -425,7 +418,7 @@ def test_the_host_tier_saves_and_loads_every_rank_s_share(checkpoint, engines) -
     engine.add_request("a2", prompt, GREEDY)
     again = _drain(engine)["a2"]
     assert engine.kv.host.num_loaded >= len(hashes)
-    assert torch.equal(held(), computed), "a rank's share did not come back as it was computed"
+    assert torch.equal(cached_kv(engine, prompt, 4), computed), "a rank's share did not come back as it was computed"
     assert again == first == hf_greedy(folder, prompt, GREEDY.max_tokens)
 
 
@@ -444,15 +437,9 @@ def test_a_decode_of_two_ranks_saves_what_a_transfer_takes_on_every_rank_before_
     hashes = Request("probe", mine, GREEDY, block_size=8, model_id=decode.model_id).block_hashes
     cache = decode.runner.transfer_cache
     assert cache is not None and prefill.runner.transfer_cache is not None
-
-    def held() -> torch.Tensor:
-        blocks = [decode.kv.pool.get_cached_block(h) for h in hashes]
-        assert all(b is not None for b in blocks), "a block of the prompt is not on the device"
-        return cache[:, :, [b.block_id for b in blocks if b is not None]].clone()
-
     decode.add_request("mine", mine, GREEDY)
     first = _drain(decode)["mine"]
-    computed = held()
+    computed = cached_kv(decode, mine)
     out = _prefill(prefill, theirs, GREEDY)
     handoff = decode.add_remote_request("r", list(theirs), out.new_token_ids[0], GREEDY)
     assert handoff is not None and handoff.num_cached_blocks == 0
@@ -464,5 +451,5 @@ def test_a_decode_of_two_ranks_saves_what_a_transfer_takes_on_every_rank_before_
     _drain(decode)
     decode.add_request("mine2", mine, GREEDY)
     again = _drain(decode)["mine2"]
-    assert torch.equal(held(), computed), "a rank's host tier kept the transfer's KV"
+    assert torch.equal(cached_kv(decode, mine), computed), "a rank's host tier kept the transfer's KV"
     assert again == first == hf_greedy(folder, mine, GREEDY.max_tokens)

@@ -26,6 +26,10 @@ from common.kvcache.hashing import BlockHash
 # mix) the prefix-cache hit rate fell from 51% to 50% of prompt tokens. 1 restores strict LRU.
 CONTIGUITY_WINDOW = 2
 
+# Prefix events (hashes stored and evicted) are kept for ``drain_events``; in a pool nobody has drained yet (an
+# offline engine, which publishes nothing) they are dropped once there are this many, not kept for ever.
+UNDRAINED_EVENTS_MAX = 1 << 16
+
 _BLOCK_ID = attrgetter("block_id")
 
 
@@ -124,6 +128,7 @@ class BlockPool:
         # Hashes stored / evicted since the last drain (published to the prefix index).
         self._stored: list[BlockHash] = []
         self._removed: list[BlockHash] = []
+        self._drained = False  # whether anyone has drained the events (``UNDRAINED_EVENTS_MAX``)
         # Called with each cached block the pool takes back for another use, before it goes (the host tier
         # copies it out: ``KVCacheManager``); not for a block ``uncache`` forgets.
         self.on_evict: Callable[[KVBlock], None] | None = None
@@ -216,6 +221,8 @@ class BlockPool:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
                 self._removed.append(block.block_hash)
+                if not self._drained and len(self._removed) > UNDRAINED_EVENTS_MAX:
+                    self._removed.clear()
             block.block_hash = None
 
     def uncache(self, blocks: Iterable[KVBlock]) -> None:
@@ -252,6 +259,8 @@ class BlockPool:
         if block_hash not in self.cached:
             self.cached[block_hash] = block
             self._stored.append(block_hash)
+            if not self._drained and len(self._stored) > UNDRAINED_EVENTS_MAX:
+                self._stored.clear()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed while no block is in use."""
@@ -268,7 +277,7 @@ class BlockPool:
         """
         stored = [h for h in dict.fromkeys(self._stored) if h in self.cached]
         removed = [h for h in dict.fromkeys(self._removed) if h not in self.cached]
-        self._stored, self._removed = [], []
+        self._stored, self._removed, self._drained = [], [], True
         return stored, removed
 
     def check_integrity(self, holders: dict[int, int] | None = None) -> None:

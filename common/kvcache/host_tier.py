@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import NamedTuple
 
-from common.kvcache.block_pool import KVBlock
+from common.kvcache.block_pool import UNDRAINED_EVENTS_MAX, KVBlock
 from common.kvcache.hashing import BlockHash
 
 SAVE, LOAD = 0, 1
@@ -86,6 +86,7 @@ class HostTier:
         # save in between may take them.
         self.pinned: set[int] = set()
         self._dropped: list[BlockHash] = []  # hashes given up since the last ``drain_dropped``
+        self._drained = False  # never drained (an offline engine): dropped hashes are not kept for ever
         self.num_saved = 0  # blocks copied in
         self.num_loaded = 0  # blocks copied back out for a hit
 
@@ -120,7 +121,7 @@ class HostTier:
             if victim is None:
                 return None
             slot = self._slots.pop(victim)
-            self._dropped.append(victim)
+            self._note_dropped(victim)
         self._slots[block_hash] = slot
         self.num_saved += 1
         return slot
@@ -130,7 +131,12 @@ class HostTier:
         slot = self._slots.pop(block_hash, None)
         if slot is not None:
             self._free.append(slot)
-            self._dropped.append(block_hash)
+            self._note_dropped(block_hash)
+
+    def _note_dropped(self, block_hash: BlockHash) -> None:
+        self._dropped.append(block_hash)
+        if not self._drained and len(self._dropped) > UNDRAINED_EVENTS_MAX:
+            self._dropped.clear()
 
     def clear(self) -> None:
         for block_hash in list(self._slots):
@@ -138,7 +144,7 @@ class HostTier:
 
     def drain_dropped(self) -> list[BlockHash]:
         """Hashes given up since the last call (some may have been stored again since)."""
-        dropped, self._dropped = self._dropped, []
+        dropped, self._dropped, self._drained = self._dropped, [], True
         return dropped
 
     def check_integrity(self) -> None:

@@ -687,3 +687,33 @@ def test_host_copies_run_in_order_whatever_batches_they_make():
         assert held == [0, 1, 1, 3, 4, 5, 5, 3], dtype
         assert torch.equal(runner.host_cache[0].float(), kv[:, :, 3].float())
         assert torch.equal(runner.host_cache[1].float(), kv[:, :, 5].float())
+
+
+def test_prefix_events_nobody_drains_are_not_kept_for_ever(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An offline engine never drains its prefix events: past the bound they are dropped (the pool's stored and
+    evicted hashes, the host tier's dropped ones). Once drained, every event until the next drain is kept."""
+    import common.kvcache.block_pool as block_pool
+    import common.kvcache.host_tier as host_tier
+
+    monkeypatch.setattr(block_pool, "UNDRAINED_EVENTS_MAX", 8)
+    monkeypatch.setattr(host_tier, "UNDRAINED_EVENTS_MAX", 8)
+    kv = KVCacheManager(4, BS, num_host_blocks=2)
+
+    def churn(first: int, count: int) -> None:
+        for i in range(first, first + count):
+            req = Request(f"r{i}", [i] * BS + [0], SamplingParams(), block_size=BS, model_id="m")
+            assert kv.allocate_slots(req, req.num_tokens)
+            req.num_computed_tokens = req.num_tokens
+            kv.cache_blocks(req)
+            kv.free(req.request_id)
+            kv.take_host_copies()
+
+    churn(0, 40)
+    assert kv.host is not None and kv.host.num_saved > 8
+    assert len(kv.pool._stored) <= 8 and len(kv.pool._removed) <= 8 and len(kv.host._dropped) <= 8
+    kv.drain_events()
+    churn(40, 40)
+    assert len(kv.host._dropped) > 8
+    stored, removed = kv.drain_events()
+    assert len(removed) > 8 and stored  # kept for the one who drains
+    kv.check_integrity()

@@ -399,7 +399,7 @@ class ModelRunner:
         size = self.config.kv_offloading_size
         if not size:
             return 0
-        per_block = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
+        per_block = self.bytes_per_block
         num = int(size * 2**30 / self.tp.size) // per_block
         if num < 1:
             raise ValueError(f"--kv-offloading-size {size} GiB holds no KV block: one takes "

@@ -93,9 +93,8 @@ class KVCacheManager:
         # ``take_freed``: a request freed while its step is still in flight may yet turn out to have
         # written NaN into them, and the engine scrubs what it can once it knows.
         self.keep_freed = False
-        self._freed: dict[str, list[KVBlock]] = {}
-        # With a host tier, the hashes those blocks held when freed: one evicted since may sit in the host tier.
-        self._freed_hashes: dict[str, list[BlockHash]] = {}
+        # With a host tier, beside them the hashes they held when freed: one evicted since may sit in the host tier.
+        self._freed: dict[str, tuple[list[KVBlock], list[BlockHash]]] = {}
 
     def cdiv(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -172,11 +171,13 @@ class KVCacheManager:
         """Hold the prefix hits ``hits``: the device's are touched, each ``HostHit`` gets a new device block,
         cached under its hash, with its load queued. Their slots are pinned while the pool gives the blocks (its
         evictions save to the host tier, never into a slot about to be loaded from)."""
+        if self.host is None:
+            self.pool.touch(hits)
+            return hits
         real = [b for b in hits if type(b) is not HostHit]
         self.pool.touch(real)
         if len(real) == len(hits):
             return hits
-        assert self.host is not None
         from_host = [(i, b) for i, b in enumerate(hits) if isinstance(b, HostHit)]
         self.host.pinned = {b.slot for _, b in from_host}
         try:
@@ -357,9 +358,8 @@ class KVCacheManager:
         if released:
             blocks = blocks[released:]
         if self.keep_freed and blocks:
-            self._freed[request_id] = blocks
-            if self.host is not None:
-                self._freed_hashes[request_id] = [b.block_hash for b in blocks if b.block_hash is not None]
+            hashes = [] if self.host is None else [b.block_hash for b in blocks if b.block_hash is not None]
+            self._freed[request_id] = (blocks, hashes)
         self._block_ids.pop(request_id, None)
         self._num_marked.pop(request_id, None)
         self._num_hashed.pop(request_id, None)
@@ -412,8 +412,8 @@ class KVCacheManager:
         """The block lists of the requests freed since the last call (only kept under ``keep_freed``),
         as they were when freed, with the hashes they held then where a host tier may have kept them since; their
         blocks may have been taken since."""
-        freed, hashes, self._freed, self._freed_hashes = self._freed, self._freed_hashes, {}, {}
-        return {rid: (blocks, hashes.get(rid, [])) for rid, blocks in freed.items()}
+        freed, self._freed = self._freed, {}
+        return freed
 
     def uncache(self, blocks: list[KVBlock], hashes: list[BlockHash] | None = None) -> None:
         """No prefix hit finds what these blocks hold, nor the host tier's copies of them or of ``hashes``."""

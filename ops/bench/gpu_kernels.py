@@ -1338,7 +1338,7 @@ def check_kv_offload(report: Report, args: argparse.Namespace, model: str | None
           f"{runs[0.25]['host_copy_seconds'] * 1e3:.1f} ms in copies")
     engine = LLMEngine(dataclasses.replace(config, num_blocks=copy_blocks, kv_offloading_size=0.25))
     runner = engine.runner
-    block_bytes = runner.kv_cache[:, :, 0].numel() * runner.kv_cache.element_size()
+    block_bytes = runner.bytes_per_block
     count = min(copy_blocks, runner.num_host_blocks)
     for direction, name in ((SAVE, "save"), (LOAD, "load")):
         copies = [HostCopy(direction, b, b) for b in range(count)]

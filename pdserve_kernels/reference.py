@@ -410,3 +410,32 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
             y = y + b2[expert]
         out.index_add_(0, tokens, (y * weights[pairs, None]).to(x.dtype))
     return out
+
+
+# Whether a backend keeps a checkpoint's integer weights packed (``IntLinear``, its products ``int_linear``); the
+# torch reference widens them as they load, and its ``int_linear`` is the Triton kernel's reference only.
+PACKS_INT_WEIGHTS = False
+
+
+def unpack_int_weight(qweight: Tensor, qzeros: Tensor, scales: Tensor, dtype: torch.dtype, bits: int) -> Tensor:
+    """The ``[out, in]`` weight in ``dtype`` that packed integer weights of ``bits`` per value stand for:
+    ``qweight`` ``[out, in * bits / 32]`` int32 (each word ``32 / bits`` values along the inputs, the lowest bits
+    first, unsigned), ``qzeros`` ``[out, groups]`` and ``scales`` ``[out, groups]`` (contiguous groups of inputs):
+    ``(q - z) * s``, the difference exact and the product rounded once in the scales' dtype, then to ``dtype``: the
+    weight a checkpoint's widening gives (``common.model.quantization.IntValues.widen``)."""
+    out = qweight.shape[0]
+    if qweight.dtype != torch.int32 or qzeros.shape != scales.shape or scales.shape[0] != out:
+        raise ValueError(f"packed weights {tuple(qweight.shape)} {qweight.dtype}, zero points {tuple(qzeros.shape)} "
+                         f"and scales {tuple(scales.shape)} do not fit")
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
+    q = ((qweight[..., None] >> shifts) & ((1 << bits) - 1)).reshape(out, -1)
+    width = q.shape[1] // scales.shape[1]  # a group's inputs
+    zeros = qzeros.to(torch.int32).repeat_interleave(width, dim=1)
+    return ((q - zeros).to(scales.dtype) * scales.repeat_interleave(width, dim=1)).to(dtype)
+
+
+def int_linear(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, bits: int,
+               bias: Tensor | None = None) -> Tensor:
+    """``x`` ``[tokens, in]`` times the packed integer weights (``unpack_int_weight``) of ``bits`` per value, plus
+    ``bias``: ``F.linear`` with the weight they stand for, in ``x``'s dtype."""
+    return F.linear(x, unpack_int_weight(qweight, qzeros, scales, x.dtype, bits), bias)

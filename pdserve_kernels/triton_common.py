@@ -128,6 +128,17 @@ def e4m3_grid(x):
     return rounded.to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def rounded_to(x, dtype: tl.constexpr):
+    """``x`` (float32) rounded to ``dtype``, to the nearest value, ties to even. bfloat16 is rounded in arithmetic on
+    the bits first (its conversion then exact), as a GPU's conversion rounds: Triton's CPU interpreter truncates."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
 def launch_options(num_warps: int | None, num_stages: int | None) -> dict[str, int]:
     """Launch options to pass on; ``None`` keeps Triton's default."""
     options = {"num_warps": num_warps, "num_stages": num_stages}

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from common.lora_modules import LoRAModule
+from common.model.int_linear import IntLinear
 from common.model.llama import FUSED_PROJECTIONS, MLP, Attention, LlamaForCausalLM
 from common.model.mla import MLAttention
 from common.model.weights import model_name
@@ -56,6 +57,8 @@ _KNOWN = {
 # The projections an adapter may adapt (this model's names, after the family's renames and stacking).
 _ADAPTABLE = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.up_proj", "mlp.down_proj",
               "mlp.shared_expert.gate_up_proj", "mlp.shared_expert.down_proj")
+# What an adapter may wrap: a projection, its weights widened or packed.
+_PROJECTIONS = (nn.Linear, IntLinear)
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>A|B)\.weight$")
 
 
@@ -127,11 +130,11 @@ def _target(modules: dict[str, nn.Module], module: str) -> _Target:
     ``UnsupportedAdapter``."""
     prefix, _, last = module.rpartition(".")
     own = _linear(modules.get(module))
-    if isinstance(own, nn.Linear) and module.endswith(_ADAPTABLE):
+    if isinstance(own, _PROJECTIONS) and module.endswith(_ADAPTABLE):
         return _Target(module, 0, slice(0, own.out_features))
     for fused, parts in FUSED_PROJECTIONS.items():
         stacked = _linear(modules.get(f"{prefix}.{fused}"))
-        if last in parts and isinstance(stacked, nn.Linear) and f"{prefix}.{fused}".endswith(_ADAPTABLE):
+        if last in parts and isinstance(stacked, _PROJECTIONS) and f"{prefix}.{fused}".endswith(_ADAPTABLE):
             index = parts.index(last)
             sizes = _part_rows(modules[prefix])
             start = sum(sizes[:index])
@@ -188,7 +191,7 @@ def load_adapter(spec: LoRAModule, model: LlamaForCausalLM, max_rank: int) -> Lo
             raise UnsupportedAdapter(f"LoRA on the queries and keys of {arch.model_type} (interleaved RoPE, its q and k "
                                      "rows reordered as the checkpoint loads) is not implemented")
         linear = _linear(modules[target.module])
-        assert isinstance(linear, nn.Linear)
+        assert isinstance(linear, _PROJECTIONS)
         a, b = ab["A"], ab["B"]
         rows = target.rows.stop - target.rows.start
         if a.shape != (rank, linear.in_features) or b.shape != (rows, rank):
@@ -231,12 +234,16 @@ class LoRALinear(nn.Module):
     step mixes, and no data-dependent shape (where a loop over the step's adapters of a gather, two
     products and a scatter each cost about 10 operations an adapter per projection)."""
 
-    def __init__(self, base: nn.Linear, num_slots: int, num_parts: int, rank: int, batch: LoRABatch) -> None:
+    def __init__(self, base: nn.Linear | IntLinear, num_slots: int, num_parts: int, rank: int, batch: LoRABatch) -> None:
         super().__init__()
         self.base = base
         self.rank = rank
         self.batch = batch
-        dtype, device = base.weight.dtype, base.weight.device
+        # The activations' dtype (an ``IntLinear``'s weights are integers), and the projection's device.
+        if isinstance(base, IntLinear):
+            dtype, device = base.dtype, base.qweight.device
+        else:
+            dtype, device = base.weight.dtype, base.weight.device
         width = num_parts * rank
         self.lora_a: Tensor  # [slots * width, in]: slot s's rows s * width ...
         self.lora_b: Tensor  # [out, slots * width]: slot s's columns s * width ...
@@ -248,6 +255,7 @@ class LoRALinear(nn.Module):
 
     @property
     def weight(self) -> Tensor:
+        assert isinstance(self.base, nn.Linear), "packed integer weights have no widened weight"
         return self.base.weight
 
     @property
@@ -299,14 +307,14 @@ class LoRAManager:
         self.rank = rank  # every wrapped projection's rank per part
         if runtime:
             targeted = sorted(name for name, m in model.named_modules()
-                              if isinstance(m, nn.Linear) and name.endswith(_ADAPTABLE))
+                              if isinstance(m, _PROJECTIONS) and name.endswith(_ADAPTABLE))
         else:
             targeted = sorted({module for a in loaded for module in a.weights})
         self.layers: dict[str, LoRALinear] = {}
         for module in targeted:
             parent_name, _, attr = module.rpartition(".")
             base = model.get_submodule(module)
-            assert isinstance(base, nn.Linear)
+            assert isinstance(base, _PROJECTIONS)
             parts = len(FUSED_PROJECTIONS.get(attr, (attr,)))
             wrapped = LoRALinear(base, num_slots, parts, rank, self.batch)
             for slot, adapter in enumerate(loaded):

@@ -110,14 +110,17 @@ def shard_rules(num_heads: int, num_kv_heads: int, head_size: int,
     q, kv = num_heads * head_size, num_kv_heads * head_size
     # KV heads fewer than the ranks (``size``): each KV head whole on the ranks whose query heads read it.
     replicated = num_kv_heads if size > num_kv_heads else None
+    # A product's weight: widened, or packed (``common.model.int_linear.IntLinear``: its values, zero points and
+    # scales, each a row per output and split along the inputs by words and by groups alike).
+    weight = r"(weight|qweight|qzeros|scales)"
     rules = {
         # this rank's heads' rows of each
-        r"\.self_attn\.qkv_proj\.(weight|bias)": Shard(0, (q, kv, kv), blocks=(None, replicated, replicated)),
-        r"\.self_attn\.(output_gate\.weight|sinks)": _ROWS,  # AFMoE's gate and gpt-oss's sinks: per query head
-        r"\.self_attn\.o_proj\.weight": _COLUMNS,
-        r"\.mlp(\.shared_expert)?\.gate_up_proj\.(weight|bias)": Shard(0, 2),  # [gate_r; up_r]
-        r"\.mlp(\.shared_expert)?\.up_proj\.(weight|bias)": _ROWS,  # an ungated MLP's
-        r"\.mlp(\.shared_expert)?\.down_proj\.weight": _COLUMNS,
+        rf"\.self_attn\.qkv_proj\.({weight}|bias)": Shard(0, (q, kv, kv), blocks=(None, replicated, replicated)),
+        rf"\.self_attn\.(output_gate\.{weight}|sinks)": _ROWS,  # AFMoE's gate and gpt-oss's sinks: per query head
+        rf"\.self_attn\.o_proj\.{weight}": _COLUMNS,
+        rf"\.mlp(\.shared_expert)?\.gate_up_proj\.({weight}|bias)": Shard(0, 2),  # [gate_r; up_r]
+        rf"\.mlp(\.shared_expert)?\.up_proj\.({weight}|bias)": _ROWS,  # an ungated MLP's
+        rf"\.mlp(\.shared_expert)?\.down_proj\.{weight}": _COLUMNS,
         r"\.(self_attn\.o_proj|mlp(\.shared_expert)?\.down_proj)\.bias": _ONCE,
         r"\.mlp\.experts\.gate_up_proj(_bias)?": Shard(1, 2),  # [E, 2I, H], [E, 2I]: each expert's [gate_r; up_r]
         r"\.mlp\.experts\.down_proj": Shard(2),  # [E, H, I]

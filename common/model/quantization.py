@@ -76,11 +76,70 @@ _TENSORS = {
 _AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
-def widen_int_weights(state: dict[str, torch.Tensor], spec: IntWeights, dtype: torch.dtype) -> None:
-    """In place: every packed weight of ``state`` (one layer's tensors, or those of no layer) replaced by
-    ``<prefix>.weight`` in ``dtype``; a scale, zero point or group index left without its weights is a
-    checkpoint mismatch. Weights the checkpoint left unquantized (an output head, a router) pass."""
+@dataclass(frozen=True)
+class IntValues:
+    """One layer's integer weights as its checkpoint's layout reads: unsigned values ``q`` ``[out, in]`` (int32),
+    each group's zero point ``zeros`` ``[out, groups]`` (int32) and scale ``scales`` ``[out, groups]``, and
+    ``g_idx`` ``[in]``, each input's group (contiguous groups of ``in / groups`` where None)."""
+
+    q: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    g_idx: torch.Tensor | None
+    bits: int
+
+    def checked(self) -> IntValues:
+        """Itself, its shapes and dtypes checked; ``g_idx`` None where it names contiguous groups."""
+        out, inputs = self.q.shape
+        groups = self.scales.shape[1]
+        if self.scales.shape[0] != out or self.zeros.shape != self.scales.shape:
+            raise ValueError(f"values {tuple(self.q.shape)}, zero points {tuple(self.zeros.shape)} and scales "
+                             f"{tuple(self.scales.shape)} do not fit")
+        if not self.scales.is_floating_point():
+            raise ValueError(f"scales must be floating point, got {self.scales.dtype}")
+        g_idx = self.g_idx
+        if g_idx is None:
+            if inputs % groups:
+                raise ValueError(f"{inputs} inputs do not split into {groups} groups")
+        elif g_idx.shape != (inputs,) or g_idx.min() < 0 or g_idx.max() >= groups:
+            raise ValueError(f"group index {tuple(g_idx.shape)} does not give each of {inputs} inputs one of "
+                             f"{groups} groups")
+        elif inputs % groups == 0 and torch.equal(g_idx.long(), torch.arange(inputs) // (inputs // groups)):
+            g_idx = None  # activation order that kept the groups in order: contiguous
+        return IntValues(self.q, self.zeros, self.scales, g_idx, self.bits)
+
+    def widen(self) -> torch.Tensor:
+        """``[out, in]`` weights: ``(q - z) * s``, the difference exact and the product rounded once in the
+        scales' dtype."""
+        inputs, groups = self.q.shape[1], self.scales.shape[1]
+        g_idx = (torch.arange(inputs) // (inputs // groups) if self.g_idx is None else self.g_idx).long()
+        difference = self.q.to(torch.int32) - self.zeros.to(torch.int32)[:, g_idx]  # at most 255 apart: exact
+        return difference.to(self.scales.dtype) * self.scales[:, g_idx]
+
+    def packable(self) -> bool:
+        """Whether ``pack`` keeps it: groups contiguous, and whole words of values along the inputs."""
+        return self.g_idx is None and self.q.shape[1] % (32 // self.bits) == 0
+
+    def pack(self) -> dict[str, torch.Tensor]:
+        """The form ``IntLinear`` holds (``pdserve_kernels.reference.int_linear``): ``qweight`` ``[out, in * bits /
+        32]`` int32, the values packed along the inputs, the lowest bits first; ``qzeros`` ``[out, groups]`` uint8;
+        ``scales`` ``[out, groups]`` in their own dtype."""
+        per_word = 32 // self.bits
+        out, inputs = self.q.shape
+        shifts = torch.arange(0, 32, self.bits, dtype=torch.int64)
+        words = (self.q.to(torch.int64).reshape(out, inputs // per_word, per_word) << shifts).sum(-1)
+        words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # the high bit is the int32's sign
+        return {"qweight": words.to(torch.int32).contiguous(), "qzeros": self.zeros.to(torch.uint8).contiguous(),
+                "scales": self.scales.contiguous()}
+
+
+def int_weight_layers(state: dict[str, torch.Tensor], spec: IntWeights) -> dict[str, IntValues]:
+    """In place: every packed layer's tensors of ``state`` (one layer's tensors, or those of no layer) taken out
+    and read, by layer prefix; a scale, zero point or group index left without its weights is a checkpoint
+    mismatch, and so is a layer that also holds a ``weight``. Weights the checkpoint left unquantized (an output
+    head, a router) stay."""
     names = _TENSORS[spec.method]
+    layers: dict[str, IntValues] = {}
     for packed in [n for n in state if n.endswith("." + names[0])]:
         prefix = packed.removesuffix("." + names[0])
         if prefix + ".weight" in state:
@@ -88,12 +147,13 @@ def widen_int_weights(state: dict[str, torch.Tensor], spec: IntWeights, dtype: t
         weights = state.pop(packed)
         parts = {name: state.pop(f"{prefix}.{name}", None) for name in names[1:]}
         try:
-            state[prefix + ".weight"] = _WIDEN[spec.method](weights, parts, spec).to(dtype)
+            layers[prefix] = _READ[spec.method](weights, parts, spec).checked()
         except ValueError as e:
             raise ValueError(f"checkpoint mismatch: {prefix}: {e}") from None
     stray = [n for n in state if n.rpartition(".")[2] in names[1:]]
     if stray:
         raise ValueError(f"checkpoint mismatch: {stray[:3]} without their {names[0]}")
+    return layers
 
 
 def _unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
@@ -105,28 +165,7 @@ def _unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     return ((words[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*words.shape[:-1], -1)
 
 
-def _widen(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None) -> torch.Tensor:
-    """``[out, in]`` weights from unsigned values ``q`` ``[out, in]`` and their groups' zero points and
-    scales ``[out, groups]``; input ``i`` in group ``g_idx[i]``, else in contiguous groups of in / groups."""
-    out, inputs = q.shape
-    groups = scales.shape[1]
-    if scales.shape[0] != out or zeros.shape != scales.shape:
-        raise ValueError(f"values {tuple(q.shape)}, zero points {tuple(zeros.shape)} and scales "
-                         f"{tuple(scales.shape)} do not fit")
-    if g_idx is None:
-        if inputs % groups:
-            raise ValueError(f"{inputs} inputs do not split into {groups} groups")
-        g_idx = torch.arange(inputs) // (inputs // groups)
-    elif g_idx.shape != (inputs,) or g_idx.min() < 0 or g_idx.max() >= groups:
-        raise ValueError(f"group index {tuple(g_idx.shape)} does not give each of {inputs} inputs one of {groups} groups")
-    g_idx = g_idx.long()
-    if not scales.is_floating_point():
-        raise ValueError(f"scales must be floating point, got {scales.dtype}")
-    difference = q.to(torch.int32) - zeros.to(torch.int32)[:, g_idx]  # at most 255 apart: exact in 16 bits
-    return difference.to(scales.dtype) * scales[:, g_idx]
-
-
-def _gptq(qweight: torch.Tensor, parts: dict[str, torch.Tensor | None], spec: IntWeights) -> torch.Tensor:
+def _gptq(qweight: torch.Tensor, parts: dict[str, torch.Tensor | None], spec: IntWeights) -> IntValues:
     """GPTQ: ``qweight`` ``[in * bits / 32, out]`` packed along the inputs, ``qzeros`` ``[groups, out * bits /
     32]`` along the outputs, ``scales`` ``[groups, out]``, ``g_idx`` ``[in]`` (the inputs' groups, in any
     order under ``desc_act``)."""
@@ -140,10 +179,10 @@ def _gptq(qweight: torch.Tensor, parts: dict[str, torch.Tensor | None], spec: In
     zeros = (_unpack(qzeros, bits)[:, :out] + int(spec.zeros_minus_one)) & ((1 << bits) - 1)
     if q.shape[0] != out:
         raise ValueError(f"qweight {tuple(qweight.shape)} does not fit scales {tuple(scales.shape)}")
-    return _widen(q, zeros.T, scales.T, parts["g_idx"])
+    return IntValues(q, zeros.T, scales.T, parts["g_idx"], bits)
 
 
-def _awq(qweight: torch.Tensor, parts: dict[str, torch.Tensor | None], spec: IntWeights) -> torch.Tensor:
+def _awq(qweight: torch.Tensor, parts: dict[str, torch.Tensor | None], spec: IntWeights) -> IntValues:
     """AutoAWQ's GEMM layout: ``qweight`` ``[in, out / 8]`` and ``qzeros`` ``[groups, out / 8]``, both packed
     along the outputs in ``_AWQ_NIBBLE``'s order; ``scales`` ``[groups, out]``; groups contiguous."""
     qzeros, scales = parts["qzeros"], parts["scales"]
@@ -154,10 +193,10 @@ def _awq(qweight: torch.Tensor, parts: dict[str, torch.Tensor | None], spec: Int
     q = _unpack(qweight, bits)[:, order]
     if q.shape[1] != scales.shape[1]:
         raise ValueError(f"qweight {tuple(qweight.shape)} does not fit scales {tuple(scales.shape)}")
-    return _widen(q.T, _unpack(qzeros, bits)[:, order].T, scales.T, None)
+    return IntValues(q.T, _unpack(qzeros, bits)[:, order].T, scales.T, None, bits)
 
 
-def _compressed_tensors(packed: torch.Tensor, parts: dict[str, torch.Tensor | None], spec: IntWeights) -> torch.Tensor:
+def _compressed_tensors(packed: torch.Tensor, parts: dict[str, torch.Tensor | None], spec: IntWeights) -> IntValues:
     """compressed-tensors' ``pack-quantized``: ``weight_packed`` ``[out, in * bits / 32]`` packed along the
     inputs, each value stored plus 2**(bits - 1); ``weight_shape`` ``[out, in]``; ``weight_scale`` ``[out,
     groups]`` (one group: a scale per channel); ``weight_zero_point`` (asymmetric only) packed along the
@@ -184,11 +223,11 @@ def _compressed_tensors(packed: torch.Tensor, parts: dict[str, torch.Tensor | No
     else:
         raise ValueError(f"weight_zero_point {tuple(zero_point.shape)} {zero_point.dtype} does not fit "
                          f"weight_scale {tuple(scales.shape)}")
-    return _widen(q, zeros, scales, parts["weight_g_idx"])
+    return IntValues(q, zeros, scales, parts["weight_g_idx"], bits)
 
 
-# Each method's reading of a layer's tensors into its weights.
-_WIDEN = {QUANT_GPTQ: _gptq, QUANT_AWQ: _awq, QUANT_COMPRESSED_TENSORS: _compressed_tensors}
+# Each method's reading of a layer's tensors into its values.
+_READ = {QUANT_GPTQ: _gptq, QUANT_AWQ: _awq, QUANT_COMPRESSED_TENSORS: _compressed_tensors}
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from common.files import write_atomically
 from common.model.arch import IMAGE_TEXT_TYPES, SUPPORTED_MODEL_TYPES, ModelArch, language_model_config
+from common.model.int_linear import pack_values, packed_layers, to_int_linears
 from common.model.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 from common.model.loader import FROM_2_WAY_SOFTMAX, cache_dir, classifier_from_tokens
 from common.model.parallel import TensorParallel, shard_of, shard_rules, shard_state
@@ -24,7 +25,7 @@ from common.model.quantization import (
     QUANT_MXFP4,
     dequantize_fp8,
     dequantize_mxfp4,
-    widen_int_weights,
+    int_weight_layers,
 )
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "load_model", "stack_experts", "stack_projections"]
@@ -174,6 +175,7 @@ def load_model(
         raise ValueError(f"checkpoint {model.headless}: a base model without its output head is served for "
                          f"families whose causal LM holds it under 'model.' only, not {model.arch.model_type}")
     state: dict[str, torch.Tensor] = {}
+    packs = bool(getattr(kernels, "PACKS_INT_WEIGHTS", False))  # integer weights kept packed (``IntLinear``)
     with contextlib.ExitStack() as stack:
         opened = [stack.enter_context(safe_open(str(file), framework="pt", device="cpu")) for file in files]
         groups: dict[int | None, list[tuple[Any, str]]] = {}
@@ -186,13 +188,14 @@ def load_model(
         # one layer of the whole checkpoint at most beside its shares (not the whole of it).
         for layer in sorted(groups, key=lambda k: -1 if k is None else k):
             part = {name: f.get_tensor(name) for f, name in groups.pop(layer)}
-            _prepare(part, model, config, rules, dtype, image_text)
+            _prepare(part, model, config, rules, dtype, image_text, packs)
             if size > 1:
                 shard_state(part, rules, model.tp)
             state.update(part)
     from_tokens = classifier_from_tokens(config)
     if from_tokens is not None:
         score_from_tokens(state, model, config, path, *from_tokens)
+    packed = to_int_linears(model, state, kernels, dtype)
     expected = {n for n, _ in model.named_parameters()}
     if model.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -211,6 +214,8 @@ def load_model(
     # What transformers keeps in float32 whatever the dtype (GLM-4.5's router), from the checkpoint's values.
     for name in model.float32_parameters():
         model.get_parameter(name).data = state[name].to(device=device, dtype=torch.float32)
+    for name in packed:  # the scales' own dtype, which the widening of each value is computed in
+        model.get_parameter(name + ".scales").data = state[name + ".scales"].to(device=device)
     return model
 
 
@@ -245,9 +250,10 @@ def score_from_tokens(state: dict[str, torch.Tensor], model: LlamaForCausalLM, c
 
 
 def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: Any, rules: Any, dtype: torch.dtype,
-             image_text: bool) -> None:
+             image_text: bool, packs: bool) -> None:
     """A part of the checkpoint (one layer's tensors, or those of no layer) as the model names and shapes them,
-    whole: widened from 8 or 4 bits, the vision tower dropped, renamed, split and stacked."""
+    whole: widened from 8 or 4 bits (or, with ``packs``, integer weights kept packed where
+    ``common.model.int_linear.packed_layers`` allows), the vision tower dropped, renamed, split and stacked."""
     if model.arch.quantization == QUANT_FP8:  # before anything renames or stacks the weights
         for name in [n for n in state if n.endswith("_scale_inv")]:  # x.weight's, or stacked experts' x_scale_inv
             weight = name.removesuffix("_scale_inv")
@@ -257,7 +263,14 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
         for name in [n for n in state if n.endswith((".activation_scale", ".input_scale"))]:
             raise ValueError(f"checkpoint mismatch: {name}: static activation scales are not implemented")
     if model.arch.int_weights is not None:
-        widen_int_weights(state, model.arch.int_weights, dtype)
+        layers = int_weight_layers(state, model.arch.int_weights)
+        names = {p: model_name(p + ".weight", model.arch.model_type).removesuffix(".weight") for p in layers}
+        packed = packed_layers(layers, names, model.tp.size) if packs and not model.arch.mla else set()
+        for prefix, values in layers.items():
+            if prefix in packed:
+                pack_values(state, prefix, values)
+            else:
+                state[prefix + ".weight"] = values.widen().to(dtype)
     if image_text:
         for name in [n for n in state if _VISION_NAMES.match(n)]:
             del state[name]

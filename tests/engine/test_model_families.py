@@ -413,8 +413,9 @@ def test_an_integer_quantized_checkpoint_equals_its_dequantized_model(checkpoint
     a newer torch) the checkpoint of the weights the quantization stands for."""
     from transformers import CompressedTensorsConfig
 
+    from common.model.int_linear import IntLinear
     from common.model.weights import load_model
-    from pdserve_kernels import reference
+    from pdserve_kernels import reference, triton_ops
     from tests.engine.tiny_models import (
         awq_as_compressed_tensors,
         awq_checkpoint,
@@ -439,10 +440,24 @@ def test_an_integer_quantized_checkpoint_equals_its_dequantized_model(checkpoint
     model = load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64)
     assert model.arch.quantization == method
     torch.testing.assert_close(_logits(model, prompt), hf, atol=1e-4, rtol=1e-4)
+    assert not any(isinstance(m, IntLinear) for m in model.modules())  # the torch backend widens them
+    # The Triton kernels keep them packed (those of a mixture's experts, and reordered groups, widened).
+    packed = load_model(folder, load_hf_config(folder), triton_ops, torch.float32, torch.device("cpu"), 64)
+    int_linears = {n: m for n, m in packed.named_modules() if isinstance(m, IntLinear)}
+    dense = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith("_proj")]
+    reordered = method == "gptq" and options.get("desc_act", True)
+    assert sorted(int_linears) == ([] if reordered else sorted(dense)) and len(dense) >= 6
+    assert all(m.bits == options.get("bits", 4) for m in int_linears.values())
+    torch.testing.assert_close(_logits(packed, prompt), hf, atol=1e-4, rtol=1e-4)
+    if int_linears:
+        assert sum(p.numel() * p.element_size() for p in packed.parameters()) < sum(
+            p.numel() * p.element_size() for p in model.parameters())
     # vLLM's --quantization, with its kernels' names for the same checkpoints, is checked against the config.
     engine = _engine(engines, folder, quantization={"gptq": "gptq_marlin", "awq": "awq_marlin"}.get(method, method))
-    assert [c[0] for c in engine.generate([prompt], GREEDY)] == [hf_greedy(reference_folder, prompt, MAX_NEW_TOKENS,
-                                                                           **decompress)]
+    expected = [hf_greedy(reference_folder, prompt, MAX_NEW_TOKENS, **decompress)]
+    assert [c[0] for c in engine.generate([prompt], GREEDY)] == expected
+    triton_engine = _engine(engines, folder, kernel_backend="triton")
+    assert [c[0] for c in triton_engine.generate([prompt], GREEDY)] == expected
     with pytest.raises(ValueError, match=f"--quantization fp8: the checkpoint's quantization_config says {method}"):
         _engine(engines, folder, quantization="fp8")
     with pytest.raises(ValueError, match="not quantized, and quantizing a model as it loads is not implemented"):

@@ -8,8 +8,9 @@ float32, rounded once to the scales' dtype (the widened weight's arithmetic: the
 the product of two 16-bit floats in float32), then to the activations' dtype, and multiplies as any product does,
 accumulating in float32. The output is rounded once, after the bias is added.
 
-A decode step's few rows take a tile of 16 rows; the weights are read once per column tile. The tile sizes are
-fixed, not tuned per GPU.
+A decode step's few rows take a tile of 16 rows, and so few output tiles would leave most of a GPU idle: their
+inputs are then split among several programs (``splits_for``), each summing its part in float32, and the parts
+are added (then the bias, then one rounding) after. The tile sizes are fixed, not tuned per GPU.
 """
 
 from __future__ import annotations
@@ -25,24 +26,30 @@ from pdserve_kernels.triton_common import dot, dot_constexprs, rounded_to
 @triton.jit
 def _int_linear_kernel(
     x_ptr, w_ptr, z_ptr, s_ptr, bias_ptr, out_ptr,
-    M, N, K, num_groups,
-    stride_x, stride_w, stride_zs, stride_out,
+    M, N, K, k_per_split,
+    stride_x, stride_w, stride_zs, stride_out, stride_split,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """``out[m, n] = sum_k x[m, k] * ((q[n, k] - z[n, g(k)]) * s[n, g(k)]) (+ bias[n])``, ``g(k) = k // GROUP``."""
+    """``out[m, n] = sum_k x[m, k] * ((q[n, k] - z[n, g(k)]) * s[n, g(k)]) (+ bias[n])``, ``g(k) = k // GROUP``,
+    over the inputs ``[split * k_per_split, (split + 1) * k_per_split)`` of program axis 2's ``split``: the whole sum
+    rounded to ``out``'s dtype where there is one split, else this split's float32 sum at ``out + split *
+    stride_split``."""
     PER_WORD: tl.constexpr = 32 // BITS
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     rows = offs_m.to(tl.int64)
     cols = offs_n.to(tl.int64)
     m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
+        k_mask = offs_k < k_end
         a = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0)
         wk_mask = k_mask[:, None] & n_mask[None, :]
@@ -57,13 +64,27 @@ def _int_linear_kernel(
         acc += dot(a, w, WIDEN_DOT, DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], rounded_to(acc, out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(out_ptr + split.to(tl.int64) * stride_split + rows[:, None] * stride_out + offs_n[None, :],
+             rounded_to(acc, out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# Programs a launch aims for at least, splitting the inputs among more of them where its output tiles are fewer
+# (a decode step's few rows): about two per multiprocessor of an H100 or H200.
+_TARGET_PROGRAMS = 256
+_BLOCK_N, _BLOCK_K = 64, 32
+
+
+def splits_for(rows: int, out_features: int, in_features: int, block_m: int) -> int:
+    """How many parts a product's inputs are summed in: enough for ``_TARGET_PROGRAMS`` programs, each part at
+    least 8 steps of ``_BLOCK_K`` inputs."""
+    tiles = triton.cdiv(rows, block_m) * triton.cdiv(out_features, _BLOCK_N)
+    return max(1, min(_TARGET_PROGRAMS // tiles, triton.cdiv(in_features, _BLOCK_K) // 8))
 
 
 def int_linear(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, bits: int,
-               bias: Tensor | None = None) -> Tensor:
-    """``pdserve_kernels.reference.int_linear`` in one kernel (see the module's docstring)."""
+               bias: Tensor | None = None, splits: int | None = None) -> Tensor:
+    """``pdserve_kernels.reference.int_linear`` (see the module's docstring); ``splits``: the parts the inputs are
+    summed in (``splits_for``'s by default), their float32 sums added, the bias after, then rounded once."""
     out_features, words = qweight.shape
     in_features = words * (32 // bits)
     num_groups = scales.shape[1]
@@ -73,17 +94,27 @@ def int_linear(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, bits:
     rows = x.reshape(-1, in_features)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty((rows.shape[0], out_features), dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
-        group = in_features // num_groups
-        block_m = 16 if rows.shape[0] <= 16 else 32 if rows.shape[0] <= 32 else 64
-        block_n, block_k = 64, 32
-        grid = (triton.cdiv(rows.shape[0], block_m), triton.cdiv(out_features, block_n))
-        _int_linear_kernel[grid](
-            rows, qweight, qzeros, scales, bias if bias is not None else out, out,
-            rows.shape[0], out_features, in_features, num_groups,
-            rows.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-            BITS=bits, GROUP=group, HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dot_constexprs(x.dtype, x.device),
-        )
+    num_rows = rows.shape[0]
+    out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
+    if not num_rows:
+        return out.reshape(*x.shape[:-1], out_features)
+    block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
+    splits = splits or splits_for(num_rows, out_features, in_features, block_m)
+    # Each part whole steps of _BLOCK_K inputs, so that no step straddles two parts.
+    k_per_split = triton.cdiv(triton.cdiv(in_features, _BLOCK_K), splits) * _BLOCK_K
+    splits = triton.cdiv(in_features, k_per_split)
+    partial = out if splits == 1 else torch.empty((splits, num_rows, out_features), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(out_features, _BLOCK_N), splits)
+    _int_linear_kernel[grid](
+        rows, qweight, qzeros, scales, bias if bias is not None and splits == 1 else partial, partial,
+        num_rows, out_features, in_features, k_per_split,
+        rows.stride(0), qweight.stride(0), scales.stride(0), partial.stride(-2), partial.stride(0) if splits > 1 else 0,
+        BITS=bits, GROUP=in_features // num_groups, HAS_BIAS=bias is not None and splits == 1,
+        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, **dot_constexprs(x.dtype, x.device),
+    )
+    if splits > 1:
+        total = partial.sum(0)
+        if bias is not None:
+            total += bias.float()
+        out.copy_(total)  # rounded once, to the nearest
     return out.reshape(*x.shape[:-1], out_features)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from common.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.lora_modules import LoRAModule
-from common.model.lora import UnsupportedAdapter
+from common.model.lora import LoRALinear, UnsupportedAdapter
 from common.sampling_params import SamplingParams
 from tests.engine.test_disaggregated_lifecycle import hand_over
 from tests.engine.tiny_models import (
@@ -124,6 +124,28 @@ def test_each_request_gets_its_adapters_tokens_in_a_batch_that_mixes_them(built,
         assert tokens[name] == _peft(base, adapter, prompt), name
         if adapter is not None:  # the adapter changes the tokens, so a request run without it would fail
             assert _peft(base, adapter, prompt) != _peft(base, None, prompt), name
+
+
+def test_adapters_on_packed_integer_weights_are_peft_s_on_the_dequantized_model(built, engines, tmp_path: Path) -> None:
+    """A GPTQ checkpoint on the Triton kernels (its projections kept packed, ``IntLinear``) with an adapter: each
+    request's greedy tokens are PEFT's on the model its weights stand for, with its adapter (and without)."""
+    from common.model.int_linear import IntLinear
+    from tests.engine.tiny_models import gptq_checkpoint
+
+    base, a, _ = built("llama-bias")
+    folder, dequantized = tmp_path / "gptq", tmp_path / "dequantized"
+    gptq_checkpoint(base, folder, dequantized, bits=4, desc_act=False)
+    engine = _engine(engines, folder, {"a": a}, kernel_backend="triton")
+    wrapped = [m.base for m in engine.runner.model.modules() if isinstance(m, LoRALinear)]
+    assert wrapped and all(isinstance(m, IntLinear) for m in wrapped)
+    cases = [("base", None, 19), ("a", a, 21)]
+    for name, adapter, length in cases:
+        engine.add_request(name, prompt_token_ids(length, seed=length), GREEDY, lora_name=None if adapter is None else name)
+    tokens = _run(engine)
+    for name, adapter, length in cases:
+        prompt = tuple(prompt_token_ids(length, seed=length))
+        assert tokens[name] == _peft(dequantized, adapter, prompt), name
+    assert tokens["a"] != _peft(dequantized, None, tuple(prompt_token_ids(21, seed=21)))
 
 
 def test_the_kv_of_a_prompt_run_with_an_adapter_goes_to_a_decode_instance_serving_it(built, engines) -> None:

@@ -102,6 +102,25 @@ def test_one_kv_head_replicated_on_both_ranks_equals_transformers(checkpoint, en
     assert [o[0] for o in engine.generate(prompts, GREEDY)] == [hf_greedy(folder, p, GREEDY.max_tokens) for p in prompts]
 
 
+def test_packed_integer_weights_over_two_ranks_equal_transformers(checkpoint, engines, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A GPTQ checkpoint (4 bits, groups of 16) on the Triton kernels over two ranks: each rank keeps its share of
+    every projection packed (q/k/v and gate/up by their outputs, o and down by their inputs: words and groups
+    alike), and the tokens are transformers' on the dequantized model."""
+    from common.model.int_linear import IntLinear
+    from tests.engine.tiny_models import gptq_checkpoint
+
+    folder, reference = tmp_path / "gptq", tmp_path / "dequantized"
+    gptq_checkpoint(checkpoint("llama-bias"), folder, reference, bits=4, desc_act=False)
+    prompts = [prompt_token_ids(23), prompt_token_ids(10, seed=4)]
+    engine = _engine(engines, folder, max_num_batched_tokens=12, kernel_backend="triton")
+    packed = {n: m for n, m in engine.runner.model.named_modules() if isinstance(m, IntLinear)}
+    assert len(packed) == 4 * TINY_DIMS["num_hidden_layers"]
+    down = packed["model.layers.0.mlp.down_proj"]
+    assert down.in_features == TINY_DIMS["intermediate_size"] // 2 and down.scales.shape[1] * 16 == down.in_features
+    assert [o[0] for o in engine.generate(prompts, GREEDY)] == [hf_greedy(reference, p, GREEDY.max_tokens)
+                                                               for p in prompts]
+
+
 @pytest.mark.parametrize("name", ["deepseek-v2-lite-mla-moe-greedy", "deepseek-v3-mla-moe-yarn"])
 def test_multi_head_latent_attention_over_two_ranks_equals_transformers(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
     """DeepSeek's heads split over two ranks, the latent head whole on each: greedy equals transformers, with

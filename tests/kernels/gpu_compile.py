@@ -26,6 +26,7 @@ from triton.runtime.jit import native_specialize_impl
 from pdserve_kernels import (
     triton_act,
     triton_decode,
+    triton_int_linear,
     triton_kv,
     triton_logprobs,
     triton_moe,
@@ -202,6 +203,16 @@ def record_launches() -> list[Launch]:
             triton_moe.moe_experts(torch.empty(tokens, hidden, dtype=dtype), ids, torch.ones(tokens, k),
                                    torch.empty(experts, 2 * inter, hidden, dtype=dtype),
                                    torch.empty(experts, hidden, inter, dtype=dtype))
+        # Packed integer weights: Llama-8B's MLP down projection at 4 bits, groups of 128 (GPTQ, AWQ; fp16 scales),
+        # over a decode step and a prefill chunk; 8 bits per channel (bf16 scales, W8A16); 2 bits with a bias.
+        for name, dtype, bits, groups, scales, tokens, bias in (
+                ("4-bit, decode", bf16, 4, 112, torch.float16, 8, False), ("4-bit, prefill", bf16, 4, 112, torch.float16, 512, False),
+                ("8-bit per channel", bf16, 8, 1, bf16, 64, False), ("2-bit, float32, bias", f32, 2, 448, f32, 16, True)):
+            scenario[0] = f"int_linear {name}, {dtype}"
+            triton_int_linear.int_linear(torch.empty(tokens, 14336, dtype=dtype),
+                                         torch.empty(4096, 14336 * bits // 32, dtype=torch.int32),
+                                         torch.empty(4096, groups, dtype=torch.uint8), torch.empty(4096, groups, dtype=scales),
+                                         bits, torch.empty(4096, dtype=dtype) if bias else None)
         for vocab in (49152, 128256):
             scenario[0] = f"top-p / min-p, {vocab} vocabulary"
             triton_nucleus.nucleus_filter(torch.empty(4, vocab), torch.ones(4), torch.zeros(4))

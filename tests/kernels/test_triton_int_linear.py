@@ -1,0 +1,84 @@
+"""Products with packed integer weights (``triton_int_linear.int_linear``) against the torch reference, under the
+interpreter: 2, 4 and 8 bits, every activation dtype with the scales' dtypes checkpoints use, widths that are no
+multiple of a tile, a bias, rows of a decode step and of a prefill chunk, the inputs summed in several parts; and
+the packing the loader does, whose widening is the checkpoint's."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (see conftest.py)
+
+import pytest
+import torch
+
+from common.model.quantization import IntValues
+from pdserve_kernels import reference, triton_int_linear
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+def _values(out: int, inputs: int, group: int, bits: int, scales_dtype: torch.dtype, seed: int) -> IntValues:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 1 << bits, (out, inputs), generator=gen, dtype=torch.int32)
+    q[0] = (1 << bits) - 1  # every word's high bits set: its int32 is negative
+    zeros = torch.randint(0, 1 << bits, (out, inputs // group), generator=gen, dtype=torch.int32)
+    scales = (torch.rand(out, inputs // group, generator=gen) * 0.02 + 1e-3).to(scales_dtype)
+    return IntValues(q, zeros, scales, None, bits).checked()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("scales_dtype", [F32, F16, BF16])
+def test_packing_keeps_the_values_the_checkpoint_widens_to(bits: int, scales_dtype: torch.dtype) -> None:
+    values = _values(24, 96, 32, bits, scales_dtype, seed=bits)
+    packed = values.pack()
+    assert packed["qweight"].shape == (24, 96 * bits // 32) and packed["qweight"].dtype == torch.int32
+    assert (packed["qweight"][0] < 0).all()
+    for dtype in (F32, BF16):
+        widened = reference.unpack_int_weight(packed["qweight"], packed["qzeros"], packed["scales"], dtype, bits)
+        assert torch.equal(widened, values.widen().to(dtype))
+
+
+def test_groups_in_order_are_contiguous_and_reordered_ones_are_not_packable() -> None:
+    values = _values(8, 64, 16, 4, F16, seed=1)
+    in_order = IntValues(values.q, values.zeros, values.scales, torch.arange(64) // 16, 4).checked()
+    assert in_order.g_idx is None and in_order.packable()
+    reordered = IntValues(values.q, values.zeros, values.scales, torch.arange(64) % 4, 4).checked()
+    assert reordered.g_idx is not None and not reordered.packable()
+    # 60 inputs in 4 groups of 15: not whole words of 4-bit values (8 a word), whole ones of 8-bit values.
+    assert not IntValues(values.q[:, :60], values.zeros, values.scales, None, 4).checked().packable()
+    assert IntValues(values.q[:, :60], values.zeros, values.scales, None, 8).checked().packable()
+    with pytest.raises(ValueError, match="do not split into"):
+        IntValues(values.q[:, :62], values.zeros, values.scales, None, 4).checked()
+
+
+@pytest.mark.parametrize(("rows", "out", "inputs", "group", "splits"), [
+    (1, 70, 448, 32, None),  # a decode row; outputs no multiple of a tile; inputs split among programs
+    (7, 64, 256, 128, 1),  # one part
+    (40, 96, 192, 64, 3),  # three parts, the last shorter
+    (130, 48, 128, 128, None),  # a prefill chunk's rows: 64-row tiles; one group per row
+])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize(("dtype", "scales_dtype"), [(F32, F32), (F16, F16), (BF16, F16), (BF16, BF16)])
+def test_the_kernel_computes_the_reference(rows: int, out: int, inputs: int, group: int, splits: int | None, bits: int,
+                                           dtype: torch.dtype, scales_dtype: torch.dtype) -> None:
+    packed = _values(out, inputs, group, bits, scales_dtype, seed=rows + bits).pack()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, inputs + 8, generator=gen).to(dtype)[:, 4:-4]  # rows with a stride of their own
+    bias = torch.randn(out, generator=gen).to(dtype)
+    for b in (None, bias):
+        got = triton_int_linear.int_linear(x, *packed.values(), bits, b, splits=splits)
+        want = reference.int_linear(x, *packed.values(), bits, b)
+        assert got.shape == want.shape == (rows, out) and got.dtype == dtype
+        # The sums go in another order than torch's; each weight is the reference's, exactly.
+        tol = {F32: 1e-5, F16: 2e-3, BF16: 2e-2}[dtype]
+        torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=tol)
+
+
+def test_a_decode_step_splits_its_inputs_and_a_prefill_chunk_does_not() -> None:
+    # Llama-8B's down projection: 4096 outputs (64 tiles) over 14336 inputs.
+    assert triton_int_linear.splits_for(1, 4096, 14336, 16) == 4
+    assert triton_int_linear.splits_for(512, 4096, 14336, 64) == 1
+    assert triton_int_linear.splits_for(1, 64, 256, 16) == 1  # too few inputs to split
+    empty = triton_int_linear.int_linear(torch.empty(0, 64), *_values(8, 64, 32, 4, F16, 0).pack().values(), 4)
+    assert empty.shape == (0, 8)

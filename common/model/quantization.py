@@ -1,17 +1,21 @@
-"""Quantized checkpoints, widened to the model's dtype as they load.
+"""Quantized checkpoints, read as they load: widened to the model's dtype, or (integer weights, with the Triton
+kernels) kept packed.
 
 A quantized checkpoint is served as released and computed as transformers computes its dequantized
 model: every quantized weight becomes the weight its quantization stands for, once, before anything
-renames, splits or stacks it (``common.model.weights``). So the engine's memory is a 16-bit model's;
-quantized matrix products are not built. ``common.model.arch`` reads the config (``ModelArch.quantization``
-and, for integer weights, ``ModelArch.int_weights``) and refuses what this module does not widen.
+renames, splits or stacks it (``common.model.weights``), or, for integer weights a backend multiplies packed
+(``common.model.int_linear``), stays packed in a layout of this project's (``IntValues.pack``) whose product
+widens each value by the same arithmetic. FP8 and MXFP4 weights take a 16-bit model's memory; FP8 matrix
+products are not built. ``common.model.arch`` reads the config (``ModelArch.quantization`` and, for integer
+weights, ``ModelArch.int_weights``) and refuses what this module does not read.
 
 - ``QUANT_FP8``: block-wise e4m3 weights, a scale per block (``weight_scale_inv``).
 - ``QUANT_MXFP4``: gpt-oss's experts, four-bit e2m1 values and a power of two per 32 inputs.
 - Integer weights of 2, 4 or 8 bits packed into int32 words, each group of inputs of a row with a
   scale and a zero point: ``w = (q - z) * s``, the difference exact and the product rounded once in the
   scales' dtype, as GPTQModel's, AutoAWQ's and compressed-tensors' dequantizations compute it. Their
-  layouts differ (``_gptq``, ``_awq``, ``_compressed_tensors``); the arithmetic is ``_widen``'s.
+  layouts differ (``_gptq``, ``_awq``, ``_compressed_tensors``), each read into ``IntValues``; the arithmetic
+  is ``IntValues.widen``'s.
 """
 
 from __future__ import annotations

@@ -607,6 +607,50 @@ def bench_moe(report: Report, ops: Any, ref: Any, shapes: tuple[tuple[str, int, 
             time_copy(report, num_bytes, dtype)
 
 
+# Packed integer weights (GPTQ / AWQ, 4 bits, groups of 128, float16 scales): Llama-3-8B's projections.
+INT_SHAPES = (("Llama-3-8B qkv", 4096, 6144), ("Llama-3-8B gate/up", 4096, 28672), ("Llama-3-8B down", 14336, 4096))
+
+
+def bench_int_linear(report: Report, ops: Any, ref: Any, shapes: tuple[tuple[str, int, int], ...] = INT_SHAPES,
+                     token_counts: tuple[int, ...] = (1, 16, 64, 512), bits: int = 4, group: int = 128,
+                     device: str = DEVICE, time_it: bool = True) -> None:
+    """Products with packed integer weights (``int_linear``): the Triton kernel checked against a float32 product
+    with the weight they stand for, then timed at decode and prefill token counts beside ``F.linear`` with that
+    weight widened to bfloat16 (what the torch backend holds) and a copy of the packed bytes a product reads."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16
+    for name, inputs, outputs in shapes:
+        qweight = torch.randint(-2**31, 2**31 - 1, (outputs, inputs * bits // 32), device=device, generator=gen,
+                                dtype=torch.int32)
+        qzeros = torch.randint(0, 1 << bits, (outputs, inputs // group), device=device, generator=gen,
+                               dtype=torch.int32).to(torch.uint8)
+        scales = (torch.rand(outputs, inputs // group, device=device, generator=gen) * 2e-3 + 1e-4).to(torch.float16)
+        widened = ref.unpack_int_weight(qweight, qzeros, scales, dtype, bits)
+        for tokens in token_counts:
+            x = torch.randn(tokens, inputs, device=device, generator=gen).to(dtype)
+            shape = f"{name}: {tokens} tokens, {inputs} -> {outputs}, {bits}-bit groups of {group}"
+
+            def close(x: torch.Tensor = x, packed: tuple[torch.Tensor, ...] = (qweight, qzeros, scales),
+                      widened: torch.Tensor = widened) -> tuple[float, float]:
+                want = F.linear(x.float(), widened.float())
+                got = ops.int_linear(x, *packed, bits)
+                return max_err(got, want), TOLERANCE[dtype] * max(1.0, float(want.abs().max()))
+
+            report.check(f"int_linear bf16, {shape} (vs float32)", close)
+            if not time_it:
+                continue
+            packed_bytes = qweight.numel() * 4 + qzeros.numel() + scales.numel() * 2
+            flops = 2.0 * tokens * inputs * outputs
+            report.group = f"int {name} {tokens}"
+            report.time("int_linear (Triton, packed)", shape,
+                        functools.partial(ops.int_linear, x, qweight, qzeros, scales, bits), packed_bytes, flops)
+            report.time("F.linear (widened to bf16)", shape, functools.partial(F.linear, x, widened),
+                        widened.numel() * widened.element_size(), flops)
+            time_copy(report, packed_bytes, torch.uint8)
+
+
 def bench_seeded_race(report: Report, args: argparse.Namespace) -> None:
     """The seeded rows' race: the Triton kernel against the torch path it replaces on a GPU (whole rows:
     the noise, the division, ``argmax``), checked for equal tokens and equal noise, then both timed."""
@@ -1511,6 +1555,7 @@ def main(argv: list[str] | None = None) -> int:
         ("latent attention", lambda: bench_latent(report, args, ops, ref)),
         ("seeded race", lambda: bench_seeded_race(report, args)),
         ("mixture of experts", lambda: bench_moe(report, ops, ref)),
+        ("packed integer weights", lambda: bench_int_linear(report, ops, ref)),
         ("top-p / min-p", lambda: bench_nucleus(report, args)),
         ("penalties", lambda: bench_penalties(report, args)),
         ("logprobs", lambda: bench_logprobs(report, args)),

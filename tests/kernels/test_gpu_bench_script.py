@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -271,6 +272,27 @@ def test_the_moe_section_checks_the_triton_kernel_on_the_cpu(tmp_path: Path) -> 
 
     report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
     gpu_kernels.bench_moe(report, Wrong, reference, shapes, (40,), device="cpu", time_it=False)
+    assert [c["ok"] for c in report.checks] == [False]
+
+
+def test_the_packed_integer_weights_section_checks_the_triton_kernel_on_the_cpu(tmp_path: Path) -> None:
+    """A dry run of the packed-integer-weights section (small shapes, the kernel under the interpreter, no timings);
+    a wrong kernel fails its checks."""
+    from pdserve_kernels import reference, triton_int_linear
+
+    shapes = (("tiny", 256, 48),)
+    report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
+    gpu_kernels.bench_int_linear(report, triton_int_linear, reference, shapes, (1, 40), group=64, device="cpu",
+                                 time_it=False)
+    assert [c["ok"] for c in report.checks] == [True, True], report.checks
+
+    class Wrong:
+        @staticmethod
+        def int_linear(x: torch.Tensor, qweight: torch.Tensor, *rest: Any) -> torch.Tensor:
+            return triton_int_linear.int_linear(x, qweight ^ 1, *rest)  # every word's lowest value off by one
+
+    report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
+    gpu_kernels.bench_int_linear(report, Wrong, reference, shapes, (40,), group=64, device="cpu", time_it=False)
     assert [c["ok"] for c in report.checks] == [False]
 
 

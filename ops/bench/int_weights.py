@@ -1,0 +1,158 @@
+"""``pdserve bench int-weights``: the memory a GPTQ checkpoint's weights take in the engine, packed (the Triton
+kernels: ``common.model.int_linear.IntLinear``) beside widened (the torch kernels) and beside the unquantized model,
+in one process, and what the freed bytes would hold as KV blocks.
+
+The model (the bundled SmolLM2 by default) is quantized here to GPTQ's layout, round-to-nearest, asymmetric,
+``--bits`` per value in groups of ``--group`` inputs (``gptq_v2``, no reordering), then loaded three ways on the CPU:
+its unquantized checkpoint, the GPTQ one widened, and the GPTQ one packed. The packed model's logits over a prompt,
+its products computed by the torch reference (the Triton kernel's reference, which the kernel tests hold it to),
+must equal the widened model's; the unquantized model's greedy choices over the prompt show what the quantization
+itself changes.
+
+    pdserve bench int-weights --bits 4 --group 128 --json ops/bench/results/int-weights.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_QUANTIZED = (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj.", ".self_attn.o_proj.",
+              ".mlp.gate_proj.", ".mlp.up_proj.", ".mlp.down_proj.")
+
+
+def _pack_words(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned ``values`` ``[..., n]`` packed along the last dimension into int32 words, the lowest bits first."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    words = (values.to(torch.int64).reshape(*values.shape[:-1], -1, per_word) << shifts).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def quantize_gptq(source: Path, target: Path, bits: int, group: int) -> int:
+    """``source``'s checkpoint written to ``target`` in GPTQ's layout (v2: zero points as they are), round to
+    nearest, asymmetric; the number of layers quantized."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(next(source.glob("*.safetensors"))))
+    out: dict[str, torch.Tensor] = {}
+    count = 0
+    for name, weight in state.items():
+        if not (name.endswith(".weight") and any(part in name for part in _QUANTIZED)):
+            out[name] = weight
+            continue
+        rows, inputs = weight.shape
+        if inputs % group:
+            raise SystemExit(f"--group {group} does not divide {name}'s {inputs} inputs")
+        w = weight.float().reshape(rows, inputs // group, group)
+        low, high = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
+        scales = ((high - low) / ((1 << bits) - 1)).clamp(min=1e-8).to(torch.float16)
+        zeros = torch.round(-low / scales.float()).clamp(0, (1 << bits) - 1)
+        q = torch.clamp(torch.round(w / scales.float()[..., None]) + zeros[..., None], 0, (1 << bits) - 1)
+        prefix = name.removesuffix(".weight")
+        out[prefix + ".qweight"] = _pack_words(q.reshape(rows, inputs), bits).T.contiguous()  # [in * bits / 32, out]
+        out[prefix + ".qzeros"] = _pack_words(zeros.to(torch.int64).T.contiguous(), bits)  # [groups, out * bits / 32]
+        out[prefix + ".scales"] = scales.T.contiguous()  # [groups, out]
+        count += 1
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
+    for extra in source.iterdir():
+        if extra.is_file() and extra.suffix != ".safetensors" and extra.name != "config.json":
+            shutil.copy(extra, target / extra.name)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False,
+                                     "sym": False, "checkpoint_format": "gptq_v2"}
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return count
+
+
+def _bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from common.model.int_linear import IntLinear
+    from common.model.llama import AttentionMetadata
+    from common.model.loader import resolve_model_path
+    from common.model.weights import load_hf_config, load_model
+    from pdserve_kernels import reference, triton_ops
+
+    dtype = getattr(torch, args.dtype)
+    source = resolve_model_path(args.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "gptq"
+        layers = quantize_gptq(source, folder, args.bits, args.group)
+        cpu = torch.device("cpu")
+        models = {"unquantized": load_model(source, load_hf_config(source), reference, dtype, cpu, 256),
+                  "widened": load_model(folder, load_hf_config(folder), reference, dtype, cpu, 256),
+                  "packed": load_model(folder, load_hf_config(folder), triton_ops, dtype, cpu, 256)}
+    packed = [m for m in models["packed"].modules() if isinstance(m, IntLinear)]
+    products = [n for n, m in models["widened"].named_modules() if isinstance(m, torch.nn.Linear) and n.endswith("_proj")]
+    for module in models["packed"].modules():  # every kernel the torch reference, on this CPU
+        if hasattr(module, "kernels"):
+            setattr(module, "kernels", reference)  # noqa: B010 - a module's attribute, not a tensor
+    from transformers import AutoTokenizer
+
+    text = ("The engine keeps a checkpoint's integer weights packed, four bits a value, and widens each tile of them "
+            "as its product reads it. What a quantized model saves in memory is then saved on the GPU as well, and "
+            "the key-value cache takes what the weights no longer need.")
+    prompt = torch.tensor(AutoTokenizer.from_pretrained(str(source))(text)["input_ids"][: args.prompt_len])
+    logits = {}
+    for name, model in models.items():
+        n, block = len(prompt), 16
+        cache = torch.zeros(len(model.model.layers), 2, -(-n // block), block, model.num_kv_heads, model.head_size,
+                            dtype=dtype)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n), block_tables=torch.arange(-(-n // block), dtype=torch.int32)[None],
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32), context_lens=torch.tensor([n], dtype=torch.int32),
+            max_query_len=n)
+        with torch.inference_mode():
+            logits[name] = model.compute_logits(model(prompt, torch.arange(n), meta, cache)).float()
+    head = models["unquantized"]
+    block_bytes = len(head.model.layers) * 2 * 16 * head.num_kv_heads * head.head_size * torch.finfo(dtype).bits // 8
+    sizes = {name: _bytes(model) for name, model in models.items()}
+    return {
+        "model": str(source.name), "dtype": args.dtype, "bits": args.bits, "group": args.group,
+        "layers_quantized": layers, "products": len(products), "products_packed": len(packed), "bytes": sizes,
+        "packed_vs_widened": round(sizes["packed"] / sizes["widened"], 4),
+        "freed_bytes": sizes["widened"] - sizes["packed"],
+        "freed_kv_blocks_of_16": (sizes["widened"] - sizes["packed"]) // block_bytes,
+        "packed_equals_widened_max_abs": float((logits["packed"] - logits["widened"]).abs().max()),
+        "quantized_vs_unquantized_greedy_agreement": float(
+            (logits["widened"].argmax(-1) == logits["unquantized"].argmax(-1)).float().mean()),
+        "prompt_len": len(prompt),
+        "host": platform.node(), "date": dt.date.today().isoformat(), "torch": torch.__version__,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve bench int-weights", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model folder or id (default: the bundled SmolLM2)")
+    parser.add_argument("--bits", type=int, default=4, choices=[2, 4, 8])
+    parser.add_argument("--group", type=int, default=64, help="inputs per scale and zero point")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--prompt-len", type=int, default=64, help="at most this many tokens of the prompt")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    result = run(args)
+    mib = {name: round(n / 2**20, 1) for name, n in result["bytes"].items()}
+    print(f"{result['model']} {result['dtype']}, GPTQ {args.bits}-bit groups of {args.group} "
+          f"({result['layers_quantized']} projections quantized; {result['products_packed']} of the model's "
+          f"{result['products']} products, q/k/v and gate/up stacked, kept packed)")
+    print(f"  weights: unquantized {mib['unquantized']} MiB | widened {mib['widened']} MiB | packed "
+          f"{mib['packed']} MiB ({result['packed_vs_widened']:.2f}x of widened)")
+    print(f"  freed: {result['freed_bytes'] / 2**20:.1f} MiB = {result['freed_kv_blocks_of_16']} KV blocks of 16 tokens")
+    print(f"  packed logits vs widened: max |diff| {result['packed_equals_widened_max_abs']:.3g}; quantized greedy "
+          f"agrees with unquantized at {result['quantized_vs_unquantized_greedy_agreement']:.1%} of positions")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    ok = result["packed_equals_widened_max_abs"] == 0.0 and result["products_packed"] == result["products"]
+    return 0 if ok else 1

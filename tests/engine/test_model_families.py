@@ -470,7 +470,11 @@ def test_awq_s_packing_order_and_stray_tensors() -> None:
     fit their scales, is a broken checkpoint."""
     from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
 
-    from common.model.quantization import QUANT_AWQ, QUANT_GPTQ, IntWeights, widen_int_weights
+    from common.model.quantization import QUANT_AWQ, QUANT_GPTQ, IntWeights, int_weight_layers
+
+    def widen_int_weights(state: dict[str, torch.Tensor], spec: IntWeights, dtype: torch.dtype) -> None:
+        state.update({f"{prefix}.weight": values.widen().to(dtype)
+                      for prefix, values in int_weight_layers(state, spec).items()})
 
     gen = torch.Generator().manual_seed(3)
     qweight = torch.randint(-2**31, 2**31 - 1, (32, 2), generator=gen, dtype=torch.int32)

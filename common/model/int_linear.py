@@ -30,12 +30,14 @@ _SPLIT_INPUTS = re.compile(r"\.(o_proj|down_proj)$")
 _STACKS = {"q_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj")}
 
 
-def packed_layers(layers: dict[str, IntValues], model_names: dict[str, str], tp_size: int = 1) -> set[str]:
+def packed_layers(layers: dict[str, IntValues], model_names: dict[str, str], tp_size: int = 1,
+                  unquantized: frozenset[str] = frozenset()) -> set[str]:
     """The checkpoint prefixes of ``layers`` (its integer layers, with ``model_names``, each prefix's name in this
     model) that stay packed: packable projections whose stack's parts are all packable, of one width and one
-    group size. Where a stack's parts are not all in ``layers`` (one left unquantized), none stays packed. Over
-    ``tp_size`` ranks, a projection whose inputs the ranks split (``o_proj``, ``down_proj``) stays packed only where
-    its groups and words split alike."""
+    group size. Where a part of the stack is among the ``unquantized`` modules (this model's names), none stays
+    packed; a part in neither is not in the model (an ungated MLP's ``up_proj`` stands alone). Over ``tp_size``
+    ranks, a projection whose inputs the ranks split (``o_proj``, ``down_proj``) stays packed only where its groups
+    and words split alike."""
     by_model = {model_names[prefix]: prefix for prefix in layers}
     kept: set[str] = set()
     for name, prefix in by_model.items():
@@ -47,10 +49,10 @@ def packed_layers(layers: dict[str, IntValues], model_names: dict[str, str], tp_
             continue
         head, _, last = name.rpartition(".")
         stack = next((parts for parts in _STACKS.values() if last in parts), (last,))
-        siblings = [by_model.get(f"{head}.{part}") for part in stack]
-        parts = [layers[p] for p in siblings if p is not None]
-        if len(parts) == len(stack) and all(v.packable() for v in parts) and len(
-                {(v.bits, v.q.shape[1] // v.scales.shape[1]) for v in parts}) == 1:
+        if any(f"{head}.{part}" in unquantized for part in stack):
+            continue
+        parts = [layers[by_model[f"{head}.{part}"]] for part in stack if f"{head}.{part}" in by_model]
+        if all(v.packable() for v in parts) and len({(v.bits, v.q.shape[1] // v.scales.shape[1]) for v in parts}) == 1:
             kept.add(prefix)
     return kept
 

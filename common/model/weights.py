@@ -265,7 +265,9 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
     if model.arch.int_weights is not None:
         layers = int_weight_layers(state, model.arch.int_weights)
         names = {p: model_name(p + ".weight", model.arch.model_type).removesuffix(".weight") for p in layers}
-        packed = packed_layers(layers, names, model.tp.size) if packs and not model.arch.mla else set()
+        unquantized = frozenset(model_name(n, model.arch.model_type).removesuffix(".weight") for n in state
+                                if n.endswith(".weight"))
+        packed = packed_layers(layers, names, model.tp.size, unquantized) if packs and not model.arch.mla else set()
         for prefix, values in layers.items():
             if prefix in packed:
                 pack_values(state, prefix, values)

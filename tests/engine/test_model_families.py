@@ -401,8 +401,9 @@ def test_a_quantized_checkpoint_equals_transformers_dequantized(checkpoint, engi
     ("qwen3-moe-dense-layer", "gptq", {"bits": 4, "desc_act": False}), ("qwen3-qk-norm", "awq", {}),
     ("phi3-window", "compressed-tensors", {"bits": 4, "group": 16}),
     ("mistral-window", "compressed-tensors", {"bits": 8, "group": None, "symmetric": True}),
+    ("gpt-neox-parallel-two-norms", "gptq", {"bits": 4, "desc_act": False}),
 ], ids=["gptq-4-desc-act", "gptq_v2-8-fused-qkv", "gptq-2", "gptq-4-moe", "awq", "compressed-tensors-w4a16-group",
-        "compressed-tensors-w8a16-channel"])
+        "compressed-tensors-w8a16-channel", "gptq-4-fused-qkv-in-order"])
 def test_an_integer_quantized_checkpoint_equals_its_dequantized_model(checkpoint, engines, tmp_path, name: str,  # type: ignore[no-untyped-def]
                                                                       method: str, options: dict[str, Any]) -> None:
     """Integer weights as GPTQ (its original and v2 formats, 4 and 8 bits, groups in activation order, a

@@ -82,3 +82,28 @@ def test_a_decode_step_splits_its_inputs_and_a_prefill_chunk_does_not() -> None:
     assert triton_int_linear.splits_for(1, 64, 256, 16) == 1  # too few inputs to split
     empty = triton_int_linear.int_linear(torch.empty(0, 64), *_values(8, 64, 32, 4, F16, 0).pack().values(), 4)
     assert empty.shape == (0, 8)
+
+
+def test_a_stack_stays_packed_only_whole_and_alike() -> None:
+    """q/k/v (and gate/up) stay packed together or not at all: not where one part is unquantized or has another
+    width or group size; an ungated MLP's up projection alone; not a mixture's experts; over two ranks, not a
+    projection whose inputs the ranks split where its groups do not split evenly."""
+    from common.model.int_linear import packed_layers
+
+    four, eight, other_groups = _values(8, 64, 16, 4, F16, 0), _values(8, 64, 16, 8, F16, 0), _values(8, 64, 32, 4, F16, 0)
+    attn = "model.layers.0.self_attn"
+
+    def kept(layers: dict[str, IntValues], unquantized: frozenset[str] = frozenset(), tp_size: int = 1) -> set[str]:
+        return packed_layers(layers, {name: name for name in layers}, tp_size, unquantized)
+
+    qkv = {f"{attn}.{p}": four for p in ("q_proj", "k_proj", "v_proj")}
+    assert kept(qkv) == set(qkv)
+    assert kept({**qkv, f"{attn}.v_proj": eight}) == set()
+    assert kept({**qkv, f"{attn}.v_proj": other_groups}) == set()
+    assert kept({k: v for k, v in qkv.items() if "v_proj" not in k}, frozenset({f"{attn}.v_proj"})) == set()
+    assert kept({"model.layers.0.mlp.up_proj": four}) == {"model.layers.0.mlp.up_proj"}
+    assert kept({"model.layers.0.mlp.experts.3.down_proj": four, "lm_head": four}) == set()
+    # 64 inputs in 4 groups of 16 split over 8 ranks: half a group each.
+    assert kept({f"{attn}.o_proj": four}, tp_size=2) == {f"{attn}.o_proj"}
+    assert kept({f"{attn}.o_proj": four}, tp_size=8) == set()
+    assert kept({f"{attn}.q_proj": four, f"{attn}.k_proj": four, f"{attn}.v_proj": four}, tp_size=8) == set(qkv)

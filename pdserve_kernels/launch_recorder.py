@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # The modules that define the package's Triton kernels (each imports triton).
-TRITON_MODULES = ("triton_act", "triton_decode", "triton_int_linear", "triton_kv", "triton_logprobs", "triton_moe", "triton_norm", "triton_nucleus",
+TRITON_MODULES = ("triton_act", "triton_decode", "triton_packed_linear", "triton_kv", "triton_logprobs", "triton_moe", "triton_norm", "triton_nucleus",
                   "triton_penalties", "triton_prefill", "triton_rope", "triton_sampling")
 # Keyword arguments of a launch that are options, not the kernel's arguments.
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion")

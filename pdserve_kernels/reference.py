@@ -412,9 +412,10 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
     return out
 
 
-# Whether a backend keeps a checkpoint's integer weights packed (``IntLinear``, its products ``int_linear``); the
-# torch reference widens them as they load, and its ``int_linear`` is the Triton kernel's reference only.
-PACKS_INT_WEIGHTS = False
+# Whether a backend keeps a checkpoint's quantized weights packed (``common.model.packed_linear``: its products
+# ``int_linear`` and ``fp8_linear``); the torch reference widens them as they load, and its ``int_linear`` and
+# ``fp8_linear`` are the Triton kernel's reference only.
+PACKS_WEIGHTS = False
 
 
 def unpack_int_weight(qweight: Tensor, qzeros: Tensor, scales: Tensor, dtype: torch.dtype, bits: int) -> Tensor:
@@ -439,3 +440,20 @@ def int_linear(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, bits:
     """``x`` ``[tokens, in]`` times the packed integer weights (``unpack_int_weight``) of ``bits`` per value, plus
     ``bias``: ``F.linear`` with the weight they stand for, in ``x``'s dtype."""
     return F.linear(x, unpack_int_weight(qweight, qzeros, scales, x.dtype, bits), bias)
+
+
+def widen_fp8(weight: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    """An 8-bit weight ``[..., rows, cols]`` widened to ``dtype``: each block of it (the weight's shape over the
+    scales' grid ``[..., rows / m, cols / n]``, or one scale for all) times its scale in float32, rounded once, as
+    transformers dequantizes block-wise FP8 checkpoints. Shapes are the caller's to check."""
+    rows, cols = weight.shape[-2:]
+    grid = scale_inv.shape[-2:] if scale_inv.dim() >= 2 else (1, 1)
+    blocks = weight.float().reshape(-1, grid[0], rows // grid[0], grid[1], cols // grid[1])
+    scales = scale_inv.float().reshape(-1, grid[0], 1, grid[1], 1)
+    return (blocks * scales).to(dtype).reshape(weight.shape)
+
+
+def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x`` ``[tokens, in]`` times a block-wise FP8 weight ``[out, in]`` (e4m3) and its scales ``[out / m, in / n]``
+    (``widen_fp8``), plus ``bias``: ``F.linear`` with the weight they stand for, in ``x``'s dtype."""
+    return F.linear(x, widen_fp8(weight, scale_inv, x.dtype), bias)

@@ -33,9 +33,9 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from common.lora_modules import LoRAModule
-from common.model.int_linear import IntLinear
 from common.model.llama import FUSED_PROJECTIONS, MLP, Attention, LlamaForCausalLM
 from common.model.mla import MLAttention
+from common.model.packed_linear import Fp8Linear, IntLinear
 from common.model.weights import model_name
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -58,7 +58,7 @@ _KNOWN = {
 _ADAPTABLE = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.up_proj", "mlp.down_proj",
               "mlp.shared_expert.gate_up_proj", "mlp.shared_expert.down_proj")
 # What an adapter may wrap: a projection, its weights widened or packed.
-_PROJECTIONS = (nn.Linear, IntLinear)
+_PROJECTIONS = (nn.Linear, IntLinear, Fp8Linear)
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>A|B)\.weight$")
 
 
@@ -234,7 +234,8 @@ class LoRALinear(nn.Module):
     step mixes, and no data-dependent shape (where a loop over the step's adapters of a gather, two
     products and a scatter each cost about 10 operations an adapter per projection)."""
 
-    def __init__(self, base: nn.Linear | IntLinear, num_slots: int, num_parts: int, rank: int, batch: LoRABatch) -> None:
+    def __init__(self, base: nn.Linear | IntLinear | Fp8Linear, num_slots: int, num_parts: int, rank: int,
+                 batch: LoRABatch) -> None:
         super().__init__()
         self.base = base
         self.rank = rank
@@ -242,6 +243,8 @@ class LoRALinear(nn.Module):
         # The activations' dtype (an ``IntLinear``'s weights are integers), and the projection's device.
         if isinstance(base, IntLinear):
             dtype, device = base.dtype, base.qweight.device
+        elif isinstance(base, Fp8Linear):
+            dtype, device = base.dtype, base.weight.device
         else:
             dtype, device = base.weight.dtype, base.weight.device
         width = num_parts * rank

@@ -110,7 +110,7 @@ def shard_rules(num_heads: int, num_kv_heads: int, head_size: int,
     q, kv = num_heads * head_size, num_kv_heads * head_size
     # KV heads fewer than the ranks (``size``): each KV head whole on the ranks whose query heads read it.
     replicated = num_kv_heads if size > num_kv_heads else None
-    # A product's weight: widened, or packed (``common.model.int_linear.IntLinear``: its values, zero points and
+    # A product's weight: widened, or packed (``common.model.packed_linear.IntLinear``: its values, zero points and
     # scales, each a row per output and split along the inputs by words and by groups alike).
     weight = r"(weight|qweight|qzeros|scales)"
     rules = {

@@ -4,7 +4,7 @@ kernels) kept packed.
 A quantized checkpoint is served as released and computed as transformers computes its dequantized
 model: every quantized weight becomes the weight its quantization stands for, once, before anything
 renames, splits or stacks it (``common.model.weights``), or, for integer weights a backend multiplies packed
-(``common.model.int_linear``), stays packed in a layout of this project's (``IntValues.pack``) whose product
+(``common.model.packed_linear``), stays packed in a layout of this project's (``IntValues.pack``) whose product
 widens each value by the same arithmetic. FP8 and MXFP4 weights take a 16-bit model's memory; FP8 matrix
 products are not built. ``common.model.arch`` reads the config (``ModelArch.quantization`` and, for integer
 weights, ``ModelArch.int_weights``) and refuses what this module does not read.
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pdserve_kernels.reference import widen_fp8
 
 QUANT_MXFP4 = "mxfp4"
 QUANT_FP8 = "fp8"
@@ -244,9 +246,7 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.d
     grid = scale_inv.shape[-2:] if scale_inv.dim() >= 2 else (1, 1)
     if scale_inv.numel() != weight[..., :1, :1].numel() * grid[0] * grid[1] or rows % grid[0] or cols % grid[1]:
         raise ValueError(f"weight {tuple(weight.shape)} does not split into the scales' {tuple(grid)} blocks")
-    blocks = weight.float().reshape(-1, grid[0], rows // grid[0], grid[1], cols // grid[1])
-    scales = scale_inv.float().reshape(-1, grid[0], 1, grid[1], 1)
-    return (blocks * scales).to(dtype).reshape(weight.shape)
+    return widen_fp8(weight, scale_inv, dtype)
 
 
 # MXFP4's four-bit values (e2m1), by code: the high bit the sign.

@@ -7,6 +7,7 @@ import hashlib
 import importlib.metadata
 import json
 import re
+from collections.abc import Hashable
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -16,9 +17,16 @@ from safetensors import safe_open
 
 from common.files import write_atomically
 from common.model.arch import IMAGE_TEXT_TYPES, SUPPORTED_MODEL_TYPES, ModelArch, language_model_config
-from common.model.int_linear import pack_values, packed_layers, to_int_linears
 from common.model.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 from common.model.loader import FROM_2_WAY_SOFTMAX, cache_dir, classifier_from_tokens
+from common.model.packed_linear import (
+    PACKED_TENSORS,
+    fp8_kind,
+    int_kind,
+    pack_values,
+    packed_layers,
+    to_packed_linears,
+)
 from common.model.parallel import TensorParallel, shard_of, shard_rules, shard_state
 from common.model.quantization import (
     QUANT_FP8,
@@ -175,7 +183,9 @@ def load_model(
         raise ValueError(f"checkpoint {model.headless}: a base model without its output head is served for "
                          f"families whose causal LM holds it under 'model.' only, not {model.arch.model_type}")
     state: dict[str, torch.Tensor] = {}
-    packs = bool(getattr(kernels, "PACKS_INT_WEIGHTS", False))  # integer weights kept packed (``IntLinear``)
+    # Quantized weights kept packed (``common.model.packed_linear``); FP8 ones where float8 converts in hardware.
+    packs = bool(getattr(kernels, "PACKS_WEIGHTS", False))
+    fp8 = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
     with contextlib.ExitStack() as stack:
         opened = [stack.enter_context(safe_open(str(file), framework="pt", device="cpu")) for file in files]
         groups: dict[int | None, list[tuple[Any, str]]] = {}
@@ -188,14 +198,14 @@ def load_model(
         # one layer of the whole checkpoint at most beside its shares (not the whole of it).
         for layer in sorted(groups, key=lambda k: -1 if k is None else k):
             part = {name: f.get_tensor(name) for f, name in groups.pop(layer)}
-            _prepare(part, model, config, rules, dtype, image_text, packs)
+            _prepare(part, model, config, rules, dtype, image_text, packs, fp8)
             if size > 1:
                 shard_state(part, rules, model.tp)
             state.update(part)
     from_tokens = classifier_from_tokens(config)
     if from_tokens is not None:
         score_from_tokens(state, model, config, path, *from_tokens)
-    packed = to_int_linears(model, state, kernels, dtype)
+    packed = to_packed_linears(model, state, kernels, dtype)
     expected = {n for n, _ in model.named_parameters()}
     if model.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -214,8 +224,9 @@ def load_model(
     # What transformers keeps in float32 whatever the dtype (GLM-4.5's router), from the checkpoint's values.
     for name in model.float32_parameters():
         model.get_parameter(name).data = state[name].to(device=device, dtype=torch.float32)
-    for name in packed:  # the scales' own dtype, which the widening of each value is computed in
-        model.get_parameter(name + ".scales").data = state[name + ".scales"].to(device=device)
+    for name in packed:  # the checkpoint's dtypes: 8-bit weights, and the scales' own, which widening computes in
+        for tensor in PACKED_TENSORS[type(model.get_submodule(name))]:
+            model.get_parameter(f"{name}.{tensor}").data = state[f"{name}.{tensor}"].to(device=device)
     return model
 
 
@@ -250,26 +261,45 @@ def score_from_tokens(state: dict[str, torch.Tensor], model: LlamaForCausalLM, c
 
 
 def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: Any, rules: Any, dtype: torch.dtype,
-             image_text: bool, packs: bool) -> None:
+             image_text: bool, packs: bool, fp8: bool) -> None:
     """A part of the checkpoint (one layer's tensors, or those of no layer) as the model names and shapes them,
-    whole: widened from 8 or 4 bits (or, with ``packs``, integer weights kept packed where
-    ``common.model.int_linear.packed_layers`` allows), the vision tower dropped, renamed, split and stacked."""
+    whole: widened from 8 or 4 bits (or, with ``packs``, kept packed where ``common.model.packed_linear.packed_layers``
+    allows; FP8 weights only with ``fp8`` too), the vision tower dropped, renamed, split and stacked."""
+    model_type = model.arch.model_type
+    packs = packs and not model.arch.mla  # Multi-head Latent Attention reads its projections' weights
+
+    def packed(kinds: dict[str, Hashable | None]) -> set[str]:
+        """Which of these quantized layers (checkpoint prefixes) stay packed (``packed_layers``)."""
+        names = {prefix: model_name(prefix + ".weight", model_type).removesuffix(".weight") for prefix in kinds}
+        unquantized = frozenset(model_name(n, model_type).removesuffix(".weight") for n in state
+                                if n.endswith(".weight") and n + "_scale_inv" not in state)
+        return packed_layers(kinds, names, unquantized) if packs else set()
+
     if model.arch.quantization == QUANT_FP8:  # before anything renames or stacks the weights
-        for name in [n for n in state if n.endswith("_scale_inv")]:  # x.weight's, or stacked experts' x_scale_inv
+        scaled = {}  # x.weight's x.weight_scale_inv, or stacked experts' x_scale_inv
+        for name in [n for n in state if n.endswith("_scale_inv")]:
             weight = name.removesuffix("_scale_inv")
             if weight not in state:
                 raise ValueError(f"checkpoint mismatch: {name} without {weight}")
-            state[weight] = dequantize_fp8(state[weight], state.pop(name), dtype)
+            scaled[weight] = name
+        # The loader reorders or splits q/k rows of these families, across the scales' blocks; nor are the scales
+        # of one block split among ranks.
+        fp8_packs = fp8 and not model.arch.rope_interleaved and model.tp.size == 1 and \
+            model_type not in ("gpt_neox", "persimmon", "falcon")
+        kinds = {w.removesuffix(".weight"): fp8_kind(state[w], state[s]) if fp8_packs else None
+                 for w, s in scaled.items() if w.endswith(".weight")}
+        kept = packed(kinds)
+        for weight, name in scaled.items():
+            if weight.removesuffix(".weight") not in kept:
+                state[weight] = dequantize_fp8(state[weight], state.pop(name), dtype)
         for name in [n for n in state if n.endswith((".activation_scale", ".input_scale"))]:
             raise ValueError(f"checkpoint mismatch: {name}: static activation scales are not implemented")
     if model.arch.int_weights is not None:
         layers = int_weight_layers(state, model.arch.int_weights)
-        names = {p: model_name(p + ".weight", model.arch.model_type).removesuffix(".weight") for p in layers}
-        unquantized = frozenset(model_name(n, model.arch.model_type).removesuffix(".weight") for n in state
-                                if n.endswith(".weight"))
-        packed = packed_layers(layers, names, model.tp.size, unquantized) if packs and not model.arch.mla else set()
+        kept = packed({prefix: int_kind(values, model_name(prefix + ".weight", model_type), model.tp.size)
+                       for prefix, values in layers.items()})
         for prefix, values in layers.items():
-            if prefix in packed:
+            if prefix in kept:
                 pack_values(state, prefix, values)
             else:
                 state[prefix + ".weight"] = values.widen().to(dtype)

@@ -1,4 +1,4 @@
-"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec|lora|tp|mla|images|window|offload|int-weights``: benchmarks that print measured figures beside baselines."""
+"""``pdserve bench offline|kv|serve|gpu|chaos|overhead|fuzz|structured|kv-dtype|spec|lora|tp|mla|images|window|offload|quantized-weights``: benchmarks that print measured figures beside baselines."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ _BENCHES = {
     "images": "ops.bench.images",
     "window": "ops.bench.window",
     "offload": "ops.bench.offload",
-    "int-weights": "ops.bench.int_weights",
+    "quantized-weights": "ops.bench.quantized_weights",
 }
 
 

@@ -651,6 +651,43 @@ def bench_int_linear(report: Report, ops: Any, ref: Any, shapes: tuple[tuple[str
             time_copy(report, packed_bytes, torch.uint8)
 
 
+def bench_fp8_linear(report: Report, ops: Any, ref: Any, shapes: tuple[tuple[str, int, int], ...] = INT_SHAPES,
+                     token_counts: tuple[int, ...] = (1, 16, 64, 512), block: int = 128, device: str = DEVICE,
+                     time_it: bool = True) -> None:
+    """Products with block-wise FP8 weights (``fp8_linear``, a scale per ``block x block``): the Triton kernel checked
+    against a float32 product with the weight they stand for, then timed beside ``F.linear`` with that weight
+    widened to bfloat16 and a copy of the 8-bit bytes a product reads."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16
+    for name, inputs, outputs in shapes:
+        weight = (100 * torch.randn(outputs, inputs, device=device, generator=gen)).to(torch.float8_e4m3fn)
+        scale_inv = torch.rand(outputs // block, inputs // block, device=device, generator=gen) * 1e-4 + 1e-6
+        widened = ref.widen_fp8(weight, scale_inv, dtype)
+        for tokens in token_counts:
+            x = torch.randn(tokens, inputs, device=device, generator=gen).to(dtype)
+            shape = f"{name}: {tokens} tokens, {inputs} -> {outputs}, FP8 blocks of {block} x {block}"
+
+            def close(x: torch.Tensor = x, weight: torch.Tensor = weight, scale_inv: torch.Tensor = scale_inv,
+                      widened: torch.Tensor = widened) -> tuple[float, float]:
+                want = F.linear(x.float(), widened.float())
+                got = ops.fp8_linear(x, weight, scale_inv)
+                return max_err(got, want), TOLERANCE[dtype] * max(1.0, float(want.abs().max()))
+
+            report.check(f"fp8_linear bf16, {shape} (vs float32)", close)
+            if not time_it:
+                continue
+            num_bytes = weight.numel() + scale_inv.numel() * 4
+            flops = 2.0 * tokens * inputs * outputs
+            report.group = f"fp8 {name} {tokens}"
+            report.time("fp8_linear (Triton, 8-bit)", shape, functools.partial(ops.fp8_linear, x, weight, scale_inv),
+                        num_bytes, flops)
+            report.time("F.linear (widened to bf16)", shape, functools.partial(F.linear, x, widened),
+                        widened.numel() * widened.element_size(), flops)
+            time_copy(report, num_bytes, torch.uint8)
+
+
 def bench_seeded_race(report: Report, args: argparse.Namespace) -> None:
     """The seeded rows' race: the Triton kernel against the torch path it replaces on a GPU (whole rows:
     the noise, the division, ``argmax``), checked for equal tokens and equal noise, then both timed."""
@@ -1556,6 +1593,7 @@ def main(argv: list[str] | None = None) -> int:
         ("seeded race", lambda: bench_seeded_race(report, args)),
         ("mixture of experts", lambda: bench_moe(report, ops, ref)),
         ("packed integer weights", lambda: bench_int_linear(report, ops, ref)),
+        ("8-bit FP8 weights", lambda: bench_fp8_linear(report, ops, ref)),
         ("top-p / min-p", lambda: bench_nucleus(report, args)),
         ("penalties", lambda: bench_penalties(report, args)),
         ("logprobs", lambda: bench_logprobs(report, args)),

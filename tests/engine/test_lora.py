@@ -65,6 +65,22 @@ def built(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-
     return build
 
 
+def fp8_dequantized(folder: Path, target: Path) -> Path:
+    """The FP8 checkpoint at ``folder`` as the float32 weights it stands for (PEFT's base model), at ``target``."""
+    from common.model.quantization import dequantize_fp8
+
+    state = load_file(str(folder / "model.safetensors"))
+    for name in [n for n in state if n.endswith("_scale_inv")]:
+        weight = name.removesuffix("_scale_inv")
+        state[weight] = dequantize_fp8(state[weight], state.pop(name), torch.float32)
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
 @functools.cache
 def _peft(base: Path, adapter: Path | None, prompt: tuple[int, ...]) -> list[int]:
     if adapter is None:
@@ -126,18 +142,24 @@ def test_each_request_gets_its_adapters_tokens_in_a_batch_that_mixes_them(built,
             assert _peft(base, adapter, prompt) != _peft(base, None, prompt), name
 
 
-def test_adapters_on_packed_integer_weights_are_peft_s_on_the_dequantized_model(built, engines, tmp_path: Path) -> None:
-    """A GPTQ checkpoint on the Triton kernels (its projections kept packed, ``IntLinear``) with an adapter: each
-    request's greedy tokens are PEFT's on the model its weights stand for, with its adapter (and without)."""
-    from common.model.int_linear import IntLinear
-    from tests.engine.tiny_models import gptq_checkpoint
+@pytest.mark.parametrize("method", ["gptq", "fp8"])
+def test_adapters_on_packed_weights_are_peft_s_on_the_dequantized_model(built, engines, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                                         method: str) -> None:
+    """A GPTQ or FP8 checkpoint on the Triton kernels (its projections kept packed, ``IntLinear`` / ``Fp8Linear``)
+    with an adapter: each request's greedy tokens are PEFT's on the model its weights stand for, with its adapter
+    (and without)."""
+    from common.model.packed_linear import Fp8Linear, IntLinear
+    from tests.engine.tiny_models import fp8_checkpoint, gptq_checkpoint
 
     base, a, _ = built("llama-bias")
-    folder, dequantized = tmp_path / "gptq", tmp_path / "dequantized"
-    gptq_checkpoint(base, folder, dequantized, bits=4, desc_act=False)
+    folder, dequantized = tmp_path / method, tmp_path / "dequantized"
+    if method == "gptq":
+        gptq_checkpoint(base, folder, dequantized, bits=4, desc_act=False)
+    else:
+        dequantized = fp8_dequantized(fp8_checkpoint(base, folder), dequantized)
     engine = _engine(engines, folder, {"a": a}, kernel_backend="triton")
     wrapped = [m.base for m in engine.runner.model.modules() if isinstance(m, LoRALinear)]
-    assert wrapped and all(isinstance(m, IntLinear) for m in wrapped)
+    assert wrapped and all(isinstance(m, {"gptq": IntLinear, "fp8": Fp8Linear}[method]) for m in wrapped)
     cases = [("base", None, 19), ("a", a, 21)]
     for name, adapter, length in cases:
         engine.add_request(name, prompt_token_ids(length, seed=length), GREEDY, lora_name=None if adapter is None else name)

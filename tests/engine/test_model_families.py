@@ -376,8 +376,9 @@ def test_a_quantized_checkpoint_equals_transformers_dequantized(checkpoint, engi
     unquantized model's."""
     from transformers import FineGrainedFP8Config, Mxfp4Config
 
+    from common.model.packed_linear import Fp8Linear
     from common.model.weights import load_model
-    from pdserve_kernels import reference
+    from pdserve_kernels import reference, triton_ops
     from tests.engine.tiny_models import fp8_checkpoint, mxfp4_checkpoint
 
     quantize, config = {"mxfp4": (mxfp4_checkpoint, Mxfp4Config), "fp8": (fp8_checkpoint, FineGrainedFP8Config)}[quantization]
@@ -391,8 +392,18 @@ def test_a_quantized_checkpoint_equals_transformers_dequantized(checkpoint, engi
     model = load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64)
     assert model.arch.quantization == quantization
     torch.testing.assert_close(_logits(model, prompt), hf, atol=1e-4, rtol=1e-4)
+    expected = [hf_greedy(folder, prompt, MAX_NEW_TOKENS, **dequantize)]
     engine = _engine(engines, folder)
-    assert [c[0] for c in engine.generate([prompt], GREEDY)] == [hf_greedy(folder, prompt, MAX_NEW_TOKENS, **dequantize)]
+    assert [c[0] for c in engine.generate([prompt], GREEDY)] == expected
+    if quantization != "fp8":
+        return
+    # The Triton kernels keep the dense projections' 8-bit weights and their scales (a mixture's experts widened).
+    packed = load_model(folder, load_hf_config(folder), triton_ops, torch.float32, torch.device("cpu"), 64)
+    fp8_linears = sorted(n for n, m in packed.named_modules() if isinstance(m, Fp8Linear))
+    assert fp8_linears == sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                                 and n.endswith("_proj")) and len(fp8_linears) >= 6
+    torch.testing.assert_close(_logits(packed, prompt), hf, atol=1e-4, rtol=1e-4)
+    assert [c[0] for c in _engine(engines, folder, kernel_backend="triton").generate([prompt], GREEDY)] == expected
 
 
 @pytest.mark.parametrize(("name", "method", "options"), [
@@ -414,7 +425,7 @@ def test_an_integer_quantized_checkpoint_equals_its_dequantized_model(checkpoint
     a newer torch) the checkpoint of the weights the quantization stands for."""
     from transformers import CompressedTensorsConfig
 
-    from common.model.int_linear import IntLinear
+    from common.model.packed_linear import IntLinear
     from common.model.weights import load_model
     from pdserve_kernels import reference, triton_ops
     from tests.engine.tiny_models import (

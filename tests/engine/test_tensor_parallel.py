@@ -106,7 +106,7 @@ def test_packed_integer_weights_over_two_ranks_equal_transformers(checkpoint, en
     """A GPTQ checkpoint (4 bits, groups of 16) on the Triton kernels over two ranks: each rank keeps its share of
     every projection packed (q/k/v and gate/up by their outputs, o and down by their inputs: words and groups
     alike), and the tokens are transformers' on the dequantized model."""
-    from common.model.int_linear import IntLinear
+    from common.model.packed_linear import IntLinear
     from tests.engine.tiny_models import gptq_checkpoint
 
     folder, reference = tmp_path / "gptq", tmp_path / "dequantized"

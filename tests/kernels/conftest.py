@@ -14,7 +14,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 KERNEL_MODULES = (
     "pdserve_kernels.triton_common",
     "pdserve_kernels.triton_decode", "pdserve_kernels.triton_prefill", "pdserve_kernels.triton_kv",
-    "pdserve_kernels.triton_act", "pdserve_kernels.triton_moe", "pdserve_kernels.triton_int_linear",
+    "pdserve_kernels.triton_act", "pdserve_kernels.triton_moe", "pdserve_kernels.triton_packed_linear",
     "pdserve_kernels.triton_ops",
 )
 

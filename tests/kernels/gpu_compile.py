@@ -26,12 +26,12 @@ from triton.runtime.jit import native_specialize_impl
 from pdserve_kernels import (
     triton_act,
     triton_decode,
-    triton_int_linear,
     triton_kv,
     triton_logprobs,
     triton_moe,
     triton_norm,
     triton_nucleus,
+    triton_packed_linear,
     triton_penalties,
     triton_prefill,
     triton_rope,
@@ -209,10 +209,15 @@ def record_launches() -> list[Launch]:
                 ("4-bit, decode", bf16, 4, 112, torch.float16, 8, False), ("4-bit, prefill", bf16, 4, 112, torch.float16, 512, False),
                 ("8-bit per channel", bf16, 8, 1, bf16, 64, False), ("2-bit, float32, bias", f32, 2, 448, f32, 16, True)):
             scenario[0] = f"int_linear {name}, {dtype}"
-            triton_int_linear.int_linear(torch.empty(tokens, 14336, dtype=dtype),
+            triton_packed_linear.int_linear(torch.empty(tokens, 14336, dtype=dtype),
                                          torch.empty(4096, 14336 * bits // 32, dtype=torch.int32),
                                          torch.empty(4096, groups, dtype=torch.uint8), torch.empty(4096, groups, dtype=scales),
                                          bits, torch.empty(4096, dtype=dtype) if bias else None)
+        for name, tokens in (("decode", 8), ("prefill", 512)):
+            scenario[0] = f"fp8_linear 128 x 128 blocks (Qwen3-32B-FP8's down projection), {name}, bf16"
+            triton_packed_linear.fp8_linear(torch.empty(tokens, 25600, dtype=bf16),
+                                            torch.empty(5120, 25600, dtype=torch.float8_e4m3fn),
+                                            torch.empty(40, 200, dtype=f32))
         for vocab in (49152, 128256):
             scenario[0] = f"top-p / min-p, {vocab} vocabulary"
             triton_nucleus.nucleus_filter(torch.empty(4, vocab), torch.ones(4), torch.zeros(4))

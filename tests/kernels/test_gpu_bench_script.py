@@ -278,21 +278,42 @@ def test_the_moe_section_checks_the_triton_kernel_on_the_cpu(tmp_path: Path) -> 
 def test_the_packed_integer_weights_section_checks_the_triton_kernel_on_the_cpu(tmp_path: Path) -> None:
     """A dry run of the packed-integer-weights section (small shapes, the kernel under the interpreter, no timings);
     a wrong kernel fails its checks."""
-    from pdserve_kernels import reference, triton_int_linear
+    from pdserve_kernels import reference, triton_packed_linear
 
     shapes = (("tiny", 256, 48),)
     report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
-    gpu_kernels.bench_int_linear(report, triton_int_linear, reference, shapes, (1, 40), group=64, device="cpu",
+    gpu_kernels.bench_int_linear(report, triton_packed_linear, reference, shapes, (1, 40), group=64, device="cpu",
                                  time_it=False)
     assert [c["ok"] for c in report.checks] == [True, True], report.checks
 
     class Wrong:
         @staticmethod
         def int_linear(x: torch.Tensor, qweight: torch.Tensor, *rest: Any) -> torch.Tensor:
-            return triton_int_linear.int_linear(x, qweight ^ 1, *rest)  # every word's lowest value off by one
+            return triton_packed_linear.int_linear(x, qweight ^ 1, *rest)  # every word's lowest value off by one
 
     report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
     gpu_kernels.bench_int_linear(report, Wrong, reference, shapes, (40,), group=64, device="cpu", time_it=False)
+    assert [c["ok"] for c in report.checks] == [False]
+
+
+def test_the_fp8_weights_section_checks_the_triton_kernel_on_the_cpu(tmp_path: Path) -> None:
+    """A dry run of the FP8-weights section (small shapes, the kernel under the interpreter, no timings); a wrong
+    kernel fails its checks."""
+    from pdserve_kernels import reference, triton_packed_linear
+
+    shapes = (("tiny", 256, 64),)
+    report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
+    gpu_kernels.bench_fp8_linear(report, triton_packed_linear, reference, shapes, (1, 40), block=32, device="cpu",
+                                 time_it=False)
+    assert [c["ok"] for c in report.checks] == [True, True], report.checks
+
+    class Wrong:
+        @staticmethod
+        def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+            return triton_packed_linear.fp8_linear(x, weight, scale_inv.roll(1, 0))  # each block another's scale
+
+    report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
+    gpu_kernels.bench_fp8_linear(report, Wrong, reference, shapes, (40,), block=32, device="cpu", time_it=False)
     assert [c["ok"] for c in report.checks] == [False]
 
 

@@ -1,7 +1,8 @@
-"""Products with packed integer weights (``triton_int_linear.int_linear``) against the torch reference, under the
-interpreter: 2, 4 and 8 bits, every activation dtype with the scales' dtypes checkpoints use, widths that are no
-multiple of a tile, a bias, rows of a decode step and of a prefill chunk, the inputs summed in several parts; and
-the packing the loader does, whose widening is the checkpoint's."""
+"""Products with packed integer weights (``triton_packed_linear.int_linear``) and block-wise FP8 ones (``fp8_linear``)
+against the torch reference, under the interpreter: 2, 4 and 8 bits, every activation dtype with the scales' dtypes
+checkpoints use, widths that are no multiple of a tile, a bias, rows of a decode step and of a prefill chunk, the
+inputs summed in several parts; the packing the loader does, whose widening is the checkpoint's; and which layers
+stay packed."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from common.model.quantization import IntValues
-from pdserve_kernels import reference, triton_int_linear
+from pdserve_kernels import reference, triton_packed_linear
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -67,7 +68,7 @@ def test_the_kernel_computes_the_reference(rows: int, out: int, inputs: int, gro
     x = torch.randn(rows, inputs + 8, generator=gen).to(dtype)[:, 4:-4]  # rows with a stride of their own
     bias = torch.randn(out, generator=gen).to(dtype)
     for b in (None, bias):
-        got = triton_int_linear.int_linear(x, *packed.values(), bits, b, splits=splits)
+        got = triton_packed_linear.int_linear(x, *packed.values(), bits, b, splits=splits)
         want = reference.int_linear(x, *packed.values(), bits, b)
         assert got.shape == want.shape == (rows, out) and got.dtype == dtype
         # The sums go in another order than torch's; each weight is the reference's, exactly.
@@ -77,10 +78,10 @@ def test_the_kernel_computes_the_reference(rows: int, out: int, inputs: int, gro
 
 def test_a_decode_step_splits_its_inputs_and_a_prefill_chunk_does_not() -> None:
     # Llama-8B's down projection: 4096 outputs (64 tiles) over 14336 inputs.
-    assert triton_int_linear.splits_for(1, 4096, 14336, 16) == 4
-    assert triton_int_linear.splits_for(512, 4096, 14336, 64) == 1
-    assert triton_int_linear.splits_for(1, 64, 256, 16) == 1  # too few inputs to split
-    empty = triton_int_linear.int_linear(torch.empty(0, 64), *_values(8, 64, 32, 4, F16, 0).pack().values(), 4)
+    assert triton_packed_linear.splits_for(1, 4096, 14336, 16) == 4
+    assert triton_packed_linear.splits_for(512, 4096, 14336, 64) == 1
+    assert triton_packed_linear.splits_for(1, 64, 256, 16) == 1  # too few inputs to split
+    empty = triton_packed_linear.int_linear(torch.empty(0, 64), *_values(8, 64, 32, 4, F16, 0).pack().values(), 4)
     assert empty.shape == (0, 8)
 
 
@@ -88,13 +89,14 @@ def test_a_stack_stays_packed_only_whole_and_alike() -> None:
     """q/k/v (and gate/up) stay packed together or not at all: not where one part is unquantized or has another
     width or group size; an ungated MLP's up projection alone; not a mixture's experts; over two ranks, not a
     projection whose inputs the ranks split where its groups do not split evenly."""
-    from common.model.int_linear import packed_layers
+    from common.model.packed_linear import int_kind, packed_layers
 
     four, eight, other_groups = _values(8, 64, 16, 4, F16, 0), _values(8, 64, 16, 8, F16, 0), _values(8, 64, 32, 4, F16, 0)
     attn = "model.layers.0.self_attn"
 
     def kept(layers: dict[str, IntValues], unquantized: frozenset[str] = frozenset(), tp_size: int = 1) -> set[str]:
-        return packed_layers(layers, {name: name for name in layers}, tp_size, unquantized)
+        return packed_layers({name: int_kind(v, name, tp_size) for name, v in layers.items()},
+                             {name: name for name in layers}, unquantized)
 
     qkv = {f"{attn}.{p}": four for p in ("q_proj", "k_proj", "v_proj")}
     assert kept(qkv) == set(qkv)
@@ -107,3 +109,24 @@ def test_a_stack_stays_packed_only_whole_and_alike() -> None:
     assert kept({f"{attn}.o_proj": four}, tp_size=2) == {f"{attn}.o_proj"}
     assert kept({f"{attn}.o_proj": four}, tp_size=8) == set()
     assert kept({f"{attn}.q_proj": four, f"{attn}.k_proj": four, f"{attn}.v_proj": four}, tp_size=8) == set(qkv)
+
+
+@pytest.mark.parametrize(("rows", "out", "inputs", "block", "splits"), [
+    (1, 96, 512, (32, 64), None),  # a decode row; inputs split among programs
+    (40, 80, 192, (16, 16), 3),  # three parts; outputs no multiple of a tile
+    (130, 64, 128, (64, 128), None),  # a prefill chunk's rows
+])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_the_fp8_kernel_computes_the_reference(rows: int, out: int, inputs: int, block: tuple[int, int],
+                                               splits: int | None, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = (100 * torch.randn(out, inputs, generator=gen)).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(out // block[0], inputs // block[1], generator=gen) * 1e-3 + 1e-5
+    x = torch.randn(rows, inputs, generator=gen).to(dtype)
+    bias = torch.randn(out, generator=gen).to(dtype)
+    for b in (None, bias):
+        got = triton_packed_linear.fp8_linear(x, weight, scale_inv, b, splits=splits)
+        want = reference.fp8_linear(x, weight, scale_inv, b)
+        assert got.shape == want.shape == (rows, out) and got.dtype == dtype
+        tol = {F32: 1e-5, F16: 2e-3, BF16: 2e-2}[dtype]
+        torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=tol)

@@ -1,15 +1,16 @@
-"""``pdserve bench int-weights``: the memory a GPTQ checkpoint's weights take in the engine, packed (the Triton
-kernels: ``common.model.int_linear.IntLinear``) beside widened (the torch kernels) and beside the unquantized model,
+"""``pdserve bench quantized-weights``: the memory a quantized checkpoint's weights take in the engine, packed (the
+Triton kernels: ``common.model.packed_linear``) beside widened (the torch kernels) and beside the unquantized model,
 in one process, and what the freed bytes would hold as KV blocks.
 
-The model (the bundled SmolLM2 by default) is quantized here to GPTQ's layout, round-to-nearest, asymmetric,
-``--bits`` per value in groups of ``--group`` inputs (``gptq_v2``, no reordering), then loaded three ways on the CPU:
-its unquantized checkpoint, the GPTQ one widened, and the GPTQ one packed. The packed model's logits over a prompt,
-its products computed by the torch reference (the Triton kernel's reference, which the kernel tests hold it to),
-must equal the widened model's; the unquantized model's greedy choices over the prompt show what the quantization
-itself changes.
+The model (the bundled SmolLM2 by default) is quantized here, to GPTQ's layout (``--format gptq``: round to nearest,
+asymmetric, ``--bits`` per value in groups of ``--group`` inputs, ``gptq_v2``, no reordering) or to block-wise FP8
+(``--format fp8``: e4m3, a scale per ``--group`` x ``--group`` block, its largest magnitude over 448), then loaded
+three ways on the CPU: its unquantized checkpoint, the quantized one widened, and the quantized one packed. The
+packed model's logits over a prompt, its products computed by the torch reference (the Triton kernels' reference,
+which the kernel tests hold them to), must equal the widened model's; the unquantized model's greedy choices over
+the prompt show what the quantization itself changes.
 
-    pdserve bench int-weights --bits 4 --group 128 --json ops/bench/results/int-weights.json
+    pdserve bench quantized-weights --format gptq --bits 4 --group 64 --json ops/bench/results/quantized-weights.json
 """
 
 from __future__ import annotations
@@ -37,39 +38,64 @@ def _pack_words(values: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
-def quantize_gptq(source: Path, target: Path, bits: int, group: int) -> int:
-    """``source``'s checkpoint written to ``target`` in GPTQ's layout (v2: zero points as they are), round to
-    nearest, asymmetric; the number of layers quantized."""
-    from safetensors.torch import load_file, save_file
+def _layers(state: dict[str, torch.Tensor], group: int) -> list[str]:
+    """The weights of ``state`` to quantize (every projection of the decoder layers), each checked to split into
+    groups of ``group`` inputs."""
+    names = [n for n in state if n.endswith(".weight") and any(part in n for part in _QUANTIZED)]
+    for name in names:
+        if state[name].shape[1] % group:
+            raise SystemExit(f"--group {group} does not divide {name}'s {state[name].shape[1]} inputs")
+    return names
 
-    state = load_file(str(next(source.glob("*.safetensors"))))
-    out: dict[str, torch.Tensor] = {}
-    count = 0
-    for name, weight in state.items():
-        if not (name.endswith(".weight") and any(part in name for part in _QUANTIZED)):
-            out[name] = weight
-            continue
+
+def quantize_gptq(state: dict[str, torch.Tensor], bits: int, group: int) -> dict[str, Any]:
+    """``state``'s projections in GPTQ's layout (v2: zero points as they are), round to nearest, asymmetric; the
+    ``quantization_config`` that says so."""
+    for name in _layers(state, group):
+        weight = state.pop(name)
         rows, inputs = weight.shape
-        if inputs % group:
-            raise SystemExit(f"--group {group} does not divide {name}'s {inputs} inputs")
         w = weight.float().reshape(rows, inputs // group, group)
         low, high = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
         scales = ((high - low) / ((1 << bits) - 1)).clamp(min=1e-8).to(torch.float16)
         zeros = torch.round(-low / scales.float()).clamp(0, (1 << bits) - 1)
         q = torch.clamp(torch.round(w / scales.float()[..., None]) + zeros[..., None], 0, (1 << bits) - 1)
         prefix = name.removesuffix(".weight")
-        out[prefix + ".qweight"] = _pack_words(q.reshape(rows, inputs), bits).T.contiguous()  # [in * bits / 32, out]
-        out[prefix + ".qzeros"] = _pack_words(zeros.to(torch.int64).T.contiguous(), bits)  # [groups, out * bits / 32]
-        out[prefix + ".scales"] = scales.T.contiguous()  # [groups, out]
-        count += 1
+        state[prefix + ".qweight"] = _pack_words(q.reshape(rows, inputs), bits).T.contiguous()  # [in * bits / 32, out]
+        state[prefix + ".qzeros"] = _pack_words(zeros.to(torch.int64).T.contiguous(), bits)  # [groups, out * bits / 32]
+        state[prefix + ".scales"] = scales.T.contiguous()  # [groups, out]
+    return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False, "sym": False,
+            "checkpoint_format": "gptq_v2"}
+
+
+def quantize_fp8(state: dict[str, torch.Tensor], block: int) -> dict[str, Any]:
+    """``state``'s projections as block-wise FP8 checkpoints hold them: e4m3, a scale per ``block x block`` (its
+    largest magnitude over 448, ``weight_scale_inv``); the ``quantization_config`` that says so."""
+    for name in _layers(state, block):
+        weight = state[name]
+        rows, cols = weight.shape
+        if rows % block:
+            raise SystemExit(f"--group {block} does not divide {name}'s {rows} outputs")
+        blocks = weight.float().reshape(rows // block, block, cols // block, block)
+        scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+        state[name] = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+        state[name.removesuffix(".weight") + ".weight_scale_inv"] = scale
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [block, block]}
+
+
+def quantize(source: Path, target: Path, args: argparse.Namespace) -> int:
+    """``source``'s checkpoint written to ``target`` in ``args.format``; the number of weights quantized."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(next(source.glob("*.safetensors"))))
+    count = len(_layers(state, args.group))
+    config_fields = quantize_gptq(state, args.bits, args.group) if args.format == "gptq" else quantize_fp8(state, args.group)
     target.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
     for extra in source.iterdir():
         if extra.is_file() and extra.suffix != ".safetensors" and extra.name != "config.json":
             shutil.copy(extra, target / extra.name)
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False,
-                                     "sym": False, "checkpoint_format": "gptq_v2"}
+    config["quantization_config"] = config_fields
     (target / "config.json").write_text(json.dumps(config, indent=2))
     return count
 
@@ -79,22 +105,22 @@ def _bytes(model: torch.nn.Module) -> int:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from common.model.int_linear import IntLinear
     from common.model.llama import AttentionMetadata
     from common.model.loader import resolve_model_path
+    from common.model.packed_linear import Fp8Linear, IntLinear
     from common.model.weights import load_hf_config, load_model
     from pdserve_kernels import reference, triton_ops
 
     dtype = getattr(torch, args.dtype)
     source = resolve_model_path(args.model)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "gptq"
-        layers = quantize_gptq(source, folder, args.bits, args.group)
+        folder = Path(tmp) / args.format
+        layers = quantize(source, folder, args)
         cpu = torch.device("cpu")
         models = {"unquantized": load_model(source, load_hf_config(source), reference, dtype, cpu, 256),
                   "widened": load_model(folder, load_hf_config(folder), reference, dtype, cpu, 256),
                   "packed": load_model(folder, load_hf_config(folder), triton_ops, dtype, cpu, 256)}
-    packed = [m for m in models["packed"].modules() if isinstance(m, IntLinear)]
+    packed = [m for m in models["packed"].modules() if isinstance(m, (IntLinear, Fp8Linear))]
     products = [n for n, m in models["widened"].named_modules() if isinstance(m, torch.nn.Linear) and n.endswith("_proj")]
     for module in models["packed"].modules():  # every kernel the torch reference, on this CPU
         if hasattr(module, "kernels"):
@@ -120,7 +146,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     block_bytes = len(head.model.layers) * 2 * 16 * head.num_kv_heads * head.head_size * torch.finfo(dtype).bits // 8
     sizes = {name: _bytes(model) for name, model in models.items()}
     return {
-        "model": str(source.name), "dtype": args.dtype, "bits": args.bits, "group": args.group,
+        "model": str(source.name), "dtype": args.dtype, "format": args.format,
+        "bits": args.bits if args.format == "gptq" else 8, "group": args.group,
         "layers_quantized": layers, "products": len(products), "products_packed": len(packed), "bytes": sizes,
         "packed_vs_widened": round(sizes["packed"] / sizes["widened"], 4),
         "freed_bytes": sizes["widened"] - sizes["packed"],
@@ -134,17 +161,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve bench int-weights", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="pdserve bench quantized-weights", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--format", default="gptq", choices=["gptq", "fp8"])
     parser.add_argument("--model", default=None, help="model folder or id (default: the bundled SmolLM2)")
-    parser.add_argument("--bits", type=int, default=4, choices=[2, 4, 8])
-    parser.add_argument("--group", type=int, default=64, help="inputs per scale and zero point")
+    parser.add_argument("--bits", type=int, default=4, choices=[2, 4, 8], help="GPTQ's bits per value")
+    parser.add_argument("--group", type=int, default=64,
+                        help="GPTQ: inputs per scale and zero point; FP8: a block's rows and columns")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--prompt-len", type=int, default=64, help="at most this many tokens of the prompt")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     result = run(args)
     mib = {name: round(n / 2**20, 1) for name, n in result["bytes"].items()}
-    print(f"{result['model']} {result['dtype']}, GPTQ {args.bits}-bit groups of {args.group} "
+    what = f"GPTQ {args.bits}-bit groups of {args.group}" if args.format == "gptq" else \
+        f"FP8 blocks of {args.group} x {args.group}"
+    print(f"{result['model']} {result['dtype']}, {what} "
           f"({result['layers_quantized']} projections quantized; {result['products_packed']} of the model's "
           f"{result['products']} products, q/k/v and gate/up stacked, kept packed)")
     print(f"  weights: unquantized {mib['unquantized']} MiB | widened {mib['widened']} MiB | packed "

@@ -1,0 +1,178 @@
+"""Projections whose weights stay quantized in memory: what a GPTQ, AWQ, compressed-tensors or block-wise FP8
+checkpoint saves is saved in the engine too, where a backend multiplies them so (``PACKS_WEIGHTS``: the Triton
+kernels, whose products widen each tile of weights as they read it).
+
+Which layers stay packed is decided as the checkpoint loads (``packed_layers``), a layer (or a stack of them: q, k
+and v; gate and up) at a time, before anything renames or stacks it: an attention's or a dense MLP's projection (a
+shared expert's too) whose packed form the kernel reads (``int_kind``, ``fp8_kind``), alike with the rest of its
+stack. Everything else is widened to the model's dtype as before: a mixture's experts (stacked tensors, not
+products), Multi-head Latent Attention's projections (whose weights the attention reads), an output head a
+checkpoint quantized, a stack with a part left unquantized or of another width, groups or blocks; integer layers
+whose ``desc_act`` put their groups out of order; FP8 layers with a single scale, over several tensor-parallel
+ranks, on a GPU without float8 conversions (before compute capability 8.9), or in a family whose q/k rows the
+loader reorders or splits (interleaved RoPE, GPT-NeoX's fused q/k/v). A layer kept packed is an ``IntLinear`` or an
+``Fp8Linear`` in the model (``to_packed_linears``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Hashable
+from types import ModuleType
+
+import torch
+from torch import Tensor, nn
+
+from common.model.quantization import IntValues
+
+# The projections that may stay packed, as this model names them (``common.model.weights.model_name``), before
+# their parts are stacked (``FUSED_PROJECTIONS``), or stacked in the checkpoint already (Phi-3's).
+_PACKABLE = re.compile(r"\.(self_attn\.(q_proj|k_proj|v_proj|qkv_proj|o_proj|query_key_value|output_gate)|"
+                       r"mlp(\.shared_expert)?\.(gate_proj|up_proj|gate_up_proj|down_proj))$")
+# Those whose inputs tensor parallelism splits (``common.model.parallel.shard_rules``).
+_SPLIT_INPUTS = re.compile(r"\.(o_proj|down_proj)$")
+# The parts of a stack, by the name of their first part's projection (each stack must be packed alike).
+_STACKS = {"q_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj")}
+
+
+def int_kind(values: IntValues, model_name: str, tp_size: int) -> Hashable | None:
+    """What an integer layer's packed form shares with the rest of its stack (its width and group size), or None
+    where it cannot stay packed: groups out of order, values not whole words, or, over ``tp_size`` ranks, a
+    projection whose inputs the ranks split (``o_proj``, ``down_proj``) whose groups and words do not split alike."""
+    if not values.packable():
+        return None
+    words, groups = values.q.shape[1] * values.bits // 32, values.scales.shape[1]
+    if _SPLIT_INPUTS.search(model_name) and (groups % tp_size or words % tp_size):
+        return None
+    return ("int", values.bits, values.q.shape[1] // groups)
+
+
+def fp8_kind(weight: Tensor, scale_inv: Tensor) -> Hashable | None:
+    """What an FP8 layer's packed form shares with the rest of its stack (its block's shape), or None where it
+    cannot stay packed: not e4m3, or one scale for the whole weight."""
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or scale_inv.dim() != 2:
+        return None
+    (rows, cols), (grid_rows, grid_cols) = weight.shape, scale_inv.shape
+    return ("fp8", rows // grid_rows, cols // grid_cols)
+
+
+def packed_layers(kinds: dict[str, Hashable | None], model_names: dict[str, str],
+                  unquantized: frozenset[str] = frozenset()) -> set[str]:
+    """The checkpoint prefixes of quantized layers (``kinds``: each one's packed kind, None where it cannot stay
+    packed; ``model_names``: each one's name in this model) that stay packed: projections whose stack's parts all
+    have one kind. Where a part of the stack is among the ``unquantized`` modules (this model's names), none stays
+    packed; a part in neither is not in the model (an ungated MLP's ``up_proj`` stands alone)."""
+    by_model = {model_names[prefix]: prefix for prefix in kinds}
+    kept: set[str] = set()
+    for name, prefix in by_model.items():
+        if not _PACKABLE.search(name) or kinds[prefix] is None:
+            continue
+        head, _, last = name.rpartition(".")
+        stack = next((parts for parts in _STACKS.values() if last in parts), (last,))
+        if any(f"{head}.{part}" in unquantized for part in stack):
+            continue
+        if {kinds[by_model[f"{head}.{part}"]] for part in stack if f"{head}.{part}" in by_model} == {kinds[prefix]}:
+            kept.add(prefix)
+    return kept
+
+
+def _frozen(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """A parameter without gradients, so that the loader checks and assigns it as it does every weight."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class IntLinear(nn.Module):
+    """``nn.Linear``'s product with packed integer weights (``pdserve_kernels.reference.int_linear``): ``qweight``
+    ``[out, in * bits / 32]`` int32, ``qzeros`` and ``scales`` ``[out, groups]``, the scales in the checkpoint's
+    dtype (which the weight's arithmetic is done in), and an optional bias in the model's. ``dtype`` is the
+    model's, its activations'."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, groups: int, scales_dtype: torch.dtype,
+                 bias: bool, dtype: torch.dtype, kernels: ModuleType) -> None:
+        super().__init__()
+        if bits not in (2, 4, 8) or in_features % (32 // bits) or in_features % groups:
+            raise ValueError(f"{in_features} inputs are not whole words of {bits}-bit values in {groups} groups")
+        self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        self.dtype = dtype
+        self.kernels = kernels
+        self.qweight = _frozen(out_features, in_features * bits // 32, dtype=torch.int32)
+        self.qzeros = _frozen(out_features, groups, dtype=torch.uint8)
+        self.scales = _frozen(out_features, groups, dtype=scales_dtype)
+        self.bias = _frozen(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.kernels.int_linear(x, self.qweight, self.qzeros, self.scales, self.bits, self.bias)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"groups={self.scales.shape[1]}")
+
+
+class Fp8Linear(nn.Module):
+    """``nn.Linear``'s product with a block-wise FP8 weight (``pdserve_kernels.reference.fp8_linear``): ``weight``
+    ``[out, in]`` e4m3 and ``weight_scale_inv`` ``[out / m, in / n]`` float32, one scale per ``m x n`` block, as the
+    checkpoint holds them; an optional bias in the model's dtype, ``dtype``, its activations'."""
+
+    def __init__(self, in_features: int, out_features: int, grid: tuple[int, int], bias: bool, dtype: torch.dtype,
+                 kernels: ModuleType) -> None:
+        super().__init__()
+        if out_features % grid[0] or in_features % grid[1]:
+            raise ValueError(f"a {out_features} x {in_features} weight does not split into {grid[0]} x {grid[1]} blocks")
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype = dtype
+        self.kernels = kernels
+        self.weight = _frozen(out_features, in_features, dtype=torch.float8_e4m3fn)
+        self.weight_scale_inv = _frozen(*grid, dtype=torch.float32)
+        self.bias = _frozen(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
+        return out
+
+    def extra_repr(self) -> str:
+        rows, cols = self.weight_scale_inv.shape
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"blocks={self.out_features // rows}x{self.in_features // cols}")
+
+
+# A projection kept packed: its tensors as the model holds them (those whose dtype is the checkpoint's, restored
+# after the model is cast to its dtype).
+PACKED_TENSORS = {IntLinear: ("qweight", "qzeros", "scales"), Fp8Linear: ("weight", "weight_scale_inv")}
+
+
+def to_packed_linears(model: nn.Module, state: dict[str, Tensor], kernels: ModuleType, dtype: torch.dtype) -> list[str]:
+    """In place: each ``nn.Linear`` of ``model`` whose weights ``state`` holds packed (``<name>.qweight``, or
+    ``<name>.weight_scale_inv`` beside an 8-bit ``<name>.weight``, as its rank holds them) made an ``IntLinear`` or
+    ``Fp8Linear`` of the same inputs and outputs (``model`` built on the meta device, its tensors assigned from
+    ``state`` after); the names of those replaced. Packed weights for anything else are a checkpoint mismatch."""
+    replaced = []
+    names = sorted({n.removesuffix(".qweight") for n in state if n.endswith(".qweight")} |
+                   {n.removesuffix(".weight_scale_inv") for n in state if n.endswith(".weight_scale_inv")})
+    for name in names:
+        linear = model.get_submodule(name)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"checkpoint mismatch: packed weights for {name}, which is not a projection")
+        packed: nn.Module
+        with torch.device("meta"):
+            if f"{name}.qweight" in state:
+                words, groups = state[f"{name}.qweight"].shape[1], state[f"{name}.scales"].shape[1]
+                bits = 32 * words // linear.in_features
+                if bits * linear.in_features != 32 * words:
+                    raise ValueError(f"checkpoint mismatch: {name}'s {words} words do not hold {linear.in_features} values")
+                packed = IntLinear(linear.in_features, linear.out_features, bits, groups, state[f"{name}.scales"].dtype,
+                                   linear.bias is not None, dtype, kernels)
+            else:
+                grid = tuple(state[f"{name}.weight_scale_inv"].shape)
+                packed = Fp8Linear(linear.in_features, linear.out_features, (grid[0], grid[1]), linear.bias is not None,
+                                   dtype, kernels)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, packed)
+        replaced.append(name)
+    return replaced
+
+
+def pack_values(state: dict[str, Tensor], prefix: str, values: IntValues) -> None:
+    """In place: ``values`` put in ``state`` as ``<prefix>.qweight``, ``.qzeros`` and ``.scales``."""
+    for suffix, tensor in values.pack().items():
+        state[f"{prefix}.{suffix}"] = tensor

@@ -49,10 +49,13 @@ def int_kind(values: IntValues, model_name: str, tp_size: int) -> Hashable | Non
 
 def fp8_kind(weight: Tensor, scale_inv: Tensor) -> Hashable | None:
     """What an FP8 layer's packed form shares with the rest of its stack (its block's shape), or None where it
-    cannot stay packed: not e4m3, or one scale for the whole weight."""
+    cannot stay packed: not e4m3, one scale for the whole weight, or blocks that do not tile it (which widening
+    names as a broken checkpoint)."""
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or scale_inv.dim() != 2:
         return None
     (rows, cols), (grid_rows, grid_cols) = weight.shape, scale_inv.shape
+    if rows % grid_rows or cols % grid_cols:
+        return None
     return ("fp8", rows // grid_rows, cols // grid_cols)
 
 

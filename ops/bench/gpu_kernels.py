@@ -1101,6 +1101,19 @@ def moe_stand_in(folder: Path) -> Path:
     return _write_stand_in(folder, Qwen3MoeConfig(**MOE_STAND_IN_DIMS, tie_word_embeddings=False))
 
 
+def quantized_stand_in(model: str | None, fmt: str) -> str:
+    """The engine section's model quantized (``pdserve bench quantized-weights``: GPTQ 4-bit in groups of 64, or FP8
+    in blocks of 64 x 64), written once into the model cache; the Triton kernels keep its projections packed."""
+    from common.model.loader import cache_dir, resolve_model_path
+    from ops.bench.quantized_weights import quantize
+
+    source = resolve_model_path(model)
+    folder = cache_dir() / f"stand-in-{source.name}-{fmt}"
+    if not (folder / "config.json").exists():
+        quantize(source, folder, argparse.Namespace(format=fmt, bits=4, group=64))
+    return str(folder)
+
+
 def engine_model(choice: str, folder: Path, meta: dict[str, Any]) -> str | None:
     """The engine section's model: ``choice`` as ``--model`` takes it; "auto", the default model where
     its package is installed, else a checkpoint of the same shapes with random weights, written once
@@ -1304,8 +1317,9 @@ def bench_engine_graphs(report: Report, args: argparse.Namespace) -> None:
 def bench_engine_variants(report: Report, args: argparse.Namespace, device: str = DEVICE,
                           variants: list[tuple[str, str | None, str]] | None = None, batch: int | None = None,
                           max_tokens: int | None = None) -> None:
-    """The engine with an 8-bit KV cache, and on a mixture of experts (the Triton grouped products, the
-    pairs grouped on the device inside the graph): graphs on and off, decode steps timed side by side;
+    """The engine with an 8-bit KV cache, on a mixture of experts (the Triton grouped products, the pairs grouped
+    on the device inside the graph), and with GPTQ and FP8 weights kept packed: graphs on and off, decode steps
+    timed side by side;
     a replay's greedy outputs must equal the same padded forward run eagerly, and at most a tenth of
     the sequences may differ from graphs off in their first ``EARLY_TOKENS`` tokens. ``variants``:
     (name, model, kv cache dtype); by default the engine section's model with ``fp8``, and the
@@ -1317,7 +1331,9 @@ def bench_engine_variants(report: Report, args: argparse.Namespace, device: str 
     if variants is None:
         model = engine_model(args.engine_model, cache_dir() / "stand-in-smollm2-135m-shapes", report.meta)
         moe = str(moe_stand_in(cache_dir() / "stand-in-qwen3-moe-128-experts"))
-        variants = [("8-bit KV cache", model, "fp8"), ("Qwen3-MoE stand-in, 8 of 128 experts", moe, "auto")]
+        variants = [("8-bit KV cache", model, "fp8"), ("Qwen3-MoE stand-in, 8 of 128 experts", moe, "auto"),
+                    *[(f"{name}, kept packed", quantized_stand_in(model, fmt), "auto")
+                      for name, fmt in (("GPTQ 4-bit weights", "gptq"), ("FP8 weights", "fp8"))]]
     batch = batch or args.engine_batch
     max_tokens = max_tokens or args.engine_tokens
     # Ids every vocabulary here holds (a CPU dry run's tiny model's too).

@@ -317,6 +317,22 @@ def test_the_fp8_weights_section_checks_the_triton_kernel_on_the_cpu(tmp_path: P
     assert [c["ok"] for c in report.checks] == [False]
 
 
+def test_the_engine_section_s_quantized_stand_in_loads_packed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine section's GPTQ variant of its model, written once into the model cache, loads with its
+    projections packed for the Triton kernels."""
+    from common.model.packed_linear import IntLinear
+    from common.model.weights import load_hf_config, load_model
+    from pdserve_kernels import triton_ops
+    from tests.engine.tiny_models import build_checkpoint, family_configs
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    source = build_checkpoint(family_configs()["llama-bias"], tmp_path / "llama")
+    folder = gpu_kernels.quantized_stand_in(str(source), "gptq")
+    assert folder == gpu_kernels.quantized_stand_in(str(source), "gptq")  # written once
+    model = load_model(Path(folder), load_hf_config(Path(folder)), triton_ops, torch.float32, torch.device("cpu"), 64)
+    assert sum(isinstance(m, IntLinear) for m in model.modules()) == 4 * len(model.model.layers)
+
+
 def test_the_engine_variants_section_runs_on_the_cpu(tmp_path: Path) -> None:
     """A dry run of the 8-bit cache and mixture-of-experts engine section (a tiny mixture, nothing captured
     on the CPU): its checks pass, as they must on a GPU."""

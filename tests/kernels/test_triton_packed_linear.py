@@ -130,3 +130,13 @@ def test_the_fp8_kernel_computes_the_reference(rows: int, out: int, inputs: int,
         assert got.shape == want.shape == (rows, out) and got.dtype == dtype
         tol = {F32: 1e-5, F16: 2e-3, BF16: 2e-2}[dtype]
         torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=tol)
+
+
+def test_an_fp8_layer_stays_packed_only_in_whole_blocks_of_e4m3() -> None:
+    from common.model.packed_linear import fp8_kind
+
+    weight, scales = torch.zeros(64, 96, dtype=torch.float8_e4m3fn), torch.ones(4, 3)
+    assert fp8_kind(weight, scales) == ("fp8", 16, 32)
+    assert fp8_kind(weight, torch.ones(5, 3)) is None  # blocks that do not tile it
+    assert fp8_kind(weight, torch.ones(())) is None  # one scale for all
+    assert fp8_kind(weight.to(torch.float8_e5m2), scales) is None

@@ -418,28 +418,31 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
 PACKS_WEIGHTS = False
 
 
-def unpack_int_weight(qweight: Tensor, qzeros: Tensor, scales: Tensor, dtype: torch.dtype, bits: int) -> Tensor:
+def unpack_int_weight(qweight: Tensor, qzeros: Tensor, scales: Tensor, dtype: torch.dtype, bits: int,
+                      g_idx: Tensor | None = None) -> Tensor:
     """The ``[out, in]`` weight in ``dtype`` that packed integer weights of ``bits`` per value stand for:
     ``qweight`` ``[out, in * bits / 32]`` int32 (each word ``32 / bits`` values along the inputs, the lowest bits
-    first, unsigned), ``qzeros`` ``[out, groups]`` and ``scales`` ``[out, groups]`` (contiguous groups of inputs):
-    ``(q - z) * s``, the difference exact and the product rounded once in the scales' dtype, then to ``dtype``: the
-    weight a checkpoint's widening gives (``common.model.quantization.IntValues.widen``)."""
+    first, unsigned), ``qzeros`` ``[out, groups]`` and ``scales`` ``[out, groups]``, input ``i`` in group ``g_idx[i]``
+    (contiguous groups of ``in / groups`` where None): ``(q - z) * s``, the difference exact and the product rounded
+    once in the scales' dtype, then to ``dtype``: the weight a checkpoint's widening gives
+    (``common.model.quantization.IntValues.widen``)."""
     out = qweight.shape[0]
     if qweight.dtype != torch.int32 or qzeros.shape != scales.shape or scales.shape[0] != out:
         raise ValueError(f"packed weights {tuple(qweight.shape)} {qweight.dtype}, zero points {tuple(qzeros.shape)} "
                          f"and scales {tuple(scales.shape)} do not fit")
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
     q = ((qweight[..., None] >> shifts) & ((1 << bits) - 1)).reshape(out, -1)
-    width = q.shape[1] // scales.shape[1]  # a group's inputs
-    zeros = qzeros.to(torch.int32).repeat_interleave(width, dim=1)
-    return ((q - zeros).to(scales.dtype) * scales.repeat_interleave(width, dim=1)).to(dtype)
+    if g_idx is None:
+        g_idx = torch.arange(q.shape[1], device=q.device) // (q.shape[1] // scales.shape[1])
+    g_idx = g_idx.long()
+    return ((q - qzeros.to(torch.int32)[:, g_idx]).to(scales.dtype) * scales[:, g_idx]).to(dtype)
 
 
 def int_linear(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, bits: int,
-               bias: Tensor | None = None) -> Tensor:
+               bias: Tensor | None = None, g_idx: Tensor | None = None) -> Tensor:
     """``x`` ``[tokens, in]`` times the packed integer weights (``unpack_int_weight``) of ``bits`` per value, plus
     ``bias``: ``F.linear`` with the weight they stand for, in ``x``'s dtype."""
-    return F.linear(x, unpack_int_weight(qweight, qzeros, scales, x.dtype, bits), bias)
+    return F.linear(x, unpack_int_weight(qweight, qzeros, scales, x.dtype, bits, g_idx), bias)
 
 
 def widen_fp8(weight: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:

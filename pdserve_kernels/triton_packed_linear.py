@@ -27,18 +27,20 @@ from pdserve_kernels.triton_common import dot, dot_constexprs, rounded_to
 
 @triton.jit
 def _widening_linear_kernel(
-    x_ptr, w_ptr, z_ptr, s_ptr, bias_ptr, out_ptr,
+    x_ptr, w_ptr, z_ptr, s_ptr, g_ptr, bias_ptr, out_ptr,
     M, N, K, k_per_split,
     stride_x, stride_w, stride_s, stride_out, stride_split,
-    FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, G_IDX: tl.constexpr, SCALE_ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """``out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n])`` over the inputs ``[split * k_per_split, (split + 1) *
     k_per_split)`` of program axis 2's ``split``: the whole sum rounded to ``out``'s dtype where there is one split,
     else this split's float32 sum at ``out + split * stride_split``. ``w[n, k]``: with ``FP8``, ``w_ptr``'s e4m3 value
-    times ``s[n // SCALE_ROWS, k // GROUP]``; else ``(q[n, k] - z[n, k // GROUP]) * s[n, k // GROUP]``, ``q`` of
-    ``BITS`` each, ``32 / BITS`` to an int32 word of ``w_ptr`` (the lowest bits first)."""
+    times ``s[n // SCALE_ROWS, k // GROUP]``; else ``(q[n, k] - z[n, g(k)]) * s[n, g(k)]``, ``q`` of ``BITS`` each,
+    ``32 / BITS`` to an int32 word of ``w_ptr`` (the lowest bits first), ``g(k)`` ``k // GROUP``, or with ``G_IDX``
+    ``g_ptr[k]`` (groups out of order: GPTQ's ``desc_act``)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -55,7 +57,10 @@ def _widening_linear_kernel(
         a = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0)
         wk_mask = k_mask[:, None] & n_mask[None, :]
-        group = offs_k // GROUP
+        if G_IDX:
+            group = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
+        else:
+            group = offs_k // GROUP
         # [BLOCK_K, BLOCK_N]: the weight of input k to output n.
         if FP8:
             value = tl.load(w_ptr + cols[None, :] * stride_w + offs_k[:, None], mask=wk_mask, other=0.0)
@@ -90,7 +95,7 @@ def splits_for(rows: int, out_features: int, in_features: int, block_m: int) -> 
 
 
 def _launch(x: Tensor, out_features: int, in_features: int, weights: Tensor, zeros: Tensor | None, scales: Tensor,
-            bias: Tensor | None, splits: int | None, **mode: int) -> Tensor:
+            bias: Tensor | None, splits: int | None, g_idx: Tensor | None = None, **mode: int) -> Tensor:
     """The product of ``x`` with the weights that ``mode`` says how to widen (``_widening_linear_kernel``)."""
     assert x.shape[-1] == in_features, f"{x.shape[-1]} inputs, the weights take {in_features}"
     assert weights.stride(-1) == 1 and scales.stride(-1) == 1 and (zeros is None or zeros.stride() == scales.stride())
@@ -109,11 +114,11 @@ def _launch(x: Tensor, out_features: int, in_features: int, weights: Tensor, zer
     partial = out if splits == 1 else torch.empty((splits, num_rows, out_features), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(out_features, _BLOCK_N), splits)
     _widening_linear_kernel[grid](
-        rows, weights, zeros if zeros is not None else scales, scales,
+        rows, weights, zeros if zeros is not None else scales, scales, g_idx if g_idx is not None else scales,
         bias if bias is not None and splits == 1 else partial, partial,
         num_rows, out_features, in_features, k_per_split,
         rows.stride(0), weights.stride(0), scales.stride(0), partial.stride(-2), partial.stride(0) if splits > 1 else 0,
-        HAS_BIAS=bias is not None and splits == 1,
+        HAS_BIAS=bias is not None and splits == 1, G_IDX=g_idx is not None,
         BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, **dot_constexprs(x.dtype, x.device), **mode,
     )
     if splits > 1:
@@ -125,15 +130,16 @@ def _launch(x: Tensor, out_features: int, in_features: int, weights: Tensor, zer
 
 
 def int_linear(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, bits: int,
-               bias: Tensor | None = None, splits: int | None = None) -> Tensor:
+               bias: Tensor | None = None, g_idx: Tensor | None = None, splits: int | None = None) -> Tensor:
     """``pdserve_kernels.reference.int_linear`` (see the module's docstring); ``splits``: the parts the inputs are
     summed in (``splits_for``'s by default), their float32 sums added, the bias after, then rounded once."""
     out_features, words = qweight.shape
     in_features = words * (32 // bits)
     assert qweight.dtype == torch.int32 and qzeros.shape == scales.shape and scales.shape[0] == out_features
-    assert in_features % scales.shape[1] == 0, "inputs must be whole groups"
-    return _launch(x, out_features, in_features, qweight, qzeros, scales, bias, splits,
-                   FP8=False, BITS=bits, GROUP=in_features // scales.shape[1], SCALE_ROWS=1)
+    assert g_idx is not None or in_features % scales.shape[1] == 0, "inputs must be whole groups"
+    assert g_idx is None or (g_idx.shape == (in_features,) and g_idx.dtype == torch.int32)
+    return _launch(x, out_features, in_features, qweight, qzeros, scales, bias, splits, g_idx,
+                   FP8=False, BITS=bits, GROUP=max(1, in_features // scales.shape[1]), SCALE_ROWS=1)
 
 
 def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, bias: Tensor | None = None,
@@ -142,6 +148,6 @@ def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, bias: Tensor | None
     out_features, in_features = weight.shape
     assert weight.dtype == torch.float8_e4m3fn and scale_inv.dim() == 2
     assert out_features % scale_inv.shape[0] == 0 and in_features % scale_inv.shape[1] == 0, "whole blocks"
-    return _launch(x, out_features, in_features, weight, None, scale_inv, bias, splits,
+    return _launch(x, out_features, in_features, weight, None, scale_inv, bias, splits, None,
                    FP8=True, BITS=8, GROUP=in_features // scale_inv.shape[1],
                    SCALE_ROWS=out_features // scale_inv.shape[0])

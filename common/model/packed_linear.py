@@ -7,8 +7,9 @@ and v; gate and up) at a time, before anything renames or stacks it: an attentio
 shared expert's too) whose packed form the kernel reads (``int_kind``, ``fp8_kind``), alike with the rest of its
 stack. Everything else is widened to the model's dtype as before: a mixture's experts (stacked tensors, not
 products), Multi-head Latent Attention's projections (whose weights the attention reads), an output head a
-checkpoint quantized, a stack with a part left unquantized or of another width, groups or blocks; integer layers
-whose ``desc_act`` put their groups out of order; FP8 layers with a single scale, over several tensor-parallel
+checkpoint quantized, a stack with a part left unquantized or of another width, groups or blocks; over
+tensor-parallel ranks, integer layers whose inputs the ranks split and whose ``desc_act`` put their groups out of
+order; FP8 layers with a single scale, over several tensor-parallel
 ranks, on a GPU without float8 conversions (before compute capability 8.9), or in a family whose q/k rows the
 loader reorders or splits (interleaved RoPE, GPT-NeoX's fused q/k/v). A layer kept packed is an ``IntLinear`` or an
 ``Fp8Linear`` in the model (``to_packed_linears``).
@@ -36,15 +37,18 @@ _STACKS = {"q_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", 
 
 
 def int_kind(values: IntValues, model_name: str, tp_size: int) -> Hashable | None:
-    """What an integer layer's packed form shares with the rest of its stack (its width and group size), or None
-    where it cannot stay packed: groups out of order, values not whole words, or, over ``tp_size`` ranks, a
-    projection whose inputs the ranks split (``o_proj``, ``down_proj``) whose groups and words do not split alike."""
+    """What an integer layer's packed form shares with the rest of its stack (its width, its groups, and where
+    they are out of order, each input's group: a stack's parts read one input), or None where it cannot stay
+    packed: values not whole words, or, over ``tp_size`` ranks, a projection whose inputs the ranks split
+    (``o_proj``, ``down_proj``) whose groups and words do not split alike, or whose groups are out of order."""
     if not values.packable():
         return None
     words, groups = values.q.shape[1] * values.bits // 32, values.scales.shape[1]
-    if _SPLIT_INPUTS.search(model_name) and (groups % tp_size or words % tp_size):
+    if _SPLIT_INPUTS.search(model_name) and tp_size > 1 and (
+            groups % tp_size or words % tp_size or values.g_idx is not None):
         return None
-    return ("int", values.bits, values.q.shape[1] // groups)
+    order = None if values.g_idx is None else values.g_idx.to(torch.int32).numpy().tobytes()
+    return ("int", values.bits, groups, order)
 
 
 def fp8_kind(weight: Tensor, scale_inv: Tensor) -> Hashable | None:
@@ -87,13 +91,13 @@ def _frozen(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 class IntLinear(nn.Module):
     """``nn.Linear``'s product with packed integer weights (``pdserve_kernels.reference.int_linear``): ``qweight``
     ``[out, in * bits / 32]`` int32, ``qzeros`` and ``scales`` ``[out, groups]``, the scales in the checkpoint's
-    dtype (which the weight's arithmetic is done in), and an optional bias in the model's. ``dtype`` is the
-    model's, its activations'."""
+    dtype (which the weight's arithmetic is done in), with ``act_order`` each input's group ``g_idx``, and an
+    optional bias in the model's. ``dtype`` is the model's, its activations'."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, groups: int, scales_dtype: torch.dtype,
-                 bias: bool, dtype: torch.dtype, kernels: ModuleType) -> None:
+                 bias: bool, dtype: torch.dtype, kernels: ModuleType, act_order: bool = False) -> None:
         super().__init__()
-        if bits not in (2, 4, 8) or in_features % (32 // bits) or in_features % groups:
+        if bits not in (2, 4, 8) or in_features % (32 // bits) or (in_features % groups and not act_order):
             raise ValueError(f"{in_features} inputs are not whole words of {bits}-bit values in {groups} groups")
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.dtype = dtype
@@ -102,9 +106,12 @@ class IntLinear(nn.Module):
         self.qzeros = _frozen(out_features, groups, dtype=torch.uint8)
         self.scales = _frozen(out_features, groups, dtype=scales_dtype)
         self.bias = _frozen(out_features, dtype=dtype) if bias else None
+        # Each input's group where they are out of order (GPTQ's ``desc_act``); None: contiguous groups.
+        self.g_idx = _frozen(in_features, dtype=torch.int32) if act_order else None
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.kernels.int_linear(x, self.qweight, self.qzeros, self.scales, self.bits, self.bias)
+        out: Tensor = self.kernels.int_linear(x, self.qweight, self.qzeros, self.scales, self.bits, self.bias,
+                                              self.g_idx)
         return out
 
     def extra_repr(self) -> str:
@@ -164,7 +171,7 @@ def to_packed_linears(model: nn.Module, state: dict[str, Tensor], kernels: Modul
                 if bits * linear.in_features != 32 * words:
                     raise ValueError(f"checkpoint mismatch: {name}'s {words} words do not hold {linear.in_features} values")
                 packed = IntLinear(linear.in_features, linear.out_features, bits, groups, state[f"{name}.scales"].dtype,
-                                   linear.bias is not None, dtype, kernels)
+                                   linear.bias is not None, dtype, kernels, act_order=f"{name}.g_idx" in state)
             else:
                 grid = tuple(state[f"{name}.weight_scale_inv"].shape)
                 packed = Fp8Linear(linear.in_features, linear.out_features, (grid[0], grid[1]), linear.bias is not None,
@@ -176,6 +183,6 @@ def to_packed_linears(model: nn.Module, state: dict[str, Tensor], kernels: Modul
 
 
 def pack_values(state: dict[str, Tensor], prefix: str, values: IntValues) -> None:
-    """In place: ``values`` put in ``state`` as ``<prefix>.qweight``, ``.qzeros`` and ``.scales``."""
+    """In place: ``values`` put in ``state`` as ``<prefix>.qweight``, ``.qzeros`` and ``.scales`` (and ``.g_idx``)."""
     for suffix, tensor in values.pack().items():
         state[f"{prefix}.{suffix}"] = tensor

@@ -123,20 +123,24 @@ class IntValues:
         return difference.to(self.scales.dtype) * self.scales[:, g_idx]
 
     def packable(self) -> bool:
-        """Whether ``pack`` keeps it: groups contiguous, and whole words of values along the inputs."""
-        return self.g_idx is None and self.q.shape[1] % (32 // self.bits) == 0
+        """Whether ``pack`` keeps it: whole words of values along the inputs."""
+        return self.q.shape[1] % (32 // self.bits) == 0
 
     def pack(self) -> dict[str, torch.Tensor]:
         """The form ``IntLinear`` holds (``pdserve_kernels.reference.int_linear``): ``qweight`` ``[out, in * bits /
         32]`` int32, the values packed along the inputs, the lowest bits first; ``qzeros`` ``[out, groups]`` uint8;
-        ``scales`` ``[out, groups]`` in their own dtype."""
+        ``scales`` ``[out, groups]`` in their own dtype; and where the groups are out of order (``desc_act``),
+        ``g_idx`` ``[in]`` int32, each input's group."""
         per_word = 32 // self.bits
         out, inputs = self.q.shape
         shifts = torch.arange(0, 32, self.bits, dtype=torch.int64)
         words = (self.q.to(torch.int64).reshape(out, inputs // per_word, per_word) << shifts).sum(-1)
         words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # the high bit is the int32's sign
-        return {"qweight": words.to(torch.int32).contiguous(), "qzeros": self.zeros.to(torch.uint8).contiguous(),
-                "scales": self.scales.contiguous()}
+        packed = {"qweight": words.to(torch.int32).contiguous(), "qzeros": self.zeros.to(torch.uint8).contiguous(),
+                  "scales": self.scales.contiguous()}
+        if self.g_idx is not None:
+            packed["g_idx"] = self.g_idx.to(torch.int32).contiguous()
+        return packed
 
 
 def int_weight_layers(state: dict[str, torch.Tensor], spec: IntWeights) -> dict[str, IntValues]:

@@ -268,10 +268,14 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
     model_type = model.arch.model_type
     packs = packs and not model.arch.mla  # Multi-head Latent Attention reads its projections' weights
 
+    def ours(prefix: str) -> str:
+        """A checkpoint layer's name in this model."""
+        return model_name(prefix + ".weight", model_type).removesuffix(".weight")
+
     def packed(kinds: dict[str, Hashable | None]) -> set[str]:
         """Which of these quantized layers (checkpoint prefixes) stay packed (``packed_layers``)."""
-        names = {prefix: model_name(prefix + ".weight", model_type).removesuffix(".weight") for prefix in kinds}
-        unquantized = frozenset(model_name(n, model_type).removesuffix(".weight") for n in state
+        names = {prefix: ours(prefix) for prefix in kinds}
+        unquantized = frozenset(ours(n.removesuffix(".weight")) for n in state
                                 if n.endswith(".weight") and n + "_scale_inv" not in state)
         return packed_layers(kinds, names, unquantized) if packs else set()
 
@@ -296,8 +300,7 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
             raise ValueError(f"checkpoint mismatch: {name}: static activation scales are not implemented")
     if model.arch.int_weights is not None:
         layers = int_weight_layers(state, model.arch.int_weights)
-        kept = packed({prefix: int_kind(values, model_name(prefix + ".weight", model_type), model.tp.size)
-                       for prefix, values in layers.items()})
+        kept = packed({prefix: int_kind(values, ours(prefix), model.tp.size) for prefix, values in layers.items()})
         for prefix, values in layers.items():
             if prefix in kept:
                 pack_values(state, prefix, values)
@@ -383,6 +386,12 @@ def stack_projections(state: dict[str, torch.Tensor]) -> None:
             missing = [n for n in names if n not in state]
             if missing:
                 raise ValueError(f"checkpoint mismatch: {name} without {', '.join(missing)}")
+            if kind == "g_idx":  # packed weights' inputs' groups: the parts read one input, alike
+                orders = [state.pop(n) for n in names]
+                if any(not torch.equal(order, orders[0]) for order in orders):
+                    raise ValueError(f"checkpoint mismatch: {prefix}.{fused}'s parts order their groups differently")
+                state[f"{prefix}.{fused}.{kind}"] = orders[0]
+                continue
             state[f"{prefix}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
 
 
@@ -397,6 +406,10 @@ def split_neox_qkv(state: dict[str, torch.Tensor], num_heads: int, head_size: in
     for name in [n for n in state if ".self_attn.query_key_value." in n]:
         prefix, _, kind = name.rpartition(".query_key_value.")
         fused = state.pop(name)
+        if kind == "g_idx":  # packed weights' inputs' groups: every part reads the one input
+            for part in ("q_proj", "k_proj", "v_proj"):
+                state[f"{prefix}.{part}.{kind}"] = fused
+            continue
         if fused.shape[0] != (num_heads + 2 * groups) * head_size:
             raise ValueError(f"checkpoint mismatch: {name} has {fused.shape[0]} rows, not ({num_heads} + 2 x {groups}) "
                              f"heads x {head_size}")
@@ -439,7 +452,7 @@ def deinterleave_rope(state: dict[str, torch.Tensor], num_heads: int, num_kv_hea
         q_size + (torch.arange(num_kv_heads)[:, None] * head_size + within).reshape(-1),  # k
         torch.arange(q_size + kv_size, q_size + 2 * kv_size),  # v, as it is
     ))
-    for name in [n for n in state if ".self_attn.qkv_proj." in n]:
+    for name in [n for n in state if ".self_attn.qkv_proj." in n and not n.endswith(".g_idx")]:  # rows, not inputs
         state[name] = state[name][order].contiguous()
     # q and k norms' weights (one per head, per head shared, or across all heads) follow their entries.
     for name in [n for n in state if n.endswith((".self_attn.q_norm.weight", ".self_attn.k_norm.weight"))]:

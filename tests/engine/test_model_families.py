@@ -453,12 +453,13 @@ def test_an_integer_quantized_checkpoint_equals_its_dequantized_model(checkpoint
     assert model.arch.quantization == method
     torch.testing.assert_close(_logits(model, prompt), hf, atol=1e-4, rtol=1e-4)
     assert not any(isinstance(m, IntLinear) for m in model.modules())  # the torch backend widens them
-    # The Triton kernels keep them packed (those of a mixture's experts, and reordered groups, widened).
+    # The Triton kernels keep them packed (those of a mixture's experts widened).
     packed = load_model(folder, load_hf_config(folder), triton_ops, torch.float32, torch.device("cpu"), 64)
     int_linears = {n: m for n, m in packed.named_modules() if isinstance(m, IntLinear)}
     dense = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith("_proj")]
-    reordered = method == "gptq" and options.get("desc_act", True)
-    assert sorted(int_linears) == ([] if reordered else sorted(dense)) and len(dense) >= 6
+    reordered = method == "gptq" and options.get("desc_act", True)  # its groups out of order: each input's group
+    assert sorted(int_linears) == sorted(dense) and len(dense) >= 6
+    assert all((m.g_idx is not None) == reordered for m in int_linears.values())
     assert all(m.bits == options.get("bits", 4) for m in int_linears.values())
     torch.testing.assert_close(_logits(packed, prompt), hf, atol=1e-4, rtol=1e-4)
     if int_linears:

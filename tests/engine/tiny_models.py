@@ -591,8 +591,8 @@ def int_quantize(weight: torch.Tensor, bits: int, group: int, symmetric: bool, a
     ``min_zero``."""
     out, inputs = weight.shape
     g_idx = torch.arange(inputs) // group
-    if act_order:
-        g_idx = g_idx[torch.randperm(inputs, generator=torch.Generator().manual_seed(out + inputs))]
+    if act_order:  # by the input alone, as GPTQ's order comes from its input's statistics (q, k and v share it)
+        g_idx = g_idx[torch.randperm(inputs, generator=torch.Generator().manual_seed(inputs))]
     groups = inputs // group
     members = torch.stack([weight[:, g_idx == g] for g in range(groups)], dim=1)  # [out, groups, group]
     top = (1 << bits) - 1

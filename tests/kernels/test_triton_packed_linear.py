@@ -40,12 +40,20 @@ def test_packing_keeps_the_values_the_checkpoint_widens_to(bits: int, scales_dty
         assert torch.equal(widened, values.widen().to(dtype))
 
 
-def test_groups_in_order_are_contiguous_and_reordered_ones_are_not_packable() -> None:
+def test_groups_in_order_are_contiguous_and_reordered_ones_keep_each_input_s_group() -> None:
     values = _values(8, 64, 16, 4, F16, seed=1)
     in_order = IntValues(values.q, values.zeros, values.scales, torch.arange(64) // 16, 4).checked()
-    assert in_order.g_idx is None and in_order.packable()
+    assert in_order.g_idx is None and in_order.packable() and "g_idx" not in in_order.pack()
     reordered = IntValues(values.q, values.zeros, values.scales, torch.arange(64) % 4, 4).checked()
-    assert reordered.g_idx is not None and not reordered.packable()
+    assert reordered.g_idx is not None and reordered.packable()
+    packed = reordered.pack()
+    assert torch.equal(packed["g_idx"], (torch.arange(64) % 4).int())
+    assert torch.equal(reference.unpack_int_weight(packed["qweight"], packed["qzeros"], packed["scales"], F32, 4,
+                                                   packed["g_idx"]), reordered.widen().float())
+    x = torch.randn(5, 64)
+    got = triton_packed_linear.int_linear(x, packed["qweight"], packed["qzeros"], packed["scales"], 4,
+                                          g_idx=packed["g_idx"], splits=2)
+    torch.testing.assert_close(got, x @ reordered.widen().float().T, atol=1e-5, rtol=1e-5)
     # 60 inputs in 4 groups of 15: not whole words of 4-bit values (8 a word), whole ones of 8-bit values.
     assert not IntValues(values.q[:, :60], values.zeros, values.scales, None, 4).checked().packable()
     assert IntValues(values.q[:, :60], values.zeros, values.scales, None, 8).checked().packable()
@@ -103,6 +111,11 @@ def test_a_stack_stays_packed_only_whole_and_alike() -> None:
     assert kept({**qkv, f"{attn}.v_proj": eight}) == set()
     assert kept({**qkv, f"{attn}.v_proj": other_groups}) == set()
     assert kept({k: v for k, v in qkv.items() if "v_proj" not in k}, frozenset({f"{attn}.v_proj"})) == set()
+    reordered = IntValues(four.q, four.zeros, four.scales, torch.arange(64) % 4, 4).checked()
+    other_order = IntValues(four.q, four.zeros, four.scales, torch.arange(64).flip(0) % 4, 4).checked()
+    assert kept(dict.fromkeys(qkv, reordered)) == set(qkv)  # the parts read one input in one order
+    assert kept({**dict.fromkeys(qkv, reordered), f"{attn}.v_proj": other_order}) == set()
+    assert kept({f"{attn}.o_proj": reordered}, tp_size=2) == set()  # the ranks would split its inputs' groups
     assert kept({"model.layers.0.mlp.up_proj": four}) == {"model.layers.0.mlp.up_proj"}
     assert kept({"model.layers.0.mlp.experts.3.down_proj": four, "lm_head": four}) == set()
     # 64 inputs in 4 groups of 16 split over 8 ranks: half a group each.

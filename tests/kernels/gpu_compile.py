@@ -213,6 +213,10 @@ def record_launches() -> list[Launch]:
                                          torch.empty(4096, 14336 * bits // 32, dtype=torch.int32),
                                          torch.empty(4096, groups, dtype=torch.uint8), torch.empty(4096, groups, dtype=scales),
                                          bits, torch.empty(4096, dtype=dtype) if bias else None)
+        scenario[0] = "int_linear 4-bit, groups out of order (desc_act), decode, bf16"
+        triton_packed_linear.int_linear(torch.empty(8, 4096, dtype=bf16), torch.empty(6144, 512, dtype=torch.int32),
+                                        torch.empty(6144, 32, dtype=torch.uint8), torch.empty(6144, 32, dtype=torch.float16),
+                                        4, g_idx=torch.empty(4096, dtype=torch.int32))
         for name, tokens in (("decode", 8), ("prefill", 512)):
             scenario[0] = f"fp8_linear 128 x 128 blocks (Qwen3-32B-FP8's down projection), {name}, bf16"
             triton_packed_linear.fp8_linear(torch.empty(tokens, 25600, dtype=bf16),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -275,46 +276,28 @@ def test_the_moe_section_checks_the_triton_kernel_on_the_cpu(tmp_path: Path) -> 
     assert [c["ok"] for c in report.checks] == [False]
 
 
-def test_the_packed_integer_weights_section_checks_the_triton_kernel_on_the_cpu(tmp_path: Path) -> None:
-    """A dry run of the packed-integer-weights section (small shapes, the kernel under the interpreter, no timings);
-    a wrong kernel fails its checks."""
-    from pdserve_kernels import reference, triton_packed_linear
-
-    shapes = (("tiny", 256, 48),)
-    report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
-    gpu_kernels.bench_int_linear(report, triton_packed_linear, reference, shapes, (1, 40), group=64, device="cpu",
-                                 time_it=False)
-    assert [c["ok"] for c in report.checks] == [True, True], report.checks
+@pytest.mark.parametrize("fmt", ["int", "fp8"])
+def test_the_packed_weights_sections_check_the_triton_kernels_on_the_cpu(tmp_path: Path, fmt: str) -> None:
+    """Dry runs of the packed-integer and FP8 weights sections (small shapes, the kernels under the interpreter, no
+    timings); a wrong kernel fails its checks."""
+    from pdserve_kernels import reference
+    from pdserve_kernels import triton_packed_linear as kernels
 
     class Wrong:
         @staticmethod
         def int_linear(x: torch.Tensor, qweight: torch.Tensor, *rest: Any) -> torch.Tensor:
-            return triton_packed_linear.int_linear(x, qweight ^ 1, *rest)  # every word's lowest value off by one
+            return kernels.int_linear(x, qweight ^ 0x11111111, *rest)  # every 4-bit value off by one
 
-    report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
-    gpu_kernels.bench_int_linear(report, Wrong, reference, shapes, (40,), group=64, device="cpu", time_it=False)
-    assert [c["ok"] for c in report.checks] == [False]
-
-
-def test_the_fp8_weights_section_checks_the_triton_kernel_on_the_cpu(tmp_path: Path) -> None:
-    """A dry run of the FP8-weights section (small shapes, the kernel under the interpreter, no timings); a wrong
-    kernel fails its checks."""
-    from pdserve_kernels import reference, triton_packed_linear
-
-    shapes = (("tiny", 256, 64),)
-    report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
-    gpu_kernels.bench_fp8_linear(report, triton_packed_linear, reference, shapes, (1, 40), block=32, device="cpu",
-                                 time_it=False)
-    assert [c["ok"] for c in report.checks] == [True, True], report.checks
-
-    class Wrong:
         @staticmethod
         def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-            return triton_packed_linear.fp8_linear(x, weight, scale_inv.roll(1, 0))  # each block another's scale
+            return kernels.fp8_linear(x, weight, scale_inv.roll(1, 0))  # each block another's scale
 
-    report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
-    gpu_kernels.bench_fp8_linear(report, Wrong, reference, shapes, (40,), block=32, device="cpu", time_it=False)
-    assert [c["ok"] for c in report.checks] == [False]
+    section = {"int": functools.partial(gpu_kernels.bench_int_linear, group=64),
+               "fp8": functools.partial(gpu_kernels.bench_fp8_linear, block=32)}[fmt]
+    for ops, counts, expected in ((kernels, (1, 40), [True, True]), (Wrong, (40,), [False])):
+        report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
+        section(report, ops, reference, (("tiny", 256, 64),), counts, device="cpu", time_it=False)
+        assert [c["ok"] for c in report.checks] == expected, report.checks
 
 
 def test_the_engine_section_s_quantized_stand_in_loads_packed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

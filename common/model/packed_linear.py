@@ -121,8 +121,9 @@ class IntLinear(nn.Module):
 
 class Fp8Linear(nn.Module):
     """``nn.Linear``'s product with a block-wise FP8 weight (``pdserve_kernels.reference.fp8_linear``): ``weight``
-    ``[out, in]`` e4m3 and ``weight_scale_inv`` ``[out / m, in / n]`` float32, one scale per ``m x n`` block, as the
-    checkpoint holds them; an optional bias in the model's dtype, ``dtype``, its activations'."""
+    ``[out, in]`` e4m3, held as its bytes (so that casting the model to its dtype leaves it alone, rather than
+    widening it on the device first), and ``weight_scale_inv`` ``[out / m, in / n]`` float32, one scale per ``m x n``
+    block, as the checkpoint holds them; an optional bias in the model's dtype, ``dtype``, its activations'."""
 
     def __init__(self, in_features: int, out_features: int, grid: tuple[int, int], bias: bool, dtype: torch.dtype,
                  kernels: ModuleType) -> None:
@@ -132,12 +133,12 @@ class Fp8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.dtype = dtype
         self.kernels = kernels
-        self.weight = _frozen(out_features, in_features, dtype=torch.float8_e4m3fn)
+        self.weight = _frozen(out_features, in_features, dtype=torch.uint8)
         self.weight_scale_inv = _frozen(*grid, dtype=torch.float32)
         self.bias = _frozen(out_features, dtype=dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
+        out: Tensor = self.kernels.fp8_linear(x, self.weight.view(torch.float8_e4m3fn), self.weight_scale_inv, self.bias)
         return out
 
     def extra_repr(self) -> str:
@@ -146,9 +147,9 @@ class Fp8Linear(nn.Module):
                 f"blocks={self.out_features // rows}x{self.in_features // cols}")
 
 
-# A projection kept packed: its tensors as the model holds them (those whose dtype is the checkpoint's, restored
-# after the model is cast to its dtype).
-PACKED_TENSORS = {IntLinear: ("qweight", "qzeros", "scales"), Fp8Linear: ("weight", "weight_scale_inv")}
+# A projection kept packed: its floating-point tensors whose dtype is the checkpoint's (restored after the model is
+# cast to its dtype).
+PACKED_TENSORS = {IntLinear: ("scales",), Fp8Linear: ("weight_scale_inv",)}
 
 
 def to_packed_linears(model: nn.Module, state: dict[str, Tensor], kernels: ModuleType, dtype: torch.dtype) -> list[str]:
@@ -173,6 +174,7 @@ def to_packed_linears(model: nn.Module, state: dict[str, Tensor], kernels: Modul
                 packed = IntLinear(linear.in_features, linear.out_features, bits, groups, state[f"{name}.scales"].dtype,
                                    linear.bias is not None, dtype, kernels, act_order=f"{name}.g_idx" in state)
             else:
+                state[f"{name}.weight"] = state[f"{name}.weight"].view(torch.uint8)  # see Fp8Linear
                 grid = tuple(state[f"{name}.weight_scale_inv"].shape)
                 packed = Fp8Linear(linear.in_features, linear.out_features, (grid[0], grid[1]), linear.bias is not None,
                                    dtype, kernels)

@@ -224,7 +224,7 @@ def load_model(
     # What transformers keeps in float32 whatever the dtype (GLM-4.5's router), from the checkpoint's values.
     for name in model.float32_parameters():
         model.get_parameter(name).data = state[name].to(device=device, dtype=torch.float32)
-    for name in packed:  # the checkpoint's dtypes: 8-bit weights, and the scales' own, which widening computes in
+    for name in packed:  # the scales' own dtypes, which widening computes in
         for tensor in PACKED_TENSORS[type(model.get_submodule(name))]:
             model.get_parameter(f"{name}.{tensor}").data = state[f"{name}.{tensor}"].to(device=device)
     return model

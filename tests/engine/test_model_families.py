@@ -400,6 +400,8 @@ def test_a_quantized_checkpoint_equals_transformers_dequantized(checkpoint, engi
     # The Triton kernels keep the dense projections' 8-bit weights and their scales (a mixture's experts widened).
     packed = load_model(folder, load_hf_config(folder), triton_ops, torch.float32, torch.device("cpu"), 64)
     fp8_linears = sorted(n for n, m in packed.named_modules() if isinstance(m, Fp8Linear))
+    assert all(m.weight.element_size() == 1 and m.weight_scale_inv.dtype == torch.float32  # not cast to the model's
+               for m in packed.modules() if isinstance(m, Fp8Linear))
     assert fp8_linears == sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
                                  and n.endswith("_proj")) and len(fp8_linears) >= 6
     torch.testing.assert_close(_logits(packed, prompt), hf, atol=1e-4, rtol=1e-4)

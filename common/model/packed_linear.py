@@ -9,8 +9,7 @@ stack. Everything else is widened to the model's dtype as before: a mixture's ex
 products), Multi-head Latent Attention's projections (whose weights the attention reads), an output head a
 checkpoint quantized, a stack with a part left unquantized or of another width, groups or blocks; over
 tensor-parallel ranks, integer layers whose inputs the ranks split and whose ``desc_act`` put their groups out of
-order; FP8 layers with a single scale, over several tensor-parallel
-ranks, on a GPU without float8 conversions (before compute capability 8.9), or in a family whose q/k rows the
+order; FP8 layers with a single scale, whose blocks the ranks' shares would cut, on a GPU without float8 conversions (before compute capability 8.9), or in a family whose q/k rows the
 loader reorders or splits (interleaved RoPE, GPT-NeoX's fused q/k/v). A layer kept packed is an ``IntLinear`` or an
 ``Fp8Linear`` in the model (``to_packed_linears``).
 """
@@ -51,14 +50,17 @@ def int_kind(values: IntValues, model_name: str, tp_size: int) -> Hashable | Non
     return ("int", values.bits, groups, order)
 
 
-def fp8_kind(weight: Tensor, scale_inv: Tensor) -> Hashable | None:
+def fp8_kind(weight: Tensor, scale_inv: Tensor, model_name: str = "", tp_size: int = 1) -> Hashable | None:
     """What an FP8 layer's packed form shares with the rest of its stack (its block's shape), or None where it
-    cannot stay packed: not e4m3, one scale for the whole weight, or blocks that do not tile it (which widening
-    names as a broken checkpoint)."""
+    cannot stay packed: not e4m3, one scale for the whole weight, blocks that do not tile it (which widening names
+    as a broken checkpoint), or over ``tp_size`` ranks, blocks that the ranks' shares would cut (each rank keeps
+    whole blocks of rows, or of columns where the ranks split the inputs: ``o_proj``, ``down_proj``)."""
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or scale_inv.dim() != 2:
         return None
     (rows, cols), (grid_rows, grid_cols) = weight.shape, scale_inv.shape
     if rows % grid_rows or cols % grid_cols:
+        return None
+    if (grid_cols if _SPLIT_INPUTS.search(model_name) else grid_rows) % tp_size:
         return None
     return ("fp8", rows // grid_rows, cols // grid_cols)
 

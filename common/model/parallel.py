@@ -85,6 +85,11 @@ class Shard:
                           for part, n in zip(full.split(widths, self.dim), counts, strict=True)],
                          self.dim).contiguous()
 
+    def by_blocks(self, block: int) -> Shard:
+        """The same cut of a tensor with one entry per ``block`` of this one's along ``dim`` (a weight's scales)."""
+        parts = tuple(width // block for width in self.parts) if isinstance(self.parts, tuple) else self.parts
+        return Shard(self.dim, parts, self.once, self.blocks)
+
     def full_shape(self, shape: Sequence[int], size: int) -> tuple[int, ...]:
         """The whole tensor's shape, from a rank's share's."""
         if self.once:
@@ -139,8 +144,16 @@ def shard_of(rules: tuple[tuple[re.Pattern[str], Shard], ...], name: str) -> Sha
 
 def shard_state(state: dict[str, Tensor], rules: tuple[tuple[re.Pattern[str], Shard], ...],
                 tp: TensorParallel) -> None:
-    """In place: each whole tensor of ``state`` replaced by rank ``tp.rank``'s share of it."""
-    for name, full in state.items():
+    """In place: each whole tensor of ``state`` replaced by rank ``tp.rank``'s share of it. A block-wise FP8 weight's
+    scales (``<weight>_scale_inv``, one per block of it) are cut as the weight is, by blocks: each rank keeps the
+    scales of the blocks it keeps (the loader keeps FP8 weights packed only where the shares are whole blocks)."""
+    whole = dict(state)
+    for name, full in whole.items():
         shard = shard_of(rules, name)
+        if shard is None and name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in whole:
+            weight = name.removesuffix("_scale_inv")
+            shard = shard_of(rules, weight)
+            if shard is not None:
+                shard = shard.by_blocks(whole[weight].shape[shard.dim] // full.shape[shard.dim])
         if shard is not None:
             state[name] = shard.of(full, tp)

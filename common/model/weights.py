@@ -286,12 +286,12 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
             if weight not in state:
                 raise ValueError(f"checkpoint mismatch: {name} without {weight}")
             scaled[weight] = name
-        # The loader reorders or splits q/k rows of these families, across the scales' blocks; nor are the scales
-        # of one block split among ranks.
-        fp8_packs = fp8 and not model.arch.rope_interleaved and model.tp.size == 1 and \
+        # The loader reorders or splits q/k rows of these families, across the scales' blocks; KV heads fewer than
+        # the ranks are shared by head, not by the ranks' equal shares.
+        fp8_packs = fp8 and not model.arch.rope_interleaved and model.total_kv_heads >= model.tp.size and \
             model_type not in ("gpt_neox", "persimmon", "falcon")
-        kinds = {w.removesuffix(".weight"): fp8_kind(state[w], state[s]) if fp8_packs else None
-                 for w, s in scaled.items() if w.endswith(".weight")}
+        kinds = {w.removesuffix(".weight"): fp8_kind(state[w], state[s], ours(w.removesuffix(".weight")), model.tp.size)
+                 if fp8_packs else None for w, s in scaled.items() if w.endswith(".weight")}
         kept = packed(kinds)
         for weight, name in scaled.items():
             if weight.removesuffix(".weight") not in kept:

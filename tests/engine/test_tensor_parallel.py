@@ -102,26 +102,34 @@ def test_one_kv_head_replicated_on_both_ranks_equals_transformers(checkpoint, en
     assert [o[0] for o in engine.generate(prompts, GREEDY)] == [hf_greedy(folder, p, GREEDY.max_tokens) for p in prompts]
 
 
-@pytest.mark.parametrize("desc_act", [False, True])
-def test_packed_integer_weights_over_two_ranks_equal_transformers(checkpoint, engines, tmp_path: Path,  # type: ignore[no-untyped-def]
-                                                                  desc_act: bool) -> None:
-    """A GPTQ checkpoint (4 bits, groups of 16) on the Triton kernels over two ranks: each rank keeps its share of
-    every projection packed (q/k/v and gate/up by their outputs, o and down by their inputs: words and groups
-    alike), and the tokens are transformers' on the dequantized model. With ``desc_act``'s groups out of order, o
-    and down are widened (the ranks would split their groups) and q/k/v and gate/up keep each input's group."""
-    from common.model.packed_linear import IntLinear
-    from tests.engine.tiny_models import gptq_checkpoint
+@pytest.mark.parametrize("method", ["gptq", "gptq-desc-act", "fp8"])
+def test_packed_weights_over_two_ranks_equal_transformers(checkpoint, engines, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                          method: str) -> None:
+    """A GPTQ checkpoint (4 bits, groups of 16) or an FP8 one (blocks of 16 x 16) on the Triton kernels over two
+    ranks: each rank keeps its share of every projection packed (q/k/v and gate/up by their outputs, o and down by
+    their inputs: words and groups, or blocks, alike), and the tokens are transformers' on the dequantized model.
+    With ``desc_act``'s groups out of order, o and down are widened (the ranks would split their groups) and
+    q/k/v and gate/up keep each input's group."""
+    from common.model.packed_linear import Fp8Linear, IntLinear
+    from tests.engine.test_lora import fp8_dequantized
+    from tests.engine.tiny_models import fp8_checkpoint, gptq_checkpoint
 
-    folder, reference = tmp_path / "gptq", tmp_path / "dequantized"
-    gptq_checkpoint(checkpoint("llama-bias"), folder, reference, bits=4, desc_act=desc_act)
+    folder, reference = tmp_path / method, tmp_path / "dequantized"
+    if method == "fp8":
+        reference = fp8_dequantized(fp8_checkpoint(checkpoint("llama-bias"), folder), reference)
+    else:
+        gptq_checkpoint(checkpoint("llama-bias"), folder, reference, bits=4, desc_act=method == "gptq-desc-act")
     prompts = [prompt_token_ids(23), prompt_token_ids(10, seed=4)]
     engine = _engine(engines, folder, max_num_batched_tokens=12, kernel_backend="triton")
-    packed = {n: m for n, m in engine.runner.model.named_modules() if isinstance(m, IntLinear)}
-    assert len(packed) == (2 if desc_act else 4) * TINY_DIMS["num_hidden_layers"]
-    assert all((m.g_idx is not None) == desc_act for m in packed.values())
-    if not desc_act:
-        down = packed["model.layers.0.mlp.down_proj"]
+    packed = {n: m for n, m in engine.runner.model.named_modules() if isinstance(m, (IntLinear, Fp8Linear))}
+    assert len(packed) == (2 if method == "gptq-desc-act" else 4) * TINY_DIMS["num_hidden_layers"]
+    down = packed.get("model.layers.0.mlp.down_proj")
+    if isinstance(down, IntLinear):
         assert down.in_features == TINY_DIMS["intermediate_size"] // 2 and down.scales.shape[1] * 16 == down.in_features
+    elif isinstance(down, Fp8Linear):
+        assert down.weight.shape == (TINY_DIMS["hidden_size"], TINY_DIMS["intermediate_size"] // 2)
+        assert down.weight_scale_inv.shape == (TINY_DIMS["hidden_size"] // 16, TINY_DIMS["intermediate_size"] // 32)
+    assert all(getattr(m, "g_idx", None) is not None for m in packed.values()) == (method == "gptq-desc-act")
     assert [o[0] for o in engine.generate(prompts, GREEDY)] == [hf_greedy(reference, p, GREEDY.max_tokens)
                                                                for p in prompts]
 

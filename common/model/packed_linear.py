@@ -7,11 +7,12 @@ and v; gate and up) at a time, before anything renames or stacks it: an attentio
 shared expert's too) whose packed form the kernel reads (``int_kind``, ``fp8_kind``), alike with the rest of its
 stack. Everything else is widened to the model's dtype as before: a mixture's experts (stacked tensors, not
 products), Multi-head Latent Attention's projections (whose weights the attention reads), an output head a
-checkpoint quantized, a stack with a part left unquantized or of another width, groups or blocks; over
-tensor-parallel ranks, integer layers whose inputs the ranks split and whose ``desc_act`` put their groups out of
-order; FP8 layers with a single scale, whose blocks the ranks' shares would cut, on a GPU without float8 conversions (before compute capability 8.9), or in a family whose q/k rows the
-loader reorders or splits (interleaved RoPE, GPT-NeoX's fused q/k/v). A layer kept packed is an ``IntLinear`` or an
-``Fp8Linear`` in the model (``to_packed_linears``).
+checkpoint quantized, a stack with a part left unquantized or of another width, groups, order or blocks; over
+tensor-parallel ranks, integer layers whose inputs the ranks split and whose groups do not split evenly or are out
+of order (``desc_act``); FP8 layers with a single scale or with blocks the ranks' shares would cut, on a GPU
+without float8 conversions (before compute capability 8.9), or in a family whose q/k rows the loader reorders or
+splits (interleaved RoPE, GPT-NeoX's fused q/k/v). A layer kept packed is an ``IntLinear`` or an ``Fp8Linear`` in
+the model (``to_packed_linears``).
 """
 
 from __future__ import annotations

@@ -611,81 +611,75 @@ def bench_moe(report: Report, ops: Any, ref: Any, shapes: tuple[tuple[str, int, 
 INT_SHAPES = (("Llama-3-8B qkv", 4096, 6144), ("Llama-3-8B gate/up", 4096, 28672), ("Llama-3-8B down", 14336, 4096))
 
 
-def bench_int_linear(report: Report, ops: Any, ref: Any, shapes: tuple[tuple[str, int, int], ...] = INT_SHAPES,
-                     token_counts: tuple[int, ...] = (1, 16, 64, 512), bits: int = 4, group: int = 128,
-                     device: str = DEVICE, time_it: bool = True) -> None:
-    """Products with packed integer weights (``int_linear``): the Triton kernel checked against a float32 product
-    with the weight they stand for, then timed at decode and prefill token counts beside ``F.linear`` with that
-    weight widened to bfloat16 (what the torch backend holds) and a copy of the packed bytes a product reads."""
+def _bench_widening_product(report: Report, kernel: str, shapes: tuple[tuple[str, int, int], ...],
+                            token_counts: tuple[int, ...], device: str, time_it: bool,
+                            make: Callable[[torch.Generator, int, int, torch.dtype],
+                                           tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, int, str]]) -> None:
+    """A product whose weights stay quantized (``kernel``): for each shape, ``make`` gives the product, the weight it
+    stands for (widened to bfloat16), the quantized bytes it reads and their form. The product is checked against
+    a float32 one with the widened weight, then timed at each token count beside ``F.linear`` with the widened
+    weight (what the torch backend holds) and a copy of the quantized bytes."""
     import torch.nn.functional as F
 
     gen = torch.Generator(device=device).manual_seed(0)
     dtype = torch.bfloat16
     for name, inputs, outputs in shapes:
+        product, widened, num_bytes, form = make(gen, inputs, outputs, dtype)
+        for tokens in token_counts:
+            x = torch.randn(tokens, inputs, device=device, generator=gen).to(dtype)
+            shape = f"{name}: {tokens} tokens, {inputs} -> {outputs}, {form}"
+
+            def close(x: torch.Tensor = x, product: Callable[[torch.Tensor], torch.Tensor] = product,
+                      widened: torch.Tensor = widened) -> tuple[float, float]:
+                want = F.linear(x.float(), widened.float())
+                return max_err(product(x), want), TOLERANCE[dtype] * max(1.0, float(want.abs().max()))
+
+            report.check(f"{kernel} bf16, {shape} (vs float32)", close)
+            if not time_it:
+                continue
+            flops = 2.0 * tokens * inputs * outputs
+            report.group = f"{kernel} {name} {tokens}"
+            report.time(f"{kernel} (Triton)", shape, functools.partial(product, x), num_bytes, flops)
+            report.time("F.linear (widened to bf16)", shape, functools.partial(F.linear, x, widened),
+                        widened.numel() * widened.element_size(), flops)
+            time_copy(report, num_bytes, torch.uint8)
+
+
+def bench_int_linear(report: Report, ops: Any, ref: Any, shapes: tuple[tuple[str, int, int], ...] = INT_SHAPES,
+                     token_counts: tuple[int, ...] = (1, 16, 64, 512), bits: int = 4, group: int = 128,
+                     device: str = DEVICE, time_it: bool = True) -> None:
+    """Products with packed integer weights (``int_linear``, ``bits`` a value, a scale and zero point per ``group``
+    inputs), as ``_bench_widening_product`` checks and times them."""
+
+    def make(gen: torch.Generator, inputs: int, outputs: int,
+             dtype: torch.dtype) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, int, str]:
         qweight = torch.randint(-2**31, 2**31 - 1, (outputs, inputs * bits // 32), device=device, generator=gen,
                                 dtype=torch.int32)
         qzeros = torch.randint(0, 1 << bits, (outputs, inputs // group), device=device, generator=gen,
                                dtype=torch.int32).to(torch.uint8)
         scales = (torch.rand(outputs, inputs // group, device=device, generator=gen) * 2e-3 + 1e-4).to(torch.float16)
-        widened = ref.unpack_int_weight(qweight, qzeros, scales, dtype, bits)
-        for tokens in token_counts:
-            x = torch.randn(tokens, inputs, device=device, generator=gen).to(dtype)
-            shape = f"{name}: {tokens} tokens, {inputs} -> {outputs}, {bits}-bit groups of {group}"
+        return (lambda x: ops.int_linear(x, qweight, qzeros, scales, bits),
+                ref.unpack_int_weight(qweight, qzeros, scales, dtype, bits),
+                qweight.numel() * 4 + qzeros.numel() + scales.numel() * 2, f"{bits}-bit groups of {group}")
 
-            def close(x: torch.Tensor = x, packed: tuple[torch.Tensor, ...] = (qweight, qzeros, scales),
-                      widened: torch.Tensor = widened) -> tuple[float, float]:
-                want = F.linear(x.float(), widened.float())
-                got = ops.int_linear(x, *packed, bits)
-                return max_err(got, want), TOLERANCE[dtype] * max(1.0, float(want.abs().max()))
-
-            report.check(f"int_linear bf16, {shape} (vs float32)", close)
-            if not time_it:
-                continue
-            packed_bytes = qweight.numel() * 4 + qzeros.numel() + scales.numel() * 2
-            flops = 2.0 * tokens * inputs * outputs
-            report.group = f"int {name} {tokens}"
-            report.time("int_linear (Triton, packed)", shape,
-                        functools.partial(ops.int_linear, x, qweight, qzeros, scales, bits), packed_bytes, flops)
-            report.time("F.linear (widened to bf16)", shape, functools.partial(F.linear, x, widened),
-                        widened.numel() * widened.element_size(), flops)
-            time_copy(report, packed_bytes, torch.uint8)
+    _bench_widening_product(report, "int_linear", shapes, token_counts, device, time_it, make)
 
 
 def bench_fp8_linear(report: Report, ops: Any, ref: Any, shapes: tuple[tuple[str, int, int], ...] = INT_SHAPES,
                      token_counts: tuple[int, ...] = (1, 16, 64, 512), block: int = 128, device: str = DEVICE,
                      time_it: bool = True) -> None:
-    """Products with block-wise FP8 weights (``fp8_linear``, a scale per ``block x block``): the Triton kernel checked
-    against a float32 product with the weight they stand for, then timed beside ``F.linear`` with that weight
-    widened to bfloat16 and a copy of the 8-bit bytes a product reads."""
-    import torch.nn.functional as F
+    """Products with block-wise FP8 weights (``fp8_linear``, a scale per ``block x block``), as
+    ``_bench_widening_product`` checks and times them."""
 
-    gen = torch.Generator(device=device).manual_seed(0)
-    dtype = torch.bfloat16
-    for name, inputs, outputs in shapes:
+    def make(gen: torch.Generator, inputs: int, outputs: int,
+             dtype: torch.dtype) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, int, str]:
         weight = (100 * torch.randn(outputs, inputs, device=device, generator=gen)).to(torch.float8_e4m3fn)
         scale_inv = torch.rand(outputs // block, inputs // block, device=device, generator=gen) * 1e-4 + 1e-6
-        widened = ref.widen_fp8(weight, scale_inv, dtype)
-        for tokens in token_counts:
-            x = torch.randn(tokens, inputs, device=device, generator=gen).to(dtype)
-            shape = f"{name}: {tokens} tokens, {inputs} -> {outputs}, FP8 blocks of {block} x {block}"
+        return (lambda x: ops.fp8_linear(x, weight, scale_inv),
+                ref.widen_fp8(weight, scale_inv, dtype), weight.numel() + scale_inv.numel() * 4,
+                f"FP8 blocks of {block} x {block}")
 
-            def close(x: torch.Tensor = x, weight: torch.Tensor = weight, scale_inv: torch.Tensor = scale_inv,
-                      widened: torch.Tensor = widened) -> tuple[float, float]:
-                want = F.linear(x.float(), widened.float())
-                got = ops.fp8_linear(x, weight, scale_inv)
-                return max_err(got, want), TOLERANCE[dtype] * max(1.0, float(want.abs().max()))
-
-            report.check(f"fp8_linear bf16, {shape} (vs float32)", close)
-            if not time_it:
-                continue
-            num_bytes = weight.numel() + scale_inv.numel() * 4
-            flops = 2.0 * tokens * inputs * outputs
-            report.group = f"fp8 {name} {tokens}"
-            report.time("fp8_linear (Triton, 8-bit)", shape, functools.partial(ops.fp8_linear, x, weight, scale_inv),
-                        num_bytes, flops)
-            report.time("F.linear (widened to bf16)", shape, functools.partial(F.linear, x, widened),
-                        widened.numel() * widened.element_size(), flops)
-            time_copy(report, num_bytes, torch.uint8)
+    _bench_widening_product(report, "fp8_linear", shapes, token_counts, device, time_it, make)
 
 
 def bench_seeded_race(report: Report, args: argparse.Namespace) -> None:

@@ -131,13 +131,8 @@ class IntValues:
         32]`` int32, the values packed along the inputs, the lowest bits first; ``qzeros`` ``[out, groups]`` uint8;
         ``scales`` ``[out, groups]`` in their own dtype; and where the groups are out of order (``desc_act``),
         ``g_idx`` ``[in]`` int32, each input's group."""
-        per_word = 32 // self.bits
-        out, inputs = self.q.shape
-        shifts = torch.arange(0, 32, self.bits, dtype=torch.int64)
-        words = (self.q.to(torch.int64).reshape(out, inputs // per_word, per_word) << shifts).sum(-1)
-        words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # the high bit is the int32's sign
-        packed = {"qweight": words.to(torch.int32).contiguous(), "qzeros": self.zeros.to(torch.uint8).contiguous(),
-                  "scales": self.scales.contiguous()}
+        packed = {"qweight": pack_words(self.q, self.bits).contiguous(),
+                  "qzeros": self.zeros.to(torch.uint8).contiguous(), "scales": self.scales.contiguous()}
         if self.g_idx is not None:
             packed["g_idx"] = self.g_idx.to(torch.int32).contiguous()
         return packed
@@ -164,6 +159,15 @@ def int_weight_layers(state: dict[str, torch.Tensor], spec: IntWeights) -> dict[
     if stray:
         raise ValueError(f"checkpoint mismatch: {stray[:3]} without their {names[0]}")
     return layers
+
+
+def pack_words(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned ``values`` ``[..., n]`` (``n`` whole words of them) packed along the last dimension into int32 words
+    of ``32 / bits`` each, the lowest bits first: ``_unpack``'s inverse."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    words = (values.to(torch.int64).reshape(*values.shape[:-1], -1, per_word) << shifts).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # the high bit is the sign
 
 
 def _unpack(words: torch.Tensor, bits: int) -> torch.Tensor:

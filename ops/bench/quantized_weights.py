@@ -26,16 +26,10 @@ from typing import Any
 
 import torch
 
+from common.model.quantization import pack_words
+
 _QUANTIZED = (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj.", ".self_attn.o_proj.",
               ".mlp.gate_proj.", ".mlp.up_proj.", ".mlp.down_proj.")
-
-
-def _pack_words(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Unsigned ``values`` ``[..., n]`` packed along the last dimension into int32 words, the lowest bits first."""
-    per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
-    words = (values.to(torch.int64).reshape(*values.shape[:-1], -1, per_word) << shifts).sum(-1)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
 def _layers(state: dict[str, torch.Tensor], group: int) -> list[str]:
@@ -60,8 +54,8 @@ def quantize_gptq(state: dict[str, torch.Tensor], bits: int, group: int) -> dict
         zeros = torch.round(-low / scales.float()).clamp(0, (1 << bits) - 1)
         q = torch.clamp(torch.round(w / scales.float()[..., None]) + zeros[..., None], 0, (1 << bits) - 1)
         prefix = name.removesuffix(".weight")
-        state[prefix + ".qweight"] = _pack_words(q.reshape(rows, inputs), bits).T.contiguous()  # [in * bits / 32, out]
-        state[prefix + ".qzeros"] = _pack_words(zeros.to(torch.int64).T.contiguous(), bits)  # [groups, out * bits / 32]
+        state[prefix + ".qweight"] = pack_words(q.reshape(rows, inputs), bits).T.contiguous()  # [in * bits / 32, out]
+        state[prefix + ".qzeros"] = pack_words(zeros.to(torch.int64).T.contiguous(), bits)  # [groups, out * bits / 32]
         state[prefix + ".scales"] = scales.T.contiguous()  # [groups, out]
     return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False, "sym": False,
             "checkpoint_format": "gptq_v2"}

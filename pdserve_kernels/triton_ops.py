@@ -2,7 +2,7 @@
 
 Attention lives in ``triton_decode`` / ``triton_prefill``, KV movement in ``triton_kv``, RMSNorm in
 ``triton_norm``, rotary embedding in ``triton_rope``, the gated MLP's activation in ``triton_act``, a mixture's experts in ``triton_moe``,
-products with packed integer weights in ``triton_packed_linear`` (which is why this backend keeps them packed).
+products with packed integer and FP8 weights in ``triton_packed_linear`` (which is why this backend keeps them packed).
 """
 
 from __future__ import annotations

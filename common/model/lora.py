@@ -240,13 +240,9 @@ class LoRALinear(nn.Module):
         self.base = base
         self.rank = rank
         self.batch = batch
-        # The activations' dtype (an ``IntLinear``'s weights are integers), and the projection's device.
-        if isinstance(base, IntLinear):
-            dtype, device = base.dtype, base.qweight.device
-        elif isinstance(base, Fp8Linear):
-            dtype, device = base.dtype, base.weight.device
-        else:
-            dtype, device = base.weight.dtype, base.weight.device
+        # The activations' dtype (a packed projection's weights are not in it), and the projection's device.
+        dtype = base.weight.dtype if isinstance(base, nn.Linear) else base.dtype
+        device = next(base.parameters()).device
         width = num_parts * rank
         self.lora_a: Tensor  # [slots * width, in]: slot s's rows s * width ...
         self.lora_b: Tensor  # [out, slots * width]: slot s's columns s * width ...
@@ -258,7 +254,7 @@ class LoRALinear(nn.Module):
 
     @property
     def weight(self) -> Tensor:
-        assert isinstance(self.base, nn.Linear), "packed integer weights have no widened weight"
+        assert isinstance(self.base, nn.Linear), "packed weights have no widened weight"
         return self.base.weight
 
     @property

@@ -1,12 +1,12 @@
-"""Quantized checkpoints, read as they load: widened to the model's dtype, or (integer weights, with the Triton
-kernels) kept packed.
+"""Quantized checkpoints, read as they load: widened to the model's dtype, or (integer and FP8 weights, with the
+Triton kernels) kept packed.
 
 A quantized checkpoint is served as released and computed as transformers computes its dequantized
 model: every quantized weight becomes the weight its quantization stands for, once, before anything
-renames, splits or stacks it (``common.model.weights``), or, for integer weights a backend multiplies packed
-(``common.model.packed_linear``), stays packed in a layout of this project's (``IntValues.pack``) whose product
-widens each value by the same arithmetic. FP8 and MXFP4 weights take a 16-bit model's memory; FP8 matrix
-products are not built. ``common.model.arch`` reads the config (``ModelArch.quantization`` and, for integer
+renames, splits or stacks it (``common.model.weights``), or, where a backend multiplies them packed
+(``common.model.packed_linear``), stays packed (integer weights in a layout of this project's, ``IntValues.pack``;
+FP8 ones as released) and the product widens each value by the same arithmetic. MXFP4 weights take a 16-bit
+model's memory; FP8 tensor-core products are not built. ``common.model.arch`` reads the config (``ModelArch.quantization`` and, for integer
 weights, ``ModelArch.int_weights``) and refuses what this module does not read.
 
 - ``QUANT_FP8``: block-wise e4m3 weights, a scale per block (``weight_scale_inv``).

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pdserve_kernels.packed_weights import ExpertWeights, expert_count, expert_weight
+
 # RMSNorm's forms, as each family's transformers code meets the normalized row with its weight
 # (the ``form`` of ``rms_norm``; a Triton kernel's constant too):
 NORM_LLAMA = 0  # the row rounded to the dtype, then times the weight (Llama and most families)
@@ -372,7 +374,7 @@ def gpt_oss_swiglu(gate_up: Tensor, alpha: float, limit: float) -> Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: ExpertWeights, w2: ExpertWeights,
                 b13: Tensor | None = None, b2: Tensor | None = None,
                 swiglu: tuple[float, float] | None = None) -> Tensor:
     """A mixture-of-experts block's experts over the tokens ``x`` ``[T, H]``: for each token, the sum
@@ -386,14 +388,17 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
     order, each sum rounded to the dtype. Only the chosen experts run, over their own tokens.
 
     gpt-oss: ``b13`` ``[E, 2I]`` and ``b2`` ``[E, H]``, each projection's bias added to its product (each
-    rounded), and ``swiglu`` ``(alpha, limit)`` its activation (``gpt_oss_swiglu``) in ``silu_mul``'s place."""
+    rounded), and ``swiglu`` ``(alpha, limit)`` its activation (``gpt_oss_swiglu``) in ``silu_mul``'s place.
+
+    Either projection's weights may stay quantized (``pdserve_kernels.packed_weights``): each expert hit is widened
+    to ``x``'s dtype as the checkpoint's dequantization widens it, then multiplied alike."""
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros_like(x)
     if num_tokens == 0:
         return out
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, ascending
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=expert_count(w13)).tolist()
     weights = topk_weights.reshape(-1)
     start = 0
     for expert, count in enumerate(counts):
@@ -402,10 +407,11 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
         pairs = order[start:start + count]
         start += count
         tokens = pairs // top_k
-        gate_up = F.linear(x[tokens], w13[expert])
+        gate_up = F.linear(x[tokens], expert_weight(w13, expert, x.dtype))
         if b13 is not None:
             gate_up = gate_up + b13[expert]
-        y = F.linear(silu_mul(gate_up) if swiglu is None else gpt_oss_swiglu(gate_up, *swiglu), w2[expert])
+        y = F.linear(silu_mul(gate_up) if swiglu is None else gpt_oss_swiglu(gate_up, *swiglu),
+                     expert_weight(w2, expert, x.dtype))
         if b2 is not None:
             y = y + b2[expert]
         out.index_add_(0, tokens, (y * weights[pairs, None]).to(x.dtype))

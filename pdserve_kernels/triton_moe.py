@@ -17,6 +17,11 @@ token's k chosen experts, is one row of the work:
 
 Rows past a group's end (padding) are masked; a tile whose rows are all padding beyond the last group
 does nothing. The tile sizes are fixed, not tuned per GPU.
+
+Either projection's weights may stay quantized in memory (``pdserve_kernels.packed_weights``: a GPTQ, AWQ,
+compressed-tensors or block-wise FP8 checkpoint's experts): step 2 then widens each tile of the expert's weights as
+it reads it, as ``triton_packed_linear`` does a dense projection's, so the product is the one with the weights the
+checkpoint widens to.
 """
 
 from __future__ import annotations
@@ -26,22 +31,29 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pdserve_kernels.packed_weights import ExpertWeights, Fp8Weights, IntWeights, expert_count
 from pdserve_kernels.reference import gpt_oss_swiglu
 from pdserve_kernels.triton_act import silu_mul
 from pdserve_kernels.triton_common import dot, dot_constexprs
+from pdserve_kernels.triton_packed_linear import widened_tile
 
 
 @triton.jit
 def _moe_matmul_kernel(
-    a_ptr, w_ptr, c_ptr, pairs_ptr, block_expert_ptr, weight_ptr, bias_ptr,
+    a_ptr, w_ptr, z_ptr, s_ptr, c_ptr, pairs_ptr, block_expert_ptr, weight_ptr, bias_ptr,
     num_pairs, num_experts, N, K,
-    stride_a_row, stride_w_expert, stride_w_n, stride_w_k, stride_c_row, stride_bias_expert,
+    stride_a_row, stride_w_expert, stride_w_n, stride_w_k, stride_s_expert, stride_s_n, stride_c_row,
+    stride_bias_expert,
     TOP_K: tl.constexpr, A_ROW_IS_PAIR: tl.constexpr, WEIGHTED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PACKED: tl.constexpr, FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """``c[pair, n] = sum_k a[row(pair), k] * w[expert, n, k]`` for the pairs of one tile, all of one
-    expert; ``row(pair)`` is the pair's token (``pair // TOP_K``) or the pair itself."""
+    expert; ``row(pair)`` is the pair's token (``pair // TOP_K``) or the pair itself. With ``PACKED``, the
+    expert's weights stay quantized (``z_ptr`` and ``s_ptr`` its zero points and scales, or with ``FP8`` its blocks'
+    scales) and each tile is widened as it is read (``triton_packed_linear.widened_tile``), groups of ``GROUP``
+    inputs (``SCALE_ROWS`` outputs to an FP8 block)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < num_experts:  # else a tile past the last group
@@ -59,8 +71,14 @@ def _moe_matmul_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_ptr + rows[:, None] * stride_a_row + offs_k[None, :],
                         mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
-            b = tl.load(w_base + offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k,
-                        mask=(offs_n[None, :] < N) & (offs_k[:, None] < K), other=0.0)
+            b_mask = (offs_n[None, :] < N) & (offs_k[:, None] < K)
+            if PACKED:
+                s_base = expert * stride_s_expert
+                b = widened_tile(w_base, z_ptr + s_base, s_ptr + s_base, offs_n, offs_k, offs_k // GROUP, b_mask,
+                                 stride_w_n, stride_s_n, a.dtype, FP8, BITS, SCALE_ROWS)
+            else:
+                b = tl.load(w_base + offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k, mask=b_mask,
+                            other=0.0)
             acc += dot(a, b, WIDEN_DOT, DOT_PRECISION)
         out = acc.to(c_ptr.dtype.element_ty)  # the product rounded to the dtype, as F.linear's output
         if HAS_BIAS:  # gpt-oss: the expert's bias added, rounded again (as transformers adds it)
@@ -110,23 +128,46 @@ def align_pairs(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tenso
     return pairs, torch.searchsorted(padded_end, starts, right=True, out_int32=True)
 
 
-def _matmul(a: Tensor, w: Tensor, pairs: Tensor, block_expert: Tensor, num_pairs: int, top_k: int,
+def _operands(w: ExpertWeights) -> tuple[Tensor, Tensor | None, Tensor | None, int, int, dict[str, int]]:
+    """The tensors ``_moe_matmul_kernel`` reads for stacked weights (values, zero points, scales), their outputs and
+    inputs per expert, and how to widen them."""
+    if isinstance(w, IntWeights):
+        k = w.qweight.shape[2] * 32 // w.bits
+        assert w.qweight.dtype == torch.int32 and w.qzeros.shape == w.scales.shape and k % w.scales.shape[2] == 0
+        assert w.qzeros.stride() == w.scales.stride(), "zero points and scales must share their layout"
+        mode = {"PACKED": True, "FP8": False, "BITS": w.bits, "GROUP": k // w.scales.shape[2], "SCALE_ROWS": 1}
+        return w.qweight, w.qzeros, w.scales, w.qweight.shape[1], k, mode
+    if isinstance(w, Fp8Weights):
+        _, n, k = w.weight.shape
+        grid = w.scale_inv.shape[1:]
+        assert w.weight.dtype == torch.float8_e4m3fn and n % grid[0] == 0 and k % grid[1] == 0, "whole blocks"
+        mode = {"PACKED": True, "FP8": True, "BITS": 8, "GROUP": k // grid[1], "SCALE_ROWS": n // grid[0]}
+        return w.weight, None, w.scale_inv, n, k, mode
+    return w, None, None, w.shape[1], w.shape[2], {"PACKED": False, "FP8": False, "BITS": 8, "GROUP": 1,
+                                                   "SCALE_ROWS": 1}
+
+
+def _matmul(a: Tensor, w: ExpertWeights, pairs: Tensor, block_expert: Tensor, num_pairs: int, top_k: int,
             weights: Tensor | None, block_m: int, bias: Tensor | None = None) -> Tensor:
-    _, n, k = w.shape
+    values, zeros, scales, n, k, mode = _operands(w)
+    assert values.stride(-1) == 1 and (scales is None or scales.stride(-1) == 1), "rows must have unit stride"
     c = torch.empty((num_pairs, n), dtype=a.dtype, device=a.device)
     block_n, block_k = 64, 64
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    scale_strides = (scales.stride(0), scales.stride(1)) if scales is not None else (0, 0)
     _moe_matmul_kernel[grid](
-        a, w, c, pairs, block_expert, weights if weights is not None else c, bias if bias is not None else c,
-        num_pairs, w.shape[0], n, k,
-        a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0), bias.stride(0) if bias is not None else 0,
+        a, values, zeros if zeros is not None else c, scales if scales is not None else c, c, pairs, block_expert,
+        weights if weights is not None else c, bias if bias is not None else c,
+        num_pairs, values.shape[0], n, k,
+        a.stride(0), values.stride(0), values.stride(1), values.stride(2), *scale_strides, c.stride(0),
+        bias.stride(0) if bias is not None else 0,
         TOP_K=top_k, A_ROW_IS_PAIR=weights is not None, WEIGHTED=weights is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dot_constexprs(a.dtype, a.device),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dot_constexprs(a.dtype, a.device), **mode,
     )
     return c
 
 
-def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: ExpertWeights, w2: ExpertWeights,
                 b13: Tensor | None = None, b2: Tensor | None = None,
                 swiglu: tuple[float, float] | None = None) -> Tensor:
     """``pdserve_kernels.reference.moe_experts`` as two grouped products (see the module's docstring);
@@ -134,13 +175,13 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
         return torch.zeros_like(x)
-    assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1, "rows must have unit stride"
+    assert x.stride(-1) == 1, "rows must have unit stride"
     # Each token's slots in ascending expert order, so that its terms are added in transformers' order.
     topk_ids, perm = torch.sort(topk_ids, dim=1)
     weights = topk_weights.gather(1, perm).reshape(-1).contiguous()
     num_pairs = num_tokens * top_k
     block_m = 16 if num_pairs <= 1024 else 64  # decode steps: fewer padded rows per expert
-    pairs, block_expert = align_pairs(topk_ids, w13.shape[0], block_m)
+    pairs, block_expert = align_pairs(topk_ids, expert_count(w13), block_m)
     gate_up = _matmul(x, w13, pairs, block_expert, num_pairs, top_k, None, block_m, b13)
     act = silu_mul(gate_up) if swiglu is None else gpt_oss_swiglu(gate_up, *swiglu)
     terms = _matmul(act, w2, pairs, block_expert, num_pairs, top_k, weights, block_m, b2)

@@ -26,6 +26,29 @@ from pdserve_kernels.triton_common import dot, dot_constexprs, rounded_to
 
 
 @triton.jit
+def widened_tile(w_ptr, z_ptr, s_ptr, cols, offs_k, group, mask, stride_w, stride_s, dtype: tl.constexpr,
+                 FP8: tl.constexpr, BITS: tl.constexpr, SCALE_ROWS: tl.constexpr):
+    """``[BLOCK_K, BLOCK_N]``: the weight of input ``offs_k`` (in group ``group``) to output ``cols``, in ``dtype``, as
+    the checkpoint widens it (see ``_widening_linear_kernel``); ``mask``'s entries 0. ``w_ptr``, ``z_ptr`` and ``s_ptr``
+    point at one matrix's values, zero points and scales (rows ``stride_w`` and ``stride_s`` apart)."""
+    if FP8:
+        value = tl.load(w_ptr + cols[None, :] * stride_w + offs_k[:, None], mask=mask, other=0.0)
+        scale = tl.load(s_ptr + (cols // SCALE_ROWS)[None, :] * stride_s + group[:, None], mask=mask, other=0.0)
+        w = rounded_to(value.to(tl.float32) * scale.to(tl.float32), dtype)
+    else:
+        PER_WORD: tl.constexpr = 32 // BITS
+        words = tl.load(w_ptr + cols[None, :] * stride_w + (offs_k // PER_WORD)[:, None], mask=mask, other=0)
+        q = (words >> ((offs_k % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
+        zs = cols[None, :] * stride_s + group[:, None]
+        zero = tl.load(z_ptr + zs, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(s_ptr + zs, mask=mask, other=0.0)
+        w = rounded_to((q - zero).to(tl.float32) * scale.to(tl.float32), scale.dtype)
+        if scale.dtype != dtype:  # float16 scales, bfloat16 activations: rounded to the nearest again
+            w = rounded_to(w.to(tl.float32), dtype)
+    return w
+
+
+@triton.jit
 def _widening_linear_kernel(
     x_ptr, w_ptr, z_ptr, s_ptr, g_ptr, bias_ptr, out_ptr,
     M, N, K, k_per_split,
@@ -61,19 +84,8 @@ def _widening_linear_kernel(
             group = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
         else:
             group = offs_k // GROUP
-        # [BLOCK_K, BLOCK_N]: the weight of input k to output n.
-        if FP8:
-            value = tl.load(w_ptr + cols[None, :] * stride_w + offs_k[:, None], mask=wk_mask, other=0.0)
-            scale = tl.load(s_ptr + (cols // SCALE_ROWS)[None, :] * stride_s + group[:, None], mask=wk_mask, other=0.0)
-            w = rounded_to(value.to(tl.float32) * scale.to(tl.float32), a.dtype)
-        else:
-            PER_WORD: tl.constexpr = 32 // BITS
-            words = tl.load(w_ptr + cols[None, :] * stride_w + (offs_k // PER_WORD)[:, None], mask=wk_mask, other=0)
-            q = (words >> ((offs_k % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
-            zs = cols[None, :] * stride_s + group[:, None]
-            zero = tl.load(z_ptr + zs, mask=wk_mask, other=0).to(tl.int32)
-            scale = tl.load(s_ptr + zs, mask=wk_mask, other=0.0)
-            w = rounded_to((q - zero).to(tl.float32) * scale.to(tl.float32), scale.dtype).to(a.dtype)
+        w = widened_tile(w_ptr, z_ptr, s_ptr, cols, offs_k, group, wk_mask, stride_w, stride_s, a.dtype,
+                         FP8, BITS, SCALE_ROWS)
         acc += dot(a, w, WIDEN_DOT, DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]

@@ -619,7 +619,8 @@ class ModelArch:
 def language_model_config(config: Any) -> Any:
     """The config of the language model a checkpoint runs: its own, or an image-text wrapper's
     ``text_config`` (``IMAGE_TEXT_TYPES``) with what transformers reads from the wrapper instead: whether the
-    output head shares the embedding (``tie_word_embeddings``), and the EOS id where the text config has none."""
+    output head shares the embedding (``tie_word_embeddings``), the EOS id where the text config has none, and
+    how the checkpoint's weights are quantized (``quantization_config``, which quantizers write on the wrapper)."""
     if getattr(config, "model_type", None) not in IMAGE_TEXT_TYPES:
         return config
     text = getattr(config, "text_config", None)
@@ -628,6 +629,8 @@ def language_model_config(config: Any) -> Any:
     text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
     if getattr(text, "eos_token_id", None) is None:
         text.eos_token_id = getattr(config, "eos_token_id", None)
+    if getattr(text, "quantization_config", None) in (None, {}) and getattr(config, "quantization_config", None):
+        text.quantization_config = config.quantization_config
     return text
 
 

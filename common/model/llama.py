@@ -45,6 +45,7 @@ from common.model.arch import (
 from common.model.loader import classifier_architecture, headless_architecture, num_labels
 from common.model.parallel import SINGLE, TensorParallel
 from pdserve_kernels import reference
+from pdserve_kernels.packed_weights import ExpertWeights, Fp8Weights, IntWeights
 from pdserve_kernels.reference import NORM_LLAMA
 
 if TYPE_CHECKING:
@@ -363,10 +364,21 @@ class XIELU(nn.Module):
                            (torch.expm1(torch.min(x, self.eps)) - x) * alpha_n + self.beta * x)
 
 
+def frozen_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """A parameter without gradients, so that the loader checks and assigns it as it does every weight."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
 class Experts(nn.Module):
     """A mixture's experts, each a gated MLP, their weights stacked: ``gate_up_proj`` ``[E, 2I, H]`` (each
     expert's gate and up, as ``MLP.gate_up_proj``), ``down_proj`` ``[E, H, I]``; transformers' layout, into
-    which ``common.model.weights.stack_experts`` stacks a checkpoint's experts as it loads them."""
+    which ``common.model.weights.stack_experts`` stacks a checkpoint's experts as it loads them.
+
+    Either projection's weights may stay quantized as the checkpoint holds them (``hold_int``, ``hold_fp8``), for
+    kernels that widen them as they multiply (``common.model.packed_linear``); ``weights`` gives each as
+    ``moe_experts`` takes it."""
+
+    PROJECTIONS = ("gate_up_proj", "down_proj")
 
     def __init__(self, num_experts: int, hidden: int, inter: int, bias: bool = False) -> None:
         """``bias``: each projection with a bias (gpt-oss), ``gate_up_proj_bias`` ``[E, 2I]`` and
@@ -376,6 +388,49 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter)) if bias else None
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+        self.bits: dict[str, int] = {}  # a projection's bits per value, where its weights are packed integers
+        self.fp8: set[str] = set()  # projections whose weights are block-wise FP8
+
+    def hold_int(self, projection: str, bits: int, groups: int, scales_dtype: torch.dtype) -> None:
+        """``projection``'s weights as packed integers of ``bits`` in ``groups`` contiguous groups of inputs
+        (``IntWeights``' layout): ``<projection>_qweight`` ``[E, out, in * bits / 32]`` int32, ``_qzeros`` (uint8) and
+        ``_scales`` (``scales_dtype``) ``[E, out, groups]``, in its ``[E, out, in]`` weight's place."""
+        experts, out, inputs = getattr(self, projection).shape
+        if bits not in (2, 4, 8) or inputs % (32 // bits) or inputs % groups:
+            raise ValueError(f"{projection}: {inputs} inputs are not whole words of {bits}-bit values in {groups} groups")
+        delattr(self, projection)
+        setattr(self, f"{projection}_qweight", frozen_parameter(experts, out, inputs * bits // 32, dtype=torch.int32))
+        setattr(self, f"{projection}_qzeros", frozen_parameter(experts, out, groups, dtype=torch.uint8))
+        setattr(self, f"{projection}_scales", frozen_parameter(experts, out, groups, dtype=scales_dtype))
+        self.bits[projection] = bits
+
+    def hold_fp8(self, projection: str, grid: tuple[int, int]) -> None:
+        """``projection``'s weights in 8 bits (e4m3, held as their bytes, as ``Fp8Linear``'s) with a float32 scale per
+        block of a ``grid`` over each expert's (``<projection>_scale_inv`` ``[E, *grid]``)."""
+        experts, out, inputs = getattr(self, projection).shape
+        if out % grid[0] or inputs % grid[1]:
+            raise ValueError(f"{projection}: a {out} x {inputs} weight does not split into {grid[0]} x {grid[1]} blocks")
+        setattr(self, projection, frozen_parameter(experts, out, inputs, dtype=torch.uint8))
+        setattr(self, f"{projection}_scale_inv", frozen_parameter(experts, *grid, dtype=torch.float32))
+        self.fp8.add(projection)
+
+    def checkpoint_dtype_tensors(self) -> list[str]:
+        """The packed weights' scales, which keep the checkpoint's dtype when the model is cast to its own."""
+        return [f"{p}_scales" for p in self.bits] + [f"{p}_scale_inv" for p in sorted(self.fp8)]
+
+    def weights(self, projection: str) -> ExpertWeights:
+        """``projection``'s weights as ``moe_experts`` takes them: a tensor, or packed (``IntWeights``, ``Fp8Weights``)."""
+        if projection in self.bits:
+            return IntWeights(getattr(self, f"{projection}_qweight"), getattr(self, f"{projection}_qzeros"),
+                              getattr(self, f"{projection}_scales"), self.bits[projection])
+        weight: Tensor = getattr(self, projection)
+        if projection in self.fp8:
+            return Fp8Weights(weight.view(torch.float8_e4m3fn), getattr(self, f"{projection}_scale_inv"))
+        return weight
+
+    def extra_repr(self) -> str:
+        packed = [f"{p}={self.bits[p]}-bit" for p in self.bits] + [f"{p}=fp8" for p in sorted(self.fp8)]
+        return ", ".join(packed)
 
 
 # Routers that choose by score plus a correction bias (``e_score_correction_bias``, kept on the gate).
@@ -447,8 +502,9 @@ class SparseMoE(nn.Module):
             if not self.routing_weights_float32:
                 weights = weights.to(logits.dtype)
         experts = self.experts
-        out: Tensor = self.kernels.moe_experts(routed_in, ids, weights, experts.gate_up_proj, experts.down_proj,
-                                               experts.gate_up_proj_bias, experts.down_proj_bias, self.swiglu)
+        out: Tensor = self.kernels.moe_experts(routed_in, ids, weights, experts.weights("gate_up_proj"),
+                                               experts.weights("down_proj"), experts.gate_up_proj_bias,
+                                               experts.down_proj_bias, self.swiglu)
         if routed_in is not x:  # a row per token and expert: each token's summed
             out = out.view(x.shape[0], self.top_k, -1).sum(dim=1)
         if self.shared_expert is not None:

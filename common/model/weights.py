@@ -19,14 +19,7 @@ from common.files import write_atomically
 from common.model.arch import IMAGE_TEXT_TYPES, SUPPORTED_MODEL_TYPES, ModelArch, language_model_config
 from common.model.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 from common.model.loader import FROM_2_WAY_SOFTMAX, cache_dir, classifier_from_tokens
-from common.model.packed_linear import (
-    PACKED_TENSORS,
-    fp8_kind,
-    int_kind,
-    pack_values,
-    packed_layers,
-    to_packed_linears,
-)
+from common.model.packed_linear import fp8_kind, int_kind, pack_values, packed_layers, to_packed_layers
 from common.model.parallel import TensorParallel, shard_of, shard_rules, shard_state
 from common.model.quantization import (
     QUANT_FP8,
@@ -126,7 +119,16 @@ _VISION_NAMES = re.compile(r"^(model\.)?((vision_tower|vision_model|multi_modal_
                            r"image_newline$)")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _ANY_LAYER = re.compile(r"\.layers\.(\d+)\.")  # a layer's tensors, under any prefix
-_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<kind>gate_up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<kind>gate_up_proj|down_proj)\."
+                     r"(?P<tensor>weight|weight_scale_inv|qweight|qzeros|scales)$")
+# A stacked expert projection's tensors as ``Experts`` names them: packed ones after the projection's name.
+_STACKED_EXPERT_TENSORS = {"weight": "", "weight_scale_inv": "_scale_inv", "qweight": "_qweight", "qzeros": "_qzeros",
+                           "scales": "_scales"}
+
+
+# What a resolved config in the cache holds, changed whenever ``language_model_config`` keeps more (2: an image-text
+# checkpoint's quantization_config), so that a cache an older version wrote is not read as this one's.
+_RESOLVED_CONFIG_FORMAT = 2
 
 
 def load_hf_config(path: Path) -> Any:
@@ -134,12 +136,14 @@ def load_hf_config(path: Path) -> Any:
     anything the model does not implement, before any weight is read.
 
     transformers resolves it (its defaults for the model type filled in) the first time; its fields
-    are then kept in the cache, keyed by ``config.json`` and the transformers version, and later
+    are then kept in the cache, keyed by ``config.json``, the transformers version and what this code keeps
+    (``_RESOLVED_CONFIG_FORMAT``), and later
     starts read them from there as attributes: importing transformers and its config classes took
     about 6 s of CPU of an engine's ~10 s start. Only plain attribute reads are made of such a config;
     models with scaled RoPE (whose tables transformers computes from its config object) are not cached."""
     raw = (path / "config.json").read_bytes()
-    key = hashlib.sha256(raw + b"\0" + importlib.metadata.version("transformers").encode()).hexdigest()[:24]
+    key = hashlib.sha256(raw + b"\0" + importlib.metadata.version("transformers").encode() +
+                         b"\0%d" % _RESOLVED_CONFIG_FORMAT).hexdigest()[:24]
     cached = cache_dir() / "resolved-configs" / f"{key}.json"
     config: Any
     try:
@@ -205,7 +209,7 @@ def load_model(
     from_tokens = classifier_from_tokens(config)
     if from_tokens is not None:
         score_from_tokens(state, model, config, path, *from_tokens)
-    packed = to_packed_linears(model, state, kernels, dtype)
+    checkpoint_dtype = to_packed_layers(model, state, kernels, dtype)
     expected = {n for n, _ in model.named_parameters()}
     if model.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -224,9 +228,8 @@ def load_model(
     # What transformers keeps in float32 whatever the dtype (GLM-4.5's router), from the checkpoint's values.
     for name in model.float32_parameters():
         model.get_parameter(name).data = state[name].to(device=device, dtype=torch.float32)
-    for name in packed:  # the scales' own dtypes, which widening computes in
-        for tensor in PACKED_TENSORS[type(model.get_submodule(name))]:
-            model.get_parameter(f"{name}.{tensor}").data = state[f"{name}.{tensor}"].to(device=device)
+    for name in checkpoint_dtype:  # packed weights' scales, in their own dtypes, which widening computes in
+        model.get_parameter(name).data = state[name].to(device=device)
     return model
 
 
@@ -266,11 +269,23 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
     whole: widened from 8 or 4 bits (or, with ``packs``, kept packed where ``common.model.packed_linear.packed_layers``
     allows; FP8 weights only with ``fp8`` too), the vision tower dropped, renamed, split and stacked."""
     model_type = model.arch.model_type
-    packs = packs and not model.arch.mla  # Multi-head Latent Attention reads its projections' weights
+    # The loader reorders or splits q/k rows of these families, across FP8 scales' blocks; KV heads fewer than the
+    # ranks are shared by head, not by the ranks' equal shares.
+    fp8_attention = not model.arch.rope_interleaved and model.total_kv_heads >= model.tp.size and \
+        model_type not in ("gpt_neox", "persimmon", "falcon")
 
     def ours(prefix: str) -> str:
         """A checkpoint layer's name in this model."""
         return model_name(prefix + ".weight", model_type).removesuffix(".weight")
+
+    def packable(prefix: str, fp8_layer: bool) -> bool:
+        """Whether a quantized layer may stay packed, whatever the rest of its stack: not an attention's projection
+        of Multi-head Latent Attention (which reads its weights), nor an FP8 one of the families above; not experts
+        a checkpoint holds input-major (the loader turns them)."""
+        name = ours(prefix)
+        if ".self_attn." in name:
+            return not model.arch.mla and (fp8_attention or not fp8_layer)
+        return not (".experts." in name and model.arch.experts_input_major)
 
     def packed(kinds: dict[str, Hashable | None]) -> set[str]:
         """Which of these quantized layers (checkpoint prefixes) stay packed (``packed_layers``)."""
@@ -286,13 +301,10 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
             if weight not in state:
                 raise ValueError(f"checkpoint mismatch: {name} without {weight}")
             scaled[weight] = name
-        # The loader reorders or splits q/k rows of these families, across the scales' blocks; KV heads fewer than
-        # the ranks are shared by head, not by the ranks' equal shares.
-        fp8_packs = fp8 and not model.arch.rope_interleaved and model.total_kv_heads >= model.tp.size and \
-            model_type not in ("gpt_neox", "persimmon", "falcon")
-        kinds = {w.removesuffix(".weight"): fp8_kind(state[w], state[s], ours(w.removesuffix(".weight")), model.tp.size)
-                 if fp8_packs else None for w, s in scaled.items() if w.endswith(".weight")}
-        kept = packed(kinds)
+        scaled_layers = {w.removesuffix(".weight"): (w, s) for w, s in scaled.items()
+                         if w.endswith((".weight", ".experts.gate_up_proj", ".experts.down_proj"))}
+        kept = packed({prefix: fp8_kind(state[w], state[s], ours(prefix), model.tp.size)
+                       if fp8 and packable(prefix, True) else None for prefix, (w, s) in scaled_layers.items()})
         for weight, name in scaled.items():
             if weight.removesuffix(".weight") not in kept:
                 state[weight] = dequantize_fp8(state[weight], state.pop(name), dtype)
@@ -300,7 +312,8 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
             raise ValueError(f"checkpoint mismatch: {name}: static activation scales are not implemented")
     if model.arch.int_weights is not None:
         layers = int_weight_layers(state, model.arch.int_weights)
-        kept = packed({prefix: int_kind(values, ours(prefix), model.tp.size) for prefix, values in layers.items()})
+        kept = packed({prefix: int_kind(values, ours(prefix), model.tp.size) if packable(prefix, False) else None
+                       for prefix, values in layers.items()})
         for prefix, values in layers.items():
             if prefix in kept:
                 pack_values(state, prefix, values)
@@ -482,13 +495,15 @@ def deinterleave_mla_rope(state: dict[str, torch.Tensor], num_heads: int, nope_d
 def stack_experts(state: dict[str, torch.Tensor]) -> None:
     """In place: each mixture's experts, one weight per expert and projection in the checkpoint
     (``...experts.<e>.gate_up_proj.weight`` once ``stack_projections`` has stacked its gate and up), stacked
-    into ``Experts``' ``[E, ...]`` parameters in expert order. A checkpoint that holds them stacked
-    already (transformers' own layout) is left as it is; one that lacks an expert is named as broken."""
+    into ``Experts``' ``[E, ...]`` parameters in expert order; packed weights' tensors too (``.qweight``,
+    ``.weight_scale_inv``: ``gate_up_proj_qweight``, ``gate_up_proj_scale_inv``). A checkpoint that holds them
+    stacked already (transformers' own layout) is left as it is; one that lacks an expert is named as broken."""
     groups: dict[tuple[str, str], dict[int, str]] = {}
     for name in state:
         match = _EXPERT.match(name)
         if match:
-            groups.setdefault((match["prefix"], match["kind"]), {})[int(match["index"])] = name
+            kind = match["kind"] + _STACKED_EXPERT_TENSORS[match["tensor"]]
+            groups.setdefault((match["prefix"], kind), {})[int(match["index"])] = name
     for (prefix, kind), experts in groups.items():
         missing = sorted(set(range(max(experts) + 1)) - experts.keys())
         if missing:

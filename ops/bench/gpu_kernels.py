@@ -571,40 +571,89 @@ def bench_kv(report: Report, args: argparse.Namespace, ops: Any) -> None:
 MOE_SHAPES = (("Qwen3-30B-A3B", 2048, 768, 128, 8), ("Mixtral-8x7B", 4096, 14336, 8, 2))
 
 
+def packed_experts(w: torch.Tensor, form: str, group: int, gen: torch.Generator) -> Any:
+    """Random packed weights of ``w``'s shape ``[E, out, in]`` in ``form`` ("gptq-4": 4-bit values, a float16 scale
+    and zero point per ``group`` inputs; "fp8": e4m3, a float32 scale per ``group x group`` block), or ``w`` itself
+    ("bf16"); the values are random, not ``w``'s (the product is checked against its own widened weights)."""
+    from pdserve_kernels.packed_weights import Fp8Weights, IntWeights
+
+    experts, out, inputs = w.shape
+    device = w.device
+    if form == "gptq-4":
+        qweight = torch.randint(-2**31, 2**31 - 1, (experts, out, inputs // 8), device=device, generator=gen,
+                                dtype=torch.int32)
+        qzeros = torch.randint(6, 10, (experts, out, inputs // group), device=device, generator=gen,
+                               dtype=torch.int32).to(torch.uint8)  # about the middle, as a trained weight's
+        scales = ((torch.rand(experts, out, inputs // group, device=device, generator=gen) + 0.5) * 0.2
+                  / inputs**0.5).to(torch.float16)
+        return IntWeights(qweight, qzeros, scales, 4)
+    if form == "fp8":
+        weight = (100 * torch.randn(experts, out, inputs, device=device, generator=gen)).to(torch.float8_e4m3fn)
+        scale_inv = (torch.rand(experts, out // group, inputs // group, device=device, generator=gen) + 0.5) * 0.01 \
+            / inputs**0.5
+        return Fp8Weights(weight, scale_inv)
+    return w
+
+
+def _expert_bytes(w: Any) -> int:
+    """The bytes one expert's weights take, as they are held."""
+    tensors = [w] if isinstance(w, torch.Tensor) else [t for t in w if isinstance(t, torch.Tensor)]
+    return sum(t[0].numel() * t.element_size() for t in tensors)
+
+
 def bench_moe(report: Report, ops: Any, ref: Any, shapes: tuple[tuple[str, int, int, int, int], ...] = MOE_SHAPES,
-              token_counts: tuple[int, ...] = (1, 64, 2048), device: str = DEVICE, time_it: bool = True) -> None:
+              token_counts: tuple[int, ...] = (1, 64, 2048), device: str = DEVICE, time_it: bool = True,
+              forms: tuple[str, ...] = ("bf16", "gptq-4", "fp8"), group: int = 128) -> None:
     """A mixture's experts (``moe_experts``): the Triton grouped products against the torch loop over the
     experts hit, checked against a float32 reference of the same weights, then both timed at decode and
-    prefill token counts, beside a copy of the bytes of the experts a step reads."""
+    prefill token counts, beside a copy of the bytes of the experts a step reads. Each weights' ``forms``: bf16,
+    and kept packed as GPTQ's 4-bit values in groups of ``group`` inputs or FP8 in ``group x group`` blocks (the
+    Triton kernel widens each tile as it reads it; the reference widens each expert hit)."""
+    from pdserve_kernels.packed_weights import expert_count, expert_weight
+
     gen = torch.Generator(device=device).manual_seed(0)
     dtype = torch.bfloat16
     for name, hidden, inter, num_experts, top_k in shapes:
-        w13 = (torch.randn(num_experts, 2 * inter, hidden, device=device, generator=gen) / hidden**0.5).to(dtype)
-        w2 = (torch.randn(num_experts, hidden, inter, device=device, generator=gen) / inter**0.5).to(dtype)
-        for tokens in token_counts:
-            x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
-            logits = torch.randn(tokens, num_experts, device=device, generator=gen)
-            weights, ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
-            shape = f"{name}: {tokens} tokens, {top_k} of {num_experts} experts, {hidden} -> {inter}"
+        plain13 = (torch.randn(num_experts, 2 * inter, hidden, device=device, generator=gen) / hidden**0.5).to(dtype)
+        plain2 = (torch.randn(num_experts, hidden, inter, device=device, generator=gen) / inter**0.5).to(dtype)
+        for form in forms:
+            w13, w2 = packed_experts(plain13, form, group, gen), packed_experts(plain2, form, group, gen)
+            # The weights the products multiply by: widened to bf16, as the kernel widens each tile.
+            wide13, wide2 = (torch.stack([expert_weight(w, e, dtype) for e in range(expert_count(w))]).float()
+                             for w in (w13, w2))
+            for tokens in token_counts:
+                x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
+                logits = torch.randn(tokens, num_experts, device=device, generator=gen)
+                weights, ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
+                shape = f"{name}: {tokens} tokens, {top_k} of {num_experts} experts, {hidden} -> {inter}, {form}"
 
-            def close(x: torch.Tensor = x, ids: torch.Tensor = ids, weights: torch.Tensor = weights,
-                      w13: torch.Tensor = w13, w2: torch.Tensor = w2) -> tuple[float, float]:
-                want = ref.moe_experts(x.float(), ids, weights, w13.float(), w2.float())
-                got = ops.moe_experts(x, ids, weights, w13, w2)
-                return max_err(got, want), TOLERANCE[dtype] * max(1.0, float(want.abs().max()))
+                def close(x: torch.Tensor = x, ids: torch.Tensor = ids, weights: torch.Tensor = weights, w13: Any = w13,
+                          w2: Any = w2, wide13: torch.Tensor = wide13, wide2: torch.Tensor = wide2) -> tuple[float, float]:
+                    want = ref.moe_experts(x.float(), ids, weights, wide13, wide2)
+                    got = ops.moe_experts(x, ids, weights, w13, w2)
+                    return max_err(got, want), TOLERANCE[dtype] * max(1.0, float(want.abs().max()))
 
-            report.check(f"moe_experts bf16, {shape} (vs float32)", close)
-            if not time_it:
-                continue
-            hit = int(torch.unique(ids).numel())
-            num_bytes = hit * (w13[0].numel() + w2[0].numel()) * w13.element_size()
-            flops = 2.0 * tokens * top_k * 3 * hidden * inter
-            report.group = f"moe {name} {tokens}"
-            report.time("moe_experts (Triton)", shape, functools.partial(ops.moe_experts, x, ids, weights, w13, w2),
-                        num_bytes, flops)
-            report.time("moe_experts (torch loop over the experts hit)", shape,
-                        functools.partial(ref.moe_experts, x, ids, weights, w13, w2), num_bytes, flops)
-            time_copy(report, num_bytes, dtype)
+                report.check(f"moe_experts bf16, {shape} (vs float32)", close)
+
+                def same(x: torch.Tensor = x, ids: torch.Tensor = ids, weights: torch.Tensor = weights, w13: Any = w13,
+                         w2: Any = w2, wide13: torch.Tensor = wide13, wide2: torch.Tensor = wide2) -> tuple[float, float]:
+                    packed = ops.moe_experts(x, ids, weights, w13, w2)
+                    return max_err(packed, ops.moe_experts(x, ids, weights, wide13.to(dtype), wide2.to(dtype))), 0.0
+
+                if form != "bf16":  # widened tile by tile as the loader widens the weights: the very same products
+                    report.check(f"moe_experts, {shape}: equal to the products over its weights widened", same)
+                if not time_it:
+                    continue
+                hit = int(torch.unique(ids).numel())
+                num_bytes = hit * (_expert_bytes(w13) + _expert_bytes(w2))
+                flops = 2.0 * tokens * top_k * 3 * hidden * inter
+                report.group = f"moe {name} {tokens} {form}"
+                report.time("moe_experts (Triton)", shape, functools.partial(ops.moe_experts, x, ids, weights, w13, w2),
+                            num_bytes, flops)
+                report.time("moe_experts (torch loop over the experts hit)", shape,
+                            functools.partial(ref.moe_experts, x, ids, weights, w13, w2), num_bytes, flops)
+                time_copy(report, num_bytes, torch.uint8)
+            del wide13, wide2
 
 
 # Packed integer weights (GPTQ / AWQ, 4 bits, groups of 128, float16 scales): Llama-3-8B's projections.

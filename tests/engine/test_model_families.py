@@ -367,22 +367,28 @@ def test_mxfp4_widens_to_transformers_own_bits(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize(("name", "quantization"), [
     ("gpt-oss-moe-sinks-window", "mxfp4"), ("llama-bias", "fp8"), ("qwen3-moe-dense-layer", "fp8"),
+    ("qwen3-moe-dense-layer", "fp8-experts-one-by-one"), ("deepseek-v3-mla-moe-yarn", "fp8"),
 ])
 def test_a_quantized_checkpoint_equals_transformers_dequantized(checkpoint, engines, tmp_path, name: str,  # type: ignore[no-untyped-def]
                                                                 quantization: str) -> None:
     """A checkpoint quantized as released: gpt-oss's experts in MXFP4, or block-wise FP8 weights (a dense model
-    with biases, and a mixture's experts). Logits over the prompt and greedy output through the engine equal
-    transformers' with its quantization config's ``dequantize=True``, which the quantization moved from the
-    unquantized model's."""
+    with biases, and a mixture's experts, stacked or one weight per expert). Logits over the prompt and greedy
+    output through the engine equal transformers' with its quantization config's ``dequantize=True``, which the
+    quantization moved from the unquantized model's."""
     from transformers import FineGrainedFP8Config, Mxfp4Config
 
+    from common.model.llama import Experts
     from common.model.packed_linear import Fp8Linear
     from common.model.weights import load_model
     from pdserve_kernels import reference, triton_ops
-    from tests.engine.tiny_models import fp8_checkpoint, mxfp4_checkpoint
+    from tests.engine.tiny_models import experts_one_by_one, fp8_checkpoint, mxfp4_checkpoint
 
+    source = checkpoint(name)
+    if quantization.endswith("-experts-one-by-one"):
+        quantization, source = "fp8", experts_one_by_one(source, tmp_path / "one-by-one")
     quantize, config = {"mxfp4": (mxfp4_checkpoint, Mxfp4Config), "fp8": (fp8_checkpoint, FineGrainedFP8Config)}[quantization]
-    folder = quantize(checkpoint(name), tmp_path / quantization)
+    # DeepSeek's latent widths (24, 40) in blocks of 8.
+    folder = quantize(source, tmp_path / quantization, **({"block": 8} if name.startswith("deepseek") else {}))
     prompt = prompt_token_ids(PROMPT_LEN)
     dequantize = {"quantization_config": config(dequantize=True)}
     with torch.inference_mode():
@@ -397,15 +403,40 @@ def test_a_quantized_checkpoint_equals_transformers_dequantized(checkpoint, engi
     assert [c[0] for c in engine.generate([prompt], GREEDY)] == expected
     if quantization != "fp8":
         return
-    # The Triton kernels keep the dense projections' 8-bit weights and their scales (a mixture's experts widened).
+    # The Triton kernels keep the projections' 8-bit weights and their scales, a mixture's experts' too.
     packed = load_model(folder, load_hf_config(folder), triton_ops, torch.float32, torch.device("cpu"), 64)
     fp8_linears = sorted(n for n, m in packed.named_modules() if isinstance(m, Fp8Linear))
     assert all(m.weight.element_size() == 1 and m.weight_scale_inv.dtype == torch.float32  # not cast to the model's
                for m in packed.modules() if isinstance(m, Fp8Linear))
-    assert fp8_linears == sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-                                 and n.endswith("_proj")) and len(fp8_linears) >= 6
+    assert fp8_linears == sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith(
+        "_proj") and not (model.arch.mla and ".self_attn." in n)) and len(fp8_linears) >= 6  # MLA's widened
+    experts = [m for m in packed.modules() if isinstance(m, Experts)]
+    assert all(e.fp8 == {"gate_up_proj", "down_proj"} and e.down_proj.element_size() == 1
+               and e.down_proj_scale_inv.dtype == torch.float32 for e in experts)
+    assert len(experts) == sum(isinstance(m, Experts) for m in model.modules()) and bool(experts) == ("moe" in name)
     torch.testing.assert_close(_logits(packed, prompt), hf, atol=1e-4, rtol=1e-4)
     assert [c[0] for c in _engine(engines, folder, kernel_backend="triton").generate([prompt], GREEDY)] == expected
+
+
+def test_fp8_experts_a_checkpoint_holds_input_major_are_widened(checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Qwen3-VL-MoE's experts stacked input-major (``[E, H, 2I]``, which the loader turns) in FP8 blocks: the Triton
+    kernels widen them (their blocks' grid would not turn with them) and keep its other projections packed; the
+    logits are the torch kernels' (which widen everything)."""
+    from common.model.llama import Experts
+    from common.model.packed_linear import Fp8Linear
+    from common.model.weights import load_model
+    from pdserve_kernels import reference, triton_ops
+    from tests.engine.tiny_models import fp8_checkpoint
+
+    folder = fp8_checkpoint(checkpoint("qwen3-vl-moe-image-text-text-only"), tmp_path / "fp8")
+    prompt = prompt_token_ids(PROMPT_LEN)
+    config = load_hf_config(folder)
+    widened = load_model(folder, config, reference, torch.float32, torch.device("cpu"), 64)
+    packed = load_model(folder, config, triton_ops, torch.float32, torch.device("cpu"), 64)
+    experts = [m for m in packed.modules() if isinstance(m, Experts)]
+    assert experts and all(not e.fp8 and e.down_proj.dtype == torch.float32 for e in experts)
+    assert any(isinstance(m, Fp8Linear) for m in packed.modules())
+    torch.testing.assert_close(_logits(packed, prompt), _logits(widened, prompt), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(("name", "method", "options"), [
@@ -414,19 +445,21 @@ def test_a_quantized_checkpoint_equals_transformers_dequantized(checkpoint, engi
     ("qwen3-moe-dense-layer", "gptq", {"bits": 4, "desc_act": False}), ("qwen3-qk-norm", "awq", {}),
     ("phi3-window", "compressed-tensors", {"bits": 4, "group": 16}),
     ("mistral-window", "compressed-tensors", {"bits": 8, "group": None, "symmetric": True}),
-    ("gpt-neox-parallel-two-norms", "gptq", {"bits": 4, "desc_act": False}),
+    ("gpt-neox-parallel-two-norms", "gptq", {"bits": 4, "desc_act": False}), ("mixtral-moe-window", "gptq", {"bits": 8, "desc_act": False}),
 ], ids=["gptq-4-desc-act", "gptq_v2-8-fused-qkv", "gptq-2", "gptq-4-moe", "awq", "compressed-tensors-w4a16-group",
-        "compressed-tensors-w8a16-channel", "gptq-4-fused-qkv-in-order"])
+        "compressed-tensors-w8a16-channel", "gptq-4-fused-qkv-in-order", "gptq-8-mixtral"])
 def test_an_integer_quantized_checkpoint_equals_its_dequantized_model(checkpoint, engines, tmp_path, name: str,  # type: ignore[no-untyped-def]
                                                                       method: str, options: dict[str, Any]) -> None:
     """Integer weights as GPTQ (its original and v2 formats, 4 and 8 bits, groups in activation order, a
-    fused q/k/v, a mixture's experts), AutoAWQ and compressed-tensors store them: logits over the prompt and
-    greedy output through the engine equal transformers' on the dequantized model. Its reference, where
+    fused q/k/v, a mixture's experts: Qwen3's, Mixtral's), AutoAWQ and compressed-tensors store them: logits
+    over the prompt and greedy output through the engine equal transformers' on the dequantized model, with the
+    weights widened and (the Triton kernels') kept packed. Its reference, where
     this host can run one, is transformers' own loading through compressed-tensors (``run_compressed``
     false); AWQ's after compressed-tensors' own converter from AutoAWQ's layout; GPTQ's (whose libraries need
     a newer torch) the checkpoint of the weights the quantization stands for."""
     from transformers import CompressedTensorsConfig
 
+    from common.model.llama import Experts
     from common.model.packed_linear import IntLinear
     from common.model.weights import load_model
     from pdserve_kernels import reference, triton_ops
@@ -434,10 +467,13 @@ def test_an_integer_quantized_checkpoint_equals_its_dequantized_model(checkpoint
         awq_as_compressed_tensors,
         awq_checkpoint,
         compressed_tensors_checkpoint,
+        experts_one_by_one,
         gptq_checkpoint,
     )
 
     source, folder = checkpoint(name), tmp_path / "quantized"
+    if name.startswith("qwen3-moe"):  # as quantizers write a mixture's experts: one weight per expert (Mixtral's so)
+        source = experts_one_by_one(source, tmp_path / "one-by-one")
     decompress: dict[str, Any] = {"quantization_config": CompressedTensorsConfig(run_compressed=False)}
     if method == "gptq":
         reference_folder, decompress = tmp_path / "dequantized", {}
@@ -455,9 +491,13 @@ def test_an_integer_quantized_checkpoint_equals_its_dequantized_model(checkpoint
     assert model.arch.quantization == method
     torch.testing.assert_close(_logits(model, prompt), hf, atol=1e-4, rtol=1e-4)
     assert not any(isinstance(m, IntLinear) for m in model.modules())  # the torch backend widens them
-    # The Triton kernels keep them packed (those of a mixture's experts widened).
+    # The Triton kernels keep them packed, a mixture's experts' too.
     packed = load_model(folder, load_hf_config(folder), triton_ops, torch.float32, torch.device("cpu"), 64)
     int_linears = {n: m for n, m in packed.named_modules() if isinstance(m, IntLinear)}
+    experts = [m for m in packed.modules() if isinstance(m, Experts)]
+    assert len(experts) == sum(isinstance(m, Experts) for m in model.modules()) and bool(experts) == ("moe" in name)
+    assert all(e.bits == dict.fromkeys(("gate_up_proj", "down_proj"), options.get("bits", 4)) for e in experts)
+    assert all(e.down_proj_scales.dtype == torch.float16 for e in experts)  # the checkpoint's, not the model's
     dense = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith("_proj")]
     reordered = method == "gptq" and options.get("desc_act", True)  # its groups out of order: each input's group
     assert sorted(int_linears) == sorted(dense) and len(dense) >= 6

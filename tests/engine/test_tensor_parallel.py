@@ -134,6 +134,37 @@ def test_packed_weights_over_two_ranks_equal_transformers(checkpoint, engines, t
                                                                for p in prompts]
 
 
+@pytest.mark.parametrize("method", ["gptq", "fp8"])
+def test_packed_experts_over_two_ranks_equal_transformers(checkpoint, engines, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                          method: str) -> None:
+    """A mixture's experts quantized one by one (GPTQ 4 bits in groups of 16, or FP8 in blocks of 16 x 16) on the
+    Triton kernels over two ranks: each rank keeps its share of every expert packed (gate/up by their outputs, down
+    by its inputs), and the tokens are transformers' on the dequantized model."""
+    from common.model.llama import Experts
+    from tests.engine.test_lora import fp8_dequantized
+    from tests.engine.tiny_models import experts_one_by_one, fp8_checkpoint, gptq_checkpoint
+
+    source = experts_one_by_one(checkpoint("qwen3-moe-dense-layer"), tmp_path / "one-by-one")
+    folder, reference = tmp_path / method, tmp_path / "dequantized"
+    if method == "fp8":
+        reference = fp8_dequantized(fp8_checkpoint(source, folder), reference)
+    else:
+        gptq_checkpoint(source, folder, reference, bits=4, desc_act=False)
+    prompts = [prompt_token_ids(23), prompt_token_ids(10, seed=4)]
+    engine = _engine(engines, folder, max_num_batched_tokens=12, kernel_backend="triton")
+    experts = [m for m in engine.runner.model.modules() if isinstance(m, Experts)]
+    assert len(experts) == 2
+    for e in experts:  # each expert's 32 of the intermediate width: 16 on each rank
+        if method == "fp8":
+            assert e.fp8 == {"gate_up_proj", "down_proj"} and e.down_proj.shape[2] == 16
+            assert e.down_proj_scale_inv.shape[2] == 1 and e.gate_up_proj_scale_inv.shape[1] == 2
+        else:
+            assert e.bits == {"gate_up_proj": 4, "down_proj": 4} and e.down_proj_qweight.shape[2] == 16 * 4 // 32
+            assert e.down_proj_scales.shape[2] == 1 and e.gate_up_proj_qweight.shape[1] == 2 * 16
+    assert [o[0] for o in engine.generate(prompts, GREEDY)] == [hf_greedy(reference, p, GREEDY.max_tokens)
+                                                               for p in prompts]
+
+
 @pytest.mark.parametrize("name", ["deepseek-v2-lite-mla-moe-greedy", "deepseek-v3-mla-moe-yarn"])
 def test_multi_head_latent_attention_over_two_ranks_equals_transformers(checkpoint, engines, name: str) -> None:  # type: ignore[no-untyped-def]
     """DeepSeek's heads split over two ranks, the latent head whole on each: greedy equals transformers, with

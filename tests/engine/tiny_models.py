@@ -4,6 +4,7 @@ config and model classes, and transformers' greedy output for them (the referenc
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -526,6 +527,22 @@ def _experts_input_major(folder: Path) -> None:
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
+def experts_one_by_one(folder: Path, target: Path) -> Path:
+    """The checkpoint at ``folder`` with its stacked experts (``experts.gate_up_proj`` ``[E, 2I, H]``,
+    ``experts.down_proj``) written one weight per expert and projection (``experts.<e>.gate_proj.weight``, ``up_proj``,
+    ``down_proj``), as released mixtures hold them, and as GPTQ, AWQ and FP8 quantizers write them."""
+    from safetensors.torch import load_file, save_file
+
+    from ops.bench.quantized_weights import unstack_experts
+
+    target.mkdir(parents=True, exist_ok=True)
+    state = load_file(str(folder / "model.safetensors"))
+    unstack_experts(state)
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(folder / "config.json", target / "config.json")
+    return target
+
+
 # MXFP4's four-bit values by code, for ``mxfp4_checkpoint``'s rounding.
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
@@ -622,7 +639,7 @@ def _quantized_layers(state: dict[str, torch.Tensor]) -> list[str]:
     """The checkpoint's linear layers' weights within its decoder layers (not embeddings, norms, a mixture's
     router or the head: as GPTQ, AWQ and llm-compressor leave them)."""
     return [n for n in state if ".layers." in n and n.endswith(".weight") and state[n].dim() == 2
-            and not n.endswith(".mlp.gate.weight")]
+            and not n.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight"))]
 
 
 def _save_quantized(folder: Path, target: Path, out: dict[str, torch.Tensor], quantization: dict[str, Any]) -> Path:

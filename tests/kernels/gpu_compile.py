@@ -38,6 +38,7 @@ from pdserve_kernels import (
     triton_sampling,
 )
 from pdserve_kernels.launch_recorder import Launch, recording
+from pdserve_kernels.packed_weights import Fp8Weights, IntWeights
 
 # The most shared memory one program may use (opt-in), per SM version: a launch over it is refused.
 SHARED_MEMORY_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
@@ -203,6 +204,22 @@ def record_launches() -> list[Launch]:
             triton_moe.moe_experts(torch.empty(tokens, hidden, dtype=dtype), ids, torch.ones(tokens, k),
                                    torch.empty(experts, 2 * inter, hidden, dtype=dtype),
                                    torch.empty(experts, hidden, inter, dtype=dtype))
+        # Experts kept packed: Qwen3-30B-A3B's at 4 bits in groups of 128 (GPTQ, AWQ; fp16 scales), decode and
+        # prefill; DeepSeek-V3's in FP8 blocks of 128 x 128 (8 of them, 2048 wide; 32 here, not its 256), decode.
+        for name, tokens in (("decode", 64), ("prefill", 512)):
+            scenario[0] = f"moe_experts, Qwen3-30B-A3B GPTQ 4-bit experts, {name}, bf16"
+            ids = (torch.arange(tokens * 8) % 128).view(tokens, 8)
+            triton_moe.moe_experts(torch.empty(tokens, 2048, dtype=bf16), ids, torch.ones(tokens, 8),
+                                   *(IntWeights(torch.empty(128, out, inputs // 8, dtype=torch.int32),
+                                                torch.empty(128, out, inputs // 128, dtype=torch.uint8),
+                                                torch.empty(128, out, inputs // 128, dtype=torch.float16), 4)
+                                     for out, inputs in ((1536, 2048), (2048, 768))))
+        scenario[0] = "moe_experts, DeepSeek-V3 fp8 experts, decode, bf16"
+        ids = (torch.arange(16 * 8) % 32).view(16, 8)
+        triton_moe.moe_experts(torch.empty(16, 7168, dtype=bf16), ids, torch.ones(16, 8),
+                               *(Fp8Weights(torch.empty(32, out, inputs, dtype=torch.float8_e4m3fn),
+                                            torch.empty(32, out // 128, inputs // 128))
+                                 for out, inputs in ((4096, 7168), (7168, 2048))))
         # Packed integer weights: Llama-8B's MLP down projection at 4 bits, groups of 128 (GPTQ, AWQ; fp16 scales),
         # over a decode step and a prefill chunk; 8 bits per channel (bf16 scales, W8A16); 2 bits with a bias.
         for name, dtype, bits, groups, scales, tokens, bias in (

@@ -1,7 +1,8 @@
 """A mixture's experts in Triton (``triton_moe.moe_experts``) against the torch reference, under the
 interpreter: every dtype, routing weights in float32 or the dtype, widths that are no multiple of a
 tile, experts no token chose, one expert and one slot, and more pairs than a decode step has (the
-wider row tile); and the grouping of pairs by expert that both products read."""
+wider row tile); experts' weights kept quantized (packed integers, FP8 blocks); and the grouping of pairs by expert
+that both products read."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (see
 import pytest
 import torch
 
+from common.model.quantization import IntValues
 from pdserve_kernels import reference, triton_moe
+from pdserve_kernels.packed_weights import Fp8Weights, IntWeights, expert_count, expert_weight
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -47,6 +50,67 @@ def test_the_kernel_computes_the_reference(num_tokens: int, hidden: int, inter: 
         # reference rounds it.
         tol = {F32: 1e-5, F16: 2e-3, BF16: 2e-2}[dtype]
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def _int_experts(num_experts: int, out: int, inputs: int, group: int, bits: int, scales_dtype: torch.dtype,
+                 seed: int) -> IntWeights:
+    """Random packed integer weights for each expert (``IntValues.pack``'s layout, stacked)."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = []
+    for _ in range(num_experts):
+        q = torch.randint(0, 1 << bits, (out, inputs), generator=gen, dtype=torch.int32)
+        zeros = torch.randint(0, 1 << bits, (out, inputs // group), generator=gen, dtype=torch.int32)
+        scales = ((torch.rand(out, inputs // group, generator=gen) + 0.5) * 4 / inputs**0.5 / (1 << bits)).to(scales_dtype)
+        packed.append(IntValues(q, zeros, scales, None, bits).checked().pack())
+    return IntWeights(*(torch.stack([p[name] for p in packed]) for name in ("qweight", "qzeros", "scales")), bits)
+
+
+def _fp8_experts(num_experts: int, out: int, inputs: int, block: tuple[int, int], seed: int) -> Fp8Weights:
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(num_experts, out, inputs, generator=gen) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    grid = (out // block[0], inputs // block[1])
+    return Fp8Weights(weight, (torch.rand(num_experts, *grid, generator=gen) + 0.5) * 0.04 / inputs**0.5)
+
+
+def _widened(weights: IntWeights | Fp8Weights, dtype: torch.dtype) -> torch.Tensor:
+    return torch.stack([expert_weight(weights, e, dtype) for e in range(expert_count(weights))])
+
+
+@pytest.mark.parametrize(("num_tokens", "used"), [(3, None), (300, 5)])  # a decode step; a prefill chunk
+@pytest.mark.parametrize("quantization", ["int2", "int4", "int8", "fp8", "fp8+bf16-down"])
+@pytest.mark.parametrize(("dtype", "scales_dtype"), [(F32, F32), (F16, F16), (BF16, BF16)])
+def test_packed_experts_multiply_as_their_widened_weights(num_tokens: int, used: int | None, quantization: str,
+                                                          dtype: torch.dtype, scales_dtype: torch.dtype) -> None:
+    """Each projection's weights kept quantized (integers in groups, FP8 in blocks; one projection packed and the
+    other widened): the torch reference widens each expert hit as the loader widens a checkpoint, so it equals
+    itself over the widened weights exactly; so does the Triton kernel, which widens each tile as it reads it, and
+    it equals the reference but for the order of its sums."""
+    num_experts, hidden, inter, top_k = 6, 96, 64, 2
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    ids, weights = _routing(num_tokens, num_experts, top_k, seed=num_tokens, used=used)
+    w13: IntWeights | Fp8Weights | torch.Tensor
+    if quantization.startswith("int"):
+        bits = int(quantization[3:])
+        w13 = _int_experts(num_experts, 2 * inter, hidden, 32, bits, scales_dtype, seed=1)
+        w2: IntWeights | Fp8Weights | torch.Tensor = _int_experts(num_experts, hidden, inter, 16, bits, scales_dtype,
+                                                                   seed=2)
+    else:
+        w13 = _fp8_experts(num_experts, 2 * inter, hidden, (32, 32), seed=1)
+        w2 = _fp8_experts(num_experts, hidden, inter, (16, 32), seed=2)
+        if quantization.endswith("bf16-down"):  # a projection left unquantized, the other packed
+            w2 = _widened(w2, dtype)
+    wide13 = _widened(w13, dtype) if not isinstance(w13, torch.Tensor) else w13
+    wide2 = _widened(w2, dtype) if not isinstance(w2, torch.Tensor) else w2
+    want = reference.moe_experts(x, ids, weights, wide13, wide2)
+    assert want.abs().max() > 0.1  # the weights' values reach the output
+    assert torch.equal(reference.moe_experts(x, ids, weights, w13, w2), want)
+    got = triton_moe.moe_experts(x, ids, weights, w13, w2)
+    assert torch.equal(got, triton_moe.moe_experts(x, ids, weights, wide13, wide2))
+    # Outputs of several units, each product and the activation rounded to the dtype: a tolerance of the largest
+    # output's size.
+    tol = {F32: 1e-5, F16: 4e-3, BF16: 4e-2}[dtype] * float(want.abs().max())
+    torch.testing.assert_close(got, want, atol=tol, rtol=0)
 
 
 def test_pairs_are_grouped_by_expert_in_whole_tiles() -> None:

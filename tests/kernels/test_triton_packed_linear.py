@@ -95,8 +95,8 @@ def test_a_decode_step_splits_its_inputs_and_a_prefill_chunk_does_not() -> None:
 
 def test_a_stack_stays_packed_only_whole_and_alike() -> None:
     """q/k/v (and gate/up) stay packed together or not at all: not where one part is unquantized or has another
-    width or group size; an ungated MLP's up projection alone; not a mixture's experts; over two ranks, not a
-    projection whose inputs the ranks split where its groups do not split evenly."""
+    width or group size; an ungated MLP's up projection alone; a mixture's experts all alike; over two ranks, not
+    a projection whose inputs the ranks split where its groups do not split evenly."""
     from common.model.packed_linear import int_kind, packed_layers
 
     four, eight, other_groups = _values(8, 64, 16, 4, F16, 0), _values(8, 64, 16, 8, F16, 0), _values(8, 64, 32, 4, F16, 0)
@@ -117,7 +117,17 @@ def test_a_stack_stays_packed_only_whole_and_alike() -> None:
     assert kept({**dict.fromkeys(qkv, reordered), f"{attn}.v_proj": other_order}) == set()
     assert kept({f"{attn}.o_proj": reordered}, tp_size=2) == set()  # the ranks would split its inputs' groups
     assert kept({"model.layers.0.mlp.up_proj": four}) == {"model.layers.0.mlp.up_proj"}
-    assert kept({"model.layers.0.mlp.experts.3.down_proj": four, "lm_head": four}) == set()
+    assert kept({"lm_head": four}) == set()
+    # A mixture's experts: every expert's gate and up (or down) alike, or none; not in their own groups' orders.
+    experts = "model.layers.0.mlp.experts"
+    gate_up = {f"{experts}.{e}.{p}": four for e in range(3) for p in ("gate_proj", "up_proj")}
+    down = {f"{experts}.{e}.down_proj": four for e in range(3)}
+    assert kept({**gate_up, **down}) == set(gate_up) | set(down)
+    assert kept({**gate_up, f"{experts}.2.up_proj": eight, **down}) == set(down)
+    assert kept({**gate_up, **down, f"{experts}.1.down_proj": other_groups}) == set(gate_up)
+    assert kept({**gate_up, **down}, frozenset({f"{experts}.0.down_proj"})) == set(gate_up)
+    assert kept(dict.fromkeys(down, reordered)) == set()
+    assert kept({f"{experts}.down_proj": four}) == {f"{experts}.down_proj"}  # stacked in the checkpoint
     # 64 inputs in 4 groups of 16 split over 8 ranks: half a group each.
     assert kept({f"{attn}.o_proj": four}, tp_size=2) == {f"{attn}.o_proj"}
     assert kept({f"{attn}.o_proj": four}, tp_size=8) == set()
@@ -153,3 +163,6 @@ def test_an_fp8_layer_stays_packed_only_in_whole_blocks_of_e4m3() -> None:
     assert fp8_kind(weight, torch.ones(5, 3)) is None  # blocks that do not tile it
     assert fp8_kind(weight, torch.ones(())) is None  # one scale for all
     assert fp8_kind(weight.to(torch.float8_e5m2), scales) is None
+    # A mixture's experts stacked ([E, out, in]): a grid per expert.
+    assert fp8_kind(weight.expand(3, 64, 96), scales.expand(3, 4, 3)) == ("fp8", 16, 32)
+    assert fp8_kind(weight.expand(3, 64, 96), scales) is None

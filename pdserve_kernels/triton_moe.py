@@ -19,7 +19,7 @@ Rows past a group's end (padding) are masked; a tile whose rows are all padding 
 does nothing. The tile sizes are fixed, not tuned per GPU.
 
 Either projection's weights may stay quantized in memory (``pdserve_kernels.packed_weights``: a GPTQ, AWQ,
-compressed-tensors or block-wise FP8 checkpoint's experts): step 2 then widens each tile of the expert's weights as
+compressed-tensors, block-wise FP8 or MXFP4 checkpoint's experts): step 2 then widens each tile of the expert's weights as
 it reads it, as ``triton_packed_linear`` does a dense projection's, so the product is the one with the weights the
 checkpoint widens to.
 """
@@ -31,7 +31,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pdserve_kernels.packed_weights import ExpertWeights, Fp8Weights, IntWeights, expert_count
+from pdserve_kernels.packed_weights import (
+    MXFP4_GROUP,
+    ExpertWeights,
+    Fp8Weights,
+    IntWeights,
+    Mxfp4Weights,
+    expert_count,
+)
 from pdserve_kernels.reference import gpt_oss_swiglu
 from pdserve_kernels.triton_act import silu_mul
 from pdserve_kernels.triton_common import dot, dot_constexprs
@@ -45,15 +52,16 @@ def _moe_matmul_kernel(
     stride_a_row, stride_w_expert, stride_w_n, stride_w_k, stride_s_expert, stride_s_n, stride_c_row,
     stride_bias_expert,
     TOP_K: tl.constexpr, A_ROW_IS_PAIR: tl.constexpr, WEIGHTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PACKED: tl.constexpr, FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
+    PACKED: tl.constexpr, FP8: tl.constexpr, MXFP4: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WIDEN_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """``c[pair, n] = sum_k a[row(pair), k] * w[expert, n, k]`` for the pairs of one tile, all of one
     expert; ``row(pair)`` is the pair's token (``pair // TOP_K``) or the pair itself. With ``PACKED``, the
-    expert's weights stay quantized (``z_ptr`` and ``s_ptr`` its zero points and scales, or with ``FP8`` its blocks'
-    scales) and each tile is widened as it is read (``triton_packed_linear.widened_tile``), groups of ``GROUP``
-    inputs (``SCALE_ROWS`` outputs to an FP8 block)."""
+    expert's weights stay quantized (``z_ptr`` and ``s_ptr`` its zero points and scales, with ``FP8`` its blocks'
+    scales, with ``MXFP4`` its groups' exponents) and each tile is widened as it is read
+    (``triton_packed_linear.widened_tile``), groups of ``GROUP`` inputs (``SCALE_ROWS`` outputs to an FP8 block)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < num_experts:  # else a tile past the last group
@@ -75,7 +83,7 @@ def _moe_matmul_kernel(
             if PACKED:
                 s_base = expert * stride_s_expert
                 b = widened_tile(w_base, z_ptr + s_base, s_ptr + s_base, offs_n, offs_k, offs_k // GROUP, b_mask,
-                                 stride_w_n, stride_s_n, a.dtype, FP8, BITS, SCALE_ROWS)
+                                 stride_w_n, stride_s_n, a.dtype, FP8, MXFP4, BITS, SCALE_ROWS)
             else:
                 b = tl.load(w_base + offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k, mask=b_mask,
                             other=0.0)
@@ -128,6 +136,10 @@ def align_pairs(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tenso
     return pairs, torch.searchsorted(padded_end, starts, right=True, out_int32=True)
 
 
+# The kernel's constants for weights as they are (a packed form's override some).
+_PLAIN = {"PACKED": False, "FP8": False, "MXFP4": False, "BITS": 8, "GROUP": 1, "SCALE_ROWS": 1}
+
+
 def _operands(w: ExpertWeights) -> tuple[Tensor, Tensor | None, Tensor | None, int, int, dict[str, int]]:
     """The tensors ``_moe_matmul_kernel`` reads for stacked weights (values, zero points, scales), their outputs and
     inputs per expert, and how to widen them."""
@@ -135,16 +147,20 @@ def _operands(w: ExpertWeights) -> tuple[Tensor, Tensor | None, Tensor | None, i
         k = w.qweight.shape[2] * 32 // w.bits
         assert w.qweight.dtype == torch.int32 and w.qzeros.shape == w.scales.shape and k % w.scales.shape[2] == 0
         assert w.qzeros.stride() == w.scales.stride(), "zero points and scales must share their layout"
-        mode = {"PACKED": True, "FP8": False, "BITS": w.bits, "GROUP": k // w.scales.shape[2], "SCALE_ROWS": 1}
-        return w.qweight, w.qzeros, w.scales, w.qweight.shape[1], k, mode
+        mode = {"PACKED": True, "BITS": w.bits, "GROUP": k // w.scales.shape[2]}
+        return w.qweight, w.qzeros, w.scales, w.qweight.shape[1], k, {**_PLAIN, **mode}
     if isinstance(w, Fp8Weights):
         _, n, k = w.weight.shape
         grid = w.scale_inv.shape[1:]
         assert w.weight.dtype == torch.float8_e4m3fn and n % grid[0] == 0 and k % grid[1] == 0, "whole blocks"
-        mode = {"PACKED": True, "FP8": True, "BITS": 8, "GROUP": k // grid[1], "SCALE_ROWS": n // grid[0]}
-        return w.weight, None, w.scale_inv, n, k, mode
-    return w, None, None, w.shape[1], w.shape[2], {"PACKED": False, "FP8": False, "BITS": 8, "GROUP": 1,
-                                                   "SCALE_ROWS": 1}
+        mode = {"PACKED": True, "FP8": True, "GROUP": k // grid[1], "SCALE_ROWS": n // grid[0]}
+        return w.weight, None, w.scale_inv, n, k, {**_PLAIN, **mode}
+    if isinstance(w, Mxfp4Weights):
+        _, n, half = w.blocks.shape
+        assert w.blocks.dtype == w.scales.dtype == torch.uint8 and w.scales.shape == (w.blocks.shape[0], n, half // 16)
+        return w.blocks, None, w.scales, n, 2 * half, {**_PLAIN, "PACKED": True, "MXFP4": True, "BITS": 4,
+                                                       "GROUP": MXFP4_GROUP}
+    return w, None, None, w.shape[1], w.shape[2], _PLAIN
 
 
 def _matmul(a: Tensor, w: ExpertWeights, pairs: Tensor, block_expert: Tensor, num_pairs: int, top_k: int,

@@ -27,11 +27,25 @@ from pdserve_kernels.triton_common import dot, dot_constexprs, rounded_to
 
 @triton.jit
 def widened_tile(w_ptr, z_ptr, s_ptr, cols, offs_k, group, mask, stride_w, stride_s, dtype: tl.constexpr,
-                 FP8: tl.constexpr, BITS: tl.constexpr, SCALE_ROWS: tl.constexpr):
+                 FP8: tl.constexpr, MXFP4: tl.constexpr, BITS: tl.constexpr, SCALE_ROWS: tl.constexpr):
     """``[BLOCK_K, BLOCK_N]``: the weight of input ``offs_k`` (in group ``group``) to output ``cols``, in ``dtype``, as
     the checkpoint widens it (see ``_widening_linear_kernel``); ``mask``'s entries 0. ``w_ptr``, ``z_ptr`` and ``s_ptr``
-    point at one matrix's values, zero points and scales (rows ``stride_w`` and ``stride_s`` apart)."""
-    if FP8:
+    point at one matrix's values, zero points and scales (rows ``stride_w`` and ``stride_s`` apart). ``MXFP4``: two
+    e2m1 values a byte (the low four bits first), times the group's power of two ``2 ** (s - 127)`` (a byte), in
+    float32, rounded once (``pdserve_kernels.packed_weights.widen_mxfp4``)."""
+    if MXFP4:
+        byte = tl.load(w_ptr + cols[None, :] * stride_w + (offs_k // 2)[:, None], mask=mask, other=0).to(tl.int32)
+        code = (byte >> ((offs_k % 2) * 4)[:, None]) & 0xF
+        # e2m1 in halves: exponent 0, the mantissa bit (0 or 0.5); else (2 + mantissa) * 2 ** (exponent - 1).
+        exponent = (code >> 1) & 3
+        halves = tl.where(exponent == 0, code & 1, (2 + (code & 1)) << tl.maximum(exponent - 1, 0))
+        value = tl.where(code >= 8, -0.5, 0.5) * halves.to(tl.float32)
+        e8m0 = tl.load(s_ptr + cols[None, :] * stride_s + group[:, None], mask=mask, other=127).to(tl.int32)
+        # 2 ** (s - 127) from its bits; 2 ** -127, a subnormal, as 2 ** -64 then 2 ** -63 (the first product exact).
+        power = tl.where(e8m0 == 0, 2.0**-64, (e8m0 << 23).to(tl.float32, bitcast=True))
+        product = value * power
+        w = rounded_to(tl.where(e8m0 == 0, product * 2.0**-63, product), dtype)
+    elif FP8:
         value = tl.load(w_ptr + cols[None, :] * stride_w + offs_k[:, None], mask=mask, other=0.0)
         scale = tl.load(s_ptr + (cols // SCALE_ROWS)[None, :] * stride_s + group[:, None], mask=mask, other=0.0)
         w = rounded_to(value.to(tl.float32) * scale.to(tl.float32), dtype)
@@ -85,7 +99,7 @@ def _widening_linear_kernel(
         else:
             group = offs_k // GROUP
         w = widened_tile(w_ptr, z_ptr, s_ptr, cols, offs_k, group, wk_mask, stride_w, stride_s, a.dtype,
-                         FP8, BITS, SCALE_ROWS)
+                         FP8, False, BITS, SCALE_ROWS)
         acc += dot(a, w, WIDEN_DOT, DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]

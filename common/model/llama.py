@@ -45,7 +45,7 @@ from common.model.arch import (
 from common.model.loader import classifier_architecture, headless_architecture, num_labels
 from common.model.parallel import SINGLE, TensorParallel
 from pdserve_kernels import reference
-from pdserve_kernels.packed_weights import ExpertWeights, Fp8Weights, IntWeights
+from pdserve_kernels.packed_weights import MXFP4_GROUP, ExpertWeights, Fp8Weights, IntWeights, Mxfp4Weights
 from pdserve_kernels.reference import NORM_LLAMA
 
 if TYPE_CHECKING:
@@ -374,7 +374,8 @@ class Experts(nn.Module):
     expert's gate and up, as ``MLP.gate_up_proj``), ``down_proj`` ``[E, H, I]``; transformers' layout, into
     which ``common.model.weights.stack_experts`` stacks a checkpoint's experts as it loads them.
 
-    Either projection's weights may stay quantized as the checkpoint holds them (``hold_int``, ``hold_fp8``), for
+    Either projection's weights may stay quantized as the checkpoint holds them (``hold_int``, ``hold_fp8``,
+    ``hold_mxfp4``), for
     kernels that widen them as they multiply (``common.model.packed_linear``); ``weights`` gives each as
     ``moe_experts`` takes it."""
 
@@ -390,6 +391,7 @@ class Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
         self.bits: dict[str, int] = {}  # a projection's bits per value, where its weights are packed integers
         self.fp8: set[str] = set()  # projections whose weights are block-wise FP8
+        self.mxfp4: set[str] = set()  # projections whose weights are MXFP4 (gpt-oss's)
 
     def hold_int(self, projection: str, bits: int, groups: int, scales_dtype: torch.dtype) -> None:
         """``projection``'s weights as packed integers of ``bits`` in ``groups`` contiguous groups of inputs
@@ -414,6 +416,18 @@ class Experts(nn.Module):
         setattr(self, f"{projection}_scale_inv", frozen_parameter(experts, *grid, dtype=torch.float32))
         self.fp8.add(projection)
 
+    def hold_mxfp4(self, projection: str) -> None:
+        """``projection``'s weights in MXFP4, as gpt-oss's checkpoints hold them (``Mxfp4Weights``' layout):
+        ``<projection>_blocks`` ``[E, out, in / 2]`` bytes of two e2m1 values and ``_scales`` ``[E, out, in / 32]``, each
+        group's exponent, in its ``[E, out, in]`` weight's place."""
+        experts, out, inputs = getattr(self, projection).shape
+        if inputs % MXFP4_GROUP:
+            raise ValueError(f"{projection}: {inputs} inputs are not whole groups of {MXFP4_GROUP}")
+        delattr(self, projection)
+        setattr(self, f"{projection}_blocks", frozen_parameter(experts, out, inputs // 2, dtype=torch.uint8))
+        setattr(self, f"{projection}_scales", frozen_parameter(experts, out, inputs // MXFP4_GROUP, dtype=torch.uint8))
+        self.mxfp4.add(projection)
+
     def checkpoint_dtype_tensors(self) -> list[str]:
         """The packed weights' scales, which keep the checkpoint's dtype when the model is cast to its own."""
         return [f"{p}_scales" for p in self.bits] + [f"{p}_scale_inv" for p in sorted(self.fp8)]
@@ -423,13 +437,16 @@ class Experts(nn.Module):
         if projection in self.bits:
             return IntWeights(getattr(self, f"{projection}_qweight"), getattr(self, f"{projection}_qzeros"),
                               getattr(self, f"{projection}_scales"), self.bits[projection])
+        if projection in self.mxfp4:
+            return Mxfp4Weights(getattr(self, f"{projection}_blocks"), getattr(self, f"{projection}_scales"))
         weight: Tensor = getattr(self, projection)
         if projection in self.fp8:
             return Fp8Weights(weight.view(torch.float8_e4m3fn), getattr(self, f"{projection}_scale_inv"))
         return weight
 
     def extra_repr(self) -> str:
-        packed = [f"{p}={self.bits[p]}-bit" for p in self.bits] + [f"{p}=fp8" for p in sorted(self.fp8)]
+        packed = [f"{p}={self.bits[p]}-bit" for p in self.bits] + [f"{p}=fp8" for p in sorted(self.fp8)] + \
+            [f"{p}=mxfp4" for p in sorted(self.mxfp4)]
         return ", ".join(packed)
 
 

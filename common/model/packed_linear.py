@@ -13,7 +13,8 @@ tensor-parallel ranks, integer layers whose inputs the ranks split and whose gro
 of order (``desc_act``); FP8 layers with a single scale or with blocks the ranks' shares would cut, on a GPU
 without float8 conversions (before compute capability 8.9), or attention projections in a family whose q/k rows
 the loader reorders or splits (interleaved RoPE, GPT-NeoX's fused q/k/v). A projection kept packed is an
-``IntLinear`` or an ``Fp8Linear`` in the model, a mixture's experts hold theirs packed (``to_packed_layers``).
+``IntLinear`` or an ``Fp8Linear`` in the model, a mixture's experts hold theirs packed (``to_packed_layers``);
+gpt-oss's MXFP4 experts too, which the loader keeps as they are (every expert alike).
 """
 
 from __future__ import annotations
@@ -166,15 +167,16 @@ class Fp8Linear(nn.Module):
 # cast to its dtype).
 _CHECKPOINT_DTYPE = {IntLinear: ("scales",), Fp8Linear: ("weight_scale_inv",)}
 # A mixture's experts' packed weights, stacked: their values (integers) or their blocks' scales (FP8).
-_PACKED_EXPERTS = re.compile(r"^(?P<module>.+\.experts)\.(?P<projection>gate_up_proj|down_proj)_(?P<kind>qweight|scale_inv)$")
+_PACKED_EXPERTS = re.compile(r"^(?P<module>.+\.experts)\.(?P<projection>gate_up_proj|down_proj)_"
+                             r"(?P<kind>qweight|scale_inv|blocks)$")
 
 
 def to_packed_layers(model: nn.Module, state: dict[str, Tensor], kernels: ModuleType, dtype: torch.dtype) -> list[str]:
     """In place: each ``nn.Linear`` of ``model`` whose weights ``state`` holds packed (``<name>.qweight``, or
     ``<name>.weight_scale_inv`` beside an 8-bit ``<name>.weight``, as its rank holds them) made an ``IntLinear`` or
     ``Fp8Linear`` of the same inputs and outputs, and each mixture's experts whose stacked weights it holds packed
-    (``<experts>.<projection>_qweight``, or ``_scale_inv`` beside 8-bit weights) made to hold them so (``Experts``:
-    ``hold_int``, ``hold_fp8``); ``model`` is built on the meta device, its tensors assigned from ``state`` after.
+    (``<experts>.<projection>_qweight``, ``_scale_inv`` beside 8-bit weights, or MXFP4's ``_blocks``) made to hold
+    them so (``Experts``: ``hold_int``, ``hold_fp8``, ``hold_mxfp4``); ``model`` is built on the meta device, its tensors assigned from ``state`` after.
     Returns the names of the packed weights' scales, which keep the checkpoint's dtype when the model is cast to its
     own. Packed weights for anything else are a checkpoint mismatch."""
     kept_dtype = []
@@ -204,7 +206,9 @@ def to_packed_layers(model: nn.Module, state: dict[str, Tensor], kernels: Module
         if not isinstance(experts, Experts):
             raise ValueError(f"checkpoint mismatch: packed weights for {match['module']}, which are not experts")
         with torch.device("meta"):
-            if match["kind"] == "qweight":
+            if match["kind"] == "blocks":
+                experts.hold_mxfp4(projection)
+            elif match["kind"] == "qweight":
                 words, scales = state[match[0]].shape[2], state[f"{match['module']}.{projection}_scales"]
                 inputs = getattr(experts, projection).shape[2]
                 experts.hold_int(projection, _bits(f"{match['module']}.{projection}", words, inputs), scales.shape[2],

@@ -127,9 +127,10 @@ def shard_rules(num_heads: int, num_kv_heads: int, head_size: int,
         rf"\.mlp(\.shared_expert)?\.up_proj\.({weight}|bias)": _ROWS,  # an ungated MLP's
         rf"\.mlp(\.shared_expert)?\.down_proj\.{weight}": _COLUMNS,
         r"\.(self_attn\.o_proj|mlp(\.shared_expert)?\.down_proj)\.bias": _ONCE,
-        # [E, 2I, H], [E, 2I]: each expert's [gate_r; up_r]; packed ([E, 2I, words], [E, 2I, groups]) alike
-        r"\.mlp\.experts\.gate_up_proj(_bias|_qweight|_qzeros|_scales)?": Shard(1, 2),
-        r"\.mlp\.experts\.down_proj(_qweight|_qzeros|_scales)?": Shard(2),  # [E, H, I]; [E, H, words or groups]
+        # [E, 2I, H], [E, 2I]: each expert's [gate_r; up_r]; packed ([E, 2I, words or bytes], [E, 2I, groups]) alike
+        r"\.mlp\.experts\.gate_up_proj(_bias|_qweight|_qzeros|_scales|_blocks)?": Shard(1, 2),
+        # [E, H, I]; packed, [E, H, words, bytes or groups]
+        r"\.mlp\.experts\.down_proj(_qweight|_qzeros|_scales|_blocks)?": Shard(2),
         r"\.mlp\.experts\.down_proj_bias": _ONCE,
         **({r"\.self_attn\.q_norm\.(weight|bias)": _ROWS,
             r"\.self_attn\.k_norm\.(weight|bias)": Shard(0, blocks=(replicated,))} if per_head_norms else {}),

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pdserve_kernels.packed_weights import widen_mxfp4
 from pdserve_kernels.reference import widen_fp8
 
 QUANT_MXFP4 = "mxfp4"
@@ -257,25 +258,18 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.d
     return widen_fp8(weight, scale_inv, dtype)
 
 
-# MXFP4's four-bit values (e2m1), by code: the high bit the sign.
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """gpt-oss's MXFP4 experts widened to ``dtype``: ``blocks`` ``[E, rows, groups, 16]`` bytes, each two
     e2m1 values (the low four bits first), ``scales`` ``[E, rows, groups]``, each group's power of two
     (e8m0: 2 ** (s - 127)). Returns ``[E, groups * 32, rows]``, the layout of gpt-oss's unquantized
     checkpoints (input-major). Every value is a small integer over a power of two, exact in float32 and
-    in bfloat16, so the widening is exact, as transformers' own; one expert at a time, to bound the
-    temporaries of a large checkpoint."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+    in bfloat16, so the widening is exact, as transformers' own (``pdserve_kernels.packed_weights.widen_mxfp4``);
+    one expert at a time, to bound the temporaries of a large checkpoint."""
+    if blocks.dim() != 4 or blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} do not fit scales "
                          f"{tuple(scales.shape)} {scales.dtype}")
-    values = torch.tensor(_E2M1, dtype=torch.float32)
     num_experts, rows, groups, num_bytes = blocks.shape
-    out = torch.empty(num_experts, rows, groups, 2 * num_bytes, dtype=dtype)
+    out = torch.empty(num_experts, rows, groups * 2 * num_bytes, dtype=dtype)
     for e in range(num_experts):
-        codes = torch.stack(((blocks[e] & 0x0F).long(), (blocks[e] >> 4).long()), dim=-1).flatten(-2)
-        powers = torch.exp2(scales[e].float() - 127)[..., None]
-        out[e] = (values[codes] * powers).to(dtype)
-    return out.reshape(num_experts, rows, groups * 2 * num_bytes).transpose(1, 2)
+        out[e] = widen_mxfp4(blocks[e].reshape(rows, -1), scales[e], dtype)
+    return out.transpose(1, 2)

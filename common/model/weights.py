@@ -267,7 +267,8 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
              image_text: bool, packs: bool, fp8: bool) -> None:
     """A part of the checkpoint (one layer's tensors, or those of no layer) as the model names and shapes them,
     whole: widened from 8 or 4 bits (or, with ``packs``, kept packed where ``common.model.packed_linear.packed_layers``
-    allows; FP8 weights only with ``fp8`` too), the vision tower dropped, renamed, split and stacked."""
+    allows, FP8 weights only with ``fp8`` too; gpt-oss's MXFP4 experts where the ranks' shares are whole groups), the
+    vision tower dropped, renamed, split and stacked."""
     model_type = model.arch.model_type
     # The loader reorders or splits q/k rows of these families, across FP8 scales' blocks; KV heads fewer than the
     # ranks are shared by head, not by the ranks' equal shares.
@@ -352,7 +353,13 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
     if model.arch.quantization == QUANT_MXFP4:
         for name in [n for n in state if n.endswith("_blocks")]:
             base = name.removesuffix("_blocks")
-            state[base] = dequantize_mxfp4(state.pop(name), state.pop(base + "_scales"), dtype)
+            blocks, scales = state.pop(name), state.pop(base + "_scales")
+            # Kept packed, each row's bytes in one run, where the ranks would split the inputs by whole groups.
+            if packs and blocks.dim() == 4 and blocks.shape[:-1] == scales.shape and \
+                    (not base.endswith(".down_proj") or scales.shape[2] % model.tp.size == 0):
+                state[name], state[base + "_scales"] = blocks.flatten(2), scales
+            else:
+                state[base] = dequantize_mxfp4(blocks, scales, dtype)
     if model.arch.model_type == "gpt_oss":
         gpt_oss_experts(state)
     # Qwen3-VL-MoE as released: [E, H, 2I] and [E, I, H], turned where so; Llama 4's always so.
@@ -515,12 +522,13 @@ def gpt_oss_experts(state: dict[str, torch.Tensor]) -> None:
     """In place: gpt-oss's experts as ``Experts`` holds them. Its checkpoints keep each projection's
     weight input-major (``gate_up_proj`` ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``) and the gate and up
     columns interleaved (gate, up, gate, up, ...), biases too: transposed here, and the gate's columns put
-    before the up's."""
-    for name in [n for n in state if n.endswith(".mlp.experts.gate_up_proj")]:
-        w = state[name].transpose(1, 2)  # [E, 2I, H], rows interleaved
-        state[name] = torch.cat((w[:, 0::2], w[:, 1::2]), dim=1).contiguous()
-        bias = state.get(name + "_bias")
-        if bias is not None:
-            state[name + "_bias"] = torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1).contiguous()
-    for name in [n for n in state if n.endswith(".mlp.experts.down_proj")]:
-        state[name] = state[name].transpose(1, 2).contiguous()  # [E, H, I]
+    before the up's. MXFP4 weights kept packed (``_blocks``, ``_scales``: a row per output already) have their
+    gate and up rows put so too."""
+    for name in [n for n in state if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
+        state[name] = state[name].transpose(1, 2)  # [E, 2I, H] (rows interleaved), [E, H, I]
+    for name in [n for n in state if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.gate_up_proj_bias",
+                                                 ".mlp.experts.gate_up_proj_blocks", ".mlp.experts.gate_up_proj_scales"))]:
+        rows = state[name]
+        state[name] = torch.cat((rows[:, 0::2], rows[:, 1::2]), dim=1)
+    for name in [n for n in state if ".mlp.experts." in n]:
+        state[name] = state[name].contiguous()

@@ -21,6 +21,7 @@ import dataclasses
 import datetime as dt
 import functools
 import json
+import math
 import os
 import platform
 import re
@@ -573,9 +574,10 @@ MOE_SHAPES = (("Qwen3-30B-A3B", 2048, 768, 128, 8), ("Mixtral-8x7B", 4096, 14336
 
 def packed_experts(w: torch.Tensor, form: str, group: int, gen: torch.Generator) -> Any:
     """Random packed weights of ``w``'s shape ``[E, out, in]`` in ``form`` ("gptq-4": 4-bit values, a float16 scale
-    and zero point per ``group`` inputs; "fp8": e4m3, a float32 scale per ``group x group`` block), or ``w`` itself
-    ("bf16"); the values are random, not ``w``'s (the product is checked against its own widened weights)."""
-    from pdserve_kernels.packed_weights import Fp8Weights, IntWeights
+    and zero point per ``group`` inputs; "fp8": e4m3, a float32 scale per ``group x group`` block; "mxfp4": e2m1
+    values, a power of two per 32 inputs), or ``w`` itself ("bf16"); the values are random, not ``w``'s (the product
+    is checked against its own widened weights)."""
+    from pdserve_kernels.packed_weights import MXFP4_GROUP, Fp8Weights, IntWeights, Mxfp4Weights
 
     experts, out, inputs = w.shape
     device = w.device
@@ -592,6 +594,13 @@ def packed_experts(w: torch.Tensor, form: str, group: int, gen: torch.Generator)
         scale_inv = (torch.rand(experts, out // group, inputs // group, device=device, generator=gen) + 0.5) * 0.01 \
             / inputs**0.5
         return Fp8Weights(weight, scale_inv)
+    if form == "mxfp4":  # values of about 2 times 2 ** (-log2(in) / 2 - 2): 1 / sqrt(in), as trained weights'
+        blocks = torch.randint(0, 256, (experts, out, inputs // 2), device=device, generator=gen,
+                               dtype=torch.int32).to(torch.uint8)
+        exponent = 127 - 2 - round(math.log2(inputs) / 2)
+        scales = torch.randint(exponent - 1, exponent + 2, (experts, out, inputs // MXFP4_GROUP), device=device,
+                               generator=gen, dtype=torch.int32).to(torch.uint8)
+        return Mxfp4Weights(blocks, scales)
     return w
 
 
@@ -603,12 +612,13 @@ def _expert_bytes(w: Any) -> int:
 
 def bench_moe(report: Report, ops: Any, ref: Any, shapes: tuple[tuple[str, int, int, int, int], ...] = MOE_SHAPES,
               token_counts: tuple[int, ...] = (1, 64, 2048), device: str = DEVICE, time_it: bool = True,
-              forms: tuple[str, ...] = ("bf16", "gptq-4", "fp8"), group: int = 128) -> None:
+              forms: tuple[str, ...] = ("bf16", "gptq-4", "fp8", "mxfp4"), group: int = 128) -> None:
     """A mixture's experts (``moe_experts``): the Triton grouped products against the torch loop over the
     experts hit, checked against a float32 reference of the same weights, then both timed at decode and
     prefill token counts, beside a copy of the bytes of the experts a step reads. Each weights' ``forms``: bf16,
-    and kept packed as GPTQ's 4-bit values in groups of ``group`` inputs or FP8 in ``group x group`` blocks (the
-    Triton kernel widens each tile as it reads it; the reference widens each expert hit)."""
+    and kept packed as GPTQ's 4-bit values in groups of ``group`` inputs, FP8 in ``group x group`` blocks or MXFP4
+    (gpt-oss's; groups of 32) (the Triton kernel widens each tile as it reads it; the reference widens each expert
+    hit)."""
     from pdserve_kernels.packed_weights import expert_count, expert_weight
 
     gen = torch.Generator(device=device).manual_seed(0)

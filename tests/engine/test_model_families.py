@@ -401,10 +401,16 @@ def test_a_quantized_checkpoint_equals_transformers_dequantized(checkpoint, engi
     expected = [hf_greedy(folder, prompt, MAX_NEW_TOKENS, **dequantize)]
     engine = _engine(engines, folder)
     assert [c[0] for c in engine.generate([prompt], GREEDY)] == expected
-    if quantization != "fp8":
-        return
-    # The Triton kernels keep the projections' 8-bit weights and their scales, a mixture's experts' too.
+    # The Triton kernels keep the projections' 8-bit weights and their scales, a mixture's experts' too; gpt-oss's
+    # experts their MXFP4 blocks.
     packed = load_model(folder, load_hf_config(folder), triton_ops, torch.float32, torch.device("cpu"), 64)
+    if quantization == "mxfp4":
+        experts = [m for m in packed.modules() if isinstance(m, Experts)]
+        assert experts and all(e.mxfp4 == {"gate_up_proj", "down_proj"} and e.down_proj_blocks.dtype == torch.uint8
+                               for e in experts)
+        torch.testing.assert_close(_logits(packed, prompt), hf, atol=1e-4, rtol=1e-4)
+        assert [c[0] for c in _engine(engines, folder, kernel_backend="triton").generate([prompt], GREEDY)] == expected
+        return
     fp8_linears = sorted(n for n, m in packed.named_modules() if isinstance(m, Fp8Linear))
     assert all(m.weight.element_size() == 1 and m.weight_scale_inv.dtype == torch.float32  # not cast to the model's
                for m in packed.modules() if isinstance(m, Fp8Linear))

@@ -134,23 +134,37 @@ def test_packed_weights_over_two_ranks_equal_transformers(checkpoint, engines, t
                                                                for p in prompts]
 
 
-@pytest.mark.parametrize("method", ["gptq", "fp8"])
+@pytest.mark.parametrize("method", ["gptq", "fp8", "mxfp4"])
 def test_packed_experts_over_two_ranks_equal_transformers(checkpoint, engines, tmp_path: Path,  # type: ignore[no-untyped-def]
                                                           method: str) -> None:
-    """A mixture's experts quantized one by one (GPTQ 4 bits in groups of 16, or FP8 in blocks of 16 x 16) on the
-    Triton kernels over two ranks: each rank keeps its share of every expert packed (gate/up by their outputs, down
-    by its inputs), and the tokens are transformers' on the dequantized model."""
+    """A mixture's experts quantized one by one (GPTQ 4 bits in groups of 16, or FP8 in blocks of 16 x 16), or
+    gpt-oss's in MXFP4 (groups of 32), on the Triton kernels over two ranks: each rank keeps its share of every expert
+    packed (gate/up by their outputs, down by its inputs), and the tokens are transformers' on the dequantized
+    model."""
+    from transformers import Mxfp4Config
+
     from common.model.llama import Experts
     from tests.engine.test_lora import fp8_dequantized
-    from tests.engine.tiny_models import experts_one_by_one, fp8_checkpoint, gptq_checkpoint
+    from tests.engine.tiny_models import experts_one_by_one, fp8_checkpoint, gptq_checkpoint, mxfp4_checkpoint
 
+    prompts = [prompt_token_ids(23), prompt_token_ids(10, seed=4)]
+    if method == "mxfp4":  # gpt-oss's experts 128 wide: 64 on each rank, two groups of their inputs
+        folder = mxfp4_checkpoint(checkpoint("gpt-oss-moe-sinks-window"), tmp_path / method)
+        engine = _engine(engines, folder, max_num_batched_tokens=12, kernel_backend="triton")
+        experts = [m for m in engine.runner.model.modules() if isinstance(m, Experts)]
+        assert len(experts) == TINY_DIMS["num_hidden_layers"] and all(e.mxfp4 == {"gate_up_proj", "down_proj"}
+                                                                       for e in experts)
+        assert all(e.down_proj_blocks.shape[2] == 32 and e.down_proj_scales.shape[2] == 2 for e in experts)
+        dequantize = {"quantization_config": Mxfp4Config(dequantize=True)}
+        assert [o[0] for o in engine.generate(prompts, GREEDY)] == [
+            hf_greedy(folder, p, GREEDY.max_tokens, **dequantize) for p in prompts]
+        return
     source = experts_one_by_one(checkpoint("qwen3-moe-dense-layer"), tmp_path / "one-by-one")
     folder, reference = tmp_path / method, tmp_path / "dequantized"
     if method == "fp8":
         reference = fp8_dequantized(fp8_checkpoint(source, folder), reference)
     else:
         gptq_checkpoint(source, folder, reference, bits=4, desc_act=False)
-    prompts = [prompt_token_ids(23), prompt_token_ids(10, seed=4)]
     engine = _engine(engines, folder, max_num_batched_tokens=12, kernel_backend="triton")
     experts = [m for m in engine.runner.model.modules() if isinstance(m, Experts)]
     assert len(experts) == 2

@@ -38,7 +38,7 @@ from pdserve_kernels import (
     triton_sampling,
 )
 from pdserve_kernels.launch_recorder import Launch, recording
-from pdserve_kernels.packed_weights import Fp8Weights, IntWeights
+from pdserve_kernels.packed_weights import Fp8Weights, IntWeights, Mxfp4Weights
 
 # The most shared memory one program may use (opt-in), per SM version: a launch over it is refused.
 SHARED_MEMORY_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
@@ -220,6 +220,13 @@ def record_launches() -> list[Launch]:
                                *(Fp8Weights(torch.empty(32, out, inputs, dtype=torch.float8_e4m3fn),
                                             torch.empty(32, out // 128, inputs // 128))
                                  for out, inputs in ((4096, 7168), (7168, 2048))))
+        scenario[0] = "moe_experts, gpt-oss-20b MXFP4 experts with biases (120b's shapes too), decode, bf16"
+        ids = (torch.arange(16 * 4) % 32).view(16, 4)
+        triton_moe.moe_experts(torch.empty(16, 2880, dtype=bf16), ids, torch.ones(16, 4, dtype=bf16),
+                               *(Mxfp4Weights(torch.empty(32, out, inputs // 2, dtype=torch.uint8),
+                                              torch.empty(32, out, inputs // 32, dtype=torch.uint8))
+                                 for out, inputs in ((5760, 2880), (2880, 2880))),
+                               torch.empty(32, 5760, dtype=bf16), torch.empty(32, 2880, dtype=bf16), (1.702, 7.0))
         # Packed integer weights: Llama-8B's MLP down projection at 4 bits, groups of 128 (GPTQ, AWQ; fp16 scales),
         # over a decode step and a prefill chunk; 8 bits per channel (bf16 scales, W8A16); 2 bits with a bias.
         for name, dtype, bits, groups, scales, tokens, bias in (

@@ -257,17 +257,18 @@ def test_the_penalties_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: pyte
 
 def test_the_moe_section_checks_the_triton_kernel_on_the_cpu(tmp_path: Path) -> None:
     """A dry run of the mixture-of-experts section (small shapes, the Triton kernel under the
-    interpreter, no timings; the experts' weights in bf16, GPTQ 4-bit and FP8), so that a GPU's time is not spent
+    interpreter, no timings; the experts' weights in bf16, GPTQ 4-bit, FP8 and MXFP4), so that a GPU's time is not spent
     finding a bug in it; a wrong kernel fails its checks."""
     from pdserve_kernels import reference, triton_moe
 
-    shapes = (("tiny", 32, 24, 6, 2),)
+    shapes = (("tiny", 32, 32, 6, 2),)
     report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
     gpu_kernels.bench_moe(report, triton_moe, reference, shapes, (1, 40), device="cpu", time_it=False, group=8)
-    assert [c["ok"] for c in report.checks] == [True] * 10, report.checks
+    assert [c["ok"] for c in report.checks] == [True] * 14, report.checks
     same = ": equal to the products over its weights widened"
     assert [c["check"].rpartition(", ")[2] for c in report.checks] == [
-        *["bf16 (vs float32)"] * 2, *["gptq-4 (vs float32)", f"gptq-4{same}"] * 2, *["fp8 (vs float32)", f"fp8{same}"] * 2]
+        *["bf16 (vs float32)"] * 2, *[f"{form}{check}" for form in ("gptq-4", "fp8", "mxfp4")
+                                      for check in (" (vs float32)", same) * 2]]
 
     class Wrong:
         @staticmethod
@@ -276,7 +277,7 @@ def test_the_moe_section_checks_the_triton_kernel_on_the_cpu(tmp_path: Path) -> 
 
     report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
     gpu_kernels.bench_moe(report, Wrong, reference, shapes, (40,), device="cpu", time_it=False, group=8)
-    assert [c["ok"] for c in report.checks] == [False, False, True, False, True]  # wrong alike, packed or not
+    assert [c["ok"] for c in report.checks] == [False, False, True, False, True, False, True]  # alike, packed or not
 
 
 @pytest.mark.parametrize("fmt", ["int", "fp8"])

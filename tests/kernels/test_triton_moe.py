@@ -1,7 +1,7 @@
 """A mixture's experts in Triton (``triton_moe.moe_experts``) against the torch reference, under the
 interpreter: every dtype, routing weights in float32 or the dtype, widths that are no multiple of a
 tile, experts no token chose, one expert and one slot, and more pairs than a decode step has (the
-wider row tile); experts' weights kept quantized (packed integers, FP8 blocks); and the grouping of pairs by expert
+wider row tile); experts' weights kept quantized (packed integers, FP8 blocks, MXFP4); and the grouping of pairs by expert
 that both products read."""
 
 from __future__ import annotations
@@ -15,7 +15,14 @@ import torch
 
 from common.model.quantization import IntValues
 from pdserve_kernels import reference, triton_moe
-from pdserve_kernels.packed_weights import Fp8Weights, IntWeights, expert_count, expert_weight
+from pdserve_kernels.packed_weights import (
+    Fp8Weights,
+    IntWeights,
+    Mxfp4Weights,
+    expert_count,
+    expert_weight,
+    widen_mxfp4,
+)
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -72,13 +79,26 @@ def _fp8_experts(num_experts: int, out: int, inputs: int, block: tuple[int, int]
     return Fp8Weights(weight, (torch.rand(num_experts, *grid, generator=gen) + 0.5) * 0.04 / inputs**0.5)
 
 
-def _widened(weights: IntWeights | Fp8Weights, dtype: torch.dtype) -> torch.Tensor:
+def _mxfp4_experts(num_experts: int, out: int, inputs: int, seed: int) -> Mxfp4Weights:
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (num_experts, out, inputs // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    # Each group's power of two about 1 / sqrt(inputs) over the values' ~2.
+    exponent = round(-0.5 * torch.log2(torch.tensor(float(inputs))).item()) - 2 + 127
+    scales = torch.randint(exponent - 1, exponent + 2, (num_experts, out, inputs // 32), generator=gen,
+                           dtype=torch.int32).to(torch.uint8)
+    return Mxfp4Weights(blocks, scales)
+
+
+def _widened(weights: IntWeights | Fp8Weights | Mxfp4Weights, dtype: torch.dtype) -> torch.Tensor:
     return torch.stack([expert_weight(weights, e, dtype) for e in range(expert_count(weights))])
 
 
-@pytest.mark.parametrize(("num_tokens", "used"), [(3, None), (300, 5)])  # a decode step; a prefill chunk
-@pytest.mark.parametrize("quantization", ["int2", "int4", "int8", "fp8", "fp8+bf16-down"])
-@pytest.mark.parametrize(("dtype", "scales_dtype"), [(F32, F32), (F16, F16), (BF16, BF16)])
+# Each form in every dtype over a decode step's tokens, and in bfloat16 over a prefill chunk's.
+_PACKED_CASES = [(form, dtype, dtype, tokens, used) for form in ("int2", "int4", "int8", "fp8", "fp8+bf16-down", "mxfp4")
+                 for dtype, tokens, used in ((F32, 3, None), (F16, 3, None), (BF16, 3, None), (BF16, 300, 5))]
+
+
+@pytest.mark.parametrize(("quantization", "dtype", "scales_dtype", "num_tokens", "used"), _PACKED_CASES)
 def test_packed_experts_multiply_as_their_widened_weights(num_tokens: int, used: int | None, quantization: str,
                                                           dtype: torch.dtype, scales_dtype: torch.dtype) -> None:
     """Each projection's weights kept quantized (integers in groups, FP8 in blocks; one projection packed and the
@@ -89,12 +109,14 @@ def test_packed_experts_multiply_as_their_widened_weights(num_tokens: int, used:
     gen = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
     ids, weights = _routing(num_tokens, num_experts, top_k, seed=num_tokens, used=used)
-    w13: IntWeights | Fp8Weights | torch.Tensor
+    w13: IntWeights | Fp8Weights | Mxfp4Weights | torch.Tensor
+    w2: IntWeights | Fp8Weights | Mxfp4Weights | torch.Tensor
     if quantization.startswith("int"):
         bits = int(quantization[3:])
         w13 = _int_experts(num_experts, 2 * inter, hidden, 32, bits, scales_dtype, seed=1)
-        w2: IntWeights | Fp8Weights | torch.Tensor = _int_experts(num_experts, hidden, inter, 16, bits, scales_dtype,
-                                                                   seed=2)
+        w2 = _int_experts(num_experts, hidden, inter, 16, bits, scales_dtype, seed=2)
+    elif quantization == "mxfp4":
+        w13, w2 = _mxfp4_experts(num_experts, 2 * inter, hidden, seed=1), _mxfp4_experts(num_experts, hidden, inter, 2)
     else:
         w13 = _fp8_experts(num_experts, 2 * inter, hidden, (32, 32), seed=1)
         w2 = _fp8_experts(num_experts, hidden, inter, (16, 32), seed=2)
@@ -111,6 +133,30 @@ def test_packed_experts_multiply_as_their_widened_weights(num_tokens: int, used:
     # output's size.
     tol = {F32: 1e-5, F16: 4e-3, BF16: 4e-2}[dtype] * float(want.abs().max())
     torch.testing.assert_close(got, want, atol=tol, rtol=0)
+
+
+def test_every_mxfp4_byte_and_exponent_widens_as_the_reference_widens_it() -> None:
+    """The kernel's MXFP4 widening, read back through products with one-hot rows (each row one input's weights): all
+    256 bytes (both codes of each), under exponents from 2 ** -127 (a subnormal) to 2 ** 127 and e8m0's 255,
+    bit for bit against ``widen_mxfp4``, in float32 (its subnormals too) and bfloat16. A row with an infinite weight
+    (its values times 2 ** 126 and up overflow) gives NaN in every product (infinity times a zero input)."""
+    inputs, out = 512, 32  # the 256 bytes along each output's row; an exponent per row
+    blocks = torch.arange(256, dtype=torch.int32).to(torch.uint8).expand(1, out, inputs // 2)
+    exponents = torch.tensor([0, 1, 2, 3, 60, 100, 120, 126, 127, 128, 134, 160, 200, 250, 251, 252, 253, 254, 255])
+    scales = exponents[torch.arange(out) % len(exponents)][:, None].expand(out, inputs // 32).to(torch.uint8)[None]
+    weights = Mxfp4Weights(blocks.contiguous(), scales.contiguous())
+    ids = torch.zeros(inputs, 1, dtype=torch.long)  # every row to expert 0
+    pairs, block_expert = triton_moe.align_pairs(ids, 1, 16)
+    for dtype in (F32, BF16):
+        want = widen_mxfp4(weights.blocks[0], weights.scales[0], dtype)
+        finite = torch.isfinite(want).all(dim=1)
+        assert 0 < int(finite.sum()) < out and (want[finite].abs() < 2.0**-120).any()
+        got = triton_moe._matmul(torch.eye(inputs, dtype=dtype), weights, pairs, block_expert, inputs, 1, None, 16)
+        assert torch.isnan(got.T[~finite]).all()
+        # bfloat16's subnormals (the interpreter's conversions flush them) aside: float32's are compared.
+        subnormal = (want[finite] != 0) & (want[finite].abs() < torch.finfo(dtype).tiny)
+        compared = ~subnormal if dtype == BF16 else torch.ones_like(subnormal)
+        assert subnormal.any() and torch.equal(got.T[finite][compared], want[finite][compared])
 
 
 def test_pairs_are_grouped_by_expert_in_whole_tiles() -> None:

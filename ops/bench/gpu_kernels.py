@@ -1154,16 +1154,17 @@ def moe_stand_in(folder: Path) -> Path:
     return _write_stand_in(folder, Qwen3MoeConfig(**MOE_STAND_IN_DIMS, tie_word_embeddings=False))
 
 
-def quantized_stand_in(model: str | None, fmt: str) -> str:
-    """The engine section's model quantized (``pdserve bench quantized-weights``: GPTQ 4-bit in groups of 64, or FP8
-    in blocks of 64 x 64), written once into the model cache; the Triton kernels keep its projections packed."""
+def quantized_stand_in(model: str | None, fmt: str, group: int = 64) -> str:
+    """The engine section's model quantized (``pdserve bench quantized-weights``: GPTQ 4-bit in groups of ``group``,
+    or FP8 in blocks of ``group`` x ``group``; a mixture's experts one by one), written once into the model cache;
+    the Triton kernels keep its projections and experts packed."""
     from common.model.loader import cache_dir, resolve_model_path
     from ops.bench.quantized_weights import quantize
 
     source = resolve_model_path(model)
-    folder = cache_dir() / f"stand-in-{source.name}-{fmt}"
+    folder = cache_dir() / f"stand-in-{source.name}-{fmt}-{group}"
     if not (folder / "config.json").exists():
-        quantize(source, folder, argparse.Namespace(format=fmt, bits=4, group=64))
+        quantize(source, folder, argparse.Namespace(format=fmt, bits=4, group=group))
     return str(folder)
 
 
@@ -1371,12 +1372,12 @@ def bench_engine_variants(report: Report, args: argparse.Namespace, device: str 
                           variants: list[tuple[str, str | None, str]] | None = None, batch: int | None = None,
                           max_tokens: int | None = None) -> None:
     """The engine with an 8-bit KV cache, on a mixture of experts (the Triton grouped products, the pairs grouped
-    on the device inside the graph), and with GPTQ and FP8 weights kept packed: graphs on and off, decode steps
-    timed side by side;
+    on the device inside the graph), and with GPTQ and FP8 weights kept packed (the mixture's experts too): graphs
+    on and off, decode steps timed side by side;
     a replay's greedy outputs must equal the same padded forward run eagerly, and at most a tenth of
     the sequences may differ from graphs off in their first ``EARLY_TOKENS`` tokens. ``variants``:
     (name, model, kv cache dtype); by default the engine section's model with ``fp8``, and the
-    mixture's stand-in (``MOE_STAND_IN_DIMS``)."""
+    mixture's stand-in (``MOE_STAND_IN_DIMS``), as it is and in GPTQ 4-bit."""
     import gc
 
     from common.model.loader import cache_dir
@@ -1386,7 +1387,8 @@ def bench_engine_variants(report: Report, args: argparse.Namespace, device: str 
         moe = str(moe_stand_in(cache_dir() / "stand-in-qwen3-moe-128-experts"))
         variants = [("8-bit KV cache", model, "fp8"), ("Qwen3-MoE stand-in, 8 of 128 experts", moe, "auto"),
                     *[(f"{name}, kept packed", quantized_stand_in(model, fmt), "auto")
-                      for name, fmt in (("GPTQ 4-bit weights", "gptq"), ("FP8 weights", "fp8"))]]
+                      for name, fmt in (("GPTQ 4-bit weights", "gptq"), ("FP8 weights", "fp8"))],
+                    ("Qwen3-MoE stand-in, GPTQ 4-bit experts kept packed", quantized_stand_in(moe, "gptq"), "auto")]
     batch = batch or args.engine_batch
     max_tokens = max_tokens or args.engine_tokens
     # Ids every vocabulary here holds (a CPU dry run's tiny model's too).

@@ -320,18 +320,26 @@ def test_the_engine_section_s_quantized_stand_in_loads_packed(tmp_path: Path, mo
     assert sum(isinstance(m, IntLinear) for m in model.modules()) == 4 * len(model.model.layers)
 
 
-def test_the_engine_variants_section_runs_on_the_cpu(tmp_path: Path) -> None:
-    """A dry run of the 8-bit cache and mixture-of-experts engine section (a tiny mixture, nothing captured
-    on the CPU): its checks pass, as they must on a GPU."""
+def test_the_engine_variants_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dry run of the 8-bit cache and mixture-of-experts engine section (a tiny mixture, as it is and with its
+    experts in GPTQ 4-bit, nothing captured on the CPU): its checks pass, as they must on a GPU."""
+    from common.model.llama import Experts
+    from common.model.weights import load_hf_config, load_model
+    from pdserve_kernels import triton_ops
     from tests.engine.tiny_models import build_checkpoint, family_configs
 
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     moe = str(build_checkpoint(family_configs()["qwen3-moe-dense-layer"], tmp_path / "moe"))
+    gptq = gpu_kernels.quantized_stand_in(moe, "gptq", group=16)
+    packed = load_model(Path(gptq), load_hf_config(Path(gptq)), triton_ops, torch.float32, torch.device("cpu"), 64)
+    assert [e.bits for e in packed.modules() if isinstance(e, Experts)] == [{"gate_up_proj": 4, "down_proj": 4}] * 2
     report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
     gpu_kernels.bench_engine_variants(report, None, device="cpu",  # type: ignore[arg-type]
-                                      variants=[("8-bit KV cache", moe, "fp8"), ("mixture", moe, "auto")],
+                                      variants=[("8-bit KV cache", moe, "fp8"), ("mixture", moe, "auto"),
+                                                ("mixture, GPTQ experts", gptq, "auto")],
                                       batch=3, max_tokens=6)
-    assert [c["ok"] for c in report.checks] == [True] * 4, report.checks
-    assert len([t for t in report.timings if "median_us" in t]) == 4
+    assert [c["ok"] for c in report.checks] == [True] * 6, report.checks
+    assert len([t for t in report.timings if "median_us" in t]) == 6
 
 
 def test_the_latent_attention_section_runs_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

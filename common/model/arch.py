@@ -421,6 +421,9 @@ class ModelArch:
     # ``QUANT_COMPRESSED_TENSORS``), whose layout ``int_weights`` says (``common.model.quantization``). None: none.
     quantization: str | None = None
     int_weights: IntWeights | None = None
+    # 8-bit e4m3 weights, each with scales over a grid of blocks: ``QUANT_FP8``'s (``weight_scale_inv``), or
+    # compressed-tensors' ``float-quantized`` ones (``weight_scale``, per channel or per tensor: a block a row, or one).
+    fp8_weights: bool = False
     # DeepSeek's Multi-head Latent Attention (``common.model.mla``): one latent KV head per token, its dims the
     # config's (``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``q_lora_rank``);
     # ``rotary_dim`` then the rotated key's width, ``rope_interleaved`` its pairs' layout in the checkpoint.
@@ -845,16 +848,19 @@ def _quantization(config: Any, model_type: str) -> dict[str, Any]:
         if block is not None and not (isinstance(block, (list, tuple)) and len(block) == 2 and all(
                 _positive_int(b) for b in block)):
             raise UnsupportedConfig("quantization_config.weight_block_size", block, "must be two positive integers")
-        return {"quantization": QUANT_FP8}
+        return {"quantization": QUANT_FP8, "fp8_weights": True}
     readers = {QUANT_GPTQ: _gptq_weights, QUANT_AWQ: _awq_weights, QUANT_COMPRESSED_TENSORS: _compressed_weights}
     if method in readers:
         if model_type == "gpt_oss":
             raise UnsupportedConfig("quantization_config.quant_method", method, "gpt-oss's experts are fused "
                                     "tensors, not linear layers: integer weights are not implemented for it")
-        return {"quantization": method, "int_weights": readers[method](fields)}
+        weights = readers[method](fields)
+        if weights is None:  # compressed-tensors' 8-bit floats
+            return {"quantization": method, "fp8_weights": True}
+        return {"quantization": method, "int_weights": weights}
     raise UnsupportedConfig("quantization_config.quant_method", method,
                             "implemented: fp8 (block-wise, dynamic activations), gptq, awq, compressed-tensors "
-                            "(integer weights), and mxfp4 for gpt-oss's experts")
+                            "(integer weights; FP8 weights with dynamic activations), and mxfp4 for gpt-oss's experts")
 
 
 def _gptq_weights(fields: dict[str, Any]) -> IntWeights:
@@ -889,10 +895,14 @@ def _awq_weights(fields: dict[str, Any]) -> IntWeights:
     return IntWeights(QUANT_AWQ, (4,))
 
 
-def _compressed_weights(fields: dict[str, Any]) -> IntWeights:
-    """compressed-tensors (llm-compressor's checkpoints) in its ``pack-quantized`` format: integer weights of
-    4 or 8 bits, a scale per group or channel, symmetric or not, activations left unquantized (W4A16,
-    W8A16). Activation or KV-cache quantization, sparsity and transforms change the math: refused."""
+def _compressed_weights(fields: dict[str, Any]) -> IntWeights | None:
+    """compressed-tensors (llm-compressor's checkpoints): integer weights in its ``pack-quantized`` format, 4 or 8
+    bits, a scale per group or channel, symmetric or not, activations left unquantized (W4A16, W8A16); or 8-bit
+    float weights in its ``float-quantized`` format (None), a scale per channel, per tensor or per block, their
+    activations unquantized or quantized per token on the fly (FP8-dynamic, W8A8-FP8: computed, as transformers'
+    decompressed model computes them, from the activations as they are). Static activation scales, output or
+    KV-cache quantization, sparsity and transforms change the math: refused, and so is a checkpoint that mixes
+    integer and float schemes."""
     status = fields.get("quantization_status", "compressed")
     if status != "compressed":
         raise UnsupportedConfig("quantization_config.quantization_status", status, "implemented: compressed")
@@ -906,23 +916,40 @@ def _compressed_weights(fields: dict[str, Any]) -> IntWeights:
     if not isinstance(groups, dict) or not groups:
         raise UnsupportedConfig("quantization_config.config_groups", groups, "must name at least one scheme")
     bits: set[int] = set()
+    layouts: set[str] = set()
     for key, scheme in groups.items():
         field = f"quantization_config.config_groups.{key}"
         layout = scheme.get("format") or fields.get("format")
-        if layout != "pack-quantized":
-            raise UnsupportedConfig(f"{field}.format", layout, "implemented: pack-quantized (integer weights)")
-        for activations in ("input_activations", "output_activations"):
-            if scheme.get(activations):
-                raise UnsupportedConfig(f"{field}.{activations}", scheme[activations],
-                                        "quantized activations are not implemented (weights only: W4A16, W8A16)")
+        if layout not in ("pack-quantized", "float-quantized"):
+            raise UnsupportedConfig(f"{field}.format", layout, "implemented: pack-quantized (integer weights), "
+                                    "float-quantized (8-bit float weights)")
+        layouts.add(layout)
+        floats = layout == "float-quantized"
+        if scheme.get("output_activations"):
+            raise UnsupportedConfig(f"{field}.output_activations", scheme["output_activations"],
+                                    "quantized outputs are not implemented")
+        inputs = scheme.get("input_activations")
+        if inputs and not (floats and inputs.get("dynamic") is True and inputs.get("type") == "float"):
+            raise UnsupportedConfig(f"{field}.input_activations", inputs,
+                                    "implemented: unquantized, or 8-bit floats quantized on the fly beside 8-bit float "
+                                    "weights (static scales change the math)")
         weights = scheme.get("weights") or {}
-        for name, allowed in (("type", ("int",)), ("num_bits", (4, 8)), ("strategy", ("group", "channel")),
-                              ("dynamic", (False, None)), ("block_structure", (None,))):
+        allowed_fields = ((("type", ("float",)), ("num_bits", (8,)), ("strategy", ("channel", "tensor", "block")),
+                           ("dynamic", (False, None))) if floats else
+                          (("type", ("int",)), ("num_bits", (4, 8)), ("strategy", ("group", "channel")),
+                           ("dynamic", (False, None)), ("block_structure", (None,))))
+        for name, allowed in allowed_fields:
             if weights.get(name) not in allowed:
                 raise UnsupportedConfig(f"{field}.weights.{name}", weights.get(name),
                                         f"implemented: {', '.join(map(str, allowed))}")
-        bits.add(int(weights["num_bits"]))
-    return IntWeights(QUANT_COMPRESSED_TENSORS, tuple(sorted(bits)))
+        if floats and weights.get("symmetric") is False:
+            raise UnsupportedConfig(f"{field}.weights.symmetric", False, "implemented for float weights: true")
+        if not floats:
+            bits.add(int(weights["num_bits"]))
+    if len(layouts) > 1:
+        raise UnsupportedConfig("quantization_config.config_groups", sorted(layouts),
+                                "integer and float schemes in one checkpoint are not implemented")
+    return None if layouts == {"float-quantized"} else IntWeights(QUANT_COMPRESSED_TENSORS, tuple(sorted(bits)))
 
 
 def _ernie_moe_layers(config: Any, num_layers: int) -> tuple[int, ...]:

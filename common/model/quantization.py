@@ -258,6 +258,27 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.d
     return widen_fp8(weight, scale_inv, dtype)
 
 
+def compressed_fp8_scales(state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """In place: compressed-tensors' 8-bit float weights (``float-quantized``: ``<layer>.weight`` e4m3 beside its
+    ``weight_scale``, ``[out, 1]`` per channel, one number per tensor, or a grid of blocks) read as block-wise FP8
+    checkpoints hold them (``weight_scale_inv`` over a grid, in float32). compressed-tensors widens a value in its
+    scale's dtype, then to the model's (``_dequantize``): the same as rounding once where the scale is in float32 or
+    in the model's dtype; a layer whose scale is in another (bfloat16 beside a float32 model) is widened here, so."""
+    for name in [n for n in state if n.endswith(".weight_scale")]:
+        prefix = name.removesuffix(".weight_scale")
+        weight = state.get(prefix + ".weight")
+        if weight is None or weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"checkpoint mismatch: {name} without an e4m3 {prefix}.weight")
+        scale = state.pop(name)
+        grid = scale.reshape(1, 1) if scale.dim() < 2 and scale.numel() == 1 else scale
+        if grid.dim() != 2:
+            raise ValueError(f"checkpoint mismatch: {name} {tuple(scale.shape)} is no grid over {tuple(weight.shape)}")
+        if scale.dtype in (torch.float32, dtype):
+            state[prefix + ".weight_scale_inv"] = grid.float()
+        else:
+            state[prefix + ".weight"] = dequantize_fp8(weight, grid, scale.dtype).to(dtype)
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """gpt-oss's MXFP4 experts widened to ``dtype``: ``blocks`` ``[E, rows, groups, 16]`` bytes, each two
     e2m1 values (the low four bits first), ``scales`` ``[E, rows, groups]``, each group's power of two

@@ -22,8 +22,9 @@ from common.model.loader import FROM_2_WAY_SOFTMAX, cache_dir, classifier_from_t
 from common.model.packed_linear import fp8_kind, int_kind, pack_values, packed_layers, to_packed_layers
 from common.model.parallel import TensorParallel, shard_of, shard_rules, shard_state
 from common.model.quantization import (
-    QUANT_FP8,
+    QUANT_COMPRESSED_TENSORS,
     QUANT_MXFP4,
+    compressed_fp8_scales,
     dequantize_fp8,
     dequantize_mxfp4,
     int_weight_layers,
@@ -295,7 +296,9 @@ def _prepare(state: dict[str, torch.Tensor], model: LlamaForCausalLM, config: An
                                 if n.endswith(".weight") and n + "_scale_inv" not in state)
         return packed_layers(kinds, names, unquantized) if packs else set()
 
-    if model.arch.quantization == QUANT_FP8:  # before anything renames or stacks the weights
+    if model.arch.fp8_weights:  # before anything renames or stacks the weights
+        if model.arch.quantization == QUANT_COMPRESSED_TENSORS:
+            compressed_fp8_scales(state, dtype)
         scaled = {}  # x.weight's x.weight_scale_inv, or stacked experts' x_scale_inv
         for name in [n for n in state if n.endswith("_scale_inv")]:
             weight = name.removesuffix("_scale_inv")

@@ -69,8 +69,18 @@ REFUSED = [
     ("compressed-tensors-w8a8", lambda: _config("LlamaConfig", quantization_config=_compressed(input_activations={
         "num_bits": 8, "type": "int", "strategy": "token", "dynamic": True})),
      "quantization_config.config_groups.group_0.input_activations"),
-    ("compressed-tensors-fp8", lambda: _config("LlamaConfig", quantization_config=_compressed(format="float-quantized")),
-     "quantization_config.config_groups.group_0.format"),
+    ("compressed-tensors-float-format-int-weights", lambda: _config("LlamaConfig", quantization_config=_compressed(
+        format="float-quantized")), "quantization_config.config_groups.group_0.weights.type"),
+    ("compressed-tensors-fp8-static-activations", lambda: _config("LlamaConfig", quantization_config=_compressed(
+        format="float-quantized", weights={"num_bits": 8, "type": "float", "strategy": "channel"},
+        input_activations={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False})),
+     "quantization_config.config_groups.group_0.input_activations"),
+    ("compressed-tensors-int-and-float", lambda: _config("LlamaConfig", quantization_config={**_compressed(), "config_groups": {
+        "group_0": _compressed()["config_groups"]["group_0"],
+        "group_1": {"format": "float-quantized", "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}}),
+     "quantization_config.config_groups"),
+    ("compressed-tensors-nvfp4", lambda: _config("LlamaConfig", quantization_config=_compressed(
+        format="nvfp4-pack-quantized")), "quantization_config.config_groups.group_0.format"),
     ("compressed-tensors-sparse", lambda: _config("LlamaConfig", quantization_config={
         **_compressed(), "sparsity_config": {"format": "sparse-24-bitmask"}}), "quantization_config.sparsity_config"),
     ("compressed-tensors-block", lambda: _config("LlamaConfig", quantization_config=_compressed(weights={

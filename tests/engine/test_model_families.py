@@ -424,6 +424,51 @@ def test_a_quantized_checkpoint_equals_transformers_dequantized(checkpoint, engi
     assert [c[0] for c in _engine(engines, folder, kernel_backend="triton").generate([prompt], GREEDY)] == expected
 
 
+@pytest.mark.parametrize(("name", "strategy", "scale_dtype"), [
+    ("llama-bias", "channel", torch.bfloat16), ("llama-bias", "tensor", torch.float32),
+    ("qwen3-moe-dense-layer", "channel", torch.float32), ("llama-bias", "block", torch.float32),
+])
+def test_compressed_tensors_fp8_equals_transformers_decompressed(checkpoint, engines, tmp_path, name: str,  # type: ignore[no-untyped-def]
+                                                                 strategy: str, scale_dtype: torch.dtype) -> None:
+    """llm-compressor's FP8-dynamic checkpoints (compressed-tensors' ``float-quantized``: e4m3 weights, a scale per
+    channel, per tensor or per block; activations quantized per token on the fly, which this computes unquantized, as
+    transformers' decompressed model does): logits and engine greedy equal transformers' with
+    ``run_compressed=False``. bfloat16 scales beside a float32 model round each value in bfloat16 first, as
+    compressed-tensors widens it: widened as the checkpoint loads. float32 ones stay packed for the Triton kernels
+    (``Fp8Linear``; a per-tensor scale's q/k/v, whose blocks differ in height, widened), a mixture's experts too."""
+    from transformers import CompressedTensorsConfig
+
+    from common.model.llama import Experts
+    from common.model.packed_linear import Fp8Linear
+    from common.model.weights import load_model
+    from pdserve_kernels import reference, triton_ops
+    from tests.engine.tiny_models import compressed_fp8_checkpoint, experts_one_by_one
+
+    source = checkpoint(name)
+    if "moe" in name:
+        source = experts_one_by_one(source, tmp_path / "one-by-one")
+    folder = compressed_fp8_checkpoint(source, tmp_path / "fp8", strategy, scale_dtype)
+    prompt = prompt_token_ids(PROMPT_LEN)
+    decompress = {"quantization_config": CompressedTensorsConfig(run_compressed=False)}
+    with torch.inference_mode():
+        hf = hf_model(folder, **decompress)(torch.tensor([prompt])).logits[0]
+        unquantized = hf_model(source)(torch.tensor([prompt])).logits[0]
+    assert (hf - unquantized).abs().max() > 1e-2
+    config = load_hf_config(folder)
+    for kernels in (reference, triton_ops):
+        model = load_model(folder, config, kernels, torch.float32, torch.device("cpu"), 64)
+        assert model.arch.quantization == "compressed-tensors" and model.arch.fp8_weights
+        torch.testing.assert_close(_logits(model, prompt), hf, atol=1e-4, rtol=1e-4)
+    fp8_linears = [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    layers = len(model.model.layers)
+    assert len(fp8_linears) == {torch.bfloat16: 0, torch.float32: (3 if strategy == "tensor" else 4) * layers}[
+        scale_dtype] - (2 * 2 if "moe" in name else 0)  # the mixture's two layers: experts, not an MLP
+    assert all(e.fp8 == {"gate_up_proj", "down_proj"} for e in model.modules() if isinstance(e, Experts))
+    expected = [hf_greedy(folder, prompt, MAX_NEW_TOKENS, **decompress)]
+    assert [c[0] for c in _engine(engines, folder).generate([prompt], GREEDY)] == expected
+    assert [c[0] for c in _engine(engines, folder, kernel_backend="triton").generate([prompt], GREEDY)] == expected
+
+
 def test_fp8_experts_a_checkpoint_holds_input_major_are_widened(checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Qwen3-VL-MoE's experts stacked input-major (``[E, H, 2I]``, which the loader turns) in FP8 blocks: the Triton
     kernels widen them (their blocks' grid would not turn with them) and keep its other projections packed; the

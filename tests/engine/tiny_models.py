@@ -747,6 +747,36 @@ def compressed_tensors_checkpoint(folder: Path, target: Path, bits: int = 4, gro
         "ignore": ["lm_head"], "quantization_status": "compressed"})
 
 
+def compressed_fp8_checkpoint(folder: Path, target: Path, strategy: str = "channel",
+                              scale_dtype: torch.dtype = torch.bfloat16) -> Path:
+    """The checkpoint at ``folder`` in compressed-tensors' ``float-quantized`` format (llm-compressor's FP8-dynamic
+    scheme, W8A8 with activations quantized per token on the fly): each projection's weight in e4m3 with a scale in
+    ``scale_dtype``, its largest magnitude over 448, per output channel (``[out, 1]``), per tensor (one number) or
+    per 16 x 16 block."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    out = dict(state)
+    for name in _quantized_layers(state):
+        weight = state[name].float()
+        rows, cols = weight.shape
+        if strategy == "block":  # 16 x 16
+            top = weight.reshape(rows // 16, 16, cols // 16, 16).abs().amax(dim=(1, 3))
+        else:
+            top = weight.abs().amax(dim=1, keepdim=True) if strategy == "channel" else weight.abs().amax().reshape(1)
+        scale = (top / 448.0).to(scale_dtype)
+        spread = scale.float().repeat_interleave(16, 0).repeat_interleave(16, 1) if strategy == "block" else scale.float()
+        out[name] = (weight / spread).clamp(-448, 448).to(torch.float8_e4m3fn)
+        out[name.removesuffix(".weight") + ".weight_scale"] = scale
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy,
+           **({"block_structure": [16, 16]} if strategy == "block" else {})}
+    tokens = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+    return _save_quantized(folder, target, out, {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": fp8, "input_activations": tokens}},
+        "ignore": ["lm_head"], "quantization_status": "compressed"})
+
+
 def build_tokenizer(folder: Path) -> None:
     """A word-level tokenizer over the tiny vocabulary: ``"w5 w9"`` encodes to ``[1, 5, 9]``."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors

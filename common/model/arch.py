@@ -422,7 +422,8 @@ class ModelArch:
     quantization: str | None = None
     int_weights: IntWeights | None = None
     # 8-bit e4m3 weights, each with scales over a grid of blocks: ``QUANT_FP8``'s (``weight_scale_inv``), or
-    # compressed-tensors' ``float-quantized`` ones (``weight_scale``, per channel or per tensor: a block a row, or one).
+    # compressed-tensors' ``float-quantized`` ones (``weight_scale``, per channel, tensor or block: a block a row, one,
+    # or a grid).
     fp8_weights: bool = False
     # DeepSeek's Multi-head Latent Attention (``common.model.mla``): one latent KV head per token, its dims the
     # config's (``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``q_lora_rank``);

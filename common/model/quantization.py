@@ -5,11 +5,12 @@ A quantized checkpoint is served as released and computed as transformers comput
 model: every quantized weight becomes the weight its quantization stands for, once, before anything
 renames, splits or stacks it (``common.model.weights``), or, where a backend multiplies them packed
 (``common.model.packed_linear``), stays packed (integer weights in a layout of this project's, ``IntValues.pack``;
-FP8 ones as released) and the product widens each value by the same arithmetic. MXFP4 weights take a 16-bit
-model's memory; FP8 tensor-core products are not built. ``common.model.arch`` reads the config (``ModelArch.quantization`` and, for integer
-weights, ``ModelArch.int_weights``) and refuses what this module does not read.
+FP8 and MXFP4 ones as released) and the product widens each value by the same arithmetic. FP8 tensor-core
+products are not built. ``common.model.arch`` reads the config (``ModelArch.quantization``, ``fp8_weights`` and, for
+integer weights, ``ModelArch.int_weights``) and refuses what this module does not read.
 
-- ``QUANT_FP8``: block-wise e4m3 weights, a scale per block (``weight_scale_inv``).
+- ``QUANT_FP8``: block-wise e4m3 weights, a scale per block (``weight_scale_inv``); compressed-tensors' 8-bit float
+  weights (per channel, tensor or block) are read into the same form (``compressed_fp8_scales``).
 - ``QUANT_MXFP4``: gpt-oss's experts, four-bit e2m1 values and a power of two per 32 inputs.
 - Integer weights of 2, 4 or 8 bits packed into int32 words, each group of inputs of a row with a
   scale and a zero point: ``w = (q - z) * s``, the difference exact and the product rounded once in the

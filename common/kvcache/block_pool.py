@@ -33,6 +33,14 @@ UNDRAINED_EVENTS_MAX = 1 << 16
 _BLOCK_ID = attrgetter("block_id")
 
 
+def note_event(events: list[BlockHash], block_hash: BlockHash, drained: bool) -> None:
+    """``block_hash`` added to ``events`` for whoever drains them; where nobody has (``drained`` false), the list is
+    emptied once it holds more than ``UNDRAINED_EVENTS_MAX``."""
+    events.append(block_hash)
+    if not drained and len(events) > UNDRAINED_EVENTS_MAX:
+        events.clear()
+
+
 class KVBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
 
@@ -220,9 +228,7 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-                self._removed.append(block.block_hash)
-                if not self._drained and len(self._removed) > UNDRAINED_EVENTS_MAX:
-                    self._removed.clear()
+                note_event(self._removed, block.block_hash, self._drained)
             block.block_hash = None
 
     def uncache(self, blocks: Iterable[KVBlock]) -> None:
@@ -258,9 +264,7 @@ class BlockPool:
         block.block_hash = block_hash
         if block_hash not in self.cached:
             self.cached[block_hash] = block
-            self._stored.append(block_hash)
-            if not self._drained and len(self._stored) > UNDRAINED_EVENTS_MAX:
-                self._stored.clear()
+            note_event(self._stored, block_hash, self._drained)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed while no block is in use."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import NamedTuple
 
-from common.kvcache.block_pool import UNDRAINED_EVENTS_MAX, KVBlock
+from common.kvcache.block_pool import KVBlock, note_event
 from common.kvcache.hashing import BlockHash
 
 SAVE, LOAD = 0, 1
@@ -121,7 +121,7 @@ class HostTier:
             if victim is None:
                 return None
             slot = self._slots.pop(victim)
-            self._note_dropped(victim)
+            note_event(self._dropped, victim, self._drained)
         self._slots[block_hash] = slot
         self.num_saved += 1
         return slot
@@ -131,12 +131,7 @@ class HostTier:
         slot = self._slots.pop(block_hash, None)
         if slot is not None:
             self._free.append(slot)
-            self._note_dropped(block_hash)
-
-    def _note_dropped(self, block_hash: BlockHash) -> None:
-        self._dropped.append(block_hash)
-        if not self._drained and len(self._dropped) > UNDRAINED_EVENTS_MAX:
-            self._dropped.clear()
+            note_event(self._dropped, block_hash, self._drained)
 
     def clear(self) -> None:
         for block_hash in list(self._slots):

@@ -693,10 +693,8 @@ def test_prefix_events_nobody_drains_are_not_kept_for_ever(monkeypatch: pytest.M
     """An offline engine never drains its prefix events: past the bound they are dropped (the pool's stored and
     evicted hashes, the host tier's dropped ones). Once drained, every event until the next drain is kept."""
     import common.kvcache.block_pool as block_pool
-    import common.kvcache.host_tier as host_tier
 
-    monkeypatch.setattr(block_pool, "UNDRAINED_EVENTS_MAX", 8)
-    monkeypatch.setattr(host_tier, "UNDRAINED_EVENTS_MAX", 8)
+    monkeypatch.setattr(block_pool, "UNDRAINED_EVENTS_MAX", 8)  # the pool's and the host tier's bound
     kv = KVCacheManager(4, BS, num_host_blocks=2)
 
     def churn(first: int, count: int) -> None:

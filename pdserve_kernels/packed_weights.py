@@ -1,8 +1,9 @@
 """A mixture's experts' weights as ``moe_experts`` takes them where they stay quantized in memory: stacked packed
 integers (GPTQ, AWQ, compressed-tensors), block-wise FP8 or MXFP4 (gpt-oss's), one entry per expert along the first
 dimension.
-A plain tensor ``[E, out, in]`` is the widened form. ``expert_weight`` widens one expert's as the checkpoint's
-dequantization does (the torch reference's way, and the Triton kernel's reference)."""
+A plain tensor ``[E, out, in]`` is the widened form. The widenings of each packed form (``unpack_int_weight``,
+``widen_fp8``, ``widen_mxfp4``) are the checkpoints' dequantizations, which the loader, the torch reference and the
+Triton kernels' checks share; ``expert_weight`` widens one expert's."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import Tensor
 class IntWeights(NamedTuple):
     """Each expert's packed integer weights: ``qweight`` ``[E, out, in * bits / 32]`` int32 (``32 / bits`` values a word
     along the inputs, the lowest bits first), ``qzeros`` (uint8) and ``scales`` (the checkpoint's dtype) ``[E, out,
-    groups]``, groups of ``in / groups`` contiguous inputs (``pdserve_kernels.reference.unpack_int_weight``)."""
+    groups]``, groups of ``in / groups`` contiguous inputs (``unpack_int_weight``)."""
 
     qweight: Tensor
     qzeros: Tensor
@@ -25,7 +26,7 @@ class IntWeights(NamedTuple):
 
 class Fp8Weights(NamedTuple):
     """Each expert's block-wise FP8 weight: ``weight`` ``[E, out, in]`` e4m3 and ``scale_inv`` ``[E, out / m, in / n]``
-    float32, a scale per ``m x n`` block (``pdserve_kernels.reference.widen_fp8``)."""
+    float32, a scale per ``m x n`` block (``widen_fp8``)."""
 
     weight: Tensor
     scale_inv: Tensor
@@ -61,6 +62,37 @@ def widen_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
     return (values[codes] * powers).to(dtype)
 
 
+def unpack_int_weight(qweight: Tensor, qzeros: Tensor, scales: Tensor, dtype: torch.dtype, bits: int,
+                      g_idx: Tensor | None = None) -> Tensor:
+    """The ``[out, in]`` weight in ``dtype`` that packed integer weights of ``bits`` per value stand for:
+    ``qweight`` ``[out, in * bits / 32]`` int32 (each word ``32 / bits`` values along the inputs, the lowest bits
+    first, unsigned), ``qzeros`` ``[out, groups]`` and ``scales`` ``[out, groups]``, input ``i`` in group ``g_idx[i]``
+    (contiguous groups of ``in / groups`` where None): ``(q - z) * s``, the difference exact and the product rounded
+    once in the scales' dtype, then to ``dtype``: the weight a checkpoint's widening gives
+    (``common.model.quantization.IntValues.widen``)."""
+    out = qweight.shape[0]
+    if qweight.dtype != torch.int32 or qzeros.shape != scales.shape or scales.shape[0] != out:
+        raise ValueError(f"packed weights {tuple(qweight.shape)} {qweight.dtype}, zero points {tuple(qzeros.shape)} "
+                         f"and scales {tuple(scales.shape)} do not fit")
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
+    q = ((qweight[..., None] >> shifts) & ((1 << bits) - 1)).reshape(out, -1)
+    if g_idx is None:
+        g_idx = torch.arange(q.shape[1], device=q.device) // (q.shape[1] // scales.shape[1])
+    g_idx = g_idx.long()
+    return ((q - qzeros.to(torch.int32)[:, g_idx]).to(scales.dtype) * scales[:, g_idx]).to(dtype)
+
+
+def widen_fp8(weight: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    """An 8-bit weight ``[..., rows, cols]`` widened to ``dtype``: each block of it (the weight's shape over the
+    scales' grid ``[..., rows / m, cols / n]``, or one scale for all) times its scale in float32, rounded once, as
+    transformers dequantizes block-wise FP8 checkpoints. Shapes are the caller's to check."""
+    rows, cols = weight.shape[-2:]
+    grid = scale_inv.shape[-2:] if scale_inv.dim() >= 2 else (1, 1)
+    blocks = weight.float().reshape(-1, grid[0], rows // grid[0], grid[1], cols // grid[1])
+    scales = scale_inv.float().reshape(-1, grid[0], 1, grid[1], 1)
+    return (blocks * scales).to(dtype).reshape(weight.shape)
+
+
 def expert_count(weights: ExpertWeights) -> int:
     """How many experts ``weights`` stacks."""
     stacked = weights if isinstance(weights, Tensor) else weights[0]
@@ -70,8 +102,6 @@ def expert_count(weights: ExpertWeights) -> int:
 def expert_weight(weights: ExpertWeights, expert: int, dtype: torch.dtype) -> Tensor:
     """Expert ``expert``'s weight ``[out, in]`` in ``dtype``: widened where it is packed (as the loader widens the
     checkpoint's), else as it is."""
-    from pdserve_kernels.reference import unpack_int_weight, widen_fp8
-
     if isinstance(weights, IntWeights):
         return unpack_int_weight(weights.qweight[expert], weights.qzeros[expert], weights.scales[expert], dtype,
                                  weights.bits)

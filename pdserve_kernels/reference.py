@@ -35,7 +35,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pdserve_kernels.packed_weights import ExpertWeights, expert_count, expert_weight
+from pdserve_kernels.packed_weights import (  # the packed forms' widenings, this backend's and the kernels' reference
+    ExpertWeights,
+    expert_count,
+    expert_weight,
+    unpack_int_weight,
+    widen_fp8,
+)
 
 # RMSNorm's forms, as each family's transformers code meets the normalized row with its weight
 # (the ``form`` of ``rms_norm``; a Triton kernel's constant too):
@@ -424,42 +430,11 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: ExpertWe
 PACKS_WEIGHTS = False
 
 
-def unpack_int_weight(qweight: Tensor, qzeros: Tensor, scales: Tensor, dtype: torch.dtype, bits: int,
-                      g_idx: Tensor | None = None) -> Tensor:
-    """The ``[out, in]`` weight in ``dtype`` that packed integer weights of ``bits`` per value stand for:
-    ``qweight`` ``[out, in * bits / 32]`` int32 (each word ``32 / bits`` values along the inputs, the lowest bits
-    first, unsigned), ``qzeros`` ``[out, groups]`` and ``scales`` ``[out, groups]``, input ``i`` in group ``g_idx[i]``
-    (contiguous groups of ``in / groups`` where None): ``(q - z) * s``, the difference exact and the product rounded
-    once in the scales' dtype, then to ``dtype``: the weight a checkpoint's widening gives
-    (``common.model.quantization.IntValues.widen``)."""
-    out = qweight.shape[0]
-    if qweight.dtype != torch.int32 or qzeros.shape != scales.shape or scales.shape[0] != out:
-        raise ValueError(f"packed weights {tuple(qweight.shape)} {qweight.dtype}, zero points {tuple(qzeros.shape)} "
-                         f"and scales {tuple(scales.shape)} do not fit")
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
-    q = ((qweight[..., None] >> shifts) & ((1 << bits) - 1)).reshape(out, -1)
-    if g_idx is None:
-        g_idx = torch.arange(q.shape[1], device=q.device) // (q.shape[1] // scales.shape[1])
-    g_idx = g_idx.long()
-    return ((q - qzeros.to(torch.int32)[:, g_idx]).to(scales.dtype) * scales[:, g_idx]).to(dtype)
-
-
 def int_linear(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, bits: int,
                bias: Tensor | None = None, g_idx: Tensor | None = None) -> Tensor:
     """``x`` ``[tokens, in]`` times the packed integer weights (``unpack_int_weight``) of ``bits`` per value, plus
     ``bias``: ``F.linear`` with the weight they stand for, in ``x``'s dtype."""
     return F.linear(x, unpack_int_weight(qweight, qzeros, scales, x.dtype, bits, g_idx), bias)
-
-
-def widen_fp8(weight: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
-    """An 8-bit weight ``[..., rows, cols]`` widened to ``dtype``: each block of it (the weight's shape over the
-    scales' grid ``[..., rows / m, cols / n]``, or one scale for all) times its scale in float32, rounded once, as
-    transformers dequantizes block-wise FP8 checkpoints. Shapes are the caller's to check."""
-    rows, cols = weight.shape[-2:]
-    grid = scale_inv.shape[-2:] if scale_inv.dim() >= 2 else (1, 1)
-    blocks = weight.float().reshape(-1, grid[0], rows // grid[0], grid[1], cols // grid[1])
-    scales = scale_inv.float().reshape(-1, grid[0], 1, grid[1], 1)
-    return (blocks * scales).to(dtype).reshape(weight.shape)
 
 
 def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -375,9 +375,8 @@ class Experts(nn.Module):
     which ``common.model.weights.stack_experts`` stacks a checkpoint's experts as it loads them.
 
     Either projection's weights may stay quantized as the checkpoint holds them (``hold_int``, ``hold_fp8``,
-    ``hold_mxfp4``), for
-    kernels that widen them as they multiply (``common.model.packed_linear``); ``weights`` gives each as
-    ``moe_experts`` takes it."""
+    ``hold_mxfp4``), for kernels that widen them as they multiply (``common.model.packed_linear``); ``weights`` gives
+    each as ``moe_experts`` takes it."""
 
     PROJECTIONS = ("gate_up_proj", "down_proj")
 
@@ -427,10 +426,6 @@ class Experts(nn.Module):
         setattr(self, f"{projection}_blocks", frozen_parameter(experts, out, inputs // 2, dtype=torch.uint8))
         setattr(self, f"{projection}_scales", frozen_parameter(experts, out, inputs // MXFP4_GROUP, dtype=torch.uint8))
         self.mxfp4.add(projection)
-
-    def checkpoint_dtype_tensors(self) -> list[str]:
-        """The packed weights' scales, which keep the checkpoint's dtype when the model is cast to its own."""
-        return [f"{p}_scales" for p in self.bits] + [f"{p}_scale_inv" for p in sorted(self.fp8)]
 
     def weights(self, projection: str) -> ExpertWeights:
         """``projection``'s weights as ``moe_experts`` takes them: a tensor, or packed (``IntWeights``, ``Fp8Weights``)."""

@@ -176,9 +176,10 @@ def to_packed_layers(model: nn.Module, state: dict[str, Tensor], kernels: Module
     ``<name>.weight_scale_inv`` beside an 8-bit ``<name>.weight``, as its rank holds them) made an ``IntLinear`` or
     ``Fp8Linear`` of the same inputs and outputs, and each mixture's experts whose stacked weights it holds packed
     (``<experts>.<projection>_qweight``, ``_scale_inv`` beside 8-bit weights, or MXFP4's ``_blocks``) made to hold
-    them so (``Experts``: ``hold_int``, ``hold_fp8``, ``hold_mxfp4``); ``model`` is built on the meta device, its tensors assigned from ``state`` after.
-    Returns the names of the packed weights' scales, which keep the checkpoint's dtype when the model is cast to its
-    own. Packed weights for anything else are a checkpoint mismatch."""
+    them so (``Experts``: ``hold_int``, ``hold_fp8``, ``hold_mxfp4``); ``model`` is built on the meta device, its
+    tensors assigned from ``state`` after. Returns the names of the packed weights' floating-point scales, which keep
+    the checkpoint's dtype when the model is cast to its own (MXFP4's exponents are bytes). Packed weights for
+    anything else are a checkpoint mismatch."""
     kept_dtype = []
     names = sorted({n.removesuffix(".qweight") for n in state if n.endswith(".qweight")} |
                    {n.removesuffix(".weight_scale_inv") for n in state if n.endswith(".weight_scale_inv")})
@@ -213,14 +214,13 @@ def to_packed_layers(model: nn.Module, state: dict[str, Tensor], kernels: Module
                 inputs = getattr(experts, projection).shape[2]
                 experts.hold_int(projection, _bits(f"{match['module']}.{projection}", words, inputs), scales.shape[2],
                                  scales.dtype)
+                kept_dtype.append(f"{match['module']}.{projection}_scales")
             else:
                 weight = f"{match['module']}.{projection}"
                 state[weight] = state[weight].view(torch.uint8)  # see Experts.hold_fp8
                 grid = state[match[0]].shape[1:]
                 experts.hold_fp8(projection, (grid[0], grid[1]))
-    for name, module in model.named_modules():
-        if isinstance(module, Experts):
-            kept_dtype += [f"{name}.{tensor}" for tensor in module.checkpoint_dtype_tensors()]
+                kept_dtype.append(match[0])
     return kept_dtype
 
 

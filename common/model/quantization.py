@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from pdserve_kernels.packed_weights import widen_mxfp4
-from pdserve_kernels.reference import widen_fp8
+from pdserve_kernels.packed_weights import widen_fp8, widen_mxfp4
 
 QUANT_MXFP4 = "mxfp4"
 QUANT_FP8 = "fp8"

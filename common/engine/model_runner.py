@@ -170,7 +170,7 @@ class ModelRunner:
         self.kernel_backend = resolve_backend(self.device, config.kernel_backend)
         self.kernels = get_kernels(self.device, config.kernel_backend)
         self.model = load_model(
-            self.model_path, self.hf_config, self.kernels, self.dtype, self.device, self.max_model_len, tp
+            self.model_path, self.hf_config, self.kernels, self.dtype, self.device, tp
         )
         # How far back any layer reads keys (``ModelArch.kv_window``): the KV cache gives back blocks past it.
         self.kv_window = self.model.arch.kv_window

@@ -133,36 +133,34 @@ def _rope_inv_freq(config: Any, rotary_dim: int, layer_type: str | None = None,
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin per position, computed exactly as transformers does per call; of one layer
-    type's RoPE where the family has one per type; ``rotary_dim`` wide (a head's width, or the part of it
-    a partial RoPE rotates)."""
+    """Each step's cos/sin, computed from the positions as transformers computes them per call (float32 products
+    and cos/sin, times the attention scaling, then the caller's dtype); of one layer type's RoPE where the family
+    has one per type; ``rotary_dim`` wide (a head's width, or the part of it a partial RoPE rotates). No table
+    over the model's positions is kept: Llama 4 Scout's 10M positions would take gigabytes before the KV cache
+    were even sized."""
 
-    def __init__(self, config: Any, rotary_dim: int, max_position: int, layer_type: str | None = None,
-                 ntk_alpha: bool = False) -> None:
+    def __init__(self, config: Any, rotary_dim: int, layer_type: str | None = None, ntk_alpha: bool = False) -> None:
         super().__init__()
         # Computed for real even where the model is built on the meta device (its buffers are not
         # loaded from the checkpoint); on meta these operations would also import torch._dynamo (~4 s).
         with torch.device("cpu"):
-            inv_freq, scaling = _rope_inv_freq(config, rotary_dim, layer_type, ntk_alpha)
-            positions = torch.arange(max_position, dtype=torch.float)
-            freqs = positions[:, None] * inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos: Tensor
-        self.sin: Tensor
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+            inv_freq, self.scaling = _rope_inv_freq(config, rotary_dim, layer_type, ntk_alpha)
+        self.inv_freq: Tensor  # float32 whatever the model's dtype (``LlamaForCausalLM.float32_buffers``)
+        self.register_buffer("inv_freq", torch.cat((inv_freq, inv_freq)).float(), persistent=False)
+
+    def _cos_sin(self, freqs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        return (freqs.cos() * self.scaling).to(dtype)[:, None, :], (freqs.sin() * self.scaling).to(dtype)[:, None, :]
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The positions' cos and sin in ``dtype``, ``[num_tokens, 1, rotary_dim]``: once per forward, for
         every layer (per layer they were four more kernel launches each)."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        return self._cos_sin(positions.float()[:, None] * self.inv_freq[None, :], dtype)
 
     def cos_sin_sections(self, positions: Tensor, columns: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """M-RoPE's: ``positions`` ``[3, num_tokens]`` (time, height, width), each column of the rotation turned by
         the position of its section (``columns``: the component of each of the ``rotary_dim`` columns), as
         transformers' Qwen2.5-VL recomposes its frequencies."""
-        rows, cols = positions[columns].T, torch.arange(columns.shape[0], device=positions.device)
-        return self.cos[rows, cols].to(dtype)[:, None, :], self.sin[rows, cols].to(dtype)[:, None, :]
+        return self._cos_sin(positions[columns].T.float() * self.inv_freq[None, :], dtype)
 
 
 class NoRotation(nn.Module):
@@ -668,7 +666,7 @@ class LlamaForCausalLM(nn.Module):
     rank's (its KV cache's); a model that does not divide among the ranks is refused by name
     (``ModelArch.check_tensor_parallel``)."""
 
-    def __init__(self, config: Any, kernels: ModuleType, max_position: int, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: Any, kernels: ModuleType, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
         self.arch = ModelArch.from_config(config)
@@ -702,8 +700,8 @@ class LlamaForCausalLM(nn.Module):
                       for i, kind in enumerate(per_type or (_ONE_ROPE,) * len(self.model.layers)))
         self.rotary_embs = nn.ModuleDict({
             kind: NoRotation(self.head_size) if kind == _NO_ROPE
-            else RotaryEmbedding(config, self.arch.rotary_dim or self.head_size, max_position,
-                                 kind if per_type else None, self.arch.rope_type == NTK_ALPHA)
+            else RotaryEmbedding(config, self.arch.rotary_dim or self.head_size, kind if per_type else None,
+                                 self.arch.rope_type == NTK_ALPHA)
             for kind in sorted(set(kinds))
         })
         self.layer_rope_kinds = kinds
@@ -742,9 +740,9 @@ class LlamaForCausalLM(nn.Module):
         return names
 
     def float32_buffers(self) -> list[str]:
-        """Buffers kept in float32 whatever the model's dtype: ERNIE 4.5's RoPE tables, against which it
-        rotates q and k in float32."""
-        return [f"rotary_embs.{name}" for name, _ in self.rotary_embs.named_buffers()] if self.arch.rope_tables_float32 else []
+        """Buffers kept in float32 whatever the model's dtype: the RoPE frequencies, which transformers keeps in
+        float32 and multiplies the positions by in float32."""
+        return [f"rotary_embs.{name}" for name, _ in self.rotary_embs.named_buffers() if name.endswith("inv_freq")]
 
     def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
         """Each RoPE kind's cos and sin at ``positions``, in ``dtype``, or float32 where the family rotates

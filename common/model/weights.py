@@ -164,14 +164,14 @@ def load_hf_config(path: Path) -> Any:
 
 
 def load_model(
-    path: Path, config: Any, kernels: ModuleType, dtype: torch.dtype, device: torch.device, max_position: int,
+    path: Path, config: Any, kernels: ModuleType, dtype: torch.dtype, device: torch.device,
     tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
     """The model in eval mode on ``device``; every parameter must come from the checkpoint. ``tp``: this
     rank's share of it (``LlamaForCausalLM``): the whole checkpoint is read, renamed, stacked and widened as
     for one process, then each tensor cut to this rank's share (``common.model.parallel.shard_rules``)."""
     with torch.device("meta"):  # parameters without storage, until the checkpoint's are assigned
-        model = LlamaForCausalLM(config, kernels, max_position, tp)
+        model = LlamaForCausalLM(config, kernels, tp)
     model.arch.check_dtype(str(dtype).removeprefix("torch."))
     size = model.tp.size
     # The checkpoint's counts: the model holds its rank's share of the heads.

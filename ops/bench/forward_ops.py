@@ -185,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                              for i in range(2 if args.lora_rank else 0))
         for backend in backends:
             if set(cases) - {"sample"}:
-                model = load_model(path, config, get_kernels("cpu", backend), torch.float32, torch.device("cpu"),
-                                   args.context + 1)
+                model = load_model(path, config, get_kernels("cpu", backend), torch.float32, torch.device("cpu"))
                 lora = LoRAManager(model, lora_modules, args.lora_rank) if lora_modules else None
             results += [count_forward(model, backend, case, args, lora) if case != "sample"
                         else count_sample(int(config.vocab_size), backend, args) for case in cases]

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 
-def build_model(folder: Path, heads: int, layers: int, max_len: int, seed: int = 0) -> Any:
+def build_model(folder: Path, heads: int, layers: int, seed: int = 0) -> Any:
     """A random DeepSeek-V3-shaped checkpoint saved by transformers, loaded as the engine loads it."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -47,7 +47,7 @@ def build_model(folder: Path, heads: int, layers: int, max_len: int, seed: int =
     )
     torch.manual_seed(seed)
     DeepseekV3ForCausalLM(config).save_pretrained(str(folder))
-    return load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), max_len)
+    return load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"))
 
 
 def prefill_ms(model: Any, prompt_len: int, expanded: bool, repeats: int) -> tuple[float, torch.Tensor]:
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-mla-") as tmp:
-        model = build_model(Path(tmp), args.heads, args.layers, max(args.prompt_lens))
+        model = build_model(Path(tmp), args.heads, args.layers)
     attn = model.model.layers[0].self_attn
     rows = []
     for prompt_len in args.prompt_lens:

@@ -154,9 +154,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         folder = Path(tmp) / args.format
         layers = quantize(source, folder, args)
         cpu = torch.device("cpu")
-        models = {"unquantized": load_model(source, load_hf_config(source), reference, dtype, cpu, 256),
-                  "widened": load_model(folder, load_hf_config(folder), reference, dtype, cpu, 256),
-                  "packed": load_model(folder, load_hf_config(folder), triton_ops, dtype, cpu, 256)}
+        models = {"unquantized": load_model(source, load_hf_config(source), reference, dtype, cpu),
+                  "widened": load_model(folder, load_hf_config(folder), reference, dtype, cpu),
+                  "packed": load_model(folder, load_hf_config(folder), triton_ops, dtype, cpu)}
     products, packed = _products(models["packed"])
     for module in models["packed"].modules():  # every kernel the torch reference, on this CPU
         if hasattr(module, "kernels"):

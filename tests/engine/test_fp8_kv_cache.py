@@ -56,7 +56,7 @@ def _against_exact(monkeypatch: pytest.MonkeyPatch, store: Any = None) -> tuple[
     from tests.engine.conftest import prompt_ids
 
     path = resolve_model_path(None)
-    model = load_model(path, load_hf_config(path), reference, torch.float32, torch.device("cpu"), 256)
+    model = load_model(path, load_hf_config(path), reference, torch.float32, torch.device("cpu"))
     attn = model.model.layers[0].self_attn
     errors, agree, positions = [], 0, 0
     for prompt in prompt_ids()[:4]:

@@ -179,3 +179,37 @@ def test_a_cache_sized_from_memory_that_cannot_hold_max_model_len_refuses_to_sta
         LLMEngine(EngineConfig(**windowed))
     # ... in steps of 16 at most, 12 + 2 x 16 - 2 keys span 6 blocks of 8 at most: 20 blocks are plenty.
     LLMEngine(EngineConfig(**windowed, max_num_batched_tokens=16)).close()
+
+
+def test_a_model_of_ten_million_positions_is_refused_or_served_without_a_table_of_them(tmp_path):
+    """Llama 4 Scout's context is 10M positions. A cache that cannot hold one request that long is refused by the
+    capacity check, as above. Given the blocks (``--num-blocks``), the engine serves the model at its full
+    ``max_model_len``. Nothing the model holds grows with its positions: RoPE's cos and sin come from each step's
+    positions, not from a table over all of them. Its greedy tokens equal those of the same weights with 256
+    positions."""
+    from common.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from common.engine.request import SamplingParams
+    from tests.engine.tiny_models import TINY_DIMS, build_checkpoint, family_configs, prompt_token_ids
+
+    short = build_checkpoint(family_configs()["llama-bias"], tmp_path / "short")
+    config = family_configs()["llama-bias"]
+    config.max_position_embeddings = 10_000_000
+    long = build_checkpoint(config, tmp_path / "long")
+    per_token = TINY_DIMS["num_hidden_layers"] * 2 * TINY_DIMS["num_key_value_heads"] * TINY_DIMS["head_dim"] * 4
+    base = {"device": "cpu", "dtype": "float32", "block_size": 8, "max_num_seqs": 2}
+    with pytest.raises(ValueError, match="max_model_len 10000000 holds at once \\(1250000 blocks\\)"):
+        LLMEngine(EngineConfig(model=str(long), num_blocks=None, kv_cache_memory=100 * 8 * per_token, **base))
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = prompt_token_ids(40)
+    outputs = []
+    for folder in (short, long):
+        engine = LLMEngine(EngineConfig(model=str(folder), num_blocks=64, **base))
+        try:
+            model = engine.runner.model
+            assert engine.runner.max_model_len == (256 if folder == short else 10_000_000)
+            assert sum(b.numel() for b in model.buffers()) < 1_000, "a buffer grows with the model's positions"
+            outputs.append(engine.generate([prompt], greedy)[0][0])
+        finally:
+            engine.close()
+    assert outputs[0] == outputs[1]

@@ -41,7 +41,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unt
 
 
 def _load(folder: Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    return load_model(folder, load_hf_config(folder), reference, dtype, torch.device("cpu"), 64)
+    return load_model(folder, load_hf_config(folder), reference, dtype, torch.device("cpu"))
 
 
 def test_the_configs_ask_for_what_they_say() -> None:
@@ -354,15 +354,15 @@ def test_over_two_ranks_each_holds_its_heads_and_the_whole_latent(name: str) -> 
     rank's logits equal one process's: ``tests/engine/test_tensor_parallel_model.py``.)"""
     config = family_configs()[name]
     with torch.device("meta"):
-        whole = LlamaForCausalLM(config, reference, 64)
-        half = LlamaForCausalLM(config, reference, 64, TensorParallel(1, 2, group=object()))
+        whole = LlamaForCausalLM(config, reference)
+        half = LlamaForCausalLM(config, reference, TensorParallel(1, 2, group=object()))
     full, share = whole.model.layers[0].self_attn, half.model.layers[0].self_attn
     assert share.num_heads * 2 == full.num_heads and (half.num_kv_heads, half.head_size) == (1, whole.head_size)
     assert share.kv_b_proj.weight.shape[0] * 2 == full.kv_b_proj.weight.shape[0]
     assert share.o_proj.weight.shape[1] * 2 == full.o_proj.weight.shape[1]
     assert share.kv_a_proj_with_mqa.weight.shape == full.kv_a_proj_with_mqa.weight.shape
     with torch.device("meta"), pytest.raises(UnsupportedConfig, match="num_attention_heads=4 .*--tensor-parallel-size 8"):
-        LlamaForCausalLM(config, reference, 64, TensorParallel(1, 8, group=object()))
+        LlamaForCausalLM(config, reference, TensorParallel(1, 8, group=object()))
 
 
 def test_lora_adapts_the_output_projection_and_refuses_the_latent_projections(checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]

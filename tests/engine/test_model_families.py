@@ -340,7 +340,7 @@ def test_an_image_text_checkpoint_serves_its_language_model_alone(checkpoint, na
     assert config.tie_word_embeddings == wrapper.tie_word_embeddings
     if name.startswith("mistral3"):
         assert not config.tie_word_embeddings and family_configs()[name].text_config.tie_word_embeddings
-    model = load_model(folder, config, reference, torch.float32, torch.device("cpu"), 64)
+    model = load_model(folder, config, reference, torch.float32, torch.device("cpu"))
     assert not any("vision" in n or "projector" in n for n, _ in model.named_parameters())
     hf = hf_model(folder)
     head = getattr(hf, "lm_head", None) or hf.language_model.lm_head  # Llama 4's: its language model's
@@ -395,7 +395,7 @@ def test_a_quantized_checkpoint_equals_transformers_dequantized(checkpoint, engi
         hf = hf_model(folder, **dequantize)(torch.tensor([prompt])).logits[0]
         unquantized = hf_model(checkpoint(name))(torch.tensor([prompt])).logits[0]
     assert (hf - unquantized).abs().max() > 1e-2
-    model = load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64)
+    model = load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"))
     assert model.arch.quantization == quantization
     torch.testing.assert_close(_logits(model, prompt), hf, atol=1e-4, rtol=1e-4)
     expected = [hf_greedy(folder, prompt, MAX_NEW_TOKENS, **dequantize)]
@@ -403,7 +403,7 @@ def test_a_quantized_checkpoint_equals_transformers_dequantized(checkpoint, engi
     assert [c[0] for c in engine.generate([prompt], GREEDY)] == expected
     # The Triton kernels keep the projections' 8-bit weights and their scales, a mixture's experts' too; gpt-oss's
     # experts their MXFP4 blocks.
-    packed = load_model(folder, load_hf_config(folder), triton_ops, torch.float32, torch.device("cpu"), 64)
+    packed = load_model(folder, load_hf_config(folder), triton_ops, torch.float32, torch.device("cpu"))
     if quantization == "mxfp4":
         experts = [m for m in packed.modules() if isinstance(m, Experts)]
         assert experts and all(e.mxfp4 == {"gate_up_proj", "down_proj"} and e.down_proj_blocks.dtype == torch.uint8
@@ -456,7 +456,7 @@ def test_compressed_tensors_fp8_equals_transformers_decompressed(checkpoint, eng
     assert (hf - unquantized).abs().max() > 1e-2
     config = load_hf_config(folder)
     for kernels in (reference, triton_ops):
-        model = load_model(folder, config, kernels, torch.float32, torch.device("cpu"), 64)
+        model = load_model(folder, config, kernels, torch.float32, torch.device("cpu"))
         assert model.arch.quantization == "compressed-tensors" and model.arch.fp8_weights
         torch.testing.assert_close(_logits(model, prompt), hf, atol=1e-4, rtol=1e-4)
     fp8_linears = [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
@@ -482,8 +482,8 @@ def test_fp8_experts_a_checkpoint_holds_input_major_are_widened(checkpoint, tmp_
     folder = fp8_checkpoint(checkpoint("qwen3-vl-moe-image-text-text-only"), tmp_path / "fp8")
     prompt = prompt_token_ids(PROMPT_LEN)
     config = load_hf_config(folder)
-    widened = load_model(folder, config, reference, torch.float32, torch.device("cpu"), 64)
-    packed = load_model(folder, config, triton_ops, torch.float32, torch.device("cpu"), 64)
+    widened = load_model(folder, config, reference, torch.float32, torch.device("cpu"))
+    packed = load_model(folder, config, triton_ops, torch.float32, torch.device("cpu"))
     experts = [m for m in packed.modules() if isinstance(m, Experts)]
     assert experts and all(not e.fp8 and e.down_proj.dtype == torch.float32 for e in experts)
     assert any(isinstance(m, Fp8Linear) for m in packed.modules())
@@ -538,12 +538,12 @@ def test_an_integer_quantized_checkpoint_equals_its_dequantized_model(checkpoint
         hf = hf_model(reference_folder, **decompress)(torch.tensor([prompt])).logits[0]
         unquantized = hf_model(source)(torch.tensor([prompt])).logits[0]
     assert (hf - unquantized).abs().max() > 1e-2
-    model = load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64)
+    model = load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"))
     assert model.arch.quantization == method
     torch.testing.assert_close(_logits(model, prompt), hf, atol=1e-4, rtol=1e-4)
     assert not any(isinstance(m, IntLinear) for m in model.modules())  # the torch backend widens them
     # The Triton kernels keep them packed, a mixture's experts' too.
-    packed = load_model(folder, load_hf_config(folder), triton_ops, torch.float32, torch.device("cpu"), 64)
+    packed = load_model(folder, load_hf_config(folder), triton_ops, torch.float32, torch.device("cpu"))
     int_linears = {n: m for n, m in packed.named_modules() if isinstance(m, IntLinear)}
     experts = [m for m in packed.modules() if isinstance(m, Experts)]
     assert len(experts) == sum(isinstance(m, Experts) for m in model.modules()) and bool(experts) == ("moe" in name)
@@ -654,7 +654,7 @@ def test_interleaved_rope_rotates_as_transformers_does_bit_for_bit(checkpoint, n
     from pdserve_kernels import reference
 
     folder = checkpoint(name)
-    ours = load_model(folder, load_hf_config(folder), reference, dtype, torch.device("cpu"), 64)
+    ours = load_model(folder, load_hf_config(folder), reference, dtype, torch.device("cpu"))
     hf = hf_model(folder, dtype)
     attn = ours.model.layers[0].self_attn
     heads, kv_heads, head_size = attn.num_heads, attn.num_kv_heads, attn.head_size
@@ -704,7 +704,7 @@ def test_family_logits_over_a_prompt_equal_transformers(checkpoint, name: str) -
 
     folder = checkpoint(name)
     prompt = prompt_token_ids(PROMPT_LEN)
-    model = load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64)
+    model = load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"))
     got, uncapped = _logits(model, prompt), _logits(model, prompt, capped=False)
     with torch.inference_mode():
         expected = hf_model(folder)(torch.tensor([prompt])).logits[0].float()
@@ -932,7 +932,7 @@ def test_a_config_read_back_from_the_cache_builds_the_same_model(checkpoint, nam
     assert ModelArch.from_config(again) == ModelArch.from_config(first)
     kernels = get_kernels("cpu")
     with torch.device("meta"):
-        built = [LlamaForCausalLM(config, kernels, 64) for config in (first, again)]
+        built = [LlamaForCausalLM(config, kernels) for config in (first, again)]
     assert _derived(built[0]) == _derived(built[1])
     ropes = [model.rotary_embs for model in built]
     for (key, a), (_, b) in zip(ropes[0].named_buffers(), ropes[1].named_buffers(), strict=True):

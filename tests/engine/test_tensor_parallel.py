@@ -408,7 +408,7 @@ def test_the_checkpoint_is_read_a_layer_at_a_time(checkpoint, monkeypatch: pytes
 
     monkeypatch.setattr(weights, "_prepare", recorded)
     folder = checkpoint("qwen2-moe-shared-expert")
-    load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64)
+    load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"))
     assert sorted(parts, key=sorted) == sorted(({"none"}, *({str(i)} for i in range(TINY_DIMS["num_hidden_layers"]))),
                                                key=sorted)
 

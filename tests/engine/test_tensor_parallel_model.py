@@ -77,7 +77,7 @@ def _logits(model: LlamaForCausalLM, prompt: list[int]) -> torch.Tensor:
 def _load(folder: Path, tp: TensorParallel | None = None) -> LlamaForCausalLM:
     from common.model.weights import load_hf_config, load_model
 
-    return load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), 64, tp)
+    return load_model(folder, load_hf_config(folder), reference, torch.float32, torch.device("cpu"), tp)
 
 
 def _rank_main(rank: str, port: str, job: str) -> None:
@@ -187,7 +187,7 @@ def test_each_rank_holds_its_kv_heads_and_sums_once_per_block(ranks: dict[str, A
 
 def _meta(config: Any, tp: TensorParallel | None) -> LlamaForCausalLM:
     with torch.device("meta"):
-        return LlamaForCausalLM(config, reference, 64, tp)
+        return LlamaForCausalLM(config, reference, tp)
 
 
 _TWO = TensorParallel(1, SIZE, group=object())  # rank 1 of 2; these models are only built, never run

@@ -316,7 +316,7 @@ def test_the_engine_section_s_quantized_stand_in_loads_packed(tmp_path: Path, mo
     source = build_checkpoint(family_configs()["llama-bias"], tmp_path / "llama")
     folder = gpu_kernels.quantized_stand_in(str(source), "gptq")
     assert folder == gpu_kernels.quantized_stand_in(str(source), "gptq")  # written once
-    model = load_model(Path(folder), load_hf_config(Path(folder)), triton_ops, torch.float32, torch.device("cpu"), 64)
+    model = load_model(Path(folder), load_hf_config(Path(folder)), triton_ops, torch.float32, torch.device("cpu"))
     assert sum(isinstance(m, IntLinear) for m in model.modules()) == 4 * len(model.model.layers)
 
 
@@ -331,7 +331,7 @@ def test_the_engine_variants_section_runs_on_the_cpu(tmp_path: Path, monkeypatch
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     moe = str(build_checkpoint(family_configs()["qwen3-moe-dense-layer"], tmp_path / "moe"))
     gptq = gpu_kernels.quantized_stand_in(moe, "gptq", group=16)
-    packed = load_model(Path(gptq), load_hf_config(Path(gptq)), triton_ops, torch.float32, torch.device("cpu"), 64)
+    packed = load_model(Path(gptq), load_hf_config(Path(gptq)), triton_ops, torch.float32, torch.device("cpu"))
     assert [e.bits for e in packed.modules() if isinstance(e, Experts)] == [{"gate_up_proj": 4, "down_proj": 4}] * 2
     report = gpu_kernels.Report(tmp_path, {"device": "cpu"})
     gpu_kernels.bench_engine_variants(report, None, device="cpu",  # type: ignore[arg-type]

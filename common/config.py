@@ -12,8 +12,9 @@ from common.cli import HF_OVERRIDES_HELP, hf_overrides_arg, json_object
 from common.lora_modules import LoRAModule, lora_module_arg
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# The KV cache's dtype: the model's ("auto"), or 8-bit floats (e4m3, scale 1), as vLLM names them.
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# The KV cache's dtype: the model's ("auto"), or 8-bit floats (e4m3 or e5m2, scale 1), as vLLM names them.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
 
 
 def parse_size(text: str) -> int:
@@ -214,9 +215,10 @@ class EngineConfig:
         parser.add_argument("--device", default=d.device)
         parser.add_argument("--dtype", default=d.dtype, choices=["auto", *_DTYPES])
         parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
-                            help="the KV cache's dtype: the model's (auto), or fp8 (e4m3, scale 1; K and V "
-                            "saturated at +-448): half a 16-bit cache's memory, so twice the tokens; "
-                            "attention still runs in the model's dtype. Prefill and decode must agree")
+                            help="the KV cache's dtype: the model's (auto), or fp8 (= fp8_e4m3: scale 1, K and V "
+                            "saturated at +-448), or fp8_e5m2 (scale 1, saturated at +-57344: more range, "
+                            "less precision): half a 16-bit cache's memory, so twice the tokens; attention "
+                            "still runs in the model's dtype. Prefill and decode must agree")
         parser.add_argument("--quantization", "-q", default=None, metavar="METHOD",
                             help="the checkpoint's quantization (fp8, gptq, awq, compressed-tensors, mxfp4; "
                             "vLLM's gptq_marlin and awq_marlin name the same checkpoints): checked against its "

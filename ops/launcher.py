@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     p.add_argument("--block-size", type=int)
     p.add_argument("--kv-cache-memory")
-    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3"],
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="every engine's KV cache dtype (fp8: half a 16-bit cache's memory; auto: the model's)")
     p.add_argument("--quantization", "-q", default=None, metavar="METHOD",
                    help="the checkpoint's quantization, checked by every engine against its config")

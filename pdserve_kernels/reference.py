@@ -24,9 +24,10 @@ Layouts (shared with pdserve_kernels/triton_*.py; a Triton kernel must accept ex
 - ``latent``: the cache holds one vector per token and KV head split in halves, its first half in the K
   slot and its second in the V slot; the vector is both the key and the value (Multi-head Latent Attention's
   latent, ``common.model.mla``), so queries and outputs are ``2 * head_size`` wide.
-- The cache's dtype is the model's, or ``float8_e4m3fn`` (``--kv-cache-dtype fp8``): K and V are then
-  stored rounded to 8 bits, saturated at +-448 (never NaN: e4m3fn has no infinity), with a scale of
-  1, and read back into the queries' dtype, in which attention runs.
+- The cache's dtype is the model's, or ``float8_e4m3fn`` (``--kv-cache-dtype fp8``) or ``float8_e5m2``
+  (``fp8_e5m2``): K and V are then stored rounded to 8 bits, saturated at the format's largest finite value
+  (+-448 in e4m3, which has no infinity; +-57344 in e5m2: never NaN or infinite), with a scale of 1, and read
+  back into the queries' dtype, in which attention runs.
 """
 
 from __future__ import annotations
@@ -52,23 +53,25 @@ NORM_OLMO = 2  # times the weight in float32, rounded once (OLMo 2 and 3)
 # weight in float32, rounded once (Cohere's ``CohereLayerNorm``).
 NORM_LAYER = 3
 
-FP8 = torch.float8_e4m3fn  # the 8-bit cache's dtype
-FP8_MAX = float(torch.finfo(FP8).max)  # 448: what a larger K or V entry is stored as
+# The 8-bit caches' dtypes (``--kv-cache-dtype fp8`` or ``fp8_e4m3``, and ``fp8_e5m2``).
+FP8_CACHES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def to_cache(x: Tensor, cache_dtype: torch.dtype) -> Tensor:
-    """``x`` as the cache stores it: in its dtype, saturated first where that is 8-bit."""
+    """``x`` as the cache stores it: in its dtype, saturated first where that is 8-bit (at 448 in e4m3, 57344 in
+    e5m2: a larger K or V entry is stored as the largest finite value, never NaN or infinite)."""
     if x.dtype == cache_dtype:
         return x
-    if cache_dtype == FP8:
-        x = x.clamp(-FP8_MAX, FP8_MAX)
+    if cache_dtype in FP8_CACHES:
+        largest = float(torch.finfo(cache_dtype).max)
+        x = x.clamp(-largest, largest)
     return x.to(cache_dtype)
 
 
 def cache_bytes(t: Tensor) -> Tensor:
     """An 8-bit cache (or a piece of one) as bytes, for the copies torch does not implement for float8 on
     the CPU (``index_copy_``, ``index_fill_``); any other tensor as it is."""
-    return t.view(torch.uint8) if t.dtype == FP8 else t
+    return t.view(torch.uint8) if t.dtype in FP8_CACHES else t
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, form: int = NORM_LLAMA, bias: Tensor | None = None) -> Tensor:
@@ -172,7 +175,7 @@ def _gather_blocks_flat(kv_layer: Tensor, block_ids: Tensor) -> Tensor:
 
 def _readable(kv: Tensor, query_dtype: torch.dtype) -> Tensor:
     """Gathered K/V in the dtype attention runs in: an 8-bit cache's widened to the queries' dtype."""
-    return kv.to(query_dtype) if kv.dtype == FP8 else kv
+    return kv.to(query_dtype) if kv.dtype in FP8_CACHES else kv
 
 
 def _length_groups(lens: list[int], block_size: int) -> list[list[int]]:

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-CACHE_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)  # the model's dtype, or 8 bits (``--kv-cache-dtype fp8``)
+# The model's dtype, or 8 bits (``--kv-cache-dtype fp8`` / ``fp8_e5m2``: ``pdserve_kernels.reference.FP8_CACHES``).
+CACHE_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 

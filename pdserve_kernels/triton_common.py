@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from pdserve_kernels.reference import FP8_CACHES
 from pdserve_kernels.triton_checks import check_block_n
 
 FULL_WINDOW = 1 << 30  # the sliding window passed for full attention: longer than any context
@@ -96,30 +97,35 @@ def kv_constexprs(kv_dtype: torch.dtype, query_dtype: torch.dtype, device: torch
     """The attention kernels' ``KV_FP8``, ``WIDEN_DOT`` and ``DOT_PRECISION``: an 8-bit cache's K and V
     are widened to the queries' dtype as they are loaded, and the products run in that dtype; any
     other cache's queries are narrowed to the cache's dtype, as before."""
-    fp8 = kv_dtype == torch.float8_e4m3fn
+    fp8 = kv_dtype in FP8_CACHES
     return {"KV_FP8": fp8, **dot_constexprs(query_dtype if fp8 else kv_dtype, device)}
 
 
 @triton.jit
 def to_cache(x, dtype: tl.constexpr, SATURATE: tl.constexpr):
-    """``x`` as the cache stores it: an 8-bit cache's entries rounded to float8 e4m3 and saturated at
-    +-448 (never NaN) first, as ``pdserve_kernels.reference.to_cache`` stores them."""
+    """``x`` as the cache stores it: an 8-bit cache's entries rounded to float8 (e4m3, or e5m2 where ``dtype`` is)
+    and saturated at its largest finite value (+-448, +-57344: never NaN or infinite) first, as
+    ``pdserve_kernels.reference.to_cache`` stores them."""
     if SATURATE:
-        x = e4m3_grid(x.to(tl.float32))
+        if dtype == tl.float8e5:  # 2 mantissa bits, normal exponents from -14, largest 57344
+            x = fp8_grid(x.to(tl.float32), 2, -14, 57344.0)
+        else:  # e4m3: 3 mantissa bits, normal exponents from -6, largest 448
+            x = fp8_grid(x.to(tl.float32), 3, -6, 448.0)
     return x.to(dtype)
 
 
 @triton.jit
-def e4m3_grid(x):
-    """``x`` (float32) rounded to the nearest float8 e4m3 value, ties to even, saturated at +-448, still
-    in float32: its conversion to 8 bits is then exact. Done in arithmetic rather than left to the
-    conversion, which Triton's CPU interpreter gets wrong where rounding carries into the exponent
-    (7.9 became 4.0); a GPU's conversion agrees with this one."""
+def fp8_grid(x, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr, LARGEST: tl.constexpr):
+    """``x`` (float32) rounded to the nearest value of a float8 format (``MANTISSA`` bits, normal exponents from
+    ``MIN_EXPONENT``), ties to even, saturated at its ``LARGEST`` finite value, still in float32: its conversion
+    to 8 bits is then exact. Done in arithmetic rather than left to the conversion, which Triton's CPU interpreter
+    gets wrong where rounding carries into the exponent (7.9 became 4.0 in e4m3); a GPU's conversion agrees with
+    this one."""
     bits = x.to(tl.int32, bitcast=True)
-    ax = tl.minimum(tl.abs(x), 448.0)
-    # The binade's exponent (subnormals share the smallest normal one's), and its step: 3 mantissa bits.
-    exponent = tl.maximum(((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
-    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    ax = tl.minimum(tl.abs(x), LARGEST)
+    # The binade's exponent (subnormals share the smallest normal one's), and its step.
+    exponent = tl.maximum(((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXPONENT)
+    step = ((exponent - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
     v = ax / step  # exact: a power of two
     r = tl.floor(v)
     odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pdserve_kernels.reference import FP8_CACHES
 from pdserve_kernels.triton_checks import check_index, check_kv_cache, check_kv_layer
 from pdserve_kernels.triton_common import to_cache
 
@@ -98,7 +99,7 @@ def store_kv(key: Tensor, value: Tensor, kv_layer: Tensor, slot_mapping: Tensor)
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, H_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_SIZE=head_size, D_PAD=triton.next_power_of_2(head_size), BLOCK_SIZE=block_size,
-        SATURATE=kv_layer.dtype == torch.float8_e4m3fn,
+        SATURATE=kv_layer.dtype in FP8_CACHES,
     )
 
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pdserve_kernels.reference import FP8_CACHES
 from pdserve_kernels.triton_checks import check_index, check_kv_layer
 from pdserve_kernels.triton_common import to_cache
 
@@ -135,7 +136,7 @@ def rope_and_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_kv_heads,
             H_PAD=triton.next_power_of_2(max(num_q_heads, num_kv_heads)), HEAD_SIZE=head_size,
             D_PAD=triton.next_power_of_2(head_size), STORE=True, BLOCK_SIZE=block_size,
-            SATURATE=kv_layer.dtype == torch.float8_e4m3fn, ROTARY_DIM=cos.shape[-1], ROUND_EACH=cos.dtype == q.dtype,
+            SATURATE=kv_layer.dtype in FP8_CACHES, ROTARY_DIM=cos.shape[-1], ROUND_EACH=cos.dtype == q.dtype,
             enable_fp_fusion=False,
         )
     return q_out

@@ -48,7 +48,7 @@ from common.model.weights import load_hf_config, load_model
 from common.protocol import EVERY_TOKEN_POOLING, ImageInput, PromptLogprob, TokenLogprob
 from common.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve_kernels import get_kernels, resolve_backend
-from pdserve_kernels.reference import cache_bytes
+from pdserve_kernels.reference import FP8_CACHES, cache_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +75,13 @@ def gpu_kv_cache_bytes(total: int, free: int, own: int, utilization: float) -> i
 def _check_kv_dtype(kv_dtype: torch.dtype, device: torch.device) -> None:
     """An 8-bit cache on a GPU needs float8 conversions in hardware (compute capability 8.9: Ada, Hopper
     and later), which the Triton kernels compile to; refused by name elsewhere, not emulated."""
-    if kv_dtype != torch.float8_e4m3fn or device.type != "cuda":
+    if kv_dtype not in FP8_CACHES or device.type != "cuda":
         return
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
-        raise ValueError(f"--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or later (float8 "
-                         f"conversions); this one is {capability[0]}.{capability[1]}: use --kv-cache-dtype auto")
+        raise ValueError(f"an 8-bit KV cache ({str(kv_dtype).removeprefix('torch.')}) needs a GPU of compute "
+                         f"capability 8.9 or later (float8 conversions); this one is {capability[0]}.{capability[1]}: "
+                         "use --kv-cache-dtype auto")
 
 
 class _PromptLogprobTable(NamedTuple):

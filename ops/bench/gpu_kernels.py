@@ -243,20 +243,21 @@ def run_checks(report: Report, ops: Any, ref: Any) -> None:
 
     report.check("store_kv fp32 -> bf16 cache, skipped slots", store)
 
-    def fp8_store() -> tuple[float, float]:
+    def fp8_store(fp8: torch.dtype) -> tuple[float, float]:
         """Entries of an 8-bit cache whose byte differs from torch's saturated conversion (0 allowed)."""
-        kv = torch.zeros(2, 40, 16, 8, 128, dtype=torch.float8_e4m3fn, device=DEVICE)
-        key, value = 300 * randn(300, 8, 128, dtype=torch.bfloat16), randn(300, 8, 128) / 100
+        kv = torch.zeros(2, 40, 16, 8, 128, dtype=fp8, device=DEVICE)
+        largest = float(torch.finfo(fp8).max)  # some keys past it
+        key, value = largest / 1.5 * randn(300, 8, 128, dtype=torch.bfloat16), randn(300, 8, 128) / 100
         slots = torch.randperm(40 * 16, device=DEVICE, generator=gen)[:300]
         expected = kv.clone()
         ref.store_kv(key, value, expected, slots)
         ops.store_kv(key, value, kv, slots)
         return float((kv.view(torch.uint8) != expected.view(torch.uint8)).sum()), 0.0
 
-    def fp8_attention(kind: str) -> tuple[float, float]:
+    def fp8_attention(kind: str, fp8: torch.dtype) -> tuple[float, float]:
         q_lens, ctx = ([1] * 4, [17, 300, 2049, 77]) if kind == "decode" else ([1, 200, 37], [90, 200, 1000])
         q, kv, tables, starts, lens = attention_case(torch.bfloat16, 4, 128, 16, q_lens, ctx)
-        kv = kv.to(torch.float8_e4m3fn)
+        kv = kv.to(fp8)
         if kind == "decode":
             out = ops.paged_decode_attention(q, kv, tables, lens, 128**-0.5)
             expected = ref.paged_decode_attention(q.float(), kv.float(), tables, lens, 128**-0.5)
@@ -299,10 +300,12 @@ def run_checks(report: Report, ops: Any, ref: Any) -> None:
         report.check(f"paged_{kind}_attention bf16 in chunks of 256 (Llama 4)", functools.partial(chunked_attention, kind))
 
     if torch.cuda.get_device_capability() >= (8, 9):  # float8 conversions (the engine refuses fp8 below)
-        report.check("store_kv bf16/fp32 -> fp8 cache (entries whose byte differs from torch's)", fp8_store)
-        for kind in ("decode", "prefill"):
-            report.check(f"paged_{kind}_attention bf16 over an fp8 cache (vs float32 over the same values)",
-                         functools.partial(fp8_attention, kind))
+        for fp8, form in ((torch.float8_e4m3fn, "fp8"), (torch.float8_e5m2, "fp8_e5m2")):
+            report.check(f"store_kv bf16/fp32 -> {form} cache (entries whose byte differs from torch's)",
+                         functools.partial(fp8_store, fp8))
+            for kind in ("decode", "prefill"):
+                report.check(f"paged_{kind}_attention bf16 over an {form} cache (vs float32 over the same values)",
+                             functools.partial(fp8_attention, kind, fp8))
 
     def blocks() -> tuple[float, float]:
         cache = randn(4, 2, 64, 16, 8, 128, dtype=torch.bfloat16)

@@ -1,7 +1,8 @@
-"""``pdserve bench kv-dtype``: what an 8-bit KV cache (``--kv-cache-dtype fp8``) costs and gives, beside
-the model's own dtype, in one process.
+"""``pdserve bench kv-dtype``: what an 8-bit KV cache (``--kv-cache-dtype fp8``, ``fp8_e5m2``) costs and gives,
+beside the model's own dtype, in one process.
 
-For each cache dtype (``auto``, then ``fp8``), one ``LLMEngine`` on the same model, memory and prompts:
+For each cache dtype (``auto``, then ``fp8`` and ``fp8_e5m2``), one ``LLMEngine`` on the same model, memory and
+prompts:
 
 * capacity: KV blocks (and tokens) that ``--kv-cache-memory`` holds, bytes per token;
 * accuracy against ``auto``: the greedy continuations of ``--num-prompts`` chat prompts, EOS ignored,
@@ -92,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-memory", default="256M", help="the same for every cache (CPU)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtypes", default="float32,bfloat16",
-                        help="model dtypes, each run with its own cache and with fp8; the later ones' own "
-                             "caches are also compared with the first's (how much plain rounding moves greedy output)")
+                        help="model dtypes, each run with its own cache and with each 8-bit one; the later ones' "
+                             "own caches are also compared with the first's (how much plain rounding moves greedy "
+                             "output)")
+    parser.add_argument("--kv-dtypes", default="fp8,fp8_e5m2", help="the 8-bit caches to run beside the model's own")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
 
@@ -107,15 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict[str, Any]] = {}
     # The context the workload needs: a cache of a few MiB need not hold the model's whole one.
     max_model_len = max(len(r) for r in requests) + args.max_tokens
+    eight_bit = args.kv_dtypes.split(",")
     for dtype in dtypes:
-        for kv in ("auto", "fp8"):
+        for kv in ("auto", *eight_bit):
             config = EngineConfig(model=args.model, device=args.device, dtype=dtype, kv_cache_dtype=kv,
                                   kv_cache_memory=parse_size(args.kv_cache_memory),
                                   max_num_seqs=max(8, args.num_prompts), max_model_len=max_model_len)
             runs[f"{dtype}/{kv}"] = run_one(config, requests, args.max_tokens)
-    comparisons = {f"{d}/fp8 vs {d}/auto": (f"{d}/auto", f"{d}/fp8") for d in dtypes}
+    comparisons = {f"{d}/{kv} vs {d}/auto": (f"{d}/auto", f"{d}/{kv}") for d in dtypes for kv in eight_bit}
     comparisons |= {f"{d}/auto vs {dtypes[0]}/auto": (f"{dtypes[0]}/auto", f"{d}/auto") for d in dtypes[1:]}
-    capacity = {d: runs[f"{d}/fp8"]["num_blocks"] / runs[f"{d}/auto"]["num_blocks"] for d in dtypes}
+    capacity = {f"{d}/{kv}": runs[f"{d}/{kv}"]["num_blocks"] / runs[f"{d}/auto"]["num_blocks"]
+                for d in dtypes for kv in eight_bit}
     agreements = {name: agreement(runs[a]["outputs"], runs[b]["outputs"]) for name, (a, b) in comparisons.items()}
     result: dict[str, Any] = {
         "date": dt.date.today().isoformat(),
@@ -127,11 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         "greedy_agreement": agreements,
     }
     for name, r in runs.items():
-        print(f"{name:16s} cache {r['cache_torch_dtype']:20s} {r['num_blocks']:6d} blocks = {r['tokens_in_cache']:7d} "
+        print(f"{name:18s} cache {r['cache_torch_dtype']:20s} {r['num_blocks']:6d} blocks = {r['tokens_in_cache']:7d} "
               f"tokens in {args.kv_cache_memory} ({r['bytes_per_token']} B/token); {r['output_tokens']} tokens in "
               f"{r['seconds']:.2f} s = {r['tokens_per_s']:.1f} tokens/s")
-    for d, ratio in capacity.items():
-        print(f"{d}: fp8 holds {ratio:.2f}x the tokens of the model's own dtype")
+    for name, ratio in capacity.items():
+        print(f"{name}: holds {ratio:.2f}x the tokens of the model's own dtype")
     for name, a in agreements.items():
         print(f"{name:34s} {a['identical_sequences']}/{a['num_sequences']} sequences identical, "
               f"{a['mean_share_before_first_difference']:.1%} of each before its first difference (mean), "

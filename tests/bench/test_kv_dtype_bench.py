@@ -23,9 +23,11 @@ def test_a_short_run_reports_capacity_and_agreement(tmp_path: Path) -> None:
     runs = result["runs"]
     for run in runs.values():  # as many whole blocks as the memory holds
         assert run["num_blocks"] == (16 << 20) // (run["bytes_per_token"] * 16)
-    assert 4.0 <= result["capacity_ratio"]["float32"] < 4.2  # 8 bits where float32 keeps 32
-    assert runs["float32/fp8"]["cache_torch_dtype"] == "torch.float8_e4m3fn"
-    assert runs["float32/auto"]["bytes_per_token"] == 4 * runs["float32/fp8"]["bytes_per_token"]
+    assert sorted(runs) == ["float32/auto", "float32/fp8", "float32/fp8_e5m2"]
+    for kv, dtype in (("fp8", "torch.float8_e4m3fn"), ("fp8_e5m2", "torch.float8_e5m2")):
+        assert 4.0 <= result["capacity_ratio"][f"float32/{kv}"] < 4.2  # 8 bits where float32 keeps 32
+        assert runs[f"float32/{kv}"]["cache_torch_dtype"] == dtype
+        assert runs["float32/auto"]["bytes_per_token"] == 4 * runs[f"float32/{kv}"]["bytes_per_token"]
+        agreement = result["greedy_agreement"][f"float32/{kv} vs float32/auto"]
+        assert agreement["num_sequences"] == 2 and 0 <= agreement["tokens_agreeing_at_equal_positions"] <= 1
     assert all(r["output_tokens"] == 8 for r in runs.values())
-    agreement = result["greedy_agreement"]["float32/fp8 vs float32/auto"]
-    assert agreement["num_sequences"] == 2 and 0 <= agreement["tokens_agreeing_at_equal_positions"] <= 1

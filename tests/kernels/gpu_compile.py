@@ -136,31 +136,31 @@ def record_launches() -> list[Launch]:
         for name, inter in (("SmolLM2's MLP", 1536), ("an 8B model's MLP (wider than one pass)", 14336)):
             scenario[0] = f"silu_mul, {name}, bf16"
             triton_act.silu_mul(torch.empty(4, 2 * inter, dtype=bf16))
-        # An 8-bit KV cache (--kv-cache-dtype fp8): stored from bf16 and float32, read by bf16 queries.
-        fp8 = torch.float8_e4m3fn
-        for key_dtype in (bf16, f32):
-            scenario[0] = f"store_kv {key_dtype} -> fp8"
-            key = torch.empty(5, 8, 128, dtype=key_dtype)
-            triton_kv.store_kv(key, key, torch.empty(2, 64, 16, 8, 128, dtype=fp8), torch.zeros(5, dtype=torch.long))
-        scenario[0] = "rope_and_store bf16 -> fp8"
-        cs = torch.empty(4, 1, 128, dtype=bf16)
-        kv = torch.empty(4, 8, 128, dtype=bf16)
-        triton_rope.rope_and_store(torch.empty(4, 32, 128, dtype=bf16), kv, kv, cs, cs,
-                                   torch.empty(2, 8, 16, 8, 128, dtype=fp8), torch.arange(4))
-        kv = torch.empty(2, 64, 16, 8, 128, dtype=fp8)
-        for splits in (1, 4):
-            scenario[0] = f"decode bf16 over an fp8 cache, splits{splits}"
-            triton_decode.run_paged_decode(torch.empty(4, 32, 128, dtype=bf16), kv, torch.zeros(4, 16, dtype=torch.int32),
-                                           torch.ones(4, dtype=torch.int32), 0.1, num_splits=splits)
-        scenario[0] = "prefill bf16 over an fp8 cache"
-        triton_prefill.paged_prefill_attention(torch.empty(40, 32, 128, dtype=bf16), kv,
-                                               torch.zeros(2, 4, dtype=torch.int32),
-                                               torch.tensor([0, 8, 40], dtype=torch.int32),
-                                               torch.tensor([20, 32], dtype=torch.int32), 0.1)
-        scenario[0] = "gather / scatter / copy blocks fp8"
-        cache8 = torch.empty(4, 2, 64, 16, 8, 128, dtype=fp8)
-        triton_kv.scatter_blocks(cache8, ids, triton_kv.gather_blocks(cache8, ids))
-        triton_kv.copy_blocks(cache8, ids, torch.tensor([5, 6]))
+        # 8-bit KV caches (--kv-cache-dtype fp8, fp8_e5m2): stored from bf16 and float32, read by bf16 queries.
+        for fp8, form in ((torch.float8_e4m3fn, "fp8 e4m3"), (torch.float8_e5m2, "fp8 e5m2")):
+            for key_dtype in (bf16, f32):
+                scenario[0] = f"store_kv {key_dtype} -> {form}"
+                key = torch.empty(5, 8, 128, dtype=key_dtype)
+                triton_kv.store_kv(key, key, torch.empty(2, 64, 16, 8, 128, dtype=fp8), torch.zeros(5, dtype=torch.long))
+            scenario[0] = f"rope_and_store bf16 -> {form}"
+            cs = torch.empty(4, 1, 128, dtype=bf16)
+            kv = torch.empty(4, 8, 128, dtype=bf16)
+            triton_rope.rope_and_store(torch.empty(4, 32, 128, dtype=bf16), kv, kv, cs, cs,
+                                       torch.empty(2, 8, 16, 8, 128, dtype=fp8), torch.arange(4))
+            kv = torch.empty(2, 64, 16, 8, 128, dtype=fp8)
+            for splits in (1, 4):
+                scenario[0] = f"decode bf16 over an {form} cache, splits{splits}"
+                triton_decode.run_paged_decode(torch.empty(4, 32, 128, dtype=bf16), kv, torch.zeros(4, 16, dtype=torch.int32),
+                                               torch.ones(4, dtype=torch.int32), 0.1, num_splits=splits)
+            scenario[0] = f"prefill bf16 over an {form} cache"
+            triton_prefill.paged_prefill_attention(torch.empty(40, 32, 128, dtype=bf16), kv,
+                                                   torch.zeros(2, 4, dtype=torch.int32),
+                                                   torch.tensor([0, 8, 40], dtype=torch.int32),
+                                                   torch.tensor([20, 32], dtype=torch.int32), 0.1)
+            scenario[0] = f"gather / scatter / copy blocks {form}"
+            cache8 = torch.empty(4, 2, 64, 16, 8, 128, dtype=fp8)
+            triton_kv.scatter_blocks(cache8, ids, triton_kv.gather_blocks(cache8, ids))
+            triton_kv.copy_blocks(cache8, ids, torch.tensor([5, 6]))
         # gpt-oss: attention sinks (decode whole and split, prefill), its experts' biases.
         kv = torch.empty(2, 64, 16, 8, 64, dtype=bf16)
         sinks = torch.empty(64, dtype=bf16)

@@ -1,5 +1,5 @@
-"""An 8-bit KV cache (``--kv-cache-dtype fp8``): K and V stored as float8 e4m3 (saturated, never NaN) and
-read back into the queries' dtype, in the torch reference and in the Triton kernels (under the
+"""An 8-bit KV cache (``--kv-cache-dtype fp8``, ``fp8_e5m2``): K and V stored as float8 e4m3 or e5m2 (saturated,
+never NaN or infinite) and read back into the queries' dtype, in the torch reference and in the Triton kernels (under the
 interpreter): stores equal to the byte, attention equal to attention over the widened cache, block
 moves byte-exact."""
 
@@ -15,27 +15,33 @@ import torch
 from pdserve_kernels import reference, triton_decode, triton_kv, triton_prefill, triton_rope
 from tests.kernels.test_triton_kernels import TOLERANCE, paged_cache, random_query
 
-FP8, F32, BF16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
+FP8, E5M2, F32, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float32, torch.bfloat16
+EIGHT_BITS = pytest.mark.parametrize("fp8", [FP8, E5M2], ids=["e4m3", "e5m2"])
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _fp8_cache(context_lens: list[int], block_size: int, heads: int, head_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_cache(context_lens: list[int], block_size: int, heads: int, head_size: int, seed: int,
+               fp8: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
     kv_layer, tables = paged_cache(context_lens, block_size, heads, head_size, F32, seed)
-    return (3 * kv_layer).to(FP8), tables
+    return (3 * kv_layer).to(fp8), tables
 
 
-def test_stores_saturate_and_round_as_torch_rounds() -> None:
-    key = torch.tensor([[[1000.0, -1000.0, 0.3, 447.9, 500.0, -0.0, 1e-9, 17.3]]])
+@pytest.mark.parametrize(("fp8", "largest"), [(FP8, 448.0), (E5M2, 57344.0)], ids=["e4m3", "e5m2"])
+def test_stores_saturate_and_round_as_torch_rounds(fp8: torch.dtype, largest: float) -> None:
+    """Past the largest finite value, the largest (not NaN, not infinite); else the nearest value, ties to even,
+    where rounding carries into the next binade too (7.9 to 8 in e4m3, 7.5 to 8 in e5m2), and subnormals."""
+    key = torch.tensor([[[1e6, -1e6, 0.3, 447.9, 500.0, -0.0, 1e-9, 17.3, 7.9, 7.5, -122.0, 61000.0, 1.6e-5, 2e-3,
+                          1.25, 1.125]]])
     value = -key
-    cache = torch.zeros(2, 2, 4, 1, 8, dtype=FP8)
+    cache = torch.zeros(2, 2, 4, 1, 16, dtype=fp8)
     reference.store_kv(key, value, cache, torch.tensor([5]))
     stored = cache[0, 1, 1, 0].float()
-    assert stored.tolist()[:2] == [448.0, -448.0], "saturated, not NaN"
-    assert not cache.float().isnan().any()
-    assert torch.equal(_bytes(cache[0, 1, 1, 0]), _bytes(key[0, 0].clamp(-448, 448).to(FP8)))
+    assert stored.tolist()[:2] == [largest, -largest], "saturated, not NaN or infinite"
+    assert cache.float().isfinite().all()
+    assert torch.equal(_bytes(cache[0, 1, 1, 0]), _bytes(key[0, 0].clamp(-largest, largest).to(fp8)))
     for dtype in (F32, BF16):  # the Triton stores: the same bytes, from either dtype
         got = torch.zeros_like(cache)
         triton_kv.store_kv(key.to(dtype), value.to(dtype), got, torch.tensor([5]))
@@ -44,27 +50,30 @@ def test_stores_saturate_and_round_as_torch_rounds() -> None:
         assert torch.equal(_bytes(got), _bytes(want)), dtype
 
 
+@EIGHT_BITS
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_rope_and_store_writes_the_rotated_keys_as_the_reference_stores_them(dtype: torch.dtype) -> None:
+def test_rope_and_store_writes_the_rotated_keys_as_the_reference_stores_them(dtype: torch.dtype, fp8: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (200 * torch.randn(9, n, 16, generator=gen).to(dtype) for n in (4, 2, 2))  # some beyond 448
+    scale = float(torch.finfo(fp8).max) / 2  # some beyond the largest value
+    q, k, v = (scale * torch.randn(9, n, 16, generator=gen).to(dtype) for n in (4, 2, 2))
     angles = 100 * torch.rand(9, 1, 16, generator=gen)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     slots = torch.tensor([3, 0, 7, -1, 12, 5, 9, 15, 1])
-    got, want = torch.zeros(2, 4, 4, 2, 16, dtype=FP8), torch.zeros(2, 4, 4, 2, 16, dtype=FP8)
+    got, want = torch.zeros(2, 4, 4, 2, 16, dtype=fp8), torch.zeros(2, 4, 4, 2, 16, dtype=fp8)
     triton_rope.rope_and_store(q, k, v, cos, sin, got, slots)
     # The keys as Triton's own rope rotates them: under the interpreter bfloat16 rounds by truncation,
     # so its rotation differs from torch's there (test_triton_rope.py); the store must not add to that.
     _, rotated = triton_rope.rope(q, k, cos, sin)
     reference.store_kv(rotated, v, want, slots)
     assert torch.equal(_bytes(got), _bytes(want))
-    assert float(got.float().abs().max()) == 448.0 and not got.float().isnan().any()
+    assert float(got.float().abs().max()) == torch.finfo(fp8).max and got.float().isfinite().all()
 
 
+@EIGHT_BITS
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_reference_attention_reads_the_cache_widened_to_the_queries_dtype(dtype: torch.dtype) -> None:
+def test_reference_attention_reads_the_cache_widened_to_the_queries_dtype(dtype: torch.dtype, fp8: torch.dtype) -> None:
     lens = [5, 17, 33]
-    cache, tables = _fp8_cache(lens, 8, 2, 16, seed=4)
+    cache, tables = _fp8_cache(lens, 8, 2, 16, seed=4, fp8=fp8)
     widened = cache.to(dtype)
     q = random_query(3, 4, 16, dtype, seed=4)
     lens_t = torch.tensor(lens, dtype=torch.int32)
@@ -78,11 +87,12 @@ def test_reference_attention_reads_the_cache_widened_to_the_queries_dtype(dtype:
                                                               sliding_window=7))
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_triton_decode_over_an_fp8_cache_matches_the_reference(dtype: torch.dtype, num_splits: int) -> None:
+@pytest.mark.parametrize(("dtype", "num_splits", "fp8"), [(F32, 1, FP8), (F32, 3, FP8), (BF16, 1, FP8), (BF16, 3, FP8),
+                                                         (BF16, 3, E5M2), (F32, 1, E5M2)])
+def test_triton_decode_over_an_fp8_cache_matches_the_reference(dtype: torch.dtype, num_splits: int,
+                                                                fp8: torch.dtype) -> None:
     lens = [1, 9, 40, 70]
-    cache, tables = _fp8_cache(lens, 16, 2, 32, seed=6)
+    cache, tables = _fp8_cache(lens, 16, 2, 32, seed=6, fp8=fp8)
     q = random_query(4, 8, 32, dtype, seed=6)
     lens_t = torch.tensor(lens, dtype=torch.int32)
     got = triton_decode.run_paged_decode(q, cache, tables, lens_t, 0.2, num_splits=num_splits, sliding_window=33,
@@ -96,11 +106,12 @@ def test_triton_decode_over_an_fp8_cache_matches_the_reference(dtype: torch.dtyp
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
 
 
+@EIGHT_BITS
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_triton_prefill_over_an_fp8_cache_matches_the_reference(dtype: torch.dtype) -> None:
+def test_triton_prefill_over_an_fp8_cache_matches_the_reference(dtype: torch.dtype, fp8: torch.dtype) -> None:
     lens = [20, 37, 9]
     q_lens = [6, 37, 1]
-    cache, tables = _fp8_cache(lens, 8, 2, 32, seed=7)
+    cache, tables = _fp8_cache(lens, 8, 2, 32, seed=7, fp8=fp8)
     q = random_query(sum(q_lens), 4, 32, dtype, seed=7)
     starts = torch.tensor([0, 6, 43, 44], dtype=torch.int32)
     lens_t = torch.tensor(lens, dtype=torch.int32)
@@ -110,13 +121,14 @@ def test_triton_prefill_over_an_fp8_cache_matches_the_reference(dtype: torch.dty
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
 
 
+@EIGHT_BITS
 @pytest.mark.parametrize("kernels", [reference, triton_kv], ids=["reference", "triton"])
-def test_blocks_move_byte_exact(kernels) -> None:  # type: ignore[no-untyped-def]
+def test_blocks_move_byte_exact(kernels, fp8: torch.dtype) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(8)
-    cache = (50 * torch.randn(3, 2, 10, 4, 2, 8, generator=gen)).to(FP8)
+    cache = (50 * torch.randn(3, 2, 10, 4, 2, 8, generator=gen)).to(fp8)
     ids = torch.tensor([7, 2, 5])
     packed = kernels.gather_blocks(cache, ids)
-    assert packed.dtype == FP8 and torch.equal(_bytes(packed), _bytes(cache[:, :, ids]))
+    assert packed.dtype == fp8 and torch.equal(_bytes(packed), _bytes(cache[:, :, ids]))
     dst = torch.zeros_like(cache)
     kernels.scatter_blocks(dst, torch.tensor([0, 1, 9]), packed)
     assert torch.equal(_bytes(dst[:, :, [0, 1, 9]]), _bytes(packed))

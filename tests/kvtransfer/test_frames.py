@@ -197,9 +197,9 @@ def _block_planes(frame: object) -> list[int]:
     return [memoryview(p).nbytes // (8 << 10) for p in frame.parts]  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_half_precision_blocks_land_bit_exact_through_run_copies(dtype: torch.dtype) -> None:
-    """(And an 8-bit cache's, ``--kv-cache-dtype fp8``: the frames carry bytes, whatever they hold.)"""
+    """(And an 8-bit cache's, ``--kv-cache-dtype fp8`` or ``fp8_e5m2``: the frames carry bytes, whatever they hold.)"""
     # Two destination runs of 6: the receiver copies them as bytes, run by run.
     _moved(list(range(3, 15)), [*range(20, 26), *range(30, 36)], 2, dtype)
     _moved([9, 1, 30, 4, 5, 6, 7, 8, 22, 23, 24, 39], [*range(20, 26), *range(30, 36)], 4, dtype)

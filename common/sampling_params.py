@@ -18,15 +18,16 @@ MAX_BAD_WORD_TOKENS = 64
 # ``MAX_MESSAGE_BYTES``, which leaves 1 MiB beside the token ids).
 MAX_STRUCTURED_OUTPUT_CHARS = 1 << 16
 
-StructuredOutputKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+StructuredOutputKind = Literal["json_object", "json_schema", "regex", "choice", "grammar", "structural_tag"]
 
 
 class StructuredOutput(msgspec.Struct, kw_only=True, frozen=True):
     """What the output must match: ``json_object`` (any JSON object; ``spec`` is empty),
     ``json_schema`` (``spec`` is the schema as JSON text), ``regex`` (``spec`` is the pattern) or
     ``choice`` (``spec`` is a JSON list of the allowed strings) or ``grammar`` (``spec`` is an EBNF
-    grammar in xgrammar's dialect, GBNF's: ``name ::= ...`` rules from ``root``). Hashable: engines cache the
-    compiled grammar under it."""
+    grammar in xgrammar's dialect, GBNF's: ``name ::= ...`` rules from ``root``) or ``structural_tag`` (``spec`` is
+    a structural tag as JSON text, in xgrammar's form: ``{"type": "structural_tag", "format": {...}}``). Hashable:
+    engines cache the compiled grammar under it."""
 
     kind: StructuredOutputKind
     spec: Annotated[str, msgspec.Meta(max_length=MAX_STRUCTURED_OUTPUT_CHARS)] = ""

@@ -1,5 +1,5 @@
-"""Structured output's grammars: a JSON schema, a regex, a list of choices or an EBNF grammar as an
-xgrammar ``Grammar``.
+"""Structured output's grammars: a JSON schema, a regex, a list of choices, an EBNF grammar or a structural tag
+(free text where JSON or other formats go between given tags) as an xgrammar ``Grammar``.
 
 The router builds a request's grammar to refuse a bad schema with a 400; each engine builds it again
 to compile it against its tokenizer (``common/engine/grammar.py``), trusting no router. xgrammar
@@ -66,6 +66,10 @@ def build_grammar(so: StructuredOutput) -> xgrammar.Grammar:
             return xgr.Grammar.from_json_schema(so.spec, any_whitespace=False, strict_mode=True)
         if so.kind == "regex":
             return xgr.Grammar.from_regex(so.spec)
+        if so.kind == "structural_tag":
+            if json_depth(json.loads(so.spec)) > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"the structural tag nests deeper than {MAX_SCHEMA_DEPTH} levels")
+            return xgr.Grammar.from_structural_tag(so.spec)
         if so.kind == "grammar":
             if "::=" not in so.spec:  # say, a Lark grammar (``rule: ...``), which is not converted
                 raise ValueError(

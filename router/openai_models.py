@@ -61,7 +61,6 @@ _NOT_IMPLEMENTED_EXTRAS: dict[str, Any] = {
     "mm_processor_kwargs": None,
     # Structured-output and serving knobs of vLLM's, and OpenAI's fields for other modalities.
     "guided_whitespace_pattern": None,
-    "structural_tag": None,
     "kv_transfer_params": None,
     "vllm_xargs": None,
     "prediction": None,
@@ -128,6 +127,7 @@ class _GenerationRequest(CheckedRequest):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    structural_tag: Any = None  # vLLM's first field for it, a structural tag's JSON text
     structured_outputs: Any = None  # vLLM's newer form of the guided_* fields
     # The prompt tokens' logprobs with this many top alternatives (vLLM's extra; not with stream).
     prompt_logprobs: int | None = Field(default=None, ge=-(2**31), le=2**31)
@@ -162,7 +162,6 @@ class _GenerationRequest(CheckedRequest):
     logits_processors: Any = None
     mm_processor_kwargs: Any = None
     guided_whitespace_pattern: Any = None
-    structural_tag: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
     prediction: Any = None

@@ -1,6 +1,12 @@
 """Structured-output fields of a request (OpenAI's ``response_format``, vLLM's ``guided_json``,
-``guided_regex``, ``guided_choice``, ``guided_grammar`` and their newer form, the ``structured_outputs``
-object) as the one ``StructuredOutput`` the engines enforce.
+``guided_regex``, ``guided_choice``, ``guided_grammar``, ``structural_tag`` and their newer form, the
+``structured_outputs`` object) as the one ``StructuredOutput`` the engines enforce.
+
+A structural tag leaves the output free but for what it constrains: in xgrammar's form
+(``{"type": "structural_tag", "format": {...}}``) anything xgrammar's structural tags express, or in vLLM's
+first form (``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``) free text in which each
+trigger starts a tag whose JSON between ``begin`` and ``end`` follows its schema (``structural_tag``), as
+vLLM compiles either with xgrammar.
 
 ``from_request`` reads the fields (400 for a malformed or second one); ``check_grammar`` builds the
 grammar in a worker thread, so an invalid schema or regex is a 400 here and never reaches an engine
@@ -18,11 +24,11 @@ from common.sampling_params import MAX_STRUCTURED_OUTPUT_CHARS, StructuredOutput
 from common.structured_output import build_grammar
 from router.errors import bad_request
 
-GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag")
 # vLLM's ``structured_outputs`` object: its keys that constrain the output, as the ``guided_*`` field
 # each one means.
 _STRUCTURED_OUTPUTS_KEYS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
-                            "grammar": "guided_grammar"}
+                            "grammar": "guided_grammar", "structural_tag": "structural_tag"}
 # Its keys that tune a backend and ask nothing this one does not do: JSON never has free whitespace
 # here and an object schema admits no properties it does not list; there is no fallback backend.
 _STRUCTURED_OUTPUTS_TUNING = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
@@ -39,15 +45,54 @@ def _schema_text(schema: Any, param: str) -> str:
     return json.dumps(schema, ensure_ascii=False)
 
 
+def structural_tag(value: Any, param: str) -> StructuredOutput:
+    """A structural tag in either form (the object or its JSON text) as the one form the engines build:
+    xgrammar's, vLLM's first form made the triggered tags it means. A 400 naming ``param`` for what is neither;
+    xgrammar judges the rest (``check_grammar``)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            raise bad_request(f"{param} must be a structural tag (an object, or its JSON text)", param=param) from None
+    if not isinstance(value, dict):
+        raise bad_request(f"{param} must be a structural tag object", param=param)
+    if value.get("type", "structural_tag") != "structural_tag":
+        raise bad_request(f"{param}.type must be 'structural_tag'", param=param)
+    if "structures" not in value:
+        if "format" not in value:
+            raise bad_request(f"{param} must have a format (xgrammar's form) or structures and triggers (vLLM's "
+                              "first form)", param=param)
+        tag = {**value, "type": "structural_tag"}
+    else:
+        structures, triggers = value["structures"], value.get("triggers")
+        if set(value) - {"type", "structures", "triggers"}:
+            raise bad_request(f"{param}: with structures, only triggers may be given beside them, not "
+                              f"{sorted(set(value) - {'type', 'structures', 'triggers'})}", param=param)
+        if not isinstance(structures, list) or not structures or not all(
+            isinstance(s, dict) and isinstance(s.get("begin"), str) and s["begin"] and isinstance(s.get("end"), str)
+            and isinstance(s.get("schema"), dict) for s in structures
+        ):
+            raise bad_request(f"{param}.structures must be a non-empty list of objects with a begin and an end "
+                              "string and a JSON schema object", param=param)
+        if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+            raise bad_request(f"{param}.triggers must be a non-empty list of strings", param=param)
+        tags = [{"begin": s["begin"], "content": {"type": "json_schema", "json_schema": s["schema"]}, "end": s["end"]}
+                for s in structures]
+        tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
+    return StructuredOutput(kind="structural_tag", spec=json.dumps(tag, ensure_ascii=False))
+
+
 def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
     kind = value.get("type", "text")
     if kind == "text":
         return None
     if kind == "json_object":
         return StructuredOutput(kind="json_object")
+    if kind == "structural_tag":
+        return structural_tag(value, "response_format")
     if kind != "json_schema":
         raise bad_request(
-            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            f"response_format.type must be 'text', 'json_object', 'json_schema' or 'structural_tag', got {kind!r}",
             param="response_format",
         )
     spec = value.get("json_schema")
@@ -66,6 +111,8 @@ def _guided(field: str, value: Any, param: str) -> StructuredOutput:
     named ``param``) as a ``StructuredOutput``."""
     if field == "guided_json":
         return StructuredOutput(kind="json_schema", spec=_schema_text(value, param))
+    if field == "structural_tag":
+        return structural_tag(value, param)
     if field == "guided_choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
             raise bad_request(f"{param} must be a non-empty list of strings", param=param)
@@ -93,7 +140,7 @@ def _structured_outputs(value: Any) -> list[tuple[StructuredOutput, str]]:
         elif key in _STRUCTURED_OUTPUTS_TUNING:
             if not isinstance(item, bool) and item is not None:
                 raise bad_request(f"{param} must be a boolean", param=param)
-        elif item is not None:  # structural_tag, whitespace_pattern, and what this server does not know
+        elif item is not None:  # whitespace_pattern, and what this server does not know
             raise bad_request(f"{param} is not implemented", param=param)
     return found
 

@@ -1,4 +1,4 @@
-"""Structured output, logit_bias, allowed_token_ids and bad_words through the real stack with the openai client: router ->
+"""Structured output (structural tags too), logit_bias, allowed_token_ids and bad_words through the real stack with the openai client: router ->
 prefill (first token under the grammar) -> KV transfer -> decode (the rest), and a short prompt the
 router sends straight to the decode instance. A bad schema is a 400 from the router. Tool calls forced
 by tool_choice, through a second router in front of the same engines, started with a chat template
@@ -86,6 +86,35 @@ def test_guided_fields_and_json_object_on_completions(client):  # type: ignore[n
     obj = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=60,
                                          temperature=0, response_format={"type": "json_object"})
     assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+PERSON_TAG = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+    {"type": "const_string", "value": "<person>"}, {"type": "json_schema", "json_schema": SCHEMA},
+    {"type": "const_string", "value": "</person>"}]}}
+
+
+@pytest.mark.parametrize("content", [LONG + "Describe one character.", "A person?"], ids=["disaggregated", "direct"])
+def test_structural_tags_constrain_what_they_say_and_leave_the_rest_free(client, content):  # type: ignore[no-untyped-def]
+    """xgrammar's form, as response_format: the answer is the tag around JSON of the schema, streamed or not. vLLM's
+    first form, as structured_outputs.structural_tag: free text, but from its trigger on (a space, which any
+    answer holds) the tag: `<person>`, JSON of the schema, `</person>`."""
+    kwargs = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 80, "temperature": 0}
+    done = client.chat.completions.create(**kwargs, response_format=PERSON_TAG)
+    text = done.choices[0].message.content
+    match = re.fullmatch(r"<person>(.*)</person>", text, re.S)
+    assert match and done.choices[0].finish_reason == "stop", text
+    jsonschema.validate(json.loads(match[1]), SCHEMA)
+    chunks = list(client.chat.completions.create(**kwargs, response_format=PERSON_TAG, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    first_form = {"structures": [{"begin": " <person>", "schema": SCHEMA, "end": "</person>"}], "triggers": [" "]}
+    free = client.chat.completions.create(
+        **kwargs, extra_body={"structured_outputs": {"structural_tag": json.dumps(first_form)}})
+    text = free.choices[0].message.content
+    _, space, rest = text.partition(" ")
+    assert space and rest.startswith("<person>"), text
+    body, end, _ = rest.removeprefix("<person>").partition("</person>")
+    assert end, text
+    jsonschema.validate(json.loads(body), SCHEMA)
 
 
 def test_logit_bias_bans_and_forces_tokens(client):  # type: ignore[no-untyped-def]

@@ -194,7 +194,11 @@ def test_invalid_specs_are_refused_by_the_engine(engine_factory):  # type: ignor
                  StructuredOutput(kind="json_schema", spec="{not json"),
                  StructuredOutput(kind="regex", spec="[a-"),
                  StructuredOutput(kind="choice", spec="[]"),
-                 StructuredOutput(kind="choice", spec='"yes"')):
+                 StructuredOutput(kind="choice", spec='"yes"'),
+                 StructuredOutput(kind="structural_tag", spec='{"type": "structural_tag", "format": {"type": "nope"}}'),
+                 StructuredOutput(kind="structural_tag", spec='{"type": "structural_tag"}'),
+                 StructuredOutput(kind="structural_tag", spec="{not json"),
+                 StructuredOutput(kind="structural_tag", spec='{"format": ' * 70 + "{}" + "}" * 70)):
         with pytest.raises(ValueError, match=f"invalid {spec.kind}"):
             engine.add_request("r", _prompt(), _params(spec))
         assert not engine.knows("r")

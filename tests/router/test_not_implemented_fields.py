@@ -28,7 +28,6 @@ def server(prompts: Any) -> Iterator[RouterServer]:
         (COMPLETIONS, "length_penalty", 0.5),
         (CHAT, "mm_processor_kwargs", {"a": 1}),
         (CHAT, "guided_whitespace_pattern", " "),
-        (COMPLETIONS, "structural_tag", "{}"),
         (CHAT, "kv_transfer_params", {"do_remote_decode": True}),
         (CHAT, "vllm_xargs", {"a": 1}),
         (CHAT, "prediction", {"type": "content", "content": "x"}),

@@ -11,6 +11,7 @@ from common.protocol import ImageInput
 from router.auth import with_request_salt
 from router.chat_answer import AnswerReader, AnswerStream
 from router.choice_stream import ChoiceDelta, ChoiceStream
+from router.errors import bad_request
 from router.images import ImageRef, check_image_count, truncate_images
 from router.logprobs import TokenRenderer, chat_logprobs, prompt_logprobs
 from router.openai_models import (
@@ -51,9 +52,18 @@ async def plan_chat(
     request = parse_request(ChatCompletionRequest, body, limits)
     model = state.check_model(request.model)
     max_model_len = state.max_model_len()
-    template_tools = tools_for_template(state, request.tool_plan())
+    tool_plan = request.tool_plan()
+    template_tools = tools_for_template(state, tool_plan)
     structured = request.structured_output()
-    if structured is not None:
+    # Strict functions under "auto": their calls held by a structural tag, the text around them free (the thinking
+    # too: not a grammar over the whole output, which ``answer_reader`` reads as content from its start).
+    strict = tool_plan.strict_output(state) if tool_plan is not None else None
+    if strict is not None:
+        if structured is not None:
+            raise bad_request(f"strict functions constrain their calls; {structured[1]} cannot constrain the output "
+                              "as well", param=structured[1])
+        await check_grammar(strict, "tools")
+    elif structured is not None:
         await check_grammar(*structured)
     model_images = state.config.images
     image_refs: list[ImageRef] | None = [] if model_images.processor is not None else None
@@ -82,6 +92,8 @@ async def plan_chat(
         max_tokens, request.requested_logprobs(), state.prompts.eos_token_id, state.prompts.vocab_size,
         state.prompts.bad_word_sequences(request.bad_words), defaults,
     )
+    if strict is not None:
+        params = msgspec.structs.replace(params, structured_output=strict)
     check_prompt_logprobs(params, len(prompt))
     reader = answer_reader(state, request)
     response_id, engine_id = response_ids("chatcmpl", request.request_id)

@@ -64,6 +64,13 @@ class ToolCallParser(Protocol):
         """An id for a call, of the kind the format's chat templates take back."""
         ...
 
+    def strict_tag(self, functions: list[dict[str, Any]], strict: frozenset[str], parallel: bool) -> dict[str, Any] | None:
+        """A structural tag (xgrammar's form) holding each call the model writes in this format to one of
+        ``functions`` (the chat template's), its arguments valid against the ``parameters`` of those named in
+        ``strict`` (any object for the others), the text around calls free; one call at most unless
+        ``parallel``. None where the format has none."""
+        ...
+
 
 def openai_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
@@ -223,6 +230,17 @@ class _Parser:
     def new_call_id(self) -> str:
         return openai_call_id()
 
+    def strict_tag(self, functions: list[dict[str, Any]], strict: frozenset[str], parallel: bool) -> dict[str, Any] | None:
+        return None
+
+
+def _arguments_schema(function: dict[str, Any], strict: frozenset[str]) -> dict[str, Any]:
+    """What a call's arguments are held to: a strict function's ``parameters`` (any object without them),
+    any object for the others."""
+    if function["name"] in strict and function.get("parameters"):
+        return function["parameters"]  # type: ignore[no-any-return]
+    return {"type": "object"}
+
 
 class HermesParser(_Parser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` anywhere in the answer; a tag
@@ -233,6 +251,15 @@ class HermesParser(_Parser):
 
     def stream(self) -> ToolCallStream:
         return _HermesStream()
+
+    def strict_tag(self, functions: list[dict[str, Any]], strict: frozenset[str], parallel: bool) -> dict[str, Any] | None:
+        """From ``<tool_call>`` on, a call as the format's chat templates show it (``<tool_call>``, a newline, then
+        ``{"name": ..., "arguments": ...}``, a newline, ``</tool_call>``): triggered tags, one per function."""
+        tags = [{"begin": f'{_HERMES_OPEN}\n{{"name": {json.dumps(f["name"])}, "arguments": ',
+                 "content": {"type": "json_schema", "json_schema": _arguments_schema(f, strict)},
+                 "end": f"}}\n{_HERMES_CLOSE}"} for f in functions]
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [_HERMES_OPEN], "tags": tags,
+                                                     "stop_after_first": not parallel}}
 
 
 _PYTHON_TAG = "<|python_tag|>"

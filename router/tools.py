@@ -7,7 +7,10 @@ format. What the model answers depends on ``tool_choice``:
 * ``"none"``: plain text; nothing is parsed.
 * ``"auto"`` (the default with tools): the model may call tools in its template's format, which the
   router's tool-call parser (``router/tool_parsers.py``, ``--tool-call-parser``) reads back. Text
-  that is not a well-formed call stays content.
+  that is not a well-formed call stays content. Where a function is marked ``strict`` (OpenAI's: its
+  calls' arguments hold to its schema), a structural tag holds each call the model writes in that format
+  to an offered function and a strict one's arguments to its schema, the text around free
+  (``ToolPlan.strict_output``; the hermes format's, the others refused by name).
 * ``"required"``: the output is held by a grammar to a JSON array of one or more calls (one when
   ``parallel_tool_calls`` is false), each ``{"name": ..., "arguments": ...}`` of a given tool with
   arguments valid against its ``parameters`` schema. No parser is needed: the grammar's fixed layout
@@ -93,6 +96,8 @@ class ToolPlan:
     choice: str  # "none", "auto", "required" or "named"
     function: str | None = None  # the named function
     parallel: bool = True
+    # The functions marked ``strict`` (OpenAI's: their calls' arguments hold to their schema).
+    strict: frozenset[str] = frozenset()
 
     @classmethod
     def from_request(cls, tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolPlan | None:
@@ -109,6 +114,7 @@ class ToolPlan:
             if name in names[:i]:
                 raise bad_request(f"two tools are named {name!r}", param=f"tools.{i}.function.name")
         parallel = parallel_tool_calls is not False
+        strict = frozenset(name for name, tool in zip(names, tools, strict=True) if tool["function"].get("strict") is True)
         if tool_choice is None or isinstance(tool_choice, str):
             choice = tool_choice or "auto"
             if choice not in _CHOICES:
@@ -116,7 +122,7 @@ class ToolPlan:
                     f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
                     param="tool_choice",
                 )
-            return cls(checked, choice, parallel=parallel)
+            return cls(checked, choice, parallel=parallel, strict=strict)
         function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
         if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(function, dict):
             raise bad_request(
@@ -126,7 +132,7 @@ class ToolPlan:
         name = function.get("name")
         if name not in names:
             raise bad_request(f"tool_choice names {name!r}, which is not in tools", param="tool_choice.function.name")
-        return cls(checked, "named", function=name, parallel=parallel)
+        return cls(checked, "named", function=name, parallel=parallel, strict=strict)
 
     @property
     def parsed(self) -> bool:
@@ -163,6 +169,31 @@ class ToolPlan:
                 f"the tools' schemas make a grammar longer than {MAX_STRUCTURED_OUTPUT_CHARS} characters", param="tools"
             )
         return StructuredOutput(kind="json_schema", spec=spec)
+
+    def strict_output(self, state: RouterState) -> StructuredOutput | None:
+        """With ``"auto"`` and a function marked ``strict``, the structural tag that holds the calls the model writes
+        in its template's format to the offered functions, and the strict ones' arguments to their schemas (the
+        parser's ``strict_tag``), the text around them free; None otherwise (``"required"`` and named answers are
+        held whole by ``structured_output``). A 400 where the format has no such tag, or its tags are special
+        tokens, which a grammar cannot see in the text."""
+        if self.choice != "auto" or not self.strict:
+            return None
+        parser = state.tool_parser
+        assert parser is not None, "tools_for_template refuses 'auto' without a parser"
+        functions = [tool["function"] for tool in self.tools]
+        tag = parser.strict_tag(functions, self.strict, self.parallel)
+        if tag is None or state.tags_lost_in_text.intersection(parser.tags):
+            raise bad_request(
+                f"strict functions with tool_choice 'auto' are implemented for the hermes tool-call format, not the "
+                f"{parser.name} one here: drop strict, or ask for tool_choice 'required' or a named function",
+                param="tools",
+            )
+        spec = json.dumps(tag, ensure_ascii=False)
+        if len(spec) > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise bad_request(
+                f"the tools' schemas make a grammar longer than {MAX_STRUCTURED_OUTPUT_CHARS} characters", param="tools"
+            )
+        return StructuredOutput(kind="structural_tag", spec=spec)
 
     def extract(self, text: str, parser: ToolCallParser | None) -> tuple[str | None, list[ToolCall]]:
         """A whole answer's content and tool calls."""

@@ -226,3 +226,33 @@ def test_forced_tool_calls_through_the_stack(stack, tools_client):  # type: igno
         openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
             **kwargs, tool_choice="required")
     assert err.value.body["param"] == "tools"
+
+
+def test_strict_function_calls_under_auto_hold_to_the_schema(tools_client):  # type: ignore[no-untyped-def]
+    """OpenAI's strict function under "auto", on the real model through the stack. Shown a few calls with "celsius",
+    the model calls the tool the same way; the schema allows only "kelvin". Not strict, the call it writes is off the
+    schema (the control: this test sees the difference); strict, a structural tag holds the call to the schema, and
+    without parallel calls the answer ends after it, streamed or not."""
+    shots = "".join(f'Q: weather in {city}?\nA: <tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}", '
+                    '"unit": "celsius"}}\n</tool_call>\n' for city in ("Rome", "Oslo", "Lima", "Kyiv"))
+    schema = {**WEATHER["function"]["parameters"],
+              "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["kelvin"]}}}
+    kwargs = {"model": MODEL, "messages": [{"role": "user", "content": shots + "Q: weather in Paris?\nA:"}],
+              "max_tokens": 60, "temperature": 0}
+
+    def tool(strict: bool) -> dict:  # type: ignore[type-arg]
+        return {"type": "function", "function": {**WEATHER["function"], "parameters": schema, "strict": strict}}
+
+    loose = tools_client.chat.completions.create(**kwargs, tools=[tool(False)])
+    [call, *_] = loose.choices[0].message.tool_calls
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    held = tools_client.chat.completions.create(**kwargs, tools=[tool(True)], parallel_tool_calls=False)
+    [call] = held.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and held.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    streamed = list(tools_client.chat.completions.create(**kwargs, tools=[tool(True)], parallel_tool_calls=False,
+                                                         stream=True))
+    parts = [p for c in streamed if c.choices for p in c.choices[0].delta.tool_calls or []]
+    assert parts[0].function.name == "get_weather"
+    assert "".join(p.function.arguments or "" for p in parts) == call.function.arguments

@@ -181,6 +181,42 @@ def test_named_and_required_send_the_tools_grammar(client: openai.OpenAI, stack:
     assert required.choices[0].message.content == REPLY_TEXT
 
 
+def test_strict_functions_under_auto_send_a_structural_tag_over_the_calls(client: openai.OpenAI, stack: Any) -> None:
+    """OpenAI's ``strict``: under "auto" the engine gets a structural tag that holds each call the model writes in the
+    template's format to an offered function, a strict one's arguments to its schema, the text around free (one call
+    at most without parallel calls). The tag admits the fake reply's calls; xgrammar refuses an unknown function,
+    arguments off the schema, and a second call where parallel calls are off. The answer is read as before."""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}, TOOLS[1]]
+    for parallel in (True, False):
+        response = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=strict, max_tokens=200,
+                                                  parallel_tool_calls=parallel)
+        [sent] = [r for r in stack[1].requests() if r.request_id.startswith(response.id) and r.decode_target is not None]
+        so = sent.sampling_params.structured_output
+        assert so is not None and so.kind == "structural_tag"
+        tag = json.loads(so.spec)["format"]
+        assert tag["triggers"] == ["<tool_call>"] and tag["stop_after_first"] is not parallel
+        assert [t["begin"] for t in tag["tags"]] == [f'<tool_call>\n{{"name": "{n}", "arguments": ' for n, _ in CALLS]
+        assert [t["content"]["json_schema"] for t in tag["tags"]] == [TOOLS[0]["function"]["parameters"], {"type": "object"}]
+        grammar = Grammar.from_structural_tag(so.spec)
+        first = REPLY_TEXT[: REPLY_TEXT.index("</tool_call>") + len("</tool_call>")]
+        assert accepts(grammar, first) and accepts(grammar, REPLY_TEXT) is parallel
+        assert not accepts(grammar, first.replace("celsius", "kelvin"))
+        assert not accepts(grammar, first.replace("get_weather", "get_stock"))
+        calls = response.choices[0].message.tool_calls or []
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == CALLS[: None if parallel else 1]
+    # Without a strict function, "auto" sends no grammar.
+    plain = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200)
+    [sent] = [r for r in stack[1].requests() if r.request_id.startswith(plain.id) and r.decode_target is not None]
+    assert sent.sampling_params.structured_output is None
+    # A strict function's calls and a grammar of the caller's own cannot both hold the output.
+    body = {"model": SERVED_MODEL, "messages": MESSAGES, "tools": strict, "response_format": {"type": "json_object"}}
+    response = httpx.post(f"{stack[0].url}/v1/chat/completions", json=body, timeout=10)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_format", response.text
+
+
 def test_earlier_calls_and_tool_results_reach_the_template(
     client: openai.OpenAI, stack: Any, tokenizer: Any
 ) -> None:
@@ -368,6 +404,12 @@ def test_mistral_calls_behind_a_special_token(redis_url: str, tokenizer: Any, to
                                                                stream=True)
                  for c in chunk.choices for p in c.delta.tool_calls or []]
         assert [(p.function.name, len(p.id or "")) for p in parts if p.function] == [("get_weather", 9)]
+        # Strict functions under "auto" have no structural tag in this format: refused, not left unconstrained.
+        strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
+        body = {"model": SERVED_MODEL, "messages": MESSAGES, "tools": strict}
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=10)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "tools", response.text
+        assert "mistral" in response.json()["error"]["message"]
 
 
 def test_tokenize_counts_the_tools_as_the_chat_completion_sends_them(

@@ -38,6 +38,24 @@ class ToolCall:
 Event = str | ToolCall
 
 
+@dataclass(frozen=True)
+class CallStart:
+    """A call whose layout a grammar holds opens: its name is known, its arguments follow."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsPiece:
+    """More of the open call's arguments, as written."""
+
+    text: str
+
+
+# What a reader of grammar-held calls gives: content text, a call opening, a piece of its arguments.
+PieceEvent = str | CallStart | ArgumentsPiece
+
+
 class ToolCallStream(Protocol):
     def feed(self, text: str) -> list[Event]:
         """The events that the text so far makes certain, in output order."""
@@ -216,6 +234,132 @@ class _HermesStream:
         call = _hermes_call(body)
         _add(events, call if call is not None else self._content.push(_HERMES_OPEN + body + close))
         self._inside = False
+
+
+_HERMES_BEGIN = '\n{"name": '  # after <tool_call>, as a strict function's structural tag writes it
+_HERMES_ARGUMENTS = ', "arguments": '
+_HERMES_END = "}\n" + _HERMES_CLOSE
+
+
+class StrictHermesCalls:
+    """A hermes answer whose calls a structural tag held (``HermesParser.strict_tag``: ``<tool_call>``, a newline,
+    ``{"name": "...", "arguments": `` the arguments ``}``, a newline, ``</tool_call>``), read as it streams: each
+    call opens once its name is read and its arguments go out as they are written, so a stream's pieces join into a
+    whole response's arguments, character for character. The text around calls is content, as ``_HermesStream``
+    gives it (the answer's leading and trailing whitespace out). A tag whose text leaves that layout (an engine that
+    did not hold the answer to the grammar) is content, as the hermes parser leaves a malformed call; a call past
+    ``max_calls`` too. An answer cut short inside a call ends with its arguments cut short, as OpenAI's are."""
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self._max_calls = max_calls
+        self._content = _Content()
+        self._buf = ""
+        self._tag = ""  # the open tag's text read so far, while no call has opened: content if the layout breaks
+        self._state = "text"  # text, begin, name, key, arguments
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[PieceEvent]:
+        self._buf += text
+        events: list[PieceEvent] = []
+        while self._buf and self._step(events):
+            pass
+        return events
+
+    def finish(self) -> list[PieceEvent]:
+        """What is left: content, unless the answer stopped inside a call's arguments (the end's start held back
+        from them is dropped: the arguments end where they were certain)."""
+        events: list[PieceEvent] = []
+        if self._state != "arguments":
+            _add_piece(events, self._content.push(self._tag + self._buf))
+        self._buf = self._tag = ""
+        self._state = "text"
+        return events
+
+    def _step(self, events: list[PieceEvent]) -> bool:
+        """Reads what it can of the buffer; False when it must wait for more text."""
+        if self._state == "text":
+            start = self._buf.find(_HERMES_OPEN)
+            if start < 0:
+                keep = len(self._buf) - _partial_suffix(self._buf, _HERMES_OPEN)
+                _add_piece(events, self._content.push(self._buf[:keep]))
+                self._buf = self._buf[keep:]
+                return False
+            _add_piece(events, self._content.push(self._buf[:start]))
+            self._tag, self._buf, self._state = _HERMES_OPEN, self._buf[start + len(_HERMES_OPEN):], "begin"
+            if self._max_calls is not None and self.num_calls >= self._max_calls:
+                self._off_layout(events)  # a call too many: content
+            return True
+        if self._state == "begin":
+            return self._literal(_HERMES_BEGIN, "name", events)
+        if self._state == "name":
+            return self._name(events)
+        if self._state == "key":
+            return self._literal(_HERMES_ARGUMENTS, "arguments", events)
+        end = self._buf.find(_HERMES_END)
+        if end < 0:
+            keep = len(self._buf) - _partial_suffix(self._buf, _HERMES_END)
+            if keep:
+                events.append(ArgumentsPiece(self._buf[:keep]))
+            self._buf = self._buf[keep:]
+            return False
+        if end:
+            events.append(ArgumentsPiece(self._buf[:end]))
+        self._buf, self._state = self._buf[end + len(_HERMES_END):], "text"
+        return True
+
+    def _literal(self, literal: str, then: str, events: list[PieceEvent]) -> bool:
+        if self._buf.startswith(literal):
+            if then == "name":  # the tag's opening, before its call opens
+                self._tag += literal
+            self._buf = self._buf[len(literal):]
+            self._state = then
+            return True
+        if literal.startswith(self._buf):
+            return False  # the literal's start so far
+        self._off_layout(events)
+        return True
+
+    def _name(self, events: list[PieceEvent]) -> bool:
+        """The name's JSON string, whole; the call opens with it."""
+        if not self._buf.startswith('"'):
+            self._off_layout(events)
+            return True
+        escaped = False
+        for i, c in enumerate(self._buf[1:], 1):
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                try:
+                    name = json.loads(self._buf[: i + 1])
+                except ValueError:
+                    name = ""
+                if not name:
+                    self._off_layout(events)
+                    return True
+                events.append(CallStart(name))
+                self.num_calls += 1
+                self._buf, self._tag, self._state = self._buf[i + 1:], "", "key"
+                return True
+        return False
+
+    def _off_layout(self, events: list[PieceEvent]) -> None:
+        """The open tag is content (its text left the layout, or it is a call too many); reading goes on after
+        its ``<tool_call>``. (Past a call's name, what follows is content.)"""
+        if self._tag:
+            _add_piece(events, self._content.push(_HERMES_OPEN))
+        self._buf, self._tag, self._state = self._tag[len(_HERMES_OPEN):] + self._buf, "", "text"
+
+
+def _add_piece(events: list[PieceEvent], text: str) -> None:
+    """Appends content text, joined to content just before it; empty text left out."""
+    if not text:
+        return
+    if events and isinstance(events[-1], str):
+        events[-1] += text
+        return
+    events.append(text)
 
 
 class _Parser:

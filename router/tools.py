@@ -10,7 +10,8 @@ format. What the model answers depends on ``tool_choice``:
   that is not a well-formed call stays content. Where a function is marked ``strict`` (OpenAI's: its
   calls' arguments hold to its schema), a structural tag holds each call the model writes in that format
   to an offered function and a strict one's arguments to its schema, the text around free
-  (``ToolPlan.strict_output``; the hermes format's, the others refused by name).
+  (``ToolPlan.strict_output``; the hermes format's, the others refused by name). Such an answer is read
+  in the tag's layout (``StrictHermesCalls``): each call's arguments stream as they are written.
 * ``"required"``: the output is held by a grammar to a JSON array of one or more calls (one when
   ``parallel_tool_calls`` is false), each ``{"name": ..., "arguments": ...}`` of a given tool with
   arguments valid against its ``parameters`` schema. No parser is needed: the grammar's fixed layout
@@ -37,6 +38,10 @@ from router.errors import bad_request
 from router.openai_responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
 from router.tool_parsers import (
     PARSERS,
+    ArgumentsPiece,
+    CallStart,
+    PieceEvent,
+    StrictHermesCalls,
     ToolCall,
     ToolCallParser,
     ToolCallStream,
@@ -202,6 +207,8 @@ class ToolPlan:
             return None, [ToolCall(self.function, text)]
         if self.choice == "required":
             return read_required(text, None if self.parallel else 1)
+        if self.choice == "auto" and self.strict:  # a structural tag held the calls (``strict_output``)
+            return read_pieces(StrictHermesCalls(None if self.parallel else 1), text)
         if self.choice == "auto":
             assert parser is not None
             content, calls = parser.extract(text)
@@ -244,21 +251,6 @@ def tool_calls_out(calls: list[ToolCall], parser: ToolCallParser | None) -> list
     return [ToolCallOut(id=new_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
 
 
-@dataclass(frozen=True)
-class CallStart:
-    """A call of a ``"required"`` answer opens: its name is known, its arguments follow."""
-
-    name: str
-
-
-@dataclass(frozen=True)
-class ArgumentsPiece:
-    """More of the open call's arguments, as written."""
-
-    text: str
-
-
-RequiredEvent = str | CallStart | ArgumentsPiece
 
 # The grammar of a "required" answer (xgrammar's, from ``ToolPlan.structured_output``) writes the array
 # with these separators and each call's keys in this order, and no other whitespace.
@@ -287,21 +279,21 @@ class RequiredCalls:
         self._escaped = False
         self.num_calls = 0
 
-    def feed(self, text: str) -> list[RequiredEvent]:
+    def feed(self, text: str) -> list[PieceEvent]:
         self._buf += text
-        events: list[RequiredEvent] = []
+        events: list[PieceEvent] = []
         while self._buf and self._step(events):
             pass
         return events
 
-    def finish(self) -> list[RequiredEvent]:
+    def finish(self) -> list[PieceEvent]:
         """What is left: content where the answer stopped outside a call's arguments."""
         rest = "" if self._state in ("arguments", "done") else self._unspent + self._buf
         self._buf = self._unspent = ""
         self._state = "done"
         return [rest] if rest else []
 
-    def _step(self, events: list[RequiredEvent]) -> bool:
+    def _step(self, events: list[PieceEvent]) -> bool:
         """Reads what it can of the buffer; False when it must wait for more text."""
         state = self._state
         if state == "content":
@@ -342,7 +334,7 @@ class RequiredCalls:
             return True
         return False  # the literal's start so far
 
-    def _name(self, events: list[RequiredEvent]) -> bool:
+    def _name(self, events: list[PieceEvent]) -> bool:
         escaped = False
         for i, c in enumerate(self._buf):
             if escaped:
@@ -362,7 +354,7 @@ class RequiredCalls:
                 return True
         return False
 
-    def _arguments(self, events: list[RequiredEvent]) -> bool:
+    def _arguments(self, events: list[PieceEvent]) -> bool:
         """The arguments' JSON value, up to the call's closing brace (not its own)."""
         for i, c in enumerate(self._buf):
             if self._in_string:
@@ -391,7 +383,12 @@ class RequiredCalls:
 
 def read_required(text: str, max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
     """A whole ``"required"`` answer's content (None when there is none) and calls, as its stream reads them."""
-    reader = RequiredCalls(max_calls)
+    return read_pieces(RequiredCalls(max_calls), text)
+
+
+def read_pieces(reader: RequiredCalls | StrictHermesCalls, text: str) -> tuple[str | None, list[ToolCall]]:
+    """A whole answer's content (None when there is none) and calls, as a reader of grammar-held calls reads them
+    when it streams."""
     content: list[str] = []
     calls: list[list[str]] = []
     for event in reader.feed(text) + reader.finish():
@@ -410,20 +407,24 @@ class ToolDeltas:
 
     An ``"auto"`` answer goes through the parser's stream: content as soon as it cannot be part of a
     call, each call whole once it closes. A named function's arguments, and each call's of a
-    ``"required"`` answer (``RequiredCalls``), stream as they are written, the first delta of a call
-    carrying its id and name."""
+    ``"required"`` answer (``RequiredCalls``) or of an ``"auto"`` one with strict functions
+    (``StrictHermesCalls``: a grammar held their layout), stream as they are written, the first delta of a
+    call carrying its id and name."""
 
     plan: ToolPlan
     parser: ToolCallParser | None
     stream: ToolCallStream | None
-    required: RequiredCalls | None = None
+    pieces: RequiredCalls | StrictHermesCalls | None = None
     num_calls: int = 0
 
     @classmethod
     def start(cls, plan: ToolPlan, parser: ToolCallParser | None) -> ToolDeltas:
-        stream = parser.stream() if plan.choice == "auto" and parser is not None else None
-        required = RequiredCalls(None if plan.parallel else 1) if plan.choice == "required" else None
-        return cls(plan, parser, stream, required)
+        max_calls = None if plan.parallel else 1
+        if plan.choice == "required":
+            return cls(plan, parser, None, RequiredCalls(max_calls))
+        if plan.choice == "auto" and plan.strict:
+            return cls(plan, parser, None, StrictHermesCalls(max_calls))
+        return cls(plan, parser, parser.stream() if plan.choice == "auto" and parser is not None else None)
 
     def _new_id(self) -> str:
         return self.parser.new_call_id() if self.parser is not None else openai_call_id()
@@ -431,8 +432,8 @@ class ToolDeltas:
     def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
         if self.stream is not None:
             return self._events(self.stream.feed(text))
-        if self.required is not None:
-            return self._required(self.required.feed(text))
+        if self.pieces is not None:
+            return self._pieces(self.pieces.feed(text))
         if self.plan.choice == "named":
             return "", self._named(text) if text else []
         return text, []
@@ -440,8 +441,8 @@ class ToolDeltas:
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
         if self.stream is not None:
             return self._events(self.stream.finish())
-        if self.required is not None:
-            return self._required(self.required.finish())
+        if self.pieces is not None:
+            return self._pieces(self.pieces.finish())
         if self.plan.choice == "named":  # an empty answer is still the call, as in a whole response
             return "", self._named("") if self.num_calls == 0 else []
         return "", []
@@ -464,7 +465,7 @@ class ToolDeltas:
         assert self.plan.function is not None
         return [self._open(self.plan.function, arguments)]
 
-    def _required(self, events: list[RequiredEvent]) -> tuple[str, list[DeltaToolCall]]:
+    def _pieces(self, events: list[PieceEvent]) -> tuple[str, list[DeltaToolCall]]:
         content = ""
         calls: list[DeltaToolCall] = []
         for event in events:

@@ -363,3 +363,61 @@ def test_adversarial_inputs_are_content() -> None:
     assert LLAMA.extract(ADVERSARIAL[3])[1] == []  # deeper than the decoder goes
     assert HERMES.extract(ADVERSARIAL[4])[1] == []  # more digits than an int may have
     assert HERMES.extract(ADVERSARIAL[6]) == (ADVERSARIAL[6], [])  # a lone surrogate
+
+
+# -- hermes, calls a strict function's structural tag held ---------------------------------------------------------
+
+
+def _strict(chunks: list[str], max_calls: int | None = None) -> tuple[str, list[tuple[str, str]], int]:
+    """Content, calls (name, arguments joined) and how many argument pieces streaming the chunks gives."""
+    from router.tool_parsers import ArgumentsPiece, CallStart, StrictHermesCalls
+
+    reader = StrictHermesCalls(max_calls)
+    events = [e for chunk in chunks for e in reader.feed(chunk)] + reader.finish()
+    assert all(e for e in events if isinstance(e, str)), "empty content event"
+    calls: list[list[str]] = []
+    pieces = 0
+    for event in events:
+        if isinstance(event, CallStart):
+            calls.append([event.name, ""])
+        elif isinstance(event, ArgumentsPiece):
+            calls[-1][1] += event.text
+            pieces += 1
+    return "".join(e for e in events if isinstance(e, str)), [(n, a) for n, a in calls], pieces
+
+
+def test_strict_calls_stream_their_arguments_as_written_and_read_as_the_hermes_parser_reads_them() -> None:
+    """In the layout the structural tag writes, the content and calls are the hermes parser's (the arguments as
+    written, here as json.dumps writes them), however the text is cut, and a call's arguments go out in pieces
+    as they come, none of the call's end among them. The end is the layout's, a newline that JSON escapes in a
+    string: "</tool_call>" inside an argument's string does not end the call."""
+    rng = random.Random(3)
+    compact = '<tool_call>\n{"name": "f", "arguments": {"a":{"b":[1,"}\\n</tool_call>"]}}}\n</tool_call>'
+    for text in (WEATHER, f"Let me check.\n\n{WEATHER}\n{TIME}\n", f"  Before {WEATHER} after.  \n",
+                 f"{WEATHER}\n\nThe weather is nice.", "No call at all. <tool", "", compact):
+        content, calls = HERMES.extract(text)
+        if text == compact:  # the hermes parser ends the tag at the </tool_call> inside a string: not a call there
+            content, calls = "", [ToolCall("f", '{"a":{"b":[1,"}\\n</tool_call>"]}}')]
+        expected = (content or "", [(c.name, c.arguments) for c in calls])
+        chunkings = [[text], list(text), *(_split(text, [rng.randint(0, len(text))]) for _ in range(20))]
+        for chunks in chunkings:
+            assert _strict(chunks)[:2] == expected, (text, chunks)
+    *_, pieces = _strict(list(WEATHER))
+    assert pieces == len('{"city": "Paris"}')  # a character at a time, fed one at a time
+
+
+def test_strict_calls_off_the_layout_a_call_too_many_and_a_cut_answer() -> None:
+    # A tag whose text leaves the layout (the engine did not hold it) is content, as written; reading goes on.
+    off = f'Hi <tool_call>\n{{"arguments": {{}}}}\n</tool_call> then {WEATHER}'
+    assert _strict([off])[:2] == ('Hi <tool_call>\n{"arguments": {}}\n</tool_call> then',
+                                  [("get_weather", '{"city": "Paris"}')])
+    assert _strict(['<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>'])[:2] == (
+        '<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>', [])
+    # Without parallel calls, a second call is content.
+    content, calls, _ = _strict([f"{WEATHER}\n{TIME}"], max_calls=1)
+    assert calls == [("get_weather", '{"city": "Paris"}')] and content == TIME
+    # Cut inside a call: its arguments end where they were certain (the end's start is held back, then dropped);
+    # cut inside the tag before the name: the tag's text is content.
+    assert _strict([WEATHER[: WEATHER.index("}\n</tool_call>") + 3]])[:2] == ("", [("get_weather", '{"city": "Paris"}')])
+    assert _strict([WEATHER[:53]])[:2] == ("", [("get_weather", '{"ci')])
+    assert _strict(["Sure. <tool_call>\n{\"na"])[:2] == ('Sure. <tool_call>\n{"na', [])

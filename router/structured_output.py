@@ -34,28 +34,27 @@ _STRUCTURED_OUTPUTS_KEYS = {"json": "guided_json", "regex": "guided_regex", "cho
 _STRUCTURED_OUTPUTS_TUNING = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
 
 
-def _schema_text(schema: Any, param: str) -> str:
-    if isinstance(schema, str):
+def _json_object(value: Any, param: str, what: str) -> dict[str, Any]:
+    """``value``, an object or its JSON text, as the object; a 400 naming ``param`` for anything else."""
+    if isinstance(value, str):
         try:
-            schema = json.loads(schema)
+            value = json.loads(value)
         except (ValueError, RecursionError):
-            raise bad_request(f"{param} must be a JSON schema (an object, or its JSON text)", param=param) from None
-    if not isinstance(schema, dict):
-        raise bad_request(f"{param} must be a JSON schema object", param=param)
-    return json.dumps(schema, ensure_ascii=False)
+            raise bad_request(f"{param} must be {what} (an object, or its JSON text)", param=param) from None
+    if not isinstance(value, dict):
+        raise bad_request(f"{param} must be {what} object", param=param)
+    return value
+
+
+def _schema_text(schema: Any, param: str) -> str:
+    return json.dumps(_json_object(schema, param, "a JSON schema"), ensure_ascii=False)
 
 
 def structural_tag(value: Any, param: str) -> StructuredOutput:
     """A structural tag in either form (the object or its JSON text) as the one form the engines build:
     xgrammar's, vLLM's first form made the triggered tags it means. A 400 naming ``param`` for what is neither;
     xgrammar judges the rest (``check_grammar``)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except (ValueError, RecursionError):
-            raise bad_request(f"{param} must be a structural tag (an object, or its JSON text)", param=param) from None
-    if not isinstance(value, dict):
-        raise bad_request(f"{param} must be a structural tag object", param=param)
+    value = _json_object(value, param, "a structural tag")
     if value.get("type", "structural_tag") != "structural_tag":
         raise bad_request(f"{param}.type must be 'structural_tag'", param=param)
     if "structures" not in value:

@@ -38,24 +38,6 @@ class ToolCall:
 Event = str | ToolCall
 
 
-@dataclass(frozen=True)
-class CallStart:
-    """A call whose layout a grammar holds opens: its name is known, its arguments follow."""
-
-    name: str
-
-
-@dataclass(frozen=True)
-class ArgumentsPiece:
-    """More of the open call's arguments, as written."""
-
-    text: str
-
-
-# What a reader of grammar-held calls gives: content text, a call opening, a piece of its arguments.
-PieceEvent = str | CallStart | ArgumentsPiece
-
-
 class ToolCallStream(Protocol):
     def feed(self, text: str) -> list[Event]:
         """The events that the text so far makes certain, in output order."""
@@ -133,7 +115,7 @@ def _call(obj: Any, args_key: str, alt_key: str) -> ToolCall | None:
     return ToolCall(name, text)
 
 
-class _Content:
+class Content:
     """Content text with the answer's leading and trailing whitespace taken out, as it streams:
     whitespace is held until non-whitespace follows it."""
 
@@ -154,8 +136,9 @@ class _Content:
         return out
 
 
-def _add(events: list[Event], item: Event) -> None:
-    """Appends an event, joining adjacent content and leaving out empty text."""
+def add_event(events: list[Any], item: object) -> None:
+    """Appends an event (a stream's, or a reader's of grammar-held calls: ``router/held_calls.py``), joining
+    adjacent content and leaving out empty text."""
     if isinstance(item, str):
         if not item:
             return
@@ -171,7 +154,7 @@ def _collect(stream: ToolCallStream, text: str) -> tuple[str | None, list[ToolCa
     return content or None, [e for e in events if isinstance(e, ToolCall)]
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that is a proper prefix of ``tag``."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if text.endswith(tag[:n]):
@@ -179,8 +162,8 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-_HERMES_OPEN = "<tool_call>"
-_HERMES_CLOSE = "</tool_call>"
+HERMES_OPEN = "<tool_call>"
+HERMES_CLOSE = "</tool_call>"
 
 
 def _hermes_call(body: str) -> ToolCall | None:
@@ -193,7 +176,7 @@ def _hermes_call(body: str) -> ToolCall | None:
 
 class _HermesStream:
     def __init__(self) -> None:
-        self._content = _Content()
+        self._content = Content()
         self._buf = ""
         self._inside = False
         self._scan = 0  # where in the buffer the closing tag may start, while inside a tag
@@ -203,21 +186,21 @@ class _HermesStream:
         events: list[Event] = []
         while True:
             if self._inside:
-                end = self._buf.find(_HERMES_CLOSE, self._scan)
+                end = self._buf.find(HERMES_CLOSE, self._scan)
                 if end < 0:
-                    self._scan = max(0, len(self._buf) - len(_HERMES_CLOSE) + 1)
+                    self._scan = max(0, len(self._buf) - len(HERMES_CLOSE) + 1)
                     return events
-                self._close(self._buf[:end], _HERMES_CLOSE, events)
-                self._buf = self._buf[end + len(_HERMES_CLOSE):]
+                self._close(self._buf[:end], HERMES_CLOSE, events)
+                self._buf = self._buf[end + len(HERMES_CLOSE):]
             else:
-                start = self._buf.find(_HERMES_OPEN)
+                start = self._buf.find(HERMES_OPEN)
                 if start < 0:
-                    keep = len(self._buf) - _partial_suffix(self._buf, _HERMES_OPEN)
-                    _add(events, self._content.push(self._buf[:keep]))
+                    keep = len(self._buf) - partial_suffix(self._buf, HERMES_OPEN)
+                    add_event(events, self._content.push(self._buf[:keep]))
                     self._buf = self._buf[keep:]
                     return events
-                _add(events, self._content.push(self._buf[:start]))
-                self._buf = self._buf[start + len(_HERMES_OPEN):]
+                add_event(events, self._content.push(self._buf[:start]))
+                self._buf = self._buf[start + len(HERMES_OPEN):]
                 self._inside, self._scan = True, 0
 
     def finish(self) -> list[Event]:
@@ -225,141 +208,22 @@ class _HermesStream:
         if self._inside:
             self._close(self._buf, "", events)
         else:
-            _add(events, self._content.push(self._buf))
+            add_event(events, self._content.push(self._buf))
         self._buf = ""
         return events
 
     def _close(self, body: str, close: str, events: list[Event]) -> None:
         """Ends a tag: its call, or its text as content when it holds none."""
         call = _hermes_call(body)
-        _add(events, call if call is not None else self._content.push(_HERMES_OPEN + body + close))
+        add_event(events, call if call is not None else self._content.push(HERMES_OPEN + body + close))
         self._inside = False
 
 
-_HERMES_BEGIN = '\n{"name": '  # after <tool_call>, as a strict function's structural tag writes it
-_HERMES_ARGUMENTS = ', "arguments": '
-_HERMES_END = "}\n" + _HERMES_CLOSE
-
-
-class StrictHermesCalls:
-    """A hermes answer whose calls a structural tag held (``HermesParser.strict_tag``: ``<tool_call>``, a newline,
-    ``{"name": "...", "arguments": `` the arguments ``}``, a newline, ``</tool_call>``), read as it streams: each
-    call opens once its name is read and its arguments go out as they are written, so a stream's pieces join into a
-    whole response's arguments, character for character. The text around calls is content, as ``_HermesStream``
-    gives it (the answer's leading and trailing whitespace out). A tag whose text leaves that layout (an engine that
-    did not hold the answer to the grammar) is content, as the hermes parser leaves a malformed call; a call past
-    ``max_calls`` too. An answer cut short inside a call ends with its arguments cut short, as OpenAI's are."""
-
-    def __init__(self, max_calls: int | None = None) -> None:
-        self._max_calls = max_calls
-        self._content = _Content()
-        self._buf = ""
-        self._tag = ""  # the open tag's text read so far, while no call has opened: content if the layout breaks
-        self._state = "text"  # text, begin, name, key, arguments
-        self.num_calls = 0
-
-    def feed(self, text: str) -> list[PieceEvent]:
-        self._buf += text
-        events: list[PieceEvent] = []
-        while self._buf and self._step(events):
-            pass
-        return events
-
-    def finish(self) -> list[PieceEvent]:
-        """What is left: content, unless the answer stopped inside a call's arguments (the end's start held back
-        from them is dropped: the arguments end where they were certain)."""
-        events: list[PieceEvent] = []
-        if self._state != "arguments":
-            _add_piece(events, self._content.push(self._tag + self._buf))
-        self._buf = self._tag = ""
-        self._state = "text"
-        return events
-
-    def _step(self, events: list[PieceEvent]) -> bool:
-        """Reads what it can of the buffer; False when it must wait for more text."""
-        if self._state == "text":
-            start = self._buf.find(_HERMES_OPEN)
-            if start < 0:
-                keep = len(self._buf) - _partial_suffix(self._buf, _HERMES_OPEN)
-                _add_piece(events, self._content.push(self._buf[:keep]))
-                self._buf = self._buf[keep:]
-                return False
-            _add_piece(events, self._content.push(self._buf[:start]))
-            self._tag, self._buf, self._state = _HERMES_OPEN, self._buf[start + len(_HERMES_OPEN):], "begin"
-            if self._max_calls is not None and self.num_calls >= self._max_calls:
-                self._off_layout(events)  # a call too many: content
-            return True
-        if self._state == "begin":
-            return self._literal(_HERMES_BEGIN, "name", events)
-        if self._state == "name":
-            return self._name(events)
-        if self._state == "key":
-            return self._literal(_HERMES_ARGUMENTS, "arguments", events)
-        end = self._buf.find(_HERMES_END)
-        if end < 0:
-            keep = len(self._buf) - _partial_suffix(self._buf, _HERMES_END)
-            if keep:
-                events.append(ArgumentsPiece(self._buf[:keep]))
-            self._buf = self._buf[keep:]
-            return False
-        if end:
-            events.append(ArgumentsPiece(self._buf[:end]))
-        self._buf, self._state = self._buf[end + len(_HERMES_END):], "text"
-        return True
-
-    def _literal(self, literal: str, then: str, events: list[PieceEvent]) -> bool:
-        if self._buf.startswith(literal):
-            if then == "name":  # the tag's opening, before its call opens
-                self._tag += literal
-            self._buf = self._buf[len(literal):]
-            self._state = then
-            return True
-        if literal.startswith(self._buf):
-            return False  # the literal's start so far
-        self._off_layout(events)
-        return True
-
-    def _name(self, events: list[PieceEvent]) -> bool:
-        """The name's JSON string, whole; the call opens with it."""
-        if not self._buf.startswith('"'):
-            self._off_layout(events)
-            return True
-        escaped = False
-        for i, c in enumerate(self._buf[1:], 1):
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                try:
-                    name = json.loads(self._buf[: i + 1])
-                except ValueError:
-                    name = ""
-                if not name:
-                    self._off_layout(events)
-                    return True
-                events.append(CallStart(name))
-                self.num_calls += 1
-                self._buf, self._tag, self._state = self._buf[i + 1:], "", "key"
-                return True
-        return False
-
-    def _off_layout(self, events: list[PieceEvent]) -> None:
-        """The open tag is content (its text left the layout, or it is a call too many); reading goes on after
-        its ``<tool_call>``. (Past a call's name, what follows is content.)"""
-        if self._tag:
-            _add_piece(events, self._content.push(_HERMES_OPEN))
-        self._buf, self._tag, self._state = self._tag[len(_HERMES_OPEN):] + self._buf, "", "text"
-
-
-def _add_piece(events: list[PieceEvent], text: str) -> None:
-    """Appends content text, joined to content just before it; empty text left out."""
-    if not text:
-        return
-    if events and isinstance(events[-1], str):
-        events[-1] += text
-        return
-    events.append(text)
+# A strict function's call as its structural tag writes it (``HermesParser.strict_tag``), after <tool_call>:
+# this, the name as a JSON string, ``HERMES_STRICT_ARGUMENTS``, the arguments, ``HERMES_STRICT_END``.
+HERMES_STRICT_BEGIN = '\n{"name": '
+HERMES_STRICT_ARGUMENTS = ', "arguments": '
+HERMES_STRICT_END = "}\n" + HERMES_CLOSE
 
 
 class _Parser:
@@ -391,7 +255,7 @@ class HermesParser(_Parser):
     left open at the end is a call when the rest of the answer is one."""
 
     name = "hermes"
-    tags: tuple[str, ...] = (_HERMES_OPEN, _HERMES_CLOSE)
+    tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE)
 
     def stream(self) -> ToolCallStream:
         return _HermesStream()
@@ -399,10 +263,10 @@ class HermesParser(_Parser):
     def strict_tag(self, functions: list[dict[str, Any]], strict: frozenset[str], parallel: bool) -> dict[str, Any] | None:
         """From ``<tool_call>`` on, a call as the format's chat templates show it (``<tool_call>``, a newline, then
         ``{"name": ..., "arguments": ...}``, a newline, ``</tool_call>``): triggered tags, one per function."""
-        tags = [{"begin": f'{_HERMES_OPEN}\n{{"name": {json.dumps(f["name"])}, "arguments": ',
+        tags = [{"begin": f"{HERMES_OPEN}{HERMES_STRICT_BEGIN}{json.dumps(f['name'])}{HERMES_STRICT_ARGUMENTS}",
                  "content": {"type": "json_schema", "json_schema": _arguments_schema(f, strict)},
-                 "end": f"}}\n{_HERMES_CLOSE}"} for f in functions]
-        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [_HERMES_OPEN], "tags": tags,
+                 "end": HERMES_STRICT_END} for f in functions]
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [HERMES_OPEN], "tags": tags,
                                                      "stop_after_first": not parallel}}
 
 
@@ -435,7 +299,7 @@ def _llama_calls(text: str) -> list[ToolCall] | None:
 
 class _LlamaStream:
     def __init__(self) -> None:
-        self._content = _Content()
+        self._content = Content()
         self._buf = ""
         self._mode: str | None = None  # None until the start is known, then "calls" or "content"
 
@@ -517,7 +381,7 @@ def _mistral_calls(text: str) -> list[ToolCall] | None:
 
 class _MistralStream:
     def __init__(self) -> None:
-        self._content = _Content()
+        self._content = Content()
         self._buf = ""
         self._calls: str | None = None  # what follows [TOOL_CALLS], held to the end
 
@@ -530,20 +394,20 @@ class _MistralStream:
         if start >= 0:
             out, self._calls, self._buf = self._buf[:start], self._buf[start + len(_MISTRAL_TAG):], ""
         else:
-            keep = len(self._buf) - _partial_suffix(self._buf, _MISTRAL_TAG)
+            keep = len(self._buf) - partial_suffix(self._buf, _MISTRAL_TAG)
             out, self._buf = self._buf[:keep], self._buf[keep:]
         events: list[Event] = []
-        _add(events, self._content.push(out))
+        add_event(events, self._content.push(out))
         return events
 
     def finish(self) -> list[Event]:
         events: list[Event] = []
         if self._calls is None:
-            _add(events, self._content.push(self._buf))
+            add_event(events, self._content.push(self._buf))
         else:
             calls = _mistral_calls(self._calls)
             if calls is None:
-                _add(events, self._content.push(_MISTRAL_TAG + self._calls))
+                add_event(events, self._content.push(_MISTRAL_TAG + self._calls))
             else:
                 events.extend(calls)
         self._buf, self._calls = "", None
@@ -574,7 +438,7 @@ def detect_parser(chat_template: str | None) -> str | None:
     """The parser for the tool-call format a chat template teaches its model, or None."""
     if not chat_template:
         return None
-    if _HERMES_OPEN in chat_template:
+    if HERMES_OPEN in chat_template:
         return "hermes"
     if _MISTRAL_TAG in chat_template:
         return "mistral"

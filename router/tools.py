@@ -35,13 +35,18 @@ from typing import TYPE_CHECKING, Any
 
 from common.sampling_params import MAX_STRUCTURED_OUTPUT_CHARS, StructuredOutput
 from router.errors import bad_request
-from router.openai_responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
-from router.tool_parsers import (
-    PARSERS,
+from router.held_calls import (
     ArgumentsPiece,
     CallStart,
     PieceEvent,
+    RequiredCalls,
     StrictHermesCalls,
+    read_pieces,
+    read_required,
+)
+from router.openai_responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
+from router.tool_parsers import (
+    PARSERS,
     ToolCall,
     ToolCallParser,
     ToolCallStream,
@@ -250,155 +255,6 @@ def tool_calls_out(calls: list[ToolCall], parser: ToolCallParser | None) -> list
     new_id = parser.new_call_id if parser is not None else openai_call_id
     return [ToolCallOut(id=new_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
 
-
-
-# The grammar of a "required" answer (xgrammar's, from ``ToolPlan.structured_output``) writes the array
-# with these separators and each call's keys in this order, and no other whitespace.
-_ITEM_OPEN = '{"name": "'
-_ARGUMENTS_KEY = ', "arguments": '
-_NEXT_ITEM = ", "
-
-
-class RequiredCalls:
-    """A ``"required"`` answer, ``[{"name": "...", "arguments": ...}, ...]``, read as it streams: each
-    call opens when its name's string closes, and its arguments go out as they are written (so a
-    stream's pieces join into a whole response's arguments, character for character).
-
-    Text that leaves that layout (an engine that did not hold the answer to the grammar), or a call
-    past ``max_calls``, is content from there on, the array's text before it included while no call
-    has opened: nothing the model wrote is lost. An answer cut short ends with its last call's
-    arguments cut short, as a named call's are, and as OpenAI's are at ``finish_reason: length``."""
-
-    def __init__(self, max_calls: int | None = None) -> None:
-        self._max_calls = max_calls
-        self._buf = ""  # text not read yet
-        self._unspent = ""  # read, but part of no call yet: content if the layout breaks
-        self._state = "open"  # open, item, name, key, arguments, close, next, done, content
-        self._depth = 0
-        self._in_string = False
-        self._escaped = False
-        self.num_calls = 0
-
-    def feed(self, text: str) -> list[PieceEvent]:
-        self._buf += text
-        events: list[PieceEvent] = []
-        while self._buf and self._step(events):
-            pass
-        return events
-
-    def finish(self) -> list[PieceEvent]:
-        """What is left: content where the answer stopped outside a call's arguments."""
-        rest = "" if self._state in ("arguments", "done") else self._unspent + self._buf
-        self._buf = self._unspent = ""
-        self._state = "done"
-        return [rest] if rest else []
-
-    def _step(self, events: list[PieceEvent]) -> bool:
-        """Reads what it can of the buffer; False when it must wait for more text."""
-        state = self._state
-        if state == "content":
-            events.append(self._unspent + self._buf)
-            self._buf = self._unspent = ""
-            return False
-        if state == "open":
-            return self._literal("[", "item")
-        if state == "item":
-            if self._max_calls is not None and self.num_calls >= self._max_calls:
-                self._state = "content"
-                return True
-            return self._literal(_ITEM_OPEN, "name")
-        if state == "name":
-            return self._name(events)
-        if state == "key":
-            return self._literal(_ARGUMENTS_KEY, "arguments")
-        if state == "arguments":
-            return self._arguments(events)
-        if state == "close":
-            return self._literal("}", "next")
-        if state == "next":
-            if self._buf.startswith("]"):
-                return self._literal("]", "done")
-            return self._literal(_NEXT_ITEM, "item")
-        self._state = "content"  # text after the array's end
-        return True
-
-    def _literal(self, literal: str, then: str) -> bool:
-        if self._buf.startswith(literal):
-            if then == "name" or self.num_calls == 0:  # the array's and an item's opening, not a call's
-                self._unspent += literal
-            self._buf = self._buf[len(literal):]
-            self._state = then
-            return True
-        if not literal.startswith(self._buf):
-            self._state = "content"
-            return True
-        return False  # the literal's start so far
-
-    def _name(self, events: list[PieceEvent]) -> bool:
-        escaped = False
-        for i, c in enumerate(self._buf):
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                try:
-                    name = json.loads('"' + self._buf[:i + 1])
-                except ValueError:
-                    self._state = "content"
-                    return True
-                events.append(CallStart(name))
-                self.num_calls += 1
-                self._buf, self._unspent = self._buf[i + 1:], ""
-                self._state = "key"
-                return True
-        return False
-
-    def _arguments(self, events: list[PieceEvent]) -> bool:
-        """The arguments' JSON value, up to the call's closing brace (not its own)."""
-        for i, c in enumerate(self._buf):
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif c == "\\":
-                    self._escaped = True
-                elif c == '"':
-                    self._in_string = False
-            elif c == '"':
-                self._in_string = True
-            elif c in "{[":
-                self._depth += 1
-            elif c in "}]":
-                if self._depth == 0:  # the call's own brace: the value ended before it
-                    if i:
-                        events.append(ArgumentsPiece(self._buf[:i]))
-                    self._buf, self._unspent = self._buf[i:], ""
-                    self._state = "close"
-                    return True
-                self._depth -= 1
-        events.append(ArgumentsPiece(self._buf))
-        self._buf = ""
-        return False
-
-
-def read_required(text: str, max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
-    """A whole ``"required"`` answer's content (None when there is none) and calls, as its stream reads them."""
-    return read_pieces(RequiredCalls(max_calls), text)
-
-
-def read_pieces(reader: RequiredCalls | StrictHermesCalls, text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole answer's content (None when there is none) and calls, as a reader of grammar-held calls reads them
-    when it streams."""
-    content: list[str] = []
-    calls: list[list[str]] = []
-    for event in reader.feed(text) + reader.finish():
-        if isinstance(event, CallStart):
-            calls.append([event.name, ""])
-        elif isinstance(event, ArgumentsPiece):
-            calls[-1][1] += event.text
-        else:
-            content.append(event)
-    return "".join(content) or None, [ToolCall(name, arguments) for name, arguments in calls]
 
 
 @dataclass

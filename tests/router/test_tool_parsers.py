@@ -370,7 +370,7 @@ def test_adversarial_inputs_are_content() -> None:
 
 def _strict(chunks: list[str], max_calls: int | None = None) -> tuple[str, list[tuple[str, str]], int]:
     """Content, calls (name, arguments joined) and how many argument pieces streaming the chunks gives."""
-    from router.tool_parsers import ArgumentsPiece, CallStart, StrictHermesCalls
+    from router.held_calls import ArgumentsPiece, CallStart, StrictHermesCalls
 
     reader = StrictHermesCalls(max_calls)
     events = [e for chunk in chunks for e in reader.feed(chunk)] + reader.finish()

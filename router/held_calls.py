@@ -1,0 +1,319 @@
+"""Tool calls whose layout a grammar holds, read as the answer streams: each call opens (``CallStart``) once its name
+is read, and its arguments go out as they are written (``ArgumentsPiece``), so a stream's pieces join into a whole
+response's arguments, character for character; the text around the calls is content.
+
+* ``RequiredCalls``: a ``"required"`` answer, a JSON array of calls (``ToolPlan.structured_output``'s grammar).
+* ``StrictHermesCalls``: an ``"auto"`` answer with strict functions in the hermes format, each call in the layout
+  of its structural tag (``HermesParser.strict_tag``).
+
+Text that leaves the layout (an engine that did not hold the answer to the grammar) is content: nothing the model
+wrote is lost.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from router.tool_parsers import (
+    HERMES_OPEN,
+    HERMES_STRICT_ARGUMENTS,
+    HERMES_STRICT_BEGIN,
+    HERMES_STRICT_END,
+    Content,
+    ToolCall,
+    add_event,
+    partial_suffix,
+)
+
+
+@dataclass(frozen=True)
+class CallStart:
+    """A call whose layout a grammar holds opens: its name is known, its arguments follow."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsPiece:
+    """More of the open call's arguments, as written."""
+
+    text: str
+
+
+# What a reader of grammar-held calls gives: content text, a call opening, a piece of its arguments.
+PieceEvent = str | CallStart | ArgumentsPiece
+
+
+class _HeldCalls:
+    """What the readers share: ``feed`` reads as far as the text so far allows (``_step`` until it must wait)."""
+
+    _buf: str
+
+    def feed(self, text: str) -> list[PieceEvent]:
+        self._buf += text
+        events: list[PieceEvent] = []
+        while self._buf and self._step(events):
+            pass
+        return events
+
+    def finish(self) -> list[PieceEvent]:
+        raise NotImplementedError
+
+    def _step(self, events: list[PieceEvent]) -> bool:
+        """Reads what it can of the buffer; False when it must wait for more text."""
+        raise NotImplementedError
+
+
+def _closing_quote(text: str, start: int) -> int | None:
+    """Where the JSON string whose characters begin at ``start`` of ``text`` closes (its closing quote), or None
+    while it has not."""
+    escaped = False
+    for i in range(start, len(text)):
+        c = text[i]
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif c == '"':
+            return i
+    return None
+
+
+# The grammar of a "required" answer (xgrammar's, from ``ToolPlan.structured_output``) writes the array
+# with these separators and each call's keys in this order, and no other whitespace.
+_ITEM_OPEN = '{"name": "'
+_ARGUMENTS_KEY = ', "arguments": '
+_NEXT_ITEM = ", "
+
+
+class RequiredCalls(_HeldCalls):
+    """A ``"required"`` answer, ``[{"name": "...", "arguments": ...}, ...]``, read as it streams: each
+    call opens when its name's string closes, and its arguments go out as they are written (so a
+    stream's pieces join into a whole response's arguments, character for character).
+
+    Text that leaves that layout (an engine that did not hold the answer to the grammar), or a call
+    past ``max_calls``, is content from there on, the array's text before it included while no call
+    has opened: nothing the model wrote is lost. An answer cut short ends with its last call's
+    arguments cut short, as a named call's are, and as OpenAI's are at ``finish_reason: length``."""
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self._max_calls = max_calls
+        self._buf = ""  # text not read yet
+        self._unspent = ""  # read, but part of no call yet: content if the layout breaks
+        self._state = "open"  # open, item, name, key, arguments, close, next, done, content
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self.num_calls = 0
+
+    def finish(self) -> list[PieceEvent]:
+        """What is left: content where the answer stopped outside a call's arguments."""
+        rest = "" if self._state in ("arguments", "done") else self._unspent + self._buf
+        self._buf = self._unspent = ""
+        self._state = "done"
+        return [rest] if rest else []
+
+    def _step(self, events: list[PieceEvent]) -> bool:
+        """Reads what it can of the buffer; False when it must wait for more text."""
+        state = self._state
+        if state == "content":
+            events.append(self._unspent + self._buf)
+            self._buf = self._unspent = ""
+            return False
+        if state == "open":
+            return self._literal("[", "item")
+        if state == "item":
+            if self._max_calls is not None and self.num_calls >= self._max_calls:
+                self._state = "content"
+                return True
+            return self._literal(_ITEM_OPEN, "name")
+        if state == "name":
+            return self._name(events)
+        if state == "key":
+            return self._literal(_ARGUMENTS_KEY, "arguments")
+        if state == "arguments":
+            return self._arguments(events)
+        if state == "close":
+            return self._literal("}", "next")
+        if state == "next":
+            if self._buf.startswith("]"):
+                return self._literal("]", "done")
+            return self._literal(_NEXT_ITEM, "item")
+        self._state = "content"  # text after the array's end
+        return True
+
+    def _literal(self, literal: str, then: str) -> bool:
+        if self._buf.startswith(literal):
+            if then == "name" or self.num_calls == 0:  # the array's and an item's opening, not a call's
+                self._unspent += literal
+            self._buf = self._buf[len(literal):]
+            self._state = then
+            return True
+        if not literal.startswith(self._buf):
+            self._state = "content"
+            return True
+        return False  # the literal's start so far
+
+    def _name(self, events: list[PieceEvent]) -> bool:
+        end = _closing_quote(self._buf, 0)
+        if end is None:
+            return False
+        try:
+            name = json.loads('"' + self._buf[: end + 1])
+        except ValueError:
+            self._state = "content"
+            return True
+        events.append(CallStart(name))
+        self.num_calls += 1
+        self._buf, self._unspent = self._buf[end + 1:], ""
+        self._state = "key"
+        return True
+
+    def _arguments(self, events: list[PieceEvent]) -> bool:
+        """The arguments' JSON value, up to the call's closing brace (not its own)."""
+        for i, c in enumerate(self._buf):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                if self._depth == 0:  # the call's own brace: the value ended before it
+                    if i:
+                        events.append(ArgumentsPiece(self._buf[:i]))
+                    self._buf, self._unspent = self._buf[i:], ""
+                    self._state = "close"
+                    return True
+                self._depth -= 1
+        events.append(ArgumentsPiece(self._buf))
+        self._buf = ""
+        return False
+
+
+class StrictHermesCalls(_HeldCalls):
+    """A hermes answer whose calls a structural tag held (``HermesParser.strict_tag``: ``<tool_call>``, a newline,
+    ``{"name": "...", "arguments": `` the arguments ``}``, a newline, ``</tool_call>``), read as it streams: each
+    call opens once its name is read and its arguments go out as they are written, so a stream's pieces join into a
+    whole response's arguments, character for character. The text around calls is content, as the hermes parser's stream
+    gives it (the answer's leading and trailing whitespace out). A tag whose text leaves that layout (an engine that
+    did not hold the answer to the grammar) is content, as the hermes parser leaves a malformed call; a call past
+    ``max_calls`` too. An answer cut short inside a call ends with its arguments cut short, as OpenAI's are."""
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self._max_calls = max_calls
+        self._content = Content()
+        self._buf = ""
+        self._tag = ""  # the open tag's text read so far, while no call has opened: content if the layout breaks
+        self._state = "text"  # text, begin, name, key, arguments
+        self.num_calls = 0
+
+    def finish(self) -> list[PieceEvent]:
+        """What is left: content, unless the answer stopped inside a call's arguments (the end's start held back
+        from them is dropped: the arguments end where they were certain)."""
+        events: list[PieceEvent] = []
+        if self._state != "arguments":
+            add_event(events, self._content.push(self._tag + self._buf))
+        self._buf = self._tag = ""
+        self._state = "text"
+        return events
+
+    def _step(self, events: list[PieceEvent]) -> bool:
+        """Reads what it can of the buffer; False when it must wait for more text."""
+        if self._state == "text":
+            start = self._buf.find(HERMES_OPEN)
+            if start < 0:
+                keep = len(self._buf) - partial_suffix(self._buf, HERMES_OPEN)
+                add_event(events, self._content.push(self._buf[:keep]))
+                self._buf = self._buf[keep:]
+                return False
+            add_event(events, self._content.push(self._buf[:start]))
+            self._tag, self._buf, self._state = HERMES_OPEN, self._buf[start + len(HERMES_OPEN):], "begin"
+            if self._max_calls is not None and self.num_calls >= self._max_calls:
+                self._off_layout(events)  # a call too many: content
+            return True
+        if self._state == "begin":
+            return self._literal(HERMES_STRICT_BEGIN, "name", events)
+        if self._state == "name":
+            return self._name(events)
+        if self._state == "key":
+            return self._literal(HERMES_STRICT_ARGUMENTS, "arguments", events)
+        end = self._buf.find(HERMES_STRICT_END)
+        if end < 0:
+            keep = len(self._buf) - partial_suffix(self._buf, HERMES_STRICT_END)
+            if keep:
+                events.append(ArgumentsPiece(self._buf[:keep]))
+            self._buf = self._buf[keep:]
+            return False
+        if end:
+            events.append(ArgumentsPiece(self._buf[:end]))
+        self._buf, self._state = self._buf[end + len(HERMES_STRICT_END):], "text"
+        return True
+
+    def _literal(self, literal: str, then: str, events: list[PieceEvent]) -> bool:
+        if self._buf.startswith(literal):
+            if then == "name":  # the tag's opening, before its call opens
+                self._tag += literal
+            self._buf = self._buf[len(literal):]
+            self._state = then
+            return True
+        if literal.startswith(self._buf):
+            return False  # the literal's start so far
+        self._off_layout(events)
+        return True
+
+    def _name(self, events: list[PieceEvent]) -> bool:
+        """The name's JSON string, whole; the call opens with it."""
+        if not self._buf.startswith('"'):
+            self._off_layout(events)
+            return True
+        end = _closing_quote(self._buf, 1)
+        if end is None:
+            return False
+        try:
+            name = json.loads(self._buf[: end + 1])
+        except ValueError:
+            name = ""
+        if not name:
+            self._off_layout(events)
+            return True
+        events.append(CallStart(name))
+        self.num_calls += 1
+        self._buf, self._tag, self._state = self._buf[end + 1:], "", "key"
+        return True
+
+    def _off_layout(self, events: list[PieceEvent]) -> None:
+        """The open tag is content (its text left the layout, or it is a call too many); reading goes on after
+        its ``<tool_call>``. (Past a call's name, what follows is content.)"""
+        if self._tag:
+            add_event(events, self._content.push(HERMES_OPEN))
+        self._buf, self._tag, self._state = self._tag[len(HERMES_OPEN):] + self._buf, "", "text"
+
+
+
+def read_required(text: str, max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
+    """A whole ``"required"`` answer's content (None when there is none) and calls, as its stream reads them."""
+    return read_pieces(RequiredCalls(max_calls), text)
+
+
+def read_pieces(reader: _HeldCalls, text: str) -> tuple[str | None, list[ToolCall]]:
+    """A whole answer's content (None when there is none) and calls, as a reader of grammar-held calls reads them
+    when it streams."""
+    content: list[str] = []
+    calls: list[list[str]] = []
+    for event in reader.feed(text) + reader.finish():
+        if isinstance(event, CallStart):
+            calls.append([event.name, ""])
+        elif isinstance(event, ArgumentsPiece):
+            calls[-1][1] += event.text
+        else:
+            content.append(event)
+    return "".join(content) or None, [ToolCall(name, arguments) for name, arguments in calls]
+
+

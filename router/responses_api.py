@@ -226,10 +226,11 @@ def _content(content: Any, param: str, user: bool) -> str | list[dict[str, Any]]
 
 
 def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
-    """A Responses function tool as the chat completion's; other tools are not run here."""
+    """A Responses function tool as the chat completion's (``strict`` where the caller set it: a strict function's
+    calls are held to its schema, ``router/tools.py``); other tools are not run here."""
     if tool.get("type") != "function":
         raise bad_request(f"tools.{i}: only function tools are supported, not {tool.get('type')!r}", param="tools")
-    function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
     return {"type": "function", "function": function}
 
 

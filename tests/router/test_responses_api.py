@@ -90,6 +90,24 @@ def test_thinking_and_a_tool_call_become_output_items_whole_and_streamed(
     assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 3
 
 
+def test_a_strict_function_s_calls_are_held_and_the_thinking_still_split(
+    thinking: tuple[openai.OpenAI, FakeCluster],
+) -> None:
+    """``strict: true`` on a Responses function tool: the engine gets the structural tag over its calls (the text and
+    the thinking around them free), and the answer reads as before, the thinking split off into its item."""
+    client, cluster = thinking
+    strict = [{**TOOLS[0], "strict": True}]
+    whole = client.responses.create(model=SERVED_MODEL, input="Weather in Paris?", tools=strict, max_output_tokens=300)
+    structured = cluster.requests()[-1].sampling_params.structured_output
+    assert structured is not None and structured.kind == "structural_tag"
+    assert json.loads(structured.spec)["format"]["tags"][0]["content"]["json_schema"] == TOOLS[0]["parameters"]
+    assert [item.type for item in whole.output] == ["reasoning", "message", "function_call"]
+    assert (whole.output[2].name, json.loads(whole.output[2].arguments)) == ("get_weather", {"city": "Paris"})  # type: ignore[union-attr]
+    client.responses.create(model=SERVED_MODEL, input="Weather in Paris?", tools=[{**TOOLS[0], "strict": False}],
+                            max_output_tokens=5)
+    assert cluster.requests()[-1].sampling_params.structured_output is None
+
+
 def test_the_conversation_s_items_reach_the_template(thinking: tuple[openai.OpenAI, FakeCluster], tokenizer: Any) -> None:
     client, cluster = thinking
     items: list[Any] = [

@@ -3,8 +3,8 @@ is read, and its arguments go out as they are written (``ArgumentsPiece``), so a
 response's arguments, character for character; the text around the calls is content.
 
 * ``RequiredCalls``: a ``"required"`` answer, a JSON array of calls (``ToolPlan.structured_output``'s grammar).
-* ``StrictHermesCalls``: an ``"auto"`` answer with strict functions in the hermes format, each call in the layout
-  of its structural tag (``HermesParser.strict_tag``).
+* ``StrictHermesCalls``: an answer in the hermes format whose calls a structural tag held (``HermesParser.call_tag``:
+  ``"auto"`` with strict functions, ``"required"`` and named answers), each call in the tag's layout.
 
 Text that leaves the layout (an engine that did not hold the answer to the grammar) is content: nothing the model
 wrote is lost.
@@ -198,7 +198,7 @@ class RequiredCalls(_HeldCalls):
 
 
 class StrictHermesCalls(_HeldCalls):
-    """A hermes answer whose calls a structural tag held (``HermesParser.strict_tag``: ``<tool_call>``, a newline,
+    """A hermes answer whose calls a structural tag held (``HermesParser.call_tag``: ``<tool_call>``, a newline,
     ``{"name": "...", "arguments": `` the arguments ``}``, a newline, ``</tool_call>``), read as it streams: each
     call opens once its name is read and its arguments go out as they are written, so a stream's pieces join into a
     whole response's arguments, character for character. The text around calls is content, as the hermes parser's stream

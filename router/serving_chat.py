@@ -42,7 +42,7 @@ from router.serving import (
 )
 from router.state import RouterState
 from router.structured_output import check_grammar
-from router.tools import tools_for_template
+from router.tools import ToolPlan, tools_for_template
 
 
 async def plan_chat(
@@ -55,14 +55,16 @@ async def plan_chat(
     tool_plan = request.tool_plan()
     template_tools = tools_for_template(state, tool_plan)
     structured = request.structured_output()
-    # Strict functions under "auto": their calls held by a structural tag, the text around them free (the thinking
-    # too: not a grammar over the whole output, which ``answer_reader`` reads as content from its start).
-    strict = tool_plan.strict_output(state) if tool_plan is not None else None
-    if strict is not None:
-        if structured is not None:
+    # Calls held by a structural tag in the template's own format: under "auto" with strict functions the text
+    # around them stays free (the thinking too: not a grammar over the whole output, which ``answer_reader``
+    # reads as content from its start); a "required" or named answer opens with its call.
+    tool_plan = tool_plan.in_format(state) if tool_plan is not None else None
+    native = tool_plan.native_output(state) if tool_plan is not None and tool_plan.native else None
+    if native is not None:
+        if structured is not None and structured[1] != "tool_choice":
             raise bad_request(f"strict functions constrain their calls; {structured[1]} cannot constrain the output "
                               "as well", param=structured[1])
-        await check_grammar(strict, "tools")
+        await check_grammar(native, "tools")
     elif structured is not None:
         await check_grammar(*structured)
     model_images = state.config.images
@@ -92,10 +94,10 @@ async def plan_chat(
         max_tokens, request.requested_logprobs(), state.prompts.eos_token_id, state.prompts.vocab_size,
         state.prompts.bad_word_sequences(request.bad_words), defaults,
     )
-    if strict is not None:
-        params = msgspec.structs.replace(params, structured_output=strict)
+    if native is not None:
+        params = msgspec.structs.replace(params, structured_output=native)
     check_prompt_logprobs(params, len(prompt))
-    reader = answer_reader(state, request)
+    reader = answer_reader(state, request, tool_plan)
     response_id, engine_id = response_ids("chatcmpl", request.request_id)
     plan = GenerationPlan(
         request_id=response_id,
@@ -154,10 +156,10 @@ def _echoed(answer: tuple[ChatMessageOut, str | None], echo: str | None) -> tupl
     return message, finish_reason
 
 
-def answer_reader(state: RouterState, request: ChatCompletionRequest) -> AnswerReader:
-    """How the request's answers are read: tools read for calls unless ``tool_choice`` is "none";
-    the thinking split off unless a grammar holds the output, which is then content from its start."""
-    tools = request.tool_plan()
+def answer_reader(state: RouterState, request: ChatCompletionRequest, tools: ToolPlan | None) -> AnswerReader:
+    """How the request's answers are read: tools (the request's plan, in the format they will be written:
+    ``ToolPlan.in_format``) read for calls unless ``tool_choice`` is "none"; the thinking split off unless a grammar
+    holds the output, which is then content from its start."""
     reasoning = state.reasoning_parser if request.structured_output() is None else None
     tools = tools if tools is not None and tools.parsed else None
     lost = state.tags_lost_in_text  # the parsers' tags the tokenizer marks special

@@ -64,11 +64,12 @@ class ToolCallParser(Protocol):
         """An id for a call, of the kind the format's chat templates take back."""
         ...
 
-    def strict_tag(self, functions: list[dict[str, Any]], strict: frozenset[str], parallel: bool) -> dict[str, Any] | None:
+    def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
+                 required: bool) -> dict[str, Any] | None:
         """A structural tag (xgrammar's form) holding each call the model writes in this format to one of
-        ``functions`` (the chat template's), its arguments valid against the ``parameters`` of those named in
-        ``strict`` (any object for the others), the text around calls free; one call at most unless
-        ``parallel``. None where the format has none."""
+        ``functions``, its arguments valid against the ``parameters`` of those named in ``held`` (any object for
+        the others), the text around calls free; one call at most unless ``parallel``; with ``required``, the answer
+        opens with a call. None where the format has none."""
         ...
 
 
@@ -219,7 +220,7 @@ class _HermesStream:
         self._inside = False
 
 
-# A strict function's call as its structural tag writes it (``HermesParser.strict_tag``), after <tool_call>:
+# A held call as its structural tag writes it (``HermesParser.call_tag``), after <tool_call>:
 # this, the name as a JSON string, ``HERMES_STRICT_ARGUMENTS``, the arguments, ``HERMES_STRICT_END``.
 HERMES_STRICT_BEGIN = '\n{"name": '
 HERMES_STRICT_ARGUMENTS = ', "arguments": '
@@ -238,14 +239,15 @@ class _Parser:
     def new_call_id(self) -> str:
         return openai_call_id()
 
-    def strict_tag(self, functions: list[dict[str, Any]], strict: frozenset[str], parallel: bool) -> dict[str, Any] | None:
+    def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
+                 required: bool) -> dict[str, Any] | None:
         return None
 
 
-def _arguments_schema(function: dict[str, Any], strict: frozenset[str]) -> dict[str, Any]:
-    """What a call's arguments are held to: a strict function's ``parameters`` (any object without them),
+def _arguments_schema(function: dict[str, Any], held: frozenset[str]) -> dict[str, Any]:
+    """What a call's arguments are held to: a held function's ``parameters`` (any object without them),
     any object for the others."""
-    if function["name"] in strict and function.get("parameters"):
+    if function["name"] in held and function.get("parameters"):
         return function["parameters"]  # type: ignore[no-any-return]
     return {"type": "object"}
 
@@ -260,14 +262,15 @@ class HermesParser(_Parser):
     def stream(self) -> ToolCallStream:
         return _HermesStream()
 
-    def strict_tag(self, functions: list[dict[str, Any]], strict: frozenset[str], parallel: bool) -> dict[str, Any] | None:
+    def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
+                 required: bool) -> dict[str, Any] | None:
         """From ``<tool_call>`` on, a call as the format's chat templates show it (``<tool_call>``, a newline, then
         ``{"name": ..., "arguments": ...}``, a newline, ``</tool_call>``): triggered tags, one per function."""
         tags = [{"begin": f"{HERMES_OPEN}{HERMES_STRICT_BEGIN}{json.dumps(f['name'])}{HERMES_STRICT_ARGUMENTS}",
-                 "content": {"type": "json_schema", "json_schema": _arguments_schema(f, strict)},
+                 "content": {"type": "json_schema", "json_schema": _arguments_schema(f, held)},
                  "end": HERMES_STRICT_END} for f in functions]
         return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [HERMES_OPEN], "tags": tags,
-                                                     "stop_after_first": not parallel}}
+                                                     "at_least_one": required, "stop_after_first": not parallel}}
 
 
 _PYTHON_TAG = "<|python_tag|>"

@@ -9,15 +9,18 @@ format. What the model answers depends on ``tool_choice``:
   router's tool-call parser (``router/tool_parsers.py``, ``--tool-call-parser``) reads back. Text
   that is not a well-formed call stays content. Where a function is marked ``strict`` (OpenAI's: its
   calls' arguments hold to its schema), a structural tag holds each call the model writes in that format
-  to an offered function and a strict one's arguments to its schema, the text around free
-  (``ToolPlan.strict_output``; the hermes format's, the others refused by name). Such an answer is read
-  in the tag's layout (``StrictHermesCalls``): each call's arguments stream as they are written.
-* ``"required"``: the output is held by a grammar to a JSON array of one or more calls (one when
-  ``parallel_tool_calls`` is false), each ``{"name": ..., "arguments": ...}`` of a given tool with
-  arguments valid against its ``parameters`` schema. No parser is needed: the grammar's fixed layout
-  is read as it streams (``RequiredCalls``), each call's arguments sent as they are written.
-* a named function: the output is held by a grammar to that function's arguments, which become the
-  one call. No parser is needed.
+  to an offered function and a strict one's arguments to its schema, the text around free (the hermes
+  format's; the others refused by name).
+* ``"required"``: the answer opens with one or more calls (one when ``parallel_tool_calls`` is false), each
+  of a given tool with arguments valid against its ``parameters`` schema.
+* a named function: the answer is one call of that function, its arguments valid against its schema.
+
+Where the parser's format has a structural tag (hermes; ``ToolPlan.in_format``), the calls of those three
+are held in that format, the one the chat template teaches, and read in the tag's layout
+(``router/held_calls.py`` ``StrictHermesCalls``). Otherwise a ``"required"`` answer is held by a grammar to
+a JSON array of ``{"name": ..., "arguments": ...}`` calls (``RequiredCalls``), and a named one to the
+function's arguments, which become the one call; no parser is needed for either. Either way each call's
+arguments stream as they are written.
 
 Requests the router cannot serve exactly get a 400 that names why: tools on a model whose chat
 template does not render them (the model would never see them), or ``"auto"`` without a parser for
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from common.sampling_params import MAX_STRUCTURED_OUTPUT_CHARS, StructuredOutput
@@ -108,6 +111,12 @@ class ToolPlan:
     parallel: bool = True
     # The functions marked ``strict`` (OpenAI's: their calls' arguments hold to their schema).
     strict: frozenset[str] = frozenset()
+    # A structural tag holds the calls in the chat template's own format (``in_format``, ``native_output``).
+    native: bool = False
+
+    @property
+    def max_calls(self) -> int | None:
+        return 1 if self.choice == "named" or not self.parallel else None
 
     @classmethod
     def from_request(cls, tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolPlan | None:
@@ -180,24 +189,38 @@ class ToolPlan:
             )
         return StructuredOutput(kind="json_schema", spec=spec)
 
-    def strict_output(self, state: RouterState) -> StructuredOutput | None:
-        """With ``"auto"`` and a function marked ``strict``, the structural tag that holds the calls the model writes
-        in its template's format to the offered functions, and the strict ones' arguments to their schemas (the
-        parser's ``strict_tag``), the text around them free; None otherwise (``"required"`` and named answers are
-        held whole by ``structured_output``). A 400 where the format has no such tag, or its tags are special
-        tokens, which a grammar cannot see in the text."""
-        if self.choice != "auto" or not self.strict:
-            return None
+    def in_format(self, state: RouterState) -> ToolPlan:
+        """The plan with ``native`` set where a structural tag is to hold the calls in the format the chat template
+        teaches (the parser's ``call_tag``): ``"auto"`` with strict functions, and ``"required"`` and named answers
+        where the format has a tag (else their JSON grammar, ``structured_output``). A 400 for strict functions where
+        the format has none, or its tags are special tokens, which a grammar cannot see in the text."""
+        if self.choice not in ("auto", "required", "named") or (self.choice == "auto" and not self.strict):
+            return self
         parser = state.tool_parser
-        assert parser is not None, "tools_for_template refuses 'auto' without a parser"
-        functions = [tool["function"] for tool in self.tools]
-        tag = parser.strict_tag(functions, self.strict, self.parallel)
-        if tag is None or state.tags_lost_in_text.intersection(parser.tags):
+        usable = (parser is not None and parser.call_tag([], frozenset(), True, False) is not None
+                  and not state.tags_lost_in_text.intersection(parser.tags))
+        if usable:
+            return replace(self, native=True)
+        if self.choice == "auto":
+            assert parser is not None, "tools_for_template refuses 'auto' without a parser"
             raise bad_request(
                 f"strict functions with tool_choice 'auto' are implemented for the hermes tool-call format, not the "
                 f"{parser.name} one here: drop strict, or ask for tool_choice 'required' or a named function",
                 param="tools",
             )
+        return self
+
+    def native_output(self, state: RouterState) -> StructuredOutput:
+        """The structural tag of a ``native`` plan: every offered function (the named one alone), the arguments of
+        the strict ones (of all, for ``"required"`` and named answers) held to their schemas; ``"required"`` and
+        named answers open with a call, a named one's is its only one."""
+        parser = state.tool_parser
+        assert self.native and parser is not None
+        functions = [tool["function"] for tool in self.tools if self.function in (None, tool["function"]["name"])]
+        forced = self.choice != "auto"
+        held = frozenset(f["name"] for f in functions) if forced else self.strict
+        tag = parser.call_tag(functions, held, self.parallel and self.choice != "named", forced)
+        assert tag is not None, "in_format checked the format has a tag"
         spec = json.dumps(tag, ensure_ascii=False)
         if len(spec) > MAX_STRUCTURED_OUTPUT_CHARS:
             raise bad_request(
@@ -207,13 +230,13 @@ class ToolPlan:
 
     def extract(self, text: str, parser: ToolCallParser | None) -> tuple[str | None, list[ToolCall]]:
         """A whole answer's content and tool calls."""
+        if self.native:  # a structural tag held the calls in the template's format (``native_output``)
+            return read_pieces(StrictHermesCalls(self.max_calls), text)
         if self.choice == "named":
             assert self.function is not None
             return None, [ToolCall(self.function, text)]
         if self.choice == "required":
-            return read_required(text, None if self.parallel else 1)
-        if self.choice == "auto" and self.strict:  # a structural tag held the calls (``strict_output``)
-            return read_pieces(StrictHermesCalls(None if self.parallel else 1), text)
+            return read_required(text, self.max_calls)
         if self.choice == "auto":
             assert parser is not None
             content, calls = parser.extract(text)
@@ -275,11 +298,10 @@ class ToolDeltas:
 
     @classmethod
     def start(cls, plan: ToolPlan, parser: ToolCallParser | None) -> ToolDeltas:
-        max_calls = None if plan.parallel else 1
+        if plan.native:
+            return cls(plan, parser, None, StrictHermesCalls(plan.max_calls))
         if plan.choice == "required":
-            return cls(plan, parser, None, RequiredCalls(max_calls))
-        if plan.choice == "auto" and plan.strict:
-            return cls(plan, parser, None, StrictHermesCalls(max_calls))
+            return cls(plan, parser, None, RequiredCalls(plan.max_calls))
         return cls(plan, parser, parser.stream() if plan.choice == "auto" and parser is not None else None)
 
     def _new_id(self) -> str:

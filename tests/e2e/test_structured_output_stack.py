@@ -208,10 +208,14 @@ def test_forced_tool_calls_through_the_stack(stack, tools_client):  # type: igno
     assert parts[0].function.name == "get_weather" and parts[0].id
     assert "".join(p.function.arguments or "" for p in parts) == call.function.arguments
 
-    required = tools_client.chat.completions.create(**kwargs, tool_choice="required", parallel_tool_calls=False)
+    required = tools_client.chat.completions.create(**kwargs, tool_choice="required", parallel_tool_calls=False,
+                                                    extra_body={"return_token_ids": True})
     [call] = required.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and required.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(call.function.arguments), schema)
+    # Written in the format the template teaches (hermes), not as a JSON array.
+    written = tokenizer().decode(required.choices[0].token_ids)
+    assert written.startswith('<tool_call>\n{"name": "get_weather", "arguments": '), written
     # Streamed, the call opens with its name and its arguments come in pieces that join into the same text.
     streamed = list(tools_client.chat.completions.create(
         **kwargs, stream=True, tool_choice="required", parallel_tool_calls=False))

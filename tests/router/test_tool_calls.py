@@ -153,32 +153,48 @@ def test_a_call_cut_short_stays_content(client: openai.OpenAI, tokenizer: Any) -
     assert choice.message.content is not None and choice.message.content.startswith(CONTENT + "\n<tool_call>")
 
 
-def test_named_and_required_send_the_tools_grammar(client: openai.OpenAI, stack: Any) -> None:
+def test_named_and_required_send_a_structural_tag_in_the_template_s_format(client: openai.OpenAI, stack: Any) -> None:
+    """With a parser whose format has a structural tag (hermes), a named or "required" answer is held to calls in
+    the format the chat template teaches, not to a JSON array the model was never shown: it opens with a call,
+    each call's arguments held to its function's schema; a named answer's one call is to that function. (The JSON
+    grammar stays for formats without a tag: ``test_mistral_calls_behind_a_special_token``.)"""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
     named = client.chat.completions.create(
         model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200,
         tool_choice={"type": "function", "function": {"name": "get_time"}},
     )
     [sent] = [r for r in stack[1].requests() if r.request_id.startswith(named.id) and r.decode_target is not None]
     so = sent.sampling_params.structured_output
-    assert so is not None and so.kind == "json_schema" and json.loads(so.spec) == TOOLS[1]["function"]["parameters"]
-    # The fake engine ignores the grammar: its text comes back as the named call's arguments.
-    [call] = named.choices[0].message.tool_calls or []
-    assert call.function.name == "get_time" and call.function.arguments == REPLY_TEXT
+    assert so is not None and so.kind == "structural_tag"
+    tag = json.loads(so.spec)["format"]
+    assert tag["at_least_one"] is True and tag["stop_after_first"] is True
+    assert [(t["begin"], t["content"]["json_schema"]) for t in tag["tags"]] == [
+        ('<tool_call>\n{"name": "get_time", "arguments": ', TOOLS[1]["function"]["parameters"])]
+    grammar = Grammar.from_structural_tag(so.spec)
+    time_call = REPLY_TEXT[REPLY_TEXT.rindex("<tool_call>"):]
+    assert accepts(grammar, time_call) and not accepts(grammar, CONTENT + "\n" + time_call)
+    assert not accepts(grammar, REPLY_TEXT[len(CONTENT) + 1: REPLY_TEXT.index("</tool_call>") + 12])  # get_weather
+    # The fake engine ignores the grammar: its reply is read in the format's layout, its first call kept.
+    assert [c.function.name for c in named.choices[0].message.tool_calls or []] == ["get_weather"]
     assert named.choices[0].finish_reason == "stop"
 
     required = client.chat.completions.create(
         model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200, tool_choice="required",
-        parallel_tool_calls=False,
     )
     [sent] = [r for r in stack[1].requests() if r.request_id.startswith(required.id) and r.decode_target is not None]
     so = sent.sampling_params.structured_output
-    assert so is not None and so.kind == "json_schema"
-    schema = json.loads(so.spec)
-    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
-    assert [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
-    # Not a JSON array of calls (the grammar was not applied): the text is the content.
-    assert required.choices[0].message.tool_calls is None
-    assert required.choices[0].message.content == REPLY_TEXT
+    assert so is not None and so.kind == "structural_tag"
+    tag = json.loads(so.spec)["format"]
+    assert tag["at_least_one"] is True and tag["stop_after_first"] is False
+    assert [t["content"]["json_schema"] for t in tag["tags"]] == [t["function"]["parameters"] for t in TOOLS]
+    grammar = Grammar.from_structural_tag(so.spec)
+    calls_only = REPLY_TEXT[len(CONTENT) + 1:]
+    assert accepts(grammar, calls_only) and not accepts(grammar, REPLY_TEXT) and not accepts(grammar, CONTENT)
+    calls = required.choices[0].message.tool_calls or []
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == CALLS
+    assert required.choices[0].finish_reason == "tool_calls"
 
 
 def test_strict_functions_under_auto_send_a_structural_tag_over_the_calls(client: openai.OpenAI, stack: Any) -> None:
@@ -393,7 +409,7 @@ def test_mistral_calls_behind_a_special_token(redis_url: str, tokenizer: Any, to
                                 add_special_tokens=False))
     assert special.decode(reply, skip_special_tokens=True).startswith("[{")  # the tag would be lost
     with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001, "max_model_len": 2048},
-                    tool_call_parser="mistral", request_timeout_s=5.0) as (server, _):
+                    tool_call_parser="mistral", request_timeout_s=5.0) as (server, cluster):
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
         choice = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS).choices[0]
         [call] = choice.message.tool_calls or []
@@ -410,6 +426,12 @@ def test_mistral_calls_behind_a_special_token(redis_url: str, tokenizer: Any, to
         response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=10)
         assert response.status_code == 400 and response.json()["error"]["param"] == "tools", response.text
         assert "mistral" in response.json()["error"]["message"]
+        # No tag can see [TOOL_CALLS]: a "required" answer is held to the JSON array of calls instead.
+        required = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS,
+                                                  tool_choice="required", max_tokens=50)
+        [sent] = [r for r in cluster.requests() if r.request_id.startswith(required.id) and r.decode_target is not None]
+        so = sent.sampling_params.structured_output
+        assert so is not None and so.kind == "json_schema" and json.loads(so.spec)["type"] == "array"
 
 
 def test_tokenize_counts_the_tools_as_the_chat_completion_sends_them(

@@ -16,10 +16,10 @@ import json
 from dataclasses import dataclass
 
 from router.tool_parsers import (
+    HERMES_HELD_ARGUMENTS,
+    HERMES_HELD_BEGIN,
+    HERMES_HELD_END,
     HERMES_OPEN,
-    HERMES_STRICT_ARGUMENTS,
-    HERMES_STRICT_BEGIN,
-    HERMES_STRICT_END,
     Content,
     ToolCall,
     add_event,
@@ -239,21 +239,21 @@ class StrictHermesCalls(_HeldCalls):
                 self._off_layout(events)  # a call too many: content
             return True
         if self._state == "begin":
-            return self._literal(HERMES_STRICT_BEGIN, "name", events)
+            return self._literal(HERMES_HELD_BEGIN, "name", events)
         if self._state == "name":
             return self._name(events)
         if self._state == "key":
-            return self._literal(HERMES_STRICT_ARGUMENTS, "arguments", events)
-        end = self._buf.find(HERMES_STRICT_END)
+            return self._literal(HERMES_HELD_ARGUMENTS, "arguments", events)
+        end = self._buf.find(HERMES_HELD_END)
         if end < 0:
-            keep = len(self._buf) - partial_suffix(self._buf, HERMES_STRICT_END)
+            keep = len(self._buf) - partial_suffix(self._buf, HERMES_HELD_END)
             if keep:
                 events.append(ArgumentsPiece(self._buf[:keep]))
             self._buf = self._buf[keep:]
             return False
         if end:
             events.append(ArgumentsPiece(self._buf[:end]))
-        self._buf, self._state = self._buf[end + len(HERMES_STRICT_END):], "text"
+        self._buf, self._state = self._buf[end + len(HERMES_HELD_END):], "text"
         return True
 
     def _literal(self, literal: str, then: str, events: list[PieceEvent]) -> bool:

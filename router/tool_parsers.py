@@ -51,6 +51,7 @@ class ToolCallStream(Protocol):
 class ToolCallParser(Protocol):
     name: str
     tags: tuple[str, ...]  # what the parser must see in the streamed text (so not skipped as special tokens)
+    holds_calls: bool  # whether ``call_tag`` gives a structural tag for the format
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A whole answer's content (None when there is none) and its calls, in order."""
@@ -221,14 +222,16 @@ class _HermesStream:
 
 
 # A held call as its structural tag writes it (``HermesParser.call_tag``), after <tool_call>:
-# this, the name as a JSON string, ``HERMES_STRICT_ARGUMENTS``, the arguments, ``HERMES_STRICT_END``.
-HERMES_STRICT_BEGIN = '\n{"name": '
-HERMES_STRICT_ARGUMENTS = ', "arguments": '
-HERMES_STRICT_END = "}\n" + HERMES_CLOSE
+# this, the name as a JSON string, ``HERMES_HELD_ARGUMENTS``, the arguments, ``HERMES_HELD_END``.
+HERMES_HELD_BEGIN = '\n{"name": '
+HERMES_HELD_ARGUMENTS = ', "arguments": '
+HERMES_HELD_END = "}\n" + HERMES_CLOSE
 
 
 class _Parser:
-    """What the parsers share: ``extract`` runs ``stream`` over the whole text; OpenAI-style ids."""
+    """What the parsers share: ``extract`` runs ``stream`` over the whole text; OpenAI-style ids; no structural tag."""
+
+    holds_calls = False
 
     def stream(self) -> ToolCallStream:
         raise NotImplementedError
@@ -244,12 +247,9 @@ class _Parser:
         return None
 
 
-def _arguments_schema(function: dict[str, Any], held: frozenset[str]) -> dict[str, Any]:
-    """What a call's arguments are held to: a held function's ``parameters`` (any object without them),
-    any object for the others."""
-    if function["name"] in held and function.get("parameters"):
-        return function["parameters"]  # type: ignore[no-any-return]
-    return {"type": "object"}
+def arguments_schema(function: dict[str, Any]) -> dict[str, Any]:
+    """What a held call's arguments hold to: the function's ``parameters``, any object without them."""
+    return function.get("parameters") or {"type": "object"}
 
 
 class HermesParser(_Parser):
@@ -258,6 +258,7 @@ class HermesParser(_Parser):
 
     name = "hermes"
     tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE)
+    holds_calls = True
 
     def stream(self) -> ToolCallStream:
         return _HermesStream()
@@ -266,9 +267,10 @@ class HermesParser(_Parser):
                  required: bool) -> dict[str, Any] | None:
         """From ``<tool_call>`` on, a call as the format's chat templates show it (``<tool_call>``, a newline, then
         ``{"name": ..., "arguments": ...}``, a newline, ``</tool_call>``): triggered tags, one per function."""
-        tags = [{"begin": f"{HERMES_OPEN}{HERMES_STRICT_BEGIN}{json.dumps(f['name'])}{HERMES_STRICT_ARGUMENTS}",
-                 "content": {"type": "json_schema", "json_schema": _arguments_schema(f, held)},
-                 "end": HERMES_STRICT_END} for f in functions]
+        tags = [{"begin": f"{HERMES_OPEN}{HERMES_HELD_BEGIN}{json.dumps(f['name'])}{HERMES_HELD_ARGUMENTS}",
+                 "content": {"type": "json_schema",
+                             "json_schema": arguments_schema(f) if f["name"] in held else {"type": "object"}},
+                 "end": HERMES_HELD_END} for f in functions]
         return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [HERMES_OPEN], "tags": tags,
                                                      "at_least_one": required, "stop_after_first": not parallel}}
 

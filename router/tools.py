@@ -53,6 +53,7 @@ from router.tool_parsers import (
     ToolCall,
     ToolCallParser,
     ToolCallStream,
+    arguments_schema,
     openai_call_id,
 )
 
@@ -97,8 +98,14 @@ def _check_function(index: int, tool: Any) -> dict[str, Any]:
     return {"type": "function", "function": out}
 
 
-def _arguments_schema(function: dict[str, Any]) -> dict[str, Any]:
-    return function.get("parameters") or {"type": "object"}
+def _tools_spec(grammar: dict[str, Any]) -> str:
+    """A grammar the tools make, as its JSON text; a 400 where it is too long to send."""
+    spec = json.dumps(grammar, ensure_ascii=False)
+    if len(spec) > MAX_STRUCTURED_OUTPUT_CHARS:
+        raise bad_request(
+            f"the tools' schemas make a grammar longer than {MAX_STRUCTURED_OUTPUT_CHARS} characters", param="tools"
+        )
+    return spec
 
 
 @dataclass(frozen=True)
@@ -171,7 +178,7 @@ class ToolPlan:
             calls = [
                 {
                     "type": "object",
-                    "properties": {"name": {"enum": [name]}, "arguments": _arguments_schema(function)},
+                    "properties": {"name": {"enum": [name]}, "arguments": arguments_schema(function)},
                     "required": ["name", "arguments"],
                     "additionalProperties": False,
                 }
@@ -182,12 +189,7 @@ class ToolPlan:
                 schema["maxItems"] = 1
         else:
             return None
-        spec = json.dumps(schema, ensure_ascii=False)
-        if len(spec) > MAX_STRUCTURED_OUTPUT_CHARS:
-            raise bad_request(
-                f"the tools' schemas make a grammar longer than {MAX_STRUCTURED_OUTPUT_CHARS} characters", param="tools"
-            )
-        return StructuredOutput(kind="json_schema", spec=spec)
+        return StructuredOutput(kind="json_schema", spec=_tools_spec(schema))
 
     def in_format(self, state: RouterState) -> ToolPlan:
         """The plan with ``native`` set where a structural tag is to hold the calls in the format the chat template
@@ -197,9 +199,7 @@ class ToolPlan:
         if self.choice not in ("auto", "required", "named") or (self.choice == "auto" and not self.strict):
             return self
         parser = state.tool_parser
-        usable = (parser is not None and parser.call_tag([], frozenset(), True, False) is not None
-                  and not state.tags_lost_in_text.intersection(parser.tags))
-        if usable:
+        if parser is not None and parser.holds_calls and not state.tags_lost_in_text.intersection(parser.tags):
             return replace(self, native=True)
         if self.choice == "auto":
             assert parser is not None, "tools_for_template refuses 'auto' without a parser"
@@ -221,12 +221,7 @@ class ToolPlan:
         held = frozenset(f["name"] for f in functions) if forced else self.strict
         tag = parser.call_tag(functions, held, self.parallel and self.choice != "named", forced)
         assert tag is not None, "in_format checked the format has a tag"
-        spec = json.dumps(tag, ensure_ascii=False)
-        if len(spec) > MAX_STRUCTURED_OUTPUT_CHARS:
-            raise bad_request(
-                f"the tools' schemas make a grammar longer than {MAX_STRUCTURED_OUTPUT_CHARS} characters", param="tools"
-            )
-        return StructuredOutput(kind="structural_tag", spec=spec)
+        return StructuredOutput(kind="structural_tag", spec=_tools_spec(tag))
 
     def extract(self, text: str, parser: ToolCallParser | None) -> tuple[str | None, list[ToolCall]]:
         """A whole answer's content and tool calls."""

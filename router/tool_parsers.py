@@ -12,6 +12,8 @@ end of an answer never reaches the client.
 
 * ``hermes`` (Qwen2.5, Qwen3, Hermes, ChatML templates with tools): each call is
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, anywhere in the text.
+* ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): ``<tool_call>``, ``<function=NAME>``, a ``<parameter=KEY>`` element per
+  argument (its value on lines of its own, typed by the function's schema), ``</function>``, ``</tool_call>``.
 * ``llama3_json`` (Llama 3.1, 3.2): the whole answer, after an optional ``<|python_tag|>``, is
   ``{"name": ..., "parameters": {...}}``, or several such objects separated by ``;``.
 * ``mistral`` (Mistral 7B v0.3, Mixtral, Mistral Small/Nemo): ``[TOOL_CALLS]`` and the calls after it.
@@ -21,10 +23,13 @@ Parsing never raises on what a model writes.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import secrets
 import string
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -53,11 +58,12 @@ class ToolCallParser(Protocol):
     tags: tuple[str, ...]  # what the parser must see in the streamed text (so not skipped as special tokens)
     holds_calls: bool  # whether ``call_tag`` gives a structural tag for the format
 
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A whole answer's content (None when there is none) and its calls, in order."""
+    def extract(self, text: str, functions: Sequence[dict[str, Any]] = ()) -> tuple[str | None, list[ToolCall]]:
+        """A whole answer's content (None when there is none) and its calls, in order. ``functions``: the tools'
+        (as the chat template gets them), for a format whose arguments take their types from the schemas."""
         ...
 
-    def stream(self) -> ToolCallStream:
+    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         """A fresh stream for one answer."""
         ...
 
@@ -177,7 +183,11 @@ def _hermes_call(body: str) -> ToolCall | None:
 
 
 class _HermesStream:
-    def __init__(self) -> None:
+    """Calls in ``<tool_call>`` tags, each tag's body read by ``read_call`` (hermes's JSON by default): content
+    as soon as it cannot be part of a tag, each call whole once its tag closes, a body that is no call content."""
+
+    def __init__(self, read_call: Callable[[str], ToolCall | None] = _hermes_call) -> None:
+        self._read_call = read_call
         self._content = Content()
         self._buf = ""
         self._inside = False
@@ -216,7 +226,7 @@ class _HermesStream:
 
     def _close(self, body: str, close: str, events: list[Event]) -> None:
         """Ends a tag: its call, or its text as content when it holds none."""
-        call = _hermes_call(body)
+        call = self._read_call(body)
         add_event(events, call if call is not None else self._content.push(HERMES_OPEN + body + close))
         self._inside = False
 
@@ -233,11 +243,11 @@ class _Parser:
 
     holds_calls = False
 
-    def stream(self) -> ToolCallStream:
+    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         raise NotImplementedError
 
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        return _collect(self.stream(), text)
+    def extract(self, text: str, functions: Sequence[dict[str, Any]] = ()) -> tuple[str | None, list[ToolCall]]:
+        return _collect(self.stream(functions), text)
 
     def new_call_id(self) -> str:
         return openai_call_id()
@@ -260,7 +270,7 @@ class HermesParser(_Parser):
     tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE)
     holds_calls = True
 
-    def stream(self) -> ToolCallStream:
+    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _HermesStream()
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
@@ -346,7 +356,7 @@ class Llama3JsonParser(_Parser):
     name = "llama3_json"
     tags: tuple[str, ...] = ()  # (its <|python_tag|> prefix may be left out of the text: the calls are the same)
 
-    def stream(self) -> ToolCallStream:
+    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _LlamaStream()
 
 
@@ -427,7 +437,7 @@ class MistralParser(_Parser):
     name = "mistral"
     tags: tuple[str, ...] = (_MISTRAL_TAG,)
 
-    def stream(self) -> ToolCallStream:
+    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _MistralStream()
 
     def new_call_id(self) -> str:
@@ -436,13 +446,88 @@ class MistralParser(_Parser):
         return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
-PARSERS: dict[str, ToolCallParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser())}
+# Qwen3-Coder's call: a <function=NAME> element holding <parameter=KEY> elements, each value on its own lines.
+_XML_FUNCTION = re.compile(r"\s*<function=([^<>\n]+)>(.*)</function>\s*", re.DOTALL)
+_XML_PARAMETER = re.compile(r"\s*<parameter=([^<>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def _xml_value(text: str, schema: Any) -> Any:
+    """A parameter's text as its schema's type says (as vLLM's qwen3_coder parser reads it): a string as written;
+    an integer, a number or a boolean where the text is one; ``null`` as None; an object, an array or an untyped
+    value as the JSON the text is, else the text."""
+    if text.lower() == "null":
+        return None
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    if kind == "string":
+        return text
+    if kind == "integer":
+        try:
+            return int(text)
+        except ValueError:
+            return text
+    if kind == "number":
+        try:
+            number = _finite_float(text)
+        except ValueError:
+            return text
+        return int(number) if number.is_integer() else number
+    if kind == "boolean":
+        return {"true": True, "false": False}.get(text.lower(), text)
+    if kind is None and schema is None:  # a parameter the function does not declare: its text
+        return text
+    try:
+        return _DECODER.decode(text)
+    except (ValueError, RecursionError):
+        return text
+
+
+def _qwen_xml_call(body: str, functions: Sequence[dict[str, Any]]) -> ToolCall | None:
+    """The call a ``<tool_call>`` body holds in Qwen3-Coder's form, its arguments typed by the function's schema,
+    or None when the body is not one."""
+    match = _XML_FUNCTION.fullmatch(body)
+    if match is None:
+        return None
+    name, inner = match[1].strip(), match[2]
+    schemas = next(((f.get("parameters") or {}).get("properties") or {} for f in functions if f.get("name") == name), {})
+    arguments: dict[str, Any] = {}
+    pos = 0
+    for parameter in _XML_PARAMETER.finditer(inner):
+        if parameter.start() != pos:
+            return None
+        key, value = parameter[1].strip(), parameter[2]
+        value = value.removeprefix("\n").removesuffix("\n")  # the value sits on lines of its own
+        arguments[key] = _xml_value(value, schemas.get(key) if isinstance(schemas, dict) else None)
+        pos = parameter.end()
+    if inner[pos:].strip() or not name:
+        return None
+    return _call({"name": name, "arguments": arguments}, "arguments", "parameters")
+
+
+class Qwen3CoderParser(_Parser):
+    """Qwen3-Coder's (and Qwen3.5's) calls: ``<tool_call>``, ``<function=NAME>``, one ``<parameter=KEY>`` element per
+    argument with its value on lines of its own, ``</function>``, ``</tool_call>``, anywhere in the answer. A value
+    takes its type from the function's schema (``_xml_value``); a tag whose body is not such a call is content."""
+
+    name = "qwen3_coder"
+    tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE)
+
+    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
+        return _HermesStream(functools.partial(_qwen_xml_call, functions=functions))
+
+
+PARSERS: dict[str, ToolCallParser] = {
+    p.name: p for p in (HermesParser(), Qwen3CoderParser(), Llama3JsonParser(), MistralParser())
+}
 
 
 def detect_parser(chat_template: str | None) -> str | None:
     """The parser for the tool-call format a chat template teaches its model, or None."""
     if not chat_template:
         return None
+    if HERMES_OPEN in chat_template and "<function=" in chat_template and "<parameter=" in chat_template:
+        return "qwen3_coder"
     if HERMES_OPEN in chat_template:
         return "hermes"
     if _MISTRAL_TAG in chat_template:

@@ -234,7 +234,7 @@ class ToolPlan:
             return read_required(text, self.max_calls)
         if self.choice == "auto":
             assert parser is not None
-            content, calls = parser.extract(text)
+            content, calls = parser.extract(text, [tool["function"] for tool in self.tools])
             return content, calls[: None if self.parallel else 1]
         return text, []
 
@@ -297,7 +297,8 @@ class ToolDeltas:
             return cls(plan, parser, None, StrictHermesCalls(plan.max_calls))
         if plan.choice == "required":
             return cls(plan, parser, None, RequiredCalls(plan.max_calls))
-        return cls(plan, parser, parser.stream() if plan.choice == "auto" and parser is not None else None)
+        stream = parser.stream([t["function"] for t in plan.tools]) if plan.choice == "auto" and parser is not None else None
+        return cls(plan, parser, stream)
 
     def _new_id(self) -> str:
         return self.parser.new_call_id() if self.parser is not None else openai_call_id()

@@ -446,3 +446,34 @@ def test_tokenize_counts_the_tools_as_the_chat_completion_sends_them(
     assert "The local time in a time zone" in tokenizer.decode(counted.json()["tokens"])
     bad = httpx.post(f"{stack[0].url}/tokenize", json={"model": SERVED_MODEL, "prompt": "hi", "tools": TOOLS}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+
+
+def test_qwen3_coder_calls_through_the_router(redis_url: str, tokenizer: Any, tool_prompts: PromptProcessor) -> None:
+    """``--tool-call-parser qwen3_coder``: the calls Qwen3-Coder writes in its XML form come out as OpenAI's, each
+    argument typed by the function's schema, the same whole or streamed. Its format has no structural tag here:
+    strict functions under "auto" are refused by name, and a "required" answer is held to the JSON array."""
+    reply_text = ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                  "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>")
+    reply = list(tokenizer.encode(reply_text, add_special_tokens=False))
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "get_count", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}}}}}]
+    with fake_stack(redis_url, tool_prompts, reply, {"token_delay_s": 0.001, "max_model_len": 2048},
+                    tool_call_parser="qwen3_coder", request_timeout_s=5.0) as (server, cluster):
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
+        choice = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=tools).choices[0]
+        [call] = choice.message.tool_calls or []
+        assert (call.function.name, json.loads(call.function.arguments)) == (
+            "get_weather", {"city": "Paris", "unit": "celsius"})
+        assert choice.message.content == "Checking." and choice.finish_reason == "tool_calls"
+        content, calls, finish_reason, _ = _streamed(client, tools=tools)
+        assert (content, [(c["name"], c["arguments"]) for c in calls], finish_reason) == (
+            "Checking.", [("get_weather", call.function.arguments)], "tool_calls")
+        strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
+        response = httpx.post(f"{server.url}/v1/chat/completions", timeout=10,
+                              json={"model": SERVED_MODEL, "messages": MESSAGES, "tools": strict})
+        assert response.status_code == 400 and "qwen3_coder" in response.json()["error"]["message"], response.text
+        required = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=tools,
+                                                  tool_choice="required", max_tokens=50)
+        [sent] = [r for r in cluster.requests() if r.request_id.startswith(required.id) and r.decode_target is not None]
+        so = sent.sampling_params.structured_output
+        assert so is not None and so.kind == "json_schema"

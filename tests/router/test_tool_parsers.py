@@ -11,6 +11,7 @@ from router.tool_parsers import PARSERS, ToolCall, ToolCallParser, detect_parser
 HERMES = PARSERS["hermes"]
 LLAMA = PARSERS["llama3_json"]
 MISTRAL = PARSERS["mistral"]
+QWEN3_CODER = PARSERS["qwen3_coder"]
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TIME = (
@@ -300,7 +301,8 @@ def test_detect_parser() -> None:
     assert detect_parser(None) is None
     assert detect_parser("{%- if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
                          "{{- '[TOOL_CALLS]' + tool_calls|tojson }}") == "mistral"
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral"}
+    assert detect_parser(QWEN3_CODER_TEMPLATE) == "qwen3_coder"
+    assert set(PARSERS) == {"hermes", "qwen3_coder", "llama3_json", "mistral"}
     assert all(PARSERS[name].name == name for name in PARSERS)
 
 
@@ -311,6 +313,7 @@ FRAGMENTS = [
     '"arguments"', '"parameters"', ":", ",", ";", '"f"', '"{}"', "1e999", "NaN", "-0", "12345678901234567890",
     " ", "\n", "\t", "\u00a0", "a", "Zz", "<", ">", "\\", '"', "\\ud800", "é", "🙂", "\u2028", "[TOOL_CALLS]", "[ARGS]",
     WEATHER, LLAMA_CALL, '{"name": "f", "arguments": {}}', '[TOOL_CALLS][{"name": "f", "arguments": {}}]',
+    "<function=f>", "</function>", "<parameter=a>", "</parameter>", "<parameter=", "<function=",
 ]
 
 ADVERSARIAL = [
@@ -346,7 +349,7 @@ def test_no_input_raises() -> None:
     for _ in range(300):
         texts.append("".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 12))))
     found = 0
-    for parser in (HERMES, LLAMA, MISTRAL):
+    for parser in (HERMES, LLAMA, MISTRAL, QWEN3_CODER):
         for text in texts:
             content, calls = parser.extract(text)
             _check_calls(calls)
@@ -421,3 +424,57 @@ def test_strict_calls_off_the_layout_a_call_too_many_and_a_cut_answer() -> None:
     assert _strict([WEATHER[: WEATHER.index("}\n</tool_call>") + 3]])[:2] == ("", [("get_weather", '{"city": "Paris"}')])
     assert _strict([WEATHER[:53]])[:2] == ("", [("get_weather", '{"ci')])
     assert _strict(["Sure. <tool_call>\n{\"na"])[:2] == ('Sure. <tool_call>\n{"na', [])
+
+
+# -- qwen3_coder ----------------------------------------------------------------------------------------------------
+
+QWEN3_CODER_TEMPLATE = (  # the part of Qwen3-Coder's chat template that teaches the format
+    "{%- if tools %}<tools>{% for tool in tools %}<function><name>{{ tool.function.name }}</name></function>"
+    "{% endfor %}</tools>\nIf you choose to call a function ONLY reply in the following format:\n<tool_call>\n"
+    "<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n"
+    "</tool_call>{%- endif %}"
+)
+FUNCTIONS = [{"name": "search", "parameters": {"type": "object", "properties": {
+    "query": {"type": "string"}, "limit": {"type": "integer"}, "ratio": {"type": "number"}, "exact": {"type": "boolean"},
+    "filters": {"type": "object"}, "tags": {"type": ["array", "null"]}, "note": {"type": "string"}}}}]
+
+
+def _xml_call(name: str, params: dict[str, str]) -> str:
+    inner = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{inner}</function>\n</tool_call>"
+
+
+def test_qwen3_coder_calls_take_their_types_from_the_schema() -> None:
+    """Each value as its parameter's type says (a string stays as written, "42" and its spaces too); one the schema does not
+    declare, and a call to a function it does not know, as text; the content around calls as the hermes parser
+    gives it; the same whole or streamed, however cut."""
+    text = ("Searching.\n" + _xml_call("search", {
+        "query": "42", "limit": "10", "ratio": "0.5", "exact": "true", "filters": '{"lang": "en"}', "tags": "[1, 2]",
+        "note": "  two\nlines ", "extra": "7"}) + "\n" + _xml_call("other", {"n": "3"}) + "\nDone.")
+    content, calls = QWEN3_CODER.extract(text, FUNCTIONS)
+    assert content == "Searching.\n\n\nDone."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("search", {"query": "42", "limit": 10, "ratio": 0.5, "exact": True, "filters": {"lang": "en"}, "tags": [1, 2],
+                    "note": "  two\nlines ", "extra": "7"}),
+        ("other", {"n": "3"}),
+    ]
+    rng = random.Random(5)
+    for cuts in ([], *([rng.randint(0, len(text)) for _ in range(4)] for _ in range(20))):
+        stream = QWEN3_CODER.stream(FUNCTIONS)
+        events = [e for chunk in _split(text, cuts) for e in stream.feed(chunk)] + stream.finish()
+        assert ("".join(e for e in events if isinstance(e, str)), [e for e in events if isinstance(e, ToolCall)]) == (
+            content, calls)
+    # Values a type cannot hold stay text; null is None; a number that is whole is an integer, as vLLM reads them.
+    _, [call] = QWEN3_CODER.extract(_xml_call("search", {"limit": "ten", "exact": "maybe", "ratio": "2.0",
+                                                         "tags": "null", "filters": "{oops"}), FUNCTIONS)
+    assert json.loads(call.arguments) == {"limit": "ten", "exact": "maybe", "ratio": 2, "tags": None, "filters": "{oops"}
+
+
+def test_qwen3_coder_bodies_that_are_no_call_stay_content() -> None:
+    for body in ("<function=f>\n<parameter=a>\n1\n</function>",  # a parameter left open
+                 "<function=f>\nstray text\n<parameter=a>\n1\n</parameter>\n</function>",
+                 '{"name": "f", "arguments": {}}',  # hermes's form, not this one
+                 "<function=>\n</function>"):
+        text = f"Hi <tool_call>\n{body}\n</tool_call>"
+        assert QWEN3_CODER.extract(text, FUNCTIONS) == (text, []), body
+    assert QWEN3_CODER.extract(_xml_call("f", {}))[1] == [ToolCall("f", "{}")]  # no arguments is a call

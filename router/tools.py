@@ -161,13 +161,18 @@ class ToolPlan:
         return cls(checked, "named", function=name, parallel=parallel, strict=strict)
 
     @property
+    def functions(self) -> list[dict[str, Any]]:
+        """The tools' functions, as the chat template gets them."""
+        return [tool["function"] for tool in self.tools]
+
+    @property
     def parsed(self) -> bool:
         """Whether the answer is read for tool calls."""
         return self.choice != "none"
 
     def structured_output(self) -> StructuredOutput | None:
         """The grammar of a ``"required"`` or named answer; None for the others."""
-        functions = {tool["function"]["name"]: tool["function"] for tool in self.tools}
+        functions = {function["name"]: function for function in self.functions}
         if self.choice == "named":
             assert self.function is not None
             parameters = functions[self.function].get("parameters")
@@ -216,7 +221,7 @@ class ToolPlan:
         named answers open with a call, a named one's is its only one."""
         parser = state.tool_parser
         assert self.native and parser is not None
-        functions = [tool["function"] for tool in self.tools if self.function in (None, tool["function"]["name"])]
+        functions = [f for f in self.functions if self.function in (None, f["name"])]
         forced = self.choice != "auto"
         held = frozenset(f["name"] for f in functions) if forced else self.strict
         tag = parser.call_tag(functions, held, self.parallel and self.choice != "named", forced)
@@ -234,7 +239,7 @@ class ToolPlan:
             return read_required(text, self.max_calls)
         if self.choice == "auto":
             assert parser is not None
-            content, calls = parser.extract(text, [tool["function"] for tool in self.tools])
+            content, calls = parser.extract(text, self.functions)
             return content, calls[: None if self.parallel else 1]
         return text, []
 
@@ -297,8 +302,7 @@ class ToolDeltas:
             return cls(plan, parser, None, StrictHermesCalls(plan.max_calls))
         if plan.choice == "required":
             return cls(plan, parser, None, RequiredCalls(plan.max_calls))
-        stream = parser.stream([t["function"] for t in plan.tools]) if plan.choice == "auto" and parser is not None else None
-        return cls(plan, parser, stream)
+        return cls(plan, parser, parser.stream(plan.functions) if plan.choice == "auto" and parser is not None else None)
 
     def _new_id(self) -> str:
         return self.parser.new_call_id() if self.parser is not None else openai_call_id()

@@ -512,9 +512,23 @@ class Qwen3CoderParser(_Parser):
 
     name = "qwen3_coder"
     tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE)
+    holds_calls = True
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _HermesStream(functools.partial(_qwen_xml_call, functions=functions))
+
+    def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
+                 required: bool) -> dict[str, Any] | None:
+        """From ``<tool_call>`` and ``<function=`` on, a call as the format's chat templates show it, its parameters in
+        xgrammar's ``qwen_xml`` style (the XML elements above, typed by the schema): triggered tags, one per function.
+        Its calls are read whole (``stream``), each as it closes."""
+        tags = [{"begin": f"{HERMES_OPEN}\n<function={f['name']}>\n",
+                 "content": {"type": "json_schema", "style": "qwen_xml",
+                             "json_schema": arguments_schema(f) if f["name"] in held else {"type": "object"}},
+                 "end": f"\n</function>\n{HERMES_CLOSE}"} for f in functions]
+        return {"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": [f"{HERMES_OPEN}\n<function="], "tags": tags,
+            "at_least_one": required, "stop_after_first": not parallel}}
 
 
 PARSERS: dict[str, ToolCallParser] = {

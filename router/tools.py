@@ -9,18 +9,18 @@ format. What the model answers depends on ``tool_choice``:
   router's tool-call parser (``router/tool_parsers.py``, ``--tool-call-parser``) reads back. Text
   that is not a well-formed call stays content. Where a function is marked ``strict`` (OpenAI's: its
   calls' arguments hold to its schema), a structural tag holds each call the model writes in that format
-  to an offered function and a strict one's arguments to its schema, the text around free (the hermes
-  format's; the others refused by name).
+  to an offered function and a strict one's arguments to its schema, the text around free (the hermes and
+  qwen3_coder formats; the others refused by name).
 * ``"required"``: the answer opens with one or more calls (one when ``parallel_tool_calls`` is false), each
   of a given tool with arguments valid against its ``parameters`` schema.
 * a named function: the answer is one call of that function, its arguments valid against its schema.
 
-Where the parser's format has a structural tag (hermes; ``ToolPlan.in_format``), the calls of those three
-are held in that format, the one the chat template teaches, and read in the tag's layout
-(``router/held_calls.py`` ``StrictHermesCalls``). Otherwise a ``"required"`` answer is held by a grammar to
-a JSON array of ``{"name": ..., "arguments": ...}`` calls (``RequiredCalls``), and a named one to the
-function's arguments, which become the one call; no parser is needed for either. Either way each call's
-arguments stream as they are written.
+Where the parser's format has a structural tag (hermes, qwen3_coder; ``ToolPlan.in_format``), the calls of
+those three are held in that format, the one the chat template teaches; hermes calls are read in the tag's layout
+(``router/held_calls.py`` ``StrictHermesCalls``), their arguments streamed as written, qwen3_coder's whole by
+its parser as each closes. Otherwise a ``"required"`` answer is held by a grammar to a JSON array of
+``{"name": ..., "arguments": ...}`` calls (``RequiredCalls``), and a named one to the function's arguments,
+which become the one call; no parser is needed for either, and each call's arguments stream as written.
 
 Requests the router cannot serve exactly get a 400 that names why: tools on a model whose chat
 template does not render them (the model would never see them), or ``"auto"`` without a parser for
@@ -50,6 +50,7 @@ from router.held_calls import (
 from router.openai_responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
 from router.tool_parsers import (
     PARSERS,
+    HermesParser,
     ToolCall,
     ToolCallParser,
     ToolCallStream,
@@ -209,8 +210,9 @@ class ToolPlan:
         if self.choice == "auto":
             assert parser is not None, "tools_for_template refuses 'auto' without a parser"
             raise bad_request(
-                f"strict functions with tool_choice 'auto' are implemented for the hermes tool-call format, not the "
-                f"{parser.name} one here: drop strict, or ask for tool_choice 'required' or a named function",
+                "strict functions with tool_choice 'auto' are implemented for the tool-call formats with a structural "
+                f"tag ({', '.join(n for n, p in PARSERS.items() if p.holds_calls)}), not the {parser.name} one here: "
+                "drop strict, or ask for tool_choice 'required' or a named function",
                 param="tools",
             )
         return self
@@ -230,8 +232,12 @@ class ToolPlan:
 
     def extract(self, text: str, parser: ToolCallParser | None) -> tuple[str | None, list[ToolCall]]:
         """A whole answer's content and tool calls."""
-        if self.native:  # a structural tag held the calls in the template's format (``native_output``)
+        if self.native and isinstance(parser, HermesParser):  # a tag held the calls in the template's format
             return read_pieces(StrictHermesCalls(self.max_calls), text)
+        if self.native:  # the parser reads the calls the tag held, whole
+            assert parser is not None
+            content, calls = parser.extract(text, self.functions)
+            return content, calls[: self.max_calls]
         if self.choice == "named":
             assert self.function is not None
             return None, [ToolCall(self.function, text)]
@@ -298,11 +304,12 @@ class ToolDeltas:
 
     @classmethod
     def start(cls, plan: ToolPlan, parser: ToolCallParser | None) -> ToolDeltas:
-        if plan.native:
+        if plan.native and isinstance(parser, HermesParser):
             return cls(plan, parser, None, StrictHermesCalls(plan.max_calls))
-        if plan.choice == "required":
+        if plan.choice == "required" and not plan.native:
             return cls(plan, parser, None, RequiredCalls(plan.max_calls))
-        return cls(plan, parser, parser.stream(plan.functions) if plan.choice == "auto" and parser is not None else None)
+        parsed = plan.choice == "auto" or plan.native
+        return cls(plan, parser, parser.stream(plan.functions) if parsed and parser is not None else None)
 
     def _new_id(self) -> str:
         return self.parser.new_call_id() if self.parser is not None else openai_call_id()
@@ -358,8 +365,8 @@ class ToolDeltas:
     def _events(self, events: list[str | ToolCall]) -> tuple[str, list[DeltaToolCall]]:
         content = "".join(e for e in events if isinstance(e, str))
         calls = [e for e in events if isinstance(e, ToolCall)]
-        if not self.plan.parallel:
-            calls = calls[: max(0, 1 - self.num_calls)]
+        if self.plan.max_calls is not None:
+            calls = calls[: max(0, self.plan.max_calls - self.num_calls)]
         return content, self._deltas(calls)
 
     def _deltas(self, calls: list[ToolCall]) -> list[DeltaToolCall]:

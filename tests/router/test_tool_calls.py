@@ -450,8 +450,12 @@ def test_tokenize_counts_the_tools_as_the_chat_completion_sends_them(
 
 def test_qwen3_coder_calls_through_the_router(redis_url: str, tokenizer: Any, tool_prompts: PromptProcessor) -> None:
     """``--tool-call-parser qwen3_coder``: the calls Qwen3-Coder writes in its XML form come out as OpenAI's, each
-    argument typed by the function's schema, the same whole or streamed. Its format has no structural tag here:
-    strict functions under "auto" are refused by name, and a "required" answer is held to the JSON array."""
+    argument typed by the function's schema, the same whole or streamed. Strict functions under "auto" and a
+    "required" answer get a structural tag in the same form (xgrammar's ``qwen_xml`` style), which admits the reply
+    and refuses an argument off its schema; the calls it held are read whole."""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
     reply_text = ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                   "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>")
     reply = list(tokenizer.encode(reply_text, add_special_tokens=False))
@@ -468,12 +472,19 @@ def test_qwen3_coder_calls_through_the_router(redis_url: str, tokenizer: Any, to
         content, calls, finish_reason, _ = _streamed(client, tools=tools)
         assert (content, [(c["name"], c["arguments"]) for c in calls], finish_reason) == (
             "Checking.", [("get_weather", call.function.arguments)], "tool_calls")
-        strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
-        response = httpx.post(f"{server.url}/v1/chat/completions", timeout=10,
-                              json={"model": SERVED_MODEL, "messages": MESSAGES, "tools": strict})
-        assert response.status_code == 400 and "qwen3_coder" in response.json()["error"]["message"], response.text
-        required = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=tools,
-                                                  tool_choice="required", max_tokens=50)
-        [sent] = [r for r in cluster.requests() if r.request_id.startswith(required.id) and r.decode_target is not None]
-        so = sent.sampling_params.structured_output
-        assert so is not None and so.kind == "json_schema"
+        strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}, tools[1]]
+        for choice in ("auto", "required"):
+            answer = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=strict,
+                                                    tool_choice=choice)
+            [sent] = [r for r in cluster.requests() if r.request_id.startswith(answer.id) and r.decode_target is not None]
+            so = sent.sampling_params.structured_output
+            assert so is not None and so.kind == "structural_tag"
+            tag = json.loads(so.spec)["format"]
+            assert tag["triggers"] == ["<tool_call>\n<function="] and tag["at_least_one"] is (choice == "required")
+            assert [t["content"]["style"] for t in tag["tags"]] == ["qwen_xml", "qwen_xml"]
+            grammar = Grammar.from_structural_tag(so.spec)
+            call_text = reply_text[reply_text.index("<tool_call>"):]
+            assert accepts(grammar, call_text) and not accepts(grammar, call_text.replace("celsius", "kelvin"))
+            assert accepts(grammar, reply_text) is (choice == "auto")  # "required" opens with its call
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in answer.choices[0].message.tool_calls or []] == [
+                ("get_weather", {"city": "Paris", "unit": "celsius"})]

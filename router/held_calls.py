@@ -296,12 +296,6 @@ class StrictHermesCalls(_HeldCalls):
         self._buf, self._tag, self._state = self._tag[len(HERMES_OPEN):] + self._buf, "", "text"
 
 
-
-def read_required(text: str, max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
-    """A whole ``"required"`` answer's content (None when there is none) and calls, as its stream reads them."""
-    return read_pieces(RequiredCalls(max_calls), text)
-
-
 def read_pieces(reader: _HeldCalls, text: str) -> tuple[str | None, list[ToolCall]]:
     """A whole answer's content (None when there is none) and calls, as a reader of grammar-held calls reads them
     when it streams."""

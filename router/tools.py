@@ -45,7 +45,6 @@ from router.held_calls import (
     RequiredCalls,
     StrictHermesCalls,
     read_pieces,
-    read_required,
 )
 from router.openai_responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
 from router.tool_parsers import (
@@ -230,23 +229,33 @@ class ToolPlan:
         assert tag is not None, "in_format checked the format has a tag"
         return StructuredOutput(kind="structural_tag", spec=_tools_spec(tag))
 
+    def pieces_reader(self, parser: ToolCallParser | None) -> RequiredCalls | StrictHermesCalls | None:
+        """The reader of an answer whose calls' layout a grammar holds, their arguments read as written: hermes calls
+        a tag held, a ``"required"`` answer's JSON array; None where the parser reads the calls (or a named answer's
+        text is the call's arguments)."""
+        if self.native and isinstance(parser, HermesParser):
+            return StrictHermesCalls(self.max_calls)
+        if self.choice == "required" and not self.native:
+            return RequiredCalls(self.max_calls)
+        return None
+
+    @property
+    def parser_reads(self) -> bool:
+        """Whether the parser reads the answer's calls (``"auto"``, and calls a tag held in a format it reads whole)."""
+        return self.choice == "auto" or self.native
+
     def extract(self, text: str, parser: ToolCallParser | None) -> tuple[str | None, list[ToolCall]]:
         """A whole answer's content and tool calls."""
-        if self.native and isinstance(parser, HermesParser):  # a tag held the calls in the template's format
-            return read_pieces(StrictHermesCalls(self.max_calls), text)
-        if self.native:  # the parser reads the calls the tag held, whole
+        reader = self.pieces_reader(parser)
+        if reader is not None:
+            return read_pieces(reader, text)
+        if self.parser_reads:
             assert parser is not None
             content, calls = parser.extract(text, self.functions)
             return content, calls[: self.max_calls]
         if self.choice == "named":
             assert self.function is not None
             return None, [ToolCall(self.function, text)]
-        if self.choice == "required":
-            return read_required(text, self.max_calls)
-        if self.choice == "auto":
-            assert parser is not None
-            content, calls = parser.extract(text, self.functions)
-            return content, calls[: None if self.parallel else 1]
         return text, []
 
     def finish_reason(self, finish_reason: str | None, called: bool) -> str | None:
@@ -304,12 +313,10 @@ class ToolDeltas:
 
     @classmethod
     def start(cls, plan: ToolPlan, parser: ToolCallParser | None) -> ToolDeltas:
-        if plan.native and isinstance(parser, HermesParser):
-            return cls(plan, parser, None, StrictHermesCalls(plan.max_calls))
-        if plan.choice == "required" and not plan.native:
-            return cls(plan, parser, None, RequiredCalls(plan.max_calls))
-        parsed = plan.choice == "auto" or plan.native
-        return cls(plan, parser, parser.stream(plan.functions) if parsed and parser is not None else None)
+        reader = plan.pieces_reader(parser)
+        if reader is not None:
+            return cls(plan, parser, None, reader)
+        return cls(plan, parser, parser.stream(plan.functions) if plan.parser_reads and parser is not None else None)
 
     def _new_id(self) -> str:
         return self.parser.new_call_id() if self.parser is not None else openai_call_id()

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from common.lora_modules import LoRAModule
 from common.protocol import MAX_IMAGES_PER_PROMPT
 from common.sampling_params import MAX_N
+from router import harmony
 from router.images import DEFAULT_MAX_IMAGES_PER_PROMPT, ModelImages
 from router.pooling import PoolingConfig
 from router.reasoning import REASONING_PARSERS
@@ -83,8 +84,8 @@ class RouterConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     # Authenticates the control and reply sockets and the registry entries (None: open, loopback).
     cluster_key: ClusterKey | None = None
-    # How tool calls are read out of the chat template's format (``router/tool_parsers.py``); None:
-    # tool_choice "auto" is refused.
+    # How tool calls are read out of the chat template's format (``router/tool_parsers.py``; ``openai``: gpt-oss's
+    # harmony format, ``router/harmony.py``); None: tool_choice "auto" is refused.
     tool_call_parser: str | None = None
     # How a reasoning model's thinking is split from its answer (``router/reasoning.py``); None: not.
     reasoning_parser: str | None = None
@@ -130,9 +131,10 @@ class RouterConfig:
             raise ValueError("request_timeout_s must be positive")
         if self.engine_stall_timeout_s <= 0:
             raise ValueError("engine_stall_timeout_s must be positive")
-        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in (*PARSERS, harmony.TOOL_CALL_PARSER):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, {harmony.TOOL_CALL_PARSER}")
         if self.response_ttl_s < 0:
             raise ValueError("response_ttl_s must be 0 (store nothing) or positive")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in (*REASONING_PARSERS,
+                                                                                harmony.REASONING_PARSER):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, {harmony.REASONING_PARSER}")

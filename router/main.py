@@ -20,6 +20,7 @@ from common.cluster_key import add_cluster_key_args, cluster_key_from_args
 from common.gc_pacer import GcPacer, GcPauses
 from common.lora_modules import lora_module_arg
 from ops.supervisor import die_with_parent
+from router import harmony
 from router.auth import keys_from_env
 from router.config import RequestLimits, RouterConfig
 from router.http_options import add_http_args, check_http_args, uvicorn_options, wrap_app
@@ -201,9 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tool-call-parser",
         default="auto",
-        choices=["auto", "none", *PARSERS],
-        help="how tool calls are read out of the model's answers for tool_choice 'auto'; auto: found from "
-        "the chat template's tool-call format (none if it has none) (default: %(default)s)",
+        choices=["auto", "none", *PARSERS, harmony.TOOL_CALL_PARSER],
+        help="how tool calls are read out of the model's answers for tool_choice 'auto' (openai: gpt-oss's harmony "
+        "format); auto: found from the chat template's tool-call format (none if it has none) (default: %(default)s)",
     )
     p.add_argument(
         "--enable-auto-tool-choice", action="store_true",
@@ -213,9 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--reasoning-parser",
         default=None,
-        choices=list(REASONING_PARSERS),
+        choices=[*REASONING_PARSERS, harmony.REASONING_PARSER],
         help="split a reasoning model's thinking (<think>...</think>) into reasoning_content: deepseek_r1 "
-        "(DeepSeek-R1 and its distillations, QwQ) or qwen3 (default: not split)",
+        "(DeepSeek-R1 and its distillations, QwQ) or qwen3 (default: not split); a chat template in gpt-oss's "
+        "harmony format (openai_gptoss) is always split by its channels",
     )
     p.add_argument(
         "--response-ttl", type=int, default=defaults.response_ttl_s,
@@ -294,7 +296,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--chat-template: {exc}") from None
     tool_call_parser = args.tool_call_parser
     if tool_call_parser == "auto":
-        tool_call_parser = detect_parser(prompts.template_text())
+        tool_call_parser = (harmony.TOOL_CALL_PARSER if harmony.writes_harmony(prompts.template_text())
+                            else detect_parser(prompts.template_text()))
+    try:
+        harmony.check_parsers(prompts.template_text(), tool_call_parser, args.reasoning_parser)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     try:
         pooling = PoolingConfig.from_model_dir(model_dir)
     except ValueError as exc:

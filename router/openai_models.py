@@ -557,6 +557,8 @@ class ChatTemplateOptions(BaseModel):
 class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    # OpenAI's: set as the chat template's ``reasoning_effort`` (gpt-oss's reads it), for templates that read one.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     logprobs: StrictBool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None

@@ -34,13 +34,12 @@ _NOT_SERVED: dict[str, Any] = {
     "conversation": None,
     "prompt": None,  # a stored prompt template
     "include": [],
-    "reasoning": None,  # no reasoning effort to set on the models served
     "max_tool_calls": None,
     "top_logprobs": 0,
 }
 # What a Responses field is called in the chat completion it becomes, for the errors about it.
 _CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-                "response_format": "text.format"}
+                "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
 
 
 def new_id(prefix: str) -> str:
@@ -88,6 +87,12 @@ class ResponsesRequest(CheckedRequest):
         )):
             raise bad_request("input must be a string or a non-empty list of input items", param="input")
         self.refuse_unless_nothing(_NOT_SERVED, "not served here")
+        if self.reasoning is not None:
+            if not isinstance(self.reasoning, dict):
+                raise bad_request("reasoning must be an object", param="reasoning")
+            for key, value in self.reasoning.items():
+                if key != "effort" and value is not None:  # a summary of the thinking is not written here
+                    raise bad_request(f"reasoning.{key} is not served here", param=f"reasoning.{key}")
         if self.truncation not in (None, "disabled"):
             raise bad_request("truncation must be 'disabled': a prompt too long is refused, not cut", param="truncation")
 
@@ -102,6 +107,8 @@ class ResponsesRequest(CheckedRequest):
             value = getattr(self, name)
             if value is not None:
                 body[chat_name] = value
+        if isinstance(self.reasoning, dict) and self.reasoning.get("effort") is not None:
+            body["reasoning_effort"] = self.reasoning["effort"]
         if self.tools:
             body["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(self.tools)]
         if self.tool_choice is not None:

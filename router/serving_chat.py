@@ -8,6 +8,7 @@ import msgspec
 from fastapi.responses import JSONResponse, Response
 
 from common.protocol import ImageInput
+from router import harmony
 from router.auth import with_request_salt
 from router.chat_answer import AnswerReader, AnswerStream
 from router.choice_stream import ChoiceDelta, ChoiceStream
@@ -55,10 +56,12 @@ async def plan_chat(
     tool_plan = request.tool_plan()
     template_tools = tools_for_template(state, tool_plan)
     structured = request.structured_output()
+    # In gpt-oss's harmony format a grammar holds a message's body, whose header the prompt ends with.
+    forced = harmony.forced_header(tool_plan, structured) if state.harmony else None
     # Calls held by a structural tag in the template's own format: under "auto" with strict functions the text
     # around them stays free (the thinking too: not a grammar over the whole output, which ``answer_reader``
     # reads as content from its start); a "required" or named answer opens with its call.
-    tool_plan = tool_plan.in_format(state) if tool_plan is not None else None
+    tool_plan = tool_plan.in_format(state) if tool_plan is not None and not state.harmony else tool_plan
     native = tool_plan.native_output(state) if tool_plan is not None and tool_plan.native else None
     if native is not None:
         if structured is not None and structured[1] != "tool_choice":
@@ -72,11 +75,19 @@ async def plan_chat(
     messages = request.template_messages(image_refs, model_images.refusal)
     check_image_count(image_refs or [], limits.max_images_per_prompt)
     render = request.chat_render(template_tools)
+    if request.reasoning_effort is not None:
+        if "reasoning_effort" not in (state.prompts.template_text() or ""):
+            raise bad_request("this model's chat template takes no reasoning effort", param="reasoning_effort")
+        render.kwargs.setdefault("reasoning_effort", request.reasoning_effort)
+    if state.harmony:
+        harmony.thinking_as_template_reads_it(messages)
     if image_refs and model_images.processor is not None:
         render = model_images.processor.chat_render(render)
     prompt = await state.prompts.tokenize_chat(
         messages, request.context_check(max_model_len), render, request.add_special_tokens,
     )
+    if forced is not None and render.add_generation_prompt:
+        prompt = [*prompt, *state.prompts.encode(forced, add_special_tokens=False)]
     images: list[ImageInput] = []
     if image_refs and model_images.processor is not None:
         # Each image token the template wrote becomes its image's span: the checks below see the whole prompt.
@@ -160,15 +171,18 @@ def answer_reader(state: RouterState, request: ChatCompletionRequest, tools: Too
     """How the request's answers are read: tools (the request's plan, in the format they will be written:
     ``ToolPlan.in_format``) read for calls unless ``tool_choice`` is "none"; the thinking split off unless a grammar
     holds the output, which is then content from its start."""
-    reasoning = state.reasoning_parser if request.structured_output() is None else None
+    free = request.structured_output() is None
+    reasoning = state.reasoning_parser if free else None
     tools = tools if tools is not None and tools.parsed else None
     lost = state.tags_lost_in_text  # the parsers' tags the tokenizer marks special
+    in_harmony = state.harmony and free  # (a grammar holds the body of the message the prompt opened)
     needs_special = bool(
         (tools is not None and tools.choice == "auto" and state.tool_parser is not None
          and lost.intersection(state.tool_parser.tags))
         or (reasoning is not None and lost.intersection(reasoning.tags))
+        or (in_harmony and lost.intersection(harmony.TAGS))
     )
-    return AnswerReader(tools, state.tool_parser, reasoning, needs_special, request.include_reasoning)
+    return AnswerReader(tools, state.tool_parser, reasoning, needs_special, request.include_reasoning, in_harmony)
 
 
 def _prompt_logprobs(

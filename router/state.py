@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from common.registry import PrefixIndex, Registry, RuntimeAdapters
+from router import harmony
 from router.admission import RETRY_AFTER_S, Admission
 from router.auth import ApiKeys
 from router.background_responses import BackgroundResponses
@@ -27,11 +28,13 @@ class RouterState:
     def __init__(self, config: RouterConfig, prompts: PromptProcessor) -> None:
         self.config = config
         self.prompts = prompts
-        self.tool_parser = PARSERS[config.tool_call_parser] if config.tool_call_parser else None
-        self.reasoning_parser = REASONING_PARSERS[config.reasoning_parser] if config.reasoning_parser else None
+        # Answers in gpt-oss's harmony format are read by their channels (``router/harmony.py``), whatever the parsers.
+        self.harmony = harmony.check_parsers(prompts.template_text(), config.tool_call_parser, config.reasoning_parser)
+        self.tool_parser = PARSERS.get(config.tool_call_parser or "")
+        self.reasoning_parser = REASONING_PARSERS.get(config.reasoning_parser or "")
         # The parsers' tags that this tokenizer marks special (their answers keep special tokens' text).
         tags = [*(self.tool_parser.tags if self.tool_parser else ()),
-                *(self.reasoning_parser.tags if self.reasoning_parser else ())]
+                *(self.reasoning_parser.tags if self.reasoning_parser else ()), *(harmony.TAGS if self.harmony else ())]
         self.tags_lost_in_text = frozenset(prompts.lost_in_text(tuple(tags)))
         self.api_keys = ApiKeys(config.api_keys)
         self.registry = (

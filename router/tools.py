@@ -279,7 +279,7 @@ def tools_for_template(state: RouterState, tools: ToolPlan | None) -> list[dict[
         return None
     if tools.parsed:
         require_rendered(state.prompts)
-    if tools.choice == "auto" and state.tool_parser is None:
+    if tools.choice == "auto" and state.tool_parser is None and not state.harmony:
         raise bad_request(
             "tool_choice 'auto' needs a parser for the chat template's tool-call format, and none is set; "
             f"start the router with --tool-call-parser ({', '.join(PARSERS)}), or ask for tool_choice "
@@ -325,7 +325,7 @@ class ToolDeltas:
         if self.stream is not None:
             return self._events(self.stream.feed(text))
         if self.pieces is not None:
-            return self._pieces(self.pieces.feed(text))
+            return self.pieces_out(self.pieces.feed(text))
         if self.plan.choice == "named":
             return "", self._named(text) if text else []
         return text, []
@@ -334,7 +334,7 @@ class ToolDeltas:
         if self.stream is not None:
             return self._events(self.stream.finish())
         if self.pieces is not None:
-            return self._pieces(self.pieces.finish())
+            return self.pieces_out(self.pieces.finish())
         if self.plan.choice == "named":  # an empty answer is still the call, as in a whole response
             return "", self._named("") if self.num_calls == 0 else []
         return "", []
@@ -357,7 +357,8 @@ class ToolDeltas:
         assert self.plan.function is not None
         return [self._open(self.plan.function, arguments)]
 
-    def _pieces(self, events: list[PieceEvent]) -> tuple[str, list[DeltaToolCall]]:
+    def pieces_out(self, events: list[PieceEvent]) -> tuple[str, list[DeltaToolCall]]:
+        """Content and call deltas of a grammar-held or harmony answer's events."""
         content = ""
         calls: list[DeltaToolCall] = []
         for event in events:

@@ -140,7 +140,9 @@ def test_text_format_constrains_the_output(plain: tuple[openai.OpenAI, FakeClust
         ({"previous_response_id": "resp_1"}, "previous_response_id"),  # never stored
         ({"previous_response_id": 1}, "previous_response_id"),
         ({"background": True, "stream": True, "store": False}, "background"),  # nowhere to log its events
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # a template that takes none
+        ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+        ({"reasoning": "high"}, "reasoning"),
         ({"truncation": "auto"}, "truncation"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
         # The default model is a text model: the image part is refused by name.

@@ -23,7 +23,7 @@ kind are joined with a newline. The format is the chat template's, so it is read
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from router.errors import bad_request
 from router.held_calls import ArgumentsPiece, CallStart
@@ -110,13 +110,6 @@ def forced_header(tools: ToolPlan | None, structured: tuple[StructuredOutput, st
                           "(a call's header is special tokens no grammar sees): drop strict, or name the function",
                           param="tools")
     return f"{CHANNEL}final{MESSAGE}" if structured is not None else None
-
-
-def thinking_as_template_reads_it(messages: list[dict[str, Any]]) -> None:
-    """Earlier answers' thinking (``reasoning_content``) under the name gpt-oss's template reads, ``thinking``."""
-    for message in messages:
-        if "reasoning_content" in message:
-            message.setdefault("thinking", message["reasoning_content"])
 
 
 def _first(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:

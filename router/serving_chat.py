@@ -79,8 +79,6 @@ async def plan_chat(
         if "reasoning_effort" not in (state.prompts.template_text() or ""):
             raise bad_request("this model's chat template takes no reasoning effort", param="reasoning_effort")
         render.kwargs.setdefault("reasoning_effort", request.reasoning_effort)
-    if state.harmony:
-        harmony.thinking_as_template_reads_it(messages)
     if image_refs and model_images.processor is not None:
         render = model_images.processor.chat_render(render)
     prompt = await state.prompts.tokenize_chat(

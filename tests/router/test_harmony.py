@@ -4,7 +4,8 @@ special tokens, as gpt-oss's are: thinking, content and calls, whole and streame
 outputs whose header the prompt ends with; refusals; ``reasoning_effort``; the Responses API.
 
 The chat template here is a stand-in written for these tests: it writes the format's messages as gpt-oss's
-template does (system, developer with the tools, each message, an earlier answer's ``thinking``, its calls
+template does (system, developer with the tools, each message, an earlier answer's ``thinking`` (transformers gives a
+message's ``reasoning_content`` to templates under that name too), its calls
 addressed in the role, tool results), not its wording."""
 
 from __future__ import annotations

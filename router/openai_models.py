@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -292,7 +293,7 @@ class _GenerationRequest(CheckedRequest):
                 )
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, eos_token_id: int | None, vocab_size: int,
+        self, max_tokens: int, logprobs: int | None, eos_token_ids: Sequence[int], vocab_size: int,
         bad_words_token_ids: list[list[int]] | None = None, defaults: SamplingDefaults | None = None,
     ) -> SamplingParams:
         """SamplingParams for one engine request (n=1; the router fans out ``n`` itself);
@@ -300,8 +301,8 @@ class _GenerationRequest(CheckedRequest):
         the model's generation config's, for each parameter the request leaves unset (else OpenAI's)."""
         d = defaults or SamplingDefaults()
         stop_token_ids = list(self.stop_token_ids or [])
-        if eos_token_id is not None and not self.ignore_eos and eos_token_id not in stop_token_ids:
-            stop_token_ids.append(eos_token_id)
+        if not self.ignore_eos:  # (the engines stop on them anyway; named here, their text is left out)
+            stop_token_ids += [eos for eos in eos_token_ids if eos not in stop_token_ids]
         params = SamplingParams(
             n=self.n if self.n is not None else 1,
             max_tokens=max_tokens,

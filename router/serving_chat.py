@@ -100,7 +100,7 @@ async def plan_chat(
     check_total_tokens(request.n, [max_tokens], limits)
     state.prompts.check_special_token_spacing(request.spaces_between_special_tokens)
     params = request.sampling_params(
-        max_tokens, request.requested_logprobs(), state.prompts.eos_token_id, state.prompts.vocab_size,
+        max_tokens, request.requested_logprobs(), state.prompts.eos_token_ids, state.prompts.vocab_size,
         state.prompts.bad_word_sequences(request.bad_words), defaults,
     )
     if native is not None:

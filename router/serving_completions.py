@@ -69,7 +69,7 @@ async def plan_completion(
         )
         if max_tokens not in by_max_tokens:
             by_max_tokens[max_tokens] = request.sampling_params(
-                max_tokens, request.logprobs, state.prompts.eos_token_id, state.prompts.vocab_size, bad_words,
+                max_tokens, request.logprobs, state.prompts.eos_token_ids, state.prompts.vocab_size, bad_words,
                 state.config.sampling_defaults,
             )
         params.append(by_max_tokens[max_tokens])

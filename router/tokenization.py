@@ -52,6 +52,25 @@ def _config_max_len(model_dir: pathlib.Path) -> int | None:
     return None
 
 
+def _model_eos_token_ids(model_dir: pathlib.Path) -> list[int]:
+    """The end-of-sequence tokens the model's ``config.json`` and ``generation_config.json`` name (an engine
+    stops on each: gpt-oss's ``<|call|>``, Llama 3's ``<|eot_id|>`` where the tokenizer's is another)."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        try:
+            config = json.loads((model_dir / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(config, dict):
+            continue
+        text_config = config.get("text_config")  # an image-text checkpoint's language model's
+        for eos in (config.get("eos_token_id"), text_config.get("eos_token_id") if isinstance(text_config, dict) else None):
+            for token in eos if isinstance(eos, list) else [eos]:
+                if isinstance(token, int) and not isinstance(token, bool) and token not in ids:
+                    ids.append(token)
+    return ids
+
+
 _PLAIN = ChatRender()
 
 
@@ -88,14 +107,20 @@ class PromptProcessor:
 
     def __init__(
         self, tokenizer: Any, max_model_len: int | None = None, num_threads: int = DEFAULT_TOKENIZER_THREADS,
-        chat_template: str | None = None,
+        chat_template: str | None = None, model_eos_token_ids: Sequence[int] = (),
     ) -> None:
+        """``model_eos_token_ids``: the ends of sequence the model's configs name beside the tokenizer's."""
         self.tokenizer = tokenizer
         # The template given on the command line (``--chat-template``), else the tokenizer's own (None).
         self.chat_template = chat_template
         self._renders_tools: bool | None = None
         self.vocab_size = len(tokenizer)
-        self.eos_token_id: int | None = tokenizer.eos_token_id
+        # Every token an engine ends a sequence on (the tokenizer's and the model's configs'): what a request stops
+        # on unless it ignores them, and a stop whose token's text the answer leaves out.
+        # (One past the tokenizer's vocabulary is no request's to name.)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(
+            token for token in [tokenizer.eos_token_id, *model_eos_token_ids]
+            if isinstance(token, int) and 0 <= token < self.vocab_size))
         limit = getattr(tokenizer, "model_max_length", None)
         fallback = limit if isinstance(limit, int) and 0 < limit < 10_000_000 else DEFAULT_MAX_MODEL_LEN
         self.max_model_len = max_model_len or fallback
@@ -114,7 +139,8 @@ class PromptProcessor:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        return cls(tokenizer, _config_max_len(model_dir), chat_template=chat_template)
+        return cls(tokenizer, _config_max_len(model_dir), chat_template=chat_template,
+                   model_eos_token_ids=_model_eos_token_ids(model_dir))
 
     def lost_in_text(self, tags: tuple[str, ...]) -> list[str]:
         """Those of ``tags`` that streamed text leaves out: the tokenizer marks them special tokens,

@@ -229,3 +229,35 @@ def test_return_token_ids_gives_the_prompt_s_and_each_choice_s_ids(stack: tuple[
         assert firsts == [prompt["tokens"]] * (1 if path.startswith("chat") else 2)  # chat: the first chunk only
     plain = httpx.post(f"{server.url}/v1/completions", json={"model": SERVED_MODEL, "prompt": "Say hello"}, timeout=10)
     assert "token_ids" not in plain.json()["choices"][0]
+
+
+def test_an_end_of_sequence_the_model_s_configs_name_is_a_stop_whose_text_is_left_out(
+    redis_url: str, tokenizer: Any, tmp_path: Any
+) -> None:
+    """An engine ends a sequence on every end-of-sequence token the model's ``config.json`` and
+    ``generation_config.json`` name (gpt-oss's ``<|call|>``, Llama 3's ``<|eot_id|>``), not only the tokenizer's:
+    the router names them as the request's stops, so the text of the one it stopped on is left out even where
+    special tokens are kept, as vLLM leaves it out."""
+    from router.tokenization import PromptProcessor
+
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    tokenizer.save_pretrained(str(tmp_path))
+    assert tokenizer.eos_token_id not in (3, 4, im_start)
+    (tmp_path / "config.json").write_text('{"eos_token_id": 4, "text_config": {"eos_token_id": [3]}}')
+    (tmp_path / "generation_config.json").write_text(f'{{"eos_token_id": [{im_start}, 4, 10000000]}}')
+    prompts = PromptProcessor.from_model_dir(tmp_path)
+    assert prompts.eos_token_ids == (tokenizer.eos_token_id, 4, 3, im_start)  # past the vocabulary: left out
+    reply = list(tokenizer.encode("Hello world<|im_start|>", add_special_tokens=False))
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001}, request_timeout_s=5.0) as (server, cluster):
+        for stream in (False, True):
+            assert _text(server, stream, skip_special_tokens=False) == "Hello world"
+            assert _text(server, stream, skip_special_tokens=False, include_stop_str_in_output=True) == (
+                "Hello world<|im_start|>")
+        def sent() -> list[Any]:
+            return [r for engine in cluster.peers.values() for r in engine.requests]
+
+        earlier = sent()
+        assert earlier and all(set(prompts.eos_token_ids) <= set(r.sampling_params.stop_token_ids) for r in earlier)
+        assert _text(server, ignore_eos=True, skip_special_tokens=False) == "Hello world<|im_start|>"
+        [ignoring] = [r for r in sent() if all(r is not e for e in earlier)]
+        assert ignoring.sampling_params.stop_token_ids == []

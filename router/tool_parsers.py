@@ -17,6 +17,9 @@ end of an answer never reaches the client.
 * ``llama3_json`` (Llama 3.1, 3.2): the whole answer, after an optional ``<|python_tag|>``, is
   ``{"name": ..., "parameters": {...}}``, or several such objects separated by ``;``.
 * ``mistral`` (Mistral 7B v0.3, Mixtral, Mistral Small/Nemo): ``[TOOL_CALLS]`` and the calls after it.
+* ``glm45`` / ``glm47`` (GLM-4.5 to 5): ``<tool_call>NAME``, ``<arg_key>`` and ``<arg_value>`` pairs, ``</tool_call>``.
+* ``minimax_m2`` (MiniMax-M2): ``<minimax:tool_call>`` blocks of ``<invoke name=...>`` elements of ``<parameter>`` ones.
+* ``deepseek_v3`` / ``deepseek_v31`` (DeepSeek-V3, R1-0528, V3.1): ``<｜tool▁calls▁begin｜>`` blocks of calls.
 
 Parsing never raises on what a model writes.
 """
@@ -182,12 +185,22 @@ def _hermes_call(body: str) -> ToolCall | None:
     return _call(obj, "arguments", "parameters")
 
 
-class _HermesStream:
-    """Calls in ``<tool_call>`` tags, each tag's body read by ``read_call`` (hermes's JSON by default): content
-    as soon as it cannot be part of a tag, each call whole once its tag closes, a body that is no call content."""
+def _one(read_call: Callable[[str], ToolCall | None]) -> Callable[[str], list[ToolCall] | None]:
+    def read(body: str) -> list[ToolCall] | None:
+        call = read_call(body)
+        return None if call is None else [call]
+    return read
 
-    def __init__(self, read_call: Callable[[str], ToolCall | None] = _hermes_call) -> None:
-        self._read_call = read_call
+
+class _TagStream:
+    """Calls in tags (``<tool_call>`` and ``</tool_call>`` by default), each tag's body read by ``read_calls`` (one
+    hermes JSON call by default; a format may hold several calls in one tag): content as soon as it cannot be part
+    of a tag, a tag's calls whole once it closes, a body that holds no calls content."""
+
+    def __init__(self, read_calls: Callable[[str], list[ToolCall] | None] = _one(_hermes_call),
+                 open_tag: str = HERMES_OPEN, close_tag: str = HERMES_CLOSE) -> None:
+        self._read_calls = read_calls
+        self._open, self._close_tag = open_tag, close_tag
         self._content = Content()
         self._buf = ""
         self._inside = False
@@ -198,21 +211,21 @@ class _HermesStream:
         events: list[Event] = []
         while True:
             if self._inside:
-                end = self._buf.find(HERMES_CLOSE, self._scan)
+                end = self._buf.find(self._close_tag, self._scan)
                 if end < 0:
-                    self._scan = max(0, len(self._buf) - len(HERMES_CLOSE) + 1)
+                    self._scan = max(0, len(self._buf) - len(self._close_tag) + 1)
                     return events
-                self._close(self._buf[:end], HERMES_CLOSE, events)
-                self._buf = self._buf[end + len(HERMES_CLOSE):]
+                self._close(self._buf[:end], self._close_tag, events)
+                self._buf = self._buf[end + len(self._close_tag):]
             else:
-                start = self._buf.find(HERMES_OPEN)
+                start = self._buf.find(self._open)
                 if start < 0:
-                    keep = len(self._buf) - partial_suffix(self._buf, HERMES_OPEN)
+                    keep = len(self._buf) - partial_suffix(self._buf, self._open)
                     add_event(events, self._content.push(self._buf[:keep]))
                     self._buf = self._buf[keep:]
                     return events
                 add_event(events, self._content.push(self._buf[:start]))
-                self._buf = self._buf[start + len(HERMES_OPEN):]
+                self._buf = self._buf[start + len(self._open):]
                 self._inside, self._scan = True, 0
 
     def finish(self) -> list[Event]:
@@ -225,9 +238,12 @@ class _HermesStream:
         return events
 
     def _close(self, body: str, close: str, events: list[Event]) -> None:
-        """Ends a tag: its call, or its text as content when it holds none."""
-        call = self._read_call(body)
-        add_event(events, call if call is not None else self._content.push(HERMES_OPEN + body + close))
+        """Ends a tag: its calls, or its text as content when it holds none."""
+        calls = self._read_calls(body)
+        if calls is None:
+            add_event(events, self._content.push(self._open + body + close))
+        else:
+            events.extend(calls)
         self._inside = False
 
 
@@ -271,7 +287,7 @@ class HermesParser(_Parser):
     holds_calls = True
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
-        return _HermesStream()
+        return _TagStream()
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
                  required: bool) -> dict[str, Any] | None:
@@ -515,7 +531,7 @@ class Qwen3CoderParser(_Parser):
     holds_calls = True
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
-        return _HermesStream(functools.partial(_qwen_xml_call, functions=functions))
+        return _TagStream(_one(functools.partial(_qwen_xml_call, functions=functions)))
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
                  required: bool) -> dict[str, Any] | None:
@@ -531,8 +547,141 @@ class Qwen3CoderParser(_Parser):
             "at_least_one": required, "stop_after_first": not parallel}}
 
 
+def _schemas(functions: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The schemas of a function's parameters, by name (none for a function the request does not offer)."""
+    properties = next(((f.get("parameters") or {}).get("properties") for f in functions if f.get("name") == name), None)
+    return properties if isinstance(properties, dict) else {}
+
+
+def _typed_call(name: str, pairs: list[tuple[str, str]], functions: Sequence[dict[str, Any]]) -> ToolCall | None:
+    """A call whose arguments are written as key and value texts, each value typed by its schema (``_xml_value``)."""
+    schemas = _schemas(functions, name)
+    arguments = {key: _xml_value(value, schemas.get(key)) for key, value in pairs}
+    return _call({"name": name, "arguments": arguments}, "arguments", "parameters")
+
+
+def _pairs(pattern: re.Pattern[str], text: str) -> list[tuple[str, str]] | None:
+    """Every match of ``pattern`` (key, value) in ``text``, back to back (whitespace between them), or None when
+    anything else is there."""
+    pairs, pos = [], 0
+    for match in pattern.finditer(text):
+        if text[pos:match.start()].strip():
+            return None
+        pairs.append((match[1].strip(), match[2]))
+        pos = match.end()
+    return pairs if not text[pos:].strip() else None
+
+
+_NAME = re.compile(r"[^\s<>{}\[\]\"',:;]+")
+_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def _glm_call(body: str, functions: Sequence[dict[str, Any]]) -> ToolCall | None:
+    """GLM's call: the function's name, then an ``<arg_key>`` and ``<arg_value>`` pair per argument (GLM-4.5 and
+    4.6 put each on a line of its own, GLM-4.7 and 5 write them side by side)."""
+    name, sep, rest = body.partition("<arg_key>")
+    name = name.strip()
+    pairs = _pairs(_GLM_ARGUMENT, sep + rest)
+    if pairs is None or not _NAME.fullmatch(name):
+        return None
+    return _typed_call(name, pairs, functions)
+
+
+class GlmParser(_Parser):
+    """GLM-4.5, 4.6, 4.7 and 5's calls: ``<tool_call>NAME``, ``<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>``
+    per argument (with or without newlines between), ``</tool_call>``, anywhere in the answer. A value takes its type
+    from the function's schema, as in Qwen3-Coder's calls; a tag whose body is not such a call is content."""
+
+    # (GLM's tokenizers make all of them special tokens)
+    tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
+        return _TagStream(_one(functools.partial(_glm_call, functions=functions)))
+
+
+_MINIMAX_OPEN = "<minimax:tool_call>"
+_MINIMAX_CLOSE = "</minimax:tool_call>"
+_MINIMAX_INVOKE = re.compile(r'<invoke name="([^"<>]*)">(.*?)</invoke>', re.DOTALL)
+_MINIMAX_PARAMETER = re.compile(r'<parameter name="([^"<>]*)">(.*?)</parameter>', re.DOTALL)
+
+
+def _minimax_calls(body: str, functions: Sequence[dict[str, Any]]) -> list[ToolCall] | None:
+    """The ``<invoke>`` elements of a MiniMax-M2 tool-call block, each a call; None when the block holds anything
+    else."""
+    invokes = _pairs(_MINIMAX_INVOKE, body)
+    if not invokes:
+        return None
+    calls = []
+    for name, inner in invokes:
+        pairs = _pairs(_MINIMAX_PARAMETER, inner)
+        if pairs is None or not _NAME.fullmatch(name):
+            return None
+        call = _typed_call(name, [(k, v.removeprefix("\n").removesuffix("\n")) for k, v in pairs], functions)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
+class MiniMaxM2Parser(_Parser):
+    """MiniMax-M2's calls: a ``<minimax:tool_call>`` block holding one ``<invoke name="NAME">`` element per call, each
+    with a ``<parameter name="KEY">VALUE</parameter>`` per argument, typed by the function's schema; a block that
+    holds anything else is content."""
+
+    name = "minimax_m2"
+    tags: tuple[str, ...] = (_MINIMAX_OPEN, _MINIMAX_CLOSE)
+
+    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
+        return _TagStream(functools.partial(_minimax_calls, functions=functions), _MINIMAX_OPEN, _MINIMAX_CLOSE)
+
+
+_DEEPSEEK_OPEN = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
+_DEEPSEEK_CLOSE = "<\uff5ctool\u2581calls\u2581end\uff5c>"
+_DEEPSEEK_CALL_OPEN, _DEEPSEEK_SEP, _DEEPSEEK_CALL_CLOSE = (
+    "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581sep\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>")
+_DEEPSEEK_CALL = re.compile(f"{_DEEPSEEK_CALL_OPEN}(.*?){_DEEPSEEK_SEP}(.*?){_DEEPSEEK_CALL_CLOSE}", re.DOTALL)
+_DEEPSEEK_V3_ARGUMENTS = re.compile(r"([^\n]*)\n```json\n(.*)\n```", re.DOTALL)
+
+
+def _deepseek_calls(body: str) -> list[ToolCall] | None:
+    """The calls of a DeepSeek tool-call block: V3's (``function``, the separator, the name, then the arguments in
+    a json code block) or V3.1's (the name, the separator, the arguments)."""
+    found = _pairs(_DEEPSEEK_CALL, body)
+    if not found:
+        return None
+    calls = []
+    for left, right in found:
+        name, arguments = left, right
+        if left == "function" and (v3 := _DEEPSEEK_V3_ARGUMENTS.fullmatch(right.strip())):
+            name, arguments = v3[1], v3[2]
+        call = _call({"name": name.strip(), "arguments": arguments}, "arguments", "parameters")
+        if call is None or not _NAME.fullmatch(call.name):
+            return None
+        calls.append(call)
+    return calls
+
+
+class DeepSeekParser(_Parser):
+    """DeepSeek-V3's and V3.1's calls (R1-0528, V3-0324, V3.1, V3.2-Exp's chat templates): ``<｜tool▁calls▁begin｜>``,
+    per call ``<｜tool▁call▁begin｜>``, the function and its JSON arguments around ``<｜tool▁sep｜>`` (V3:
+    ``function<｜tool▁sep｜>NAME`` and a json code block; V3.1: ``NAME<｜tool▁sep｜>{...}``), ``<｜tool▁call▁end｜>``,
+    then ``<｜tool▁calls▁end｜>``; a block that holds anything else is content."""
+
+    tags: tuple[str, ...] = (_DEEPSEEK_OPEN, _DEEPSEEK_CLOSE, _DEEPSEEK_CALL_OPEN, _DEEPSEEK_SEP, _DEEPSEEK_CALL_CLOSE)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
+        return _TagStream(_deepseek_calls, _DEEPSEEK_OPEN, _DEEPSEEK_CLOSE)
+
+
 PARSERS: dict[str, ToolCallParser] = {
-    p.name: p for p in (HermesParser(), Qwen3CoderParser(), Llama3JsonParser(), MistralParser())
+    p.name: p for p in (HermesParser(), Qwen3CoderParser(), Llama3JsonParser(), MistralParser(), GlmParser("glm45"),
+                        GlmParser("glm47"), MiniMaxM2Parser(), DeepSeekParser("deepseek_v3"), DeepSeekParser("deepseek_v31"))
 }
 
 
@@ -542,6 +691,12 @@ def detect_parser(chat_template: str | None) -> str | None:
         return None
     if HERMES_OPEN in chat_template and "<function=" in chat_template and "<parameter=" in chat_template:
         return "qwen3_coder"
+    if HERMES_OPEN in chat_template and "<arg_key>" in chat_template:
+        return "glm45"
+    if _MINIMAX_OPEN in chat_template:
+        return "minimax_m2"
+    if _DEEPSEEK_OPEN in chat_template:  # V3's templates write the arguments in a json code block
+        return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
     if HERMES_OPEN in chat_template:
         return "hermes"
     if _MISTRAL_TAG in chat_template:

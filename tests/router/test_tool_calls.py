@@ -488,3 +488,32 @@ def test_qwen3_coder_calls_through_the_router(redis_url: str, tokenizer: Any, to
             assert accepts(grammar, reply_text) is (choice == "auto")  # "required" opens with its call
             assert [(c.function.name, json.loads(c.function.arguments)) for c in answer.choices[0].message.tool_calls or []] == [
                 ("get_weather", {"city": "Paris", "unit": "celsius"})]
+
+
+def test_glm_calls_through_the_router_with_its_tags_special_tokens(redis_url: str, tokenizer_dir: Any) -> None:
+    """GLM's format (``--tool-call-parser glm45``) behind the router, its tags special tokens as GLM's tokenizers make
+    them: the answer keeps their text for the parser, and the calls come back typed by the schema, whole and streamed."""
+    from transformers import AutoTokenizer
+
+    special = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    special.add_special_tokens({"additional_special_tokens": [
+        "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"]})
+    prompts = PromptProcessor(special, max_model_len=2048, chat_template=load_chat_template("chatml-tools"))
+    reply = ("Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+             "</tool_call><tool_call>get_time<arg_key>zone</arg_key><arg_value>Europe/Paris</arg_value></tool_call>")
+    with fake_stack(redis_url, prompts, list(special.encode(reply, add_special_tokens=False)),
+                    {"token_delay_s": 0.001, "max_model_len": 2048}, tool_call_parser="glm45",
+                    request_timeout_s=5.0) as (server, _):
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
+        expected = [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "Europe/Paris"})]
+        choice = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=300).choices[0]
+        assert choice.message.content == "Let me check." and choice.finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []] == expected
+        content, calls = "", []
+        for chunk in client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=300,
+                                                    stream=True):
+            for delta in chunk.choices:
+                content += delta.delta.content or ""
+                calls += [(p.function.name, json.loads(p.function.arguments or "{}"))
+                          for p in delta.delta.tool_calls or [] if p.function and p.function.name]
+        assert (content, calls) == ("Let me check.", expected)

@@ -302,7 +302,14 @@ def test_detect_parser() -> None:
     assert detect_parser("{%- if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
                          "{{- '[TOOL_CALLS]' + tool_calls|tojson }}") == "mistral"
     assert detect_parser(QWEN3_CODER_TEMPLATE) == "qwen3_coder"
-    assert set(PARSERS) == {"hermes", "qwen3_coder", "llama3_json", "mistral"}
+    # Each format's tool-call lines, as its chat templates write them.
+    assert detect_parser("{{- '<tool_call>' + tc.name }}{% for k, v in args %}<arg_key>{{ k }}</arg_key>\n"
+                         "<arg_value>{{ v }}</arg_value>{% endfor %}</tool_call>") == "glm45"
+    assert detect_parser("<minimax:tool_call>\n<invoke name=\"{{ name }}\">") == "minimax_m2"
+    assert detect_parser(DEEPSEEK_OPEN + "{{ tool['function']['name'] }}" + DEEPSEEK_SEP) == "deepseek_v31"
+    assert detect_parser(DEEPSEEK_OPEN + "function" + DEEPSEEK_SEP + "{{ name }}\n```json\n") == "deepseek_v3"
+    assert set(PARSERS) == {"hermes", "qwen3_coder", "llama3_json", "mistral", "glm45", "glm47", "minimax_m2",
+                            "deepseek_v3", "deepseek_v31"}
     assert all(PARSERS[name].name == name for name in PARSERS)
 
 
@@ -314,6 +321,10 @@ FRAGMENTS = [
     " ", "\n", "\t", "\u00a0", "a", "Zz", "<", ">", "\\", '"', "\\ud800", "é", "🙂", "\u2028", "[TOOL_CALLS]", "[ARGS]",
     WEATHER, LLAMA_CALL, '{"name": "f", "arguments": {}}', '[TOOL_CALLS][{"name": "f", "arguments": {}}]',
     "<function=f>", "</function>", "<parameter=a>", "</parameter>", "<parameter=", "<function=",
+    "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<tool_call>f", "<minimax:tool_call>",
+    "</minimax:tool_call>", '<invoke name="f">', "</invoke>", '<parameter name="a">', "<\uff5ctool\u2581calls\u2581begin\uff5c>",
+    "<\uff5ctool\u2581calls\u2581end\uff5c>", "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>",
+    "<\uff5ctool\u2581sep\uff5c>", "function", "\n```json\n", "\n```",
 ]
 
 ADVERSARIAL = [
@@ -349,7 +360,7 @@ def test_no_input_raises() -> None:
     for _ in range(300):
         texts.append("".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 12))))
     found = 0
-    for parser in (HERMES, LLAMA, MISTRAL, QWEN3_CODER):
+    for parser in PARSERS.values():
         for text in texts:
             content, calls = parser.extract(text)
             _check_calls(calls)
@@ -478,3 +489,68 @@ def test_qwen3_coder_bodies_that_are_no_call_stay_content() -> None:
         text = f"Hi <tool_call>\n{body}\n</tool_call>"
         assert QWEN3_CODER.extract(text, FUNCTIONS) == (text, []), body
     assert QWEN3_CODER.extract(_xml_call("f", {}))[1] == [ToolCall("f", "{}")]  # no arguments is a call
+
+
+# -- GLM, MiniMax-M2, DeepSeek -------------------------------------------------------------------------------------
+
+DEEPSEEK_OPEN, DEEPSEEK_CLOSE = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
+DEEPSEEK_CALL, DEEPSEEK_CALL_END = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>"
+DEEPSEEK_SEP = "<\uff5ctool\u2581sep\uff5c>"
+SEARCH = {"query": "42", "limit": 10, "exact": True, "filters": {"lang": "en"}, "note": " two\nlines"}
+
+
+def _glm(name: str, params: dict[str, str], newlines: bool) -> str:
+    nl = "\n" if newlines else ""
+    return f"<tool_call>{name}{nl}" + "".join(
+        f"<arg_key>{k}</arg_key>{nl}<arg_value>{v}</arg_value>{nl}" for k, v in params.items()) + "</tool_call>"
+
+
+def _check_whole_and_streamed(parser: ToolCallParser, text: str, content: str | None,
+                              calls: list[tuple[str, dict[str, object]]]) -> None:
+    got_content, got_calls = parser.extract(text, FUNCTIONS)
+    assert (got_content, [(c.name, json.loads(c.arguments)) for c in got_calls]) == (content, calls)
+    rng = random.Random(text)
+    for cuts in ([], *([rng.randint(0, len(text)) for _ in range(4)] for _ in range(20))):
+        stream = parser.stream(FUNCTIONS)
+        events = [e for chunk in _split(text, cuts) for e in stream.feed(chunk)] + stream.finish()
+        assert ("".join(e for e in events if isinstance(e, str)) or None,
+                [e for e in events if isinstance(e, ToolCall)]) == (got_content, got_calls)
+
+
+def test_glm_calls_in_both_layouts_typed_by_the_schema() -> None:
+    """GLM-4.5's layout (a line each) and GLM-4.7's (side by side) read alike; values typed as Qwen3-Coder's are; a
+    call with no arguments; a body that is no such call (hermes's JSON, stray text, a pair left open) is content."""
+    params = {"query": "42", "limit": "10", "exact": "true", "filters": '{"lang": "en"}', "note": " two\nlines"}
+    for newlines in (True, False):
+        text = "Looking.\n" + _glm("search", params, newlines) + _glm("get_time", {}, newlines) + " Done."
+        _check_whole_and_streamed(PARSERS["glm45"], text, "Looking.\n Done.", [("search", SEARCH), ("get_time", {})])
+    for body in ('{"name": "f", "arguments": {}}', "f\nstray<arg_key>a</arg_key><arg_value>1</arg_value>",
+                 "f<arg_key>a</arg_key><arg_value>1", "<arg_key>a</arg_key><arg_value>1</arg_value>",
+                 "f<arg_key>a</arg_key><arg_value>1</arg_value>junk<arg_key>b</arg_key><arg_value>2</arg_value>"):
+        text = f"Hi <tool_call>{body}</tool_call>"
+        assert PARSERS["glm47"].extract(text, FUNCTIONS) == (text, []), body
+
+
+def test_minimax_m2_blocks_of_invokes() -> None:
+    def invoke(name: str, params: dict[str, str]) -> str:
+        return f'<invoke name="{name}">\n' + "".join(
+            f'<parameter name="{k}">{v}</parameter>\n' for k, v in params.items()) + "</invoke>\n"
+
+    params = {"query": "42", "limit": "10", "exact": "true", "filters": '{"lang": "en"}', "note": " two\nlines"}
+    text = "Two calls.\n<minimax:tool_call>\n" + invoke("search", params) + invoke("get_time", {}) + "</minimax:tool_call>"
+    _check_whole_and_streamed(PARSERS["minimax_m2"], text, "Two calls.", [("search", SEARCH), ("get_time", {})])
+    for body in ("\n", "text", invoke("f", {}) + "stray", '<invoke name="f"><parameter name="a">1</invoke>'):
+        text = f"Hi <minimax:tool_call>{body}</minimax:tool_call>"
+        assert PARSERS["minimax_m2"].extract(text, FUNCTIONS) == (text, []), body
+
+
+def test_deepseek_v3_and_v31_calls() -> None:
+    v3 = f"{DEEPSEEK_CALL}function{DEEPSEEK_SEP}search\n```json\n{json.dumps(SEARCH)}\n```{DEEPSEEK_CALL_END}"
+    v31 = f"{DEEPSEEK_CALL}get_time{DEEPSEEK_SEP}{{}}{DEEPSEEK_CALL_END}"
+    text = f"Calling.{DEEPSEEK_OPEN}{v3}\n{v31}{DEEPSEEK_CLOSE}"
+    for name in ("deepseek_v3", "deepseek_v31"):
+        _check_whole_and_streamed(PARSERS[name], text, "Calling.", [("search", SEARCH), ("get_time", {})])
+    for body in ("", "text", f"{DEEPSEEK_CALL}f{DEEPSEEK_SEP}not json{DEEPSEEK_CALL_END}",
+                 f"{DEEPSEEK_CALL}function{DEEPSEEK_SEP}f\n```json\n[1]\n```{DEEPSEEK_CALL_END}"):
+        text = f"Hi {DEEPSEEK_OPEN}{body}{DEEPSEEK_CLOSE}"
+        assert PARSERS["deepseek_v3"].extract(text, FUNCTIONS) == (text, []), body

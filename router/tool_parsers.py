@@ -20,6 +20,7 @@ end of an answer never reaches the client.
 * ``glm45`` / ``glm47`` (GLM-4.5 to 5): ``<tool_call>NAME``, ``<arg_key>`` and ``<arg_value>`` pairs, ``</tool_call>``.
 * ``minimax_m2`` (MiniMax-M2): ``<minimax:tool_call>`` blocks of ``<invoke name=...>`` elements of ``<parameter>`` ones.
 * ``deepseek_v3`` / ``deepseek_v31`` (DeepSeek-V3, R1-0528, V3.1): ``<｜tool▁calls▁begin｜>`` blocks of calls.
+* ``kimi_k2`` (Kimi K2): ``<|tool_calls_section_begin|>`` sections of calls, each with the id the model wrote.
 
 Parsing never raises on what a model writes.
 """
@@ -41,6 +42,7 @@ from typing import Any, Protocol
 class ToolCall:
     name: str
     arguments: str  # JSON text of an object, as json.dumps(obj, ensure_ascii=False) writes it
+    id: str | None = None  # the id the model wrote for it, in a format that has the model write ids (Kimi's)
 
 
 Event = str | ToolCall
@@ -70,8 +72,8 @@ class ToolCallParser(Protocol):
         """A fresh stream for one answer."""
         ...
 
-    def new_call_id(self) -> str:
-        """An id for a call, of the kind the format's chat templates take back."""
+    def new_call_id(self, name: str, index: int) -> str:
+        """An id for the answer's ``index``-th call (of ``name``), of the kind the format's chat templates take back."""
         ...
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
@@ -265,7 +267,7 @@ class _Parser:
     def extract(self, text: str, functions: Sequence[dict[str, Any]] = ()) -> tuple[str | None, list[ToolCall]]:
         return _collect(self.stream(functions), text)
 
-    def new_call_id(self) -> str:
+    def new_call_id(self, name: str, index: int) -> str:
         return openai_call_id()
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
@@ -456,7 +458,7 @@ class MistralParser(_Parser):
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _MistralStream()
 
-    def new_call_id(self) -> str:
+    def new_call_id(self, name: str, index: int) -> str:
         """Nine letters and digits: Mistral's chat templates refuse any other id when a conversation
         brings the calls back."""
         return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
@@ -679,9 +681,49 @@ class DeepSeekParser(_Parser):
         return _TagStream(_deepseek_calls, _DEEPSEEK_OPEN, _DEEPSEEK_CLOSE)
 
 
+_KIMI_OPEN, _KIMI_CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+_KIMI_CALL_OPEN, _KIMI_ARGUMENTS, _KIMI_CALL_CLOSE = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+_KIMI_CALL = re.compile(f"{re.escape(_KIMI_CALL_OPEN)}(.*?){re.escape(_KIMI_ARGUMENTS)}(.*?){re.escape(_KIMI_CALL_CLOSE)}",
+                        re.DOTALL)
+_KIMI_ID = re.compile(r"functions\.([^\s:]+):(\d+)")
+
+
+def _kimi_calls(body: str) -> list[ToolCall] | None:
+    """The calls of a Kimi K2 tool-call section, each with the id the model wrote (``functions.NAME:INDEX``)."""
+    found = _pairs(_KIMI_CALL, body)
+    if not found:
+        return None
+    calls = []
+    for call_id, arguments in found:
+        match = _KIMI_ID.fullmatch(call_id)
+        call = _call({"name": match[1], "arguments": arguments}, "arguments", "parameters") if match else None
+        if call is None or not _NAME.fullmatch(call.name):
+            return None
+        calls.append(ToolCall(call.name, call.arguments, call_id))
+    return calls
+
+
+class KimiK2Parser(_Parser):
+    """Kimi K2's calls: ``<|tool_calls_section_begin|>``, per call ``<|tool_call_begin|>``, its id
+    ``functions.NAME:INDEX``, ``<|tool_call_argument_begin|>``, its JSON arguments, ``<|tool_call_end|>``, then
+    ``<|tool_calls_section_end|>``; a section that holds anything else is content. The id the model wrote is the call's
+    id: Kimi's template writes a call back by its id, which names the function. Calls the router forces take ids of
+    that form."""
+
+    name = "kimi_k2"
+    tags: tuple[str, ...] = (_KIMI_OPEN, _KIMI_CLOSE, _KIMI_CALL_OPEN, _KIMI_ARGUMENTS, _KIMI_CALL_CLOSE)
+
+    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
+        return _TagStream(_kimi_calls, _KIMI_OPEN, _KIMI_CLOSE)
+
+    def new_call_id(self, name: str, index: int) -> str:
+        return f"functions.{name}:{index}"
+
+
 PARSERS: dict[str, ToolCallParser] = {
     p.name: p for p in (HermesParser(), Qwen3CoderParser(), Llama3JsonParser(), MistralParser(), GlmParser("glm45"),
-                        GlmParser("glm47"), MiniMaxM2Parser(), DeepSeekParser("deepseek_v3"), DeepSeekParser("deepseek_v31"))
+                        GlmParser("glm47"), MiniMaxM2Parser(), DeepSeekParser("deepseek_v3"), DeepSeekParser("deepseek_v31"),
+                        KimiK2Parser())
 }
 
 
@@ -695,6 +737,8 @@ def detect_parser(chat_template: str | None) -> str | None:
         return "glm45"
     if _MINIMAX_OPEN in chat_template:
         return "minimax_m2"
+    if _KIMI_OPEN in chat_template:
+        return "kimi_k2"
     if _DEEPSEEK_OPEN in chat_template:  # V3's templates write the arguments in a json code block
         return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
     if HERMES_OPEN in chat_template:

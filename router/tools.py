@@ -289,9 +289,15 @@ def tools_for_template(state: RouterState, tools: ToolPlan | None) -> list[dict[
     return tools.tools if state.prompts.renders_tools else None
 
 
+def new_call_id(parser: ToolCallParser | None, name: str, index: int) -> str:
+    """The ``index``-th call's id: of the kind the parser's format takes back, else OpenAI's kind."""
+    return parser.new_call_id(name, index) if parser is not None else openai_call_id()
+
+
 def tool_calls_out(calls: list[ToolCall], parser: ToolCallParser | None) -> list[ToolCallOut]:
-    new_id = parser.new_call_id if parser is not None else openai_call_id
-    return [ToolCallOut(id=new_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+    """The calls as the response gives them, each with the id the model wrote or a new one."""
+    return [ToolCallOut(id=c.id or new_call_id(parser, c.name, i), function=FunctionCall(name=c.name, arguments=c.arguments))
+            for i, c in enumerate(calls)]
 
 
 
@@ -318,9 +324,6 @@ class ToolDeltas:
             return cls(plan, parser, None, reader)
         return cls(plan, parser, parser.stream(plan.functions) if plan.parser_reads and parser is not None else None)
 
-    def _new_id(self) -> str:
-        return self.parser.new_call_id() if self.parser is not None else openai_call_id()
-
     def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
         if self.stream is not None:
             return self._events(self.stream.feed(text))
@@ -339,10 +342,11 @@ class ToolDeltas:
             return "", self._named("") if self.num_calls == 0 else []
         return "", []
 
-    def _open(self, name: str, arguments: str) -> DeltaToolCall:
-        """A call's first delta: its id and name."""
+    def _open(self, name: str, arguments: str, call_id: str | None = None) -> DeltaToolCall:
+        """A call's first delta: its id (the model's, else a new one) and name."""
         function = DeltaFunctionCall(name=name, arguments=arguments)
-        call = DeltaToolCall(index=self.num_calls, id=self._new_id(), type="function", function=function)
+        call_id = call_id or new_call_id(self.parser, name, self.num_calls)
+        call = DeltaToolCall(index=self.num_calls, id=call_id, type="function", function=function)
         self.num_calls += 1
         return call
 
@@ -378,7 +382,7 @@ class ToolDeltas:
         return content, self._deltas(calls)
 
     def _deltas(self, calls: list[ToolCall]) -> list[DeltaToolCall]:
-        return [self._open(call.name, call.arguments) for call in calls]
+        return [self._open(call.name, call.arguments, call.id) for call in calls]
 
 
 def template_tool_calls(index: int, tool_calls: Any) -> list[dict[str, Any]]:

@@ -265,9 +265,10 @@ def test_mistral_both_formats_and_what_is_not_a_call() -> None:
 
 
 def test_call_ids_are_the_kind_each_format_takes_back() -> None:
-    ids = {MISTRAL.new_call_id() for _ in range(50)}
+    ids = {MISTRAL.new_call_id("f", 0) for _ in range(50)}
     assert len(ids) == 50 and all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids)
-    assert HERMES.new_call_id().startswith("chatcmpl-tool-") and HERMES.new_call_id() != HERMES.new_call_id()
+    assert HERMES.new_call_id("f", 0).startswith("chatcmpl-tool-") and HERMES.new_call_id("f", 0) != HERMES.new_call_id("f", 0)
+    assert PARSERS["kimi_k2"].new_call_id("get_weather", 1) == "functions.get_weather:1"
 
 
 # -- detection ------------------------------------------------------------------------------------------
@@ -309,7 +310,7 @@ def test_detect_parser() -> None:
     assert detect_parser(DEEPSEEK_OPEN + "{{ tool['function']['name'] }}" + DEEPSEEK_SEP) == "deepseek_v31"
     assert detect_parser(DEEPSEEK_OPEN + "function" + DEEPSEEK_SEP + "{{ name }}\n```json\n") == "deepseek_v3"
     assert set(PARSERS) == {"hermes", "qwen3_coder", "llama3_json", "mistral", "glm45", "glm47", "minimax_m2",
-                            "deepseek_v3", "deepseek_v31"}
+                            "deepseek_v3", "deepseek_v31", "kimi_k2"}
     assert all(PARSERS[name].name == name for name in PARSERS)
 
 
@@ -324,7 +325,8 @@ FRAGMENTS = [
     "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<tool_call>f", "<minimax:tool_call>",
     "</minimax:tool_call>", '<invoke name="f">', "</invoke>", '<parameter name="a">', "<\uff5ctool\u2581calls\u2581begin\uff5c>",
     "<\uff5ctool\u2581calls\u2581end\uff5c>", "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>",
-    "<\uff5ctool\u2581sep\uff5c>", "function", "\n```json\n", "\n```",
+    "<\uff5ctool\u2581sep\uff5c>", "function", "\n```json\n", "\n```", "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>", "<|tool_call_begin|>", "functions.f:0", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
 ]
 
 ADVERSARIAL = [
@@ -554,3 +556,32 @@ def test_deepseek_v3_and_v31_calls() -> None:
                  f"{DEEPSEEK_CALL}function{DEEPSEEK_SEP}f\n```json\n[1]\n```{DEEPSEEK_CALL_END}"):
         text = f"Hi {DEEPSEEK_OPEN}{body}{DEEPSEEK_CLOSE}"
         assert PARSERS["deepseek_v3"].extract(text, FUNCTIONS) == (text, []), body
+
+
+def test_kimi_k2_sections_keep_the_ids_the_model_wrote() -> None:
+    from router.tools import ToolDeltas, ToolPlan, tool_calls_out
+
+    kimi = PARSERS["kimi_k2"]
+    section = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.search:3<|tool_call_argument_begin|>"
+               f"{json.dumps(SEARCH)}<|tool_call_end|>\n<|tool_call_begin|>functions.get_time:4"
+               "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>")
+    text = "Checking." + section
+    _check_whole_and_streamed(kimi, text, "Checking.", [("search", SEARCH), ("get_time", {})])
+    _, calls = kimi.extract(text)
+    assert [c.id for c in calls] == ["functions.search:3", "functions.get_time:4"]
+    assert [c.id for c in tool_calls_out(calls, kimi)] == ["functions.search:3", "functions.get_time:4"]
+    plan = ToolPlan.from_request([{"type": "function", "function": {"name": n}} for n in ("search", "get_time")],
+                                 "auto", None)
+    assert plan is not None
+    deltas = ToolDeltas.start(plan, kimi)
+    streamed = [d.id for piece in (text[:20], text[20:]) for d in deltas.feed(piece)[1]] + [
+        d.id for d in deltas.finish()[1]]
+    assert streamed == ["functions.search:3", "functions.get_time:4"]
+    # Calls the model did not write take ids of the same form.
+    assert [c.id for c in tool_calls_out([ToolCall("f", "{}")], kimi)] == ["functions.f:0"]
+    assert detect_parser("{{ '<|tool_calls_section_begin|>' }}{%- for tc in tool_calls %}") == "kimi_k2"
+    for body in ("", "<|tool_call_begin|>search:0<|tool_call_argument_begin|>{}<|tool_call_end|>",
+                 "<|tool_call_begin|>functions.f:x<|tool_call_argument_begin|>{}<|tool_call_end|>",
+                 "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>[]<|tool_call_end|>"):
+        bad = f"Hi <|tool_calls_section_begin|>{body}<|tool_calls_section_end|>"
+        assert kimi.extract(bad) == (bad, []), body

@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the router's --chat-template: a Jinja file, or a shipped one's name (chatml-tools)")
     p.add_argument("--tool-call-parser", default=None,
                    help="the router's --tool-call-parser (default: found from the chat template)")
-    p.add_argument("--reasoning-parser", default=None, help="the router's --reasoning-parser (deepseek_r1, qwen3, openai_gptoss)")
+    p.add_argument("--reasoning-parser", default=None, help="the router's --reasoning-parser (deepseek_r1, qwen3, deepseek_v3, glm45, kimi_k2, minimax_m2, openai_gptoss)")
     p.add_argument("--generation-config", default=None, metavar="auto|vllm|FOLDER",
                    help="the router's --generation-config: sampling defaults from the model's generation_config.json "
                    "(auto, the default), OpenAI's (vllm), or another folder's")

@@ -30,6 +30,8 @@ class AnswerReader:
     # The answer is in gpt-oss's harmony format: its messages' channels say what is thinking, content and calls
     # (``reasoning`` and ``tool_parser`` unused).
     harmony: bool = False
+    # Whether the prompt opened the thinking (its text ends with ``<think>``), for the parsers the prompt decides.
+    prompt_opens: bool = False
 
     @property
     def plain(self) -> bool:
@@ -41,7 +43,7 @@ class AnswerReader:
         if self.harmony:
             return self._harmony_message(read_harmony(text, self.tools.max_calls if self.tools else None),
                                          finish_reason)
-        reasoning, content = self.reasoning.split(text) if self.reasoning is not None else (None, text)
+        reasoning, content = self.reasoning.split(text, self.prompt_opens) if self.reasoning is not None else (None, text)
         reasoning = reasoning if self.include_reasoning else None
         if self.tools is None:
             return ChatMessageOut(content=content, reasoning_content=reasoning), finish_reason
@@ -75,7 +77,7 @@ class AnswerReader:
                                 HarmonyStream(self.tools.max_calls if self.tools else None))
         return AnswerStream(
             self,
-            self.reasoning.stream() if self.reasoning is not None else None,
+            self.reasoning.stream(self.prompt_opens) if self.reasoning is not None else None,
             ToolDeltas.start(self.tools, self.tool_parser) if self.tools is not None else None,
         )
 

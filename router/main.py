@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=[*REASONING_PARSERS, harmony.REASONING_PARSER],
         help="split a reasoning model's thinking (<think>...</think>) into reasoning_content: deepseek_r1 "
-        "(DeepSeek-R1 and its distillations, QwQ) or qwen3 (default: not split); a chat template in gpt-oss's "
+        "(DeepSeek-R1 and its distillations, QwQ), qwen3, or deepseek_v3 / glm45 / kimi_k2 / minimax_m2 (where the "
+        "prompt opened the thinking, as deepseek_r1, else as qwen3) (default: not split); a chat template in gpt-oss's "
         "harmony format (openai_gptoss) is always split by its channels",
     )
     p.add_argument(

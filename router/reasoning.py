@@ -8,6 +8,10 @@ chat responses and stream deltas (the field DeepSeek's API and vLLM use), with `
 * ``qwen3`` (Qwen3, which thinks unless ``chat_template_kwargs`` say ``enable_thinking: false``): the
   thinking is what the answer opens with ``<think>`` and closes with ``</think>``; an answer that does
   not start with ``<think>`` is all content, and one whose thinking never closes is all thinking.
+* ``deepseek_v3`` (DeepSeek-V3.1 and later, thinking when ``chat_template_kwargs`` say ``thinking: true``),
+  ``glm45`` (GLM-4.5 to 5), ``kimi_k2`` (Kimi K2 Thinking), ``minimax_m2`` (MiniMax-M2): the prompt decides. Where its
+  text ends with ``<think>`` (the template opened the thinking), as ``deepseek_r1``; else as ``qwen3`` (the model
+  opens it, or the template closed it, ``<think></think>``, to turn thinking off).
 
 The whitespace after ``</think>`` belongs to neither. A request whose output a
 grammar holds (``response_format``, a forced tool call) is not split: its output is content from
@@ -84,20 +88,28 @@ class ReasoningStream:
 @dataclass(frozen=True)
 class ReasoningParser:
     name: str
-    starts_inside: bool
+    starts_inside: bool | None  # None: where the prompt opened the thinking (``prompt_opens``)
     tags: tuple[str, ...] = (OPEN, CLOSE)  # what it must see in the streamed text
 
-    def stream(self) -> ReasoningStream:
-        return ReasoningStream(self.starts_inside)
+    def stream(self, prompt_opens: bool = False) -> ReasoningStream:
+        """``prompt_opens``: whether the prompt's text ends with ``<think>`` (for the parsers it decides)."""
+        return ReasoningStream(prompt_opens if self.starts_inside is None else self.starts_inside)
 
-    def split(self, text: str) -> tuple[str | None, str]:
+    def split(self, text: str, prompt_opens: bool = False) -> tuple[str | None, str]:
         """A whole answer's thinking (None when it has none) and content."""
-        stream = self.stream()
+        stream = self.stream(prompt_opens)
         reasoning, content = stream.feed(text)
         more_reasoning, more_content = stream.finish()
         return (reasoning + more_reasoning if stream.thought else None), content + more_content
 
 
 REASONING_PARSERS: dict[str, ReasoningParser] = {
-    p.name: p for p in (ReasoningParser("deepseek_r1", starts_inside=True), ReasoningParser("qwen3", starts_inside=False))
+    p.name: p for p in (ReasoningParser("deepseek_r1", starts_inside=True), ReasoningParser("qwen3", starts_inside=False),
+                        *(ReasoningParser(name, starts_inside=None)
+                          for name in ("deepseek_v3", "glm45", "kimi_k2", "minimax_m2")))
 }
+
+
+def prompt_opens_thinking(prompt_text_end: str) -> bool:
+    """Whether a prompt whose text ends so leaves the answer inside the thinking."""
+    return prompt_text_end.rstrip().endswith(OPEN)

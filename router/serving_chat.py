@@ -31,6 +31,7 @@ from router.openai_responses import (
     DeltaMessage,
     PromptLogprobs,
 )
+from router.reasoning import prompt_opens_thinking
 from router.serving import (
     ChoiceResult,
     DisconnectWaiter,
@@ -106,7 +107,7 @@ async def plan_chat(
     if native is not None:
         params = msgspec.structs.replace(params, structured_output=native)
     check_prompt_logprobs(params, len(prompt))
-    reader = answer_reader(state, request, tool_plan)
+    reader = answer_reader(state, request, tool_plan, prompt)
     response_id, engine_id = response_ids("chatcmpl", request.request_id)
     plan = GenerationPlan(
         request_id=response_id,
@@ -165,7 +166,9 @@ def _echoed(answer: tuple[ChatMessageOut, str | None], echo: str | None) -> tupl
     return message, finish_reason
 
 
-def answer_reader(state: RouterState, request: ChatCompletionRequest, tools: ToolPlan | None) -> AnswerReader:
+def answer_reader(
+    state: RouterState, request: ChatCompletionRequest, tools: ToolPlan | None, prompt: list[int]
+) -> AnswerReader:
     """How the request's answers are read: tools (the request's plan, in the format they will be written:
     ``ToolPlan.in_format``) read for calls unless ``tool_choice`` is "none"; the thinking split off unless a grammar
     holds the output, which is then content from its start."""
@@ -180,7 +183,11 @@ def answer_reader(state: RouterState, request: ChatCompletionRequest, tools: Too
         or (reasoning is not None and lost.intersection(reasoning.tags))
         or (in_harmony and lost.intersection(harmony.TAGS))
     )
-    return AnswerReader(tools, state.tool_parser, reasoning, needs_special, request.include_reasoning, in_harmony)
+    # Where the parser is one the prompt decides: whether its last tokens' text ends with <think>.
+    prompt_opens = reasoning is not None and reasoning.starts_inside is None and prompt_opens_thinking(
+        state.prompts.tokenizer.decode(prompt[-16:], skip_special_tokens=False))
+    return AnswerReader(tools, state.tool_parser, reasoning, needs_special, request.include_reasoning, in_harmony,
+                        prompt_opens)
 
 
 def _prompt_logprobs(

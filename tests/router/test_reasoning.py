@@ -145,3 +145,52 @@ def test_tags_the_tokenizer_marks_special_still_reach_the_parser(
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
         message = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, max_tokens=300).choices[0].message
         assert (message.reasoning_content, message.content) == (f"\n{THINKING}\n", "Paris.")  # type: ignore[attr-defined]
+
+
+def test_the_prompt_decides_for_deepseek_v3_glm_kimi_and_minimax() -> None:
+    """Where the prompt's text ends with <think> the answer starts inside the thinking (deepseek_r1's reading), else
+    the model opens it or there is none (qwen3's)."""
+    from router.reasoning import prompt_opens_thinking
+
+    assert prompt_opens_thinking("<|Assistant|><think>\n") and prompt_opens_thinking("<think>")
+    assert not prompt_opens_thinking("<|Assistant|></think>") and not prompt_opens_thinking("<think>\n\n</think>\n\n")
+    for name in ("deepseek_v3", "glm45", "kimi_k2", "minimax_m2"):
+        parser = REASONING_PARSERS[name]
+        for text in TEXTS:
+            assert parser.split(text, prompt_opens=True) == REASONING_PARSERS["deepseek_r1"].split(text), (name, text)
+            assert parser.split(text) == REASONING_PARSERS["qwen3"].split(text), (name, text)
+
+
+def test_a_template_that_opens_the_thinking_when_asked(redis_url: str, tokenizer: Any) -> None:
+    """DeepSeek-V3.1's way, through the router: ``chat_template_kwargs`` ``thinking: true`` ends the prompt with
+    <think>, and the answer's text up to </think> is the thinking; without it the same parser reads the answer as
+    content (``deepseek_r1`` would call all of it thinking)."""
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\n{% if thinking %}<think>\n{% else %}</think>{% endif %}")
+    prompts = PromptProcessor(tokenizer, max_model_len=2048, chat_template=template)
+    reply = list(tokenizer.encode("Paris it is.</think>\n\nParis.", add_special_tokens=False))
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001, "max_model_len": 2048},
+                    reasoning_parser="deepseek_v3", request_timeout_s=5.0) as (server, _):
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
+        for stream in (False, True):
+            thinking = _chat(client, stream, {"chat_template_kwargs": {"thinking": True}})
+            assert thinking == ("Paris it is.", "Paris.")
+            assert _chat(client, stream, {}) == ("", "Paris it is.</think>\n\nParis.")
+
+
+# (long enough that the prompt's start is not its end)
+LONG_MESSAGES = [{"role": "user", "content": "Which city is the capital of France, and why? " * 8}]
+
+
+def _chat(client: openai.OpenAI, stream: bool, extra: dict[str, Any]) -> tuple[str, str]:
+    if not stream:
+        message = client.chat.completions.create(model=SERVED_MODEL, messages=LONG_MESSAGES, max_tokens=300,
+                                                 extra_body=extra).choices[0].message
+        return getattr(message, "reasoning_content", None) or "", message.content or ""
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(model=SERVED_MODEL, messages=LONG_MESSAGES, max_tokens=300,
+                                                stream=True, extra_body=extra):
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+    return reasoning, content

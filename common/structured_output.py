@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from common.sampling_params import StructuredOutput
 
@@ -39,6 +39,54 @@ def json_depth(value: object) -> int:
     return deepest
 
 
+def structural_tag_tokens(spec: object) -> set[str | int]:
+    """The tokens a structural tag names to be matched as tokens (by string or id): its ``token`` formats,
+    ``trigger_tokens`` and ``exclude_tokens``. A special token is seen only so, never as text."""
+    found: set[str | int] = set()
+    stack = [spec]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if node.get("type") == "token" and isinstance(node.get("token"), (str, int)):
+                found.add(node["token"])
+            for key in ("trigger_tokens", "exclude_tokens"):
+                found.update(t for t in node.get(key) or [] if isinstance(t, (str, int)))
+            stack.extend(node.values())
+    return found
+
+
+def _token_text(token: object) -> str:
+    return token if isinstance(token, str) else f"<token {token}>"
+
+
+def _as_text(node: object) -> object:
+    """A structural tag with its token-level formats made text-level ones of the same shape: what can be checked
+    without a tokenizer (a token as its text, a token trigger as a text one, any tokens as any text)."""
+    if isinstance(node, list):
+        return [_as_text(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    kind = node.get("type")
+    if kind == "token":
+        return {"type": "const_string", "value": _token_text(node.get("token"))}
+    if kind == "exclude_token":
+        return {"type": "const_string", "value": "x"}
+    if kind == "any_tokens":
+        return {"type": "any_text"}
+    out: dict[str, Any] = {key: _as_text(value) for key, value in node.items()}
+    if kind == "token_triggered_tags":
+        out = {"type": "triggered_tags", "triggers": [_token_text(t) for t in node.get("trigger_tokens") or []],
+               "tags": out.get("tags", []), "at_least_one": node.get("at_least_one", False),
+               "stop_after_first": node.get("stop_after_first", False)}
+    if kind == "tag":
+        for key in ("begin", "end"):
+            if isinstance(out.get(key), dict) and out[key].get("type") == "const_string":
+                out[key] = out[key]["value"]
+    return out
+
+
 def clean_error(exc: Exception) -> str:
     """xgrammar's message for a bad input, without its C++ location."""
     text = str(exc).strip()
@@ -51,7 +99,9 @@ def choice_ebnf(choices: list[str]) -> str:
 
 
 def build_grammar(so: StructuredOutput) -> xgrammar.Grammar:
-    """The grammar ``so`` describes; ``ValueError`` saying what is wrong with it. Needs no tokenizer.
+    """The grammar ``so`` describes; ``ValueError`` saying what is wrong with it. Needs no tokenizer: a structural
+    tag that matches tokens as tokens (``structural_tag_tokens``) gives the grammar of its text-level twin, for its
+    checks; an engine compiles the tag itself against its tokenizer.
 
     JSON comes without free whitespace (``", "`` and ``": "`` between items): a small model let
     loose on optional whitespace may emit it forever."""
@@ -67,8 +117,11 @@ def build_grammar(so: StructuredOutput) -> xgrammar.Grammar:
         if so.kind == "regex":
             return xgr.Grammar.from_regex(so.spec)
         if so.kind == "structural_tag":
-            if json_depth(json.loads(so.spec)) > MAX_SCHEMA_DEPTH:
+            spec = json.loads(so.spec)
+            if json_depth(spec) > MAX_SCHEMA_DEPTH:
                 raise ValueError(f"the structural tag nests deeper than {MAX_SCHEMA_DEPTH} levels")
+            if structural_tag_tokens(spec):  # checked as text here; compiled against a tokenizer by the engines
+                return xgr.Grammar.from_structural_tag(json.dumps(_as_text(spec)))
             return xgr.Grammar.from_structural_tag(so.spec)
         if so.kind == "grammar":
             if "::=" not in so.spec:  # say, a Lark grammar (``rule: ...``), which is not converted

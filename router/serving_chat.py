@@ -68,9 +68,9 @@ async def plan_chat(
         if structured is not None and structured[1] != "tool_choice":
             raise bad_request(f"strict functions constrain their calls; {structured[1]} cannot constrain the output "
                               "as well", param=structured[1])
-        await check_grammar(native, "tools")
+        await check_grammar(native, "tools", state.prompts.is_token)
     elif structured is not None:
-        await check_grammar(*structured)
+        await check_grammar(*structured, state.prompts.is_token)
     model_images = state.config.images
     image_refs: list[ImageRef] | None = [] if model_images.processor is not None else None
     messages = request.template_messages(image_refs, model_images.refusal)
@@ -178,7 +178,7 @@ def answer_reader(
     lost = state.tags_lost_in_text  # the parsers' tags the tokenizer marks special
     in_harmony = state.harmony and free  # (a grammar holds the body of the message the prompt opened)
     needs_special = bool(
-        (tools is not None and tools.choice == "auto" and state.tool_parser is not None
+        (tools is not None and tools.parser_reads and state.tool_parser is not None
          and lost.intersection(state.tool_parser.tags))
         or (reasoning is not None and lost.intersection(reasoning.tags))
         or (in_harmony and lost.intersection(harmony.TAGS))

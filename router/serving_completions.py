@@ -51,7 +51,7 @@ async def plan_completion(
     model = state.check_model(request.model)
     structured = request.structured_output()
     if structured is not None:
-        await check_grammar(*structured)
+        await check_grammar(*structured, state.prompts.is_token)
     # A request the fair queue could not take now is refused before any tokenizing.
     state.admission.check(CLIENT_KEY.get() or "-", _num_prompts(request.prompt))  # one engine request per prompt
     max_model_len = state.max_model_len()

@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+from collections.abc import Callable
 from typing import Any
 
 from common.sampling_params import MAX_STRUCTURED_OUTPUT_CHARS, StructuredOutput
-from common.structured_output import build_grammar
+from common.structured_output import build_grammar, structural_tag_tokens
 from router.errors import bad_request
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag")
@@ -183,9 +184,13 @@ def _grammar_error(so: StructuredOutput) -> str | None:
     return None
 
 
-async def check_grammar(so: StructuredOutput, param: str) -> None:
-    """A 400 naming ``param`` when ``so``'s schema, regex or choices make no grammar. Off the event
-    loop: a large schema takes milliseconds to convert."""
+async def check_grammar(so: StructuredOutput, param: str, is_token: Callable[[str | int], bool]) -> None:
+    """A 400 naming ``param`` when ``so``'s schema, regex or choices make no grammar, or a structural tag names a token
+    that is none of the model's (``is_token``). Off the event loop: a large schema takes milliseconds to convert."""
     error = await asyncio.to_thread(_grammar_error, so)
+    if error is None and so.kind == "structural_tag":
+        unknown = sorted(map(str, (t for t in structural_tag_tokens(json.loads(so.spec)) if not is_token(t))))
+        if unknown:
+            error = f"{', '.join(map(repr, unknown[:5]))}: not a token of this model's tokenizer"
     if error is not None:
         raise bad_request(f"{param}: {error}", param=param)

@@ -142,6 +142,14 @@ class PromptProcessor:
         return cls(tokenizer, _config_max_len(model_dir), chat_template=chat_template,
                    model_eos_token_ids=_model_eos_token_ids(model_dir))
 
+    @functools.cached_property
+    def _vocab(self) -> dict[str, int]:
+        return dict(self.tokenizer.get_vocab())
+
+    def is_token(self, token: str | int) -> bool:
+        """Whether ``token`` (a token's string or id) is one token of this tokenizer's."""
+        return 0 <= token < self.vocab_size if isinstance(token, int) else token in self._vocab
+
     def lost_in_text(self, tags: tuple[str, ...]) -> list[str]:
         """Those of ``tags`` that streamed text leaves out: the tokenizer marks them special tokens,
         which detokenizing skips, so a parser looking for them would never see them."""

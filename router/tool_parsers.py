@@ -62,6 +62,7 @@ class ToolCallParser(Protocol):
     name: str
     tags: tuple[str, ...]  # what the parser must see in the streamed text (so not skipped as special tokens)
     holds_calls: bool  # whether ``call_tag`` gives a structural tag for the format
+    binds_tokens: bool  # whether ``call_tag`` holds the format's tags as tokens where the tokenizer makes them special
 
     def extract(self, text: str, functions: Sequence[dict[str, Any]] = ()) -> tuple[str | None, list[ToolCall]]:
         """A whole answer's content (None when there is none) and its calls, in order. ``functions``: the tools'
@@ -77,11 +78,12 @@ class ToolCallParser(Protocol):
         ...
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
-                 required: bool) -> dict[str, Any] | None:
+                 required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
         """A structural tag (xgrammar's form) holding each call the model writes in this format to one of
         ``functions``, its arguments valid against the ``parameters`` of those named in ``held`` (any object for
         the others), the text around calls free; one call at most unless ``parallel``; with ``required``, the answer
-        opens with a call. None where the format has none."""
+        opens with a call. ``special``: the format's tags the tokenizer makes special tokens (held as tokens where
+        ``binds_tokens``). None where the format has none."""
         ...
 
 
@@ -260,6 +262,7 @@ class _Parser:
     """What the parsers share: ``extract`` runs ``stream`` over the whole text; OpenAI-style ids; no structural tag."""
 
     holds_calls = False
+    binds_tokens = False
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         raise NotImplementedError
@@ -271,7 +274,7 @@ class _Parser:
         return openai_call_id()
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
-                 required: bool) -> dict[str, Any] | None:
+                 required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
         return None
 
 
@@ -292,7 +295,7 @@ class HermesParser(_Parser):
         return _TagStream()
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
-                 required: bool) -> dict[str, Any] | None:
+                 required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
         """From ``<tool_call>`` on, a call as the format's chat templates show it (``<tool_call>``, a newline, then
         ``{"name": ..., "arguments": ...}``, a newline, ``</tool_call>``): triggered tags, one per function."""
         tags = [{"begin": f"{HERMES_OPEN}{HERMES_HELD_BEGIN}{json.dumps(f['name'])}{HERMES_HELD_ARGUMENTS}",
@@ -453,10 +456,46 @@ class MistralParser(_Parser):
     ``[TOOL_CALLS]`` is a special token: the router keeps special tokens' text for these answers."""
 
     name = "mistral"
-    tags: tuple[str, ...] = (_MISTRAL_TAG,)
+    tags: tuple[str, ...] = (_MISTRAL_TAG, _MISTRAL_ARGS)
+    holds_calls = True
+    binds_tokens = True
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _MistralStream()
+
+    def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
+                 required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
+        """From ``[TOOL_CALLS]`` on, the calls as the model's tokenizer version writes them: where ``[ARGS]`` is one of
+        its special tokens (v11 on), ``[TOOL_CALLS]NAME[ARGS]{...}`` per call (a tag per function), else one JSON array
+        of ``{"name", "arguments"}`` objects. Each tag the tokenizer makes special is held as that token (xgrammar's
+        token formats: a special token is no text a grammar sees)."""
+        def marker(tag: str) -> dict[str, Any]:
+            return {"type": "token", "token": tag} if tag in special else {"type": "const_string", "value": tag}
+
+        def arguments(f: dict[str, Any]) -> dict[str, Any]:
+            return arguments_schema(f) if f["name"] in held else {"type": "object"}
+
+        contents: list[dict[str, Any]]
+        if _MISTRAL_ARGS in special:
+            contents = [{"type": "sequence", "elements": [
+                {"type": "const_string", "value": f["name"]}, marker(_MISTRAL_ARGS),
+                {"type": "json_schema", "json_schema": arguments(f)}]} for f in functions]
+            stop_after_first = not parallel
+        else:
+            calls = [{"type": "object", "properties": {"name": {"enum": [f["name"]]}, "arguments": arguments(f)},
+                      "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+            schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            if not parallel:
+                schema["maxItems"] = 1
+            contents, stop_after_first = [{"type": "json_schema", "json_schema": schema}], True
+        if _MISTRAL_TAG in special:
+            tags = [{"type": "tag", "begin": marker(_MISTRAL_TAG), "content": content, "end": ""} for content in contents]
+            form: dict[str, Any] = {"type": "token_triggered_tags", "trigger_tokens": [_MISTRAL_TAG], "tags": tags}
+        else:
+            tags = [{"type": "tag", "begin": _MISTRAL_TAG, "content": content, "end": ""} for content in contents]
+            form = {"type": "triggered_tags", "triggers": [_MISTRAL_TAG], "tags": tags}
+        form.update(at_least_one=required, stop_after_first=stop_after_first)
+        return {"type": "structural_tag", "format": form}
 
     def new_call_id(self, name: str, index: int) -> str:
         """Nine letters and digits: Mistral's chat templates refuse any other id when a conversation
@@ -536,7 +575,7 @@ class Qwen3CoderParser(_Parser):
         return _TagStream(_one(functools.partial(_qwen_xml_call, functions=functions)))
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
-                 required: bool) -> dict[str, Any] | None:
+                 required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
         """From ``<tool_call>`` and ``<function=`` on, a call as the format's chat templates show it, its parameters in
         xgrammar's ``qwen_xml`` style (the XML elements above, typed by the schema): triggered tags, one per function.
         Its calls are read whole (``stream``), each as it closes."""

@@ -204,7 +204,8 @@ class ToolPlan:
         if self.choice not in ("auto", "required", "named") or (self.choice == "auto" and not self.strict):
             return self
         parser = state.tool_parser
-        if parser is not None and parser.holds_calls and not state.tags_lost_in_text.intersection(parser.tags):
+        if parser is not None and parser.holds_calls and (
+                parser.binds_tokens or not state.tags_lost_in_text.intersection(parser.tags)):
             return replace(self, native=True)
         if self.choice == "auto":
             assert parser is not None, "tools_for_template refuses 'auto' without a parser"
@@ -225,7 +226,8 @@ class ToolPlan:
         functions = [f for f in self.functions if self.function in (None, f["name"])]
         forced = self.choice != "auto"
         held = frozenset(f["name"] for f in functions) if forced else self.strict
-        tag = parser.call_tag(functions, held, self.parallel and self.choice != "named", forced)
+        tag = parser.call_tag(functions, held, self.parallel and self.choice != "named", forced,
+                              state.tags_lost_in_text.intersection(parser.tags))
         assert tag is not None, "in_format checked the format has a tag"
         return StructuredOutput(kind="structural_tag", spec=_tools_spec(tag))
 

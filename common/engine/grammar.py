@@ -9,6 +9,7 @@ its state with every token it appends, and a state that accepted a stop token ha
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from common.engine.host_tensors import long_tensor, to_device
 from common.sampling_params import StructuredOutput
-from common.structured_output import build_grammar, clean_error
+from common.structured_output import build_grammar, clean_error, structural_tag_tokens
 
 if TYPE_CHECKING:
     import xgrammar
@@ -96,7 +97,10 @@ class GrammarCache:
                 return compiled
             grammar = build_grammar(so)
             try:
-                compiled = self._get_compiler().compile_grammar(grammar)
+                if so.kind == "structural_tag" and structural_tag_tokens(json.loads(so.spec)):
+                    compiled = self._get_compiler().compile_structural_tag(so.spec)  # its tokens by this tokenizer
+                else:
+                    compiled = self._get_compiler().compile_grammar(grammar)
             except RuntimeError as exc:
                 raise ValueError(f"invalid {so.kind}: {clean_error(exc)}") from None
             self.num_compiled += 1

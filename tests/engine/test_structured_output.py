@@ -349,3 +349,32 @@ def test_bans_that_leave_no_token_fail_that_request_and_the_batch_goes_on(engine
                 errors[out.request_id] = (len(tokens[out.request_id]), out.error)
     assert errors == {"at-once": (0, NO_TOKEN_ERROR), "later": (1, NO_TOKEN_ERROR)}
     assert tokens["later"] == paris[:1] and len(tokens["free"]) == 12
+
+
+def test_a_structural_tag_holds_a_special_token_as_that_token(engine_factory):  # type: ignore[no-untyped-def]
+    """A tag that names a token (xgrammar's token formats, as a tool-call format whose tags are special tokens uses
+    them: Mistral's [TOOL_CALLS]) is compiled against the engine's tokenizer: the output opens with that token's id,
+    which no text-level grammar could ask for, then the tag's content. A token the tokenizer lacks is refused."""
+    marker = "<|im_start|>"
+    marker_id = tokenizer().convert_tokens_to_ids(marker)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+
+    def tag(token: str) -> StructuredOutput:
+        return StructuredOutput(kind="structural_tag", spec=json.dumps({"type": "structural_tag", "format": {
+            "type": "token_triggered_tags", "trigger_tokens": [token], "at_least_one": True, "stop_after_first": True,
+            "tags": [{"type": "tag", "begin": {"type": "token", "token": token}, "end": "", "content": {
+                "type": "sequence", "elements": [{"type": "const_string", "value": "n="},
+                                                 {"type": "json_schema", "json_schema": schema,
+                                                  "max_whitespace_cnt": 1}]}}]}}))  # (the model would loop on it)
+
+    engine = engine_factory()
+    engine.add_request("tagged", _chat("Pick a number."), _params(tag(marker), max_tokens=24))
+    tokens, reasons = drain_tokens(engine)
+    ids = tokens["tagged"]
+    assert reasons["tagged"] == "stop" and ids[0] == marker_id, ids
+    text = tokenizer().decode(ids[1:], skip_special_tokens=True)
+    assert text.startswith("n=") and jsonschema.validate(json.loads(text[2:]), schema) is None, text
+    with pytest.raises(ValueError, match="invalid structural_tag"):
+        engine.add_request("r", _prompt(), _params(tag("[NOT_A_TOKEN_HERE]")))
+    assert not engine.knows("r")

@@ -420,18 +420,57 @@ def test_mistral_calls_behind_a_special_token(redis_url: str, tokenizer: Any, to
                                                                stream=True)
                  for c in chunk.choices for p in c.delta.tool_calls or []]
         assert [(p.function.name, len(p.id or "")) for p in parts if p.function] == [("get_weather", 9)]
-        # Strict functions under "auto" have no structural tag in this format: refused, not left unconstrained.
+        # Strict functions under "auto", and a "required" answer: a structural tag holds the calls from the
+        # [TOOL_CALLS] token on, as that token, in this tokenizer's form (no [ARGS]: one JSON array of calls).
         strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
-        body = {"model": SERVED_MODEL, "messages": MESSAGES, "tools": strict}
-        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=10)
-        assert response.status_code == 400 and response.json()["error"]["param"] == "tools", response.text
-        assert "mistral" in response.json()["error"]["message"]
-        # No tag can see [TOOL_CALLS]: a "required" answer is held to the JSON array of calls instead.
-        required = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS,
-                                                  tool_choice="required", max_tokens=50)
-        [sent] = [r for r in cluster.requests() if r.request_id.startswith(required.id) and r.decode_target is not None]
+        for tools, choice in ((strict, "auto"), (TOOLS, "required")):
+            answer = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=tools,  # type: ignore[arg-type]
+                                                    tool_choice=choice, max_tokens=50)  # type: ignore[arg-type]
+            [call] = answer.choices[0].message.tool_calls or []
+            assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+            [sent] = [r for r in cluster.requests() if r.request_id.startswith(answer.id) and r.decode_target is not None]
+            so = sent.sampling_params.structured_output
+            assert so is not None and so.kind == "structural_tag", so
+            form = json.loads(so.spec)["format"]
+            assert (form["type"], form["trigger_tokens"], form["at_least_one"]) == (
+                "token_triggered_tags", ["[TOOL_CALLS]"], choice == "required")
+            [tag] = form["tags"]
+            assert tag["begin"] == {"type": "token", "token": "[TOOL_CALLS]"}
+            assert tag["content"]["json_schema"]["type"] == "array"
+
+
+def test_mistral_v11_calls_held_in_their_own_form(redis_url: str, tokenizer_dir: Any) -> None:
+    """A tokenizer with [ARGS] among its special tokens (Mistral's v11 on) writes each call as
+    ``[TOOL_CALLS]NAME[ARGS]{...}``: forced and strict calls are held in that form, both tags as tokens, and read back."""
+    from transformers import AutoTokenizer
+
+    special = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    special.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    template = ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+                "{% for m in messages %}[INST]{{ m.content }}[/INST]{% endfor %}")
+    prompts = PromptProcessor(special, max_model_len=2048, chat_template=template)
+    reply = list(special.encode('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}',
+                                add_special_tokens=False))
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001, "max_model_len": 2048},
+                    tool_call_parser="mistral", request_timeout_s=5.0) as (server, cluster):
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
+        answer = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required")
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in answer.choices[0].message.tool_calls or []] == [
+            ("get_weather", {"city": "Paris"}), ("get_time", {"zone": "UTC"})]
+        [sent] = [r for r in cluster.requests() if r.request_id.startswith(answer.id) and r.decode_target is not None]
         so = sent.sampling_params.structured_output
-        assert so is not None and so.kind == "json_schema" and json.loads(so.spec)["type"] == "array"
+        assert so is not None and so.kind == "structural_tag"
+        tags = json.loads(so.spec)["format"]["tags"]
+        assert [t["content"]["elements"][:2] for t in tags] == [
+            [{"type": "const_string", "value": name}, {"type": "token", "token": "[ARGS]"}]
+            for name in ("get_weather", "get_time")]
+        # A structural tag of the request's own naming a token this tokenizer lacks: a 400 naming it.
+        body = {"model": SERVED_MODEL, "messages": MESSAGES, "response_format": {"type": "structural_tag", "format": {
+            "type": "token_triggered_tags", "trigger_tokens": ["[NOPE]"], "tags": [
+                {"type": "tag", "begin": {"type": "token", "token": "[NOPE]"}, "content": {"type": "const_string", "value": "x"},
+                 "end": ""}]}}}
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=10)
+        assert response.status_code == 400 and "'[NOPE]': not a token of this model's tokenizer" in response.text
 
 
 def test_tokenize_counts_the_tools_as_the_chat_completion_sends_them(

@@ -585,3 +585,42 @@ def test_kimi_k2_sections_keep_the_ids_the_model_wrote() -> None:
                  "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>[]<|tool_call_end|>"):
         bad = f"Hi <|tool_calls_section_begin|>{body}<|tool_calls_section_end|>"
         assert kimi.extract(bad) == (bad, []), body
+
+
+def test_mistral_call_tags_hold_calls_in_each_tokenizer_s_form(tokenizer_dir: object) -> None:
+    """Mistral's structural tags, compiled by xgrammar against a tokenizer whose tags are special tokens (as an engine
+    compiles them): a call in the tokenizer's form is taken, token for token, after text under "auto" and only at the
+    start under "required"; arguments off a held schema are not; with [TOOL_CALLS] plain text, the same as text."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from common.sampling_params import StructuredOutput
+    from common.structured_output import build_grammar
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok),
+                                                                      stop_token_ids=[tok.eos_token_id]))
+    functions = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"], "additionalProperties": False}},
+                 {"name": "f"}]
+
+    def takes(tag: dict[str, object], text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(json.dumps(tag)))
+        return all(matcher.accept_token(t) for t in tok.encode(text, add_special_tokens=False)) and (
+            matcher.accept_token(tok.eos_token_id))
+
+    for special in (frozenset({"[TOOL_CALLS]", "[ARGS]"}), frozenset({"[TOOL_CALLS]"}), frozenset()):
+        v11 = "[ARGS]" in special
+        call = ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}' if v11
+                else '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]')
+        for required in (False, True):
+            tag = MISTRAL.call_tag(functions, frozenset({"get_weather"}), True, required, special)
+            assert tag is not None
+            build_grammar(StructuredOutput(kind="structural_tag", spec=json.dumps(tag)))  # the router's check
+            assert takes(tag, call) and not takes(tag, call.replace("city", "town"))
+            assert takes(tag, "Sure. " + call) != required and takes(tag, "Just text.") != required
+        if v11:  # each call its own [TOOL_CALLS]; one call only without parallel calls
+            two = call + '[TOOL_CALLS]f[ARGS]{"x": 1}'
+            assert takes(MISTRAL.call_tag(functions, frozenset({"get_weather"}), True, True, special), two)
+            assert not takes(MISTRAL.call_tag(functions, frozenset({"get_weather"}), False, True, special), two)

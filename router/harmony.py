@@ -96,18 +96,18 @@ class Header:
 def forced_header(tools: ToolPlan | None, structured: tuple[StructuredOutput, str] | None) -> str | None:
     """The header the prompt ends with where a grammar holds the answer: it then holds that message's body, and
     the answer is that body. A named function's call (its arguments held to its schema), or the final message
-    (``response_format`` and the other structured outputs); None for a free answer. A 400 for what the format
-    cannot hold: a ``"required"`` answer (which function is the model's to choose, in a header grammars do not
-    see, its tags being special tokens), and strict functions under ``"auto"`` (the same)."""
+    (``response_format`` and the other structured outputs); None for a free answer. A 400 for what is not built
+    for this format: a ``"required"`` answer (which function is the model's to choose, in a header: a grammar over
+    the whole answer, thinking included), and strict functions under ``"auto"`` (the same)."""
     if tools is not None and tools.choice == "named":
         return f"{CHANNEL}commentary to={FUNCTIONS}{tools.function} {CONSTRAIN}json{MESSAGE}"
     if tools is not None and tools.choice == "required":
         raise bad_request("tool_choice 'required' is not implemented for gpt-oss's harmony format (the function's "
-                          "name is in a header of special tokens no grammar sees): name the function, or ask for 'auto'",
+                          "name is the model's to write in a header): name the function, or ask for 'auto'",
                           param="tool_choice")
     if tools is not None and tools.choice == "auto" and tools.strict:
         raise bad_request("strict functions with tool_choice 'auto' are not implemented for gpt-oss's harmony format "
-                          "(a call's header is special tokens no grammar sees): drop strict, or name the function",
+                          "(a call's header is the model's to write): drop strict, or name the function",
                           param="tools")
     return f"{CHANNEL}final{MESSAGE}" if structured is not None else None
 

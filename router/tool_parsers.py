@@ -468,7 +468,7 @@ class MistralParser(_Parser):
         """From ``[TOOL_CALLS]`` on, the calls as the model's tokenizer version writes them: where ``[ARGS]`` is one of
         its special tokens (v11 on), ``[TOOL_CALLS]NAME[ARGS]{...}`` per call (a tag per function), else one JSON array
         of ``{"name", "arguments"}`` objects. Each tag the tokenizer makes special is held as that token (xgrammar's
-        token formats: a special token is no text a grammar sees)."""
+        token formats), not as text the model could also spell from smaller tokens."""
         def marker(tag: str) -> dict[str, Any]:
             return {"type": "token", "token": tag} if tag in special else {"type": "const_string", "value": tag}
 

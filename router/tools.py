@@ -200,7 +200,7 @@ class ToolPlan:
         """The plan with ``native`` set where a structural tag is to hold the calls in the format the chat template
         teaches (the parser's ``call_tag``): ``"auto"`` with strict functions, and ``"required"`` and named answers
         where the format has a tag (else their JSON grammar, ``structured_output``). A 400 for strict functions where
-        the format has none, or its tags are special tokens, which a grammar cannot see in the text."""
+        the format has none, or its tags are special tokens its tag does not hold as tokens (``binds_tokens``)."""
         if self.choice not in ("auto", "required", "named") or (self.choice == "auto" and not self.strict):
             return self
         parser = state.tool_parser

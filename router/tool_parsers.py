@@ -283,6 +283,49 @@ def arguments_schema(function: dict[str, Any]) -> dict[str, Any]:
     return function.get("parameters") or {"type": "object"}
 
 
+def _held(function: dict[str, Any], held: frozenset[str], style: str = "json") -> dict[str, Any]:
+    """A call's arguments in a structural tag: held to its schema when it is ``held``, any object otherwise."""
+    schema = arguments_schema(function) if function["name"] in held else {"type": "object"}
+    return {"type": "json_schema", "json_schema": schema, **({"style": style} if style != "json" else {})}
+
+
+def _text(value: str) -> dict[str, Any]:
+    return {"type": "const_string", "value": value}
+
+
+def _marker(tag: str, special: frozenset[str]) -> dict[str, Any]:
+    """A format's tag inside a structural tag's content: that token where the tokenizer makes it special, else text."""
+    return {"type": "token", "token": tag} if tag in special else _text(tag)
+
+
+def _edge(tag: str, special: frozenset[str]) -> str | dict[str, Any]:
+    """A format's tag as a structural tag's ``begin`` or ``end``: that token where it is special, else text."""
+    return {"type": "token", "token": tag} if tag in special else tag
+
+
+def _triggered(tags: list[dict[str, Any]], trigger: str, special: frozenset[str], required: bool,
+               stop_after_first: bool) -> dict[str, Any]:
+    """A structural tag whose ``tags`` start where the text (or the token, where special) ``trigger`` comes, the text
+    around them free; with ``required`` the answer opens with one."""
+    form: dict[str, Any] = (
+        {"type": "token_triggered_tags", "trigger_tokens": [trigger], "tags": tags} if trigger in special
+        else {"type": "triggered_tags", "triggers": [trigger], "tags": tags})
+    form.update(at_least_one=required, stop_after_first=stop_after_first)
+    return {"type": "structural_tag", "format": form}
+
+
+def _block(open_tag: str, close_tag: str, calls: list[dict[str, Any]], parallel: bool, required: bool,
+           special: frozenset[str], line: str = "") -> dict[str, Any]:
+    """A structural tag of one block (``open_tag`` ... ``close_tag``) holding ``calls``, one at most unless
+    ``parallel``; ``line``: what comes after the open tag, between calls and before the close tag."""
+    content: dict[str, Any] = {"type": "tags_with_separator", "tags": calls, "separator": line, "at_least_one": True,
+                               "stop_after_first": not parallel}
+    if line:
+        content = {"type": "sequence", "elements": [_text(line), content, _text(line)]}
+    block = {"type": "tag", "begin": _edge(open_tag, special), "content": content, "end": _edge(close_tag, special)}
+    return _triggered([block], open_tag, special, required, stop_after_first=True)
+
+
 class HermesParser(_Parser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` anywhere in the answer; a tag
     left open at the end is a call when the rest of the answer is one."""
@@ -469,33 +512,21 @@ class MistralParser(_Parser):
         its special tokens (v11 on), ``[TOOL_CALLS]NAME[ARGS]{...}`` per call (a tag per function), else one JSON array
         of ``{"name", "arguments"}`` objects. Each tag the tokenizer makes special is held as that token (xgrammar's
         token formats), not as text the model could also spell from smaller tokens."""
-        def marker(tag: str) -> dict[str, Any]:
-            return {"type": "token", "token": tag} if tag in special else {"type": "const_string", "value": tag}
-
-        def arguments(f: dict[str, Any]) -> dict[str, Any]:
-            return arguments_schema(f) if f["name"] in held else {"type": "object"}
-
         contents: list[dict[str, Any]]
         if _MISTRAL_ARGS in special:
-            contents = [{"type": "sequence", "elements": [
-                {"type": "const_string", "value": f["name"]}, marker(_MISTRAL_ARGS),
-                {"type": "json_schema", "json_schema": arguments(f)}]} for f in functions]
-            stop_after_first = not parallel
+            contents = [{"type": "sequence", "elements": [_text(f["name"]), _marker(_MISTRAL_ARGS, special), _held(f, held)]}
+                        for f in functions]
         else:
-            calls = [{"type": "object", "properties": {"name": {"enum": [f["name"]]}, "arguments": arguments(f)},
+            calls = [{"type": "object",
+                      "properties": {"name": {"enum": [f["name"]]}, "arguments": _held(f, held)["json_schema"]},
                       "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
             schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
             if not parallel:
                 schema["maxItems"] = 1
-            contents, stop_after_first = [{"type": "json_schema", "json_schema": schema}], True
-        if _MISTRAL_TAG in special:
-            tags = [{"type": "tag", "begin": marker(_MISTRAL_TAG), "content": content, "end": ""} for content in contents]
-            form: dict[str, Any] = {"type": "token_triggered_tags", "trigger_tokens": [_MISTRAL_TAG], "tags": tags}
-        else:
-            tags = [{"type": "tag", "begin": _MISTRAL_TAG, "content": content, "end": ""} for content in contents]
-            form = {"type": "triggered_tags", "triggers": [_MISTRAL_TAG], "tags": tags}
-        form.update(at_least_one=required, stop_after_first=stop_after_first)
-        return {"type": "structural_tag", "format": form}
+            contents, parallel = [{"type": "json_schema", "json_schema": schema}], False  # (one array holds them all)
+        tags = [{"type": "tag", "begin": _edge(_MISTRAL_TAG, special), "content": content, "end": ""}
+                for content in contents]
+        return _triggered(tags, _MISTRAL_TAG, special, required, stop_after_first=not parallel)
 
     def new_call_id(self, name: str, index: int) -> str:
         """Nine letters and digits: Mistral's chat templates refuse any other id when a conversation
@@ -636,11 +667,23 @@ class GlmParser(_Parser):
     # (GLM's tokenizers make all of them special tokens)
     tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 
+    holds_calls = True
+    binds_tokens = True
+
     def __init__(self, name: str) -> None:
         self.name = name
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _TagStream(_one(functools.partial(_glm_call, functions=functions)))
+
+    def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
+                 required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
+        """From ``<tool_call>`` on, one call per tag, its arguments in xgrammar's ``glm_xml`` style (the pairs, with or
+        without whitespace between); ``<tool_call>`` and ``</tool_call>`` held as tokens where special."""
+        tags = [{"type": "tag", "begin": _edge(HERMES_OPEN, special), "end": _edge(HERMES_CLOSE, special),
+                 "content": {"type": "sequence", "elements": [_text(f["name"]), _held(f, held, "glm_xml")]}}
+                for f in functions]
+        return _triggered(tags, HERMES_OPEN, special, required, stop_after_first=not parallel)
 
 
 _MINIMAX_OPEN = "<minimax:tool_call>"
@@ -674,9 +717,19 @@ class MiniMaxM2Parser(_Parser):
 
     name = "minimax_m2"
     tags: tuple[str, ...] = (_MINIMAX_OPEN, _MINIMAX_CLOSE)
+    holds_calls = True
+    binds_tokens = True
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _TagStream(functools.partial(_minimax_calls, functions=functions), _MINIMAX_OPEN, _MINIMAX_CLOSE)
+
+    def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
+                 required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
+        """One ``<minimax:tool_call>`` block of ``<invoke>`` elements, their parameters in xgrammar's ``minimax_xml``
+        style."""
+        invokes = [{"type": "tag", "begin": f'<invoke name="{f["name"]}">\n', "content": _held(f, held, "minimax_xml"),
+                    "end": "</invoke>"} for f in functions]
+        return _block(_MINIMAX_OPEN, _MINIMAX_CLOSE, invokes, parallel, required, special, line="\n")
 
 
 _DEEPSEEK_OPEN = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
@@ -712,12 +765,29 @@ class DeepSeekParser(_Parser):
     then ``<｜tool▁calls▁end｜>``; a block that holds anything else is content."""
 
     tags: tuple[str, ...] = (_DEEPSEEK_OPEN, _DEEPSEEK_CLOSE, _DEEPSEEK_CALL_OPEN, _DEEPSEEK_SEP, _DEEPSEEK_CALL_CLOSE)
+    holds_calls = True
+    binds_tokens = True
 
     def __init__(self, name: str) -> None:
         self.name = name
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _TagStream(_deepseek_calls, _DEEPSEEK_OPEN, _DEEPSEEK_CLOSE)
+
+    def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
+                 required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
+        """One block of calls in the form this parser's name says (``deepseek_v3``: V3's json code blocks; else
+        V3.1's bare arguments), each tag held as its token where special."""
+        def call(f: dict[str, Any]) -> dict[str, Any]:
+            if self.name == "deepseek_v3":
+                elements = [_text("function"), _marker(_DEEPSEEK_SEP, special), _text(f"{f['name']}\n```json\n"),
+                            _held(f, held), _text("\n```")]
+            else:
+                elements = [_text(f["name"]), _marker(_DEEPSEEK_SEP, special), _held(f, held)]
+            return {"type": "tag", "begin": _edge(_DEEPSEEK_CALL_OPEN, special),
+                    "content": {"type": "sequence", "elements": elements}, "end": _edge(_DEEPSEEK_CALL_CLOSE, special)}
+
+        return _block(_DEEPSEEK_OPEN, _DEEPSEEK_CLOSE, [call(f) for f in functions], parallel, required, special)
 
 
 _KIMI_OPEN, _KIMI_CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -751,9 +821,21 @@ class KimiK2Parser(_Parser):
 
     name = "kimi_k2"
     tags: tuple[str, ...] = (_KIMI_OPEN, _KIMI_CLOSE, _KIMI_CALL_OPEN, _KIMI_ARGUMENTS, _KIMI_CALL_CLOSE)
+    holds_calls = True
+    binds_tokens = True
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _TagStream(_kimi_calls, _KIMI_OPEN, _KIMI_CLOSE)
+
+    def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
+                 required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
+        """One section of calls, each ``functions.NAME:INDEX`` (any index) then its arguments, each tag held as its
+        token where special."""
+        calls = [{"type": "tag", "begin": _edge(_KIMI_CALL_OPEN, special), "end": _edge(_KIMI_CALL_CLOSE, special),
+                  "content": {"type": "sequence", "elements": [
+                      _text(f"functions.{f['name']}:"), {"type": "regex", "pattern": "[0-9]{1,6}"},
+                      _marker(_KIMI_ARGUMENTS, special), _held(f, held)]}} for f in functions]
+        return _block(_KIMI_OPEN, _KIMI_CLOSE, calls, parallel, required, special)
 
     def new_call_id(self, name: str, index: int) -> str:
         return f"functions.{name}:{index}"

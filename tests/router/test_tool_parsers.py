@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
+
+import pytest
 
 from router.tool_parsers import PARSERS, ToolCall, ToolCallParser, detect_parser
 
@@ -624,3 +627,66 @@ def test_mistral_call_tags_hold_calls_in_each_tokenizer_s_form(tokenizer_dir: ob
             two = call + '[TOOL_CALLS]f[ARGS]{"x": 1}'
             assert takes(MISTRAL.call_tag(functions, frozenset({"get_weather"}), True, True, special), two)
             assert not takes(MISTRAL.call_tag(functions, frozenset({"get_weather"}), False, True, special), two)
+
+
+def _glm_native(calls: list[tuple[str, str]]) -> str:
+    return "".join(f"<tool_call>{n}\n<arg_key>city</arg_key>\n<arg_value>{c}</arg_value>\n</tool_call>" for n, c in calls)
+
+
+def _minimax_native(calls: list[tuple[str, str]]) -> str:
+    return "<minimax:tool_call>\n" + "\n".join(
+        f'<invoke name="{n}">\n<parameter name="city">{c}</parameter>\n</invoke>' for n, c in calls) + "\n</minimax:tool_call>"
+
+
+def _deepseek_native(v3: bool) -> Any:
+    def text(calls: list[tuple[str, str]]) -> str:
+        body = "".join(
+            f"{DEEPSEEK_CALL}function{DEEPSEEK_SEP}{n}\n```json\n{json.dumps({'city': c})}\n```{DEEPSEEK_CALL_END}" if v3
+            else f"{DEEPSEEK_CALL}{n}{DEEPSEEK_SEP}{json.dumps({'city': c})}{DEEPSEEK_CALL_END}" for n, c in calls)
+        return DEEPSEEK_OPEN + body + DEEPSEEK_CLOSE
+    return text
+
+
+def _kimi_native(calls: list[tuple[str, str]]) -> str:
+    return "<|tool_calls_section_begin|>" + "".join(
+        f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{json.dumps({'city': c})}<|tool_call_end|>"
+        for i, (n, c) in enumerate(calls)) + "<|tool_calls_section_end|>"
+
+
+@pytest.mark.parametrize(("name", "native"), [
+    ("glm45", _glm_native), ("minimax_m2", _minimax_native), ("deepseek_v3", _deepseek_native(True)),
+    ("deepseek_v31", _deepseek_native(False)), ("kimi_k2", _kimi_native)])
+@pytest.mark.parametrize("tags_special", [True, False])
+def test_each_format_s_call_tag_holds_its_own_calls(tokenizer_dir: object, name: str, native: Any,
+                                                    tags_special: bool) -> None:
+    """Each format's structural tag, compiled by xgrammar against a tokenizer (its tags special tokens, as the models'
+    tokenizers make them, or plain text): its own calls are taken and read back by its parser, token for token;
+    arguments off a held schema are not; text before a call only under "auto"; a second call only with parallel calls."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    parser = PARSERS[name]
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if tags_special:
+        tok.add_special_tokens({"additional_special_tokens": list(parser.tags)})
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok),
+                                                                      stop_token_ids=[tok.eos_token_id]))
+    functions = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"], "additionalProperties": False}},
+                 {"name": "get_time", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    special = frozenset(parser.tags) if tags_special else frozenset()
+
+    def takes(parallel: bool, required: bool, text: str) -> bool:
+        tag = parser.call_tag(functions, frozenset({"get_weather"}), parallel, required, special)
+        matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(json.dumps(tag)))
+        return all(matcher.accept_token(t) for t in tok.encode(text, add_special_tokens=False)) and (
+            matcher.accept_token(tok.eos_token_id))
+
+    one, two = native([("get_weather", "Paris")]), native([("get_weather", "Paris"), ("get_time", "Rome")])
+    assert [(c.name, json.loads(c.arguments)) for c in parser.extract(two, functions)[1]] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"city": "Rome"})]
+    for required in (False, True):
+        assert takes(True, required, one) and takes(True, required, two)
+        assert not takes(True, required, native([("get_weather", "Paris")]).replace("city", "town"))
+        assert takes(True, required, "Let me check. " + one) != required
+        assert not takes(False, required, two)

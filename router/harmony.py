@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from router.errors import bad_request
-from router.held_calls import ArgumentsPiece, CallStart
+from router.held_calls import ArgumentsPiece, CallStart, Stepper
 from router.tool_parsers import add_event, partial_suffix
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ def _first(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:
 
 
 @dataclass
-class HarmonyStream:
+class HarmonyStream(Stepper[HarmonyEvent]):
     """One answer read as it streams: ``feed`` gives the events no later text can change, ``finish`` the rest.
     ``max_calls``: calls past it are left out (``parallel_tool_calls`` false)."""
 
@@ -129,13 +129,6 @@ class HarmonyStream:
     _skip: bool = False  # a call past max_calls: its body is left out
     _num_calls: int = 0
     _written: set[str] = field(default_factory=set)  # the kinds of the messages that wrote text
-
-    def feed(self, text: str) -> list[HarmonyEvent]:
-        self._buf += text
-        events: list[HarmonyEvent] = []
-        while self._buf and self._step(events):
-            pass
-        return events
 
     def finish(self) -> list[HarmonyEvent]:
         """The rest: a body cut short is kept as far as it got; a header cut short wrote nothing."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from router.tool_parsers import (
     HERMES_HELD_ARGUMENTS,
@@ -45,24 +46,31 @@ class ArgumentsPiece:
 PieceEvent = str | CallStart | ArgumentsPiece
 
 
-class _HeldCalls:
-    """What the readers share: ``feed`` reads as far as the text so far allows (``_step`` until it must wait)."""
+E = TypeVar("E")
+
+
+class Stepper(Generic[E]):
+    """A reader of an answer as it streams (these, and gpt-oss's harmony format's): ``feed`` reads as far as the text
+    so far allows (``_step`` until it must wait), ``finish`` the rest."""
 
     _buf: str
 
-    def feed(self, text: str) -> list[PieceEvent]:
+    def feed(self, text: str) -> list[E]:
         self._buf += text
-        events: list[PieceEvent] = []
+        events: list[E] = []
         while self._buf and self._step(events):
             pass
         return events
 
-    def finish(self) -> list[PieceEvent]:
+    def finish(self) -> list[E]:
         raise NotImplementedError
 
-    def _step(self, events: list[PieceEvent]) -> bool:
+    def _step(self, events: list[E]) -> bool:
         """Reads what it can of the buffer; False when it must wait for more text."""
         raise NotImplementedError
+
+
+_HeldCalls = Stepper[PieceEvent]
 
 
 def _closing_quote(text: str, start: int) -> int | None:

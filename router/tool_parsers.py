@@ -333,6 +333,7 @@ class HermesParser(_Parser):
     name = "hermes"
     tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE)
     holds_calls = True
+    binds_tokens = True
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _TagStream()
@@ -340,13 +341,31 @@ class HermesParser(_Parser):
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
                  required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
         """From ``<tool_call>`` on, a call as the format's chat templates show it (``<tool_call>``, a newline, then
-        ``{"name": ..., "arguments": ...}``, a newline, ``</tool_call>``): triggered tags, one per function."""
-        tags = [{"begin": f"{HERMES_OPEN}{HERMES_HELD_BEGIN}{json.dumps(f['name'])}{HERMES_HELD_ARGUMENTS}",
-                 "content": {"type": "json_schema",
-                             "json_schema": arguments_schema(f) if f["name"] in held else {"type": "object"}},
-                 "end": HERMES_HELD_END} for f in functions]
-        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [HERMES_OPEN], "tags": tags,
-                                                     "at_least_one": required, "stop_after_first": not parallel}}
+        ``{"name": ..., "arguments": ...}``, a newline, ``</tool_call>``): triggered tags, one per function, the tags
+        held as tokens where special."""
+        return _tool_call_tags(functions, held, parallel, required, special, "json",
+                               lambda name: f"{HERMES_HELD_BEGIN}{json.dumps(name)}{HERMES_HELD_ARGUMENTS}", "}\n")
+
+
+def _tool_call_tags(functions: list[dict[str, Any]], held: frozenset[str], parallel: bool, required: bool,
+                    special: frozenset[str], style: str, head: Callable[[str], str], tail: str,
+                    text_trigger: str = "") -> dict[str, Any]:
+    """Calls inside ``<tool_call>`` tags: after the open tag, ``head(name)``, the arguments in ``style``, then ``tail``
+    and the close tag. Where ``<tool_call>`` is a token every tag begins with it, and what follows it is content; as
+    text, each tag begins with its whole head (so the function is chosen as the text comes), and the tags start
+    where ``<tool_call>`` and ``text_trigger`` come."""
+    def tag(f: dict[str, Any]) -> dict[str, Any]:
+        elements = [_held(f, held, style), *([_text(tail)] if tail else [])]
+        if HERMES_OPEN in special:
+            begin: str | dict[str, Any] = _edge(HERMES_OPEN, special)
+            elements.insert(0, _text(head(f["name"])))
+        else:
+            begin = HERMES_OPEN + head(f["name"])
+        return {"type": "tag", "begin": begin, "content": {"type": "sequence", "elements": elements},
+                "end": _edge(HERMES_CLOSE, special)}
+
+    trigger = HERMES_OPEN if HERMES_OPEN in special else HERMES_OPEN + text_trigger
+    return _triggered([tag(f) for f in functions], trigger, special, required, stop_after_first=not parallel)
 
 
 _PYTHON_TAG = "<|python_tag|>"
@@ -601,6 +620,7 @@ class Qwen3CoderParser(_Parser):
     name = "qwen3_coder"
     tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE)
     holds_calls = True
+    binds_tokens = True
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _TagStream(_one(functools.partial(_qwen_xml_call, functions=functions)))
@@ -608,15 +628,10 @@ class Qwen3CoderParser(_Parser):
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
                  required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
         """From ``<tool_call>`` and ``<function=`` on, a call as the format's chat templates show it, its parameters in
-        xgrammar's ``qwen_xml`` style (the XML elements above, typed by the schema): triggered tags, one per function.
-        Its calls are read whole (``stream``), each as it closes."""
-        tags = [{"begin": f"{HERMES_OPEN}\n<function={f['name']}>\n",
-                 "content": {"type": "json_schema", "style": "qwen_xml",
-                             "json_schema": arguments_schema(f) if f["name"] in held else {"type": "object"}},
-                 "end": f"\n</function>\n{HERMES_CLOSE}"} for f in functions]
-        return {"type": "structural_tag", "format": {
-            "type": "triggered_tags", "triggers": [f"{HERMES_OPEN}\n<function="], "tags": tags,
-            "at_least_one": required, "stop_after_first": not parallel}}
+        xgrammar's ``qwen_xml`` style (the XML elements above, typed by the schema): triggered tags, one per function,
+        the tags held as tokens where special. Its calls are read whole (``stream``), each as it closes."""
+        return _tool_call_tags(functions, held, parallel, required, special, "qwen_xml",
+                               lambda name: f"\n<function={name}>\n", "\n</function>\n", "\n<function=")
 
 
 def _schemas(functions: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:

@@ -653,8 +653,18 @@ def _kimi_native(calls: list[tuple[str, str]]) -> str:
         for i, (n, c) in enumerate(calls)) + "<|tool_calls_section_end|>"
 
 
+def _hermes_native(calls: list[tuple[str, str]]) -> str:
+    return "".join(f'<tool_call>\n{{"name": "{n}", "arguments": {json.dumps({"city": c})}}}\n</tool_call>'
+                   for n, c in calls)
+
+
+def _qwen3_coder_native(calls: list[tuple[str, str]]) -> str:
+    return "".join(f"<tool_call>\n<function={n}>\n<parameter=city>\n{c}\n</parameter>\n</function>\n</tool_call>"
+                   for n, c in calls)
+
+
 @pytest.mark.parametrize(("name", "native"), [
-    ("glm45", _glm_native), ("minimax_m2", _minimax_native), ("deepseek_v3", _deepseek_native(True)),
+    ("hermes", _hermes_native), ("qwen3_coder", _qwen3_coder_native), ("glm45", _glm_native), ("minimax_m2", _minimax_native), ("deepseek_v3", _deepseek_native(True)),
     ("deepseek_v31", _deepseek_native(False)), ("kimi_k2", _kimi_native)])
 @pytest.mark.parametrize("tags_special", [True, False])
 def test_each_format_s_call_tag_holds_its_own_calls(tokenizer_dir: object, name: str, native: Any,

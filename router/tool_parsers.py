@@ -62,7 +62,6 @@ class ToolCallParser(Protocol):
     name: str
     tags: tuple[str, ...]  # what the parser must see in the streamed text (so not skipped as special tokens)
     holds_calls: bool  # whether ``call_tag`` gives a structural tag for the format
-    binds_tokens: bool  # whether ``call_tag`` holds the format's tags as tokens where the tokenizer makes them special
 
     def extract(self, text: str, functions: Sequence[dict[str, Any]] = ()) -> tuple[str | None, list[ToolCall]]:
         """A whole answer's content (None when there is none) and its calls, in order. ``functions``: the tools'
@@ -82,8 +81,8 @@ class ToolCallParser(Protocol):
         """A structural tag (xgrammar's form) holding each call the model writes in this format to one of
         ``functions``, its arguments valid against the ``parameters`` of those named in ``held`` (any object for
         the others), the text around calls free; one call at most unless ``parallel``; with ``required``, the answer
-        opens with a call. ``special``: the format's tags the tokenizer makes special tokens (held as tokens where
-        ``binds_tokens``). None where the format has none."""
+        opens with a call. ``special``: the format's tags the tokenizer makes special tokens, held as those tokens. None
+        where the format has none."""
         ...
 
 
@@ -262,7 +261,6 @@ class _Parser:
     """What the parsers share: ``extract`` runs ``stream`` over the whole text; OpenAI-style ids; no structural tag."""
 
     holds_calls = False
-    binds_tokens = False
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         raise NotImplementedError
@@ -333,7 +331,6 @@ class HermesParser(_Parser):
     name = "hermes"
     tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE)
     holds_calls = True
-    binds_tokens = True
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _TagStream()
@@ -355,6 +352,9 @@ def _tool_call_tags(functions: list[dict[str, Any]], held: frozenset[str], paral
     text, each tag begins with its whole head (so the function is chosen as the text comes), and the tags start
     where ``<tool_call>`` and ``text_trigger`` come."""
     def tag(f: dict[str, Any]) -> dict[str, Any]:
+        if not special:  # all text: the head and the tail are the tag's own begin and end
+            return {"type": "tag", "begin": HERMES_OPEN + head(f["name"]), "content": _held(f, held, style),
+                    "end": tail + HERMES_CLOSE}
         elements = [_held(f, held, style), *([_text(tail)] if tail else [])]
         if HERMES_OPEN in special:
             begin: str | dict[str, Any] = _edge(HERMES_OPEN, special)
@@ -520,7 +520,6 @@ class MistralParser(_Parser):
     name = "mistral"
     tags: tuple[str, ...] = (_MISTRAL_TAG, _MISTRAL_ARGS)
     holds_calls = True
-    binds_tokens = True
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _MistralStream()
@@ -620,7 +619,6 @@ class Qwen3CoderParser(_Parser):
     name = "qwen3_coder"
     tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE)
     holds_calls = True
-    binds_tokens = True
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _TagStream(_one(functools.partial(_qwen_xml_call, functions=functions)))
@@ -683,7 +681,6 @@ class GlmParser(_Parser):
     tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 
     holds_calls = True
-    binds_tokens = True
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -733,7 +730,6 @@ class MiniMaxM2Parser(_Parser):
     name = "minimax_m2"
     tags: tuple[str, ...] = (_MINIMAX_OPEN, _MINIMAX_CLOSE)
     holds_calls = True
-    binds_tokens = True
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _TagStream(functools.partial(_minimax_calls, functions=functions), _MINIMAX_OPEN, _MINIMAX_CLOSE)
@@ -781,7 +777,6 @@ class DeepSeekParser(_Parser):
 
     tags: tuple[str, ...] = (_DEEPSEEK_OPEN, _DEEPSEEK_CLOSE, _DEEPSEEK_CALL_OPEN, _DEEPSEEK_SEP, _DEEPSEEK_CALL_CLOSE)
     holds_calls = True
-    binds_tokens = True
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -837,7 +832,6 @@ class KimiK2Parser(_Parser):
     name = "kimi_k2"
     tags: tuple[str, ...] = (_KIMI_OPEN, _KIMI_CLOSE, _KIMI_CALL_OPEN, _KIMI_ARGUMENTS, _KIMI_CALL_CLOSE)
     holds_calls = True
-    binds_tokens = True
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _TagStream(_kimi_calls, _KIMI_OPEN, _KIMI_CLOSE)

@@ -200,12 +200,11 @@ class ToolPlan:
         """The plan with ``native`` set where a structural tag is to hold the calls in the format the chat template
         teaches (the parser's ``call_tag``): ``"auto"`` with strict functions, and ``"required"`` and named answers
         where the format has a tag (else their JSON grammar, ``structured_output``). A 400 for strict functions where
-        the format has none, or its tags are special tokens its tag does not hold as tokens (``binds_tokens``)."""
+        the format has none."""
         if self.choice not in ("auto", "required", "named") or (self.choice == "auto" and not self.strict):
             return self
         parser = state.tool_parser
-        if parser is not None and parser.holds_calls and (
-                parser.binds_tokens or not state.tags_lost_in_text.intersection(parser.tags)):
+        if parser is not None and parser.holds_calls:
             return replace(self, native=True)
         if self.choice == "auto":
             assert parser is not None, "tools_for_template refuses 'auto' without a parser"

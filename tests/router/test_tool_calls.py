@@ -156,8 +156,8 @@ def test_a_call_cut_short_stays_content(client: openai.OpenAI, tokenizer: Any) -
 def test_named_and_required_send_a_structural_tag_in_the_template_s_format(client: openai.OpenAI, stack: Any) -> None:
     """With a parser whose format has a structural tag (hermes), a named or "required" answer is held to calls in
     the format the chat template teaches, not to a JSON array the model was never shown: it opens with a call,
-    each call's arguments held to its function's schema; a named answer's one call is to that function. (The JSON
-    grammar stays for formats without a tag: ``test_mistral_calls_behind_a_special_token``.)"""
+    each call's arguments held to its function's schema; a named answer's one call is to that function. (Formats
+    whose tags are special tokens: ``test_mistral_calls_behind_a_special_token`` and ``test_tool_parsers.py``.)"""
     from xgrammar import Grammar
     from xgrammar.testing import _is_grammar_accept_string as accepts
 

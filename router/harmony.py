@@ -22,15 +22,16 @@ kind are joined with a newline. The format is the chat template's, so it is read
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from common.sampling_params import StructuredOutput
 from router.errors import bad_request
 from router.held_calls import ArgumentsPiece, CallStart, Stepper
 from router.tool_parsers import add_event, partial_suffix
 
 if TYPE_CHECKING:
-    from common.sampling_params import StructuredOutput
     from router.tools import ToolPlan
 
 START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL = (
@@ -94,22 +95,58 @@ class Header:
 
 
 def forced_header(tools: ToolPlan | None, structured: tuple[StructuredOutput, str] | None) -> str | None:
-    """The header the prompt ends with where a grammar holds the answer: it then holds that message's body, and
-    the answer is that body. A named function's call (its arguments held to its schema), or the final message
-    (``response_format`` and the other structured outputs); None for a free answer. A 400 for what is not built
-    for this format: a ``"required"`` answer (which function is the model's to choose, in a header: a grammar over
-    the whole answer, thinking included), and strict functions under ``"auto"`` (the same)."""
+    """The header the prompt ends with where a grammar holds one message's body, the whole answer: a named
+    function's call (its arguments held to its schema), or the final message (``response_format`` and the other
+    structured outputs); None otherwise."""
     if tools is not None and tools.choice == "named":
         return f"{CHANNEL}commentary to={FUNCTIONS}{tools.function} {CONSTRAIN}json{MESSAGE}"
     if tools is not None and tools.choice == "required":
-        raise bad_request("tool_choice 'required' is not implemented for gpt-oss's harmony format (the function's "
-                          "name is the model's to write in a header): name the function, or ask for 'auto'",
-                          param="tool_choice")
-    if tools is not None and tools.choice == "auto" and tools.strict:
-        raise bad_request("strict functions with tool_choice 'auto' are not implemented for gpt-oss's harmony format "
-                          "(a call's header is the model's to write): drop strict, or name the function",
-                          param="tools")
+        return None
     return f"{CHANNEL}final{MESSAGE}" if structured is not None else None
+
+
+def _token(tag: str) -> dict[str, Any]:
+    return {"type": "token", "token": tag}
+
+
+def _text(value: str) -> dict[str, Any]:
+    return {"type": "const_string", "value": value}
+
+
+def call_tag(tools: ToolPlan, special: frozenset[str]) -> StructuredOutput | None:
+    """A structural tag over a whole answer whose calls are the model's to choose: a ``"required"`` answer (thinking
+    and preambles, then a call of one of the functions, each held to its schema) or ``"auto"`` with strict functions
+    (the same, or a final message; the strict functions' arguments held to their schemas, the others' any object).
+    Every tag is held as its token (``special``: the format's tags the tokenizer makes special, as gpt-oss's does;
+    a 400 where they are not). None for the other answers. The call ends the answer: the model ends it with
+    ``<|call|>``, an end of sequence."""
+    required = tools.choice == "required"
+    if not required and not (tools.choice == "auto" and tools.strict):
+        return None
+    if not special.issuperset(TAGS):
+        param, what = ("tool_choice", "tool_choice 'required'") if required else ("tools", "strict functions")
+        raise bad_request(f"{what} in gpt-oss's harmony format need its tags to be special tokens of the tokenizer "
+                          f"(gpt-oss's are); these are not: {', '.join(sorted(set(TAGS) - special))}", param=param)
+    free = {"type": "any_tokens", "exclude_tokens": list(TAGS)}
+
+    def message(channel: str) -> dict[str, Any]:  # a whole message, and the next one's start
+        return {"type": "sequence", "elements": [_token(CHANNEL), _text(channel), _token(MESSAGE), free, _token(END),
+                                                 _token(START), _text("assistant")]}
+
+    def call(function: dict[str, Any]) -> dict[str, Any]:
+        held = required or function["name"] in tools.strict
+        schema = (function.get("parameters") or {"type": "object"}) if held else {"type": "object"}
+        return {"type": "sequence", "elements": [
+            _token(CHANNEL), _text(f"commentary to={FUNCTIONS}{function['name']} "), _token(CONSTRAIN), _text("json"),
+            _token(MESSAGE), {"type": "json_schema", "json_schema": schema}]}
+
+    last = [call(f) for f in tools.functions]
+    if not required:
+        last.append({"type": "sequence", "elements": [_token(CHANNEL), _text("final"), _token(MESSAGE), free]})
+    spec = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "star", "content": {"type": "or", "elements": [message("analysis"), message("commentary")]}},
+        {"type": "or", "elements": last}]}}
+    return StructuredOutput(kind="structural_tag", spec=json.dumps(spec))
 
 
 def _first(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:

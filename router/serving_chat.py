@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -57,13 +58,19 @@ async def plan_chat(
     tool_plan = request.tool_plan()
     template_tools = tools_for_template(state, tool_plan)
     structured = request.structured_output()
-    # In gpt-oss's harmony format a grammar holds a message's body, whose header the prompt ends with.
-    forced = harmony.forced_header(tool_plan, structured) if state.harmony else None
     # Calls held by a structural tag in the template's own format: under "auto" with strict functions the text
     # around them stays free (the thinking too: not a grammar over the whole output, which ``answer_reader``
     # reads as content from its start); a "required" or named answer opens with its call.
-    tool_plan = tool_plan.in_format(state) if tool_plan is not None and not state.harmony else tool_plan
-    native = tool_plan.native_output(state) if tool_plan is not None and tool_plan.native else None
+    forced: str | None = None
+    if state.harmony:
+        # gpt-oss's harmony format: a grammar holds one message's body, whose header the prompt ends with, or (the
+        # calls the model chooses) the whole answer, its messages read as they come.
+        forced = harmony.forced_header(tool_plan, structured)
+        native = harmony.call_tag(tool_plan, state.tags_lost_in_text) if tool_plan is not None else None
+        tool_plan = replace(tool_plan, native=True) if tool_plan is not None and native is not None else tool_plan
+    else:
+        tool_plan = tool_plan.in_format(state) if tool_plan is not None else None
+        native = tool_plan.native_output(state) if tool_plan is not None and tool_plan.native else None
     if native is not None:
         if structured is not None and structured[1] != "tool_choice":
             raise bad_request(f"strict functions constrain their calls; {structured[1]} cannot constrain the output "
@@ -176,7 +183,8 @@ def answer_reader(
     reasoning = state.reasoning_parser if free else None
     tools = tools if tools is not None and tools.parsed else None
     lost = state.tags_lost_in_text  # the parsers' tags the tokenizer marks special
-    in_harmony = state.harmony and free  # (a grammar holds the body of the message the prompt opened)
+    # (else a grammar holds the body of the message the prompt opened)
+    in_harmony = state.harmony and (free or (tools is not None and tools.native))
     needs_special = bool(
         (tools is not None and tools.parser_reads and state.tool_parser is not None
          and lost.intersection(state.tool_parser.tags))

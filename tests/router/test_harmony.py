@@ -275,17 +275,78 @@ def test_a_named_call_and_a_structured_output_open_their_message_in_the_prompt(
     assert sent.sampling_params.structured_output.kind == "json_object"
 
 
-def test_what_the_format_cannot_hold_is_refused_by_name(stack: tuple[RouterServer, FakeCluster]) -> None:
-    url = f"{stack[0].url}/v1/chat/completions"
+def test_required_and_strict_calls_are_held_over_the_whole_answer(
+    stack: tuple[RouterServer, FakeCluster], client: openai.OpenAI, harmony_tokenizer: Any
+) -> None:
+    """A "required" answer, and "auto" with strict functions, get a structural tag over the whole answer (its
+    messages, their tags as tokens); the answer is read by its channels as any other."""
+    _answering(stack, _ids(harmony_tokenizer, CALL_REPLY))
     strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
-    for body, param, words in (
-        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "'required' is not implemented for gpt-oss"),
-        ({"tools": strict}, "tools", "strict functions with tool_choice 'auto' are not implemented for gpt-oss"),
-        ({"reasoning_effort": "extreme"}, "reasoning_effort", ""),
-    ):
-        r = httpx.post(url, json={"model": SERVED_MODEL, "messages": MESSAGES, **body}, timeout=20)
-        assert r.status_code == 400, body
-        assert r.json()["error"]["param"] == param and words in r.json()["error"]["message"]
+    for tools, choice in ((TOOLS, "required"), (strict, "auto")):
+        before = _num_requests(stack)
+        answer = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=tools,  # type: ignore[arg-type]
+                                                tool_choice=choice, max_tokens=300)  # type: ignore[arg-type]
+        message = answer.choices[0].message
+        assert message.reasoning_content == THINKING  # type: ignore[attr-defined]
+        assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] == [("get_weather", CALL)]
+        assert answer.choices[0].finish_reason == "tool_calls"
+        sent = _new_request(stack, before)
+        so = sent.sampling_params.structured_output
+        assert so is not None and so.kind == "structural_tag" and '"token": "<|channel|>"' in so.spec
+        assert harmony_tokenizer.decode(sent.prompt_token_ids).endswith("<|start|>assistant")  # no header forced
+        reasoning, _, calls, finish_reason, _ = _streamed(client, messages=MESSAGES, tools=tools, tool_choice=choice,
+                                                          max_tokens=300)
+        assert (reasoning, calls, finish_reason) == (THINKING, [("get_weather", CALL)], "tool_calls")
+    r = httpx.post(f"{stack[0].url}/v1/chat/completions", timeout=20,
+                   json={"model": SERVED_MODEL, "messages": MESSAGES, "reasoning_effort": "extreme"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+
+
+def test_the_whole_answer_tag_takes_thinking_then_a_held_call(harmony_tokenizer: Any) -> None:
+    """The tag a "required" or strict answer gets, compiled by xgrammar against a tokenizer whose harmony tags are
+    special tokens (as gpt-oss's) and whose ends of sequence are <|return|> and <|call|>: thinking and preambles then
+    a call held to its schema; under "auto" a final answer too; never a call off the schema, nor thinking alone. A
+    tokenizer without the tags special gets a 400."""
+    import xgrammar as xgr
+
+    from router.errors import APIError
+    from router.harmony import call_tag
+    from router.tools import ToolPlan
+
+    tok = harmony_tokenizer
+    stops = [tok.convert_tokens_to_ids("<|return|>"), tok.convert_tokens_to_ids("<|call|>")]
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok), stop_token_ids=stops))
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}},
+              {"type": "function", "function": {"name": "free", "parameters": {
+                  "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+                  "additionalProperties": False}}}]
+    plans = {"required": ToolPlan.from_request(TOOLS, "required", None), "auto": ToolPlan.from_request(strict, "auto", None)}
+    thinking = f"<|channel|>analysis<|message|>{THINKING} <| x<|end|><|start|>assistant"
+    preamble = "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant"
+    call = f"<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{CALL}"
+    final = "<|channel|>final<|message|>It is sunny."
+
+    for choice, plan in plans.items():
+        assert plan is not None
+        so = call_tag(plan, frozenset(TAGS))
+        assert so is not None
+
+        def takes(text: str, stop: int, so: Any = so) -> bool:
+            matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(so.spec))
+            return all(matcher.accept_token(t) for t in _ids(tok, text)) and matcher.accept_token(stop)
+
+        assert takes(call, stops[1]) and takes(thinking + call, stops[1]) and takes(thinking + preamble + call, stops[1])
+        assert not takes(thinking + call.replace("city", "town"), stops[1])
+        assert takes(thinking + final, stops[0]) == (choice == "auto")
+        assert not takes(thinking[:-len("<|start|>assistant")], stops[0])
+        with pytest.raises(APIError, match="need its tags to be special tokens"):
+            call_tag(plan, frozenset())
+    free_call = "<|channel|>commentary to=functions.free <|constrain|>json<|message|>{\"any\": [1]}"
+    auto = call_tag(plans["auto"], frozenset(TAGS))  # type: ignore[arg-type]
+    assert auto is not None
+    matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(auto.spec))
+    assert all(matcher.accept_token(t) for t in _ids(tok, free_call))  # not strict: any object, off its schema
+    assert call_tag(ToolPlan.from_request(TOOLS, "auto", None), frozenset(TAGS)) is None  # type: ignore[arg-type]
 
 
 def test_reasoning_effort_and_earlier_thinking_reach_the_template(

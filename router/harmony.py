@@ -18,6 +18,10 @@ message is, as vLLM reads gpt-oss's answers (``--reasoning-parser openai_gptoss`
 Text before any header (an answer that goes on from an assistant message's content) is content. Messages of one
 kind are joined with a newline. The format is the chat template's, so it is read whenever the template writes it:
 ``writes_harmony``. Its tags are special tokens in gpt-oss's tokenizer, so its answers are detokenized with them.
+
+A grammar holds either one message's body, whose header the prompt ends with (a named function's call, a structured
+output's final message: ``forced_header``), or the whole answer, where the model chooses the call (``"required"``,
+strict functions under ``"auto"``: ``call_tag``, each tag held as its token).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ REASONING_PARSER = "openai_gptoss"
 
 def writes_harmony(chat_template: str | None) -> bool:
     """Whether a chat template writes the harmony format (gpt-oss's)."""
-    return bool(chat_template) and all(tag in chat_template for tag in (START, CHANNEL, MESSAGE))  # type: ignore[operator]
+    return chat_template is not None and all(tag in chat_template for tag in (START, CHANNEL, MESSAGE))
 
 
 def check_parsers(chat_template: str | None, tool_call_parser: str | None, reasoning_parser: str | None) -> bool:

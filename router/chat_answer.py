@@ -5,6 +5,7 @@ response or as it streams. An answer in gpt-oss's harmony format is read by its 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.harmony import HarmonyEvent, HarmonyStream, Thinking, read_harmony
@@ -63,9 +64,8 @@ class AnswerReader:
                 calls[-1] = ToolCall(calls[-1].name, calls[-1].arguments + event.text)
             elif isinstance(event, str):
                 content += event
-        if self.tools is None:  # calls the request did not offer: their arguments stay content, as written
-            content, calls = "".join(e.text if isinstance(e, ArgumentsPiece) else e for e in events
-                                     if isinstance(e, (str, ArgumentsPiece))), []
+        if self.tools is None:
+            content, calls = _offered_nothing(events), []
         message = ChatMessageOut(content=content or None,
                                  reasoning_content="".join(thinking) if thinking and self.include_reasoning else None,
                                  tool_calls=tool_calls_out(calls, None) or None)
@@ -115,9 +115,8 @@ class AnswerStream:
     def _harmony(self, events: list[HarmonyEvent]) -> tuple[str, str, list[DeltaToolCall]]:
         reasoning = "".join(e.text for e in events if isinstance(e, Thinking)) if self.reader.include_reasoning else ""
         rest: list[PieceEvent] = [e for e in events if not isinstance(e, Thinking)]
-        if self.tools is None:  # calls the request did not offer: their arguments stay content, as written
-            return reasoning, "".join(e.text if isinstance(e, ArgumentsPiece) else e for e in rest
-                                      if isinstance(e, (str, ArgumentsPiece))), []
+        if self.tools is None:
+            return reasoning, _offered_nothing(rest), []
         content, calls = self.tools.pieces_out(rest)
         return reasoning, content, calls
 
@@ -125,3 +124,8 @@ class AnswerStream:
         if self.reader.tools is None or self.tools is None:
             return finish_reason
         return self.reader.tools.finish_reason(finish_reason, self.tools.num_calls > 0)
+
+
+def _offered_nothing(events: Sequence[HarmonyEvent]) -> str:
+    """The content of a harmony answer to a request that offered no tools: calls' arguments stay content, as written."""
+    return "".join(e.text if isinstance(e, ArgumentsPiece) else e for e in events if isinstance(e, (str, ArgumentsPiece)))

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from common.sampling_params import StructuredOutput
 from router.errors import bad_request
 from router.held_calls import ArgumentsPiece, CallStart, Stepper
-from router.tool_parsers import add_event, partial_suffix
+from router.tool_parsers import add_event, literal, partial_suffix, token
 
 if TYPE_CHECKING:
     from router.tools import ToolPlan
@@ -109,14 +109,6 @@ def forced_header(tools: ToolPlan | None, structured: tuple[StructuredOutput, st
     return f"{CHANNEL}final{MESSAGE}" if structured is not None else None
 
 
-def _token(tag: str) -> dict[str, Any]:
-    return {"type": "token", "token": tag}
-
-
-def _text(value: str) -> dict[str, Any]:
-    return {"type": "const_string", "value": value}
-
-
 def call_tag(tools: ToolPlan, special: frozenset[str]) -> StructuredOutput | None:
     """A structural tag over a whole answer whose calls are the model's to choose: a ``"required"`` answer (thinking
     and preambles, then a call of one of the functions, each held to its schema) or ``"auto"`` with strict functions
@@ -134,19 +126,19 @@ def call_tag(tools: ToolPlan, special: frozenset[str]) -> StructuredOutput | Non
     free = {"type": "any_tokens", "exclude_tokens": list(TAGS)}
 
     def message(channel: str) -> dict[str, Any]:  # a whole message, and the next one's start
-        return {"type": "sequence", "elements": [_token(CHANNEL), _text(channel), _token(MESSAGE), free, _token(END),
-                                                 _token(START), _text("assistant")]}
+        return {"type": "sequence", "elements": [token(CHANNEL), literal(channel), token(MESSAGE), free, token(END),
+                                                 token(START), literal("assistant")]}
 
     def call(function: dict[str, Any]) -> dict[str, Any]:
         held = required or function["name"] in tools.strict
         schema = (function.get("parameters") or {"type": "object"}) if held else {"type": "object"}
         return {"type": "sequence", "elements": [
-            _token(CHANNEL), _text(f"commentary to={FUNCTIONS}{function['name']} "), _token(CONSTRAIN), _text("json"),
-            _token(MESSAGE), {"type": "json_schema", "json_schema": schema}]}
+            token(CHANNEL), literal(f"commentary to={FUNCTIONS}{function['name']} "), token(CONSTRAIN), literal("json"),
+            token(MESSAGE), {"type": "json_schema", "json_schema": schema}]}
 
     last = [call(f) for f in tools.functions]
     if not required:
-        last.append({"type": "sequence", "elements": [_token(CHANNEL), _text("final"), _token(MESSAGE), free]})
+        last.append({"type": "sequence", "elements": [token(CHANNEL), literal("final"), token(MESSAGE), free]})
     spec = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
         {"type": "star", "content": {"type": "or", "elements": [message("analysis"), message("commentary")]}},
         {"type": "or", "elements": last}]}}
@@ -177,7 +169,7 @@ class HarmonyStream(Stepper[HarmonyEvent]):
         if self._state == "start" and self._buf:
             self._open_body("content", events)
         if self._state == "body":
-            self._body_text(self._buf, events)
+            self._bodyliteral(self._buf, events)
         self._buf = ""
         return events
 
@@ -209,11 +201,11 @@ class HarmonyStream(Stepper[HarmonyEvent]):
             found = _first(self._buf, _BODY_ENDS)
             if found is None:
                 keep = len(self._buf) - max(partial_suffix(self._buf, tag) for tag in _BODY_ENDS)
-                self._body_text(self._buf[:keep], events)
+                self._bodyliteral(self._buf[:keep], events)
                 self._buf = self._buf[keep:]
                 return False
             i, tag = found
-            self._body_text(self._buf[:i], events)
+            self._bodyliteral(self._buf[:i], events)
             self._buf = self._buf[i + (0 if tag == START else len(tag)):]
             self._state = "between"
             return True
@@ -233,7 +225,7 @@ class HarmonyStream(Stepper[HarmonyEvent]):
             self._emit(kind, "\n", events)
         self._state, self._kind = "body", kind
 
-    def _body_text(self, text: str, events: list[HarmonyEvent]) -> None:
+    def _bodyliteral(self, text: str, events: list[HarmonyEvent]) -> None:
         if text:
             self._emit(self._kind, text, events)
 

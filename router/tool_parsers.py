@@ -281,24 +281,46 @@ def arguments_schema(function: dict[str, Any]) -> dict[str, Any]:
     return function.get("parameters") or {"type": "object"}
 
 
+def _held_schema(function: dict[str, Any], held: frozenset[str]) -> dict[str, Any]:
+    """A call's arguments' schema: the function's when it is ``held``, any object otherwise."""
+    return arguments_schema(function) if function["name"] in held else {"type": "object"}
+
+
+def calls_array_schema(functions: list[dict[str, Any]], held: frozenset[str], parallel: bool) -> dict[str, Any]:
+    """A JSON array of ``{"name", "arguments"}`` calls of ``functions`` (one at most unless ``parallel``), the
+    arguments of those ``held`` holding to their schemas."""
+    calls = [{"type": "object", "properties": {"name": {"enum": [f["name"]]}, "arguments": _held_schema(f, held)},
+              "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
 def _held(function: dict[str, Any], held: frozenset[str], style: str = "json") -> dict[str, Any]:
-    """A call's arguments in a structural tag: held to its schema when it is ``held``, any object otherwise."""
-    schema = arguments_schema(function) if function["name"] in held else {"type": "object"}
+    """A call's arguments in a structural tag (``_held_schema``), written in ``style``."""
+    schema = _held_schema(function, held)
     return {"type": "json_schema", "json_schema": schema, **({"style": style} if style != "json" else {})}
 
 
-def _text(value: str) -> dict[str, Any]:
+def literal(value: str) -> dict[str, Any]:
+    """Text a structural tag's content must hold."""
     return {"type": "const_string", "value": value}
 
 
-def _marker(tag: str, special: frozenset[str]) -> dict[str, Any]:
-    """A format's tag inside a structural tag's content: that token where the tokenizer makes it special, else text."""
-    return {"type": "token", "token": tag} if tag in special else _text(tag)
+def token(tag: str) -> dict[str, Any]:
+    """A token a structural tag must hold, as that token (xgrammar's token format)."""
+    return {"type": "token", "token": tag}
 
 
 def _edge(tag: str, special: frozenset[str]) -> str | dict[str, Any]:
     """A format's tag as a structural tag's ``begin`` or ``end``: that token where it is special, else text."""
-    return {"type": "token", "token": tag} if tag in special else tag
+    return token(tag) if tag in special else tag
+
+
+def _marker(tag: str, special: frozenset[str]) -> dict[str, Any]:
+    """A format's tag inside a structural tag's content: that token where the tokenizer makes it special, else text."""
+    return token(tag) if tag in special else literal(tag)
 
 
 def _triggered(tags: list[dict[str, Any]], trigger: str, special: frozenset[str], required: bool,
@@ -319,7 +341,7 @@ def _block(open_tag: str, close_tag: str, calls: list[dict[str, Any]], parallel:
     content: dict[str, Any] = {"type": "tags_with_separator", "tags": calls, "separator": line, "at_least_one": True,
                                "stop_after_first": not parallel}
     if line:
-        content = {"type": "sequence", "elements": [_text(line), content, _text(line)]}
+        content = {"type": "sequence", "elements": [literal(line), content, literal(line)]}
     block = {"type": "tag", "begin": _edge(open_tag, special), "content": content, "end": _edge(close_tag, special)}
     return _triggered([block], open_tag, special, required, stop_after_first=True)
 
@@ -355,10 +377,10 @@ def _tool_call_tags(functions: list[dict[str, Any]], held: frozenset[str], paral
         if not special:  # all text: the head and the tail are the tag's own begin and end
             return {"type": "tag", "begin": HERMES_OPEN + head(f["name"]), "content": _held(f, held, style),
                     "end": tail + HERMES_CLOSE}
-        elements = [_held(f, held, style), *([_text(tail)] if tail else [])]
+        elements = [_held(f, held, style), *([literal(tail)] if tail else [])]
         if HERMES_OPEN in special:
             begin: str | dict[str, Any] = _edge(HERMES_OPEN, special)
-            elements.insert(0, _text(head(f["name"])))
+            elements.insert(0, literal(head(f["name"])))
         else:
             begin = HERMES_OPEN + head(f["name"])
         return {"type": "tag", "begin": begin, "content": {"type": "sequence", "elements": elements},
@@ -403,7 +425,7 @@ class _LlamaStream:
 
     def feed(self, text: str) -> list[Event]:
         if self._mode == "content":
-            return self._text(text)
+            return self.literal(text)
         self._buf += text
         if self._mode == "calls":
             return []
@@ -415,7 +437,7 @@ class _LlamaStream:
             return []
         self._mode = "content"
         text, self._buf = self._buf, ""
-        return self._text(text)
+        return self.literal(text)
 
     def finish(self) -> list[Event]:
         if self._mode == "content":
@@ -423,10 +445,10 @@ class _LlamaStream:
         text, self._buf = self._buf, ""
         calls = _llama_calls(text)
         if calls is None:
-            return self._text(text)
+            return self.literal(text)
         return [*calls]
 
-    def _text(self, text: str) -> list[Event]:
+    def literal(self, text: str) -> list[Event]:
         out = self._content.push(text)
         return [out] if out else []
 
@@ -532,16 +554,11 @@ class MistralParser(_Parser):
         token formats), not as text the model could also spell from smaller tokens."""
         contents: list[dict[str, Any]]
         if _MISTRAL_ARGS in special:
-            contents = [{"type": "sequence", "elements": [_text(f["name"]), _marker(_MISTRAL_ARGS, special), _held(f, held)]}
+            contents = [{"type": "sequence", "elements": [literal(f["name"]), _marker(_MISTRAL_ARGS, special), _held(f, held)]}
                         for f in functions]
-        else:
-            calls = [{"type": "object",
-                      "properties": {"name": {"enum": [f["name"]]}, "arguments": _held(f, held)["json_schema"]},
-                      "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
-            schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-            if not parallel:
-                schema["maxItems"] = 1
-            contents, parallel = [{"type": "json_schema", "json_schema": schema}], False  # (one array holds them all)
+        else:  # (one array holds them all)
+            contents = [{"type": "json_schema", "json_schema": calls_array_schema(functions, held, parallel)}]
+            parallel = False
         tags = [{"type": "tag", "begin": _edge(_MISTRAL_TAG, special), "content": content, "end": ""}
                 for content in contents]
         return _triggered(tags, _MISTRAL_TAG, special, required, stop_after_first=not parallel)
@@ -693,7 +710,7 @@ class GlmParser(_Parser):
         """From ``<tool_call>`` on, one call per tag, its arguments in xgrammar's ``glm_xml`` style (the pairs, with or
         without whitespace between); ``<tool_call>`` and ``</tool_call>`` held as tokens where special."""
         tags = [{"type": "tag", "begin": _edge(HERMES_OPEN, special), "end": _edge(HERMES_CLOSE, special),
-                 "content": {"type": "sequence", "elements": [_text(f["name"]), _held(f, held, "glm_xml")]}}
+                 "content": {"type": "sequence", "elements": [literal(f["name"]), _held(f, held, "glm_xml")]}}
                 for f in functions]
         return _triggered(tags, HERMES_OPEN, special, required, stop_after_first=not parallel)
 
@@ -790,10 +807,10 @@ class DeepSeekParser(_Parser):
         V3.1's bare arguments), each tag held as its token where special."""
         def call(f: dict[str, Any]) -> dict[str, Any]:
             if self.name == "deepseek_v3":
-                elements = [_text("function"), _marker(_DEEPSEEK_SEP, special), _text(f"{f['name']}\n```json\n"),
-                            _held(f, held), _text("\n```")]
+                elements = [literal("function"), _marker(_DEEPSEEK_SEP, special), literal(f"{f['name']}\n```json\n"),
+                            _held(f, held), literal("\n```")]
             else:
-                elements = [_text(f["name"]), _marker(_DEEPSEEK_SEP, special), _held(f, held)]
+                elements = [literal(f["name"]), _marker(_DEEPSEEK_SEP, special), _held(f, held)]
             return {"type": "tag", "begin": _edge(_DEEPSEEK_CALL_OPEN, special),
                     "content": {"type": "sequence", "elements": elements}, "end": _edge(_DEEPSEEK_CALL_CLOSE, special)}
 
@@ -842,7 +859,7 @@ class KimiK2Parser(_Parser):
         token where special."""
         calls = [{"type": "tag", "begin": _edge(_KIMI_CALL_OPEN, special), "end": _edge(_KIMI_CALL_CLOSE, special),
                   "content": {"type": "sequence", "elements": [
-                      _text(f"functions.{f['name']}:"), {"type": "regex", "pattern": "[0-9]{1,6}"},
+                      literal(f"functions.{f['name']}:"), {"type": "regex", "pattern": "[0-9]{1,6}"},
                       _marker(_KIMI_ARGUMENTS, special), _held(f, held)]}} for f in functions]
         return _block(_KIMI_OPEN, _KIMI_CLOSE, calls, parallel, required, special)
 

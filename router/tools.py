@@ -9,16 +9,17 @@ format. What the model answers depends on ``tool_choice``:
   router's tool-call parser (``router/tool_parsers.py``, ``--tool-call-parser``) reads back. Text
   that is not a well-formed call stays content. Where a function is marked ``strict`` (OpenAI's: its
   calls' arguments hold to its schema), a structural tag holds each call the model writes in that format
-  to an offered function and a strict one's arguments to its schema, the text around free (the hermes and
-  qwen3_coder formats; the others refused by name).
+  to an offered function and a strict one's arguments to its schema, the text around free (every format with a
+  ``call_tag``; the others refused by name).
 * ``"required"``: the answer opens with one or more calls (one when ``parallel_tool_calls`` is false), each
   of a given tool with arguments valid against its ``parameters`` schema.
 * a named function: the answer is one call of that function, its arguments valid against its schema.
 
-Where the parser's format has a structural tag (hermes, qwen3_coder; ``ToolPlan.in_format``), the calls of
-those three are held in that format, the one the chat template teaches; hermes calls are read in the tag's layout
-(``router/held_calls.py`` ``StrictHermesCalls``), their arguments streamed as written, qwen3_coder's whole by
-its parser as each closes. Otherwise a ``"required"`` answer is held by a grammar to a JSON array of
+Where the parser's format has a structural tag (``call_tag``, its special tags held as tokens;
+``ToolPlan.in_format``), the calls of those three are held in that format, the one the chat template teaches;
+hermes calls are read in the tag's layout (``router/held_calls.py`` ``StrictHermesCalls``), their arguments
+streamed as written, the other formats' whole by their parser as each closes (gpt-oss's harmony format is
+``router/harmony.py``'s). Otherwise a ``"required"`` answer is held by a grammar to a JSON array of
 ``{"name": ..., "arguments": ...}`` calls (``RequiredCalls``), and a named one to the function's arguments,
 which become the one call; no parser is needed for either, and each call's arguments stream as written.
 
@@ -53,7 +54,7 @@ from router.tool_parsers import (
     ToolCall,
     ToolCallParser,
     ToolCallStream,
-    arguments_schema,
+    calls_array_schema,
     openai_call_id,
 )
 
@@ -180,18 +181,7 @@ class ToolPlan:
                 return StructuredOutput(kind="json_object")
             schema: dict[str, Any] = parameters
         elif self.choice == "required":
-            calls = [
-                {
-                    "type": "object",
-                    "properties": {"name": {"enum": [name]}, "arguments": arguments_schema(function)},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": False,
-                }
-                for name, function in functions.items()
-            ]
-            schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-            if not self.parallel:
-                schema["maxItems"] = 1
+            schema = calls_array_schema(self.functions, frozenset(functions), self.parallel)
         else:
             return None
         return StructuredOutput(kind="json_schema", spec=_tools_spec(schema))

@@ -54,7 +54,7 @@ from ops.supervisor import Child, ChildExited, RestartPolicy, Supervisor
 from ops.supervisor import die_with_parent as die_with_parent  # re-exported: tests start children with it
 from router.http_options import add_http_args, check_http_args, http_flags
 from router.image_fetch import fetch_timeout_arg
-from router.images import limit_mm_per_prompt_arg, mm_processor_cache_gb_arg
+from router.images import limit_mm_per_prompt_arg, mm_processor_cache_gb_arg, mm_processor_kwargs_arg
 from router.sampling_defaults import generation_config_arg
 
 POLL_S = 0.2
@@ -73,6 +73,13 @@ def _generation_config_text(text: str) -> str:
 def _limit_mm_text(text: str) -> str:
     """``--limit-mm-per-prompt``, checked here and given to the router as it was written."""
     limit_mm_per_prompt_arg(text)
+    return text
+
+
+def _mm_processor_kwargs_text(text: str) -> str:
+    """``--mm-processor-kwargs``, checked as JSON here and given to the router as it was written (the router
+    checks its settings against the model)."""
+    mm_processor_kwargs_arg(text)
     return text
 
 
@@ -137,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the router's --allowed-media-domains: hosts whose http(s) image URLs it fetches")
     p.add_argument("--mm-processor-cache-gb", default=None, type=mm_processor_cache_gb_arg, metavar="GIB",
                    help="the router's --mm-processor-cache-gb: GiB of processed images each router process keeps")
+    p.add_argument("--mm-processor-kwargs", default=None, type=_mm_processor_kwargs_text, metavar="JSON",
+                   help='the router\'s --mm-processor-kwargs: the image processor\'s settings for every request, e.g. '
+                   '{"max_pixels": 1003520}')
     p.add_argument("--media-fetch-timeout", default=None, type=fetch_timeout_arg,
                    help="the router's --media-fetch-timeout (seconds)")
     p.add_argument("--response-ttl", type=int, default=None,
@@ -331,7 +341,7 @@ class Launcher:
         if self.args.response_ttl is not None:
             flags += ["--response-ttl", str(self.args.response_ttl)]
         for name in ("chat_template", "tool_call_parser", "reasoning_parser", "generation_config",
-                     "override_generation_config", "limit_mm_per_prompt"):
+                     "override_generation_config", "limit_mm_per_prompt", "mm_processor_kwargs"):
             value = getattr(self.args, name)
             if value:
                 flags += [f"--{name.replace('_', '-')}", value]

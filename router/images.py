@@ -18,13 +18,21 @@ sends and the span of an image:
   a Pixtral tower (Pixtral 12B's checkpoint): Mistral 3's processing.
 - Gemma 3 (``Gemma3Images``): float32 ``[3, side, side]`` pixels, every image resized to the one size; its
   processor expands the template's ``<start_of_image>`` in the text, newlines around it, before it is tokenized
-  (``ImageFamily.text_expansion``), which the router does too, so the ids are its processor's.
+  (``ImageFamily.text_placeholder``), which the router does too, so the ids are its processor's. With pan and
+  scan (``do_pan_and_scan``), its crops beside it, each an image of its own, after the text its processor writes
+  around them.
 - LLaVA-NeXT (``LlavaNextImages``): the image fitted to a grid resolution and cut in tiles of the tower's one size
   after the whole image as one, float32 ``[tiles, 3, side, side]``, with the image's size as sent; its ``<image>``
   once per feature, as LLaVA-NeXT's processor counts them.
 - Idefics3 and SmolVLM (``Idefics3Images``): an image split into tiles of the tower's one size and the whole
   image as one more, float32 ``[tiles, 3, tile, tile]``; its span the text its processor writes for the grid
   (a row and column token before each tile's image tokens), tokenized alone.
+
+A family may let the image processor's settings be set per request (vLLM's ``mm_processor_kwargs``) or for the
+server (``--mm-processor-kwargs``, which a request's override): Qwen-VL's ``min_pixels`` / ``max_pixels``,
+Idefics3's ``do_image_splitting``, InternVL's ``crop_to_patches`` / ``min_patches`` / ``max_patches``. Each
+within what the engines sized their cache for (the folder's own bounds); any other name, or a value past them,
+is refused by name (``ImageFamily.OPTIONS``, ``ImageProcessor.options``).
 
 Each image travels as a ``common.protocol.ImageInput``: its span, its pixels and their digest, under which the
 blocks its span touches are hashed.
@@ -52,6 +60,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import pathlib
 import threading
@@ -95,6 +104,41 @@ class ImagesRefused(ValueError):
     """A model folder whose images are not served (its text is): the reason, naming what is not implemented."""
 
 
+class OptionRefused(ValueError):
+    """An image processor's setting not taken (``mm_processor_kwargs``): the message, and the ``field`` it names."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def read_options(family: ImageFamily, kwargs: Any, where: str) -> dict[str, Any]:
+    """``kwargs`` (a JSON object; None: none) as settings of ``family``'s image processor (``ImageFamily.OPTIONS``,
+    ``check_options``); ``OptionRefused`` naming ``where.NAME`` for a name not taken, a value of another kind, or
+    one past the model's bounds."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise OptionRefused(where, f"{where} must be an object of the image processor's settings")
+    for name, value in kwargs.items():
+        field = f"{where}.{name}"
+        kind = family.OPTIONS.get(name)
+        if kind is None:
+            taken = ", ".join(family.OPTIONS) or "none"
+            raise OptionRefused(field, f"{field}: this model's image processor takes no such setting here "
+                                       f"(taken: {taken})")
+        number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        ok = isinstance(value, bool) if kind == BOOL else (
+            isinstance(value, int) and number and value >= 1 if kind == POSITIVE_INT else number and value > 0)
+        if not ok:
+            raise OptionRefused(field, f"{field} must be {kind}, got {value!r}")
+    refused = family.check_options(kwargs)
+    if refused is not None:
+        name, why = refused
+        raise OptionRefused(f"{where}.{name}", f"{where}.{name}: {why}")
+    return dict(kwargs)
+
+
 class ImageRef(NamedTuple):
     """An image part of a request: the field it came in (``messages.{i}.content.{j}.image_url``) and its URL."""
 
@@ -111,10 +155,25 @@ class ProcessedImage(NamedTuple):
     width: int
     digest: str = ""
     whole: bool = False  # LLaVA-OneVision's whole-image tile alone (``ImageInput.whole_image_only``)
+    # Gemma 3's pan and scan: crops of the image, each an image of its own beside it in the prompt
+    crops: tuple[ProcessedImage, ...] = ()
 
     def hashed(self) -> ProcessedImage:
-        """The image with its pixels' digest (``common.protocol.image_digest``)."""
-        return self if self.digest else self._replace(digest=image_digest(self.pixel_values, self.height, self.width))
+        """The image with its pixels' digest (``common.protocol.image_digest``), its crops' too."""
+        if self.digest:
+            return self
+        return self._replace(digest=image_digest(self.pixel_values, self.height, self.width),
+                             crops=tuple(crop.hashed() for crop in self.crops))
+
+    @property
+    def pieces(self) -> tuple[ProcessedImage, ...]:
+        """What the engines take as images: the image, then its crops."""
+        return (self._replace(crops=()), *self.crops) if self.crops else (self,)
+
+    @property
+    def nbytes(self) -> int:
+        """Its pixels' bytes, its crops' included."""
+        return len(self.pixel_values) + sum(len(crop.pixel_values) for crop in self.crops)
 
     def engine_input(self, offset: int, length: int) -> ImageInput:
         """The image as the engines take it, its span at ``offset``, hashed."""
@@ -150,16 +209,16 @@ class ProcessedCache:
     def put(self, key: bytes, image: ProcessedImage) -> None:
         """Keep ``image`` (hashed) under ``key``, dropping the least recently used past the capacity; one larger
         than the whole capacity is not kept."""
-        cost = len(image.pixel_values)
+        cost = image.nbytes
         if cost > self.capacity:
             return
         with self._lock:
             old = self._entries.pop(key, None)
-            self.size += cost - (len(old.pixel_values) if old is not None else 0)
+            self.size += cost - (old.nbytes if old is not None else 0)
             self._entries[key] = image
             while self.size > self.capacity:
                 _, dropped = self._entries.popitem(last=False)
-                self.size -= len(dropped.pixel_values)
+                self.size -= dropped.nbytes
 
 
 def mm_processor_cache_gb_arg(text: str) -> float:
@@ -171,6 +230,19 @@ def mm_processor_cache_gb_arg(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"--mm-processor-cache-gb must be 0 or more GiB, got {text!r}")
     return value
+
+
+def mm_processor_kwargs_arg(text: str) -> dict[str, Any]:
+    """vLLM's ``--mm-processor-kwargs``: a JSON object of the image processor's settings for every request (a
+    request's ``mm_processor_kwargs`` override them); checked against the model at start (``ImageProcessor``)."""
+    try:
+        return json_object(text, "--mm-processor-kwargs")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# The kinds of value an image processor's setting takes (``ImageFamily.OPTIONS``).
+BOOL, POSITIVE_INT, POSITIVE_NUMBER = "a boolean", "a positive integer", "a positive number"
 
 
 def limit_mm_per_prompt_arg(text: str) -> int:
@@ -292,13 +364,16 @@ class ImageFamily(ABC):
 
     placeholder_id: int
     step: int
-    # (placeholder, sequence) where the family's processor expands each image's placeholder in the rendered text
-    # before tokenizing (the span is then in the ids already); None where the router expands the ids.
-    text_expansion: tuple[str, str] | None = None
+    # The placeholder's text where the family's processor replaces it in the rendered text before tokenizing (by
+    # ``image_text``: the spans are then in the ids already); None where the router expands the ids.
+    text_placeholder: str | None = None
     # The images one prompt may hold, where the family's way with several is not implemented.
     max_images: int | None = None
     # Whether a prompt of several images takes each as its whole-image tile alone (LLaVA-OneVision's: ``run_whole``).
     whole_when_several = False
+    # The image processor's settings a request or the server may set (``mm_processor_kwargs``), by name: the kind
+    # of value each takes (``BOOL``, ``POSITIVE_INT``). ``check_options`` bounds them.
+    OPTIONS: dict[str, str] = {}
 
     @classmethod
     @abstractmethod
@@ -307,8 +382,14 @@ class ImageFamily(ABC):
         what does not fit the tokenizer or the model."""
 
     @abstractmethod
-    def run(self, image: Any) -> ProcessedImage:
-        """One RGB image through the folder's image processor; any exception for one it cannot take."""
+    def run(self, image: Any, options: dict[str, Any]) -> ProcessedImage:
+        """One RGB image through the folder's image processor, with the settings ``options`` (checked); any
+        exception for one it cannot take."""
+
+    def check_options(self, options: dict[str, Any]) -> tuple[str, str] | None:
+        """Where settings of the right kinds (``OPTIONS``) are still refused: (the name, why); None where they are
+        taken."""
+        return None
 
     @abstractmethod
     def span(self, height: int, width: int) -> list[int]:
@@ -322,11 +403,18 @@ class ImageFamily(ABC):
         """The tokens a processed image takes in the prompt."""
         return self.span(image.height, image.width)
 
-    def process(self, image: Any, param: str, whole: bool = False) -> ProcessedImage:
-        """``run`` (``whole``: ``run_whole``), or a 400 naming ``param`` for an image the processor cannot take (a
-        sliver a pixel wide, an aspect ratio past its bound) or that comes out smaller than one image token."""
+    def image_text(self, image: ProcessedImage) -> str:
+        """What replaces ``text_placeholder`` in the rendered text for a processed image (``text_placeholder``
+        families)."""
+        raise NotImplementedError
+
+    def process(self, image: Any, param: str, whole: bool = False,
+                options: dict[str, Any] | None = None) -> ProcessedImage:
+        """``run`` with ``options`` (``whole``: ``run_whole``), or a 400 naming ``param`` for an image the processor
+        cannot take (a sliver a pixel wide, an aspect ratio past its bound) or that comes out smaller than one image
+        token."""
         try:
-            processed = self.run_whole(image) if whole else self.run(image)
+            processed = self.run_whole(image) if whole else self.run(image, options or {})
         except Exception as exc:  # an image the processor cannot size
             raise bad_request(f"the image could not be processed: {exc}", param=param) from None
         if processed.height < self.step or processed.width < self.step:
@@ -371,7 +459,7 @@ class PixtralImages(ImageFamily):
         processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
         return cls(processor, patch_size * merge, *ids)
 
-    def run(self, image: Any) -> ProcessedImage:
+    def run(self, image: Any, options: dict[str, Any]) -> ProcessedImage:
         """Resized, rescaled, normalized, its sides padded to multiples of ``step`` (the padding cut off)."""
         step = {"height": self.step, "width": self.step}
         out = self.processor(images=[image], patch_size=step, return_tensors="np")
@@ -396,10 +484,15 @@ class QwenVLImages(ImageFamily):
     the ``<|vision_start|>`` and ``<|vision_end|>`` the template writes around it."""
 
     IMAGE_TOKEN = "<|image_pad|>"
+    # The bounds on an image's pixels once resized (its processor's ``size``: ``shortest_edge``, ``longest_edge``),
+    # ``max_pixels`` no more than the folder's, which the engines' cache is sized for (``common.model.vision``).
+    OPTIONS = {"min_pixels": POSITIVE_INT, "max_pixels": POSITIVE_INT}
 
     def __init__(self, processor: Any, image_token_id: int, patch_size: int, merge_size: int,
                  temporal_patch_size: int) -> None:
         self.processor = processor
+        size = getattr(processor, "size", None) or {}
+        self.min_pixels, self.max_pixels = int(size["shortest_edge"]), int(size["longest_edge"])
         self.placeholder_id = image_token_id
         self.patch_size = patch_size
         self.step = patch_size * merge_size
@@ -430,10 +523,12 @@ class QwenVLImages(ImageFamily):
             sizes.append(value)
         return cls(processor, image_token_id, *sizes)
 
-    def run(self, image: Any) -> ProcessedImage:
+    def run(self, image: Any, options: dict[str, Any]) -> ProcessedImage:
         """Resized to sides that are multiples of ``step`` (within the processor's bounds on pixels), rescaled,
         normalized, cut into patches; one of their equal frames."""
-        out = self.processor(images=[image], return_tensors="np")
+        size = {"shortest_edge": options.get("min_pixels", self.min_pixels),
+                "longest_edge": options.get("max_pixels", self.max_pixels)}
+        out = self.processor(images=[image], size=size, return_tensors="np")
         [(frames, rows, cols)] = (tuple(int(v) for v in grid) for grid in out["image_grid_thw"])
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
         if frames != 1 or pixels.shape != (rows * cols, self.patch_width):
@@ -448,6 +543,15 @@ class QwenVLImages(ImageFamily):
 
     def span(self, height: int, width: int) -> list[int]:
         return [self.placeholder_id] * ((height // self.step) * (width // self.step))
+
+    def check_options(self, options: dict[str, Any]) -> tuple[str, str] | None:
+        high = options.get("max_pixels", self.max_pixels)
+        if high > self.max_pixels:
+            return "max_pixels", (f"at most the model folder's {self.max_pixels} (the engines' cache is sized for "
+                                  "it; raise it in its preprocessor_config.json)")
+        if options.get("min_pixels", self.min_pixels) > high:
+            return "min_pixels", f"at most max_pixels ({high})"
+        return None
 
 
 def _one_size(out: Any, side: int) -> ProcessedImage:
@@ -502,7 +606,7 @@ class LlavaImages(ImageFamily):
         processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
         return cls(processor, side, image_token_id, num_tokens)
 
-    def run(self, image: Any) -> ProcessedImage:
+    def run(self, image: Any, options: dict[str, Any]) -> ProcessedImage:
         """Resized (and cropped) to the tower's one size, rescaled, normalized."""
         return _one_size(self.processor(images=[image], return_tensors="np"), self.step)
 
@@ -572,7 +676,7 @@ class LlavaNextImages(ImageFamily):
         return LlavaNextProcessor(processor, tokenizer, patch_size=patch, vision_feature_select_strategy=strategy,
                                   num_additional_image_tokens=spec.get("num_additional_image_tokens", 0))
 
-    def run(self, image: Any) -> ProcessedImage:
+    def run(self, image: Any, options: dict[str, Any]) -> ProcessedImage:
         """Fitted to its grid, cut in tiles after the whole image as one, rescaled, normalized; its size as sent."""
         out = self.processor(images=[image], return_tensors="np")
         height, width = (int(v) for v in out["image_sizes"][0])
@@ -633,8 +737,20 @@ class Gemma3Images(ImageFamily):
     resized to the tower's one size; the span ``<start_of_image>``, ``image_seq_length`` image tokens and
     ``<end_of_image>``. Its processor writes that sequence, with two newlines on either side, in place of each
     ``<start_of_image>`` of the rendered text before tokenizing, where newlines merge with the text's own into
-    one token: the router does the same (``text_expansion``). Pan and scan (crops beside the image) is not
-    implemented: a folder that turns it on is refused by name."""
+    one token: the router does the same (``text_placeholder``, ``image_text``).
+
+    Pan and scan (``do_pan_and_scan``, in the folder's image processor or a request's settings): an image whose
+    sides differ by ``pan_and_scan_min_ratio_to_activate`` or more is also cut into 2 to ``pan_and_scan_max_num_crops``
+    crops along its longer side (none under ``pan_and_scan_min_crop_size`` pixels), each resized to the one size
+    and sent as an image of its own after it (``ProcessedImage.crops``); its processor writes ``Here is the
+    original image``, the image's sequence, ``and here are some crops to help you see better`` and each crop's
+    sequence, a space apart, in place of the image's ``<start_of_image>``."""
+
+    # Where the folder's image processor leaves them unset, its processor's own (transformers' Gemma3Processor).
+    PAN_AND_SCAN_DEFAULTS = {"pan_and_scan_min_crop_size": 256, "pan_and_scan_max_num_crops": 4,
+                             "pan_and_scan_min_ratio_to_activate": 1.2}
+    OPTIONS = {"do_pan_and_scan": BOOL, "pan_and_scan_min_crop_size": POSITIVE_INT,
+               "pan_and_scan_max_num_crops": POSITIVE_INT, "pan_and_scan_min_ratio_to_activate": POSITIVE_NUMBER}
 
     def __init__(self, processor: Any, side: int, boi: tuple[str, int], image: tuple[str, int], eoi: tuple[str, int],
                  num_tokens: int) -> None:
@@ -643,13 +759,19 @@ class Gemma3Images(ImageFamily):
         self.placeholder_id = boi[1]
         self.image_token_id = image[1]
         self.span_ids = [boi[1], *[image[1]] * num_tokens, eoi[1]]
-        self.text_expansion = (boi[0], f"\n\n{boi[0]}{image[0] * num_tokens}{eoi[0]}\n\n")
+        self.text_placeholder = boi[0]
+        self.sequence = f"\n\n{boi[0]}{image[0] * num_tokens}{eoi[0]}\n\n"
+        # The folder's pan and scan: whether it is on, and its bounds (``PAN_AND_SCAN_DEFAULTS`` where unset).
+        self.pan_and_scan: dict[str, Any] = {"do_pan_and_scan": bool(getattr(processor, "do_pan_and_scan", False))}
+        for name, default in self.PAN_AND_SCAN_DEFAULTS.items():
+            value = getattr(processor, name, None)
+            self.pan_and_scan[name] = default if value is None else value
 
     @classmethod
     def load(cls, model_dir: pathlib.Path, config: dict[str, Any], tokenizer: Any) -> Gemma3Images:
         """``preprocessor_config.json`` and ``processor_config.json``; ``ValueError`` for a token the tokenizer does
         not hold as one or that is not the model's, an ``image_seq_length`` other than the model's
-        ``mm_tokens_per_image``, a size other than the tower's, or pan and scan turned on."""
+        ``mm_tokens_per_image``, or a size other than the tower's."""
         from transformers import AutoImageProcessor
 
         tokens: list[tuple[str, int]] = []
@@ -670,9 +792,6 @@ class Gemma3Images(ImageFamily):
                              f"mm_tokens_per_image {config.get('mm_tokens_per_image', 256)!r}")
         # The PIL backend whatever else is installed: the same pixels on every host, in numpy (no torch).
         processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
-        if getattr(processor, "do_pan_and_scan", None):
-            raise ValueError(f"{model_dir}: the image processor's do_pan_and_scan (crops beside each image) is not "
-                             "implemented")
         size = getattr(processor, "size", None) or {}
         side = (config.get("vision_config") or {}).get("image_size", 224)
         if (size.get("height"), size.get("width")) != (side, side):
@@ -681,12 +800,26 @@ class Gemma3Images(ImageFamily):
         boi, image, eoi = tokens
         return cls(processor, side, boi, image, eoi, num_tokens)
 
-    def run(self, image: Any) -> ProcessedImage:
-        """Resized to the one size, rescaled, normalized."""
-        return _one_size(self.processor(images=[image], do_pan_and_scan=False, return_tensors="np"), self.step)
+    def run(self, image: Any, options: dict[str, Any]) -> ProcessedImage:
+        """Resized to the one size, rescaled, normalized; with pan and scan, its crops too, each so."""
+        out = self.processor(images=[image], return_tensors="np", **{**self.pan_and_scan, **options})
+        [num_crops] = (int(n) for n in out["num_crops"])
+        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+        side = self.step
+        if pixels.shape != (1 + num_crops, 3, side, side):
+            raise ValueError(f"the processor made pixels {pixels.shape}, not the image and {num_crops} crop(s) of "
+                             f"[3, {side}, {side}]")
+        first, *crops = (ProcessedImage(one.tobytes(), side, side) for one in pixels)
+        return first._replace(crops=tuple(crops))
 
     def span(self, height: int, width: int) -> list[int]:
         return list(self.span_ids)
+
+    def image_text(self, image: ProcessedImage) -> str:
+        if not image.crops:
+            return self.sequence
+        return (f"Here is the original image {self.sequence} and here are some crops to help you see better "
+                + " ".join([self.sequence] * len(image.crops)))
 
 
 class Idefics3Images(ImageFamily):
@@ -700,6 +833,10 @@ class Idefics3Images(ImageFamily):
     tile: the last part alone, without the newline), tokenized alone. That is the processor's tokenization of the
     prompt where the special tokens at both ends keep it from merging with the text around it, which ``load``
     checks against the tokenizer."""
+
+    # Off: every image resized to one tile. On only where the folder's processor splits (the engines' cache is
+    # sized for its grids, ``common.model.vision``).
+    OPTIONS = {"do_image_splitting": BOOL}
 
     def __init__(self, processor: Any, tokenizer: Any, side: int, tokens: dict[str, str], num_tokens: int) -> None:
         self.processor = processor
@@ -762,15 +899,22 @@ class Idefics3Images(ImageFamily):
                        + "\n" for r in range(height // self.step))
         return f"{rows}\n{last}"
 
-    def run(self, image: Any) -> ProcessedImage:
+    def run(self, image: Any, options: dict[str, Any]) -> ProcessedImage:
         """Resized, split into tiles with the whole image as one more (or one tile), rescaled, normalized."""
-        out = self.processor(images=[image], return_tensors="np", return_row_col_info=True)
+        out = self.processor(images=[image], return_tensors="np", return_row_col_info=True,
+                             do_image_splitting=options.get("do_image_splitting", self.processor.do_image_splitting))
         rows, cols, side = int(out["rows"][0][0]), int(out["cols"][0][0]), self.step
         pixels = np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
         tiles = rows * cols + 1 if rows else 1
         if pixels.shape != (tiles, 3, side, side):
             raise ValueError(f"the processor made pixels {pixels.shape}, not {tiles} tiles of [3, {side}, {side}]")
         return ProcessedImage(pixels.tobytes(), max(rows, 1) * side, max(cols, 1) * side)
+
+    def check_options(self, options: dict[str, Any]) -> tuple[str, str] | None:
+        if options.get("do_image_splitting") and not self.processor.do_image_splitting:
+            return "do_image_splitting", ("the model folder's image processor does not split images (the engines' "
+                                          "cache is sized for one tile)")
+        return None
 
     def span(self, height: int, width: int) -> list[int]:
         grid = (height // self.step, width // self.step)
@@ -801,8 +945,13 @@ class InternVLImages(ImageFamily):
     ``image_seq_length`` context tokens per tile and ``</img>``, each one token, kept apart from the text around
     them (``load`` checks that against the tokenizer)."""
 
+    # The grid's bounds in tiles (``max_patches`` no more than the folder's, which the engines' cache is sized for:
+    # ``common.model.vision``); ``crop_to_patches`` off: the whole image as one tile.
+    OPTIONS = {"crop_to_patches": BOOL, "min_patches": POSITIVE_INT, "max_patches": POSITIVE_INT}
+
     def __init__(self, processor: Any, side: int, start_id: int, context_id: int, end_id: int, num_tokens: int) -> None:
         self.processor = processor
+        self.min_patches, self.max_patches = int(processor.min_patches), int(processor.max_patches)
         self.step = side
         self.placeholder_id = context_id
         self.ids = (start_id, context_id, end_id)
@@ -845,15 +994,26 @@ class InternVLImages(ImageFamily):
         _check_alone(model_dir, tokenizer, tokens[0] + tokens[1] * 2 * num_tokens + tokens[2], family.span(2 * side, side))
         return family
 
-    def run(self, image: Any) -> ProcessedImage:
+    def run(self, image: Any, options: dict[str, Any]) -> ProcessedImage:
         """Cut into its grid of tiles (and the whole image as one more where there are several), rescaled,
         normalized."""
-        out = self.processor(images=[image], crop_to_patches=True, return_tensors="np")
+        out = self.processor(images=[image], crop_to_patches=options.get("crop_to_patches", True),
+                             min_patches=options.get("min_patches", self.min_patches),
+                             max_patches=options.get("max_patches", self.max_patches), return_tensors="np")
         pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
         tiles, side = int(out["num_patches"][0]), self.step
         if pixels.shape != (tiles, 3, side, side):
             raise ValueError(f"the processor made pixels {pixels.shape}, not {tiles} tiles of [3, {side}, {side}]")
         return ProcessedImage(pixels.tobytes(), tiles * side, side)
+
+    def check_options(self, options: dict[str, Any]) -> tuple[str, str] | None:
+        high = options.get("max_patches", self.max_patches)
+        if high > self.max_patches:
+            return "max_patches", (f"at most the model folder's {self.max_patches} (the engines' cache is sized for "
+                                   "it; raise it in its preprocessor_config.json)")
+        if options.get("min_patches", self.min_patches) > high:
+            return "min_patches", f"at most max_patches ({high})"
+        return None
 
     def span(self, height: int, width: int) -> list[int]:
         start, context, end = self.ids
@@ -874,8 +1034,10 @@ class ImageProcessor:
     every family shares: the placeholders the template wrote checked, each replaced by its image's span."""
 
     def __init__(self, family: ImageFamily, num_threads: int = IMAGE_THREADS, fetcher: ImageFetcher | None = None,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, options: dict[str, Any] | None = None) -> None:
         self.family = family
+        # --mm-processor-kwargs: every request's settings, under its own (``options``); ``OptionRefused`` at start.
+        self.defaults = read_options(family, options, "--mm-processor-kwargs")
         # Images by URL, from the hosts --allowed-media-domains lists (none by default: each refused by name).
         self.fetcher = fetcher or ImageFetcher(())
         self.cache = ProcessedCache(cache_bytes)  # --mm-processor-cache-gb
@@ -884,42 +1046,66 @@ class ImageProcessor:
 
     @classmethod
     def from_model_dir(cls, model_dir: pathlib.Path, tokenizer: Any, fetcher: ImageFetcher | None = None,
-                       cache_bytes: int = DEFAULT_CACHE_BYTES) -> ImageProcessor:
-        """The processing of the folder's model type (``IMAGE_FAMILIES``); ``ValueError`` naming what does not fit."""
+                       cache_bytes: int = DEFAULT_CACHE_BYTES, options: dict[str, Any] | None = None
+                       ) -> ImageProcessor:
+        """The processing of the folder's model type (``IMAGE_FAMILIES``), with the server's settings ``options``;
+        ``ValueError`` naming what does not fit."""
         config = json.loads((model_dir / "config.json").read_text())
         model_type = config.get("model_type")
         family = IMAGE_FAMILIES.get(model_type) if isinstance(model_type, str) else None
         if family is None:
             raise ValueError(f"{model_dir}: the router processes no images of model type {model_type!r} "
                              f"(it does for {', '.join(IMAGE_FAMILIES)})")
-        return cls(family.load(model_dir, config, tokenizer), fetcher=fetcher, cache_bytes=cache_bytes)
+        return cls(family.load(model_dir, config, tokenizer), fetcher=fetcher, cache_bytes=cache_bytes,
+                   options=options)
 
     @property
     def placeholder_id(self) -> int:
         """The token the chat template writes once per image."""
         return self.family.placeholder_id
 
-    def process(self, image: Any, param: str, whole: bool = False) -> ProcessedImage:
-        """One RGB image through the model's image processor (``whole``: as its whole-image tile alone); a 400
-        naming ``param`` if it cannot be."""
-        return self.family.process(image, param, whole)
+    def options(self, kwargs: Any) -> dict[str, Any]:
+        """A request's ``mm_processor_kwargs`` over the server's (``defaults``): the settings its images are
+        processed with; a 400 naming the setting not taken."""
+        try:
+            return read_options(self.family, {**self.defaults, **(kwargs or {})} if isinstance(kwargs, dict | None)
+                                else kwargs, "mm_processor_kwargs")
+        except OptionRefused as exc:
+            raise bad_request(str(exc), param=exc.field) from None
+
+    def process(self, image: Any, param: str, whole: bool = False,
+                options: dict[str, Any] | None = None) -> ProcessedImage:
+        """One RGB image through the model's image processor (``whole``: as its whole-image tile alone), with the
+        settings ``options`` (the server's by default); a 400 naming ``param`` if it cannot be."""
+        return self.family.process(image, param, whole, self.defaults if options is None else options)
 
     def span(self, height: int, width: int) -> list[int]:
         """The tokens an image of ``height`` x ``width`` processed pixels takes in the prompt."""
         return self.family.span(height, width)
 
-    def chat_render(self, render: ChatRender) -> ChatRender:
-        """How the chat template renders a conversation with images: with the family's expansion of each image's
-        placeholder in the text, where its processor expands it there."""
-        expansion = self.family.text_expansion
-        return render if expansion is None else dataclasses.replace(render, image_text=expansion)
+    def chat_render(self, render: ChatRender, images: Sequence[ProcessedImage]) -> ChatRender:
+        """How the chat template renders a conversation with the processed ``images``: where the family's
+        processor expands each image's placeholder in the text, with its image's text there (a 400 where the
+        rendered text does not hold one placeholder per image)."""
+        placeholder = self.family.text_placeholder
+        if placeholder is None:
+            return render
+        texts = [self.family.image_text(image) for image in images]
+
+        def expand(text: str) -> str:
+            parts = text.split(placeholder)
+            self._check_count(len(parts) - 1, len(texts))
+            return "".join(part + image for part, image in zip(parts, texts, strict=False)) + parts[-1]
+
+        return dataclasses.replace(render, image_text=expand)
 
     def expand(self, token_ids: list[int], images: Sequence[ProcessedImage]) -> tuple[list[int], list[ImageInput]]:
-        """``token_ids`` with each placeholder (one per image, in order: ``check_placeholders``) replaced by
-        its image's span (where the text was expanded, ``text_expansion``, the span found there); the
-        ``ImageInput`` of each."""
-        if self.family.text_expansion is not None:
-            return token_ids, self._spans_in(token_ids, images)
+        """``token_ids`` with each placeholder (one per image, in order; a 400 otherwise) replaced by
+        its image's span (where the text was expanded, ``chat_render``, the span found there); the ``ImageInput``
+        of each image the engines take (an image's crops each one of their own)."""
+        if self.family.text_placeholder is not None:
+            return token_ids, self._spans_in(token_ids, [piece for image in images for piece in image.pieces])
+        self._check_count(token_ids.count(self.placeholder_id), len(images))
         out: list[int] = []
         inputs: list[ImageInput] = []
         start = 0
@@ -953,43 +1139,56 @@ class ImageProcessor:
             raise bad_request("a message's text holds one of the model's image tokens", param="messages")
         return inputs
 
-    def check_placeholders(self, token_ids: list[int], images: Sequence[ImageRef]) -> None:
-        """A 400 unless the rendered prompt holds exactly one image token per image. A message's text that
-        holds the image token's string is tokenized to it too: counting them all keeps such a text from
+    @staticmethod
+    def _check_count(count: int, num_images: int) -> None:
+        """A 400 unless the rendered prompt holds exactly one image token (placeholder) per image. A message's text
+        that holds the image token's string is tokenized to it too: counting them all keeps such a text from
         moving an image's span (the engines would refuse the request, or worse, place features elsewhere)."""
-        count = token_ids.count(self.placeholder_id)
-        if count != len(images):
+        if count != num_images:
             raise bad_request(
-                f"the chat template placed {count} image token(s) for {len(images)} image(s): each image part is "
+                f"the chat template placed {count} image token(s) for {num_images} image(s): each image part is "
                 "written as one, and no message's text may hold the image token itself", param="messages")
 
-    def prepare(self, token_ids: list[int], images: Sequence[ImageRef], fetched: dict[int, bytes] | None = None
-                ) -> tuple[list[int], list[ImageInput]]:
-        """The prompt with its images' spans and their ``ImageInput``s: each image decoded (from its data URL, or
-        the bytes ``fetched`` for it), processed and hashed; a 400 naming the image for a bad one, or for processed
-        pixels past ``MAX_IMAGE_BYTES`` in all. Blocks for as long as that takes (``prepare_off_loop``)."""
-        self.check_placeholders(token_ids, images)
+    def load(self, images: Sequence[ImageRef], fetched: dict[int, bytes] | None = None,
+             options: dict[str, Any] | None = None) -> list[ProcessedImage]:
+        """Each image decoded (from its data URL, or the bytes ``fetched`` for it), processed with the settings
+        ``options`` (``options()``; the server's by default) and hashed, or found processed so in the cache; a 400
+        naming the image for a bad one, or for processed pixels past ``MAX_IMAGE_BYTES`` or images (crops
+        included) past ``MAX_IMAGES_PER_PROMPT`` in all. Blocks for as long as that takes (``load_off_loop``)."""
         self.check_count(images)
         whole = self.family.whole_when_several and len(images) > 1
+        options = self.defaults if options is None else options
+        # The way an image is processed: its settings in a canonical form, and whether it is its whole-image tile.
+        way = (b"whole " if whole else b"") + json.dumps(options, sort_keys=True).encode() + b"\0"
         processed: list[ProcessedImage] = []
-        total = 0
+        total = pieces = 0
         for k, ref in enumerate(images):
             data = (fetched or {}).get(k)
             # By the data URL as it came (a hit skips its base64 too), or by the bytes fetched for a URL; and by
             # the way it is processed.
-            key = hashlib.sha256((b"whole " if whole else b"") + (b"data URL\0" if data is None else b"fetched\0"))
+            key = hashlib.sha256(way + (b"data URL\0" if data is None else b"fetched\0"))
             key.update(ref.url.encode() if data is None else data)
             image = self.cache.get(key.digest())
             if image is None:
                 picture = _open_image(data_url_bytes(ref.url, ref.param) if data is None else data, ref.param)
-                image = self.process(picture, ref.param, whole).hashed()
+                image = self.process(picture, ref.param, whole, options).hashed()
                 self.cache.put(key.digest(), image)
-            total += len(image.pixel_values)
+            total += image.nbytes
             if total > MAX_IMAGE_BYTES:
                 raise bad_request(f"the prompt's images take more than {MAX_IMAGE_BYTES >> 20} MiB once processed "
                                   "(float32 pixels); send fewer or smaller images", param=ref.param)
+            pieces += len(image.pieces)
+            if pieces > MAX_IMAGES_PER_PROMPT:
+                raise bad_request(f"the prompt's images and their crops make more than {MAX_IMAGES_PER_PROMPT} "
+                                  "images; send fewer images, or fewer crops of each", param=ref.param)
             processed.append(image)
-        return self.expand(token_ids, processed)
+        return processed
+
+    def prepare(self, token_ids: list[int], images: Sequence[ImageRef], fetched: dict[int, bytes] | None = None,
+                options: dict[str, Any] | None = None) -> tuple[list[int], list[ImageInput]]:
+        """A prompt already rendered (``chat_render`` needs no images: a family that expands the ids) with its
+        images' spans and their ``ImageInput``s (``load``, ``expand``)."""
+        return self.expand(token_ids, self.load(images, fetched, options))
 
     def check_count(self, images: Sequence[ImageRef]) -> None:
         """A 400 naming the second image where the family takes one a prompt (``ImageFamily.max_images``)."""
@@ -998,17 +1197,15 @@ class ImageProcessor:
             raise bad_request(f"this model takes at most {limit} image(s) a prompt (its way with several is not "
                               "implemented)", param=images[limit].param)
 
-    async def prepare_off_loop(
-        self, token_ids: list[int], images: Sequence[ImageRef]
-    ) -> tuple[list[int], list[ImageInput]]:
-        """``prepare`` in one of the image threads (decoding, resizing and hashing release the GIL), after the
-        images given by http(s) URL are fetched, together, on the event loop."""
-        self.check_placeholders(token_ids, images)  # cheap refusals need no thread
-        self.check_count(images)
+    async def load_off_loop(self, images: Sequence[ImageRef], options: dict[str, Any] | None = None
+                            ) -> list[ProcessedImage]:
+        """``load`` (with the settings ``options``) in one of the image threads (decoding, resizing and hashing
+        release the GIL), after the images given by http(s) URL are fetched, together, on the event loop."""
+        self.check_count(images)  # cheap refusals need no thread
         by_url = [k for k, ref in enumerate(images) if not ref.url.startswith("data:")]
         bodies = await asyncio.gather(*(self.fetcher.fetch(images[k].url, images[k].param) for k in by_url))
         fetched = dict(zip(by_url, bodies, strict=True))
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.prepare, token_ids, images, fetched)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.load, images, fetched, options)
 
 
 @dataclass(frozen=True)
@@ -1022,10 +1219,28 @@ class ModelImages:
 
     @classmethod
     def from_model_dir(cls, model_dir: pathlib.Path, tokenizer: Any, fetcher: ImageFetcher | None = None,
-                       cache_bytes: int = DEFAULT_CACHE_BYTES) -> ModelImages:
-        """The model folder's: ``ValueError`` for an image-text model whose processor files do not fit.
-        ``fetcher``: where images given by URL come from (``router.image_fetch``; none without); ``cache_bytes``:
-        the processed images kept (``ProcessedCache``)."""
+                       cache_bytes: int = DEFAULT_CACHE_BYTES, options: dict[str, Any] | None = None) -> ModelImages:
+        """The model folder's: ``ValueError`` for an image-text model whose processor files do not fit, or settings
+        ``options`` (``--mm-processor-kwargs``) its processor does not take (or any, for a model served without
+        images). ``fetcher``: where images given by URL come from (``router.image_fetch``; none without);
+        ``cache_bytes``: the processed images kept (``ProcessedCache``)."""
+        images = cls._from_model_dir(model_dir, tokenizer, fetcher, cache_bytes, options)
+        if options and images.processor is None:
+            raise ValueError(f"--mm-processor-kwargs: {images.refusal}")
+        return images
+
+    def options(self, kwargs: Any) -> dict[str, Any]:
+        """A request's ``mm_processor_kwargs`` (``ImageProcessor.options``); a 400 for any, on a model served
+        without images."""
+        if self.processor is None:
+            if kwargs:
+                raise bad_request(f"mm_processor_kwargs: {self.refusal}", param="mm_processor_kwargs")
+            return {}
+        return self.processor.options(kwargs)
+
+    @classmethod
+    def _from_model_dir(cls, model_dir: pathlib.Path, tokenizer: Any, fetcher: ImageFetcher | None,
+                        cache_bytes: int, options: dict[str, Any] | None) -> ModelImages:
         try:
             config = json.loads((model_dir / "config.json").read_text())
         except (OSError, ValueError):
@@ -1043,7 +1258,8 @@ class ModelImages:
         if model_type not in IMAGE_INPUT_TYPES:
             return cls(refusal=image_input_refusal(model_type), model_type=model_type)
         try:
-            return cls(ImageProcessor.from_model_dir(model_dir, tokenizer, fetcher, cache_bytes), "", model_type)
+            return cls(ImageProcessor.from_model_dir(model_dir, tokenizer, fetcher, cache_bytes, options), "",
+                       model_type)
         except ImagesRefused as exc:
             return cls(refusal=str(exc), model_type=model_type)
 

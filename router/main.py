@@ -30,6 +30,7 @@ from router.images import (
     DEFAULT_MAX_IMAGES_PER_PROMPT,
     limit_mm_per_prompt_arg,
     mm_processor_cache_gb_arg,
+    mm_processor_kwargs_arg,
 )
 from router.reasoning import REASONING_PARSERS
 from router.routing import POLICIES
@@ -188,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
         "conversation's images are not processed again every turn; 0: none (default: %(default)s)",
     )
     p.add_argument(
+        "--mm-processor-kwargs",
+        type=mm_processor_kwargs_arg,
+        default=None,
+        metavar="JSON",
+        help="vLLM's flag: the image processor's settings for every request (a request's mm_processor_kwargs "
+        'override them), e.g. {"max_pixels": 1003520} for Qwen-VL; names and bounds checked against the model',
+    )
+    p.add_argument(
         "--media-fetch-timeout",
         type=fetch_timeout_arg,
         default=DEFAULT_FETCH_TIMEOUT_S,
@@ -310,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         fetcher = ImageFetcher(args.allowed_media_domains, args.media_fetch_timeout, MAX_ENCODED_IMAGE_BYTES)
         images = ModelImages.from_model_dir(model_dir, prompts.tokenizer, fetcher,
-                                            int(args.mm_processor_cache_gb * (1 << 30)))
+                                            int(args.mm_processor_cache_gb * (1 << 30)), args.mm_processor_kwargs)
     except ValueError as exc:
         raise SystemExit(f"the model's image processor: {exc}") from None
     if images.processor is not None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -161,7 +161,7 @@ class _GenerationRequest(CheckedRequest):
     # vLLM extras not implemented (``_NOT_IMPLEMENTED_EXTRAS``): declared so that they are refused,
     # not silently ignored
     logits_processors: Any = None
-    mm_processor_kwargs: Any = None
+    mm_processor_kwargs: Any = None  # taken by chat completions (their images), where the model takes images
     guided_whitespace_pattern: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
@@ -170,6 +170,7 @@ class _GenerationRequest(CheckedRequest):
     # Taken where they ask for what this server does: xgrammar's grammars, text out.
     guided_decoding_backend: Any = None
     modalities: Any = None
+    _not_implemented_extras: ClassVar[dict[str, Any]] = _NOT_IMPLEMENTED_EXTRAS
     # What ``check`` read from response_format / guided_*: the spec and the field it came from.
     _structured: tuple[StructuredOutput, str] | None = PrivateAttr(default=None)
 
@@ -218,7 +219,7 @@ class _GenerationRequest(CheckedRequest):
             self.response_format,
             {name: getattr(self, name) for name in (*structured_output.GUIDED_FIELDS, "structured_outputs")},
         )
-        self.refuse_unless_nothing(_NOT_IMPLEMENTED_EXTRAS, "not yet implemented")
+        self.refuse_unless_nothing(self._not_implemented_extras, "not yet implemented")
         if self.priority != 0 and not limits.priority_scheduling:
             raise bad_request("priority needs --scheduling-policy priority (router and engines); the server "
                               "takes requests first come, first served", param="priority")
@@ -492,9 +493,9 @@ class ChatRender:
     continue_final_message: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)  # the template's own variables
     documents: list[dict[str, str]] | None = None
-    # (placeholder, sequence): each placeholder in the rendered text replaced by the sequence before it is
-    # tokenized (Gemma 3's images, as its processor expands them: ``router.images.ImageProcessor.chat_render``).
-    image_text: tuple[str, str] | None = None
+    # The rendered text with each image's placeholder replaced by its image's text before it is tokenized (Gemma
+    # 3's images, as its processor expands them: ``router.images.ImageProcessor.chat_render``); a 400 of its own.
+    image_text: Callable[[str], str] | None = None
 
 
 def template_messages(
@@ -578,6 +579,10 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
     echo: StrictBool | None = False
     # What ``check`` read from tools / tool_choice (``router/tools.py``).
     _tools: ToolPlan | None = PrivateAttr(default=None)
+    # vLLM's mm_processor_kwargs: the image processor's settings for this request's images
+    # (``router.images.ImageProcessor.options``).
+    _not_implemented_extras: ClassVar[dict[str, Any]] = {
+        name: nothing for name, nothing in _NOT_IMPLEMENTED_EXTRAS.items() if name != "mm_processor_kwargs"}
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -77,6 +77,7 @@ class ResponsesRequest(CheckedRequest):
     reasoning: Any = None
     max_tool_calls: Any = None
     top_logprobs: Any = None
+    mm_processor_kwargs: Any = None  # vLLM's: the image processor's settings for the input's images
     # The Responses field each chat message of ``chat_body`` came from (``input.3``, ``instructions``, or
     # ``previous_response_id`` for the stored conversation's), by the message's index: ``renamed``'s.
     _message_params: list[str] = PrivateAttr(default_factory=list)
@@ -103,7 +104,8 @@ class ResponsesRequest(CheckedRequest):
         messages = self._messages([*earlier, *self.own_items()], len(earlier))
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": False}
         for name, chat_name in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
-                                ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user")):
+                                ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user"),
+                                ("mm_processor_kwargs", "mm_processor_kwargs")):
             value = getattr(self, name)
             if value is not None:
                 body[chat_name] = value

@@ -14,7 +14,7 @@ from router.auth import with_request_salt
 from router.chat_answer import AnswerReader, AnswerStream
 from router.choice_stream import ChoiceDelta, ChoiceStream
 from router.errors import bad_request
-from router.images import ImageRef, check_image_count, truncate_images
+from router.images import ImageRef, ProcessedImage, check_image_count, truncate_images
 from router.logprobs import TokenRenderer, chat_logprobs, prompt_logprobs
 from router.openai_models import (
     ChatCompletionRequest,
@@ -79,6 +79,7 @@ async def plan_chat(
     elif structured is not None:
         await check_grammar(*structured, state.prompts.is_token)
     model_images = state.config.images
+    image_options = model_images.options(request.mm_processor_kwargs)
     image_refs: list[ImageRef] | None = [] if model_images.processor is not None else None
     messages = request.template_messages(image_refs, model_images.refusal)
     check_image_count(image_refs or [], limits.max_images_per_prompt)
@@ -87,8 +88,12 @@ async def plan_chat(
         if "reasoning_effort" not in (state.prompts.template_text() or ""):
             raise bad_request("this model's chat template takes no reasoning effort", param="reasoning_effort")
         render.kwargs.setdefault("reasoning_effort", request.reasoning_effort)
+    processed: list[ProcessedImage] = []
     if image_refs and model_images.processor is not None:
-        render = model_images.processor.chat_render(render)
+        # Processed before the prompt is rendered: a family whose processor expands an image in the text writes
+        # what the processed image holds (Gemma 3's crops).
+        processed = await model_images.processor.load_off_loop(image_refs, image_options)
+        render = model_images.processor.chat_render(render, processed)
     prompt = await state.prompts.tokenize_chat(
         messages, request.context_check(max_model_len), render, request.add_special_tokens,
     )
@@ -97,7 +102,7 @@ async def plan_chat(
     images: list[ImageInput] = []
     if image_refs and model_images.processor is not None:
         # Each image token the template wrote becomes its image's span: the checks below see the whole prompt.
-        prompt, images = await model_images.processor.prepare_off_loop(prompt, image_refs)
+        prompt, images = model_images.processor.expand(prompt, processed)
     num_tokens = len(prompt)
     prompt = request.truncated(prompt, max_model_len)
     images = truncate_images(images, num_tokens - len(prompt))

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from router.config import RequestLimits
 from router.errors import bad_request
-from router.images import ImageRef, check_image_count
+from router.images import ImageRef, ProcessedImage, check_image_count
 from router.openai_models import (
     ChatMessage,
     ChatTemplateOptions,
@@ -42,10 +42,13 @@ class TokenizeRequest(_UtilityRequest, ChatTemplateOptions):
     add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages
     return_token_strs: StrictBool = False
     tools: list[Any] | None = None  # rendered with messages, as a chat completion renders them
+    mm_processor_kwargs: Any = None  # the image processor's settings for the messages' images, as a chat completion's
 
     def check(self, limits: RequestLimits) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
+        if self.mm_processor_kwargs is not None and self.messages is None:
+            raise bad_request("mm_processor_kwargs go with messages (their images)", param="mm_processor_kwargs")
         self.check_template_options(self.messages)
         if self.tools and self.messages is None:
             raise bad_request("tools go with messages", param="tools")
@@ -86,17 +89,20 @@ async def tokenize(state: RouterState, body: Any) -> TokenizeResponse:
         if tools is not None:
             require_rendered(prompts)
         model_images = state.config.images
+        image_options = model_images.options(request.mm_processor_kwargs)
         image_refs: list[ImageRef] | None = [] if model_images.processor is not None else None
         messages = template_messages(request.messages, image_refs, model_images.refusal)
         check_image_count(image_refs or [], state.config.limits.max_images_per_prompt)
         render = request.chat_render(tools.tools if tools is not None else None)
+        processed: list[ProcessedImage] = []
         if image_refs and model_images.processor is not None:
-            render = model_images.processor.chat_render(render)
+            processed = await model_images.processor.load_off_loop(image_refs, image_options)
+            render = model_images.processor.chat_render(render, processed)
         token_ids = await prompts.tokenize_for_count(
             None, messages, add_special_tokens=bool(request.add_special_tokens), render=render,
         )
         if image_refs and model_images.processor is not None:  # the ids the engines would take, as vLLM's
-            token_ids, _ = await model_images.processor.prepare_off_loop(token_ids, image_refs)
+            token_ids, _ = model_images.processor.expand(token_ids, processed)
     else:
         add_special = request.add_special_tokens is None or request.add_special_tokens
         token_ids = await prompts.tokenize_for_count(request.prompt, None, add_special_tokens=add_special)

@@ -186,7 +186,16 @@ class PromptProcessor:
             add_generation_prompt=render.add_generation_prompt, continue_final_message=render.continue_final_message,
             **render.kwargs,
         ))
-        return text if render.image_text is None else text.replace(*render.image_text)
+        return text
+
+    def _rendered(self, messages: list[dict[str, Any]], render: ChatRender) -> str:
+        """``_render``, a 400 where the template raises; then the images' text expanded (``ChatRender.image_text``,
+        its own 400s)."""
+        try:
+            text = self._render(messages, render)
+        except Exception as exc:  # jinja raises its own errors for unsupported conversations
+            raise bad_request(f"could not apply the chat template: {exc}", param="messages") from None
+        return text if render.image_text is None else render.image_text(text)
 
     def check_length(self, text: str, max_model_len: int | None, param: str = "prompt") -> None:
         """A 400 for a text over ``MAX_PROMPT_CHARS``, or with so many characters that its tokens
@@ -348,10 +357,7 @@ class PromptProcessor:
         without extra BOS (``add_special_tokens``, vLLM's chat extra: with the tokenizer's BOS and the
         like on top of the template's). The length check holds the rendered text: a template may
         leave parts of messages out."""
-        try:
-            text = self._render(messages, render)
-        except Exception as exc:  # jinja raises its own errors for unsupported conversations
-            raise bad_request(f"could not apply the chat template: {exc}", param="messages") from None
+        text = self._rendered(messages, render)
         self.check_length(text, max_model_len, "messages")
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
@@ -369,10 +375,7 @@ class PromptProcessor:
             )
 
         def render_and_encode() -> list[int]:
-            try:
-                rendered = self._render(messages or [], render)
-            except Exception as exc:  # jinja raises its own errors for unsupported conversations
-                raise bad_request(f"could not apply the chat template: {exc}", param="messages") from None
+            rendered = self._rendered(messages or [], render)
             self.check_length(rendered, None, "messages")
             return list(self.tokenizer.encode(rendered, add_special_tokens=add_special_tokens))
 

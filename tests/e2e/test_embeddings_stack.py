@@ -77,9 +77,10 @@ def test_embeddings_are_transformers_last_hidden_state_normalized(stack, client)
     router_after = _router_metrics(stack)
     for name in ("pdserve:request_success_total", "pdserve:e2e_request_latency_seconds_count"):
         assert router_after[name] - router_before.get(name, 0.0) == len(TEXTS), name
-    # Floats, and token ids as input, give the same.
+    # Floats, and token ids as input, give the same, to rounding: run alone, and from the blocks the first request
+    # cached, its sums are not the batch's to the last bit (5e-7 apart in one run).
     floats = client.embeddings.create(model=MODEL, input=[list(_ids(TEXTS[1]))], encoding_format="float")
-    np.testing.assert_allclose(floats.data[0].embedding, got.data[1].embedding, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(floats.data[0].embedding, got.data[1].embedding, rtol=1e-4, atol=1e-5)
     # Texts that differ embed differently.
     assert not np.allclose(got.data[0].embedding, got.data[2].embedding)
 

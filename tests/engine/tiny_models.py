@@ -1172,13 +1172,13 @@ def idefics3_checkpoint(folder: Path, model_type: str = "smolvlm", seed: int = 0
     return folder
 
 
-def idefics3_pixels(folder: Path, image: Any) -> tuple[torch.Tensor, int, int]:
-    """transformers' processing of one PIL image for the checkpoint: its tiles ``[n, 3, 28, 28]`` (float32) and its
-    grid's height and width in pixels (one tile: 28 x 28)."""
+def idefics3_pixels(folder: Path, image: Any, **settings: Any) -> tuple[torch.Tensor, int, int]:
+    """transformers' processing of one PIL image for the checkpoint (its image processor's file, ``settings`` over
+    it): its tiles ``[n, 3, 28, 28]`` (float32) and its grid's height and width in pixels (one tile: 28 x 28)."""
     from transformers import AutoImageProcessor
 
-    out = AutoImageProcessor.from_pretrained(str(folder), backend="pil")(images=[image], return_tensors="pt",
-                                                                         return_row_col_info=True)
+    out = AutoImageProcessor.from_pretrained(str(folder), backend="pil", **settings)(
+        images=[image], return_tensors="pt", return_row_col_info=True)
     rows, cols = int(out["rows"][0][0]), int(out["cols"][0][0])
     return out["pixel_values"][0].float(), max(rows, 1) * IDEFICS3_TILE, max(cols, 1) * IDEFICS3_TILE
 
@@ -1248,13 +1248,13 @@ def internvl_checkpoint(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def internvl_pixels(folder: Path, image: Any) -> torch.Tensor:
-    """transformers' processing of one PIL image for the checkpoint, as InternVL's processor runs it: its tiles
-    ``[n, 3, 28, 28]`` (float32)."""
+def internvl_pixels(folder: Path, image: Any, **settings: Any) -> torch.Tensor:
+    """transformers' processing of one PIL image for the checkpoint, as InternVL's processor runs it (its image
+    processor's file, ``settings`` over it): its tiles ``[n, 3, 28, 28]`` (float32)."""
     from transformers import AutoImageProcessor
 
-    out = AutoImageProcessor.from_pretrained(str(folder), backend="pil")(images=[image], crop_to_patches=True,
-                                                                         return_tensors="pt")
+    out = AutoImageProcessor.from_pretrained(str(folder), backend="pil", **{"crop_to_patches": True, **settings})(
+        images=[image], return_tensors="pt")
     return out["pixel_values"].float()
 
 
@@ -1358,12 +1358,13 @@ def qwen_vl_checkpoint(folder: Path, seed: int = 0, model_type: str = "qwen2_5_v
     return folder
 
 
-def qwen_vl_pixels(folder: Path, image: Any) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """transformers' processing of one PIL image for the checkpoint: its patches ``[t * h * w, 3 * 2 * p * p]``
-    (float32) and their grid (t, h, w)."""
+def qwen_vl_pixels(folder: Path, image: Any, **settings: Any) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """transformers' processing of one PIL image for the checkpoint (its image processor's file, ``settings`` over
+    it): its patches ``[t * h * w, 3 * 2 * p * p]`` (float32) and their grid (t, h, w)."""
     from transformers import AutoImageProcessor
 
-    out = AutoImageProcessor.from_pretrained(str(folder), backend="pil")(images=[image], return_tensors="pt")
+    out = AutoImageProcessor.from_pretrained(str(folder), backend="pil", **settings)(images=[image],
+                                                                                     return_tensors="pt")
     t, h, w = (int(v) for v in out["image_grid_thw"][0])
     return out["pixel_values"].float(), (t, h, w)
 

@@ -362,7 +362,7 @@ def test_a_conversation_s_images_are_processed_once_and_the_cache_keeps_its_byte
     assert processor is not None
     runs: list[Any] = []
     run = processor.family.run
-    monkeypatch.setattr(processor.family, "run", lambda image: runs.append(image) or run(image))
+    monkeypatch.setattr(processor.family, "run", lambda image, options: runs.append(image) or run(image, options))
 
     def prepare(k: int) -> Any:
         return processor.prepare(ids, [ImageRef("p", pictures[k])])

@@ -26,7 +26,7 @@ def server(prompts: Any) -> Iterator[RouterServer]:
     [
         (COMPLETIONS, "logits_processors", ["x"]),
         (COMPLETIONS, "length_penalty", 0.5),
-        (CHAT, "mm_processor_kwargs", {"a": 1}),
+        (COMPLETIONS, "mm_processor_kwargs", {"a": 1}),  # a chat's are its images' (test_mm_processor_kwargs.py)
         (CHAT, "guided_whitespace_pattern", " "),
         (CHAT, "kv_transfer_params", {"do_remote_decode": True}),
         (CHAT, "vllm_xargs", {"a": 1}),

@@ -297,8 +297,10 @@ def test_up_gives_the_router_the_generation_config_and_image_limit_and_checks_th
     spawned = _spawned(monkeypatch, tmp_path, "--generation-config", "vllm", "--override-generation-config",
                        '{"temperature": 0.5}', "--limit-mm-per-prompt", '{"image": 2}',
                        "--allowed-media-domains", "images.example.com", "cdn.example.com", "--media-fetch-timeout", "2",
-                       "--mm-processor-cache-gb", "0.5")
+                       "--mm-processor-cache-gb", "0.5", "--mm-processor-kwargs", '{"max_pixels": 1003520}')
     router = spawned["router"]
+    assert json.loads(router[router.index("--mm-processor-kwargs") + 1]) == {"max_pixels": 1003520}
+    assert "--mm-processor-kwargs" not in spawned["decode-0"]
     assert router[router.index("--generation-config") + 1] == "vllm"
     assert json.loads(router[router.index("--override-generation-config") + 1]) == {"temperature": 0.5}
     assert json.loads(router[router.index("--limit-mm-per-prompt") + 1]) == {"image": 2}
@@ -309,7 +311,7 @@ def test_up_gives_the_router_the_generation_config_and_image_limit_and_checks_th
     assert "--mm-processor-cache-gb" not in spawned["decode-0"]
     assert "--generation-config" not in spawned["decode-0"] and "--limit-mm-per-prompt" not in spawned["decode-0"]
     for bad in (["--override-generation-config", "[1]"], ["--limit-mm-per-prompt", '{"audio": 1}'],
-                ["--media-fetch-timeout", "0"], ["--mm-processor-cache-gb", "-1"]):
+                ["--media-fetch-timeout", "0"], ["--mm-processor-cache-gb", "-1"], ["--mm-processor-kwargs", "[1]"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(bad)
 

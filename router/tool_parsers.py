@@ -453,6 +453,11 @@ class _LlamaStream:
         return [out] if out else []
 
 
+# An answer of text under "auto" with strict functions, held so that the parser can read no calls out of it: empty,
+# or not opening with "{", whitespace or "<|" (a call, spaced or after <|python_tag|>, would be read).
+_LLAMA_TEXT = r"(?:[^{<\s][\s\S]*|<(?:[^|][\s\S]*)?)?"
+
+
 class Llama3JsonParser(_Parser):
     """The whole answer as one or more ``{"name": ..., "parameters": {...}}`` objects separated by
     ``;``, after an optional ``<|python_tag|>``; anything else is content. A stream that starts
@@ -460,9 +465,22 @@ class Llama3JsonParser(_Parser):
 
     name = "llama3_json"
     tags: tuple[str, ...] = ()  # (its <|python_tag|> prefix may be left out of the text: the calls are the same)
+    holds_calls = True
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _LlamaStream()
+
+    def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
+                 required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
+        """The whole answer as the format's calls, since the parser reads calls only there: each ``{"name": NAME,
+        "parameters": ARGS}`` as Llama 3's templates ask for them, several a ``; `` apart with parallel calls; under
+        "auto" the answer may be text instead, of which no call can be read (``_LLAMA_TEXT``: it may not open with
+        ``{``)."""
+        calls = {"type": "tags_with_separator", "separator": "; ", "at_least_one": True, "stop_after_first": not parallel,
+                 "tags": [{"type": "tag", "begin": f'{{"name": {json.dumps(f["name"])}, "parameters": ',
+                           "content": _held(f, held), "end": "}"} for f in functions]}
+        form = calls if required else {"type": "or", "elements": [calls, {"type": "regex", "pattern": _LLAMA_TEXT}]}
+        return {"type": "structural_tag", "format": form}
 
 
 def json_array_calls(text: str) -> list[ToolCall] | None:

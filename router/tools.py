@@ -10,7 +10,8 @@ format. What the model answers depends on ``tool_choice``:
   that is not a well-formed call stays content. Where a function is marked ``strict`` (OpenAI's: its
   calls' arguments hold to its schema), a structural tag holds each call the model writes in that format
   to an offered function and a strict one's arguments to its schema, the text around free (every format with a
-  ``call_tag``; the others refused by name).
+  ``call_tag``; the others refused by name). In Llama 3's JSON format, whose calls are the whole answer, the answer
+  is either calls or text that opens as no call does (not with ``{``).
 * ``"required"``: the answer opens with one or more calls (one when ``parallel_tool_calls`` is false), each
   of a given tool with arguments valid against its ``parameters`` schema.
 * a named function: the answer is one call of that function, its arguments valid against its schema.

@@ -473,6 +473,41 @@ def test_mistral_v11_calls_held_in_their_own_form(redis_url: str, tokenizer_dir:
         assert response.status_code == 400 and "'[NOPE]': not a token of this model's tokenizer" in response.text
 
 
+def test_llama3_json_strict_forced_and_named_calls_in_its_own_format(redis_url: str, tokenizer: Any) -> None:
+    """Llama 3's JSON calls (the whole answer): strict functions under "auto", "required" and a named function each
+    send a structural tag over the whole answer in that format (text instead only under "auto"), and the answer's
+    calls are read back."""
+    template = ("{% if tools %}Respond in the format {\"name\": function name, \"parameters\": dictionary}. "
+                "{{ tools | tojson }}\n{% endif %}{% for m in messages %}{{ m.content }}\n{% endfor %}")
+    prompts = PromptProcessor(tokenizer, max_model_len=2048, chat_template=template)
+    reply = list(tokenizer.encode('{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                                  '{"name": "get_time", "parameters": {"zone": "UTC"}}', add_special_tokens=False))
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001, "max_model_len": 2048},
+                    tool_call_parser="llama3_json", request_timeout_s=5.0) as (server, cluster):
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
+        for tools, choice in ((strict, "auto"), (TOOLS, "required"), (TOOLS, named)):
+            answer = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=tools,  # type: ignore[arg-type]
+                                                    tool_choice=choice)  # type: ignore[arg-type]
+            calls = [(c.function.name, json.loads(c.function.arguments)) for c in answer.choices[0].message.tool_calls or []]
+            # (a named answer is its one call)
+            assert calls == [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "UTC"})][:1 if choice == named else 2]
+            [sent] = [r for r in cluster.requests() if r.request_id.startswith(answer.id) and r.decode_target is not None]
+            so = sent.sampling_params.structured_output
+            assert so is not None and so.kind == "structural_tag", so
+            form = json.loads(so.spec)["format"]
+            if choice == "auto":
+                calls_form, text = form["elements"]
+                assert form["type"] == "or" and text["type"] == "regex"
+            else:
+                calls_form = form
+            assert calls_form["type"] == "tags_with_separator" and calls_form["separator"] == "; "
+            assert [t["begin"] for t in calls_form["tags"]] == [
+                f'{{"name": "{n}", "parameters": ' for n in (["get_weather"] if choice == named else ["get_weather", "get_time"])]
+            assert calls_form["stop_after_first"] == (choice == named)
+
+
 def test_tokenize_counts_the_tools_as_the_chat_completion_sends_them(
     client: openai.OpenAI, stack: Any, tokenizer: Any
 ) -> None:

@@ -700,3 +700,45 @@ def test_each_format_s_call_tag_holds_its_own_calls(tokenizer_dir: object, name:
         assert not takes(True, required, native([("get_weather", "Paris")]).replace("city", "town"))
         assert takes(True, required, "Let me check. " + one) != required
         assert not takes(False, required, two)
+
+
+def test_llama3_json_call_tag_holds_the_whole_answer(tokenizer_dir: object) -> None:
+    """Llama 3's JSON calls are the whole answer, so its structural tag holds the whole answer, compiled by xgrammar
+    against a tokenizer: ``{"name": ..., "parameters": ...}`` calls as its templates ask for them, read back by the
+    parser, a held function's arguments to its schema, several a ``; `` apart only with parallel calls; under "auto"
+    text instead, though not text the parser would read calls out of (opening with ``{``, whitespace or ``<|``), and
+    text before a call stays content; under "required" calls only."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from common.sampling_params import StructuredOutput
+    from common.structured_output import build_grammar
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok),
+                                                                      stop_token_ids=[tok.eos_token_id]))
+    functions = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"], "additionalProperties": False}},
+                 {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}]
+
+    def takes(parallel: bool, required: bool, text: str) -> bool:
+        tag = LLAMA.call_tag(functions, frozenset({"get_weather"}), parallel, required)
+        assert tag is not None
+        build_grammar(StructuredOutput(kind="structural_tag", spec=json.dumps(tag)))  # the router's check
+        matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(json.dumps(tag)))
+        return all(matcher.accept_token(t) for t in tok.encode(text, add_special_tokens=False)) and (
+            matcher.accept_token(tok.eos_token_id))
+
+    time_call = '{"name": "get_time", "parameters": {"tz": "UTC"}}'
+    two = f"{LLAMA_CALL}; {time_call}"
+    assert LLAMA.extract(two, functions)[1] == [ToolCall("get_weather", '{"city": "Paris"}'),
+                                                 ToolCall("get_time", '{"tz": "UTC"}')]
+    for required in (False, True):
+        assert takes(False, required, LLAMA_CALL) and takes(True, required, two) and not takes(False, required, two)
+        assert not takes(True, required, LLAMA_CALL.replace("city", "town"))  # held to its schema
+        assert takes(True, required, time_call.replace("tz", "zone"))  # not held: any object
+        for text in ("Just text.", "It is <b>sunny</b>.", "<b>Sunny</b>", "", "Let me check. " + LLAMA_CALL):
+            assert takes(True, required, text) != required, text
+            assert not LLAMA.extract(text, functions)[1]  # no call read out of what "auto" takes as text
+        for text in (' {"city": "Paris"}', '{"answer": 1}', "<|python_tag|>" + LLAMA_CALL, "\n" + LLAMA_CALL):
+            assert not takes(True, required, text), text

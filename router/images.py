@@ -245,6 +245,19 @@ def mm_processor_kwargs_arg(text: str) -> dict[str, Any]:
 BOOL, POSITIVE_INT, POSITIVE_NUMBER = "a boolean", "a positive integer", "a positive number"
 
 
+def _check_bounds(options: dict[str, Any], low: tuple[str, int], high: tuple[str, int]) -> tuple[str, str] | None:
+    """Two settings that bound an image's size (each ``(name, the folder's value)``), as ``check_options`` refuses
+    them: the upper one past the folder's (the engines' cache is sized for that), or the lower one past the upper."""
+    (low_name, folder_low), (high_name, folder_high) = low, high
+    top = options.get(high_name, folder_high)
+    if top > folder_high:
+        return high_name, (f"at most the model folder's {folder_high} (the engines' cache is sized for it; raise it "
+                           "in its preprocessor_config.json)")
+    if options.get(low_name, folder_low) > top:
+        return low_name, f"at most {high_name} ({top})"
+    return None
+
+
 def limit_mm_per_prompt_arg(text: str) -> int:
     """vLLM's ``--limit-mm-per-prompt`` (a JSON object, e.g. ``{"image": 4}``): the images one prompt may hold.
     Other modalities are not served: any of them set above 0 is refused by name."""
@@ -545,13 +558,7 @@ class QwenVLImages(ImageFamily):
         return [self.placeholder_id] * ((height // self.step) * (width // self.step))
 
     def check_options(self, options: dict[str, Any]) -> tuple[str, str] | None:
-        high = options.get("max_pixels", self.max_pixels)
-        if high > self.max_pixels:
-            return "max_pixels", (f"at most the model folder's {self.max_pixels} (the engines' cache is sized for "
-                                  "it; raise it in its preprocessor_config.json)")
-        if options.get("min_pixels", self.min_pixels) > high:
-            return "min_pixels", f"at most max_pixels ({high})"
-        return None
+        return _check_bounds(options, ("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels))
 
 
 def _one_size(out: Any, side: int) -> ProcessedImage:
@@ -1007,13 +1014,7 @@ class InternVLImages(ImageFamily):
         return ProcessedImage(pixels.tobytes(), tiles * side, side)
 
     def check_options(self, options: dict[str, Any]) -> tuple[str, str] | None:
-        high = options.get("max_patches", self.max_patches)
-        if high > self.max_patches:
-            return "max_patches", (f"at most the model folder's {self.max_patches} (the engines' cache is sized for "
-                                   "it; raise it in its preprocessor_config.json)")
-        if options.get("min_patches", self.min_patches) > high:
-            return "min_patches", f"at most max_patches ({high})"
-        return None
+        return _check_bounds(options, ("min_patches", self.min_patches), ("max_patches", self.max_patches))
 
     def span(self, height: int, width: int) -> list[int]:
         start, context, end = self.ids

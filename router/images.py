@@ -30,9 +30,11 @@ sends and the span of an image:
 
 A family may let the image processor's settings be set per request (vLLM's ``mm_processor_kwargs``) or for the
 server (``--mm-processor-kwargs``, which a request's override): Qwen-VL's ``min_pixels`` / ``max_pixels``,
-Idefics3's ``do_image_splitting``, InternVL's ``crop_to_patches`` / ``min_patches`` / ``max_patches``. Each
-within what the engines sized their cache for (the folder's own bounds); any other name, or a value past them,
-is refused by name (``ImageFamily.OPTIONS``, ``ImageProcessor.options``).
+Idefics3's ``do_image_splitting``, InternVL's ``crop_to_patches`` / ``min_patches`` / ``max_patches``, Gemma
+3's pan and scan (``do_pan_and_scan`` and its three bounds). Each within what the engines sized their cache for
+(the folder's own bounds); any other name, or a value past them, is refused by name (``ImageFamily.OPTIONS``,
+``ImageProcessor.options``). Images are processed before the prompt is rendered (``ImageProcessor.load``), since
+Gemma 3's text around an image depends on its crops (``ImageProcessor.chat_render``).
 
 Each image travels as a ``common.protocol.ImageInput``: its span, its pixels and their digest, under which the
 blocks its span touches are hashed.
@@ -385,7 +387,7 @@ class ImageFamily(ABC):
     # Whether a prompt of several images takes each as its whole-image tile alone (LLaVA-OneVision's: ``run_whole``).
     whole_when_several = False
     # The image processor's settings a request or the server may set (``mm_processor_kwargs``), by name: the kind
-    # of value each takes (``BOOL``, ``POSITIVE_INT``). ``check_options`` bounds them.
+    # of value each takes (``BOOL``, ``POSITIVE_INT``, ``POSITIVE_NUMBER``). ``check_options`` bounds them.
     OPTIONS: dict[str, str] = {}
 
     @classmethod

@@ -2,7 +2,8 @@
 is read, and its arguments go out as they are written (``ArgumentsPiece``), so a stream's pieces join into a whole
 response's arguments, character for character; the text around the calls is content.
 
-* ``RequiredCalls``: a ``"required"`` answer, a JSON array of calls (``ToolPlan.structured_output``'s grammar).
+* ``RequiredCalls``: a ``"required"`` answer, a JSON array of calls (``ToolPlan.structured_output``'s grammar), or
+  Llama 3's ``"required"`` and named calls as its structural tag holds them (``LLAMA3_CALLS``).
 * ``StrictHermesCalls``: an answer in the hermes format whose calls a structural tag held (``HermesParser.call_tag``:
   ``"auto"`` with strict functions, ``"required"`` and named answers), each call in the tag's layout.
 
@@ -88,25 +89,39 @@ def _closing_quote(text: str, start: int) -> int | None:
     return None
 
 
-# The grammar of a "required" answer (xgrammar's, from ``ToolPlan.structured_output``) writes the array
-# with these separators and each call's keys in this order, and no other whitespace.
-_ITEM_OPEN = '{"name": "'
-_ARGUMENTS_KEY = ', "arguments": '
-_NEXT_ITEM = ", "
+@dataclass(frozen=True)
+class CallsLayout:
+    """Where a grammar holds calls of JSON objects one after another (``RequiredCalls``): the text before the first,
+    a call's up to its name's string, between its name and its arguments, between two calls, and after the last
+    (None: the calls end with the answer)."""
+
+    open: str
+    item: str
+    key: str
+    next: str
+    close: str | None
+
+
+# The grammar of a "required" answer (xgrammar's, from ``ToolPlan.structured_output``) writes the array with these
+# separators and each call's keys in this order, and no other whitespace.
+JSON_ARRAY = CallsLayout("[", '{"name": "', ', "arguments": ', ", ", "]")
+# Llama 3's calls as its structural tag holds them (``Llama3JsonParser.call_tag``): the whole answer.
+LLAMA3_CALLS = CallsLayout("", '{"name": "', ', "parameters": ', "; ", None)
 
 
 class RequiredCalls(_HeldCalls):
-    """A ``"required"`` answer, ``[{"name": "...", "arguments": ...}, ...]``, read as it streams: each
-    call opens when its name's string closes, and its arguments go out as they are written (so a
-    stream's pieces join into a whole response's arguments, character for character).
+    """A ``"required"`` answer, ``[{"name": "...", "arguments": ...}, ...]`` (or calls in another ``layout``: Llama
+    3's), read as it streams: each call opens when its name's string closes, and its arguments go out as they are
+    written (so a stream's pieces join into a whole response's arguments, character for character).
 
     Text that leaves that layout (an engine that did not hold the answer to the grammar), or a call
     past ``max_calls``, is content from there on, the array's text before it included while no call
     has opened: nothing the model wrote is lost. An answer cut short ends with its last call's
     arguments cut short, as a named call's are, and as OpenAI's are at ``finish_reason: length``."""
 
-    def __init__(self, max_calls: int | None = None) -> None:
+    def __init__(self, max_calls: int | None = None, layout: CallsLayout = JSON_ARRAY) -> None:
         self._max_calls = max_calls
+        self._layout = layout
         self._buf = ""  # text not read yet
         self._unspent = ""  # read, but part of no call yet: content if the layout breaks
         self._state = "open"  # open, item, name, key, arguments, close, next, done, content
@@ -129,25 +144,26 @@ class RequiredCalls(_HeldCalls):
             events.append(self._unspent + self._buf)
             self._buf = self._unspent = ""
             return False
+        layout = self._layout
         if state == "open":
-            return self._literal("[", "item")
+            return self._literal(layout.open, "item")
         if state == "item":
             if self._max_calls is not None and self.num_calls >= self._max_calls:
                 self._state = "content"
                 return True
-            return self._literal(_ITEM_OPEN, "name")
+            return self._literal(layout.item, "name")
         if state == "name":
             return self._name(events)
         if state == "key":
-            return self._literal(_ARGUMENTS_KEY, "arguments")
+            return self._literal(layout.key, "arguments")
         if state == "arguments":
             return self._arguments(events)
         if state == "close":
             return self._literal("}", "next")
         if state == "next":
-            if self._buf.startswith("]"):
-                return self._literal("]", "done")
-            return self._literal(_NEXT_ITEM, "item")
+            if layout.close is not None and self._buf.startswith(layout.close):
+                return self._literal(layout.close, "done")
+            return self._literal(layout.next, "item")
         self._state = "content"  # text after the array's end
         return True
 

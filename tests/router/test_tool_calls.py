@@ -9,6 +9,8 @@ engine (``tests/engine/test_tool_call_grammar.py``).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -377,6 +379,37 @@ def test_a_required_answer_cut_short_or_off_its_layout() -> None:
     stream = ToolDeltas.start(_plan("required", parallel=False), None)
     streamed = [stream.feed(answer[:50]), stream.feed(answer[50:]), stream.finish()]
     assert "".join(c for c, _ in streamed) == content and stream.num_calls == 1
+
+
+def test_llama3_required_and_named_calls_stream_as_written() -> None:
+    """Llama 3's calls as its structural tag holds them (the whole answer, ``; `` apart) stream their arguments as
+    written under "required" and for a named function, however the text is cut; text off that layout is content;
+    under "auto" its parser reads them whole."""
+    from router.tool_parsers import PARSERS
+
+    llama = PARSERS["llama3_json"]
+    answer = ('{"name": "get_time", "parameters": {"zone": "U\\"}TC"}}; '
+              '{"name": "get_weather", "parameters": {"city": "Oslo", "days": [1, {"a": 2}]}}')
+    whole = [ToolCall("get_time", '{"zone": "U\\"}TC"}'),
+             ToolCall("get_weather", '{"city": "Oslo", "days": [1, {"a": 2}]}')]
+    required, named = (replace(_plan(choice), native=True) for choice in ("required", {
+        "type": "function", "function": {"name": "get_time"}}))
+    assert required.extract(answer, llama) == (None, whole)
+    # A second call (which the grammar forbids) is content, as a "required" answer's past its one call.
+    assert named.extract(answer, llama) == (answer[answer.index('{"name": "get_w'):], whole[:1])
+    for size in (1, 3, 7, len(answer)):
+        deltas = ToolDeltas.start(required, llama)
+        pieces = [deltas.feed(answer[i:i + size]) for i in range(0, len(answer), size)] + [deltas.finish()]
+        assert all(content == "" for content, _ in pieces)
+        parts = [part for _, calls in pieces for part in calls]
+        assert [p.function.name for p in parts if p.id is not None] == ["get_time", "get_weather"]
+        assert ["".join(p.function.arguments or "" for p in parts if p.index == i) for i in (0, 1)] == [
+            c.arguments for c in whole]
+        if size == 1:  # in pieces, not whole at the end
+            assert len([p for p in parts if p.index == 1 and p.function.arguments]) > 10
+    assert required.extract("Hello {there}", llama) == ("Hello {there}", [])
+    auto = replace(_plan("auto"), native=True)
+    assert auto.extract(answer, llama) == (None, whole) and ToolDeltas.start(auto, llama).pieces is None
 
 
 def test_the_probe_finds_whether_a_template_shows_tools(tokenizer: Any) -> None:

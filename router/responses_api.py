@@ -33,10 +33,11 @@ from router.openai_responses import ChatMessageOut, DeltaToolCall, Usage
 _NOT_SERVED: dict[str, Any] = {
     "conversation": None,
     "prompt": None,  # a stored prompt template
-    "include": [],
     "max_tool_calls": None,
-    "top_logprobs": 0,
 }
+# What ``include`` may ask for: the output text's log-probabilities (with ``top_logprobs`` alternatives a token).
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 # What a Responses field is called in the chat completion it becomes, for the errors about it.
 _CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
                 "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
@@ -73,10 +74,10 @@ class ResponsesRequest(CheckedRequest):
     conversation: Any = None
     prompt: Any = None
     background: StrictBool | None = None  # run after the request returns; read back with GET
-    include: Any = None
+    include: list[Any] | None = None
     reasoning: Any = None
     max_tool_calls: Any = None
-    top_logprobs: Any = None
+    top_logprobs: int | None = None
     mm_processor_kwargs: Any = None  # vLLM's: the image processor's settings for the input's images
     # The Responses field each chat message of ``chat_body`` came from (``input.3``, ``instructions``, or
     # ``previous_response_id`` for the stored conversation's), by the message's index: ``renamed``'s.
@@ -88,6 +89,18 @@ class ResponsesRequest(CheckedRequest):
         )):
             raise bad_request("input must be a string or a non-empty list of input items", param="input")
         self.refuse_unless_nothing(_NOT_SERVED, "not served here")
+        for i, included in enumerate(self.include or ()):
+            if included != OUTPUT_LOGPROBS:
+                raise bad_request(f"include: {included!r} is not served here (only {OUTPUT_LOGPROBS!r})",
+                                  param=f"include.{i}")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
+        if self.top_logprobs and not self.wants_logprobs:
+            raise bad_request(f"top_logprobs come with the output's log-probabilities: include {OUTPUT_LOGPROBS!r}",
+                              param="top_logprobs")
+        if self.wants_logprobs and self.tools:
+            raise bad_request("the output's log-probabilities are served for answers of text alone, not with tools",
+                              param="include")
         if self.reasoning is not None:
             if not isinstance(self.reasoning, dict):
                 raise bad_request("reasoning must be an object", param="reasoning")
@@ -96,6 +109,11 @@ class ResponsesRequest(CheckedRequest):
                     raise bad_request(f"reasoning.{key} is not served here", param=f"reasoning.{key}")
         if self.truncation not in (None, "disabled"):
             raise bad_request("truncation must be 'disabled': a prompt too long is refused, not cut", param="truncation")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the output text's log-probabilities are asked for (``include``)."""
+        return OUTPUT_LOGPROBS in (self.include or ())
 
     def chat_body(self, earlier: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The chat completion this request is, as a JSON body (validated by the chat path);
@@ -111,6 +129,8 @@ class ResponsesRequest(CheckedRequest):
                 body[chat_name] = value
         if isinstance(self.reasoning, dict) and self.reasoning.get("effort") is not None:
             body["reasoning_effort"] = self.reasoning["effort"]
+        if self.wants_logprobs:
+            body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools:
             body["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(self.tools)]
         if self.tool_choice is not None:
@@ -299,13 +319,16 @@ def call_item(call_id: str, name: str, arguments: str, item_id: str | None = Non
             "arguments": arguments, "status": "completed"}
 
 
-def output_items(message: ChatMessageOut, status: str) -> list[dict[str, Any]]:
-    """A whole answer's output items: its thinking, its text, its calls."""
+def output_items(message: ChatMessageOut, status: str, logprobs: list[dict[str, Any]] | None = None
+                 ) -> list[dict[str, Any]]:
+    """A whole answer's output items: its thinking, its text (with its tokens' ``logprobs`` where asked), its
+    calls."""
     items = []
     if message.reasoning_content:
         items.append(reasoning_item(message.reasoning_content))
     if message.content:
         items.append(message_item(message.content, status))
+        items[-1]["content"][0]["logprobs"] = logprobs or []
     items += [call_item(call.id, call.function.name, call.function.arguments) for call in message.tool_calls or []]
     return items
 
@@ -369,8 +392,13 @@ class ResponseEvents:
     def reasoning(self, text: str) -> list[bytes]:
         return self._text("reasoning", "response.reasoning_text.delta", text)
 
-    def content(self, text: str) -> list[bytes]:
-        return self._text("message", "response.output_text.delta", text, logprobs=[])
+    def content(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[bytes]:
+        """Output text, with its tokens' log-probabilities where asked (kept on the item too)."""
+        out = self._text("message", "response.output_text.delta", text, logprobs=logprobs or [])
+        if logprobs:
+            assert self._open is not None
+            self._open["content"][0]["logprobs"] += logprobs
+        return out
 
     def _text(self, kind: str, event: str, text: str, **fields: Any) -> list[bytes]:
         """``text`` added to the open ``kind`` item (opened first if another is open, or none)."""
@@ -438,7 +466,7 @@ class ResponseEvents:
             item["status"] = status
             part = item["content"][0]
             out.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                   content_index=0, text=part["text"], logprobs=[]))
+                                   content_index=0, text=part["text"], logprobs=part["logprobs"]))
             out.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                    content_index=0, part=part))
         elif item["type"] == "reasoning":

@@ -15,11 +15,13 @@ import msgspec
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from common.protocol import PositionLogprobs
 from router.background_responses import failed_by_loss, keep_lease, lapsed, leased, running
 from router.chat_answer import AnswerReader, AnswerStream
 from router.choice_stream import ChoiceDelta, ChoiceStream
 from router.dispatcher import EngineRequestError
 from router.errors import APIError, bad_request
+from router.logprobs import TokenRenderer, chat_logprobs
 from router.openai_models import StreamOptions, parse_request
 from router.response_store import ResponseStore, StoredResponse, unavailable
 from router.responses_api import (
@@ -48,6 +50,18 @@ from router.state import RouterState
 logger = logging.getLogger(__name__)
 
 
+def _renderer(state: RouterState, request: ResponsesRequest) -> TokenRenderer | None:
+    """What writes the output's tokens and their alternatives, where their log-probabilities are asked for."""
+    return TokenRenderer(state.prompts.tokenizer, False) if request.wants_logprobs else None
+
+
+def _logprobs(renderer: TokenRenderer | None, positions: list[PositionLogprobs]) -> list[dict[str, Any]]:
+    """The tokens' log-probabilities as the output text's ``logprobs`` (the chat completion's entries)."""
+    if renderer is None or not positions:
+        return []
+    return [entry.model_dump() for entry in chat_logprobs(renderer, positions).content or ()]
+
+
 def _reasoning_tokens(state: RouterState, reasoning: str | None) -> int:
     """The thinking's tokens, counted by tokenizing its text (the answer's own ids are not kept)."""
     return len(state.prompts.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
@@ -66,6 +80,9 @@ async def create_response(
         _, plan, reader = await plan_chat(state, request.chat_body(earlier), cache_salt)
     except APIError as exc:
         raise renamed(exc, request) from None
+    if request.wants_logprobs and not reader.plain:
+        raise bad_request("the output's log-probabilities are served for answers of text alone, not for a model "
+                          "whose answers a reasoning or tool-call parser reads", param="include")
     response_id = new_id("resp")
     store = state.responses is not None and request.store is not False
     save = _saver(state, owner, [*earlier, *_as_stored(request.own_items())]) if store else None
@@ -77,7 +94,7 @@ async def create_response(
         return JSONResponse(started)
     if request.stream:
         events = ResponseEvents(request, response_id, plan.created, plan.model, store)
-        chunks = _ResponseChunks(state, plan, reader, events, save)
+        chunks = _ResponseChunks(state, plan, reader, events, save, _renderer(state, request))
         return await sse_response(
             state, plan, wait_disconnect, StreamOptions(include_usage=True), lambda include_usage, continuous: chunks,
             finish=chunks.finish,
@@ -98,8 +115,9 @@ async def _answer(
     message, _ = reader.message(result.text, result.finish_reason)
     status = "incomplete" if result.finish_reason == "length" else "completed"
     reasoning_tokens = _reasoning_tokens(state, message.reasoning_content)
+    logprobs = _logprobs(_renderer(state, request), result.logprobs)
     return response_object(
-        request, response_id, plan.created, plan.model, status, output_items(message, status),
+        request, response_id, plan.created, plan.model, status, output_items(message, status, logprobs),
         response_usage(usage, reasoning_tokens), store,
     )
 
@@ -131,7 +149,8 @@ async def _start_background(
         log = _EventLog(responses, response_id)
         try:
             if request.stream:
-                response = await _stream_to_log(state, plan, reader, events, log, until_cancelled)
+                response = await _stream_to_log(state, plan, reader, events, log, until_cancelled,
+                                                _renderer(state, request))
             else:
                 response = await _answer(state, request, response_id, plan, reader, until_cancelled, True)
         except ClientDisconnected:  # cancelled, here or through another process: its stream just ends
@@ -171,11 +190,11 @@ class _EventLog:
 
 async def _stream_to_log(
     state: RouterState, plan: GenerationPlan, reader: AnswerReader, events: ResponseEvents, log: _EventLog,
-    until_cancelled: DisconnectWaiter,
+    until_cancelled: DisconnectWaiter, renderer: TokenRenderer | None,
 ) -> dict[str, Any]:
     """Run a streaming background response: its events, as a streamed response writes them, into ``log``;
     returns the whole response (its last event's)."""
-    writer = _ResponseChunks(state, plan, reader, events, None)
+    writer = _ResponseChunks(state, plan, reader, events, None, renderer)
     choices = await start_choices(state, plan, until_cancelled)
     try:
         await log.append(writer.opening())
@@ -305,9 +324,10 @@ class _ResponseChunks:
 
     def __init__(
         self, state: RouterState, plan: GenerationPlan, reader: AnswerReader, events: ResponseEvents,
-        save: Saver | None,
+        save: Saver | None, renderer: TokenRenderer | None = None,
     ) -> None:
         self.state, self.events, self.usage, self.save = state, events, UsageTracker(plan), save
+        self.renderer = renderer  # the output's log-probabilities, where asked (a plain answer's)
         self.answer: AnswerStream = reader.stream()
         self.finish_reason: str | None = None
         self.reasoning = ""
@@ -325,8 +345,9 @@ class _ResponseChunks:
         if reasoning:
             self.reasoning += reasoning
             out += self.events.reasoning(reasoning)
-        if content:
-            out += self.events.content(content)
+        logprobs = _logprobs(self.renderer, delta.logprobs)
+        if content or logprobs:
+            out += self.events.content(content, logprobs)
         for call in calls:
             out += self.events.call(call)
         if finished:

@@ -77,6 +77,14 @@ def test_a_background_response_returns_at_once_and_is_read_back_when_done(stack:
     later = client.responses.create(model=SERVED_MODEL, input="Again.", previous_response_id=done.id,
                                     max_output_tokens=2)
     assert later.output_text == " word" * 2  # it continues as any stored response
+    # The output text's log-probabilities, asked for, run along: whole, and streamed into its log.
+    asked: dict[str, Any] = dict(model=SERVED_MODEL, input="Count.", background=True, max_output_tokens=3,
+                                 include=["message.output_text.logprobs"], top_logprobs=1)
+    for stream in (False, True):
+        response_id = (next(iter(client.responses.create(**asked, stream=True))).response.id if stream  # type: ignore[union-attr]
+                       else client.responses.create(**asked).id)
+        logprobs = _settles(client, response_id).output[0].content[0].logprobs
+        assert [(e.token, e.logprob, len(e.top_logprobs)) for e in logprobs] == [(" word", -0.25, 1)] * 3, stream
 
 
 def test_cancelling_stops_it_and_aborts_its_engine_request(stack: tuple[RouterServer, FakeCluster]) -> None:

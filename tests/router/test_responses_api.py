@@ -58,6 +58,43 @@ def test_text_whole_and_streamed(plain: tuple[openai.OpenAI, FakeCluster]) -> No
     assert set(kinds[4:-4]) == {"response.output_text.delta"}
 
 
+def test_the_output_text_s_logprobs_whole_streamed_and_stored(plain: tuple[openai.OpenAI, FakeCluster]) -> None:
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: each output token's log-probability and
+    its alternatives on the output text, as the chat completion's (the fake engines give each token -0.25 and its
+    alternatives -2.0), whole, on each streamed delta and its done event, and in the stored response; none asked for,
+    none given. A reasoning model's answers (a parser reads them) are refused."""
+    client, cluster = plain
+    asked: dict[str, Any] = dict(model=SERVED_MODEL, input="Count.", max_output_tokens=100,
+                                 include=["message.output_text.logprobs"], top_logprobs=2)
+    whole = client.responses.create(**asked)
+    [part] = whole.output[0].content  # type: ignore[union-attr]
+    logprobs = part.logprobs  # type: ignore[union-attr]
+    assert logprobs is not None and [e.token for e in logprobs] == [
+        " one", " two", " three", " four", " five", " six"]
+    assert all(e.logprob == -0.25 and [t.logprob for t in e.top_logprobs] == [-0.25, -2.0] for e in logprobs)
+    assert logprobs[0].bytes == list(b" one")
+    assert cluster.requests()[-1].sampling_params.logprobs == 2
+    events = list(client.responses.create(**asked, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [e.token for d in deltas for e in d.logprobs] == [e.token for e in logprobs]  # type: ignore[union-attr]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert [e.token for e in done.logprobs] == [e.token for e in logprobs]  # type: ignore[union-attr]
+    final = events[-1].response  # type: ignore[union-attr]
+    assert [e.token for e in final.output[0].content[0].logprobs] == [e.token for e in logprobs]  # type: ignore[union-attr]
+    stored = client.responses.retrieve(whole.id)
+    assert stored.output[0].content[0].logprobs == logprobs  # type: ignore[union-attr]
+    plain_answer = client.responses.create(model=SERVED_MODEL, input="Count.", max_output_tokens=100)
+    assert plain_answer.output[0].content[0].logprobs == []  # type: ignore[union-attr]
+    assert cluster.requests()[-1].sampling_params.logprobs is None
+
+
+def test_logprobs_of_a_reasoning_model_s_answers_are_refused(thinking: tuple[openai.OpenAI, FakeCluster]) -> None:
+    client, _ = thinking
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=SERVED_MODEL, input="Hi", include=["message.output_text.logprobs"])
+    assert refused.value.body["param"] == "include", refused.value.body  # type: ignore[index]
+
+
 def test_an_answer_cut_short_is_incomplete(plain: tuple[openai.OpenAI, FakeCluster]) -> None:
     client, _ = plain
     whole = client.responses.create(model=SERVED_MODEL, input="Count.", max_output_tokens=3)
@@ -152,6 +189,11 @@ def test_text_format_constrains_the_output(plain: tuple[openai.OpenAI, FakeClust
         ({"text": {"format": {"type": "xml"}}}, "text.format"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format"),
         ({"max_output_tokens": 10**6}, "max_output_tokens"),
+        ({"include": ["reasoning.encrypted_content"]}, "include.0"),
+        ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include.1"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without the logprobs asked for
+        ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
+        ({"include": ["message.output_text.logprobs"], "tools": TOOLS}, "include"),
     ],
 )
 def test_what_is_not_served_is_refused_by_name(plain: tuple[openai.OpenAI, FakeCluster], body: dict[str, Any],

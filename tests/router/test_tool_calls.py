@@ -9,10 +9,9 @@ engine (``tests/engine/test_tool_call_grammar.py``).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import httpx

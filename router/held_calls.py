@@ -3,7 +3,7 @@ is read, and its arguments go out as they are written (``ArgumentsPiece``), so a
 response's arguments, character for character; the text around the calls is content.
 
 * ``RequiredCalls``: a ``"required"`` answer, a JSON array of calls (``ToolPlan.structured_output``'s grammar), or
-  Llama 3's ``"required"`` and named calls as its structural tag holds them (``LLAMA3_CALLS``).
+  Llama 3's calls as its structural tag holds them (``LLAMA3_CALLS``; under "auto", text instead).
 * ``StrictHermesCalls``: an answer in the hermes format whose calls a structural tag held (``HermesParser.call_tag``:
   ``"auto"`` with strict functions, ``"required"`` and named answers), each call in the tag's layout.
 
@@ -119,9 +119,12 @@ class RequiredCalls(_HeldCalls):
     has opened: nothing the model wrote is lost. An answer cut short ends with its last call's
     arguments cut short, as a named call's are, and as OpenAI's are at ``finish_reason: length``."""
 
-    def __init__(self, max_calls: int | None = None, layout: CallsLayout = JSON_ARRAY) -> None:
+    def __init__(self, max_calls: int | None = None, layout: CallsLayout = JSON_ARRAY, trim: bool = False) -> None:
         self._max_calls = max_calls
         self._layout = layout
+        # ``trim``: content as a format's parser gives it, the answer's leading and trailing whitespace out (Llama
+        # 3's text under "auto", as its parser's stream leaves it).
+        self._content = Content() if trim else None
         self._buf = ""  # text not read yet
         self._unspent = ""  # read, but part of no call yet: content if the layout breaks
         self._state = "open"  # open, item, name, key, arguments, close, next, done, content
@@ -135,13 +138,18 @@ class RequiredCalls(_HeldCalls):
         rest = "" if self._state in ("arguments", "done") else self._unspent + self._buf
         self._buf = self._unspent = ""
         self._state = "done"
-        return [rest] if rest else []
+        events: list[PieceEvent] = []
+        self._add_content(events, rest)
+        return events
+
+    def _add_content(self, events: list[PieceEvent], text: str) -> None:
+        add_event(events, self._content.push(text) if self._content is not None else text)
 
     def _step(self, events: list[PieceEvent]) -> bool:
         """Reads what it can of the buffer; False when it must wait for more text."""
         state = self._state
         if state == "content":
-            events.append(self._unspent + self._buf)
+            self._add_content(events, self._unspent + self._buf)
             self._buf = self._unspent = ""
             return False
         layout = self._layout

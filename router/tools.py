@@ -225,13 +225,13 @@ class ToolPlan:
 
     def pieces_reader(self, parser: ToolCallParser | None) -> RequiredCalls | StrictHermesCalls | None:
         """The reader of an answer whose calls' layout a grammar holds, their arguments read as written: hermes calls
-        a tag held, a ``"required"`` answer's JSON array, Llama 3's required or named calls (the whole answer; under
-        "auto" its parser reads them, the answer's text kept as its stream keeps it); None where the parser reads the
-        calls (or a named answer's text is the call's arguments)."""
+        a tag held, a ``"required"`` answer's JSON array, Llama 3's calls a tag held (the whole answer, or under
+        "auto" text, kept as its parser's stream keeps it); None where the parser reads the calls (or a named
+        answer's text is the call's arguments)."""
         if self.native and isinstance(parser, HermesParser):
             return StrictHermesCalls(self.max_calls)
-        if self.native and isinstance(parser, Llama3JsonParser) and self.choice != "auto":
-            return RequiredCalls(self.max_calls, LLAMA3_CALLS)
+        if self.native and isinstance(parser, Llama3JsonParser):
+            return RequiredCalls(self.max_calls, LLAMA3_CALLS, trim=True)
         if self.choice == "required" and not self.native:
             return RequiredCalls(self.max_calls)
         return None

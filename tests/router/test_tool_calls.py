@@ -380,10 +380,11 @@ def test_a_required_answer_cut_short_or_off_its_layout() -> None:
     assert "".join(c for c, _ in streamed) == content and stream.num_calls == 1
 
 
-def test_llama3_required_and_named_calls_stream_as_written() -> None:
+def test_llama3_required_named_and_strict_calls_stream_as_written() -> None:
     """Llama 3's calls as its structural tag holds them (the whole answer, ``; `` apart) stream their arguments as
-    written under "required" and for a named function, however the text is cut; text off that layout is content;
-    under "auto" its parser reads them whole."""
+    written under "required", for a named function and for strict functions under "auto", however the text is cut;
+    text off that layout is content, and under "auto" a text answer is content as the parser's stream gives it (its
+    trailing whitespace out)."""
     from router.tool_parsers import PARSERS
 
     llama = PARSERS["llama3_json"]
@@ -396,8 +397,9 @@ def test_llama3_required_and_named_calls_stream_as_written() -> None:
     assert required.extract(answer, llama) == (None, whole)
     # A second call (which the grammar forbids) is content, as a "required" answer's past its one call.
     assert named.extract(answer, llama) == (answer[answer.index('{"name": "get_w'):], whole[:1])
-    for size in (1, 3, 7, len(answer)):
-        deltas = ToolDeltas.start(required, llama)
+    auto = replace(_plan("auto"), native=True)
+    for plan, size in ((p, n) for p in (required, auto) for n in (1, 3, 7, len(answer))):
+        deltas = ToolDeltas.start(plan, llama)
         pieces = [deltas.feed(answer[i:i + size]) for i in range(0, len(answer), size)] + [deltas.finish()]
         assert all(content == "" for content, _ in pieces)
         parts = [part for _, calls in pieces for part in calls]
@@ -407,8 +409,11 @@ def test_llama3_required_and_named_calls_stream_as_written() -> None:
         if size == 1:  # in pieces, not whole at the end
             assert len([p for p in parts if p.index == 1 and p.function.arguments]) > 10
     assert required.extract("Hello {there}", llama) == ("Hello {there}", [])
-    auto = replace(_plan("auto"), native=True)
-    assert auto.extract(answer, llama) == (None, whole) and ToolDeltas.start(auto, llama).pieces is None
+    assert auto.extract(answer, llama) == (None, whole)
+    text = "It is sunny in Paris.\n\n"
+    assert auto.extract(text, llama) == llama.extract(text) == ("It is sunny in Paris.", [])
+    deltas = ToolDeltas.start(auto, llama)
+    assert "".join(deltas.feed(c)[0] for c in text) + deltas.finish()[0] == "It is sunny in Paris."
 
 
 def test_the_probe_finds_whether_a_template_shows_tools(tokenizer: Any) -> None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from common.sampling_params import StructuredOutput
 from router.errors import bad_request
 from router.held_calls import ArgumentsPiece, CallStart, Stepper
-from router.tool_parsers import add_event, literal, partial_suffix, token
+from router.tool_parsers import add_event, arguments_schema, literal, partial_suffix, token
 
 if TYPE_CHECKING:
     from router.tools import ToolPlan
@@ -131,7 +131,7 @@ def call_tag(tools: ToolPlan, special: frozenset[str]) -> StructuredOutput | Non
 
     def call(function: dict[str, Any]) -> dict[str, Any]:
         held = required or function["name"] in tools.strict
-        schema = (function.get("parameters") or {"type": "object"}) if held else {"type": "object"}
+        schema = arguments_schema(function) if held else {"type": "object"}
         return {"type": "sequence", "elements": [
             token(CHANNEL), literal(f"commentary to={FUNCTIONS}{function['name']} "), token(CONSTRAIN), literal("json"),
             token(MESSAGE), {"type": "json_schema", "json_schema": schema}]}
@@ -169,7 +169,7 @@ class HarmonyStream(Stepper[HarmonyEvent]):
         if self._state == "start" and self._buf:
             self._open_body("content", events)
         if self._state == "body":
-            self._bodyliteral(self._buf, events)
+            self._body_text(self._buf, events)
         self._buf = ""
         return events
 
@@ -201,11 +201,11 @@ class HarmonyStream(Stepper[HarmonyEvent]):
             found = _first(self._buf, _BODY_ENDS)
             if found is None:
                 keep = len(self._buf) - max(partial_suffix(self._buf, tag) for tag in _BODY_ENDS)
-                self._bodyliteral(self._buf[:keep], events)
+                self._body_text(self._buf[:keep], events)
                 self._buf = self._buf[keep:]
                 return False
             i, tag = found
-            self._bodyliteral(self._buf[:i], events)
+            self._body_text(self._buf[:i], events)
             self._buf = self._buf[i + (0 if tag == START else len(tag)):]
             self._state = "between"
             return True
@@ -225,7 +225,7 @@ class HarmonyStream(Stepper[HarmonyEvent]):
             self._emit(kind, "\n", events)
         self._state, self._kind = "body", kind
 
-    def _bodyliteral(self, text: str, events: list[HarmonyEvent]) -> None:
+    def _body_text(self, text: str, events: list[HarmonyEvent]) -> None:
         if text:
             self._emit(self._kind, text, events)
 

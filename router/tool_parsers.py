@@ -425,7 +425,7 @@ class _LlamaStream:
 
     def feed(self, text: str) -> list[Event]:
         if self._mode == "content":
-            return self.literal(text)
+            return self._text(text)
         self._buf += text
         if self._mode == "calls":
             return []
@@ -437,7 +437,7 @@ class _LlamaStream:
             return []
         self._mode = "content"
         text, self._buf = self._buf, ""
-        return self.literal(text)
+        return self._text(text)
 
     def finish(self) -> list[Event]:
         if self._mode == "content":
@@ -445,10 +445,10 @@ class _LlamaStream:
         text, self._buf = self._buf, ""
         calls = _llama_calls(text)
         if calls is None:
-            return self.literal(text)
+            return self._text(text)
         return [*calls]
 
-    def literal(self, text: str) -> list[Event]:
+    def _text(self, text: str) -> list[Event]:
         out = self._content.push(text)
         return [out] if out else []
 

@@ -111,8 +111,11 @@ class RedisServer:
 def _run_shared_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     """``PDSERVE_TEST_SHARED_DIR``: a folder every test process of this run sees (under pytest-xdist, the
     parent of the workers' base temp folders), for results one process computes for all, such as
-    transformers' reference outputs (``tests/engine/conftest.py``); pytest prunes it with its temp folders."""
+    transformers' reference outputs (``tests/engine/conftest.py``); pytest prunes it with its temp folders.
+    ``PDSERVE_TEST_TMP``: this process's base temp folder, for what a test keeps past its own ``tmp_path``
+    (service logs, read in a failure's message), pruned the same way rather than left in the system's."""
     base = tmp_path_factory.getbasetemp()
+    os.environ["PDSERVE_TEST_TMP"] = str(base)
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     os.environ["PDSERVE_TEST_SHARED_DIR"] = str(shared / "shared")
     (shared / "shared").mkdir(exist_ok=True)

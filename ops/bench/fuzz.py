@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,8 @@ import zmq
 from common.cluster_key import ENV_KEY, ClusterKey
 from common.registry import Registry
 from ops.bench.chaos_stack import UpStack
-from ops.bench.fuzz_messages import FuzzStats, abort_all, fuzz_control, fuzz_kv, new_marker
+from ops.bench.environ import LogFolder
+from ops.bench.fuzz_messages import FuzzStats, abort_all, fuzz_control, fuzz_kv, pickle_marker
 from ops.launcher import die_with_parent, free_port
 
 
@@ -63,20 +63,22 @@ def run(args: argparse.Namespace, redis_url: str, stack: UpStack | None) -> dict
     if key is not None:
         key.serve(pull)
     reply_to = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
-    stats, marker = FuzzStats(), new_marker()
+    stats = FuzzStats()
     kv_addresses = [i.kv_address for i in infos if i.role == "decode" and i.kv_address]
     started = time.monotonic()
     try:
-        for info in infos:
-            fuzz_control(ctx, info.control_address, reply_to, kv_addresses, stats, max_examples=args.examples,
-                         name=f"{info.instance_id} control", marker=marker, seed=args.seed, prepare=prepare)
-            while pull.poll(0):
-                pull.recv()
-            if info.role == "decode" and info.kv_address:
-                fuzz_kv(ctx, info.kv_address, reply_to, stats, max_examples=args.examples,
-                        name=f"{info.instance_id} kv", marker=marker, seed=args.seed, prepare=prepare)
-        for info in infos:
-            abort_all(ctx, info.control_address, stats.request_ids, prepare)
+        with pickle_marker() as marker:
+            for info in infos:
+                fuzz_control(ctx, info.control_address, reply_to, kv_addresses, stats, max_examples=args.examples,
+                             name=f"{info.instance_id} control", marker=marker, seed=args.seed, prepare=prepare)
+                while pull.poll(0):
+                    pull.recv()
+                if info.role == "decode" and info.kv_address:
+                    fuzz_kv(ctx, info.kv_address, reply_to, stats, max_examples=args.examples,
+                            name=f"{info.instance_id} kv", marker=marker, seed=args.seed, prepare=prepare)
+            for info in infos:
+                abort_all(ctx, info.control_address, stats.request_ids, prepare)
+            unpickled = Path(marker).exists()
     finally:
         pull.close(0)
         if zap is not None:
@@ -96,7 +98,7 @@ def run(args: argparse.Namespace, redis_url: str, stack: UpStack | None) -> dict
         served = reply.status_code
     return {"messages_per_socket": dict(stats.sent), "seconds": round(elapsed, 1),
             "crashes": len(set(restarted) | set(missing)), "restarted": restarted, "missing_from_registry": missing,
-            "unpickled": Path(marker).exists(), "request_after_fuzz_status": served}
+            "unpickled": unpickled, "request_after_fuzz_status": served}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,19 +119,24 @@ def main(argv: list[str] | None = None) -> int:
         from common.model.loader import resolve_model_path
 
         redis, redis_url = _start_redis()
-        log_dir = Path(tempfile.mkdtemp(prefix="pdserve-fuzz-"))
+        logs, ok = LogFolder("pdserve-fuzz-"), False
         try:
             time.sleep(0.5)
-            with UpStack(1, 1, str(resolve_model_path(args.model)), log_dir, ["--redis-url", redis_url]) as stack:
+            with UpStack(1, 1, str(resolve_model_path(args.model)), logs.path, ["--redis-url", redis_url]) as stack:
                 result = run(args, redis_url, stack)
+            ok = _passed(result)
         finally:
             redis.kill()
             redis.wait()
+            logs.close(ok)
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    ok = not result["crashes"] and not result["unpickled"] and result["request_after_fuzz_status"] in (None, 200)
-    return 0 if ok else 1
+    return 0 if _passed(result) else 1
+
+
+def _passed(result: dict[str, Any]) -> bool:
+    return not result["crashes"] and not result["unpickled"] and result["request_after_fuzz_status"] in (None, 200)
 
 
 if __name__ == "__main__":

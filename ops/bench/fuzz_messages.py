@@ -9,13 +9,15 @@ aborts. Neither waits for the engine to act; whether it survived is the caller's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import pickle
+import shutil
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -268,6 +270,12 @@ def fuzz_kv(
         sock.close(0)
 
 
-def new_marker() -> str:
-    """A path that must still not exist after the fuzzing (see ``_PickleProbe``)."""
-    return os.path.join(tempfile.mkdtemp(prefix="pdserve-fuzz-"), "unpickled")
+@contextlib.contextmanager
+def pickle_marker() -> Iterator[str]:
+    """A path that must still not exist after the fuzzing (see ``_PickleProbe``), in a new folder that is
+    removed on leaving the block: check it inside."""
+    folder = tempfile.mkdtemp(prefix="pdserve-fuzz-")
+    try:
+        yield os.path.join(folder, "unpickled")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -93,7 +93,6 @@ import statistics
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -106,6 +105,7 @@ import httpx
 import psutil
 import redis
 
+from ops.bench.environ import LogFolder
 from ops.bench.fake_stream_engine import EngineLink, FakeStreamEngine, StreamEngineConfig
 from ops.bench.host_speed import CpuTicks, cpu_ticks, describe, describe_steal, host_speed, steal_during
 from ops.launcher import die_with_parent, free_port
@@ -920,7 +920,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     all_cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     redis_proc, redis_url = start_redis()
-    logs = Path(tempfile.mkdtemp(prefix="pdserve-router-bench-"))
+    logs, ok = LogFolder("pdserve-router-bench-"), False
     ctx = mp.get_context("spawn")
     try:
         for mode in modes:
@@ -936,7 +936,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for num_workers in workers:
                     router = RouterProcess(num_workers, redis_url, namespace, args.router_pythonpath,
-                                           logs / f"router-{mode}-{num_workers}.log")
+                                           logs.path / f"router-{mode}-{num_workers}.log")
                     pinning: dict[str, Any] = {"pinned": False}
                     try:
                         router.wait_ready()
@@ -968,17 +968,19 @@ def main(argv: list[str] | None = None) -> int:
         # Last, with the router and engines gone: the socket calls alone for one step of C tokens.
         report["write_floor_ms"] = {str(c): round(write_floor_ms(ctx, c), 3) for c in concurrency}
         report["host_speed"].append(host_speed(torch_ops=False))
+        ok = all(r["num_streams_failed"] == 0 for r in report["results"])
     finally:
         redis_proc.kill()
         redis_proc.wait()
+        logs.close(ok)
     print(format_report(report))
     path = Path(args.json) if args.json else RESULTS_DIR / f"overhead-router-cpu-{report['date']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     if not args.no_plot and write_plot(report, path.with_suffix(".png")):
         report["plot"] = str(path.with_suffix(".png").name)
     path.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {path} (router logs in {logs})", file=sys.stderr)
-    return 0 if all(r["num_streams_failed"] == 0 for r in report["results"]) else 1
+    print(f"wrote {path}", file=sys.stderr)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -47,7 +47,9 @@ class Stack:
     model: str
     router_port: int = 0
     procs: dict[str, Proc] = field(default_factory=dict)
-    logdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pdserve-e2e-"))
+    # under the run's pytest temp folder (tests/conftest.py), pruned with it
+    logdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pdserve-e2e-",
+                                                                 dir=os.environ.get("PDSERVE_TEST_TMP")))
     env: dict[str, str] = field(default_factory=dict)  # on top of this process's, for every service
 
     @property

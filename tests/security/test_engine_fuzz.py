@@ -19,7 +19,7 @@ import zmq
 
 from common.protocol import DecodeTarget, GenerateRequest, RequestOutput, decode_output, request_outputs
 from common.sampling_params import SamplingParams
-from ops.bench.fuzz_messages import FuzzStats, abort_all, fuzz_control, fuzz_kv, new_marker
+from ops.bench.fuzz_messages import FuzzStats, abort_all, fuzz_control, fuzz_kv, pickle_marker
 from tests.conftest import RedisServer
 from tests.e2e.stack import Stack
 from tests.e2e.test_engine_control_plane import FakeRouter
@@ -63,19 +63,20 @@ def _alive(s: Stack) -> None:
 def test_hostile_messages_on_every_engine_socket_leave_both_engines_serving(engines, router) -> None:  # type: ignore[no-untyped-def]
     s, infos = engines
     prefill, decode = infos["prefill-z"], infos["decode-z"]
-    stats, marker = FuzzStats(), new_marker()
+    stats = FuzzStats()
     kv_addresses = [decode.kv_address]
-    for name, info in (("prefill control", prefill), ("decode control", decode)):
-        fuzz_control(router.ctx, info.control_address, router.address, kv_addresses, stats,
-                     max_examples=NUM_EXAMPLES, name=name, marker=marker)
+    with pickle_marker() as marker:
+        for name, info in (("prefill control", prefill), ("decode control", decode)):
+            fuzz_control(router.ctx, info.control_address, router.address, kv_addresses, stats,
+                         max_examples=NUM_EXAMPLES, name=name, marker=marker)
+            _alive(s)
+        fuzz_kv(router.ctx, decode.kv_address, router.address, stats, max_examples=NUM_EXAMPLES,
+                name="decode kv", marker=marker)
+        for info in (prefill, decode):
+            abort_all(router.ctx, info.control_address, stats.request_ids)
+        print(f"\nmessages sent per socket: {dict(stats.sent)}")
         _alive(s)
-    fuzz_kv(router.ctx, decode.kv_address, router.address, stats, max_examples=NUM_EXAMPLES,
-            name="decode kv", marker=marker)
-    for info in (prefill, decode):
-        abort_all(router.ctx, info.control_address, stats.request_ids)
-    print(f"\nmessages sent per socket: {dict(stats.sent)}")
-    _alive(s)
-    assert not os.path.exists(marker), "a socket unpickled a payload"
+        assert not os.path.exists(marker), "a socket unpickled a payload"
     assert min(stats.sent.values()) >= NUM_EXAMPLES // 2, stats.sent
 
     target = DecodeTarget(instance_id=decode.instance_id, kv_address=decode.kv_address)

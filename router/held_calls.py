@@ -6,6 +6,9 @@ response's arguments, character for character; the text around the calls is cont
   Llama 3's calls as its structural tag holds them (``LLAMA3_CALLS``; under "auto", text instead).
 * ``StrictHermesCalls``: an answer in the hermes format whose calls a structural tag held (``HermesParser.call_tag``:
   ``"auto"`` with strict functions, ``"required"`` and named answers), each call in the tag's layout.
+* ``HeldTagCalls``: the same in the other formats with tags (Qwen3-Coder's, GLM's, MiniMax-M2's, DeepSeek's, Kimi
+  K2's: their parsers' ``held_layout``). JSON arguments go out as written; XML ones (one element per argument) as the
+  JSON object their parser makes of them, a string argument's text as it comes.
 
 Text that leaves the layout (an engine that did not hold the answer to the grammar) is content: nothing the model
 wrote is lost.
@@ -14,8 +17,11 @@ wrote is lost.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
+
+import regex
 
 from router.tool_parsers import (
     HERMES_HELD_ARGUMENTS,
@@ -23,17 +29,26 @@ from router.tool_parsers import (
     HERMES_HELD_END,
     HERMES_OPEN,
     Content,
+    HeldLayout,
+    HermesParser,
+    Llama3JsonParser,
     ToolCall,
+    ToolCallParser,
     add_event,
+    parameter_schemas,
     partial_suffix,
+    xml_text_value,
+    xml_value_json,
 )
 
 
 @dataclass(frozen=True)
 class CallStart:
-    """A call whose layout a grammar holds opens: its name is known, its arguments follow."""
+    """A call whose layout a grammar holds opens: its name is known (and its id, where the model writes it), its
+    arguments follow."""
 
     name: str
+    call_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -71,7 +86,7 @@ class Stepper(Generic[E]):
         raise NotImplementedError
 
 
-_HeldCalls = Stepper[PieceEvent]
+HeldCalls = Stepper[PieceEvent]
 
 
 def _closing_quote(text: str, start: int) -> int | None:
@@ -87,6 +102,36 @@ def _closing_quote(text: str, start: int) -> int | None:
         elif c == '"':
             return i
     return None
+
+
+class _JsonScan:
+    """Where a JSON text written piece by piece leaves the value it is in: its first closing bracket or brace, outside
+    strings, that nothing in the text opened."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+
+    def closer(self, text: str) -> int | None:
+        """The closer's index in this piece (None while it has not come); the pieces before were read."""
+        for i, c in enumerate(text):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                if self._depth == 0:
+                    return i
+                self._depth -= 1
+        return None
 
 
 @dataclass(frozen=True)
@@ -109,7 +154,7 @@ JSON_ARRAY = CallsLayout("[", '{"name": "', ', "arguments": ', ", ", "]")
 LLAMA3_CALLS = CallsLayout("", '{"name": "', ', "parameters": ', "; ", None)
 
 
-class RequiredCalls(_HeldCalls):
+class RequiredCalls(HeldCalls):
     """A ``"required"`` answer, ``[{"name": "...", "arguments": ...}, ...]`` (or calls in another ``layout``: Llama
     3's), read as it streams: each call opens when its name's string closes, and its arguments go out as they are
     written (so a stream's pieces join into a whole response's arguments, character for character).
@@ -128,9 +173,7 @@ class RequiredCalls(_HeldCalls):
         self._buf = ""  # text not read yet
         self._unspent = ""  # read, but part of no call yet: content if the layout breaks
         self._state = "open"  # open, item, name, key, arguments, close, next, done, content
-        self._depth = 0
-        self._in_string = False
-        self._escaped = False
+        self._scan = _JsonScan()
         self.num_calls = 0
 
     def finish(self) -> list[PieceEvent]:
@@ -204,32 +247,19 @@ class RequiredCalls(_HeldCalls):
 
     def _arguments(self, events: list[PieceEvent]) -> bool:
         """The arguments' JSON value, up to the call's closing brace (not its own)."""
-        for i, c in enumerate(self._buf):
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif c == "\\":
-                    self._escaped = True
-                elif c == '"':
-                    self._in_string = False
-            elif c == '"':
-                self._in_string = True
-            elif c in "{[":
-                self._depth += 1
-            elif c in "}]":
-                if self._depth == 0:  # the call's own brace: the value ended before it
-                    if i:
-                        events.append(ArgumentsPiece(self._buf[:i]))
-                    self._buf, self._unspent = self._buf[i:], ""
-                    self._state = "close"
-                    return True
-                self._depth -= 1
-        events.append(ArgumentsPiece(self._buf))
-        self._buf = ""
-        return False
+        i = self._scan.closer(self._buf)
+        if i is None:
+            events.append(ArgumentsPiece(self._buf))
+            self._buf = ""
+            return False
+        if i:
+            events.append(ArgumentsPiece(self._buf[:i]))
+        self._buf, self._unspent = self._buf[i:], ""
+        self._state = "close"
+        return True
 
 
-class StrictHermesCalls(_HeldCalls):
+class StrictHermesCalls(HeldCalls):
     """A hermes answer whose calls a structural tag held (``HermesParser.call_tag``: ``<tool_call>``, a newline,
     ``{"name": "...", "arguments": `` the arguments ``}``, a newline, ``</tool_call>``), read as it streams: each
     call opens once its name is read and its arguments go out as they are written, so a stream's pieces join into a
@@ -328,18 +358,219 @@ class StrictHermesCalls(_HeldCalls):
         self._buf, self._tag, self._state = self._tag[len(HERMES_OPEN):] + self._buf, "", "text"
 
 
-def read_pieces(reader: _HeldCalls, text: str) -> tuple[str | None, list[ToolCall]]:
+def _escaped(text: str) -> str:
+    """Text as it stands inside a JSON string (each character escaped on its own, so pieces join into the whole)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+class HeldTagCalls(HeldCalls):
+    """An answer whose calls a structural tag held in a format's layout (``HeldLayout``: calls in tags of their own, or
+    in a block), read as it streams. Each call opens once its head (its name, and its id where written) is read. Its
+    arguments go out as they are written where they are JSON. Where they are XML elements, they go out as the JSON
+    object the format's parser makes of them (``_xml_value``; keys in the order written): a key as soon as its
+    element opens, a string's text as it comes, any other value once its element closes. Either way a stream's pieces
+    join into a whole response's arguments, character for character.
+
+    Text outside the calls is content, as the format's parser's stream gives it (the answer's leading and trailing
+    whitespace out). An opening whose text leaves the layout before a call opens (an engine that did not hold the
+    answer) is content, and reading goes on after it; past a call's head, what leaves the layout is read as text from
+    there. A call past ``max_calls`` and all after it are content. An answer cut short inside a call ends with its
+    arguments cut short, as OpenAI's are."""
+
+    def __init__(self, layout: HeldLayout, functions: Sequence[dict[str, Any]], max_calls: int | None = None) -> None:
+        self._layout = layout
+        self._head, self._end = regex.compile(layout.head), regex.compile(layout.end)
+        self._next = regex.compile(layout.next) if layout.next is not None else None
+        self._close = regex.compile(layout.close) if layout.close is not None else None
+        self._key = regex.compile(layout.xml.key) if layout.xml is not None else None
+        self._functions = functions
+        self._max_calls = max_calls
+        self._content = Content()
+        self._buf = ""
+        self._tag = ""  # the opening read, while no call has opened after it: content if the layout breaks
+        self._state = "text"  # text, head, next, arguments (JSON), params, value (XML), end, content
+        self.num_calls = 0
+        # The open call's arguments:
+        self._scan: _JsonScan | None = None  # JSON, once its "{" is read
+        self._schemas: dict[str, Any] = {}  # XML: the function's parameters' schemas
+        self._num_keys = 0
+        self._value = ""  # the open element's text so far
+        self._value_schema: Any = None
+        self._sent = -1  # characters of the value (its newlines trimmed) written as a JSON string; -1: none, no quote
+
+    def finish(self) -> list[PieceEvent]:
+        """What is left: content, unless the answer stopped inside a call or a block of calls."""
+        events: list[PieceEvent] = []
+        if self._state in ("text", "head", "content"):
+            add_event(events, self._content.push(self._tag + self._buf))
+        self._buf = self._tag = ""
+        self._state = "text"
+        return events
+
+    def _step(self, events: list[PieceEvent]) -> bool:
+        state = self._state
+        if state == "content":
+            add_event(events, self._content.push(self._buf))
+            self._buf = ""
+            return False
+        if state == "text":
+            trigger = self._layout.trigger
+            start = self._buf.find(trigger)
+            if start < 0:
+                keep = len(self._buf) - partial_suffix(self._buf, trigger)
+                add_event(events, self._content.push(self._buf[:keep]))
+                self._buf = self._buf[keep:]
+                return False
+            add_event(events, self._content.push(self._buf[:start]))
+            self._tag, self._buf, self._state = trigger, self._buf[start + len(trigger):], "head"
+            return True
+        if state == "head":
+            return self._match(events, [(self._head, self._open)])
+        if state == "next":
+            assert self._next is not None and self._close is not None
+            return self._match(events, [(self._next, self._open), (self._close, lambda _m, _e: self._to("text"))])
+        if state == "arguments":
+            return self._json(events)
+        if state == "params":
+            assert self._key is not None
+            return self._match(events, [(self._key, self._open_value), (self._end, self._end_xml)])
+        if state == "value":
+            return self._value_text(events)
+        return self._match(events, [(self._end, lambda _m, _e: self._to("next" if self._next else "text"))])
+
+    def _to(self, state: str) -> None:
+        self._state = state
+
+    def _match(self, events: list[PieceEvent], choices: list[tuple[regex.Pattern[str], Any]]) -> bool:
+        """The first pattern the buffer opens with, whole, taken (and its action run); False while one may still come;
+        text that can open with none left the layout."""
+        waiting = False
+        for pattern, action in choices:
+            m = pattern.match(self._buf, partial=True)
+            if m is not None and not m.partial:
+                self._buf = self._buf[m.end():]
+                action(m, events)
+                return True
+            waiting = waiting or m is not None
+        if waiting:
+            return False
+        if self._tag:  # no call opened after the opening: it is content, and reading goes on after it
+            add_event(events, self._content.push(self._layout.trigger))
+        self._tag, self._state = "", "text"
+        return True
+
+    def _open(self, m: regex.Match[str], events: list[PieceEvent]) -> None:
+        if self._max_calls is not None and self.num_calls >= self._max_calls:  # a call too many: content from here
+            self._buf, self._tag, self._state = self._tag + m[0] + self._buf, "", "content"
+            return
+        name = m["name"]
+        events.append(CallStart(name, m.groupdict().get("id")))
+        self.num_calls += 1
+        self._tag = ""
+        if self._key is None:
+            self._scan, self._state = None, "arguments"
+            return
+        self._schemas, self._num_keys, self._state = parameter_schemas(self._functions, name), 0, "params"
+        events.append(ArgumentsPiece("{"))
+
+    def _json(self, events: list[PieceEvent]) -> bool:
+        """JSON arguments: an object, as written (the whitespace before it left out)."""
+        if self._scan is None:
+            rest = self._buf.lstrip()
+            if not rest:
+                self._buf = ""
+                return False
+            if not rest.startswith("{"):
+                self._state = "text"
+                return True
+            self._buf, self._scan = rest[1:], _JsonScan()
+            events.append(ArgumentsPiece("{"))
+        i = self._scan.closer(self._buf)
+        if i is None:
+            if self._buf:
+                events.append(ArgumentsPiece(self._buf))
+            self._buf = ""
+            return False
+        events.append(ArgumentsPiece(self._buf[: i + 1]))
+        self._buf, self._state = self._buf[i + 1:], "end"
+        return True
+
+    def _end_xml(self, _m: regex.Match[str], events: list[PieceEvent]) -> None:
+        events.append(ArgumentsPiece("}"))
+        self._state = "next" if self._next else "text"
+
+    def _open_value(self, m: regex.Match[str], events: list[PieceEvent]) -> None:
+        key = m["key"].strip()
+        events.append(ArgumentsPiece(f"{', ' if self._num_keys else ''}{json.dumps(key, ensure_ascii=False)}: "))
+        self._num_keys += 1
+        self._value, self._value_schema, self._sent, self._state = "", self._schemas.get(key), -1, "value"
+
+    def _value_text(self, events: list[PieceEvent]) -> bool:
+        """An XML argument's text, up to its element's end."""
+        assert self._layout.xml is not None
+        value_end = self._layout.xml.value_end
+        end = self._buf.find(value_end)
+        if end < 0:
+            keep = len(self._buf) - partial_suffix(self._buf, value_end)
+            self._value += self._buf[:keep]
+            self._buf = self._buf[keep:]
+            self._stream_value(events)
+            return False
+        text = self._value + self._buf[:end]
+        self._buf = self._buf[end + len(value_end):]
+        if self._layout.xml.trim_newlines:
+            text = text.removeprefix("\n").removesuffix("\n")
+        if self._sent >= 0:
+            events.append(ArgumentsPiece(_escaped(text[self._sent:]) + '"'))
+        else:
+            events.append(ArgumentsPiece(xml_value_json(text, self._value_schema)))
+        self._state = "params"
+        return True
+
+    def _stream_value(self, events: list[PieceEvent]) -> None:
+        """The text of a string argument so far, but what may yet not be its own: a last newline where the layout
+        trims it, and text that may still be all ``null`` (which is null)."""
+        assert self._layout.xml is not None
+        if not xml_text_value(self._value_schema):
+            return
+        text = self._value
+        if self._layout.xml.trim_newlines:
+            text = text.removeprefix("\n")
+            text = text[:-1] if text.endswith("\n") else text
+        if self._sent < 0:
+            if "null".startswith(text.lower()):
+                return
+            events.append(ArgumentsPiece('"' + _escaped(text)))
+        elif len(text) > self._sent:
+            events.append(ArgumentsPiece(_escaped(text[self._sent:])))
+        self._sent = len(text)
+
+
+def held_reader(parser: ToolCallParser, functions: Sequence[dict[str, Any]],
+                max_calls: int | None = None) -> HeldCalls | None:
+    """The reader of an answer whose calls the parser's structural tag held, their arguments read as written; None
+    for a format whose calls its parser reads whole (Mistral's)."""
+    if isinstance(parser, HermesParser):
+        return StrictHermesCalls(max_calls)
+    if isinstance(parser, Llama3JsonParser):
+        return RequiredCalls(max_calls, LLAMA3_CALLS, trim=True)
+    if parser.held_layout is not None:
+        return HeldTagCalls(parser.held_layout, functions, max_calls)
+    return None
+
+
+def read_pieces(reader: HeldCalls, text: str) -> tuple[str | None, list[ToolCall]]:
     """A whole answer's content (None when there is none) and calls, as a reader of grammar-held calls reads them
     when it streams."""
     content: list[str] = []
-    calls: list[list[str]] = []
+    calls: list[tuple[CallStart, list[str]]] = []
     for event in reader.feed(text) + reader.finish():
         if isinstance(event, CallStart):
-            calls.append([event.name, ""])
+            calls.append((event, []))
         elif isinstance(event, ArgumentsPiece):
-            calls[-1][1] += event.text
+            calls[-1][1].append(event.text)
         else:
             content.append(event)
-    return "".join(content) or None, [ToolCall(name, arguments) for name, arguments in calls]
+    return "".join(content) or None, [ToolCall(start.name, "".join(pieces), start.call_id) for start, pieces in calls]
 
 

@@ -41,7 +41,9 @@ from typing import Any, Protocol
 @dataclass(frozen=True)
 class ToolCall:
     name: str
-    arguments: str  # JSON text of an object, as json.dumps(obj, ensure_ascii=False) writes it
+    # JSON text of an object: as json.dumps(obj, ensure_ascii=False) writes it, or (a call a grammar held, JSON
+    # arguments) as the model wrote it
+    arguments: str
     id: str | None = None  # the id the model wrote for it, in a format that has the model write ids (Kimi's)
 
 
@@ -62,6 +64,10 @@ class ToolCallParser(Protocol):
     name: str
     tags: tuple[str, ...]  # what the parser must see in the streamed text (so not skipped as special tokens)
     holds_calls: bool  # whether ``call_tag`` gives a structural tag for the format
+
+    @property
+    def held_layout(self) -> HeldLayout | None:
+        """How calls its tag held are written, for reading their arguments as they stream (``router/held_calls.py``)."""
 
     def extract(self, text: str, functions: Sequence[dict[str, Any]] = ()) -> tuple[str | None, list[ToolCall]]:
         """A whole answer's content (None when there is none) and its calls, in order. ``functions``: the tools'
@@ -257,10 +263,42 @@ HERMES_HELD_ARGUMENTS = ', "arguments": '
 HERMES_HELD_END = "}\n" + HERMES_CLOSE
 
 
+@dataclass(frozen=True)
+class XmlArguments:
+    """How a format writes a call's arguments as XML elements, one per argument: ``key`` (a regex, from the end of the
+    last element or the call's head, up to the value: group ``key``), the text that closes a value, and whether a
+    value's first and last newlines are the layout's, not the value's."""
+
+    key: str
+    value_end: str
+    trim_newlines: bool
+
+
+@dataclass(frozen=True)
+class HeldLayout:
+    """How a format's calls are written where its structural tag (``call_tag``) holds them: the text that opens them
+    (each call's tag, or a block of calls), then regexes matched where the last left off: ``head`` from the opening
+    to a call's arguments (group ``name``, and ``id`` where the model writes the call's id), ``end`` from its
+    arguments to its end (its tag's, for a call in a tag of its own), and in a block ``next`` (another call's head)
+    or ``close`` (the block's end). ``xml``: the arguments' XML elements; None: a JSON object."""
+
+    trigger: str
+    head: str
+    end: str
+    xml: XmlArguments | None = None
+    next: str | None = None
+    close: str | None = None
+
+
+_WS = r"[ \n\r\t]*"
+_NAME_CHARS = r"[^\s<>{}\[\]\"',:;]+"  # (``_NAME``'s)
+
+
 class _Parser:
     """What the parsers share: ``extract`` runs ``stream`` over the whole text; OpenAI-style ids; no structural tag."""
 
     holds_calls = False
+    held_layout: HeldLayout | None = None
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         raise NotImplementedError
@@ -598,11 +636,9 @@ def _xml_value(text: str, schema: Any) -> Any:
     value as the JSON the text is, else the text."""
     if text.lower() == "null":
         return None
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), None)
-    if kind == "string":
+    if xml_text_value(schema):
         return text
+    kind = _xml_kind(schema)
     if kind == "integer":
         try:
             return int(text)
@@ -616,12 +652,32 @@ def _xml_value(text: str, schema: Any) -> Any:
         return int(number) if number.is_integer() else number
     if kind == "boolean":
         return {"true": True, "false": False}.get(text.lower(), text)
-    if kind is None and schema is None:  # a parameter the function does not declare: its text
-        return text
     try:
         return _DECODER.decode(text)
     except (ValueError, RecursionError):
         return text
+
+
+def xml_value_json(text: str, schema: Any) -> str:
+    """A parameter's value (``_xml_value``) as the JSON a call's arguments give it; the text as a string where the
+    value holds what UTF-8 cannot encode (a lone surrogate's escape)."""
+    value = json.dumps(_xml_value(text, schema), ensure_ascii=False)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(text, ensure_ascii=False)
+    return value
+
+
+def _xml_kind(schema: Any) -> Any:
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    return next((k for k in kind if k != "null"), None) if isinstance(kind, list) else kind
+
+
+def xml_text_value(schema: Any) -> bool:
+    """Whether a parameter of this schema is its text as written (``_xml_value``), whatever the text (but ``null``):
+    a string, or a parameter the function does not declare."""
+    return schema is None or _xml_kind(schema) == "string"
 
 
 def _qwen_xml_call(body: str, functions: Sequence[dict[str, Any]]) -> ToolCall | None:
@@ -631,7 +687,7 @@ def _qwen_xml_call(body: str, functions: Sequence[dict[str, Any]]) -> ToolCall |
     if match is None:
         return None
     name, inner = match[1].strip(), match[2]
-    schemas = next(((f.get("parameters") or {}).get("properties") or {} for f in functions if f.get("name") == name), {})
+    schemas = parameter_schemas(functions, name)
     arguments: dict[str, Any] = {}
     pos = 0
     for parameter in _XML_PARAMETER.finditer(inner):
@@ -639,7 +695,7 @@ def _qwen_xml_call(body: str, functions: Sequence[dict[str, Any]]) -> ToolCall |
             return None
         key, value = parameter[1].strip(), parameter[2]
         value = value.removeprefix("\n").removesuffix("\n")  # the value sits on lines of its own
-        arguments[key] = _xml_value(value, schemas.get(key) if isinstance(schemas, dict) else None)
+        arguments[key] = _xml_value(value, schemas.get(key))
         pos = parameter.end()
     if inner[pos:].strip() or not name:
         return None
@@ -654,6 +710,8 @@ class Qwen3CoderParser(_Parser):
     name = "qwen3_coder"
     tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE)
     holds_calls = True
+    held_layout = HeldLayout(HERMES_OPEN, r"\n<function=(?P<name>[^<>\n]+)>\n", f"{_WS}</function>{_WS}{re.escape(HERMES_CLOSE)}",
+                             XmlArguments(rf"{_WS}<parameter=(?P<key>[^<>\n]+)>", "</parameter>", trim_newlines=True))
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _TagStream(_one(functools.partial(_qwen_xml_call, functions=functions)))
@@ -662,12 +720,12 @@ class Qwen3CoderParser(_Parser):
                  required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
         """From ``<tool_call>`` and ``<function=`` on, a call as the format's chat templates show it, its parameters in
         xgrammar's ``qwen_xml`` style (the XML elements above, typed by the schema): triggered tags, one per function,
-        the tags held as tokens where special. Its calls are read whole (``stream``), each as it closes."""
+        the tags held as tokens where special (``held_layout``)."""
         return _tool_call_tags(functions, held, parallel, required, special, "qwen_xml",
                                lambda name: f"\n<function={name}>\n", "\n</function>\n", "\n<function=")
 
 
-def _schemas(functions: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
+def parameter_schemas(functions: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
     """The schemas of a function's parameters, by name (none for a function the request does not offer)."""
     properties = next(((f.get("parameters") or {}).get("properties") for f in functions if f.get("name") == name), None)
     return properties if isinstance(properties, dict) else {}
@@ -675,7 +733,7 @@ def _schemas(functions: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
 
 def _typed_call(name: str, pairs: list[tuple[str, str]], functions: Sequence[dict[str, Any]]) -> ToolCall | None:
     """A call whose arguments are written as key and value texts, each value typed by its schema (``_xml_value``)."""
-    schemas = _schemas(functions, name)
+    schemas = parameter_schemas(functions, name)
     arguments = {key: _xml_value(value, schemas.get(key)) for key, value in pairs}
     return _call({"name": name, "arguments": arguments}, "arguments", "parameters")
 
@@ -716,6 +774,9 @@ class GlmParser(_Parser):
     tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 
     holds_calls = True
+    held_layout = HeldLayout(HERMES_OPEN, rf"(?P<name>{_NAME_CHARS})(?=[\s<])", f"{_WS}{re.escape(HERMES_CLOSE)}",
+                             XmlArguments(f"{_WS}<arg_key>(?P<key>[^<>]*)</arg_key>{_WS}<arg_value>", "</arg_value>",
+                                          trim_newlines=False))
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -765,6 +826,9 @@ class MiniMaxM2Parser(_Parser):
     name = "minimax_m2"
     tags: tuple[str, ...] = (_MINIMAX_OPEN, _MINIMAX_CLOSE)
     holds_calls = True
+    held_layout = HeldLayout(_MINIMAX_OPEN, r'\n<invoke name="(?P<name>[^"<>]+)">\n', f"{_WS}</invoke>",
+                             XmlArguments(f'{_WS}<parameter name="(?P<key>[^"<>]*)">', "</parameter>", trim_newlines=True),
+                             next=r'\n<invoke name="(?P<name>[^"<>]+)">\n', close=rf"\n{re.escape(_MINIMAX_CLOSE)}")
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _TagStream(functools.partial(_minimax_calls, functions=functions), _MINIMAX_OPEN, _MINIMAX_CLOSE)
@@ -815,6 +879,11 @@ class DeepSeekParser(_Parser):
 
     def __init__(self, name: str) -> None:
         self.name = name
+        head = (rf"function{re.escape(_DEEPSEEK_SEP)}(?P<name>{_NAME_CHARS})\n```json\n" if name == "deepseek_v3"
+                else rf"(?P<name>{_NAME_CHARS}){re.escape(_DEEPSEEK_SEP)}")
+        head = re.escape(_DEEPSEEK_CALL_OPEN) + head
+        end = f"{_WS}{'```' if name == 'deepseek_v3' else ''}{re.escape(_DEEPSEEK_CALL_CLOSE)}"
+        self.held_layout = HeldLayout(_DEEPSEEK_OPEN, head, end, next=head, close=re.escape(_DEEPSEEK_CLOSE))
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _TagStream(_deepseek_calls, _DEEPSEEK_OPEN, _DEEPSEEK_CLOSE)
@@ -867,6 +936,10 @@ class KimiK2Parser(_Parser):
     name = "kimi_k2"
     tags: tuple[str, ...] = (_KIMI_OPEN, _KIMI_CLOSE, _KIMI_CALL_OPEN, _KIMI_ARGUMENTS, _KIMI_CALL_CLOSE)
     holds_calls = True
+    _head = (rf"{re.escape(_KIMI_CALL_OPEN)}(?P<id>functions\.(?P<name>[^\s:<>{{}}\[\]\"',;]+):[0-9]{{1,6}})"
+             + re.escape(_KIMI_ARGUMENTS))
+    held_layout = HeldLayout(_KIMI_OPEN, _head, f"{_WS}{re.escape(_KIMI_CALL_CLOSE)}", next=_head,
+                             close=re.escape(_KIMI_CLOSE))
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _TagStream(_kimi_calls, _KIMI_OPEN, _KIMI_CLOSE)

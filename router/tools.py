@@ -18,9 +18,8 @@ format. What the model answers depends on ``tool_choice``:
 
 Where the parser's format has a structural tag (``call_tag``, its special tags held as tokens;
 ``ToolPlan.in_format``), the calls of those three are held in that format, the one the chat template teaches;
-hermes calls are read in the tag's layout (``router/held_calls.py`` ``StrictHermesCalls``), their arguments
-streamed as written, the other formats' whole by their parser as each closes (gpt-oss's harmony format is
-``router/harmony.py``'s). Otherwise a ``"required"`` answer is held by a grammar to a JSON array of
+the calls are read in the tag's layout (``router/held_calls.py``), their arguments streamed as they are written
+(Mistral's calls whole by its parser at the answer's end; gpt-oss's harmony format is ``router/harmony.py``'s). Otherwise a ``"required"`` answer is held by a grammar to a JSON array of
 ``{"name": ..., "arguments": ...}`` calls (``RequiredCalls``), and a named one to the function's arguments,
 which become the one call; no parser is needed for either, and each call's arguments stream as written.
 
@@ -41,19 +40,17 @@ from typing import TYPE_CHECKING, Any
 from common.sampling_params import MAX_STRUCTURED_OUTPUT_CHARS, StructuredOutput
 from router.errors import bad_request
 from router.held_calls import (
-    LLAMA3_CALLS,
     ArgumentsPiece,
     CallStart,
+    HeldCalls,
     PieceEvent,
     RequiredCalls,
-    StrictHermesCalls,
+    held_reader,
     read_pieces,
 )
 from router.openai_responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
 from router.tool_parsers import (
     PARSERS,
-    HermesParser,
-    Llama3JsonParser,
     ToolCall,
     ToolCallParser,
     ToolCallStream,
@@ -223,16 +220,13 @@ class ToolPlan:
         assert tag is not None, "in_format checked the format has a tag"
         return StructuredOutput(kind="structural_tag", spec=_tools_spec(tag))
 
-    def pieces_reader(self, parser: ToolCallParser | None) -> RequiredCalls | StrictHermesCalls | None:
-        """The reader of an answer whose calls' layout a grammar holds, their arguments read as written: hermes calls
-        a tag held, a ``"required"`` answer's JSON array, Llama 3's calls a tag held (the whole answer, or under
-        "auto" text, kept as its parser's stream keeps it); None where the parser reads the calls (or a named
-        answer's text is the call's arguments)."""
-        if self.native and isinstance(parser, HermesParser):
-            return StrictHermesCalls(self.max_calls)
-        if self.native and isinstance(parser, Llama3JsonParser):
-            return RequiredCalls(self.max_calls, LLAMA3_CALLS, trim=True)
-        if self.choice == "required" and not self.native:
+    def pieces_reader(self, parser: ToolCallParser | None) -> HeldCalls | None:
+        """The reader of an answer whose calls' layout a grammar holds, their arguments read as they are written:
+        calls a format's tag held (``held_reader``), a ``"required"`` answer's JSON array; None where the parser
+        reads the calls (Mistral's, held or not) or a named answer's text is the call's arguments."""
+        if self.native:
+            return held_reader(parser, self.functions, self.max_calls) if parser is not None else None
+        if self.choice == "required":
             return RequiredCalls(self.max_calls)
         return None
 
@@ -303,15 +297,14 @@ class ToolDeltas:
     """One streamed choice's text turned into content and tool-call deltas, as it comes.
 
     An ``"auto"`` answer goes through the parser's stream: content as soon as it cannot be part of a
-    call, each call whole once it closes. A named function's arguments, and each call's of a
-    ``"required"`` answer (``RequiredCalls``) or of an ``"auto"`` one with strict functions
-    (``StrictHermesCalls``: a grammar held their layout), stream as they are written, the first delta of a
-    call carrying its id and name."""
+    call, each call whole once it closes. A named function's arguments, and each call's where a grammar held
+    their layout (``ToolPlan.pieces_reader``: a ``"required"`` answer, or one in the format's structural tag),
+    stream as they are written, the first delta of a call carrying its id and name."""
 
     plan: ToolPlan
     parser: ToolCallParser | None
     stream: ToolCallStream | None
-    pieces: RequiredCalls | StrictHermesCalls | None = None
+    pieces: HeldCalls | None = None
     num_calls: int = 0
 
     @classmethod
@@ -364,7 +357,7 @@ class ToolDeltas:
         calls: list[DeltaToolCall] = []
         for event in events:
             if isinstance(event, CallStart):
-                calls.append(self._open(event.name, ""))
+                calls.append(self._open(event.name, "", event.call_id))
             elif isinstance(event, ArgumentsPiece):
                 calls.append(self._more(event.text))
             else:

@@ -416,6 +416,132 @@ def test_llama3_required_named_and_strict_calls_stream_as_written() -> None:
     assert "".join(deltas.feed(c)[0] for c in text) + deltas.finish()[0] == "It is sunny in Paris."
 
 
+_DS_CALLS, _DS_CALL, _DS_SEP, _DS_END, _DS_CALLS_END = (
+    "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581sep\uff5c>",
+    "<\uff5ctool\u2581call\u2581end\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>")
+# Each format's held calls as its structural tag writes them: text, a call of get_weather (its city a string
+# argument, with a quote, a backslash and a line of its own; unit an enum), one of get_time, text.
+HELD_ANSWERS = {
+    "qwen3_coder": ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSt \"Denis\"\\\nnord\n</parameter>\n"
+                    "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+                    "<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call> Done."),
+    "glm45": ("Checking.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>St \"Denis\"\\\nnord</arg_value>\n"
+              "<arg_key>unit</arg_key>\n<arg_value>celsius</arg_value>\n</tool_call><tool_call>get_time"
+              "<arg_key>zone</arg_key><arg_value>UTC</arg_value></tool_call> Done."),
+    "minimax_m2": ('Checking.<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">St "Denis"\\\nnord'
+                   '</parameter>\n<parameter name="unit">celsius</parameter>\n</invoke>\n<invoke name="get_time">\n'
+                   '<parameter name="zone">UTC</parameter>\n</invoke>\n</minimax:tool_call> Done.'),
+    "deepseek_v31": (f'Checking.{_DS_CALLS}{_DS_CALL}get_weather{_DS_SEP}{{"city": "St \\"Denis\\"\\\\\\nnord", '
+                     f'"unit": "celsius"}}{_DS_END}{_DS_CALL}get_time{_DS_SEP}{{"zone": "UTC"}}{_DS_END}{_DS_CALLS_END} Done.'),
+    "deepseek_v3": (f'Checking.{_DS_CALLS}{_DS_CALL}function{_DS_SEP}get_weather\n```json\n{{"city": "St \\"Denis\\"'
+                    f'\\\\\\nnord", "unit": "celsius"}}\n```{_DS_END}{_DS_CALL}function{_DS_SEP}get_time\n```json\n'
+                    f'{{"zone": "UTC"}}\n```{_DS_END}{_DS_CALLS_END} Done.'),
+    "kimi_k2": ('Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+                '{"city": "St \\"Denis\\"\\\\\\nnord", "unit": "celsius"}<|tool_call_end|><|tool_call_begin|>'
+                'functions.get_time:1<|tool_call_argument_begin|>{"zone": "UTC"}<|tool_call_end|>'
+                '<|tool_calls_section_end|> Done.'),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HELD_ANSWERS))
+def test_calls_a_formats_tag_held_stream_their_arguments_as_the_whole_answer_reads_them(name: str) -> None:
+    """Qwen3-Coder's, GLM's, MiniMax-M2's, DeepSeek's and Kimi K2's calls as their structural tags hold them
+    ("required", named, strict under "auto") stream their arguments: each call opens once its head is read, and its
+    arguments arrive in pieces however the text is cut, joining into the whole response's, which read as the
+    format's parser reads the answer (XML arguments as the JSON it makes of them, a string's text as it comes)."""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from router.tool_parsers import PARSERS
+
+    parser, answer = PARSERS[name], HELD_ANSWERS[name]
+    functions = [t["function"] for t in TOOLS]
+    # The calls as the format's tag holds them (a "required" answer's, every argument held): the grammar takes them.
+    tag = parser.call_tag(functions, frozenset(f["name"] for f in functions), True, True)
+    calls_text = answer.removeprefix("Checking.").removesuffix(" Done.").lstrip()
+    assert accepts(Grammar.from_structural_tag(json.dumps(tag)), calls_text)
+    expected_content, expected_calls = parser.extract(answer, functions)
+    assert expected_content in ("Checking. Done.", "Checking.\n\n Done.") and [c.name for c in expected_calls] == ["get_weather", "get_time"]
+    assert json.loads(expected_calls[0].arguments) == {"city": 'St "Denis"\\\nnord', "unit": "celsius"}
+    for choice in ("required", "auto"):
+        plan = replace(_plan(choice), native=True)
+        content, calls = plan.extract(answer, parser)
+        assert content == expected_content
+        assert [(c.name, json.loads(c.arguments), c.id) for c in calls] == [
+            (c.name, json.loads(c.arguments), c.id) for c in expected_calls]
+        if name in ("qwen3_coder", "glm45", "minimax_m2"):  # made as the parser makes it
+            assert [c.arguments for c in calls] == [c.arguments for c in expected_calls]
+        for size in (1, 3, 7, len(answer)):
+            deltas = ToolDeltas.start(plan, parser)
+            pieces = [deltas.feed(answer[i:i + size]) for i in range(0, len(answer), size)] + [deltas.finish()]
+            assert "".join(text for text, _ in pieces) == content
+            parts = [part for _, parts in pieces for part in parts]
+            assert [(p.index, p.function.name) for p in parts if p.id is not None] == [(0, "get_weather"), (1, "get_time")]
+            assert ["".join(p.function.arguments or "" for p in parts if p.index == i) for i in (0, 1)] == [
+                c.arguments for c in calls]
+            if name == "kimi_k2":  # the ids the model wrote
+                assert [p.id for p in parts if p.id is not None] == ["functions.get_weather:0", "functions.get_time:1"]
+            if size == 1:  # the city's text as it comes, not the arguments whole once the call closes
+                assert len([p for p in parts if p.index == 0 and p.function.arguments]) > 10
+    # The first call opens once its head is read, before its arguments end.
+    deltas = ToolDeltas.start(replace(_plan("required"), native=True), parser)
+    opened = deltas.feed(answer[: answer.index("Denis")])[1]
+    assert [p.function.name for p in opened if p.id is not None] == ["get_weather"]
+
+
+def test_held_xml_arguments_typed_trimmed_and_kept_apart_from_text() -> None:
+    """Qwen3-Coder's XML arguments held by its tag: a string's value on lines of its own (those newlines the
+    layout's), ``null`` (any case) as null even where a string is declared, other types whole once their element
+    closes; a call too many, an opening off the layout and an answer cut short keep every character the model wrote
+    or end the call where it was certain."""
+    from router.held_calls import ArgumentsPiece, CallStart, HeldTagCalls, read_pieces
+    from router.tool_parsers import PARSERS
+
+    parser = PARSERS["qwen3_coder"]
+    assert parser.held_layout is not None
+    functions = [{"name": "f", "parameters": {"type": "object", "properties": {
+        "s": {"type": "string"}, "n": {"type": ["integer", "null"]}, "o": {"type": "object"}}}}]
+
+    def read(text: str, max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
+        """The whole answer's reading, which a character at a time gives too."""
+        assert parser.held_layout is not None
+        whole = read_pieces(HeldTagCalls(parser.held_layout, functions, max_calls), text)
+        reader = HeldTagCalls(parser.held_layout, functions, max_calls)
+        content, calls = "", []
+        for event in [e for c in text for e in reader.feed(c)] + reader.finish():
+            if isinstance(event, CallStart):
+                calls.append(ToolCall(event.name, ""))
+            elif isinstance(event, ArgumentsPiece):
+                calls[-1] = ToolCall(calls[-1].name, calls[-1].arguments + event.text)
+            else:
+                content += event
+        assert (content or None, calls) == whole
+        return whole
+
+    def call(params: str) -> str:
+        return f"<tool_call>\n<function=f>\n{params}</function>\n</tool_call>"
+
+    cases = {
+        "<parameter=s>\nNULL\n</parameter>\n": '{"s": null}',
+        "<parameter=s>\nnull \n</parameter>\n": '{"s": "null "}',
+        "<parameter=s>\n\nnul\n\n</parameter>\n": '{"s": "\\nnul\\n"}',
+        "<parameter=s></parameter>\n": '{"s": ""}',
+        "<parameter=n>\n 42 \n</parameter>\n<parameter=o>\n{\"a\": [1]}\n</parameter>\n": '{"n": 42, "o": {"a": [1]}}',
+        "<parameter=x>\n7\n</parameter>\n": '{"x": "7"}',  # undeclared: its text
+        "": "{}",
+    }
+    for params, arguments in cases.items():
+        text = call(params)
+        assert read(text) == (None, [ToolCall("f", arguments)]) == parser.extract(text, functions), params
+    second = call("<parameter=s>\nb\n</parameter>\n")
+    assert read(call("") + "\n" + second, max_calls=1) == (second, [ToolCall("f", "{}")])
+    assert read("Hi <tool_call>\n{\"name\": 1}</tool_call>") == ('Hi <tool_call>\n{"name": 1}</tool_call>', [])
+    assert read("Hi <tool_call>\n<func") == ("Hi <tool_call>\n<func", [])  # cut before a call opened
+    cut = call("<parameter=s>\nabc\ndef\n</parameter>\n")
+    assert read(cut[: cut.index("def") + 2]) == (None, [ToolCall("f", '{"s": "abc\\nde')])
+    assert read(cut[: cut.index("<parameter") + 4]) == (None, [ToolCall("f", "{")])
+
+
 def test_the_probe_finds_whether_a_template_shows_tools(tokenizer: Any) -> None:
     shows = "{% for t in tools %}{{ t.function.name }}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
     hides = "{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -563,7 +689,7 @@ def test_qwen3_coder_calls_through_the_router(redis_url: str, tokenizer: Any, to
     """``--tool-call-parser qwen3_coder``: the calls Qwen3-Coder writes in its XML form come out as OpenAI's, each
     argument typed by the function's schema, the same whole or streamed. Strict functions under "auto" and a
     "required" answer get a structural tag in the same form (xgrammar's ``qwen_xml`` style), which admits the reply
-    and refuses an argument off its schema; the calls it held are read whole."""
+    and refuses an argument off its schema; the calls it held stream their arguments as they are written."""
     from xgrammar import Grammar
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
@@ -597,8 +723,14 @@ def test_qwen3_coder_calls_through_the_router(redis_url: str, tokenizer: Any, to
             call_text = reply_text[reply_text.index("<tool_call>"):]
             assert accepts(grammar, call_text) and not accepts(grammar, call_text.replace("celsius", "kelvin"))
             assert accepts(grammar, reply_text) is (choice == "auto")  # "required" opens with its call
-            assert [(c.function.name, json.loads(c.function.arguments)) for c in answer.choices[0].message.tool_calls or []] == [
-                ("get_weather", {"city": "Paris", "unit": "celsius"})]
+            [held] = answer.choices[0].message.tool_calls or []
+            assert (held.function.name, json.loads(held.function.arguments)) == (
+                "get_weather", {"city": "Paris", "unit": "celsius"})
+            # Streamed, the held call's arguments arrive as they are written, joining into the whole answer's.
+            pieces = [part.function.arguments for chunk in client.chat.completions.create(
+                model=SERVED_MODEL, messages=MESSAGES, tools=strict, tool_choice=choice, stream=True)
+                for c in chunk.choices for part in c.delta.tool_calls or [] if part.function and part.function.arguments]
+            assert "".join(pieces) == held.function.arguments and len(pieces) >= 3, pieces
 
 
 def test_glm_calls_through_the_router_with_its_tags_special_tokens(redis_url: str, tokenizer_dir: Any) -> None:

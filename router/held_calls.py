@@ -7,7 +7,7 @@ response's arguments, character for character; the text around the calls is cont
 * ``StrictHermesCalls``: an answer in the hermes format whose calls a structural tag held (``HermesParser.call_tag``:
   ``"auto"`` with strict functions, ``"required"`` and named answers), each call in the tag's layout.
 * ``HeldTagCalls``: the same in the other formats with tags (Qwen3-Coder's, GLM's, MiniMax-M2's, DeepSeek's, Kimi
-  K2's: their parsers' ``held_layout``). JSON arguments go out as written; XML ones (one element per argument) as the
+  K2's, Mistral's v11 form: their parsers' ``held_layout``). JSON arguments go out as written; XML ones (one element per argument) as the
   JSON object their parser makes of them, a string argument's text as it comes.
 
 Text that leaves the layout (an engine that did not hold the answer to the grammar) is content: nothing the model
@@ -32,6 +32,7 @@ from router.tool_parsers import (
     HeldLayout,
     HermesParser,
     Llama3JsonParser,
+    MistralParser,
     ToolCall,
     ToolCallParser,
     add_event,
@@ -546,17 +547,17 @@ class HeldTagCalls(HeldCalls):
         self._sent = len(text)
 
 
-def held_reader(parser: ToolCallParser, functions: Sequence[dict[str, Any]],
-                max_calls: int | None = None) -> HeldCalls | None:
-    """The reader of an answer whose calls the parser's structural tag held, their arguments read as written; None
-    for a format whose calls its parser reads whole (Mistral's)."""
+def held_reader(parser: ToolCallParser, functions: Sequence[dict[str, Any]], max_calls: int | None = None,
+                special: frozenset[str] = frozenset()) -> HeldCalls | None:
+    """The reader of an answer whose calls the parser's structural tag held (``special``: the format's tags the
+    tokenizer makes special tokens), their arguments read as they are written; None where the parser reads the calls
+    whole (Mistral's JSON array)."""
     if isinstance(parser, HermesParser):
         return StrictHermesCalls(max_calls)
     if isinstance(parser, Llama3JsonParser):
         return RequiredCalls(max_calls, LLAMA3_CALLS, trim=True)
-    if parser.held_layout is not None:
-        return HeldTagCalls(parser.held_layout, functions, max_calls)
-    return None
+    layout = parser.layout_for(special) if isinstance(parser, MistralParser) else parser.held_layout
+    return HeldTagCalls(layout, functions, max_calls) if layout is not None else None
 
 
 def read_pieces(reader: HeldCalls, text: str) -> tuple[str | None, list[ToolCall]]:

@@ -598,6 +598,7 @@ class MistralParser(_Parser):
     name = "mistral"
     tags: tuple[str, ...] = (_MISTRAL_TAG, _MISTRAL_ARGS)
     holds_calls = True
+    held_layout = None  # which form its tag holds depends on the tokenizer: ``layout_for``
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _MistralStream()
@@ -618,6 +619,13 @@ class MistralParser(_Parser):
         tags = [{"type": "tag", "begin": _edge(_MISTRAL_TAG, special), "content": content, "end": ""}
                 for content in contents]
         return _triggered(tags, _MISTRAL_TAG, special, required, stop_after_first=not parallel)
+
+    def layout_for(self, special: frozenset[str]) -> HeldLayout | None:
+        """How its tag writes held calls where the tokenizer has ``special`` (``call_tag``): v11's ``NAME[ARGS]{...}``
+        after each ``[TOOL_CALLS]``; None for the JSON array of older tokenizers, read whole at the answer's end."""
+        if _MISTRAL_ARGS not in special:
+            return None
+        return HeldLayout(_MISTRAL_TAG, rf"(?P<name>{_NAME_CHARS}){re.escape(_MISTRAL_ARGS)}", "")
 
     def new_call_id(self, name: str, index: int) -> str:
         """Nine letters and digits: Mistral's chat templates refuse any other id when a conversation

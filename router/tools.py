@@ -19,7 +19,7 @@ format. What the model answers depends on ``tool_choice``:
 Where the parser's format has a structural tag (``call_tag``, its special tags held as tokens;
 ``ToolPlan.in_format``), the calls of those three are held in that format, the one the chat template teaches;
 the calls are read in the tag's layout (``router/held_calls.py``), their arguments streamed as they are written
-(Mistral's calls whole by its parser at the answer's end; gpt-oss's harmony format is ``router/harmony.py``'s). Otherwise a ``"required"`` answer is held by a grammar to a JSON array of
+(Mistral's JSON array whole by its parser at the answer's end; gpt-oss's harmony format is ``router/harmony.py``'s). Otherwise a ``"required"`` answer is held by a grammar to a JSON array of
 ``{"name": ..., "arguments": ...}`` calls (``RequiredCalls``), and a named one to the function's arguments,
 which become the one call; no parser is needed for either, and each call's arguments stream as written.
 
@@ -121,6 +121,7 @@ class ToolPlan:
     strict: frozenset[str] = frozenset()
     # A structural tag holds the calls in the chat template's own format (``in_format``, ``native_output``).
     native: bool = False
+    special: frozenset[str] = frozenset()  # where ``native``: the format's tags the tokenizer makes special tokens
 
     @property
     def max_calls(self) -> int | None:
@@ -195,7 +196,7 @@ class ToolPlan:
             return self
         parser = state.tool_parser
         if parser is not None and parser.holds_calls:
-            return replace(self, native=True)
+            return replace(self, native=True, special=state.tags_lost_in_text.intersection(parser.tags))
         if self.choice == "auto":
             assert parser is not None, "tools_for_template refuses 'auto' without a parser"
             raise bad_request(
@@ -215,17 +216,16 @@ class ToolPlan:
         functions = [f for f in self.functions if self.function in (None, f["name"])]
         forced = self.choice != "auto"
         held = frozenset(f["name"] for f in functions) if forced else self.strict
-        tag = parser.call_tag(functions, held, self.parallel and self.choice != "named", forced,
-                              state.tags_lost_in_text.intersection(parser.tags))
+        tag = parser.call_tag(functions, held, self.parallel and self.choice != "named", forced, self.special)
         assert tag is not None, "in_format checked the format has a tag"
         return StructuredOutput(kind="structural_tag", spec=_tools_spec(tag))
 
     def pieces_reader(self, parser: ToolCallParser | None) -> HeldCalls | None:
         """The reader of an answer whose calls' layout a grammar holds, their arguments read as they are written:
         calls a format's tag held (``held_reader``), a ``"required"`` answer's JSON array; None where the parser
-        reads the calls (Mistral's, held or not) or a named answer's text is the call's arguments."""
+        reads the calls (Mistral's JSON array, held or not) or a named answer's text is the call's arguments."""
         if self.native:
-            return held_reader(parser, self.functions, self.max_calls) if parser is not None else None
+            return held_reader(parser, self.functions, self.max_calls, self.special) if parser is not None else None
         if self.choice == "required":
             return RequiredCalls(self.max_calls)
         return None

@@ -436,6 +436,9 @@ HELD_ANSWERS = {
     "deepseek_v3": (f'Checking.{_DS_CALLS}{_DS_CALL}function{_DS_SEP}get_weather\n```json\n{{"city": "St \\"Denis\\"'
                     f'\\\\\\nnord", "unit": "celsius"}}\n```{_DS_END}{_DS_CALL}function{_DS_SEP}get_time\n```json\n'
                     f'{{"zone": "UTC"}}\n```{_DS_END}{_DS_CALLS_END} Done.'),
+    # (v11's form, its tags special tokens; its calls run to the answer's end)
+    "mistral": ('Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "St \\"Denis\\"\\\\\\nnord", "unit": "celsius"}'
+                '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}'),
     "kimi_k2": ('Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
                 '{"city": "St \\"Denis\\"\\\\\\nnord", "unit": "celsius"}<|tool_call_end|><|tool_call_begin|>'
                 'functions.get_time:1<|tool_call_argument_begin|>{"zone": "UTC"}<|tool_call_end|>'
@@ -445,8 +448,8 @@ HELD_ANSWERS = {
 
 @pytest.mark.parametrize("name", sorted(HELD_ANSWERS))
 def test_calls_a_formats_tag_held_stream_their_arguments_as_the_whole_answer_reads_them(name: str) -> None:
-    """Qwen3-Coder's, GLM's, MiniMax-M2's, DeepSeek's and Kimi K2's calls as their structural tags hold them
-    ("required", named, strict under "auto") stream their arguments: each call opens once its head is read, and its
+    """Qwen3-Coder's, GLM's, MiniMax-M2's, DeepSeek's, Kimi K2's and Mistral's (v11) calls as their structural tags
+    hold them ("required", named, strict under "auto") stream their arguments: each call opens once its head is read, and its
     arguments arrive in pieces however the text is cut, joining into the whole response's, which read as the
     format's parser reads the answer (XML arguments as the JSON it makes of them, a string's text as it comes)."""
     from xgrammar import Grammar
@@ -456,15 +459,17 @@ def test_calls_a_formats_tag_held_stream_their_arguments_as_the_whole_answer_rea
 
     parser, answer = PARSERS[name], HELD_ANSWERS[name]
     functions = [t["function"] for t in TOOLS]
-    # The calls as the format's tag holds them (a "required" answer's, every argument held): the grammar takes them.
-    tag = parser.call_tag(functions, frozenset(f["name"] for f in functions), True, True)
-    calls_text = answer.removeprefix("Checking.").removesuffix(" Done.").lstrip()
-    assert accepts(Grammar.from_structural_tag(json.dumps(tag)), calls_text)
+    special = frozenset(parser.tags if name == "mistral" else ())
+    if name != "mistral":  # (its v11 form, with tokens, is compiled in test_mistral_v11_calls_held_in_their_own_form)
+        # The calls as the format's tag holds them (a "required" answer's, every argument held): the grammar takes them.
+        tag = parser.call_tag(functions, frozenset(f["name"] for f in functions), True, True)
+        calls_text = answer.removeprefix("Checking.").removesuffix(" Done.").lstrip()
+        assert accepts(Grammar.from_structural_tag(json.dumps(tag)), calls_text)
     expected_content, expected_calls = parser.extract(answer, functions)
-    assert expected_content in ("Checking. Done.", "Checking.\n\n Done.") and [c.name for c in expected_calls] == ["get_weather", "get_time"]
+    assert expected_content in ("Checking. Done.", "Checking.\n\n Done.", "Checking.") and [c.name for c in expected_calls] == ["get_weather", "get_time"]
     assert json.loads(expected_calls[0].arguments) == {"city": 'St "Denis"\\\nnord', "unit": "celsius"}
     for choice in ("required", "auto"):
-        plan = replace(_plan(choice), native=True)
+        plan = replace(_plan(choice), native=True, special=special)
         content, calls = plan.extract(answer, parser)
         assert content == expected_content
         assert [(c.name, json.loads(c.arguments), c.id) for c in calls] == [
@@ -484,7 +489,7 @@ def test_calls_a_formats_tag_held_stream_their_arguments_as_the_whole_answer_rea
             if size == 1:  # the city's text as it comes, not the arguments whole once the call closes
                 assert len([p for p in parts if p.index == 0 and p.function.arguments]) > 10
     # The first call opens once its head is read, before its arguments end.
-    deltas = ToolDeltas.start(replace(_plan("required"), native=True), parser)
+    deltas = ToolDeltas.start(replace(_plan("required"), native=True, special=special), parser)
     opened = deltas.feed(answer[: answer.index("Denis")])[1]
     assert [p.function.name for p in opened if p.id is not None] == ["get_weather"]
 

@@ -107,19 +107,21 @@ class ResponsesRequest(CheckedRequest):
             for key, value in self.reasoning.items():
                 if key != "effort" and value is not None:  # a summary of the thinking is not written here
                     raise bad_request(f"reasoning.{key} is not served here", param=f"reasoning.{key}")
-        if self.truncation not in (None, "disabled"):
-            raise bad_request("truncation must be 'disabled': a prompt too long is refused, not cut", param="truncation")
+        if self.truncation not in (None, "disabled", "auto"):
+            raise bad_request("truncation must be 'disabled' (a conversation too long is refused) or 'auto' (its "
+                              "first items are dropped until it fits)", param="truncation")
 
     @property
     def wants_logprobs(self) -> bool:
         """Whether the output text's log-probabilities are asked for (``include``)."""
         return OUTPUT_LOGPROBS in (self.include or ())
 
-    def chat_body(self, earlier: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def chat_body(self, earlier: list[dict[str, Any]] | None = None, dropped: int = 0) -> dict[str, Any]:
         """The chat completion this request is, as a JSON body (validated by the chat path);
-        ``earlier``: the items of the conversation it continues, before its own."""
+        ``earlier``: the items of the conversation it continues, before its own; ``dropped``: how many of the
+        conversation's first items the model is not shown (``truncation: auto``), but system and developer messages."""
         earlier = earlier or []
-        messages = self._messages([*earlier, *self.own_items()], len(earlier))
+        messages = self._messages([*earlier, *self.own_items()], len(earlier), dropped)
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": False}
         for name, chat_name in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
                                 ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user"),
@@ -140,13 +142,20 @@ class ResponsesRequest(CheckedRequest):
             body["response_format"] = response_format
         return body
 
+    def turn_starts(self, earlier: list[dict[str, Any]]) -> list[int]:
+        """Where the conversation (``earlier``, then this request's items) may start once its first items are
+        dropped (``chat_body``'s ``dropped``): at each user message after its first item, the last one included."""
+        items = [*earlier, *self.own_items()]
+        return [i for i, item in enumerate(items)
+                if i and item.get("type", "message") == "message" and item.get("role") == "user"]
+
     def own_items(self) -> list[dict[str, Any]]:
         """This request's input as a list of items (a string is one user message)."""
         if isinstance(self.input, str):
             return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": self.input}]}]
         return list(self.input)
 
-    def _messages(self, items: list[dict[str, Any]], num_earlier: int) -> list[dict[str, Any]]:
+    def _messages(self, items: list[dict[str, Any]], num_earlier: int, dropped: int = 0) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
         params = self._message_params
         params.clear()
@@ -156,6 +165,8 @@ class ResponsesRequest(CheckedRequest):
         thinking: str | None = None  # a reasoning item's text, for the assistant message after it
         for i, item in enumerate(items):
             kind = item.get("type", "message")
+            if i < dropped and not (kind == "message" and item.get("role") in ("system", "developer")):
+                continue
             # (the earlier items were checked when they were stored)
             param = f"input.{i - num_earlier}" if i >= num_earlier else "previous_response_id"
             num_messages = len(messages)
@@ -354,7 +365,7 @@ def response_object(
         "temperature": request.temperature, "top_p": request.top_p,
         "parallel_tool_calls": request.parallel_tool_calls is not False,
         "tool_choice": request.tool_choice or "auto", "tools": request.tools or [],
-        "text": request.text or {"format": {"type": "text"}}, "truncation": "disabled",
+        "text": request.text or {"format": {"type": "text"}}, "truncation": request.truncation or "disabled",
         "metadata": request.metadata or {}, "store": store, "background": bool(request.background), "user": request.user,
         "previous_response_id": request.previous_response_id,
     }

@@ -77,7 +77,7 @@ async def create_response(
     owner = cache_salt or ""
     earlier = await _earlier_items(state, request, owner)
     try:
-        _, plan, reader = await plan_chat(state, request.chat_body(earlier), cache_salt)
+        plan, reader = await _plan_in_context(state, request, earlier, cache_salt)
     except APIError as exc:
         raise renamed(exc, request) from None
     if request.wants_logprobs and not reader.plain:
@@ -103,6 +103,38 @@ async def create_response(
     if save is not None:
         response["store"] = await save(response)
     return JSONResponse(response)
+
+
+async def _plan_in_context(
+    state: RouterState, request: ResponsesRequest, earlier: list[dict[str, Any]], cache_salt: str | None
+) -> tuple[GenerationPlan, AnswerReader]:
+    """The chat path's plan for the request's conversation. Where it does not fit the context (the prompt, with the
+    room ``max_output_tokens`` asks for) and ``truncation`` is ``"auto"``, the fewest of its first items are dropped
+    that let it fit, the conversation starting at a user message (system and developer messages kept: the
+    instructions stay); where even its last user message on does not fit, the 400 the whole conversation got."""
+    try:
+        _, plan, reader = await plan_chat(state, request.chat_body(earlier), cache_salt)
+        return plan, reader
+    except APIError as exc:
+        if request.truncation != "auto" or exc.code != "context_length_exceeded":
+            raise
+        too_long = exc
+    starts = request.turn_starts(earlier)
+    best: tuple[GenerationPlan, AnswerReader] | None = None
+    low, high = 0, len(starts) - 1  # the first start that fits (a later one drops more, so fits too)
+    while low <= high:
+        middle = (low + high) // 2
+        try:
+            _, plan, reader = await plan_chat(state, request.chat_body(earlier, dropped=starts[middle]), cache_salt)
+        except APIError as exc:
+            if exc.code != "context_length_exceeded":
+                raise
+            low = middle + 1
+            continue
+        best, high = (plan, reader), middle - 1
+    if best is None:
+        raise too_long
+    return best
 
 
 async def _answer(

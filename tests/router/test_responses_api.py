@@ -171,6 +171,53 @@ def test_text_format_constrains_the_output(plain: tuple[openai.OpenAI, FakeClust
     assert structured is not None and structured.kind == "json_schema" and json.loads(structured.spec) == schema
 
 
+def test_truncation_auto_drops_the_conversation_s_first_items_until_it_fits(
+        plain: tuple[openai.OpenAI, FakeCluster], tokenizer: Any) -> None:
+    """``truncation: "auto"``: a conversation too long for the context (256 tokens here, with the room
+    ``max_output_tokens`` asks for) is shown to the model from a later user message on, as few items dropped as let
+    it fit; the instructions and developer messages stay. Disabled (the default), the same conversation is a 400; a
+    last user message too long alone is a 400 either way."""
+    client, cluster = plain
+    first, second = " apple" * 150, " pear" * 120
+
+    def prompt() -> str:
+        return str(tokenizer.decode(cluster.requests()[-1].prompt_token_ids))
+
+    items: list[Any] = [{"role": "developer", "content": "Speak French."}, {"role": "user", "content": first},
+                        {"role": "assistant", "content": "Noted."}, {"role": "user", "content": second}]
+    asked: dict[str, Any] = dict(model=SERVED_MODEL, instructions="Be brief.", input=items, max_output_tokens=16)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**asked)
+    assert refused.value.code == "context_length_exceeded"
+    cut = client.responses.create(**asked, truncation="auto")
+    assert cut.status == "completed" and cut.truncation == "auto" and cut.usage is not None
+    assert cut.usage.input_tokens + 16 <= 256
+    seen = prompt()
+    assert "Be brief." in seen and "Speak French." in seen and seen.count("pear") == 120
+    assert "apple" not in seen and "Noted." not in seen
+    # As few turns dropped as let it fit: the second turn stays.
+    turns = [*items[:3], {"role": "user", "content": " plum" * 20}, {"role": "assistant", "content": "Sure."},
+             {"role": "user", "content": " pear" * 60}]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(**{**asked, "input": turns})
+    client.responses.create(**{**asked, "input": turns}, truncation="auto")
+    assert "apple" not in prompt() and "Noted." not in prompt() and prompt().count("plum") == 20 and "Sure." in prompt()
+
+    # A conversation continued (previous_response_id): the earlier response's items are dropped first.
+    earlier = client.responses.create(model=SERVED_MODEL, input=first, max_output_tokens=16)
+    assert earlier.status == "completed"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=SERVED_MODEL, input=second, previous_response_id=earlier.id, max_output_tokens=16)
+    later = client.responses.create(model=SERVED_MODEL, input=second, previous_response_id=earlier.id,
+                                    max_output_tokens=16, truncation="auto")
+    assert later.status == "completed" and "apple" not in prompt() and prompt().count("pear") == 120
+
+    # Too long on its own: nothing left to drop.
+    with pytest.raises(openai.BadRequestError) as alone:
+        client.responses.create(model=SERVED_MODEL, input=" pear" * 300, max_output_tokens=16, truncation="auto")
+    assert alone.value.code == "context_length_exceeded"
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -180,7 +227,7 @@ def test_text_format_constrains_the_output(plain: tuple[openai.OpenAI, FakeClust
         ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # a template that takes none
         ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
         ({"reasoning": "high"}, "reasoning"),
-        ({"truncation": "auto"}, "truncation"),
+        ({"truncation": "middle"}, "truncation"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
         # The default model is a text model: the image part is refused by name.
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),

@@ -29,7 +29,7 @@ from router.openai_responses import (
 from router.openapi import error_responses, generation_route, install_openapi
 from router.responses_api import (
     DeletedResponse,
-    InputItemList,
+    ItemList,
     ResponseObject,
     ResponsesRequest,
     ResponseStreamEvent,
@@ -44,6 +44,18 @@ from router.serving import (
 )
 from router.serving_chat import create_chat_completion
 from router.serving_completions import create_completion
+from router.serving_conversations import (
+    ConversationObject,
+    DeletedConversation,
+    create_conversation,
+    create_items,
+    delete_conversation,
+    delete_item,
+    list_items,
+    retrieve_conversation,
+    retrieve_item,
+    update_conversation,
+)
 from router.serving_embeddings import EmbeddingResponse, create_embedding
 from router.serving_responses import (
     cancel_response,
@@ -307,12 +319,54 @@ def create_app(state: RouterState) -> FastAPI:
     async def cancel_background_response(request: Request, response_id: str) -> JSONResponse:
         return JSONResponse(await cancel_response(state, owner(request), response_id))
 
-    @app.get("/v1/responses/{response_id}/input_items", response_model=InputItemList,
+    @app.get("/v1/responses/{response_id}/input_items", response_model=ItemList,
              responses={**not_found, 400: errors[400]})
     async def response_input_items(
         request: Request, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
     ) -> JSONResponse:
         return JSONResponse(await list_input_items(state, owner(request), response_id, limit, order, after))
+
+    # Conversations (``router/serving_conversations.py``): each the API key's that made it, as stored responses are.
+    @app.post("/v1/conversations", response_model=ConversationObject, responses={**not_found, 400: errors[400]})
+    async def new_conversation(request: Request) -> JSONResponse:
+        body = await read_json(request, state.config.max_body_bytes)
+        return JSONResponse(await create_conversation(state, owner(request), body))
+
+    @app.get("/v1/conversations/{conversation_id}", response_model=ConversationObject, responses=not_found)
+    async def conversation(request: Request, conversation_id: str) -> JSONResponse:
+        return JSONResponse(await retrieve_conversation(state, owner(request), conversation_id))
+
+    @app.post("/v1/conversations/{conversation_id}", response_model=ConversationObject,
+              responses={**not_found, 400: errors[400]})
+    async def change_conversation(request: Request, conversation_id: str) -> JSONResponse:
+        body = await read_json(request, state.config.max_body_bytes)
+        return JSONResponse(await update_conversation(state, owner(request), conversation_id, body))
+
+    @app.delete("/v1/conversations/{conversation_id}", response_model=DeletedConversation, responses=not_found)
+    async def remove_conversation(request: Request, conversation_id: str) -> JSONResponse:
+        return JSONResponse(await delete_conversation(state, owner(request), conversation_id))
+
+    @app.post("/v1/conversations/{conversation_id}/items", response_model=ItemList,
+              responses={**not_found, 400: errors[400]})
+    async def add_conversation_items(request: Request, conversation_id: str) -> JSONResponse:
+        body = await read_json(request, state.config.max_body_bytes)
+        return JSONResponse(await create_items(state, owner(request), conversation_id, body))
+
+    @app.get("/v1/conversations/{conversation_id}/items", response_model=ItemList,
+             responses={**not_found, 400: errors[400]})
+    async def conversation_items(
+        request: Request, conversation_id: str, limit: int = 20, order: str = "desc", after: str | None = None
+    ) -> JSONResponse:
+        return JSONResponse(await list_items(state, owner(request), conversation_id, limit, order, after))
+
+    @app.get("/v1/conversations/{conversation_id}/items/{item_id}", responses=not_found)
+    async def conversation_item(request: Request, conversation_id: str, item_id: str) -> JSONResponse:
+        return JSONResponse(await retrieve_item(state, owner(request), conversation_id, item_id))
+
+    @app.delete("/v1/conversations/{conversation_id}/items/{item_id}", response_model=ConversationObject,
+                responses=not_found)
+    async def remove_conversation_item(request: Request, conversation_id: str, item_id: str) -> JSONResponse:
+        return JSONResponse(await delete_item(state, owner(request), conversation_id, item_id))
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -12,6 +12,9 @@ another key reads it as not found. With a cluster key each record carries an HMA
 key name and bytes, as registry entries do, and a record that does not verify is not believed:
 whoever can write to Redis cannot put words into a conversation that the model then continues.
 
+Conversations (OpenAI's Conversations API: ``router/serving_conversations.py``) are kept the same way, each a record
+of its items, signed alike, for ``--response-ttl`` seconds from its last change.
+
 A background response that streams also keeps its events, in order, in a list beside its record
 (``append_events`` / ``read_events``), for as long as the record: a client that lost its stream reads
 them again from where it was (``GET /v1/responses/{id}?stream=true&starting_after=N``). With a cluster
@@ -24,7 +27,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import redis
@@ -52,9 +55,17 @@ class StoredResponse(msgspec.Struct):
     streamed: bool = False  # a background response created with ``stream``: its events are logged
 
 
+class StoredConversation(msgspec.Struct):
+    owner: str  # the caller's API-key salt; "" with API keys off
+    conversation: dict[str, Any]  # the conversation object (id, created_at, metadata)
+    items: list[dict[str, Any]]  # its items, oldest first, each with its id
+
+
 _encoder = msgspec.json.Encoder()
 _signed_decoder = msgspec.json.Decoder(SignedEntry)
 _record_decoder = msgspec.json.Decoder(StoredResponse)
+_conversation_decoder = msgspec.json.Decoder(StoredConversation)
+Record = TypeVar("Record", StoredResponse, StoredConversation)
 
 
 def unavailable() -> APIError:
@@ -71,6 +82,15 @@ class ResponseStore:
 
     def _name(self, response_id: str) -> str:
         return self._rc.key("response", response_id)
+
+    def _conversation_name(self, conversation_id: str) -> str:
+        return self._rc.key("conversation", conversation_id)
+
+    def _record_name(self, record: StoredResponse | StoredConversation) -> str:
+        """The key a record belongs under (a record read from another key is not believed)."""
+        if isinstance(record, StoredConversation):
+            return self._conversation_name(str(record.conversation.get("id")))
+        return self._name(str(record.response.get("id")))
 
     def _events_name(self, response_id: str) -> str:
         return self._rc.key("response-events", response_id)
@@ -93,9 +113,10 @@ class ResponseStore:
             return None
         return payload
 
-    async def save(self, record: StoredResponse) -> bool:
-        """Write ``record`` under its response's id, to expire after the TTL; False if Redis is down."""
-        name = self._name(record.response["id"])
+    async def save(self, record: StoredResponse | StoredConversation) -> bool:
+        """Write ``record`` under its response's (or conversation's) id, to expire after the TTL; False if Redis is
+        down."""
+        name = self._record_name(record)
         payload = self._seal(name, _encoder.encode(record))
         ok, _ = await asyncio.to_thread(self._rc.run, "response save", lambda c: c.set(name, payload, ex=self.ttl_s))
         return ok
@@ -109,15 +130,25 @@ class ResponseStore:
         record as it stands afterwards; None if there is none of ``owner``'s; a 503 if Redis is down."""
         if not _ID.fullmatch(response_id):
             return None
-        name = self._name(response_id)
+        return await self._update(self._name(response_id), _record_decoder, owner, change)
 
-        def transact(client: Any) -> StoredResponse | None:
+    async def update_conversation(
+        self, conversation_id: str, owner: str, change: Callable[[StoredConversation], StoredConversation | None]
+    ) -> StoredConversation | None:
+        """``update`` for a conversation (two responses adding to it at once each add their items)."""
+        if not _ID.fullmatch(conversation_id):
+            return None
+        return await self._update(self._conversation_name(conversation_id), _conversation_decoder, owner, change)
+
+    async def _update(self, name: str, decoder: msgspec.json.Decoder[Record], owner: str,
+                      change: Callable[[Record], Record | None]) -> Record | None:
+        def transact(client: Any) -> Record | None:
             with client.pipeline() as pipe:
                 while True:
                     try:
                         pipe.watch(name)
                         raw = pipe.get(name)
-                        record = None if raw is None else self._open(name, raw)
+                        record = None if raw is None else self._open(name, raw, decoder)
                         if record is None or record.owner != owner:
                             return None
                         new = change(record)
@@ -173,36 +204,51 @@ class ResponseStore:
         """The record of ``response_id`` if ``owner`` may read it, else None; a 503 if Redis is down."""
         if not _ID.fullmatch(response_id):
             return None
-        name = self._name(response_id)
+        return await self._load(self._name(response_id), _record_decoder, owner)
+
+    async def load_conversation(self, conversation_id: str, owner: str) -> StoredConversation | None:
+        """``load`` for a conversation."""
+        if not _ID.fullmatch(conversation_id):
+            return None
+        return await self._load(self._conversation_name(conversation_id), _conversation_decoder, owner)
+
+    async def _load(self, name: str, decoder: msgspec.json.Decoder[Record], owner: str) -> Record | None:
         ok, raw = await asyncio.to_thread(self._rc.run, "response load", lambda c: c.get(name))
         if not ok:
             raise unavailable()
         if raw is None:
             return None
-        record = self._open(name, raw)
+        record = self._open(name, raw, decoder)
         return record if record is not None and record.owner == owner else None
 
     async def delete(self, response_id: str, owner: str) -> bool:
         """Remove ``owner``'s record of ``response_id``; False if there was none for them."""
         if await self.load(response_id, owner) is None:
             return False
-        name = self._name(response_id)
-        events = self._events_name(response_id)
-        ok, removed = await asyncio.to_thread(self._rc.run, "response delete", lambda c: c.delete(name, events))
+        return await self._delete(self._name(response_id), self._events_name(response_id))
+
+    async def delete_conversation(self, conversation_id: str, owner: str) -> bool:
+        """``delete`` for a conversation."""
+        if await self.load_conversation(conversation_id, owner) is None:
+            return False
+        return await self._delete(self._conversation_name(conversation_id))
+
+    async def _delete(self, *names: str) -> bool:
+        ok, removed = await asyncio.to_thread(self._rc.run, "response delete", lambda c: c.delete(*names))
         if not ok:
             raise unavailable()
         return bool(removed)
 
-    def _open(self, name: str, raw: bytes) -> StoredResponse | None:
+    def _open(self, name: str, raw: bytes, decoder: msgspec.json.Decoder[Record]) -> Record | None:
         payload = self._unseal(name, raw)
         if payload is None:
             return None
         try:
-            record = _record_decoder.decode(payload)
+            record = decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            logger.warning("ignoring malformed stored response %s", name)
+            logger.warning("ignoring malformed stored record %s", name)
             return None
-        return record if name == self._name(str(record.response.get("id"))) else None
+        return record if name == self._record_name(record) else None
 
     def close(self) -> None:
         self._rc.close()

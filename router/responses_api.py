@@ -31,7 +31,6 @@ from router.openai_responses import ChatMessageOut, DeltaToolCall, Usage
 
 # Request fields this server does not serve, each with the value that asks for nothing.
 _NOT_SERVED: dict[str, Any] = {
-    "conversation": None,
     "prompt": None,  # a stored prompt template
     "max_tool_calls": None,
 }
@@ -89,6 +88,12 @@ class ResponsesRequest(CheckedRequest):
         )):
             raise bad_request("input must be a string or a non-empty list of input items", param="input")
         self.refuse_unless_nothing(_NOT_SERVED, "not served here")
+        conversation = self.conversation
+        if conversation is not None:
+            if not isinstance(conversation.get("id") if isinstance(conversation, dict) else conversation, str):
+                raise bad_request("conversation must be a conversation's id, or an object with its id", param="conversation")
+            if self.previous_response_id is not None:
+                raise bad_request("conversation and previous_response_id cannot both be given", param="conversation")
         for i, included in enumerate(self.include or ()):
             if included != OUTPUT_LOGPROBS:
                 raise bad_request(f"include: {included!r} is not served here (only {OUTPUT_LOGPROBS!r})",
@@ -116,12 +121,24 @@ class ResponsesRequest(CheckedRequest):
         """Whether the output text's log-probabilities are asked for (``include``)."""
         return OUTPUT_LOGPROBS in (self.include or ())
 
+    @property
+    def conversation_id(self) -> str | None:
+        """The conversation the request adds to (``conversation``: its id, or ``{"id": ...}``)."""
+        conversation = self.conversation
+        return conversation.get("id") if isinstance(conversation, dict) else conversation  # type: ignore[no-any-return]
+
+    @property
+    def continues(self) -> str:
+        """The field that names what the request continues, for the errors about the items it brings."""
+        return "conversation" if self.conversation is not None else "previous_response_id"
+
     def chat_body(self, earlier: list[dict[str, Any]] | None = None, dropped: int = 0) -> dict[str, Any]:
         """The chat completion this request is, as a JSON body (validated by the chat path);
         ``earlier``: the items of the conversation it continues, before its own; ``dropped``: how many of the
         conversation's first items the model is not shown (``truncation: auto``), but system and developer messages."""
         earlier = earlier or []
-        messages = self._messages([*earlier, *self.own_items()], len(earlier), dropped)
+        messages, self._message_params = input_messages(
+            [*earlier, *self.own_items()], self.instructions, len(earlier), dropped, self.continues)
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": False}
         for name, chat_name in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
                                 ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user"),
@@ -155,53 +172,61 @@ class ResponsesRequest(CheckedRequest):
             return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": self.input}]}]
         return list(self.input)
 
-    def _messages(self, items: list[dict[str, Any]], num_earlier: int, dropped: int = 0) -> list[dict[str, Any]]:
-        messages: list[dict[str, Any]] = []
-        params = self._message_params
-        params.clear()
-        if self.instructions:
-            messages.append({"role": "system", "content": self.instructions})
-            params.append("instructions")
-        thinking: str | None = None  # a reasoning item's text, for the assistant message after it
-        for i, item in enumerate(items):
-            kind = item.get("type", "message")
-            if i < dropped and not (kind == "message" and item.get("role") in ("system", "developer")):
-                continue
-            # (the earlier items were checked when they were stored)
-            param = f"input.{i - num_earlier}" if i >= num_earlier else "previous_response_id"
-            num_messages = len(messages)
-            if kind == "message":
-                role = item.get("role")
-                if role not in ("user", "system", "developer", "assistant"):
-                    raise bad_request(f"{param}.role must be user, system, developer or assistant", param=param)
-                message: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                                           "content": _content(item.get("content"), param, role == "user")}
-                if role == "assistant" and thinking is not None:
+
+def input_messages(items: list[dict[str, Any]], instructions: str | None = None, num_earlier: int = 0,
+                   dropped: int = 0, earlier: str = "previous_response_id", field: str = "input",
+                   ) -> tuple[list[dict[str, Any]], list[str]]:
+    """Input items (``num_earlier`` of them the conversation's before the request's own, named ``earlier`` in
+    errors) as chat messages, after the ``instructions``; with the name of what each message came from
+    (``field.N``, for the chat path's errors: ``renamed``). ``dropped``: as ``chat_body``'s. A 400 naming the
+    first item that is not one."""
+    messages: list[dict[str, Any]] = []
+    params: list[str] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+        params.append("instructions")
+    thinking: str | None = None  # a reasoning item's text, for the assistant message after it
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if i < dropped and not (kind == "message" and item.get("role") in ("system", "developer")):
+            continue
+        # (the earlier items were checked when they were stored)
+        param = f"{field}.{i - num_earlier}" if i >= num_earlier else earlier
+        num_messages = len(messages)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise bad_request(f"{param}.role must be user, system, developer or assistant", param=param)
+            message: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                       "content": _content(item.get("content"), param, role == "user")}
+            if role == "assistant" and thinking is not None:
+                message["reasoning_content"], thinking = thinking, None
+            messages.append(message)
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", param), "type": "function",
+                    "function": {"name": _string(item, "name", param), "arguments": _string(item, "arguments", param)}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)  # parallel calls: one assistant message
+            else:
+                message = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if thinking is not None:
                     message["reasoning_content"], thinking = thinking, None
                 messages.append(message)
-            elif kind == "function_call":
-                call = {"id": _string(item, "call_id", param), "type": "function",
-                        "function": {"name": _string(item, "name", param), "arguments": _string(item, "arguments", param)}}
-                last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                    last["tool_calls"].append(call)  # parallel calls: one assistant message
-                else:
-                    message = {"role": "assistant", "content": None, "tool_calls": [call]}
-                    if thinking is not None:
-                        message["reasoning_content"], thinking = thinking, None
-                    messages.append(message)
-            elif kind == "function_call_output":
-                output = item.get("output")
-                if not isinstance(output, str):
-                    raise bad_request(f"{param}.output must be a string", param=param)
-                messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", param), "content": output})
-            elif kind == "reasoning":
-                parts = item.get("content") or []
-                thinking = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or None
-            else:
-                raise bad_request(f"{param}: input items of type {kind!r} are not supported", param=param)
-            params.extend([param] * (len(messages) - num_messages))  # the messages this item began
-        return messages
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                raise bad_request(f"{param}.output must be a string", param=param)
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", param), "content": output})
+        elif kind == "reasoning":
+            parts = item.get("content") or []
+            if not isinstance(parts, list):
+                raise bad_request(f"{param}.content must be a list of reasoning text parts", param=param)
+            thinking = "".join(str(p.get("text", "")) for p in parts if isinstance(p, dict)) or None
+        else:
+            raise bad_request(f"{param}: input items of type {kind!r} are not supported", param=param)
+        params.extend([param] * (len(messages) - num_messages))  # the messages this item began
+    return messages, params
 
 
 class ResponseObject(BaseModel):
@@ -314,6 +339,21 @@ def renamed(exc: APIError, request: ResponsesRequest | None = None) -> APIError:
     return exc
 
 
+def stored_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items as stored, in the form ``input_items`` lists them: each with an id and its type, a
+    message's text as a part."""
+    prefixes = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+    stored = []
+    for item in items:
+        kind = item.get("type", "message")
+        item = {**item, "id": item.get("id") or new_id(prefixes.get(kind, "item")), "type": kind}
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        stored.append(item)
+    return stored
+
+
 # ---------------------------------------------------------------------------------- the output
 def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
     return {"type": "message", "id": item_id or new_id("msg"), "status": status, "role": "assistant",
@@ -368,6 +408,7 @@ def response_object(
         "text": request.text or {"format": {"type": "text"}}, "truncation": request.truncation or "disabled",
         "metadata": request.metadata or {}, "store": store, "background": bool(request.background), "user": request.user,
         "previous_response_id": request.previous_response_id,
+        "conversation": {"id": request.conversation_id} if request.conversation_id is not None else None,
     }
 
 
@@ -506,8 +547,9 @@ class DeletedResponse(BaseModel):
     deleted: bool
 
 
-class InputItemList(BaseModel):
-    """A page of a stored response's input items (``GET /v1/responses/{id}/input_items``)."""
+class ItemList(BaseModel):
+    """A page of items: a stored response's input items (``GET /v1/responses/{id}/input_items``), a conversation's
+    (``router/serving_conversations.py``), or those a call added to it."""
 
     model_config = ConfigDict(extra="allow")
 

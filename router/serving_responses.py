@@ -32,6 +32,7 @@ from router.responses_api import (
     renamed,
     response_object,
     response_usage,
+    stored_items,
 )
 from router.serving import (
     ClientDisconnected,
@@ -45,6 +46,7 @@ from router.serving import (
     start_choices,
 )
 from router.serving_chat import plan_chat
+from router.serving_conversations import add_items, conversation_items, page
 from router.state import RouterState
 
 logger = logging.getLogger(__name__)
@@ -85,10 +87,10 @@ async def create_response(
                           "whose answers a reasoning or tool-call parser reads", param="include")
     response_id = new_id("resp")
     store = state.responses is not None and request.store is not False
-    save = _saver(state, owner, [*earlier, *_as_stored(request.own_items())]) if store else None
+    own = stored_items(request.own_items())  # (the same ids in the stored response and in its conversation)
+    save = _saver(state, owner, earlier, own, store, request.conversation_id)
     if request.background:
-        started = await _start_background(state, request, response_id, plan, reader, owner,
-                                          [*earlier, *_as_stored(request.own_items())])
+        started = await _start_background(state, request, response_id, plan, reader, owner, earlier, own)
         if request.stream:  # its events as they are logged; a client that goes leaves it running
             return EventStreamResponse(tail_events(state, owner, response_id, -1, wait_disconnect))
         return JSONResponse(started)
@@ -156,15 +158,16 @@ async def _answer(
 
 async def _start_background(
     state: RouterState, request: ResponsesRequest, response_id: str, plan: GenerationPlan, reader: AnswerReader,
-    owner: str, items: list[dict[str, Any]],
+    owner: str, earlier: list[dict[str, Any]], own: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """Store the response in progress, and run it in this process (``router/background_responses.py``)."""
+    """Store the response in progress, and run it in this process (``router/background_responses.py``); once it
+    ends, its items go to its conversation, if it has one."""
     if state.responses is None or request.store is False:
         raise bad_request("background needs the response stored: store true, on a router with --response-ttl > 0",
                           param="background")
     responses = state.responses
     record = leased(StoredResponse(owner, response_object(
-        request, response_id, plan.created, plan.model, "in_progress", [], None, True), items,
+        request, response_id, plan.created, plan.model, "in_progress", [], None, True), [*earlier, *own],
         streamed=bool(request.stream)))
     state.admit()  # a seat among the requests in flight until it ends (the request's own is left as it returns)
     if not await responses.save(record):
@@ -199,6 +202,9 @@ async def _start_background(
             # Only over the running record: not if deleted meanwhile, nor over a cancel or a lapse marked failed
             # since (a client may have been told so).
             await responses.update(response_id, owner, lambda r: ended if running(r) else None)
+        if request.conversation_id is not None:
+            with contextlib.suppress(APIError):  # the store down: the items are not added (the record was not saved)
+                await _add_to_conversation(state, owner, request.conversation_id, own, response)
 
     state.background.start(response_id, run)
     return record.response
@@ -310,7 +316,10 @@ async def stream_response(state: RouterState, owner: str, response_id: str, star
 
 
 async def _earlier_items(state: RouterState, request: ResponsesRequest, owner: str) -> list[dict[str, Any]]:
-    """The items of the conversation ``previous_response_id`` names: its input items, then its output."""
+    """The items of the conversation the request continues: the ``conversation``'s, or the response
+    ``previous_response_id`` names (its input items, then its output)."""
+    if request.conversation_id is not None:
+        return await conversation_items(state, owner, request.conversation_id)
     previous_id = request.previous_response_id
     if previous_id is None:
         return []
@@ -324,28 +333,39 @@ async def _earlier_items(state: RouterState, request: ResponsesRequest, owner: s
     return [*previous.items, *previous.response["output"]]
 
 
-def _as_stored(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Input items as stored, in the form ``input_items`` lists them: each with an id and its type, a
-    message's text as a part."""
-    prefixes = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
-    stored = []
-    for item in items:
-        kind = item.get("type", "message")
-        item = {**item, "id": item.get("id") or new_id(prefixes.get(kind, "item")), "type": kind}
-        if kind == "message" and isinstance(item.get("content"), str):
-            part = "output_text" if item.get("role") == "assistant" else "input_text"
-            item["content"] = [{"type": part, "text": item["content"]}]
-        stored.append(item)
-    return stored
+def _saver(state: RouterState, owner: str, earlier: list[dict[str, Any]], own: list[dict[str, Any]], store: bool,
+           conversation_id: str | None) -> Saver | None:
+    """What a finished response is saved by: stored with every item it answered (``store``), and its own input and
+    output items added to its conversation. None where neither."""
+    if not store and conversation_id is None:
+        return None
 
-
-def _saver(state: RouterState, owner: str, items: list[dict[str, Any]]) -> Saver:
     async def save(response: dict[str, Any]) -> bool:
-        """Store the finished ``response``; whether it was (False: Redis unreachable)."""
-        assert state.responses is not None
-        return await state.responses.save(StoredResponse(owner, {**response, "store": True}, items))
+        """Save the finished ``response``; whether it was stored (False: not asked, or Redis unreachable)."""
+        stored = False
+        if store:
+            assert state.responses is not None
+            stored = await state.responses.save(StoredResponse(owner, {**response, "store": True}, [*earlier, *own]))
+        if conversation_id is not None:
+            await _add_to_conversation(state, owner, conversation_id, own, response)
+        return stored
 
     return save
+
+
+async def _add_to_conversation(state: RouterState, owner: str, conversation_id: str, own: list[dict[str, Any]],
+                               response: dict[str, Any]) -> None:
+    """A response that ended with an answer (completed, or cut short) adds its input and output items to its
+    conversation; one that failed or was cancelled adds nothing, nor one whose conversation was deleted meanwhile.
+    The store unreachable: a 503 (the answer is not given as if its conversation held it)."""
+    if response.get("status") not in ("completed", "incomplete"):
+        return
+    try:
+        await add_items(state, owner, conversation_id, [*own, *response["output"]])
+    except APIError as exc:
+        if exc.status != 404:
+            raise
+        logger.info("conversation %s was deleted before response %s ended", conversation_id, response.get("id"))
 
 
 class _ResponseChunks:
@@ -473,18 +493,4 @@ async def list_input_items(
 ) -> dict[str, Any]:
     """The input items a stored response answered (the whole conversation before its output), a page
     of ``limit`` after the item ``after``, newest first unless ``order`` is ``asc``."""
-    if not 1 <= limit <= 100:
-        raise bad_request("limit must be between 1 and 100", param="limit")
-    if order not in ("asc", "desc"):
-        raise bad_request("order must be 'asc' or 'desc'", param="order")
-    items = list((await _stored(state, owner, response_id)).items)
-    if order == "desc":
-        items.reverse()
-    if after is not None:
-        ids = [item.get("id") for item in items]
-        if after not in ids:
-            raise bad_request(f"after: no input item '{after}' in this response", param="after")
-        items = items[ids.index(after) + 1:]
-    page = items[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+    return page((await _stored(state, owner, response_id)).items, limit, order, after, "this response")

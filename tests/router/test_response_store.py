@@ -304,3 +304,43 @@ def test_an_update_reads_again_when_another_writer_changed_the_record_between_it
     asyncio.run(run())
     store.close()
     other.close()
+
+
+def test_conversations_many_writers_at_once_each_add_and_a_record_moved_or_forged_is_not_believed(
+    redis_url: str,
+) -> None:
+    """Conversation records (``router/serving_conversations.py``): twenty writers adding an item each at once
+    (as responses ending together do) leave twenty, none lost to another's write; under a cluster key a record
+    rewritten in Redis, or copied under another conversation's name, is not believed; another owner reads none."""
+    from router.response_store import StoredConversation
+
+    namespace = f"store-{uuid.uuid4().hex[:8]}"
+    key = ClusterKey.generate()
+    stores = [ResponseStore(redis_url, namespace, TTL_S, ClusterKey(key.secret_text)) for _ in range(4)]
+    rc = redis.Redis.from_url(redis_url)
+
+    def add(item_id: str) -> Callable[[StoredConversation], StoredConversation]:
+        return lambda r: StoredConversation(r.owner, r.conversation, [*r.items, {"id": item_id}])
+
+    async def run() -> None:
+        assert await stores[0].save(StoredConversation("owner", {"id": "conv_busy"}, []))
+        await asyncio.gather(*(stores[i % 4].update_conversation("conv_busy", "owner", add(f"item_{i}"))
+                               for i in range(20)))
+        record = await stores[0].load_conversation("conv_busy", "owner")
+        assert record is not None and sorted(item["id"] for item in record.items) == sorted(f"item_{i}" for i in range(20))
+        assert await stores[0].load_conversation("conv_busy", "someone-else") is None
+        name = f"{namespace}:conversation:conv_busy"
+        assert 0 < rc.ttl(name) <= TTL_S  # (each change sets it again)
+        rc.set(f"{namespace}:conversation:conv_copy", rc.get(name) or b"")
+        assert await stores[0].load_conversation("conv_copy", "owner") is None
+        raw = rc.get(name)
+        assert isinstance(raw, bytes)
+        rc.set(name, raw.replace(b"item_1", b"item_X"))
+        assert await stores[0].load_conversation("conv_busy", "owner") is None
+
+    try:
+        asyncio.run(run())
+    finally:
+        for store in stores:
+            store.close()
+        rc.close()

@@ -7,8 +7,8 @@ response's arguments, character for character; the text around the calls is cont
 * ``StrictHermesCalls``: an answer in the hermes format whose calls a structural tag held (``HermesParser.call_tag``:
   ``"auto"`` with strict functions, ``"required"`` and named answers), each call in the tag's layout.
 * ``HeldTagCalls``: the same in the other formats with tags (Qwen3-Coder's, GLM's, MiniMax-M2's, DeepSeek's, Kimi
-  K2's, Mistral's v11 form: their parsers' ``held_layout``). JSON arguments go out as written; XML ones (one element per argument) as the
-  JSON object their parser makes of them, a string argument's text as it comes.
+  K2's, Mistral's v11 form: their parsers' ``held_layout``). JSON arguments go out as written; XML ones (one
+  element per argument) as the JSON object their parser makes of them, a string argument's text as it comes.
 
 Text that leaves the layout (an engine that did not hold the answer to the grammar) is content: nothing the model
 wrote is lost.

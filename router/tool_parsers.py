@@ -718,7 +718,8 @@ class Qwen3CoderParser(_Parser):
     name = "qwen3_coder"
     tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE)
     holds_calls = True
-    held_layout = HeldLayout(HERMES_OPEN, r"\n<function=(?P<name>[^<>\n]+)>\n", f"{_WS}</function>{_WS}{re.escape(HERMES_CLOSE)}",
+    held_layout = HeldLayout(HERMES_OPEN, r"\n<function=(?P<name>[^<>\n]+)>\n",
+                             f"{_WS}</function>{_WS}{re.escape(HERMES_CLOSE)}",
                              XmlArguments(rf"{_WS}<parameter=(?P<key>[^<>\n]+)>", "</parameter>", trim_newlines=True))
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
@@ -835,7 +836,8 @@ class MiniMaxM2Parser(_Parser):
     tags: tuple[str, ...] = (_MINIMAX_OPEN, _MINIMAX_CLOSE)
     holds_calls = True
     held_layout = HeldLayout(_MINIMAX_OPEN, r'\n<invoke name="(?P<name>[^"<>]+)">\n', f"{_WS}</invoke>",
-                             XmlArguments(f'{_WS}<parameter name="(?P<key>[^"<>]*)">', "</parameter>", trim_newlines=True),
+                             XmlArguments(f'{_WS}<parameter name="(?P<key>[^"<>]*)">', "</parameter>",
+                                          trim_newlines=True),
                              next=r'\n<invoke name="(?P<name>[^"<>]+)">\n', close=rf"\n{re.escape(_MINIMAX_CLOSE)}")
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:

@@ -19,7 +19,8 @@ format. What the model answers depends on ``tool_choice``:
 Where the parser's format has a structural tag (``call_tag``, its special tags held as tokens;
 ``ToolPlan.in_format``), the calls of those three are held in that format, the one the chat template teaches;
 the calls are read in the tag's layout (``router/held_calls.py``), their arguments streamed as they are written
-(Mistral's JSON array whole by its parser at the answer's end; gpt-oss's harmony format is ``router/harmony.py``'s). Otherwise a ``"required"`` answer is held by a grammar to a JSON array of
+(Mistral's JSON array whole by its parser at the answer's end; gpt-oss's harmony format is
+``router/harmony.py``'s). Otherwise a ``"required"`` answer is held by a grammar to a JSON array of
 ``{"name": ..., "arguments": ...}`` calls (``RequiredCalls``), and a named one to the function's arguments,
 which become the one call; no parser is needed for either, and each call's arguments stream as written.
 

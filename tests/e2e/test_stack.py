@@ -294,6 +294,25 @@ def test_a_conversation_goes_on_from_a_stored_response(client):  # type: ignore[
     assert [item.type for item in client.responses.input_items.list(second.id, order="asc").data] == ["message"] * 3
 
 
+def test_a_conversation_goes_on_through_the_conversations_api(client):  # type: ignore[no-untyped-def]
+    """``conversation`` through the real stack: each turn sees what a chat completion of the whole conversation so far
+    sees (the same prompt tokens, the same greedy answer), and the conversation then holds both turns' items."""
+    opening = {"role": "user", "content": LONG_PREFIX + "My name is Ada. Greet me."}
+    question = {"role": "user", "content": "What is my name?"}
+    conversation = client.conversations.create(items=[opening])
+    first = client.responses.create(model=MODEL, temperature=0, max_output_tokens=8, input="Hello.",
+                                    conversation=conversation.id)
+    second = client.responses.create(model=MODEL, temperature=0, max_output_tokens=8, input=[question],
+                                     conversation=conversation.id)
+    chat = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=8, messages=[
+        opening, {"role": "user", "content": "Hello."}, {"role": "assistant", "content": first.output_text}, question])
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    items = client.conversations.items.list(conversation.id, order="asc").data
+    assert [item.role for item in items] == ["user", "user", "assistant", "user", "assistant"]
+    assert items[-1].content[0].text == second.output_text
+
+
 def _hf_beam_search(prompt_ids: tuple[int, ...], width: int, max_tokens: int, length_penalty: float = 1.0,
                     ) -> list[tuple[list[int], float, str]]:
     """vLLM's beam search over transformers' log-probabilities, every step run, no early end:

@@ -64,7 +64,7 @@ def _answer(name: str, calls: list[dict[str, Any]], text: str) -> str:
     return text + body
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(name=st.sampled_from(["qwen3_coder", "glm45", "minimax_m2", "deepseek_v3", "deepseek_v31", "kimi_k2", "mistral"]),
        calls=st.lists(_ARGUMENTS, min_size=1, max_size=2), text=_TEXT, cuts=st.lists(st.integers(1, 9), max_size=40))
 def test_held_calls_streamed_in_any_pieces_read_as_the_format_s_parser_reads_them(

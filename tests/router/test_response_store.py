@@ -168,6 +168,13 @@ def test_without_a_store_nothing_is_stored_and_going_on_is_refused_by_name(
             client.responses.create(model=SERVED_MODEL, input="Hi.", previous_response_id=response.id)
         assert refused.value.body["param"] == "previous_response_id"  # type: ignore[index]
         assert "--response-ttl" in refused.value.body["message"]  # type: ignore[index]
+        # Nor are conversations kept.
+        with pytest.raises(openai.NotFoundError) as no_conversations:
+            client.conversations.create()
+        assert "keeps no conversations" in str(no_conversations.value)
+        with pytest.raises(openai.BadRequestError) as going_on:
+            client.responses.create(model=SERVED_MODEL, input="Hi.", conversation="conv_1")
+        assert going_on.value.body["param"] == "conversation"  # type: ignore[index]
 
 
 def test_a_store_down_answers_unstored_or_503_and_comes_back(

@@ -117,7 +117,7 @@ def call_tag(tools: ToolPlan, special: frozenset[str]) -> StructuredOutput | Non
     a 400 where they are not). None for the other answers. The call ends the answer: the model ends it with
     ``<|call|>``, an end of sequence."""
     required = tools.choice == "required"
-    if not required and not (tools.choice == "auto" and tools.strict):
+    if not required and not (tools.choice == "auto" and (tools.strict or tools.allowed is not None)):
         return None
     if not special.issuperset(TAGS):
         param, what = ("tool_choice", "tool_choice 'required'") if required else ("tools", "strict functions")
@@ -136,7 +136,7 @@ def call_tag(tools: ToolPlan, special: frozenset[str]) -> StructuredOutput | Non
             token(CHANNEL), literal(f"commentary to={FUNCTIONS}{function['name']} "), token(CONSTRAIN), literal("json"),
             token(MESSAGE), {"type": "json_schema", "json_schema": schema}]}
 
-    last = [call(f) for f in tools.functions]
+    last = [call(f) for f in tools.callable_functions]
     if not required:
         last.append({"type": "sequence", "elements": [token(CHANNEL), literal("final"), token(MESSAGE), free]})
     spec = {"type": "structural_tag", "format": {"type": "sequence", "elements": [

@@ -304,8 +304,13 @@ def _chat_tool_choice(choice: str | dict[str, Any]) -> Any:
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise bad_request("tool_choice must be none, auto, required or {'type': 'function', 'name': ...}",
-                      param="tool_choice")
+    if choice.get("type") == "allowed_tools":  # (the chat completion's form: its tools' functions by name)
+        tools = choice.get("tools")
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": [
+            {"type": "function", "function": {"name": t.get("name")}} if isinstance(t, dict) and t.get("type") == "function"
+            else t for t in tools] if isinstance(tools, list) else tools}}
+    raise bad_request("tool_choice must be none, auto, required, {'type': 'function', 'name': ...} or "
+                      "{'type': 'allowed_tools', 'mode': ..., 'tools': [...]}", param="tool_choice")
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -336,6 +341,8 @@ def renamed(exc: APIError, request: ResponsesRequest | None = None) -> APIError:
             exc.param = params[int(index)] + dot2 + tail
         elif head in _CHAT_PARAMS:
             exc.param = _CHAT_PARAMS[head] + dot + rest
+        elif exc.param.startswith("tool_choice.allowed_tools."):  # (the Responses form has no allowed_tools level)
+            exc.param = "tool_choice." + exc.param.removeprefix("tool_choice.allowed_tools.")
     return exc
 
 

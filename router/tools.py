@@ -123,6 +123,8 @@ class ToolPlan:
     # A structural tag holds the calls in the chat template's own format (``in_format``, ``native_output``).
     native: bool = False
     special: frozenset[str] = frozenset()  # where ``native``: the format's tags the tokenizer makes special tokens
+    # OpenAI's ``allowed_tools``: the functions the answer may call (None: any); the template still gets them all.
+    allowed: frozenset[str] | None = None
 
     @property
     def max_calls(self) -> int | None:
@@ -152,10 +154,14 @@ class ToolPlan:
                     param="tool_choice",
                 )
             return cls(checked, choice, parallel=parallel, strict=strict)
+        if isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools":
+            mode, allowed = _allowed_tools(tool_choice.get("allowed_tools"), names)
+            return cls(checked, mode, parallel=parallel, strict=strict, allowed=allowed)
         function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
         if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(function, dict):
             raise bad_request(
-                "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+                "tool_choice must be 'none', 'auto', 'required', {'type': 'function', 'function': {'name': ...}} or "
+                "{'type': 'allowed_tools', 'allowed_tools': {'mode': ..., 'tools': [...]}}",
                 param="tool_choice",
             )
         name = function.get("name")
@@ -167,6 +173,12 @@ class ToolPlan:
     def functions(self) -> list[dict[str, Any]]:
         """The tools' functions, as the chat template gets them."""
         return [tool["function"] for tool in self.tools]
+
+    @property
+    def callable_functions(self) -> list[dict[str, Any]]:
+        """The functions the answer may call: the named one, the ``allowed_tools``, or all."""
+        return [f for f in self.functions if self.function in (None, f["name"])
+                and (self.allowed is None or f["name"] in self.allowed)]
 
     @property
     def parsed(self) -> bool:
@@ -183,17 +195,18 @@ class ToolPlan:
                 return StructuredOutput(kind="json_object")
             schema: dict[str, Any] = parameters
         elif self.choice == "required":
-            schema = calls_array_schema(self.functions, frozenset(functions), self.parallel)
+            schema = calls_array_schema(self.callable_functions, frozenset(functions), self.parallel)
         else:
             return None
         return StructuredOutput(kind="json_schema", spec=_tools_spec(schema))
 
     def in_format(self, state: RouterState) -> ToolPlan:
         """The plan with ``native`` set where a structural tag is to hold the calls in the format the chat template
-        teaches (the parser's ``call_tag``): ``"auto"`` with strict functions, and ``"required"`` and named answers
-        where the format has a tag (else their JSON grammar, ``structured_output``). A 400 for strict functions where
-        the format has none."""
-        if self.choice not in ("auto", "required", "named") or (self.choice == "auto" and not self.strict):
+        teaches (the parser's ``call_tag``): ``"auto"`` with strict functions or ``allowed_tools``, and ``"required"``
+        and named answers where the format has a tag (else their JSON grammar, ``structured_output``). A 400 for
+        those under ``"auto"`` where the format has none."""
+        if self.choice not in ("auto", "required", "named") or (
+                self.choice == "auto" and not self.strict and self.allowed is None):
             return self
         parser = state.tool_parser
         if parser is not None and parser.holds_calls:
@@ -201,7 +214,8 @@ class ToolPlan:
         if self.choice == "auto":
             assert parser is not None, "tools_for_template refuses 'auto' without a parser"
             raise bad_request(
-                "strict functions with tool_choice 'auto' are implemented for the tool-call formats with a structural "
+                "strict functions or allowed_tools with tool_choice 'auto' are implemented for the tool-call formats "
+                "with a structural "
                 f"tag ({', '.join(n for n, p in PARSERS.items() if p.holds_calls)}), not the {parser.name} one here: "
                 "drop strict, or ask for tool_choice 'required' or a named function",
                 param="tools",
@@ -214,7 +228,7 @@ class ToolPlan:
         named answers open with a call, a named one's is its only one."""
         parser = state.tool_parser
         assert self.native and parser is not None
-        functions = [f for f in self.functions if self.function in (None, f["name"])]
+        functions = self.callable_functions
         forced = self.choice != "auto"
         held = frozenset(f["name"] for f in functions) if forced else self.strict
         tag = parser.call_tag(functions, held, self.parallel and self.choice != "named", forced, self.special)
@@ -252,6 +266,26 @@ class ToolPlan:
 
     def finish_reason(self, finish_reason: str | None, called: bool) -> str | None:
         return "tool_calls" if called and finish_reason == "stop" and self.choice in ("auto", "required") else finish_reason
+
+
+def _allowed_tools(spec: Any, names: list[str]) -> tuple[str, frozenset[str]]:
+    """OpenAI's ``tool_choice: {"type": "allowed_tools", "allowed_tools": {"mode": ..., "tools": [...]}}``: its mode
+    (``"auto"`` or ``"required"``) and the functions it allows (each one of ``tools``)."""
+    param = "tool_choice.allowed_tools"
+    if not isinstance(spec, dict) or spec.get("mode") not in ("auto", "required"):
+        raise bad_request("allowed_tools must be {'mode': 'auto' or 'required', 'tools': [...]}", param=f"{param}.mode")
+    tools = spec.get("tools")
+    if not isinstance(tools, list) or not tools:
+        raise bad_request("allowed_tools.tools must list one or more of the request's tools", param=f"{param}.tools")
+    allowed = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if name not in names:
+            raise bad_request(f"allowed_tools.tools.{i} must be {{'type': 'function', 'function': {{'name': ...}}}} "
+                              "naming one of the request's tools", param=f"{param}.tools.{i}")
+        allowed.append(name)
+    return spec["mode"], frozenset(allowed)
 
 
 def require_rendered(prompts: PromptProcessor) -> None:

@@ -347,6 +347,20 @@ def test_the_whole_answer_tag_takes_thinking_then_a_held_call(harmony_tokenizer:
     matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(auto.spec))
     assert all(matcher.accept_token(t) for t in _ids(tok, free_call))  # not strict: any object, off its schema
     assert call_tag(ToolPlan.from_request(TOOLS, "auto", None), frozenset(TAGS)) is None  # type: ignore[arg-type]
+    # allowed_tools under "auto": a tag, though no function is strict; a call of a function not allowed is refused.
+    only_free = ToolPlan.from_request([TOOLS[0], strict[1]], {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "free"}}]}}, None)
+    assert only_free is not None
+    held = call_tag(only_free, frozenset(TAGS))
+    assert held is not None
+
+    def allowed_takes(text: str, stop: int) -> bool:
+        assert held is not None
+        matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(held.spec))
+        return all(matcher.accept_token(t) for t in _ids(tok, text)) and matcher.accept_token(stop)
+
+    assert allowed_takes(free_call, stops[1]) and allowed_takes(thinking + final, stops[0])
+    assert not allowed_takes(call, stops[1])
 
 
 def test_reasoning_effort_and_earlier_thinking_reach_the_template(

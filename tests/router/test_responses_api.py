@@ -171,6 +171,25 @@ def test_text_format_constrains_the_output(plain: tuple[openai.OpenAI, FakeClust
     assert structured is not None and structured.kind == "json_schema" and json.loads(structured.spec) == schema
 
 
+def test_allowed_tools_in_the_responses_form(thinking: tuple[openai.OpenAI, FakeCluster]) -> None:
+    """``tool_choice: {"type": "allowed_tools", "mode": ..., "tools": [{"type": "function", "name": ...}]}`` (the
+    Responses API's form) holds the calls to the allowed functions, as the chat completion's does; a name not among
+    the tools is refused as ``tool_choice.tools.N``."""
+    client, cluster = thinking
+    tools = [*TOOLS, {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}]
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}
+    client.responses.create(model=SERVED_MODEL, input="Weather?", tools=tools, tool_choice=choice)  # type: ignore[arg-type]
+    structured = cluster.requests()[-1].sampling_params.structured_output
+    assert structured is not None and structured.kind == "structural_tag"
+    tag = json.loads(structured.spec)["format"]
+    assert tag["at_least_one"] is True and [t["begin"] for t in tag["tags"]] == [
+        '<tool_call>\n{"name": "get_time", "arguments": ']
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=SERVED_MODEL, input="Weather?", tools=tools, tool_choice={  # type: ignore[arg-type]
+            "type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "get_stock"}]})
+    assert refused.value.body["param"] == "tool_choice.tools.0"  # type: ignore[index]
+
+
 def test_truncation_auto_drops_the_conversation_s_first_items_until_it_fits(
         plain: tuple[openai.OpenAI, FakeCluster], tokenizer: Any) -> None:
     """``truncation: "auto"``: a conversation too long for the context (256 tokens here, with the room

@@ -234,6 +234,47 @@ def test_strict_functions_under_auto_send_a_structural_tag_over_the_calls(client
     assert response.status_code == 400 and response.json()["error"]["param"] == "response_format", response.text
 
 
+def test_allowed_tools_hold_the_calls_to_a_subset_while_the_template_shows_every_tool(
+        client: openai.OpenAI, stack: Any) -> None:
+    """OpenAI's ``tool_choice: {"type": "allowed_tools", ...}``: every tool still reaches the chat template (the
+    prompt is a plain "auto" request's, so its cache serves both), and a structural tag holds the calls the model may
+    write to the allowed functions: under "auto" the text around them free, under "required" a call first. A name
+    not among the tools, or another mode, is refused by name."""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    def sent(response_id: str) -> Any:
+        [request] = [r for r in stack[1].requests() if r.request_id.startswith(response_id) and r.decode_target is not None]
+        return request
+
+    plain = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200)
+    time_call = REPLY_TEXT[REPLY_TEXT.rindex("<tool_call>"):]
+    weather_call = REPLY_TEXT[len(CONTENT) + 1: REPLY_TEXT.index("</tool_call>") + len("</tool_call>")]
+    for mode in ("auto", "required"):
+        choice = {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [
+            {"type": "function", "function": {"name": "get_time"}}]}}
+        response = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200,
+                                                  tool_choice=choice)  # type: ignore[arg-type]
+        request = sent(response.id)
+        assert request.prompt_token_ids == sent(plain.id).prompt_token_ids
+        so = request.sampling_params.structured_output
+        assert so is not None and so.kind == "structural_tag"
+        tag = json.loads(so.spec)["format"]
+        assert tag["at_least_one"] is (mode == "required")
+        assert [t["begin"] for t in tag["tags"]] == ['<tool_call>\n{"name": "get_time", "arguments": ']
+        grammar = Grammar.from_structural_tag(so.spec)
+        assert accepts(grammar, time_call) and not accepts(grammar, weather_call)
+        assert accepts(grammar, CONTENT) is (mode == "auto")
+    for tool_choice, param in (
+            ({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+                {"type": "function", "function": {"name": "get_stock"}}]}}, "tool_choice.allowed_tools.tools.0"),
+            ({"type": "allowed_tools", "allowed_tools": {"mode": "any", "tools": []}}, "tool_choice.allowed_tools.mode"),
+            ({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}, "tool_choice.allowed_tools.tools")):
+        body = {"model": SERVED_MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice}
+        refused = httpx.post(f"{stack[0].url}/v1/chat/completions", json=body, timeout=10)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+
+
 def test_earlier_calls_and_tool_results_reach_the_template(
     client: openai.OpenAI, stack: Any, tokenizer: Any
 ) -> None:

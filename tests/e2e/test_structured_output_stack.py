@@ -225,6 +225,17 @@ def test_forced_tool_calls_through_the_stack(stack, tools_client):  # type: igno
     assert "".join(p.function.arguments or "" for p in parts) == call.function.arguments
     assert not "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    # allowed_tools: both tools in the prompt, the grammar lets the model call only get_time, though it was asked
+    # about the weather.
+    clock = {"type": "function", "function": {"name": "get_time", "description": "The local time in a city",
+                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                             "required": ["city"]}}}
+    allowed = tools_client.chat.completions.create(**{**kwargs, "tools": [WEATHER, clock]}, tool_choice={
+        "type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+            {"type": "function", "function": {"name": "get_time"}}]}}, parallel_tool_calls=False)
+    [call] = allowed.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and allowed.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), clock["function"]["parameters"])
     # The first router's template (the model's own) does not show the model its tools: refused there.
     with pytest.raises(openai.BadRequestError) as err:
         openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(

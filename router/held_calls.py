@@ -32,7 +32,6 @@ from router.tool_parsers import (
     HeldLayout,
     HermesParser,
     Llama3JsonParser,
-    MistralParser,
     ToolCall,
     ToolCallParser,
     add_event,
@@ -556,7 +555,7 @@ def held_reader(parser: ToolCallParser, functions: Sequence[dict[str, Any]], max
         return StrictHermesCalls(max_calls)
     if isinstance(parser, Llama3JsonParser):
         return RequiredCalls(max_calls, LLAMA3_CALLS, trim=True)
-    layout = parser.layout_for(special) if isinstance(parser, MistralParser) else parser.held_layout
+    layout = parser.layout_for(special)
     return HeldTagCalls(layout, functions, max_calls) if layout is not None else None
 
 

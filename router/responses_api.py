@@ -88,9 +88,8 @@ class ResponsesRequest(CheckedRequest):
         )):
             raise bad_request("input must be a string or a non-empty list of input items", param="input")
         self.refuse_unless_nothing(_NOT_SERVED, "not served here")
-        conversation = self.conversation
-        if conversation is not None:
-            if not isinstance(conversation.get("id") if isinstance(conversation, dict) else conversation, str):
+        if self.conversation is not None:
+            if not isinstance(self.conversation_id, str):
                 raise bad_request("conversation must be a conversation's id, or an object with its id", param="conversation")
             if self.previous_response_id is not None:
                 raise bad_request("conversation and previous_response_id cannot both be given", param="conversation")
@@ -123,7 +122,8 @@ class ResponsesRequest(CheckedRequest):
 
     @property
     def conversation_id(self) -> str | None:
-        """The conversation the request adds to (``conversation``: its id, or ``{"id": ...}``)."""
+        """The conversation the request adds to (``conversation``: its id, or ``{"id": ...}``; ``check`` refuses
+        anything else)."""
         conversation = self.conversation
         return conversation.get("id") if isinstance(conversation, dict) else conversation  # type: ignore[no-any-return]
 
@@ -306,9 +306,10 @@ def _chat_tool_choice(choice: str | dict[str, Any]) -> Any:
         return {"type": "function", "function": {"name": choice["name"]}}
     if choice.get("type") == "allowed_tools":  # (the chat completion's form: its tools' functions by name)
         tools = choice.get("tools")
-        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": [
-            {"type": "function", "function": {"name": t.get("name")}} if isinstance(t, dict) and t.get("type") == "function"
-            else t for t in tools] if isinstance(tools, list) else tools}}
+        if isinstance(tools, list):
+            tools = [{"type": "function", "function": {"name": t.get("name")}}
+                     if isinstance(t, dict) and t.get("type") == "function" else t for t in tools]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": tools}}
     raise bad_request("tool_choice must be none, auto, required, {'type': 'function', 'name': ...} or "
                       "{'type': 'allowed_tools', 'mode': ..., 'tools': [...]}", param="tool_choice")
 

@@ -12,6 +12,7 @@ outputs, reasoning), checked as a response's input is, each given an id; a respo
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, Field, StrictStr
@@ -19,7 +20,7 @@ from pydantic import BaseModel, Field, StrictStr
 from router.config import RequestLimits
 from router.errors import APIError, bad_request
 from router.openai_models import CheckedRequest, parse_request
-from router.response_store import ResponseStore, StoredConversation
+from router.response_store import ResponseStore, StoredConversation, unavailable
 from router.responses_api import input_messages, new_id, stored_items
 from router.state import RouterState
 
@@ -86,11 +87,15 @@ async def _conversation(state: RouterState, owner: str, conversation_id: str) ->
 
 
 async def _change(state: RouterState, owner: str, conversation_id: str,
-                  change: Any) -> StoredConversation:
+                  change: Callable[[StoredConversation], StoredConversation | None]) -> StoredConversation:
     record = await _store(state).update_conversation(conversation_id, owner, change)
     if record is None:
         raise _not_found(conversation_id)
     return record
+
+
+def _no_item(conversation_id: str, item_id: str) -> APIError:
+    return APIError(404, f"no item '{item_id}' in conversation '{conversation_id}'", code="not_found")
 
 
 def _item_list(items: list[dict[str, Any]], has_more: bool = False) -> dict[str, Any]:
@@ -120,7 +125,7 @@ async def create_conversation(state: RouterState, owner: str, body: Any) -> dict
     conversation = {"id": new_id("conv"), "object": "conversation", "created_at": int(time.time()),
                     "metadata": request.metadata or {}}
     if not await store.save(StoredConversation(owner, conversation, stored_items(request.items or []))):
-        raise APIError(503, "the response store (Redis) is unreachable; try again", code="store_unavailable")
+        raise unavailable()
     return conversation
 
 
@@ -162,7 +167,7 @@ async def retrieve_item(state: RouterState, owner: str, conversation_id: str, it
     for item in record.items:
         if item.get("id") == item_id:
             return item
-    raise APIError(404, f"no item '{item_id}' in conversation '{conversation_id}'", code="not_found")
+    raise _no_item(conversation_id, item_id)
 
 
 async def delete_item(state: RouterState, owner: str, conversation_id: str, item_id: str) -> dict[str, Any]:
@@ -177,7 +182,7 @@ async def delete_item(state: RouterState, owner: str, conversation_id: str, item
 
     record = await _change(state, owner, conversation_id, change)
     if not found:
-        raise APIError(404, f"no item '{item_id}' in conversation '{conversation_id}'", code="not_found")
+        raise _no_item(conversation_id, item_id)
     return record.conversation
 
 

@@ -121,19 +121,26 @@ async def _plan_in_context(
         if request.truncation != "auto" or exc.code != "context_length_exceeded":
             raise
         too_long = exc
+
+    async def fitting(dropped: int) -> tuple[GenerationPlan, AnswerReader] | None:
+        try:
+            _, plan, reader = await plan_chat(state, request.chat_body(earlier, dropped=dropped), cache_salt)
+        except APIError as exc:
+            if exc.code != "context_length_exceeded":
+                raise
+            return None
+        return plan, reader
+
     starts = request.turn_starts(earlier)
     best: tuple[GenerationPlan, AnswerReader] | None = None
     low, high = 0, len(starts) - 1  # the first start that fits (a later one drops more, so fits too)
     while low <= high:
         middle = (low + high) // 2
-        try:
-            _, plan, reader = await plan_chat(state, request.chat_body(earlier, dropped=starts[middle]), cache_salt)
-        except APIError as exc:
-            if exc.code != "context_length_exceeded":
-                raise
+        found = await fitting(starts[middle])
+        if found is None:
             low = middle + 1
-            continue
-        best, high = (plan, reader), middle - 1
+        else:
+            best, high = found, middle - 1
     if best is None:
         raise too_long
     return best

@@ -69,6 +69,10 @@ class ToolCallParser(Protocol):
     def held_layout(self) -> HeldLayout | None:
         """How calls its tag held are written, for reading their arguments as they stream (``router/held_calls.py``)."""
 
+    def layout_for(self, special: frozenset[str]) -> HeldLayout | None:
+        """``held_layout`` where the tokenizer makes ``special`` of the format's tags special tokens."""
+        ...
+
     def extract(self, text: str, functions: Sequence[dict[str, Any]] = ()) -> tuple[str | None, list[ToolCall]]:
         """A whole answer's content (None when there is none) and its calls, in order. ``functions``: the tools'
         (as the chat template gets them), for a format whose arguments take their types from the schemas."""
@@ -299,6 +303,9 @@ class _Parser:
 
     holds_calls = False
     held_layout: HeldLayout | None = None
+
+    def layout_for(self, special: frozenset[str]) -> HeldLayout | None:
+        return self.held_layout
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         raise NotImplementedError
@@ -590,6 +597,10 @@ class _MistralStream:
         return events
 
 
+# Mistral v11's held calls: ``NAME[ARGS]{...}`` after each ``[TOOL_CALLS]``, to the answer's end.
+_MISTRAL_V11_LAYOUT = HeldLayout(_MISTRAL_TAG, rf"(?P<name>{_NAME_CHARS}){re.escape(_MISTRAL_ARGS)}", "")
+
+
 class MistralParser(_Parser):
     """``[TOOL_CALLS]`` and the calls to the end of the answer: a JSON array of ``{"name": ...,
     "arguments": {...}}``, or (v11 tokenizers) ``name[ARGS]{...}``; the text before it is content.
@@ -623,9 +634,7 @@ class MistralParser(_Parser):
     def layout_for(self, special: frozenset[str]) -> HeldLayout | None:
         """How its tag writes held calls where the tokenizer has ``special`` (``call_tag``): v11's ``NAME[ARGS]{...}``
         after each ``[TOOL_CALLS]``; None for the JSON array of older tokenizers, read whole at the answer's end."""
-        if _MISTRAL_ARGS not in special:
-            return None
-        return HeldLayout(_MISTRAL_TAG, rf"(?P<name>{_NAME_CHARS}){re.escape(_MISTRAL_ARGS)}", "")
+        return _MISTRAL_V11_LAYOUT if _MISTRAL_ARGS in special else None
 
     def new_call_id(self, name: str, index: int) -> str:
         """Nine letters and digits: Mistral's chat templates refuse any other id when a conversation
@@ -835,10 +844,11 @@ class MiniMaxM2Parser(_Parser):
     name = "minimax_m2"
     tags: tuple[str, ...] = (_MINIMAX_OPEN, _MINIMAX_CLOSE)
     holds_calls = True
-    held_layout = HeldLayout(_MINIMAX_OPEN, r'\n<invoke name="(?P<name>[^"<>]+)">\n', f"{_WS}</invoke>",
+    _invoke = r'\n<invoke name="(?P<name>[^"<>]+)">\n'
+    held_layout = HeldLayout(_MINIMAX_OPEN, _invoke, f"{_WS}</invoke>",
                              XmlArguments(f'{_WS}<parameter name="(?P<key>[^"<>]*)">', "</parameter>",
                                           trim_newlines=True),
-                             next=r'\n<invoke name="(?P<name>[^"<>]+)">\n', close=rf"\n{re.escape(_MINIMAX_CLOSE)}")
+                             next=_invoke, close=rf"\n{re.escape(_MINIMAX_CLOSE)}")
 
     def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
         return _TagStream(functools.partial(_minimax_calls, functions=functions), _MINIMAX_OPEN, _MINIMAX_CLOSE)

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from router.call_readers import ArgumentsPiece, CallStart, PieceEvent
 from router.harmony import HarmonyEvent, HarmonyStream, Thinking, read_harmony
-from router.held_calls import ArgumentsPiece, CallStart, PieceEvent
 from router.openai_responses import ChatMessageOut, DeltaToolCall
 from router.reasoning import ReasoningParser, ReasoningStream
 from router.tool_parsers import ToolCall, ToolCallParser

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from common.sampling_params import StructuredOutput
+from router.call_readers import ArgumentsPiece, CallStart, Stepper
 from router.errors import bad_request
-from router.held_calls import ArgumentsPiece, CallStart, Stepper
 from router.tool_parsers import add_event, arguments_schema, literal, partial_suffix, token
 
 if TYPE_CHECKING:

@@ -67,7 +67,7 @@ class ToolCallParser(Protocol):
 
     @property
     def held_layout(self) -> HeldLayout | None:
-        """How calls its tag held are written, for reading their arguments as they stream (``router/held_calls.py``)."""
+        """How calls its tag held are written, for reading their arguments as they stream (``router/call_readers.py``)."""
 
     def layout_for(self, special: frozenset[str]) -> HeldLayout | None:
         """``held_layout`` where the tokenizer makes ``special`` of the format's tags special tokens."""
@@ -78,8 +78,9 @@ class ToolCallParser(Protocol):
         (as the chat template gets them), for a format whose arguments take their types from the schemas."""
         ...
 
-    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
-        """A fresh stream for one answer."""
+    def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
+        """A fresh stream for one answer; ``content``: where its content goes on from (a reader that hands the rest
+        of an answer to the parser, ``router/call_readers.py``), else the answer's start."""
         ...
 
     def new_call_id(self, name: str, index: int) -> str:
@@ -161,7 +162,7 @@ class Content:
 
 
 def add_event(events: list[Any], item: object) -> None:
-    """Appends an event (a stream's, or a reader's of grammar-held calls: ``router/held_calls.py``), joining
+    """Appends an event (a stream's, or a reader's of grammar-held calls: ``router/call_readers.py``), joining
     adjacent content and leaving out empty text."""
     if isinstance(item, str):
         if not item:
@@ -211,10 +212,10 @@ class _TagStream:
     of a tag, a tag's calls whole once it closes, a body that holds no calls content."""
 
     def __init__(self, read_calls: Callable[[str], list[ToolCall] | None] = _one(_hermes_call),
-                 open_tag: str = HERMES_OPEN, close_tag: str = HERMES_CLOSE) -> None:
+                 open_tag: str = HERMES_OPEN, close_tag: str = HERMES_CLOSE, content: Content | None = None) -> None:
         self._read_calls = read_calls
         self._open, self._close_tag = open_tag, close_tag
-        self._content = Content()
+        self._content = content or Content()
         self._buf = ""
         self._inside = False
         self._scan = 0  # where in the buffer the closing tag may start, while inside a tag
@@ -261,10 +262,9 @@ class _TagStream:
 
 
 # A held call as its structural tag writes it (``HermesParser.call_tag``), after <tool_call>:
-# this, the name as a JSON string, ``HERMES_HELD_ARGUMENTS``, the arguments, ``HERMES_HELD_END``.
+# this, the name as a JSON string, ``HERMES_HELD_ARGUMENTS``, the arguments, ``}``, a newline, </tool_call>.
 HERMES_HELD_BEGIN = '\n{"name": '
 HERMES_HELD_ARGUMENTS = ', "arguments": '
-HERMES_HELD_END = "}\n" + HERMES_CLOSE
 
 
 @dataclass(frozen=True)
@@ -296,6 +296,11 @@ class HeldLayout:
 
 _WS = r"[ \n\r\t]*"
 _NAME_CHARS = r"[^\s<>{}\[\]\"',:;]+"  # (``_NAME``'s)
+# A hermes call as its tag writes it, and as chat templates teach it with any whitespace: ``{"name": "NAME",
+# "arguments": {...}}`` (a name without escapes; the parser reads the others whole).
+_HERMES_LAYOUT = HeldLayout(
+    HERMES_OPEN, rf'{_WS}\{{{_WS}"name"{_WS}:{_WS}"(?P<name>[^"\\\x00-\x1f]+)"{_WS},{_WS}"arguments"{_WS}:{_WS}',
+    rf"{_WS}\}}{_WS}{re.escape(HERMES_CLOSE)}")
 
 
 class _Parser:
@@ -307,7 +312,7 @@ class _Parser:
     def layout_for(self, special: frozenset[str]) -> HeldLayout | None:
         return self.held_layout
 
-    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
+    def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
         raise NotImplementedError
 
     def extract(self, text: str, functions: Sequence[dict[str, Any]] = ()) -> tuple[str | None, list[ToolCall]]:
@@ -398,9 +403,10 @@ class HermesParser(_Parser):
     name = "hermes"
     tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE)
     holds_calls = True
+    held_layout = _HERMES_LAYOUT
 
-    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
-        return _TagStream()
+    def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
+        return _TagStream(content=content)
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
                  required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
@@ -463,8 +469,8 @@ def _llama_calls(text: str) -> list[ToolCall] | None:
 
 
 class _LlamaStream:
-    def __init__(self) -> None:
-        self._content = Content()
+    def __init__(self, content: Content | None = None) -> None:
+        self._content = content or Content()
         self._buf = ""
         self._mode: str | None = None  # None until the start is known, then "calls" or "content"
 
@@ -512,8 +518,8 @@ class Llama3JsonParser(_Parser):
     tags: tuple[str, ...] = ()  # (its <|python_tag|> prefix may be left out of the text: the calls are the same)
     holds_calls = True
 
-    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
-        return _LlamaStream()
+    def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
+        return _LlamaStream(content)
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
                  required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
@@ -563,8 +569,8 @@ def _mistral_calls(text: str) -> list[ToolCall] | None:
 
 
 class _MistralStream:
-    def __init__(self) -> None:
-        self._content = Content()
+    def __init__(self, content: Content | None = None) -> None:
+        self._content = content or Content()
         self._buf = ""
         self._calls: str | None = None  # what follows [TOOL_CALLS], held to the end
 
@@ -598,7 +604,7 @@ class _MistralStream:
 
 
 # Mistral v11's held calls: ``NAME[ARGS]{...}`` after each ``[TOOL_CALLS]``, to the answer's end.
-_MISTRAL_V11_LAYOUT = HeldLayout(_MISTRAL_TAG, rf"(?P<name>{_NAME_CHARS}){re.escape(_MISTRAL_ARGS)}", "")
+_MISTRAL_V11_LAYOUT = HeldLayout(_MISTRAL_TAG, rf"{_WS}(?P<name>{_NAME_CHARS}){_WS}{re.escape(_MISTRAL_ARGS)}", "")
 
 
 class MistralParser(_Parser):
@@ -611,8 +617,8 @@ class MistralParser(_Parser):
     holds_calls = True
     held_layout = None  # which form its tag holds depends on the tokenizer: ``layout_for``
 
-    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
-        return _MistralStream()
+    def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
+        return _MistralStream(content)
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
                  required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
@@ -727,12 +733,12 @@ class Qwen3CoderParser(_Parser):
     name = "qwen3_coder"
     tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE)
     holds_calls = True
-    held_layout = HeldLayout(HERMES_OPEN, r"\n<function=(?P<name>[^<>\n]+)>\n",
+    held_layout = HeldLayout(HERMES_OPEN, rf"{_WS}<function=(?P<name>[^<>\n]+)>",
                              f"{_WS}</function>{_WS}{re.escape(HERMES_CLOSE)}",
                              XmlArguments(rf"{_WS}<parameter=(?P<key>[^<>\n]+)>", "</parameter>", trim_newlines=True))
 
-    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
-        return _TagStream(_one(functools.partial(_qwen_xml_call, functions=functions)))
+    def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
+        return _TagStream(_one(functools.partial(_qwen_xml_call, functions=functions)), content=content)
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
                  required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
@@ -792,15 +798,15 @@ class GlmParser(_Parser):
     tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 
     holds_calls = True
-    held_layout = HeldLayout(HERMES_OPEN, rf"(?P<name>{_NAME_CHARS})(?=[\s<])", f"{_WS}{re.escape(HERMES_CLOSE)}",
+    held_layout = HeldLayout(HERMES_OPEN, rf"{_WS}(?P<name>{_NAME_CHARS})(?=[\s<])", f"{_WS}{re.escape(HERMES_CLOSE)}",
                              XmlArguments(f"{_WS}<arg_key>(?P<key>[^<>]*)</arg_key>{_WS}<arg_value>", "</arg_value>",
                                           trim_newlines=False))
 
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
-        return _TagStream(_one(functools.partial(_glm_call, functions=functions)))
+    def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
+        return _TagStream(_one(functools.partial(_glm_call, functions=functions)), content=content)
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
                  required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
@@ -844,14 +850,14 @@ class MiniMaxM2Parser(_Parser):
     name = "minimax_m2"
     tags: tuple[str, ...] = (_MINIMAX_OPEN, _MINIMAX_CLOSE)
     holds_calls = True
-    _invoke = r'\n<invoke name="(?P<name>[^"<>]+)">\n'
+    _invoke = rf'{_WS}<invoke name="(?P<name>{_NAME_CHARS})">'
     held_layout = HeldLayout(_MINIMAX_OPEN, _invoke, f"{_WS}</invoke>",
                              XmlArguments(f'{_WS}<parameter name="(?P<key>[^"<>]*)">', "</parameter>",
                                           trim_newlines=True),
-                             next=_invoke, close=rf"\n{re.escape(_MINIMAX_CLOSE)}")
+                             next=_invoke, close=f"{_WS}{re.escape(_MINIMAX_CLOSE)}")
 
-    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
-        return _TagStream(functools.partial(_minimax_calls, functions=functions), _MINIMAX_OPEN, _MINIMAX_CLOSE)
+    def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
+        return _TagStream(functools.partial(_minimax_calls, functions=functions), _MINIMAX_OPEN, _MINIMAX_CLOSE, content=content)
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
                  required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
@@ -899,14 +905,15 @@ class DeepSeekParser(_Parser):
 
     def __init__(self, name: str) -> None:
         self.name = name
-        head = (rf"function{re.escape(_DEEPSEEK_SEP)}(?P<name>{_NAME_CHARS})\n```json\n" if name == "deepseek_v3"
-                else rf"(?P<name>{_NAME_CHARS}){re.escape(_DEEPSEEK_SEP)}")
-        head = re.escape(_DEEPSEEK_CALL_OPEN) + head
-        end = f"{_WS}{'```' if name == 'deepseek_v3' else ''}{re.escape(_DEEPSEEK_CALL_CLOSE)}"
-        self.held_layout = HeldLayout(_DEEPSEEK_OPEN, head, end, next=head, close=re.escape(_DEEPSEEK_CLOSE))
+        sep = re.escape(_DEEPSEEK_SEP)
+        head = (rf"function{_WS}{sep}{_WS}(?P<name>{_NAME_CHARS})[ \t]*\n```json\n" if name == "deepseek_v3"
+                else rf"(?P<name>{_NAME_CHARS}){_WS}{sep}")
+        head = f"{_WS}{re.escape(_DEEPSEEK_CALL_OPEN)}{_WS}{head}"
+        end = f"{_WS}{'```' + _WS if name == 'deepseek_v3' else ''}{re.escape(_DEEPSEEK_CALL_CLOSE)}"
+        self.held_layout = HeldLayout(_DEEPSEEK_OPEN, head, end, next=head, close=f"{_WS}{re.escape(_DEEPSEEK_CLOSE)}")
 
-    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
-        return _TagStream(_deepseek_calls, _DEEPSEEK_OPEN, _DEEPSEEK_CLOSE)
+    def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
+        return _TagStream(_deepseek_calls, _DEEPSEEK_OPEN, _DEEPSEEK_CLOSE, content=content)
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
                  required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
@@ -956,13 +963,13 @@ class KimiK2Parser(_Parser):
     name = "kimi_k2"
     tags: tuple[str, ...] = (_KIMI_OPEN, _KIMI_CLOSE, _KIMI_CALL_OPEN, _KIMI_ARGUMENTS, _KIMI_CALL_CLOSE)
     holds_calls = True
-    _head = (rf"{re.escape(_KIMI_CALL_OPEN)}(?P<id>functions\.(?P<name>[^\s:<>{{}}\[\]\"',;]+):[0-9]{{1,6}})"
-             + re.escape(_KIMI_ARGUMENTS))
+    _head = (rf"{_WS}{re.escape(_KIMI_CALL_OPEN)}{_WS}(?P<id>functions\.(?P<name>[^\s:<>{{}}\[\]\"',;]+):[0-9]{{1,6}})"
+             + _WS + re.escape(_KIMI_ARGUMENTS))
     held_layout = HeldLayout(_KIMI_OPEN, _head, f"{_WS}{re.escape(_KIMI_CALL_CLOSE)}", next=_head,
-                             close=re.escape(_KIMI_CLOSE))
+                             close=f"{_WS}{re.escape(_KIMI_CLOSE)}")
 
-    def stream(self, functions: Sequence[dict[str, Any]] = ()) -> ToolCallStream:
-        return _TagStream(_kimi_calls, _KIMI_OPEN, _KIMI_CLOSE)
+    def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
+        return _TagStream(_kimi_calls, _KIMI_OPEN, _KIMI_CLOSE, content=content)
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
                  required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:

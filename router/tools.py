@@ -6,8 +6,11 @@ format. What the model answers depends on ``tool_choice``:
 
 * ``"none"``: plain text; nothing is parsed.
 * ``"auto"`` (the default with tools): the model may call tools in its template's format, which the
-  router's tool-call parser (``router/tool_parsers.py``, ``--tool-call-parser``) reads back. Text
-  that is not a well-formed call stays content. Where a function is marked ``strict`` (OpenAI's: its
+  router's tool-call parser (``router/tool_parsers.py``, ``--tool-call-parser``) reads back. Calls in the
+  layout the template teaches are read as they are written, their arguments streamed (``router/call_readers.py``);
+  the parser reads the rest of an answer whose call is laid out otherwise, its calls whole. Text that is not a
+  well-formed call stays content; a call's arguments end where its text leaves the format (they may then not be
+  JSON, as OpenAI's calls of functions that are not strict may not be). Where a function is marked ``strict`` (OpenAI's: its
   calls' arguments hold to its schema), a structural tag holds each call the model writes in that format
   to an offered function and a strict one's arguments to its schema, the text around free (every format with a
   ``call_tag``; the others refused by name). In Llama 3's JSON format, whose calls are the whole answer, the answer
@@ -18,7 +21,7 @@ format. What the model answers depends on ``tool_choice``:
 
 Where the parser's format has a structural tag (``call_tag``, its special tags held as tokens;
 ``ToolPlan.in_format``), the calls of those three are held in that format, the one the chat template teaches;
-the calls are read in the tag's layout (``router/held_calls.py``), their arguments streamed as they are written
+the calls are read in the tag's layout (``router/call_readers.py``), their arguments streamed as they are written
 (Mistral's JSON array whole by its parser at the answer's end; gpt-oss's harmony format is
 ``router/harmony.py``'s). Otherwise a ``"required"`` answer is held by a grammar to a JSON array of
 ``{"name": ..., "arguments": ...}`` calls (``RequiredCalls``), and a named one to the function's arguments,
@@ -39,16 +42,16 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from common.sampling_params import MAX_STRUCTURED_OUTPUT_CHARS, StructuredOutput
-from router.errors import bad_request
-from router.held_calls import (
+from router.call_readers import (
     ArgumentsPiece,
     CallStart,
     HeldCalls,
     PieceEvent,
     RequiredCalls,
-    held_reader,
+    calls_reader,
     read_pieces,
 )
+from router.errors import bad_request
 from router.openai_responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
 from router.tool_parsers import (
     PARSERS,
@@ -122,7 +125,7 @@ class ToolPlan:
     strict: frozenset[str] = frozenset()
     # A structural tag holds the calls in the chat template's own format (``in_format``, ``native_output``).
     native: bool = False
-    special: frozenset[str] = frozenset()  # where ``native``: the format's tags the tokenizer makes special tokens
+    special: frozenset[str] = frozenset()  # the format's tags the tokenizer makes special tokens (``in_format``)
     # OpenAI's ``allowed_tools``: the functions the answer may call (None: any); the template still gets them all.
     allowed: frozenset[str] | None = None
 
@@ -205,12 +208,13 @@ class ToolPlan:
         teaches (the parser's ``call_tag``): ``"auto"`` with strict functions or ``allowed_tools``, and ``"required"``
         and named answers where the format has a tag (else their JSON grammar, ``structured_output``). A 400 for
         those under ``"auto"`` where the format has none."""
+        parser = state.tool_parser
+        special = state.tags_lost_in_text.intersection(parser.tags) if parser is not None else frozenset()
         if self.choice not in ("auto", "required", "named") or (
                 self.choice == "auto" and not self.strict and self.allowed is None):
-            return self
-        parser = state.tool_parser
+            return replace(self, special=special)  # (how freely written calls are laid out may depend on them)
         if parser is not None and parser.holds_calls:
-            return replace(self, native=True, special=state.tags_lost_in_text.intersection(parser.tags))
+            return replace(self, native=True, special=special)
         if self.choice == "auto":
             assert parser is not None, "tools_for_template refuses 'auto' without a parser"
             raise bad_request(
@@ -236,11 +240,12 @@ class ToolPlan:
         return StructuredOutput(kind="structural_tag", spec=_tools_spec(tag))
 
     def pieces_reader(self, parser: ToolCallParser | None) -> HeldCalls | None:
-        """The reader of an answer whose calls' layout a grammar holds, their arguments read as they are written:
-        calls a format's tag held (``held_reader``), a ``"required"`` answer's JSON array; None where the parser
-        reads the calls (Mistral's JSON array, held or not) or a named answer's text is the call's arguments."""
-        if self.native:
-            return held_reader(parser, self.functions, self.max_calls, self.special) if parser is not None else None
+        """The reader of an answer's calls that reads their arguments as they are written: calls in the format's
+        layout (``calls_reader``), held by its tag or written freely under ``"auto"``; a ``"required"`` answer's JSON
+        array. None where the parser reads the calls whole (Mistral's JSON array, held or not; Llama 3's under
+        ``"auto"``) or a named answer's text is the call's arguments."""
+        if self.native or self.choice == "auto":  # (no parser: gpt-oss's, whose answers harmony reads)
+            return calls_reader(parser, self.functions, self.max_calls, self.special, self.native) if parser else None
         if self.choice == "required":
             return RequiredCalls(self.max_calls)
         return None
@@ -331,10 +336,10 @@ def tool_calls_out(calls: list[ToolCall], parser: ToolCallParser | None) -> list
 class ToolDeltas:
     """One streamed choice's text turned into content and tool-call deltas, as it comes.
 
-    An ``"auto"`` answer goes through the parser's stream: content as soon as it cannot be part of a
-    call, each call whole once it closes. A named function's arguments, and each call's where a grammar held
-    their layout (``ToolPlan.pieces_reader``: a ``"required"`` answer, or one in the format's structural tag),
-    stream as they are written, the first delta of a call carrying its id and name."""
+    Calls in a format's layout (``ToolPlan.pieces_reader``: held by its tag or written freely under ``"auto"``), a
+    ``"required"`` answer's, and a named function's arguments stream as they are written, the first delta of a call
+    carrying its id and name. Where the parser reads the calls (Mistral's JSON array, Llama 3's under ``"auto"``),
+    content goes out as soon as it cannot be part of a call, and each call whole once it closes."""
 
     plan: ToolPlan
     parser: ToolCallParser | None

@@ -66,18 +66,20 @@ def _prompt_text(cluster: FakeCluster, tokenizer: Any, response_id: str) -> str:
 
 
 def _streamed(client: openai.OpenAI, **kw: Any) -> tuple[str, list[dict[str, Any]], str | None, str]:
-    """A streamed answer put together as a client does: content, calls by index, finish reason, id."""
+    """A streamed answer put together as a client does: content, calls by index (with how many deltas brought their
+    arguments), finish reason, id."""
     content, calls, finish_reason, response_id = "", {}, None, ""
     for chunk in client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, stream=True, **kw):
         response_id = chunk.id
         for choice in chunk.choices:
             content += choice.delta.content or ""
             for part in choice.delta.tool_calls or []:
-                call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
+                call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": "", "pieces": 0})
                 call["id"] = part.id or call["id"]
                 if part.function is not None:
                     call["name"] += part.function.name or ""
                     call["arguments"] += part.function.arguments or ""
+                    call["pieces"] += bool(part.function.arguments)
             finish_reason = choice.finish_reason or finish_reason
     return content, [calls[i] for i in sorted(calls)], finish_reason, response_id
 
@@ -98,10 +100,15 @@ def test_auto_reads_the_calls_out_and_the_model_saw_the_tools(
 
 
 def test_streamed_calls_equal_the_whole_answer(client: openai.OpenAI) -> None:
+    """Under "auto" the calls the model writes freely stream their arguments as they are written (not each call whole
+    once it closes), joining into the whole answer's, character for character."""
+    whole = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200)
     content, calls, finish_reason, _ = _streamed(client, tools=TOOLS, max_tokens=200)
     assert finish_reason == "tool_calls"
     assert content == CONTENT
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == CALLS
+    assert [c["arguments"] for c in calls] == [c.function.arguments for c in whole.choices[0].message.tool_calls or []]
+    assert all(c["pieces"] >= 3 for c in calls), calls
     assert all(c["id"] and c["id"].startswith("chatcmpl-tool-") for c in calls)
 
 
@@ -113,7 +120,7 @@ def test_streamed_calls_with_logprobs_and_n(client: openai.OpenAI) -> None:
     finish: dict[int, str | None] = {}
     for chunk in response:
         for choice in chunk.choices:
-            calls[choice.index] += [p.function.name or "" for p in choice.delta.tool_calls or [] if p.function]
+            calls[choice.index] += [p.function.name for p in choice.delta.tool_calls or [] if p.function and p.function.name]
             finish[choice.index] = choice.finish_reason or finish.get(choice.index)
     assert calls == {0: ["get_weather", "get_time"], 1: ["get_weather", "get_time"]}
     assert finish == {0: "tool_calls", 1: "tool_calls"}
@@ -540,7 +547,7 @@ def test_held_xml_arguments_typed_trimmed_and_kept_apart_from_text() -> None:
     layout's), ``null`` (any case) as null even where a string is declared, other types whole once their element
     closes; a call too many, an opening off the layout and an answer cut short keep every character the model wrote
     or end the call where it was certain."""
-    from router.held_calls import ArgumentsPiece, CallStart, HeldTagCalls, read_pieces
+    from router.call_readers import ArgumentsPiece, CallStart, HeldTagCalls, read_pieces
     from router.tool_parsers import PARSERS
 
     parser = PARSERS["qwen3_coder"]
@@ -755,6 +762,7 @@ def test_qwen3_coder_calls_through_the_router(redis_url: str, tokenizer: Any, to
         content, calls, finish_reason, _ = _streamed(client, tools=tools)
         assert (content, [(c["name"], c["arguments"]) for c in calls], finish_reason) == (
             "Checking.", [("get_weather", call.function.arguments)], "tool_calls")
+        assert calls[0]["pieces"] >= 3, calls  # written freely, it streams too
         strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}, tools[1]]
         for choice in ("auto", "required"):
             answer = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=strict,
@@ -798,11 +806,5 @@ def test_glm_calls_through_the_router_with_its_tags_special_tokens(redis_url: st
         choice = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=300).choices[0]
         assert choice.message.content == "Let me check." and choice.finish_reason == "tool_calls"
         assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []] == expected
-        content, calls = "", []
-        for chunk in client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=300,
-                                                    stream=True):
-            for delta in chunk.choices:
-                content += delta.delta.content or ""
-                calls += [(p.function.name, json.loads(p.function.arguments or "{}"))
-                          for p in delta.delta.tool_calls or [] if p.function and p.function.name]
-        assert (content, calls) == ("Let me check.", expected)
+        content, streamed, _, _ = _streamed(client, tools=TOOLS, max_tokens=300)
+        assert (content, [(c["name"], json.loads(c["arguments"])) for c in streamed]) == ("Let me check.", expected)

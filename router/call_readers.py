@@ -1,39 +1,35 @@
-"""Tool calls whose layout a grammar holds, read as the answer streams: each call opens (``CallStart``) once its name
-is read, and its arguments go out as they are written (``ArgumentsPiece``), so a stream's pieces join into a whole
-response's arguments, character for character; the text around the calls is content.
+"""Tool calls read as the answer streams: each call opens (``CallStart``) once its name is read, and its arguments go
+out as they are written (``ArgumentsPiece``), so a stream's pieces join into a whole response's arguments, character
+for character; the text around the calls is content. A whole response is read by the same reader (``read_pieces``).
 
 * ``RequiredCalls``: a ``"required"`` answer, a JSON array of calls (``ToolPlan.structured_output``'s grammar), or
   Llama 3's calls as its structural tag holds them (``LLAMA3_CALLS``; under "auto", text instead).
-* ``StrictHermesCalls``: an answer in the hermes format whose calls a structural tag held (``HermesParser.call_tag``:
-  ``"auto"`` with strict functions, ``"required"`` and named answers), each call in the tag's layout.
-* ``HeldTagCalls``: the same in the other formats with tags (Qwen3-Coder's, GLM's, MiniMax-M2's, DeepSeek's, Kimi
-  K2's, Mistral's v11 form: their parsers' ``held_layout``). JSON arguments go out as written; XML ones (one
-  element per argument) as the JSON object their parser makes of them, a string argument's text as it comes.
+* ``HeldTagCalls``: calls in a format's own layout (hermes', Qwen3-Coder's, GLM's, MiniMax-M2's, DeepSeek's, Kimi
+  K2's, Mistral's v11 form: their parsers' ``held_layout``), whether its structural tag held them or the model wrote
+  them freely under ``"auto"`` (``calls_reader``). JSON arguments go out as written; XML ones (one element per
+  argument) as the JSON object their parser makes of them, a string argument's text as it comes.
 
-Text that leaves the layout (an engine that did not hold the answer to the grammar) is content: nothing the model
-wrote is lost.
+Text that leaves the layout is content, or the format's parser's to read (a freely written call in another layout):
+nothing the model wrote is lost.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import regex
 
 from router.tool_parsers import (
-    HERMES_HELD_ARGUMENTS,
-    HERMES_HELD_BEGIN,
-    HERMES_HELD_END,
-    HERMES_OPEN,
     Content,
     HeldLayout,
-    HermesParser,
     Llama3JsonParser,
     ToolCall,
     ToolCallParser,
+    ToolCallStream,
     add_event,
     parameter_schemas,
     partial_suffix,
@@ -259,136 +255,46 @@ class RequiredCalls(HeldCalls):
         return True
 
 
-class StrictHermesCalls(HeldCalls):
-    """A hermes answer whose calls a structural tag held (``HermesParser.call_tag``: ``<tool_call>``, a newline,
-    ``{"name": "...", "arguments": `` the arguments ``}``, a newline, ``</tool_call>``), read as it streams: each
-    call opens once its name is read and its arguments go out as they are written, so a stream's pieces join into a
-    whole response's arguments, character for character. The text around calls is content, as the hermes parser's stream
-    gives it (the answer's leading and trailing whitespace out). A tag whose text leaves that layout (an engine that
-    did not hold the answer to the grammar) is content, as the hermes parser leaves a malformed call; a call past
-    ``max_calls`` too. An answer cut short inside a call ends with its arguments cut short, as OpenAI's are."""
-
-    def __init__(self, max_calls: int | None = None) -> None:
-        self._max_calls = max_calls
-        self._content = Content()
-        self._buf = ""
-        self._tag = ""  # the open tag's text read so far, while no call has opened: content if the layout breaks
-        self._state = "text"  # text, begin, name, key, arguments
-        self.num_calls = 0
-
-    def finish(self) -> list[PieceEvent]:
-        """What is left: content, unless the answer stopped inside a call's arguments (the end's start held back
-        from them is dropped: the arguments end where they were certain)."""
-        events: list[PieceEvent] = []
-        if self._state != "arguments":
-            add_event(events, self._content.push(self._tag + self._buf))
-        self._buf = self._tag = ""
-        self._state = "text"
-        return events
-
-    def _step(self, events: list[PieceEvent]) -> bool:
-        """Reads what it can of the buffer; False when it must wait for more text."""
-        if self._state == "text":
-            start = self._buf.find(HERMES_OPEN)
-            if start < 0:
-                keep = len(self._buf) - partial_suffix(self._buf, HERMES_OPEN)
-                add_event(events, self._content.push(self._buf[:keep]))
-                self._buf = self._buf[keep:]
-                return False
-            add_event(events, self._content.push(self._buf[:start]))
-            self._tag, self._buf, self._state = HERMES_OPEN, self._buf[start + len(HERMES_OPEN):], "begin"
-            if self._max_calls is not None and self.num_calls >= self._max_calls:
-                self._off_layout(events)  # a call too many: content
-            return True
-        if self._state == "begin":
-            return self._literal(HERMES_HELD_BEGIN, "name", events)
-        if self._state == "name":
-            return self._name(events)
-        if self._state == "key":
-            return self._literal(HERMES_HELD_ARGUMENTS, "arguments", events)
-        end = self._buf.find(HERMES_HELD_END)
-        if end < 0:
-            keep = len(self._buf) - partial_suffix(self._buf, HERMES_HELD_END)
-            if keep:
-                events.append(ArgumentsPiece(self._buf[:keep]))
-            self._buf = self._buf[keep:]
-            return False
-        if end:
-            events.append(ArgumentsPiece(self._buf[:end]))
-        self._buf, self._state = self._buf[end + len(HERMES_HELD_END):], "text"
-        return True
-
-    def _literal(self, literal: str, then: str, events: list[PieceEvent]) -> bool:
-        if self._buf.startswith(literal):
-            if then == "name":  # the tag's opening, before its call opens
-                self._tag += literal
-            self._buf = self._buf[len(literal):]
-            self._state = then
-            return True
-        if literal.startswith(self._buf):
-            return False  # the literal's start so far
-        self._off_layout(events)
-        return True
-
-    def _name(self, events: list[PieceEvent]) -> bool:
-        """The name's JSON string, whole; the call opens with it."""
-        if not self._buf.startswith('"'):
-            self._off_layout(events)
-            return True
-        end = _closing_quote(self._buf, 1)
-        if end is None:
-            return False
-        try:
-            name = json.loads(self._buf[: end + 1])
-        except ValueError:
-            name = ""
-        if not name:
-            self._off_layout(events)
-            return True
-        events.append(CallStart(name))
-        self.num_calls += 1
-        self._buf, self._tag, self._state = self._buf[end + 1:], "", "key"
-        return True
-
-    def _off_layout(self, events: list[PieceEvent]) -> None:
-        """The open tag is content (its text left the layout, or it is a call too many); reading goes on after
-        its ``<tool_call>``. (Past a call's name, what follows is content.)"""
-        if self._tag:
-            add_event(events, self._content.push(HERMES_OPEN))
-        self._buf, self._tag, self._state = self._tag[len(HERMES_OPEN):] + self._buf, "", "text"
-
-
 def _escaped(text: str) -> str:
     """Text as it stands inside a JSON string (each character escaped on its own, so pieces join into the whole)."""
     return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
 class HeldTagCalls(HeldCalls):
-    """An answer whose calls a structural tag held in a format's layout (``HeldLayout``: calls in tags of their own, or
-    in a block), read as it streams. Each call opens once its head (its name, and its id where written) is read. Its
-    arguments go out as they are written where they are JSON. Where they are XML elements, they go out as the JSON
-    object the format's parser makes of them (``_xml_value``; keys in the order written): a key as soon as its
-    element opens, a string's text as it comes, any other value once its element closes. Either way a stream's pieces
-    join into a whole response's arguments, character for character.
+    """An answer whose calls are written in a format's layout (``HeldLayout``: calls in tags of their own, or in a
+    block), read as it streams. Each call opens once its head (its name, and its id where written) is read, and JSON
+    arguments' opening brace. Its arguments go out as they are written where they are JSON. Where they are XML
+    elements, they go out as the JSON object the format's parser makes of them (``_xml_value``; keys in the order
+    written): a key as soon as its element opens, a string's text as it comes, any other value once its element
+    closes. Either way a stream's pieces join into a whole response's arguments, character for character.
 
     Text outside the calls is content, as the format's parser's stream gives it (the answer's leading and trailing
-    whitespace out). An opening whose text leaves the layout before a call opens (an engine that did not hold the
-    answer) is content, and reading goes on after it; past a call's head, what leaves the layout is read as text from
-    there. A call past ``max_calls`` and all after it are content. An answer cut short inside a call ends with its
+    whitespace out). Where an opening's text leaves the layout before a call opens, the format's parser reads the
+    answer from that opening on, its calls whole (``fallback``: an answer the model wrote freely), or, without one,
+    the opening is content and reading goes on after it (an engine that did not hold the answer to the tag). Past a
+    call's head, what leaves the layout is read as text from there: the call's arguments end where they left it. A
+    call past ``max_calls`` (``parallel_tool_calls: false``) and all after it are content where a tag held them;
+    written freely, each such call is left out, as the parser's are. An answer cut short inside a call ends with its
     arguments cut short, as OpenAI's are."""
 
-    def __init__(self, layout: HeldLayout, functions: Sequence[dict[str, Any]], max_calls: int | None = None) -> None:
+    def __init__(self, layout: HeldLayout, functions: Sequence[dict[str, Any]], max_calls: int | None = None,
+                 fallback: Callable[[Content], ToolCallStream] | None = None) -> None:
         self._layout = layout
-        self._head, self._end = regex.compile(layout.head), regex.compile(layout.end)
-        self._next = regex.compile(layout.next) if layout.next is not None else None
+        # A call with JSON arguments opens with them: its head is read once their "{" follows.
+        opens = "" if layout.xml is not None else r"(?=[ \n\r\t]*\{)"
+        self._head, self._end = regex.compile(layout.head + opens), regex.compile(layout.end)
+        self._next = regex.compile(layout.next + opens) if layout.next is not None else None
         self._close = regex.compile(layout.close) if layout.close is not None else None
         self._key = regex.compile(layout.xml.key) if layout.xml is not None else None
         self._functions = functions
         self._max_calls = max_calls
+        self._fallback = fallback
+        self._parser: ToolCallStream | None = None  # the fallback's stream, once it reads the rest
+        self._dropped = False  # whether the open call is one past ``max_calls`` that is left out
         self._content = Content()
         self._buf = ""
         self._tag = ""  # the opening read, while no call has opened after it: content if the layout breaks
-        self._state = "text"  # text, head, next, arguments (JSON), params, value (XML), end, content
+        self._state = "text"  # text, head, next, arguments (JSON), params, value (XML), end, content, parser
         self.num_calls = 0
         # The open call's arguments:
         self._scan: _JsonScan | None = None  # JSON, once its "{" is read
@@ -401,7 +307,9 @@ class HeldTagCalls(HeldCalls):
     def finish(self) -> list[PieceEvent]:
         """What is left: content, unless the answer stopped inside a call or a block of calls."""
         events: list[PieceEvent] = []
-        if self._state in ("text", "head", "content"):
+        if self._parser is not None:
+            self._parsed(events, self._parser.finish())
+        elif self._state in ("text", "head", "content"):
             add_event(events, self._content.push(self._tag + self._buf))
         self._buf = self._tag = ""
         self._state = "text"
@@ -409,6 +317,10 @@ class HeldTagCalls(HeldCalls):
 
     def _step(self, events: list[PieceEvent]) -> bool:
         state = self._state
+        if self._parser is not None:
+            self._parsed(events, self._parser.feed(self._buf))
+            self._buf = ""
+            return False
         if state == "content":
             add_event(events, self._content.push(self._buf))
             self._buf = ""
@@ -429,6 +341,8 @@ class HeldTagCalls(HeldCalls):
         if state == "next":
             assert self._next is not None and self._close is not None
             return self._match(events, [(self._next, self._open), (self._close, lambda _m, _e: self._to("text"))])
+        if self._dropped and state in ("arguments", "params", "value"):
+            events = []  # (a call too many, written freely: read, and left out)
         if state == "arguments":
             return self._json(events)
         if state == "params":
@@ -454,36 +368,45 @@ class HeldTagCalls(HeldCalls):
             waiting = waiting or m is not None
         if waiting:
             return False
+        if self._tag and self._fallback is not None:  # no call opened after the opening: the parser reads from it
+            self._parser = self._fallback(self._content)
+            self._buf, self._tag, self._state = self._tag + self._buf, "", "parser"
+            return True
         if self._tag:  # no call opened after the opening: it is content, and reading goes on after it
             add_event(events, self._content.push(self._layout.trigger))
         self._tag, self._state = "", "text"
         return True
 
+    def _parsed(self, events: list[PieceEvent], parsed: list[str | ToolCall]) -> None:
+        """The fallback parser's events: its content, and each call whole."""
+        for event in parsed:
+            if isinstance(event, str):
+                add_event(events, event)
+            elif self._max_calls is None or self.num_calls < self._max_calls:
+                events += [CallStart(event.name, event.id), ArgumentsPiece(event.arguments)]
+                self.num_calls += 1
+
     def _open(self, m: regex.Match[str], events: list[PieceEvent]) -> None:
-        if self._max_calls is not None and self.num_calls >= self._max_calls:  # a call too many: content from here
-            self._buf, self._tag, self._state = self._tag + m[0] + self._buf, "", "content"
+        if self._max_calls is not None and self.num_calls >= self._max_calls and self._fallback is None:
+            self._buf, self._tag, self._state = self._tag + m[0] + self._buf, "", "content"  # content from here
             return
         name = m["name"]
-        events.append(CallStart(name, m.groupdict().get("id")))
-        self.num_calls += 1
+        self._dropped = self._max_calls is not None and self.num_calls >= self._max_calls
+        if not self._dropped:
+            events.append(CallStart(name, m.groupdict().get("id")))
+            self.num_calls += 1
         self._tag = ""
         if self._key is None:
             self._scan, self._state = None, "arguments"
             return
         self._schemas, self._num_keys, self._state = parameter_schemas(self._functions, name), 0, "params"
-        events.append(ArgumentsPiece("{"))
+        if not self._dropped:
+            events.append(ArgumentsPiece("{"))
 
     def _json(self, events: list[PieceEvent]) -> bool:
         """JSON arguments: an object, as written (the whitespace before it left out)."""
-        if self._scan is None:
-            rest = self._buf.lstrip()
-            if not rest:
-                self._buf = ""
-                return False
-            if not rest.startswith("{"):
-                self._state = "text"
-                return True
-            self._buf, self._scan = rest[1:], _JsonScan()
+        if self._scan is None:  # (the head was read where "{" follows)
+            self._buf, self._scan = self._buf.lstrip()[1:], _JsonScan()
             events.append(ArgumentsPiece("{"))
         i = self._scan.closer(self._buf)
         if i is None:
@@ -546,17 +469,18 @@ class HeldTagCalls(HeldCalls):
         self._sent = len(text)
 
 
-def held_reader(parser: ToolCallParser, functions: Sequence[dict[str, Any]], max_calls: int | None = None,
-                special: frozenset[str] = frozenset()) -> HeldCalls | None:
-    """The reader of an answer whose calls the parser's structural tag held (``special``: the format's tags the
-    tokenizer makes special tokens), their arguments read as they are written; None where the parser reads the calls
-    whole (Mistral's JSON array)."""
-    if isinstance(parser, HermesParser):
-        return StrictHermesCalls(max_calls)
+def calls_reader(parser: ToolCallParser, functions: Sequence[dict[str, Any]], max_calls: int | None = None,
+                 special: frozenset[str] = frozenset(), held: bool = True) -> HeldCalls | None:
+    """The reader of an answer's calls in the parser's format, their arguments read as they are written (``special``:
+    the format's tags the tokenizer makes special tokens). ``held``: the parser's structural tag held the calls;
+    else the model wrote them freely (``"auto"``), and what leaves the layout before a call opens is read by the
+    parser. None where the parser reads the calls whole: Mistral's JSON array, and Llama 3's calls where not held."""
     if isinstance(parser, Llama3JsonParser):
-        return RequiredCalls(max_calls, LLAMA3_CALLS, trim=True)
+        return RequiredCalls(max_calls, LLAMA3_CALLS, trim=True) if held else None
     layout = parser.layout_for(special)
-    return HeldTagCalls(layout, functions, max_calls) if layout is not None else None
+    if layout is None:
+        return None
+    return HeldTagCalls(layout, functions, max_calls, None if held else functools.partial(parser.stream, functions))
 
 
 def read_pieces(reader: HeldCalls, text: str) -> tuple[str | None, list[ToolCall]]:

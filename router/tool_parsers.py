@@ -297,10 +297,11 @@ class HeldLayout:
 _WS = r"[ \n\r\t]*"
 _NAME_CHARS = r"[^\s<>{}\[\]\"',:;]+"  # (``_NAME``'s)
 # A hermes call as its tag writes it, and as chat templates teach it with any whitespace: ``{"name": "NAME",
-# "arguments": {...}}`` (a name without escapes; the parser reads the others whole).
+# "arguments": {...}}`` (a name without escapes; the parser reads the others whole). The object's own closing brace
+# may be missing or doubled, as models slip: the arguments were whole.
 _HERMES_LAYOUT = HeldLayout(
     HERMES_OPEN, rf'{_WS}\{{{_WS}"name"{_WS}:{_WS}"(?P<name>[^"\\\x00-\x1f]+)"{_WS},{_WS}"arguments"{_WS}:{_WS}',
-    rf"{_WS}\}}{_WS}{re.escape(HERMES_CLOSE)}")
+    rf"{_WS}(?:\}}{_WS}){{0,2}}{re.escape(HERMES_CLOSE)}")
 
 
 class _Parser:

@@ -135,3 +135,29 @@ def test_calls_streamed_in_any_pieces_read_as_the_format_s_parser_reads_them(
     assert (streamed_content, streamed) == (content, read)
     if foreign is None:  # (a call the parser reads comes whole, in one piece)
         assert all(n >= 2 for n in pieces), pieces
+
+
+def test_a_call_written_freely_that_slips_is_read_as_far_as_it_holds() -> None:
+    """Under "auto" (the model unheld): a hermes call whose object misses its closing brace, or doubles it, is the
+    call (its arguments were whole; no markup left in the content); one whose text leaves the format inside its
+    arguments ends them there and the rest is content; one that leaves it before its arguments open is the parser's
+    (here: content, as it reads a malformed call)."""
+    hermes = PARSERS["hermes"]
+
+    def read(text: str) -> tuple[str | None, list[ToolCall]]:
+        reader = calls_reader(hermes, [FUNCTION], held=False)
+        assert reader is not None
+        return read_pieces(reader, text)
+
+    call = '<tool_call>\n{"name": "edit", "arguments": {"path": "a.py"}'
+    for end in ("\n</tool_call>", "}}\n</tool_call>", " } \n }</tool_call>"):
+        assert read(f"Editing.\n{call}{end}\nDone.") == ("Editing.\n\nDone.", [ToolCall("edit", '{"path": "a.py"}')])
+    assert read(f"{call}}}\n</tool_call>") == read(f"{call}}}\n</tool_call>\n") == (None, [ToolCall("edit", '{"path": "a.py"}')])
+    # Left midway: the arguments end where the text left the format, the rest is content.
+    assert read('<tool_call>\n{"name": "edit", "arguments": {"path": "a.py", "count": 1') == (
+        None, [ToolCall("edit", '{"path": "a.py", "count": 1')])
+    assert read(f'{call}, "note": 1}}\n</tool_call>') == (
+        ', "note": 1}\n</tool_call>', [ToolCall("edit", '{"path": "a.py"}')])
+    # Before the arguments: the parser's, whole.
+    broken = '<tool_call>\n{"name": "edit", "arguments": [1]}\n</tool_call>'
+    assert read(broken) == hermes.extract(broken) == (broken, [])

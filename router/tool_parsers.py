@@ -21,14 +21,18 @@ end of an answer never reaches the client.
 * ``minimax_m2`` (MiniMax-M2): ``<minimax:tool_call>`` blocks of ``<invoke name=...>`` elements of ``<parameter>`` ones.
 * ``deepseek_v3`` / ``deepseek_v31`` (DeepSeek-V3, R1-0528, V3.1): ``<｜tool▁calls▁begin｜>`` blocks of calls.
 * ``kimi_k2`` (Kimi K2): ``<|tool_calls_section_begin|>`` sections of calls, each with the id the model wrote.
+* ``pythonic`` / ``llama4_pythonic`` (pythonic templates of Llama 3.2 and Llama 4, ToolACE): the whole answer is a
+  Python list of calls with keyword arguments of literal values, ``[get_time(zone="UTC"), f(n=1)]``.
 
 Parsing never raises on what a model writes.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
+import math
 import re
 import secrets
 import string
@@ -469,8 +473,13 @@ def _llama_calls(text: str) -> list[ToolCall] | None:
         pos = len(text) - len(rest[1:].lstrip())
 
 
-class _LlamaStream:
-    def __init__(self, content: Content | None = None) -> None:
+class _WholeAnswerStream:
+    """An answer that is either calls throughout (read by ``read_calls`` once it ends) or content: it is held from
+    the moment it opens with one of ``openers`` (after whitespace), and content streams as soon as it cannot."""
+
+    def __init__(self, read_calls: Callable[[str], list[ToolCall] | None], openers: tuple[str, ...],
+                 content: Content | None = None) -> None:
+        self._read_calls, self._openers = read_calls, openers
         self._content = content or Content()
         self._buf = ""
         self._mode: str | None = None  # None until the start is known, then "calls" or "content"
@@ -482,10 +491,10 @@ class _LlamaStream:
         if self._mode == "calls":
             return []
         start = self._buf.lstrip()
-        if start.startswith(("{", _PYTHON_TAG)):
+        if start.startswith(self._openers):
             self._mode = "calls"
             return []
-        if not start or _PYTHON_TAG.startswith(start):
+        if not start or any(opener.startswith(start) for opener in self._openers):
             return []
         self._mode = "content"
         text, self._buf = self._buf, ""
@@ -495,7 +504,7 @@ class _LlamaStream:
         if self._mode == "content":
             return []
         text, self._buf = self._buf, ""
-        calls = _llama_calls(text)
+        calls = self._read_calls(text)
         if calls is None:
             return self._text(text)
         return [*calls]
@@ -520,7 +529,7 @@ class Llama3JsonParser(_Parser):
     holds_calls = True
 
     def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
-        return _LlamaStream(content)
+        return _WholeAnswerStream(_llama_calls, ("{", _PYTHON_TAG), content)
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
                  required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
@@ -533,6 +542,74 @@ class Llama3JsonParser(_Parser):
                            "content": _held(f, held), "end": "}"} for f in functions]}
         form = calls if required else {"type": "or", "elements": [calls, {"type": "regex", "pattern": _LLAMA_TEXT}]}
         return {"type": "structural_tag", "format": form}
+
+
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
+
+
+def _json_value(value: Any) -> bool:
+    """Whether a Python literal is one JSON can write (a tuple as a list; no set, bytes, complex or infinite number;
+    dicts keyed by strings)."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_json_value(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_value(v) for k, v in value.items())
+    return False
+
+
+def _pythonic_calls(text: str) -> list[ToolCall] | None:
+    """The calls when the whole text (between Llama 4's ``<|python_start|>`` and ``<|python_end|>`` where written)
+    is a Python list of calls, each a function's name and keyword arguments of literal values; None otherwise. The
+    text is parsed (``ast``), never run."""
+    text = text.strip()
+    if text.startswith(_PYTHON_START):
+        text = text[len(_PYTHON_START):].strip().removesuffix(_PYTHON_END)
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for node in tree.body.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        arguments = {}
+        for keyword in node.keywords:
+            if keyword.arg is None:  # (**kwargs)
+                return None
+            try:
+                value = ast.literal_eval(keyword.value)
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                return None
+            if not _json_value(value):
+                return None
+            arguments[keyword.arg] = value
+        call = _call({"name": node.func.id, "arguments": arguments}, "arguments", "parameters")
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
+class PythonicParser(_Parser):
+    """The whole answer as a Python list of calls, ``[get_weather(city="Paris"), get_time()]``, keyword arguments of
+    literal values (strings, numbers, ``True`` / ``False`` / ``None``, lists, dicts), between Llama 4's
+    ``<|python_start|>`` and ``<|python_end|>`` or not; anything else is content. A stream that starts like calls is
+    held to the end. The arguments come out as JSON (``True`` as ``true``, a tuple as a list); a value JSON cannot
+    write (a set, bytes, a complex or infinite number) or a positional argument makes the answer content."""
+
+    tags: tuple[str, ...] = ()  # (Llama 4's wrapper may be left out of the text: the calls are the same)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
+        return _WholeAnswerStream(_pythonic_calls, ("[", _PYTHON_START), content)
 
 
 def json_array_calls(text: str) -> list[ToolCall] | None:
@@ -989,7 +1066,7 @@ class KimiK2Parser(_Parser):
 PARSERS: dict[str, ToolCallParser] = {
     p.name: p for p in (HermesParser(), Qwen3CoderParser(), Llama3JsonParser(), MistralParser(), GlmParser("glm45"),
                         GlmParser("glm47"), MiniMaxM2Parser(), DeepSeekParser("deepseek_v3"), DeepSeekParser("deepseek_v31"),
-                        KimiK2Parser())
+                        KimiK2Parser(), PythonicParser("pythonic"), PythonicParser("llama4_pythonic"))
 }
 
 
@@ -997,6 +1074,8 @@ def detect_parser(chat_template: str | None) -> str | None:
     """The parser for the tool-call format a chat template teaches its model, or None."""
     if not chat_template:
         return None
+    if "[func_name1(" in chat_template:  # (the pythonic templates' example of a call list)
+        return "llama4_pythonic" if "<|python_start|>" in chat_template or "<|header_start|>" in chat_template else "pythonic"
     if HERMES_OPEN in chat_template and "<function=" in chat_template and "<parameter=" in chat_template:
         return "qwen3_coder"
     if HERMES_OPEN in chat_template and "<arg_key>" in chat_template:

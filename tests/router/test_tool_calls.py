@@ -808,3 +808,25 @@ def test_glm_calls_through_the_router_with_its_tags_special_tokens(redis_url: st
         assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []] == expected
         content, streamed, _, _ = _streamed(client, tools=TOOLS, max_tokens=300)
         assert (content, [(c["name"], json.loads(c["arguments"])) for c in streamed]) == ("Let me check.", expected)
+
+
+def test_pythonic_calls_through_the_router(redis_url: str, tokenizer: Any, tool_prompts: PromptProcessor) -> None:
+    """``--tool-call-parser pythonic`` (Llama 3.2's and Llama 4's pythonic templates): an answer that is a Python list
+    of calls comes out as OpenAI's calls, whole and streamed (whole once the answer ends); a strict function under
+    "auto" is refused by name, the format having no structural tag."""
+    reply_text = "[get_weather(city='Paris', unit=\"celsius\"), get_time(zone='Europe/Paris')]"
+    reply = list(tokenizer.encode(reply_text, add_special_tokens=False))
+    with fake_stack(redis_url, tool_prompts, reply, {"token_delay_s": 0.001, "max_model_len": 2048},
+                    tool_call_parser="pythonic", request_timeout_s=5.0) as (server, _):
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
+        choice = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS).choices[0]
+        assert choice.message.content is None and choice.finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []] == CALLS[:1] + [
+            ("get_time", {"zone": "Europe/Paris"})]
+        content, calls, finish_reason, _ = _streamed(client, tools=TOOLS)
+        assert (content, finish_reason) == ("", "tool_calls")
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
+        with pytest.raises(openai.BadRequestError, match="pythonic"):
+            client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=strict)

@@ -312,8 +312,11 @@ def test_detect_parser() -> None:
     assert detect_parser("<minimax:tool_call>\n<invoke name=\"{{ name }}\">") == "minimax_m2"
     assert detect_parser(DEEPSEEK_OPEN + "{{ tool['function']['name'] }}" + DEEPSEEK_SEP) == "deepseek_v31"
     assert detect_parser(DEEPSEEK_OPEN + "function" + DEEPSEEK_SEP + "{{ name }}\n```json\n") == "deepseek_v3"
+    assert detect_parser("Respond in the format [func_name1(params_name1=params_value1), func_name2(params)]"
+                         "{{- '<|start_header_id|>' }}") == "pythonic"
+    assert detect_parser("[func_name1(params_name1=params_value1)] {{- '<|header_start|>' }}") == "llama4_pythonic"
     assert set(PARSERS) == {"hermes", "qwen3_coder", "llama3_json", "mistral", "glm45", "glm47", "minimax_m2",
-                            "deepseek_v3", "deepseek_v31", "kimi_k2"}
+                            "deepseek_v3", "deepseek_v31", "kimi_k2", "pythonic", "llama4_pythonic"}
     assert all(PARSERS[name].name == name for name in PARSERS)
 
 
@@ -330,6 +333,7 @@ FRAGMENTS = [
     "<\uff5ctool\u2581calls\u2581end\uff5c>", "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>",
     "<\uff5ctool\u2581sep\uff5c>", "function", "\n```json\n", "\n```", "<|tool_calls_section_begin|>",
     "<|tool_calls_section_end|>", "<|tool_call_begin|>", "functions.f:0", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+    "[f(a=1)]", "(", ")", "=", "True", "None", "x=", "'s'", "<|python_start|>", "<|python_end|>", "1j", "{1}",
 ]
 
 ADVERSARIAL = [
@@ -743,3 +747,57 @@ def test_llama3_json_call_tag_holds_the_whole_answer(tokenizer_dir: object) -> N
             assert not LLAMA.extract(text, functions)[1]  # no call read out of what "auto" takes as text
         for text in (' {"city": "Paris"}', '{"answer": 1}', "<|python_tag|>" + LLAMA_CALL, "\n" + LLAMA_CALL):
             assert not takes(True, required, text), text
+
+
+# -- pythonic -------------------------------------------------------------------------------------------
+
+PYTHONIC = PARSERS["pythonic"]
+PYTHONIC_TEXTS = [
+    '[get_weather(city="Paris", unit=\'celsius\'), get_time()]',
+    '  <|python_start|>[get_time(zone="UTC", fmt=[24, True], extra={"a": None, "b": (1, 2.5)})]<|python_end|>\n',
+    "[f(s='it\\'s \\u00e9 \\n', n=-3, big=12345678901234567890)]",
+    "[1] The first source says so.",
+    "The answer is [f(a=1)].",
+    "[f(1)]",
+    "[f(a=b)]",
+    "[f(a={1, 2})]",
+    "[f(a=1j)]",
+    "[f(a=1e999)]",
+    "[f(**kw)]",
+    "[obj.method(a=1)]",
+    "[]",
+    "[f(a=1)] trailing",
+    "[f(a=1)",
+    "<|python_start|>",
+    "<|pyth",
+    "",
+]
+
+
+def test_pythonic_calls_are_the_whole_answer_a_list_of_calls_of_literals() -> None:
+    """Keyword arguments of Python literals come out as JSON; anything else (text around the list, a positional
+    argument, a name or an expression for a value, a value JSON cannot write) is content, and nothing is run."""
+    assert PYTHONIC.extract(PYTHONIC_TEXTS[0]) == (None, [
+        ToolCall("get_weather", '{"city": "Paris", "unit": "celsius"}'), ToolCall("get_time", "{}")])
+    assert PYTHONIC.extract(PYTHONIC_TEXTS[1]) == (None, [
+        ToolCall("get_time", '{"zone": "UTC", "fmt": [24, true], "extra": {"a": null, "b": [1, 2.5]}}')])
+    [call] = PYTHONIC.extract(PYTHONIC_TEXTS[2])[1]
+    assert json.loads(call.arguments) == {"s": "it's \u00e9 \n", "n": -3, "big": 12345678901234567890}
+    for text in PYTHONIC_TEXTS[3:]:
+        assert PYTHONIC.extract(text) == (text.strip() or None, []), text
+    assert PARSERS["llama4_pythonic"].extract(PYTHONIC_TEXTS[1]) == PYTHONIC.extract(PYTHONIC_TEXTS[1])
+    assert PYTHONIC.extract("[__import__('os').system(x='echo hi')]") == ("[__import__('os').system(x='echo hi')]", [])
+
+
+def test_pythonic_stream_holds_an_answer_that_opens_like_calls_and_matches_extract() -> None:
+    stream = PYTHONIC.stream()
+    assert stream.feed(" <|python") == []
+    assert stream.feed("_start|>[f(a=") == []
+    assert stream.feed("1)]") == []
+    assert stream.finish() == [ToolCall("f", '{"a": 1}')]
+    stream = PYTHONIC.stream()
+    assert stream.feed("It is ") == ["It is"]
+    assert stream.finish() == []
+    rng = random.Random(4)
+    for text in PYTHONIC_TEXTS:
+        _check_consistent(PYTHONIC, text, rng, every_position=True)

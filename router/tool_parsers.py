@@ -21,6 +21,7 @@ end of an answer never reaches the client.
 * ``minimax_m2`` (MiniMax-M2): ``<minimax:tool_call>`` blocks of ``<invoke name=...>`` elements of ``<parameter>`` ones.
 * ``deepseek_v3`` / ``deepseek_v31`` (DeepSeek-V3, R1-0528, V3.1): ``<｜tool▁calls▁begin｜>`` blocks of calls.
 * ``kimi_k2`` (Kimi K2): ``<|tool_calls_section_begin|>`` sections of calls, each with the id the model wrote.
+* ``granite`` (Granite 3): ``<|tool_call|>`` (or ``<tool_call>``) and a JSON array of calls to the answer's end.
 * ``pythonic`` / ``llama4_pythonic`` (pythonic templates of Llama 3.2 and Llama 4, ToolACE): the whole answer is a
   Python list of calls with keyword arguments of literal values, ``[get_time(zone="UTC"), f(n=1)]``.
 
@@ -646,22 +647,29 @@ def _mistral_calls(text: str) -> list[ToolCall] | None:
     return calls
 
 
-class _MistralStream:
-    def __init__(self, content: Content | None = None) -> None:
+class _TrailingCallsStream:
+    """Content, then from the first of ``tags`` on calls to the end of the answer, read by ``read_calls`` once it
+    ends (content, the tag kept, where they are none)."""
+
+    def __init__(self, tags: tuple[str, ...], read_calls: Callable[[str], list[ToolCall] | None],
+                 content: Content | None = None) -> None:
+        self._tags, self._read_calls = tags, read_calls
         self._content = content or Content()
         self._buf = ""
-        self._calls: str | None = None  # what follows [TOOL_CALLS], held to the end
+        self._tag = ""
+        self._calls: str | None = None  # what follows the tag, held to the end
 
     def feed(self, text: str) -> list[Event]:
         if self._calls is not None:
             self._calls += text
             return []
         self._buf += text
-        start = self._buf.find(_MISTRAL_TAG)
-        if start >= 0:
-            out, self._calls, self._buf = self._buf[:start], self._buf[start + len(_MISTRAL_TAG):], ""
+        found = [(i, tag) for tag in self._tags if (i := self._buf.find(tag)) >= 0]
+        if found:
+            start, self._tag = min(found)
+            out, self._calls, self._buf = self._buf[:start], self._buf[start + len(self._tag):], ""
         else:
-            keep = len(self._buf) - partial_suffix(self._buf, _MISTRAL_TAG)
+            keep = len(self._buf) - max(partial_suffix(self._buf, tag) for tag in self._tags)
             out, self._buf = self._buf[:keep], self._buf[keep:]
         events: list[Event] = []
         add_event(events, self._content.push(out))
@@ -672,13 +680,21 @@ class _MistralStream:
         if self._calls is None:
             add_event(events, self._content.push(self._buf))
         else:
-            calls = _mistral_calls(self._calls)
+            calls = self._read_calls(self._calls)
             if calls is None:
-                add_event(events, self._content.push(_MISTRAL_TAG + self._calls))
+                add_event(events, self._content.push(self._tag + self._calls))
             else:
                 events.extend(calls)
         self._buf, self._calls = "", None
         return events
+
+
+def _array_tag(tag: str, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool, required: bool,
+               special: frozenset[str]) -> dict[str, Any]:
+    """From ``tag`` on, one JSON array of ``{"name", "arguments"}`` calls to the answer's end (``json_array_calls``)."""
+    array = {"type": "json_schema", "json_schema": calls_array_schema(functions, held, parallel)}
+    return _triggered([{"type": "tag", "begin": _edge(tag, special), "content": array, "end": ""}], tag, special,
+                      required, stop_after_first=True)
 
 
 # Mistral v11's held calls: ``NAME[ARGS]{...}`` after each ``[TOOL_CALLS]``, to the answer's end.
@@ -696,7 +712,7 @@ class MistralParser(_Parser):
     held_layout = None  # which form its tag holds depends on the tokenizer: ``layout_for``
 
     def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
-        return _MistralStream(content)
+        return _TrailingCallsStream((_MISTRAL_TAG,), _mistral_calls, content)
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
                  required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
@@ -704,15 +720,11 @@ class MistralParser(_Parser):
         its special tokens (v11 on), ``[TOOL_CALLS]NAME[ARGS]{...}`` per call (a tag per function), else one JSON array
         of ``{"name", "arguments"}`` objects. Each tag the tokenizer makes special is held as that token (xgrammar's
         token formats), not as text the model could also spell from smaller tokens."""
-        contents: list[dict[str, Any]]
-        if _MISTRAL_ARGS in special:
-            contents = [{"type": "sequence", "elements": [literal(f["name"]), _marker(_MISTRAL_ARGS, special), _held(f, held)]}
-                        for f in functions]
-        else:  # (one array holds them all)
-            contents = [{"type": "json_schema", "json_schema": calls_array_schema(functions, held, parallel)}]
-            parallel = False
-        tags = [{"type": "tag", "begin": _edge(_MISTRAL_TAG, special), "content": content, "end": ""}
-                for content in contents]
+        if _MISTRAL_ARGS not in special:
+            return _array_tag(_MISTRAL_TAG, functions, held, parallel, required, special)
+        tags = [{"type": "tag", "begin": _edge(_MISTRAL_TAG, special), "end": "", "content": {
+            "type": "sequence", "elements": [literal(f["name"]), _marker(_MISTRAL_ARGS, special), _held(f, held)]}}
+            for f in functions]
         return _triggered(tags, _MISTRAL_TAG, special, required, stop_after_first=not parallel)
 
     def layout_for(self, special: frozenset[str]) -> HeldLayout | None:
@@ -724,6 +736,27 @@ class MistralParser(_Parser):
         """Nine letters and digits: Mistral's chat templates refuse any other id when a conversation
         brings the calls back."""
         return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+_GRANITE_TAGS = ("<|tool_call|>", HERMES_OPEN)
+
+
+class GraniteParser(_Parser):
+    """IBM Granite 3's calls: ``<|tool_call|>`` (or, as later Granite 3 models also write it, ``<tool_call>``) and a
+    JSON array of ``{"name": ..., "arguments": {...}}`` to the end of the answer; the text before it is content, and
+    an array that is not one is content with its tag."""
+
+    name = "granite"
+    tags: tuple[str, ...] = _GRANITE_TAGS[:1]
+    holds_calls = True
+
+    def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
+        return _TrailingCallsStream(_GRANITE_TAGS, json_array_calls, content)
+
+    def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
+                 required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
+        """From ``<|tool_call|>`` on, the calls as one JSON array (held as that token where special)."""
+        return _array_tag(_GRANITE_TAGS[0], functions, held, parallel, required, special)
 
 
 # Qwen3-Coder's call: a <function=NAME> element holding <parameter=KEY> elements, each value on its own lines.
@@ -1066,7 +1099,7 @@ class KimiK2Parser(_Parser):
 PARSERS: dict[str, ToolCallParser] = {
     p.name: p for p in (HermesParser(), Qwen3CoderParser(), Llama3JsonParser(), MistralParser(), GlmParser("glm45"),
                         GlmParser("glm47"), MiniMaxM2Parser(), DeepSeekParser("deepseek_v3"), DeepSeekParser("deepseek_v31"),
-                        KimiK2Parser(), PythonicParser("pythonic"), PythonicParser("llama4_pythonic"))
+                        KimiK2Parser(), PythonicParser("pythonic"), PythonicParser("llama4_pythonic"), GraniteParser())
 }
 
 
@@ -1076,6 +1109,8 @@ def detect_parser(chat_template: str | None) -> str | None:
         return None
     if "[func_name1(" in chat_template:  # (the pythonic templates' example of a call list)
         return "llama4_pythonic" if "<|python_start|>" in chat_template or "<|header_start|>" in chat_template else "pythonic"
+    if _GRANITE_TAGS[0] in chat_template:
+        return "granite"
     if HERMES_OPEN in chat_template and "<function=" in chat_template and "<parameter=" in chat_template:
         return "qwen3_coder"
     if HERMES_OPEN in chat_template and "<arg_key>" in chat_template:

@@ -830,3 +830,27 @@ def test_pythonic_calls_through_the_router(redis_url: str, tokenizer: Any, tool_
         strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
         with pytest.raises(openai.BadRequestError, match="pythonic"):
             client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=strict)
+
+
+def test_granite_calls_through_the_router(redis_url: str, tokenizer: Any, tool_prompts: PromptProcessor) -> None:
+    """``--tool-call-parser granite`` (Granite 3): the JSON array after ``<|tool_call|>`` comes out as OpenAI's calls,
+    whole and streamed, the text before it content; strict functions under "auto" send a structural tag from that tag
+    on, one array of calls."""
+    reply_text = 'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]'
+    reply = list(tokenizer.encode(reply_text, add_special_tokens=False))
+    with fake_stack(redis_url, tool_prompts, reply, {"token_delay_s": 0.001, "max_model_len": 2048},
+                    tool_call_parser="granite", request_timeout_s=5.0) as (server, cluster):
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
+        choice = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS).choices[0]
+        assert choice.message.content == "Checking." and choice.finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []] == CALLS[:1]
+        content, calls, finish_reason, _ = _streamed(client, tools=TOOLS)
+        assert (content, [(c["name"], json.loads(c["arguments"])) for c in calls], finish_reason) == (
+            "Checking.", CALLS[:1], "tool_calls")
+        strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}, TOOLS[1]]
+        answer = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=strict)
+        [sent] = [r for r in cluster.requests() if r.request_id.startswith(answer.id) and r.decode_target is not None]
+        so = sent.sampling_params.structured_output
+        assert so is not None and so.kind == "structural_tag"
+        assert json.loads(so.spec)["format"]["triggers"] == ["<|tool_call|>"]
+        assert [c.function.name for c in answer.choices[0].message.tool_calls or []] == ["get_weather"]

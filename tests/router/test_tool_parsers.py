@@ -315,8 +315,10 @@ def test_detect_parser() -> None:
     assert detect_parser("Respond in the format [func_name1(params_name1=params_value1), func_name2(params)]"
                          "{{- '<|start_header_id|>' }}") == "pythonic"
     assert detect_parser("[func_name1(params_name1=params_value1)] {{- '<|header_start|>' }}") == "llama4_pythonic"
+    assert detect_parser("{{- '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' + message.tool_calls|tojson }}"
+                         ) == "granite"
     assert set(PARSERS) == {"hermes", "qwen3_coder", "llama3_json", "mistral", "glm45", "glm47", "minimax_m2",
-                            "deepseek_v3", "deepseek_v31", "kimi_k2", "pythonic", "llama4_pythonic"}
+                            "deepseek_v3", "deepseek_v31", "kimi_k2", "pythonic", "llama4_pythonic", "granite"}
     assert all(PARSERS[name].name == name for name in PARSERS)
 
 
@@ -663,6 +665,10 @@ def _hermes_native(calls: list[tuple[str, str]]) -> str:
                    for n, c in calls)
 
 
+def _granite_native(calls: list[tuple[str, str]]) -> str:
+    return "<|tool_call|>" + json.dumps([{"name": n, "arguments": {"city": c}} for n, c in calls])
+
+
 def _qwen3_coder_native(calls: list[tuple[str, str]]) -> str:
     return "".join(f"<tool_call>\n<function={n}>\n<parameter=city>\n{c}\n</parameter>\n</function>\n</tool_call>"
                    for n, c in calls)
@@ -670,7 +676,7 @@ def _qwen3_coder_native(calls: list[tuple[str, str]]) -> str:
 
 @pytest.mark.parametrize(("name", "native"), [
     ("hermes", _hermes_native), ("qwen3_coder", _qwen3_coder_native), ("glm45", _glm_native), ("minimax_m2", _minimax_native), ("deepseek_v3", _deepseek_native(True)),
-    ("deepseek_v31", _deepseek_native(False)), ("kimi_k2", _kimi_native)])
+    ("deepseek_v31", _deepseek_native(False)), ("kimi_k2", _kimi_native), ("granite", _granite_native)])
 @pytest.mark.parametrize("tags_special", [True, False])
 def test_each_format_s_call_tag_holds_its_own_calls(tokenizer_dir: object, name: str, native: Any,
                                                     tags_special: bool) -> None:
@@ -801,3 +807,36 @@ def test_pythonic_stream_holds_an_answer_that_opens_like_calls_and_matches_extra
     rng = random.Random(4)
     for text in PYTHONIC_TEXTS:
         _check_consistent(PYTHONIC, text, rng, every_position=True)
+
+
+# -- granite --------------------------------------------------------------------------------------------
+
+GRANITE = PARSERS["granite"]
+GRANITE_TEXTS = [
+    '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]',
+    'Let me check.\n<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}] and more',
+    '<|tool_call|>[{"name": "get_weather"}]',
+    "<|tool_call|>",
+    "Plain <|tool_ca",
+    "",
+]
+
+
+def test_granite_calls_are_a_json_array_after_its_tag() -> None:
+    """After ``<|tool_call|>`` (or ``<tool_call>``) a JSON array of calls to the answer's end; the text before it is
+    content; an array that is not one is content, its tag kept."""
+    assert GRANITE.extract(GRANITE_TEXTS[0]) == (None, [PARIS, ToolCall("get_time", "{}")])
+    assert GRANITE.extract(GRANITE_TEXTS[1]) == ("Let me check.", [PARIS])
+    tagged = '<|tool_call|>[{"name": "f", "arguments": {"s": "<tool_call>"}}]'  # (the first tag opens the calls)
+    assert GRANITE.extract(tagged) == (None, [ToolCall("f", '{"s": "<tool_call>"}')])
+    for text in GRANITE_TEXTS[2:]:
+        assert GRANITE.extract(text) == (text.strip() or None, []), text
+    stream = GRANITE.stream()
+    assert stream.feed("Checking <|tool") == ["Checking"]
+    assert stream.feed('_call|>[{"name": "get_weather", ') == []
+    assert stream.feed('"arguments": {"city": "Paris"}}]') == []
+    assert stream.finish() == [PARIS]
+    rng = random.Random(5)
+    for text in GRANITE_TEXTS:
+        _check_consistent(GRANITE, text, rng, every_position=True)

@@ -12,6 +12,8 @@ chat responses and stream deltas (the field DeepSeek's API and vLLM use), with `
   ``glm45`` (GLM-4.5 to 5), ``kimi_k2`` (Kimi K2 Thinking), ``minimax_m2`` (MiniMax-M2): the prompt decides. Where its
   text ends with ``<think>`` (the template opened the thinking), as ``deepseek_r1``; else as ``qwen3`` (the model
   opens it, or the template closed it, ``<think></think>``, to turn thinking off).
+* ``seed_oss`` (ByteDance's Seed-OSS): as those the prompt decides, its thinking between ``<seed:think>`` and
+  ``</seed:think>``.
 
 The whitespace after ``</think>`` belongs to neither. A request whose output a
 grammar holds (``response_format``, a forced tool call) is not split: its output is content from
@@ -40,6 +42,8 @@ class ReasoningStream:
     text can change, ``finish`` the rest. ``thought``: whether the answer had a thinking part."""
 
     starts_inside: bool  # deepseek_r1: the prompt opened the thinking
+    open_tag: str = OPEN
+    close_tag: str = CLOSE
     thought: bool = False
     _state: str = "start"  # "start" (not decided yet), "thinking", "after" (its end seen), "answer"
     _buf: str = ""
@@ -48,9 +52,9 @@ class ReasoningStream:
         self._buf += text
         if self._state == "start":
             head = self._buf.lstrip()
-            if head.startswith(OPEN):
-                self._think(head[len(OPEN):])
-            elif OPEN.startswith(head):  # empty, or a piece of the tag: not decided yet
+            if head.startswith(self.open_tag):
+                self._think(head[len(self.open_tag):])
+            elif self.open_tag.startswith(head):  # empty, or a piece of the tag: not decided yet
                 return "", ""
             elif self.starts_inside:
                 self._think(self._buf)
@@ -58,12 +62,12 @@ class ReasoningStream:
                 self._state = "answer"
         reasoning = ""
         if self._state == "thinking":
-            end = self._buf.find(CLOSE)
+            end = self._buf.find(self.close_tag)
             if end < 0:
-                keep = len(self._buf) - _partial_suffix(self._buf, CLOSE)
+                keep = len(self._buf) - _partial_suffix(self._buf, self.close_tag)
                 reasoning, self._buf = self._buf[:keep], self._buf[keep:]
                 return reasoning, ""
-            reasoning, self._buf = self._buf[:end], self._buf[end + len(CLOSE):]
+            reasoning, self._buf = self._buf[:end], self._buf[end + len(self.close_tag):]
             self._state = "after"
         if self._state == "after":  # the whitespace after the thinking belongs to neither
             self._buf = self._buf.lstrip()
@@ -89,11 +93,22 @@ class ReasoningStream:
 class ReasoningParser:
     name: str
     starts_inside: bool | None  # None: where the prompt opened the thinking (``prompt_opens``)
-    tags: tuple[str, ...] = (OPEN, CLOSE)  # what it must see in the streamed text
+    open_tag: str = OPEN
+    close_tag: str = CLOSE
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """What it must see in the streamed text."""
+        return self.open_tag, self.close_tag
 
     def stream(self, prompt_opens: bool = False) -> ReasoningStream:
-        """``prompt_opens``: whether the prompt's text ends with ``<think>`` (for the parsers it decides)."""
-        return ReasoningStream(prompt_opens if self.starts_inside is None else self.starts_inside)
+        """``prompt_opens``: whether the prompt's text ends with its open tag (for the parsers it decides)."""
+        return ReasoningStream(prompt_opens if self.starts_inside is None else self.starts_inside, self.open_tag,
+                               self.close_tag)
+
+    def prompt_opens(self, prompt_text_end: str) -> bool:
+        """Whether a prompt whose text ends so leaves the answer inside the thinking."""
+        return prompt_text_end.rstrip().endswith(self.open_tag)
 
     def split(self, text: str, prompt_opens: bool = False) -> tuple[str | None, str]:
         """A whole answer's thinking (None when it has none) and content."""
@@ -106,10 +121,6 @@ class ReasoningParser:
 REASONING_PARSERS: dict[str, ReasoningParser] = {
     p.name: p for p in (ReasoningParser("deepseek_r1", starts_inside=True), ReasoningParser("qwen3", starts_inside=False),
                         *(ReasoningParser(name, starts_inside=None)
-                          for name in ("deepseek_v3", "glm45", "kimi_k2", "minimax_m2")))
+                          for name in ("deepseek_v3", "glm45", "kimi_k2", "minimax_m2")),
+                        ReasoningParser("seed_oss", starts_inside=None, open_tag="<seed:think>", close_tag="</seed:think>"))
 }
-
-
-def prompt_opens_thinking(prompt_text_end: str) -> bool:
-    """Whether a prompt whose text ends so leaves the answer inside the thinking."""
-    return prompt_text_end.rstrip().endswith(OPEN)

@@ -32,7 +32,6 @@ from router.openai_responses import (
     DeltaMessage,
     PromptLogprobs,
 )
-from router.reasoning import prompt_opens_thinking
 from router.serving import (
     ChoiceResult,
     DisconnectWaiter,
@@ -196,8 +195,8 @@ def answer_reader(
         or (reasoning is not None and lost.intersection(reasoning.tags))
         or (in_harmony and lost.intersection(harmony.TAGS))
     )
-    # Where the parser is one the prompt decides: whether its last tokens' text ends with <think>.
-    prompt_opens = reasoning is not None and reasoning.starts_inside is None and prompt_opens_thinking(
+    # Where the parser is one the prompt decides: whether its last tokens' text ends with its open tag.
+    prompt_opens = reasoning is not None and reasoning.starts_inside is None and reasoning.prompt_opens(
         state.prompts.tokenizer.decode(prompt[-16:], skip_special_tokens=False))
     return AnswerReader(tools, state.tool_parser, reasoning, needs_special, request.include_reasoning, in_harmony,
                         prompt_opens)

@@ -21,6 +21,7 @@ end of an answer never reaches the client.
 * ``minimax_m2`` (MiniMax-M2): ``<minimax:tool_call>`` blocks of ``<invoke name=...>`` elements of ``<parameter>`` ones.
 * ``deepseek_v3`` / ``deepseek_v31`` (DeepSeek-V3, R1-0528, V3.1): ``<｜tool▁calls▁begin｜>`` blocks of calls.
 * ``kimi_k2`` (Kimi K2): ``<|tool_calls_section_begin|>`` sections of calls, each with the id the model wrote.
+* ``seed_oss`` (Seed-OSS): Qwen3-Coder's calls inside ``<seed:tool_call>`` and ``</seed:tool_call>``.
 * ``granite`` (Granite 3): ``<|tool_call|>`` (or ``<tool_call>``) and a JSON array of calls to the answer's end.
 * ``pythonic`` / ``llama4_pythonic`` (pythonic templates of Llama 3.2 and Llama 4, ToolACE): the whole answer is a
   Python list of calls with keyword arguments of literal values, ``[get_time(zone="UTC"), f(n=1)]``.
@@ -425,25 +426,27 @@ class HermesParser(_Parser):
 
 def _tool_call_tags(functions: list[dict[str, Any]], held: frozenset[str], parallel: bool, required: bool,
                     special: frozenset[str], style: str, head: Callable[[str], str], tail: str,
-                    text_trigger: str = "") -> dict[str, Any]:
-    """Calls inside ``<tool_call>`` tags: after the open tag, ``head(name)``, the arguments in ``style``, then ``tail``
-    and the close tag. Where ``<tool_call>`` is a token every tag begins with it, and what follows it is content; as
-    text, each tag begins with its whole head (so the function is chosen as the text comes), and the tags start
-    where ``<tool_call>`` and ``text_trigger`` come."""
+                    text_trigger: str = "", wrap: tuple[str, str] = (HERMES_OPEN, HERMES_CLOSE)) -> dict[str, Any]:
+    """Calls inside ``<tool_call>`` tags (or another ``wrap``): after the open tag, ``head(name)``, the arguments in
+    ``style``, then ``tail`` and the close tag. Where the open tag is a token every tag begins with it, and what follows
+    it is content; as text, each tag begins with its whole head (so the function is chosen as the text comes), and the
+    tags start where the open tag and ``text_trigger`` come."""
+    opener, closer = wrap
+
     def tag(f: dict[str, Any]) -> dict[str, Any]:
         if not special:  # all text: the head and the tail are the tag's own begin and end
-            return {"type": "tag", "begin": HERMES_OPEN + head(f["name"]), "content": _held(f, held, style),
-                    "end": tail + HERMES_CLOSE}
+            return {"type": "tag", "begin": opener + head(f["name"]), "content": _held(f, held, style),
+                    "end": tail + closer}
         elements = [_held(f, held, style), *([literal(tail)] if tail else [])]
-        if HERMES_OPEN in special:
-            begin: str | dict[str, Any] = _edge(HERMES_OPEN, special)
+        if opener in special:
+            begin: str | dict[str, Any] = _edge(opener, special)
             elements.insert(0, literal(head(f["name"])))
         else:
-            begin = HERMES_OPEN + head(f["name"])
+            begin = opener + head(f["name"])
         return {"type": "tag", "begin": begin, "content": {"type": "sequence", "elements": elements},
-                "end": _edge(HERMES_CLOSE, special)}
+                "end": _edge(closer, special)}
 
-    trigger = HERMES_OPEN if HERMES_OPEN in special else HERMES_OPEN + text_trigger
+    trigger = opener if opener in special else opener + text_trigger
     return _triggered([tag(f) for f in functions], trigger, special, required, stop_after_first=not parallel)
 
 
@@ -759,6 +762,9 @@ class GraniteParser(_Parser):
         return _array_tag(_GRANITE_TAGS[0], functions, held, parallel, required, special)
 
 
+_SEED_WRAP = ("<seed:tool_call>", "</seed:tool_call>")
+
+
 # Qwen3-Coder's call: a <function=NAME> element holding <parameter=KEY> elements, each value on its own lines.
 _XML_FUNCTION = re.compile(r"\s*<function=([^<>\n]+)>(.*)</function>\s*", re.DOTALL)
 _XML_PARAMETER = re.compile(r"\s*<parameter=([^<>\n]+)>(.*?)</parameter>", re.DOTALL)
@@ -839,17 +845,21 @@ def _qwen_xml_call(body: str, functions: Sequence[dict[str, Any]]) -> ToolCall |
 class Qwen3CoderParser(_Parser):
     """Qwen3-Coder's (and Qwen3.5's) calls: ``<tool_call>``, ``<function=NAME>``, one ``<parameter=KEY>`` element per
     argument with its value on lines of its own, ``</function>``, ``</tool_call>``, anywhere in the answer. A value
-    takes its type from the function's schema (``_xml_value``); a tag whose body is not such a call is content."""
+    takes its type from the function's schema (``_xml_value``); a tag whose body is not such a call is content.
+    ``seed_oss`` (ByteDance's Seed-OSS): the same calls inside ``<seed:tool_call>`` and ``</seed:tool_call>``."""
 
-    name = "qwen3_coder"
-    tags: tuple[str, ...] = (HERMES_OPEN, HERMES_CLOSE)
     holds_calls = True
-    held_layout = HeldLayout(HERMES_OPEN, rf"{_WS}<function=(?P<name>[^<>\n]+)>",
-                             f"{_WS}</function>{_WS}{re.escape(HERMES_CLOSE)}",
-                             XmlArguments(rf"{_WS}<parameter=(?P<key>[^<>\n]+)>", "</parameter>", trim_newlines=True))
+
+    def __init__(self, name: str, wrap: tuple[str, str] = (HERMES_OPEN, HERMES_CLOSE)) -> None:
+        self.name, self._wrap = name, wrap
+        self.tags: tuple[str, ...] = wrap
+        self.held_layout = HeldLayout(wrap[0], rf"{_WS}<function=(?P<name>[^<>\n]+)>",
+                                      f"{_WS}</function>{_WS}{re.escape(wrap[1])}",
+                                      XmlArguments(rf"{_WS}<parameter=(?P<key>[^<>\n]+)>", "</parameter>",
+                                                   trim_newlines=True))
 
     def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
-        return _TagStream(_one(functools.partial(_qwen_xml_call, functions=functions)), content=content)
+        return _TagStream(_one(functools.partial(_qwen_xml_call, functions=functions)), *self._wrap, content=content)
 
     def call_tag(self, functions: list[dict[str, Any]], held: frozenset[str], parallel: bool,
                  required: bool, special: frozenset[str] = frozenset()) -> dict[str, Any] | None:
@@ -857,7 +867,7 @@ class Qwen3CoderParser(_Parser):
         xgrammar's ``qwen_xml`` style (the XML elements above, typed by the schema): triggered tags, one per function,
         the tags held as tokens where special (``held_layout``)."""
         return _tool_call_tags(functions, held, parallel, required, special, "qwen_xml",
-                               lambda name: f"\n<function={name}>\n", "\n</function>\n", "\n<function=")
+                               lambda name: f"\n<function={name}>\n", "\n</function>\n", "\n<function=", self._wrap)
 
 
 def parameter_schemas(functions: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -1097,7 +1107,8 @@ class KimiK2Parser(_Parser):
 
 
 PARSERS: dict[str, ToolCallParser] = {
-    p.name: p for p in (HermesParser(), Qwen3CoderParser(), Llama3JsonParser(), MistralParser(), GlmParser("glm45"),
+    p.name: p for p in (HermesParser(), Qwen3CoderParser("qwen3_coder"), Qwen3CoderParser("seed_oss", _SEED_WRAP),
+                        Llama3JsonParser(), MistralParser(), GlmParser("glm45"),
                         GlmParser("glm47"), MiniMaxM2Parser(), DeepSeekParser("deepseek_v3"), DeepSeekParser("deepseek_v31"),
                         KimiK2Parser(), PythonicParser("pythonic"), PythonicParser("llama4_pythonic"), GraniteParser())
 }
@@ -1111,6 +1122,8 @@ def detect_parser(chat_template: str | None) -> str | None:
         return "llama4_pythonic" if "<|python_start|>" in chat_template or "<|header_start|>" in chat_template else "pythonic"
     if _GRANITE_TAGS[0] in chat_template:
         return "granite"
+    if _SEED_WRAP[0] in chat_template:
+        return "seed_oss"
     if HERMES_OPEN in chat_template and "<function=" in chat_template and "<parameter=" in chat_template:
         return "qwen3_coder"
     if HERMES_OPEN in chat_template and "<arg_key>" in chat_template:

@@ -20,7 +20,7 @@ FUNCTION = {"name": "edit", "parameters": {"type": "object", "properties": {
     "note": {"type": ["string", "null"]}}}}
 _DS = ("<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581sep\uff5c>",
        "<\uff5ctool\u2581call\u2581end\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>")
-_XML_CLOSE = {"qwen3_coder": "</parameter>", "minimax_m2": "</parameter>", "glm45": "</arg_value>"}
+_XML_CLOSE = {"qwen3_coder": "</parameter>", "seed_oss": "</parameter>", "minimax_m2": "</parameter>", "glm45": "</arg_value>"}
 
 # Text that stresses the reader: pieces of the layouts' tags, newlines, JSON's escapes, "null".
 _TEXT = st.one_of(
@@ -46,10 +46,12 @@ def _answer(name: str, calls: list[dict[str, Any]], text: str, ws: str = "", for
                    {"name": "edit", "arguments": json.dumps(args) if foreign == "string" else args})
             return f"<tool_call>{ws}\n{json.dumps(obj, ensure_ascii=False)}\n{ws}</tool_call>"
         body = "".join(hermes(args) for args in calls)
-    elif name == "qwen3_coder":
+    elif name in ("qwen3_coder", "seed_oss"):
         body = "".join(f"<tool_call>{ws}\n<function=edit>\n" + "".join(
             f"{ws}<parameter={k}>\n{_xml_text(v)}\n</parameter>\n" for k, v in args.items()) + "</function>\n</tool_call>"
             for args in calls)
+        if name == "seed_oss":
+            body = body.replace("tool_call>", "seed:tool_call>")
     elif name == "glm45":
         body = "".join(f"<tool_call>{ws}edit" + "".join(
             f"\n<arg_key>{k}</arg_key>\n<arg_value>{_xml_text(v)}</arg_value>" for k, v in args.items()) + "\n</tool_call>"
@@ -93,7 +95,7 @@ def _read(reader: Any, answer: str, cuts: list[int]) -> tuple[str | None, list[T
     return content or None, calls, pieces
 
 
-_FORMATS = ["hermes", "qwen3_coder", "glm45", "minimax_m2", "deepseek_v3", "deepseek_v31", "kimi_k2", "mistral"]
+_FORMATS = ["hermes", "qwen3_coder", "seed_oss", "glm45", "minimax_m2", "deepseek_v3", "deepseek_v31", "kimi_k2", "mistral"]
 
 
 @settings(max_examples=400, deadline=None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import openai
@@ -43,6 +44,8 @@ def _streamed(parser_name: str, text: str, cuts: list[int]) -> tuple[str, str]:
 @pytest.mark.parametrize("parser_name", list(REASONING_PARSERS))
 @pytest.mark.parametrize("text", TEXTS)
 def test_any_chunking_streams_what_the_whole_answer_splits_into(parser_name: str, text: str) -> None:
+    if parser_name == "seed_oss":  # (its own tags)
+        text = text.replace("think>", "seed:think>")
     reasoning, content = REASONING_PARSERS[parser_name].split(text)
     rng = random.Random(len(text))
     chunkings = [[i] for i in range(1, len(text))] + [
@@ -147,18 +150,24 @@ def test_tags_the_tokenizer_marks_special_still_reach_the_parser(
         assert (message.reasoning_content, message.content) == (f"\n{THINKING}\n", "Paris.")  # type: ignore[attr-defined]
 
 
-def test_the_prompt_decides_for_deepseek_v3_glm_kimi_and_minimax() -> None:
+def test_the_prompt_decides_for_deepseek_v3_glm_kimi_minimax_and_seed_oss() -> None:
     """Where the prompt's text ends with <think> the answer starts inside the thinking (deepseek_r1's reading), else
-    the model opens it or there is none (qwen3's)."""
-    from router.reasoning import prompt_opens_thinking
-
-    assert prompt_opens_thinking("<|Assistant|><think>\n") and prompt_opens_thinking("<think>")
-    assert not prompt_opens_thinking("<|Assistant|></think>") and not prompt_opens_thinking("<think>\n\n</think>\n\n")
-    for name in ("deepseek_v3", "glm45", "kimi_k2", "minimax_m2"):
+    the model opens it or there is none (qwen3's). Seed-OSS's the same with its own tags."""
+    v3, seed = REASONING_PARSERS["deepseek_v3"], REASONING_PARSERS["seed_oss"]
+    assert v3.prompt_opens("<|Assistant|><think>\n") and v3.prompt_opens("<think>")
+    assert not v3.prompt_opens("<|Assistant|></think>") and not v3.prompt_opens("<think>\n\n</think>\n\n")
+    assert seed.prompt_opens("assistant\n<seed:think>") and not seed.prompt_opens("<think>")
+    for name in ("deepseek_v3", "glm45", "kimi_k2", "minimax_m2", "seed_oss"):
         parser = REASONING_PARSERS[name]
         for text in TEXTS:
-            assert parser.split(text, prompt_opens=True) == REASONING_PARSERS["deepseek_r1"].split(text), (name, text)
-            assert parser.split(text) == REASONING_PARSERS["qwen3"].split(text), (name, text)
+            if name == "seed_oss":
+                text = text.replace("think>", "seed:think>")
+            r1, qwen3 = (replace(REASONING_PARSERS[n], open_tag=parser.open_tag, close_tag=parser.close_tag)
+                         for n in ("deepseek_r1", "qwen3"))
+            assert parser.split(text, prompt_opens=True) == r1.split(text), (name, text)
+            assert parser.split(text) == qwen3.split(text), (name, text)
+    assert seed.split("<seed:think>Plan.</seed:think>\n\nParis.") == ("Plan.", "Paris.")
+    assert seed.split("<think>Plan.</think>Paris.") == (None, "<think>Plan.</think>Paris.")
 
 
 def test_a_template_that_opens_the_thinking_when_asked(redis_url: str, tokenizer: Any) -> None:

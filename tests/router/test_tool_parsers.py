@@ -306,6 +306,7 @@ def test_detect_parser() -> None:
     assert detect_parser("{%- if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
                          "{{- '[TOOL_CALLS]' + tool_calls|tojson }}") == "mistral"
     assert detect_parser(QWEN3_CODER_TEMPLATE) == "qwen3_coder"
+    assert detect_parser(QWEN3_CODER_TEMPLATE.replace("<tool_call>", "<seed:tool_call>")) == "seed_oss"
     # Each format's tool-call lines, as its chat templates write them.
     assert detect_parser("{{- '<tool_call>' + tc.name }}{% for k, v in args %}<arg_key>{{ k }}</arg_key>\n"
                          "<arg_value>{{ v }}</arg_value>{% endfor %}</tool_call>") == "glm45"
@@ -318,7 +319,8 @@ def test_detect_parser() -> None:
     assert detect_parser("{{- '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' + message.tool_calls|tojson }}"
                          ) == "granite"
     assert set(PARSERS) == {"hermes", "qwen3_coder", "llama3_json", "mistral", "glm45", "glm47", "minimax_m2",
-                            "deepseek_v3", "deepseek_v31", "kimi_k2", "pythonic", "llama4_pythonic", "granite"}
+                            "deepseek_v3", "deepseek_v31", "kimi_k2", "pythonic", "llama4_pythonic", "granite",
+                            "seed_oss"}
     assert all(PARSERS[name].name == name for name in PARSERS)
 
 
@@ -665,6 +667,10 @@ def _hermes_native(calls: list[tuple[str, str]]) -> str:
                    for n, c in calls)
 
 
+def _seed_oss_native(calls: list[tuple[str, str]]) -> str:
+    return _qwen3_coder_native(calls).replace("tool_call>", "seed:tool_call>")
+
+
 def _granite_native(calls: list[tuple[str, str]]) -> str:
     return "<|tool_call|>" + json.dumps([{"name": n, "arguments": {"city": c}} for n, c in calls])
 
@@ -676,7 +682,8 @@ def _qwen3_coder_native(calls: list[tuple[str, str]]) -> str:
 
 @pytest.mark.parametrize(("name", "native"), [
     ("hermes", _hermes_native), ("qwen3_coder", _qwen3_coder_native), ("glm45", _glm_native), ("minimax_m2", _minimax_native), ("deepseek_v3", _deepseek_native(True)),
-    ("deepseek_v31", _deepseek_native(False)), ("kimi_k2", _kimi_native), ("granite", _granite_native)])
+    ("deepseek_v31", _deepseek_native(False)), ("kimi_k2", _kimi_native), ("granite", _granite_native),
+    ("seed_oss", _seed_oss_native)])
 @pytest.mark.parametrize("tags_special", [True, False])
 def test_each_format_s_call_tag_holds_its_own_calls(tokenizer_dir: object, name: str, native: Any,
                                                     tags_special: bool) -> None:

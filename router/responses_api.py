@@ -22,7 +22,7 @@ import uuid
 from typing import Any
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr
 
 from router.config import RequestLimits
 from router.errors import APIError, bad_request
@@ -32,7 +32,6 @@ from router.openai_responses import ChatMessageOut, DeltaToolCall, Usage
 # Request fields this server does not serve, each with the value that asks for nothing.
 _NOT_SERVED: dict[str, Any] = {
     "prompt": None,  # a stored prompt template
-    "max_tool_calls": None,
 }
 # What ``include`` may ask for: the output text's log-probabilities (with ``top_logprobs`` alternatives a token).
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
@@ -75,7 +74,9 @@ class ResponsesRequest(CheckedRequest):
     background: StrictBool | None = None  # run after the request returns; read back with GET
     include: list[Any] | None = None
     reasoning: Any = None
-    max_tool_calls: Any = None
+    # OpenAI's bound on calls to its built-in tools, which are not run here (tools other than functions are refused):
+    # taken, and with nothing to bound, as OpenAI's leaves function calls unbounded.
+    max_tool_calls: StrictInt | None = Field(default=None, ge=0)
     top_logprobs: int | None = None
     mm_processor_kwargs: Any = None  # vLLM's: the image processor's settings for the input's images
     # The Responses field each chat message of ``chat_body`` came from (``input.3``, ``instructions``, or
@@ -415,7 +416,7 @@ def response_object(
         "tool_choice": request.tool_choice or "auto", "tools": request.tools or [],
         "text": request.text or {"format": {"type": "text"}}, "truncation": request.truncation or "disabled",
         "metadata": request.metadata or {}, "store": store, "background": bool(request.background), "user": request.user,
-        "previous_response_id": request.previous_response_id,
+        "previous_response_id": request.previous_response_id, "max_tool_calls": request.max_tool_calls,
         "conversation": {"id": request.conversation_id} if request.conversation_id is not None else None,
     }
 

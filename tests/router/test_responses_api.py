@@ -125,6 +125,10 @@ def test_thinking_and_a_tool_call_become_output_items_whole_and_streamed(
     assert final.output_text == "Checking." and final.output[2].arguments == call.arguments  # type: ignore[union-attr]
     assert "response.reasoning_text.delta" in kinds and "response.function_call_arguments.done" in kinds
     assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 3
+    assert kinds.count("response.function_call_arguments.delta") >= 3  # the arguments as the model writes them
+    # max_tool_calls bounds calls to OpenAI's built-in tools (none here), not function calls.
+    bounded = client.responses.create(**kwargs, max_tool_calls=0)
+    assert bounded.max_tool_calls == 0 and [item.type for item in bounded.output][-1] == "function_call"
 
 
 def test_a_strict_function_s_calls_are_held_and_the_thinking_still_split(
@@ -260,6 +264,9 @@ def test_truncation_auto_drops_the_conversation_s_first_items_until_it_fits(
         ({"top_logprobs": 3}, "top_logprobs"),  # without the logprobs asked for
         ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
         ({"include": ["message.output_text.logprobs"], "tools": TOOLS}, "include"),
+        ({"max_tool_calls": -1}, "max_tool_calls"),
+        ({"max_tool_calls": "3"}, "max_tool_calls"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ],
 )
 def test_what_is_not_served_is_refused_by_name(plain: tuple[openai.OpenAI, FakeCluster], body: dict[str, Any],

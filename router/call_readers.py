@@ -4,8 +4,8 @@ for character; the text around the calls is content. A whole response is read by
 
 * ``RequiredCalls``: a ``"required"`` answer, a JSON array of calls (``ToolPlan.structured_output``'s grammar), or
   Llama 3's calls as its structural tag holds them (``LLAMA3_CALLS``; under "auto", text instead).
-* ``HeldTagCalls``: calls in a format's own layout (hermes', Qwen3-Coder's, GLM's, MiniMax-M2's, DeepSeek's, Kimi
-  K2's, Mistral's v11 form: their parsers' ``held_layout``), whether its structural tag held them or the model wrote
+* ``TaggedCalls``: calls in a format's own layout (hermes', Qwen3-Coder's and Seed-OSS's, GLM's, MiniMax-M2's,
+  DeepSeek's, Kimi K2's, Mistral's v11 form: their parsers' ``held_layout``), whether its structural tag held them or the model wrote
   them freely under ``"auto"`` (``calls_reader``). JSON arguments go out as written; XML ones (one element per
   argument) as the JSON object their parser makes of them, a string argument's text as it comes.
 
@@ -40,8 +40,7 @@ from router.tool_parsers import (
 
 @dataclass(frozen=True)
 class CallStart:
-    """A call whose layout a grammar holds opens: its name is known (and its id, where the model writes it), its
-    arguments follow."""
+    """A call opens: its name is known (and its id, where the model writes it), its arguments follow."""
 
     name: str
     call_id: str | None = None
@@ -54,7 +53,7 @@ class ArgumentsPiece:
     text: str
 
 
-# What a reader of grammar-held calls gives: content text, a call opening, a piece of its arguments.
+# What a calls reader gives: content text, a call opening, a piece of its arguments.
 PieceEvent = str | CallStart | ArgumentsPiece
 
 
@@ -82,7 +81,7 @@ class Stepper(Generic[E]):
         raise NotImplementedError
 
 
-HeldCalls = Stepper[PieceEvent]
+CallsReader = Stepper[PieceEvent]
 
 
 def _closing_quote(text: str, start: int) -> int | None:
@@ -150,7 +149,7 @@ JSON_ARRAY = CallsLayout("[", '{"name": "', ', "arguments": ', ", ", "]")
 LLAMA3_CALLS = CallsLayout("", '{"name": "', ', "parameters": ', "; ", None)
 
 
-class RequiredCalls(HeldCalls):
+class RequiredCalls(CallsReader):
     """A ``"required"`` answer, ``[{"name": "...", "arguments": ...}, ...]`` (or calls in another ``layout``: Llama
     3's), read as it streams: each call opens when its name's string closes, and its arguments go out as they are
     written (so a stream's pieces join into a whole response's arguments, character for character).
@@ -260,7 +259,7 @@ def _escaped(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
-class HeldTagCalls(HeldCalls):
+class TaggedCalls(CallsReader):
     """An answer whose calls are written in a format's layout (``HeldLayout``: calls in tags of their own, or in a
     block), read as it streams. Each call opens once its head (its name, and its id where written) is read, and JSON
     arguments' opening brace. Its arguments go out as they are written where they are JSON. Where they are XML
@@ -470,7 +469,7 @@ class HeldTagCalls(HeldCalls):
 
 
 def calls_reader(parser: ToolCallParser, functions: Sequence[dict[str, Any]], max_calls: int | None = None,
-                 special: frozenset[str] = frozenset(), held: bool = True) -> HeldCalls | None:
+                 special: frozenset[str] = frozenset(), held: bool = True) -> CallsReader | None:
     """The reader of an answer's calls in the parser's format, their arguments read as they are written (``special``:
     the format's tags the tokenizer makes special tokens). ``held``: the parser's structural tag held the calls;
     else the model wrote them freely (``"auto"``), and what leaves the layout before a call opens is read by the
@@ -480,10 +479,10 @@ def calls_reader(parser: ToolCallParser, functions: Sequence[dict[str, Any]], ma
     layout = parser.layout_for(special)
     if layout is None:
         return None
-    return HeldTagCalls(layout, functions, max_calls, None if held else functools.partial(parser.stream, functions))
+    return TaggedCalls(layout, functions, max_calls, None if held else functools.partial(parser.stream, functions))
 
 
-def read_pieces(reader: HeldCalls, text: str) -> tuple[str | None, list[ToolCall]]:
+def read_pieces(reader: CallsReader, text: str) -> tuple[str | None, list[ToolCall]]:
     """A whole answer's content (None when there is none) and calls, as a reader of grammar-held calls reads them
     when it streams."""
     content: list[str] = []

@@ -286,8 +286,9 @@ class XmlArguments:
 
 @dataclass(frozen=True)
 class HeldLayout:
-    """How a format's calls are written where its structural tag (``call_tag``) holds them: the text that opens them
-    (each call's tag, or a block of calls), then regexes matched where the last left off: ``head`` from the opening
+    """How a format's calls are written, as its structural tag (``call_tag``) holds them and as its chat templates
+    teach them (with the whitespace between their parts its parser takes): the text that opens them (each call's
+    tag, or a block of calls), then regexes matched where the last left off: ``head`` from the opening
     to a call's arguments (group ``name``, and ``id`` where the model writes the call's id), ``end`` from its
     arguments to its end (its tag's, for a call in a tag of its own), and in a block ``next`` (another call's head)
     or ``close`` (the block's end). ``xml``: the arguments' XML elements; None: a JSON object."""

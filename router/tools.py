@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Any
 from common.sampling_params import MAX_STRUCTURED_OUTPUT_CHARS, StructuredOutput
 from router.call_readers import (
     ArgumentsPiece,
+    CallsReader,
     CallStart,
-    HeldCalls,
     PieceEvent,
     RequiredCalls,
     calls_reader,
@@ -239,7 +239,7 @@ class ToolPlan:
         assert tag is not None, "in_format checked the format has a tag"
         return StructuredOutput(kind="structural_tag", spec=_tools_spec(tag))
 
-    def pieces_reader(self, parser: ToolCallParser | None) -> HeldCalls | None:
+    def pieces_reader(self, parser: ToolCallParser | None) -> CallsReader | None:
         """The reader of an answer's calls that reads their arguments as they are written: calls in the format's
         layout (``calls_reader``), held by its tag or written freely under ``"auto"``; a ``"required"`` answer's JSON
         array. None where the parser reads the calls whole (Mistral's JSON array, held or not; Llama 3's under
@@ -344,7 +344,7 @@ class ToolDeltas:
     plan: ToolPlan
     parser: ToolCallParser | None
     stream: ToolCallStream | None
-    pieces: HeldCalls | None = None
+    pieces: CallsReader | None = None
     num_calls: int = 0
 
     @classmethod

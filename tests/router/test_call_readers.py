@@ -1,4 +1,4 @@
-"""Calls a format's structural tag held, read as they stream (``router/call_readers.py`` ``HeldTagCalls``), against
+"""Calls a format's structural tag held, read as they stream (``router/call_readers.py`` ``TaggedCalls``), against
 the format's own parser over generated answers: whatever the arguments (strings with newlines, quotes, escapes,
 ``null``, text that starts like a closing tag; numbers; objects) and however the text is cut, the stream's pieces
 join into the whole answer's reading, and that reading is the parser's (XML arguments as the same JSON text, JSON
@@ -12,7 +12,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.call_readers import ArgumentsPiece, CallStart, HeldTagCalls, calls_reader, read_pieces
+from router.call_readers import ArgumentsPiece, CallStart, TaggedCalls, calls_reader, read_pieces
 from router.tool_parsers import PARSERS, ToolCall
 
 FUNCTION = {"name": "edit", "parameters": {"type": "object", "properties": {
@@ -120,7 +120,7 @@ def test_calls_streamed_in_any_pieces_read_as_the_format_s_parser_reads_them(
     answer = _answer(name, calls, text, ws, foreign) + (tail if name != "mistral" else "")  # (its calls end it)
     special = frozenset(parser.tags if name == "mistral" else ())  # (v11's [ARGS] a special token)
     reader = calls_reader(parser, [FUNCTION], max_calls, special, held)
-    assert isinstance(reader, HeldTagCalls)
+    assert isinstance(reader, TaggedCalls)
     content, read = read_pieces(reader, answer)
 
     expected_content, expected = parser.extract(answer, [FUNCTION])

@@ -547,7 +547,7 @@ def test_held_xml_arguments_typed_trimmed_and_kept_apart_from_text() -> None:
     layout's), ``null`` (any case) as null even where a string is declared, other types whole once their element
     closes; a call too many, an opening off the layout and an answer cut short keep every character the model wrote
     or end the call where it was certain."""
-    from router.call_readers import ArgumentsPiece, CallStart, HeldTagCalls, read_pieces
+    from router.call_readers import ArgumentsPiece, CallStart, TaggedCalls, read_pieces
     from router.tool_parsers import PARSERS
 
     parser = PARSERS["qwen3_coder"]
@@ -558,8 +558,8 @@ def test_held_xml_arguments_typed_trimmed_and_kept_apart_from_text() -> None:
     def read(text: str, max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
         """The whole answer's reading, which a character at a time gives too."""
         assert parser.held_layout is not None
-        whole = read_pieces(HeldTagCalls(parser.held_layout, functions, max_calls), text)
-        reader = HeldTagCalls(parser.held_layout, functions, max_calls)
+        whole = read_pieces(TaggedCalls(parser.held_layout, functions, max_calls), text)
+        reader = TaggedCalls(parser.held_layout, functions, max_calls)
         content, calls = "", []
         for event in [e for c in text for e in reader.feed(c)] + reader.finish():
             if isinstance(event, CallStart):

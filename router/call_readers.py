@@ -299,9 +299,13 @@ class TaggedCalls(CallsReader):
         self._scan: _JsonScan | None = None  # JSON, once its "{" is read
         self._schemas: dict[str, Any] = {}  # XML: the function's parameters' schemas
         self._num_keys = 0
-        self._value = ""  # the open element's text so far
+        self._parts: list[str] = []  # the open element's text so far
         self._value_schema: Any = None
-        self._sent = -1  # characters of the value (its newlines trimmed) written as a JSON string; -1: none, no quote
+        # A string value written as it comes: whether its opening quote went out, whether its first character (a
+        # newline the layout trims) is still to come, and its text read but not written yet.
+        self._quoted = False
+        self._lead = False
+        self._unsent = ""
 
     def finish(self) -> list[PieceEvent]:
         """What is left: content, unless the answer stopped inside a call or a block of calls."""
@@ -425,7 +429,8 @@ class TaggedCalls(CallsReader):
         key = m["key"].strip()
         events.append(ArgumentsPiece(f"{', ' if self._num_keys else ''}{json.dumps(key, ensure_ascii=False)}: "))
         self._num_keys += 1
-        self._value, self._value_schema, self._sent, self._state = "", self._schemas.get(key), -1, "value"
+        self._parts, self._value_schema, self._state = [], self._schemas.get(key), "value"
+        self._quoted, self._lead, self._unsent = False, self._layout.xml is not None and self._layout.xml.trim_newlines, ""
 
     def _value_text(self, events: list[PieceEvent]) -> bool:
         """An XML argument's text, up to its element's end."""
@@ -434,38 +439,43 @@ class TaggedCalls(CallsReader):
         end = self._buf.find(value_end)
         if end < 0:
             keep = len(self._buf) - partial_suffix(self._buf, value_end)
-            self._value += self._buf[:keep]
+            self._parts.append(self._buf[:keep])
+            self._stream_value(events, self._buf[:keep])
             self._buf = self._buf[keep:]
-            self._stream_value(events)
             return False
-        text = self._value + self._buf[:end]
+        trim = self._layout.xml.trim_newlines
+        last = self._buf[:end]
         self._buf = self._buf[end + len(value_end):]
-        if self._layout.xml.trim_newlines:
-            text = text.removeprefix("\n").removesuffix("\n")
-        if self._sent >= 0:
-            events.append(ArgumentsPiece(_escaped(text[self._sent:]) + '"'))
+        if self._quoted:  # the rest of the string, its last newline the layout's
+            rest = self._unsent + last
+            events.append(ArgumentsPiece(_escaped(rest.removesuffix("\n") if trim else rest) + '"'))
         else:
+            text = "".join(self._parts) + last
+            if trim:
+                text = text.removeprefix("\n").removesuffix("\n")
             events.append(ArgumentsPiece(xml_value_json(text, self._value_schema)))
         self._state = "params"
         return True
 
-    def _stream_value(self, events: list[PieceEvent]) -> None:
-        """The text of a string argument so far, but what may yet not be its own: a last newline where the layout
-        trims it, and text that may still be all ``null`` (which is null)."""
+    def _stream_value(self, events: list[PieceEvent], added: str) -> None:
+        """A string argument's text as it comes (``added``: what came now), but what may yet not be its own: a first
+        and a last newline where the layout trims them, and text that may still be all ``null`` (which is null)."""
         assert self._layout.xml is not None
-        if not xml_text_value(self._value_schema):
+        if not added or not xml_text_value(self._value_schema):
             return
-        text = self._value
-        if self._layout.xml.trim_newlines:
-            text = text.removeprefix("\n")
-            text = text[:-1] if text.endswith("\n") else text
-        if self._sent < 0:
-            if "null".startswith(text.lower()):
+        if self._lead:
+            added, self._lead = added.removeprefix("\n"), False
+        pending = self._unsent + added
+        ready = pending[:-1] if self._layout.xml.trim_newlines and pending.endswith("\n") else pending
+        if not self._quoted:
+            if "null".startswith(ready.lower()):
+                self._unsent = pending
                 return
-            events.append(ArgumentsPiece('"' + _escaped(text)))
-        elif len(text) > self._sent:
-            events.append(ArgumentsPiece(_escaped(text[self._sent:])))
-        self._sent = len(text)
+            events.append(ArgumentsPiece('"' + _escaped(ready)))
+            self._quoted = True
+        elif ready:
+            events.append(ArgumentsPiece(_escaped(ready)))
+        self._unsent = pending[len(ready):]
 
 
 def calls_reader(parser: ToolCallParser, functions: Sequence[dict[str, Any]], max_calls: int | None = None,

@@ -163,3 +163,19 @@ def test_a_call_written_freely_that_slips_is_read_as_far_as_it_holds() -> None:
     # Before the arguments: the parser's, whole.
     broken = '<tool_call>\n{"name": "edit", "arguments": [1]}\n</tool_call>'
     assert read(broken) == hermes.extract(broken) == (broken, [])
+
+
+def test_a_string_argument_streams_as_it_comes_but_what_may_not_be_its_own() -> None:
+    """Fed a character at a time: a string argument's text goes out as it comes, but its last newline (the layout's)
+    and text that may still be all ``null`` (null, as the parser reads it) wait; a value that is no string waits for
+    its end."""
+    for held in (True, False):
+        reader = calls_reader(PARSERS["qwen3_coder"], [FUNCTION], held=held)
+        assert reader is not None
+        answer = ("<tool_call>\n<function=edit>\n<parameter=note>\nNULL\n</parameter>\n<parameter=path>\nnul\n\n"
+                  "</parameter>\n<parameter=count>\n12\n</parameter>\n</function>\n</tool_call>")
+        pieces = [e.text for c in answer for e in reader.feed(c) if isinstance(e, ArgumentsPiece)]
+        pieces += [e.text for e in reader.finish() if isinstance(e, ArgumentsPiece)]
+        assert "".join(pieces) == '{"note": null, "path": "nul\\n", "count": 12}'
+        assert pieces[:4] == ["{", '"note": ', "null", ', "path": ']
+        assert pieces[4:6] == ['"nul\\n', '"'] and pieces[6:] == [', "count": ', "12", "}"], pieces

@@ -91,6 +91,15 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def refuse_item_include(request: Request) -> None:
+    """A 400 naming ``include`` where a request for items asks for more of them than what is stored (OpenAI's
+    ``include`` values: log-probabilities, encrypted thinking, built-in tools' outputs): none is kept here."""
+    for name in ("include", "include[]"):
+        for value in request.query_params.getlist(name):
+            raise bad_request(f"include: {value!r} is not served here (items are given as they are stored)",
+                              param="include")
+
+
 async def read_json(request: Request, max_bytes: int) -> Any:
     """The request body as JSON, read with a size limit (413) and parsed strictly (400)."""
     too_large = APIError(413, f"request body exceeds {max_bytes} bytes", code="request_too_large")
@@ -324,6 +333,7 @@ def create_app(state: RouterState) -> FastAPI:
     async def response_input_items(
         request: Request, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
     ) -> JSONResponse:
+        refuse_item_include(request)
         return JSONResponse(await list_input_items(state, owner(request), response_id, limit, order, after))
 
     # Conversations (``router/serving_conversations.py``): each the API key's that made it, as stored responses are.
@@ -349,6 +359,7 @@ def create_app(state: RouterState) -> FastAPI:
     @app.post("/v1/conversations/{conversation_id}/items", response_model=ItemList,
               responses={**not_found, 400: errors[400]})
     async def add_conversation_items(request: Request, conversation_id: str) -> JSONResponse:
+        refuse_item_include(request)
         body = await read_json(request, state.config.max_body_bytes)
         return JSONResponse(await create_items(state, owner(request), conversation_id, body))
 
@@ -357,10 +368,12 @@ def create_app(state: RouterState) -> FastAPI:
     async def conversation_items(
         request: Request, conversation_id: str, limit: int = 20, order: str = "desc", after: str | None = None
     ) -> JSONResponse:
+        refuse_item_include(request)
         return JSONResponse(await list_items(state, owner(request), conversation_id, limit, order, after))
 
-    @app.get("/v1/conversations/{conversation_id}/items/{item_id}", responses=not_found)
+    @app.get("/v1/conversations/{conversation_id}/items/{item_id}", responses={**not_found, 400: errors[400]})
     async def conversation_item(request: Request, conversation_id: str, item_id: str) -> JSONResponse:
+        refuse_item_include(request)
         return JSONResponse(await retrieve_item(state, owner(request), conversation_id, item_id))
 
     @app.delete("/v1/conversations/{conversation_id}/items/{item_id}", response_model=ConversationObject,

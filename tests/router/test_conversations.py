@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -131,3 +132,22 @@ def test_what_cannot_be_served_is_refused_by_name(stack: tuple[str, FakeCluster]
     with pytest.raises(openai.BadRequestError) as refused:
         _client(stack).post(path, body=body, cast_to=object)
     assert refused.value.param == param
+
+
+def test_items_asked_for_more_than_is_stored_are_refused(stack: tuple[str, FakeCluster]) -> None:
+    """``include`` asks for what is not kept here (log-probabilities, encrypted thinking): a 400 naming it, for a
+    conversation's items and a response's input items alike, through the openai client's own query form."""
+    client = _client(stack)
+    conversation = client.conversations.create(items=[{"type": "message", "role": "user", "content": "Hi"}])
+    [item] = client.conversations.items.list(conversation.id).data
+    for call in (lambda: client.conversations.items.list(conversation.id, include=["message.output_text.logprobs"]),
+                 lambda: client.conversations.items.retrieve(item.id, conversation_id=conversation.id,
+                                                             include=["reasoning.encrypted_content"]),
+                 lambda: client.conversations.items.create(conversation.id, items=[], include=["x"]),
+                 lambda: client.responses.input_items.list("resp_1", include=["message.output_text.logprobs"])):
+        with pytest.raises(openai.BadRequestError) as refused:
+            call()
+        assert refused.value.param == "include"
+    plain = httpx.get(f"{stack[0]}/v1/conversations/{conversation.id}/items", params={"include": "x"},
+                      headers={"Authorization": "Bearer key-a"}, timeout=20)  # (the plain query form)
+    assert plain.status_code == 400 and plain.json()["error"]["param"] == "include", plain.text

@@ -5,7 +5,7 @@ for character; the text around the calls is content. A whole response is read by
 * ``RequiredCalls``: a ``"required"`` answer, a JSON array of calls (``ToolPlan.structured_output``'s grammar), or
   Llama 3's calls as its structural tag holds them (``LLAMA3_CALLS``; under "auto", text instead).
 * ``TaggedCalls``: calls in a format's own layout (hermes', Qwen3-Coder's and Seed-OSS's, GLM's, MiniMax-M2's,
-  DeepSeek's, Kimi K2's, Mistral's v11 form: their parsers' ``held_layout``), whether its structural tag held them or the model wrote
+  DeepSeek's, Kimi K2's, Mistral's (both forms): their parsers' ``held_layout``), whether its structural tag held them or the model wrote
   them freely under ``"auto"`` (``calls_reader``). JSON arguments go out as written; XML ones (one element per
   argument) as the JSON object their parser makes of them, a string argument's text as it comes.
 
@@ -483,7 +483,8 @@ def calls_reader(parser: ToolCallParser, functions: Sequence[dict[str, Any]], ma
     """The reader of an answer's calls in the parser's format, their arguments read as they are written (``special``:
     the format's tags the tokenizer makes special tokens). ``held``: the parser's structural tag held the calls;
     else the model wrote them freely (``"auto"``), and what leaves the layout before a call opens is read by the
-    parser. None where the parser reads the calls whole: Mistral's JSON array, and Llama 3's calls where not held."""
+    parser. None where the parser reads the calls whole (a format without a layout: Granite's, the pythonic ones),
+    and Llama 3's calls where not held."""
     if isinstance(parser, Llama3JsonParser):
         return RequiredCalls(max_calls, LLAMA3_CALLS, trim=True) if held else None
     layout = parser.layout_for(special)

@@ -303,12 +303,12 @@ class HeldLayout:
 
 _WS = r"[ \n\r\t]*"
 _NAME_CHARS = r"[^\s<>{}\[\]\"',:;]+"  # (``_NAME``'s)
-# A hermes call as its tag writes it, and as chat templates teach it with any whitespace: ``{"name": "NAME",
-# "arguments": {...}}`` (a name without escapes; the parser reads the others whole). The object's own closing brace
-# may be missing or doubled, as models slip: the arguments were whole.
-_HERMES_LAYOUT = HeldLayout(
-    HERMES_OPEN, rf'{_WS}\{{{_WS}"name"{_WS}:{_WS}"(?P<name>[^"\\\x00-\x1f]+)"{_WS},{_WS}"arguments"{_WS}:{_WS}',
-    rf"{_WS}(?:\}}{_WS}){{0,2}}{re.escape(HERMES_CLOSE)}")
+# A JSON call's head as templates teach it, with any whitespace: ``{"name": "NAME", "arguments": `` (a name without
+# escapes, its keys in that order; the parsers read the others whole).
+_JSON_CALL_HEAD = rf'{_WS}\{{{_WS}"name"{_WS}:{_WS}"(?P<name>[^"\\\x00-\x1f]+)"{_WS},{_WS}"arguments"{_WS}:{_WS}'
+# A hermes call in its tag: the head, the arguments, the object's own closing brace (which may be missing or doubled,
+# as models slip: the arguments were whole) and </tool_call>.
+_HERMES_LAYOUT = HeldLayout(HERMES_OPEN, _JSON_CALL_HEAD, rf"{_WS}(?:\}}{_WS}){{0,2}}{re.escape(HERMES_CLOSE)}")
 
 
 class _Parser:
@@ -703,6 +703,9 @@ def _array_tag(tag: str, functions: list[dict[str, Any]], held: frozenset[str], 
 
 # Mistral v11's held calls: ``NAME[ARGS]{...}`` after each ``[TOOL_CALLS]``, to the answer's end.
 _MISTRAL_V11_LAYOUT = HeldLayout(_MISTRAL_TAG, rf"{_WS}(?P<name>{_NAME_CHARS}){_WS}{re.escape(_MISTRAL_ARGS)}", "")
+# Older tokenizers' calls: after ``[TOOL_CALLS]`` a JSON array of ``{"name": ..., "arguments": {...}}`` objects.
+_MISTRAL_ARRAY_LAYOUT = HeldLayout(_MISTRAL_TAG, rf"{_WS}\[" + _JSON_CALL_HEAD, rf"{_WS}\}}",
+                                   next=f"{_WS}," + _JSON_CALL_HEAD, close=rf"{_WS}\]")
 
 
 class MistralParser(_Parser):
@@ -713,7 +716,7 @@ class MistralParser(_Parser):
     name = "mistral"
     tags: tuple[str, ...] = (_MISTRAL_TAG, _MISTRAL_ARGS)
     holds_calls = True
-    held_layout = None  # which form its tag holds depends on the tokenizer: ``layout_for``
+    held_layout = None  # which form the calls take depends on the tokenizer: ``layout_for``
 
     def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
         return _TrailingCallsStream((_MISTRAL_TAG,), _mistral_calls, content)
@@ -732,9 +735,9 @@ class MistralParser(_Parser):
         return _triggered(tags, _MISTRAL_TAG, special, required, stop_after_first=not parallel)
 
     def layout_for(self, special: frozenset[str]) -> HeldLayout | None:
-        """How its tag writes held calls where the tokenizer has ``special`` (``call_tag``): v11's ``NAME[ARGS]{...}``
-        after each ``[TOOL_CALLS]``; None for the JSON array of older tokenizers, read whole at the answer's end."""
-        return _MISTRAL_V11_LAYOUT if _MISTRAL_ARGS in special else None
+        """How the calls are written where the tokenizer has ``special`` (``call_tag``): v11's ``NAME[ARGS]{...}``
+        after each ``[TOOL_CALLS]``, else one JSON array of calls after it."""
+        return _MISTRAL_V11_LAYOUT if _MISTRAL_ARGS in special else _MISTRAL_ARRAY_LAYOUT
 
     def new_call_id(self, name: str, index: int) -> str:
         """Nine letters and digits: Mistral's chat templates refuse any other id when a conversation

@@ -65,6 +65,9 @@ def _answer(name: str, calls: list[dict[str, Any]], text: str, ws: str = "", for
     elif name == "deepseek_v3":
         body = _DS[0] + "".join(f"{ws}{_DS[1]}function{_DS[2]}edit\n```json\n{json.dumps(args, indent=1)}\n```{_DS[3]}"
                                 for args in calls) + ws + _DS[4]
+    elif name == "mistral_array":  # (older tokenizers' form)
+        body = "[TOOL_CALLS]" + ws + json.dumps([{"name": "edit", "arguments": args} for args in calls],
+                                               ensure_ascii=False, indent=1 if ws else None)
     elif name == "mistral":  # (v11's form: its calls run to the answer's end)
         body = "".join(f"[TOOL_CALLS]{ws}edit[ARGS]{json.dumps(args, ensure_ascii=False)}" for args in calls)
     else:  # kimi_k2
@@ -95,7 +98,8 @@ def _read(reader: Any, answer: str, cuts: list[int]) -> tuple[str | None, list[T
     return content or None, calls, pieces
 
 
-_FORMATS = ["hermes", "qwen3_coder", "seed_oss", "glm45", "minimax_m2", "deepseek_v3", "deepseek_v31", "kimi_k2", "mistral"]
+_FORMATS = ["hermes", "qwen3_coder", "seed_oss", "glm45", "minimax_m2", "deepseek_v3", "deepseek_v31", "kimi_k2",
+            "mistral", "mistral_array"]
 
 
 @settings(max_examples=400, deadline=None)
@@ -109,7 +113,7 @@ def test_calls_streamed_in_any_pieces_read_as_the_format_s_parser_reads_them(
     """Calls a tag held (in its layout), or the model wrote freely (with more whitespace; in hermes' format laid out
     otherwise too, which the parser reads whole; ``one``: with ``parallel_tool_calls: false``, where the calls past the
     first are left out, as the parser's are). A call in the layout streams: its arguments come in pieces."""
-    parser = PARSERS[name]
+    parser = PARSERS["mistral" if name == "mistral_array" else name]
     close = _XML_CLOSE.get(name)
     if close is not None and any(close in _xml_text(v) for args in calls for v in args.values()):
         return  # (a value the grammar cannot write)
@@ -117,7 +121,7 @@ def test_calls_streamed_in_any_pieces_read_as_the_format_s_parser_reads_them(
         ws, one = "", False
     max_calls = 1 if one else None
     foreign = foreign if not held and name == "hermes" else None
-    answer = _answer(name, calls, text, ws, foreign) + (tail if name != "mistral" else "")  # (its calls end it)
+    answer = _answer(name, calls, text, ws, foreign) + (tail if "mistral" not in name else "")  # (its calls end it)
     special = frozenset(parser.tags if name == "mistral" else ())  # (v11's [ARGS] a special token)
     reader = calls_reader(parser, [FUNCTION], max_calls, special, held)
     assert isinstance(reader, TaggedCalls)

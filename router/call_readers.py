@@ -5,7 +5,7 @@ for character; the text around the calls is content. A whole response is read by
 * ``RequiredCalls``: a ``"required"`` answer, a JSON array of calls (``ToolPlan.structured_output``'s grammar), or
   Llama 3's calls as its structural tag holds them (``LLAMA3_CALLS``; under "auto", text instead).
 * ``TaggedCalls``: calls in a format's own layout (hermes', Qwen3-Coder's and Seed-OSS's, GLM's, MiniMax-M2's,
-  DeepSeek's, Kimi K2's, Mistral's (both forms): their parsers' ``held_layout``), whether its structural tag held them or the model wrote
+  DeepSeek's, Kimi K2's, Mistral's (both forms), Granite's: their parsers' ``held_layout``), whether its structural tag held them or the model wrote
   them freely under ``"auto"`` (``calls_reader``). JSON arguments go out as written; XML ones (one element per
   argument) as the JSON object their parser makes of them, a string argument's text as it comes.
 
@@ -279,6 +279,7 @@ class TaggedCalls(CallsReader):
     def __init__(self, layout: HeldLayout, functions: Sequence[dict[str, Any]], max_calls: int | None = None,
                  fallback: Callable[[Content], ToolCallStream] | None = None) -> None:
         self._layout = layout
+        self._triggers = (layout.trigger, *layout.also)
         # A call with JSON arguments opens with them: its head is read once their "{" follows.
         opens = "" if layout.xml is not None else r"(?=[ \n\r\t]*\{)"
         self._head, self._end = regex.compile(layout.head + opens), regex.compile(layout.end)
@@ -329,13 +330,13 @@ class TaggedCalls(CallsReader):
             self._buf = ""
             return False
         if state == "text":
-            trigger = self._layout.trigger
-            start = self._buf.find(trigger)
-            if start < 0:
-                keep = len(self._buf) - partial_suffix(self._buf, trigger)
+            found = [(i, t) for t in self._triggers if (i := self._buf.find(t)) >= 0]
+            if not found:
+                keep = len(self._buf) - max(partial_suffix(self._buf, t) for t in self._triggers)
                 add_event(events, self._content.push(self._buf[:keep]))
                 self._buf = self._buf[keep:]
                 return False
+            start, trigger = min(found)
             add_event(events, self._content.push(self._buf[:start]))
             self._tag, self._buf, self._state = trigger, self._buf[start + len(trigger):], "head"
             return True
@@ -376,7 +377,7 @@ class TaggedCalls(CallsReader):
             self._buf, self._tag, self._state = self._tag + self._buf, "", "parser"
             return True
         if self._tag:  # no call opened after the opening: it is content, and reading goes on after it
-            add_event(events, self._content.push(self._layout.trigger))
+            add_event(events, self._content.push(self._tag))
         self._tag, self._state = "", "text"
         return True
 
@@ -483,7 +484,7 @@ def calls_reader(parser: ToolCallParser, functions: Sequence[dict[str, Any]], ma
     """The reader of an answer's calls in the parser's format, their arguments read as they are written (``special``:
     the format's tags the tokenizer makes special tokens). ``held``: the parser's structural tag held the calls;
     else the model wrote them freely (``"auto"``), and what leaves the layout before a call opens is read by the
-    parser. None where the parser reads the calls whole (a format without a layout: Granite's, the pythonic ones),
+    parser. None where the parser reads the calls whole (a format without a layout: the pythonic ones),
     and Llama 3's calls where not held."""
     if isinstance(parser, Llama3JsonParser):
         return RequiredCalls(max_calls, LLAMA3_CALLS, trim=True) if held else None

@@ -291,7 +291,8 @@ class HeldLayout:
     tag, or a block of calls), then regexes matched where the last left off: ``head`` from the opening
     to a call's arguments (group ``name``, and ``id`` where the model writes the call's id), ``end`` from its
     arguments to its end (its tag's, for a call in a tag of its own), and in a block ``next`` (another call's head)
-    or ``close`` (the block's end). ``xml``: the arguments' XML elements; None: a JSON object."""
+    or ``close`` (the block's end). ``xml``: the arguments' XML elements; None: a JSON object. ``also``: other texts
+    that open them as ``trigger`` does."""
 
     trigger: str
     head: str
@@ -299,6 +300,7 @@ class HeldLayout:
     xml: XmlArguments | None = None
     next: str | None = None
     close: str | None = None
+    also: tuple[str, ...] = ()
 
 
 _WS = r"[ \n\r\t]*"
@@ -703,9 +705,15 @@ def _array_tag(tag: str, functions: list[dict[str, Any]], held: frozenset[str], 
 
 # Mistral v11's held calls: ``NAME[ARGS]{...}`` after each ``[TOOL_CALLS]``, to the answer's end.
 _MISTRAL_V11_LAYOUT = HeldLayout(_MISTRAL_TAG, rf"{_WS}(?P<name>{_NAME_CHARS}){_WS}{re.escape(_MISTRAL_ARGS)}", "")
-# Older tokenizers' calls: after ``[TOOL_CALLS]`` a JSON array of ``{"name": ..., "arguments": {...}}`` objects.
-_MISTRAL_ARRAY_LAYOUT = HeldLayout(_MISTRAL_TAG, rf"{_WS}\[" + _JSON_CALL_HEAD, rf"{_WS}\}}",
-                                   next=f"{_WS}," + _JSON_CALL_HEAD, close=rf"{_WS}\]")
+
+
+def _array_layout(*triggers: str) -> HeldLayout:
+    """After one of ``triggers``, a JSON array of ``{"name": ..., "arguments": {...}}`` calls (``json_array_calls``)."""
+    return HeldLayout(triggers[0], rf"{_WS}\[" + _JSON_CALL_HEAD, rf"{_WS}\}}", next=f"{_WS}," + _JSON_CALL_HEAD,
+                      close=rf"{_WS}\]", also=triggers[1:])
+
+
+_MISTRAL_ARRAY_LAYOUT = _array_layout(_MISTRAL_TAG)  # (tokenizers before v11)
 
 
 class MistralParser(_Parser):
@@ -756,6 +764,7 @@ class GraniteParser(_Parser):
     name = "granite"
     tags: tuple[str, ...] = _GRANITE_TAGS[:1]
     holds_calls = True
+    held_layout = _array_layout(*_GRANITE_TAGS)
 
     def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
         return _TrailingCallsStream(_GRANITE_TAGS, json_array_calls, content)

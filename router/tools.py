@@ -22,7 +22,7 @@ format. What the model answers depends on ``tool_choice``:
 Where the parser's format has a structural tag (``call_tag``, its special tags held as tokens;
 ``ToolPlan.in_format``), the calls of those three are held in that format, the one the chat template teaches;
 the calls are read in the tag's layout (``router/call_readers.py``), their arguments streamed as they are written
-(Granite's JSON array whole by its parser at the answer's end; gpt-oss's harmony format is ``router/harmony.py``'s). Otherwise a ``"required"`` answer is held by a grammar to a JSON array of
+(gpt-oss's harmony format is ``router/harmony.py``'s). Otherwise a ``"required"`` answer is held by a grammar to a JSON array of
 ``{"name": ..., "arguments": ...}`` calls (``RequiredCalls``), and a named one to the function's arguments,
 which become the one call; no parser is needed for either, and each call's arguments stream as written.
 
@@ -241,7 +241,7 @@ class ToolPlan:
     def pieces_reader(self, parser: ToolCallParser | None) -> CallsReader | None:
         """The reader of an answer's calls that reads their arguments as they are written: calls in the format's
         layout (``calls_reader``), held by its tag or written freely under ``"auto"``; a ``"required"`` answer's JSON
-        array. None where the parser reads the calls whole (Granite's, the pythonic ones, Llama 3's under ``"auto"``) or
+        array. None where the parser reads the calls whole (the pythonic ones, Llama 3's under ``"auto"``) or
         a named answer's text is the call's arguments."""
         if self.native or self.choice == "auto":  # (no parser: gpt-oss's, whose answers harmony reads)
             return calls_reader(parser, self.functions, self.max_calls, self.special, self.native) if parser else None
@@ -337,7 +337,7 @@ class ToolDeltas:
 
     Calls in a format's layout (``ToolPlan.pieces_reader``: held by its tag or written freely under ``"auto"``), a
     ``"required"`` answer's, and a named function's arguments stream as they are written, the first delta of a call
-    carrying its id and name. Where the parser reads the calls (Granite's, the pythonic ones, Llama 3's under ``"auto"``),
+    carrying its id and name. Where the parser reads the calls (the pythonic ones, Llama 3's under ``"auto"``),
     content goes out as soon as it cannot be part of a call, and each call whole once it closes."""
 
     plan: ToolPlan

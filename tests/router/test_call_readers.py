@@ -65,8 +65,9 @@ def _answer(name: str, calls: list[dict[str, Any]], text: str, ws: str = "", for
     elif name == "deepseek_v3":
         body = _DS[0] + "".join(f"{ws}{_DS[1]}function{_DS[2]}edit\n```json\n{json.dumps(args, indent=1)}\n```{_DS[3]}"
                                 for args in calls) + ws + _DS[4]
-    elif name == "mistral_array":  # (older tokenizers' form)
-        body = "[TOOL_CALLS]" + ws + json.dumps([{"name": "edit", "arguments": args} for args in calls],
+    elif name in ("mistral_array", "granite"):  # (Mistral's older tokenizers' form; Granite's two tags)
+        tag = "[TOOL_CALLS]" if name == "mistral_array" else "<tool_call>" if ws == "\n" else "<|tool_call|>"
+        body = tag + ws + json.dumps([{"name": "edit", "arguments": args} for args in calls],
                                                ensure_ascii=False, indent=1 if ws else None)
     elif name == "mistral":  # (v11's form: its calls run to the answer's end)
         body = "".join(f"[TOOL_CALLS]{ws}edit[ARGS]{json.dumps(args, ensure_ascii=False)}" for args in calls)
@@ -99,7 +100,7 @@ def _read(reader: Any, answer: str, cuts: list[int]) -> tuple[str | None, list[T
 
 
 _FORMATS = ["hermes", "qwen3_coder", "seed_oss", "glm45", "minimax_m2", "deepseek_v3", "deepseek_v31", "kimi_k2",
-            "mistral", "mistral_array"]
+            "mistral", "mistral_array", "granite"]
 
 
 @settings(max_examples=400, deadline=None)
@@ -121,7 +122,9 @@ def test_calls_streamed_in_any_pieces_read_as_the_format_s_parser_reads_them(
         ws, one = "", False
     max_calls = 1 if one else None
     foreign = foreign if not held and name == "hermes" else None
-    answer = _answer(name, calls, text, ws, foreign) + (tail if "mistral" not in name else "")  # (its calls end it)
+    answer = _answer(name, calls, text, ws, foreign)
+    if "mistral" not in name and name != "granite":  # (where the calls do not run to the answer's end)
+        answer += tail
     special = frozenset(parser.tags if name == "mistral" else ())  # (v11's [ARGS] a special token)
     reader = calls_reader(parser, [FUNCTION], max_calls, special, held)
     assert isinstance(reader, TaggedCalls)
@@ -183,3 +186,12 @@ def test_a_string_argument_streams_as_it_comes_but_what_may_not_be_its_own() -> 
         assert "".join(pieces) == '{"note": null, "path": "nul\\n", "count": 12}'
         assert pieces[:4] == ["{", '"note": ', "null", ', "path": ']
         assert pieces[4:6] == ['"nul\\n', '"'] and pieces[6:] == [', "count": ', "12", "}"], pieces
+
+
+def test_an_opening_that_is_no_call_stays_content_as_written() -> None:
+    """Where a tag held the calls (no parser to hand them to), an opening whose text is no call is content, as the
+    model wrote it, whichever of the format's openings it was (Granite's two)."""
+    for opening in ("<|tool_call|>", "<tool_call>"):
+        reader = calls_reader(PARSERS["granite"], [FUNCTION], held=True)
+        assert reader is not None
+        assert read_pieces(reader, f"Use {opening} then [1, 2].") == (f"Use {opening} then [1, 2].", [])

@@ -247,7 +247,8 @@ def test_strict_function_calls_under_auto_hold_to_the_schema(tools_client):  # t
     """OpenAI's strict function under "auto", on the real model through the stack. Shown a few calls with "celsius",
     the model calls the tool the same way; the schema allows only "kelvin". Not strict, the call it writes is off the
     schema (the control: this test sees the difference); strict, a structural tag holds the call to the schema, and
-    without parallel calls the answer ends after it; streamed, its arguments come in pieces as they are written."""
+    without parallel calls the answer ends after it; streamed, its arguments come in pieces as they are written, as
+    the loose call's do (the model writing it freely)."""
     shots = "".join(f'Q: weather in {city}?\nA: <tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}", '
                     '"unit": "celsius"}}\n</tool_call>\n' for city in ("Rome", "Oslo", "Lima", "Kyiv"))
     schema = {**WEATHER["function"]["parameters"],
@@ -262,6 +263,10 @@ def test_strict_function_calls_under_auto_hold_to_the_schema(tools_client):  # t
     [call, *_] = loose.choices[0].message.tool_calls
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(json.loads(call.function.arguments), schema)
+    streamed = list(tools_client.chat.completions.create(**kwargs, tools=[tool(False)], stream=True))
+    parts = [p for c in streamed if c.choices for p in c.choices[0].delta.tool_calls or [] if p.index == 0]
+    assert parts[0].function.name == "get_weather" and len(parts) > 2  # the arguments in pieces
+    assert "".join(p.function.arguments or "" for p in parts) == call.function.arguments
     held = tools_client.chat.completions.create(**kwargs, tools=[tool(True)], parallel_tool_calls=False)
     [call] = held.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and held.choices[0].finish_reason == "tool_calls"

@@ -28,6 +28,8 @@ from router.config import RequestLimits
 from router.errors import APIError, bad_request
 from router.openai_models import CheckedRequest
 from router.openai_responses import ChatMessageOut, DeltaToolCall, Usage
+from router.reasoning_state import INCLUDE as REASONING_STATE
+from router.reasoning_state import ReasoningSeal
 
 # Request fields this server does not serve, each with the value that asks for nothing.
 _NOT_SERVED: dict[str, Any] = {
@@ -95,8 +97,9 @@ class ResponsesRequest(CheckedRequest):
             if self.previous_response_id is not None:
                 raise bad_request("conversation and previous_response_id cannot both be given", param="conversation")
         for i, included in enumerate(self.include or ()):
-            if included != OUTPUT_LOGPROBS:
-                raise bad_request(f"include: {included!r} is not served here (only {OUTPUT_LOGPROBS!r})",
+            if included not in (OUTPUT_LOGPROBS, REASONING_STATE):
+                raise bad_request(f"include: {included!r} is not served here (only {OUTPUT_LOGPROBS!r} and "
+                                  f"{REASONING_STATE!r})",
                                   param=f"include.{i}")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
@@ -122,6 +125,11 @@ class ResponsesRequest(CheckedRequest):
         return OUTPUT_LOGPROBS in (self.include or ())
 
     @property
+    def wants_reasoning_state(self) -> bool:
+        """Whether reasoning items are to carry their ``encrypted_content`` (``router/reasoning_state.py``)."""
+        return REASONING_STATE in (self.include or ())
+
+    @property
     def conversation_id(self) -> str | None:
         """The conversation the request adds to (``conversation``: its id, or ``{"id": ...}``; ``check`` refuses
         anything else)."""
@@ -133,13 +141,15 @@ class ResponsesRequest(CheckedRequest):
         """The field that names what the request continues, for the errors about the items it brings."""
         return "conversation" if self.conversation is not None else "previous_response_id"
 
-    def chat_body(self, earlier: list[dict[str, Any]] | None = None, dropped: int = 0) -> dict[str, Any]:
+    def chat_body(self, earlier: list[dict[str, Any]] | None = None, dropped: int = 0,
+                  seal: ReasoningSeal | None = None) -> dict[str, Any]:
         """The chat completion this request is, as a JSON body (validated by the chat path);
         ``earlier``: the items of the conversation it continues, before its own; ``dropped``: how many of the
-        conversation's first items the model is not shown (``truncation: auto``), but system and developer messages."""
+        conversation's first items the model is not shown (``truncation: auto``), but system and developer messages;
+        ``seal``: what opens reasoning items' ``encrypted_content``."""
         earlier = earlier or []
         messages, self._message_params = input_messages(
-            [*earlier, *self.own_items()], self.instructions, len(earlier), dropped, self.continues)
+            [*earlier, *self.own_items()], self.instructions, len(earlier), dropped, self.continues, seal=seal)
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": False}
         for name, chat_name in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
                                 ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user"),
@@ -176,7 +186,7 @@ class ResponsesRequest(CheckedRequest):
 
 def input_messages(items: list[dict[str, Any]], instructions: str | None = None, num_earlier: int = 0,
                    dropped: int = 0, earlier: str = "previous_response_id", field: str = "input",
-                   ) -> tuple[list[dict[str, Any]], list[str]]:
+                   seal: ReasoningSeal | None = None) -> tuple[list[dict[str, Any]], list[str]]:
     """Input items (``num_earlier`` of them the conversation's before the request's own, named ``earlier`` in
     errors) as chat messages, after the ``instructions``; with the name of what each message came from
     (``field.N``, for the chat path's errors: ``renamed``). ``dropped``: as ``chat_body``'s. A 400 naming the
@@ -224,6 +234,13 @@ def input_messages(items: list[dict[str, Any]], instructions: str | None = None,
             if not isinstance(parts, list):
                 raise bad_request(f"{param}.content must be a list of reasoning text parts", param=param)
             thinking = "".join(str(p.get("text", "")) for p in parts if isinstance(p, dict)) or None
+            sealed = item.get("encrypted_content")
+            if thinking is None and sealed is not None and seal is not None:  # the thinking a client kept (``include``)
+                thinking = seal.open(sealed)
+                if thinking is None:
+                    raise bad_request(f"{param}.encrypted_content is not one this deployment made (a reasoning "
+                                      "item's, with include ['reasoning.encrypted_content'])",
+                                      param=f"{param}.encrypted_content")
         else:
             raise bad_request(f"{param}: input items of type {kind!r} are not supported", param=param)
         params.extend([param] * (len(messages) - num_messages))  # the messages this item began
@@ -369,9 +386,13 @@ def message_item(text: str, status: str = "completed", item_id: str | None = Non
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-def reasoning_item(text: str, item_id: str | None = None) -> dict[str, Any]:
-    return {"type": "reasoning", "id": item_id or new_id("rs"), "summary": [],
+def reasoning_item(text: str, item_id: str | None = None, seal: ReasoningSeal | None = None) -> dict[str, Any]:
+    """A reasoning item; with ``seal``, its ``encrypted_content`` too."""
+    item = {"type": "reasoning", "id": item_id or new_id("rs"), "summary": [],
             "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+    if seal is not None:
+        item["encrypted_content"] = seal.seal(text)
+    return item
 
 
 def call_item(call_id: str, name: str, arguments: str, item_id: str | None = None) -> dict[str, Any]:
@@ -379,13 +400,13 @@ def call_item(call_id: str, name: str, arguments: str, item_id: str | None = Non
             "arguments": arguments, "status": "completed"}
 
 
-def output_items(message: ChatMessageOut, status: str, logprobs: list[dict[str, Any]] | None = None
-                 ) -> list[dict[str, Any]]:
-    """A whole answer's output items: its thinking, its text (with its tokens' ``logprobs`` where asked), its
-    calls."""
+def output_items(message: ChatMessageOut, status: str, logprobs: list[dict[str, Any]] | None = None,
+                 seal: ReasoningSeal | None = None) -> list[dict[str, Any]]:
+    """A whole answer's output items: its thinking (its ``encrypted_content`` too, with ``seal``), its text (with its
+    tokens' ``logprobs`` where asked), its calls."""
     items = []
     if message.reasoning_content:
-        items.append(reasoning_item(message.reasoning_content))
+        items.append(reasoning_item(message.reasoning_content, seal=seal))
     if message.content:
         items.append(message_item(message.content, status))
         items[-1]["content"][0]["logprobs"] = logprobs or []
@@ -426,9 +447,11 @@ class ResponseEvents:
     comes (``output_item.added``, for text ``content_part.added``), its pieces as deltas, and closed
     (``...done``) when something else begins or the answer ends; the whole response last."""
 
-    def __init__(self, request: ResponsesRequest, response_id: str, created: int, model: str, store: bool) -> None:
+    def __init__(self, request: ResponsesRequest, response_id: str, created: int, model: str, store: bool,
+                 seal: ReasoningSeal | None = None) -> None:
         self.request, self.response_id, self.created, self.model = request, response_id, created, model
         self.store = store
+        self._seal = seal  # where reasoning items carry their ``encrypted_content``
         self.status = "in_progress"
         self.output: list[dict[str, Any]] = []  # closed items
         self._open: dict[str, Any] | None = None  # the item being written: its dict, with its text so far
@@ -532,6 +555,8 @@ class ResponseEvents:
                                    content_index=0, part=part))
         elif item["type"] == "reasoning":
             item["status"] = "completed"
+            if self._seal is not None:
+                item["encrypted_content"] = self._seal.seal(item["content"][0]["text"])
             out.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                    content_index=0, text=item["content"][0]["text"]))
         else:

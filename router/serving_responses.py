@@ -23,6 +23,7 @@ from router.dispatcher import EngineRequestError
 from router.errors import APIError, bad_request
 from router.logprobs import TokenRenderer, chat_logprobs
 from router.openai_models import StreamOptions, parse_request
+from router.reasoning_state import ReasoningSeal
 from router.response_store import ResponseStore, StoredResponse, unavailable
 from router.responses_api import (
     ResponseEvents,
@@ -50,6 +51,11 @@ from router.serving_conversations import add_items, conversation_items, page
 from router.state import RouterState
 
 logger = logging.getLogger(__name__)
+
+
+def _seal(state: RouterState, request: ResponsesRequest) -> ReasoningSeal | None:
+    """What gives the output's reasoning items their ``encrypted_content``, where ``include`` asks for it."""
+    return state.reasoning_seal if request.wants_reasoning_state else None
 
 
 def _renderer(state: RouterState, request: ResponsesRequest) -> TokenRenderer | None:
@@ -95,7 +101,7 @@ async def create_response(
             return EventStreamResponse(tail_events(state, owner, response_id, -1, wait_disconnect))
         return JSONResponse(started)
     if request.stream:
-        events = ResponseEvents(request, response_id, plan.created, plan.model, store)
+        events = ResponseEvents(request, response_id, plan.created, plan.model, store, _seal(state, request))
         chunks = _ResponseChunks(state, plan, reader, events, save, _renderer(state, request))
         return await sse_response(
             state, plan, wait_disconnect, StreamOptions(include_usage=True), lambda include_usage, continuous: chunks,
@@ -115,7 +121,7 @@ async def _plan_in_context(
     that let it fit, the conversation starting at a user message (system and developer messages kept: the
     instructions stay); where even its last user message on does not fit, the 400 the whole conversation got."""
     try:
-        _, plan, reader = await plan_chat(state, request.chat_body(earlier), cache_salt)
+        _, plan, reader = await plan_chat(state, request.chat_body(earlier, seal=state.reasoning_seal), cache_salt)
         return plan, reader
     except APIError as exc:
         if request.truncation != "auto" or exc.code != "context_length_exceeded":
@@ -124,7 +130,8 @@ async def _plan_in_context(
 
     async def fitting(dropped: int) -> tuple[GenerationPlan, AnswerReader] | None:
         try:
-            _, plan, reader = await plan_chat(state, request.chat_body(earlier, dropped=dropped), cache_salt)
+            _, plan, reader = await plan_chat(state, request.chat_body(earlier, dropped, state.reasoning_seal),
+                                              cache_salt)
         except APIError as exc:
             if exc.code != "context_length_exceeded":
                 raise
@@ -158,7 +165,8 @@ async def _answer(
     reasoning_tokens = _reasoning_tokens(state, message.reasoning_content)
     logprobs = _logprobs(_renderer(state, request), result.logprobs)
     return response_object(
-        request, response_id, plan.created, plan.model, status, output_items(message, status, logprobs),
+        request, response_id, plan.created, plan.model, status,
+        output_items(message, status, logprobs, _seal(state, request)),
         response_usage(usage, reasoning_tokens), store,
     )
 
@@ -187,7 +195,7 @@ async def _start_background(
         async def until_cancelled() -> None:
             await cancelled.wait()
 
-        events = ResponseEvents(request, response_id, plan.created, plan.model, True)
+        events = ResponseEvents(request, response_id, plan.created, plan.model, True, _seal(state, request))
         log = _EventLog(responses, response_id)
         try:
             if request.stream:

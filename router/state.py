@@ -16,6 +16,7 @@ from router.errors import APIError
 from router.instance_pool import InstancePool
 from router.metrics import RouterMetrics
 from router.reasoning import REASONING_PARSERS
+from router.reasoning_state import ReasoningSeal
 from router.response_store import ResponseStore
 from router.routing import make_policy
 from router.tokenization import PromptProcessor
@@ -50,6 +51,7 @@ class RouterState:
             if store_url and config.response_ttl_s else None
         )
         self.background = BackgroundResponses()  # background responses this process runs
+        self.reasoning_seal = ReasoningSeal(config.cluster_key)  # reasoning items' ``encrypted_content``
         self.client = EngineClient(config.reply_host, config.reply_port, config.cluster_key)
         self.pool = InstancePool(self.registry, self.client, config.refresh_interval_s, config.model_identity)
         self.num_inflight = 0

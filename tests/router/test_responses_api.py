@@ -259,7 +259,7 @@ def test_truncation_auto_drops_the_conversation_s_first_items_until_it_fits(
         ({"text": {"format": {"type": "xml"}}}, "text.format"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format"),
         ({"max_output_tokens": 10**6}, "max_output_tokens"),
-        ({"include": ["reasoning.encrypted_content"]}, "include.0"),
+        ({"include": ["code_interpreter_call.outputs"]}, "include.0"),
         ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include.1"),
         ({"top_logprobs": 3}, "top_logprobs"),  # without the logprobs asked for
         ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
@@ -286,3 +286,43 @@ def test_models_retrieve_and_a_response_never_stored(plain: tuple[openai.OpenAI,
     with pytest.raises(openai.NotFoundError) as missing:
         client.responses.retrieve("resp_123")
     assert "never stored" in str(missing.value)
+
+
+# A template that shows an assistant message's thinking, as reasoning models' templates do.
+THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>"
+                     "{{ m.reasoning_content }}</think>{% endif %}{{ m.content or '' }}<|im_end|>\n{% endfor %}"
+                     "<|im_start|>assistant\n")
+
+
+def test_the_thinking_a_client_keeps_comes_back_to_the_model(redis_url: str, tokenizer: Any) -> None:
+    """``include: ["reasoning.encrypted_content"]`` (Codex's way, with ``store: false``): each reasoning item carries
+    its thinking in ``encrypted_content``, whole and streamed; handed back alone (no ``content``) in the next
+    request's input, it is the thinking the template shows the model before that answer. A string this deployment
+    did not make is refused by name."""
+    prompts = PromptProcessor(tokenizer, max_model_len=2048, chat_template=THINKING_TEMPLATE)
+    reply = list(tokenizer.encode(f"<think>\n{THINKING}\n</think>\n\nParis.", add_special_tokens=False))
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001, "max_model_len": 2048},
+                    reasoning_parser="qwen3", request_timeout_s=5.0) as (server, cluster):
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
+        kwargs: dict[str, Any] = dict(model=SERVED_MODEL, input="Capital of France?", store=False, max_output_tokens=100)
+        plain = client.responses.create(**kwargs)
+        assert plain.output[0].type == "reasoning" and plain.output[0].encrypted_content is None  # not asked for
+        whole = client.responses.create(**kwargs, include=["reasoning.encrypted_content"])
+        reasoning = whole.output[0]
+        assert reasoning.type == "reasoning" and isinstance(reasoning.encrypted_content, str)
+        with client.responses.stream(**kwargs, include=["reasoning.encrypted_content"]) as stream:
+            done = [e.item for e in stream if e.type == "response.output_item.done" and e.item.type == "reasoning"]
+        assert len(done) == 1 and done[0].encrypted_content is not None
+        assert stream.get_final_response().output[0].encrypted_content == done[0].encrypted_content
+
+        kept = {"type": "reasoning", "id": reasoning.id, "summary": [], "encrypted_content": reasoning.encrypted_content}
+        follow_up = [{"role": "user", "content": "Capital of France?"}, kept,
+                     {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Italy?"}]
+        client.responses.create(**{**kwargs, "input": follow_up})
+        [prompt] = {p for p in (tokenizer.decode(r.prompt_token_ids) for r in cluster.requests()) if "Italy" in p}
+        assert f"<think>\n{THINKING}\n</think>Paris." in prompt, prompt
+        for forged in ("pdserve.rs1.bm90IHpsaWI=.", "gAAAAABpZtK3mH8xYz2k", 7):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.responses.create(**{**kwargs, "input": [*follow_up[:1], {**kept, "encrypted_content": forged},
+                                                               *follow_up[2:]]})
+            assert refused.value.body["param"] == "input.1.encrypted_content"  # type: ignore[index]

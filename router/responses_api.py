@@ -113,7 +113,11 @@ class ResponsesRequest(CheckedRequest):
             if not isinstance(self.reasoning, dict):
                 raise bad_request("reasoning must be an object", param="reasoning")
             for key, value in self.reasoning.items():
-                if key != "effort" and value is not None:  # a summary of the thinking is not written here
+                if key in ("summary", "generate_summary") and value not in (None, "auto", "detailed"):
+                    # (no second model call condenses the thinking: the summary is the thinking, whole)
+                    raise bad_request(f"reasoning.{key} may be 'auto' or 'detailed' (the thinking, whole), not "
+                                      f"{value!r}: a condensed summary is not written here", param=f"reasoning.{key}")
+                if key not in ("effort", "summary", "generate_summary") and value is not None:
                     raise bad_request(f"reasoning.{key} is not served here", param=f"reasoning.{key}")
         if self.truncation not in (None, "disabled", "auto"):
             raise bad_request("truncation must be 'disabled' (a conversation too long is refused) or 'auto' (its "
@@ -123,6 +127,12 @@ class ResponsesRequest(CheckedRequest):
     def wants_logprobs(self) -> bool:
         """Whether the output text's log-probabilities are asked for (``include``)."""
         return OUTPUT_LOGPROBS in (self.include or ())
+
+    @property
+    def wants_summary(self) -> bool:
+        """Whether reasoning items are to carry a summary (``reasoning.summary``): the thinking, whole."""
+        reasoning = self.reasoning if isinstance(self.reasoning, dict) else {}
+        return reasoning.get("summary", reasoning.get("generate_summary")) is not None
 
     @property
     def wants_reasoning_state(self) -> bool:
@@ -386,12 +396,16 @@ def message_item(text: str, status: str = "completed", item_id: str | None = Non
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-def reasoning_item(text: str, item_id: str | None = None, seal: ReasoningSeal | None = None) -> dict[str, Any]:
-    """A reasoning item; with ``seal``, its ``encrypted_content`` too."""
+def reasoning_item(text: str, item_id: str | None = None, seal: ReasoningSeal | None = None,
+                   summary: bool = False) -> dict[str, Any]:
+    """A reasoning item; with ``seal``, its ``encrypted_content`` too; with ``summary``, its summary (the thinking,
+    whole)."""
     item = {"type": "reasoning", "id": item_id or new_id("rs"), "summary": [],
             "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
     if seal is not None:
         item["encrypted_content"] = seal.seal(text)
+    if summary:
+        item["summary"] = [{"type": "summary_text", "text": text}]
     return item
 
 
@@ -401,12 +415,12 @@ def call_item(call_id: str, name: str, arguments: str, item_id: str | None = Non
 
 
 def output_items(message: ChatMessageOut, status: str, logprobs: list[dict[str, Any]] | None = None,
-                 seal: ReasoningSeal | None = None) -> list[dict[str, Any]]:
-    """A whole answer's output items: its thinking (its ``encrypted_content`` too, with ``seal``), its text (with its
-    tokens' ``logprobs`` where asked), its calls."""
+                 seal: ReasoningSeal | None = None, summary: bool = False) -> list[dict[str, Any]]:
+    """A whole answer's output items: its thinking (its ``encrypted_content`` too, with ``seal``; its summary with
+    ``summary``), its text (with its tokens' ``logprobs`` where asked), its calls."""
     items = []
     if message.reasoning_content:
-        items.append(reasoning_item(message.reasoning_content, seal=seal))
+        items.append(reasoning_item(message.reasoning_content, seal=seal, summary=summary))
     if message.content:
         items.append(message_item(message.content, status))
         items[-1]["content"][0]["logprobs"] = logprobs or []
@@ -474,7 +488,12 @@ class ResponseEvents:
                 self._event("response.in_progress", response=response)]
 
     def reasoning(self, text: str) -> list[bytes]:
-        return self._text("reasoning", "response.reasoning_text.delta", text)
+        out = self._text("reasoning", "response.reasoning_text.delta", text)
+        if self.request.wants_summary:  # (the summary is the thinking: the same text, as its summary's)
+            assert self._open is not None
+            out.append(self._event("response.reasoning_summary_text.delta", item_id=self._open["id"],
+                                   output_index=len(self.output), summary_index=0, delta=text))
+        return out
 
     def content(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[bytes]:
         """Output text, with its tokens' log-probabilities where asked (kept on the item too)."""
@@ -535,6 +554,9 @@ class ResponseEvents:
         self._open = item
         index = len(self.output)
         out.append(self._event("response.output_item.added", output_index=index, item=_empty(item)))
+        if kind == "reasoning" and self.request.wants_summary:
+            out.append(self._event("response.reasoning_summary_part.added", item_id=item["id"], output_index=index,
+                                   summary_index=0, part={"type": "summary_text", "text": ""}))
         if kind == "message":
             out.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
                                    content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
@@ -555,10 +577,18 @@ class ResponseEvents:
                                    content_index=0, part=part))
         elif item["type"] == "reasoning":
             item["status"] = "completed"
+            text = item["content"][0]["text"]
             if self._seal is not None:
-                item["encrypted_content"] = self._seal.seal(item["content"][0]["text"])
+                item["encrypted_content"] = self._seal.seal(text)
             out.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                   content_index=0, text=item["content"][0]["text"]))
+                                   content_index=0, text=text))
+            if self.request.wants_summary:
+                part = {"type": "summary_text", "text": text}
+                item["summary"] = [part]
+                out.append(self._event("response.reasoning_summary_text.done", item_id=item["id"],
+                                       output_index=index, summary_index=0, text=text))
+                out.append(self._event("response.reasoning_summary_part.done", item_id=item["id"],
+                                       output_index=index, summary_index=0, part=part))
         else:
             item["status"] = "completed"
             out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,

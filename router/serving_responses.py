@@ -166,7 +166,7 @@ async def _answer(
     logprobs = _logprobs(_renderer(state, request), result.logprobs)
     return response_object(
         request, response_id, plan.created, plan.model, status,
-        output_items(message, status, logprobs, _seal(state, request)),
+        output_items(message, status, logprobs, _seal(state, request), request.wants_summary),
         response_usage(usage, reasoning_tokens), store,
     )
 

@@ -248,7 +248,8 @@ def test_truncation_auto_drops_the_conversation_s_first_items_until_it_fits(
         ({"previous_response_id": 1}, "previous_response_id"),
         ({"background": True, "stream": True, "store": False}, "background"),  # nowhere to log its events
         ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # a template that takes none
-        ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+        ({"reasoning": {"summary": "concise"}}, "reasoning.summary"),  # (no second call condenses the thinking)
+        ({"reasoning": {"generate_summary": "concise"}}, "reasoning.generate_summary"),
         ({"reasoning": "high"}, "reasoning"),
         ({"truncation": "middle"}, "truncation"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
@@ -326,3 +327,24 @@ def test_the_thinking_a_client_keeps_comes_back_to_the_model(redis_url: str, tok
                 client.responses.create(**{**kwargs, "input": [*follow_up[:1], {**kept, "encrypted_content": forged},
                                                                *follow_up[2:]]})
             assert refused.value.body["param"] == "input.1.encrypted_content"  # type: ignore[index]
+
+
+
+def test_a_summary_asked_for_is_the_thinking_whole(thinking: tuple[openai.OpenAI, FakeCluster]) -> None:
+    """``reasoning.summary`` "auto" or "detailed" (the most detailed summary): each reasoning item's summary is its
+    thinking, whole, and streamed as OpenAI streams summaries (a part added, its text's deltas, done); "concise" is
+    refused by name (no second model call condenses the thinking here)."""
+    client, _ = thinking
+    kwargs: dict[str, Any] = dict(model=SERVED_MODEL, input="Weather in Paris?", tools=TOOLS, max_output_tokens=300)
+    assert client.responses.create(**kwargs).output[0].summary == []  # type: ignore[union-attr]
+    for summary in ("auto", "detailed"):
+        whole = client.responses.create(**kwargs, reasoning={"summary": summary})  # type: ignore[arg-type]
+        assert [(p.type, p.text) for p in whole.output[0].summary] == [("summary_text", f"\n{THINKING}\n")]  # type: ignore[union-attr]
+    with client.responses.stream(**kwargs, reasoning={"summary": "auto"}) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    added, done = kinds.index("response.reasoning_summary_part.added"), kinds.index("response.reasoning_summary_part.done")
+    assert kinds.index("response.output_item.added") < added < kinds.index("response.reasoning_summary_text.done") < done
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_summary_text.delta")  # type: ignore[union-attr]
+    assert deltas == f"\n{THINKING}\n" == final.output[0].summary[0].text  # type: ignore[union-attr]

@@ -407,5 +407,5 @@ def test_the_responses_api_reads_the_format_and_sets_the_effort(
     assert (call.name, call.arguments) == ("get_weather", CALL)  # type: ignore[union-attr]
     assert "Reasoning: low\n" in harmony_tokenizer.decode(_new_request(stack, before).prompt_token_ids)
     r = httpx.post(f"{stack[0].url}/v1/responses", timeout=20, json={
-        "model": SERVED_MODEL, "input": "Hi", "reasoning": {"effort": "low", "summary": "auto"}})
+        "model": SERVED_MODEL, "input": "Hi", "reasoning": {"effort": "low", "summary": "concise"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.summary"

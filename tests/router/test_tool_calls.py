@@ -9,6 +9,7 @@ engine (``tests/engine/test_tool_call_grammar.py``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import replace
@@ -57,6 +58,17 @@ def stack(redis_url: str, tokenizer: Any, tool_prompts: PromptProcessor) -> Iter
 @pytest.fixture
 def client(stack: tuple[RouterServer, FakeCluster]) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack[0].url}/v1", api_key="unused", max_retries=0, timeout=20)
+
+
+@contextlib.contextmanager
+def _answering(redis_url: str, prompts: PromptProcessor, tokenizer: Any, reply_text: str,
+               parser: str) -> Iterator[tuple[openai.OpenAI, FakeCluster]]:
+    """A router with ``--tool-call-parser parser`` before fake engines that answer ``reply_text``: a client, the
+    engines."""
+    reply = list(tokenizer.encode(reply_text, add_special_tokens=False))
+    with fake_stack(redis_url, prompts, reply, {"token_delay_s": 0.001, "max_model_len": 2048},
+                    tool_call_parser=parser, request_timeout_s=5.0) as (server, cluster):
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20), cluster
 
 
 def _prompt_text(cluster: FakeCluster, tokenizer: Any, response_id: str) -> str:
@@ -751,12 +763,9 @@ def test_qwen3_coder_calls_through_the_router(redis_url: str, tokenizer: Any, to
 
     reply_text = ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                   "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>")
-    reply = list(tokenizer.encode(reply_text, add_special_tokens=False))
     tools = [TOOLS[0], {"type": "function", "function": {"name": "get_count", "parameters": {
         "type": "object", "properties": {"n": {"type": "integer"}}}}}]
-    with fake_stack(redis_url, tool_prompts, reply, {"token_delay_s": 0.001, "max_model_len": 2048},
-                    tool_call_parser="qwen3_coder", request_timeout_s=5.0) as (server, cluster):
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
+    with _answering(redis_url, tool_prompts, tokenizer, reply_text, "qwen3_coder") as (client, cluster):
         choice = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=tools).choices[0]
         [call] = choice.message.tool_calls or []
         assert (call.function.name, json.loads(call.function.arguments)) == (
@@ -818,10 +827,7 @@ def test_pythonic_calls_through_the_router(redis_url: str, tokenizer: Any, tool_
     of calls comes out as OpenAI's calls, whole and streamed (whole once the answer ends); a strict function under
     "auto" is refused by name, the format having no structural tag."""
     reply_text = "[get_weather(city='Paris', unit=\"celsius\"), get_time(zone='Europe/Paris')]"
-    reply = list(tokenizer.encode(reply_text, add_special_tokens=False))
-    with fake_stack(redis_url, tool_prompts, reply, {"token_delay_s": 0.001, "max_model_len": 2048},
-                    tool_call_parser="pythonic", request_timeout_s=5.0) as (server, _):
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
+    with _answering(redis_url, tool_prompts, tokenizer, reply_text, "pythonic") as (client, _):
         choice = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS).choices[0]
         assert choice.message.content is None and choice.finish_reason == "tool_calls"
         assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []] == CALLS[:1] + [
@@ -840,10 +846,7 @@ def test_granite_calls_through_the_router(redis_url: str, tokenizer: Any, tool_p
     whole and streamed, the text before it content; strict functions under "auto" send a structural tag from that tag
     on, one array of calls."""
     reply_text = 'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]'
-    reply = list(tokenizer.encode(reply_text, add_special_tokens=False))
-    with fake_stack(redis_url, tool_prompts, reply, {"token_delay_s": 0.001, "max_model_len": 2048},
-                    tool_call_parser="granite", request_timeout_s=5.0) as (server, cluster):
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20)
+    with _answering(redis_url, tool_prompts, tokenizer, reply_text, "granite") as (client, cluster):
         choice = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS).choices[0]
         assert choice.message.content == "Checking." and choice.finish_reason == "tool_calls"
         assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []] == CALLS[:1]

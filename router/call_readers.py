@@ -5,7 +5,7 @@ for character; the text around the calls is content. A whole response is read by
 * ``RequiredCalls``: a ``"required"`` answer, a JSON array of calls (``ToolPlan.structured_output``'s grammar), or
   Llama 3's calls as its structural tag holds them (``LLAMA3_CALLS``; under "auto", text instead).
 * ``TaggedCalls``: calls in a format's own layout (hermes', Qwen3-Coder's and Seed-OSS's, GLM's, MiniMax-M2's,
-  DeepSeek's, Kimi K2's, Mistral's (both forms), Granite's: their parsers' ``held_layout``), whether its structural tag held them or the model wrote
+  DeepSeek's, Kimi K2's, Mistral's (both forms), Granite's, Llama 3's written freely: their parsers' ``held_layout``), whether its structural tag held them or the model wrote
   them freely under ``"auto"`` (``calls_reader``). JSON arguments go out as written; XML ones (one element per
   argument) as the JSON object their parser makes of them, a string argument's text as it comes.
 
@@ -293,7 +293,7 @@ class TaggedCalls(CallsReader):
         self._dropped = False  # whether the open call is one past ``max_calls`` that is left out
         self._content = Content()
         self._buf = ""
-        self._tag = ""  # the opening read, while no call has opened after it: content if the layout breaks
+        self._tag: str | None = None  # the opening read, while no call has opened after it: content if the layout breaks
         self._state = "text"  # text, head, next, arguments (JSON), params, value (XML), end, content, parser
         self.num_calls = 0
         # The open call's arguments:
@@ -314,8 +314,8 @@ class TaggedCalls(CallsReader):
         if self._parser is not None:
             self._parsed(events, self._parser.finish())
         elif self._state in ("text", "head", "content"):
-            add_event(events, self._content.push(self._tag + self._buf))
-        self._buf = self._tag = ""
+            add_event(events, self._content.push((self._tag or "") + self._buf))
+        self._buf, self._tag = "", None
         self._state = "text"
         return events
 
@@ -330,6 +330,10 @@ class TaggedCalls(CallsReader):
             self._buf = ""
             return False
         if state == "text":
+            if not self._triggers:  # (calls that open the answer: none after)
+                add_event(events, self._content.push(self._buf))
+                self._buf = ""
+                return False
             found = [(i, t) for t in self._triggers if (i := self._buf.find(t)) >= 0]
             if not found:
                 keep = len(self._buf) - max(partial_suffix(self._buf, t) for t in self._triggers)
@@ -339,12 +343,15 @@ class TaggedCalls(CallsReader):
             start, trigger = min(found)
             add_event(events, self._content.push(self._buf[:start]))
             self._tag, self._buf, self._state = trigger, self._buf[start + len(trigger):], "head"
+            if not trigger:  # the answer's start opens the calls, once
+                self._triggers = ()
             return True
         if state == "head":
             return self._match(events, [(self._head, self._open)])
-        if state == "next":
-            assert self._next is not None and self._close is not None
-            return self._match(events, [(self._next, self._open), (self._close, lambda _m, _e: self._to("text"))])
+        if state == "next":  # another call, or the block's close (calls to the answer's end have none)
+            assert self._next is not None
+            return self._match(events, [(self._next, self._open),
+                                        *([(self._close, lambda _m, _e: self._to("text"))] if self._close else [])])
         if self._dropped and state in ("arguments", "params", "value"):
             events = []  # (a call too many, written freely: read, and left out)
         if state == "arguments":
@@ -372,13 +379,13 @@ class TaggedCalls(CallsReader):
             waiting = waiting or m is not None
         if waiting:
             return False
-        if self._tag and self._fallback is not None:  # no call opened after the opening: the parser reads from it
+        if self._tag is not None and self._fallback is not None:  # no call opened after the opening: the parser's
             self._parser = self._fallback(self._content)
-            self._buf, self._tag, self._state = self._tag + self._buf, "", "parser"
+            self._buf, self._tag, self._state = self._tag + self._buf, None, "parser"
             return True
-        if self._tag:  # no call opened after the opening: it is content, and reading goes on after it
+        if self._tag is not None:  # no call opened after the opening: it is content, and reading goes on after it
             add_event(events, self._content.push(self._tag))
-        self._tag, self._state = "", "text"
+        self._tag, self._state = None, "text"
         return True
 
     def _parsed(self, events: list[PieceEvent], parsed: list[str | ToolCall]) -> None:
@@ -392,14 +399,14 @@ class TaggedCalls(CallsReader):
 
     def _open(self, m: regex.Match[str], events: list[PieceEvent]) -> None:
         if self._max_calls is not None and self.num_calls >= self._max_calls and self._fallback is None:
-            self._buf, self._tag, self._state = self._tag + m[0] + self._buf, "", "content"  # content from here
+            self._buf, self._tag, self._state = (self._tag or "") + m[0] + self._buf, None, "content"  # from here
             return
         name = m["name"]
         self._dropped = self._max_calls is not None and self.num_calls >= self._max_calls
         if not self._dropped:
             events.append(CallStart(name, m.groupdict().get("id")))
             self.num_calls += 1
-        self._tag = ""
+        self._tag = None
         if self._key is None:
             self._scan, self._state = None, "arguments"
             return
@@ -484,10 +491,9 @@ def calls_reader(parser: ToolCallParser, functions: Sequence[dict[str, Any]], ma
     """The reader of an answer's calls in the parser's format, their arguments read as they are written (``special``:
     the format's tags the tokenizer makes special tokens). ``held``: the parser's structural tag held the calls;
     else the model wrote them freely (``"auto"``), and what leaves the layout before a call opens is read by the
-    parser. None where the parser reads the calls whole (a format without a layout: the pythonic ones),
-    and Llama 3's calls where not held."""
-    if isinstance(parser, Llama3JsonParser):
-        return RequiredCalls(max_calls, LLAMA3_CALLS, trim=True) if held else None
+    parser. None where the parser reads the calls whole (a format without a layout: the pythonic ones)."""
+    if isinstance(parser, Llama3JsonParser) and held:
+        return RequiredCalls(max_calls, LLAMA3_CALLS, trim=True)
     layout = parser.layout_for(special)
     if layout is None:
         return None

@@ -294,7 +294,7 @@ class HeldLayout:
     or ``close`` (the block's end). ``xml``: the arguments' XML elements; None: a JSON object. ``also``: other texts
     that open them as ``trigger`` does."""
 
-    trigger: str
+    trigger: str  # ("": the answer's start, calls that open it)
     head: str
     end: str
     xml: XmlArguments | None = None
@@ -526,14 +526,20 @@ class _WholeAnswerStream:
 _LLAMA_TEXT = r"(?:[^{<\s][\s\S]*|<(?:[^|][\s\S]*)?)?"
 
 
+_LLAMA_HEAD = _JSON_CALL_HEAD.replace('"arguments"', '"(?:parameters|arguments)"')  # (its parser takes either)
+
+
 class Llama3JsonParser(_Parser):
     """The whole answer as one or more ``{"name": ..., "parameters": {...}}`` objects separated by
     ``;``, after an optional ``<|python_tag|>``; anything else is content. A stream that starts
-    like calls is held to the end."""
+    like calls is held to the end (the parser's; ``held_layout`` streams their arguments)."""
 
     name = "llama3_json"
     tags: tuple[str, ...] = ()  # (its <|python_tag|> prefix may be left out of the text: the calls are the same)
     holds_calls = True
+    # Written freely: calls that open the answer, a "; " apart (its structural tag's are ``RequiredCalls``').
+    held_layout = HeldLayout("", rf"{_WS}(?:{re.escape(_PYTHON_TAG)})?" + _LLAMA_HEAD, rf"{_WS}\}}",
+                             next=rf"{_WS};" + _LLAMA_HEAD)
 
     def stream(self, functions: Sequence[dict[str, Any]] = (), content: Content | None = None) -> ToolCallStream:
         return _WholeAnswerStream(_llama_calls, ("{", _PYTHON_TAG), content)

@@ -241,7 +241,7 @@ class ToolPlan:
     def pieces_reader(self, parser: ToolCallParser | None) -> CallsReader | None:
         """The reader of an answer's calls that reads their arguments as they are written: calls in the format's
         layout (``calls_reader``), held by its tag or written freely under ``"auto"``; a ``"required"`` answer's JSON
-        array. None where the parser reads the calls whole (the pythonic ones, Llama 3's under ``"auto"``) or
+        array. None where the parser reads the calls whole (the pythonic ones) or
         a named answer's text is the call's arguments."""
         if self.native or self.choice == "auto":  # (no parser: gpt-oss's, whose answers harmony reads)
             return calls_reader(parser, self.functions, self.max_calls, self.special, self.native) if parser else None
@@ -337,7 +337,7 @@ class ToolDeltas:
 
     Calls in a format's layout (``ToolPlan.pieces_reader``: held by its tag or written freely under ``"auto"``), a
     ``"required"`` answer's, and a named function's arguments stream as they are written, the first delta of a call
-    carrying its id and name. Where the parser reads the calls (the pythonic ones, Llama 3's under ``"auto"``),
+    carrying its id and name. Where the parser reads the calls (the pythonic ones),
     content goes out as soon as it cannot be part of a call, and each call whole once it closes."""
 
     plan: ToolPlan

@@ -69,6 +69,9 @@ def _answer(name: str, calls: list[dict[str, Any]], text: str, ws: str = "", for
         tag = "[TOOL_CALLS]" if name == "mistral_array" else "<tool_call>" if ws == "\n" else "<|tool_call|>"
         body = tag + ws + json.dumps([{"name": "edit", "arguments": args} for args in calls],
                                                ensure_ascii=False, indent=1 if ws else None)
+    elif name == "llama3_json":  # (the calls are the whole answer: text before them makes it all content)
+        body = ("<|python_tag|>" if ws else "") + f"{ws};{ws}".join(
+            json.dumps({"name": "edit", "parameters": args}, ensure_ascii=False) for args in calls)
     elif name == "mistral":  # (v11's form: its calls run to the answer's end)
         body = "".join(f"[TOOL_CALLS]{ws}edit[ARGS]{json.dumps(args, ensure_ascii=False)}" for args in calls)
     else:  # kimi_k2
@@ -100,7 +103,7 @@ def _read(reader: Any, answer: str, cuts: list[int]) -> tuple[str | None, list[T
 
 
 _FORMATS = ["hermes", "qwen3_coder", "seed_oss", "glm45", "minimax_m2", "deepseek_v3", "deepseek_v31", "kimi_k2",
-            "mistral", "mistral_array", "granite"]
+            "mistral", "mistral_array", "granite", "llama3_json"]
 
 
 @settings(max_examples=400, deadline=None)
@@ -118,12 +121,13 @@ def test_calls_streamed_in_any_pieces_read_as_the_format_s_parser_reads_them(
     close = _XML_CLOSE.get(name)
     if close is not None and any(close in _xml_text(v) for args in calls for v in args.values()):
         return  # (a value the grammar cannot write)
+    held = held and name != "llama3_json"  # (its held calls are ``RequiredCalls``', tested with the tool calls)
     if held:
         ws, one = "", False
     max_calls = 1 if one else None
     foreign = foreign if not held and name == "hermes" else None
     answer = _answer(name, calls, text, ws, foreign)
-    if "mistral" not in name and name != "granite":  # (where the calls do not run to the answer's end)
+    if "mistral" not in name and name not in ("granite", "llama3_json"):  # (calls that do not end the answer)
         answer += tail
     special = frozenset(parser.tags if name == "mistral" else ())  # (v11's [ARGS] a special token)
     reader = calls_reader(parser, [FUNCTION], max_calls, special, held)

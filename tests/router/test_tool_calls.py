@@ -860,3 +860,20 @@ def test_granite_calls_through_the_router(redis_url: str, tokenizer: Any, tool_p
         assert so is not None and so.kind == "structural_tag"
         assert json.loads(so.spec)["format"]["triggers"] == ["<|tool_call|>"]
         assert [c.function.name for c in answer.choices[0].message.tool_calls or []] == ["get_weather"]
+
+
+def test_llama3_calls_written_freely_stream_as_written(redis_url: str, tokenizer: Any,
+                                                       tool_prompts: PromptProcessor) -> None:
+    """``--tool-call-parser llama3_json`` under "auto" (not held): Llama 3's calls, the whole answer a ``; `` apart,
+    stream their arguments as the model writes them, joining into the whole answer's."""
+    reply_text = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+                  '{"name": "get_time", "parameters": {"zone": "Europe/Paris"}}')
+    with _answering(redis_url, tool_prompts, tokenizer, reply_text, "llama3_json") as (client, _):
+        choice = client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS).choices[0]
+        assert choice.message.content is None and choice.finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []] == CALLS
+        content, calls, finish_reason, _ = _streamed(client, tools=TOOLS)
+        assert (content, finish_reason) == ("", "tool_calls")
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        assert all(c["pieces"] >= 3 for c in calls), calls

@@ -576,17 +576,13 @@ class ResponseEvents:
             out.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                    content_index=0, part=part))
         elif item["type"] == "reasoning":
-            item["status"] = "completed"
             text = item["content"][0]["text"]
-            if self._seal is not None:
-                item["encrypted_content"] = self._seal.seal(text)
+            item.update(reasoning_item(text, item["id"], self._seal, self.request.wants_summary))  # (whole, as closed)
             out.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                    content_index=0, text=text))
-            if self.request.wants_summary:
-                part = {"type": "summary_text", "text": text}
-                item["summary"] = [part]
+            for part in item["summary"]:
                 out.append(self._event("response.reasoning_summary_text.done", item_id=item["id"],
-                                       output_index=index, summary_index=0, text=text))
+                                       output_index=index, summary_index=0, text=part["text"]))
                 out.append(self._event("response.reasoning_summary_part.done", item_id=item["id"],
                                        output_index=index, summary_index=0, part=part))
         else:
